@@ -1,0 +1,265 @@
+"""The ``tailpilot`` command line.
+
+    tailpilot sim --trace FILE --policy uniboost --set gamma=8 --json
+    tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie --baseline srpt
+
+Without ``--trace`` both run on the bundled Azure conv window (10 minutes, CC BY 4.0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from controlplane.settings import POLICY_NAMES, Settings, settings_from_cli
+
+# Metrics shown in the compare table, in Table 2's spirit (seed 000): tails first.
+COMPARE_METRICS = (
+    "ttlt_mean", "ttlt_p50", "ttlt_p95", "ttlt_p99", "ttft_mean", "ttft_p95", "ttft_p99",
+    "tbt_p99", "throughput_tok_s", "preemptions",
+)
+
+
+def _load_trace(path: str | None, rate_scale: float | None, target_rate: float | None,
+                window: str | None, cap: int | None, tenants: int | None, seed: int):
+    from tuner import traces
+
+    trace = traces.load_bundled() if path in (None, "bundled") else traces.load_trace(path, seed=seed)
+    if window:
+        try:
+            start, dur = (float(x) for x in window.split(":"))
+        except ValueError:
+            raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window")
+        trace = traces.time_window(trace, start, dur)
+    if rate_scale is not None:
+        trace = traces.scale_rate(trace, rate_scale)
+    if target_rate is not None:
+        trace = traces.target_rate(trace, target_rate)
+    if cap is not None:
+        trace = traces.cap_max_tokens(trace, cap)
+    if tenants:
+        trace = traces.assign_tenants_zipf(trace, tenants, seed=seed)
+    if len(trace) == 0:
+        raise click.UsageError("the trace is empty after the transforms")
+    return trace
+
+
+def _engine_config(num_gpu_blocks: int | None, step_model: str | None):
+    from tuner.engine import EngineConfig
+    from tuner.stepmodel import get_model
+
+    kw: dict[str, Any] = {}
+    if num_gpu_blocks:
+        kw["num_gpu_blocks"] = num_gpu_blocks
+    if step_model:
+        kw["step_model"] = get_model(step_model)
+    return EngineConfig(**kw)
+
+
+def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
+    """Run one simulation (module-level so a process pool can call it)."""
+    from tuner.engine import Simulator
+
+    label, trace, settings_doc, config, event_skipping, show_progress = args
+    settings = Settings.model_validate(settings_doc)
+    sim = Simulator(trace, settings, config, event_skipping=event_skipping)
+    if show_progress:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn(f"{label:>10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=_stderr_console(), transient=True) as bar:
+            task = bar.add_task(label, total=len(trace))
+            result = sim.run(progress=lambda done, total: bar.update(task, completed=done))
+    else:
+        result = sim.run()
+    info = {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
+            "sim_time_s": result.sim_time_s, "requests": len(trace)}
+    return label, result.metrics(), info
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _settings_or_exit(policy: str, assignments, pins, engine: dict) -> Settings:
+    try:
+        return settings_from_cli(policy, list(assignments), list(pins), engine)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise click.UsageError(_short_error(err))
+
+
+def _short_error(err: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
+                         for e in err.errors())
+    return str(err)
+
+
+trace_options = [
+    click.option("--trace", "trace_path", metavar="FILE", help="Trace file (any supported format); default: the bundled Azure conv window."),
+    click.option("--rate-scale", type=float, help="Multiply the arrival rate by X."),
+    click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s."),
+    click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),
+    click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens."),
+    click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants."),
+    click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
+    click.option("--max-num-seqs", type=int, help="Engine: max running sequences."),
+    click.option("--max-num-batched-tokens", type=int, help="Engine: token budget per step."),
+    click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off)."),
+    click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000)."),
+    click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
+    click.option("--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."),
+    click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+]
+
+
+def with_trace_options(fn):
+    for opt in reversed(trace_options):
+        fn = opt(fn)
+    return fn
+
+
+def _engine_dict(kw: dict) -> dict:
+    return {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+            if kw.get(k) is not None}
+
+
+@click.group()
+@click.version_option(package_name="tailpilot")
+def main() -> None:
+    """tailpilot: tail-aware scheduling for vLLM clusters."""
+
+
+@main.command()
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="uniboost", show_default=True)
+@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
+@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
+@with_trace_options
+def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate, window, cap, tenants, seed,
+        num_gpu_blocks, step_model, step_by_step, progress, **engine):
+    """Replay a trace through the engine simulator under one policy and print its metrics."""
+    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine))
+    trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
+    config = _engine_config(num_gpu_blocks, step_model)
+    show = _show_progress(progress, len(trace))
+    _, metrics, info = _run_one((policy, trace, settings.to_dict(), config, not step_by_step, show))
+    if as_json:
+        click.echo(json.dumps({"trace": trace.name, "settings": settings.to_dict(), "metrics": metrics,
+                               "run": info}, indent=2, default=float))
+        return
+    from rich.table import Table
+
+    from controlplane.metrics import METRICS
+
+    table = Table(title=f"{policy} on {trace.name} ({len(trace)} requests)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    for name, value in metrics.items():
+        unit = METRICS[name][1] if name in METRICS else ""
+        table.add_row(name, _fmt(value), unit)
+    _console().print(table)
+    click.echo(f"simulated {info['sim_time_s']:.1f} s in {info['wall_s']:.2f} s wall "
+               f"({info['steps']} steps in {info['iterations']} events)")
+
+
+@main.command()
+@click.option("--policies", default="fcfs,sarathi,sjf,srpt,las,uniboost,tie", show_default=True,
+              help="Comma-separated policy names.")
+@click.option("--baseline", default="srpt", show_default=True, help="Policy the others are compared against.")
+@click.option("--set", "assignments", multiple=True, metavar="POLICY.NAME=VALUE",
+              help="Set a parameter of one policy, e.g. uniboost.gamma=8 (repeatable).")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Policies simulated in parallel.")
+@click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
+@with_trace_options
+def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_scale, target_rate, window, cap,
+            tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, **engine):
+    """Run several policies on one trace; print each one's metrics and % change vs the baseline
+    (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
+    from controlplane.metrics import percent_change
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    for n in names:
+        if n not in POLICY_NAMES:
+            raise click.BadParameter(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})", param_hint="--policies")
+    if baseline not in names:
+        names.insert(0, baseline)
+    per_policy: dict[str, list[str]] = {n: [] for n in names}
+    for item in assignments:
+        head, _, rest = item.partition(".")
+        if head not in per_policy or not rest:
+            raise click.BadParameter(f"{item!r}: expected POLICY.NAME=VALUE for a compared policy", param_hint="--set")
+        per_policy[head].append(rest)
+    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine)).to_dict() for n in names}
+    trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
+    config = _engine_config(num_gpu_blocks, step_model)
+    show = _show_progress(progress, len(trace)) and jobs == 1
+    tasks = [(n, trace, docs[n], config, not step_by_step, show) for n in names]
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(_run_one, tasks))
+    else:
+        results = [_run_one(t) for t in tasks]
+    metrics = {label: m for label, m, _ in results}
+    info = {label: i for label, _, i in results}
+    base = metrics[baseline]
+    changes = {n: {k: percent_change(metrics[n][k], base[k], k) for k in COMPARE_METRICS} for n in names}
+    if as_json:
+        click.echo(json.dumps({"trace": trace.name, "requests": len(trace), "baseline": baseline,
+                               "metrics": metrics, "change_pct": changes, "runs": info}, indent=2, default=float))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{trace.name}: {len(trace)} requests; % change vs {baseline} (positive = better)")
+    table.add_column("policy")
+    for k in COMPARE_METRICS:
+        table.add_column(k, justify="right")
+    for n in names:
+        cells = [f"{changes[n][k]:+.1f}%" if n != baseline else _fmt(base[k]) for k in COMPARE_METRICS]
+        table.add_row(n + (" (abs)" if n == baseline else ""), *cells)
+    _console().print(table)
+    total_wall = sum(i["wall_s"] for i in info.values())
+    click.echo(f"{len(names)} policies simulated in {total_wall:.2f} s wall")
+
+
+def _load_trace_or_exit(*args):
+    from tuner.traces import TraceError
+
+    try:
+        return _load_trace(*args)
+    except TraceError as err:
+        raise click.UsageError(str(err))
+
+
+def _show_progress(flag: bool | None, n: int) -> bool:
+    if flag is not None:
+        return flag
+    return sys.stderr.isatty() and n >= 2000
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(100, Console().width))
+
+
+def _fmt(v: float) -> str:
+    if v != v:  # NaN
+        return "—"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,35 @@
+"""The policy library (SPEC §3): one implementation of each policy, used by the simulator and the
+vLLM plugin alike. No vLLM import anywhere in this package."""
+
+from __future__ import annotations
+
+from controlplane.policies.base import EngineView, Policy, RequestState, boost, quantize
+from controlplane.policies.basic import Fcfs, Sarathi, Vtc
+from controlplane.policies.boost import DistBoost, UniBoost
+from controlplane.policies.size import Las, Sjf, Srpt
+from controlplane.policies.tie import Tie
+from controlplane.settings import Settings
+
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Fcfs, Sarathi, Sjf, Srpt, Las, DistBoost, UniBoost, Tie, Vtc)
+}
+
+
+def make_policy(settings: Settings, predictor=None) -> Policy:
+    """Instantiate the policy a settings document names.
+
+    Policies that rank by predicted length (sjf, srpt, tie) need a predictor; when none is given
+    one is built from the document's ``predictor`` parameter.
+    """
+    cls = POLICY_CLASSES[settings.policy]
+    if predictor is None and hasattr(settings.params, "predictor"):
+        from controlplane.policies.predictors import make_predictor
+
+        kwargs = {"sigma_noise": settings.params.sigma_noise} if settings.params.predictor == "oracle" else {}
+        predictor = make_predictor(settings.params.predictor, **kwargs)
+    return cls(settings, predictor)
+
+
+__all__ = [
+    "POLICY_CLASSES", "EngineView", "Policy", "RequestState", "Settings", "boost", "make_policy", "quantize",
+]

@@ -1,0 +1,252 @@
+"""What every policy sees and does.
+
+A policy changes three things only (SPEC §2): the order of the waiting queue, the order of the
+running list (which fixes budget priority and the memory-pressure victim), and whether a running
+request may be preempted for a waiting one. Everything else — token budget, KV blocks, chunked
+prefill — belongs to the engine (vLLM, or the simulator in ``tuner.engine``), which calls the
+hooks below. The same classes run in both; nothing here imports vLLM.
+
+Every ordering key is ``(score, arrival, id)``: lower is served first, and ties break on
+arrival then id so every run is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Iterable, Iterator, Sequence
+
+from controlplane.settings import Settings
+
+INF = math.inf
+_epochs = itertools.count()
+
+
+def new_epoch() -> int:
+    """A process-unique number: bump a policy's epoch whenever all its scores change (γ moved)."""
+    return next(_epochs)
+
+
+arrival_order = attrgetter("arrival", "id")
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """One request as the scheduler tracks it (SPEC §1)."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    tenant: str = "default"
+    type: str = "chat"
+    # True output length: the simulator knows it, a policy never reads it (the oracle
+    # predictor, which exists for comparison only, is the one exception).
+    output_tokens: int | None = None
+
+    computed_tokens: int = 0  # prefix whose KV exists
+    generated: int = 0  # output tokens so far
+    attained: int = 0  # service received: prompt tokens prefilled (high-water) + generated
+    preemptions: int = 0
+    policy_preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens whose KV was thrown away by preemptions
+    enqueued_at: float = 0.0  # when it last entered the waiting queue
+    scheduled_at: float | None = None  # first admission
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    # Policy bookkeeping (kept here so a request carries its own state across policy switches).
+    unscheduled_steps: int = 0  # sjf: consecutive steps without service
+    quantum_left: int = 0  # sjf: steps of starvation priority left
+    guard_tokens: int = 0  # uniboost MemGuard: not policy-preemptible before attained reaches this
+    las_base: int = 0  # las: attained tokens at the last starvation promotion
+    cache_key: object = None  # policies cache per-request derived values (predictions) here
+    cache_value: object = None
+    # Score cache: valid while the policy's epoch is unchanged and attained < score_until.
+    score_epoch: int = -1
+    score_until: int = 0
+    score_value: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens whose KV must exist before the next token can be sampled."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.total_tokens - self.computed_tokens
+
+    @property
+    def in_decode(self) -> bool:
+        return self.generated > 0 and self.computed_tokens == self.total_tokens - 1
+
+    def note_progress(self) -> None:
+        """Update attained service after computed/generated moved (never counts recomputation)."""
+        done = min(self.computed_tokens, self.prompt_tokens) + self.generated
+        if done > self.attained:
+            self.attained = done
+
+
+@dataclass(slots=True)
+class EngineView:
+    """What a policy may know about the engine it runs in."""
+
+    max_num_seqs: int
+    num_waiting: int = 0
+    now: float = 0.0
+
+
+class Policy:
+    """Base policy: FCFS order, no policy-driven preemption, stock victim (last running)."""
+
+    name = "base"
+    preemptive = False  # policy-driven preemption (srpt, las, uniboost only)
+    reorders_running = True  # sarathi keeps vLLM's running order untouched
+    reorders_waiting = True
+    charges_tokens = False  # wants on_tokens (VTC)
+    counts_steps = False  # wants on_steps (sjf's starvation counters)
+
+    def __init__(self, settings: Settings, predictor=None) -> None:
+        self.settings = settings
+        self.params = settings.params
+        self.predictor = predictor
+        self.view = EngineView(max_num_seqs=settings.engine.max_num_seqs)
+
+    # --- ordering -------------------------------------------------------------------------
+    def score(self, req: RequestState, now: float) -> float:
+        return req.arrival
+
+    def key(self, req: RequestState, now: float) -> tuple:
+        return (self.score(req, now), req.arrival, req.id)
+
+    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
+        if not self.reorders_waiting:
+            return list(waiting)
+        return sorted(waiting, key=lambda r: self.key(r, now))
+
+    def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
+        if not self.reorders_running:
+            return list(running)
+        return sorted(running, key=lambda r: self.key(r, now))
+
+    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+        """Waiting requests in the order admission should try them (VTC re-picks after each)."""
+        return iter(self.order_waiting(waiting, now))
+
+    # --- preemption -----------------------------------------------------------------------
+    def policy_preemptible(self, req: RequestState) -> bool:
+        """Outside its guard (MemGuard, TRAIL limit): may be preempted by policy."""
+        return True
+
+    def memory_victim(self, running: Sequence[RequestState]) -> RequestState:
+        """Victim when a running request cannot get a KV block; ``running`` is in running order."""
+        return running[-1]
+
+    def policy_victim(self, waiting_req: RequestState, running: Sequence[RequestState],
+                      now: float) -> RequestState | None:
+        """The running request to preempt so ``waiting_req`` can be admitted, or None.
+
+        ``running`` is in running order (best first), so the worst eligible is found from the end.
+        """
+        if not self.preemptive:
+            return None
+        w_key = self.key(waiting_req, now)
+        margin = self.preempt_margin()
+        for cand in reversed(running):
+            if not self.policy_preemptible(cand):
+                continue
+            r_key = self.key(cand, now)
+            better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
+            return cand if better else None
+        return None
+
+    def preempt_margin(self) -> float:
+        return getattr(self.params, "preempt_margin", 0.0)
+
+    # --- events from the engine -----------------------------------------------------------
+    def on_arrival(self, req: RequestState, now: float) -> None:
+        pass
+
+    def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
+        pass
+
+    def on_tokens(self, req: RequestState, new_tokens: int) -> None:
+        """``new_tokens`` output tokens were generated for ``req`` (VTC charges them)."""
+
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        pass
+
+    def on_finish(self, req: RequestState, now: float) -> None:
+        pass
+
+    def on_steps(self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState],
+                 steps: int) -> None:
+        """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled`` none."""
+
+    def next_tick(self) -> float:
+        """Time of the next periodic adaptation (γ-Ada, adaptive β refresh), or INF."""
+        return INF
+
+    def tick(self, now: float) -> None:
+        pass
+
+    # --- event skipping -------------------------------------------------------------------
+    def next_time_event(self, waiting: Sequence[RequestState], now: float) -> float:
+        """Earliest time at which the waiting order may change by itself (starvation), or INF."""
+        return INF
+
+    def steady_steps(self, running: Sequence[RequestState], waiting: Sequence[RequestState],
+                     now: float, kv_blocked: bool) -> float:
+        """How many more pure-decode steps keep every decision of this step the same.
+
+        Called only when nothing was admitted or preempted this step and every running request
+        decoded one token. Must be conservative: too small only costs speed. ``kv_blocked`` says
+        admission stopped on KV blocks (so a change in waiting order could unblock it).
+        """
+        return INF
+
+    def attach(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> None:
+        """Take over a live replica's queues after a settings switch (rebuild derived state)."""
+
+    # --- live state -----------------------------------------------------------------------
+    def live_state(self) -> dict:
+        """Adaptive values for the control API (γ, β)."""
+        return {}
+
+    def adopt_live_state(self, previous: "Policy") -> None:
+        """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
+
+
+def boost(w: float, gamma: float) -> float:
+    """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap (SPEC §3.1)."""
+    x = gamma * w
+    if x <= 0.0:
+        return 1e9
+    if x > 700.0:  # e^{-x} underflows; -ln(1-ε) ≈ ε
+        return math.exp(-x) / gamma
+    return -math.log(-math.expm1(-x)) / gamma
+
+
+def quantize(tokens: int, base: int, ratio: float) -> float:
+    """MemGuard's geometric bucket: base·ratio^⌊log_ratio(tokens/base)⌋, or 0 below base."""
+    if tokens < base:
+        return 0.0
+    k = math.floor(math.log(tokens / base, ratio) + 1e-12)
+    q = base * ratio ** k
+    if q > tokens:  # guard the float floor at exact powers
+        q /= ratio
+    return q
+
+
+def next_threshold(tokens: int, base: int, ratio: float) -> int:
+    """Smallest MemGuard threshold strictly above ``tokens`` (in tokens)."""
+    if tokens < base:
+        return base
+    q = quantize(tokens, base, ratio) * ratio
+    t = math.ceil(q)
+    while t <= tokens:
+        q *= ratio
+        t = math.ceil(q)
+    return t

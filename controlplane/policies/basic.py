@@ -1,0 +1,112 @@
+"""fcfs, sarathi (vLLM's default) and vtc (token-level fair queueing across tenants)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from controlplane.policies.base import INF, Policy, RequestState, arrival_order
+
+
+class Fcfs(Policy):
+    """Score = arrival, for waiting and running alike."""
+
+    name = "fcfs"
+
+    # (arrival, id) is the same order as (score, arrival, id) here, and sorts at C speed.
+    def order_waiting(self, waiting, now):
+        return sorted(waiting, key=arrival_order)
+
+    def order_running(self, running, now):
+        return sorted(running, key=arrival_order)
+
+
+class Sarathi(Policy):
+    """vLLM's stock behaviour: running requests keep their order and go before admissions;
+    waiting is FCFS with preempted requests put back at the front (the engine keeps that order)."""
+
+    name = "sarathi"
+    reorders_running = False
+    reorders_waiting = False
+
+
+class Vtc(Policy):
+    """Virtual token counter fair queue (SPEC §3.3): admit from the backlogged tenant with the
+    least counter, FCFS within a tenant; charge prompt tokens on admission, output per token."""
+
+    name = "vtc"
+    charges_tokens = True
+
+    def __init__(self, settings, predictor=None) -> None:
+        super().__init__(settings, predictor)
+        self.counters: dict[str, float] = {}
+        self.backlog: dict[str, int] = {}  # waiting requests per tenant
+
+    def weight(self, tenant: str) -> float:
+        return self.params.weights.get(tenant, 1.0)
+
+    def score(self, req: RequestState, now: float) -> float:
+        return self.counters.get(req.tenant, 0.0)
+
+    def _enter_backlog(self, tenant: str) -> None:
+        n = self.backlog.get(tenant, 0)
+        if n == 0:
+            # Counter lift: a tenant returning from idle cannot bank credit (SPEC §3.3).
+            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
+            if others:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+        self.backlog[tenant] = n + 1
+
+    def _leave_backlog(self, tenant: str) -> None:
+        self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
+
+    def on_arrival(self, req: RequestState, now: float) -> None:
+        self.counters.setdefault(req.tenant, 0.0)
+        self._enter_backlog(req.tenant)
+
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        self._enter_backlog(req.tenant)
+
+    def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
+        self._leave_backlog(req.tenant)
+        if req.scheduled_at is None:  # charge the prompt once, not again after a preemption
+            self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
+                                         + self.params.input_price * req.prompt_tokens / self.weight(req.tenant))
+
+    def on_tokens(self, req: RequestState, new_tokens: int) -> None:
+        self.counters[req.tenant] += self.params.output_price * new_tokens / self.weight(req.tenant)
+
+    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+        queues: dict[str, list[RequestState]] = {}
+        for r in sorted(waiting, key=lambda r: (r.arrival, r.id)):
+            queues.setdefault(r.tenant, []).append(r)
+        heads = {t: 0 for t in queues}
+        while heads:
+            # Re-pick after every admission: on_admit has charged the admitted tenant.
+            tenant = min(heads, key=lambda t: (self.counters.get(t, 0.0), queues[t][heads[t]].arrival, t))
+            yield queues[tenant][heads[tenant]]
+            heads[tenant] += 1
+            if heads[tenant] == len(queues[tenant]):
+                del heads[tenant]
+
+    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
+        return sorted(waiting, key=lambda r: (self.counters.get(r.tenant, 0.0), r.arrival, r.id))
+
+    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+        # Counters move with every generated token, so the tenant picked next can change.
+        return 1 if (waiting and kv_blocked) else INF
+
+    def attach(self, waiting, running, now) -> None:
+        self.backlog = {}
+        for r in waiting:
+            self.counters.setdefault(r.tenant, 0.0)
+            self._enter_backlog(r.tenant)
+        for r in running:
+            self.counters.setdefault(r.tenant, 0.0)
+
+    def live_state(self) -> dict:
+        return {"tenant_counters": dict(self.counters)}
+
+    def adopt_live_state(self, previous: Policy) -> None:
+        if isinstance(previous, Vtc):
+            self.counters = dict(previous.counters)
+            self.backlog = dict(previous.backlog)

@@ -1,0 +1,54 @@
+"""TIE (seed 001/002): rank by a tail-inflated expectation of the output length.
+
+score = (E[X̃] + β·CVaR_α[X̃]) · decay^{t_wait/τ} with X̃ the log-t length distribution truncated at
+max_tokens (quadrature in ``tie_math``); β adapts to the queue unless pinned. Non-preemptive.
+"""
+
+from __future__ import annotations
+
+from controlplane.policies.base import Policy, RequestState
+from controlplane.policies.tie_math import adaptive_beta, tie_moments
+
+
+class Tie(Policy):
+    name = "tie"
+
+    def __init__(self, settings, predictor=None) -> None:
+        super().__init__(settings, predictor)
+        self.beta_pinned = settings.is_pinned("beta")
+        self.beta = self.params.beta
+
+    def moments(self, req: RequestState) -> tuple[float, float] | None:
+        """(E, CVaR) of the request's truncated length, cached until the predictor refits."""
+        version = getattr(self.predictor, "version", 0)
+        key = ("tie", version, self.params.alpha, self.params.nu)
+        if req.cache_key != key:
+            dist = self.predictor.predict_dist(req) if self.predictor is not None else None
+            value = None
+            if dist is not None:
+                mu, sigma = dist
+                value = tie_moments(mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu)
+            req.cache_key, req.cache_value = key, value
+        return req.cache_value
+
+    def base_score(self, req: RequestState) -> float:
+        m = self.moments(req)
+        if m is None:
+            return float(req.max_tokens)  # no prediction yet (SPEC §3.2)
+        return m[0] + self.beta * m[1]
+
+    def score(self, req: RequestState, now: float) -> float:
+        t_wait = max(0.0, now - req.arrival)
+        return self.base_score(req) * self.params.decay ** (t_wait / self.params.tau_s)
+
+    def order_waiting(self, waiting, now):
+        if not self.beta_pinned:
+            p = self.params
+            self.beta = adaptive_beta(len(waiting), self.view.max_num_seqs, p.beta_min, p.beta_max)
+        return super().order_waiting(waiting, now)
+
+    # The wait decay multiplies every score by the same factor per unit time, so the waiting order
+    # never changes by itself during a decode stretch: the default steady_steps (INF) holds.
+
+    def live_state(self) -> dict:
+        return {"beta": self.beta, "beta_pinned": self.beta_pinned}

@@ -1,0 +1,262 @@
+"""The one settings model (SPEC §5.1), shared by the plugin, the control API, the simulator,
+the TUI, the tuner and export.
+
+A settings document names a policy, that policy's parameters, which parameters are pinned
+(never moved by adaptation or by an applied recommendation) and the engine limits:
+
+    {"policy": "uniboost", "params": {"gamma": 8.0}, "pinned": ["gamma"],
+     "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 2048,
+                "long_prefill_token_threshold": 0}}
+
+Every error names the field it is about (``params.gamma``, ``engine.max_num_seqs``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc")
+PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc"]
+PredictorName = Literal["oracle", "history"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class NoParams(_Strict):
+    """fcfs and sarathi have no parameters."""
+
+
+class PreemptiveParams(_Strict):
+    # Hysteresis for policy-driven preemption, in score units (SPEC §3, condition (b)).
+    preempt_margin: float = Field(0.0, ge=0.0)
+
+
+class SjfParams(_Strict):
+    predictor: PredictorName = "history"
+    sigma_noise: float = Field(0.0, ge=0.0, le=5.0)
+    starve_steps: int = Field(200, ge=1, le=1_000_000)
+    quantum_steps: int = Field(10, ge=1, le=1_000_000)
+
+
+class SrptParams(_Strict):
+    predictor: PredictorName = "history"
+    sigma_noise: float = Field(0.0, ge=0.0, le=5.0)
+    c: float = Field(0.6, gt=0.0, le=10.0)
+    # srpt's preemption hysteresis: scores are tokens, so the margin is too.
+    margin_tokens: int = Field(0, ge=0)
+
+
+class LasParams(PreemptiveParams):
+    q0_s: float = Field(0.01, gt=0.0, le=100.0)
+    starve_s: float = Field(3.0, gt=0.0, le=86_400.0)
+    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+
+
+class DistBoostParams(_Strict):
+    gamma: float = Field(10.0, gt=0.0, le=1e6)
+    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+
+
+class UniBoostParams(PreemptiveParams):
+    gamma: float = Field(10.0, gt=0.0, le=1e6)
+    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+    memguard: bool = True
+    quant_base_tokens: int = Field(256, ge=1, le=1_000_000)
+    quant_ratio: float = Field(2.0, gt=1.0, le=64.0)
+    gamma_ada: bool = True
+    gamma_min: float = Field(1.0, gt=0.0, le=1e6)
+    gamma_max: float = Field(200.0, gt=0.0, le=1e6)
+    ada_kappa: float = Field(4.0, ge=0.0, le=1e4)
+    ada_ema: float = Field(0.3, gt=0.0, le=1.0)
+    ada_interval_s: float = Field(5.0, gt=0.0, le=86_400.0)
+    ada_window: int = Field(2000, ge=10, le=1_000_000)
+    ada_min_samples: int = Field(200, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _clamps_ordered(self) -> "UniBoostParams":
+        if self.gamma_min > self.gamma_max:
+            raise ValueError(f"gamma_min ({self.gamma_min}) must not exceed gamma_max ({self.gamma_max})")
+        return self
+
+
+class TieParams(_Strict):
+    predictor: PredictorName = "history"
+    sigma_noise: float = Field(0.0, ge=0.0, le=5.0)
+    alpha: float = Field(0.9, gt=0.0, lt=1.0)
+    beta: float = Field(0.1, ge=0.0, le=1.0)
+    beta_min: float = Field(0.1, ge=0.0, le=1.0)
+    beta_max: float = Field(0.5, ge=0.0, le=1.0)
+    decay: float = Field(0.9, gt=0.0, le=1.0)
+    tau_s: float = Field(30.0, gt=0.0, le=86_400.0)
+    nu: float = Field(3.5, gt=1.0, le=1000.0)
+
+    @model_validator(mode="after")
+    def _clamps_ordered(self) -> "TieParams":
+        if self.beta_min > self.beta_max:
+            raise ValueError(f"beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})")
+        return self
+
+
+class VtcParams(_Strict):
+    weights: dict[str, float] = Field(default_factory=dict)
+    input_price: float = Field(1.0, ge=0.0, le=1e6)
+    output_price: float = Field(2.0, ge=0.0, le=1e6)
+
+    @field_validator("weights")
+    @classmethod
+    def _positive_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        for tenant, w in weights.items():
+            if not w > 0:
+                raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {w}")
+        return weights
+
+
+PARAM_MODELS: dict[str, type[_Strict]] = {
+    "fcfs": NoParams,
+    "sarathi": NoParams,
+    "sjf": SjfParams,
+    "srpt": SrptParams,
+    "las": LasParams,
+    "distboost": DistBoostParams,
+    "uniboost": UniBoostParams,
+    "tie": TieParams,
+    "vtc": VtcParams,
+}
+
+# Which parameters adaptation may move; only these are meaningful to pin besides any other
+# parameter (pinning a static parameter is allowed: it guards against applied recommendations).
+ADAPTIVE_PARAMS = {"uniboost": ("gamma",), "tie": ("beta",)}
+
+
+class EngineSettings(_Strict):
+    """Engine limits the scheduler works within (vLLM's scheduler config)."""
+
+    max_num_seqs: int = Field(128, ge=1, le=65_536)
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1 << 22)
+    # 0 = off; otherwise a prefill chunk never exceeds this many tokens.
+    long_prefill_token_threshold: int = Field(0, ge=0, le=1 << 22)
+
+
+# Engine fields vLLM cannot change without a restart; the control API reports them as such.
+RESTART_REQUIRED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def _prefix_errors(prefix: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in (prefix, *e["loc"]))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown parameter"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+class Settings(BaseModel):
+    """A validated settings document. Immutable: derive changed copies with ``replace``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: PolicyName = "sarathi"
+    params: Any = Field(default_factory=dict)
+    pinned: tuple[str, ...] = ()
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _validate_params(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        policy = data.get("policy", "sarathi")
+        model = PARAM_MODELS.get(policy) if isinstance(policy, str) else None
+        if model is None:
+            return data  # the Literal on `policy` reports the unknown name
+        raw = data.get("params") or {}
+        if isinstance(raw, BaseModel):
+            raw = raw.model_dump()
+        if not isinstance(raw, dict):
+            raise ValueError(f"params: must be an object, got {type(raw).__name__}")
+        try:
+            data["params"] = model.model_validate(raw)
+        except ValidationError as err:
+            raise ValueError(_prefix_errors("params", err)) from None
+        pinned = data.get("pinned") or ()
+        if isinstance(pinned, str):
+            raise ValueError("pinned: must be a list of parameter names")
+        for name in pinned:
+            if name not in model.model_fields:
+                valid = ", ".join(model.model_fields) or "none"
+                raise ValueError(f"pinned: {name!r} is not a parameter of {policy} (valid: {valid})")
+        data["pinned"] = tuple(dict.fromkeys(pinned))
+        return data
+
+    def param(self, name: str) -> Any:
+        return getattr(self.params, name)
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self.pinned
+
+    def replace(self, **changes: Any) -> "Settings":
+        """A new validated document with top-level fields and/or params changed.
+
+        ``params`` given here are merged into the current ones when the policy is unchanged.
+        """
+        doc = self.to_dict()
+        new_params = changes.pop("params", None)
+        if "policy" in changes and changes["policy"] != self.policy:
+            doc["params"] = {}
+            doc["pinned"] = []
+        if new_params:
+            doc["params"] = {**doc["params"], **new_params}
+        if "engine" in changes and isinstance(changes["engine"], dict):
+            changes["engine"] = {**doc["engine"], **changes["engine"]}
+        doc.update(changes)
+        return Settings.model_validate(doc)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "params": self.params.model_dump(),
+            "pinned": list(self.pinned),
+            "engine": self.engine.model_dump(),
+        }
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """Parse a CLI ``name=value`` into (name, value) with JSON-ish typing (8 → 8, on → True)."""
+    import json
+
+    if "=" not in text:
+        raise ValueError(f"--set {text!r}: expected name=value")
+    name, raw = text.split("=", 1)
+    name, raw = name.strip(), raw.strip()
+    lowered = raw.lower()
+    if lowered in ("on", "true", "yes"):
+        return name, True
+    if lowered in ("off", "false", "no"):
+        return name, False
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw
+
+
+def settings_from_cli(policy: str, assignments: list[str] = (), pinned: list[str] = (),
+                      engine: dict[str, int] | None = None) -> Settings:
+    """Build settings from CLI flags; engine.* names in assignments go to the engine block."""
+    params: dict[str, Any] = {}
+    eng: dict[str, Any] = dict(engine or {})
+    for item in assignments:
+        name, value = parse_assignment(item)
+        if name.startswith("engine."):
+            eng[name.removeprefix("engine.")] = value
+        elif name in EngineSettings.model_fields:
+            eng[name] = value
+        else:
+            params[name] = value
+    return Settings.model_validate({"policy": policy, "params": params, "pinned": list(pinned), "engine": eng})

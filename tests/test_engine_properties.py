@@ -1,0 +1,133 @@
+"""Property-based checks of the engine simulator over every policy (SPEC §2)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from controlplane.settings import POLICY_NAMES, Settings
+from tuner.engine import EngineConfig, Simulator
+from tuner.stepmodel import StepTimeModel
+from tuner.traces import TraceRequest
+
+# Deliberately non-round coefficients so step boundaries never coincide with arrival times.
+STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")
+
+POLICY_PARAMS = {
+    "sjf": {"predictor": "oracle", "starve_steps": 7, "quantum_steps": 3},
+    "srpt": {"predictor": "oracle", "sigma_noise": 0.5},
+    "las": {"q0_s": 0.003, "starve_s": 0.4},
+    "distboost": {"gamma": 3.0},
+    "uniboost": {"gamma": 2.0, "quant_base_tokens": 16, "ada_interval_s": 0.3, "ada_min_samples": 3,
+                 "ada_window": 10, "alpha_s_per_token": 1e-3},
+    "tie": {"predictor": "oracle", "sigma_noise": 0.3},
+    "vtc": {"weights": {"t1": 2.0}},
+}
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 18))
+    bs = draw(st.sampled_from([4, 16]))
+    reqs = []
+    for i in range(n):
+        prompt = draw(st.integers(1, 200))
+        out = draw(st.integers(1, 60))
+        reqs.append(TraceRequest(
+            id=f"r{i:03d}", arrival=round(draw(st.floats(0.0, 3.0)), 4), prompt_tokens=prompt,
+            output_tokens=out, max_tokens=draw(st.sampled_from([out, out + 7, max(1, out - 3)])),
+            tenant=draw(st.sampled_from(["t0", "t1", "t2"]))))
+    biggest = max(-(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // bs) for r in reqs)
+    blocks = draw(st.integers(max(1, biggest - 3), biggest * 4))  # sometimes too small: rejections
+    policy = draw(st.sampled_from(POLICY_NAMES))
+    params = dict(POLICY_PARAMS.get(policy, {}))
+    if policy == "uniboost":
+        params["memguard"] = draw(st.booleans())
+        params["gamma_ada"] = draw(st.booleans())
+    engine = {"max_num_seqs": draw(st.integers(1, 8)), "max_num_batched_tokens": draw(st.integers(8, 300)),
+              "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 5, 40]))}
+    settings = Settings.model_validate({"policy": policy, "params": params, "engine": engine})
+    return reqs, settings, EngineConfig(num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL,
+                                        refit_interval_s=0.5)
+
+
+class ClockedSimulator(Simulator):
+    """Records the clock at every iteration so the test can see it never goes backwards."""
+
+    def _step(self):
+        self.clock = getattr(self, "clock", [])
+        self.clock.append(self.now)
+        super()._step()
+
+
+def run(reqs, settings, config, event_skipping=True):
+    sim = ClockedSimulator(reqs, settings, config, event_skipping=event_skipping, check_invariants=True)
+    return sim, sim.run()
+
+
+PROPS = hsettings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(scenarios())
+def test_every_request_finishes_once_with_its_tokens(case):
+    reqs, settings, config = case
+    sim, res = run(reqs, settings, config)
+    ids = [c.id for c in res.completions]
+    assert len(ids) == len(set(ids)), "a request finished twice"
+    assert set(ids) | set(res.rejected) == {r.id for r in reqs}
+    assert not set(ids) & set(res.rejected)
+    by_id = {r.id: r for r in reqs}
+    for c in res.completions:
+        r = by_id[c.id]
+        assert c.output_tokens == min(r.output_tokens, r.max_tokens)
+        assert c.arrival <= c.scheduled_at <= c.first_token_at <= c.finished_at
+    for rid in res.rejected:  # only what could never fit is rejected
+        r = by_id[rid]
+        assert -(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // config.block_size) > config.num_gpu_blocks
+
+
+@PROPS
+@given(scenarios())
+def test_kv_blocks_within_capacity_and_all_free_at_end(case):
+    reqs, settings, config = case
+    sim, _ = run(reqs, settings, config)  # check_invariants asserts capacity after every event
+    assert sim.free_blocks == config.num_gpu_blocks
+    assert not sim.blocks and not sim.running and not sim.waiting
+
+
+@PROPS
+@given(scenarios())
+def test_clock_never_goes_backwards(case):
+    reqs, settings, config = case
+    sim, res = run(reqs, settings, config)
+    assert all(b >= a for a, b in zip(sim.clock, sim.clock[1:]))
+    assert all(c.finished_at <= res.sim_time_s for c in res.completions)
+
+
+@PROPS
+@given(scenarios())
+def test_same_input_same_result(case):
+    reqs, settings, config = case
+    _, a = run(reqs, settings, config)
+    _, b = run(list(reversed(reqs)), settings, config)  # input order must not matter either
+    assert [(c.id, c.first_token_at, c.finished_at, c.preemptions) for c in a.completions] == \
+           [(c.id, c.first_token_at, c.finished_at, c.preemptions) for c in b.completions]
+
+
+@hsettings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_event_skipping_matches_step_by_step(case):
+    reqs, settings, config = case
+    _, fast = run(reqs, settings, config, event_skipping=True)
+    _, slow = run(reqs, settings, config, event_skipping=False)
+    assert fast.steps == slow.steps
+    assert fast.preemptions == slow.preemptions
+    assert fast.rejected == slow.rejected
+    got = {c.id: c for c in fast.completions}
+    for c in slow.completions:
+        f = got[c.id]
+        assert (f.preemptions, f.output_tokens) == (c.preemptions, c.output_tokens), c.id
+        for field in ("scheduled_at", "first_token_at", "finished_at"):
+            assert math.isclose(getattr(f, field), getattr(c, field), rel_tol=1e-9, abs_tol=1e-9), (c.id, field)

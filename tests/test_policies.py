@@ -1,0 +1,293 @@
+"""Hand-checked schedules and per-policy rules (SPEC §3, seed 000 Figure 3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from controlplane.policies import RequestState, make_policy
+from controlplane.policies.base import next_threshold, quantize
+from controlplane.policies.predictors import OraclePredictor
+from controlplane.settings import Settings
+from tuner.engine import EngineConfig, simulate
+from tuner.stepmodel import StepTimeModel
+from tuner.traces import TraceRequest
+
+# One second per step whatever the batch: schedules read in whole steps.
+UNIT_STEPS = StepTimeModel(a=1.0, b=0.0, c=0.0, d=0.0, e=0.0, name="unit", source="test")
+BIG_KV = EngineConfig(num_gpu_blocks=10_000, block_size=16, step_model=UNIT_STEPS)
+
+
+def req(rid, arrival, prompt, output, **kw):
+    return TraceRequest(id=rid, arrival=arrival, prompt_tokens=prompt, output_tokens=output,
+                        max_tokens=kw.pop("max_tokens", output), **kw)
+
+
+def settings(policy, engine=None, **params):
+    return Settings.model_validate({"policy": policy, "params": params, "engine": engine or {}})
+
+
+def finish_order(result):
+    return [c.id for c in sorted(result.completions, key=lambda c: (c.finished_at, c.id))]
+
+
+def finish_times(result):
+    return {c.id: c.finished_at for c in result.completions}
+
+
+# Boost variants for the figure: memguard off so attained work enters the score unquantized,
+# α = 1 s/token so a token of work is worth a step, γ pinned.
+def boost(gamma):
+    return settings("uniboost", {"max_num_seqs": 1}, gamma=gamma, alpha_s_per_token=1.0, memguard=False,
+                    gamma_ada=False)
+
+
+# --- Figure 3, left: a long A (prefill 2, decode 8) at t0 delays short B..E arriving behind it --
+LEFT = [req("A", 0.0, 2, 8)] + [req(x, 1.5 + 2 * i, 2, 1 + i % 2) for i, x in enumerate("BCDE")]
+SLOT = {"max_num_seqs": 1}
+
+
+def test_left_fcfs_runs_A_to_completion_first():
+    res = simulate(LEFT, settings("fcfs", SLOT), BIG_KV)
+    assert finish_order(res)[0] == "A"
+    assert res.preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["srpt", "las"])
+def test_left_srpt_and_las_preempt_A_for_the_short_ones(policy):
+    params = {"predictor": "oracle", "c": 1.0} if policy == "srpt" else {"q0_s": 1.0, "alpha_s_per_token": 1.0}
+    res = simulate(LEFT, settings(policy, SLOT, **params), BIG_KV)
+    assert finish_order(res)[-1] == "A"
+    assert res.policy_preemptions >= 1
+    fcfs = finish_times(simulate(LEFT, settings("fcfs", SLOT), BIG_KV))
+    got = finish_times(res)
+    short_mean = lambda t: sum(t[x] - r.arrival for x, r in zip("BCDE", LEFT[1:])) / 4
+    assert short_mean(got) < short_mean(fcfs)
+
+
+def test_left_boost_interpolates():
+    small = simulate(LEFT, boost(0.05), BIG_KV)
+    large = simulate(LEFT, boost(1e6), BIG_KV)
+    assert finish_order(large) == finish_order(simulate(LEFT, settings("fcfs", SLOT), BIG_KV))
+    assert finish_order(small)[-1] == "A"  # small γ behaves like size-based: A preempted
+
+
+# --- Figure 3, right: chunk size 3; short B, C, D (prefill 3, decode 2) with or after A -------
+# A stream of short jobs keeps arriving about as fast as one slot serves them.
+RIGHT = [req("A", 0.0, 3, 12)] + [req(x, 0.5 + 2 * i, 3, 2) for i, x in enumerate("BCDEFGHI")]
+CHUNK3 = {"max_num_seqs": 1, "max_num_batched_tokens": 3}
+
+
+def test_right_fcfs_keeps_A_fair():
+    res = simulate(RIGHT, settings("fcfs", CHUNK3), BIG_KV)
+    assert finish_order(res)[0] == "A"
+
+
+@pytest.mark.parametrize("policy", ["srpt", "las"])
+def test_right_size_based_starves_A(policy):
+    params = {"predictor": "oracle", "c": 1.0} if policy == "srpt" else {"q0_s": 0.1, "alpha_s_per_token": 1.0,
+                                                                          "starve_s": 1000.0}
+    res = simulate(RIGHT, settings(policy, CHUNK3, **params), BIG_KV)
+    assert finish_order(res)[-1] == "A"
+    fcfs = simulate(RIGHT, settings("fcfs", CHUNK3), BIG_KV)
+    # Starving A stretches the worst latency beyond FCFS's.
+    worst = lambda r: max(c.finished_at - c.arrival for c in r.completions)
+    assert worst(res) > worst(fcfs)
+
+
+def test_right_boost_large_gamma_protects_A_small_gamma_starves_it():
+    eng = {"max_num_seqs": 1, "max_num_batched_tokens": 3}
+    mk = lambda g: settings("uniboost", eng, gamma=g, alpha_s_per_token=1.0, memguard=False, gamma_ada=False)
+    assert finish_order(simulate(RIGHT, mk(1e6), BIG_KV))[0] == "A"
+    assert finish_order(simulate(RIGHT, mk(0.01), BIG_KV))[-1] == "A"
+
+
+# --- γ limits on a larger random-ish trace --------------------------------------------------
+def _one_token_trace():
+    # Single-token outputs finish at the end of their prefill step: the order of service is
+    # exactly the admission order, so it can be compared with FCFS and with size order.
+    sizes = [37, 5, 120, 64, 9, 250, 17, 80, 3, 150]
+    return [req(f"q{i}", 0.01 * i, s, 1) for i, s in enumerate(sizes)]
+
+
+def test_gamma_to_infinity_is_fcfs_order():
+    trace = _one_token_trace()
+    eng = {"max_num_seqs": 1}
+    boosted = simulate(trace, settings("uniboost", eng, gamma=1e6, memguard=False, gamma_ada=False), BIG_KV)
+    assert finish_order(boosted) == finish_order(simulate(trace, settings("fcfs", eng), BIG_KV))
+    assert finish_order(boosted) == [r.id for r in trace]
+
+
+def test_gamma_to_zero_is_size_order():
+    trace = [req(r.id, 0.0, r.prompt_tokens, 1) for r in _one_token_trace()]
+    eng = {"max_num_seqs": 1}
+    res = simulate(trace, settings("uniboost", eng, gamma=1e-6, memguard=False, gamma_ada=False), BIG_KV)
+    assert finish_order(res) == [r.id for r in sorted(trace, key=lambda r: r.prompt_tokens)]
+
+
+# --- MemGuard ------------------------------------------------------------------------------
+def test_quantize_and_thresholds():
+    assert quantize(255, 256, 2) == 0
+    assert quantize(256, 256, 2) == 256
+    assert quantize(1023, 256, 2) == 512
+    assert quantize(1024, 256, 2) == 1024
+    assert next_threshold(0, 256, 2) == 256
+    assert next_threshold(256, 256, 2) == 512
+    assert next_threshold(700, 256, 2) == 1024
+
+
+def test_memguard_bounds_policy_preemptions():
+    # A stream of short requests behind long ones, one slot: without the guard, small γ makes the
+    # long ones ping-pong; with it each long request is preempted at most ⌈log2(L/base)⌉ times.
+    trace = [req(f"L{i}", 0.3 * i, 40, 1500) for i in range(3)]
+    trace += [req(f"s{i:03d}", 0.05 + 0.5 * i, 30, 10) for i in range(200)]
+    base = 64
+    fast = StepTimeModel(a=0.02, b=0.0, c=0.0, d=0.0, e=0.0, name="fast", source="test")
+    cfg = EngineConfig(num_gpu_blocks=10_000, step_model=fast)
+    guarded = simulate(trace, settings("uniboost", {"max_num_seqs": 2}, gamma=0.5, memguard=True,
+                                       quant_base_tokens=base, gamma_ada=False), cfg)
+    unguarded = simulate(trace, settings("uniboost", {"max_num_seqs": 2}, gamma=0.5, memguard=False,
+                                         gamma_ada=False), cfg)
+    assert unguarded.policy_preemptions > guarded.policy_preemptions
+    lengths = {r.id: r.prompt_tokens + r.output_tokens for r in trace}
+    sim_reqs = guarded.completions
+    assert any(c.preemptions > 0 for c in sim_reqs)
+    for c in sim_reqs:
+        bound = max(0, math.ceil(math.log2(lengths[c.id] / base)))
+        assert c.preemptions <= bound, (c.id, c.preemptions, bound)
+
+
+# --- γ-Ada ----------------------------------------------------------------------------------
+def _uniboost(**params):
+    return make_policy(settings("uniboost", **params))
+
+
+def _feed(policy, ttlts):
+    for i, t in enumerate(ttlts):
+        r = RequestState(id=f"x{i}", arrival=0.0, prompt_tokens=10, max_tokens=10)
+        policy.on_finish(r, t)
+
+
+def test_gamma_ada_moves_toward_target_and_clamps():
+    p = _uniboost(gamma=50.0, ada_min_samples=10, ada_window=100, ada_kappa=4.0, ada_ema=0.5, gamma_max=200.0)
+    _feed(p, [1.0] * 100)  # t99/t95 = 1 → target = gamma_max
+    p.tick(10.0)
+    assert p.gamma == pytest.approx(0.5 * 50 + 0.5 * 200)
+    heavy = _uniboost(gamma=50.0, ada_min_samples=10, ada_window=100, ada_ema=1.0, gamma_min=30.0)
+    _feed(heavy, [1.0] * 95 + [100.0] * 5)  # huge tail ratio → target near 0 → clamped at gamma_min
+    heavy.tick(10.0)
+    assert heavy.gamma == 30.0
+
+
+def test_gamma_ada_waits_for_min_samples_and_never_moves_pinned_gamma():
+    p = _uniboost(gamma=50.0, ada_min_samples=50)
+    _feed(p, [1.0] * 49)
+    p.tick(10.0)
+    assert p.gamma == 50.0
+    pinned = make_policy(Settings.model_validate(
+        {"policy": "uniboost", "params": {"gamma": 50.0, "ada_min_samples": 10}, "pinned": ["gamma"]}))
+    _feed(pinned, [1.0] * 95 + [9.0] * 5)
+    pinned.tick(10.0)
+    pinned.tick(20.0)
+    assert pinned.gamma == 50.0
+
+
+def test_gamma_ada_in_a_simulation_changes_gamma_over_time():
+    trace = [req(f"r{i}", 0.05 * i, 50 + (i * 37) % 400, 5 + (i * 13) % 200) for i in range(600)]
+    res = simulate(trace, settings("uniboost", gamma=10.0, ada_interval_s=1.0, ada_min_samples=50),
+                   EngineConfig())
+    gammas = [g for _, g in res.gamma_timeline]
+    assert len(set(gammas)) > 1 and all(1.0 <= g <= 200.0 for g in gammas)
+
+
+# --- TIE -----------------------------------------------------------------------------------
+def _tie(**params):
+    return make_policy(settings("tie", predictor="oracle", **params), OraclePredictor())
+
+
+def test_tie_wait_decay_lets_a_starved_request_overtake():
+    p = _tie(decay=0.5, tau_s=10.0, beta=0.2)
+    long = RequestState(id="long", arrival=0.0, prompt_tokens=10, max_tokens=4000, output_tokens=2000)
+    short = RequestState(id="short", arrival=100.0, prompt_tokens=10, max_tokens=4000, output_tokens=100)
+    assert p.order_waiting([long, short], now=100.0)[0] is long
+    no_decay = _tie(decay=1.0, beta=0.2)
+    assert no_decay.order_waiting([long, short], now=100.0)[0] is short
+
+
+def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
+    p = _tie(beta_min=0.1, beta_max=0.5)  # max_num_seqs 128 by default
+    reqs = [RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=5, max_tokens=64, output_tokens=10)
+            for i in range(300)]
+    p.order_waiting(reqs[:10], 0.0)
+    assert p.beta == pytest.approx(0.1)  # 0.1·10/128 below the floor
+    p.order_waiting(reqs[:320], 0.0)
+    assert p.beta == pytest.approx(min(0.5, 0.1 * 300 / 128))
+    pinned = make_policy(Settings.model_validate({"policy": "tie", "params": {"predictor": "oracle", "beta": 0.7},
+                                                  "pinned": ["beta"]}), OraclePredictor())
+    pinned.order_waiting(reqs, 0.0)
+    assert pinned.beta == 0.7
+
+
+def test_tie_without_prediction_scores_max_tokens():
+    from controlplane.policies.predictors import HistoryPredictor
+
+    p = make_policy(settings("tie"), HistoryPredictor())
+    r = RequestState(id="a", arrival=0.0, prompt_tokens=5, max_tokens=321)
+    assert p.score(r, 0.0) == 321.0
+
+
+# --- VTC -----------------------------------------------------------------------------------
+def test_vtc_counter_lift_and_charging():
+    p = make_policy(settings("vtc", weights={"b": 2.0}, input_price=1.0, output_price=2.0))
+    a1 = RequestState(id="a1", arrival=0.0, prompt_tokens=100, max_tokens=10, tenant="a")
+    a2 = RequestState(id="a2", arrival=0.1, prompt_tokens=100, max_tokens=10, tenant="a")
+    p.on_arrival(a1, 0.0)
+    p.on_arrival(a2, 0.1)
+    p.on_admit(a1, 0.2, 100)
+    a1.scheduled_at = 0.2
+    assert p.counters["a"] == 100.0  # input price × prompt
+    p.on_tokens(a1, 5)
+    assert p.counters["a"] == 110.0  # + output price × tokens
+    # b was idle: on becoming backlogged it is lifted to the least backlogged counter (a's).
+    b1 = RequestState(id="b1", arrival=0.3, prompt_tokens=40, max_tokens=10, tenant="b")
+    p.on_arrival(b1, 0.3)
+    assert p.counters["b"] == 110.0
+    p.on_admit(b1, 0.4, 40)
+    assert p.counters["b"] == 110.0 + 40 / 2.0  # weight 2 halves the charge
+    # Admission picks the backlogged tenant with the least counter, re-picking after each charge.
+    c = RequestState(id="c1", arrival=0.5, prompt_tokens=10, max_tokens=10, tenant="c")
+    p.on_arrival(c, 0.5)
+    order = p.admission_order([a2, c], 0.6)
+    first = next(order)
+    assert first.tenant in ("a", "c") and p.counters[first.tenant] == min(p.counters["a"], p.counters["c"])
+
+
+def test_vtc_shares_service_between_tenants_in_simulation():
+    # Tenant "big" floods the queue first; "small" arrives later but still gets served promptly.
+    trace = [req(f"big{i:03d}", 0.001 * i, 200, 50, tenant="big") for i in range(100)]
+    trace += [req(f"small{i}", 0.5 + 0.001 * i, 200, 50, tenant="small") for i in range(5)]
+    eng = {"max_num_seqs": 4}
+    fair = finish_times(simulate(trace, settings("vtc", eng), BIG_KV))
+    fifo = finish_times(simulate(trace, settings("fcfs", eng), BIG_KV))
+    assert max(fair[f"small{i}"] for i in range(5)) < max(fifo[f"small{i}"] for i in range(5)) / 3
+
+
+# --- SJF starvation guard -------------------------------------------------------------------
+def test_sjf_starvation_guard_admits_a_starved_long_request():
+    trace = [req("long", 0.0, 10, 50)] + [req(f"s{i:03d}", 0.0 + 0.5 * i, 10, 5) for i in range(60)]
+    trace = [req("first", 0.0, 10, 3)] + trace
+    eng = {"max_num_seqs": 1}
+    guarded = finish_times(simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=20), BIG_KV))
+    unguarded = finish_times(simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=100000), BIG_KV))
+    assert guarded["long"] < unguarded["long"]
+
+
+def test_srpt_trail_limit_stops_preemption_late_in_a_request():
+    # A long request past c·predicted is no longer preemptible: with c tiny it is never preempted.
+    trace = [req("A", 0.0, 2, 40)] + [req(f"s{i}", 1.5 + i, 2, 2) for i in range(5)]
+    eng = {"max_num_seqs": 1}
+    free = simulate(trace, settings("srpt", eng, predictor="oracle", c=1.0), BIG_KV)
+    limited = simulate(trace, settings("srpt", eng, predictor="oracle", c=0.01), BIG_KV)
+    assert free.policy_preemptions > 0
+    assert limited.policy_preemptions == 0

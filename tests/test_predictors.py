@@ -1,0 +1,260 @@
+"""Output-length predictors: oracle (simulator only) and history (SPEC §3.4)."""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from controlplane.policies.predictors import (
+    SIGMA_FLOOR,
+    HistoryPredictor,
+    LengthPredictor,
+    OraclePredictor,
+    fit_logt_mle,
+    fit_logt_mle_many,
+    make_predictor,
+    prompt_bucket,
+)
+
+
+def req(i=0, *, tenant="default", type="chat", prompt_tokens=100, max_tokens=1_000_000, output_tokens=None):
+    return SimpleNamespace(
+        id=f"r{i}",
+        tenant=tenant,
+        type=type,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        output_tokens=output_tokens,
+        generated=0,
+    )
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def test_oracle_exact_without_noise():
+    p = OraclePredictor()
+    for i, n in enumerate([1, 7, 128, 4000]):
+        r = req(i, output_tokens=n, max_tokens=4096)
+        assert p.predict_total(r) == n
+        assert p.predict_dist(r) == (math.log(n), SIGMA_FLOOR)
+
+
+def test_oracle_noise_is_deterministic_per_request():
+    a, b = OraclePredictor(sigma_noise=0.4, seed=3), OraclePredictor(sigma_noise=0.4, seed=3)
+    rs = [req(i, output_tokens=500) for i in range(50)]
+    pa = [a.predict_total(r) for r in rs]
+    assert pa == [b.predict_total(r) for r in rs]  # another instance, same seed
+    assert pa == [a.predict_total(r) for r in rs]  # asked again
+    assert len(set(pa)) == len(pa)  # different ids, different noise
+    other = [OraclePredictor(sigma_noise=0.4, seed=4).predict_total(r) for r in rs]
+    assert sum(x != y for x, y in zip(pa, other)) == len(pa)  # another seed, other draws
+    assert any(x != 500 for x in pa)
+
+
+def test_oracle_noise_spread_matches_sigma():
+    sigma = 0.5
+    p = OraclePredictor(sigma_noise=sigma, seed=11)
+    rs = [req(i, output_tokens=1000) for i in range(4000)]
+    logs = np.array([math.log(p.predict_total(r) / 1000) for r in rs])
+    assert abs(logs.mean()) < 0.03
+    assert logs.std() == pytest.approx(sigma, rel=0.05)
+    assert stats.normaltest(logs).pvalue > 1e-3  # log-normal noise
+    mu, s = p.predict_dist(rs[0])
+    assert s == sigma and mu == pytest.approx(math.log(p.predict_total(rs[0])))
+
+
+def test_oracle_caps_at_max_tokens():
+    p = OraclePredictor(sigma_noise=2.0, seed=0)
+    preds = [p.predict_total(req(i, output_tokens=900, max_tokens=1000)) for i in range(200)]
+    assert max(preds) == 1000.0 and min(preds) < 900
+
+
+def test_oracle_needs_true_length():
+    with pytest.raises(ValueError, match="only the simulator has them"):
+        OraclePredictor().predict_total(req(output_tokens=None))
+    with pytest.raises(ValueError, match="sigma_noise"):
+        OraclePredictor(sigma_noise=-0.1)
+
+
+# ----------------------------------------------------------------------------- MLE
+
+
+def test_mle_matches_scipy_t_fit():
+    rng = np.random.default_rng(5)
+    x = 4.0 + 0.8 * rng.standard_t(3.5, 800)
+    mu, sigma = fit_logt_mle(x, 3.5)
+    _, loc, scale = stats.t.fit(x, fix_df=3.5)
+    assert mu == pytest.approx(loc, abs=2e-3) and sigma == pytest.approx(scale, rel=2e-3)
+    ll_ours = stats.t.logpdf(x, 3.5, mu, sigma).sum()
+    ll_scipy = stats.t.logpdf(x, 3.5, loc, scale).sum()
+    assert ll_ours >= ll_scipy - 1e-7  # at least as good an optimum
+    # the ML score equations hold at our answer
+    w = 4.5 / (3.5 + ((x - mu) / sigma) ** 2)
+    assert abs(np.sum(w * (x - mu))) < 1e-6 * len(x)
+    assert np.sum(w * (x - mu) ** 2) / sigma**2 == pytest.approx(len(x), rel=1e-6)
+
+
+def test_mle_many_equals_one_by_one():
+    rng = np.random.default_rng(6)
+    samples = [rng.normal(m, 1.0, n) for m, n in [(1, 30), (5, 400), (-2, 25)]]
+    mus, sigmas = fit_logt_mle_many(samples, 3.5)
+    for s, m, sg in zip(samples, mus, sigmas):
+        m1, s1 = fit_logt_mle(s, 3.5)
+        assert m == pytest.approx(m1, abs=1e-7) and sg == pytest.approx(s1, rel=1e-7)
+    # all-equal sample: no crash, tiny sigma (the predictor floors it)
+    m, s = fit_logt_mle(np.full(50, 3.0))
+    assert m == 3.0 and s < 1e-3
+
+
+# ----------------------------------------------------------------------------- history
+
+
+def test_prompt_bucket():
+    assert [prompt_bucket(p) for p in (0, 1, 2, 3, 4, 1023, 1024, 5000)] == [0, 0, 1, 1, 2, 9, 10, 12]
+
+
+@pytest.mark.parametrize("mu, sigma", [(5.0, 0.7), (3.5, 0.3), (7.0, 1.2)])
+def test_history_recovers_known_logt(mu, sigma):
+    rng = np.random.default_rng(int(mu * 10))
+    h = HistoryPredictor(nu=3.5)
+    lengths = np.exp(mu + sigma * rng.standard_t(3.5, 4000))
+    r = req(prompt_tokens=300)
+    for n in lengths:
+        h.observe(r, max(int(round(n)), 1))
+    h.refit()
+    got_mu, got_sigma = h.predict_dist(r)
+    assert got_mu == pytest.approx(mu, abs=0.04)
+    assert got_sigma == pytest.approx(sigma, rel=0.06)
+    assert h.predict_total(r) == pytest.approx(math.exp(got_mu))  # median of the log-t
+
+
+def test_history_predict_total_capped_at_max_tokens():
+    h = HistoryPredictor(min_samples=20)
+    for i in range(30):
+        h.observe(req(i), 3000)
+    h.refit()
+    assert h.predict_total(req(max_tokens=10**6)) == pytest.approx(3000, rel=1e-6)
+    assert h.predict_total(req(max_tokens=512)) == 512
+
+
+def test_history_falls_back_to_coarser_keys():
+    h = HistoryPredictor(min_samples=20)
+    for i in range(30):  # (acme, chat, bucket 6): 30 samples of ~50 tokens
+        h.observe(req(i, tenant="acme", type="chat", prompt_tokens=100), 50 + i % 3)
+    for i in range(5):  # (acme, chat, bucket 9): only 5 samples of 400
+        h.observe(req(i, tenant="acme", type="chat", prompt_tokens=1000), 400)
+    for i in range(5):  # (acme, batch, *): 5 samples
+        h.observe(req(i, tenant="acme", type="batch", prompt_tokens=100), 900)
+    for i in range(15):  # (other, chat, bucket 6): 15 samples, other tenant
+        h.observe(req(i, tenant="other", type="chat", prompt_tokens=100), 2000)
+    h.refit()
+
+    def used(**kw):
+        return h.fit_for(req(**kw))[0]
+
+    assert used(tenant="acme", type="chat", prompt_tokens=100) == ("acme", "chat", 6)
+    assert used(tenant="acme", type="chat", prompt_tokens=1000) == ("acme", "chat")
+    assert used(tenant="acme", type="batch", prompt_tokens=100) == ("acme",)
+    assert used(tenant="other", type="chat", prompt_tokens=100) == ()  # 15 < 20: global
+    assert used(tenant="nobody", type="embed", prompt_tokens=7) == ()
+    # the fine key is fitted on its own data, the coarser keys on their (wider) pools
+    fine = h.predict_total(req(tenant="acme", prompt_tokens=100))
+    assert 49 <= fine <= 53
+    assert h.fits[("acme", "chat")][2] == 35
+    assert h.fits[()][2] == 55
+
+
+def test_history_nothing_without_min_samples():
+    h = HistoryPredictor(min_samples=20)
+    for i in range(19):
+        h.observe(req(i), 100)
+    assert h.refit() == 0
+    assert h.predict_dist(req()) is None and h.predict_total(req()) is None
+    h.observe(req(19), 100)
+    assert h.refit() > 0 and h.predict_total(req()) == pytest.approx(100)
+
+
+def test_history_window_is_bounded():
+    h = HistoryPredictor(window=50, min_samples=20)
+    r = req(prompt_tokens=64)
+    for _ in range(150):
+        h.observe(r, 10)
+    for _ in range(50):
+        h.observe(r, 1000)
+    for key in h.keys_for(r):
+        assert h.n_observations(key) == 50
+    h.refit()
+    assert h.predict_total(r) == pytest.approx(1000, rel=1e-6)  # only the last 50 remain
+
+
+def test_history_predicts_none_before_refit():
+    h = HistoryPredictor()
+    for i in range(100):
+        h.observe(req(i), 100 + i)
+    assert h.predict_dist(req()) is None
+    assert h.predict_total(req()) is None
+    v0 = h.version
+    h.refit()
+    assert h.version == v0 + 1
+    assert h.predict_dist(req()) is not None
+
+
+def test_observe_never_refits(monkeypatch):
+    h = HistoryPredictor(min_samples=20)
+    for i in range(40):
+        h.observe(req(i), 100)
+    h.refit()
+    before, version = h.predict_dist(req()), h.version
+    calls = []
+    monkeypatch.setattr(h, "refit", lambda: calls.append(1))
+    for i in range(500):
+        h.observe(req(i), 5000)  # would move the fit a lot
+    assert calls == []
+    assert h.version == version
+    assert h.predict_dist(req()) == before  # predictions only change on refit
+
+
+def test_history_refit_100_keys_2000_samples_is_fast():
+    rng = np.random.default_rng(9)
+    h = HistoryPredictor(window=5000)
+    for k in range(100):
+        # 100 distinct fine keys: 10 tenants x 2 types x 5 prompt buckets
+        r = req(k, tenant=f"t{k // 10}", type=("chat", "batch")[k % 2], prompt_tokens=2 ** (3 + (k % 10) // 2))
+        logs = rng.uniform(2, 7) + rng.uniform(0.2, 1.5) * rng.standard_t(3.5, 2000)
+        for n in np.exp(logs):
+            h.observe(r, max(int(n), 1))
+    assert sum(1 for k in h.fits) == 0
+    t0 = time.perf_counter()
+    n_keys = h.refit()
+    dt = time.perf_counter() - t0
+    assert n_keys == 100 + 20 + 10 + 1  # fine keys, (tenant, type), (tenant,), global
+    assert dt < 1.0, f"refit took {dt:.3f}s"
+    assert h.last_refit_s == pytest.approx(dt, rel=0.5)
+
+
+def test_history_validates_params():
+    with pytest.raises(ValueError, match="window"):
+        HistoryPredictor(window=0)
+    with pytest.raises(ValueError, match="min_samples"):
+        HistoryPredictor(min_samples=1)
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def test_make_predictor():
+    p = make_predictor("oracle", sigma_noise=0.2, seed=1)
+    assert isinstance(p, OraclePredictor) and p.sigma_noise == 0.2 and p.name == "oracle"
+    h = make_predictor("history", window=10, min_samples=5)
+    assert isinstance(h, HistoryPredictor) and h.window == 10 and h.name == "history"
+    assert isinstance(h, LengthPredictor) and isinstance(p, LengthPredictor)
+    with pytest.raises(ValueError, match="history, oracle"):
+        make_predictor("magic")
+    with pytest.raises(ValueError, match="sigma_noise"):
+        make_predictor("history", sigma_noise=0.3)

@@ -1,0 +1,444 @@
+"""Trace-replay simulator of one vLLM v1 replica (SPEC §2), the tuner's inner loop.
+
+One scheduling step, top to bottom (``Simulator._step``):
+  1. arrivals join the waiting queue; periodic policy ticks (γ-Ada) and predictor refits run;
+  2. the policy orders the running list and may preempt running requests for waiting ones;
+  3. running requests, in running order, get ``min(remaining prefill or 1, budget, threshold)``
+     tokens and the KV blocks those need; when a block is missing the policy's memory victim is
+     preempted by recompute (its KV freed, back to the front of waiting);
+  4. only if nothing was preempted in 3, waiting requests are admitted in the policy's order while
+     budget, ``max_num_seqs`` and KV allow; the first that cannot get blocks stops admission;
+  5. the step takes the step-time model's time; a request whose prefill completes emits a token.
+
+Event skipping: when a step is a pure decode step that admitted and preempted nothing, the steps
+after it are identical until the next arrival, completion, KV exhaustion, policy threshold or
+tick. They are advanced as one event: decode step j of a stretch costs ``t0 + e·n·j`` (the KV
+context grows by n tokens a step), so K steps take ``K·t0 + e·n·K(K−1)/2``. ``event_skipping=False``
+runs the same code one step at a time, for checking.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from controlplane.metrics import Completion, summarize
+from controlplane.policies import Policy, RequestState, make_policy
+from controlplane.policies.base import INF
+from controlplane.settings import Settings
+from tuner.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
+from tuner.traces import Trace, TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Replica facts that do not change live (the settings document holds the live limits)."""
+
+    # ≈ 50 GiB of KV on an A100-80GB for Llama-3-8B at 128 KiB/token (notes/step-time.md).
+    num_gpu_blocks: int = 25_000
+    block_size: int = 16
+    step_model: StepTimeModel = field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME))
+    refit_interval_s: float = 10.0  # history predictor refit period (off the scheduling path)
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one step decided."""
+
+    tokens: dict  # RequestState -> tokens scheduled this step (insertion = service order)
+    preempted: bool = False
+    admitted: bool = False
+    kv_blocked: bool = False  # admission stopped because the next request could not get blocks
+    admission_blocked: bool = False  # admission stopped by seats, budget or KV
+    prefill_tokens: int = 0
+    sum_prefill_sq: int = 0
+    decode_seqs: int = 0
+    sum_kv_context: int = 0
+
+
+@dataclass
+class SimResult:
+    settings: Settings
+    completions: list[Completion]
+    rejected: list[str]
+    steps: int
+    iterations: int  # loop iterations: steps, or stretches of steps when event skipping
+    sim_time_s: float
+    wall_s: float
+    preemptions: int
+    policy_preemptions: int
+    recomputed_tokens: int
+    gamma_timeline: list[tuple[float, float]]
+
+    def metrics(self) -> dict[str, float]:
+        m = summarize(self.completions)
+        m["policy_preemptions"] = float(self.policy_preemptions)
+        m["rejected"] = float(len(self.rejected))
+        return m
+
+
+class Simulator:
+    def __init__(self, trace: Trace | Sequence[TraceRequest], settings: Settings,
+                 config: EngineConfig | None = None, *, event_skipping: bool = True,
+                 predictor=None, check_invariants: bool = False) -> None:
+        self.config = config or EngineConfig()
+        self.settings = settings
+        self.event_skipping = event_skipping
+        self.check_invariants = check_invariants
+        self.policy: Policy = make_policy(settings, predictor)
+        self.predictor = self.policy.predictor
+        self._pending_settings: Settings | None = None
+
+        reqs = sorted(trace, key=lambda r: (r.arrival, r.id))
+        self.arrivals: list[TraceRequest] = reqs
+        self.next_arrival = 0  # index into arrivals
+        self.now = reqs[0].arrival if reqs else 0.0
+        self.waiting: list[RequestState] = []
+        self.running: list[RequestState] = []
+        self.blocks: dict[str, int] = {}  # KV blocks held per request id
+        self.free_blocks = self.config.num_gpu_blocks
+        self.target: dict[str, int] = {}  # true output length per request id
+        self.completions: list[Completion] = []
+        self.rejected: list[str] = []
+        self.steps = 0
+        self.iterations = 0
+        self.preemptions = 0
+        self.policy_preemptions = 0
+        self.recomputed_tokens = 0
+        self.next_refit = self.now + self.config.refit_interval_s
+        self.gamma_timeline: list[tuple[float, float]] = []
+
+    # --- live control (the twin replicas use this exactly as the plugin does) -------------
+    def apply_settings(self, settings: Settings) -> None:
+        """Switch settings atomically at the start of the next step; nothing in flight is lost."""
+        self._pending_settings = settings
+
+    def _switch_settings(self) -> None:
+        settings, self._pending_settings = self._pending_settings, None
+        keep = self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
+        new = make_policy(settings, keep)
+        new.adopt_live_state(self.policy)
+        new.attach(self.waiting, self.running, self.now)
+        self.policy, self.settings = new, settings
+        self.predictor = new.predictor or self.predictor
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        t_start = time.perf_counter()
+        total = len(self.arrivals)
+        report_every = max(1, total // 200)
+        last_reported = 0
+        while self.next_arrival < total or self.waiting or self.running:
+            if not self.waiting and not self.running:
+                self.now = max(self.now, self.arrivals[self.next_arrival].arrival)
+            self._step()
+            if progress and len(self.completions) - last_reported >= report_every:
+                last_reported = len(self.completions)
+                progress(last_reported + len(self.rejected), total)
+        if progress:
+            progress(total, total)
+        return SimResult(
+            settings=self.settings, completions=self.completions, rejected=self.rejected,
+            steps=self.steps, iterations=self.iterations, sim_time_s=self.now,
+            wall_s=time.perf_counter() - t_start, preemptions=self.preemptions,
+            policy_preemptions=self.policy_preemptions, recomputed_tokens=self.recomputed_tokens,
+            gamma_timeline=self.gamma_timeline,
+        )
+
+    def _admit_arrivals(self) -> None:
+        bs, cap = self.config.block_size, self.config.num_gpu_blocks
+        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival].arrival <= self.now:
+            t = self.arrivals[self.next_arrival]
+            self.next_arrival += 1
+            target = min(t.output_tokens, t.max_tokens)
+            if -(-(t.prompt_tokens + target) // bs) > cap:
+                self.rejected.append(t.id)  # could never fit in KV: vLLM rejects it up front too
+                continue
+            req = RequestState(id=t.id, arrival=t.arrival, prompt_tokens=t.prompt_tokens,
+                               max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
+                               output_tokens=target, enqueued_at=self.now)
+            self.target[req.id] = target
+            self.waiting.append(req)
+            self.policy.on_arrival(req, self.now)
+
+    def _step(self) -> None:
+        now = self.now
+        if self._pending_settings is not None:
+            self._switch_settings()
+        self._admit_arrivals()
+        if not self.waiting and not self.running:
+            return  # every arrival so far was rejected
+        policy = self.policy
+        if policy.next_tick() <= now:
+            policy.tick(now)
+            if hasattr(policy, "gamma"):
+                self.gamma_timeline.append((now, policy.gamma))
+        if self.predictor is not None and now >= self.next_refit:
+            self.predictor.refit()
+            self.next_refit = now + self.config.refit_interval_s
+        policy.view.num_waiting = len(self.waiting)
+        policy.view.now = now
+
+        step = self._schedule(now)
+        n_steps = self._steady_steps(step, now) if self.event_skipping else 1
+        self._advance(step, n_steps)
+        self.iterations += 1
+        if self.check_invariants:
+            self._check()
+
+    # --- deciding one step ------------------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _chunk(self, req: RequestState, budget: int) -> int:
+        n = req.remaining_prefill
+        lpt = self.settings.engine.long_prefill_token_threshold
+        if 0 < lpt < n:
+            n = lpt
+        return min(n, budget)
+
+    def _preempt(self, req: RequestState, by_policy: bool) -> None:
+        self.running.remove(req)
+        self.free_blocks += self.blocks.pop(req.id, 0)
+        self.recomputed_tokens += req.computed_tokens
+        req.recomputed_tokens += req.computed_tokens
+        req.computed_tokens = 0
+        req.preemptions += 1
+        self.preemptions += 1
+        if by_policy:
+            req.policy_preemptions += 1
+            self.policy_preemptions += 1
+        req.enqueued_at = self.now
+        self.waiting.insert(0, req)  # recompute: back to the front of waiting (stock order)
+        self.policy.on_preempt(req, self.now, by_policy)
+
+    def _policy_preemptions(self, now: float) -> bool:
+        """Preempt running requests for better-scored waiting ones that cannot otherwise fit."""
+        policy, S = self.policy, self.settings.engine.max_num_seqs
+        budget = self.settings.engine.max_num_batched_tokens
+        seats, free = S - len(self.running), self.free_blocks
+        preempted = False
+        for w in policy.admission_order(self.waiting, now):
+            need = self._blocks_for(self._chunk(w, budget))
+            while seats < 1 or need > free:
+                victim = policy.policy_victim(w, self.running, now)
+                if victim is None:
+                    return preempted
+                seats += 1
+                free += self.blocks.get(victim.id, 0)
+                self._preempt(victim, by_policy=True)
+                preempted = True
+            seats -= 1
+            free -= need
+        return preempted
+
+    def _schedule(self, now: float) -> _Step:
+        policy, eng = self.policy, self.settings.engine
+        self.running = policy.order_running(self.running, now)
+        policy_preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
+        running, blocks = self.running, self.blocks
+        budget = eng.max_num_batched_tokens
+        step = _Step(tokens={}, preempted=policy_preempted)
+        memory_preempted = False
+
+        bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
+        tokens = step.tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.prompt_tokens + req.generated - req.computed_tokens  # a decode is 1
+            if 0 < lpt < n:
+                n = lpt
+            if n > budget:
+                n = budget
+            held = blocks.get(req.id, 0)
+            need = -(-(req.computed_tokens + n) // bs) - held
+            while need > self.free_blocks:
+                victim = policy.memory_victim(running)
+                vi = running.index(victim)
+                if victim in tokens:  # already served this step: give its budget back
+                    budget += tokens.pop(victim)
+                self._preempt(victim, by_policy=False)
+                memory_preempted = True
+                if victim is req:
+                    break
+                if vi < i:
+                    i -= 1
+            else:
+                if need:
+                    self.free_blocks -= need
+                    blocks[req.id] = held + need
+                tokens[req] = n
+                budget -= n
+                i += 1
+                continue
+            # ``req`` preempted itself; the request now at index i is the next one.
+        step.preempted = step.preempted or memory_preempted
+
+        if not memory_preempted and self.waiting:
+            admitted: set[int] = set()
+            for w in policy.admission_order(self.waiting, now):
+                if len(running) >= eng.max_num_seqs or budget == 0:
+                    step.admission_blocked = True
+                    break
+                n = self._chunk(w, budget)
+                need = self._blocks_for(n)
+                if need > self.free_blocks:
+                    step.admission_blocked = step.kv_blocked = True
+                    break
+                self.free_blocks -= need
+                blocks[w.id] = need
+                running.append(w)
+                step.tokens[w] = n
+                budget -= n
+                admitted.add(id(w))
+                policy.on_admit(w, now, n)
+                if w.scheduled_at is None:
+                    w.scheduled_at = now
+            if admitted:
+                step.admitted = True
+                self.waiting = [w for w in self.waiting if id(w) not in admitted]
+
+        decode_seqs = sum_ctx = prefill = prefill_sq = 0
+        for req, n in tokens.items():
+            if n == 1 and req.generated and req.computed_tokens + 1 == req.prompt_tokens + req.generated:
+                decode_seqs += 1
+                sum_ctx += req.computed_tokens + 1
+            else:
+                prefill += n
+                prefill_sq += n * n
+        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
+        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
+        if not step.tokens and not step.preempted:
+            raise RuntimeError(f"simulator stalled at t={now:.6f}: nothing schedulable "
+                               f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})")
+        return step
+
+    # --- event skipping -------------------------------------------------------------------
+    def _steady_steps(self, step: _Step, now: float) -> int:
+        """How many identical steps, starting with this one, can run as one event."""
+        running = self.running
+        if (step.preempted or step.admitted or step.prefill_tokens or not running
+                or step.decode_seqs != len(running)
+                or (self.waiting and not step.admission_blocked)):
+            return 1
+        target = self.target
+        k = min(target[r.id] - r.generated for r in running)  # the stretch ends with a completion
+        if k <= 1:
+            return 1
+        k = min(k, self._kv_safe_steps())
+        k = min(k, self.policy.steady_steps(running, self.waiting, now, step.kv_blocked))
+        t_event = self.policy.next_tick()
+        if self.next_arrival < len(self.arrivals):
+            t_event = min(t_event, self.arrivals[self.next_arrival].arrival)
+        if self.predictor is not None:
+            t_event = min(t_event, self.next_refit)
+        if self.waiting:
+            t_event = min(t_event, self.policy.next_time_event(self.waiting, now))
+        if t_event < INF and k > 1:
+            k = min(k, self._steps_until(t_event, step))
+        return max(1, int(k))
+
+    def _kv_safe_steps(self) -> int:
+        """Steps (counting the first, already allocated) before some decode needs a missing block."""
+        bs = self.config.block_size
+        # Step j ≥ 1 of the stretch computes token index c+j; it needs a new block iff (c+j) % bs == 0.
+        firsts = sorted(((-(r.computed_tokens)) % bs) or bs for r in self.running)
+        rounds, rem = divmod(self.free_blocks, len(firsts))
+        return rounds * bs + firsts[rem]
+
+    def _step_time(self, step: _Step) -> float:
+        return self.config.step_model.step_time(step.prefill_tokens, step.sum_prefill_sq,
+                                                step.decode_seqs, step.sum_kv_context)
+
+    def _stretch_time(self, step: _Step, k: int) -> float:
+        t0 = self._step_time(step)
+        if k == 1:
+            return t0
+        return k * t0 + self.config.step_model.e * step.decode_seqs * k * (k - 1) / 2.0
+
+    def _steps_until(self, t_event: float, step: _Step) -> int:
+        """Smallest k ≥ 1 such that the step after k steps starts at or after ``t_event``."""
+        remaining = t_event - self.now
+        if remaining <= 0:
+            return 1
+        t0, g = self._step_time(step), self.config.step_model.e * step.decode_seqs
+        # Solve k·t0 + g·k(k−1)/2 = remaining for k, then fix up rounding by direct evaluation.
+        if g > 0:
+            b = t0 - g / 2.0
+            k = math.ceil((-b + math.sqrt(b * b + 2.0 * g * remaining)) / g)
+        else:
+            k = math.ceil(remaining / t0)
+        k = max(1, k)
+        while k > 1 and self.now + self._stretch_time(step, k - 1) >= t_event:
+            k -= 1
+        while self.now + self._stretch_time(step, k) < t_event:
+            k += 1
+        return k
+
+    # --- applying steps ---------------------------------------------------------------------
+    def _advance(self, step: _Step, k: int) -> None:
+        self.now += self._stretch_time(step, k)
+        self.steps += k
+        now, bs, policy, target = self.now, self.config.block_size, self.policy, self.target
+        finished: list[RequestState] = []
+        charges = policy.charges_tokens
+        blocks = self.blocks
+        for req, n in step.tokens.items():
+            if k == 1:
+                req.computed_tokens += n
+                if req.computed_tokens == req.prompt_tokens + req.generated:  # prefill/decode done: sample
+                    req.generated += 1
+                    if charges:
+                        policy.on_tokens(req, 1)
+                    if req.first_token_at is None:
+                        req.first_token_at = now
+            else:  # a stretch of k pure decode steps
+                req.computed_tokens += k
+                req.generated += k
+                if charges:
+                    policy.on_tokens(req, k)
+                held = blocks[req.id]
+                need = -(-req.computed_tokens // bs) - held
+                if need > 0:
+                    self.free_blocks -= need
+                    blocks[req.id] = held + need
+            done = (req.computed_tokens if req.computed_tokens < req.prompt_tokens else req.prompt_tokens) + req.generated
+            if done > req.attained:  # RequestState.note_progress, inlined: this loop is the hot path
+                req.attained = done
+            if req.generated >= target[req.id]:
+                finished.append(req)
+        if policy.counts_steps:
+            unscheduled = [r for r in self.running if r not in step.tokens]
+            policy.on_steps(step.tokens.keys(), unscheduled + self.waiting, k)
+        for req in finished:
+            self._finish(req)
+
+    def _finish(self, req: RequestState) -> None:
+        now = self.now
+        req.finished_at = now
+        self.running.remove(req)
+        self.free_blocks += self.blocks.pop(req.id)
+        self.policy.on_finish(req, now)
+        if self.predictor is not None:
+            self.predictor.observe(req, req.generated)
+        self.completions.append(Completion(
+            id=req.id, tenant=req.tenant, type=req.type, arrival=req.arrival,
+            scheduled_at=req.scheduled_at, first_token_at=req.first_token_at, finished_at=now,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.generated,
+            preemptions=req.preemptions, recomputed_tokens=req.recomputed_tokens))
+
+    def _check(self) -> None:
+        held = sum(self.blocks.values())
+        assert held + self.free_blocks == self.config.num_gpu_blocks, "KV block accounting broken"
+        assert self.free_blocks >= 0, "KV blocks over capacity"
+        for r in self.running:
+            assert self.blocks.get(r.id, 0) >= self._blocks_for(r.computed_tokens), f"{r.id} lacks KV"
+
+
+def simulate(trace, settings: Settings, config: EngineConfig | None = None, **kw) -> SimResult:
+    """Replay ``trace`` under ``settings`` and return the result."""
+    return Simulator(trace, settings, config, **kw).run()
