@@ -16,6 +16,8 @@ import click
 
 from controlplane.settings import POLICY_NAMES, Settings, settings_from_cli
 
+PREDICTED_POLICIES = ("sjf", "srpt", "tie")
+
 # Metrics shown in the compare table, in Table 2's spirit (seed 000): tails first.
 COMPARE_METRICS = (
     "ttlt_mean", "ttlt_p50", "ttlt_p95", "ttlt_p99", "ttft_mean", "ttft_p95", "ttft_p99",
@@ -86,9 +88,12 @@ def _stderr_console():
     return Console(stderr=True)
 
 
-def _settings_or_exit(policy: str, assignments, pins, engine: dict) -> Settings:
+def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: str = "oracle") -> Settings:
+    assignments = list(assignments)
+    if policy in PREDICTED_POLICIES and not any(a.split("=", 1)[0].strip() == "predictor" for a in assignments):
+        assignments.insert(0, f"predictor={predictor}")
     try:
-        return settings_from_cli(policy, list(assignments), list(pins), engine)
+        return settings_from_cli(policy, assignments, list(pins), engine)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         raise click.UsageError(_short_error(err))
 
@@ -117,6 +122,8 @@ trace_options = [
     click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
     click.option("--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."),
     click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+    click.option("--predictor", type=click.Choice(["oracle", "history"]), default="oracle", show_default=True,
+                 help="Length predictor for sjf/srpt/tie (oracle = true lengths, as in the papers' baselines)."),
 ]
 
 
@@ -144,9 +151,9 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
 @with_trace_options
 def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate, window, cap, tenants, seed,
-        num_gpu_blocks, step_model, step_by_step, progress, **engine):
+        num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Replay a trace through the engine simulator under one policy and print its metrics."""
-    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine))
+    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine), predictor)
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace))
@@ -181,7 +188,7 @@ def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate,
 @click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
 @with_trace_options
 def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_scale, target_rate, window, cap,
-            tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, **engine):
+            tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Run several policies on one trace; print each one's metrics and % change vs the baseline
     (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
     from controlplane.metrics import percent_change
@@ -198,7 +205,7 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
         if head not in per_policy or not rest:
             raise click.BadParameter(f"{item!r}: expected POLICY.NAME=VALUE for a compared policy", param_hint="--set")
         per_policy[head].append(rest)
-    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine)).to_dict() for n in names}
+    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine), predictor).to_dict() for n in names}
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace)) and jobs == 1
@@ -250,7 +257,8 @@ def _show_progress(flag: bool | None, n: int) -> bool:
 def _console():
     from rich.console import Console
 
-    return Console(width=max(100, Console().width))
+    console = Console()
+    return console if console.is_terminal and console.width >= 140 else Console(width=160)
 
 
 def _fmt(v: float) -> str:

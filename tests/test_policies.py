@@ -219,13 +219,13 @@ def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
     p = _tie(beta_min=0.1, beta_max=0.5)  # max_num_seqs 128 by default
     reqs = [RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=5, max_tokens=64, output_tokens=10)
             for i in range(300)]
-    p.order_waiting(reqs[:10], 0.0)
+    p.before_step(reqs[:10], 0.0)
     assert p.beta == pytest.approx(0.1)  # 0.1·10/128 below the floor
-    p.order_waiting(reqs[:320], 0.0)
+    p.before_step(reqs[:320], 0.0)
     assert p.beta == pytest.approx(min(0.5, 0.1 * 300 / 128))
     pinned = make_policy(Settings.model_validate({"policy": "tie", "params": {"predictor": "oracle", "beta": 0.7},
                                                   "pinned": ["beta"]}), OraclePredictor())
-    pinned.order_waiting(reqs, 0.0)
+    pinned.before_step(reqs, 0.0)
     assert pinned.beta == 0.7
 
 

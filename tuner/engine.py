@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Sequence
 
 from controlplane.metrics import Completion, summarize
 from controlplane.policies import Policy, RequestState, make_policy
-from controlplane.policies.base import INF
+from controlplane.policies.base import INF, arrival_order
+from controlplane.policies.queue import WaitingQueue
 from controlplane.settings import Settings
 from tuner.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
 from tuner.traces import Trace, TraceRequest
@@ -50,6 +51,7 @@ class _Step:
 
     tokens: dict  # RequestState -> tokens scheduled this step (insertion = service order)
     preempted: bool = False
+    memory_preempted: bool = False
     admitted: bool = False
     kv_blocked: bool = False  # admission stopped because the next request could not get blocks
     admission_blocked: bool = False  # admission stopped by seats, budget or KV
@@ -96,7 +98,7 @@ class Simulator:
         self.arrivals: list[TraceRequest] = reqs
         self.next_arrival = 0  # index into arrivals
         self.now = reqs[0].arrival if reqs else 0.0
-        self.waiting: list[RequestState] = []
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[RequestState] = []
         self.blocks: dict[str, int] = {}  # KV blocks held per request id
         self.free_blocks = self.config.num_gpu_blocks
@@ -104,6 +106,7 @@ class Simulator:
         self.completions: list[Completion] = []
         self.rejected: list[str] = []
         self.steps = 0
+        self._idle_iterations = 0
         self.iterations = 0
         self.preemptions = 0
         self.policy_preemptions = 0
@@ -121,7 +124,8 @@ class Simulator:
         keep = self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
         new = make_policy(settings, keep)
         new.adopt_live_state(self.policy)
-        new.attach(self.waiting, self.running, self.now)
+        new.attach(list(self.waiting), self.running, self.now)
+        self.waiting.set_policy(new)
         self.policy, self.settings = new, settings
         self.predictor = new.predictor or self.predictor
 
@@ -161,7 +165,7 @@ class Simulator:
                                max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
                                output_tokens=target, enqueued_at=self.now)
             self.target[req.id] = target
-            self.waiting.append(req)
+            self.waiting.push(req, self.now)
             self.policy.on_arrival(req, self.now)
 
     def _step(self) -> None:
@@ -181,8 +185,17 @@ class Simulator:
             self.next_refit = now + self.config.refit_interval_s
         policy.view.num_waiting = len(self.waiting)
         policy.view.now = now
+        policy.before_step(self.waiting, now)
 
         step = self._schedule(now)
+        if step.tokens:
+            self._idle_iterations = 0
+        else:  # preempting without serving anyone: bounded, or it is a livelock worth a loud error
+            self._idle_iterations += 1
+            if self._idle_iterations > 10_000:
+                raise RuntimeError(f"simulator livelock at t={now:.6f}: {self._idle_iterations} steps without "
+                                   f"service (policy {policy.name}, waiting={len(self.waiting)}, "
+                                   f"running={len(self.running)}, free_blocks={self.free_blocks})")
         n_steps = self._steady_steps(step, now) if self.event_skipping else 1
         self._advance(step, n_steps)
         self.iterations += 1
@@ -200,7 +213,7 @@ class Simulator:
             n = lpt
         return min(n, budget)
 
-    def _preempt(self, req: RequestState, by_policy: bool) -> None:
+    def _preempt(self, req: RequestState, by_policy: bool, requeue: bool = True) -> None:
         self.running.remove(req)
         self.free_blocks += self.blocks.pop(req.id, 0)
         self.recomputed_tokens += req.computed_tokens
@@ -212,7 +225,11 @@ class Simulator:
             req.policy_preemptions += 1
             self.policy_preemptions += 1
         req.enqueued_at = self.now
-        self.waiting.insert(0, req)  # recompute: back to the front of waiting (stock order)
+        if requeue:
+            self._requeue(req, by_policy)
+
+    def _requeue(self, req: RequestState, by_policy: bool) -> None:
+        self.waiting.push(req, self.now, front=True)  # recompute: back to the front (stock order)
         self.policy.on_preempt(req, self.now, by_policy)
 
     def _policy_preemptions(self, now: float) -> bool:
@@ -220,30 +237,72 @@ class Simulator:
         policy, S = self.policy, self.settings.engine.max_num_seqs
         budget = self.settings.engine.max_num_batched_tokens
         seats, free = S - len(self.running), self.free_blocks
-        preempted = False
-        for w in policy.admission_order(self.waiting, now):
-            need = self._blocks_for(self._chunk(w, budget))
+        victims: list[RequestState] = []
+        for w in policy.admission_order(self.waiting.ordered(now), now):
+            if budget <= 0:
+                break  # admission cannot reach further down the queue this step
+            chunk = self._chunk(w, budget)
+            budget -= chunk
+            need = self._blocks_for(chunk)
             while seats < 1 or need > free:
+                self._sort_running(now)
                 victim = policy.policy_victim(w, self.running, now)
                 if victim is None:
-                    return preempted
+                    break
                 seats += 1
                 free += self.blocks.get(victim.id, 0)
-                self._preempt(victim, by_policy=True)
-                preempted = True
+                self._preempt(victim, by_policy=True, requeue=False)
+                victims.append(victim)
+            if seats < 1 or need > free:
+                break
             seats -= 1
             free -= need
-        return preempted
+        for victim in victims:  # requeued only now: the loop above walks the waiting queue
+            self._requeue(victim, by_policy=True)
+        return bool(victims)
 
-    def _schedule(self, now: float) -> _Step:
-        policy, eng = self.policy, self.settings.engine
-        self.running = policy.order_running(self.running, now)
-        policy_preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
-        running, blocks = self.running, self.blocks
+    def _serve_running_uncontended(self, step: _Step) -> int | None:
+        """Give every running request its tokens and blocks, in any order, or return None
+        (touching nothing) if the budget or the free blocks do not cover them all."""
+        eng, bs, blocks = self.settings.engine, self.config.block_size, self.blocks
+        budget, free, lpt = eng.max_num_batched_tokens, self.free_blocks, eng.long_prefill_token_threshold
+        tokens: dict = {}
+        grown: list = []
+        decode_seqs = sum_ctx = prefill = prefill_sq = 0
+        for req in self.running:
+            c = req.computed_tokens
+            n = req.prompt_tokens + req.generated - c
+            if n == 1 and req.generated:  # a decode
+                decode_seqs += 1
+                sum_ctx += c + 1
+            else:
+                if 0 < lpt < n:
+                    n = lpt
+                prefill += n
+                prefill_sq += n * n
+            budget -= n
+            if budget < 0:
+                return None
+            if (c + n - 1) // bs >= (c + bs - 1) // bs:  # crosses into a block it does not hold
+                held = blocks.get(req.id, 0)
+                need = -(-(c + n) // bs) - held
+                free -= need
+                if free < 0:
+                    return None
+                grown.append((req.id, held + need))
+            tokens[req] = n
+        for rid, held in grown:
+            blocks[rid] = held
+        self.free_blocks = free
+        step.tokens = tokens
+        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
+        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
+        return budget
+
+    def _serve_running(self, step: _Step) -> int:
+        """Serve the running requests in running order, preempting on KV shortage (SPEC §2.3)."""
+        policy, eng, running, blocks = self.policy, self.settings.engine, self.running, self.blocks
         budget = eng.max_num_batched_tokens
-        step = _Step(tokens={}, preempted=policy_preempted)
-        memory_preempted = False
-
         bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
         tokens = step.tokens
         i = 0
@@ -262,7 +321,7 @@ class Simulator:
                 if victim in tokens:  # already served this step: give its budget back
                     budget += tokens.pop(victim)
                 self._preempt(victim, by_policy=False)
-                memory_preempted = True
+                step.memory_preempted = True
                 if victim is req:
                     break
                 if vi < i:
@@ -276,11 +335,37 @@ class Simulator:
                 i += 1
                 continue
             # ``req`` preempted itself; the request now at index i is the next one.
-        step.preempted = step.preempted or memory_preempted
+        for req, n in tokens.items():
+            if n == 1 and req.generated and req.computed_tokens + 1 == req.prompt_tokens + req.generated:
+                step.decode_seqs += 1
+                step.sum_kv_context += req.computed_tokens + 1
+            else:
+                step.prefill_tokens += n
+                step.sum_prefill_sq += n * n
+        return budget
 
+    def _sort_running(self, now: float) -> None:
+        if not self._running_sorted:
+            self.running = self.policy.order_running(self.running, now)
+            self._running_sorted = True
+
+    def _schedule(self, now: float) -> _Step:
+        policy, eng = self.policy, self.settings.engine
+        self._running_sorted = not policy.reorders_running
+        step = _Step(tokens={})
+        step.preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
+        # The running order only matters when the running requests do not all get their tokens
+        # and blocks; try the cheap unordered pass first and sort only if it finds contention.
+        budget = None if self._running_sorted else self._serve_running_uncontended(step)
+        if budget is None:
+            self._sort_running(now)
+            budget = self._serve_running(step)
+        memory_preempted = step.memory_preempted
+        step.preempted = step.preempted or memory_preempted
+        running, blocks = self.running, self.blocks
         if not memory_preempted and self.waiting:
-            admitted: set[int] = set()
-            for w in policy.admission_order(self.waiting, now):
+            admitted: list[RequestState] = []
+            for w in policy.admission_order(self.waiting.ordered(now), now):
                 if len(running) >= eng.max_num_seqs or budget == 0:
                     step.admission_blocked = True
                     break
@@ -293,25 +378,18 @@ class Simulator:
                 blocks[w.id] = need
                 running.append(w)
                 step.tokens[w] = n
+                step.prefill_tokens += n  # an admission is always a prefill (prompt or recompute)
+                step.sum_prefill_sq += n * n
                 budget -= n
-                admitted.add(id(w))
+                admitted.append(w)
+                w.status = "running"
                 policy.on_admit(w, now, n)
                 if w.scheduled_at is None:
                     w.scheduled_at = now
             if admitted:
                 step.admitted = True
-                self.waiting = [w for w in self.waiting if id(w) not in admitted]
+                self.waiting.remove(admitted)
 
-        decode_seqs = sum_ctx = prefill = prefill_sq = 0
-        for req, n in tokens.items():
-            if n == 1 and req.generated and req.computed_tokens + 1 == req.prompt_tokens + req.generated:
-                decode_seqs += 1
-                sum_ctx += req.computed_tokens + 1
-            else:
-                prefill += n
-                prefill_sq += n * n
-        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
-        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
         if not step.tokens and not step.preempted:
             raise RuntimeError(f"simulator stalled at t={now:.6f}: nothing schedulable "
                                f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})")
@@ -330,14 +408,15 @@ class Simulator:
         if k <= 1:
             return 1
         k = min(k, self._kv_safe_steps())
-        k = min(k, self.policy.steady_steps(running, self.waiting, now, step.kv_blocked))
+        waiting = self.waiting.ordered(now)
+        k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked))
         t_event = self.policy.next_tick()
         if self.next_arrival < len(self.arrivals):
             t_event = min(t_event, self.arrivals[self.next_arrival].arrival)
         if self.predictor is not None:
             t_event = min(t_event, self.next_refit)
         if self.waiting:
-            t_event = min(t_event, self.policy.next_time_event(self.waiting, now))
+            t_event = min(t_event, self.policy.next_time_event(waiting, now))
         if t_event < INF and k > 1:
             k = min(k, self._steps_until(t_event, step))
         return max(1, int(k))
@@ -413,13 +492,16 @@ class Simulator:
                 finished.append(req)
         if policy.counts_steps:
             unscheduled = [r for r in self.running if r not in step.tokens]
-            policy.on_steps(step.tokens.keys(), unscheduled + self.waiting, k)
+            policy.on_steps(step.tokens.keys(), unscheduled + list(self.waiting), k)
+        # Same-time completions in a canonical order, whatever order the running list was in.
+        finished.sort(key=arrival_order)
         for req in finished:
             self._finish(req)
 
     def _finish(self, req: RequestState) -> None:
         now = self.now
         req.finished_at = now
+        req.status = "finished"
         self.running.remove(req)
         self.free_blocks += self.blocks.pop(req.id)
         self.policy.on_finish(req, now)

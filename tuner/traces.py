@@ -28,6 +28,7 @@ ISCA 2024. See `bundled_trace_path()` and `load_bundled()`.
 from __future__ import annotations
 
 import csv
+import inspect
 import dataclasses
 import datetime as _dt
 import json
@@ -691,29 +692,40 @@ def load_trace(path: PathLike, **kw) -> Trace:
     `n=` and `rate=`). Keyword arguments go to the chosen loader.
     """
     where = os.fspath(path)
+    loader, first = _choose_loader(path, where, kw)
+    # Arrival-generation settings (rate, process, cv, seed, n) only reach loaders that take them,
+    # so one command line can name any trace file.
+    accepted = inspect.signature(loader).parameters
+    return loader(path, **{k: v for k, v in kw.items() if k in accepted or k not in _GENERATION_KEYS})
+
+
+_GENERATION_KEYS = {"rate", "process", "cv", "seed", "n"}
+
+
+def _choose_loader(path: PathLike, where: str, kw: dict):
     with _open(path) as f:
         try:
             first = next((line for line in f if line.strip()), "")
         except UnicodeDecodeError as e:
             raise TraceError(f"{where}: not UTF-8 text: {e}") from None
     if where.endswith(".jsonl") or first.lstrip().startswith("{"):
-        return load_mooncake(path, **kw)
+        return load_mooncake, first
     header = {c.strip() for c in next(csv.reader([first]), [])}
     if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= header:
-        return load_azure(path, **kw)
+        return load_azure, first
     if {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} <= header:
-        return load_vidur(path, **kw)
+        return load_vidur, first
     if {"num_prefill_tokens", "num_decode_tokens"} <= header:
         if "rate" not in kw:
             raise TraceError(f"{where}: a length-only trace (no arrival times): pass rate= "
                              "(and optionally process=, cv=, seed=, n=)")
-        return load_lengths(path, **kw)
+        return load_lengths, first
     if {"Timestamp", "Request tokens", "Response tokens"} <= header:
-        return load_burstgpt(path, **kw)
+        return load_burstgpt, first
     if {"model", "field", "value", "prob"} <= header:
         if "rate" not in kw or "n" not in kw:
             raise TraceError(f"{where}: a length distribution (no requests): pass n= and rate=")
-        return load_servegen_reasoning(path, **kw)
+        return load_servegen_reasoning, first
     raise TraceError(f"{where}: unknown trace format; header seen: {first.strip()[:200]!r}")
 
 

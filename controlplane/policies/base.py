@@ -46,6 +46,7 @@ class RequestState:
     # predictor, which exists for comparison only, is the one exception).
     output_tokens: int | None = None
 
+    status: str = "new"  # new | waiting | running | finished (kept by the engine)
     computed_tokens: int = 0  # prefix whose KV exists
     generated: int = 0  # output tokens so far
     attained: int = 0  # service received: prompt tokens prefilled (high-water) + generated
@@ -113,6 +114,10 @@ class Policy:
         self.params = settings.params
         self.predictor = predictor
         self.view = EngineView(max_num_seqs=settings.engine.max_num_seqs)
+        # Waiting keys are stable within an epoch; a new epoch makes the queue re-sort.
+        self.epoch = new_epoch()
+        self.moved: list[RequestState] = []  # waiting requests whose own key changed (re-insert)
+        self._predictor_version = getattr(predictor, "version", 0)
 
     # --- ordering -------------------------------------------------------------------------
     def score(self, req: RequestState, now: float) -> float:
@@ -132,8 +137,16 @@ class Policy:
         return sorted(running, key=lambda r: self.key(r, now))
 
     def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
-        """Waiting requests in the order admission should try them (VTC re-picks after each)."""
-        return iter(self.order_waiting(waiting, now))
+        """Waiting requests (already in queue order) in the order admission should try them;
+        VTC re-picks the tenant after each admission."""
+        return iter(waiting)
+
+    def before_step(self, waiting: Sequence[RequestState], now: float) -> None:
+        """Refresh adaptive state at the top of a step (``waiting`` in queue order)."""
+        version = getattr(self.predictor, "version", 0)
+        if version != self._predictor_version:  # the predictor refitted: every prediction moved
+            self._predictor_version = version
+            self.epoch = new_epoch()
 
     # --- preemption -----------------------------------------------------------------------
     def policy_preemptible(self, req: RequestState) -> bool:

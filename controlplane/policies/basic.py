@@ -44,8 +44,8 @@ class Vtc(Policy):
     def weight(self, tenant: str) -> float:
         return self.params.weights.get(tenant, 1.0)
 
-    def score(self, req: RequestState, now: float) -> float:
-        return self.counters.get(req.tenant, 0.0)
+    # Keys stay FCFS (score = arrival): the waiting queue is kept in arrival order and the tenant
+    # choice happens in admission_order, because counters move with every generated token.
 
     def _enter_backlog(self, tenant: str) -> None:
         n = self.backlog.get(tenant, 0)
@@ -77,7 +77,7 @@ class Vtc(Policy):
 
     def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
         queues: dict[str, list[RequestState]] = {}
-        for r in sorted(waiting, key=lambda r: (r.arrival, r.id)):
+        for r in waiting:  # already in arrival order
             queues.setdefault(r.tenant, []).append(r)
         heads = {t: 0 for t in queues}
         while heads:
@@ -87,9 +87,6 @@ class Vtc(Policy):
             heads[tenant] += 1
             if heads[tenant] == len(queues[tenant]):
                 del heads[tenant]
-
-    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
-        return sorted(waiting, key=lambda r: (self.counters.get(r.tenant, 0.0), r.arrival, r.id))
 
     def steady_steps(self, running, waiting, now, kv_blocked) -> float:
         # Counters move with every generated token, so the tenant picked next can change.

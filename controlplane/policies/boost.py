@@ -113,7 +113,7 @@ class UniBoost(Policy):
                               for r in running))
         # Without MemGuard a running score rises continuously; find when the worst one would pass
         # the best waiting score. b_γ is its own inverse, so the crossing is closed-form.
-        best = min(self.score(w, now) for w in waiting) + self.preempt_margin()
+        best = self.score(waiting[0], now) + self.preempt_margin()  # waiting is in key order
         steps = INF
         for r in running:
             gap = r.arrival - best  # preempt once b_γ(w̃_r) < gap

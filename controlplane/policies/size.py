@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 
-from controlplane.policies.base import INF, Policy, RequestState
+from controlplane.policies.base import INF, Policy, RequestState, new_epoch
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
 TOP_PRIORITY = -1e18
@@ -41,8 +43,12 @@ class Sjf(Policy):
             r.unscheduled_steps = 0
             if r.quantum_left:
                 r.quantum_left = max(0, r.quantum_left - steps)
+        limit = self.params.starve_steps
         for r in unscheduled:
+            before = r.unscheduled_steps
             r.unscheduled_steps += steps
+            if before < limit <= r.unscheduled_steps and r.status == "waiting":
+                self.moved.append(r)  # a starving request jumps the waiting queue
 
     def steady_steps(self, running, waiting, now, kv_blocked) -> float:
         if not (waiting and kv_blocked):
@@ -79,21 +85,48 @@ class Las(Policy):
     name = "las"
     preemptive = True
 
+    def __init__(self, settings, predictor=None) -> None:
+        super().__init__(settings, predictor)
+        self._starve_at: list = []  # heap of (time the request starves, seq, request)
+        self._seq = itertools.count()
+
+    def _watch(self, req: RequestState) -> None:
+        heapq.heappush(self._starve_at, (req.enqueued_at + self.params.starve_s, next(self._seq), req))
+
+    def on_arrival(self, req, now) -> None:
+        self._watch(req)
+
+    def on_preempt(self, req, now, by_policy) -> None:
+        self._watch(req)
+
+    def attach(self, waiting, running, now) -> None:
+        for r in waiting:
+            self._watch(r)
+
+    def before_step(self, waiting, now) -> None:
+        super().before_step(waiting, now)
+        heap = self._starve_at
+        while heap and heap[0][0] <= now:
+            t, _, req = heapq.heappop(heap)
+            # Entries of admitted requests go stale; only a request still waiting since then counts.
+            if req.status == "waiting" and req.enqueued_at + self.params.starve_s == t and req.attained > req.las_base:
+                req.las_base = req.attained  # promotion back to level 0
+                req.score_epoch = -1  # drop the cached level
+                self.moved.append(req)
+
     def level(self, req: RequestState) -> int:
         service_s = (req.attained - req.las_base) * self.params.alpha_s_per_token
         return int(math.floor(math.log2(service_s / self.params.q0_s + 1.0)))
 
     def score(self, req: RequestState, now: float) -> float:
-        return float(self.level(req))
-
-    def _starving(self, req: RequestState, now: float) -> bool:
-        return req.finished_at is None and now - req.enqueued_at >= self.params.starve_s
-
-    def order_waiting(self, waiting, now):
-        for r in waiting:
-            if r.attained > r.las_base and self._starving(r, now):
-                r.las_base = r.attained  # promotion: back to level 0
-        return super().order_waiting(waiting, now)
+        if req.score_epoch == self.epoch and req.attained < req.score_until:
+            return req.score_value
+        level = self.level(req)
+        # The level holds until attained service reaches the next level's threshold.
+        next_s = self.params.q0_s * (2.0 ** (level + 1) - 1.0)
+        req.score_until = req.las_base + math.floor(next_s / self.params.alpha_s_per_token)
+        req.score_epoch, req.score_value = self.epoch, float(level)
+        return float(level)
 
     def _tokens_to_next_level(self, req: RequestState) -> int:
         k = self.level(req)
@@ -102,8 +135,7 @@ class Las(Policy):
         return max(1, math.ceil(tokens) - req.attained)
 
     def next_time_event(self, waiting, now) -> float:
-        times = [r.enqueued_at + self.params.starve_s for r in waiting if r.attained > r.las_base]
-        return min(times) if times else INF
+        return self._starve_at[0][0] if self._starve_at else INF
 
     def steady_steps(self, running, waiting, now, kv_blocked) -> float:
         if not waiting:

@@ -6,7 +6,7 @@ max_tokens (quadrature in ``tie_math``); β adapts to the queue unless pinned. N
 
 from __future__ import annotations
 
-from controlplane.policies.base import Policy, RequestState
+from controlplane.policies.base import Policy, RequestState, new_epoch
 from controlplane.policies.tie_math import adaptive_beta, tie_moments
 
 
@@ -41,11 +41,14 @@ class Tie(Policy):
         t_wait = max(0.0, now - req.arrival)
         return self.base_score(req) * self.params.decay ** (t_wait / self.params.tau_s)
 
-    def order_waiting(self, waiting, now):
+    def before_step(self, waiting, now) -> None:
+        super().before_step(waiting, now)
         if not self.beta_pinned:
             p = self.params
-            self.beta = adaptive_beta(len(waiting), self.view.max_num_seqs, p.beta_min, p.beta_max)
-        return super().order_waiting(waiting, now)
+            beta = adaptive_beta(len(waiting), self.view.max_num_seqs, p.beta_min, p.beta_max)
+            if beta != self.beta:
+                self.beta = beta
+                self.epoch = new_epoch()
 
     # The wait decay multiplies every score by the same factor per unit time, so the waiting order
     # never changes by itself during a decode stretch: the default steady_steps (INF) holds.

@@ -1,0 +1,106 @@
+"""The settings model's validation and the `tailpilot sim` / `compare` commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from pydantic import ValidationError
+
+from controlplane.cli import main
+from controlplane.settings import Settings, settings_from_cli
+
+
+# --- settings -----------------------------------------------------------------------------
+def test_defaults_fill_in_and_round_trip():
+    s = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]})
+    assert s.param("gamma") == 8.0 and s.param("memguard") is True and s.is_pinned("gamma")
+    assert Settings.model_validate(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"policy": "nope"}, "policy"),
+    ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
+    ({"policy": "uniboost", "params": {"gamma": -3}}, "params.gamma"),
+    ({"policy": "uniboost", "params": {"gammma": 3}}, "params.gammma"),
+    ({"policy": "tie", "params": {"beta": 1.5}}, "params.beta"),
+    ({"policy": "tie", "params": {"alpha": 1.0}}, "params.alpha"),
+    ({"policy": "vtc", "params": {"weights": {"acme": 0}}}, "acme"),
+    ({"policy": "uniboost", "pinned": ["beta"]}, "pinned"),
+    ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"policy": "fcfs", "engine": {"max_num_seq": 4}}, "max_num_seq"),
+    ({"policy": "fcfs", "extra": 1}, "extra"),
+    ({"policy": "uniboost", "params": {"gamma_min": 50, "gamma_max": 10}}, "gamma_min"),
+])
+def test_bad_documents_are_rejected_naming_the_field(doc, field):
+    with pytest.raises(ValidationError) as err:
+        Settings.model_validate(doc)
+    assert field in str(err.value)
+
+
+def test_replace_merges_params_and_resets_them_on_a_policy_switch():
+    s = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]})
+    t = s.replace(params={"memguard": False})
+    assert t.param("gamma") == 8.0 and t.param("memguard") is False and t.pinned == ("gamma",)
+    u = s.replace(policy="tie")
+    assert u.policy == "tie" and u.pinned == () and u.param("alpha") == 0.9
+    with pytest.raises(ValidationError):
+        s.replace(params={"gamma": -1})
+    assert s.param("gamma") == 8.0  # the original is untouched (immutable)
+
+
+def test_cli_assignments_are_typed_and_engine_fields_routed():
+    s = settings_from_cli("uniboost", ["gamma=8", "memguard=off", "max_num_seqs=64"], ["gamma"])
+    assert s.param("gamma") == 8.0 and s.param("memguard") is False
+    assert s.engine.max_num_seqs == 64 and s.pinned == ("gamma",)
+
+
+# --- CLI ----------------------------------------------------------------------------------
+def run_cli(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_sim_json_on_the_bundled_window():
+    res = run_cli("sim", "--policy", "uniboost", "--set", "gamma=8", "--pin", "gamma", "--window", "0:120", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["settings"]["params"]["gamma"] == 8.0 and doc["settings"]["pinned"] == ["gamma"]
+    m = doc["metrics"]
+    assert m["requests"] == doc["run"]["requests"] > 100
+    assert 0 < m["ttft_p50"] <= m["ttft_p99"] <= m["ttlt_p99"]
+
+
+def test_sim_rejects_bad_parameters_naming_them():
+    res = run_cli("sim", "--policy", "uniboost", "--set", "gamma=-1", "--window", "0:10")
+    assert res.exit_code == 2 and "params.gamma" in res.output
+    res = run_cli("sim", "--policy", "uniboost", "--set", "gamam=2", "--window", "0:10")
+    assert res.exit_code == 2 and "params.gamam" in res.output and "unknown parameter" in res.output
+
+
+def test_sim_reports_a_malformed_trace_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:46.6805900,374,44\n"
+                   "2023-11-16 18:15:50.9951690,abc,109\n")
+    res = run_cli("sim", "--trace", str(bad), "--policy", "fcfs")
+    assert res.exit_code == 2 and "bad.csv:3" in res.output and "ContextTokens" in res.output
+
+
+def test_compare_changes_are_relative_to_the_baseline():
+    res = run_cli("compare", "--policies", "fcfs,uniboost,srpt", "--baseline", "fcfs", "--window", "0:120",
+                  "--set", "uniboost.gamma=0.5", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert set(doc["metrics"]) == {"fcfs", "uniboost", "srpt"}
+    assert all(v == 0 for v in doc["change_pct"]["fcfs"].values())
+    base, other = doc["metrics"]["fcfs"]["ttlt_p99"], doc["metrics"]["srpt"]["ttlt_p99"]
+    assert doc["change_pct"]["srpt"]["ttlt_p99"] == pytest.approx((base - other) / base * 100)
+
+
+def test_compare_table_and_console_script():
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "compare", "--policies", "fcfs,uniboost",
+                          "--baseline", "fcfs", "--window", "0:60"], capture_output=True, text=True, check=True)
+    assert "% change vs fcfs" in out.stdout and "uniboost" in out.stdout
