@@ -107,6 +107,7 @@ class Simulator:
         self.rejected: list[str] = []
         self.steps = 0
         self._idle_iterations = 0
+        self._was_contended = False
         self.iterations = 0
         self.preemptions = 0
         self.policy_preemptions = 0
@@ -308,13 +309,19 @@ class Simulator:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.prompt_tokens + req.generated - req.computed_tokens  # a decode is 1
+            c = req.computed_tokens
+            n = req.prompt_tokens + req.generated - c  # a decode is 1
             if 0 < lpt < n:
                 n = lpt
             if n > budget:
                 n = budget
+            if (c + n - 1) // bs < (c + bs - 1) // bs:  # fits in the blocks it holds
+                tokens[req] = n
+                budget -= n
+                i += 1
+                continue
             held = blocks.get(req.id, 0)
-            need = -(-(req.computed_tokens + n) // bs) - held
+            need = -(-(c + n) // bs) - held
             while need > self.free_blocks:
                 victim = policy.memory_victim(running)
                 vi = running.index(victim)
@@ -327,21 +334,23 @@ class Simulator:
                 if vi < i:
                     i -= 1
             else:
-                if need:
-                    self.free_blocks -= need
-                    blocks[req.id] = held + need
+                self.free_blocks -= need
+                blocks[req.id] = held + need
                 tokens[req] = n
                 budget -= n
                 i += 1
                 continue
             # ``req`` preempted itself; the request now at index i is the next one.
+        decode_seqs = sum_ctx = prefill = prefill_sq = 0
         for req, n in tokens.items():
             if n == 1 and req.generated and req.computed_tokens + 1 == req.prompt_tokens + req.generated:
-                step.decode_seqs += 1
-                step.sum_kv_context += req.computed_tokens + 1
+                decode_seqs += 1
+                sum_ctx += req.computed_tokens + 1
             else:
-                step.prefill_tokens += n
-                step.sum_prefill_sq += n * n
+                prefill += n
+                prefill_sq += n * n
+        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
+        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
         return budget
 
     def _sort_running(self, now: float) -> None:
@@ -356,10 +365,16 @@ class Simulator:
         step.preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
-        budget = None if self._running_sorted else self._serve_running_uncontended(step)
+        # (Under sustained contention skip the attempt: it would fail again.)
+        budget = None
+        if not self._running_sorted and not self._was_contended:
+            budget = self._serve_running_uncontended(step)
         if budget is None:
             self._sort_running(now)
             budget = self._serve_running(step)
+            self._was_contended = budget <= 0 or step.memory_preempted
+        else:
+            self._was_contended = False
         memory_preempted = step.memory_preempted
         step.preempted = step.preempted or memory_preempted
         running, blocks = self.running, self.blocks
@@ -466,29 +481,34 @@ class Simulator:
         finished: list[RequestState] = []
         charges = policy.charges_tokens
         blocks = self.blocks
+        # The hot loop: locals instead of repeated attribute reads.
         for req, n in step.tokens.items():
+            p, g = req.prompt_tokens, req.generated
             if k == 1:
-                req.computed_tokens += n
-                if req.computed_tokens == req.prompt_tokens + req.generated:  # prefill/decode done: sample
-                    req.generated += 1
+                c = req.computed_tokens + n
+                req.computed_tokens = c
+                if c == p + g:  # prefill or decode complete: sample a token
+                    g += 1
+                    req.generated = g
                     if charges:
                         policy.on_tokens(req, 1)
                     if req.first_token_at is None:
                         req.first_token_at = now
             else:  # a stretch of k pure decode steps
-                req.computed_tokens += k
-                req.generated += k
+                c = req.computed_tokens + k
+                g += k
+                req.computed_tokens, req.generated = c, g
                 if charges:
                     policy.on_tokens(req, k)
                 held = blocks[req.id]
-                need = -(-req.computed_tokens // bs) - held
+                need = -(-c // bs) - held
                 if need > 0:
                     self.free_blocks -= need
                     blocks[req.id] = held + need
-            done = (req.computed_tokens if req.computed_tokens < req.prompt_tokens else req.prompt_tokens) + req.generated
-            if done > req.attained:  # RequestState.note_progress, inlined: this loop is the hot path
+            done = (c if c < p else p) + g
+            if done > req.attained:  # RequestState.note_progress, inlined
                 req.attained = done
-            if req.generated >= target[req.id]:
+            if g >= target[req.id]:
                 finished.append(req)
         if policy.counts_steps:
             unscheduled = [r for r in self.running if r not in step.tokens]
