@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 from controlplane.metrics import Completion, summarize
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.base import INF, arrival_order
+from controlplane.policies.preemption import plan_preemptions
 from controlplane.policies.queue import WaitingQueue
 from controlplane.settings import Settings
 from tuner.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
@@ -234,32 +235,20 @@ class Simulator:
         self.policy.on_preempt(req, self.now, by_policy)
 
     def _policy_preemptions(self, now: float) -> bool:
-        """Preempt running requests for better-scored waiting ones that cannot otherwise fit."""
-        policy, S = self.policy, self.settings.engine.max_num_seqs
-        budget = self.settings.engine.max_num_batched_tokens
-        seats, free = S - len(self.running), self.free_blocks
-        victims: list[RequestState] = []
-        for w in policy.admission_order(self.waiting.ordered(now), now):
-            if budget <= 0:
-                break  # admission cannot reach further down the queue this step
-            chunk = self._chunk(w, budget)
-            budget -= chunk
-            need = self._blocks_for(chunk)
-            while seats < 1 or need > free:
-                self._sort_running(now)
-                victim = policy.policy_victim(w, self.running, now)
-                if victim is None:
-                    break
-                seats += 1
-                free += self.blocks.get(victim.id, 0)
-                self._preempt(victim, by_policy=True, requeue=False)
-                victims.append(victim)
-            if seats < 1 or need > free:
-                break
-            seats -= 1
-            free -= need
-        for victim in victims:  # requeued only now: the loop above walks the waiting queue
-            self._requeue(victim, by_policy=True)
+        """Preempt running requests for better-keyed waiting ones that cannot otherwise fit."""
+        eng = self.settings.engine
+
+        def ordered_running():
+            self._sort_running(now)
+            return self.running
+
+        victims = plan_preemptions(
+            self.policy, self.waiting.ordered(now), ordered_running, now=now,
+            seats=eng.max_num_seqs - len(self.running), free_blocks=self.free_blocks,
+            budget=eng.max_num_batched_tokens, chunk=self._chunk, blocks_for=self._blocks_for,
+            held_blocks=lambda r: self.blocks.get(r.id, 0))
+        for victim in victims:
+            self._preempt(victim, by_policy=True)
         return bool(victims)
 
     def _serve_running_uncontended(self, step: _Step) -> int | None:

@@ -69,6 +69,7 @@ class RequestState:
     score_epoch: int = -1
     score_until: int = 0
     score_value: float = 0.0
+    key_value: tuple = ()  # (score_value, arrival, id), cached alongside
 
     @property
     def total_tokens(self) -> int:
@@ -130,6 +131,17 @@ class Policy:
         if not self.reorders_waiting:
             return list(waiting)
         return sorted(waiting, key=lambda r: self.key(r, now))
+
+    def cached_key(self, req: RequestState) -> tuple | None:
+        """The request's cached key if still valid (same epoch, attained below its bound)."""
+        if req.score_epoch == self.epoch and req.attained < req.score_until:
+            return req.key_value
+        return None
+
+    def cache_key(self, req: RequestState, score: float, until: int) -> tuple:
+        req.score_epoch, req.score_until, req.score_value = self.epoch, until, score
+        req.key_value = key = (score, req.arrival, req.id)
+        return key
 
     def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         if not self.reorders_running:

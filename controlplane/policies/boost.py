@@ -55,16 +55,19 @@ class UniBoost(Policy):
         attained = quantize(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard else req.attained
         return max(attained, req.prompt_tokens)
 
+    def key(self, req: RequestState, now: float) -> tuple:
+        key = self.cached_key(req)
+        if key is None:
+            p = self.params
+            value = req.arrival - boost(p.alpha_s_per_token * self.work_tokens(req), self.gamma)
+            # Under MemGuard the score holds until attained work crosses the next threshold.
+            until = (next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard
+                     else req.attained + 1)
+            key = self.cache_key(req, value, until)
+        return key
+
     def score(self, req: RequestState, now: float) -> float:
-        if req.score_epoch == self.epoch and req.attained < req.score_until:
-            return req.score_value
-        p = self.params
-        value = req.arrival - boost(p.alpha_s_per_token * self.work_tokens(req), self.gamma)
-        # Under MemGuard the score holds until attained work crosses the next threshold.
-        req.score_until = (next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard
-                           else req.attained + 1)
-        req.score_epoch, req.score_value = self.epoch, value
-        return value
+        return self.key(req, now)[0]
 
     # --- MemGuard ------------------------------------------------------------------------
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:

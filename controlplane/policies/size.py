@@ -118,15 +118,17 @@ class Las(Policy):
         service_s = (req.attained - req.las_base) * self.params.alpha_s_per_token
         return int(math.floor(math.log2(service_s / self.params.q0_s + 1.0)))
 
+    def key(self, req: RequestState, now: float) -> tuple:
+        key = self.cached_key(req)
+        if key is None:
+            level = self.level(req)
+            # The level holds until attained service reaches the next level's threshold.
+            next_s = self.params.q0_s * (2.0 ** (level + 1) - 1.0)
+            key = self.cache_key(req, float(level), req.las_base + math.floor(next_s / self.params.alpha_s_per_token))
+        return key
+
     def score(self, req: RequestState, now: float) -> float:
-        if req.score_epoch == self.epoch and req.attained < req.score_until:
-            return req.score_value
-        level = self.level(req)
-        # The level holds until attained service reaches the next level's threshold.
-        next_s = self.params.q0_s * (2.0 ** (level + 1) - 1.0)
-        req.score_until = req.las_base + math.floor(next_s / self.params.alpha_s_per_token)
-        req.score_epoch, req.score_value = self.epoch, float(level)
-        return float(level)
+        return self.key(req, now)[0]
 
     def _tokens_to_next_level(self, req: RequestState) -> int:
         k = self.level(req)

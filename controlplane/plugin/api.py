@@ -1,0 +1,165 @@
+"""The replica control API (SPEC §5), served on a daemon thread next to the scheduler.
+
+    GET /tailpilot/v1/state?cursor=N     queue, KV, live γ/β, counters, completions since N
+    GET /tailpilot/v1/settings           the active (or staged) settings document and its version
+    PUT /tailpilot/v1/settings           validate + stage a document; If-Match: <version> for CAS
+    GET /tailpilot/v1/steps?cursor=N     the step log (duration and batch composition per step)
+    GET /tailpilot/v1/health
+
+Loopback by default; writes need ``Authorization: Bearer <token>`` with the token from
+``$TAILPILOT_TOKEN`` or the file named by ``$TAILPILOT_TOKEN_FILE``. Without a configured token
+every write is refused (an operator must opt in to remote control).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import ValidationError
+
+from controlplane.plugin.core import SettingsConflict
+
+PREFIX = "/tailpilot/v1"
+TOKEN_ENV, TOKEN_FILE_ENV = "TAILPILOT_TOKEN", "TAILPILOT_TOKEN_FILE"
+HOST_ENV, PORT_ENV = "TAILPILOT_API_HOST", "TAILPILOT_API_PORT"
+DEFAULT_PORT = 8765
+MAX_BODY = 1 << 20
+
+
+class ControlTarget(Protocol):
+    def api_state(self, cursor: int) -> dict[str, Any]: ...
+    def api_settings(self) -> dict[str, Any]: ...
+    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]: ...
+    def api_steps(self, cursor: int) -> dict[str, Any]: ...
+
+
+def token_from_env() -> str | None:
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token.strip()
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        return Path(path).read_text().strip() or None
+    return None
+
+
+def validation_message(err: Exception) -> str:
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
+                         for e in err.errors())
+    return str(err)
+
+
+def _make_handler(target: ControlTarget, token: str | None):
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "tailpilot-control/1"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet: the engine's log is not ours to flood
+            pass
+
+        def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(body, default=float).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str) -> None:
+            self._send(status, {"error": message, "status": status})
+
+        def _cursor(self, query: dict) -> int:
+            raw = query.get("cursor", ["0"])[0]
+            if not raw.isdigit():
+                raise ValueError(f"cursor: expected a non-negative integer, got {raw!r}")
+            return int(raw)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            url = urlsplit(self.path)
+            query = parse_qs(url.query)
+            try:
+                if url.path == f"{PREFIX}/state":
+                    return self._send(200, target.api_state(self._cursor(query)))
+                if url.path == f"{PREFIX}/settings":
+                    doc = target.api_settings()
+                    return self._send(200, doc, {"ETag": str(doc["version"])})
+                if url.path == f"{PREFIX}/steps":
+                    return self._send(200, target.api_steps(self._cursor(query)))
+                if url.path == f"{PREFIX}/health":
+                    return self._send(200, {"ok": True})
+            except ValueError as err:
+                return self._error(400, str(err))
+            self._error(404, f"no such endpoint: {url.path}")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            url = urlsplit(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(min(length, MAX_BODY)) if length else b""
+            if url.path != f"{PREFIX}/settings":
+                return self._error(404, f"no such endpoint: {url.path}")
+            if token is None:
+                return self._error(403, "writes are disabled: no token configured on this replica "
+                                        f"(set {TOKEN_ENV} or {TOKEN_FILE_ENV})")
+            auth = self.headers.get("Authorization", "")
+            if not auth.startswith("Bearer "):
+                return self._error(401, "missing bearer token (Authorization: Bearer <token>)")
+            if not hmac.compare_digest(auth.removeprefix("Bearer ").strip(), token):
+                return self._error(401, "wrong bearer token")
+            if_match = self.headers.get("If-Match")
+            if if_match is not None:
+                if not if_match.strip().strip('"').isdigit():
+                    return self._error(400, f"If-Match: expected a settings version number, got {if_match!r}")
+                if_match = int(if_match.strip().strip('"'))
+            try:
+                doc = json.loads(body or b"null")
+            except json.JSONDecodeError as err:
+                return self._error(400, f"body: not JSON ({err})")
+            if not isinstance(doc, dict):
+                return self._error(400, "body: expected a settings object")
+            try:
+                result = target.api_put_settings(doc, if_match)
+            except SettingsConflict as err:
+                return self._error(409, str(err))
+            except (ValidationError, ValueError) as err:
+                return self._error(400, validation_message(err))
+            self._send(200, result, {"ETag": str(result["version"])})
+
+    return Handler
+
+
+class ControlServer:
+    """The HTTP server on a daemon thread; ``port=0`` picks a free port."""
+
+    def __init__(self, target: ControlTarget, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 token: str | None = None) -> None:
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(target, token))
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="tailpilot-control", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.httpd.server_address[0]
+        return f"http://{host}:{self.port}{PREFIX}"
+
+    def start(self) -> "ControlServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

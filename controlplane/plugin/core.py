@@ -1,0 +1,218 @@
+"""The engine-independent half of a replica's scheduler plugin.
+
+``ReplicaCore`` owns everything the control API reads and writes — the active settings and their
+version, the policy built from them, per-request state, counters, the completions log and the
+step log — and the settings switch: a validated document is staged under a lock and swapped in by
+one reference assignment at the top of the next scheduling step, so requests in flight keep their
+KV and progress and only the ordering changes. The vLLM scheduler subclasses (``plugin.vllm``)
+and the simulated twin replicas drive the same core, so the API cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controlplane.policies import Policy, RequestState, make_policy
+from controlplane.policies.predictors import HistoryPredictor
+from controlplane.policies.queue import WaitingQueue
+from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+
+SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
+
+COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
+STEPS_KEPT = 20_000  # step-log entries kept for calibration
+
+
+class SettingsConflict(Exception):
+    """``If-Match`` named a version that is no longer current."""
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One scheduling step's duration and batch composition (what calibration fits)."""
+
+    seq: int
+    started: float  # wall clock, s
+    duration_s: float
+    prefill_tokens: int
+    sum_prefill_sq: int
+    decode_seqs: int
+    sum_kv_context: int
+
+    def as_dict(self) -> dict:
+        return {"seq": self.seq, "started": self.started, "duration_s": self.duration_s,
+                "prefill_tokens": self.prefill_tokens, "sum_prefill_sq": self.sum_prefill_sq,
+                "decode_seqs": self.decode_seqs, "sum_kv_context": self.sum_kv_context}
+
+
+def load_startup_settings(engine_defaults: dict[str, int] | None = None) -> Settings:
+    """Settings named by ``$TAILPILOT_SETTINGS_FILE`` (a JSON document), else vLLM's behaviour."""
+    path = os.environ.get(SETTINGS_FILE_ENV)
+    if not path:
+        return Settings.model_validate({"policy": "sarathi", "engine": engine_defaults or {}})
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{SETTINGS_FILE_ENV}={path}: cannot read settings: {err}") from None
+    if engine_defaults:
+        doc = {**doc, "engine": {**engine_defaults, **doc.get("engine", {})}}
+    return Settings.model_validate(doc)
+
+
+class ReplicaCore:
+    def __init__(self, settings: Settings, *, replica: str = "replica", clock=time.time) -> None:
+        self.replica = replica
+        self.clock = clock
+        self._lock = threading.Lock()  # guards staging and the logs; the step itself is lock-free
+        self.settings = settings
+        self.version = 1
+        self._pending: Settings | None = None
+        # The history predictor survives policy switches: what it learned stays useful.
+        self.predictor = HistoryPredictor()
+        self.policy: Policy = self._build(settings, None)
+        self.waiting = WaitingQueue(self.policy)
+        self.states: dict[str, RequestState] = {}
+        self.preemptions_total = 0
+        self.recomputed_tokens_total = 0
+        self.finished_total = 0
+        self.steps_total = 0
+        self._completions: deque[dict] = deque(maxlen=COMPLETIONS_KEPT)
+        self._completion_seq = itertools.count()
+        self._steps: deque[StepRecord] = deque(maxlen=STEPS_KEPT)
+        self._step_seq = itertools.count()
+
+    # --- settings ---------------------------------------------------------------------------
+    def _build(self, settings: Settings, previous: Policy | None) -> Policy:
+        predictor = self.predictor if hasattr(settings.params, "predictor") else None
+        if hasattr(settings.params, "predictor") and settings.params.predictor == "oracle":
+            raise ValueError("params.predictor: 'oracle' needs true lengths, which only the simulator has; "
+                             "use 'history' on a live replica")
+        policy = make_policy(settings, predictor)
+        if previous is not None:
+            policy.adopt_live_state(previous)
+        return policy
+
+    def settings_doc(self) -> dict[str, Any]:
+        with self._lock:
+            settings, version = (self._pending or self.settings), self.version
+        return {"settings": settings.to_dict(), "version": version, "replica": self.replica}
+
+    def put_settings(self, doc: dict[str, Any], if_match: int | None = None) -> dict[str, Any]:
+        """Validate and stage a settings document; it applies at the start of the next step.
+
+        Raises pydantic's ValidationError (or ValueError) for a bad document and
+        SettingsConflict for a stale ``If-Match``; either way nothing changes.
+        """
+        new = Settings.model_validate(doc)
+        self._build(new, None)  # fail now, not inside the scheduling step
+        with self._lock:
+            if if_match is not None and if_match != self.version:
+                raise SettingsConflict(f"If-Match {if_match} does not match the current version {self.version}")
+            current = self._pending or self.settings
+            self._pending = new
+            self.version += 1
+            version = self.version
+        restart = [f for f in RESTART_REQUIRED_ENGINE_FIELDS
+                   if getattr(new.engine, f) != getattr(current.engine, f)]
+        return {"settings": new.to_dict(), "version": version, "replica": self.replica,
+                "restart_required": restart}
+
+    def begin_step(self, now: float) -> Policy:
+        """Top of a scheduling step: swap in staged settings (one reference assignment)."""
+        if self._pending is not None:
+            with self._lock:
+                new, self._pending = self._pending, None
+            policy = self._build(new, self.policy)
+            policy.attach(list(self.waiting), [s for s in self.states.values() if s.status == "running"], now)
+            self.waiting.set_policy(policy)
+            self.policy, self.settings = policy, new
+        policy = self.policy
+        if policy.next_tick() <= now:
+            policy.tick(now)
+        return policy
+
+    # --- requests ---------------------------------------------------------------------------
+    def track(self, state: RequestState, now: float) -> None:
+        self.states[state.id] = state
+        state.enqueued_at = now
+        self.policy.on_arrival(state, now)
+
+    def note_preemption(self, state: RequestState, now: float, by_policy: bool) -> None:
+        self.preemptions_total += 1
+        self.recomputed_tokens_total += state.computed_tokens
+        state.recomputed_tokens += state.computed_tokens
+        state.preemptions += 1
+        if by_policy:
+            state.policy_preemptions += 1
+        state.enqueued_at = now
+
+    def finish(self, state: RequestState, now: float, reason: str = "finished") -> None:
+        self.states.pop(state.id, None)
+        state.status = "finished"
+        state.finished_at = now
+        self.policy.on_finish(state, now)
+        if reason == "finished" and state.generated > 0:
+            self.predictor.observe(state, state.generated)
+        with self._lock:
+            self.finished_total += 1
+            self._completions.append({
+                "seq": next(self._completion_seq), "id": state.id, "tenant": state.tenant, "type": state.type,
+                "arrival": state.arrival, "scheduled_at": state.scheduled_at,
+                "first_token_at": state.first_token_at, "finished_at": now,
+                "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated,
+                "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,
+                "reason": reason,
+            })
+
+    def record_step(self, started: float, duration_s: float, prefill_tokens: int, sum_prefill_sq: int,
+                    decode_seqs: int, sum_kv_context: int) -> None:
+        with self._lock:
+            self.steps_total += 1
+            self._steps.append(StepRecord(next(self._step_seq), started, duration_s, prefill_tokens,
+                                          sum_prefill_sq, decode_seqs, sum_kv_context))
+
+    # --- what the control API reads -----------------------------------------------------------
+    def completions_since(self, cursor: int, limit: int = 10_000) -> tuple[list[dict], int]:
+        with self._lock:
+            items = [c for c in self._completions if c["seq"] >= cursor][:limit]
+        next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._completions))
+        return items, next_cursor
+
+    def steps_since(self, cursor: int, limit: int = 10_000) -> tuple[list[dict], int]:
+        with self._lock:
+            items = [s.as_dict() for s in self._steps if s.seq >= cursor][:limit]
+        next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._steps))
+        return items, next_cursor
+
+    @staticmethod
+    def _next_seq(log: deque) -> int:
+        if not log:
+            return 0
+        last = log[-1]
+        return (last["seq"] if isinstance(last, dict) else last.seq) + 1
+
+    def state(self, cursor: int, kv: dict[str, Any]) -> dict[str, Any]:
+        running = [s for s in list(self.states.values()) if s.status == "running"]
+        waiting = list(self.waiting)
+        by_tenant: dict[str, int] = {}
+        for s in waiting:
+            by_tenant[s.tenant] = by_tenant.get(s.tenant, 0) + 1
+        completions, next_cursor = self.completions_since(cursor)
+        live = self.policy.live_state()
+        return {
+            "replica": self.replica, "time": self.clock(), "policy": self.settings.policy,
+            "settings": self.settings.to_dict(), "settings_version": self.version,
+            "waiting": len(waiting), "running": len(running), "waiting_by_tenant": by_tenant,
+            "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
+            "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
+            "finished_total": self.finished_total, "steps_total": self.steps_total,
+            "completions": completions, "next_cursor": next_cursor,
+        }

@@ -1,0 +1,49 @@
+"""Policy-driven preemption (SPEC §3): which running requests to preempt for waiting ones.
+
+Shared by the simulator and the vLLM plugin so the rule exists once. A running request R is
+preempted for a waiting request W only when (a) W cannot be admitted otherwise (no free seat or
+not enough free KV blocks), (b) W's key beats R's by the policy's margin, and (c) R is outside its
+guard; the victim is the worst-keyed eligible running request. Only waiting requests that this
+step's token budget can reach are considered.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from controlplane.policies.base import Policy, RequestState
+
+
+def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
+                     running: Callable[[], Sequence[RequestState]], *,
+                     now: float, seats: int, free_blocks: int, budget: int,
+                     chunk: Callable[[RequestState, int], int], blocks_for: Callable[[int], int],
+                     held_blocks: Callable[[RequestState], int]) -> list[RequestState]:
+    """Victims, in the order to preempt them. ``running()`` gives the running requests in running
+    order (best first); it is called only if a victim is needed, since ordering costs a sort.
+    Nothing is mutated — the caller preempts the victims."""
+    if not policy.preemptive or not waiting:
+        return []
+    candidates: list[RequestState] | None = None
+    victims: list[RequestState] = []
+    for w in policy.admission_order(waiting, now):
+        if budget <= 0:
+            break  # admission cannot reach further down the queue this step
+        n = chunk(w, budget)
+        budget -= n
+        need = blocks_for(n)
+        while seats < 1 or need > free_blocks:
+            if candidates is None:
+                candidates = list(running())
+            victim = policy.policy_victim(w, candidates, now)
+            if victim is None:
+                break
+            candidates.remove(victim)
+            victims.append(victim)
+            seats += 1
+            free_blocks += held_blocks(victim)
+        if seats < 1 or need > free_blocks:
+            break
+        seats -= 1
+        free_blocks -= need
+    return victims
