@@ -49,7 +49,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 PORT_ENV = "TAILPILOT_API_PORT"
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
 
-MAX_MODEL_LEN = 8192
+MAX_MODEL_LEN = 4096  # the tiny Llama of tests/vllm_support.py has 4096 positions
 SAMPLED_TOKEN_ID = 7  # any id: ignore_eos is set, so no sampled token stops a request early
 
 #: What ModelConfig reads: a Llama architecture and its geometry (no weights, no tokenizer).
@@ -183,14 +183,18 @@ def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
     """What a model runner returns for ``output``: one sampled token for each scheduled request
     whose prefill completed this step, nothing for one still mid-prefill.
 
-    Called after ``schedule()``, which already advanced ``num_computed_tokens`` by the scheduled
-    tokens, so "prefill completed" is ``num_computed_tokens >= num_tokens``.
+    Call it right after ``schedule()`` (before the next one): ``schedule()`` has advanced each
+    scheduled request's ``num_computed_tokens`` and set ``is_prefill_chunk``, i.e. whether its
+    ``num_computed_tokens`` is still short of its ``num_tokens`` (plus, under async scheduling, the
+    placeholders of tokens in flight).
     """
     req_ids = list(output.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
         request = scheduler.requests[req_id]
-        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+        # is_prefill_chunk: num_computed_tokens < num_tokens (+ in-flight placeholders under async
+        # scheduling), set by schedule() for every scheduled request.
+        sampled.append([] if request.is_prefill_chunk else [token_id])
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                              pooler_output=[])

@@ -27,6 +27,7 @@ from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
 
+REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
 STEPS_KEPT = 20_000  # step-log entries kept for calibration
 
@@ -88,6 +89,26 @@ class ReplicaCore:
         self._completion_seq = itertools.count()
         self._steps: deque[StepRecord] = deque(maxlen=STEPS_KEPT)
         self._step_seq = itertools.count()
+
+    def start_refit_thread(self, interval_s: float = REFIT_INTERVAL_S) -> threading.Thread:
+        """Refit the history predictor on a timer, never inside the scheduling step (SPEC §3.4).
+        A refit bumps the predictor's version; the policy re-sorts at the next step."""
+        stop = self._refit_stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.predictor.refit()
+                except Exception:  # a failed fit keeps the previous one; never kill the engine
+                    pass
+
+        thread = threading.Thread(target=loop, name="tailpilot-refit", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        if getattr(self, "_refit_stop", None) is not None:
+            self._refit_stop.set()
 
     # --- settings ---------------------------------------------------------------------------
     def _build(self, settings: Settings, previous: Policy | None) -> Policy:

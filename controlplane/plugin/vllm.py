@@ -107,6 +107,7 @@ class TailpilotMixin:
         self._tp_requests: dict[str, Request] = {}
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
         self.tp_core = ReplicaCore(load_startup_settings(engine), replica=replica)
+        self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
         self.tp_server: ControlServer | None = None
         port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
@@ -268,6 +269,7 @@ class TailpilotMixin:
         return {"replica": self.tp_core.replica, "steps": steps, "next_cursor": next_cursor}
 
     def shutdown(self) -> None:
+        self.tp_core.stop()
         if self.tp_server is not None:
             self.tp_server.stop()
             self.tp_server = None
