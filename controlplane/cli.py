@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from controlplane.settings import POLICY_NAMES, Settings, settings_from_cli
+from controlplane.settings import POLICY_NAMES, Settings, describe_error, settings_from_cli
 
 PREDICTED_POLICIES = ("sjf", "srpt", "tie")
 
@@ -95,16 +95,7 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
     try:
         return settings_from_cli(policy, assignments, list(pins), engine)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
-        raise click.UsageError(_short_error(err))
-
-
-def _short_error(err: Exception) -> str:
-    from pydantic import ValidationError
-
-    if isinstance(err, ValidationError):
-        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
-                         for e in err.errors())
-    return str(err)
+        raise click.UsageError(describe_error(err))
 
 
 trace_options = [

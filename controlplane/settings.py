@@ -227,6 +227,14 @@ class Settings(BaseModel):
         }
 
 
+def describe_error(err: Exception) -> str:
+    """One line naming each invalid field, for CLI messages and API answers."""
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
+                         for e in err.errors())
+    return str(err)
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """Parse a CLI ``name=value`` into (name, value) with JSON-ish typing (8 → 8, on → True)."""
     import json

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import ValidationError
 
 from controlplane.plugin.core import SettingsConflict
+from controlplane.settings import describe_error
 
 PREFIX = "/tailpilot/v1"
 TOKEN_ENV, TOKEN_FILE_ENV = "TAILPILOT_TOKEN", "TAILPILOT_TOKEN_FILE"
@@ -49,13 +50,6 @@ def token_from_env() -> str | None:
     if path:
         return Path(path).read_text().strip() or None
     return None
-
-
-def validation_message(err: Exception) -> str:
-    if isinstance(err, ValidationError):
-        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
-                         for e in err.errors())
-    return str(err)
 
 
 def _make_handler(target: ControlTarget, token: str | None):
@@ -132,7 +126,7 @@ def _make_handler(target: ControlTarget, token: str | None):
             except SettingsConflict as err:
                 return self._error(409, str(err))
             except (ValidationError, ValueError) as err:
-                return self._error(400, validation_message(err))
+                return self._error(400, describe_error(err))
             self._send(200, result, {"ETag": str(result["version"])})
 
     return Handler
