@@ -212,9 +212,10 @@ class VllmServer:
     removed from the environment because it would win); see :func:`kv_bytes_for_tokens`.
     ``extra_args`` are appended to the command line (e.g. ``["--scheduler-cls", "pkg.Cls"]``),
     ``extra_env`` is merged into the environment last. ``workdir`` receives ``server.log`` and
-    the vLLM/inductor caches (a fresh temp dir if omitted; it is left in place so the log can
-    be read after exit). ``TMPDIR`` is a separate short temp dir (vLLM puts ZMQ IPC sockets
-    there and Unix socket paths are limited to ~107 bytes), removed on exit.
+    the vLLM/inductor caches (if omitted, a fresh temp dir whose caches are removed on exit but
+    whose ``server.log`` is kept for reading after exit). ``TMPDIR`` is a separate short temp
+    dir (vLLM puts ZMQ IPC sockets there and Unix socket paths are limited to ~107 bytes),
+    removed on exit.
     """
 
     def __init__(
@@ -254,6 +255,7 @@ class VllmServer:
         self.startup_seconds: float | None = None
         self._log_file: Any = None
         self._tmpdir: str | None = None
+        self._own_workdir = False
 
     # ---- public attributes -----------------------------------------------------------------
 
@@ -321,6 +323,7 @@ class VllmServer:
     def start(self) -> VllmServer:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+            self._own_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._tmpdir = tempfile.mkdtemp(prefix="vllm-")
         if self.port is None:
@@ -405,6 +408,9 @@ class VllmServer:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+        if self._own_workdir and self.workdir is not None:  # keep only server.log
+            for sub in ("vllm-cache", "inductor-cache", "hf-home"):
+                shutil.rmtree(self.workdir / sub, ignore_errors=True)
         self.proc = None
 
     def __enter__(self) -> VllmServer:
