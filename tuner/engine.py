@@ -44,6 +44,9 @@ class EngineConfig:
     block_size: int = 16
     step_model: StepTimeModel = field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME))
     refit_interval_s: float = 10.0  # history predictor refit period (off the scheduling path)
+    # vLLM 0.32's scheduler_reserve_full_isl (default on): admit a request only if its whole
+    # sequence (prompt + generated) fits in the free blocks, though only its chunk is allocated.
+    reserve_full_sequence: bool = True
 
 
 @dataclass(slots=True)
@@ -208,6 +211,11 @@ class Simulator:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
+    def _admission_blocks(self, req: RequestState, chunk: int) -> int:
+        """Free blocks a waiting request needs to be admitted with ``chunk`` tokens."""
+        tokens = req.prompt_tokens + req.generated if self.config.reserve_full_sequence else chunk
+        return self._blocks_for(max(tokens, chunk))
+
     def _chunk(self, req: RequestState, budget: int) -> int:
         n = req.remaining_prefill
         lpt = self.settings.engine.long_prefill_token_threshold
@@ -245,7 +253,7 @@ class Simulator:
         victims = plan_preemptions(
             self.policy, self.waiting.ordered(now), ordered_running, now=now,
             seats=eng.max_num_seqs - len(self.running), free_blocks=self.free_blocks,
-            budget=eng.max_num_batched_tokens, chunk=self._chunk, blocks_for=self._blocks_for,
+            budget=eng.max_num_batched_tokens, chunk=self._chunk, blocks_needed=self._admission_blocks,
             held_blocks=lambda r: self.blocks.get(r.id, 0))
         for victim in victims:
             self._preempt(victim, by_policy=True)
@@ -374,10 +382,10 @@ class Simulator:
                     step.admission_blocked = True
                     break
                 n = self._chunk(w, budget)
-                need = self._blocks_for(n)
-                if need > self.free_blocks:
+                if self._admission_blocks(w, n) > self.free_blocks:
                     step.admission_blocked = step.kv_blocked = True
                     break
+                need = self._blocks_for(n)
                 self.free_blocks -= need
                 blocks[w.id] = need
                 running.append(w)

@@ -132,6 +132,11 @@ class ReplicaCore:
         Raises pydantic's ValidationError (or ValueError) for a bad document and
         SettingsConflict for a stale ``If-Match``; either way nothing changes.
         """
+        with self._lock:
+            current = self._pending or self.settings
+        # Engine fields left out keep the replica's values (they are not the model defaults).
+        engine = doc.get("engine") if isinstance(doc.get("engine"), dict) else {}
+        doc = {**doc, "engine": {**current.engine.model_dump(), **engine}}
         new = Settings.model_validate(doc)
         self._build(new, None)  # fail now, not inside the scheduling step
         with self._lock:

@@ -175,6 +175,11 @@ class TailpilotMixin:
         started = time.perf_counter()
         output = super().schedule(*args, **kwargs)
         self._tp_inflight[id(output)] = (now, started, self._tp_composition(output))
+        if policy.counts_steps:  # sjf's starvation counters
+            served = output.num_scheduled_tokens
+            scheduled = [states[r] for r in served if r in states]
+            idle = [s for s in states.values() if s.id not in served and s.status in ("running", "waiting")]
+            policy.on_steps(scheduled, idle, 1)
         return output
 
     def _tp_policy_preemptions(self, now: float) -> None:
@@ -186,11 +191,17 @@ class TailpilotMixin:
             n = state.prompt_tokens + state.generated - state.computed_tokens
             return min(lpt if 0 < lpt < n else n, budget)
 
+        full = self.scheduler_reserve_full_isl  # vLLM's admission gate: the whole sequence must fit
+
+        def blocks_needed(state: RequestState, n: int) -> int:
+            tokens = max(n, state.prompt_tokens + state.generated) if full else n
+            return -(-tokens // bs)
+
         victims = plan_preemptions(
             policy, core.waiting.ordered(now), lambda: [core.states[r.request_id] for r in self.running],
             now=now, seats=self.max_num_running_reqs - len(self.running),
             free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
-            budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_for=lambda n: -(-n // bs),
+            budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_needed=blocks_needed,
             held_blocks=lambda s: -(-s.computed_tokens // bs))
         for state in victims:
             request = self._tp_requests[state.id]

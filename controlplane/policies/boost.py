@@ -77,12 +77,13 @@ class UniBoost(Policy):
     def policy_preemptible(self, req: RequestState) -> bool:
         return req.attained >= req.guard_tokens
 
-    def memory_victim(self, running):
-        # The worst-scored request outside its guard; the worst overall if all are guarded.
-        for cand in reversed(running):
-            if self.policy_preemptible(cand):
-                return cand
-        return running[-1]
+    def order_running(self, running, now):
+        # The memory-pressure victim is the last running request (vLLM pops running[-1]), and
+        # MemGuard wants it to be the worst request outside its guard, falling back to the worst
+        # guarded one: so guarded requests come first, each group in key order.
+        if not self.params.memguard:
+            return super().order_running(running, now)
+        return sorted(running, key=lambda r: (r.attained >= r.guard_tokens, self.key(r, now)))
 
     # --- γ-Ada ---------------------------------------------------------------------------
     def on_finish(self, req: RequestState, now: float) -> None:

@@ -17,7 +17,8 @@ from controlplane.policies.base import Policy, RequestState
 def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
                      running: Callable[[], Sequence[RequestState]], *,
                      now: float, seats: int, free_blocks: int, budget: int,
-                     chunk: Callable[[RequestState, int], int], blocks_for: Callable[[int], int],
+                     chunk: Callable[[RequestState, int], int],
+                     blocks_needed: Callable[[RequestState, int], int],
                      held_blocks: Callable[[RequestState], int]) -> list[RequestState]:
     """Victims, in the order to preempt them. ``running()`` gives the running requests in running
     order (best first); it is called only if a victim is needed, since ordering costs a sort.
@@ -31,7 +32,7 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
             break  # admission cannot reach further down the queue this step
         n = chunk(w, budget)
         budget -= n
-        need = blocks_for(n)
+        need = blocks_needed(w, n)  # the engine's admission gate (first chunk, or whole sequence)
         while seats < 1 or need > free_blocks:
             if candidates is None:
                 candidates = list(running())
