@@ -12,12 +12,17 @@ vLLM this repository pins (0.32–0.33):
 * :func:`step` runs one ``schedule()`` and feeds ``update_from_output()`` a fabricated
   ``ModelRunnerOutput`` that samples one token for every request whose prefill completed in
   that step (its ``num_computed_tokens`` reached its ``num_tokens``).
+* :class:`Driver` does the same the way vLLM's EngineCore loop does — synchronously, or
+  ``pipelined`` (two steps in flight, for the async scheduler) — with scripted arrivals, and
+  records every step (scheduled tokens in vLLM's order, admissions, preemptions) and the tokens
+  and finish reason each request receives.
 
 The model directory only needs a ``config.json``: ``ModelConfig`` reads the architecture and the
 geometry from it, and with ``skip_tokenizer_init`` nothing else is loaded.
 :func:`minimal_model_dir` writes one; the tests may pass the tiny Llama of ``tests/conftest.py``
-instead. Set ``TAILPILOT_API_PORT=-1`` before building a plugin scheduler (done here) so it does
-not start its HTTP control server.
+instead. :func:`make_scheduler` sets ``TAILPILOT_API_PORT=-1`` while it builds a plugin scheduler, so
+that no HTTP control server starts, and writes ``settings`` to the file ``TAILPILOT_SETTINGS_FILE``
+names. A plugin scheduler starts the history predictor's refit thread: ``shutdown()`` stops it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -211,56 +218,111 @@ def admitted(output: SchedulerOutput) -> list[str]:
     """Requests scheduled for the first time (new) or resumed after a preemption in ``output``."""
     new = [r.req_id for r in output.scheduled_new_reqs]
     cached = output.scheduled_cached_reqs
-    resumed = [rid for rid, flag in zip(cached.req_ids, _resumed_flags(cached)) if flag]
-    return new + resumed
+    return new + [rid for rid in cached.req_ids if rid in cached.resumed_req_ids]
 
 
-def _resumed_flags(cached: Any) -> list[bool]:
-    flags = getattr(cached, "resumed_from_preemption", None)
-    if flags is not None:
-        return list(flags)
-    resumed_ids = getattr(cached, "resumed_req_ids", None)
-    if resumed_ids is not None:
-        return [rid in resumed_ids for rid in cached.req_ids]
-    return [False] * len(cached.req_ids)
+@dataclass
+class StepRecord:
+    """What one ``schedule()`` decided, in vLLM's own terms."""
+
+    index: int
+    scheduled: list[tuple[str, int]]  # (request id, tokens), in the order vLLM scheduled them
+    admitted: list[str]  # new or resumed this step
+    preempted: list[str]  # preempted since the previous schedule() (sorted)
+    finished: list[str] = field(default_factory=list)  # finished by the output processed after it
 
 
-def run_until_empty(scheduler: Scheduler, *, max_steps: int = 100_000, on_step=None) -> int:
-    """Step until no request is left; returns the number of steps. ``on_step(output)`` sees each."""
-    steps = 0
-    while scheduler.has_unfinished_requests():
-        output = step(scheduler)
-        if on_step is not None:
-            on_step(output)
-        steps += 1
-        if steps >= max_steps:
-            raise AssertionError(f"scheduler not empty after {max_steps} steps: "
-                                 f"{len(scheduler.running)} running, {len(scheduler.waiting)} waiting")
-    return steps
+class Driver:
+    """Runs a scheduler like vLLM's EngineCore does, with a fabricated model.
 
+    ``pipelined=False``: schedule, then process that step's output (the synchronous engine loop).
+    ``pipelined=True``: keep up to two steps in flight — schedule step N+1 before processing
+    step N's output — as the engine's batch queue does with async scheduling (use it with an
+    ``AsyncScheduler``).
 
-class OutputCounter:
-    """Counts the output tokens each request receives by snooping ``update_from_output``'s
-    EngineCoreOutputs, and the finish reason each one ends with."""
+    Counts the output tokens each request receives from the ``EngineCoreOutputs`` that
+    ``update_from_output`` returns, and records every step.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler, *, pipelined: bool = False) -> None:
+        self.scheduler = scheduler
+        self.pipelined = pipelined
         self.tokens: dict[str, int] = {}
         self.finished: dict[str, str] = {}
+        self.history: list[StepRecord] = []
+        self.first_admitted: list[str] = []  # request ids in order of first admission
+        self.requests: dict[str, Request] = {}
+        self._inflight: deque[tuple[SchedulerOutput, ModelRunnerOutput, StepRecord]] = deque()
 
-    def step(self, scheduler: Scheduler) -> SchedulerOutput:
-        output = scheduler.schedule()
-        engine_outputs = scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.requests[request.request_id] = request
+            self.scheduler.add_request(request)
+
+    def _process(self) -> None:
+        output, runner_output, record = self._inflight.popleft()
+        engine_outputs = self.scheduler.update_from_output(output, runner_output)
         for outs in engine_outputs.values():
             for o in outs.outputs:
                 self.tokens[o.request_id] = self.tokens.get(o.request_id, 0) + len(o.new_token_ids)
                 if o.finish_reason is not None:
                     assert o.request_id not in self.finished, f"{o.request_id} finished twice"
                     self.finished[o.request_id] = str(o.finish_reason)
-        return output
+                    record.finished.append(o.request_id)
+
+    def step(self) -> StepRecord:
+        """Schedule one step (and process the output that is due). Returns the step's record."""
+        s = self.scheduler
+        output = s.schedule()
+        runner_output = fake_model_output(s, output)
+        record = StepRecord(index=len(self.history), scheduled=list(output.num_scheduled_tokens.items()),
+                            admitted=admitted(output), preempted=sorted(output.preempted_req_ids))
+        for rid in record.admitted:
+            if rid not in self.first_admitted:
+                self.first_admitted.append(rid)
+        self.history.append(record)
+        self._inflight.append((output, runner_output, record))
+        if not self.pipelined or len(self._inflight) >= 2:
+            self._process()
+        return record
+
+    def drain(self) -> None:
+        """Process every output still in flight."""
+        while self._inflight:
+            self._process()
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
+
+    def run(self, *, arrivals: dict[int, list[Request]] | None = None, max_steps: int = 20_000,
+            steps: int | None = None, on_step=None) -> int:
+        """Step until the scheduler is empty (or for ``steps`` steps). ``arrivals[k]`` are added
+        just before the k-th step of this call. Returns the number of steps taken."""
+        arrivals = dict(arrivals or {})
+        n = 0
+        while True:
+            for request in arrivals.pop(n, []):
+                self.add(request)
+            if steps is not None and n >= steps:
+                break
+            if steps is None and not arrivals and not self.busy():
+                break
+            if self._inflight and not self.scheduler.has_unfinished_requests():
+                self.drain()  # the last outputs of a pipelined run
+                continue
+            record = self.step()  # with nothing to schedule, an empty step: the clock of `arrivals`
+            if on_step is not None:
+                on_step(record)
+            n += 1
+            if n >= max_steps:
+                s = self.scheduler
+                raise AssertionError(f"not done after {max_steps} steps: {len(s.running)} running, "
+                                     f"{len(s.waiting)} waiting")
+        return n
 
 
 __all__ = [
-    "MINIMAL_LLAMA_CONFIG", "OutputCounter", "RequestStatus", "admitted", "fake_model_output",
+    "Driver", "MINIMAL_LLAMA_CONFIG", "RequestStatus", "StepRecord", "admitted", "fake_model_output",
     "make_kv_cache_config", "make_request", "make_scheduler", "make_vllm_config", "minimal_model_dir",
-    "run_until_empty", "step",
+    "step",
 ]

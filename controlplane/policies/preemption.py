@@ -33,18 +33,22 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
         n = chunk(w, budget)
         budget -= n
         need = blocks_needed(w, n)  # the engine's admission gate (first chunk, or whole sequence)
-        while seats < 1 or need > free_blocks:
+        # Victims for w are only worth preempting if together they make w fit.
+        mine: list[RequestState] = []
+        seats_w, free_w = seats, free_blocks
+        while seats_w < 1 or need > free_w:
             if candidates is None:
                 candidates = list(running())
-            victim = policy.policy_victim(w, candidates, now)
+            victim = policy.policy_victim(w, [c for c in candidates if c not in mine], now)
             if victim is None:
                 break
-            candidates.remove(victim)
-            victims.append(victim)
-            seats += 1
-            free_blocks += held_blocks(victim)
-        if seats < 1 or need > free_blocks:
+            mine.append(victim)
+            seats_w += 1
+            free_w += held_blocks(victim)
+        if seats_w < 1 or need > free_w:
             break
-        seats -= 1
-        free_blocks -= need
+        for victim in mine:
+            candidates.remove(victim)
+        victims += mine
+        seats, free_blocks = seats_w - 1, free_w - need
     return victims

@@ -1,0 +1,558 @@
+"""tailpilot's vLLM scheduler plugin against vLLM's real scheduler classes, in-process.
+
+No server, no model, no mocks of vLLM: ``tests/plugin_harness.py`` builds the stock
+``Scheduler`` / ``AsyncScheduler`` and the plugin's ``TailpilotScheduler`` /
+``TailpilotAsyncScheduler`` over a KV cache of an exact number of blocks, and feeds them a
+fabricated model output (one token for every request whose prefill is complete). Every scenario
+runs until the scheduler is empty and checks that each request got exactly ``max_tokens`` tokens
+and appears once in the plugin's completions log.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, minimal_model_dir  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from controlplane.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
+
+FCFS = {"policy": "fcfs"}
+# γ small: ordering by size dominates arrival (b_γ of 10 vs 1000 tokens differ by ~4600 s).
+UNIBOOST = {"policy": "uniboost",
+            "params": {"gamma": 0.001, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(request):
+    """The session's tiny Llama (tests/conftest.py) when available, else a config.json-only dir."""
+    try:
+        return request.getfixturevalue("tiny_model_dir")
+    except pytest.FixtureLookupError:
+        return minimal_model_dir()
+
+
+@pytest.fixture
+def build(model_dir):
+    built = []
+
+    def build(cls=TailpilotScheduler, **kwargs):
+        kwargs.setdefault("block_size", 16)
+        s = make_scheduler(cls, model_dir=model_dir, **kwargs)
+        built.append(s)
+        return s
+
+    yield build
+    for s in built:  # stops the plugin's predictor-refit thread
+        s.shutdown()
+
+
+class Clock:
+    """Arrival times: ``T(k)`` is k seconds after a base 1000 s in the past (so latencies that
+    policies derive from arrivals, e.g. γ-Ada's, are positive)."""
+
+    def __init__(self) -> None:
+        self.base = time.time() - 1000.0
+
+    def __call__(self, offset: float) -> float:
+        return self.base + offset
+
+
+def req(clock: Clock, rid: str, prompt: int, max_tokens: int, offset: float, **kw):
+    return make_request(rid, prompt, max_tokens, arrival=clock(offset), **kw)
+
+
+def assert_all_finished(driver: Driver, *, completions_cursor: int = 0) -> None:
+    """Every request added got exactly max_tokens tokens, finished once (reason 'length'), the
+    scheduler is empty, and — for the plugin — each appears once in the completions log with the
+    right output length and no tracked state is left behind."""
+    s = driver.scheduler
+    assert not driver.busy()
+    assert not s.running and len(s.waiting) == 0 and not s.requests
+    expected = {rid: r.max_tokens for rid, r in driver.requests.items()}
+    assert driver.tokens == expected
+    assert driver.finished == {rid: "length" for rid in expected}
+    core = getattr(s, "tp_core", None)
+    if core is None:
+        return
+    completions, _ = core.completions_since(completions_cursor)
+    ids = [c["id"] for c in completions]
+    assert sorted(ids) == sorted(expected), "each request completes exactly once"
+    for c in completions:
+        assert c["output_tokens"] == expected[c["id"]], c
+        assert c["reason"] == "finished", c
+        assert c["scheduled_at"] is not None and c["first_token_at"] is not None
+    assert core.states == {} and len(core.waiting) == 0
+    assert s._tp_requests == {}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. fcfs is vLLM's order
+# --------------------------------------------------------------------------------------------
+
+
+def _fcfs_workload(clock: Clock) -> dict[int, list]:
+    """A scripted mix: long and short prompts, chunked prefill, arrivals while busy; on a KV cache
+    small enough that decodes run out of blocks (memory preemptions) several times."""
+    import random
+
+    rng = random.Random(7)
+    arrivals: dict[int, list] = {}
+    for i in range(24):
+        at_step = rng.randrange(0, 40)
+        prompt = rng.choice([8, 20, 40, 70, 130, 260])
+        arrivals.setdefault(at_step, []).append((f"q{i:02d}", prompt, rng.randrange(2, 90)))
+    ordered: dict[int, list] = {}
+    k = 0
+    for at_step in sorted(arrivals):
+        for rid, prompt, max_tokens in arrivals[at_step]:
+            ordered.setdefault(at_step, []).append((rid, prompt, max_tokens, k * 0.01))
+            k += 1  # arrival times follow the order of add_request
+    return ordered
+
+
+@pytest.mark.parametrize("lpt", [0, 48])
+@pytest.mark.parametrize("stock_cls,plugin_cls", [(Scheduler, TailpilotScheduler),
+                                                  (AsyncScheduler, TailpilotAsyncScheduler)],
+                         ids=["sync", "async"])
+def test_fcfs_matches_stock_step_by_step(build, stock_cls, plugin_cls, lpt):
+    clock = Clock()
+    script = _fcfs_workload(clock)
+    pipelined = issubclass(stock_cls, AsyncScheduler)
+    runs = {}
+    for name, cls, settings in [("stock", stock_cls, None), ("fcfs", plugin_cls, FCFS)]:
+        s = build(cls, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=96, settings=settings,
+                  long_prefill_token_threshold=lpt)
+        d = Driver(s, pipelined=pipelined)
+        arrivals = {k: [req(clock, *spec) for spec in specs] for k, specs in script.items()}
+        d.run(arrivals=arrivals)
+        assert_all_finished(d)
+        runs[name] = d
+    stock, fcfs = runs["stock"], runs["fcfs"]
+    assert sum(len(r.preempted) for r in stock.history) >= 2, "the workload must hit memory pressure"
+    assert stock.first_admitted == fcfs.first_admitted
+    assert [(r.scheduled, r.admitted, r.preempted) for r in stock.history] == \
+        [(r.scheduled, r.admitted, r.preempted) for r in fcfs.history]
+    assert fcfs.scheduler.tp_core.preemptions_total == sum(len(r.preempted) for r in stock.history)
+
+
+def test_default_settings_are_sarathi_and_match_stock(build):
+    """No settings file: sarathi (vLLM's own order), step for step."""
+    clock = Clock()
+    script = _fcfs_workload(clock)
+    histories = []
+    for cls in (Scheduler, TailpilotScheduler):
+        s = build(cls, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=96, settings=None)
+        d = Driver(s)
+        d.run(arrivals={k: [req(clock, *spec) for spec in specs] for k, specs in script.items()})
+        assert_all_finished(d)
+        histories.append([(r.scheduled, r.admitted, r.preempted) for r in d.history])
+        if cls is TailpilotScheduler:
+            assert s.tp_core.settings.policy == "sarathi"
+    assert histories[0] == histories[1]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. admission order
+# --------------------------------------------------------------------------------------------
+
+
+def _admission_script(clock: Clock) -> dict[int, list]:
+    # X holds the only seat; A (long), B, C (short) arrive while it runs, in that order.
+    return {0: [req(clock, "X", 4, 3, 0.0)],
+            1: [req(clock, "A", 256, 2, 1.0), req(clock, "B", 16, 2, 2.0), req(clock, "C", 16, 2, 3.0)]}
+
+
+def test_admission_order_fcfs_is_arrival_order(build):
+    clock = Clock()
+    d = Driver(build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=512, settings=FCFS))
+    d.run(arrivals=_admission_script(clock))
+    assert d.first_admitted == ["X", "A", "B", "C"]
+    assert d.scheduler.tp_core.preemptions_total == 0
+    assert_all_finished(d)
+
+
+def test_admission_order_uniboost_short_first(build):
+    clock = Clock()
+    s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=512, settings=UNIBOOST)
+    d = Driver(s)
+    seen_waiting = []
+
+    def on_step(record):
+        if record.index == 1:  # A, B, C all waiting behind X: the queue is in policy order
+            seen_waiting.append([r.request_id for r in s.waiting])
+
+    d.run(arrivals=_admission_script(clock), on_step=on_step)
+    assert seen_waiting == [["B", "C", "A"]]
+    # X is shorter than everyone, so nobody preempts it; then B and C (equal size, B earlier) go
+    # before A although A waited longer.
+    assert d.first_admitted == ["X", "B", "C", "A"]
+    assert_all_finished(d)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. the victim under memory pressure
+# --------------------------------------------------------------------------------------------
+
+# All four fit after prefill with 2 blocks to spare (4+1+2+1 of 10); their first decode needs
+# 3 new blocks (R0 at 65, R1 at 17, R2 at 33 tokens), so exactly one of them is preempted.
+VICTIM_SCRIPT = [("R0", 64, 6, 0.0), ("R1", 16, 6, 1.0), ("R2", 32, 6, 2.0), ("R3", 8, 6, 3.0)]
+
+
+@pytest.mark.parametrize("cls,settings,victim", [
+    (Scheduler, None, "R3"),  # stock: the last admitted
+    (TailpilotScheduler, FCFS, "R3"),  # fcfs: the latest arrival
+    (TailpilotScheduler, UNIBOOST, "R0"),  # uniboost, small γ: the most work (largest prompt)
+    (TailpilotAsyncScheduler, UNIBOOST, "R0"),
+], ids=["stock", "fcfs", "uniboost", "uniboost-async"])
+def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
+    clock = Clock()
+    s = build(cls, num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
+    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d.add(*[req(clock, *spec) for spec in VICTIM_SCRIPT])
+    first = d.step()
+    assert sorted(first.admitted) == ["R0", "R1", "R2", "R3"] and first.preempted == []
+    second = d.step()
+    assert second.preempted == [victim]
+    assert s.requests[victim].status == RequestStatus.PREEMPTED
+    assert s.requests[victim].num_computed_tokens == 0
+    assert victim not in dict(second.scheduled)
+    if cls is not Scheduler:
+        core = s.tp_core
+        assert core.preemptions_total == 1
+        state = core.states[victim]
+        assert state.status == "waiting" and state.preemptions == 1 and state.policy_preemptions == 0
+        assert state.recomputed_tokens == VICTIM_SCRIPT[[v[0] for v in VICTIM_SCRIPT].index(victim)][1]
+        assert [r.request_id for r in s.waiting] == [victim]
+    d.run()
+    assert_all_finished(d)
+    if cls is not Scheduler:
+        (c,) = [c for c in s.tp_core.completions_since(0)[0] if c["id"] == victim]
+        assert c["preemptions"] == 1
+
+
+@pytest.mark.parametrize("settings,victim", [(FCFS, "C"), (UNIBOOST, "A")], ids=["fcfs", "uniboost"])
+def test_memory_pressure_victim_by_attained_work(build, settings, victim):
+    """Equal prompts: uniboost's worst is the request with the most attained work (A, which has
+    been decoding longest), fcfs's the latest arrival (C)."""
+    clock = Clock()
+    s = build(num_blocks=7, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "A", 16, 40, 0.0)]}, steps=20)  # A: 35 tokens, 3 blocks
+    assert s.requests["A"].num_computed_tokens == 35
+    d.add(req(clock, "B", 16, 6, 1.0), req(clock, "C", 16, 6, 2.0))
+    admitted = d.step()  # B and C: one block each; 1 block left
+    assert admitted.admitted == ["B", "C"] and admitted.preempted == []
+    attained = {rid: st.attained for rid, st in s.tp_core.states.items()}
+    assert attained["A"] > attained["B"] == attained["C"]
+    record = d.step()  # B and C each need a second block: one request must go
+    assert record.preempted == [victim]
+    assert s.requests[victim].status == RequestStatus.PREEMPTED
+    assert s.tp_core.preemptions_total == 1 and s.tp_core.states[victim].policy_preemptions == 0
+    d.run()
+    assert_all_finished(d)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. policy-driven preemption
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+def test_waiting_short_preempts_running_long_under_uniboost(build, cls):
+    clock = Clock()
+    s = build(cls, num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=UNIBOOST)
+    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d.run(arrivals={0: [req(clock, "L", 128, 12, 0.0)]}, steps=3)
+    assert [r.request_id for r in s.running] == ["L"]
+    progress = s.requests["L"].num_computed_tokens
+    assert progress >= 128
+    d.add(req(clock, "S", 8, 2, 1.0))
+    record = d.step()
+    # The seat is full and S's key beats L's: the plugin preempts L through vLLM and S is admitted
+    # in the same step.
+    assert record.preempted == ["L"]
+    assert record.admitted == ["S"]
+    core = s.tp_core
+    assert core.preemptions_total == 1
+    assert core.states["L"].policy_preemptions == 1
+    assert core.states["L"].recomputed_tokens == progress
+    assert s.requests["L"].status == RequestStatus.PREEMPTED
+    d.run()
+    assert_all_finished(d)
+    completions = {c["id"]: c for c in core.completions_since(0)[0]}
+    assert list(completions) == ["S", "L"]
+    assert completions["L"]["preemptions"] == 1
+
+
+def test_waiting_short_does_not_preempt_under_fcfs(build):
+    clock = Clock()
+    s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=FCFS)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "L", 128, 12, 0.0)], 3: [req(clock, "S", 8, 2, 1.0)]})
+    assert not any(record.preempted for record in d.history)
+    assert s.tp_core.preemptions_total == 0
+    assert d.first_admitted == ["L", "S"]
+    assert [c["id"] for c in s.tp_core.completions_since(0)[0]] == ["L", "S"]
+    assert_all_finished(d)
+
+
+def test_no_preemption_when_a_seat_is_free(build):
+    """Policy preemption only when the waiting request cannot be admitted otherwise."""
+    clock = Clock()
+    s = build(num_blocks=100, max_num_seqs=2, max_num_batched_tokens=256, settings=UNIBOOST)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "L", 128, 12, 0.0)], 3: [req(clock, "S", 8, 2, 1.0)]})
+    assert s.tp_core.preemptions_total == 0
+    assert_all_finished(d)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. settings switch mid-run
+# --------------------------------------------------------------------------------------------
+
+
+def test_settings_switch_mid_run_keeps_progress(build):
+    clock = Clock()
+    s = build(num_blocks=200, max_num_seqs=2, max_num_batched_tokens=64, settings=FCFS)
+    core = s.tp_core
+    d = Driver(s)
+    # Y: a long prompt mid chunked-prefill at the switch; X decoding; A (long) and B (short)
+    # waiting, A first in arrival order.
+    d.run(arrivals={0: [req(clock, "X", 8, 12, 0.0), req(clock, "Y", 300, 4, 0.5)],
+                    1: [req(clock, "A", 200, 2, 1.0), req(clock, "B", 16, 2, 2.0)]}, steps=3)
+    assert sorted(r.request_id for r in s.running) == ["X", "Y"]
+    assert [r.request_id for r in s.waiting] == ["A", "B"]
+    before = {rid: (r.num_computed_tokens, r.num_output_tokens) for rid, r in s.requests.items()}
+    assert 0 < before["Y"][0] < 300, "Y must be mid-prefill at the switch"
+    version = core.version
+    settings_before = core.settings
+
+    # What a client does: read the settings, change the policy, write them back.
+    doc = {**core.settings_doc()["settings"], "policy": "uniboost", "pinned": ["gamma"],
+           "params": {"gamma": 0.001, "memguard": False, "alpha_s_per_token": 0.001,
+                      "preempt_margin": 1e6}}  # no policy preemption: only the order changes
+    answer = core.put_settings(doc, if_match=version)
+    assert answer["version"] == version + 1 == core.version
+    assert answer["restart_required"] == []
+    # Staged, not applied: nothing moved, the active settings are still fcfs.
+    assert core.settings is settings_before and core.policy.name == "fcfs"
+    assert core.settings_doc()["settings"]["policy"] == "uniboost"
+    assert {rid: (r.num_computed_tokens, r.num_output_tokens) for rid, r in s.requests.items()} == before
+
+    record = d.step()  # the switch happens at the top of this step
+    assert core.policy.name == "uniboost" and core.settings.policy == "uniboost"
+    assert core.version == version + 1
+    assert record.preempted == [] and core.preemptions_total == 0
+    scheduled = dict(record.scheduled)
+    for rid, (computed, generated) in before.items():
+        r = s.requests.get(rid)
+        assert r is not None, rid
+        assert r.num_computed_tokens == computed + scheduled.get(rid, 0), rid
+        assert r.num_output_tokens >= generated, rid
+    # uniboost's order from this step on: B (short) ahead of A in the queue and at admission.
+    assert [r.request_id for r in s.waiting] == ["B", "A"]
+    d.run()
+    assert d.first_admitted == ["X", "Y", "B", "A"]
+    assert core.preemptions_total == 0
+    assert_all_finished(d)
+
+
+def test_switch_back_and_forth_many_times(build):
+    """Switching every step among all live policies loses no request and no token."""
+    clock = Clock()
+    s = build(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, settings=FCFS,
+              long_prefill_token_threshold=32)
+    core = s.tp_core
+    d = Driver(s)
+    docs = [{"policy": "sarathi"}, UNIBOOST, {"policy": "las", "params": {"alpha_s_per_token": 0.001}},
+            {"policy": "vtc"}, {"policy": "srpt"}, {"policy": "tie"}, {"policy": "sjf"},
+            {"policy": "distboost"}, FCFS]
+    arrivals = {k: [req(clock, f"r{k}", [12, 90, 30][k % 3], 3 + k % 7, k * 0.1,
+                        tenant=["a", "b"][k % 2], type=["chat", "batch"][k % 2])] for k in range(30)}
+    start = core.version
+
+    def on_step(record):
+        core.put_settings(docs[record.index % len(docs)])
+
+    d.run(arrivals=arrivals, on_step=on_step)
+    assert core.version == start + len(d.history)
+    assert_all_finished(d)
+
+
+# --------------------------------------------------------------------------------------------
+# 6. γ-Ada and a pinned γ
+# --------------------------------------------------------------------------------------------
+
+
+ADA = {"policy": "uniboost",
+       "params": {"gamma": 0.5, "memguard": False, "gamma_ada": True, "ada_min_samples": 5,
+                  "ada_window": 10, "ada_interval_s": 0.001, "gamma_min": 1.0, "gamma_max": 200.0}}
+
+
+def _ada_run(build, settings):
+    clock = Clock()
+    s = build(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=256, settings=settings)
+    d = Driver(s)
+    # Latency spread (arrivals 0..900 s ago) so the P99/P95 tail ratio is not 1.
+    d.run(arrivals={k: [req(clock, f"g{k}", 8 + 8 * k, 2, 100.0 * k)] for k in range(10)})
+    assert_all_finished(d)
+    policy = s.tp_core.policy
+    policy.tick(time.time() + 1.0)  # and at least one more adaptation round, by hand
+    return s, policy
+
+
+def test_gamma_ada_moves_an_unpinned_gamma(build):
+    s, policy = _ada_run(build, ADA)
+    assert policy.ada_enabled
+    assert policy.gamma_updates >= 1
+    assert policy.gamma != 0.5
+    assert s.tp_core.policy.live_state()["gamma_pinned"] is False
+
+
+def test_pinned_gamma_is_never_moved_by_gamma_ada(build):
+    s, policy = _ada_run(build, {**ADA, "pinned": ["gamma"]})
+    assert not policy.ada_enabled
+    assert policy.gamma == 0.5 and policy.gamma_updates == 0
+    assert policy.live_state() == {"gamma": 0.5, "gamma_pinned": True}
+
+
+def test_pinned_gamma_survives_a_switch(build):
+    """A switch into a pinned document keeps γ exactly; adaptation never touches it afterwards."""
+    s, policy = _ada_run(build, ADA)
+    adapted = policy.gamma
+    assert adapted != 0.5
+    core = s.tp_core
+    core.put_settings({**ADA, "params": {**ADA["params"], "gamma": 3.0}, "pinned": ["gamma"]})
+    _, cursor = core.completions_since(0)
+    d = Driver(s)
+    clock = Clock()
+    d.run(arrivals={k: [req(clock, f"h{k}", 8 + 8 * k, 2, 100.0 * k)] for k in range(10)})
+    assert_all_finished(d, completions_cursor=cursor)
+    core.policy.tick(time.time() + 1.0)
+    assert core.policy.gamma == 3.0 and core.policy.gamma_updates == 0
+
+
+# --------------------------------------------------------------------------------------------
+# 7. everything finishes, for every policy, sync and async
+# --------------------------------------------------------------------------------------------
+
+
+ALL_POLICIES = [
+    FCFS, {"policy": "sarathi"}, UNIBOOST, {"policy": "uniboost"},
+    {"policy": "las", "params": {"alpha_s_per_token": 0.001}}, {"policy": "srpt"}, {"policy": "sjf"},
+    {"policy": "tie"}, {"policy": "vtc", "params": {"weights": {"a": 2.0}}}, {"policy": "distboost"},
+]
+
+
+@pytest.mark.parametrize("settings", ALL_POLICIES, ids=lambda d: d["policy"] + ("-" + "-".join(
+    f"{k}={v}" for k, v in d.get("params", {}).items() if k in ("gamma", "memguard")) if d.get("params") else ""))
+@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+def test_every_policy_finishes_everything_under_pressure(build, cls, settings):
+    clock = Clock()
+    s = build(cls, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=64, settings=settings,
+              long_prefill_token_threshold=32)
+    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    arrivals = {}
+    for k in range(36):
+        arrivals.setdefault(k // 2, []).append(
+            req(clock, f"p{k:02d}", [10, 60, 25, 140][k % 4], [3, 25, 8, 2][k % 4], k * 0.05,
+                tenant=["a", "b", "c"][k % 3], type=["chat", "batch", "reasoning"][k % 3]))
+    d.run(arrivals=arrivals)
+    assert_all_finished(d)
+    core = s.tp_core
+    assert core.finished_total == 36
+    assert core.preemptions_total == sum(len(r.preempted) for r in d.history)
+    steps, _ = core.steps_since(0)
+    assert len(steps) == core.steps_total == len(d.history)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. regressions for bugs found with this harness
+# --------------------------------------------------------------------------------------------
+
+
+def test_policy_preemption_is_not_wasted_on_full_sequence_gate(build):
+    clock = Clock()
+    s = build(num_blocks=31, max_num_seqs=4, max_num_batched_tokens=512,
+              settings={"policy": "las"})
+    d = Driver(s)
+    # H1..H3 stay in LAS level 0 (< 157 tokens attained) and hold 18 blocks; V (level 1) holds 11.
+    d.run(arrivals={0: [req(clock, "H1", 80, 40, 0.0), req(clock, "H2", 80, 40, 1.0),
+                        req(clock, "H3", 80, 40, 2.0), req(clock, "V", 160, 40, 3.0)]}, steps=3)
+    # W (level 0) needs 20 blocks for its prompt; preempting V frees only 11 (+1 free).
+    d.add(req(clock, "W", 320, 2, 10.0))
+    record = d.step()
+    if record.preempted:  # a policy preemption must admit the request it was made for
+        assert "W" in record.admitted, f"{record.preempted} preempted, W not admitted"
+    d.run()
+    assert_all_finished(d)
+
+
+def test_put_settings_without_engine_keeps_the_replica_engine(build):
+    """A document without an engine block keeps the replica's engine (vLLM's config), not the
+    model defaults (128 seqs, 2048 tokens): no spurious restart_required."""
+    s = build(num_blocks=100, max_num_seqs=2, max_num_batched_tokens=64, settings=FCFS)
+    core = s.tp_core
+    engine = core.settings_doc()["settings"]["engine"]
+    assert engine["max_num_seqs"] == 2 and engine["max_num_batched_tokens"] == 64
+    answer = core.put_settings({"policy": "uniboost"})
+    assert answer["restart_required"] == []
+    assert answer["settings"]["engine"] == engine
+
+
+def test_memguard_memory_victim_is_outside_its_guard(build):
+    """On KV shortage vLLM preempts running[-1]: under MemGuard that must be the worst request
+    outside its guard, not a resumed request still inside it."""
+    clock = Clock()
+    guard = {"policy": "uniboost", "pinned": ["gamma"],
+             "params": {"gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": True,
+                        "quant_base_tokens": 16, "quant_ratio": 2.0}}
+    s = build(num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=guard)
+    core = s.tp_core
+    d = Driver(s)
+    d.add(*[req(clock, rid, p, m, a) for rid, p, m, a in
+            [("R0", 64, 40, 0.0), ("R1", 16, 4, 1.0), ("R2", 32, 4, 2.0), ("R3", 8, 4, 3.0)]])
+    d.run(steps=2)
+    assert d.history[1].preempted == ["R0"]  # the worst and unguarded: policy and vLLM agree
+    # Run until R0 is back (resumed with guard = next threshold above its attained 65: 128).
+    for _ in range(50):
+        if "R0" in [r.request_id for r in s.running]:
+            break
+        d.step()
+    assert core.states["R0"].guard_tokens == 128
+    # Two shorter requests join; their decodes run out of blocks while R0 is still guarded.
+    d.add(req(clock, "N1", 32, 8, 10.0), req(clock, "N2", 32, 8, 11.0))
+    victims = []
+    for _ in range(50):
+        states = [core.states[r.request_id] for r in s.running]
+        expected = core.policy.memory_victim(core.policy.order_running(states, time.time()))
+        victims = d.step().preempted
+        if victims:
+            break
+    assert victims == [expected.id] == ["N2"]
+    d.run()
+    assert_all_finished(d)
+
+
+def test_sjf_starvation_guard_promotes_a_starving_request(build):
+    """sjf's starvation counters (Policy.on_steps) move on a live replica: a long request does not
+    starve behind a stream of short ones."""
+    clock = Clock()
+    sjf = {"policy": "sjf", "params": {"starve_steps": 5, "quantum_steps": 5}}
+    s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=sjf)
+    d = Driver(s)
+    # No predictions yet: sjf ranks by max_tokens. L (50) waits behind a stream of 2-token ones
+    # arriving one per step while "first" holds the only seat.
+    arrivals = {0: [req(clock, "first", 8, 2, -1.0), req(clock, "L", 8, 50, 0.0)]}
+    for k in range(40):
+        arrivals.setdefault(k, []).append(req(clock, f"s{k:02d}", 8, 2, 1.0 + k))
+    d.run(arrivals=arrivals)
+    assert_all_finished(d)
+    order = d.first_admitted
+    assert order.index("L") < order.index("s39"), order
