@@ -415,6 +415,10 @@ class Simulator:
                 or step.decode_seqs != len(running)
                 or (self.waiting and not step.admission_blocked)):
             return 1
+        if self.waiting and self.policy.preemptive and len(running) < self.settings.engine.max_num_seqs:
+            # With a seat free, whether a waiting request needs a victim depends on the free
+            # blocks, which shrink every decode step: decide step by step.
+            return 1
         target = self.target
         k = min(target[r.id] - r.generated for r in running)  # the stretch ends with a completion
         if k <= 1:

@@ -158,11 +158,11 @@ class TailpilotMixin:
         core = self.tp_core
         policy = core.begin_step(now)
         states = core.states
-        running_states = []
-        for request in self.running:
-            state = states[request.request_id]
-            self._tp_sync(request, state)
-            running_states.append(state)
+        if self._tp_inflight:  # async scheduling: the previous step's output is not processed yet
+            for request in self.running:
+                self._tp_sync(request, states[request.request_id])
+        # Otherwise update_from_output has already synced every request that moved.
+        running_states = [states[request.request_id] for request in self.running]
         policy.view.max_num_seqs = self.max_num_running_reqs
         policy.view.num_waiting = len(core.waiting)
         policy.view.now = now
@@ -231,6 +231,8 @@ class TailpilotMixin:
             self.tp_core.note_preemption(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
             self.tp_core.policy.on_preempt(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
         super()._preempt_request(request, timestamp, *args, **kwargs)
+        if state is not None:
+            state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self._tp_now = now = time.time()

@@ -6,6 +6,8 @@ max_tokens (quadrature in ``tie_math``); β adapts to the queue unless pinned. N
 
 from __future__ import annotations
 
+import math
+
 from controlplane.policies.base import Policy, RequestState, new_epoch
 from controlplane.policies.tie_math import adaptive_beta, tie_moments
 
@@ -17,6 +19,7 @@ class Tie(Policy):
         super().__init__(settings, predictor)
         self.beta_pinned = settings.is_pinned("beta")
         self.beta = self.params.beta
+        self._t_ref: float | None = None  # arrivals are taken relative to the first one seen
 
     def moments(self, req: RequestState) -> tuple[float, float] | None:
         """(E, CVaR) of the request's truncated length, cached until the predictor refits."""
@@ -40,6 +43,21 @@ class Tie(Policy):
     def score(self, req: RequestState, now: float) -> float:
         t_wait = max(0.0, now - req.arrival)
         return self.base_score(req) * self.params.decay ** (t_wait / self.params.tau_s)
+
+    def key(self, req: RequestState, now: float) -> tuple:
+        # ln(score') = ln(E + β·CVaR) + (now − arrival)·ln(decay)/τ. The term in ``now`` is the same
+        # for every request at a given instant, so dropping it keeps the order at every instant and
+        # leaves a key that is constant within an epoch (β, the predictor's fit): cached, not
+        # recomputed for every running request every step.
+        key = self.cached_key(req)
+        if key is None:
+            if self._t_ref is None:
+                self._t_ref = req.arrival
+            p = self.params
+            value = (math.log(max(self.base_score(req), 1e-300))
+                     - math.log(p.decay) * (req.arrival - self._t_ref) / p.tau_s)
+            key = self.cache_key(req, value, 1 << 62)
+        return key
 
     def before_step(self, waiting, now) -> None:
         super().before_step(waiting, now)
