@@ -72,7 +72,11 @@ class PolicyRequestQueue(RequestQueue):
         request = self.peek_request()
         state = self._state(request)
         self._queue().remove([state])
-        self.plugin._tp_admitted(state)
+        # vLLM also pops requests it only sets aside for this step (skip_request: grammar still
+        # compiling, KV still loading, stale async output) and prepends them back: not admissions.
+        if not (self.plugin._is_blocked_waiting_status(request.status)
+                or (getattr(request, "num_stale_output_tokens", 0) and not request.drop_stale_output)):
+            self.plugin._tp_admitted(state)
         return request
 
     def remove_request(self, request: Request) -> None:
