@@ -130,7 +130,7 @@ class Policy:
     def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
         if not self.reorders_waiting:
             return list(waiting)
-        return sorted(waiting, key=lambda r: self.key(r, now))
+        return sorted(waiting, key=self.sort_key(now))
 
     def cached_key(self, req: RequestState) -> tuple | None:
         """The request's cached key if still valid (same epoch, attained below its bound)."""
@@ -143,10 +143,22 @@ class Policy:
         req.key_value = key = (score, req.arrival, req.id)
         return key
 
+    def sort_key(self, now: float):
+        """A key function for sorting: the cached key when valid, inline (this runs per request
+        per step), else ``key``."""
+        epoch, key = self.epoch, self.key
+
+        def fast(r: RequestState) -> tuple:
+            if r.score_epoch == epoch and r.attained < r.score_until:
+                return r.key_value
+            return key(r, now)
+
+        return fast
+
     def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         if not self.reorders_running:
             return list(running)
-        return sorted(running, key=lambda r: self.key(r, now))
+        return sorted(running, key=self.sort_key(now))
 
     def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
         """Waiting requests (already in queue order) in the order admission should try them;

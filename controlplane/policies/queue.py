@@ -47,7 +47,7 @@ class WaitingQueue:
             return self._items
         self._now = now
         if self._epoch != policy.epoch:
-            self._items.sort(key=self._key)
+            self._items.sort(key=policy.sort_key(now))
             self._epoch = policy.epoch
         elif policy.moved:
             # A few requests changed key (a starvation promotion): move just those.
