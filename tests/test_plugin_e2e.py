@@ -19,7 +19,7 @@ PLUGIN = "controlplane.plugin.vllm.TailpilotScheduler"
 
 
 def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs: int, name: str,
-            max_model_len: int = 1024, batched_tokens: int = 512):
+            max_model_len: int = 1024, batched_tokens: int = 512, extra_env: dict | None = None):
     settings_file = tmp_path / f"{name}-settings.json"
     settings_file.write_text(json.dumps(settings))
     api_port = free_port()
@@ -28,7 +28,7 @@ def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs
         extra_args=["--scheduler-cls", PLUGIN, "--max-num-seqs", str(max_num_seqs),
                     "--max-num-batched-tokens", str(batched_tokens), "--no-enable-prefix-caching"],
         extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": name})
+                   "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": name, **(extra_env or {})})
     server.control = f"http://127.0.0.1:{api_port}/tailpilot/v1"
     return server
 
@@ -167,7 +167,49 @@ def test_auth_and_stale_if_match(busy_server):
     assert res.completion_tokens == 5
 
 
-# Ordering by policy (short requests overtaking a long one under uniboost, not under fcfs) is
-# checked on vLLM's real scheduler classes in tests/test_plugin_inprocess.py. On a 2-core machine
-# the OpenAI API server is starved while the engine runs, so it hands requests sent during a
-# generation over only after it ends: an end-to-end ordering check cannot be made reliable here.
+@pytest.fixture(scope="module")
+def one_slot_server(tiny_model_dir, tmp_path_factory):
+    """One sequence at a time: the order of service is the policy's order. The engine runs inside
+    the API server process (no EngineCore process): on 2 cores a separate EngineCore spins both
+    cores and starves the API server, which then holds back requests sent during a generation."""
+    tmp = tmp_path_factory.mktemp("slot")
+    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=64 * 1024, max_num_seqs=1,
+                 name="slot", extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as server:
+        yield server
+
+
+def _long_then_short(server) -> dict[str, float]:
+    """A long request, then three short ones sent while it runs; finish times by tenant.
+
+    That the short ones really arrived while the long one ran is checked afterwards from the
+    engine-side timestamps, and the exchange retried if not (client timing is loose on 2 cores)."""
+    for _attempt in range(3):
+        _, state = read_all_completions(server)
+        cursor = state["next_cursor"]
+        long_req = CompletionRequest(prompt=[11] * 20, max_tokens=1000, tenant="long")
+        t = threading.Thread(target=run_completions, args=(server.base_url, [long_req]),
+                             kwargs={"model": server.served_model_name})
+        t.start()
+        deadline = time.time() + 30
+        while control(server).json()["running"] < 1 and time.time() < deadline:
+            time.sleep(0.005)
+        shorts = [CompletionRequest(prompt=[17] * 8, max_tokens=4, tenant=f"short{i}") for i in range(3)]
+        run_completions(server.base_url, shorts, model=server.served_model_name)
+        t.join(timeout=300)
+        by = {c["tenant"]: c for c in read_all_completions(server, cursor)[0]}
+        assert len(by) == 4, by
+        long_c = by["long"]
+        if all(long_c["scheduled_at"] < by[f"short{i}"]["arrival"] < long_c["finished_at"] for i in range(3)):
+            return {k: c["finished_at"] for k, c in by.items()}
+    raise AssertionError(f"the short requests never arrived while the long one was running: {by}")
+
+
+def test_small_gamma_lets_short_requests_overtake_a_long_one(one_slot_server):
+    fcfs = _long_then_short(one_slot_server)
+    assert all(fcfs["long"] < fcfs[f"short{i}"] for i in range(3))
+
+    answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
+        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}})
+    assert answer.status_code == 200, answer.text
+    boosted = _long_then_short(one_slot_server)
+    assert all(boosted[f"short{i}"] < boosted["long"] for i in range(3))
