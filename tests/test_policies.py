@@ -291,3 +291,28 @@ def test_srpt_trail_limit_stops_preemption_late_in_a_request():
     limited = simulate(trace, settings("srpt", eng, predictor="oracle", c=0.01), BIG_KV)
     assert free.policy_preemptions > 0
     assert limited.policy_preemptions == 0
+
+
+# --- live settings switch in the simulator (what the twin replicas will use) ----------------
+def test_simulator_switches_policy_mid_run_without_losing_requests():
+    from tuner.engine import Simulator
+
+    trace = [req(f"r{i:03d}", 0.02 * i, 30 + (i * 37) % 300, 5 + (i * 13) % 120, tenant=f"t{i % 3}")
+             for i in range(300)]
+    plan = {40: "uniboost", 120: "tie", 200: "vtc", 260: "las"}
+
+    class Switching(Simulator):
+        def _step(self):
+            policy = plan.get(self.iterations)
+            if policy:
+                params = {"predictor": "history"} if policy == "tie" else {}
+                self.apply_settings(settings(policy, {"max_num_seqs": 8}, **params))
+            super()._step()
+
+    sim = Switching(trace, settings("fcfs", {"max_num_seqs": 8}),
+                    EngineConfig(num_gpu_blocks=400, step_model=UNIT_STEPS), check_invariants=True)
+    res = sim.run()
+    assert sim.policy.name == "las" and res.settings.policy == "las"
+    assert sorted(c.id for c in res.completions) == sorted(r.id for r in trace)
+    assert all(c.output_tokens == r.output_tokens for c, r in zip(sorted(res.completions, key=lambda c: c.id),
+                                                                   sorted(trace, key=lambda r: r.id)))
