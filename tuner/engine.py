@@ -188,8 +188,6 @@ class Simulator:
         if self.predictor is not None and now >= self.next_refit:
             self.predictor.refit()
             self.next_refit = now + self.config.refit_interval_s
-        policy.view.num_waiting = len(self.waiting)
-        policy.view.now = now
         policy.before_step(self.waiting, now)
 
         step = self._schedule(now)
@@ -226,15 +224,10 @@ class Simulator:
     def _preempt(self, req: RequestState, by_policy: bool, requeue: bool = True) -> None:
         self.running.remove(req)
         self.free_blocks += self.blocks.pop(req.id, 0)
-        self.recomputed_tokens += req.computed_tokens
-        req.recomputed_tokens += req.computed_tokens
+        self.recomputed_tokens += req.note_preemption(self.now, by_policy)
         req.computed_tokens = 0
-        req.preemptions += 1
         self.preemptions += 1
-        if by_policy:
-            req.policy_preemptions += 1
-            self.policy_preemptions += 1
-        req.enqueued_at = self.now
+        self.policy_preemptions += by_policy
         if requeue:
             self._requeue(req, by_policy)
 

@@ -173,12 +173,7 @@ class ReplicaCore:
 
     def note_preemption(self, state: RequestState, now: float, by_policy: bool) -> None:
         self.preemptions_total += 1
-        self.recomputed_tokens_total += state.computed_tokens
-        state.recomputed_tokens += state.computed_tokens
-        state.preemptions += 1
-        if by_policy:
-            state.policy_preemptions += 1
-        state.enqueued_at = now
+        self.recomputed_tokens_total += state.note_preemption(now, by_policy)
 
     def finish(self, state: RequestState, now: float, reason: str = "finished") -> None:
         self.states.pop(state.id, None)

@@ -109,6 +109,7 @@ class TailpilotMixin:
         replica = os.environ.get(REPLICA_ENV, "replica") + (f"-dp{rank}" if rank else "")
         self._tp_now = time.time()
         self._tp_requests: dict[str, Request] = {}
+        self._tp_policy_victim = False  # set while the plugin itself preempts (policy-driven)
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
         self.tp_core = ReplicaCore(load_startup_settings(engine), replica=replica)
         self.tp_core.start_refit_thread()
@@ -168,8 +169,6 @@ class TailpilotMixin:
         # Otherwise update_from_output has already synced every request that moved.
         running_states = [states[request.request_id] for request in self.running]
         policy.view.max_num_seqs = self.max_num_running_reqs
-        policy.view.num_waiting = len(core.waiting)
-        policy.view.now = now
         policy.before_step(core.waiting.ordered(now), now)
         if policy.reorders_running and len(running_states) > 1:
             ordered = policy.order_running(running_states, now)
@@ -232,8 +231,8 @@ class TailpilotMixin:
         state = self.tp_core.states.get(request.request_id)
         if state is not None:
             state.computed_tokens = request.num_computed_tokens
-            self.tp_core.note_preemption(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
-            self.tp_core.policy.on_preempt(state, self._tp_now, getattr(self, "_tp_policy_victim", False))
+            self.tp_core.note_preemption(state, self._tp_now, self._tp_policy_victim)
+            self.tp_core.policy.on_preempt(state, self._tp_now, self._tp_policy_victim)
         super()._preempt_request(request, timestamp, *args, **kwargs)
         if state is not None:
             state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone

@@ -84,6 +84,17 @@ class RequestState:
     def in_decode(self) -> bool:
         return self.generated > 0 and self.computed_tokens == self.total_tokens - 1
 
+    def note_preemption(self, now: float, by_policy: bool) -> int:
+        """Count a recompute preemption; returns the tokens of KV it threw away. The caller frees
+        the blocks and resets ``computed_tokens`` (vLLM does that itself on a live replica)."""
+        wasted = self.computed_tokens
+        self.recomputed_tokens += wasted
+        self.preemptions += 1
+        if by_policy:
+            self.policy_preemptions += 1
+        self.enqueued_at = now
+        return wasted
+
     def note_progress(self) -> None:
         """Update attained service after computed/generated moved (never counts recomputation)."""
         done = min(self.computed_tokens, self.prompt_tokens) + self.generated
@@ -96,8 +107,6 @@ class EngineView:
     """What a policy may know about the engine it runs in."""
 
     max_num_seqs: int
-    num_waiting: int = 0
-    now: float = 0.0
 
 
 class Policy:
