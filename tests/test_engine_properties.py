@@ -131,3 +131,23 @@ def test_event_skipping_matches_step_by_step(case):
         assert (f.preemptions, f.output_tokens) == (c.preemptions, c.output_tokens), c.id
         for field in ("scheduled_at", "first_token_at", "finished_at"):
             assert math.isclose(getattr(f, field), getattr(c, field), rel_tol=1e-9, abs_tol=1e-9), (c.id, field)
+
+
+@hsettings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.floats(0.01, 0.7))
+def test_advance_to_in_slices_matches_one_run(case, slice_s):
+    """A live twin advances the simulator to its clock in slices; the slices change nothing,
+    and no stretch of steps runs past the slice's end."""
+    reqs, settings, config = case
+    _, whole = run(reqs, settings, config)
+    sim = Simulator(reqs, settings, config, check_invariants=True)
+    t = sim.now  # the clock starts at the first arrival
+    while sim.next_arrival < len(sim.arrivals) or sim.waiting or sim.running:
+        t += slice_s
+        sim.advance_to(t)
+        assert sim.now < t + 0.05  # past t by at most one step (these steps take < 50 ms)
+    assert sim.steps == whole.steps and sim.rejected == whole.rejected
+    got = {c.id: c for c in sim.completions}
+    assert set(got) == {c.id for c in whole.completions}
+    for c in whole.completions:
+        assert math.isclose(got[c.id].finished_at, c.finished_at, rel_tol=1e-9, abs_tol=1e-9), c.id

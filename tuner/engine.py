@@ -118,6 +118,7 @@ class Simulator:
         self.recomputed_tokens = 0
         self.next_refit = self.now + self.config.refit_interval_s
         self.gamma_timeline: list[tuple[float, float]] = []
+        self._horizon = INF  # advance_to's bound: no stretch of steps runs past it
 
     # --- live control (the twin replicas use this exactly as the plugin does) -------------
     def apply_settings(self, settings: Settings) -> None:
@@ -133,6 +134,35 @@ class Simulator:
         self.waiting.set_policy(new)
         self.policy, self.settings = new, settings
         self.predictor = new.predictor or self.predictor
+
+    def advance_to(self, t: float) -> int:
+        """Run the steps that start before ``t`` (a live twin replica calls this with its clock);
+        an idle engine's clock moves to ``t``. Returns the number of loop iterations run.
+
+        Stretches of identical steps stop at ``t`` so a settings change staged meanwhile applies
+        at the first step after it, as on a real replica."""
+        self._horizon = t
+        start = self.iterations
+        try:
+            while self.now < t:
+                if not self.waiting and not self.running:
+                    if self.next_arrival >= len(self.arrivals) or self.arrivals[self.next_arrival].arrival > t:
+                        self.now = t
+                        break
+                    self.now = max(self.now, self.arrivals[self.next_arrival].arrival)
+                self._step()
+        finally:
+            self._horizon = INF
+        return self.iterations - start
+
+    def extend_arrivals(self, requests: Iterable[TraceRequest]) -> None:
+        """Append requests that arrive no earlier than every request already queued (a looping
+        trace feeding a live twin)."""
+        new = sorted(requests, key=lambda r: (r.arrival, r.id))
+        if new and self.arrivals and (new[0].arrival, new[0].id) < (self.arrivals[-1].arrival, self.arrivals[-1].id):
+            raise ValueError(f"request {new[0].id} arrives at {new[0].arrival} before the last queued "
+                             f"request ({self.arrivals[-1].arrival})")
+        self.arrivals.extend(new)
 
     # --- the loop -------------------------------------------------------------------------
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
@@ -419,7 +449,7 @@ class Simulator:
         k = min(k, self._kv_safe_steps())
         waiting = self.waiting.ordered(now)
         k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked))
-        t_event = self.policy.next_tick()
+        t_event = min(self.policy.next_tick(), self._horizon)
         if self.next_arrival < len(self.arrivals):
             t_event = min(t_event, self.arrivals[self.next_arrival].arrival)
         if self.predictor is not None:
