@@ -1,0 +1,108 @@
+"""What the collector hands the store: plain rows, one dataclass per kind.
+
+This module is the contract between the collector (``controlplane.collector``), which fills these,
+and the store (``storage.store``), which writes them in batches. It imports nothing from either, so
+both sides and their tests can build rows without a database.
+
+Times: samples are keyed by integer milliseconds since the epoch on the collector's clock;
+per-request times are float seconds on the replica's own clock (a twin replica's clock may run
+faster than the wall clock; latencies are differences on one clock, so they stay faithful).
+Latency percentiles are in seconds, ``None`` when the window held no request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
+LATENCIES: tuple[str, ...] = ("ttft", "ttlt", "tbt")
+# Column names of the windowed tail percentiles, e.g. "ttft_p99" (the same names as metrics.METRICS).
+PERCENTILE_FIELDS: tuple[str, ...] = tuple(f"{lat}_p{q}" for lat in LATENCIES for q in PERCENTILES)
+
+
+@dataclass(slots=True)
+class LatencyPercentiles:
+    ttft_p50: float | None = None
+    ttft_p90: float | None = None
+    ttft_p95: float | None = None
+    ttft_p99: float | None = None
+    ttlt_p50: float | None = None
+    ttlt_p90: float | None = None
+    ttlt_p95: float | None = None
+    ttlt_p99: float | None = None
+    tbt_p50: float | None = None
+    tbt_p90: float | None = None
+    tbt_p95: float | None = None
+    tbt_p99: float | None = None
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One replica's state at one poll."""
+
+    replica: str
+    t_ms: int
+    healthy: bool
+    reason: str | None = None  # why unhealthy ("timeout after 2.0 s", "HTTP 500", "bad JSON at ...")
+    policy: str | None = None
+    settings_version: int | None = None
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None  # 0..1
+    kv_used_blocks: int | None = None
+    kv_total_blocks: int | None = None
+    gamma_live: float | None = None
+    beta_live: float | None = None
+    throughput_tok_s: float | None = None  # output tokens/s over the window
+    throughput_req_s: float | None = None
+    preemptions_per_s: float | None = None
+    latency: LatencyPercentiles = field(default_factory=LatencyPercentiles)
+
+
+@dataclass(slots=True)
+class GroupSampleRow:
+    """The same window for one tenant or one request type of one replica."""
+
+    replica: str
+    t_ms: int
+    kind: str  # "tenant" | "type"
+    group: str
+    completed: int  # requests in the window
+    throughput_tok_s: float | None = None
+    latency: LatencyPercentiles = field(default_factory=LatencyPercentiles)
+
+
+@dataclass(slots=True)
+class CompletionRow:
+    """One finished request, as the replica's control API reported it."""
+
+    replica: str
+    request_id: str
+    tenant: str
+    type: str
+    arrival_s: float
+    first_token_s: float | None
+    finished_s: float
+    prompt_tokens: int
+    output_tokens: int
+    preemptions: int
+    recomputed_tokens: int = 0
+    reason: str = "finished"
+
+
+@dataclass(slots=True)
+class Batch:
+    """Everything one collector flush writes, in one transaction.
+
+    ``cursors`` maps replica name -> the control API cursor after the completions in this batch;
+    storing it in the same transaction as the completions is what makes a restart lose and
+    duplicate nothing.
+    """
+
+    samples: list[SampleRow] = field(default_factory=list)
+    group_samples: list[GroupSampleRow] = field(default_factory=list)
+    completions: list[CompletionRow] = field(default_factory=list)
+    cursors: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples) + len(self.group_samples) + len(self.completions)
