@@ -2,6 +2,7 @@
 
     tailpilot sim --trace FILE --policy uniboost --set gamma=8 --json
     tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie --baseline srpt
+    tailpilot twin --replicas 4 --speed 10 --rate-scale 4 --cluster-out twins.yaml
 
 Without ``--trace`` both run on the bundled Azure conv window (10 minutes, CC BY 4.0).
 """
@@ -230,6 +231,83 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
     click.echo(f"{len(names)} policies simulated in {total_wall:.2f} s wall")
 
 
+@main.command()
+@click.option("--replicas", "-n", type=click.IntRange(1, 4096), default=2, show_default=True,
+              help="Number of simulated replicas (twin-0, twin-1, ...).")
+@click.option("--trace", "trace_path", metavar="FILE", help="Trace file (any supported format); default: the bundled Azure conv window.")
+@click.option("--speed", type=float, default=1.0, show_default=True, help="Replica clock speed (10 = ten simulated seconds per wall second).")
+@click.option("--rate-scale", type=float, help="Multiply the arrival rate by X (of the whole trace, before the split).")
+@click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s (whole cluster).")
+@click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds.")
+@click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens.")
+@click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants.")
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
+              help="Start-up policy (sarathi = vLLM's own behaviour, as a plugin without a settings file).")
+@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
+@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
+@click.option("--max-num-seqs", type=int, help="Engine: max running sequences.")
+@click.option("--max-num-batched-tokens", type=int, help="Engine: token budget per step.")
+@click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off).")
+@click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000).")
+@click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the replicas listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="First port (replica i listens on PORT+i); 0 = ephemeral ports.")
+@click.option("--token", envvar="TAILPILOT_TOKEN", help="Bearer token for writes [env TAILPILOT_TOKEN]; default: a random one, printed.")
+@click.option("--loop/--no-loop", default=True, show_default=True, help="Replay the trace again when it runs out.")
+@click.option("--cluster-out", type=click.Path(dir_okay=False, writable=True), help="Write a cluster YAML for the twins here.")
+@click.option("--cluster-name", default="twins", show_default=True, help="Cluster name in the YAML.")
+def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tenants, seed, policy, assignments, pins,
+         num_gpu_blocks, step_model, host, port, token, loop, cluster_out, cluster_name, **engine):
+    """Start simulated replicas serving the control API and vLLM's /metrics, fed by a trace in
+    (accelerated) real time, until Ctrl-C or SIGTERM."""
+    import secrets
+    import signal
+    import threading
+
+    from tuner.twin import start_twins
+
+    if not speed > 0:
+        raise click.BadParameter("must be > 0", param_hint="--speed")
+    if port and port + replicas - 1 > 65535:
+        raise click.BadParameter(f"ports {port}..{port + replicas - 1} exceed 65535", param_hint="--port")
+    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine), "history")
+    trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
+    generated = token is None
+    token = token or secrets.token_urlsafe(16)
+    try:
+        cluster = start_twins(replicas, trace, speed=speed, settings=settings, host=host, port=port, loop=loop,
+                              seed=seed, token=token, config=_engine_config(num_gpu_blocks, step_model),
+                              cluster_name=cluster_name)
+    except OSError as err:
+        raise click.ClickException(f"cannot listen: {err}")
+    except ValueError as err:
+        raise click.UsageError(describe_error(err))
+    done = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        click.echo(f"{len(cluster)} twin replicas of {trace.name} ({len(trace)} requests"
+                   f"{', looping' if loop else ''}) at speed {speed:g}, policy {settings.policy}:")
+        for r in cluster:
+            click.echo(f"  {r.name}  {r.url}")
+        if cluster_out:
+            cluster.write_cluster_yaml(cluster_out, cluster_name)
+            click.echo(f"cluster file: {cluster_out}")
+        if generated:
+            click.echo(f"writes need the token: export TAILPILOT_TOKEN={token}")
+        click.echo("Ctrl-C to stop.")
+        try:
+            while not done.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+    click.echo("stopped.")
+
+
 def _load_trace_or_exit(*args):
     from tuner.traces import TraceError
 
@@ -259,6 +337,11 @@ def _fmt(v: float) -> str:
         return f"{v:,.0f}"
     return f"{v:.4g}"
 
+
+from controlplane.cli_cluster import COMMANDS as _CLUSTER_COMMANDS  # noqa: E402 (after main exists)
+
+for _command in _CLUSTER_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

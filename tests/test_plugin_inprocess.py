@@ -494,6 +494,24 @@ def test_policy_preemption_is_not_wasted_on_full_sequence_gate(build):
     assert_all_finished(d)
 
 
+def test_long_prefill_threshold_applies_live(build):
+    """long_prefill_token_threshold is not restart-required: a PUT changes the chunk size of the
+    very next step (vLLM reads it from the scheduler config every step)."""
+    clock = Clock()
+    s = build(num_blocks=100, max_num_seqs=4, max_num_batched_tokens=256, settings=FCFS)
+    d = Driver(s)
+    d.add(req(clock, "long-a", 200, 4, 0.0), req(clock, "long-b", 200, 4, 0.01))
+    first = d.step()
+    assert dict(first.scheduled)["long-a"] == 200  # no threshold: one request takes its whole prompt
+    answer = s.tp_core.put_settings({"policy": "fcfs", "engine": {"long_prefill_token_threshold": 32}})
+    assert answer["restart_required"] == []
+    d.add(req(clock, "long-c", 200, 4, 0.02))
+    second = d.step()
+    assert s.scheduler_config.long_prefill_token_threshold == 32
+    assert dict(second.scheduled)["long-c"] == 32
+    d.drain()
+
+
 def test_put_settings_without_engine_keeps_the_replica_engine(build):
     """A document without an engine block keeps the replica's engine (vLLM's config), not the
     model defaults (128 seqs, 2048 tokens): no spurious restart_required."""

@@ -6,6 +6,11 @@
     GET /tailpilot/v1/steps?cursor=N     the step log (duration and batch composition per step)
     GET /tailpilot/v1/health
 
+A target that also plays a vLLM server (the simulated twin replicas) may define any of
+``api_metrics() -> (body bytes, content type)``, ``api_models() -> dict`` and
+``api_health() -> bool``; the server then also answers ``GET /metrics``, ``GET /v1/models`` and
+``GET /health`` (200, or 503 when unhealthy) on the same port, as vLLM's API server does.
+
 Loopback by default; writes need ``Authorization: Bearer <token>`` with the token from
 ``$TAILPILOT_TOKEN`` or the file named by ``$TAILPILOT_TOKEN_FILE``. Without a configured token
 every write is refused (an operator must opt in to remote control).
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import sys
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,6 +62,9 @@ def _make_handler(target: ControlTarget, token: str | None):
     class Handler(BaseHTTPRequestHandler):
         server_version = "tailpilot-control/1"
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in separate writes: with Nagle's algorithm the body waits for
+        # the client's delayed ACK (~40 ms per request on Linux).
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *args):  # quiet: the engine's log is not ours to flood
             pass
@@ -69,6 +78,26 @@ def _make_handler(target: ControlTarget, token: str | None):
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
+
+        def _send_raw(self, status: int, data: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _vllm_get(self, path: str) -> bool:
+            """The optional vLLM-server endpoints; False if ``path`` is not one the target serves."""
+            if path == "/metrics" and hasattr(target, "api_metrics"):
+                data, content_type = target.api_metrics()
+                self._send_raw(200, data, content_type)
+            elif path == "/v1/models" and hasattr(target, "api_models"):
+                self._send(200, target.api_models())
+            elif path == "/health" and hasattr(target, "api_health"):
+                self._send_raw(200 if target.api_health() else 503, b"", "text/plain")
+            else:
+                return False
+            return True
 
         def _error(self, status: int, message: str) -> None:
             self._send(status, {"error": message, "status": status})
@@ -92,6 +121,8 @@ def _make_handler(target: ControlTarget, token: str | None):
                     return self._send(200, target.api_steps(self._cursor(query)))
                 if url.path == f"{PREFIX}/health":
                     return self._send(200, {"ok": True})
+                if self._vllm_get(url.path):
+                    return
             except ValueError as err:
                 return self._error(400, str(err))
             self._error(404, f"no such endpoint: {url.path}")
@@ -132,12 +163,19 @@ def _make_handler(target: ControlTarget, token: str | None):
     return Handler
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # a client went away mid-request: not ours
+            return
+        super().handle_error(request, client_address)
+
+
 class ControlServer:
     """The HTTP server on a daemon thread; ``port=0`` picks a free port."""
 
     def __init__(self, target: ControlTarget, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  token: str | None = None) -> None:
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(target, token))
+        self.httpd = _HTTPServer((host, port), _make_handler(target, token))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="tailpilot-control", daemon=True)
 
@@ -146,9 +184,14 @@ class ControlServer:
         return self.httpd.server_address[1]
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
+        """``http://host:port``: where ``/metrics`` and ``/v1/models`` live on a vLLM-like target."""
         host = self.httpd.server_address[0]
-        return f"http://{host}:{self.port}{PREFIX}"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}{PREFIX}"
 
     def start(self) -> "ControlServer":
         self.thread.start()

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
@@ -30,6 +30,9 @@ SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
 STEPS_KEPT = 20_000  # step-log entries kept for calibration
+# One completions-log entry, in order (what ``/state`` serves per finished request).
+COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "scheduled_at", "first_token_at", "finished_at",
+                   "prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "reason")
 
 
 class SettingsConflict(Exception):
@@ -151,15 +154,27 @@ class ReplicaCore:
         return {"settings": new.to_dict(), "version": version, "replica": self.replica,
                 "restart_required": restart}
 
+    def take_pending(self) -> Settings | None:
+        """Make the staged settings the active document and return them (None if none is staged).
+
+        ``begin_step`` builds the policy from them; a driver that schedules with its own policy
+        (the simulated twin replica hands them to its simulator) applies them itself."""
+        if self._pending is None:
+            return None
+        with self._lock:
+            new, self._pending = self._pending, None
+            if new is not None:
+                self.settings = new
+        return new
+
     def begin_step(self, now: float) -> Policy:
         """Top of a scheduling step: swap in staged settings (one reference assignment)."""
-        if self._pending is not None:
-            with self._lock:
-                new, self._pending = self._pending, None
+        new = self.take_pending()
+        if new is not None:
             policy = self._build(new, self.policy)
             policy.attach(list(self.waiting), [s for s in self.states.values() if s.status == "running"], now)
             self.waiting.set_policy(policy)
-            self.policy, self.settings = policy, new
+            self.policy = policy
         policy = self.policy
         if policy.next_tick() <= now:
             policy.tick(now)
@@ -182,16 +197,22 @@ class ReplicaCore:
         self.policy.on_finish(state, now)
         if reason == "finished" and state.generated > 0:
             self.predictor.observe(state, state.generated)
+        self.log_completions([{
+            "id": state.id, "tenant": state.tenant, "type": state.type,
+            "arrival": state.arrival, "scheduled_at": state.scheduled_at,
+            "first_token_at": state.first_token_at, "finished_at": now,
+            "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated,
+            "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,
+            "reason": reason,
+        }])
+
+    def log_completions(self, records: Iterable[dict]) -> None:
+        """Append finished requests to the completions log (each gets the next ``seq``) and count
+        them. A record has the keys of ``COMPLETION_KEYS`` other than ``seq``."""
         with self._lock:
-            self.finished_total += 1
-            self._completions.append({
-                "seq": next(self._completion_seq), "id": state.id, "tenant": state.tenant, "type": state.type,
-                "arrival": state.arrival, "scheduled_at": state.scheduled_at,
-                "first_token_at": state.first_token_at, "finished_at": now,
-                "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated,
-                "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,
-                "reason": reason,
-            })
+            for record in records:
+                self.finished_total += 1
+                self._completions.append({"seq": next(self._completion_seq), **record})
 
     def record_step(self, started: float, duration_s: float, prefill_tokens: int, sum_prefill_sq: int,
                     decode_seqs: int, sum_kv_context: int) -> None:
@@ -203,35 +224,58 @@ class ReplicaCore:
     # --- what the control API reads -----------------------------------------------------------
     def completions_since(self, cursor: int, limit: int = 10_000) -> tuple[list[dict], int]:
         with self._lock:
-            items = [c for c in self._completions if c["seq"] >= cursor][:limit]
+            items = self._since(self._completions, cursor, limit)
         next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._completions))
         return items, next_cursor
 
     def steps_since(self, cursor: int, limit: int = 10_000) -> tuple[list[dict], int]:
         with self._lock:
-            items = [s.as_dict() for s in self._steps if s.seq >= cursor][:limit]
+            items = [s.as_dict() for s in self._since(self._steps, cursor, limit)]
         next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._steps))
         return items, next_cursor
 
     @staticmethod
-    def _next_seq(log: deque) -> int:
-        if not log:
-            return 0
-        last = log[-1]
-        return (last["seq"] if isinstance(last, dict) else last.seq) + 1
+    def _seq(entry) -> int:
+        return entry["seq"] if isinstance(entry, dict) else entry.seq
 
-    def state(self, cursor: int, kv: dict[str, Any]) -> dict[str, Any]:
-        running = [s for s in list(self.states.values()) if s.status == "running"]
-        waiting = list(self.waiting)
+    @classmethod
+    def _since(cls, log: deque, cursor: int, limit: int) -> list:
+        """Entries with ``seq >= cursor``, at most ``limit``, without scanning the whole log: the
+        seqs in a log are consecutive, so the cursor's position is arithmetic (a poller that keeps
+        up reads only the tail, from the right end of the deque)."""
+        if not log or limit <= 0:
+            return []
+        start = max(cursor - cls._seq(log[0]), 0)
+        after = len(log) - start
+        if after <= 0:
+            return []
+        if after <= len(log) // 2:
+            items = list(itertools.islice(reversed(log), after))
+            items.reverse()
+            return items[:limit]
+        return list(itertools.islice(log, start, start + limit))
+
+    @classmethod
+    def _next_seq(cls, log: deque) -> int:
+        return cls._seq(log[-1]) + 1 if log else 0
+
+    def state(self, cursor: int, kv: dict[str, Any], *, waiting: Sequence[RequestState] | None = None,
+              running: int | None = None, live: dict | None = None) -> dict[str, Any]:
+        """The ``/state`` document. A driver that keeps its own queues and policy (the simulated
+        twin replica) passes ``waiting`` (in queue order), the ``running`` count and the policy's
+        ``live`` state; by default they are the core's own."""
+        if running is None:
+            running = sum(1 for s in list(self.states.values()) if s.status == "running")
+        waiting = list(self.waiting) if waiting is None else waiting
         by_tenant: dict[str, int] = {}
         for s in waiting:
             by_tenant[s.tenant] = by_tenant.get(s.tenant, 0) + 1
         completions, next_cursor = self.completions_since(cursor)
-        live = self.policy.live_state()
+        live = self.policy.live_state() if live is None else live
         return {
             "replica": self.replica, "time": self.clock(), "policy": self.settings.policy,
             "settings": self.settings.to_dict(), "settings_version": self.version,
-            "waiting": len(waiting), "running": len(running), "waiting_by_tenant": by_tenant,
+            "waiting": len(waiting), "running": running, "waiting_by_tenant": by_tenant,
             "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
             "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
             "finished_total": self.finished_total, "steps_total": self.steps_total,

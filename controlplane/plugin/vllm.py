@@ -162,6 +162,10 @@ class TailpilotMixin:
         now = self._tp_now = time.time()
         core = self.tp_core
         policy = core.begin_step(now)
+        lpt = core.settings.engine.long_prefill_token_threshold
+        if self.scheduler_config.long_prefill_token_threshold != lpt:
+            # vLLM reads the threshold from its scheduler config at every step, so it applies live.
+            self.scheduler_config.long_prefill_token_threshold = lpt
         states = core.states
         if self._tp_inflight:  # async scheduling: the previous step's output is not processed yet
             for request in self.running:

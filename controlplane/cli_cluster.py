@@ -1,0 +1,291 @@
+"""Commands that talk to a cluster: ``record``, ``status``, ``set`` and ``demo``.
+
+    tailpilot status --cluster clusters.yaml [--json]
+    tailpilot set --cluster clusters.yaml --replica a100-0 --policy uniboost --set gamma=8 --pin gamma
+    tailpilot record --cluster clusters.yaml --db sqlite:///tailpilot.db
+    tailpilot demo                      # twin replicas on the bundled trace, recorded, shown live
+
+Everything here is a thin layer over the library (``controlplane.collector``,
+``controlplane.recorder``, ``tuner.twin``, ``storage``), so what the CLI prints is reachable from
+Python too. Exit status: 0 on success, 1 when a replica refused or could not be reached, 2 for
+bad input (click's usage errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+
+DB_ENV = "TAILPILOT_DB"  # default database URL when --db is not given
+
+cluster_options = [
+    click.option("--cluster", "cluster_file", required=True, metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Cluster file (YAML) listing the replicas."),
+    click.option("--cluster-name", metavar="NAME", help="Which cluster of the file (needed when it has several)."),
+]
+
+
+def with_cluster_options(fn):
+    for opt in reversed(cluster_options):
+        fn = opt(fn)
+    return fn
+
+
+def load_cluster(cluster_file: str, cluster_name: str | None):
+    from controlplane.cluster import ClusterFileError, load_cluster_file
+
+    try:
+        return load_cluster_file(cluster_file).cluster(cluster_name)
+    except ClusterFileError as err:
+        raise click.UsageError(str(err))
+    except KeyError as err:
+        raise click.BadParameter(str(err.args[0]), param_hint="--cluster-name")
+
+
+def open_store(db: str | None):
+    from storage.store import Store, StoreOpenError
+
+    try:
+        return Store.open(db or os.environ.get(DB_ENV))
+    except StoreOpenError as err:
+        raise click.UsageError(str(err))
+
+
+def _unhealthy_row(name: str, reason: str | None):
+    from storage.rows import SampleRow
+
+    return SampleRow(replica=name, t_ms=int(time.time() * 1000), healthy=False, reason=reason)
+
+
+def snapshot_rows(snapshots) -> tuple[list, dict[str, list[str]]]:
+    """(SampleRow per replica, pinned parameters per replica) from collector snapshots."""
+    rows, pinned = [], {}
+    for snap in snapshots:
+        row = snap.sample if snap.sample is not None else _unhealthy_row(snap.name, snap.health.reason)
+        if not snap.health.healthy:
+            row.healthy, row.reason = False, snap.health.reason
+        rows.append(row)
+        pinned[snap.name] = list((snap.settings or {}).get("pinned", []))
+    return rows, pinned
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@with_cluster_options
+@click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
+def status(cluster_file, cluster_name, as_json):
+    """Poll every replica once and print the cluster's live state."""
+    from controlplane.collector import poll_once
+    from controlplane.views import sample_json, status_table
+
+    cluster = load_cluster(cluster_file, cluster_name)
+    snapshots = asyncio.run(poll_once(cluster))
+    rows, pinned = snapshot_rows(snapshots)
+    if as_json:
+        doc = sample_json(rows)
+        doc["cluster"] = cluster.name
+        for rep in doc["replicas"]:
+            rep["pinned"] = pinned.get(rep["replica"], [])
+        click.echo(json.dumps(doc, indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        Console().print(status_table(rows, pinned, title=f"cluster {cluster.name}"))
+    if not all(r.healthy for r in rows):
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------------
+def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[str, ...],
+                 unpins: tuple[str, ...]):
+    """A function from a replica's current settings to the new ones (raises ValueError on bad input)."""
+    parsed = [parse_assignment(a) for a in assignments]
+
+    def change(current: Settings) -> Settings:
+        new_policy = policy or current.policy
+        doc = current.to_dict()
+        if new_policy != current.policy:  # another policy: its defaults, then the flags
+            doc.update(policy=new_policy, params={}, pinned=[])
+        for name, value in parsed:
+            if name.startswith("engine.") or name in doc["engine"]:
+                doc["engine"][name.removeprefix("engine.")] = value
+            else:
+                doc["params"][name] = value
+        doc["pinned"] = sorted((set(doc["pinned"]) | set(pins)) - set(unpins))
+        return Settings.model_validate(doc)
+
+    return change
+
+
+@click.command(name="set")
+@with_cluster_options
+@click.option("--replica", "replicas", multiple=True, metavar="NAME", help="Replica to change (repeatable).")
+@click.option("--all", "all_replicas", is_flag=True, help="Change every replica of the cluster.")
+@click.option("--policy", type=click.Choice(POLICY_NAMES), help="Switch to this policy.")
+@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
+              help="Set a parameter (or engine.max_num_seqs=...) (repeatable).")
+@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter: adaptation leaves it alone.")
+@click.option("--unpin", "unpins", multiple=True, metavar="NAME", help="Unpin a parameter.")
+@click.option("--db", metavar="URL", help=f"Database for the audit log (default ${DB_ENV} or ./tailpilot.db).")
+@click.option("--who", default=None, help="Name in the audit log (default: $USER).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assignments, pins, unpins, db, who,
+                as_json):
+    """Change replicas' settings through the control API, read them back, and audit the change."""
+    from controlplane.collector import apply_settings
+
+    if bool(replicas) == all_replicas:
+        raise click.UsageError("name replicas with --replica NAME (repeatable) or use --all")
+    if not (policy or assignments or pins or unpins):
+        raise click.UsageError("nothing to change: give --policy, --set, --pin or --unpin")
+    try:
+        change = build_change(policy, assignments, pins, unpins)
+    except ValueError as err:
+        raise click.UsageError(describe_error(err))
+    cluster = load_cluster(cluster_file, cluster_name)
+    for name in replicas:
+        try:
+            cluster.replica(name)
+        except KeyError as err:
+            raise click.BadParameter(str(err.args[0]), param_hint="--replica")
+    store = open_store(db)
+    try:
+        results = asyncio.run(apply_settings(cluster, None if all_replicas else list(replicas), change, store,
+                                             who or os.environ.get("USER") or "cli"))
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps([{"replica": r.replica, "result": r.result, "message": r.message,
+                                "version": r.version, "settings": r.new,
+                                "restart_required": r.restart_required} for r in results], indent=2))
+    else:
+        for r in results:
+            mark = click.style("applied", fg="green") if r.ok else click.style(r.result, fg="red", bold=True)
+            extra = f" (restart required for {', '.join(r.restart_required)})" if r.restart_required else ""
+            version = f" version {r.version}" if r.version is not None else ""
+            click.echo(f"{r.replica}: {mark}{version}: {r.message}{extra}")
+    if not all(r.ok for r in results):
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@with_cluster_options
+@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
+@click.option("--name", "recording_name", metavar="NAME", help="Also mark the run as a named recording.")
+@click.option("--raw-hours", type=float, help="Retention: keep raw samples this many hours, then 1-minute rollups.")
+def record(cluster_file, cluster_name, db, recording_name, raw_hours):
+    """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector)."""
+    import logging
+
+    from controlplane.recorder import run_recorder
+
+    cluster = load_cluster(cluster_file, cluster_name)
+    retention = None
+    if raw_hours is not None:
+        from storage.retention import RetentionSettings
+
+        retention = RetentionSettings(raw_sample_hours=raw_hours)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    open_store(db).close()  # a bad URL is a usage error before anything starts
+    stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention)
+    click.echo(json.dumps(stats.as_dict(), default=str))
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.option("--replicas", "n", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Twin replicas to start.")
+@click.option("--trace", "trace_path", metavar="FILE", help="Trace to replay (default: the bundled Azure conv window).")
+@click.option("--speed", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Replica clock speed (2 = twice real time).")
+@click.option("--rate-scale", type=click.FloatRange(min=0.01), default=None,
+              help="Multiply the trace's arrival rate (default: enough load for every replica to queue).")
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
+              help="Starting policy (vLLM's default behaviour is sarathi).")
+@click.option("--db", default="tailpilot-demo.db", show_default=True, metavar="URL",
+              help="Where the demo records (a SQLite path or URL).")
+@click.option("--duration", type=float, help="Stop after this many seconds (default: until q / Ctrl-C).")
+@click.option("--no-tui", is_flag=True, help="Print a status table instead of opening the TUI.")
+def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
+    """Start twin replicas on a trace, record them into SQLite and show them live."""
+    from controlplane.cluster import ClusterFile, ClusterSpec, ReplicaSpec
+    from tuner.twin import start_twins
+
+    token_env = "TAILPILOT_DEMO_TOKEN"
+    os.environ.setdefault(token_env, secrets.token_hex(16))
+    settings = Settings.model_validate({"policy": policy})
+    # The bundled window carries ~one replica's load; scale it so every replica sees about that much.
+    scale = rate_scale if rate_scale is not None else float(n)
+    with start_twins(n, trace_path, speed=speed, rate_scale=scale, settings=settings,
+                     token=os.environ[token_env], cluster_name="demo") as twins:
+        cluster = ClusterSpec(name="demo", window_s=60.0, slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
+                              replicas=[ReplicaSpec(name=r.name, api_url=r.url, control_url=r.url,
+                                                    token_env=token_env) for r in twins.replicas])
+        Path("tailpilot-demo.yaml").write_text(_dump(ClusterFile(clusters=[cluster])))
+        click.echo(f"{n} twin replicas up (cluster file: tailpilot-demo.yaml, database: {db})", err=True)
+        if no_tui or not _tui_available():
+            _demo_table(cluster, db, duration)
+        else:
+            from tui import run_tui
+
+            run_tui(cluster, db_url=db, readonly=False, duration_s=duration)
+
+
+def _dump(clusters) -> str:
+    from controlplane.cluster import dump_cluster_file
+
+    return dump_cluster_file(clusters)
+
+
+def _tui_available() -> bool:
+    try:
+        from tui import run_tui  # noqa: F401
+    except ImportError:
+        return False
+    return sys.stdout.isatty()
+
+
+def _demo_table(cluster, db: str, duration: float | None) -> None:
+    """Record the cluster and redraw the status table once a second."""
+    from rich.live import Live
+
+    from controlplane.collector import Collector
+    from controlplane.views import status_table
+
+    store = open_store(db)
+
+    async def main() -> None:
+        collector = Collector(cluster, store)
+        stop = asyncio.Event()
+        task = asyncio.create_task(collector.run(stop))
+        end = time.monotonic() + duration if duration else None
+        with Live(refresh_per_second=2) as live:
+            try:
+                while end is None or time.monotonic() < end:
+                    await asyncio.sleep(1.0)
+                    rows, pinned = snapshot_rows(collector.snapshot().replicas.values())
+                    live.update(status_table(rows, pinned, title=f"tailpilot demo — {db}"))
+            finally:
+                stop.set()
+                await task
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        store.close()
+
+
+COMMANDS = (status, set_command, record, demo)

@@ -1,0 +1,753 @@
+"""Simulated "twin" replicas: the engine simulator run in (optionally accelerated) real time
+behind the same control API as a real replica, plus vLLM's ``/metrics``, ``/health`` and
+``/v1/models`` on the same port, so the collector, ``tailpilot set``, the TUI and the tuner cannot
+tell a twin from a vLLM replica running the tailpilot plugin except by its name.
+
+    with start_twins(4, speed=10, rate_scale=4, token="t") as cluster:
+        cluster.write_cluster_yaml("twins.yaml")
+        ...  # point the collector at cluster.replicas[i].url
+
+Time. A twin's replica clock is ``epoch + wall seconds since the clock started × speed``
+(``TwinClock``; every twin of a cluster shares one clock, as a load balancer's replicas share
+wall time). Simulated time ``s`` is replica time ``epoch + s``: the trace's first arrival is at
+``s = 0``, and every timestamp the API serves (arrival, first token, finish, ``time``) is on the
+replica clock, so the latencies read off a twin are the simulated ones.
+
+Advancing. One background thread per process (``_Ticker``) calls ``TwinReplica.advance`` on
+every running twin every ``tick_s`` of wall time (50 ms by default): it feeds the arrivals due by
+the replica clock (``Simulator.extend_arrivals``), hands staged settings to the simulator
+(``Simulator.apply_settings``) and runs it to the clock (``Simulator.advance_to``, which skips
+over stretches of identical decode steps). One thread for all twins never overlaps itself and
+costs one wake-up per tick however many twins run.
+
+Settings, versions, ``If-Match``/409, validation (400 naming the field), ``restart_required``,
+the completions log with its cursor and the step log are ``ReplicaCore``'s, exactly as in the
+plugin: a staged document becomes active at the twin's next simulator step
+(``ReplicaCore.take_pending``), and only when the engine is stepping (an idle vLLM engine does
+not schedule, so a plugin applies a change at the first step after new work arrives; so does a
+twin). Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show in the
+settings document but, as on vLLM, the running engine keeps its start-up values. The ``oracle``
+predictor is refused, as on a live replica.
+
+Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order (a
+round-robin load balancer): replica ``i`` gets requests ``i, i+n, i+2n, ...``. With
+``loop=True`` each replica replays its share again, shifted by the trace's period (its duration
+plus one mean inter-arrival gap) and with ids suffixed ``@1``, ``@2``, ..., so a demo runs forever.
+
+Step log. Every single step is recorded (``/tailpilot/v1/steps``); a stretch of k identical
+decode steps that event skipping advances as one is recorded by its first and last steps only
+(their context and duration differ by the KV growth across the stretch, which is what fits ``e``).
+
+Metrics. A ``prometheus_client`` registry per twin with a custom collector, read at scrape time
+under the twin's lock, so ``/metrics`` and ``/state`` agree. vLLM 0.32's names and labels
+(``model_name``, ``engine``) and default buckets. The inter-token-latency histogram counts each
+request's ``n − 1`` gaps at the request's mean gap (the simulator does not keep per-token times).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from controlplane.plugin.api import TOKEN_ENV, ControlServer, token_from_env
+from controlplane.plugin.core import ReplicaCore
+from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from tuner.engine import EngineConfig, Simulator
+from tuner.traces import Trace, TraceRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TICK_S = 0.05  # 64 busy twins: ~10% of one core at 0.05 s, ~15% at 0.025 s
+DEFAULT_MAX_MODEL_LEN = 8192  # Llama-3-8B, the default step-time model's model
+LAP_SEP = "@"  # looped ids: "<id>@<lap>"
+COMPACT_EVERY_S = 10.0  # wall seconds between trims of the simulator's consumed arrivals
+
+# vLLM 0.32's default histogram buckets (vllm/v1/metrics/buckets.py), copied so that twins do not
+# import vLLM.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                               5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's 1-2-5 series capped at ``max_model_len``."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_model_len:
+                return tuple(out)
+            out.append(v)
+        exp += 1
+
+
+# ------------------------------------------------------------------------------------- clocks
+class TwinClock:
+    """Replica time: ``epoch + (wall seconds since creation) × speed``."""
+
+    def __init__(self, speed: float = 1.0, epoch: float | None = None) -> None:
+        if not (isinstance(speed, (int, float)) and speed > 0 and speed < float("inf")):
+            raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
+        self.speed = float(speed)
+        self.epoch = time.time() if epoch is None else float(epoch)
+        self._wall0 = time.monotonic()
+
+    def sim_time(self) -> float:
+        """Simulated seconds since the epoch."""
+        return (time.monotonic() - self._wall0) * self.speed
+
+    def now(self) -> float:
+        return self.epoch + self.sim_time()
+
+
+class ManualClock(TwinClock):
+    """A clock that moves only when told (tests): ``set(s)`` / ``advance(ds)`` in simulated s."""
+
+    def __init__(self, epoch: float | None = None) -> None:
+        super().__init__(1.0, epoch)
+        self.t = 0.0
+
+    def sim_time(self) -> float:
+        return self.t
+
+    def set(self, t: float) -> None:
+        self.t = float(t)
+
+    def advance(self, dt: float) -> None:
+        self.t += float(dt)
+
+
+# ------------------------------------------------------------------------------------- workload
+class _Feed:
+    """A replica's share of the trace, replayed lap after lap when looping."""
+
+    def __init__(self, requests: Sequence[TraceRequest], period: float, loop: bool) -> None:
+        self.requests = sorted(requests, key=lambda r: (r.arrival, r.id))
+        self.period = period
+        self.loop = loop and bool(self.requests)
+        self.lap, self.index = 0, 0
+        self.max_tokens = {r.id: r.max_tokens for r in self.requests}
+
+    def _at(self, lap: int, index: int) -> float:
+        return self.requests[index].arrival + lap * self.period
+
+    def _exhausted(self) -> bool:
+        return self.index >= len(self.requests) and not self.loop
+
+    def _wrap(self) -> None:
+        if self.index >= len(self.requests) and self.loop:
+            self.lap, self.index = self.lap + 1, 0
+
+    def until(self, t: float) -> list[TraceRequest]:
+        """The requests not yet handed out that arrive at or before simulated time ``t``."""
+        out: list[TraceRequest] = []
+        reqs = self.requests
+        while True:
+            self._wrap()
+            if self._exhausted() or not reqs or self._at(self.lap, self.index) > t:
+                return out
+            r = reqs[self.index]
+            if self.lap:
+                r = dataclasses.replace(r, id=f"{r.id}{LAP_SEP}{self.lap}", arrival=r.arrival + self.lap * self.period)
+            out.append(r)
+            self.index += 1
+
+    def skip_to(self, t: float) -> None:
+        """Drop the requests that arrive before ``t`` (a restarted replica never saw them)."""
+        while True:
+            self._wrap()
+            if self._exhausted() or not self.requests or self._at(self.lap, self.index) >= t:
+                return
+            self.index += 1
+
+    def max_tokens_of(self, rid: str) -> int | None:
+        found = self.max_tokens.get(rid)
+        if found is None and LAP_SEP in rid:
+            found = self.max_tokens.get(rid.rsplit(LAP_SEP, 1)[0])
+        return found
+
+
+def trace_period(trace: Sequence[TraceRequest]) -> float:
+    """How far a replayed lap is shifted: the span of arrivals plus one mean gap (≥ 1 ms)."""
+    reqs = list(trace)
+    if len(reqs) < 2:
+        return 1.0
+    span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
+    return max(span + span / (len(reqs) - 1), 1e-3)
+
+
+def split_round_robin(trace: Sequence[TraceRequest], n: int) -> list[list[TraceRequest]]:
+    """Requests in arrival order dealt to ``n`` replicas in turn, re-zeroed to the trace's first
+    arrival (replica ``i`` gets requests ``i, i+n, ...``)."""
+    if n < 1:
+        raise ValueError(f"need at least one replica, got {n}")
+    reqs = sorted(trace, key=lambda r: (r.arrival, r.id))
+    t0 = reqs[0].arrival if reqs else 0.0
+    if t0:
+        reqs = [dataclasses.replace(r, arrival=r.arrival - t0) for r in reqs]
+    return [reqs[i::n] for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------- simulator
+class _TwinSimulator(Simulator):
+    """The simulator with a hook on each applied step (or stretch of k identical steps), for the
+    step log and the per-step metrics. It relies on ``Simulator._advance(step, k)`` and the step's
+    composition fields; if those change, the hook disables itself (empty step log) rather than
+    breaking the twin."""
+
+    step_hook = None
+
+    def _advance(self, step, k):  # noqa: D401 - engine internals
+        hook = self.step_hook
+        if hook is not None:
+            try:
+                hook(self.now, step.prefill_tokens, step.sum_prefill_sq, step.decode_seqs, step.sum_kv_context, k)
+            except AttributeError as err:  # the engine's step record changed shape
+                log.warning("twin step log disabled: %s", err)
+                self.step_hook = None
+        return super()._advance(step, k)
+
+
+class _Hist:
+    """A histogram kept by hand: observations with a multiplicity, emitted as a metric family."""
+
+    __slots__ = ("bounds", "counts", "total", "n")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        if count <= 0:
+            return
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
+        self.n += count
+
+    def family(self, name: str, doc: str, labels: Sequence[str], values: Sequence[str]) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, doc, labels=list(labels))
+        buckets, acc = [], 0
+        for bound, c in zip(self.bounds, self.counts):
+            acc += c
+            buckets.append((_fmt_le(bound), acc))
+        buckets.append(("+Inf", self.n))
+        fam.add_metric(list(values), buckets, self.total)
+        return fam
+
+
+def _fmt_le(b: float) -> str:
+    return repr(float(b))
+
+
+HISTOGRAMS = {  # name -> (doc, bucket family)
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", "ttft"),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", "itl"),
+    "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.", "itl"),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", "latency"),
+    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.", "latency"),
+    "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.", "latency"),
+    "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.", "latency"),
+    "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.", "latency"),
+    "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "tokens"),
+    "vllm:request_generation_tokens": ("Number of generation tokens processed.", "tokens"),
+    "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.", "tokens"),
+    "vllm:request_num_preemptions": ("Histogram of the number of times a request was preempted.", "preemptions"),
+    "vllm:iteration_tokens_total": ("Histogram of number of tokens per engine_step.", "iteration"),
+}
+
+
+class _Stats:
+    """Counters and histograms of one twin's lifetime (reset by a fresh restart, as vLLM's)."""
+
+    def __init__(self, max_model_len: int) -> None:
+        families = {"ttft": TIME_TO_FIRST_TOKEN_BUCKETS, "itl": INTER_TOKEN_LATENCY_BUCKETS,
+                    "latency": REQUEST_LATENCY_BUCKETS, "tokens": request_tokens_buckets(max_model_len),
+                    "preemptions": REQUEST_NUM_PREEMPTIONS_BUCKETS, "iteration": ITERATION_TOKENS_BUCKETS}
+        self.hists = {name: _Hist(families[fam]) for name, (_, fam) in HISTOGRAMS.items()}
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.prompt_tokens = 0  # prefill tokens computed, recomputation included
+        self.finished_output_tokens = 0
+        self.rejected = 0
+
+
+# ------------------------------------------------------------------------------------- ticker
+class _Ticker:
+    """One thread advancing every registered twin every ``interval`` s of wall time."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._replicas: list[TwinReplica] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, replica: "TwinReplica") -> None:
+        with self._lock:
+            if replica not in self._replicas:
+                self._replicas.append(replica)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"tailpilot-twins-{self.interval:g}s",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, replica: "TwinReplica") -> None:
+        with self._lock:
+            if replica in self._replicas:
+                self._replicas.remove(replica)
+
+    def _run(self) -> None:
+        next_t = time.monotonic()
+        while True:
+            with self._lock:
+                replicas = list(self._replicas)
+                if not replicas:
+                    self._thread = None
+                    return
+            for replica in replicas:
+                replica._tick()
+            next_t += self.interval
+            delay = next_t - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            else:  # behind (more work than a tick holds): carry on, do not try to catch up ticks
+                next_t = time.monotonic()
+
+
+_tickers: dict[float, _Ticker] = {}
+_tickers_lock = threading.Lock()
+
+
+def _ticker(interval: float) -> _Ticker:
+    with _tickers_lock:
+        if interval not in _tickers:
+            _tickers[interval] = _Ticker(interval)
+        return _tickers[interval]
+
+
+# ------------------------------------------------------------------------------------- replica
+class TwinReplica:
+    """One simulated replica: a simulator on a replica clock behind the control API and vLLM's
+    metrics, on ``host:port`` (``port=0``: an ephemeral port, kept across ``stop``/``start``)."""
+
+    def __init__(self, name: str, requests: Sequence[TraceRequest] = (), *, period: float | None = None,
+                 loop: bool = True, settings: Settings | None = None, config: EngineConfig | None = None,
+                 clock: TwinClock | None = None, speed: float = 1.0, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, tick_s: float = DEFAULT_TICK_S, model_name: str | None = None,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+        self.name = name
+        self.model_name = model_name or name
+        self.max_model_len = max_model_len
+        self.clock = clock or TwinClock(speed)
+        self.config = config or EngineConfig()
+        self.startup_settings = settings or Settings.model_validate({"policy": "sarathi"})
+        self.token = token if token is not None else token_from_env()
+        self.host, self.port = host, port
+        self.tick_s = tick_s
+        self._requests = list(requests)
+        self._period = period if period is not None else trace_period(self._requests)
+        self._loop = loop
+        self._lock = threading.RLock()  # the simulator and the stats: ticker vs API readers
+        self._running = False
+        self._server: ControlServer | None = None
+        self.error: str | None = None
+        self.started_at: float | None = None
+        self._reset()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def _reset(self, at: float = 0.0) -> None:
+        """A fresh process: new core (settings version 1, cursor 0), simulator and counters;
+        the workload resumes at simulated time ``at``."""
+        self.core = ReplicaCore(self.startup_settings, replica=self.name, clock=self._time)
+        self._feed = _Feed(self._requests, self._period, self._loop)
+        self._feed.skip_to(at)
+        sim = _TwinSimulator([], self.startup_settings, self.config)
+        sim.step_hook = self._on_step
+        if at > 0:
+            sim.advance_to(at)  # idle: just moves its clock
+        self.sim = sim
+        self.stats = _Stats(self.max_model_len)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_TwinCollector(self))
+        self._next_compact = time.monotonic() + COMPACT_EVERY_S
+        self.error = None
+
+    def start(self) -> "TwinReplica":
+        """Serve and advance (again, after ``stop``: on the same port, state kept; the simulator
+        catches up with the replica clock, as a replica that was unreachable but running)."""
+        with self._lock:
+            if self._running:
+                return self
+            self._server = ControlServer(self, host=self.host, port=self.port, token=self.token).start()
+            self.port = self._server.port
+            self._running = True
+            if self.started_at is None:
+                self.started_at = time.time()
+        _ticker(self.tick_s).add(self)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (connections refused) and advancing; the port is kept for ``start``."""
+        _ticker(self.tick_s).remove(self)
+        with self._lock:
+            self._running = False
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+
+    def restart(self, fresh: bool = False) -> "TwinReplica":
+        """``stop`` then ``start`` on the same port. ``fresh=True`` is a process restart: requests
+        in flight are lost, the settings are the start-up ones at version 1, the completions
+        cursor and vLLM's counters restart from 0, and new arrivals come from the replica clock on."""
+        self.stop()
+        if fresh:
+            with self._lock:
+                self._reset(at=max(self.clock.sim_time(), self.sim.now))
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def url(self) -> str:
+        """Base URL: the vLLM-like API (``/metrics``, ``/v1/models``, ``/health``) and the control
+        API (``/tailpilot/v1/...``) both live here."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"TwinReplica({self.name!r}, {self.url}, running={self._running})"
+
+    # --- advancing ------------------------------------------------------------------------
+    def _time(self) -> float:
+        """The replica clock as the API reports it (never behind the simulator's last step end)."""
+        return max(self.clock.now(), self.clock.epoch + self.sim.now)
+
+    def _tick(self) -> None:
+        if not self._running:
+            return
+        try:
+            self.advance()
+        except Exception as err:  # a broken twin reports unhealthy; the others carry on
+            log.exception("twin %s stopped advancing", self.name)
+            self.error = f"{type(err).__name__}: {err}"
+            _ticker(self.tick_s).remove(self)
+
+    def advance(self, t: float | None = None) -> int:
+        """Run the simulator to simulated time ``t`` (default: the replica clock now); returns the
+        simulator's loop iterations. The ticker calls this; tests may too."""
+        with self._lock:
+            if self.error is not None:
+                return 0
+            sim = self.sim
+            if t is None:
+                t = self.clock.sim_time()
+            new = self._feed.until(t)
+            if new:
+                sim.extend_arrivals(new)
+            if self._steps_before(sim, t):
+                settings = self.core.take_pending()
+                if settings is not None:
+                    sim.apply_settings(self._effective(settings))
+            n = sim.advance_to(t)
+            self._collect(sim)
+            return n
+
+    @staticmethod
+    def _steps_before(sim: Simulator, t: float) -> bool:
+        """Will ``advance_to(t)`` run a step? (An idle engine does not schedule.)"""
+        if sim.now >= t:
+            return False
+        if sim.waiting or sim.running:
+            return True
+        try:
+            return sim.next_arrival < len(sim.arrivals) and sim.arrivals[sim.next_arrival].arrival <= t
+        except (AttributeError, TypeError, IndexError):  # engine internals changed: apply anyway
+            return True
+
+    def _effective(self, settings: Settings) -> Settings:
+        """What the running engine actually runs: engine fields vLLM cannot change live keep
+        their start-up values (the settings document shows the staged ones, as on vLLM)."""
+        engine = settings.engine.model_dump()
+        fixed = {f: getattr(self.startup_settings.engine, f) for f in RESTART_REQUIRED_ENGINE_FIELDS}
+        if all(engine[f] == v for f, v in fixed.items()):
+            return settings
+        return Settings.model_validate({**settings.to_dict(), "engine": {**engine, **fixed}})
+
+    def _on_step(self, now: float, prefill: int, prefill_sq: int, decodes: int, context: int, k: int) -> None:
+        model = self.config.step_model
+        started = self.clock.epoch + now
+        d0 = model.step_time(prefill, prefill_sq, decodes, context)
+        core, stats = self.core, self.stats
+        core.record_step(started, d0, prefill, prefill_sq, decodes, context)
+        stats.prompt_tokens += prefill
+        iteration = stats.hists["vllm:iteration_tokens_total"]
+        iteration.observe(prefill + decodes)
+        if k > 1:  # a stretch of k identical decode steps: record its last step too
+            j = k - 1
+            ctx = context + decodes * j
+            dj = model.step_time(0, 0, decodes, ctx)
+            core.record_step(started + j * d0 + (dj - d0) * (j - 1) / 2.0, dj, 0, 0, decodes, ctx)
+            iteration.observe(decodes, k - 1)
+
+    def _collect(self, sim: Simulator) -> None:
+        """Move the simulator's new completions into the completions log and the metrics."""
+        core, stats, epoch = self.core, self.stats, self.clock.epoch
+        done = sim.completions
+        if done:
+            h = stats.hists
+            records = []
+            for c in done:
+                arrival, sched, first, fin = c.arrival, c.scheduled_at, c.first_token_at, c.finished_at
+                n = c.output_tokens
+                records.append({
+                    "id": c.id, "tenant": c.tenant, "type": c.type, "arrival": epoch + arrival,
+                    "scheduled_at": epoch + sched, "first_token_at": epoch + first, "finished_at": epoch + fin,
+                    "prompt_tokens": c.prompt_tokens, "output_tokens": n, "preemptions": c.preemptions,
+                    "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})
+                max_tokens = self._feed.max_tokens_of(c.id)
+                stats.success["length" if max_tokens is not None and n >= max_tokens else "stop"] += 1
+                stats.finished_output_tokens += n
+                decode = fin - first
+                h["vllm:time_to_first_token_seconds"].observe(first - arrival)
+                h["vllm:e2e_request_latency_seconds"].observe(fin - arrival)
+                h["vllm:request_queue_time_seconds"].observe(sched - arrival)
+                h["vllm:request_inference_time_seconds"].observe(fin - sched)
+                h["vllm:request_prefill_time_seconds"].observe(first - sched)
+                h["vllm:request_decode_time_seconds"].observe(decode)
+                h["vllm:request_prompt_tokens"].observe(c.prompt_tokens)
+                h["vllm:request_generation_tokens"].observe(n)
+                h["vllm:request_num_preemptions"].observe(c.preemptions)
+                if max_tokens is not None:
+                    h["vllm:request_params_max_tokens"].observe(max_tokens)
+                if n > 1:
+                    gap = decode / (n - 1)
+                    h["vllm:request_time_per_output_token_seconds"].observe(gap)
+                    h["vllm:inter_token_latency_seconds"].observe(gap, n - 1)
+            core.log_completions(records)
+            done.clear()  # drained: the log owns them now (a twin may run for days)
+        if sim.rejected:
+            stats.rejected += len(sim.rejected)
+            sim.rejected.clear()
+        core.preemptions_total = sim.preemptions
+        core.recomputed_tokens_total = sim.recomputed_tokens
+        core.steps_total = sim.steps
+        if time.monotonic() >= self._next_compact:
+            self._next_compact = time.monotonic() + COMPACT_EVERY_S
+            _compact(sim)
+
+    # --- what the API reads -----------------------------------------------------------------
+    def _kv(self) -> dict[str, Any]:
+        total = self.config.num_gpu_blocks
+        used = total - self.sim.free_blocks
+        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
+
+    def api_state(self, cursor: int) -> dict[str, Any]:
+        with self._lock:
+            sim = self.sim
+            state = self.core.state(cursor, self._kv(), waiting=list(sim.waiting), running=len(sim.running),
+                                    live=dict(sim.policy.live_state()))
+        state["speed"] = self.clock.speed
+        return state
+
+    def api_settings(self) -> dict[str, Any]:
+        return self.core.settings_doc()
+
+    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]:
+        return self.core.put_settings(doc, if_match)
+
+    def api_steps(self, cursor: int) -> dict[str, Any]:
+        steps, next_cursor = self.core.steps_since(cursor)
+        return {"replica": self.core.replica, "steps": steps, "next_cursor": next_cursor}
+
+    def api_metrics(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def api_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(self.started_at or time.time()),
+            "owned_by": "vllm", "root": self.model_name, "parent": None, "max_model_len": self.max_model_len,
+            "permission": []}]}
+
+    def api_health(self) -> bool:
+        return self.error is None
+
+
+def _compact(sim: Simulator) -> None:
+    """Drop what a long-running simulator keeps but never reads again: arrivals already admitted
+    and the true lengths of finished requests. Relies on the engine's list/dict representation;
+    skipped if that changes."""
+    arrivals, target = getattr(sim, "arrivals", None), getattr(sim, "target", None)
+    k = getattr(sim, "next_arrival", None)
+    if isinstance(arrivals, list) and isinstance(k, int) and k > 0:
+        del arrivals[:k]
+        sim.next_arrival = 0
+    if isinstance(target, dict) and len(target) > 4 * (len(sim.running) + len(sim.waiting)) + 1024:
+        live = {r.id for r in sim.running}
+        live.update(r.id for r in sim.waiting)
+        for rid in [rid for rid in target if rid not in live]:
+            del target[rid]
+
+
+class _TwinCollector:
+    """vLLM 0.32's metric families for one twin, computed at scrape time."""
+
+    def __init__(self, twin: TwinReplica) -> None:
+        self.twin = twin
+
+    def collect(self) -> Iterator:
+        twin = self.twin
+        labels, values = ["model_name", "engine"], [twin.model_name, "0"]
+
+        def gauge(name, doc, value, extra=None):
+            fam = GaugeMetricFamily(name, doc, labels=labels + list(extra or {}))
+            fam.add_metric(values + list((extra or {}).values()), value)
+            return fam
+
+        def counter(name, doc, value):
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            fam.add_metric(values, value)
+            return fam
+
+        with twin._lock:
+            sim, stats = twin.sim, twin.stats
+            running, waiting = len(sim.running), len(sim.waiting)
+            kv = twin._kv()
+            in_flight = sum(r.generated for r in sim.running) + sum(r.generated for r in sim.waiting)
+            families = [
+                gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+                gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+                gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv["usage"]),
+                counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", sim.preemptions),
+                counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
+                counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                        stats.finished_output_tokens + in_flight),
+            ]
+            by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                          "Number of waiting requests by reason.", labels=labels + ["reason"])
+            by_reason.add_metric(values + ["capacity"], waiting)
+            by_reason.add_metric(values + ["deferred"], 0)
+            families.append(by_reason)
+            success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                          labels=labels + ["finished_reason"])
+            for reason, n in stats.success.items():
+                success.add_metric(values + [reason], n)
+            families.append(success)
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=["block_size", "num_gpu_blocks", "engine"])
+            info.add_metric([str(twin.config.block_size), str(twin.config.num_gpu_blocks), "0"], 1.0)
+            families.append(info)
+            for name, (doc, _) in HISTOGRAMS.items():
+                families.append(stats.hists[name].family(name, doc, labels, values))
+        yield from families
+
+
+# ------------------------------------------------------------------------------------- cluster
+class TwinCluster:
+    """Twin replicas started together on one clock; a context manager that stops them."""
+
+    def __init__(self, replicas: list[TwinReplica], clock: TwinClock, name: str = "twins") -> None:
+        self.replicas = replicas
+        self.clock = clock
+        self.name = name
+
+    def __enter__(self) -> "TwinCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __iter__(self) -> Iterator[TwinReplica]:
+        return iter(self.replicas)
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __getitem__(self, i: int) -> TwinReplica:
+        return self.replicas[i]
+
+    def stop(self) -> None:
+        """Stop every replica (their HTTP servers shut down in parallel)."""
+        threads = [threading.Thread(target=r.stop, daemon=True) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def cluster_doc(self, name: str | None = None, token_env: str | None = TOKEN_ENV) -> dict[str, Any]:
+        """The cluster file's document (``controlplane.cluster``'s format)."""
+        replicas = []
+        for r in self.replicas:
+            entry = {"name": r.name, "api_url": r.url, "control_url": r.control_url}
+            if token_env:
+                entry["token_env"] = token_env
+            replicas.append(entry)
+        return {"clusters": [{"name": name or self.name, "replicas": replicas}]}
+
+    def write_cluster_yaml(self, path: str | os.PathLike, name: str | None = None,
+                           token_env: str | None = TOKEN_ENV) -> Path:
+        import yaml
+
+        path = Path(path)
+        path.write_text(yaml.safe_dump(self.cluster_doc(name, token_env), sort_keys=False))
+        return path
+
+
+def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLike | None = None, *,
+                speed: float = 1.0, settings: Settings | None = None, host: str = "127.0.0.1", port: int = 0,
+                rate_scale: float = 1.0, loop: bool = True, seed: int = 0, token: str | None = None,
+                config: EngineConfig | None = None, tick_s: float = DEFAULT_TICK_S, name_prefix: str = "twin",
+                cluster_name: str = "twins", clock: TwinClock | None = None) -> TwinCluster:
+    """Start ``n`` twins named ``{name_prefix}-0 ...`` on ``host`` (``port=0``: ephemeral ports;
+    otherwise ``port``, ``port+1``, ...), fed round-robin from ``trace`` (a Trace, requests, a
+    trace file, or None for the bundled Azure conv window) with its arrival rate multiplied by
+    ``rate_scale``. ``seed`` goes to trace loaders that generate arrivals. ``token`` (default
+    ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin."""
+    from tuner import traces
+
+    if n < 1:
+        raise ValueError(f"need at least one replica, got {n}")
+    if trace is None:
+        trace = traces.load_bundled()
+    elif isinstance(trace, (str, os.PathLike)):
+        trace = traces.load_trace(trace, seed=seed)
+    if not isinstance(trace, Trace):
+        trace = Trace("twin-trace", tuple(trace))
+    if len(trace) == 0:
+        raise ValueError("the trace is empty")
+    if rate_scale != 1.0:
+        trace = traces.scale_rate(trace, rate_scale)
+    settings = settings or Settings.model_validate({"policy": "sarathi"})
+    ReplicaCore(settings)  # refuse what a live replica refuses (the oracle predictor) up front
+    clock = clock or TwinClock(speed)
+    period = trace_period(trace)
+    shares = split_round_robin(trace, n)
+    replicas: list[TwinReplica] = []
+    try:
+        for i, share in enumerate(shares):
+            replicas.append(TwinReplica(
+                f"{name_prefix}-{i}", share, period=period, loop=loop, settings=settings, config=config,
+                clock=clock, host=host, port=port + i if port else 0, token=token, tick_s=tick_s).start())
+    except BaseException:
+        TwinCluster(replicas, clock).stop()
+        raise
+    return TwinCluster(replicas, clock, cluster_name)
