@@ -324,10 +324,9 @@ def _show_progress(flag: bool | None, n: int) -> bool:
 
 
 def _console():
-    from rich.console import Console
+    from controlplane.views import wide_console
 
-    console = Console()
-    return console if console.is_terminal and console.width >= 140 else Console(width=160)
+    return wide_console()
 
 
 def _fmt(v: float) -> str:

@@ -98,9 +98,9 @@ def status(cluster_file, cluster_name, as_json):
             rep["pinned"] = pinned.get(rep["replica"], [])
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        from rich.console import Console
+        from controlplane.views import wide_console
 
-        Console().print(status_table(rows, pinned, title=f"cluster {cluster.name}"))
+        wide_console().print(status_table(rows, pinned, title=f"cluster {cluster.name}"))
     if not all(r.healthy for r in rows):
         sys.exit(1)
 
@@ -170,10 +170,11 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
                                 "restart_required": r.restart_required} for r in results], indent=2))
     else:
         for r in results:
-            mark = click.style("applied", fg="green") if r.ok else click.style(r.result, fg="red", bold=True)
-            extra = f" (restart required for {', '.join(r.restart_required)})" if r.restart_required else ""
-            version = f" version {r.version}" if r.version is not None else ""
-            click.echo(f"{r.replica}: {mark}{version}: {r.message}{extra}")
+            extra = f"; restart required for {', '.join(r.restart_required)}" if r.restart_required else ""
+            if r.ok:
+                click.echo(f"{r.replica}: {click.style('applied', fg='green')}, version {r.version} read back{extra}")
+            else:
+                click.echo(f"{r.replica}: {click.style(r.result, fg='red', bold=True)}: {r.message}")
     if not all(r.ok for r in results):
         sys.exit(1)
 
@@ -200,6 +201,29 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours):
     open_store(db).close()  # a bad URL is a usage error before anything starts
     stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention)
     click.echo(json.dumps(stats.as_dict(), default=str))
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@click.option("--cluster", "cluster_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Cluster file (YAML); with --replay it only supplies SLOs and the window.")
+@click.option("--cluster-name", metavar="NAME", help="Which cluster of the file or recording.")
+@click.option("--db", metavar="URL", help="Record into this database while watching (SQLite path or URL).")
+@click.option("--readonly", is_flag=True, help="Watch only: every action that changes the cluster is disabled.")
+@click.option("--replay", metavar="FILE", help="Open a recording (the recorder's database) instead of a live cluster.")
+def tui(cluster_file, cluster_name, db, readonly, replay):
+    """The operator TUI: live cluster view, policy switching and pinning, replay."""
+    from storage.store import StoreOpenError
+    from tui import run_tui
+    from tui.sources import ReplayError
+
+    if not cluster_file and not replay:
+        raise click.UsageError("give --cluster FILE (live) or --replay FILE (a recording)")
+    cluster = load_cluster(cluster_file, cluster_name) if cluster_file else None
+    try:
+        run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name)
+    except (ReplayError, StoreOpenError) as err:
+        raise click.UsageError(str(err))
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,4 +312,4 @@ def _demo_table(cluster, db: str, duration: float | None) -> None:
         store.close()
 
 
-COMMANDS = (status, set_command, record, demo)
+COMMANDS = (status, set_command, record, tui, demo)

@@ -9,10 +9,17 @@ import math
 from dataclasses import asdict
 from typing import Iterable, Sequence
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from storage.rows import SampleRow
+
+
+def wide_console(min_width: int = 160) -> Console:
+    """The terminal's console, or a wide one when output is piped (tables must not wrap in logs)."""
+    console = Console()
+    return console if console.is_terminal and console.width >= min_width else Console(width=min_width)
 
 
 def fmt_seconds(v: float | None) -> str:

@@ -12,4 +12,8 @@ pip uninstall -y torchvision torchaudio torchcodec || true
 if ! command -v pg_ctl >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql
 fi
+# The TUI's end-to-end test drives `tailpilot demo` under tmux.
+if ! command -v tmux >/dev/null; then
+    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux
+fi
 python -m pytest -q "$@"

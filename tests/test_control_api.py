@@ -135,3 +135,15 @@ def test_switch_keeps_requests_and_pinned_gamma_is_not_adapted():
     core.begin_step(11.0)
     assert core.policy.name == "vtc" and [r.id for r in core.waiting.ordered(11.0)] == [w.id for w in waiting]
     assert all(core.states[w.id] is w for w in waiting)
+
+
+def test_a_stopped_server_drops_pooled_keep_alive_connections():
+    """A client holding a keep-alive connection must see a stopped replica as down (the collector
+    would otherwise keep reading a dead replica as healthy from the handler thread)."""
+    core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
+    server = ControlServer(Target(core), port=0, token=TOKEN).start()
+    with httpx.Client(base_url=server.url, trust_env=False, timeout=2) as client:
+        assert client.get("/state").status_code == 200  # the connection is now pooled
+        server.stop()
+        with pytest.raises(httpx.TransportError):
+            client.get("/state")

@@ -18,9 +18,11 @@ every write is refused (an operator must opt in to remote control).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
+import socket
 import sys
 import threading
 from http import HTTPStatus
@@ -164,6 +166,31 @@ def _make_handler(target: ControlTarget, token: str | None):
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """Tracks open connections so ``stop`` can close keep-alive ones: a stopped server must look
+    down to a client that holds a pooled connection, not keep answering from its handler threads."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_open_connections(self) -> None:
+        with self._open_lock:
+            conns, self._open = list(self._open), set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     def handle_error(self, request, client_address) -> None:
         if isinstance(sys.exc_info()[1], ConnectionError):  # a client went away mid-request: not ours
             return
@@ -200,3 +227,4 @@ class ControlServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.close_open_connections()

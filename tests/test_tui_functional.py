@@ -1,0 +1,479 @@
+"""The operator TUI driven by keys (App.run_test + Pilot) against twin replicas over real HTTP,
+and replaying the committed recording.
+
+Live: switch a policy with P (the twin's GET /settings shows it, the store has the audit row);
+pin γ with N (γ-Ada no longer moves it, while an unpinned twin's γ keeps moving); edit and pin
+in the policy panel with inline validation by the settings model; --readonly refuses; a twin
+that goes down shows as unhealthy with the reason and the app keeps running.
+Replay: seeking and stepping show exactly the values the store recorded at that time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.collector import make_client
+from controlplane.settings import Settings
+from controlplane.views import fmt_number, fmt_seconds
+from storage.store import Store
+from tui import keys as K
+from tui import render as R
+from tui.main import build_app
+from tui.sources import ReplaySource
+from tuner import traces
+from tuner.twin import start_twins
+
+TOKEN = "tui-test-token"
+TOKEN_ENV = "TP_TUI_TEST_TOKEN"
+SPEED = 20.0
+SIZE = (160, 48)
+FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
+# γ-Ada quick enough to move within a few wall seconds at SPEED (5 replica-s = 0.25 wall-s).
+UNIBOOST = {"policy": "uniboost", "params": {"ada_min_samples": 20, "ada_window": 200, "ada_interval_s": 5.0}}
+
+
+def minute_trace() -> traces.Trace:
+    return traces.assign_tenants_zipf(traces.time_window(traces.load_bundled(), 0.0, 60.0), 3, seed=3)
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with start_twins(3, minute_trace(), speed=SPEED, token=TOKEN, rate_scale=2.0,
+                     settings=Settings.model_validate(UNIBOOST)) as tw:
+        yield tw
+
+
+def spec_of(twins, **kw) -> ClusterSpec:
+    return ClusterSpec(name="twins", poll_interval_s=0.25, timeout_s=1.0, window_s=30.0,
+                       slos={"ttft_p99": 2.0, "ttlt_p99": 30.0},
+                       replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url,
+                                             token_env=TOKEN_ENV) for t in twins], **kw)
+
+
+def get_settings(twin) -> dict:
+    r = httpx.get(f"{twin.url}/tailpilot/v1/settings", trust_env=False, timeout=5)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def wait_for(pilot, cond, timeout: float = 15.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def started(pilot, app):
+    """Wait until every replica has been polled and shown."""
+    await wait_for(pilot, lambda: app.snapshot is not None and all(
+        rs.sample is not None and rs.sample.healthy for rs in app.snapshot.replicas.values()), what="first poll")
+
+
+def cell(app, replica: str, column: str) -> str:
+    value = app.query_one("#cluster-table").get_cell(replica, column)
+    return getattr(value, "plain", value)
+
+
+def text_of(widget) -> str:
+    """The plain text a Static shows (its rich content rendered without styles)."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
+    console.print(widget.content)
+    return console.export_text()
+
+
+def notifications(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ------------------------------------------------------------------------------------------ live
+
+
+def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins, tmp_path):
+    store = Store.open(str(tmp_path / "live.db"))
+    v0 = get_settings(twins[1])["version"]
+
+    async def scenario():
+        app = build_app(spec_of(twins), store=store, refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            await pilot.press("down")  # cursor: twin-1
+            assert app.current_replica == "twin-1"
+            await pilot.press("P")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "PolicyPickScreen", what="policy picker")
+            options = app.screen.query_one("#policy-options")
+            # from uniboost (current) to las: up twice (uniboost -> distboost -> las)
+            assert options.get_option_at_index(options.highlighted).id == "uniboost"
+            await pilot.press("up", "up", "enter")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            diff = text_of(app.screen.query_one("#dialog-diff"))
+            assert "twin-1" in diff and "policy: uniboost → las" in diff, diff
+            assert get_settings(twins[1])["settings"]["policy"] == "uniboost"  # nothing sent before y
+            await pilot.press("y")
+            await wait_for(pilot, lambda: get_settings(twins[1])["settings"]["policy"] == "las", what="PUT")
+            # The applied version read back shows in the policy panel and in the table.
+            await wait_for(pilot, lambda: app.last_results, what="apply result")
+            [res] = app.last_results
+            assert res.ok and res.version == v0 + 1 == get_settings(twins[1])["version"]
+            await pilot.press("3")
+            text = text_of(app.query_one("#last-result"))
+            assert f"applied as version {v0 + 1}" in text
+            await wait_for(pilot, lambda: cell(app, "twin-1", "policy") == "las", what="table shows las")
+            assert cell(app, "twin-0", "policy") == "uniboost"  # only the target changed
+            await pilot.press("4")
+            await wait_for(pilot, lambda: app.query_one("#audit-table").row_count >= 1, what="audit table")
+            return app
+        return app
+
+    run(scenario())
+    rows = store.settings_changes("twins")
+    assert len(rows) == 1
+    [row] = rows
+    assert row["replica"] == "twin-1" and row["result"] == "applied" and row["who"].startswith("tui:")
+    assert row["old"]["policy"] == "uniboost" and row["new"]["policy"] == "las" and row["version"] == v0 + 1
+    assert get_settings(twins[0])["settings"]["policy"] == "uniboost"
+    store.close()
+
+
+def test_pin_gamma_with_N_stops_gamma_ada_while_unpinned_gamma_moves(twins):
+    async def scenario():
+        app = build_app(spec_of(twins), refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            # Let γ-Ada act once on every twin, so the pin freezes an adapted value.
+            await wait_for(pilot, lambda: all(rs.sample.gamma_live not in (None, 10.0)
+                                              for rs in app.snapshot.replicas.values()), what="γ-Ada moving")
+            assert app.current_replica == "twin-0"
+            await pilot.press("N")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            diff = text_of(app.screen.query_one("#dialog-diff"))
+            assert "params.gamma" in diff and 'pinned: [] → ["gamma"]' in diff, diff
+            await pilot.press("y")
+            await wait_for(pilot, lambda: "gamma" in get_settings(twins[0])["settings"]["pinned"], what="pinned")
+            pinned = get_settings(twins[0])["settings"]["params"]["gamma"]
+            await wait_for(pilot, lambda: cell(app, "twin-0", "gamma").endswith("*"), what="pin shown")
+            t_pin = app.snapshot.t_ms
+            # Several γ-Ada intervals (5 replica s each = 0.25 wall s).
+            await pilot.pause(3.0)
+            hist0 = [r.gamma_live for r in app.source.history("twin-0") if r.t_ms > t_pin + 500 and r.healthy]
+            hist1 = [r.gamma_live for r in app.source.history("twin-1") if r.t_ms > t_pin + 500 and r.healthy]
+            return pinned, hist0, hist1, cell(app, "twin-0", "gamma")
+
+    pinned, hist0, hist1, shown = run(scenario())
+    assert len(hist0) >= 5 and len(hist1) >= 5
+    assert all(g == pytest.approx(pinned) for g in hist0), (pinned, hist0)
+    assert len(set(hist1)) > 1, hist1  # the unpinned twin's γ kept adapting
+    assert shown == f"{pinned:.3g}*"
+    assert twins[0].sim.policy.gamma == pytest.approx(pinned)
+
+
+def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
+    async def scenario():
+        app = build_app(spec_of(twins), refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            await pilot.press("down", "down")  # twin-2
+            await pilot.press("E")
+            panel = app.query_one("#policy")
+            await wait_for(pilot, lambda: panel.form_policy == "uniboost" and panel.reference == "twin-2",
+                           what="form")
+            gen = panel._gen
+            gamma = app.query_one(f"#f{gen}-gamma")
+            # An invalid value: the settings model's own message, on the field, and A refuses.
+            gamma.value = "-3"
+            await pilot.pause(0.1)
+            hint = text_of(app.query_one(f"#h{gen}-gamma"))
+            assert "greater than 0" in hint and gamma.has_class("-invalid"), hint
+            assert panel.error and "params.gamma" in panel.error
+            gamma.focus()
+            await pilot.press("enter")  # enter in a field = A
+            await pilot.pause(0.1)
+            assert type(app.screen).__name__ != "ConfirmScreen"
+            assert any("not valid" in m for m in notifications(app))
+            # A model-level rule across two fields (gamma_min must not exceed gamma_max).
+            gamma.value = "8"
+            app.query_one(f"#f{gen}-gamma_min").value = "300"
+            await pilot.pause(0.1)
+            assert "gamma_min" in (panel.error or "") and "must not exceed" in panel.error
+            app.query_one(f"#f{gen}-gamma_min").value = "1"
+            app.query_one(f"#p{gen}-gamma").value = True  # pin γ
+            await pilot.pause(0.1)
+            assert panel.error is None
+            await pilot.press("escape")  # leave the form; A is a key again
+            preview = text_of(app.query_one("#preview"))
+            assert "params.gamma: 10 → 8" in preview and "pinned" in preview, preview
+            await pilot.press("A")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0, what="PUT")
+            doc = get_settings(twins[2])["settings"]
+            assert doc["pinned"] == ["gamma"] and doc["params"]["gamma_min"] == 1.0
+            await wait_for(pilot, lambda: (app.snapshot.replicas["twin-2"].settings or {}).get("pinned") == ["gamma"],
+                           what="new settings polled")
+            # The form rebuilds from the applied settings by itself; unpin there: untick, apply.
+            await wait_for(pilot, lambda: panel._gen > gen and not panel._loading
+                           and panel.form_version == get_settings(twins[2])["version"],
+                           what="form rebuilt from the new version")
+            gen = panel._gen
+            assert app.query_one(f"#p{gen}-gamma").value is True
+            assert app.query_one(f"#f{gen}-gamma").value == "8"
+            assert "no changes staged" in text_of(app.query_one("#preview"))
+            app.query_one(f"#p{gen}-gamma").value = False
+            await pilot.pause(0.1)
+            await pilot.press("A")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: get_settings(twins[2])["settings"]["pinned"] == [], what="unpinned")
+            assert get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0
+            assert get_settings(twins[0])["settings"]["params"]["gamma"] == 10.0
+
+    run(scenario())
+
+
+def test_readonly_refuses_every_cluster_change_visibly(twins, tmp_path):
+    store = Store.open(str(tmp_path / "ro.db"))
+    before = [get_settings(t) for t in twins]
+
+    async def scenario():
+        app = build_app(spec_of(twins), store=store, readonly=True, refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            assert "READ-ONLY" in text_of(app.query_one("#topbar"))
+            # Greyed in the footer (check_action None = shown disabled), not hidden.
+            assert app.check_action("switch_policy", ()) is None and app.check_action("toggle_pin", ()) is None
+            for key in ("P", "N", "E"):
+                await pilot.press(key)
+                await pilot.pause(0.1)
+                assert type(app.screen).__name__ == "Screen", key
+            assert app.refused == ["switch_policy", "toggle_pin", "edit_params"]
+            assert sum("refused" in m and "--readonly" in m for m in notifications(app)) == 3
+            # The command palette runs the same checks.
+            await app.invoke_key(next(k for k in K.KEYS if k.action == "switch_policy"))
+            assert app.refused[-1] == "switch_policy"
+            await pilot.press("3")
+            await pilot.pause(0.2)
+            assert "READ-ONLY" in text_of(app.query_one("#policy-banner"))
+            assert all(w.disabled for w in app.query("#form Input, #form Checkbox"))
+            assert app.query("#form Input")  # the form is there to read, disabled
+            await pilot.press("A")
+            await pilot.pause(0.3)
+            assert type(app.screen).__name__ == "Screen"
+            assert app.refused[-1] == "apply_edits"
+            # p pauses the display (the collector keeps polling), p again resumes it.
+            await pilot.press("1", "p")
+            assert app.paused and "PAUSED" in text_of(app.query_one("#topbar"))
+            n, polled = app.snapshots_applied, len(app.source.histories["twin-0"])
+            await pilot.pause(1.2)
+            assert app.snapshots_applied == n and len(app.source.histories["twin-0"]) > polled
+            await pilot.press("p")
+            await wait_for(pilot, lambda: app.snapshots_applied > n + 1, what="resumed")
+            assert not app.paused
+
+    run(scenario())
+    assert [get_settings(t) for t in twins] == before
+    assert store.settings_changes("twins") == []
+    store.close()
+
+
+def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
+    async def scenario():
+        app = build_app(spec_of(twins), refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            twins[2].stop()
+            # tuner.twin's stop() keeps serving already-open keep-alive connections (a dead process
+            # would drop them): drop the collector's pooled connections as the kernel would.
+            collector = app.source.collector
+            old, collector._client = collector._client, make_client(collector.cluster)
+            await old.aclose()
+            await wait_for(pilot, lambda: cell(app, "twin-2", "health").startswith("DOWN"), what="down")
+            health = cell(app, "twin-2", "health")
+            reason = app.snapshot.replicas["twin-2"].health.reason
+            assert "down" in reason and reason.startswith("state")
+            assert health == f"DOWN {reason}"[:len(health)]
+            n = app.snapshots_applied
+            await wait_for(pilot, lambda: app.snapshots_applied >= n + 3, what="refreshes go on")
+            assert cell(app, "twin-0", "health") == "ok" and app.is_running
+            assert "2/3 healthy" in text_of(app.query_one("#topbar"))
+            await pilot.press("down", "down", "2")
+            banner = text_of(app.query_one("#down-banner"))
+            assert "UNHEALTHY" in banner and reason.split(";")[0] in banner
+            # Back up: healthy again.
+            twins[2].start()
+            await pilot.press("1")
+            await wait_for(pilot, lambda: cell(app, "twin-2", "health") == "ok", what="healthy again")
+
+    run(scenario())
+
+
+# ------------------------------------------------------------------------------------------ replay
+
+
+@pytest.fixture
+def recording(tmp_path):
+    db = tmp_path / "rec.db"
+    shutil.copy(FIXTURE, db)
+    return str(db)
+
+
+def expected_cells(row) -> dict[str, str]:
+    lat = row.latency
+    if not row.healthy:
+        return {"waiting": "—", "running": "—", "ttlt": "—/—/—", "tok_s": "—"}
+    return {"waiting": fmt_number(row.waiting), "running": fmt_number(row.running), "policy": row.policy,
+            "ttft": "/".join(fmt_seconds(x) for x in (lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
+            "ttlt": "/".join(fmt_seconds(x) for x in (lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
+            "tok_s": fmt_number(row.throughput_tok_s), "preempt": fmt_number(row.preemptions_per_s, 1)}
+
+
+def assert_table_shows(app, store, at_ms: int) -> None:
+    rows = store.latest_samples("fixture", at_ms)
+    assert rows and set(rows) == set(app.snapshot.replicas)
+    for name, row in rows.items():
+        for column, want in expected_cells(row).items():
+            assert cell(app, name, column) == want, (name, column, at_ms)
+        if not row.healthy:
+            assert cell(app, name, "health").startswith("DOWN " + row.reason[:10])
+
+
+def test_replay_seek_and_step_show_the_values_recorded_at_that_time(recording):
+    store = Store.open(recording)
+    ticks = [s.t_ms for s in store.samples("fixture", "twin-0")]
+    start = ticks[0]
+
+    async def scenario():
+        app = build_app(None, replay=recording)
+        src: ReplaySource = app.source
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            assert app.readonly and app.snapshot.t_ms == start
+            # Seek with g: 42 s into the recording.
+            await pilot.press("g")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "SeekScreen", what="seek dialog")
+            await pilot.press(*"@0:42.5", "enter")
+            target = start + 42_500
+            await wait_for(pilot, lambda: app.snapshot.t_ms == target, what="seek applied")
+            await pilot.pause(0.1)
+            assert_table_shows(app, store, target)
+            assert "22:14:02" in text_of(app.query_one("#topbar"))
+            # ] steps to the next recorded sample, [ back one.
+            await pilot.press("right_square_bracket")
+            nxt = min(t for t in ticks if t > target)
+            await wait_for(pilot, lambda: app.snapshot.t_ms == nxt, what="step forward")
+            assert_table_shows(app, store, nxt)
+            await pilot.press("left_square_bracket", "left_square_bracket")
+            prev = max(t for t in ticks if t < nxt - 1)
+            prev = max(t for t in ticks if t < prev)
+            await wait_for(pilot, lambda: app.snapshot.t_ms == prev, what="step back twice")
+            assert_table_shows(app, store, prev)
+            # Into twin-2's outage (recorded as down from t=70 s to 79 s).
+            src.seek(start + 75_000)
+            await wait_for(pilot, lambda: app.snapshot.t_ms == start + 75_000, what="seek into outage")
+            assert cell(app, "twin-2", "health").startswith("DOWN state: down")
+            assert_table_shows(app, store, start + 75_000)
+            # The γ pin of t=55 shows from then on (settings from the recorded audit log).
+            assert cell(app, "twin-1", "gamma").endswith("*")
+            src.seek(start + 50_000)
+            await wait_for(pilot, lambda: app.snapshot.t_ms == start + 50_000, what="before the pin")
+            assert not cell(app, "twin-1", "gamma").endswith("*")
+            # A bad time is refused inline, the position stays.
+            await pilot.press("g", *"yesterday", "enter")
+            await pilot.pause(0.1)
+            assert "cannot read" in text_of(app.screen.query_one("#seek-error"))
+            await pilot.press("escape")
+            assert app.snapshot.t_ms == start + 50_000
+            # Replay is read-only by construction.
+            await pilot.press("P")
+            await pilot.pause(0.1)
+            assert app.refused == ["switch_policy"] and type(app.screen).__name__ == "Screen"
+            assert not hasattr(src, "apply")
+
+    run(scenario())
+    store.close()
+
+
+def test_filter_and_sort_the_cluster_screen(recording):
+    store = Store.open(recording)
+    at = 1_700_000_060_000
+    rows = store.latest_samples("fixture", at)
+
+    async def scenario():
+        app = build_app(None, replay=recording, start_ms=at)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            table = app.query_one("#cluster-table")
+            assert table.order == ["twin-0", "twin-1", "twin-2"]
+            # / filters (by policy here), esc leaves the filter on and the table focused.
+            await pilot.press("slash", *"tie")
+            await pilot.pause(0.1)
+            assert table.order == ["twin-2"]
+            assert "showing 1 of 3" in text_of(app.query_one("#totals"))
+            await pilot.press("escape")
+            assert table.has_focus and "filter “tie”" in text_of(app.query_one("#table-title"))
+            await pilot.press("slash", "backspace", "backspace", "backspace", *"down", "enter")
+            await pilot.pause(0.1)
+            assert table.order == []  # nothing is down at 60 s
+            app.query_one("#filter").value = ""
+            await pilot.pause(0.1)
+            assert table.order == ["twin-0", "twin-1", "twin-2"]
+            # s cycles the sort column, r reverses; the cursor stays on its replica.
+            table.focus()
+            assert app.current_replica == "twin-2"  # the cursor stayed on the replica the filter left
+            await pilot.press("home", "down")
+            assert app.current_replica == "twin-1"
+            panel = app.query_one("#cluster")
+            while panel.sort_column != "waiting":
+                await pilot.press("s")
+            by_waiting = sorted(rows, key=lambda n: (rows[n].waiting, n))
+            assert table.order == by_waiting
+            await pilot.press("r")
+            assert table.order == sorted(rows, key=lambda n: (rows[n].waiting, n), reverse=True)
+            assert table.cursor_key == "twin-1"
+            # Clicking a header sorts by that column.
+            x = sum(c.width + 2 for c in R.COLUMNS[:11]) + 2
+            await pilot.click("#cluster-table", offset=(x, 0))
+            await pilot.pause(0.1)
+            assert panel.sort_column == "tok_s"
+            assert table.order == sorted(rows, key=lambda n: (rows[n].throughput_tok_s, n),
+                                         reverse=panel.sort_reverse)
+
+    run(scenario())
+    store.close()
+
+
+def test_replay_plays_and_pauses(recording):
+    async def scenario():
+        app = build_app(None, replay=recording)
+        src: ReplaySource = app.source
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            src.speed = 32.0
+            await pilot.press("p")
+            assert src.playing
+            await wait_for(pilot, lambda: app.snapshot.t_ms >= src.start_ms + 10_000, what="playing")
+            await pilot.press("p")
+            assert not src.playing
+            stopped = src.position
+            await pilot.pause(0.5)
+            assert src.position == stopped and app.snapshot.t_ms == stopped
+
+    run(scenario())

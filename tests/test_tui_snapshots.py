@@ -1,0 +1,99 @@
+"""SVG snapshots of every screen of the TUI on the committed recording (replay: deterministic).
+
+Update the baselines after an intended change with ``pytest tests/test_tui_snapshots.py
+--snapshot-update`` and review the SVGs (``tests/__snapshots__/test_tui_snapshots/``).
+The recording is made by ``tests/fixtures/make_recording.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from controlplane.cluster import ClusterSpec, ReplicaSpec
+from tui.app import ConfirmScreen
+from tui.edits import SettingsEdit
+from tui.main import build_app
+
+FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
+SIZE = (160, 48)
+START_MS = 1_700_000_000_000  # the recording's first sample (make_recording.EPOCH)
+# The SLOs and window the recording was made with (a replay takes them from the cluster file).
+SPEC = ClusterSpec(name="fixture", window_s=30.0, slos={"ttft_p99": 1.0, "ttlt_p99": 15.0},
+                   replicas=[ReplicaSpec(name=f"twin-{i}", api_url="http://127.0.0.1:1",
+                                         control_url="http://127.0.0.1:1") for i in range(3)])
+
+
+@pytest.fixture
+def replay_app(tmp_path):
+    db = tmp_path / "rec.db"
+    shutil.copy(FIXTURE, db)
+
+    def make(offset_s: float = 60.0):
+        return build_app(SPEC, replay=str(db), start_ms=START_MS + int(offset_s * 1000))
+
+    return make
+
+
+async def ready(pilot, *keys: str) -> None:
+    """Wait for the replay's snapshot at the start position, then press keys and settle."""
+    app = pilot.app
+    for _ in range(400):
+        if app.snapshot is not None and app.snapshot.t_ms == app.source.position:
+            break
+        await asyncio.sleep(0.01)
+    assert app.snapshot is not None
+    await pilot.pause()
+    for key in keys:
+        await pilot.press(key)
+        await pilot.pause()
+    await pilot.pause(0.1)
+
+
+def test_cluster_screen(replay_app, snap_compare):
+    assert snap_compare(replay_app(60), terminal_size=SIZE, run_before=lambda p: ready(p))
+
+
+def test_cluster_screen_with_an_unhealthy_replica_sorted_and_selected(replay_app, snap_compare):
+    async def before(pilot):
+        await ready(pilot)
+        panel = pilot.app.query_one("#cluster")
+        panel.set_sort("ttlt", reverse=True)
+        pilot.app.selected = {"twin-0", "twin-2"}
+        pilot.app.refresh_selection_marks()
+        await pilot.pause(0.1)
+
+    assert snap_compare(replay_app(75), terminal_size=SIZE, run_before=before)
+
+
+def test_replica_screen(replay_app, snap_compare):
+    # twin-1: sarathi → uniboost at 30 s, γ pinned at 55 s (both marked on the time axis).
+    assert snap_compare(replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "2"))
+
+
+def test_policy_panel(replay_app, snap_compare):
+    assert snap_compare(replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "3"))
+
+
+def test_confirm_dialog(replay_app, snap_compare):
+    async def before(pilot):
+        await ready(pilot)
+        app = pilot.app
+        edits = {"twin-1": SettingsEdit(params={"gamma": 25.0}, unpin=frozenset({"gamma"})),
+                 "twin-2": SettingsEdit(params={"beta": 2.0}),  # tie's β ≤ 1: refused, not sent
+                 "twin-0": SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0})}  # settings unknown
+        app.push_screen(ConfirmScreen("Apply to 3 replica(s)?", app._plans(edits)))
+        await pilot.pause(0.1)
+
+    assert snap_compare(replay_app(90), terminal_size=SIZE, run_before=before)
+
+
+def test_audit_screen(replay_app, snap_compare):
+    assert snap_compare(replay_app(100), terminal_size=SIZE, run_before=lambda p: ready(p, "4"))
+
+
+def test_help_screen(replay_app, snap_compare):
+    assert snap_compare(replay_app(60), terminal_size=SIZE, run_before=lambda p: ready(p, "question_mark"))

@@ -1,0 +1,240 @@
+"""Settings edits the operator stages in the TUI, validated by the one settings model.
+
+Nothing here validates on its own: every candidate document goes through
+:class:`controlplane.settings.Settings` (``model_validate``) and every error message comes from
+:func:`controlplane.settings.describe_error`. Input text is read with the CLI's
+:func:`controlplane.settings.parse_assignment` (``8`` → 8, ``on`` → True, JSON otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from pydantic import ValidationError
+
+from controlplane.settings import (
+    ADAPTIVE_PARAMS,
+    PARAM_MODELS,
+    Settings,
+    describe_error,
+    parse_assignment,
+)
+
+
+@dataclass(frozen=True)
+class SettingsEdit:
+    """A change to stage on one or more replicas: a policy switch, parameter values, pins.
+
+    Applied to a replica's current settings with :meth:`apply`: switching to another policy
+    starts from that policy's defaults (as ``Settings.replace`` does); parameters are merged;
+    ``pin``/``unpin`` add and remove names from ``pinned``.
+    """
+
+    policy: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    pin: frozenset[str] = frozenset()
+    unpin: frozenset[str] = frozenset()
+
+    def apply(self, current: Settings) -> Settings:
+        doc = current.to_dict()
+        if self.policy is not None and self.policy != current.policy:
+            doc["policy"], doc["params"], doc["pinned"] = self.policy, {}, []
+        doc["params"] = {**doc["params"], **dict(self.params)}
+        pinned = [p for p in doc["pinned"] if p not in self.unpin]
+        pinned += sorted(p for p in self.pin if p not in pinned)
+        doc["pinned"] = pinned
+        return Settings.model_validate(doc)
+
+    def __call__(self, current: Settings) -> Settings:  # apply_settings takes a callable
+        return self.apply(current)
+
+    @property
+    def empty(self) -> bool:
+        return self.policy is None and not self.params and not self.pin and not self.unpin
+
+    def describe(self) -> str:
+        parts = []
+        if self.policy:
+            parts.append(f"policy={self.policy}")
+        parts += [f"{k}={fmt_value(v)}" for k, v in self.params.items()]
+        parts += [f"pin {p}" for p in sorted(self.pin)]
+        parts += [f"unpin {p}" for p in sorted(self.unpin)]
+        return ", ".join(parts) or "no change"
+
+
+def try_apply(edit: SettingsEdit, current: Settings) -> tuple[Settings | None, str | None]:
+    """(new settings, None) or (None, the settings model's message naming the field)."""
+    try:
+        return edit.apply(current), None
+    except (ValidationError, ValueError) as err:
+        return None, describe_error(err)
+
+
+def current_settings(doc: Mapping[str, Any] | None) -> Settings | None:
+    """A replica's settings document as a Settings (None if unknown or invalid)."""
+    if not doc:
+        return None
+    try:
+        return Settings.model_validate(dict(doc))
+    except (ValidationError, ValueError):
+        return None
+
+
+def fmt_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def _defaults(policy: Any) -> dict[str, Any] | None:
+    model = PARAM_MODELS.get(policy) if isinstance(policy, str) else None
+    return model().model_dump() if model is not None else None
+
+
+def settings_diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
+    """(field, old, new) for every leaf that differs between two settings documents.
+
+    Across a policy switch the old policy's parameters are not listed one by one (they all go):
+    the new policy's parameters are listed only where they differ from its defaults."""
+    old, new = dict(old or {}), dict(new or {})
+    out: list[tuple[str, str, str]] = []
+    op, np_ = old.get("params") or {}, new.get("params") or {}
+    if old.get("policy") != new.get("policy"):
+        out.append(("policy", str(old.get("policy", "—")), str(new.get("policy", "—"))))
+        defaults = _defaults(new.get("policy")) or {}
+        for k, v in np_.items():
+            if k not in defaults or defaults[k] != v:
+                out.append((f"params.{k}", "default" if k in defaults else "—", fmt_value(v)))
+    else:
+        for k in list(np_) + [k for k in op if k not in np_]:
+            a, b = op.get(k, None), np_.get(k, None)
+            if a != b:
+                out.append((f"params.{k}", "—" if k not in op else fmt_value(a),
+                            "—" if k not in np_ else fmt_value(b)))
+    a, b = list(old.get("pinned") or []), list(new.get("pinned") or [])
+    if sorted(a) != sorted(b):
+        out.append(("pinned", fmt_value(a), fmt_value(b)))
+    oe, ne = old.get("engine") or {}, new.get("engine") or {}
+    for k in ne:
+        if oe.get(k) != ne.get(k):
+            out.append((f"engine.{k}", fmt_value(oe.get(k, "—")), fmt_value(ne.get(k))))
+    return out
+
+
+def diff_summary(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> str:
+    """One line: ``policy sarathi→uniboost; params.gamma 10→8; pinned []→["gamma"]``."""
+    return "; ".join(f"{f} {a}→{b}" for f, a, b in settings_diff(old, new)) or "no change"
+
+
+# ---------------------------------------------------------------------------------- form fields
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One parameter of a policy, as the policy panel shows it."""
+
+    name: str
+    kind: str  # "bool" | "choice" | "int" | "float" | "json"
+    default: Any
+    choices: tuple[str, ...] = ()
+    hint: str = ""  # bounds and default, e.g. "> 0, ≤ 1e+06; default 10"
+    adaptive: bool = False  # moved by adaptation (γ-Ada, adaptive β) unless pinned
+
+
+def _kind(annotation: Any) -> tuple[str, tuple[str, ...]]:
+    if annotation is bool:
+        return "bool", ()
+    if typing.get_origin(annotation) is Literal:
+        return "choice", tuple(str(a) for a in typing.get_args(annotation))
+    if annotation is int:
+        return "int", ()
+    if annotation is float:
+        return "float", ()
+    if isinstance(annotation, types.GenericAlias) or typing.get_origin(annotation) is dict:
+        return "json", ()
+    return "json", ()
+
+
+def _bounds(info: Any) -> str:
+    words = []
+    for m in getattr(info, "metadata", ()):
+        for attr, sym in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                words.append(f"{sym} {v:g}" if isinstance(v, (int, float)) else f"{sym} {v}")
+    return ", ".join(words)
+
+
+def policy_fields(policy: str) -> list[FieldSpec]:
+    """Every parameter of ``policy`` from :data:`controlplane.settings.PARAM_MODELS`, in order."""
+    model = PARAM_MODELS[policy]
+    adaptive = set(ADAPTIVE_PARAMS.get(policy, ()))
+    out = []
+    for name, info in model.model_fields.items():
+        kind, choices = _kind(info.annotation)
+        default = info.get_default(call_default_factory=True)
+        bounds = _bounds(info)
+        hint = "; ".join(x for x in (bounds, f"default {fmt_value(default)}") if x)
+        out.append(FieldSpec(name, kind, default, choices, hint, name in adaptive))
+    return out
+
+
+def field_text(spec: FieldSpec, value: Any) -> str:
+    """How a parameter value is written in its input box."""
+    if spec.kind == "json":
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, float):
+        return f"{value:.10g}"
+    return str(value)
+
+
+def parse_field(spec: FieldSpec, text: str) -> Any:
+    """Input text → a value for the settings model to judge (never judged here)."""
+    if spec.kind == "choice":
+        return text
+    _, value = parse_assignment(f"{spec.name}={text}")
+    return value
+
+
+def field_errors(message: str | None, names: list[str]) -> dict[str, str]:
+    """Split a describe_error message into the parts about each parameter (``params.gamma: ...``)."""
+    if not message:
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        m = re.search(rf"params\.{re.escape(name)}(?:\.[\w.]+)?: ([^;]*)", message)
+        if m:
+            out[name] = m.group(1).strip()
+        elif re.search(rf"\b{re.escape(name)}\b", message) and "params." not in message:
+            out[name] = message  # a model-level rule naming the field (gamma_min > gamma_max)
+    return out
+
+
+def pin_edit(settings: Settings | None, policy: str | None, live: Mapping[str, float | None]) -> tuple[
+        SettingsEdit | None, str]:
+    """The ``N`` key: pin the adaptive parameter at its live value, or unpin it if pinned.
+
+    Returns (edit, what) or (None, why not)."""
+    policy = settings.policy if settings is not None else policy
+    names = ADAPTIVE_PARAMS.get(policy or "", ())
+    if not names:
+        return None, f"{policy or 'unknown policy'} has no adaptive parameter to pin"
+    name = names[0]
+    if settings is not None and settings.is_pinned(name):
+        return SettingsEdit(unpin=frozenset({name})), f"unpin {name}"
+    value = live.get(name)
+    if value is None and settings is not None:
+        value = settings.param(name)
+    if value is None:
+        return None, f"no live {name} known yet"
+    value = float(f"{value:.4g}")
+    return SettingsEdit(params={name: value}, pin=frozenset({name})), f"pin {name} at {value:g}"

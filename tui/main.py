@@ -1,0 +1,60 @@
+"""Entry points: what ``tailpilot tui`` and ``tailpilot demo`` call.
+
+    run_tui(cluster_spec, db_url="sqlite:///t.db")          # live, recording into a store
+    run_tui(cluster_spec, readonly=True)                    # live, read-only
+    run_tui(None, replay="recording.db")                     # replay (read-only by construction)
+    run_tui(cluster_spec, store=store, duration_s=60)        # an open store (the demo), for a minute
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.cluster import ClusterSpec
+from tui.app import TailpilotApp
+from tui.sources import DEFAULT_HISTORY_S, LiveSource, ReplaySource
+
+
+def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
+              replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
+              history_s: float = DEFAULT_HISTORY_S, start_ms: int | None = None,
+              refresh_s: float = 1.0) -> TailpilotApp:
+    """The app on a live cluster (``cluster``; a store from ``store`` or ``db_url``, optional) or on
+    a recording (``replay``: a SQLite file or a database URL; ``cluster``, if given, only supplies
+    the SLOs and the window)."""
+    from storage.store import Store
+
+    if replay is not None:
+        if store is None:
+            store = Store.open(replay)
+        name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.clusters() else None)
+        source = ReplaySource(store, name, history_s=history_s, start_ms=start_ms)
+        return TailpilotApp(source, cluster, readonly=readonly, store=store)  # replay is read-only anyway
+    if cluster is None:
+        raise ValueError("a live TUI needs a cluster (or replay= a recording)")
+    if store is None and db_url is not None:
+        store = Store.open(db_url)
+    source = LiveSource(cluster, store, history_s=history_s, refresh_s=refresh_s)
+    app = TailpilotApp(source, cluster, readonly=readonly, store=store)
+    source.who = app.who
+    return app
+
+
+def run_tui(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
+            replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
+            history_s: float = DEFAULT_HISTORY_S, duration_s: float | None = None) -> None:
+    """Run the TUI until the operator quits (``tailpilot tui``), or for ``duration_s`` seconds.
+
+    Live: ``cluster`` and optionally a store (``store``, or opened from ``db_url``) that the
+    collector records into and the audit log is read from. Replay: ``replay`` = a recording
+    (SQLite file or URL), ``cluster_name`` when it holds several clusters. A store passed in
+    stays open."""
+    own_store = store is None
+    app = build_app(cluster, db_url=db_url, readonly=readonly, replay=replay, cluster_name=cluster_name,
+                    store=store, history_s=history_s)
+    app.exit_after_s = duration_s
+    try:
+        app.run()
+    finally:
+        if own_store and app.store is not None:
+            app.store.close()

@@ -1,0 +1,492 @@
+"""Where the TUI's data comes from: a live cluster or a recording.
+
+Both sources hand the app the same :class:`~controlplane.collector.ClusterSnapshot`, per-replica
+histories of :class:`~storage.rows.SampleRow` for the plots and the settings audit log, so the
+screens never know which one they have. The app awaits :meth:`DataSource.next_snapshot` in one
+loop and applies each snapshot before reading the next: refreshes never overlap.
+
+* :class:`LiveSource` runs a :class:`~controlplane.collector.Collector` as a task of the app's
+  own event loop (the polling is asyncio + httpx: the UI never blocks on the network); it keeps
+  an in-memory ring of samples per replica (and, with a store, preloads the recent past from it);
+  cluster changes go through :func:`controlplane.collector.apply_settings`.
+* :class:`ReplaySource` reads a recording through :class:`storage.store.Store`: ``seek(t_ms)``
+  gives the snapshot as of ``t`` (``Store.latest_samples(at_ms)``), ``step(±1)`` moves one sample
+  of the reference replica, ``play``/``pause`` at a speed. It is read-only by construction: it has
+  no way to reach a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import math
+import re
+import time
+from collections import deque
+from datetime import datetime, timezone
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from controlplane.cluster import ClusterSpec
+from controlplane.collector import ClusterSnapshot, Collector, Health, ReplicaSnapshot
+from storage.rows import GroupSampleRow, SampleRow
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HISTORY_S = 600.0  # how far back the replica plots reach
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """What the app needs from a source of cluster data."""
+
+    mode: str  # "live" | "replay"
+    readonly: bool  # True: the source cannot change the cluster (replay)
+    cluster_name: str
+    history_s: float
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def next_snapshot(self) -> ClusterSnapshot:
+        """Wait for the next snapshot to show."""
+        ...
+
+    def current(self) -> ClusterSnapshot | None: ...
+
+    def history(self, replica: str, until_ms: int | None = None) -> list[SampleRow]:
+        """The replica's samples of the last ``history_s`` up to ``until_ms``, oldest first."""
+        ...
+
+    def kv_trail(self, replica: str, n: int) -> list[float]:
+        """The replica's last ``n`` KV usages (for the sparkline)."""
+        ...
+
+    async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
+        """The settings audit log, newest first (Store.settings_changes' dicts)."""
+        ...
+
+    def status(self) -> str:
+        """One line for the top bar."""
+        ...
+
+
+def fmt_time(t_ms: int | None) -> str:
+    """UTC wall time of a sample, ``2023-11-14 22:13:20``."""
+    if t_ms is None:
+        return "—"
+    return datetime.fromtimestamp(t_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_clock(t_ms: int | None) -> str:
+    if t_ms is None:
+        return "—"
+    return datetime.fromtimestamp(t_ms / 1000, tz=timezone.utc).strftime("%H:%M:%S")
+
+
+def fmt_offset(ms: int) -> str:
+    s = max(ms, 0) // 1000
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+# ------------------------------------------------------------------------------------------ live
+
+
+class LiveSource:
+    """A running collector in the app's event loop, with in-memory histories."""
+
+    mode = "live"
+    readonly = False
+
+    def __init__(self, cluster: ClusterSpec, store: Any | None = None, *, history_s: float = DEFAULT_HISTORY_S,
+                 collector: Collector | None = None, who: str = "tui", refresh_s: float = 1.0) -> None:
+        self.cluster = cluster
+        self.cluster_name = cluster.name
+        self.store = store
+        self.history_s = float(history_s)
+        self.who = who
+        self.collector = collector or Collector(cluster, store, flush_interval_s=refresh_s)
+        n = max(8, int(math.ceil(self.history_s / cluster.poll_interval_s)) + 2)
+        self.histories: dict[str, deque[SampleRow]] = {r.name: deque(maxlen=n) for r in cluster.replicas}
+        self.session_audit: list[dict[str, Any]] = []  # changes made from this TUI (used without a store)
+        self._queue: asyncio.Queue | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._latest: ClusterSnapshot | None = None
+        self.error: str | None = None  # why the collector stopped, if it did
+        self.collector.on_poll(self._on_poll)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._queue = self.collector.subscribe(maxsize=1)
+        if self.store is not None:
+            await self._preload()
+        self._task = asyncio.create_task(self._run(), name="tailpilot-collector")
+
+    async def _preload(self) -> None:
+        since = int((time.time() - self.history_s) * 1000)
+        for name, ring in self.histories.items():
+            try:
+                rows = await asyncio.to_thread(self.store.samples, self.cluster_name, name, since)
+            except Exception as err:  # noqa: BLE001 - an unreadable store must not stop the live view
+                log.warning("could not preload history of %s: %s", name, err)
+                return
+            ring.extend(rows)
+
+    async def _run(self) -> None:
+        try:
+            await self.collector.run(self._stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - shown in the top bar, never a crash
+            log.exception("collector stopped")
+            self.error = f"collector stopped: {type(err).__name__}: {err}"
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), 10.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+        if self._queue is not None:
+            self.collector.unsubscribe(self._queue)
+
+    # --- data ----------------------------------------------------------------------------------
+    def _on_poll(self, replica: str, result: Any) -> None:
+        ring = self.histories.get(replica)
+        if ring is not None:
+            ring.append(result.sample)
+
+    async def next_snapshot(self) -> ClusterSnapshot:
+        assert self._queue is not None, "start() first"
+        snap = await self._queue.get()
+        self._latest = snap
+        return snap
+
+    def current(self) -> ClusterSnapshot | None:
+        return self._latest
+
+    def history(self, replica: str, until_ms: int | None = None) -> list[SampleRow]:
+        ring = self.histories.get(replica)
+        if not ring:
+            return []
+        rows = list(ring)
+        if until_ms is not None:
+            rows = [r for r in rows if r.t_ms <= until_ms]
+        if rows:
+            lo = rows[-1].t_ms - int(self.history_s * 1000)
+            rows = [r for r in rows if r.t_ms >= lo]
+        return rows
+
+    def kv_trail(self, replica: str, n: int) -> list[float]:
+        ring = self.histories.get(replica)
+        if not ring:
+            return []
+        out: list[float] = []
+        for row in reversed(ring):
+            if row.kv_usage is not None:
+                out.append(row.kv_usage)
+                if len(out) >= n:
+                    break
+        out.reverse()
+        return out
+
+    async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
+        if self.store is None:
+            return list(reversed(self.session_audit))[:limit]
+        return await asyncio.to_thread(self.store.settings_changes, self.cluster_name, None, limit)
+
+    def status(self) -> str:
+        if self.error:
+            return self.error
+        return f"LIVE · polling every {self.cluster.poll_interval_s:g} s · window {self.cluster.window_s:g} s"
+
+    # --- changing the cluster ------------------------------------------------------------------
+    async def apply(self, changes: dict[str, Callable[[Any], Any]], who: str | None = None) -> list[Any]:
+        """Apply ``{replica: change}`` (each a function of that replica's current Settings) with
+        :func:`controlplane.collector.apply_settings`: GET, PUT If-Match, read back, audit row."""
+        from controlplane.collector import apply_settings
+
+        who = who or self.who
+        groups = await asyncio.gather(*(
+            apply_settings(self.cluster, [name], change, self.store, who) for name, change in changes.items()))
+        results = [r for g in groups for r in g]
+        now = int(time.time() * 1000)
+        for r in results:
+            self.session_audit.append({"t_ms": now, "cluster": self.cluster_name, "replica": r.replica, "who": who,
+                                       "old": r.old, "new": r.new, "result": r.result, "message": r.message,
+                                       "version": r.version})
+        return results
+
+
+# ------------------------------------------------------------------------------------------ replay
+
+
+class ReplayError(ValueError):
+    """A recording that cannot be replayed (no cluster, several clusters, no samples)."""
+
+
+def pick_cluster(store: Any, cluster_name: str | None = None) -> str:
+    """The cluster to replay: the named one, or the only one the store holds."""
+    clusters = store.clusters()
+    if cluster_name is not None:
+        if cluster_name not in clusters:
+            raise ReplayError(f"the recording has no cluster {cluster_name!r} "
+                              f"(it has: {', '.join(clusters) or 'none'})")
+        return cluster_name
+    if not clusters:
+        raise ReplayError("the recording holds no cluster")
+    if len(clusters) > 1:
+        raise ReplayError(f"the recording holds {len(clusters)} clusters ({', '.join(clusters)}); "
+                          f"name one with --cluster-name")
+    return clusters[0]
+
+
+class _ReplicaCache:
+    __slots__ = ("samples", "times", "groups")
+
+    def __init__(self, samples: list[SampleRow], groups: list[GroupSampleRow]) -> None:
+        self.samples = samples
+        self.times = [s.t_ms for s in samples]
+        self.groups: dict[int, list[GroupSampleRow]] = {}
+        for g in groups:
+            self.groups.setdefault(g.t_ms, []).append(g)
+
+
+class ReplaySource:
+    """A recording as a data source: seek, step, play/pause. Read-only by construction."""
+
+    mode = "replay"
+    readonly = True
+
+    def __init__(self, store: Any, cluster_name: str | None = None, *, history_s: float = DEFAULT_HISTORY_S,
+                 speed: float = 1.0, start_ms: int | None = None, chunk_s: float = 900.0) -> None:
+        self.store = store
+        self.cluster_name = pick_cluster(store, cluster_name)
+        rng = store.time_range(self.cluster_name)
+        if rng is None:
+            raise ReplayError(f"the recording holds no samples of cluster {self.cluster_name!r}")
+        self.history_s = float(history_s)
+        self.speed = float(speed)
+        self.chunk_ms = int(chunk_s * 1000)
+        self.replicas = [r.name for r in store.replicas(self.cluster_name)]
+        # The step grid: the sample times of the replica with the most samples in the first chunk.
+        self.ticks = self._load_ticks()
+        if not self.ticks:
+            raise ReplayError(f"the recording holds no raw samples of cluster {self.cluster_name!r}")
+        self.start_ms, self.end_ms = self.ticks[0], self.ticks[-1]
+        self.position = self.start_ms if start_ms is None else self.clamp(start_ms)
+        self.playing = False
+        self._audit_all = store.settings_changes(self.cluster_name, None, 100_000)
+        self._cache: dict[str, _ReplicaCache] = {}
+        self._cache_lo = self._cache_hi = 0
+        self._wake = asyncio.Event()
+        self._wake.set()  # the first snapshot is due at once
+        self._latest: ClusterSnapshot | None = None
+        self._play_task: asyncio.Task | None = None
+
+    def _load_ticks(self) -> list[int]:
+        best: list[int] = []
+        for name in self.replicas:
+            times = [s.t_ms for s in self.store.samples(self.cluster_name, name)]
+            if len(times) > len(best):
+                best = times
+        return sorted(set(best))
+
+    # --- positioning ---------------------------------------------------------------------------
+    def clamp(self, t_ms: int) -> int:
+        return int(min(max(t_ms, self.start_ms), self.end_ms))
+
+    def seek(self, t_ms: int) -> int:
+        """Show the recording as of ``t_ms`` (clamped to the recording); returns the position."""
+        self.position = self.clamp(int(t_ms))
+        self._wake.set()
+        return self.position
+
+    def step(self, n: int) -> int:
+        """Move ``n`` samples (of the step grid) forward or back; returns the position."""
+        if n > 0:
+            i = bisect.bisect_right(self.ticks, self.position) + n - 1
+        else:
+            i = bisect.bisect_left(self.ticks, self.position) + n
+        i = min(max(i, 0), len(self.ticks) - 1)
+        self.position = self.ticks[i]
+        self._wake.set()
+        return self.position
+
+    def set_playing(self, playing: bool) -> None:
+        self.playing = bool(playing)
+        if self.playing and self.position >= self.end_ms:
+            self.position = self.start_ms
+        if self.playing and (self._play_task is None or self._play_task.done()):
+            self._play_task = asyncio.get_running_loop().create_task(self._play(), name="tailpilot-replay")
+        self._wake.set()
+
+    def set_speed(self, factor: float) -> float:
+        self.speed = float(min(max(self.speed * factor, 0.125), 256.0))
+        return self.speed
+
+    async def _play(self) -> None:
+        while self.playing:
+            i = bisect.bisect_right(self.ticks, self.position)
+            if i >= len(self.ticks):
+                self.playing = False
+                self._wake.set()
+                return
+            gap = (self.ticks[i] - self.position) / 1000.0
+            await asyncio.sleep(max(min(gap / self.speed, 5.0), 0.02))
+            if self.playing:
+                self.step(1)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.playing = False
+        if self._play_task is not None:
+            self._play_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._play_task
+
+    # --- data ----------------------------------------------------------------------------------
+    async def next_snapshot(self) -> ClusterSnapshot:
+        await self._wake.wait()
+        self._wake.clear()
+        snap = await asyncio.to_thread(self.snapshot_at, self.position)
+        self._latest = snap
+        return snap
+
+    def current(self) -> ClusterSnapshot | None:
+        return self._latest
+
+    def _ensure_cache(self, pos: int) -> None:
+        lo_needed = pos - int(self.history_s * 1000)
+        if self._cache and self._cache_lo <= lo_needed and pos < self._cache_hi:
+            return
+        lo, hi = lo_needed - self.chunk_ms // 2, pos + self.chunk_ms
+        cache = {}
+        for name in self.replicas:
+            cache[name] = _ReplicaCache(self.store.samples(self.cluster_name, name, lo, hi),
+                                        self.store.group_samples(self.cluster_name, name, lo, hi))
+        self._cache, self._cache_lo, self._cache_hi = cache, lo, hi
+
+    def settings_at(self, replica: str, t_ms: int) -> dict[str, Any] | None:
+        """The replica's settings document as of ``t_ms``, from the audit log (None if unknown)."""
+        for row in self._audit_all:  # newest first
+            if row["replica"] == replica and row["t_ms"] <= t_ms and row["result"] == "applied" and row["new"]:
+                return row["new"]
+        return None
+
+    def snapshot_at(self, t_ms: int) -> ClusterSnapshot:
+        """The cluster as recorded at ``t_ms``: each replica's newest sample at or before it."""
+        rows = self.store.latest_samples(self.cluster_name, at_ms=t_ms)
+        self._ensure_cache(t_ms)
+        replicas: dict[str, ReplicaSnapshot] = {}
+        for name in sorted(rows):
+            row = rows[name]
+            cache = self._cache.get(name)
+            groups = list(cache.groups.get(row.t_ms, ())) if cache is not None else []
+            settings = self.settings_at(name, t_ms)
+            replicas[name] = ReplicaSnapshot(
+                name=name, health=Health(healthy=row.healthy, reason=row.reason, since=None,
+                                         mode="replay"),
+                sample=row, groups=groups, settings=settings, settings_version=row.settings_version,
+                state=None, metrics={}, cursor=0, window_completions=sum(g.completed for g in groups
+                                                                         if g.kind == "tenant"))
+        return ClusterSnapshot(cluster=self.cluster_name, t_ms=t_ms, replicas=replicas)
+
+    def history(self, replica: str, until_ms: int | None = None) -> list[SampleRow]:
+        until = self.position if until_ms is None else until_ms
+        self._ensure_cache(until)
+        cache = self._cache.get(replica)
+        if cache is None:
+            return []
+        lo = until - int(self.history_s * 1000)
+        i, j = bisect.bisect_left(cache.times, lo), bisect.bisect_right(cache.times, until)
+        return cache.samples[i:j]
+
+    def kv_trail(self, replica: str, n: int) -> list[float]:
+        cache = self._cache.get(replica)
+        if cache is None:
+            return []
+        j = bisect.bisect_right(cache.times, self.position)
+        out = [s.kv_usage for s in cache.samples[max(0, j - 4 * n):j] if s.kv_usage is not None]
+        return out[-n:]
+
+    async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
+        return [r for r in self._audit_all if r["t_ms"] <= self.position][:limit]
+
+    def status(self) -> str:
+        state = "▶ playing" if self.playing else "⏸ paused"
+        return (f"REPLAY {fmt_time(self.position)} UTC · +{fmt_offset(self.position - self.start_ms)} of "
+                f"{fmt_offset(self.end_ms - self.start_ms)} · {state} · {self.speed:g}x")
+
+
+# ------------------------------------------------------------------------------------------ seeking
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
+
+
+def _duration_ms(text: str) -> int | None:
+    text = text.strip().lower()
+    if not text:
+        return None
+    if ":" in text:  # mm:ss or h:mm:ss offset
+        parts = text.split(":")
+        if not all(p.replace(".", "", 1).isdigit() for p in parts) or len(parts) > 3:
+            return None
+        total = 0.0
+        for p in parts:
+            total = total * 60 + float(p)
+        return int(total * 1000)
+    m = _DURATION.match(text)
+    if not m or not any(m.groups()):
+        return None
+    h, mi, s = (float(x) if x else 0.0 for x in m.groups())
+    return int((h * 3600 + mi * 60 + s) * 1000)
+
+
+def parse_seek(text: str, *, position_ms: int, start_ms: int, end_ms: int) -> int:
+    """Where ``text`` asks to go, in ms since the epoch (not clamped).
+
+    Accepted: ``+30s`` / ``-2m`` (relative to the position), ``@1:30`` / ``@90s`` (offset from the
+    start of the recording), ``start`` / ``end``, an ISO time ``2023-11-14T22:15:00`` (UTC unless
+    it names a zone), a UTC clock time ``22:15:00`` (on the recording's days), or epoch ms.
+    Raises ValueError with what is accepted.
+    """
+    raw = text.strip()
+    low = raw.lower()
+    if low in ("start", "begin", "0"):
+        return start_ms
+    if low == "end":
+        return end_ms
+    if low[:1] in "+-" and (d := _duration_ms(low[1:])) is not None:
+        return position_ms + (d if low[0] == "+" else -d)
+    if low.startswith("@") and (d := _duration_ms(low[1:])) is not None:
+        return start_ms + d
+    if raw.isdigit() and len(raw) >= 12:
+        return int(raw)
+    if re.fullmatch(r"\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?", raw):
+        day = datetime.fromtimestamp(start_ms / 1000, tz=timezone.utc)
+        parts = [float(p) for p in raw.split(":")]
+        h, m, s = (parts + [0.0])[:3]
+        base = day.replace(hour=0, minute=0, second=0, microsecond=0).timestamp() * 1000
+        t = int(base + (h * 3600 + m * 60 + s) * 1000)
+        while t < start_ms - 12 * 3600 * 1000:
+            t += 86_400_000
+        return t
+    with contextlib.suppress(ValueError):
+        dt = datetime.fromisoformat(raw.replace(" ", "T", 1))
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=timezone.utc)
+        return int(dt.timestamp() * 1000)
+    raise ValueError(f"cannot read {raw!r} as a time: use +30s / -2m, @1:30 (from the start), "
+                     f"22:15:00 (UTC), 2023-11-14T22:15:00, start or end")
