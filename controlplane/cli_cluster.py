@@ -234,7 +234,7 @@ def tui(cluster_file, cluster_name, db, readonly, replay):
 @click.option("--speed", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
               help="Replica clock speed (2 = twice real time).")
 @click.option("--rate-scale", type=click.FloatRange(min=0.01), default=None,
-              help="Multiply the trace's arrival rate (default: enough load for every replica to queue).")
+              help="Multiply the trace's arrival rate (default 1.5 × replicas: every replica queues).")
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
               help="Starting policy (vLLM's default behaviour is sarathi).")
 @click.option("--db", default="tailpilot-demo.db", show_default=True, metavar="URL",
@@ -249,8 +249,8 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     token_env = "TAILPILOT_DEMO_TOKEN"
     os.environ.setdefault(token_env, secrets.token_hex(16))
     settings = Settings.model_validate({"policy": policy})
-    # The bundled window carries ~one replica's load; scale it so every replica sees about that much.
-    scale = rate_scale if rate_scale is not None else float(n)
+    # The bundled window is about one A100's load; at 1.5× per replica queues build and tails show.
+    scale = rate_scale if rate_scale is not None else 1.5 * n
     with start_twins(n, trace_path, speed=speed, rate_scale=scale, settings=settings,
                      token=os.environ[token_env], cluster_name="demo") as twins:
         cluster = ClusterSpec(name="demo", window_s=60.0, slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
