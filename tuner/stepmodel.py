@@ -22,7 +22,9 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
+from urllib.parse import quote, unquote
 
 import numpy as np
 
@@ -38,6 +40,11 @@ __all__ = [
     "save_model",
     "load_model",
     "fit_step_model",
+    "USER_DIR_ENV",
+    "user_models_dir",
+    "user_model_path",
+    "save_user_model",
+    "list_models",
 ]
 
 #: Coefficient field names, in the order of the model's terms.
@@ -246,12 +253,22 @@ COEFFICIENT_SETS: dict[str, StepTimeModel] = {
 
 
 def get_model(name: str = DEFAULT_MODEL_NAME) -> StepTimeModel:
-    """The registered coefficient set called ``name``; ValueError listing the known names."""
+    """The coefficient set called ``name``: a registered one, else one saved in the user directory
+    (:func:`save_user_model`, what ``tailpilot calibrate`` writes); ValueError listing the known
+    names."""
     try:
         return COEFFICIENT_SETS[name]
     except (KeyError, TypeError):
-        known = ", ".join(sorted(COEFFICIENT_SETS))
-        raise ValueError(f"unknown step-time model {name!r}; known: {known}") from None
+        pass
+    if isinstance(name, str) and name:
+        path = user_model_path(name)
+        if path.is_file():
+            model = load_model(path)
+            if model.name != name:
+                raise ValueError(f"{path}: holds step-time model {model.name!r}, not {name!r}")
+            return model
+    known = ", ".join(list_models())
+    raise ValueError(f"unknown step-time model {name!r}; known: {known}") from None
 
 
 def register(model: StepTimeModel, *, overwrite: bool = False) -> StepTimeModel:
@@ -291,6 +308,68 @@ def load_model(path: str | os.PathLike) -> StepTimeModel:
     if fmt != _FORMAT:
         raise ValueError(f"{os.fspath(path)}: unsupported format {fmt!r} (expected {_FORMAT!r})")
     return StepTimeModel.from_dict(doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# User directory of named coefficient sets (calibrated ones)
+# ---------------------------------------------------------------------------------------------
+
+#: tailpilot's data directory; step-time models live in ``<it>/step-models/``.  Default:
+#: ``$XDG_DATA_HOME/tailpilot`` or ``~/.local/share/tailpilot``.
+USER_DIR_ENV = "TAILPILOT_HOME"
+
+
+def user_models_dir() -> Path:
+    """Where named coefficient sets saved by :func:`save_user_model` live (read at every call,
+    so a changed ``$TAILPILOT_HOME`` takes effect at once)."""
+    home = os.environ.get(USER_DIR_ENV)
+    if not home:
+        data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        home = os.path.join(data, "tailpilot")
+    return Path(home).expanduser() / "step-models"
+
+
+def user_model_path(name: str) -> Path:
+    """The file of the set called ``name``: every character outside ``[A-Za-z0-9._-]`` is
+    %-escaped, so ``calibrated/replica-a`` is ``calibrated%2Freplica-a.json`` (one file per
+    name, no sub-folders, reversible)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a step-time model name must be a non-empty string")
+    safe = quote(name, safe="")
+    if safe.startswith("."):  # no hidden files, no "." / ".."
+        safe = "%2E" + safe[1:]
+    return user_models_dir() / f"{safe}.json"
+
+
+def save_user_model(model: StepTimeModel, *, overwrite: bool = True) -> Path:
+    """Save ``model`` under its name in the user directory, where :func:`get_model` (and so the
+    simulator, ``--step-model`` and the tuner) finds it; returns the file.  A built-in set's name
+    is refused; an existing user set is replaced unless ``overwrite=False``."""
+    if not isinstance(model, StepTimeModel):
+        raise TypeError(f"expected a StepTimeModel, got {type(model).__name__}")
+    if model.name in COEFFICIENT_SETS:
+        raise ValueError(f"{model.name!r} is a registered coefficient set; save under another name")
+    path = user_model_path(model.name)
+    if path.exists() and not overwrite:
+        raise ValueError(f"a step-time model {model.name!r} is already saved at {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, path)
+    return path
+
+
+def list_models() -> list[str]:
+    """Names of every usable set: the registered ones, then those in the user directory (files
+    that cannot be read are skipped)."""
+    names = sorted(COEFFICIENT_SETS)
+    folder = user_models_dir()
+    if folder.is_dir():
+        user = set()
+        for path in folder.glob("*.json"):
+            name = unquote(path.name[: -len(".json")])
+            if name not in COEFFICIENT_SETS and user_model_path(name) == path:
+                user.add(name)
+        names += sorted(user)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,354 @@
+"""Calibrate the step-time model on a live replica (SPEC §6.2; ``tailpilot calibrate``).
+
+    result = calibrate_url("http://10.0.0.7:8765", name="calibrated/a100-0")
+    print(result.model, result.fit["mape"], result.holdout["r2"])
+    save_user_model(result.model)          # now get_model("calibrated/a100-0") finds it
+
+The replica's scheduler plugin (or a twin) keeps a log of its recent steps — duration, prefill
+tokens, Σ prefill_len², decoding sequences, Σ KV context — served at ``/tailpilot/v1/steps``.
+:func:`fetch_steps` pages through it from cursor 0; :func:`calibrate_steps` fits the five
+coefficients with :func:`tuner.stepmodel.fit_step_model` (non-negative least squares on relative
+errors) and reports:
+
+* the fit error on every step used (MAPE, R², RMSE of predicted vs measured step time);
+* the error on a held-out 20 % of the steps (a random, seeded split), predicted by a model fitted
+  on the other 80 % — what to expect on steps the fit has not seen;
+* per coefficient, a standard error from the linearised least-squares covariance, as a relative
+  number: a coefficient whose relative standard error is below 10 % is *identified* by the log;
+  one above (or pinned at 0 by the non-negativity constraint) is not, and the simulator's
+  behaviour should not hinge on it.
+
+Steps that scheduled nothing (no prefill, no decode) are dropped before the fit: they run no
+forward pass, so their time is not the model's intercept. With ``outlier_factor`` (default 10),
+steps whose relative residual exceeds that many median absolute deviations are dropped and the
+model is refitted once (warm-up steps, a stalled host); a step within 5 % of the fit is never
+an outlier. Their count is reported.
+
+A term the log never exercises (no prefill at all → b and c) cannot be fitted: by default that is
+an error; given a ``base`` set, the term keeps the base value and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from tuner.stepmodel import COEFFICIENTS, StepFitError, StepTimeModel, fit_step_model
+
+STEPS_PATH = "/tailpilot/v1/steps"
+DEFAULT_MIN_STEPS = 50
+DEFAULT_HOLDOUT = 0.2
+DEFAULT_OUTLIER_FACTOR = 10.0
+OUTLIER_FLOOR = 0.05  # relative residual below which a step is never dropped as an outlier
+MAX_STEPS = 200_000  # a plugin keeps 20,000; a safety bound on paging a log that keeps growing
+STEP_KEYS = ("duration_s", "prefill_tokens", "sum_prefill_sq", "decode_seqs", "sum_kv_context")
+IDENTIFIED_REL_SE = 0.10  # relative standard error below which a coefficient counts as identified
+
+
+class CalibrationError(RuntimeError):
+    """Calibration cannot proceed; the message says why and what to do."""
+
+
+class ReplicaUnreachable(CalibrationError):
+    """The control API did not answer (connection refused, timeout, not a tailpilot replica)."""
+
+
+@dataclass
+class CalibrationResult:
+    model: StepTimeModel
+    fit: dict[str, Any]  # fit_step_model's report on every step used (n, rmse_s, mape, r2, ...)
+    holdout: dict[str, Any] | None  # {n, n_fit, mape, r2, rmse_s} or None (too few steps)
+    rel_se: dict[str, float]  # coefficient -> standard error / value (inf when the value is 0)
+    steps_read: int
+    steps_used: int
+    dropped_empty: int
+    dropped_outliers: int
+    source: str
+    holdout_note: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def identified(self) -> list[str]:
+        """Coefficients the log pins down (relative standard error < 10 %, i.e. a 95 % interval
+        within about ±20 %)."""
+        return [k for k in COEFFICIENTS if k not in self.fit["undetermined"]
+                and self.rel_se.get(k, math.inf) < IDENTIFIED_REL_SE]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.model.name, "source": self.source,
+            "coefficients": {k: getattr(self.model, k) for k in COEFFICIENTS},
+            "rel_se": {k: (v if math.isfinite(v) else None) for k, v in self.rel_se.items()},
+            "identified": self.identified,
+            "fit": {k: self.fit[k] for k in ("n", "mape", "r2", "rmse_s")},
+            "holdout": self.holdout, "holdout_note": self.holdout_note,
+            "undetermined": self.fit["undetermined"], "at_zero": self.fit["at_zero"],
+            "steps": {"read": self.steps_read, "used": self.steps_used, "dropped_empty": self.dropped_empty,
+                      "dropped_outliers": self.dropped_outliers},
+            "warnings": self.warnings,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the step log
+# ---------------------------------------------------------------------------------------------
+
+
+def steps_url(control_url: str) -> str:
+    """The steps endpoint of a control URL given as ``http://host:port`` or ``.../tailpilot/v1``."""
+    base = control_url.rstrip("/")
+    if base.endswith("/tailpilot/v1"):
+        base = base[: -len("/tailpilot/v1")]
+    return base + STEPS_PATH
+
+
+def fetch_steps(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
+                client=None) -> list[dict]:
+    """Every step the replica still keeps, oldest first, paging ``?cursor=N`` from 0 until a page
+    comes back empty (or ``max_steps`` were read). Raises :class:`ReplicaUnreachable`."""
+    return fetch_step_log(control_url, timeout=timeout, max_steps=max_steps, client=client)[1]
+
+
+def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
+                   client=None) -> tuple[str | None, list[dict]]:
+    """(the replica's name as its API reports it, :func:`fetch_steps`)."""
+    import httpx
+
+    url = steps_url(control_url)
+    own = client is None
+    if own:
+        client = httpx.Client(timeout=timeout, trust_env=False)
+    steps: list[dict] = []
+    replica: str | None = None
+    cursor = 0
+    try:
+        while len(steps) < max_steps:
+            try:
+                resp = client.get(url, params={"cursor": cursor})
+            except httpx.HTTPError as err:
+                raise ReplicaUnreachable(f"cannot reach the control API at {url}: "
+                                         f"{type(err).__name__}: {err or 'no answer'}") from None
+            if resp.status_code == 404:
+                raise ReplicaUnreachable(f"{url} answered 404: not a tailpilot control API (or one without "
+                                         "a step log); give the control URL, not vLLM's API URL")
+            if resp.status_code != 200:
+                raise ReplicaUnreachable(f"{url} answered HTTP {resp.status_code}: {resp.text[:300]}")
+            try:
+                page = resp.json()
+                items, next_cursor = page["steps"], int(page["next_cursor"])
+            except (ValueError, KeyError, TypeError):
+                raise ReplicaUnreachable(f"{url} did not answer a step-log page ({resp.text[:200]!r})") from None
+            replica = page.get("replica", replica) if isinstance(page, dict) else replica
+            if not items or next_cursor <= cursor:
+                break
+            steps.extend(items)
+            cursor = next_cursor
+    finally:
+        if own:
+            client.close()
+    return replica, steps[:max_steps]
+
+
+def steps_to_rows(steps: Iterable[dict]) -> tuple[list[tuple[float, ...]], int]:
+    """(rows for :func:`fit_step_model`, number of empty or unusable steps dropped)."""
+    rows, dropped = [], 0
+    for s in steps:
+        try:
+            row = tuple(float(s[k]) for k in STEP_KEYS)
+        except (KeyError, TypeError, ValueError):
+            dropped += 1
+            continue
+        if not all(math.isfinite(v) and v >= 0 for v in row) or row[0] <= 0 or (row[1] == 0 and row[3] == 0):
+            dropped += 1
+            continue
+        rows.append(row)
+    return rows, dropped
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting
+# ---------------------------------------------------------------------------------------------
+
+
+def prediction_error(model: StepTimeModel, rows: np.ndarray) -> dict[str, float]:
+    """MAPE, R² and RMSE of ``model``'s predicted step times against the measured ones."""
+    y = rows[:, 0]
+    pred = (model.a + model.b * rows[:, 1] + model.c * rows[:, 2] + model.d * rows[:, 3]
+            + model.e * rows[:, 4])
+    resid = pred - y
+    ss_res = float(np.sum(resid ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return {"n": int(len(y)), "mape": float(np.mean(np.abs(resid) / y)),
+            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0),
+            "rmse_s": math.sqrt(ss_res / len(y))}
+
+
+def relative_standard_errors(model: StepTimeModel, rows: np.ndarray, fitted: Sequence[str]) -> dict[str, float]:
+    """Standard error / value of each fitted coefficient, from the relative-error least-squares
+    covariance σ²(XᵀX)⁻¹ (X weighted by 1/duration, as the fit is). Linearised: it ignores the
+    non-negativity constraint, so it is a guide to identifiability, not an exact interval."""
+    y = rows[:, 0]
+    design = np.column_stack([np.ones(len(y)), rows[:, 1:]])
+    cols = [COEFFICIENTS.index(k) for k in fitted]
+    x = design[:, cols] / y[:, None]
+    coef = np.array([getattr(model, k) for k in COEFFICIENTS])
+    resid = (design @ coef - y) / y
+    dof = len(y) - len(cols)
+    out = {k: math.inf for k in COEFFICIENTS}
+    if dof <= 0 or not cols:
+        return out
+    sigma2 = float(np.sum(resid ** 2)) / dof
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    cov = np.linalg.pinv(xs.T @ xs) * sigma2
+    se = np.sqrt(np.clip(np.diag(cov), 0.0, None)) / scale
+    for i, key in enumerate(fitted):
+        value = getattr(model, key)
+        out[key] = float(se[i] / value) if value > 0 else math.inf
+    return out
+
+
+def _fit(rows: np.ndarray, name: str, source: str, base: StepTimeModel | None) -> tuple[StepTimeModel, dict]:
+    try:
+        return fit_step_model(rows, name, source, default=base, strict=base is None)
+    except StepFitError as err:
+        hint = ""
+        if base is None and "cannot be determined" in str(err):
+            hint = (" (drive load with both prefill and decode, or give a base set whose values the "
+                    "missing terms keep)")
+        raise CalibrationError(f"degenerate fit: {err}{hint}") from None
+
+
+def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: str, source: str = "calibrated",
+                    min_steps: int = DEFAULT_MIN_STEPS, holdout: float = DEFAULT_HOLDOUT,
+                    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR, base: StepTimeModel | None = None,
+                    seed: int = 0) -> CalibrationResult:
+    """Fit a named coefficient set to step-log entries (dicts as the API serves them, or rows
+    ``(duration_s, prefill_tokens, sum_prefill_sq, decode_seqs, sum_kv_context)``)."""
+    steps = list(steps)
+    read = len(steps)
+    if steps and isinstance(steps[0], dict):
+        rows_list, dropped_empty = steps_to_rows(steps)
+    else:
+        rows_list, dropped_empty = steps_to_rows(dict(zip(STEP_KEYS, r)) for r in steps)
+    if len(rows_list) < max(min_steps, 5):
+        raise CalibrationError(
+            f"too few steps: {len(rows_list)} usable of {read} in the step log, need at least "
+            f"{max(min_steps, 5)}; send the replica some traffic (varied prompt and output lengths) and "
+            "try again")
+    rows = np.asarray(rows_list, dtype=float)
+    model, report = _fit(rows, name, source, base)
+
+    dropped_outliers = 0
+    if outlier_factor is not None and outlier_factor > 0:
+        y = rows[:, 0]
+        pred = rows[:, 1:] @ np.array([model.b, model.c, model.d, model.e]) + model.a
+        rel = (pred - y) / y
+        dev = np.abs(rel - np.median(rel))
+        # robust σ of the relative residuals; never call a step within 5 % of the fit an outlier
+        limit = max(outlier_factor * 1.4826 * float(np.median(dev)), OUTLIER_FLOOR)
+        keep = dev <= limit
+        if 0 < int((~keep).sum()) and int(keep.sum()) >= max(min_steps, 5):
+            dropped_outliers = int((~keep).sum())
+            rows = rows[keep]
+            model, report = _fit(rows, name, source, base)
+
+    fitted = [k for k in COEFFICIENTS if k not in report["undetermined"]]
+    rel_se = relative_standard_errors(model, rows, fitted)
+
+    # Held-out error: fit on a random 80 %, predict the other 20 %.
+    held: dict[str, Any] | None = None
+    note = None
+    n = len(rows)
+    n_test = int(round(n * holdout)) if 0 < holdout < 1 else 0
+    if n_test >= 5 and n - n_test >= max(10, 5):
+        order = np.random.default_rng(seed).permutation(n)
+        test, train = rows[order[:n_test]], rows[order[n_test:]]
+        try:
+            m80, _ = fit_step_model(train, name, source, default=model, strict=False)
+        except StepFitError as err:
+            note = f"no held-out error: the 80 % split alone cannot be fitted ({err})"
+        else:
+            held = {**prediction_error(m80, test), "n_fit": int(len(train))}
+    else:
+        note = f"no held-out error: {n} steps are too few to hold {holdout:.0%} out"
+
+    warnings = []
+    for key in report["at_zero"]:
+        warnings.append(f"{key} came out 0 (the non-negative fit found no cost per {key!r} term in this log)")
+    for key, text in report["undetermined"].items():
+        warnings.append(text)
+    if not (math.isfinite(report["r2"]) and report["r2"] > 0):
+        warnings.append(f"R² = {report['r2']:.3g}: the model explains little of the step-time variance")
+    return CalibrationResult(model=model, fit=report, holdout=held, rel_se=rel_se, steps_read=read,
+                             steps_used=len(rows), dropped_empty=dropped_empty, dropped_outliers=dropped_outliers,
+                             source=source, holdout_note=note, warnings=warnings)
+
+
+def calibrate_url(control_url: str, *, name: str, source: str | None = None, timeout: float = 10.0,
+                  **kwargs: Any) -> CalibrationResult:
+    """Fetch a replica's step log from its control API and fit it (see :func:`calibrate_steps`)."""
+    steps = fetch_steps(control_url, timeout=timeout)
+    return calibrate_steps(steps, name=name, source=source or f"calibrated from {control_url}", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding a replica in the store
+# ---------------------------------------------------------------------------------------------
+
+
+def replica_control_url(store, replica: str, cluster: str | None = None) -> tuple[str, str]:
+    """(cluster, control URL) of ``replica`` as the store knows it (``tailpilot record`` registers
+    replicas). Without ``cluster`` the name must be unique across clusters."""
+    clusters = [cluster] if cluster else store.clusters()
+    found = [(c, r) for c in clusters for r in store.replicas(c) if r.name == replica]
+    if not found:
+        where = f"cluster {cluster!r}" if cluster else "any cluster"
+        known = sorted(f"{c}/{r.name}" for c in store.clusters() for r in store.replicas(c))
+        raise CalibrationError(f"replica {replica!r} is not in the store ({where}); known: "
+                               f"{', '.join(known) or 'none (run `tailpilot record` first)'}")
+    if len(found) > 1:
+        raise CalibrationError(f"replica {replica!r} is in several clusters "
+                               f"({', '.join(c for c, _ in found)}); name one with --cluster-name")
+    c, info = found[0]
+    if not info.control_url:
+        raise CalibrationError(f"the store has no control URL for replica {replica!r} of cluster {c!r}")
+    return c, info.control_url
+
+
+def format_report(result: CalibrationResult, saved_to: str | None = None) -> str:
+    """The human-readable report ``tailpilot calibrate`` prints."""
+    from tuner.stepmodel import _COEF_MEANING
+
+    m, fit = result.model, result.fit
+    lines = [f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"
+             f" ({result.dropped_empty} empty, {result.dropped_outliers} outliers dropped)",
+             f"  source: {result.source}",
+             "  coef        value   rel.s.e.  meaning"]
+    for key in COEFFICIENTS:
+        se = result.rel_se.get(key, math.inf)
+        if key in fit["undetermined"]:
+            se_text = "kept"
+        else:
+            se_text = f"{se:8.1%}" if math.isfinite(se) else "     n/a"
+        lines.append(f"  {key}    {getattr(m, key):12.4e}  {se_text:>8}  {_COEF_MEANING[key]}")
+    lines.append(f"  identified by this log (rel. s.e. < {IDENTIFIED_REL_SE:.0%}): "
+                 f"{', '.join(result.identified) or 'none'}")
+    lines.append(f"fit error ({fit['n']} steps): MAPE {fit['mape']:.2%}, R² {fit['r2']:.4f}, "
+                 f"RMSE {fit['rmse_s'] * 1e3:.3f} ms")
+    if result.holdout is not None:
+        h = result.holdout
+        lines.append(f"held-out error ({h['n']} steps, fitted on the other {h['n_fit']}): MAPE {h['mape']:.2%}, "
+                     f"R² {h['r2']:.4f}, RMSE {h['rmse_s'] * 1e3:.3f} ms")
+    elif result.holdout_note:
+        lines.append(result.holdout_note)
+    for w in result.warnings:
+        lines.append(f"warning: {w}")
+    if saved_to:
+        lines.append(f"saved to {saved_to}")
+        lines.append(f"use it: tailpilot sim --step-model {m.name}")
+    return "\n".join(lines)
