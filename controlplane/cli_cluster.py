@@ -89,7 +89,8 @@ def status(cluster_file, cluster_name, as_json):
     from controlplane.views import sample_json, status_table
 
     cluster = load_cluster(cluster_file, cluster_name)
-    snapshots = asyncio.run(poll_once(cluster))
+    # With completions: the replica's recent ones give the window's exact percentiles in one poll.
+    snapshots = asyncio.run(poll_once(cluster, with_completions=True))
     rows, pinned = snapshot_rows(snapshots)
     if as_json:
         doc = sample_json(rows)

@@ -539,21 +539,19 @@ def run_completions(
 # --------------------------------------------------------------------------------------------
 
 
-_SAMPLE_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
-
-
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over all label sets}."""
+    """Prometheus text -> {sample name: value summed over all label sets}.
+
+    Parsed with ``prometheus_client``'s parser (the one the collector uses); keys are *sample*
+    names, so a counter keeps its ``_total`` (``vllm:num_preemptions_total``) and a histogram
+    gives ``..._bucket`` / ``..._sum`` / ``..._count``. Raises ValueError on malformed text.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE_RE.match(line.strip())
-        if not m:  # comments, blank lines
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
 
 

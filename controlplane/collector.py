@@ -1,0 +1,1183 @@
+"""The live collector: polls every replica of a cluster and turns what it sees into rows.
+
+For each replica, every ``poll_interval_s``:
+
+* ``GET {control_url}/tailpilot/v1/state?cursor=N`` — queue, KV, live γ/β, counters, the settings
+  document and the completions finished since cursor ``N`` (SPEC §5);
+* ``GET {api_url}/metrics`` — vLLM's Prometheus page, parsed with ``prometheus_client``'s parser
+  through :data:`VLLM_METRICS`, a table of the metric names different vLLM versions use.
+
+From the per-request completions it keeps a rolling window (``window_s`` of the cluster, on the
+replica's own clock) and computes **exact** P50/P90/P95/P99 of TTFT, TTLT and TBT per replica, per
+tenant and per request type with :func:`controlplane.metrics.distribution_stats` — no histogram
+interpolation. The results are :class:`storage.rows.SampleRow` / ``GroupSampleRow`` /
+``CompletionRow``, written by one writer task as one :class:`storage.rows.Batch` per flush.
+
+Concurrency: one ``httpx.AsyncClient`` for all replicas; one task per replica that polls and then
+sleeps to its next tick, so a poll never overlaps the previous one of the same replica and a slow
+replica (bounded by the cluster's ``timeout_s``) only delays itself.
+
+Exactly-once: a replica's cursor is persisted in the same transaction as the completions it covers
+(``Batch.cursors``); a batch the store refuses (``StoreBusy``) is kept and retried with the next,
+never dropped. On start the cursors come from the store. A replica that restarted (its counters
+went backwards, or it has fewer completions than our cursor) is read again from cursor 0; the
+store's unique key on (replica, request id) absorbs any re-delivery.
+
+A replica without the tailpilot plugin (the control API answers 404) still gives a sample from
+``/metrics`` alone: it stays healthy, with ``reason`` saying "metrics only: no tailpilot control
+API", and its latency percentiles are empty (vLLM's histograms cannot give exact tails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+from collections import deque
+from urllib.parse import urlencode
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import httpx
+import numpy as np
+
+from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.metrics import distribution_stats
+from storage.rows import (
+    LATENCIES,
+    PERCENTILES,
+    Batch,
+    CompletionRow,
+    GroupSampleRow,
+    LatencyPercentiles,
+    SampleRow,
+)
+
+__all__ = [
+    "VLLM_METRICS",
+    "MetricsFormatError",
+    "StateFormatError",
+    "parse_vllm_metrics",
+    "control_base",
+    "Health",
+    "ReplicaSnapshot",
+    "ClusterSnapshot",
+    "ReplicaView",
+    "PollResult",
+    "latency_percentiles",
+    "PollingClient",
+    "make_client",
+    "CollectorStats",
+    "Collector",
+    "poll_once",
+    "ApplyResult",
+    "apply_settings",
+]
+
+API_PREFIX = "/tailpilot/v1"
+#: The control API returns at most this many completions per answer (``ReplicaCore``'s limit);
+#: a full page means more are waiting and the poll reads on at once.
+STATE_PAGE_LIMIT = 10_000
+MAX_PAGES_PER_POLL = 20
+log = logging.getLogger(__name__)
+_STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
+
+
+# --------------------------------------------------------------------------------------------
+# /metrics: vLLM's Prometheus page
+# --------------------------------------------------------------------------------------------
+
+#: logical name -> (aggregation over label sets, metric family names across vLLM versions, newest
+#: first). Family names are given without the ``_total`` suffix: prometheus_client strips it from
+#: counter families (``vllm:num_preemptions_total`` is family ``vllm:num_preemptions``), and an
+#: untyped sample keeps it, so both spellings are matched.
+VLLM_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "running": ("sum", ("vllm:num_requests_running",)),
+    "waiting": ("sum", ("vllm:num_requests_waiting",)),
+    # v1 (>= 0.8): kv_cache_usage_perc; v0: gpu_cache_usage_perc. Both are 0..1 despite "perc".
+    "kv_usage": ("mean", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
+    "preemptions_total": ("sum", ("vllm:num_preemptions", "vllm:num_preemption")),
+    "prompt_tokens_total": ("sum", ("vllm:prompt_tokens",)),
+    "generation_tokens_total": ("sum", ("vllm:generation_tokens",)),
+    "requests_total": ("sum", ("vllm:request_success",)),
+}
+_FAMILY_TO_LOGICAL: dict[str, str] = {
+    fam: logical for logical, (_, fams) in VLLM_METRICS.items() for fam in fams
+}
+
+
+class MetricsFormatError(ValueError):
+    """A /metrics page that is not Prometheus text; the message names the line."""
+
+
+class StateFormatError(ValueError):
+    """A control API answer that is not the documented state document; the message names the field."""
+
+
+def _strip_total(name: str) -> str:
+    return name[:-6] if name.endswith("_total") else name
+
+
+def _locate_bad_line(text: str) -> str:
+    """Parse line by line to name the first line prometheus_client refuses (error path only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        try:
+            for _ in text_string_to_metric_families(line + "\n"):
+                pass
+        except Exception as err:  # noqa: BLE001 (any parser failure is a format error)
+            shown = line if len(line) <= 80 else line[:77] + "..."
+            return f"line {number}: {shown!r} ({err or type(err).__name__})"
+    return "unparseable text"
+
+
+# The shape of a sample line: name, optional {labels}, value, optional timestamp. Lenient inside
+# the braces (fast: ~0.5 µs a line); the lines the collector uses are parsed strictly.
+_SAMPLE_LINE = re.compile(
+    r'[ \t]*[A-Za-z_:][A-Za-z0-9_:]*(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+(?:[ \t]+-?[0-9.]+)?[ \t]*')
+# The lines of the families in VLLM_METRICS: their samples and TYPE comments (HELP text is not
+# needed). A cheap prefix test first, then the exact family name (not a longer one it begins).
+_LINE_PREFIXES: tuple[str, ...] = tuple(p for fam in _FAMILY_TO_LOGICAL for p in (fam, f"# TYPE {fam}"))
+_FAMILY_LINE = re.compile(
+    r"(?:# TYPE )?(?:" + "|".join(re.escape(f) for f in _FAMILY_TO_LOGICAL) + r")(?:_total)?[ \t{]")
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """vLLM's /metrics text -> {logical name: value} for the names in :data:`VLLM_METRICS` found.
+
+    Counters and gauges are summed over label sets (engines, models) except ``kv_usage`` (mean);
+    for a logical name with several candidate families the first (newest) one present wins.
+
+    Only the lines of the families in the table go through ``prometheus_client``'s parser (a vLLM
+    page is mostly histogram buckets the collector does not use, and the pure-Python parser costs
+    ~15 µs a line); every other sample line must still have the shape of one (a lenient regular
+    expression, ~0.5 µs a line), so a garbled or truncated page is caught wherever it is garbled.
+    A page without any of the table's lines is parsed whole, to tell malformed text from a page
+    that simply has no vLLM metrics. Raises :class:`MetricsFormatError` naming the first bad line.
+    """
+    keep: list[str] = []
+    fullmatch, family_line = _SAMPLE_LINE.fullmatch, _FAMILY_LINE.match
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(_LINE_PREFIXES) and family_line(line):
+            keep.append(line)
+        elif line and line[0] != "#" and fullmatch(line) is None and line.strip():
+            shown = line if len(line) <= 80 else line[:77] + "..."
+            raise MetricsFormatError(f"malformed metrics text at line {number}: {shown!r} (not a sample line)")
+    if not keep:
+        _parse_families(text, text)
+        return {}
+    return _parse_families("\n".join(keep) + "\n", text)
+
+
+def _parse_families(text: str, page: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, dict[str, list[float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            base = _strip_total(family.name)
+            logical = _FAMILY_TO_LOGICAL.get(base)
+            if logical is None:
+                continue
+            wanted = (base, base + "_total")
+            values = [s.value for s in family.samples if s.name in wanted]
+            if values:
+                found.setdefault(logical, {}).setdefault(base, []).extend(values)
+    except Exception as err:  # noqa: BLE001 (the parser raises ValueError, IndexError, ...)
+        raise MetricsFormatError(f"malformed metrics text at {_locate_bad_line(page)}") from err
+    out: dict[str, float] = {}
+    for logical, by_family in found.items():
+        agg, families = VLLM_METRICS[logical]
+        for fam in families:
+            values = by_family.get(fam)
+            if values:
+                out[logical] = float(sum(values) / len(values) if agg == "mean" else sum(values))
+                break
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per-replica state
+# --------------------------------------------------------------------------------------------
+
+
+def control_base(replica: ReplicaSpec) -> str:
+    """``{control_url}/tailpilot/v1`` (a control_url that already ends with it is kept)."""
+    url = replica.control_url.rstrip("/")
+    return url if url.endswith(API_PREFIX) else url + API_PREFIX
+
+
+@dataclass(slots=True)
+class Health:
+    healthy: bool = False
+    reason: str | None = "not polled yet"
+    since: float | None = None  # collector clock, when this health state began
+    failures: int = 0  # consecutive failed polls
+    mode: str = "unknown"  # "plugin" | "metrics-only" | "unknown"
+    last_ok: float | None = None  # collector clock of the last successful poll
+
+
+@dataclass(slots=True)
+class ReplicaSnapshot:
+    """Everything known about one replica after its latest poll (what the TUI shows)."""
+
+    name: str
+    health: Health
+    sample: SampleRow | None
+    groups: list[GroupSampleRow]
+    settings: dict[str, Any] | None  # the active settings document
+    settings_version: int | None
+    state: dict[str, Any] | None  # the last /state document, without its completions
+    metrics: dict[str, float]  # the last parsed /metrics (logical names)
+    cursor: int
+    window_completions: int
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    cluster: str
+    t_ms: int
+    replicas: dict[str, ReplicaSnapshot]
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+class _Window:
+    """The completions of one replica inside the rolling window, as numpy columns."""
+
+    __slots__ = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type",
+                 "_codes")
+
+    def __init__(self) -> None:
+        self._codes: dict[str, dict[str, int]] = {"tenant": {}, "type": {}}
+        self.clear()
+
+    def clear(self) -> None:
+        empty_f = np.empty(0, dtype=np.float64)
+        self.finished = self.arrival = self.ttft = self.ttlt = self.tbt = empty_f
+        self.out_tokens = np.empty(0, dtype=np.int64)
+        self.tenant = self.type = np.empty(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return int(self.finished.shape[0])
+
+    def names(self, kind: str) -> list[str]:
+        codes = self._codes[kind]
+        out = [""] * len(codes)
+        for name, code in codes.items():
+            out[code] = name
+        return out
+
+    def add(self, rows: Sequence[CompletionRow]) -> None:
+        if not rows:
+            return
+        n = len(rows)
+        arrival = np.fromiter((r.arrival_s for r in rows), np.float64, n)
+        finished = np.fromiter((r.finished_s for r in rows), np.float64, n)
+        first = np.fromiter((np.nan if r.first_token_s is None else r.first_token_s for r in rows),
+                            np.float64, n)
+        out_tokens = np.fromiter((r.output_tokens for r in rows), np.int64, n)
+        gaps = out_tokens - 1.0
+        gaps[gaps <= 0] = np.nan  # one token: no inter-token gap (metrics.Completion.tbt)
+        tcodes, ycodes = self._codes["tenant"], self._codes["type"]
+        tenant = np.fromiter((tcodes.setdefault(r.tenant, len(tcodes)) for r in rows), np.int32, n)
+        kind = np.fromiter((ycodes.setdefault(r.type, len(ycodes)) for r in rows), np.int32, n)
+        self.finished = np.concatenate((self.finished, finished))
+        self.arrival = np.concatenate((self.arrival, arrival))
+        self.ttft = np.concatenate((self.ttft, first - arrival))
+        self.ttlt = np.concatenate((self.ttlt, finished - arrival))
+        self.tbt = np.concatenate((self.tbt, (finished - first) / gaps))
+        self.out_tokens = np.concatenate((self.out_tokens, out_tokens))
+        self.tenant = np.concatenate((self.tenant, tenant))
+        self.type = np.concatenate((self.type, kind))
+
+    def trim(self, start: float) -> None:
+        """Keep the completions that finished after ``start`` (replica clock)."""
+        if len(self) == 0:
+            return
+        keep = self.finished > start
+        if keep.all():
+            return
+        for name in ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> LatencyPercentiles:
+    """Exact P50/P90/P95/P99 (controlplane.metrics.distribution_stats) as a LatencyPercentiles."""
+    out = LatencyPercentiles()
+    for lat, values in zip(LATENCIES, (ttft, ttlt, tbt)):
+        if values.size == 0:
+            continue
+        stats = distribution_stats(values)
+        for key in _STAT_KEYS:
+            setattr(out, f"{lat}_{key}", _finite(stats[key]))
+    return out
+
+
+class _Rate:
+    """Rate of a monotone counter over the window: (newest − oldest) / elapsed."""
+
+    __slots__ = ("points",)
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[float, float]] = deque()
+
+    def add(self, t: float, value: float | None, window_s: float) -> float | None:
+        if value is None:
+            return None
+        if self.points and (value < self.points[-1][1] or t < self.points[-1][0]):
+            self.points.clear()  # a counter reset (restart) or a clock step: start over
+        self.points.append((t, value))
+        while len(self.points) > 2 and self.points[1][0] <= t - window_s:
+            self.points.popleft()
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else None
+
+    def clear(self) -> None:
+        self.points.clear()
+
+
+def _completion_row(replica: str, c: Mapping[str, Any]) -> CompletionRow:
+    first = c.get("first_token_at")
+    return CompletionRow(
+        replica=replica,
+        request_id=str(c["id"]),
+        tenant=str(c.get("tenant") or "default"),
+        type=str(c.get("type") or "default"),
+        arrival_s=float(c["arrival"]),
+        first_token_s=None if first is None else float(first),
+        finished_s=float(c["finished_at"]),
+        prompt_tokens=int(c.get("prompt_tokens") or 0),
+        output_tokens=int(c.get("output_tokens") or 0),
+        preemptions=int(c.get("preemptions") or 0),
+        recomputed_tokens=int(c.get("recomputed_tokens") or 0),
+        reason=str(c.get("reason") or "finished"),
+    )
+
+
+def _check_state(doc: Any) -> None:
+    if not isinstance(doc, dict):
+        raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
+    for key, kind in (("completions", list), ("next_cursor", int)):
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise StateFormatError(f"bad state document: {key!r} missing or not a {kind.__name__}")
+    if doc["next_cursor"] < 0:
+        raise StateFormatError("bad state document: 'next_cursor' is negative")
+
+
+def _opt_int(x: Any) -> int | None:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _opt_float(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+@dataclass(slots=True)
+class PollResult:
+    """What one poll of one replica produced (rows for the writer)."""
+
+    sample: SampleRow
+    groups: list[GroupSampleRow]
+    completions: list[CompletionRow]
+    cursor: int | None  # the cursor after ``completions``; None when the state poll failed
+
+
+class ReplicaView:
+    """One replica as the collector sees it: health, last documents, cursor and window."""
+
+    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.window_s = float(window_s)
+        self.health = Health()
+        self.state: dict[str, Any] | None = None  # last /state document, without completions
+        self.metrics: dict[str, float] = {}
+        self.metrics_error: str | None = None  # the last /metrics poll's error
+        self.cursor = int(cursor)
+        self.window = _Window()
+        self.sample: SampleRow | None = None
+        self.groups: list[GroupSampleRow] = []
+        self.polls = 0
+        self.restarts = 0
+        self.last_restart: tuple[float, str] | None = None  # (collector clock, why)
+        self._coverage_start: float | None = None  # replica clock: since when the window is complete
+        self._resumed = cursor > 0
+        self._last_finished_total: int | None = None
+        self._last_steps_total: int | None = None
+        self._preemptions = _Rate()
+        self._gen_tokens = _Rate()
+        self._requests = _Rate()
+
+    # --- the state document -----------------------------------------------------------------
+    def restarted(self, doc: Mapping[str, Any]) -> str | None:
+        """Why ``doc`` shows the replica restarted since the last poll (None if it did not)."""
+        finished = _opt_int(doc.get("finished_total"))
+        steps = _opt_int(doc.get("steps_total"))
+        if finished is not None and finished < self.cursor:
+            return f"finished_total {finished} < cursor {self.cursor}"
+        if doc["next_cursor"] < self.cursor:
+            return f"next_cursor {doc['next_cursor']} < cursor {self.cursor}"
+        if finished is not None and self._last_finished_total is not None and finished < self._last_finished_total:
+            return f"finished_total went back from {self._last_finished_total} to {finished}"
+        if steps is not None and self._last_steps_total is not None and steps < self._last_steps_total:
+            return f"steps_total went back from {self._last_steps_total} to {steps}"
+        return None
+
+    def reset_for_restart(self) -> None:
+        self.restarts += 1
+        self.cursor = 0
+        self.window.clear()
+        self._coverage_start = None
+        self._resumed = False
+        self._last_finished_total = self._last_steps_total = None
+        for rate in (self._preemptions, self._gen_tokens, self._requests):
+            rate.clear()
+
+    def _remember_counters(self, doc: Mapping[str, Any]) -> None:
+        self._last_finished_total = _opt_int(doc.get("finished_total"))
+        self._last_steps_total = _opt_int(doc.get("steps_total"))
+
+    # --- building rows ----------------------------------------------------------------------
+    def build(self, t: float, answer: "_StateAnswer | None", metrics: dict[str, float] | None,
+              errors: list[str], no_plugin: str | None) -> PollResult:
+        """Fold one poll's answers into the view and return its rows. ``t`` is the collector clock."""
+        t_ms = int(round(t * 1000))
+        self.polls += 1
+        state: dict[str, Any] | None = None
+        completions: list[CompletionRow] = []
+        if answer is not None:
+            if answer.restarted:
+                self.reset_for_restart()
+                self.last_restart = (t, answer.restarted)
+            self.cursor = answer.cursor
+            state, completions = answer.doc, answer.completions
+        if metrics is not None:
+            self.metrics = metrics
+        m = metrics or {}
+        row = SampleRow(replica=self.name, t_ms=t_ms, healthy=not errors,
+                        reason="; ".join(errors) if errors else None)
+        groups: list[GroupSampleRow] = []
+        if state is not None:
+            self.state = {k: v for k, v in state.items() if k != "completions"}
+            self._remember_counters(state)
+            now_r = _opt_float(state.get("time"))
+            if now_r is None:  # a document without a clock: fall back to the newest finish / ours
+                now_r = max([c.finished_s for c in completions] + [t])
+            if self._coverage_start is None:
+                if self._resumed or not completions:
+                    self._coverage_start = now_r
+                else:
+                    self._coverage_start = min(now_r, min(c.arrival_s for c in completions))
+            self.window.add(completions)
+            self.window.trim(now_r - self.window_s)
+            duration = min(self.window_s, now_r - self._coverage_start)
+            groups = self._fill_from_state(row, state, now_r, duration, t_ms)
+        elif metrics is not None:  # no plugin, or its control API failed this time
+            row.waiting = _opt_int(m.get("waiting"))
+            row.running = _opt_int(m.get("running"))
+            row.kv_usage = _opt_float(m.get("kv_usage"))
+            if no_plugin:  # counter rates on our clock (a plugin replica's are on its own clock)
+                row.preemptions_per_s = self._preemptions.add(t, m.get("preemptions_total"), self.window_s)
+                row.throughput_tok_s = self._gen_tokens.add(t, m.get("generation_tokens_total"), self.window_s)
+                row.throughput_req_s = self._requests.add(t, m.get("requests_total"), self.window_s)
+        if no_plugin and not errors:
+            row.reason = no_plugin
+        self._set_health(t, row.healthy, row.reason, "metrics-only" if no_plugin else
+                         ("plugin" if state is not None else self.health.mode))
+        self.sample, self.groups = row, groups
+        return PollResult(row, groups, completions, self.cursor if state is not None else None)
+
+    def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
+                         t_ms: int) -> list[GroupSampleRow]:
+        m = self.metrics
+        kv = s.get("kv") if isinstance(s.get("kv"), dict) else {}
+        row.policy = s.get("policy") if isinstance(s.get("policy"), str) else None
+        row.settings_version = _opt_int(s.get("settings_version"))
+        row.waiting = _opt_int(s.get("waiting"))
+        row.running = _opt_int(s.get("running"))
+        row.kv_used_blocks = _opt_int(kv.get("used_blocks"))
+        row.kv_total_blocks = _opt_int(kv.get("total_blocks"))
+        row.kv_usage = _opt_float(kv.get("usage"))
+        if row.kv_usage is None:
+            row.kv_usage = _opt_float(m.get("kv_usage"))
+        row.gamma_live = _opt_float(s.get("gamma_live"))
+        row.beta_live = _opt_float(s.get("beta_live"))
+        preemptions = _opt_float(s.get("preemptions_total"))
+        if preemptions is None:
+            preemptions = _opt_float(m.get("preemptions_total"))
+        row.preemptions_per_s = self._preemptions.add(now_r, preemptions, self.window_s)
+        w = self.window
+        if duration > 0:
+            row.throughput_tok_s = float(w.out_tokens.sum()) / duration
+            row.throughput_req_s = len(w) / duration
+        row.latency = latency_percentiles(w.ttft, w.ttlt, w.tbt)
+        groups: list[GroupSampleRow] = []
+        if len(w) == 0:
+            return groups
+        for kind, codes in (("tenant", w.tenant), ("type", w.type)):
+            names = w.names(kind)
+            for code in np.unique(codes):
+                sel = codes == code
+                tokens = float(w.out_tokens[sel].sum())
+                groups.append(GroupSampleRow(
+                    replica=self.name, t_ms=t_ms, kind=kind, group=names[int(code)],
+                    completed=int(sel.sum()),
+                    throughput_tok_s=tokens / duration if duration > 0 else None,
+                    latency=latency_percentiles(w.ttft[sel], w.ttlt[sel], w.tbt[sel])))
+        return groups
+
+    def _set_health(self, t: float, healthy: bool, reason: str | None, mode: str) -> None:
+        h = self.health
+        if healthy != h.healthy or h.since is None:
+            h.since = t
+        h.healthy, h.reason, h.mode = healthy, reason, mode
+        if healthy:
+            h.failures, h.last_ok = 0, t
+        else:
+            h.failures += 1
+
+    def snapshot(self) -> ReplicaSnapshot:
+        state = self.state or {}
+        return ReplicaSnapshot(
+            name=self.name, health=replace(self.health), sample=self.sample, groups=list(self.groups),
+            settings=state.get("settings"), settings_version=_opt_int(state.get("settings_version")),
+            state=self.state, metrics=dict(self.metrics), cursor=self.cursor,
+            window_completions=len(self.window))
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------
+
+
+def _origin(url: httpx.URL) -> tuple[bytes, bytes, int]:
+    return url.raw_scheme, url.raw_host, url.port or (443 if url.raw_scheme == b"https" else 80)
+
+
+class _OriginTransport(httpx.AsyncBaseTransport):
+    """A connection pool per replica origin, behind one client.
+
+    httpcore's pool scans every pooled connection each time it assigns a request, so one pool
+    shared by 64 replicas costs O(replicas²) per poll round (it was most of the collector's CPU);
+    httpx's ``mounts`` would route by trying each pattern in turn. This routes with a dict lookup.
+    One TLS context serves every pool (building one reads the CA bundle: ~20 ms each).
+    """
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._limits = limits
+        self._pools: dict[tuple[bytes, bytes, int], httpx.AsyncHTTPTransport] = {}
+        self._ssl: Any = None
+
+    def pool(self, url: httpx.URL) -> httpx.AsyncHTTPTransport:
+        key = _origin(url)
+        pool = self._pools.get(key)
+        if pool is None:
+            if self._ssl is None:
+                self._ssl = httpx.create_ssl_context()
+            pool = self._pools[key] = httpx.AsyncHTTPTransport(limits=self._limits, verify=self._ssl)
+        return pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.pool(request.url).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
+class PollingClient(httpx.AsyncClient):
+    """The collector's one HTTP client: an ``httpx.AsyncClient`` (use it as one, e.g. for PUTs)
+    whose polls take a shorter path (:meth:`fast_get`): a GET handed straight to the replica's
+    pool, without the client layer's cookie jar, auth, redirect and URL-merging steps, which cost
+    about a third of a poll's CPU and which a poll of a replica API needs none of."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.router = _OriginTransport(httpx.Limits(max_connections=4, max_keepalive_connections=4))
+        super().__init__(timeout=httpx.Timeout(timeout_s), transport=self.router, trust_env=False)
+
+    async def fast_get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        t = {"connect": timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
+        request = httpx.Request("GET", url, extensions={"timeout": t})
+        response = await self.router.pool(request.url).handle_async_request(request)
+        try:
+            return response.status_code, await response.aread()
+        finally:
+            await response.aclose()
+
+
+def make_client(cluster: ClusterSpec) -> PollingClient:
+    """The one async client for all replicas of a cluster (no proxies from the environment)."""
+    return PollingClient(cluster.timeout_s)
+
+
+def _describe_http_error(err: BaseException, what: str, timeout_s: float) -> str:
+    if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):
+        return f"{what}: timeout after {timeout_s:g} s"
+    if isinstance(err, httpx.ConnectError):
+        detail = str(err) or "connection refused"
+        return f"{what}: down ({detail})"
+    if isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return f"{what}: connection lost ({type(err).__name__}: {err})"
+    return f"{what}: {type(err).__name__}: {err}"
+
+
+class _HttpFailure(Exception):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class _Resp:
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+async def _get(client: httpx.AsyncClient, url: str, what: str, timeout_s: float,
+               params: dict[str, Any] | None = None) -> _Resp:
+    if params:
+        url = f"{url}?{urlencode(params)}"
+    try:
+        async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
+            if isinstance(client, PollingClient):
+                resp = _Resp(*await client.fast_get(url, timeout_s))
+            else:
+                answer = await client.get(url, timeout=timeout_s)
+                resp = _Resp(answer.status_code, answer.content)
+    except (httpx.HTTPError, TimeoutError, OSError) as err:
+        raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
+    if resp.status_code != 200:
+        body = resp.text.strip().replace("\n", " ")
+        body = body if len(body) <= 120 else body[:117] + "..."
+        raise _HttpFailure(f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""),
+                           resp.status_code)
+    return resp
+
+
+def _json(resp: _Resp, what: str) -> Any:
+    try:
+        return json.loads(resp.content)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StateFormatError(f"{what}: bad JSON ({err})") from None
+
+
+@dataclass(slots=True)
+class _StateAnswer:
+    doc: dict[str, Any]
+    completions: list[CompletionRow]
+    cursor: int  # the cursor after ``completions``
+    restarted: str | None = None  # why the replica is taken to have restarted (read from 0)
+
+
+async def _fetch_state(client: httpx.AsyncClient, view: ReplicaView, timeout_s: float) -> _StateAnswer:
+    """The state document and the completions since ``view.cursor``; changes nothing in ``view``.
+
+    Pages through a backlog; reads from cursor 0 when the replica restarted."""
+    url = control_base(view.spec) + "/state"
+    rows: list[CompletionRow] = []
+    cursor, restarted = view.cursor, None
+    for _page in range(MAX_PAGES_PER_POLL + 1):
+        resp = await _get(client, url, "state", timeout_s, {"cursor": cursor})
+        doc = _json(resp, "state")
+        _check_state(doc)
+        if restarted is None and not rows and (why := view.restarted(doc)):
+            restarted, cursor = why, 0  # read the new incarnation from its beginning
+            continue
+        try:
+            rows.extend(_completion_row(view.name, c) for c in doc["completions"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StateFormatError(f"state: bad completion entry ({type(err).__name__}: {err})") from None
+        cursor = max(cursor, doc["next_cursor"])
+        if len(doc["completions"]) < STATE_PAGE_LIMIT:
+            break
+    return _StateAnswer(doc, rows, cursor, restarted)
+
+
+async def _fetch_metrics(client: httpx.AsyncClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
+    resp = await _get(client, spec.metrics_url, "metrics", timeout_s)
+    text = resp.text
+    metrics = parse_vllm_metrics(text)
+    if not metrics:
+        raise MetricsFormatError("metrics: no vLLM metrics on the page (is api_url a vLLM server?)")
+    return metrics
+
+
+async def _poll_view(client: httpx.AsyncClient, view: ReplicaView, timeout_s: float, clock: Callable[[], float],
+                     *, with_completions: bool = True, metrics_every: int = 1) -> PollResult:
+    """One poll of one replica: /state and /metrics concurrently, folded into ``view``.
+
+    ``metrics_every`` > 1 reads /metrics of a replica with the plugin only every that many polls
+    (its sample comes from /state; /metrics is then a check that vLLM's API server is up); the
+    last metrics answer, or its error, stands in between."""
+    due = (metrics_every <= 1 or view.health.mode != "plugin" or not view.health.healthy
+           or view.metrics_error is not None or view.polls % metrics_every == 0)
+
+    async def metrics_part() -> dict[str, float] | None:
+        return await _fetch_metrics(client, view.spec, timeout_s) if due else None
+
+    async def state_part() -> _StateAnswer:
+        if with_completions:
+            return await _fetch_state(client, view, timeout_s)
+        resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s,
+                          {"cursor": 1 << 62})  # past the end: no completions are sent
+        doc = _json(resp, "state")
+        _check_state(doc)
+        return _StateAnswer(doc, [], view.cursor)
+
+    state_res, metrics_res = await asyncio.gather(state_part(), metrics_part(), return_exceptions=True)
+    errors: list[str] = []
+    no_plugin: str | None = None
+    answer = None
+    if isinstance(state_res, BaseException):
+        if isinstance(state_res, _HttpFailure) and state_res.status == 404:
+            no_plugin = "metrics only: no tailpilot control API (state: HTTP 404)"
+        elif isinstance(state_res, (_HttpFailure, StateFormatError)):
+            errors.append(str(state_res))
+        else:
+            raise state_res
+    else:
+        answer = state_res
+    metrics = None
+    if isinstance(metrics_res, BaseException):
+        if isinstance(metrics_res, (_HttpFailure, MetricsFormatError)):
+            errors.append(str(metrics_res))
+            view.metrics_error = str(metrics_res)
+        else:
+            raise metrics_res
+    elif due:
+        metrics, view.metrics_error = metrics_res, None
+    else:
+        metrics = view.metrics
+    if no_plugin and metrics is None:
+        errors.insert(0, "state: HTTP 404 (no tailpilot control API)")
+    return view.build(clock(), answer, metrics, errors, no_plugin)
+
+
+# --------------------------------------------------------------------------------------------
+# The collector
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CollectorStats:
+    polls: int = 0
+    failed_polls: int = 0
+    batches: int = 0
+    busy_retries: int = 0  # flushes the store refused (rows kept and retried)
+    rows_written: int = 0  # samples + group samples + completions
+    samples_written: int = 0
+    group_samples_written: int = 0
+    completions_written: int = 0  # completion rows handed to the store (re-deliveries included)
+    pending_rows: int = 0
+
+
+def _store_busy_types() -> tuple[type[BaseException], ...]:
+    try:
+        from storage.store import StoreBusy  # noqa: PLC0415 (built in parallel; optional here)
+    except ImportError:
+        return ()
+    return (StoreBusy,)
+
+
+class Collector:
+    """Polls every replica of ``cluster`` until ``stop`` is set; writes rows to ``store``.
+
+    ``store`` may be None (the TUI without a database): rows are then only kept as the latest
+    snapshot. ``client`` (one httpx.AsyncClient for all replicas) is created if not given and
+    closed at the end if created here. ``clock`` stamps samples (seconds since the epoch).
+    ``metrics_every``: read /metrics of a replica with the plugin every that many polls (default:
+    every poll; a replica without the plugin, or whose last /metrics read failed, every poll).
+    """
+
+    def __init__(self, cluster: ClusterSpec, store: Any | None = None, *,
+                 client: httpx.AsyncClient | None = None, clock: Callable[[], float] = time.time,
+                 flush_interval_s: float = 1.0, metrics_every: int = 1) -> None:
+        self.cluster = cluster
+        self.metrics_every = max(1, int(metrics_every))
+        self.store = store
+        self.clock = clock
+        self.flush_interval_s = float(flush_interval_s)
+        self._client = client
+        self._own_client = client is None
+        self.views: dict[str, ReplicaView] = {r.name: ReplicaView(r, cluster.window_s) for r in cluster.replicas}
+        self.stats = CollectorStats()
+        self._pending = Batch()
+        self._inflight: Batch | None = None  # the batch a flush is writing
+        self._subscribers: list[asyncio.Queue] = []
+        self._busy = _store_busy_types()
+        self._flush_lock = asyncio.Lock()
+        self._poll_listeners: list[Callable[[str, PollResult], None]] = []
+
+    # --- public reading side (TUI, tests) ----------------------------------------------------
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(cluster=self.cluster.name, t_ms=int(self.clock() * 1000),
+                               replicas={name: v.snapshot() for name, v in self.views.items()})
+
+    def subscribe(self, maxsize: int = 8) -> asyncio.Queue:
+        """A queue that receives a :class:`ClusterSnapshot` after every flush tick (oldest dropped
+        when the reader falls behind)."""
+        q: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(q)
+
+    def on_poll(self, fn: Callable[[str, PollResult], None]) -> None:
+        """Call ``fn(replica, result)`` after every poll (synchronously, on the event loop)."""
+        self._poll_listeners.append(fn)
+
+    def _publish(self) -> None:
+        if not self._subscribers:
+            return
+        snap = self.snapshot()
+        for q in self._subscribers:
+            if q.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    q.get_nowait()
+            q.put_nowait(snap)
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows polled and not yet stored (a batch the store is writing or refused included)."""
+        return len(self._pending) + (len(self._inflight) if self._inflight is not None else 0)
+
+    # --- running ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Register the replicas and load the persisted cursors (called by :meth:`run`)."""
+        if self.store is None:
+            return
+        await asyncio.to_thread(self.store.ensure_replicas, self.cluster.name,
+                                [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
+        cursors = await asyncio.to_thread(self.store.cursors, self.cluster.name)
+        for name, cursor in cursors.items():
+            view = self.views.get(name)
+            if view is not None and cursor:
+                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor)
+
+    async def run(self, stop: asyncio.Event) -> CollectorStats:
+        """Poll until ``stop`` is set, then flush everything pending and return the stats."""
+        if self._client is None:
+            self._client = make_client(self.cluster)
+        try:
+            await self.start()
+            tasks = [asyncio.create_task(self._replica_loop(v.name, stop), name=f"poll-{v.name}")
+                     for v in self.views.values()]
+            writer = asyncio.create_task(self._writer_loop(stop), name="collector-writer")
+            stopping = asyncio.create_task(stop.wait())
+            try:
+                # The writer only ends early by failing (a store error other than busy): surface it.
+                await asyncio.wait([stopping, writer], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                for task in tasks:  # an in-flight poll has applied nothing yet: cancelling it is safe
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if not writer.done():
+                    stop.set()
+                await asyncio.gather(writer, return_exceptions=True)
+            if writer.exception() is not None:
+                raise writer.exception()
+            await self.flush(final=True)
+            self._publish()
+        finally:
+            if self._own_client and self._client is not None:
+                await self._client.aclose()
+                self._client = None
+        return self.stats
+
+    async def poll(self, name: str) -> PollResult:
+        """Poll one replica now and queue its rows for the writer."""
+        assert self._client is not None, "poll() needs a client: run() or pass client="
+        view = self.views[name]
+        result = await _poll_view(self._client, view, self.cluster.timeout_s, self.clock,
+                                  metrics_every=self.metrics_every)
+        self.stats.polls += 1
+        if not result.sample.healthy:
+            self.stats.failed_polls += 1
+        if self.store is not None:
+            p = self._pending
+            p.samples.append(result.sample)
+            p.group_samples.extend(result.groups)
+            if result.cursor is not None:
+                p.completions.extend(result.completions)
+                p.cursors[name] = result.cursor
+        for fn in self._poll_listeners:
+            try:
+                fn(name, result)
+            except Exception:  # a listener's bug is not the replica's
+                log.exception("poll listener %r failed", fn)
+        return result
+
+    async def _replica_loop(self, name: str, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.cluster.poll_interval_s
+        # Spread the replicas over the first interval so that 64 polls do not land at once.
+        index = list(self.views).index(name)
+        next_at = loop.time() + interval * index / max(len(self.views), 1)
+        while not stop.is_set():
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)  # run() cancels this task when stop is set
+                if stop.is_set():
+                    return
+            started = loop.time()
+            try:
+                await self.poll(name)
+            except Exception as err:  # a collector bug must not silence this replica for good
+                log.exception("polling %s failed", name)
+                view = self.views[name]
+                row = SampleRow(replica=name, t_ms=int(self.clock() * 1000), healthy=False,
+                                reason=f"collector error: {type(err).__name__}: {err}")
+                view._set_health(self.clock(), False, row.reason, view.health.mode)
+                view.sample = row
+                self.stats.polls += 1
+                self.stats.failed_polls += 1
+                if self.store is not None:
+                    self._pending.samples.append(row)
+            # The next tick after this poll ended: missed ticks are skipped, never stacked.
+            next_at += interval
+            if next_at <= loop.time():
+                next_at = started + interval * (1 + math.floor((loop.time() - started) / interval))
+
+    async def _writer_loop(self, stop: asyncio.Event) -> None:
+        """Every ``flush_interval_s``: a snapshot to the subscribers, and a flush unless the last
+        one is still waiting for the store (a locked database never stalls the snapshots)."""
+        flushing: asyncio.Task | None = None
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.flush_interval_s)
+                if stop.is_set():
+                    break
+                self._publish()
+                if self.store is not None and (flushing is None or flushing.done()):
+                    if flushing is not None:
+                        flushing.result()  # a store error other than busy ends the collector
+                    flushing = asyncio.create_task(self.flush())
+        finally:
+            if flushing is not None:
+                await flushing
+
+    async def flush(self, *, final: bool = False, deadline_s: float = 60.0) -> int:
+        """Write what is pending as one batch; returns the rows written (0 if the store was busy:
+        the rows stay pending for the next flush). ``final`` retries a busy store until
+        ``deadline_s`` and then raises."""
+        if self.store is None:
+            return 0
+        async with self._flush_lock:
+            give_up = time.monotonic() + deadline_s
+            while True:
+                batch, self._pending = self._pending, Batch()
+                if not len(batch) and not batch.cursors:
+                    return 0
+                self._inflight = batch
+                try:
+                    try:
+                        await asyncio.to_thread(self.store.write, self.cluster.name, batch)
+                    finally:
+                        self._inflight = None
+                except self._busy:
+                    self.stats.busy_retries += 1
+                    self._requeue(batch)
+                    if not final or time.monotonic() > give_up:
+                        if final:
+                            raise
+                        self.stats.pending_rows = len(self._pending)
+                        return 0
+                    await asyncio.sleep(0.2)
+                    continue
+                except BaseException:
+                    self._requeue(batch)
+                    raise
+                s = self.stats
+                s.batches += 1
+                s.samples_written += len(batch.samples)
+                s.group_samples_written += len(batch.group_samples)
+                s.completions_written += len(batch.completions)
+                s.rows_written += len(batch)
+                s.pending_rows = len(self._pending)
+                if not final or not len(self._pending):
+                    return len(batch)
+
+    def _requeue(self, batch: Batch) -> None:
+        """Put a refused batch back in front of what arrived meanwhile (newer cursors win)."""
+        newer = self._pending
+        self._pending = Batch(samples=batch.samples + newer.samples,
+                              group_samples=batch.group_samples + newer.group_samples,
+                              completions=batch.completions + newer.completions,
+                              cursors={**batch.cursors, **newer.cursors})
+
+
+async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = None,
+                    with_completions: bool = False, clock: Callable[[], float] = time.time,
+                    ) -> list[ReplicaSnapshot]:
+    """One concurrent poll of every replica, no store (``tailpilot status``).
+
+    Without ``with_completions`` the completions are not downloaded (the state is read past the
+    end of the log), so the latency percentiles are empty; with it, every completion the replica
+    still holds is read and the window percentiles are computed as the collector would.
+    """
+    own = client is None
+    client = client or make_client(cluster)
+    try:
+        views = [ReplicaView(r, cluster.window_s) for r in cluster.replicas]
+        await asyncio.gather(*(_poll_view(client, v, cluster.timeout_s, clock, with_completions=with_completions)
+                               for v in views))
+        return [v.snapshot() for v in views]
+    finally:
+        if own:
+            await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# Settings changes (``tailpilot set``)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    replica: str
+    result: str  # "applied" | "rejected" | "error"
+    message: str
+    status: int | None = None  # the PUT's HTTP status, if one came back
+    old: dict[str, Any] | None = None  # settings document before
+    new: dict[str, Any] | None = None  # the document sent (applied: as the replica answered it)
+    version: int | None = None  # the settings version after (applied) or as found (otherwise)
+    restart_required: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.result == "applied"
+
+
+SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
+
+
+async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: ReplicaSpec,
+                     change: SettingsChange) -> ApplyResult:
+    from pydantic import ValidationError
+
+    from controlplane.settings import Settings, describe_error
+
+    base = control_base(spec) + "/settings"
+    timeout = cluster.timeout_s
+    res = ApplyResult(spec.name, "error", "")
+    produced: Any = None
+    try:
+        resp = await _get(client, base, "GET settings", timeout)
+        current = _json(resp, "GET settings")
+        if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
+                or not isinstance(current.get("version"), int):
+            raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
+    except (_HttpFailure, StateFormatError) as err:
+        res.message = str(err)
+        return res
+    res.old, res.version = current["settings"], current["version"]
+    try:
+        if callable(change):
+            produced = change(Settings.model_validate(res.old))
+        else:
+            produced = change
+        if isinstance(produced, Settings):
+            produced = produced.to_dict()
+        if not isinstance(produced, Mapping):
+            raise ValueError(f"the change must give a settings document, got {type(produced).__name__}")
+        new_doc = Settings.model_validate(dict(produced)).to_dict()  # validate before sending
+    except (ValidationError, ValueError, KeyError, AttributeError) as err:
+        res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
+        res.new = dict(produced) if isinstance(produced, Mapping) else None
+        return res
+    res.new = new_doc
+    headers = {"If-Match": str(res.version)}
+    token = spec.token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        async with asyncio.timeout(timeout):
+            put = await client.put(base, json=new_doc, headers=headers, timeout=timeout)
+    except (httpx.HTTPError, TimeoutError, OSError) as err:
+        res.message = _describe_http_error(err, "PUT settings", timeout)
+        return res
+    res.status = put.status_code
+    try:
+        answer = json.loads(put.content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        answer = None
+    if put.status_code != 200:
+        reason = answer.get("error") if isinstance(answer, dict) else None
+        reason = reason or put.text.strip()[:200] or put.reason_phrase
+        res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
+        res.message = f"HTTP {put.status_code}: {reason}"
+        if put.status_code in (401, 403) and not token:
+            res.message += f" (no token: set ${spec.token_env})" if spec.token_env else " (no token_env in the cluster file)"
+        return res
+    if not isinstance(answer, dict) or not isinstance(answer.get("version"), int):
+        res.message = "PUT settings: the answer is not {settings, version}"
+        return res
+    res.new = answer.get("settings", new_doc)
+    res.restart_required = list(answer.get("restart_required") or [])
+    new_version = answer["version"]
+    try:  # read back
+        back = _json(await _get(client, base, "GET settings (read back)", timeout), "GET settings (read back)")
+    except (_HttpFailure, StateFormatError) as err:
+        res.result, res.version = "applied", new_version
+        res.message = f"applied as version {new_version}, but the read-back failed: {err}"
+        return res
+    got = back.get("version") if isinstance(back, dict) else None
+    res.result, res.version = "applied", new_version
+    if got == new_version:
+        res.message = f"applied as version {new_version}"
+    else:
+        res.message = f"applied as version {new_version}; the replica now reports version {got} (changed since)"
+    if res.restart_required:
+        res.message += f"; restart required for {', '.join(res.restart_required)}"
+    return res
+
+
+async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
+                         store: Any | None = None, who: str = "cli", *,
+                         client: httpx.AsyncClient | None = None) -> list[ApplyResult]:
+    """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
+
+    ``change`` is a settings document, or a function from the replica's current
+    :class:`~controlplane.settings.Settings` to a document (or a Settings) — e.g.
+    ``lambda s: s.replace(params={"gamma": 8})``. Per replica: GET the current document and version,
+    build and validate the new one, PUT it with ``If-Match`` and the bearer token from the replica's
+    ``token_env``, GET it back to confirm the version. Every attempt — applied, rejected (400/401/
+    403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the store's
+    audit log when a store is given.
+    """
+    names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
+    specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo
+    own = client is None
+    client = client or make_client(cluster)
+    try:
+        results = list(await asyncio.gather(*(_apply_one(client, cluster, s, change) for s in specs)))
+    finally:
+        if own:
+            await client.aclose()
+    if store is not None:
+        def audit() -> None:
+            store.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
+            for r in results:
+                store.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
+                                             result=r.result, message=r.message, version=r.version)
+        await asyncio.to_thread(audit)
+    return results
