@@ -37,6 +37,7 @@ from tuner.stepmodel import (
     user_model_path,
     user_models_dir,
 )
+from core_target import CoreTarget  # tests/core_target.py
 
 # Not any built-in set: a replica whose coefficients nothing in tailpilot knows beforehand.
 TRUTH = StepTimeModel(a=0.011, b=5.5e-5, c=1.8e-9, d=4.2e-5, e=9.0e-8, name="truth")
@@ -78,27 +79,14 @@ def synthetic_log(n: int, seed: int, *, noise: float = 0.01, chunk=(16, 2048), b
     return rows
 
 
-class StepLogReplica:
+class StepLogReplica(CoreTarget):
     """A control target whose step log is given: the plugin's ReplicaCore behind the real HTTP
     control API (so paging through /steps is the real thing)."""
 
     def __init__(self, rows, name: str = "synthetic-0") -> None:
-        self.core = ReplicaCore(Settings(), replica=name)
+        super().__init__(ReplicaCore(Settings(), replica=name))
         for i, (t, p, sq, n, ctx) in enumerate(rows):
             self.core.record_step(1000.0 + i, t, p, sq, n, ctx)
-
-    def api_state(self, cursor):
-        return self.core.state(cursor, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0})
-
-    def api_settings(self):
-        return self.core.settings_doc()
-
-    def api_put_settings(self, doc, if_match):
-        return self.core.put_settings(doc, if_match)
-
-    def api_steps(self, cursor):
-        steps, next_cursor = self.core.steps_since(cursor)
-        return {"replica": self.core.replica, "steps": steps, "next_cursor": next_cursor}
 
 
 @pytest.fixture

@@ -9,26 +9,13 @@ from controlplane.plugin.api import ControlServer
 from controlplane.plugin.core import ReplicaCore
 from controlplane.policies import RequestState
 from controlplane.settings import Settings
+from core_target import CoreTarget  # tests/core_target.py
 
 TOKEN = "t0ken"
 
 
-class Target:
-    def __init__(self, core: ReplicaCore) -> None:
-        self.core = core
-
-    def api_state(self, cursor):
-        return self.core.state(cursor, {"used_blocks": 1, "total_blocks": 10, "usage": 0.1})
-
-    def api_settings(self):
-        return self.core.settings_doc()
-
-    def api_put_settings(self, doc, if_match):
-        return self.core.put_settings(doc, if_match)
-
-    def api_steps(self, cursor):
-        steps, nxt = self.core.steps_since(cursor)
-        return {"steps": steps, "next_cursor": nxt}
+def Target(core: ReplicaCore) -> CoreTarget:
+    return CoreTarget(core, {"used_blocks": 1, "total_blocks": 10, "usage": 0.1})
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from controlplane.settings import Settings
 from tuner.engine import EngineConfig
 from tuner.traces import Trace, TraceRequest
 from tuner.twin import LAP_SEP, ManualClock, TwinReplica, _compact, start_twins
+from core_target import CoreTarget  # tests/core_target.py
 
 TOKEN = "tw1n-token"
 PLUGIN_STATE_KEYS = set(ReplicaCore(Settings()).state(0, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}))
@@ -440,23 +441,7 @@ def test_completions_since_reads_any_cursor_of_a_trimmed_log():
 
 
 def test_a_plain_control_target_serves_no_vllm_endpoints():
-    class Plain:
-        def __init__(self):
-            self.core = ReplicaCore(Settings(), replica="plain")
-
-        def api_state(self, cursor):
-            return self.core.state(cursor, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0})
-
-        def api_settings(self):
-            return self.core.settings_doc()
-
-        def api_put_settings(self, doc, if_match):
-            return self.core.put_settings(doc, if_match)
-
-        def api_steps(self, cursor):
-            return {"steps": [], "next_cursor": 0}
-
-    server = ControlServer(Plain(), port=0).start()
+    server = ControlServer(CoreTarget(ReplicaCore(Settings(), replica="plain")), port=0).start()
     try:
         with httpx.Client(base_url=server.base_url, trust_env=False, timeout=10) as c:
             for path in ("/metrics", "/v1/models", "/health"):

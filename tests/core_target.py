@@ -1,0 +1,26 @@
+"""A control-API target over a bare ReplicaCore (no engine): what the API tests serve."""
+
+from __future__ import annotations
+
+from controlplane.plugin.core import ReplicaCore
+
+IDLE_KV = {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}
+
+
+class CoreTarget:
+    def __init__(self, core: ReplicaCore, kv: dict | None = None) -> None:
+        self.core = core
+        self.kv = kv or IDLE_KV
+
+    def api_state(self, cursor):
+        return self.core.state(cursor, self.kv)
+
+    def api_settings(self):
+        return self.core.settings_doc()
+
+    def api_put_settings(self, doc, if_match):
+        return self.core.put_settings(doc, if_match)
+
+    def api_steps(self, cursor):
+        steps, next_cursor = self.core.steps_since(cursor)
+        return {"replica": self.core.replica, "steps": steps, "next_cursor": next_cursor}
