@@ -1,0 +1,371 @@
+"""``tailpilot tune`` and ``tailpilot recommend`` (SPEC §6): Optuna studies over a policy's and
+the engine's settings on trace windows, and their validated recommendation.
+
+    tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 \\
+        --constraint "throughput>=0.99*baseline" --trials 200 [--trace FILE[,FILE]] [--workers 4]
+    tailpilot tune --study conv-ub --trials 400           # resume/extend: the study keeps its definition
+    tailpilot recommend --study conv-ub [--json]          # best settings, validated on held-out windows
+
+Storage: ``--storage URL`` (an Optuna RDB URL — PostgreSQL for several machines — or a SQLite
+path); default the SQLite file ``tailpilot-optuna.db``, never tailpilot's own database. Several
+``tailpilot tune`` processes with the same ``--storage`` and ``--study`` share one study.
+The library behind these commands is :mod:`tuner.study` and :mod:`tuner.recommend`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+
+DB_ENV = "TAILPILOT_DB"
+
+# CLI parameter -> (StudySpec field, flag as the user typed it).
+_SPEC_FLAGS: dict[str, tuple[str, str]] = {
+    "policies": ("policies", "--policy"),
+    "objectives": ("objectives", "--objective"),
+    "constraints": ("constraints", "--constraint"),
+    "production": ("production", "--production"),
+    "trace_paths": ("traces", "--trace"),
+    "mix": ("mix", "--mix"),
+    "window": ("trim", "--window"),
+    "rate_scale": ("rate_scale", "--rate-scale"),
+    "target_rate": ("target_rate", "--target-rate"),
+    "cap": ("max_tokens_cap", "--max-tokens-cap"),
+    "tenants": ("tenants", "--tenants"),
+    "seed": ("seed", "--seed"),
+    "window_s": ("window_s", "--window-s"),
+    "windows": ("windows", "--windows"),
+    "holdout": ("holdout", "--holdout"),
+    "slo": ("slo", "--slo"),
+    "ranges": ("ranges", "--range"),
+    "fix": ("fixed", "--fix"),
+    "search_params": ("search", "--search"),
+    "tune_engine": ("tune_engine", "--engine/--no-engine"),
+    "num_gpu_blocks": ("num_gpu_blocks", "--num-gpu-blocks"),
+    "step_model": ("step_model", "--step-model"),
+    "no_pruner": ("pruner", "--no-pruner"),
+    "population": ("population_size", "--population"),
+}
+
+
+def _split(text: str | None) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def _spec_value(param: str, value: Any) -> Any:
+    """A CLI value converted to its StudySpec field value (UsageError naming the flag)."""
+    flag = _SPEC_FLAGS[param][1]
+    try:
+        if param == "policies":
+            names = _split(value)
+            for n in names:
+                if n not in POLICY_NAMES:
+                    raise ValueError(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})")
+            return names
+        if param in ("objectives", "constraints", "ranges"):
+            return list(value)
+        if param == "production":
+            try:
+                doc = json.loads(Path(value).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"{value}: {err}") from None
+            try:
+                return Settings.model_validate(doc).to_dict()
+            except ValueError as err:
+                raise ValueError(f"{value}: {describe_error(err)}") from None
+        if param == "trace_paths":
+            return [None if p == "bundled" else str(Path(p).resolve()) for p in _split(value)] or [None]
+        if param == "mix":
+            out = []
+            for item in value:
+                path, sep, frac = item.rpartition("=")
+                if not sep or not path:
+                    raise ValueError(f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)")
+                out.append((str(Path(path).resolve()), float(frac)))
+            return out
+        if param == "window":
+            start, dur = (float(x) for x in value.split(":"))
+            return (start, dur)
+        if param == "slo":
+            out = {}
+            for item in value:
+                fam, sep, secs = item.partition("=")
+                if not sep:
+                    raise ValueError(f"{item!r}: expected FAMILY=SECONDS (e.g. ttlt=20)")
+                out[fam.strip()] = float(secs)
+            return out
+        if param == "fix":
+            return dict(parse_assignment(item) for item in value)
+        if param == "search_params":
+            return _split(value) or None
+        if param == "step_model":
+            from tuner.stepmodel import get_model
+
+            return get_model(value).as_dict()
+        if param == "no_pruner":
+            return not value
+        return value
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint=flag) from None
+
+
+def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
+    """Spec fields the user set on the command line (or by environment), converted."""
+    out = {}
+    for param in _SPEC_FLAGS:
+        source = ctx.get_parameter_source(param)
+        if source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            value = kw[param]
+            if value in ((), None) and param not in ("no_pruner", "tune_engine"):
+                continue
+            out[_SPEC_FLAGS[param][0]] = _spec_value(param, value)
+    return out
+
+
+def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = False) -> str:
+    from tuner.study import TuneError, check_storage_separate, storage_url
+
+    url = storage_url(storage)
+    if must_exist and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        raise click.UsageError(f"--storage: {url.removeprefix('sqlite:///')} does not exist (no study stored there)")
+    try:
+        check_storage_separate(url, db or os.environ.get(DB_ENV))
+    except TuneError as err:
+        raise click.UsageError(str(err))
+    return url
+
+
+def _progress_bar(show: bool):
+    """(context manager, callback(complete, total)) for a rich progress bar on stderr."""
+    import contextlib
+
+    if not show:
+        return contextlib.nullcontext(), None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+    task = {"id": None}
+
+    def update(complete: int, total: int) -> None:
+        if task["id"] is None:
+            task["id"] = bar.add_task("trials", total=total)
+        bar.update(task["id"], completed=complete, total=total)
+
+    return bar, update
+
+
+@click.command()
+@click.option("--study", "study_name", required=True, metavar="NAME", help="Study name (created, joined or resumed).")
+@click.option("--storage", metavar="URL", help="Optuna storage: RDB URL (postgresql://... for many machines) or SQLite path "
+              "[default: ./tailpilot-optuna.db].")
+@click.option("--trials", type=int, default=100, show_default=True,
+              help="Complete trials the study should hold in total (a resumed study continues up to this).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Local worker processes on the same storage.")
+@click.option("--policy", "policies", metavar="NAME[,NAME]", help="Policy (or policies) to tune; needed to create a study.")
+@click.option("--objective", "objectives", multiple=True, metavar="METRIC",
+              help="Metric to optimise (repeatable; several → NSGA-II Pareto front), e.g. ttlt_p99.")
+@click.option("--constraint", "constraints", multiple=True, metavar="EXPR",
+              help='e.g. "throughput>=0.99*baseline" or "ttft_p99<=2.0" (baseline = production settings).')
+@click.option("--production", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Current production settings JSON (trial 0 and the baseline) [default: sarathi, vLLM's behaviour].")
+@click.option("--trace", "trace_paths", metavar="FILE[,FILE]", help="Trace file(s); default: the bundled Azure conv window.")
+@click.option("--mix", multiple=True, metavar="FILE=FRACTION",
+              help="Mix FRACTION of requests from FILE (e.g. the ServeGen reasoning PMF) into each trace (repeatable).")
+@click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds first.")
+@click.option("--rate-scale", type=float, help="Multiply the arrival rate by X.")
+@click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s.")
+@click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens.")
+@click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
+@click.option("--window-s", type=float, default=120.0, show_default=True, help="Window length in seconds.")
+@click.option("--windows", type=int, help="Search windows per trial (K) [default: all, up to 12].")
+@click.option("--holdout", type=float, default=0.25, show_default=True, help="Fraction of windows held out for validation.")
+@click.option("--slo", multiple=True, metavar="FAMILY=SECONDS", help="SLO for *_slo_* metrics, e.g. ttlt=20 (repeatable).")
+@click.option("--range", "ranges", multiple=True, metavar="NAME=LO:HI[:log]", help="Override a parameter's search span.")
+@click.option("--fix", multiple=True, metavar="NAME=VALUE", help="Fix a parameter instead of searching it.")
+@click.option("--search", "search_params", metavar="NAME[,NAME]", help="Search only these parameters.")
+@click.option("--engine/--no-engine", "tune_engine", default=True, show_default=True,
+              help="Also search max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold.")
+@click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000).")
+@click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
+@click.option("--no-pruner", is_flag=True, help="Run every window of every trial (no WilcoxonPruner).")
+@click.option("--population", type=int, default=20, show_default=True, help="NSGA-II population (several objectives).")
+@click.option("--db", metavar="URL", help=f"tailpilot's database (default ${DB_ENV}); the storage must differ from it.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw):
+    """Search a policy's and the engine's settings with Optuna on trace windows.
+
+    Trial 0 is the production settings; each trial replays K search windows (a pruner stops
+    hopeless ones); held-out windows are kept for `tailpilot recommend`. Ctrl-C keeps the study:
+    run the same command to continue.
+    """
+    from tuner.study import StudyConflict, StudySpec, TuneError, open_storage, study_exists, tune as run_tune
+
+    url = _storage_or_exit(storage, db)
+    given = _given(ctx, kw)
+    try:
+        exists = study_exists(open_storage(url), study_name)
+    except TuneError as err:
+        raise click.UsageError(str(err))
+    spec = None
+    if not exists:
+        for need in ("policies", "objectives"):
+            if need not in given:
+                raise click.UsageError(f"study {study_name!r} does not exist yet: {_flag_of(need)} is needed to create it")
+        spec = StudySpec(**{k: v for k, v in given.items()})
+        if "policies" in given and not given["policies"]:
+            raise click.BadParameter("give at least one policy", param_hint="--policy")
+    show = progress if progress is not None else sys.stderr.isatty()
+    bar, update = _progress_bar(show and not as_json)
+    log = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
+    try:
+        with bar:
+            outcome = run_tune(url, study_name, trials, spec=spec, given=given, workers=workers,
+                               progress=update, log=log)
+    except StudyConflict as err:
+        raise click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
+                               f"which was created with {_show(err.stored)}; drop the flag to resume, or use a new --study")
+    except TuneError as err:
+        raise click.UsageError(str(err))
+    except KeyboardInterrupt:
+        click.echo("interrupted while setting the study up; run the same command again", err=True)
+        sys.exit(130)
+    _report_tune(outcome, url, storage, as_json)
+    if outcome.interrupted:
+        sys.exit(130)
+
+
+def _flag_of(field_name: str) -> str:
+    for spec_field, flag in _SPEC_FLAGS.values():
+        if spec_field == field_name:
+            return flag
+    return field_name
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
+
+
+def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from tuner.recommend import jsonable
+
+    if as_json:
+        click.echo(json.dumps(jsonable(asdict(outcome)), indent=2))
+        return
+    state = "interrupted" if outcome.interrupted else "done"
+    click.echo(f"study {outcome.study}: {outcome.complete} of {outcome.requested} trials complete ({state})")
+    if outcome.best:
+        vals = ", ".join(f"{v:.4g}" for v in outcome.best["values"])
+        extra = f" (Pareto front of {outcome.best['pareto_size']})" if outcome.best["pareto_size"] > 1 else ""
+        click.echo(f"best trial #{outcome.best['trial']}{extra}: {vals}")
+        click.echo("  " + json.dumps(outcome.best["settings"]))
+    from tuner.study import _redact
+
+    where = f" --storage {_redact(storage) if '://' in storage else storage}" if storage else ""
+    if outcome.interrupted:
+        click.echo(f"run the same command to continue; `tailpilot recommend --study {outcome.study}{where}` reads it now")
+    else:
+        click.echo(f"next: tailpilot recommend --study {outcome.study}{where}")
+
+
+@click.command()
+@click.option("--study", "study_name", required=True, metavar="NAME")
+@click.option("--storage", metavar="URL", help="Optuna storage of the study [default: ./tailpilot-optuna.db].")
+@click.option("--db", metavar="URL", help=f"Store the recommendation here (default ${DB_ENV} or ./tailpilot.db).")
+@click.option("--no-store", is_flag=True, help="Only print; do not store the recommendation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the recommendation as JSON.")
+def recommend(study_name, storage, db, no_store, as_json):
+    """The study's best settings (or Pareto front) and their improvement over the production
+    settings on search and on held-out windows, with confidence intervals over windows; stored
+    so the TUI shows it."""
+    from tuner.recommend import jsonable, recommend as build
+    from tuner.study import TuneError, open_storage
+
+    url = _storage_or_exit(storage, db, must_exist=True)
+    try:
+        summary = jsonable(build(open_storage(url), study_name))
+    except TuneError as err:
+        raise click.UsageError(str(err))
+    if not no_store:
+        from controlplane.cli_cluster import open_store
+
+        store = open_store(db)
+        try:
+            summary["stored_id"] = store.store_recommendation(study_name, summary["settings"], summary)
+        finally:
+            store.close()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    _print_recommendation(summary)
+
+
+def _ci(m: dict) -> str:
+    lo, hi = m.get("ci_pct") or (None, None)
+    imp = m.get("improvement_pct")
+    if imp is None:
+        return "—"
+    text = f"{imp:+.1f}%"
+    if lo is not None and hi is not None:
+        text += f" [{lo:+.1f}, {hi:+.1f}]"
+    return text
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _print_recommendation(s: dict) -> None:
+    from rich.table import Table
+
+    from controlplane.views import wide_console
+
+    console = wide_console()
+    pct = int(round(s["confidence"] * 100))
+    head = "keep the production settings (nothing beat them)" if s["is_production"] else f"trial #{s['trial']}"
+    console.print(f"[bold]study {s['study']}[/]: {s['trials_complete']} complete trials; recommendation: {head}")
+    for part, title in (("search", "search windows (selected on; optimistic)"), ("holdout", "held-out windows (never searched)")):
+        block = s[part]
+        table = Table(title=f"{title}: {len(block['windows'])} windows; vs production, positive = better")
+        table.add_column("metric")
+        table.add_column("production (mean)", justify="right")
+        table.add_column("recommended (mean)", justify="right")
+        table.add_column("change of means", justify="right")
+        table.add_column(f"per-window change [{pct}% CI]", justify="right")
+        for name, m in block["metrics"].items():
+            mean_change = m.get("mean_change_pct")
+            table.add_row(name, _fmt(m["baseline"]), _fmt(m["value"]),
+                          "—" if mean_change is None else f"{mean_change:+.1f}%", _ci(m))
+        console.print(table)
+    console.print("per-window change: geometric mean over windows of recommended/production, with a "
+                  "t-interval over windows")
+    for c in s["holdout"].get("constraints", []):
+        ok = "holds" if c["feasible"] else "VIOLATED"
+        console.print(f"constraint {c['constraint']} on held-out windows: {ok} (value {_fmt(c['value'])})")
+    if s.get("pareto_front"):
+        console.print(f"Pareto front: {len(s['pareto_front'])} trials "
+                      f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")
+    console.print("settings: " + json.dumps(s["settings"]))
+    if "stored_id" in s:
+        console.print(f"stored as recommendation {s['stored_id']} (the TUI shows it)")
+
+
+COMMANDS = (tune, recommend)

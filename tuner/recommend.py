@@ -1,0 +1,163 @@
+"""A study's recommendation, validated on held-out windows (``tailpilot recommend``).
+
+The recommended settings are the best feasible, fully evaluated trial (one objective) or, with
+several objectives, a member of the feasible Pareto front: of those no worse than the production
+settings on any objective, the one with the largest mean improvement (else the max-min member;
+see ``tuner.study.choose_recommendation``). The whole front is reported too.
+
+Improvements are paired per window: for each window, the recommended settings and the production
+settings (trial 0) replay the same requests. The headline change is the geometric mean over
+windows of the per-window ratio (positive = better, as ``controlplane.metrics.percent_change``),
+with a t-interval (scipy.stats) over the windows' log ratios — the interval is over windows, the
+unit of noise; the change of the means is reported beside it (see :func:`paired_improvement`).
+Search windows are the ones the search selected on (optimistic); held-out windows were never run
+by the search.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from controlplane.metrics import higher_is_better, percent_change
+from controlplane.settings import Settings
+from tuner.study import (
+    TRIAL_ATTR,
+    TuneContext,
+    TuneError,
+    _json_num,
+    best_trials,
+    candidate_trials,
+    choose_recommendation,
+    load_context,
+    trial_metrics,
+)
+
+CONFIDENCE = 0.95
+
+
+def paired_improvement(values: Sequence[float], baseline: Sequence[float], name: str,
+                       confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """How ``values`` compare with ``baseline``, window by window (positive = better).
+
+    * ``value``, ``baseline``: means over the windows where both are defined;
+    * ``mean_change_pct``: ``percent_change`` of those means (heavy windows weigh more);
+    * ``improvement_pct`` and ``ci_pct``: the per-window change — the geometric mean of the
+      per-window ratios value/baseline, as a % change — with a t-interval (scipy.stats) over the
+      windows' log ratios. Every window counts the same, and one overloaded window cannot swamp
+      the interval the way it swamps raw differences. Where a ratio is undefined (a value <= 0),
+      the interval is a t-interval of the paired differences divided by the mean baseline and
+      ``improvement_pct`` is ``mean_change_pct`` (``ci_method`` says which).
+    """
+    pairs = [(x, b) for x, b in zip(values, baseline)
+             if x is not None and b is not None and math.isfinite(x) and math.isfinite(b)]
+    n = len(pairs)
+    nan = math.nan
+    out: dict[str, Any] = {"n": n, "value": nan, "baseline": nan, "improvement_pct": nan, "mean_change_pct": nan,
+                           "ci_pct": [nan, nan], "ci_method": None,
+                           "per_window": [_json_num(v) for v in values],
+                           "baseline_per_window": [_json_num(v) for v in baseline]}
+    if n == 0:
+        return out
+    x = np.array([p[0] for p in pairs])
+    b = np.array([p[1] for p in pairs])
+    mx, mb = float(x.mean()), float(b.mean())
+    better_high = higher_is_better(name)
+    out.update(value=mx, baseline=mb, mean_change_pct=percent_change(mx, mb, name))
+
+    def t_interval(d: np.ndarray) -> tuple[float, float]:
+        from scipy import stats
+
+        centre, sd = float(d.mean()), float(d.std(ddof=1))
+        if sd == 0:
+            return centre, centre
+        lo, hi = stats.t.interval(confidence, len(d) - 1, loc=centre, scale=sd / math.sqrt(len(d)))
+        return float(lo), float(hi)
+
+    if np.all(x > 0) and np.all(b > 0):
+        logs = np.log(x / b)
+        sign = 1.0 if better_high else -1.0  # change = sign * (ratio - 1)
+
+        def pct(log_ratio: float) -> float:
+            return sign * (math.exp(log_ratio) - 1.0) * 100.0
+
+        out["improvement_pct"] = pct(float(logs.mean())) if np.any(logs) else 0.0
+        out["ci_method"] = "t-interval of per-window log ratios"
+        if n >= 2:
+            lo, hi = t_interval(logs)
+            out["ci_pct"] = sorted([pct(lo), pct(hi)])
+        return out
+    out["improvement_pct"] = out["mean_change_pct"]
+    out["ci_method"] = "t-interval of per-window differences / mean baseline"
+    if n >= 2 and mb != 0:
+        lo, hi = t_interval((x - b) if better_high else (b - x))
+        out["ci_pct"] = [lo / abs(mb) * 100.0, hi / abs(mb) * 100.0]
+    return out
+
+
+def _metric_table(ctx: TuneContext, values: Mapping[int, Mapping[str, float]],
+                  baseline: Mapping[int, Mapping[str, float]], windows: Sequence[int]) -> dict[str, Any]:
+    return {name: paired_improvement([values[i][name] for i in windows], [baseline[i][name] for i in windows], name)
+            for name in ctx.tracked}
+
+
+def recommend(storage, name: str) -> dict[str, Any]:
+    """Build the recommendation summary of study ``name`` (JSON-able; NaN where undefined)."""
+    from optuna.trial import TrialState
+
+    study, ctx = load_context(storage, name)
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    front = best_trials(study, ctx)
+    if not front:
+        feasible = len(candidate_trials(study))
+        raise TuneError(f"study {name}: no feasible, fully evaluated trial among {len(complete)} complete "
+                        f"({feasible} feasible); run more trials or relax --constraint")
+    chosen = choose_recommendation(front, ctx)
+    settings = Settings.model_validate(chosen.user_attrs[TRIAL_ATTR]["settings"])
+    production = ctx.space.production_settings
+    search_vals = trial_metrics(chosen)
+    search_windows = list(search_vals)
+    held = ctx.holdout
+    held_vals = ctx.run_many(settings, held)
+    held_base = ctx.run_many(production, held)
+    held_constraints = ctx.constraint_values(held_vals, baseline=held_base) if ctx.constraints else {}
+    summary: dict[str, Any] = {
+        "study": name,
+        "trial": chosen.number,
+        "is_production": chosen.user_attrs.get("tailpilot_role") == "production"
+        or settings.to_dict() == production.to_dict(),
+        "settings": settings.to_dict(),
+        "production": production.to_dict(),
+        "objectives": [{"name": n, "direction": d} for n, d in ctx.objectives],
+        "constraints": list(ctx.spec.constraints),
+        "trials_complete": len(complete),
+        "gamma_hat": _json_num(ctx.gamma_hat),
+        "confidence": CONFIDENCE,
+        "search": {"windows": search_windows,
+                   "metrics": _metric_table(ctx, search_vals, ctx.baseline, search_windows)},
+        "holdout": {"windows": list(held),
+                    "metrics": _metric_table(ctx, held_vals, held_base, held),
+                    "constraints": [{"constraint": k, "value": v, "feasible": v <= 0}
+                                    for k, v in held_constraints.items()]},
+        "windows": {"window_s": ctx.spec.window_s, "count": len(ctx.windows),
+                    "labels": {str(w.index): w.label() for w in ctx.windows}},
+    }
+    if len(ctx.objectives) > 1:
+        summary["pareto_front"] = [{"trial": t.number, "values": list(t.values),
+                                    "settings": t.user_attrs[TRIAL_ATTR]["settings"]} for t in front]
+    return summary
+
+
+def jsonable(obj: Any) -> Any:
+    """NaN/inf → None, recursively (strict JSON for stores and --json)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return jsonable(obj.item())
+    return obj

@@ -1,0 +1,566 @@
+"""The tuner's search space, objectives and constraints (SPEC §6.1).
+
+Search space
+------------
+Every range is derived from the one settings model (``controlplane.settings``): a parameter's
+bounds are its pydantic ``Field`` constraints (``gt/ge/lt/le``), and the searched span is a
+window *inside* those bounds around a centre — the production value when the production settings
+run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, SPEC §3.1):
+
+* positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4; γ: 10) clipped to
+  the bounds (an open bound ``gt``/``lt`` is stepped inside by 0.1% of the span);
+* zero centre, both bounds finite → linear over the bounds;
+* zero centre and no upper bound (e.g. ``preempt_margin``) → not searched unless ``--range``
+  gives a span;
+* ``bool`` → categorical ``[False, True]``; strings, literals and dicts are never searched.
+
+Not searched: ``predictor`` (the tuner replays with the ``history`` predictor, the only one a
+live replica has) and ``sigma_noise`` (an oracle-noise knob of the simulator); an adaptive
+parameter (``ADAPTIVE_PARAMS``) only when the model has a switch for its adaptation
+(``gamma`` has ``gamma_ada``; TIE's ``beta`` is overwritten by adaptive β unless pinned); and
+parameters the production settings pin (SPEC §5.1: recommendations never move them).
+
+Engine fields (``EngineSettings``) are searched the same way around the production engine;
+``long_prefill_token_threshold`` (0 = off) is an on/off switch plus a log-scaled chunk size.
+
+Parameter names are ``<policy>.<name>`` and ``engine.<field>``; with more than one candidate
+policy (the production policy is always a candidate, so trial 0 can be the production settings),
+``policy`` is a categorical parameter and the policy parameters are conditional on it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from annotated_types import Ge, Gt, Le, Lt
+
+from controlplane.metrics import METRICS, metric_direction, validate_metric
+from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings
+
+SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
+GAMMA_SPAN = 10.0  # γ̂ is a rough estimate: two decades around it
+SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise"})
+ENGINE_PREFIX = "engine."
+THRESHOLD = "long_prefill_token_threshold"
+CHUNKING_SWITCH = "engine.long_prefill_chunking"  # the on/off half of the threshold
+POLICY_PARAM = "policy"
+
+
+class SearchSpaceError(ValueError):
+    """A bad --range/--fix/--search, naming the option and the parameter."""
+
+
+# --------------------------------------------------------------------------------------------
+# Dimensions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One searched parameter: float/int (low, high, log) or categorical (choices)."""
+
+    name: str
+    kind: str  # "float" | "int" | "categorical"
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: tuple[Any, ...] = ()
+
+    def suggest(self, trial) -> Any:
+        if self.kind == "float":
+            return trial.suggest_float(self.name, self.low, self.high, log=self.log)
+        if self.kind == "int":
+            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_categorical(self.name, list(self.choices))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "categorical":
+            d["choices"] = list(self.choices)
+        else:
+            d.update(low=self.low, high=self.high, log=self.log)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Dim":
+        return cls(name=d["name"], kind=d["kind"], low=d.get("low"), high=d.get("high"),
+                   log=bool(d.get("log", False)), choices=tuple(d.get("choices", ())))
+
+    def describe(self) -> str:
+        if self.kind == "categorical":
+            return f"{self.name} in {list(self.choices)}"
+        fmt = (lambda v: f"{int(v)}") if self.kind == "int" else (lambda v: f"{v:.4g}")
+        return f"{self.name} in [{fmt(self.low)}, {fmt(self.high)}]{' log' if self.log else ''}"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    lo: float | None
+    hi: float | None
+    lo_open: bool
+    hi_open: bool
+
+
+def field_bounds(model: type, name: str) -> Bounds:
+    """The ``gt/ge/lt/le`` constraints of a pydantic field."""
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in model.model_fields[name].metadata:
+        if isinstance(m, Ge):
+            lo, lo_open = float(m.ge), False
+        elif isinstance(m, Gt):
+            lo, lo_open = float(m.gt), True
+        elif isinstance(m, Le):
+            hi, hi_open = float(m.le), False
+        elif isinstance(m, Lt):
+            hi, hi_open = float(m.lt), True
+    return Bounds(lo, hi, lo_open, hi_open)
+
+
+def _admits(b: Bounds, v: float) -> bool:
+    if b.lo is not None and (v < b.lo or (b.lo_open and v == b.lo)):
+        return False
+    if b.hi is not None and (v > b.hi or (b.hi_open and v == b.hi)):
+        return False
+    return True
+
+
+def numeric_dim(name: str, kind: str, bounds: Bounds, centre: float,
+                override: tuple[float, float, bool | None] | None = None, span: float = SPAN) -> Dim | None:
+    """A float/int dimension inside ``bounds`` around ``centre`` (see the module docstring)."""
+    if override is not None:
+        lo, hi, log = override
+        for v, side in ((lo, "low"), (hi, "high")):
+            if not _admits(bounds, v):
+                raise SearchSpaceError(
+                    f"--range {name}: {side} end {v:g} is outside the settings model's bounds "
+                    f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]")
+        if not lo < hi:
+            raise SearchSpaceError(f"--range {name}: low ({lo:g}) must be below high ({hi:g})")
+        if log is None:
+            log = lo > 0 and hi / lo >= 100
+        if log and lo <= 0:
+            raise SearchSpaceError(f"--range {name}: a log range needs low > 0")
+    else:
+        if centre > 0:
+            lo, hi, log = centre / span, centre * span, True
+        elif bounds.lo is not None and bounds.hi is not None:
+            lo, hi, log = bounds.lo, bounds.hi, False
+        else:
+            return None  # no scale to search on without --range
+        if bounds.lo is not None and lo <= bounds.lo:
+            lo = bounds.lo
+            if bounds.lo_open:  # step inside an open bound, by a sliver of the searched span
+                lo = lo + 1e-3 * (min(hi, bounds.hi if bounds.hi is not None else hi) - lo)
+        if bounds.hi is not None and hi >= bounds.hi:
+            hi = bounds.hi
+            if bounds.hi_open:
+                hi = hi - 1e-3 * (hi - lo)
+        if lo <= 0:
+            log = False
+    if kind == "int":
+        lo = math.floor(lo) + 1 if (bounds.lo_open and lo == bounds.lo) else math.ceil(lo)
+        hi = math.ceil(hi) - 1 if (bounds.hi_open and hi == bounds.hi) else math.floor(hi)
+        if log and lo < 1:
+            lo = 1
+    if not lo < hi:
+        return None
+    return Dim(name, kind, float(lo) if kind == "float" else int(lo),
+               float(hi) if kind == "float" else int(hi), bool(log))
+
+
+def _fmt_bound(v: float | None, open_: bool, lower: bool) -> str:
+    if v is None:
+        return "-inf" if lower else "inf"
+    return f"{'>' if open_ else ''}{v:g}" if lower else f"{'<' if open_ else ''}{v:g}"
+
+
+def _kind_of(model: type, name: str) -> str | None:
+    ann = model.model_fields[name].annotation
+    if ann is bool:
+        return "bool"
+    if ann is int:
+        return "int"
+    if ann is float:
+        return "float"
+    return None  # literals, strings, dicts: not searched
+
+
+def _is_searchable_param(policy: str, name: str) -> bool:
+    if name in SIM_ONLY_PARAMS:
+        return False
+    model = PARAM_MODELS[policy]
+    if name in ADAPTIVE_PARAMS.get(policy, ()) and f"{name}_ada" not in model.model_fields:
+        return False  # adaptation overwrites it and cannot be switched off in the search
+    return _kind_of(model, name) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# The space
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SearchSpace:
+    """Candidate policies, per-policy dimensions, engine dimensions and fixed values."""
+
+    policies: tuple[str, ...]  # candidates; the production policy first
+    production: dict[str, Any]  # the production settings document
+    policy_dims: dict[str, list[Dim]] = field(default_factory=dict)
+    engine_dims: list[Dim] = field(default_factory=list)
+    fixed: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy -> {param: value}
+    fixed_engine: dict[str, Any] = field(default_factory=dict)
+
+    # -- serialisation (kept in the study's user attributes)
+    def to_dict(self) -> dict[str, Any]:
+        return {"policies": list(self.policies), "production": self.production,
+                "policy_dims": {p: [d.to_dict() for d in ds] for p, ds in self.policy_dims.items()},
+                "engine_dims": [d.to_dict() for d in self.engine_dims],
+                "fixed": self.fixed, "fixed_engine": self.fixed_engine}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SearchSpace":
+        return cls(policies=tuple(d["policies"]), production=dict(d["production"]),
+                   policy_dims={p: [Dim.from_dict(x) for x in ds] for p, ds in d["policy_dims"].items()},
+                   engine_dims=[Dim.from_dict(x) for x in d["engine_dims"]],
+                   fixed={p: dict(v) for p, v in d["fixed"].items()}, fixed_engine=dict(d["fixed_engine"]))
+
+    def describe(self) -> list[str]:
+        lines = []
+        if len(self.policies) > 1:
+            lines.append(f"{POLICY_PARAM} in {list(self.policies)}")
+        for p in self.policies:
+            lines.extend(d.describe() for d in self.policy_dims.get(p, []))
+        lines.extend(d.describe() for d in self.engine_dims)
+        return lines
+
+    @property
+    def production_settings(self) -> Settings:
+        return Settings.model_validate(self.production)
+
+    # -- sampling
+    def suggest(self, trial) -> Settings:
+        """Ask ``trial`` for every dimension and build the (validated, repaired) settings."""
+        policy = self.policies[0]
+        if len(self.policies) > 1:
+            policy = trial.suggest_categorical(POLICY_PARAM, list(self.policies))
+        values = {d.name: d.suggest(trial) for d in self.policy_dims.get(policy, [])}
+        engine = {d.name: None for d in self.engine_dims}
+        for d in self.engine_dims:
+            if d.name == f"{ENGINE_PREFIX}{THRESHOLD}":
+                continue  # conditional on the switch, below
+            engine[d.name] = d.suggest(trial)
+        thr = next((d for d in self.engine_dims if d.name == f"{ENGINE_PREFIX}{THRESHOLD}"), None)
+        if thr is not None:
+            engine[thr.name] = thr.suggest(trial) if engine.get(CHUNKING_SWITCH) else 0
+        return self.build(policy, values, engine)
+
+    def build(self, policy: str, values: Mapping[str, Any], engine: Mapping[str, Any]) -> Settings:
+        prod = self.production
+        same = policy == prod["policy"]
+        params = dict(prod["params"]) if same else {}
+        params.update(self.fixed.get(policy, {}))
+        for name, v in values.items():
+            params[name.split(".", 1)[1]] = v
+        _repair_min_max(params)
+        eng = dict(prod["engine"])
+        eng.update(self.fixed_engine)
+        for name, v in engine.items():
+            if name == CHUNKING_SWITCH or v is None:
+                continue
+            eng[name.removeprefix(ENGINE_PREFIX)] = v
+        # vLLM refuses max_num_batched_tokens < max_num_seqs at start-up.
+        eng["max_num_batched_tokens"] = max(eng["max_num_batched_tokens"], eng["max_num_seqs"])
+        pinned = list(prod.get("pinned", ())) if same else []
+        return Settings.model_validate({"policy": policy, "params": params, "pinned": pinned, "engine": eng})
+
+    def production_params(self) -> dict[str, Any]:
+        """The production settings as values of this space (enqueued as trial 0)."""
+        prod = self.production
+        out: dict[str, Any] = {}
+        if len(self.policies) > 1:
+            out[POLICY_PARAM] = prod["policy"]
+        for d in self.policy_dims.get(prod["policy"], []):
+            out[d.name] = prod["params"][d.name.split(".", 1)[1]]
+        for d in self.engine_dims:
+            if d.name == CHUNKING_SWITCH:
+                out[d.name] = prod["engine"][THRESHOLD] > 0
+            elif d.name == f"{ENGINE_PREFIX}{THRESHOLD}":
+                if prod["engine"][THRESHOLD] > 0:
+                    out[d.name] = prod["engine"][THRESHOLD]
+            else:
+                out[d.name] = prod["engine"][d.name.removeprefix(ENGINE_PREFIX)]
+        return out
+
+
+def _repair_min_max(params: dict[str, Any]) -> None:
+    """Swap ``X_min``/``X_max`` pairs sampled out of order (the model requires min <= max)."""
+    for name in list(params):
+        if name.endswith("_min"):
+            hi_name = name[:-4] + "_max"
+            if hi_name in params and params[name] > params[hi_name]:
+                params[name], params[hi_name] = params[hi_name], params[name]
+
+
+def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, str]:
+    """``gamma`` / ``uniboost.gamma`` / ``engine.max_num_seqs`` / ``max_num_seqs`` → (scope, name)."""
+    if raw.startswith(ENGINE_PREFIX):
+        name = raw.removeprefix(ENGINE_PREFIX)
+        if name not in EngineSettings.model_fields:
+            raise SearchSpaceError(f"{option} {raw}: unknown engine field (valid: {', '.join(EngineSettings.model_fields)})")
+        return "engine", name
+    if "." in raw:
+        scope, name = raw.split(".", 1)
+        if scope not in policies:
+            raise SearchSpaceError(f"{option} {raw}: {scope!r} is not a candidate policy ({', '.join(policies)})")
+        if name not in PARAM_MODELS[scope].model_fields:
+            valid = ", ".join(PARAM_MODELS[scope].model_fields) or "none"
+            raise SearchSpaceError(f"{option} {raw}: {name!r} is not a parameter of {scope} (valid: {valid})")
+        return scope, name
+    if raw in EngineSettings.model_fields:
+        return "engine", raw
+    owners = [p for p in policies if raw in PARAM_MODELS[p].model_fields]
+    if not owners:
+        valid = sorted({n for p in policies for n in PARAM_MODELS[p].model_fields} | set(EngineSettings.model_fields))
+        raise SearchSpaceError(f"{option} {raw}: not a parameter of {', '.join(policies)} nor an engine field "
+                               f"(valid: {', '.join(valid)})")
+    if len(owners) > 1:
+        raise SearchSpaceError(f"{option} {raw}: ambiguous, say which policy ({', '.join(o + '.' + raw for o in owners)})")
+    return owners[0], raw
+
+
+def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
+    """``NAME=LO:HI[:log|:linear]`` → (NAME, (lo, hi, log or None))."""
+    if "=" not in text:
+        raise SearchSpaceError(f"--range {text!r}: expected NAME=LOW:HIGH[:log|:linear]")
+    name, spec = (s.strip() for s in text.split("=", 1))
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise SearchSpaceError(f"--range {text!r}: expected NAME=LOW:HIGH[:log|:linear]")
+    try:
+        lo, hi = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise SearchSpaceError(f"--range {text!r}: LOW and HIGH must be numbers") from None
+    log = None
+    if len(parts) == 3:
+        if parts[2] not in ("log", "linear"):
+            raise SearchSpaceError(f"--range {text!r}: the scale must be 'log' or 'linear'")
+        log = parts[2] == "log"
+    return name, (lo, hi, log)
+
+
+def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: float | None = None,
+                ranges: Mapping[str, tuple[float, float, bool | None]] | None = None,
+                fixed: Mapping[str, Any] | None = None, search: Sequence[str] | None = None,
+                tune_engine: bool = True) -> SearchSpace:
+    """Derive the search space for ``policies`` (tuned) around ``production``.
+
+    ``ranges``: explicit spans by parameter name (checked against the model's bounds);
+    ``fixed``: values that are set, not searched; ``search``: if given, only these parameters
+    are searched (others keep production/default values).
+    """
+    for p in policies:
+        if p not in PARAM_MODELS:
+            raise SearchSpaceError(f"--policy {p}: unknown policy (valid: {', '.join(PARAM_MODELS)})")
+    prod_doc = production.to_dict()
+    candidates = tuple(dict.fromkeys([production.policy, *policies]))
+    ranges = dict(ranges or {})
+    fixed = dict(fixed or {})
+    resolved_ranges: dict[tuple[str, str], tuple[float, float, bool | None]] = {}
+    for raw, r in ranges.items():
+        resolved_ranges[_split_name(raw, candidates, "--range")] = r
+    fixed_by: dict[str, dict[str, Any]] = {}
+    fixed_engine: dict[str, Any] = {}
+    for raw, v in fixed.items():
+        scope, name = _split_name(raw, candidates, "--fix")
+        (fixed_engine if scope == "engine" else fixed_by.setdefault(scope, {}))[name] = v
+    only: set[tuple[str, str]] | None = None
+    if search is not None:
+        only = {_split_name(raw, candidates, "--search") for raw in search}
+
+    def wanted(scope: str, name: str) -> bool:
+        if (scope, name) in resolved_ranges:
+            return True
+        return only is None or (scope, name) in only
+
+    space = SearchSpace(policies=candidates, production=prod_doc, fixed=fixed_by, fixed_engine=fixed_engine)
+    for p in candidates:
+        model = PARAM_MODELS[p]
+        tuned = p in policies
+        dims: list[Dim] = []
+        base = dict(prod_doc["params"]) if p == production.policy else model().model_dump()
+        pinned = set(production.pinned) if p == production.policy else set()
+        if tuned and "predictor" in model.model_fields and p != production.policy:
+            fixed_by.setdefault(p, {}).setdefault("predictor", "history")
+        for name in model.model_fields:
+            if not tuned or name in pinned or name in fixed_by.get(p, {}):
+                if (p, name) in resolved_ranges and name in pinned:
+                    raise SearchSpaceError(f"--range {p}.{name}: the production settings pin it")
+                continue
+            if not wanted(p, name):
+                continue
+            if not _is_searchable_param(p, name):
+                if (p, name) in resolved_ranges:
+                    raise SearchSpaceError(f"--range {p}.{name}: this parameter is not searchable")
+                continue
+            kind = _kind_of(model, name)
+            qname = f"{p}.{name}"
+            if kind == "bool":
+                dims.append(Dim(qname, "categorical", choices=(False, True)))
+                continue
+            centre, span = float(base[name]), SPAN
+            if name == "gamma" and gamma_hat and math.isfinite(gamma_hat) and gamma_hat > 0:
+                centre, span = gamma_hat, GAMMA_SPAN
+            dim = numeric_dim(qname, kind, field_bounds(model, name), centre, resolved_ranges.get((p, name)), span)
+            if dim is not None:
+                dims.append(dim)
+        space.policy_dims[p] = dims
+    if not tune_engine:
+        only_engine = {n for s, n in resolved_ranges if s == "engine"}
+    for name in EngineSettings.model_fields:
+        if name in fixed_engine or not wanted("engine", name):
+            continue
+        if not tune_engine and name not in only_engine:
+            continue
+        kind = _kind_of(EngineSettings, name)
+        bounds = field_bounds(EngineSettings, name)
+        if name == THRESHOLD:
+            # 0 = off: an on/off switch, and a chunk size around the production one (or a
+            # quarter of the production token budget when chunking is off in production).
+            current = prod_doc["engine"][THRESHOLD] or max(1, prod_doc["engine"]["max_num_batched_tokens"] // 4)
+            lo_b = Bounds(max(bounds.lo or 0, 1.0), bounds.hi, False, bounds.hi_open)
+            dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, lo_b, float(current),
+                              resolved_ranges.get(("engine", name)))
+            if dim is not None:
+                space.engine_dims.append(Dim(CHUNKING_SWITCH, "categorical", choices=(False, True)))
+                space.engine_dims.append(dim)
+            continue
+        dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, bounds, float(prod_doc["engine"][name]),
+                          resolved_ranges.get(("engine", name)))
+        if dim is not None:
+            space.engine_dims.append(dim)
+    # A fixed value must itself be valid: build the settings once per policy.
+    for p in candidates:
+        try:
+            space.build(p, {}, {})
+        except ValueError as err:
+            raise SearchSpaceError(f"--fix: {err}") from None
+    return space
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives
+# --------------------------------------------------------------------------------------------
+
+#: Metrics a replay summary does not hold (live-only, or need inputs a replay lacks).
+REPLAY_UNAVAILABLE = frozenset({"kv_usage", "slo_compliance_ratio", "type_share_ratio_min"})
+FAIRNESS_METRICS = frozenset({"jain_index"})
+
+
+def parse_objectives(names: Sequence[str], slo: Mapping[str, float] | None = None) -> list[tuple[str, str]]:
+    """Canonical (name, direction) per objective; UnknownMetricError lists valid names."""
+    if not names:
+        raise ValueError("give at least one --objective")
+    out: list[tuple[str, str]] = []
+    for raw in names:
+        name = check_replay_metric(raw, slo, "--objective")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"--objective {raw}: given twice")
+        out.append((name, metric_direction(name)))
+    return out
+
+
+def check_replay_metric(raw: str, slo: Mapping[str, float] | None, option: str) -> str:
+    try:
+        name = validate_metric(raw)
+    except KeyError as err:
+        raise ValueError(f"{option} {raw}: {err}") from None
+    if name in REPLAY_UNAVAILABLE:
+        raise ValueError(f"{option} {raw}: {name} is not computed from a trace replay")
+    if name.endswith(("_slo_attainment", "_slo_scale_99")):
+        base = name.split("_slo_")[0]
+        if not slo or base not in slo:
+            raise ValueError(f"{option} {raw}: needs an SLO for {base} (--slo {base}=SECONDS)")
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# Constraints: METRIC (<=|>=|<|>) NUMBER | [NUMBER*]baseline[*NUMBER][(+|-)NUMBER]
+# --------------------------------------------------------------------------------------------
+
+_NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+_CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?P<rhs>.+?)\s*$")
+_RHS_NUMBER = re.compile(rf"^(?P<num>{_NUM})$")
+_RHS_BASELINE = re.compile(
+    rf"^(?:(?P<pre>{_NUM})\s*\*\s*)?baseline(?:\s*\*\s*(?P<post>{_NUM}))?(?:\s*(?P<sign>[+-])\s*(?P<add>{_NUM}))?$")
+_RHS_PERCENT = re.compile(rf"^(?P<pct>{_NUM})\s*%\s*(?:of\s+|\*\s*)?baseline$")
+
+
+class ConstraintError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``metric op rhs``; rhs = ``scale * baseline + offset`` (relative) or ``offset``."""
+
+    text: str
+    metric: str
+    op: str  # "<=" or ">=" (strict comparisons are treated as non-strict)
+    scale: float | None  # None: absolute bound
+    offset: float
+
+    @property
+    def relative(self) -> bool:
+        return self.scale is not None
+
+    def bound(self, baseline: float) -> float:
+        return self.offset if self.scale is None else self.scale * baseline + self.offset
+
+    def value(self, x: float, baseline: float) -> float:
+        """Optuna's convention: <= 0 is feasible. An undefined (NaN) value is infeasible (inf)."""
+        bound = self.bound(baseline)
+        if not (math.isfinite(x) and math.isfinite(bound)):
+            return math.inf
+        return x - bound if self.op == "<=" else bound - x
+
+    @property
+    def key(self) -> str:
+        return self.text
+
+
+def parse_constraint(text: str, slo: Mapping[str, float] | None = None) -> Constraint:
+    """Parse ``throughput>=0.99*baseline``, ``ttft_p99<=2.0``, ``ttlt_p99<=baseline+0.5``,
+    ``throughput>=99%baseline``. Errors name the constraint."""
+    m = _CONSTRAINT.match(text)
+    if not m:
+        raise ConstraintError(f"--constraint {text!r}: expected METRIC<=BOUND or METRIC>=BOUND, "
+                              "BOUND a number or [FACTOR*]baseline[+OFFSET] (e.g. throughput>=0.99*baseline)")
+    try:
+        metric = check_replay_metric(m["metric"], slo, "--constraint")
+    except ValueError as err:
+        raise ConstraintError(f"--constraint {text!r}: {err}") from None
+    op = "<=" if m["op"] in ("<=", "<") else ">="
+    rhs = m["rhs"].strip()
+    if (n := _RHS_NUMBER.match(rhs)) is not None:
+        return Constraint(text.strip(), metric, op, None, float(n["num"]))
+    if (p := _RHS_PERCENT.match(rhs)) is not None:
+        return Constraint(text.strip(), metric, op, float(p["pct"]) / 100.0, 0.0)
+    if (b := _RHS_BASELINE.match(rhs)) is not None:
+        if b["pre"] is not None and b["post"] is not None:
+            raise ConstraintError(f"--constraint {text!r}: give the baseline factor once")
+        scale = float(b["pre"] or b["post"] or 1.0)
+        add = float(b["add"]) * (-1 if b["sign"] == "-" else 1) if b["add"] is not None else 0.0
+        return Constraint(text.strip(), metric, op, scale, add)
+    raise ConstraintError(f"--constraint {text!r}: cannot read the bound {rhs!r}; use a number or "
+                          "[FACTOR*]baseline[+OFFSET] (e.g. 0.99*baseline)")
+
+
+def tracked_metrics(objectives: Sequence[tuple[str, str]], constraints: Sequence[Constraint]) -> list[str]:
+    """Metrics kept per window for every trial: objectives, constraint metrics and the headline tails."""
+    names = [n for n, _ in objectives] + [c.metric for c in constraints]
+    names += ["ttlt_p99", "ttft_p95", "ttft_p99", "throughput_tok_s"]
+    return [n for n in dict.fromkeys(names) if n in METRICS]
