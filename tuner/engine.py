@@ -51,9 +51,12 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class _Step:
-    """What one step decided."""
+    """What one step decided. Decodes (one token each, the common case) are kept apart from
+    prefill chunks so that applying the step can take a short path for them; each part is in
+    service order."""
 
-    tokens: dict  # RequestState -> tokens scheduled this step (insertion = service order)
+    decodes: list = field(default_factory=list)  # requests that decode one token this step
+    chunks: dict = field(default_factory=dict)  # RequestState -> prefill tokens (prompt or recompute)
     preempted: bool = False
     memory_preempted: bool = False
     admitted: bool = False
@@ -61,8 +64,14 @@ class _Step:
     admission_blocked: bool = False  # admission stopped by seats, budget or KV
     prefill_tokens: int = 0
     sum_prefill_sq: int = 0
-    decode_seqs: int = 0
-    sum_kv_context: int = 0
+    sum_kv_context: int = 0  # over the decodes
+
+    @property
+    def decode_seqs(self) -> int:
+        return len(self.decodes)
+
+    def serves(self) -> bool:
+        return bool(self.decodes or self.chunks)
 
 
 @dataclass
@@ -104,9 +113,9 @@ class Simulator:
         self.now = reqs[0].arrival if reqs else 0.0
         self.waiting = WaitingQueue(self.policy)
         self.running: list[RequestState] = []
+        self._settled = 0  # running[:_settled] is still in the order the policy last gave it (_sort_running)
         self.blocks: dict[str, int] = {}  # KV blocks held per request id
         self.free_blocks = self.config.num_gpu_blocks
-        self.target: dict[str, int] = {}  # true output length per request id
         self.completions: list[Completion] = []
         self.rejected: list[str] = []
         self.steps = 0
@@ -131,6 +140,7 @@ class Simulator:
         new = make_policy(settings, keep)
         new.adopt_live_state(self.policy)
         new.attach(list(self.waiting), self.running, self.now)
+        self._settled = 0
         self.waiting.set_policy(new)
         self.policy, self.settings = new, settings
         self.predictor = new.predictor or self.predictor
@@ -199,7 +209,6 @@ class Simulator:
             req = RequestState(id=t.id, arrival=t.arrival, prompt_tokens=t.prompt_tokens,
                                max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
                                output_tokens=target, enqueued_at=self.now)
-            self.target[req.id] = target
             self.waiting.push(req, self.now)
             self.policy.on_arrival(req, self.now)
 
@@ -221,7 +230,7 @@ class Simulator:
         policy.before_step(self.waiting, now)
 
         step = self._schedule(now)
-        if step.tokens:
+        if step.serves():
             self._idle_iterations = 0
         else:  # preempting without serving anyone: bounded, or it is a livelock worth a loud error
             self._idle_iterations += 1
@@ -245,14 +254,20 @@ class Simulator:
         return self._blocks_for(max(tokens, chunk))
 
     def _chunk(self, req: RequestState, budget: int) -> int:
-        n = req.remaining_prefill
+        n = req.prompt_tokens + req.generated - req.computed_tokens  # req.remaining_prefill, inlined
         lpt = self.settings.engine.long_prefill_token_threshold
         if 0 < lpt < n:
             n = lpt
         return min(n, budget)
 
+    def _leave_running(self, req: RequestState) -> None:
+        i = self.running.index(req)
+        del self.running[i]
+        if i < self._settled:
+            self._settled -= 1
+
     def _preempt(self, req: RequestState, by_policy: bool, requeue: bool = True) -> None:
-        self.running.remove(req)
+        self._leave_running(req)
         self.free_blocks += self.blocks.pop(req.id, 0)
         self.recomputed_tokens += req.note_preemption(self.now, by_policy)
         req.computed_tokens = 0
@@ -286,37 +301,39 @@ class Simulator:
         """Give every running request its tokens and blocks, in any order, or return None
         (touching nothing) if the budget or the free blocks do not cover them all."""
         eng, bs, blocks = self.settings.engine, self.config.block_size, self.blocks
-        budget, free, lpt = eng.max_num_batched_tokens, self.free_blocks, eng.long_prefill_token_threshold
-        tokens: dict = {}
+        free, lpt = self.free_blocks, eng.long_prefill_token_threshold
+        decodes: list = []
+        chunks: dict = {}
         grown: list = []
-        decode_seqs = sum_ctx = prefill = prefill_sq = 0
+        sum_ctx = prefill = prefill_sq = 0
         for req in self.running:
-            c = req.computed_tokens
-            n = req.prompt_tokens + req.generated - c
-            if n == 1 and req.generated:  # a decode
-                decode_seqs += 1
+            c, g = req.computed_tokens, req.generated
+            n = req.prompt_tokens + g - c
+            if n == 1 and g:  # a decode: one token, which needs a new block every bs tokens
+                decodes.append(req)
                 sum_ctx += c + 1
-            else:
+                if c % bs:  # fits in the blocks it holds
+                    continue
+            else:  # a prefill chunk (the prompt, or a recompute)
                 if 0 < lpt < n:
                     n = lpt
+                chunks[req] = n
                 prefill += n
                 prefill_sq += n * n
-            budget -= n
-            if budget < 0:
-                return None
-            if (c + n - 1) // bs >= (c + bs - 1) // bs:  # crosses into a block it does not hold
-                held = blocks.get(req.id, 0)
-                need = -(-(c + n) // bs) - held
-                free -= need
-                if free < 0:
-                    return None
-                grown.append((req.id, held + need))
-            tokens[req] = n
+                if (c + n - 1) // bs < (c + bs - 1) // bs:  # fits in the blocks it holds
+                    continue
+            held = blocks.get(req.id, 0)
+            need = -(-(c + n) // bs) - held
+            free -= need
+            grown.append((req.id, held + need))
+        # Budget and free blocks only shrink above, so checking them once at the end is enough.
+        budget = eng.max_num_batched_tokens - len(decodes) - prefill
+        if budget < 0 or free < 0:
+            return None
         for rid, held in grown:
             blocks[rid] = held
         self.free_blocks = free
-        step.tokens = tokens
-        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
+        step.decodes, step.chunks, step.sum_kv_context = decodes, chunks, sum_ctx
         step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
         return budget
 
@@ -325,63 +342,77 @@ class Simulator:
         policy, eng, running, blocks = self.policy, self.settings.engine, self.running, self.blocks
         budget = eng.max_num_batched_tokens
         bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
-        tokens = step.tokens
-        i = 0
-        while i < len(running) and budget > 0:
+        decodes, chunks = step.decodes, step.chunks
+        sum_ctx = prefill = prefill_sq = 0
+        i, end = 0, len(running)  # only the preemptions below shrink running
+        while i < end and budget > 0:
             req = running[i]
-            c = req.computed_tokens
-            n = req.prompt_tokens + req.generated - c  # a decode is 1
-            if 0 < lpt < n:
-                n = lpt
-            if n > budget:
-                n = budget
-            if (c + n - 1) // bs < (c + bs - 1) // bs:  # fits in the blocks it holds
-                tokens[req] = n
-                budget -= n
+            c, g = req.computed_tokens, req.generated
+            n = req.prompt_tokens + g - c
+            if n == 1 and g and c % bs:  # a decode within the blocks it holds: the common case
+                decodes.append(req)
+                sum_ctx += c + 1
+                budget -= 1
                 i += 1
                 continue
-            held = blocks.get(req.id, 0)
-            need = -(-(c + n) // bs) - held
-            while need > self.free_blocks:
-                victim = policy.memory_victim(running)
-                vi = running.index(victim)
-                if victim in tokens:  # already served this step: give its budget back
-                    budget += tokens.pop(victim)
-                self._preempt(victim, by_policy=False)
-                step.memory_preempted = True
-                if victim is req:
-                    break
-                if vi < i:
-                    i -= 1
+            decode = n == 1 and g > 0  # else a prefill chunk (the prompt, or a recompute)
+            if not decode:
+                if 0 < lpt < n:
+                    n = lpt
+                if n > budget:
+                    n = budget
+            if (c + n - 1) // bs >= (c + bs - 1) // bs:  # crosses into a block it does not hold
+                held = blocks.get(req.id, 0)
+                need = -(-(c + n) // bs) - held
+                while need > self.free_blocks:
+                    victim = policy.memory_victim(running)
+                    vi = running.index(victim)
+                    if victim in chunks:  # already served this step: take its service back
+                        vn = chunks.pop(victim)
+                        budget += vn
+                        prefill -= vn
+                        prefill_sq -= vn * vn
+                    elif victim in decodes:
+                        decodes.remove(victim)
+                        budget += 1
+                        sum_ctx -= victim.computed_tokens + 1
+                    self._preempt(victim, by_policy=False)
+                    end -= 1
+                    step.memory_preempted = True
+                    if victim is req:
+                        break
+                    if vi < i:
+                        i -= 1
+                else:
+                    self.free_blocks -= need
+                    blocks[req.id] = held + need
+                if req.status == "waiting":  # it was its own victim: running[i] is the next one
+                    continue
+            if decode:
+                decodes.append(req)
+                sum_ctx += c + 1
             else:
-                self.free_blocks -= need
-                blocks[req.id] = held + need
-                tokens[req] = n
-                budget -= n
-                i += 1
-                continue
-            # ``req`` preempted itself; the request now at index i is the next one.
-        decode_seqs = sum_ctx = prefill = prefill_sq = 0
-        for req, n in tokens.items():
-            if n == 1 and req.generated and req.computed_tokens + 1 == req.prompt_tokens + req.generated:
-                decode_seqs += 1
-                sum_ctx += req.computed_tokens + 1
-            else:
+                chunks[req] = n
                 prefill += n
                 prefill_sq += n * n
-        step.decode_seqs, step.sum_kv_context = decode_seqs, sum_ctx
+            budget -= n
+            i += 1
+        step.sum_kv_context = sum_ctx
         step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
         return budget
 
     def _sort_running(self, now: float) -> None:
         if not self._running_sorted:
-            self.running = self.policy.order_running(self.running, now)
+            # running[:_settled] is in the order the policy gave it last (completions and
+            # preemptions only removed from it); admissions since were appended after it.
+            self.running = self.policy.reorder_running(self.running, self._settled, now)
+            self._settled = len(self.running)
             self._running_sorted = True
 
     def _schedule(self, now: float) -> _Step:
         policy, eng = self.policy, self.settings.engine
         self._running_sorted = not policy.reorders_running
-        step = _Step(tokens={})
+        step = _Step()
         step.preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
@@ -412,7 +443,7 @@ class Simulator:
                 self.free_blocks -= need
                 blocks[w.id] = need
                 running.append(w)
-                step.tokens[w] = n
+                step.chunks[w] = n
                 step.prefill_tokens += n  # an admission is always a prefill (prompt or recompute)
                 step.sum_prefill_sq += n * n
                 budget -= n
@@ -425,7 +456,7 @@ class Simulator:
                 step.admitted = True
                 self.waiting.remove(admitted)
 
-        if not step.tokens and not step.preempted:
+        if not step.serves() and not step.preempted:
             raise RuntimeError(f"simulator stalled at t={now:.6f}: nothing schedulable "
                                f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})")
         return step
@@ -442,8 +473,7 @@ class Simulator:
             # With a seat free, whether a waiting request needs a victim depends on the free
             # blocks, which shrink every decode step: decide step by step.
             return 1
-        target = self.target
-        k = min(target[r.id] - r.generated for r in running)  # the stretch ends with a completion
+        k = min(r.output_tokens - r.generated for r in running)  # the stretch ends with a completion
         if k <= 1:
             return 1
         k = min(k, self._kv_safe_steps())
@@ -501,26 +531,43 @@ class Simulator:
     def _advance(self, step: _Step, k: int) -> None:
         self.now += self._stretch_time(step, k)
         self.steps += k
-        now, bs, policy, target = self.now, self.config.block_size, self.policy, self.target
+        now, policy = self.now, self.policy
         finished: list[RequestState] = []
         charges = policy.charges_tokens
-        blocks = self.blocks
-        # The hot loop: locals instead of repeated attribute reads.
-        for req, n in step.tokens.items():
-            p, g = req.prompt_tokens, req.generated
-            if k == 1:
+        # The hot loops: locals instead of repeated attribute reads. Decodes go before prefill
+        # chunks, not in service order; that changes nothing: each update touches its own request,
+        # VTC charges the same amount for every token of a tenant, and completions are sorted below.
+        if k == 1:
+            for req in step.decodes:
+                c = req.computed_tokens + 1
+                g = req.generated + 1
+                req.computed_tokens, req.generated = c, g
+                if charges:
+                    policy.on_tokens(req, 1)
+                req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
+                if g >= req.output_tokens:  # the true length (the engine knows it, policies do not)
+                    finished.append(req)
+            for req, n in step.chunks.items():
                 c = req.computed_tokens + n
                 req.computed_tokens = c
-                if c == p + g:  # prefill or decode complete: sample a token
+                p, g = req.prompt_tokens, req.generated
+                if c == p + g:  # prefill complete: sample a token
                     g += 1
                     req.generated = g
                     if charges:
                         policy.on_tokens(req, 1)
                     if req.first_token_at is None:
                         req.first_token_at = now
-            else:  # a stretch of k pure decode steps
+                done = (c if c < p else p) + g
+                if done > req.attained:  # RequestState.note_progress, inlined
+                    req.attained = done
+                if g >= req.output_tokens:
+                    finished.append(req)
+        else:  # a stretch of k pure decode steps: one token and maybe one block each
+            bs, blocks = self.config.block_size, self.blocks
+            for req in step.decodes:
                 c = req.computed_tokens + k
-                g += k
+                g = req.generated + k
                 req.computed_tokens, req.generated = c, g
                 if charges:
                     policy.on_tokens(req, k)
@@ -529,14 +576,14 @@ class Simulator:
                 if need > 0:
                     self.free_blocks -= need
                     blocks[req.id] = held + need
-            done = (c if c < p else p) + g
-            if done > req.attained:  # RequestState.note_progress, inlined
-                req.attained = done
-            if g >= target[req.id]:
-                finished.append(req)
+                req.attained = c + 1
+                if g >= req.output_tokens:
+                    finished.append(req)
         if policy.counts_steps:
-            unscheduled = [r for r in self.running if r not in step.tokens]
-            policy.on_steps(step.tokens.keys(), unscheduled + list(self.waiting), k)
+            scheduled = step.decodes + list(step.chunks)
+            served = set(scheduled)
+            unscheduled = [r for r in self.running if r not in served]
+            policy.on_steps(scheduled, unscheduled + list(self.waiting), k)
         # Same-time completions in a canonical order, whatever order the running list was in.
         finished.sort(key=arrival_order)
         for req in finished:
@@ -546,7 +593,7 @@ class Simulator:
         now = self.now
         req.finished_at = now
         req.status = "finished"
-        self.running.remove(req)
+        self._leave_running(req)
         self.free_blocks += self.blocks.pop(req.id)
         self.policy.on_finish(req, now)
         if self.predictor is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import insort
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, Iterator, Sequence
@@ -70,6 +71,8 @@ class RequestState:
     score_until: int = 0
     score_value: float = 0.0
     key_value: tuple = ()  # (score_value, arrival, id), cached alongside
+    queue_key: tuple = ()  # the key the waiting queue filed it under (controlplane.policies.queue)
+    running_key: tuple = ()  # the key that placed it in the running order (Policy.reorder_running)
 
     @property
     def total_tokens(self) -> int:
@@ -118,6 +121,10 @@ class Policy:
     reorders_waiting = True
     charges_tokens = False  # wants on_tokens (VTC)
     counts_steps = False  # wants on_steps (sjf's starvation counters)
+    # Set by a policy whose running order is plain key order (``order_running`` not overridden)
+    # and whose ``key`` caches every key it computes (``cache_key``): ``reorder_running`` can then
+    # keep the running list in order by moving only the requests whose key changed.
+    incremental_running_order = False
 
     def __init__(self, settings: Settings, predictor=None) -> None:
         self.settings = settings
@@ -168,6 +175,38 @@ class Policy:
         if not self.reorders_running:
             return list(running)
         return sorted(running, key=self.sort_key(now))
+
+    def reorder_running(self, running: Sequence[RequestState], settled: int, now: float) -> list[RequestState]:
+        """``order_running`` for a list whose first ``settled`` requests are in the order this
+        method returned last time (though their keys may have changed since) and whose other
+        requests are new (just admitted).
+
+        Near saturation only a few running keys change from one step to the next (LAS: a level
+        crossing), yet sorting the nearly sorted list would still cost O(n log n) comparisons of
+        keys. With ``incremental_running_order`` the new requests and those whose key changed are
+        taken out and put back by binary search; the result is the same list ``order_running``
+        returns, since keys are unique (they end in the request id)."""
+        if not self.incremental_running_order:
+            return self.order_running(running, now)
+        epoch = self.epoch
+        head = list(running[:settled])
+        # A request keeps its place while its cached key is valid and is the key it was placed by.
+        moved = [r for r in head if not (r.score_epoch == epoch and r.attained < r.score_until
+                                         and r.key_value is r.running_key)]
+        stale = len(moved)
+        moved += running[settled:]
+        if 8 * len(moved) > len(running):  # many (a new epoch, a first call): sort them all
+            head = self.order_running(running, now)
+            for r in head:
+                r.running_key = r.key_value
+            return head
+        for r in moved[:stale]:
+            head.remove(r)
+        key = self.sort_key(now)
+        for r in moved:
+            insort(head, r, key=key)
+            r.running_key = r.key_value
+        return head
 
     def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
         """Waiting requests (already in queue order) in the order admission should try them;

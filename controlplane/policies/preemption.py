@@ -39,7 +39,8 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
         while seats_w < 1 or need > free_w:
             if candidates is None:
                 candidates = list(running())
-            victim = policy.policy_victim(w, [c for c in candidates if c not in mine], now)
+            others = [c for c in candidates if c not in mine] if mine else candidates
+            victim = policy.policy_victim(w, others, now)
             if victim is None:
                 break
             mine.append(victim)

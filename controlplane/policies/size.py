@@ -84,6 +84,7 @@ class Las(Policy):
 
     name = "las"
     preemptive = True
+    incremental_running_order = True  # levels change only at thresholds: most keys hold
 
     def __init__(self, settings, predictor=None) -> None:
         super().__init__(settings, predictor)
