@@ -212,7 +212,9 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours):
 @click.option("--db", metavar="URL", help="Record into this database while watching (SQLite path or URL).")
 @click.option("--readonly", is_flag=True, help="Watch only: every action that changes the cluster is disabled.")
 @click.option("--replay", metavar="FILE", help="Open a recording (the recorder's database) instead of a live cluster.")
-def tui(cluster_file, cluster_name, db, readonly, replay):
+@click.option("--optuna-storage", metavar="URL",
+              help="Optuna storage for the tuner panel (5): URL or SQLite path; default ./tailpilot-optuna.db if it exists.")
+def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
     """The operator TUI: live cluster view, policy switching and pinning, replay."""
     from storage.store import StoreOpenError
     from tui import run_tui
@@ -222,7 +224,8 @@ def tui(cluster_file, cluster_name, db, readonly, replay):
         raise click.UsageError("give --cluster FILE (live) or --replay FILE (a recording)")
     cluster = load_cluster(cluster_file, cluster_name) if cluster_file else None
     try:
-        run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name)
+        run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name,
+                optuna_storage=optuna_storage)
     except (ReplayError, StoreOpenError) as err:
         raise click.UsageError(str(err))
 

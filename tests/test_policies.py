@@ -316,3 +316,36 @@ def test_simulator_switches_policy_mid_run_without_losing_requests():
     assert sorted(c.id for c in res.completions) == sorted(r.id for r in trace)
     assert all(c.output_tokens == r.output_tokens for c, r in zip(sorted(res.completions, key=lambda c: c.id),
                                                                    sorted(trace, key=lambda r: r.id)))
+
+
+def test_waiting_queue_refiles_several_promotions_into_policy_order():
+    """Two requests promoted in one step: each must land by the others' *filed* keys. Re-filing
+    them one at a time while the other still sits at its old place under its new key put E
+    after B here (a LAS replay hit it 47 times)."""
+    from controlplane.policies.queue import WaitingQueue
+
+    class Promoting:  # the queue's view of a policy: keys, an epoch, and who moved
+        reorders_waiting = True
+        epoch = 0
+
+        def __init__(self):
+            self.keys = {}
+            self.moved = []
+
+        def key(self, req, now):
+            return (self.keys[req.id], req.id)
+
+        def sort_key(self, now):
+            return lambda req: self.key(req, now)
+
+    policy = Promoting()
+    policy.keys = {"A": 1.0, "B": 2.0, "C": 3.0, "D": 4.0, "E": 5.0}
+    queue = WaitingQueue(policy)
+    reqs = {rid: RequestState(id=rid, arrival=0.0, prompt_tokens=1, max_tokens=1) for rid in "ABCDE"}
+    for r in reqs.values():
+        queue.push(r, 0.0)
+    assert [r.id for r in queue.ordered(0.0)] == list("ABCDE")
+    policy.keys.update(C=0.5, E=1.5)  # promoted: C to the front, E between A and B
+    policy.moved = [reqs["E"], reqs["C"]]
+    assert [r.id for r in queue.ordered(0.0)] == list("CAEBD")
+    queue.check_order()

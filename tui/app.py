@@ -45,6 +45,7 @@ from tui import keys as K
 from tui import render as R
 from tui.edits import (
     FieldSpec,
+    RecommendationEdit,
     SettingsEdit,
     current_settings,
     field_errors,
@@ -56,6 +57,7 @@ from tui.edits import (
     try_apply,
 )
 from tui.sources import DataSource, fmt_time, parse_seek
+from tui.tuner_panel import TunerPanel
 from tui.widgets import ClusterTable
 
 log = logging.getLogger(__name__)
@@ -700,8 +702,9 @@ class TailpilotApp(App):
     ENABLE_COMMAND_PALETTE = True
 
     def __init__(self, source: DataSource, cluster_spec: ClusterSpec | None = None, *, readonly: bool = False,
-                 store: Any | None = None, who: str | None = None) -> None:
+                 store: Any | None = None, who: str | None = None, optuna_storage: str | None = None) -> None:
         super().__init__()
+        self.optuna_storage = optuna_storage  # None: ./tailpilot-optuna.db if it exists
         self.source = source
         self.cluster = cluster_spec
         self.store = store
@@ -747,6 +750,7 @@ class TailpilotApp(App):
             yield ReplicaPanel(id="replica")
             yield PolicyPanel(id="policy")
             yield AuditPanel(id="audit")
+            yield TunerPanel(self.optuna_storage, id="tuner")
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -903,6 +907,10 @@ class TailpilotApp(App):
         elif name == "audit":
             self.query_one("#audit-table", DataTable).focus()
             self.reload_audit()
+        elif name == "tuner":
+            panel = self.query_one(TunerPanel)
+            self.query_one("#studies-table", DataTable).focus()
+            self.run_worker(panel.load(), group="tuner-load", exclusive=True, exit_on_error=False)
         self._update_topbar()
         self.refresh_bindings()
 
@@ -1027,10 +1035,12 @@ class TailpilotApp(App):
                     plan["error"] = err
                 else:
                     plan["new"] = new.to_dict()  # type: ignore[union-attr]
+                    if isinstance(edit, RecommendationEdit):
+                        plan["kept_pins"] = edit.kept_pins(cur)
             plans.append(plan)
         return plans
 
-    def confirm_and_apply(self, title: str, edits: dict[str, SettingsEdit]) -> None:
+    def confirm_and_apply(self, title: str, edits: dict[str, Any]) -> None:
         if self.readonly:
             return
         if not edits:
@@ -1064,6 +1074,7 @@ class TailpilotApp(App):
             sev = "information" if r.ok else ("warning" if r.result == "rejected" else "error")
             self.notify(f"{r.replica}: {r.message}", title=r.result, severity=sev, timeout=8)
         self.query_one(PolicyPanel).show_results(results)
+        self.query_one(TunerPanel).show_results(results)
         self.reload_audit()  # the form rebuilds when the next snapshot brings the new version
 
     def action_switch_policy(self) -> None:
@@ -1122,10 +1133,30 @@ class TailpilotApp(App):
         self.confirm_and_apply(f"Apply {edit.describe()} to {len(targets)} replica(s)?",
                                {n: edit for n in targets})
 
+    def action_apply_recommendation(self) -> None:
+        """``R`` in the tuner panel: the shown recommendation to the selected replicas (all when
+        none is selected), pinned parameters kept, through the confirmation with the diff."""
+        panel = self.query_one(TunerPanel)
+        rec = panel.current_rec()
+        if rec is None or rec.summary is None or not rec.summary.get("settings"):
+            why = "still computing" if rec is None and panel.study else (rec.error if rec else "no study selected")
+            self.notify(f"no recommendation to apply: {why}", severity="warning")
+            return
+        known = sorted(self.snapshot.replicas) if self.snapshot else (
+            [r.name for r in self.cluster.replicas] if self.cluster else [])
+        targets = sorted(n for n in self.selected if n in known) if self.selected else known
+        s = rec.summary
+        edit = RecommendationEdit(dict(s["settings"]), study=str(s.get("study") or panel.study or ""),
+                                  trial=s.get("trial"))
+        which = "selected" if self.selected else "all"
+        self.confirm_and_apply(f"Apply the recommendation of study {edit.study} (trial {edit.trial}) to "
+                               f"{len(targets)} replica(s) ({which})? Pinned parameters are kept.",
+                               {n: edit for n in targets})
+
+
 
 def _user() -> str:
     try:
         return getpass.getuser()
     except Exception:  # noqa: BLE001
         return "operator"
-

@@ -238,3 +238,55 @@ def pin_edit(settings: Settings | None, policy: str | None, live: Mapping[str, f
         return None, f"no live {name} known yet"
     value = float(f"{value:.4g}")
     return SettingsEdit(params={name: value}, pin=frozenset({name})), f"pin {name} at {value:g}"
+
+
+# ------------------------------------------------------------------------ applying a recommendation
+
+
+@dataclass(frozen=True)
+class RecommendationEdit:
+    """The ``R`` key of the tuner panel: a study's recommended settings document, applied to a
+    replica's current settings with that replica's **pinned parameters kept** (SPEC §5.1: an
+    applied recommendation never changes a pinned parameter unless the operator unpins it).
+
+    Same interface as :class:`SettingsEdit` (``apply``, callable, ``describe``), so it goes
+    through the same confirmation and the same ``apply_settings`` path. When the replica pins a
+    parameter and the recommendation switches it to another policy, the pin could not be kept:
+    that replica is refused (not sent) with the reason, and the operator unpins first.
+    """
+
+    settings: Mapping[str, Any]
+    study: str = ""
+    trial: int | None = None
+
+    def apply(self, current: Settings) -> Settings:
+        doc = Settings.model_validate(dict(self.settings)).to_dict()
+        pins = list(current.pinned)
+        if pins:
+            if doc["policy"] != current.policy:
+                raise ValueError(f"pinned {', '.join(pins)} on {current.policy}: the recommendation switches to "
+                                 f"{doc['policy']}; unpin first to apply it")
+            for name in pins:
+                doc["params"][name] = current.param(name)
+            doc["pinned"] = pins
+        return Settings.model_validate(doc)
+
+    def __call__(self, current: Settings) -> Settings:
+        return self.apply(current)
+
+    @property
+    def empty(self) -> bool:
+        return False
+
+    def kept_pins(self, current: Settings | None) -> list[tuple[str, str, str]]:
+        """(name, the replica's value kept, the recommended value not applied) per pinned parameter."""
+        if current is None or not current.pinned:
+            return []
+        rec = dict(self.settings).get("params") or {}
+        return [(n, fmt_value(current.param(n)), fmt_value(rec[n]) if n in rec else "—") for n in current.pinned]
+
+    def describe(self) -> str:
+        what = f"recommendation of study {self.study}" if self.study else "recommendation"
+        if self.trial is not None:
+            what += f" (trial {self.trial})"
+        return what

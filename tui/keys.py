@@ -19,7 +19,7 @@ from typing import Iterable
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-PANELS = ("cluster", "replica", "policy", "audit")  # number keys 1..4; 5 is kept for the tuner screen
+PANELS = ("cluster", "replica", "policy", "audit", "tuner")  # number keys 1..5
 GROUPS = ("General", "Panels", "Cluster view", "Replay", "Cluster changes", "Confirmation dialog")
 
 
@@ -61,6 +61,8 @@ KEYS: tuple[Key, ...] = (
         label="Replica"),
     Key("3", "3", "panel('policy')", "Policy panel: switch, edit, pin", "Panels", footer=True, label="Policy"),
     Key("4", "4", "panel('audit')", "Audit log of settings changes", "Panels", footer=True, label="Audit"),
+    Key("5", "5", "panel('tuner')", "Tuner panel: studies, trials, Pareto front, recommendation", "Panels",
+        label="Tuner"),
     # Cluster view
     Key("enter", "enter", "open_replica", "Open the replica under the cursor", "Cluster view",
         screens=("cluster",), bind=False, palette=False),
@@ -89,6 +91,10 @@ KEYS: tuple[Key, ...] = (
     Key("A", "A", "apply_edits", "Apply the policy panel's edits to its targets (enter in a field too)",
         "Cluster changes",
         changes_cluster=True, screens=("policy",), footer=True, label="Apply"),
+    Key("R", "R", "apply_recommendation",
+        "Apply the tuner's recommendation to the selected replicas (all when none is selected); "
+        "pinned parameters are kept", "Cluster changes", changes_cluster=True, screens=("tuner",), footer=True,
+        label="Apply rec"),
     # The confirmation every cluster change passes through.
     Key("y", "y", "confirm", "Apply the change shown in the dialog", "Confirmation dialog", scope="confirm",
         palette=False, label="Apply"),

@@ -4,6 +4,8 @@
     run_tui(cluster_spec, readonly=True)                    # live, read-only
     run_tui(None, replay="recording.db")                     # replay (read-only by construction)
     run_tui(cluster_spec, store=store, duration_s=60)        # an open store (the demo), for a minute
+    run_tui(cluster_spec, optuna_storage="postgresql://...") # the tuner panel (5) on that Optuna storage
+                                                             # (default: ./tailpilot-optuna.db if it exists)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tui.sources import DEFAULT_HISTORY_S, LiveSource, ReplaySource
 def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
               replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
               history_s: float = DEFAULT_HISTORY_S, start_ms: int | None = None,
-              refresh_s: float = 1.0) -> TailpilotApp:
+              refresh_s: float = 1.0, optuna_storage: str | None = None) -> TailpilotApp:
     """The app on a live cluster (``cluster``; a store from ``store`` or ``db_url``, optional) or on
     a recording (``replay``: a SQLite file or a database URL; ``cluster``, if given, only supplies
     the SLOs and the window)."""
@@ -29,20 +31,22 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
             store = Store.open(replay)
         name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.clusters() else None)
         source = ReplaySource(store, name, history_s=history_s, start_ms=start_ms)
-        return TailpilotApp(source, cluster, readonly=readonly, store=store)  # replay is read-only anyway
+        return TailpilotApp(source, cluster, readonly=readonly, store=store,  # replay is read-only anyway
+                            optuna_storage=optuna_storage)
     if cluster is None:
         raise ValueError("a live TUI needs a cluster (or replay= a recording)")
     if store is None and db_url is not None:
         store = Store.open(db_url)
     source = LiveSource(cluster, store, history_s=history_s, refresh_s=refresh_s)
-    app = TailpilotApp(source, cluster, readonly=readonly, store=store)
+    app = TailpilotApp(source, cluster, readonly=readonly, store=store, optuna_storage=optuna_storage)
     source.who = app.who
     return app
 
 
 def run_tui(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
             replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
-            history_s: float = DEFAULT_HISTORY_S, duration_s: float | None = None) -> None:
+            history_s: float = DEFAULT_HISTORY_S, duration_s: float | None = None,
+            optuna_storage: str | None = None) -> None:
     """Run the TUI until the operator quits (``tailpilot tui``), or for ``duration_s`` seconds.
 
     Live: ``cluster`` and optionally a store (``store``, or opened from ``db_url``) that the
@@ -51,7 +55,7 @@ def run_tui(cluster: ClusterSpec | None = None, *, db_url: str | None = None, re
     stays open."""
     own_store = store is None
     app = build_app(cluster, db_url=db_url, readonly=readonly, replay=replay, cluster_name=cluster_name,
-                    store=store, history_s=history_s)
+                    store=store, history_s=history_s, optuna_storage=optuna_storage)
     app.exit_after_s = duration_s
     try:
         app.run()

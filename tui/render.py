@@ -376,6 +376,10 @@ def diff_renderable(plans: Sequence[Mapping[str, Any]]) -> Group:
             line.append(" → ")
             line.append(b, style="green")
             parts.append(line)
+        for name, kept, rec in p.get("kept_pins") or ():
+            line = Text(f"  params.{name}: {kept} ", style="cyan")
+            line.append(f"kept: pinned (recommended {rec} not applied)", style="bold cyan")
+            parts.append(line)
     return Group(*parts)
 
 

@@ -610,6 +610,7 @@ class Simulator:
         assert self.free_blocks >= 0, "KV blocks over capacity"
         for r in self.running:
             assert self.blocks.get(r.id, 0) >= self._blocks_for(r.computed_tokens), f"{r.id} lacks KV"
+        self.waiting.check_order()
 
 
 def simulate(trace, settings: Settings, config: EngineConfig | None = None, **kw) -> SimResult:

@@ -62,22 +62,24 @@ class WaitingQueue:
     def _refile(self, moved: list[RequestState], now: float) -> None:
         """Move requests whose own key changed (a starvation promotion) to their new places.
 
-        They are taken out and re-inserted one at a time, and each binary search already sees the
-        requests still to move under their new keys at their old places. That is how the queue
-        has always re-filed them (when the key function was called at every probe); keep it, or
-        orders (and simulation results) change in the rare case a search probes such a request."""
-        items = self._items
-        old_keys = [req.queue_key for req in moved]
+        All of them leave first, found under the keys they were filed by, so every binary search
+        runs over a list that is in order; then each is filed under its new key."""
+        items, key = self._items, self.policy.key
+        moved = list(dict.fromkeys(moved))  # a request promoted twice moves once
         for req in moved:
-            req.queue_key = self.policy.key(req, now)
-        for req, old_key in zip(moved, old_keys):
-            new_key, req.queue_key = req.queue_key, old_key  # find it where it was filed
-            i = bisect_left(items, old_key, key=_filed_key)
-            if i == len(items) or items[i] is not req:  # the search was misled (see above): scan
-                i = items.index(req)
+            i = bisect_left(items, req.queue_key, key=_filed_key)
+            if i == len(items) or items[i] is not req:  # keys end in the id, so this is a bug
+                raise AssertionError(f"waiting queue lost track of {req.id}")
             del items[i]
-            req.queue_key = new_key
+        for req in moved:
+            req.queue_key = key(req, now)
             insort(items, req, key=_filed_key)
+
+    def check_order(self) -> None:
+        """Assert the queue is in the order of the keys its requests were filed by (for tests)."""
+        if self.policy.reorders_waiting and self._epoch == self.policy.epoch:
+            keys = [req.queue_key for req in self._items]
+            assert all(a <= b for a, b in zip(keys, keys[1:])), "waiting queue out of policy order"
 
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
