@@ -128,6 +128,9 @@ class Simulator:
         self.next_refit = self.now + self.config.refit_interval_s
         self.gamma_timeline: list[tuple[float, float]] = []
         self._horizon = INF  # advance_to's bound: no stretch of steps runs past it
+        # Called once per loop iteration with (start time, prefill tokens, Σ prefill², decode
+        # sequences, Σ KV context, steps in the stretch): a live twin's step log and metrics.
+        self.step_listener: Callable[[float, int, int, int, int, int], None] | None = None
 
     # --- live control (the twin replicas use this exactly as the plugin does) -------------
     def apply_settings(self, settings: Settings) -> None:
@@ -173,6 +176,16 @@ class Simulator:
             raise ValueError(f"request {new[0].id} arrives at {new[0].arrival} before the last queued "
                              f"request ({self.arrivals[-1].arrival})")
         self.arrivals.extend(new)
+
+    def drain(self) -> tuple[list[Completion], list[str]]:
+        """Hand over (and forget) the completions and rejected ids so far, and drop the arrivals
+        already admitted: what a simulator that runs for days must not keep."""
+        done, self.completions = self.completions, []
+        rejected, self.rejected = self.rejected, []
+        if self.next_arrival:
+            del self.arrivals[:self.next_arrival]
+            self.next_arrival = 0
+        return done, rejected
 
     # --- the loop -------------------------------------------------------------------------
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
@@ -239,6 +252,9 @@ class Simulator:
                                    f"service (policy {policy.name}, waiting={len(self.waiting)}, "
                                    f"running={len(self.running)}, free_blocks={self.free_blocks})")
         n_steps = self._steady_steps(step, now) if self.event_skipping else 1
+        if self.step_listener is not None:
+            self.step_listener(now, step.prefill_tokens, step.sum_prefill_sq, step.decode_seqs,
+                               step.sum_kv_context, n_steps)
         self._advance(step, n_steps)
         self.iterations += 1
         if self.check_invariants:

@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TICK_S = 0.05  # 64 busy twins: ~10% of one core at 0.05 s, ~15% at 0.025 s
 DEFAULT_MAX_MODEL_LEN = 8192  # Llama-3-8B, the default step-time model's model
 LAP_SEP = "@"  # looped ids: "<id>@<lap>"
-COMPACT_EVERY_S = 10.0  # wall seconds between trims of the simulator's consumed arrivals
 
 # vLLM 0.32's default histogram buckets (vllm/v1/metrics/buckets.py), copied so that twins do not
 # import vLLM.
@@ -204,25 +203,6 @@ def split_round_robin(trace: Sequence[TraceRequest], n: int) -> list[list[TraceR
 
 
 # ------------------------------------------------------------------------------------- simulator
-class _TwinSimulator(Simulator):
-    """The simulator with a hook on each applied step (or stretch of k identical steps), for the
-    step log and the per-step metrics. It relies on ``Simulator._advance(step, k)`` and the step's
-    composition fields; if those change, the hook disables itself (empty step log) rather than
-    breaking the twin."""
-
-    step_hook = None
-
-    def _advance(self, step, k):  # noqa: D401 - engine internals
-        hook = self.step_hook
-        if hook is not None:
-            try:
-                hook(self.now, step.prefill_tokens, step.sum_prefill_sq, step.decode_seqs, step.sum_kv_context, k)
-            except AttributeError as err:  # the engine's step record changed shape
-                log.warning("twin step log disabled: %s", err)
-                self.step_hook = None
-        return super()._advance(step, k)
-
-
 class _Hist:
     """A histogram kept by hand: observations with a multiplicity, emitted as a metric family."""
 
@@ -376,15 +356,14 @@ class TwinReplica:
         self.core = ReplicaCore(self.startup_settings, replica=self.name, clock=self._time)
         self._feed = _Feed(self._requests, self._period, self._loop)
         self._feed.skip_to(at)
-        sim = _TwinSimulator([], self.startup_settings, self.config)
-        sim.step_hook = self._on_step
+        sim = Simulator([], self.startup_settings, self.config)
+        sim.step_listener = self._on_step
         if at > 0:
             sim.advance_to(at)  # idle: just moves its clock
         self.sim = sim
         self.stats = _Stats(self.max_model_len)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_TwinCollector(self))
-        self._next_compact = time.monotonic() + COMPACT_EVERY_S
         self.error = None
 
     def start(self) -> "TwinReplica":
@@ -512,7 +491,7 @@ class TwinReplica:
     def _collect(self, sim: Simulator) -> None:
         """Move the simulator's new completions into the completions log and the metrics."""
         core, stats, epoch = self.core, self.stats, self.clock.epoch
-        done = sim.completions
+        done, rejected = sim.drain()  # the log owns them now (a twin may run for days)
         if done:
             h = stats.hists
             records = []
@@ -544,16 +523,10 @@ class TwinReplica:
                     h["vllm:request_time_per_output_token_seconds"].observe(gap)
                     h["vllm:inter_token_latency_seconds"].observe(gap, n - 1)
             core.log_completions(records)
-            done.clear()  # drained: the log owns them now (a twin may run for days)
-        if sim.rejected:
-            stats.rejected += len(sim.rejected)
-            sim.rejected.clear()
+        stats.rejected += len(rejected)
         core.preemptions_total = sim.preemptions
         core.recomputed_tokens_total = sim.recomputed_tokens
         core.steps_total = sim.steps
-        if time.monotonic() >= self._next_compact:
-            self._next_compact = time.monotonic() + COMPACT_EVERY_S
-            _compact(sim)
 
     # --- what the API reads -----------------------------------------------------------------
     def _kv(self) -> dict[str, Any]:
@@ -590,22 +563,6 @@ class TwinReplica:
 
     def api_health(self) -> bool:
         return self.error is None
-
-
-def _compact(sim: Simulator) -> None:
-    """Drop what a long-running simulator keeps but never reads again: arrivals already admitted
-    and the true lengths of finished requests. Relies on the engine's list/dict representation;
-    skipped if that changes."""
-    arrivals, target = getattr(sim, "arrivals", None), getattr(sim, "target", None)
-    k = getattr(sim, "next_arrival", None)
-    if isinstance(arrivals, list) and isinstance(k, int) and k > 0:
-        del arrivals[:k]
-        sim.next_arrival = 0
-    if isinstance(target, dict) and len(target) > 4 * (len(sim.running) + len(sim.waiting)) + 1024:
-        live = {r.id for r in sim.running}
-        live.update(r.id for r in sim.waiting)
-        for rid in [rid for rid in target if rid not in live]:
-            del target[rid]
 
 
 class _TwinCollector:
