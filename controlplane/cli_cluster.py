@@ -20,7 +20,6 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 

@@ -51,7 +51,8 @@ def twins(monkeypatch):
 
 
 def spec_of(twins, **kw) -> ClusterSpec:
-    return ClusterSpec(name="twins", poll_interval_s=0.25, timeout_s=1.0, window_s=30.0,
+    # timeout_s: generous, so a loaded CI machine does not turn a slow answer into a failed apply.
+    return ClusterSpec(name="twins", poll_interval_s=0.25, timeout_s=5.0, window_s=30.0,
                        slos={"ttft_p99": 2.0, "ttlt_p99": 30.0},
                        replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url,
                                              token_env=TOKEN_ENV) for t in twins], **kw)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
-from pathlib import Path
 
 import optuna
 import pytest
@@ -22,15 +21,10 @@ from tui.main import build_app
 from tui.tuner_data import resolve_storage
 from tuner import study as st
 from tuner.recommend import jsonable, recommend
-from tuner.twin import start_twins
 
-from test_tui_functional import (  # noqa: E402  (shared helpers; tests/ is on sys.path)
-    SPEED,
-    TOKEN,
-    TOKEN_ENV,
-    UNIBOOST,
+from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the twins fixture)
+    twins,
     get_settings,
-    minute_trace,
     notifications,
     spec_of,
     started,
@@ -202,14 +196,6 @@ def test_no_storage_says_how_to_create_a_study(replay_app, tmp_path, monkeypatch
 
 
 # ------------------------------------------------------------------------------- applying (live)
-
-
-@pytest.fixture
-def twins(monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    with start_twins(3, minute_trace(), speed=SPEED, token=TOKEN, rate_scale=2.0,
-                     settings=Settings.model_validate(UNIBOOST)) as tw:
-        yield tw
 
 
 def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_rows(twins, studies, tmp_path):

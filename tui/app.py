@@ -9,7 +9,6 @@ changes in workers: nothing the operator presses waits on the network.
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import logging
 import time

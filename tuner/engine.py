@@ -19,7 +19,6 @@ runs the same code one step at a time, for checking.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from dataclasses import dataclass, field

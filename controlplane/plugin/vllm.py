@@ -15,7 +15,6 @@ Settings arrive through the control API (``plugin.api``) and are swapped in at t
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Iterable, Iterator
@@ -242,7 +241,7 @@ class TailpilotMixin:
             state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        self._tp_now = now = time.time()
+        self._tp_now = time.time()
         states = self.tp_core.states
         result = super().update_from_output(scheduler_output, model_runner_output)
         for req_id in scheduler_output.num_scheduled_tokens:

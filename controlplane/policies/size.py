@@ -6,7 +6,7 @@ import heapq
 import itertools
 import math
 
-from controlplane.policies.base import INF, Policy, RequestState, new_epoch
+from controlplane.policies.base import INF, Policy, RequestState
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
 TOP_PRIORITY = -1e18
