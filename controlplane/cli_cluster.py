@@ -249,12 +249,20 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     from controlplane.cluster import ClusterFile, ClusterSpec, ReplicaSpec
     from tuner.twin import start_twins
 
+    from tuner import traces
+
+    try:
+        trace = traces.load_bundled() if trace_path is None else traces.load_trace(trace_path)
+    except traces.TraceError as err:
+        raise click.UsageError(str(err))
+    if len({r.tenant for r in trace}) == 1:  # three Zipf tenants, so the fairness views have something to show
+        trace = traces.assign_tenants_zipf(trace, 3, seed=0)
     token_env = "TAILPILOT_DEMO_TOKEN"
     os.environ.setdefault(token_env, secrets.token_hex(16))
     settings = Settings.model_validate({"policy": policy})
     # The bundled window is about one A100's load; at 1.5× per replica queues build and tails show.
     scale = rate_scale if rate_scale is not None else 1.5 * n
-    with start_twins(n, trace_path, speed=speed, rate_scale=scale, settings=settings,
+    with start_twins(n, trace, speed=speed, rate_scale=scale, settings=settings,
                      token=os.environ[token_env], cluster_name="demo") as twins:
         cluster = ClusterSpec(name="demo", window_s=60.0, slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
                               replicas=[ReplicaSpec(name=r.name, api_url=r.url, control_url=r.url,

@@ -139,3 +139,22 @@ def test_cluster_file_errors_name_the_field(tmp_path):
     assert res.exit_code == 2
     assert "clusters[0].replicas[0].control_url" in res.output
     assert "clusters[0].replicas[0].colour" in res.output
+
+
+def test_demo_with_a_bad_trace_is_a_usage_error_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    res = run("demo", "--trace", str(bad), "--no-tui", "--duration", "1")
+    assert res.exit_code == 2
+    assert "bad.csv" in res.output and "unknown trace format" in res.output
+
+
+def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = run("demo", "--replicas", "2", "--speed", "20", "--no-tui", "--duration", "6", "--db", "demo.db")
+    assert res.exit_code == 0, res.output
+    with Store.open(str(tmp_path / "demo.db")) as store:
+        latest = store.latest_samples("demo")
+        assert sorted(latest) == ["twin-0", "twin-1"] and all(s.healthy for s in latest.values())
+        tenants = {c.tenant for c in store.completions("demo")}
+    assert len(tenants) > 1  # the demo spreads the bundled trace over Zipf tenants
