@@ -1099,7 +1099,11 @@ async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: Repl
             produced = produced.to_dict()
         if not isinstance(produced, Mapping):
             raise ValueError(f"the change must give a settings document, got {type(produced).__name__}")
-        new_doc = Settings.model_validate(dict(produced)).to_dict()  # validate before sending
+        # Engine fields a document leaves out keep the replica's values, as the replica's own
+        # PUT does — not the model's defaults, which would read as a restart-required change.
+        engine = produced.get("engine") if isinstance(produced.get("engine"), Mapping) else {}
+        produced = {**produced, "engine": {**res.old.get("engine", {}), **engine}}
+        new_doc = Settings.model_validate(produced).to_dict()  # validate before sending
     except (ValidationError, ValueError, KeyError, AttributeError) as err:
         res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
         res.new = dict(produced) if isinstance(produced, Mapping) else None

@@ -158,3 +158,24 @@ def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
         assert sorted(latest) == ["twin-0", "twin-1"] and all(s.healthy for s in latest.values())
         tenants = {c.tenant for c in store.completions("demo")}
     assert len(tenants) > 1  # the demo spreads the bundled trace over Zipf tenants
+
+
+def test_a_plain_document_keeps_the_replicas_engine(tmp_path, monkeypatch):
+    """apply_settings with a document that has no engine block: the replica keeps its engine
+    (not the model defaults, which would read as a restart-required change)."""
+    import asyncio
+
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import apply_settings
+    from controlplane.settings import Settings
+
+    monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
+    start = Settings.model_validate({"policy": "sarathi", "engine": {"max_num_seqs": 64}})
+    with start_twins(1, small_trace(), speed=20, token=TOKEN, settings=start) as cluster:
+        path = tmp_path / "c.yaml"
+        cluster.write_cluster_yaml(path)
+        spec = load_cluster_file(path).cluster()
+        [res] = asyncio.run(apply_settings(spec, None, {"policy": "fcfs"}))
+        assert res.ok, res.message
+        assert res.restart_required == []
+        assert settings_of(cluster.replicas[0])["settings"]["engine"]["max_num_seqs"] == 64
