@@ -99,6 +99,8 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
         raise click.UsageError(describe_error(err))
 
 
+# Option groups: what picks and shapes a trace, what sizes the simulated engine, and what only a
+# batch simulation takes. ``sim``/``compare`` take all three; ``twin`` the first two.
 trace_options = [
     click.option("--trace", "trace_path", metavar="FILE", help="Trace file (any supported format); default: the bundled Azure conv window."),
     click.option("--rate-scale", type=float, help="Multiply the arrival rate by X."),
@@ -107,11 +109,15 @@ trace_options = [
     click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens."),
     click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants."),
     click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
+]
+engine_options = [
     click.option("--max-num-seqs", type=int, help="Engine: max running sequences."),
     click.option("--max-num-batched-tokens", type=int, help="Engine: token budget per step."),
     click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off)."),
     click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000)."),
     click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
+]
+batch_options = [
     click.option("--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."),
     click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
     click.option("--predictor", type=click.Choice(["oracle", "history"]), default="oracle", show_default=True,
@@ -119,10 +125,15 @@ trace_options = [
 ]
 
 
-def with_trace_options(fn):
-    for opt in reversed(trace_options):
-        fn = opt(fn)
-    return fn
+def with_options(*groups):
+    def decorate(fn):
+        for opt in reversed([o for group in groups for o in group]):
+            fn = opt(fn)
+        return fn
+    return decorate
+
+
+with_trace_options = with_options(trace_options, engine_options, batch_options)
 
 
 def _engine_dict(kw: dict) -> dict:
@@ -234,23 +245,11 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
 @main.command()
 @click.option("--replicas", "-n", type=click.IntRange(1, 4096), default=2, show_default=True,
               help="Number of simulated replicas (twin-0, twin-1, ...).")
-@click.option("--trace", "trace_path", metavar="FILE", help="Trace file (any supported format); default: the bundled Azure conv window.")
 @click.option("--speed", type=float, default=1.0, show_default=True, help="Replica clock speed (10 = ten simulated seconds per wall second).")
-@click.option("--rate-scale", type=float, help="Multiply the arrival rate by X (of the whole trace, before the split).")
-@click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s (whole cluster).")
-@click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds.")
-@click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens.")
-@click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants.")
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
               help="Start-up policy (sarathi = vLLM's own behaviour, as a plugin without a settings file).")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
 @click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
-@click.option("--max-num-seqs", type=int, help="Engine: max running sequences.")
-@click.option("--max-num-batched-tokens", type=int, help="Engine: token budget per step.")
-@click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off).")
-@click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000).")
-@click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the replicas listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="First port (replica i listens on PORT+i); 0 = ephemeral ports.")
@@ -258,10 +257,12 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
 @click.option("--loop/--no-loop", default=True, show_default=True, help="Replay the trace again when it runs out.")
 @click.option("--cluster-out", type=click.Path(dir_okay=False, writable=True), help="Write a cluster YAML for the twins here.")
 @click.option("--cluster-name", default="twins", show_default=True, help="Cluster name in the YAML.")
+@with_options(trace_options, engine_options)
 def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tenants, seed, policy, assignments, pins,
          num_gpu_blocks, step_model, host, port, token, loop, cluster_out, cluster_name, **engine):
     """Start simulated replicas serving the control API and vLLM's /metrics, fed by a trace in
-    (accelerated) real time, until Ctrl-C or SIGTERM."""
+    (accelerated) real time, until Ctrl-C or SIGTERM. Rate options apply to the whole trace,
+    before it is split round-robin across the replicas."""
     import secrets
     import signal
     import threading

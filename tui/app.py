@@ -646,12 +646,7 @@ class PolicyPanel(Vertical):
         await self.load()
 
     def show_results(self, results: Iterable[Any]) -> None:
-        text = Text("last apply:\n", style="bold")
-        for r in results:
-            style = "green" if r.ok else ("yellow" if r.result == "rejected" else "bold red")
-            text.append(f"  {r.replica}: ", style="bold")
-            text.append(f"{r.result} — {r.message}\n", style=style)
-        self.query_one("#last-result", Static).update(text)
+        self.query_one("#last-result", Static).update(R.apply_results(results))
 
     def focus_form(self) -> None:
         for w in self.query("#form Input, #form Checkbox, #form Select"):

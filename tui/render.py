@@ -395,3 +395,13 @@ def help_table(groups: Sequence[tuple[str, list[tuple[str, str, str]]]]) -> Tabl
             table.add_row(key, desc, Text(note, style=style))
     return table
 
+
+def apply_results(results: Iterable[Any]) -> Text:
+    """What the last apply did, per replica (``collector.ApplyResult``): the policy panel and the
+    tuner panel show the same lines."""
+    text = Text("last apply:\n", style="bold")
+    for r in results:
+        style = "green" if r.ok else ("yellow" if r.result == "rejected" else "bold red")
+        text.append(f"  {r.replica}: ", style="bold")
+        text.append(f"{r.result} — {r.message}\n", style=style)
+    return text

@@ -22,6 +22,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 from textual_plotext import PlotextPlot
 
+from tui import render as R
 from tui import tuner_data as D
 from tui import tuner_render as TR
 
@@ -217,9 +218,4 @@ class TunerPanel(Vertical):
         return self.recs.get(self.study) if self.study else None
 
     def show_results(self, results: Any) -> None:
-        text = Text("last apply:\n", style="bold")
-        for r in results:
-            style = "green" if r.ok else ("yellow" if r.result == "rejected" else "bold red")
-            text.append(f"  {r.replica}: ", style="bold")
-            text.append(f"{r.result} — {r.message}\n", style=style)
-        self.query_one("#tuner-result", Static).update(text)
+        self.query_one("#tuner-result", Static).update(R.apply_results(results))
