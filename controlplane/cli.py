@@ -30,21 +30,16 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
                 window: str | None, cap: int | None, tenants: int | None, seed: int):
     from tuner import traces
 
-    trace = traces.load_bundled() if path in (None, "bundled") else traces.load_trace(path, seed=seed)
+    span = None
     if window:
         try:
             start, dur = (float(x) for x in window.split(":"))
         except ValueError:
             raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window")
-        trace = traces.time_window(trace, start, dur)
-    if rate_scale is not None:
-        trace = traces.scale_rate(trace, rate_scale)
-    if target_rate is not None:
-        trace = traces.target_rate(trace, target_rate)
-    if cap is not None:
-        trace = traces.cap_max_tokens(trace, cap)
-    if tenants:
-        trace = traces.assign_tenants_zipf(trace, tenants, seed=seed)
+        span = (start, dur)
+    trace = traces.load_bundled() if path in (None, "bundled") else traces.load_trace(path, seed=seed)
+    trace = traces.transform(trace, window=span, rate_scale=rate_scale, rate=target_rate, max_tokens_cap=cap,
+                             tenants=tenants, seed=seed)
     if len(trace) == 0:
         raise click.UsageError("the trace is empty after the transforms")
     return trace

@@ -248,8 +248,7 @@ def build_traces(spec: StudySpec) -> list[tr.Trace]:
     for path in spec.traces:
         try:
             trace = tr.load_bundled() if path is None else tr.load_trace(path, seed=spec.seed)
-            if spec.trim:
-                trace = tr.time_window(trace, *spec.trim)
+            trace = tr.transform(trace, window=spec.trim)
             if spec.mix and len(trace):
                 parts: list[tuple[tr.Trace, float]] = []
                 for i, (mpath, frac) in enumerate(spec.mix):
@@ -258,14 +257,9 @@ def build_traces(spec: StudySpec) -> list[tr.Trace]:
                 rest = 1.0 - math.fsum(f for _, f in parts)
                 trace = tr.mix([(trace, rest), *parts], seed=spec.seed,
                                name=trace.name + "+" + "+".join(f"{f:g}*{p.name}" for p, f in parts))
-            if spec.rate_scale is not None:
-                trace = tr.scale_rate(trace, spec.rate_scale)
-            if spec.target_rate is not None:
-                trace = tr.target_rate(trace, spec.target_rate)
-            if spec.max_tokens_cap is not None:
-                trace = tr.cap_max_tokens(trace, spec.max_tokens_cap)
-            if spec.tenants:
-                trace = tr.assign_tenants_zipf(trace, spec.tenants, seed=spec.seed)
+            # The rest in the command line's order (after the mix, which scales with the trace).
+            trace = tr.transform(trace, rate_scale=spec.rate_scale, rate=spec.target_rate,
+                                 max_tokens_cap=spec.max_tokens_cap, tenants=spec.tenants, seed=spec.seed)
         except tr.TraceError as err:
             raise TuneError(str(err)) from None
         out.append(trace)

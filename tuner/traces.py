@@ -801,6 +801,24 @@ def cap_max_tokens(trace: Trace, cap: int) -> Trace:
     )
 
 
+def transform(trace: Trace, *, window: tuple[float, float] | None = None, rate_scale: float | None = None,
+              rate: float | None = None, max_tokens_cap: int | None = None, tenants: int | None = None,
+              seed: int = 0) -> Trace:
+    """The command line's transforms, in their one order: time window, rate scale, target rate,
+    max_tokens cap, Zipf tenants (each skipped when None)."""
+    if window is not None:
+        trace = time_window(trace, *window)
+    if rate_scale is not None:
+        trace = scale_rate(trace, rate_scale)
+    if rate is not None:
+        trace = target_rate(trace, rate)
+    if max_tokens_cap is not None:
+        trace = cap_max_tokens(trace, max_tokens_cap)
+    if tenants:
+        trace = assign_tenants_zipf(trace, tenants, seed=seed)
+    return trace
+
+
 def scale_tokens(trace: Trace, prompt_factor: float = 1.0, output_factor: float = 1.0) -> Trace:
     """Scale prompt and output lengths (rounded to nearest, at least 1 token).
 
