@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-DB_ENV = "TAILPILOT_DB"  # as controlplane.cli_cluster: default database URL when --db is not given
+from controlplane.cli_cluster import DB_ENV
 
 
 def _open_existing_store(db: str | None):

@@ -23,9 +23,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from controlplane.cli_cluster import DB_ENV
 from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
-
-DB_ENV = "TAILPILOT_DB"
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
 _SPEC_FLAGS: dict[str, tuple[str, str]] = {
