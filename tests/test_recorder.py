@@ -72,17 +72,27 @@ def test_sigterm_flushes_everything(twins, tmp_path):
     # A flush interval far longer than the run: whatever is stored was written by the SIGTERM flush.
     Store.open(str(db)).close()  # migrated up front: the test reads it while the recorder runs
     proc = _start(cluster_file, db, "--flush-interval", "600")
+    # Read stderr as it comes: the recorder's start-up (imports) takes seconds on a loaded CI machine,
+    # so wait for its first polls (one "healthy" line per replica) instead of a fixed sleep.
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
     try:
-        time.sleep(2.0)
+        _wait(lambda: sum(" healthy" in line for line in err_lines) >= len(twins.replicas), timeout=60,
+              what="the recorder's first polls", proc=proc)
+        time.sleep(1.5)  # ~15 more polls per replica at 0.1 s
         assert proc.poll() is None
         with Store.open(str(db)) as store:
             assert store.cursors("twins") == {}  # nothing flushed yet
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        out = proc.stdout.read()
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = "".join(err_lines)
     assert proc.returncode == 0, err
     assert time.monotonic() - t0 < 10
     stats = json.loads(out.strip().splitlines()[-1])
