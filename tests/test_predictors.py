@@ -220,7 +220,8 @@ def test_observe_never_refits(monkeypatch):
     assert h.predict_dist(req()) == before  # predictions only change on refit
 
 
-def test_history_refit_100_keys_2000_samples_is_fast():
+def test_history_refit_fits_every_key_level():
+    # (Its wall time, < 1 s for this size, is measured by benchmarks/predictor_refit.py, not here.)
     rng = np.random.default_rng(9)
     h = HistoryPredictor(window=5000)
     for k in range(100):
@@ -234,8 +235,7 @@ def test_history_refit_100_keys_2000_samples_is_fast():
     n_keys = h.refit()
     dt = time.perf_counter() - t0
     assert n_keys == 100 + 20 + 10 + 1  # fine keys, (tenant, type), (tenant,), global
-    assert dt < 1.0, f"refit took {dt:.3f}s"
-    assert h.last_refit_s == pytest.approx(dt, rel=0.5)
+    assert 0 < h.last_refit_s <= dt  # the refit records its own duration
 
 
 def test_history_validates_params():
