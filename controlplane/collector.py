@@ -19,9 +19,11 @@ replica (bounded by the cluster's ``timeout_s``) only delays itself.
 
 Exactly-once: a replica's cursor is persisted in the same transaction as the completions it covers
 (``Batch.cursors``); a batch the store refuses (``StoreBusy``) is kept and retried with the next,
-never dropped. On start the cursors come from the store. A replica that restarted (its counters
-went backwards, or it has fewer completions than our cursor) is read again from cursor 0; the
-store's unique key on (replica, request id) absorbs any re-delivery.
+never dropped. On start the cursors come from the store, each with the replica instance it counts
+in. A replica that restarted (its /state ``instance`` changed, its counters went backwards, or it
+has fewer completions than our cursor) is read again from cursor 0; the store's unique key on
+(replica, request id) absorbs any re-delivery. The instance is what catches a restart while no
+collector ran that has since completed more requests than the stored cursor.
 
 A replica without the tailpilot plugin (the control API answers 404) still gives a sample from
 ``/metrics`` alone: it stays healthy, with ``reason`` saying "metrics only: no tailpilot control
@@ -378,6 +380,10 @@ def _opt_int(x: Any) -> int | None:
     return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def _opt_str(x: Any) -> str | None:
+    return x if isinstance(x, str) and x else None
+
+
 def _opt_float(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
@@ -390,12 +396,13 @@ class PollResult:
     groups: list[GroupSampleRow]
     completions: list[CompletionRow]
     cursor: int | None  # the cursor after ``completions``; None when the state poll failed
+    instance: str | None = None  # the replica instance ``cursor`` counts in, when it reports one
 
 
 class ReplicaView:
     """One replica as the collector sees it: health, last documents, cursor and window."""
 
-    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0) -> None:
+    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0, instance: str | None = None) -> None:
         self.spec = spec
         self.name = spec.name
         self.window_s = float(window_s)
@@ -404,6 +411,7 @@ class ReplicaView:
         self.metrics: dict[str, float] = {}
         self.metrics_error: str | None = None  # the last /metrics poll's error
         self.cursor = int(cursor)
+        self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
         self.window = _Window()
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
@@ -423,6 +431,9 @@ class ReplicaView:
         """Why ``doc`` shows the replica restarted since the last poll (None if it did not)."""
         finished = _opt_int(doc.get("finished_total"))
         steps = _opt_int(doc.get("steps_total"))
+        instance = _opt_str(doc.get("instance"))
+        if instance is not None and self.instance is not None and instance != self.instance:
+            return f"instance changed from {self.instance} to {instance}"
         if finished is not None and finished < self.cursor:
             return f"finished_total {finished} < cursor {self.cursor}"
         if doc["next_cursor"] < self.cursor:
@@ -460,6 +471,7 @@ class ReplicaView:
                 self.reset_for_restart()
                 self.last_restart = (t, answer.restarted)
             self.cursor = answer.cursor
+            self.instance = _opt_str(answer.doc.get("instance")) or self.instance
             state, completions = answer.doc, answer.completions
         if metrics is not None:
             self.metrics = metrics
@@ -495,7 +507,8 @@ class ReplicaView:
         self._set_health(t, row.healthy, row.reason, "metrics-only" if no_plugin else
                          ("plugin" if state is not None else self.health.mode))
         self.sample, self.groups = row, groups
-        return PollResult(row, groups, completions, self.cursor if state is not None else None)
+        return PollResult(row, groups, completions, self.cursor if state is not None else None,
+                          self.instance if state is not None else None)
 
     def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
                          t_ms: int) -> list[GroupSampleRow]:
@@ -866,10 +879,11 @@ class Collector:
         await asyncio.to_thread(self.store.ensure_replicas, self.cluster.name,
                                 [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
         cursors = await asyncio.to_thread(self.store.cursors, self.cluster.name)
+        instances = await asyncio.to_thread(self.store.cursor_instances, self.cluster.name)
         for name, cursor in cursors.items():
             view = self.views.get(name)
             if view is not None and cursor:
-                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor)
+                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instances.get(name))
 
     async def run(self, stop: asyncio.Event) -> CollectorStats:
         """Poll until ``stop`` is set, then flush everything pending and return the stats."""
@@ -918,6 +932,8 @@ class Collector:
             if result.cursor is not None:
                 p.completions.extend(result.completions)
                 p.cursors[name] = result.cursor
+                if result.instance is not None:
+                    p.instances[name] = result.instance
         for fn in self._poll_listeners:
             try:
                 fn(name, result)
@@ -1022,7 +1038,8 @@ class Collector:
         self._pending = Batch(samples=batch.samples + newer.samples,
                               group_samples=batch.group_samples + newer.group_samples,
                               completions=batch.completions + newer.completions,
-                              cursors={**batch.cursors, **newer.cursors})
+                              cursors={**batch.cursors, **newer.cursors},
+                              instances={**batch.instances, **newer.instances})
 
 
 async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = None,

@@ -179,6 +179,9 @@ class CollectorCursor(Base):
     replica_id: Mapped[int] = mapped_column(ForeignKey("replicas.id"), primary_key=True)
     cursor: Mapped[int] = mapped_column(BigInteger)
     updated_ms: Mapped[int] = mapped_column(BigInteger)
+    # The replica incarnation (its /state "instance") the cursor counts in; None for replicas
+    # that do not report one.
+    instance: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class SettingsChange(Base):

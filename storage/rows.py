@@ -96,13 +96,15 @@ class Batch:
 
     ``cursors`` maps replica name -> the control API cursor after the completions in this batch;
     storing it in the same transaction as the completions is what makes a restart lose and
-    duplicate nothing.
+    duplicate nothing. ``instances`` names the replica incarnation each cursor counts in, so a
+    replica restarted while nothing recorded it is read again from 0.
     """
 
     samples: list[SampleRow] = field(default_factory=list)
     group_samples: list[GroupSampleRow] = field(default_factory=list)
     completions: list[CompletionRow] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)  # replica -> the instance its cursor counts in
 
     def __len__(self) -> int:
         return len(self.samples) + len(self.group_samples) + len(self.completions)

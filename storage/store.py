@@ -225,7 +225,7 @@ class Store:
             self._insert_samples(conn, batch.samples, ids)
             self._insert_group_samples(conn, batch.group_samples, ids)
             self._insert_completions(conn, batch.completions, ids, now)
-            self._upsert_cursors(conn, batch.cursors, ids, now)
+            self._upsert_cursors(conn, batch.cursors, batch.instances, ids, now)
             self._touch_last_seen(conn, batch.samples, ids)
             return ids
 
@@ -240,6 +240,16 @@ class Store:
         )
         with self._read() as conn:
             return {name: cursor for name, cursor in conn.execute(stmt)}
+
+    def cursor_instances(self, cluster: str) -> dict[str, str]:
+        """Replica name -> the replica instance its stored cursor counts in (where one was reported)."""
+        stmt = (
+            select(Replica.name, CollectorCursor.instance)
+            .join(CollectorCursor, CollectorCursor.replica_id == Replica.id)
+            .where(Replica.cluster == cluster, CollectorCursor.instance.is_not(None))
+        )
+        with self._read() as conn:
+            return {name: instance for name, instance in conn.execute(stmt)}
 
     def record_settings_change(
         self,
@@ -543,10 +553,13 @@ class Store:
         conn.execute(insert_ignoring(conn, Completion.__table__, ["replica_id", "request_id"]), params)
 
     @staticmethod
-    def _upsert_cursors(conn: Connection, cursors: dict[str, int], ids: dict[str, int], now_ms: int) -> None:
+    def _upsert_cursors(conn: Connection, cursors: dict[str, int], instances: dict[str, str], ids: dict[str, int],
+                        now_ms: int) -> None:
         if cursors:
-            params = [{"replica_id": ids[n], "cursor": c, "updated_ms": now_ms} for n, c in cursors.items()]
-            stmt = insert_or_update(conn, CollectorCursor.__table__, ["replica_id"], ["cursor", "updated_ms"])
+            params = [{"replica_id": ids[n], "cursor": c, "updated_ms": now_ms, "instance": instances.get(n)}
+                      for n, c in cursors.items()]
+            stmt = insert_or_update(conn, CollectorCursor.__table__, ["replica_id"],
+                                    ["cursor", "updated_ms", "instance"])
             conn.execute(stmt, params)
 
     @staticmethod

@@ -207,6 +207,21 @@ def test_restart_detection():
     assert "steps_total went back" in view.restarted(_state(2.0, [], 600, finished_total=700, steps_total=3))
 
 
+def test_restart_detection_by_instance():
+    """A replica restarted while nothing polled it may have completed more than the stored cursor:
+    its counters look fine, only the instance tells."""
+    spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
+    view = ReplicaView(spec, window_s=60.0, cursor=500, instance="a")
+    assert view.restarted(_state(1.0, [], 900, finished_total=900, instance="a")) is None
+    assert view.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) == "instance changed from a to b"
+    unknown = ReplicaView(spec, window_s=60.0, cursor=500)  # a cursor stored without an instance
+    assert unknown.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) is None
+    result = unknown.build(1.0, _StateAnswer(_state(1.0, [], 900, finished_total=900, instance="b"), [], 900),
+                           None, [], None)
+    assert unknown.instance == "b" and result.instance == "b" and result.cursor == 900
+    assert unknown.restarted(_state(2.0, [], 950, finished_total=950, instance="c")).startswith("instance changed")
+
+
 def test_metrics_only_replica_is_healthy_and_marked():
     spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
     view = ReplicaView(spec, window_s=60.0)
@@ -618,7 +633,7 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
 
         run = asyncio.run(scenario())
         view = run.collector.views[tw[0].name]
-        assert "finished_total" in view.last_restart[1]
+        assert "instance changed" in view.last_restart[1]
         after = tw[0].core.completions_since(0, limit=10**9)[0]
         cursor = store.cursors("twins")[tw[0].name]
         assert cursor == view.cursor
@@ -631,6 +646,39 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
         # ... a prefix of its log: nothing in the middle went missing.
         assert old == set(before[:len(old)])
         assert assert_exactly_once(store, "twins", tw[1:]) > 0
+
+
+def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
+    """The recorder is down; the replica restarts and completes more requests than the stored
+    cursor. Its counters cannot tell; the stored instance does, and nothing of it is lost."""
+    with start_twins(1, mixed_trace(), speed=SPEED, token=TOKEN) as tw:
+        store = Store.open(str(tmp_path / "t.db"))
+        cluster = _cluster([(t.name, t.url, t.control_url) for t in tw], poll=0.1, name="twins")
+        name = tw[0].name
+
+        async def record_until(cond, what):
+            async with Running(cluster, store, flush_interval_s=0.2) as run:
+                await wait_until(lambda: cond(run.collector.views[name]), what=what)
+            return run.collector.views[name]
+
+        first = asyncio.run(record_until(lambda v: v.cursor > 30, "first completions"))
+        stored_cursor = store.cursors("twins")[name]
+        assert stored_cursor == first.cursor and store.cursor_instances("twins") == {name: tw[0].core.instance}
+        tw[0].restart(fresh=True)  # while no collector runs
+        deadline = time.monotonic() + 20
+        while tw[0].core.finished_total <= stored_cursor + 20:
+            assert time.monotonic() < deadline, "the restarted twin made no progress"
+            time.sleep(0.05)
+        second = asyncio.run(record_until(lambda v: v.cursor > stored_cursor + 20, "reading the new instance"))
+
+    assert second.last_restart is not None and "instance changed" in second.last_restart[1]
+    assert store.cursor_instances("twins") == {name: tw[0].core.instance}
+    cursor = store.cursors("twins")[name]
+    new = {c["id"] for c in tw[0].core.completions_since(0, limit=10**9)[0] if c["seq"] < cursor}
+    stored = [c.request_id for c in store.completions("twins", name)]
+    assert len(stored) == len(set(stored))
+    assert new <= set(stored)  # from the new instance's first completion on
+    store.close()
 
 
 def test_poll_once_for_status(twins, proxy):

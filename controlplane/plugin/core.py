@@ -15,6 +15,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,9 @@ class ReplicaCore:
     def __init__(self, settings: Settings, *, replica: str = "replica", clock=time.time) -> None:
         self.replica = replica
         self.clock = clock
+        # Names this incarnation: a collector whose cursor belongs to another instance reads from 0
+        # (the counters alone cannot tell a restart that has since completed more than the cursor).
+        self.instance = uuid.uuid4().hex
         self._lock = threading.Lock()  # guards staging and the logs; the step itself is lock-free
         self.settings = settings
         self.version = 1
@@ -273,7 +277,7 @@ class ReplicaCore:
         completions, next_cursor = self.completions_since(cursor)
         live = self.policy.live_state() if live is None else live
         return {
-            "replica": self.replica, "time": self.clock(), "policy": self.settings.policy,
+            "replica": self.replica, "instance": self.instance, "time": self.clock(), "policy": self.settings.policy,
             "settings": self.settings.to_dict(), "settings_version": self.version,
             "waiting": len(waiting), "running": running, "waiting_by_tenant": by_tenant,
             "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
