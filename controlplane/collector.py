@@ -57,6 +57,7 @@ from storage.rows import (
     GroupSampleRow,
     LatencyPercentiles,
     SampleRow,
+    SettingsSeenRow,
 )
 
 __all__ = [
@@ -397,6 +398,7 @@ class PollResult:
     completions: list[CompletionRow]
     cursor: int | None  # the cursor after ``completions``; None when the state poll failed
     instance: str | None = None  # the replica instance ``cursor`` counts in, when it reports one
+    settings_seen: SettingsSeenRow | None = None  # the settings document, when its version or instance is new
 
 
 class ReplicaView:
@@ -412,6 +414,7 @@ class ReplicaView:
         self.metrics_error: str | None = None  # the last /metrics poll's error
         self.cursor = int(cursor)
         self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
+        self._settings_key: tuple[str | None, int | None] | None = None  # (instance, version) last stored
         self.window = _Window()
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
@@ -479,9 +482,11 @@ class ReplicaView:
         row = SampleRow(replica=self.name, t_ms=t_ms, healthy=not errors,
                         reason="; ".join(errors) if errors else None)
         groups: list[GroupSampleRow] = []
+        seen: SettingsSeenRow | None = None
         if state is not None:
             self.state = {k: v for k, v in state.items() if k != "completions"}
             self._remember_counters(state)
+            seen = self._settings_seen(state, t_ms)
             now_r = _opt_float(state.get("time"))
             if now_r is None:  # a document without a clock: fall back to the newest finish / ours
                 now_r = max([c.finished_s for c in completions] + [t])
@@ -508,7 +513,16 @@ class ReplicaView:
                          ("plugin" if state is not None else self.health.mode))
         self.sample, self.groups = row, groups
         return PollResult(row, groups, completions, self.cursor if state is not None else None,
-                          self.instance if state is not None else None)
+                          self.instance if state is not None else None, seen)
+
+    def _settings_seen(self, state: Mapping[str, Any], t_ms: int) -> SettingsSeenRow | None:
+        """The settings document as a row when this (instance, version) was not stored yet."""
+        settings = state.get("settings")
+        key = (self.instance, _opt_int(state.get("settings_version")))
+        if not isinstance(settings, dict) or key == self._settings_key:
+            return None
+        self._settings_key = key
+        return SettingsSeenRow(self.name, t_ms, key[1], key[0], settings)
 
     def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
                          t_ms: int) -> list[GroupSampleRow]:
@@ -934,6 +948,8 @@ class Collector:
                 p.cursors[name] = result.cursor
                 if result.instance is not None:
                     p.instances[name] = result.instance
+            if result.settings_seen is not None:
+                p.settings_seen.append(result.settings_seen)
         for fn in self._poll_listeners:
             try:
                 fn(name, result)
@@ -1034,12 +1050,7 @@ class Collector:
 
     def _requeue(self, batch: Batch) -> None:
         """Put a refused batch back in front of what arrived meanwhile (newer cursors win)."""
-        newer = self._pending
-        self._pending = Batch(samples=batch.samples + newer.samples,
-                              group_samples=batch.group_samples + newer.group_samples,
-                              completions=batch.completions + newer.completions,
-                              cursors={**batch.cursors, **newer.cursors},
-                              instances={**batch.instances, **newer.instances})
+        self._pending = batch.followed_by(self._pending)
 
 
 async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = None,

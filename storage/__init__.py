@@ -27,6 +27,7 @@ _EXPORTS = {
     "SampleRow": "storage.rows",
     "GroupSampleRow": "storage.rows",
     "CompletionRow": "storage.rows",
+    "SettingsSeenRow": "storage.rows",
     "LatencyPercentiles": "storage.rows",
 }
 

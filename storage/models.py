@@ -184,6 +184,23 @@ class CollectorCursor(Base):
     instance: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
+class SettingsSeen(Base):
+    """A replica's settings document as the collector first saw it at a new version or instance.
+
+    The audit log holds the changes tailpilot made; this holds what every replica actually ran,
+    whoever changed it (or since start-up), so a replay shows the parameters in force at any time."""
+
+    __tablename__ = "settings_seen"
+    __table_args__ = (Index("ix_settings_seen_replica_t", "replica_id", "t_ms"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica_id: Mapped[int] = _replica_fk()
+    t_ms: Mapped[int] = mapped_column(BigInteger)
+    instance: Mapped[str | None] = mapped_column(String(64))
+    version: Mapped[int | None] = mapped_column(Integer)
+    settings: Mapped[Any] = mapped_column(Json)
+
+
 class SettingsChange(Base):
     """Audit log: who tried to change which replica's settings, from what to what, and the outcome."""
 

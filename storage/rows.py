@@ -12,7 +12,8 @@ Latency percentiles are in seconds, ``None`` when the window held no request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 LATENCIES: tuple[str, ...] = ("ttft", "ttlt", "tbt")
@@ -91,6 +92,17 @@ class CompletionRow:
 
 
 @dataclass(slots=True)
+class SettingsSeenRow:
+    """A replica's settings document, seen at a new (instance, version)."""
+
+    replica: str
+    t_ms: int
+    version: int | None
+    instance: str | None
+    settings: dict[str, Any]
+
+
+@dataclass(slots=True)
 class Batch:
     """Everything one collector flush writes, in one transaction.
 
@@ -105,6 +117,12 @@ class Batch:
     completions: list[CompletionRow] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)  # replica -> the instance its cursor counts in
+    settings_seen: list[SettingsSeenRow] = field(default_factory=list)
+
+    def followed_by(self, newer: "Batch") -> "Batch":
+        """This batch and a newer one as one: rows in order, the newer cursors (and instances) win."""
+        return Batch(**{f.name: (getattr(self, f.name) | getattr(newer, f.name)) if f.type.startswith("dict")
+                        else getattr(self, f.name) + getattr(newer, f.name) for f in fields(Batch)})
 
     def __len__(self) -> int:
-        return len(self.samples) + len(self.group_samples) + len(self.completions)
+        return len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)

@@ -56,6 +56,7 @@ from storage.models import (
     Replica,
     Sample,
     SettingsChange,
+    SettingsSeen,
     sample_rollups,
 )
 from storage.retention import RetentionReport, RetentionSettings
@@ -66,6 +67,7 @@ from storage.rows import (
     GroupSampleRow,
     LatencyPercentiles,
     SampleRow,
+    SettingsSeenRow,
 )
 from storage.sql import SUPPORTED_BACKENDS, insert_ignoring, insert_or_update
 
@@ -226,6 +228,7 @@ class Store:
             self._insert_group_samples(conn, batch.group_samples, ids)
             self._insert_completions(conn, batch.completions, ids, now)
             self._upsert_cursors(conn, batch.cursors, batch.instances, ids, now)
+            self._insert_settings_seen(conn, batch.settings_seen, ids)
             self._touch_last_seen(conn, batch.samples, ids)
             return ids
 
@@ -430,6 +433,18 @@ class Store:
         with self._read() as conn:
             return [{k: row._mapping[k] for k in keys} for row in conn.execute(stmt)]
 
+    def settings_seen(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
+        """The settings documents replicas ran, oldest first: dicts with t_ms, replica, instance,
+        version, settings (one per new version or instance the collector saw)."""
+        stmt = select(Replica.name.label("replica"), SettingsSeen.t_ms, SettingsSeen.instance, SettingsSeen.version,
+                      SettingsSeen.settings)
+        stmt = stmt.join(Replica, Replica.id == SettingsSeen.replica_id).where(Replica.cluster == cluster)
+        if replica is not None:
+            stmt = stmt.where(Replica.name == replica)
+        stmt = stmt.order_by(SettingsSeen.t_ms, SettingsSeen.id)
+        with self._read() as conn:
+            return [dict(row._mapping) for row in conn.execute(stmt)]
+
     def recordings(self, cluster: str | None = None) -> list[RecordingInfo]:
         """All recordings (of ``cluster``), oldest first."""
         stmt = select(Recording.__table__).order_by(Recording.started_ms, Recording.id)
@@ -563,6 +578,13 @@ class Store:
             conn.execute(stmt, params)
 
     @staticmethod
+    def _insert_settings_seen(conn: Connection, rows: Sequence[SettingsSeenRow], ids: dict[str, int]) -> None:
+        if rows:
+            conn.execute(insert(SettingsSeen.__table__), [
+                {"replica_id": ids[r.replica], "t_ms": r.t_ms, "instance": r.instance, "version": r.version,
+                 "settings": r.settings} for r in rows])
+
+    @staticmethod
     def _touch_last_seen(conn: Connection, rows: Sequence[SampleRow], ids: dict[str, int]) -> None:
         """Advance ``replicas.last_seen_ms`` to the newest healthy sample (never backwards)."""
         newest: dict[str, int] = {}
@@ -610,6 +632,7 @@ def _replica_names(batch: Batch) -> set[str]:
     names.update(r.replica for r in batch.group_samples)
     names.update(r.replica for r in batch.completions)
     names.update(batch.cursors)
+    names.update(r.replica for r in batch.settings_seen)
     return names
 
 

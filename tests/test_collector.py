@@ -648,6 +648,41 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
         assert assert_exactly_once(store, "twins", tw[1:]) > 0
 
 
+def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
+    """A change made behind tailpilot's back (a direct PUT: no audit row) is still recorded, once per
+    version, with the document the replica reports; a restart records the start-up settings again."""
+    with start_twins(1, mixed_trace(), speed=SPEED, token=TOKEN) as tw:
+        store = Store.open(str(tmp_path / "t.db"))
+        cluster = _cluster([(t.name, t.url, t.control_url) for t in tw], poll=0.05, name="twins")
+        name = tw[0].name
+
+        async def scenario():
+            async with Running(cluster, store, flush_interval_s=0.1) as run:
+                view = run.collector.views[name]
+                await wait_until(lambda: view.polls > 3, what="first polls")
+                with httpx.Client(base_url=tw[0].url, trust_env=False, timeout=10) as c:
+                    r = c.put("/tailpilot/v1/settings", headers={"Authorization": f"Bearer {TOKEN}"},
+                              json={"policy": "uniboost", "params": {"gamma": 4.0}, "pinned": ["gamma"]})
+                    assert r.status_code == 200, r.text
+                await wait_until(lambda: (view.state or {}).get("settings_version") == 2, what="version 2 seen")
+                await wait_until(lambda: view.polls > 12, what="more polls")
+                tw[0].restart(fresh=True)
+                await wait_until(lambda: view.restarts == 1 and view.polls > 20, what="the restart seen")
+
+        asyncio.run(scenario())
+        seen = store.settings_seen("twins", name)
+        store.close()
+    assert store_audit_is_empty(tmp_path / "t.db")
+    assert [(r["version"], r["settings"]["policy"]) for r in seen] == [(1, "sarathi"), (2, "uniboost"), (1, "sarathi")]
+    assert seen[1]["settings"]["params"]["gamma"] == 4.0 and seen[1]["settings"]["pinned"] == ["gamma"]
+    assert seen[0]["instance"] == seen[1]["instance"] != seen[2]["instance"]
+    assert [r["t_ms"] for r in seen] == sorted(r["t_ms"] for r in seen)
+
+
+def store_audit_is_empty(path) -> bool:
+    with Store.open(str(path)) as store:
+        return store.settings_changes("twins") == []
+
 def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
     """The recorder is down; the replica restarts and completes more requests than the stored
     cursor. Its counters cannot tell; the stored instance does, and nothing of it is lost."""

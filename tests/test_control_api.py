@@ -40,10 +40,14 @@ def test_put_stages_and_the_next_step_applies(api):
     assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
     assert core.policy.name == "fcfs"  # not yet: applied at the top of the next step
     assert client.get("/settings").json()["settings"]["policy"] == "uniboost"
+    staged = client.get("/state").json()  # the running document and its version, and what is staged
+    assert (staged["policy"], staged["settings"]["policy"], staged["settings_version"]) == ("fcfs", "fcfs", 1)
+    assert staged["pending_version"] == 2
     core.begin_step(now=1.0)
     assert core.policy.name == "uniboost" and core.policy.gamma == 8.0
     state = client.get("/state").json()
     assert state["policy"] == "uniboost" and state["settings_version"] == 2 and state["gamma_live"] == 8.0
+    assert state["settings"]["policy"] == "uniboost" and state["pending_version"] is None
 
 
 def test_restart_required_engine_fields_are_reported(api):

@@ -537,3 +537,17 @@ def test_postgres_fixture_fails_rather_than_skips_without_binaries(monkeypatch):
     monkeypatch.setattr(postgres_support, "find_pg_bin", missing)
     with pytest.raises(pytest.fail.Exception, match="no initdb here"):
         postgres_support._start_or_fail()
+
+
+def test_a_refused_batch_goes_back_in_front_of_newer_rows():
+    from storage.rows import SettingsSeenRow
+
+    rng = random.Random(3)
+    old = Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 1)], cursors={"r1": 1, "r2": 4},
+                instances={"r1": "a"}, settings_seen=[SettingsSeenRow("r1", T0, 1, "a", {"policy": "fcfs"})])
+    new = Batch(samples=[sample(rng, "r1", T0 + 1)], completions=[completion("r1", 2)], cursors={"r1": 2},
+                instances={"r1": "b"}, settings_seen=[SettingsSeenRow("r1", T0 + 1, 2, "b", {"policy": "las"})])
+    both = old.followed_by(new)
+    assert both.samples == old.samples + new.samples and both.completions == old.completions + new.completions
+    assert both.cursors == {"r1": 2, "r2": 4} and both.instances == {"r1": "b"}
+    assert [r.version for r in both.settings_seen] == [1, 2] and len(both) == len(old) + len(new)

@@ -275,6 +275,22 @@ def test_replay_source_seek_step_and_settings(store):
     assert asyncio.run(src.audit()) == store.settings_changes("fixture")[:4]
 
 
+def test_replay_settings_come_from_what_the_replicas_ran(store):
+    """Settings the collector saw win over the audit log from the first one on; before it, the
+    audit log is all a recording has."""
+    from storage.rows import Batch, SettingsSeenRow
+
+    seen = [SettingsSeenRow("twin-1", T0 + 50_000, 7, "i1", {"policy": "las", "params": {}}),
+            SettingsSeenRow("twin-1", T0 + 70_000, 8, "i1", {"policy": "vtc", "params": {}})]
+    store.write("fixture", Batch(settings_seen=seen))
+    src = ReplaySource(store)
+    assert src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"  # the audit log, before any seen row
+    assert src.settings_at("twin-1", T0 + 50_000)["policy"] == "las"
+    assert src.settings_at("twin-1", T0 + 69_999)["policy"] == "las"  # not the audit log's later pin
+    assert src.settings_at("twin-1", T0 + 99_000)["policy"] == "vtc"
+    assert src.snapshot_at(T0 + 75_000).replicas["twin-1"].settings["policy"] == "vtc"
+    assert src.settings_at("twin-0", T0 + 99_000) is None
+
 def test_replay_refuses_a_store_without_the_cluster(store):
     from tui.sources import ReplayError
 

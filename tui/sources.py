@@ -285,6 +285,11 @@ class ReplaySource:
         self.position = self.start_ms if start_ms is None else self.clamp(start_ms)
         self.playing = False
         self._audit_all = store.settings_changes(self.cluster_name, None, 100_000)
+        self._seen: dict[str, tuple[list[int], list[dict[str, Any]]]] = {}  # replica -> (times, documents)
+        for row in store.settings_seen(self.cluster_name):  # oldest first
+            times, docs = self._seen.setdefault(row["replica"], ([], []))
+            times.append(row["t_ms"])
+            docs.append(row["settings"])
         self._cache: dict[str, _ReplicaCache] = {}
         self._cache_lo = self._cache_hi = 0
         self._wake = asyncio.Event()
@@ -379,7 +384,13 @@ class ReplaySource:
         self._cache, self._cache_lo, self._cache_hi = cache, lo, hi
 
     def settings_at(self, replica: str, t_ms: int) -> dict[str, Any] | None:
-        """The replica's settings document as of ``t_ms``, from the audit log (None if unknown)."""
+        """The replica's settings document as of ``t_ms``: the newest one the collector saw it run,
+        else (a recording older than that record) the newest change applied through tailpilot's
+        audit log; None if neither knows."""
+        times, docs = self._seen.get(replica, ((), ()))
+        i = bisect.bisect_right(times, t_ms)
+        if i:
+            return docs[i - 1]
         for row in self._audit_all:  # newest first
             if row["replica"] == replica and row["t_ms"] <= t_ms and row["result"] == "applied" and row["new"]:
                 return row["new"]

@@ -81,7 +81,8 @@ class ReplicaCore:
         self.instance = uuid.uuid4().hex
         self._lock = threading.Lock()  # guards staging and the logs; the step itself is lock-free
         self.settings = settings
-        self.version = 1
+        self.version = 1  # of the newest document: the staged one if any, else the active one
+        self.active_version = 1  # of ``self.settings``, the document the steps run with
         self._pending: Settings | None = None
         # The history predictor survives policy switches: what it learned stays useful.
         self.predictor = HistoryPredictor()
@@ -168,7 +169,7 @@ class ReplicaCore:
         with self._lock:
             new, self._pending = self._pending, None
             if new is not None:
-                self.settings = new
+                self.settings, self.active_version = new, self.version
         return new
 
     def begin_step(self, now: float) -> Policy:
@@ -278,7 +279,10 @@ class ReplicaCore:
         live = self.policy.live_state() if live is None else live
         return {
             "replica": self.replica, "instance": self.instance, "time": self.clock(), "policy": self.settings.policy,
-            "settings": self.settings.to_dict(), "settings_version": self.version,
+            # The active document and its version (they always match); a staged one shows only as
+            # its version until the next step applies it.
+            "settings": self.settings.to_dict(), "settings_version": self.active_version,
+            "pending_version": self.version if self.version != self.active_version else None,
             "waiting": len(waiting), "running": running, "waiting_by_tenant": by_tenant,
             "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
             "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
