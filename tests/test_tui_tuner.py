@@ -65,7 +65,7 @@ def plain(v) -> str:
 
 async def tuner_ready(pilot, app, study: str | None = None):
     panel = app.query_one("#tuner")
-    await wait_for(pilot, lambda: panel.loaded and panel.detail is not None
+    await wait_for(pilot, lambda: panel.loaded and panel.detail is not None and panel.detail_pending is None
                    and (study is None or panel.detail.info.name == study)
                    and panel.current_rec() is not None, timeout=60, what="tuner panel loaded")
     await pilot.pause(0.1)

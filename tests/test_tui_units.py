@@ -238,6 +238,19 @@ def test_sort_key_puts_missing_values_last():
     assert [r.name for r in sorted(reps, key=R.sort_key("ttlt"))] == ["a", "c", "b"]
 
 
+def test_replica_header_shows_a_staged_settings_version():
+    from controlplane.collector import Health, ReplicaSnapshot
+
+    row = SampleRow("r", 0, True, policy="fcfs", settings_version=3)
+    settings = {"policy": "fcfs", "params": {}}
+
+    def header(state):
+        return R.replica_header(ReplicaSnapshot("r", Health(True, None), row, [], settings, 3, state, {}, 0, 0)).plain
+
+    assert "(settings v3)" in header({"pending_version": None}) and "staged" not in header({"pending_version": None})
+    assert "(settings v3) v4 staged" in header({"pending_version": 4})
+
+
 # ------------------------------------------------------------------------------------------ replay
 
 

@@ -57,7 +57,7 @@ from tui.edits import (
 )
 from tui.sources import DataSource, fmt_time, parse_seek
 from tui.tuner_panel import TunerPanel
-from tui.widgets import ClusterTable
+from tui.widgets import AutoSizedTable, ClusterTable, fill_table
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +314,10 @@ class ReplicaPanel(Vertical):
             with Vertical(id="tenant-box"):
                 yield Static(Text("per tenant (the window)", style="bold"), classes="title")
                 yield Static("", id="fairness")
-                yield DataTable(id="tenant-table", cursor_type="none", zebra_stripes=True)
+                yield AutoSizedTable(id="tenant-table", cursor_type="none", zebra_stripes=True)
             with Vertical(id="type-box"):
                 yield Static(Text("per request type (the window)", style="bold"), classes="title")
-                yield DataTable(id="type-table", cursor_type="none", zebra_stripes=True)
+                yield AutoSizedTable(id="type-table", cursor_type="none", zebra_stripes=True)
 
     def on_mount(self) -> None:
         t = self.query_one("#tenant-table", DataTable)
@@ -347,14 +347,8 @@ class ReplicaPanel(Vertical):
             weights = (rs.settings.get("params") or {}).get("weights") or None
         rows, summary = R.tenant_table(rs.groups if rs else [], slos, weights)
         self.query_one("#fairness", Static).update(summary)
-        t = self.query_one("#tenant-table", DataTable)
-        t.clear()
-        for row in rows:
-            t.add_row(*row)
-        y = self.query_one("#type-table", DataTable)
-        y.clear()
-        for row in R.type_share_rows(rs.groups if rs else []):
-            y.add_row(*row)
+        fill_table(self.query_one("#tenant-table", DataTable), rows)
+        fill_table(self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else []))
 
     @staticmethod
     def _draw(plot: PlotextPlot, s: R.Series, span_s: float) -> None:
@@ -659,7 +653,7 @@ class PolicyPanel(Vertical):
 class AuditPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(Text("settings audit log (newest first)", style="bold"), id="audit-title", classes="title")
-        yield DataTable(id="audit-table", cursor_type="row", zebra_stripes=True)
+        yield AutoSizedTable(id="audit-table", cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
         t = self.query_one(DataTable)
@@ -672,10 +666,7 @@ class AuditPanel(Vertical):
         t.add_column("message", key="message")
 
     def update_from(self, rows: list[dict[str, Any]], note: str | None = None) -> None:
-        t = self.query_one(DataTable)
-        t.clear()
-        for a in rows:
-            t.add_row(*R.audit_row(a))
+        fill_table(self.query_one(DataTable), [R.audit_row(a) for a in rows])
         title = Text("settings audit log (newest first)", style="bold")
         title.append(f" · {len(rows)} entries")
         if note:

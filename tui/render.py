@@ -206,6 +206,9 @@ def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) ->
     out.append(f"  │ policy {pol or '—'}")
     if rs.settings_version is not None:
         out.append(f" (settings v{rs.settings_version})")
+    pending = (rs.state or {}).get("pending_version")
+    if isinstance(pending, int):  # staged by a PUT; the replica applies it at its next engine step
+        out.append(f" v{pending} staged", style="yellow")
     s = rs.sample
     if s is not None:
         if s.gamma_live is not None:

@@ -25,6 +25,7 @@ from textual_plotext import PlotextPlot
 from tui import render as R
 from tui import tuner_data as D
 from tui import tuner_render as TR
+from tui.widgets import AutoSizedTable, fill_table
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class TunerPanel(Vertical):
         self.studies: list[D.StudyInfo] = []
         self.study: str | None = None  # the selected study
         self.detail: D.StudyDetail | None = None
+        self.detail_pending: str | None = None  # the study whose detail is being read
         self.recs: dict[str, D.RecInfo] = {}
         self._rec_pending: set[str] = set()
         self._loading = False
@@ -63,11 +65,11 @@ class TunerPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(TR.tuner_title(None, None, "loading…"), id="tuner-title")
         yield Static("", id="tuner-message")
-        yield DataTable(id="studies-table", cursor_type="row", zebra_stripes=True)
+        yield AutoSizedTable(id="studies-table", cursor_type="row", zebra_stripes=True)
         with Horizontal(id="tuner-body"):
             with Vertical(id="trials-box"):
                 yield Static(Text("trials", style="bold"), id="trials-title")
-                yield DataTable(id="trials-table", cursor_type="row", zebra_stripes=True)
+                yield AutoSizedTable(id="trials-table", cursor_type="row", zebra_stripes=True)
             with Vertical(id="tuner-right"):
                 yield PlotextPlot(id="tuner-plot")
                 with VerticalScroll(id="rec-box"):
@@ -116,9 +118,7 @@ class TunerPanel(Vertical):
     def _fill_studies(self) -> None:
         self.query_one("#tuner-title", Static).update(TR.tuner_title(self.url, len(self.studies)))
         t = self.query_one("#studies-table", DataTable)
-        t.clear()
-        for s in self.studies:
-            t.add_row(*TR.study_row(s), key=s.name)
+        fill_table(t, [TR.study_row(s) for s in self.studies], [s.name for s in self.studies])
         if not self.studies:
             self._show_message("the storage holds no study yet: create one with tailpilot tune --study NAME ...")
             return
@@ -133,9 +133,12 @@ class TunerPanel(Vertical):
             self.select(str(event.row_key.value))
 
     def select(self, name: str, *, force: bool = False) -> None:
-        if name == self.study and not force and self.detail is not None:
+        # The cursor landing on the selected study (RowHighlighted, after _fill_studies) is not a
+        # new selection: re-reading it would re-render the trials table under the operator's eyes.
+        if name == self.study and not force and (self.detail is not None or self.detail_pending == name):
             return
         self.study = name
+        self.detail_pending = name
         self.run_worker(partial(self._load_detail, name), group="tuner-detail", exclusive=True, exit_on_error=False)
 
     async def _load_detail(self, name: str) -> None:
@@ -145,6 +148,9 @@ class TunerPanel(Vertical):
             log.exception("study unreadable")
             self._show_message(f"study {name}: {type(err).__name__}: {err}")
             return
+        finally:
+            if self.detail_pending == name:
+                self.detail_pending = None
         if name != self.study:
             return
         self.detail = detail
@@ -178,8 +184,7 @@ class TunerPanel(Vertical):
         t.clear(columns=True)
         for c in TR.trial_columns(d.info.objectives):
             t.add_column(c)
-        for row, trial in zip(TR.trial_rows(d), d.trials):
-            t.add_row(*row, key=str(trial.number))
+        fill_table(t, TR.trial_rows(d), [str(trial.number) for trial in d.trials])
         title = Text(f"trials of {d.info.name}", style="bold")
         title.append(f" · {len(d.trials)} · ★ = {'best' if len(d.info.objectives) == 1 else 'Pareto front'}"
                      " · (prod) = trial 0, the production settings", style="dim")

@@ -11,17 +11,18 @@ sort), a cursor row, zebra stripes, vertical scrolling.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
-from textual.events import Click
+from textual.events import Click, Idle
 from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widgets import DataTable
 
 PAD = 1  # blanks on each side of a cell
 
@@ -220,3 +221,38 @@ class ClusterTable(ScrollView, can_focus=True):
 
     def on_blur(self) -> None:
         self.refresh()
+
+
+
+class AutoSizedTable(DataTable):
+    """A DataTable whose columns, once re-measured, are what the screen shows.
+
+    DataTable measures new rows on its next idle. A frame painted before that (likely on a busy
+    machine) caches its lines at the old column widths, and those lines stay cached — truncated
+    cells — until the cursor moves or the table resizes (Textual 8.2). After an idle that
+    measured new rows, drop the line cache and repaint."""
+
+    def _on_idle(self, event: Idle) -> None:
+        # Textual calls every class's _on_idle, this one first: DataTable's measures next, and
+        # call_next runs once the idle handlers are done.
+        if getattr(self, "_require_update_dimensions", False) and hasattr(self, "_clear_caches"):
+            self.call_next(self._repaint_measured)
+
+    def _repaint_measured(self) -> None:
+        self._clear_caches()
+        self.refresh()
+
+
+def fill_table(table: DataTable, rows: Iterable[Sequence[Any]], keys: Iterable[str] | None = None) -> None:
+    """Replace a DataTable's rows. DataTable sizes its columns on its next idle, and an idle only
+    follows a message the table itself processes; rows added from another widget's handler or a
+    worker post none, so the columns could stay sized to their headers until the next key or
+    timer. ``check_idle`` posts one."""
+    table.clear()
+    if keys is None:
+        for row in rows:
+            table.add_row(*row)
+    else:
+        for row, key in zip(rows, keys):
+            table.add_row(*row, key=key)
+    table.check_idle()
