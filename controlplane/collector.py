@@ -874,12 +874,11 @@ class Collector:
             return
         await asyncio.to_thread(self.store.ensure_replicas, self.cluster.name,
                                 [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
-        cursors = await asyncio.to_thread(self.store.cursors, self.cluster.name)
-        instances = await asyncio.to_thread(self.store.cursor_instances, self.cluster.name)
-        for name, cursor in cursors.items():
+        positions = await asyncio.to_thread(self.store.cursor_positions, self.cluster.name)
+        for name, (cursor, instance) in positions.items():
             view = self.views.get(name)
             if view is not None and cursor:
-                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instances.get(name))
+                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instance)
 
     async def run(self, stop: asyncio.Event) -> CollectorStats:
         """Poll until ``stop`` is set, then flush everything pending and return the stats."""

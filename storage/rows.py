@@ -121,8 +121,11 @@ class Batch:
 
     def followed_by(self, newer: "Batch") -> "Batch":
         """This batch and a newer one as one: rows in order, the newer cursors (and instances) win."""
-        return Batch(**{f.name: (getattr(self, f.name) | getattr(newer, f.name)) if f.type.startswith("dict")
-                        else getattr(self, f.name) + getattr(newer, f.name) for f in fields(Batch)})
+        merged = {}
+        for f in fields(Batch):
+            old, new = getattr(self, f.name), getattr(newer, f.name)
+            merged[f.name] = old | new if isinstance(old, dict) else old + new
+        return Batch(**merged)
 
     def __len__(self) -> int:
         return len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)

@@ -236,23 +236,17 @@ class Store:
 
     def cursors(self, cluster: str) -> dict[str, int]:
         """Replica name -> the control-API cursor stored with that replica's newest completions."""
+        return {name: cursor for name, (cursor, _) in self.cursor_positions(cluster).items()}
+
+    def cursor_positions(self, cluster: str) -> dict[str, tuple[int, str | None]]:
+        """Replica name -> (stored cursor, the replica instance it counts in or None if unreported)."""
         stmt = (
-            select(Replica.name, CollectorCursor.cursor)
+            select(Replica.name, CollectorCursor.cursor, CollectorCursor.instance)
             .join(CollectorCursor, CollectorCursor.replica_id == Replica.id)
             .where(Replica.cluster == cluster)
         )
         with self._read() as conn:
-            return {name: cursor for name, cursor in conn.execute(stmt)}
-
-    def cursor_instances(self, cluster: str) -> dict[str, str]:
-        """Replica name -> the replica instance its stored cursor counts in (where one was reported)."""
-        stmt = (
-            select(Replica.name, CollectorCursor.instance)
-            .join(CollectorCursor, CollectorCursor.replica_id == Replica.id)
-            .where(Replica.cluster == cluster, CollectorCursor.instance.is_not(None))
-        )
-        with self._read() as conn:
-            return {name: instance for name, instance in conn.execute(stmt)}
+            return {name: (cursor, instance) for name, cursor, instance in conn.execute(stmt)}
 
     def record_settings_change(
         self,

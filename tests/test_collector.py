@@ -698,7 +698,8 @@ def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
 
         first = asyncio.run(record_until(lambda v: v.cursor > 30, "first completions"))
         stored_cursor = store.cursors("twins")[name]
-        assert stored_cursor == first.cursor and store.cursor_instances("twins") == {name: tw[0].core.instance}
+        assert stored_cursor == first.cursor
+        assert store.cursor_positions("twins") == {name: (stored_cursor, tw[0].core.instance)}
         tw[0].restart(fresh=True)  # while no collector runs
         deadline = time.monotonic() + 20
         while tw[0].core.finished_total <= stored_cursor + 20:
@@ -707,8 +708,8 @@ def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
         second = asyncio.run(record_until(lambda v: v.cursor > stored_cursor + 20, "reading the new instance"))
 
     assert second.last_restart is not None and "instance changed" in second.last_restart[1]
-    assert store.cursor_instances("twins") == {name: tw[0].core.instance}
     cursor = store.cursors("twins")[name]
+    assert store.cursor_positions("twins") == {name: (cursor, tw[0].core.instance)}
     new = {c["id"] for c in tw[0].core.completions_since(0, limit=10**9)[0] if c["seq"] < cursor}
     stored = [c.request_id for c in store.completions("twins", name)]
     assert len(stored) == len(set(stored))

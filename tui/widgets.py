@@ -11,6 +11,7 @@ sort), a cursor row, zebra stripes, vertical scrolling.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Iterable, Sequence
 
 from rich.segment import Segment
@@ -223,7 +224,6 @@ class ClusterTable(ScrollView, can_focus=True):
         self.refresh()
 
 
-
 class AutoSizedTable(DataTable):
     """A DataTable whose columns, once re-measured, are what the screen shows.
 
@@ -249,10 +249,6 @@ def fill_table(table: DataTable, rows: Iterable[Sequence[Any]], keys: Iterable[s
     worker post none, so the columns could stay sized to their headers until the next key or
     timer. ``check_idle`` posts one."""
     table.clear()
-    if keys is None:
-        for row in rows:
-            table.add_row(*row)
-    else:
-        for row, key in zip(rows, keys):
-            table.add_row(*row, key=key)
+    for row, key in zip(rows, repeat(None) if keys is None else keys):
+        table.add_row(*row, key=key)
     table.check_idle()
