@@ -136,7 +136,21 @@ def _engine_dict(kw: dict) -> dict:
             if kw.get(k) is not None}
 
 
-@click.group()
+class _Main(click.Group):
+    """The ``tailpilot`` group: a store that fails mid-command (a damaged file, a lock held too long)
+    ends the command with a one-line error instead of a traceback, whichever command it was."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as err:
+            store = sys.modules.get("storage.store")  # not imported: it raised nothing (and stays unloaded)
+            if store is not None and isinstance(err, store.StoreError):
+                raise click.ClickException(str(err)) from None
+            raise
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="tailpilot")
 def main() -> None:
     """tailpilot: tail-aware scheduling for vLLM clusters."""

@@ -138,10 +138,16 @@ def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[s
 @click.option("--unpin", "unpins", multiple=True, metavar="NAME", help="Unpin a parameter.")
 @click.option("--db", metavar="URL", help=f"Database for the audit log (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--who", default=None, help="Name in the audit log (default: $USER).")
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 300), default=5.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for each replica to run the new settings.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assignments, pins, unpins, db, who,
-                as_json):
-    """Change replicas' settings through the control API, read them back, and audit the change."""
+                wait_s, as_json):
+    """Change replicas' settings through the control API, wait until they run them, and audit the change.
+
+    Exit status 0 when every replica runs the new settings, 3 when all accepted them but some have
+    not applied them yet (staged: a replica applies a document at its next scheduling step), 1 when
+    any refused them or could not be reached."""
     from controlplane.collector import apply_settings
 
     if bool(replicas) == all_replicas:
@@ -161,7 +167,7 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
     store = open_store(db)
     try:
         results = asyncio.run(apply_settings(cluster, None if all_replicas else list(replicas), change, store,
-                                             who or os.environ.get("USER") or "cli"))
+                                             who or os.environ.get("USER") or "cli", wait_s=wait_s))
     finally:
         store.close()
     if as_json:
@@ -169,14 +175,14 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
                                 "version": r.version, "settings": r.new,
                                 "restart_required": r.restart_required} for r in results], indent=2))
     else:
+        colour = {"applied": {"fg": "green"}, "staged": {"fg": "yellow"}}
         for r in results:
-            extra = f"; restart required for {', '.join(r.restart_required)}" if r.restart_required else ""
-            if r.ok:
-                click.echo(f"{r.replica}: {click.style('applied', fg='green')}, version {r.version} read back{extra}")
-            else:
-                click.echo(f"{r.replica}: {click.style(r.result, fg='red', bold=True)}: {r.message}")
+            word = click.style(r.result, **colour.get(r.result, {"fg": "red", "bold": True}))
+            click.echo(f"{r.replica}: {word}: {r.message}")
     if not all(r.ok for r in results):
         sys.exit(1)
+    if any(r.result == "staged" for r in results):
+        sys.exit(3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@
             token_env: TAILPILOT_TOKEN            # bearer token for writes, read from this env var
 
 Several clusters per file. Unknown keys, bad URLs and duplicate names are errors naming the field
-(``clusters[0].replicas[1].control_url: ...``). Tokens never live in the file, only the name of the
-environment variable that holds one.
+(``clusters[0].replicas[1].control_url: ...``); a key written twice in one mapping is an error naming
+the key and its line, and a file that is not UTF-8 one naming the byte offset. Tokens never live in
+the file, only the name of the environment variable that holds one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controlplane import strict_yaml
 from controlplane.metrics import METRICS
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -137,9 +139,16 @@ def _field_path(loc: tuple) -> str:
     return out or "file"
 
 
-def parse_cluster_file(text: str, source: str = "<cluster file>") -> ClusterFile:
+def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> ClusterFile:
+    """The cluster file in ``text`` (bytes must be UTF-8); ClusterFileError naming ``source`` and where."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ClusterFileError(f"{source}: not UTF-8 text (byte 0x{text[err.start]:02x} at offset "
+                                   f"{err.start})") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = strict_yaml.load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -156,10 +165,10 @@ def parse_cluster_file(text: str, source: str = "<cluster file>") -> ClusterFile
 def load_cluster_file(path: str | Path) -> ClusterFile:
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()  # decoded as UTF-8 whatever the locale, like every YAML file
     except OSError as err:
         raise ClusterFileError(f"{path}: cannot read: {err.strerror or err}") from None
-    return parse_cluster_file(text, str(path))
+    return parse_cluster_file(data, str(path))
 
 
 def dump_cluster_file(clusters: ClusterFile) -> str:

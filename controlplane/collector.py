@@ -84,10 +84,12 @@ __all__ = [
 ]
 
 API_PREFIX = "/tailpilot/v1"
-#: The control API returns at most this many completions per answer (``ReplicaCore``'s limit);
-#: a full page means more are waiting and the poll reads on at once.
-STATE_PAGE_LIMIT = 10_000
-MAX_PAGES_PER_POLL = 20
+#: The control API returns at most a page of completions per answer and says ``more`` when
+#: another follows (a replica without that flag: a page of this size means more are waiting).
+STATE_PAGE_LIMIT = 1_000
+MAX_PAGES_PER_POLL = 16  # within the control API's per-connection burst
+APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
+RATE_LIMIT_RETRIES = 3  # a 429 is waited out (within the poll's timeout), not a failure
 log = logging.getLogger(__name__)
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
 
@@ -351,16 +353,24 @@ class _Rate:
         self.points.clear()
 
 
+def _time(c: Mapping[str, Any], key: str) -> float:
+    value = float(c[key])
+    if not math.isfinite(value):
+        raise ValueError(f"{key} is not a finite time")
+    return value
+
+
 def _completion_row(replica: str, c: Mapping[str, Any]) -> CompletionRow:
+    """One completions-log entry as a row; ValueError/KeyError/TypeError for a malformed one."""
     first = c.get("first_token_at")
     return CompletionRow(
         replica=replica,
         request_id=str(c["id"]),
         tenant=str(c.get("tenant") or "default"),
         type=str(c.get("type") or "default"),
-        arrival_s=float(c["arrival"]),
-        first_token_s=None if first is None else float(first),
-        finished_s=float(c["finished_at"]),
+        arrival_s=_time(c, "arrival"),
+        first_token_s=None if first is None else _time(c, "first_token_at"),
+        finished_s=_time(c, "finished_at"),
         prompt_tokens=int(c.get("prompt_tokens") or 0),
         output_tokens=int(c.get("output_tokens") or 0),
         preemptions=int(c.get("preemptions") or 0),
@@ -422,6 +432,7 @@ class ReplicaView:
         self.groups: list[GroupSampleRow] = []
         self.polls = 0
         self.restarts = 0
+        self.skipped_completions = 0  # malformed completions-log entries left out
         self.last_restart: tuple[float, str] | None = None  # (collector clock, why)
         self._coverage_start: float | None = None  # replica clock: since when the window is complete
         self._resumed = cursor > 0
@@ -663,11 +674,15 @@ async def _get(client: httpx.AsyncClient, url: str, what: str, timeout_s: float,
         url = f"{url}?{urlencode(params)}"
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
-            if isinstance(client, PollingClient):
-                resp = _Resp(*await client.fast_get(url, timeout_s))
-            else:
-                answer = await client.get(url, timeout=timeout_s)
-                resp = _Resp(answer.status_code, answer.content)
+            for attempt in range(RATE_LIMIT_RETRIES + 1):
+                if isinstance(client, PollingClient):
+                    resp = _Resp(*await client.fast_get(url, timeout_s))
+                else:
+                    answer = await client.get(url, timeout=timeout_s)
+                    resp = _Resp(answer.status_code, answer.content)
+                if resp.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
+                    break
+                await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
     except (httpx.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as err:
         raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
     if resp.status_code != 200:
@@ -678,11 +693,18 @@ async def _get(client: httpx.AsyncClient, url: str, what: str, timeout_s: float,
     return resp
 
 
+def _finite_or_none(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
 def _json(resp: _Resp, what: str) -> Any:
+    """A replica's JSON, with NaN/Infinity (and numbers too big for a float) read as null: one
+    replica sending them must not break the store (PostgreSQL refuses them) or the window."""
     try:
-        return json.loads(resp.content)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StateFormatError(f"{what}: bad JSON ({err})") from None
+        return json.loads(resp.content, parse_constant=lambda _name: None, parse_float=_finite_or_none)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise StateFormatError(f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})") from None
 
 
 @dataclass(slots=True)
@@ -700,20 +722,34 @@ async def _fetch_state(client: httpx.AsyncClient, view: ReplicaView, timeout_s: 
     url = control_base(view.spec) + "/state"
     rows: list[CompletionRow] = []
     cursor, restarted = view.cursor, None
-    for _page in range(MAX_PAGES_PER_POLL + 1):
-        resp = await _get(client, url, "state", timeout_s, {"cursor": cursor})
+    skipped, why = 0, None
+    for page in range(MAX_PAGES_PER_POLL + 1):
+        try:
+            resp = await _get(client, url, "state", timeout_s, {"cursor": cursor})
+        except _HttpFailure as err:
+            if page == 0 or err.status != 429:
+                raise
+            break  # the replica rate-limits a long backlog: keep what came, read on next poll
         doc = _json(resp, "state")
         _check_state(doc)
         if restarted is None and not rows and (why := view.restarted(doc)):
             restarted, cursor = why, 0  # read the new incarnation from its beginning
             continue
-        try:
-            rows.extend(_completion_row(view.name, c) for c in doc["completions"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise StateFormatError(f"state: bad completion entry ({type(err).__name__}: {err})") from None
+        for c in doc["completions"]:
+            try:
+                rows.append(_completion_row(view.name, c))
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                # Skipped and counted, and the cursor moves on: a replica that keeps sending one
+                # broken entry must not stall its own recording behind it.
+                skipped += 1
+                why = why or f"{type(err).__name__}: {str(err)[:80]}"
         cursor = max(cursor, doc["next_cursor"])
-        if len(doc["completions"]) < STATE_PAGE_LIMIT:
+        more = doc.get("more")
+        if more is False or (more is None and len(doc["completions"]) < STATE_PAGE_LIMIT):
             break
+    if skipped:
+        view.skipped_completions += skipped
+        log.warning("replica %s: skipped %d malformed completion entries (%s)", view.name, skipped, why)
     return _StateAnswer(doc, rows, cursor, restarted)
 
 
@@ -742,8 +778,7 @@ async def _poll_view(client: httpx.AsyncClient, view: ReplicaView, timeout_s: fl
     async def state_part() -> _StateAnswer:
         if with_completions:
             return await _fetch_state(client, view, timeout_s)
-        resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s,
-                          {"cursor": 1 << 62})  # past the end: no completions are sent
+        resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s)  # no cursor: no completions
         doc = _json(resp, "state")
         _check_state(doc)
         return _StateAnswer(doc, [], view.cursor)
@@ -1063,7 +1098,7 @@ async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = 
 @dataclass(slots=True)
 class ApplyResult:
     replica: str
-    result: str  # "applied" | "rejected" | "error"
+    result: str  # "applied" (active on the replica) | "staged" (accepted, not active yet) | "rejected" | "error"
     message: str
     status: int | None = None  # the PUT's HTTP status, if one came back
     old: dict[str, Any] | None = None  # settings document before
@@ -1073,14 +1108,15 @@ class ApplyResult:
 
     @property
     def ok(self) -> bool:
-        return self.result == "applied"
+        """The replica accepted the document (active now, or staged for its next step)."""
+        return self.result in ("applied", "staged")
 
 
 SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
 
 
 async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: ReplicaSpec,
-                     change: SettingsChange) -> ApplyResult:
+                     change: SettingsChange, wait_s: float) -> ApplyResult:
     from pydantic import ValidationError
 
     from controlplane.settings import Settings, describe_error
@@ -1146,43 +1182,61 @@ async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: Repl
         return res
     res.new = answer.get("settings", new_doc)
     res.restart_required = list(answer.get("restart_required") or [])
-    new_version = answer["version"]
-    try:  # read back
-        back = _json(await _get(client, base, "GET settings (read back)", timeout), "GET settings (read back)")
-    except (_HttpFailure, StateFormatError) as err:
-        res.result, res.version = "applied", new_version
-        res.message = f"applied as version {new_version}, but the read-back failed: {err}"
-        return res
-    got = back.get("version") if isinstance(back, dict) else None
-    res.result, res.version = "applied", new_version
-    if got == new_version:
-        res.message = f"applied as version {new_version}"
+    res.version = new_version = answer["version"]
+    active, why = await _wait_active(client, spec, new_version, timeout, wait_s)
+    if active is not None and active >= new_version:
+        res.result = "applied"
+        res.message = f"applied as version {new_version}, active" + (
+            f" (the replica has since moved on to version {active})" if active > new_version else "")
     else:
-        res.message = f"applied as version {new_version}; the replica now reports version {got} (changed since)"
+        res.result = "staged"
+        res.message = f"staged as version {new_version}, not active yet: {why}"
     if res.restart_required:
         res.message += f"; restart required for {', '.join(res.restart_required)}"
     return res
 
 
+async def _wait_active(client: httpx.AsyncClient, spec: ReplicaSpec, version: int, timeout_s: float,
+                       wait_s: float) -> tuple[int | None, str]:
+    """Poll the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``:
+    (the active version last seen, why it is not ``version`` yet)."""
+    url = control_base(spec) + "/state"
+    deadline = time.monotonic() + wait_s
+    delay = 0.02
+    while True:
+        try:
+            doc = _json(await _get(client, url, "state (read back)", timeout_s), "state (read back)")
+            active = _opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
+            why = f"the replica runs version {active} (a busy engine applies it at its next step)"
+        except (_HttpFailure, StateFormatError) as err:
+            active, why = None, f"could not read it back ({err})"
+        if (active is not None and active >= version) or time.monotonic() >= deadline:
+            return active, why
+        await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+        delay = min(delay * 2, 0.5)
+
+
 async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
                          store: Any | None = None, who: str = "cli", *,
-                         client: httpx.AsyncClient | None = None) -> list[ApplyResult]:
+                         client: httpx.AsyncClient | None = None,
+                         wait_s: float = APPLY_WAIT_S) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
     ``change`` is a settings document, or a function from the replica's current
     :class:`~controlplane.settings.Settings` to a document (or a Settings) — e.g.
     ``lambda s: s.replace(params={"gamma": 8})``. Per replica: GET the current document and version,
     build and validate the new one, PUT it with ``If-Match`` and the bearer token from the replica's
-    ``token_env``, GET it back to confirm the version. Every attempt — applied, rejected (400/401/
-    403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the store's
-    audit log when a store is given.
+    ``token_env``, then read ``/state`` until the replica runs the new version (at most ``wait_s``).
+    Every attempt — applied (active), staged (accepted, not active within ``wait_s``), rejected
+    (400/401/403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the
+    store's audit log when a store is given.
     """
     names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
     specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo
     own = client is None
     client = client or make_client(cluster)
     try:
-        results = list(await asyncio.gather(*(_apply_one(client, cluster, s, change) for s in specs)))
+        results = list(await asyncio.gather(*(_apply_one(client, cluster, s, change, wait_s) for s in specs)))
     finally:
         if own:
             await client.aclose()

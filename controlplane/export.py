@@ -11,7 +11,7 @@ Four formats, each rendered from one validated :class:`~controlplane.settings.Se
                and engine flags through the chart's own keys, the ConfigMap mounted as a volume,
                ``TAILPILOT_SETTINGS_FILE`` pointing into it.
 
-Every rendering is parsed back (JSON, ``shlex.split``, ``yaml.safe_load``) and checked against
+Every rendering is parsed back (JSON, ``shlex.split``, ``strict_yaml.load``) and checked against
 its input before it is returned — the settings inside equal the input and the flags match — so a
 written file is known to round-trip. :func:`parse_vllm_args`, :func:`settings_from_configmap` and
 :func:`settings_from_helm_values` are those parsers, public for tests and tooling.
@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import yaml
 from pydantic import ValidationError
 
+from controlplane import strict_yaml
 from controlplane.settings import Settings, describe_error
 
 FORMATS = ("settings", "vllm-args", "configmap", "helm")
@@ -346,7 +347,7 @@ def parse_vllm_args(text: str) -> tuple[dict[str, str], str, dict[str, str]]:
 
 
 def settings_from_configmap(text: str) -> Settings:
-    doc = yaml.safe_load(text)
+    doc = strict_yaml.load(text)
     if not isinstance(doc, dict) or doc.get("apiVersion") != "v1" or doc.get("kind") != "ConfigMap":
         raise ExportError("configmap: not a v1 ConfigMap")
     data = doc.get("data") or {}
@@ -357,7 +358,7 @@ def settings_from_configmap(text: str) -> Settings:
 
 def settings_from_helm_values(text: str) -> tuple[Settings, dict]:
     """(the settings in the pod annotation, the modelSpec entry) of helm values we wrote."""
-    doc = yaml.safe_load(text)
+    doc = strict_yaml.load(text)
     try:
         [spec] = doc["servingEngineSpec"]["modelSpec"]
         annotation = spec["podAnnotations"][SETTINGS_ANNOTATION]
@@ -399,7 +400,7 @@ def _verify(fmt: str, text: str, settings: Settings, options: ExportOptions) -> 
         _expect(model == options.model, fmt, f"model {model!r}")
         _expect(flags == want_flags, fmt, f"flags {flags} != {want_flags}")
     elif fmt == "configmap":
-        doc = yaml.safe_load(text)
+        doc = strict_yaml.load(text)
         _expect(doc["metadata"]["name"] == options.name, fmt, "metadata.name")
         _expect(doc["metadata"].get("namespace") == (options.namespace or None), fmt, "metadata.namespace")
         _expect(settings_from_configmap(text) == settings, fmt, "settings differ")

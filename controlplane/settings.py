@@ -23,7 +23,10 @@ PredictorName = Literal["oracle", "history"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    # strict: a string or a boolean is never taken for a number ("5", true); finite: NaN and
+    # Infinity would reach /state, and JSON readers (PostgreSQL's jsonb among them) refuse them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, strict=True,
+                              allow_inf_nan=False)
 
 
 class NoParams(_Strict):
@@ -186,7 +189,7 @@ class Settings(BaseModel):
         except ValidationError as err:
             raise ValueError(_prefix_errors("params", err)) from None
         pinned = data.get("pinned") or ()
-        if isinstance(pinned, str):
+        if not isinstance(pinned, (list, tuple)) or not all(isinstance(p, str) for p in pinned):
             raise ValueError("pinned: must be a list of parameter names")
         for name in pinned:
             if name not in model.model_fields:

@@ -16,6 +16,7 @@ from typing import Any
 _EXPORTS = {
     "Store": "storage.store",
     "StoreBusy": "storage.store",
+    "StoreCorrupt": "storage.store",
     "StoreError": "storage.store",
     "StoreOpenError": "storage.store",
     "ReplicaInfo": "storage.store",

@@ -27,6 +27,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
+from storage import strict_json
+
 DEFAULT_SQLITE_FILE = "tailpilot.db"
 DEFAULT_BUSY_TIMEOUT_MS = 5_000
 # Drivers people type that SQLAlchemy would map to a driver we do not ship (psycopg2).
@@ -65,12 +67,15 @@ def is_sqlite(url: URL) -> bool:
 
 
 def make_engine(url: URL, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Engine:
-    """An engine for ``url`` (already normalized); SQLite gets the pragmas described above."""
+    """An engine for ``url`` (already normalized); SQLite gets the pragmas described above.
+
+    JSON columns are written as strict JSON (``storage.strict_json``) on both backends.
+    """
     if not is_sqlite(url):
         # pre_ping: a shared server restarts now and then; a stale pooled connection should not
         # turn into a failed collector flush.
-        return create_engine(url, pool_pre_ping=True)
-    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
+        return create_engine(url, pool_pre_ping=True, json_serializer=strict_json.dumps)
+    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}, "json_serializer": strict_json.dumps}
     if url.database in (None, "", ":memory:"):
         kwargs["poolclass"] = StaticPool  # one shared in-memory database, not one per connection
     engine = create_engine(url, **kwargs)

@@ -13,6 +13,13 @@ SQLite allows one writer at a time. A write that finds the lock taken waits insi
 does it raise :class:`StoreBusy`, and the caller keeps the batch and tries again later. Rows are
 never dropped.
 
+The store keeps only what every backend can hold and read back: a NaN or ±inf in a nullable float
+column is stored as NULL, and in a JSON document as null (``storage.strict_json``).
+
+A damaged SQLite file, or one that is no database, raises :class:`StoreOpenError` when opening finds
+it, else :class:`StoreCorrupt` from the first read or write that touches the damage; both name the
+file.
+
 Read side (TUI, replay, ``tailpilot status``, tuner): methods return plain dataclasses
 (``SampleRow``, ``CompletionRow``, ... from :mod:`storage.rows`, or the small records below) and
 dicts — never ORM objects tied to a session.
@@ -23,12 +30,14 @@ created on first use, so a batch is never refused for naming a replica ``ensure_
 
 from __future__ import annotations
 
+import math
 import random
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -80,6 +89,10 @@ SAMPLE_FIELDS: tuple[str, ...] = (
     "kv_used_blocks", "kv_total_blocks", "gamma_live", "beta_live", "throughput_tok_s",
     "throughput_req_s", "preemptions_per_s",
 )  # fmt: skip
+# The float ones among them: like the percentiles, NaN or ±inf there is stored as NULL.
+SAMPLE_FLOAT_FIELDS: tuple[str, ...] = (
+    "kv_usage", "gamma_live", "beta_live", "throughput_tok_s", "throughput_req_s", "preemptions_per_s",
+)  # fmt: skip
 COMPLETION_FIELDS: tuple[str, ...] = (
     "request_id", "tenant", "type", "arrival_s", "first_token_s", "finished_s", "prompt_tokens",
     "output_tokens", "preemptions", "recomputed_tokens", "reason",
@@ -91,11 +104,16 @@ class StoreError(RuntimeError):
 
 
 class StoreOpenError(StoreError):
-    """The database could not be opened or migrated; the message names the URL without its password."""
+    """The database could not be opened or migrated; the message names the database (a SQLite file's
+    path, else the URL without its password)."""
 
 
 class StoreBusy(StoreError):
     """A write found the database locked until its deadline. Nothing was written: keep the batch, retry."""
+
+
+class StoreCorrupt(StoreError):
+    """The database file is damaged or is not a database at all; the message names the file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +183,7 @@ class Store:
         write lock (default: 5 s, or the write deadline if shorter). Raises :class:`StoreOpenError`.
         """
         parsed = _parse_url(url)
-        shown = engines.redact(parsed)
+        shown = _where(parsed)
         if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
             raise StoreOpenError(
                 f"cannot open store at {shown}: only {' and '.join(SUPPORTED_BACKENDS)} are supported"
@@ -463,9 +481,17 @@ class Store:
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        """A connection in a (deferred, read) transaction, so a read sees one consistent snapshot."""
-        with self.engine.connect() as conn, conn.begin():
-            yield conn
+        """A connection in a (deferred, read) transaction, so a read sees one consistent snapshot.
+
+        Raises :class:`StoreCorrupt` for a damaged file: opening reads only the schema and the
+        migration version, so damage elsewhere shows up at the first read that touches it.
+        """
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                yield conn
+        except DBAPIError as exc:
+            self._raise_if_damaged(exc)
+            raise
 
     def _write(self, txn: Callable[[Connection], T], *, snapshot: bool = False) -> T:
         """Run ``txn`` in one write transaction, retrying it whole while the database is busy.
@@ -484,6 +510,7 @@ class Store:
                     return txn(conn)
             except DBAPIError as exc:
                 if not _is_retryable(exc):
+                    self._raise_if_damaged(exc)
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -494,6 +521,12 @@ class Store:
                 self.busy_retries += 1
                 time.sleep(min(left, delay * random.uniform(0.5, 1.0)))  # jitter: writers do not march in step
                 delay = min(delay * 2, 1.0)
+
+    def _raise_if_damaged(self, exc: DBAPIError) -> None:
+        """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is damaged."""
+        damage = _damage(exc)
+        if damage is not None:
+            raise StoreCorrupt(f"{_where(self.engine.url)}: {damage}") from exc
 
     def _write_connection(self, snapshot: bool) -> Connection:
         conn = self.engine.connect().execution_options(sqlite_immediate=True)
@@ -548,7 +581,7 @@ class Store:
                 "tenant": c.tenant,
                 "type": c.type,
                 "arrival_s": c.arrival_s,
-                "first_token_s": c.first_token_s,
+                "first_token_s": _finite_or_none(c.first_token_s),
                 "finished_s": c.finished_s,
                 "prompt_tokens": c.prompt_tokens,
                 "output_tokens": c.output_tokens,
@@ -603,8 +636,33 @@ def _parse_url(url: str | None) -> URL:
                              f"({type(exc).__name__})") from None  # fmt: skip
 
 
+def _where(url: URL) -> str:
+    """The database as messages name it: a SQLite file's path, else the URL without its password."""
+    if engines.is_sqlite(url) and url.database not in (None, "", ":memory:"):
+        return url.database
+    return engines.redact(url)
+
+
+# SQLite's primary result codes for a damaged file and for a file that is no database at all.
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _damage(exc: DBAPIError) -> str | None:
+    """What is wrong with the file if ``exc`` reports a damaged or foreign database file, else None."""
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if code is None:
+        return None
+    if code & 0xFF == _SQLITE_NOTADB:
+        return f"not a SQLite database ({exc.orig})"
+    if code & 0xFF == _SQLITE_CORRUPT:
+        return f"the database file is damaged ({exc.orig})"
+    return None
+
+
 def _reason(exc: Exception, url: URL) -> str:
     """The driver's own words for why opening failed, without the password."""
+    if isinstance(exc, DBAPIError) and (damage := _damage(exc)) is not None:
+        return damage
     text = str(exc.orig) if isinstance(exc, DBAPIError) else str(exc)
     text = " ".join(text.split())
     if url.password:
@@ -639,18 +697,42 @@ def _in_range(stmt: Any, col: Any, lo: float | None, hi: float | None) -> Any:
     return stmt
 
 
-def _latency_params(lat: LatencyPercentiles) -> dict[str, float | None]:
-    return {f: getattr(lat, f) for f in PERCENTILE_FIELDS}
-
-
 def _latency_of(row: Row[Any]) -> LatencyPercentiles:
     return LatencyPercentiles(**{f: getattr(row, f) for f in PERCENTILE_FIELDS})
 
 
+# Row -> values in C (operator.attrgetter): cheaper than a getattr per field on the ingest path.
+_sample_values = attrgetter(*SAMPLE_FIELDS)
+_sample_floats = attrgetter(*SAMPLE_FLOAT_FIELDS)
+_latency_values = attrgetter(*PERCENTILE_FIELDS)
+# The float columns of samples and group_samples: all nullable.
+_SAMPLE_FLOAT_COLUMNS: tuple[str, ...] = SAMPLE_FLOAT_FIELDS + PERCENTILE_FIELDS
+_GROUP_FLOAT_COLUMNS: tuple[str, ...] = ("throughput_tok_s", *PERCENTILE_FIELDS)
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """NaN and ±inf as None: a nullable float column stores them as NULL, which every reader understands."""
+    return value if value is None or math.isfinite(value) else None
+
+
+def _all_finite(values: tuple[Any, ...], also: float | None = None) -> bool:
+    """No NaN or ±inf among ``values`` and ``also`` (None allowed). False may also mean an overflow."""
+    # One pass in C: a sum is finite only if every term is; an overflow merely takes the slow path.
+    return math.isfinite(sum(filter(None, values), also or 0.0))
+
+
+def _null_non_finite(params: dict[str, Any], floats: tuple[str, ...]) -> None:
+    """Replace NaN and ±inf in the ``floats`` columns of ``params`` by None."""
+    for f in floats:
+        params[f] = _finite_or_none(params[f])
+
+
 def _sample_params(r: SampleRow, replica_id: int) -> dict[str, Any]:
-    params = {f: getattr(r, f) for f in SAMPLE_FIELDS}
-    params["replica_id"] = replica_id
-    params.update(_latency_params(r.latency))
+    latency = _latency_values(r.latency)
+    params = dict(zip(SAMPLE_FIELDS, _sample_values(r)), replica_id=replica_id)
+    params.update(zip(PERCENTILE_FIELDS, latency))
+    if not _all_finite(_sample_floats(r) + latency):
+        _null_non_finite(params, _SAMPLE_FLOAT_COLUMNS)
     return params
 
 
@@ -661,8 +743,13 @@ def _sample_row(replica: str, row: Row[Any]) -> SampleRow:
 
 
 def _group_sample_params(r: GroupSampleRow, replica_id: int) -> dict[str, Any]:
-    return {"replica_id": replica_id, "t_ms": r.t_ms, "kind": r.kind, "group_name": r.group,
-            "completed": r.completed, "throughput_tok_s": r.throughput_tok_s, **_latency_params(r.latency)}  # fmt: skip
+    latency = _latency_values(r.latency)
+    params = {"replica_id": replica_id, "t_ms": r.t_ms, "kind": r.kind, "group_name": r.group,
+              "completed": r.completed, "throughput_tok_s": r.throughput_tok_s}  # fmt: skip
+    params.update(zip(PERCENTILE_FIELDS, latency))
+    if not _all_finite(latency, r.throughput_tok_s):
+        _null_non_finite(params, _GROUP_FLOAT_COLUMNS)
+    return params
 
 
 def _group_sample_row(replica: str, row: Row[Any]) -> GroupSampleRow:
@@ -679,6 +766,7 @@ __all__ = [
     "RetentionSettings",
     "Store",
     "StoreBusy",
+    "StoreCorrupt",
     "StoreError",
     "StoreOpenError",
 ]

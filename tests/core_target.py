@@ -19,7 +19,9 @@ class CoreTarget:
         return self.core.settings_doc()
 
     def api_put_settings(self, doc, if_match):
-        return self.core.put_settings(doc, if_match)
+        answer = self.core.put_settings(doc, if_match)
+        self.core.apply_if_idle(self.core.clock())
+        return answer
 
     def api_steps(self, cursor):
         steps, next_cursor = self.core.steps_since(cursor)

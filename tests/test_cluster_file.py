@@ -125,6 +125,46 @@ def test_other_errors_name_the_field(tmp_path):
         load_cluster_file(tmp_path / "missing.yaml")
 
 
+def test_a_file_that_is_not_utf8_is_named_with_the_byte_offset(tmp_path):
+    data = VALID.replace("name: staging", "name: stäging").encode("latin-1")
+    offset = data.index(b"\xe4")
+    path = tmp_path / "clusters.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ClusterFileError, match=f"^{path}: not UTF-8 text \\(byte 0xe4 at offset {offset}\\)$"):
+        load_cluster_file(path)
+    with pytest.raises(ClusterFileError, match=f"^<cluster file>: not UTF-8 text .* offset {offset}"):
+        parse_cluster_file(data)
+    assert parse_cluster_file(VALID.encode()) == parse_cluster_file(VALID)  # UTF-8 bytes are fine
+
+
+@pytest.mark.parametrize("old, new, key, line, first", [
+    ("clusters:\n", "clusters: []\nclusters:\n", "clusters", 2, 1),
+    ("    timeout_s: 1.5\n", "    timeout_s: 1.5\n    timeout_s: 3\n", "timeout_s", 5, 4),
+    ("        control_url: http://127.0.0.1:8001\n",
+     "        control_url: http://127.0.0.1:8001\n        api_url: http://127.0.0.1:9\n", "api_url", 11, 9),
+])  # fmt: skip
+def test_a_key_written_twice_is_named_with_its_lines(old, new, key, line, first):
+    """PyYAML's safe_load silently keeps the last of two equal keys; the second may be a typo'd copy."""
+    with pytest.raises(ClusterFileError, match=f"^<cluster file>:{line}: not valid YAML: "
+                                               f"duplicate key '{key}' \\(first on line {first}\\)$"):
+        parse_cluster_file(_with(VALID, old, new))
+
+
+def test_a_merged_key_may_be_overridden():
+    text = textwrap.dedent("""\
+        clusters:
+          - &prod
+            name: prod
+            timeout_s: 1.5
+            replicas: [{name: r0, api_url: "http://h:1", control_url: "http://h:2"}]
+          - <<: *prod
+            name: staging
+            timeout_s: 3
+    """)
+    staging = parse_cluster_file(text).cluster("staging")
+    assert staging.timeout_s == 3 and [r.name for r in staging.replicas] == ["r0"]
+
+
 def test_lookup_errors_list_the_names():
     cf = parse_cluster_file(VALID)
     with pytest.raises(KeyError, match="name one"):

@@ -36,6 +36,8 @@ def put(client, doc, token=TOKEN, **headers):
 
 def test_put_stages_and_the_next_step_applies(api):
     core, client = api
+    busy = RequestState(id="busy", arrival=0.0, prompt_tokens=5, max_tokens=5)
+    core.track(busy, 0.0)  # work in flight: the engine steps, so the change waits for its next step
     r = put(client, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, **{"If-Match": "1"})
     assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
     assert core.policy.name == "fcfs"  # not yet: applied at the top of the next step

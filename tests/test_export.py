@@ -106,6 +106,13 @@ def test_configmap_parses_back_to_the_same_settings(key):
     assert "namespace" not in no_ns["metadata"] and no_ns["metadata"]["name"] == "tailpilot-settings"
 
 
+def test_a_configmap_with_a_key_written_twice_is_refused():
+    """Read with the same strict loader as cluster files: PyYAML alone would keep the second ``data``."""
+    text = render(settings_of("uniboost-lpt"), "configmap", OPTIONS)
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'data'"):
+        settings_from_configmap(text + "data: {}\n")
+
+
 # The parts of the chart's values.schema.json (vllm-project/production-stack, helm/) that the
 # modelSpec entries we write must satisfy: the required keys and the types of every key we set.
 MODEL_SPEC_SCHEMA = {

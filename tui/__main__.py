@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if cluster is None and a.replay is None:
         p.error("give --cluster FILE or --replay FILE.db")
-    from storage.store import StoreOpenError
+    from storage.store import StoreError
     from tui.sources import ReplayError
 
     try:
         run_tui(cluster, db_url=a.db, readonly=a.readonly, replay=a.replay, cluster_name=a.cluster_name)
-    except (ReplayError, StoreOpenError) as err:
+    except (ReplayError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

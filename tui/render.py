@@ -347,9 +347,13 @@ def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[tuple]:
 # ------------------------------------------------------------------------------------- audit / diff
 
 
+# An apply's outcome: active, accepted but not active yet, refused; anything else failed.
+RESULT_STYLES = {"applied": "green", "staged": "cyan", "rejected": "yellow"}
+
+
 def audit_row(a: Mapping[str, Any]) -> tuple:
     result = a.get("result") or "?"
-    style = {"applied": "green", "rejected": "yellow"}.get(result, "bold red")
+    style = RESULT_STYLES.get(result, "bold red")
     return (f"{fmt_time(a.get('t_ms'))}", a.get("replica") or "—", a.get("who") or "—", Text(result, style=style),
             "—" if a.get("version") is None else str(a["version"]), diff_summary(a.get("old"), a.get("new")),
             a.get("message") or "")
@@ -404,7 +408,7 @@ def apply_results(results: Iterable[Any]) -> Text:
     tuner panel show the same lines."""
     text = Text("last apply:\n", style="bold")
     for r in results:
-        style = "green" if r.ok else ("yellow" if r.result == "rejected" else "bold red")
+        style = RESULT_STYLES.get(r.result, "bold red")
         text.append(f"  {r.replica}: ", style="bold")
         text.append(f"{r.result} — {r.message}\n", style=style)
     return text

@@ -31,6 +31,7 @@ an error; given a ``base`` set, the term keeps the base value and the report say
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -112,6 +113,17 @@ def fetch_steps(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX
     return fetch_step_log(control_url, timeout=timeout, max_steps=max_steps, client=client)[1]
 
 
+MAX_RATE_LIMITED = 60  # 429 answers waited out while paging one step log
+
+
+def _retry_after(header: str | None) -> float:
+    """Seconds a 429's ``Retry-After`` asks for (1 s if absent or not a number), at most 5 s."""
+    try:
+        return min(max(float(header or 1.0), 0.0), 5.0)
+    except ValueError:
+        return 1.0
+
+
 def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
                    client=None) -> tuple[str | None, list[dict]]:
     """(the replica's name as its API reports it, :func:`fetch_steps`)."""
@@ -123,7 +135,7 @@ def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = 
         client = httpx.Client(timeout=timeout, trust_env=False)
     steps: list[dict] = []
     replica: str | None = None
-    cursor = 0
+    cursor, refused = 0, 0
     try:
         while len(steps) < max_steps:
             try:
@@ -131,6 +143,11 @@ def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = 
             except httpx.HTTPError as err:
                 raise ReplicaUnreachable(f"cannot reach the control API at {url}: "
                                          f"{type(err).__name__}: {err or 'no answer'}") from None
+            if resp.status_code == 429 and refused < MAX_RATE_LIMITED:
+                # The replica rate-limits its readers (it serves them from the engine's process).
+                refused += 1
+                time.sleep(_retry_after(resp.headers.get("Retry-After")))
+                continue
             if resp.status_code == 404:
                 raise ReplicaUnreachable(f"{url} answered 404: not a tailpilot control API (or one without "
                                          "a step log); give the control URL, not vLLM's API URL")

@@ -23,9 +23,8 @@ costs one wake-up per tick however many twins run.
 Settings, versions, ``If-Match``/409, validation (400 naming the field), ``restart_required``,
 the completions log with its cursor and the step log are ``ReplicaCore``'s, exactly as in the
 plugin: a staged document becomes active at the twin's next simulator step
-(``ReplicaCore.take_pending``), and only when the engine is stepping (an idle vLLM engine does
-not schedule, so a plugin applies a change at the first step after new work arrives; so does a
-twin). Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show in the
+(``ReplicaCore.take_pending``), or at the next tick when the engine is idle (as the plugin applies
+a change to an idle vLLM engine at once, which would otherwise not step until new work arrives). Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show in the
 settings document but, as on vLLM, the running engine keeps its start-up values. The ``oracle``
 predictor is refused, as on a live replica.
 
@@ -443,25 +442,12 @@ class TwinReplica:
             new = self._feed.until(t)
             if new:
                 sim.extend_arrivals(new)
-            if self._steps_before(sim, t):
-                settings = self.core.take_pending()
-                if settings is not None:
-                    sim.apply_settings(self._effective(settings))
+            settings = self.core.take_pending()  # busy: before the next step; idle: now
+            if settings is not None:
+                sim.apply_settings(self._effective(settings))
             n = sim.advance_to(t)
             self._collect(sim)
             return n
-
-    @staticmethod
-    def _steps_before(sim: Simulator, t: float) -> bool:
-        """Will ``advance_to(t)`` run a step? (An idle engine does not schedule.)"""
-        if sim.now >= t:
-            return False
-        if sim.waiting or sim.running:
-            return True
-        try:
-            return sim.next_arrival < len(sim.arrivals) and sim.arrivals[sim.next_arrival].arrival <= t
-        except (AttributeError, TypeError, IndexError):  # engine internals changed: apply anyway
-            return True
 
     def _effective(self, settings: Settings) -> Settings:
         """What the running engine actually runs: engine fields vLLM cannot change live keep
@@ -534,7 +520,7 @@ class TwinReplica:
         used = total - self.sim.free_blocks
         return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
 
-    def api_state(self, cursor: int) -> dict[str, Any]:
+    def api_state(self, cursor: int | None) -> dict[str, Any]:
         with self._lock:
             sim = self.sim
             state = self.core.state(cursor, self._kv(), waiting=list(sim.waiting), running=len(sim.running),

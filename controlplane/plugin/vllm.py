@@ -114,7 +114,11 @@ class TailpilotMixin:
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
         self.tp_server: ControlServer | None = None
-        port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
+        raw_port = os.environ.get(PORT_ENV, str(DEFAULT_PORT)).strip()
+        try:
+            port = int(raw_port)
+        except ValueError:
+            raise ValueError(f"{PORT_ENV}={raw_port!r}: expected a port number (negative disables the API)") from None
         if port >= 0:  # a negative port disables the API (in-process tests drive the core directly)
             self.tp_server = ControlServer(self, host=os.environ.get(HOST_ENV, "127.0.0.1"),
                                            port=port + rank if port else 0, token=token_from_env()).start()
@@ -154,10 +158,19 @@ class TailpilotMixin:
 
     # --- the scheduling step ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self._tp_now = time.time()
-        super().add_request(request)
+        with self.tp_core.engine_lock:
+            self._tp_now = time.time()
+            super().add_request(request)
+
+    def finish_requests(self, *args, **kwargs):
+        with self.tp_core.engine_lock:
+            return super().finish_requests(*args, **kwargs)
 
     def schedule(self, *args, **kwargs):
+        with self.tp_core.engine_lock:
+            return self._tp_schedule(*args, **kwargs)
+
+    def _tp_schedule(self, *args, **kwargs):
         now = self._tp_now = time.time()
         core = self.tp_core
         policy = core.begin_step(now)
@@ -241,6 +254,10 @@ class TailpilotMixin:
             state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        with self.tp_core.engine_lock:
+            return self._tp_update_from_output(scheduler_output, model_runner_output)
+
+    def _tp_update_from_output(self, scheduler_output, model_runner_output):
         self._tp_now = time.time()
         states = self.tp_core.states
         result = super().update_from_output(scheduler_output, model_runner_output)
@@ -274,14 +291,16 @@ class TailpilotMixin:
         used = total - pool.get_num_free_blocks()
         return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
 
-    def api_state(self, cursor: int) -> dict:
+    def api_state(self, cursor: int | None) -> dict:
         return self.tp_core.state(cursor, self._tp_kv())
 
     def api_settings(self) -> dict:
         return self.tp_core.settings_doc()
 
     def api_put_settings(self, doc: dict, if_match: int | None) -> dict:
-        return self.tp_core.put_settings(doc, if_match)
+        answer = self.tp_core.put_settings(doc, if_match)
+        self.tp_core.apply_if_idle(time.time())  # an idle engine would wait for the next request
+        return answer
 
     def api_steps(self, cursor: int) -> dict:
         steps, next_cursor = self.tp_core.steps_since(cursor)
