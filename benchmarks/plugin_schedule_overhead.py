@@ -3,6 +3,10 @@
     python benchmarks/plugin_schedule_overhead.py [--waiting 64,256,1024] [--running 64,256]
         [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt] [--reps 100] [--rounds 1] [--profile tie]
 
+    # the deep queue: 10,000 waiting, a new epoch at every step (γ-Ada, predictor refits)
+    python benchmarks/plugin_schedule_overhead.py --waiting 10000 --running 64 \
+        --policies fcfs,uniboost,uniboost-ada,uniboost-nomg,tie,tie-refit,srpt,srpt-refit,sjf,las,vtc,distboost
+
 Both schedulers are the real vLLM classes, built in-process by ``tests/plugin_harness.py`` (no
 model; a fabricated output samples one token per completed prefill). Per configuration:
 
@@ -63,10 +67,23 @@ POLICIES = {
     "vtc": {"policy": "vtc"},
     "las": {"policy": "las"},
     "srpt": {"policy": "srpt", "params": {"predictor": "history"}},
+    # A new epoch at every timed step (the deep-queue case: every waiting key moves at once).
+    # uniboost-ada: γ-Ada ticks at every step (samples preloaded, a 1 µs interval);
+    # tie-refit / srpt-refit: the history predictor refits before every step (untimed), so the
+    # step re-keys what the refit changed. (In production: γ every 5 s, refits every 10 s.)
+    "uniboost-ada": {"policy": "uniboost", "params": {"ada_interval_s": 1e-6, "ada_min_samples": 10}},
+    "tie-refit": {"policy": "tie", "params": {"predictor": "history"}},
+    "srpt-refit": {"policy": "srpt", "params": {"predictor": "history"}},
+    "uniboost-nomg": {"policy": "uniboost", "params": {"memguard": False}},
+    "distboost": {"policy": "distboost"},
+    "sjf": {"policy": "sjf", "params": {"predictor": "history"}},
 }
+DEFAULT_POLICIES = ("fcfs", "sarathi", "uniboost", "tie", "vtc", "las", "srpt")
+REFIT_EVERY_STEP = {"tie-refit", "srpt-refit"}
 
 RUNNING_PROMPT = 16  # las: running requests stay in level 0 (< 157 tokens attained) for ~140 steps
 WAITING_PROMPT = 2048  # uniboost: a long prompt ranks below every running request
+WAITING_PROMPT_SPREAD = 0  # --waiting-prompt-spread: waiting prompts 2048 + (0..spread), scattered
 RUNNING_MAX_TOKENS = 3000
 MAX_STEADY_STEPS = 130  # las level-0 bound above
 
@@ -94,11 +111,13 @@ class Case:
         blocks_per_req = -(-(RUNNING_PROMPT + MAX_STEADY_STEPS + 64) // 16)
         self.s = s = make_scheduler(cls, num_blocks=running * blocks_per_req + 64, max_num_seqs=running,
                                     max_num_batched_tokens=budget, settings=settings)
-        core = getattr(s, "tp_core", None)
+        core = self.core = getattr(s, "tp_core", None)
         if core is not None:
             core.stop()  # no background refit while timing: predictions stay fixed
             if settings and "predictor" in settings.get("params", {}):
                 fit_predictor(core.predictor)
+            if name == "uniboost-ada":  # enough end-to-end latencies for γ-Ada to move γ at once
+                core.policy.recent_ttlt.extend(1.0 + 0.001 * k for k in range(1000))
         self.running, self.waiting = running, waiting
         for i in range(running):
             s.add_request(make_request(f"r{i:05d}", RUNNING_PROMPT, RUNNING_MAX_TOKENS, arrival=t0 + i * 1e-4,
@@ -109,7 +128,8 @@ class Case:
             if self.steps > 50:
                 raise RuntimeError(f"{name}: running set did not fill")
         for i in range(waiting):
-            s.add_request(make_request(f"w{i:05d}", WAITING_PROMPT, RUNNING_MAX_TOKENS, arrival=t0 + 10 + i * 1e-4,
+            prompt = WAITING_PROMPT + (i * 7919) % (WAITING_PROMPT_SPREAD + 1)
+            s.add_request(make_request(f"w{i:05d}", prompt, RUNNING_MAX_TOKENS, arrival=t0 + 10 + i * 1e-4,
                                        tenant=f"t{i % 4}", type="batch"))
         self.times: list[float] = []
 
@@ -126,6 +146,8 @@ class Case:
         return out
 
     def timed_step(self) -> None:
+        if self.name in REFIT_EVERY_STEP:
+            self.core.predictor.refit()  # untimed: what it costs the step is the re-key that follows
         out = self.step(timed=True)
         n = len(out.num_scheduled_tokens)
         if n != self.running or out.scheduled_new_reqs or out.preempted_req_ids \
@@ -173,6 +195,8 @@ def profile(policy: str, waiting: int, running: int, reps: int) -> str:
     for _ in range(reps):
         for c, prof in ((case, prof_plugin), (stock, prof_stock)):
             s = c.s
+            if c.name in REFIT_EVERY_STEP:
+                c.core.predictor.refit()
             prof.enable()
             out = s.schedule()
             prof.disable()
@@ -192,12 +216,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waiting", default="64,256,1024")
     ap.add_argument("--running", default="64,256")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help=f"rows among {', '.join(POLICIES)}")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh schedulers per round; the least median over rounds is reported")
     ap.add_argument("--profile", default="", help="policy to cProfile at the largest configuration")
+    ap.add_argument("--waiting-prompt-spread", type=int, default=0,
+                    help="waiting prompts take 2048 + 0..N tokens (distinct lengths: uniboost keeps a "
+                         "group per length)")
     args = ap.parse_args()
+    global WAITING_PROMPT_SPREAD
+    WAITING_PROMPT_SPREAD = args.waiting_prompt_spread
     if args.reps + 4 > MAX_STEADY_STEPS:
         ap.error(f"--reps must be at most {MAX_STEADY_STEPS - 4} (las must stay in its first level)")
     logging.getLogger("vllm").setLevel(logging.ERROR)

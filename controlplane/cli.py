@@ -37,12 +37,33 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
         except ValueError:
             raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window")
         span = (start, dur)
-    trace = traces.load_bundled() if path in (None, "bundled") else traces.load_trace(path, seed=seed)
+    # --max-tokens-default is not passed through the commands' signatures: its callback keeps it in
+    # the command's context (see ``trace_options``).
+    ctx = click.get_current_context(silent=True)
+    default_cap = (ctx.meta.get(_MAX_TOKENS_DEFAULT_KEY) if ctx is not None else None) or traces.DEFAULT_MAX_TOKENS
+    if path in (None, "bundled"):
+        trace = traces.load_bundled(max_tokens_default=default_cap)
+    else:
+        trace = traces.load_trace(path, seed=seed, max_tokens_default=default_cap)
     trace = traces.transform(trace, window=span, rate_scale=rate_scale, rate=target_rate, max_tokens_cap=cap,
                              tenants=tenants, seed=seed)
     if len(trace) == 0:
         raise click.UsageError("the trace is empty after the transforms")
+    if trace.truncated:
+        # On stderr, so --json output stays one document.
+        click.echo(f"note: {trace.truncated} of {len(trace)} requests of {trace.name} had outputs longer than "
+                   f"their max_tokens cap and were truncated to it (cap for requests the trace records none: "
+                   f"{default_cap}; --max-tokens-default N to change it)", err=True)
     return trace
+
+
+_MAX_TOKENS_DEFAULT_KEY = "tailpilot.max_tokens_default"
+
+
+def _remember_max_tokens_default(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None:
+        ctx.meta[_MAX_TOKENS_DEFAULT_KEY] = value
+    return value
 
 
 def _engine_config(num_gpu_blocks: int | None, step_model: str | None):
@@ -102,12 +123,18 @@ trace_options = [
     click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s."),
     click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),
     click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens."),
+    click.option("--max-tokens-default", type=click.IntRange(min=1), expose_value=False,
+                 callback=_remember_max_tokens_default, metavar="N",
+                 help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
+                      "[default: 4096]."),
     click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants."),
     click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
 ]
 engine_options = [
-    click.option("--max-num-seqs", type=int, help="Engine: max running sequences."),
-    click.option("--max-num-batched-tokens", type=int, help="Engine: token budget per step."),
+    click.option("--max-num-seqs", type=int,
+                 help="Engine: max running sequences (default: vLLM's for the step model's GPU, A100 256, H100/H200 1,024)."),
+    click.option("--max-num-batched-tokens", type=int,
+                 help="Engine: token budget per step (default: vLLM's for the step model's GPU, A100 2,048, H100/H200 8,192)."),
     click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off)."),
     click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000)."),
     click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
@@ -131,9 +158,13 @@ def with_options(*groups):
 with_trace_options = with_options(trace_options, engine_options, batch_options)
 
 
-def _engine_dict(kw: dict) -> dict:
-    return {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
-            if kw.get(k) is not None}
+def _engine_dict(kw: dict, step_model: str | None) -> dict:
+    """The engine limits given on the command line, over vLLM's defaults for the step model's GPU."""
+    from tuner.stepmodel import DEFAULT_MODEL_NAME, engine_defaults
+
+    given = {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+             if kw.get(k) is not None}
+    return {**engine_defaults(step_model or DEFAULT_MODEL_NAME), **given}
 
 
 class _Main(click.Group):
@@ -165,7 +196,7 @@ def main() -> None:
 def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate, window, cap, tenants, seed,
         num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Replay a trace through the engine simulator under one policy and print its metrics."""
-    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine), predictor)
+    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), predictor)
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace))
@@ -217,7 +248,7 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
         if head not in per_policy or not rest:
             raise click.BadParameter(f"{item!r}: expected POLICY.NAME=VALUE for a compared policy", param_hint="--set")
         per_policy[head].append(rest)
-    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine), predictor).to_dict() for n in names}
+    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine, step_model), predictor).to_dict() for n in names}
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace)) and jobs == 1
@@ -282,7 +313,7 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
         raise click.BadParameter("must be > 0", param_hint="--speed")
     if port and port + replicas - 1 > 65535:
         raise click.BadParameter(f"ports {port}..{port + replicas - 1} exceed 65535", param_hint="--port")
-    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine), "history")
+    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), "history")
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     generated = token is None
     token = token or secrets.token_urlsafe(16)

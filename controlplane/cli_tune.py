@@ -38,6 +38,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "rate_scale": ("rate_scale", "--rate-scale"),
     "target_rate": ("target_rate", "--target-rate"),
     "cap": ("max_tokens_cap", "--max-tokens-cap"),
+    "max_tokens_default": ("max_tokens_default", "--max-tokens-default"),
     "tenants": ("tenants", "--tenants"),
     "seed": ("seed", "--seed"),
     "window_s": ("window_s", "--window-s"),
@@ -184,6 +185,9 @@ def _progress_bar(show: bool):
 @click.option("--rate-scale", type=float, help="Multiply the arrival rate by X.")
 @click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s.")
 @click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens.")
+@click.option("--max-tokens-default", type=click.IntRange(min=1), metavar="N",
+              help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
+                   "[default: 4096].")
 @click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
 @click.option("--window-s", type=float, default=120.0, show_default=True, help="Window length in seconds.")

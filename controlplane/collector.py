@@ -376,6 +376,8 @@ def _completion_row(replica: str, c: Mapping[str, Any]) -> CompletionRow:
         preemptions=int(c.get("preemptions") or 0),
         recomputed_tokens=int(c.get("recomputed_tokens") or 0),
         reason=str(c.get("reason") or "finished"),
+        # The client's cap; replicas from before it was logged send none (-> None).
+        max_tokens=None if c.get("max_tokens") is None else int(c["max_tokens"]),
     )
 
 

@@ -168,6 +168,8 @@ class Completion(Base):
     recomputed_tokens: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(String(50))
     stored_ms: Mapped[int] = mapped_column(BigInteger)  # the store's clock: retention only
+    # The client's cap (migration 0003); None for rows stored before it and replicas that do not report it.
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class CollectorCursor(Base):

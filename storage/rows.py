@@ -89,6 +89,7 @@ class CompletionRow:
     preemptions: int
     recomputed_tokens: int = 0
     reason: str = "finished"
+    max_tokens: int | None = None  # the client's cap; None when the replica did not report it
 
 
 @dataclass(slots=True)

@@ -95,7 +95,7 @@ SAMPLE_FLOAT_FIELDS: tuple[str, ...] = (
 )  # fmt: skip
 COMPLETION_FIELDS: tuple[str, ...] = (
     "request_id", "tenant", "type", "arrival_s", "first_token_s", "finished_s", "prompt_tokens",
-    "output_tokens", "preemptions", "recomputed_tokens", "reason",
+    "output_tokens", "preemptions", "recomputed_tokens", "reason", "max_tokens",
 )  # fmt: skip
 
 
@@ -588,6 +588,7 @@ class Store:
                 "preemptions": c.preemptions,
                 "recomputed_tokens": c.recomputed_tokens,
                 "reason": c.reason,
+                "max_tokens": c.max_tokens,
                 "stored_ms": now_ms,
             }
             for c in rows

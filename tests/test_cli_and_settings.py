@@ -104,3 +104,53 @@ def test_compare_table_and_console_script():
     out = subprocess.run([sys.executable, "-m", "controlplane.cli", "compare", "--policies", "fcfs,uniboost",
                           "--baseline", "fcfs", "--window", "0:60"], capture_output=True, text=True, check=True)
     assert "% change vs fcfs" in out.stdout and "uniboost" in out.stdout
+
+
+# --- --max-tokens-default ----------------------------------------------------------------------
+def _tiny_azure(tmp_path, outputs):
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:15:{10 + i:02d}.0000000,{50 + i},{o}" for i, o in enumerate(outputs)]
+    path = tmp_path / "tiny.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_path, monkeypatch):
+    from tuner import traces
+
+    outputs = [5, 40, 60, 80, 120, 7, 300, 2]
+    path = _tiny_azure(tmp_path, outputs)
+    seen = []
+    real = traces.load_trace
+
+    def spy(*args, **kw):
+        trace = real(*args, **kw)
+        seen.append(trace)
+        return trace
+
+    monkeypatch.setattr(traces, "load_trace", spy)
+    res = run_cli("sim", "--trace", str(path), "--policy", "fcfs", "--max-tokens-default", "50", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["run"]["requests"] == len(outputs)  # the note goes to stderr only
+    [trace] = seen
+    assert {r.max_tokens for r in trace} == {50}
+    assert [r.output_tokens for r in trace] == [min(o, 50) for o in outputs]
+    over = sum(o > 50 for o in outputs)
+    assert f"{over} of {len(outputs)} requests" in res.stderr and "truncated" in res.stderr
+
+    seen.clear()  # without the flag: the module default, nothing truncated, no note
+    res = run_cli("compare", "--trace", str(path), "--policies", "fcfs,sjf", "--baseline", "fcfs", "--json")
+    assert res.exit_code == 0, res.output
+    assert {r.max_tokens for r in seen[0]} == {traces.DEFAULT_MAX_TOKENS} and res.stderr == ""
+
+    res = run_cli("sim", "--trace", str(path), "--max-tokens-default", "0")
+    assert res.exit_code == 2 and "--max-tokens-default" in res.output
+
+
+def test_max_tokens_default_is_a_trace_option_of_every_trace_command():
+    from tuner.traces import DEFAULT_MAX_TOKENS
+
+    for command in ("sim", "compare", "twin"):
+        res = run_cli(command, "--help")
+        assert res.exit_code == 0 and "--max-tokens-default" in res.output, command
+        assert f"[default: {DEFAULT_MAX_TOKENS}]" in " ".join(res.output.split()), command

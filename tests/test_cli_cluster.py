@@ -22,7 +22,7 @@ def small_trace(n: int = 400, duration: float = 120.0) -> Trace:
     rng = random.Random(3)
     return Trace("cli", tuple(
         TraceRequest(id=f"c{i:04d}", arrival=i * duration / n, prompt_tokens=rng.randint(50, 800),
-                     output_tokens=(o := rng.randint(10, 200)), max_tokens=o, tenant=rng.choice(("a", "b")))
+                     output_tokens=rng.randint(10, 200), max_tokens=256, tenant=rng.choice(("a", "b")))
         for i in range(n)))
 
 

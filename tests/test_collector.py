@@ -813,3 +813,89 @@ def test_metrics_every_n_polls_still_catches_bad_metrics(twins, proxy):
             await wait_until(lambda: run.health(name).healthy, what="recovery")
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------------------------
+# max_tokens: the client's cap, from the control API into the store
+# --------------------------------------------------------------------------------------------
+
+from controlplane.plugin.api import ControlServer  # noqa: E402
+from controlplane.plugin.core import COMPLETION_KEYS, ReplicaCore  # noqa: E402
+from controlplane.policies import RequestState  # noqa: E402
+from controlplane.settings import Settings  # noqa: E402
+from core_target import CoreTarget  # noqa: E402  (tests/core_target.py)
+
+
+def test_completion_row_reads_max_tokens_and_tolerates_its_absence():
+    base = {"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5}
+    assert _completion_row("r", {**base, "max_tokens": 4096}).max_tokens == 4096
+    assert _completion_row("r", {**base, "max_tokens": 64.0}).max_tokens == 64  # JSON may carry 64.0
+    assert _completion_row("r", base).max_tokens is None  # an older replica does not send it
+    assert _completion_row("r", {**base, "max_tokens": None}).max_tokens is None
+    with pytest.raises(ValueError):  # malformed: the entry is skipped and counted, like any other
+        _completion_row("r", {**base, "max_tokens": "lots"})
+
+
+class MetricsCoreTarget(CoreTarget):
+    """A bare ReplicaCore behind the real control server, with a vLLM /metrics page on the same port."""
+
+    def api_metrics(self):
+        return VLLM_V1_PAGE.encode(), "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
+    """Requests finished through ReplicaCore carry their client cap in /state; the collector reads it
+    and the store keeps it. An entry without one (an older replica) is stored with None."""
+    core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
+    caps = {"q0": 16, "q1": 4096, "q2": 512, "q3": 1, "q4": 32_768}
+    for i, (rid, cap) in enumerate(caps.items()):
+        state = RequestState(id=rid, arrival=float(i), prompt_tokens=10 + i, max_tokens=cap, tenant="acme")
+        core.track(state, float(i))
+        state.status, state.scheduled_at, state.first_token_at = "running", i + 0.25, i + 0.5
+        state.generated = min(cap, 3 + 2 * i)  # unrelated to the cap except where it reached it
+        core.finish(state, i + 1.0)
+    old_entry = {"id": "old", "tenant": "acme", "type": "chat", "arrival": 9.0, "scheduled_at": 9.1,
+                 "first_token_at": 9.2, "finished_at": 9.5, "prompt_tokens": 5, "output_tokens": 2,
+                 "preemptions": 0, "recomputed_tokens": 0, "reason": "finished"}  # no max_tokens key
+    core.log_completions([old_entry])
+    server = ControlServer(MetricsCoreTarget(core), port=0, token=TOKEN).start()
+    try:
+        with httpx.Client(base_url=server.base_url, trust_env=False, timeout=10) as c:
+            doc = c.get("/tailpilot/v1/state", params={"cursor": 0}).json()
+        assert [list(e) for e in doc["completions"][:-1]] == [list(COMPLETION_KEYS)] * len(caps)
+        assert {e["id"]: e.get("max_tokens") for e in doc["completions"]} == {**caps, "old": None}
+
+        store = Store.open(str(tmp_path / "caps.db"))
+        cluster = _cluster([("r1", server.base_url, server.base_url)], poll=0.05, name="caps")
+
+        async def scenario():
+            async with Running(cluster, store, flush_interval_s=0.05) as run:
+                await wait_until(lambda: run.collector.views["r1"].cursor == len(caps) + 1, what="all completions")
+                await wait_until(lambda: store.cursors("caps").get("r1") == len(caps) + 1, what="stored")
+                assert run.health("r1").healthy and run.health("r1").mode == "plugin"
+
+        asyncio.run(scenario())
+        stored = store.completions("caps", "r1")
+        store.close()
+    finally:
+        server.stop()
+    assert {c.request_id: c.max_tokens for c in stored} == {**caps, "old": None}
+    assert {c.request_id: c.output_tokens for c in stored} == {
+        **{rid: min(cap, 3 + 2 * i) for i, (rid, cap) in enumerate(caps.items())}, "old": 2}
+
+
+def test_twin_completions_are_stored_with_the_traces_caps(twins, tmp_path):
+    """The twins report each request's cap from the trace (the bundled window: the fixed default,
+    whatever the output) and the collector stores it."""
+    store = Store.open(str(tmp_path / "tw.db"))
+
+    async def scenario():
+        async with Running(twin_cluster(twins), store, flush_interval_s=0.1) as run:
+            await wait_until(lambda: all(run.collector.views[t.name].cursor > 20 for t in twins), what="completions")
+
+    asyncio.run(scenario())
+    stored = store.completions("twins")
+    store.close()
+    assert len(stored) > 60
+    assert {c.max_tokens for c in stored} == {traces.DEFAULT_MAX_TOKENS}
+    assert len({c.output_tokens for c in stored}) > 10

@@ -574,3 +574,47 @@ def test_sjf_starvation_guard_promotes_a_starving_request(build):
     assert_all_finished(d)
     order = d.first_admitted
     assert order.index("L") < order.index("s39"), order
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "unified"])
+def test_decode_first_gives_running_decodes_the_budget_before_prefill_chunks(build, decode_first):
+    """D (128-token prompt) is decoding when P (100 tokens, so the better uniboost score) arrives.
+    With a 32-token budget P's prefill takes 3 steps: under decode_first D still gets its token in
+    each of them; in the unified order P, ranked first, takes the whole budget."""
+    clock = Clock()
+    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "decode_first": decode_first}}
+    s = build(num_blocks=100, max_num_seqs=4, max_num_batched_tokens=32, settings=settings)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "D", 128, 40, 0.0)]}, steps=6)  # D: prefilled in 4 steps, decoding
+    assert s.requests["D"].num_output_tokens >= 1
+    d.add(req(clock, "P", 100, 4, 1.0))
+    d.step()  # P admitted after the running D: D 1 token, P the rest
+    record = d.step()
+    scheduled = dict(record.scheduled)
+    assert s.tp_core.policy.key(s.tp_core.states["P"], 0.0) < s.tp_core.policy.key(s.tp_core.states["D"], 0.0)
+    if decode_first:
+        assert record.scheduled[0] == ("D", 1) and scheduled["P"] == 31
+    else:
+        assert record.scheduled == [("P", 32)]
+    d.run()
+    assert_all_finished(d)
+
+
+def test_decode_first_keeps_the_policy_worst_as_the_memory_victim(build):
+    """Under decode_first vLLM's running list is [decodes..., prefills...], so running[-1] would be
+    the prefilling P; when the decoding D (the worse score: more work) needs a block, the victim
+    must still be the policy's worst, D itself. (No policy preemption: a huge margin.)"""
+    clock = Clock()
+    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "preempt_margin": 1e9}}
+    s = build(num_blocks=17, max_num_seqs=4, max_num_batched_tokens=32, settings=settings)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "D", 140, 60, 0.0)]}, steps=6)
+    d.add(req(clock, "P", 100, 4, 1.0))
+    for _ in range(12):
+        record = d.step()
+        if record.preempted:
+            break
+    assert record.preempted == ["D"] and dict(record.scheduled).get("P", 0) > 1  # P was mid-prefill
+    assert s.tp_core.states["D"].policy_preemptions == 0
+    d.run()
+    assert_all_finished(d)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from controlplane.policies import RequestState, make_policy
@@ -169,15 +170,31 @@ def _feed(policy, ttlts):
         policy.on_finish(r, t)
 
 
-def test_gamma_ada_moves_toward_target_and_clamps():
-    p = _uniboost(gamma=50.0, ada_min_samples=10, ada_window=100, ada_kappa=4.0, ada_ema=0.5, gamma_max=200.0)
-    _feed(p, [1.0] * 100)  # t99/t95 = 1 → target = gamma_max
+def test_gamma_ada_is_the_tail_slope_between_p95_and_p99():
+    # An exponential tail P(T > t) = e^{-0.2 t}: γ-Ada must recover its decay rate, 0.2 /s.
+    rng = np.random.default_rng(3)
+    p = _uniboost(gamma=5.0, ada_min_samples=10, ada_window=200_000, ada_ema=1.0)
+    _feed(p, rng.exponential(1 / 0.2, 200_000))
     p.tick(10.0)
-    assert p.gamma == pytest.approx(0.5 * 50 + 0.5 * 200)
-    heavy = _uniboost(gamma=50.0, ada_min_samples=10, ada_window=100, ada_ema=1.0, gamma_min=30.0)
-    _feed(heavy, [1.0] * 95 + [100.0] * 5)  # huge tail ratio → target near 0 → clamped at gamma_min
+    assert p.gamma == pytest.approx(0.2, rel=0.05)
+    # With ema = 0.5 it moves half-way from the current γ to ln 5 / (t99 − t95).
+    half = _uniboost(gamma=1.0, ada_min_samples=10, ada_window=100, ada_ema=0.5)
+    ttlts = np.linspace(1.0, 50.0, 100)
+    _feed(half, ttlts)
+    t95, t99 = np.percentile(ttlts, [95, 99])
+    half.tick(10.0)
+    assert half.gamma == pytest.approx(0.5 * 1.0 + 0.5 * math.log(5) / (t99 - t95))
+
+
+def test_gamma_ada_clamps():
+    flat = _uniboost(gamma=1.0, ada_min_samples=10, ada_window=100, ada_ema=1.0, gamma_max=10.0)
+    _feed(flat, [1.0] * 100)  # no spread between P95 and P99: the fastest decay allowed
+    flat.tick(10.0)
+    assert flat.gamma == 10.0
+    heavy = _uniboost(gamma=1.0, ada_min_samples=10, ada_window=100, ada_ema=1.0, gamma_min=0.5)
+    _feed(heavy, [1.0] * 95 + [100.0] * 5)  # ln 5 / ~99 s ≈ 0.016 /s → clamped at gamma_min
     heavy.tick(10.0)
-    assert heavy.gamma == 30.0
+    assert heavy.gamma == 0.5
 
 
 def test_gamma_ada_waits_for_min_samples_and_never_moves_pinned_gamma():
@@ -216,13 +233,14 @@ def test_tie_wait_decay_lets_a_starved_request_overtake():
 
 
 def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
-    p = _tie(beta_min=0.1, beta_max=0.5)  # max_num_seqs 128 by default
+    p = _tie(beta_min=0.1, beta_max=0.5)
+    seats = p.view.max_num_seqs  # the engine default (vLLM's A100: 256)
     reqs = [RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=5, max_tokens=64, output_tokens=10)
-            for i in range(300)]
+            for i in range(1000)]
     p.before_step(reqs[:10], 0.0)
-    assert p.beta == pytest.approx(0.1)  # 0.1·10/128 below the floor
-    p.before_step(reqs[:320], 0.0)
-    assert p.beta == pytest.approx(min(0.5, 0.1 * 300 / 128))
+    assert p.beta == pytest.approx(0.1)  # 0.1·10/seats below the floor
+    p.before_step(reqs[:700], 0.0)
+    assert p.beta == pytest.approx(min(0.5, 0.1 * 700 / seats)) and 0.1 < p.beta < 0.5
     pinned = make_policy(Settings.model_validate({"policy": "tie", "params": {"predictor": "oracle", "beta": 0.7},
                                                   "pinned": ["beta"]}), OraclePredictor())
     pinned.before_step(reqs, 0.0)
@@ -349,3 +367,26 @@ def test_waiting_queue_refiles_several_promotions_into_policy_order():
     policy.moved = [reqs["E"], reqs["C"]]
     assert [r.id for r in queue.ordered(0.0)] == list("CAEBD")
     queue.check_order()
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "unified"])
+def test_simulator_decode_first_serves_decodes_before_prefill_chunks(decode_first):
+    """As in the plugin (tests/test_plugin_inprocess.py): D decodes when P, the better uniboost
+    score, arrives; with a 32-token budget P's prefill spans steps, and only under decode_first
+    does D keep getting its token in them."""
+    from tuner.engine import Simulator
+
+    settings = Settings.model_validate({"policy": "uniboost", "params": {
+        "gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": False, "gamma_ada": False,
+        "decode_first": decode_first}, "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 32}})
+    trace = [req("D", 0.0, 128, 40), req("P", 5.5, 100, 4)]
+    sim = Simulator(trace, settings, BIG_KV, event_skipping=False)
+    steps = []
+    sim.step_listener = lambda t, prefill, sq, decodes, ctx, k: steps.append((t, prefill, decodes))
+    sim.run()
+    during = [(prefill, decodes) for t, prefill, decodes in steps if t >= 5.5 and prefill > 0]
+    assert len(during) >= 3  # P's 100 prompt tokens take several steps of a 32-token budget
+    if decode_first:
+        assert all(decodes == 1 for _, decodes in during[:3]) and during[1] == (31, 1)
+    else:
+        assert during[1] == (32, 0)  # P, ranked first, takes the whole budget

@@ -225,6 +225,8 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     stored = store.completions("real", "cpu-0")
     assert len(stored) == len({c.request_id for c in stored}) == len(requests)
     assert sorted((c.tenant, c.output_tokens) for c in stored) == sorted((r.tenant, r.max_tokens) for r in requests)
+    # The plugin reports each request's client cap (from vLLM's sampling params) and the store keeps it.
+    assert sorted((c.tenant, c.max_tokens) for c in stored) == sorted((r.tenant, r.max_tokens) for r in requests)
     snap = collector.snapshot().replicas["cpu-0"]
     assert snap.health.healthy and snap.health.mode == "plugin", snap.health
     assert snap.sample.latency.ttlt_p99 is not None and snap.sample.latency.tbt_p50 is not None

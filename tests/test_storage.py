@@ -91,7 +91,8 @@ def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
     return CompletionRow(replica=replica, request_id=f"req-{i}", tenant=tenant, type="chat", arrival_s=10.0 + i,
                          first_token_s=None if i % 5 == 0 else 10.25 + i, finished_s=12.5 + i,
                          prompt_tokens=100 + i, output_tokens=7 * i, preemptions=i % 3,
-                         recomputed_tokens=i % 4 * 16, reason="finished" if i % 7 else "aborted")  # fmt: skip
+                         recomputed_tokens=i % 4 * 16, reason="finished" if i % 7 else "aborted",
+                         max_tokens=None if i % 6 == 0 else (256, 4096, 32768)[i % 3])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- round trip
@@ -126,6 +127,7 @@ def test_round_trip_of_every_row_kind(store):
         s for s in samples if s.replica == "r1" and T0 + 1000 <= s.t_ms < T0 + 3000
     ]
     assert store.completions("prod") == sorted(comps, key=lambda c: c.finished_s)
+    assert {c.max_tokens for c in store.completions("prod")} == {None, 256, 4096, 32768}
     assert store.completions("prod", "r1", since_s=15.0, until_s=25.0) == [
         c for c in comps if c.replica == "r1" and 15.0 <= c.finished_s < 25.0
     ]
@@ -190,6 +192,20 @@ def test_latest_samples_at_a_past_time(store):
     assert store.latest_samples("other") == {}
 
 
+def test_completion_max_tokens_round_trip(store):
+    """The client's cap is stored per completion and read back as written: set, absent (None), and
+    values unrelated to the output length (over and under it), on both backends."""
+    rows = [replace(completion("r1", i), max_tokens=m) for i, m in
+            enumerate([None, 1, 16, 4096, 131_072, 2**31 - 1, None, 7])]
+    store.write("c", Batch(completions=rows, cursors={"r1": len(rows)}))
+    got = {c.request_id: c.max_tokens for c in store.completions("c")}
+    assert got == {c.request_id: c.max_tokens for c in rows}
+    assert store.completions("c", "r1") == sorted(rows, key=lambda c: c.finished_s)
+    with store.engine.connect() as conn:
+        raw = dict(conn.execute(text("SELECT request_id, max_tokens FROM completions")).all())
+    assert raw == got  # the column itself, not a default filled in on the way out
+
+
 # ---------------------------------------------------------------------------------- migrations
 
 
@@ -203,6 +219,44 @@ def test_migrations_match_models_and_downgrade(url):
         assert set(inspect(store.engine).get_table_names()) <= {"alembic_version"}
         upgrade(store.engine)
         assert set(inspect(store.engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
+    finally:
+        store.close()
+
+
+def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
+    """A database at the previous head (0002) with completions in it: the upgrade adds the nullable
+    column, every existing row reads back unchanged with max_tokens None, and new rows carry it."""
+    store = Store.open(url)
+    try:
+        old = [replace(completion("r1", i), max_tokens=None) for i in range(6)]
+        store.write("c", Batch(completions=old[:4], cursors={"r1": 4}))
+        downgrade(store.engine, "0002")
+        columns = {c["name"] for c in inspect(store.engine).get_columns("completions")}
+        assert "max_tokens" not in columns and "reason" in columns
+        with store.engine.begin() as conn:  # rows written by a 0002-era store
+            rid = conn.execute(text("SELECT id FROM replicas WHERE name = 'r1'")).scalar_one()
+            for c in old[4:]:
+                conn.execute(text(
+                    "INSERT INTO completions (replica_id, request_id, tenant, type, arrival_s, first_token_s, "
+                    "finished_s, prompt_tokens, output_tokens, preemptions, recomputed_tokens, reason, stored_ms) "
+                    "VALUES (:rid, :request_id, :tenant, :type, :arrival_s, :first_token_s, :finished_s, "
+                    ":prompt_tokens, :output_tokens, :preemptions, :recomputed_tokens, :reason, :stored_ms)"),
+                    {"rid": rid, "request_id": c.request_id, "tenant": c.tenant, "type": c.type,
+                     "arrival_s": c.arrival_s, "first_token_s": c.first_token_s, "finished_s": c.finished_s,
+                     "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
+                     "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": c.reason,
+                     "stored_ms": T0})
+        with store.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == "0002"
+        upgrade(store.engine)
+        with store.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == "0003"
+            assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL")).scalar_one() == 6
+        assert store.completions("c") == old  # every field as before; max_tokens None
+        new = replace(completion("r1", 10), max_tokens=2048)
+        store.write("c", Batch(completions=[new], cursors={"r1": 7}))
+        assert store.completions("c") == [*old, new]
+        assert store.cursors("c") == {"r1": 7}
     finally:
         store.close()
 

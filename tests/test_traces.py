@@ -57,7 +57,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def _trace(arrivals, prompt=100, output=50, name="t") -> Trace:
-    return Trace(name, tuple(TraceRequest(f"r-{i:06d}", float(a), prompt, output, output)
+    return Trace(name, tuple(TraceRequest(f"r-{i:06d}", float(a), prompt, output, T.DEFAULT_MAX_TOKENS)
                              for i, a in enumerate(arrivals)))
 
 
@@ -78,7 +78,8 @@ def test_azure_fixture_exact_values():
         assert req.arrival == float(exact)
         assert req.prompt_tokens == int(row["ContextTokens"])
         assert req.output_tokens == int(row["GeneratedTokens"])
-        assert req.max_tokens == req.output_tokens
+        # Azure records no cap: the fixed default, never the output length.
+        assert req.max_tokens == T.DEFAULT_MAX_TOKENS and not req.truncated
         assert (req.tenant, req.type) == ("default", "chat")
     assert trace.requests[0].arrival == 0.0
     assert [r.id for r in trace] == [f"azure_conv_head-{i:06d}" for i in range(len(rows))]
@@ -199,7 +200,9 @@ def test_vidur_optional_columns_and_sorting():
         assert req.id == f"vidur_tenants-{i:06d}"  # id keeps the file row index
         assert req.tenant == (row["tenant"] or "default")
         assert req.type == (row["type"] or "chat")
-        assert req.max_tokens == (int(row["max_tokens"]) if row["max_tokens"] else req.output_tokens)
+        assert req.max_tokens == (int(row["max_tokens"]) if row["max_tokens"] else T.DEFAULT_MAX_TOKENS)
+        assert req.output_tokens == int(row["num_decode_tokens"])  # a recorded cap changes no output
+        assert not req.truncated
 
 
 @pytest.mark.parametrize(
@@ -510,7 +513,9 @@ def test_cap_max_tokens():
         assert after.max_tokens == min(before.max_tokens, 50)
         assert after.output_tokens == min(before.output_tokens, 50)
         assert after.prompt_tokens == before.prompt_tokens
+        assert after.truncated == (before.output_tokens > 50)
     assert any(r.output_tokens > 50 for r in trace)  # the cap actually bit somewhere
+    assert capped.truncated == sum(r.output_tokens > 50 for r in trace) and trace.truncated == 0
 
 
 def test_scale_tokens_rounds_and_floors_at_one():
@@ -552,7 +557,7 @@ def test_assign_tenants_from_and_with_type():
 
 def _many(n: int, prompt: int, type_: str, rate: float, prefix: str) -> Trace:
     arrivals = T.generate_arrivals(n, rate=rate, seed=n)
-    return Trace(prefix, tuple(TraceRequest(f"{prefix}-{i:06d}", float(a), prompt + i % 7, 20, 20, type=type_)
+    return Trace(prefix, tuple(TraceRequest(f"{prefix}-{i:06d}", float(a), prompt + i % 7, 20, 256, type=type_)
                                for i, a in enumerate(arrivals)))
 
 
@@ -619,3 +624,227 @@ def test_bundled_window():
     assert [(r.arrival, r.prompt_tokens, r.output_tokens) for r in trace.requests[: len(head)]] == [
         (r.arrival, r.prompt_tokens, r.output_tokens) for r in head
     ]
+
+
+# ------------------------------------------------------------------------------------------
+# max_tokens is the client's cap, never the true output length
+# ------------------------------------------------------------------------------------------
+#
+# A policy sees max_tokens (TIE truncates its length distribution there and scores unpredicted
+# requests with it; predictions are capped by it), so a loader that filled it from the output
+# length would hand every policy the ground truth. Each format below is written with outputs that
+# vary and straddle both caps used (the default 4,096 and an override of 300); requests whose
+# source records no cap must all get the same cap, whatever their output.
+
+LEAK_OUTPUTS = [1, 7, 44, 299, 300, 301, 1000, 4095, 4096, 4097, 9000, 32768]
+LEAK_PROMPTS = [5 + 37 * i for i in range(len(LEAK_OUTPUTS))]
+# A per-request cap column: some rows record one (below, equal to and above their output), some not.
+RECORDED = [None, 8, None, 300, 64, None, 5000, None, 100, None, 20000, None]
+BIG_CAP = 10**9  # a cap nothing reaches: the loaders' uncapped draws
+
+
+def _ids_for(stem: str, indices) -> list[str]:
+    return [f"{stem}-{i:06d}" for i in indices]
+
+
+def _expect(stem: str, indices, outputs, recorded=None) -> dict[str, tuple[int, int | None]]:
+    """Request id -> (source output, recorded cap or None), computed from what was written."""
+    recorded = recorded or [None] * len(outputs)
+    return dict(zip(_ids_for(stem, indices), zip(outputs, recorded)))
+
+
+def _fmt_azure(tmp_path):
+    lines = [AZURE_HEADER] + [f"2023-11-16 18:15:{10 + i:02d}.5000000,{p},{o}"
+                              for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    path = _write(tmp_path, "az.csv", "\r\n".join(lines) + "\r\n")
+    return path, {}, _expect("az", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
+
+
+def _fmt_vidur(tmp_path):
+    lines = ["arrived_at,num_prefill_tokens,num_decode_tokens"]
+    lines += [f"{0.25 * i},{p},{o}" for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    path = _write(tmp_path, "vid.csv", "\n".join(lines) + "\n")
+    return path, {}, _expect("vid", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
+
+
+def _fmt_vidur_recorded(tmp_path):
+    lines = ["arrived_at,num_prefill_tokens,num_decode_tokens,max_tokens"]
+    lines += [f"{0.25 * i},{p},{o},{'' if m is None else m}"
+              for i, (p, o, m) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED))]
+    path = _write(tmp_path, "vidcap.csv", "\n".join(lines) + "\n")
+    return path, {}, _expect("vidcap", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS, RECORDED)
+
+
+def _fmt_mooncake(tmp_path):
+    lines = [json.dumps({"timestamp": 1000 + 250 * i, "input_length": p, "output_length": o, "hash_ids": [i]})
+             for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    path = _write(tmp_path, "moon.jsonl", "\n".join(lines) + "\n")
+    return path, {}, _expect("moon", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
+
+
+def _fmt_burstgpt(tmp_path):
+    lines = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",
+             "0,ChatGPT,10,0,10,Conversation log"]  # a failure: skipped, but it keeps its row index
+    lines += [f"{i + 1},GPT-4,{p},{o},{p + o},API log" for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    path = _write(tmp_path, "bgpt.csv", "\n".join(lines) + "\n")
+    return path, {}, _expect("bgpt", range(1, len(LEAK_OUTPUTS) + 1), LEAK_OUTPUTS)
+
+
+def _fmt_lengths(tmp_path):
+    lines = ["num_prefill_tokens,num_decode_tokens,num_total_tokens"]
+    lines += [f"{p},{o},{p + o}" for p, o in zip(LEAK_PROMPTS, LEAK_OUTPUTS)]
+    path = _write(tmp_path, "len.csv", "\n".join(lines) + "\n")
+    return path, {"rate": 3.0, "seed": 2}, _expect("len", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
+
+
+def _fmt_lengths_recorded(tmp_path):
+    lines = ["num_prefill_tokens,num_decode_tokens,max_tokens"]
+    lines += [f"{p},{o},{'' if m is None else m}" for p, o, m in zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED)]
+    path = _write(tmp_path, "lencap.csv", "\n".join(lines) + "\n")
+    return path, {"rate": 3.0}, _expect("lencap", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS, RECORDED)
+
+
+def _fmt_servegen(tmp_path):
+    p = 1 / len(LEAK_OUTPUTS)
+    lines = ["model,field,value,prob", "r1,input_tokens,16,0.5", "r1,input_tokens,4096,0.5"]
+    lines += [f"r1,output_tokens,{o},{p!r}" for o in LEAK_OUTPUTS] + ["r1,reason_ratio,0.5,1.0"]
+    path = _write(tmp_path, "pmf.csv", "\n".join(lines) + "\n")
+    kw = {"n": 600, "rate": 4.0, "seed": 9}
+    # The PMF's draws do not depend on the cap: an uncapped load gives each request's source output.
+    uncapped = T.load_servegen_reasoning(path, **kw, max_tokens_default=BIG_CAP)
+    assert set(LEAK_OUTPUTS) == {r.output_tokens for r in uncapped}  # every value drawn, over both caps
+    return path, kw, {r.id: (r.output_tokens, None) for r in uncapped}
+
+
+LOADER_FORMATS = {
+    "azure": (_fmt_azure, T.load_azure),
+    "vidur": (_fmt_vidur, T.load_vidur),
+    "vidur-recorded-caps": (_fmt_vidur_recorded, T.load_vidur),
+    "mooncake": (_fmt_mooncake, T.load_mooncake),
+    "burstgpt": (_fmt_burstgpt, T.load_burstgpt),
+    "lengths": (_fmt_lengths, T.load_lengths),
+    "lengths-recorded-caps": (_fmt_lengths_recorded, T.load_lengths),
+    "servegen": (_fmt_servegen, T.load_servegen_reasoning),
+}
+
+
+def _check_caps(trace: Trace, expected: dict[str, tuple[int, int | None]], cap: int) -> None:
+    """Every request's cap is the recorded one, else `cap`; outputs over `cap` are truncated to it
+    and counted; and no request without a recorded cap has a cap that follows its output."""
+    assert {r.id for r in trace} == set(expected)
+    truncated = 0
+    for r in trace:
+        source, recorded = expected[r.id]
+        if recorded is not None:
+            assert (r.max_tokens, r.output_tokens, r.truncated) == (recorded, source, False), r
+        else:
+            assert r.max_tokens == cap, r
+            assert r.output_tokens == min(source, cap), r
+            assert r.truncated == (source > cap), r
+            truncated += source > cap
+    assert trace.truncated == truncated
+    free = [r for r in trace if expected[r.id][1] is None]
+    assert len({r.output_tokens for r in free}) >= 3  # the outputs vary ...
+    assert {r.max_tokens for r in free} == {cap}  # ... and the cap does not
+    # The leak, stated directly: a cap equal to the output only where the output reached the cap.
+    assert all(r.output_tokens == cap for r in free if r.max_tokens == r.output_tokens)
+
+
+@pytest.mark.parametrize("fmt", sorted(LOADER_FORMATS))
+def test_loaders_never_derive_max_tokens_from_the_output(tmp_path, fmt):
+    make, loader = LOADER_FORMATS[fmt]
+    path, kw, expected = make(tmp_path)
+    trace = loader(path, **kw)
+    _check_caps(trace, expected, T.DEFAULT_MAX_TOKENS)
+    assert T.load_trace(path, **kw) == trace  # the auto-detecting entry point agrees
+
+
+@pytest.mark.parametrize("fmt", sorted(LOADER_FORMATS))
+def test_max_tokens_default_overrides_the_cap_per_load(tmp_path, fmt):
+    make, loader = LOADER_FORMATS[fmt]
+    path, kw, expected = make(tmp_path)
+    trace = loader(path, **kw, max_tokens_default=300)
+    _check_caps(trace, expected, 300)
+    assert T.load_trace(path, **kw, max_tokens_default=300) == trace
+    assert trace.truncated > loader(path, **kw).truncated  # a lower cap truncates more
+    # Arrivals, prompts and ids do not depend on the cap.
+    assert [(r.id, r.arrival, r.prompt_tokens) for r in trace] == [
+        (r.id, r.arrival, r.prompt_tokens) for r in loader(path, **kw)]
+
+
+def test_truncation_count_is_exact_and_carried_by_transforms(tmp_path):
+    path, _, _ = _fmt_azure(tmp_path)
+    over_default = sum(o > T.DEFAULT_MAX_TOKENS for o in LEAK_OUTPUTS)
+    over_300 = sum(o > 300 for o in LEAK_OUTPUTS)
+    assert (over_default, over_300) == (3, 7)
+    trace = T.load_azure(path)
+    assert trace.truncated == over_default
+    assert [r.output_tokens for r in trace] == [min(o, T.DEFAULT_MAX_TOKENS) for o in LEAK_OUTPUTS]
+    assert T.load_azure(path, max_tokens_default=300).truncated == over_300
+    assert T.load_azure(path, max_tokens_default=BIG_CAP).truncated == 0
+    # Transforms that keep every request keep the count; a window counts what it keeps.
+    for t in (T.scale_rate(trace, 2.0), T.target_rate(trace, 1.0), T.assign_tenants_zipf(trace, 3),
+              T.with_type(trace, "batch"), T.scale_tokens(trace, 2.0, 0.5), T.transform(trace, tenants=2)):
+        assert t.truncated == over_default
+    window = T.time_window(trace, 0.0, 10.0)  # rows 0..9: outputs up to 4097
+    assert window.truncated == 1 and len(window) == 10
+    # --max-tokens-cap truncates too: it adds the requests it cuts (each counted once).
+    assert T.cap_max_tokens(trace, 300).truncated == over_300
+    assert T.cap_max_tokens(trace, 300).truncated == T.load_azure(path, max_tokens_default=300).truncated
+    # BurstGPT keeps its failures apart from truncations.
+    bpath, _, _ = _fmt_burstgpt(tmp_path)
+    bt = T.load_burstgpt(bpath)
+    assert (bt.skipped, bt.truncated) == (1, over_default)
+    # A mix counts the truncated requests it drew.
+    mixed = T.mix([(trace, 0.5), (T.load_azure(path, max_tokens_default=300), 0.5)], n=200, seed=3)
+    assert mixed.truncated == sum(r.truncated for r in mixed) > 0
+
+
+def test_max_tokens_default_is_validated(tmp_path):
+    path, _, _ = _fmt_azure(tmp_path)
+    for bad in (0, -5, True, 2.5, "4096", None):
+        with pytest.raises(ValueError, match="max_tokens_default"):
+            T.load_azure(path, max_tokens_default=bad)
+        with pytest.raises(ValueError, match="max_tokens_default"):
+            T.load_bundled(max_tokens_default=bad)
+    assert T.load_azure(path, max_tokens_default=np.int64(300)) == T.load_azure(path, max_tokens_default=300)
+
+
+def test_bundled_trace_has_a_fixed_cap():
+    rows = _csv_rows(T.bundled_trace_path())
+    outputs = [int(r["GeneratedTokens"]) for r in rows]
+    trace = T.load_bundled()
+    _check_caps(trace, _expect("conv", range(len(rows)), outputs), T.DEFAULT_MAX_TOKENS)
+    assert trace.truncated == 0 and max(outputs) == 1000  # the window's longest output is far below 4,096
+    low = T.load_bundled(max_tokens_default=500)
+    _check_caps(low, _expect("conv", range(len(rows)), outputs), 500)
+    assert low.truncated == sum(o > 500 for o in outputs) > 0
+
+
+def test_mix_and_token_scaling_keep_the_cap_independent_of_the_output(tmp_path):
+    apath, _, aexp = _fmt_azure(tmp_path)
+    spath, skw, sexp = _fmt_servegen(tmp_path)
+    chat = T.load_azure(apath)
+    reasoning = T.load_servegen_reasoning(spath, **skw, max_tokens_default=8192)
+    mixed = T.mix([(chat, 0.5), (reasoning, 0.5)], n=400, seed=1)
+    for r in mixed:
+        source_id = r.id.split("-", 1)[1]
+        source, cap = (aexp[source_id][0], T.DEFAULT_MAX_TOKENS) if r.type == "chat" else (sexp[source_id][0], 8192)
+        assert (r.max_tokens, r.output_tokens, r.truncated) == (cap, min(source, cap), source > cap)
+    assert {r.max_tokens for r in mixed} == {T.DEFAULT_MAX_TOKENS, 8192}
+    assert len({r.output_tokens for r in mixed}) > 5
+    # Token scaling scales the cap with the outputs: still one cap for all, and outputs within it.
+    for f in (0.5, 1.7):
+        scaled = T.scale_tokens(chat, prompt_factor=2.0, output_factor=f)
+        assert {r.max_tokens for r in scaled} == {round(T.DEFAULT_MAX_TOKENS * f)}
+        assert len({r.output_tokens for r in scaled}) > 5
+        assert all(r.output_tokens <= r.max_tokens for r in scaled)
+        assert [r.truncated for r in scaled] == [r.truncated for r in chat]
+    # The other transforms never touch the cap.
+    for t in (T.time_window(chat, 1.0, 5.0), T.scale_rate(chat, 3.0), T.target_rate(chat, 2.0),
+              T.assign_tenants_zipf(chat, 4), T.with_type(chat, "completion"),
+              T.transform(chat, window=(0.0, 8.0), rate_scale=2.0, tenants=3)):
+        assert {r.max_tokens for r in t} == {T.DEFAULT_MAX_TOKENS}
+    capped = T.cap_max_tokens(chat, 1000)
+    assert {r.max_tokens for r in capped} == {1000}
+    assert [r.output_tokens for r in capped] == [min(o, 1000) for o in LEAK_OUTPUTS]

@@ -19,7 +19,7 @@ import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import make_client
-from controlplane.settings import Settings
+from controlplane.settings import GAMMA_DEFAULT, Settings
 from controlplane.views import fmt_number, fmt_seconds
 from storage.store import Store
 from tui import keys as K
@@ -161,7 +161,7 @@ def test_pin_gamma_with_N_stops_gamma_ada_while_unpinned_gamma_moves(twins):
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             # Let γ-Ada act once on every twin, so the pin freezes an adapted value.
-            await wait_for(pilot, lambda: all(rs.sample.gamma_live not in (None, 10.0)
+            await wait_for(pilot, lambda: all(rs.sample.gamma_live not in (None, GAMMA_DEFAULT)
                                               for rs in app.snapshot.replicas.values()), what="γ-Ada moving")
             assert app.current_replica == "twin-0"
             await pilot.press("N")
@@ -221,7 +221,7 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             assert panel.error is None
             await pilot.press("escape")  # leave the form; A is a key again
             preview = text_of(app.query_one("#preview"))
-            assert "params.gamma: 10 → 8" in preview and "pinned" in preview, preview
+            assert "params.gamma: 0.1 → 8" in preview and "pinned" in preview, preview
             await pilot.press("A")
             await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
             await pilot.press("y")
@@ -245,7 +245,7 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             await pilot.press("y")
             await wait_for(pilot, lambda: get_settings(twins[2])["settings"]["pinned"] == [], what="unpinned")
             assert get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0
-            assert get_settings(twins[0])["settings"]["params"]["gamma"] == 10.0
+            assert get_settings(twins[0])["settings"]["params"]["gamma"] == GAMMA_DEFAULT  # untouched
 
     run(scenario())
 

@@ -133,7 +133,7 @@ def test_policy_fields_cover_every_parameter_of_every_policy():
     assert {f.name: f.kind for f in policy_fields("tie")}["predictor"] == "choice"
     assert {f.name: f.kind for f in policy_fields("vtc")}["weights"] == "json"
     gamma = next(f for f in policy_fields("uniboost") if f.name == "gamma")
-    assert "> 0" in gamma.hint and "default 10" in gamma.hint
+    assert "> 0" in gamma.hint and "default 0.1" in gamma.hint
 
 
 def test_field_parsing_and_error_placement():
@@ -165,7 +165,7 @@ def test_settings_diff():
     new = SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0}).apply(Settings.model_validate(old)).to_dict()
     assert settings_diff(old, new) == [("policy", "sarathi", "uniboost"), ("params.quant_ratio", "default", "4")]
     pinned = SettingsEdit(params={"gamma": 8.0}, pin=frozenset({"gamma"})).apply(Settings.model_validate(new))
-    assert settings_diff(new, pinned.to_dict()) == [("params.gamma", "10", "8"), ("pinned", "[]", '["gamma"]')]
+    assert settings_diff(new, pinned.to_dict()) == [("params.gamma", "0.1", "8"), ("pinned", "[]", '["gamma"]')]
 
 
 # ------------------------------------------------------------------------------------------ seeking

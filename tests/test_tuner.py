@@ -73,7 +73,7 @@ def test_space_ranges_come_from_the_settings_model(policy):
     assert space.policy_dims[policy], f"nothing searched for {policy}"
     for dim in space.policy_dims[policy]:
         scope, name = dim.name.split(".", 1)
-        assert scope == policy and name not in ("predictor", "sigma_noise")
+        assert scope == policy and name not in ("predictor", "sigma_noise", "sigma_spread")
         if dim.kind != "categorical":
             assert _inside_model(PARAM_MODELS[policy], name, dim.low, dim.high), dim
     for dim in space.engine_dims:
@@ -369,3 +369,12 @@ def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url
         assert "trials" not in inspect(engine).get_table_names()
     finally:
         engine.dispose()
+
+
+def test_max_tokens_default_reaches_the_studys_traces():
+    """Traces that record no cap get the study's fixed cap (never the true output length)."""
+    default = st.build_traces(small_spec())[0]
+    assert {r.max_tokens for r in default} == {4096}
+    capped = st.build_traces(small_spec(max_tokens_default=300))[0]
+    assert {r.max_tokens for r in capped} == {300}
+    assert all(r.output_tokens <= 300 for r in capped) and capped.truncated > 0

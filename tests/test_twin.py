@@ -33,9 +33,12 @@ def make_trace(n: int, duration: float, *, prompt=(100, 1500), output=(20, 300),
                name: str = "t") -> Trace:
     rng = random.Random(seed)
     gap = duration / max(n - 1, 1)
+    # Two client caps, neither derived from a request's own output: half the requests have a cap a
+    # quarter into the output range (the longer ones stop at it: "length"), half 4,096.
+    low_cap = output[0] + (output[1] - output[0]) // 4
     return Trace(name, tuple(
         TraceRequest(id=f"{name}{i:05d}", arrival=i * gap, prompt_tokens=rng.randint(*prompt),
-                     output_tokens=(o := rng.randint(*output)), max_tokens=o + rng.choice((0, 50)),
+                     output_tokens=rng.randint(*output), max_tokens=rng.choice((low_cap, 4096)),
                      tenant=rng.choice(("acme", "globex")))
         for i in range(n)))
 
@@ -99,11 +102,16 @@ def check_once(trace: Trace, completions: list[dict], epoch: float) -> None:
     assert [i for i, n in ids.items() if n > 1] == []
     assert set(ids) == {r.id for r in trace}
     arrivals = {r.id: r.arrival for r in trace}
+    by_id = {r.id: r for r in trace}
     for c in completions:
         assert list(c) == list(COMPLETION_KEYS)
         assert c["arrival"] == pytest.approx(epoch + arrivals[c["id"]], abs=1e-6)
         assert c["arrival"] <= c["scheduled_at"] <= c["first_token_at"] <= c["finished_at"], c
         assert c["reason"] == "finished" and c["output_tokens"] >= 1
+        # The client's cap as the trace gave it (not the output length), and what was generated within it.
+        r = by_id[c["id"]]
+        assert c["max_tokens"] == r.max_tokens and c["output_tokens"] == min(r.output_tokens, r.max_tokens), c
+    assert len({c["max_tokens"] for c in completions}) == 2
 
 
 # --- state, completions, speed --------------------------------------------------------------------
@@ -314,6 +322,8 @@ def test_metrics_have_vllm_names_and_agree_with_state():
         assert m[(f"{h}_count", lab)] == s["finished_total"]
         assert m[(f"{h}_bucket", lab | {("le", "+Inf")})] == s["finished_total"]
     done = s["completions"]
+    # "length" is a request that reached its client cap, which the completions log reports.
+    assert success["length"] == sum(c["output_tokens"] >= c["max_tokens"] for c in done)
     assert m[("vllm:e2e_request_latency_seconds_sum", lab)] == pytest.approx(
         sum(c["finished_at"] - c["arrival"] for c in done))
     assert m[("vllm:inter_token_latency_seconds_count", lab)] == sum(c["output_tokens"] - 1 for c in done)

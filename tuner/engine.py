@@ -141,7 +141,9 @@ class Simulator:
         keep = self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
         new = make_policy(settings, keep)
         new.adopt_live_state(self.policy)
-        new.attach(list(self.waiting), self.running, self.now)
+        waiting = self.waiting.in_order()
+        self.policy.detach(waiting)
+        new.attach(waiting, self.running, self.now)
         self._settled = 0
         self.waiting.set_policy(new)
         self.policy, self.settings = new, settings
@@ -353,15 +355,32 @@ class Simulator:
         return budget
 
     def _serve_running(self, step: _Step) -> int:
-        """Serve the running requests in running order, preempting on KV shortage (SPEC §2.3)."""
+        """Serve the running requests in running order, preempting on KV shortage (SPEC §2.3).
+
+        Under ``decode_first`` the budget goes to decodes before prefill chunks (each group in
+        running order), while the memory-pressure victim still comes from the running order."""
         policy, eng, running, blocks = self.policy, self.settings.engine, self.running, self.blocks
         budget = eng.max_num_batched_tokens
         bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
         decodes, chunks = step.decodes, step.chunks
         sum_ctx = prefill = prefill_sq = 0
-        i, end = 0, len(running)  # only the preemptions below shrink running
+        order = running
+        if policy.decode_first:
+            # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
+            chunked = [r for r in running if not (r.generated and r.computed_tokens ==
+                                                  r.prompt_tokens + r.generated - 1)]
+            if 0 < len(chunked) < len(running):
+                if len(chunked) == 1:
+                    first = chunked[0]
+                    order = [r for r in running if r is not first]
+                else:
+                    chunked_set = set(chunked)  # RequestState hashes by identity
+                    order = [r for r in running if r not in chunked_set]
+                order += chunked
+            # else all decodes, or none: the running order is the budget order
+        i, end = 0, len(order)  # only the preemptions below shrink it
         while i < end and budget > 0:
-            req = running[i]
+            req = order[i]
             c, g = req.computed_tokens, req.generated
             n = req.prompt_tokens + g - c
             if n == 1 and g and c % bs:  # a decode within the blocks it holds: the common case
@@ -381,7 +400,7 @@ class Simulator:
                 need = -(-(c + n) // bs) - held
                 while need > self.free_blocks:
                     victim = policy.memory_victim(running)
-                    vi = running.index(victim)
+                    vi = order.index(victim)
                     if victim in chunks:  # already served this step: take its service back
                         vn = chunks.pop(victim)
                         budget += vn
@@ -392,6 +411,8 @@ class Simulator:
                         budget += 1
                         sum_ctx -= victim.computed_tokens + 1
                     self._preempt(victim, by_policy=False)
+                    if order is not running:
+                        order.remove(victim)
                     end -= 1
                     step.memory_preempted = True
                     if victim is req:
@@ -597,8 +618,8 @@ class Simulator:
         if policy.counts_steps:
             scheduled = step.decodes + list(step.chunks)
             served = set(scheduled)
-            unscheduled = [r for r in self.running if r not in served]
-            policy.on_steps(scheduled, unscheduled + list(self.waiting), k)
+            policy.on_steps(scheduled, [r for r in self.running if r not in served], k)
+            policy.on_waiting_steps(self.waiting, k)  # sjf counts these lazily: no pass over the queue
         # Same-time completions in a canonical order, whatever order the running list was in.
         finished.sort(key=arrival_order)
         for req in finished:

@@ -42,7 +42,7 @@ from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings,
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 GAMMA_SPAN = 10.0  # γ̂ is a rough estimate: two decades around it
-SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise"})
+SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise", "sigma_spread"})
 ENGINE_PREFIX = "engine."
 THRESHOLD = "long_prefill_token_threshold"
 CHUNKING_SWITCH = "engine.long_prefill_chunking"  # the on/off half of the threshold

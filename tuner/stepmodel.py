@@ -34,6 +34,8 @@ __all__ = [
     "COEFFICIENTS",
     "COEFFICIENT_SETS",
     "DEFAULT_MODEL_NAME",
+    "VLLM_ENGINE_DEFAULTS",
+    "engine_defaults",
     "MIN_FIT_ROWS",
     "get_model",
     "register",
@@ -250,6 +252,28 @@ COEFFICIENT_SETS: dict[str, StepTimeModel] = {
     A100_LLAMA3_8B_TP1.name: A100_LLAMA3_8B_TP1,
     H100_LLAMA3_8B_TP1.name: H100_LLAMA3_8B_TP1,
 }
+
+
+# vLLM 0.32/0.33's OpenAI-server engine defaults by device (vllm/engine/arg_utils.py,
+# `get_batch_defaults`): (max_num_seqs, max_num_batched_tokens). A100s and other GPUs under
+# 70 GiB get 256/2,048; H100/H200 (≥ 70 GiB, not an A100) 1,024/8,192; ≥ 160 GiB (B200)
+# 1,024/16,384; the CPU build 128/2,048.
+VLLM_ENGINE_DEFAULTS: dict[str, tuple[int, int]] = {
+    "a100": (256, 2048), "h100": (1024, 8192), "h200": (1024, 8192), "b200": (1024, 16384), "cpu": (128, 2048),
+}
+
+
+def engine_defaults(model: StepTimeModel | str) -> dict[str, int]:
+    """vLLM's default ``max_num_seqs`` and ``max_num_batched_tokens`` for the device a step model
+    describes, read from its name (``a100-80gb/...``, ``h100-sxm/...``); a model of unknown
+    device (a calibrated one, say) gets the A100's, vLLM's own fallback for GPUs."""
+    name = model if isinstance(model, str) else model.name
+    device = name.split("/")[0].lower()
+    for key, (seqs, tokens) in VLLM_ENGINE_DEFAULTS.items():
+        if device.startswith(key):
+            return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+    seqs, tokens = VLLM_ENGINE_DEFAULTS["a100"]
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
 
 
 def get_model(name: str = DEFAULT_MODEL_NAME) -> StepTimeModel:

@@ -121,6 +121,7 @@ class StudySpec:
     rate_scale: float | None = None
     target_rate: float | None = None
     max_tokens_cap: int | None = None
+    max_tokens_default: int | None = None  # None: tr.DEFAULT_MAX_TOKENS
     tenants: int | None = None
     seed: int = 0
     window_s: float = DEFAULT_WINDOW_S
@@ -247,12 +248,15 @@ def build_traces(spec: StudySpec) -> list[tr.Trace]:
     out = []
     for path in spec.traces:
         try:
-            trace = tr.load_bundled() if path is None else tr.load_trace(path, seed=spec.seed)
+            cap = spec.max_tokens_default or tr.DEFAULT_MAX_TOKENS
+            trace = (tr.load_bundled(max_tokens_default=cap) if path is None
+                     else tr.load_trace(path, seed=spec.seed, max_tokens_default=cap))
             trace = tr.transform(trace, window=spec.trim)
             if spec.mix and len(trace):
                 parts: list[tuple[tr.Trace, float]] = []
                 for i, (mpath, frac) in enumerate(spec.mix):
-                    part = tr.load_trace(mpath, n=len(trace), rate=trace.rate or 1.0, seed=spec.seed + i)
+                    part = tr.load_trace(mpath, n=len(trace), rate=trace.rate or 1.0, seed=spec.seed + i,
+                                         max_tokens_default=cap)
                     parts.append((part, frac))
                 rest = 1.0 - math.fsum(f for _, f in parts)
                 trace = tr.mix([(trace, rest), *parts], seed=spec.seed,
@@ -655,7 +659,7 @@ def prepare(storage, name: str, spec: StudySpec | None = None, given: Mapping[st
 
 
 _DEFINING = ("policies", "objectives", "constraints", "traces", "mix", "trim", "rate_scale", "target_rate",
-             "max_tokens_cap", "tenants", "seed", "window_s", "holdout", "windows", "production", "slo",
+             "max_tokens_cap", "max_tokens_default", "tenants", "seed", "window_s", "holdout", "windows", "production", "slo",
              "ranges", "fixed", "search", "tune_engine", "num_gpu_blocks", "step_model", "pruner")
 
 

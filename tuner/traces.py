@@ -9,6 +9,13 @@ order), and reports malformed input as a `TraceError` whose message starts with
 silently: the only loader that drops rows by design (BurstGPT failures) counts them in
 `Trace.skipped`.
 
+`max_tokens` is the client's cap, never the true output length (a policy sees `max_tokens`; were it
+the output length, every policy would be an oracle). Formats that record a per-request cap (the
+`max_tokens` column of vidur/length-only CSVs) keep it; for every other request the loaders use one
+fixed cap, `DEFAULT_MAX_TOKENS` unless the `max_tokens_default=` keyword says otherwise, and a
+request whose recorded output is longer than that cap is truncated to it, as a server would do:
+such requests are flagged (`TraceRequest.truncated`) and counted (`Trace.truncated`).
+
 Supported formats (see `load_trace` for auto-detection):
 
 * Azure LLM inference 2023 CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`)  -> `load_azure`
@@ -45,6 +52,7 @@ from typing import IO, Literal
 import numpy as np
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "REQUEST_TYPES",
     "Trace",
     "TraceError",
@@ -77,6 +85,11 @@ PathLike = str | os.PathLike[str]
 
 BUNDLED_FILE = "azure_conv_window.csv"
 
+# The client cap given to requests whose source records none: one value for every request, so it
+# tells a policy nothing about any request's length. Loaders take `max_tokens_default=` to change it
+# (the command line's --max-tokens-default).
+DEFAULT_MAX_TOKENS = 4096
+
 
 # --------------------------------------------------------------------------------------------
 # Data structures
@@ -96,8 +109,10 @@ class TraceRequest:
     """One request of a workload trace (SPEC §1).
 
     `output_tokens` is the true output length, `max_tokens` the client's cap; the simulator
-    generates `min(output_tokens, max_tokens)` tokens. Sources without a cap set
-    `max_tokens = output_tokens`.
+    generates `min(output_tokens, max_tokens)` tokens. `max_tokens` never derives from the output
+    length: sources without a cap get a fixed one (`DEFAULT_MAX_TOKENS`, or the loader's
+    `max_tokens_default`). `truncated` marks a request whose source output was longer than its cap
+    and was cut to it (by that default cap at load time, or by `cap_max_tokens`).
     """
 
     id: str
@@ -107,6 +122,7 @@ class TraceRequest:
     max_tokens: int
     tenant: str = "default"
     type: str = "chat"
+    truncated: bool = False
 
     def __post_init__(self) -> None:
         # Cheap invariant checks: a bad request would otherwise surface deep in the simulator.
@@ -128,7 +144,8 @@ class Trace:
     """An immutable workload: requests sorted by (arrival, id), ids unique.
 
     `skipped` counts source rows a loader dropped by design (e.g. BurstGPT failures); transforms
-    carry it along so the provenance is not lost.
+    carry it along so the provenance is not lost. `truncated` (a property) counts the requests
+    whose output was cut to their cap (see `TraceRequest.truncated`).
     """
 
     name: str
@@ -146,6 +163,11 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def truncated(self) -> int:
+        """Requests whose source output was longer than their cap and was truncated to it."""
+        return sum(1 for r in self.requests if r.truncated)
 
     def __iter__(self) -> Iterator[TraceRequest]:
         return iter(self.requests)
@@ -371,16 +393,34 @@ class _Rows:
         self.tenant.append(tenant)
         self.type.append(type)
 
-    def to_trace(self, name: str, prefix: str, *, skipped: int = 0) -> Trace:
+    def to_trace(self, name: str, prefix: str, default_cap: int, *, skipped: int = 0) -> Trace:
         t0 = min(self.arrival, default=0.0)  # re-zero: the first request arrives at 0.0
         ids = _ids(prefix, self.index)
         requests = tuple(
-            TraceRequest(rid, a - t0, p, o, o if m is None else m, ten, typ)
+            _request(rid, a - t0, p, o, m, default_cap, ten, typ)
             for rid, a, p, o, m, ten, typ in zip(
                 ids, self.arrival, self.prompt, self.output, self.max_tokens, self.tenant, self.type
             )
         )
         return Trace(name, requests, skipped)
+
+
+def _request(rid: str, arrival: float, prompt: int, output: int, recorded_cap: int | None, default_cap: int,
+             tenant: str = "default", type: str = "chat") -> TraceRequest:
+    """A source row as a request. A cap the source recorded is kept as it is; a row without one gets
+    `default_cap`, and an output longer than that is truncated to it (as a server would) and flagged.
+    Never `max_tokens = output`: the cap must not tell a policy the true length."""
+    if recorded_cap is not None:
+        return TraceRequest(rid, arrival, prompt, output, recorded_cap, tenant, type)
+    if output > default_cap:
+        return TraceRequest(rid, arrival, prompt, default_cap, default_cap, tenant, type, truncated=True)
+    return TraceRequest(rid, arrival, prompt, output, default_cap, tenant, type)
+
+
+def _check_cap(value: int, label: str = "max_tokens_default") -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def _optional_extras(rows: _CsvRows) -> Callable[[int, list[str]], tuple[int | None, str, str]]:
@@ -404,19 +444,22 @@ def _optional_extras(rows: _CsvRows) -> Callable[[int, list[str]], tuple[int | N
 # --------------------------------------------------------------------------------------------
 
 
-def load_azure(path: PathLike, *, name: str | None = None, prefix: str | None = None) -> Trace:
+def load_azure(path: PathLike, *, name: str | None = None, prefix: str | None = None,
+               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     """Load an Azure LLM inference 2023 CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
 
     Timestamps are parsed exactly to 100 ns (integer ticks, then one division), so arrivals are
     the correctly rounded float of the true offset. The format is sorted by time: a timestamp
-    earlier than the previous row's is an error (equal ones are accepted).
+    earlier than the previous row's is an error (equal ones are accepted). The format records no
+    client cap: every request gets `max_tokens_default` (longer outputs are truncated to it).
     """
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     with _open(path) as f:
-        return _parse_azure(f, where, name or _default_name(path), prefix or _default_prefix(path))
+        return _parse_azure(f, where, name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
-def _parse_azure(f: IO[str], where: str, name: str, prefix: str) -> Trace:
+def _parse_azure(f: IO[str], where: str, name: str, prefix: str, cap: int) -> Trace:
     rows = _CsvRows(f, where, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     i_ts, i_in, i_out = (rows.columns[c] for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     clock = _AzureClock()
@@ -435,17 +478,20 @@ def _parse_azure(f: IO[str], where: str, name: str, prefix: str) -> Trace:
     ids = _ids(prefix, range(len(ticks)))
     # int / int true division is correctly rounded: arrival = nearest float to the exact offset.
     requests = tuple(
-        TraceRequest(rid, (t - t0) / _TICKS_PER_S, p, o, o) for rid, t, p, o in zip(ids, ticks, prompt, output)
+        _request(rid, (t - t0) / _TICKS_PER_S, p, o, None, cap) for rid, t, p, o in zip(ids, ticks, prompt, output)
     )
     return Trace(name, requests)
 
 
-def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = None) -> Trace:
+def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = None,
+               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     """Load a vidur trace CSV (`arrived_at,num_prefill_tokens,num_decode_tokens`, seconds).
 
     Optional columns: `max_tokens`, `tenant`, `type` (empty cells mean "default"/"chat"/no cap).
-    Rows need not be sorted; the trace is sorted and re-zeroed.
+    A recorded `max_tokens` is kept; a row without one gets `max_tokens_default`. Rows need not be
+    sorted; the trace is sorted and re-zeroed.
     """
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     with _open(path) as f:
         rows = _CsvRows(f, where, ("arrived_at", "num_prefill_tokens", "num_decode_tokens"))
@@ -457,12 +503,15 @@ def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = 
             prompt = _parse_tokens(row[i_in], where, line, "num_prefill_tokens")
             output = _parse_tokens(row[i_out], where, line, "num_decode_tokens")
             acc.add(index, arrival, prompt, output, *extras(line, row))
-    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path))
+    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
-def load_mooncake(path: PathLike, *, name: str | None = None, prefix: str | None = None) -> Trace:
+def load_mooncake(path: PathLike, *, name: str | None = None, prefix: str | None = None,
+                  max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     """Load a Mooncake JSONL trace: one object per line with `timestamp` (ms), `input_length`,
-    `output_length` (`hash_ids` and other keys are ignored). Blank lines are passed over."""
+    `output_length` (`hash_ids` and other keys are ignored). Blank lines are passed over. The
+    format records no client cap: every request gets `max_tokens_default`."""
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     acc = _Rows()
     with _open(path) as f:
@@ -484,7 +533,7 @@ def load_mooncake(path: PathLike, *, name: str | None = None, prefix: str | None
                 index += 1
         except UnicodeDecodeError as e:
             raise TraceError(f"{where}: not UTF-8 text: {e}") from None
-    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path))
+    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
 def _json_number(obj: dict, key: str, where: str, line: int) -> float:
@@ -507,7 +556,8 @@ def _json_tokens(obj: dict, key: str, where: str, line: int) -> int:
 
 
 def load_burstgpt(
-    path: PathLike, *, name: str | None = None, prefix: str | None = None, tenant_column: str | None = None
+    path: PathLike, *, name: str | None = None, prefix: str | None = None, tenant_column: str | None = None,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
 ) -> Trace:
     """Load a BurstGPT CSV (`Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`).
 
@@ -515,8 +565,10 @@ def load_burstgpt(
     by design and counted in `trace.skipped` (ids keep the file row index, so gaps show where).
     A completed row (response > 0) with 0 `Request tokens` is an error. `tenant_column` (e.g.
     "Model" or "Log Type") copies that column into `tenant`; by default every request is tenant
-    "default", type "chat".
+    "default", type "chat". The format records no client cap: every request gets
+    `max_tokens_default`.
     """
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     required = ["Timestamp", "Request tokens", "Response tokens"]
     if tenant_column is not None:
@@ -542,7 +594,7 @@ def load_burstgpt(
                 if not tenant:
                     raise _err(where, line, tenant_column or "", "empty tenant value")
             acc.add(index, arrival, prompt, output, None, tenant)
-    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), skipped=skipped)
+    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap, skipped=skipped)
 
 
 def load_lengths(
@@ -555,15 +607,18 @@ def load_lengths(
     n: int | None = None,
     name: str | None = None,
     prefix: str | None = None,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
 ) -> Trace:
     """Load a length-only CSV (`num_prefill_tokens,num_decode_tokens,...`) and attach generated
     arrivals (`generate_arrivals`: Poisson at `rate`, or Gamma inter-arrivals with CV `cv`).
 
     `n` takes the first n rows (asking for more rows than the file has is an error). Optional
-    columns `max_tokens`, `tenant`, `type` are read as in `load_vidur`.
+    columns `max_tokens`, `tenant`, `type` are read as in `load_vidur` (rows without a
+    `max_tokens` get `max_tokens_default`).
     """
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     with _open(path) as f:
         rows = _CsvRows(f, where, ("num_prefill_tokens", "num_decode_tokens"))
@@ -579,7 +634,7 @@ def load_lengths(
     if n is not None and len(acc.index) < n:
         raise TraceError(f"{where}: n={n} requested but the file has only {len(acc.index)} rows")
     acc.arrival = generate_arrivals(len(acc.index), rate=rate, process=process, cv=cv, seed=seed).tolist()
-    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path))
+    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
 def load_servegen_reasoning(
@@ -593,6 +648,7 @@ def load_servegen_reasoning(
     model: str | None = None,
     name: str | None = None,
     prefix: str = "reasoning",
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
 ) -> Trace:
     """Sample `n` reasoning requests from a ServeGen length-PMF CSV (`model,field,value,prob`).
 
@@ -601,9 +657,12 @@ def load_servegen_reasoning(
     joint distribution). Other fields (`reason_ratio`) are not used. Each field's probabilities
     must sum to 1 within 1e-4 (the file rounds them to 6 significant digits) and are renormalized.
     If the file holds several models, `model` selects one. Arrivals come from `generate_arrivals`.
+    Every request gets the cap `max_tokens_default`; a drawn output longer than it is truncated to
+    it (reasoning outputs often are: raise the cap to keep their long tail).
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     pmf: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
     with _open(path) as f:
@@ -645,7 +704,7 @@ def load_servegen_reasoning(
     arrivals = generate_arrivals(n, rate=rate, process=process, cv=cv, seed=rng)
     ids = _ids(prefix, range(n))
     requests = tuple(
-        TraceRequest(rid, float(a), int(p), int(o), int(o), type="reasoning")
+        _request(rid, float(a), int(p), int(o), None, cap, type="reasoning")
         for rid, a, p, o in zip(ids, arrivals, prompts, outputs)
     )
     return Trace(name or f"servegen-{model}", requests)
@@ -689,7 +748,8 @@ def load_trace(path: PathLike, **kw) -> Trace:
     (`TIMESTAMP,ContextTokens,GeneratedTokens`), vidur (`arrived_at,...`), length-only
     (`num_prefill_tokens,num_decode_tokens` without `arrived_at`; needs `rate=`), BurstGPT
     (`Timestamp,...,Request tokens,Response tokens`), ServeGen PMF (`model,field,value,prob`; needs
-    `n=` and `rate=`). Keyword arguments go to the chosen loader.
+    `n=` and `rate=`). Keyword arguments go to the chosen loader; every loader takes
+    `max_tokens_default=` (the cap of requests whose source records none).
     """
     where = os.fspath(path)
     loader, first = _choose_loader(path, where, kw)
@@ -737,16 +797,20 @@ def bundled_trace_path() -> Path:
     return ref
 
 
-def load_bundled() -> Trace:
+def load_bundled(*, max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     """The bundled Azure conv window as a Trace (name "azure-conv-window", ids "conv-NNNNNN").
+
+    Every request gets the cap `max_tokens_default` (the format records none; the window's
+    longest output is 1,000 tokens, so the default 4,096 truncates nothing).
 
     Data: Azure/AzurePublicDataset, AzureLLMInferenceTrace_conv.csv, CC BY 4.0 (Patel et al.,
     "Splitwise", ISCA 2024).
     """
+    cap = _check_cap(max_tokens_default)
     ref = resources.files("tuner").joinpath("data", BUNDLED_FILE)
     # Read through the Traversable so this works even when the package is not on a filesystem.
     with ref.open("r", newline="", encoding="utf-8-sig") as f:
-        return _parse_azure(f, BUNDLED_FILE, "azure-conv-window", "conv")
+        return _parse_azure(f, BUNDLED_FILE, "azure-conv-window", "conv", cap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,12 +854,16 @@ def time_window(trace: Trace, start_s: float, duration_s: float) -> Trace:
 
 
 def cap_max_tokens(trace: Trace, cap: int) -> Trace:
-    """Clamp `max_tokens` and the true `output_tokens` to `cap` (a server-side max_tokens limit)."""
+    """Clamp `max_tokens` and the true `output_tokens` to `cap` (a server-side max_tokens limit).
+
+    A request whose output was longer than `cap` is flagged `truncated` (and counted in
+    `Trace.truncated`)."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ValueError(f"cap must be an integer >= 1, got {cap!r}")
     return _rebuild(
         trace,
-        (dataclasses.replace(r, max_tokens=min(r.max_tokens, cap), output_tokens=min(r.output_tokens, cap))
+        (dataclasses.replace(r, max_tokens=min(r.max_tokens, cap), output_tokens=min(r.output_tokens, cap),
+                             truncated=r.truncated or r.output_tokens > cap)
          for r in trace),
         f"cap{cap}",
     )
@@ -805,7 +873,10 @@ def transform(trace: Trace, *, window: tuple[float, float] | None = None, rate_s
               rate: float | None = None, max_tokens_cap: int | None = None, tenants: int | None = None,
               seed: int = 0) -> Trace:
     """The command line's transforms, in their one order: time window, rate scale, target rate,
-    max_tokens cap, Zipf tenants (each skipped when None)."""
+    max_tokens cap, Zipf tenants (each skipped when None).
+
+    The cap of requests whose source records none (--max-tokens-default) is not a transform: only
+    a loader knows which requests had no cap, so it is the loaders' `max_tokens_default=`."""
     if window is not None:
         trace = time_window(trace, *window)
     if rate_scale is not None:
@@ -822,8 +893,9 @@ def transform(trace: Trace, *, window: tuple[float, float] | None = None, rate_s
 def scale_tokens(trace: Trace, prompt_factor: float = 1.0, output_factor: float = 1.0) -> Trace:
     """Scale prompt and output lengths (rounded to nearest, at least 1 token).
 
-    `max_tokens` scales with `output_factor` too, so a request's cap keeps its relation to its
-    output length.
+    `max_tokens` (the client's cap, the same for every request of a source without caps) scales
+    with `output_factor` too, so outputs stay within their caps and a truncated request stays at
+    its cap.
     """
     for label, f in (("prompt_factor", prompt_factor), ("output_factor", output_factor)):
         if not (math.isfinite(f) and f > 0.0):

@@ -57,7 +57,7 @@ from typing import Any, Iterator, Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from controlplane.plugin.api import TOKEN_ENV, ControlServer, token_from_env
+from controlplane.plugin.api import TOKEN_ENV, ControlServer, Limits, token_from_env
 from controlplane.plugin.core import ReplicaCore
 from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 from tuner.engine import EngineConfig, Simulator
@@ -371,7 +371,11 @@ class TwinReplica:
         with self._lock:
             if self._running:
                 return self
-            self._server = ControlServer(self, host=self.host, port=self.port, token=self.token).start()
+            # One port serves what a vLLM replica splits over two (its API server's /metrics and the
+            # plugin's control API), so a poller's connection may make twice the plugin's requests.
+            limits = Limits(rate_per_connection=2 * Limits().rate_per_connection)
+            self._server = ControlServer(self, host=self.host, port=self.port, token=self.token,
+                                         limits=limits).start()
             self.port = self._server.port
             self._running = True
             if self.started_at is None:
@@ -484,12 +488,12 @@ class TwinReplica:
             for c in done:
                 arrival, sched, first, fin = c.arrival, c.scheduled_at, c.first_token_at, c.finished_at
                 n = c.output_tokens
+                max_tokens = self._feed.max_tokens_of(c.id)
                 records.append({
                     "id": c.id, "tenant": c.tenant, "type": c.type, "arrival": epoch + arrival,
                     "scheduled_at": epoch + sched, "first_token_at": epoch + first, "finished_at": epoch + fin,
-                    "prompt_tokens": c.prompt_tokens, "output_tokens": n, "preemptions": c.preemptions,
-                    "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})
-                max_tokens = self._feed.max_tokens_of(c.id)
+                    "prompt_tokens": c.prompt_tokens, "output_tokens": n, "max_tokens": max_tokens,
+                    "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})
                 stats.success["length" if max_tokens is not None and n >= max_tokens else "stop"] += 1
                 stats.finished_output_tokens += n
                 decode = fin - first

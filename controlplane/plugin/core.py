@@ -34,9 +34,10 @@ STEPS_KEPT = 20_000  # step-log entries kept for calibration
 # Entries per /state or /steps answer: a poller pages through a backlog instead of making the
 # engine's process serialise megabytes at once (1,000 completions are ~200 KB of JSON).
 PAGE_LIMIT = 1_000
-# One completions-log entry, in order (what ``/state`` serves per finished request).
+# One completions-log entry, in order (what ``/state`` serves per finished request). ``max_tokens``
+# is the client's cap on the request (what a recorded trace needs instead of the output length).
 COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "scheduled_at", "first_token_at", "finished_at",
-                   "prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "reason")
+                   "prompt_tokens", "output_tokens", "max_tokens", "preemptions", "recomputed_tokens", "reason")
 
 
 class SettingsConflict(Exception):
@@ -229,7 +230,7 @@ class ReplicaCore:
             "id": state.id, "tenant": state.tenant, "type": state.type,
             "arrival": state.arrival, "scheduled_at": state.scheduled_at,
             "first_token_at": state.first_token_at, "finished_at": now,
-            "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated,
+            "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated, "max_tokens": state.max_tokens,
             "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,
             "reason": reason,
         }])

@@ -20,7 +20,7 @@ import time
 from typing import Iterable, Iterator
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -113,6 +113,7 @@ class TailpilotMixin:
         self.tp_core = ReplicaCore(load_startup_settings(engine), replica=replica)
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
+        self._tp_stock_policy = self.policy  # vLLM's, restored when decode_first is off
         self.tp_server: ControlServer | None = None
         raw_port = os.environ.get(PORT_ENV, str(DEFAULT_PORT)).strip()
         try:
@@ -183,14 +184,17 @@ class TailpilotMixin:
             for request in self.running:
                 self._tp_sync(request, states[request.request_id])
         # Otherwise update_from_output has already synced every request that moved.
-        running_states = [states[request.request_id] for request in self.running]
+        ordered = [states[request.request_id] for request in self.running]
         policy.view.max_num_seqs = self.max_num_running_reqs
         policy.before_step(core.waiting.ordered(now), now)
-        if policy.reorders_running and len(running_states) > 1:
-            ordered = policy.order_running(running_states, now)
-            self.running[:] = [self._tp_requests[s.id] for s in ordered]
+        decode_first = policy.decode_first and policy.reorders_running
+        # Only the memory-pressure victim choice reads it (the queues were built at start-up).
+        self.policy = SchedulingPolicy.PRIORITY if decode_first else self._tp_stock_policy
+        if policy.reorders_running and len(ordered) > 1:
+            ordered = policy.order_running(ordered, now)
+            self._tp_set_running(ordered, decode_first)
         if policy.preemptive and core.waiting:
-            self._tp_policy_preemptions(now)
+            self._tp_policy_preemptions(now, ordered)
         started = time.perf_counter()
         output = super().schedule(*args, **kwargs)
         self._tp_inflight[id(output)] = (now, started, self._tp_composition(output))
@@ -201,7 +205,27 @@ class TailpilotMixin:
             policy.on_steps(scheduled, idle, 1)
         return output
 
-    def _tp_policy_preemptions(self, now: float) -> None:
+    def _tp_set_running(self, ordered: list[RequestState], decode_first: bool) -> None:
+        """Put vLLM's running list in the policy's order: the order vLLM gives out the token
+        budget, and running[-1] its memory-pressure victim. Under ``decode_first`` the budget goes
+        to decodes before prefill chunks, so the victim can no longer be running[-1]: vLLM's
+        priority mode picks max(priority) instead, and each request's priority is its rank."""
+        requests = self._tp_requests
+        if not decode_first:
+            self.running[:] = [requests[s.id] for s in ordered]
+            return
+        decodes, prefills = [], []
+        for rank, state in enumerate(ordered):
+            request = requests[state.id]
+            request.priority = rank
+            computed = request.num_computed_tokens
+            if computed >= request.num_prompt_tokens and computed >= request.num_tokens - 1:
+                decodes.append(request)
+            else:
+                prefills.append(request)  # a prompt, or a recompute after preemption
+        self.running[:] = decodes + prefills
+
+    def _tp_policy_preemptions(self, now: float, ordered: list[RequestState]) -> None:
         core, policy = self.tp_core, self.tp_core.policy
         bs = self.block_size
         lpt = self.scheduler_config.long_prefill_token_threshold or 0
@@ -217,7 +241,7 @@ class TailpilotMixin:
             return -(-tokens // bs)
 
         victims = plan_preemptions(
-            policy, core.waiting.ordered(now), lambda: [core.states[r.request_id] for r in self.running],
+            policy, core.waiting.ordered(now), lambda: ordered,
             now=now, seats=self.max_num_running_reqs - len(self.running),
             free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_needed=blocks_needed,
@@ -225,6 +249,7 @@ class TailpilotMixin:
         for state in victims:
             request = self._tp_requests[state.id]
             self.running.remove(request)
+            ordered.remove(state)
             self._tp_policy_victim = True
             self._preempt_request(request, time.monotonic())
         self._tp_policy_victim = False

@@ -25,7 +25,10 @@ def make_policy(settings: Settings, predictor=None) -> Policy:
     if predictor is None and hasattr(settings.params, "predictor"):
         from controlplane.policies.predictors import make_predictor
 
-        kwargs = {"sigma_noise": settings.params.sigma_noise} if settings.params.predictor == "oracle" else {}
+        p = settings.params
+        kwargs = {}
+        if p.predictor == "oracle":  # drawn with TIE's ν, so its distributions are the ones TIE assumes
+            kwargs = {"sigma_noise": p.sigma_noise, "sigma_spread": p.sigma_spread, "nu": getattr(p, "nu", 3.5)}
         predictor = make_predictor(settings.params.predictor, **kwargs)
     return cls(settings, predictor)
 

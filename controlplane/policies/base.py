@@ -17,7 +17,9 @@ import math
 from bisect import insort
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable, Iterator, Sequence
+from typing import Hashable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from controlplane.settings import Settings
 
@@ -72,6 +74,13 @@ class RequestState:
     score_value: float = 0.0
     key_value: tuple = ()  # (score_value, arrival, id), cached alongside
     queue_key: tuple = ()  # the key the waiting queue filed it under (controlplane.policies.queue)
+    queue_group: object = None  # grouped layouts: its group (None: not known under this policy)
+    queue_prefix: bool = False  # grouped layouts: in the queue's materialized prefix
+    # sjf in the simulator counts waiting steps lazily (Sjf.on_waiting_steps): while the request
+    # waits, its unscheduled steps are the policy's step clock minus wait_mark; wait_seq names
+    # the wait (a request can wait several times).
+    wait_mark: int = 0
+    wait_seq: int = -1
     running_key: tuple = ()  # the key that placed it in the running order (Policy.reorder_running)
 
     @property
@@ -121,6 +130,9 @@ class Policy:
     reorders_waiting = True
     charges_tokens = False  # wants on_tokens (VTC)
     counts_steps = False  # wants on_steps (sjf's starvation counters)
+    # Running decodes take the step's budget before prefill chunks, whatever their keys; the
+    # running order still fixes the prefill order and the memory-pressure victim.
+    decode_first = False
     # Set by a policy whose running order is plain key order (``order_running`` not overridden)
     # and whose ``key`` caches every key it computes (``cache_key``): ``reorder_running`` can then
     # keep the running list in order by moving only the requests whose key changed.
@@ -135,6 +147,7 @@ class Policy:
         self.epoch = new_epoch()
         self.moved: list[RequestState] = []  # waiting requests whose own key changed (re-insert)
         self._predictor_version = getattr(predictor, "version", 0)
+        self._prediction_group = prediction_group_fn(predictor) if self.name in PREDICTION_KEYED else None
 
     # --- ordering -------------------------------------------------------------------------
     def score(self, req: RequestState, now: float) -> float:
@@ -176,6 +189,10 @@ class Policy:
             return list(running)
         return sorted(running, key=self.sort_key(now))
 
+    def running_sort_key(self, now: float):
+        """The key function ``order_running`` sorts by (``reorder_running`` inserts by it)."""
+        return self.sort_key(now)
+
     def reorder_running(self, running: Sequence[RequestState], settled: int, now: float) -> list[RequestState]:
         """``order_running`` for a list whose first ``settled`` requests are in the order this
         method returned last time (though their keys may have changed since) and whose other
@@ -202,7 +219,7 @@ class Policy:
             return head
         for r in moved[:stale]:
             head.remove(r)
-        key = self.sort_key(now)
+        key = self.running_sort_key(now)
         for r in moved:
             insort(head, r, key=key)
             r.running_key = r.key_value
@@ -212,6 +229,39 @@ class Policy:
         """Waiting requests (already in queue order) in the order admission should try them;
         VTC re-picks the tenant after each admission."""
         return iter(waiting)
+
+    # --- how the waiting queue keeps this order (controlplane.policies.queue) ----------------
+    def waiting_layout(self) -> str | None:
+        """How the waiting queue keeps this policy's order when a new epoch re-keys it:
+
+        * ``None``: one list in key order, re-keyed and re-sorted on a new epoch (right when
+          epochs are rare or never come: fcfs, las, distboost, uniboost with γ fixed);
+        * ``"groups"``: ``wait_group(req)`` names a group inside which keys run in (arrival, id)
+          order in every epoch, and a waiting request stays in its group until its own key moves
+          (``moved``). The queue keeps each group in arrival order and merges the groups by their
+          heads' keys, so a new epoch re-keys only the heads (one per group);
+        * ``"offsets"``: ``"groups"`` whose score is ``arrival − offset(wait_group(req))`` (a float
+          group value), with ``approx_offsets`` computing the offsets of an array of group values
+          to within a few ulps (numpy; the queue allows 2⁻⁴³ of |arrival| + |offset|): the queue
+          shortlists the head by one vectorized pass over the groups and compares exact keys only
+          on the shortlist (thousands of groups, one per prompt length: uniboost with γ-Ada).
+
+        Predicted-length policies (sjf, srpt, tie) group by what their predictor's prediction
+        depends on when that is known (``prediction_group``); with a per-request prediction
+        (the oracle) a group would hold one request, and the plain list is kept."""
+        return "groups" if self._prediction_group is not None else None
+
+    def wait_group(self, req: RequestState) -> Hashable:
+        """The request's group under ``waiting_layout`` (see there); only called for a grouped layout.
+
+        Default (``PREDICTION_KEYED`` policies): a key that depends on the request only through
+        its arrival, its prediction and ``max_tokens``; the prediction is fixed by the predictor's
+        inputs (``prediction_group_fn``)."""
+        return (self._prediction_group(req), req.max_tokens)
+
+    def approx_offsets(self, values: np.ndarray) -> np.ndarray:
+        """``"offsets"`` layout: the offsets of an array of group values, in this epoch."""
+        raise NotImplementedError
 
     def before_step(self, waiting: Sequence[RequestState], now: float) -> None:
         """Refresh adaptive state at the top of a step (``waiting`` in queue order)."""
@@ -270,6 +320,15 @@ class Policy:
                  steps: int) -> None:
         """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled`` none."""
 
+    def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
+        """``steps`` identical steps ran and every request in ``waiting`` (the simulator's waiting
+        queue) went without service: the simulator's call, where ``on_steps`` gets the running
+        requests only. A policy may count these lazily (sjf); by default they go to ``on_steps``."""
+        self.on_steps((), waiting, steps)
+
+    def detach(self, waiting: Iterable[RequestState]) -> None:
+        """The engine is switching away from this policy: write back any state kept lazily."""
+
     def next_tick(self) -> float:
         """Time of the next periodic adaptation (γ-Ada, adaptive β refresh), or INF."""
         return INF
@@ -304,6 +363,28 @@ class Policy:
         """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
 
 
+# Policies whose waiting keys depend on a request only through its arrival and its prediction
+# (predictor fit and max_tokens), so that the waiting queue may group them (``wait_group``). sjf and
+# srpt refine the default group (starvation; tokens generated) in controlplane.policies.size; tie's
+# key (controlplane.policies.tie) is ``ln(E + β·CVaR) − (arrival − t_ref)·ln(decay)/τ`` with (E, CVaR)
+# a function of the predicted distribution, max_tokens, alpha and nu.
+PREDICTION_KEYED = frozenset({"sjf", "srpt", "tie"})
+
+
+def prediction_group_fn(predictor):
+    """A function naming what ``predictor``'s predictions for a request depend on (besides
+    ``max_tokens``, which caps them), or None when each request gets its own (the oracle).
+
+    The history predictor predicts from the finest fitted key of (tenant, type, prompt bucket),
+    falling back to coarser keys of the same request: the finest key fixes the prediction."""
+    from controlplane.policies.predictors import HistoryPredictor
+
+    if type(predictor) is HistoryPredictor:
+        keys_for = HistoryPredictor.keys_for
+        return lambda req: keys_for(req)[0]
+    return None
+
+
 def boost(w: float, gamma: float) -> float:
     """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap (SPEC §3.1)."""
     x = gamma * w
@@ -335,3 +416,13 @@ def next_threshold(tokens: int, base: int, ratio: float) -> int:
         q *= ratio
         t = math.ceil(q)
     return t
+
+
+def boost_array(w: np.ndarray, gamma: float) -> np.ndarray:
+    """``boost`` over an array with numpy's log/expm1: within a few ulps of ``boost`` (not bit-equal;
+    the waiting queue uses it only to shortlist, see ``Policy.approx_offsets``)."""
+    x = gamma * w
+    with np.errstate(all="ignore"):
+        b = -np.log(-np.expm1(-x)) / gamma
+        b = np.where(x > 700.0, np.exp(-x) / gamma, b)
+    return np.where(x <= 0.0, 1e9, b)

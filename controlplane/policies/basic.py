@@ -75,10 +75,23 @@ class Vtc(Policy):
     def on_tokens(self, req: RequestState, new_tokens: int) -> None:
         self.counters[req.tenant] += self.params.output_price * new_tokens / self.weight(req.tenant)
 
+    # The waiting queue keeps one list per tenant in arrival order (WaitingQueue's "groups"
+    # layout), so admission reads the tenants' heads instead of splitting the whole queue by
+    # tenant at every step.
+    def waiting_layout(self) -> str | None:
+        return "groups"
+
+    def wait_group(self, req: RequestState) -> str:
+        return req.tenant
+
     def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
-        queues: dict[str, list[RequestState]] = {}
-        for r in waiting:  # already in arrival order
-            queues.setdefault(r.tenant, []).append(r)
+        by_group = getattr(waiting, "by_group", None)
+        if by_group is not None:
+            queues: dict[str, list[RequestState]] = by_group()  # per tenant, in arrival order
+        else:
+            queues = {}
+            for r in waiting:  # already in arrival order
+                queues.setdefault(r.tenant, []).append(r)
         heads = {t: 0 for t in queues}
         while heads:
             # Re-pick after every admission: on_admit has charged the admitted tenant.

@@ -7,12 +7,15 @@ work gets the larger boost. γ → ∞ gives FCFS; γ → 0 gives size order.
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import deque
 
 import numpy as np
 
-from controlplane.policies.base import (INF, Policy, RequestState, boost, new_epoch, next_threshold,
-                                       quantize)
+from controlplane.policies.base import (INF, Policy, RequestState, boost, boost_array, new_epoch,
+                                       next_threshold, quantize)
+
+LN5 = math.log(5.0)
 
 
 class DistBoost(Policy):
@@ -33,8 +36,8 @@ class DistBoost(Policy):
 class UniBoost(Policy):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards
-    admitted requests until their next threshold (stage 3); γ-Ada steers γ from the observed
-    P99/P95 ratio of end-to-end latency (stage 4)."""
+    admitted requests until their next threshold (stage 3); γ-Ada sets γ to the observed tail's
+    decay rate, the log-linear slope ln 5 / (t99 − t95) of end-to-end latency (stage 4)."""
 
     name = "uniboost"
     preemptive = True
@@ -43,6 +46,10 @@ class UniBoost(Policy):
         super().__init__(settings, predictor)
         p = self.params
         self.gamma = p.gamma
+        self.decode_first = p.decode_first
+        # Under MemGuard a running request's key changes only when its attained work crosses a
+        # threshold above its prompt, its guard flag once: most steps move nobody (reorder_running).
+        self.incremental_running_order = p.memguard
         self.epoch = new_epoch()  # scores cached on requests are valid for this γ only
         self.ada_enabled = p.gamma_ada and not settings.is_pinned("gamma")
         self.recent_ttlt: deque[float] = deque(maxlen=p.ada_window)
@@ -60,14 +67,32 @@ class UniBoost(Policy):
         if key is None:
             p = self.params
             value = req.arrival - boost(p.alpha_s_per_token * self.work_tokens(req), self.gamma)
-            # Under MemGuard the score holds until attained work crosses the next threshold.
-            until = (next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard
-                     else req.attained + 1)
+            # The score holds while w̃ does: under MemGuard until attained work crosses the next
+            # threshold above both it and the prompt (below the prompt, w̃ is the prompt);
+            # without, until attained work passes the prompt or itself.
+            if p.memguard:
+                until = next_threshold(max(req.attained, req.prompt_tokens), p.quant_base_tokens, p.quant_ratio)
+            else:
+                until = max(req.attained, req.prompt_tokens) + 1
             key = self.cache_key(req, value, until)
         return key
 
     def score(self, req: RequestState, now: float) -> float:
         return self.key(req, now)[0]
+
+    # --- the waiting queue ---------------------------------------------------------------
+    # A waiting request's work w̃ does not change while it waits (attained moves only while it
+    # runs), so its score is arrival − b_γ(w̃) with w̃ fixed: requests of equal work are in arrival
+    # order under every γ. γ-Ada moves γ every few seconds; the queue then recomputes b_γ for an
+    # array of work values instead of re-keying every waiting request (WaitingQueue, "offsets").
+    def waiting_layout(self) -> str | None:
+        return "offsets" if self.ada_enabled else None
+
+    def wait_group(self, req: RequestState) -> float:
+        return self.params.alpha_s_per_token * self.work_tokens(req)  # the argument of b_γ in key()
+
+    def approx_offsets(self, values: np.ndarray) -> np.ndarray:
+        return boost_array(values, self.gamma)
 
     # --- MemGuard ------------------------------------------------------------------------
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
@@ -81,9 +106,70 @@ class UniBoost(Policy):
         # The memory-pressure victim is the last running request (vLLM pops running[-1]), and
         # MemGuard wants it to be the worst request outside its guard, falling back to the worst
         # guarded one: so guarded requests come first, each group in key order.
+        return sorted(running, key=self.running_sort_key(now))
+
+    def reorder_running(self, running, settled, now):
+        """``Policy.reorder_running`` for MemGuard's (guarded, key) order: a request keeps its
+        place while its cached key and its guard flag are the ones it was placed by."""
+        if not self.incremental_running_order:
+            return self.order_running(running, now)
+        epoch = self.epoch
+        head = list(running[:settled])
+        moved = [r for r in head if not (r.score_epoch == epoch and r.attained < r.score_until
+                                         and r.running_key == (r.attained >= r.guard_tokens, r.key_value))]
+        stale = len(moved)
+        moved += running[settled:]
+        key = self.running_sort_key(now)
+        if 8 * len(moved) > len(running):  # many (a new epoch, a first call): sort them all
+            head = sorted(running, key=key)
+            for r in head:
+                r.running_key = (r.attained >= r.guard_tokens, r.key_value)
+            return head
+        for r in moved[:stale]:
+            head.remove(r)
+        for r in moved:
+            insort(head, r, key=key)
+            r.running_key = (r.attained >= r.guard_tokens, r.key_value)
+        return head
+
+    def running_sort_key(self, now):
         if not self.params.memguard:
-            return super().order_running(running, now)
-        return sorted(running, key=lambda r: (r.attained >= r.guard_tokens, self.key(r, now)))
+            return self.sort_key(now)
+        epoch, key = self.epoch, self.key
+
+        def guarded_first(r: RequestState) -> tuple:
+            if r.score_epoch == epoch and r.attained < r.score_until:  # key(), cached, inlined
+                return (r.attained >= r.guard_tokens, r.key_value)
+            return (r.attained >= r.guard_tokens, key(r, now))
+
+        return guarded_first
+
+    def sort_key(self, now):
+        """``key``, inlined for sorting (it runs per running request per step): the cached key
+        while valid, else computed and cached exactly as ``key`` does."""
+        p = self.params
+        epoch, gamma, alpha = self.epoch, self.gamma, p.alpha_s_per_token
+        if p.memguard:  # a key holds until the next MemGuard threshold: mostly cached
+            return super().sort_key(now)
+        log, expm1, exp = math.log, math.expm1, math.exp
+
+        def fast(r: RequestState) -> tuple:
+            if r.score_epoch == epoch and r.attained < r.score_until:
+                return r.key_value
+            attained = r.attained
+            x = gamma * (alpha * max(attained, r.prompt_tokens))  # boost(alpha * work_tokens(r), γ)
+            if x <= 0.0:
+                b = 1e9
+            elif x > 700.0:
+                b = exp(-x) / gamma
+            else:
+                b = -log(-expm1(-x)) / gamma
+            value = r.arrival - b
+            r.score_epoch, r.score_until, r.score_value = epoch, max(attained, r.prompt_tokens) + 1, value
+            k = r.key_value = (value, r.arrival, r.id)
+            return k
+
+        return fast
 
     # --- γ-Ada ---------------------------------------------------------------------------
     def on_finish(self, req: RequestState, now: float) -> None:
@@ -99,8 +185,9 @@ class UniBoost(Policy):
         if not self.ada_enabled or len(self.recent_ttlt) < p.ada_min_samples:
             return
         t95, t99 = np.percentile(np.fromiter(self.recent_ttlt, float), [95.0, 99.0])
-        tail_ratio = t99 / t95 if t95 > 0 else 1.0
-        target = p.gamma_max / (1.0 + p.ada_kappa * max(tail_ratio - 1.0, 0.0))
+        # P(T > t) ~ C e^{-γt}: between P95 and P99 the tail falls by 5×, so γ = ln 5 / (t99 − t95).
+        # No spread between them is a tail that ends at once: as fast a decay as γ may take.
+        target = LN5 / (t99 - t95) if t99 > t95 else p.gamma_max
         gamma = (1.0 - p.ada_ema) * self.gamma + p.ada_ema * target
         self.gamma = min(p.gamma_max, max(p.gamma_min, gamma))
         self.epoch = new_epoch()

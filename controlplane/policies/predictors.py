@@ -27,6 +27,7 @@ from statistics import NormalDist
 from collections.abc import Hashable
 
 import numpy as np
+from scipy import special
 
 __all__ = [
     "LengthPredictor",
@@ -44,6 +45,9 @@ __all__ = [
 SIGMA_FLOOR = 0.05
 
 _STD_NORMAL = NormalDist()
+_TWO_53 = 1 << 53
+_HALF_2_53 = 1 << 52
+_INV_2_53 = 1.0 / _TWO_53
 
 
 def _tenant(req) -> str:
@@ -98,50 +102,107 @@ class LengthPredictor(ABC):
 
 
 class OraclePredictor(LengthPredictor):
-    """Reads the true length (simulator only), optionally with multiplicative log-normal noise.
+    """A calibrated distributional oracle (simulator only): reads the true length ``L`` and gives
+    each request its own log-t distribution of which ``L`` is exactly a draw.
 
-    The noise factor ``exp(N(0, sigma_noise))`` is a deterministic function of ``(seed, request
-    id)``: a standard normal is derived from a 64-bit BLAKE2b hash of the pair (inverse normal CDF
-    of the hash as a uniform), so the same request always gets the same prediction, in any
-    process.  (A 64-bit hash rather than CRC32 seeding a numpy Generator: no collisions in
-    practice among millions of ids, and ~2 us per call instead of ~30 us.)
+    For request ``i`` (``L_i`` = its true length, capped at ``max_tokens``, at least 1)::
+
+        sigma_i = sigma_noise * exp(sigma_spread * z_i - sigma_spread**2 / 2)    (mean sigma_noise)
+        mu_i    = ln(L_i) - sigma_i * t_i
+
+    with ``z_i ~ N(0, 1)`` and ``t_i ~ Student-t(nu)`` independent.  So ``ln L_i = mu_i + sigma_i
+    t_i``: the true length is a draw from the predicted ``X = exp(mu_i + sigma_i T)`` (the PIT
+    ``F_nu((ln L_i - mu_i)/sigma_i) = F_nu(t_i)`` is uniform), and requests differ in how uncertain
+    their prediction is, which is what TIE's CVaR term ranks on.  ``predict_dist`` gives
+    ``(mu_i, max(sigma_i, SIGMA_FLOOR))``, ``predict_total`` the median ``exp(mu_i)`` capped at
+    ``max_tokens``.  ``sigma_spread = 0`` gives every request ``sigma_noise``; ``sigma_noise = 0``
+    is the perfect oracle (``mu_i = ln L_i``, point = true length; ``SIGMA_FLOOR`` reported).
+    (A ``sigma_i`` below the floor is reported as the floor but ``mu_i`` uses the raw draw: such a
+    prediction is slightly wider than its error, never narrower.)
+
+    ``z_i`` and ``t_i`` are deterministic functions of ``(seed, request id)``, never of call order:
+    a 128-bit BLAKE2b hash of the pair gives two 53-bit uniforms, mapped through the inverse
+    normal and inverse Student-t CDFs.  So the same request always gets the same prediction, in
+    any process and whatever was asked before.  (A hash rather than CRC32 seeding a numpy
+    Generator: no collisions in practice among millions of ids, and ~2 us per call instead of
+    ~30 us.)  Nothing is cached per request: a call is cheap, and the policies already cache
+    predictions on the request.
     """
 
     name = "oracle"
 
-    def __init__(self, sigma_noise: float = 0.0, seed: int = 0, nu: float = 3.5) -> None:
+    def __init__(self, sigma_noise: float = 0.0, seed: int = 0, nu: float = 3.5,
+                 sigma_spread: float = 0.0) -> None:
         if not (sigma_noise >= 0) or not math.isfinite(sigma_noise):
             raise ValueError(f"sigma_noise must be a finite number >= 0, got {sigma_noise!r}")
+        if not (sigma_spread >= 0) or not math.isfinite(sigma_spread):
+            raise ValueError(f"sigma_spread must be a finite number >= 0, got {sigma_spread!r}")
         if not (nu > 0):
             raise ValueError(f"nu must be > 0, got {nu!r}")
         self.sigma_noise = float(sigma_noise)
+        self.sigma_spread = float(sigma_spread)
         self.seed = int(seed)
         self.nu = float(nu)
         self.version = 0
+        self._half_spread2 = self.sigma_spread**2 / 2.0
+
+    def _uniforms(self, req_id: str) -> tuple[int, int]:
+        """Two independent 53-bit integers ``k``; the uniforms are ``(k + 0.5) / 2**53``."""
+        h = hashlib.blake2b(f"{self.seed}\x1f{req_id}".encode(), digest_size=16).digest()
+        return int.from_bytes(h[:8], "big") >> 11, int.from_bytes(h[8:], "big") >> 11
 
     def noise_z(self, req_id: str) -> float:
-        """The request's standard-normal draw (deterministic in ``(seed, req_id)``)."""
-        h = hashlib.blake2b(f"{self.seed}\x1f{req_id}".encode(), digest_size=8).digest()
-        u = ((int.from_bytes(h, "big") >> 11) + 0.5) / 9007199254740992.0  # in (0, 1)
-        return _STD_NORMAL.inv_cdf(u)
+        """The request's standard-normal draw ``z_i`` (deterministic in ``(seed, req_id)``)."""
+        k = self._uniforms(str(req_id))[0]
+        return _STD_NORMAL.inv_cdf((k + 0.5) * _INV_2_53)
 
-    def _predicted(self, req) -> float:
+    def noise_t(self, req_id: str) -> float:
+        """The request's Student-t(nu) draw ``t_i`` (deterministic in ``(seed, req_id)``)."""
+        return self._t_of(self._uniforms(str(req_id))[1])
+
+    def _t_of(self, k: int) -> float:
+        # Inverse CDF from the nearer tail, so both tails keep full precision (1 - u is exact).
+        if k < _HALF_2_53:
+            return float(special.stdtrit(self.nu, (k + 0.5) * _INV_2_53))
+        return -float(special.stdtrit(self.nu, (_TWO_53 - k - 0.5) * _INV_2_53))
+
+    def sigma_for(self, req_id: str) -> float:
+        """The request's ``sigma_i`` before the ``SIGMA_FLOOR`` (0 for the perfect oracle)."""
+        if self.sigma_noise == 0.0:
+            return 0.0
+        if self.sigma_spread == 0.0:
+            return self.sigma_noise
+        return self.sigma_noise * math.exp(self.sigma_spread * self.noise_z(req_id) - self._half_spread2)
+
+    def _true(self, req) -> float:
         true = getattr(req, "output_tokens", None)
         if true is None:
             raise ValueError(
                 "oracle predictor needs true lengths; only the simulator has them "
                 f"(request {getattr(req, 'id', '?')!r} has output_tokens=None)"
             )
-        pred = float(true)
-        if self.sigma_noise > 0:
-            pred *= math.exp(self.sigma_noise * self.noise_z(str(req.id)))
-        return _cap(pred, req)
+        return _cap(float(true), req)
+
+    def _mu_sigma(self, req) -> tuple[float, float]:
+        """``(mu_i, sigma_i)``, sigma not floored; requires ``sigma_noise > 0``."""
+        true = self._true(req)
+        kz, kt = self._uniforms(str(req.id))
+        sigma = self.sigma_noise
+        if self.sigma_spread > 0.0:
+            sigma *= math.exp(self.sigma_spread * _STD_NORMAL.inv_cdf((kz + 0.5) * _INV_2_53)
+                              - self._half_spread2)
+        return math.log(max(true, 1.0)) - sigma * self._t_of(kt), sigma
 
     def predict_total(self, req) -> float:
-        return self._predicted(req)
+        if self.sigma_noise == 0.0:
+            return self._true(req)
+        return _cap(math.exp(self._mu_sigma(req)[0]), req)
 
     def predict_dist(self, req) -> tuple[float, float]:
-        return math.log(max(self._predicted(req), 1.0)), max(self.sigma_noise, SIGMA_FLOOR)
+        if self.sigma_noise == 0.0:
+            return math.log(max(self._true(req), 1.0)), SIGMA_FLOOR
+        mu, sigma = self._mu_sigma(req)
+        return mu, max(sigma, SIGMA_FLOOR)
 
 
 # ----------------------------------------------------------------------------- log-t MLE

@@ -3,61 +3,137 @@
 Sorting every waiting request at every step costs O(n log n) per step, which near saturation
 (thousands waiting) dominates both the simulator and vLLM's scheduling step. Every policy's
 waiting keys are stable while a request waits, except when the policy moves to a new *epoch*
-(γ or β changed, the predictor refitted, a starvation promotion). So the queue inserts with
-bisect and re-sorts only when the epoch changes. Policies that do not reorder (sarathi) keep
-vLLM's own order: arrivals at the back, preempted requests at the front.
+(γ or β changed, the predictor refitted) or one request's own key moves (a starvation promotion,
+``Policy.moved``). Policies that do not reorder (sarathi) keep vLLM's own order: arrivals at the
+back, preempted requests at the front.
 
 Each request carries the key it was filed under (``RequestState.queue_key``), so a binary search
 compares stored tuples instead of calling the policy's key function at every probe, and a request
 whose key changed is found by bisecting for its old key rather than by scanning the queue.
+
+Two layouts (``Policy.waiting_layout``):
+
+* plain: one list in key order, inserted into by bisection and re-keyed and re-sorted when the
+  epoch changes. Right when epochs are rare (fcfs, las, distboost, uniboost with γ fixed).
+* grouped: with γ-Ada (a new epoch every few seconds), adaptive β or history refits, a deep
+  queue re-keyed every epoch costs O(n) key calls per epoch (uniboost at 10,000 waiting: minutes
+  per replay). But admission only ever reads the head of the order, and a policy's keys have
+  structure: the requests of a *group* (``Policy.wait_group``: same work for uniboost, same
+  prediction for sjf/srpt/tie, same tenant for vtc) are in arrival order in every epoch. So the
+  queue keeps each group in (arrival, id) order and materializes the global order lazily: a
+  *prefix* of the order (``_items``, usually the one or two requests admission looks at) is kept
+  in key order, the rest stays in the groups and is merged on demand. A new epoch puts the prefix
+  back into the groups and re-keys only what a merge needs: each group's head (a heap: sjf, srpt,
+  tie, vtc), or, for uniboost's thousands of groups (one per prompt length), one vectorized pass
+  over the groups' offsets that shortlists the head, whose exact key then decides
+  (``"offsets"``). ``ordered()`` returns a lazy sequence (``_Ordered``): index 0 and iteration
+  pull from the groups as far as they are read.
+
+Whatever the layout, the order is exactly the sort of the waiting requests by their keys
+``(score, arrival, id)`` in the current epoch (``check_order``; tests/test_deep_queue.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_left, insort
+from heapq import heapify, heappop, heappush
 from operator import attrgetter
-from typing import Iterable, Iterator
+from typing import Hashable, Iterable, Iterator
+
+import numpy as np
 
 from controlplane.policies.base import Policy, RequestState
 
 _filed_key = attrgetter("queue_key")
+_arrival_id = attrgetter("arrival", "id")
+_PULL_ALL_AFTER = 64  # an iteration that reads this far materializes the whole order at once
 
 
 class WaitingQueue:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self._items: list[RequestState] = []
+        self._items: list[RequestState] = []  # plain: every waiting request; grouped: the prefix
         self._epoch: int | None = None
+        self._index: _Groups | None = _make_index(policy)
+        self._n = 0  # grouped: requests waiting (prefix and groups)
+        self._now = 0.0  # grouped: the time of the last ordered() (keys pulled later use it)
+        self._view = _Ordered(self)
 
     def set_policy(self, policy: Policy) -> None:
         """A settings switch: same requests, new order from the next step on."""
+        reqs = self.in_order()
         self.policy = policy
+        self._index = _make_index(policy)
+        self._items[:] = reqs  # grouped: an unordered "prefix" that the next ordered() files
+        for req in reqs:
+            req.queue_prefix, req.queue_group = True, None
+        self._n = len(reqs)
         self._epoch = None
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) if self._index is None else self._n
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self._items) if self._index is None else self._n > 0
 
     def __iter__(self) -> Iterator[RequestState]:
-        return iter(self._items)
+        """Every waiting request: in queue order for the plain layout; for a grouped one the
+        materialized prefix, then the rest in no particular order (``in_order()`` for the order).
+        A snapshot, taken without changing the queue (the plugin's control API reads it from
+        its own thread)."""
+        index = self._index
+        if index is None:
+            return iter(self._items)
+        snapshot = list(self._items)
+        for group in list(index.groups.values()):
+            snapshot += group
+        return iter(snapshot)
 
-    def ordered(self, now: float) -> list[RequestState]:
-        """The waiting requests in policy order (the list itself: do not mutate)."""
+    def in_order(self) -> list[RequestState]:
+        """Every waiting request in queue order, as filed (a grouped layout materializes it)."""
+        if self._index is not None:
+            self.ordered(self._now)
+            self._pull_all()
+        return list(self._items)
+
+    def ordered(self, now: float):
+        """The waiting requests in policy order: the list itself for the plain layout (do not
+        mutate), a lazy read-only sequence for a grouped one (read it before changing the queue)."""
         policy = self.policy
-        if not policy.reorders_waiting:
+        index = self._index
+        if index is None:
+            if not policy.reorders_waiting:
+                return self._items
+            if self._epoch != policy.epoch:
+                items, key = self._items, policy.sort_key(now)
+                for req in items:
+                    req.queue_key = key(req)
+                items.sort(key=_filed_key)
+                self._epoch = policy.epoch
+            elif policy.moved:
+                self._refile([req for req in policy.moved if req.status == "waiting"], now)
+            policy.moved.clear()
             return self._items
+        self._now = now
+        if policy.moved:  # a moved request may change group: refile it, whatever the epoch
+            moved = [req for req in dict.fromkeys(policy.moved) if req.status == "waiting"]
+            policy.moved.clear()
+            if self._epoch == policy.epoch:
+                for req in moved:
+                    self._take(req)
+                for req in moved:
+                    self._file(req, now)
+            else:
+                for req in moved:
+                    if not req.queue_prefix:  # the re-key below refiles the prefix
+                        index.discard(req)
+                        self._items.append(req)
+                        req.queue_prefix = True
+                    req.queue_group = None  # its group may have changed
         if self._epoch != policy.epoch:
-            items, key = self._items, policy.sort_key(now)
-            for req in items:
-                req.queue_key = key(req)
-            items.sort(key=_filed_key)
-            self._epoch = policy.epoch
-        elif policy.moved:
-            self._refile([req for req in policy.moved if req.status == "waiting"], now)
-        policy.moved.clear()
-        return self._items
+            self._rekey(now)
+        return self._view
 
     def _refile(self, moved: list[RequestState], now: float) -> None:
         """Move requests whose own key changed (a starvation promotion) to their new places.
@@ -75,11 +151,101 @@ class WaitingQueue:
             req.queue_key = key(req, now)
             insort(items, req, key=_filed_key)
 
+    # --- grouped layouts ----------------------------------------------------------------------
+    def _rekey(self, now: float) -> None:
+        """A new epoch: the prefix goes back to its groups (it is their fronts) and the merge is
+        rebuilt from the groups' heads."""
+        index, items = self._index, self._items
+        for req in items:
+            req.queue_prefix = False
+            index.add(req, None, req.queue_group)
+        items.clear()
+        index.rekey(now)
+        self._epoch = self.policy.epoch
+
+    def _file(self, req: RequestState, now: float) -> None:
+        """File a request under its current key: into the prefix if it sorts before the prefix's
+        last request (the prefix stays the order's first requests), else into its group."""
+        key = req.queue_key = self.policy.key(req, now)
+        items = self._items
+        if items and key < items[-1].queue_key:
+            insort(items, req, key=_filed_key)
+            req.queue_prefix, req.queue_group = True, None
+        else:
+            self._index.add(req, key)
+
+    def _take(self, req: RequestState) -> None:
+        """Take a request out of the prefix or its group (not counted: the caller does)."""
+        if req.queue_prefix:
+            req.queue_prefix = False
+            items = self._items
+            i = bisect_left(items, req.queue_key, key=_filed_key)
+            if i < len(items) and items[i] is req:
+                del items[i]
+            else:  # a prefix not filed yet (set_policy): found by identity
+                items.remove(req)
+        else:
+            self._index.discard(req)
+
+    def _pull(self) -> bool:
+        """Extend the prefix by the next request of the order; False when none is left."""
+        req = self._index.pop_min(self._now)
+        if req is None:
+            return False
+        req.queue_prefix = True
+        self._items.append(req)
+        return True
+
+    def _pull_all(self) -> None:
+        """Materialize the whole order (a full iteration): every key once, one sort."""
+        rest = self._index.drain(self._now)
+        for req in rest:
+            req.queue_prefix = True
+        self._items.extend(rest)
+
+    def _by_group(self) -> dict[Hashable, list[RequestState]]:
+        """Every waiting request in its group's list, in (arrival, id) order (vtc's tenants)."""
+        items = self._items
+        if items:
+            for req in items:
+                req.queue_prefix = False
+                self._index.add(req, req.queue_key, req.queue_group)
+            items.clear()
+        return self._index.groups
+
+    # --- changes ------------------------------------------------------------------------------
     def check_order(self) -> None:
-        """Assert the queue is in the order of the keys its requests were filed by (for tests)."""
-        if self.policy.reorders_waiting and self._epoch == self.policy.epoch:
-            keys = [req.queue_key for req in self._items]
-            assert all(a <= b for a, b in zip(keys, keys[1:])), "waiting queue out of policy order"
+        """Assert the queue is in policy order (for tests): plain, the keys it was filed by are
+        in order; grouped, the prefix is in key order, every group in (arrival, id) order whose
+        keys, freshly computed, are in order too and above the prefix's (so the merge yields the
+        sort of all keys)."""
+        policy = self.policy
+        if self._index is None:
+            if policy.reorders_waiting and self._epoch == policy.epoch:
+                keys = [req.queue_key for req in self._items]
+                assert all(a <= b for a, b in zip(keys, keys[1:])), "waiting queue out of policy order"
+            return
+        if self._epoch != policy.epoch or policy.moved:
+            return  # the next ordered() re-keys
+        now, key = self._now, policy.key
+        prefix = [key(req, now) for req in self._items]
+        assert prefix == [req.queue_key for req in self._items], "stale key in the waiting prefix"
+        assert all(a < b for a, b in zip(prefix, prefix[1:])), "waiting prefix out of policy order"
+        assert all(req.queue_prefix for req in self._items)
+        count = len(self._items)
+        for gid, group in self._index.groups.items():
+            assert group, f"empty group {gid!r}"
+            assert all(policy.wait_group(req) == gid and req.queue_group == gid and not req.queue_prefix
+                       for req in group), \
+                f"request filed in the wrong group {gid!r}"
+            order = [_arrival_id(req) for req in group]
+            assert all(a < b for a, b in zip(order, order[1:])), f"group {gid!r} out of arrival order"
+            keys = [key(req, now) for req in group]
+            assert all(a < b for a, b in zip(keys, keys[1:])), f"group {gid!r}: keys not in arrival order"
+            assert not prefix or prefix[-1] < keys[0], f"group {gid!r} sorts into the prefix"
+            count += len(group)
+        assert count == self._n, "waiting queue lost count"
+        self._index.check()
 
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
@@ -91,6 +257,10 @@ class WaitingQueue:
                 self._items.append(req)
             return
         self.ordered(now)  # bring the order up to date before bisecting into it
+        if self._index is not None:
+            self._n += 1
+            self._file(req, now)
+            return
         req.queue_key = self.policy.key(req, now)
         insort(self._items, req, key=_filed_key)
 
@@ -99,9 +269,325 @@ class WaitingQueue:
         admitted = list(admitted)
         if not admitted:
             return
+        if self._index is not None:
+            for req in admitted:
+                self._take(req)
+            self._n -= len(admitted)
+            return
         k = len(admitted)
         if all(a is b for a, b in zip(admitted, self._items[:k])):
             del self._items[:k]
         else:
             gone = {id(r) for r in admitted}
             self._items = [r for r in self._items if id(r) not in gone]
+
+
+class _Ordered:
+    """A grouped queue's order, read lazily: what is read is materialized in the prefix."""
+
+    __slots__ = ("_q",)
+
+    def __init__(self, queue: WaitingQueue) -> None:
+        self._q = queue
+
+    def __len__(self) -> int:
+        return self._q._n
+
+    def __bool__(self) -> bool:
+        return self._q._n > 0
+
+    def __iter__(self) -> Iterator[RequestState]:
+        q = self._q
+        items = q._items
+        i = 0
+        while True:
+            if i < len(items):
+                yield items[i]
+                i += 1
+            elif i >= _PULL_ALL_AFTER:
+                q._pull_all()
+                if i >= len(items):
+                    return
+            elif not q._pull():
+                return
+
+    def __getitem__(self, i):
+        q = self._q
+        if isinstance(i, slice) or i < 0:
+            return list(self)[i]
+        while len(q._items) <= i:
+            if not q._pull():
+                raise IndexError("waiting index out of range")
+        return q._items[i]
+
+    def by_group(self) -> dict[Hashable, list[RequestState]]:
+        """Every waiting request by group, each list in (arrival, id) order. Read-only, and only
+        until the queue changes."""
+        return self._q._by_group()
+
+
+def _make_index(policy: Policy) -> "_Groups | None":
+    layout_of = getattr(policy, "waiting_layout", None)  # a duck-typed policy keeps the plain list
+    layout = layout_of() if layout_of is not None and policy.reorders_waiting else None
+    if layout is None:
+        return None
+    if layout == "groups":
+        return _Groups(policy)
+    if layout == "offsets":
+        return _OffsetGroups(policy)
+    raise ValueError(f"policy {policy.name}: unknown waiting layout {layout!r}")
+
+
+class _Groups:
+    """The requests of a grouped queue outside its prefix: per group, a list in (arrival, id)
+    order, which is the group's key order in every epoch; across groups, a heap of the heads'
+    keys (entries go stale when a head leaves and are skipped when they surface)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.groups: dict[Hashable, list[RequestState]] = {}
+        self._heap: list = []  # (key, seq, head, group)
+        self._seq = itertools.count()
+        self._dirty: list = []  # groups whose new head has no heap entry yet (no key at hand)
+
+    def members(self) -> Iterator[RequestState]:
+        for group in self.groups.values():
+            yield from group
+
+    def add(self, req: RequestState, key: tuple | None = None, gid: Hashable = None) -> None:
+        """File ``req`` in its group (``gid`` if known, else ``wait_group``); ``key`` is its key in
+        this epoch if known (a new head then enters the merge at once)."""
+        if gid is None:
+            gid = req.queue_group = self.policy.wait_group(req)
+        group = self.groups.get(gid)
+        if group is None:
+            self.groups[gid] = [req]
+            self._new_head(gid, req, key)
+            return
+        last = group[-1]
+        if req.arrival > last.arrival or (req.arrival == last.arrival and req.id > last.id):
+            group.append(req)  # the usual arrival: latest in its group
+            return
+        i = bisect_left(group, (req.arrival, req.id), key=_arrival_id)
+        group.insert(i, req)
+        if i == 0:
+            self._new_head(gid, req, key)
+
+    def discard(self, req: RequestState) -> None:
+        gid = req.queue_group
+        group = self.groups[gid]
+        i = bisect_left(group, (req.arrival, req.id), key=_arrival_id)
+        if i == len(group) or group[i] is not req:
+            raise AssertionError(f"waiting queue lost track of {req.id}")
+        del group[i]
+        if not group:
+            self._drop_group(gid)
+        elif i == 0:
+            self._new_head(gid, group[0], None)
+
+    def _new_head(self, gid: Hashable, head: RequestState, key: tuple | None) -> None:
+        if key is None:
+            self._dirty.append(gid)
+        else:
+            heappush(self._heap, (key, next(self._seq), head, gid))
+
+    def _drop_group(self, gid: Hashable) -> None:
+        del self.groups[gid]
+
+    def rekey(self, now: float) -> None:
+        """A new epoch: key every group's head afresh."""
+        key, seq = self.policy.key, self._seq
+        heap = []
+        for gid, group in self.groups.items():
+            head = group[0]
+            k = head.queue_key = key(head, now)
+            heap.append((k, next(seq), head, gid))
+        heapify(heap)
+        self._heap = heap
+        self._dirty.clear()
+
+    def _flush_dirty(self, now: float) -> None:
+        key, groups = self.policy.key, self.groups
+        for gid in self._dirty:
+            group = groups.get(gid)
+            if group:
+                head = group[0]
+                k = head.queue_key = key(head, now)
+                heappush(self._heap, (k, next(self._seq), head, gid))
+        self._dirty.clear()
+
+    def pop_min(self, now: float) -> RequestState | None:
+        """Take the request with the least key out of its group (its queue_key set)."""
+        if self._dirty:
+            self._flush_dirty(now)
+        heap, groups = self._heap, self.groups
+        while heap:
+            k, _, head, gid = heappop(heap)
+            group = groups.get(gid)
+            if group is None or group[0] is not head or head.queue_key != k:
+                continue  # stale: that head left, or a newer entry holds its key
+            del group[0]
+            if group:
+                nxt = group[0]
+                nk = nxt.queue_key = self.policy.key(nxt, now)
+                heappush(heap, (nk, next(self._seq), nxt, gid))
+            else:
+                self._drop_group(gid)
+            return head
+        return None
+
+    def drain(self, now: float) -> list[RequestState]:
+        """Every request, out of the groups, in key order (each keyed once)."""
+        key = self.policy.key
+        out = []
+        for group in self.groups.values():
+            for req in group:
+                req.queue_key = key(req, now)
+            out += group
+        out.sort(key=_filed_key)
+        self.groups.clear()
+        self._heap.clear()
+        self._dirty.clear()
+        return out
+
+    def check(self) -> None:
+        pass
+
+
+class _OffsetGroups(_Groups):
+    """uniboost's groups: one per work value w (``wait_group``), score = arrival − b_γ(w).
+
+    A group per distinct prompt length means thousands of groups, too many to re-key on every γ
+    change. Instead each group has a slot in three arrays (head arrival, w, offset) and the head
+    of the order is found by one vectorized pass: approximate keys ``arrival − approx_offsets(w)``
+    (numpy, within 2⁻⁴⁰ relative of the exact float keys), then the exact keys (``Policy.key``)
+    of the heads whose approximate key is within twice that error of the least decide. A new
+    epoch recomputes the offsets array, nothing per request."""
+
+    # Error bound of an approximate key relative to |arrival| + |offset|: numpy's log/expm1 and
+    # the C library's differ by a few ulps (2⁻⁵⁰); this leaves 2⁶ of margin.
+    _REL = 2.0 ** -44
+    _SCAN = 24  # up to this many groups, comparing the heads' exact keys is cheaper than numpy
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self._slot: dict[Hashable, int] = {}
+        self._gids: list = []  # slot -> group (None: free)
+        self._free: list[int] = []
+        self._arrival = np.full(16, np.inf)  # head arrival per slot, inf when free
+        self._value = np.ones(16)  # group value (w) per slot
+        self._offset = np.zeros(16)  # approx offset per slot, this epoch
+        self._approx = np.full(16, np.inf)  # arrival − offset per slot, kept up to date
+        self._all_stale = True  # a new epoch: no offset computed yet
+        self._stale: list[int] = []  # new slots whose offset is not computed yet
+        self._amax = 0.0  # bound on |arrival| of every head seen
+        self._omax = 0.0  # bound on |offset| of every slot this epoch
+
+    def _set_head(self, slot: int, arrival: float) -> None:
+        self._arrival[slot] = arrival
+        self._approx[slot] = arrival - self._offset[slot]  # fixed by _refresh if stale
+        if abs(arrival) > self._amax:
+            self._amax = abs(arrival)
+
+    def _new_head(self, gid: Hashable, head: RequestState, key: tuple | None) -> None:
+        slot = self._slot.get(gid)
+        if slot is None:
+            slot = self._free.pop() if self._free else self._grow()
+            self._slot[gid] = slot
+            self._gids[slot] = gid
+            self._value[slot] = gid
+            self._stale.append(slot)
+        self._set_head(slot, head.arrival)
+
+    def _grow(self) -> int:
+        slot = len(self._gids)
+        self._gids.append(None)
+        if slot == len(self._arrival):
+            n = len(self._arrival)
+            self._arrival = np.concatenate([self._arrival, np.full(n, np.inf)])
+            self._value = np.concatenate([self._value, np.ones(n)])
+            self._offset = np.concatenate([self._offset, np.zeros(n)])
+            self._approx = np.concatenate([self._approx, np.full(n, np.inf)])
+        return slot
+
+    def _drop_group(self, gid: Hashable) -> None:
+        del self.groups[gid]
+        slot = self._slot.pop(gid)
+        self._gids[slot] = None
+        self._arrival[slot] = np.inf
+        self._approx[slot] = np.inf
+        self._free.append(slot)
+
+    def rekey(self, now: float) -> None:
+        # The offsets are computed when a merge needs them (_refresh): a shallow queue never does.
+        self._all_stale = True
+        self._stale.clear()
+        self._omax = 0.0
+
+    def _refresh(self) -> None:
+        if self._all_stale:  # a new epoch: every slot
+            self._offset = offsets = self.policy.approx_offsets(self._value)
+            self._approx = self._arrival - offsets
+            self._all_stale = False
+        else:
+            stale = np.array(self._stale, dtype=np.intp)
+            offsets = self.policy.approx_offsets(self._value[stale])
+            self._offset[stale] = offsets
+            self._approx[stale] = self._arrival[stale] - offsets
+        self._stale.clear()
+        if len(offsets):
+            self._omax = max(self._omax, float(np.abs(offsets).max()))
+
+    def pop_min(self, now: float) -> RequestState | None:
+        groups = self.groups
+        if not groups:
+            return None
+        key = self.policy.key
+        best = best_key = best_gid = None
+        if len(groups) <= self._SCAN:  # a shallow queue: the exact keys of the heads, no numpy
+            for gid, group in groups.items():
+                head = group[0]
+                k = key(head, now)
+                if best is None or k < best_key:
+                    best, best_key, best_gid = head, k, gid
+        else:
+            if self._all_stale or self._stale:
+                self._refresh()
+            approx = self._approx
+            least = approx.min()
+            tol = 2.0 * self._REL * (self._amax + self._omax) + 1e-290
+            shortlist = np.flatnonzero(approx <= least + tol)
+            gids = self._gids
+            for slot in shortlist.tolist():
+                gid = gids[slot]
+                head = groups[gid][0]
+                k = key(head, now)
+                if best is None or k < best_key:
+                    best, best_key, best_gid = head, k, gid
+        best.queue_key = best_key
+        group = groups[best_gid]
+        del group[0]
+        if group:
+            self._set_head(self._slot[best_gid], group[0].arrival)
+        else:
+            self._drop_group(best_gid)
+        return best
+
+    def drain(self, now: float) -> list[RequestState]:
+        out = super().drain(now)
+        self._slot.clear()
+        self._gids.clear()
+        self._free.clear()
+        self._arrival[:] = np.inf
+        self._approx[:] = np.inf
+        self._stale.clear()
+        return out
+
+    def check(self) -> None:
+        for gid, group in self.groups.items():
+            slot = self._slot[gid]
+            assert self._gids[slot] == gid and self._arrival[slot] == group[0].arrival, f"slot of {gid!r}"
+            if not self._all_stale and slot not in self._stale:
+                assert self._approx[slot] == self._arrival[slot] - self._offset[slot], f"approx of {gid!r}"
+        assert len(self._slot) == len(self.groups)
+        assert np.isinf(self._approx[[i for i, g in enumerate(self._gids) if g is None]]).all()

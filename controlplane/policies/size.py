@@ -5,11 +5,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 
 from controlplane.policies.base import INF, Policy, RequestState
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
 TOP_PRIORITY = -1e18
+STARVING = ("starving",)  # sjf's waiting group of starving requests (WaitingQueue "groups" layout)
 
 
 def predicted_total(policy: Policy, req: RequestState) -> float:
@@ -29,10 +31,39 @@ class Sjf(Policy):
     name = "sjf"
     counts_steps = True
 
+    def __init__(self, settings, predictor=None) -> None:
+        super().__init__(settings, predictor)
+        # Lazy counting of waiting steps (the simulator, through on_waiting_steps): a waiting
+        # request's unscheduled steps are clock − wait_mark. Only the crossing of the starvation
+        # limit changes what the policy does, so the field is written back only then (and when a
+        # request leaves the policy, ``detach``); until then it stays below the limit, as the
+        # true count does.
+        self._lazy = False
+        self._clock = 0
+        self._starve_at: list = []  # heap of (clock at which it starves, wait_seq, request)
+        self._starving: deque = deque()  # (wait_seq, request): waiting at or past the limit
+        self._seq = itertools.count()
+
     def score(self, req: RequestState, now: float) -> float:
         if req.quantum_left > 0 or req.unscheduled_steps >= self.params.starve_steps:
             return TOP_PRIORITY
         return predicted_total(self, req)
+
+    def wait_group(self, req: RequestState):
+        if req.quantum_left > 0 or req.unscheduled_steps >= self.params.starve_steps:
+            return STARVING  # all at TOP_PRIORITY: in arrival order
+        return super().wait_group(req)
+
+    def sort_key(self, now: float):
+        """``key``, inlined for sorting (the running list, every step)."""
+        limit, tag = self.params.starve_steps, ("total", getattr(self.predictor, "version", 0))
+
+        def fast(r: RequestState) -> tuple:
+            if r.quantum_left > 0 or r.unscheduled_steps >= limit:
+                return (TOP_PRIORITY, r.arrival, r.id)
+            return (r.cache_value if r.cache_key == tag else predicted_total(self, r), r.arrival, r.id)
+
+        return fast
 
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         if req.unscheduled_steps >= self.params.starve_steps:
@@ -50,11 +81,61 @@ class Sjf(Policy):
             if before < limit <= r.unscheduled_steps and r.status == "waiting":
                 self.moved.append(r)  # a starving request jumps the waiting queue
 
+    # --- lazy waiting steps (simulator) ----------------------------------------------------
+    def _watch(self, req: RequestState) -> None:
+        """Start counting a wait: the request has just joined the waiting queue."""
+        seq = req.wait_seq = next(self._seq)
+        req.wait_mark = self._clock - req.unscheduled_steps
+        at = req.wait_mark + self.params.starve_steps
+        if at > self._clock:
+            heapq.heappush(self._starve_at, (at, seq, req))
+        else:
+            self._starving.append((seq, req))
+
+    def on_arrival(self, req: RequestState, now: float) -> None:
+        if self._lazy:
+            self._watch(req)
+
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        if self._lazy:
+            self._watch(req)
+
+    def on_waiting_steps(self, waiting, steps: int) -> None:
+        if not self._lazy:  # the first call: from now on every wait is tracked
+            self._lazy = True
+            for r in waiting:
+                self._watch(r)
+        clock = self._clock = self._clock + steps
+        heap = self._starve_at
+        while heap and heap[0][0] <= clock:
+            _, seq, req = heapq.heappop(heap)
+            if req.status == "waiting" and req.wait_seq == seq:  # still the same wait
+                req.unscheduled_steps = clock - req.wait_mark
+                self.moved.append(req)  # a starving request jumps the waiting queue
+                self._starving.append((seq, req))
+
+    def detach(self, waiting) -> None:
+        if self._lazy:
+            for r in waiting:
+                if r.wait_seq >= 0:
+                    r.unscheduled_steps = self._clock - r.wait_mark
+                r.wait_seq = -1
+
     def steady_steps(self, running, waiting, now, kv_blocked) -> float:
         if not (waiting and kv_blocked):
             return INF
         # A waiting request reaching its starvation limit can change the head of the queue.
-        return max(1, min(self.params.starve_steps - r.unscheduled_steps for r in waiting))
+        if not self._lazy:
+            return max(1, min(self.params.starve_steps - r.unscheduled_steps for r in waiting))
+        starving = self._starving
+        while starving and not (starving[0][1].status == "waiting" and starving[0][1].wait_seq == starving[0][0]):
+            starving.popleft()  # admitted since (a new wait has a new entry)
+        if starving:
+            return 1  # one waits at or past its limit: the eager minimum is ≤ 0
+        heap = self._starve_at
+        while heap and not (heap[0][2].status == "waiting" and heap[0][2].wait_seq == heap[0][1]):
+            heapq.heappop(heap)
+        return max(1, heap[0][0] - self._clock) if heap else INF
 
 
 class Srpt(Policy):
@@ -66,6 +147,19 @@ class Srpt(Policy):
 
     def score(self, req: RequestState, now: float) -> float:
         return max(predicted_total(self, req) - req.generated, 0.0)
+
+    def wait_group(self, req: RequestState):
+        return (*super().wait_group(req), req.generated)  # generated is fixed while it waits
+
+    def sort_key(self, now: float):
+        """``key``, inlined for sorting (the running list, every step)."""
+        tag = ("total", getattr(self.predictor, "version", 0))
+
+        def fast(r: RequestState) -> tuple:
+            total = r.cache_value if r.cache_key == tag else predicted_total(self, r)
+            return (max(total - r.generated, 0.0), r.arrival, r.id)
+
+        return fast
 
     def policy_preemptible(self, req: RequestState) -> bool:
         return req.generated <= self.params.c * predicted_total(self, req)
