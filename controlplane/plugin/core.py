@@ -200,6 +200,7 @@ class ReplicaCore:
         """Top of a scheduling step: swap in staged settings (one reference assignment)."""
         new = self.take_pending()
         if new is not None:
+            self.policy.detach(self.waiting)  # write back what the old policy kept lazily (sjf)
             policy = self._build(new, self.policy)
             policy.attach(list(self.waiting), [s for s in self.states.values() if s.status == "running"], now)
             self.waiting.set_policy(policy)

@@ -201,8 +201,9 @@ class TailpilotMixin:
         if policy.counts_steps:  # sjf's starvation counters
             served = output.num_scheduled_tokens
             scheduled = [states[r] for r in served if r in states]
-            idle = [s for s in states.values() if s.id not in served and s.status in ("running", "waiting")]
+            idle = [states[r.request_id] for r in self.running if r.request_id not in served]
             policy.on_steps(scheduled, idle, 1)
+            policy.on_waiting_steps(core.waiting, 1)  # counted lazily: no pass over a deep queue
         return output
 
     def _tp_set_running(self, ordered: list[RequestState], decode_first: bool) -> None:
