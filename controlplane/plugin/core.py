@@ -202,7 +202,7 @@ class ReplicaCore:
         if new is not None:
             self.policy.detach(self.waiting)  # write back what the old policy kept lazily (sjf)
             policy = self._build(new, self.policy)
-            policy.attach(list(self.waiting), [s for s in self.states.values() if s.status == "running"], now)
+            policy.attach(self.waiting.in_order(), [s for s in self.states.values() if s.status == "running"], now)
             self.waiting.set_policy(policy)
             self.policy = policy
         policy = self.policy
