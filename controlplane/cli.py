@@ -1,6 +1,6 @@
 """The ``tailpilot`` command line.
 
-    tailpilot sim --trace FILE --policy uniboost --set gamma=8 --json
+    tailpilot sim --trace FILE --policy uniboost --set gamma=0.05 --json
     tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie --baseline srpt
     tailpilot twin --replicas 4 --speed 10 --rate-scale 4 --cluster-out twins.yaml
 
@@ -226,7 +226,7 @@ def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate,
               help="Comma-separated policy names.")
 @click.option("--baseline", default="srpt", show_default=True, help="Policy the others are compared against.")
 @click.option("--set", "assignments", multiple=True, metavar="POLICY.NAME=VALUE",
-              help="Set a parameter of one policy, e.g. uniboost.gamma=8 (repeatable).")
+              help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Policies simulated in parallel.")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
 @with_trace_options

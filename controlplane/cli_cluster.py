@@ -1,7 +1,7 @@
 """Commands that talk to a cluster: ``record``, ``status``, ``set`` and ``demo``.
 
     tailpilot status --cluster clusters.yaml [--json]
-    tailpilot set --cluster clusters.yaml --replica a100-0 --policy uniboost --set gamma=8 --pin gamma
+    tailpilot set --cluster clusters.yaml --replica a100-0 --policy uniboost --set gamma=0.05 --pin gamma
     tailpilot record --cluster clusters.yaml --db sqlite:///tailpilot.db
     tailpilot demo                      # twin replicas on the bundled trace, recorded, shown live
 
