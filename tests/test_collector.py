@@ -519,6 +519,10 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
                 assert _names_fault(h.reason, fault), h.reason
                 await asyncio.sleep(0.6)
                 assert run.health(faulty.name).failures >= 1
+                # The others keep being polled while it is down: wait for that (an event), rather
+                # than count the polls of a stretch of wall time (a loaded machine polls fewer).
+                await wait_until(lambda: all(len(run.polls_of(o.name, since=t0)) >= 4 for o in others),
+                                 what="the others polled while it is down")
             finally:
                 if fault == "down":
                     faulty.start()
