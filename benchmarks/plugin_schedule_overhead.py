@@ -117,7 +117,7 @@ class Case:
             if settings and "predictor" in settings.get("params", {}):
                 fit_predictor(core.predictor)
             if name == "uniboost-ada":  # enough end-to-end latencies for γ-Ada to move γ at once
-                core.policy.recent_ttlt.extend(1.0 + 0.001 * k for k in range(1000))
+                core.policy.recent_tail.extend(1.0 + 0.001 * k for k in range(1000))
         self.running, self.waiting = running, waiting
         for i in range(running):
             s.add_request(make_request(f"r{i:05d}", RUNNING_PROMPT, RUNNING_MAX_TOKENS, arrival=t0 + i * 1e-4,

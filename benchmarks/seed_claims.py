@@ -20,7 +20,9 @@ sarathi drains its queue within 60 s of the last arrival.
 Policies: ``sarathi`` (vLLM's default), ``fcfs``, ``srpt-oracle`` (TRAIL with perfect lengths),
 ``sjf-oracle`` (LTR with its starvation guard) and without the guard, the UNIBOOST stages
 (``distboost`` = stage 1, ``ub-s2`` = one priority space, ``ub-s3`` = +MemGuard, ``uniboost`` =
-+γ-Ada, i.e. the defaults), ``sjf-history`` and ``tie-history`` (what a live replica can run),
++γ-Ada, i.e. the defaults: γ-Ada on the FCFS-equivalent wait, the newest decode as the memory
+victim), ``uniboost-spec`` (SPEC §3.1 to the letter: γ-Ada on end-to-end latency, the worst-scored
+request as the memory victim), ``sjf-history`` and ``tie-history`` (what a live replica can run),
 ``tie-oracle`` (a calibrated distributional oracle, σ 0.5 spread 0.5).
 
 The claims table puts each seed claim beside the measured figure; a claim that does not reproduce
@@ -55,6 +57,7 @@ POLICIES: dict[str, dict] = {
     "ub-s2": {"policy": "uniboost", "params": {"memguard": False, "gamma_ada": False}},
     "ub-s3": {"policy": "uniboost", "params": {"gamma_ada": False}},
     "uniboost": {"policy": "uniboost"},
+    "uniboost-spec": {"policy": "uniboost", "params": {"ada_signal": "ttlt", "kv_victim": "score"}},
     "sjf-history": {"policy": "sjf", "params": {"predictor": "history"}},
     "tie-history": {"policy": "tie", "params": {"predictor": "history"}},
     "tie-oracle": {"policy": "tie", "params": {"predictor": "oracle", "sigma_noise": 0.5, "sigma_spread": 0.5}},

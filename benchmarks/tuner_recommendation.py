@@ -15,7 +15,9 @@ held-out windows, with Azure conv mixed with reasoning-length requests near satu
    those that regress neither objective),
    constraint throughput>=0.99*baseline, production = sarathi with the engine defaults, windows of
    `--window-s` seconds, `--holdout` of them (stratified by load) held out.
-4. `tailpilot recommend`, then a markdown table on the held-out windows (never run by the search):
+   Windows are warm (``--warmup-s``, the 120 s before each window replayed and not measured).
+4. `tailpilot recommend` (which replays the best candidates continuously over the whole trace and
+   passes over any that lose to production there), then a markdown table on the held-out windows:
    mean over windows of each window's P99 TTLT and P95 TTFT for sarathi, uniboost with SPEC's
    default parameters and the tuned settings, with the per-window % change (geometric mean of
    the per-window ratios, positive = better) and a 95% t-interval over windows.
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--window-s", type=float, default=240.0)
     ap.add_argument("--holdout", type=float, default=0.3)
+    ap.add_argument("--warmup-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--storage", help="Optuna storage (default: a temporary SQLite file)")
     ap.add_argument("--json", help="also write the recommendation summary here")
@@ -92,7 +95,7 @@ def main() -> None:
         sweep(base, [float(x) for x in args.sweep.split(",")], args.window_s)
     spec = StudySpec(policies=["uniboost"], objectives=["ttlt_p99", "ttft_p95"],
                      constraints=["throughput>=0.99*baseline"], rate_scale=scale, window_s=args.window_s,
-                     holdout=args.holdout, **base)
+                     holdout=args.holdout, warmup_s=args.warmup_s, **base)
     with tempfile.TemporaryDirectory() as tmp:
         url = storage_url(args.storage or str(Path(tmp) / "tailpilot-optuna.db"))
         t0 = time.perf_counter()
@@ -139,6 +142,17 @@ def main() -> None:
     print(f"\nValues: mean over {len(held)} held-out windows of {args.window_s:g} s of each window's percentile. "
           "Change: geometric mean over those windows of the per-window ratio, positive = better, "
           "[95% t-interval over windows].")
+    cont = summary["continuous"]
+    print("\nContinuous replay of the whole trace (what production would see), recommended vs production:")
+    for part in ("holdout", "all"):
+        cells = [f"{label} {cont[part][m]['value']:.2f} vs {cont[part][m]['production']:.2f} "
+                 f"({cont[part][m]['change_pct']:+.1f}%)" for m, label in METRICS]
+        print(f"  {part + ' requests':18s} " + "; ".join(cells))
+    for c in cont["checked"]:
+        if c["losses"]:
+            print(f"  trial #{c['trial']} passed over: {'; '.join(c['losses'])}")
+    if cont["kept_production"]:
+        print("  every candidate lost the continuous replay: production kept")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
 

@@ -42,6 +42,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "tenants": ("tenants", "--tenants"),
     "seed": ("seed", "--seed"),
     "window_s": ("window_s", "--window-s"),
+    "warmup_s": ("warmup_s", "--warmup-s"),
     "windows": ("windows", "--windows"),
     "holdout": ("holdout", "--holdout"),
     "slo": ("slo", "--slo"),
@@ -191,6 +192,8 @@ def _progress_bar(show: bool):
 @click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
 @click.option("--window-s", type=float, default=120.0, show_default=True, help="Window length in seconds.")
+@click.option("--warmup-s", type=float, default=120.0, show_default=True,
+              help="Seconds of arrivals replayed before each window and not measured (0: windows start empty).")
 @click.option("--windows", type=int, help="Search windows per trial (K) [default: all, up to 12].")
 @click.option("--holdout", type=float, default=0.25, show_default=True, help="Fraction of windows held out for validation.")
 @click.option("--slo", multiple=True, metavar="FAMILY=SECONDS", help="SLO for *_slo_* metrics, e.g. ttlt=20 (repeatable).")
@@ -343,7 +346,8 @@ def _print_recommendation(s: dict) -> None:
 
     console = wide_console()
     pct = int(round(s["confidence"] * 100))
-    head = "keep the production settings (nothing beat them)" if s["is_production"] else f"trial #{s['trial']}"
+    head = ("keep the production settings (nothing beat them)" if s["is_production"]
+            else f"trial #{s['trial']}")
     console.print(f"[bold]study {s['study']}[/]: {s['trials_complete']} complete trials; recommendation: {head}")
     for part, title in (("search", "search windows (selected on; optimistic)"), ("holdout", "held-out windows (never searched)")):
         block = s[part]
@@ -360,6 +364,25 @@ def _print_recommendation(s: dict) -> None:
         console.print(table)
     console.print("per-window change: geometric mean over windows of recommended/production, with a "
                   "t-interval over windows")
+    cont = s.get("continuous")
+    if cont:
+        table = Table(title="continuous replay of the whole trace (what production would see); vs production")
+        table.add_column("metric")
+        for col in ("production, held-out requests", "recommended", "change",
+                    "production, all requests", "recommended", "change"):
+            table.add_column(col, justify="right")
+        for name, h in cont["holdout"].items():
+            a = cont["all"][name]
+            table.add_row(name, *(cell for m in (h, a) for cell in (
+                _fmt(m["production"]), _fmt(m["value"]),
+                "—" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%")))
+        console.print(table)
+        for c in cont["checked"]:
+            if c["losses"]:
+                console.print(f"trial #{c['trial']} passed over: it loses the continuous replay "
+                              f"({'; '.join(c['losses'])})")
+        if cont["kept_production"]:
+            console.print("every candidate checked lost the continuous replay: keep the production settings")
     for c in s["holdout"].get("constraints", []):
         ok = "holds" if c["feasible"] else "VIOLATED"
         console.print(f"constraint {c['constraint']} on held-out windows: {ok} (value {_fmt(c['value'])})")

@@ -89,9 +89,29 @@ class UniBoostParams(PreemptiveParams):
     ada_interval_s: float = Field(5.0, gt=0.0, le=86_400.0)
     ada_window: int = Field(2000, ge=10, le=1_000_000)
     ada_min_samples: int = Field(200, ge=1, le=1_000_000)
+    # What γ-Ada fits its tail slope to. "fcfs_wait": each arrival's FCFS-equivalent wait (the
+    # prompt and recompute tokens queued ahead of it over the recent admission rate) — the FCFS
+    # tail whose decay rate the theory asks for, and the same whichever order is served, so γ
+    # cannot feed on the starvation it causes. "ttlt"/"ttft": the served requests' own latencies
+    # (SPEC §3.1's end-to-end rule is "ttlt"; under a small γ its tail is the starved long
+    # requests' and γ spirals down to gamma_min — README, "γ-Ada's signal").
+    ada_signal: Literal["fcfs_wait", "ttlt", "ttft"] = "fcfs_wait"
     # Running decodes take the step's token budget before any prefill chunk (seed stage 1,
     # Sarathi); the score still decides admission and preemption victims.
     decode_first: bool = True
+    # Policy preemption that does not waste work (recompute throws the victim's KV away):
+    # preempt when the only shortage is a sequence slot (KV has room), or only for KV;
+    preempt_for_seats: bool = True
+    # the waiting request must beat the victim by the victim's own recompute time, α·(prompt +
+    # generated) seconds, on top of preempt_margin;
+    preempt_recompute_cost: bool = False
+    # at most this many policy preemptions per step (0: no limit);
+    preempt_per_step: int = Field(0, ge=0, le=1_000_000)
+    # who is the memory-pressure victim: "score" the worst-scored (MemGuard: unguarded first),
+    # which is the request with the most attained work, the costliest to recompute; "newest" the
+    # last-arrived decode, as stage 1 and vLLM do (prefills still by score, after decodes;
+    # decode_first only — without it the running order is the budget order and stays by score).
+    kv_victim: Literal["score", "newest"] = "newest"
 
     @model_validator(mode="after")
     def _clamps_ordered(self) -> "UniBoostParams":

@@ -201,15 +201,18 @@ def test_admission_order_uniboost_short_first(build):
 
 # All four fit after prefill with 2 blocks to spare (4+1+2+1 of 10); their first decode needs
 # 3 new blocks (R0 at 65, R1 at 17, R2 at 33 tokens), so exactly one of them is preempted.
+UNIBOOST_SCORE_VICTIM = {**UNIBOOST, "params": {**UNIBOOST["params"], "kv_victim": "score"}}
 VICTIM_SCRIPT = [("R0", 64, 6, 0.0), ("R1", 16, 6, 1.0), ("R2", 32, 6, 2.0), ("R3", 8, 6, 3.0)]
 
 
 @pytest.mark.parametrize("cls,settings,victim", [
     (Scheduler, None, "R3"),  # stock: the last admitted
     (TailpilotScheduler, FCFS, "R3"),  # fcfs: the latest arrival
-    (TailpilotScheduler, UNIBOOST, "R0"),  # uniboost, small γ: the most work (largest prompt)
-    (TailpilotAsyncScheduler, UNIBOOST, "R0"),
-], ids=["stock", "fcfs", "uniboost", "uniboost-async"])
+    (TailpilotScheduler, UNIBOOST, "R3"),  # uniboost (kv_victim newest): the latest arrival, as stage 1
+    # kv_victim score: the worst score, i.e. the most work (largest prompt) at a small γ
+    (TailpilotScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
+    (TailpilotAsyncScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
+], ids=["stock", "fcfs", "uniboost", "uniboost-score", "uniboost-score-async"])
 def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
     clock = Clock()
     s = build(cls, num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
@@ -236,10 +239,12 @@ def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
         assert c["preemptions"] == 1
 
 
-@pytest.mark.parametrize("settings,victim", [(FCFS, "C"), (UNIBOOST, "A")], ids=["fcfs", "uniboost"])
+@pytest.mark.parametrize("settings,victim", [(FCFS, "C"), (UNIBOOST_SCORE_VICTIM, "A"), (UNIBOOST, "C")],
+                         ids=["fcfs", "uniboost-score", "uniboost"])
 def test_memory_pressure_victim_by_attained_work(build, settings, victim):
-    """Equal prompts: uniboost's worst is the request with the most attained work (A, which has
-    been decoding longest), fcfs's the latest arrival (C)."""
+    """Equal prompts: under kv_victim "score" uniboost's worst is the request with the most
+    attained work (A, which has been decoding longest); fcfs's and, by default, uniboost's is the
+    latest arrival (C), the cheapest to recompute."""
     clock = Clock()
     s = build(num_blocks=7, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
     d = Driver(s)
@@ -529,7 +534,7 @@ def test_memguard_memory_victim_is_outside_its_guard(build):
     outside its guard, not a resumed request still inside it."""
     clock = Clock()
     guard = {"policy": "uniboost", "pinned": ["gamma"],
-             "params": {"gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": True,
+             "params": {"gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": True, "kv_victim": "score",
                         "quant_base_tokens": 16, "quant_ratio": 2.0}}
     s = build(num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=guard)
     core = s.tp_core
@@ -605,7 +610,7 @@ def test_decode_first_keeps_the_policy_worst_as_the_memory_victim(build):
     the prefilling P; when the decoding D (the worse score: more work) needs a block, the victim
     must still be the policy's worst, D itself. (No policy preemption: a huge margin.)"""
     clock = Clock()
-    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "preempt_margin": 1e9}}
+    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "preempt_margin": 1e9, "kv_victim": "score"}}
     s = build(num_blocks=17, max_num_seqs=4, max_num_batched_tokens=32, settings=settings)
     d = Driver(s)
     d.run(arrivals={0: [req(clock, "D", 140, 60, 0.0)]}, steps=6)

@@ -3,7 +3,10 @@
 The recommended settings are the best feasible, fully evaluated trial (one objective) or, with
 several objectives, a member of the feasible Pareto front: of those no worse than the production
 settings on any objective, the one with the largest mean improvement (else the max-min member;
-see ``tuner.study.choose_recommendation``). The whole front is reported too.
+see ``tuner.study.choose_recommendation``). The whole front is reported too. Before it is
+recommended, a candidate is replayed continuously over the whole trace against production
+(``tuner.continuous``): one that loses there is passed over for the next, and if every candidate
+loses, production is kept.
 
 Improvements are paired per window: for each window, the recommended settings and the production
 settings (trial 0) replay the same requests. The headline change is the geometric mean over
@@ -23,14 +26,17 @@ import numpy as np
 
 from controlplane.metrics import higher_is_better, percent_change
 from controlplane.settings import Settings
+from tuner.continuous import validate
 from tuner.study import (
+    PRODUCTION,
+    ROLE_ATTR,
     TRIAL_ATTR,
     TuneContext,
     TuneError,
     _json_num,
     best_trials,
     candidate_trials,
-    choose_recommendation,
+    ranked_candidates,
     load_context,
     trial_metrics,
 )
@@ -114,19 +120,28 @@ def recommend(storage, name: str) -> dict[str, Any]:
         feasible = len(candidate_trials(study))
         raise TuneError(f"study {name}: no feasible, fully evaluated trial among {len(complete)} complete "
                         f"({feasible} feasible); run more trials or relax --constraint")
-    chosen = choose_recommendation(front, ctx)
-    settings = Settings.model_validate(chosen.user_attrs[TRIAL_ATTR]["settings"])
     production = ctx.space.production_settings
-    search_vals = trial_metrics(chosen)
+    ranked = ranked_candidates(study, ctx)
+    check = validate(ctx, [(t.number, Settings.model_validate(t.user_attrs[TRIAL_ATTR]["settings"]))
+                           for t in ranked], production)
+    if check["chosen"] is None:  # every candidate lost the continuous replay: keep production
+        chosen = next((t for t in complete if t.user_attrs.get(ROLE_ATTR) == PRODUCTION), ranked[0])
+        settings = production
+    else:
+        chosen = next(t for t in ranked if t.number == check["chosen"])
+        settings = Settings.model_validate(chosen.user_attrs[TRIAL_ATTR]["settings"])
+    search_vals = trial_metrics(chosen) if chosen.user_attrs.get(TRIAL_ATTR, {}).get("metrics") else {}
     search_windows = list(search_vals)
     held = ctx.holdout
     held_vals = ctx.run_many(settings, held)
     held_base = ctx.run_many(production, held)
     held_constraints = ctx.constraint_values(held_vals, baseline=held_base) if ctx.constraints else {}
+    cont_metrics = next((c["metrics"] for c in check["checked"] if c["trial"] == check["chosen"]),
+                        check["production"])
     summary: dict[str, Any] = {
         "study": name,
         "trial": chosen.number,
-        "is_production": chosen.user_attrs.get("tailpilot_role") == "production"
+        "is_production": chosen.user_attrs.get(ROLE_ATTR) == PRODUCTION
         or settings.to_dict() == production.to_dict(),
         "settings": settings.to_dict(),
         "production": production.to_dict(),
@@ -141,13 +156,27 @@ def recommend(storage, name: str) -> dict[str, Any]:
                     "metrics": _metric_table(ctx, held_vals, held_base, held),
                     "constraints": [{"constraint": k, "value": v, "feasible": v <= 0}
                                     for k, v in held_constraints.items()]},
-        "windows": {"window_s": ctx.spec.window_s, "count": len(ctx.windows),
+        "continuous": {
+            "what": "every trace replayed whole; held-out = the held-out windows' requests in that replay",
+            "holdout": _continuous_table(ctx, cont_metrics["holdout"], check["production"]["holdout"]),
+            "all": _continuous_table(ctx, cont_metrics["all"], check["production"]["all"]),
+            "checked": [{"trial": c["trial"], "losses": c["losses"]} for c in check["checked"]],
+            "kept_production": check["chosen"] is None,
+        },
+        "windows": {"window_s": ctx.spec.window_s, "warmup_s": ctx.spec.warmup_s, "count": len(ctx.windows),
                     "labels": {str(w.index): w.label() for w in ctx.windows}},
     }
     if len(ctx.objectives) > 1:
         summary["pareto_front"] = [{"trial": t.number, "values": list(t.values),
                                     "settings": t.user_attrs[TRIAL_ATTR]["settings"]} for t in front]
     return summary
+
+
+def _continuous_table(ctx: TuneContext, values: Mapping[str, float],
+                      production: Mapping[str, float]) -> dict[str, Any]:
+    return {name: {"value": values[name], "production": production[name],
+                   "change_pct": percent_change(values[name], production[name], name)}
+            for name in ctx.tracked}
 
 
 def jsonable(obj: Any) -> Any:

@@ -3,7 +3,10 @@
 A study is *trace windows × policy × search space × objective(s) × constraints*:
 
 * **Windows.** The (transformed) trace files are cut into consecutive windows of ``window_s``
-  seconds; each window is replayed on its own, from an empty engine, to completion. A seeded
+  seconds; each window is replayed on its own, to completion, after a **warm-up**: the
+  ``warmup_s`` seconds of arrivals before it are replayed first and left out of its metrics, so
+  a window starts from the queue and KV state its traffic leaves, not from an empty engine (a
+  window cut from an empty engine hides overload and queue build-up). A seeded
   choice of them (``holdout`` fraction, at least one; stratified by load so light and heavy
   windows are both held out) is never run by the search; ``recommend`` validates on them. Each
   trial replays its K search windows in order, reporting each window's objective to the pruner
@@ -76,6 +79,7 @@ from tuner.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
 SPEC_VERSION = 1
 DEFAULT_STORAGE_FILE = "tailpilot-optuna.db"
 DEFAULT_WINDOW_S = 120.0
+DEFAULT_WARMUP_S = 120.0  # arrivals replayed before each window and not measured
 DEFAULT_HOLDOUT = 0.25
 DEFAULT_MAX_WINDOWS = 12  # search windows per trial when --windows is not given
 DEFAULT_MIN_REQUESTS = 20
@@ -125,6 +129,7 @@ class StudySpec:
     tenants: int | None = None
     seed: int = 0
     window_s: float = DEFAULT_WINDOW_S
+    warmup_s: float = DEFAULT_WARMUP_S
     holdout: float = DEFAULT_HOLDOUT
     windows: int | None = None  # K search windows per trial (None: all, up to DEFAULT_MAX_WINDOWS)
     min_requests: int = DEFAULT_MIN_REQUESTS
@@ -157,6 +162,8 @@ class StudySpec:
         unknown = set(d) - known
         if unknown:
             raise TuneError(f"the study was written by a newer tailpilot (unknown fields {sorted(unknown)})")
+        # Studies written before warm windows replayed each window from an empty engine.
+        d.setdefault("warmup_s", 0.0)
         if d.get("trim"):
             d["trim"] = tuple(d["trim"])
         d["mix"] = [(p, float(f)) for p, f in d.get("mix", [])]
@@ -174,6 +181,8 @@ class StudySpec:
             raise TuneError(f"--mix: fractions must be in (0, 1) and sum below 1, got {[f for _, f in self.mix]}")
         if not (self.window_s > 0 and math.isfinite(self.window_s)):
             raise TuneError(f"--window-s {self.window_s}: must be a positive number of seconds")
+        if not (self.warmup_s >= 0 and math.isfinite(self.warmup_s)):
+            raise TuneError(f"--warmup-s {self.warmup_s}: must be a number of seconds >= 0")
         if not 0 < self.holdout < 1:
             raise TuneError(f"--holdout {self.holdout}: must be a fraction in (0, 1)")
         if self.windows is not None and self.windows < 1:
@@ -237,10 +246,12 @@ class Window:
     index: int  # position in the study's window list (the pruner's step)
     source: str  # trace name
     start_s: float  # start within the transformed trace
-    trace: tr.Trace
+    trace: tr.Trace  # the warm-up's arrivals, then the window's
+    measured: frozenset[str] = frozenset()  # ids of the window's own requests (the metrics' scope)
+    trace_no: int = 0  # which of the study's traces
 
     def label(self) -> str:
-        return f"w{self.index}({self.source}@{self.start_s:g}s, {len(self.trace)} req)"
+        return f"w{self.index}({self.source}@{self.start_s:g}s, {len(self.measured)} req)"
 
 
 def build_traces(spec: StudySpec) -> list[tr.Trace]:
@@ -274,8 +285,8 @@ def build_windows(spec: StudySpec, traces: Sequence[tr.Trace] | None = None) -> 
     """Consecutive ``window_s`` windows of every trace; a short last window (under half a window)
     and windows with fewer than ``min_requests`` requests are dropped."""
     windows: list[Window] = []
-    w = spec.window_s
-    for trace in traces if traces is not None else build_traces(spec):
+    w, warm = spec.window_s, spec.warmup_s
+    for trace_no, trace in enumerate(traces if traces is not None else build_traces(spec)):
         if not len(trace):
             continue
         end = trace.requests[-1].arrival
@@ -284,10 +295,12 @@ def build_windows(spec: StudySpec, traces: Sequence[tr.Trace] | None = None) -> 
             start = k * w
             if k == n - 1 and end - start < 0.5 * w and n > 1:
                 break
-            win = tr.time_window(trace, start, w)
-            if len(win) < spec.min_requests:
+            measured = frozenset(r.id for r in trace if start <= r.arrival < start + w)
+            if len(measured) < spec.min_requests:
                 continue
-            windows.append(Window(len(windows), trace.name, start, win))
+            begin = max(0.0, start - warm)
+            win = tr.time_window(trace, begin, start + w - begin)
+            windows.append(Window(len(windows), trace.name, start, win, measured, trace_no))
     return windows
 
 
@@ -323,7 +336,7 @@ def split_windows(spec: StudySpec, n: int, load: Sequence[int] | None = None) ->
 
 def window_load(w: Window) -> int:
     """Tokens a window asks for (prompt + output): the load the held-out split is stratified on."""
-    return sum(r.prompt_tokens + r.output_tokens for r in w.trace)
+    return sum(r.prompt_tokens + r.output_tokens for r in w.trace if r.id in w.measured)
 
 
 def fingerprint(windows: Sequence[Window]) -> str:
@@ -332,7 +345,7 @@ def fingerprint(windows: Sequence[Window]) -> str:
         h.update(f"{w.index}|{w.source}|{w.start_s!r}|{len(w.trace)}\n".encode())
         for r in w.trace:
             h.update(f"{r.id},{r.arrival!r},{r.prompt_tokens},{r.output_tokens},{r.max_tokens},"
-                     f"{r.tenant},{r.type}\n".encode())
+                     f"{r.tenant},{r.type}{'' if r.id in w.measured else ',warm-up'}\n".encode())
     return h.hexdigest()
 
 
@@ -343,11 +356,18 @@ def fingerprint(windows: Sequence[Window]) -> str:
 
 def window_metrics(settings: Settings, window: Window, config: EngineConfig, names: Sequence[str],
                    slo: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Replay one window under ``settings``; the named metrics (NaN when undefined)."""
+    """Replay one window (warm-up first) under ``settings``; the named metrics of the window's own
+    requests (NaN when undefined)."""
     result = Simulator(window.trace, settings, config).run()
-    summary = summarize(result.completions, slo=slo or None)
+    return completion_metrics([c for c in result.completions if c.id in window.measured], names, slo)
+
+
+def completion_metrics(completions: Sequence[Any], names: Sequence[str],
+                       slo: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The named metrics of ``completions`` (NaN when undefined)."""
+    summary = summarize(completions, slo=slo or None)
     if any(n in ("jain_index",) for n in names):
-        summary.update(fairness_summary(result.completions))
+        summary.update(fairness_summary(completions))
     return {n: float(summary.get(n, math.nan)) for n in names}
 
 
@@ -419,7 +439,7 @@ def estimate_gamma(spec: StudySpec, windows: Sequence[Window], indices: Sequence
     ttlt = []
     for i in indices:
         res = Simulator(windows[i].trace, fcfs, config).run()
-        ttlt.extend(c.finished_at - c.arrival for c in res.completions)
+        ttlt.extend(c.finished_at - c.arrival for c in res.completions if c.id in windows[i].measured)
     if len(ttlt) < 20:
         return math.nan
     t95, t99 = np.percentile(np.asarray(ttlt), [95, 99])
@@ -708,7 +728,8 @@ def _context(study, spec: StudySpec, log: Callable[[str], None], enqueue: bool =
     if ATTR_FINGERPRINT not in attrs:
         study.set_user_attr(ATTR_FINGERPRINT, fp)
         study.set_user_attr(ATTR_SPLIT, {"search": search, "holdout": held, "windows": [
-            {"index": w.index, "source": w.source, "start_s": w.start_s, "requests": len(w.trace)} for w in windows]})
+            {"index": w.index, "source": w.source, "start_s": w.start_s, "requests": len(w.measured),
+             "warmup_requests": len(w.trace) - len(w.measured)} for w in windows]})
     config = spec.engine_config()
     if ATTR_GAMMA_HAT in attrs:
         gamma_hat = _num(attrs[ATTR_GAMMA_HAT])
@@ -1074,6 +1095,28 @@ def choose_recommendation(front: list, ctx: TuneContext) -> Any:
     if safe:
         return min(safe, key=lambda gt: (-sum(gt[0]) / len(gt[0]), -min(gt[0]), gt[1].number))[1]
     return min(scored, key=lambda gt: (-min(gt[0]), -sum(gt[0]) / len(gt[0]), gt[1].number))[1]
+
+
+def ranked_candidates(study, ctx: TuneContext) -> list:
+    """Feasible, fully evaluated trials in the order ``recommend`` would take them: the chosen
+    one (``choose_recommendation`` of the front) first; then, one objective, the rest by value;
+    several, the rest of the front by the same rule."""
+    front = best_trials(study, ctx)
+    if not front:
+        return []
+    first = choose_recommendation(front, ctx)
+    if len(ctx.objectives) == 1:
+        sign = 1.0 if ctx.objectives[0][1] == "minimize" else -1.0
+        rest = sorted((t for t in candidate_trials(study) if t.number != first.number),
+                      key=lambda t: (sign * t.values[0], t.number))
+    else:
+        rest = []
+        others = [t for t in front if t.number != first.number]
+        while others:
+            nxt = choose_recommendation(others, ctx)
+            rest.append(nxt)
+            others = [t for t in others if t.number != nxt.number]
+    return [first, *rest]
 
 
 def best_summary(study, ctx: TuneContext) -> dict[str, Any] | None:

@@ -288,17 +288,29 @@ class Policy:
         if not self.preemptive:
             return None
         w_key = self.key(waiting_req, now)
-        margin = self.preempt_margin()
         for cand in reversed(running):
             if not self.policy_preemptible(cand):
                 continue
             r_key = self.key(cand, now)
+            margin = self.victim_margin(cand)
             better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
             return cand if better else None
         return None
 
     def preempt_margin(self) -> float:
         return getattr(self.params, "preempt_margin", 0.0)
+
+    def victim_margin(self, victim: RequestState) -> float:
+        """How far (score units) a waiting request must beat ``victim`` to preempt it."""
+        return self.preempt_margin()
+
+    def preempts_for_seats(self) -> bool:
+        """Whether a missing sequence slot alone (KV has room) justifies a preemption."""
+        return True
+
+    def preemptions_per_step(self) -> int:
+        """The most policy preemptions in one step (0: no limit)."""
+        return 0
 
     # --- events from the engine -----------------------------------------------------------
     def on_arrival(self, req: RequestState, now: float) -> None:

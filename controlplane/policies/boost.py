@@ -16,6 +16,7 @@ from controlplane.policies.base import (INF, Policy, RequestState, boost, boost_
                                        next_threshold, quantize)
 
 LN5 = math.log(5.0)
+ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span
 
 
 class DistBoost(Policy):
@@ -37,7 +38,9 @@ class UniBoost(Policy):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards
     admitted requests until their next threshold (stage 3); γ-Ada sets γ to the observed tail's
-    decay rate, the log-linear slope ln 5 / (t99 − t95) of end-to-end latency (stage 4)."""
+    decay rate, the log-linear slope ln 5 / (t99 − t95) of ``ada_signal`` (stage 4): by default
+    the FCFS-equivalent wait of each arrival. Running order and preemption spare work by
+    ``kv_victim`` and the ``preempt_*`` rules."""
 
     name = "uniboost"
     preemptive = True
@@ -47,12 +50,21 @@ class UniBoost(Policy):
         p = self.params
         self.gamma = p.gamma
         self.decode_first = p.decode_first
+        # The newest-decode memory victim orders decodes before prefills: decode-first only.
+        self.newest_victim = p.kv_victim == "newest" and p.decode_first
         # Under MemGuard a running request's key changes only when its attained work crosses a
         # threshold above its prompt, its guard flag once: most steps move nobody (reorder_running).
         self.incremental_running_order = p.memguard
         self.epoch = new_epoch()  # scores cached on requests are valid for this γ only
         self.ada_enabled = p.gamma_ada and not settings.is_pinned("gamma")
-        self.recent_ttlt: deque[float] = deque(maxlen=p.ada_window)
+        self.recent_tail: deque[float] = deque(maxlen=p.ada_window)
+        self.signal = p.ada_signal
+        # fcfs_wait: prompt (and recompute) tokens arrived or preempted and not yet admitted, each
+        # request's share, and the admissions of the last ADMIT_SPAN_S seconds (the drain rate).
+        self.backlog = 0
+        self.owed: dict[str, int] = {}
+        self.admitted_log: deque[tuple[float, int]] = deque()
+        self.admitted_sum = 0
         self._next_tick = p.ada_interval_s if self.ada_enabled else INF
         self.gamma_updates = 0
 
@@ -95,23 +107,81 @@ class UniBoost(Policy):
         return boost_array(values, self.gamma)
 
     # --- MemGuard ------------------------------------------------------------------------
+    # --- γ-Ada's signal ------------------------------------------------------------------
+    def on_arrival(self, req: RequestState, now: float) -> None:
+        # fcfs_wait: the tokens queued ahead of this arrival, drained at the recent admission
+        # rate, is how long FCFS would keep it waiting, whatever order is actually served.
+        if self.ada_enabled and self.signal == "fcfs_wait":
+            rate = self._drain_rate(now)
+            if rate > 0:
+                self.recent_tail.append(self.backlog / rate)
+            self.backlog += req.prompt_tokens
+            self.owed[req.id] = req.prompt_tokens
+
+    def _drain_rate(self, now: float) -> float:
+        """Tokens admitted per second over the last ADMIT_SPAN_S (0 before any admission)."""
+        log = self.admitted_log
+        while log and log[0][0] < now - ADMIT_SPAN_S:
+            self.admitted_sum -= log.popleft()[1]
+        return self.admitted_sum / ADMIT_SPAN_S if log else 0.0
+
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        if self.ada_enabled and self.signal == "fcfs_wait":
+            n = req.prompt_tokens + req.generated
+            self.backlog += n
+            self.owed[req.id] = n
+
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         p = self.params
+        if self.ada_enabled and self.signal == "fcfs_wait":
+            n = self.owed.pop(req.id, 0)
+            self.backlog -= n
+            self.admitted_log.append((now, n))
+            self.admitted_sum += n
         req.guard_tokens = next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard else 0
 
     def policy_preemptible(self, req: RequestState) -> bool:
         return req.attained >= req.guard_tokens
 
+    # --- preemption that does not waste work (each rule a parameter) -----------------------
+    def policy_victim(self, waiting_req, running, now):
+        # Under kv_victim "newest" the running order puts the newest decode last (the memory
+        # victim); the policy's own victim is still its worst-scored request.
+        if self.newest_victim:
+            # A request the memory victim rule evicted (it may be the best-scored one) waits for
+            # room instead of evicting by score in turn: the two rules would trade the same KV back
+            # and forth without end.
+            if waiting_req.preemptions > waiting_req.policy_preemptions:
+                return None
+            running = sorted(running, key=self.running_sort_key(now))
+        return super().policy_victim(waiting_req, running, now)
+
+    def victim_margin(self, victim: RequestState) -> float:
+        p = self.params
+        if not p.preempt_recompute_cost:
+            return p.preempt_margin
+        # Recompute re-prefills everything the victim holds: its prompt and what it generated.
+        return p.preempt_margin + p.alpha_s_per_token * (victim.prompt_tokens + victim.generated)
+
+    def preempts_for_seats(self) -> bool:
+        return self.params.preempt_for_seats
+
+    def preemptions_per_step(self) -> int:
+        return self.params.preempt_per_step
+
     def order_running(self, running, now):
         # The memory-pressure victim is the last running request (vLLM pops running[-1]), and
         # MemGuard wants it to be the worst request outside its guard, falling back to the worst
         # guarded one: so guarded requests come first, each group in key order.
+        if self.newest_victim:
+            return sorted(running, key=lambda r: (0, r.arrival, r.id) if r.generated > 0
+                          else (1, *self.key(r, now)))
         return sorted(running, key=self.running_sort_key(now))
 
     def reorder_running(self, running, settled, now):
         """``Policy.reorder_running`` for MemGuard's (guarded, key) order: a request keeps its
         place while its cached key and its guard flag are the ones it was placed by."""
-        if not self.incremental_running_order:
+        if not self.incremental_running_order or self.newest_victim:
             return self.order_running(running, now)
         epoch = self.epoch
         head = list(running[:settled])
@@ -174,7 +244,10 @@ class UniBoost(Policy):
     # --- γ-Ada ---------------------------------------------------------------------------
     def on_finish(self, req: RequestState, now: float) -> None:
         if self.ada_enabled:
-            self.recent_ttlt.append(now - req.arrival)
+            if self.signal == "ttlt":
+                self.recent_tail.append(now - req.arrival)
+            elif self.signal == "ttft" and req.first_token_at is not None:
+                self.recent_tail.append(req.first_token_at - req.arrival)
 
     def next_tick(self) -> float:
         return self._next_tick
@@ -182,9 +255,9 @@ class UniBoost(Policy):
     def tick(self, now: float) -> None:
         p = self.params
         self._next_tick = now + p.ada_interval_s
-        if not self.ada_enabled or len(self.recent_ttlt) < p.ada_min_samples:
+        if not self.ada_enabled or len(self.recent_tail) < p.ada_min_samples:
             return
-        t95, t99 = np.percentile(np.fromiter(self.recent_ttlt, float), [95.0, 99.0])
+        t95, t99 = np.percentile(np.fromiter(self.recent_tail, float), [95.0, 99.0])
         # P(T > t) ~ C e^{-γt}: between P95 and P99 the tail falls by 5×, so γ = ln 5 / (t99 − t95).
         # No spread between them is a tail that ends at once: as fast a decay as γ may take.
         target = LN5 / (t99 - t95) if t99 > t95 else p.gamma_max
@@ -223,4 +296,4 @@ class UniBoost(Policy):
         if isinstance(previous, UniBoost) and self.ada_enabled and previous.params.gamma == self.params.gamma:
             self.gamma = previous.gamma
             self.epoch = new_epoch()
-            self.recent_ttlt = deque(previous.recent_ttlt, maxlen=self.params.ada_window)
+            self.recent_tail = deque(previous.recent_tail, maxlen=self.params.ada_window)

@@ -5,6 +5,10 @@ preempted for a waiting request W only when (a) W cannot be admitted otherwise (
 not enough free KV blocks), (b) W's key beats R's by the policy's margin, and (c) R is outside its
 guard; the victim is the worst-keyed eligible running request. Only waiting requests that this
 step's token budget can reach are considered.
+
+A policy may spare work (``Policy.victim_margin``, ``preempts_for_seats``,
+``preemptions_per_step``): UniBoost can ask W to beat R by R's recompute time, refuse to preempt
+when only a seat is short, and cap the preemptions per step.
 """
 
 from __future__ import annotations
@@ -27,16 +31,22 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
         return []
     candidates: list[RequestState] | None = None
     victims: list[RequestState] = []
+    cap = policy.preemptions_per_step() or float("inf")
+    for_seats = policy.preempts_for_seats()
     for w in policy.admission_order(waiting, now):
         if budget <= 0:
             break  # admission cannot reach further down the queue this step
         n = chunk(w, budget)
         budget -= n
         need = blocks_needed(w, n)  # the engine's admission gate (first chunk, or whole sequence)
+        if not for_seats and seats < 1 and need <= free_blocks:
+            break  # only a seat is short: wait for one to free rather than throw KV away
         # Victims for w are only worth preempting if together they make w fit.
         mine: list[RequestState] = []
         seats_w, free_w = seats, free_blocks
         while seats_w < 1 or need > free_w:
+            if len(victims) + len(mine) >= cap:
+                break
             if candidates is None:
                 candidates = list(running())
             others = [c for c in candidates if c not in mine] if mine else candidates
