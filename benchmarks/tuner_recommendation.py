@@ -35,7 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from controlplane.metrics import percent_change
 from controlplane.settings import Settings
+from tuner.continuous import continuous_metrics
 from tuner.recommend import jsonable, paired_improvement, recommend
 from tuner.study import (StudySpec, build_traces, build_windows, load_context, nanmean, open_storage, storage_url,
                          tune, window_metrics)
@@ -143,11 +145,16 @@ def main() -> None:
           "Change: geometric mean over those windows of the per-window ratio, positive = better, "
           "[95% t-interval over windows].")
     cont = summary["continuous"]
+    defaults = jsonable(continuous_metrics(ctx, Settings(policy="uniboost")))
     print("\nContinuous replay of the whole trace (what production would see), recommended vs production:")
     for part in ("holdout", "all"):
         cells = [f"{label} {cont[part][m]['value']:.2f} vs {cont[part][m]['production']:.2f} "
                  f"({cont[part][m]['change_pct']:+.1f}%)" for m, label in METRICS]
         print(f"  {part + ' requests':18s} " + "; ".join(cells))
+    for part in ("holdout", "all"):
+        cells = [f"{label} {cont[part][m]['value']:.2f} vs {defaults[part][m]:.2f} "
+                 f"({percent_change(cont[part][m]['value'], defaults[part][m], m):+.1f}%)" for m, label in METRICS]
+        print(f"  vs uniboost defaults, {part + ' requests':18s} " + "; ".join(cells))
     for c in cont["checked"]:
         if c["losses"]:
             print(f"  trial #{c['trial']} passed over: {'; '.join(c['losses'])}")
