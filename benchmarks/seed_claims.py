@@ -10,12 +10,17 @@ model) — never as windows that start from an empty engine. Workloads (SPEC §6
 * ``conv1.0``, ``conv1.1``: Azure conv (19,366 requests, 58 min) at its recorded rate and ×1.1;
 * ``code``: Azure code at its recorded rate;
 * ``mix20``, ``mix70``: Azure conv's arrivals with 20% / 70% of the requests' lengths drawn from the
-  ServeGen DeepSeek-R1 reasoning distribution, the rate scaled to just under saturation (below);
+  ServeGen DeepSeek-R1 reasoning distribution, the rate scaled to near saturation (below);
 * ``longprompt``: a shape none of the defaults were chosen on — arXiv summarisation lengths (long
-  prompts, short outputs) with Poisson arrivals just under saturation.
+  prompts, short outputs) with Poisson arrivals near saturation.
 
-"Just under saturation" for the synthetic-rate workloads: the largest rate (bisection) at which
-sarathi drains its queue within 60 s of the last arrival.
+Load is utilisation, the mean arrival rate over the replica's capacity for the request mix
+(``capacity``: every request queued at once under sarathi, completions per second in the
+full-batch regime); the recorded workloads print theirs. "Near saturation" for the synthetic-rate
+workloads is the knee of vLLM's default scheduler: the load (bisection) at which sarathi's P95 TTFT
+is ``--knee`` (20) times its value at load 0.3 — deep queues that still drain. (Azure conv at
+×1.0 sits at 7×, at ×1.1 at 41×.) The knee differs by shape: bursty conv arrivals reach it near
+load 0.65, the reasoning mixes near 0.78, Poisson long prompts near 1.0.
 
 Policies: ``sarathi`` (vLLM's default), ``fcfs``, ``srpt-oracle`` (TRAIL with perfect lengths),
 ``sjf-oracle`` (LTR with its starvation guard) and without the guard, the UNIBOOST stages
@@ -63,47 +68,72 @@ POLICIES: dict[str, dict] = {
     "tie-oracle": {"policy": "tie", "params": {"predictor": "oracle", "sigma_noise": 0.5, "sigma_spread": 0.5}},
 }
 METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "ttlt_mean", "ptl_mean", "throughput_tok_s", "preemptions")
+KNEE = 20.0  # near saturation: sarathi's P95 TTFT at KNEE x its light-load value
 WORKLOADS = ("conv1.0", "conv1.1", "code", "mix20", "mix70", "longprompt")
 
 
-def _drains(trace: traces.Trace, within_s: float = 60.0) -> bool:
-    result = simulate(trace, Settings.model_validate({"policy": "sarathi"}))
-    last_arrival = max(r.arrival for r in trace)
-    return max(c.finished_at for c in result.completions) <= last_arrival + within_s
+def capacity(trace: traces.Trace) -> float:
+    """The replica's service rate for this request mix, in requests/s: every request queued at
+    once (arrival order kept) under sarathi, completions counted between the 10th and the 90th
+    percentile of completion times (the full-batch regime, without start-up and the last
+    stragglers)."""
+    burst = traces.scale_rate(trace, 1e6)
+    done = sorted(c.finished_at for c in simulate(burst, Settings.model_validate({"policy": "sarathi"})).completions)
+    lo, hi = done[len(done) // 10], done[(9 * len(done)) // 10]
+    return ((9 * len(done)) // 10 - len(done) // 10) / (hi - lo)
 
 
-def near_saturation(trace: traces.Trace, lo: float = 0.05, hi: float = 4.0, steps: int = 8) -> tuple[traces.Trace, float]:
-    """The trace rate-scaled to the largest factor (bisection, geometric) at which sarathi still
-    drains within 60 s of the last arrival."""
+def _sarathi_p95_ttft(trace: traces.Trace) -> float:
+    return simulate(trace, Settings.model_validate({"policy": "sarathi"})).metrics()["ttft_p95"]
+
+
+def near_saturation(trace: traces.Trace, knee: float = KNEE, steps: int = 8) -> tuple[traces.Trace, float]:
+    """The trace at the load (utilisation) where vLLM's default scheduler reaches its knee: its
+    P95 TTFT is ``knee`` × its P95 TTFT at load 0.3 — queues deep but stable (bisection on load
+    in [0.3, 1.2]). Returns the scaled trace and its load."""
+    cap = capacity(trace)
+
+    def at(rho: float) -> traces.Trace:
+        return traces.scale_rate(trace, rho * cap / trace.rate)
+
+    limit = knee * _sarathi_p95_ttft(at(0.3))
+    lo, hi = 0.3, 1.2
     for _ in range(steps):
-        mid = (lo * hi) ** 0.5
-        if _drains(traces.scale_rate(trace, mid)):
+        mid = 0.5 * (lo + hi)
+        if _sarathi_p95_ttft(at(mid)) <= limit:
             lo = mid
         else:
             hi = mid
-    return traces.scale_rate(trace, lo), lo
+    return at(lo), lo
 
 
-def build_workload(name: str, root: Path) -> tuple[traces.Trace, str]:
+def load_of(trace: traces.Trace) -> float:
+    """Utilisation: the trace's mean arrival rate over the replica's capacity for its mix."""
+    return trace.rate / capacity(trace)
+
+
+def build_workload(name: str, root: Path, knee: float = KNEE) -> tuple[traces.Trace, str]:
     conv = traces.load_trace(root / "azure2023" / "AzureLLMInferenceTrace_conv.csv")
     if name == "conv1.0":
-        return conv, "recorded rate"
+        return conv, f"recorded rate, load {load_of(conv):.2f}"
     if name == "conv1.1":
-        return traces.scale_rate(conv, 1.1), "recorded rate x1.1"
+        faster = traces.scale_rate(conv, 1.1)
+        return faster, f"recorded rate x1.1, load {load_of(faster):.2f}"
     if name == "code":
-        return traces.load_trace(root / "azure2023" / "AzureLLMInferenceTrace_code.csv"), "recorded rate"
+        code = traces.load_trace(root / "azure2023" / "AzureLLMInferenceTrace_code.csv")
+        return code, f"recorded rate, load {load_of(code):.2f}"
     if name in ("mix20", "mix70"):
         share = 0.2 if name == "mix20" else 0.7
         reasoning = traces.load_servegen_reasoning(
             root / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv", n=len(conv), rate=1.0, seed=7)
         mixed = traces.mix([(conv, 1.0 - share), (reasoning, share)], n=len(conv), seed=7, name=name)
-        scaled, factor = near_saturation(mixed)
-        return scaled, f"conv arrivals x{factor:.3f} (just under saturation)"
+        scaled, rho = near_saturation(mixed, knee)
+        return scaled, f"conv arrivals x{scaled.rate / conv.rate:.3f}, load {rho:.2f} (near saturation)"
     if name == "longprompt":
         lengths = root / "lengths_only" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
         base = traces.load_lengths(lengths, n=6000, rate=1.0, seed=11)
-        scaled, factor = near_saturation(base)
-        return scaled, f"Poisson {factor:.3f} req/s (just under saturation)"
+        scaled, rho = near_saturation(base, knee)
+        return scaled, f"Poisson {scaled.rate:.3f} req/s, load {rho:.2f} (near saturation)"
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
@@ -153,6 +183,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--knee", type=float, default=KNEE,
+                    help="near saturation: sarathi's P95 TTFT at KNEE x its value at load 0.3")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the shared traces folder")
     ap.add_argument("--json", type=Path, help="also write every figure here")
@@ -162,7 +194,7 @@ def main() -> None:
     started = time.perf_counter()
     built = {}
     for w in workloads:
-        built[w], how = build_workload(w, args.traces)
+        built[w], how = build_workload(w, args.traces, args.knee)
         print(f"{w}: {len(built[w])} requests, {built[w].rate:.2f} req/s ({how})", flush=True)
     jobs = [(w, p, built[w]) for w in workloads for p in policies]
     results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
