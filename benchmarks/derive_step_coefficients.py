@@ -78,7 +78,7 @@ def load_profile(path: Path, tp: int) -> dict[str, dict[int, float]]:
             if int(row["num_tensor_parallel_workers"]) != tp:
                 continue
             n = int(row["num_tokens"])
-            med = lambda op: float(row[f"time_stats.{op}.median"])  # noqa: E731
+            med = lambda op, row=row: float(row[f"time_stats.{op}.median"])  # noqa: E731
             layer[n].append(sum(med(op) for op in PER_LAYER_OPS))
             once[n].append(sum(med(op) for op in ONCE_PER_STEP_OPS))
             gemm[n].append(sum(med(op) for op in GEMM_OPS))

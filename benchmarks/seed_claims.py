@@ -199,7 +199,7 @@ def main() -> None:
     jobs = [(w, p, built[w]) for w in workloads for p in policies]
     results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for w, p, m, secs in pool.map(run_one, jobs):
+        for w, p, m, _secs in pool.map(run_one, jobs):
             results[w][p] = m
     for w in workloads:
         r = results[w]

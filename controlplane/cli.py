@@ -35,7 +35,7 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
         try:
             start, dur = (float(x) for x in window.split(":"))
         except ValueError:
-            raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window")
+            raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window") from None
         span = (start, dur)
     # --max-tokens-default is not passed through the commands' signatures: its callback keeps it in
     # the command's context (see ``trace_options``).
@@ -112,7 +112,7 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
     try:
         return settings_from_cli(policy, assignments, list(pins), engine)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
-        raise click.UsageError(describe_error(err))
+        raise click.UsageError(describe_error(err)) from None
 
 
 # Option groups: what picks and shapes a trace, what sizes the simulated engine, and what only a
@@ -322,9 +322,9 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
                               seed=seed, token=token, config=_engine_config(num_gpu_blocks, step_model),
                               cluster_name=cluster_name)
     except OSError as err:
-        raise click.ClickException(f"cannot listen: {err}")
+        raise click.ClickException(f"cannot listen: {err}") from None
     except ValueError as err:
-        raise click.UsageError(describe_error(err))
+        raise click.UsageError(describe_error(err)) from None
     done = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
@@ -355,7 +355,7 @@ def _load_trace_or_exit(*args):
     try:
         return _load_trace(*args)
     except TraceError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
 
 
 def _show_progress(flag: bool | None, n: int) -> bool:

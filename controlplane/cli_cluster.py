@@ -46,9 +46,9 @@ def load_cluster(cluster_file: str, cluster_name: str | None):
     try:
         return load_cluster_file(cluster_file).cluster(cluster_name)
     except ClusterFileError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     except KeyError as err:
-        raise click.BadParameter(str(err.args[0]), param_hint="--cluster-name")
+        raise click.BadParameter(str(err.args[0]), param_hint="--cluster-name") from None
 
 
 def open_store(db: str | None):
@@ -57,7 +57,7 @@ def open_store(db: str | None):
     try:
         return Store.open(db or os.environ.get(DB_ENV))
     except StoreOpenError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
 
 
 def _unhealthy_row(name: str, reason: str | None):
@@ -157,13 +157,13 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
     try:
         change = build_change(policy, assignments, pins, unpins)
     except ValueError as err:
-        raise click.UsageError(describe_error(err))
+        raise click.UsageError(describe_error(err)) from None
     cluster = load_cluster(cluster_file, cluster_name)
     for name in replicas:
         try:
             cluster.replica(name)
         except KeyError as err:
-            raise click.BadParameter(str(err.args[0]), param_hint="--replica")
+            raise click.BadParameter(str(err.args[0]), param_hint="--replica") from None
     store = open_store(db)
     try:
         results = asyncio.run(apply_settings(cluster, None if all_replicas else list(replicas), change, store,
@@ -232,7 +232,7 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
         run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name,
                 optuna_storage=optuna_storage)
     except (ReplayError, StoreOpenError) as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     try:
         trace = traces.load_bundled() if trace_path is None else traces.load_trace(trace_path)
     except traces.TraceError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     if len({r.tenant for r in trace}) == 1:  # three Zipf tenants, so the fairness views have something to show
         trace = traces.assign_tenants_zipf(trace, 3, seed=0)
     token_env = "TAILPILOT_DEMO_TOKEN"

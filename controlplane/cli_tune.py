@@ -140,7 +140,7 @@ def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = 
     try:
         check_storage_separate(url, db or os.environ.get(DB_ENV))
     except TuneError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     return url
 
 
@@ -224,7 +224,7 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     try:
         exists = study_exists(open_storage(url), study_name)
     except TuneError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     spec = None
     if not exists:
         for need in ("policies", "objectives"):
@@ -242,9 +242,9 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
                                progress=update, log=log)
     except StudyConflict as err:
         raise click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
-                               f"which was created with {_show(err.stored)}; drop the flag to resume, or use a new --study")
+                               f"which was created with {_show(err.stored)}; drop the flag to resume, or use a new --study") from None
     except TuneError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     except KeyboardInterrupt:
         click.echo("interrupted while setting the study up; run the same command again", err=True)
         sys.exit(130)
@@ -307,7 +307,7 @@ def recommend(study_name, storage, db, no_store, as_json):
     try:
         summary = jsonable(build(open_storage(url), study_name))
     except TuneError as err:
-        raise click.UsageError(str(err))
+        raise click.UsageError(str(err)) from None
     if not no_store:
         from controlplane.cli_cluster import open_store
 

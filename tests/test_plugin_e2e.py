@@ -103,7 +103,7 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
             assert answer.status_code == 200, answer.text
             applied.append(answer.json())
             # Applied at the top of the next step, while requests are in flight.
-            while (live := control(busy_server).json())["policy"] != doc["policy"]:
+            while control(busy_server).json()["policy"] != doc["policy"]:
                 assert time.time() < deadline, f"{doc['policy']} never applied"
                 time.sleep(0.005)
     finally:

@@ -297,8 +297,7 @@ def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: 
     warnings = []
     for key in report["at_zero"]:
         warnings.append(f"{key} came out 0 (the non-negative fit found no cost per {key!r} term in this log)")
-    for key, text in report["undetermined"].items():
-        warnings.append(text)
+    warnings.extend(report["undetermined"].values())
     if not (math.isfinite(report["r2"]) and report["r2"] > 0):
         warnings.append(f"R² = {report['r2']:.3g}: the model explains little of the step-time variance")
     return CalibrationResult(model=model, fit=report, holdout=held, rel_se=rel_se, steps_read=read,

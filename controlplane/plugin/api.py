@@ -35,27 +35,25 @@ import http.client
 import json
 import logging
 import math
-import os
 import re
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Callable, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
 from pydantic import ValidationError
 
 from controlplane.plugin.core import SettingsConflict
 from controlplane.settings import describe_error
-from storage import strict_json  # standard library only: light enough for vLLM's process
+
+from controlplane.plugin.env import (DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV,  # noqa: F401 (re-exported)
+                                     TOKEN_FILE_ENV, PluginEnv)
 
 PREFIX = "/tailpilot/v1"
-TOKEN_ENV, TOKEN_FILE_ENV = "TAILPILOT_TOKEN", "TAILPILOT_TOKEN_FILE"
-HOST_ENV, PORT_ENV = "TAILPILOT_API_HOST", "TAILPILOT_API_PORT"
-DEFAULT_PORT = 8765
 log = logging.getLogger("tailpilot.control")
 
 _DIGITS = re.compile(r"[0-9]{1,18}", re.ASCII)  # cursors, versions, lengths: ASCII digits, < 2**63
@@ -85,12 +83,13 @@ class Limits:
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
 
-def token_from_env() -> str | None:
+def token_from_env(env: PluginEnv | None = None) -> str | None:
     """The write token; an empty or whitespace-only one is no token (writes stay refused)."""
-    token = (os.environ.get(TOKEN_ENV) or "").strip()
-    if not token and (path := os.environ.get(TOKEN_FILE_ENV)):
+    env = env or PluginEnv.read()
+    token = env.token
+    if not token and (path := env.token_file):
         try:
-            token = Path(path).read_text(encoding="utf-8").strip()
+            token = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as err:
             log.warning("tailpilot control API: cannot read %s=%s (%s): writes are disabled",
                         TOKEN_FILE_ENV, path, type(err).__name__)
@@ -166,7 +165,7 @@ def parse_json_body(body: bytes) -> Any:
 
 def encode_json(doc: Any) -> bytes:
     """Strict JSON out (NaN/Infinity as null): readers such as PostgreSQL's jsonb refuse them."""
-    return strict_json.dumps(doc, default=float).encode()  # default: numpy scalars
+    return pydantic_core.to_json(doc, inf_nan_mode="null", fallback=float)  # fallback: numpy scalars
 
 
 class _Reader:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import threading
 import time
 import uuid
@@ -24,9 +23,8 @@ from typing import Any, Iterable, Sequence
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
 from controlplane.policies.queue import WaitingQueue
+from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
-
-SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
 
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
@@ -62,9 +60,10 @@ class StepRecord:
                 "decode_seqs": self.decode_seqs, "sum_kv_context": self.sum_kv_context}
 
 
-def load_startup_settings(engine_defaults: dict[str, int] | None = None) -> Settings:
+def load_startup_settings(engine_defaults: dict[str, int] | None = None,
+                          env: PluginEnv | None = None) -> Settings:
     """Settings named by ``$TAILPILOT_SETTINGS_FILE`` (a JSON document), else vLLM's behaviour."""
-    path = os.environ.get(SETTINGS_FILE_ENV)
+    path = (env or PluginEnv.read()).settings_file
     if not path:
         return Settings.model_validate({"policy": "sarathi", "engine": engine_defaults or {}})
     try:

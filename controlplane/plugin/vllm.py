@@ -15,7 +15,6 @@ Settings arrive through the control API (``plugin.api``) and are swapped in at t
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterable, Iterator
 
@@ -24,12 +23,12 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from controlplane.plugin.api import DEFAULT_PORT, HOST_ENV, PORT_ENV, ControlServer, token_from_env
+from controlplane.plugin.api import ControlServer, token_from_env
+from controlplane.plugin.env import PluginEnv
 from controlplane.plugin.core import ReplicaCore, load_startup_settings
 from controlplane.policies import RequestState
 from controlplane.policies.preemption import plan_preemptions
 
-REPLICA_ENV = "TAILPILOT_REPLICA"
 REQUEST_TYPES = ("chat", "completion", "reasoning", "batch", "embed")
 
 
@@ -105,24 +104,21 @@ class TailpilotMixin:
         engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                   "long_prefill_token_threshold": sched.long_prefill_token_threshold or 0}
         rank = cfg.parallel_config.data_parallel_rank or 0
-        replica = os.environ.get(REPLICA_ENV, "replica") + (f"-dp{rank}" if rank else "")
+        env = PluginEnv.read()  # every TAILPILOT_* variable, validated once: a bad one stops start-up
+        replica = env.replica + (f"-dp{rank}" if rank else "")
         self._tp_now = time.time()
         self._tp_requests: dict[str, Request] = {}
         self._tp_policy_victim = False  # set while the plugin itself preempts (policy-driven)
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
-        self.tp_core = ReplicaCore(load_startup_settings(engine), replica=replica)
+        self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
         self._tp_stock_policy = self.policy  # vLLM's, restored when decode_first is off
         self.tp_server: ControlServer | None = None
-        raw_port = os.environ.get(PORT_ENV, str(DEFAULT_PORT)).strip()
-        try:
-            port = int(raw_port)
-        except ValueError:
-            raise ValueError(f"{PORT_ENV}={raw_port!r}: expected a port number (negative disables the API)") from None
+        port = env.api_port
         if port >= 0:  # a negative port disables the API (in-process tests drive the core directly)
-            self.tp_server = ControlServer(self, host=os.environ.get(HOST_ENV, "127.0.0.1"),
-                                           port=port + rank if port else 0, token=token_from_env()).start()
+            self.tp_server = ControlServer(self, host=env.api_host, port=port + rank if port else 0,
+                                           token=token_from_env(env)).start()
 
     # --- request bookkeeping -----------------------------------------------------------------
     def _tp_state_for(self, request: Request) -> RequestState:
