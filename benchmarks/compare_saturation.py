@@ -19,7 +19,7 @@ from tuner.engine import simulate
 from tuner.traces import load_trace, scale_rate
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = REPO_ROOT / ".." / "shared" / "profiles" / "vidur_a100_llama3_8b_mlp.csv"
+DEFAULT_PROFILE = REPO_ROOT / "traces" / "profiles" / "vidur_a100_llama3_8b_mlp.csv"
 
 PER_LAYER_OPS = (
     "input_layernorm",

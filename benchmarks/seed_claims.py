@@ -5,7 +5,7 @@
 
 Every workload is replayed whole, from its first request to the last completion, through the
 simulator at vLLM's A100 engine defaults (256 sequences, 2,048-token budget, the default step
-model) — never as windows that start from an empty engine. Workloads (SPEC §6, seed 000 §4):
+model) — never as windows that start from an empty engine. Workloads (docs/engine.md#tuner, seed 000 §4):
 
 * ``conv1.0``, ``conv1.1``: Azure conv (19,366 requests, 58 min) at its recorded rate and ×1.1;
 * ``code``: Azure code at its recorded rate;
@@ -26,7 +26,7 @@ Policies: ``sarathi`` (vLLM's default), ``fcfs``, ``srpt-oracle`` (TRAIL with pe
 ``sjf-oracle`` (LTR with its starvation guard) and without the guard, the UNIBOOST stages
 (``distboost`` = stage 1, ``ub-s2`` = one priority space, ``ub-s3`` = +MemGuard, ``uniboost`` =
 +γ-Ada, i.e. the defaults: γ-Ada on the FCFS-equivalent wait, the newest decode as the memory
-victim), ``uniboost-spec`` (SPEC §3.1 to the letter: γ-Ada on end-to-end latency, the worst-scored
+victim), ``uniboost-spec`` (docs/policies.md#uniboost to the letter: γ-Ada on end-to-end latency, the worst-scored
 request as the memory victim), ``sjf-history`` and ``tie-history`` (what a live replica can run),
 ``tie-oracle`` (a calibrated distributional oracle, σ 0.5 spread 0.5).
 
@@ -51,7 +51,7 @@ from controlplane.settings import Settings  # noqa: E402
 from tuner import traces  # noqa: E402
 from tuner.engine import simulate  # noqa: E402
 
-DEFAULT_TRACES = REPO.parent / "shared" / "traces"
+DEFAULT_TRACES = REPO / "traces"
 POLICIES: dict[str, dict] = {
     "sarathi": {"policy": "sarathi"},
     "fcfs": {"policy": "fcfs"},
@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--knee", type=float, default=KNEE,
                     help="near saturation: sarathi's P95 TTFT at KNEE x its value at load 0.3")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the shared traces folder")
+    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the traces folder (traces/ in the repository)")
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]

@@ -20,7 +20,7 @@ from tuner.engine import Simulator
 from tuner.traces import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
 ORACLE = {"sjf", "srpt", "tie"}  # the comparison in seed 000 gives size-based baselines perfect predictions
 
 

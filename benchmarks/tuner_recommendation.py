@@ -18,7 +18,7 @@ held-out windows, with Azure conv mixed with reasoning-length requests near satu
    Windows are warm (``--warmup-s``, the 120 s before each window replayed and not measured).
 4. `tailpilot recommend` (which replays the best candidates continuously over the whole trace and
    passes over any that lose to production there), then a markdown table on the held-out windows:
-   mean over windows of each window's P99 TTLT and P95 TTFT for sarathi, uniboost with SPEC's
+   mean over windows of each window's P99 TTLT and P95 TTFT for sarathi, uniboost with its
    default parameters and the tuned settings, with the per-window % change (geometric mean of
    the per-window ratios, positive = better) and a 95% t-interval over windows.
 
@@ -43,9 +43,9 @@ from tuner.study import (StudySpec, build_traces, build_windows, load_context, n
                          tune, window_metrics)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "traces"
-DEFAULT_TRACE = SHARED / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-DEFAULT_PMF = SHARED / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv"
+TRACES = REPO / "traces"
+DEFAULT_TRACE = TRACES / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_PMF = TRACES / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv"
 METRICS = (("ttlt_p99", "P99 TTLT (s)"), ("ttft_p95", "P95 TTFT (s)"))
 
 
@@ -109,7 +109,7 @@ def main() -> None:
         held = ctx.holdout
         runs = {
             "sarathi (vLLM default)": ctx.run_many(Settings(), held),
-            "uniboost, SPEC defaults": ctx.run_many(Settings(policy="uniboost"), held),
+            "uniboost, defaults": ctx.run_many(Settings(policy="uniboost"), held),
             f"tuned (trial #{summary['trial']})": ctx.run_many(Settings.model_validate(summary["settings"]), held),
         }
     (trace,) = build_traces(spec)

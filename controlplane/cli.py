@@ -1,7 +1,7 @@
 """The ``tailpilot`` command line.
 
     tailpilot sim --trace FILE --policy uniboost --set gamma=0.05 --json
-    tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie --baseline srpt
+    tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie --baseline sarathi
     tailpilot twin --replicas 4 --speed 10 --rate-scale 4 --cluster-out twins.yaml
 
 Without ``--trace`` both run on the bundled Azure conv window (10 minutes, CC BY 4.0).
@@ -44,7 +44,15 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
     if path in (None, "bundled"):
         trace = traces.load_bundled(max_tokens_default=default_cap)
     else:
-        trace = traces.load_trace(path, seed=seed, max_tokens_default=default_cap)
+        # A length-only trace has no arrival times: --target-rate gives it Poisson arrivals.
+        generate = {"rate": target_rate} if target_rate else {}
+        try:
+            trace = traces.load_trace(path, seed=seed, max_tokens_default=default_cap, **generate)
+        except traces.TraceError as err:
+            if "length-only" in str(err) or "length distribution" in str(err):
+                raise click.UsageError(f"{path}: lengths without arrival times: give --target-rate REQ_PER_S "
+                                       "(Poisson arrivals at that rate)") from None
+            raise
     trace = traces.transform(trace, window=span, rate_scale=rate_scale, rate=target_rate, max_tokens_cap=cap,
                              tenants=tenants, seed=seed)
     if len(trace) == 0:
@@ -224,7 +232,8 @@ def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate,
 @main.command()
 @click.option("--policies", default="fcfs,sarathi,sjf,srpt,las,uniboost,tie", show_default=True,
               help="Comma-separated policy names.")
-@click.option("--baseline", default="srpt", show_default=True, help="Policy the others are compared against.")
+@click.option("--baseline", default="sarathi", show_default=True,
+              help="Policy the others are compared against (added to --policies if missing, with a note).")
 @click.option("--set", "assignments", multiple=True, metavar="POLICY.NAME=VALUE",
               help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Policies simulated in parallel.")
@@ -242,6 +251,7 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
             raise click.BadParameter(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})", param_hint="--policies")
     if baseline not in names:
         names.insert(0, baseline)
+        click.echo(f"note: the baseline {baseline} is not in --policies; comparing it too", err=True)
     per_policy: dict[str, list[str]] = {n: [] for n in names}
     for item in assignments:
         head, _, rest = item.partition(".")

@@ -244,8 +244,9 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
               help="Replica clock speed (2 = twice real time).")
 @click.option("--rate-scale", type=click.FloatRange(min=0.01), default=None,
               help="Multiply the trace's arrival rate (default 1.5 × replicas: every replica queues).")
-@click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
-              help="Starting policy (vLLM's default behaviour is sarathi).")
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default=None,
+              help="Start every replica on this policy [default: side by side — sarathi (vLLM's default), "
+                   "uniboost, tie, vtc, round-robin].")
 @click.option("--db", default="tailpilot-demo.db", show_default=True, metavar="URL",
               help="Where the demo records (a SQLite path or URL).")
 @click.option("--duration", type=float, help="Stop after this many seconds (default: until q / Ctrl-C).")
@@ -265,7 +266,10 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
         trace = traces.assign_tenants_zipf(trace, 3, seed=0)
     token_env = "TAILPILOT_DEMO_TOKEN"
     os.environ.setdefault(token_env, secrets.token_hex(16))
-    settings = Settings.model_validate({"policy": policy})
+    # Side by side by default, so the first screen compares vLLM's default with the tail-aware
+    # policies on the same traffic (tie on the history predictor: what a live replica can run).
+    settings = ([Settings.model_validate({"policy": policy})] if policy else
+                [Settings.model_validate(d) for d in DEMO_POLICIES])
     # The bundled window is about one A100's load; at 1.5× per replica queues build and tails show.
     scale = rate_scale if rate_scale is not None else 1.5 * n
     with start_twins(n, trace, speed=speed, rate_scale=scale, settings=settings,
@@ -281,6 +285,10 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
             from tui import run_tui
 
             run_tui(cluster, db_url=db, readonly=False, duration_s=duration)
+
+
+DEMO_POLICIES = ({"policy": "sarathi"}, {"policy": "uniboost"},
+                 {"policy": "tie", "params": {"predictor": "history"}}, {"policy": "vtc"})
 
 
 def _dump(clusters) -> str:
@@ -302,16 +310,17 @@ def _demo_table(cluster, db: str, duration: float | None) -> None:
     from rich.live import Live
 
     from controlplane.collector import Collector
-    from controlplane.views import status_table
+    from controlplane.views import status_table, wide_console
 
     store = open_store(db)
+    console = wide_console()  # piped (no terminal): a wide table, not one cut to 80 columns
 
     async def main() -> None:
         collector = Collector(cluster, store)
         stop = asyncio.Event()
         task = asyncio.create_task(collector.run(stop))
         end = time.monotonic() + duration if duration else None
-        with Live(refresh_per_second=2) as live:
+        with Live(refresh_per_second=2, console=console) as live:
             try:
                 while end is None or time.monotonic() < end:
                     await asyncio.sleep(1.0)

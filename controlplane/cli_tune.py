@@ -1,4 +1,4 @@
-"""``tailpilot tune`` and ``tailpilot recommend`` (SPEC §6): Optuna studies over a policy's and
+"""``tailpilot tune`` and ``tailpilot recommend`` (docs/engine.md#tuner): Optuna studies over a policy's and
 the engine's settings on trace windows, and their validated recommendation.
 
     tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 \\
@@ -384,8 +384,16 @@ def _print_recommendation(s: dict) -> None:
         if cont["kept_production"]:
             console.print("every candidate checked lost the continuous replay: keep the production settings")
     for c in s["holdout"].get("constraints", []):
+        # The value is how far the left side is past its bound (Optuna's convention): <= 0 holds.
+        v = c["value"]
+        if v is None:
+            detail = "undefined on these windows"
+        elif c["feasible"]:
+            detail = f"with {_fmt(-v)} to spare"
+        else:
+            detail = f"by {_fmt(v)} over the bound"
         ok = "holds" if c["feasible"] else "VIOLATED"
-        console.print(f"constraint {c['constraint']} on held-out windows: {ok} (value {_fmt(c['value'])})")
+        console.print(f"constraint {c['constraint']} on held-out windows: {ok} ({detail})")
     if s.get("pareto_front"):
         console.print(f"Pareto front: {len(s['pareto_front'])} trials "
                       f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")

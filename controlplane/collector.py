@@ -3,7 +3,7 @@
 For each replica, every ``poll_interval_s``:
 
 * ``GET {control_url}/tailpilot/v1/state?cursor=N`` — queue, KV, live γ/β, counters, the settings
-  document and the completions finished since cursor ``N`` (SPEC §5);
+  document and the completions finished since cursor ``N`` (docs/control-api.md);
 * ``GET {api_url}/metrics`` — vLLM's Prometheus page, parsed with ``prometheus_client``'s parser
   through :data:`VLLM_METRICS`, a table of the metric names different vLLM versions use.
 

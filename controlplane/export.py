@@ -1,4 +1,4 @@
-"""Export a settings document for deployment (SPEC §6, "Export"; ``tailpilot export``).
+"""Export a settings document for deployment (docs/engine.md#tuner, "Export"; ``tailpilot export``).
 
 Four formats, each rendered from one validated :class:`~controlplane.settings.Settings`:
 

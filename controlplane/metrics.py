@@ -1,4 +1,4 @@
-"""Request-level metrics (SPEC §4): the one module used by the simulator, the collector,
+"""Request-level metrics (docs/engine.md#metrics): the one module used by the simulator, the collector,
 the TUI and the tuner.
 
 Units
@@ -27,7 +27,7 @@ in five ``np.partition`` calls (one per latency family); there is no per-request
 
 Percentiles use numpy's default (``linear``) method and are exact: no histogram buckets.
 
-Fairness follows SPEC §4 (which corrects seed 003): SLO compliance ratio
+Fairness follows docs/engine.md#metrics (which corrects seed 003): SLO compliance ratio
 ``SCR = mean over tenants of Π_q 1[P_q ≤ s_q]``; Jain's index over tenants' normalised
 throughput (throughput / weight) ``JFI = (Σx)² / (n Σx²)``; type share ratio
 ``actual share / guaranteed share``; and the P99/P50 ratio.
@@ -317,7 +317,7 @@ def _build_metrics() -> dict[str, MetricInfo]:
 #: name -> (description, unit, higher_is_better). The one place metric names are defined.
 METRICS: dict[str, MetricInfo] = _build_metrics()
 
-#: Short names accepted wherever a metric name is (SPEC §6.1 uses some of them).
+#: Short names accepted wherever a metric name is (docs/engine.md#tuner uses some of them).
 METRIC_ALIASES: dict[str, str] = {
     "throughput": "throughput_tok_s",
     "slo_scale_99": "ttlt_slo_scale_99",

@@ -1,4 +1,4 @@
-"""The one settings model (SPEC §5.1), shared by the plugin, the control API, the simulator,
+"""The one settings model (docs/policies.md#settings-document), shared by the plugin, the control API, the simulator,
 the TUI, the tuner and export.
 
 A settings document names a policy, that policy's parameters, which parameters are pinned
@@ -34,7 +34,7 @@ class NoParams(_Strict):
 
 
 class PreemptiveParams(_Strict):
-    # Hysteresis for policy-driven preemption, in score units (SPEC §3, condition (b)).
+    # Hysteresis for policy-driven preemption, in score units (docs/policies.md, condition (b)).
     preempt_margin: float = Field(0.0, ge=0.0)
 
 
@@ -93,7 +93,7 @@ class UniBoostParams(PreemptiveParams):
     # prompt and recompute tokens queued ahead of it over the recent admission rate) — the FCFS
     # tail whose decay rate the theory asks for, and the same whichever order is served, so γ
     # cannot feed on the starvation it causes. "ttlt"/"ttft": the served requests' own latencies
-    # (SPEC §3.1's end-to-end rule is "ttlt"; under a small γ its tail is the starved long
+    # (the written stage-4 rule is "ttlt", end-to-end; under a small γ its tail is the starved long
     # requests' and γ spirals down to gamma_min — README, "γ-Ada's signal").
     ada_signal: Literal["fcfs_wait", "ttlt", "ttft"] = "fcfs_wait"
     # Running decodes take the step's token budget before any prefill chunk (seed stage 1,

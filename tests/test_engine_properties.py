@@ -1,4 +1,4 @@
-"""Property-based checks of the engine simulator over every policy (SPEC §2)."""
+"""Property-based checks of the engine simulator over every policy (docs/engine.md#scheduling-step)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for controlplane.metrics (SPEC §4).
+"""Tests for controlplane.metrics (docs/engine.md#metrics).
 
 Expected values are computed by hand or with numpy directly from the raw fields, never with
 the module's own derived columns.
@@ -234,7 +234,7 @@ def test_every_summary_key_is_a_known_metric():
 def test_metric_directions_and_units():
     assert metric_direction("ttlt_p99") == "minimize"
     assert metric_direction("throughput_tok_s") == "maximize"
-    assert metric_direction("throughput") == "maximize"  # SPEC §6.1 alias
+    assert metric_direction("throughput") == "maximize"  # docs/engine.md#tuner alias
     assert metric_direction("slo_scale_99") == "minimize"
     assert metric_direction("jain_index") == "maximize"
     assert metric_direction("preemptions") == "minimize"

@@ -1,4 +1,4 @@
-"""Hand-checked schedules and per-policy rules (SPEC §3, seed 000 Figure 3)."""
+"""Hand-checked schedules and per-policy rules (docs/policies.md, seed 000 Figure 3)."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def test_memguard_bounds_policy_preemptions():
 
 # --- γ-Ada ----------------------------------------------------------------------------------
 def _uniboost(**params):
-    # These feed finished requests' latencies: γ-Ada on end-to-end latency (SPEC §3.1's signal).
+    # These feed finished requests' latencies: γ-Ada on end-to-end latency (docs/policies.md#γ-ada).
     return make_policy(settings("uniboost", **{"ada_signal": "ttlt", **params}))
 
 

@@ -1,4 +1,4 @@
-"""Output-length predictors: oracle (simulator only) and history (SPEC §3.4)."""
+"""Output-length predictors: oracle (simulator only) and history (docs/policies.md#predictors)."""
 
 from __future__ import annotations
 

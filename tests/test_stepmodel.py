@@ -1,4 +1,4 @@
-"""Tests for tuner/stepmodel.py (SPEC §6.2 step-time model)."""
+"""Tests for tuner/stepmodel.py (docs/engine.md#step-time-model step-time model)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tuner.stepmodel import (
     save_model,
 )
 
-# Facts restated here from shared/notes/step-time.md so the checks below are independent of the
+# Facts restated here from tuner/stepmodel.py's sources so the checks below are independent of the
 # constants in tuner/stepmodel.py.
 A100_FLOPS = 312e12
 A100_BW = 2.039e12

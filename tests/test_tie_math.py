@@ -1,4 +1,4 @@
-"""TIE quadrature (SPEC §3.2): accuracy against scipy.integrate.quad and the score helpers."""
+"""TIE quadrature (docs/policies.md#tie): accuracy against scipy.integrate.quad and the score helpers."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _quad(f, lo: float, hi: float) -> float:
 
 
 def reference(mu: float, sigma: float, x_max: float, alpha: float, nu: float = NU) -> tuple[float, float]:
-    """SPEC §3.2 formulas, integrated over u with scipy.integrate.quad."""
+    """docs/policies.md#tie formulas, integrated over u with scipy.integrate.quad."""
     z_c = (math.log(x_max) - mu) / sigma
     sf_c = float(special.stdtr(nu, -z_c))
     u_c = 1.0 - sf_c

@@ -168,6 +168,7 @@ class HelpScreen(ModalScreen[None]):
                 head.append("   READ-ONLY: cluster changes are refused", style="bold white on red")
             head.append("\nEvery key is also a command in the palette (ctrl+p). Capital letters change the "
                         "cluster and always ask for confirmation with the diff first.", style="dim")
+            head.append("\nesc, ? or q closes this help.", style="bold")
             yield Static(head)
             yield Static(R.help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table")
 
@@ -817,7 +818,9 @@ class TailpilotApp(App):
         if not K.key_available(k, mode=self.mode_name, panel=self.panel):
             return False
         if k.changes_cluster and self.readonly:
-            return None  # shown greyed in the footer; pressing it is refused in on_key
+            # Live --readonly: greyed in the footer (the key exists, this session may not use it);
+            # replay: hidden (history cannot be changed). Pressing it is refused in on_key.
+            return False if self.mode_name == "replay" else None
         return True
 
     def on_key(self, event) -> None:

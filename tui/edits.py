@@ -246,7 +246,7 @@ def pin_edit(settings: Settings | None, policy: str | None, live: Mapping[str, f
 @dataclass(frozen=True)
 class RecommendationEdit:
     """The ``R`` key of the tuner panel: a study's recommended settings document, applied to a
-    replica's current settings with that replica's **pinned parameters kept** (SPEC §5.1: an
+    replica's current settings with that replica's **pinned parameters kept** (docs/policies.md#settings-document: an
     applied recommendation never changes a pinned parameter unless the operator unpins it).
 
     Same interface as :class:`SettingsEdit` (``apply``, callable, ``describe``), so it goes

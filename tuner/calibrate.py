@@ -1,4 +1,4 @@
-"""Calibrate the step-time model on a live replica (SPEC §6.2; ``tailpilot calibrate``).
+"""Calibrate the step-time model on a live replica (docs/engine.md#step-time-model; ``tailpilot calibrate``).
 
     result = calibrate_url("http://10.0.0.7:8765", name="calibrated/a100-0")
     print(result.model, result.fit["mape"], result.holdout["r2"])

@@ -1,11 +1,11 @@
-"""The tuner's search space, objectives and constraints (SPEC §6.1).
+"""The tuner's search space, objectives and constraints (docs/engine.md#tuner).
 
 Search space
 ------------
 Every range is derived from the one settings model (``controlplane.settings``): a parameter's
 bounds are its pydantic ``Field`` constraints (``gt/ge/lt/le``), and the searched span is a
 window *inside* those bounds around a centre — the production value when the production settings
-run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, SPEC §3.1):
+run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, docs/policies.md#uniboost):
 
 * positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4; γ: 10) clipped to
   the bounds (an open bound ``gt``/``lt`` is stepped inside by 0.1% of the span);
@@ -18,7 +18,7 @@ Not searched: ``predictor`` (the tuner replays with the ``history`` predictor, t
 live replica has) and ``sigma_noise`` (an oracle-noise knob of the simulator); an adaptive
 parameter (``ADAPTIVE_PARAMS``) only when the model has a switch for its adaptation
 (``gamma`` has ``gamma_ada``; TIE's ``beta`` is overwritten by adaptive β unless pinned); and
-parameters the production settings pin (SPEC §5.1: recommendations never move them).
+parameters the production settings pin (docs/policies.md#settings-document: recommendations never move them).
 
 Engine fields (``EngineSettings``) are searched the same way around the production engine;
 ``long_prefill_token_threshold`` (0 = off) is an on/off switch plus a log-scaled chunk size.

@@ -1,4 +1,4 @@
-"""Step-time model of a vLLM-v1 engine step (SPEC §6.2).
+"""Step-time model of a vLLM-v1 engine step (docs/engine.md#step-time-model).
 
     t = a + b·prefill_tokens + c·Σ prefill_len² + d·decode_seqs + e·Σ kv_context      [seconds]
 
@@ -8,9 +8,9 @@
 * ``Σ kv_context``    — sum over the decoding requests of the KV tokens each one attends to.
 
 Coefficient sets are kept per (GPU, model, TP) in :data:`COEFFICIENT_SETS`.  The default set
-(A100-80GB, Llama-3-8B, TP1) is derived below from the facts in ``shared/notes/step-time.md``
-and the measured vidur profile ``shared/profiles/vidur_a100_llama3_8b_mlp.csv``; every
-coefficient says which fact it comes from.  ``benchmarks/derive_step_coefficients.py``
+(A100-80GB, Llama-3-8B, TP1) is derived below from public hardware and model facts (written out
+next to the coefficients, with their sources) and the measured vidur profile
+``traces/profiles/vidur_a100_llama3_8b_mlp.csv``; every coefficient says which fact it comes from.  ``benchmarks/derive_step_coefficients.py``
 recomputes the two profile-based coefficients (b, d) from the CSV.  For a live deployment the
 ground truth is the replica's own step log: :func:`fit_step_model` fits all five coefficients
 to it (what ``tailpilot calibrate`` does).
@@ -126,7 +126,7 @@ class StepTimeModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Facts (shared/notes/step-time.md, shared/profiles/README.md)
+# Facts (sources inline; the profile: traces/README.md)
 # ---------------------------------------------------------------------------------------------
 
 # Hardware.
@@ -213,7 +213,7 @@ A100_LLAMA3_8B_TP1 = StepTimeModel(
     e=_A100_E,
     name="a100-80gb/llama-3-8b/tp1",
     source=("derived: vidur A100 profile (b, d), attention FLOPs at MFU 0.38 (c), weights/KV at "
-            "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); notes/step-time.md"),
+            "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); tuner/stepmodel.py facts"),
 )
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Optuna studies over policy and engine settings (SPEC §6, §6.1): ``tailpilot tune``.
+"""Optuna studies over policy and engine settings (docs/engine.md#tuner): ``tailpilot tune``.
 
 A study is *trace windows × policy × search space × objective(s) × constraints*:
 
@@ -255,7 +255,7 @@ class Window:
 
 
 def build_traces(spec: StudySpec) -> list[tr.Trace]:
-    """Load and transform each trace file (in the order of SPEC's transforms)."""
+    """Load and transform each trace file (in the order of the transforms, docs/engine.md#traces)."""
     out = []
     for path in spec.traces:
         try:
@@ -434,7 +434,7 @@ class TuneContext:
 def estimate_gamma(spec: StudySpec, windows: Sequence[Window], indices: Sequence[int],
                    config: EngineConfig) -> float:
     """γ̂ = ln 5 / (t99 − t95) of TTLT, pooled over an FCFS replay of the search windows
-    (SPEC §3.1); NaN when the tail is degenerate."""
+    (docs/policies.md#uniboost); NaN when the tail is degenerate."""
     fcfs = Settings.model_validate({"policy": "fcfs", "engine": spec.production["engine"]})
     ttlt = []
     for i in indices:

@@ -1,6 +1,6 @@
 """Workload traces for the tuner: loaders for public LLM-serving traces, and pure transforms.
 
-A trace is an immutable, arrival-sorted sequence of `TraceRequest`s (SPEC §1): arrival time in
+A trace is an immutable, arrival-sorted sequence of `TraceRequest`s (docs/engine.md#requests): arrival time in
 seconds relative to the first request, prompt and output token counts, `max_tokens`, tenant and
 request type. Every loader re-zeroes arrivals so the first request arrives at 0.0, gives each
 request an id `<prefix>-<row index>` (0-based data-row index, zero-padded so ids sort in file
@@ -106,7 +106,7 @@ class TraceError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class TraceRequest:
-    """One request of a workload trace (SPEC §1).
+    """One request of a workload trace (docs/engine.md#requests).
 
     `output_tokens` is the true output length, `max_tokens` the client's cap; the simulator
     generates `min(output_tokens, max_tokens)` tokens. `max_tokens` never derives from the output
@@ -244,7 +244,7 @@ def _parse_float(text: str, where: str, line: int, column: str) -> float:
 
 
 def _parse_type(text: str, where: str, line: int, column: str) -> str:
-    value = text.strip() or "chat"  # an empty cell means "not specified" -> the SPEC default
+    value = text.strip() or "chat"  # an empty cell means "not specified" -> the default type
     if value not in REQUEST_TYPES:
         raise _err(where, line, column, f"{text!r} is not one of {sorted(REQUEST_TYPES)}")
     return value

@@ -660,7 +660,8 @@ class TwinCluster:
 
 
 def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLike | None = None, *,
-                speed: float = 1.0, settings: Settings | None = None, host: str = "127.0.0.1", port: int = 0,
+                speed: float = 1.0, settings: Settings | Sequence[Settings] | None = None,
+                host: str = "127.0.0.1", port: int = 0,
                 rate_scale: float = 1.0, loop: bool = True, seed: int = 0, token: str | None = None,
                 config: EngineConfig | None = None, tick_s: float = DEFAULT_TICK_S, name_prefix: str = "twin",
                 cluster_name: str = "twins", clock: TwinClock | None = None) -> TwinCluster:
@@ -668,7 +669,8 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
     otherwise ``port``, ``port+1``, ...), fed round-robin from ``trace`` (a Trace, requests, a
     trace file, or None for the bundled Azure conv window) with its arrival rate multiplied by
     ``rate_scale``. ``seed`` goes to trace loaders that generate arrivals. ``token`` (default
-    ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin."""
+    ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin.
+    ``settings``: one document for every twin, or a sequence taken round-robin (side by side)."""
     from tuner import traces
 
     if n < 1:
@@ -683,8 +685,13 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
         raise ValueError("the trace is empty")
     if rate_scale != 1.0:
         trace = traces.scale_rate(trace, rate_scale)
-    settings = settings or Settings.model_validate({"policy": "sarathi"})
-    ReplicaCore(settings)  # refuse what a live replica refuses (the oracle predictor) up front
+    if settings is None:
+        settings = Settings.model_validate({"policy": "sarathi"})
+    per_twin = [settings] if isinstance(settings, Settings) else list(settings)
+    if not per_twin:
+        raise ValueError("settings: need at least one document")
+    for doc in per_twin:
+        ReplicaCore(doc)  # refuse what a live replica refuses (the oracle predictor) up front
     clock = clock or TwinClock(speed)
     period = trace_period(trace)
     shares = split_round_robin(trace, n)
@@ -692,7 +699,8 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
     try:
         for i, share in enumerate(shares):
             replicas.append(TwinReplica(
-                f"{name_prefix}-{i}", share, period=period, loop=loop, settings=settings, config=config,
+                f"{name_prefix}-{i}", share, period=period, loop=loop, settings=per_twin[i % len(per_twin)],
+                config=config,
                 clock=clock, host=host, port=port + i if port else 0, token=token, tick_s=tick_s).start())
     except BaseException:
         TwinCluster(replicas, clock).stop()

@@ -1,4 +1,4 @@
-"""The replica control API (SPEC §5), served on a daemon thread next to the scheduler.
+"""The replica control API (docs/control-api.md), served on a daemon thread next to the scheduler.
 
     GET /tailpilot/v1/state[?cursor=N]   queue, KV, live γ/β, counters; with a cursor also the
                                          completions since N (at most a page; ``more``, ``next_cursor``)

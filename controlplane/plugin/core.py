@@ -106,7 +106,7 @@ class ReplicaCore:
         self._step_seq = itertools.count()
 
     def start_refit_thread(self, interval_s: float = REFIT_INTERVAL_S) -> threading.Thread:
-        """Refit the history predictor on a timer, never inside the scheduling step (SPEC §3.4).
+        """Refit the history predictor on a timer, never inside the scheduling step (docs/policies.md#predictors).
         A refit bumps the predictor's version; the policy re-sorts at the next step."""
         stop = self._refit_stop = threading.Event()
 

@@ -3,7 +3,7 @@
     controlplane.plugin.vllm.TailpilotScheduler       CPU, or GPU without async scheduling
     controlplane.plugin.vllm.TailpilotAsyncScheduler  GPU default (async scheduling on)
 
-Both subclass the stock scheduler and change only what SPEC §2 lets a policy change, using the
+Both subclass the stock scheduler and change only what docs/engine.md#scheduling-step lets a policy change, using the
 same policy library as the simulator:
   * the waiting queue is a ``RequestQueue`` kept in policy order (``PolicyRequestQueue``);
   * the running list is reordered at the top of every step, so budget priority follows the policy

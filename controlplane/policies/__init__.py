@@ -1,4 +1,4 @@
-"""The policy library (SPEC §3): one implementation of each policy, used by the simulator and the
+"""The policy library (docs/policies.md): one implementation of each policy, used by the simulator and the
 vLLM plugin alike. No vLLM import anywhere in this package."""
 
 from __future__ import annotations

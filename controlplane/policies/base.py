@@ -1,6 +1,6 @@
 """What every policy sees and does.
 
-A policy changes three things only (SPEC §2): the order of the waiting queue, the order of the
+A policy changes three things only (docs/engine.md#scheduling-step): the order of the waiting queue, the order of the
 running list (which fixes budget priority and the memory-pressure victim), and whether a running
 request may be preempted for a waiting one. Everything else — token budget, KV blocks, chunked
 prefill — belongs to the engine (vLLM, or the simulator in ``tuner.engine``), which calls the
@@ -37,7 +37,7 @@ arrival_order = attrgetter("arrival", "id")
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """One request as the scheduler tracks it (SPEC §1)."""
+    """One request as the scheduler tracks it (docs/engine.md#requests)."""
 
     id: str
     arrival: float
@@ -398,7 +398,7 @@ def prediction_group_fn(predictor):
 
 
 def boost(w: float, gamma: float) -> float:
-    """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap (SPEC §3.1)."""
+    """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap (docs/policies.md#uniboost)."""
     x = gamma * w
     if x <= 0.0:
         return 1e9

@@ -30,7 +30,7 @@ class Sarathi(Policy):
 
 
 class Vtc(Policy):
-    """Virtual token counter fair queue (SPEC §3.3): admit from the backlogged tenant with the
+    """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant with the
     least counter, FCFS within a tenant; charge prompt tokens on admission, output per token."""
 
     name = "vtc"
@@ -50,7 +50,7 @@ class Vtc(Policy):
     def _enter_backlog(self, tenant: str) -> None:
         n = self.backlog.get(tenant, 0)
         if n == 0:
-            # Counter lift: a tenant returning from idle cannot bank credit (SPEC §3.3).
+            # Counter lift: a tenant returning from idle cannot bank credit (docs/policies.md#vtc).
             others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
             if others:
                 self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))

@@ -1,4 +1,4 @@
-"""Output-length predictors for the sjf / srpt / tie policies (SPEC §3, §3.4).
+"""Output-length predictors for the sjf / srpt / tie policies (docs/policies.md).
 
 A predictor maps a request to a log-t output-length distribution ``X = exp(mu + sigma*T)``,
 ``T ~ Student-t(nu)``: ``predict_dist`` gives ``(mu, sigma)``, ``predict_total`` the point
@@ -282,7 +282,7 @@ Key = tuple[Hashable, ...]
 
 
 class HistoryPredictor(LengthPredictor):
-    """Fits a log-t (``nu`` fixed) to the observed output lengths per key (SPEC §3.4).
+    """Fits a log-t (``nu`` fixed) to the observed output lengths per key (docs/policies.md#predictors).
 
     Keys, finest to coarsest: ``(tenant, type, prompt_bucket)``, ``(tenant, type)``,
     ``(tenant,)``, ``()`` (global); ``prompt_bucket = floor(log2(prompt_tokens))``.  Each key
@@ -294,7 +294,7 @@ class HistoryPredictor(LengthPredictor):
     atomically).
 
     Observed lengths below 1 token are counted as 1 (the model is on ``ln(tokens)``).  Lengths cut
-    at ``max_tokens`` are treated as exact (no censoring correction), as in the SPEC.
+    at ``max_tokens`` are treated as exact (no censoring correction), as the policy library documents (docs/policies.md#predictors).
     """
 
     name = "history"

@@ -1,4 +1,4 @@
-"""Policy-driven preemption (SPEC §3): which running requests to preempt for waiting ones.
+"""Policy-driven preemption (docs/policies.md): which running requests to preempt for waiting ones.
 
 Shared by the simulator and the vLLM plugin so the rule exists once. A running request R is
 preempted for a waiting request W only when (a) W cannot be admitted otherwise (no free seat or

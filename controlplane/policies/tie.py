@@ -37,7 +37,7 @@ class Tie(Policy):
     def base_score(self, req: RequestState) -> float:
         m = self.moments(req)
         if m is None:
-            return float(req.max_tokens)  # no prediction yet (SPEC §3.2)
+            return float(req.max_tokens)  # no prediction yet (docs/policies.md#tie)
         return m[0] + self.beta * m[1]
 
     def score(self, req: RequestState, now: float) -> float:

@@ -1,4 +1,4 @@
-"""TIE (tail-inflated expectation) math, SPEC §3.2.
+"""TIE (tail-inflated expectation) math, docs/policies.md#tie
 
 A request's output length is modelled as ``X = exp(mu + sigma*T)``, ``T ~ Student-t(nu)``,
 truncated at ``x_max = max_tokens``: ``X~ = min(X, x_max)``.  With the quantile function
@@ -11,7 +11,7 @@ truncated at ``x_max = max_tokens``: ``X~ = min(X, x_max)``.  With the quantile 
 Quadrature (deterministic; never Monte Carlo)
 ---------------------------------------------
 The u-axis is split at fixed breakpoints: decades ``1e-10 .. 0.1`` in the lower tail, ``0.5``,
-and ``1 - 0.1, 1 - 0.01, 1 - 0.001, 1 - 0.0001`` (the SPEC's splits) continued by decades down to
+and ``1 - 0.1, 1 - 0.01, 1 - 0.001, 1 - 0.0001`` (the TIE write-up's splits) continued by decades down to
 ``1 - 1e-16``; the integral is additionally cut at ``u_c`` and at ``alpha``.  Each segment
 ``[u_k, u_{k+1}]`` is integrated with 16-point Gauss-Legendre after the substitution
 ``u = F_nu(t)`` (``du = f_nu(t) dt``), i.e. over ``[t_k, t_{k+1}] = F_nu^{-1}([u_k, u_{k+1}])``
@@ -139,7 +139,7 @@ def _partial_scalar(a: float, z: float, mu: float, sigma: float, tab: _NuTable, 
 def tie_moments(
     mu: float, sigma: float, x_max: float, alpha: float = 0.9, nu: float = 3.5
 ) -> tuple[float, float]:
-    """Return ``(E[X~], CVaR_alpha[X~])`` of the log-t length truncated at ``x_max`` (SPEC §3.2).
+    """Return ``(E[X~], CVaR_alpha[X~])`` of the log-t length truncated at ``x_max`` (docs/policies.md#tie).
 
     ``mu``, ``sigma``: location and scale of ``ln X`` (``sigma > 0``); ``x_max >= 1``: the
     truncation point (the request's ``max_tokens``); ``alpha`` in (0, 1); ``nu > 0`` the
@@ -279,14 +279,14 @@ def tie_score(E: float, cvar: float, beta: float) -> float:
 
 
 def adaptive_beta(queue_len: int, max_num_seqs: int, beta_min: float, beta_max: float) -> float:
-    """``min(beta_max, max(beta_min, 0.1 * L_q / S))`` (SPEC §3.2); ``S`` must be >= 1."""
+    """``min(beta_max, max(beta_min, 0.1 * L_q / S))`` (docs/policies.md#tie); ``S`` must be >= 1."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
     return min(beta_max, max(beta_min, 0.1 * queue_len / max_num_seqs))
 
 
 def wait_decay(score: float, t_wait: float, decay: float, tau_s: float) -> float:
-    """Starvation guard ``score * decay ** (t_wait / tau_s)`` (SPEC §3.2); ``tau_s`` must be > 0."""
+    """Starvation guard ``score * decay ** (t_wait / tau_s)`` (docs/policies.md#tie); ``tau_s`` must be > 0."""
     if not (tau_s > 0):
         raise ValueError(f"tau_s must be > 0, got {tau_s!r}")
     return score * decay ** (t_wait / tau_s)
