@@ -10,6 +10,7 @@ Without ``--trace`` both run on the bundled Azure conv window (10 minutes, CC BY
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import sys
 from typing import Any
 
@@ -386,6 +387,21 @@ def _fmt(v: float) -> str:
     if abs(v) >= 1000:
         return f"{v:,.0f}"
     return f"{v:.4g}"
+
+
+@main.command()
+@click.option("--out", type=click.Path(dir_okay=False, writable=True),
+              help="Write the schema here instead of printing it.")
+def schema(out):
+    """The JSON Schema of every control-API document (state, completion, steps, settings, error):
+    what the plugin and the twins send and the collector reads (controlplane/contract.py)."""
+    from controlplane.contract import json_schema
+
+    text = json.dumps(json_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+    else:
+        click.echo(text, nl=False)
 
 
 from controlplane.cli_cluster import COMMANDS as _CLUSTER_COMMANDS  # noqa: E402 (after main exists)

@@ -48,7 +48,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import aiohttp
 import httpx
 import numpy as np
+from pydantic import ValidationError
 
+from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.metrics import distribution_stats
 from storage.rows import (
@@ -353,42 +355,30 @@ class _Rate:
         self.points.clear()
 
 
-def _time(c: Mapping[str, Any], key: str) -> float:
-    value = float(c[key])
-    if not math.isfinite(value):
-        raise ValueError(f"{key} is not a finite time")
-    return value
-
-
-def _completion_row(replica: str, c: Mapping[str, Any]) -> CompletionRow:
-    """One completions-log entry as a row; ValueError/KeyError/TypeError for a malformed one."""
-    first = c.get("first_token_at")
+def _completion_row(replica: str, c: Any) -> CompletionRow:
+    """One completions-log entry (``contract.Completion``) as a row; ValueError for a malformed one."""
+    try:
+        comp = contract.read(contract.Completion, c, lenient=False)
+    except ValidationError as err:
+        raise ValueError(contract.describe(err)) from None
     return CompletionRow(
-        replica=replica,
-        request_id=str(c["id"]),
-        tenant=str(c.get("tenant") or "default"),
-        type=str(c.get("type") or "default"),
-        arrival_s=_time(c, "arrival"),
-        first_token_s=None if first is None else _time(c, "first_token_at"),
-        finished_s=_time(c, "finished_at"),
-        prompt_tokens=int(c.get("prompt_tokens") or 0),
-        output_tokens=int(c.get("output_tokens") or 0),
-        preemptions=int(c.get("preemptions") or 0),
-        recomputed_tokens=int(c.get("recomputed_tokens") or 0),
-        reason=str(c.get("reason") or "finished"),
-        # The client's cap; replicas from before it was logged send none (-> None).
-        max_tokens=None if c.get("max_tokens") is None else int(c["max_tokens"]),
+        replica=replica, request_id=comp.id, tenant=comp.tenant or "default", type=comp.type or "default",
+        arrival_s=comp.arrival, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
+        prompt_tokens=comp.prompt_tokens, output_tokens=comp.output_tokens, preemptions=comp.preemptions,
+        recomputed_tokens=comp.recomputed_tokens, reason=comp.reason or "finished",
+        max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none
     )
 
 
-def _check_state(doc: Any) -> None:
+def _read_state(doc: Any) -> dict[str, Any]:
+    """A /state document read through ``contract.State`` (leniently: a broken optional field is
+    null), as a dict; StateFormatError naming the field a reader cannot do without."""
     if not isinstance(doc, dict):
         raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
-    for key, kind in (("completions", list), ("next_cursor", int)):
-        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
-            raise StateFormatError(f"bad state document: {key!r} missing or not a {kind.__name__}")
-    if doc["next_cursor"] < 0:
-        raise StateFormatError("bad state document: 'next_cursor' is negative")
+    try:
+        return contract.read(contract.State, doc).model_dump()
+    except ValidationError as err:
+        raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
 
 
 def _opt_int(x: Any) -> int | None:
@@ -732,8 +722,7 @@ async def _fetch_state(client: httpx.AsyncClient, view: ReplicaView, timeout_s: 
             if page == 0 or err.status != 429:
                 raise
             break  # the replica rate-limits a long backlog: keep what came, read on next poll
-        doc = _json(resp, "state")
-        _check_state(doc)
+        doc = _read_state(_json(resp, "state"))
         if restarted is None and not rows and (why := view.restarted(doc)):
             restarted, cursor = why, 0  # read the new incarnation from its beginning
             continue
@@ -781,8 +770,7 @@ async def _poll_view(client: httpx.AsyncClient, view: ReplicaView, timeout_s: fl
         if with_completions:
             return await _fetch_state(client, view, timeout_s)
         resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s)  # no cursor: no completions
-        doc = _json(resp, "state")
-        _check_state(doc)
+        doc = _read_state(_json(resp, "state"))
         return _StateAnswer(doc, [], view.cursor)
 
     state_res, metrics_res = await asyncio.gather(state_part(), metrics_part(), return_exceptions=True)
