@@ -13,6 +13,11 @@ tenant and per request type with :func:`controlplane.metrics.distribution_stats`
 interpolation. The results are :class:`storage.rows.SampleRow` / ``GroupSampleRow`` /
 ``CompletionRow``, written by one writer task as one :class:`storage.rows.Batch` per flush.
 
+Rooms: the Prometheus page is parsed in ``controlplane/prom.py``; the HTTP client, its errors and
+strict JSON are ``controlplane/replica_http.py``; settings changes (``tailpilot set``) are
+``controlplane/steering.py``; this module keeps the per-replica views, the rolling window and the
+poll loop.
+
 Concurrency: one client for all replicas (:class:`PollingClient`: polls through its aiohttp session,
 settings PUTs through httpx); one task per replica that polls and then
 sleeps to its next tick, so a poll never overlaps the previous one of the same replica and a slow
@@ -35,17 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import re
 import time
 from collections import deque
-from urllib.parse import urlencode
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
 
-import aiohttp
 import httpx
 import numpy as np
 from pydantic import ValidationError
@@ -53,6 +54,9 @@ from pydantic import ValidationError
 from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.metrics import distribution_stats
+from controlplane.prom import VLLM_METRICS, MetricsFormatError, parse_vllm_metrics
+from controlplane.replica_http import (API_PREFIX, PollingClient, StateFormatError,  # noqa: F401 (re-exported)
+                                       _get, _HttpFailure, _json, _opt_int, _Resp, control_base, make_client)
 from storage.rows import (
     LATENCIES,
     PERCENTILES,
@@ -85,131 +89,12 @@ __all__ = [
     "apply_settings",
 ]
 
-API_PREFIX = "/tailpilot/v1"
 #: The control API returns at most a page of completions per answer and says ``more`` when
 #: another follows (a replica without that flag: a page of this size means more are waiting).
 STATE_PAGE_LIMIT = 1_000
 MAX_PAGES_PER_POLL = 16  # within the control API's per-connection burst
-APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
-RATE_LIMIT_RETRIES = 3  # a 429 is waited out (within the poll's timeout), not a failure
 log = logging.getLogger(__name__)
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
-
-
-# --------------------------------------------------------------------------------------------
-# /metrics: vLLM's Prometheus page
-# --------------------------------------------------------------------------------------------
-
-#: logical name -> (aggregation over label sets, metric family names across vLLM versions, newest
-#: first). Family names are given without the ``_total`` suffix: prometheus_client strips it from
-#: counter families (``vllm:num_preemptions_total`` is family ``vllm:num_preemptions``), and an
-#: untyped sample keeps it, so both spellings are matched.
-VLLM_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "running": ("sum", ("vllm:num_requests_running",)),
-    "waiting": ("sum", ("vllm:num_requests_waiting",)),
-    # v1 (>= 0.8): kv_cache_usage_perc; v0: gpu_cache_usage_perc. Both are 0..1 despite "perc".
-    "kv_usage": ("mean", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
-    "preemptions_total": ("sum", ("vllm:num_preemptions", "vllm:num_preemption")),
-    "prompt_tokens_total": ("sum", ("vllm:prompt_tokens",)),
-    "generation_tokens_total": ("sum", ("vllm:generation_tokens",)),
-    "requests_total": ("sum", ("vllm:request_success",)),
-}
-_FAMILY_TO_LOGICAL: dict[str, str] = {
-    fam: logical for logical, (_, fams) in VLLM_METRICS.items() for fam in fams
-}
-
-
-class MetricsFormatError(ValueError):
-    """A /metrics page that is not Prometheus text; the message names the line."""
-
-
-class StateFormatError(ValueError):
-    """A control API answer that is not the documented state document; the message names the field."""
-
-
-def _strip_total(name: str) -> str:
-    return name[:-6] if name.endswith("_total") else name
-
-
-def _locate_bad_line(text: str) -> str:
-    """Parse line by line to name the first line prometheus_client refuses (error path only)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        try:
-            for _ in text_string_to_metric_families(line + "\n"):
-                pass
-        except Exception as err:  # noqa: BLE001 (any parser failure is a format error)
-            shown = line if len(line) <= 80 else line[:77] + "..."
-            return f"line {number}: {shown!r} ({err or type(err).__name__})"
-    return "unparseable text"
-
-
-# The shape of a sample line: name, optional {labels}, value, optional timestamp. Lenient inside
-# the braces (fast: ~0.5 µs a line); the lines the collector uses are parsed strictly.
-_SAMPLE_LINE = re.compile(
-    r'[ \t]*[A-Za-z_:][A-Za-z0-9_:]*(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+(?:[ \t]+-?[0-9.]+)?[ \t]*')
-# The lines of the families in VLLM_METRICS: their samples and TYPE comments (HELP text is not
-# needed). A cheap prefix test first, then the exact family name (not a longer one it begins).
-_LINE_PREFIXES: tuple[str, ...] = tuple(p for fam in _FAMILY_TO_LOGICAL for p in (fam, f"# TYPE {fam}"))
-_FAMILY_LINE = re.compile(
-    r"(?:# TYPE )?(?:" + "|".join(re.escape(f) for f in _FAMILY_TO_LOGICAL) + r")(?:_total)?[ \t{]")
-
-
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """vLLM's /metrics text -> {logical name: value} for the names in :data:`VLLM_METRICS` found.
-
-    Counters and gauges are summed over label sets (engines, models) except ``kv_usage`` (mean);
-    for a logical name with several candidate families the first (newest) one present wins.
-
-    Only the lines of the families in the table go through ``prometheus_client``'s parser (a vLLM
-    page is mostly histogram buckets the collector does not use, and the pure-Python parser costs
-    ~15 µs a line); every other sample line must still have the shape of one (a lenient regular
-    expression, ~0.5 µs a line), so a garbled or truncated page is caught wherever it is garbled.
-    A page without any of the table's lines is parsed whole, to tell malformed text from a page
-    that simply has no vLLM metrics. Raises :class:`MetricsFormatError` naming the first bad line.
-    """
-    keep: list[str] = []
-    fullmatch, family_line = _SAMPLE_LINE.fullmatch, _FAMILY_LINE.match
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.startswith(_LINE_PREFIXES) and family_line(line):
-            keep.append(line)
-        elif line and line[0] != "#" and fullmatch(line) is None and line.strip():
-            shown = line if len(line) <= 80 else line[:77] + "..."
-            raise MetricsFormatError(f"malformed metrics text at line {number}: {shown!r} (not a sample line)")
-    if not keep:
-        _parse_families(text, text)
-        return {}
-    return _parse_families("\n".join(keep) + "\n", text)
-
-
-def _parse_families(text: str, page: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found: dict[str, dict[str, list[float]]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            base = _strip_total(family.name)
-            logical = _FAMILY_TO_LOGICAL.get(base)
-            if logical is None:
-                continue
-            wanted = (base, base + "_total")
-            values = [s.value for s in family.samples if s.name in wanted]
-            if values:
-                found.setdefault(logical, {}).setdefault(base, []).extend(values)
-    except Exception as err:  # noqa: BLE001 (the parser raises ValueError, IndexError, ...)
-        raise MetricsFormatError(f"malformed metrics text at {_locate_bad_line(page)}") from err
-    out: dict[str, float] = {}
-    for logical, by_family in found.items():
-        agg, families = VLLM_METRICS[logical]
-        for fam in families:
-            values = by_family.get(fam)
-            if values:
-                out[logical] = float(sum(values) / len(values) if agg == "mean" else sum(values))
-                break
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,10 +102,6 @@ def _parse_families(text: str, page: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def control_base(replica: ReplicaSpec) -> str:
-    """``{control_url}/tailpilot/v1`` (a control_url that already ends with it is kept)."""
-    url = replica.control_url.rstrip("/")
-    return url if url.endswith(API_PREFIX) else url + API_PREFIX
 
 
 @dataclass(slots=True)
@@ -381,8 +262,6 @@ def _read_state(doc: Any) -> dict[str, Any]:
         raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
 
 
-def _opt_int(x: Any) -> int | None:
-    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _opt_str(x: Any) -> str | None:
@@ -585,118 +464,6 @@ class ReplicaView:
             settings=state.get("settings"), settings_version=_opt_int(state.get("settings_version")),
             state=self.state, metrics=dict(self.metrics), cursor=self.cursor,
             window_completions=len(self.window))
-
-
-# --------------------------------------------------------------------------------------------
-# HTTP
-# --------------------------------------------------------------------------------------------
-
-
-class PollingClient(httpx.AsyncClient):
-    """The collector's one HTTP client. Use it as the ``httpx.AsyncClient`` it is for the rare
-    calls (a settings PUT and its read-back); its polls take :meth:`fast_get`, which goes through
-    an aiohttp session it owns: aiohttp's C parser on plain asyncio transports costs a third of
-    httpx's pure-Python stack per GET (256 GET/s against 64 twins: ~7% of a core against 18-27%),
-    and a poll of a replica API needs nothing httpx adds. The session keeps up to 4 connections
-    per replica, reads no proxies from the environment and keeps no cookies."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(timeout=httpx.Timeout(timeout_s), trust_env=False)
-        self._timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _poll_session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # created on first use: it binds to the running event loop
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=4), trust_env=False,
-                cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=self._timeout_s))
-        return self._session
-
-    async def fast_get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        extra = {} if timeout_s == self._timeout_s else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
-        async with self._poll_session().get(url, allow_redirects=False, **extra) as response:
-            return response.status, await response.read()
-
-    async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-        await super().aclose()
-
-
-def make_client(cluster: ClusterSpec) -> PollingClient:
-    """The one async client for all replicas of a cluster (no proxies from the environment)."""
-    return PollingClient(cluster.timeout_s)
-
-
-def _describe_http_error(err: BaseException, what: str, timeout_s: float) -> str:
-    if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):
-        return f"{what}: timeout after {timeout_s:g} s"
-    if isinstance(err, aiohttp.ClientConnectorError):
-        detail = str(err.os_error) if err.os_error else "connection refused"
-        return f"{what}: down ({detail})"
-    if isinstance(err, httpx.ConnectError):
-        detail = str(err) or "connection refused"
-        return f"{what}: down ({detail})"
-    if isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError, aiohttp.ServerDisconnectedError,
-                        aiohttp.ClientPayloadError, aiohttp.ClientResponseError, aiohttp.ClientOSError)):
-        return f"{what}: connection lost ({type(err).__name__}: {err})"
-    return f"{what}: {type(err).__name__}: {err}"
-
-
-class _HttpFailure(Exception):
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(slots=True)
-class _Resp:
-    status_code: int
-    content: bytes
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
-async def _get(client: httpx.AsyncClient, url: str, what: str, timeout_s: float,
-               params: dict[str, Any] | None = None) -> _Resp:
-    if params:
-        url = f"{url}?{urlencode(params)}"
-    try:
-        async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
-            for attempt in range(RATE_LIMIT_RETRIES + 1):
-                if isinstance(client, PollingClient):
-                    resp = _Resp(*await client.fast_get(url, timeout_s))
-                else:
-                    answer = await client.get(url, timeout=timeout_s)
-                    resp = _Resp(answer.status_code, answer.content)
-                if resp.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
-                    break
-                await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
-    except (httpx.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as err:
-        raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
-    if resp.status_code != 200:
-        body = resp.text.strip().replace("\n", " ")
-        body = body if len(body) <= 120 else body[:117] + "..."
-        raise _HttpFailure(f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""),
-                           resp.status_code)
-    return resp
-
-
-def _finite_or_none(text: str) -> float | None:
-    value = float(text)
-    return value if math.isfinite(value) else None
-
-
-def _json(resp: _Resp, what: str) -> Any:
-    """A replica's JSON, with NaN/Infinity (and numbers too big for a float) read as null: one
-    replica sending them must not break the store (PostgreSQL refuses them) or the window."""
-    try:
-        return json.loads(resp.content, parse_constant=lambda _name: None, parse_float=_finite_or_none)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-        raise StateFormatError(f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})") from None
 
 
 @dataclass(slots=True)
@@ -1080,161 +847,5 @@ async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = 
             await client.aclose()
 
 
-# --------------------------------------------------------------------------------------------
-# Settings changes (``tailpilot set``)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ApplyResult:
-    replica: str
-    result: str  # "applied" (active on the replica) | "staged" (accepted, not active yet) | "rejected" | "error"
-    message: str
-    status: int | None = None  # the PUT's HTTP status, if one came back
-    old: dict[str, Any] | None = None  # settings document before
-    new: dict[str, Any] | None = None  # the document sent (applied: as the replica answered it)
-    version: int | None = None  # the settings version after (applied) or as found (otherwise)
-    restart_required: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """The replica accepted the document (active now, or staged for its next step)."""
-        return self.result in ("applied", "staged")
-
-
-SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
-
-
-async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: ReplicaSpec,
-                     change: SettingsChange, wait_s: float) -> ApplyResult:
-    from pydantic import ValidationError
-
-    from controlplane.settings import Settings, describe_error
-
-    base = control_base(spec) + "/settings"
-    timeout = cluster.timeout_s
-    res = ApplyResult(spec.name, "error", "")
-    produced: Any = None
-    try:
-        resp = await _get(client, base, "GET settings", timeout)
-        current = _json(resp, "GET settings")
-        if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
-                or not isinstance(current.get("version"), int):
-            raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
-    except (_HttpFailure, StateFormatError) as err:
-        res.message = str(err)
-        return res
-    res.old, res.version = current["settings"], current["version"]
-    try:
-        if callable(change):
-            produced = change(Settings.model_validate(res.old))
-        else:
-            produced = change
-        if isinstance(produced, Settings):
-            produced = produced.to_dict()
-        if not isinstance(produced, Mapping):
-            raise ValueError(f"the change must give a settings document, got {type(produced).__name__}")
-        # Engine fields a document leaves out keep the replica's values, as the replica's own
-        # PUT does — not the model's defaults, which would read as a restart-required change.
-        engine = produced.get("engine") if isinstance(produced.get("engine"), Mapping) else {}
-        produced = {**produced, "engine": {**res.old.get("engine", {}), **engine}}
-        new_doc = Settings.model_validate(produced).to_dict()  # validate before sending
-    except (ValidationError, ValueError, KeyError, AttributeError) as err:
-        res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
-        res.new = dict(produced) if isinstance(produced, Mapping) else None
-        return res
-    res.new = new_doc
-    headers = {"If-Match": str(res.version)}
-    token = spec.token()
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        async with asyncio.timeout(timeout):
-            put = await client.put(base, json=new_doc, headers=headers, timeout=timeout)
-    except (httpx.HTTPError, TimeoutError, OSError) as err:
-        res.message = _describe_http_error(err, "PUT settings", timeout)
-        return res
-    res.status = put.status_code
-    try:
-        answer = json.loads(put.content)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        answer = None
-    if put.status_code != 200:
-        reason = answer.get("error") if isinstance(answer, dict) else None
-        reason = reason or put.text.strip()[:200] or put.reason_phrase
-        res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
-        res.message = f"HTTP {put.status_code}: {reason}"
-        if put.status_code in (401, 403) and not token:
-            res.message += f" (no token: set ${spec.token_env})" if spec.token_env else " (no token_env in the cluster file)"
-        return res
-    if not isinstance(answer, dict) or not isinstance(answer.get("version"), int):
-        res.message = "PUT settings: the answer is not {settings, version}"
-        return res
-    res.new = answer.get("settings", new_doc)
-    res.restart_required = list(answer.get("restart_required") or [])
-    res.version = new_version = answer["version"]
-    active, why = await _wait_active(client, spec, new_version, timeout, wait_s)
-    if active is not None and active >= new_version:
-        res.result = "applied"
-        res.message = f"applied as version {new_version}, active" + (
-            f" (the replica has since moved on to version {active})" if active > new_version else "")
-    else:
-        res.result = "staged"
-        res.message = f"staged as version {new_version}, not active yet: {why}"
-    if res.restart_required:
-        res.message += f"; restart required for {', '.join(res.restart_required)}"
-    return res
-
-
-async def _wait_active(client: httpx.AsyncClient, spec: ReplicaSpec, version: int, timeout_s: float,
-                       wait_s: float) -> tuple[int | None, str]:
-    """Poll the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``:
-    (the active version last seen, why it is not ``version`` yet)."""
-    url = control_base(spec) + "/state"
-    deadline = time.monotonic() + wait_s
-    delay = 0.02
-    while True:
-        try:
-            doc = _json(await _get(client, url, "state (read back)", timeout_s), "state (read back)")
-            active = _opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
-            why = f"the replica runs version {active} (a busy engine applies it at its next step)"
-        except (_HttpFailure, StateFormatError) as err:
-            active, why = None, f"could not read it back ({err})"
-        if (active is not None and active >= version) or time.monotonic() >= deadline:
-            return active, why
-        await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
-        delay = min(delay * 2, 0.5)
-
-
-async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
-                         store: Any | None = None, who: str = "cli", *,
-                         client: httpx.AsyncClient | None = None,
-                         wait_s: float = APPLY_WAIT_S) -> list[ApplyResult]:
-    """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
-
-    ``change`` is a settings document, or a function from the replica's current
-    :class:`~controlplane.settings.Settings` to a document (or a Settings) — e.g.
-    ``lambda s: s.replace(params={"gamma": 8})``. Per replica: GET the current document and version,
-    build and validate the new one, PUT it with ``If-Match`` and the bearer token from the replica's
-    ``token_env``, then read ``/state`` until the replica runs the new version (at most ``wait_s``).
-    Every attempt — applied (active), staged (accepted, not active within ``wait_s``), rejected
-    (400/401/403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the
-    store's audit log when a store is given.
-    """
-    names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
-    specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo
-    own = client is None
-    client = client or make_client(cluster)
-    try:
-        results = list(await asyncio.gather(*(_apply_one(client, cluster, s, change, wait_s) for s in specs)))
-    finally:
-        if own:
-            await client.aclose()
-    if store is not None:
-        def audit() -> None:
-            store.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
-            for r in results:
-                store.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
-                                             result=r.result, message=r.message, version=r.version)
-        await asyncio.to_thread(audit)
-    return results
+# Settings changes live in controlplane/steering.py; imported here for callers of the collector's API.
+from controlplane.steering import APPLY_WAIT_S, ApplyResult, SettingsChange, apply_settings  # noqa: E402,F401
