@@ -1,0 +1,144 @@
+"""The modal screens: confirm a cluster change (with its diff), help, seek, pick a policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import (
+    Button,
+    Input,
+    OptionList,
+    Static,
+)
+from textual.widgets.option_list import Option
+
+from controlplane.settings import POLICY_NAMES
+from tui import keys as K
+from tui import render as R
+from tui.sources import fmt_time, parse_seek
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Every cluster change passes here: the diff per replica, apply or cancel."""
+
+    BINDINGS = K.bindings(scope="confirm")
+
+    def __init__(self, title: str, plans: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.title_text = title
+        self.plans = plans
+
+    def compose(self) -> ComposeResult:
+        sendable = sum(1 for p in self.plans if not p.get("error"))
+        with Vertical(id="dialog"):
+            yield Static(Text(self.title_text, style="bold"), id="dialog-title")
+            with VerticalScroll(id="dialog-body"):
+                yield Static(R.diff_renderable(self.plans), id="dialog-diff")
+            with Horizontal(id="dialog-buttons"):
+                yield Button(f"Apply to {sendable} replica(s) \\[y]", id="yes", variant="warning",
+                             disabled=sendable == 0)
+                yield Button("Cancel \\[n/esc]", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def action_confirm(self) -> None:
+        if any(not p.get("error") for p in self.plans):
+            self.dismiss(True)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    @on(Button.Pressed, "#yes")
+    def _yes(self) -> None:
+        self.action_confirm()
+
+    @on(Button.Pressed, "#no")
+    def _no(self) -> None:
+        self.dismiss(False)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close", show=False)]
+
+    def __init__(self, readonly: bool, mode: str) -> None:
+        super().__init__()
+        self.readonly, self.mode = readonly, mode
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            head = Text("tailpilot — keys", style="bold")
+            if self.readonly:
+                head.append("   READ-ONLY: cluster changes are refused", style="bold white on red")
+            head.append("\nEvery key is also a command in the palette (ctrl+p). Capital letters change the "
+                        "cluster and always ask for confirmation with the diff first.", style="dim")
+            head.append("\nesc, ? or q closes this help.", style="bold")
+            yield Static(head)
+            yield Static(R.help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class SeekScreen(ModalScreen["int | None"]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+
+    def __init__(self, position_ms: int, start_ms: int, end_ms: int) -> None:
+        super().__init__()
+        self.position_ms, self.start_ms, self.end_ms = position_ms, start_ms, end_ms
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(Text.assemble(("Seek", "bold"), f"  recording {fmt_time(self.start_ms)} – "
+                                       f"{fmt_time(self.end_ms)} UTC, now {fmt_time(self.position_ms)}"))
+            yield Input(placeholder="+30s, -2m, @1:30 (from start), 22:15:00 (UTC), ISO time, start, end",
+                        id="seek-input")
+            yield Static("", id="seek-error")
+
+    @on(Input.Submitted, "#seek-input")
+    def _submit(self, event: Input.Submitted) -> None:
+        try:
+            t = parse_seek(event.value, position_ms=self.position_ms, start_ms=self.start_ms, end_ms=self.end_ms)
+        except ValueError as err:
+            self.query_one("#seek-error", Static).update(str(err))
+            return
+        self.dismiss(t)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class PolicyPickScreen(ModalScreen["str | None"]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+
+    def __init__(self, targets: list[str], current: dict[str, str | None]) -> None:
+        super().__init__()
+        self.targets, self.current = targets, current
+
+    def compose(self) -> ComposeResult:
+        now = sorted({p for p in self.current.values() if p})
+        with Vertical(id="dialog"):
+            yield Static(Text.assemble(("Switch policy", "bold"), f" of {', '.join(self.targets)}"
+                                       f" (now: {', '.join(now) or 'unknown'})"))
+            yield OptionList(*[Option(f"{p}{'  (current)' if p in now else ''}", id=p) for p in POLICY_NAMES],
+                             id="policy-options")
+
+    def on_mount(self) -> None:
+        opts = self.query_one(OptionList)
+        now = [p for p in self.current.values() if p]
+        if now and now[0] in POLICY_NAMES:
+            opts.highlighted = POLICY_NAMES.index(now[0])
+        opts.focus()
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

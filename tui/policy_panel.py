@@ -1,0 +1,313 @@
+"""The policy panel: switch a policy, edit and pin parameters for one, several or all replicas."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import (
+    Checkbox,
+    Input,
+    Label,
+    Select,
+    SelectionList,
+    Static,
+)
+
+from controlplane.settings import POLICY_NAMES
+from tui import keys as K
+from tui import render as R
+from tui.edits import (
+    FieldSpec,
+    SettingsEdit,
+    current_settings,
+    field_errors,
+    field_text,
+    parse_field,
+    policy_fields,
+    settings_diff,
+    try_apply,
+)
+
+if TYPE_CHECKING:
+    from tui.app import TailpilotApp
+
+class PolicyPanel(Vertical):
+    """Switch, edit and pin: one input per parameter of the chosen policy, validated inline by
+    the settings model; ``A`` (or enter in a field) opens the confirmation with the diff."""
+
+    BINDINGS = [Binding("escape", "leave_form", "Leave the form", show=False)]
+
+    def action_leave_form(self) -> None:
+        self.query_one("#targets", SelectionList).focus()
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.fields: list[FieldSpec] = []
+        self.initial: dict[str, Any] = {}
+        self.initial_pins: set[str] = set()
+        self.form_policy: str | None = None
+        self.reference: str | None = None
+        self.ref_policy: str | None = None  # the reference replica's policy (from its settings or samples)
+        self.error: str | None = None
+        self._gen = 0
+        self._syncing = False
+        self.form_version: int | None = None  # the reference's settings version the form was built from
+        self.reload_after_apply = False
+        self._loading = False
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="policy-banner")
+        with Horizontal():
+            with Vertical(id="targets-box"):
+                yield Static(Text("targets (space: toggle)", style="bold"))
+                yield SelectionList[str](id="targets", compact=True)
+            with Vertical(id="editor"):
+                with Horizontal(id="policy-row"):
+                    yield Label("policy")
+                    yield Select([(p, p) for p in POLICY_NAMES], allow_blank=False, value="sarathi",
+                                 id="policy-select", compact=True)
+                yield VerticalScroll(id="form")
+                yield Static("", id="preview")
+                yield Static("", id="last-result")
+
+    @property
+    def app_(self) -> "TailpilotApp":
+        return self.app  # type: ignore[return-value]
+
+    # --- loading ---------------------------------------------------------------------------
+    def sync_targets(self) -> None:
+        app = self.app_
+        snap = app.snapshot
+        names = sorted(snap.replicas) if snap else [r.name for r in (app.cluster.replicas if app.cluster else [])]
+        sel = self.query_one("#targets", SelectionList)
+        self._syncing = True
+        try:
+            if [str(sel.get_option_at_index(i).value) for i in range(sel.option_count)] != names:
+                sel.clear_options()
+                sel.add_options([(n, n, n in app.selected) for n in names])
+            else:
+                for n in names:
+                    if (n in app.selected) != (n in sel.selected):
+                        (sel.select if n in app.selected else sel.deselect)(n)
+        finally:
+            self._syncing = False
+        self._update_banner()
+
+    def on_snapshot(self) -> None:
+        """A new snapshot while the panel is shown: keep the targets in sync, and rebuild the form
+        when the reference replica's settings changed — at once after our own apply or when
+        nothing is staged; otherwise only say so (staged edits are never thrown away)."""
+        self.sync_targets()
+        app = self.app_
+        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        if rs is None or self.form_policy is None or self._loading:
+            return
+        if rs.settings_version != self.form_version and rs.settings is not None:
+            if self.reload_after_apply or self.current_edit().empty:
+                self.reload_after_apply = False
+                self._loading = True
+                app.run_worker(self._reload(), group="policy-load", exit_on_error=False)
+            else:
+                self._update_banner()
+
+    async def _reload(self) -> None:
+        try:
+            await self.load(force=True)
+        finally:
+            self._loading = False
+
+    def _update_banner(self) -> None:
+        app = self.app_
+        targets = app.targets()
+        banner = self.query_one("#policy-banner", Static)
+        text = Text()
+        if app.readonly:
+            text.append(" READ-ONLY ", style="bold white on red")
+            text.append(f" {app.readonly_reason()}: switching, editing and pinning are disabled.  ")
+            banner.add_class("-readonly")
+        how = "selection" if app.selected else "cursor replica; select several with space"
+        text.append(f"targets: {', '.join(targets) or 'none'} ({how})")
+        if self.reference:
+            rs = app.snapshot.replicas.get(self.reference) if app.snapshot else None
+            v = rs.settings_version if rs else None
+            if self.reference_settings() is None:
+                text.append(f" │ {self.reference}'s settings are unknown: the form shows the defaults", style="yellow")
+            else:
+                text.append(f" │ form shows {self.reference}'s settings (v{self.form_version})")
+                if v is not None and self.form_version is not None and v != self.form_version:
+                    text.append(f" — the replica is now at v{v}: apply re-reads it (If-Match)", style="yellow")
+        banner.update(text)
+
+    async def load(self, *, force: bool = False) -> None:
+        """(Re)build the form from the first target's current settings."""
+        app = self.app_
+        self.sync_targets()
+        targets = app.targets()
+        ref = targets[0] if targets else None
+        rs = app.snapshot.replicas.get(ref) if (app.snapshot and ref) else None
+        settings = current_settings(rs.settings) if rs else None
+        known = settings.policy if settings else (R.policy_of(rs) if rs else None)
+        policy = known or "sarathi"
+        if not force and ref == self.reference and known == self.ref_policy and self.form_policy is not None:
+            self._update_banner()
+            return
+        self.reference, self.ref_policy = ref, known
+        select = self.query_one("#policy-select", Select)
+        if select.value != policy:
+            self._syncing = True
+            select.value = policy
+            self._syncing = False
+        await self._build_form(policy)
+        self._update_banner()
+
+    def reference_settings(self):
+        app = self.app_
+        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        return current_settings(rs.settings) if rs else None
+
+    async def _build_form(self, policy: str) -> None:
+        ref = self.reference_settings()
+        app = self.app_
+        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        self.form_version = rs.settings_version if rs is not None else None
+        self.form_policy = policy
+        self.fields = policy_fields(policy)
+        same = ref is not None and ref.policy == policy
+        self.initial = {f.name: (ref.param(f.name) if same else f.default) for f in self.fields}
+        self.initial_pins = set(ref.pinned) if same else set()
+        self._gen += 1
+        form = self.query_one("#form", VerticalScroll)
+        await form.remove_children()
+        rows = []
+        disabled = self.app_.readonly
+        for f in self.fields:
+            wid = f"f{self._gen}-{f.name}"
+            value = self.initial[f.name]
+            if f.kind == "bool":
+                widget = Checkbox("on", value=bool(value), id=wid, disabled=disabled, compact=True,
+                                  classes="fvalue")
+            elif f.kind == "choice":
+                widget = Select([(c, c) for c in f.choices], value=str(value), allow_blank=False, id=wid,
+                                disabled=disabled, compact=True)
+            else:
+                widget = Input(value=field_text(f, value), id=wid, disabled=disabled, compact=True)
+            label = Label(f.name + (" ~" if f.adaptive else ""), classes="fname")
+            pin = Checkbox("pin", value=f.name in self.initial_pins, id=f"p{self._gen}-{f.name}", disabled=disabled,
+                           compact=True, classes="fpin")
+            hint = Static(f.hint + ("; adapts live unless pinned" if f.adaptive else ""), classes="fhint",
+                          id=f"h{self._gen}-{f.name}")
+            rows.append(Horizontal(label, widget, pin, hint, classes="form-row"))
+        if not rows:
+            rows.append(Static(Text(f"{policy} has no parameters.", style="dim")))
+        await form.mount_all(rows)
+        self.revalidate()
+
+    # --- editing ---------------------------------------------------------------------------
+    def _value_of(self, f: FieldSpec) -> Any:
+        w = self.query_one(f"#f{self._gen}-{f.name}")
+        if isinstance(w, Checkbox):
+            return w.value
+        if isinstance(w, Select):
+            return w.value
+        return parse_field(f, w.value)  # type: ignore[union-attr]
+
+    def current_edit(self) -> SettingsEdit:
+        params = {}
+        pins = set()
+        for f in self.fields:
+            v = self._value_of(f)
+            if v != self.initial[f.name] or type(v) is str and not isinstance(self.initial[f.name], str):
+                params[f.name] = v
+            if self.query_one(f"#p{self._gen}-{f.name}", Checkbox).value:
+                pins.add(f.name)
+        policy = self.form_policy if self.form_policy != self.ref_policy else None
+        return SettingsEdit(policy=policy, params=params, pin=frozenset(pins - self.initial_pins),
+                            unpin=frozenset(self.initial_pins - pins))
+
+    def revalidate(self) -> None:
+        """Run the edit through the settings model; mark the fields it names."""
+        from controlplane.settings import Settings
+
+        if not self.fields and self.form_policy is None:
+            return
+        edit = self.current_edit()
+        ref = self.reference_settings() or Settings()
+        new, err = try_apply(edit, ref)
+        self.error = err
+        errors = field_errors(err, [f.name for f in self.fields])
+        for f in self.fields:
+            hint = self.query_one(f"#h{self._gen}-{f.name}", Static)
+            w = self.query_one(f"#f{self._gen}-{f.name}")
+            if f.name in errors:
+                hint.update(f"✗ {errors[f.name]}")
+                hint.add_class("-error")
+                w.add_class("-invalid")
+            else:
+                hint.update(f.hint + ("; adapts live unless pinned" if f.adaptive else ""))
+                hint.remove_class("-error")
+                w.remove_class("-invalid")
+        preview = Text()
+        if err:
+            preview.append("✗ invalid: ", style="bold red")
+            preview.append(err, style="red")
+        elif edit.empty:
+            preview.append("no changes staged", style="dim")
+        else:
+            preview.append(f"staged for {len(self.app_.targets())} replica(s): ", style="bold")
+            preview.append(edit.describe())
+            rows = settings_diff(ref.to_dict(), new.to_dict()) if new else []
+            for fld, a, b in rows:
+                preview.append(f"\n  {fld}: ")
+                preview.append(a, style="red")
+                preview.append(" → ")
+                preview.append(b, style="green")
+            preview.append("\npress A to review and apply", style="bold yellow" if not self.app_.readonly else "dim")
+        self.query_one("#preview", Static).update(preview)
+
+    @on(Input.Changed)
+    @on(Checkbox.Changed)
+    def _field_changed(self, event) -> None:
+        wid = event.control.id or ""
+        if wid.startswith((f"f{self._gen}-", f"p{self._gen}-")):
+            self.revalidate()
+
+    @on(Input.Submitted)
+    def _field_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id and event.input.id.startswith(f"f{self._gen}-"):
+            event.stop()
+            if self.app_.readonly:
+                self.app_.refuse(K.KEYS_BY_ACTION["apply_edits"])
+            else:
+                self.app_.action_apply_edits()
+
+    @on(Select.Changed)
+    async def _select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "policy-select":
+            if self._syncing or event.value == self.form_policy or event.value is Select.BLANK:
+                return
+            await self._build_form(str(event.value))
+        elif event.select.id and event.select.id.startswith(f"f{self._gen}-"):
+            self.revalidate()
+
+    @on(SelectionList.SelectedChanged, "#targets")
+    async def _targets_changed(self, event: SelectionList.SelectedChanged) -> None:
+        if self._syncing:
+            return
+        self.app_.selected = set(str(v) for v in event.selection_list.selected)
+        self.app_.refresh_selection_marks()
+        await self.load()
+
+    def show_results(self, results: Iterable[Any]) -> None:
+        self.query_one("#last-result", Static).update(R.apply_results(results))
+
+    def focus_form(self) -> None:
+        for w in self.query("#form Input, #form Checkbox, #form Select"):
+            if not w.disabled:
+                w.focus()
+                return
+        self.query_one("#policy-select", Select).focus()
