@@ -83,18 +83,27 @@ def make_engine(url: URL, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> 
     return engine
 
 
+def sqlite_pragmas(dbapi_conn: Any, *, busy_timeout_ms: int | None = None, foreign_keys: bool = False) -> None:
+    """WAL with synchronous=NORMAL (a commit without an fsync: readers never block the writer),
+    and optionally a busy timeout and foreign keys, on a new DB-API SQLite connection. tailpilot's
+    store and the tuner's Optuna storage both open their connections through this."""
+    cur = dbapi_conn.cursor()
+    try:
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        if busy_timeout_ms is not None:
+            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        if foreign_keys:
+            cur.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cur.close()
+
+
 def _install_sqlite_events(engine: Engine, busy_timeout_ms: int) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
-        cur = dbapi_conn.cursor()
-        try:
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-            cur.execute("PRAGMA foreign_keys=ON")
-        finally:
-            cur.close()
+        sqlite_pragmas(dbapi_conn, busy_timeout_ms=busy_timeout_ms, foreign_keys=True)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:

@@ -14,11 +14,14 @@ from typing import Any, Callable
 
 
 def finite(doc: Any) -> Any:
-    """``doc`` with every non-finite float, at any depth, replaced by None."""
+    """``doc`` with every non-finite float, at any depth, replaced by None (tuples become lists,
+    numpy scalars Python numbers: what JSON can hold)."""
+    if type(doc).__module__ == "numpy" and hasattr(doc, "item"):  # a numpy scalar, without importing numpy
+        doc = doc.item()
     if isinstance(doc, float):
         return doc if math.isfinite(doc) else None
-    if isinstance(doc, dict):
-        return {k: finite(v) for k, v in doc.items()}
+    if isinstance(doc, dict):  # keys as JSON writes them (an int key is a string there)
+        return {k if isinstance(k, str) else str(k): finite(v) for k, v in doc.items()}
     if isinstance(doc, (list, tuple)):
         return [finite(v) for v in doc]
     return doc

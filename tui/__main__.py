@@ -1,4 +1,4 @@
-"""``python -m tui``: the TUI without the ``tailpilot`` CLI (the options of ``tailpilot tui``).
+"""``python -m tui``: the same command as ``tailpilot tui`` (one definition of its options).
 
     python -m tui --cluster clusters.yaml [--cluster-name NAME] [--db URL] [--readonly]
     python -m tui --replay recording.db [--cluster-name NAME] [--cluster clusters.yaml (for its SLOs)]
@@ -6,39 +6,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m tui")
-    p.add_argument("--cluster", help="cluster file (YAML)")
-    p.add_argument("--cluster-name", default=None)
-    p.add_argument("--db", default=None, help="store URL or SQLite path")
-    p.add_argument("--readonly", action="store_true")
-    p.add_argument("--replay", default=None, help="a recording (SQLite file or URL) to replay")
-    a = p.parse_args(argv)
-    from controlplane.cluster import ClusterFileError, load_cluster_file
-    from tui.main import run_tui
-
-    cluster = None
-    if a.cluster:
-        try:
-            cluster = load_cluster_file(a.cluster).cluster(a.cluster_name)
-        except (ClusterFileError, KeyError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if cluster is None and a.replay is None:
-        p.error("give --cluster FILE or --replay FILE.db")
-    from storage.store import StoreError
-    from tui.sources import ReplayError
+    from controlplane.cli import main as tailpilot  # its group turns store failures into one-line errors
 
     try:
-        run_tui(cluster, db_url=a.db, readonly=a.readonly, replay=a.replay, cluster_name=a.cluster_name)
-    except (ReplayError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        tailpilot.main(args=["tui", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m",  # usage reads "python -m tui ..."
+                       standalone_mode=True)
+    except SystemExit as done:
+        return int(done.code or 0)
     return 0
 
 

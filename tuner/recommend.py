@@ -24,6 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from storage.strict_json import finite
+
 from controlplane.metrics import higher_is_better, percent_change
 from controlplane.settings import Settings
 from tuner.continuous import validate
@@ -179,14 +181,5 @@ def _continuous_table(ctx: TuneContext, values: Mapping[str, float],
             for name in ctx.tracked}
 
 
-def jsonable(obj: Any) -> Any:
-    """NaN/inf → None, recursively (strict JSON for stores and --json)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return jsonable(obj.item())
-    return obj
+# NaN/inf → None, recursively (strict JSON for stores and --json): one rule, storage's.
+jsonable = finite

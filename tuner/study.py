@@ -554,12 +554,11 @@ def _sqlite_wal(engine) -> None:
     parameter and report; at ~10 ms per fsync that would cost more than the simulation)."""
     from sqlalchemy import event
 
+    from storage.engine import sqlite_pragmas
+
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - exercised via the engine
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.close()
+        sqlite_pragmas(dbapi_conn)
 
     engine.dispose()  # connections opened before the listener reconnect with the pragmas
 
