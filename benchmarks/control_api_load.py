@@ -51,7 +51,13 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 from vllm_support import (  # noqa: E402
-    CompletionRequest, VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens, run_completions)
+    CompletionRequest,
+    VllmServer,
+    build_tiny_model,
+    free_port,
+    kv_bytes_for_tokens,
+    run_completions,
+)
 
 PLUGIN = "controlplane.plugin.vllm.TailpilotScheduler"
 TOKEN = "bench-token-not-a-secret"

@@ -39,8 +39,17 @@ from controlplane.metrics import percent_change
 from controlplane.settings import Settings
 from tuner.continuous import continuous_metrics
 from tuner.recommend import jsonable, paired_improvement, recommend
-from tuner.study import (StudySpec, build_traces, build_windows, load_context, nanmean, open_storage, storage_url,
-                         tune, window_metrics)
+from tuner.study import (
+    StudySpec,
+    build_traces,
+    build_windows,
+    load_context,
+    nanmean,
+    open_storage,
+    storage_url,
+    tune,
+    window_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"

@@ -10,8 +10,8 @@ Without ``--trace`` both run on the bundled Azure conv window (10 minutes, CC BY
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import sys
+from pathlib import Path
 from typing import Any
 
 import click

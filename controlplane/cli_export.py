@@ -79,8 +79,14 @@ def export(settings_file, study, db, storage, fmt, out, model, scheduler, settin
     """Write settings for deployment: the plugin's settings JSON, a `vllm serve` command line,
     a Kubernetes ConfigMap or Helm values for the vLLM production-stack chart. Every output is
     parsed back and checked against its input before it is written."""
-    from controlplane.export import ExportError, ExportOptions, load_settings_file, render, settings_from_study, \
-        write_atomically
+    from controlplane.export import (
+        ExportError,
+        ExportOptions,
+        load_settings_file,
+        render,
+        settings_from_study,
+        write_atomically,
+    )
 
     if bool(settings_file) == bool(study):
         raise click.UsageError("give exactly one of --settings FILE and --study NAME")
@@ -142,8 +148,14 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
     """Fit the step-time model's coefficients to a live replica's step log, report the fit error
     (also on held-out steps) and save them as a named coefficient set for the simulator and the
     tuner (--step-model NAME)."""
-    from tuner.calibrate import CalibrationError, ReplicaUnreachable, calibrate_steps, fetch_step_log, \
-        format_report, replica_control_url
+    from tuner.calibrate import (
+        CalibrationError,
+        ReplicaUnreachable,
+        calibrate_steps,
+        fetch_step_log,
+        format_report,
+        replica_control_url,
+    )
     from tuner.stepmodel import COEFFICIENT_SETS, get_model, save_user_model
 
     if url and (replica or db or cluster_name):

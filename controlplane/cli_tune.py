@@ -151,7 +151,14 @@ def _progress_bar(show: bool):
     if not show:
         return contextlib.nullcontext(), None
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
@@ -217,7 +224,8 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     hopeless ones); held-out windows are kept for `tailpilot recommend`. Ctrl-C keeps the study:
     run the same command to continue.
     """
-    from tuner.study import StudyConflict, StudySpec, TuneError, open_storage, study_exists, tune as run_tune
+    from tuner.study import StudyConflict, StudySpec, TuneError, open_storage, study_exists
+    from tuner.study import tune as run_tune
 
     url = _storage_or_exit(storage, db)
     given = _given(ctx, kw)
@@ -300,7 +308,8 @@ def recommend(study_name, storage, db, no_store, as_json):
     """The study's best settings (or Pareto front) and their improvement over the production
     settings on search and on held-out windows, with confidence intervals over windows; stored
     so the TUI shows it."""
-    from tuner.recommend import jsonable, recommend as build
+    from tuner.recommend import jsonable
+    from tuner.recommend import recommend as build
     from tuner.study import TuneError, open_storage
 
     url = _storage_or_exit(storage, db, must_exist=True)

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controlplane import strict_yaml
 from controlplane.metrics import METRICS
+from controlplane.validation import describe_validation
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -131,14 +132,6 @@ class ClusterFile(BaseModel):
         raise KeyError(f"no cluster {name!r} (the file has {', '.join(c.name for c in self.clusters)})")
 
 
-def _field_path(loc: tuple) -> str:
-    """('clusters', 0, 'replicas', 1, 'api_url') -> 'clusters[0].replicas[1].api_url'."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "file"
-
-
 def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> ClusterFile:
     """The cluster file in ``text`` (bytes must be UTF-8); ClusterFileError naming ``source`` and where."""
     if isinstance(text, bytes):
@@ -158,8 +151,7 @@ def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> Clu
     try:
         return ClusterFile.model_validate(doc)
     except ValidationError as err:
-        lines = [f"{_field_path(e['loc'])}: {e['msg'].replace('Value error, ', '')}" for e in err.errors()]
-        raise ClusterFileError(f"{source}: " + "; ".join(lines)) from None
+        raise ClusterFileError(f"{source}: " + describe_validation(err, root="file")) from None
 
 
 def load_cluster_file(path: str | Path) -> ClusterFile:

@@ -55,8 +55,18 @@ from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.metrics import distribution_stats
 from controlplane.prom import VLLM_METRICS, MetricsFormatError, parse_vllm_metrics
-from controlplane.replica_http import (API_PREFIX, PollingClient, StateFormatError,  # noqa: F401 (re-exported)
-                                       _get, _HttpFailure, _json, _opt_int, _Resp, control_base, make_client)
+from controlplane.replica_http import (  # noqa: F401 (re-exported)
+    API_PREFIX,
+    PollingClient,
+    StateFormatError,
+    _get,
+    _HttpFailure,
+    _json,
+    _opt_int,
+    _Resp,
+    control_base,
+    make_client,
+)
 from storage.rows import (
     LATENCIES,
     PERCENTILES,

@@ -17,8 +17,17 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, ValidatorFunctionWrapHandler,
-                      WrapValidator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+
+from controlplane.validation import describe_validation
 
 API_VERSION = 1
 
@@ -162,9 +171,7 @@ def read(model: type[BaseModel], doc: Any, *, lenient: bool = True) -> Any:
 
 def describe(err: ValidationError) -> str:
     """A one-line message naming the first bad field: ``next_cursor: Input should be ...``."""
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "document"
-    return f"{where}: {first['msg']}"
+    return describe_validation(err, first_only=True)
 
 
 def json_schema() -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controlplane.validation import describe_validation
+
 POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc")
 PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc"]
 PredictorName = Literal["oracle", "history"]
@@ -266,8 +268,7 @@ class Settings(BaseModel):
 def describe_error(err: Exception) -> str:
     """One line naming each invalid field, for CLI messages and API answers."""
     if isinstance(err, ValidationError):
-        return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'settings'}: {e['msg']}".replace("Value error, ", "")
-                         for e in err.errors())
+        return describe_validation(err, root="settings")
     return str(err)
 
 

@@ -17,8 +17,16 @@ from typing import Any, Callable, Iterable, Mapping
 import httpx
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.replica_http import (StateFormatError, _describe_http_error, _get, _HttpFailure, _json, _opt_int,
-                                       control_base, make_client)
+from controlplane.replica_http import (
+    StateFormatError,
+    _describe_http_error,
+    _get,
+    _HttpFailure,
+    _json,
+    _opt_int,
+    control_base,
+    make_client,
+)
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from core_target import CoreTarget  # tests/core_target.py
 
 from controlplane.cli_export import calibrate
 from controlplane.plugin.api import ControlServer
@@ -37,7 +38,6 @@ from tuner.stepmodel import (
     user_model_path,
     user_models_dir,
 )
-from core_target import CoreTarget  # tests/core_target.py
 
 # Not any built-in set: a replica whose coefficients nothing in tailpilot knows beforehand.
 TRUTH = StepTimeModel(a=0.011, b=5.5e-5, c=1.8e-9, d=4.2e-5, e=9.0e-8, name="truth")

@@ -17,8 +17,8 @@ from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import (
     MetricsFormatError,
     ReplicaView,
-    _StateAnswer,
     _completion_row,
+    _StateAnswer,
     latency_percentiles,
     parse_vllm_metrics,
 )
@@ -823,11 +823,12 @@ def test_metrics_every_n_polls_still_catches_bad_metrics(twins, proxy):
 # max_tokens: the client's cap, from the control API into the store
 # --------------------------------------------------------------------------------------------
 
+from core_target import CoreTarget  # noqa: E402  (tests/core_target.py)
+
 from controlplane.plugin.api import ControlServer  # noqa: E402
 from controlplane.plugin.core import COMPLETION_KEYS, ReplicaCore  # noqa: E402
 from controlplane.policies import RequestState  # noqa: E402
 from controlplane.settings import Settings  # noqa: E402
-from core_target import CoreTarget  # noqa: E402  (tests/core_target.py)
 
 
 def test_completion_row_reads_max_tokens_and_tolerates_its_absence():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from core_target import CoreTarget  # tests/core_target.py
 
 from controlplane.plugin.api import ControlServer
 from controlplane.plugin.core import ReplicaCore
 from controlplane.policies import RequestState
 from controlplane.settings import Settings
-from core_target import CoreTarget  # tests/core_target.py
 
 TOKEN = "t0ken"
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
 
 from controlplane.plugin.api import Limits
 from controlplane.plugin.core import PAGE_LIMIT
-from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
 
 pytestmark = pytest.mark.slow
 

@@ -12,16 +12,16 @@ import threading
 
 import httpx
 import pytest
+from core_target import CoreTarget  # tests/core_target.py
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.collector import _fetch_state, _json, _Resp, ReplicaView, apply_settings, make_client
+from controlplane.collector import ReplicaView, _fetch_state, _json, _Resp, apply_settings, make_client
 from controlplane.plugin.api import PREFIX, ControlServer, Limits, token_from_env
 from controlplane.plugin.core import PAGE_LIMIT, ReplicaCore
 from controlplane.policies import RequestState
 from controlplane.settings import Settings
-from core_target import CoreTarget  # tests/core_target.py
 
 TOKEN = "s3cret"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"

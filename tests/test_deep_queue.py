@@ -18,7 +18,9 @@ import random
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from controlplane.policies import POLICY_CLASSES, RequestState, make_policy
 from controlplane.policies import queue as queue_mod

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from controlplane.settings import POLICY_NAMES, Settings
 from tuner.engine import EngineConfig, Simulator

@@ -333,9 +333,9 @@ def test_export_study_errors(tmp_path, monkeypatch):
 # --- vLLM's own parser (imports vLLM: ~15 s) -----------------------------------------------------
 @pytest.mark.slow
 def test_vllms_argument_parser_accepts_the_exported_flags_and_the_plugin_imports():
-    import vllm  # noqa: F401 (installed by scripts/test.sh)
     import importlib
 
+    import vllm  # noqa: F401 (installed by scripts/test.sh)
     from vllm.engine.arg_utils import EngineArgs
 
     try:

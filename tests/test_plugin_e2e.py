@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from vllm_support import CompletionRequest, VllmServer, fetch_metrics, free_port, kv_bytes_for_tokens, run_completions
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_collector import SPEED, TOKEN, assert_exactly_once, mixed_trace
 
 from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
 from storage.store import Store
-from test_collector import SPEED, TOKEN, assert_exactly_once, mixed_trace
 from tuner.twin import start_twins
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,9 +172,17 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     import asyncio
     import random
 
+    from vllm_support import (
+        CompletionRequest,
+        VllmServer,
+        fetch_metrics,
+        free_port,
+        kv_bytes_for_tokens,
+        run_completions,
+    )
+
     from controlplane.cluster import ClusterSpec, ReplicaSpec
     from controlplane.collector import Collector, apply_settings
-    from vllm_support import CompletionRequest, VllmServer, fetch_metrics, free_port, kv_bytes_for_tokens, run_completions
 
     settings_file = tmp_path / "settings.json"
     settings_file.write_text(json.dumps({"policy": "fcfs"}))

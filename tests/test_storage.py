@@ -20,10 +20,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import postgres_support
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-import postgres_support
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError

@@ -12,6 +12,16 @@ import shutil
 import optuna
 import pytest
 from optuna.trial import TrialState
+from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the twins fixture)
+    get_settings,
+    notifications,
+    spec_of,
+    started,
+    text_of,
+    twins,
+    wait_for,
+)
+from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
 from controlplane.collector import apply_settings
 from controlplane.settings import Settings
@@ -21,17 +31,6 @@ from tui.main import build_app
 from tui.tuner_data import resolve_storage
 from tuner import study as st
 from tuner.recommend import jsonable, recommend
-
-from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the twins fixture)
-    twins,
-    get_settings,
-    notifications,
-    spec_of,
-    started,
-    text_of,
-    wait_for,
-)
-from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
 PARETO, SINGLE = "a-pareto", "b-single"
 

@@ -16,10 +16,10 @@ import optuna
 import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
+from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 from controlplane.cli_tune import COMMANDS
 from controlplane.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
-from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 from tuner import study as st
 from tuner.recommend import paired_improvement, recommend
 from tuner.search import (

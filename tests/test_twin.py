@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from core_target import CoreTarget  # tests/core_target.py
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.plugin.api import ControlServer
@@ -23,7 +24,6 @@ from controlplane.settings import Settings
 from tuner.engine import EngineConfig
 from tuner.traces import Trace, TraceRequest
 from tuner.twin import LAP_SEP, ManualClock, TwinReplica, start_twins
-from core_target import CoreTarget  # tests/core_target.py
 
 TOKEN = "tw1n-token"
 PLUGIN_STATE_KEYS = set(ReplicaCore(Settings()).state(0, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}))

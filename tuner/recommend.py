@@ -24,10 +24,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from storage.strict_json import finite
-
 from controlplane.metrics import higher_is_better, percent_change
 from controlplane.settings import Settings
+from storage.strict_json import finite
 from tuner.continuous import validate
 from tuner.study import (
     PRODUCTION,
@@ -38,8 +37,8 @@ from tuner.study import (
     _json_num,
     best_trials,
     candidate_trials,
-    ranked_candidates,
     load_context,
+    ranked_candidates,
     trial_metrics,
 )
 

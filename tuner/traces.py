@@ -35,9 +35,9 @@ ISCA 2024. See `bundled_trace_path()` and `load_bundled()`.
 from __future__ import annotations
 
 import csv
-import inspect
 import dataclasses
 import datetime as _dt
+import inspect
 import json
 import math
 import os

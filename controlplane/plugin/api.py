@@ -48,10 +48,8 @@ import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-w
 from pydantic import ValidationError
 
 from controlplane.plugin.core import SettingsConflict
+from controlplane.plugin.env import DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.settings import describe_error
-
-from controlplane.plugin.env import (DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV,  # noqa: F401 (re-exported)
-                                     TOKEN_FILE_ENV, PluginEnv)
 
 PREFIX = "/tailpilot/v1"
 log = logging.getLogger("tailpilot.control")

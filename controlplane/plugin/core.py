@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
 from controlplane.policies.queue import WaitingQueue
-from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread

@@ -24,8 +24,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from controlplane.plugin.api import ControlServer, token_from_env
-from controlplane.plugin.env import PluginEnv
 from controlplane.plugin.core import ReplicaCore, load_startup_settings
+from controlplane.plugin.env import PluginEnv
 from controlplane.policies import RequestState
 from controlplane.policies.preemption import plan_preemptions
 

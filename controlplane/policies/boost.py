@@ -12,8 +12,16 @@ from collections import deque
 
 import numpy as np
 
-from controlplane.policies.base import (INF, Policy, RequestState, boost, boost_array, new_epoch,
-                                       next_threshold, quantize)
+from controlplane.policies.base import (
+    INF,
+    Policy,
+    RequestState,
+    boost,
+    boost_array,
+    new_epoch,
+    next_threshold,
+    quantize,
+)
 
 LN5 = math.log(5.0)
 ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span

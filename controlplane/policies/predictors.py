@@ -23,8 +23,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from statistics import NormalDist
 from collections.abc import Hashable
+from statistics import NormalDist
 
 import numpy as np
 from scipy import special
