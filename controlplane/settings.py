@@ -13,7 +13,7 @@ Every error names the field it is about (``params.gamma``, ``engine.max_num_seqs
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -291,7 +291,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return name, raw
 
 
-def settings_from_cli(policy: str, assignments: list[str] = (), pinned: list[str] = (),
+def settings_from_cli(policy: str, assignments: Sequence[str] = (), pinned: Sequence[str] = (),
                       engine: dict[str, int] | None = None) -> Settings:
     """Build settings from CLI flags; engine.* names in assignments go to the engine block."""
     params: dict[str, Any] = {}

@@ -16,6 +16,8 @@ fi
 if ! command -v tmux >/dev/null; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux
 fi
-# Lint (pyflakes + bugbear, pyproject's [tool.ruff]) before the suite: a mistake fails fast.
+# Lint (pyflakes + bugbear, pyproject's [tool.ruff]) and types (pyproject's [tool.mypy]: the
+# policy library, settings, contract, plugin core and API, storage) before the suite.
 ruff check .
+mypy
 python -m pytest -q "$@"

@@ -280,3 +280,8 @@ group_sample_rollups = Table(
     Column("n", Integer, nullable=False),
     *_mean_max_columns(ROLLUP_GROUP_COLUMNS),
 )
+
+
+def table(model: type) -> Table:
+    """A mapped class's ``Table`` (``Model.__table__`` is typed as any FromClause)."""
+    return model.__table__  # type: ignore[attr-defined,no-any-return]

@@ -60,6 +60,7 @@ from storage.models import (
     Sample,
     group_sample_rollups,
     sample_rollups,
+    table,
 )
 from storage.sql import upsert
 
@@ -99,7 +100,7 @@ def completion_cutoff_ms(now_ms: int, settings: RetentionSettings) -> int:
 
 def fold_samples(conn: Connection, cutoff_ms: int, now_ms: int, keep_recordings: bool) -> int:
     """Fold samples before ``cutoff_ms`` into ``sample_rollups`` and delete them; returns rows folded."""
-    src = Sample.__table__
+    src = table(Sample)
     old = _expired(src.c.replica_id, src.c.t_ms, cutoff_ms, now_ms, keep_recordings)
     aggregates = {
         "n": func.count(),
@@ -113,14 +114,14 @@ def fold_samples(conn: Connection, cutoff_ms: int, now_ms: int, keep_recordings:
 
 def fold_group_samples(conn: Connection, cutoff_ms: int, now_ms: int, keep_recordings: bool) -> int:
     """Fold group samples before ``cutoff_ms`` into ``group_sample_rollups`` and delete them."""
-    src = GroupSample.__table__
+    src = table(GroupSample)
     old = _expired(src.c.replica_id, src.c.t_ms, cutoff_ms, now_ms, keep_recordings)
     aggregates = {"n": func.count(), **_mean_max(src, ROLLUP_GROUP_COLUMNS)}
     return _fold(conn, src, group_sample_rollups, ("kind", "group_name"), aggregates, old)
 
 
 def delete_completions(conn: Connection, cutoff_ms: int, now_ms: int, keep_recordings: bool) -> int:
-    src = Completion.__table__
+    src = table(Completion)
     old = _expired(src.c.replica_id, src.c.stored_ms, cutoff_ms, now_ms, keep_recordings)
     return conn.execute(delete(src).where(old)).rowcount
 

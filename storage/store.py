@@ -67,6 +67,7 @@ from storage.models import (
     SettingsChange,
     SettingsSeen,
     sample_rollups,
+    table,
 )
 from storage.retention import RetentionReport, RetentionSettings
 from storage.rows import (
@@ -227,9 +228,9 @@ class Store:
 
         def txn(conn: Connection) -> dict[str, int]:
             conn.execute(
-                insert_or_update(conn, Replica.__table__, ["cluster", "name"], ["api_url", "control_url"]), params
+                insert_or_update(conn, table(Replica), ["cluster", "name"], ["api_url", "control_url"]), params
             )
-            return self._lookup_replica_ids(conn, cluster, {p["name"] for p in params})
+            return self._lookup_replica_ids(conn, cluster, {str(p["name"]) for p in params})
 
         self._remember(cluster, self._write(txn))
 
@@ -544,7 +545,7 @@ class Store:
         missing = names - ids.keys()
         if missing:
             rows = [{"cluster": cluster, "name": n, "first_seen_ms": now_ms} for n in sorted(missing)]
-            conn.execute(insert_ignoring(conn, Replica.__table__, ["cluster", "name"]), rows)
+            conn.execute(insert_ignoring(conn, table(Replica), ["cluster", "name"]), rows)
             ids.update(self._lookup_replica_ids(conn, cluster, missing))
         return ids
 
@@ -593,7 +594,7 @@ class Store:
             }
             for c in rows
         ]
-        conn.execute(insert_ignoring(conn, Completion.__table__, ["replica_id", "request_id"]), params)
+        conn.execute(insert_ignoring(conn, table(Completion), ["replica_id", "request_id"]), params)
 
     @staticmethod
     def _upsert_cursors(conn: Connection, cursors: dict[str, int], instances: dict[str, str], ids: dict[str, int],
@@ -601,14 +602,14 @@ class Store:
         if cursors:
             params = [{"replica_id": ids[n], "cursor": c, "updated_ms": now_ms, "instance": instances.get(n)}
                       for n, c in cursors.items()]
-            stmt = insert_or_update(conn, CollectorCursor.__table__, ["replica_id"],
+            stmt = insert_or_update(conn, table(CollectorCursor), ["replica_id"],
                                     ["cursor", "updated_ms", "instance"])
             conn.execute(stmt, params)
 
     @staticmethod
     def _insert_settings_seen(conn: Connection, rows: Sequence[SettingsSeenRow], ids: dict[str, int]) -> None:
         if rows:
-            conn.execute(insert(SettingsSeen.__table__), [
+            conn.execute(insert(table(SettingsSeen)), [
                 {"replica_id": ids[r.replica], "t_ms": r.t_ms, "instance": r.instance, "version": r.version,
                  "settings": r.settings} for r in rows])
 

@@ -224,7 +224,7 @@ def _make_handler(target: ControlTarget, token: str | None, limits: Limits):
 
         # --- the request cycle ------------------------------------------------------------
         def handle_one_request(self) -> None:
-            self.rfile.new_request()
+            self.rfile.new_request()  # type: ignore[attr-defined]  # our _Reader (setup)
             self.command, self.requestline, self.request_version = "", "", self.default_request_version
             try:
                 super().handle_one_request()
@@ -534,6 +534,8 @@ class ControlServer:
     def base_url(self) -> str:
         """``http://host:port``: where ``/metrics`` and ``/v1/models`` live on a vLLM-like target."""
         host = self.httpd.server_address[0]
+        if isinstance(host, bytes):  # an AF_UNIX-style address; never for TCP, which this serves
+            host = host.decode()
         return f"http://{host}:{self.port}"
 
     @property

@@ -300,6 +300,7 @@ class ReplicaCore:
         by_tenant: dict[str, int] = {}
         for s in waiting:
             by_tenant[s.tenant] = by_tenant.get(s.tenant, 0) + 1
+        completions: list[dict]
         if cursor is None:
             completions, next_cursor = [], self._next_seq(self._completions)
         else:

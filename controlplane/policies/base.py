@@ -257,6 +257,7 @@ class Policy:
         Default (``PREDICTION_KEYED`` policies): a key that depends on the request only through
         its arrival, its prediction and ``max_tokens``; the prediction is fixed by the predictor's
         inputs (``prediction_group_fn``)."""
+        assert self._prediction_group is not None  # a grouped layout only for PREDICTION_KEYED policies
         return (self._prediction_group(req), req.max_tokens)
 
     def approx_offsets(self, values: np.ndarray) -> np.ndarray:

@@ -59,6 +59,7 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
         if seats_w < 1 or need > free_w:
             break
         for victim in mine:
+            assert candidates is not None  # victims come from it
             candidates.remove(victim)
         victims += mine
         seats, free_blocks = seats_w - 1, free_w - need

@@ -74,6 +74,12 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._items) if self._index is None else self._n
 
+    @property
+    def _groups(self) -> "_Groups":
+        """The grouped index (only called in a grouped layout)."""
+        assert self._index is not None
+        return self._index
+
     def __bool__(self) -> bool:
         return bool(self._items) if self._index is None else self._n > 0
 
@@ -155,7 +161,7 @@ class WaitingQueue:
     def _rekey(self, now: float) -> None:
         """A new epoch: the prefix goes back to its groups (it is their fronts) and the merge is
         rebuilt from the groups' heads."""
-        index, items = self._index, self._items
+        index, items = self._groups, self._items
         for req in items:
             req.queue_prefix = False
             index.add(req, None, req.queue_group)
@@ -172,7 +178,7 @@ class WaitingQueue:
             insort(items, req, key=_filed_key)
             req.queue_prefix, req.queue_group = True, None
         else:
-            self._index.add(req, key)
+            self._groups.add(req, key)
 
     def _take(self, req: RequestState) -> None:
         """Take a request out of the prefix or its group (not counted: the caller does)."""
@@ -185,11 +191,11 @@ class WaitingQueue:
             else:  # a prefix not filed yet (set_policy): found by identity
                 items.remove(req)
         else:
-            self._index.discard(req)
+            self._groups.discard(req)
 
     def _pull(self) -> bool:
         """Extend the prefix by the next request of the order; False when none is left."""
-        req = self._index.pop_min(self._now)
+        req = self._groups.pop_min(self._now)
         if req is None:
             return False
         req.queue_prefix = True
@@ -198,7 +204,7 @@ class WaitingQueue:
 
     def _pull_all(self) -> None:
         """Materialize the whole order (a full iteration): every key once, one sort."""
-        rest = self._index.drain(self._now)
+        rest = self._groups.drain(self._now)
         for req in rest:
             req.queue_prefix = True
         self._items.extend(rest)
@@ -209,9 +215,9 @@ class WaitingQueue:
         if items:
             for req in items:
                 req.queue_prefix = False
-                self._index.add(req, req.queue_key, req.queue_group)
+                self._groups.add(req, req.queue_key, req.queue_group)
             items.clear()
-        return self._index.groups
+        return self._groups.groups
 
     # --- changes ------------------------------------------------------------------------------
     def check_order(self) -> None:
@@ -233,7 +239,7 @@ class WaitingQueue:
         assert all(a < b for a, b in zip(prefix, prefix[1:])), "waiting prefix out of policy order"
         assert all(req.queue_prefix for req in self._items)
         count = len(self._items)
-        for gid, group in self._index.groups.items():
+        for gid, group in self._groups.groups.items():
             assert group, f"empty group {gid!r}"
             assert all(policy.wait_group(req) == gid and req.queue_group == gid and not req.queue_prefix
                        for req in group), \
@@ -245,7 +251,7 @@ class WaitingQueue:
             assert not prefix or prefix[-1] < keys[0], f"group {gid!r} sorts into the prefix"
             count += len(group)
         assert count == self._n, "waiting queue lost count"
-        self._index.check()
+        self._groups.check()
 
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
@@ -495,7 +501,7 @@ class _OffsetGroups(_Groups):
             slot = self._free.pop() if self._free else self._grow()
             self._slot[gid] = slot
             self._gids[slot] = gid
-            self._value[slot] = gid
+            self._value[slot] = gid  # type: ignore[call-overload]  # the offsets layout's groups are floats (w)
             self._stale.append(slot)
         self._set_head(slot, head.arrival)
 
@@ -543,7 +549,9 @@ class _OffsetGroups(_Groups):
         if not groups:
             return None
         key = self.policy.key
-        best = best_key = best_gid = None
+        best: RequestState | None = None
+        best_key: tuple = ()
+        best_gid: Hashable = None
         if len(groups) <= self._SCAN:  # a shallow queue: the exact keys of the heads, no numpy
             for gid, group in groups.items():
                 head = group[0]
@@ -564,6 +572,7 @@ class _OffsetGroups(_Groups):
                 k = key(head, now)
                 if best is None or k < best_key:
                     best, best_key, best_gid = head, k, gid
+        assert best is not None  # groups is not empty
         best.queue_key = best_key
         group = groups[best_gid]
         del group[0]

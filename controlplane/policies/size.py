@@ -21,7 +21,7 @@ def predicted_total(policy: Policy, req: RequestState) -> float:
         pred = policy.predictor.predict_total(req)
         req.cache_key, req.cache_value = ("total", version), (float(req.max_tokens) if pred is None else
                                                               min(float(pred), float(req.max_tokens)))
-    return req.cache_value
+    return req.cache_value  # type: ignore[return-value]  # a float under the ("total", version) key
 
 
 class Sjf(Policy):
@@ -149,7 +149,7 @@ class Srpt(Policy):
         return max(predicted_total(self, req) - req.generated, 0.0)
 
     def wait_group(self, req: RequestState):
-        return (*super().wait_group(req), req.generated)  # generated is fixed while it waits
+        return (*super().wait_group(req), req.generated)  # type: ignore[misc]  # a tuple; generated is fixed while it waits
 
     def sort_key(self, now: float):
         """``key``, inlined for sorting (the running list, every step)."""
@@ -157,7 +157,7 @@ class Srpt(Policy):
 
         def fast(r: RequestState) -> tuple:
             total = r.cache_value if r.cache_key == tag else predicted_total(self, r)
-            return (max(total - r.generated, 0.0), r.arrival, r.id)
+            return (max(total - r.generated, 0.0), r.arrival, r.id)  # type: ignore[operator]  # a float
 
         return fast
 

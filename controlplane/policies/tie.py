@@ -32,7 +32,7 @@ class Tie(Policy):
                 mu, sigma = dist
                 value = tie_moments(mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu)
             req.cache_key, req.cache_value = key, value
-        return req.cache_value
+        return req.cache_value  # type: ignore[return-value]  # set just above under this key
 
     def base_score(self, req: RequestState) -> float:
         m = self.moments(req)

@@ -163,7 +163,7 @@ def tie_moments(
         seg = (tab.weights[:k_c] * np.exp(mu + sigma * tab.nodes[:k_c])).sum(axis=1)
         cum = np.cumsum(seg)
     else:
-        cum = None
+        cum = np.zeros(0)  # no full segment below z_c (and none below t_a <= z_c)
     i_c = (float(cum[k_c - 1]) if k_c > 0 else 0.0) + float(
         _partial_scalar(bp[k_c], z_c, mu, sigma, tab, k_c >= n_seg).sum()
     )
