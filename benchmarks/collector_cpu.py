@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 TWINS_SCRIPT = textwrap.dedent("""\
     import signal, sys, threading
-    from tuner import traces
+    from sim import traces
     from tuner.twin import start_twins
     n, speed, rate_scale, out = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     trace = traces.assign_tenants_zipf(traces.load_bundled(), 4, seed=1)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from controlplane.settings import Settings
-from tuner.engine import simulate
-from tuner.traces import load_trace, scale_rate
+from sim.engine import simulate
+from sim.traces import load_trace, scale_rate
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"

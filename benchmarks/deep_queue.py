@@ -8,7 +8,7 @@ policy and compare each replay's wall time with fcfs's in the same run.
 The trace is synthetic and seeded: prompts ~``prompt_mean`` ± ``prompt_spread`` tokens (uniform),
 short outputs (log-normal, median 120 tokens, capped at 1,000), four tenants, Poisson arrivals at
 ``load`` × the replica's capacity. The capacity is the rate at which one replica (the default
-``tuner.engine.EngineConfig``: A100-80GB / Llama-3-8B step model, 25,000 KV blocks, and the
+``sim.engine.EngineConfig``: A100-80GB / Llama-3-8B step model, 25,000 KV blocks, and the
 default engine settings) can prefill the mean prompt in ``max_num_batched_tokens`` chunks: at 20×
 nearly every arrival queues, so the waiting queue grows to ~95% of the requests (the ``peak_wait``
 column: the most requests waiting at once, sampled at every step).
@@ -47,8 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from controlplane.settings import Settings  # noqa: E402
-from tuner.engine import EngineConfig, Simulator  # noqa: E402
-from tuner.traces import TraceRequest  # noqa: E402
+from sim.engine import EngineConfig, Simulator  # noqa: E402
+from sim.traces import TraceRequest  # noqa: E402
 
 PREDICTED = {"sjf", "srpt", "tie"}
 ROWS = {
@@ -197,7 +197,7 @@ def main() -> None:
         worst = max(walls, key=lambda r: walls[r])
         print(f"worst: {worst} at {walls[worst] / walls['fcfs']:.2f}x fcfs (target <= 2x)")
     if args.hash_bundled:
-        from tuner.traces import load_bundled, scale_rate
+        from sim.traces import load_bundled, scale_rate
 
         bundled = load_bundled()
         if args.bundled_rate_scale != 1.0:

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Re-derive the profile-based step-time coefficients (b, d) from the measured vidur profile.
 
-The default A100-80GB / Llama-3-8B / TP1 coefficient set in ``tuner/stepmodel.py`` hard-codes
+The default A100-80GB / Llama-3-8B / TP1 coefficient set in ``sim/stepmodel.py`` hard-codes
 ``b`` (seconds per prefill token) and ``d`` (seconds per decode sequence) so that the package
 never needs the profile at run time.  This script recomputes both by least squares from
 ``vidur_a100_llama3_8b_mlp.csv`` (measured per-layer non-attention op times, milliseconds per
 layer) and prints them next to the hard-coded values with the relative difference.
 
-Method (the same one the comments in ``tuner/stepmodel.py`` describe):
+Method (the same one the comments in ``sim/stepmodel.py`` describe):
 
 * per token count (TP as given, default 1), the per-layer time is the sum of the op medians of
   the nine per-layer ops (input_layernorm, attn_pre_proj, attn_rope, attn_post_proj,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO_ROOT))
-    from tuner.stepmodel import DEFAULT_MODEL_NAME, get_model
+    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model
 
     r = derive(args.profile.resolve(), args.tp, tuple(args.prefill_range), tuple(args.decode_range))
     hard = get_model(DEFAULT_MODEL_NAME)

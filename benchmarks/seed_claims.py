@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from controlplane.settings import Settings  # noqa: E402
-from tuner import traces  # noqa: E402
-from tuner.engine import simulate  # noqa: E402
+from sim import traces  # noqa: E402
+from sim.engine import simulate  # noqa: E402
 
 DEFAULT_TRACES = REPO / "traces"
 POLICIES: dict[str, dict] = {

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from controlplane.settings import POLICY_NAMES, Settings
-from tuner.engine import Simulator
-from tuner.traces import load_trace
+from sim.engine import Simulator
+from sim.traces import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"

@@ -5,7 +5,7 @@ held-out windows, with Azure conv mixed with reasoning-length requests near satu
         [--scale 0.9] [--window-s 240] [--trace PATH] [--reasoning-pmf PATH]
 
 1. Workload: the whole Azure conv trace (CC BY 4.0), with a fraction of its requests replaced by
-   reasoning requests whose lengths follow the ServeGen DeepSeek-R1 distribution (tuner.traces.mix).
+   reasoning requests whose lengths follow the ServeGen DeepSeek-R1 distribution (sim.traces.mix).
 2. Load: the arrival rate is scaled by `--scale` (default 0.9). A sweep of `sarathi` (vLLM's
    default) over the same windows is printed first: at 0.9 its P95 TTFT is several times its
    light-load value and climbs steeply with load, i.e. the replica runs near saturation (its

@@ -29,7 +29,7 @@ COMPARE_METRICS = (
 
 def _load_trace(path: str | None, rate_scale: float | None, target_rate: float | None,
                 window: str | None, cap: int | None, tenants: int | None, seed: int):
-    from tuner import traces
+    from sim import traces
 
     span = None
     if window:
@@ -76,8 +76,8 @@ def _remember_max_tokens_default(ctx: click.Context, param: click.Parameter, val
 
 
 def _engine_config(num_gpu_blocks: int | None, step_model: str | None):
-    from tuner.engine import EngineConfig
-    from tuner.stepmodel import get_model
+    from sim.engine import EngineConfig
+    from sim.stepmodel import get_model
 
     kw: dict[str, Any] = {}
     if num_gpu_blocks:
@@ -89,7 +89,7 @@ def _engine_config(num_gpu_blocks: int | None, step_model: str | None):
 
 def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     """Run one simulation (module-level so a process pool can call it)."""
-    from tuner.engine import Simulator
+    from sim.engine import Simulator
 
     label, trace, settings_doc, config, event_skipping, show_progress = args
     settings = Settings.model_validate(settings_doc)
@@ -169,7 +169,7 @@ with_trace_options = with_options(trace_options, engine_options, batch_options)
 
 def _engine_dict(kw: dict, step_model: str | None) -> dict:
     """The engine limits given on the command line, over vLLM's defaults for the step model's GPU."""
-    from tuner.stepmodel import DEFAULT_MODEL_NAME, engine_defaults
+    from sim.stepmodel import DEFAULT_MODEL_NAME, engine_defaults
 
     given = {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
              if kw.get(k) is not None}
@@ -361,7 +361,7 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
 
 
 def _load_trace_or_exit(*args):
-    from tuner.traces import TraceError
+    from sim.traces import TraceError
 
     try:
         return _load_trace(*args)

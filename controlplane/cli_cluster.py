@@ -254,7 +254,7 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
 def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     """Start twin replicas on a trace, record them into SQLite and show them live."""
     from controlplane.cluster import ClusterFile, ClusterSpec, ReplicaSpec
-    from tuner import traces
+    from sim import traces
     from tuner.twin import start_twins
 
     try:

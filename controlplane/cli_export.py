@@ -156,7 +156,7 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
         format_report,
         replica_control_url,
     )
-    from tuner.stepmodel import COEFFICIENT_SETS, get_model, save_user_model
+    from sim.stepmodel import COEFFICIENT_SETS, get_model, save_user_model
 
     if url and (replica or db or cluster_name):
         raise click.UsageError("give either --url or --replica (with --db), not both")

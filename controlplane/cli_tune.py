@@ -108,7 +108,7 @@ def _spec_value(param: str, value: Any) -> Any:
         if param == "search_params":
             return _split(value) or None
         if param == "step_model":
-            from tuner.stepmodel import get_model
+            from sim.stepmodel import get_model
 
             return get_model(value).as_dict()
         if param == "no_pruner":

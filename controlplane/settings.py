@@ -171,7 +171,7 @@ ADAPTIVE_PARAMS = {"uniboost": ("gamma",), "tie": ("beta",)}
 
 class EngineSettings(_Strict):
     """Engine limits the scheduler works within (vLLM's scheduler config). The defaults are vLLM's
-    for an A100, the default step model's GPU (``tuner.stepmodel.engine_defaults`` has the rest)."""
+    for an A100, the default step model's GPU (``sim.stepmodel.engine_defaults`` has the rest)."""
 
     max_num_seqs: int = Field(256, ge=1, le=65_536)
     max_num_batched_tokens: int = Field(2048, ge=1, le=1 << 22)

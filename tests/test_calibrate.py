@@ -27,7 +27,7 @@ from tuner.calibrate import (
     fetch_steps,
     steps_url,
 )
-from tuner.stepmodel import (
+from sim.stepmodel import (
     COEFFICIENT_SETS,
     DEFAULT_MODEL_NAME,
     StepTimeModel,
@@ -182,7 +182,7 @@ def test_empty_steps_are_not_fitted():
 
 # --- a twin replica through the store --------------------------------------------------------------
 def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
-    from tuner.traces import Trace, TraceRequest
+    from sim.traces import Trace, TraceRequest
 
     rng = random.Random(seed)
     return Trace("calib", tuple(
@@ -194,7 +194,7 @@ def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
 @pytest.fixture
 def twin():
     """One twin replica whose steps are timed by TRUTH, advanced 2 simulated minutes by hand."""
-    from tuner.engine import EngineConfig
+    from sim.engine import EngineConfig
     from tuner.twin import ManualClock, start_twins
 
     clock = ManualClock()
@@ -314,7 +314,7 @@ def test_option_errors():
     assert out.exit_code == 2 and "unknown step-time model" in out.output
 
 
-# --- the user directory of named sets (tuner/stepmodel.py) ---------------------------------------
+# --- the user directory of named sets (sim/stepmodel.py) ---------------------------------------
 def test_user_sets_are_found_by_name_and_listed(tailpilot_home, monkeypatch):
     model = StepTimeModel(0.01, 1e-5, 1e-9, 1e-5, 1e-8, name="calibrated/gpu-7", source="t")
     path = save_user_model(model)

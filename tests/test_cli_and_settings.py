@@ -116,7 +116,7 @@ def _tiny_azure(tmp_path, outputs):
 
 
 def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_path, monkeypatch):
-    from tuner import traces
+    from sim import traces
 
     outputs = [5, 40, 60, 80, 120, 7, 300, 2]
     path = _tiny_azure(tmp_path, outputs)
@@ -148,7 +148,7 @@ def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_
 
 
 def test_max_tokens_default_is_a_trace_option_of_every_trace_command():
-    from tuner.traces import DEFAULT_MAX_TOKENS
+    from sim.traces import DEFAULT_MAX_TOKENS
 
     for command in ("sim", "compare", "twin"):
         res = run_cli(command, "--help")

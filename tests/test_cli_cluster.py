@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from controlplane.cli import main
 from storage.store import Store
-from tuner.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceRequest
 from tuner.twin import start_twins
 
 TOKEN = "cli-token"

@@ -265,7 +265,7 @@ import httpx  # noqa: E402
 
 from controlplane.collector import Collector, apply_settings, poll_once  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tuner import traces  # noqa: E402
+from sim import traces  # noqa: E402
 from tuner.twin import start_twins  # noqa: E402
 
 TOKEN = "collector-test-token"

@@ -30,9 +30,9 @@ from controlplane.policies.predictors import HistoryPredictor
 from controlplane.policies.queue import WaitingQueue
 from controlplane.policies.size import Sjf, Srpt
 from controlplane.settings import Settings
-from tuner.engine import EngineConfig, Simulator
-from tuner.stepmodel import StepTimeModel
-from tuner.traces import TraceRequest
+from sim.engine import EngineConfig, Simulator
+from sim.stepmodel import StepTimeModel
+from sim.traces import TraceRequest
 
 STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")
 

@@ -9,9 +9,9 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from controlplane.settings import POLICY_NAMES, Settings
-from tuner.engine import EngineConfig, Simulator
-from tuner.stepmodel import StepTimeModel
-from tuner.traces import TraceRequest
+from sim.engine import EngineConfig, Simulator
+from sim.stepmodel import StepTimeModel
+from sim.traces import TraceRequest
 
 # Deliberately non-round coefficients so step boundaries never coincide with arrival times.
 STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")

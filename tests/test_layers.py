@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("controlplane", "storage", "tuner", "tui")
+PROJECT = ("controlplane", "storage", "tuner", "tui", "sim")
 
 RULES = {
     "controlplane/policies": ("vllm", "controlplane.plugin", "controlplane.collector", "controlplane.cli",
-                              "tuner", "storage", "tui"),
+                              "tuner", "sim", "storage", "tui"),
+    # The simulator: the policy library and the settings below it, nothing of the operator side.
+    "sim": ("vllm", "controlplane.plugin", "controlplane.collector", "controlplane.cli", "tuner", "storage", "tui"),
     "storage": PROJECT,
     "controlplane/plugin": ("storage", "controlplane.collector", "controlplane.recorder", "controlplane.cli",
-                            "tui", "tuner"),
+                            "tui", "tuner", "sim"),
 }
 
 
@@ -95,3 +97,17 @@ def test_the_plugin_needs_only_the_base_install():
     assert not loaded & operator, sorted(loaded & operator)
     extra = {m for m in loaded - base if not m.startswith("_") and m != "cython_runtime"}
     assert extra <= {"charset_normalizer"}, sorted(extra)  # numpy/scipy's optional helpers aside
+
+
+def test_nothing_imports_the_cli():
+    """The CLI sits above everything it imports: no library module imports it (entry points aside)."""
+    entry_points = {"tui/__main__.py"}
+    bad = []
+    for folder in PROJECT:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in entry_points or (folder == "controlplane" and path.name.startswith("cli")):
+                continue
+            bad += [f"{rel}:{line} imports {m}" for line, m in imports(path)
+                    if m == "controlplane.cli" or m.startswith("controlplane.cli_") or m.startswith("controlplane.cli.")]
+    assert bad == []

@@ -23,9 +23,9 @@ from controlplane.policies import RequestState, make_policy
 from controlplane.policies.predictors import SIGMA_FLOOR, OraclePredictor
 from controlplane.policies.tie_math import tie_moments
 from controlplane.settings import Settings
-from tuner.engine import EngineConfig, simulate
-from tuner.stepmodel import StepTimeModel
-from tuner.traces import TraceRequest
+from sim.engine import EngineConfig, simulate
+from sim.stepmodel import StepTimeModel
+from sim.traces import TraceRequest
 
 
 def req(i, output_tokens, max_tokens=10**6):

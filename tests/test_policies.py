@@ -11,9 +11,9 @@ from controlplane.policies import RequestState, make_policy
 from controlplane.policies.base import next_threshold, quantize
 from controlplane.policies.predictors import OraclePredictor
 from controlplane.settings import Settings
-from tuner.engine import EngineConfig, simulate
-from tuner.stepmodel import StepTimeModel
-from tuner.traces import TraceRequest
+from sim.engine import EngineConfig, simulate
+from sim.stepmodel import StepTimeModel
+from sim.traces import TraceRequest
 
 # One second per step whatever the batch: schedules read in whole steps.
 UNIT_STEPS = StepTimeModel(a=1.0, b=0.0, c=0.0, d=0.0, e=0.0, name="unit", source="test")
@@ -331,7 +331,7 @@ def test_srpt_trail_limit_stops_preemption_late_in_a_request():
 
 # --- live settings switch in the simulator (what the twin replicas will use) ----------------
 def test_simulator_switches_policy_mid_run_without_losing_requests():
-    from tuner.engine import Simulator
+    from sim.engine import Simulator
 
     trace = [req(f"r{i:03d}", 0.02 * i, 30 + (i * 37) % 300, 5 + (i * 13) % 120, tenant=f"t{i % 3}")
              for i in range(300)]
@@ -392,7 +392,7 @@ def test_simulator_decode_first_serves_decodes_before_prefill_chunks(decode_firs
     """As in the plugin (tests/test_plugin_inprocess.py): D decodes when P, the better uniboost
     score, arrives; with a 32-token budget P's prefill spans steps, and only under decode_first
     does D keep getting its token in them."""
-    from tuner.engine import Simulator
+    from sim.engine import Simulator
 
     settings = Settings.model_validate({"policy": "uniboost", "params": {
         "gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": False, "gamma_ada": False,

@@ -9,9 +9,9 @@ import pytest
 
 from controlplane.policies import RequestState, make_policy
 from controlplane.settings import Settings
-from tuner.engine import EngineConfig, simulate
-from tuner.stepmodel import StepTimeModel
-from tuner.traces import TraceRequest
+from sim.engine import EngineConfig, simulate
+from sim.stepmodel import StepTimeModel
+from sim.traces import TraceRequest
 
 UNIT_STEPS = StepTimeModel(a=1.0, b=0.0, c=0.0, d=0.0, e=0.0, name="unit", source="test")
 BIG_KV = EngineConfig(num_gpu_blocks=10_000, block_size=16, step_model=UNIT_STEPS)

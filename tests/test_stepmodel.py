@@ -1,4 +1,4 @@
-"""Tests for tuner/stepmodel.py (docs/engine.md#step-time-model step-time model)."""
+"""Tests for sim/stepmodel.py (docs/engine.md#step-time-model step-time model)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tuner.stepmodel import (
+from sim.stepmodel import (
     COEFFICIENT_SETS,
     DEFAULT_MODEL_NAME,
     StepFitError,
@@ -20,8 +20,8 @@ from tuner.stepmodel import (
     save_model,
 )
 
-# Facts restated here from tuner/stepmodel.py's sources so the checks below are independent of the
-# constants in tuner/stepmodel.py.
+# Facts restated here from sim/stepmodel.py's sources so the checks below are independent of the
+# constants in sim/stepmodel.py.
 A100_FLOPS = 312e12
 A100_BW = 2.039e12
 LAYERS, HIDDEN, KV_HEADS, HEAD_DIM, FFN, VOCAB = 32, 4096, 8, 128, 14336, 128256

@@ -1,4 +1,4 @@
-"""Tests for tuner.traces: loaders on small fixtures, error reporting, transforms, arrival processes.
+"""Tests for sim.traces: loaders on small fixtures, error reporting, transforms, arrival processes.
 
 Expected values are computed from the fixture files independently of the loader (csv/json/Decimal)
 so a parsing bug cannot be mirrored into the expectation.
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuner import traces as T
-from tuner.traces import Trace, TraceError, TraceRequest
+from sim import traces as T
+from sim.traces import Trace, TraceError, TraceRequest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 AZURE = FIXTURES / "azure_conv_head.csv"

@@ -26,7 +26,7 @@ from tui import keys as K
 from tui import render as R
 from tui.main import build_app
 from tui.sources import ReplaySource
-from tuner import traces
+from sim import traces
 from tuner.twin import start_twins
 
 TOKEN = "tui-test-token"

@@ -7,9 +7,9 @@ from click.testing import CliRunner
 
 from controlplane.settings import Settings
 from tuner import study as st
-from tuner import traces as tr
+from sim import traces as tr
 from tuner.continuous import continuous_metrics, losses, validate
-from tuner.engine import EngineConfig
+from sim.engine import EngineConfig
 
 
 def small_spec(**kw) -> st.StudySpec:

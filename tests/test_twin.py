@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.plugin.api import ControlServer
 from controlplane.plugin.core import COMPLETION_KEYS, ReplicaCore
 from controlplane.settings import Settings
-from tuner.engine import EngineConfig
-from tuner.traces import Trace, TraceRequest
+from sim.engine import EngineConfig
+from sim.traces import Trace, TraceRequest
 from tuner.twin import LAP_SEP, ManualClock, TwinReplica, start_twins
 
 TOKEN = "tw1n-token"

@@ -7,7 +7,7 @@
 The replica's scheduler plugin (or a twin) keeps a log of its recent steps — duration, prefill
 tokens, Σ prefill_len², decoding sequences, Σ KV context — served at ``/tailpilot/v1/steps``.
 :func:`fetch_steps` pages through it from cursor 0; :func:`calibrate_steps` fits the five
-coefficients with :func:`tuner.stepmodel.fit_step_model` (non-negative least squares on relative
+coefficients with :func:`sim.stepmodel.fit_step_model` (non-negative least squares on relative
 errors) and reports:
 
 * the fit error on every step used (MAPE, R², RMSE of predicted vs measured step time);
@@ -37,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from tuner.stepmodel import COEFFICIENTS, StepFitError, StepTimeModel, fit_step_model
+from sim.stepmodel import COEFFICIENTS, StepFitError, StepTimeModel, fit_step_model
 
 STEPS_PATH = "/tailpilot/v1/steps"
 DEFAULT_MIN_STEPS = 50
@@ -338,7 +338,7 @@ def replica_control_url(store, replica: str, cluster: str | None = None) -> tupl
 
 def format_report(result: CalibrationResult, saved_to: str | None = None) -> str:
     """The human-readable report ``tailpilot calibrate`` prints."""
-    from tuner.stepmodel import _COEF_MEANING
+    from sim.stepmodel import _COEF_MEANING
 
     m, fit = result.model, result.fit
     lines = [f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"

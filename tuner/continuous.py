@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from controlplane.metrics import higher_is_better
 from controlplane.settings import Settings
-from tuner.engine import Simulator
+from sim.engine import Simulator
 from tuner.study import TuneContext, build_traces, completion_metrics
 
 MAX_CANDIDATES = 5  # continuous replays are whole traces: check the best few, in preference order

@@ -63,8 +63,8 @@ import numpy as np
 
 from controlplane.metrics import fairness_summary, summarize
 from controlplane.settings import Settings
-from tuner import traces as tr
-from tuner.engine import EngineConfig, Simulator
+from sim import traces as tr
+from sim.engine import EngineConfig, Simulator
 from tuner.search import (
     Constraint,
     SearchSpace,
@@ -74,7 +74,7 @@ from tuner.search import (
     parse_range,
     tracked_metrics,
 )
-from tuner.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
+from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
 
 SPEC_VERSION = 1
 DEFAULT_STORAGE_FILE = "tailpilot-optuna.db"

@@ -60,8 +60,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from controlplane.plugin.api import TOKEN_ENV, ControlServer, Limits, token_from_env
 from controlplane.plugin.core import ReplicaCore
 from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
-from tuner.engine import EngineConfig, Simulator
-from tuner.traces import Trace, TraceRequest
+from sim.engine import EngineConfig, Simulator
+from sim.traces import Trace, TraceRequest
 
 log = logging.getLogger(__name__)
 
@@ -671,7 +671,7 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
     ``rate_scale``. ``seed`` goes to trace loaders that generate arrivals. ``token`` (default
     ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin.
     ``settings``: one document for every twin, or a sequence taken round-robin (side by side)."""
-    from tuner import traces
+    from sim import traces
 
     if n < 1:
         raise ValueError(f"need at least one replica, got {n}")

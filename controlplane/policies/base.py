@@ -3,7 +3,7 @@
 A policy changes three things only (docs/engine.md#scheduling-step): the order of the waiting queue, the order of the
 running list (which fixes budget priority and the memory-pressure victim), and whether a running
 request may be preempted for a waiting one. Everything else — token budget, KV blocks, chunked
-prefill — belongs to the engine (vLLM, or the simulator in ``tuner.engine``), which calls the
+prefill — belongs to the engine (vLLM, or the simulator in ``sim.engine``), which calls the
 hooks below. The same classes run in both; nothing here imports vLLM.
 
 Every ordering key is ``(score, arrival, id)``: lower is served first, and ties break on

@@ -26,7 +26,7 @@ Supported formats (see `load_trace` for auto-detection):
   Poisson/Gamma arrival process                                              -> `load_lengths`
 * ServeGen-derived length PMFs (`model,field,value,prob`), reasoning type    -> `load_servegen_reasoning`
 
-Bundled data: `tuner/data/azure_conv_window.csv` holds the first 600 s (2,867 rows, byte-for-byte,
+Bundled data: `sim/data/azure_conv_window.csv` holds the first 600 s (2,867 rows, byte-for-byte,
 same header) of AzureLLMInferenceTrace_conv.csv from Azure/AzurePublicDataset, licensed CC BY 4.0;
 please cite Patel et al., "Splitwise: Efficient Generative LLM Inference Using Phase Splitting",
 ISCA 2024. See `bundled_trace_path()` and `load_bundled()`.
@@ -791,7 +791,7 @@ def _choose_loader(path: PathLike, where: str, kw: dict):
 
 def bundled_trace_path() -> Path:
     """Path of the bundled Azure conv window (first 600 s of AzureLLMInferenceTrace_conv.csv)."""
-    ref = resources.files("tuner").joinpath("data", BUNDLED_FILE)
+    ref = resources.files("sim").joinpath("data", BUNDLED_FILE)
     if not isinstance(ref, Path):  # e.g. a zipped install: no real file to point at
         raise TraceError(f"{BUNDLED_FILE}: the package is not installed as files; use load_bundled()")
     return ref
@@ -807,7 +807,7 @@ def load_bundled(*, max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     "Splitwise", ISCA 2024).
     """
     cap = _check_cap(max_tokens_default)
-    ref = resources.files("tuner").joinpath("data", BUNDLED_FILE)
+    ref = resources.files("sim").joinpath("data", BUNDLED_FILE)
     # Read through the Traversable so this works even when the package is not on a filesystem.
     with ref.open("r", newline="", encoding="utf-8-sig") as f:
         return _parse_azure(f, BUNDLED_FILE, "azure-conv-window", "conv", cap)

@@ -213,7 +213,7 @@ A100_LLAMA3_8B_TP1 = StepTimeModel(
     e=_A100_E,
     name="a100-80gb/llama-3-8b/tp1",
     source=("derived: vidur A100 profile (b, d), attention FLOPs at MFU 0.38 (c), weights/KV at "
-            "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); tuner/stepmodel.py facts"),
+            "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); sim/stepmodel.py facts"),
 )
 
 # ---------------------------------------------------------------------------------------------
