@@ -39,6 +39,10 @@ A study is *trace windows × policy × search space × objective(s) × constrain
   same trials and the same best trial. A resumed worker seeds its sampler with ``seed`` plus the
   number of finished trials (a fresh stream, still reproducible).
 
+Rooms: the definition is ``tuner/spec.py``, the windows and their replay ``tuner/windows.py``,
+where a study lives ``tuner/optuna_storage.py``; this module prepares a study, runs its workers and
+reads its results (``tuner/recommend.py`` and ``tuner/continuous.py`` build on them).
+
 Keep Optuna's tables away from tailpilot's database: the default storage is the SQLite file
 ``tailpilot-optuna.db``; ``check_storage_separate`` refuses the tailpilot database itself.
 """
@@ -46,45 +50,36 @@ Keep Optuna's tables away from tailpilot's database: the default storage is the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import math
 import multiprocessing
 import os
-import random
 import signal
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from controlplane.metrics import fairness_summary, summarize
 from controlplane.settings import Settings
-from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
 from tuner.search import (
     Constraint,
     SearchSpace,
     build_space,
-    parse_constraint,
-    parse_objectives,
     parse_range,
     tracked_metrics,
 )
-from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
+# The study's parts, imported here for callers of the study's API (tuner.study.X keeps working).
+from tuner.optuna_storage import (GRACE_S, HEARTBEAT_S, TAILPILOT_TABLES, _redact,  # noqa: F401
+                                  check_storage_separate, open_storage, quiet_optuna, storage_url)
+from tuner.spec import (DEFAULT_HOLDOUT, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_REQUESTS,  # noqa: F401
+                        DEFAULT_STORAGE_FILE, DEFAULT_WARMUP_S, DEFAULT_WINDOW_S, SPEC_VERSION, StudyConflict,
+                        StudySpec, TuneError, file_digest)
+from tuner.windows import (Window, build_traces, build_windows, completion_metrics, fingerprint,  # noqa: F401
+                           nanmean, split_windows, window_load, window_metrics, worst)
 
-SPEC_VERSION = 1
-DEFAULT_STORAGE_FILE = "tailpilot-optuna.db"
-DEFAULT_WINDOW_S = 120.0
-DEFAULT_WARMUP_S = 120.0  # arrivals replayed before each window and not measured
-DEFAULT_HOLDOUT = 0.25
-DEFAULT_MAX_WINDOWS = 12  # search windows per trial when --windows is not given
-DEFAULT_MIN_REQUESTS = 20
-HEARTBEAT_S = 10
-GRACE_S = 40
 ATTR_SPEC = "tailpilot:spec"
 ATTR_SPACE = "tailpilot:space"
 ATTR_GAMMA_HAT = "tailpilot:gamma_hat"
@@ -95,289 +90,6 @@ TRIAL_ATTR = "tailpilot"
 ROLE_ATTR = "tailpilot_role"
 PRODUCTION = "production"
 INFEASIBLE = 1e12  # constraint value for an undefined (NaN) metric: Optuna refuses NaN
-
-
-class TuneError(ValueError):
-    """A study that cannot be set up or resumed; the message names the flag or file."""
-
-
-class StudyConflict(TuneError):
-    def __init__(self, field_name: str, given: Any, stored: Any) -> None:
-        self.field_name, self.given, self.stored = field_name, given, stored
-        super().__init__(f"{field_name}: {given!r} differs from the study's {stored!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# The study definition
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StudySpec:
-    """Everything that fixes a study's windows, space and scoring (JSON-able; kept in the study)."""
-
-    policies: list[str]
-    objectives: list[str]
-    constraints: list[str] = field(default_factory=list)
-    traces: list[str | None] = field(default_factory=lambda: [None])  # None = the bundled window
-    trim: tuple[float, float] | None = None  # keep arrivals in [start, start+dur) first
-    mix: list[tuple[str, float]] = field(default_factory=list)  # (file, fraction) mixed in
-    rate_scale: float | None = None
-    target_rate: float | None = None
-    max_tokens_cap: int | None = None
-    max_tokens_default: int | None = None  # None: tr.DEFAULT_MAX_TOKENS
-    tenants: int | None = None
-    seed: int = 0
-    window_s: float = DEFAULT_WINDOW_S
-    warmup_s: float = DEFAULT_WARMUP_S
-    holdout: float = DEFAULT_HOLDOUT
-    windows: int | None = None  # K search windows per trial (None: all, up to DEFAULT_MAX_WINDOWS)
-    min_requests: int = DEFAULT_MIN_REQUESTS
-    production: dict[str, Any] = field(default_factory=lambda: Settings().to_dict())
-    slo: dict[str, float] = field(default_factory=dict)
-    ranges: list[str] = field(default_factory=list)  # NAME=LO:HI[:log]
-    fixed: dict[str, Any] = field(default_factory=dict)
-    search: list[str] | None = None
-    tune_engine: bool = True
-    num_gpu_blocks: int | None = None
-    step_model: dict[str, Any] = field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME).as_dict())
-    pruner: bool = True
-    population_size: int = 20  # NSGA-II
-    # Filled by normalize(): file digests, so a changed file is caught on resume.
-    trace_digests: list[str | None] = field(default_factory=list)
-    mix_digests: list[str | None] = field(default_factory=list)
-    version: int = SPEC_VERSION
-
-    # -- (de)serialisation
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["trim"] = list(self.trim) if self.trim else None
-        d["mix"] = [[p, f] for p, f in self.mix]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StudySpec":
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise TuneError(f"the study was written by a newer tailpilot (unknown fields {sorted(unknown)})")
-        # Studies written before warm windows replayed each window from an empty engine.
-        d.setdefault("warmup_s", 0.0)
-        if d.get("trim"):
-            d["trim"] = tuple(d["trim"])
-        d["mix"] = [(p, float(f)) for p, f in d.get("mix", [])]
-        return cls(**d)
-
-    def normalize(self) -> "StudySpec":
-        """Validate; absolute paths, canonical metric names and settings; file digests."""
-        self.traces = [None if p in (None, "bundled") else str(Path(p).resolve()) for p in self.traces] or [None]
-        self.mix = [(str(Path(p).resolve()), float(f)) for p, f in self.mix]
-        for p in [*filter(None, self.traces), *(p for p, _ in self.mix)]:
-            if not Path(p).is_file():
-                raise TuneError(f"--trace/--mix {p}: no such file")
-        total = math.fsum(f for _, f in self.mix)
-        if any(not (0 < f < 1) for _, f in self.mix) or total >= 1:
-            raise TuneError(f"--mix: fractions must be in (0, 1) and sum below 1, got {[f for _, f in self.mix]}")
-        if not (self.window_s > 0 and math.isfinite(self.window_s)):
-            raise TuneError(f"--window-s {self.window_s}: must be a positive number of seconds")
-        if not (self.warmup_s >= 0 and math.isfinite(self.warmup_s)):
-            raise TuneError(f"--warmup-s {self.warmup_s}: must be a number of seconds >= 0")
-        if not 0 < self.holdout < 1:
-            raise TuneError(f"--holdout {self.holdout}: must be a fraction in (0, 1)")
-        if self.windows is not None and self.windows < 1:
-            raise TuneError(f"--windows {self.windows}: must be >= 1")
-        try:
-            self.production = Settings.model_validate(self.production).to_dict()
-        except ValueError as err:
-            from controlplane.settings import describe_error
-
-            raise TuneError(f"--production: {describe_error(err)}") from None
-        from controlplane.metrics import LATENCY_BASES
-
-        self.slo = {k: float(v) for k, v in self.slo.items()}
-        for family, seconds in self.slo.items():
-            if family not in LATENCY_BASES or not seconds > 0:
-                raise TuneError(f"--slo {family}={seconds:g}: expected FAMILY=SECONDS with FAMILY one of "
-                                f"{', '.join(LATENCY_BASES)} and SECONDS > 0")
-        try:
-            self.objectives = [n for n, _ in parse_objectives(self.objectives, self.slo)]
-            self.constraints = [parse_constraint(c, self.slo).text for c in self.constraints]
-        except ValueError as err:
-            raise TuneError(str(err)) from None
-        StepTimeModel.from_dict(self.step_model)
-        self.trace_digests = [None if p is None else file_digest(p) for p in self.traces]
-        self.mix_digests = [file_digest(p) for p, _ in self.mix]
-        return self
-
-    # -- derived
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.objectives) > 1
-
-    def objective_dirs(self) -> list[tuple[str, str]]:
-        return parse_objectives(self.objectives, self.slo)
-
-    def parsed_constraints(self) -> list[Constraint]:
-        return [parse_constraint(c, self.slo) for c in self.constraints]
-
-    def engine_config(self) -> EngineConfig:
-        kw: dict[str, Any] = {"step_model": StepTimeModel.from_dict(self.step_model)}
-        if self.num_gpu_blocks:
-            kw["num_gpu_blocks"] = self.num_gpu_blocks
-        return EngineConfig(**kw)
-
-
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
-# Windows
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Window:
-    index: int  # position in the study's window list (the pruner's step)
-    source: str  # trace name
-    start_s: float  # start within the transformed trace
-    trace: tr.Trace  # the warm-up's arrivals, then the window's
-    measured: frozenset[str] = frozenset()  # ids of the window's own requests (the metrics' scope)
-    trace_no: int = 0  # which of the study's traces
-
-    def label(self) -> str:
-        return f"w{self.index}({self.source}@{self.start_s:g}s, {len(self.measured)} req)"
-
-
-def build_traces(spec: StudySpec) -> list[tr.Trace]:
-    """Load and transform each trace file (in the order of the transforms, docs/engine.md#traces)."""
-    out = []
-    for path in spec.traces:
-        try:
-            cap = spec.max_tokens_default or tr.DEFAULT_MAX_TOKENS
-            trace = (tr.load_bundled(max_tokens_default=cap) if path is None
-                     else tr.load_trace(path, seed=spec.seed, max_tokens_default=cap))
-            trace = tr.transform(trace, window=spec.trim)
-            if spec.mix and len(trace):
-                parts: list[tuple[tr.Trace, float]] = []
-                for i, (mpath, frac) in enumerate(spec.mix):
-                    part = tr.load_trace(mpath, n=len(trace), rate=trace.rate or 1.0, seed=spec.seed + i,
-                                         max_tokens_default=cap)
-                    parts.append((part, frac))
-                rest = 1.0 - math.fsum(f for _, f in parts)
-                trace = tr.mix([(trace, rest), *parts], seed=spec.seed,
-                               name=trace.name + "+" + "+".join(f"{f:g}*{p.name}" for p, f in parts))
-            # The rest in the command line's order (after the mix, which scales with the trace).
-            trace = tr.transform(trace, rate_scale=spec.rate_scale, rate=spec.target_rate,
-                                 max_tokens_cap=spec.max_tokens_cap, tenants=spec.tenants, seed=spec.seed)
-        except tr.TraceError as err:
-            raise TuneError(str(err)) from None
-        out.append(trace)
-    return out
-
-
-def build_windows(spec: StudySpec, traces: Sequence[tr.Trace] | None = None) -> list[Window]:
-    """Consecutive ``window_s`` windows of every trace; a short last window (under half a window)
-    and windows with fewer than ``min_requests`` requests are dropped."""
-    windows: list[Window] = []
-    w, warm = spec.window_s, spec.warmup_s
-    for trace_no, trace in enumerate(traces if traces is not None else build_traces(spec)):
-        if not len(trace):
-            continue
-        end = trace.requests[-1].arrival
-        n = int(end // w) + 1
-        for k in range(n):
-            start = k * w
-            if k == n - 1 and end - start < 0.5 * w and n > 1:
-                break
-            measured = frozenset(r.id for r in trace if start <= r.arrival < start + w)
-            if len(measured) < spec.min_requests:
-                continue
-            begin = max(0.0, start - warm)
-            win = tr.time_window(trace, begin, start + w - begin)
-            windows.append(Window(len(windows), trace.name, start, win, measured, trace_no))
-    return windows
-
-
-def _stratified(order: Sequence[int], k: int, rng: np.random.Generator) -> list[int]:
-    """``k`` of ``order`` (windows sorted by load), one drawn at random from each of ``k``
-    consecutive strata, so the pick spans light to heavy windows."""
-    edges = np.linspace(0, len(order), k + 1)
-    picks = []
-    for j in range(k):
-        lo, hi = int(round(edges[j])), int(round(edges[j + 1]))
-        picks.append(order[int(rng.integers(lo, max(hi, lo + 1)))])
-    return sorted(picks)
-
-
-def split_windows(spec: StudySpec, n: int, load: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
-    """(search, held-out) window indices. The held-out windows are a seeded choice stratified by
-    load (prompt + output tokens per window): with windows ranked by load, one is drawn from each of
-    ``n_holdout`` consecutive strata, so validation sees light and heavy windows alike. K search
-    windows are chosen from the rest the same way (all of them when K is not smaller)."""
-    if n < 2:
-        raise TuneError(f"the trace gives {n} window(s) of {spec.window_s:g} s with >= {spec.min_requests} "
-                        "requests; need at least 2 (one is held out): lower --window-s or use a longer trace")
-    rng = np.random.default_rng([spec.seed, 0x5EED])
-    load = list(load) if load is not None else [0] * n
-    order = sorted(range(n), key=lambda i: (load[i], i))
-    n_hold = min(n - 1, max(1, int(round(spec.holdout * n))))
-    held = _stratified(order, n_hold, rng)
-    rest = [i for i in order if i not in set(held)]
-    k = min(spec.windows or DEFAULT_MAX_WINDOWS, len(rest))
-    search = sorted(rest) if k == len(rest) else _stratified(rest, k, rng)
-    return search, held
-
-
-def window_load(w: Window) -> int:
-    """Tokens a window asks for (prompt + output): the load the held-out split is stratified on."""
-    return sum(r.prompt_tokens + r.output_tokens for r in w.trace if r.id in w.measured)
-
-
-def fingerprint(windows: Sequence[Window]) -> str:
-    h = hashlib.sha256()
-    for w in windows:
-        h.update(f"{w.index}|{w.source}|{w.start_s!r}|{len(w.trace)}\n".encode())
-        for r in w.trace:
-            h.update(f"{r.id},{r.arrival!r},{r.prompt_tokens},{r.output_tokens},{r.max_tokens},"
-                     f"{r.tenant},{r.type}{'' if r.id in w.measured else ',warm-up'}\n".encode())
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------------
-
-
-def window_metrics(settings: Settings, window: Window, config: EngineConfig, names: Sequence[str],
-                   slo: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Replay one window (warm-up first) under ``settings``; the named metrics of the window's own
-    requests (NaN when undefined)."""
-    result = Simulator(window.trace, settings, config).run()
-    return completion_metrics([c for c in result.completions if c.id in window.measured], names, slo)
-
-
-def completion_metrics(completions: Sequence[Any], names: Sequence[str],
-                       slo: Mapping[str, float] | None = None) -> dict[str, float]:
-    """The named metrics of ``completions`` (NaN when undefined)."""
-    summary = summarize(completions, slo=slo or None)
-    if any(n in ("jain_index",) for n in names):
-        summary.update(fairness_summary(completions))
-    return {n: float(summary.get(n, math.nan)) for n in names}
-
-
-def nanmean(values: Sequence[float]) -> float:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return math.fsum(finite) / len(finite) if finite else math.nan
-
-
-def worst(direction: str) -> float:
-    return math.inf if direction == "minimize" else -math.inf
 
 
 @dataclass
@@ -445,132 +157,6 @@ def estimate_gamma(spec: StudySpec, windows: Sequence[Window], indices: Sequence
     t95, t99 = np.percentile(np.asarray(ttlt), [95, 99])
     gap = float(t99 - t95)
     return math.log(5.0) / gap if gap > 0 else math.nan
-
-
-# --------------------------------------------------------------------------------------------
-# Storage
-# --------------------------------------------------------------------------------------------
-
-TAILPILOT_TABLES = frozenset({"replicas", "samples", "completions", "recommendations", "settings_changes"})
-
-
-def storage_url(raw: str | None) -> str:
-    """``None`` → ``sqlite:///<cwd>/tailpilot-optuna.db``; a path → SQLite; ``postgresql://`` →
-    psycopg 3."""
-    if raw is None or raw == "":
-        return f"sqlite:///{Path.cwd() / DEFAULT_STORAGE_FILE}"
-    if "://" not in raw:
-        return f"sqlite:///{Path(raw).resolve()}"
-    for prefix in ("postgresql://", "postgres://"):
-        if raw.startswith(prefix):
-            return "postgresql+psycopg://" + raw[len(prefix):]
-    return raw
-
-
-def _same_database(a: str, b: str) -> bool:
-    from sqlalchemy.engine import make_url
-
-    try:
-        ua, ub = make_url(a), make_url(b)
-    except Exception:  # noqa: BLE001 - unparsable: let the open fail later
-        return False
-    if ua.get_backend_name() != ub.get_backend_name():
-        return False
-    if ua.get_backend_name() == "sqlite":
-        da, db = ua.database or "", ub.database or ""
-        return bool(da) and da != ":memory:" and Path(da).resolve() == Path(db).resolve()
-    return (ua.host, ua.port, ua.database) == (ub.host, ub.port, ub.database)
-
-
-def check_storage_separate(url: str, db_url: str | None) -> None:
-    """Refuse to put Optuna's tables into tailpilot's database (both use alembic_version).
-    ``db_url``: tailpilot's database (None: its default, ./tailpilot.db)."""
-    from storage.engine import DEFAULT_SQLITE_FILE
-
-    db_url = db_url or DEFAULT_SQLITE_FILE
-    if db_url is not None:
-        db = db_url if "://" in db_url else f"sqlite:///{Path(db_url).resolve()}"
-        if _same_database(url, db):
-            raise TuneError(f"--storage is tailpilot's database ({db_url}); keep Optuna's tables apart: "
-                            f"use another database (default: the SQLite file {DEFAULT_STORAGE_FILE})")
-    from sqlalchemy import create_engine, inspect
-
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        return
-    engine = create_engine(url)
-    try:
-        tables = set(inspect(engine).get_table_names())
-    except Exception as err:  # noqa: BLE001
-        raise TuneError(f"--storage {_redact(url)}: cannot connect: {err}") from None
-    finally:
-        engine.dispose()
-    clash = tables & TAILPILOT_TABLES
-    if clash:
-        raise TuneError(f"--storage {_redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
-                        "keep Optuna's tables in a separate database")
-
-
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
-        return url
-
-
-def open_storage(url: str):
-    import optuna
-
-    quiet_optuna()
-    kw: dict[str, Any] = {}
-    if url.startswith("sqlite"):
-        kw["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    else:
-        kw["engine_kwargs"] = {"pool_pre_ping": True}
-    # Workers starting together on an empty database race to create Optuna's schema (PostgreSQL:
-    # "duplicate key ... pg_type"); the loser finds the tables on a second try.
-    for attempt in range(6):
-        try:
-            storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw)
-            break
-        except Exception as err:  # noqa: BLE001 - any driver error: say which storage
-            if attempt == 5 or not _transient_open_error(err):
-                raise TuneError(f"--storage {_redact(url)}: cannot open: {err}") from None
-            time.sleep(0.2 * 2 ** attempt * (0.5 + random.random()))
-    if url.startswith("sqlite"):
-        _sqlite_wal(storage.engine)
-    return storage
-
-
-def _transient_open_error(err: Exception) -> bool:
-    text = str(err).lower()
-    return any(k in text for k in ("duplicate key", "already exists", "database is locked", "deadlock",
-                                   "could not serialize", "unique constraint"))
-
-
-def _sqlite_wal(engine) -> None:
-    """WAL with synchronous=NORMAL: a commit without an fsync (Optuna commits every suggested
-    parameter and report; at ~10 ms per fsync that would cost more than the simulation)."""
-    from sqlalchemy import event
-
-    from storage.engine import sqlite_pragmas
-
-    @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - exercised via the engine
-        sqlite_pragmas(dbapi_conn)
-
-    engine.dispose()  # connections opened before the listener reconnect with the pragmas
-
-
-def quiet_optuna() -> None:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", message="Argument ``heartbeat_interval`` is an experimental")
-    warnings.filterwarnings("ignore", message="Fixed parameter .* is out of range")
-    warnings.filterwarnings("ignore", message=".*WilcoxonPruner.*")
 
 
 # --------------------------------------------------------------------------------------------
