@@ -18,8 +18,8 @@ strict JSON are ``controlplane/replica_http.py``; settings changes (``tailpilot 
 ``controlplane/steering.py``; this module keeps the per-replica views, the rolling window and the
 poll loop.
 
-Concurrency: one client for all replicas (:class:`PollingClient`: polls through its aiohttp session,
-settings PUTs through httpx); one task per replica that polls and then
+Concurrency: one client for all replicas (:class:`PollingClient`, one aiohttp session for polls
+and settings writes); one task per replica that polls and then
 sleeps to its next tick, so a poll never overlaps the previous one of the same replica and a slow
 replica (bounded by the cluster's ``timeout_s``) only delays itself.
 
@@ -47,7 +47,6 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
-import httpx
 import numpy as np
 from pydantic import ValidationError
 
@@ -484,7 +483,7 @@ class _StateAnswer:
     restarted: str | None = None  # why the replica is taken to have restarted (read from 0)
 
 
-async def _fetch_state(client: httpx.AsyncClient, view: ReplicaView, timeout_s: float) -> _StateAnswer:
+async def _fetch_state(client: PollingClient, view: ReplicaView, timeout_s: float) -> _StateAnswer:
     """The state document and the completions since ``view.cursor``; changes nothing in ``view``.
 
     Pages through a backlog; reads from cursor 0 when the replica restarted."""
@@ -521,7 +520,7 @@ async def _fetch_state(client: httpx.AsyncClient, view: ReplicaView, timeout_s: 
     return _StateAnswer(doc, rows, cursor, restarted)
 
 
-async def _fetch_metrics(client: httpx.AsyncClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
+async def _fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
     resp = await _get(client, spec.metrics_url, "metrics", timeout_s)
     text = resp.text
     metrics = parse_vllm_metrics(text)
@@ -530,7 +529,7 @@ async def _fetch_metrics(client: httpx.AsyncClient, spec: ReplicaSpec, timeout_s
     return metrics
 
 
-async def _poll_view(client: httpx.AsyncClient, view: ReplicaView, timeout_s: float, clock: Callable[[], float],
+async def _poll_view(client: PollingClient, view: ReplicaView, timeout_s: float, clock: Callable[[], float],
                      *, with_completions: bool = True, metrics_every: int = 1) -> PollResult:
     """One poll of one replica: /state and /metrics concurrently, folded into ``view``.
 
@@ -616,7 +615,7 @@ class Collector:
     """
 
     def __init__(self, cluster: ClusterSpec, store: Any | None = None, *,
-                 client: httpx.AsyncClient | None = None, clock: Callable[[], float] = time.time,
+                 client: PollingClient | None = None, clock: Callable[[], float] = time.time,
                  flush_interval_s: float = 1.0, metrics_every: int = 1) -> None:
         self.cluster = cluster
         self.metrics_every = max(1, int(metrics_every))
@@ -836,7 +835,7 @@ class Collector:
         self._pending = batch.followed_by(self._pending)
 
 
-async def poll_once(cluster: ClusterSpec, *, client: httpx.AsyncClient | None = None,
+async def poll_once(cluster: ClusterSpec, *, client: PollingClient | None = None,
                     with_completions: bool = False, clock: Callable[[], float] = time.time,
                     ) -> list[ReplicaSnapshot]:
     """One concurrent poll of every replica, no store (``tailpilot status``).

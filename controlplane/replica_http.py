@@ -11,11 +11,10 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 from urllib.parse import urlencode
 
 import aiohttp
-import httpx
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 
@@ -37,36 +36,44 @@ class StateFormatError(ValueError):
     """A control API answer that is not the documented state document; the message names the field."""
 
 
-class PollingClient(httpx.AsyncClient):
-    """The collector's one HTTP client. Use it as the ``httpx.AsyncClient`` it is for the rare
-    calls (a settings PUT and its read-back); its polls take :meth:`fast_get`, which goes through
-    an aiohttp session it owns: aiohttp's C parser on plain asyncio transports costs a third of
-    httpx's pure-Python stack per GET (256 GET/s against 64 twins: ~7% of a core against 18-27%),
-    and a poll of a replica API needs nothing httpx adds. The session keeps up to 4 connections
-    per replica, reads no proxies from the environment and keeps no cookies."""
+class PollingClient:
+    """The collector's one HTTP client, for polls and settings writes alike: an aiohttp session
+    (aiohttp's C parser on plain asyncio transports costs a third of httpx's pure-Python stack per
+    GET: 256 GET/s against 64 twins, ~7% of a core against 18-27%). It keeps up to 4 connections
+    per replica (none with ``keepalive=False``), reads no proxies from the environment, keeps no
+    cookies and follows no redirects. The session is created on first use: it binds to the
+    running event loop."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(timeout=httpx.Timeout(timeout_s), trust_env=False)
+    def __init__(self, timeout_s: float, *, keepalive: bool = True) -> None:
         self._timeout_s = timeout_s
+        self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
 
-    def _poll_session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # created on first use: it binds to the running event loop
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = (aiohttp.TCPConnector(limit=0, limit_per_host=4) if self._keepalive
+                         else aiohttp.TCPConnector(limit=0, force_close=True))
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=4), trust_env=False,
-                cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+                connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=self._timeout_s))
         return self._session
 
-    async def fast_get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        extra = {} if timeout_s == self._timeout_s else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
-        async with self._poll_session().get(url, allow_redirects=False, **extra) as response:
-            return response.status, await response.read()
+    def _timeout(self, timeout_s: float) -> dict[str, Any]:
+        return {} if timeout_s == self._timeout_s else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
+
+    async def get(self, url: str, timeout_s: float) -> "_Resp":
+        async with self._get_session().get(url, allow_redirects=False, **self._timeout(timeout_s)) as response:
+            return _Resp(response.status, await response.read(), response.reason or "")
+
+    async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> "_Resp":
+        async with self._get_session().put(url, json=doc, headers=dict(headers), allow_redirects=False,
+                                           **self._timeout(timeout_s)) as response:
+            return _Resp(response.status, await response.read(), response.reason or "")
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-        await super().aclose()
 
 
 def make_client(cluster: ClusterSpec) -> PollingClient:
@@ -75,16 +82,13 @@ def make_client(cluster: ClusterSpec) -> PollingClient:
 
 
 def _describe_http_error(err: BaseException, what: str, timeout_s: float) -> str:
-    if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
         return f"{what}: timeout after {timeout_s:g} s"
     if isinstance(err, aiohttp.ClientConnectorError):
         detail = str(err.os_error) if err.os_error else "connection refused"
         return f"{what}: down ({detail})"
-    if isinstance(err, httpx.ConnectError):
-        detail = str(err) or "connection refused"
-        return f"{what}: down ({detail})"
-    if isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError, aiohttp.ServerDisconnectedError,
-                        aiohttp.ClientPayloadError, aiohttp.ClientResponseError, aiohttp.ClientOSError)):
+    if isinstance(err, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError,
+                        aiohttp.ClientOSError)):
         return f"{what}: connection lost ({type(err).__name__}: {err})"
     return f"{what}: {type(err).__name__}: {err}"
 
@@ -99,28 +103,25 @@ class _HttpFailure(Exception):
 class _Resp:
     status_code: int
     content: bytes
+    reason_phrase: str = ""
 
     @property
     def text(self) -> str:
         return self.content.decode("utf-8", "replace")
 
 
-async def _get(client: httpx.AsyncClient, url: str, what: str, timeout_s: float,
+async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
                params: dict[str, Any] | None = None) -> _Resp:
     if params:
         url = f"{url}?{urlencode(params)}"
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
             for attempt in range(RATE_LIMIT_RETRIES + 1):
-                if isinstance(client, PollingClient):
-                    resp = _Resp(*await client.fast_get(url, timeout_s))
-                else:
-                    answer = await client.get(url, timeout=timeout_s)
-                    resp = _Resp(answer.status_code, answer.content)
+                resp = await client.get(url, timeout_s)
                 if resp.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
                     break
                 await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
-    except (httpx.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as err:
+    except (aiohttp.ClientError, TimeoutError, OSError) as err:
         raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
     if resp.status_code != 200:
         body = resp.text.strip().replace("\n", " ")

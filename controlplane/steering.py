@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-import httpx
+import aiohttp
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.replica_http import (
+    PollingClient,
     StateFormatError,
     _describe_http_error,
     _get,
@@ -51,7 +52,7 @@ class ApplyResult:
 SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
 
 
-async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: ReplicaSpec,
+async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaSpec,
                      change: SettingsChange, wait_s: float) -> ApplyResult:
     from pydantic import ValidationError
 
@@ -96,8 +97,8 @@ async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: Repl
         headers["Authorization"] = f"Bearer {token}"
     try:
         async with asyncio.timeout(timeout):
-            put = await client.put(base, json=new_doc, headers=headers, timeout=timeout)
-    except (httpx.HTTPError, TimeoutError, OSError) as err:
+            put = await client.put_json(base, new_doc, headers, timeout)
+    except (aiohttp.ClientError, TimeoutError, OSError) as err:
         res.message = _describe_http_error(err, "PUT settings", timeout)
         return res
     res.status = put.status_code
@@ -132,7 +133,7 @@ async def _apply_one(client: httpx.AsyncClient, cluster: ClusterSpec, spec: Repl
     return res
 
 
-async def _wait_active(client: httpx.AsyncClient, spec: ReplicaSpec, version: int, timeout_s: float,
+async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, timeout_s: float,
                        wait_s: float) -> tuple[int | None, str]:
     """Poll the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``:
     (the active version last seen, why it is not ``version`` yet)."""
@@ -154,7 +155,7 @@ async def _wait_active(client: httpx.AsyncClient, spec: ReplicaSpec, version: in
 
 async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
                          store: Any | None = None, who: str = "cli", *,
-                         client: httpx.AsyncClient | None = None,
+                         client: PollingClient | None = None,
                          wait_s: float = APPLY_WAIT_S) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 

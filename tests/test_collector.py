@@ -16,6 +16,7 @@ import pytest
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import (
     MetricsFormatError,
+    PollingClient,
     ReplicaView,
     _completion_row,
     _StateAnswer,
@@ -505,7 +506,7 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
             # TwinReplica.stop() closes the listening socket but ControlServer's handler threads keep
             # answering requests on connections already open (HTTP/1.1 keep-alive), which a dead
             # process would not; without keep-alive every poll opens a new connection and sees it.
-            client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False)
+            client = PollingClient(cluster.timeout_s, keepalive=False)
         async with Running(cluster, store, flush_interval_s=0.3, client=client) as run:
             await wait_until(lambda: all(run.health(t.name).healthy for t in twins), what="all healthy")
             t0 = time.monotonic()

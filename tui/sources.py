@@ -6,7 +6,7 @@ screens never know which one they have. The app awaits :meth:`DataSource.next_sn
 loop and applies each snapshot before reading the next: refreshes never overlap.
 
 * :class:`LiveSource` runs a :class:`~controlplane.collector.Collector` as a task of the app's
-  own event loop (the polling is asyncio + httpx: the UI never blocks on the network); it keeps
+  own event loop (the polling is asyncio + aiohttp: the UI never blocks on the network); it keeps
   an in-memory ring of samples per replica (and, with a store, preloads the recent past from it);
   cluster changes go through :func:`controlplane.collector.apply_settings`.
 * :class:`ReplaySource` reads a recording through :class:`storage.store.Store`: ``seek(t_ms)``
