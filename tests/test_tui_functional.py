@@ -478,3 +478,27 @@ def test_replay_plays_and_pauses(recording):
             assert src.position == stopped and app.snapshot.t_ms == stopped
 
     run(scenario())
+
+
+def test_the_live_source_stamps_with_its_injected_clock(twins):
+    """No wall clock inside the live source: samples, snapshots and audit rows take the clock given."""
+    import asyncio
+
+    from tui.sources import LiveSource
+
+    fixed = 1_800_000_000.0  # a moment no machine's clock shows during the test
+
+    async def scenario():
+        source = LiveSource(spec_of(twins), clock=lambda: fixed)
+        await source.start()
+        try:
+            snap = await asyncio.wait_for(source.next_snapshot(), timeout=30)
+            results = await source.apply({twins.replicas[0].name: lambda s: s.replace(policy="fcfs")}, who="t")
+        finally:
+            await source.stop()
+        return snap, results
+
+    snap, results = asyncio.run(scenario())
+    assert snap.t_ms == int(fixed * 1000)
+    assert all(r.t_ms == int(fixed * 1000) for rs in snap.replicas.values() if (r := rs.sample) is not None)
+    assert results and results[0].ok

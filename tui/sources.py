@@ -103,13 +103,15 @@ class LiveSource:
     readonly = False
 
     def __init__(self, cluster: ClusterSpec, store: Any | None = None, *, history_s: float = DEFAULT_HISTORY_S,
-                 collector: Collector | None = None, who: str = "tui", refresh_s: float = 1.0) -> None:
+                 collector: Collector | None = None, who: str = "tui", refresh_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.cluster = cluster
+        self.clock = clock  # seconds since the epoch: sample stamps, the preload window, audit rows
         self.cluster_name = cluster.name
         self.store = store
         self.history_s = float(history_s)
         self.who = who
-        self.collector = collector or Collector(cluster, store, flush_interval_s=refresh_s)
+        self.collector = collector or Collector(cluster, store, flush_interval_s=refresh_s, clock=clock)
         n = max(8, int(math.ceil(self.history_s / cluster.poll_interval_s)) + 2)
         self.histories: dict[str, deque[SampleRow]] = {r.name: deque(maxlen=n) for r in cluster.replicas}
         self.session_audit: list[dict[str, Any]] = []  # changes made from this TUI (used without a store)
@@ -128,7 +130,7 @@ class LiveSource:
         self._task = asyncio.create_task(self._run(), name="tailpilot-collector")
 
     async def _preload(self) -> None:
-        since = int((time.time() - self.history_s) * 1000)
+        since = int((self.clock() - self.history_s) * 1000)
         for name, ring in self.histories.items():
             try:
                 rows = await asyncio.to_thread(self.store.samples, self.cluster_name, name, since)
@@ -218,7 +220,7 @@ class LiveSource:
         groups = await asyncio.gather(*(
             apply_settings(self.cluster, [name], change, self.store, who) for name, change in changes.items()))
         results = [r for g in groups for r in g]
-        now = int(time.time() * 1000)
+        now = int(self.clock() * 1000)
         for r in results:
             self.session_audit.append({"t_ms": now, "cluster": self.cluster_name, "replica": r.replica, "who": who,
                                        "old": r.old, "new": r.new, "result": r.result, "message": r.message,
