@@ -96,13 +96,13 @@ def _spec_value(param: str, value: Any) -> Any:
             start, dur = (float(x) for x in value.split(":"))
             return (start, dur)
         if param == "slo":
-            out = {}
+            slo: dict[str, float] = {}
             for item in value:
                 fam, sep, secs = item.partition("=")
                 if not sep:
                     raise ValueError(f"{item!r}: expected FAMILY=SECONDS (e.g. ttlt=20)")
-                out[fam.strip()] = float(secs)
-            return out
+                slo[fam.strip()] = float(secs)
+            return slo
         if param == "fix":
             return dict(parse_assignment(item) for item in value)
         if param == "search_params":
@@ -155,6 +155,7 @@ def _progress_bar(show: bool):
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -162,12 +163,13 @@ def _progress_bar(show: bool):
 
     bar = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
-    task = {"id": None}
+    task: dict[str, TaskID | None] = {"id": None}
 
     def update(complete: int, total: int) -> None:
-        if task["id"] is None:
-            task["id"] = bar.add_task("trials", total=total)
-        bar.update(task["id"], completed=complete, total=total)
+        task_id = task["id"]
+        if task_id is None:
+            task_id = task["id"] = bar.add_task("trials", total=total)
+        bar.update(task_id, completed=complete, total=total)
 
     return bar, update
 

@@ -420,7 +420,9 @@ class ReplicaView:
     def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
                          t_ms: int) -> list[GroupSampleRow]:
         m = self.metrics
-        kv = s.get("kv") if isinstance(s.get("kv"), dict) else {}
+        kv = s.get("kv")
+        if not isinstance(kv, dict):
+            kv = {}
         row.policy = s.get("policy") if isinstance(s.get("policy"), str) else None
         row.settings_version = _opt_int(s.get("settings_version"))
         row.waiting = _opt_int(s.get("waiting"))
@@ -702,8 +704,9 @@ class Collector:
                 if not writer.done():
                     stop.set()
                 await asyncio.gather(writer, return_exceptions=True)
-            if writer.exception() is not None:
-                raise writer.exception()
+            writer_error = writer.exception()
+            if writer_error is not None:
+                raise writer_error
             await self.flush(final=True)
             self._publish()
         finally:

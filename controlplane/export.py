@@ -28,7 +28,7 @@ import shlex
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 from pydantic import ValidationError
@@ -304,7 +304,9 @@ def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) ->
     return _yaml(helm_values_doc(settings, options), header)
 
 
-RENDERERS = {"settings": settings_json, "vllm-args": vllm_args, "configmap": configmap, "helm": helm_values}
+# settings_json takes no options (render() calls it on its own); the others take (settings, options).
+RENDERERS: dict[str, Callable[..., str]] = {"settings": settings_json, "vllm-args": vllm_args,
+                                             "configmap": configmap, "helm": helm_values}
 
 
 # ---------------------------------------------------------------------------------------------

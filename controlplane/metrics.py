@@ -39,7 +39,7 @@ import math
 import threading
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -175,7 +175,9 @@ class CompletionArrays:
 
     @classmethod
     def empty(cls) -> "CompletionArrays":
-        return cls(**{name: [] for name in _ALL_FIELDS})
+        # Lists are fine here: __post_init__ coerces every column to its numpy dtype.
+        columns: dict[str, Any] = {name: [] for name in _ALL_FIELDS}
+        return cls(**columns)
 
     def select(self, index: np.ndarray) -> "CompletionArrays":
         """Rows picked by a boolean mask or an integer index array."""
@@ -347,7 +349,7 @@ def higher_is_better(name: str) -> bool:
     return METRICS[validate_metric(name)].higher_is_better
 
 
-def metric_direction(name: str) -> str:
+def metric_direction(name: str) -> Literal["maximize", "minimize"]:
     """``"maximize"`` or ``"minimize"`` (Optuna's spelling) for a metric name."""
     return "maximize" if higher_is_better(name) else "minimize"
 

@@ -109,8 +109,8 @@ def _parse_families(text: str, page: str) -> dict[str, float]:
     for logical, by_family in found.items():
         agg, families = VLLM_METRICS[logical]
         for fam in families:
-            values = by_family.get(fam)
-            if values:
-                out[logical] = float(sum(values) / len(values) if agg == "mean" else sum(values))
+            fam_values = by_family.get(fam)
+            if fam_values:
+                out[logical] = float(sum(fam_values) / len(fam_values) if agg == "mean" else sum(fam_values))
                 break
     return out

@@ -153,7 +153,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                     await asyncio.sleep(0.1)
                 event.set()
             watcher = asyncio.create_task(watch())
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
         if install_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -83,7 +83,9 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
             raise ValueError(f"the change must give a settings document, got {type(produced).__name__}")
         # Engine fields a document leaves out keep the replica's values, as the replica's own
         # PUT does — not the model's defaults, which would read as a restart-required change.
-        engine = produced.get("engine") if isinstance(produced.get("engine"), Mapping) else {}
+        engine = produced.get("engine")
+        if not isinstance(engine, Mapping):
+            engine = {}
         produced = {**produced, "engine": {**res.old.get("engine", {}), **engine}}
         new_doc = Settings.model_validate(produced).to_dict()  # validate before sending
     except (ValidationError, ValueError, KeyError, AttributeError) as err:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -72,7 +72,7 @@ COLUMNS = ("replica", "health", "policy", "γ", "wait", "run", "KV", "TTFT p50/p
            "preempt/s", "tok/s")
 
 
-def status_table(rows: Sequence[SampleRow], pinned: dict[str, Iterable[str]] | None = None,
+def status_table(rows: Sequence[SampleRow], pinned: Mapping[str, Iterable[str]] | None = None,
                  title: str | None = None) -> Table:
     """One row per replica plus cluster totals; unhealthy replicas show their reason."""
     pinned = pinned or {}

@@ -95,6 +95,8 @@ class SimResult:
 
 
 class Simulator:
+    _running_sorted: bool  # set at the top of every _schedule (annotation only)
+
     def __init__(self, trace: Trace | Sequence[TraceRequest], settings: Settings,
                  config: EngineConfig | None = None, *, event_skipping: bool = True,
                  predictor=None, check_invariants: bool = False) -> None:
@@ -138,6 +140,7 @@ class Simulator:
 
     def _switch_settings(self) -> None:
         settings, self._pending_settings = self._pending_settings, None
+        assert settings is not None  # only called with a switch pending
         keep = self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
         new = make_policy(settings, keep)
         new.adopt_live_state(self.policy)
@@ -241,7 +244,7 @@ class Simulator:
         if self.predictor is not None and now >= self.next_refit:
             self.predictor.refit()
             self.next_refit = now + self.config.refit_interval_s
-        policy.before_step(self.waiting, now)
+        policy.before_step(self.waiting, now)  # type: ignore[arg-type]  # not a Sequence; policies only len() it
 
         step = self._schedule(now)
         if step.serves():
@@ -509,7 +512,8 @@ class Simulator:
             # With a seat free, whether a waiting request needs a victim depends on the free
             # blocks, which shrink every decode step: decide step by step.
             return 1
-        k = min(r.output_tokens - r.generated for r in running)  # the stretch ends with a completion
+        # the stretch ends with a completion (float: it meets INF below)
+        k: float = min(r.output_tokens - r.generated for r in running)  # type: ignore[operator]  # always set here
         if k <= 1:
             return 1
         k = min(k, self._kv_safe_steps())
@@ -636,7 +640,8 @@ class Simulator:
             self.predictor.observe(req, req.generated)
         self.completions.append(Completion(
             id=req.id, tenant=req.tenant, type=req.type, arrival=req.arrival,
-            scheduled_at=req.scheduled_at, first_token_at=req.first_token_at, finished_at=now,
+            scheduled_at=req.scheduled_at, first_token_at=req.first_token_at,  # type: ignore[arg-type]  # set by now
+            finished_at=now,
             prompt_tokens=req.prompt_tokens, output_tokens=req.generated,
             preemptions=req.preemptions, recomputed_tokens=req.recomputed_tokens))
 

@@ -211,6 +211,7 @@ def _err(where: str, line: int, column: str, what: str) -> TraceError:
 
 def _parse_tokens(text: str, where: str, line: int, column: str, minimum: int = 1) -> int:
     """A token count: an integer >= minimum. Integral float text ("12.0", as pandas writes) is accepted."""
+    value: int | None
     try:
         value = int(text)
     except ValueError:
@@ -809,7 +810,7 @@ def load_bundled(*, max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
     cap = _check_cap(max_tokens_default)
     ref = resources.files("sim").joinpath("data", BUNDLED_FILE)
     # Read through the Traversable so this works even when the package is not on a filesystem.
-    with ref.open("r", newline="", encoding="utf-8-sig") as f:
+    with ref.open("r", newline="", encoding="utf-8-sig") as f:  # type: ignore[call-overload]  # stub lacks newline=
         return _parse_azure(f, BUNDLED_FILE, "azure-conv-window", "conv", cap)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
+from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.widgets import (
     ContentSwitcher,
@@ -333,7 +334,7 @@ class TailpilotApp(App):
         if snap is None:
             return
         panel = self.query_one(ClusterPanel)
-        shown = [rs.name for rs in panel.visible(snap)]
+        shown = [rs.name for rs in panel.visible_rows(snap)]
         self.selected = set() if set(shown) <= self.selected else set(shown)
         self.refresh_selection_marks()
 
@@ -440,7 +441,7 @@ class TailpilotApp(App):
         if any(r.ok for r in results):
             self.query_one(PolicyPanel).reload_after_apply = True
         for r in results:
-            sev = "information" if r.ok else ("warning" if r.result == "rejected" else "error")
+            sev: SeverityLevel = "information" if r.ok else ("warning" if r.result == "rejected" else "error")
             self.notify(f"{r.replica}: {r.message}", title=r.result, severity=sev, timeout=8)
         self.query_one(PolicyPanel).show_results(results)
         self.query_one(TunerPanel).show_results(results)

@@ -59,7 +59,8 @@ class ClusterPanel(Vertical):
         text.append(" · * = pinned · ● = selected · enter: open · space: select", style="dim")
         self.query_one("#table-title", Static).update(text)
 
-    def visible(self, snap: ClusterSnapshot) -> list[ReplicaSnapshot]:
+    def visible_rows(self, snap: ClusterSnapshot) -> list[ReplicaSnapshot]:
+        """The replicas the table shows: filtered, in the chosen sort order."""
         rows = [rs for _, rs in sorted(snap.replicas.items()) if R.matches_filter(rs, self.filter_text)]
         if self.sort_column:
             key = R.sort_key(self.sort_column)
@@ -68,7 +69,7 @@ class ClusterPanel(Vertical):
         return rows
 
     def update_from(self, app: "TailpilotApp", snap: ClusterSnapshot, *, rebuild: bool = False) -> None:
-        rows = self.visible(snap)
+        rows = self.visible_rows(snap)
         names = [rs.name for rs in rows]
         cells = {rs.name: R.cluster_row(rs, app.source.kv_trail(rs.name, R.SPARK_LEN), rs.name in app.selected)
                  for rs in rows}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterable
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 PANELS = ("cluster", "replica", "policy", "audit", "tuner")  # number keys 1..5
@@ -107,7 +107,7 @@ KEYS_BY_ACTION: dict[str, Key] = {k.action_name: k for k in KEYS if k.bind and k
 CLUSTER_CHANGING_ACTIONS: frozenset[str] = frozenset(k.action_name for k in KEYS if k.changes_cluster)
 
 
-def bindings(keys: Iterable[Key] = KEYS, *, scope: str = "app") -> list[Binding]:
+def bindings(keys: Iterable[Key] = KEYS, *, scope: str = "app") -> list[BindingType]:
     """``BINDINGS`` of the app (``scope="app"``) or of the confirmation dialog, from the table."""
     return [Binding(k.key, k.action, _short(k), show=k.footer or scope != "app", key_display=k.display)
             for k in keys if k.bind and k.scope == scope]

@@ -37,9 +37,9 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
         raise ValueError("a live TUI needs a cluster (or replay= a recording)")
     if store is None and db_url is not None:
         store = Store.open(db_url)
-    source = LiveSource(cluster, store, history_s=history_s, refresh_s=refresh_s)
-    app = TailpilotApp(source, cluster, readonly=readonly, store=store, optuna_storage=optuna_storage)
-    source.who = app.who
+    live = LiveSource(cluster, store, history_s=history_s, refresh_s=refresh_s)
+    app = TailpilotApp(live, cluster, readonly=readonly, store=store, optuna_storage=optuna_storage)
+    live.who = app.who
     return app
 
 

@@ -9,6 +9,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import (
     Checkbox,
     Input,
@@ -183,11 +184,12 @@ class PolicyPanel(Vertical):
         self._gen += 1
         form = self.query_one("#form", VerticalScroll)
         await form.remove_children()
-        rows = []
+        rows: list[Widget] = []
         disabled = self.app_.readonly
         for f in self.fields:
             wid = f"f{self._gen}-{f.name}"
             value = self.initial[f.name]
+            widget: Widget
             if f.kind == "bool":
                 widget = Checkbox("on", value=bool(value), id=wid, disabled=disabled, compact=True,
                                   classes="fvalue")
@@ -214,7 +216,8 @@ class PolicyPanel(Vertical):
             return w.value
         if isinstance(w, Select):
             return w.value
-        return parse_field(f, w.value)  # type: ignore[union-attr]
+        assert isinstance(w, Input)  # the form's third kind of value widget
+        return parse_field(f, w.value)
 
     def current_edit(self) -> SettingsEdit:
         params = {}

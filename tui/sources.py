@@ -130,6 +130,7 @@ class LiveSource:
         self._task = asyncio.create_task(self._run(), name="tailpilot-collector")
 
     async def _preload(self) -> None:
+        assert self.store is not None  # start() preloads only with a store
         since = int((self.clock() - self.history_s) * 1000)
         for name, ring in self.histories.items():
             try:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 from controlplane.settings import Settings
 from tuner import study as st
@@ -134,7 +134,8 @@ def study_info(study, trials: Sequence[Any] | None = None) -> StudyInfo:
             failed += 1
         elif t.state in (TrialState.RUNNING, TrialState.WAITING):
             running += 1
-    front = st.best_trials(study, SimpleNamespace(objectives=list(objectives))) if objectives else []
+    stand_in = SimpleNamespace(objectives=list(objectives))
+    front = st.best_trials(study, stand_in) if objectives else []  # type: ignore[arg-type]  # reads only .objectives
     best = tuple(float(v) for v in front[0].values) if len(front) == 1 and len(objectives) == 1 else None
     return StudyInfo(study.study_name, tuple(spec.get("policies") or ()), objectives,
                      tuple(spec.get("constraints") or ()), complete, pruned, failed, running,
@@ -190,5 +191,5 @@ def recommended_settings(rec: RecInfo | None) -> Settings | None:
     return Settings.model_validate(rec.summary["settings"])
 
 
-def finite(v: Any) -> bool:
+def finite(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

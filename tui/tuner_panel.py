@@ -139,7 +139,8 @@ class TunerPanel(Vertical):
             return
         self.study = name
         self.detail_pending = name
-        self.run_worker(partial(self._load_detail, name), group="tuner-detail", exclusive=True, exit_on_error=False)
+        self.run_worker(partial(self._load_detail, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
+                        group="tuner-detail", exclusive=True, exit_on_error=False)
 
     async def _load_detail(self, name: str) -> None:
         try:
@@ -160,7 +161,8 @@ class TunerPanel(Vertical):
         elif name not in self._rec_pending:
             self._render_rec()
             self._rec_pending.add(name)
-            self.run_worker(partial(self._load_rec, name), group="tuner-rec", exit_on_error=False)
+            self.run_worker(partial(self._load_rec, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
+                            group="tuner-rec", exit_on_error=False)
 
     async def _load_rec(self, name: str) -> None:
         store = getattr(self.app, "store", None)

@@ -75,7 +75,7 @@ def trial_row(t: TrialInfo, n_objectives: int, front: Sequence[int] = ()) -> tup
     number = Text(f"{t.number}{mark}", style="bold green" if t.number in front else "")
     state_style = {"complete": "green", "fail": "red", "running": "yellow"}.get(t.state, "dim")
     state = t.state if t.feasible or t.state != "complete" else "infeasible"
-    vals = list(t.values or ())[:n_objectives]
+    vals: list[float | None] = list((t.values or ())[:n_objectives])
     vals += [None] * (n_objectives - len(vals))
     policy = str(t.params.get("policy", "—")) + (" (prod)" if t.production else "")
     return (number, Text(state, style=state_style if state != "infeasible" else "yellow"),
@@ -105,32 +105,33 @@ def tuner_plot(d: StudyDetail | None) -> TunerPlot:
     if d is None:
         return TunerPlot("none", "no study selected")
     objs = d.info.objectives
-    done = [t for t in d.trials if t.values is not None and t.state == "complete" and t.feasible
+    # (trial, its values): the complete, feasible trials whose values are all finite
+    done = [(t, t.values) for t in d.trials if t.values is not None and t.state == "complete" and t.feasible
             and all(finite(v) for v in t.values)]
     if len(objs) == 2:
         (xn, xd), (yn, yd) = objs
-        front = [t for t in done if t.number in d.info.front]
-        rest = [t for t in done if t.number not in d.info.front]
+        front = [(t, vs) for t, vs in done if t.number in d.info.front]
+        rest = [(t, vs) for t, vs in done if t.number not in d.info.front]
         series = {}
         if rest:
-            series["feasible"] = ([t.values[0] for t in rest], [t.values[1] for t in rest])
+            series["feasible"] = ([vs[0] for _t, vs in rest], [vs[1] for _t, vs in rest])
         if front:
-            front.sort(key=lambda t: t.values[0])
-            series["Pareto front"] = ([t.values[0] for t in front], [t.values[1] for t in front])
+            front.sort(key=lambda tv: tv[1][0])
+            series["Pareto front"] = ([vs[0] for _t, vs in front], [vs[1] for _t, vs in front])
         arrow = {"minimize": "↓", "maximize": "↑"}
         return TunerPlot("pareto", f"{len(done)} feasible trials, front of {len(front)}",
                          f"{xn} {arrow[xd]}", f"{yn} {arrow[yd]}", series)
     if len(objs) == 1:
         name, direction = objs[0]
         xs, ys, best = [], [], None
-        for t in sorted(done, key=lambda t: t.number):
-            v = t.values[0]
+        for t, vs in sorted(done, key=lambda tv: tv[0].number):
+            v = vs[0]
             best = v if best is None else (min(best, v) if direction == "minimize" else max(best, v))
             xs.append(float(t.number))
             ys.append(best)
         series = {"best so far": (xs, ys)} if xs else {}
         if xs:
-            series["trial"] = ([float(t.number) for t in done], [t.values[0] for t in done])
+            series["trial"] = ([float(t.number) for t, _vs in done], [vs[0] for _t, vs in done])
         return TunerPlot("best", f"{name}: best so far ({len(done)} feasible trials)", "trial", name, series)
     return TunerPlot("none", f"{len(objs)} objectives: no plot")
 
@@ -154,7 +155,7 @@ def _improvement_table(summary: Mapping[str, Any]) -> Table:
         if n in seen:
             continue
         seen.add(n)
-        cells = []
+        cells: list[Text | str] = []
         for part in (search.get(n) or {}, held.get(n) or {}):
             imp = part.get("improvement_pct")
             ci = part.get("ci_pct") or [None, None]

@@ -183,10 +183,10 @@ class ClusterTable(ScrollView, can_focus=True):
         width = self.size.width
         if y == 0:
             style = self.get_component_rich_style("cluster-table--header")
-            key = (tuple(label for _k, label, _w, _r in self.columns), style, width)
-            if self._header is None or self._header[0] != key:
+            header_key = (tuple(label for _k, label, _w, _r in self.columns), style, width)
+            if self._header is None or self._header[0] != header_key:
                 labels = [Text(label, style=style) for _k, label, _w, _r in self.columns]
-                self._header = (key, self._render_cells(labels, style).extend_cell_length(width, style)
+                self._header = (header_key, self._render_cells(labels, style).extend_cell_length(width, style)
                                 .crop(0, width))
             return self._header[1]
         row = int(self.scroll_y) + y - 1
@@ -232,7 +232,7 @@ class AutoSizedTable(DataTable):
     cells — until the cursor moves or the table resizes (Textual 8.2). After an idle that
     measured new rows, drop the line cache and repaint."""
 
-    def _on_idle(self, event: Idle) -> None:
+    def _on_idle(self, event: Idle) -> None:  # type: ignore[override]  # Textual dispatches sync handlers too
         # Textual calls every class's _on_idle, this one first: DataTable's measures next, and
         # call_next runs once the idle handlers are done.
         if getattr(self, "_require_update_dimensions", False) and hasattr(self, "_clear_caches"):

@@ -246,12 +246,12 @@ def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: 
                     seed: int = 0) -> CalibrationResult:
     """Fit a named coefficient set to step-log entries (dicts as the API serves them, or rows
     ``(duration_s, prefill_tokens, sum_prefill_sq, decode_seqs, sum_kv_context)``)."""
-    steps = list(steps)
-    read = len(steps)
-    if steps and isinstance(steps[0], dict):
-        rows_list, dropped_empty = steps_to_rows(steps)
+    step_list: list[Any] = list(steps)  # all dicts or all rows
+    read = len(step_list)
+    if step_list and isinstance(step_list[0], dict):
+        rows_list, dropped_empty = steps_to_rows(step_list)
     else:
-        rows_list, dropped_empty = steps_to_rows(dict(zip(STEP_KEYS, r)) for r in steps)
+        rows_list, dropped_empty = steps_to_rows(dict(zip(STEP_KEYS, r)) for r in step_list)
     if len(rows_list) < max(min_steps, 5):
         raise CalibrationError(
             f"too few steps: {len(rows_list)} usable of {read} in the step log, need at least "

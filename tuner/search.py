@@ -33,9 +33,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel
 
 from controlplane.metrics import METRICS, metric_direction, validate_metric
 from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings
@@ -73,6 +74,7 @@ class Dim:
         if self.kind == "float":
             return trial.suggest_float(self.name, self.low, self.high, log=self.log)
         if self.kind == "int":
+            assert self.low is not None and self.high is not None  # numeric dims always have both ends
             return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
         return trial.suggest_categorical(self.name, list(self.choices))
 
@@ -104,19 +106,19 @@ class Bounds:
     hi_open: bool
 
 
-def field_bounds(model: type, name: str) -> Bounds:
+def field_bounds(model: type[BaseModel], name: str) -> Bounds:
     """The ``gt/ge/lt/le`` constraints of a pydantic field."""
     lo = hi = None
     lo_open = hi_open = False
     for m in model.model_fields[name].metadata:
         if isinstance(m, Ge):
-            lo, lo_open = float(m.ge), False
+            lo, lo_open = float(m.ge), False  # type: ignore[arg-type]  # typed SupportsGe; a number here
         elif isinstance(m, Gt):
-            lo, lo_open = float(m.gt), True
+            lo, lo_open = float(m.gt), True  # type: ignore[arg-type]  # typed SupportsGt; a number here
         elif isinstance(m, Le):
-            hi, hi_open = float(m.le), False
+            hi, hi_open = float(m.le), False  # type: ignore[arg-type]  # typed SupportsLe; a number here
         elif isinstance(m, Lt):
-            hi, hi_open = float(m.lt), True
+            hi, hi_open = float(m.lt), True  # type: ignore[arg-type]  # typed SupportsLt; a number here
     return Bounds(lo, hi, lo_open, hi_open)
 
 
@@ -178,7 +180,7 @@ def _fmt_bound(v: float | None, open_: bool, lower: bool) -> str:
     return f"{'>' if open_ else ''}{v:g}" if lower else f"{'<' if open_ else ''}{v:g}"
 
 
-def _kind_of(model: type, name: str) -> str | None:
+def _kind_of(model: type[BaseModel], name: str) -> str | None:
     ann = model.model_fields[name].annotation
     if ann is bool:
         return "bool"
@@ -248,7 +250,7 @@ class SearchSpace:
         if len(self.policies) > 1:
             policy = trial.suggest_categorical(POLICY_PARAM, list(self.policies))
         values = {d.name: d.suggest(trial) for d in self.policy_dims.get(policy, [])}
-        engine = {d.name: None for d in self.engine_dims}
+        engine: dict[str, Any] = {d.name: None for d in self.engine_dims}
         for d in self.engine_dims:
             if d.name == f"{ENGINE_PREFIX}{THRESHOLD}":
                 continue  # conditional on the switch, below
@@ -324,9 +326,10 @@ def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, st
         return "engine", raw
     owners = [p for p in policies if raw in PARAM_MODELS[p].model_fields]
     if not owners:
-        valid = sorted({n for p in policies for n in PARAM_MODELS[p].model_fields} | set(EngineSettings.model_fields))
+        valid_names = sorted({n for p in policies for n in PARAM_MODELS[p].model_fields}
+                             | set(EngineSettings.model_fields))
         raise SearchSpaceError(f"{option} {raw}: not a parameter of {', '.join(policies)} nor an engine field "
-                               f"(valid: {', '.join(valid)})")
+                               f"(valid: {', '.join(valid_names)})")
     if len(owners) > 1:
         raise SearchSpaceError(f"{option} {raw}: ambiguous, say which policy ({', '.join(o + '.' + raw for o in owners)})")
     return owners[0], raw
@@ -407,6 +410,7 @@ def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: flo
                     raise SearchSpaceError(f"--range {p}.{name}: this parameter is not searchable")
                 continue
             kind = _kind_of(model, name)
+            assert kind is not None  # _is_searchable_param checked it
             qname = f"{p}.{name}"
             if kind == "bool":
                 dims.append(Dim(qname, "categorical", choices=(False, True)))
@@ -426,6 +430,7 @@ def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: flo
         if not tune_engine and name not in only_engine:
             continue
         kind = _kind_of(EngineSettings, name)
+        assert kind is not None  # the engine fields are all ints
         bounds = field_bounds(EngineSettings, name)
         if name == THRESHOLD:
             # 0 = off: an on/off switch, and a chunk size around the production one (or a
@@ -460,11 +465,12 @@ REPLAY_UNAVAILABLE = frozenset({"kv_usage", "slo_compliance_ratio", "type_share_
 FAIRNESS_METRICS = frozenset({"jain_index"})
 
 
-def parse_objectives(names: Sequence[str], slo: Mapping[str, float] | None = None) -> list[tuple[str, str]]:
+def parse_objectives(names: Sequence[str], slo: Mapping[str, float] | None = None
+                     ) -> list[tuple[str, Literal["maximize", "minimize"]]]:
     """Canonical (name, direction) per objective; UnknownMetricError lists valid names."""
     if not names:
         raise ValueError("give at least one --objective")
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, Literal["maximize", "minimize"]]] = []
     for raw in names:
         name = check_replay_metric(raw, slo, "--objective")
         if any(name == n for n, _ in out):

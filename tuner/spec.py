@@ -10,7 +10,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from controlplane.settings import Settings
 from sim.engine import EngineConfig
@@ -148,7 +148,7 @@ class StudySpec:
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1
 
-    def objective_dirs(self) -> list[tuple[str, str]]:
+    def objective_dirs(self) -> list[tuple[str, Literal["maximize", "minimize"]]]:
         return parse_objectives(self.objectives, self.slo)
 
     def parsed_constraints(self) -> list[Constraint]:

@@ -58,7 +58,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class TuneContext:
     gamma_hat: float
     baseline: dict[int, dict[str, float]]  # search window -> production's tracked metrics
     config: EngineConfig = field(init=False)
-    objectives: list[tuple[str, str]] = field(init=False)
+    objectives: list[tuple[str, Literal["maximize", "minimize"]]] = field(init=False)
     constraints: list[Constraint] = field(init=False)
     tracked: list[str] = field(init=False)
 
@@ -148,7 +148,7 @@ def estimate_gamma(spec: StudySpec, windows: Sequence[Window], indices: Sequence
     """γ̂ = ln 5 / (t99 − t95) of TTLT, pooled over an FCFS replay of the search windows
     (docs/policies.md#uniboost); NaN when the tail is degenerate."""
     fcfs = Settings.model_validate({"policy": "fcfs", "engine": spec.production["engine"]})
-    ttlt = []
+    ttlt: list[float] = []
     for i in indices:
         res = Simulator(windows[i].trace, fcfs, config).run()
         ttlt.extend(c.finished_at - c.arrival for c in res.completions if c.id in windows[i].measured)
@@ -597,6 +597,7 @@ def _run_processes(url: str, name: str, n_trials: int, workers: int, storage, pr
             time.sleep(0.1)
         for p in procs:
             if p.is_alive():
+                assert p.pid is not None  # a started process has one
                 os.kill(p.pid, signal.SIGINT)
         for p in procs:
             p.join(timeout=15)

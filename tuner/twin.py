@@ -52,7 +52,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -84,7 +84,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
     """vLLM's 1-2-5 series capped at ``max_model_len``."""
-    out, exp = [], 0
+    out: list[int] = []
+    exp = 0
     while True:
         for m in (1, 2, 5):
             v = m * 10 ** exp
@@ -180,7 +181,7 @@ class _Feed:
         return found
 
 
-def trace_period(trace: Sequence[TraceRequest]) -> float:
+def trace_period(trace: Iterable[TraceRequest]) -> float:
     """How far a replayed lap is shifted: the span of arrivals plus one mean gap (≥ 1 ms)."""
     reqs = list(trace)
     if len(reqs) < 2:
@@ -189,7 +190,7 @@ def trace_period(trace: Sequence[TraceRequest]) -> float:
     return max(span + span / (len(reqs) - 1), 1e-3)
 
 
-def split_round_robin(trace: Sequence[TraceRequest], n: int) -> list[list[TraceRequest]]:
+def split_round_robin(trace: Iterable[TraceRequest], n: int) -> list[list[TraceRequest]]:
     """Requests in arrival order dealt to ``n`` replicas in turn, re-zeroed to the trace's first
     arrival (replica ``i`` gets requests ``i, i+n, ...``)."""
     if n < 1:
