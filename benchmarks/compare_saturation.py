@@ -39,7 +39,7 @@ def main() -> None:
         print(f"{scale:6.2f} {t.rate:8.2f} {m['throughput_req_s']:7.2f} {m['ttft_p99']:9.2f} "
               f"{m['ttlt_p50']:9.2f} {m['ttlt_p99']:9.2f}")
     print(f"\ncomparison at rate scale {args.at} ({trace.rate * args.at:.2f} req/s):", flush=True)
-    subprocess.run([sys.executable, "-m", "controlplane.cli", "compare", "--trace", args.trace,
+    subprocess.run([sys.executable, "-m", "tailpilot.cli", "compare", "--trace", args.trace,
                     "--rate-scale", str(args.at), "--policies", args.policies, "--baseline", "srpt",
                     "--jobs", "2", "--no-progress"], check=True)
 

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from core_target import CoreTarget  # tests/core_target.py
 
-from controlplane.cli_export import calibrate
+from tailpilot.cli_export import calibrate
 from controlplane.plugin.api import ControlServer
 from controlplane.plugin.core import ReplicaCore
 from controlplane.settings import Settings
@@ -222,7 +222,7 @@ def store_with(tmp_path):
 
 
 def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store_with):
-    from controlplane.cli import main
+    from tailpilot.cli import main
 
     db = store_with("lab", [(twin.name, twin.url, twin.control_url),
                             ("other-0", "http://127.0.0.1:9", "http://127.0.0.1:9")])

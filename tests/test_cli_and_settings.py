@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from controlplane.cli import main
+from tailpilot.cli import main
 from controlplane.settings import Settings, settings_from_cli
 
 
@@ -101,7 +101,7 @@ def test_compare_changes_are_relative_to_the_baseline():
 
 
 def test_compare_table_and_console_script():
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "compare", "--policies", "fcfs,uniboost",
+    out = subprocess.run([sys.executable, "-m", "tailpilot.cli", "compare", "--policies", "fcfs,uniboost",
                           "--baseline", "fcfs", "--window", "0:60"], capture_output=True, text=True, check=True)
     assert "% change vs fcfs" in out.stdout and "uniboost" in out.stdout
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from controlplane.cli import main
+from tailpilot.cli import main
 from storage.store import Store
 from sim.traces import Trace, TraceRequest
 from tuner.twin import start_twins

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from controlplane import contract
-from controlplane.cli import main
+from tailpilot.cli import main
 from controlplane.collector import StateFormatError, _completion_row, _read_state
 from controlplane.plugin.api import PREFIX
 from controlplane.settings import Settings

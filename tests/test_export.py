@@ -11,7 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from controlplane.cli_export import COMMANDS, calibrate, export
+from tailpilot.cli_export import COMMANDS, calibrate, export
 from controlplane.export import (
     CONFIGMAP_KEY,
     FORMATS,

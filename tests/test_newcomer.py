@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from controlplane.cli import main
+from tailpilot.cli import main
 from controlplane.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_twins_can_start_side_by_side_on_different_policies():
 
 
 def test_the_demo_starts_side_by_side_by_default():
-    from controlplane.cli_cluster import DEMO_POLICIES
+    from tailpilot.cli_cluster import DEMO_POLICIES
 
     assert [d["policy"] for d in DEMO_POLICIES][0] == "sarathi" and len({d["policy"] for d in DEMO_POLICIES}) >= 3
     for d in DEMO_POLICIES:  # what a live replica accepts (no oracle predictor)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from optuna.trial import TrialState
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
-from controlplane.cli_tune import COMMANDS
+from tailpilot.cli_tune import COMMANDS
 from controlplane.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
 from tuner import study as st
 from tuner.recommend import paired_improvement, recommend
@@ -352,7 +352,7 @@ def test_default_storage_is_a_separate_sqlite_file(tmp_path, monkeypatch):
 
 def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url):  # noqa: F811
     url = postgres_server.create_database("optuna_tune")
-    cmd = [sys.executable, "-c", "from controlplane.cli_tune import tune; tune()",
+    cmd = [sys.executable, "-c", "from tailpilot.cli_tune import tune; tune()",
            "--study", "shared", "--storage", url, "--db", postgres_url, "--policy", "uniboost",
            "--objective", "ttlt_p99", "--constraint", "throughput>=0.99*baseline", "--window", "0:240",
            "--window-s", "60", "--trials", "12", "--seed", "7", "--no-progress", "--json"]

@@ -96,7 +96,7 @@ def test_a_candidate_that_loses_the_continuous_replay_is_passed_over(ctx):
 def test_recommend_reports_the_continuous_replay(tmp_path):
     import click
 
-    from controlplane.cli_tune import COMMANDS
+    from tailpilot.cli_tune import COMMANDS
 
     url = st.storage_url(str(tmp_path / "o.db"))
     st.tune(url, "r", 3, spec=small_spec())

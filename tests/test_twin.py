@@ -406,7 +406,7 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
     out = tmp_path / "twins.yaml"
     env = {**os.environ, "TAILPILOT_TOKEN": TOKEN}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "twin", "--replicas", "2", "--speed", "10", "--rate-scale", "2",
+        [sys.executable, "-m", "tailpilot.cli", "twin", "--replicas", "2", "--speed", "10", "--rate-scale", "2",
          "--policy", "uniboost", "--set", "gamma=8", "--pin", "gamma", "--cluster-out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

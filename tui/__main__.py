@@ -10,7 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from controlplane.cli import main as tailpilot  # its group turns store failures into one-line errors
+    from tailpilot.cli import main as tailpilot  # its group turns store failures into one-line errors
 
     try:
         tailpilot.main(args=["tui", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m",  # usage reads "python -m tui ..."

@@ -404,9 +404,9 @@ def schema(out):
         click.echo(text, nl=False)
 
 
-from controlplane.cli_cluster import COMMANDS as _CLUSTER_COMMANDS  # noqa: E402 (after main exists)
-from controlplane.cli_export import COMMANDS as _EXPORT_COMMANDS  # noqa: E402
-from controlplane.cli_tune import COMMANDS as _TUNE_COMMANDS  # noqa: E402
+from tailpilot.cli_cluster import COMMANDS as _CLUSTER_COMMANDS  # noqa: E402 (after main exists)
+from tailpilot.cli_export import COMMANDS as _EXPORT_COMMANDS  # noqa: E402
+from tailpilot.cli_tune import COMMANDS as _TUNE_COMMANDS  # noqa: E402
 
 for _command in (*_CLUSTER_COMMANDS, *_TUNE_COMMANDS, *_EXPORT_COMMANDS):
     main.add_command(_command)

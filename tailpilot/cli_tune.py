@@ -23,7 +23,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from controlplane.cli_cluster import DB_ENV
+from tailpilot.cli_cluster import DB_ENV
 from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
@@ -320,7 +320,7 @@ def recommend(study_name, storage, db, no_store, as_json):
     except TuneError as err:
         raise click.UsageError(str(err)) from None
     if not no_store:
-        from controlplane.cli_cluster import open_store
+        from tailpilot.cli_cluster import open_store
 
         store = open_store(db)
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from controlplane.cli_cluster import DB_ENV
+from tailpilot.cli_cluster import DB_ENV
 
 
 def _open_existing_store(db: str | None):
