@@ -35,6 +35,22 @@ def fmt_seconds(v: float | None) -> str:
     return f"{v / 3600:.1f}h"
 
 
+def fmt_figure(v: object, sig: int = 4, grouped: bool = True) -> str:
+    """A figure for a table: "—" when missing or not finite (None, NaN, ±inf), on/off for booleans,
+    ``sig`` significant digits, and (``grouped``) whole numbers from 1,000 with separators."""
+    if v is None or isinstance(v, str):
+        return "—" if v is None else v
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return "—"
+    if isinstance(v, int) and not grouped:
+        return str(v)
+    if grouped and abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{sig}g}"
+
+
 def fmt_number(v: float | int | None, digits: int = 0) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"

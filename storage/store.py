@@ -31,7 +31,6 @@ created on first use, so a batch is never refused for naming a replica ``ensure_
 from __future__ import annotations
 
 import math
-import random
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,6 +53,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from storage import engine as engines
+from storage.backoff import backoff_delays
 from storage import migrate
 from storage import retention as ret
 from storage.models import (
@@ -504,7 +504,7 @@ class Store:
         then delete) sees the same rows.
         """
         deadline = time.monotonic() + self.write_deadline_s
-        delay = 0.02
+        delays = backoff_delays(0.02, 1.0)
         while True:
             try:
                 with self._write_connection(snapshot) as conn, conn.begin():
@@ -520,8 +520,7 @@ class Store:
                         f"nothing was written ({exc.orig})"
                     ) from exc
                 self.busy_retries += 1
-                time.sleep(min(left, delay * random.uniform(0.5, 1.0)))  # jitter: writers do not march in step
-                delay = min(delay * 2, 1.0)
+                time.sleep(min(left, next(delays)))
 
     def _raise_if_damaged(self, exc: DBAPIError) -> None:
         """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is damaged."""

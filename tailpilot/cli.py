@@ -382,11 +382,9 @@ def _console():
 
 
 def _fmt(v: float) -> str:
-    if v != v:  # NaN
-        return "—"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.4g}"
+    from controlplane.views import fmt_figure
+
+    return fmt_figure(v)
 
 
 @main.command()

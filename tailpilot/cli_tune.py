@@ -345,9 +345,9 @@ def _ci(m: dict) -> str:
 
 
 def _fmt(v: Any) -> str:
-    if v is None:
-        return "—"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    from controlplane.views import fmt_figure
+
+    return fmt_figure(v)
 
 
 def _print_recommendation(s: dict) -> None:

@@ -3,7 +3,6 @@ rich renderables out. No widgets, no I/O."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -11,6 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from controlplane.views import fmt_figure
 from tui.edits import fmt_value, settings_diff
 from tui.sources import fmt_time
 from tui.tuner_data import RecInfo, StudyDetail, StudyInfo, TrialInfo, finite
@@ -23,13 +23,7 @@ SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "long_prefi
 
 
 def fmt_num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "—"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:.5g}"
-    return str(v)
+    return fmt_figure(v, sig=5, grouped=False)
 
 
 def fmt_pct(v: Any) -> str:

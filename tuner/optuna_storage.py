@@ -4,12 +4,12 @@ workers on several machines), kept apart from tailpilot's own database.
 
 from __future__ import annotations
 
-import random
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from storage.backoff import backoff_delays
 from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
 
 HEARTBEAT_S = 10  # workers' heartbeats; a trial of a worker silent for GRACE_S is failed
@@ -95,6 +95,7 @@ def open_storage(url: str):
         kw["engine_kwargs"] = {"pool_pre_ping": True}
     # Workers starting together on an empty database race to create Optuna's schema (PostgreSQL:
     # "duplicate key ... pg_type"); the loser finds the tables on a second try.
+    delays = backoff_delays(0.2, 3.2)
     for attempt in range(6):
         try:
             storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw)
@@ -102,7 +103,7 @@ def open_storage(url: str):
         except Exception as err:  # noqa: BLE001 - any driver error: say which storage
             if attempt == 5 or not _transient_open_error(err):
                 raise TuneError(f"--storage {_redact(url)}: cannot open: {err}") from None
-            time.sleep(0.2 * 2 ** attempt * (0.5 + random.random()))
+            time.sleep(next(delays))
     if url.startswith("sqlite"):
         _sqlite_wal(storage.engine)
     return storage
