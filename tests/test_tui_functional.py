@@ -307,17 +307,26 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
             old, collector._client = collector._client, make_client(collector.cluster)
             await old.aclose()
             await wait_for(pilot, lambda: cell(app, "twin-2", "health").startswith("DOWN"), what="down")
-            health = cell(app, "twin-2", "health")
-            reason = app.snapshot.replicas["twin-2"].health.reason
+
+            def reason_now() -> str:
+                return app.snapshot.replicas["twin-2"].health.reason or ""
+
+            # The cell and the snapshot are read together (a refresh may land between two reads).
+            def cell_shows_reason() -> bool:
+                health = cell(app, "twin-2", "health")
+                return health.startswith("DOWN") and health == f"DOWN {reason_now()}"[:len(health)]
+
+            await wait_for(pilot, cell_shows_reason, what="the health cell shows the snapshot's reason")
+            reason = reason_now()
             assert "down" in reason and reason.startswith("state")
-            assert health == f"DOWN {reason}"[:len(health)]
             n = app.snapshots_applied
             await wait_for(pilot, lambda: app.snapshots_applied >= n + 3, what="refreshes go on")
             assert cell(app, "twin-0", "health") == "ok" and app.is_running
             assert "2/3 healthy" in text_of(app.query_one("#topbar"))
             await pilot.press("down", "down", "2")
-            banner = text_of(app.query_one("#down-banner"))
-            assert "UNHEALTHY" in banner and reason.split(";")[0] in banner
+            await wait_for(pilot, lambda: "UNHEALTHY" in text_of(app.query_one("#down-banner"))
+                           and reason_now().split(";")[0] in text_of(app.query_one("#down-banner")),
+                           what="the banner shows the current reason")
             # Back up: healthy again.
             twins[2].start()
             await pilot.press("1")
