@@ -15,8 +15,8 @@ interpolation. The results are :class:`storage.rows.SampleRow` / ``GroupSampleRo
 
 Rooms: the Prometheus page is parsed in ``controlplane/prom.py``; the HTTP client, its errors and
 strict JSON are ``controlplane/replica_http.py``; settings changes (``tailpilot set``) are
-``controlplane/steering.py``; this module keeps the per-replica views, the rolling window and the
-poll loop.
+``controlplane/steering.py``; the rolling window and its exact percentiles
+``controlplane/window.py``; this module keeps the per-replica views and the poll loop.
 
 Concurrency: one client for all replicas (:class:`PollingClient`, one aiohttp session for polls
 and settings writes); one task per replica that polls and then
@@ -43,16 +43,14 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from pydantic import ValidationError
 
 from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.metrics import distribution_stats
 from controlplane.prom import VLLM_METRICS, MetricsFormatError, parse_vllm_metrics
 from controlplane.replica_http import (  # noqa: F401 (re-exported)
     API_PREFIX,
@@ -66,13 +64,11 @@ from controlplane.replica_http import (  # noqa: F401 (re-exported)
     control_base,
     make_client,
 )
+from controlplane.window import _Rate, _Window, latency_percentiles  # noqa: F401 (re-exported)
 from storage.rows import (
-    LATENCIES,
-    PERCENTILES,
     Batch,
     CompletionRow,
     GroupSampleRow,
-    LatencyPercentiles,
     SampleRow,
     SettingsSeenRow,
 )
@@ -103,7 +99,6 @@ __all__ = [
 STATE_PAGE_LIMIT = 1_000
 MAX_PAGES_PER_POLL = 16  # within the control API's per-connection burst
 log = logging.getLogger(__name__)
-_STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,105 +139,6 @@ class ClusterSnapshot:
     cluster: str
     t_ms: int
     replicas: dict[str, ReplicaSnapshot]
-
-
-def _finite(x: float) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
-
-
-class _Window:
-    """The completions of one replica inside the rolling window, as numpy columns."""
-
-    __slots__ = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type",
-                 "_codes")
-
-    def __init__(self) -> None:
-        self._codes: dict[str, dict[str, int]] = {"tenant": {}, "type": {}}
-        self.clear()
-
-    def clear(self) -> None:
-        empty_f = np.empty(0, dtype=np.float64)
-        self.finished = self.arrival = self.ttft = self.ttlt = self.tbt = empty_f
-        self.out_tokens = np.empty(0, dtype=np.int64)
-        self.tenant = self.type = np.empty(0, dtype=np.int32)
-
-    def __len__(self) -> int:
-        return int(self.finished.shape[0])
-
-    def names(self, kind: str) -> list[str]:
-        codes = self._codes[kind]
-        out = [""] * len(codes)
-        for name, code in codes.items():
-            out[code] = name
-        return out
-
-    def add(self, rows: Sequence[CompletionRow]) -> None:
-        if not rows:
-            return
-        n = len(rows)
-        arrival = np.fromiter((r.arrival_s for r in rows), np.float64, n)
-        finished = np.fromiter((r.finished_s for r in rows), np.float64, n)
-        first = np.fromiter((np.nan if r.first_token_s is None else r.first_token_s for r in rows),
-                            np.float64, n)
-        out_tokens = np.fromiter((r.output_tokens for r in rows), np.int64, n)
-        gaps = out_tokens - 1.0
-        gaps[gaps <= 0] = np.nan  # one token: no inter-token gap (metrics.Completion.tbt)
-        tcodes, ycodes = self._codes["tenant"], self._codes["type"]
-        tenant = np.fromiter((tcodes.setdefault(r.tenant, len(tcodes)) for r in rows), np.int32, n)
-        kind = np.fromiter((ycodes.setdefault(r.type, len(ycodes)) for r in rows), np.int32, n)
-        self.finished = np.concatenate((self.finished, finished))
-        self.arrival = np.concatenate((self.arrival, arrival))
-        self.ttft = np.concatenate((self.ttft, first - arrival))
-        self.ttlt = np.concatenate((self.ttlt, finished - arrival))
-        self.tbt = np.concatenate((self.tbt, (finished - first) / gaps))
-        self.out_tokens = np.concatenate((self.out_tokens, out_tokens))
-        self.tenant = np.concatenate((self.tenant, tenant))
-        self.type = np.concatenate((self.type, kind))
-
-    def trim(self, start: float) -> None:
-        """Keep the completions that finished after ``start`` (replica clock)."""
-        if len(self) == 0:
-            return
-        keep = self.finished > start
-        if keep.all():
-            return
-        for name in ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type"):
-            setattr(self, name, getattr(self, name)[keep])
-
-
-def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> LatencyPercentiles:
-    """Exact P50/P90/P95/P99 (controlplane.metrics.distribution_stats) as a LatencyPercentiles."""
-    out = LatencyPercentiles()
-    for lat, values in zip(LATENCIES, (ttft, ttlt, tbt)):
-        if values.size == 0:
-            continue
-        stats = distribution_stats(values)
-        for key in _STAT_KEYS:
-            setattr(out, f"{lat}_{key}", _finite(stats[key]))
-    return out
-
-
-class _Rate:
-    """Rate of a monotone counter over the window: (newest − oldest) / elapsed."""
-
-    __slots__ = ("points",)
-
-    def __init__(self) -> None:
-        self.points: deque[tuple[float, float]] = deque()
-
-    def add(self, t: float, value: float | None, window_s: float) -> float | None:
-        if value is None:
-            return None
-        if self.points and (value < self.points[-1][1] or t < self.points[-1][0]):
-            self.points.clear()  # a counter reset (restart) or a clock step: start over
-        self.points.append((t, value))
-        while len(self.points) > 2 and self.points[1][0] <= t - window_s:
-            self.points.popleft()
-        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else None
-
-    def clear(self) -> None:
-        self.points.clear()
 
 
 def _completion_row(replica: str, c: Any) -> CompletionRow:
