@@ -161,7 +161,14 @@ class UniBoost(Policy):
             # and forth without end.
             if waiting_req.preemptions > waiting_req.policy_preemptions:
                 return None
-            running = sorted(running, key=self.running_sort_key(now))
+            # The worst-scored eligible request: the last of a score-ordered list, found in one pass.
+            eligible = [c for c in running if self.policy_preemptible(c)]
+            if not eligible:
+                return None
+            cand = max(eligible, key=self.running_sort_key(now))
+            w_key, r_key, margin = self.key(waiting_req, now), self.key(cand, now), self.victim_margin(cand)
+            better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
+            return cand if better else None
         return super().policy_victim(waiting_req, running, now)
 
     def victim_margin(self, victim: RequestState) -> float:
