@@ -169,10 +169,6 @@ def _read_state(doc: Any) -> dict[str, Any]:
 
 
 
-def _opt_str(x: Any) -> str | None:
-    return x if isinstance(x, str) and x else None
-
-
 def _opt_float(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
@@ -190,7 +186,11 @@ class PollResult:
 
 
 class ReplicaView:
-    """One replica as the collector sees it: health, last documents, cursor and window."""
+    """One replica as the collector sees it: health, last documents, cursor and window.
+
+    State documents reach it as ``_read_state`` returns them, already read through
+    ``contract.State`` (every field of its type, or null): they are used as they are. Only the
+    /metrics numbers are checked here."""
 
     def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0, instance: str | None = None) -> None:
         self.spec = spec
@@ -221,9 +221,8 @@ class ReplicaView:
     # --- the state document -----------------------------------------------------------------
     def restarted(self, doc: Mapping[str, Any]) -> str | None:
         """Why ``doc`` shows the replica restarted since the last poll (None if it did not)."""
-        finished = _opt_int(doc.get("finished_total"))
-        steps = _opt_int(doc.get("steps_total"))
-        instance = _opt_str(doc.get("instance"))
+        finished, steps = doc.get("finished_total"), doc.get("steps_total")
+        instance = doc.get("instance") or None
         if instance is not None and self.instance is not None and instance != self.instance:
             return f"instance changed from {self.instance} to {instance}"
         if finished is not None and finished < self.cursor:
@@ -247,8 +246,8 @@ class ReplicaView:
             rate.clear()
 
     def _remember_counters(self, doc: Mapping[str, Any]) -> None:
-        self._last_finished_total = _opt_int(doc.get("finished_total"))
-        self._last_steps_total = _opt_int(doc.get("steps_total"))
+        self._last_finished_total = doc.get("finished_total")
+        self._last_steps_total = doc.get("steps_total")
 
     # --- building rows ----------------------------------------------------------------------
     def build(self, t: float, answer: "_StateAnswer | None", metrics: dict[str, float] | None,
@@ -263,7 +262,7 @@ class ReplicaView:
                 self.reset_for_restart()
                 self.last_restart = (t, answer.restarted)
             self.cursor = answer.cursor
-            self.instance = _opt_str(answer.doc.get("instance")) or self.instance
+            self.instance = answer.doc.get("instance") or self.instance
             state, completions = answer.doc, answer.completions
         if metrics is not None:
             self.metrics = metrics
@@ -276,7 +275,7 @@ class ReplicaView:
             self.state = {k: v for k, v in state.items() if k != "completions"}
             self._remember_counters(state)
             seen = self._settings_seen(state, t_ms)
-            now_r = _opt_float(state.get("time"))
+            now_r = state.get("time")
             if now_r is None:  # a document without a clock: fall back to the newest finish / ours
                 now_r = max([c.finished_s for c in completions] + [t])
             if self._coverage_start is None:
@@ -307,8 +306,8 @@ class ReplicaView:
     def _settings_seen(self, state: Mapping[str, Any], t_ms: int) -> SettingsSeenRow | None:
         """The settings document as a row when this (instance, version) was not stored yet."""
         settings = state.get("settings")
-        key = (self.instance, _opt_int(state.get("settings_version")))
-        if not isinstance(settings, dict) or key == self._settings_key:
+        key = (self.instance, state.get("settings_version"))
+        if settings is None or key == self._settings_key:
             return None
         self._settings_key = key
         return SettingsSeenRow(self.name, t_ms, key[1], key[0], settings)
@@ -316,21 +315,16 @@ class ReplicaView:
     def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
                          t_ms: int) -> list[GroupSampleRow]:
         m = self.metrics
-        kv = s.get("kv")
-        if not isinstance(kv, dict):
-            kv = {}
-        row.policy = s.get("policy") if isinstance(s.get("policy"), str) else None
-        row.settings_version = _opt_int(s.get("settings_version"))
-        row.waiting = _opt_int(s.get("waiting"))
-        row.running = _opt_int(s.get("running"))
-        row.kv_used_blocks = _opt_int(kv.get("used_blocks"))
-        row.kv_total_blocks = _opt_int(kv.get("total_blocks"))
-        row.kv_usage = _opt_float(kv.get("usage"))
+        kv = s.get("kv") or {}
+        row.policy = s.get("policy")
+        row.settings_version = s.get("settings_version")
+        row.waiting, row.running = s.get("waiting"), s.get("running")
+        row.kv_used_blocks, row.kv_total_blocks = kv.get("used_blocks"), kv.get("total_blocks")
+        row.kv_usage = kv.get("usage")
         if row.kv_usage is None:
             row.kv_usage = _opt_float(m.get("kv_usage"))
-        row.gamma_live = _opt_float(s.get("gamma_live"))
-        row.beta_live = _opt_float(s.get("beta_live"))
-        preemptions = _opt_float(s.get("preemptions_total"))
+        row.gamma_live, row.beta_live = s.get("gamma_live"), s.get("beta_live")
+        preemptions = s.get("preemptions_total")
         if preemptions is None:
             preemptions = _opt_float(m.get("preemptions_total"))
         row.preemptions_per_s = self._preemptions.add(now_r, preemptions, self.window_s)
@@ -368,7 +362,7 @@ class ReplicaView:
         state = self.state or {}
         return ReplicaSnapshot(
             name=self.name, health=replace(self.health), sample=self.sample, groups=list(self.groups),
-            settings=state.get("settings"), settings_version=_opt_int(state.get("settings_version")),
+            settings=state.get("settings"), settings_version=state.get("settings_version"),
             state=self.state, metrics=dict(self.metrics), cursor=self.cursor,
             window_completions=len(self.window))
 
