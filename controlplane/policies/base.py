@@ -288,14 +288,19 @@ class Policy:
         """
         if not self.preemptive:
             return None
-        w_key = self.key(waiting_req, now)
+        cand = self.worst_preemptible(running, now)
+        if cand is None:
+            return None
+        w_key, r_key, margin = self.key(waiting_req, now), self.key(cand, now), self.victim_margin(cand)
+        better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
+        return cand if better else None
+
+    def worst_preemptible(self, running: Sequence[RequestState], now: float) -> RequestState | None:
+        """The request policy preemption would take first: the last one outside its guard in
+        running order (best first)."""
         for cand in reversed(running):
-            if not self.policy_preemptible(cand):
-                continue
-            r_key = self.key(cand, now)
-            margin = self.victim_margin(cand)
-            better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
-            return cand if better else None
+            if self.policy_preemptible(cand):
+                return cand
         return None
 
     def preempt_margin(self) -> float:

@@ -38,8 +38,14 @@ class DistBoost(Policy):
         return req.arrival - boost(work, self.params.gamma)
 
     def order_running(self, running, now):
-        return sorted(running, key=lambda r: (0, r.arrival, r.id) if r.generated > 0
-                      else (1, *self.key(r, now)))
+        return decodes_then_prefills(self, running, now)
+
+
+def decodes_then_prefills(policy: Policy, running, now: float) -> list[RequestState]:
+    """Stage 1's running order: decodes first in arrival order (the last, the newest decode, is
+    the memory victim), then prefills by the policy's key."""
+    return sorted(running, key=lambda r: (0, r.arrival, r.id) if r.generated > 0
+                  else (1, *policy.key(r, now)))
 
 
 class UniBoost(Policy):
@@ -153,23 +159,20 @@ class UniBoost(Policy):
 
     # --- preemption that does not waste work (each rule a parameter) -----------------------
     def policy_victim(self, waiting_req, running, now):
-        # Under kv_victim "newest" the running order puts the newest decode last (the memory
-        # victim); the policy's own victim is still its worst-scored request.
-        if self.newest_victim:
-            # A request the memory victim rule evicted (it may be the best-scored one) waits for
-            # room instead of evicting by score in turn: the two rules would trade the same KV back
-            # and forth without end.
-            if waiting_req.preemptions > waiting_req.policy_preemptions:
-                return None
-            # The worst-scored eligible request: the last of a score-ordered list, found in one pass.
-            eligible = [c for c in running if self.policy_preemptible(c)]
-            if not eligible:
-                return None
-            cand = max(eligible, key=self.running_sort_key(now))
-            w_key, r_key, margin = self.key(waiting_req, now), self.key(cand, now), self.victim_margin(cand)
-            better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
-            return cand if better else None
+        # Under kv_victim "newest", a request the memory victim rule evicted (it may be the
+        # best-scored one) waits for room instead of evicting by score in turn: the two rules
+        # would trade the same KV back and forth without end.
+        if self.newest_victim and waiting_req.preemptions > waiting_req.policy_preemptions:
+            return None
         return super().policy_victim(waiting_req, running, now)
+
+    def worst_preemptible(self, running, now):
+        # Under kv_victim "newest" the running order puts the newest decode last (the memory
+        # victim); the policy's own victim is still its worst-scored request, found in one pass.
+        if not self.newest_victim:
+            return super().worst_preemptible(running, now)
+        eligible = [c for c in running if self.policy_preemptible(c)]
+        return max(eligible, key=self.running_sort_key(now)) if eligible else None
 
     def victim_margin(self, victim: RequestState) -> float:
         p = self.params
@@ -189,8 +192,7 @@ class UniBoost(Policy):
         # MemGuard wants it to be the worst request outside its guard, falling back to the worst
         # guarded one: so guarded requests come first, each group in key order.
         if self.newest_victim:
-            return sorted(running, key=lambda r: (0, r.arrival, r.id) if r.generated > 0
-                          else (1, *self.key(r, now)))
+            return decodes_then_prefills(self, running, now)
         return sorted(running, key=self.running_sort_key(now))
 
     def reorder_running(self, running, settled, now):
