@@ -73,6 +73,7 @@ class UniBoost(Policy):
         self.ada_enabled = p.gamma_ada and not settings.is_pinned("gamma")
         self.recent_tail: deque[float] = deque(maxlen=p.ada_window)
         self.signal = p.ada_signal
+        self.fcfs_wait = self.ada_enabled and self.signal == "fcfs_wait"  # keep the backlog books
         # fcfs_wait: prompt (and recompute) tokens arrived or preempted and not yet admitted, each
         # request's share, and the admissions of the last ADMIT_SPAN_S seconds (the drain rate).
         self.backlog = 0
@@ -125,7 +126,7 @@ class UniBoost(Policy):
     def on_arrival(self, req: RequestState, now: float) -> None:
         # fcfs_wait: the tokens queued ahead of this arrival, drained at the recent admission
         # rate, is how long FCFS would keep it waiting, whatever order is actually served.
-        if self.ada_enabled and self.signal == "fcfs_wait":
+        if self.fcfs_wait:
             rate = self._drain_rate(now)
             if rate > 0:
                 self.recent_tail.append(self.backlog / rate)
@@ -140,14 +141,14 @@ class UniBoost(Policy):
         return self.admitted_sum / ADMIT_SPAN_S if log else 0.0
 
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
-        if self.ada_enabled and self.signal == "fcfs_wait":
+        if self.fcfs_wait:
             n = req.prompt_tokens + req.generated
             self.backlog += n
             self.owed[req.id] = n
 
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         p = self.params
-        if self.ada_enabled and self.signal == "fcfs_wait":
+        if self.fcfs_wait:
             n = self.owed.pop(req.id, 0)
             self.backlog -= n
             self.admitted_log.append((now, n))
