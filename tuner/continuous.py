@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from controlplane.metrics import higher_is_better
 from controlplane.settings import Settings
 from sim.engine import Simulator
-from tuner.study import TuneContext, build_traces, completion_metrics
+from tuner.study import TuneContext, completion_metrics
 
 MAX_CANDIDATES = 5  # continuous replays are whole traces: check the best few, in preference order
 
@@ -32,7 +31,7 @@ def continuous_metrics(ctx: TuneContext, settings: Settings) -> dict[str, dict[s
         w = ctx.windows[i]
         held.setdefault(w.trace_no, set()).update(w.measured)
     held_done, all_done = [], []
-    for trace_no, trace in enumerate(_traces(ctx)):
+    for trace_no, trace in enumerate(ctx.traces):
         if not len(trace):
             continue
         done = Simulator(trace, settings, ctx.config).run().completions
@@ -43,23 +42,15 @@ def continuous_metrics(ctx: TuneContext, settings: Settings) -> dict[str, dict[s
             "all": completion_metrics(all_done, ctx.tracked, ctx.spec.slo)}
 
 
-def _traces(ctx: TuneContext) -> list:
-    cached = getattr(ctx, "_continuous_traces", None)
-    if cached is None:
-        cached = build_traces(ctx.spec)
-        ctx._continuous_traces = cached  # type: ignore[attr-defined]
-    return cached
-
-
 def losses(ctx: TuneContext, values: Mapping[str, float], production: Mapping[str, float]) -> list[str]:
     """Why ``values`` lose to ``production`` (empty: they do not): each objective that is worse,
     each constraint that fails, as a short phrase with the figures."""
     out = []
-    for name, _direction in ctx.objectives:
+    for name, direction in ctx.objectives:
         x, b = values.get(name, math.nan), production.get(name, math.nan)
         if not math.isfinite(x) and math.isfinite(b):
             out.append(f"{name} undefined (production {b:.4g})")
-        elif math.isfinite(x) and math.isfinite(b) and (x < b if higher_is_better(name) else x > b):
+        elif math.isfinite(x) and math.isfinite(b) and (x < b if direction == "maximize" else x > b):
             out.append(f"{name} {x:.4g} vs production {b:.4g}")
     if ctx.constraints:
         for key, v in ctx.constraint_values({0: values}, baseline={0: production}).items():

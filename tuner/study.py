@@ -50,6 +50,7 @@ Keep Optuna's tables away from tailpilot's database: the default storage is the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import multiprocessing
@@ -64,6 +65,7 @@ import numpy as np
 
 from controlplane.settings import Settings
 from sim.engine import EngineConfig, Simulator
+from sim.traces import Trace
 from tuner.search import (
     Constraint,
     SearchSpace,
@@ -113,6 +115,11 @@ class TuneContext:
         self.objectives = self.spec.objective_dirs()
         self.constraints = self.spec.parsed_constraints()
         self.tracked = tracked_metrics(self.objectives, self.constraints)
+
+    @functools.cached_property
+    def traces(self) -> list[Trace]:
+        """The study's traces, whole (loaded once: continuous replays run on them)."""
+        return build_traces(self.spec)
 
     def run(self, settings: Settings, index: int) -> dict[str, float]:
         return window_metrics(settings, self.windows[index], self.config, self.tracked, self.spec.slo)
