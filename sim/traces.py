@@ -104,6 +104,15 @@ class TraceError(ValueError):
     """
 
 
+class ArrivalsNeeded(TraceError):
+    """The file has lengths but no arrival times; ``needs`` names the generation arguments it
+    takes (``("rate",)`` for length-only CSVs, ``("n", "rate")`` for a length distribution)."""
+
+    def __init__(self, message: str, needs: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.needs = needs
+
+
 @dataclass(slots=True, frozen=True)
 class TraceRequest:
     """One request of a workload trace (docs/engine.md#requests).
@@ -778,14 +787,14 @@ def _choose_loader(path: PathLike, where: str, kw: dict):
         return load_vidur, first
     if {"num_prefill_tokens", "num_decode_tokens"} <= header:
         if "rate" not in kw:
-            raise TraceError(f"{where}: a length-only trace (no arrival times): pass rate= "
-                             "(and optionally process=, cv=, seed=, n=)")
+            raise ArrivalsNeeded(f"{where}: a length-only trace (no arrival times): pass rate= "
+                                 "(and optionally process=, cv=, seed=, n=)", ("rate",))
         return load_lengths, first
     if {"Timestamp", "Request tokens", "Response tokens"} <= header:
         return load_burstgpt, first
     if {"model", "field", "value", "prob"} <= header:
         if "rate" not in kw or "n" not in kw:
-            raise TraceError(f"{where}: a length distribution (no requests): pass n= and rate=")
+            raise ArrivalsNeeded(f"{where}: a length distribution (no requests): pass n= and rate=", ("n", "rate"))
         return load_servegen_reasoning, first
     raise TraceError(f"{where}: unknown trace format; header seen: {first.strip()[:200]!r}")
 

@@ -49,11 +49,13 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
         generate = {"rate": target_rate} if target_rate else {}
         try:
             trace = traces.load_trace(path, seed=seed, max_tokens_default=default_cap, **generate)
-        except traces.TraceError as err:
-            if "length-only" in str(err) or "length distribution" in str(err):
+        except traces.ArrivalsNeeded as err:
+            if err.needs == ("rate",):
                 raise click.UsageError(f"{path}: lengths without arrival times: give --target-rate REQ_PER_S "
                                        "(Poisson arrivals at that rate)") from None
-            raise
+            raise click.UsageError(f"{path}: a length distribution, not requests: sample it from Python "
+                                   "(sim.traces.load_servegen_reasoning) or mix it into a trace "
+                                   "(tailpilot tune --mix FILE=FRACTION)") from None
     trace = traces.transform(trace, window=span, rate_scale=rate_scale, rate=target_rate, max_tokens_cap=cap,
                              tenants=tenants, seed=seed)
     if len(trace) == 0:

@@ -60,6 +60,12 @@ def test_a_length_only_trace_takes_its_arrivals_from_target_rate():
     assert res.exit_code == 0, res.output
 
 
+def test_a_length_distribution_says_how_to_use_it_instead_of_asking_for_a_rate_again():
+    pmf = str(FIXTURES / "servegen_r1_pmf_small.csv")
+    res = CliRunner().invoke(main, ["sim", "--trace", pmf, "--policy", "fcfs", "--target-rate", "2"])
+    assert res.exit_code == 2 and "a length distribution" in res.output and "--mix" in res.output
+
+
 def test_compare_says_when_it_adds_the_baseline():
     res = CliRunner().invoke(main, ["compare", "--policies", "fcfs", "--window", "0:60", "--json"])
     assert res.exit_code == 0, res.output
