@@ -1,7 +1,7 @@
 """The seeds' claims beside tailpilot's figures, on continuous replays near saturation.
 
     python benchmarks/seed_claims.py [--workloads conv1.0,conv1.1,code,mix20,mix70,longprompt]
-        [--jobs 2] [--traces DIR] [--json OUT]
+        [--jobs 2] [--traces DIR] [--json OUT] [--gamma-sweep 0.003,0.01,0.03,0.1,0.3,1]
 
 Every workload is replayed whole, from its first request to the last completion, through the
 simulator at vLLM's A100 engine defaults (256 sequences, 2,048-token budget, the default step
@@ -32,6 +32,10 @@ request as the memory victim), ``sjf-history`` and ``tie-history`` (what a live 
 
 The claims table puts each seed claim beside the measured figure; a claim that does not reproduce
 says so — the benchmark is not tuned to the claims.
+
+``--gamma-sweep`` asks instead what γ *could* do: P95 TTFT and P99 TTLT against sarathi's for stage
+1 (``distboost``) and the full UNIBOOST (γ-Ada off) at each fixed γ, per workload, beside SRPT and SJF
+with perfect lengths — the best any fixed γ reaches, i.e. what a perfect γ-Ada could reach.
 """
 
 from __future__ import annotations
@@ -179,6 +183,29 @@ def claims(w: str, r: dict[str, dict[str, float]]) -> list[tuple[str, str, str, 
     return rows
 
 
+def gamma_sweep(built: dict[str, traces.Trace], gammas: list[float], jobs: int) -> None:
+    """Print each workload's P95 TTFT and P99 TTLT vs sarathi at fixed γ (stage 1 and stages 2-4)."""
+    docs = {"sarathi": POLICIES["sarathi"], "srpt-oracle": POLICIES["srpt-oracle"], "sjf-oracle": POLICIES["sjf-oracle"]}
+    for g in gammas:
+        docs[f"distboost g={g:g}"] = {"policy": "distboost", "params": {"gamma": g}}
+        docs[f"uniboost g={g:g}"] = {"policy": "uniboost", "params": {"gamma": g, "gamma_ada": False}}
+    POLICIES.update(docs)  # run_one (in the worker processes too, which import this module) reads them
+    work = [(w, p, built[w]) for w in built for p in docs]
+    results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in built}
+    with ProcessPoolExecutor(max_workers=jobs, initializer=POLICIES.update, initargs=(docs,)) as pool:
+        for w, p, m, _secs in pool.map(run_one, work):
+            results[w][p] = m
+    for w, r in results.items():
+        sar = r["sarathi"]
+        best = min((p for p in r if " g=" in p), key=lambda p: r[p]["ttft_p95"])
+        print(f"\n== {w}: sarathi P95 TTFT {sar['ttft_p95']:.3g} s, P99 TTLT {sar['ttlt_p99']:.3g} s; "
+              f"least P95 TTFT at a fixed γ: {best} ({ratio(r[best]['ttft_p95'], sar['ttft_p95']):.2f}x)")
+        print(f"{'policy':22s} {'P95 TTFT':>10s} {'P99 TTLT':>10s}")
+        for p in docs:
+            if p != "sarathi":
+                print(f"{p:22s} {ratio(r[p]['ttft_p95'], sar['ttft_p95']):9.2f}x {ratio(r[p]['ttlt_p99'], sar['ttlt_p99']):9.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -188,6 +215,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the traces folder (traces/ in the repository)")
     ap.add_argument("--json", type=Path, help="also write every figure here")
+    ap.add_argument("--gamma-sweep", metavar="GAMMAS",
+                    help="instead of the claims: P95 TTFT at each fixed γ (comma-separated, 1/s)")
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     policies = [p for p in args.policies.split(",") if p]
@@ -196,6 +225,10 @@ def main() -> None:
     for w in workloads:
         built[w], how = build_workload(w, args.traces, args.knee)
         print(f"{w}: {len(built[w])} requests, {built[w].rate:.2f} req/s ({how})", flush=True)
+    if args.gamma_sweep:
+        gamma_sweep(built, [float(g) for g in args.gamma_sweep.split(",") if g], args.jobs)
+        print(f"\nin {time.perf_counter() - started:.0f} s wall ({args.jobs} processes)")
+        return
     jobs = [(w, p, built[w]) for w in workloads for p in policies]
     results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

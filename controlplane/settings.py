@@ -91,6 +91,9 @@ class UniBoostParams(PreemptiveParams):
     ada_interval_s: float = Field(5.0, gt=0.0, le=86_400.0)
     ada_window: int = Field(2000, ge=10, le=1_000_000)
     ada_min_samples: int = Field(200, ge=1, le=1_000_000)
+    # γ is re-applied (a new epoch: every waiting key re-derived) only once its smoothed value has
+    # moved this fraction away from the applied one; 0 re-applies at every tick.
+    ada_deadband: float = Field(0.02, ge=0.0, le=1.0)
     # What γ-Ada fits its tail slope to. "fcfs_wait": each arrival's FCFS-equivalent wait (the
     # prompt and recompute tokens queued ahead of it over the recent admission rate) — the FCFS
     # tail whose decay rate the theory asks for, and the same whichever order is served, so γ

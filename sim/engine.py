@@ -368,7 +368,7 @@ class Simulator:
         decodes, chunks = step.decodes, step.chunks
         sum_ctx = prefill = prefill_sq = 0
         order = running
-        if policy.decode_first:
+        if policy.decode_first and not policy.running_order_is_budget_order:
             # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
             chunked = [r for r in running if not (r.generated and r.computed_tokens ==
                                                   r.prompt_tokens + r.generated - 1)]

@@ -285,6 +285,40 @@ def test_history_refit_fits_every_key_level():
     assert 0 < h.last_refit_s <= dt  # the refit records its own duration
 
 
+def test_history_refits_only_what_changed_and_warm_starts_to_the_same_fit():
+    rng = np.random.default_rng(4)
+    h = HistoryPredictor(window=5000, min_samples=20)
+    a, b = req(1, tenant="a", prompt_tokens=64), req(2, tenant="b", prompt_tokens=64)
+    for n in np.exp(4 + 0.8 * rng.standard_t(3.5, 500)):
+        h.observe(a, max(int(n), 1))
+        h.observe(b, max(int(2 * n), 1))
+    h.refit()
+    fits, version = h.fits, h.version
+    assert h.refit() == len(fits) and h.version == version and h.fits == fits  # nothing new: no new epoch
+    extra = np.exp(5 + 0.5 * rng.standard_t(3.5, 300))
+    for n in extra:
+        h.observe(a, max(int(n), 1))
+    h.refit()
+    assert h.version == version + 1
+    new = h.fits
+    for key in h.keys_for(b)[:3]:  # b's own keys saw nothing new: kept as they were
+        assert new[key] == fits[key]
+    for key in h.keys_for(a):  # a's keys (and the global one) moved, to the cold fit's optimum
+        assert new[key] != fits[key]
+        cold_mu, cold_sigma = fit_logt_mle(np.fromiter(h._pools[key], float), h.nu)  # the pools hold ln(tokens)
+        assert new[key][0] == pytest.approx(cold_mu, abs=1e-6)
+        assert new[key][1] == pytest.approx(max(cold_sigma, SIGMA_FLOOR), abs=1e-6)
+    # Fewer new lengths than refit_fraction (2%) of a key's pool wait for more: 5 of 800 does not refit.
+    for _ in range(5):
+        h.observe(a, 7)
+    assert h.refit() == len(new) and h.version == version + 1 and h.fits == new
+    for _ in range(20):  # 25 of 825: a's keys are due; the global key (25 of 1,325) is not yet
+        h.observe(a, 7)
+    h.refit()
+    assert h.version == version + 2 and h.fits[h.keys_for(a)[0]] != new[h.keys_for(a)[0]]
+    assert h.fits[()] == new[()]
+
+
 def test_history_validates_params():
     with pytest.raises(ValueError, match="window"):
         HistoryPredictor(window=0)

@@ -133,6 +133,9 @@ class Policy:
     # Running decodes take the step's budget before prefill chunks, whatever their keys; the
     # running order still fixes the prefill order and the memory-pressure victim.
     decode_first = False
+    # Set when ``order_running`` already puts every decode before every prefill chunk: the
+    # simulator then serves the running list as it stands instead of partitioning it again.
+    running_order_is_budget_order = False
     # Set by a policy whose running order is plain key order (``order_running`` not overridden)
     # and whose ``key`` caches every key it computes (``cache_key``): ``reorder_running`` can then
     # keep the running list in order by moving only the requests whose key changed.

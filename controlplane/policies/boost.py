@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import deque
+from operator import attrgetter
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from controlplane.policies.base import (
 )
 
 LN5 = math.log(5.0)
+_arrival_id = attrgetter("arrival", "id")
 ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span
 
 
@@ -32,6 +34,7 @@ class DistBoost(Policy):
     γ-Boost on their prompt work. Non-preemptive."""
 
     name = "distboost"
+    running_order_is_budget_order = True
 
     def score(self, req: RequestState, now: float) -> float:
         work = self.params.alpha_s_per_token * req.prompt_tokens
@@ -40,12 +43,47 @@ class DistBoost(Policy):
     def order_running(self, running, now):
         return decodes_then_prefills(self, running, now)
 
+    def reorder_running(self, running, settled, now):
+        return reorder_decodes_then_prefills(self, running, settled, now)
+
 
 def decodes_then_prefills(policy: Policy, running, now: float) -> list[RequestState]:
     """Stage 1's running order: decodes first in arrival order (the last, the newest decode, is
-    the memory victim), then prefills by the policy's key."""
-    return sorted(running, key=lambda r: (0, r.arrival, r.id) if r.generated > 0
-                  else (1, *policy.key(r, now)))
+    the memory victim), then prefill chunks (prompts, recomputes) by the policy's key. It is the
+    budget order too (``Policy.running_order_is_budget_order``)."""
+    def key(r: RequestState) -> tuple:
+        if r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1:  # in_decode, inlined
+            return (0, r.arrival, r.id)
+        return (1, *policy.key(r, now))
+    return sorted(running, key=key)
+
+
+_PLACED_DECODE = ("decode",)  # RequestState.running_key of a request placed among the decodes
+
+
+def reorder_decodes_then_prefills(policy: Policy, running, settled: int, now: float) -> list[RequestState]:
+    """``decodes_then_prefills`` for a list whose first ``settled`` requests are in the order it
+    gave last (``Policy.reorder_running``), without sorting the decodes again: a decode stays a
+    decode until it leaves, so the placed decodes are still in arrival order and only the few
+    prefill chunks at the end and the new requests need placing."""
+    head = running[:settled]
+    j = settled
+    while j and head[j - 1].running_key is not _PLACED_DECODE:
+        j -= 1
+    decodes, prefills = head[:j], []
+    for r in head[j:] + running[settled:]:
+        if r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1:  # in_decode
+            r.running_key = _PLACED_DECODE
+            if decodes and (r.arrival, r.id) < (decodes[-1].arrival, decodes[-1].id):
+                insort(decodes, r, key=_arrival_id)
+            else:
+                decodes.append(r)
+        else:
+            r.running_key = ()
+            prefills.append(r)
+    if len(prefills) > 1:
+        prefills.sort(key=lambda r: policy.key(r, now))
+    return decodes + prefills if prefills else decodes
 
 
 class UniBoost(Policy):
@@ -63,9 +101,11 @@ class UniBoost(Policy):
         super().__init__(settings, predictor)
         p = self.params
         self.gamma = p.gamma
+        self.gamma_smoothed = p.gamma  # γ-Ada's running estimate; self.gamma follows it (ada_deadband)
         self.decode_first = p.decode_first
         # The newest-decode memory victim orders decodes before prefills: decode-first only.
         self.newest_victim = p.kv_victim == "newest" and p.decode_first
+        self.running_order_is_budget_order = self.newest_victim  # decodes_then_prefills
         # Under MemGuard a running request's key changes only when its attained work crosses a
         # threshold above its prompt, its guard flag once: most steps move nobody (reorder_running).
         self.incremental_running_order = p.memguard
@@ -199,7 +239,9 @@ class UniBoost(Policy):
     def reorder_running(self, running, settled, now):
         """``Policy.reorder_running`` for MemGuard's (guarded, key) order: a request keeps its
         place while its cached key and its guard flag are the ones it was placed by."""
-        if not self.incremental_running_order or self.newest_victim:
+        if self.newest_victim:
+            return reorder_decodes_then_prefills(self, running, settled, now)
+        if not self.incremental_running_order:
             return self.order_running(running, now)
         epoch = self.epoch
         head = list(running[:settled])
@@ -279,8 +321,13 @@ class UniBoost(Policy):
         # P(T > t) ~ C e^{-γt}: between P95 and P99 the tail falls by 5×, so γ = ln 5 / (t99 − t95).
         # No spread between them is a tail that ends at once: as fast a decay as γ may take.
         target = LN5 / (t99 - t95) if t99 > t95 else p.gamma_max
-        gamma = (1.0 - p.ada_ema) * self.gamma + p.ada_ema * target
-        self.gamma = min(p.gamma_max, max(p.gamma_min, gamma))
+        gamma = (1.0 - p.ada_ema) * self.gamma_smoothed + p.ada_ema * target
+        self.gamma_smoothed = gamma = min(p.gamma_max, max(p.gamma_min, gamma))
+        # A new γ re-keys the waiting queue and re-sorts the running list; a move smaller than
+        # the dead band would reorder almost nothing, so γ waits until the estimate has moved.
+        if abs(gamma - self.gamma) <= p.ada_deadband * self.gamma:
+            return
+        self.gamma = gamma
         self.epoch = new_epoch()
         self.gamma_updates += 1
 
@@ -312,6 +359,6 @@ class UniBoost(Policy):
     def adopt_live_state(self, previous: Policy) -> None:
         # Keep the adapted γ across a switch unless the new document pins or sets it explicitly.
         if isinstance(previous, UniBoost) and self.ada_enabled and previous.params.gamma == self.params.gamma:
-            self.gamma = previous.gamma
+            self.gamma, self.gamma_smoothed = previous.gamma, previous.gamma_smoothed
             self.epoch = new_epoch()
             self.recent_tail = deque(previous.recent_tail, maxlen=self.params.ada_window)

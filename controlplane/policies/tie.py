@@ -7,13 +7,18 @@ max_tokens (quadrature in ``tie_math``); β adapts to the queue unless pinned. N
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from controlplane.policies.base import Policy, RequestState, new_epoch
 from controlplane.policies.tie_math import adaptive_beta, tie_moments
 
+# Requests that share a predictor key share (μ, σ) and mostly max_tokens: one quadrature each.
+_moments = lru_cache(maxsize=4096)(tie_moments)
+
 
 class Tie(Policy):
     name = "tie"
+    incremental_running_order = True  # keys hold for an epoch (β, the predictor's fit): most stay put
 
     def __init__(self, settings, predictor=None) -> None:
         super().__init__(settings, predictor)
@@ -30,7 +35,7 @@ class Tie(Policy):
             value = None
             if dist is not None:
                 mu, sigma = dist
-                value = tie_moments(mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu)
+                value = _moments(mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu)
             req.cache_key, req.cache_value = key, value
         return req.cache_value  # type: ignore[return-value]  # set just above under this key
 
