@@ -112,6 +112,10 @@ class UniBoostParams(PreemptiveParams):
     preempt_recompute_cost: bool = False
     # at most this many policy preemptions per step (0: no limit);
     preempt_per_step: int = Field(0, ge=0, le=1_000_000)
+    # only while the batch is less full than this: the larger of the seats and the KV blocks in
+    # use (seed 003 §3: "only below 80% batch utilisation"; a recompute costs most when it is full;
+    # None: whatever the utilisation).
+    preempt_max_utilisation: float | None = Field(0.8, gt=0.0, le=1.0)
     # who is the memory-pressure victim: "score" the worst-scored (MemGuard: unguarded first),
     # which is the request with the most attained work, the costliest to recompute; "newest" the
     # last-arrived decode, as stage 1 and vLLM do (prefills still by score, after decodes;

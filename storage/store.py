@@ -406,13 +406,19 @@ class Store:
         replica: str | None = None,
         since_s: float | None = None,
         until_s: float | None = None,
+        *,
+        stored_since_ms: int | None = None,
+        stored_until_ms: int | None = None,
     ) -> list[CompletionRow]:
-        """Completions with ``since_s <= finished_s < until_s`` (replica clocks), by finish time."""
+        """Completions with ``since_s <= finished_s < until_s`` (replica clocks) and
+        ``stored_since_ms <= stored_ms < stored_until_ms`` (the store's clock: what a recording
+        spans), by finish time."""
         stmt = select(Replica.name, Completion.__table__).join(Replica, Replica.id == Completion.replica_id)
         stmt = stmt.where(Replica.cluster == cluster)
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
         stmt = _in_range(stmt, Completion.finished_s, since_s, until_s)
+        stmt = _in_range(stmt, Completion.stored_ms, stored_since_ms, stored_until_ms)
         stmt = stmt.order_by(Completion.finished_s, Completion.id)
         with self._read() as conn:
             return [

@@ -42,8 +42,19 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
     # the command's context (see ``trace_options``).
     ctx = click.get_current_context(silent=True)
     default_cap = (ctx.meta.get(_MAX_TOKENS_DEFAULT_KEY) if ctx is not None else None) or traces.DEFAULT_MAX_TOKENS
+    recording = ctx.meta.get(_RECORDING_KEY) if ctx is not None else None
+    if recording is not None:
+        if path is not None:
+            raise click.UsageError("give --trace or --recording, not both")
+        from tuner.recorded import RecordedSpan
+
+        path = RecordedSpan(recording=recording).url()
     if path in (None, "bundled"):
         trace = traces.load_bundled(max_tokens_default=default_cap)
+    elif path.startswith("db:"):
+        from tuner.recorded import load_recorded, parse_url
+
+        trace = load_recorded(parse_url(path), max_tokens_default=default_cap)
     else:
         # A length-only trace has no arrival times: --target-rate gives it Poisson arrivals.
         generate = {"rate": target_rate} if target_rate else {}
@@ -69,11 +80,18 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
 
 
 _MAX_TOKENS_DEFAULT_KEY = "tailpilot.max_tokens_default"
+_RECORDING_KEY = "tailpilot.recording"
 
 
 def _remember_max_tokens_default(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
     if value is not None:
         ctx.meta[_MAX_TOKENS_DEFAULT_KEY] = value
+    return value
+
+
+def _remember_recording(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        ctx.meta[_RECORDING_KEY] = value
     return value
 
 
@@ -129,7 +147,11 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
 # Option groups: what picks and shapes a trace, what sizes the simulated engine, and what only a
 # batch simulation takes. ``sim``/``compare`` take all three; ``twin`` the first two.
 trace_options = [
-    click.option("--trace", "trace_path", metavar="FILE", help="Trace file (any supported format); default: the bundled Azure conv window."),
+    click.option("--trace", "trace_path", metavar="FILE",
+                 help="Trace file (any supported format), or a recording as db:[STORE]#recording=NAME[&replicas=R]"
+                      "[&from=S&to=S]; default: the bundled Azure conv window."),
+    click.option("--recording", expose_value=False, callback=_remember_recording, metavar="NAME",
+                 help="Replay a recording of the cluster's own traffic (in $TAILPILOT_DB or ./tailpilot.db)."),
     click.option("--rate-scale", type=float, help="Multiply the arrival rate by X."),
     click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s."),
     click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),

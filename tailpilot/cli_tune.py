@@ -83,7 +83,10 @@ def _spec_value(param: str, value: Any) -> Any:
             except ValueError as err:
                 raise ValueError(f"{value}: {describe_error(err)}") from None
         if param == "trace_paths":
-            return [None if p == "bundled" else str(Path(p).resolve()) for p in _split(value)] or [None]
+            from tuner.recorded import canonical, is_recorded, split_traces
+
+            return [None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
+                    for p in split_traces(value)] or [None]
         if param == "mix":
             out = []
             for item in value:
@@ -188,7 +191,11 @@ def _progress_bar(show: bool):
               help='e.g. "throughput>=0.99*baseline" or "ttft_p99<=2.0" (baseline = production settings).')
 @click.option("--production", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Current production settings JSON (trial 0 and the baseline) [default: sarathi, vLLM's behaviour].")
-@click.option("--trace", "trace_paths", metavar="FILE[,FILE]", help="Trace file(s); default: the bundled Azure conv window.")
+@click.option("--trace", "trace_paths", metavar="FILE[,FILE]",
+              help="Trace file(s), or one recording as db:[STORE]#recording=NAME[&replicas=R][&from=S&to=S]; "
+                   "default: the bundled Azure conv window.")
+@click.option("--recording", metavar="NAME",
+              help="Tune on a recording of the cluster's own traffic in --db (the same as --trace db:DB#recording=NAME).")
 @click.option("--mix", multiple=True, metavar="FILE=FRACTION",
               help="Mix FRACTION of requests from FILE (e.g. the ServeGen reasoning PMF) into each trace (repeatable).")
 @click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds first.")
@@ -230,7 +237,17 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     from tuner.study import tune as run_tune
 
     url = _storage_or_exit(storage, db)
+    recording = kw.pop("recording")
+    if recording is not None:
+        from tuner.recorded import RecordedSpan
+
+        if kw["trace_paths"]:
+            raise click.UsageError("give --trace or --recording, not both")
+        kw["trace_paths"] = RecordedSpan(db=db, recording=recording).url()
+        ctx.params["trace_paths"] = kw["trace_paths"]
     given = _given(ctx, kw)
+    if recording is not None:
+        given["traces"] = _spec_value("trace_paths", kw["trace_paths"])
     try:
         exists = study_exists(open_storage(url), study_name)
     except TuneError as err:
@@ -360,6 +377,8 @@ def _print_recommendation(s: dict) -> None:
     head = ("keep the production settings (nothing beat them)" if s["is_production"]
             else f"trial #{s['trial']}")
     console.print(f"[bold]study {s['study']}[/]: {s['trials_complete']} complete trials; recommendation: {head}")
+    for t in s.get("traces", []):
+        console.print(f"tuned on {t['source']} ({t['requests']:,} requests over {t['span_s']:,.0f} s)", markup=False)
     for part, title in (("search", "search windows (selected on; optimistic)"), ("holdout", "held-out windows (never searched)")):
         block = s[part]
         table = Table(title=f"{title}: {len(block['windows'])} windows; vs production, positive = better")

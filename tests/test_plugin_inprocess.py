@@ -24,8 +24,10 @@ from controlplane.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 
 FCFS = {"policy": "fcfs"}
 # γ small: ordering by size dominates arrival (b_γ of 10 vs 1000 tokens differ by ~4600 s).
+# Policy preemption whatever the batch's utilisation (these scripts fill one or two seats).
 UNIBOOST = {"policy": "uniboost",
-            "params": {"gamma": 0.001, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}}
+            "params": {"gamma": 0.001, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001,
+                       "preempt_max_utilisation": None}}
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +295,23 @@ def test_waiting_short_preempts_running_long_under_uniboost(build, cls):
     completions = {c["id"]: c for c in core.completions_since(0)[0]}
     assert list(completions) == ["S", "L"]
     assert completions["L"]["preemptions"] == 1
+
+
+def test_no_policy_preemption_while_the_batch_is_full_by_default(build):
+    # The seed 003 rule (preempt_max_utilisation 0.8): the one seat is taken, so the batch is
+    # full and S waits for L instead of throwing L's prefill away.
+    clock = Clock()
+    gated = {**UNIBOOST, "params": {**UNIBOOST["params"], "preempt_max_utilisation": 0.8}}
+    s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=gated)
+    d = Driver(s)
+    d.run(arrivals={0: [req(clock, "L", 128, 12, 0.0)]}, steps=3)
+    d.add(req(clock, "S", 8, 2, 1.0))
+    record = d.step()
+    assert record.preempted == [] and record.admitted == []
+    d.run()
+    assert_all_finished(d)
+    assert s.tp_core.preemptions_total == 0
+    assert [c["id"] for c in s.tp_core.completions_since(0)[0]] == ["L", "S"]
 
 
 def test_waiting_short_does_not_preempt_under_fcfs(build):

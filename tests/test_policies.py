@@ -26,6 +26,8 @@ def req(rid, arrival, prompt, output, **kw):
 
 
 def settings(policy, engine=None, **params):
+    if policy == "uniboost":  # the seeds' scenarios fill every seat: no utilisation gate on preemption
+        params.setdefault("preempt_max_utilisation", None)
     return Settings.model_validate({"policy": policy, "params": params, "engine": engine or {}})
 
 

@@ -22,7 +22,8 @@ def req(rid, arrival, prompt, output):
 
 
 def uniboost(engine=None, **params):
-    base = dict(gamma=0.05, alpha_s_per_token=1.0, memguard=False, gamma_ada=False)
+    # These scenarios fill every seat; the utilisation gate (tested on its own below) is off.
+    base = dict(gamma=0.05, alpha_s_per_token=1.0, memguard=False, gamma_ada=False, preempt_max_utilisation=None)
     return Settings.model_validate({"policy": "uniboost", "params": {**base, **params}, "engine": engine or {}})
 
 
@@ -33,6 +34,20 @@ SEAT = [req("long", 0.0, 4, 40), req("short", 3.0, 2, 2)]
 def test_a_short_request_preempts_for_a_seat_by_default():
     res = simulate(SEAT, uniboost({"max_num_seqs": 1}), BIG_KV)
     assert res.policy_preemptions == 1
+
+
+def test_no_policy_preemption_while_the_batch_is_fuller_than_the_gate():
+    # Seed 003's rule: preempt only below a batch utilisation (the larger of seats and KV in use).
+    full = simulate(SEAT, uniboost({"max_num_seqs": 1}, preempt_max_utilisation=0.8), BIG_KV)
+    assert full.policy_preemptions == 0 and full.recomputed_tokens == 0
+    done = {c.id: c for c in full.completions}
+    assert done["short"].finished_at > done["long"].finished_at
+    # KV short while the batch is 60% full (6 of 10 blocks held, seats free): below a 0.8 gate
+    # the short request preempts, below a 0.5 gate it waits.
+    small_kv = EngineConfig(num_gpu_blocks=10, block_size=16, step_model=UNIT_STEPS)
+    kv = [req("long", 0.0, 90, 20), req("short", 3.0, 70, 2)]  # long holds 6 of 10 blocks at t=3; short needs 5
+    assert simulate(kv, uniboost(gamma=0.005, preempt_max_utilisation=0.8), small_kv).policy_preemptions == 1
+    assert simulate(kv, uniboost(gamma=0.005, preempt_max_utilisation=0.5), small_kv).policy_preemptions == 0
 
 
 def test_preempt_for_seats_off_waits_for_the_seat_when_kv_has_room():

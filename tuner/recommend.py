@@ -164,6 +164,11 @@ def recommend(storage, name: str) -> dict[str, Any]:
             "checked": [{"trial": c["trial"], "losses": c["losses"]} for c in check["checked"]],
             "kept_production": check["chosen"] is None,
         },
+        # What the study tuned on: each trace's source (a file, the bundled window, or the recording
+        # and span as a db: URL) and what was replayed of it.
+        "traces": [{"source": source or "bundled", "name": t.name, "requests": len(t),
+                    "span_s": t.requests[-1].arrival if len(t) else 0.0}
+                   for source, t in zip(ctx.spec.traces, ctx.traces)],
         "windows": {"window_s": ctx.spec.window_s, "warmup_s": ctx.spec.warmup_s, "count": len(ctx.windows),
                     "labels": {str(w.index): w.label() for w in ctx.windows}},
     }

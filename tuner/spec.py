@@ -6,15 +6,16 @@ constraints, production settings, engine and seed — JSON-able and kept in the 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from controlplane.settings import Settings
+from sim import traces as tr
 from sim.engine import EngineConfig
 from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
+from tuner import recorded
 from tuner.search import (
     Constraint,
     parse_constraint,
@@ -104,10 +105,11 @@ class StudySpec:
 
     def normalize(self) -> "StudySpec":
         """Validate; absolute paths, canonical metric names and settings; file digests."""
-        self.traces = [None if p in (None, "bundled") else str(Path(p).resolve()) for p in self.traces] or [None]
+        self.traces = [None if p in (None, "bundled") else recorded.canonical(p) if recorded.is_recorded(p)
+                       else str(Path(p).resolve()) for p in self.traces] or [None]
         self.mix = [(str(Path(p).resolve()), float(f)) for p, f in self.mix]
         for p in [*filter(None, self.traces), *(p for p, _ in self.mix)]:
-            if not Path(p).is_file():
+            if not recorded.is_recorded(p) and not Path(p).is_file():
                 raise TuneError(f"--trace/--mix {p}: no such file")
         total = math.fsum(f for _, f in self.mix)
         if any(not (0 < f < 1) for _, f in self.mix) or total >= 1:
@@ -139,7 +141,10 @@ class StudySpec:
         except ValueError as err:
             raise TuneError(str(err)) from None
         StepTimeModel.from_dict(self.step_model)
-        self.trace_digests = [None if p is None else file_digest(p) for p in self.traces]
+        try:
+            self.trace_digests = [None if p is None else file_digest(p) for p in self.traces]
+        except tr.TraceError as err:
+            raise TuneError(str(err)) from None
         self.mix_digests = [file_digest(p) for p, _ in self.mix]
         return self
 
@@ -162,8 +167,5 @@ class StudySpec:
 
 
 def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """SHA-256 of a trace file, or of a recorded span's requests (``db:`` URL)."""
+    return recorded.source_digest(path)

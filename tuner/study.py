@@ -65,7 +65,8 @@ import numpy as np
 
 from controlplane.settings import Settings
 from sim.engine import EngineConfig, Simulator
-from sim.traces import Trace
+from sim.traces import Trace, TraceError
+from tuner import recorded
 from tuner.search import (
     Constraint,
     SearchSpace,
@@ -365,6 +366,14 @@ def _wants_gamma(spec: StudySpec) -> bool:
 def _check_digests(spec: StudySpec) -> None:
     for path, digest in [*zip(spec.traces, spec.trace_digests), *zip((p for p, _ in spec.mix), spec.mix_digests)]:
         if path is None or digest is None:
+            continue
+        if recorded.is_recorded(path):
+            try:
+                now = file_digest(path)
+            except TraceError as err:
+                raise TuneError(f"recorded trace of this study: {err}") from None
+            if now != digest:
+                raise TuneError(f"recorded trace {path} changed since the study was created (its requests differ)")
             continue
         if not Path(path).is_file():
             raise TuneError(f"trace file {path} of this study is missing here")

@@ -679,7 +679,9 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
     if trace is None:
         trace = traces.load_bundled()
     elif isinstance(trace, (str, os.PathLike)):
-        trace = traces.load_trace(trace, seed=seed)
+        from tuner.recorded import load_any
+
+        trace = load_any(os.fspath(trace), seed=seed)
     if not isinstance(trace, Trace):
         trace = Trace("twin-trace", tuple(trace))
     if len(trace) == 0:

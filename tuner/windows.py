@@ -16,6 +16,7 @@ from controlplane.metrics import fairness_summary, summarize
 from controlplane.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
+from tuner import recorded
 from tuner.spec import DEFAULT_MAX_WINDOWS, StudySpec, TuneError
 
 
@@ -38,8 +39,7 @@ def build_traces(spec: StudySpec) -> list[tr.Trace]:
     for path in spec.traces:
         try:
             cap = spec.max_tokens_default or tr.DEFAULT_MAX_TOKENS
-            trace = (tr.load_bundled(max_tokens_default=cap) if path is None
-                     else tr.load_trace(path, seed=spec.seed, max_tokens_default=cap))
+            trace = recorded.load_any(path, seed=spec.seed, max_tokens_default=cap)
             trace = tr.transform(trace, window=spec.trim)
             if spec.mix and len(trace):
                 parts: list[tuple[tr.Trace, float]] = []

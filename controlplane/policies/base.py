@@ -306,6 +306,10 @@ class Policy:
                 return cand
         return None
 
+    def preemption_utilisation_limit(self) -> float:
+        """Policy preemption only while the batch's utilisation is below this (inf: always)."""
+        return INF
+
     def preempt_margin(self) -> float:
         return getattr(self.params, "preempt_margin", 0.0)
 

@@ -228,6 +228,10 @@ class UniBoost(Policy):
     def preemptions_per_step(self) -> int:
         return self.params.preempt_per_step
 
+    def preemption_utilisation_limit(self) -> float:
+        limit = self.params.preempt_max_utilisation
+        return INF if limit is None else limit
+
     def order_running(self, running, now):
         # The memory-pressure victim is the last running request (vLLM pops running[-1]), and
         # MemGuard wants it to be the worst request outside its guard, falling back to the worst

@@ -7,8 +7,10 @@ guard; the victim is the worst-keyed eligible running request. Only waiting requ
 step's token budget can reach are considered.
 
 A policy may spare work (``Policy.victim_margin``, ``preempts_for_seats``,
-``preemptions_per_step``): UniBoost can ask W to beat R by R's recompute time, refuse to preempt
-when only a seat is short, and cap the preemptions per step.
+``preemptions_per_step``, ``preemption_utilisation_limit``): UniBoost can ask W to beat R by R's
+recompute time, refuse to preempt when only a seat is short, cap the preemptions per step, and
+preempt only while the batch is below a utilisation (seed 003: a recompute costs most when the
+batch is full).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
                      now: float, seats: int, free_blocks: int, budget: int,
                      chunk: Callable[[RequestState, int], int],
                      blocks_needed: Callable[[RequestState, int], int],
-                     held_blocks: Callable[[RequestState], int]) -> list[RequestState]:
+                     held_blocks: Callable[[RequestState], int], utilisation: float = 0.0) -> list[RequestState]:
     """Victims, in the order to preempt them. ``running()`` gives the running requests in running
     order (best first); it is called only if a victim is needed, since ordering costs a sort.
-    Nothing is mutated — the caller preempts the victims."""
-    if not policy.preemptive or not waiting:
+    Nothing is mutated — the caller preempts the victims. ``utilisation``: how full the batch is,
+    the larger of the seats and the KV blocks in use (0..1)."""
+    if not policy.preemptive or not waiting or utilisation >= policy.preemption_utilisation_limit():
         return []
     candidates: list[RequestState] | None = None
     victims: list[RequestState] = []

@@ -1,0 +1,215 @@
+"""A recording is a trace: the requests a cluster's replicas served, replayed through the simulator.
+
+    trace = load_any("db:tailpilot.db#recording=peak&replicas=a")   # or any trace file
+    trace = load_recorded(RecordedSpan(recording="peak"))           # $TAILPILOT_DB or ./tailpilot.db
+
+A ``db:`` trace URL is ``db:[STORE][#KEY=VALUE&...]``: STORE an SQLite path or SQLAlchemy URL
+(empty: ``$TAILPILOT_DB``, else ./tailpilot.db); the keys select what to replay:
+
+* ``recording``: a recording's name (``tailpilot recordings``); its cluster and time span;
+* ``cluster``: the cluster (needed without a recording, or to tell two recordings of one name
+  apart);
+* ``replicas``: comma-separated replica names; needed when the span has more than one replica,
+  since the simulator replays one replica's traffic (``replicas=a,b`` merges theirs on purpose);
+* ``from``, ``to``: seconds from the span's first arrival (a part of the span).
+
+Which requests: those whose completion the collector stored while the recording ran (the store's
+own clock, so a twin's fast clock or a replica's skewed one does not matter); without a
+recording, every stored completion of the cluster. What each request carries is the engine's own
+record: its arrival time at the engine (scheduled send times can lag by seconds under load), its
+prompt and output lengths, tenant, type and the client's ``max_tokens``. A request that stopped
+at its cap (reason ``length``) is marked truncated: its true length is unknown, at least the cap.
+A row without a recorded cap (an older store, a replica that does not report it) gets the fixed
+default cap, never its own output length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from urllib.parse import parse_qsl
+
+from sim import traces as tr
+
+PREFIX = "db:"
+DB_ENV = "TAILPILOT_DB"
+KEYS = ("recording", "cluster", "replicas", "from", "to")
+
+
+@dataclass(frozen=True)
+class RecordedSpan:
+    """What to replay from a store (see the module docstring)."""
+
+    db: str | None = None
+    recording: str | None = None
+    cluster: str | None = None
+    replicas: tuple[str, ...] = ()
+    start_s: float | None = None  # "from"
+    end_s: float | None = None  # "to"
+
+    def url(self) -> str:
+        """The ``db:`` URL naming this span (what ``recommend`` and studies report)."""
+        keys = [("recording", self.recording), ("cluster", self.cluster),
+                ("replicas", ",".join(self.replicas) or None), ("from", self.start_s), ("to", self.end_s)]
+        frag = "&".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in keys if v is not None)
+        return f"{PREFIX}{self.db or ''}" + (f"#{frag}" if frag else "")
+
+
+def is_recorded(spec: object) -> bool:
+    return isinstance(spec, str) and spec.startswith(PREFIX)
+
+
+def parse_url(url: str) -> RecordedSpan:
+    """``db:[STORE][#key=value&...]`` → a RecordedSpan; a TraceError names the bad part."""
+    if not is_recorded(url):
+        raise tr.TraceError(f"{url!r}: a recorded trace URL starts with {PREFIX!r}")
+    store, _, frag = url[len(PREFIX):].partition("#")
+    values: dict[str, str] = {}
+    for key, value in parse_qsl(frag, keep_blank_values=True, strict_parsing=False):
+        if key not in KEYS:
+            raise tr.TraceError(f"{url!r}: unknown key {key!r}; known: {', '.join(KEYS)}")
+        if key in values:
+            raise tr.TraceError(f"{url!r}: {key!r} given twice")
+        if not value:
+            raise tr.TraceError(f"{url!r}: {key!r} is empty")
+        values[key] = value
+    bounds = {}
+    for key in ("from", "to"):
+        if key in values:
+            try:
+                bounds[key] = float(values[key])
+            except ValueError:
+                raise tr.TraceError(f"{url!r}: {key}={values[key]!r} is not a number of seconds") from None
+            if not (bounds[key] >= 0 and bounds[key] < float("inf")):
+                raise tr.TraceError(f"{url!r}: {key}={values[key]!r} must be a finite number of seconds >= 0")
+    if "from" in bounds and "to" in bounds and bounds["to"] <= bounds["from"]:
+        raise tr.TraceError(f"{url!r}: to ({bounds['to']:g}) must be after from ({bounds['from']:g})")
+    replicas = tuple(r for r in values.get("replicas", "").split(",") if r)
+    return RecordedSpan(db=store or None, recording=values.get("recording"), cluster=values.get("cluster"),
+                        replicas=replicas, start_s=bounds.get("from"), end_s=bounds.get("to"))
+
+
+def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS) -> tr.Trace:
+    """The span's requests as a Trace (arrivals from the first one, ids ``replica/request`` when
+    several replicas are merged). TraceError when the span names nothing or holds no request."""
+    from storage.store import Store, StoreOpenError
+
+    where = span.url()
+    try:
+        store = Store.open(span.db or os.environ.get(DB_ENV))
+    except StoreOpenError as err:
+        raise tr.TraceError(f"{where}: {err}") from None
+    with store:
+        cluster, name, stored = _span(store, span, where)
+        known = [r.name for r in store.replicas(cluster)]
+        replicas = list(span.replicas) or known
+        missing = [r for r in replicas if r not in known]
+        if missing:
+            raise tr.TraceError(f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
+                                f"known: {', '.join(known) or 'none'}")
+        rows = [row for r in replicas
+                for row in store.completions(cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1])]
+    served = sorted({row.replica for row in rows})
+    if not rows:
+        raise tr.TraceError(f"{where}: no completions stored for {', '.join(replicas) or 'any replica'} "
+                            f"of cluster {cluster!r} in this span")
+    if len(served) > 1 and not span.replicas:
+        raise tr.TraceError(f"{where}: the span holds the traffic of {len(served)} replicas ({', '.join(served)}); "
+                            "the simulator replays one replica: add replicas=NAME (or replicas=a,b to merge)")
+    if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
+    cap = max_tokens_default
+    t0 = min(row.arrival_s for row in rows)
+    merged = len(served) > 1
+    requests = []
+    for row in rows:
+        rid = f"{row.replica}/{row.request_id}" if merged else row.request_id
+        max_tokens = row.max_tokens if row.max_tokens and row.max_tokens > 0 else cap
+        requests.append(tr.TraceRequest(
+            id=rid, arrival=round(row.arrival_s - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
+            output_tokens=max(min(row.output_tokens, max_tokens), 1), max_tokens=max_tokens,
+            tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
+            truncated=row.reason == "length" or row.output_tokens > max_tokens))
+    trace = tr.Trace(f"recording:{name}" + (f":{'+'.join(served)}" if served else ""), tuple(requests))
+    if span.start_s is not None or span.end_s is not None:
+        start = span.start_s or 0.0
+        end = span.end_s if span.end_s is not None else trace.requests[-1].arrival + 1.0
+        if end > start:
+            trace = tr.transform(trace, window=(start, end - start))
+        else:
+            trace = tr.Trace(trace.name, ())
+    if len(trace) == 0:
+        raise tr.TraceError(f"{where}: no request arrived between from and to")
+    return trace
+
+
+def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:
+    """(cluster, display name, stored_ms bounds) of the span."""
+    if span.recording is None:
+        clusters = store.clusters()
+        if span.cluster is None:
+            if len(clusters) != 1:
+                raise tr.TraceError(f"{where}: name a recording= or a cluster= (clusters in the store: "
+                                    f"{', '.join(clusters) or 'none'})")
+            return clusters[0], clusters[0], (None, None)
+        if span.cluster not in clusters:
+            raise tr.TraceError(f"{where}: no cluster {span.cluster!r} in the store; known: {', '.join(clusters) or 'none'}")
+        return span.cluster, span.cluster, (None, None)
+    found = [r for r in store.recordings(span.cluster) if r.name == span.recording]
+    if not found:
+        names = sorted({r.name for r in store.recordings(span.cluster)})
+        raise tr.TraceError(f"{where}: no recording {span.recording!r}"
+                            + (f" of cluster {span.cluster!r}" if span.cluster else "")
+                            + f"; known: {', '.join(names) or 'none'}")
+    if len({r.cluster for r in found}) > 1:
+        raise tr.TraceError(f"{where}: recordings named {span.recording!r} exist for clusters "
+                            f"{', '.join(sorted({r.cluster for r in found}))}: add cluster=NAME")
+    rec = found[-1]  # the newest of that name
+    return rec.cluster, rec.name, (rec.started_ms, rec.ended_ms)
+
+
+def load_any(spec: str | None, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, **kw) -> tr.Trace:
+    """A trace from a file, the bundled window (None or "bundled"), or a ``db:`` URL."""
+    if spec in (None, "bundled"):
+        return tr.load_bundled(max_tokens_default=max_tokens_default)
+    if is_recorded(spec):
+        return load_recorded(parse_url(spec), max_tokens_default=max_tokens_default)  # type: ignore[arg-type]
+    return tr.load_trace(spec, max_tokens_default=max_tokens_default, **kw)  # type: ignore[arg-type]
+
+
+def canonical(url: str) -> str:
+    """The URL with an SQLite store path made absolute (a study resumes from anywhere)."""
+    span = parse_url(url)
+    if span.db and "://" not in span.db:
+        span = replace(span, db=str(Path(span.db).resolve()))
+    return span.url()
+
+
+def trace_digest(trace: tr.Trace) -> str:
+    """SHA-256 over every request (a recording still running changes it; a study checks it on
+    resume as it checks a file's)."""
+    h = hashlib.sha256()
+    for r in trace:
+        h.update(repr((r.id, r.arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type)).encode())
+    return h.hexdigest()
+
+
+def source_digest(spec: str) -> str:
+    """The digest of a trace source: a file's bytes, or a recorded span's requests."""
+    if is_recorded(spec):
+        return trace_digest(load_recorded(parse_url(spec)))
+    h = hashlib.sha256()
+    with open(spec, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_traces(text: str | None) -> list[str]:
+    """``--trace`` of tune: comma-separated files, or one ``db:`` URL (whose keys hold commas)."""
+    text = (text or "").strip()
+    if is_recorded(text):
+        return [text]
+    return [p.strip() for p in text.split(",") if p.strip()]
