@@ -90,6 +90,7 @@ class KvState(_Doc):
     used_blocks: OptInt = None
     total_blocks: OptInt = None
     usage: OptFloat = Field(None, description="used / total, 0..1")
+    block_size: OptInt = Field(None, description="tokens per KV block")
 
 
 class State(_Doc):

@@ -142,9 +142,12 @@ def export(settings_file, study, db, storage, fmt, out, model, scheduler, settin
 @click.option("--save/--no-save", default=True, show_default=True, help="Save the set where --step-model finds it.")
 @click.option("--overwrite/--no-overwrite", default=True, show_default=True,
               help="Replace a saved set of the same name.")
+@click.option("--error", type=click.Choice(["absolute", "relative"]), default="absolute", show_default=True,
+              help="The loss: absolute error keeps long steps' share of the total (what queues feel); relative "
+                   "weighs every step alike. Either way the fit is scaled to the recorded total.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base, timeout, save, overwrite,
-              as_json):
+              error, as_json):
     """Fit the step-time model's coefficients to a live replica's step log, report the fit error
     (also on held-out steps) and save them as a named coefficient set for the simulator and the
     tuner (--step-model NAME)."""
@@ -152,6 +155,7 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
         CalibrationError,
         ReplicaUnreachable,
         calibrate_steps,
+        fetch_engine_facts,
         fetch_step_log,
         format_report,
         replica_control_url,
@@ -193,9 +197,13 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
         raise click.BadParameter(f"{name!r} is a built-in coefficient set; choose another name", param_hint="--name")
     try:
         result = calibrate_steps(steps, name=name, source=f"calibrated on {where}", min_steps=min_steps,
-                                 holdout=holdout, base=base_model)
+                                 holdout=holdout, base=base_model, error=error)
     except CalibrationError as err:
         raise click.ClickException(f"{where}: {err}") from None
+    try:
+        result.engine = fetch_engine_facts(control_url, timeout=timeout)
+    except ReplicaUnreachable as err:
+        result.warnings.append(f"engine facts not read ({err}); replays keep the simulator's defaults")
     saved = None
     if save:
         try:

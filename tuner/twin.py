@@ -523,7 +523,8 @@ class TwinReplica:
     def _kv(self) -> dict[str, Any]:
         total = self.config.num_gpu_blocks
         used = total - self.sim.free_blocks
-        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
+        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0,
+                "block_size": self.config.block_size}
 
     def api_state(self, cursor: int | None) -> dict[str, Any]:
         with self._lock:

@@ -313,7 +313,8 @@ class TailpilotMixin:
         pool = self.kv_cache_manager.block_pool
         total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         used = total - pool.get_num_free_blocks()
-        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0}
+        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0,
+                "block_size": self.block_size}
 
     def api_state(self, cursor: int | None) -> dict:
         return self.tp_core.state(cursor, self._tp_kv())
