@@ -233,6 +233,19 @@ class Recording(Base):
     note: Mapped[str | None] = mapped_column(Text)
 
 
+class FidelityReport(Base):
+    """How closely the simulator replayed a replica's recorded span (``tailpilot fidelity``)."""
+
+    __tablename__ = "fidelity_reports"
+    __table_args__ = (Index("ix_fidelity_reports_replica_created", "replica_id", "created_ms"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica_id: Mapped[int] = _replica_fk()
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+    span: Mapped[str] = mapped_column(String(1000))  # the db: URL replayed
+    summary: Mapped[Any] = mapped_column(Json)
+
+
 class Recommendation(Base):
     """A tuner study's recommended settings and the summary that justifies them."""
 

@@ -59,6 +59,7 @@ from storage import retention as ret
 from storage.models import (
     CollectorCursor,
     Completion,
+    FidelityReport,
     GroupSample,
     Recommendation,
     Recording,
@@ -313,6 +314,34 @@ class Store:
         stmt = insert(Recommendation).returning(Recommendation.id)
         return self._write(lambda conn: conn.execute(stmt, [row]).scalar_one())
 
+    def store_fidelity(self, cluster: str, replica: str, span: str, summary: dict[str, Any], *,
+                       t_ms: int | None = None) -> int:
+        """Keep a fidelity report of ``replica`` (its span as a db: URL); returns the row id."""
+        now = self._now_ms() if t_ms is None else t_ms
+
+        def txn(conn: Connection) -> int:
+            rid = self._replica_ids_for(conn, cluster, {replica}, now)[replica]
+            stmt = insert(FidelityReport).returning(FidelityReport.id)
+            return conn.execute(stmt, [{"replica_id": rid, "created_ms": now, "span": span,
+                                        "summary": summary}]).scalar_one()
+
+        return self._write(txn)
+
+    def latest_fidelity(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
+        """The newest fidelity report of each replica of ``cluster`` (or of ``replica``): dicts
+        with replica, created_ms, span, summary."""
+        stmt = (select(Replica.name.label("replica"), FidelityReport.created_ms, FidelityReport.span,
+                       FidelityReport.summary, FidelityReport.id)
+                .join(Replica, Replica.id == FidelityReport.replica_id).where(Replica.cluster == cluster))
+        if replica is not None:
+            stmt = stmt.where(Replica.name == replica)
+        stmt = stmt.order_by(FidelityReport.created_ms.desc(), FidelityReport.id.desc())
+        newest: dict[str, dict[str, Any]] = {}
+        with self._read() as conn:
+            for row in conn.execute(stmt):
+                newest.setdefault(row.replica, {k: row._mapping[k] for k in ("replica", "created_ms", "span", "summary")})
+        return list(newest.values())
+
     def apply_retention(self, now_ms: int, settings: RetentionSettings) -> RetentionReport:
         """Fold old samples into 1-minute rollups and delete old completions (see storage.retention).
 
@@ -425,6 +454,14 @@ class Store:
                 CompletionRow(replica=row.name, **{f: getattr(row, f) for f in COMPLETION_FIELDS})
                 for row in conn.execute(stmt)
             ]
+
+    def completion_stored_s(self, cluster: str, replica: str, request_ids: Sequence[str]) -> list[float]:
+        """When the store received each of these completions of ``replica`` (its own clock, s)."""
+        wanted = set(request_ids)
+        stmt = (select(Completion.request_id, Completion.stored_ms).join(Replica, Replica.id == Completion.replica_id)
+                .where(Replica.cluster == cluster, Replica.name == replica))
+        with self._read() as conn:
+            return [row.stored_ms / 1000.0 for row in conn.execute(stmt) if row.request_id in wanted]
 
     def time_range(self, cluster: str) -> tuple[int, int] | None:
         """(first, last) sample time of ``cluster`` in ms, rollups included; None if it has none."""

@@ -428,9 +428,10 @@ def schema(out):
 
 from tailpilot.cli_cluster import COMMANDS as _CLUSTER_COMMANDS  # noqa: E402 (after main exists)
 from tailpilot.cli_export import COMMANDS as _EXPORT_COMMANDS  # noqa: E402
+from tailpilot.cli_loop import COMMANDS as _LOOP_COMMANDS  # noqa: E402
 from tailpilot.cli_tune import COMMANDS as _TUNE_COMMANDS  # noqa: E402
 
-for _command in (*_CLUSTER_COMMANDS, *_TUNE_COMMANDS, *_EXPORT_COMMANDS):
+for _command in (*_CLUSTER_COMMANDS, *_TUNE_COMMANDS, *_EXPORT_COMMANDS, *_LOOP_COMMANDS):
     main.add_command(_command)
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,293 @@
+"""How faithfully does the simulator replay *this* replica? (``tailpilot fidelity``)
+
+    report = fidelity(store, cluster="prod", replica="a100-0", recording="peak")
+    report["overall"]["errors"]["ttft_p99"]     # sim / real − 1 over the span
+
+A recorded span of one replica (``tuner.recorded``: the engine's own arrivals and lengths) is
+replayed through the simulator with the settings that were in force (the collector's record of
+every settings version the replica ran, ``settings_seen``; a change inside the span is applied at
+the time it was first seen) and the replica's engine: its calibrated step-time model
+(``calibrated/<replica>`` when saved, else the one named) and its block size, KV blocks and limits
+(read from the replica when it answers, else from the settings document and the stored samples).
+Then, per window of arrivals and over the span, the simulated and the real requests — the same
+requests, matched by id — are compared:
+
+* P50/P99 TTFT and TTLT, throughput (output tokens/s of the requests finishing in the window) and
+  preemptions, each as sim, real and the error sim / real − 1;
+* the decision diff (seed 003 §9 item 10): how differently the two ordered the same requests —
+  Spearman's and Kendall's rank correlation of first-token times, how many requests a later
+  arrival overtook (first token before theirs) in each, and how many requests were preempted a
+  different number of times;
+* the windows where they diverge most (largest |error| of P99 TTFT or TTLT, lowest rank
+  correlation).
+
+The error band (``band``: the largest |error| of the P50/P99 latencies over the span) is what the
+TUI and ``set --preview`` show next to a prediction for this replica.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from controlplane.settings import Settings
+from sim import traces as tr
+from sim.engine import Simulator
+from tuner.recorded import DB_ENV, RecordedSpan, load_recorded
+
+LATENCIES = ("ttft_p50", "ttft_p99", "ttlt_p50", "ttlt_p99")
+FIGURES = (*LATENCIES, "throughput_tok_s", "preemptions")
+DEFAULT_WINDOW_S = 60.0
+MIN_WINDOW_REQUESTS = 5  # a window with fewer real requests is reported but not ranked
+
+
+class FidelityError(ValueError):
+    """The span cannot be replayed (no settings recorded, no requests, ...); the message says why."""
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, float), q)) if len(values) else None
+
+
+def _err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return sim / real - 1.0
+
+
+def figures(rows: Sequence[tuple[float, float | None, float, int, int]], span_s: float) -> dict[str, float | None]:
+    """P50/P99 TTFT and TTLT, throughput and preemptions of (arrival, first token, finish,
+    output tokens, preemptions) rows, times relative to one origin; ``span_s`` the window length."""
+    ttft = [f - a for a, f, _, _, _ in rows if f is not None]
+    ttlt = [e - a for a, _, e, _, _ in rows]
+    out_tokens = sum(n for _, _, _, n, _ in rows)
+    return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttlt_p50": _pct(ttlt, 50),
+            "ttlt_p99": _pct(ttlt, 99), "throughput_tok_s": out_tokens / span_s if span_s > 0 else None,
+            "preemptions": float(sum(p for *_, p in rows))}
+
+
+def compare(real: dict[str, float | None], sim: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
+    return {"real": real, "sim": sim, "errors": {k: _err(sim[k], real[k]) for k in FIGURES}}
+
+
+def decision_diff(real_first: np.ndarray, sim_first: np.ndarray, arrivals: np.ndarray,
+                  real_pre: np.ndarray, sim_pre: np.ndarray) -> dict[str, Any]:
+    """How differently two runs ordered the same requests (first-token times, preemptions)."""
+    from scipy import stats
+
+    n = len(arrivals)
+    out: dict[str, Any] = {"requests": int(n)}
+    if n >= 3 and np.ptp(real_first) > 0 and np.ptp(sim_first) > 0:
+        out["spearman"] = float(stats.spearmanr(real_first, sim_first).statistic)
+        out["kendall"] = float(stats.kendalltau(real_first, sim_first).statistic)
+    else:
+        out["spearman"] = out["kendall"] = None
+    out["overtaken_real"] = _overtaken(arrivals, real_first)
+    out["overtaken_sim"] = _overtaken(arrivals, sim_first)
+    out["preemptions_per_request_real"] = float(real_pre.mean()) if n else None
+    out["preemptions_per_request_sim"] = float(sim_pre.mean()) if n else None
+    out["preemptions_differ"] = int(np.count_nonzero(real_pre != sim_pre))
+    return out
+
+
+def _overtaken(arrivals: np.ndarray, first: np.ndarray) -> int:
+    """Requests whose first token came after that of some later arrival."""
+    order = np.argsort(arrivals, kind="stable")
+    later_min = np.minimum.accumulate(first[order][::-1])[::-1]  # earliest first token from here on
+    # request i (in arrival order) is overtaken if a later one got its first token earlier
+    return int(np.count_nonzero(first[order][:-1] > later_min[1:])) if len(order) > 1 else 0
+
+
+# --------------------------------------------------------------------------------------------
+# the settings and the engine of the span
+# --------------------------------------------------------------------------------------------
+
+
+def settings_timeline(seen: Sequence[dict[str, Any]], start_ms: int | None) -> list[tuple[int | None, Settings]]:
+    """[(t_ms, settings)] in force from ``start_ms`` on: the last document seen at or before it
+    (t None), then every later one. FidelityError when none was seen."""
+    docs = sorted(seen, key=lambda r: r["t_ms"])
+    if start_ms is None:  # everything stored: from the first document seen
+        start_ms = docs[0]["t_ms"] if docs else 0
+    before = [r for r in docs if r["t_ms"] <= start_ms]
+    after = [r for r in docs if r["t_ms"] > start_ms]
+    first = before[-1] if before else (after.pop(0) if after else None)
+    if first is None:
+        raise FidelityError("no settings document of this replica was recorded (the collector stores "
+                            "each version it sees): nothing says what the replica ran")
+    out: list[tuple[int | None, Settings]] = [(None, Settings.model_validate(first["settings"]))]
+    out += [(r["t_ms"], Settings.model_validate(r["settings"])) for r in after]
+    return out
+
+
+class _Replay(Simulator):
+    """A replay that switches settings at given simulated times (a change recorded in the span)."""
+
+    def __init__(self, trace, settings, config, changes: list[tuple[float, Settings]]) -> None:
+        super().__init__(trace, settings, config)
+        self._changes = sorted(changes, key=lambda c: c[0])
+
+    def _step(self):
+        while self._changes and self.now >= self._changes[0][0]:
+            self.apply_settings(self._changes.pop(0)[1])
+        super()._step()
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+
+def fidelity(store, *, cluster: str | None = None, replica: str, recording: str | None = None,
+             start_s: float | None = None, end_s: float | None = None, window_s: float = DEFAULT_WINDOW_S,
+             step_model: str | None = None, engine_facts: dict[str, Any] | None = None,
+             db: str | None = None) -> dict[str, Any]:
+    """Replay ``replica``'s recorded span and compare (see the module docstring). ``engine_facts``:
+    the replica's block size, KV blocks and limits (``tuner.calibrate.fetch_engine_facts``); None
+    reads what the store knows. ``db`` is only used to name the span in the report."""
+    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model, list_models
+    from tuner.calibrate import engine_config
+
+    if not (window_s > 0 and math.isfinite(window_s)):
+        raise FidelityError(f"window_s must be a positive number of seconds, got {window_s!r}")
+    span = RecordedSpan(db=db or os.environ.get(DB_ENV), recording=recording, cluster=cluster,
+                        replicas=(replica,), start_s=start_s, end_s=end_s)
+    if cluster is None:
+        found = [c for c in store.clusters() if any(r.name == replica for r in store.replicas(c))]
+        if len(found) != 1:
+            raise FidelityError(f"replica {replica!r} is in {len(found)} clusters ({', '.join(found) or 'none'}): "
+                                "name the cluster")
+        cluster = found[0]
+        span = replace(span, cluster=cluster)
+    trace = _load(store, span)
+    # The recording's start (store clock) decides which settings were in force at first.
+    rec = [r for r in store.recordings(cluster) if r.name == recording] if recording else []
+    start_ms = rec[-1].started_ms if rec else None
+    timeline = settings_timeline(store.settings_seen(cluster, replica), start_ms)
+
+    real = {c.request_id: c for c in store.completions(cluster, replica)}
+    rows = [real[r.id] for r in trace if r.id in real]
+    if not rows:
+        raise FidelityError(f"replica {replica!r}: no recorded completion matches the span's requests")
+    t0 = min(c.arrival_s for c in rows)
+    # Settings changes inside the span: at the replica-clock time they were first seen (the
+    # collector's clock mapped by the median offset between finish times and the store's clock).
+    offset = float(np.median([c.finished_s for c in rows])) - _median_stored_s(store, cluster, replica, rows)
+    changes = [(t_ms / 1000.0 + offset - t0, s) for t_ms, s in timeline[1:] if t_ms is not None]
+
+    model_name = step_model or (f"calibrated/{replica}" if f"calibrated/{replica}" in list_models()
+                                else DEFAULT_MODEL_NAME)
+    model = get_model(model_name)
+    facts = dict(engine_facts or {})
+    if "num_gpu_blocks" not in facts:
+        blocks = _stored_kv_blocks(store, cluster, replica)
+        if blocks:
+            facts["num_gpu_blocks"] = blocks
+    config, limits = engine_config(facts, model)
+    first_settings = timeline[0][1]
+    engine = {**first_settings.engine.model_dump(), **limits}
+    settings = Settings.model_validate({**first_settings.to_dict(), "engine": engine})
+    changes = [(t, Settings.model_validate({**s.to_dict(), "engine": engine})) for t, s in changes]
+    sim = _Replay(trace, settings, config, changes).run()
+    simulated = {c.id: c for c in sim.completions}
+
+    matched = [c for c in rows if c.request_id in simulated]
+    real_rows = [(c.arrival_s - t0, None if c.first_token_s is None else c.first_token_s - t0, c.finished_s - t0,
+                  c.output_tokens, c.preemptions) for c in matched]
+    sim_rows = [(s.arrival, s.first_token_at, s.finished_at, s.output_tokens, s.preemptions)
+                for s in (simulated[c.request_id] for c in matched)]
+    span_s = max(r[0] for r in real_rows) + 1e-9
+    windows: list[dict[str, Any]] = []
+    n_windows = max(1, math.ceil(span_s / window_s))
+    for w in range(n_windows):
+        lo, hi = w * window_s, (w + 1) * window_s
+        idx = [i for i, r in enumerate(real_rows) if lo <= r[0] < hi]
+        if not idx:
+            continue
+        rw = [real_rows[i] for i in idx]
+        sw = [sim_rows[i] for i in idx]
+        entry = {"start_s": lo, "requests": len(idx), **compare(figures(rw, window_s), figures(sw, window_s)),
+                 "decision": _diff([real_rows[i] for i in idx], [sim_rows[i] for i in idx])}
+        windows.append(entry)
+    whole = span_s if span_s > 0 else 1.0
+    errors = compare(figures(real_rows, whole), figures(sim_rows, whole))
+    overall: dict[str, Any] = {**errors, "decision": _diff(real_rows, sim_rows)}
+    band = max((abs(v) for k, v in errors["errors"].items() if k in LATENCIES and v is not None), default=None)
+    ranked = sorted((w for w in windows if w["requests"] >= MIN_WINDOW_REQUESTS), key=_divergence, reverse=True)
+    return {
+        "cluster": cluster, "replica": replica, "span": span.url(), "requests": len(matched),
+        "unmatched": len(trace) - len(matched), "window_s": window_s,
+        "settings": [{"from_s": None if i == 0 else round(changes[i - 1][0], 3), "policy": s.policy}
+                     for i, (_, s) in enumerate(timeline)],
+        "step_model": model.name, "engine": {**engine, "block_size": config.block_size,
+                                            "num_gpu_blocks": config.num_gpu_blocks},
+        "overall": overall, "band": band, "windows": windows,
+        "divergent_windows": [w["start_s"] for w in ranked[:3]],
+    }
+
+
+def _diff(real_rows, sim_rows) -> dict[str, Any]:
+    arrivals = np.array([r[0] for r in real_rows], float)
+    real_first = np.array([r[1] if r[1] is not None else r[2] for r in real_rows], float)
+    sim_first = np.array([s[1] if s[1] is not None else s[2] for s in sim_rows], float)
+    return decision_diff(real_first, sim_first, arrivals, np.array([r[4] for r in real_rows]),
+                         np.array([s[4] for s in sim_rows]))
+
+
+def _divergence(window: dict[str, Any]) -> float:
+    errors = [abs(window["errors"][k]) for k in ("ttft_p99", "ttlt_p99") if window["errors"][k] is not None]
+    rho = window["decision"]["spearman"]
+    return max(errors, default=0.0) + (0.0 if rho is None else max(0.0, 1.0 - rho))
+
+
+def _load(store, span: RecordedSpan) -> tr.Trace:
+    """The span's trace from an open store (load_recorded opens its own, by URL)."""
+    try:
+        return load_recorded(span)
+    except tr.TraceError as err:
+        raise FidelityError(str(err)) from None
+
+
+def _median_stored_s(store, cluster: str, replica: str, rows) -> float:
+    stored = store.completion_stored_s(cluster, replica, [c.request_id for c in rows])
+    return float(np.median(stored)) if stored else float(np.median([c.finished_s for c in rows]))
+
+
+def _stored_kv_blocks(store, cluster: str, replica: str) -> int | None:
+    latest = store.latest_samples(cluster).get(replica)
+    return None if latest is None else latest.kv_total_blocks
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The table ``tailpilot fidelity`` prints."""
+    def pct(v):
+        return "   n/a" if v is None else f"{v:+6.1%}"
+
+    def num(v):
+        return "n/a" if v is None else f"{v:.3g}"
+
+    o = report["overall"]
+    d = o["decision"]
+    lines = [f"fidelity of {report['cluster']}/{report['replica']}: {report['requests']} requests of {report['span']}",
+             f"  replayed with {', '.join(s['policy'] for s in report['settings'])}, step model "
+             f"{report['step_model']}, engine {report['engine']}",
+             f"  {'window':>8} {'req':>5} " + " ".join(f"{k:>16}" for k in FIGURES)]
+    for w in [*report["windows"], {"start_s": None, "requests": report["requests"], **o}]:
+        label = "all" if w["start_s"] is None else f"{w['start_s']:.0f}s"
+        cells = [f"{num(w['sim'][k])}/{num(w['real'][k])} {pct(w['errors'][k])}" for k in FIGURES]
+        lines.append(f"  {label:>8} {w['requests']:>5} " + " ".join(f"{c:>16}" for c in cells))
+    lines.append("  (cells: sim/real error)")
+    lines.append(f"decision diff: Spearman {num(d['spearman'])}, Kendall {num(d['kendall'])} over first-token "
+                 f"times; overtaken by a later arrival: {d['overtaken_real']} real, {d['overtaken_sim']} sim; "
+                 f"preemptions per request {num(d['preemptions_per_request_real'])} real, "
+                 f"{num(d['preemptions_per_request_sim'])} sim ({d['preemptions_differ']} requests differ)")
+    if report["divergent_windows"]:
+        lines.append("diverging most: " + ", ".join(f"{s:.0f}s" for s in report["divergent_windows"]))
+    band = report["band"]
+    lines.append(f"error band on this replica: ±{band:.0%} (largest |error| of P50/P99 TTFT and TTLT)"
+                 if band is not None else "error band: n/a")
+    return "\n".join(lines)
