@@ -327,14 +327,17 @@ class Store:
 
         return self._write(txn)
 
-    def latest_fidelity(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
-        """The newest fidelity report of each replica of ``cluster`` (or of ``replica``): dicts
-        with replica, created_ms, span, summary."""
+    def latest_fidelity(self, cluster: str, replica: str | None = None, *,
+                        at_ms: int | None = None) -> list[dict[str, Any]]:
+        """The newest fidelity report (made at or before ``at_ms``) of each replica of ``cluster``
+        (or of ``replica``): dicts with replica, created_ms, span, summary."""
         stmt = (select(Replica.name.label("replica"), FidelityReport.created_ms, FidelityReport.span,
                        FidelityReport.summary, FidelityReport.id)
                 .join(Replica, Replica.id == FidelityReport.replica_id).where(Replica.cluster == cluster))
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
+        if at_ms is not None:
+            stmt = stmt.where(FidelityReport.created_ms <= at_ms)
         stmt = stmt.order_by(FidelityReport.created_ms.desc(), FidelityReport.id.desc())
         newest: dict[str, dict[str, Any]] = {}
         with self._read() as conn:

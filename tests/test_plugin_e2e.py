@@ -207,8 +207,16 @@ def test_small_gamma_lets_short_requests_overtake_a_long_one(one_slot_server):
     fcfs = _long_then_short(one_slot_server)
     assert all(fcfs["long"] < fcfs[f"short{i}"] for i in range(3))
 
+    # The one seat is always full: policy preemption must be allowed at any utilisation.
     answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
-        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}})
+        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001,
+        "preempt_max_utilisation": None}})
     assert answer.status_code == 200, answer.text
     boosted = _long_then_short(one_slot_server)
     assert all(boosted[f"short{i}"] < boosted["long"] for i in range(3))
+    # With seed 003's gate (the default 0.8) a full batch is not preempted: the long one finishes first.
+    answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
+        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}})
+    assert answer.status_code == 200, answer.text
+    gated = _long_then_short(one_slot_server)
+    assert all(gated["long"] < gated[f"short{i}"] for i in range(3))

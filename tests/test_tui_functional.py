@@ -511,3 +511,28 @@ def test_the_live_source_stamps_with_its_injected_clock(twins):
     assert snap.t_ms == int(fixed * 1000)
     assert all(r.t_ms == int(fixed * 1000) for rs in snap.replicas.values() if (r := rs.sample) is not None)
     assert results and results[0].ok
+
+
+def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(recording):
+    """A fidelity report stored for twin-0 30 s into the recording: replayed before that moment
+    the replica panel says fidelity is not measured; after it, the band and the span."""
+    store = Store.open(recording)
+    start = store.samples("fixture", "twin-0")[0].t_ms
+    report = {"band": 0.125, "requests": 321, "overall": {"decision": {"spearman": 0.97}}}
+    store.store_fidelity("fixture", "twin-0", "db:#recording=x&replicas=twin-0", report, t_ms=start + 30_000)
+    store.close()
+
+    async def scenario():
+        app = build_app(None, replay=recording)
+        src: ReplaySource = app.source
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            app.current_replica = "twin-0"
+            await pilot.press("2")
+            line = app.query_one("#fidelity-line")
+            await wait_for(pilot, lambda: "not measured" in text_of(line), what="no report yet")
+            src.seek(start + 40_000)
+            await wait_for(pilot, lambda: "±12%" in text_of(line), what="the band after the report")
+            assert "Spearman 0.97" in text_of(line) and "321 requests of db:#recording=x" in text_of(line)
+
+    run(scenario())

@@ -125,7 +125,8 @@ def test_state_has_the_plugins_keys_and_advances():
             s2 = state(c)
             assert set(s1) == PLUGIN_STATE_KEYS | {"speed"} and s1["speed"] == 10.0
             assert s1["replica"] == "twin-0" and s1["policy"] == "sarathi" and s1["settings_version"] == 1
-            assert set(s1["kv"]) == {"used_blocks", "total_blocks", "usage"} and s1["kv"]["total_blocks"] == 25_000
+            assert set(s1["kv"]) == {"used_blocks", "total_blocks", "usage", "block_size"} and s1["kv"]["total_blocks"] == 25_000
+            assert s1["kv"]["block_size"] == 16
             assert s2["time"] - s1["time"] >= 0.5 * 10  # the replica clock runs at 10x
             assert s2["steps_total"] > s1["steps_total"] and s2["finished_total"] > 0
             assert sum(s2["waiting_by_tenant"].values()) == s2["waiting"]

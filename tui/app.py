@@ -85,6 +85,7 @@ class TailpilotApp(App):
         self.panel = "cluster"
         self.paused = False
         self.audit_cache: list[dict[str, Any]] = []
+        self.fidelity_cache: dict[str, dict[str, Any]] = {}  # replica -> newest fidelity report
         self.last_results: list[Any] = []
         self.snapshots_applied = 0
         self.apply_ms: deque[float] = deque(maxlen=10_000)
@@ -381,11 +382,22 @@ class TailpilotApp(App):
             log.warning("audit log unavailable: %s", err)
             return
         self.audit_cache = rows
+        await self._reload_fidelity()
         if self.panel == "audit":
             note = None
             if self.mode_name == "live" and getattr(self.source, "store", None) is None:
                 note = "no --db: this session's changes only"
             self.query_one(AuditPanel).update_from(rows, note)
+
+    async def _reload_fidelity(self) -> None:
+        # Reloaded with the audit log (same cadence: fidelity reports are rare).
+        try:
+            self.fidelity_cache = await self.source.fidelity()
+        except Exception as err:  # noqa: BLE001
+            log.warning("fidelity reports unavailable: %s", err)
+            return
+        if self.panel == "replica":
+            self.query_one(ReplicaPanel).show_fidelity(self)
 
     # --- cluster changes -----------------------------------------------------------------------
     def _plans(self, edits: dict[str, SettingsEdit]) -> list[dict[str, Any]]:

@@ -196,6 +196,22 @@ def totals_text(snap: ClusterSnapshot | None, shown: int | None = None) -> Text:
 # ------------------------------------------------------------------------------------- replica panel
 
 
+def fidelity_line(report: dict[str, Any] | None) -> Text:
+    """How far to trust the simulator on this replica: its newest fidelity report's error band."""
+    if report is None:
+        return Text("simulator fidelity: not measured on this replica (tailpilot fidelity --replica NAME)",
+                    style="dim")
+    summary = report["summary"]
+    band = summary.get("band")
+    rho = (summary.get("overall") or {}).get("decision", {}).get("spearman")
+    out = Text("simulator on this replica: ", style="bold")
+    out.append("n/a" if band is None else f"±{band:.0%}", style="bold")
+    out.append(f" (largest P50/P99 latency error; order Spearman {'n/a' if rho is None else f'{rho:.2f}'}; "
+               f"{summary.get('requests', 0):,} requests of {report['span']}, {fmt_time(report['created_ms'])} UTC)",
+               style="dim")
+    return out
+
+
 def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) -> Text:
     if rs is None:
         return Text("no replica selected — pick one in the cluster panel (1)", style="dim")

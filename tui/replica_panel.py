@@ -25,6 +25,7 @@ class ReplicaPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(R.replica_header(None), id="replica-header")
+        yield Static(R.fidelity_line(None), id="fidelity-line")
         yield Static("", id="down-banner")
         with Grid(id="plots"):
             for i in range(self.PLOTS):
@@ -49,6 +50,7 @@ class ReplicaPanel(Vertical):
         rs = snap.replicas.get(name) if name else None
         window = app.cluster.window_s if app.cluster is not None else None
         self.query_one("#replica-header", Static).update(R.replica_header(rs, window))
+        self.show_fidelity(app)
         banner = self.query_one("#down-banner", Static)
         if rs is not None and not rs.health.healthy:
             banner.update(f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — last good numbers are not shown")
@@ -68,6 +70,10 @@ class ReplicaPanel(Vertical):
         self.query_one("#fairness", Static).update(summary)
         fill_table(self.query_one("#tenant-table", DataTable), rows)
         fill_table(self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else []))
+
+    def show_fidelity(self, app: "TailpilotApp") -> None:
+        name = app.current_replica
+        self.query_one("#fidelity-line", Static).update(R.fidelity_line(app.fidelity_cache.get(name) if name else None))
 
     @staticmethod
     def _draw(plot: PlotextPlot, s: R.Series, span_s: float) -> None:

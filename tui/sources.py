@@ -68,6 +68,10 @@ class DataSource(Protocol):
         """The settings audit log, newest first (Store.settings_changes' dicts)."""
         ...
 
+    async def fidelity(self) -> dict[str, dict[str, Any]]:
+        """Replica name -> its newest fidelity report (Store.latest_fidelity's dicts)."""
+        ...
+
     def status(self) -> str:
         """One line for the top bar."""
         ...
@@ -206,6 +210,11 @@ class LiveSource:
             return list(reversed(self.session_audit))[:limit]
         return await asyncio.to_thread(self.store.settings_changes, self.cluster_name, None, limit)
 
+    async def fidelity(self) -> dict[str, dict[str, Any]]:
+        if self.store is None:
+            return {}
+        return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, None)
+
     def status(self) -> str:
         if self.error:
             return self.error
@@ -230,6 +239,16 @@ class LiveSource:
 
 
 # ------------------------------------------------------------------------------------------ replay
+
+
+def _latest_fidelity(store: Any, cluster: str, at_ms: int | None) -> dict[str, dict[str, Any]]:
+    """The newest fidelity report per replica (made at or before ``at_ms``); {} for a store that
+    predates them."""
+    try:
+        reports = store.latest_fidelity(cluster, at_ms=at_ms)
+    except AttributeError:  # a duck-typed store without reports
+        return {}
+    return {r["replica"]: r for r in reports}
 
 
 class ReplayError(ValueError):
@@ -437,6 +456,10 @@ class ReplaySource:
 
     async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
         return [r for r in self._audit_all if r["t_ms"] <= self.position][:limit]
+
+    async def fidelity(self) -> dict[str, dict[str, Any]]:
+        # The reports made by the replay position: what an operator knew at that time.
+        return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, self.position)
 
     def status(self) -> str:
         state = "▶ playing" if self.playing else "⏸ paused"
