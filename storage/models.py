@@ -246,6 +246,19 @@ class FidelityReport(Base):
     summary: Mapped[Any] = mapped_column(Json)
 
 
+class Prediction(Base):
+    """A what-if prediction kept with the change it was made for (``set --preview``; ``verify``)."""
+
+    __tablename__ = "predictions"
+    __table_args__ = (Index("ix_predictions_replica_t", "replica_id", "t_ms"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica_id: Mapped[int] = _replica_fk()
+    t_ms: Mapped[int] = mapped_column(BigInteger)  # when the change was applied
+    version: Mapped[int | None] = mapped_column(Integer)  # the settings version it became
+    summary: Mapped[Any] = mapped_column(Json)
+
+
 class Recommendation(Base):
     """A tuner study's recommended settings and the summary that justifies them."""
 

@@ -60,6 +60,7 @@ from storage.models import (
     CollectorCursor,
     Completion,
     FidelityReport,
+    Prediction,
     GroupSample,
     Recommendation,
     Recording,
@@ -344,6 +345,28 @@ class Store:
             for row in conn.execute(stmt):
                 newest.setdefault(row.replica, {k: row._mapping[k] for k in ("replica", "created_ms", "span", "summary")})
         return list(newest.values())
+
+    def store_prediction(self, cluster: str, replica: str, summary: dict[str, Any], *, t_ms: int,
+                         version: int | None = None) -> int:
+        """Keep the prediction made for a change applied to ``replica`` at ``t_ms``; returns its id."""
+        def txn(conn: Connection) -> int:
+            rid = self._replica_ids_for(conn, cluster, {replica}, t_ms)[replica]
+            stmt = insert(Prediction).returning(Prediction.id)
+            return conn.execute(stmt, [{"replica_id": rid, "t_ms": t_ms, "version": version,
+                                        "summary": summary}]).scalar_one()
+
+        return self._write(txn)
+
+    def predictions(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
+        """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version, summary."""
+        stmt = (select(Prediction.id, Replica.cluster, Replica.name.label("replica"), Prediction.t_ms,
+                       Prediction.version, Prediction.summary)
+                .join(Replica, Replica.id == Prediction.replica_id).where(Replica.cluster == cluster))
+        if replica is not None:
+            stmt = stmt.where(Replica.name == replica)
+        stmt = stmt.order_by(Prediction.t_ms.desc(), Prediction.id.desc())
+        with self._read() as conn:
+            return [dict(row._mapping) for row in conn.execute(stmt)]
 
     def apply_retention(self, now_ms: int, settings: RetentionSettings) -> RetentionReport:
         """Fold old samples into 1-minute rollups and delete old completions (see storage.retention).

@@ -140,9 +140,16 @@ def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[s
 @click.option("--who", default=None, help="Name in the audit log (default: $USER).")
 @click.option("--wait", "wait_s", type=click.FloatRange(0, 300), default=5.0, show_default=True,
               metavar="SECONDS", help="How long to wait for each replica to run the new settings.")
+@click.option("--preview", is_flag=True,
+              help="First predict the change on each replica's last --minutes of recorded traffic (replayed "
+                   "warm, current vs proposed settings), show it with the simulator's error band on that "
+                   "replica, and ask before applying; the prediction is kept for `tailpilot verify`.")
+@click.option("--minutes", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="--preview: minutes of recorded traffic to predict on (and to verify on afterwards).")
+@click.option("--yes", is_flag=True, help="--preview: apply without asking.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assignments, pins, unpins, db, who,
-                wait_s, as_json):
+                wait_s, preview, minutes, yes, as_json):
     """Change replicas' settings through the control API, wait until they run them, and audit the change.
 
     Exit status 0 when every replica runs the new settings, 3 when all accepted them but some have
@@ -165,15 +172,35 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
         except KeyError as err:
             raise click.BadParameter(str(err.args[0]), param_hint="--replica") from None
     store = open_store(db)
+    names = [r.name for r in cluster.replicas] if all_replicas else list(replicas)
     try:
-        results = asyncio.run(apply_settings(cluster, None if all_replicas else list(replicas), change, store,
+        predictions = {}
+        if preview:
+            predictions = _preview(cluster, names, change, store, minutes, as_json)
+            if not predictions:
+                sys.exit(1)
+            if not yes:
+                if not sys.stdin.isatty():
+                    click.echo("not applied: confirm on a terminal, or give --yes", err=True)
+                    return
+                if not click.confirm("apply these settings?", default=False):
+                    click.echo("not applied", err=True)
+                    return
+        applied_ms = int(time.time() * 1000)
+        results = asyncio.run(apply_settings(cluster, names, change, store,
                                              who or os.environ.get("USER") or "cli", wait_s=wait_s))
+        for r in results:
+            if r.ok and r.replica in predictions:  # kept with the change, for `tailpilot verify`
+                predictions[r.replica]["prediction_id"] = store.store_prediction(
+                    cluster.name, r.replica, predictions[r.replica], t_ms=applied_ms, version=r.version)
     finally:
         store.close()
     if as_json:
         click.echo(json.dumps([{"replica": r.replica, "result": r.result, "message": r.message,
                                 "version": r.version, "settings": r.new,
-                                "restart_required": r.restart_required} for r in results], indent=2))
+                                "restart_required": r.restart_required,
+                                **({"prediction": predictions[r.replica]} if r.replica in predictions else {})}
+                               for r in results], indent=2))
     else:
         colour = {"applied": {"fg": "green"}, "staged": {"fg": "yellow"}}
         for r in results:
@@ -183,6 +210,73 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
         sys.exit(1)
     if any(r.result == "staged" for r in results):
         sys.exit(3)
+
+
+def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> dict[str, dict]:
+    """Each target's prediction (printed unless --json); {} when none could be made."""
+    import httpx
+
+    from controlplane.contract import SettingsAnswer, read
+    from controlplane.replica_http import control_base
+    from storage.strict_json import finite
+    from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts
+    from tuner.whatif import WhatIfError, format_prediction, predict
+
+    out = {}
+    for name in names:
+        spec = cluster.replica(name)
+        try:
+            answer = httpx.get(control_base(spec) + "/settings", timeout=cluster.timeout_s, trust_env=False)
+            current = Settings.model_validate(read(SettingsAnswer, answer.json()).settings)
+            proposed = change(current)
+            proposed = proposed if isinstance(proposed, Settings) else Settings.model_validate(proposed)
+        except (httpx.HTTPError, ValueError) as err:
+            click.echo(f"{name}: no preview: cannot read its settings ({err})", err=True)
+            continue
+        try:
+            facts = fetch_engine_facts(spec.control_url, timeout=cluster.timeout_s)
+        except ReplicaUnreachable:
+            facts = None
+        try:
+            p = finite(predict(store, cluster.name, name, current, proposed, now_ms=int(time.time() * 1000),
+                               minutes=minutes, engine_facts=facts))
+        except WhatIfError as err:
+            click.echo(f"{name}: no preview: {err}", err=True)
+            continue
+        out[name] = p
+        if not as_json:
+            click.echo(format_prediction(p))
+    return out
+
+
+@click.command()
+@with_cluster_options
+@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
+@click.option("--replica", "replicas", multiple=True, metavar="NAME", help="Only these replicas (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the verifications as JSON.")
+def verify(cluster_file, cluster_name, db, replicas, as_json):
+    """Realized vs predicted for every change applied with a prediction (`set --preview`): once its
+    window has passed, the traffic that came after the change is replayed under the old settings
+    (the counterfactual) and the replica's real figures are compared with it."""
+    from storage.strict_json import finite
+    from tuner.whatif import format_verification
+    from tuner.whatif import verify as run_verify
+
+    cluster = load_cluster(cluster_file, cluster_name)
+    store = open_store(db)
+    try:
+        kept = [p for p in store.predictions(cluster.name) if not replicas or p["replica"] in replicas]
+        now_ms = int(time.time() * 1000)
+        out = [finite(run_verify(store, p, now_ms=now_ms)) for p in kept]
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    if not out:
+        click.echo("no change was applied with a prediction (tailpilot set --preview)")
+    for v in out:
+        click.echo(format_verification(v))
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,4 +431,4 @@ def _demo_table(cluster, db: str, duration: float | None) -> None:
         store.close()
 
 
-COMMANDS = (status, set_command, record, tui, demo)
+COMMANDS = (status, set_command, verify, record, tui, demo)

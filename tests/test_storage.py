@@ -250,7 +250,7 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
             assert MigrationContext.configure(conn).get_current_revision() == "0002"
         upgrade(store.engine)
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0004"
+            assert MigrationContext.configure(conn).get_current_revision() == "0005"
             assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL")).scalar_one() == 6
         assert store.completions("c") == old  # every field as before; max_tokens None
         new = replace(completion("r1", 10), max_tokens=2048)

@@ -117,6 +117,9 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
         app = build_app(spec_of(twins), store=store, refresh_s=0.25)
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
+            # Some recorded traffic of twin-1 for the confirm dialog's what-if to replay.
+            await wait_for(pilot, lambda: len(store.completions("twins", "twin-1")) >= 30, what="recorded traffic",
+                           timeout=30)
             await pilot.press("down")  # cursor: twin-1
             assert app.current_replica == "twin-1"
             await pilot.press("P")
@@ -128,6 +131,10 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
             await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "twin-1" in diff and "policy: uniboost → las" in diff, diff
+            # The what-if: each figure's predicted change on twin-1's recorded traffic, with the band.
+            preview = app.screen.query_one("#dialog-preview")
+            await wait_for(pilot, lambda: "P95 TTFT" in text_of(preview), what="what-if", timeout=30)
+            assert "fidelity not measured here" in text_of(preview) and "twin-1" in text_of(preview)
             assert get_settings(twins[1])["settings"]["policy"] == "uniboost"  # nothing sent before y
             await pilot.press("y")
             await wait_for(pilot, lambda: get_settings(twins[1])["settings"]["policy"] == "las", what="PUT")
@@ -152,6 +159,10 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
     assert row["replica"] == "twin-1" and row["result"] == "applied" and row["who"].startswith("tui:")
     assert row["old"]["policy"] == "uniboost" and row["new"]["policy"] == "las" and row["version"] == v0 + 1
     assert get_settings(twins[0])["settings"]["policy"] == "uniboost"
+    # The prediction is kept with the change it was made for (tailpilot verify reads it).
+    [kept] = store.predictions("twins")
+    assert kept["replica"] == "twin-1" and kept["version"] == v0 + 1
+    assert kept["summary"]["proposed"]["policy"] == "las" and kept["summary"]["metrics"]["ttft_p95"]
     store.close()
 
 

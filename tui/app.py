@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------- the app
 
 
+PREVIEW_MINUTES = 10.0  # the confirm dialog's what-if replays each replica's last this many minutes
+
+
 class TailpilotApp(App):
     """``TailpilotApp(source, cluster_spec, readonly=..., store=...)``."""
 
@@ -429,22 +432,41 @@ class TailpilotApp(App):
             self.notify("no target replica: move the cursor to one or select some with space", severity="warning")
             return
         plans = self._plans(edits)
+        predictions: dict[str, Any] = {}
+        what_if = hasattr(self.source, "predict")
 
         def done(ok: bool | None) -> None:
             if ok:
                 sendable = {p["replica"]: edits[p["replica"]] for p in plans if not p.get("error")}
-                self.apply_changes(sendable)
+                self.apply_changes(sendable, predictions)
 
-        self.push_screen(ConfirmScreen(title, plans), done)
+        screen = ConfirmScreen(title, plans, PREVIEW_MINUTES if what_if else None)
+        self.push_screen(screen, done)
+        if what_if:
+            self._predict(screen, plans, predictions)
+
+    @work(group="predict", exit_on_error=False)
+    async def _predict(self, screen: ConfirmScreen, plans: list[dict[str, Any]], into: dict[str, Any]) -> None:
+        """The what-if of the confirm dialog, off the UI thread; kept with the change if applied."""
+        try:
+            found = await self.source.predict(plans, PREVIEW_MINUTES)  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001
+            log.warning("what-if failed: %s", err)
+            found = {p["replica"]: f"{type(err).__name__}: {err}" for p in plans}
+        into.update(found)
+        screen.show_preview(found)
 
     @work(group="apply", exit_on_error=False)
-    async def apply_changes(self, edits: dict[str, SettingsEdit]) -> None:
+    async def apply_changes(self, edits: dict[str, SettingsEdit], predictions: dict[str, Any] | None = None) -> None:
         """Send the changes (GET, PUT If-Match, read back, audit row) without blocking the UI."""
         if self.readonly or not hasattr(self.source, "apply"):
             return
         self.notify(f"applying to {', '.join(edits)}…", timeout=3)
+        applied_ms = int(getattr(self.source, "clock", time.time)() * 1000)
         try:
             results = await self.source.apply(edits, self.who)  # type: ignore[attr-defined]
+            if predictions:
+                await self.source.keep_predictions(results, predictions, applied_ms)  # type: ignore[attr-defined]
         except Exception as err:  # noqa: BLE001
             log.exception("apply failed")
             self.notify(f"apply failed: {type(err).__name__}: {err}", severity="error", timeout=15)

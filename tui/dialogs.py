@@ -29,10 +29,11 @@ class ConfirmScreen(ModalScreen[bool]):
 
     BINDINGS = K.bindings(scope="confirm")
 
-    def __init__(self, title: str, plans: list[dict[str, Any]]) -> None:
+    def __init__(self, title: str, plans: list[dict[str, Any]], preview_minutes: float | None = None) -> None:
         super().__init__()
         self.title_text = title
         self.plans = plans
+        self.preview_minutes = preview_minutes  # None: no what-if (no recorded traffic to replay)
 
     def compose(self) -> ComposeResult:
         sendable = sum(1 for p in self.plans if not p.get("error"))
@@ -40,6 +41,8 @@ class ConfirmScreen(ModalScreen[bool]):
             yield Static(Text(self.title_text, style="bold"), id="dialog-title")
             with VerticalScroll(id="dialog-body"):
                 yield Static(R.diff_renderable(self.plans), id="dialog-diff")
+                if self.preview_minutes is not None:
+                    yield Static(R.preview_renderable(None, self.preview_minutes), id="dialog-preview")
             with Horizontal(id="dialog-buttons"):
                 yield Button(f"Apply to {sendable} replica(s) \\[y]", id="yes", variant="warning",
                              disabled=sendable == 0)
@@ -47,6 +50,11 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()
+
+    def show_preview(self, predictions: dict[str, Any]) -> None:
+        """The what-if predictions arrived (computed off the UI thread)."""
+        if self.preview_minutes is not None and self.is_attached:
+            self.query_one("#dialog-preview", Static).update(R.preview_renderable(predictions, self.preview_minutes))
 
     def action_confirm(self) -> None:
         if any(not p.get("error") for p in self.plans):

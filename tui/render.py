@@ -196,6 +196,31 @@ def totals_text(snap: ClusterSnapshot | None, shown: int | None = None) -> Text:
 # ------------------------------------------------------------------------------------- replica panel
 
 
+def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Text:
+    """The what-if block of the confirm dialog: per replica the predicted change of each figure
+    with the simulator's error band on that replica, or why there is no prediction."""
+    if predictions is None:
+        return Text(f"predicting on each replica's last {minutes:g} min of recorded traffic…", style="dim")
+    from tuner.whatif import LABELS
+
+    out = Text()
+    for name, p in predictions.items():
+        if isinstance(p, str):
+            out.append(f"{name}: no prediction: {p}\n", style="dim")
+            continue
+        band = "fidelity not measured here" if p.get("band") is None else f"±{p['band']:.0%} on this replica"
+        out.append(f"{name}", style="bold")
+        out.append(f" — predicted on its last {p['minutes']:g} min ({p['requests']} requests), {band}\n", style="dim")
+        for key, m in p["metrics"].items():
+            change = m.get("change")
+            text = "n/a" if change is None else f"{change:+.0%}"
+            style = "" if change is None else ("green" if (change < 0) != (key == "throughput_tok_s") else "red")
+            out.append(f"  {LABELS[key]:<11} ")
+            out.append(f"{text:>6}", style=style)
+            out.append("\n")
+    return out
+
+
 def fidelity_line(report: dict[str, Any] | None) -> Text:
     """How far to trust the simulator on this replica: its newest fidelity report's error band."""
     if report is None:

@@ -238,6 +238,40 @@ class LiveSource:
         return results
 
 
+    async def predict(self, plans: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
+        """Per sendable plan, the what-if prediction of its new settings over its old ones on the
+        replica's last ``minutes`` of recorded traffic (tuner.whatif), or why there is none."""
+        if self.store is None:
+            return {p["replica"]: "no --db: no recorded traffic to predict on" for p in plans if p.get("new")}
+        from controlplane.settings import Settings
+        from storage.strict_json import finite
+        from tuner.whatif import WhatIfError, predict
+
+        now_ms = int(self.clock() * 1000)
+
+        def one(plan: dict[str, Any]) -> Any:
+            try:
+                return finite(predict(self.store, self.cluster_name, plan["replica"],
+                                      Settings.model_validate(plan["old"]), Settings.model_validate(plan["new"]),
+                                      now_ms=now_ms, minutes=minutes))
+            except WhatIfError as err:
+                return str(err)
+
+        sendable = [p for p in plans if p.get("new") and p.get("old")]
+        done = await asyncio.gather(*(asyncio.to_thread(one, p) for p in sendable))
+        return {p["replica"]: d for p, d in zip(sendable, done)}
+
+    async def keep_predictions(self, results: list[Any], predictions: dict[str, Any], applied_ms: int) -> None:
+        """Keep each applied change's prediction with its new version (for tailpilot verify)."""
+        if self.store is None:
+            return
+        for r in results:
+            p = predictions.get(r.replica)
+            if r.ok and isinstance(p, dict):
+                await asyncio.to_thread(self.store.store_prediction, self.cluster_name, r.replica, p,
+                                        t_ms=applied_ms, version=r.version)
+
+
 # ------------------------------------------------------------------------------------------ replay
 
 

@@ -237,6 +237,23 @@ def engine_config(facts: dict[str, Any], model: StepTimeModel):
     return EngineConfig(**kw), limits
 
 
+def replica_engine(store, cluster: str, replica: str, facts: dict[str, Any] | None = None,
+                   step_model: str | None = None):
+    """(EngineConfig, engine limits) for replaying ``replica``: the named step model, else its
+    calibrated one (``calibrated/<replica>``) if saved, else the default; its engine ``facts``
+    (:func:`fetch_engine_facts`), the KV blocks its newest stored sample reports where the facts
+    have none."""
+    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model, list_models
+
+    name = step_model or (f"calibrated/{replica}" if f"calibrated/{replica}" in list_models() else DEFAULT_MODEL_NAME)
+    facts = dict(facts or {})
+    if "num_gpu_blocks" not in facts:
+        latest = store.latest_samples(cluster).get(replica)
+        if latest is not None and latest.kv_total_blocks:
+            facts["num_gpu_blocks"] = latest.kv_total_blocks
+    return engine_config(facts, get_model(name))
+
+
 def steps_to_rows(steps: Iterable[dict]) -> tuple[list[tuple[float, ...]], int]:
     """(rows for :func:`fit_step_model`, number of empty or unusable steps dropped)."""
     rows, dropped = [], 0

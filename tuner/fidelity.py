@@ -149,8 +149,7 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     """Replay ``replica``'s recorded span and compare (see the module docstring). ``engine_facts``:
     the replica's block size, KV blocks and limits (``tuner.calibrate.fetch_engine_facts``); None
     reads what the store knows. ``db`` is only used to name the span in the report."""
-    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model, list_models
-    from tuner.calibrate import engine_config
+    from tuner.calibrate import replica_engine
 
     if not (window_s > 0 and math.isfinite(window_s)):
         raise FidelityError(f"window_s must be a positive number of seconds, got {window_s!r}")
@@ -179,15 +178,8 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     offset = float(np.median([c.finished_s for c in rows])) - _median_stored_s(store, cluster, replica, rows)
     changes = [(t_ms / 1000.0 + offset - t0, s) for t_ms, s in timeline[1:] if t_ms is not None]
 
-    model_name = step_model or (f"calibrated/{replica}" if f"calibrated/{replica}" in list_models()
-                                else DEFAULT_MODEL_NAME)
-    model = get_model(model_name)
-    facts = dict(engine_facts or {})
-    if "num_gpu_blocks" not in facts:
-        blocks = _stored_kv_blocks(store, cluster, replica)
-        if blocks:
-            facts["num_gpu_blocks"] = blocks
-    config, limits = engine_config(facts, model)
+    config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
+    model = config.step_model
     first_settings = timeline[0][1]
     engine = {**first_settings.engine.model_dump(), **limits}
     settings = Settings.model_validate({**first_settings.to_dict(), "engine": engine})
@@ -255,11 +247,6 @@ def _load(store, span: RecordedSpan) -> tr.Trace:
 def _median_stored_s(store, cluster: str, replica: str, rows) -> float:
     stored = store.completion_stored_s(cluster, replica, [c.request_id for c in rows])
     return float(np.median(stored)) if stored else float(np.median([c.finished_s for c in rows]))
-
-
-def _stored_kv_blocks(store, cluster: str, replica: str) -> int | None:
-    latest = store.latest_samples(cluster).get(replica)
-    return None if latest is None else latest.kv_total_blocks
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -118,21 +118,8 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
     if len(served) > 1 and not span.replicas:
         raise tr.TraceError(f"{where}: the span holds the traffic of {len(served)} replicas ({', '.join(served)}); "
                             "the simulator replays one replica: add replicas=NAME (or replicas=a,b to merge)")
-    if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
-        raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
-    cap = max_tokens_default
-    t0 = min(row.arrival_s for row in rows)
-    merged = len(served) > 1
-    requests = []
-    for row in rows:
-        rid = f"{row.replica}/{row.request_id}" if merged else row.request_id
-        max_tokens = row.max_tokens if row.max_tokens and row.max_tokens > 0 else cap
-        requests.append(tr.TraceRequest(
-            id=rid, arrival=round(row.arrival_s - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
-            output_tokens=max(min(row.output_tokens, max_tokens), 1), max_tokens=max_tokens,
-            tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
-            truncated=row.reason == "length" or row.output_tokens > max_tokens))
-    trace = tr.Trace(f"recording:{name}" + (f":{'+'.join(served)}" if served else ""), tuple(requests))
+    trace = rows_to_trace(rows, f"recording:{name}" + (f":{'+'.join(served)}" if served else ""),
+                          max_tokens_default=max_tokens_default, prefix_replica=len(served) > 1)
     if span.start_s is not None or span.end_s is not None:
         start = span.start_s or 0.0
         end = span.end_s if span.end_s is not None else trace.requests[-1].arrival + 1.0
@@ -143,6 +130,28 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
     if len(trace) == 0:
         raise tr.TraceError(f"{where}: no request arrived between from and to")
     return trace
+
+
+def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
+                  prefix_replica: bool = False) -> tr.Trace:
+    """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals from the first
+    one (engine clock), the recorded cap or the fixed default (never the output length), a request
+    stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``."""
+    if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
+    if not rows:
+        return tr.Trace(name, ())
+    t0 = min(row.arrival_s for row in rows)
+    requests = []
+    for row in rows:
+        rid = f"{row.replica}/{row.request_id}" if prefix_replica else row.request_id
+        cap = row.max_tokens if row.max_tokens and row.max_tokens > 0 else max_tokens_default
+        requests.append(tr.TraceRequest(
+            id=rid, arrival=round(row.arrival_s - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
+            output_tokens=max(min(row.output_tokens, cap), 1), max_tokens=cap,
+            tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
+            truncated=row.reason == "length" or row.output_tokens > cap))
+    return tr.Trace(name, tuple(requests))
 
 
 def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:
