@@ -182,7 +182,7 @@ def main() -> None:
                     version = put_settings(control, POLICY_DOCS[policy])
                     wait_for(lambda v=version: any(r["version"] == v for r in store.settings_seen("bench", "cpu-0")),
                              "the new settings to be recorded")
-                    name = f"{policy}@{load:g}#{rep}"
+                    name = f"{policy}@{load:g}-{rep}"
                     rec = store.begin_recording("bench", name)
                     before = stored()
                     t = time.monotonic()
@@ -210,7 +210,7 @@ def main() -> None:
         for load in loads:
             for policy in policies:
                 for rep in range(args.repeats):
-                    name = f"{policy}@{load:g}#{rep}"
+                    name = f"{policy}@{load:g}-{rep}"
                     rep_ = fidelity(store, cluster="bench", replica="cpu-0", recording=name, engine_facts=facts)
                     results["runs"][name] = {"real": rep_["overall"]["real"], "sim": rep_["overall"]["sim"],
                                              "errors": rep_["overall"]["errors"],
@@ -221,13 +221,13 @@ def main() -> None:
         for load in loads:
             if "fcfs" in policies and "uniboost" in policies:
                 recs = {r.name: r for r in store.recordings("bench")}
-                fc = recs[f"fcfs@{load:g}#0"]
+                fc = recs[f"fcfs@{load:g}-0"]
                 minutes = (fc.ended_ms - fc.started_ms) / 60_000
                 p = predict(store, "bench", "cpu-0", Settings.model_validate(POLICY_DOCS["fcfs"]),
                             Settings.model_validate(POLICY_DOCS["uniboost"]), now_ms=fc.ended_ms,
                             minutes=minutes, warmup_s=0.0, engine_facts=facts)
-                real_f = results["runs"][f"fcfs@{load:g}#0"]["real"]
-                real_u = results["runs"][f"uniboost@{load:g}#0"]["real"]
+                real_f = results["runs"][f"fcfs@{load:g}-0"]["real"]
+                real_u = results["runs"][f"uniboost@{load:g}-0"]["real"]
                 results["loads"][f"{load:g}"] = {"predicted": {k: p["metrics"][k]["change"] for k in FIGS if k in p["metrics"]},
                                                  "realized": {k: real_u[k] / real_f[k] - 1 for k in FIGS}}
         store.close()
@@ -236,9 +236,9 @@ def main() -> None:
     for load in loads:
         for policy in policies:
             for rep in range(args.repeats):
-                name = f"{policy}@{load:g}#{rep}"
+                name = f"{policy}@{load:g}-{rep}"
                 r = results["runs"][name]
-                first = results["runs"][f"{policy}@{load:g}#0"]["real"]
+                first = results["runs"][f"{policy}@{load:g}-0"]["real"]
                 cells = []
                 for k in FIGS:
                     noise = "" if rep == 0 else f"; {r['real'][k] / first[k] - 1:+.0%}"

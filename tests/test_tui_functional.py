@@ -148,7 +148,10 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
             await wait_for(pilot, lambda: cell(app, "twin-1", "policy") == "las", what="table shows las")
             assert cell(app, "twin-0", "policy") == "uniboost"  # only the target changed
             await pilot.press("4")
-            await wait_for(pilot, lambda: app.query_one("#audit-table").row_count >= 1, what="audit table")
+            table = app.query_one("#audit-table")
+            await wait_for(pilot, lambda: table.row_count >= 1, what="audit table")
+            # The change was applied with a prediction: predicted P95 TTFT, realized once its 10 min pass.
+            await wait_for(pilot, lambda: "→ due" in str(table.get_row_at(0)[6]), what="verification cell")
             return app
         return app
 

@@ -89,6 +89,7 @@ class TailpilotApp(App):
         self.paused = False
         self.audit_cache: list[dict[str, Any]] = []
         self.fidelity_cache: dict[str, dict[str, Any]] = {}  # replica -> newest fidelity report
+        self.verification_cache: dict[tuple[str, Any], dict[str, Any]] = {}  # (replica, version) -> verify
         self.last_results: list[Any] = []
         self.snapshots_applied = 0
         self.apply_ms: deque[float] = deque(maxlen=10_000)
@@ -390,7 +391,14 @@ class TailpilotApp(App):
             note = None
             if self.mode_name == "live" and getattr(self.source, "store", None) is None:
                 note = "no --db: this session's changes only"
-            self.query_one(AuditPanel).update_from(rows, note)
+            panel = self.query_one(AuditPanel)
+            panel.update_from(rows, note, self.verification_cache)
+            try:  # replays: shown when done, the table first
+                self.verification_cache = await self.source.verifications()
+            except Exception as err:  # noqa: BLE001
+                log.warning("verifications unavailable: %s", err)
+                return
+            panel.update_from(rows, note, self.verification_cache)
 
     async def _reload_fidelity(self) -> None:
         # Reloaded with the audit log (same cadence: fidelity reports are rare).

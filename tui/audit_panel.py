@@ -28,11 +28,16 @@ class AuditPanel(Vertical):
         t.add_column("who", key="who", width=12)
         t.add_column("result", key="result", width=8)
         t.add_column("ver", key="version", width=4)
-        t.add_column("change", key="change", width=60)
+        t.add_column("change", key="change", width=50)
+        t.add_column("P95 TTFT predicted → realized", key="verified", width=30)
         t.add_column("message", key="message")
 
-    def update_from(self, rows: list[dict[str, Any]], note: str | None = None) -> None:
-        fill_table(self.query_one(DataTable), [R.audit_row(a) for a in rows])
+    def update_from(self, rows: list[dict[str, Any]], note: str | None = None,
+                    verifications: dict[tuple[Any, Any], dict[str, Any]] | None = None) -> None:
+        verifications = verifications or {}
+        fill_table(self.query_one(DataTable),
+                   [R.audit_row(a, verifications.get((a.get("replica"), a.get("version")))
+                                if a.get("result") in ("applied", "staged") else None) for a in rows])
         title = Text("settings audit log (newest first)", style="bold")
         title.append(f" · {len(rows)} entries")
         if note:

@@ -392,12 +392,29 @@ def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[tuple]:
 RESULT_STYLES = {"applied": "green", "staged": "cyan", "rejected": "yellow"}
 
 
-def audit_row(a: Mapping[str, Any]) -> tuple:
+def audit_row(a: Mapping[str, Any], verification: Mapping[str, Any] | None = None) -> tuple:
     result = a.get("result") or "?"
     style = RESULT_STYLES.get(result, "bold red")
     return (f"{fmt_time(a.get('t_ms'))}", a.get("replica") or "—", a.get("who") or "—", Text(result, style=style),
             "—" if a.get("version") is None else str(a["version"]), diff_summary(a.get("old"), a.get("new")),
-            a.get("message") or "")
+            verification_cell(verification), a.get("message") or "")
+
+
+def verification_cell(v: Mapping[str, Any] | None) -> Text:
+    """P95 TTFT predicted → realized (tuner.whatif.verify), "due HH:MM:SS" before its window ends,
+    "—" for a change made without a prediction."""
+    if v is None:
+        return Text("—", style="dim")
+    predicted = v["predicted"].get("ttft_p95")
+    head = "n/a" if predicted is None else f"{predicted:+.0%}"
+    if not v["ready"]:
+        return Text(f"{head} → due {fmt_time(v['due_ms'])[11:]}", style="dim")
+    realized = (v.get("metrics") or {}).get("ttft_p95", {}).get("realized")
+    out = Text(f"{head} → ")
+    out.append("n/a" if realized is None else f"{realized:+.0%}", style="bold")
+    if v.get("band") is not None:
+        out.append(f" (±{v['band']:.0%})", style="dim")
+    return out
 
 
 def diff_renderable(plans: Sequence[Mapping[str, Any]]) -> Group:

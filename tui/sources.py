@@ -72,6 +72,11 @@ class DataSource(Protocol):
         """Replica name -> its newest fidelity report (Store.latest_fidelity's dicts)."""
         ...
 
+    async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
+        """(replica, settings version) -> realized vs predicted of each change kept with a
+        prediction (tuner.whatif.verify), as of now (replay: the position)."""
+        ...
+
     def status(self) -> str:
         """One line for the top bar."""
         ...
@@ -215,6 +220,11 @@ class LiveSource:
             return {}
         return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, None)
 
+    async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
+        if self.store is None:
+            return {}
+        return await asyncio.to_thread(_verifications, self.store, self.cluster_name, int(self.clock() * 1000))
+
     def status(self) -> str:
         if self.error:
             return self.error
@@ -283,6 +293,18 @@ def _latest_fidelity(store: Any, cluster: str, at_ms: int | None) -> dict[str, d
     except AttributeError:  # a duck-typed store without reports
         return {}
     return {r["replica"]: r for r in reports}
+
+
+def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int | None], dict[str, Any]]:
+    """Realized vs predicted of the changes kept with a prediction before ``now_ms`` (replays:
+    call off the UI thread)."""
+    from tuner.whatif import verify
+
+    try:
+        kept = [p for p in store.predictions(cluster) if p["t_ms"] <= now_ms]
+    except AttributeError:  # a duck-typed store without predictions
+        return {}
+    return {(p["replica"], p["version"]): verify(store, p, now_ms=now_ms) for p in kept}
 
 
 class ReplayError(ValueError):
@@ -494,6 +516,9 @@ class ReplaySource:
     async def fidelity(self) -> dict[str, dict[str, Any]]:
         # The reports made by the replay position: what an operator knew at that time.
         return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, self.position)
+
+    async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
+        return await asyncio.to_thread(_verifications, self.store, self.cluster_name, self.position)
 
     def status(self) -> str:
         state = "▶ playing" if self.playing else "⏸ paused"

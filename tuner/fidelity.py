@@ -239,7 +239,7 @@ def _divergence(window: dict[str, Any]) -> float:
 def _load(store, span: RecordedSpan) -> tr.Trace:
     """The span's trace from an open store (load_recorded opens its own, by URL)."""
     try:
-        return load_recorded(span)
+        return load_recorded(span, store=store)
     except tr.TraceError as err:
         raise FidelityError(str(err)) from None
 

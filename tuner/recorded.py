@@ -29,7 +29,7 @@ import hashlib
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote
 
 from sim import traces as tr
 
@@ -53,7 +53,8 @@ class RecordedSpan:
         """The ``db:`` URL naming this span (what ``recommend`` and studies report)."""
         keys = [("recording", self.recording), ("cluster", self.cluster),
                 ("replicas", ",".join(self.replicas) or None), ("from", self.start_s), ("to", self.end_s)]
-        frag = "&".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in keys if v is not None)
+        frag = "&".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={quote(str(v), safe=',/@:')}"
+                        for k, v in keys if v is not None)
         return f"{PREFIX}{self.db or ''}" + (f"#{frag}" if frag else "")
 
 
@@ -91,17 +92,25 @@ def parse_url(url: str) -> RecordedSpan:
                         replicas=replicas, start_s=bounds.get("from"), end_s=bounds.get("to"))
 
 
-def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS) -> tr.Trace:
+def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
+                  store=None) -> tr.Trace:
     """The span's requests as a Trace (arrivals from the first one, ids ``replica/request`` when
-    several replicas are merged). TraceError when the span names nothing or holds no request."""
+    several replicas are merged), from ``store`` if given (else the span's db, opened and closed
+    here). TraceError when the span names nothing or holds no request."""
+    from contextlib import nullcontext
+
     from storage.store import Store, StoreOpenError
 
     where = span.url()
-    try:
-        store = Store.open(span.db or os.environ.get(DB_ENV))
-    except StoreOpenError as err:
-        raise tr.TraceError(f"{where}: {err}") from None
-    with store:
+    if store is None:
+        try:
+            store = Store.open(span.db or os.environ.get(DB_ENV))
+        except StoreOpenError as err:
+            raise tr.TraceError(f"{where}: {err}") from None
+        context = store
+    else:
+        context = nullcontext(store)
+    with context:
         cluster, name, stored = _span(store, span, where)
         known = [r.name for r in store.replicas(cluster)]
         replicas = list(span.replicas) or known
