@@ -89,10 +89,11 @@ def sqlite_pragmas(dbapi_conn: Any, *, busy_timeout_ms: int | None = None, forei
     store and the tuner's Optuna storage both open their connections through this."""
     cur = dbapi_conn.cursor()
     try:
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
+        # The timeout first: switching a fresh file to WAL needs a lock that a racing opener may hold.
         if busy_timeout_ms is not None:
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
         if foreign_keys:
             cur.execute("PRAGMA foreign_keys=ON")
     finally:

@@ -12,6 +12,7 @@ already at head and does nothing, instead of racing to create the same tables.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,9 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import OperationalError
+
+from storage.backoff import backoff_delays
 
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 _PG_LOCK_KEY = 0x7461696C  # "tail": any constant shared by every tailpilot process
@@ -45,12 +49,24 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+MIGRATE_DEADLINE_S = 60.0  # how long an opener keeps waiting for another one's migration
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Migrate up to ``revision`` (a no-op when already there)."""
-    if revision == "head" and current_revision(engine) == head_revision():
-        return  # the common case: skip the lock and the script loading
-    with _locked_transaction(engine) as conn:
-        command.upgrade(alembic_config(conn), revision)
+    """Migrate up to ``revision`` (a no-op when already there). A database locked by another
+    opener's migration past the busy timeout (a loaded machine) is retried until it is done."""
+    give_up = time.monotonic() + MIGRATE_DEADLINE_S
+    for delay in backoff_delays(0.05, 1.0):
+        try:
+            if revision == "head" and current_revision(engine) == head_revision():
+                return  # the common case: skip the lock and the script loading
+            with _locked_transaction(engine) as conn:
+                command.upgrade(alembic_config(conn), revision)
+            return
+        except OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() + delay > give_up:
+                raise
+        time.sleep(delay)
 
 
 def downgrade(engine: Engine, revision: str = "base") -> None:

@@ -757,3 +757,29 @@ def test_garbage_in_the_middle_of_the_file_is_never_a_raw_driver_error(tmp_path)
             except DBAPIError as err:  # pragma: no cover - the bug this test is for
                 pytest.fail(f"raw driver error: {err}")
         assert failed, "the garbage hit no table this test reads; move it"
+
+
+def test_an_opener_waits_out_another_openers_long_migration(tmp_path):
+    """A migration lock held past the busy timeout (a loaded machine) is retried, not an error."""
+    import sqlite3
+
+    path = tmp_path / "slow.db"
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # what a migrating opener holds
+    opened = threading.Event()
+    errors: list[BaseException] = []
+
+    def opener() -> None:
+        try:
+            Store.open(str(path), busy_timeout_ms=50).close()
+            opened.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=opener)
+    t.start()
+    assert not opened.wait(0.5)  # still waiting: the lock is held, past ten busy timeouts
+    holder.execute("COMMIT")
+    holder.close()
+    t.join(30)
+    assert errors == [] and opened.is_set()
