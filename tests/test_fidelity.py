@@ -175,10 +175,10 @@ def test_a_settings_change_inside_the_span_is_replayed_from_when_it_was_seen():
 
 def test_the_replay_switches_settings_at_the_given_time_without_losing_a_request():
     from controlplane.settings import Settings
-    from tuner.fidelity import _Replay
+    from tuner.fidelity import Replay
 
     trace = small_trace(200, 50.0)
     switch = Settings.model_validate({"policy": "sarathi"})
-    sim = _Replay(trace, Settings.model_validate({"policy": "uniboost"}), None, [(20.0, switch)])
+    sim = Replay(trace, Settings.model_validate({"policy": "uniboost"}), None, [(20.0, switch)])
     res = sim.run()
     assert sim.policy.name == "sarathi" and len(res.completions) == 200

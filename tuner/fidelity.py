@@ -34,10 +34,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from controlplane.metrics import Completion, summarize
 from controlplane.settings import Settings
 from sim import traces as tr
 from sim.engine import Simulator
-from tuner.recorded import DB_ENV, RecordedSpan, load_recorded
+from tuner.recorded import DB_ENV, RecordedSpan, load_recorded, store_lag_s
 
 LATENCIES = ("ttft_p50", "ttft_p99", "ttlt_p50", "ttlt_p99")
 FIGURES = (*LATENCIES, "throughput_tok_s", "preemptions")
@@ -49,29 +50,31 @@ class FidelityError(ValueError):
     """The span cannot be replayed (no settings recorded, no requests, ...); the message says why."""
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, float), q)) if len(values) else None
-
-
-def _err(sim: float | None, real: float | None) -> float | None:
-    if sim is None or real is None or real == 0:
+def relative_change(value: float | None, base: float | None) -> float | None:
+    """value / base − 1 (None where either is missing or base is 0)."""
+    if value is None or base is None or base == 0:
         return None
-    return sim / real - 1.0
+    return value / base - 1.0
+
+
+def summary_of(completions, span_s: float, keys: Sequence[str]) -> dict[str, float | None]:
+    """``keys`` of ``controlplane.metrics.summarize`` over ``span_s`` seconds (> 0), None where
+    undefined (no request)."""
+    s = summarize(completions, duration_s=span_s)
+    return {k: s[k] if math.isfinite(s[k]) else None for k in keys}
 
 
 def figures(rows: Sequence[tuple[float, float | None, float, int, int]], span_s: float) -> dict[str, float | None]:
     """P50/P99 TTFT and TTLT, throughput and preemptions of (arrival, first token, finish,
     output tokens, preemptions) rows, times relative to one origin; ``span_s`` the window length."""
-    ttft = [f - a for a, f, _, _, _ in rows if f is not None]
-    ttlt = [e - a for a, _, e, _, _ in rows]
-    out_tokens = sum(n for _, _, _, n, _ in rows)
-    return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttlt_p50": _pct(ttlt, 50),
-            "ttlt_p99": _pct(ttlt, 99), "throughput_tok_s": out_tokens / span_s if span_s > 0 else None,
-            "preemptions": float(sum(p for *_, p in rows))}
+    done = [Completion(id=str(i), tenant="", type="", arrival=a, scheduled_at=math.nan,
+                       first_token_at=math.nan if f is None else f, finished_at=e, prompt_tokens=0,
+                       output_tokens=n, preemptions=p) for i, (a, f, e, n, p) in enumerate(rows)]
+    return summary_of(done, span_s, FIGURES)
 
 
 def compare(real: dict[str, float | None], sim: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
-    return {"real": real, "sim": sim, "errors": {k: _err(sim[k], real[k]) for k in FIGURES}}
+    return {"real": real, "sim": sim, "errors": {k: relative_change(sim[k], real[k]) for k in FIGURES}}
 
 
 def decision_diff(real_first: np.ndarray, sim_first: np.ndarray, arrivals: np.ndarray,
@@ -124,7 +127,7 @@ def settings_timeline(seen: Sequence[dict[str, Any]], start_ms: int | None) -> l
     return out
 
 
-class _Replay(Simulator):
+class Replay(Simulator):
     """A replay that switches settings at given simulated times (a change recorded in the span)."""
 
     def __init__(self, trace, settings, config, changes: list[tuple[float, Settings]]) -> None:
@@ -175,7 +178,7 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     t0 = min(c.arrival_s for c in rows)
     # Settings changes inside the span: at the replica-clock time they were first seen (the
     # collector's clock mapped by the median offset between finish times and the store's clock).
-    offset = float(np.median([c.finished_s for c in rows])) - _median_stored_s(store, cluster, replica, rows)
+    offset = store_lag_s(store, cluster, replica, rows)
     changes = [(t_ms / 1000.0 + offset - t0, s) for t_ms, s in timeline[1:] if t_ms is not None]
 
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
@@ -184,7 +187,7 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     engine = {**first_settings.engine.model_dump(), **limits}
     settings = Settings.model_validate({**first_settings.to_dict(), "engine": engine})
     changes = [(t, Settings.model_validate({**s.to_dict(), "engine": engine})) for t, s in changes]
-    sim = _Replay(trace, settings, config, changes).run()
+    sim = Replay(trace, settings, config, changes).run()
     simulated = {c.id: c for c in sim.completions}
 
     matched = [c for c in rows if c.request_id in simulated]
@@ -242,11 +245,6 @@ def _load(store, span: RecordedSpan) -> tr.Trace:
         return load_recorded(span, store=store)
     except tr.TraceError as err:
         raise FidelityError(str(err)) from None
-
-
-def _median_stored_s(store, cluster: str, replica: str, rows) -> float:
-    stored = store.completion_stored_s(cluster, replica, [c.request_id for c in rows])
-    return float(np.median(stored)) if stored else float(np.median([c.finished_s for c in rows]))
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -26,10 +26,13 @@ default cap, never its own output length.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import parse_qsl, quote
+
+import numpy as np
 
 from sim import traces as tr
 
@@ -161,6 +164,25 @@ def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_T
             tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
             truncated=row.reason == "length" or row.output_tokens > cap))
     return tr.Trace(name, tuple(requests))
+
+
+def store_lag_s(store, cluster: str, replica: str, rows) -> float:
+    """The replica's clock minus the store's, from stored completions (``rows``): the median
+    finish time minus the median time the store received them (exact to a poll interval)."""
+    stored = store.completion_stored_s(cluster, replica, [r.request_id for r in rows])
+    finished = float(np.median([r.finished_s for r in rows]))
+    return finished - float(np.median(stored)) if stored else 0.0
+
+
+def as_completion(row, t0: float):
+    """A stored completion as the metrics module's Completion, times from ``t0``."""
+    from controlplane.metrics import Completion
+
+    return Completion(id=row.request_id, tenant=row.tenant, type=row.type, arrival=row.arrival_s - t0,
+                      scheduled_at=math.nan,
+                      first_token_at=math.nan if row.first_token_s is None else row.first_token_s - t0,
+                      finished_at=row.finished_s - t0, prompt_tokens=row.prompt_tokens,
+                      output_tokens=row.output_tokens, preemptions=row.preemptions)
 
 
 def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from controlplane.settings import Settings
 from sim import traces as tr
 from sim.engine import simulate
-from tuner.recorded import rows_to_trace
+from tuner.fidelity import Replay, relative_change, summary_of
+from tuner.recorded import as_completion, rows_to_trace, store_lag_s
 
 METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "ttlt_p50", "ttlt_p99", "throughput_tok_s")
 DEFAULT_MINUTES = 10.0
@@ -42,20 +41,8 @@ class WhatIfError(ValueError):
 
 
 def _figures(completions, ids: set[str], span_s: float) -> dict[str, float | None]:
-    done = [c for c in completions if c.id in ids]
-    ttft = [c.first_token_at - c.arrival for c in done if c.first_token_at is not None]
-    ttlt = [c.finished_at - c.arrival for c in done]
-
-    def pct(xs, q):
-        return float(np.percentile(xs, q)) if xs else None
-
-    return {"ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95), "ttft_p99": pct(ttft, 99),
-            "ttlt_p50": pct(ttlt, 50), "ttlt_p99": pct(ttlt, 99),
-            "throughput_tok_s": sum(c.output_tokens for c in done) / span_s if span_s > 0 else None}
-
-
-def _change(new: float | None, old: float | None) -> float | None:
-    return None if new is None or old is None or old == 0 else new / old - 1.0
+    """METRICS of the span's requests (``ids``) among ``completions``."""
+    return summary_of([c for c in completions if c.id in ids], span_s, METRICS)
 
 
 def _band(store, cluster: str, replica: str) -> float | None:
@@ -65,7 +52,7 @@ def _band(store, cluster: str, replica: str) -> float | None:
 
 def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | None, warmup_s: float):
     """(trace, ids of the span's requests, span length in s, the span's start on the trace's
-    clock): the span is the requests that arrived at the engine from ``since_ms`` (the store's
+    clock, the stored rows of the trace's requests): the span is the requests that arrived at the engine from ``since_ms`` (the store's
     clock) until ``until_ms`` (None: now); the trace holds them, the ``warmup_s`` of arrivals
     before, and every stored request that arrived after the span (they shared the engine with the
     span's last requests). Arrivals are the engine's; the store's clock is mapped onto the engine's
@@ -73,27 +60,24 @@ def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | N
     slack_ms = int(warmup_s * 1000) + 600_000  # requests that finished well after they arrived
     rows = store.completions(cluster, replica, stored_since_ms=since_ms - slack_ms)
     if not rows:
-        return None, set(), 0.0, 0.0
-    stored = store.completion_stored_s(cluster, replica, [r.request_id for r in rows])
-    lag = float(np.median([r.finished_s for r in rows])) - float(np.median(stored))
+        return None, set(), 0.0, 0.0, []
+    lag = store_lag_s(store, cluster, replica, rows)
     lo = since_ms / 1000.0 + lag
     hi = math.inf if until_ms is None else until_ms / 1000.0 + lag
     kept = [r for r in rows if lo - warmup_s <= r.arrival_s]
     span_ids = {r.request_id for r in kept if lo <= r.arrival_s < hi}
     if not span_ids:
-        return None, set(), 0.0, 0.0
+        return None, set(), 0.0, 0.0, []
     trace = rows_to_trace(kept, f"{replica}@{since_ms}")
     t0 = min(r.arrival_s for r in kept)
     span_s = min(hi, max(r.arrival_s for r in kept)) - lo
-    return trace, span_ids, max(span_s, 1.0), lo - t0
+    return trace, span_ids, max(span_s, 1.0), lo - t0, kept
 
 
 def _run(trace: tr.Trace, settings: Settings, config, limits: dict[str, Any],
          switch: tuple[float, Settings] | None = None):
     """The trace's completions under ``settings`` (switching to ``switch[1]`` at ``switch[0]`` s),
     with the replica's engine limits."""
-    from tuner.fidelity import _Replay
-
     def with_limits(s: Settings) -> Settings:
         doc = s.to_dict()
         doc["engine"] = {**doc["engine"], **limits}
@@ -101,7 +85,7 @@ def _run(trace: tr.Trace, settings: Settings, config, limits: dict[str, Any],
 
     if switch is None:
         return simulate(trace, with_limits(settings), config).completions
-    return _Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))]).run().completions
+    return Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))]).run().completions
 
 
 def predict(store, cluster: str, replica: str, current: Settings, proposed: Settings, *,
@@ -111,7 +95,7 @@ def predict(store, cluster: str, replica: str, current: Settings, proposed: Sett
     from tuner.calibrate import replica_engine
 
     since = now_ms - int(minutes * 60_000)
-    trace, ids, span_s, _ = _traffic(store, cluster, replica, since, now_ms, warmup_s)
+    trace, ids, span_s, _, _ = _traffic(store, cluster, replica, since, now_ms, warmup_s)
     if trace is None or not ids:
         raise WhatIfError(f"replica {replica!r}: no traffic recorded in the last {minutes:g} min to predict on "
                           "(record the cluster: tailpilot record / the TUI with --db)")
@@ -121,7 +105,7 @@ def predict(store, cluster: str, replica: str, current: Settings, proposed: Sett
     return {"replica": replica, "cluster": cluster, "t_ms": now_ms, "minutes": minutes, "warmup_s": warmup_s,
             "requests": len(ids), "step_model": config.step_model.name, "band": _band(store, cluster, replica),
             "current": current.to_dict(), "proposed": proposed.to_dict(),
-            "metrics": {k: {"current": cur[k], "proposed": new[k], "change": _change(new[k], cur[k])}
+            "metrics": {k: {"current": cur[k], "proposed": new[k], "change": relative_change(new[k], cur[k])}
                         for k in METRICS}}
 
 
@@ -141,14 +125,12 @@ def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict
     due = applied_ms + int(minutes * 60_000)
     if now_ms < due:
         return {**out, "ready": False, "due_ms": due}
-    trace, ids, span_s, change_s = _traffic(store, cluster, replica, applied_ms, due, summary["warmup_s"])
+    trace, ids, span_s, change_s, rows = _traffic(store, cluster, replica, applied_ms, due, summary["warmup_s"])
     if trace is None or not ids:
         return {**out, "ready": True, "requests": 0, "note": "no traffic came after the change"}
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
-    by_id = {r.request_id: r for r in store.completions(cluster, replica, stored_since_ms=applied_ms - 600_000
-                                                        - int(summary["warmup_s"] * 1000))}
-    t0 = min(by_id[r.id].arrival_s for r in trace)
-    real = _figures([_Real(by_id[i], t0) for i in ids], ids, span_s)
+    t0 = min(r.arrival_s for r in rows)  # the trace's origin
+    real = _figures([as_completion(r, t0) for r in rows if r.request_id in ids], ids, span_s)
     old = Settings.model_validate(summary["current"])
     new = Settings.model_validate(summary["proposed"])
     counterfactual = _figures(_run(trace, old, config, limits), ids, span_s)
@@ -157,21 +139,8 @@ def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict
     simulated_new = _figures(_run(trace, old, config, limits, switch=(change_s, new)), ids, span_s)
     return {**out, "ready": True, "requests": len(ids),
             "metrics": {k: {"real": real[k], "counterfactual": counterfactual[k], "simulated_new": simulated_new[k],
-                            "realized": _change(real[k], counterfactual[k]),
+                            "realized": relative_change(real[k], counterfactual[k]),
                             "predicted": summary["metrics"][k]["change"]} for k in METRICS}}
-
-
-class _Real:
-    """A stored completion in the simulator's completion shape (times from ``t0``)."""
-
-    __slots__ = ("id", "arrival", "first_token_at", "finished_at", "output_tokens")
-
-    def __init__(self, row, t0: float) -> None:
-        self.id = row.request_id
-        self.arrival = row.arrival_s - t0
-        self.first_token_at = None if row.first_token_s is None else row.first_token_s - t0
-        self.finished_at = row.finished_s - t0
-        self.output_tokens = row.output_tokens
 
 
 def _pct(v: float | None) -> str:
