@@ -313,8 +313,7 @@ class Simulator:
             seats=eng.max_num_seqs - len(self.running), free_blocks=self.free_blocks,
             budget=eng.max_num_batched_tokens, chunk=self._chunk, blocks_needed=self._admission_blocks,
             held_blocks=lambda r: self.blocks.get(r.id, 0),
-            utilisation=max(len(self.running) / eng.max_num_seqs,
-                            1.0 - self.free_blocks / self.config.num_gpu_blocks))
+            max_seats=eng.max_num_seqs, total_blocks=self.config.num_gpu_blocks)
         for victim in victims:
             self._preempt(victim, by_policy=True)
         return bool(victims)

@@ -238,13 +238,12 @@ class TailpilotMixin:
             return -(-tokens // bs)
 
         pool = self.kv_cache_manager.block_pool
-        free = pool.get_num_free_blocks()
         victims = plan_preemptions(
             policy, core.waiting.ordered(now), lambda: ordered,
-            now=now, seats=self.max_num_running_reqs - len(self.running), free_blocks=free,
+            now=now, seats=self.max_num_running_reqs - len(self.running), free_blocks=pool.get_num_free_blocks(),
             budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_needed=blocks_needed,
             held_blocks=lambda s: -(-s.computed_tokens // bs),
-            utilisation=max(len(self.running) / self.max_num_running_reqs, 1.0 - free / max(pool.num_gpu_blocks, 1)))
+            max_seats=self.max_num_running_reqs, total_blocks=pool.num_gpu_blocks)
         for state in victims:
             request = self._tp_requests[state.id]
             self.running.remove(request)

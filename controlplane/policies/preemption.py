@@ -25,12 +25,17 @@ def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
                      now: float, seats: int, free_blocks: int, budget: int,
                      chunk: Callable[[RequestState, int], int],
                      blocks_needed: Callable[[RequestState, int], int],
-                     held_blocks: Callable[[RequestState], int], utilisation: float = 0.0) -> list[RequestState]:
+                     held_blocks: Callable[[RequestState], int],
+                     max_seats: int, total_blocks: int) -> list[RequestState]:
     """Victims, in the order to preempt them. ``running()`` gives the running requests in running
     order (best first); it is called only if a victim is needed, since ordering costs a sort.
-    Nothing is mutated — the caller preempts the victims. ``utilisation``: how full the batch is,
-    the larger of the seats and the KV blocks in use (0..1)."""
-    if not policy.preemptive or not waiting or utilisation >= policy.preemption_utilisation_limit():
+    Nothing is mutated — the caller preempts the victims. ``seats`` and ``free_blocks`` are what is
+    free of ``max_seats`` and ``total_blocks``."""
+    if not policy.preemptive or not waiting:
+        return []
+    # How full the batch is: the larger of the seats and the KV blocks in use (0..1).
+    utilisation = max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))
+    if utilisation >= policy.preemption_utilisation_limit():
         return []
     candidates: list[RequestState] | None = None
     victims: list[RequestState] = []
