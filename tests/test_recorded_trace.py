@@ -4,8 +4,6 @@ the client's caps; db: URLs and --recording wherever a trace is accepted; a twin
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -120,41 +118,15 @@ def test_sim_and_compare_take_a_recording(store_path, monkeypatch):
 def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     """Twins replay a known trace; the recorder stores what they served; the recording read back
     is exactly those requests, with their lengths and the engine's arrival spacing."""
-    import yaml
+    from test_fidelity import record_all
 
-    from controlplane.cluster import load_cluster_file
-    from controlplane.recorder import run_recorder
-    from storage.retention import RetentionSettings
     from tuner.twin import start_twins
 
     source = traces.time_window(traces.load_bundled(), 0.0, 60.0)
     by_id = {r.id: r for r in source}
     db = tmp_path / "rt.db"
     with start_twins(1, source, speed=20, token="tok") as twins:
-        doc = twins.cluster_doc("twins")
-        doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=1.0, window_s=30.0)
-        path = tmp_path / "twins.yaml"
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        cluster = load_cluster_file(path).cluster()
-        stop = threading.Event()
-
-        def watch():  # stop once 100 completions are stored (event-driven, not a fixed sleep)
-            deadline = time.monotonic() + 60
-            while not stop.is_set() and time.monotonic() < deadline:
-                try:
-                    with Store.open(str(db)) as store:
-                        if len(store.completions("twins")) >= 100:
-                            break
-                except Exception:
-                    pass
-                stop.wait(0.1)
-            stop.set()
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        run_recorder(cluster, str(db), stop=stop, recording_name="rt", retention=RetentionSettings(),
-                     install_signals=False)
-        watcher.join()
+        record_all(twins, db, 100, recording="rt")  # the real recorder, until 100 completions are stored
     with Store.open(str(db)) as store:
         stored = store.completions("twins")
     trace = load_recorded(parse_url(f"db:{db}#recording=rt"))
