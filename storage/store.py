@@ -319,21 +319,15 @@ class Store:
                        t_ms: int | None = None) -> int:
         """Keep a fidelity report of ``replica`` (its span as a db: URL); returns the row id."""
         now = self._now_ms() if t_ms is None else t_ms
-
-        def txn(conn: Connection) -> int:
-            rid = self._replica_ids_for(conn, cluster, {replica}, now)[replica]
-            stmt = insert(FidelityReport).returning(FidelityReport.id)
-            return conn.execute(stmt, [{"replica_id": rid, "created_ms": now, "span": span,
-                                        "summary": summary}]).scalar_one()
-
-        return self._write(txn)
+        return self._insert_for_replica(FidelityReport, cluster, replica, now,
+                                        {"created_ms": now, "span": span, "summary": summary})
 
     def latest_fidelity(self, cluster: str, replica: str | None = None, *,
                         at_ms: int | None = None) -> list[dict[str, Any]]:
         """The newest fidelity report (made at or before ``at_ms``) of each replica of ``cluster``
         (or of ``replica``): dicts with replica, created_ms, span, summary."""
         stmt = (select(Replica.name.label("replica"), FidelityReport.created_ms, FidelityReport.span,
-                       FidelityReport.summary, FidelityReport.id)
+                       FidelityReport.summary)
                 .join(Replica, Replica.id == FidelityReport.replica_id).where(Replica.cluster == cluster))
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
@@ -349,11 +343,14 @@ class Store:
     def store_prediction(self, cluster: str, replica: str, summary: dict[str, Any], *, t_ms: int,
                          version: int | None = None) -> int:
         """Keep the prediction made for a change applied to ``replica`` at ``t_ms``; returns its id."""
+        return self._insert_for_replica(Prediction, cluster, replica, t_ms,
+                                        {"t_ms": t_ms, "version": version, "summary": summary})
+
+    def _insert_for_replica(self, model: Any, cluster: str, replica: str, now_ms: int, row: dict[str, Any]) -> int:
+        """Insert ``row`` into ``model``'s table for ``replica`` (registered if new); its id."""
         def txn(conn: Connection) -> int:
-            rid = self._replica_ids_for(conn, cluster, {replica}, t_ms)[replica]
-            stmt = insert(Prediction).returning(Prediction.id)
-            return conn.execute(stmt, [{"replica_id": rid, "t_ms": t_ms, "version": version,
-                                        "summary": summary}]).scalar_one()
+            rid = self._replica_ids_for(conn, cluster, {replica}, now_ms)[replica]
+            return conn.execute(insert(model).returning(model.id), [{"replica_id": rid, **row}]).scalar_one()
 
         return self._write(txn)
 
