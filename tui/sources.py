@@ -286,13 +286,8 @@ class LiveSource:
 
 
 def _latest_fidelity(store: Any, cluster: str, at_ms: int | None) -> dict[str, dict[str, Any]]:
-    """The newest fidelity report per replica (made at or before ``at_ms``); {} for a store that
-    predates them."""
-    try:
-        reports = store.latest_fidelity(cluster, at_ms=at_ms)
-    except AttributeError:  # a duck-typed store without reports
-        return {}
-    return {r["replica"]: r for r in reports}
+    """The newest fidelity report per replica (made at or before ``at_ms``)."""
+    return {r["replica"]: r for r in store.latest_fidelity(cluster, at_ms=at_ms)}
 
 
 def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -300,10 +295,7 @@ def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int
     call off the UI thread)."""
     from tuner.whatif import verify
 
-    try:
-        kept = [p for p in store.predictions(cluster) if p["t_ms"] <= now_ms]
-    except AttributeError:  # a duck-typed store without predictions
-        return {}
+    kept = [p for p in store.predictions(cluster) if p["t_ms"] <= now_ms]
     return {(p["replica"], p["version"]): verify(store, p, now_ms=now_ms) for p in kept}
 
 

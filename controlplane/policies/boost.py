@@ -161,8 +161,7 @@ class UniBoost(Policy):
     def approx_offsets(self, values: np.ndarray) -> np.ndarray:
         return boost_array(values, self.gamma)
 
-    # --- MemGuard ------------------------------------------------------------------------
-    # --- γ-Ada's signal ------------------------------------------------------------------
+    # --- γ-Ada's signal (and MemGuard's guard, set on admission) ----------------------------
     def on_arrival(self, req: RequestState, now: float) -> None:
         # fcfs_wait: the tokens queued ahead of this arrival, drained at the recent admission
         # rate, is how long FCFS would keep it waiting, whatever order is actually served.
