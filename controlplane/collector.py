@@ -149,7 +149,7 @@ def _completion_row(replica: str, c: Any) -> CompletionRow:
         raise ValueError(contract.describe(err)) from None
     return CompletionRow(
         replica=replica, request_id=comp.id, tenant=comp.tenant or "default", type=comp.type or "default",
-        arrival_s=comp.arrival, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
+        arrival_s=comp.arrival, received_s=comp.received_at, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
         prompt_tokens=comp.prompt_tokens, output_tokens=comp.output_tokens, preemptions=comp.preemptions,
         recomputed_tokens=comp.recomputed_tokens, reason=comp.reason or "finished",
         max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none

@@ -74,7 +74,8 @@ class Completion(_Doc):
     id: str
     tenant: str = "default"
     type: str = "default"
-    arrival: Time
+    arrival: Time = Field(description="when the API server got it")
+    received_at: OptFloat = Field(None, description="when the engine core got it (null: not recorded)")
     scheduled_at: OptFloat = Field(None, description="first admission")
     first_token_at: OptFloat = None
     finished_at: Time

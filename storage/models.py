@@ -170,6 +170,8 @@ class Completion(Base):
     stored_ms: Mapped[int] = mapped_column(BigInteger)  # the store's clock: retention only
     # The client's cap (migration 0003); None for rows stored before it and replicas that do not report it.
     max_tokens: Mapped[int | None] = mapped_column(Integer)
+    # When the engine core got it (migration 0006; arrival_s is the API server's); None: not reported.
+    received_s: Mapped[float | None] = mapped_column(Float)
 
 
 class CollectorCursor(Base):

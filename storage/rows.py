@@ -90,6 +90,7 @@ class CompletionRow:
     recomputed_tokens: int = 0
     reason: str = "finished"
     max_tokens: int | None = None  # the client's cap; None when the replica did not report it
+    received_s: float | None = None  # when the engine core got it (arrival_s: the API server); None: not reported
 
 
 @dataclass(slots=True)

@@ -98,7 +98,7 @@ SAMPLE_FLOAT_FIELDS: tuple[str, ...] = (
 )  # fmt: skip
 COMPLETION_FIELDS: tuple[str, ...] = (
     "request_id", "tenant", "type", "arrival_s", "first_token_s", "finished_s", "prompt_tokens",
-    "output_tokens", "preemptions", "recomputed_tokens", "reason", "max_tokens",
+    "output_tokens", "preemptions", "recomputed_tokens", "reason", "max_tokens", "received_s",
 )  # fmt: skip
 
 
@@ -655,6 +655,7 @@ class Store:
                 "recomputed_tokens": c.recomputed_tokens,
                 "reason": c.reason,
                 "max_tokens": c.max_tokens,
+                "received_s": _finite_or_none(c.received_s),
                 "stored_ms": now_ms,
             }
             for c in rows

@@ -78,6 +78,28 @@ def test_replicas_merge_only_when_asked_and_from_to_cut_the_span(store_path):
     assert {r.id for r in whole} == {"before", "r1", "r2", "r3", "after"}
 
 
+def test_requests_start_where_the_engine_core_got_them_and_the_hop_is_added_back():
+    """A recorded ``received_s`` (engine core) is where the replay starts a request; a row
+    without one (an older replica) starts at its API-server arrival; ``with_front_end`` puts
+    each request's hop back on the simulated completions."""
+    from dataclasses import replace
+
+    from sim.engine import EngineConfig, simulate
+    from controlplane.settings import Settings
+    from tuner.recorded import rows_to_trace, with_front_end
+
+    rows = [replace(row("a", "r1", 100.0), received_s=100.3), replace(row("a", "r2", 100.5), received_s=100.5),
+            row("a", "r3", 101.0)]
+    trace = rows_to_trace(rows, "x")
+    assert [(r.id, r.arrival) for r in trace] == [("r1", 0.0), ("r2", 0.2), ("r3", 0.7)]
+    done = simulate(trace, Settings(), EngineConfig()).completions
+    seen = {c.id: c for c in with_front_end(done, rows)}
+    raw = {c.id: c for c in done}
+    assert seen["r1"].arrival == pytest.approx(raw["r1"].arrival - 0.3)
+    assert seen["r1"].first_token_at == raw["r1"].first_token_at  # only the arrival moves
+    assert seen["r2"].arrival == raw["r2"].arrival and seen["r3"].arrival == raw["r3"].arrival
+
+
 @pytest.mark.parametrize("frag,needle", [
     ("recording=nope", r"no recording 'nope'.*known: peak"),
     ("recording=peak&replicas=z", r"no replica 'z'; known: a, b"),

@@ -92,7 +92,8 @@ def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
                          first_token_s=None if i % 5 == 0 else 10.25 + i, finished_s=12.5 + i,
                          prompt_tokens=100 + i, output_tokens=7 * i, preemptions=i % 3,
                          recomputed_tokens=i % 4 * 16, reason="finished" if i % 7 else "aborted",
-                         max_tokens=None if i % 6 == 0 else (256, 4096, 32768)[i % 3])  # fmt: skip
+                         max_tokens=None if i % 6 == 0 else (256, 4096, 32768)[i % 3],
+                         received_s=None if i % 4 == 0 else 10.002 + i)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- round trip
@@ -128,6 +129,7 @@ def test_round_trip_of_every_row_kind(store):
     ]
     assert store.completions("prod") == sorted(comps, key=lambda c: c.finished_s)
     assert {c.max_tokens for c in store.completions("prod")} == {None, 256, 4096, 32768}
+    assert {c.received_s is None for c in store.completions("prod")} == {True, False}
     assert store.completions("prod", "r1", since_s=15.0, until_s=25.0) == [
         c for c in comps if c.replica == "r1" and 15.0 <= c.finished_s < 25.0
     ]
@@ -224,11 +226,11 @@ def test_migrations_match_models_and_downgrade(url):
 
 
 def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
-    """A database at the previous head (0002) with completions in it: the upgrade adds the nullable
-    column, every existing row reads back unchanged with max_tokens None, and new rows carry it."""
+    """A database at 0002 with completions in it: the upgrade adds the nullable columns, every
+    existing row reads back unchanged with max_tokens and received_s None, and new rows carry them."""
     store = Store.open(url)
     try:
-        old = [replace(completion("r1", i), max_tokens=None) for i in range(6)]
+        old = [replace(completion("r1", i), max_tokens=None, received_s=None) for i in range(6)]
         store.write("c", Batch(completions=old[:4], cursors={"r1": 4}))
         downgrade(store.engine, "0002")
         columns = {c["name"] for c in inspect(store.engine).get_columns("completions")}
@@ -250,10 +252,11 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
             assert MigrationContext.configure(conn).get_current_revision() == "0002"
         upgrade(store.engine)
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0005"
-            assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL")).scalar_one() == 6
-        assert store.completions("c") == old  # every field as before; max_tokens None
-        new = replace(completion("r1", 10), max_tokens=2048)
+            assert MigrationContext.configure(conn).get_current_revision() == "0006"
+            assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL "
+                                     "AND received_s IS NULL")).scalar_one() == 6
+        assert store.completions("c") == old  # every field as before; max_tokens and received_s None
+        new = replace(completion("r1", 10), max_tokens=2048, received_s=10.004)
         store.write("c", Batch(completions=[new], cursors={"r1": 7}))
         assert store.completions("c") == [*old, new]
         assert store.cursors("c") == {"r1": 7}
@@ -676,7 +679,8 @@ def test_the_float_columns_cleaned_are_the_models_nullable_float_columns():
 
     assert set(st._SAMPLE_FLOAT_COLUMNS) == floats(Sample) and not floats(Sample, nullable=False)
     assert set(st._GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(GroupSample, nullable=False)
-    assert floats(Completion) == {"first_token_s"}  # arrival_s and finished_s: the collector refuses non-finite
+    # arrival_s and finished_s: the collector refuses non-finite; the nullable ones are cleaned on insert
+    assert floats(Completion) == {"first_token_s", "received_s"}
 
 
 def test_strict_json_leaves_finite_documents_alone_and_nulls_the_rest():

@@ -3,14 +3,15 @@
     report = fidelity(store, cluster="prod", replica="a100-0", recording="peak")
     report["overall"]["errors"]["ttft_p99"]     # sim / real − 1 over the span
 
-A recorded span of one replica (``tuner.recorded``: the engine's own arrivals and lengths) is
+A recorded span of one replica (``tuner.recorded``: the engine core's arrivals and lengths) is
 replayed through the simulator with the settings that were in force (the collector's record of
 every settings version the replica ran, ``settings_seen``; a change inside the span is applied at
 the time it was first seen) and the replica's engine: its calibrated step-time model
 (``calibrated/<replica>`` when saved, else the one named) and its block size, KV blocks and limits
 (read from the replica when it answers, else from the settings document and the stored samples).
 Then, per window of arrivals and over the span, the simulated and the real requests — the same
-requests, matched by id — are compared:
+requests, matched by id — are compared, each simulated request with its recorded front-end hop
+(API server to engine core, which no scheduler changes) added back, as the real figures have it:
 
 * P50/P99 TTFT and TTLT, throughput (output tokens/s of the requests finishing in the window) and
   preemptions, each as sim, real and the error sim / real − 1;
@@ -38,7 +39,7 @@ from controlplane.metrics import Completion, summarize
 from controlplane.settings import Settings
 from sim import traces as tr
 from sim.engine import Simulator
-from tuner.recorded import DB_ENV, RecordedSpan, load_recorded, store_lag_s
+from tuner.recorded import DB_ENV, RecordedSpan, engine_arrival_s, load_recorded, store_lag_s, with_front_end
 
 LATENCIES = ("ttft_p50", "ttft_p99", "ttlt_p50", "ttlt_p99")
 FIGURES = (*LATENCIES, "throughput_tok_s", "preemptions")
@@ -176,10 +177,11 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     if not rows:
         raise FidelityError(f"replica {replica!r}: no recorded completion matches the span's requests")
     t0 = min(c.arrival_s for c in rows)
+    t0_trace = min(engine_arrival_s(c) for c in rows)  # the trace's origin (engine-core arrivals)
     # Settings changes inside the span: at the replica-clock time they were first seen (the
     # collector's clock mapped by the median offset between finish times and the store's clock).
     offset = store_lag_s(store, cluster, replica, rows)
-    changes = [(t_ms / 1000.0 + offset - t0, s) for t_ms, s in timeline[1:] if t_ms is not None]
+    changes = [(t_ms / 1000.0 + offset - t0_trace, s) for t_ms, s in timeline[1:] if t_ms is not None]
 
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
     model = config.step_model
@@ -188,12 +190,14 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     settings = Settings.model_validate({**first_settings.to_dict(), "engine": engine})
     changes = [(t, Settings.model_validate({**s.to_dict(), "engine": engine})) for t, s in changes]
     sim = Replay(trace, settings, config, changes).run()
-    simulated = {c.id: c for c in sim.completions}
+    # The front-end hop (API server to engine core) put back, so latencies compare like with like.
+    simulated = {c.id: c for c in with_front_end(sim.completions, rows)}
+    shift = t0_trace - t0  # the trace's clock onto the real rows' one
 
     matched = [c for c in rows if c.request_id in simulated]
     real_rows = [(c.arrival_s - t0, None if c.first_token_s is None else c.first_token_s - t0, c.finished_s - t0,
                   c.output_tokens, c.preemptions) for c in matched]
-    sim_rows = [(s.arrival, s.first_token_at, s.finished_at, s.output_tokens, s.preemptions)
+    sim_rows = [(s.arrival + shift, s.first_token_at + shift, s.finished_at + shift, s.output_tokens, s.preemptions)
                 for s in (simulated[c.request_id] for c in matched)]
     span_s = max(r[0] for r in real_rows) + 1e-9
     windows: list[dict[str, Any]] = []

@@ -16,8 +16,9 @@ A ``db:`` trace URL is ``db:[STORE][#KEY=VALUE&...]``: STORE an SQLite path or S
 Which requests: those whose completion the collector stored while the recording ran (the store's
 own clock, so a twin's fast clock or a replica's skewed one does not matter); without a
 recording, every stored completion of the cluster. What each request carries is the engine's own
-record: its arrival time at the engine (scheduled send times can lag by seconds under load), its
-prompt and output lengths, tenant, type and the client's ``max_tokens``. A request that stopped
+record: its arrival time at the engine core (scheduled send times can lag by seconds under load;
+the API server's arrival precedes tokenising and the hop to the core, which no scheduler
+changes), its prompt and output lengths, tenant, type and the client's ``max_tokens``. A request that stopped
 at its cap (reason ``length``) is marked truncated: its true length is unknown, at least the cap.
 A row without a recorded cap (an older store, a replica that does not report it) gets the fixed
 default cap, never its own output length.
@@ -146,24 +147,37 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
 
 def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
                   prefix_replica: bool = False) -> tr.Trace:
-    """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals from the first
-    one (engine clock), the recorded cap or the fixed default (never the output length), a request
+    """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals at the engine core
+    (``engine_arrival_s``) from the first one, the recorded cap or the fixed default (never the output length), a request
     stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``."""
     if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
         raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
     if not rows:
         return tr.Trace(name, ())
-    t0 = min(row.arrival_s for row in rows)
+    t0 = min(engine_arrival_s(row) for row in rows)
     requests = []
     for row in rows:
         rid = f"{row.replica}/{row.request_id}" if prefix_replica else row.request_id
         cap = row.max_tokens if row.max_tokens and row.max_tokens > 0 else max_tokens_default
         requests.append(tr.TraceRequest(
-            id=rid, arrival=round(row.arrival_s - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
+            id=rid, arrival=round(engine_arrival_s(row) - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
             output_tokens=max(min(row.output_tokens, cap), 1), max_tokens=cap,
             tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
             truncated=row.reason == "length" or row.output_tokens > cap))
     return tr.Trace(name, tuple(requests))
+
+
+def engine_arrival_s(row) -> float:
+    """When the engine core received the request (its API-server arrival where not recorded)."""
+    return row.arrival_s if row.received_s is None else row.received_s
+
+
+def with_front_end(completions, rows) -> list:
+    """Simulated completions (of a trace made by ``rows_to_trace`` from ``rows``, one replica) as
+    the client's side sees them: each arrival moved back by its recorded front-end hop (API server
+    to engine core), so TTFT and TTLT compare with the real ones (``as_completion``)."""
+    hop = {r.request_id: engine_arrival_s(r) - r.arrival_s for r in rows}
+    return [replace(c, arrival=c.arrival - hop.get(c.id, 0.0)) for c in completions]
 
 
 def store_lag_s(store, cluster: str, replica: str, rows) -> float:

@@ -492,6 +492,7 @@ class TwinReplica:
                 max_tokens = self._feed.max_tokens_of(c.id)
                 records.append({
                     "id": c.id, "tenant": c.tenant, "type": c.type, "arrival": epoch + arrival,
+                    "received_at": epoch + arrival,
                     "scheduled_at": epoch + sched, "first_token_at": epoch + first, "finished_at": epoch + fin,
                     "prompt_tokens": c.prompt_tokens, "output_tokens": n, "max_tokens": max_tokens,
                     "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})

@@ -27,7 +27,7 @@ from controlplane.settings import Settings
 from sim import traces as tr
 from sim.engine import simulate
 from tuner.fidelity import Replay, relative_change, summary_of
-from tuner.recorded import as_completion, rows_to_trace, store_lag_s
+from tuner.recorded import as_completion, engine_arrival_s, rows_to_trace, store_lag_s, with_front_end
 
 METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "ttlt_p50", "ttlt_p99", "throughput_tok_s")
 DEFAULT_MINUTES = 10.0
@@ -69,23 +69,25 @@ def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | N
     if not span_ids:
         return None, set(), 0.0, 0.0, []
     trace = rows_to_trace(kept, f"{replica}@{since_ms}")
-    t0 = min(r.arrival_s for r in kept)
+    t0 = min(engine_arrival_s(r) for r in kept)  # the trace's origin
     span_s = min(hi, max(r.arrival_s for r in kept)) - lo
     return trace, span_ids, max(span_s, 1.0), lo - t0, kept
 
 
-def _run(trace: tr.Trace, settings: Settings, config, limits: dict[str, Any],
+def _run(trace: tr.Trace, rows, settings: Settings, config, limits: dict[str, Any],
          switch: tuple[float, Settings] | None = None):
     """The trace's completions under ``settings`` (switching to ``switch[1]`` at ``switch[0]`` s),
-    with the replica's engine limits."""
+    with the replica's engine limits, each with its recorded front-end hop (``rows``) added back."""
     def with_limits(s: Settings) -> Settings:
         doc = s.to_dict()
         doc["engine"] = {**doc["engine"], **limits}
         return Settings.model_validate(doc)
 
     if switch is None:
-        return simulate(trace, with_limits(settings), config).completions
-    return Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))]).run().completions
+        done = simulate(trace, with_limits(settings), config).completions
+    else:
+        done = Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))]).run().completions
+    return with_front_end(done, rows)
 
 
 def predict(store, cluster: str, replica: str, current: Settings, proposed: Settings, *,
@@ -95,13 +97,13 @@ def predict(store, cluster: str, replica: str, current: Settings, proposed: Sett
     from tuner.calibrate import replica_engine
 
     since = now_ms - int(minutes * 60_000)
-    trace, ids, span_s, _, _ = _traffic(store, cluster, replica, since, now_ms, warmup_s)
+    trace, ids, span_s, _, rows = _traffic(store, cluster, replica, since, now_ms, warmup_s)
     if trace is None or not ids:
         raise WhatIfError(f"replica {replica!r}: no traffic recorded in the last {minutes:g} min to predict on "
                           "(record the cluster: tailpilot record / the TUI with --db)")
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
-    cur = _figures(_run(trace, current, config, limits), ids, span_s)
-    new = _figures(_run(trace, proposed, config, limits), ids, span_s)
+    cur = _figures(_run(trace, rows, current, config, limits), ids, span_s)
+    new = _figures(_run(trace, rows, proposed, config, limits), ids, span_s)
     return {"replica": replica, "cluster": cluster, "t_ms": now_ms, "minutes": minutes, "warmup_s": warmup_s,
             "requests": len(ids), "step_model": config.step_model.name, "band": _band(store, cluster, replica),
             "current": current.to_dict(), "proposed": proposed.to_dict(),
@@ -129,14 +131,14 @@ def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict
     if trace is None or not ids:
         return {**out, "ready": True, "requests": 0, "note": "no traffic came after the change"}
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
-    t0 = min(r.arrival_s for r in rows)  # the trace's origin
+    t0 = min(engine_arrival_s(r) for r in rows)  # the trace's origin
     real = _figures([as_completion(r, t0) for r in rows if r.request_id in ids], ids, span_s)
     old = Settings.model_validate(summary["current"])
     new = Settings.model_validate(summary["proposed"])
-    counterfactual = _figures(_run(trace, old, config, limits), ids, span_s)
+    counterfactual = _figures(_run(trace, rows, old, config, limits), ids, span_s)
     # The model's own account of what happened: the warm-up under the old settings, the new ones
     # from the change on. Its distance from the real figures is the model's error on this traffic.
-    simulated_new = _figures(_run(trace, old, config, limits, switch=(change_s, new)), ids, span_s)
+    simulated_new = _figures(_run(trace, rows, old, config, limits, switch=(change_s, new)), ids, span_s)
     return {**out, "ready": True, "requests": len(ids),
             "metrics": {k: {"real": real[k], "counterfactual": counterfactual[k], "simulated_new": simulated_new[k],
                             "realized": relative_change(real[k], counterfactual[k]),

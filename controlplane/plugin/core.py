@@ -33,8 +33,11 @@ STEPS_KEPT = 20_000  # step-log entries kept for calibration
 # engine's process serialise megabytes at once (1,000 completions are ~200 KB of JSON).
 PAGE_LIMIT = 1_000
 # One completions-log entry, in order (what ``/state`` serves per finished request). ``max_tokens``
-# is the client's cap on the request (what a recorded trace needs instead of the output length).
-COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "scheduled_at", "first_token_at", "finished_at",
+# is the client's cap on the request (what a recorded trace needs instead of the output length);
+# ``received_at`` when the engine core got it (``arrival`` is the API server's, before tokenising
+# and the hop to the core: a replay starts a request at ``received_at``).
+COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "received_at", "scheduled_at", "first_token_at",
+                   "finished_at",
                    "prompt_tokens", "output_tokens", "max_tokens", "preemptions", "recomputed_tokens", "reason")
 
 
@@ -213,6 +216,8 @@ class ReplicaCore:
     def track(self, state: RequestState, now: float) -> None:
         self.states[state.id] = state
         state.enqueued_at = now
+        if state.received_at is None:
+            state.received_at = now
         self.policy.on_arrival(state, now)
 
     def note_preemption(self, state: RequestState, now: float, by_policy: bool) -> None:
@@ -228,7 +233,7 @@ class ReplicaCore:
             self.predictor.observe(state, state.generated)
         self.log_completions([{
             "id": state.id, "tenant": state.tenant, "type": state.type,
-            "arrival": state.arrival, "scheduled_at": state.scheduled_at,
+            "arrival": state.arrival, "received_at": state.received_at, "scheduled_at": state.scheduled_at,
             "first_token_at": state.first_token_at, "finished_at": now,
             "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated, "max_tokens": state.max_tokens,
             "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,

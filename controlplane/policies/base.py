@@ -56,6 +56,7 @@ class RequestState:
     preemptions: int = 0
     policy_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose KV was thrown away by preemptions
+    received_at: float | None = None  # when the engine core received it (arrival is the API server's)
     enqueued_at: float = 0.0  # when it last entered the waiting queue
     scheduled_at: float | None = None  # first admission
     first_token_at: float | None = None
