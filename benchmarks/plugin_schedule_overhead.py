@@ -1,7 +1,7 @@
 """Cost of one ``schedule()`` call: tailpilot's vLLM plugin against vLLM's stock scheduler.
 
     python benchmarks/plugin_schedule_overhead.py [--waiting 64,256,1024] [--running 64,256]
-        [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt] [--reps 100] [--rounds 1] [--profile tie]
+        [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt,slofq] [--reps 100] [--rounds 1] [--profile tie]
 
     # the deep queue: 10,000 waiting, a new epoch at every step (γ-Ada, predictor refits)
     python benchmarks/plugin_schedule_overhead.py --waiting 10000 --running 64 \
@@ -67,6 +67,7 @@ POLICIES = {
     "vtc": {"policy": "vtc"},
     "las": {"policy": "las"},
     "srpt": {"policy": "srpt", "params": {"predictor": "history"}},
+    "slofq": {"policy": "slofq", "params": {"tenants": {"t0": {"commit_tok_s": 1000.0}, "t1": {"weight": 2.0}}}},
     # A new epoch at every timed step (the deep-queue case: every waiting key moves at once).
     # uniboost-ada: γ-Ada ticks at every step (samples preloaded, a 1 µs interval);
     # tie-refit / srpt-refit: the history predictor refits before every step (untimed), so the
@@ -78,7 +79,7 @@ POLICIES = {
     "distboost": {"policy": "distboost"},
     "sjf": {"policy": "sjf", "params": {"predictor": "history"}},
 }
-DEFAULT_POLICIES = ("fcfs", "sarathi", "uniboost", "tie", "vtc", "las", "srpt")
+DEFAULT_POLICIES = ("fcfs", "sarathi", "uniboost", "tie", "vtc", "las", "srpt", "slofq")
 REFIT_EVERY_STEP = {"tie-refit", "srpt-refit"}
 
 RUNNING_PROMPT = 16  # las: running requests stay in level 0 (< 157 tokens attained) for ~140 steps

@@ -6,6 +6,12 @@
         timeout_s: 2.0                # one request's limit; a slower replica is marked unhealthy
         window_s: 60                  # rolling window of the tail percentiles
         slos: {ttft_p99: 2.0, ttlt_p99: 60.0}   # per-tenant SLOs (seconds) for SCR
+        governance:                   # optional: tenants, types and alerts (seed 003)
+          tenants:
+            acme: {commit_tok_s: 5000, ttft: {p50: 0.5, p90: 1.0, p99: 2.0}, ttlt: {p99: 60}}
+            beta: {weight: 0.5}
+          type_shares: {batch: 0.1}   # minimum shares; default (1/|T|)/(1 + type_eta·p_k)
+          alerts: {scr_warning: 0.95, scr_critical: 0.90, jfi: 0.90, type_fairness: 0.5}
         replicas:
           - name: a100-0
             api_url: http://127.0.0.1:8000        # vLLM's OpenAI server (/metrics lives here)
@@ -29,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controlplane import strict_yaml
+from controlplane.governance import GovernanceSpec
 from controlplane.metrics import METRICS
 from controlplane.validation import describe_validation
 
@@ -79,6 +86,9 @@ class ClusterSpec(BaseModel):
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 2.0
     window_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
     slos: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    # Tenants' commitments and SLO vectors, type shares and alert thresholds: the collector
+    # computes SCR, JFI and type fairness per window and raises alerts (None: not governed).
+    governance: GovernanceSpec | None = None
     replicas: Annotated[list[ReplicaSpec], Field(min_length=1)]
 
     @field_validator("slos")

@@ -51,6 +51,8 @@ from pydantic import ValidationError
 
 from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.governance import AlertEvaluator
+from controlplane.governance import report as governance_report
 from controlplane.prom import VLLM_METRICS, MetricsFormatError, parse_vllm_metrics
 from controlplane.replica_http import (  # noqa: F401 (re-exported)
     API_PREFIX,
@@ -64,10 +66,12 @@ from controlplane.replica_http import (  # noqa: F401 (re-exported)
     control_base,
     make_client,
 )
-from controlplane.window import _Rate, _Window, latency_percentiles  # noqa: F401 (re-exported)
+from controlplane.window import _Rate, _Window, governance_columns, latency_percentiles  # noqa: F401 (re-exported)
 from storage.rows import (
+    AlertRow,
     Batch,
     CompletionRow,
+    GovernanceRow,
     GroupSampleRow,
     SampleRow,
     SettingsSeenRow,
@@ -90,6 +94,7 @@ __all__ = [
     "CollectorStats",
     "Collector",
     "poll_once",
+    "poll_cluster_once",
     "ApplyResult",
     "apply_settings",
 ]
@@ -139,6 +144,9 @@ class ClusterSnapshot:
     cluster: str
     t_ms: int
     replicas: dict[str, ReplicaSnapshot]
+    # The newest governance report (controlplane.governance.report, with "alerts": firing alert
+    # -> severity), or None when the cluster is not governed.
+    governance: dict[str, Any] | None = None
 
 
 def _completion_row(replica: str, c: Any) -> CompletionRow:
@@ -524,11 +532,43 @@ class Collector:
         self._busy = _store_busy_types()
         self._flush_lock = asyncio.Lock()
         self._poll_listeners: list[Callable[[str, PollResult], None]] = []
+        gov = cluster.governance
+        self._alerts = AlertEvaluator(gov.alerts) if gov is not None else None
+        self._gov_params = gov.params() if gov is not None else None
+        self._gov_stored: float | None = None
+        self.governance: dict[str, Any] | None = None
 
     # --- public reading side (TUI, tests) ----------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(cluster=self.cluster.name, t_ms=int(self.clock() * 1000),
-                               replicas={name: v.snapshot() for name, v in self.views.items()})
+                               replicas={name: v.snapshot() for name, v in self.views.items()},
+                               governance=self.governance)
+
+    def govern(self) -> dict[str, Any] | None:
+        """The cluster's governance figures over the replicas' windows now; alert transitions and
+        (once per ``window_s``) the figures are queued for the store."""
+        if self._alerts is None or self._gov_params is None:
+            return None
+        t = self.clock()
+        t_ms = int(t * 1000)
+        columns = governance_columns([v.window for v in self.views.values()])
+        asked: dict[str, float] = {}  # requests per type: the window's completions and those waiting
+        for kind in columns[1].tolist():
+            asked[kind] = asked.get(kind, 0.0) + 1.0
+        for v in self.views.values():
+            for kind, n in ((v.state or {}).get("waiting_by_type") or {}).items():
+                asked[kind] = asked.get(kind, 0.0) + float(n)
+        figures = governance_report(*columns, self._gov_params, duration_s=self.cluster.window_s, arrived=asked)
+        events = self._alerts.evaluate(figures)
+        figures["alerts"] = dict(self._alerts.active)
+        figures["t_ms"] = t_ms
+        self.governance = figures
+        if self.store is not None:
+            self._pending.alerts += [AlertRow(t_ms=t_ms, **e) for e in events]
+            if self._gov_stored is None or t - self._gov_stored >= self.cluster.window_s:
+                self._pending.governance.append(GovernanceRow(t_ms=t_ms, summary=figures))
+                self._gov_stored = t
+        return figures
 
     def subscribe(self, maxsize: int = 8) -> asyncio.Queue:
         """A queue that receives a :class:`ClusterSnapshot` after every flush tick (oldest dropped
@@ -565,6 +605,9 @@ class Collector:
         """Register the replicas and load the persisted cursors (called by :meth:`run`)."""
         if self.store is None:
             return
+        if self._alerts is not None:  # alerts firing when the last collector stopped still are
+            for event in await asyncio.to_thread(self.store.firing_alerts, self.cluster.name):
+                self._alerts.active[event["name"]] = event["severity"]
         await asyncio.to_thread(self.store.ensure_replicas, self.cluster.name,
                                 [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
         positions = await asyncio.to_thread(self.store.cursor_positions, self.cluster.name)
@@ -673,6 +716,7 @@ class Collector:
                     await asyncio.wait_for(stop.wait(), self.flush_interval_s)
                 if stop.is_set():
                     break
+                self.govern()
                 self._publish()
                 if self.store is not None and (flushing is None or flushing.done()):
                     if flushing is not None:
@@ -737,13 +781,29 @@ async def poll_once(cluster: ClusterSpec, *, client: PollingClient | None = None
     end of the log), so the latency percentiles are empty; with it, every completion the replica
     still holds is read and the window percentiles are computed as the collector would.
     """
+    return [v.snapshot() for v in await _poll_views(cluster, client, with_completions, clock)]
+
+
+async def poll_cluster_once(cluster: ClusterSpec, *, client: PollingClient | None = None,
+                            clock: Callable[[], float] = time.time) -> ClusterSnapshot:
+    """``poll_once`` with completions, as a ClusterSnapshot with the governance figures of the
+    replicas' windows and the alerts they raise now (``tailpilot status``)."""
+    views = await _poll_views(cluster, client, True, clock)
+    collector = Collector(cluster, client=client, clock=clock)
+    collector.views = {v.name: v for v in views}
+    collector.govern()
+    return collector.snapshot()
+
+
+async def _poll_views(cluster: ClusterSpec, client: PollingClient | None, with_completions: bool,
+                      clock: Callable[[], float]) -> list[ReplicaView]:
     own = client is None
     client = client or make_client(cluster)
     try:
         views = [ReplicaView(r, cluster.window_s) for r in cluster.replicas]
         await asyncio.gather(*(_poll_view(client, v, cluster.timeout_s, clock, with_completions=with_completions)
                                for v in views))
-        return [v.snapshot() for v in views]
+        return views
     finally:
         if own:
             await client.aclose()

@@ -108,6 +108,7 @@ class State(_Doc):
     waiting: OptInt = None
     running: OptInt = None
     waiting_by_tenant: dict[str, int] | None = None
+    waiting_by_type: dict[str, int] | None = None
     kv: KvState | None = None
     gamma_live: OptFloat = None
     beta_live: OptFloat = None

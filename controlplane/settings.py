@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controlplane.validation import describe_validation
 
-POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc")
-PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc"]
+POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq")
+PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq"]
 PredictorName = Literal["oracle", "history"]
 
 
@@ -159,6 +159,116 @@ class VtcParams(_Strict):
         return weights
 
 
+QUANTILES = ("p50", "p90", "p99")
+
+
+class QuantileSlo(_Strict):
+    """Latency targets in seconds per quantile (seed 003: s_{j,50}, s_{j,90}, s_{j,99}); at least
+    one, never a lower quantile above a higher one."""
+
+    p50: float | None = Field(None, gt=0.0, le=86_400.0)
+    p90: float | None = Field(None, gt=0.0, le=86_400.0)
+    p99: float | None = Field(None, gt=0.0, le=86_400.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "QuantileSlo":
+        given = [(q, getattr(self, q)) for q in QUANTILES if getattr(self, q) is not None]
+        if not given:
+            raise ValueError("give at least one of p50, p90, p99 (seconds)")
+        for (q1, v1), (q2, v2) in zip(given, given[1:]):
+            if v1 > v2:
+                raise ValueError(f"{q1} ({v1:g} s) must not exceed {q2} ({v2:g} s)")
+        return self
+
+    def targets(self) -> dict[str, float]:
+        return {q: v for q in QUANTILES if (v := getattr(self, q)) is not None}
+
+
+class TenantSlo(_Strict):
+    """One tenant's share and SLOs (docs/policies.md#slofq)."""
+
+    weight: float | None = Field(None, gt=0.0, le=1e6)
+    # A committed token rate C_j (prompt + output tokens/s): the weight is proportional to it.
+    commit_tok_s: float | None = Field(None, gt=0.0, le=1e9)
+    ttft: QuantileSlo | None = None
+    ttlt: QuantileSlo | None = None
+
+    @model_validator(mode="after")
+    def _one_share(self) -> "TenantSlo":
+        if self.weight is not None and self.commit_tok_s is not None:
+            raise ValueError("give weight or commit_tok_s, not both")
+        return self
+
+
+def check_shares(shares: dict[str, float]) -> dict[str, float]:
+    """Minimum type shares: each in (0, 1], at most 1 together."""
+    for rtype, rho in shares.items():
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"share of type {rtype!r} must be in (0, 1], got {rho}")
+    if sum(shares.values()) > 1.0 + 1e-9:
+        raise ValueError(f"shares add up to {sum(shares.values()):g}; at most 1")
+    return shares
+
+
+DEFAULT_TENANT_SLO = {"ttft": {"p50": 1.0, "p90": 2.0, "p99": 4.0}}
+
+
+class SloFqParams(_Strict):
+    # Tenants by name; any other tenant is ``default_tenant``.
+    tenants: dict[str, TenantSlo] = Field(default_factory=dict)
+    default_tenant: TenantSlo = Field(default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO))
+    # "multi": a request's deadline is its tenant's tightest TTFT target missed in the sliding
+    # window (else P99); "p99": always the P99 target (the governor's single-quantile mode).
+    quantiles: Literal["multi", "p99"] = "multi"
+    slo_window_s: float = Field(10.0, gt=0.0, le=86_400.0)
+    # Token-level fair queue: counters in engine-seconds per unit of weight, prefill and decode
+    # priced by the default step model (s per prefill token: b; per decoded token: d + e·1024).
+    prefill_cost_s: float = Field(6.7e-5, ge=0.0, le=1.0)
+    decode_cost_s: float = Field(1.12e-4, ge=0.0, le=1.0)
+    # A tenant is within its fair share while its counter is at most this far ahead of the
+    # least-served backlogged tenant's; among those the earliest deadline goes first.
+    fair_lag_s: float = Field(0.5, ge=0.0, le=86_400.0)
+    # Consumption protection: a committed tenant's weight times min(C_j / U_j, alpha), U_j its
+    # use over the window (None: off).
+    protection_alpha: float | None = Field(4.0, ge=1.0, le=1e6)
+    protection_window_s: float = Field(30.0, gt=0.0, le=86_400.0)
+    # Request types: a minimum share rho_k of the served tokens per window. Explicit, or (empty)
+    # rho_k = (1/|T|) / (1 + eta·p_k) from the observed shares p_k. "soft" lends unused reserve,
+    # "hard" does not (no type takes more than 1 − the others' reserves), "off" ignores types.
+    type_shares: dict[str, float] = Field(default_factory=dict)
+    type_eta: float = Field(0.5, ge=0.0, le=1e6)
+    type_isolation: Literal["off", "soft", "hard"] = "soft"
+    type_window_s: float = Field(10.0, gt=0.0, le=86_400.0)
+    # Backpressure: a token bucket per tenant gating admission, its rate scaled every
+    # bp_interval_s by s_99 / P99 (window P99 of TTFT and waiting ages) while the tenant is over
+    # its P99 target and over its entitlement; nothing is dropped.
+    backpressure: bool = True
+    bp_interval_s: float = Field(0.1, gt=0.0, le=60.0)
+    bp_min_tok_s: float = Field(1.0, gt=0.0, le=1e9)
+    bp_burst_s: float = Field(1.0, gt=0.0, le=3_600.0)
+    # An empty bucket holds a tenant back only while another tenant has requests waiting; with
+    # no one else waiting the capacity is lent (false: held whatever, not work-conserving).
+    bp_lend: bool = True
+    # Operator or governor throttles: tenant -> fraction (0, 1] of its use rate when set.
+    throttle: dict[str, float] = Field(default_factory=dict)
+    preempt_margin: float = Field(0.0, ge=0.0)
+    # Policy preemption only while the batch is less full than this (seed 003 §5; None: always).
+    preempt_max_utilisation: float | None = Field(0.8, gt=0.0, le=1.0)
+
+    _shares = field_validator("type_shares")(check_shares)
+
+    @field_validator("throttle")
+    @classmethod
+    def _fractions(cls, throttle: dict[str, float]) -> dict[str, float]:
+        for tenant, f in throttle.items():
+            if not 0.0 < f <= 1.0:
+                raise ValueError(f"throttle of tenant {tenant!r} must be in (0, 1], got {f}")
+        return throttle
+
+    def tenant(self, name: str) -> TenantSlo:
+        return self.tenants.get(name, self.default_tenant)
+
+
 PARAM_MODELS: dict[str, type[_Strict]] = {
     "fcfs": NoParams,
     "sarathi": NoParams,
@@ -169,6 +279,7 @@ PARAM_MODELS: dict[str, type[_Strict]] = {
     "uniboost": UniBoostParams,
     "tie": TieParams,
     "vtc": VtcParams,
+    "slofq": SloFqParams,
 }
 
 # Which parameters adaptation may move; only these are meaningful to pin besides any other

@@ -117,3 +117,45 @@ def sample_json(rows: Sequence[SampleRow]) -> dict:
     """The status document of ``tailpilot status --json``: every replica row and the totals."""
     return {"replicas": [asdict(r) for r in sorted(rows, key=lambda r: r.replica)],
             "totals": cluster_totals(rows)}
+
+
+ALERT_LABELS = {"scr": "SCR", "jfi": "JFI", "type_fairness": "type fairness"}
+
+
+def alert_text(governance: Mapping | None) -> Text:
+    """One line: the firing governance alerts with their figures (the TUI's alert bar), or
+    "no alerts"; empty when the cluster is not governed."""
+    if not governance:
+        return Text("")
+    firing = governance.get("alerts") or {}
+    if not firing:
+        return Text("governance: no alerts", style="green")
+    figure = {"scr": governance.get("scr"), "jfi": governance.get("jfi"),
+              "type_fairness": governance.get("type_fairness_min")}
+    out = Text("ALERT ", style="bold")
+    for i, (name, severity) in enumerate(sorted(firing.items(), key=lambda kv: (kv[1] != "critical", kv[0]))):
+        if i:
+            out.append("  ")
+        value = figure.get(name)
+        out.append(f"{ALERT_LABELS.get(name, name)} {fmt_figure(value, 3)} ({severity})",
+                   style="bold red" if severity == "critical" else "yellow")
+    return out
+
+
+def governance_lines(governance: Mapping | None) -> list[Text]:
+    """What ``tailpilot status`` prints under the table: the alert line, SCR, JFI, type fairness
+    and each tenant's TTFT quantiles against its targets."""
+    if not governance:
+        return []
+    lines = [alert_text(governance),
+             Text(f"SCR {fmt_figure(governance.get('scr'), 3)}   JFI {fmt_figure(governance.get('jfi'), 3)}   "
+                  f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}   over "
+                  f"{governance.get('requests', 0)} requests")]
+    for tenant, f in sorted((governance.get("tenants") or {}).items()):
+        cells = "  ".join(f"{q.replace('_', ' ').upper()} {fmt_seconds(f.get(q))}"
+                          + (f"/{fmt_seconds(f['limits'][q])}" if q in f.get("limits", {}) else "")
+                          for q in ("ttft_p50", "ttft_p90", "ttft_p99"))
+        verdict = Text(" meets", style="green") if f.get("compliant") else Text(
+            " misses " + ", ".join(f.get("missed", [])), style="red")
+        lines.append(Text(f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s") + verdict)
+    return lines

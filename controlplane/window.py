@@ -25,7 +25,7 @@ def _finite(x: float) -> float | None:
 class _Window:
     """The completions of one replica inside the rolling window, as numpy columns."""
 
-    __slots__ = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type",
+    __slots__ = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type",
                  "_codes")
 
     def __init__(self) -> None:
@@ -36,6 +36,7 @@ class _Window:
         empty_f = np.empty(0, dtype=np.float64)
         self.finished = self.arrival = self.ttft = self.ttlt = self.tbt = empty_f
         self.out_tokens = np.empty(0, dtype=np.int64)
+        self.tokens = np.empty(0, dtype=np.int64)  # prompt + output: what a commitment counts
         self.tenant = self.type = np.empty(0, dtype=np.int32)
 
     def __len__(self) -> int:
@@ -57,6 +58,7 @@ class _Window:
         first = np.fromiter((np.nan if r.first_token_s is None else r.first_token_s for r in rows),
                             np.float64, n)
         out_tokens = np.fromiter((r.output_tokens for r in rows), np.int64, n)
+        tokens = out_tokens + np.fromiter((r.prompt_tokens for r in rows), np.int64, n)
         gaps = out_tokens - 1.0
         gaps[gaps <= 0] = np.nan  # one token: no inter-token gap (metrics.Completion.tbt)
         tcodes, ycodes = self._codes["tenant"], self._codes["type"]
@@ -68,6 +70,7 @@ class _Window:
         self.ttlt = np.concatenate((self.ttlt, finished - arrival))
         self.tbt = np.concatenate((self.tbt, (finished - first) / gaps))
         self.out_tokens = np.concatenate((self.out_tokens, out_tokens))
+        self.tokens = np.concatenate((self.tokens, tokens))
         self.tenant = np.concatenate((self.tenant, tenant))
         self.type = np.concatenate((self.type, kind))
 
@@ -78,8 +81,26 @@ class _Window:
         keep = self.finished > start
         if keep.all():
             return
-        for name in ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tenant", "type"):
+        for name in ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type"):
             setattr(self, name, getattr(self, name)[keep])
+
+
+def governance_columns(windows: Sequence["_Window"]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tenant, type, TTFT, TTLT, tokens) of several replicas' windows, names as object arrays:
+    the columns ``controlplane.governance.report`` takes."""
+    tenant, kind, ttft, ttlt, tokens = [], [], [], [], []
+    for w in windows:
+        if len(w):
+            tenant.append(np.array(w.names("tenant"), dtype=object)[w.tenant])
+            kind.append(np.array(w.names("type"), dtype=object)[w.type])
+            ttft.append(w.ttft)
+            ttlt.append(w.ttlt)
+            tokens.append(w.tokens.astype(np.float64))
+    if not tenant:
+        empty = np.empty(0, dtype=object)
+        return empty, empty, np.empty(0), np.empty(0), np.empty(0)
+    return (np.concatenate(tenant), np.concatenate(kind), np.concatenate(ttft), np.concatenate(ttlt),
+            np.concatenate(tokens))
 
 
 def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> LatencyPercentiles:

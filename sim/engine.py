@@ -247,6 +247,17 @@ class Simulator:
         policy.before_step(self.waiting, now)  # type: ignore[arg-type]  # not a Sequence; policies only len() it
 
         step = self._schedule(now)
+        if not step.serves() and not step.preempted:
+            # Every waiting request is held back (backpressure) and nothing runs: the engine idles
+            # until the policy's next tick or the next arrival, whichever is first.
+            t = min(policy.next_tick(), self._horizon)
+            if self.next_arrival < len(self.arrivals):
+                t = min(t, self.arrivals[self.next_arrival].arrival)
+            if not now < t < INF:
+                raise RuntimeError(f"simulator stalled at t={now:.6f}: {policy.name} holds every waiting request "
+                                   f"back and names no time to try again")
+            self.now = t
+            return
         if step.serves():
             self._idle_iterations = 0
         else:  # preempting without serving anyone: bounded, or it is a livelock worth a loud error
@@ -496,7 +507,7 @@ class Simulator:
                 step.admitted = True
                 self.waiting.remove(admitted)
 
-        if not step.serves() and not step.preempted:
+        if not step.serves() and not step.preempted and not (policy.gates_admission and not running):
             raise RuntimeError(f"simulator stalled at t={now:.6f}: nothing schedulable "
                                f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})")
         return step

@@ -261,6 +261,33 @@ class Prediction(Base):
     summary: Mapped[Any] = mapped_column(Json)
 
 
+class GovernanceWindow(Base):
+    """A cluster's multi-tenant figures (SCR, JFI, type fairness, per tenant and type) over a window."""
+
+    __tablename__ = "governance_windows"
+    __table_args__ = (Index("ix_governance_windows_cluster_t", "cluster", "t_ms"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster: Mapped[str] = mapped_column(String(200))
+    t_ms: Mapped[int] = mapped_column(BigInteger)
+    summary: Mapped[Any] = mapped_column(Json)
+
+
+class AlertEvent(Base):
+    """A governance alert firing (at a severity) or resolving, with the figures that moved it."""
+
+    __tablename__ = "alert_events"
+    __table_args__ = (Index("ix_alert_events_cluster_t", "cluster", "t_ms"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster: Mapped[str] = mapped_column(String(200))
+    t_ms: Mapped[int] = mapped_column(BigInteger)
+    name: Mapped[str] = mapped_column(String(50))
+    severity: Mapped[str] = mapped_column(String(20))
+    state: Mapped[str] = mapped_column(String(20))
+    summary: Mapped[Any] = mapped_column(Json)
+
+
 class Recommendation(Base):
     """A tuner study's recommended settings and the summary that justifies them."""
 

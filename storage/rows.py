@@ -105,6 +105,25 @@ class SettingsSeenRow:
 
 
 @dataclass(slots=True)
+class GovernanceRow:
+    """A cluster's multi-tenant figures over one window (``controlplane.governance.report``)."""
+
+    t_ms: int
+    summary: dict[str, Any]
+
+
+@dataclass(slots=True)
+class AlertRow:
+    """A governance alert's transition: ``state`` "firing" (at ``severity``) or "resolved"."""
+
+    t_ms: int
+    name: str  # "scr" | "jfi" | "type_fairness"
+    severity: str  # "warning" | "critical"
+    state: str  # "firing" | "resolved"
+    summary: dict[str, Any]  # the value, the threshold and the window's figures
+
+
+@dataclass(slots=True)
 class Batch:
     """Everything one collector flush writes, in one transaction.
 
@@ -120,6 +139,8 @@ class Batch:
     cursors: dict[str, int] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)  # replica -> the instance its cursor counts in
     settings_seen: list[SettingsSeenRow] = field(default_factory=list)
+    governance: list[GovernanceRow] = field(default_factory=list)  # cluster-level
+    alerts: list[AlertRow] = field(default_factory=list)  # cluster-level
 
     def followed_by(self, newer: "Batch") -> "Batch":
         """This batch and a newer one as one: rows in order, the newer cursors (and instances) win."""
@@ -130,4 +151,5 @@ class Batch:
         return Batch(**merged)
 
     def __len__(self) -> int:
-        return len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)
+        return (len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)
+                + len(self.governance) + len(self.alerts))

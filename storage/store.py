@@ -57,9 +57,11 @@ from storage.backoff import backoff_delays
 from storage import migrate
 from storage import retention as ret
 from storage.models import (
+    AlertEvent,
     CollectorCursor,
     Completion,
     FidelityReport,
+    GovernanceWindow,
     Prediction,
     GroupSample,
     Recommendation,
@@ -239,11 +241,20 @@ class Store:
     def write(self, cluster: str, batch: Batch) -> None:
         """Store one collector flush atomically (see the module docstring). Raises :class:`StoreBusy`."""
         names = _replica_names(batch)
-        if not names:
+        if not names and not batch.governance and not batch.alerts:
             return
         now = self._now_ms()
 
         def txn(conn: Connection) -> dict[str, int]:
+            if batch.governance:
+                conn.execute(insert(GovernanceWindow), [{"cluster": cluster, "t_ms": g.t_ms, "summary": g.summary}
+                                                        for g in batch.governance])
+            if batch.alerts:
+                conn.execute(insert(AlertEvent), [{"cluster": cluster, "t_ms": a.t_ms, "name": a.name,
+                                                   "severity": a.severity, "state": a.state, "summary": a.summary}
+                                                  for a in batch.alerts])
+            if not names:
+                return {}
             ids = self._replica_ids_for(conn, cluster, names, now)
             self._insert_samples(conn, batch.samples, ids)
             self._insert_group_samples(conn, batch.group_samples, ids)
@@ -353,6 +364,42 @@ class Store:
             return conn.execute(insert(model).returning(model.id), [{"replica_id": rid, **row}]).scalar_one()
 
         return self._write(txn)
+
+    def governance(self, cluster: str, *, since_ms: int | None = None, until_ms: int | None = None,
+                   limit: int | None = None) -> list[dict[str, Any]]:
+        """Stored governance windows of ``cluster`` (``since_ms <= t_ms < until_ms``), newest
+        first: dicts with t_ms and summary."""
+        stmt = select(GovernanceWindow.t_ms, GovernanceWindow.summary).where(GovernanceWindow.cluster == cluster)
+        stmt = _in_range(stmt, GovernanceWindow.t_ms, since_ms, until_ms)
+        stmt = stmt.order_by(GovernanceWindow.t_ms.desc(), GovernanceWindow.id.desc())
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._read() as conn:
+            return [dict(row._mapping) for row in conn.execute(stmt)]
+
+    def alert_events(self, cluster: str, *, since_ms: int | None = None, until_ms: int | None = None,
+                     limit: int | None = None, name: str | None = None) -> list[dict[str, Any]]:
+        """Alert transitions of ``cluster`` (of alert ``name``; ``since_ms <= t_ms < until_ms``),
+        newest first: dicts with t_ms, name, severity, state and summary."""
+        stmt = (select(AlertEvent.t_ms, AlertEvent.name, AlertEvent.severity, AlertEvent.state, AlertEvent.summary)
+                .where(AlertEvent.cluster == cluster))
+        if name is not None:
+            stmt = stmt.where(AlertEvent.name == name)
+        stmt = _in_range(stmt, AlertEvent.t_ms, since_ms, until_ms)
+        stmt = stmt.order_by(AlertEvent.t_ms.desc(), AlertEvent.id.desc())
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._read() as conn:
+            return [dict(row._mapping) for row in conn.execute(stmt)]
+
+    def firing_alerts(self, cluster: str, *, at_ms: int | None = None) -> list[dict[str, Any]]:
+        """The alerts firing at ``at_ms`` (default: now): each alert's newest transition at or
+        before it, where that is "firing"."""
+        until = None if at_ms is None else at_ms + 1
+        with self._read() as conn:
+            names = conn.execute(select(AlertEvent.name).where(AlertEvent.cluster == cluster).distinct()).scalars().all()
+        newest = [self.alert_events(cluster, until_ms=until, limit=1, name=n) for n in sorted(names)]
+        return [e[0] for e in newest if e and e[0]["state"] == "firing"]
 
     def predictions(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
         """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version, summary."""

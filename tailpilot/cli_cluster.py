@@ -84,23 +84,27 @@ def snapshot_rows(snapshots) -> tuple[list, dict[str, list[str]]]:
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
 def status(cluster_file, cluster_name, as_json):
     """Poll every replica once and print the cluster's live state."""
-    from controlplane.collector import poll_once
-    from controlplane.views import sample_json, status_table
+    from controlplane.collector import poll_cluster_once
+    from controlplane.views import governance_lines, sample_json, status_table
 
     cluster = load_cluster(cluster_file, cluster_name)
     # With completions: the replica's recent ones give the window's exact percentiles in one poll.
-    snapshots = asyncio.run(poll_once(cluster, with_completions=True))
-    rows, pinned = snapshot_rows(snapshots)
+    snap = asyncio.run(poll_cluster_once(cluster))
+    rows, pinned = snapshot_rows(list(snap.replicas.values()))
     if as_json:
         doc = sample_json(rows)
         doc["cluster"] = cluster.name
         for rep in doc["replicas"]:
             rep["pinned"] = pinned.get(rep["replica"], [])
+        doc["governance"] = snap.governance
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
         from controlplane.views import wide_console
 
-        wide_console().print(status_table(rows, pinned, title=f"cluster {cluster.name}"))
+        console = wide_console()
+        console.print(status_table(rows, pinned, title=f"cluster {cluster.name}"))
+        for line in governance_lines(snap.governance):
+            console.print(line)
     if not all(r.healthy for r in rows):
         sys.exit(1)
 

@@ -471,6 +471,7 @@ ALL_POLICIES = [
     FCFS, {"policy": "sarathi"}, UNIBOOST, {"policy": "uniboost"},
     {"policy": "las", "params": {"alpha_s_per_token": 0.001}}, {"policy": "srpt"}, {"policy": "sjf"},
     {"policy": "tie"}, {"policy": "vtc", "params": {"weights": {"a": 2.0}}}, {"policy": "distboost"},
+    {"policy": "slofq", "params": {"tenants": {"a": {"weight": 2.0}}, "type_isolation": "hard"}},
 ]
 
 
@@ -640,5 +641,32 @@ def test_decode_first_keeps_the_policy_worst_as_the_memory_victim(build):
             break
     assert record.preempted == ["D"] and dict(record.scheduled).get("P", 0) > 1  # P was mid-prefill
     assert s.tp_core.states["D"].policy_preemptions == 0
+    d.run()
+    assert_all_finished(d)
+
+
+@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, cls):
+    """Every waiting request of an empty-bucket tenant is held: vLLM sees an empty queue for
+    admission (no peek on a held request), keeps stepping the running ones, and admits the held
+    ones once the bucket has tokens again — none lost, every token count exact."""
+    from controlplane.policies.slo import Bucket
+
+    clock = Clock()
+    s = build(cls, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=256,
+              settings={"policy": "slofq", "params": {"backpressure": False, "bp_lend": False}})
+    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    policy = s.tp_core.policy
+    d.add(req(clock, "free", 20, 30, 0.0, tenant="free"))
+    d.step()
+    held = policy.buckets["held"] = Bucket(rate=1e-9, now=time.time())
+    held.level = -1e9  # deep in debt: nothing of "held" may be admitted
+    d.add(*[req(clock, f"h{i}", 20, 4, 0.1 + i * 0.01, tenant="held") for i in range(3)])
+    for _ in range(5):
+        record = d.step()
+        assert not any(r.startswith("h") for r in record.admitted)
+    assert len(s.waiting) == 3 and not s.waiting  # counted, yet nothing admissible
+    assert "held" in policy.first_held
+    del policy.buckets["held"]  # released
     d.run()
     assert_all_finished(d)

@@ -39,7 +39,7 @@ from storage import (
     StoreBusy,
     StoreOpenError,
 )
-from storage.migrate import downgrade, upgrade
+from storage.migrate import downgrade, head_revision, upgrade
 from storage.models import SAMPLE_GAUGES, Base
 from storage.rows import PERCENTILE_FIELDS
 
@@ -252,7 +252,7 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
             assert MigrationContext.configure(conn).get_current_revision() == "0002"
         upgrade(store.engine)
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0006"
+            assert MigrationContext.configure(conn).get_current_revision() == head_revision()
             assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL "
                                      "AND received_s IS NULL")).scalar_one() == 6
         assert store.completions("c") == old  # every field as before; max_tokens and received_s None
@@ -787,3 +787,24 @@ def test_an_opener_waits_out_another_openers_long_migration(tmp_path):
     holder.close()
     t.join(30)
     assert errors == [] and opened.is_set()
+
+
+def test_governance_windows_and_alert_events_round_trip(store):
+    """Cluster-level rows (no replica): figures per window, alert transitions, and which alerts
+    fire at a given time (each alert's newest transition)."""
+    from storage.rows import AlertRow, GovernanceRow
+
+    figures = {"scr": 0.5, "jfi": 0.99, "tenants": {"a": {"ttft_p99": 3.0, "missed": ["ttft_p99"]}}}
+    store.write("c", Batch(governance=[GovernanceRow(t_ms=T0, summary=figures),
+                                       GovernanceRow(t_ms=T0 + 60_000, summary={**figures, "scr": 1.0})],
+                           alerts=[AlertRow(T0, "scr", "critical", "firing", {"value": 0.5}),
+                                   AlertRow(T0 + 1000, "jfi", "warning", "firing", {"value": 0.8}),
+                                   AlertRow(T0 + 60_000, "scr", "critical", "resolved", {"value": 1.0})]))
+    assert [g["summary"]["scr"] for g in store.governance("c")] == [1.0, 0.5]  # newest first
+    assert store.governance("c", until_ms=T0 + 1) == [{"t_ms": T0, "summary": figures}]
+    assert store.governance("other") == []
+    assert [(e["name"], e["state"]) for e in store.alert_events("c")] == [
+        ("scr", "resolved"), ("jfi", "firing"), ("scr", "firing")]
+    assert [e["name"] for e in store.firing_alerts("c", at_ms=T0 + 2000)] == ["jfi", "scr"]
+    assert [e["name"] for e in store.firing_alerts("c")] == ["jfi"]
+    assert store.firing_alerts("c", at_ms=T0 - 1) == []

@@ -550,3 +550,69 @@ def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(re
             assert "Spearman 0.97" in text_of(line) and "321 requests of db:#recording=x" in text_of(line)
 
     run(scenario())
+
+
+# ------------------------------------------------------------------------------------ governance
+
+
+def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
+    """A governed cluster whose tenants cannot meet a 1 ms P99 TTFT: the alert bar (on every
+    panel) says SCR is critical; the alerts panel lists each tenant against its targets."""
+    from controlplane.governance import GovernanceSpec
+
+    spec = spec_of(twins, governance=GovernanceSpec.model_validate({"default_tenant": {"ttft": {"p99": 0.001}}}))
+
+    async def scenario():
+        app = build_app(spec, refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            bar = app.query_one("#alertbar")
+            await wait_for(pilot, lambda: "ALERT SCR" in text_of(bar), what="the SCR alert")
+            assert "(critical)" in text_of(bar) and bar.has_class("-firing")
+            await pilot.press("6")
+            table = app.query_one("#alerts-tenants")
+            await wait_for(pilot, lambda: table.row_count >= 2, what="tenant rows")
+            row = [getattr(c, "plain", c) for c in table.get_row_at(0)]
+            assert row[0].startswith("t") and "misses ttft_p99" in row[-1] and row[3].endswith("/1ms")
+            await pilot.press("2")
+            assert "ALERT SCR" in text_of(bar)  # the bar stays on every panel
+
+    run(scenario())
+
+
+def test_replayed_alerts_are_those_firing_at_the_position(recording):
+    from storage.rows import AlertRow, Batch, GovernanceRow
+
+    store = Store.open(recording)
+    start = store.samples("fixture", "twin-0")[0].t_ms
+    figures = {"scr": 0.5, "jfi": 0.97, "type_fairness_min": None, "requests": 10,
+               "tenants": {"acme": {"ttft_p50": 0.2, "ttft_p90": 0.5, "ttft_p99": 3.0, "ttlt_p99": 9.0,
+                                    "limits": {"ttft_p99": 2.0}, "missed": ["ttft_p99"], "compliant": False,
+                                    "tok_s": 50.0, "normalised": 0.5}}, "types": {}}
+    store.write("fixture", Batch(governance=[GovernanceRow(t_ms=start + 20_000, summary=figures)],
+                                 alerts=[AlertRow(t_ms=start + 20_000, name="scr", severity="critical", state="firing",
+                                                  summary={"value": 0.5, "threshold": 0.9,
+                                                           "missed": {"acme": ["ttft_p99"]}}),
+                                         AlertRow(t_ms=start + 50_000, name="scr", severity="critical",
+                                                  state="resolved", summary={"value": 1.0, "threshold": 0.9})]))
+    store.close()
+
+    async def scenario():
+        app = build_app(None, replay=recording)
+        src: ReplaySource = app.source
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            bar = app.query_one("#alertbar")
+            src.seek(start + 10_000)
+            await wait_for(pilot, lambda: app.snapshot.t_ms <= start + 10_000, what="the early position")
+            assert not bar.has_class("-shown")  # nothing stored yet: not governed as far as replay knows
+            src.seek(start + 30_000)
+            await wait_for(pilot, lambda: "ALERT SCR 0.5 (critical)" in text_of(bar), what="the firing alert")
+            await pilot.press("6")
+            history = app.query_one("#alerts-history")
+            await wait_for(pilot, lambda: history.row_count == 1, what="one transition so far")
+            src.seek(start + 55_000)
+            await wait_for(pilot, lambda: "no alerts" in text_of(bar), what="resolved")
+            await wait_for(pilot, lambda: history.row_count == 2, what="both transitions")
+
+    run(scenario())

@@ -97,3 +97,28 @@ def test_audit_screen(replay_app, snap_compare):
 
 def test_help_screen(replay_app, snap_compare):
     assert snap_compare(replay_app(60), terminal_size=SIZE, run_before=lambda p: ready(p, "question_mark"))
+
+
+def test_alerts_panel_with_a_firing_alert(tmp_path, snap_compare):
+    """The alert bar and the alerts panel on a recording with governance rows stored 30 s in."""
+    from storage.rows import AlertRow, Batch, GovernanceRow
+    from storage.store import Store
+
+    db = tmp_path / "gov.db"
+    shutil.copy(FIXTURE, db)
+    tenant = {"ttft_p50": 0.21, "ttft_p90": 0.9, "ttft_p99": 2.4, "ttlt_p99": 12.0, "tok_s": 812.0,
+              "normalised": 1.6, "limits": {"ttft_p50": 0.5, "ttft_p99": 1.0}, "missed": ["ttft_p99"],
+              "compliant": False}
+    figures = {"scr": 0.5, "jfi": 0.82, "type_fairness_min": 0.9, "requests": 240,
+               "tenants": {"acme": tenant, "beta": {**tenant, "ttft_p99": 0.8, "missed": [], "compliant": True,
+                                                    "normalised": 0.7}},
+               "types": {"chat": {"share": 0.9, "minimum": 0.35, "ratio": 1.2, "ttft_p50": 0.2, "ttft_p99": 2.0},
+                         "batch": {"share": 0.1, "minimum": 0.48, "ratio": 0.9, "ttft_p50": 0.3, "ttft_p99": 2.6}}}
+    with Store.open(str(db)) as store:
+        store.write("fixture", Batch(
+            governance=[GovernanceRow(t_ms=START_MS + 30_000, summary=figures)],
+            alerts=[AlertRow(START_MS + 30_000, "scr", "critical", "firing",
+                             {"value": 0.5, "threshold": 0.9, "missed": {"acme": ["ttft_p99"]}}),
+                    AlertRow(START_MS + 31_000, "jfi", "warning", "firing", {"value": 0.82, "threshold": 0.9})]))
+    app = build_app(SPEC, replay=str(db), start_ms=START_MS + 60_000)
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda p: ready(p, "6"))

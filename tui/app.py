@@ -35,8 +35,10 @@ from textual.widgets import (
 
 from controlplane.cluster import ClusterSpec
 from controlplane.collector import ClusterSnapshot
+from controlplane.views import alert_text
 from tui import keys as K
 from tui import render as R
+from tui.alerts_panel import AlertsPanel
 from tui.audit_panel import AuditPanel
 from tui.cluster_panel import ClusterPanel, FilterInput
 from tui.dialogs import ConfirmScreen, HelpScreen, PolicyPickScreen, SeekScreen
@@ -118,12 +120,14 @@ class TailpilotApp(App):
     # --- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(self._topbar_text(), id="topbar")
+        yield Static("", id="alertbar")  # the firing governance alerts, on every panel
         with ContentSwitcher(initial="cluster", id="panels"):
             yield ClusterPanel(id="cluster")
             yield ReplicaPanel(id="replica")
             yield PolicyPanel(id="policy")
             yield AuditPanel(id="audit")
             yield TunerPanel(self.optuna_storage, id="tuner")
+            yield AlertsPanel(id="alerts")
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -165,6 +169,12 @@ class TailpilotApp(App):
             self.query_one(ReplicaPanel).update_from(self, snap)
         elif self.panel == "policy":
             self.query_one(PolicyPanel).on_snapshot()
+        bar = self.query_one("#alertbar", Static)
+        bar.update(alert_text(snap.governance))
+        bar.set_class(bool(snap.governance and snap.governance.get("alerts")), "-firing")
+        bar.set_class(snap.governance is not None, "-shown")
+        if self.panel == "alerts":
+            self.reload_alerts()
         self.snapshots_applied += 1
         if self.mode_name == "replay" or self.snapshots_applied % self._audit_every == 0 or first:
             self.reload_audit()
@@ -282,6 +292,9 @@ class TailpilotApp(App):
         elif name == "audit":
             self.query_one("#audit-table", DataTable).focus()
             self.reload_audit()
+        elif name == "alerts":
+            self.query_one("#alerts-tenants", DataTable).focus()
+            self.reload_alerts()
         elif name == "tuner":
             panel = self.query_one(TunerPanel)
             self.query_one("#studies-table", DataTable).focus()
@@ -399,6 +412,17 @@ class TailpilotApp(App):
                 log.warning("verifications unavailable: %s", err)
                 return
             panel.update_from(rows, note, self.verification_cache)
+
+    @work(exclusive=True, group="alerts", exit_on_error=False)
+    async def reload_alerts(self) -> None:
+        """The alerts panel: the snapshot's governance figures and the stored alert history."""
+        try:
+            events = await self.source.alert_events(200)
+        except Exception as err:  # noqa: BLE001
+            log.warning("alert history unavailable: %s", err)
+            events = []
+        snap = self.snapshot
+        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events)
 
     async def _reload_fidelity(self) -> None:
         # Reloaded with the audit log (same cadence: fidelity reports are rare).

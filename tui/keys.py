@@ -19,7 +19,7 @@ from typing import Iterable
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-PANELS = ("cluster", "replica", "policy", "audit", "tuner")  # number keys 1..5
+PANELS = ("cluster", "replica", "policy", "audit", "tuner", "alerts")  # number keys 1..6
 GROUPS = ("General", "Panels", "Cluster view", "Replay", "Cluster changes", "Confirmation dialog")
 
 
@@ -63,6 +63,8 @@ KEYS: tuple[Key, ...] = (
     Key("4", "4", "panel('audit')", "Audit log of settings changes", "Panels", footer=True, label="Audit"),
     Key("5", "5", "panel('tuner')", "Tuner panel: studies, trials, Pareto front, recommendation", "Panels",
         label="Tuner"),
+    Key("6", "6", "panel('alerts')", "Alerts panel: SCR, JFI, type fairness per tenant and type; alert history",
+        "Panels", label="Alerts"),
     # Cluster view
     Key("enter", "enter", "open_replica", "Open the replica under the cursor", "Cluster view",
         screens=("cluster",), bind=False, palette=False),

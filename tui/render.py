@@ -15,7 +15,16 @@ from rich.text import Text
 
 from controlplane.collector import ClusterSnapshot, ReplicaSnapshot
 from controlplane.metrics import jain_index, normalised_throughput, slo_compliance
-from controlplane.views import cluster_totals, fmt_gamma, fmt_number, fmt_percent, fmt_seconds
+from controlplane.views import (
+    ALERT_LABELS,
+    alert_text,
+    cluster_totals,
+    fmt_figure,
+    fmt_gamma,
+    fmt_number,
+    fmt_percent,
+    fmt_seconds,
+)
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary, fmt_value, settings_diff
 from tui.sources import fmt_time
@@ -470,3 +479,60 @@ def apply_results(results: Iterable[Any]) -> Text:
         text.append(f"  {r.replica}: ", style="bold")
         text.append(f"{r.result} — {r.message}\n", style=style)
     return text
+
+
+# --------------------------------------------------------------------------------------------
+# governance (the alerts panel and the alert bar)
+# --------------------------------------------------------------------------------------------
+
+GOVERNANCE_COLUMNS = (("who", "tenant / type", 16), ("p50", "TTFT P50", 12), ("p90", "TTFT P90", 12),
+                      ("p99", "TTFT P99", 12), ("ttlt", "TTLT P99", 12), ("tok", "tok/s", 9),
+                      ("norm", "use/commit", 10), ("slo", "SLO", 34))
+ALERT_EVENT_COLUMNS = (("t", "time (UTC)", 19), ("alert", "alert", 14), ("state", "state", 9),
+                       ("severity", "severity", 9), ("value", "value", 8), ("threshold", "threshold", 9),
+                       ("missed", "tenants missing targets", 40))
+
+
+def governance_summary(g: Mapping[str, Any] | None) -> Text:
+    """The alert line and SCR / JFI / type fairness (what ``tailpilot status`` prints first)."""
+    if not g:
+        return Text("not governed: add a governance block to the cluster file (tenants, SLOs, alerts)", style="dim")
+    out = alert_text(g)
+    out.append(f"\nSCR {fmt_figure(g.get('scr'), 3)} · JFI {fmt_figure(g.get('jfi'), 3)} · type fairness (min) "
+               f"{fmt_figure(g.get('type_fairness_min'), 3)} · {g.get('requests', 0)} requests in the window")
+    return out
+
+
+def _target(f: Mapping[str, Any], key: str) -> str:
+    value = fmt_seconds(f.get(key))
+    limit = (f.get("limits") or {}).get(key)
+    return value if limit is None else f"{value}/{fmt_seconds(limit)}"
+
+
+def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
+    """A row per tenant (figures against its targets), then one per request type."""
+    if not g:
+        return []
+    rows: list[tuple] = []
+    for tenant, f in sorted((g.get("tenants") or {}).items()):
+        slo = Text("meets", style="green") if f.get("compliant") else Text(
+            "misses " + ", ".join(f.get("missed") or []), style="bold red")
+        rows.append((tenant, _target(f, "ttft_p50"), _target(f, "ttft_p90"), _target(f, "ttft_p99"),
+                     _target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("normalised"), 3), slo))
+    for kind, f in sorted((g.get("types") or {}).items()):
+        ratio = f.get("ratio")
+        share = Text("—" if ratio is None else f"share {fmt_percent(f.get('share'))} = {ratio:.2f}× its minimum",
+                     style="dim" if ratio is None else ("bold red" if ratio < 0.5 else ""))
+        rows.append((Text(f"type {kind}", style="italic"), fmt_seconds(f.get("ttft_p50")), "", fmt_seconds(f.get("ttft_p99")),
+                     "", "", "", share))
+    return rows
+
+
+def alert_event_row(e: Mapping[str, Any]) -> tuple:
+    s = e.get("summary") or {}
+    firing = e.get("state") == "firing"
+    style = ("bold red" if e.get("severity") == "critical" else "yellow") if firing else "green"
+    missed = "; ".join(f"{t}: {', '.join(m)}" for t, m in sorted((s.get("missed") or {}).items()))
+    return (fmt_time(e.get("t_ms")), ALERT_LABELS.get(e.get("name", ""), e.get("name", "?")),
+            Text(e.get("state", "?"), style=style), e.get("severity") or "—", fmt_figure(s.get("value"), 3),
+            fmt_figure(s.get("threshold"), 3), missed or "—")

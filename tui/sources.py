@@ -77,6 +77,10 @@ class DataSource(Protocol):
         prediction (tuner.whatif.verify), as of now (replay: the position)."""
         ...
 
+    async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
+        """Governance alert transitions, newest first (replay: up to the position)."""
+        ...
+
     def status(self) -> str:
         """One line for the top bar."""
         ...
@@ -219,6 +223,11 @@ class LiveSource:
         if self.store is None:
             return {}
         return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, None)
+
+    async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
+        if self.store is None:
+            return []
+        return await asyncio.to_thread(self.store.alert_events, self.cluster_name, limit=limit)
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         if self.store is None:
@@ -482,7 +491,8 @@ class ReplaySource:
                 sample=row, groups=groups, settings=settings, settings_version=row.settings_version,
                 state=None, metrics={}, cursor=0, window_completions=sum(g.completed for g in groups
                                                                          if g.kind == "tenant"))
-        return ClusterSnapshot(cluster=self.cluster_name, t_ms=t_ms, replicas=replicas)
+        return ClusterSnapshot(cluster=self.cluster_name, t_ms=t_ms, replicas=replicas,
+                               governance=self.governance_at(t_ms))
 
     def history(self, replica: str, until_ms: int | None = None) -> list[SampleRow]:
         until = self.position if until_ms is None else until_ms
@@ -508,6 +518,18 @@ class ReplaySource:
     async def fidelity(self) -> dict[str, dict[str, Any]]:
         # The reports made by the replay position: what an operator knew at that time.
         return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, self.position)
+
+    async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.store.alert_events, self.cluster_name, until_ms=self.position + 1,
+                                       limit=limit)
+
+    def governance_at(self, t_ms: int) -> dict[str, Any] | None:
+        """The newest governance window stored at or before ``t_ms``, with the alerts firing then."""
+        found = self.store.governance(self.cluster_name, until_ms=t_ms + 1, limit=1)
+        firing = {e["name"]: e["severity"] for e in self.store.firing_alerts(self.cluster_name, at_ms=t_ms)}
+        if not found and not firing:
+            return None
+        return {**(found[0]["summary"] if found else {}), "alerts": firing}
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         return await asyncio.to_thread(_verifications, self.store, self.cluster_name, self.position)

@@ -303,8 +303,10 @@ class ReplicaCore:
             running = sum(1 for s in list(self.states.values()) if s.status == "running")
         waiting = list(self.waiting) if waiting is None else waiting
         by_tenant: dict[str, int] = {}
+        by_type: dict[str, int] = {}
         for s in waiting:
             by_tenant[s.tenant] = by_tenant.get(s.tenant, 0) + 1
+            by_type[s.type] = by_type.get(s.type, 0) + 1
         completions: list[dict]
         if cursor is None:
             completions, next_cursor = [], self._next_seq(self._completions)
@@ -318,6 +320,7 @@ class ReplicaCore:
             "settings": self.settings.to_dict(), "settings_version": self.active_version,
             "pending_version": self.version if self.version != self.active_version else None,
             "waiting": len(waiting), "running": running, "waiting_by_tenant": by_tenant,
+            "waiting_by_type": by_type,
             "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
             "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
             "finished_total": self.finished_total, "steps_total": self.steps_total,

@@ -59,12 +59,19 @@ class PolicyRequestQueue(RequestQueue):
             self.prepend_request(request)
 
     def peek_request(self) -> Request:
+        head = self._head()
+        if head is None:
+            raise IndexError("peek from an empty queue (or every request held back)")
+        return self.plugin._tp_requests[head.id]
+
+    def _head(self) -> RequestState | None:
+        """The request admission would take next; None when the queue is empty or the policy
+        holds every waiting request back (backpressure)."""
         core, now = self.plugin.tp_core, self.plugin._tp_now
         ordered = core.waiting.ordered(now)
         if not ordered:
-            raise IndexError("peek from an empty queue")
-        head = next(core.policy.admission_order(ordered, now))
-        return self.plugin._tp_requests[head.id]
+            return None
+        return next(core.policy.admission_order(ordered, now), None)
 
     def pop_request(self) -> Request:
         request = self.peek_request()
@@ -85,6 +92,10 @@ class PolicyRequestQueue(RequestQueue):
         self._queue().remove([s for s in states if s is not None and s.status == "waiting"])
 
     def __bool__(self) -> bool:
+        # vLLM admits while this is true: false when every waiting request is held back, so the
+        # step goes on without admitting (len() still counts them: the engine keeps stepping).
+        if self.plugin.tp_core.policy.gates_admission:
+            return self._head() is not None
         return bool(self._queue())
 
     def __len__(self) -> int:

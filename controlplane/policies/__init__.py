@@ -7,11 +7,12 @@ from controlplane.policies.base import EngineView, Policy, RequestState, boost, 
 from controlplane.policies.basic import Fcfs, Sarathi, Vtc
 from controlplane.policies.boost import DistBoost, UniBoost
 from controlplane.policies.size import Las, Sjf, Srpt
+from controlplane.policies.slo import SloFq
 from controlplane.policies.tie import Tie
 from controlplane.settings import Settings
 
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Fcfs, Sarathi, Sjf, Srpt, Las, DistBoost, UniBoost, Tie, Vtc)
+    cls.name: cls for cls in (Fcfs, Sarathi, Sjf, Srpt, Las, DistBoost, UniBoost, Tie, Vtc, SloFq)
 }
 
 

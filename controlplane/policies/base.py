@@ -131,6 +131,9 @@ class Policy:
     reorders_waiting = True
     charges_tokens = False  # wants on_tokens (VTC)
     counts_steps = False  # wants on_steps (sjf's starvation counters)
+    # May hold waiting requests back (backpressure): admission_order then yields none of them,
+    # and an engine with nothing else to do waits for next_tick instead of stalling.
+    gates_admission = False
     # Running decodes take the step's budget before prefill chunks, whatever their keys; the
     # running order still fixes the prefill order and the memory-pressure victim.
     decode_first = False

@@ -1,0 +1,450 @@
+"""slofq: a deadline-aware token-level fair queue across tenants with SLOs (seed 003;
+docs/policies.md#slofq).
+
+Per step, admission picks among the heads of the (tenant, type) queues, each in arrival order:
+
+1. **Held back** are the heads of tenants whose backpressure bucket is empty and, under hard type
+   isolation, of types at their cap. They stay queued; nothing is dropped.
+2. **Type reserve**: if a backlogged type has had less than its minimum share ρ_k of the window's
+   token budget, only such types are considered.
+3. **Fair share**: only tenants whose virtual counter (engine-seconds of service per unit of
+   weight) is within ``fair_lag_s`` of the least-served backlogged tenant's.
+4. Among those, the **earliest deadline** ``arrival + s_j`` goes first (ties: arrival, id), where
+   ``s_j`` is the tenant's tightest TTFT target missed over the sliding window, else its P99
+   target (``quantiles: p99``: always the P99 target).
+
+Every ``bp_interval_s`` the controller updates the deadlines' targets, the weights (consumption
+protection) and the buckets: a tenant over its P99 TTFT target (window TTFTs and the ages of its
+waiting requests) and using more than its entitlement has its admission rate scaled by
+``s_99 / P99``, never below its entitlement; once under target the rate doubles per interval
+until the bucket is released.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from controlplane.policies.base import INF, Policy, RequestState, new_epoch
+from controlplane.governance import minimum_shares
+from controlplane.metrics import _linear_percentiles
+from controlplane.settings import QUANTILES
+
+SAMPLES_KEPT = 4096  # TTFT samples per tenant in the sliding window (bounded memory in the engine)
+RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket
+
+
+class _Window:
+    """Amounts per key over the last ``span`` seconds, added in ticks (hot paths only add to
+    ``pending``; ``flush`` stamps them)."""
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.events: deque[tuple[float, str, float]] = deque()
+        self.sums: dict[str, float] = defaultdict(float)
+        self.pending: dict[str, float] = defaultdict(float)
+
+    def flush(self, now: float) -> None:
+        for key, amount in self.pending.items():
+            if amount:
+                self.events.append((now, key, amount))
+                self.sums[key] += amount
+        self.pending.clear()
+        horizon = now - self.span
+        while self.events and self.events[0][0] <= horizon:
+            _, key, amount = self.events.popleft()
+            self.sums[key] -= amount
+            if self.sums[key] <= 1e-9:
+                del self.sums[key]
+
+    def total(self, key: str) -> float:
+        return self.sums.get(key, 0.0) + self.pending.get(key, 0.0)
+
+    def grand_total(self) -> float:
+        return sum(self.sums.values()) + sum(self.pending.values())
+
+
+class Bucket:
+    """A tenant's admission token bucket (rate in tokens/s; level may go into debt)."""
+
+    __slots__ = ("rate", "level", "t", "base")
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate, self.level, self.t, self.base = rate, 0.0, now, rate
+
+    def refill(self, now: float, burst_s: float) -> None:
+        if now > self.t:
+            self.level = min(self.rate * burst_s, self.level + self.rate * (now - self.t))
+            self.t = now
+
+
+class SloFq(Policy):
+    """Deadline-aware token-level fair queue with type shares and backpressure (module docstring)."""
+
+    name = "slofq"
+    preemptive = True
+    charges_tokens = True
+    counts_steps = True  # the window's token budget is the engine budget times the steps served
+    gates_admission = True
+
+    def __init__(self, settings, predictor=None) -> None:
+        super().__init__(settings, predictor)
+        p = self.params
+        self.budget = settings.engine.max_num_batched_tokens
+        commits = [t.commit_tok_s for t in p.tenants.values() if t.commit_tok_s is not None]
+        self._mean_commit = sum(commits) / len(commits) if commits else 1.0
+        self.counters: dict[str, float] = {}
+        self.backlog: dict[str, int] = {}
+        self.target: dict[str, float] = {}  # the deadline's target per tenant (s)
+        self.weights: dict[str, float] = {}  # protected weights, set each control tick
+        self.buckets: dict[str, Bucket] = {}
+        self.samples: dict[str, deque[tuple[float, float]]] = {}  # (finish time, TTFT) per tenant
+        self.used = _Window(p.protection_window_s)  # tokens served per tenant: U_j, entitlements
+        self.typed = _Window(p.type_window_s)  # tokens served per type
+        self.arrived = _Window(p.type_window_s)  # requests arrived per type (the observed shares)
+        self.steps = _Window(p.type_window_s)  # steps that served tokens (key "")
+        self.queued: dict[str, float] = {}  # prompt tokens waiting per tenant, at the last tick
+        self.running: dict[str, str] = {}  # running request id -> its tenant
+        self.seated: dict[str, int] = defaultdict(int)  # running requests per tenant
+        # When a tenant was first over its P99 target and over its entitlement (the controller
+        # armed its bucket), and when admission first held one of its requests back: the
+        # backpressure's reaction (benchmarks/noisy_neighbour.py).
+        self.detected: dict[str, float] = {}
+        self.first_held: dict[str, float] = {}
+        self._next_control = -INF
+        self._now = 0.0
+
+    # --- weights, deadlines, shares -------------------------------------------------------
+    def base_weight(self, tenant: str) -> float:
+        spec = self.params.tenant(tenant)
+        if spec.weight is not None:
+            return spec.weight
+        if spec.commit_tok_s is not None:  # seed: C_j / ΣC, scaled so the mean commitment weighs 1
+            return spec.commit_tok_s / self._mean_commit
+        return 1.0
+
+    def weight(self, tenant: str) -> float:
+        w = self.weights.get(tenant)
+        return self.base_weight(tenant) if w is None else w
+
+    def _protected_weight(self, tenant: str) -> float:
+        """Seed §4: ω_j · min(C_j / U_j, α) over the protection window (committed tenants only)."""
+        p = self.params
+        spec, w = p.tenant(tenant), self.base_weight(tenant)
+        if p.protection_alpha is None or spec.commit_tok_s is None:
+            return w
+        use = self.used.total(tenant) / self.used.span
+        return w * (p.protection_alpha if use <= 0 else min(spec.commit_tok_s / use, p.protection_alpha))
+
+    def deadline(self, req: RequestState) -> float:
+        target = self.target.get(req.tenant)
+        if target is None:
+            target = self._p99_target(req.tenant)
+        return req.arrival + target
+
+    def _p99_target(self, tenant: str) -> float:
+        slo = self.params.tenant(tenant).ttft or self.params.default_tenant.ttft
+        return max(slo.targets().values()) if slo is not None else INF
+
+    def key(self, req: RequestState, now: float) -> tuple:
+        return (self.deadline(req), req.arrival, req.id)
+
+    def shares(self) -> dict[str, float]:
+        """ρ_k per type: explicit, or (1/|T|) / (1 + η·p_k) from the window's arrival shares."""
+        return minimum_shares(self.params, self.arrived.sums)
+
+    def _window_budget(self) -> float:
+        return self.steps.total("") * self.budget
+
+    def preemption_utilisation_limit(self) -> float:
+        limit = self.params.preempt_max_utilisation
+        return INF if limit is None else limit
+
+    # --- admission ------------------------------------------------------------------------
+    def waiting_layout(self) -> str | None:
+        return "groups"
+
+    def wait_group(self, req: RequestState) -> tuple[str, str]:
+        return (req.tenant, req.type)
+
+    def _held_tenant(self, tenant: str) -> bool:
+        bucket = self.buckets.get(tenant)
+        return bucket is not None and bucket.level <= 0.0
+
+    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+        by_group = getattr(waiting, "by_group", None)
+        if by_group is not None:
+            queues: dict = by_group()
+        else:
+            queues = {}
+            for r in waiting:
+                queues.setdefault((r.tenant, r.type), []).append(r)
+        for bucket in self.buckets.values():
+            bucket.refill(now, self.params.bp_burst_s)
+        isolation = self.params.type_isolation
+        heads = {g: 0 for g in queues}
+        while heads:
+            cands = [g for g in heads if not self._held_tenant(g[0])]
+            if not cands and self.params.bp_lend:
+                # Nobody else is waiting: the capacity is lent, not wasted — but only up to the
+                # tenant's share of the seats, so that others arriving find room.
+                cands = [g for g in heads if self._may_borrow(g[0])]
+            elif len(cands) < len(heads):
+                for g in heads:
+                    if g[0] in self.buckets and g[0] not in self.first_held and self._held_tenant(g[0]):
+                        self.first_held[g[0]] = now
+            if isolation != "off" and cands:
+                cands = self._by_type_share(cands, isolation == "hard")
+            if not cands:
+                return  # the rest are held back this step
+            counters = self.counters
+            floor = min(counters.get(g[0], 0.0) for g in cands) + self.params.fair_lag_s
+            best, best_key = None, None
+            for g in cands:
+                if counters.get(g[0], 0.0) <= floor:
+                    head = queues[g][heads[g]]
+                    k = (self.deadline(head), head.arrival, head.id)
+                    if best_key is None or k < best_key:
+                        best, best_key = g, k
+            assert best is not None  # the least-served candidate is always within its share
+            yield queues[best][heads[best]]
+            heads[best] += 1
+            if heads[best] == len(queues[best]):
+                del heads[best]
+
+    def _may_borrow(self, tenant: str) -> bool:
+        active = {t for t, n in self.backlog.items() if n} | {t for t, n in self.seated.items() if n}
+        total = sum(self.weight(t) for t in active) or 1.0
+        return self.seated.get(tenant, 0) < self.view.max_num_seqs * self.weight(tenant) / total
+
+    def _by_type_share(self, cands: list, hard: bool) -> list:
+        """Type reserve (groups of under-share types first) and, under ``hard``, the caps."""
+        budget = self._window_budget()
+        if budget <= 0:
+            return cands
+        rho = self.shares()
+        if hard:
+            reserved = sum(rho.values())
+            cands = [g for g in cands
+                     if self.typed.total(g[1]) < (1.0 - reserved + rho.get(g[1], 0.0)) * budget]
+        under = [g for g in cands if self.typed.total(g[1]) < rho.get(g[1], 0.0) * budget]
+        return under or cands
+
+    # --- events ---------------------------------------------------------------------------
+    def _enter_backlog(self, tenant: str) -> None:
+        n = self.backlog.get(tenant, 0)
+        if n == 0:  # counter lift (as vtc): a tenant back from idle cannot bank credit
+            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
+            if others:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+        self.backlog[tenant] = n + 1
+
+    def _leave_backlog(self, tenant: str) -> None:
+        self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
+
+    def on_arrival(self, req: RequestState, now: float) -> None:
+        self.counters.setdefault(req.tenant, 0.0)
+        self._enter_backlog(req.tenant)
+        self.arrived.pending[req.type] += 1
+
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        self._unseat(req)
+        self._enter_backlog(req.tenant)
+
+    def _unseat(self, req: RequestState) -> None:
+        if self.running.pop(req.id, None) is not None:
+            self.seated[req.tenant] -= 1
+
+    def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
+        self._leave_backlog(req.tenant)
+        if req.id not in self.running:
+            self.running[req.id] = req.tenant
+            self.seated[req.tenant] += 1
+        tokens = req.prompt_tokens + req.generated - req.computed_tokens  # this admission's prefill
+        bucket = self.buckets.get(req.tenant)
+        if bucket is not None:
+            bucket.level -= tokens
+        if req.scheduled_at is None:  # charged once, as vtc: a recompute is the engine's cost
+            self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
+                                         + self.params.prefill_cost_s * req.prompt_tokens / self.weight(req.tenant))
+            self.used.pending[req.tenant] += req.prompt_tokens
+            self.typed.pending[req.type] += req.prompt_tokens
+
+    def on_tokens(self, req: RequestState, new_tokens: int) -> None:
+        tenant = req.tenant
+        self.counters[tenant] = (self.counters.get(tenant, 0.0)
+                                 + self.params.decode_cost_s * new_tokens / self.weight(tenant))
+        self.used.pending[tenant] += new_tokens
+        self.typed.pending[req.type] += new_tokens
+        bucket = self.buckets.get(tenant)
+        if bucket is not None:
+            bucket.level -= new_tokens
+
+    def on_steps(self, scheduled, unscheduled, steps: int) -> None:
+        if scheduled:  # a step that served nobody had no budget to share
+            self.steps.pending[""] += steps
+
+    def on_waiting_steps(self, waiting, steps: int) -> None:
+        pass
+
+    def on_finish(self, req: RequestState, now: float) -> None:
+        self._unseat(req)
+        if req.first_token_at is not None:
+            q = self.samples.get(req.tenant)
+            if q is None:
+                q = self.samples[req.tenant] = deque(maxlen=SAMPLES_KEPT)
+            q.append((now, req.first_token_at - req.arrival))
+
+    # --- the controller -------------------------------------------------------------------
+    def next_tick(self) -> float:
+        return self._next_control
+
+    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+        # As vtc: counters move with every token, so the head admitted next can change; stretches
+        # also end at the next control tick (next_tick).
+        return 1 if (waiting and kv_blocked) else INF
+
+    def before_step(self, waiting: Sequence[RequestState], now: float) -> None:
+        super().before_step(waiting, now)
+        self._now = now
+        if now >= self._next_control:
+            self._control(waiting, now)
+            self._next_control = now + self.params.bp_interval_s
+
+    def _control(self, waiting: Sequence[RequestState], now: float) -> None:
+        p = self.params
+        for w in (self.used, self.typed, self.arrived, self.steps):
+            w.flush(now)
+        ages: dict[str, list[float]] = defaultdict(list)
+        queued: dict[str, float] = defaultdict(float)
+        by_group = getattr(waiting, "by_group", None)
+        groups = by_group().items() if by_group is not None else [((r.tenant, r.type), [r]) for r in waiting]
+        for (tenant, _), reqs in groups:
+            ages[tenant] += [now - r.arrival for r in reqs]
+            queued[tenant] += sum(r.prompt_tokens for r in reqs)
+        self.queued = queued
+        tenants = set(self.backlog) | set(self.samples) | set(self.buckets) | set(self.used.sums) | set(p.throttle)
+        self.weights = {t: self._protected_weight(t) for t in tenants}
+        active = [t for t in tenants if self.backlog.get(t) or self.used.total(t) > 0]
+        total_w = sum(self.weights[t] for t in active) or 1.0
+        total_rate = sum(self.used.total(t) for t in active) / self.used.span
+        changed = False
+        for tenant in tenants:
+            latencies = self._window_ttfts(tenant, now) + ages.get(tenant, [])
+            slo = p.tenant(tenant).ttft or p.default_tenant.ttft
+            targets = slo.targets() if slo is not None else {}
+            observed = {}
+            if latencies and targets:
+                fractions = np.array([int(q[1:]) / 100.0 for q in targets])
+                values = _linear_percentiles(np.array(latencies, dtype=np.float64), fractions)
+                observed = dict(zip(targets, values.tolist()))
+            target = max(targets.values()) if targets else INF
+            if p.quantiles == "multi":
+                missed = [targets[q] for q in QUANTILES if q in observed and observed[q] > targets[q]]
+                target = missed[0] if missed else target
+            if self.target.get(tenant) != target:
+                self.target[tenant] = target
+                changed = True
+            if p.backpressure or tenant in p.throttle:
+                entitled = self._entitlement(tenant, total_w, total_rate)
+                self._control_bucket(tenant, now, observed.get("p99", observed.get(max(targets, default=""))),
+                                     max(targets.values()) if targets else INF, entitled)
+        if changed:  # deadlines moved: the waiting queue re-keys its heads
+            self.epoch = new_epoch()
+        self._forget_idle(tenants, now)
+
+    def _window_ttfts(self, tenant: str, now: float) -> list[float]:
+        q = self.samples.get(tenant)
+        if not q:
+            return []
+        horizon = now - self.params.slo_window_s
+        while q and q[0][0] <= horizon:
+            q.popleft()
+        return [v for _, v in q]
+
+    def _entitlement(self, tenant: str, total_w: float, total_rate: float) -> float:
+        """Tokens/s a tenant may use before backpressure applies: its commitment, else its
+        weight's share of what the replica served over the window."""
+        spec = self.params.tenant(tenant)
+        if spec.commit_tok_s is not None:
+            return spec.commit_tok_s
+        return self.weights.get(tenant, 1.0) / total_w * total_rate
+
+    def _control_bucket(self, tenant: str, now: float, p99: float | None, s99: float, entitled: float) -> None:
+        p = self.params
+        use = self.used.total(tenant) / self.used.span
+        over = p99 is not None and p99 > s99
+        bucket = self.buckets.get(tenant)
+        floor = max(entitled, p.bp_min_tok_s)
+        if p.backpressure:
+            if bucket is None:
+                if over and use > entitled:  # armed at the current use, scaled down, empty
+                    bucket = self.buckets[tenant] = Bucket(max(floor, use * s99 / p99), now)  # type: ignore[operator]
+                    self.detected.setdefault(tenant, now)
+            else:
+                bucket.refill(now, p.bp_burst_s)
+                if over and use > entitled:
+                    bucket.rate = max(floor, bucket.rate * s99 / p99)  # type: ignore[operator]
+                elif over:
+                    bucket.rate = max(bucket.rate, floor)
+                else:
+                    bucket.rate *= 2.0
+                    if bucket.rate >= RELEASE_FACTOR * max(use, entitled, p.bp_min_tok_s) and tenant not in p.throttle:
+                        del self.buckets[tenant]
+                        bucket = None
+        fraction = p.throttle.get(tenant)
+        if fraction is not None:  # an operator's (or the governor's) cap: a fraction of the use when set
+            if bucket is None:
+                bucket = self.buckets[tenant] = Bucket(max(p.bp_min_tok_s, use), now)
+            bucket.rate = min(bucket.rate, max(p.bp_min_tok_s, fraction * bucket.base))
+
+    def _forget_idle(self, tenants: set[str], now: float) -> None:
+        """Drop the state of tenants with nothing queued, served or sampled in the windows."""
+        for t in tenants:
+            if not self.backlog.get(t) and self.used.total(t) <= 0 and not self.samples.get(t) \
+                    and t not in self.buckets:
+                self.backlog.pop(t, None)
+                self.samples.pop(t, None)
+                self.target.pop(t, None)
+                self.weights.pop(t, None)
+
+    # --- switching and live state ---------------------------------------------------------
+    def attach(self, waiting, running, now) -> None:
+        self.backlog = {}
+        for r in waiting:
+            self.counters.setdefault(r.tenant, 0.0)
+            self._enter_backlog(r.tenant)
+        for r in running:
+            self.counters.setdefault(r.tenant, 0.0)
+        self.running = {r.id: r.tenant for r in running}
+        self.seated = defaultdict(int)
+        for r in running:
+            self.seated[r.tenant] += 1
+
+    def adopt_live_state(self, previous: Policy) -> None:
+        if isinstance(previous, SloFq):
+            self.counters, self.backlog = dict(previous.counters), dict(previous.backlog)
+            self.running, self.seated = dict(previous.running), defaultdict(int, previous.seated)
+            self.samples, self.buckets = previous.samples, previous.buckets
+            self.used, self.typed, self.arrived, self.steps = previous.used, previous.typed, previous.arrived, previous.steps
+
+    def retry_after_s(self, tenant: str) -> float:
+        """When a new request of ``tenant`` could be admitted: its bucket's debt and the prompt
+        tokens queued ahead of it, at the bucket's rate (0 when not throttled)."""
+        bucket = self.buckets.get(tenant)
+        if bucket is None:
+            return 0.0
+        return max(0.0, self.queued.get(tenant, 0.0) - bucket.level) / bucket.rate
+
+    def live_state(self) -> dict:
+        tenants = {}
+        for t in sorted(set(self.counters) | set(self.buckets)):
+            b = self.buckets.get(t)
+            tenants[t] = {"counter": self.counters.get(t, 0.0), "weight": self.weight(t),
+                          "target_s": None if math.isinf(self.target.get(t, INF)) else self.target.get(t),
+                          "throttled": b is not None, "rate_tok_s": None if b is None else b.rate,
+                          "bucket": None if b is None else b.level, "retry_after_s": self.retry_after_s(t)}
+        return {"tenants": tenants, "type_shares": self.shares()}

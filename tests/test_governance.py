@@ -1,0 +1,172 @@
+"""Multi-tenant governance in the control plane (controlplane/governance.py): the figures (SCR,
+JFI, type fairness) on known requests, alert transitions, the cluster file's governance block,
+the collector computing and storing them from real twins, ``tailpilot status``, and the TUI's
+alert bar and alerts panel (live and in replay)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane.cluster import ClusterFileError, parse_cluster_file
+from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec, window_report
+from controlplane.metrics import Completion
+from controlplane.settings import SloFqParams
+
+GOV = {"tenants": {"a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},
+                   "b": {"commit_tok_s": 100.0, "ttft": {"p99": 1.0}, "ttlt": {"p99": 5.0}}},
+       "type_shares": {"batch": 0.2}}
+
+
+def done(rid, tenant, arrival, ttft, ttlt, tokens=(50, 50), rtype="chat"):
+    return Completion(id=rid, tenant=tenant, type=rtype, arrival=arrival, scheduled_at=arrival,
+                      first_token_at=arrival + ttft, finished_at=arrival + ttlt, prompt_tokens=tokens[0],
+                      output_tokens=tokens[1])
+
+
+def test_figures_on_known_requests():
+    params = SloFqParams.model_validate(GOV)
+    rows = [done(f"a{i}", "a", i, 0.1, 1.0) for i in range(10)]  # a: fast, 1,000 tokens
+    rows += [done(f"b{i}", "b", i, 3.0 if i == 9 else 0.2, 4.0, rtype="batch" if i < 2 else "chat")
+             for i in range(10)]  # b: P99 TTFT ≈ 2.7 s > 1 s; 20% of its tokens batch
+    rep = window_report(rows, params, duration_s=10.0)
+    assert rep["tenants"]["a"]["compliant"] and not rep["tenants"]["b"]["compliant"]
+    assert rep["tenants"]["b"]["missed"] == ["ttft_p99"]
+    assert rep["scr"] == 0.5
+    assert rep["tenants"]["a"]["normalised"] == pytest.approx(1.0)  # 100 tok/s over a 100 tok/s commitment
+    assert rep["jfi"] == pytest.approx(1.0)
+    # batch asked for 10% of the requests and got them: its guarantee is capped at what it asked
+    assert rep["type_fairness"]["batch"] == pytest.approx(1.0)
+    # ... but had it asked for 25% (more waiting) it got half its 20% minimum: starving
+    starved = window_report(rows, params, duration_s=10.0, arrived={"chat": 18, "batch": 6})
+    assert starved["type_fairness"]["batch"] == pytest.approx(0.1 / 0.2) and starved["type_fairness_min"] == 0.5
+    lopsided = window_report(rows[:10] + rows[10:11], params, duration_s=10.0)
+    assert lopsided["jfi"] == pytest.approx((1.0 + 0.1) ** 2 / (2 * (1.0 + 0.01)))
+
+
+def test_alerts_fire_change_severity_and_resolve():
+    ev = AlertEvaluator(AlertThresholds())
+    assert ev.evaluate({"scr": 1.0, "jfi": 0.95, "type_fairness_min": 1.0}) == []
+    [fire] = ev.evaluate({"scr": 0.93})
+    assert (fire["name"], fire["severity"], fire["state"]) == ("scr", "warning", "firing")
+    assert fire["summary"]["value"] == 0.93 and fire["summary"]["threshold"] == 0.95
+    [worse] = ev.evaluate({"scr": 0.5, "jfi": None})
+    assert (worse["severity"], worse["state"]) == ("critical", "firing")
+    assert ev.evaluate({"scr": None}) == []  # no data: nothing moves
+    events = ev.evaluate({"scr": 1.0, "jfi": 0.7, "type_fairness_min": 0.3})
+    assert [(e["name"], e["severity"], e["state"]) for e in events] == [
+        ("scr", "critical", "resolved"), ("jfi", "warning", "firing"), ("type_fairness", "warning", "firing")]
+    assert ev.active == {"jfi": "warning", "type_fairness": "warning"}
+
+
+@pytest.mark.parametrize("block,needle", [
+    ("governance: {alerts: {scr_warning: 0.9, scr_critical: 0.95}}", "clusters[0].governance.alerts.scr_critical"),
+    ("governance: {tenants: {a: {ttft: {p90: 1, p50: 2}}}}", "clusters[0].governance.tenants.a.ttft"),
+    ("governance: {type_shares: {chat: 0.8, batch: 0.8}}", "clusters[0].governance.type_shares"),
+    ("governance: {alerts: {jfi: 1.5}}", "clusters[0].governance.alerts.jfi"),
+    ("governance: {tenantz: {}}", "clusters[0].governance.tenantz"),
+])
+def test_the_cluster_file_names_a_bad_governance_field(block, needle):
+    text = ("clusters:\n  - name: p\n    " + block + "\n    replicas: [{name: r, api_url: 'http://127.0.0.1:1', "
+            "control_url: 'http://127.0.0.1:2'}]\n")
+    with pytest.raises(ClusterFileError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        parse_cluster_file(text)
+
+
+def test_defaults_are_seed_003s():
+    t = GovernanceSpec().alerts
+    assert (t.scr_warning, t.scr_critical, t.jfi, t.type_fairness) == (0.95, 0.90, 0.90, 0.5)
+
+
+# --- against real twins, through the collector and the store ----------------------------
+
+@pytest.fixture
+def governed(tmp_path):
+    """One twin that served a noisy-neighbour trace under fcfs (the quiet tenants miss their
+    targets), a governed cluster file, and a store the real recorder filled."""
+    import yaml
+
+    from controlplane.settings import Settings
+    from sim.engine import EngineConfig
+    from sim.noisy import noisy_neighbour
+    from tuner.twin import ManualClock, start_twins
+
+    trace, params = noisy_neighbour(capacity_req_s=30.0, duration_s=40.0, burst_from_s=5.0, burst_s=20.0,
+                                    prompt_scale=0.5, output_scale=0.5)
+    clock = ManualClock()
+    with start_twins(1, trace, clock=clock, config=EngineConfig(), loop=False, token="gov-token",
+                     settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}})) as twins:
+        twin = twins[0]
+        t = 0.0
+        while twin.core.finished_total < len(trace) and t < 3000:
+            t += 2.0
+            clock.set(t)
+            twin.advance(t)
+        doc = twins.cluster_doc("gov")
+        doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0, window_s=3600.0,
+                                  governance={"tenants": params["tenants"]})
+        path = tmp_path / "gov.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        yield path, twin, trace
+
+
+def test_the_collector_computes_stores_and_restores_governance(governed, tmp_path, monkeypatch):
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import Collector
+    from storage.store import Store
+
+    path, twin, trace = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    cluster = load_cluster_file(path).cluster()
+    db = tmp_path / "gov.db"
+
+    async def collect(n_polls: int) -> Collector:
+        with Store.open(str(db)) as store:
+            c = Collector(cluster, store)
+            await c.start()
+            from controlplane.collector import make_client
+            c._client = make_client(cluster)
+            try:
+                for _ in range(n_polls):
+                    await c.poll(twin.name)
+                c.govern()
+                await c.flush(final=True)
+            finally:
+                await c._client.aclose()
+            return c
+
+    c = asyncio.run(collect(5))
+    g = c.snapshot().governance
+    assert g is not None and g["requests"] == len(trace)
+    assert set(g["tenants"]) == {"a", "b", "noisy"}
+    # fcfs: the quiet tenants miss their targets, the noisy one takes several times its commitment
+    assert g["scr"] < 0.9 and g["alerts"] == {"scr": "critical", "jfi": "warning"}
+    with Store.open(str(db)) as store:
+        [stored] = store.governance("gov")
+        assert stored["summary"]["scr"] == g["scr"]
+        [event] = store.alert_events("gov", name="scr")
+        assert (event["state"], event["severity"]) == ("firing", "critical")
+        assert set(event["summary"]["missed"]) >= {"a", "b"}
+        assert [e["name"] for e in store.firing_alerts("gov")] == ["jfi", "scr"]
+        assert store.firing_alerts("gov", at_ms=event["t_ms"] - 1) == []
+    # A restarted collector knows the alert still fires: no second "firing" row.
+    c2 = asyncio.run(collect(1))
+    assert c2._alerts is not None and c2._alerts.active["scr"] == "critical"
+    with Store.open(str(db)) as store:
+        assert len(store.alert_events("gov", name="scr")) == 1
+
+
+def test_status_prints_and_serves_the_governance(governed, monkeypatch):
+    from tailpilot.cli import main
+
+    path, twin, trace = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    res = CliRunner().invoke(main, ["status", "--cluster", str(path), "--json"])
+    doc = json.loads(res.stdout)
+    g = doc["governance"]
+    assert g["alerts"] == {"scr": "critical", "jfi": "warning"} and set(g["tenants"]) == {"a", "b", "noisy"}
+    text = CliRunner().invoke(main, ["status", "--cluster", str(path)]).stdout
+    assert "ALERT SCR" in text and "(critical)" in text and "misses ttft_p" in text

@@ -1,0 +1,35 @@
+"""The alerts panel: the cluster's governance figures per tenant and type, and the alert history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Static
+
+from tui import render as R
+from tui.widgets import AutoSizedTable, fill_table
+
+
+class AlertsPanel(Vertical):
+    def compose(self) -> ComposeResult:
+        yield Static(Text("governance", style="bold"), id="alerts-title", classes="title")
+        yield Static("", id="alerts-figures")
+        yield AutoSizedTable(id="alerts-tenants", cursor_type="row", zebra_stripes=True)
+        yield Static(Text("alert history (newest first)", style="bold"), classes="title")
+        yield AutoSizedTable(id="alerts-history", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        t = self.query_one("#alerts-tenants", DataTable)
+        for key, label, width in R.GOVERNANCE_COLUMNS:
+            t.add_column(label, key=key, width=width)
+        h = self.query_one("#alerts-history", DataTable)
+        for key, label, width in R.ALERT_EVENT_COLUMNS:
+            h.add_column(label, key=key, width=width)
+
+    def update_from(self, governance: dict[str, Any] | None, events: list[dict[str, Any]]) -> None:
+        self.query_one("#alerts-figures", Static).update(R.governance_summary(governance))
+        fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(governance))
+        fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in events])
