@@ -12,6 +12,7 @@
             beta: {weight: 0.5}
           type_shares: {batch: 0.1}   # minimum shares; default (1/|T|)/(1 + type_eta·p_k)
           alerts: {scr_warning: 0.95, scr_critical: 0.90, jfi: 0.90, type_fairness: 0.5}
+          governor: {scr_below: 0.85, jfi_below: 0.80, dwell_s: 60}   # record --govern
         replicas:
           - name: a100-0
             api_url: http://127.0.0.1:8000        # vLLM's OpenAI server (/metrics lives here)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import numpy as np
 
+from controlplane.governor import GovernorSpec
 from controlplane.metrics import Completion, distribution_stats, jain_index
 from controlplane.settings import DEFAULT_TENANT_SLO, QUANTILES, SloFqParams, TenantSlo, check_shares
 
@@ -58,12 +59,13 @@ class GovernanceSpec(BaseModel):
     type_shares: dict[str, float] = Field(default_factory=dict)
     type_eta: float = Field(0.5, ge=0.0, le=1e6)
     alerts: AlertThresholds = Field(default_factory=AlertThresholds)
+    governor: GovernorSpec = Field(default_factory=GovernorSpec)
 
     _shares = field_validator("type_shares")(check_shares)
 
     def params(self) -> SloFqParams:
         """The same tenants and types as slofq parameters (what the figures are judged by)."""
-        return SloFqParams.model_validate(self.model_dump(exclude={"alerts"}))
+        return SloFqParams.model_validate(self.model_dump(exclude={"alerts", "governor"}))
 
 
 def limits(params: SloFqParams, tenant: str) -> dict[str, float]:

@@ -81,8 +81,10 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
                  recording_name: str | None = None, retention: Any | None = None,
                  retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 collector: Collector | None = None) -> RecorderStats:
-    """Run a collector on ``store`` until ``stop`` is set; flush, end the recording, return stats."""
+                 collector: Collector | None = None, govern: str | None = None) -> RecorderStats:
+    """Run a collector on ``store`` until ``stop`` is set; flush, end the recording, return stats.
+    ``govern``: also run the governor (controlplane.governor), its state set to this first
+    ("armed" | "dry-run"; "" keeps the stored state)."""
     stats = RecorderStats(cluster=cluster.name, db=db_label, started_ms=int(time.time() * 1000))
     collector = collector or Collector(cluster, store, flush_interval_s=flush_interval_s,
                                        metrics_every=metrics_every)
@@ -102,6 +104,14 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
                 await asyncio.wait_for(stop.wait(), retention_interval_s)
 
     extra = [asyncio.create_task(retention_loop())] if retention is not None else []
+    if govern is not None:
+        from controlplane.governor import run_governor
+
+        if cluster.governance is None:
+            raise ValueError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
+        if govern:
+            await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
+        extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
     try:
         s = await collector.run(stop)
     finally:
@@ -131,7 +141,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                  stop: asyncio.Event | threading.Event | None = None, recording_name: str | None = None,
                  retention: Any | None = None, retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 install_signals: bool = True) -> RecorderStats:
+                 install_signals: bool = True, govern: str | None = None) -> RecorderStats:
     """Record ``cluster`` into the store at ``db_url`` (None: ./tailpilot.db) until stopped.
 
     Blocking. Stops on SIGTERM/SIGINT (``install_signals``, main thread only) or when ``stop`` is
@@ -164,7 +174,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                      str(store))
             return await record(cluster, store, event, db_label=str(store), recording_name=recording_name,
                                 retention=retention, retention_interval_s=retention_interval_s,
-                                flush_interval_s=flush_interval_s, metrics_every=metrics_every)
+                                flush_interval_s=flush_interval_s, metrics_every=metrics_every, govern=govern)
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)

@@ -35,7 +35,9 @@ APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it 
 @dataclass(slots=True)
 class ApplyResult:
     replica: str
-    result: str  # "applied" (active on the replica) | "staged" (accepted, not active yet) | "rejected" | "error"
+    # "applied" (active on the replica) | "staged" (accepted, not active yet) | "rejected" | "error"
+    # | "skipped" (the change function found nothing to change: nothing sent)
+    result: str
     message: str
     status: int | None = None  # the PUT's HTTP status, if one came back
     old: dict[str, Any] | None = None  # settings document before
@@ -77,6 +79,9 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
             produced = change(Settings.model_validate(res.old))
         else:
             produced = change
+        if produced is None:
+            res.result, res.message = "skipped", "nothing to change"
+            return res
         if isinstance(produced, Settings):
             produced = produced.to_dict()
         if not isinstance(produced, Mapping):
@@ -158,7 +163,7 @@ async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, t
 async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
                          store: Any | None = None, who: str = "cli", *,
                          client: PollingClient | None = None,
-                         wait_s: float = APPLY_WAIT_S) -> list[ApplyResult]:
+                         wait_s: float = APPLY_WAIT_S, note: str | None = None) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
     ``change`` is a settings document, or a function from the replica's current
@@ -168,7 +173,8 @@ async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | No
     ``token_env``, then read ``/state`` until the replica runs the new version (at most ``wait_s``).
     Every attempt — applied (active), staged (accepted, not active within ``wait_s``), rejected
     (400/401/403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the
-    store's audit log when a store is given.
+    store's audit log when a store is given (its message after ``note``, when given). A change
+    function may return None: nothing is sent ("skipped").
     """
     names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
     specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo
@@ -184,6 +190,7 @@ async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | No
             store.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
             for r in results:
                 store.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
-                                             result=r.result, message=r.message, version=r.version)
+                                             result=r.result, version=r.version,
+                                             message=f"{note}; {r.message}" if note else r.message)
         await asyncio.to_thread(audit)
     return results

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Float,
@@ -286,6 +287,19 @@ class AlertEvent(Base):
     severity: Mapped[str] = mapped_column(String(20))
     state: Mapped[str] = mapped_column(String(20))
     summary: Mapped[Any] = mapped_column(Json)
+
+
+class GovernorControl(Base):
+    """A cluster's governor: armed, dry-run or disarmed, paused, and what it last reported."""
+
+    __tablename__ = "governor_control"
+
+    cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
+    state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
+    paused: Mapped[bool] = mapped_column(Boolean)
+    who: Mapped[str | None] = mapped_column(String(200))
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[Any | None] = mapped_column(Json)  # the governor's own report (active modes, ...)
 
 
 class Recommendation(Base):

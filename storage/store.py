@@ -62,6 +62,7 @@ from storage.models import (
     Completion,
     FidelityReport,
     GovernanceWindow,
+    GovernorControl,
     Prediction,
     GroupSample,
     Recommendation,
@@ -400,6 +401,45 @@ class Store:
             names = conn.execute(select(AlertEvent.name).where(AlertEvent.cluster == cluster).distinct()).scalars().all()
         newest = [self.alert_events(cluster, until_ms=until, limit=1, name=n) for n in sorted(names)]
         return [e[0] for e in newest if e and e[0]["state"] == "firing"]
+
+    GOVERNOR_DEFAULT = {"state": "dry-run", "paused": False, "who": None, "updated_ms": None, "status": None}
+
+    def governor_control(self, cluster: str) -> dict[str, Any]:
+        """The cluster's governor control row (state, paused, who, updated_ms, status); the
+        default (dry-run, not paused) when none was written."""
+        stmt = select(GovernorControl.__table__).where(GovernorControl.cluster == cluster)
+        with self._read() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return {"cluster": cluster, **self.GOVERNOR_DEFAULT}
+        return dict(row._mapping)
+
+    def set_governor_control(self, cluster: str, *, state: str | None = None, paused: bool | None = None,
+                             status: dict[str, Any] | None = None, who: str | None = None,
+                             t_ms: int | None = None) -> dict[str, Any]:
+        """Change the governor's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
+        status (what is not given is kept); returns the row."""
+        if state is not None and state not in ("armed", "dry-run", "disarmed"):
+            raise ValueError(f"governor state must be armed, dry-run or disarmed, got {state!r}")
+        now = self._now_ms() if t_ms is None else t_ms
+
+        def txn(conn: Connection) -> None:
+            row = conn.execute(select(GovernorControl.__table__).where(GovernorControl.cluster == cluster)).first()
+            doc = {**self.GOVERNOR_DEFAULT, **(dict(row._mapping) if row is not None else {})}
+            doc.update(cluster=cluster, updated_ms=now)
+            if state is not None:
+                doc["state"] = state
+            if paused is not None:
+                doc["paused"] = paused
+            if status is not None:
+                doc["status"] = status
+            if who is not None and (state is not None or paused is not None):
+                doc["who"] = who
+            conn.execute(insert_or_update(conn, table(GovernorControl), ["cluster"],
+                                          ["state", "paused", "who", "updated_ms", "status"]), [doc])
+
+        self._write(txn)
+        return self.governor_control(cluster)
 
     def predictions(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
         """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version, summary."""

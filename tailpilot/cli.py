@@ -318,6 +318,41 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
 
 
 @main.command()
+@click.option("--cluster", "cluster_file", required=True, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Cluster file whose governance block gives the tenants, their commitments and SLOs.")
+@click.option("--cluster-name", metavar="NAME", help="Which cluster of the file.")
+@click.option("--policy", type=click.Choice(POLICY_NAMES), default="slofq", show_default=True,
+              help="The replicas' policy (slofq takes the governance block's tenants as its parameters).")
+@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
+@click.option("--target", type=click.FloatRange(0, 1, min_open=True), default=0.99, show_default=True,
+              help="The mean per-window SCR to keep.")
+@click.option("--window-s", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Judge SCR per window of this many seconds of arrivals.")
+@click.option("--max-replicas", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@with_options(trace_options, engine_options)
+def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, max_replicas, as_json, trace_path,
+             rate_scale, target_rate, window, cap, tenants, seed, num_gpu_blocks, step_model, **engine):
+    """How many replicas keep SCR at --target for this traffic and the cluster's SLOs (by simulation)."""
+    from tailpilot.cli_cluster import load_cluster
+    from tuner.capacity import capacity as plan_capacity
+    from tuner.capacity import format_plan
+
+    cluster = load_cluster(cluster_file, cluster_name)
+    if cluster.governance is None:
+        raise click.UsageError(f"cluster {cluster.name!r} has no governance block: no tenants or SLOs to keep")
+    params = cluster.governance.params()
+    base = [f"{k}={json.dumps(v)}" for k, v in params.model_dump().items()] if policy == "slofq" else []
+    settings = _settings_or_exit(policy, (*base, *assignments), (), _engine_dict(engine, step_model), "history")
+    trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
+    plan = plan_capacity(trace, params, settings, _engine_config(num_gpu_blocks, step_model), target=target,
+                         window_s=window_s, max_replicas=max_replicas)
+    click.echo(json.dumps(plan, indent=2, default=float) if as_json else format_plan(plan))
+    if plan["replicas"] is None:
+        sys.exit(1)
+
+
+@main.command()
 @click.option("--replicas", "-n", type=click.IntRange(1, 4096), default=2, show_default=True,
               help="Number of simulated replicas (twin-0, twin-1, ...).")
 @click.option("--speed", type=float, default=1.0, show_default=True, help="Replica clock speed (10 = ten simulated seconds per wall second).")

@@ -289,13 +289,19 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
 @click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--name", "recording_name", metavar="NAME", help="Also mark the run as a named recording.")
 @click.option("--raw-hours", type=float, help="Retention: keep raw samples this many hours, then 1-minute rollups.")
-def record(cluster_file, cluster_name, db, recording_name, raw_hours):
+@click.option("--govern", is_flag=True, help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.")
+@click.option("--arm", is_flag=True, help="With --govern: arm the governor (it applies its modes).")
+def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, arm):
     """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector)."""
     import logging
 
     from controlplane.recorder import run_recorder
 
     cluster = load_cluster(cluster_file, cluster_name)
+    if arm and not govern:
+        raise click.UsageError("--arm goes with --govern")
+    if govern and cluster.governance is None:
+        raise click.UsageError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
     retention = None
     if raw_hours is not None:
         from storage.retention import RetentionSettings
@@ -303,8 +309,38 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours):
         retention = RetentionSettings(raw_sample_hours=raw_hours)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     open_store(db).close()  # a bad URL is a usage error before anything starts
-    stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention)
+    stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention,
+                         govern=("armed" if arm else "dry-run") if govern else None)
     click.echo(json.dumps(stats.as_dict(), default=str))
+
+
+@click.command()
+@click.argument("action", type=click.Choice(["status", "arm", "dry-run", "disarm", "pause", "resume"]))
+@click.option("--cluster-name", "cluster_name", required=True, metavar="NAME", help="The governed cluster.")
+@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
+@click.option("--who", default=None, help="Name in the governor's control row (default: $USER).")
+@click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
+def governor(action, cluster_name, db, who, as_json):
+    """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
+    dry-run, disarm, pause, resume."""
+    store = open_store(db)
+    try:
+        who = who or f"cli:{os.environ.get('USER', 'unknown')}"
+        from controlplane.governor import CONTROL_ACTIONS
+
+        changes = CONTROL_ACTIONS.get(action)
+        row = store.set_governor_control(cluster_name, who=who, **changes) if changes else store.governor_control(cluster_name)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(row, default=str))
+    else:
+        status = row.get("status") or {}
+        click.echo(f"governor of {cluster_name}: {row['state']}{' (paused)' if row['paused'] else ''}"
+                   f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; active modes: "
+                   f"{', '.join(status.get('active') or {}) or 'none'}")
+        for line in status.get("last") or []:
+            click.echo(f"  last: {line}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,4 +471,4 @@ def _demo_table(cluster, db: str, duration: float | None) -> None:
         store.close()
 
 
-COMMANDS = (status, set_command, verify, record, tui, demo)
+COMMANDS = (status, set_command, verify, record, governor, tui, demo)

@@ -240,3 +240,25 @@ def test_replays_are_deterministic():
     s = Settings.model_validate({"policy": "slofq", "params": params})
     a, b = simulate(trace, s, EngineConfig()), simulate(trace, s, EngineConfig())
     assert [(c.id, c.finished_at) for c in a.completions] == [(c.id, c.finished_at) for c in b.completions]
+
+
+def test_a_deadline_that_moves_does_not_make_two_requests_evict_each_other_for_ever():
+    """Found by the engine property tests: t0 misses its P50 target (its deadline tightens), so by
+    the current deadline the waiting r001 beat the running r004 and was admitted by policy
+    preemption, then the two ran short of KV and memory pressure evicted r001 — round and round.
+    Running order and policy preemption go by the P99 deadline, which does not move."""
+    from sim.engine import EngineConfig
+
+    rows = [("r000", 0.7387, 7, 8, "t0"), ("r001", 1.4424, 154, 17, "t2"), ("r002", 0.1555, 134, 27, "t0"),
+            ("r003", 1.181, 14, 49, "t0"), ("r004", 0.1803, 159, 36, "t0"), ("r005", 2.4859, 1, 1, "t0"),
+            ("r006", 0.0, 1, 49, "t0"), ("r007", 0.0, 141, 54, "t0"), ("r008", 0.0, 161, 35, "t0")]
+    reqs = [TraceRequest(id=i, arrival=a, prompt_tokens=p, output_tokens=o, max_tokens=o, tenant=t)
+            for i, a, p, o, t in rows]
+    s = slofq(engine={"max_num_seqs": 6, "max_num_batched_tokens": 44, "long_prefill_token_threshold": 5})
+    sim = Simulator(reqs, s, EngineConfig(num_gpu_blocks=60, block_size=4, step_model=UNIT_STEPS))
+    while sim.next_arrival < len(sim.arrivals) or sim.waiting or sim.running:
+        if not sim.waiting and not sim.running:
+            sim.now = max(sim.now, sim.arrivals[sim.next_arrival].arrival)
+        sim._step()
+        assert sim.iterations < 5_000, "livelock"
+    assert len(sim.completions) + len(sim.rejected) == len(reqs)

@@ -616,3 +616,29 @@ def test_replayed_alerts_are_those_firing_at_the_position(recording):
             await wait_for(pilot, lambda: history.row_count == 2, what="both transitions")
 
     run(scenario())
+
+
+def test_the_operator_pauses_the_governor_from_the_alerts_panel(twins, tmp_path):
+    from controlplane.governance import GovernanceSpec
+
+    store = Store.open(str(tmp_path / "gov.db"))
+    spec = spec_of(twins, governance=GovernanceSpec())
+
+    async def scenario():
+        app = build_app(spec, store=store, refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            await pilot.press("6")
+            line = app.query_one("#alerts-governor")
+            await wait_for(pilot, lambda: "governor: dry-run" in text_of(line), what="the governor line")
+            await pilot.press("G")
+            await wait_for(pilot, lambda: app.screen.query("#governor-options"), what="the governor dialog")
+            await pilot.press("enter")  # the first choice: pause
+            await wait_for(pilot, lambda: store.governor_control("twins")["paused"], what="paused in the store")
+            assert store.governor_control("twins")["who"].startswith("tui:")
+            await wait_for(pilot, lambda: "(paused)" in text_of(line), what="shown paused")
+
+    try:
+        run(scenario())
+    finally:
+        store.close()

@@ -17,6 +17,7 @@ class AlertsPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(Text("governance", style="bold"), id="alerts-title", classes="title")
         yield Static("", id="alerts-figures")
+        yield Static("", id="alerts-governor")
         yield AutoSizedTable(id="alerts-tenants", cursor_type="row", zebra_stripes=True)
         yield Static(Text("alert history (newest first)", style="bold"), classes="title")
         yield AutoSizedTable(id="alerts-history", cursor_type="row", zebra_stripes=True)
@@ -29,7 +30,9 @@ class AlertsPanel(Vertical):
         for key, label, width in R.ALERT_EVENT_COLUMNS:
             h.add_column(label, key=key, width=width)
 
-    def update_from(self, governance: dict[str, Any] | None, events: list[dict[str, Any]]) -> None:
+    def update_from(self, governance: dict[str, Any] | None, events: list[dict[str, Any]],
+                    governor: dict[str, Any] | None = None) -> None:
         self.query_one("#alerts-figures", Static).update(R.governance_summary(governance))
+        self.query_one("#alerts-governor", Static).update(R.governor_line(governor))
         fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(governance))
         fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in events])

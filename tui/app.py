@@ -41,7 +41,7 @@ from tui import render as R
 from tui.alerts_panel import AlertsPanel
 from tui.audit_panel import AuditPanel
 from tui.cluster_panel import ClusterPanel, FilterInput
-from tui.dialogs import ConfirmScreen, HelpScreen, PolicyPickScreen, SeekScreen
+from tui.dialogs import ConfirmScreen, GovernorScreen, HelpScreen, PolicyPickScreen, SeekScreen
 from tui.edits import (
     RecommendationEdit,
     SettingsEdit,
@@ -421,8 +421,34 @@ class TailpilotApp(App):
         except Exception as err:  # noqa: BLE001
             log.warning("alert history unavailable: %s", err)
             events = []
+        try:
+            governor = await self.source.governor()
+        except Exception as err:  # noqa: BLE001
+            log.warning("governor state unavailable: %s", err)
+            governor = None
         snap = self.snapshot
-        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events)
+        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events, governor)
+
+    async def action_governor(self) -> None:
+        try:
+            control = await self.source.governor()
+        except Exception as err:  # noqa: BLE001
+            self.notify(f"governor state unavailable: {err}", severity="error")
+            return
+        if control is None:
+            self.notify("no governor here: a cluster with a governance block, live with --db", severity="warning")
+            return
+
+        def picked(choice: str | None) -> None:
+            if choice:
+                self.run_worker(self._steer_governor(choice), group="governor", exit_on_error=False)
+
+        self.push_screen(GovernorScreen(control), picked)
+
+    async def _steer_governor(self, choice: str) -> None:
+        row = await self.source.steer_governor(choice, self.who)  # type: ignore[attr-defined]
+        self.notify(f"governor: {choice} ({row['state']}{', paused' if row['paused'] else ''})")
+        self.reload_alerts()
 
     async def _reload_fidelity(self) -> None:
         # Reloaded with the audit log (same cadence: fidelity reports are rare).

@@ -1,4 +1,5 @@
-"""The modal screens: confirm a cluster change (with its diff), help, seek, pick a policy."""
+"""The modal screens: confirm a cluster change (with its diff), help, seek, pick a policy, steer
+the governor."""
 
 from __future__ import annotations
 
@@ -143,6 +144,38 @@ class PolicyPickScreen(ModalScreen["str | None"]):
         if now and now[0] in POLICY_NAMES:
             opts.highlighted = POLICY_NAMES.index(now[0])
         opts.focus()
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+GOVERNOR_CHOICES = {"pause": "pause (decide nothing until resumed)", "resume": "resume",
+                    "arm": "arm (apply its modes)", "dry-run": "dry-run (log its decisions only)",
+                    "disarm": "disarm (off)"}
+
+
+class GovernorScreen(ModalScreen["str | None"]):
+    """Steer the cluster's governor: the operator picks pause/resume, arm, dry-run or disarm."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+
+    def __init__(self, control: dict[str, Any]) -> None:
+        super().__init__()
+        self.control = control
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(Text.assemble(("Governor", "bold"), "  ", R.governor_line(self.control)))
+            yield OptionList(*[Option(label, id=key) for key, label in GOVERNOR_CHOICES.items()
+                               if key != ("pause" if self.control.get("paused") else "resume")],
+                             id="governor-options")
+
+    def on_mount(self) -> None:
+        self.query_one(OptionList).focus()
 
     @on(OptionList.OptionSelected)
     def _picked(self, event: OptionList.OptionSelected) -> None:

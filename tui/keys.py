@@ -93,6 +93,8 @@ KEYS: tuple[Key, ...] = (
     Key("A", "A", "apply_edits", "Apply the policy panel's edits to its targets (enter in a field too)",
         "Cluster changes",
         changes_cluster=True, screens=("policy",), footer=True, label="Apply"),
+    Key("G", "G", "governor", "Steer the governor: pause / resume, arm, dry-run, disarm (a governed cluster, --db)",
+        "Cluster changes", changes_cluster=True, screens=("alerts",), footer=True, label="Governor"),
     Key("R", "R", "apply_recommendation",
         "Apply the tuner's recommendation to the selected replicas (all when none is selected); "
         "pinned parameters are kept", "Cluster changes", changes_cluster=True, screens=("tuner",), footer=True,

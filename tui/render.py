@@ -528,6 +528,24 @@ def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
     return rows
 
 
+def governor_line(control: Mapping[str, Any] | None) -> Text:
+    """The governor's state, who set it, its active modes and its last decision."""
+    if not control:
+        return Text("governor: not known here (live with --db)", style="dim")
+    state = control.get("state", "?")
+    out = Text("governor: ")
+    out.append(state, style={"armed": "bold red", "dry-run": "yellow"}.get(state, "dim"))
+    if control.get("paused"):
+        out.append(" (paused)", style="bold yellow")
+    if control.get("who"):
+        out.append(f" · set by {control['who']}", style="dim")
+    status = control.get("status") or {}
+    out.append(f" · active modes: {', '.join(status.get('active') or {}) or 'none'}")
+    if status.get("last"):
+        out.append(f" · last: {status['last'][-1]}", style="dim")
+    return out
+
+
 def alert_event_row(e: Mapping[str, Any]) -> tuple:
     s = e.get("summary") or {}
     firing = e.get("state") == "firing"

@@ -81,6 +81,10 @@ class DataSource(Protocol):
         """Governance alert transitions, newest first (replay: up to the position)."""
         ...
 
+    async def governor(self) -> dict[str, Any] | None:
+        """The governor's control row (live with a store and a governed cluster), else None."""
+        ...
+
     def status(self) -> str:
         """One line for the top bar."""
         ...
@@ -228,6 +232,20 @@ class LiveSource:
         if self.store is None:
             return []
         return await asyncio.to_thread(self.store.alert_events, self.cluster_name, limit=limit)
+
+    async def governor(self) -> dict[str, Any] | None:
+        if self.store is None or self.cluster.governance is None:
+            return None
+        return await asyncio.to_thread(self.store.governor_control, self.cluster_name)
+
+    async def steer_governor(self, choice: str, who: str | None = None) -> dict[str, Any]:
+        """pause | resume | arm | dry-run | disarm the cluster's governor (its control row)."""
+        from controlplane.governor import CONTROL_ACTIONS
+
+        store = self.store
+        assert store is not None, "the governor is steered through the store (live with --db)"
+        return await asyncio.to_thread(store.set_governor_control, self.cluster_name, who=who or self.who,
+                                       **CONTROL_ACTIONS[choice])
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         if self.store is None:
@@ -522,6 +540,9 @@ class ReplaySource:
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self.store.alert_events, self.cluster_name, until_ms=self.position + 1,
                                        limit=limit)
+
+    async def governor(self) -> dict[str, Any] | None:
+        return None  # its control row is not history: the audit panel shows what it did
 
     def governance_at(self, t_ms: int) -> dict[str, Any] | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing then."""

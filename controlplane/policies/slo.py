@@ -152,6 +152,27 @@ class SloFq(Policy):
     def key(self, req: RequestState, now: float) -> tuple:
         return (self.deadline(req), req.arrival, req.id)
 
+    # The running order (the budget order and the memory-pressure victim, running[-1]) and policy
+    # preemption go by the P99 deadline, which does not move: with the current target's deadline a
+    # tenant switching between quantiles flips the order, and two requests short of KV evict each
+    # other for ever (one by policy, the other by memory pressure; found by the property tests).
+    def _running_key(self, req: RequestState) -> tuple:
+        return (req.arrival + self._p99_target(req.tenant), req.arrival, req.id)
+
+    def policy_victim(self, waiting_req: RequestState, running: Sequence[RequestState],
+                      now: float) -> RequestState | None:
+        cand = self.worst_preemptible(running, now)
+        if cand is None:
+            return None
+        w, r, margin = self._running_key(waiting_req), self._running_key(cand), self.preempt_margin()
+        return cand if ((w < r) if margin == 0 else (w[0] + margin < r[0])) else None
+
+    def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
+        return sorted(running, key=self._running_key)
+
+    def running_sort_key(self, now: float):
+        return self._running_key
+
     def shares(self) -> dict[str, float]:
         """ρ_k per type: explicit, or (1/|T|) / (1 + η·p_k) from the window's arrival shares."""
         return minimum_shares(self.params, self.arrived.sums)

@@ -1,0 +1,266 @@
+"""The governor (controlplane/governor.py): its decisions (thresholds, hysteresis, dwell, the
+sustained type rule, priority), its settings changes (pinned parameters, other policies, undo),
+and against twins through the real control API and the audit log: dry-run changes nothing, armed
+applies and undoes, paused and disarmed decide nothing, a pinned parameter is never moved."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from click.testing import CliRunner
+
+from controlplane.governance import GovernanceSpec
+from controlplane.governor import MODES, Governor, governor_step
+from controlplane.settings import Settings
+
+LOW = {"scr": 0.5, "jfi": 0.99, "type_fairness_min": 1.0}
+OK = {"scr": 1.0, "jfi": 0.99, "type_fairness_min": 1.0}
+
+
+def gov() -> Governor:
+    return Governor.for_cluster(GovernanceSpec.model_validate({"governor": {"dwell_s": 60.0, "type_sustain_s": 30.0}}))
+
+
+def test_modes_enter_below_and_leave_at_the_alert_threshold_after_the_dwell():
+    g = gov()
+    [d] = g.decide(LOW, 0.0)
+    assert (d.mode, d.action) == ("scr", "enter") and "scr 0.5 < 0.85" in d.note() and '"scr": 0.5' in d.note()
+    g.record(d, 0.0)
+    assert g.decide(LOW, 1.0) == []  # already in it
+    assert g.decide({**OK, "scr": 0.9}, 100.0) == []  # hysteresis: above 0.85 is not yet 0.95
+    assert g.decide(OK, 30.0) == []  # recovered, but inside the dwell
+    [e] = g.decide(OK, 61.0)
+    assert (e.mode, e.action) == ("scr", "exit")
+    assert g.decide({"scr": None}, 70.0) == []  # no data: no decision
+
+
+def test_priority_and_the_sustained_type_rule():
+    g = gov()
+    all_low = {"scr": 0.5, "jfi": 0.5, "type_fairness_min": 0.1}
+    assert [d.mode for d in g.decide(all_low, 0.0)] == ["scr", "jfi"]  # type: not sustained yet
+    assert [d.mode for d in g.decide(all_low, 29.0)] == ["scr", "jfi"]
+    assert [d.mode for d in g.decide(all_low, 30.0)] == ["scr", "jfi", "type"]
+    assert [m.name for m in MODES] == ["scr", "jfi", "type"]  # seed 003: SCR > JFI > type fairness
+    g.decide({**all_low, "type_fairness_min": 1.0}, 31.0)  # back above: the clock restarts
+    assert [d.mode for d in g.decide(all_low, 40.0)] == ["scr", "jfi"]
+
+
+def slofq(**extra) -> Settings:
+    return Settings.model_validate({"policy": "slofq", "params": {
+        "tenants": {"big": {"weight": 4.0}, "mid": {"weight": 2.0}, "small": {"weight": 0.5}}}, **extra})
+
+
+def test_changes_respect_pins_other_policies_and_later_edits():
+    g = gov()
+    [d] = g.decide(LOW, 0.0)
+    entered = g.change(d, "r0")(slofq())
+    assert entered is not None and entered.params.quantiles == "p99"
+    assert g.change(d, "r1")(slofq(pinned=["quantiles"])) is None  # pinned: never moved
+    assert g.change(d, "r2")(Settings.model_validate({"policy": "vtc"})) is None
+    g.record(d, 0.0)
+    [e] = g.decide(OK, 61.0)
+    assert g.change(e, "r0")(entered).params.quantiles == "multi"  # undone
+    # jfi: the tenants weighing less than the mean (2.17) are throttled to 50%.
+    [j] = g.decide({**OK, "jfi": 0.5}, 0.0)
+    assert g.change(j, "r0")(slofq()).params.throttle == {"mid": 0.5, "small": 0.5}
+    # Someone changed the parameter meanwhile: the governor leaves it alone.
+    g2 = gov()
+    [d2] = g2.decide(LOW, 0.0)
+    g2.change(d2, "r0")(slofq())
+    g2.record(d2, 0.0)
+    [e2] = g2.decide(OK, 61.0)
+    assert g2.change(e2, "r0")(slofq()) is None  # an operator set quantiles back to multi meanwhile
+
+
+# --- against twins ----------------------------------------------------------------------------
+
+@pytest.fixture
+def twins_governed(tmp_path, monkeypatch):
+    """Three twins running slofq (the third with ``quantiles`` pinned), a governed cluster, a
+    collector that has polled them, and a store."""
+    from controlplane.cluster import ClusterSpec, ReplicaSpec
+    from controlplane.collector import Collector
+    from sim.noisy import noisy_neighbour
+    from storage.store import Store
+    from tuner.twin import ManualClock, start_twins
+
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    trace, params = noisy_neighbour(capacity_req_s=10.0, duration_s=20.0, burst_from_s=5.0, burst_s=5.0)
+    docs = [Settings.model_validate({"policy": "slofq", "params": params}),
+            Settings.model_validate({"policy": "slofq", "params": params}),
+            Settings.model_validate({"policy": "slofq", "params": params, "pinned": ["quantiles"]})]
+    clock = ManualClock()
+    with start_twins(3, trace, clock=clock, loop=False, token="gov-token", settings=docs) as twins:
+        # Targets no engine meets (1 ms P99 TTFT): the real figures' SCR is 0.
+        strict = {t: {**spec_, "ttft": {"p99": 0.001}} for t, spec_ in params["tenants"].items()}
+        spec = ClusterSpec(name="gov", timeout_s=5.0, governance=GovernanceSpec.model_validate(
+            {"tenants": strict, "governor": {"dwell_s": 60.0}}),
+            replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env="TAILPILOT_TOKEN")
+                      for t in twins])
+        store = Store.open(str(tmp_path / "gov.db"))
+        collector = Collector(spec, store)
+
+        async def poll_all():
+            from controlplane.collector import make_client
+
+            collector._client = make_client(spec)
+            try:
+                for t in twins:
+                    await collector.poll(t.name)
+            finally:
+                await collector._client.aclose()
+
+        asyncio.run(poll_all())
+        collector.test_clock = clock
+        yield twins, collector, store
+        store.close()
+
+
+def quantiles(twin) -> str:
+    import httpx
+
+    return httpx.get(f"{twin.control_url}/tailpilot/v1/settings", timeout=5, trust_env=False).json()["settings"][
+        "params"]["quantiles"]
+
+
+def governor_rows(store) -> list[dict]:
+    return [r for r in store.settings_changes("gov", None, 100) if r["who"] == "governor"]
+
+
+def test_dry_run_logs_armed_applies_and_undoes_paused_and_disarmed_do_nothing(twins_governed):
+    twins, collector, store = twins_governed
+    g = Governor.for_cluster(collector.cluster.governance)
+    collector.governance = dict(LOW)
+
+    # Dry-run (the default): an audit row per replica with the figures, nothing sent.
+    [out] = asyncio.run(governor_step(g, collector, store, 0.0))
+    assert out["state"] == "dry-run" and out["replicas"] == {"twin-0": "dry-run", "twin-1": "dry-run",
+                                                              "twin-2": "skipped"}
+    rows = governor_rows(store)
+    assert {r["result"] for r in rows} == {"dry-run", "skipped"} and all('"scr": 0.5' in r["message"] for r in rows)
+    assert [quantiles(t) for t in twins] == ["multi"] * 3
+
+    # Armed: a new decision (a fresh governor: the dry-run one believes it is in the mode).
+    store.set_governor_control("gov", state="armed", who="test")
+    g = Governor.for_cluster(collector.cluster.governance)
+    [out] = asyncio.run(governor_step(g, collector, store, 100.0))
+    assert out["replicas"] == {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"}
+    assert [quantiles(t) for t in twins] == ["p99", "p99", "multi"]  # the pinned one never moves
+    applied = [r for r in governor_rows(store) if r["result"] == "applied"]
+    assert len(applied) == 2 and all("governor enters scr mode: scr 0.5 < 0.85" in r["message"] for r in applied)
+    assert store.governor_control("gov")["status"]["active"] == {"scr": 100.0}
+
+    # Paused, then disarmed: recovered figures change nothing.
+    collector.governance = dict(OK)
+    store.set_governor_control("gov", paused=True, who="test")
+    assert asyncio.run(governor_step(g, collector, store, 200.0)) == []
+    store.set_governor_control("gov", paused=False, state="disarmed", who="test")
+    assert asyncio.run(governor_step(g, collector, store, 200.0)) == []
+    assert [quantiles(t) for t in twins] == ["p99", "p99", "multi"]
+
+    # Armed again, inside the dwell: nothing; after it: undone.
+    store.set_governor_control("gov", state="armed", who="test")
+    assert asyncio.run(governor_step(g, collector, store, 150.0)) == []
+    [out] = asyncio.run(governor_step(g, collector, store, 161.0))
+    assert out["action"] == "exit" and [quantiles(t) for t in twins] == ["multi"] * 3
+
+
+def test_real_figures_trigger_the_scr_mode(twins_governed):
+    """The figures the collector computes from the twins' completions trigger the modes at the
+    first evaluation."""
+    twins, collector, store = twins_governed
+    t = 0.0  # serve the trace on the twins' clock, then poll again so the window holds the completions
+    while any(tw.core.finished_total < len(tw._requests) for tw in twins) and t < 3000:
+        t += 2.0
+        collector.test_clock.set(t)
+        for tw in twins:
+            tw.advance(t)
+
+    async def poll_all():
+        from controlplane.collector import make_client
+
+        collector._client = make_client(collector.cluster)
+        try:
+            for t in twins:
+                await collector.poll(t.name)
+        finally:
+            await collector._client.aclose()
+
+    asyncio.run(poll_all())
+    figures = collector.govern()
+    assert figures is not None and figures["scr"] == 0.0
+    assert figures["jfi"] < 0.8  # the noisy tenant took several times its commitment
+    store.set_governor_control("gov", state="armed", who="test")
+    outs = asyncio.run(governor_step(Governor.for_cluster(collector.cluster.governance), collector, store, 0.0))
+    assert [o["mode"] for o in outs] == ["scr", "jfi"]  # both, in seed 003's priority
+    assert outs[0]["replicas"]["twin-0"] == "applied" and quantiles(twins[0]) == "p99"
+    # Equal commitments: no tenant weighs less than the mean, so the JFI mode has nobody to throttle.
+    assert set(outs[1]["replicas"].values()) == {"skipped"}
+
+
+def test_the_governor_command_steers_the_control_row(tmp_path):
+    from tailpilot.cli import main
+
+    db = str(tmp_path / "g.db")
+    run = CliRunner()
+    assert "dry-run; active modes: none" in run.invoke(main, ["governor", "status", "--cluster-name", "c", "--db", db]).output
+    run.invoke(main, ["governor", "arm", "--cluster-name", "c", "--db", db, "--who", "ops"])
+    out = run.invoke(main, ["governor", "pause", "--cluster-name", "c", "--db", db, "--who", "ops"]).output
+    assert "armed (paused) · set by ops" in out
+    res = run.invoke(main, ["governor", "resume", "--cluster-name", "c", "--db", db, "--json"])
+    assert '"paused": false' in res.output and '"state": "armed"' in res.output
+    bad = run.invoke(main, ["record", "--cluster", str(tmp_path / "none.yaml"), "--arm"])
+    assert bad.exit_code != 0
+
+
+def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypatch):
+    """``record --govern --arm`` on live twins whose tenants cannot meet a 1-ms P99 TTFT: the SCR
+    mode is applied (an audit row by the governor, with the figures) within two windows."""
+    import threading
+    import time
+
+    import yaml
+
+    from controlplane.cluster import load_cluster_file
+    from controlplane.recorder import run_recorder
+    from sim.noisy import noisy_neighbour
+    from storage.store import Store
+    from tuner.twin import start_twins
+
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    trace, params = noisy_neighbour(capacity_req_s=10.0, duration_s=60.0)
+    doc_settings = Settings.model_validate({"policy": "slofq", "params": params})
+    window_s = 5.0
+    with start_twins(1, trace, speed=4.0, token="gov-token", settings=doc_settings) as twins:
+        doc = twins.cluster_doc("live")
+        doc["clusters"][0].update(poll_interval_s=0.2, timeout_s=5.0, window_s=window_s, governance={
+            "default_tenant": {"ttft": {"p99": 0.001}}, "governor": {"dwell_s": 600.0}})
+        path = tmp_path / "live.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        db = tmp_path / "live.db"
+        stop = threading.Event()
+        runner = threading.Thread(target=run_recorder, args=(load_cluster_file(path).cluster(), str(db)),
+                                  kwargs={"stop": stop, "govern": "armed", "install_signals": False})
+        runner.start()
+        try:
+            deadline = time.monotonic() + 60
+            rows: list = []
+            while time.monotonic() < deadline and not rows:
+                time.sleep(0.2)
+                try:
+                    with Store.open(str(db)) as store:
+                        rows = [r for r in store.settings_changes("live", None, 10) if r["who"] == "governor"]
+                except Exception:
+                    rows = []
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+        assert rows, "the governor applied nothing"
+        [row] = rows
+        assert row["result"] == "applied" and row["new"]["params"]["quantiles"] == "p99"
+        assert "scr" in row["message"] and "< 0.85" in row["message"]
+        # Within two windows of the SCR drop (when the collector's SCR alert first fired).
+        with Store.open(str(db)) as store:
+            fired = min(e["t_ms"] for e in store.alert_events("live", name="scr") if e["state"] == "firing")
+        assert 0 <= row["t_ms"] - fired <= 2 * window_s * 1000
