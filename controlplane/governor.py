@@ -88,6 +88,7 @@ class Governor:
     spec: GovernorSpec
     exit_at: dict[str, float]  # mode -> the figure at which it is undone (the alert thresholds)
     active: dict[str, float] = field(default_factory=dict)  # mode -> since (s)
+    dry: set[str] = field(default_factory=set)  # active modes entered in dry-run (never applied)
     below_since: dict[str, float] = field(default_factory=dict)  # type: when it first fell below
     replaced: dict[tuple[str, str], Any] = field(default_factory=dict)  # (mode, replica) -> old value
 
@@ -125,34 +126,45 @@ class Governor:
                                                                   f"{self.exit_at[mode.name]:g} after {held:.0f} s"))
         return out
 
-    def record(self, decision: Decision, now: float) -> None:
-        """The decision was carried out (or, in dry-run, would have been)."""
+    def record(self, decision: Decision, now: float, *, dry: bool = False) -> None:
+        """The decision was carried out (``dry``: in dry-run, would have been)."""
         if decision.action == "enter":
             self.active[decision.mode] = now
+            if dry:
+                self.dry.add(decision.mode)
         else:
             self.active.pop(decision.mode, None)
+            self.dry.discard(decision.mode)
 
-    def change(self, decision: Decision, replica: str) -> Callable[[Settings], Settings | None]:
-        """The settings change of ``decision`` for ``replica`` (None from it: nothing to do there)."""
-        mode = next(m for m in MODES if m.name == decision.mode)
+    def armed(self) -> None:
+        """Armed now: modes entered in dry-run were never applied — decide them again."""
+        for mode in self.dry:
+            self.active.pop(mode, None)
+        self.dry.clear()
 
-        def apply(current: Settings) -> Settings | None:
-            if current.policy != "slofq":
-                return None  # the modes are slofq's parameters
-            if current.is_pinned(mode.param):
-                return None
-            old = getattr(current.params, mode.param)
-            if decision.action == "enter":
-                new = self._entered_value(mode, current)
-                if new == old:
-                    return None
-                self.replaced[(mode.name, replica)] = old
-                return current.replace(params={mode.param: new})
-            if (mode.name, replica) not in self.replaced or old != self._entered_value(mode, current):
-                return None  # not ours to undo, or changed since by someone else
-            return current.replace(params={mode.param: self.replaced.pop((mode.name, replica))})
+    def change(self, decision: Decision, replica: str) -> "Change":
+        """The settings change of ``decision`` for ``replica``: a function of the replica's current
+        settings (None from it: nothing to do there); ``commit`` it once the replica took it."""
+        return Change(self, decision, replica, next(m for m in MODES if m.name == decision.mode))
 
-        return apply
+    def commit(self, change: "Change") -> None:
+        """The replica took ``change``: remember what entering replaced (to undo it), or forget it."""
+        key = (change.mode.name, change.replica)
+        if change.decision.action == "enter" and change.sent:
+            self.replaced[key] = change.old
+        elif change.decision.action == "exit" and change.sent:
+            self.replaced.pop(key, None)
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted governor needs to go on (kept in the control row's status)."""
+        return {"active": dict(self.active), "dry": sorted(self.dry),
+                "replaced": [[m, r, v] for (m, r), v in sorted(self.replaced.items())]}
+
+    def restore(self, status: dict[str, Any] | None) -> None:
+        status = status or {}
+        self.active = {m: float(t) for m, t in (status.get("active") or {}).items()}
+        self.dry = set(status.get("dry") or ())
+        self.replaced = {(m, r): v for m, r, v in status.get("replaced") or ()}
 
     def _entered_value(self, mode: Mode, current: Settings) -> Any:
         if mode.name == "scr":
@@ -160,11 +172,47 @@ class Governor:
         if mode.name == "type":
             return "hard"
         p = current.params  # jfi: the tenants weighing less than the mean, throttled
-        weights = {t: (s.weight if s.weight is not None else (s.commit_tok_s or 1.0)) for t, s in p.tenants.items()}
+        from controlplane.policies.slo import SloFq
+
+        weigh = SloFq(current).base_weight  # weights and commitments on one scale
+        weights = {t: weigh(t) for t in p.tenants}
         if not weights:
             return dict(p.throttle)
         mean = sum(weights.values()) / len(weights)
         return {**p.throttle, **{t: self.spec.throttle_fraction for t, w in weights.items() if w < mean}}
+
+
+_UNSET = object()
+
+
+@dataclass(slots=True)
+class Change:
+    """One mode's settings change for one replica (``Governor.change``)."""
+
+    gov: Governor
+    decision: Decision
+    replica: str
+    mode: Mode
+    old: Any = _UNSET
+    sent: bool = False  # it produced a document (set by calling it)
+
+    def __call__(self, current: Settings) -> Settings | None:
+        self.sent = False
+        if current.policy != "slofq" or current.is_pinned(self.mode.param):
+            return None  # the modes are slofq's parameters; a pinned one is never moved
+        old = getattr(current.params, self.mode.param)
+        entered = self.gov._entered_value(self.mode, current)
+        key = (self.mode.name, self.replica)
+        if self.decision.action == "enter":
+            if entered == old:
+                return None
+            new = entered
+        elif key not in self.gov.replaced or old != entered:
+            return None  # not ours to undo, or changed since by someone else
+        else:
+            new = self.gov.replaced[key]
+        self.old, self.sent = old, True
+        return current.replace(params={self.mode.param: new})
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,6 +232,8 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
     ctl = await asyncio.to_thread(store.governor_control, cluster.name)
     figures = collector.governance
     done: list[dict[str, Any]] = []
+    if ctl["state"] == "armed":
+        gov.armed()
     if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
         for decision in gov.decide(figures, now):
             outcome: dict[str, Any] = {"mode": decision.mode, "action": decision.action, "note": decision.note(),
@@ -193,13 +243,15 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
                 if ctl["state"] == "armed":
                     [res] = await apply_settings(cluster, [spec.name], change, store, who=WHO, note=decision.note())
                     outcome["replicas"][spec.name] = res.result
+                    if res.ok:
+                        gov.commit(change)
                 else:  # dry-run: what would be sent, in the audit log only
                     current = (collector.views[spec.name].state or {}).get("settings")
                     outcome["replicas"][spec.name] = await asyncio.to_thread(
                         _log_dry_run, store, cluster.name, spec.name, current, change, decision)
-            gov.record(decision, now)
+            gov.record(decision, now, dry=ctl["state"] != "armed")
             done.append(outcome)
-    status = {"active": {m: round(t, 3) for m, t in gov.active.items()}, "t_ms": int(now * 1000),
+    status = {**gov.state(), "t_ms": int(now * 1000),
               "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
     await asyncio.to_thread(store.set_governor_control, cluster.name, status=status)
     return done
@@ -226,6 +278,8 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
     log = logging.getLogger("tailpilot.governor")
     clock = clock or time.time
     gov = Governor.for_cluster(collector.cluster.governance)
+    # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
+    gov.restore((await asyncio.to_thread(store.governor_control, collector.cluster.name)).get("status"))
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)

@@ -423,20 +423,21 @@ class Store:
             raise ValueError(f"governor state must be armed, dry-run or disarmed, got {state!r}")
         now = self._now_ms() if t_ms is None else t_ms
 
+        given: dict[str, Any] = {"updated_ms": now}
+        if state is not None:
+            given["state"] = state
+        if paused is not None:
+            given["paused"] = paused
+        if status is not None:
+            given["status"] = status
+        if who is not None and (state is not None or paused is not None):
+            given["who"] = who
+
         def txn(conn: Connection) -> None:
-            row = conn.execute(select(GovernorControl.__table__).where(GovernorControl.cluster == cluster)).first()
-            doc = {**self.GOVERNOR_DEFAULT, **(dict(row._mapping) if row is not None else {})}
-            doc.update(cluster=cluster, updated_ms=now)
-            if state is not None:
-                doc["state"] = state
-            if paused is not None:
-                doc["paused"] = paused
-            if status is not None:
-                doc["status"] = status
-            if who is not None and (state is not None or paused is not None):
-                doc["who"] = who
-            conn.execute(insert_or_update(conn, table(GovernorControl), ["cluster"],
-                                          ["state", "paused", "who", "updated_ms", "status"]), [doc])
+            # Only the columns given are written: the governor's status every second never puts
+            # back a state an operator has just changed.
+            doc = {**self.GOVERNOR_DEFAULT, **given, "cluster": cluster}
+            conn.execute(insert_or_update(conn, table(GovernorControl), ["cluster"], list(given)), [doc])
 
         self._write(txn)
         return self.governor_control(cluster)

@@ -262,3 +262,40 @@ def test_a_deadline_that_moves_does_not_make_two_requests_evict_each_other_for_e
         sim._step()
         assert sim.iterations < 5_000, "livelock"
     assert len(sim.completions) + len(sim.rejected) == len(reqs)
+
+
+def test_state_per_tenant_does_not_outlive_the_tenant():
+    """A request aborted while waiting leaves the backlog; a tenant with nothing queued, running,
+    served or sampled is forgotten (tenant names come from clients)."""
+    p = make_policy(slofq())
+    reqs = arrive(p, [state(f"x{i}", f"evil{i}", 0.0) for i in range(3)])
+    for r in reqs:
+        p.on_finish(r, 0.1)  # aborted before admission
+    assert not any(p.backlog.values())
+    for t in (1.0, 40.0):
+        p.before_step([], t)
+    assert p.counters == {} and p.backlog == {} and not p.seated
+
+
+def test_a_switch_keeps_each_tenants_credit_and_the_new_windows():
+    old = make_policy(slofq())
+    a, b = arrive(old, [state("a0", "A", 0.0), state("b0", "B", 0.0)])
+    old.counters.update(A=100.0, B=10.0)
+    new = make_policy(slofq(protection_window_s=5.0, type_window_s=2.0))
+    new.adopt_live_state(old)
+    new.attach([a, b], [], 1.0)
+    assert new.counters == {"A": 100.0, "B": 10.0}  # no counter lift: a switch is not a return from idle
+    assert new.backlog == {"A": 1, "B": 1}
+    assert new.used.span == 5.0 and new.typed.span == 2.0
+
+
+def test_buckets_go_with_backpressure_and_an_idle_tenants_throttle_waits_for_use():
+    from controlplane.policies.slo import Bucket
+
+    p = make_policy(slofq(backpressure=False, throttle={"idle": 0.5}))
+    p.buckets["was"] = Bucket(rate=1.0, now=0.0)  # carried over from a document with backpressure
+    p.before_step([], 1.0)
+    assert "was" not in p.buckets and "idle" not in p.buckets  # idle: no use to take a fraction of
+    p.used.pending["idle"] += 3000.0
+    p.before_step([], 2.0)
+    assert p.buckets["idle"].rate == pytest.approx(0.5 * 3000.0 / 30.0)

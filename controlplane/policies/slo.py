@@ -275,9 +275,12 @@ class SloFq(Policy):
         self._unseat(req)
         self._enter_backlog(req.tenant)
 
-    def _unseat(self, req: RequestState) -> None:
-        if self.running.pop(req.id, None) is not None:
-            self.seated[req.tenant] -= 1
+    def _unseat(self, req: RequestState) -> bool:
+        """Forget a running request's seat; False if it was not running."""
+        if self.running.pop(req.id, None) is None:
+            return False
+        self.seated[req.tenant] -= 1
+        return True
 
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         self._leave_backlog(req.tenant)
@@ -312,7 +315,8 @@ class SloFq(Policy):
         pass
 
     def on_finish(self, req: RequestState, now: float) -> None:
-        self._unseat(req)
+        if not self._unseat(req):  # aborted while waiting: it leaves the queue
+            self._leave_backlog(req.tenant)
         if req.first_token_at is not None:
             q = self.samples.get(req.tenant)
             if q is None:
@@ -369,7 +373,9 @@ class SloFq(Policy):
             if self.target.get(tenant) != target:
                 self.target[tenant] = target
                 changed = True
-            if p.backpressure or tenant in p.throttle:
+            if not p.backpressure and tenant not in p.throttle:
+                self.buckets.pop(tenant, None)  # backpressure turned off, or the throttle lifted
+            else:
                 entitled = self._entitlement(tenant, total_w, total_rate)
                 self._control_bucket(tenant, now, observed.get("p99", observed.get(max(targets, default=""))),
                                      max(targets.values()) if targets else INF, entitled)
@@ -417,27 +423,30 @@ class SloFq(Policy):
                         del self.buckets[tenant]
                         bucket = None
         fraction = p.throttle.get(tenant)
-        if fraction is not None:  # an operator's (or the governor's) cap: a fraction of the use when set
+        if fraction is not None and (bucket is not None or use > 0):
+            # An operator's (or the governor's) cap: a fraction of the tenant's use when first
+            # applied (a tenant idle then is capped once it has used something).
             if bucket is None:
-                bucket = self.buckets[tenant] = Bucket(max(p.bp_min_tok_s, use), now)
+                bucket = self.buckets[tenant] = Bucket(use, now)
             bucket.rate = min(bucket.rate, max(p.bp_min_tok_s, fraction * bucket.base))
 
     def _forget_idle(self, tenants: set[str], now: float) -> None:
-        """Drop the state of tenants with nothing queued, served or sampled in the windows."""
-        for t in tenants:
-            if not self.backlog.get(t) and self.used.total(t) <= 0 and not self.samples.get(t) \
-                    and t not in self.buckets:
-                self.backlog.pop(t, None)
-                self.samples.pop(t, None)
-                self.target.pop(t, None)
-                self.weights.pop(t, None)
+        """Drop the state of tenants with nothing queued, running, served or sampled in the
+        windows (tenant names come from clients: what the engine keeps must not grow with them)."""
+        for t in tenants | set(self.counters):
+            if not self.backlog.get(t) and not self.seated.get(t) and self.used.total(t) <= 0 \
+                    and not self.samples.get(t) and t not in self.buckets:
+                for table in (self.backlog, self.samples, self.target, self.weights, self.counters, self.seated,
+                              self.queued, self.detected, self.first_held):
+                    table.pop(t, None)
 
     # --- switching and live state ---------------------------------------------------------
     def attach(self, waiting, running, now) -> None:
+        # The queues as they are (no counter lift: a switch is not a tenant coming back from idle).
         self.backlog = {}
         for r in waiting:
             self.counters.setdefault(r.tenant, 0.0)
-            self._enter_backlog(r.tenant)
+            self.backlog[r.tenant] = self.backlog.get(r.tenant, 0) + 1
         for r in running:
             self.counters.setdefault(r.tenant, 0.0)
         self.running = {r.id: r.tenant for r in running}
@@ -451,6 +460,9 @@ class SloFq(Policy):
             self.running, self.seated = dict(previous.running), defaultdict(int, previous.seated)
             self.samples, self.buckets = previous.samples, previous.buckets
             self.used, self.typed, self.arrived, self.steps = previous.used, previous.typed, previous.arrived, previous.steps
+            self.used.span = self.params.protection_window_s  # the new document's windows
+            for w in (self.typed, self.arrived, self.steps):
+                w.span = self.params.type_window_s
 
     def retry_after_s(self, tenant: str) -> float:
         """When a new request of ``tenant`` could be admitted: its bucket's debt and the prompt
