@@ -29,7 +29,27 @@ class Sarathi(Policy):
     reorders_waiting = False
 
 
-class Vtc(Policy):
+class TenantBacklog:
+    """Per-tenant virtual counters and waiting counts with the counter lift (docs/policies.md#vtc),
+    shared by vtc and slofq; the class sets ``self.counters`` and ``self.backlog``."""
+
+    counters: dict[str, float]
+    backlog: dict[str, int]
+
+    def _enter_backlog(self, tenant: str) -> None:
+        n = self.backlog.get(tenant, 0)
+        if n == 0:
+            # Counter lift: a tenant returning from idle cannot bank credit (docs/policies.md#vtc).
+            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
+            if others:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+        self.backlog[tenant] = n + 1
+
+    def _leave_backlog(self, tenant: str) -> None:
+        self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
+
+
+class Vtc(TenantBacklog, Policy):
     """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant with the
     least counter, FCFS within a tenant; charge prompt tokens on admission, output per token."""
 
@@ -46,18 +66,6 @@ class Vtc(Policy):
 
     # Keys stay FCFS (score = arrival): the waiting queue is kept in arrival order and the tenant
     # choice happens in admission_order, because counters move with every generated token.
-
-    def _enter_backlog(self, tenant: str) -> None:
-        n = self.backlog.get(tenant, 0)
-        if n == 0:
-            # Counter lift: a tenant returning from idle cannot bank credit (docs/policies.md#vtc).
-            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
-            if others:
-                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
-        self.backlog[tenant] = n + 1
-
-    def _leave_backlog(self, tenant: str) -> None:
-        self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
 
     def on_arrival(self, req: RequestState, now: float) -> None:
         self.counters.setdefault(req.tenant, 0.0)

@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from controlplane.policies.base import INF, Policy, RequestState, new_epoch
+from controlplane.policies.basic import TenantBacklog
 from controlplane.governance import minimum_shares
 from controlplane.metrics import _linear_percentiles
 from controlplane.settings import QUANTILES
@@ -81,7 +82,7 @@ class Bucket:
             self.t = now
 
 
-class SloFq(Policy):
+class SloFq(TenantBacklog, Policy):
     """Deadline-aware token-level fair queue with type shares and backpressure (module docstring)."""
 
     name = "slofq"
@@ -254,18 +255,7 @@ class SloFq(Policy):
         under = [g for g in cands if self.typed.total(g[1]) < rho.get(g[1], 0.0) * budget]
         return under or cands
 
-    # --- events ---------------------------------------------------------------------------
-    def _enter_backlog(self, tenant: str) -> None:
-        n = self.backlog.get(tenant, 0)
-        if n == 0:  # counter lift (as vtc): a tenant back from idle cannot bank credit
-            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
-            if others:
-                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
-        self.backlog[tenant] = n + 1
-
-    def _leave_backlog(self, tenant: str) -> None:
-        self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
-
+    # --- events (the backlog and its counter lift: basic.TenantBacklog) ------------------------
     def on_arrival(self, req: RequestState, now: float) -> None:
         self.counters.setdefault(req.tenant, 0.0)
         self._enter_backlog(req.tenant)
