@@ -371,12 +371,7 @@ class Store:
         """Stored governance windows of ``cluster`` (``since_ms <= t_ms < until_ms``), newest
         first: dicts with t_ms and summary."""
         stmt = select(GovernanceWindow.t_ms, GovernanceWindow.summary).where(GovernanceWindow.cluster == cluster)
-        stmt = _in_range(stmt, GovernanceWindow.t_ms, since_ms, until_ms)
-        stmt = stmt.order_by(GovernanceWindow.t_ms.desc(), GovernanceWindow.id.desc())
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        with self._read() as conn:
-            return [dict(row._mapping) for row in conn.execute(stmt)]
+        return self._newest_first(stmt, GovernanceWindow, since_ms, until_ms, limit)
 
     def alert_events(self, cluster: str, *, since_ms: int | None = None, until_ms: int | None = None,
                      limit: int | None = None, name: str | None = None) -> list[dict[str, Any]]:
@@ -386,8 +381,13 @@ class Store:
                 .where(AlertEvent.cluster == cluster))
         if name is not None:
             stmt = stmt.where(AlertEvent.name == name)
-        stmt = _in_range(stmt, AlertEvent.t_ms, since_ms, until_ms)
-        stmt = stmt.order_by(AlertEvent.t_ms.desc(), AlertEvent.id.desc())
+        return self._newest_first(stmt, AlertEvent, since_ms, until_ms, limit)
+
+    def _newest_first(self, stmt: Any, model: Any, since_ms: int | None, until_ms: int | None,
+                      limit: int | None) -> list[dict[str, Any]]:
+        """The rows of ``stmt`` on a cluster-level table (t_ms, id) in ``[since_ms, until_ms)``,
+        newest first, at most ``limit``, as dicts."""
+        stmt = _in_range(stmt, model.t_ms, since_ms, until_ms).order_by(model.t_ms.desc(), model.id.desc())
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._read() as conn:
