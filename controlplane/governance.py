@@ -135,9 +135,11 @@ def report(tenant: np.ndarray, rtype: np.ndarray, ttft: np.ndarray, ttlt: np.nda
     rho = minimum_shares(params, asked)
     guaranteed = {k: min(r, asked.get(k, 0.0) / total_asked) for k, r in rho.items() if total_asked}
     ratios = {k: (served.get(k, 0.0) / total) / g if total else None for k, g in guaranteed.items() if g > 0}
-    types = {k: {"share": served[k] / total if total else None, "minimum": rho.get(k), "ratio": ratios.get(k),
-                 "ttft_p50": _finite(distribution_stats(ttft[rtype == k])["p50"]),
-                 "ttft_p99": _finite(distribution_stats(ttft[rtype == k])["p99"])} for k in kinds}
+    types = {}
+    for k in kinds:
+        ft = distribution_stats(ttft[rtype == k])
+        types[k] = {"share": served[k] / total if total else None, "minimum": rho.get(k), "ratio": ratios.get(k),
+                    "ttft_p50": _finite(ft["p50"]), "ttft_p99": _finite(ft["p99"])}
     finite = [r for r in ratios.values() if r is not None]
     return {
         "requests": int(tenant.size), "duration_s": duration_s, "tenants": tenants, "types": types,

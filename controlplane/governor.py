@@ -172,10 +172,7 @@ class Governor:
         if mode.name == "type":
             return "hard"
         p = current.params  # jfi: the tenants weighing less than the mean, throttled
-        from controlplane.policies.slo import SloFq
-
-        weigh = SloFq(current).base_weight  # weights and commitments on one scale
-        weights = {t: weigh(t) for t in p.tenants}
+        weights = {t: p.base_weight(t) for t in p.tenants}  # weights and commitments on one scale
         if not weights:
             return dict(p.throttle)
         mean = sum(weights.values()) / len(weights)

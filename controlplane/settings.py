@@ -13,6 +13,7 @@ Every error names the field it is about (``params.gamma``, ``engine.max_num_seqs
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -267,6 +268,21 @@ class SloFqParams(_Strict):
 
     def tenant(self, name: str) -> TenantSlo:
         return self.tenants.get(name, self.default_tenant)
+
+    def base_weight(self, name: str) -> float:
+        """ω_j before protection: ``weight``; with ``commit_tok_s`` seed 003's C_j / ΣC, scaled so
+        the mean commitment weighs 1 (like ``weight: 1``); else 1."""
+        spec = self.tenant(name)
+        if spec.weight is not None:
+            return spec.weight
+        if spec.commit_tok_s is not None:
+            return spec.commit_tok_s / self._mean_commit
+        return 1.0
+
+    @cached_property
+    def _mean_commit(self) -> float:  # the document is frozen: computed once, not per token
+        commits = [t.commit_tok_s for t in self.tenants.values() if t.commit_tok_s is not None]
+        return sum(commits) / len(commits) if commits else 1.0
 
 
 PARAM_MODELS: dict[str, type[_Strict]] = {

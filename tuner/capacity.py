@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from controlplane.governance import report
+from controlplane.governance import window_report
 from controlplane.settings import Settings, SloFqParams
 from sim import traces as tr
 from sim.engine import EngineConfig, simulate
@@ -50,11 +50,7 @@ def evaluate(trace: tr.Trace, n: int, params: SloFqParams, settings: Settings, c
         rows = [c for c in done if w * window_s <= c.arrival < (w + 1) * window_s]
         if not rows:
             continue
-        rep = report(np.array([c.tenant for c in rows], dtype=object), np.array([c.type for c in rows], dtype=object),
-                     np.array([c.first_token_at - c.arrival for c in rows]),
-                     np.array([c.finished_at - c.arrival for c in rows]),
-                     np.array([c.prompt_tokens + c.output_tokens for c in rows], dtype=np.float64),
-                     params, duration_s=window_s)
+        rep = window_report(rows, params, duration_s=window_s)
         if rep["scr"] is not None:
             scrs.append(rep["scr"])
     mean_scr = sum(scrs) / len(scrs) if scrs else None

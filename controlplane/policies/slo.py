@@ -95,8 +95,7 @@ class SloFq(TenantBacklog, Policy):
         super().__init__(settings, predictor)
         p = self.params
         self.budget = settings.engine.max_num_batched_tokens
-        commits = [t.commit_tok_s for t in p.tenants.values() if t.commit_tok_s is not None]
-        self._mean_commit = sum(commits) / len(commits) if commits else 1.0
+        self.base_weight = p.base_weight  # per tenant, before consumption protection
         self.counters: dict[str, float] = {}
         self.backlog: dict[str, int] = {}
         self.target: dict[str, float] = {}  # the deadline's target per tenant (s)
@@ -119,14 +118,6 @@ class SloFq(TenantBacklog, Policy):
         self._now = 0.0
 
     # --- weights, deadlines, shares -------------------------------------------------------
-    def base_weight(self, tenant: str) -> float:
-        spec = self.params.tenant(tenant)
-        if spec.weight is not None:
-            return spec.weight
-        if spec.commit_tok_s is not None:  # seed: C_j / ΣC, scaled so the mean commitment weighs 1
-            return spec.commit_tok_s / self._mean_commit
-        return 1.0
-
     def weight(self, tenant: str) -> float:
         w = self.weights.get(tenant)
         return self.base_weight(tenant) if w is None else w
