@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from storage.store import Store
+from twin_support import serve_all
 from tailpilot.cli import main
 from tuner.fidelity import FidelityError, compare, decision_diff, figures, settings_timeline
 
@@ -81,11 +82,7 @@ def recorded_twin(tmp_path):
     with start_twins(1, trace, clock=clock, config=EngineConfig(num_gpu_blocks=3000), loop=False,
                      settings=settings, token=TOKEN) as twins:
         twin = twins[0]
-        t = 0.0
-        while twin.core.finished_total < len(trace) and t < 5000:
-            t += 5.0
-            clock.set(t)
-            twin.advance(t)
+        serve_all(twins, clock, step=5.0)
         assert twin.core.finished_total == len(trace)
         record_all(twins, db, len(trace))
         yield db, twin, trace

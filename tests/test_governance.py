@@ -15,6 +15,7 @@ from controlplane.cluster import ClusterFileError, parse_cluster_file
 from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec, window_report
 from controlplane.metrics import Completion
 from controlplane.settings import SloFqParams
+from twin_support import serve_all
 
 GOV = {"tenants": {"a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},
                    "b": {"commit_tok_s": 100.0, "ttft": {"p99": 1.0}, "ttlt": {"p99": 5.0}}},
@@ -100,11 +101,7 @@ def governed(tmp_path):
     with start_twins(1, trace, clock=clock, config=EngineConfig(), loop=False, token="gov-token",
                      settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}})) as twins:
         twin = twins[0]
-        t = 0.0
-        while twin.core.finished_total < len(trace) and t < 3000:
-            t += 2.0
-            clock.set(t)
-            twin.advance(t)
+        serve_all(twins, clock, limit=3000.0)
         doc = twins.cluster_doc("gov")
         doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0, window_s=3600.0,
                                   governance={"tenants": params["tenants"]})

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from controlplane.governance import GovernanceSpec
 from controlplane.governor import MODES, Governor, governor_step
 from controlplane.settings import Settings
+from twin_support import poll_all, serve_all
 
 LOW = {"scr": 0.5, "jfi": 0.99, "type_fairness_min": 1.0}
 OK = {"scr": 1.0, "jfi": 0.99, "type_fairness_min": 1.0}
@@ -104,18 +105,7 @@ def twins_governed(tmp_path, monkeypatch):
                       for t in twins])
         store = Store.open(str(tmp_path / "gov.db"))
         collector = Collector(spec, store)
-
-        async def poll_all():
-            from controlplane.collector import make_client
-
-            collector._client = make_client(spec)
-            try:
-                for t in twins:
-                    await collector.poll(t.name)
-            finally:
-                await collector._client.aclose()
-
-        asyncio.run(poll_all())
+        poll_all(collector)
         collector.test_clock = clock
         yield twins, collector, store
         store.close()
@@ -175,24 +165,9 @@ def test_real_figures_trigger_the_scr_mode(twins_governed):
     """The figures the collector computes from the twins' completions trigger the modes at the
     first evaluation."""
     twins, collector, store = twins_governed
-    t = 0.0  # serve the trace on the twins' clock, then poll again so the window holds the completions
-    while any(tw.core.finished_total < len(tw._requests) for tw in twins) and t < 3000:
-        t += 2.0
-        collector.test_clock.set(t)
-        for tw in twins:
-            tw.advance(t)
-
-    async def poll_all():
-        from controlplane.collector import make_client
-
-        collector._client = make_client(collector.cluster)
-        try:
-            for t in twins:
-                await collector.poll(t.name)
-        finally:
-            await collector._client.aclose()
-
-    asyncio.run(poll_all())
+    # Serve the trace on the twins' clock, then poll again so the window holds the completions.
+    serve_all(twins, collector.test_clock, limit=3000.0)
+    poll_all(collector)
     figures = collector.govern()
     assert figures is not None and figures["scr"] == 0.0
     assert figures["jfi"] < 0.8  # the noisy tenant took several times its commitment
