@@ -142,6 +142,13 @@ def alert_text(governance: Mapping | None) -> Text:
     return out
 
 
+def fmt_target(figures: Mapping, key: str) -> str:
+    """A tenant's figure against its target, "2.40s/1.00s" (the figure alone without a target)."""
+    value = fmt_seconds(figures.get(key))
+    limit = (figures.get("limits") or {}).get(key)
+    return value if limit is None else f"{value}/{fmt_seconds(limit)}"
+
+
 def governance_lines(governance: Mapping | None) -> list[Text]:
     """What ``tailpilot status`` prints under the table: the alert line, SCR, JFI, type fairness
     and each tenant's TTFT quantiles against its targets."""
@@ -152,9 +159,7 @@ def governance_lines(governance: Mapping | None) -> list[Text]:
                   f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}   over "
                   f"{governance.get('requests', 0)} requests")]
     for tenant, f in sorted((governance.get("tenants") or {}).items()):
-        cells = "  ".join(f"{q.replace('_', ' ').upper()} {fmt_seconds(f.get(q))}"
-                          + (f"/{fmt_seconds(f['limits'][q])}" if q in f.get("limits", {}) else "")
-                          for q in ("ttft_p50", "ttft_p90", "ttft_p99"))
+        cells = "  ".join(f"{q.replace('_', ' ').upper()} {fmt_target(f, q)}" for q in ("ttft_p50", "ttft_p90", "ttft_p99"))
         verdict = Text(" meets", style="green") if f.get("compliant") else Text(
             " misses " + ", ".join(f.get("missed", [])), style="red")
         lines.append(Text(f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s") + verdict)

@@ -24,6 +24,7 @@ from controlplane.views import (
     fmt_number,
     fmt_percent,
     fmt_seconds,
+    fmt_target,
 )
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary, fmt_value, settings_diff
@@ -503,12 +504,6 @@ def governance_summary(g: Mapping[str, Any] | None) -> Text:
     return out
 
 
-def _target(f: Mapping[str, Any], key: str) -> str:
-    value = fmt_seconds(f.get(key))
-    limit = (f.get("limits") or {}).get(key)
-    return value if limit is None else f"{value}/{fmt_seconds(limit)}"
-
-
 def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
     """A row per tenant (figures against its targets), then one per request type."""
     if not g:
@@ -517,8 +512,8 @@ def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
     for tenant, f in sorted((g.get("tenants") or {}).items()):
         slo = Text("meets", style="green") if f.get("compliant") else Text(
             "misses " + ", ".join(f.get("missed") or []), style="bold red")
-        rows.append((tenant, _target(f, "ttft_p50"), _target(f, "ttft_p90"), _target(f, "ttft_p99"),
-                     _target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("normalised"), 3), slo))
+        rows.append((tenant, fmt_target(f, "ttft_p50"), fmt_target(f, "ttft_p90"), fmt_target(f, "ttft_p99"),
+                     fmt_target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("normalised"), 3), slo))
     for kind, f in sorted((g.get("types") or {}).items()):
         ratio = f.get("ratio")
         share = Text("—" if ratio is None else f"share {fmt_percent(f.get('share'))} = {ratio:.2f}× its minimum",
