@@ -537,6 +537,9 @@ class Collector:
         self._gov_params = gov.params() if gov is not None else None
         self._gov_stored: float | None = None
         self.governance: dict[str, Any] | None = None
+        # The governor's last status (state, paused, active modes), when one runs on this
+        # collector (controlplane.governor.governor_step sets it; the /metrics page reads it).
+        self.governor_status: dict[str, Any] | None = None
 
     # --- public reading side (TUI, tests) ----------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:

@@ -87,6 +87,8 @@ class ExportOptions:
     pvc_storage: str = "50Gi"
     api_port: int = DEFAULT_API_PORT
     token_secret: str | None = None  # a Secret whose keys (TAILPILOT_TOKEN) become env vars
+    service_monitor: bool = True  # the chart's ServiceMonitor for the engines' /metrics
+    scrape_interval: str = "15s"
 
     @property
     def scheduler_cls(self) -> str:
@@ -280,7 +282,13 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
     }
     if options.token_secret:
         spec["envFromSecret"] = {"name": options.token_secret}
-    return {"servingEngineSpec": {"modelSpec": [spec]}}
+    engine: dict[str, Any] = {"modelSpec": [spec]}
+    if options.service_monitor:
+        # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics (tailpilot's
+        # figures come from the recorder's, `tailpilot export --cluster ... --format servicemonitor`).
+        engine["serviceMonitor"] = {"enabled": True, "interval": options.scrape_interval,
+                                    "scrapeTimeout": options.scrape_interval, "honorLabels": False}
+    return {"servingEngineSpec": engine}
 
 
 def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) -> str:
@@ -301,6 +309,10 @@ def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) ->
         + (f" (this file uses {options.token_secret!r})." if options.token_secret else "."),
         "requestCPU/requestMemory/requestGPU/pvcStorage are required by the chart's schema: adjust them.",
     ]
+    if options.service_monitor:
+        header.append("servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the engines'"
+                      " vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come from the"
+                      " recorder: tailpilot export --cluster FILE --format servicemonitor.")
     return _yaml(helm_values_doc(settings, options), header)
 
 
@@ -431,6 +443,8 @@ def _verify(fmt: str, text: str, settings: Settings, options: ExportOptions) -> 
             _expect(isinstance(spec.get(key), str) and spec[key], fmt, f"modelSpec.{key} must be a string")
         for key in ("replicaCount", "requestCPU", "requestGPU"):
             _expect(isinstance(spec.get(key), int), fmt, f"modelSpec.{key} must be an integer")
+        monitor = strict_yaml.load(text)["servingEngineSpec"].get("serviceMonitor")
+        _expect(bool(monitor and monitor.get("enabled")) == options.service_monitor, fmt, "serviceMonitor.enabled")
     else:
         raise ExportError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")
 

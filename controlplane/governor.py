@@ -251,6 +251,7 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
     status = {**gov.state(), "t_ms": int(now * 1000),
               "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
     await asyncio.to_thread(store.set_governor_control, cluster.name, status=status)
+    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done
 
 

@@ -7,7 +7,8 @@ exits 0; the persisted cursors make a later run continue exactly where this one 
 ``kill -9`` at any moment loses and duplicates no completion (the cursor is stored in the same
 transaction as the completions it covers). With ``recording_name`` the run is also a named
 recording (``Store.begin_recording`` / ``end_recording``), which retention keeps; with
-``retention`` the store's retention runs every ``retention_interval_s``.
+``retention`` the store's retention runs every ``retention_interval_s``; with ``metrics`` it serves
+the ``tailpilot_*`` Prometheus page (controlplane.exporter) on its own event loop.
 
 Health changes are logged (``replica twin-3 unhealthy: state: timeout after 2 s``; ``... healthy
 again``), so a headless run's log says when each replica was out and why.
@@ -53,6 +54,7 @@ class RecorderStats:
     retention_runs: int = 0
     health_changes: int = 0
     unhealthy_at_end: list[str] = field(default_factory=list)
+    metrics_url: str | None = None  # where /metrics was served (--metrics-port)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,10 +83,12 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
                  recording_name: str | None = None, retention: Any | None = None,
                  retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 collector: Collector | None = None, govern: str | None = None) -> RecorderStats:
+                 collector: Collector | None = None, govern: str | None = None,
+                 metrics: tuple[str, int] | None = None) -> RecorderStats:
     """Run a collector on ``store`` until ``stop`` is set; flush, end the recording, return stats.
     ``govern``: also run the governor (controlplane.governor), its state set to this first
-    ("armed" | "dry-run"; "" keeps the stored state)."""
+    ("armed" | "dry-run"; "" keeps the stored state). ``metrics``: (host, port) to serve the
+    ``tailpilot_*`` Prometheus page on (controlplane.exporter; port 0 picks one)."""
     stats = RecorderStats(cluster=cluster.name, db=db_label, started_ms=int(time.time() * 1000))
     collector = collector or Collector(cluster, store, flush_interval_s=flush_interval_s,
                                        metrics_every=metrics_every)
@@ -112,9 +116,19 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
         if govern:
             await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
         extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
+    exporter = None
+    if metrics is not None:
+        from controlplane.exporter import MetricsServer
+
+        exporter = MetricsServer(collector, host=metrics[0], port=metrics[1])
+        port = await exporter.start()
+        stats.metrics_url = f"http://{metrics[0]}:{port}/metrics"
+        log.info("serving Prometheus metrics at %s", stats.metrics_url)
     try:
         s = await collector.run(stop)
     finally:
+        if exporter is not None:
+            await exporter.stop()
         for task in extra:
             task.cancel()
         await asyncio.gather(*extra, return_exceptions=True)
@@ -141,7 +155,8 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                  stop: asyncio.Event | threading.Event | None = None, recording_name: str | None = None,
                  retention: Any | None = None, retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 install_signals: bool = True, govern: str | None = None) -> RecorderStats:
+                 install_signals: bool = True, govern: str | None = None,
+                 metrics: tuple[str, int] | None = None) -> RecorderStats:
     """Record ``cluster`` into the store at ``db_url`` (None: ./tailpilot.db) until stopped.
 
     Blocking. Stops on SIGTERM/SIGINT (``install_signals``, main thread only) or when ``stop`` is
@@ -174,7 +189,8 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                      str(store))
             return await record(cluster, store, event, db_label=str(store), recording_name=recording_name,
                                 retention=retention, retention_interval_s=retention_interval_s,
-                                flush_interval_s=flush_interval_s, metrics_every=metrics_every, govern=govern)
+                                flush_interval_s=flush_interval_s, metrics_every=metrics_every, govern=govern,
+                                metrics=metrics)
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
@@ -198,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-interval", type=float, default=1.0, metavar="S")
     parser.add_argument("--metrics-every", type=int, default=1, metavar="N",
                         help="read /metrics of plugin replicas every N polls (default 1)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
@@ -211,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         stats = run_recorder(cluster, args.db, recording_name=args.recording,
-                             flush_interval_s=args.flush_interval, metrics_every=args.metrics_every)
+                             flush_interval_s=args.flush_interval, metrics_every=args.metrics_every,
+                             metrics=(args.metrics_host, args.metrics_port) if args.metrics_port is not None else None)
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

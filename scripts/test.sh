@@ -16,6 +16,16 @@ fi
 if ! command -v tmux >/dev/null; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux
 fi
+# The Prometheus tests judge the exported alert rules and dashboard queries with promtool: take it
+# from Debian's prometheus package without installing the server (no service, no dependencies),
+# next to this Python's scripts (the virtual environment's bin/ when there is one).
+if ! command -v promtool >/dev/null; then
+    tmp=$(mktemp -d)
+    (cd "$tmp" && { apt-get download prometheus || { apt-get update && apt-get download prometheus; }; } \
+        && dpkg-deb -x prometheus_*.deb x)
+    install -m 755 "$tmp/x/usr/bin/promtool" "$(python -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/promtool"
+    rm -rf "$tmp"
+fi
 # Lint (pyflakes + bugbear, pyproject's [tool.ruff]) and types (pyproject's [tool.mypy]: the
 # policy library, settings, contract, plugin core and API, storage) before the suite.
 ruff check .

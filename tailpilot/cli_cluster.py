@@ -291,7 +291,11 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
 @click.option("--raw-hours", type=float, help="Retention: keep raw samples this many hours, then 1-minute rollups.")
 @click.option("--govern", is_flag=True, help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.")
 @click.option("--arm", is_flag=True, help="With --govern: arm the governor (it applies its modes).")
-def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, arm):
+@click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="PORT",
+              help="Serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port; 9464 by convention).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the Prometheus page listens on (0.0.0.0 in a pod).")
+def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, arm, metrics_port, metrics_host):
     """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector)."""
     import logging
 
@@ -310,7 +314,8 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, ar
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     open_store(db).close()  # a bad URL is a usage error before anything starts
     stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention,
-                         govern=("armed" if arm else "dry-run") if govern else None)
+                         govern=("armed" if arm else "dry-run") if govern else None,
+                         metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
     click.echo(json.dumps(stats.as_dict(), default=str))
 
 

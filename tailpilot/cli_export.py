@@ -3,6 +3,8 @@
     tailpilot export --settings tuned.json --format vllm-args --model meta-llama/Meta-Llama-3-8B-Instruct
     tailpilot export --study prod-nightly --db sqlite:///tailpilot.db --format configmap --name tp --out cm.yaml
     tailpilot export --study prod-nightly --format helm --model meta-llama/Meta-Llama-3-8B-Instruct --out values.yaml
+    tailpilot export --cluster clusters.yaml --format prometheus-rules --out tailpilot-rules.yaml
+    tailpilot export --cluster clusters.yaml --format grafana --out tailpilot-dashboard.json
     tailpilot calibrate --db sqlite:///tailpilot.db --replica a100-0 [--cluster-name prod] [--name calibrated/a100]
     tailpilot calibrate --url http://10.0.0.7:8765 --name calibrated/a100-0
 
@@ -54,7 +56,11 @@ def _open_existing_store(db: str | None):
 @click.option("--storage", metavar="URL",
               help="The study's Optuna storage, as given to tune/recommend; only used in the hint when no "
                    "recommendation is stored yet (export reads the stored recommendation, never Optuna).")
-@click.option("--format", "fmt", type=click.Choice(["settings", "vllm-args", "configmap", "helm"]),
+@click.option("--cluster", "cluster_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="prometheus-rules, prometheusrule, grafana, servicemonitor: the cluster file (its thresholds).")
+@click.option("--cluster-name", metavar="NAME", help="Which cluster of the file (needed when it has several).")
+@click.option("--format", "fmt", type=click.Choice(["settings", "vllm-args", "configmap", "helm", "prometheus-rules",
+                                                    "prometheusrule", "grafana", "servicemonitor"]),
               default="settings", show_default=True, help="What to write.")
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
               help="Write here (atomically) instead of standard output.")
@@ -74,18 +80,33 @@ def _open_existing_store(db: str | None):
 @click.option("--api-port", type=click.IntRange(1, 65535), default=8765, show_default=True,
               help="helm: the control API's port in each pod.")
 @click.option("--token-secret", metavar="SECRET", help="helm: a Secret with TAILPILOT_TOKEN, loaded as env vars.")
-def export(settings_file, study, db, storage, fmt, out, model, scheduler, settings_path, name, namespace, image,
-           replicas, engine_name, api_port, token_secret):
-    """Write settings for deployment: the plugin's settings JSON, a `vllm serve` command line,
-    a Kubernetes ConfigMap or Helm values for the vLLM production-stack chart. Every output is
-    parsed back and checked against its input before it is written."""
+@click.option("--service-monitor/--no-service-monitor", default=True, show_default=True,
+              help="helm: have the chart create a ServiceMonitor for the engines' /metrics.")
+@click.option("--interval", default="15s", show_default=True, metavar="DURATION",
+              help="helm, servicemonitor: the scrape interval.")
+@click.option("--for", "for_", metavar="DURATION",
+              help="prometheus-rules: how long a governance figure stays below its threshold before its alert "
+                   "fires (default: at once, as the recorder's own alerts).")
+def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, out, model, scheduler, settings_path,
+           name, namespace, image, replicas, engine_name, api_port, token_secret, service_monitor, interval, for_):
+    """Write settings for deployment — the plugin's settings JSON, a `vllm serve` command line,
+    a Kubernetes ConfigMap or Helm values for the vLLM production-stack chart — or a cluster's
+    monitoring: Prometheus alert rules at its thresholds, a Grafana dashboard, a ServiceMonitor for
+    the recorder. Every output is parsed back and checked before it is written."""
+    from controlplane.monitoring import FORMATS as MONITORING_FORMATS
+
+    if fmt in MONITORING_FORMATS:
+        return _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_,
+                                  conflicting=settings_file or study)
+    if cluster_file:
+        raise click.UsageError(f"--cluster goes with --format {', '.join(MONITORING_FORMATS)}; "
+                               f"{fmt} exports settings (--settings or --study)")
     from controlplane.export import (
         ExportError,
         ExportOptions,
         load_settings_file,
         render,
         settings_from_study,
-        write_atomically,
     )
 
     if bool(settings_file) == bool(study):
@@ -104,24 +125,66 @@ def export(settings_file, study, db, storage, fmt, out, model, scheduler, settin
             source = f"study {study}, recommendation #{rec.id}"
     except ExportError as err:
         raise click.UsageError(str(err)) from None
+    if fmt == "helm":
+        _check_interval(interval)
     options = ExportOptions(model=model, scheduler=scheduler, settings_path=settings_path, name=name,
                             namespace=namespace, source=source, engine_name=engine_name, image=image,
-                            replicas=replicas, api_port=api_port, token_secret=token_secret)
+                            replicas=replicas, api_port=api_port, token_secret=token_secret,
+                            service_monitor=service_monitor, scrape_interval=interval)
     try:
         text = render(settings, fmt, options)
     except ExportError as err:
         raise click.ClickException(str(err)) from None
+    _write(text, out, f"{fmt} for {settings.policy} ({source})")
+    if fmt == "vllm-args":
+        click.echo(f"(write the settings file it names with: tailpilot export ... --format settings "
+                   f"--out {settings_path})", err=True)
+
+
+def _check_interval(interval: str) -> None:
+    from controlplane.monitoring import MonitoringExportError, check_duration
+
+    try:
+        check_duration(interval, "interval")
+    except MonitoringExportError as err:
+        raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--interval") from None
+
+
+def _write(text: str, out: str | None, what: str) -> None:
+    from controlplane.export import write_atomically
+
     if out:
         try:
             write_atomically(out, text)
         except OSError as err:
             raise click.ClickException(f"cannot write {out}: {err.strerror or err}") from None
-        click.echo(f"wrote {fmt} for {settings.policy} ({source}) to {out}", err=True)
+        click.echo(f"wrote {what} to {out}", err=True)
     else:
         click.echo(text, nl=False)
-    if fmt == "vllm-args":
-        click.echo(f"(write the settings file it names with: tailpilot export ... --format settings "
-                   f"--out {settings_path})", err=True)
+
+
+def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_, conflicting) -> None:
+    from controlplane.monitoring import MonitoringExportError, check_duration, render
+    from tailpilot.cli_cluster import load_cluster
+
+    if conflicting:
+        raise click.UsageError(f"--format {fmt} exports a cluster's monitoring: give --cluster FILE, "
+                               "not --settings or --study")
+    if not cluster_file:
+        raise click.UsageError(f"--format {fmt} needs --cluster FILE (the cluster file with its thresholds)")
+    cluster = load_cluster(cluster_file, cluster_name)
+    if for_ is not None:
+        try:
+            check_duration(for_, "for")
+        except MonitoringExportError as err:
+            raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--for") from None
+    _check_interval(interval)
+    try:
+        text = render(cluster, fmt, namespace=namespace, for_=for_, interval=interval)
+    except MonitoringExportError as err:
+        raise click.ClickException(str(err)) from None
+    governed = "governed" if cluster.governance is not None else "not governed: replica alerts only"
+    _write(text, out, f"{fmt} for cluster {cluster.name} ({governed})")
 
 
 # --------------------------------------------------------------------------------------------

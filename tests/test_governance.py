@@ -15,7 +15,7 @@ from controlplane.cluster import ClusterFileError, parse_cluster_file
 from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec, window_report
 from controlplane.metrics import Completion
 from controlplane.settings import SloFqParams
-from twin_support import serve_all
+from twin_support import governed_cluster
 
 GOV = {"tenants": {"a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},
                    "b": {"commit_tok_s": 100.0, "ttft": {"p99": 1.0}, "ttlt": {"p99": 5.0}}},
@@ -86,28 +86,8 @@ def test_defaults_are_seed_003s():
 
 @pytest.fixture
 def governed(tmp_path):
-    """One twin that served a noisy-neighbour trace under fcfs (the quiet tenants miss their
-    targets), a governed cluster file, and a store the real recorder filled."""
-    import yaml
-
-    from controlplane.settings import Settings
-    from sim.engine import EngineConfig
-    from sim.noisy import noisy_neighbour
-    from tuner.twin import ManualClock, start_twins
-
-    trace, params = noisy_neighbour(capacity_req_s=30.0, duration_s=40.0, burst_from_s=5.0, burst_s=20.0,
-                                    prompt_scale=0.5, output_scale=0.5)
-    clock = ManualClock()
-    with start_twins(1, trace, clock=clock, config=EngineConfig(), loop=False, token="gov-token",
-                     settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}})) as twins:
-        twin = twins[0]
-        serve_all(twins, clock, limit=3000.0)
-        doc = twins.cluster_doc("gov")
-        doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0, window_s=3600.0,
-                                  governance={"tenants": params["tenants"]})
-        path = tmp_path / "gov.yaml"
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        yield path, twin, trace
+    with governed_cluster(tmp_path) as found:
+        yield found
 
 
 def test_the_collector_computes_stores_and_restores_governance(governed, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 def serve_all(twins, clock, step: float = 2.0, limit: float = 5000.0) -> float:
@@ -31,3 +32,29 @@ def poll_all(collector, polls: int = 1) -> None:
             await collector._client.aclose()
 
     asyncio.run(run())
+
+
+@contextlib.contextmanager
+def governed_cluster(tmp_path, token: str = "gov-token"):
+    """One twin that served a noisy-neighbour trace under fcfs (the quiet tenants miss their
+    targets) and a governed cluster file naming it: yields (path, twin, trace)."""
+    import yaml
+
+    from controlplane.settings import Settings
+    from sim.engine import EngineConfig
+    from sim.noisy import noisy_neighbour
+    from tuner.twin import ManualClock, start_twins
+
+    trace, params = noisy_neighbour(capacity_req_s=30.0, duration_s=40.0, burst_from_s=5.0, burst_s=20.0,
+                                    prompt_scale=0.5, output_scale=0.5)
+    clock = ManualClock()
+    with start_twins(1, trace, clock=clock, config=EngineConfig(), loop=False, token=token,
+                     settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}})) as twins:
+        twin = twins[0]
+        serve_all(twins, clock, limit=3000.0)
+        doc = twins.cluster_doc("gov")
+        doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0, window_s=3600.0,
+                                  governance={"tenants": params["tenants"]})
+        path = tmp_path / "gov.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        yield path, twin, trace

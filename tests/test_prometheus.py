@@ -1,0 +1,437 @@
+"""Prometheus and Grafana (controlplane/exporter.py, controlplane/monitoring.py): the recorder's
+``/metrics`` against the collector's own figures, the exported alert rules judged by ``promtool``
+(syntax, and unit tests that they fire exactly when the collector's alerts do, at a cluster's own
+thresholds and on a real scrape), the Grafana dashboard loaded back and its every query parsed by
+promtool, and the ServiceMonitors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.cluster import parse_cluster_file
+from controlplane.exporter import SERIES
+from controlplane.governance import AlertEvaluator
+from controlplane.monitoring import MonitoringExportError, check_dashboard, dashboard_queries, grafana_dashboard_doc
+from twin_support import governed_cluster, poll_all
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def promtool() -> str:
+    """promtool is part of the test tools (scripts/test.sh installs it): a missing one fails."""
+    found = shutil.which("promtool")
+    assert found, "promtool not found on PATH: scripts/test.sh installs it (Debian package prometheus)"
+    return found
+
+
+def run_promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def scrape_families(text: str) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def cluster_from(doc: dict, name: str | None = None):
+    return parse_cluster_file(yaml.safe_dump(doc), "test.yaml").cluster(name)
+
+
+THRESHOLDS = {"scr_warning": 0.8, "scr_critical": 0.6, "jfi": 0.7, "type_fairness": 0.3}
+CLUSTER = {"clusters": [{"name": "odd", "replicas": [{"name": "r0", "api_url": "http://127.0.0.1:1",
+                                                      "control_url": "http://127.0.0.1:2"}],
+                         "governance": {"tenants": {"a": {"weight": 1.0}}, "alerts": THRESHOLDS}}]}
+
+
+@pytest.fixture
+def governed(tmp_path):
+    with governed_cluster(tmp_path) as found:
+        yield found
+
+
+# --- the recorder's page --------------------------------------------------------------------
+
+def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import Collector
+    from controlplane.exporter import render
+
+    path, twin, trace = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    c = Collector(load_cluster_file(path).cluster())
+    poll_all(c, 5)
+    g = c.govern()
+    fams = scrape_families(render(c).decode())
+    assert set(fams) <= set(SERIES) and all(name.startswith("tailpilot_") for name in fams)
+
+    def value(name, **labels):
+        [v] = [s.value for s in fams[name] if all(s.labels.get(k) == x for k, x in labels.items())]
+        return v
+
+    assert value("tailpilot_scr", cluster="gov") == g["scr"] and value("tailpilot_jfi") == pytest.approx(g["jfi"])
+    assert value("tailpilot_governance_requests") == len(trace)
+    for tenant, f in g["tenants"].items():  # exact percentiles, not a histogram's estimate
+        assert value("tailpilot_tenant_latency_seconds", tenant=tenant, latency="ttft", quantile="0.99") == f["ttft_p99"]
+        assert value("tailpilot_tenant_slo_seconds", tenant=tenant, latency="ttft", quantile="0.5") == f["limits"]["ttft_p50"]
+        assert value("tailpilot_tenant_slo_compliant", tenant=tenant) == float(f["compliant"])
+    row = c.views[twin.name].sample
+    assert value("tailpilot_latency_seconds", replica=twin.name, latency="ttlt", quantile="0.95") == row.latency.ttlt_p95
+    assert value("tailpilot_replica_info", replica=twin.name, policy="fcfs") == 1.0
+    assert value("tailpilot_settings_version", replica=twin.name) == row.settings_version
+    groups = {(s.labels["kind"], s.labels["group"]) for s in fams["tailpilot_group_requests"]}
+    assert groups == {("tenant", "a"), ("tenant", "b"), ("tenant", "noisy"), ("type", "chat"), ("type", "batch")}
+    # the alerts as the collector has them: scr critical, jfi warning, nothing else
+    firing = {(s.labels["alert"], s.labels["severity"]) for s in fams["tailpilot_alert_firing"] if s.value == 1}
+    assert firing == {(a, sev) for a, sev in g["alerts"].items()} == {("scr", "critical"), ("jfi", "warning")}
+    assert "tailpilot_gamma" not in fams  # fcfs has no γ: left out, never NaN
+    assert "tailpilot_governor_state" not in fams  # no governor on this collector
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+@pytest.fixture
+def recording(governed, tmp_path):
+    """``tailpilot record --govern --metrics-port`` against the governed twin, as an operator runs
+    it (a process of its own); yields (url, process, twin)."""
+    path, twin, _ = governed
+    port = free_port()
+    env = {**os.environ, "TAILPILOT_TOKEN": "gov-token", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tailpilot.cli", "record", "--cluster", str(path),
+                             "--db", str(tmp_path / "rec.db"), "--govern", "--metrics-port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        yield url, proc, twin
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_for_page(url: str, proc, want: str, timeout_s: float = 120.0) -> str:
+    """The page once it carries ``want`` (waits on the recorder, not on a guess of its speed)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        try:
+            last = scrape(url)
+        except OSError:
+            last = ""
+        if want in last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"{want!r} never on the page; last:\n{last[-2000:]}")
+
+
+def test_record_serves_metrics_with_the_governor(recording):
+    url, proc, twin = recording
+    text = wait_for_page(url, proc, 'tailpilot_governor_mode_dry_run{cluster="gov",mode="scr"} 1.0')
+    fams = scrape_families(text)
+    states = {s.labels["state"]: s.value for s in fams["tailpilot_governor_state"]}
+    assert states == {"armed": 0.0, "dry-run": 1.0, "disarmed": 0.0}  # --govern without --arm
+    assert {s.labels["mode"] for s in fams["tailpilot_governor_mode_active"] if s.value == 1} >= {"scr"}
+    assert [s.value for s in fams["tailpilot_replica_up"]] == [1.0]
+    # only GET /metrics and / exist
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url.replace("/metrics", "/settings"), timeout=5)
+    assert err.value.code == 404
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and json.loads(out.strip().splitlines()[-1])["metrics_url"] == url
+
+
+# --- alert rules, judged by promtool ----------------------------------------------------------
+
+def render_annotation(template: str, value: float, labels: dict[str, str]) -> str:
+    """The two template forms the rules use, as Go's text/template renders them."""
+    out = template.replace('{{ $value | printf "%.3f" }}', "%.3f" % value)
+    return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], out)
+
+
+def export(*args: str) -> str:
+    from tailpilot.cli import main
+
+    res = CliRunner().invoke(main, ["export", *args])
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def test_rules_pass_promtool_check(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(CLUSTER))
+    for fmt, extract in (("prometheus-rules", lambda d: d), ("prometheusrule", lambda d: d["spec"])):
+        text = export("--cluster", str(tmp_path / "c.yaml"), "--format", fmt, "--for", "2m")
+        rules = tmp_path / f"{fmt}.yaml"
+        rules.write_text(yaml.safe_dump(extract(yaml.safe_load(text))))
+        res = run_promtool("check", "rules", str(rules), cwd=tmp_path)
+        assert res.returncode == 0 and "SUCCESS: 8 rules found" in res.stdout, res.stdout + res.stderr
+    # a broken rule file is refused by the same check (so the check can fail)
+    (tmp_path / "bad.yaml").write_text("groups:\n- name: x\n  rules:\n  - alert: X\n    expr: tailpilot_scr <\n")
+    assert run_promtool("check", "rules", "bad.yaml", cwd=tmp_path).returncode != 0
+
+
+def alert_tests(rules: dict, series: dict[str, list[float]], expect: list[tuple[int, str, list[dict]]]) -> dict:
+    """A promtool unit-test document: ``series`` one value a minute; at each (minute, alert) the
+    alerts expected (labels; annotations rendered from the rule's templates)."""
+    by_name = {r["alert"]: r for r in rules["groups"][0]["rules"]}
+    tests = []
+    for minute, name, alerts in expect:
+        exp = []
+        for a in alerts:
+            labels = {**by_name[name]["labels"], **a["labels"]}
+            notes = {k: render_annotation(v, a["value"], labels) for k, v in by_name[name]["annotations"].items()}
+            exp.append({"exp_labels": labels, "exp_annotations": notes})
+        tests.append({"eval_time": f"{minute}m", "alertname": name, "exp_alerts": exp})
+    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": [{"series": s, "values": " ".join(f"{v:g}" for v in vals)}
+                                                          for s, vals in series.items()],
+                       "alert_rule_test": tests}]}
+
+
+def test_rules_fire_exactly_when_the_collectors_alerts_do(tmp_path):
+    """A cluster with its own thresholds; figures stepping across them (boundaries included).
+    promtool evaluates the exported rules minute by minute; the expected alerts are what
+    governance.AlertEvaluator — the collector's own alerts — says at each minute."""
+    cluster = cluster_from(CLUSTER)
+    text = export("--cluster", _write(tmp_path, CLUSTER), "--format", "prometheus-rules")
+    (tmp_path / "rules.yaml").write_text(text)
+    rules = yaml.safe_load(text)
+    steps = {"scr": [1.0, 0.8, 0.79, 0.6, 0.59, 0.0, 0.7, 0.95],
+             "jfi": [0.9, 0.7, 0.69, 0.2, 0.71, 1.0, 0.5, 0.7],
+             "type_fairness_min": [1.0, 0.3, 0.29, 0.0, 2.0, 0.31, 0.3, 0.1]}
+    series = {'tailpilot_scr{cluster="odd"}': steps["scr"], 'tailpilot_jfi{cluster="odd"}': steps["jfi"],
+              'tailpilot_type_fairness{cluster="odd"}': steps["type_fairness_min"],
+              'tailpilot_window_seconds{cluster="odd"}': [60.0] * 8}
+    names = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
+             ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
+    figure = {"scr": "scr", "jfi": "jfi", "type_fairness": "type_fairness_min"}
+    evaluator = AlertEvaluator(cluster.governance.alerts)
+    expect, fired = [], set()
+    for minute in range(8):
+        figures = {k: v[minute] for k, v in steps.items()}
+        evaluator.evaluate(figures)
+        for (alert, severity), rule in names.items():
+            on = evaluator.active.get(alert) == severity
+            if on:
+                fired.add((alert, severity))
+            alerts = [{"labels": {}, "value": figures[figure[alert]]}] if on else []
+            expect.append((minute, rule, alerts))
+    assert fired == set(names)  # every rule is exercised firing, and not firing
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(alert_tests(rules, series, expect), sort_keys=False))
+    res = run_promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the same test against rules at the default thresholds fails: the thresholds are the cluster's
+    default = {**CLUSTER, "clusters": [{**CLUSTER["clusters"][0], "governance": {"tenants": {"a": {"weight": 1.0}}}}]}
+    (tmp_path / "rules.yaml").write_text(export("--cluster", _write(tmp_path, default), "--format", "prometheus-rules"))
+    assert run_promtool("test", "rules", "tests.yaml", cwd=tmp_path).returncode != 0
+
+
+def _write(tmp_path: Path, doc: dict) -> str:
+    path = tmp_path / f"cluster-{abs(hash(json.dumps(doc, sort_keys=True)))}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_rules_on_a_real_scrape_fire_the_recorders_alerts(governed, monkeypatch, tmp_path):
+    """The page of a real collector as promtool's input: the alerts that fire are the collector's."""
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import Collector
+    from controlplane.exporter import render
+
+    path, twin, _ = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    c = Collector(load_cluster_file(path).cluster())
+    poll_all(c, 3)
+    g = c.govern()
+    text = export("--cluster", str(path), "--format", "prometheus-rules")
+    (tmp_path / "rules.yaml").write_text(text)
+    rules = yaml.safe_load(text)
+    series = {}
+    for fam in text_string_to_metric_families(render(c).decode()):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            series[f"{s.name}{{{labels}}}"] = [s.value] * 5
+    severity = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
+                ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
+    values = {"scr": g["scr"], "jfi": g["jfi"], "type_fairness": g["type_fairness_min"]}
+    expect = [(2, rule, [{"labels": {}, "value": values[a]}] if g["alerts"].get(a) == sev else [])
+              for (a, sev), rule in severity.items()]
+    expect.append((2, "TailpilotTenantMissesSLO", [{"labels": {"tenant": t}, "value": 0.0}
+                                                   for t, f in sorted(g["tenants"].items()) if not f["compliant"]]))
+    expect += [(2, "TailpilotReplicaDown", []), (2, "TailpilotRecorderAbsent", [])]
+    assert g["alerts"] == {"scr": "critical", "jfi": "warning"}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(alert_tests(rules, series, expect), sort_keys=False))
+    res = run_promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_bad_export_input_names_the_option(tmp_path):
+    from tailpilot.cli import main
+
+    path = _write(tmp_path, CLUSTER)
+    for args, needle in ((["--format", "grafana"], "needs --cluster"),
+                         (["--format", "grafana", "--cluster", path, "--settings", path], "not --settings"),
+                         (["--format", "prometheus-rules", "--cluster", path, "--for", "5 minutes"], "--for"),
+                         (["--format", "servicemonitor", "--cluster", path, "--interval", "0s"], "--interval"),
+                         (["--format", "helm", "--cluster", path], "--cluster goes with")):
+        res = CliRunner().invoke(main, ["export", *args])
+        assert res.exit_code == 2 and needle in res.output, res.output
+
+
+# --- Grafana ---------------------------------------------------------------------------------
+
+def test_the_dashboard_loads_back_and_every_query_parses(tmp_path):
+    cluster = cluster_from(CLUSTER)
+    out = tmp_path / "dash.json"
+    export("--cluster", _write(tmp_path, CLUSTER), "--format", "grafana", "--out", str(out))
+    doc = json.loads(out.read_text())
+    check_dashboard(doc, cluster)
+    titles = {p["title"] for p in doc["panels"]}
+    assert {"SCR", "JFI", "Type fairness (lowest)", "SCR over time", "JFI over time",
+            "Type fairness ratio per type"} <= titles  # seed 003's checklist
+    scr = next(p for p in doc["panels"] if p["title"] == "SCR")["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [(s["color"], s["value"]) for s in scr] == [("red", None), ("yellow", 0.6), ("green", 0.8)]
+    queries = dashboard_queries(doc)
+    assert all(re.search(r'cluster="odd"', q) for q in queries)
+    # promtool parses every query (as recording rules) — a typo in PromQL fails here
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"tailpilot:query_{i}", "expr": q}
+                                                        for i, q in enumerate(queries)]}]}
+    (tmp_path / "queries.yaml").write_text(yaml.safe_dump(rules))
+    res = run_promtool("check", "rules", "queries.yaml", cwd=tmp_path)
+    assert res.returncode == 0 and f"SUCCESS: {len(queries)} rules found" in res.stdout, res.stdout + res.stderr
+    rules["groups"][0]["rules"].append({"record": "tailpilot:broken", "expr": "sum(tailpilot_scr{cluster=\"odd\"}"})
+    (tmp_path / "queries.yaml").write_text(yaml.safe_dump(rules))
+    assert run_promtool("check", "rules", "queries.yaml", cwd=tmp_path).returncode != 0
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: d["panels"][1]["targets"][0].update(expr="tailpilot_scrr"), "does not serve"),
+    (lambda d: d["panels"][2].update(gridPos=dict(d["panels"][1]["gridPos"])), "overlaps"),
+    (lambda d: d["panels"][1]["fieldConfig"]["defaults"]["thresholds"]["steps"][1].update(value=0.9), "thresholds"),
+    (lambda d: d["panels"][3].update(id=2), "duplicate panel ids"),
+    (lambda d: d["panels"][1].update(targets=[]), "no query"),
+])
+def test_a_damaged_dashboard_is_refused(damage, needle):
+    cluster = cluster_from(CLUSTER)
+    doc = grafana_dashboard_doc(cluster)
+    damage(doc)
+    with pytest.raises(MonitoringExportError, match=needle):
+        check_dashboard(doc, cluster)
+
+
+def test_an_ungoverned_cluster_gets_replica_panels_and_rules_only(tmp_path):
+    plain = {"clusters": [{**CLUSTER["clusters"][0]}]}
+    del plain["clusters"][0]["governance"]
+    doc = json.loads(export("--cluster", _write(tmp_path, plain), "--format", "grafana"))
+    assert not any("tailpilot_scr" in q for q in dashboard_queries(doc))
+    rules = yaml.safe_load(export("--cluster", _write(tmp_path, plain), "--format", "prometheus-rules"))
+    assert [r["alert"] for r in rules["groups"][0]["rules"]] == ["TailpilotReplicaDown", "TailpilotRecorderAbsent"]
+
+
+# --- ServiceMonitors -------------------------------------------------------------------------
+
+def test_the_recorders_service_monitor(tmp_path):
+    doc = yaml.safe_load(export("--cluster", _write(tmp_path, CLUSTER), "--format", "servicemonitor",
+                                "--namespace", "obs", "--interval", "30s"))
+    assert (doc["apiVersion"], doc["kind"], doc["metadata"]["namespace"]) == ("monitoring.coreos.com/v1",
+                                                                             "ServiceMonitor", "obs")
+    assert doc["spec"]["selector"]["matchLabels"]["tailpilot/cluster"] == "odd"
+    [endpoint] = doc["spec"]["endpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "30s",
+                        "honorLabels": True}
+
+
+def test_the_helm_values_enable_the_charts_service_monitor(tmp_path):
+    import jsonschema
+
+    settings = tmp_path / "s.json"
+    settings.write_text(json.dumps({"policy": "slofq"}))
+    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm", "--interval", "20s"))
+    monitor = values["servingEngineSpec"]["serviceMonitor"]
+    # the chart's own keys (vllm-stack helm/values.schema.json, servingEngineSpec.serviceMonitor)
+    jsonschema.validate(monitor, CHART_SERVICE_MONITOR_SCHEMA)
+    assert monitor["enabled"] is True and monitor["interval"] == "20s"
+    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm", "--no-service-monitor"))
+    assert "serviceMonitor" not in values["servingEngineSpec"]
+
+
+CHART_SERVICE_MONITOR_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "properties": {"enabled": {"type": "boolean"}, "additionalLabels": {"type": "object"},
+                   "interval": {"type": "string"}, "scrapeTimeout": {"type": "string"},
+                   "honorLabels": {"type": "boolean"}, "metricRelabelings": {"type": "array"},
+                   "relabelings": {"type": "array"}}}
+
+
+def test_the_page_is_served_on_the_loop_and_stops(governed, monkeypatch):
+    """MetricsServer on a picked port: answers, then frees the port when stopped."""
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import Collector
+    from controlplane.exporter import MetricsServer
+
+    path, twin, _ = governed
+    c = Collector(load_cluster_file(path).cluster())
+
+    async def run() -> tuple[str, int]:
+        server = MetricsServer(c, port=0)
+        port = await server.start()
+        try:
+            text = await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
+        finally:
+            await server.stop()
+        return text, port
+
+    text, port = asyncio.run(run())
+    assert 'tailpilot_replica_up{cluster="gov",replica="twin-0"} 0.0' in text  # not polled yet: down
+    with pytest.raises(OSError):
+        scrape(f"http://127.0.0.1:{port}/metrics")
+
+
+def test_the_readmes_monitoring_examples_run_on_its_cluster_file(tmp_path, monkeypatch):
+    """The README's cluster file (its yaml block) and its `tailpilot export --cluster` lines, as written."""
+    import shlex
+
+    from tailpilot.cli import main
+    from test_newcomer import readme_commands
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    [cluster_yaml] = [b for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S) if "governance:" in b]
+    (tmp_path / "clusters.yaml").write_text(cluster_yaml)
+    monkeypatch.chdir(tmp_path)
+    lines = [line for line in readme_commands(("tailpilot export --cluster",))]
+    assert len(lines) >= 3
+    for line in lines:
+        res = CliRunner().invoke(main, shlex.split(line)[1:])
+        assert res.exit_code == 0, f"{line}\n{res.output}"
+    rules = yaml.safe_load((tmp_path / "tailpilot-rules.yaml").read_text())
+    assert {"TailpilotSCRCritical", "TailpilotJFILow"} <= {r["alert"] for r in rules["groups"][0]["rules"]}
+    check_dashboard(json.loads((tmp_path / "tailpilot-dashboard.json").read_text()),
+                    parse_cluster_file(cluster_yaml, "clusters.yaml").cluster())
