@@ -193,6 +193,9 @@ class TenantSlo(_Strict):
     commit_tok_s: float | None = Field(None, gt=0.0, le=1e9)
     ttft: QuantileSlo | None = None
     ttlt: QuantileSlo | None = None
+    # At most this many of the tenant's requests wait in the queue; a further one is refused on
+    # arrival with the reason (off by default: backpressure holds requests, it never drops them).
+    queue_cap: int | None = Field(None, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _one_share(self) -> "TenantSlo":

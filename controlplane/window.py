@@ -50,6 +50,8 @@ class _Window:
         return out
 
     def add(self, rows: Sequence[CompletionRow]) -> None:
+        # A request refused on arrival (a tenant's queue cap) was never served: no latency.
+        rows = [r for r in rows if r.reason != "rejected"]
         if not rows:
             return
         n = len(rows)

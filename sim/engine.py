@@ -226,6 +226,9 @@ class Simulator:
             req = RequestState(id=t.id, arrival=t.arrival, prompt_tokens=t.prompt_tokens,
                                max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
                                output_tokens=target, enqueued_at=self.now)
+            if self.policy.refuse(req, self.now) is not None:
+                self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
+                continue
             self.waiting.push(req, self.now)
             self.policy.on_arrival(req, self.now)
 

@@ -129,3 +129,38 @@ def test_the_quiet_tenants_keep_their_tail_and_the_noisy_one_is_throttled(server
     quiet_ttft = statistics.median(c["first_token_at"] - c["arrival"] for c in slofq_done if c["tenant"] in QUIET)
     assert noisy_ttft > quiet_ttft
     httpx.get(server.base_url + "/health", timeout=10, trust_env=False).raise_for_status()  # the engine is fine
+
+
+def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
+    """slofq with the noisy tenant's queue_cap at 2 (seats 4): a burst of 24 is cut to what the
+    seats and the cap hold; the rest are refused through vLLM's error path — each one an error
+    answer, a `rejected` entry in the completions log and a count in /state — while the served
+    requests are exact and the engine serves the next request as usual."""
+    import asyncio
+
+    doc = {"policy": "slofq", "params": {"backpressure": False, "tenants": {"noisy": {"queue_cap": 2}}}}
+    assert put_settings(server, doc).status_code == 200
+    cursor = control(server).json()["next_cursor"]
+    body = {"model": server.served_model_name, "prompt": [23] * 64, "max_tokens": 48, "ignore_eos": True,
+            "vllm_xargs": {"tenant": "noisy"}}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300, trust_env=False,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24))))
+
+    answers = asyncio.run(burst())
+    ok = [a for a in answers if a.status_code == 200]
+    refused = [a for a in answers if a.status_code != 200]
+    assert ok and refused, [a.status_code for a in answers]
+    assert all(a.json()["usage"]["completion_tokens"] == 48 for a in ok)
+    assert {a.status_code for a in refused} == {500}  # vLLM's answer to a request it ends in error
+    done = read_all_completions(server, cursor)[0]
+    rejected = [c for c in done if c["reason"] == "rejected"]
+    assert len(rejected) == len(refused) and all(c["tenant"] == "noisy" and c["output_tokens"] == 0 for c in rejected)
+    assert len([c for c in done if c["reason"] == "finished"]) == len(ok)
+    live = control(server).json()["live"]["tenants"]["noisy"]
+    assert live["queue_cap"] == 2 and live["refused"] >= len(refused)
+    print(f"queue cap 2 on 4 seats: {len(ok)} of 24 served, {len(refused)} refused")
+    run_completions(server.base_url, [CompletionRequest(prompt=[11] * 16, max_tokens=4, tenant="noisy")],
+                    model=server.served_model_name)  # the engine goes on

@@ -69,10 +69,11 @@ def req(clock: Clock, rid: str, prompt: int, max_tokens: int, offset: float, **k
     return make_request(rid, prompt, max_tokens, arrival=clock(offset), **kw)
 
 
-def assert_all_finished(driver: Driver, *, completions_cursor: int = 0) -> None:
+def assert_all_finished(driver: Driver, *, completions_cursor: int = 0, rejected: set[str] = frozenset()) -> None:
     """Every request added got exactly max_tokens tokens, finished once (reason 'length'), the
     scheduler is empty, and — for the plugin — each appears once in the completions log with the
-    right output length and no tracked state is left behind."""
+    right output length and no tracked state is left behind (``rejected``: ids also logged, as
+    refused on arrival)."""
     s = driver.scheduler
     assert not driver.busy()
     assert not s.running and len(s.waiting) == 0 and not s.requests
@@ -83,6 +84,10 @@ def assert_all_finished(driver: Driver, *, completions_cursor: int = 0) -> None:
     if core is None:
         return
     completions, _ = core.completions_since(completions_cursor)
+    refused = [c for c in completions if c["reason"] == "rejected"]
+    assert sorted(c["id"] for c in refused) == sorted(rejected)
+    assert all(c["first_token_at"] is None and c["output_tokens"] == 0 for c in refused)
+    completions = [c for c in completions if c["reason"] != "rejected"]
     ids = [c["id"] for c in completions]
     assert sorted(ids) == sorted(expected), "each request completes exactly once"
     for c in completions:
@@ -670,3 +675,55 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
     del policy.buckets["held"]  # released
     d.run()
     assert_all_finished(d)
+
+
+@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+def test_slofq_queue_cap_refuses_through_vllms_error_path(build, cls):
+    """A tenant at its queue cap: the next request is refused on arrival (never queued), vLLM's own
+    error path finishes it at the next step's output (finish reason error) even when nothing else
+    is running, the completions log says rejected, /state counts it; the others finish exactly."""
+    clock = Clock()
+    s = build(cls, num_blocks=200, max_num_seqs=1, max_num_batched_tokens=256,
+              settings={"policy": "slofq", "params": {"tenants": {"capped": {"queue_cap": 2}}}})
+    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d.add(req(clock, "run", 20, 6, 0.0, tenant="capped"))
+    d.step()  # "run" holds the only seat
+    d.add(*[req(clock, f"q{i}", 20, 3, 0.1 + i * 0.01, tenant="capped") for i in range(2)])
+    d.add(req(clock, "over", 20, 3, 0.2, tenant="capped"), req(clock, "other", 20, 3, 0.21, tenant="free"))
+    assert len(s.waiting) == 3 and "over" in s.requests  # refused: not queued, but vLLM knows it
+    d.run()
+    assert d.finished.pop("over") == "error" and d.tokens.pop("over", 0) == 0
+    del d.requests["over"]
+    assert_all_finished(d, rejected={"over"})
+    live = s.tp_core.policy.live_state()["tenants"]["capped"]
+    assert (live["queue_cap"], live["refused"]) == (2, 1)
+    # the queue emptied by aborts while a refusal is pending: the engine still takes the step
+    # that ends it (else its client would wait for the next arrival)
+    d.add(*[req(clock, f"r{i}", 20, 3, 1.0 + i, tenant="capped") for i in range(3)])
+    s.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED)
+    assert len(s.waiting) == 0 and not s.running and s.has_requests()
+    d.run()
+    assert d.finished == {**{rid: "length" for rid in d.requests if rid not in ("r0", "r1", "r2")}, "r2": "error"}
+    assert not s.requests and not s._tp_refused
+
+
+@pytest.mark.parametrize("settings", [{"policy": "vtc"}, {"policy": "slofq"}, FCFS], ids=["vtc", "slofq", "fcfs"])
+def test_aborting_waiting_requests_of_a_grouped_queue(build, settings):
+    """Clients that go away while their requests wait (vLLM's finish_requests: out of the queue,
+    then freed). vtc and slofq queue per tenant: each request leaves its group exactly once (a
+    second removal crashed the engine); the rest finish exactly, the aborted are logged once."""
+    clock = Clock()
+    s = build(TailpilotScheduler, num_blocks=200, max_num_seqs=1, max_num_batched_tokens=256, settings=settings)
+    d = Driver(s)
+    d.add(req(clock, "run", 20, 4, 0.0, tenant="a"))
+    d.step()
+    d.add(*[req(clock, f"w{i}", 20, 3, 0.1 + i * 0.01, tenant="ab"[i % 2]) for i in range(5)])
+    s.finish_requests(["w0", "w2", "w3"], RequestStatus.FINISHED_ABORTED)
+    assert len(s.waiting) == 2
+    for rid in ("w0", "w2", "w3"):
+        del d.requests[rid]
+    d.run()
+    aborted, _ = s.tp_core.completions_since(0)
+    assert sorted(c["id"] for c in aborted if c["reason"] == "finished_aborted") == ["w0", "w2", "w3"]
+    assert d.finished == {"run": "length", "w1": "length", "w4": "length"}
+    assert not s.requests and s.tp_core.states == {} and len(s.tp_core.waiting) == 0

@@ -45,6 +45,8 @@ def arrive(policy, reqs, now=0.0):
     ({"throttle": {"x": 1.5}}, r"params.throttle: .*'x' must be in \(0, 1\]"),
     ({"type_isolation": "strict"}, "params.type_isolation"),
     ({"tenants": {"a": {"weight": -1}}}, "params.tenants.a.weight"),
+    ({"tenants": {"a": {"queue_cap": 0}}}, "params.tenants.a.queue_cap"),
+    ({"default_tenant": {"queue_cap": 2.5}}, "params.default_tenant.queue_cap"),
 ])
 def test_bad_settings_name_the_field(params, needle):
     with pytest.raises(Exception) as err:
@@ -223,6 +225,39 @@ def test_noisy_neighbour_in_the_simulator():
             assert "noisy" in sim.policy.detected and sim.policy.first_held["noisy"] - sim.policy.detected["noisy"] < 1.0
     assert quiet_scr["fcfs"] < 0.8, quiet_scr
     assert quiet_scr["slofq"] >= 0.99, quiet_scr
+
+
+def test_a_queue_cap_refuses_only_the_capped_tenants_overflow():
+    """The noisy tenant capped at 8 waiting requests: in the burst its overflow is refused on
+    arrival (counted, with the reason), nobody else's is, and every request is either served
+    exactly or refused — off by default, where nothing is refused."""
+    cap = capacity(EngineConfig(), Settings())
+    trace, params = noisy_neighbour(capacity_req_s=cap, duration_s=90.0, burst_from_s=20.0, burst_s=30.0)
+    by_id = {r.id: r for r in trace}
+    plain = Simulator(trace, Settings.model_validate({"policy": "slofq", "params": params}), EngineConfig()).run()
+    assert plain.rejected == [] and len(plain.completions) == len(trace)
+    capped = {**params, "tenants": {**params["tenants"], "noisy": {**params["tenants"]["noisy"], "queue_cap": 8}}}
+    sim = Simulator(trace, Settings.model_validate({"policy": "slofq", "params": capped}), EngineConfig())
+    res = sim.run()
+    assert res.rejected and {by_id[r].tenant for r in res.rejected} == {"noisy"}
+    assert sorted([c.id for c in res.completions] + res.rejected) == sorted(by_id)
+    assert all(c.output_tokens == min(by_id[c.id].output_tokens, by_id[c.id].max_tokens) for c in res.completions)
+    assert sim.policy.refused["noisy"] == len(res.rejected) and res.metrics()["rejected"] == len(res.rejected)
+    assert min(by_id[r].arrival for r in res.rejected) >= 20.0  # only once the burst has begun
+
+
+def test_the_refusal_names_the_tenant_cap_and_retry():
+    from controlplane.policies.slo import Bucket
+
+    policy = make_policy(slofq(tenants={"t": {"queue_cap": 2}}))
+    arrive(policy, [state("a", "t", 0.0), state("b", "t", 0.1)])
+    assert policy.refuse(state("c", "u", 0.2), 0.2) is None  # another tenant: default_tenant, no cap
+    assert policy.refuse(state("c", "t", 0.2), 0.2) == "tenant 't' has 2 requests waiting, its queue_cap is 2"
+    policy.buckets["t"] = Bucket(rate=10.0, now=0.2)
+    policy.queued["t"] = 30.0
+    assert policy.refuse(state("d", "t", 0.3), 0.3).endswith("; retry after 3.0 s")
+    live = policy.live_state()["tenants"]["t"]
+    assert (live["waiting"], live["queue_cap"], live["refused"]) == (2, 2, 2)
 
 
 def test_switching_to_slofq_and_back_live_loses_nothing():

@@ -224,6 +224,18 @@ class ReplicaCore:
         self.preemptions_total += 1
         self.recomputed_tokens_total += state.note_preemption(now, by_policy)
 
+    def refuse(self, state: RequestState, now: float) -> str | None:
+        """The policy's reason to turn ``state`` away on arrival (a tenant's queue cap), logged as
+        a completion with reason ``rejected``; None: track it as usual."""
+        why = self.policy.refuse(state, now)
+        if why is not None:
+            if state.received_at is None:
+                state.received_at = now
+            state.status = "finished"
+            state.finished_at = now
+            self._log_finished(state, now, "rejected")
+        return why
+
     def finish(self, state: RequestState, now: float, reason: str = "finished") -> None:
         self.states.pop(state.id, None)
         state.status = "finished"
@@ -231,6 +243,9 @@ class ReplicaCore:
         self.policy.on_finish(state, now)
         if reason == "finished" and state.generated > 0:
             self.predictor.observe(state, state.generated)
+        self._log_finished(state, now, reason)
+
+    def _log_finished(self, state: RequestState, now: float, reason: str) -> None:
         self.log_completions([{
             "id": state.id, "tenant": state.tenant, "type": state.type,
             "arrival": state.arrival, "received_at": state.received_at, "scheduled_at": state.scheduled_at,

@@ -15,6 +15,7 @@ Settings arrive through the control API (``plugin.api``) and are swapped in at t
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterable, Iterator
 
@@ -28,6 +29,8 @@ from controlplane.plugin.core import ReplicaCore, load_startup_settings
 from controlplane.plugin.env import PluginEnv
 from controlplane.policies import RequestState
 from controlplane.policies.preemption import plan_preemptions
+
+log = logging.getLogger("tailpilot.plugin")
 
 REQUEST_TYPES = ("chat", "completion", "reasoning", "batch", "embed")
 
@@ -89,7 +92,13 @@ class PolicyRequestQueue(RequestQueue):
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         states = [self.plugin.tp_core.states.get(r.request_id) for r in requests]
-        self._queue().remove([s for s in states if s is not None and s.status == "waiting"])
+        leaving = [s for s in states if s is not None and s.status == "waiting"]
+        self._queue().remove(leaving)
+        # vLLM removes requests from the queue only to finish them (aborts, stops): _free_request
+        # follows and must not take them out a second time (a grouped queue, vtc's and slofq's,
+        # refuses to remove what it no longer holds).
+        for s in leaving:
+            s.status = "leaving"
 
     def __bool__(self) -> bool:
         # vLLM admits while this is true: false when every waiting request is held back, so the
@@ -121,6 +130,7 @@ class TailpilotMixin:
         self._tp_requests: dict[str, Request] = {}
         self._tp_policy_victim = False  # set while the plugin itself preempts (policy-driven)
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
+        self._tp_refused: set[str] = set()  # refused on arrival, until vLLM's error path frees them
         self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
@@ -135,16 +145,42 @@ class TailpilotMixin:
     def _tp_state_for(self, request: Request) -> RequestState:
         state = self.tp_core.states.get(request.request_id)
         if state is None:
-            params = request.sampling_params
-            extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
-            rtype = str(extra.get("type", "chat"))
-            state = RequestState(
-                id=request.request_id, arrival=request.arrival_time, prompt_tokens=request.num_prompt_tokens,
-                max_tokens=request.max_tokens or 1, tenant=str(extra.get("tenant", "default")),
-                type=rtype if rtype in REQUEST_TYPES else "chat")
+            state = self._tp_new_state(request)
             self._tp_requests[request.request_id] = request
             self.tp_core.track(state, self._tp_now)
         return state
+
+    @staticmethod
+    def _tp_new_state(request: Request) -> RequestState:
+        params = request.sampling_params
+        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+        rtype = str(extra.get("type", "chat"))
+        return RequestState(
+            id=request.request_id, arrival=request.arrival_time, prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.max_tokens or 1, tenant=str(extra.get("tenant", "default")),
+            type=rtype if rtype in REQUEST_TYPES else "chat")
+
+    def _tp_refuse(self, request: Request) -> bool:
+        """Turn a new request away when the policy says so (slofq's per-tenant queue cap): vLLM's
+        own error path ends it at the next step's output (the client gets vLLM's error answer);
+        the reason goes to the log and the completions log (reason ``rejected``)."""
+        errors = getattr(self, "grammar_compile_error_reqs", None)
+        if errors is None or request.resumable or request.request_id in self.requests:
+            return False  # a vLLM without that path, a streaming session, or a known request
+        why = self.tp_core.refuse(self._tp_new_state(request), self._tp_now)
+        if why is None:
+            return False
+        log.warning("tailpilot refused request %s: %s", request.request_id, why)
+        self.requests[request.request_id] = request  # what finish_requests looks up
+        errors.add(request.request_id)
+        self._tp_refused.add(request.request_id)
+        return True
+
+    def get_request_counts(self) -> tuple[int, int]:
+        # A refused request is finished by the next step's update_from_output: count it as
+        # waiting so an otherwise idle engine still takes that step.
+        running, waiting = super().get_request_counts()
+        return running, waiting + len(self._tp_refused)
 
     def _tp_admitted(self, state: RequestState) -> None:
         state.status = "running"
@@ -168,7 +204,8 @@ class TailpilotMixin:
     def add_request(self, request: Request) -> None:
         with self.tp_core.engine_lock:
             self._tp_now = time.time()
-            super().add_request(request)
+            if not self._tp_refuse(request):
+                super().add_request(request)
 
     def finish_requests(self, *args, **kwargs):
         with self.tp_core.engine_lock:
@@ -316,6 +353,7 @@ class TailpilotMixin:
                 self.tp_core.waiting.remove([state])
             self.tp_core.finish(state, self._tp_now, reason)
         self._tp_requests.pop(request.request_id, None)
+        self._tp_refused.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     # --- the control API's view ------------------------------------------------------------------

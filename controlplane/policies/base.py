@@ -49,7 +49,7 @@ class RequestState:
     # predictor, which exists for comparison only, is the one exception).
     output_tokens: int | None = None
 
-    status: str = "new"  # new | waiting | running | finished (kept by the engine)
+    status: str = "new"  # new | waiting | leaving | running | finished (kept by the engine)
     computed_tokens: int = 0  # prefix whose KV exists
     generated: int = 0  # output tokens so far
     attained: int = 0  # service received: prompt tokens prefilled (high-water) + generated
@@ -330,6 +330,11 @@ class Policy:
         return 0
 
     # --- events from the engine -----------------------------------------------------------
+    def refuse(self, req: RequestState, now: float) -> str | None:
+        """Why ``req`` is turned away on arrival (slofq's per-tenant queue cap), or None to queue
+        it; asked before ``on_arrival``, which a refused request never gets."""
+        return None
+
     def on_arrival(self, req: RequestState, now: float) -> None:
         pass
 

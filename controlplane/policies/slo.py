@@ -114,6 +114,7 @@ class SloFq(TenantBacklog, Policy):
         # backpressure's reaction (benchmarks/noisy_neighbour.py).
         self.detected: dict[str, float] = {}
         self.first_held: dict[str, float] = {}
+        self.refused: dict[str, int] = defaultdict(int)  # requests refused at the queue cap
         self._next_control = -INF
         self._now = 0.0
 
@@ -247,6 +248,16 @@ class SloFq(TenantBacklog, Policy):
         return under or cands
 
     # --- events (the backlog and its counter lift: basic.TenantBacklog) ------------------------
+    def refuse(self, req: RequestState, now: float) -> str | None:
+        cap = self.params.tenant(req.tenant).queue_cap
+        waiting = self.backlog.get(req.tenant, 0)
+        if cap is None or waiting < cap:
+            return None
+        self.refused[req.tenant] += 1
+        retry = self.retry_after_s(req.tenant)
+        return (f"tenant {req.tenant!r} has {waiting} requests waiting, its queue_cap is {cap}"
+                + (f"; retry after {retry:.1f} s" if retry > 0 else ""))
+
     def on_arrival(self, req: RequestState, now: float) -> None:
         self.counters.setdefault(req.tenant, 0.0)
         self._enter_backlog(req.tenant)
@@ -418,7 +429,7 @@ class SloFq(TenantBacklog, Policy):
             if not self.backlog.get(t) and not self.seated.get(t) and self.used.total(t) <= 0 \
                     and not self.samples.get(t) and t not in self.buckets:
                 for table in (self.backlog, self.samples, self.target, self.weights, self.counters, self.seated,
-                              self.queued, self.detected, self.first_held):
+                              self.queued, self.detected, self.first_held, self.refused):
                     table.pop(t, None)
 
     # --- switching and live state ---------------------------------------------------------
@@ -455,10 +466,12 @@ class SloFq(TenantBacklog, Policy):
 
     def live_state(self) -> dict:
         tenants = {}
-        for t in sorted(set(self.counters) | set(self.buckets)):
+        for t in sorted(set(self.counters) | set(self.buckets) | set(self.refused)):
             b = self.buckets.get(t)
             tenants[t] = {"counter": self.counters.get(t, 0.0), "weight": self.weight(t),
                           "target_s": None if math.isinf(self.target.get(t, INF)) else self.target.get(t),
                           "throttled": b is not None, "rate_tok_s": None if b is None else b.rate,
-                          "bucket": None if b is None else b.level, "retry_after_s": self.retry_after_s(t)}
+                          "bucket": None if b is None else b.level, "retry_after_s": self.retry_after_s(t),
+                          "waiting": self.backlog.get(t, 0), "queue_cap": self.params.tenant(t).queue_cap,
+                          "refused": self.refused.get(t, 0)}
         return {"tenants": tenants, "type_shares": self.shares()}
