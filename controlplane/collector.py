@@ -564,6 +564,7 @@ class Collector:
         figures = governance_report(*columns, self._gov_params, duration_s=self.cluster.window_s, arrived=asked)
         events = self._alerts.evaluate(figures)
         figures["alerts"] = dict(self._alerts.active)
+        figures["alert_values"] = dict(self._alerts.value)
         figures["t_ms"] = t_ms
         self.governance = figures
         if self.store is not None:
@@ -611,6 +612,9 @@ class Collector:
         if self._alerts is not None:  # alerts firing when the last collector stopped still are
             for event in await asyncio.to_thread(self.store.firing_alerts, self.cluster.name):
                 self._alerts.active[event["name"]] = event["severity"]
+                value = (event.get("summary") or {}).get("value")
+                if isinstance(value, (int, float)):
+                    self._alerts.value.setdefault(event["name"], float(value))
         await asyncio.to_thread(self.store.ensure_replicas, self.cluster.name,
                                 [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
         positions = await asyncio.to_thread(self.store.cursor_positions, self.cluster.name)

@@ -115,6 +115,7 @@ class State(_Doc):
     live: dict[str, Any] | None = Field(None, description="the policy's adaptive state (γ, β, counters)")
     preemptions_total: OptInt = None
     recomputed_tokens_total: OptInt = None
+    refused_total: OptInt = Field(None, description="requests refused on arrival (a tenant's queue cap)")
     finished_total: OptInt = None
     steps_total: OptInt = None
     # Raw entries: a reader validates each as a Completion on its own, so one broken entry is

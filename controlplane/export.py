@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import textwrap
 from dataclasses import dataclass
@@ -87,7 +88,9 @@ class ExportOptions:
     pvc_storage: str = "50Gi"
     api_port: int = DEFAULT_API_PORT
     token_secret: str | None = None  # a Secret whose keys (TAILPILOT_TOKEN) become env vars
-    service_monitor: bool = True  # the chart's ServiceMonitor for the engines' /metrics
+    # The chart's ServiceMonitor for the engines' /metrics: off unless asked (the chart creates it
+    # unconditionally, and a cluster without the Prometheus Operator's CRDs refuses the install).
+    service_monitor: bool = False
     scrape_interval: str = "15s"
 
     @property
@@ -211,9 +214,19 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (the settings JSON in a ConfigMap) as literal blocks, readable in kubectl."""
 
 
+# Plain scalars another YAML reader could take for a number, a boolean or null (YAML 1.1 or 1.2;
+# Kubernetes' reader turns an unquoted 1e3 or 0o17 into a number): written double-quoted.
+_AMBIGUOUS = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?0[xXoObB][0-9a-fA-F_]+|[0-9]+(?::[0-9]+)+"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|[yYnN~]|yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE"
+    r"|on|On|ON|off|Off|OFF|null|Null|NULL|)$")
+
+
 def _str_representer(dumper: yaml.SafeDumper, value: str):
     if "\n" in value:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    if _AMBIGUOUS.match(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
     return dumper.represent_scalar("tag:yaml.org,2002:str", value)
 
 
@@ -286,8 +299,10 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
     if options.service_monitor:
         # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics (tailpilot's
         # figures come from the recorder's, `tailpilot export --cluster ... --format servicemonitor`).
+        from controlplane.monitoring import scrape_timeout
+
         engine["serviceMonitor"] = {"enabled": True, "interval": options.scrape_interval,
-                                    "scrapeTimeout": options.scrape_interval, "honorLabels": False}
+                                    "scrapeTimeout": scrape_timeout(options.scrape_interval), "honorLabels": False}
     return {"servingEngineSpec": engine}
 
 

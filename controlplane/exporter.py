@@ -2,7 +2,7 @@
 (``tailpilot record --metrics-port 9464``; README, "Prometheus and Grafana").
 
     exporter = MetricsServer(collector, host="127.0.0.1", port=9464)
-    await exporter.start()          # GET /metrics on the recorder's own event loop
+    await exporter.start()          # GET /metrics (and /health) on a bounded server thread
     ...
     await exporter.stop()
 
@@ -14,13 +14,22 @@ TUI agree. A figure without data (no request in the window) is left out, not wri
 :data:`SERIES` names every family and its labels; ``tailpilot export prometheus-rules`` and
 ``grafana`` build their queries from it, and the tests check both against a real scrape.
 
-The page is served on the collector's event loop (aiohttp) and rendered synchronously, so a
-scrape reads the collector's state between two of its steps, never while a poll is changing it;
-a request body is refused, and only ``GET /metrics`` (and ``/``) exist.
+Tenant names come from clients, so the page labels at most :data:`MAX_TENANTS` of them: the
+cluster file's tenants first, then the busiest; ``tailpilot_tenants_omitted`` counts the rest.
+
+Served by the control API's own server (``controlplane.plugin.api.ControlServer``: bounded
+connections, header and idle deadlines, rate limits; only ``GET /metrics`` and ``/health``).
+The page is rendered on the collector's event loop — the scrape thread asks the loop and waits —
+so it never reads the collector while a poll is changing it; a rendering is reused for
+:data:`CACHE_S`, so scrapes cost the collector at most one rendering that often.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -31,6 +40,9 @@ from controlplane.settings import QUANTILES
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
+MAX_TENANTS = 100  # tenants labelled on one page (cardinality: tenant names come from clients)
+CACHE_S = 0.5  # a rendering serves the scrapes of this long
+RENDER_TIMEOUT_S = 5.0  # a scrape waits this long for the collector's loop, then gets 503
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +69,14 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_kv_usage_ratio", R, "Fraction of the replica's KV cache in use (0..1)."),
     ("tailpilot_throughput_tokens_per_second", R, "Output tokens per second over the window."),
     ("tailpilot_preemptions_per_second", R, "Preemptions per second over the window."),
+    ("tailpilot_refused_requests", R, "Requests the replica turned away on arrival (a tenant's queue cap), since it started."),
     ("tailpilot_latency_seconds", f"{R} latency quantile",
      "Exact percentile of the window's completed requests (latency: ttft | ttlt | tbt)."),
     ("tailpilot_group_latency_seconds", f"{R} kind group latency quantile",
      "Exact percentile per tenant or request type (kind) of the replica's window."),
     ("tailpilot_group_requests", f"{R} kind group", "Requests completed in the window per tenant or type."),
     ("tailpilot_window_seconds", "cluster", "Length of the rolling window every windowed figure covers."),
+    ("tailpilot_tenants_omitted", "cluster", f"Tenants left off this page (at most {MAX_TENANTS} are labelled)."),
     # governance (over every replica's window together)
     ("tailpilot_scr", "cluster", "SLO compliance ratio: the fraction of tenants meeting every quantile target."),
     ("tailpilot_jfi", "cluster", "Jain's fairness index over the tenants' throughput per commitment."),
@@ -79,15 +93,26 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_type_minimum_share", "cluster type", "The type's minimum share ρ_k."),
     ("tailpilot_type_fairness_ratio", "cluster type", "The type's share over its guaranteed share."),
     ("tailpilot_alert_firing", "cluster alert severity", "1 while the alert fires at this severity, else 0."),
+    ("tailpilot_alert_value", "cluster alert",
+     "The figure the alert was last judged on (kept through windows without data, as the alert is)."),
     ("tailpilot_alert_threshold", "cluster alert severity", "The figure below which the alert fires at this severity."),
     # the governor (when it runs in this recorder)
     ("tailpilot_governor_state", "cluster state", "1 for the governor's state (armed | dry-run | disarmed), else 0."),
     ("tailpilot_governor_paused", "cluster", "1 while an operator has paused the governor."),
-    ("tailpilot_governor_mode_active", "cluster mode", "1 while the emergency mode (scr | jfi | type) is in force."),
-    ("tailpilot_governor_mode_dry_run", "cluster mode", "1 while the mode is only logged (entered in dry-run)."),
+    ("tailpilot_governor_mode_active", "cluster mode", "1 while the emergency mode (scr | jfi | type) is applied."),
+    ("tailpilot_governor_mode_dry_run", "cluster mode", "1 while the mode is only logged (decided in dry-run, not applied)."),
 )
 QUANTILE_LABEL = {f"p{q}": f"{q / 100:g}" for q in PERCENTILES}  # "p99" -> "0.99"
 ALERT_SEVERITIES = {"scr": ("warning", "critical"), "jfi": ("warning",), "type_fairness": ("warning",)}
+
+
+def _label(value: str) -> str:
+    """A label value the text format can carry (a lone surrogate from a client would fail the page)."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def _finite(value: Any) -> float | None:
@@ -109,7 +134,7 @@ class _Families:
     def add(self, name: str, labels: tuple[str, ...], value: Any) -> None:
         v = _finite(value)
         if v is not None:
-            self.families[name].add_metric(list(labels), v)
+            self.families[name].add_metric([_label(x) for x in labels], v)
 
     def __iter__(self) -> Iterator[GaugeMetricFamily]:
         return (f for f in self.families.values() if f.samples)
@@ -126,16 +151,18 @@ class ClusterMetrics:
         cluster = c.cluster.name
         out = _Families()
         out.add("tailpilot_window_seconds", (cluster,), c.cluster.window_s)
+        shown, omitted = labelled_tenants(c)
+        out.add("tailpilot_tenants_omitted", (cluster,), omitted)
         for name, view in c.views.items():
-            self._replica(out, cluster, name, view)
+            self._replica(out, cluster, name, view, shown)
         if c.governance is not None:
-            self._governance(out, cluster, c.governance, c.cluster.governance)
+            self._governance(out, cluster, c.governance, c.cluster.governance, shown)
         if getattr(c, "governor_status", None) is not None:
             self._governor(out, cluster, c.governor_status)
         return iter(out)
 
     @staticmethod
-    def _replica(out: _Families, cluster: str, name: str, view: Any) -> None:
+    def _replica(out: _Families, cluster: str, name: str, view: Any, shown: set[str]) -> None:
         key = (cluster, name)
         out.add("tailpilot_replica_up", key, 1.0 if view.health.healthy else 0.0)
         row = view.sample
@@ -150,11 +177,14 @@ class ClusterMetrics:
                               ("tailpilot_throughput_tokens_per_second", row.throughput_tok_s),
                               ("tailpilot_preemptions_per_second", row.preemptions_per_s)):
             out.add(series, key, value)
+        out.add("tailpilot_refused_requests", key, (view.state or {}).get("refused_total"))
         for lat in LATENCIES:
             for q in PERCENTILES:
                 out.add("tailpilot_latency_seconds", (*key, lat, QUANTILE_LABEL[f"p{q}"]),
                         getattr(row.latency, f"{lat}_p{q}"))
         for g in view.groups:
+            if g.kind == "tenant" and g.group not in shown:
+                continue
             out.add("tailpilot_group_requests", (*key, g.kind, g.group), g.completed)
             for lat in LATENCIES:
                 for q in PERCENTILES:
@@ -162,13 +192,15 @@ class ClusterMetrics:
                             getattr(g.latency, f"{lat}_p{q}"))
 
     @staticmethod
-    def _governance(out: _Families, cluster: str, g: dict[str, Any], spec: Any) -> None:
+    def _governance(out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str]) -> None:
         key = (cluster,)
         out.add("tailpilot_scr", key, g.get("scr"))
         out.add("tailpilot_jfi", key, g.get("jfi"))
         out.add("tailpilot_type_fairness", key, g.get("type_fairness_min"))
         out.add("tailpilot_governance_requests", key, g.get("requests"))
         for tenant, f in sorted(g.get("tenants", {}).items()):
+            if tenant not in shown:
+                continue
             t = (cluster, tenant)
             for lat in ("ttft", "ttlt"):
                 for q in QUANTILES:
@@ -187,6 +219,8 @@ class ClusterMetrics:
             out.add("tailpilot_type_fairness_ratio", t, f.get("ratio"))
         from controlplane.governance import AlertEvaluator
 
+        for alert, value in sorted((g.get("alert_values") or {}).items()):
+            out.add("tailpilot_alert_value", (cluster, alert), value)
         firing = g.get("alerts") or {}
         thresholds = AlertEvaluator(spec.alerts) if spec is not None else None
         for alert, severities in ALERT_SEVERITIES.items():
@@ -204,9 +238,27 @@ class ClusterMetrics:
             out.add("tailpilot_governor_state", (cluster, state), 1.0 if status.get("state") == state else 0.0)
         out.add("tailpilot_governor_paused", (cluster,), 1.0 if status.get("paused") else 0.0)
         active, dry = status.get("active") or {}, set(status.get("dry") or ())
-        for mode in MODES:
-            out.add("tailpilot_governor_mode_active", (cluster, mode.name), 1.0 if mode.name in active else 0.0)
+        for mode in MODES:  # a mode decided in dry-run was never applied: dry-run, not active
+            applied = mode.name in active and mode.name not in dry
+            out.add("tailpilot_governor_mode_active", (cluster, mode.name), 1.0 if applied else 0.0)
             out.add("tailpilot_governor_mode_dry_run", (cluster, mode.name), 1.0 if mode.name in dry else 0.0)
+
+
+def labelled_tenants(collector: Any, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
+    """(the tenants the page labels, how many it leaves off): the cluster file's tenants, then the
+    most requests in the window (ties by name), ``limit`` in all."""
+    counts: dict[str, float] = {}
+    for view in collector.views.values():
+        for g in view.groups:
+            if g.kind == "tenant":
+                counts[g.group] = counts.get(g.group, 0.0) + g.completed
+    for tenant, f in ((collector.governance or {}).get("tenants") or {}).items():
+        counts.setdefault(tenant, float(f.get("requests") or 0))
+    spec = collector.cluster.governance
+    named = [t for t in (spec.tenants if spec is not None else {}) if t in counts]
+    rest = sorted((t for t in counts if t not in set(named)), key=lambda t: (-counts[t], t))
+    shown = (named + rest)[:limit]
+    return set(shown), len(counts) - len(shown)
 
 
 def render(collector: Any) -> bytes:
@@ -216,42 +268,63 @@ def render(collector: Any) -> bytes:
     return generate_latest(registry)
 
 
+class _Page:
+    """The control server's target: ``/metrics`` rendered on the collector's loop (cached), and
+    ``/health``; the control endpoints do not exist here."""
+
+    def __init__(self, collector: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.collector, self.loop = collector, loop
+        self._lock = threading.Lock()  # one rendering at a time; the others wait for its result
+        self._page: tuple[float, bytes] | None = None
+
+    def api_metrics(self) -> tuple[bytes, str]:
+        from controlplane.plugin.api import HTTPError
+
+        with self._lock:
+            if self._page is None or time.monotonic() - self._page[0] > CACHE_S:
+                future = asyncio.run_coroutine_threadsafe(self._render(), self.loop)
+                try:
+                    self._page = (time.monotonic(), future.result(RENDER_TIMEOUT_S))
+                except Exception as err:  # a stalled or stopping loop: say so, do not hang
+                    future.cancel()
+                    raise HTTPError(503, f"the recorder could not render its page: {type(err).__name__}",
+                                    headers={"Retry-After": "1"}) from None
+            return self._page[1], CONTENT_TYPE_LATEST
+
+    async def _render(self) -> bytes:
+        return render(self.collector)
+
+    def api_health(self) -> bool:
+        return True
+
+    def _absent(self, *args: Any) -> dict[str, Any]:
+        from controlplane.plugin.api import HTTPError
+
+        raise HTTPError(404, "this is tailpilot's recorder: only /metrics and /health")
+
+    api_state = api_settings = api_put_settings = api_steps = _absent
+
+
 class MetricsServer:
-    """``GET /metrics`` of a collector, served on the running event loop (aiohttp)."""
+    """``GET /metrics`` of a collector on the control API's bounded server (a daemon thread)."""
 
     def __init__(self, collector: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         self.collector = collector
         self.host, self.port = host, port
-        self._runner: Any = None
+        self._server: Any = None
 
     async def start(self) -> int:
-        """Listen; returns the port (the one picked when ``port`` was 0)."""
-        from aiohttp import web
+        """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""
+        from controlplane.plugin.api import ControlServer, Limits
 
-        app = web.Application(client_max_size=1024)  # a scrape sends no body
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/", self._index)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=16)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0)
+        # A random token: nothing here takes writes, and the server would warn without one.
+        self._server = ControlServer(_Page(self.collector, asyncio.get_running_loop()), host=self.host,
+                                     port=self.port, token=secrets.token_hex(16), limits=limits).start()
+        self.port = self._server.port
         return self.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _metrics(self, request: Any) -> Any:
-        from aiohttp import web
-
-        body = render(self.collector)  # synchronous: the collector cannot change under it
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _index(self, request: Any) -> Any:
-        from aiohttp import web
-
-        return web.Response(text=f"tailpilot recorder of cluster {self.collector.cluster.name}: /metrics\n")
+        if self._server is not None:
+            await asyncio.to_thread(self._server.stop)
+            self._server = None

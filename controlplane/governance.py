@@ -172,6 +172,9 @@ class AlertEvaluator:
     def __init__(self, thresholds: AlertThresholds) -> None:
         self.thresholds = thresholds
         self.active: dict[str, str] = {}  # alert -> severity firing
+        # alert -> the figure it was last judged on: kept through windows without data, as the
+        # alert itself is (what the exported Prometheus rules compare with the thresholds)
+        self.value: dict[str, float] = {}
 
     def severity(self, name: str, value: float) -> str | None:
         t = self.thresholds
@@ -192,6 +195,7 @@ class AlertEvaluator:
             value = figures.get(_FIGURE_OF[name])
             if value is None:
                 continue
+            self.value[name] = value
             severity, current = self.severity(name, value), self.active.get(name)
             if severity == current:
                 continue

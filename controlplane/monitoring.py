@@ -18,20 +18,47 @@ rules`` on the rule file, and promtool's parser on every dashboard query.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, NoReturn
 
-import yaml
-
 from controlplane import strict_yaml
+from controlplane.export import _yaml
 from controlplane.exporter import SERIES
 
 FORMATS = ("prometheus-rules", "prometheusrule", "grafana", "servicemonitor")
 METRICS_PORT_NAME = "metrics"
 RECORDER_LABELS = {"app.kubernetes.io/name": "tailpilot", "app.kubernetes.io/component": "recorder"}
 _METRIC = re.compile(r"\b(tailpilot_[a-z0-9_]+)\b")
-_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")  # Prometheus's duration syntax
+# Prometheus's duration syntax: units largest first, each at most once (model.ParseDuration)
+_DURATION = re.compile(r"^(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?$")
+DNS_NAME = re.compile(r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name (RFC 1123 label)
+LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+GRAFANA_UID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+
+
+def _fit(raw: str, allowed: str, limit: int, lower: bool = False) -> str:
+    """``raw`` as a name of ``allowed`` characters, at most ``limit`` long; a short hash of the
+    original is appended whenever it had to change (so two clusters never share a name)."""
+    name = re.sub(f"[^{allowed}]+", "-", raw.lower() if lower else raw).strip("-_.")
+    if name == raw and len(name) <= limit:
+        return name
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
+    return f"{name[:limit - 7].rstrip('-_.')}-{digest}".lstrip("-")
+
+
+def k8s_name(*parts: str) -> str:
+    return _fit("-".join(parts), "a-z0-9-", 63, lower=True)
+
+
+def label_value(value: str) -> str:
+    return _fit(value, "A-Za-z0-9_.-", 63)
+
+
+def _num(value: float) -> str:
+    """A threshold in PromQL, exactly (``:g`` would round 0.9999995 to 1)."""
+    return repr(float(value))
 
 
 class MonitoringExportError(ValueError):
@@ -50,7 +77,8 @@ def metrics_in(expr: str) -> set[str]:
 
 def check_duration(value: str, field: str) -> str:
     """``value`` if it is a Prometheus duration (``30s``, ``1m30s``), else an error naming ``field``."""
-    if not isinstance(value, str) or not _DURATION.match(value) or not any(ch in "123456789" for ch in value):
+    if not isinstance(value, str) or not value or not _DURATION.match(value) \
+            or not any(ch in "123456789" for ch in value):
         raise MonitoringExportError(f"{field}: {value!r} is not a Prometheus duration such as 30s, 2m or 1h30m")
     return value
 
@@ -87,18 +115,23 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
     gov = cluster.governance
     if gov is not None:
         a = gov.alerts
-        alert("TailpilotSCRCritical", f"tailpilot_scr{c} < {a.scr_critical:g}", "critical",
+        # On the figure each alert was last judged on (tailpilot_alert_value): like the recorder's
+        # own alerts, a window without data changes nothing (tailpilot_scr itself goes absent).
+        value = {k: f"max without (alert) (tailpilot_alert_value{_sel(name, alert=k)})"
+                 for k in ("scr", "jfi", "type_fairness")}
+        crit, warn = _num(a.scr_critical), _num(a.scr_warning)
+        alert("TailpilotSCRCritical", f"{value['scr']} < {crit}", "critical",
               f"SLO compliance of cluster {name} below {a.scr_critical:g}",
               "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target "
               "(tailpilot_tenant_slo_compliant says which do not).", for_)
-        alert("TailpilotSCRWarning", f"tailpilot_scr{c} < {a.scr_warning:g} >= {a.scr_critical:g}", "warning",
+        alert("TailpilotSCRWarning", f"{value['scr']} < {warn} >= {crit}", "warning",
               f"SLO compliance of cluster {name} below {a.scr_warning:g}",
               "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target.", for_)
-        alert("TailpilotJFILow", f"tailpilot_jfi{c} < {a.jfi:g}", "warning",
+        alert("TailpilotJFILow", f"{value['jfi']} < {_num(a.jfi)}", "warning",
               f"Tenants of cluster {name} served unfairly (Jain's index below {a.jfi:g})",
               "Jain's index over throughput per commitment is {{ $value | printf \"%.3f\" }}: a tenant is "
               "being crowded out (tailpilot_tenant_normalised_throughput).", for_)
-        alert("TailpilotTypeFairnessLow", f"tailpilot_type_fairness{c} < {a.type_fairness:g}", "warning",
+        alert("TailpilotTypeFairnessLow", f"{value['type_fairness']} < {_num(a.type_fairness)}", "warning",
               f"A request type of cluster {name} is starved (fairness ratio below {a.type_fairness:g})",
               "The lowest type's share over its guaranteed share is {{ $value | printf \"%.3f\" }} "
               "(tailpilot_type_fairness_ratio per type).", for_)
@@ -106,7 +139,7 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
               "Tenant {{ $labels.tenant }} misses a latency target",
               "tailpilot_tenant_latency_seconds against tailpilot_tenant_slo_seconds shows which quantile.", for_)
         alert("TailpilotGovernorModeActive", f"tailpilot_governor_mode_active{c} == 1", "info",
-              "The governor's {{ $labels.mode }} emergency mode is in force on cluster " + name,
+              "The governor's {{ $labels.mode }} emergency mode is applied on cluster " + name,
               "See `tailpilot governor status --cluster-name " + name + "` and the audit log.")
     alert("TailpilotReplicaDown", f"tailpilot_replica_up{c} == 0", "warning",
           "Replica {{ $labels.replica }} of cluster " + name + " does not answer",
@@ -118,29 +151,54 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
     return [{"name": f"tailpilot-{name}", "rules": rules}]
 
 
+def _metadata(cluster: Any, kind: str, namespace: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": k8s_name("tailpilot", kind, cluster.name),
+                                "labels": {**RECORDER_LABELS, "tailpilot/cluster": label_value(cluster.name),
+                                           **(labels or {})}}
+    if namespace:
+        metadata["namespace"] = namespace
+    return metadata
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    """Extra metadata labels (``--label release=prom``): Kubernetes' rules for keys and values."""
+    key = re.compile(r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+    for k, v in labels.items():
+        if not key.match(k):
+            raise MonitoringExportError(f"label: {k!r} is not a Kubernetes label key")
+        if not LABEL_VALUE.match(v):
+            raise MonitoringExportError(f"label: {k}={v!r}: a label value is at most 63 characters of "
+                                        "letters, digits, '-', '_' and '.', starting and ending with a letter or digit")
+    return labels
+
+
 def prometheus_rules(cluster: Any, *, for_: str | None = None) -> str:
     doc = {"groups": rule_groups(cluster, for_=for_)}
-    text = _header(f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export "
-                   "--format prometheus-rules); load with rule_files:, check with `promtool check rules`.")
-    text += yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1000)
+    text = _yaml(doc, [f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export --format "
+                       "prometheus-rules); load with rule_files:, check with `promtool check rules`."])
     _verify_groups(strict_yaml.load(text).get("groups"), doc["groups"], "prometheus-rules")
     return text
 
 
-def prometheus_rule_crd(cluster: Any, *, for_: str | None = None, namespace: str | None = None) -> str:
+def prometheus_rule_crd(cluster: Any, *, for_: str | None = None, namespace: str | None = None,
+                        labels: dict[str, str] | None = None) -> str:
     groups = rule_groups(cluster, for_=for_)
-    metadata: dict[str, Any] = {"name": f"tailpilot-{cluster.name}", "labels": dict(RECORDER_LABELS)}
-    if namespace:
-        metadata["namespace"] = namespace
-    doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": metadata,
-           "spec": {"groups": groups}}
-    text = _header(f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator PrometheusRule.")
-    text += yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1000)
+    doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+           "metadata": _metadata(cluster, "rules", namespace, labels), "spec": {"groups": groups}}
+    text = _yaml(doc, [f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator "
+                       "PrometheusRule (--label release=NAME if your Prometheus selects rules by label)."])
     back = strict_yaml.load(text)
-    if back.get("kind") != "PrometheusRule" or back.get("apiVersion") != "monitoring.coreos.com/v1":
-        raise MonitoringExportError("prometheusrule: kind/apiVersion did not parse back")
-    _verify_groups(back.get("spec", {}).get("groups"), groups, "prometheusrule")
+    if back != doc:
+        raise MonitoringExportError("prometheusrule: the rendering did not parse back; this is a bug")
+    _check_metadata(back["metadata"], "prometheusrule")
+    _verify_groups(back["spec"]["groups"], groups, "prometheusrule")
     return text
+
+
+def _check_metadata(metadata: dict[str, Any], fmt: str) -> None:
+    if not DNS_NAME.match(metadata["name"]):
+        raise MonitoringExportError(f"{fmt}: metadata.name {metadata['name']!r} is not a Kubernetes name")
+    check_labels(metadata["labels"])
 
 
 def _verify_groups(back: Any, groups: list[dict[str, Any]], fmt: str) -> None:
@@ -208,8 +266,13 @@ def _panel(kind: str, title: str, description: str, queries: list[tuple[str, str
         defaults["max"] = max_
     if kind == "timeseries" and thresholds:
         defaults["custom"] = {"thresholdsStyle": {"mode": "line+area"}}
-    return {"type": kind, "title": title, "description": description, "targets": _targets(*queries),
-            "fieldConfig": {"defaults": defaults, "overrides": []}, **extra}
+    targets = _targets(*queries)
+    if kind == "table":  # the values now, one row per series: instant queries merged into one table
+        for t in targets:
+            t.update(instant=True, range=False, format="table")
+        extra.setdefault("transformations", [{"id": "merge", "options": {}}])
+    return {"type": kind, "title": title, "description": description, "targets": targets,
+            "fieldConfig": {"defaults": defaults, "overrides": extra.pop("overrides", [])}, **extra}
 
 
 def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
@@ -251,7 +314,10 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
                        [(f"tailpilot_tenant_latency_seconds{_sel(name, latency='ttft', quantile='0.99')}",
                          "{{tenant}}"),
                         (f"tailpilot_tenant_slo_seconds{_sel(name, latency='ttft', quantile='0.99')}",
-                         "{{tenant}} target")], unit="s"), 12, 8)
+                         "{{tenant}} target")], unit="s",
+                       overrides=[{"matcher": {"id": "byRegexp", "options": ".* target$"},
+                                   "properties": [{"id": "custom.lineStyle",
+                                                   "value": {"fill": "dash", "dash": [10, 10]}}]}]), 12, 8)
         lay.add(_panel("timeseries", "Throughput per commitment", "Tokens served per second over each tenant's "
                        "committed rate (or weight): what JFI is computed from.",
                        [(f"tailpilot_tenant_normalised_throughput{c}", "{{tenant}}")]), 12, 8)
@@ -277,7 +343,7 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
     exprs = [t["expr"] for p in lay.panels for t in p.get("targets", [])]
     _check_series(exprs, "grafana")
     return {
-        "uid": f"tailpilot-{name}"[:40], "title": f"tailpilot — cluster {name}",
+        "uid": _fit(f"tailpilot-{name}", "A-Za-z0-9_-", 40), "title": f"tailpilot — cluster {name}",
         "description": "tailpilot's recorder /metrics (tailpilot export --format grafana)",
         "tags": ["tailpilot", "vllm"], "timezone": "browser", "editable": True, "graphTooltip": 1,
         "schemaVersion": GRAFANA_SCHEMA_VERSION, "version": 1, "refresh": "10s",
@@ -311,8 +377,10 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
     def fail(what: str) -> NoReturn:
         raise MonitoringExportError(f"grafana: {what}")
 
-    if doc.get("schemaVersion") != GRAFANA_SCHEMA_VERSION or not doc.get("uid") or not doc.get("title"):
-        fail("schemaVersion, uid or title missing")
+    if doc.get("schemaVersion") != GRAFANA_SCHEMA_VERSION or not doc.get("title"):
+        fail("schemaVersion or title missing")
+    if not GRAFANA_UID.match(str(doc.get("uid", ""))):
+        fail(f"uid {doc.get('uid')!r} is not a Grafana uid (at most 40 of letters, digits, '-' and '_')")
     panels = doc.get("panels")
     if not isinstance(panels, list) or not panels:
         fail("no panels")
@@ -349,45 +417,55 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def service_monitor_doc(cluster: Any, *, namespace: str | None = None, interval: str = "15s") -> dict[str, Any]:
-    check_duration(interval, "interval")
-    metadata: dict[str, Any] = {"name": f"tailpilot-recorder-{cluster.name}", "labels": dict(RECORDER_LABELS)}
-    if namespace:
-        metadata["namespace"] = namespace
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": metadata,
-            "spec": {"selector": {"matchLabels": {**RECORDER_LABELS, "tailpilot/cluster": cluster.name}},
+def seconds(duration: str) -> float:
+    """A Prometheus duration in seconds (``check_duration`` first)."""
+    scale = {"y": 365 * 86_400, "w": 7 * 86_400, "d": 86_400, "h": 3_600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(int(n) * scale[u] for n, u in re.findall(r"([0-9]+)(ms|[ywdhms])", duration))
+
+
+def scrape_timeout(interval: str) -> str:
+    """A scrape timeout for ``interval``: Prometheus's default 10 s, but never above the interval."""
+    t = min(10.0, seconds(check_duration(interval, "interval")))
+    return f"{int(t)}s" if t >= 1 and t == int(t) else f"{max(1, int(t * 1000))}ms"
+
+
+def service_monitor_doc(cluster: Any, *, namespace: str | None = None, interval: str = "15s",
+                        labels: dict[str, str] | None = None) -> dict[str, Any]:
+    selector = {**RECORDER_LABELS, "tailpilot/cluster": label_value(cluster.name)}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _metadata(cluster, "recorder", namespace, labels),
+            "spec": {"selector": {"matchLabels": selector},
                      "endpoints": [{"port": METRICS_PORT_NAME, "path": "/metrics", "interval": interval,
-                                    "scrapeTimeout": interval, "honorLabels": True}]}}
+                                    "scrapeTimeout": scrape_timeout(interval)}]}}
 
 
-def service_monitor(cluster: Any, *, namespace: str | None = None, interval: str = "15s") -> str:
-    doc = service_monitor_doc(cluster, namespace=namespace, interval=interval)
-    labels = ", ".join(f"{k}={v}" for k, v in doc["spec"]["selector"]["matchLabels"].items())
-    text = _header(f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
-                   f"labelled {labels} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs with "
-                   "`tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). honorLabels keeps the "
-                   "recorder's own cluster and replica labels.")
-    text += yaml.safe_dump(doc, sort_keys=False, width=1000)
-    if strict_yaml.load(text) != doc:
+def service_monitor(cluster: Any, *, namespace: str | None = None, interval: str = "15s",
+                    labels: dict[str, str] | None = None) -> str:
+    doc = service_monitor_doc(cluster, namespace=namespace, interval=interval, labels=labels)
+    selected = ", ".join(f"{k}={v}" for k, v in doc["spec"]["selector"]["matchLabels"].items())
+    text = _yaml(doc, [f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
+                       f"labelled {selected} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs "
+                       "with `tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). --label release=NAME "
+                       "if your Prometheus selects ServiceMonitors by label."])
+    back = strict_yaml.load(text)
+    if back != doc:
         raise MonitoringExportError("servicemonitor: the rendering did not parse back; this is a bug")
+    _check_metadata(back["metadata"], "servicemonitor")
+    if not all(LABEL_VALUE.match(v) for v in back["spec"]["selector"]["matchLabels"].values()):
+        raise MonitoringExportError("servicemonitor: a selector label value is not a Kubernetes label value")
     return text
 
 
-def _header(line: str) -> str:
-    import textwrap
-
-    return "".join(f"# {part}\n" for part in textwrap.wrap(line, 96, break_on_hyphens=False))
-
-
 def render(cluster: Any, fmt: str, *, namespace: str | None = None, for_: str | None = None,
-           interval: str = "15s") -> str:
+           interval: str = "15s", labels: dict[str, str] | None = None) -> str:
     """``cluster`` (a ``ClusterSpec``) in monitoring format ``fmt``, checked."""
+    check_labels(labels or {})
     if fmt == "prometheus-rules":
         return prometheus_rules(cluster, for_=for_)
     if fmt == "prometheusrule":
-        return prometheus_rule_crd(cluster, for_=for_, namespace=namespace)
+        return prometheus_rule_crd(cluster, for_=for_, namespace=namespace, labels=labels)
     if fmt == "grafana":
         return grafana_dashboard(cluster)
     if fmt == "servicemonitor":
-        return service_monitor(cluster, namespace=namespace, interval=interval)
+        return service_monitor(cluster, namespace=namespace, interval=interval, labels=labels)
     raise MonitoringExportError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")

@@ -93,38 +93,40 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
     collector = collector or Collector(cluster, store, flush_interval_s=flush_interval_s,
                                        metrics_every=metrics_every)
     collector.on_poll(_health_logger(stats))
-    if recording_name:
-        stats.recording_id = await asyncio.to_thread(store.begin_recording, cluster.name, recording_name)
-
-    async def retention_loop() -> None:
-        while not stop.is_set():
-            try:
-                report = await asyncio.to_thread(store.apply_retention, int(time.time() * 1000), retention)
-                stats.retention_runs += 1
-                log.info("retention: %s", report)
-            except Exception as err:  # a busy database or a failed fold: try again next time
-                log.warning("retention failed (will retry): %s", err)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), retention_interval_s)
-
-    extra = [asyncio.create_task(retention_loop())] if retention is not None else []
-    if govern is not None:
-        from controlplane.governor import run_governor
-
-        if cluster.governance is None:
-            raise ValueError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
-        if govern:
-            await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
-        extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
     exporter = None
-    if metrics is not None:
+    if metrics is not None:  # first: a taken port fails the start before anything is begun
         from controlplane.exporter import MetricsServer
 
         exporter = MetricsServer(collector, host=metrics[0], port=metrics[1])
         port = await exporter.start()
         stats.metrics_url = f"http://{metrics[0]}:{port}/metrics"
         log.info("serving Prometheus metrics at %s", stats.metrics_url)
+    extra: list[asyncio.Task] = []
     try:
+        if recording_name:
+            stats.recording_id = await asyncio.to_thread(store.begin_recording, cluster.name, recording_name)
+
+        async def retention_loop() -> None:
+            while not stop.is_set():
+                try:
+                    report = await asyncio.to_thread(store.apply_retention, int(time.time() * 1000), retention)
+                    stats.retention_runs += 1
+                    log.info("retention: %s", report)
+                except Exception as err:  # a busy database or a failed fold: try again next time
+                    log.warning("retention failed (will retry): %s", err)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), retention_interval_s)
+
+        if retention is not None:
+            extra.append(asyncio.create_task(retention_loop()))
+        if govern is not None:
+            from controlplane.governor import run_governor
+
+            if cluster.governance is None:
+                raise ValueError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
+            if govern:
+                await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
+            extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
         s = await collector.run(stop)
     finally:
         if exporter is not None:

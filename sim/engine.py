@@ -119,6 +119,7 @@ class Simulator:
         self.free_blocks = self.config.num_gpu_blocks
         self.completions: list[Completion] = []
         self.rejected: list[str] = []
+        self.refused = 0  # of those, turned away by the policy (a tenant's queue cap)
         self.steps = 0
         self._idle_iterations = 0
         self._was_contended = False
@@ -228,6 +229,7 @@ class Simulator:
                                output_tokens=target, enqueued_at=self.now)
             if self.policy.refuse(req, self.now) is not None:
                 self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
+                self.refused += 1
                 continue
             self.waiting.push(req, self.now)
             self.policy.on_arrival(req, self.now)

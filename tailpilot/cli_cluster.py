@@ -313,9 +313,15 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, ar
         retention = RetentionSettings(raw_sample_hours=raw_hours)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     open_store(db).close()  # a bad URL is a usage error before anything starts
-    stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name, retention=retention,
-                         govern=("armed" if arm else "dry-run") if govern else None,
-                         metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
+    try:
+        stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name,
+                             retention=retention, govern=("armed" if arm else "dry-run") if govern else None,
+                             metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
+    except OSError as err:
+        if metrics_port is None:
+            raise
+        raise click.ClickException(f"cannot serve /metrics on {metrics_host}:{metrics_port}: "
+                                   f"{err.strerror or err}") from None
     click.echo(json.dumps(stats.as_dict(), default=str))
 
 

@@ -72,7 +72,7 @@ def _open_existing_store(db: str | None):
               help="vllm-args: the settings file TAILPILOT_SETTINGS_FILE names.")
 @click.option("--name", default="tailpilot-settings", show_default=True,
               help="configmap, helm: the ConfigMap's name.")
-@click.option("--namespace", help="configmap: metadata.namespace.")
+@click.option("--namespace", help="configmap, prometheusrule, servicemonitor: metadata.namespace.")
 @click.option("--image", default="vllm/vllm-openai:latest", show_default=True,
               help="helm: the vLLM image (it must have tailpilot installed).")
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True, help="helm: replicaCount.")
@@ -80,15 +80,20 @@ def _open_existing_store(db: str | None):
 @click.option("--api-port", type=click.IntRange(1, 65535), default=8765, show_default=True,
               help="helm: the control API's port in each pod.")
 @click.option("--token-secret", metavar="SECRET", help="helm: a Secret with TAILPILOT_TOKEN, loaded as env vars.")
-@click.option("--service-monitor/--no-service-monitor", default=True, show_default=True,
-              help="helm: have the chart create a ServiceMonitor for the engines' /metrics.")
+@click.option("--service-monitor/--no-service-monitor", default=False, show_default=True,
+              help="helm: have the chart create a ServiceMonitor for the engines' /metrics (needs the "
+                   "Prometheus Operator's CRDs in the cluster).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="prometheusrule, servicemonitor: an extra metadata label, e.g. release=kube-prometheus-stack "
+                   "(repeatable).")
 @click.option("--interval", default="15s", show_default=True, metavar="DURATION",
               help="helm, servicemonitor: the scrape interval.")
 @click.option("--for", "for_", metavar="DURATION",
               help="prometheus-rules: how long a governance figure stays below its threshold before its alert "
                    "fires (default: at once, as the recorder's own alerts).")
 def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, out, model, scheduler, settings_path,
-           name, namespace, image, replicas, engine_name, api_port, token_secret, service_monitor, interval, for_):
+           name, namespace, image, replicas, engine_name, api_port, token_secret, service_monitor, labels, interval,
+           for_):
     """Write settings for deployment — the plugin's settings JSON, a `vllm serve` command line,
     a Kubernetes ConfigMap or Helm values for the vLLM production-stack chart — or a cluster's
     monitoring: Prometheus alert rules at its thresholds, a Grafana dashboard, a ServiceMonitor for
@@ -96,7 +101,7 @@ def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, o
     from controlplane.monitoring import FORMATS as MONITORING_FORMATS
 
     if fmt in MONITORING_FORMATS:
-        return _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_,
+        return _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_, labels,
                                   conflicting=settings_file or study)
     if cluster_file:
         raise click.UsageError(f"--cluster goes with --format {', '.join(MONITORING_FORMATS)}; "
@@ -163,8 +168,9 @@ def _write(text: str, out: str | None, what: str) -> None:
         click.echo(text, nl=False)
 
 
-def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_, conflicting) -> None:
-    from controlplane.monitoring import MonitoringExportError, check_duration, render
+def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval, for_, labels,
+                       conflicting) -> None:
+    from controlplane.monitoring import MonitoringExportError, check_duration, check_labels, render
     from tailpilot.cli_cluster import load_cluster
 
     if conflicting:
@@ -179,8 +185,18 @@ def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval
         except MonitoringExportError as err:
             raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--for") from None
     _check_interval(interval)
+    extra = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        extra[key] = value
     try:
-        text = render(cluster, fmt, namespace=namespace, for_=for_, interval=interval)
+        check_labels(extra)
+    except MonitoringExportError as err:
+        raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--label") from None
+    try:
+        text = render(cluster, fmt, namespace=namespace, for_=for_, interval=interval, labels=extra)
     except MonitoringExportError as err:
         raise click.ClickException(str(err)) from None
     governed = "governed" if cluster.governance is not None else "not governed: replica alerts only"

@@ -727,3 +727,5 @@ def test_aborting_waiting_requests_of_a_grouped_queue(build, settings):
     assert sorted(c["id"] for c in aborted if c["reason"] == "finished_aborted") == ["w0", "w2", "w3"]
     assert d.finished == {"run": "length", "w1": "length", "w4": "length"}
     assert not s.requests and s.tp_core.states == {} and len(s.tp_core.waiting) == 0
+    # the fair queues know the aborted ones left: no tenant stays "backlogged" (its counter lift)
+    assert not any(getattr(s.tp_core.policy, "backlog", {}).values())

@@ -52,7 +52,8 @@ def cluster_from(doc: dict, name: str | None = None):
     return parse_cluster_file(yaml.safe_dump(doc), "test.yaml").cluster(name)
 
 
-THRESHOLDS = {"scr_warning": 0.8, "scr_critical": 0.6, "jfi": 0.7, "type_fairness": 0.3}
+# 0.6000001: a threshold that "%g" would round (the rule must keep it exactly)
+THRESHOLDS = {"scr_warning": 0.8, "scr_critical": 0.6000001, "jfi": 0.7, "type_fairness": 0.3}
 CLUSTER = {"clusters": [{"name": "odd", "replicas": [{"name": "r0", "api_url": "http://127.0.0.1:1",
                                                       "control_url": "http://127.0.0.1:2"}],
                          "governance": {"tenants": {"a": {"weight": 1.0}}, "alerts": THRESHOLDS}}]}
@@ -158,12 +159,17 @@ def test_record_serves_metrics_with_the_governor(recording):
     fams = scrape_families(text)
     states = {s.labels["state"]: s.value for s in fams["tailpilot_governor_state"]}
     assert states == {"armed": 0.0, "dry-run": 1.0, "disarmed": 0.0}  # --govern without --arm
-    assert {s.labels["mode"] for s in fams["tailpilot_governor_mode_active"] if s.value == 1} >= {"scr"}
+    # decided in dry-run, so logged, not applied: not "active" (the mode alert stays quiet)
+    assert {s.labels["mode"]: s.value for s in fams["tailpilot_governor_mode_active"]} == \
+        {"scr": 0.0, "jfi": 0.0, "type": 0.0}
     assert [s.value for s in fams["tailpilot_replica_up"]] == [1.0]
-    # only GET /metrics and / exist
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(url.replace("/metrics", "/settings"), timeout=5)
-    assert err.value.code == 404
+    # only GET /metrics and /health: nothing of the control API
+    with urllib.request.urlopen(url.replace("/metrics", "/health"), timeout=5) as resp:
+        assert resp.status == 200
+    for path in ("/tailpilot/v1/state", "/tailpilot/v1/settings", "/settings"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url.replace("/metrics", path), timeout=5)
+        assert err.value.code == 404, path
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and json.loads(out.strip().splitlines()[-1])["metrics_url"] == url
@@ -211,40 +217,48 @@ def alert_tests(rules: dict, series: dict[str, list[float]], expect: list[tuple[
             exp.append({"exp_labels": labels, "exp_annotations": notes})
         tests.append({"eval_time": f"{minute}m", "alertname": name, "exp_alerts": exp})
     return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": [{"series": s, "values": " ".join(f"{v:g}" for v in vals)}
-                                                          for s, vals in series.items()],
+            "tests": [{"interval": "1m", "input_series": [{"series": s, "values": " ".join(
+                "_" if v is None else repr(float(v)) for v in vals)} for s, vals in series.items()],
                        "alert_rule_test": tests}]}
 
 
 def test_rules_fire_exactly_when_the_collectors_alerts_do(tmp_path):
-    """A cluster with its own thresholds; figures stepping across them (boundaries included).
-    promtool evaluates the exported rules minute by minute; the expected alerts are what
+    """A cluster with its own thresholds; figures stepping across them (boundaries included) and
+    windows without data (None: the figure is absent from the page). promtool evaluates the
+    exported rules on the recorder's series minute by minute; the expected alerts are what
     governance.AlertEvaluator — the collector's own alerts — says at each minute."""
     cluster = cluster_from(CLUSTER)
     text = export("--cluster", _write(tmp_path, CLUSTER), "--format", "prometheus-rules")
     (tmp_path / "rules.yaml").write_text(text)
     rules = yaml.safe_load(text)
-    steps = {"scr": [1.0, 0.8, 0.79, 0.6, 0.59, 0.0, 0.7, 0.95],
-             "jfi": [0.9, 0.7, 0.69, 0.2, 0.71, 1.0, 0.5, 0.7],
-             "type_fairness_min": [1.0, 0.3, 0.29, 0.0, 2.0, 0.31, 0.3, 0.1]}
-    series = {'tailpilot_scr{cluster="odd"}': steps["scr"], 'tailpilot_jfi{cluster="odd"}': steps["jfi"],
-              'tailpilot_type_fairness{cluster="odd"}': steps["type_fairness_min"],
-              'tailpilot_window_seconds{cluster="odd"}': [60.0] * 8}
+    steps = {"scr": [1.0, 0.8, 0.79, 0.6, None, None, 0.59, 0.0, 0.7, 0.95, None],
+             "jfi": [0.9, 0.7, 0.69, 0.2, None, 0.71, 1.0, 0.5, 0.7, None, 0.3],
+             "type_fairness_min": [1.0, 0.3, 0.29, 0.0, 2.0, None, 0.31, 0.3, 0.1, 0.2, None]}
     names = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
              ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
     figure = {"scr": "scr", "jfi": "jfi", "type_fairness": "type_fairness_min"}
     evaluator = AlertEvaluator(cluster.governance.alerts)
-    expect, fired = [], set()
-    for minute in range(8):
+    minutes = len(steps["scr"])
+    series: dict[str, list] = {f'tailpilot_{k}{{cluster="odd"}}': v for k, v in
+                               (("scr", steps["scr"]), ("jfi", steps["jfi"]),
+                                ("type_fairness", steps["type_fairness_min"]))}
+    series['tailpilot_window_seconds{cluster="odd"}'] = [60.0] * minutes
+    values = {a: series.setdefault(f'tailpilot_alert_value{{alert="{a}",cluster="odd"}}', []) for a in figure}
+    expect, fired, gap_fired = [], set(), False
+    for minute in range(minutes):
         figures = {k: v[minute] for k, v in steps.items()}
         evaluator.evaluate(figures)
+        for a in figure:  # what the page carries: the figure each alert was last judged on
+            values[a].append(evaluator.value.get(a))
         for (alert, severity), rule in names.items():
             on = evaluator.active.get(alert) == severity
             if on:
                 fired.add((alert, severity))
-            alerts = [{"labels": {}, "value": figures[figure[alert]]}] if on else []
+                gap_fired |= figures[figure[alert]] is None
+            alerts = [{"labels": {}, "value": evaluator.value[alert]}] if on else []
             expect.append((minute, rule, alerts))
-    assert fired == set(names)  # every rule is exercised firing, and not firing
+    assert fired == set(names) and gap_fired  # every rule fires, and goes on firing through a gap
+    assert evaluator.active.get("scr") is None and steps["scr"][3] == 0.6  # 0.6 < 0.6000001: critical
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(alert_tests(rules, series, expect), sort_keys=False))
     res = run_promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -301,6 +315,9 @@ def test_bad_export_input_names_the_option(tmp_path):
                          (["--format", "grafana", "--cluster", path, "--settings", path], "not --settings"),
                          (["--format", "prometheus-rules", "--cluster", path, "--for", "5 minutes"], "--for"),
                          (["--format", "servicemonitor", "--cluster", path, "--interval", "0s"], "--interval"),
+                         (["--format", "prometheus-rules", "--cluster", path, "--for", "1s1m"], "--for"),
+                         (["--format", "servicemonitor", "--cluster", path, "--label", "release"], "--label"),
+                         (["--format", "servicemonitor", "--cluster", path, "--label", "a=b c"], "--label"),
                          (["--format", "helm", "--cluster", path], "--cluster goes with")):
         res = CliRunner().invoke(main, ["export", *args])
         assert res.exit_code == 2 and needle in res.output, res.output
@@ -318,7 +335,7 @@ def test_the_dashboard_loads_back_and_every_query_parses(tmp_path):
     assert {"SCR", "JFI", "Type fairness (lowest)", "SCR over time", "JFI over time",
             "Type fairness ratio per type"} <= titles  # seed 003's checklist
     scr = next(p for p in doc["panels"] if p["title"] == "SCR")["fieldConfig"]["defaults"]["thresholds"]["steps"]
-    assert [(s["color"], s["value"]) for s in scr] == [("red", None), ("yellow", 0.6), ("green", 0.8)]
+    assert [(s["color"], s["value"]) for s in scr] == [("red", None), ("yellow", 0.6000001), ("green", 0.8)]
     queries = dashboard_queries(doc)
     assert all(re.search(r'cluster="odd"', q) for q in queries)
     # promtool parses every query (as recording rules) — a typo in PromQL fails here
@@ -360,13 +377,38 @@ def test_an_ungoverned_cluster_gets_replica_panels_and_rules_only(tmp_path):
 
 def test_the_recorders_service_monitor(tmp_path):
     doc = yaml.safe_load(export("--cluster", _write(tmp_path, CLUSTER), "--format", "servicemonitor",
-                                "--namespace", "obs", "--interval", "30s"))
+                                "--namespace", "obs", "--interval", "30s", "--label", "release=prom"))
     assert (doc["apiVersion"], doc["kind"], doc["metadata"]["namespace"]) == ("monitoring.coreos.com/v1",
                                                                              "ServiceMonitor", "obs")
+    assert doc["metadata"]["labels"]["release"] == "prom"  # what kube-prometheus-stack selects on
     assert doc["spec"]["selector"]["matchLabels"]["tailpilot/cluster"] == "odd"
     [endpoint] = doc["spec"]["endpoints"]
-    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "30s",
-                        "honorLabels": True}
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+    [endpoint] = yaml.safe_load(export("--cluster", _write(tmp_path, CLUSTER), "--format", "servicemonitor",
+                                       "--interval", "5s"))["spec"]["endpoints"]
+    assert endpoint["scrapeTimeout"] == "5s"  # never above the interval (Prometheus refuses that)
+
+
+@pytest.mark.parametrize("name", ["Prod_EU.west-1-", "1e3", "a" * 64])
+def test_names_kubernetes_and_grafana_accept_for_any_cluster_name(tmp_path, name):
+    """A cluster name the cluster file accepts (letters of both cases, '_', '.', a trailing '-',
+    64 characters, a number) becomes valid Kubernetes names and label values and a Grafana uid,
+    with a hash where it had to change; a value YAML could read as a number is quoted."""
+    from controlplane.monitoring import DNS_NAME, GRAFANA_UID, LABEL_VALUE
+
+    doc = {"clusters": [{**CLUSTER["clusters"][0], "name": name}]}
+    path = _write(tmp_path, doc)
+    sm_text = export("--cluster", path, "--format", "servicemonitor")
+    for text in (sm_text, export("--cluster", path, "--format", "prometheusrule")):
+        meta = yaml.safe_load(text)["metadata"]
+        assert DNS_NAME.match(meta["name"]) and LABEL_VALUE.match(str(meta["labels"]["tailpilot/cluster"]))
+        assert isinstance(meta["labels"]["tailpilot/cluster"], str)
+    if name == "1e3":
+        assert 'tailpilot/cluster: "1e3"' in sm_text  # quoted: Kubernetes' reader would take 1e3 for a number
+    uid = json.loads(export("--cluster", path, "--format", "grafana"))["uid"]
+    assert GRAFANA_UID.match(uid)
+    other = {"clusters": [{**CLUSTER["clusters"][0], "name": name[:-1] + "x"}]}
+    assert json.loads(export("--cluster", _write(tmp_path, other), "--format", "grafana"))["uid"] != uid
 
 
 def test_the_helm_values_enable_the_charts_service_monitor(tmp_path):
@@ -374,12 +416,15 @@ def test_the_helm_values_enable_the_charts_service_monitor(tmp_path):
 
     settings = tmp_path / "s.json"
     settings.write_text(json.dumps({"policy": "slofq"}))
-    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm", "--interval", "20s"))
+    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm", "--service-monitor",
+                                   "--interval", "20s"))
     monitor = values["servingEngineSpec"]["serviceMonitor"]
     # the chart's own keys (vllm-stack helm/values.schema.json, servingEngineSpec.serviceMonitor)
     jsonschema.validate(monitor, CHART_SERVICE_MONITOR_SCHEMA)
-    assert monitor["enabled"] is True and monitor["interval"] == "20s"
-    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm", "--no-service-monitor"))
+    assert (monitor["enabled"], monitor["interval"], monitor["scrapeTimeout"]) == (True, "20s", "10s")
+    # off by default: the chart would create it unconditionally, and a cluster without the
+    # Prometheus Operator's CRDs refuses the whole install
+    values = yaml.safe_load(export("--settings", str(settings), "--format", "helm"))
     assert "serviceMonitor" not in values["servingEngineSpec"]
 
 
@@ -389,6 +434,50 @@ CHART_SERVICE_MONITOR_SCHEMA = {
                    "interval": {"type": "string"}, "scrapeTimeout": {"type": "string"},
                    "honorLabels": {"type": "boolean"}, "metricRelabelings": {"type": "array"},
                    "relabelings": {"type": "array"}}}
+
+
+def test_a_taken_metrics_port_fails_the_start_and_begins_nothing(governed, tmp_path, monkeypatch):
+    from tailpilot.cli import main
+
+    path, twin, _ = governed
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        res = CliRunner().invoke(main, ["record", "--cluster", str(path), "--db", str(tmp_path / "t.db"),
+                                        "--name", "r1", "--metrics-port", str(port)])
+    assert res.exit_code == 1 and f"cannot serve /metrics on 127.0.0.1:{port}" in res.output, res.output
+    from storage.store import Store
+
+    with Store.open(str(tmp_path / "t.db")) as store:
+        assert store.recordings("gov") == []  # no recording left open
+
+
+def test_tenants_from_clients_do_not_grow_the_page_without_bound(governed, monkeypatch):
+    """Per-tenant series for at most MAX_TENANTS tenants (the cluster file's first, then the
+    busiest); the rest counted; a tenant name the text format cannot carry as is still renders."""
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import Collector
+    from controlplane.exporter import MAX_TENANTS, render
+    from storage.rows import GroupSampleRow
+
+    path, twin, _ = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    c = Collector(load_cluster_file(path).cluster())
+    poll_all(c, 2)
+    c.govern()
+    view = c.views[twin.name]
+    view.groups = view.groups + [GroupSampleRow(replica=twin.name, t_ms=0, kind="tenant", group=f"client-{i}",
+                                                completed=1000 + i) for i in range(300)]
+    view.groups.append(GroupSampleRow(replica=twin.name, t_ms=0, kind="tenant", group="odd\ud800\"name\n",
+                                      completed=10**6))
+    fams = scrape_families(render(c).decode())
+    tenants = {s.labels["group"] for s in fams["tailpilot_group_requests"] if s.labels["kind"] == "tenant"}
+    assert len(tenants) == MAX_TENANTS and {"a", "b", "noisy"} <= tenants  # the cluster file's tenants first
+    assert "client-299" in tenants and "client-0" not in tenants  # then the busiest
+    assert "odd?\"name\n" in tenants  # an unencodable name, replaced, not a broken page
+    [omitted] = fams["tailpilot_tenants_omitted"]
+    assert omitted.value == 3 + 301 - MAX_TENANTS
 
 
 def test_the_page_is_served_on_the_loop_and_stops(governed, monkeypatch):

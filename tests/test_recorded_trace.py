@@ -100,6 +100,19 @@ def test_requests_start_where_the_engine_core_got_them_and_the_hop_is_added_back
     assert seen["r2"].arrival == raw["r2"].arrival and seen["r3"].arrival == raw["r3"].arrival
 
 
+def test_a_request_refused_on_arrival_is_not_replayed():
+    """A queue-cap refusal (reason rejected) never ran: a replay of the span leaves it out (the
+    real side of fidelity and what-if then compares only requests that were served)."""
+    from dataclasses import replace
+
+    from tuner.recorded import rows_to_trace
+
+    rows = [row("a", "r1", 100.0), replace(row("a", "r2", 99.0), reason="rejected", first_token_s=None,
+                                           output_tokens=0), row("a", "r3", 101.0)]
+    trace = rows_to_trace(rows, "x")
+    assert [(r.id, r.arrival) for r in trace] == [("r1", 0.0), ("r3", 1.0)]
+
+
 @pytest.mark.parametrize("frag,needle", [
     ("recording=nope", r"no recording 'nope'.*known: peak"),
     ("recording=peak&replicas=z", r"no replica 'z'; known: a, b"),

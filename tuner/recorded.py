@@ -149,9 +149,11 @@ def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_T
                   prefix_replica: bool = False) -> tr.Trace:
     """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals at the engine core
     (``engine_arrival_s``) from the first one, the recorded cap or the fixed default (never the output length), a request
-    stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``."""
+    stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``. A request
+    the replica refused on arrival (reason ``rejected``: a tenant's queue cap) never ran: left out."""
     if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
         raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
+    rows = [row for row in rows if row.reason != "rejected"]
     if not rows:
         return tr.Trace(name, ())
     t0 = min(engine_arrival_s(row) for row in rows)

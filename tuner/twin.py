@@ -519,6 +519,7 @@ class TwinReplica:
         core.preemptions_total = sim.preemptions
         core.recomputed_tokens_total = sim.recomputed_tokens
         core.steps_total = sim.steps
+        core.refused_total = sim.refused
 
     # --- what the API reads -----------------------------------------------------------------
     def _kv(self) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class ReplicaCore:
         self.waiting = WaitingQueue(self.policy)
         self.states: dict[str, RequestState] = {}
         self.preemptions_total = 0
+        self.refused_total = 0  # requests the policy turned away on arrival (slofq's queue cap)
         self.recomputed_tokens_total = 0
         self.finished_total = 0
         self.steps_total = 0
@@ -229,6 +230,7 @@ class ReplicaCore:
         a completion with reason ``rejected``; None: track it as usual."""
         why = self.policy.refuse(state, now)
         if why is not None:
+            self.refused_total += 1
             if state.received_at is None:
                 state.received_at = now
             state.status = "finished"
@@ -338,6 +340,7 @@ class ReplicaCore:
             "waiting_by_type": by_type,
             "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
             "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
+            "refused_total": self.refused_total,
             "finished_total": self.finished_total, "steps_total": self.steps_total,
             "completions": completions, "next_cursor": next_cursor,
             "more": next_cursor < self._next_seq(self._completions),

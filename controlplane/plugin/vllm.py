@@ -31,6 +31,7 @@ from controlplane.policies import RequestState
 from controlplane.policies.preemption import plan_preemptions
 
 log = logging.getLogger("tailpilot.plugin")
+REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)
 
 REQUEST_TYPES = ("chat", "completion", "reasoning", "batch", "embed")
 
@@ -131,6 +132,7 @@ class TailpilotMixin:
         self._tp_policy_victim = False  # set while the plugin itself preempts (policy-driven)
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
         self._tp_refused: set[str] = set()  # refused on arrival, until vLLM's error path frees them
+        self._tp_refusal_log: dict[str, list] = {}  # tenant -> [last logged (s), refused since]
         self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
@@ -167,14 +169,28 @@ class TailpilotMixin:
         errors = getattr(self, "grammar_compile_error_reqs", None)
         if errors is None or request.resumable or request.request_id in self.requests:
             return False  # a vLLM without that path, a streaming session, or a known request
-        why = self.tp_core.refuse(self._tp_new_state(request), self._tp_now)
+        state = self._tp_new_state(request)
+        why = self.tp_core.refuse(state, self._tp_now)
         if why is None:
             return False
-        log.warning("tailpilot refused request %s: %s", request.request_id, why)
+        self._tp_log_refusal(state.tenant, request.request_id, why)
         self.requests[request.request_id] = request  # what finish_requests looks up
         errors.add(request.request_id)
         self._tp_refused.add(request.request_id)
         return True
+
+    def _tp_log_refusal(self, tenant: str, request_id: str, why: str) -> None:
+        # Refused clients retry (vLLM answers them with an error): one line per tenant per
+        # REFUSAL_LOG_S, not one per request, in the engine's log.
+        entry = self._tp_refusal_log.get(tenant)
+        if entry is not None and self._tp_now - entry[0] < REFUSAL_LOG_S:
+            entry[1] += 1
+            return
+        more = f" ({entry[1]} more of this tenant's since the last message)" if entry and entry[1] else ""
+        log.warning("tailpilot refused request %s: %s%s", request_id, why, more)
+        if len(self._tp_refusal_log) >= 1024:  # tenant names come from clients
+            self._tp_refusal_log.clear()
+        self._tp_refusal_log[tenant] = [self._tp_now, 0]
 
     def get_request_counts(self) -> tuple[int, int]:
         # A refused request is finished by the next step's update_from_output: count it as

@@ -60,6 +60,7 @@ class Vtc(TenantBacklog, Policy):
         super().__init__(settings, predictor)
         self.counters: dict[str, float] = {}
         self.backlog: dict[str, int] = {}  # waiting requests per tenant
+        self.seated: set[str] = set()  # running request ids (a finish of any other was waiting)
 
     def weight(self, tenant: str) -> float:
         return self.params.weights.get(tenant, 1.0)
@@ -72,9 +73,17 @@ class Vtc(TenantBacklog, Policy):
         self._enter_backlog(req.tenant)
 
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        self.seated.discard(req.id)
         self._enter_backlog(req.tenant)
 
+    def on_finish(self, req: RequestState, now: float) -> None:
+        if req.id in self.seated:
+            self.seated.discard(req.id)
+        else:  # aborted while waiting: it leaves the queue (else its tenant stays backlogged)
+            self._leave_backlog(req.tenant)
+
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
+        self.seated.add(req.id)
         self._leave_backlog(req.tenant)
         if req.scheduled_at is None:  # charge the prompt once, not again after a preemption
             self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
@@ -120,6 +129,7 @@ class Vtc(TenantBacklog, Policy):
             self._enter_backlog(r.tenant)
         for r in running:
             self.counters.setdefault(r.tenant, 0.0)
+        self.seated = {r.id for r in running}
 
     def live_state(self) -> dict:
         return {"tenant_counters": dict(self.counters)}
@@ -128,3 +138,4 @@ class Vtc(TenantBacklog, Policy):
         if isinstance(previous, Vtc):
             self.counters = dict(previous.counters)
             self.backlog = dict(previous.backlog)
+            self.seated = set(previous.seated)
