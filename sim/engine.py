@@ -227,7 +227,7 @@ class Simulator:
             req = RequestState(id=t.id, arrival=t.arrival, prompt_tokens=t.prompt_tokens,
                                max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
                                output_tokens=target, enqueued_at=self.now)
-            if self.policy.refuse(req, self.now) is not None:
+            if self.policy.refuses and self.policy.refuse(req, self.now) is not None:
                 self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
                 self.refused += 1
                 continue

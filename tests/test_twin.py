@@ -388,7 +388,11 @@ def test_stop_and_restart_on_the_same_port():
         time.sleep(0.3)
         twin.start()
         assert twin.port == port
-        after = poller.poll()  # same process: settings, counters and the cursor carry on
+        # Same process: settings, counters and the cursor carry on. The PUT staged the document;
+        # the twin's next step makes it active, so wait for that step rather than guess its time.
+        deadline = time.monotonic() + 30
+        while (after := poller.poll())["settings_version"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # within the control API's per-connection rate
         assert after["settings_version"] == 2 and after["finished_total"] >= before["finished_total"]
         assert after["time"] > before["time"] + 0.3 * 10 * 0.8
         twin.restart(fresh=True)  # a process restart: a new engine, same port

@@ -220,7 +220,7 @@ class TailpilotMixin:
     def add_request(self, request: Request) -> None:
         with self.tp_core.engine_lock:
             self._tp_now = time.time()
-            if not self._tp_refuse(request):
+            if not (self.tp_core.policy.refuses and self._tp_refuse(request)):
                 super().add_request(request)
 
     def finish_requests(self, *args, **kwargs):

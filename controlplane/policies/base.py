@@ -330,6 +330,9 @@ class Policy:
         return 0
 
     # --- events from the engine -----------------------------------------------------------
+    # Whether ``refuse`` can say no (engines skip asking otherwise: it is on every arrival's path).
+    refuses = False
+
     def refuse(self, req: RequestState, now: float) -> str | None:
         """Why ``req`` is turned away on arrival (slofq's per-tenant queue cap), or None to queue
         it; asked before ``on_arrival``, which a refused request never gets."""

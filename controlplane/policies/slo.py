@@ -115,6 +115,7 @@ class SloFq(TenantBacklog, Policy):
         self.detected: dict[str, float] = {}
         self.first_held: dict[str, float] = {}
         self.refused: dict[str, int] = defaultdict(int)  # requests refused at the queue cap
+        self.refuses = any(t.queue_cap is not None for t in (p.default_tenant, *p.tenants.values()))
         self._next_control = -INF
         self._now = 0.0
 
