@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from operator import attrgetter
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ from controlplane.settings import QUANTILES
 
 SAMPLES_KEPT = 4096  # TTFT samples per tenant in the sliding window (bounded memory in the engine)
 RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket
+_ARRIVAL, _PROMPT = attrgetter("arrival"), attrgetter("prompt_tokens")
 
 
 class _Window:
@@ -116,6 +118,8 @@ class SloFq(TenantBacklog, Policy):
         self.first_held: dict[str, float] = {}
         self.refused: dict[str, int] = defaultdict(int)  # requests refused at the queue cap
         self.refuses = any(t.queue_cap is not None for t in (p.default_tenant, *p.tenants.values()))
+        self._p99_named = {t: self._slo_p99(spec) for t, spec in p.tenants.items()}  # the document is frozen
+        self._p99_default = self._slo_p99(p.default_tenant)
         self._next_control = -INF
         self._now = 0.0
 
@@ -140,7 +144,11 @@ class SloFq(TenantBacklog, Policy):
         return req.arrival + target
 
     def _p99_target(self, tenant: str) -> float:
-        slo = self.params.tenant(tenant).ttft or self.params.default_tenant.ttft
+        # Per running request per step (the running order): a lookup, not the targets rebuilt.
+        return self._p99_named.get(tenant, self._p99_default)
+
+    def _slo_p99(self, spec) -> float:
+        slo = spec.ttft or self.params.default_tenant.ttft
         return max(slo.targets().values()) if slo is not None else INF
 
     def key(self, req: RequestState, now: float) -> tuple:
@@ -336,13 +344,21 @@ class SloFq(TenantBacklog, Policy):
         p = self.params
         for w in (self.used, self.typed, self.arrived, self.steps):
             w.flush(now)
-        ages: dict[str, list[float]] = defaultdict(list)
+        arrivals: dict[str, list[np.ndarray]] = defaultdict(list)
         queued: dict[str, float] = defaultdict(float)
         by_group = getattr(waiting, "by_group", None)
-        groups = by_group().items() if by_group is not None else [((r.tenant, r.type), [r]) for r in waiting]
+        if by_group is not None:
+            groups = by_group().items()
+        else:  # a plain sequence (the simulator's queue): grouped here, by tenant
+            per_tenant: dict[tuple[str, str], list[RequestState]] = defaultdict(list)
+            for r in waiting:
+                per_tenant[(r.tenant, "")].append(r)
+            groups = per_tenant.items()
+        # Every waiting request each tick: read through C-level map/attrgetter into arrays (a
+        # Python loop here cost ~1.5 ms per tick at 1,024 waiting).
         for (tenant, _), reqs in groups:
-            ages[tenant] += [now - r.arrival for r in reqs]
-            queued[tenant] += sum(r.prompt_tokens for r in reqs)
+            arrivals[tenant].append(np.fromiter(map(_ARRIVAL, reqs), np.float64, len(reqs)))
+            queued[tenant] += sum(map(_PROMPT, reqs))
         self.queued = queued
         tenants = set(self.backlog) | set(self.samples) | set(self.buckets) | set(self.used.sums) | set(p.throttle)
         self.weights = {t: self._protected_weight(t) for t in tenants}
@@ -351,13 +367,16 @@ class SloFq(TenantBacklog, Policy):
         total_rate = sum(self.used.total(t) for t in active) / self.used.span
         changed = False
         for tenant in tenants:
-            latencies = self._window_ttfts(tenant, now) + ages.get(tenant, [])
+            waited = arrivals.get(tenant)
+            latencies = np.array(self._window_ttfts(tenant, now), dtype=np.float64)
+            if waited:  # the ages of its waiting requests
+                latencies = np.concatenate([latencies, *(now - a for a in waited)])
             slo = p.tenant(tenant).ttft or p.default_tenant.ttft
             targets = slo.targets() if slo is not None else {}
             observed = {}
-            if latencies and targets:
+            if latencies.size and targets:
                 fractions = np.array([int(q[1:]) / 100.0 for q in targets])
-                values = _linear_percentiles(np.array(latencies, dtype=np.float64), fractions)
+                values = _linear_percentiles(latencies, fractions)
                 observed = dict(zip(targets, values.tolist()))
             target = max(targets.values()) if targets else INF
             if p.quantiles == "multi":
