@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.settings import QUANTILES
 from storage.rows import LATENCIES, PERCENTILES
@@ -50,10 +50,15 @@ class Series:
     name: str
     labels: tuple[str, ...]
     doc: str
+    counter: bool = False  # a count since the replica started (exposed as NAME_total), else a gauge
+
+
+COUNTERS = {"tailpilot_refused_requests"}
 
 
 def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
-    return {name: Series(name, tuple(labels.split()) if labels else (), doc) for name, labels, doc in rows}
+    return {name: Series(name, tuple(labels.split()) if labels else (), doc, name in COUNTERS)
+            for name, labels, doc in rows}
 
 
 R = "cluster replica"
@@ -129,14 +134,16 @@ class _Families:
     """The families of one scrape, filled by name; samples without a value are left out."""
 
     def __init__(self) -> None:
-        self.families = {s.name: GaugeMetricFamily(s.name, s.doc, labels=list(s.labels)) for s in SERIES.values()}
+        self.families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            s.name: (CounterMetricFamily if s.counter else GaugeMetricFamily)(s.name, s.doc, labels=list(s.labels))
+            for s in SERIES.values()}
 
     def add(self, name: str, labels: tuple[str, ...], value: Any) -> None:
         v = _finite(value)
         if v is not None:
             self.families[name].add_metric([_label(x) for x in labels], v)
 
-    def __iter__(self) -> Iterator[GaugeMetricFamily]:
+    def __iter__(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         return (f for f in self.families.values() if f.samples)
 
 
@@ -146,7 +153,7 @@ class ClusterMetrics:
     def __init__(self, collector: Any) -> None:
         self.collector = collector
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         c = self.collector
         cluster = c.cluster.name
         out = _Families()

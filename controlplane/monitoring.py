@@ -71,8 +71,10 @@ def _sel(cluster: str, **labels: str) -> str:
 
 
 def metrics_in(expr: str) -> set[str]:
-    """The ``tailpilot_*`` series an expression reads."""
-    return set(_METRIC.findall(expr))
+    """The ``tailpilot_*`` families an expression reads (a counter's ``_total`` sample as its family)."""
+    names = set(_METRIC.findall(expr))
+    return {n[:-len("_total")] if n.endswith("_total") and SERIES.get(n[:-len("_total")], None) is not None
+            and SERIES[n[:-len("_total")]].counter else n for n in names}
 
 
 def check_duration(value: str, field: str) -> str:
@@ -336,6 +338,9 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
                    [(f"tailpilot_kv_usage_ratio{c}", "{{replica}}")], unit="percentunit", min_=0, max_=1), 8, 8)
     lay.add(_panel("timeseries", "Live γ and β", "The policy's live parameters (γ-Ada moves γ).",
                    [(f"tailpilot_gamma{c}", "γ {{replica}}"), (f"tailpilot_beta{c}", "β {{replica}}")]), 12, 8)
+    lay.add(_panel("timeseries", "Refused on arrival", "Requests per second turned away at a tenant's queue "
+                   "cap (slofq's queue_cap); each is also in the completions log as rejected.",
+                   [(f"rate(tailpilot_refused_requests_total{c}[5m])", "{{replica}}")], unit="reqps", min_=0), 12, 8)
     lay.add(_panel("table", "Policy and settings version", "What each replica runs now.",
                    [(f"tailpilot_replica_info{c}", "{{replica}} {{policy}}"),
                     (f"tailpilot_settings_version{c}", "{{replica}} version"),

@@ -99,6 +99,8 @@ def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
     # the alerts as the collector has them: scr critical, jfi warning, nothing else
     firing = {(s.labels["alert"], s.labels["severity"]) for s in fams["tailpilot_alert_firing"] if s.value == 1}
     assert firing == {(a, sev) for a, sev in g["alerts"].items()} == {("scr", "critical"), ("jfi", "warning")}
+    [refused] = fams["tailpilot_refused_requests"]  # a counter: exposed as ..._total
+    assert (refused.name, refused.value) == ("tailpilot_refused_requests_total", 0.0)
     assert "tailpilot_gamma" not in fams  # fcfs has no γ: left out, never NaN
     assert "tailpilot_governor_state" not in fams  # no governor on this collector
 
