@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterator, Sequence
 
 from controlplane.policies.base import INF, Policy, RequestState, arrival_order
@@ -31,10 +32,13 @@ class Sarathi(Policy):
 
 class TenantBacklog:
     """Per-tenant virtual counters and waiting counts with the counter lift (docs/policies.md#vtc),
-    shared by vtc and slofq; the class sets ``self.counters`` and ``self.backlog``."""
+    and the running requests per tenant, shared by vtc and slofq; the class sets
+    ``self.counters``, ``self.backlog``, ``self.running`` and ``self.seated``."""
 
     counters: dict[str, float]
     backlog: dict[str, int]
+    running: dict[str, str]  # running request id -> its tenant
+    seated: dict[str, int]  # running requests per tenant (a defaultdict(int))
 
     def _enter_backlog(self, tenant: str) -> None:
         n = self.backlog.get(tenant, 0)
@@ -48,6 +52,30 @@ class TenantBacklog:
     def _leave_backlog(self, tenant: str) -> None:
         self.backlog[tenant] = max(0, self.backlog.get(tenant, 0) - 1)
 
+    def _seat(self, req: RequestState) -> None:
+        if req.id not in self.running:
+            self.running[req.id] = req.tenant
+            self.seated[req.tenant] += 1
+
+    def _unseat(self, req: RequestState) -> bool:
+        """Forget a running request's seat; False if it was not running."""
+        if self.running.pop(req.id, None) is None:
+            return False
+        self.seated[req.tenant] -= 1
+        return True
+
+    def _finished(self, req: RequestState) -> None:
+        """A request finished: its seat, or — aborted while waiting — its place in the backlog
+        (else its tenant stays backlogged for ever)."""
+        if not self._unseat(req):
+            self._leave_backlog(req.tenant)
+
+    def _seat_all(self, running: Sequence[RequestState]) -> None:
+        self.running = {r.id: r.tenant for r in running}
+        self.seated = defaultdict(int)
+        for r in running:
+            self.seated[r.tenant] += 1
+
 
 class Vtc(TenantBacklog, Policy):
     """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant with the
@@ -60,7 +88,8 @@ class Vtc(TenantBacklog, Policy):
         super().__init__(settings, predictor)
         self.counters: dict[str, float] = {}
         self.backlog: dict[str, int] = {}  # waiting requests per tenant
-        self.seated: set[str] = set()  # running request ids (a finish of any other was waiting)
+        self.running: dict[str, str] = {}
+        self.seated: dict[str, int] = defaultdict(int)
 
     def weight(self, tenant: str) -> float:
         return self.params.weights.get(tenant, 1.0)
@@ -73,17 +102,14 @@ class Vtc(TenantBacklog, Policy):
         self._enter_backlog(req.tenant)
 
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
-        self.seated.discard(req.id)
+        self._unseat(req)
         self._enter_backlog(req.tenant)
 
     def on_finish(self, req: RequestState, now: float) -> None:
-        if req.id in self.seated:
-            self.seated.discard(req.id)
-        else:  # aborted while waiting: it leaves the queue (else its tenant stays backlogged)
-            self._leave_backlog(req.tenant)
+        self._finished(req)
 
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
-        self.seated.add(req.id)
+        self._seat(req)
         self._leave_backlog(req.tenant)
         if req.scheduled_at is None:  # charge the prompt once, not again after a preemption
             self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
@@ -129,7 +155,7 @@ class Vtc(TenantBacklog, Policy):
             self._enter_backlog(r.tenant)
         for r in running:
             self.counters.setdefault(r.tenant, 0.0)
-        self.seated = {r.id for r in running}
+        self._seat_all(running)
 
     def live_state(self) -> dict:
         return {"tenant_counters": dict(self.counters)}
@@ -138,4 +164,4 @@ class Vtc(TenantBacklog, Policy):
         if isinstance(previous, Vtc):
             self.counters = dict(previous.counters)
             self.backlog = dict(previous.backlog)
-            self.seated = set(previous.seated)
+            self.running, self.seated = dict(previous.running), defaultdict(int, previous.seated)

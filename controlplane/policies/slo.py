@@ -276,18 +276,9 @@ class SloFq(TenantBacklog, Policy):
         self._unseat(req)
         self._enter_backlog(req.tenant)
 
-    def _unseat(self, req: RequestState) -> bool:
-        """Forget a running request's seat; False if it was not running."""
-        if self.running.pop(req.id, None) is None:
-            return False
-        self.seated[req.tenant] -= 1
-        return True
-
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         self._leave_backlog(req.tenant)
-        if req.id not in self.running:
-            self.running[req.id] = req.tenant
-            self.seated[req.tenant] += 1
+        self._seat(req)
         tokens = req.prompt_tokens + req.generated - req.computed_tokens  # this admission's prefill
         bucket = self.buckets.get(req.tenant)
         if bucket is not None:
@@ -316,8 +307,7 @@ class SloFq(TenantBacklog, Policy):
         pass
 
     def on_finish(self, req: RequestState, now: float) -> None:
-        if not self._unseat(req):  # aborted while waiting: it leaves the queue
-            self._leave_backlog(req.tenant)
+        self._finished(req)
         if req.first_token_at is not None:
             q = self.samples.get(req.tenant)
             if q is None:
@@ -461,10 +451,7 @@ class SloFq(TenantBacklog, Policy):
             self.backlog[r.tenant] = self.backlog.get(r.tenant, 0) + 1
         for r in running:
             self.counters.setdefault(r.tenant, 0.0)
-        self.running = {r.id: r.tenant for r in running}
-        self.seated = defaultdict(int)
-        for r in running:
-            self.seated[r.tenant] += 1
+        self._seat_all(running)
 
     def adopt_live_state(self, previous: Policy) -> None:
         if isinstance(previous, SloFq):
