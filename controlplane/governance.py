@@ -70,10 +70,8 @@ class GovernanceSpec(BaseModel):
 
 def limits(params: SloFqParams, tenant: str) -> dict[str, float]:
     """The tenant's targets as metric limits (``ttft_p99`` → seconds)."""
-    spec = params.tenant(tenant)
     out: dict[str, float] = {}
-    for family in ("ttft", "ttlt"):
-        slo = getattr(spec, family) or (getattr(params.default_tenant, family) if family == "ttft" else None)
+    for family, slo in (("ttft", params.ttft_slo(tenant)), ("ttlt", params.tenant(tenant).ttlt)):
         if slo is not None:
             out.update({f"{family}_{q}": v for q, v in slo.targets().items()})
     return out

@@ -272,6 +272,10 @@ class SloFqParams(_Strict):
     def tenant(self, name: str) -> TenantSlo:
         return self.tenants.get(name, self.default_tenant)
 
+    def ttft_slo(self, name: str) -> QuantileSlo | None:
+        """The tenant's TTFT targets: its own, else ``default_tenant``'s (TTLT has no default)."""
+        return self.tenant(name).ttft or self.default_tenant.ttft
+
     def base_weight(self, name: str) -> float:
         """ω_j before protection: ``weight``; with ``commit_tok_s`` seed 003's C_j / ΣC, scaled so
         the mean commitment weighs 1 (like ``weight: 1``); else 1."""

@@ -40,6 +40,11 @@ RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement rele
 _ARRIVAL, _PROMPT = attrgetter("arrival"), attrgetter("prompt_tokens")
 
 
+def _highest(slo) -> float:
+    """A TTFT SLO's highest target (its P99, or the highest quantile given); INF without one."""
+    return max(slo.targets().values()) if slo is not None else INF
+
+
 class _Window:
     """Amounts per key over the last ``span`` seconds, added in ticks (hot paths only add to
     ``pending``; ``flush`` stamps them)."""
@@ -118,8 +123,9 @@ class SloFq(TenantBacklog, Policy):
         self.first_held: dict[str, float] = {}
         self.refused: dict[str, int] = defaultdict(int)  # requests refused at the queue cap
         self.refuses = any(t.queue_cap is not None for t in (p.default_tenant, *p.tenants.values()))
-        self._p99_named = {t: self._slo_p99(spec) for t, spec in p.tenants.items()}  # the document is frozen
-        self._p99_default = self._slo_p99(p.default_tenant)
+        # The P99 TTFT target per tenant, looked up per running request per step (the document is frozen).
+        self._p99_named = {t: _highest(p.ttft_slo(t)) for t in p.tenants}
+        self._p99_default = _highest(p.default_tenant.ttft)
         self._next_control = -INF
         self._now = 0.0
 
@@ -144,12 +150,7 @@ class SloFq(TenantBacklog, Policy):
         return req.arrival + target
 
     def _p99_target(self, tenant: str) -> float:
-        # Per running request per step (the running order): a lookup, not the targets rebuilt.
         return self._p99_named.get(tenant, self._p99_default)
-
-    def _slo_p99(self, spec) -> float:
-        slo = spec.ttft or self.params.default_tenant.ttft
-        return max(slo.targets().values()) if slo is not None else INF
 
     def key(self, req: RequestState, now: float) -> tuple:
         return (self.deadline(req), req.arrival, req.id)
@@ -361,14 +362,15 @@ class SloFq(TenantBacklog, Policy):
             latencies = np.array(self._window_ttfts(tenant, now), dtype=np.float64)
             if waited:  # the ages of its waiting requests
                 latencies = np.concatenate([latencies, *(now - a for a in waited)])
-            slo = p.tenant(tenant).ttft or p.default_tenant.ttft
+            slo = p.ttft_slo(tenant)
             targets = slo.targets() if slo is not None else {}
+            s99 = self._p99_target(tenant)
             observed = {}
             if latencies.size and targets:
                 fractions = np.array([int(q[1:]) / 100.0 for q in targets])
                 values = _linear_percentiles(latencies, fractions)
                 observed = dict(zip(targets, values.tolist()))
-            target = max(targets.values()) if targets else INF
+            target = s99
             if p.quantiles == "multi":
                 missed = [targets[q] for q in QUANTILES if q in observed and observed[q] > targets[q]]
                 target = missed[0] if missed else target
@@ -380,7 +382,7 @@ class SloFq(TenantBacklog, Policy):
             else:
                 entitled = self._entitlement(tenant, total_w, total_rate)
                 self._control_bucket(tenant, now, observed.get("p99", observed.get(max(targets, default=""))),
-                                     max(targets.values()) if targets else INF, entitled)
+                                     s99, entitled)
         if changed:  # deadlines moved: the waiting queue re-keys its heads
             self.epoch = new_epoch()
         self._forget_idle(tenants, now)
