@@ -224,12 +224,10 @@ class ClusterMetrics:
             out.add("tailpilot_type_share", t, f.get("share"))
             out.add("tailpilot_type_minimum_share", t, f.get("minimum"))
             out.add("tailpilot_type_fairness_ratio", t, f.get("ratio"))
-        from controlplane.governance import AlertEvaluator
-
         for alert, value in sorted((g.get("alert_values") or {}).items()):
             out.add("tailpilot_alert_value", (cluster, alert), value)
         firing = g.get("alerts") or {}
-        thresholds = AlertEvaluator(spec.alerts) if spec is not None else None
+        thresholds = spec.alerts if spec is not None else None
         for alert, severities in ALERT_SEVERITIES.items():
             for severity in severities:
                 out.add("tailpilot_alert_firing", (cluster, alert, severity), 1.0 if firing.get(alert) == severity else 0.0)

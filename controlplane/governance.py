@@ -48,6 +48,12 @@ class AlertThresholds(BaseModel):
             raise ValueError(f"scr_critical ({v:g}) must not exceed scr_warning ({warning:g})")
         return v
 
+    def threshold(self, alert: str, severity: str | None) -> float:
+        """The figure below which ``alert`` fires at ``severity`` (SCR: warning or critical)."""
+        if alert == "scr":
+            return self.scr_critical if severity == "critical" else self.scr_warning
+        return self.jfi if alert == "jfi" else self.type_fairness
+
 
 class GovernanceSpec(BaseModel):
     """A cluster's tenants, types and alert thresholds (the cluster file's ``governance``)."""
@@ -178,13 +184,7 @@ class AlertEvaluator:
         t = self.thresholds
         if name == "scr":
             return "critical" if value < t.scr_critical else "warning" if value < t.scr_warning else None
-        return "warning" if value < (t.jfi if name == "jfi" else t.type_fairness) else None
-
-    def threshold(self, name: str, severity: str | None) -> float:
-        t = self.thresholds
-        if name == "scr":
-            return t.scr_critical if severity == "critical" else t.scr_warning
-        return t.jfi if name == "jfi" else t.type_fairness
+        return "warning" if value < t.threshold(name, "warning") else None
 
     def evaluate(self, figures: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Transitions: dicts with name, severity, state ("firing" | "resolved") and summary."""
@@ -197,7 +197,7 @@ class AlertEvaluator:
             severity, current = self.severity(name, value), self.active.get(name)
             if severity == current:
                 continue
-            summary = {"value": value, "threshold": self.threshold(name, severity or current),
+            summary = {"value": value, "threshold": self.thresholds.threshold(name, severity or current),
                        "figures": {k: figures.get(k) for k in ("scr", "jfi", "type_fairness_min")},
                        "missed": {t: f["missed"] for t, f in figures.get("tenants", {}).items() if f["missed"]}}
             if severity is None:

@@ -22,11 +22,13 @@ def _finite(x: float) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 
 
+_COLUMNS = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type")
+
+
 class _Window:
     """The completions of one replica inside the rolling window, as numpy columns."""
 
-    __slots__ = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type",
-                 "_codes")
+    __slots__ = (*_COLUMNS, "_codes")
 
     def __init__(self) -> None:
         self._codes: dict[str, dict[str, int]] = {"tenant": {}, "type": {}}
@@ -83,7 +85,7 @@ class _Window:
         keep = self.finished > start
         if keep.all():
             return
-        for name in ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type"):
+        for name in _COLUMNS:
             setattr(self, name, getattr(self, name)[keep])
 
 
