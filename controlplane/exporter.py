@@ -237,15 +237,14 @@ class ClusterMetrics:
 
     @staticmethod
     def _governor(out: _Families, cluster: str, status: dict[str, Any]) -> None:
-        from controlplane.governor import MODES, STATES
+        from controlplane.governor import MODES, STATES, modes
 
         for state in STATES:
             out.add("tailpilot_governor_state", (cluster, state), 1.0 if status.get("state") == state else 0.0)
         out.add("tailpilot_governor_paused", (cluster,), 1.0 if status.get("paused") else 0.0)
-        active, dry = status.get("active") or {}, set(status.get("dry") or ())
-        for mode in MODES:  # a mode decided in dry-run was never applied: dry-run, not active
-            applied = mode.name in active and mode.name not in dry
-            out.add("tailpilot_governor_mode_active", (cluster, mode.name), 1.0 if applied else 0.0)
+        applied, dry = modes(status)  # a mode decided in dry-run was never applied: dry-run, not active
+        for mode in MODES:
+            out.add("tailpilot_governor_mode_active", (cluster, mode.name), 1.0 if mode.name in applied else 0.0)
             out.add("tailpilot_governor_mode_dry_run", (cluster, mode.name), 1.0 if mode.name in dry else 0.0)
 
 

@@ -179,6 +179,20 @@ class Governor:
         return {**p.throttle, **{t: self.spec.throttle_fraction for t, w in weights.items() if w < mean}}
 
 
+def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """(applied, dry-run) modes of a governor's status: a mode decided in dry-run was only logged."""
+    status = status or {}
+    dry = set(status.get("dry") or ())
+    active = list(status.get("active") or {})
+    return [m for m in active if m not in dry], [m for m in active if m in dry]
+
+
+def modes_text(status: dict[str, Any] | None) -> str:
+    """"active modes: scr" (and ", dry-run only: jfi"): what the CLI and the TUI print."""
+    applied, dry = modes(status)
+    return f"active modes: {', '.join(applied) or 'none'}" + (f", dry-run only: {', '.join(dry)}" if dry else "")
+
+
 _UNSET = object()
 
 

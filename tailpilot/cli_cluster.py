@@ -346,10 +346,11 @@ def governor(action, cluster_name, db, who, as_json):
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:
+        from controlplane.governor import modes_text
+
         status = row.get("status") or {}
         click.echo(f"governor of {cluster_name}: {row['state']}{' (paused)' if row['paused'] else ''}"
-                   f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; active modes: "
-                   f"{', '.join(status.get('active') or {}) or 'none'}")
+                   f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}")
         for line in status.get("last") or []:
             click.echo(f"  last: {line}")
 

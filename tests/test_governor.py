@@ -267,3 +267,13 @@ def test_a_change_not_taken_is_not_undone_and_a_restart_goes_on():
     [e2] = restarted.decide(OK, 61.0)
     undo = restarted.change(e2, "r1")(slofq(params={"quantiles": "p99"}))
     assert undo is not None and undo.params.quantiles == "multi"
+
+
+def test_a_mode_decided_in_dry_run_is_not_shown_as_active():
+    """The CLI, the TUI and /metrics read a governor's status alike: dry-run decisions apart."""
+    from controlplane.governor import modes, modes_text
+
+    status = {"active": {"scr": 1.0, "jfi": 2.0}, "dry": ["jfi"]}
+    assert modes(status) == (["scr"], ["jfi"])
+    assert modes_text(status) == "active modes: scr, dry-run only: jfi"
+    assert modes_text(None) == "active modes: none"

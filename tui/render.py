@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from controlplane.collector import ClusterSnapshot, ReplicaSnapshot
+from controlplane.governor import modes_text
 from controlplane.metrics import jain_index, normalised_throughput, slo_compliance
 from controlplane.views import (
     ALERT_LABELS,
@@ -535,7 +536,7 @@ def governor_line(control: Mapping[str, Any] | None) -> Text:
     if control.get("who"):
         out.append(f" · set by {control['who']}", style="dim")
     status = control.get("status") or {}
-    out.append(f" · active modes: {', '.join(status.get('active') or {}) or 'none'}")
+    out.append(f" · {modes_text(status)}")
     if status.get("last"):
         out.append(f" · last: {status['last'][-1]}", style="dim")
     return out
