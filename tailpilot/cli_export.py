@@ -146,13 +146,20 @@ def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, o
                    f"--out {settings_path})", err=True)
 
 
-def _check_interval(interval: str) -> None:
-    from controlplane.monitoring import MonitoringExportError, check_duration
+def _checked(check, value, hint: str):
+    """``check(value)``, its MonitoringExportError ("field: problem") as a usage error on ``hint``."""
+    from controlplane.monitoring import MonitoringExportError
 
     try:
-        check_duration(interval, "interval")
+        return check(value)
     except MonitoringExportError as err:
-        raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--interval") from None
+        raise click.BadParameter(str(err).split(": ", 1)[1], param_hint=hint) from None
+
+
+def _check_interval(interval: str) -> None:
+    from controlplane.monitoring import check_duration
+
+    _checked(lambda v: check_duration(v, "interval"), interval, "--interval")
 
 
 def _write(text: str, out: str | None, what: str) -> None:
@@ -180,10 +187,7 @@ def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval
         raise click.UsageError(f"--format {fmt} needs --cluster FILE (the cluster file with its thresholds)")
     cluster = load_cluster(cluster_file, cluster_name)
     if for_ is not None:
-        try:
-            check_duration(for_, "for")
-        except MonitoringExportError as err:
-            raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--for") from None
+        _checked(lambda v: check_duration(v, "for"), for_, "--for")
     _check_interval(interval)
     extra = {}
     for item in labels:
@@ -191,10 +195,7 @@ def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval
         if not sep:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
         extra[key] = value
-    try:
-        check_labels(extra)
-    except MonitoringExportError as err:
-        raise click.BadParameter(str(err).split(": ", 1)[1], param_hint="--label") from None
+    _checked(check_labels, extra, "--label")
     try:
         text = render(cluster, fmt, namespace=namespace, for_=for_, interval=interval, labels=extra)
     except MonitoringExportError as err:
