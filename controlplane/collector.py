@@ -13,8 +13,9 @@ tenant and per request type with :func:`controlplane.metrics.distribution_stats`
 interpolation. The results are :class:`storage.rows.SampleRow` / ``GroupSampleRow`` /
 ``CompletionRow``, written by one writer task as one :class:`storage.rows.Batch` per flush.
 
-Rooms: the Prometheus page is parsed in ``controlplane/prom.py``; the HTTP client, its errors and
-strict JSON are ``controlplane/replica_http.py``; settings changes (``tailpilot set``) are
+Rooms: the Prometheus page is parsed in ``controlplane/prom.py``; the HTTP client, its errors,
+strict JSON and the reading of /state and /metrics (bounded in bytes, every entry fitted to what the
+store holds: ``storage/limits.py``) are ``controlplane/replica_http.py``; settings changes (``tailpilot set``) are
 ``controlplane/steering.py``; the rolling window and its exact percentiles
 ``controlplane/window.py``; this module keeps the per-replica views and the poll loop.
 
@@ -22,6 +23,13 @@ Concurrency: one client for all replicas (:class:`PollingClient`, one aiohttp se
 and settings writes); one task per replica that polls and then
 sleeps to its next tick, so a poll never overlaps the previous one of the same replica and a slow
 replica (bounded by the cluster's ``timeout_s``) only delays itself.
+
+Isolation: what one replica sends costs only its own values. Every entry is fitted before the
+cursor moves past it (a value no column holds is nulled or its entry skipped, counted per reason in
+``ReplicaView.rejected``; repeated request ids are counted too), a page whose cursor the store cannot
+hold marks only that replica unhealthy, and its /state and /metrics answers are read with caps.
+When a replica's circuit breaker trips (its /state ``breaker``), one settings-audit row is written
+per increase (``who="engine"``, ``result="breaker"``), with the batch, never twice across restarts.
 
 Exactly-once: a replica's cursor is persisted in the same transaction as the completions it covers
 (``Batch.cursors``); a batch the store refuses (``StoreBusy``) is kept and retried with the next,
@@ -43,37 +51,48 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-from pydantic import ValidationError
 
-from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.governance import AlertEvaluator
 from controlplane.governance import report as governance_report
 from controlplane.prom import VLLM_METRICS, MetricsFormatError, parse_vllm_metrics
 from controlplane.replica_http import (  # noqa: F401 (re-exported)
     API_PREFIX,
+    MAX_PAGES_PER_POLL,
+    STATE_PAGE_LIMIT,
     PollingClient,
+    StateAnswer,
     StateFormatError,
     _get,
     _HttpFailure,
     _json,
     _opt_int,
     _Resp,
+    completion_row,
     control_base,
+    count_into,
+    fetch_metrics,
+    fetch_state,
     make_client,
+    read_state,
 )
 from controlplane.window import _Rate, _Window, governance_columns, latency_percentiles  # noqa: F401 (re-exported)
+from storage import limits
 from storage.rows import (
+    BREAKER_RESULT,
+    BREAKER_WHO,
     AlertRow,
     Batch,
     CompletionRow,
     GovernanceRow,
     GroupSampleRow,
     SampleRow,
+    SettingsChangeRow,
     SettingsSeenRow,
 )
 
@@ -99,10 +118,10 @@ __all__ = [
     "apply_settings",
 ]
 
-#: The control API returns at most a page of completions per answer and says ``more`` when
-#: another follows (a replica without that flag: a page of this size means more are waiting).
-STATE_PAGE_LIMIT = 1_000
-MAX_PAGES_PER_POLL = 16  # within the control API's per-connection burst
+#: Request ids of a replica remembered to count the completions that repeat one (the store keeps
+#: the first of an id and drops the rest). One poll's most pages (16 x 1,000): a repeat within a
+#: poll, or from the poll before, is always caught; ~1 MB per replica (hashes, not the ids).
+RECENT_IDS_REMEMBERED = MAX_PAGES_PER_POLL * STATE_PAGE_LIMIT
 log = logging.getLogger(__name__)
 
 
@@ -137,6 +156,10 @@ class ReplicaSnapshot:
     metrics: dict[str, float]  # the last parsed /metrics (logical names)
     cursor: int
     window_completions: int
+    # What the collector could not store as this replica sent it, per reason (storage.limits.REASONS).
+    rejected: dict[str, int] = field(default_factory=dict)
+    # The replica's circuit breaker as its last /state reported it (contract.Breaker), None when not.
+    breaker: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -147,34 +170,6 @@ class ClusterSnapshot:
     # The newest governance report (controlplane.governance.report, with "alerts": firing alert
     # -> severity), or None when the cluster is not governed.
     governance: dict[str, Any] | None = None
-
-
-def _completion_row(replica: str, c: Any) -> CompletionRow:
-    """One completions-log entry (``contract.Completion``) as a row; ValueError for a malformed one."""
-    try:
-        comp = contract.read(contract.Completion, c, lenient=False)
-    except ValidationError as err:
-        raise ValueError(contract.describe(err)) from None
-    return CompletionRow(
-        replica=replica, request_id=comp.id, tenant=comp.tenant or "default", type=comp.type or "default",
-        arrival_s=comp.arrival, received_s=comp.received_at, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
-        prompt_tokens=comp.prompt_tokens, output_tokens=comp.output_tokens, preemptions=comp.preemptions,
-        recomputed_tokens=comp.recomputed_tokens, reason=comp.reason or "finished",
-        max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none
-    )
-
-
-def _read_state(doc: Any) -> dict[str, Any]:
-    """A /state document read through ``contract.State`` (leniently: a broken optional field is
-    null), as a dict; StateFormatError naming the field a reader cannot do without."""
-    if not isinstance(doc, dict):
-        raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
-    try:
-        return contract.read(contract.State, doc).model_dump()
-    except ValidationError as err:
-        raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
-
-
 
 
 def _opt_float(x: Any) -> float | None:
@@ -191,16 +186,18 @@ class PollResult:
     cursor: int | None  # the cursor after ``completions``; None when the state poll failed
     instance: str | None = None  # the replica instance ``cursor`` counts in, when it reports one
     settings_seen: SettingsSeenRow | None = None  # the settings document, when its version or instance is new
+    breaker_trip: SettingsChangeRow | None = None  # an audit row, when the replica's breaker tripped again
 
 
 class ReplicaView:
     """One replica as the collector sees it: health, last documents, cursor and window.
 
-    State documents reach it as ``_read_state`` returns them, already read through
-    ``contract.State`` (every field of its type, or null): they are used as they are. Only the
-    /metrics numbers are checked here."""
+    State documents reach it as ``replica_http.read_state`` returns them, already read through
+    ``contract.State`` (every field of its type, or null) and fitted to what the store holds
+    (``storage.limits``): they are used as they are. Only the /metrics numbers are checked here."""
 
-    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0, instance: str | None = None) -> None:
+    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0, instance: str | None = None,
+                 reserved: Mapping[str, Iterable[str]] | None = None) -> None:
         self.spec = spec
         self.name = spec.name
         self.window_s = float(window_s)
@@ -211,12 +208,19 @@ class ReplicaView:
         self.cursor = int(cursor)
         self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
         self._settings_key: tuple[str | None, int | None] | None = None  # (instance, version) last stored
-        self.window = _Window()
+        self.window = _Window(reserved=reserved)
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
         self.polls = 0
         self.restarts = 0
-        self.skipped_completions = 0  # malformed completions-log entries left out
+        self.skipped_completions = 0  # completions-log entries left out (malformed, unstorable, repeated)
+        # Values not stored as sent, per reason (storage.limits.REASONS): an entry skipped or a field nulled.
+        self.rejected: dict[str, int] = {}
+        # Hashes of the newest request ids read (RECENT_IDS_REMEMBERED), to count repeats.
+        self._recent_ids: deque[int] = deque()
+        self._recent_set: set[int] = set()
+        # (instance, trips) of the breaker's newest trip written to the audit log; None: none known.
+        self.breaker_recorded: tuple[str | None, int] | None = None
         self.last_restart: tuple[float, str] | None = None  # (collector clock, why)
         self._coverage_start: float | None = None  # replica clock: since when the window is complete
         self._resumed = cursor > 0
@@ -258,7 +262,7 @@ class ReplicaView:
         self._last_steps_total = doc.get("steps_total")
 
     # --- building rows ----------------------------------------------------------------------
-    def build(self, t: float, answer: "_StateAnswer | None", metrics: dict[str, float] | None,
+    def build(self, t: float, answer: "StateAnswer | None", metrics: dict[str, float] | None,
               errors: list[str], no_plugin: str | None) -> PollResult:
         """Fold one poll's answers into the view and return its rows. ``t`` is the collector clock."""
         t_ms = int(round(t * 1000))
@@ -272,6 +276,7 @@ class ReplicaView:
             self.cursor = answer.cursor
             self.instance = answer.doc.get("instance") or self.instance
             state, completions = answer.doc, answer.completions
+            self._remember_ids(answer.ids)
         if metrics is not None:
             self.metrics = metrics
         m = metrics or {}
@@ -279,10 +284,12 @@ class ReplicaView:
                         reason="; ".join(errors) if errors else None)
         groups: list[GroupSampleRow] = []
         seen: SettingsSeenRow | None = None
+        trip: SettingsChangeRow | None = None
         if state is not None:
             self.state = {k: v for k, v in state.items() if k != "completions"}
             self._remember_counters(state)
             seen = self._settings_seen(state, t_ms)
+            trip = self._breaker_trip(state.get("breaker"), t_ms)
             now_r = state.get("time")
             if now_r is None:  # a document without a clock: fall back to the newest finish / ours
                 now_r = max([c.finished_s for c in completions] + [t])
@@ -291,6 +298,8 @@ class ReplicaView:
                     self._coverage_start = now_r
                 else:
                     self._coverage_start = min(now_r, min(c.arrival_s for c in completions))
+            # Trimmed first too: names that left the window free their place in its cap before new ones come.
+            self.window.trim(now_r - self.window_s)
             self.window.add(completions)
             self.window.trim(now_r - self.window_s)
             duration = min(self.window_s, now_r - self._coverage_start)
@@ -305,16 +314,67 @@ class ReplicaView:
                 row.throughput_req_s = self._requests.add(t, m.get("requests_total"), self.window_s)
         if no_plugin and not errors:
             row.reason = no_plugin
+        for reason in limits.fit_sample(row):
+            count_into(self.rejected, reason)
+        row.rejected = dict(self.rejected) or None  # a copy: the row is written later, off the loop
         self._set_health(t, row.healthy, row.reason, "metrics-only" if no_plugin else
                          ("plugin" if state is not None else self.health.mode))
         self.sample, self.groups = row, groups
         return PollResult(row, groups, completions, self.cursor if state is not None else None,
-                          self.instance if state is not None else None, seen)
+                          self.instance if state is not None else None, seen, trip)
+
+    # --- counts, request ids, the circuit breaker ---------------------------------------------
+    def count(self, rejected: Mapping[str, int], skipped: int = 0) -> None:
+        """Add what one answer held that could not be stored as sent (per reason), and the
+        completions-log entries it left out."""
+        for reason, n in rejected.items():
+            count_into(self.rejected, reason, n)
+        self.skipped_completions += skipped
+
+    def seen_id(self, key: int) -> bool:
+        """Whether a request id (its hash) was among the newest read."""
+        return key in self._recent_set
+
+    def _remember_ids(self, keys: list[int]) -> None:
+        ids, members = self._recent_ids, self._recent_set
+        for key in keys:
+            ids.append(key)
+            members.add(key)
+        while len(ids) > RECENT_IDS_REMEMBERED:
+            members.discard(ids.popleft())
+
+    def _breaker_trip(self, breaker: Mapping[str, Any] | None, t_ms: int) -> SettingsChangeRow | None:
+        """An audit row when the replica's breaker tripped since the newest trip recorded (its
+        counter starts again with each instance); None otherwise."""
+        trips = (breaker or {}).get("trips_total")
+        if breaker is None or not isinstance(trips, int):
+            return None
+        recorded = self.breaker_recorded
+        before = 0
+        if recorded is not None and (recorded[0] == self.instance or None in (recorded[0], self.instance)):
+            before = recorded[1] if recorded[1] <= trips else 0  # fewer: a restart without an instance
+        self.breaker_recorded = (self.instance, trips)
+        if trips <= before:
+            return None
+        new = trips - before
+        failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
+        to = f"settings v{fallback}" if fallback is not None else "vLLM's stock order"
+        message = (f"a policy raised in the engine's step ({breaker.get('last_error') or 'no error reported'}); "
+                   f"settings v{failed if failed is not None else '?'} replaced by {to} "
+                   f"({new} new trip{'s' if new > 1 else ''}, {trips} since the replica started)")
+        version = failed if limits.int_problem(failed, limits.VERSION_RANGE) is None else None
+        return SettingsChangeRow(
+            replica=self.name, t_ms=t_ms, who=BREAKER_WHO, result=BREAKER_RESULT, message=message, version=version,
+            new={"trips_total": trips, "new_trips": new, "instance": self.instance, "failed_version": failed,
+                 "fallback_version": fallback, "last_error": breaker.get("last_error"),
+                 "last_at": breaker.get("last_at")})
 
     def _settings_seen(self, state: Mapping[str, Any], t_ms: int) -> SettingsSeenRow | None:
         """The settings document as a row when this (instance, version) was not stored yet."""
-        settings = state.get("settings")
-        key = (self.instance, state.get("settings_version"))
+        settings, version = state.get("settings"), state.get("settings_version")
+        if limits.int_problem(version, limits.VERSION_RANGE) is not None:
+            version = None  # counted where the sample nulls it (the same figure, the same column type)
+        key = (self.instance, version)
         if settings is None or key == self._settings_key:
             return None
         self._settings_key = key
@@ -341,6 +401,7 @@ class ReplicaView:
             row.throughput_tok_s = float(w.out_tokens.sum()) / duration
             row.throughput_req_s = len(w) / duration
         row.latency = latency_percentiles(w.ttft, w.ttlt, w.tbt)
+        row.breaker_trips = (s.get("breaker") or {}).get("trips_total")
         groups: list[GroupSampleRow] = []
         if len(w) == 0:
             return groups
@@ -372,61 +433,8 @@ class ReplicaView:
             name=self.name, health=replace(self.health), sample=self.sample, groups=list(self.groups),
             settings=state.get("settings"), settings_version=state.get("settings_version"),
             state=self.state, metrics=dict(self.metrics), cursor=self.cursor,
-            window_completions=len(self.window))
-
-
-@dataclass(slots=True)
-class _StateAnswer:
-    doc: dict[str, Any]
-    completions: list[CompletionRow]
-    cursor: int  # the cursor after ``completions``
-    restarted: str | None = None  # why the replica is taken to have restarted (read from 0)
-
-
-async def _fetch_state(client: PollingClient, view: ReplicaView, timeout_s: float) -> _StateAnswer:
-    """The state document and the completions since ``view.cursor``; changes nothing in ``view``.
-
-    Pages through a backlog; reads from cursor 0 when the replica restarted."""
-    url = control_base(view.spec) + "/state"
-    rows: list[CompletionRow] = []
-    cursor, restarted = view.cursor, None
-    skipped, why = 0, None
-    for page in range(MAX_PAGES_PER_POLL + 1):
-        try:
-            resp = await _get(client, url, "state", timeout_s, {"cursor": cursor})
-        except _HttpFailure as err:
-            if page == 0 or err.status != 429:
-                raise
-            break  # the replica rate-limits a long backlog: keep what came, read on next poll
-        doc = _read_state(_json(resp, "state"))
-        if restarted is None and not rows and (why := view.restarted(doc)):
-            restarted, cursor = why, 0  # read the new incarnation from its beginning
-            continue
-        for c in doc["completions"]:
-            try:
-                rows.append(_completion_row(view.name, c))
-            except (KeyError, TypeError, ValueError, AttributeError) as err:
-                # Skipped and counted, and the cursor moves on: a replica that keeps sending one
-                # broken entry must not stall its own recording behind it.
-                skipped += 1
-                why = why or f"{type(err).__name__}: {str(err)[:80]}"
-        cursor = max(cursor, doc["next_cursor"])
-        more = doc.get("more")
-        if more is False or (more is None and len(doc["completions"]) < STATE_PAGE_LIMIT):
-            break
-    if skipped:
-        view.skipped_completions += skipped
-        log.warning("replica %s: skipped %d malformed completion entries (%s)", view.name, skipped, why)
-    return _StateAnswer(doc, rows, cursor, restarted)
-
-
-async def _fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
-    resp = await _get(client, spec.metrics_url, "metrics", timeout_s)
-    text = resp.text
-    metrics = parse_vllm_metrics(text)
-    if not metrics:
-        raise MetricsFormatError("metrics: no vLLM metrics on the page (is api_url a vLLM server?)")
-    return metrics
+            window_completions=len(self.window), rejected=dict(self.rejected),
+            breaker=dict(state["breaker"]) if isinstance(state.get("breaker"), dict) else None)
 
 
 async def _poll_view(client: PollingClient, view: ReplicaView, timeout_s: float, clock: Callable[[], float],
@@ -440,14 +448,17 @@ async def _poll_view(client: PollingClient, view: ReplicaView, timeout_s: float,
            or view.metrics_error is not None or view.polls % metrics_every == 0)
 
     async def metrics_part() -> dict[str, float] | None:
-        return await _fetch_metrics(client, view.spec, timeout_s) if due else None
+        return await fetch_metrics(client, view.spec, timeout_s) if due else None
 
-    async def state_part() -> _StateAnswer:
+    async def state_part() -> StateAnswer:
         if with_completions:
-            return await _fetch_state(client, view, timeout_s)
-        resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s)  # no cursor: no completions
-        doc = _read_state(_json(resp, "state"))
-        return _StateAnswer(doc, [], view.cursor)
+            return await fetch_state(client, view, timeout_s)
+        resp = await _get(client, control_base(view.spec) + "/state", "state", timeout_s,  # no cursor: no completions
+                          token=view.spec.token())
+        rejected: dict[str, int] = {}
+        doc = read_state(_json(resp, "state", lambda: count_into(rejected, limits.NON_FINITE)), rejected)
+        view.count(rejected)
+        return StateAnswer(doc, [], view.cursor, rejected=rejected)
 
     state_res, metrics_res = await asyncio.gather(state_part(), metrics_part(), return_exceptions=True)
     errors: list[str] = []
@@ -494,6 +505,13 @@ class CollectorStats:
     group_samples_written: int = 0
     completions_written: int = 0  # completion rows handed to the store (re-deliveries included)
     pending_rows: int = 0
+    breaker_trips: int = 0  # replicas' circuit-breaker trips written to the audit log
+
+
+def reserved_groups(cluster: ClusterSpec) -> dict[str, tuple[str, ...]]:
+    """The tenants and types the cluster file names: each window keeps them apart whatever the count."""
+    gov = cluster.governance
+    return {"tenant": tuple(gov.tenants), "type": tuple(gov.type_shares)} if gov is not None else {}
 
 
 def _store_busy_types() -> tuple[type[BaseException], ...]:
@@ -524,7 +542,9 @@ class Collector:
         self.flush_interval_s = float(flush_interval_s)
         self._client = client
         self._own_client = client is None
-        self.views: dict[str, ReplicaView] = {r.name: ReplicaView(r, cluster.window_s) for r in cluster.replicas}
+        self.views: dict[str, ReplicaView] = {r.name: ReplicaView(r, cluster.window_s,
+                                                                  reserved=reserved_groups(cluster))
+                                               for r in cluster.replicas}
         self.stats = CollectorStats()
         self._pending = Batch()
         self._inflight: Batch | None = None  # the batch a flush is writing
@@ -621,7 +641,12 @@ class Collector:
         for name, (cursor, instance) in positions.items():
             view = self.views.get(name)
             if view is not None and cursor:
-                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instance)
+                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instance,
+                                               reserved=reserved_groups(self.cluster))
+        # The newest breaker trip recorded per replica: a restart writes no trip twice.
+        for name, recorded in (await asyncio.to_thread(self.store.breaker_positions, self.cluster.name)).items():
+            if name in self.views:
+                self.views[name].breaker_recorded = recorded
 
     async def run(self, stop: asyncio.Event) -> CollectorStats:
         """Poll until ``stop`` is set, then flush everything pending and return the stats."""
@@ -675,6 +700,11 @@ class Collector:
                     p.instances[name] = result.instance
             if result.settings_seen is not None:
                 p.settings_seen.append(result.settings_seen)
+            if result.breaker_trip is not None:
+                p.settings_changes.append(result.breaker_trip)
+        if result.breaker_trip is not None:
+            self.stats.breaker_trips += int((result.breaker_trip.new or {}).get("new_trips") or 1)
+            log.warning("replica %s: circuit breaker tripped: %s", name, result.breaker_trip.message)
         for fn in self._poll_listeners:
             try:
                 fn(name, result)
@@ -807,7 +837,8 @@ async def _poll_views(cluster: ClusterSpec, client: PollingClient | None, with_c
     own = client is None
     client = client or make_client(cluster)
     try:
-        views = [ReplicaView(r, cluster.window_s) for r in cluster.replicas]
+        views = [ReplicaView(r, cluster.window_s, reserved=reserved_groups(cluster))
+                 for r in cluster.replicas]
         await asyncio.gather(*(_poll_view(client, v, cluster.timeout_s, clock, with_completions=with_completions)
                                for v in views))
         return views
@@ -815,6 +846,9 @@ async def _poll_views(cluster: ClusterSpec, client: PollingClient | None, with_c
         if own:
             await client.aclose()
 
+
+# The names the tests (and older callers) know these by.
+_completion_row, _read_state, _fetch_state, _StateAnswer = completion_row, read_state, fetch_state, StateAnswer
 
 # Settings changes live in controlplane/steering.py; imported here for callers of the collector's API.
 from controlplane.steering import APPLY_WAIT_S, ApplyResult, SettingsChange, apply_settings  # noqa: E402,F401

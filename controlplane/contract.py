@@ -94,6 +94,17 @@ class KvState(_Doc):
     block_size: OptInt = Field(None, description="tokens per KV block")
 
 
+class Breaker(_Doc):
+    """The plugin's circuit breaker: a policy that raised inside the engine's step was replaced by
+    the last settings that ran (else vLLM's stock scheduler) instead of stopping the engine."""
+
+    trips_total: OptInt = Field(None, description="times a policy raised inside a step and was replaced")
+    last_error: OptStr = Field(None, description="the last failure, 'ExceptionType: message' (at most 300 chars)")
+    last_at: OptFloat = Field(None, description="when it last tripped (replica clock, s)")
+    failed_version: OptInt = Field(None, description="the settings version that raised")
+    fallback_version: OptInt = Field(None, description="the version fallen back to (null: vLLM's stock order)")
+
+
 class State(_Doc):
     """``GET /state[?cursor=N]``: the replica's queue, KV, live policy state and, for a cursor, a
     page of completions since it."""
@@ -124,6 +135,7 @@ class State(_Doc):
     next_cursor: int = Field(ge=0, description="the cursor for the next page")
     more: bool | None = Field(None, description="another page follows at next_cursor")
     speed: OptFloat = Field(None, description="twin replicas: clock speed")
+    breaker: Breaker | None = Field(None, description="the circuit breaker's counters (absent: never built)")
 
 
 class Step(_Doc):
@@ -162,7 +174,7 @@ class ErrorAnswer(_Doc):
 
 
 DOCUMENTS: dict[str, type[BaseModel]] = {
-    "state": State, "completion": Completion, "steps": StepsPage, "step": Step,
+    "state": State, "breaker": Breaker, "completion": Completion, "steps": StepsPage, "step": Step,
     "settings": SettingsAnswer, "error": ErrorAnswer,
 }
 

@@ -16,6 +16,12 @@ TUI agree. A figure without data (no request in the window) is left out, not wri
 
 Tenant names come from clients, so the page labels at most :data:`MAX_TENANTS` of them: the
 cluster file's tenants first, then the busiest; ``tailpilot_tenants_omitted`` counts the rest.
+Request-type names likewise (:data:`MAX_TYPES`, ``tailpilot_types_omitted``); each replica's window
+already folds names past storage.limits' bounds into one "other" group.
+
+``tailpilot_ingest_rejected_total`` counts, per replica and reason, what the collector could not
+store as a replica sent it (storage.limits.REASONS); ``tailpilot_breaker_trips_total`` is each
+replica's own count of its circuit breaker's trips.
 
 Served by the control API's own server (``controlplane.plugin.api.ControlServer``: bounded
 connections, header and idle deadlines, rate limits; only ``GET /metrics`` and ``/health``).
@@ -37,10 +43,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.settings import QUANTILES
+from storage.limits import REASONS
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
 MAX_TENANTS = 100  # tenants labelled on one page (cardinality: tenant names come from clients)
+MAX_TYPES = 100  # request types labelled on one page (type names come from clients too)
 CACHE_S = 0.5  # a rendering serves the scrapes of this long
 RENDER_TIMEOUT_S = 5.0  # a scrape waits this long for the collector's loop, then gets 503
 
@@ -53,7 +61,7 @@ class Series:
     counter: bool = False  # a count since the replica started (exposed as NAME_total), else a gauge
 
 
-COUNTERS = {"tailpilot_refused_requests"}
+COUNTERS = {"tailpilot_refused_requests", "tailpilot_breaker_trips", "tailpilot_ingest_rejected"}
 
 
 def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
@@ -75,6 +83,10 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_throughput_tokens_per_second", R, "Output tokens per second over the window."),
     ("tailpilot_preemptions_per_second", R, "Preemptions per second over the window."),
     ("tailpilot_refused_requests", R, "Requests the replica turned away on arrival (a tenant's queue cap), since it started."),
+    ("tailpilot_breaker_trips", R,
+     "Times a policy raised inside the replica's engine step and its circuit breaker fell back, since it started."),
+    ("tailpilot_ingest_rejected", f"{R} reason",
+     "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason."),
     ("tailpilot_latency_seconds", f"{R} latency quantile",
      "Exact percentile of the window's completed requests (latency: ttft | ttlt | tbt)."),
     ("tailpilot_group_latency_seconds", f"{R} kind group latency quantile",
@@ -82,6 +94,7 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_group_requests", f"{R} kind group", "Requests completed in the window per tenant or type."),
     ("tailpilot_window_seconds", "cluster", "Length of the rolling window every windowed figure covers."),
     ("tailpilot_tenants_omitted", "cluster", f"Tenants left off this page (at most {MAX_TENANTS} are labelled)."),
+    ("tailpilot_types_omitted", "cluster", f"Request types left off this page (at most {MAX_TYPES} are labelled)."),
     # governance (over every replica's window together)
     ("tailpilot_scr", "cluster", "SLO compliance ratio: the fraction of tenants meeting every quantile target."),
     ("tailpilot_jfi", "cluster", "Jain's fairness index over the tenants' throughput per commitment."),
@@ -160,18 +173,26 @@ class ClusterMetrics:
         out.add("tailpilot_window_seconds", (cluster,), c.cluster.window_s)
         shown, omitted = labelled_tenants(c)
         out.add("tailpilot_tenants_omitted", (cluster,), omitted)
+        types, types_omitted = labelled_groups(c, "type", MAX_TYPES)
+        out.add("tailpilot_types_omitted", (cluster,), types_omitted)
         for name, view in c.views.items():
-            self._replica(out, cluster, name, view, shown)
+            self._replica(out, cluster, name, view, shown, types)
         if c.governance is not None:
-            self._governance(out, cluster, c.governance, c.cluster.governance, shown)
+            self._governance(out, cluster, c.governance, c.cluster.governance, shown, types)
         if getattr(c, "governor_status", None) is not None:
             self._governor(out, cluster, c.governor_status)
         return iter(out)
 
     @staticmethod
-    def _replica(out: _Families, cluster: str, name: str, view: Any, shown: set[str]) -> None:
+    def _replica(out: _Families, cluster: str, name: str, view: Any, shown: set[str], types: set[str]) -> None:
         key = (cluster, name)
         out.add("tailpilot_replica_up", key, 1.0 if view.health.healthy else 0.0)
+        # Counters: from the last answer, up or down, so that a short outage is no counter reset.
+        for reason in REASONS:
+            out.add("tailpilot_ingest_rejected", (*key, reason), view.rejected.get(reason, 0))
+        breaker = (view.state or {}).get("breaker")
+        if isinstance(breaker, dict):
+            out.add("tailpilot_breaker_trips", key, breaker.get("trips_total"))
         row = view.sample
         if row is None or not row.healthy:
             return
@@ -190,7 +211,7 @@ class ClusterMetrics:
                 out.add("tailpilot_latency_seconds", (*key, lat, QUANTILE_LABEL[f"p{q}"]),
                         getattr(row.latency, f"{lat}_p{q}"))
         for g in view.groups:
-            if g.kind == "tenant" and g.group not in shown:
+            if g.group not in (shown if g.kind == "tenant" else types):
                 continue
             out.add("tailpilot_group_requests", (*key, g.kind, g.group), g.completed)
             for lat in LATENCIES:
@@ -199,7 +220,8 @@ class ClusterMetrics:
                             getattr(g.latency, f"{lat}_p{q}"))
 
     @staticmethod
-    def _governance(out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str]) -> None:
+    def _governance(out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str],
+                    types: set[str]) -> None:
         key = (cluster,)
         out.add("tailpilot_scr", key, g.get("scr"))
         out.add("tailpilot_jfi", key, g.get("jfi"))
@@ -220,6 +242,8 @@ class ClusterMetrics:
             out.add("tailpilot_tenant_throughput_tokens_per_second", t, f.get("tok_s"))
             out.add("tailpilot_tenant_normalised_throughput", t, f.get("normalised"))
         for kind, f in sorted(g.get("types", {}).items()):
+            if kind not in types:
+                continue
             t = (cluster, kind)
             out.add("tailpilot_type_share", t, f.get("share"))
             out.add("tailpilot_type_minimum_share", t, f.get("minimum"))
@@ -251,15 +275,22 @@ class ClusterMetrics:
 def labelled_tenants(collector: Any, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
     """(the tenants the page labels, how many it leaves off): the cluster file's tenants, then the
     most requests in the window (ties by name), ``limit`` in all."""
+    return labelled_groups(collector, "tenant", limit)
+
+
+def labelled_groups(collector: Any, kind: str, limit: int) -> tuple[set[str], int]:
+    """(the tenants or request types (``kind``) the page labels, how many it leaves off): those
+    the cluster file names, then the most requests in the window (ties by name), ``limit`` in all."""
     counts: dict[str, float] = {}
     for view in collector.views.values():
         for g in view.groups:
-            if g.kind == "tenant":
+            if g.kind == kind:
                 counts[g.group] = counts.get(g.group, 0.0) + g.completed
-    for tenant, f in ((collector.governance or {}).get("tenants") or {}).items():
-        counts.setdefault(tenant, float(f.get("requests") or 0))
+    for group, f in ((collector.governance or {}).get(f"{kind}s") or {}).items():
+        counts.setdefault(group, float(f.get("requests") or 0))
     spec = collector.cluster.governance
-    named = [t for t in (spec.tenants if spec is not None else {}) if t in counts]
+    listed = (spec.tenants if kind == "tenant" else spec.type_shares) if spec is not None else {}
+    named = [t for t in listed if t in counts]
     rest = sorted((t for t in counts if t not in set(named)), key=lambda t: (-counts[t], t))
     shown = (named + rest)[:limit]
     return set(shown), len(counts) - len(shown)
@@ -321,7 +352,8 @@ class MetricsServer:
         """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""
         from controlplane.plugin.api import ControlServer, Limits
 
-        limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0)
+        # Prometheus never sends the page's (random) token: nothing is kept back for token holders.
+        limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0)
         # A random token: nothing here takes writes, and the server would warn without one.
         self._server = ControlServer(_Page(self.collector, asyncio.get_running_loop()), host=self.host,
                                      port=self.port, token=secrets.token_hex(16), limits=limits).start()

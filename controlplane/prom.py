@@ -1,7 +1,8 @@
 """vLLM's Prometheus page (``GET {api_url}/metrics``) as a few numbers the collector needs.
 
 Parsed with ``prometheus_client``'s parser through :data:`VLLM_METRICS`, a table of the metric
-names different vLLM versions use; a page that is not Prometheus text is an error naming its line.
+names different vLLM versions use; a page that is not Prometheus text is an error naming its line,
+and a page of more than :data:`MAX_METRICS_SERIES` series is refused before any line is parsed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "generation_tokens_total": ("sum", ("vllm:generation_tokens",)),
     "requests_total": ("sum", ("vllm:request_success",)),
 }
+#: The most sample lines a /metrics page may have. One vLLM engine's page has ~600 (mostly
+#: histogram buckets); 50,000 is dozens of engines or models, and bounds the parse (on a worker
+#: thread) to ~0.1 s (the page's byte cap is replica_http.MAX_METRICS_BYTES). A page of hundreds of
+#: thousands of series is no vLLM page: refused by counting its lines (~2 ms for 300,000), unparsed.
+MAX_METRICS_SERIES = 50_000
 _FAMILY_TO_LOGICAL: dict[str, str] = {
     fam: logical for logical, (_, fams) in VLLM_METRICS.items() for fam in fams
 }
@@ -73,8 +79,13 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     ~15 µs a line); every other sample line must still have the shape of one (a lenient regular
     expression, ~0.5 µs a line), so a garbled or truncated page is caught wherever it is garbled.
     A page without any of the table's lines is parsed whole, to tell malformed text from a page
-    that simply has no vLLM metrics. Raises :class:`MetricsFormatError` naming the first bad line.
+    that simply has no vLLM metrics. Raises :class:`MetricsFormatError` naming the first bad line,
+    or the count of a page of more than :data:`MAX_METRICS_SERIES` series.
     """
+    series = count_series(text)
+    if series > MAX_METRICS_SERIES:
+        raise MetricsFormatError(f"metrics: the page has {series:,} series, more than the "
+                                 f"{MAX_METRICS_SERIES:,} the collector reads")
     keep: list[str] = []
     fullmatch, family_line = _SAMPLE_LINE.fullmatch, _FAMILY_LINE.match
     for number, line in enumerate(text.splitlines(), 1):
@@ -87,6 +98,14 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         _parse_families(text, text)
         return {}
     return _parse_families("\n".join(keep) + "\n", text)
+
+
+def count_series(text: str) -> int:
+    """The lines of a Prometheus page that are not comments (blank ones included: an upper bound),
+    counted without a pass in Python."""
+    lines = text.count("\n") + (not text.endswith("\n"))
+    comments = text.count("\n#") + text.startswith("#")
+    return lines - comments
 
 
 def _parse_families(text: str, page: str) -> dict[str, float]:

@@ -5,7 +5,10 @@
 On SIGTERM or SIGINT it stops polling, flushes every pending row (retrying a busy database) and
 exits 0; the persisted cursors make a later run continue exactly where this one stopped, and a
 ``kill -9`` at any moment loses and duplicates no completion (the cursor is stored in the same
-transaction as the completions it covers). With ``recording_name`` the run is also a named
+transaction as the completions it covers). A database that refuses a write (a full disk) ends it
+with one line naming the database and what failed (``storage.store.StoreWriteError``: no SQL, no
+row values) and exit status 1; everything committed before is intact, and what was not is still
+on the replicas, read again from the stored cursors by the next run. With ``recording_name`` the run is also a named
 recording (``Store.begin_recording`` / ``end_recording``), which retention keeps; with
 ``retention`` the store's retention runs every ``retention_interval_s``; with ``metrics`` it serves
 the ``tailpilot_*`` Prometheus page (controlplane.exporter) on its own event loop.
@@ -53,6 +56,9 @@ class RecorderStats:
     busy_retries: int = 0  # flushes refused by a locked database (kept and retried)
     retention_runs: int = 0
     health_changes: int = 0
+    breaker_trips: int = 0  # replicas' circuit-breaker trips written to the audit log
+    # Per replica, what could not be stored as it was sent, per reason (storage.limits.REASONS).
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)
     unhealthy_at_end: list[str] = field(default_factory=list)
     metrics_url: str | None = None  # where /metrics was served (--metrics-port)
 
@@ -138,8 +144,9 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(store.end_recording, stats.recording_id)
     for name in ("polls", "failed_polls", "batches", "rows_written", "samples_written",
-                 "group_samples_written", "completions_written", "busy_retries"):
+                 "group_samples_written", "completions_written", "busy_retries", "breaker_trips"):
         setattr(stats, name, getattr(s, name))
+    stats.rejected = {n: dict(v.rejected) for n, v in collector.views.items() if v.rejected}
     stats.unhealthy_at_end = [n for n, v in collector.views.items() if not v.health.healthy]
     stats.ended_ms = int(time.time() * 1000)
     return stats

@@ -1,25 +1,49 @@
-"""The collector's HTTP client for replicas: polls and settings writes, errors as one-line reasons.
+"""The collector's HTTP client for replicas: polls and settings writes, errors as one-line reasons,
+and the reading of their answers (/state paged and fitted per entry, /metrics parsed off the loop).
 
 Every answer is read as strict JSON (NaN, Infinity and numbers too big for a float are null: one
 replica sending them must not break the store or the window), and every failure becomes a short
 reason naming what was asked (``state: timed out after 2 s``), which the TUI and ``status`` show.
+
+Every answer is read streamed, with a cap on its size (:data:`MAX_STATE_BYTES`, :data:`MAX_METRICS_BYTES`;
+:data:`MAX_STEPS_BYTES` for the step log): an answer that never ends costs the collector at most
+that much memory, however long the cluster's timeout, instead of growing until the timeout ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Protocol
 from urllib.parse import urlencode
 
 import aiohttp
+from pydantic import ValidationError
 
+from controlplane import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.prom import MetricsFormatError, parse_vllm_metrics
+from storage import limits
+from storage.rows import CompletionRow
 
 API_PREFIX = "/tailpilot/v1"
+log = logging.getLogger("controlplane.collector")  # the collector's log: these are its reads
 RATE_LIMIT_RETRIES = 3  # a 429 is waited out (within the poll's timeout), not a failure
+
+#: The largest /state answer read (also GET/PUT /settings, smaller still). A full page of 1,000
+#: completions is ~0.35 MB (~0.6 MB with 200-character ids and 100-character tenant names): 4 MiB is
+#: several times the largest a replica sends, and bounds what one broken or hostile replica can
+#: make the recorder hold (its parsed objects are ~10x the bytes) to tens of MB.
+MAX_STATE_BYTES = 4 * 1024 * 1024
+#: The largest /steps page read (tuner.calibrate): a page of 1,000 step records is ~0.15 MB.
+MAX_STEPS_BYTES = 4 * 1024 * 1024
+#: The largest vLLM /metrics page read. One engine's page is ~0.1 MB (~600 sample lines, mostly
+#: histogram buckets); 8 MiB holds dozens of engines or models, and is read before parsing starts.
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+_READ_CHUNK = 64 * 1024
 
 
 def control_base(replica: ReplicaSpec) -> str:
@@ -34,6 +58,29 @@ def _opt_int(x: Any) -> int | None:
 
 class StateFormatError(ValueError):
     """A control API answer that is not the documented state document; the message names the field."""
+
+
+class AnswerTooLarge(ValueError):
+    """An answer longer than the cap for its kind; nothing of it is used."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):g} MiB"
+
+
+def too_large(what: str, limit: int) -> AnswerTooLarge:
+    return AnswerTooLarge(f"{what}: answer larger than {_mib(limit)} (the collector reads at most that much)")
+
+
+def bounded_body(chunks: Iterable[bytes], limit: int, what: str) -> bytes:
+    """The bytes of ``chunks`` (an HTTP body read streamed), or :class:`AnswerTooLarge` as soon as
+    they pass ``limit``: for synchronous readers (``httpx``'s ``iter_bytes``), as :meth:`PollingClient.get`."""
+    body = bytearray()
+    for chunk in chunks:
+        body += chunk
+        if len(body) > limit:
+            raise too_large(what, limit)
+    return bytes(body)
 
 
 class PollingClient:
@@ -61,14 +108,33 @@ class PollingClient:
     def _timeout(self, timeout_s: float) -> dict[str, Any]:
         return {} if timeout_s == self._timeout_s else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
 
-    async def get(self, url: str, timeout_s: float) -> "_Resp":
-        async with self._get_session().get(url, allow_redirects=False, **self._timeout(timeout_s)) as response:
-            return _Resp(response.status, await response.read(), response.reason or "")
+    async def get(self, url: str, timeout_s: float, max_bytes: int = MAX_STATE_BYTES, what: str = "answer",
+                  headers: Mapping[str, str] | None = None) -> "_Resp":
+        """GET ``url``; its body read streamed, :class:`AnswerTooLarge` past ``max_bytes`` (a
+        declared Content-Length past it is refused before any of the body is read)."""
+        async with self._get_session().get(url, allow_redirects=False, headers=dict(headers or {}),
+                                           **self._timeout(timeout_s)) as response:
+            declared = response.content_length
+            if declared is not None and declared > max_bytes:
+                raise too_large(what, max_bytes)
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(_READ_CHUNK):  # decompressed bytes, if encoded
+                body += chunk
+                if len(body) > max_bytes:
+                    raise too_large(what, max_bytes)
+            return _Resp(response.status, bytes(body), response.reason or "")
 
     async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> "_Resp":
         async with self._get_session().put(url, json=doc, headers=dict(headers), allow_redirects=False,
                                            **self._timeout(timeout_s)) as response:
-            return _Resp(response.status, await response.read(), response.reason or "")
+            if (response.content_length or 0) > MAX_STATE_BYTES:
+                raise too_large("PUT settings", MAX_STATE_BYTES)
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(_READ_CHUNK):
+                body += chunk
+                if len(body) > MAX_STATE_BYTES:
+                    raise too_large("PUT settings", MAX_STATE_BYTES)
+            return _Resp(response.status, bytes(body), response.reason or "")
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -110,19 +176,28 @@ class _Resp:
         return self.content.decode("utf-8", "replace")
 
 
+def bearer(token: str | None) -> dict[str, str]:
+    """The Authorization header for a control-API token (none without one). Reads carry it too:
+    the control API keeps a share of its connections and rate for token holders."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
-               params: dict[str, Any] | None = None) -> _Resp:
+               params: dict[str, Any] | None = None, max_bytes: int = MAX_STATE_BYTES,
+               token: str | None = None) -> _Resp:
     if params:
         url = f"{url}?{urlencode(params)}"
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
             for attempt in range(RATE_LIMIT_RETRIES + 1):
-                resp = await client.get(url, timeout_s)
+                resp = await client.get(url, timeout_s, max_bytes, what, bearer(token))
                 if resp.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
                     break
                 await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
     except (aiohttp.ClientError, TimeoutError, OSError) as err:
         raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
+    except AnswerTooLarge as err:
+        raise _HttpFailure(str(err)) from None
     if resp.status_code != 200:
         body = resp.text.strip().replace("\n", " ")
         body = body if len(body) <= 120 else body[:117] + "..."
@@ -131,15 +206,250 @@ async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
     return resp
 
 
-def _finite_or_none(text: str) -> float | None:
-    value = float(text)
-    return value if math.isfinite(value) else None
-
-
-def _json(resp: _Resp, what: str) -> Any:
+def _json(resp: _Resp, what: str, on_non_finite: Callable[[], None] | None = None) -> Any:
     """A replica's JSON, with NaN/Infinity (and numbers too big for a float) read as null: one
-    replica sending them must not break the store (PostgreSQL refuses them) or the window."""
+    replica sending them must not break the store (PostgreSQL refuses them) or the window.
+    ``on_non_finite`` is called once for each number so read. An integer of more digits than
+    Python converts (4,300) is bad JSON like any other, not an unexpected error."""
+    def non_finite(_text: str) -> None:
+        if on_non_finite is not None:
+            on_non_finite()
+        return None
+
+    def finite_or_none(text: str) -> float | None:
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        non_finite(text)
+        return None
+
     try:
-        return json.loads(resp.content, parse_constant=lambda _name: None, parse_float=_finite_or_none)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        return json.loads(resp.content, parse_constant=non_finite, parse_float=finite_or_none)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise StateFormatError(f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})") from None
+
+
+# --- a state document as the store can hold it ---------------------------------------------------------
+
+#: Counts a replica reports (queue lengths, totals, versions): any integer past 64 bits is no
+#: count a replica can have, and would break the arithmetic or the store; the columns' own ranges
+#: (storage.limits) are applied where the figures are stored.
+_STATE_COUNTS = ("settings_version", "pending_version", "waiting", "running", "preemptions_total",
+                 "recomputed_tokens_total", "refused_total", "finished_total", "steps_total")
+_KV_COUNTS = ("used_blocks", "total_blocks", "block_size")
+_BREAKER_COUNTS = ("trips_total", "failed_version", "fallback_version")
+#: A breaker's last error kept in the audit log and shown: the contract's own bound on it.
+BREAKER_ERROR_CHARS = 300
+
+
+def fit_state(doc: dict[str, Any]) -> list[str]:
+    """Null (in place) what a /state document (read through ``contract.State``) holds that the
+    collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
+    completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller."""
+    reasons: list[str] = []
+
+    def nulled(where: dict[str, Any], key: str, problem: str | None) -> None:
+        if problem is not None:
+            where[key] = None
+            reasons.append(problem)
+
+    for key in _STATE_COUNTS:
+        nulled(doc, key, limits.int_problem(doc.get(key), limits.INT64_RANGE))
+    for sub, keys in (("kv", _KV_COUNTS), ("breaker", _BREAKER_COUNTS)):
+        part = doc.get(sub)
+        if isinstance(part, dict):
+            for key in keys:
+                nulled(part, key, limits.int_problem(part.get(key), limits.INT64_RANGE))
+    for key, chars in (("instance", limits.INSTANCE_CHARS), ("policy", limits.POLICY_CHARS), ("replica", None)):
+        if isinstance(doc.get(key), str):
+            nulled(doc, key, limits.text_problem(doc[key], chars))
+    breaker = doc.get("breaker")
+    if isinstance(breaker, dict) and isinstance(breaker.get("last_error"), str):
+        breaker["last_error"] = limits.clean_text(breaker["last_error"])[:BREAKER_ERROR_CHARS]
+    if doc.get("settings") is not None:
+        nulled(doc, "settings", limits.json_problem(doc["settings"]))
+    for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
+        if doc.get(key) is not None:
+            nulled(doc, key, limits.json_problem(doc[key]))
+    for key in ("waiting_by_tenant", "waiting_by_type"):
+        if doc.get(key) is not None:
+            doc[key] = _fit_counts_by_name(doc[key], reasons)
+    return reasons
+
+
+def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str, int]:
+    """Waiting requests per tenant (or type): names bounded as the window bounds them (too long,
+    not valid text, or past MAX_GROUPS_PER_WINDOW: under OTHER_GROUP); counts past 64 bits dropped."""
+    out: dict[str, int] = {}
+    for name, n in counts.items():
+        if limits.int_problem(n, limits.INT64_RANGE) is not None:
+            reasons.append(limits.OUT_OF_RANGE)
+            continue
+        group, why = limits.group_name(name)
+        if why is not None:
+            reasons.append(why)
+        elif group not in out and len(out) - (limits.OTHER_GROUP in out) >= limits.MAX_GROUPS_PER_WINDOW:
+            group = limits.OTHER_GROUP
+        out[group] = out.get(group, 0) + n
+    return out
+
+
+# --- reading a replica's answers: /state (paged, fitted per entry) and /metrics -----------------------
+
+#: The control API returns at most a page of completions per answer and says ``more`` when
+#: another follows (a replica without that flag: a page of this size means more are waiting).
+STATE_PAGE_LIMIT = 1_000
+MAX_PAGES_PER_POLL = 16  # within the control API's per-connection burst
+
+
+class StateReader(Protocol):
+    """What :func:`fetch_state` needs of the collector's view of a replica."""
+
+    name: str
+    spec: ReplicaSpec
+    cursor: int
+
+    def restarted(self, doc: Mapping[str, Any]) -> str | None: ...
+
+    def seen_id(self, key: int) -> bool: ...
+
+    def count(self, rejected: Mapping[str, int], skipped: int = 0) -> None: ...
+
+
+def completion_row(replica: str, c: Any) -> CompletionRow:
+    """One completions-log entry (``contract.Completion``) as a row; ValueError for a malformed one."""
+    try:
+        comp = contract.read(contract.Completion, c, lenient=False)
+    except ValidationError as err:
+        raise ValueError(contract.describe(err)) from None
+    return CompletionRow(
+        replica=replica, request_id=comp.id, tenant=comp.tenant or "default", type=comp.type or "default",
+        arrival_s=comp.arrival, received_s=comp.received_at, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
+        prompt_tokens=comp.prompt_tokens, output_tokens=comp.output_tokens, preemptions=comp.preemptions,
+        recomputed_tokens=comp.recomputed_tokens, reason=comp.reason or "finished",
+        max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none
+    )
+
+
+def read_state(doc: Any, rejected: dict[str, int] | None = None) -> dict[str, Any]:
+    """A /state document read through ``contract.State`` (leniently: a broken optional field is
+    null) and fitted to what the store holds (storage.limits; what was nulled counted in
+    ``rejected``), as a dict; StateFormatError naming the field a reader cannot do without."""
+    if not isinstance(doc, dict):
+        raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
+    try:
+        state = contract.read(contract.State, doc).model_dump()
+    except ValidationError as err:
+        raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
+    if limits.int_problem(state["next_cursor"], limits.CURSOR_RANGE) is not None:
+        # The cursor is stored with the rows it covers: a page that cannot be is not taken at all.
+        raise StateFormatError(f"bad state document: next_cursor is beyond what the store holds ({limits.CURSOR_RANGE[1]})")
+    for reason in fit_state(state):
+        count_into(rejected, reason)
+    return state
+
+
+def count_into(counts: dict[str, int] | None, reason: str, n: int = 1) -> None:
+    """Count ``n`` values not stored as sent for ``reason`` (no-op without ``counts``)."""
+    if counts is not None:
+        counts[reason] = counts.get(reason, 0) + n
+
+
+@dataclass(slots=True)
+class StateAnswer:
+    """What one poll read of a replica's /state: its newest document and the completions since the
+    view's cursor, fitted (storage.limits)."""
+
+    doc: dict[str, Any]
+    completions: list[CompletionRow]
+    cursor: int  # the cursor after ``completions``
+    restarted: str | None = None  # why the replica is taken to have restarted (read from 0)
+    rejected: dict[str, int] = field(default_factory=dict)  # values not stored as sent, per reason
+    skipped: int = 0  # completions-log entries left out
+    ids: list[int] = field(default_factory=list)  # hashes of the request ids of ``completions``
+
+
+async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float) -> StateAnswer:
+    """The state document and the completions since ``view.cursor``; changes nothing in ``view``
+    but its counts of what could not be stored as sent (its ``count``).
+
+    Pages through a backlog; reads from cursor 0 when the replica restarted."""
+    url = control_base(view.spec) + "/state"
+    answer = StateAnswer({}, [], view.cursor)
+    rejected, rows, ids = answer.rejected, answer.completions, answer.ids
+    this_poll: set[int] = set()
+    why = None
+    state_rejected: dict[str, int] = {}  # the document's own fields: counted once a poll, from the page used
+
+    def non_finite() -> None:
+        count_into(rejected, limits.NON_FINITE)
+
+    for page in range(MAX_PAGES_PER_POLL + 1):
+        try:
+            resp = await _get(client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token())
+        except _HttpFailure as err:
+            if page == 0 or err.status != 429:
+                raise
+            break  # the replica rate-limits a long backlog: keep what came, read on next poll
+        try:
+            page_rejected: dict[str, int] = {}
+            doc = read_state(_json(resp, "state", non_finite), page_rejected)
+        except StateFormatError:
+            if page == 0:
+                raise
+            break  # keep the pages read, with their cursor; the next poll meets this page first
+        answer.doc, state_rejected = doc, page_rejected
+        if answer.restarted is None and not rows and (restarted := view.restarted(doc)):
+            answer.restarted, answer.cursor = restarted, 0  # read the new incarnation from its beginning
+            continue
+        for c in doc["completions"]:
+            # Each entry is checked before the cursor moves past it: one that cannot be stored is
+            # skipped (or a field nulled) and counted, the rest of the page is kept, and a replica
+            # that keeps sending a broken entry does not stall its own recording behind it.
+            try:
+                row = completion_row(view.name, c)
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                answer.skipped += 1
+                count_into(rejected, limits.MALFORMED)
+                why = why or f"{type(err).__name__}: {str(err)[:80]}"
+                continue
+            fitted, reasons = limits.fit_completion(row)
+            for reason in reasons:
+                count_into(rejected, reason)
+            if fitted is None:
+                answer.skipped += 1
+                why = why or f"an entry the store cannot hold ({reasons[0]})"
+                continue
+            key = hash(fitted.request_id)
+            if key in this_poll or view.seen_id(key):
+                answer.skipped += 1  # the store keeps the first of an id: count the repeat, do not hide it
+                count_into(rejected, limits.DUPLICATE_ID)
+                continue
+            this_poll.add(key)
+            ids.append(key)
+            rows.append(fitted)
+        answer.cursor = max(answer.cursor, doc["next_cursor"])
+        more = doc.get("more")
+        if more is False or (more is None and len(doc["completions"]) < STATE_PAGE_LIMIT):
+            break
+    for reason, n in state_rejected.items():
+        count_into(rejected, reason, n)
+    view.count(rejected, answer.skipped)  # counted as read: the counts are what was sent, applied or not
+    if answer.skipped:
+        log.warning("replica %s: skipped %d completion entries (%s)", view.name, answer.skipped,
+                    why or "repeated request ids")
+    return answer
+
+
+async def fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
+    resp = await _get(client, spec.metrics_url, "metrics", timeout_s, max_bytes=MAX_METRICS_BYTES)
+    # Parsed on a worker thread: a page near its caps takes tens of milliseconds, which the event
+    # loop (every other replica's polls, the writer, the /metrics page) must not wait for.
+    metrics = await asyncio.to_thread(parse_metrics_page, resp)
+    if not metrics:
+        raise MetricsFormatError("metrics: no vLLM metrics on the page (is api_url a vLLM server?)")
+    return metrics
+
+
+def parse_metrics_page(resp: _Resp) -> dict[str, float]:
+    return parse_vllm_metrics(resp.text)

@@ -25,6 +25,23 @@ PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "unib
 PredictorName = Literal["oracle", "history"]
 
 
+# Safe bounds: every document the model accepts must run (issue 21). The policies compute in
+# float64 seconds and tokens; within these ranges every product and quotient stays finite and
+# every float-to-int conversion in range, whatever the other parameters
+# (tests/test_settings_safety.py steps vLLM's scheduler and the simulator through each policy's
+# whole schema, extremes and sequences of switches included).
+MIN_DURATION_S = 1e-3  # finer than any engine step (~10 ms); a 5e-324 s interval ticks every step for ever
+MAX_DURATION_S = 86_400.0  # a day: longer spans mean "never"
+MIN_S_PER_TOKEN = 1e-9  # an A100 prefills a token in ~70 µs; 1 ns keeps score / cost below 1e17
+MAX_TOKENS = 10_000_000  # longer than any model's context; token margins beyond it mean "never"
+MIN_SHARE = 1e-6  # weights, throttles, shares and rates: ratios of them stay within 1e±12
+MAX_WEIGHT = 1e6
+GAMMA_MIN_SAFE, GAMMA_MAX_SAFE = 1e-6, 1e6  # 1/s: b_γ(w) stays finite for w >= MIN_S_PER_TOKEN
+# Scores are seconds (arrival − boost, boosts capped at 1e9 s): a margin of 1e12 already means
+# "never preempt", and score + margin stays exact enough to compare.
+MAX_SCORE_MARGIN = 1e12
+
+
 class _Strict(BaseModel):
     # strict: a string or a boolean is never taken for a number ("5", true); finite: NaN and
     # Infinity would reach /state, and JSON readers (PostgreSQL's jsonb among them) refuse them.
@@ -38,7 +55,7 @@ class NoParams(_Strict):
 
 class PreemptiveParams(_Strict):
     # Hysteresis for policy-driven preemption, in score units (docs/policies.md, condition (b)).
-    preempt_margin: float = Field(0.0, ge=0.0)
+    preempt_margin: float = Field(0.0, ge=0.0, le=MAX_SCORE_MARGIN)
 
 
 class PredictedParams(_Strict):
@@ -60,13 +77,13 @@ class SjfParams(PredictedParams):
 class SrptParams(PredictedParams):
     c: float = Field(0.6, gt=0.0, le=10.0)
     # srpt's preemption hysteresis: scores are tokens, so the margin is too.
-    margin_tokens: int = Field(0, ge=0)
+    margin_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
 
 
 class LasParams(PreemptiveParams):
-    q0_s: float = Field(0.01, gt=0.0, le=100.0)
-    starve_s: float = Field(3.0, gt=0.0, le=86_400.0)
-    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+    q0_s: float = Field(0.01, ge=MIN_DURATION_S, le=100.0)
+    starve_s: float = Field(3.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
+    alpha_s_per_token: float = Field(64e-6, ge=MIN_S_PER_TOKEN, le=1.0)
 
 
 # γ is a tail decay rate in 1/s (seed 000/002): the FCFS response-time tail P(T > t) ~ e^{-γt}.
@@ -75,21 +92,21 @@ GAMMA_DEFAULT = 0.1
 
 
 class DistBoostParams(_Strict):
-    gamma: float = Field(GAMMA_DEFAULT, gt=0.0, le=1e6)
-    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+    gamma: float = Field(GAMMA_DEFAULT, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
+    alpha_s_per_token: float = Field(64e-6, ge=MIN_S_PER_TOKEN, le=1.0)
 
 
 class UniBoostParams(PreemptiveParams):
-    gamma: float = Field(GAMMA_DEFAULT, gt=0.0, le=1e6)
-    alpha_s_per_token: float = Field(64e-6, gt=0.0, le=1.0)
+    gamma: float = Field(GAMMA_DEFAULT, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
+    alpha_s_per_token: float = Field(64e-6, ge=MIN_S_PER_TOKEN, le=1.0)
     memguard: bool = True
     quant_base_tokens: int = Field(256, ge=1, le=1_000_000)
     quant_ratio: float = Field(2.0, gt=1.0, le=64.0)
     gamma_ada: bool = True
-    gamma_min: float = Field(0.001, gt=0.0, le=1e6)
-    gamma_max: float = Field(10.0, gt=0.0, le=1e6)
+    gamma_min: float = Field(0.001, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
+    gamma_max: float = Field(10.0, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
     ada_ema: float = Field(0.3, gt=0.0, le=1.0)
-    ada_interval_s: float = Field(5.0, gt=0.0, le=86_400.0)
+    ada_interval_s: float = Field(5.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     ada_window: int = Field(2000, ge=10, le=1_000_000)
     ada_min_samples: int = Field(200, ge=1, le=1_000_000)
     # γ is re-applied (a new epoch: every waiting key re-derived) only once its smoothed value has
@@ -136,7 +153,7 @@ class TieParams(PredictedParams):
     beta_min: float = Field(0.1, ge=0.0, le=1.0)
     beta_max: float = Field(0.5, ge=0.0, le=1.0)
     decay: float = Field(0.9, gt=0.0, le=1.0)
-    tau_s: float = Field(30.0, gt=0.0, le=86_400.0)
+    tau_s: float = Field(30.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     nu: float = Field(3.5, gt=1.0, le=1000.0)
 
     @model_validator(mode="after")
@@ -147,7 +164,7 @@ class TieParams(PredictedParams):
 
 
 class VtcParams(_Strict):
-    weights: dict[str, float] = Field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict, max_length=10_000)
     input_price: float = Field(1.0, ge=0.0, le=1e6)
     output_price: float = Field(2.0, ge=0.0, le=1e6)
 
@@ -155,8 +172,8 @@ class VtcParams(_Strict):
     @classmethod
     def _positive_weights(cls, weights: dict[str, float]) -> dict[str, float]:
         for tenant, w in weights.items():
-            if not w > 0:
-                raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {w}")
+            if not MIN_SHARE <= w <= MAX_WEIGHT:
+                raise ValueError(f"weight of tenant {tenant!r} must be in [{MIN_SHARE:g}, {MAX_WEIGHT:g}], got {w}")
         return weights
 
 
@@ -167,9 +184,9 @@ class QuantileSlo(_Strict):
     """Latency targets in seconds per quantile (seed 003: s_{j,50}, s_{j,90}, s_{j,99}); at least
     one, never a lower quantile above a higher one."""
 
-    p50: float | None = Field(None, gt=0.0, le=86_400.0)
-    p90: float | None = Field(None, gt=0.0, le=86_400.0)
-    p99: float | None = Field(None, gt=0.0, le=86_400.0)
+    p50: float | None = Field(None, ge=MIN_DURATION_S, le=MAX_DURATION_S)
+    p90: float | None = Field(None, ge=MIN_DURATION_S, le=MAX_DURATION_S)
+    p99: float | None = Field(None, ge=MIN_DURATION_S, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
     def _ordered(self) -> "QuantileSlo":
@@ -188,9 +205,9 @@ class QuantileSlo(_Strict):
 class TenantSlo(_Strict):
     """One tenant's share and SLOs (docs/policies.md#slofq)."""
 
-    weight: float | None = Field(None, gt=0.0, le=1e6)
+    weight: float | None = Field(None, ge=MIN_SHARE, le=MAX_WEIGHT)
     # A committed token rate C_j (prompt + output tokens/s): the weight is proportional to it.
-    commit_tok_s: float | None = Field(None, gt=0.0, le=1e9)
+    commit_tok_s: float | None = Field(None, ge=1e-3, le=1e9)
     ttft: QuantileSlo | None = None
     ttlt: QuantileSlo | None = None
     # At most this many of the tenant's requests wait in the queue; a further one is refused on
@@ -207,8 +224,8 @@ class TenantSlo(_Strict):
 def check_shares(shares: dict[str, float]) -> dict[str, float]:
     """Minimum type shares: each in (0, 1], at most 1 together."""
     for rtype, rho in shares.items():
-        if not 0.0 < rho <= 1.0:
-            raise ValueError(f"share of type {rtype!r} must be in (0, 1], got {rho}")
+        if not MIN_SHARE <= rho <= 1.0:
+            raise ValueError(f"share of type {rtype!r} must be in [{MIN_SHARE:g}, 1], got {rho}")
     if sum(shares.values()) > 1.0 + 1e-9:
         raise ValueError(f"shares add up to {sum(shares.values()):g}; at most 1")
     return shares
@@ -219,43 +236,43 @@ DEFAULT_TENANT_SLO = {"ttft": {"p50": 1.0, "p90": 2.0, "p99": 4.0}}
 
 class SloFqParams(_Strict):
     # Tenants by name; any other tenant is ``default_tenant``.
-    tenants: dict[str, TenantSlo] = Field(default_factory=dict)
+    tenants: dict[str, TenantSlo] = Field(default_factory=dict, max_length=10_000)
     default_tenant: TenantSlo = Field(default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO))
     # "multi": a request's deadline is its tenant's tightest TTFT target missed in the sliding
     # window (else P99); "p99": always the P99 target (the governor's single-quantile mode).
     quantiles: Literal["multi", "p99"] = "multi"
-    slo_window_s: float = Field(10.0, gt=0.0, le=86_400.0)
+    slo_window_s: float = Field(10.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     # Token-level fair queue: counters in engine-seconds per unit of weight, prefill and decode
     # priced by the default step model (s per prefill token: b; per decoded token: d + e·1024).
     prefill_cost_s: float = Field(6.7e-5, ge=0.0, le=1.0)
     decode_cost_s: float = Field(1.12e-4, ge=0.0, le=1.0)
     # A tenant is within its fair share while its counter is at most this far ahead of the
     # least-served backlogged tenant's; among those the earliest deadline goes first.
-    fair_lag_s: float = Field(0.5, ge=0.0, le=86_400.0)
+    fair_lag_s: float = Field(0.5, ge=0.0, le=MAX_DURATION_S)
     # Consumption protection: a committed tenant's weight times min(C_j / U_j, alpha), U_j its
     # use over the window (None: off).
     protection_alpha: float | None = Field(4.0, ge=1.0, le=1e6)
-    protection_window_s: float = Field(30.0, gt=0.0, le=86_400.0)
+    protection_window_s: float = Field(30.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     # Request types: a minimum share rho_k of the served tokens per window. Explicit, or (empty)
     # rho_k = (1/|T|) / (1 + eta·p_k) from the observed shares p_k. "soft" lends unused reserve,
     # "hard" does not (no type takes more than 1 − the others' reserves), "off" ignores types.
-    type_shares: dict[str, float] = Field(default_factory=dict)
+    type_shares: dict[str, float] = Field(default_factory=dict, max_length=1_000)
     type_eta: float = Field(0.5, ge=0.0, le=1e6)
     type_isolation: Literal["off", "soft", "hard"] = "soft"
-    type_window_s: float = Field(10.0, gt=0.0, le=86_400.0)
+    type_window_s: float = Field(10.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     # Backpressure: a token bucket per tenant gating admission, its rate scaled every
     # bp_interval_s by s_99 / P99 (window P99 of TTFT and waiting ages) while the tenant is over
     # its P99 target and over its entitlement; nothing is dropped.
     backpressure: bool = True
-    bp_interval_s: float = Field(0.1, gt=0.0, le=60.0)
-    bp_min_tok_s: float = Field(1.0, gt=0.0, le=1e9)
-    bp_burst_s: float = Field(1.0, gt=0.0, le=3_600.0)
+    bp_interval_s: float = Field(0.1, ge=MIN_DURATION_S, le=60.0)
+    bp_min_tok_s: float = Field(1.0, ge=1e-3, le=1e9)
+    bp_burst_s: float = Field(1.0, ge=MIN_DURATION_S, le=3_600.0)
     # An empty bucket holds a tenant back only while another tenant has requests waiting; with
     # no one else waiting the capacity is lent (false: held whatever, not work-conserving).
     bp_lend: bool = True
     # Operator or governor throttles: tenant -> fraction (0, 1] of its use rate when set.
-    throttle: dict[str, float] = Field(default_factory=dict)
-    preempt_margin: float = Field(0.0, ge=0.0)
+    throttle: dict[str, float] = Field(default_factory=dict, max_length=10_000)
+    preempt_margin: float = Field(0.0, ge=0.0, le=MAX_SCORE_MARGIN)
     # Policy preemption only while the batch is less full than this (seed 003 §5; None: always).
     preempt_max_utilisation: float | None = Field(0.8, gt=0.0, le=1.0)
 
@@ -265,8 +282,8 @@ class SloFqParams(_Strict):
     @classmethod
     def _fractions(cls, throttle: dict[str, float]) -> dict[str, float]:
         for tenant, f in throttle.items():
-            if not 0.0 < f <= 1.0:
-                raise ValueError(f"throttle of tenant {tenant!r} must be in (0, 1], got {f}")
+            if not MIN_SHARE <= f <= 1.0:
+                raise ValueError(f"throttle of tenant {tenant!r} must be in [{MIN_SHARE:g}, 1], got {f}")
         return throttle
 
     def tenant(self, name: str) -> TenantSlo:

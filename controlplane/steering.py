@@ -65,7 +65,7 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     res = ApplyResult(spec.name, "error", "")
     produced: Any = None
     try:
-        resp = await _get(client, base, "GET settings", timeout)
+        resp = await _get(client, base, "GET settings", timeout, token=spec.token())
         current = _json(resp, "GET settings")
         if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
                 or not isinstance(current.get("version"), int):
@@ -149,7 +149,8 @@ async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, t
     delay = 0.02
     while True:
         try:
-            doc = _json(await _get(client, url, "state (read back)", timeout_s), "state (read back)")
+            doc = _json(await _get(client, url, "state (read back)", timeout_s, token=spec.token()),
+                        "state (read back)")
             active = _opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
             why = f"the replica runs version {active} (a busy engine applies it at its next step)"
         except (_HttpFailure, StateFormatError) as err:

@@ -84,6 +84,33 @@ def cluster_totals(rows: Sequence[SampleRow]) -> dict[str, float | int | None]:
             "preemptions_per_s": total("preemptions_per_s")}
 
 
+def breaker_note(trips: int | None, breaker: Mapping | None = None) -> str | None:
+    """A note like ``breaker tripped 2× (last: ValueError: ...; v3 → vLLM's stock order)`` when the
+    replica's circuit breaker has tripped (``breaker``: the /state document's, for the details), else None."""
+    if not trips:
+        return None
+    note = f"breaker tripped {trips}×"
+    if breaker:
+        failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
+        to = f"v{fallback}" if fallback is not None else "vLLM's stock order"
+        last = breaker.get("last_error") or "no error reported"
+        note += f" (last: {last}; v{failed if failed is not None else '?'} → {to})"
+    return note
+
+
+def rejected_note(rejected: Mapping[str, int] | None) -> str | None:
+    """A note like ``not stored as sent: duplicate_id 1, out_of_range 2`` (storage.limits.REASONS), else None."""
+    if not rejected:
+        return None
+    return "not stored as sent: " + ", ".join(f"{reason} {n:,}" for reason, n in sorted(rejected.items()) if n)
+
+
+def replica_notes(r: SampleRow) -> list[str]:
+    """What ``tailpilot status`` says about a replica beside its health: its circuit breaker's
+    trips and what the collector could not store as the replica sent it."""
+    return [n for n in (breaker_note(r.breaker_trips), rejected_note(r.rejected)) if n]
+
+
 COLUMNS = ("replica", "health", "policy", "γ", "wait", "run", "KV", "TTFT p50/p95/p99", "TTLT p50/p95/p99",
            "preempt/s", "tok/s")
 
@@ -98,6 +125,8 @@ def status_table(rows: Sequence[SampleRow], pinned: Mapping[str, Iterable[str]] 
     for r in sorted(rows, key=lambda r: r.replica):
         lat = r.latency
         health = Text("ok", style="green") if r.healthy else Text(f"DOWN: {r.reason or '?'}", style="bold red")
+        for note in replica_notes(r):
+            health.append(f"; {note}", style="yellow")
         table.add_row(
             r.replica, health, r.policy or "—",
             fmt_gamma(r.gamma_live, "gamma" in set(pinned.get(r.replica, ()))),

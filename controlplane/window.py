@@ -2,17 +2,24 @@
 TTFT, TTLT and TBT over them (no histogram interpolation), and counter rates.
 
 The window is on the replica's own clock (its completions' finish times), ``window_s`` long.
+
+Tenant and type names come from clients: the window keeps at most ``MAX_GROUPS_PER_WINDOW`` of
+each apart (storage.limits; the cluster file's tenants and types always), and counts the
+completions of any further name under ``OTHER_GROUP``; a name leaves the count when its last
+completion leaves the window, so a client sending a new name on every request grows neither the
+window nor the rows per group.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from controlplane.metrics import distribution_stats
+from storage.limits import MAX_GROUPS_PER_WINDOW, OTHER_GROUP
 from storage.rows import LATENCIES, PERCENTILES, CompletionRow, LatencyPercentiles
 
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
@@ -28,13 +35,18 @@ _COLUMNS = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens"
 class _Window:
     """The completions of one replica inside the rolling window, as numpy columns."""
 
-    __slots__ = (*_COLUMNS, "_codes")
+    __slots__ = (*_COLUMNS, "_codes", "_max_groups", "_reserved")
 
-    def __init__(self) -> None:
-        self._codes: dict[str, dict[str, int]] = {"tenant": {}, "type": {}}
+    def __init__(self, max_groups: int = MAX_GROUPS_PER_WINDOW, reserved: Mapping[str, Iterable[str]] | None = None
+                 ) -> None:
+        self._max_groups = max_groups
+        # Names kept apart whatever the count, per kind: the cluster file's tenants and types, whose
+        # targets and shares are judged.
+        self._reserved = {kind: frozenset((reserved or {}).get(kind, ())) for kind in ("tenant", "type")}
         self.clear()
 
     def clear(self) -> None:
+        self._codes: dict[str, dict[str, int]] = {"tenant": {}, "type": {}}
         empty_f = np.empty(0, dtype=np.float64)
         self.finished = self.arrival = self.ttft = self.ttlt = self.tbt = empty_f
         self.out_tokens = np.empty(0, dtype=np.int64)
@@ -51,6 +63,20 @@ class _Window:
             out[code] = name
         return out
 
+    def _code(self, kind: str, name: str) -> int:
+        """``name``'s code in column ``kind``: its own while fewer than the cap are kept, else OTHER_GROUP's."""
+        codes = self._codes[kind]
+        code = codes.get(name)
+        if code is not None:
+            return code
+        if len(codes) - (OTHER_GROUP in codes) >= self._max_groups and name not in self._reserved[kind]:
+            name = OTHER_GROUP
+            code = codes.get(name)
+            if code is not None:
+                return code
+        code = codes[name] = len(codes)
+        return code
+
     def add(self, rows: Sequence[CompletionRow]) -> None:
         # A request refused on arrival (a tenant's queue cap) was never served: no latency.
         rows = [r for r in rows if r.reason != "rejected"]
@@ -65,9 +91,9 @@ class _Window:
         tokens = out_tokens + np.fromiter((r.prompt_tokens for r in rows), np.int64, n)
         gaps = out_tokens - 1.0
         gaps[gaps <= 0] = np.nan  # one token: no inter-token gap (metrics.Completion.tbt)
-        tcodes, ycodes = self._codes["tenant"], self._codes["type"]
-        tenant = np.fromiter((tcodes.setdefault(r.tenant, len(tcodes)) for r in rows), np.int32, n)
-        kind = np.fromiter((ycodes.setdefault(r.type, len(ycodes)) for r in rows), np.int32, n)
+        code = self._code
+        tenant = np.fromiter((code("tenant", r.tenant) for r in rows), np.int32, n)
+        kind = np.fromiter((code("type", r.type) for r in rows), np.int32, n)
         self.finished = np.concatenate((self.finished, finished))
         self.arrival = np.concatenate((self.arrival, arrival))
         self.ttft = np.concatenate((self.ttft, first - arrival))
@@ -87,6 +113,20 @@ class _Window:
             return
         for name in _COLUMNS:
             setattr(self, name, getattr(self, name)[keep])
+        self._forget_absent("tenant")
+        self._forget_absent("type")
+
+    def _forget_absent(self, kind: str) -> None:
+        """Drop the names none of the window's completions carry any more (renumbering the rest),
+        so that the cap counts the names in the window, not every name ever seen."""
+        codes = self._codes[kind]
+        column = getattr(self, kind)
+        present = np.bincount(column, minlength=len(codes)) > 0
+        if present.all():
+            return
+        renumber = (np.cumsum(present) - 1).astype(np.int32)
+        setattr(self, kind, renumber[column])
+        self._codes[kind] = {name: int(renumber[code]) for name, code in codes.items() if present[code]}
 
 
 def governance_columns(windows: Sequence["_Window"]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -153,6 +153,19 @@ class Simulator:
         self.policy, self.settings = new, settings
         self.predictor = new.predictor or self.predictor
 
+    def recover(self, settings: Settings) -> None:
+        """Replace a policy that raised inside a step with ``settings`` (the twin's circuit
+        breaker, as the plugin's ``ReplicaCore.trip``): a fresh policy, the waiting queue rebuilt
+        from its members, the running requests attached; anything staged is dropped (the caller
+        stages it again). Raises AssertionError if the engine's own books no longer add up."""
+        self._pending_settings = None
+        policy = make_policy(settings, self.predictor if settings.policy in ("sjf", "srpt", "tie") else None)
+        self.waiting.reset(policy)
+        policy.attach(self.waiting.in_order(), self.running, self.now)
+        self._settled = 0
+        self.policy, self.settings = policy, settings
+        self._check()
+
     def advance_to(self, t: float) -> int:
         """Run the steps that start before ``t`` (a live twin replica calls this with its clock);
         an idle engine's clock moves to ``t``. Returns the number of loop iterations run.

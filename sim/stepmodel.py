@@ -323,9 +323,16 @@ def save_model(model: StepTimeModel, path: str | os.PathLike) -> None:
 
 
 def load_model(path: str | os.PathLike) -> StepTimeModel:
-    """Read a model written by :func:`save_model` (it is not registered; see :func:`register`)."""
-    with open(os.fspath(path), encoding="utf-8") as fh:
-        doc = json.load(fh)
+    """Read a model written by :func:`save_model` (it is not registered; see :func:`register`).
+    ValueError naming the file when it cannot be read or is not such a document."""
+    try:
+        with open(os.fspath(path), encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as err:
+        raise ValueError(f"{os.fspath(path)}: cannot read: {err.strerror or err}") from None
+    except (ValueError, RecursionError) as err:  # not JSON (nor UTF-8), or nested past the recursion limit
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise ValueError(f"{os.fspath(path)}: not JSON: {reason}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{os.fspath(path)}: not a step-time model document")
     fmt = doc.pop("format", None)

@@ -17,6 +17,8 @@ _EXPORTS = {
     "Store": "storage.store",
     "StoreBusy": "storage.store",
     "StoreCorrupt": "storage.store",
+    "StoreFull": "storage.store",
+    "StoreWriteError": "storage.store",
     "StoreError": "storage.store",
     "StoreOpenError": "storage.store",
     "ReplicaInfo": "storage.store",

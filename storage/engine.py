@@ -53,6 +53,29 @@ def normalize_url(url: str | None) -> URL:
     return parsed
 
 
+class DatabaseMissing(LookupError):
+    """A command that only reads named a SQLite file that does not exist; the message names the path."""
+
+
+def require_existing(url: str | None) -> None:
+    """Raise :class:`DatabaseMissing` when ``url`` names a SQLite file that does not exist.
+
+    Opening a SQLite file creates it, empty; a command that only reads (``governor status``, a
+    replay, a recorded trace) calls this first, so a mistyped path is an error naming the path
+    instead of a new empty database. In-memory databases, URI filenames (``?uri=true``, whose path
+    SQLite resolves) and server backends (which report a missing database themselves) pass, and so
+    does a malformed URL: opening it reports that.
+    """
+    try:
+        parsed = normalize_url(url)
+    except Exception:  # malformed: Store.open names it (without the password)
+        return
+    if not is_sqlite(parsed) or parsed.database in (None, "", ":memory:") or "uri" in parsed.query:
+        return
+    if not Path(parsed.database).exists():
+        raise DatabaseMissing(f"no tailpilot store at {parsed.database} (the file does not exist)")
+
+
 def redact(url: str | URL | None) -> str:
     """The URL as it may appear in messages and logs: the password replaced by ``***``."""
     if url is None:

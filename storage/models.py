@@ -39,6 +39,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from storage.limits import INSTANCE_CHARS, POLICY_CHARS, REASON_CHARS, REQUEST_ID_CHARS, TENANT_CHARS, TYPE_CHARS
 from storage.rows import PERCENTILE_FIELDS
 
 # Deterministic constraint names, so migrations can refer to them on every backend.
@@ -52,6 +53,8 @@ NAMING_CONVENTION = {
 
 RowId = BigInteger().with_variant(Integer(), "sqlite")
 Json = JSON().with_variant(JSONB(), "postgresql")
+# A JSON column where Python None is SQL NULL (not the JSON text 'null'): a column that is empty nearly always.
+NullableJson = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 # Gauges folded into rollups as mean and max (see storage.retention); the percentile columns too.
 SAMPLE_GAUGES: tuple[str, ...] = (
     "waiting",
@@ -117,7 +120,7 @@ class Sample(_Percentiles, Base):
     t_ms: Mapped[int] = mapped_column(BigInteger)
     healthy: Mapped[bool]
     reason: Mapped[str | None] = mapped_column(Text)
-    policy: Mapped[str | None] = mapped_column(String(100))
+    policy: Mapped[str | None] = mapped_column(String(POLICY_CHARS))
     settings_version: Mapped[int | None] = mapped_column(Integer)
     waiting: Mapped[int | None] = mapped_column(Integer)
     running: Mapped[int | None] = mapped_column(Integer)
@@ -129,6 +132,11 @@ class Sample(_Percentiles, Base):
     throughput_tok_s: Mapped[float | None] = mapped_column(Float)
     throughput_req_s: Mapped[float | None] = mapped_column(Float)
     preemptions_per_s: Mapped[float | None] = mapped_column(Float)
+    # The replica's circuit-breaker trips since it started (migration 0009); None: not reported.
+    breaker_trips: Mapped[int | None] = mapped_column(Integer)
+    # What the collector could not store as the replica sent it since it started, per reason
+    # (storage.limits.REASONS; migration 0009); None when nothing was.
+    rejected: Mapped[Any | None] = mapped_column(NullableJson)
 
 
 class GroupSample(_Percentiles, Base):
@@ -157,9 +165,9 @@ class Completion(Base):
 
     id: Mapped[int] = mapped_column(RowId, primary_key=True)
     replica_id: Mapped[int] = _replica_fk()
-    request_id: Mapped[str] = mapped_column(String(200))
-    tenant: Mapped[str] = mapped_column(String(200))
-    type: Mapped[str] = mapped_column(String(100))
+    request_id: Mapped[str] = mapped_column(String(REQUEST_ID_CHARS))
+    tenant: Mapped[str] = mapped_column(String(TENANT_CHARS))
+    type: Mapped[str] = mapped_column(String(TYPE_CHARS))
     arrival_s: Mapped[float] = mapped_column(Float)
     first_token_s: Mapped[float | None] = mapped_column(Float)
     finished_s: Mapped[float] = mapped_column(Float)
@@ -167,7 +175,7 @@ class Completion(Base):
     output_tokens: Mapped[int] = mapped_column(Integer)
     preemptions: Mapped[int] = mapped_column(Integer)
     recomputed_tokens: Mapped[int] = mapped_column(Integer)
-    reason: Mapped[str] = mapped_column(String(50))
+    reason: Mapped[str] = mapped_column(String(REASON_CHARS))
     stored_ms: Mapped[int] = mapped_column(BigInteger)  # the store's clock: retention only
     # The client's cap (migration 0003); None for rows stored before it and replicas that do not report it.
     max_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -186,7 +194,7 @@ class CollectorCursor(Base):
     updated_ms: Mapped[int] = mapped_column(BigInteger)
     # The replica incarnation (its /state "instance") the cursor counts in; None for replicas
     # that do not report one.
-    instance: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    instance: Mapped[str | None] = mapped_column(String(INSTANCE_CHARS), nullable=True)
 
 
 class SettingsSeen(Base):
@@ -201,7 +209,7 @@ class SettingsSeen(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     replica_id: Mapped[int] = _replica_fk()
     t_ms: Mapped[int] = mapped_column(BigInteger)
-    instance: Mapped[str | None] = mapped_column(String(64))
+    instance: Mapped[str | None] = mapped_column(String(INSTANCE_CHARS))
     version: Mapped[int | None] = mapped_column(Integer)
     settings: Mapped[Any] = mapped_column(Json)
 

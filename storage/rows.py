@@ -58,6 +58,10 @@ class SampleRow:
     throughput_req_s: float | None = None
     preemptions_per_s: float | None = None
     latency: LatencyPercentiles = field(default_factory=LatencyPercentiles)
+    breaker_trips: int | None = None  # the replica's circuit-breaker trips since it started; None: not reported
+    # Values from the replica the collector could not store as sent, per reason (storage.limits.REASONS),
+    # since the collector started; None when there were none.
+    rejected: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +108,26 @@ class SettingsSeenRow:
     settings: dict[str, Any]
 
 
+# The audit rows the collector writes when a replica's circuit breaker trips (who, result).
+BREAKER_WHO = "engine"
+BREAKER_RESULT = "breaker"
+
+
+@dataclass(slots=True)
+class SettingsChangeRow:
+    """An entry of the settings audit log written with a batch (the collector's: a replica's
+    circuit breaker tripped, ``who="engine"``); ``Store.record_settings_change`` writes the others."""
+
+    replica: str
+    t_ms: int
+    who: str
+    result: str
+    message: str | None = None
+    version: int | None = None
+    old: dict[str, Any] | None = None
+    new: dict[str, Any] | None = None
+
+
 @dataclass(slots=True)
 class GovernanceRow:
     """A cluster's multi-tenant figures over one window (``controlplane.governance.report``)."""
@@ -139,6 +163,7 @@ class Batch:
     cursors: dict[str, int] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)  # replica -> the instance its cursor counts in
     settings_seen: list[SettingsSeenRow] = field(default_factory=list)
+    settings_changes: list[SettingsChangeRow] = field(default_factory=list)  # audit rows (breaker trips)
     governance: list[GovernanceRow] = field(default_factory=list)  # cluster-level
     alerts: list[AlertRow] = field(default_factory=list)  # cluster-level
 
@@ -152,4 +177,4 @@ class Batch:
 
     def __len__(self) -> int:
         return (len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)
-                + len(self.governance) + len(self.alerts))
+                + len(self.settings_changes) + len(self.governance) + len(self.alerts))

@@ -18,7 +18,11 @@ column is stored as NULL, and in a JSON document as null (``storage.strict_json`
 
 A damaged SQLite file, or one that is no database, raises :class:`StoreOpenError` when opening finds
 it, else :class:`StoreCorrupt` from the first read or write that touches the damage; both name the
-file.
+file. Any other write the database refuses raises :class:`StoreWriteError` (:class:`StoreFull` when
+the database or its disk is full): one line naming the database and what failed, never the SQL or
+the row values (they may hold tenants' data); the transaction is rolled back whole, so what was
+committed before stays as it was. Rows must fit the columns (``storage.limits``: the collector fits
+every entry a replica sends before queuing it).
 
 Read side (TUI, replay, ``tailpilot status``, tuner): methods return plain dataclasses
 (``SampleRow``, ``CompletionRow``, ... from :mod:`storage.rows`, or the small records below) and
@@ -76,12 +80,15 @@ from storage.models import (
 )
 from storage.retention import RetentionReport, RetentionSettings
 from storage.rows import (
+    BREAKER_RESULT,
+    BREAKER_WHO,
     PERCENTILE_FIELDS,
     Batch,
     CompletionRow,
     GroupSampleRow,
     LatencyPercentiles,
     SampleRow,
+    SettingsChangeRow,
     SettingsSeenRow,
 )
 from storage.sql import SUPPORTED_BACKENDS, insert_ignoring, insert_or_update
@@ -93,7 +100,7 @@ DEFAULT_WRITE_DEADLINE_S = 30.0
 SAMPLE_FIELDS: tuple[str, ...] = (
     "t_ms", "healthy", "reason", "policy", "settings_version", "waiting", "running", "kv_usage",
     "kv_used_blocks", "kv_total_blocks", "gamma_live", "beta_live", "throughput_tok_s",
-    "throughput_req_s", "preemptions_per_s",
+    "throughput_req_s", "preemptions_per_s", "breaker_trips", "rejected",
 )  # fmt: skip
 # The float ones among them: like the percentiles, NaN or ±inf there is stored as NULL.
 SAMPLE_FLOAT_FIELDS: tuple[str, ...] = (
@@ -120,6 +127,15 @@ class StoreBusy(StoreError):
 
 class StoreCorrupt(StoreError):
     """The database file is damaged or is not a database at all; the message names the file."""
+
+
+class StoreWriteError(StoreError):
+    """The database refused a write (nothing of it was stored); the message names the database and
+    what failed, without SQL or row values."""
+
+
+class StoreFull(StoreWriteError):
+    """The database or the disk it lives on is full: nothing of this write was stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +278,7 @@ class Store:
             self._insert_completions(conn, batch.completions, ids, now)
             self._upsert_cursors(conn, batch.cursors, batch.instances, ids, now)
             self._insert_settings_seen(conn, batch.settings_seen, ids)
+            self._insert_settings_changes(conn, batch.settings_changes, ids)
             self._touch_last_seen(conn, batch.samples, ids)
             return ids
 
@@ -280,6 +297,23 @@ class Store:
         )
         with self._read() as conn:
             return {name: (cursor, instance) for name, cursor, instance in conn.execute(stmt)}
+
+    def breaker_positions(self, cluster: str) -> dict[str, tuple[str | None, int]]:
+        """Replica name -> (instance, trips) of the newest circuit-breaker trip stored for it: the
+        collector writes one audit row per trip it sees, and starts from these so a restart writes
+        none twice."""
+        stmt = (select(Replica.name, SettingsChange.new)
+                .join(Replica, Replica.id == SettingsChange.replica_id)
+                .where(Replica.cluster == cluster, SettingsChange.who == BREAKER_WHO,
+                       SettingsChange.result == BREAKER_RESULT)
+                .order_by(SettingsChange.t_ms.desc(), SettingsChange.id.desc()))
+        newest: dict[str, tuple[str | None, int]] = {}
+        with self._read() as conn:
+            for name, new in conn.execute(stmt):
+                if name not in newest and isinstance(new, dict) and isinstance(new.get("trips_total"), int):
+                    instance = new.get("instance")
+                    newest[name] = (instance if isinstance(instance, str) else None, new["trips_total"])
+        return newest
 
     def record_settings_change(
         self,
@@ -666,7 +700,10 @@ class Store:
             except DBAPIError as exc:
                 if not _is_retryable(exc):
                     self._raise_if_damaged(exc)
-                    raise
+                    failure = _write_failure(exc)
+                    error = StoreFull if failure == _FULL else StoreWriteError
+                    raise error(f"cannot write to {_where(self.engine.url)}: {failure}; nothing of this "
+                                "write was stored (what was stored before is intact)") from None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreBusy(
@@ -675,6 +712,9 @@ class Store:
                     ) from exc
                 self.busy_retries += 1
                 time.sleep(min(left, next(delays)))
+            except (OverflowError, UnicodeEncodeError) as exc:  # the driver could not bind a value
+                raise StoreWriteError(f"cannot write to {_where(self.engine.url)}: a value no column can hold "
+                                      f"({type(exc).__name__}); nothing of this write was stored") from None
 
     def _raise_if_damaged(self, exc: DBAPIError) -> None:
         """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is damaged."""
@@ -768,6 +808,13 @@ class Store:
                  "settings": r.settings} for r in rows])
 
     @staticmethod
+    def _insert_settings_changes(conn: Connection, rows: Sequence[SettingsChangeRow], ids: dict[str, int]) -> None:
+        if rows:
+            conn.execute(insert(SettingsChange), [
+                {"replica_id": ids[r.replica], "t_ms": r.t_ms, "who": r.who, "old": r.old, "new": r.new,
+                 "result": r.result, "message": r.message, "version": r.version} for r in rows])
+
+    @staticmethod
     def _touch_last_seen(conn: Connection, rows: Sequence[SampleRow], ids: dict[str, int]) -> None:
         """Advance ``replicas.last_seen_ms`` to the newest healthy sample (never backwards)."""
         newest: dict[str, int] = {}
@@ -826,6 +873,27 @@ def _reason(exc: Exception, url: URL) -> str:
     return text or type(exc).__name__
 
 
+_SQLITE_FULL = 13  # SQLite's primary result code for "database or disk is full"
+_PG_DISK_FULL = "53100"  # PostgreSQL's SQLSTATE disk_full
+_FULL = "the database or its disk is full"
+
+
+def _write_failure(exc: DBAPIError) -> str:
+    """What failed, in words that hold no SQL and no row values (one line)."""
+    orig = exc.orig
+    code = getattr(orig, "sqlite_errorcode", None)
+    if code is not None:
+        if code & 0xFF == _SQLITE_FULL:
+            return _FULL
+        # SQLite's own words name a constraint or a condition, never a value.
+        return (str(orig).splitlines() or [type(orig).__name__])[0]
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate == _PG_DISK_FULL:
+        return _FULL
+    # PostgreSQL's messages may quote the value refused: its error class and code only.
+    return f"{type(orig).__name__} (SQLSTATE {sqlstate})" if sqlstate else type(orig).__name__
+
+
 def _is_retryable(exc: DBAPIError) -> bool:
     """SQLite's "database is locked" / "busy"; PostgreSQL's serialization failure and deadlock."""
     orig = exc.orig
@@ -841,6 +909,7 @@ def _replica_names(batch: Batch) -> set[str]:
     names.update(r.replica for r in batch.completions)
     names.update(batch.cursors)
     names.update(r.replica for r in batch.settings_seen)
+    names.update(r.replica for r in batch.settings_changes)
     return names
 
 
@@ -924,5 +993,7 @@ __all__ = [
     "StoreBusy",
     "StoreCorrupt",
     "StoreError",
+    "StoreFull",
     "StoreOpenError",
+    "StoreWriteError",
 ]

@@ -12,11 +12,25 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
-from controlplane.settings import POLICY_NAMES, Settings, describe_error, settings_from_cli
+from controlplane.settings import POLICY_NAMES, EngineSettings, Settings, describe_error, settings_from_cli
+from tailpilot.cli_common import (
+    GPU_BLOCKS,
+    POSITIVE,
+    SEED,
+    STEP_MODEL,
+    TENANTS,
+    TIME_SPAN,
+    TOKENS,
+    TRACE_PARSE_ERRORS,
+    FiniteFloatRange,
+    echo_json,
+    json_text,
+    unreadable_trace,
+)
 
 PREDICTED_POLICIES = ("sjf", "srpt", "tie")
 
@@ -28,16 +42,9 @@ COMPARE_METRICS = (
 
 
 def _load_trace(path: str | None, rate_scale: float | None, target_rate: float | None,
-                window: str | None, cap: int | None, tenants: int | None, seed: int):
+                span: tuple[float, float] | None, cap: int | None, tenants: int | None, seed: int):
     from sim import traces
 
-    span = None
-    if window:
-        try:
-            start, dur = (float(x) for x in window.split(":"))
-        except ValueError:
-            raise click.BadParameter(f"{window!r}: expected START:DURATION in seconds", param_hint="--window") from None
-        span = (start, dur)
     # --max-tokens-default is not passed through the commands' signatures: its callback keeps it in
     # the command's context (see ``trace_options``).
     ctx = click.get_current_context(silent=True)
@@ -81,6 +88,21 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
 
 _MAX_TOKENS_DEFAULT_KEY = "tailpilot.max_tokens_default"
 _RECORDING_KEY = "tailpilot.recording"
+
+
+def _engine_limit(name: str) -> click.IntRange:
+    """The range the settings document allows an engine limit (``EngineSettings``), so that the
+    option refuses what the document would, naming the option instead of ``engine.<name>``."""
+    from annotated_types import Ge, Le
+
+    low: int | None = None
+    high: int | None = None
+    for bound in EngineSettings.model_fields[name].metadata:
+        if isinstance(bound, Ge):
+            low = cast(int, bound.ge)  # an int field: its bounds are ints
+        elif isinstance(bound, Le):
+            high = cast(int, bound.le)
+    return click.IntRange(low, high)
 
 
 def _remember_max_tokens_default(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
@@ -128,6 +150,29 @@ def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     return label, result.metrics(), info
 
 
+def _call(task: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
+    fn, args = task
+    return fn(args)
+
+
+def _run_autopilot(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
+    """Replay with the autopilot choosing the settings (tuner.autopilot); ``info`` carries its
+    decisions. Same arguments as ``_run_one`` (the settings document is the starting point)."""
+    from tuner.autopilot import replay_with_autopilot
+
+    label, trace, settings_doc, config, _, _ = args
+    result, decisions = replay_with_autopilot(trace, Settings.model_validate(settings_doc), engine=config)
+    cpu = sum(d.cpu_s for d in decisions)
+    hours = max(result.sim_time_s - (min((r.arrival for r in trace), default=0.0)), 1e-9) / 3600.0
+    info = {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
+            "sim_time_s": result.sim_time_s, "requests": len(trace),
+            "autopilot": {"cpu_s": cpu, "cpu_s_per_decision": cpu / len(decisions) if decisions else None,
+                          "cpu_s_per_hour": cpu / hours, "final": result.settings.to_dict(),
+                          "decisions": [{"at": d.at, "choice": d.choice, "changed": d.changed, "reason": d.reason,
+                                         "requests": d.requests, "cpu_s": d.cpu_s} for d in decisions]}}
+    return label, result.metrics(), info
+
+
 def _stderr_console():
     from rich.console import Console
 
@@ -142,6 +187,8 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
         return settings_from_cli(policy, assignments, list(pins), engine)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         raise click.UsageError(describe_error(err)) from None
+    except RecursionError:  # a JSON value past Python's recursion limit
+        raise click.BadParameter("a value nested too deeply", param_hint="--set") from None
 
 
 # Option groups: what picks and shapes a trace, what sizes the simulated engine, and what only a
@@ -152,25 +199,27 @@ trace_options = [
                       "[&from=S&to=S]; default: the bundled Azure conv window."),
     click.option("--recording", expose_value=False, callback=_remember_recording, metavar="NAME",
                  help="Replay a recording of the cluster's own traffic (in $TAILPILOT_DB or ./tailpilot.db)."),
-    click.option("--rate-scale", type=float, help="Multiply the arrival rate by X."),
-    click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s."),
-    click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),
-    click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens."),
-    click.option("--max-tokens-default", type=click.IntRange(min=1), expose_value=False,
+    click.option("--rate-scale", type=POSITIVE, help="Multiply the arrival rate by X (> 0)."),
+    click.option("--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0)."),
+    click.option("--window", type=TIME_SPAN, metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),
+    click.option("--max-tokens-cap", "cap", type=TOKENS, metavar="N", help="Cap every request's output at N tokens."),
+    click.option("--max-tokens-default", type=TOKENS, expose_value=False,
                  callback=_remember_max_tokens_default, metavar="N",
                  help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
                       "[default: 4096]."),
-    click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants."),
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
+    click.option("--tenants", type=TENANTS, metavar="N", help="Assign N Zipf-distributed tenants."),
+    click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
 ]
 engine_options = [
-    click.option("--max-num-seqs", type=int,
+    click.option("--max-num-seqs", type=_engine_limit("max_num_seqs"),
                  help="Engine: max running sequences (default: vLLM's for the step model's GPU, A100 256, H100/H200 1,024)."),
-    click.option("--max-num-batched-tokens", type=int,
+    click.option("--max-num-batched-tokens", type=_engine_limit("max_num_batched_tokens"),
                  help="Engine: token budget per step (default: vLLM's for the step model's GPU, A100 2,048, H100/H200 8,192)."),
-    click.option("--long-prefill-token-threshold", type=int, help="Engine: max prefill chunk (0 = off)."),
-    click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000)."),
-    click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
+    click.option("--long-prefill-token-threshold", type=_engine_limit("long_prefill_token_threshold"),
+                 help="Engine: max prefill chunk (0 = off)."),
+    click.option("--num-gpu-blocks", type=GPU_BLOCKS, help="KV cache size in blocks of 16 tokens (default 25,000)."),
+    click.option("--step-model", type=STEP_MODEL, metavar="NAME",
+                 help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
 ]
 batch_options = [
     click.option("--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."),
@@ -225,18 +274,22 @@ def main() -> None:
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
 @click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
+@click.option("--autopilot", is_flag=True,
+              help="Let the autopilot choose γ while it replays (starting from --policy's settings); "
+                   "prints its decisions too.")
 @with_trace_options
-def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate, window, cap, tenants, seed,
-        num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
+def sim(policy, assignments, pins, as_json, autopilot, trace_path, rate_scale, target_rate, window, cap, tenants,
+        seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Replay a trace through the engine simulator under one policy and print its metrics."""
     settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), predictor)
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace))
-    _, metrics, info = _run_one((policy, trace, settings.to_dict(), config, not step_by_step, show))
+    run = _run_autopilot if autopilot else _run_one
+    _, metrics, info = run((policy, trace, settings.to_dict(), config, not step_by_step, show))
     if as_json:
-        click.echo(json.dumps({"trace": trace.name, "settings": settings.to_dict(), "metrics": metrics,
-                               "run": info}, indent=2, default=float))
+        echo_json({"trace": trace.name, "settings": settings.to_dict(), "metrics": metrics, "run": info},
+                  default=float)
         return
     from rich.table import Table
 
@@ -252,6 +305,24 @@ def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate,
     _console().print(table)
     click.echo(f"simulated {info['sim_time_s']:.1f} s in {info['wall_s']:.2f} s wall "
                f"({info['steps']} steps in {info['iterations']} events)")
+    if autopilot:
+        _print_decisions(info["autopilot"])
+
+
+def _print_decisions(pilot: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="autopilot decisions (changes only)")
+    for column in ("t (s)", "choice", "why"):
+        table.add_column(column)
+    for d in pilot["decisions"]:
+        if d["changed"]:
+            table.add_row(f"{d['at']:.0f}", d["choice"], d["reason"])
+    _console().print(table)
+    per = pilot["cpu_s_per_decision"]
+    click.echo(f"{len(pilot['decisions'])} decisions, {sum(d['changed'] for d in pilot['decisions'])} changes; "
+               f"controller CPU {pilot['cpu_s']:.1f} s ({per or 0:.3f} s per decision, "
+               f"{pilot['cpu_s_per_hour']:.1f} s per hour of traffic)")
 
 
 @main.command()
@@ -261,11 +332,12 @@ def sim(policy, assignments, pins, as_json, trace_path, rate_scale, target_rate,
               help="Policy the others are compared against (added to --policies if missing, with a note).")
 @click.option("--set", "assignments", multiple=True, metavar="POLICY.NAME=VALUE",
               help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).")
-@click.option("--jobs", type=int, default=1, show_default=True, help="Policies simulated in parallel.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Policies simulated in parallel.")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
+@click.option("--autopilot", is_flag=True, help="Add a column: the autopilot choosing γ (from uniboost's defaults).")
 @with_trace_options
-def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_scale, target_rate, window, cap,
-            tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
+def compare(policies, baseline, assignments, jobs, as_json, autopilot, trace_path, rate_scale, target_rate, window,
+            cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Run several policies on one trace; print each one's metrics and % change vs the baseline
     (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
     from controlplane.metrics import percent_change
@@ -287,21 +359,26 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace)) and jobs == 1
-    tasks = [(n, trace, docs[n], config, not step_by_step, show) for n in names]
+    tasks = [(_run_one, (n, trace, docs[n], config, not step_by_step, show)) for n in names]
+    if autopilot:
+        start = _settings_or_exit("uniboost", per_policy.get("uniboost", []), (), _engine_dict(engine, step_model))
+        names.append("autopilot")
+        tasks.append((_run_autopilot, ("autopilot", trace, start.to_dict(), config, not step_by_step, False)))
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            results = list(pool.map(_run_one, tasks))
+        # No more processes than policies: a large --jobs must not fork that many interpreters.
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+            results = list(pool.map(_call, tasks))
     else:
-        results = [_run_one(t) for t in tasks]
+        results = [_call(t) for t in tasks]
     metrics = {label: m for label, m, _ in results}
     info = {label: i for label, _, i in results}
     base = metrics[baseline]
     changes = {n: {k: percent_change(metrics[n][k], base[k], k) for k in COMPARE_METRICS} for n in names}
-    if as_json:
-        click.echo(json.dumps({"trace": trace.name, "requests": len(trace), "baseline": baseline,
-                               "metrics": metrics, "change_pct": changes, "runs": info}, indent=2, default=float))
+    if as_json:  # an undefined change (against a zero baseline) is null
+        echo_json({"trace": trace.name, "requests": len(trace), "baseline": baseline, "metrics": metrics,
+                   "change_pct": changes, "runs": info}, default=float)
         return
     from rich.table import Table
 
@@ -324,9 +401,9 @@ def compare(policies, baseline, assignments, jobs, as_json, trace_path, rate_sca
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default="slofq", show_default=True,
               help="The replicas' policy (slofq takes the governance block's tenants as its parameters).")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
-@click.option("--target", type=click.FloatRange(0, 1, min_open=True), default=0.99, show_default=True,
+@click.option("--target", type=FiniteFloatRange(0, 1, min_open=True), default=0.99, show_default=True,
               help="The mean per-window SCR to keep.")
-@click.option("--window-s", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--window-s", type=FiniteFloatRange(min=1), default=60.0, show_default=True,
               help="Judge SCR per window of this many seconds of arrivals.")
 @click.option("--max-replicas", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -347,7 +424,10 @@ def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, 
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     plan = plan_capacity(trace, params, settings, _engine_config(num_gpu_blocks, step_model), target=target,
                          window_s=window_s, max_replicas=max_replicas)
-    click.echo(json.dumps(plan, indent=2, default=float) if as_json else format_plan(plan))
+    if as_json:
+        echo_json(plan, default=float)
+    else:
+        click.echo(format_plan(plan))
     if plan["replicas"] is None:
         sys.exit(1)
 
@@ -355,7 +435,8 @@ def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, 
 @main.command()
 @click.option("--replicas", "-n", type=click.IntRange(1, 4096), default=2, show_default=True,
               help="Number of simulated replicas (twin-0, twin-1, ...).")
-@click.option("--speed", type=float, default=1.0, show_default=True, help="Replica clock speed (10 = ten simulated seconds per wall second).")
+@click.option("--speed", type=POSITIVE, default=1.0, show_default=True,
+              help="Replica clock speed (10 = ten simulated seconds per wall second).")
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
               help="Start-up policy (sarathi = vLLM's own behaviour, as a plugin without a settings file).")
 @click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
@@ -379,8 +460,6 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
 
     from tuner.twin import start_twins
 
-    if not speed > 0:
-        raise click.BadParameter("must be > 0", param_hint="--speed")
     if port and port + replicas - 1 > 65535:
         raise click.BadParameter(f"ports {port}..{port + replicas - 1} exceed 65535", param_hint="--port")
     settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), "history")
@@ -419,13 +498,15 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
     click.echo("stopped.")
 
 
-def _load_trace_or_exit(*args):
+def _load_trace_or_exit(path: str | None, *args):
     from sim.traces import TraceError
 
     try:
-        return _load_trace(*args)
+        return _load_trace(path, *args)
     except TraceError as err:
         raise click.UsageError(str(err)) from None
+    except TRACE_PARSE_ERRORS as err:
+        raise unreadable_trace(path, err) from None
 
 
 def _show_progress(flag: bool | None, n: int) -> bool:
@@ -454,7 +535,7 @@ def schema(out):
     what the plugin and the twins send and the collector reads (controlplane/contract.py)."""
     from controlplane.contract import json_schema
 
-    text = json.dumps(json_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    text = json_text(json_schema(), sort_keys=True, ensure_ascii=False) + "\n"
     if out:
         Path(out).write_text(text, encoding="utf-8")
     else:

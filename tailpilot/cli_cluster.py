@@ -7,14 +7,14 @@
 
 Everything here is a thin layer over the library (``controlplane.collector``,
 ``controlplane.recorder``, ``tuner.twin``, ``storage``), so what the CLI prints is reachable from
-Python too. Exit status: 0 on success, 1 when a replica refused or could not be reached, 2 for
-bad input (click's usage errors).
+Python too. Exit status: 0 on success, 1 when a replica refused or could not be reached or a
+command did not do what was asked (``set --preview`` not confirmed), 2 for bad input (click's usage
+errors: an unknown cluster, replica or database file, a value out of range).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import sys
@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+from tailpilot.cli_common import POSITIVE, TRACE_PARSE_ERRORS, FiniteFloatRange, echo_json, unreadable_trace
 
 DB_ENV = "TAILPILOT_DB"  # default database URL when --db is not given
 
@@ -51,13 +52,48 @@ def load_cluster(cluster_file: str, cluster_name: str | None):
         raise click.BadParameter(str(err.args[0]), param_hint="--cluster-name") from None
 
 
-def open_store(db: str | None):
+def open_store(db: str | None, *, must_exist: bool = False):
+    """The store at ``db`` (default ``$TAILPILOT_DB`` or ./tailpilot.db). ``must_exist``: the command
+    only reads, so a SQLite file that does not exist is a usage error naming --db and the path
+    (opening it would create an empty database) instead of a new, empty store."""
     from storage.store import Store, StoreOpenError
 
+    url = db or os.environ.get(DB_ENV)
+    if must_exist:
+        require_database(url, "--db")
     try:
-        return Store.open(db or os.environ.get(DB_ENV))
+        return Store.open(url)
     except StoreOpenError as err:
         raise click.UsageError(str(err)) from None
+
+
+def require_database(url: str | None, option: str) -> None:
+    """BadParameter on ``option`` naming the path when ``url`` is a SQLite file that does not exist
+    (``storage.engine.require_existing``): what a command that only reads checks before opening."""
+    from storage.engine import DatabaseMissing, require_existing
+
+    try:
+        require_existing(url)
+    except DatabaseMissing as err:
+        hint = f" (give {option} URL or set ${DB_ENV})" if option == "--db" else ""
+        raise click.BadParameter(f"{err}{hint}", param_hint=option) from None
+
+
+def known_cluster(store, cluster_name: str) -> None:
+    """BadParameter on --cluster-name unless the store has recorded ``cluster_name``; it lists the
+    clusters the store knows (or says it knows none)."""
+    from storage.engine import is_sqlite, redact
+
+    known = store.clusters()
+    if cluster_name in known:
+        return
+    url = store.engine.url
+    where = url.database if is_sqlite(url) else redact(url)
+    if not known:
+        raise click.BadParameter(f"no cluster {cluster_name!r}: {where} has no cluster recorded "
+                                 "(tailpilot record --cluster FILE records one)", param_hint="--cluster-name")
+    shown = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
+    raise click.BadParameter(f"no cluster {cluster_name!r} in {where} (known: {shown})", param_hint="--cluster-name")
 
 
 def _unhealthy_row(name: str, reason: str | None):
@@ -97,7 +133,7 @@ def status(cluster_file, cluster_name, as_json):
         for rep in doc["replicas"]:
             rep["pinned"] = pinned.get(rep["replica"], [])
         doc["governance"] = snap.governance
-        click.echo(json.dumps(doc, indent=2, default=str))
+        echo_json(doc, default=str)
     else:
         from controlplane.views import wide_console
 
@@ -142,13 +178,13 @@ def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[s
 @click.option("--unpin", "unpins", multiple=True, metavar="NAME", help="Unpin a parameter.")
 @click.option("--db", metavar="URL", help=f"Database for the audit log (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--who", default=None, help="Name in the audit log (default: $USER).")
-@click.option("--wait", "wait_s", type=click.FloatRange(0, 300), default=5.0, show_default=True,
+@click.option("--wait", "wait_s", type=FiniteFloatRange(0, 300), default=5.0, show_default=True,
               metavar="SECONDS", help="How long to wait for each replica to run the new settings.")
 @click.option("--preview", is_flag=True,
               help="First predict the change on each replica's last --minutes of recorded traffic (replayed "
                    "warm, current vs proposed settings), show it with the simulator's error band on that "
                    "replica, and ask before applying; the prediction is kept for `tailpilot verify`.")
-@click.option("--minutes", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+@click.option("--minutes", type=FiniteFloatRange(0.5, 7 * 24 * 60), default=10.0, show_default=True,
               help="--preview: minutes of recorded traffic to predict on (and to verify on afterwards).")
 @click.option("--yes", is_flag=True, help="--preview: apply without asking.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
@@ -158,7 +194,8 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
 
     Exit status 0 when every replica runs the new settings, 3 when all accepted them but some have
     not applied them yet (staged: a replica applies a document at its next scheduling step), 1 when
-    any refused them or could not be reached."""
+    any refused them or could not be reached, or nothing was applied (--preview without a
+    prediction, or not confirmed)."""
     from controlplane.collector import apply_settings
 
     if bool(replicas) == all_replicas:
@@ -169,6 +206,8 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
         change = build_change(policy, assignments, pins, unpins)
     except ValueError as err:
         raise click.UsageError(describe_error(err)) from None
+    except RecursionError:  # a JSON value past Python's recursion limit
+        raise click.BadParameter("a value nested too deeply", param_hint="--set") from None
     cluster = load_cluster(cluster_file, cluster_name)
     for name in replicas:
         try:
@@ -181,15 +220,14 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
         predictions = {}
         if preview:
             predictions = _preview(cluster, names, change, store, minutes, as_json)
-            if not predictions:
-                sys.exit(1)
+            if not predictions:  # each replica's reason is on stderr above
+                raise click.ClickException("not applied: no replica could be previewed")
+            # Not applied is not what was asked: exit 1 (ClickException), never 0.
             if not yes:
                 if not sys.stdin.isatty():
-                    click.echo("not applied: confirm on a terminal, or give --yes", err=True)
-                    return
+                    raise click.ClickException("not applied: confirm on a terminal, or give --yes")
                 if not click.confirm("apply these settings?", default=False):
-                    click.echo("not applied", err=True)
-                    return
+                    raise click.ClickException("not applied: declined at the prompt")
         applied_ms = int(time.time() * 1000)
         results = asyncio.run(apply_settings(cluster, names, change, store,
                                              who or os.environ.get("USER") or "cli", wait_s=wait_s))
@@ -200,11 +238,10 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps([{"replica": r.replica, "result": r.result, "message": r.message,
-                                "version": r.version, "settings": r.new,
-                                "restart_required": r.restart_required,
-                                **({"prediction": predictions[r.replica]} if r.replica in predictions else {})}
-                               for r in results], indent=2))
+        echo_json([{"replica": r.replica, "result": r.result, "message": r.message, "version": r.version,
+                    "settings": r.new, "restart_required": r.restart_required,
+                    **({"prediction": predictions[r.replica]} if r.replica in predictions else {})}
+                   for r in results])
     else:
         colour = {"applied": {"fg": "green"}, "staged": {"fg": "yellow"}}
         for r in results:
@@ -267,7 +304,12 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
     from tuner.whatif import verify as run_verify
 
     cluster = load_cluster(cluster_file, cluster_name)
-    store = open_store(db)
+    for name in replicas:
+        try:
+            cluster.replica(name)
+        except KeyError as err:
+            raise click.BadParameter(str(err.args[0]), param_hint="--replica") from None
+    store = open_store(db, must_exist=True)  # it only reads: a mistyped path creates nothing
     try:
         kept = [p for p in store.predictions(cluster.name) if not replicas or p["replica"] in replicas]
         now_ms = int(time.time() * 1000)
@@ -275,7 +317,7 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(out, indent=2))
+        echo_json(out)
         return
     if not out:
         click.echo("no change was applied with a prediction (tailpilot set --preview)")
@@ -288,7 +330,8 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
 @with_cluster_options
 @click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--name", "recording_name", metavar="NAME", help="Also mark the run as a named recording.")
-@click.option("--raw-hours", type=float, help="Retention: keep raw samples this many hours, then 1-minute rollups.")
+@click.option("--raw-hours", type=FiniteFloatRange(0, 10 * 365 * 24, min_open=True),
+              help="Retention: keep raw samples this many hours, then 1-minute rollups.")
 @click.option("--govern", is_flag=True, help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.")
 @click.option("--arm", is_flag=True, help="With --govern: arm the governor (it applies its modes).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="PORT",
@@ -322,7 +365,7 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, ar
             raise
         raise click.ClickException(f"cannot serve /metrics on {metrics_host}:{metrics_port}: "
                                    f"{err.strerror or err}") from None
-    click.echo(json.dumps(stats.as_dict(), default=str))
+    echo_json(stats.as_dict(), default=str, indent=None)
 
 
 @click.command()
@@ -333,9 +376,12 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, ar
 @click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
 def governor(action, cluster_name, db, who, as_json):
     """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
-    dry-run, disarm, pause, resume."""
-    store = open_store(db)
+    dry-run, disarm, pause, resume. The cluster must be one the database has recorded, and the
+    database must exist: a mistyped name or path is an error (exit 2), never a new control row or
+    a new, empty database."""
+    store = open_store(db, must_exist=True)
     try:
+        known_cluster(store, cluster_name)
         who = who or f"cli:{os.environ.get('USER', 'unknown')}"
         from controlplane.governor import CONTROL_ACTIONS
 
@@ -344,7 +390,7 @@ def governor(action, cluster_name, db, who, as_json):
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(row, default=str))
+        echo_json(row, default=str, indent=None)
     else:
         from controlplane.governor import modes_text
 
@@ -367,18 +413,23 @@ def governor(action, cluster_name, db, who, as_json):
               help="Optuna storage for the tuner panel (5): URL or SQLite path; default ./tailpilot-optuna.db if it exists.")
 def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
     """The operator TUI: live cluster view, policy switching and pinning, replay."""
+    from storage.engine import DatabaseMissing
     from storage.store import StoreOpenError
     from tui import run_tui
     from tui.sources import ReplayError
 
     if not cluster_file and not replay:
         raise click.UsageError("give --cluster FILE (live) or --replay FILE (a recording)")
+    if replay is not None:  # a replay only reads: a mistyped path must not become an empty database
+        require_database(replay, "--replay")
     cluster = load_cluster(cluster_file, cluster_name) if cluster_file else None
     try:
         run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name,
                 optuna_storage=optuna_storage)
     except (ReplayError, StoreOpenError) as err:
         raise click.UsageError(str(err)) from None
+    except DatabaseMissing as err:  # removed since the check above
+        raise click.BadParameter(str(err), param_hint="--replay") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,16 +437,16 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
 @click.option("--replicas", "n", type=click.IntRange(1, 256), default=4, show_default=True,
               help="Twin replicas to start.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Trace to replay (default: the bundled Azure conv window).")
-@click.option("--speed", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+@click.option("--speed", type=FiniteFloatRange(min=0.01), default=1.0, show_default=True,
               help="Replica clock speed (2 = twice real time).")
-@click.option("--rate-scale", type=click.FloatRange(min=0.01), default=None,
+@click.option("--rate-scale", type=FiniteFloatRange(min=0.01), default=None,
               help="Multiply the trace's arrival rate (default 1.5 × replicas: every replica queues).")
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default=None,
               help="Start every replica on this policy [default: side by side — sarathi (vLLM's default), "
                    "uniboost, tie, vtc, round-robin].")
 @click.option("--db", default="tailpilot-demo.db", show_default=True, metavar="URL",
               help="Where the demo records (a SQLite path or URL).")
-@click.option("--duration", type=float, help="Stop after this many seconds (default: until q / Ctrl-C).")
+@click.option("--duration", type=POSITIVE, help="Stop after this many seconds (default: until q / Ctrl-C).")
 @click.option("--no-tui", is_flag=True, help="Print a status table instead of opening the TUI.")
 def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     """Start twin replicas on a trace, record them into SQLite and show them live."""
@@ -407,6 +458,8 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
         trace = traces.load_bundled() if trace_path is None else traces.load_trace(trace_path)
     except traces.TraceError as err:
         raise click.UsageError(str(err)) from None
+    except TRACE_PARSE_ERRORS as err:
+        raise unreadable_trace(trace_path, err) from None
     if len({r.tenant for r in trace}) == 1:  # three Zipf tenants, so the fairness views have something to show
         trace = traces.assign_tenants_zipf(trace, 3, seed=0)
     token_env = "TAILPILOT_DEMO_TOKEN"

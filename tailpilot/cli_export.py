@@ -15,34 +15,13 @@ errors: an invalid settings file, an unknown study or replica, conflicting optio
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
-from tailpilot.cli_cluster import DB_ENV
-
-
-def _open_existing_store(db: str | None):
-    """Open the store at ``db`` (default ``$TAILPILOT_DB`` or ./tailpilot.db) for reading; a SQLite
-    file that does not exist is an error rather than a new, empty store."""
-    from storage.engine import normalize_url, redact
-    from storage.store import Store, StoreOpenError
-
-    raw = db or os.environ.get(DB_ENV)
-    try:
-        url = normalize_url(raw)
-    except Exception:
-        raise click.UsageError(f"not a database URL: {redact(raw)}") from None
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
-            and not Path(url.database).exists():
-        raise click.UsageError(f"no tailpilot store at {url.database} (give --db URL or set ${DB_ENV})")
-    try:
-        return Store.open(raw)
-    except StoreOpenError as err:
-        raise click.UsageError(str(err)) from None
+from tailpilot.cli_cluster import DB_ENV, open_store
+from tailpilot.cli_common import POSITIVE, FiniteFloatRange, echo_json
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +101,7 @@ def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, o
             settings = load_settings_file(settings_file)
             source = f"file {Path(settings_file).name}"
         else:
-            store = _open_existing_store(db)
+            store = open_store(db, must_exist=True)
             try:
                 settings, rec = settings_from_study(store, study, storage=storage, db=db)
             finally:
@@ -130,6 +109,8 @@ def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, o
             source = f"study {study}, recommendation #{rec.id}"
     except ExportError as err:
         raise click.UsageError(str(err)) from None
+    except RecursionError:  # JSON nested past Python's recursion limit (controlplane.export lets it through)
+        raise click.UsageError(f"{settings_file or study}: not JSON: nested too deeply") from None
     if fmt == "helm":
         _check_interval(interval)
     options = ExportOptions(model=model, scheduler=scheduler, settings_path=settings_path, name=name,
@@ -214,11 +195,11 @@ def _export_monitoring(cluster_file, cluster_name, fmt, out, namespace, interval
               help="Name of the coefficient set to save (default calibrated/<replica>).")
 @click.option("--min-steps", type=click.IntRange(5), default=50, show_default=True,
               help="Refuse to fit fewer usable steps than this.")
-@click.option("--holdout", type=click.FloatRange(0, 0.5), default=0.2, show_default=True,
+@click.option("--holdout", type=FiniteFloatRange(0, 0.5), default=0.2, show_default=True,
               help="Fraction of steps held out to measure the error on unseen steps.")
 @click.option("--base", metavar="SETNAME",
               help="Keep this set's values for terms the log cannot determine (default: refuse such a log).")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per HTTP request.")
+@click.option("--timeout", type=POSITIVE, default=10.0, show_default=True, help="Seconds per HTTP request.")
 @click.option("--save/--no-save", default=True, show_default=True, help="Save the set where --step-model finds it.")
 @click.option("--overwrite/--no-overwrite", default=True, show_default=True,
               help="Replace a saved set of the same name.")
@@ -258,7 +239,7 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
         raise click.BadParameter(f"{set_name!r} is a built-in coefficient set; choose another name",
                                  param_hint="--name")
     if not url:
-        store = _open_existing_store(db)
+        store = open_store(db, must_exist=True)
         try:
             cluster, control_url = replica_control_url(store, replica, cluster_name)
         except CalibrationError as err:
@@ -291,7 +272,7 @@ def calibrate(db, replica, cluster_name, url, set_name, min_steps, holdout, base
         except (ValueError, OSError) as err:
             raise click.ClickException(f"cannot save {name!r}: {err}") from None
     if as_json:
-        click.echo(json.dumps({**result.as_dict(), "saved_to": saved}, indent=2, default=float))
+        echo_json({**result.as_dict(), "saved_to": saved}, default=float)
     else:
         click.echo(format_report(result, saved))
     sys.stdout.flush()

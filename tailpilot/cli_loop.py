@@ -8,13 +8,12 @@ replica, recording or settings record).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
-from tailpilot.cli_cluster import DB_ENV
-from tailpilot.cli_export import _open_existing_store
+from tailpilot.cli_cluster import DB_ENV, open_store
+from tailpilot.cli_common import STEP_MODEL, FiniteFloatRange, echo_json
 
 
 @click.command()
@@ -22,12 +21,12 @@ from tailpilot.cli_export import _open_existing_store
 @click.option("--replica", required=True, metavar="NAME", help="The replica to check.")
 @click.option("--cluster-name", metavar="NAME", help="Its cluster (needed when the name is in several).")
 @click.option("--recording", metavar="NAME", help="The recorded span to replay (default: everything stored).")
-@click.option("--from", "start_s", type=click.FloatRange(min=0), metavar="S",
+@click.option("--from", "start_s", type=FiniteFloatRange(min=0), metavar="S",
               help="Seconds from the span's first arrival to start at.")
-@click.option("--to", "end_s", type=click.FloatRange(min=0), metavar="S", help="... and to stop at.")
-@click.option("--window-s", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--to", "end_s", type=FiniteFloatRange(min=0), metavar="S", help="... and to stop at.")
+@click.option("--window-s", type=FiniteFloatRange(min=1), default=60.0, show_default=True,
               help="Compare per window of this many seconds of arrivals.")
-@click.option("--step-model", metavar="SETNAME",
+@click.option("--step-model", type=STEP_MODEL, metavar="SETNAME",
               help="Step-time model (default: calibrated/<replica> if `tailpilot calibrate` saved one).")
 @click.option("--live/--no-live", default=True, show_default=True,
               help="Read the replica's block size and KV blocks from its control API if it answers.")
@@ -39,18 +38,12 @@ def fidelity(db, replica, cluster_name, recording, start_s, end_s, window_s, ste
     compare with what it really did: per window sim vs real P50/P99 TTFT and TTLT, throughput and
     preemptions with their errors; how differently the two ordered the same requests; the windows
     where they diverge most; and the error band to expect from the simulator on this replica."""
-    from sim.stepmodel import get_model
     from storage.strict_json import finite
     from tuner.calibrate import CalibrationError, ReplicaUnreachable, fetch_engine_facts, replica_control_url
     from tuner.fidelity import FidelityError, format_report
     from tuner.fidelity import fidelity as run_fidelity
 
-    if step_model is not None:
-        try:
-            get_model(step_model)
-        except ValueError as err:
-            raise click.BadParameter(str(err), param_hint="--step-model") from None
-    store = _open_existing_store(db)
+    store = open_store(db, must_exist=True)
     try:
         facts = None
         if live:
@@ -71,7 +64,7 @@ def fidelity(db, replica, cluster_name, recording, start_s, end_s, window_s, ste
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        echo_json(report)
     else:
         click.echo(format_report(report))
     sys.stdout.flush()

@@ -24,6 +24,18 @@ import click
 from click.core import ParameterSource
 
 from tailpilot.cli_cluster import DB_ENV
+from tailpilot.cli_common import (
+    GPU_BLOCKS,
+    NON_NEGATIVE,
+    POSITIVE,
+    SEED,
+    STEP_MODEL,
+    TENANTS,
+    TIME_SPAN,
+    TOKENS,
+    FiniteFloatRange,
+    echo_json,
+)
 from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
@@ -71,13 +83,21 @@ def _spec_value(param: str, value: Any) -> Any:
                 if n not in POLICY_NAMES:
                     raise ValueError(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})")
             return names
-        if param in ("objectives", "constraints", "ranges"):
+        if param == "ranges":  # parsed now, so a malformed span never becomes a study's definition
+            from tuner.search import parse_range
+
+            for item in value:
+                parse_range(item)
+            return list(value)
+        if param in ("objectives", "constraints"):
             return list(value)
         if param == "production":
             try:
                 doc = json.loads(Path(value).read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError) as err:
                 raise ValueError(f"{value}: {err}") from None
+            except RecursionError:  # JSON nested past Python's recursion limit
+                raise ValueError(f"{value}: not JSON: nested too deeply") from None
             try:
                 return Settings.model_validate(doc).to_dict()
             except ValueError as err:
@@ -95,9 +115,8 @@ def _spec_value(param: str, value: Any) -> Any:
                     raise ValueError(f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)")
                 out.append((str(Path(path).resolve()), float(frac)))
             return out
-        if param == "window":
-            start, dur = (float(x) for x in value.split(":"))
-            return (start, dur)
+        if param == "window":  # already (start, duration): TIME_SPAN converted it
+            return tuple(value)
         if param == "slo":
             slo: dict[str, float] = {}
             for item in value:
@@ -107,10 +126,13 @@ def _spec_value(param: str, value: Any) -> Any:
                 slo[fam.strip()] = float(secs)
             return slo
         if param == "fix":
-            return dict(parse_assignment(item) for item in value)
+            try:
+                return dict(parse_assignment(item) for item in value)
+            except RecursionError:  # a JSON value past Python's recursion limit
+                raise ValueError("a value nested too deeply") from None
         if param == "search_params":
             return _split(value) or None
-        if param == "step_model":
+        if param == "step_model":  # a known name: STEP_MODEL checked it
             from sim.stepmodel import get_model
 
             return get_model(value).as_dict()
@@ -118,7 +140,7 @@ def _spec_value(param: str, value: Any) -> Any:
             return not value
         return value
     except ValueError as err:
-        raise click.BadParameter(str(err), param_hint=flag) from None
+        raise click.BadParameter(str(err).removeprefix(f"{flag} "), param_hint=flag) from None  # named once
 
 
 def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
@@ -181,9 +203,10 @@ def _progress_bar(show: bool):
 @click.option("--study", "study_name", required=True, metavar="NAME", help="Study name (created, joined or resumed).")
 @click.option("--storage", metavar="URL", help="Optuna storage: RDB URL (postgresql://... for many machines) or SQLite path "
               "[default: ./tailpilot-optuna.db].")
-@click.option("--trials", type=int, default=100, show_default=True,
+@click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True,
               help="Complete trials the study should hold in total (a resumed study continues up to this).")
-@click.option("--workers", type=int, default=1, show_default=True, help="Local worker processes on the same storage.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local worker processes on the same storage.")
 @click.option("--policy", "policies", metavar="NAME[,NAME]", help="Policy (or policies) to tune; needed to create a study.")
 @click.option("--objective", "objectives", multiple=True, metavar="METRIC",
               help="Metric to optimise (repeatable; several → NSGA-II Pareto front), e.g. ttlt_p99.")
@@ -198,30 +221,33 @@ def _progress_bar(show: bool):
               help="Tune on a recording of the cluster's own traffic in --db (the same as --trace db:DB#recording=NAME).")
 @click.option("--mix", multiple=True, metavar="FILE=FRACTION",
               help="Mix FRACTION of requests from FILE (e.g. the ServeGen reasoning PMF) into each trace (repeatable).")
-@click.option("--window", metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds first.")
-@click.option("--rate-scale", type=float, help="Multiply the arrival rate by X.")
-@click.option("--target-rate", type=float, help="Rescale arrivals to this many requests/s.")
-@click.option("--max-tokens-cap", "cap", type=int, help="Cap every request's output at N tokens.")
-@click.option("--max-tokens-default", type=click.IntRange(min=1), metavar="N",
+@click.option("--window", type=TIME_SPAN, metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds first.")
+@click.option("--rate-scale", type=POSITIVE, help="Multiply the arrival rate by X (> 0).")
+@click.option("--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0).")
+@click.option("--max-tokens-cap", "cap", type=TOKENS, metavar="N", help="Cap every request's output at N tokens.")
+@click.option("--max-tokens-default", type=TOKENS, metavar="N",
               help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
                    "[default: 4096].")
-@click.option("--tenants", type=int, help="Assign N Zipf-distributed tenants.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
-@click.option("--window-s", type=float, default=120.0, show_default=True, help="Window length in seconds.")
-@click.option("--warmup-s", type=float, default=120.0, show_default=True,
+@click.option("--tenants", type=TENANTS, metavar="N", help="Assign N Zipf-distributed tenants.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
+@click.option("--window-s", type=POSITIVE, default=120.0, show_default=True, help="Window length in seconds.")
+@click.option("--warmup-s", type=NON_NEGATIVE, default=120.0, show_default=True,
               help="Seconds of arrivals replayed before each window and not measured (0: windows start empty).")
-@click.option("--windows", type=int, help="Search windows per trial (K) [default: all, up to 12].")
-@click.option("--holdout", type=float, default=0.25, show_default=True, help="Fraction of windows held out for validation.")
+@click.option("--windows", type=click.IntRange(min=1), help="Search windows per trial (K) [default: all, up to 12].")
+@click.option("--holdout", type=FiniteFloatRange(0, 1, min_open=True, max_open=True), default=0.25, show_default=True,
+              help="Fraction of windows held out for validation.")
 @click.option("--slo", multiple=True, metavar="FAMILY=SECONDS", help="SLO for *_slo_* metrics, e.g. ttlt=20 (repeatable).")
 @click.option("--range", "ranges", multiple=True, metavar="NAME=LO:HI[:log]", help="Override a parameter's search span.")
 @click.option("--fix", multiple=True, metavar="NAME=VALUE", help="Fix a parameter instead of searching it.")
 @click.option("--search", "search_params", metavar="NAME[,NAME]", help="Search only these parameters.")
 @click.option("--engine/--no-engine", "tune_engine", default=True, show_default=True,
               help="Also search max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold.")
-@click.option("--num-gpu-blocks", type=int, help="KV cache size in blocks of 16 tokens (default 25,000).")
-@click.option("--step-model", help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
+@click.option("--num-gpu-blocks", type=GPU_BLOCKS, help="KV cache size in blocks of 16 tokens (default 25,000).")
+@click.option("--step-model", type=STEP_MODEL, metavar="NAME",
+              help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
 @click.option("--no-pruner", is_flag=True, help="Run every window of every trial (no WilcoxonPruner).")
-@click.option("--population", type=int, default=20, show_default=True, help="NSGA-II population (several objectives).")
+@click.option("--population", type=click.IntRange(min=2), default=20, show_default=True,
+              help="NSGA-II population (several objectives).")
 @click.option("--db", metavar="URL", help=f"tailpilot's database (default ${DB_ENV}); the storage must differ from it.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
@@ -299,7 +325,7 @@ def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
     from tuner.recommend import jsonable
 
     if as_json:
-        click.echo(json.dumps(jsonable(asdict(outcome)), indent=2))
+        echo_json(jsonable(asdict(outcome)))
         return
     state = "interrupted" if outcome.interrupted else "done"
     click.echo(f"study {outcome.study}: {outcome.complete} of {outcome.requested} trials complete ({state})")
@@ -345,7 +371,7 @@ def recommend(study_name, storage, db, no_store, as_json):
         finally:
             store.close()
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary)
         return
     _print_recommendation(summary)
 

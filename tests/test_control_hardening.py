@@ -212,6 +212,56 @@ def test_malformed_requests_get_a_json_4xx(api, raw, status):
     assert got == status and body["status"] == status and body["error"]
 
 
+def head_of(raw: bytes) -> dict[str, str]:
+    """The headers of the first response in ``raw``."""
+    lines = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+    return dict(line.split(": ", 1) for line in lines)
+
+
+@pytest.mark.parametrize("method", ["PUT", "GET"])
+@pytest.mark.parametrize("lengths", [("17", "200"), ("17", "17"), ("0", "17")])
+def test_repeated_content_length_is_400_and_the_rest_is_not_read_as_a_request(api, method, lengths):
+    core, server = api
+    body = b'{"policy": "las"}'  # 17 bytes, then a smuggled request
+    smuggled = f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    cls = "".join(f"Content-Length: {n}\r\n" for n in lengths)
+    raw = exchange(server, f"{method} {PREFIX}/settings HTTP/1.1\r\nHost: x\r\n{AUTH}{cls}\r\n".encode()
+                   + body + smuggled)
+    answers = responses(raw)
+    assert [s for s, _ in answers] == [400], answers  # one answer, then the connection is closed
+    assert "Content-Length: given 2 times" in answers[0][1]["error"]
+    assert head_of(raw)["Connection"] == "close"
+    assert core.version == 1
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
+def test_the_auth_scheme_is_case_insensitive(api, scheme):
+    core, server = api
+    status, answer = one(exchange(server, put_raw(b'{"policy": "las"}', headers=f"Authorization: {scheme} {TOKEN}\r\n")))
+    assert status == 200 and answer["version"] == 2 and core.settings.policy == "las"
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("POST", "/settings", "GET, PUT"), ("DELETE", "/settings", "GET, PUT"), ("PATCH", "/settings", "GET, PUT"),
+    ("POST", "/state", "GET"), ("PUT", "/state", "GET"), ("PUT", "/steps", "GET"), ("HEAD", "/health", "GET"),
+    ("OPTIONS", "/health", "GET"),
+])
+def test_405_names_the_method_and_the_allowed_ones(api, method, path, allowed):
+    _, server = api
+    raw = exchange(server, f"{method} {PREFIX}{path} HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n".encode())
+    assert raw.startswith(b"HTTP/1.1 405 ") and head_of(raw)["Allow"] == allowed
+    if method != "HEAD":  # a HEAD answer has no body
+        assert one(raw)[1]["error"] == f"method {method} not allowed on {PREFIX}{path}; allowed: {allowed}"
+
+
+def test_an_unknown_path_is_404_whatever_the_method(api):
+    _, server = api
+    for method in ("POST", "PUT", "DELETE"):
+        status, body = one(exchange(server, f"{method} /nope HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n"
+                                    .encode()))
+        assert status == 404 and "no such endpoint: /nope" in body["error"]
+
+
 @pytest.mark.parametrize("query, words", [
     ("cursor=", "cursor"), ("cursor=1&cursor=2", "2 times"), ("cursor=%D9%A3", "cursor"),  # Arabic-Indic 3
     ("cursor=-1", "cursor"), ("cursor=" + "9" * 30, "cursor"), ("limit=5", "unknown parameter"), ("&&", "query"),
@@ -314,7 +364,8 @@ def test_a_trickling_client_is_cut_off_at_the_request_deadline():
 
 def test_rate_limited_readers_get_429_with_retry_after():
     clock = FrozenClock()
-    core, server = serve(rate_per_connection=5, rate_total=8, clock=clock)
+    # No share kept for token holders here: tests/test_control_admission.py covers that.
+    core, server = serve(rate_per_connection=5, rate_total=8, token_reserve=0.0, clock=clock)
     try:
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as client:
             codes = [client.get("/health").status_code for _ in range(7)]
@@ -455,7 +506,7 @@ BODIES = st.one_of(
 
 @pytest.fixture(scope="module")
 def fuzz_api():
-    core, server = serve(rate_per_connection=1e9, rate_total=1e9)  # the fuzzer is not a rate test
+    core, server = serve(rate_per_connection=1e9, rate_total=1e9, rate_per_address=1e9)  # not a rate test
     yield core, server
     server.stop()
 
@@ -489,7 +540,8 @@ def test_large_answers_cost_more_of_the_rate_limit(api):
     core, _ = api
     finish_many(core, PAGE_LIMIT)
     clock = FrozenClock()
-    _, server = serve(core, rate_per_connection=20, rate_total=1000, clock=clock, bytes_per_token=16 * 1024)
+    _, server = serve(core, rate_per_connection=20, rate_total=1000, rate_per_address=1e9, clock=clock,
+                      bytes_per_token=16 * 1024)
     try:
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as client:
             # A full page (~200 KB) costs ~13 requests' worth: the second page is already refused.

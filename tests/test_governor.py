@@ -182,7 +182,11 @@ def test_real_figures_trigger_the_scr_mode(twins_governed):
 def test_the_governor_command_steers_the_control_row(tmp_path):
     from tailpilot.cli import main
 
+    from storage.store import Store
+
     db = str(tmp_path / "g.db")
+    with Store.open(db) as store:  # the governor steers only a cluster the database knows
+        store.ensure_replicas("c", [("r1", "http://127.0.0.1:1", "http://127.0.0.1:1")])
     run = CliRunner()
     assert "dry-run; active modes: none" in run.invoke(main, ["governor", "status", "--cluster-name", "c", "--db", db]).output
     run.invoke(main, ["governor", "arm", "--cluster-name", "c", "--db", db, "--who", "ops"])

@@ -7,6 +7,7 @@ Most tests run twice: on a SQLite file and on a real PostgreSQL server that the 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import signal
@@ -24,9 +25,10 @@ import postgres_support
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 from sqlalchemy import inspect, text
-from sqlalchemy.exc import IntegrityError
 
 from storage import (
     Batch,
@@ -38,6 +40,7 @@ from storage import (
     Store,
     StoreBusy,
     StoreOpenError,
+    StoreWriteError,
 )
 from storage.migrate import downgrade, head_revision, upgrade
 from storage.models import SAMPLE_GAUGES, Base
@@ -334,7 +337,7 @@ def test_cursor_commits_only_with_its_batch(store):
     store.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
 
     bad_completion = replace(completion("r1", 2), tenant=None)  # NOT NULL violated
-    with pytest.raises(IntegrityError):
+    with pytest.raises(StoreWriteError, match="nothing of this write was stored"):
         store.write("c", Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 3), bad_completion],
                                cursors={"r1": 3}))  # fmt: skip
     assert store.cursors("c") == {"r1": 1}
@@ -342,7 +345,7 @@ def test_cursor_commits_only_with_its_batch(store):
     assert [c.request_id for c in store.completions("c")] == ["req-1"]
 
     # The other way round: a cursor the schema refuses takes its batch's completions down with it.
-    with pytest.raises(IntegrityError):
+    with pytest.raises(StoreWriteError):
         store.write("c", Batch(completions=[completion("r1", 4)], cursors={"r1": -1}))
     assert [c.request_id for c in store.completions("c")] == ["req-1"]
     assert store.cursors("c") == {"r1": 1}
@@ -808,3 +811,74 @@ def test_governance_windows_and_alert_events_round_trip(store):
     assert [e["name"] for e in store.firing_alerts("c", at_ms=T0 + 2000)] == ["jfi", "scr"]
     assert [e["name"] for e in store.firing_alerts("c")] == ["jfi"]
     assert store.firing_alerts("c", at_ms=T0 - 1) == []
+
+
+# ---------------------------------------------------------------------------------- what the store holds
+
+def test_the_limits_are_the_columns_own():
+    """storage.limits states each column's range as the schema has it: Integer is PostgreSQL's
+    32-bit INTEGER, BigInteger its BIGINT, String(n) n characters; the models take their widths
+    from it, and every integer column a replica's values go to is listed with its range."""
+    from sqlalchemy import BigInteger, Integer
+
+    from storage import limits
+
+    tables = Base.metadata.tables
+    for ranges, kind in ((limits.INT32_COLUMNS, Integer), (limits.INT64_COLUMNS, BigInteger)):
+        for name, columns in ranges.items():
+            for col in columns:
+                assert type(tables[name].c[col].type) is kind, (name, col)
+    assert set(limits.INT32_COLUMNS["completions"]) == {
+        c.name for c in tables["completions"].c if type(c.type) is Integer and c.name != "replica_id"}
+    widths = {("completions", "request_id"): limits.REQUEST_ID_CHARS, ("completions", "tenant"): limits.TENANT_CHARS,
+              ("completions", "type"): limits.TYPE_CHARS, ("completions", "reason"): limits.REASON_CHARS,
+              ("samples", "policy"): limits.POLICY_CHARS, ("settings_seen", "instance"): limits.INSTANCE_CHARS,
+              ("collector_cursors", "instance"): limits.INSTANCE_CHARS}
+    for (name, col), width in widths.items():
+        assert tables[name].c[col].type.length == width
+    assert limits.INT32_RANGE == (-(2**31), 2**31 - 1) and limits.INT64_RANGE == (-(2**63), 2**63 - 1)
+    assert limits.MAX_GROUP_NAME_CHARS <= min(limits.TENANT_CHARS, limits.TYPE_CHARS)
+    assert limits.CURSOR_RANGE == (0, 2**63 - 1)
+
+
+def test_a_row_the_store_cannot_hold_is_a_one_line_error_without_its_values(store):
+    """A row that bypassed the fitting: the write fails whole, in one line naming the database,
+    with no SQL and no value (they may hold tenants' data), and what was stored before stays."""
+    store.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+    bad = replace(completion("r1", 2, tenant="tenant-secret"), prompt_tokens=2**64)
+    with pytest.raises(StoreWriteError) as err:
+        store.write("c", Batch(completions=[bad], cursors={"r1": 2}))
+    message = str(err.value)
+    assert "\n" not in message and "tenant-secret" not in message and "INSERT" not in message
+    assert str(2**64) not in message and "nothing of this write was stored" in message
+    assert store.cursors("c") == {"r1": 1} and len(store.completions("c")) == 1
+
+
+_ANY_INT = st.one_of(st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.just(2**31), st.just(2**63))
+_ANY_TEXT = st.one_of(st.text(max_size=8), st.text(st.characters(blacklist_categories=()), max_size=8),
+                      st.text(min_size=99, max_size=260), st.sampled_from(["\ud800", "a\x00b", "ok"]))
+_ANY_TIME = st.one_of(st.floats(0, 1e6), st.sampled_from([math.inf, -math.inf, math.nan]))
+_fitted_ids = itertools.count()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tenant=_ANY_TEXT, kind=_ANY_TEXT, reason=_ANY_TEXT, rid=_ANY_TEXT, ints=st.lists(_ANY_INT, min_size=5, max_size=5),
+       times=st.lists(_ANY_TIME, min_size=4, max_size=4), waiting=_ANY_INT, policy=_ANY_TEXT)
+def test_every_fitted_row_is_stored_on_every_backend(store, tenant, kind, reason, rid, ints, times, waiting, policy):
+    """Whatever a replica sends, what storage.limits lets through the store holds (SQLite and
+    PostgreSQL alike), and what it refuses is named by a reason."""
+    from storage import limits
+
+    n = next(_fitted_ids)
+    row = CompletionRow("r1", f"{rid}-{n}", tenant, kind, times[0], times[1], times[2], *ints[:3],
+                        recomputed_tokens=ints[3], reason=reason, max_tokens=ints[4], received_s=times[3])
+    fitted, reasons = limits.fit_completion(row)
+    assert set(reasons) <= set(limits.REASONS)
+    sample_row = SampleRow("r1", T0 + n, True, policy=policy, waiting=waiting, settings_version=ints[0])
+    assert set(limits.fit_sample(sample_row)) <= set(limits.REASONS)
+    store.write("c", Batch(samples=[sample_row], completions=[fitted] if fitted else [], cursors={"r1": n}))
+    if fitted is None:
+        assert reasons
+    else:
+        [back] = [c for c in store.completions("c", "r1") if c.request_id == fitted.request_id]
+        assert (back.tenant, back.type, back.prompt_tokens) == (fitted.tenant, fitted.type, fitted.prompt_tokens)

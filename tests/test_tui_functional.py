@@ -217,7 +217,7 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             gamma.value = "-3"
             await pilot.pause(0.1)
             hint = text_of(app.query_one(f"#h{gen}-gamma"))
-            assert "greater than 0" in hint and gamma.has_class("-invalid"), hint
+            assert "greater than or equal to 0.000001" in hint and gamma.has_class("-invalid"), hint
             assert panel.error and "params.gamma" in panel.error
             gamma.focus()
             await pilot.press("enter")  # enter in a field = A

@@ -118,7 +118,7 @@ def test_settings_edit_semantics():
     assert t.to_dict()["params"] == {**Settings.model_validate({"policy": "tie"}).to_dict()["params"], "beta": 0.3}
     # Invalid: the settings model's message, naming the field.
     new, err = try_apply(SettingsEdit(params={"gamma": 0}), uni)
-    assert new is None and "params.gamma" in err and "greater than 0" in err
+    assert new is None and "params.gamma" in err and "greater than or equal to 0.000001" in err
     new, err = try_apply(SettingsEdit(pin=frozenset({"nope"})), uni)
     assert new is None and "nope" in err
 
@@ -133,7 +133,7 @@ def test_policy_fields_cover_every_parameter_of_every_policy():
     assert {f.name: f.kind for f in policy_fields("tie")}["predictor"] == "choice"
     assert {f.name: f.kind for f in policy_fields("vtc")}["weights"] == "json"
     gamma = next(f for f in policy_fields("uniboost") if f.name == "gamma")
-    assert "> 0" in gamma.hint and "default 0.1" in gamma.hint
+    assert "≥ 1e-06" in gamma.hint and "default 0.1" in gamma.hint
 
 
 def test_field_parsing_and_error_placement():

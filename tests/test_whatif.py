@@ -126,7 +126,7 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
             base = ["set", "--cluster", "c.yaml", "--replica", twins[0].name, "--db", "tp.db", "--policy", "uniboost",
                     "--set", "gamma=0.01", "--set", "gamma_ada=false", "--preview", "--minutes", "1"]
             res = runner.invoke(main_cli(), base)  # not a terminal, no --yes: shown, not applied
-            assert res.exit_code == 0, res.output
+            assert res.exit_code == 1, res.output  # nothing was applied: not what was asked
             assert "P95 TTFT" in res.output and "fidelity not measured on this replica" in res.output
             assert "not applied" in res.output and twins[0].core.settings.policy == "sarathi"
             res = runner.invoke(main_cli(), [*base, "--yes", "--json"])

@@ -23,11 +23,14 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
               refresh_s: float = 1.0, optuna_storage: str | None = None) -> TailpilotApp:
     """The app on a live cluster (``cluster``; a store from ``store`` or ``db_url``, optional) or on
     a recording (``replay``: a SQLite file or a database URL; ``cluster``, if given, only supplies
-    the SLOs and the window)."""
+    the SLOs and the window). A replay only reads: a SQLite file that does not exist raises
+    ``storage.engine.DatabaseMissing`` instead of becoming an empty database."""
+    from storage.engine import require_existing
     from storage.store import Store
 
     if replay is not None:
         if store is None:
+            require_existing(replay)
             store = Store.open(replay)
         name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.clusters() else None)
         source = ReplaySource(store, name, history_s=history_s, start_ms=start_ms)

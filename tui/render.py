@@ -19,6 +19,7 @@ from controlplane.metrics import jain_index, normalised_throughput, slo_complian
 from controlplane.views import (
     ALERT_LABELS,
     alert_text,
+    breaker_note,
     cluster_totals,
     fmt_figure,
     fmt_gamma,
@@ -26,6 +27,7 @@ from controlplane.views import (
     fmt_percent,
     fmt_seconds,
     fmt_target,
+    rejected_note,
 )
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary, fmt_value, settings_diff
@@ -279,7 +281,17 @@ def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) ->
         if pins:
             line += f" │ pinned: {', '.join(pins)}"
         out.append(line, style="dim")
+    for note in replica_notes(rs):
+        out.append(f"\n{note}", style="bold yellow")
     return out
+
+
+def replica_notes(rs: ReplicaSnapshot) -> list[str]:
+    """The replica's circuit-breaker trips (with the last error and the versions) and what the
+    collector could not store as it sent it: lines under the replica's header, none when all is well."""
+    trips = (rs.breaker or {}).get("trips_total")
+    return [n for n in (breaker_note(trips if isinstance(trips, int) else None, rs.breaker),
+                        rejected_note(rs.rejected)) if n]
 
 
 @dataclass
@@ -406,9 +418,19 @@ RESULT_STYLES = {"applied": "green", "staged": "cyan", "rejected": "yellow"}
 def audit_row(a: Mapping[str, Any], verification: Mapping[str, Any] | None = None) -> tuple:
     result = a.get("result") or "?"
     style = RESULT_STYLES.get(result, "bold red")
+    change = breaker_change(a.get("new")) if result == "breaker" else diff_summary(a.get("old"), a.get("new"))
     return (f"{fmt_time(a.get('t_ms'))}", a.get("replica") or "—", a.get("who") or "—", Text(result, style=style),
-            "—" if a.get("version") is None else str(a["version"]), diff_summary(a.get("old"), a.get("new")),
+            "—" if a.get("version") is None else str(a["version"]), change,
             verification_cell(verification), a.get("message") or "")
+
+
+def breaker_change(new: Mapping[str, Any] | None) -> str:
+    """A circuit-breaker trip's change (the collector's audit row): the settings version that raised
+    and what the engine fell back to."""
+    new = new or {}
+    failed, fallback = new.get("failed_version"), new.get("fallback_version")
+    to = f"v{fallback}" if fallback is not None else "vLLM's stock order"
+    return f"v{failed if failed is not None else '?'} → {to} (trip {new.get('trips_total', '?')})"
 
 
 def verification_cell(v: Mapping[str, Any] | None) -> Text:

@@ -508,7 +508,10 @@ class ReplaySource:
                                          mode="replay"),
                 sample=row, groups=groups, settings=settings, settings_version=row.settings_version,
                 state=None, metrics={}, cursor=0, window_completions=sum(g.completed for g in groups
-                                                                         if g.kind == "tenant"))
+                                                                         if g.kind == "tenant"),
+                rejected=dict(row.rejected or {}),
+                # The trips as recorded (the details of each are in the audit log).
+                breaker={"trips_total": row.breaker_trips} if row.breaker_trips is not None else None)
         return ClusterSnapshot(cluster=self.cluster_name, t_ms=t_ms, replicas=replicas,
                                governance=self.governance_at(t_ms))
 

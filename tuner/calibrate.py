@@ -45,6 +45,7 @@ prefills), still scaled to the total.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -142,10 +143,29 @@ def _retry_after(header: str | None) -> float:
         return 1.0
 
 
+def _get_bounded(client, url: str, limit: int, params: dict | None = None) -> tuple[int, Any, bytes]:
+    """GET ``url`` reading at most ``limit`` bytes of the answer (streamed: an answer that never
+    ends costs no memory); (status, headers, body). Raises ReplicaUnreachable for a larger one."""
+    from controlplane.replica_http import AnswerTooLarge, bounded_body
+
+    with client.stream("GET", url, params=params) as resp:
+        try:
+            body = bounded_body(resp.iter_bytes(), limit, url)
+        except AnswerTooLarge as err:
+            raise ReplicaUnreachable(str(err)) from None
+        return resp.status_code, resp.headers, body
+
+
+def _text(body: bytes, n: int) -> str:
+    return body[:n].decode("utf-8", "replace")
+
+
 def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
                    client=None) -> tuple[str | None, list[dict]]:
     """(the replica's name as its API reports it, :func:`fetch_steps`)."""
     import httpx
+
+    from controlplane.replica_http import MAX_STEPS_BYTES
 
     url = steps_url(control_url)
     own = client is None
@@ -157,25 +177,25 @@ def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = 
     try:
         while len(steps) < max_steps:
             try:
-                resp = client.get(url, params={"cursor": cursor})
+                status, headers, body = _get_bounded(client, url, MAX_STEPS_BYTES, {"cursor": cursor})
             except httpx.HTTPError as err:
                 raise ReplicaUnreachable(f"cannot reach the control API at {url}: "
                                          f"{type(err).__name__}: {err or 'no answer'}") from None
-            if resp.status_code == 429 and refused < MAX_RATE_LIMITED:
+            if status == 429 and refused < MAX_RATE_LIMITED:
                 # The replica rate-limits its readers (it serves them from the engine's process).
                 refused += 1
-                time.sleep(_retry_after(resp.headers.get("Retry-After")))
+                time.sleep(_retry_after(headers.get("Retry-After")))
                 continue
-            if resp.status_code == 404:
+            if status == 404:
                 raise ReplicaUnreachable(f"{url} answered 404: not a tailpilot control API (or one without "
                                          "a step log); give the control URL, not vLLM's API URL")
-            if resp.status_code != 200:
-                raise ReplicaUnreachable(f"{url} answered HTTP {resp.status_code}: {resp.text[:300]}")
+            if status != 200:
+                raise ReplicaUnreachable(f"{url} answered HTTP {status}: {_text(body, 300)}")
             try:
-                page = resp.json()
+                page = json.loads(body)
                 items, next_cursor = page["steps"], int(page["next_cursor"])
             except (ValueError, KeyError, TypeError):
-                raise ReplicaUnreachable(f"{url} did not answer a step-log page ({resp.text[:200]!r})") from None
+                raise ReplicaUnreachable(f"{url} did not answer a step-log page ({_text(body, 200)!r})") from None
             replica = page.get("replica", replica) if isinstance(page, dict) else replica
             if not items or next_cursor <= cursor:
                 break
@@ -193,16 +213,17 @@ def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) 
     import httpx
 
     from controlplane.contract import State, read
+    from controlplane.replica_http import MAX_STATE_BYTES
 
     url = steps_url(control_url).removesuffix("/steps") + "/state"
     own = client is None
     if own:
         client = httpx.Client(timeout=timeout, trust_env=False)
     try:
-        resp = client.get(url)
-        if resp.status_code != 200:
-            raise ReplicaUnreachable(f"{url} answered HTTP {resp.status_code}: {resp.text[:200]}")
-        state = read(State, resp.json())
+        status, _, body = _get_bounded(client, url, MAX_STATE_BYTES)
+        if status != 200:
+            raise ReplicaUnreachable(f"{url} answered HTTP {status}: {_text(body, 200)}")
+        state = read(State, json.loads(body))
     except httpx.HTTPError as err:
         raise ReplicaUnreachable(f"cannot reach {url}: {type(err).__name__}: {err or 'no answer'}") from None
     except ValueError as err:

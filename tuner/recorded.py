@@ -103,13 +103,16 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
     here). TraceError when the span names nothing or holds no request."""
     from contextlib import nullcontext
 
+    from storage.engine import DatabaseMissing, require_existing
     from storage.store import Store, StoreOpenError
 
     where = span.url()
     if store is None:
         try:
-            store = Store.open(span.db or os.environ.get(DB_ENV))
-        except StoreOpenError as err:
+            url = span.db or os.environ.get(DB_ENV)
+            require_existing(url)  # reading a recording never creates an empty database
+            store = Store.open(url)
+        except (DatabaseMissing, StoreOpenError) as err:
             raise tr.TraceError(f"{where}: {err}") from None
         context = store
     else:

@@ -10,8 +10,8 @@ run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, 
 * positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4; γ: 10) clipped to
   the bounds (an open bound ``gt``/``lt`` is stepped inside by 0.1% of the span);
 * zero centre, both bounds finite → linear over the bounds;
-* zero centre and no upper bound (e.g. ``preempt_margin``) → not searched unless ``--range``
-  gives a span;
+* zero centre and no upper bound, or a margin whose bound is only a safety limit
+  (``preempt_margin``, ``margin_tokens``) → not searched unless ``--range`` gives a span;
 * ``bool`` → categorical ``[False, True]``; strings, literals and dicts are never searched.
 
 Not searched: ``predictor`` (the tuner replays with the ``history`` predictor, the only one a
@@ -39,11 +39,14 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
 from controlplane.metrics import METRICS, metric_direction, validate_metric
-from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings
+from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 GAMMA_SPAN = 10.0  # γ̂ is a rough estimate: two decades around it
 SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise", "sigma_spread"})
+# Margins default to 0 and their upper bounds are safety limits (controlplane.settings: a margin of
+# 1e12 s means "never preempt"), not a scale to search on: searched only when --range gives one.
+UNSCALED_PARAMS = frozenset({"preempt_margin", "margin_tokens"})
 ENGINE_PREFIX = "engine."
 THRESHOLD = "long_prefill_token_threshold"
 CHUNKING_SWITCH = "engine.long_prefill_chunking"  # the on/off half of the threshold
@@ -347,6 +350,8 @@ def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
         lo, hi = float(parts[0]), float(parts[1])
     except ValueError:
         raise SearchSpaceError(f"--range {text!r}: LOW and HIGH must be numbers") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # nan compares false with every bound
+        raise SearchSpaceError(f"--range {text!r}: LOW and HIGH must be finite numbers")
     log = None
     if len(parts) == 3:
         if parts[2] not in ("log", "linear"):
@@ -416,6 +421,8 @@ def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: flo
                 dims.append(Dim(qname, "categorical", choices=(False, True)))
                 continue
             centre, span = float(base[name]), SPAN
+            if name in UNSCALED_PARAMS and centre == 0 and (p, name) not in resolved_ranges:
+                continue
             if name == "gamma" and gamma_hat and math.isfinite(gamma_hat) and gamma_hat > 0:
                 centre, span = gamma_hat, GAMMA_SPAN
             dim = numeric_dim(qname, kind, field_bounds(model, name), centre, resolved_ranges.get((p, name)), span)
@@ -452,7 +459,7 @@ def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: flo
         try:
             space.build(p, {}, {})
         except ValueError as err:
-            raise SearchSpaceError(f"--fix: {err}") from None
+            raise SearchSpaceError(f"--fix: {describe_error(err)}") from None  # one line, no input values
     return space
 
 

@@ -268,7 +268,23 @@ def prepare(storage, name: str, spec: StudySpec | None = None, given: Mapping[st
             # Without a lock (other backends) two processes may create it at once: the first
             # definition wins, and the others must agree with it.
             spec = _resolve_spec(study, spec, {k: getattr(spec, k) for k in _DEFINING})
+            try:
+                return _context(study, spec, log)
+            except TuneError:
+                _discard_new_study(storage, study)
+                raise
         return _context(study, spec, log)
+
+
+def _discard_new_study(storage, study) -> None:
+    """Delete ``study``, created by this very call, whose setup refused its definition (a --range
+    outside the model's bounds, a --fix the settings refuse, an objective undefined on every
+    window). Kept, the stored definition would be refused again on every later run of the command,
+    corrected flags or not (they would conflict with it). A study holding a trial is never deleted."""
+    import optuna
+
+    if not study.trials:
+        optuna.delete_study(study_name=study.study_name, storage=storage)
 
 
 _DEFINING = ("policies", "objectives", "constraints", "traces", "mix", "trim", "rate_scale", "target_rate",

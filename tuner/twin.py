@@ -374,7 +374,9 @@ class TwinReplica:
                 return self
             # One port serves what a vLLM replica splits over two (its API server's /metrics and the
             # plugin's control API), so a poller's connection may make twice the plugin's requests.
-            limits = Limits(rate_per_connection=2 * Limits().rate_per_connection)
+            stock = Limits()
+            limits = Limits(rate_per_connection=2 * stock.rate_per_connection,
+                            rate_per_address=2 * stock.rate_per_address)
             self._server = ControlServer(self, host=self.host, port=self.port, token=self.token,
                                          limits=limits).start()
             self.port = self._server.port
@@ -450,9 +452,27 @@ class TwinReplica:
             settings = self.core.take_pending()  # busy: before the next step; idle: now
             if settings is not None:
                 sim.apply_settings(self._effective(settings))
-            n = sim.advance_to(t)
+            try:
+                n = sim.advance_to(t)
+            except Exception as err:  # the circuit breaker, as in the plugin: fall back, carry on
+                self._trip(sim, err)
+                n = 0
+            else:
+                self.core.step_succeeded()
             self._collect(sim)
             return n
+
+    def _trip(self, sim: Simulator, err: Exception) -> None:
+        """A policy raised inside the simulator's step: run the fallback document the core names
+        (``ReplicaCore.note_trip``) from here on. If the simulator's own books are broken the
+        twin stops advancing (``_tick`` reports it unhealthy)."""
+        fallback = self.core.note_trip(err, self._time())
+        try:
+            sim.recover(self._effective(fallback))
+        except AssertionError:
+            raise
+        except Exception as again:  # the restored document fails too: the stock order cannot
+            sim.recover(self._effective(self.core.note_trip(again, self._time(), stock=True)))
 
     def _effective(self, settings: Settings) -> Settings:
         """What the running engine actually runs: engine fields vLLM cannot change live keep

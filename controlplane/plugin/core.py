@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +26,8 @@ from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
 from controlplane.policies.queue import WaitingQueue
 from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+
+log = logging.getLogger("tailpilot.plugin")
 
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
@@ -43,6 +46,29 @@ COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "received_at", "sch
 
 class SettingsConflict(Exception):
     """``If-Match`` named a version that is no longer current."""
+
+
+BREAKER_ERROR_CHARS = 300  # of the failure's text kept for /state (an exception may quote a tenant's data)
+
+
+@dataclass(slots=True)
+class Breaker:
+    """The circuit breaker's counters (``/state``'s ``breaker``; ``contract.Breaker``).
+
+    A policy that raises inside the engine's step never stops the engine: the core replaces it
+    with the last settings that completed a step (else vLLM's stock order, sarathi) and counts
+    it here. The settings model is meant to refuse every document that could raise
+    (tests/test_settings_safety.py); this is the last line, for what no bound foresaw."""
+
+    trips_total: int = 0
+    last_error: str | None = None
+    last_at: float | None = None
+    failed_version: int | None = None
+    fallback_version: int | None = None  # of the document restored; None: the stock order
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"trips_total": self.trips_total, "last_error": self.last_error, "last_at": self.last_at,
+                "failed_version": self.failed_version, "fallback_version": self.fallback_version}
 
 
 @dataclass(slots=True)
@@ -108,6 +134,11 @@ class ReplicaCore:
         self._completion_seq = itertools.count()
         self._steps: deque[StepRecord] = deque(maxlen=STEPS_KEPT)
         self._step_seq = itertools.count()
+        self.breaker = Breaker()
+        # The last two documents that completed a step, with their versions: the breaker restores
+        # the newest of them that is not the one that failed.
+        self._good: tuple[Settings, int] | None = None
+        self._good_before: tuple[Settings, int] | None = None
 
     def start_refit_thread(self, interval_s: float = REFIT_INTERVAL_S) -> threading.Thread:
         """Refit the history predictor on a timer, never inside the scheduling step (docs/policies.md#predictors).
@@ -213,13 +244,76 @@ class ReplicaCore:
             policy.tick(now)
         return policy
 
+    # --- the circuit breaker ------------------------------------------------------------------
+    def step_succeeded(self) -> None:
+        """A step ran to its end on the active document: the breaker may restore it later."""
+        if self._good is None or self._good[1] != self.active_version:
+            self._good_before, self._good = self._good, (self.settings, self.active_version)
+
+    def note_trip(self, err: BaseException, now: float, *, stock: bool = False) -> Settings:
+        """Count a policy failure and make the fallback document the active one (under a new
+        version; a document staged meanwhile stays staged and newest). Returns the fallback: the
+        last document that completed a step, unless that is the one that failed, else sarathi
+        (vLLM's own order) with the same engine limits. A driver that schedules with its own
+        policy (the simulated twin) hands it to its simulator; the plugin calls ``trip``.
+        ``stock``: the restored document failed too; forget it and take the stock order."""
+        failed = self.active_version
+        if stock:
+            self._good = self._good_before = None
+        good = [g for g in (self._good, self._good_before) if g is not None and g[1] != failed]
+        # The restored document leaves the list: should it fail too, the next one (or the stock
+        # order) follows; it re-enters, under its new version, once it completes a step.
+        self._good, self._good_before = (good[1] if len(good) > 1 else None), None
+        if good:
+            fallback, fallback_version = good[0]
+        else:
+            fallback = Settings.model_validate({"policy": "sarathi", "engine": self.settings.engine.model_dump()})
+            fallback_version = None
+        text = f"{type(err).__name__}: {err}"[:BREAKER_ERROR_CHARS]
+        with self._lock:
+            breaker = self.breaker
+            breaker.trips_total += 1
+            breaker.last_error, breaker.last_at = text, now
+            breaker.failed_version, breaker.fallback_version = failed, fallback_version
+            self.version += 1
+            self.settings, self.active_version = fallback, self.version
+            if self._pending is not None:
+                self.version += 1  # the staged document stays the newest
+        what = f"settings version {fallback_version}" if fallback_version is not None else "vLLM's stock order"
+        log.error("tailpilot: the %s policy of settings version %d raised inside the engine's step (%s); "
+                  "the engine carries on under %s, now version %d (trip %d)", self.policy.name, failed, text,
+                  what, self.active_version, breaker.trips_total, exc_info=err)
+        return fallback
+
+    def trip(self, err: BaseException, now: float) -> Policy:
+        """A policy raised inside the engine's step: replace it (``note_trip``), rebuild the
+        waiting queue from its members (a half-finished queue operation is not trusted) and
+        return the policy the engine now runs. Falls back to the stock order if the restored
+        document fails to build or attach too."""
+        fallback = self.note_trip(err, now)
+        running = [s for s in self.states.values() if s.status == "running"]
+        try:
+            policy = self._build(fallback, None)
+            self.waiting.reset(policy)
+            policy.attach(self.waiting.in_order(), running, now)
+        except Exception as again:  # the restored document fails here too: the stock order cannot
+            fallback = self.note_trip(again, now, stock=True)
+            policy = self._build(fallback, None)
+            self.waiting.reset(policy)
+            policy.attach(self.waiting.in_order(), running, now)
+        self.policy = policy
+        return policy
+
     # --- requests ---------------------------------------------------------------------------
     def track(self, state: RequestState, now: float) -> None:
         self.states[state.id] = state
         state.enqueued_at = now
         if state.received_at is None:
             state.received_at = now
-        self.policy.on_arrival(state, now)
+        try:
+            self.policy.on_arrival(state, now)
+        except Exception as err:
+            self.trip(err, now)
 
     def note_preemption(self, state: RequestState, now: float, by_policy: bool) -> None:
         self.preemptions_total += 1
@@ -228,7 +322,11 @@ class ReplicaCore:
     def refuse(self, state: RequestState, now: float) -> str | None:
         """The policy's reason to turn ``state`` away on arrival (a tenant's queue cap), logged as
         a completion with reason ``rejected``; None: track it as usual."""
-        why = self.policy.refuse(state, now)
+        try:
+            why = self.policy.refuse(state, now)
+        except Exception as err:
+            self.trip(err, now)
+            return None
         if why is not None:
             self.refused_total += 1
             if state.received_at is None:
@@ -242,7 +340,10 @@ class ReplicaCore:
         self.states.pop(state.id, None)
         state.status = "finished"
         state.finished_at = now
-        self.policy.on_finish(state, now)
+        try:
+            self.policy.on_finish(state, now)
+        except Exception as err:
+            self.trip(err, now)
         if reason == "finished" and state.generated > 0:
             self.predictor.observe(state, state.generated)
         self._log_finished(state, now, reason)
@@ -344,4 +445,5 @@ class ReplicaCore:
             "finished_total": self.finished_total, "steps_total": self.steps_total,
             "completions": completions, "next_cursor": next_cursor,
             "more": next_cursor < self._next_seq(self._completions),
+            "breaker": self.breaker.as_dict(),
         }

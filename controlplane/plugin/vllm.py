@@ -41,6 +41,12 @@ class PolicyRequestQueue(RequestQueue):
 
     vLLM peeks the head, tries to allocate, then pops: the popped request is the peeked one
     because nothing reorders the queue between the two calls.
+
+    These methods run inside vLLM's ``schedule()``, where an exception would stop the engine: a
+    policy that raises in them trips the circuit breaker (``ReplicaCore.trip``: the queue is
+    rebuilt from its members under the fallback policy) and the operation is answered from the
+    rebuilt queue. Membership is recorded before the policy is asked, so a push or a removal
+    that failed half-way is already complete in the rebuilt queue.
     """
 
     def __init__(self, plugin: "TailpilotMixin") -> None:
@@ -53,10 +59,18 @@ class PolicyRequestQueue(RequestQueue):
         return self.plugin._tp_state_for(request)
 
     def add_request(self, request: Request) -> None:
-        self._queue().push(self._state(request), self.plugin._tp_now)
+        state = self._state(request)
+        try:
+            self._queue().push(state, self.plugin._tp_now)
+        except Exception as err:
+            self.plugin._tp_trip(err)
 
     def prepend_request(self, request: Request) -> None:
-        self._queue().push(self._state(request), self.plugin._tp_now, front=True)
+        state = self._state(request)
+        try:
+            self._queue().push(state, self.plugin._tp_now, front=True)
+        except Exception as err:
+            self.plugin._tp_trip(err)
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
@@ -71,16 +85,29 @@ class PolicyRequestQueue(RequestQueue):
     def _head(self) -> RequestState | None:
         """The request admission would take next; None when the queue is empty or the policy
         holds every waiting request back (backpressure)."""
+        try:
+            return self._policy_head()
+        except Exception as err:
+            self.plugin._tp_trip(err)
+            return self._policy_head()
+
+    def _policy_head(self) -> RequestState | None:
         core, now = self.plugin.tp_core, self.plugin._tp_now
         ordered = core.waiting.ordered(now)
         if not ordered:
             return None
         return next(core.policy.admission_order(ordered, now), None)
 
+    def remove_states(self, states: list[RequestState]) -> None:
+        try:
+            self._queue().remove(states)
+        except Exception as err:  # the members are already gone: the rebuilt queue lacks them
+            self.plugin._tp_trip(err)
+
     def pop_request(self) -> Request:
         request = self.peek_request()
         state = self._state(request)
-        self._queue().remove([state])
+        self.remove_states([state])
         # vLLM also pops requests it only sets aside for this step (skip_request: grammar still
         # compiling, KV still loading, stale async output) and prepends them back: not admissions.
         if not (self.plugin._is_blocked_waiting_status(request.status)
@@ -94,7 +121,7 @@ class PolicyRequestQueue(RequestQueue):
     def remove_requests(self, requests: Iterable[Request]) -> None:
         states = [self.plugin.tp_core.states.get(r.request_id) for r in requests]
         leaving = [s for s in states if s is not None and s.status == "waiting"]
-        self._queue().remove(leaving)
+        self.remove_states(leaving)
         # vLLM removes requests from the queue only to finish them (aborts, stops): _free_request
         # follows and must not take them out a second time (a grouped queue, vtc's and slofq's,
         # refuses to remove what it no longer holds).
@@ -113,7 +140,12 @@ class PolicyRequestQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         requests = self.plugin._tp_requests
-        return iter([requests[s.id] for s in self._queue().ordered(self.plugin._tp_now)])
+        try:
+            order = list(self._queue().ordered(self.plugin._tp_now))
+        except Exception as err:
+            self.plugin._tp_trip(err)
+            order = list(self._queue().ordered(self.plugin._tp_now))
+        return iter([requests[s.id] for s in order])
 
 
 class TailpilotMixin:
@@ -200,16 +232,27 @@ class TailpilotMixin:
 
     def _tp_admitted(self, state: RequestState) -> None:
         state.status = "running"
-        self.tp_core.policy.on_admit(state, self._tp_now, 0)
         if state.scheduled_at is None:
             state.scheduled_at = self._tp_now
+        try:
+            self.tp_core.policy.on_admit(state, self._tp_now, 0)
+        except Exception as err:
+            self._tp_trip(err)
+
+    def _tp_trip(self, err: BaseException) -> None:
+        """A policy raised inside one of vLLM's scheduler entry points: fall back (``ReplicaCore.trip``)
+        and go on; vLLM's own state is untouched by the policy, so the step completes."""
+        self.tp_core.trip(err, self._tp_now)
 
     def _tp_sync(self, request: Request, state: RequestState) -> None:
         generated = request.num_output_tokens
         if generated > state.generated:
             policy = self.tp_core.policy
             if policy.charges_tokens:
-                policy.on_tokens(state, generated - state.generated)
+                try:
+                    policy.on_tokens(state, generated - state.generated)
+                except Exception as err:
+                    self._tp_trip(err)
             if state.first_token_at is None:
                 state.first_token_at = self._tp_now
             state.generated = generated
@@ -233,6 +276,37 @@ class TailpilotMixin:
 
     def _tp_schedule(self, *args, **kwargs):
         now = self._tp_now = time.time()
+        for attempt in range(3):  # the failing document, the last good one, the stock order
+            try:
+                self._tp_prepare_step(now)
+                break
+            except Exception as err:
+                if attempt == 2:
+                    raise  # the stock order raised: a bug of the plugin's own, not of a policy
+                self._tp_trip(err)
+        started = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        self._tp_inflight[id(output)] = (now, started, self._tp_composition(output))
+        policy = self.tp_core.policy  # a breaker trip inside the stock step replaced it
+        if policy.counts_steps:  # sjf's starvation counters
+            try:
+                self._tp_count_steps(policy, output)
+            except Exception as err:
+                self._tp_trip(err)
+        self.tp_core.step_succeeded()
+        return output
+
+    def _tp_count_steps(self, policy, output) -> None:
+        states = self.tp_core.states
+        served = output.num_scheduled_tokens
+        scheduled = [states[r] for r in served if r in states]
+        idle = [states[r.request_id] for r in self.running if r.request_id not in served]
+        policy.on_steps(scheduled, idle, 1)
+        policy.on_waiting_steps(self.tp_core.waiting, 1)  # counted lazily: no pass over a deep queue
+
+    def _tp_prepare_step(self, now: float):
+        """The step's policy work before vLLM's own step: staged settings, the running order and
+        policy-driven preemption. Returns the policy the step runs with."""
         core = self.tp_core
         policy = core.begin_step(now)
         lpt = core.settings.engine.long_prefill_token_threshold
@@ -255,16 +329,7 @@ class TailpilotMixin:
             self._tp_set_running(ordered, decode_first)
         if policy.preemptive and core.waiting:
             self._tp_policy_preemptions(now, ordered)
-        started = time.perf_counter()
-        output = super().schedule(*args, **kwargs)
-        self._tp_inflight[id(output)] = (now, started, self._tp_composition(output))
-        if policy.counts_steps:  # sjf's starvation counters
-            served = output.num_scheduled_tokens
-            scheduled = [states[r] for r in served if r in states]
-            idle = [states[r.request_id] for r in self.running if r.request_id not in served]
-            policy.on_steps(scheduled, idle, 1)
-            policy.on_waiting_steps(core.waiting, 1)  # counted lazily: no pass over a deep queue
-        return output
+        return policy
 
     def _tp_set_running(self, ordered: list[RequestState], decode_first: bool) -> None:
         """Put vLLM's running list in the policy's order: the order vLLM gives out the token
@@ -335,7 +400,10 @@ class TailpilotMixin:
         if state is not None:
             state.computed_tokens = request.num_computed_tokens
             self.tp_core.note_preemption(state, self._tp_now, self._tp_policy_victim)
-            self.tp_core.policy.on_preempt(state, self._tp_now, self._tp_policy_victim)
+            try:
+                self.tp_core.policy.on_preempt(state, self._tp_now, self._tp_policy_victim)
+            except Exception as err:
+                self._tp_trip(err)
         super()._preempt_request(request, timestamp, *args, **kwargs)
         if state is not None:
             state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone
@@ -366,7 +434,7 @@ class TailpilotMixin:
             reason = "finished" if request.status.name.startswith("FINISHED_") and \
                 request.status.name not in ("FINISHED_ABORTED", "FINISHED_ERROR") else request.status.name.lower()
             if state.status == "waiting":
-                self.tp_core.waiting.remove([state])
+                self.waiting.remove_states([state])
             self.tp_core.finish(state, self._tp_now, reason)
         self._tp_requests.pop(request.request_id, None)
         self._tp_refused.discard(request.request_id)

@@ -59,6 +59,22 @@ class WaitingQueue:
         self._n = 0  # grouped: requests waiting (prefix and groups)
         self._now = 0.0  # grouped: the time of the last ordered() (keys pulled later use it)
         self._view = _Ordered(self)
+        # Who is waiting, kept apart from the ordered structures and updated before them: if a
+        # policy raises half-way through filing or taking a request, ``reset`` rebuilds the queue
+        # from this (the plugin's circuit breaker) instead of trusting a half-updated index.
+        self._members: dict[str, RequestState] = {}
+
+    def reset(self, policy: Policy) -> None:
+        """Rebuild the queue for ``policy`` from its members alone, in (arrival, id) order: the
+        circuit breaker's way back after a policy raised inside a queue operation."""
+        reqs = sorted(self._members.values(), key=_arrival_id)
+        self.policy = policy
+        self._index = _make_index(policy)
+        self._items = reqs
+        for req in reqs:
+            req.queue_prefix, req.queue_group = True, None
+        self._n = len(reqs)
+        self._epoch = None
 
     def set_policy(self, policy: Policy) -> None:
         """A settings switch: same requests, new order from the next step on."""
@@ -256,6 +272,7 @@ class WaitingQueue:
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
         req.status = "waiting"
+        self._members[req.id] = req
         if not self.policy.reorders_waiting:
             if front:
                 self._items.insert(0, req)
@@ -275,6 +292,9 @@ class WaitingQueue:
         admitted = list(admitted)
         if not admitted:
             return
+        members = self._members
+        for req in admitted:
+            members.pop(req.id, None)
         if self._index is not None:
             for req in admitted:
                 self._take(req)

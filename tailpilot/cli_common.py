@@ -1,0 +1,133 @@
+"""What every ``tailpilot`` command shares: parameter types that refuse what makes no sense, and
+strict JSON output.
+
+The types turn a bad value into click's own one-line usage error naming the option and the allowed
+range (exit 2) before anything runs, instead of a traceback from deep in the simulator:
+
+    --rate-scale 0     Error: Invalid value for '--rate-scale': 0.0 is not in the range x>0.
+    --rate-scale nan   Error: Invalid value for '--rate-scale': nan is not a finite number in the range x>0.
+    --step-model x     Error: Invalid value for '--step-model': unknown step-time model 'x'; known: ...
+
+Every ``--json`` output goes through :func:`echo_json`: strict JSON (RFC 8259), so a figure that is
+undefined (a percent change against a zero baseline, a percentile of no requests) is ``null``,
+never the bare ``NaN`` or ``Infinity`` that Python's ``json`` writes and JSON parsers refuse.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from typing import Any, Callable
+
+import click
+
+from storage.strict_json import finite
+
+# Bounds that keep derived values inside what the simulator, numpy and the store take: seeds feed
+# numpy's and Optuna's generators (below 2**32 even after the tuner adds its per-worker offset),
+# token counts and KV blocks fit the store's integer columns, tenants an array per tenant.
+MAX_SEED = 2**31 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_GPU_BLOCKS = 2**31 - 1
+MAX_TENANTS = 1_000_000
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses NaN and ±Infinity.
+
+    ``float("nan")`` compares false with every bound, so a plain FloatRange lets ``nan`` through
+    (and ``inf`` whenever there is no upper bound); here both are usage errors naming the range.
+    """
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number in the range {describe_range(self)}.", param, ctx)
+        return number
+
+
+def describe_range(kind: click.FloatRange | click.IntRange) -> str:
+    """The range as click's own messages write it (``x>0``, ``0<=x<=300``, ``x>=1``)."""
+    lower = "<" if kind.min_open else "<="
+    upper = "<" if kind.max_open else "<="
+    if kind.min is None:
+        return f"x{upper}{kind.max}"
+    if kind.max is None:
+        return f"x>{'' if kind.min_open else '='}{kind.min}"
+    return f"{kind.min}{lower}x{upper}{kind.max}"
+
+
+# Common shapes of a number option.
+POSITIVE = FiniteFloatRange(min=0, min_open=True)  # a rate, a factor, a duration
+NON_NEGATIVE = FiniteFloatRange(min=0)
+SEED = click.IntRange(0, MAX_SEED)
+TOKENS = click.IntRange(1, MAX_TOKENS)
+TENANTS = click.IntRange(1, MAX_TENANTS)
+GPU_BLOCKS = click.IntRange(1, MAX_GPU_BLOCKS)
+
+
+class StepModelName(click.ParamType):
+    """The name of a step-time coefficient set (``sim.stepmodel.get_model``): a built-in one or one
+    ``tailpilot calibrate`` saved. Converts to the name; an unknown one is a usage error listing
+    the known names."""
+
+    name = "step model"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from sim.stepmodel import get_model
+
+        try:
+            get_model(value)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+        return value
+
+
+class TimeSpan(click.ParamType):
+    """``START:DURATION`` in seconds (finite, DURATION > 0), converted to ``(start, duration)``."""
+
+    name = "START:DUR"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):  # a default, or a value converted before
+            return value
+        try:
+            start, duration = (float(part) for part in str(value).split(":"))
+        except ValueError:
+            self.fail(f"{value!r}: expected START:DURATION in seconds", param, ctx)
+        if not (math.isfinite(start) and math.isfinite(duration) and duration > 0):
+            self.fail(f"{value!r}: START must be a finite number of seconds and DURATION finite and > 0",
+                      param, ctx)
+        return (start, duration)
+
+
+STEP_MODEL = StepModelName()
+TIME_SPAN = TimeSpan()
+
+# What trace loaders raise besides ``sim.traces.TraceError`` on a file they cannot parse: JSON
+# nested past Python's recursion limit (the Mooncake loader), a CSV field past the csv module's limit.
+TRACE_PARSE_ERRORS = (RecursionError, csv.Error)
+
+
+def unreadable_trace(path: str | None, err: BaseException) -> click.UsageError:
+    """The one-line usage error for a trace file that raised one of ``TRACE_PARSE_ERRORS``."""
+    reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+    return click.UsageError(f"{path}: not a trace tailpilot can read ({reason})")
+
+
+def json_text(doc: Any, *, default: Callable[[Any], Any] | None = None, indent: int | None = 2,
+              **dumps_options: Any) -> str:
+    """``doc`` as strict JSON text: every NaN and ±Infinity, at any depth and also in what
+    ``default`` returns for an object JSON cannot hold, becomes null (``storage.strict_json.finite``);
+    ``dumps_options`` go to ``json.dumps`` (``sort_keys``, ``ensure_ascii``)."""
+    convert = None if default is None else (lambda obj: finite(default(obj)))
+    return json.dumps(finite(doc), indent=indent, allow_nan=False, default=convert, **dumps_options)
+
+
+def echo_json(doc: Any, *, default: Callable[[Any], Any] | None = None, indent: int | None = 2) -> None:
+    """Print ``doc`` as strict JSON (:func:`json_text`) on standard output: the one way a command's
+    ``--json`` output is written."""
+    click.echo(json_text(doc, default=default, indent=indent))

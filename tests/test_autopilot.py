@@ -1,0 +1,119 @@
+"""The autopilot's controller in the simulator: it sees only the past, decides deterministically,
+and finds a better γ than the defaults where one exists."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from controlplane.settings import Settings
+from sim import traces
+from tuner.autopilot import AutopilotConfig, Observation, candidates, log_grid, replay_with_autopilot
+
+CONFIG = AutopilotConfig(gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0,
+                         min_requests=50)
+
+
+@pytest.fixture(scope="module")
+def busy_window() -> traces.Trace:
+    """The bundled 10-minute Azure conv window at twice its rate: queues build up."""
+    return traces.scale_rate(traces.load_bundled(), 2.0)
+
+
+def decisions_until(trace, t: float) -> list[tuple]:
+    _, decisions = replay_with_autopilot(trace, config=CONFIG)
+    return [(d.at, d.choice, d.changed, tuple(sorted((n, f.ttft_p95, f.ttlt_p99) for n, f in d.figures.items())))
+            for d in decisions if d.at <= t]
+
+
+def test_decisions_never_depend_on_the_future(busy_window):
+    """Change everything a controller could not know at time T — every later arrival, and the
+    true output length of every request still in flight at T — and the decisions up to T stay
+    the same. A controller that peeked at either would see different figures."""
+    reqs = sorted(busy_window, key=lambda r: (r.arrival, r.id))
+    t_cut = 330.0
+    base, _ = replay_with_autopilot(reqs, config=CONFIG)
+    finished_by_cut = {c.id for c in base.completions if c.finished_at <= t_cut}
+    changed = []
+    for r in reqs:
+        if r.arrival > t_cut:  # the future: other prompts and lengths
+            changed.append(replace(r, prompt_tokens=r.prompt_tokens * 3 + 7, output_tokens=r.output_tokens * 5 + 1,
+                                   max_tokens=max(r.max_tokens, r.output_tokens * 5 + 1)))
+        elif r.id not in finished_by_cut:  # in flight at the cut: a true length nobody knows yet
+            longer = min(r.max_tokens, r.output_tokens * 4 + 50)
+            changed.append(replace(r, output_tokens=max(longer, r.output_tokens)))
+        else:
+            changed.append(r)
+    # The test is only sharp if the shadows replayed some of those by T (they arrived before
+    # T - delay) while their lengths were still unknown.
+    stale = [r for r in reqs if r.id not in finished_by_cut and r.arrival <= t_cut - CONFIG.delay_s]
+    assert len(stale) > 20
+    before = decisions_until(reqs, t_cut)
+    after = decisions_until(changed, t_cut)
+    assert len(before) >= 5 and any(d[3] for d in before)  # decisions with figures were made
+    assert before == after
+
+
+def test_decisions_are_deterministic(busy_window):
+    assert decisions_until(busy_window, 1e9) == decisions_until(busy_window, 1e9)
+
+
+def test_it_leaves_the_defaults_for_a_better_gamma_under_load(busy_window):
+    result, decisions = replay_with_autopilot(busy_window, config=CONFIG)
+    chosen = {d.choice for d in decisions}
+    assert chosen - {"defaults"}, "never left the defaults"
+    assert len(result.completions) + len(result.rejected) == len(busy_window)
+    for d in decisions:
+        if d.changed:
+            assert d.figures[d.choice].feasible
+            assert d.reason
+        assert d.cpu_s >= 0.0
+
+
+def test_candidates_keep_the_base_documents_parameters_and_engine():
+    base = Settings.model_validate({"policy": "uniboost", "params": {"memguard": False, "quant_ratio": 3.0},
+                                    "engine": {"max_num_seqs": 64}})
+    options = candidates(base, AutopilotConfig(gammas=(0.01, 5.0)))
+    assert set(options) == {"sarathi", "defaults", "gamma=0.01", "gamma=5"}
+    g = options["gamma=5"]
+    assert g.params.gamma == 5.0 and not g.params.gamma_ada and not g.params.memguard and g.params.quant_ratio == 3.0
+    assert g.params.gamma_min <= 5.0 <= g.params.gamma_max
+    assert all(s.engine.max_num_seqs == 64 for s in options.values())
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="gammas"):
+        AutopilotConfig(gammas=(0.0,))
+    with pytest.raises(ValueError, match="interval_s"):
+        AutopilotConfig(interval_s=0.1)
+
+
+def test_the_default_grid_spans_a_thousandth_to_ten_with_three_points_a_decade():
+    grid = log_grid(0.001, 10.0, 3)
+    assert grid[0] == 0.001 and grid[-1] == 10.0 and len(grid) == 13
+
+
+def test_an_observation_carries_no_output_length():
+    assert "output_tokens" not in Observation.__dataclass_fields__
+    from tuner.autopilot import Arrival
+    assert "output_tokens" not in Arrival.__dataclass_fields__
+
+
+def test_sim_and_compare_take_autopilot_and_print_its_decisions():
+    import json
+
+    from click.testing import CliRunner
+
+    from tailpilot.cli import main
+
+    run = CliRunner()
+    res = run.invoke(main, ["sim", "--autopilot", "--window", "0:180", "--rate-scale", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    pilot = doc["run"]["autopilot"]
+    assert pilot["decisions"] and all(d["reason"] for d in pilot["decisions"])
+    assert pilot["cpu_s_per_hour"] > 0 and doc["metrics"]["requests"] > 0
+    res = run.invoke(main, ["compare", "--policies", "sarathi", "--autopilot", "--window", "0:120", "--json"])
+    assert res.exit_code == 0, res.output
+    assert set(json.loads(res.output)["metrics"]) == {"sarathi", "autopilot"}

@@ -1,0 +1,396 @@
+"""The autopilot: choose the scheduler's γ online, for the traffic being served, from the past only.
+
+How it decides (README, "The autopilot"). Each candidate setting — uniboost at a fixed γ on a
+log grid, the defaults (γ-Ada), and sarathi (vLLM's own order, the guard's reference) — has a
+*shadow*: a simulator that replays the replica's own traffic under that setting, continuously,
+from the moment the autopilot started. A shadow never starts from an empty engine and never
+judges a setting over a few minutes: it answers "how would this setting have served everything
+so far", which is what a fixed setting chosen with hindsight is scored on. Every ``interval_s``
+the autopilot compares the shadows on the same requests — those that arrived in the last
+``window_s`` before the shadows' clock — and applies the candidate with the lowest P95 TTFT
+among those whose P99 TTLT is within ``ttlt_guard`` and whose throughput is within
+``throughput_guard`` of sarathi's, switching only when it beats the current choice by
+``hysteresis`` (switching has a cost; the comparison is noisy).
+
+What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
+cap, tenant, type — never the output length), completions (with their output lengths), and how
+many tokens each request in flight has generated so far. The shadows run ``delay_s`` behind
+"now", so most requests they replay have completed and their lengths are known; a request still
+in flight gets an imputed length — the median of recently completed lengths longer than what it
+has generated so far — never its true one.
+
+One implementation serves the simulator (``replay_with_autopilot``: ``tailpilot sim
+--autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controlplane.metrics import Completion
+from controlplane.settings import Settings
+from sim.engine import EngineConfig, SimResult, Simulator
+from sim.traces import Trace, TraceRequest
+
+
+def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
+    """``per_decade`` points per decade from ``lo`` to ``hi`` inclusive, rounded to 3 significant digits."""
+    n = round(math.log10(hi / lo) * per_decade)
+    return tuple(float(f"{lo * 10 ** (k / per_decade):.3g}") for k in range(n + 1))
+
+
+GAMMA_GRID = log_grid(0.001, 10.0, 3)  # 0.001, 0.00215, 0.00464, 0.01, ... 10 /s
+
+
+class AutopilotConfig(BaseModel):
+    """The autopilot's own knobs (tunable like any setting; errors name the field)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
+    with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
+    with_sarathi: bool = True  # vLLM's own order as a candidate (it is always the guard's reference)
+    interval_s: float = Field(60.0, ge=1.0, le=3_600.0)
+    delay_s: float = Field(120.0, ge=0.0, le=3_600.0)
+    window_s: float = Field(3_600.0, ge=60.0, le=86_400.0)
+    # Requests are compared only once they arrived this long before the shadows' clock: a request
+    # a small γ holds back shows its wait only later, and counted early (censored at its wait so
+    # far) it would flatter exactly the settings that starve.
+    settle_s: float = Field(0.0, ge=0.0, le=86_400.0)
+    min_requests: int = Field(1_000, ge=10, le=1_000_000)
+    # Leaving the defaults takes a candidate this much better on P95 TTFT (and no worse on the
+    # guard); once away from them, a further switch takes ``hysteresis``: switching reorders the
+    # whole queue, and away from the defaults it may flush a small γ's held-back backlog onto
+    # everyone — a cost the shadows, each running one setting all along, do not see.
+    leave_defaults: float = Field(0.15, ge=0.0, le=1.0)
+    hysteresis: float = Field(0.15, ge=0.0, le=1.0)
+    min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
+    ttlt_guard: float = Field(1.02, ge=1.0, le=10.0)
+    throughput_guard: float = Field(0.99, ge=0.0, le=1.0)
+    history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
+
+    @model_validator(mode="after")
+    def _gammas_in_range(self) -> "AutopilotConfig":
+        for g in self.gammas:
+            if not 1e-6 <= g <= 1e6:
+                raise ValueError(f"gammas: {g} is outside the safe range [1e-6, 1e6]")
+        return self
+
+
+# --- what the controller sees ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request as the replica knows it on arrival: no output length."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    tenant: str = "default"
+    type: str = "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What happened since the previous observation, up to ``now``."""
+
+    now: float
+    arrivals: Sequence[Arrival] = ()
+    completions: Sequence[Completion] = ()
+    generated: Mapping[str, int] = field(default_factory=dict)  # tokens so far, per request in flight
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateFigures:
+    ttft_p95: float
+    ttft_p99: float
+    ttlt_p99: float
+    throughput_tok_s: float
+    feasible: bool
+
+
+@dataclass(slots=True)
+class Decision:
+    """One decision: what was chosen, why, and what it was predicted to do."""
+
+    at: float
+    choice: str
+    settings: dict[str, Any]
+    changed: bool
+    reason: str
+    figures: dict[str, CandidateFigures]
+    requests: int  # in the comparison window
+    cpu_s: float  # the controller's CPU time for this interval (shadows included)
+
+    def predicted_change(self, current: str) -> float | None:
+        """Predicted relative change of P95 TTFT from ``current`` to the choice (negative: better)."""
+        a, b = self.figures.get(current), self.figures.get(self.choice)
+        if a is None or b is None or not a.ttft_p95 > 0:
+            return None
+        return b.ttft_p95 / a.ttft_p95 - 1.0
+
+
+GUARD_SLACK = 0.02  # of the guard's ratios, for the running choice only
+
+
+# --- candidates and their shadows ---------------------------------------------------------------
+def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
+    """The settings the autopilot chooses among, by name: ``gamma=<g>`` for each grid point
+    (uniboost with γ-Ada off; the base document's other uniboost parameters kept), ``defaults``
+    (uniboost with γ-Ada), ``sarathi``. Engine limits are the base document's."""
+    engine = base.engine.model_dump()
+    params = base.params.model_dump() if base.policy == "uniboost" else {}
+    out: dict[str, Settings] = {}
+    if config.with_sarathi:
+        out["sarathi"] = Settings.model_validate({"policy": "sarathi", "engine": engine})
+    if config.with_defaults:
+        out["defaults"] = Settings.model_validate({"policy": "uniboost", "engine": engine})
+    for g in config.gammas:
+        p = {**params, "gamma": g, "gamma_ada": False}
+        p["gamma_min"], p["gamma_max"] = min(p.get("gamma_min", g), g), max(p.get("gamma_max", g), g)
+        out[f"gamma={g:g}"] = Settings.model_validate({"policy": "uniboost", "params": p, "engine": engine})
+    return out
+
+
+class _Shadow:
+    """One candidate's continuous replay of the observed traffic, with the per-request latencies
+    the comparison reads (completed ones by id; unfinished ones are censored at the clock)."""
+
+    def __init__(self, settings: Settings, engine: EngineConfig) -> None:
+        self.sim = Simulator([], settings, engine)
+        self.done: dict[str, tuple[float, float, float, int]] = {}  # id -> (ttft, ttlt, finished_at, tokens)
+
+    def advance(self, requests: Sequence[TraceRequest], t: float) -> None:
+        if requests:
+            self.sim.extend_arrivals(requests)
+        self.sim.advance_to(t)
+        done, _ = self.sim.drain()
+        for c in done:
+            self.done[c.id] = (c.first_token_at - c.arrival, c.finished_at - c.arrival, c.finished_at, c.output_tokens)
+
+    def first_tokens(self) -> dict[str, float]:
+        """First-token times of requests in flight that have one."""
+        return {r.id: r.first_token_at for r in self.sim.running if r.first_token_at is not None}
+
+    def forget(self, ids: Iterable[str]) -> None:
+        for rid in ids:
+            self.done.pop(rid, None)
+
+
+class Autopilot:
+    """The controller: feed it ``Observation``s (``observe``); every ``interval_s`` it returns a
+    ``Decision``. Deterministic: the same observations give the same decisions."""
+
+    def __init__(self, base: Settings, config: AutopilotConfig | None = None,
+                 engine: EngineConfig | None = None) -> None:
+        self.config = config or AutopilotConfig()
+        self.engine = engine or EngineConfig()
+        self.base = base
+        self.options = candidates(base, self.config)
+        self.shadows = {name: _Shadow(s, self.engine) for name, s in self.options.items()}
+        self.reference = "sarathi" if "sarathi" in self.shadows else next(iter(self.shadows))
+        self.current = "defaults" if "defaults" in self.options else next(iter(self.options))
+        self.decisions: list[Decision] = []
+        self._pending: deque[Arrival] = deque()  # arrived, not yet handed to the shadows
+        self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
+        self._recent: deque[int] = deque(maxlen=self.config.history)  # completed lengths
+        self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
+        self._shadow_clock: float | None = None
+        self._next_decision: float | None = None
+        self._last_switch = -math.inf
+        self._cpu = 0.0
+
+    # --- feeding ---------------------------------------------------------------------------
+    def observe(self, obs: Observation) -> Decision | None:
+        started = time.process_time()
+        for a in obs.arrivals:
+            self._pending.append(a)
+        for c in obs.completions:
+            self._lengths[c.id] = c.output_tokens
+            self._recent.append(c.output_tokens)
+        self._replay_until(obs.now - self.config.delay_s, obs.generated)
+        self._cpu += time.process_time() - started
+        if self._next_decision is None:
+            self._next_decision = obs.now + self.config.interval_s
+        if obs.now < self._next_decision:
+            return None
+        self._next_decision = obs.now + self.config.interval_s
+        started = time.process_time()
+        decision = self._decide(obs.now)
+        self._cpu += time.process_time() - started
+        decision.cpu_s, self._cpu = self._cpu, 0.0
+        self.decisions.append(decision)
+        return decision
+
+    def _imputed(self, a: Arrival, generated: int) -> int:
+        """A length for a request still in flight: the median of recently completed lengths
+        above what it has generated, within its cap (never its true length: it is unknown)."""
+        recent = sorted(self._recent)
+        i = bisect.bisect_right(recent, generated)
+        guess = recent[(i + len(recent)) // 2] if i < len(recent) else generated + 1
+        return max(1, min(a.max_tokens, max(guess, generated + 1)))
+
+    def _replay_until(self, t: float, generated: Mapping[str, int]) -> None:
+        if self._shadow_clock is not None and t <= self._shadow_clock:
+            return
+        batch: list[TraceRequest] = []
+        while self._pending and self._pending[0].arrival <= t:
+            a = self._pending.popleft()
+            out = self._lengths.pop(a.id, None)
+            if out is None:
+                out = self._imputed(a, generated.get(a.id, 0))
+            batch.append(TraceRequest(id=a.id, arrival=a.arrival, prompt_tokens=a.prompt_tokens, output_tokens=out,
+                                      max_tokens=max(a.max_tokens, 1), tenant=a.tenant, type=a.type))
+            self._window.append((a.arrival, a.id))
+        for shadow in self.shadows.values():
+            shadow.advance(batch, t)
+        self._shadow_clock = t
+        horizon = t - self.config.window_s - self.config.settle_s
+        gone = []
+        while self._window and self._window[0][0] < horizon:
+            gone.append(self._window.popleft()[1])
+        if gone:
+            for shadow in self.shadows.values():
+                shadow.forget(gone)
+
+    # --- deciding ----------------------------------------------------------------------------
+    def _figures(self, shadow: _Shadow, clock: float, ids: list[str], arrivals: np.ndarray) -> tuple[float, ...]:
+        """P95/P99 TTFT, P99 TTLT and throughput of one shadow over the window's requests; a
+        request not served yet counts with its wait so far (a lower bound of its latency)."""
+        censored = clock - arrivals
+        ttft, ttlt = censored.copy(), censored.copy()
+        first = shadow.first_tokens()
+        tokens = 0
+        lo = clock - self.config.window_s
+        for i, rid in enumerate(ids):
+            done = shadow.done.get(rid)
+            if done is not None:
+                ttft[i], ttlt[i] = done[0], done[1]
+                if done[2] >= lo:
+                    tokens += done[3]
+            elif rid in first:
+                ttft[i] = first[rid] - arrivals[i]
+        p95, p99 = np.percentile(ttft, [95.0, 99.0])
+        return float(p95), float(p99), float(np.percentile(ttlt, 99.0)), tokens / self.config.window_s
+
+    def _decide(self, now: float) -> Decision:
+        cfg = self.config
+        clock = self._shadow_clock if self._shadow_clock is not None else now
+        settled = [(a, rid) for a, rid in self._window if a <= clock - cfg.settle_s]
+        ids = [rid for _, rid in settled]
+        if len(ids) < cfg.min_requests:
+            return Decision(now, self.current, self.options[self.current].to_dict(), False,
+                            f"waiting for data: {len(ids)} of {cfg.min_requests} requests in the window", {},
+                            len(ids), 0.0)
+        arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
+        raw = {name: self._figures(s, clock, ids, arrivals) for name, s in self.shadows.items()}
+        ref = raw[self.reference]
+        figures = {name: CandidateFigures(p95, p99, ttlt, tput,
+                                          feasible=ttlt <= cfg.ttlt_guard * ref[2]
+                                          and tput >= cfg.throughput_guard * ref[3])
+                   for name, (p95, p99, ttlt, tput) in raw.items()}
+        best, changed, reason = self._choose(figures, now, ref[2], ref[3])
+        if changed:
+            self.current = best
+            self._last_switch = now
+        return Decision(now, self.current, self.options[self.current].to_dict(), changed, reason, figures,
+                        len(ids), 0.0)
+
+
+    def _choose(self, figures: dict[str, CandidateFigures], now: float, ref_ttlt: float,
+                ref_tput: float) -> tuple[str, bool, str]:
+        """The candidate to run next, whether that is a switch, and why."""
+        cfg = self.config
+        feasible = [n for n, f in figures.items() if f.feasible]
+        best = min(feasible, key=lambda n: (figures[n].ttft_p95, n != self.current, n))
+        current = figures[self.current]
+        # The defaults anchor the choice: another candidate must clearly beat them too.
+        anchor = figures.get("defaults") if "defaults" in figures and figures["defaults"].feasible else None
+        margin, anchor_margin = 1.0 - cfg.hysteresis, 1.0 - cfg.leave_defaults
+        if best == self.current:
+            return best, False, f"{best} is still the best ({current.ttft_p95:.3g} s P95 TTFT)"
+        # The running choice keeps a little slack on the guard: a window's P99 TTLT moves by a
+        # percent or two from one minute to the next, and a switch has a cost.
+        current_ok = (current.ttlt_p99 <= (cfg.ttlt_guard + GUARD_SLACK) * ref_ttlt
+                      and current.throughput_tok_s >= (cfg.throughput_guard - GUARD_SLACK) * ref_tput)
+        if not current_ok:
+            return best, True, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
+                                f"sarathi's {ref_ttlt:.3g} s); {best} keeps it")
+        if now - self._last_switch < cfg.min_dwell_s:
+            return self.current, False, f"{self.current} kept: switched {now - self._last_switch:.0f} s ago"
+        if self.current == "defaults":
+            margin = anchor_margin
+        clear = figures[best].ttft_p95 < margin * current.ttft_p95
+        if clear and (anchor is None or best == "defaults" or figures[best].ttft_p95 < anchor_margin * anchor.ttft_p95):
+            return best, True, (f"{best} beats {self.current} on P95 TTFT: {figures[best].ttft_p95:.3g} s vs "
+                                f"{current.ttft_p95:.3g} s over the window's requests")
+        # Back to the defaults only once the current choice no longer beats them by half the
+        # margin it took to leave them: a choice is not dropped for the noise that let it in.
+        if self.current != "defaults" and anchor is not None and \
+                not current.ttft_p95 < (1.0 - cfg.leave_defaults / 2) * anchor.ttft_p95:
+            return "defaults", True, (f"{self.current} no longer clearly beats the defaults "
+                                      f"({current.ttft_p95:.3g} s vs {anchor.ttft_p95:.3g} s): back to them")
+        return self.current, False, (f"no candidate beats {self.current} by the {cfg.hysteresis:.0%} hysteresis "
+                                     f"(best {best}: {figures[best].ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)")
+
+
+# --- the simulator's driver -------------------------------------------------------------------
+def replay_with_autopilot(trace: Trace | Sequence[TraceRequest], base: Settings | None = None,
+                          config: AutopilotConfig | None = None,
+                          engine: EngineConfig | None = None) -> tuple[SimResult, list[Decision]]:
+    """Replay ``trace`` with the autopilot choosing the settings every ``interval_s``: the
+    replica starts on ``base`` (default: uniboost's defaults); at each decision the controller
+    is shown only what a live replica would know by then. Returns the replay's result (its
+    settings: the last applied) and the decisions."""
+    base = base or Settings.model_validate({"policy": "uniboost"})
+    config = config or AutopilotConfig()
+    engine = engine or EngineConfig()
+    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
+    sim = Simulator(requests, base, engine)
+    pilot = Autopilot(base, config, engine)
+    pilot.current = _name_of(pilot, base)
+    t_start = time.perf_counter()
+    completions: list[Completion] = []
+    rejected_ids: list[str] = []
+    next_arrival = 0
+    t = requests[0].arrival if requests else 0.0
+    end = requests[-1].arrival if requests else 0.0
+    while True:
+        t += config.interval_s
+        sim.advance_to(t)
+        new: list[Arrival] = []
+        while next_arrival < len(requests) and requests[next_arrival].arrival <= t:
+            r = requests[next_arrival]
+            new.append(Arrival(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type))
+            next_arrival += 1
+        done, rejected = sim.drain()
+        completions += done
+        rejected_ids += rejected
+        generated = {s.id: s.generated for s in [*sim.running, *sim.waiting] if s.generated}
+        decision = pilot.observe(Observation(t, new, done, generated))
+        if decision is not None and decision.changed:
+            sim.apply_settings(pilot.options[decision.choice])
+        if t > end and not sim.running and not len(sim.waiting):
+            break
+    result = SimResult(settings=sim.settings, completions=completions, rejected=rejected_ids,
+                       steps=sim.steps, iterations=sim.iterations, sim_time_s=sim.now,
+                       wall_s=time.perf_counter() - t_start, preemptions=sim.preemptions,
+                       policy_preemptions=sim.policy_preemptions, recomputed_tokens=sim.recomputed_tokens,
+                       gamma_timeline=sim.gamma_timeline)
+    return result, pilot.decisions
+
+
+def _name_of(pilot: Autopilot, settings: Settings) -> str:
+    for name, s in pilot.options.items():
+        if s == settings:
+            return name
+    return pilot.current
+
