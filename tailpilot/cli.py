@@ -173,6 +173,17 @@ def _run_autopilot(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     return label, result.metrics(), info
 
 
+def _settings_file_or_exit(path: str) -> Settings:
+    from controlplane.export import ExportError, load_settings_file
+
+    try:
+        return load_settings_file(path)
+    except ExportError as err:
+        raise click.BadParameter(str(err), param_hint="--settings") from None
+    except RecursionError:
+        raise click.BadParameter(f"{path}: nested too deeply", param_hint="--settings") from None
+
+
 def _stderr_console():
     from rich.console import Console
 
@@ -277,11 +288,23 @@ def main() -> None:
 @click.option("--autopilot", is_flag=True,
               help="Let the autopilot choose γ while it replays (starting from --policy's settings); "
                    "prints its decisions too.")
+@click.option("--settings", "settings_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Replay this settings document (e.g. from `tailpilot export`) instead of --policy/--set/--pin.")
 @with_trace_options
-def sim(policy, assignments, pins, as_json, autopilot, trace_path, rate_scale, target_rate, window, cap, tenants,
-        seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
+def sim(policy, assignments, pins, as_json, autopilot, settings_file, trace_path, rate_scale, target_rate, window,
+        cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
     """Replay a trace through the engine simulator under one policy and print its metrics."""
-    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), predictor)
+    if settings_file:
+        ctx = click.get_current_context()
+        given = [f"--{n}" for n in ("policy", "set", "pin")
+                 if ctx.get_parameter_source("assignments" if n == "set" else "pins" if n == "pin" else n)
+                 == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--settings replays a whole document: leave out {', '.join(given)}")
+        settings = _settings_file_or_exit(settings_file)
+        policy = settings.policy
+    else:
+        settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), predictor)
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace))
@@ -335,9 +358,12 @@ def _print_decisions(pilot: dict[str, Any]) -> None:
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Policies simulated in parallel.")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
 @click.option("--autopilot", is_flag=True, help="Add a column: the autopilot choosing γ (from uniboost's defaults).")
+@click.option("--settings", "settings_files", metavar="A.json,B.json",
+              help="Add a column per settings document (e.g. from `tailpilot export`), named by its file.")
 @with_trace_options
-def compare(policies, baseline, assignments, jobs, as_json, autopilot, trace_path, rate_scale, target_rate, window,
-            cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
+def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_files, trace_path, rate_scale,
+            target_rate, window, cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor,
+            **engine):
     """Run several policies on one trace; print each one's metrics and % change vs the baseline
     (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
     from controlplane.metrics import percent_change
@@ -359,6 +385,12 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, trace_pat
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace)) and jobs == 1
+    for path in filter(None, (p.strip() for p in (settings_files or "").split(","))):
+        label = Path(path).stem
+        while label in docs:
+            label += "'"
+        docs[label] = _settings_file_or_exit(path).to_dict()
+        names.append(label)
     tasks = [(_run_one, (n, trace, docs[n], config, not step_by_step, show)) for n in names]
     if autopilot:
         start = _settings_or_exit("uniboost", per_policy.get("uniboost", []), (), _engine_dict(engine, step_model))

@@ -68,7 +68,7 @@ def _inside_model(model, name: str, low: float, high: float) -> bool:
 
 @pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p not in ("fcfs", "sarathi")])
 def test_space_ranges_come_from_the_settings_model(policy):
-    space = build_space([policy], Settings(), gamma_hat=0.5)
+    space = build_space([policy], Settings())
     assert space.policies == ("sarathi", policy)  # the production policy stays a candidate
     assert space.policy_dims[policy], f"nothing searched for {policy}"
     for dim in space.policy_dims[policy]:
@@ -88,13 +88,13 @@ def test_space_ranges_come_from_the_settings_model(policy):
             assert settings.param("predictor") == "history"  # what a live replica has
 
 
-def test_gamma_range_centred_on_the_fcfs_estimate_and_pins_respected():
-    space = build_space(["uniboost"], Settings(), gamma_hat=0.8)
+def test_gamma_searched_over_its_whole_useful_range_on_a_log_scale_and_pins_respected():
+    space = build_space(["uniboost"], Settings())
     gamma = next(d for d in space.policy_dims["uniboost"] if d.name == "uniboost.gamma")
-    assert gamma.log and math.isclose(math.sqrt(gamma.low * gamma.high), 0.8)
+    assert gamma.log and (gamma.low, gamma.high) == (1e-4, 10.0)  # 0.003-0.007 included (issue 22)
     prod = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 8, "gamma_ada": False},
                                     "pinned": ["gamma"], "engine": {"max_num_seqs": 256}})
-    space = build_space(["uniboost"], prod, gamma_hat=0.8)
+    space = build_space(["uniboost"], prod)
     names = {d.name for d in space.policy_dims["uniboost"]}
     assert "uniboost.gamma" not in names and "uniboost.alpha_s_per_token" in names
     assert space.policies == ("uniboost",)

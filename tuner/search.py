@@ -7,7 +7,8 @@ bounds are its pydantic ``Field`` constraints (``gt/ge/lt/le``), and the searche
 window *inside* those bounds around a centre — the production value when the production settings
 run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, docs/policies.md#uniboost):
 
-* positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4; γ: 10) clipped to
+* γ → log scale over ``GAMMA_RANGE`` (1e-4 .. 10 /s);
+* positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4) clipped to
   the bounds (an open bound ``gt``/``lt`` is stepped inside by 0.1% of the span);
 * zero centre, both bounds finite → linear over the bounds;
 * zero centre and no upper bound, or a margin whose bound is only a safety limit
@@ -42,7 +43,11 @@ from controlplane.metrics import METRICS, metric_direction, validate_metric
 from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
-GAMMA_SPAN = 10.0  # γ̂ is a rough estimate: two decades around it
+# γ is searched over its whole useful range on a log scale, not around an estimate: the FCFS tail
+# estimate γ̂ missed the winners by 3-60x on unseen traces (issue 22), and the best fixed γ of the
+# autopilot benchmark lies at 0.001-0.2 /s. Below 1e-4 /s the order is size order for any request
+# mix, above 10 /s it is arrival order (benchmarks/autopilot.py).
+GAMMA_RANGE = (1e-4, 10.0)
 SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise", "sigma_spread"})
 # Margins default to 0 and their upper bounds are safety limits (controlplane.settings: a margin of
 # 1e12 s means "never preempt"), not a scale to search on: searched only when --range gives one.
@@ -360,7 +365,7 @@ def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
     return name, (lo, hi, log)
 
 
-def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: float | None = None,
+def build_space(policies: Sequence[str], production: Settings, *,
                 ranges: Mapping[str, tuple[float, float, bool | None]] | None = None,
                 fixed: Mapping[str, Any] | None = None, search: Sequence[str] | None = None,
                 tune_engine: bool = True) -> SearchSpace:
@@ -423,9 +428,10 @@ def build_space(policies: Sequence[str], production: Settings, *, gamma_hat: flo
             centre, span = float(base[name]), SPAN
             if name in UNSCALED_PARAMS and centre == 0 and (p, name) not in resolved_ranges:
                 continue
-            if name == "gamma" and gamma_hat and math.isfinite(gamma_hat) and gamma_hat > 0:
-                centre, span = gamma_hat, GAMMA_SPAN
-            dim = numeric_dim(qname, kind, field_bounds(model, name), centre, resolved_ranges.get((p, name)), span)
+            override = resolved_ranges.get((p, name))
+            if name == "gamma" and override is None:
+                override = (*GAMMA_RANGE, True)
+            dim = numeric_dim(qname, kind, field_bounds(model, name), centre, override, span)
             if dim is not None:
                 dims.append(dim)
         space.policy_dims[p] = dims

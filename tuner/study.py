@@ -352,7 +352,7 @@ def _context(study, spec: StudySpec, log: Callable[[str], None], enqueue: bool =
     else:
         try:
             ranges = dict(parse_range(r) for r in spec.ranges)
-            space = build_space(spec.policies, Settings.model_validate(spec.production), gamma_hat=gamma_hat,
+            space = build_space(spec.policies, Settings.model_validate(spec.production),
                                 ranges=ranges, fixed=spec.fixed, search=spec.search, tune_engine=spec.tune_engine)
         except ValueError as err:
             raise TuneError(str(err)) from None
