@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from controlplane.settings import Settings
 from tuner import study as st
 from sim import traces as tr
-from tuner.continuous import continuous_metrics, losses, validate
+from tuner.continuous import continuous_metrics, engine_losses, losses, validate
 from sim.engine import EngineConfig
 
 
@@ -91,6 +91,32 @@ def test_a_candidate_that_loses_the_continuous_replay_is_passed_over(ctx):
     assert check["checked"][0]["trial"] == 7 and "ttlt_p99" in check["checked"][0]["losses"][0]
     alone = validate(ctx, [(7, starved)], production)
     assert alone["chosen"] is None  # every candidate lost: keep production
+
+
+def test_a_candidate_that_breaks_a_constraint_on_held_out_windows_is_never_recommended(ctx):
+    """Issue 22: recommend printed "constraint on held-out windows: VIOLATED" and recommended the
+    trial anyway; now the held-out windows' verdict is one more way to lose."""
+    production = ctx.space.production_settings
+    same_order = Settings.model_validate({"policy": "fcfs", "engine": production.engine.model_dump()})
+    asked: list[str] = []
+
+    def held_out(candidate: Settings) -> list[str]:
+        asked.append(candidate.policy)
+        return ["held-out windows: constraint ttlt_p99<=1.02*baseline fails"] if candidate == same_order else []
+
+    check = validate(ctx, [(3, same_order), (0, production)], production, held_out)
+    assert asked == ["fcfs"] and check["chosen"] == 0
+    assert check["checked"][0]["losses"] == ["held-out windows: constraint ttlt_p99<=1.02*baseline fails"]
+
+
+def test_other_engine_limits_are_judged_on_throughput_in_the_continuous_replay():
+    production = Settings.model_validate({"policy": "sarathi"})
+    bigger = production.replace(engine={"max_num_batched_tokens": 1068})
+    assert engine_losses(bigger, production, {"throughput_tok_s": 98.0}, {"throughput_tok_s": 100.0}) == [
+        "engine limits: throughput 98 tok/s vs production 100 in the continuous replay"]
+    assert engine_losses(bigger, production, {"throughput_tok_s": 99.5}, {"throughput_tok_s": 100.0}) == []
+    same = production.replace(params={})
+    assert engine_losses(same, production, {"throughput_tok_s": 50.0}, {"throughput_tok_s": 100.0}) == []
 
 
 def test_recommend_reports_the_continuous_replay(tmp_path):

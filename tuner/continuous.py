@@ -14,13 +14,17 @@ production is kept and the summary says why.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from controlplane.settings import Settings
 from sim.engine import Simulator
 from tuner.study import TuneContext, completion_metrics
 
 MAX_CANDIDATES = 5  # continuous replays are whole traces: check the best few, in preference order
+# A candidate that changes the engine limits must keep this share of production's throughput in
+# the continuous replay of every request (a token budget that wins tail windows can lose tokens/s
+# over the hour: issue 22 saw a recommended budget of 1,068 lose 1.3% of throughput).
+ENGINE_THROUGHPUT_FLOOR = 0.99
 
 
 def continuous_metrics(ctx: TuneContext, settings: Settings) -> dict[str, dict[str, float]]:
@@ -59,11 +63,25 @@ def losses(ctx: TuneContext, values: Mapping[str, float], production: Mapping[st
     return out
 
 
-def validate(ctx: TuneContext, candidates: Sequence[tuple[int, Settings]],
-             production: Settings) -> dict[str, Any]:
+def engine_losses(candidate: Settings, production: Settings, values: Mapping[str, float],
+                  base: Mapping[str, float]) -> list[str]:
+    """A candidate with other engine limits than production's, judged on throughput in the
+    continuous replay of every request."""
+    if candidate.engine == production.engine:
+        return []
+    x, b = values.get("throughput_tok_s", math.nan), base.get("throughput_tok_s", math.nan)
+    if math.isfinite(x) and math.isfinite(b) and x < ENGINE_THROUGHPUT_FLOOR * b:
+        return [f"engine limits: throughput {x:.4g} tok/s vs production {b:.4g} in the continuous replay"]
+    return []
+
+
+def validate(ctx: TuneContext, candidates: Sequence[tuple[int, Settings]], production: Settings,
+             held_out_losses: Callable[[Settings], list[str]] | None = None) -> dict[str, Any]:
     """Continuous replays of ``candidates`` ((trial number, settings), best first; at most
     ``MAX_CANDIDATES``) against ``production``: the first that does not lose is ``chosen``
-    (None: keep production)."""
+    (None: keep production). A candidate loses if it is worse on an objective or breaks a
+    constraint in the continuous replay (its held-out requests, or all requests), if its engine
+    limits lose throughput there, or if ``held_out_losses`` (the held-out windows) names a loss."""
     base = continuous_metrics(ctx, production)
     checked, chosen = [], None
     for number, settings in candidates[:MAX_CANDIDATES]:
@@ -73,6 +91,10 @@ def validate(ctx: TuneContext, candidates: Sequence[tuple[int, Settings]],
             break
         got = continuous_metrics(ctx, settings)
         lost = losses(ctx, got["holdout"], base["holdout"])
+        lost += [f"all requests: {why}" for why in losses(ctx, got["all"], base["all"])]
+        lost += engine_losses(settings, production, got["all"], base["all"])
+        if not lost and held_out_losses is not None:
+            lost += held_out_losses(settings)
         checked.append({"trial": number, "losses": lost, "metrics": got})
         if not lost:
             chosen = number

@@ -123,8 +123,18 @@ def recommend(storage, name: str) -> dict[str, Any]:
                         f"({feasible} feasible); run more trials or relax --constraint")
     production = ctx.space.production_settings
     ranked = ranked_candidates(study, ctx)
+    held = ctx.holdout
+    held_base = ctx.run_many(production, held)
+
+    def held_out_losses(candidate: Settings) -> list[str]:
+        """Constraints the candidate breaks on the held-out windows: never recommended."""
+        if not ctx.constraints:
+            return []
+        values = ctx.constraint_values(ctx.run_many(candidate, held), baseline=held_base)
+        return [f"held-out windows: constraint {k} fails" for k, v in values.items() if v > 0]
+
     check = validate(ctx, [(t.number, Settings.model_validate(t.user_attrs[TRIAL_ATTR]["settings"]))
-                           for t in ranked], production)
+                           for t in ranked], production, held_out_losses)
     if check["chosen"] is None:  # every candidate lost the continuous replay: keep production
         chosen = next((t for t in complete if t.user_attrs.get(ROLE_ATTR) == PRODUCTION), ranked[0])
         settings = production
@@ -133,9 +143,7 @@ def recommend(storage, name: str) -> dict[str, Any]:
         settings = Settings.model_validate(chosen.user_attrs[TRIAL_ATTR]["settings"])
     search_vals = trial_metrics(chosen) if chosen.user_attrs.get(TRIAL_ATTR, {}).get("metrics") else {}
     search_windows = list(search_vals)
-    held = ctx.holdout
     held_vals = ctx.run_many(settings, held)
-    held_base = ctx.run_many(production, held)
     held_constraints = ctx.constraint_values(held_vals, baseline=held_base) if ctx.constraints else {}
     cont_metrics = next((c["metrics"] for c in check["checked"] if c["trial"] == check["chosen"]),
                         check["production"])
