@@ -847,8 +847,5 @@ async def _poll_views(cluster: ClusterSpec, client: PollingClient | None, with_c
             await client.aclose()
 
 
-# The names the tests (and older callers) know these by.
-_completion_row, _read_state, _fetch_state, _StateAnswer = completion_row, read_state, fetch_state, StateAnswer
-
 # Settings changes live in controlplane/steering.py; imported here for callers of the collector's API.
 from controlplane.steering import APPLY_WAIT_S, ApplyResult, SettingsChange, apply_settings  # noqa: E402,F401

@@ -30,6 +30,9 @@ from pydantic import (
 from controlplane.validation import describe_validation
 
 API_VERSION = 1
+# Characters of a breaker's last error a replica sends and a reader keeps (an exception's text may
+# quote a tenant's data: a line, not a dump).
+BREAKER_ERROR_CHARS = 300
 
 
 def _lenient(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
@@ -99,7 +102,8 @@ class Breaker(_Doc):
     the last settings that ran (else vLLM's stock scheduler) instead of stopping the engine."""
 
     trips_total: OptInt = Field(None, description="times a policy raised inside a step and was replaced")
-    last_error: OptStr = Field(None, description="the last failure, 'ExceptionType: message' (at most 300 chars)")
+    last_error: OptStr = Field(None, description=f"the last failure, 'ExceptionType: message' "
+                                                 f"(at most {BREAKER_ERROR_CHARS} chars)")
     last_at: OptFloat = Field(None, description="when it last tripped (replica clock, s)")
     failed_version: OptInt = Field(None, description="the settings version that raised")
     fallback_version: OptInt = Field(None, description="the version fallen back to (null: vLLM's stock order)")

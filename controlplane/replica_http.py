@@ -83,6 +83,20 @@ def bounded_body(chunks: Iterable[bytes], limit: int, what: str) -> bytes:
     return bytes(body)
 
 
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, what: str) -> "_Resp":
+    """An answer's body read streamed, :class:`AnswerTooLarge` past ``max_bytes`` (a declared
+    Content-Length past it is refused before any of the body is read)."""
+    declared = response.content_length
+    if declared is not None and declared > max_bytes:
+        raise too_large(what, max_bytes)
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_READ_CHUNK):  # decompressed bytes, if encoded
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large(what, max_bytes)
+    return _Resp(response.status, bytes(body), response.reason or "")
+
+
 class PollingClient:
     """The collector's one HTTP client, for polls and settings writes alike: an aiohttp session
     (aiohttp's C parser on plain asyncio transports costs a third of httpx's pure-Python stack per
@@ -114,27 +128,12 @@ class PollingClient:
         declared Content-Length past it is refused before any of the body is read)."""
         async with self._get_session().get(url, allow_redirects=False, headers=dict(headers or {}),
                                            **self._timeout(timeout_s)) as response:
-            declared = response.content_length
-            if declared is not None and declared > max_bytes:
-                raise too_large(what, max_bytes)
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(_READ_CHUNK):  # decompressed bytes, if encoded
-                body += chunk
-                if len(body) > max_bytes:
-                    raise too_large(what, max_bytes)
-            return _Resp(response.status, bytes(body), response.reason or "")
+            return await _read_capped(response, max_bytes, what)
 
     async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> "_Resp":
         async with self._get_session().put(url, json=doc, headers=dict(headers), allow_redirects=False,
                                            **self._timeout(timeout_s)) as response:
-            if (response.content_length or 0) > MAX_STATE_BYTES:
-                raise too_large("PUT settings", MAX_STATE_BYTES)
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(_READ_CHUNK):
-                body += chunk
-                if len(body) > MAX_STATE_BYTES:
-                    raise too_large("PUT settings", MAX_STATE_BYTES)
-            return _Resp(response.status, bytes(body), response.reason or "")
+            return await _read_capped(response, MAX_STATE_BYTES, "PUT settings")
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -238,8 +237,6 @@ _STATE_COUNTS = ("settings_version", "pending_version", "waiting", "running", "p
                  "recomputed_tokens_total", "refused_total", "finished_total", "steps_total")
 _KV_COUNTS = ("used_blocks", "total_blocks", "block_size")
 _BREAKER_COUNTS = ("trips_total", "failed_version", "fallback_version")
-#: A breaker's last error kept in the audit log and shown: the contract's own bound on it.
-BREAKER_ERROR_CHARS = 300
 
 
 def fit_state(doc: dict[str, Any]) -> list[str]:
@@ -265,7 +262,7 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
             nulled(doc, key, limits.text_problem(doc[key], chars))
     breaker = doc.get("breaker")
     if isinstance(breaker, dict) and isinstance(breaker.get("last_error"), str):
-        breaker["last_error"] = limits.clean_text(breaker["last_error"])[:BREAKER_ERROR_CHARS]
+        breaker["last_error"] = limits.clean_text(breaker["last_error"])[:contract.BREAKER_ERROR_CHARS]
     if doc.get("settings") is not None:
         nulled(doc, "settings", limits.json_problem(doc["settings"]))
     for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled

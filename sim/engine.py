@@ -142,8 +142,7 @@ class Simulator:
     def _switch_settings(self) -> None:
         settings, self._pending_settings = self._pending_settings, None
         assert settings is not None  # only called with a switch pending
-        keep = self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
-        new = make_policy(settings, keep)
+        new = make_policy(settings, self._kept_predictor(settings))
         new.adopt_live_state(self.policy)
         waiting = self.waiting.in_order()
         self.policy.detach(waiting)
@@ -153,13 +152,17 @@ class Simulator:
         self.policy, self.settings = new, settings
         self.predictor = new.predictor or self.predictor
 
+    def _kept_predictor(self, settings: Settings):
+        """The predictor a new policy takes over (what it learned stays useful), if it ranks by one."""
+        return self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
+
     def recover(self, settings: Settings) -> None:
         """Replace a policy that raised inside a step with ``settings`` (the twin's circuit
         breaker, as the plugin's ``ReplicaCore.trip``): a fresh policy, the waiting queue rebuilt
         from its members, the running requests attached; anything staged is dropped (the caller
         stages it again). Raises AssertionError if the engine's own books no longer add up."""
         self._pending_settings = None
-        policy = make_policy(settings, self.predictor if settings.policy in ("sjf", "srpt", "tie") else None)
+        policy = make_policy(settings, self._kept_predictor(settings))
         self.waiting.reset(policy)
         policy.attach(self.waiting.in_order(), self.running, self.now)
         self._settled = 0

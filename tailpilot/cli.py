@@ -145,9 +145,12 @@ def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
             result = sim.run(progress=lambda done, total: bar.update(task, completed=done))
     else:
         result = sim.run()
-    info = {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
+    return label, result.metrics(), _run_info(result, trace)
+
+
+def _run_info(result, trace) -> dict[str, Any]:
+    return {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
             "sim_time_s": result.sim_time_s, "requests": len(trace)}
-    return label, result.metrics(), info
 
 
 def _call(task: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
@@ -164,8 +167,7 @@ def _run_autopilot(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     result, decisions = replay_with_autopilot(trace, Settings.model_validate(settings_doc), engine=config)
     cpu = sum(d.cpu_s for d in decisions)
     hours = max(result.sim_time_s - (min((r.arrival for r in trace), default=0.0)), 1e-9) / 3600.0
-    info = {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
-            "sim_time_s": result.sim_time_s, "requests": len(trace),
+    info = {**_run_info(result, trace),
             "autopilot": {"cpu_s": cpu, "cpu_s_per_decision": cpu / len(decisions) if decisions else None,
                           "cpu_s_per_hour": cpu / hours, "final": result.settings.to_dict(),
                           "decisions": [{"at": d.at, "choice": d.choice, "changed": d.changed, "reason": d.reason,
@@ -296,9 +298,8 @@ def sim(policy, assignments, pins, as_json, autopilot, settings_file, trace_path
     """Replay a trace through the engine simulator under one policy and print its metrics."""
     if settings_file:
         ctx = click.get_current_context()
-        given = [f"--{n}" for n in ("policy", "set", "pin")
-                 if ctx.get_parameter_source("assignments" if n == "set" else "pins" if n == "pin" else n)
-                 == click.core.ParameterSource.COMMANDLINE]
+        given = [flag for flag, param in (("--policy", "policy"), ("--set", "assignments"), ("--pin", "pins"))
+                 if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"--settings replays a whole document: leave out {', '.join(given)}")
         settings = _settings_file_or_exit(settings_file)

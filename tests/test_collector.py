@@ -18,11 +18,10 @@ from controlplane.collector import (
     MetricsFormatError,
     PollingClient,
     ReplicaView,
-    _completion_row,
-    _StateAnswer,
     latency_percentiles,
     parse_vllm_metrics,
 )
+from controlplane.replica_http import StateAnswer, completion_row
 from controlplane.metrics import Completion, summarize, summarize_by
 from storage.rows import PERCENTILE_FIELDS
 
@@ -159,8 +158,8 @@ def test_window_percentiles_equal_metrics_module():
     for _poll in range(5):
         new = _fake_completions(rng.randint(50, 400), now - 10, now, rng, start_seq=len(all_c))
         all_c += new
-        rows = [_completion_row("r", c) for c in new]
-        result = view.build(now, _StateAnswer(_state(now, new, len(all_c)), rows, len(all_c)), None, [], None)
+        rows = [completion_row("r", c) for c in new]
+        result = view.build(now, StateAnswer(_state(now, new, len(all_c)), rows, len(all_c)), None, [], None)
         in_window = [_as_completion(c) for c in all_c if c["finished_at"] > now - 60.0]
         assert result.sample.healthy and result.sample.reason is None
         assert result.cursor == len(all_c) and view.cursor == len(all_c)
@@ -189,8 +188,8 @@ def test_tbt_and_single_token_requests():
     cs = [{"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5},
           {"id": "b", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 1.0, "output_tokens": 1},
           {"id": "c", "arrival": 0.0, "first_token_at": None, "finished_at": 2.0, "output_tokens": 0}]
-    rows = [_completion_row("r", c) for c in cs]
-    result = view.build(10.0, _StateAnswer(_state(10.0, cs, 3), rows, 3), None, [], None)
+    rows = [completion_row("r", c) for c in cs]
+    result = view.build(10.0, StateAnswer(_state(10.0, cs, 3), rows, 3), None, [], None)
     lat = result.sample.latency
     assert lat.tbt_p50 == lat.tbt_p99 == pytest.approx(1.0)  # (5 - 1) / 4, the others undefined
     assert lat.ttft_p50 == pytest.approx(1.0)  # "c" never produced a token
@@ -203,7 +202,7 @@ def test_restart_detection():
     view = ReplicaView(spec, window_s=60.0, cursor=500)
     assert view.restarted(_state(1.0, [], 500)) is None
     assert "finished_total 20 < cursor 500" in view.restarted(_state(1.0, [], 500, finished_total=20))
-    view.build(1.0, _StateAnswer(_state(1.0, [], 600, finished_total=700), [], 600), None, [], None)
+    view.build(1.0, StateAnswer(_state(1.0, [], 600, finished_total=700), [], 600), None, [], None)
     assert "finished_total went back" in view.restarted(_state(2.0, [], 600, finished_total=650))
     assert "steps_total went back" in view.restarted(_state(2.0, [], 600, finished_total=700, steps_total=3))
 
@@ -217,7 +216,7 @@ def test_restart_detection_by_instance():
     assert view.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) == "instance changed from a to b"
     unknown = ReplicaView(spec, window_s=60.0, cursor=500)  # a cursor stored without an instance
     assert unknown.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) is None
-    result = unknown.build(1.0, _StateAnswer(_state(1.0, [], 900, finished_total=900, instance="b"), [], 900),
+    result = unknown.build(1.0, StateAnswer(_state(1.0, [], 900, finished_total=900, instance="b"), [], 900),
                            None, [], None)
     assert unknown.instance == "b" and result.instance == "b" and result.cursor == 900
     assert unknown.restarted(_state(2.0, [], 950, finished_total=950, instance="c")).startswith("instance changed")
@@ -836,12 +835,12 @@ from controlplane.settings import Settings  # noqa: E402
 
 def test_completion_row_reads_max_tokens_and_tolerates_its_absence():
     base = {"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5}
-    assert _completion_row("r", {**base, "max_tokens": 4096}).max_tokens == 4096
-    assert _completion_row("r", {**base, "max_tokens": 64.0}).max_tokens == 64  # JSON may carry 64.0
-    assert _completion_row("r", base).max_tokens is None  # an older replica does not send it
-    assert _completion_row("r", {**base, "max_tokens": None}).max_tokens is None
+    assert completion_row("r", {**base, "max_tokens": 4096}).max_tokens == 4096
+    assert completion_row("r", {**base, "max_tokens": 64.0}).max_tokens == 64  # JSON may carry 64.0
+    assert completion_row("r", base).max_tokens is None  # an older replica does not send it
+    assert completion_row("r", {**base, "max_tokens": None}).max_tokens is None
     with pytest.raises(ValueError):  # malformed: the entry is skipped and counted, like any other
-        _completion_row("r", {**base, "max_tokens": "lots"})
+        completion_row("r", {**base, "max_tokens": "lots"})
 
 
 class MetricsCoreTarget(CoreTarget):

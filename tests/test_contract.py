@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from controlplane import contract
 from tailpilot.cli import main
-from controlplane.collector import StateFormatError, _completion_row, _read_state
+from controlplane.collector import StateFormatError
+from controlplane.replica_http import completion_row, read_state
 from controlplane.plugin.api import PREFIX
 from controlplane.settings import Settings
 
@@ -32,10 +33,10 @@ def check_state_page(doc: dict) -> None:
     for c in doc["completions"]:
         comp = strict(contract.Completion, c)
         assert comp.seq is not None
-        row = _completion_row("r", c)
+        row = completion_row("r", c)
         assert (row.request_id, row.arrival_s, row.finished_s, row.output_tokens, row.max_tokens) == \
             (comp.id, comp.arrival, comp.finished_at, comp.output_tokens, comp.max_tokens)
-    seen = _read_state(doc)
+    seen = read_state(doc)
     for key in ("policy", "settings_version", "waiting", "running", "finished_total", "next_cursor", "more",
                 "gamma_live", "instance", "settings"):
         assert seen[key] == doc[key], key
@@ -86,7 +87,7 @@ def test_the_plugin_sends_what_the_contract_says():
 def test_a_lenient_reader_nulls_a_broken_optional_field_and_names_a_missing_required_one():
     doc = {"completions": [], "next_cursor": 3, "waiting": "many", "gamma_live": math.inf,
            "kv": {"used_blocks": True, "total_blocks": 10, "usage": 0.5}}
-    seen = _read_state(doc)
+    seen = read_state(doc)
     assert (seen["waiting"], seen["gamma_live"], seen["kv"]["used_blocks"], seen["kv"]["total_blocks"]) == \
         (None, None, None, 10)
     with pytest.raises(ValidationError):
@@ -94,15 +95,15 @@ def test_a_lenient_reader_nulls_a_broken_optional_field_and_names_a_missing_requ
     for broken, field in (({"completions": []}, "next_cursor"), ({"next_cursor": 1}, "completions"),
                           ({"completions": [], "next_cursor": -1}, "next_cursor"), ([], "object")):
         with pytest.raises(StateFormatError, match=field):
-            _read_state(broken)
+            read_state(broken)
 
 
 def test_a_broken_completion_is_refused_whole():
     good = {"seq": 0, "id": "a", "arrival": 1.0, "finished_at": 2.0, "output_tokens": 3}
-    assert _completion_row("r", good).output_tokens == 3
+    assert completion_row("r", good).output_tokens == 3
     for bad in ({**good, "finished_at": math.nan}, {**good, "output_tokens": "three"}, {**good, "id": None}, "x"):
         with pytest.raises(ValueError):
-            _completion_row("r", bad)
+            completion_row("r", bad)
 
 
 def test_the_published_schema_is_the_contract():

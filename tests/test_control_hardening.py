@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.collector import ReplicaView, _fetch_state, _json, _Resp, apply_settings, make_client
+from controlplane.collector import ReplicaView, _json, _Resp, apply_settings, make_client
+from controlplane.replica_http import fetch_state
 from controlplane.plugin.api import PREFIX, ControlServer, Limits, token_from_env
 from controlplane.plugin.core import PAGE_LIMIT, ReplicaCore
 from controlplane.policies import RequestState
@@ -412,7 +413,7 @@ def collector_read(server: ControlServer) -> tuple[ReplicaView, object]:
     async def go():
         client = make_client(ClusterSpec(name="c", replicas=[spec]))
         try:
-            return await _fetch_state(client, view, 5.0)
+            return await fetch_state(client, view, 5.0)
         finally:
             await client.aclose()
 

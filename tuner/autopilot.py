@@ -130,13 +130,6 @@ class Decision:
     requests: int  # in the comparison window
     cpu_s: float  # the controller's CPU time for this interval (shadows included)
 
-    def predicted_change(self, current: str) -> float | None:
-        """Predicted relative change of P95 TTFT from ``current`` to the choice (negative: better)."""
-        a, b = self.figures.get(current), self.figures.get(self.choice)
-        if a is None or b is None or not a.ttft_p95 > 0:
-            return None
-        return b.ttft_p95 / a.ttft_p95 - 1.0
-
 
 GUARD_SLACK = 0.02  # of the guard's ratios, for the running choice only
 

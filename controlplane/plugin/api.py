@@ -685,12 +685,17 @@ class _HTTPServer(ThreadingHTTPServer):
         conn = self._conns[request]
         if now - conn.idle_since < self.limits.evict_idle_s:
             return None
-        self._idle_new.pop(request, None)
-        self._idle_anonymous.pop(request, None)
-        self._anonymous -= conn.kind == ANONYMOUS
+        self._leave_counts(request, conn)
         conn.closing = True
         self._closing += 1
         return request
+
+    def _leave_counts(self, request, conn: _Conn) -> None:
+        """Under the lock: a connection closing (early, or for good) leaves the idle queues and
+        the count of anonymous connections."""
+        self._idle_new.pop(request, None)
+        self._idle_anonymous.pop(request, None)
+        self._anonymous -= conn.kind == ANONYMOUS
 
     @staticmethod
     def _shut(request) -> None:
@@ -750,9 +755,7 @@ class _HTTPServer(ThreadingHTTPServer):
             if conn is not None and conn.closing:
                 self._closing -= 1
             elif conn is not None:
-                self._idle_new.pop(request, None)
-                self._idle_anonymous.pop(request, None)
-                self._anonymous -= conn.kind == ANONYMOUS
+                self._leave_counts(request, conn)
             self._cut.discard(request)
             answer = self._refusing.pop(request, None)
         if answer is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from controlplane.contract import BREAKER_ERROR_CHARS
 from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
@@ -46,9 +47,6 @@ COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "received_at", "sch
 
 class SettingsConflict(Exception):
     """``If-Match`` named a version that is no longer current."""
-
-
-BREAKER_ERROR_CHARS = 300  # of the failure's text kept for /state (an exception may quote a tenant's data)
 
 
 @dataclass(slots=True)
@@ -290,17 +288,18 @@ class ReplicaCore:
         waiting queue from its members (a half-finished queue operation is not trusted) and
         return the policy the engine now runs. Falls back to the stock order if the restored
         document fails to build or attach too."""
-        fallback = self.note_trip(err, now)
         running = [s for s in self.states.values() if s.status == "running"]
+
+        def run_on(fallback: Settings) -> Policy:
+            policy = self._build(fallback, None)
+            self.waiting.reset(policy)
+            policy.attach(self.waiting.in_order(), running, now)
+            return policy
+
         try:
-            policy = self._build(fallback, None)
-            self.waiting.reset(policy)
-            policy.attach(self.waiting.in_order(), running, now)
+            policy = run_on(self.note_trip(err, now))
         except Exception as again:  # the restored document fails here too: the stock order cannot
-            fallback = self.note_trip(again, now, stock=True)
-            policy = self._build(fallback, None)
-            self.waiting.reset(policy)
-            policy.attach(self.waiting.in_order(), running, now)
+            policy = run_on(self.note_trip(again, now, stock=True))
         self.policy = policy
         return policy
 

@@ -59,17 +59,16 @@ class PolicyRequestQueue(RequestQueue):
         return self.plugin._tp_state_for(request)
 
     def add_request(self, request: Request) -> None:
-        state = self._state(request)
-        try:
-            self._queue().push(state, self.plugin._tp_now)
-        except Exception as err:
-            self.plugin._tp_trip(err)
+        self._push(request, front=False)
 
     def prepend_request(self, request: Request) -> None:
+        self._push(request, front=True)
+
+    def _push(self, request: Request, front: bool) -> None:
         state = self._state(request)
         try:
-            self._queue().push(state, self.plugin._tp_now, front=True)
-        except Exception as err:
+            self._queue().push(state, self.plugin._tp_now, front=front)
+        except Exception as err:  # the member is recorded already: the rebuilt queue holds it
             self.plugin._tp_trip(err)
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
@@ -304,9 +303,9 @@ class TailpilotMixin:
         policy.on_steps(scheduled, idle, 1)
         policy.on_waiting_steps(self.tp_core.waiting, 1)  # counted lazily: no pass over a deep queue
 
-    def _tp_prepare_step(self, now: float):
+    def _tp_prepare_step(self, now: float) -> None:
         """The step's policy work before vLLM's own step: staged settings, the running order and
-        policy-driven preemption. Returns the policy the step runs with."""
+        policy-driven preemption."""
         core = self.tp_core
         policy = core.begin_step(now)
         lpt = core.settings.engine.long_prefill_token_threshold
@@ -329,7 +328,6 @@ class TailpilotMixin:
             self._tp_set_running(ordered, decode_first)
         if policy.preemptive and core.waiting:
             self._tp_policy_preemptions(now, ordered)
-        return policy
 
     def _tp_set_running(self, ordered: list[RequestState], decode_first: bool) -> None:
         """Put vLLM's running list in the policy's order: the order vLLM gives out the token

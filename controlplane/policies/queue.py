@@ -67,18 +67,13 @@ class WaitingQueue:
     def reset(self, policy: Policy) -> None:
         """Rebuild the queue for ``policy`` from its members alone, in (arrival, id) order: the
         circuit breaker's way back after a policy raised inside a queue operation."""
-        reqs = sorted(self._members.values(), key=_arrival_id)
-        self.policy = policy
-        self._index = _make_index(policy)
-        self._items = reqs
-        for req in reqs:
-            req.queue_prefix, req.queue_group = True, None
-        self._n = len(reqs)
-        self._epoch = None
+        self._refile_all(policy, sorted(self._members.values(), key=_arrival_id))
 
     def set_policy(self, policy: Policy) -> None:
         """A settings switch: same requests, new order from the next step on."""
-        reqs = self.in_order()
+        self._refile_all(policy, self.in_order())
+
+    def _refile_all(self, policy: Policy, reqs: list[RequestState]) -> None:
         self.policy = policy
         self._index = _make_index(policy)
         self._items[:] = reqs  # grouped: an unordered "prefix" that the next ordered() files
