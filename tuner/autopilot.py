@@ -108,6 +108,10 @@ class Observation:
     generated: Mapping[str, int] = field(default_factory=dict)  # tokens so far, per request in flight
 
 
+def _arrival_order(a: Arrival) -> tuple[float, str]:
+    return a.arrival, a.id
+
+
 @dataclass(frozen=True, slots=True)
 class CandidateFigures:
     ttft_p95: float
@@ -129,6 +133,18 @@ class Decision:
     figures: dict[str, CandidateFigures]
     requests: int  # in the comparison window
     cpu_s: float  # the controller's CPU time for this interval (shadows included)
+    previous: str = ""  # what ran before this decision ("" when the same as ``choice``)
+
+    def predicted(self) -> dict[str, float | None]:
+        """The predicted change of a switch: the chosen candidate's figures over the previous
+        one's, minus one, on the window's requests (empty when nothing changed)."""
+        new, old = self.figures.get(self.choice), self.figures.get(self.previous)
+        if not self.changed or new is None or old is None:
+            return {}
+        pairs = {"ttft_p95": (new.ttft_p95, old.ttft_p95), "ttft_p99": (new.ttft_p99, old.ttft_p99),
+                 "ttlt_p99": (new.ttlt_p99, old.ttlt_p99),
+                 "throughput_tok_s": (new.throughput_tok_s, old.throughput_tok_s)}
+        return {k: (a / b - 1.0 if b > 0 else None) for k, (a, b) in pairs.items()}
 
 
 GUARD_SLACK = 0.02  # of the guard's ratios, for the running choice only
@@ -192,20 +208,27 @@ class Autopilot:
         self.reference = "sarathi" if "sarathi" in self.shadows else next(iter(self.shadows))
         self.current = "defaults" if "defaults" in self.options else next(iter(self.options))
         self.decisions: list[Decision] = []
-        self._pending: deque[Arrival] = deque()  # arrived, not yet handed to the shadows
+        # Arrived, not yet handed to the shadows, in (arrival, id) order: a live replica reports a
+        # request when it first sees it in flight or finished, not always in arrival order.
+        self._pending: list[Arrival] = []
+        self.late = 0  # requests first seen after the shadows had passed their arrival (not replayed)
         self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
         self._recent: deque[int] = deque(maxlen=self.config.history)  # completed lengths
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
         self._shadow_clock: float | None = None
         self._next_decision: float | None = None
         self._last_switch = -math.inf
+        self._hold_until = -math.inf  # step_back: no switch before this but to keep the guard
         self._cpu = 0.0
 
     # --- feeding ---------------------------------------------------------------------------
     def observe(self, obs: Observation) -> Decision | None:
         started = time.process_time()
         for a in obs.arrivals:
-            self._pending.append(a)
+            if self._shadow_clock is not None and a.arrival <= self._shadow_clock:
+                self.late += 1  # the shadows are past it: replaying it would rewrite their past
+                continue
+            bisect.insort(self._pending, a, key=_arrival_order)
         for c in obs.completions:
             self._lengths[c.id] = c.output_tokens
             self._recent.append(c.output_tokens)
@@ -235,8 +258,9 @@ class Autopilot:
         if self._shadow_clock is not None and t <= self._shadow_clock:
             return
         batch: list[TraceRequest] = []
-        while self._pending and self._pending[0].arrival <= t:
-            a = self._pending.popleft()
+        due = bisect.bisect_right(self._pending, t, key=lambda a: a.arrival)
+        taken, self._pending = self._pending[:due], self._pending[due:]
+        for a in taken:
             out = self._lengths.pop(a.id, None)
             if out is None:
                 out = self._imputed(a, generated.get(a.id, 0))
@@ -290,12 +314,20 @@ class Autopilot:
                                           feasible=ttlt <= cfg.ttlt_guard * ref[2]
                                           and tput >= cfg.throughput_guard * ref[3])
                    for name, (p95, p99, ttlt, tput) in raw.items()}
+        previous = self.current
         best, changed, reason = self._choose(figures, now, ref[2], ref[3])
         if changed:
             self.current = best
             self._last_switch = now
         return Decision(now, self.current, self.options[self.current].to_dict(), changed, reason, figures,
-                        len(ids), 0.0)
+                        len(ids), 0.0, previous if changed else "")
+
+    def step_back(self, now: float, to: str = "defaults", hold_s: float = 3_600.0) -> None:
+        """The live driver stepped the replica back to ``to`` (its realized changes were worse than
+        predicted): run on it, and switch away only to keep the guard until ``now + hold_s``."""
+        if to not in self.options:
+            raise KeyError(f"no candidate named {to!r}")
+        self.current, self._last_switch, self._hold_until = to, now, now + hold_s
 
 
     def _choose(self, figures: dict[str, CandidateFigures], now: float, ref_ttlt: float,
@@ -317,6 +349,8 @@ class Autopilot:
         if not current_ok:
             return best, True, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
                                 f"sarathi's {ref_ttlt:.3g} s); {best} keeps it")
+        if now < self._hold_until:
+            return self.current, False, f"{self.current} held after a step back until t={self._hold_until:.0f}"
         if now - self._last_switch < cfg.min_dwell_s:
             return self.current, False, f"{self.current} kept: switched {now - self._last_switch:.0f} s ago"
         if self.current == "defaults":
