@@ -69,7 +69,7 @@ from controlplane.replica_http import (  # noqa: F401 (re-exported)
     StateAnswer,
     StateFormatError,
     _get,
-    _HttpFailure,
+    HttpFailure,
     _json,
     _opt_int,
     _Resp,
@@ -465,9 +465,9 @@ async def _poll_view(client: PollingClient, view: ReplicaView, timeout_s: float,
     no_plugin: str | None = None
     answer = None
     if isinstance(state_res, BaseException):
-        if isinstance(state_res, _HttpFailure) and state_res.status == 404:
+        if isinstance(state_res, HttpFailure) and state_res.status == 404:
             no_plugin = "metrics only: no tailpilot control API (state: HTTP 404)"
-        elif isinstance(state_res, (_HttpFailure, StateFormatError)):
+        elif isinstance(state_res, (HttpFailure, StateFormatError)):
             errors.append(str(state_res))
         else:
             raise state_res
@@ -475,7 +475,7 @@ async def _poll_view(client: PollingClient, view: ReplicaView, timeout_s: float,
         answer = state_res
     metrics = None
     if isinstance(metrics_res, BaseException):
-        if isinstance(metrics_res, (_HttpFailure, MetricsFormatError)):
+        if isinstance(metrics_res, (HttpFailure, MetricsFormatError)):
             errors.append(str(metrics_res))
             view.metrics_error = str(metrics_res)
         else:

@@ -33,6 +33,8 @@ API_VERSION = 1
 # Characters of a breaker's last error a replica sends and a reader keeps (an exception's text may
 # quote a tenant's data: a line, not a dump).
 BREAKER_ERROR_CHARS = 300
+# Requests one /inflight answer lists at most (the oldest): about 200 bytes each.
+INFLIGHT_LIMIT = 1_000
 
 
 def _lenient(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
@@ -171,6 +173,31 @@ class SettingsAnswer(_Doc):
     restart_required: list[str] | None = Field(None, description="PUT only: engine fields that need a restart")
 
 
+class InflightRequest(_Doc):
+    """One request the replica holds (waiting or running): what it knows of it — never its output
+    length, which nobody knows before it finishes."""
+
+    id: str
+    tenant: str = "default"
+    type: str = "default"
+    arrival: Time = Field(description="when the API server got it")
+    received_at: OptFloat = Field(None, description="when the engine core got it")
+    prompt_tokens: int = Field(0, ge=0)
+    max_tokens: OptInt = Field(None, description="the client's cap")
+    generated: int = Field(0, ge=0, description="output tokens so far")
+    status: OptStr = Field(None, description="waiting | running | ...")
+
+
+class Inflight(_Doc):
+    """``GET /inflight[?limit=N]``: the requests in flight, oldest first (at most ``limit``,
+    default and most ``INFLIGHT_LIMIT``), for a controller that replays the replica's traffic."""
+
+    instance: OptStr = None
+    time: OptFloat = Field(None, description="the replica's clock, seconds")
+    total: int = Field(ge=0, description="requests in flight, listed or not")
+    requests: list[InflightRequest]
+
+
 class ErrorAnswer(_Doc):
     """Every 4xx/5xx answer."""
 
@@ -179,7 +206,7 @@ class ErrorAnswer(_Doc):
 
 DOCUMENTS: dict[str, type[BaseModel]] = {
     "state": State, "breaker": Breaker, "completion": Completion, "steps": StepsPage, "step": Step,
-    "settings": SettingsAnswer, "error": ErrorAnswer,
+    "settings": SettingsAnswer, "inflight": Inflight, "error": ErrorAnswer,
 }
 
 

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Coroutine, Sequence
 
 from controlplane.cluster import ClusterFileError, ClusterSpec, load_cluster_file
 from controlplane.collector import Collector, PollResult
@@ -37,6 +37,8 @@ from controlplane.collector import Collector, PollResult
 log = logging.getLogger("tailpilot.recorder")
 
 DEFAULT_RETENTION_INTERVAL_S = 600.0
+# A controller run beside the collector: called with (collector, store, stop) until stop is set.
+Task = Callable[[Collector, Any, asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -90,11 +92,13 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
                  retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
                  collector: Collector | None = None, govern: str | None = None,
-                 metrics: tuple[str, int] | None = None) -> RecorderStats:
+                 metrics: tuple[str, int] | None = None, tasks: Sequence[Task] = ()) -> RecorderStats:
     """Run a collector on ``store`` until ``stop`` is set; flush, end the recording, return stats.
     ``govern``: also run the governor (controlplane.governor), its state set to this first
     ("armed" | "dry-run"; "" keeps the stored state). ``metrics``: (host, port) to serve the
-    ``tailpilot_*`` Prometheus page on (controlplane.exporter; port 0 picks one)."""
+    ``tailpilot_*`` Prometheus page on (controlplane.exporter; port 0 picks one). ``tasks``: more
+    controllers run beside the collector until ``stop`` (each called with the collector, the
+    store and ``stop``; the autopilot: ``tuner.autopilot_live.run_autopilot``)."""
     stats = RecorderStats(cluster=cluster.name, db=db_label, started_ms=int(time.time() * 1000))
     collector = collector or Collector(cluster, store, flush_interval_s=flush_interval_s,
                                        metrics_every=metrics_every)
@@ -133,6 +137,8 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
             if govern:
                 await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
             extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
+        for controller in tasks:
+            extra.append(asyncio.create_task(controller(collector, store, stop)))
         s = await collector.run(stop)
     finally:
         if exporter is not None:
@@ -165,7 +171,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                  retention: Any | None = None, retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
                  flush_interval_s: float = 1.0, metrics_every: int = 1,
                  install_signals: bool = True, govern: str | None = None,
-                 metrics: tuple[str, int] | None = None) -> RecorderStats:
+                 metrics: tuple[str, int] | None = None, tasks: Sequence[Task] = ()) -> RecorderStats:
     """Record ``cluster`` into the store at ``db_url`` (None: ./tailpilot.db) until stopped.
 
     Blocking. Stops on SIGTERM/SIGINT (``install_signals``, main thread only) or when ``stop`` is
@@ -199,7 +205,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
             return await record(cluster, store, event, db_label=str(store), recording_name=recording_name,
                                 retention=retention, retention_interval_s=retention_interval_s,
                                 flush_interval_s=flush_interval_s, metrics_every=metrics_every, govern=govern,
-                                metrics=metrics)
+                                metrics=metrics, tasks=tasks)
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)

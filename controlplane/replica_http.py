@@ -158,7 +158,9 @@ def _describe_http_error(err: BaseException, what: str, timeout_s: float) -> str
     return f"{what}: {type(err).__name__}: {err}"
 
 
-class _HttpFailure(Exception):
+class HttpFailure(Exception):
+    """A replica that did not answer 200 (``status``: its HTTP status, when one came back)."""
+
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -194,13 +196,13 @@ async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
                     break
                 await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
     except (aiohttp.ClientError, TimeoutError, OSError) as err:
-        raise _HttpFailure(_describe_http_error(err, what, timeout_s)) from None
+        raise HttpFailure(_describe_http_error(err, what, timeout_s)) from None
     except AnswerTooLarge as err:
-        raise _HttpFailure(str(err)) from None
+        raise HttpFailure(str(err)) from None
     if resp.status_code != 200:
         body = resp.text.strip().replace("\n", " ")
         body = body if len(body) <= 120 else body[:117] + "..."
-        raise _HttpFailure(f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""),
+        raise HttpFailure(f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""),
                            resp.status_code)
     return resp
 
@@ -384,7 +386,7 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
     for page in range(MAX_PAGES_PER_POLL + 1):
         try:
             resp = await _get(client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token())
-        except _HttpFailure as err:
+        except HttpFailure as err:
             if page == 0 or err.status != 429:
                 raise
             break  # the replica rate-limits a long backlog: keep what came, read on next poll
@@ -450,3 +452,16 @@ async def fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: flo
 
 def parse_metrics_page(resp: _Resp) -> dict[str, float]:
     return parse_vllm_metrics(resp.text)
+
+
+async def fetch_inflight(client: PollingClient, spec: ReplicaSpec, timeout_s: float,
+                         limit: int = contract.INFLIGHT_LIMIT) -> contract.Inflight:
+    """The replica's oldest ``limit`` requests in flight (``GET /inflight``), read through the
+    contract strictly on its required fields; ``StateFormatError`` naming the field otherwise,
+    ``HttpFailure`` when it did not answer 200."""
+    resp = await _get(client, control_base(spec) + "/inflight", "inflight", timeout_s, {"limit": limit},
+                      token=spec.token())
+    try:
+        return contract.read(contract.Inflight, _json(resp, "inflight"))
+    except ValidationError as err:
+        raise StateFormatError(f"inflight: {contract.describe(err)}") from None

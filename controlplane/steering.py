@@ -22,7 +22,7 @@ from controlplane.replica_http import (
     StateFormatError,
     _describe_http_error,
     _get,
-    _HttpFailure,
+    HttpFailure,
     _json,
     _opt_int,
     control_base,
@@ -70,7 +70,7 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
         if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
                 or not isinstance(current.get("version"), int):
             raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
-    except (_HttpFailure, StateFormatError) as err:
+    except (HttpFailure, StateFormatError) as err:
         res.message = str(err)
         return res
     res.old, res.version = current["settings"], current["version"]
@@ -153,7 +153,7 @@ async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, t
                         "state (read back)")
             active = _opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
             why = f"the replica runs version {active} (a busy engine applies it at its next step)"
-        except (_HttpFailure, StateFormatError) as err:
+        except (HttpFailure, StateFormatError) as err:
             active, why = None, f"could not read it back ({err})"
         if (active is not None and active >= version) or time.monotonic() >= deadline:
             return active, why

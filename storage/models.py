@@ -310,6 +310,19 @@ class GovernorControl(Base):
     status: Mapped[Any | None] = mapped_column(Json)  # the governor's own report (active modes, ...)
 
 
+class AutopilotControl(Base):
+    """A cluster's autopilot: armed, dry-run or disarmed, paused, and what it last reported."""
+
+    __tablename__ = "autopilot_control"
+
+    cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
+    state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
+    paused: Mapped[bool] = mapped_column(Boolean)
+    who: Mapped[str | None] = mapped_column(String(200))
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[Any | None] = mapped_column(Json)  # per replica: its choice, why, last decisions
+
+
 class Recommendation(Base):
     """A tuner study's recommended settings and the summary that justifies them."""
 

@@ -66,6 +66,7 @@ from storage.models import (
     Completion,
     FidelityReport,
     GovernanceWindow,
+    AutopilotControl,
     GovernorControl,
     Prediction,
     GroupSample,
@@ -437,24 +438,47 @@ class Store:
         return [e[0] for e in newest if e and e[0]["state"] == "firing"]
 
     GOVERNOR_DEFAULT = {"state": "dry-run", "paused": False, "who": None, "updated_ms": None, "status": None}
+    CONTROL_STATES = ("armed", "dry-run", "disarmed")
 
     def governor_control(self, cluster: str) -> dict[str, Any]:
         """The cluster's governor control row (state, paused, who, updated_ms, status); the
         default (dry-run, not paused) when none was written."""
-        stmt = select(GovernorControl.__table__).where(GovernorControl.cluster == cluster)
-        with self._read() as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
-            return {"cluster": cluster, **self.GOVERNOR_DEFAULT}
-        return dict(row._mapping)
+        return self._control_row(GovernorControl, cluster)
 
     def set_governor_control(self, cluster: str, *, state: str | None = None, paused: bool | None = None,
                              status: dict[str, Any] | None = None, who: str | None = None,
                              t_ms: int | None = None) -> dict[str, Any]:
         """Change the governor's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
         status (what is not given is kept); returns the row."""
-        if state is not None and state not in ("armed", "dry-run", "disarmed"):
-            raise ValueError(f"governor state must be armed, dry-run or disarmed, got {state!r}")
+        return self._set_control_row(GovernorControl, "governor", cluster, state=state, paused=paused,
+                                     status=status, who=who, t_ms=t_ms)
+
+    def autopilot_control(self, cluster: str) -> dict[str, Any]:
+        """The cluster's autopilot control row, shaped as the governor's (state, paused, who,
+        updated_ms, status: the autopilot's own report per replica); dry-run by default."""
+        return self._control_row(AutopilotControl, cluster)
+
+    def set_autopilot_control(self, cluster: str, *, state: str | None = None, paused: bool | None = None,
+                              status: dict[str, Any] | None = None, who: str | None = None,
+                              t_ms: int | None = None) -> dict[str, Any]:
+        """Change the autopilot's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
+        status (what is not given is kept); returns the row."""
+        return self._set_control_row(AutopilotControl, "autopilot", cluster, state=state, paused=paused,
+                                     status=status, who=who, t_ms=t_ms)
+
+    def _control_row(self, model: type[GovernorControl] | type[AutopilotControl], cluster: str) -> dict[str, Any]:
+        stmt = select(model.__table__).where(model.cluster == cluster)
+        with self._read() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return {"cluster": cluster, **self.GOVERNOR_DEFAULT}
+        return dict(row._mapping)
+
+    def _set_control_row(self, model: type[GovernorControl] | type[AutopilotControl], what: str, cluster: str, *, state: str | None,
+                         paused: bool | None, status: dict[str, Any] | None, who: str | None,
+                         t_ms: int | None) -> dict[str, Any]:
+        if state is not None and state not in self.CONTROL_STATES:
+            raise ValueError(f"{what} state must be armed, dry-run or disarmed, got {state!r}")
         now = self._now_ms() if t_ms is None else t_ms
 
         given: dict[str, Any] = {"updated_ms": now}
@@ -468,13 +492,13 @@ class Store:
             given["who"] = who
 
         def txn(conn: Connection) -> None:
-            # Only the columns given are written: the governor's status every second never puts
+            # Only the columns given are written: a controller's status every second never puts
             # back a state an operator has just changed.
             doc = {**self.GOVERNOR_DEFAULT, **given, "cluster": cluster}
-            conn.execute(insert_or_update(conn, table(GovernorControl), ["cluster"], list(given)), [doc])
+            conn.execute(insert_or_update(conn, table(model), ["cluster"], list(given)), [doc])
 
         self._write(txn)
-        return self.governor_control(cluster)
+        return self._control_row(model, cluster)
 
     def predictions(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
         """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version, summary."""

@@ -24,7 +24,14 @@ from pathlib import Path
 import click
 
 from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
-from tailpilot.cli_common import POSITIVE, TRACE_PARSE_ERRORS, FiniteFloatRange, echo_json, unreadable_trace
+from tailpilot.cli_common import (
+    POSITIVE,
+    TRACE_PARSE_ERRORS,
+    FiniteFloatRange,
+    echo_json,
+    json_text,
+    unreadable_trace,
+)
 
 DB_ENV = "TAILPILOT_DB"  # default database URL when --db is not given
 
@@ -333,20 +340,29 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
 @click.option("--raw-hours", type=FiniteFloatRange(0, 10 * 365 * 24, min_open=True),
               help="Retention: keep raw samples this many hours, then 1-minute rollups.")
 @click.option("--govern", is_flag=True, help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.")
-@click.option("--arm", is_flag=True, help="With --govern: arm the governor (it applies its modes).")
+@click.option("--autopilot", is_flag=True,
+              help="Also run the autopilot (chooses each uniboost/sarathi replica's γ online); dry-run unless --arm.")
+@click.option("--autopilot-config", type=click.Path(dir_okay=False, exists=True), metavar="FILE",
+              help="--autopilot: its knobs, a JSON object of AutopilotConfig fields (README, \"The autopilot\").")
+@click.option("--arm", is_flag=True, help="Arm the controllers started with --govern / --autopilot (they apply "
+                                          "their changes; without it they only write them to the audit log).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="PORT",
               help="Serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port; 9464 by convention).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the Prometheus page listens on (0.0.0.0 in a pod).")
-def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, arm, metrics_port, metrics_host):
+def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, autopilot, autopilot_config, arm,
+           metrics_port, metrics_host):
     """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector)."""
     import logging
 
     from controlplane.recorder import run_recorder
 
     cluster = load_cluster(cluster_file, cluster_name)
-    if arm and not govern:
-        raise click.UsageError("--arm goes with --govern")
+    if arm and not (govern or autopilot):
+        raise click.UsageError("--arm goes with --govern or --autopilot")
+    if autopilot_config and not autopilot:
+        raise click.UsageError("--autopilot-config goes with --autopilot")
+    tasks = [autopilot_task(autopilot_config, "armed" if arm else "dry-run")] if autopilot else []
     if govern and cluster.governance is None:
         raise click.UsageError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
     retention = None
@@ -359,13 +375,117 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, ar
     try:
         stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name,
                              retention=retention, govern=("armed" if arm else "dry-run") if govern else None,
-                             metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
+                             metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
+                             tasks=tasks)
     except OSError as err:
         if metrics_port is None:
             raise
         raise click.ClickException(f"cannot serve /metrics on {metrics_host}:{metrics_port}: "
                                    f"{err.strerror or err}") from None
     echo_json(stats.as_dict(), default=str, indent=None)
+
+
+def autopilot_task(config_file: str | None, state: str):
+    """The recorder task that runs the autopilot, its control row set to ``state`` first; a bad
+    config file is a usage error naming the field before anything starts."""
+    from pydantic import ValidationError
+
+    from tuner.autopilot import AutopilotConfig
+
+    try:
+        config = AutopilotConfig.model_validate_json(Path(config_file).read_bytes()) if config_file else None
+    except ValidationError as err:
+        raise click.BadParameter(describe_error(err), param_hint="--autopilot-config") from None
+
+    async def task(collector, store, stop):
+        import asyncio
+
+        from tuner.autopilot_live import run_autopilot
+
+        await asyncio.to_thread(store.set_autopilot_control, collector.cluster.name, state=state,
+                                who="autopilot start")
+        await run_autopilot(collector, store, stop, config=config)
+
+    return task
+
+
+@click.group()
+def autopilot():
+    """The autopilot: steer the one running in `tailpilot record --autopilot` (status, arm, dry-run,
+    disarm, pause, resume), or tune its own knobs on traces (tune)."""
+
+
+AUTOPILOT_ACTIONS = {"status": "Its state, each replica's choice and why, and its last decisions.",
+                     "arm": "Apply its decisions through the control API (audited, verified).",
+                     "dry-run": "Only write its decisions to the audit log (the default).",
+                     "disarm": "Stop it (its simulators are dropped; arming starts them afresh).",
+                     "pause": "Hold it: it keeps watching and applies nothing.",
+                     "resume": "Undo pause."}
+
+
+def _autopilot_control(action: str):
+    @autopilot.command(name=action, help=AUTOPILOT_ACTIONS[action])
+    @click.option("--cluster-name", "cluster_name", required=True, metavar="NAME", help="The cluster it runs on.")
+    @click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
+    @click.option("--who", default=None, help="Name in the autopilot's control row (default: $USER).")
+    @click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
+    def command(cluster_name, db, who, as_json):
+        from tuner.autopilot_live import CONTROL_ACTIONS, status_lines
+
+        store = open_store(db, must_exist=True)  # a mistyped path or cluster is an error, never a new row
+        try:
+            known_cluster(store, cluster_name)
+            changes = CONTROL_ACTIONS.get(action)
+            row = store.set_autopilot_control(cluster_name, who=who or f"cli:{os.environ.get('USER', 'unknown')}",
+                                              **changes) if changes else store.autopilot_control(cluster_name)
+        finally:
+            store.close()
+        if as_json:
+            echo_json(row, default=str, indent=None)
+        else:
+            for line in status_lines(row):
+                click.echo(line)
+
+    return command
+
+
+for _action in AUTOPILOT_ACTIONS:
+    _autopilot_control(_action)
+
+
+@autopilot.command(name="tune")
+@click.option("--trace", "trace_paths", multiple=True, metavar="FILE",
+              help="A trace to tune on (repeatable; default the bundled Azure conv window).")
+@click.option("--trials", type=click.IntRange(1, 10_000), default=20, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="Write the configuration here (for `record --autopilot-config FILE`).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def autopilot_tune(trace_paths, trials, seed, out, as_json):
+    """Tune the autopilot's own knobs (margins, dwell, window, interval, delay) on continuous replays
+    of the traces: P95 TTFT against sarathi's, with the P99 TTLT and throughput guards."""
+    from sim import traces as tr
+    from tuner.autopilot_tune import tune_autopilot
+
+    loaded = []
+    for path in trace_paths or ("bundled",):
+        try:
+            loaded.append(tr.load_bundled() if path == "bundled" else tr.load_trace(path, seed=seed))
+        except (tr.TraceError, OSError) as err:
+            raise click.BadParameter(str(err), param_hint="--trace") from None
+        except TRACE_PARSE_ERRORS as err:
+            raise unreadable_trace(path, err) from None
+    result = tune_autopilot(loaded, trials=trials, seed=seed)
+    if out:
+        Path(out).write_text(json_text(result["config"], indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        echo_json(result)
+        return
+    f, s0 = result["figures"], result["start"]
+    click.echo(f"{result['trials']} trials; best #{result['trial']}: P95 TTFT {f['ttft_p95_ratio']:.3f}x sarathi "
+               f"(default configuration {s0['ttft_p95_ratio']:.3f}x), P99 TTLT {f['ttlt_p99_ratio']:.3f}x, "
+               f"throughput {f['throughput_ratio']:.3f}x")
+    click.echo("config: " + json_text(result["config"]) + (f" (written to {out})" if out else ""))
 
 
 @click.command()
@@ -536,4 +656,4 @@ def _demo_table(cluster, db: str, duration: float | None) -> None:
         store.close()
 
 
-COMMANDS = (status, set_command, verify, record, governor, tui, demo)
+COMMANDS = (status, set_command, verify, record, governor, autopilot, tui, demo)

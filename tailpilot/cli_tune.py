@@ -348,8 +348,11 @@ def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
 @click.option("--storage", metavar="URL", help="Optuna storage of the study [default: ./tailpilot-optuna.db].")
 @click.option("--db", metavar="URL", help=f"Store the recommendation here (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--no-store", is_flag=True, help="Only print; do not store the recommendation.")
+@click.option("--autopilot", "with_autopilot", is_flag=True,
+              help="Also judge keeping the autopilot (it replays every trace whole, choosing online) against "
+                   "the recommendation; about a dozen replays of the traces more.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recommendation as JSON.")
-def recommend(study_name, storage, db, no_store, as_json):
+def recommend(study_name, storage, db, no_store, with_autopilot, as_json):
     """The study's best settings (or Pareto front) and their improvement over the production
     settings on search and on held-out windows, with confidence intervals over windows; stored
     so the TUI shows it."""
@@ -359,7 +362,7 @@ def recommend(study_name, storage, db, no_store, as_json):
 
     url = _storage_or_exit(storage, db, must_exist=True)
     try:
-        summary = jsonable(build(open_storage(url), study_name))
+        summary = jsonable(build(open_storage(url), study_name, with_autopilot=with_autopilot))
     except TuneError as err:
         raise click.UsageError(str(err)) from None
     if not no_store:
@@ -454,6 +457,8 @@ def _print_recommendation(s: dict) -> None:
         console.print(f"Pareto front: {len(s['pareto_front'])} trials "
                       f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")
     console.print("settings: " + json.dumps(s["settings"]))
+    if s.get("autopilot"):
+        console.print(f"autopilot on the continuous replay: {s['autopilot']['verdict']}", markup=False)
     if "stored_id" in s:
         console.print(f"stored as recommendation {s['stored_id']} (the TUI shows it)")
 

@@ -63,6 +63,21 @@ def test_a_twin_sends_what_the_contract_says():
             assert strict(contract.StepsPage, steps).steps
             bad = http.get(url + "/state", params={"cursor": "x"})
             assert bad.status_code == 400 and strict(contract.ErrorAnswer, bad.json()).error
+            check_inflight(http.get(url + "/inflight", params={"limit": 3}).json(), 3)
+            for limit in ("0", str(contract.INFLIGHT_LIMIT + 1), "x"):
+                bad = http.get(url + "/inflight", params={"limit": limit})
+                assert bad.status_code == 400 and "limit" in bad.json()["error"]
+
+
+def check_inflight(doc: dict, limit: int) -> list[dict]:
+    """``doc`` is an Inflight a producer may send: at most ``limit`` requests, oldest first, and
+    nothing that tells an output length before the request finished."""
+    seen = strict(contract.Inflight, doc)
+    assert len(seen.requests) <= limit and seen.total >= len(seen.requests)
+    assert [(r.arrival, r.id) for r in seen.requests] == sorted((r.arrival, r.id) for r in seen.requests)
+    for entry in doc["requests"]:
+        assert not {"output_tokens", "finished_at"} & set(entry), entry
+    return doc["requests"]
 
 
 def test_the_plugin_sends_what_the_contract_says():
@@ -76,7 +91,11 @@ def test_the_plugin_sends_what_the_contract_says():
     try:
         d = Driver(s)
         d.add(*[make_request(f"r{i}", 16 + i, 4) for i in range(3)])
+        listed = check_inflight(s.api_inflight(2), 2)
+        assert [r["id"] for r in listed] == ["r0", "r1"] and s.api_inflight(5)["total"] == 3
         d.run()
+        after = s.api_inflight(5)
+        assert (after["total"], after["requests"]) == (0, [])
         check_state_page(s.api_state(0))
         strict(contract.SettingsAnswer, s.api_settings())
         strict(contract.StepsPage, s.api_steps(0))

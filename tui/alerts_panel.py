@@ -1,4 +1,5 @@
-"""The alerts panel: the cluster's governance figures per tenant and type, and the alert history."""
+"""The alerts panel: the cluster's governance figures per tenant and type, the governor and the
+autopilot (the cluster's automatic controllers), and the alert history."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
 from tui import render as R
+from tui.autopilot_panel import AutopilotPanel
 from tui.widgets import AutoSizedTable, fill_table
 
 
@@ -18,6 +20,7 @@ class AlertsPanel(Vertical):
         yield Static(Text("governance", style="bold"), id="alerts-title", classes="title")
         yield Static("", id="alerts-figures")
         yield Static("", id="alerts-governor")
+        yield AutopilotPanel(id="alerts-autopilot")
         yield AutoSizedTable(id="alerts-tenants", cursor_type="row", zebra_stripes=True)
         yield Static(Text("alert history (newest first)", style="bold"), classes="title")
         yield AutoSizedTable(id="alerts-history", cursor_type="row", zebra_stripes=True)
@@ -31,8 +34,12 @@ class AlertsPanel(Vertical):
             h.add_column(label, key=key, width=width)
 
     def update_from(self, governance: dict[str, Any] | None, events: list[dict[str, Any]],
-                    governor: dict[str, Any] | None = None) -> None:
+                    governor: dict[str, Any] | None = None, autopilot: dict[str, Any] | None = None,
+                    now_ms: int | None = None) -> None:
+        """Show the window's figures, the alert history and the two control rows (None: not known
+        here; the autopilot's block is then hidden) as of ``now_ms``."""
         self.query_one("#alerts-figures", Static).update(R.governance_summary(governance))
         self.query_one("#alerts-governor", Static).update(R.governor_line(governor))
+        self.query_one(AutopilotPanel).update_from(autopilot, now_ms)
         fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(governance))
         fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in events])

@@ -1,10 +1,11 @@
 """The operator TUI (Textual): live cluster view, replica drill-down, policy switching and
-pinning, audit log, and replay of recordings on the same screens.
+pinning, audit log, the governor and the autopilot, and replay of recordings on the same screens.
 
 The app is thin: each panel is its own module (``cluster_panel``, ``replica_panel``,
-``policy_panel``, ``audit_panel``, ``tuner_panel``), the modal screens are ``dialogs``, the styles
-``app.tcss``, the keys one table (``keys``), and what a panel shows is a pure render function
-(``render``).
+``policy_panel``, ``audit_panel``, ``tuner_panel``, ``alerts_panel`` with ``autopilot_panel``),
+the modal screens are ``dialogs``, steering the governor and the autopilot ``controllers``, the
+styles ``app.tcss``, the keys one table (``keys``), and what a panel shows is a pure render
+function (``render``, ``autopilot_render``).
 
 Data flow: one pump task awaits ``source.next_snapshot()`` and applies each snapshot before it
 reads the next (refreshes never overlap); the cluster table is updated cell by cell in place.
@@ -41,7 +42,8 @@ from tui import render as R
 from tui.alerts_panel import AlertsPanel
 from tui.audit_panel import AuditPanel
 from tui.cluster_panel import ClusterPanel, FilterInput
-from tui.dialogs import ConfirmScreen, GovernorScreen, HelpScreen, PolicyPickScreen, SeekScreen
+from tui.controllers import ControllerActions
+from tui.dialogs import ConfirmScreen, HelpScreen, PolicyPickScreen, SeekScreen
 from tui.edits import (
     RecommendationEdit,
     SettingsEdit,
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 PREVIEW_MINUTES = 10.0  # the confirm dialog's what-if replays each replica's last this many minutes
 
 
-class TailpilotApp(App):
+class TailpilotApp(ControllerActions, App):
     """``TailpilotApp(source, cluster_spec, readonly=..., store=...)``."""
 
     TITLE = "tailpilot"
@@ -412,43 +414,6 @@ class TailpilotApp(App):
                 log.warning("verifications unavailable: %s", err)
                 return
             panel.update_from(rows, note, self.verification_cache)
-
-    @work(exclusive=True, group="alerts", exit_on_error=False)
-    async def reload_alerts(self) -> None:
-        """The alerts panel: the snapshot's governance figures and the stored alert history."""
-        try:
-            events = await self.source.alert_events(200)
-        except Exception as err:  # noqa: BLE001
-            log.warning("alert history unavailable: %s", err)
-            events = []
-        try:
-            governor = await self.source.governor()
-        except Exception as err:  # noqa: BLE001
-            log.warning("governor state unavailable: %s", err)
-            governor = None
-        snap = self.snapshot
-        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events, governor)
-
-    async def action_governor(self) -> None:
-        try:
-            control = await self.source.governor()
-        except Exception as err:  # noqa: BLE001
-            self.notify(f"governor state unavailable: {err}", severity="error")
-            return
-        if control is None:
-            self.notify("no governor here: a cluster with a governance block, live with --db", severity="warning")
-            return
-
-        def picked(choice: str | None) -> None:
-            if choice:
-                self.run_worker(self._steer_governor(choice), group="governor", exit_on_error=False)
-
-        self.push_screen(GovernorScreen(control), picked)
-
-    async def _steer_governor(self, choice: str) -> None:
-        row = await self.source.steer_governor(choice, self.who)  # type: ignore[attr-defined]
-        self.notify(f"governor: {choice} ({row['state']}{', paused' if row['paused'] else ''})")
-        self.reload_alerts()
 
     async def _reload_fidelity(self) -> None:
         # Reloaded with the audit log (same cadence: fidelity reports are rare).

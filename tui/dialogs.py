@@ -1,5 +1,5 @@
 """The modal screens: confirm a cluster change (with its diff), help, seek, pick a policy, steer
-the governor."""
+the governor or the autopilot."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from textual.widgets import (
 from textual.widgets.option_list import Option
 
 from controlplane.settings import POLICY_NAMES
+from tui import autopilot_render as AR
 from tui import keys as K
 from tui import render as R
 from tui.sources import fmt_time, parse_seek
@@ -156,23 +157,32 @@ class PolicyPickScreen(ModalScreen["str | None"]):
 GOVERNOR_CHOICES = {"pause": "pause (decide nothing until resumed)", "resume": "resume",
                     "arm": "arm (apply its modes)", "dry-run": "dry-run (log its decisions only)",
                     "disarm": "disarm (off)"}
+AUTOPILOT_CHOICES = {"arm": "arm (carry its decisions out through the control API, who = autopilot)",
+                     "dry-run": "dry-run (its decisions in the audit log only)",
+                     "disarm": "disarm (off: its controllers are dropped, arming starts them afresh)",
+                     "pause": "pause (its shadows keep running, nothing is applied until resumed)",
+                     "resume": "resume"}
 
 
-class GovernorScreen(ModalScreen["str | None"]):
-    """Steer the cluster's governor: the operator picks pause/resume, arm, dry-run or disarm."""
+class SteerScreen(ModalScreen["str | None"]):
+    """Steer one of the cluster's automatic controllers through its control row: the operator picks
+    one of ``choices`` (pause or resume, whichever applies; the current state marked)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
 
-    def __init__(self, control: dict[str, Any]) -> None:
+    def __init__(self, title: str, head: Text, choices: dict[str, str], control: dict[str, Any],
+                 options_id: str) -> None:
         super().__init__()
-        self.control = control
+        self.title_text, self.head, self.choices = title, head, choices
+        self.control, self.options_id = control, options_id
 
     def compose(self) -> ComposeResult:
+        state = self.control.get("state")
+        skip = "pause" if self.control.get("paused") else "resume"
         with Vertical(id="dialog"):
-            yield Static(Text.assemble(("Governor", "bold"), "  ", R.governor_line(self.control)))
-            yield OptionList(*[Option(label, id=key) for key, label in GOVERNOR_CHOICES.items()
-                               if key != ("pause" if self.control.get("paused") else "resume")],
-                             id="governor-options")
+            yield Static(Text.assemble((self.title_text, "bold"), "  ", self.head))
+            yield OptionList(*[Option(f"{label}{'  (now)' if key == state else ''}", id=key)
+                               for key, label in self.choices.items() if key != skip], id=self.options_id)
 
     def on_mount(self) -> None:
         self.query_one(OptionList).focus()
@@ -183,3 +193,18 @@ class GovernorScreen(ModalScreen["str | None"]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class GovernorScreen(SteerScreen):
+    """Steer the cluster's governor: the operator picks pause/resume, arm, dry-run or disarm."""
+
+    def __init__(self, control: dict[str, Any]) -> None:
+        super().__init__("Governor", R.governor_line(control), GOVERNOR_CHOICES, control, "governor-options")
+
+
+class AutopilotScreen(SteerScreen):
+    """Steer the cluster's autopilot: arm, dry-run, disarm, pause or resume."""
+
+    def __init__(self, control: dict[str, Any], now_ms: int | None = None) -> None:
+        super().__init__("Autopilot", AR.autopilot_line(control, now_ms), AUTOPILOT_CHOICES, control,
+                         "autopilot-options")

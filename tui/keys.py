@@ -63,8 +63,8 @@ KEYS: tuple[Key, ...] = (
     Key("4", "4", "panel('audit')", "Audit log of settings changes", "Panels", footer=True, label="Audit"),
     Key("5", "5", "panel('tuner')", "Tuner panel: studies, trials, Pareto front, recommendation", "Panels",
         label="Tuner"),
-    Key("6", "6", "panel('alerts')", "Alerts panel: SCR, JFI, type fairness per tenant and type; alert history",
-        "Panels", label="Alerts"),
+    Key("6", "6", "panel('alerts')", "Alerts panel: SCR, JFI, type fairness per tenant and type; the governor "
+        "and the autopilot; alert history", "Panels", label="Alerts"),
     # Cluster view
     Key("enter", "enter", "open_replica", "Open the replica under the cursor", "Cluster view",
         screens=("cluster",), bind=False, palette=False),
@@ -95,6 +95,8 @@ KEYS: tuple[Key, ...] = (
         changes_cluster=True, screens=("policy",), footer=True, label="Apply"),
     Key("G", "G", "governor", "Steer the governor: pause / resume, arm, dry-run, disarm (a governed cluster, --db)",
         "Cluster changes", changes_cluster=True, screens=("alerts",), footer=True, label="Governor"),
+    Key("O", "O", "autopilot", "Steer the autopilot: arm, dry-run, disarm, pause / resume (live, --db)",
+        "Cluster changes", changes_cluster=True, screens=("alerts",), footer=True, label="Autopilot"),
     Key("R", "R", "apply_recommendation",
         "Apply the tuner's recommendation to the selected replicas (all when none is selected); "
         "pinned parameters are kept", "Cluster changes", changes_cluster=True, screens=("tuner",), footer=True,

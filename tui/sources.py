@@ -85,6 +85,10 @@ class DataSource(Protocol):
         """The governor's control row (live with a store and a governed cluster), else None."""
         ...
 
+    async def autopilot(self) -> dict[str, Any] | None:
+        """The autopilot's control row (live with a store), else None."""
+        ...
+
     def status(self) -> str:
         """One line for the top bar."""
         ...
@@ -245,6 +249,21 @@ class LiveSource:
         store = self.store
         assert store is not None, "the governor is steered through the store (live with --db)"
         return await asyncio.to_thread(store.set_governor_control, self.cluster_name, who=who or self.who,
+                                       **CONTROL_ACTIONS[choice])
+
+    async def autopilot(self) -> dict[str, Any] | None:
+        if self.store is None:
+            return None
+        return await asyncio.to_thread(self.store.autopilot_control, self.cluster_name)
+
+    async def steer_autopilot(self, choice: str, who: str | None = None) -> dict[str, Any]:
+        """pause | resume | arm | dry-run | disarm the cluster's autopilot (its control row, read by
+        ``tailpilot record --autopilot`` at its next tick)."""
+        from tuner.autopilot_live import CONTROL_ACTIONS
+
+        store = self.store
+        assert store is not None, "the autopilot is steered through the store (live with --db)"
+        return await asyncio.to_thread(store.set_autopilot_control, self.cluster_name, who=who or self.who,
                                        **CONTROL_ACTIONS[choice])
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -546,6 +565,9 @@ class ReplaySource:
 
     async def governor(self) -> dict[str, Any] | None:
         return None  # its control row is not history: the audit panel shows what it did
+
+    async def autopilot(self) -> dict[str, Any] | None:
+        return None  # likewise: its decisions are in the audit log (who = autopilot)
 
     def governance_at(self, t_ms: int) -> dict[str, Any] | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing then."""

@@ -27,7 +27,7 @@ import numpy as np
 from controlplane.metrics import higher_is_better, percent_change
 from controlplane.settings import Settings
 from storage.strict_json import finite
-from tuner.continuous import validate
+from tuner.continuous import losses, validate
 from tuner.study import (
     PRODUCTION,
     ROLE_ATTR,
@@ -110,8 +110,9 @@ def _metric_table(ctx: TuneContext, values: Mapping[int, Mapping[str, float]],
             for name in ctx.tracked}
 
 
-def recommend(storage, name: str) -> dict[str, Any]:
-    """Build the recommendation summary of study ``name`` (JSON-able; NaN where undefined)."""
+def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, Any]:
+    """Build the recommendation summary of study ``name`` (JSON-able; NaN where undefined).
+    ``with_autopilot``: also judge "keep the autopilot" (``autopilot`` in the summary)."""
     from optuna.trial import TrialState
 
     study, ctx = load_context(storage, name)
@@ -180,10 +181,35 @@ def recommend(storage, name: str) -> dict[str, Any]:
         "windows": {"window_s": ctx.spec.window_s, "warmup_s": ctx.spec.warmup_s, "count": len(ctx.windows),
                     "labels": {str(w.index): w.label() for w in ctx.windows}},
     }
+    if with_autopilot:
+        summary["autopilot"] = keep_the_autopilot(ctx, production, cont_metrics["all"], check["production"]["all"])
     if len(ctx.objectives) > 1:
         summary["pareto_front"] = [{"trial": t.number, "values": list(t.values),
                                     "settings": t.user_attrs[TRIAL_ATTR]["settings"]} for t in front]
     return summary
+
+
+def keep_the_autopilot(ctx: TuneContext, production: Settings, recommended: Mapping[str, float],
+                       base: Mapping[str, float]) -> dict[str, Any]:
+    """"Keep the autopilot" as a candidate: the autopilot (default configuration, starting on
+    production) replays every study trace whole; it is kept when it loses nothing to production
+    (objectives and constraints, as any candidate) and, against the recommendation on every
+    request, is no worse on any objective and better on one."""
+    from tuner.autopilot_tune import autopilot_metrics
+
+    got = autopilot_metrics(ctx.traces, production, ctx.config, ctx.tracked, slo=ctx.spec.slo)
+    lost = losses(ctx, got, base)
+    worse = [n for n, d in ctx.objectives if _worse(got[n], recommended[n], d)]
+    better = [n for n, d in ctx.objectives if _worse(recommended[n], got[n], d)]
+    keep = not lost and not worse and bool(better)
+    why = ("it beats the recommended settings on " + ", ".join(better) if keep
+           else "; ".join(lost + [f"{n} worse than the recommendation" for n in worse]) or "no better on any objective")
+    return {"keep": keep, "verdict": ("keep the autopilot: " if keep else "the recommended settings: ") + why,
+            "metrics": {n: {"value": got[n], "recommended": recommended[n], "production": base[n]} for n in ctx.tracked}}
+
+
+def _worse(a: float, b: float, direction: str) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and (a < b if direction == "maximize" else a > b)
 
 
 def _continuous_table(ctx: TuneContext, values: Mapping[str, float],

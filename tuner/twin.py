@@ -556,6 +556,11 @@ class TwinReplica:
         state["speed"] = self.clock.speed
         return state
 
+    def api_inflight(self, limit: int) -> dict[str, Any]:
+        with self._lock:
+            held = [*self.sim.waiting, *self.sim.running]
+            return self.core.inflight(limit, held)
+
     def api_settings(self) -> dict[str, Any]:
         return self.core.settings_doc()
 

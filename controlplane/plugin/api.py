@@ -5,6 +5,7 @@
     GET /tailpilot/v1/settings           the active (or staged) settings document and its version
     PUT /tailpilot/v1/settings           validate + stage a document; If-Match: <version> for CAS
     GET /tailpilot/v1/steps?cursor=N     the step log (duration and batch composition per step), paged
+    GET /tailpilot/v1/inflight[?limit=N] the oldest requests in flight (no output lengths), at most 1,000
     GET /tailpilot/v1/health
 
 A target that also plays a vLLM server (the simulated twin replicas) may define any of
@@ -53,6 +54,7 @@ from urllib.parse import parse_qs, urlsplit
 import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
 from pydantic import ValidationError
 
+from controlplane.contract import INFLIGHT_LIMIT
 from controlplane.plugin.core import SettingsConflict
 from controlplane.plugin.env import DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.settings import describe_error
@@ -64,8 +66,10 @@ _DIGITS = re.compile(r"[0-9]{1,18}", re.ASCII)  # cursors, versions, lengths: AS
 _VERSION = re.compile(r'"?([0-9]{1,18})"?', re.ASCII)  # If-Match, bare or as an ETag
 LINGER_S = 0.5  # at most this long reading what a refused client still sends before closing
 LINGER_BYTES = 64 * 1024  # what a refused connection may have sent already, read before closing
-# Endpoints served only when the target defines the method (a twin playing a vLLM server).
-_TARGET_PATHS = (("/metrics", "api_metrics"), ("/v1/models", "api_models"), ("/health", "api_health"))
+# Endpoints served only when the target defines the method: a replica's in-flight listing (the
+# plugin and the twins; not the recorder's metrics page), and a twin playing a vLLM server.
+_TARGET_PATHS = ((f"{PREFIX}/inflight", "api_inflight"), ("/metrics", "api_metrics"), ("/v1/models", "api_models"),
+                 ("/health", "api_health"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +409,14 @@ def _make_handler(target: ControlTarget, token: str | None, limits: Limits):
                 raise HTTPError(400, f"cursor: expected a non-negative integer, got {raw[:40]!r}")
             return int(raw)
 
+        def _limit(self, query: dict[str, str]) -> int:
+            raw = query.get("limit")
+            if raw is None:
+                return INFLIGHT_LIMIT
+            if not _DIGITS.fullmatch(raw) or not 1 <= int(raw) <= INFLIGHT_LIMIT:
+                raise HTTPError(400, f"limit: expected an integer from 1 to {INFLIGHT_LIMIT}, got {raw[:40]!r}")
+            return int(raw)
+
         def _has_body(self) -> bool:
             return self.headers.get("Content-Length", "0").strip() not in ("", "0") or \
                 bool(self.headers.get("Transfer-Encoding"))
@@ -438,6 +450,8 @@ def _make_handler(target: ControlTarget, token: str | None, limits: Limits):
                 return self._send(200, target.api_state(self._cursor(self._query(("cursor",)))))
             if path == f"{PREFIX}/steps":
                 return self._send(200, target.api_steps(self._cursor(self._query(("cursor",))) or 0))
+            if path == f"{PREFIX}/inflight" and hasattr(target, "api_inflight"):
+                return self._send(200, target.api_inflight(self._limit(self._query(("limit",)))))
             self._query(())
             if path == f"{PREFIX}/settings":
                 doc = target.api_settings()

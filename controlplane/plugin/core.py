@@ -10,6 +10,7 @@ and the simulated twin replicas drive the same core, so the API cannot tell them
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import logging
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from controlplane.contract import BREAKER_ERROR_CHARS
+from controlplane.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
 from controlplane.policies import Policy, RequestState, make_policy
 from controlplane.policies.predictors import HistoryPredictor
@@ -409,6 +410,17 @@ class ReplicaCore:
     @classmethod
     def _next_seq(cls, log: deque) -> int:
         return cls._seq(log[-1]) + 1 if log else 0
+
+    def inflight(self, limit: int = INFLIGHT_LIMIT, requests: Iterable[RequestState] | None = None) -> dict[str, Any]:
+        """The ``/inflight`` document: the oldest ``limit`` requests in flight (by default the
+        core's own; a twin passes its simulator's), with what the replica knows of each. Costs
+        O(n log limit) in the requests held: a snapshot list, then a bounded heap."""
+        held = list(self.states.values()) if requests is None else list(requests)
+        oldest = heapq.nsmallest(max(0, min(limit, INFLIGHT_LIMIT)), held, key=lambda s: (s.arrival, s.id))
+        return {"instance": self.instance, "time": self.clock(), "total": len(held), "requests": [
+            {"id": s.id, "tenant": s.tenant, "type": s.type, "arrival": s.arrival, "received_at": s.received_at,
+             "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens, "generated": s.generated,
+             "status": s.status} for s in oldest]}
 
     def state(self, cursor: int | None, kv: dict[str, Any], *, waiting: Sequence[RequestState] | None = None,
               running: int | None = None, live: dict | None = None) -> dict[str, Any]:

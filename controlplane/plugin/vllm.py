@@ -449,6 +449,9 @@ class TailpilotMixin:
     def api_state(self, cursor: int | None) -> dict:
         return self.tp_core.state(cursor, self._tp_kv())
 
+    def api_inflight(self, limit: int) -> dict:
+        return self.tp_core.inflight(limit)
+
     def api_settings(self) -> dict:
         return self.tp_core.settings_doc()
 

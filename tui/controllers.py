@@ -1,0 +1,90 @@
+"""The app's side of the cluster's automatic controllers (the governor, the autopilot): the alerts
+panel's data, and ``G`` / ``O``, which steer a controller through its control row in the store.
+
+A mixin of :class:`tui.app.TailpilotApp` (kept apart so the app stays thin): it uses the app's
+``source``, ``snapshot``, ``who`` and Textual's ``notify`` / ``push_screen`` / ``run_worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from textual import work
+
+from tui.alerts_panel import AlertsPanel
+from tui.dialogs import AutopilotScreen, GovernorScreen
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # the mixin's methods run on the app: type-check them as the app's
+    from textual.app import App
+
+    _AppBase = App
+else:
+    _AppBase = object
+
+# The controllers steered through a control row in the store, and where one exists.
+STEERED = {"governor": "a cluster with a governance block, live with --db",
+           "autopilot": "it is steered through the store (live with --db); it runs in tailpilot record --autopilot"}
+
+
+class ControllerActions(_AppBase):
+    """reload_alerts, action_governor (G) and action_autopilot (O) of the app."""
+
+    source: Any
+    snapshot: Any
+    who: str
+
+    @work(exclusive=True, group="alerts", exit_on_error=False)
+    async def reload_alerts(self) -> None:
+        """The alerts panel: the snapshot's governance figures, the stored alert history and the
+        governor's and the autopilot's control rows."""
+        try:
+            events = await self.source.alert_events(200)
+        except Exception as err:  # noqa: BLE001
+            log.warning("alert history unavailable: %s", err)
+            events = []
+        controls: dict[str, dict[str, Any] | None] = {}
+        for what in STEERED:
+            try:
+                controls[what] = await getattr(self.source, what)()
+            except Exception as err:  # noqa: BLE001
+                log.warning("%s state unavailable: %s", what, err)
+                controls[what] = None
+        snap = self.snapshot
+        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events, controls["governor"],
+                                                controls["autopilot"], self._now_ms())
+
+    def _now_ms(self) -> int:
+        """The source's clock (a live source's is injectable), for how old a controller's report is."""
+        return int(getattr(self.source, "clock", time.time)() * 1000)
+
+    async def action_governor(self) -> None:
+        await self._open_steering("governor", GovernorScreen)
+
+    async def action_autopilot(self) -> None:
+        await self._open_steering("autopilot", lambda control: AutopilotScreen(control, self._now_ms()))
+
+    async def _open_steering(self, what: str, screen: Any) -> None:
+        """G / O: the controller's control row in a dialog; the operator's pick goes to the store."""
+        try:
+            control = await getattr(self.source, what)()
+        except Exception as err:  # noqa: BLE001
+            self.notify(f"{what} state unavailable: {err}", severity="error")
+            return
+        if control is None:
+            self.notify(f"no {what} here: {STEERED[what]}", severity="warning")
+            return
+
+        def picked(choice: str | None) -> None:
+            if choice:
+                self.run_worker(self._steer(what, choice), group=what, exit_on_error=False)
+
+        self.push_screen(screen(control), picked)
+
+    async def _steer(self, what: str, choice: str) -> None:
+        row = await getattr(self.source, f"steer_{what}")(choice, self.who)
+        self.notify(f"{what}: {choice} ({row['state']}{', paused' if row['paused'] else ''})")
+        self.reload_alerts()

@@ -1,0 +1,444 @@
+"""The autopilot on a live cluster (``tailpilot record --autopilot [--arm]``; README, "The autopilot").
+
+One controller (``tuner.autopilot.Autopilot``) per replica, fed only what the replica reports:
+its completions (the recorder's polls), its requests in flight (``GET /inflight``: arrival, prompt
+length, the client's cap, tokens generated so far — never an output length) and its clock. Every
+``tick_s`` each replica's controller is shown what came since the last tick; when it decides to
+switch, the live driver carries the decision out.
+
+States (the store's ``autopilot_control`` row, steered by ``tailpilot autopilot`` and the TUI's O):
+
+* ``dry-run`` (the default): decisions are only written to the audit log (result ``dry-run``);
+* ``armed``: a decision goes through the same path as an operator's change
+  (``controlplane.steering.apply_settings``: If-Match, read back, audit row, who = ``autopilot``)
+  with its predicted change in the note, and is kept as a prediction for ``tailpilot verify``;
+* ``disarmed``: nothing runs (the controllers are dropped; arming again starts them afresh).
+
+**One arbiter of settings**, in this order:
+
+1. the operator's pins: a pinned parameter is never moved, and a replica with any pin never has its
+   policy changed (that would drop the pins);
+2. the governor: while any of its emergency modes is applied on the cluster, the autopilot applies
+   nothing (its shadows keep running, the status says why); the operator's ``pause`` holds it too;
+3. the autopilot, on replicas running ``uniboost`` or ``sarathi`` only (a multi-tenant policy is
+   the governor's to steer).
+
+An armed autopilot owns γ: an operator's unpinned change is undone at its next decision. To hold a
+setting, pin it or disarm the autopilot.
+
+**Verify and step back.** ``verify_minutes`` after an applied switch, the traffic that came after
+it is replayed under the previous settings (``tuner.whatif.verify``: the counterfactual); the
+realized P95 TTFT change is compared with the predicted one. When it is worse than predicted by more
+than the band (the replica's fidelity band, else ``band``) ``step_back_after`` times in a row, the
+autopilot steps back to the defaults and holds them for ``hold_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.governor import modes
+from controlplane.metrics import Completion
+from controlplane.replica_http import HttpFailure, StateFormatError, fetch_inflight, make_client
+from controlplane.settings import Settings
+from controlplane.steering import apply_settings
+from sim.engine import EngineConfig
+from storage.rows import CompletionRow
+from tuner.autopilot import Arrival, Autopilot, AutopilotConfig, Decision, Observation
+from tuner.whatif import METRICS as WHATIF_METRICS
+from tuner.whatif import verify
+
+log = logging.getLogger("tailpilot.autopilot")
+
+WHO = "autopilot"
+STEERED_POLICIES = ("uniboost", "sarathi")
+# What the operator's commands change in the control row (``tailpilot autopilot``, the TUI's O).
+CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
+    "pause": {"paused": True}, "resume": {"paused": False}, "arm": {"state": "armed"},
+    "dry-run": {"state": "dry-run"}, "disarm": {"state": "disarmed"}}
+DEFAULT_MAX_TOKENS = 4_096  # the cap of a request whose client set none (a replica that did not report it)
+
+
+class LiveConfig(BaseModel):
+    """The live driver's knobs (the controller's own are ``AutopilotConfig``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tick_s: float = Field(5.0, gt=0.0, le=600.0)  # wall seconds between observations
+    verify_minutes: float = Field(10.0, gt=0.0, le=7 * 24 * 60.0)  # after a switch, before verifying it
+    band: float = Field(0.10, ge=0.0, le=10.0)  # the predicted band where the replica has no fidelity band
+    step_back_after: int = Field(2, ge=1, le=100)  # realized worse than predicted this many times in a row
+    hold_s: float = Field(3_600.0, ge=0.0, le=7 * 86_400.0)  # on the defaults after a step back (replica s)
+    decisions_kept: int = Field(10, ge=1, le=1_000)  # per replica, in the status
+
+
+Verifier = Callable[[Any, dict[str, Any], int], dict[str, Any]]
+
+
+def _whatif_verify(store: Any, prediction: dict[str, Any], now_ms: int) -> dict[str, Any]:
+    return verify(store, prediction, now_ms=now_ms)
+
+
+@dataclass(slots=True)
+class ReplicaPilot:
+    """One replica's controller and what the live driver keeps beside it."""
+
+    name: str
+    instance: str | None
+    origin: float  # the replica-clock second the controller's time 0 stands for
+    pilot: Autopilot
+    seen: dict[str, float] = field(default_factory=dict)  # request id -> arrival (replica clock)
+    completions: list[CompletionRow] = field(default_factory=list)  # polled since the last tick
+    last: deque[dict[str, Any]] = field(default_factory=deque)  # recent decisions, for the status
+    verifications: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10))
+    pending: list[dict[str, Any]] = field(default_factory=list)  # applied switches awaiting verification
+    worse_in_row: int = 0
+    note: str = ""  # why the last decision was or was not carried out
+
+
+def blocked(current: Settings, target: Settings) -> str | None:
+    """Why ``target`` may not replace ``current`` (a pin), else None."""
+    if current.pinned and target.policy != current.policy:
+        return (f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a replica "
+                "with pins (it would drop them)")
+    for name in current.pinned:
+        if getattr(target.params, name, None) != current.param(name):
+            return f"{name} is pinned by the operator"
+    return None
+
+
+def target_document(current: Settings, target: Settings) -> Settings | None:
+    """The document that makes ``current`` run ``target``'s policy and parameters (its engine
+    limits and pins kept); None when it already does or a pin forbids it."""
+    if blocked(current, target) is not None:
+        return None
+    doc = target.to_dict()
+    doc["engine"] = current.engine.model_dump()
+    doc["pinned"] = list(current.pinned)
+    new = Settings.model_validate(doc)
+    return None if (new.policy, new.params) == (current.policy, current.params) else new
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:+.0%}"
+
+
+def decision_note(decision: Decision) -> str:
+    """One line for the audit log: the switch, why, and its predicted change."""
+    p = decision.predicted()
+    return (f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 TTFT "
+            f"{_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
+            f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests")
+
+
+def decision_summary(decision: Decision, replica: str, cluster: str, current: Settings, proposed: Settings,
+                     t_ms: int, minutes: float, band: float | None) -> dict[str, Any]:
+    """A switch as a stored prediction (``tuner.whatif``'s shape), so ``tailpilot verify`` and the
+    step back judge it like any previewed change."""
+    old, new = decision.figures[decision.previous], decision.figures[decision.choice]
+    predicted = decision.predicted()
+    # Every figure the what-if keeps; those the shadows do not compare (the medians) left unknown.
+    metrics = {k: {"current": getattr(old, k, None), "proposed": getattr(new, k, None),
+                   "change": predicted.get(k)} for k in WHATIF_METRICS}
+    return {"replica": replica, "cluster": cluster, "t_ms": t_ms, "minutes": minutes, "warmup_s": 120.0,
+            "requests": decision.requests, "step_model": "autopilot shadows", "band": band, "who": WHO,
+            "current": current.to_dict(), "proposed": proposed.to_dict(), "metrics": metrics}
+
+
+def decision_row(decision: Decision, now: float) -> dict[str, Any]:
+    """A decision as the status keeps it (JSON)."""
+    return {"t": round(now, 3), "choice": decision.choice, "previous": decision.previous or None,
+            "changed": decision.changed, "reason": decision.reason, "requests": decision.requests,
+            "cpu_s": round(decision.cpu_s, 4),
+            "predicted": {k: (None if v is None else round(v, 4)) for k, v in decision.predicted().items()}}
+
+
+class LiveAutopilot:
+    """The live driver: ``on_poll`` is the collector's hook (completions), ``step`` one tick."""
+
+    def __init__(self, collector: Any, store: Any, config: AutopilotConfig | None = None,
+                 live: LiveConfig | None = None, *, clock: Callable[[], float] = time.time,
+                 verifier: Verifier | None = None,
+                 engine_for: Callable[[str], EngineConfig] | None = None) -> None:
+        self.collector = collector
+        self.cluster = collector.cluster
+        self.store = store
+        self.config = config or AutopilotConfig()
+        self.live = live or LiveConfig()
+        self.clock = clock
+        self.verifier = verifier or _whatif_verify
+        self.engine_for = engine_for or self._replica_engine
+        self.pilots: dict[str, ReplicaPilot] = {}
+        self.notes: dict[str, str] = {}  # replicas without a controller: why
+        self.state = "dry-run"
+        self.held: str | None = None
+
+    # --- inputs ----------------------------------------------------------------------------
+    def on_poll(self, replica: str, result: Any) -> None:
+        rp = self.pilots.get(replica)
+        if rp is not None and result.completions:
+            rp.completions.extend(result.completions)
+
+    def _replica_engine(self, replica: str) -> EngineConfig:
+        """The replica's engine as the what-if sees it (calibrated step model, KV blocks)."""
+        from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts, replica_engine
+
+        spec = self.cluster.replica(replica)
+        try:
+            facts = fetch_engine_facts(spec.control_url, timeout=self.cluster.timeout_s)
+        except ReplicaUnreachable:
+            facts = None
+        return replica_engine(self.store, self.cluster.name, replica, facts)[0]
+
+    # --- one tick ---------------------------------------------------------------------------
+    async def step(self, client: Any) -> dict[str, Any]:
+        """Read the control rows, observe every replica, carry decisions out; store the status."""
+        ctl = await asyncio.to_thread(self.store.autopilot_control, self.cluster.name)
+        self.state = ctl["state"]
+        if self.state == "disarmed":
+            self.pilots.clear()
+            self.held = "disarmed"
+        else:
+            self.held = await self._held(ctl)
+            for spec in self.cluster.replicas:
+                try:
+                    await self._replica_tick(client, spec)
+                except Exception as err:  # one replica's trouble never stops the others
+                    log.exception("autopilot: replica %s", spec.name)
+                    self.notes[spec.name] = f"error: {type(err).__name__}: {str(err)[:200]}"
+        status = self.status()
+        await asyncio.to_thread(self.store.set_autopilot_control, self.cluster.name, status=status)
+        return status
+
+    async def _held(self, ctl: dict[str, Any]) -> str | None:
+        if ctl["paused"]:
+            return f"paused by {ctl.get('who') or 'an operator'}"
+        gov = await asyncio.to_thread(self.store.governor_control, self.cluster.name)
+        applied, _ = modes(gov.get("status"))
+        if applied:
+            return f"the governor's emergency mode {', '.join(applied)} is active (the governor arbitrates first)"
+        return None
+
+    async def _replica_tick(self, client: Any, spec: Any) -> None:
+        name = spec.name
+        view = self.collector.views.get(name)
+        doc = view.state if view is not None else None
+        if doc is None or not view.health.healthy or not isinstance(doc.get("settings"), dict):
+            self.notes[name] = "no state from the replica"
+            return
+        running = Settings.model_validate(doc["settings"])
+        rp = self.pilots.get(name)
+        if rp is not None and rp.instance != doc.get("instance"):
+            log.info("autopilot: replica %s restarted: its controller starts afresh", name)
+            self.pilots.pop(name, None)  # its request ids and completions log restart with it
+            rp = None
+        if rp is None:
+            if running.policy not in STEERED_POLICIES:
+                self.notes[name] = f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas only"
+                return
+            rp = await self._start(name, doc, running)
+        try:
+            inflight = await fetch_inflight(client, spec, self.cluster.timeout_s)
+        except (HttpFailure, StateFormatError) as err:
+            rp.note = f"no in-flight listing ({err}): observation deferred"
+            return
+        now = (inflight.time if inflight.time is not None else doc.get("time") or 0.0) - rp.origin
+        decision = await asyncio.to_thread(rp.pilot.observe, self._observation(rp, inflight, now))
+        await self._verify(rp, running, now)
+        if decision is not None:
+            rp.last.append(decision_row(decision, now))
+            while len(rp.last) > self.live.decisions_kept:
+                rp.last.popleft()
+            await self._carry_out(rp, decision, running)
+
+    async def _start(self, name: str, doc: dict[str, Any], running: Settings) -> ReplicaPilot:
+        base = running if running.policy == "uniboost" else Settings.model_validate(
+            {"policy": "uniboost", "engine": running.engine.model_dump()})
+        try:
+            engine = await asyncio.to_thread(self.engine_for, name)
+        except Exception as err:  # the defaults' engine: a model, not a reason to steer nothing
+            log.warning("autopilot: replica %s: its engine is unknown (%s): A100 defaults", name, err)
+            engine = EngineConfig()
+        pilot = Autopilot(base, self.config, engine)
+        pilot.current = next((n for n, s in pilot.options.items()
+                              if (s.policy, s.params) == (running.policy, running.params)), pilot.current)
+        # Time 0 a window before now: the requests in flight at the start arrived after it.
+        origin = float(doc.get("time") or 0.0) - self.config.window_s
+        rp = ReplicaPilot(name, doc.get("instance"), origin, pilot)
+        self.pilots[name] = rp
+        self.notes.pop(name, None)
+        return rp
+
+    def _observation(self, rp: ReplicaPilot, inflight: Any, now: float) -> Observation:
+        """What came since the last tick, on the controller's clock: arrivals first seen now (in a
+        completion or in flight), completions with their lengths, tokens so far of those in flight."""
+        arrivals: list[Arrival] = []
+
+        def arrive(rid: str, arrival: float, prompt: int, cap: int | None, tenant: str, rtype: str) -> None:
+            if rid in rp.seen:
+                return
+            rp.seen[rid] = arrival
+            arrivals.append(Arrival(rid, max(arrival - rp.origin, 0.0), max(prompt, 1),
+                                    max(cap or DEFAULT_MAX_TOKENS, 1), tenant, rtype))
+
+        completions: list[Completion] = []
+        for row in rp.completions:
+            if row.reason == "rejected":
+                continue  # refused on arrival: it never took a seat
+            arrive(row.request_id, row.arrival_s, row.prompt_tokens, row.max_tokens, row.tenant, row.type)
+            completions.append(Completion(id=row.request_id, tenant=row.tenant, type=row.type,
+                                          arrival=row.arrival_s - rp.origin, scheduled_at=math.nan,
+                                          first_token_at=math.nan, finished_at=row.finished_s - rp.origin,
+                                          prompt_tokens=row.prompt_tokens, output_tokens=row.output_tokens))
+        rp.completions = []
+        for r in inflight.requests:
+            arrive(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type)
+        # Forget ids long past every window: the map stays bounded on a replica that runs for months.
+        horizon = now + rp.origin - self.config.window_s - self.config.delay_s - 600.0
+        if len(rp.seen) > 4 * self.config.min_requests:
+            rp.seen = {rid: t for rid, t in rp.seen.items() if t >= horizon}
+        return Observation(now, arrivals, completions, {r.id: r.generated for r in inflight.requests})
+
+    # --- acting -----------------------------------------------------------------------------
+    async def _carry_out(self, rp: ReplicaPilot, decision: Decision, running: Settings) -> None:
+        """Make the replica run the decision's choice: in the audit log only (dry-run), or through
+        the control API with a prediction kept for verification (armed)."""
+        if not decision.figures:  # waiting for data: nothing compared yet
+            rp.note = decision.reason
+            return
+        target = rp.pilot.options[decision.choice]
+        why_not = blocked(running, target)
+        if why_not is not None:
+            rp.note = f"not applied: {why_not}"
+            return
+        wanted = target_document(running, target)
+        if wanted is None:
+            rp.note = f"runs {decision.choice}: {decision.reason}"
+            return
+        # The replica runs something else: a switch, or the choice again after a dry run or an
+        # operator's unpinned change. Judged against what it runs, where that is a candidate.
+        runs = next((n for n, s in rp.pilot.options.items() if (s.policy, s.params) == (running.policy, running.params)),
+                    "its own settings")
+        switch = dataclasses.replace(decision, changed=True, previous=runs)
+        note = decision_note(switch)
+        if self.held is not None:
+            rp.note = f"held: {self.held}"
+            return
+        if self.state != "armed":
+            if decision.changed:  # logged once per decision, not once a minute while it stays
+                await asyncio.to_thread(self.store.record_settings_change, self.cluster.name, rp.name, who=WHO,
+                                        old=running.to_dict(), new=wanted.to_dict(), result="dry-run",
+                                        message=f"{note}; not sent (dry-run)")
+            rp.note = f"dry-run: would run {decision.choice}"
+            return
+        applied_ms = int(self.clock() * 1000)
+        [res] = await apply_settings(self.cluster, [rp.name], lambda cur: target_document(cur, target),
+                                     self.store, who=WHO, note=note)
+        rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
+        if res.ok and runs in decision.figures:
+            band = await asyncio.to_thread(self._band, rp.name)
+            summary = decision_summary(switch, rp.name, self.cluster.name, running, wanted, applied_ms,
+                                       self.live.verify_minutes, band)
+            pid = await asyncio.to_thread(self.store.store_prediction, self.cluster.name, rp.name, summary,
+                                          t_ms=applied_ms, version=res.version)
+            rp.pending.append({"id": pid, "cluster": self.cluster.name, "replica": rp.name, "t_ms": applied_ms,
+                               "summary": summary})
+
+    def _band(self, replica: str) -> float | None:
+        reports = self.store.latest_fidelity(self.cluster.name, replica)
+        return reports[0]["summary"].get("band") if reports else None
+
+    async def _verify(self, rp: ReplicaPilot, running: Settings, now: float) -> None:
+        """Verify the applied switches whose window has passed; step back after repeated misses."""
+        now_ms = int(self.clock() * 1000)
+        for prediction in [p for p in rp.pending if now_ms >= p["t_ms"] + int(self.live.verify_minutes * 60_000)]:
+            v = await asyncio.to_thread(self.verifier, self.store, prediction, now_ms)
+            if not v.get("ready"):
+                continue
+            rp.pending.remove(prediction)
+            m = (v.get("metrics") or {}).get("ttft_p95") or {}
+            realized, predicted = m.get("realized"), m.get("predicted")
+            if realized is None or predicted is None:
+                rp.verifications.append({"id": prediction["id"], "verdict": "no traffic to verify on"})
+                continue
+            band = float(v["band"]) if v.get("band") is not None else self.live.band
+            worse = realized > predicted + band
+            rp.worse_in_row = rp.worse_in_row + 1 if worse else 0
+            rp.verifications.append({"id": prediction["id"], "predicted": round(predicted, 4),
+                                     "realized": round(realized, 4), "band": band,
+                                     "verdict": "worse than predicted" if worse else "as predicted"})
+            if rp.worse_in_row >= self.live.step_back_after:
+                await self._step_back(rp, running, now, realized, predicted, band)
+
+    async def _step_back(self, rp: ReplicaPilot, running: Settings, now: float, realized: float,
+                         predicted: float, band: float) -> None:
+        rp.worse_in_row = 0
+        to = "defaults" if "defaults" in rp.pilot.options else rp.pilot.reference
+        rp.pilot.step_back(now, to, self.live.hold_s)
+        target = rp.pilot.options[to]
+        note = (f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted by more "
+                f"than the band {self.live.step_back_after} times in a row (last: {realized:+.0%} realized, "
+                f"{predicted:+.0%} predicted, band ±{band:.0%}); held {self.live.hold_s:.0f} s")
+        log.warning("replica %s: %s", rp.name, note)
+        rp.note = note
+        rp.pending.clear()
+        if self.state == "armed" and self.held is None:
+            await apply_settings(self.cluster, [rp.name], lambda cur: target_document(cur, target), self.store,
+                                 who=WHO, note=note)
+
+    # --- what the CLI and the TUI show -------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        replicas: dict[str, Any] = {name: {"note": note} for name, note in self.notes.items()}
+        for name, rp in self.pilots.items():
+            replicas[name] = {"choice": rp.pilot.current, "note": rp.note, "late": rp.pilot.late,
+                              "worse_in_row": rp.worse_in_row, "pending_verifications": len(rp.pending),
+                              "last": list(rp.last), "verifications": list(rp.verifications)}
+        return {"t_ms": int(self.clock() * 1000), "held": self.held, "replicas": replicas}
+
+
+def status_lines(row: dict[str, Any]) -> list[str]:
+    """The control row as the CLI prints it (``tailpilot autopilot status``)."""
+    status = row.get("status") or {}
+    head = (f"autopilot of {row['cluster']}: {row['state']}{' (paused)' if row.get('paused') else ''}"
+            f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}")
+    if status.get("held") and status["held"] != "disarmed":
+        head += f"; held: {status['held']}"
+    lines = [head]
+    for name, r in sorted((status.get("replicas") or {}).items()):
+        if "choice" not in r:
+            lines.append(f"  {name}: {r.get('note', '')}")
+            continue
+        lines.append(f"  {name}: running {r['choice']} · {r.get('note') or 'no decision yet'}")
+        for d in (r.get("last") or [])[-3:]:
+            lines.append(f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: {d['reason']}")
+    return lines
+
+
+async def run_autopilot(collector: Any, store: Any, stop: asyncio.Event, *, config: AutopilotConfig | None = None,
+                        live: LiveConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+    """Tick every ``live.tick_s`` until ``stop`` is set (``tailpilot record --autopilot``)."""
+    driver = LiveAutopilot(collector, store, config, live, clock=clock)
+    collector.on_poll(driver.on_poll)
+    client = make_client(driver.cluster)
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), driver.live.tick_s)
+            if stop.is_set():
+                return
+            try:
+                await driver.step(client)
+            except Exception:  # a busy store or the like: the next tick tries again
+                log.exception("autopilot step failed")
+    finally:
+        await client.aclose()
