@@ -6,9 +6,12 @@ the engine's settings on trace windows, and their validated recommendation.
     tailpilot tune --study conv-ub --trials 400           # resume/extend: the study keeps its definition
     tailpilot recommend --study conv-ub [--json]          # best settings, validated on held-out windows
 
-Storage: ``--storage URL`` (an Optuna RDB URL — PostgreSQL for several machines — or a SQLite
-path); default the SQLite file ``tailpilot-optuna.db``, never tailpilot's own database. Several
-``tailpilot tune`` processes with the same ``--storage`` and ``--study`` share one study.
+Storage: ``--storage URL`` (an Optuna RDB URL — PostgreSQL for several machines — a SQLite path,
+or a journal file: ``journal:PATH`` or a path ending ``.journal``/``.log``, Optuna's JournalStorage,
+no database needed); default the SQLite file ``tailpilot-optuna.db``, never tailpilot's own
+database. Several ``tailpilot tune`` processes with the same ``--storage`` and ``--study`` share
+one study, each trial with its own sampler stream. A URL the tuner cannot use is a usage error
+(exit 2) naming its scheme.
 The library behind these commands is :mod:`tuner.study` and :mod:`tuner.recommend`.
 """
 
@@ -157,11 +160,17 @@ def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = False) -> str:
-    from tuner.study import TuneError, check_storage_separate, storage_url
+    """The storage URL of ``--storage``, or a usage error (exit 2, one line) when the tuner cannot
+    use it: an unknown scheme, tailpilot's own database, a file that is not there to read."""
+    from tuner.study import TuneError, check_storage_separate, storage_file, storage_url
 
-    url = storage_url(storage)
-    if must_exist and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        raise click.UsageError(f"--storage: {url.removeprefix('sqlite:///')} does not exist (no study stored there)")
+    try:
+        url = storage_url(storage)
+    except TuneError as err:
+        raise click.UsageError(str(err)) from None
+    path = storage_file(url)
+    if must_exist and path is not None and not Path(path).exists():
+        raise click.UsageError(f"--storage: {path} does not exist (no study stored there)")
     try:
         check_storage_separate(url, db or os.environ.get(DB_ENV))
     except TuneError as err:
@@ -201,8 +210,8 @@ def _progress_bar(show: bool):
 
 @click.command()
 @click.option("--study", "study_name", required=True, metavar="NAME", help="Study name (created, joined or resumed).")
-@click.option("--storage", metavar="URL", help="Optuna storage: RDB URL (postgresql://... for many machines) or SQLite path "
-              "[default: ./tailpilot-optuna.db].")
+@click.option("--storage", metavar="URL", help="Optuna storage: RDB URL (postgresql://... for many machines), SQLite path, "
+              "or journal file (journal:PATH, or PATH.journal / PATH.log; no database) [default: ./tailpilot-optuna.db].")
 @click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True,
               help="Complete trials the study should hold in total (a resumed study continues up to this).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
@@ -294,8 +303,13 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
             outcome = run_tune(url, study_name, trials, spec=spec, given=given, workers=workers,
                                progress=update, log=log)
     except StudyConflict as err:
+        why = ""
+        if err.field_name == "seed":  # the seed fixes the windows and the split, not a worker's stream
+            why = (" (the seed fixes the study's windows and held-out split; every trial already draws its "
+                   "own sampler stream, so a joining worker needs no seed of its own)")
         raise click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
-                               f"which was created with {_show(err.stored)}; drop the flag to resume, or use a new --study") from None
+                               f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
+                               "or use a new --study") from None
     except TuneError as err:
         raise click.UsageError(str(err)) from None
     except KeyboardInterrupt:
@@ -345,7 +359,8 @@ def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
 
 @click.command()
 @click.option("--study", "study_name", required=True, metavar="NAME")
-@click.option("--storage", metavar="URL", help="Optuna storage of the study [default: ./tailpilot-optuna.db].")
+@click.option("--storage", metavar="URL", help="Optuna storage of the study: RDB URL, SQLite path or journal:PATH "
+              "[default: ./tailpilot-optuna.db].")
 @click.option("--db", metavar="URL", help=f"Store the recommendation here (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--no-store", is_flag=True, help="Only print; do not store the recommendation.")
 @click.option("--autopilot", "with_autopilot", is_flag=True,

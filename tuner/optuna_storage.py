@@ -1,11 +1,23 @@
 """Where a study lives: Optuna's RDB storage (a SQLite file by default, any SQLAlchemy URL for
-workers on several machines), kept apart from tailpilot's own database.
+workers on several machines) or Optuna's JournalStorage in a file (``journal:PATH``, or a path
+ending ``.journal``/``.log``: no database needed), kept apart from tailpilot's own database.
+
+Forms of ``--storage`` (``storage_url`` turns each into the URL the other functions take):
+
+* nothing → ``sqlite:///<cwd>/tailpilot-optuna.db``; ``PATH`` → ``sqlite:///<abs PATH>``;
+* ``journal:PATH``, ``PATH.journal``, ``PATH.log`` → ``journal:<abs PATH>`` (a JournalFileBackend);
+* ``postgresql://``/``postgres://`` → ``postgresql+psycopg://``; any other URL whose SQLAlchemy
+  dialect exists (``sqlite:///``, ``mysql+DRIVER://``) as given.
+
+Anything else (``redis://``, a typo) is a :class:`TuneError` naming the scheme and these forms.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +31,60 @@ GRACE_S = 40
 TAILPILOT_TABLES = frozenset({"replicas", "samples", "completions", "recommendations", "settings_changes"})
 
 
+JOURNAL_PREFIX = "journal:"
+JOURNAL_SUFFIXES = (".journal", ".log")  # optuna-dashboard reads a .log file as a journal too
+SUPPORTED = ("a SQLite file (PATH or sqlite:///PATH), a journal file (journal:PATH, or a PATH ending "
+             ".journal or .log) or a database URL (postgresql://USER@HOST/DB)")
+# A scheme of two or more letters before ':' (one letter is a Windows drive, not a scheme).
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):")
+
+
 def storage_url(raw: str | None) -> str:
-    """``None`` → ``sqlite:///<cwd>/tailpilot-optuna.db``; a path → SQLite; ``postgresql://`` →
-    psycopg 3."""
+    """The storage URL for ``--storage raw`` (module docstring: the accepted forms); raises
+    :class:`TuneError` naming the scheme for a URL the tuner cannot use."""
     if raw is None or raw == "":
         return f"sqlite:///{Path.cwd() / DEFAULT_STORAGE_FILE}"
-    if "://" not in raw:
+    if raw.startswith(JOURNAL_PREFIX):
+        path = raw[len(JOURNAL_PREFIX):]
+        if not path:
+            raise TuneError(f"--storage {raw}: give the journal file's path, e.g. journal:study.journal")
+        return JOURNAL_PREFIX + str(Path(path).resolve())
+    scheme = _SCHEME.match(raw)
+    if scheme is None or ("://" not in raw and Path(raw).exists()):  # a file path (even one with a ':')
+        if Path(raw).suffix in JOURNAL_SUFFIXES:
+            return JOURNAL_PREFIX + str(Path(raw).resolve())
         return f"sqlite:///{Path(raw).resolve()}"
     for prefix in ("postgresql://", "postgres://"):
         if raw.startswith(prefix):
             return "postgresql+psycopg://" + raw[len(prefix):]
+    _check_dialect(raw, scheme.group(1))
     return raw
+
+
+def _check_dialect(url: str, scheme: str) -> None:
+    """Refuse a URL no SQLAlchemy dialect reads (``redis://``, ``file:``, a typo), in one line."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(url).get_dialect()
+    except Exception:  # noqa: BLE001 - unparsable or no such dialect: the same answer
+        raise TuneError(f"--storage {_redact(url)}: the tuner cannot use '{scheme}' storage; "
+                        f"use {SUPPORTED}") from None
+
+
+def is_journal(url: str) -> bool:
+    """Whether ``url`` (from :func:`storage_url`) names a journal file."""
+    return url.startswith(JOURNAL_PREFIX)
+
+
+def storage_file(url: str) -> str | None:
+    """The file a SQLite or journal storage lives in (None: a server, or SQLite in memory)."""
+    if is_journal(url):
+        return url[len(JOURNAL_PREFIX):]
+    if url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
+        return None if path in ("", ":memory:") else path
+    return None
 
 
 def _same_database(a: str, b: str) -> bool:
@@ -55,24 +110,54 @@ def check_storage_separate(url: str, db_url: str | None) -> None:
     db_url = db_url or DEFAULT_SQLITE_FILE
     if db_url is not None:
         db = db_url if "://" in db_url else f"sqlite:///{Path(db_url).resolve()}"
-        if _same_database(url, db):
+        journal = storage_file(url) if is_journal(url) else None
+        db_file = storage_file(db)
+        if (_same_database(url, db) if journal is None
+                else db_file is not None and Path(journal).resolve() == Path(db_file).resolve()):
             raise TuneError(f"--storage is tailpilot's database ({db_url}); keep Optuna's tables apart: "
                             f"use another database (default: the SQLite file {DEFAULT_STORAGE_FILE})")
+    if is_journal(url):
+        _check_journal_file(url)
+        return
     from sqlalchemy import create_engine, inspect
 
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         return
-    engine = create_engine(url)
+    try:
+        engine = create_engine(url)
+    except Exception as err:  # noqa: BLE001 - a driver that is not installed, a malformed URL
+        raise TuneError(f"--storage {_redact(url)}: cannot open: {_one_line(err)}") from None
     try:
         tables = set(inspect(engine).get_table_names())
     except Exception as err:  # noqa: BLE001
-        raise TuneError(f"--storage {_redact(url)}: cannot connect: {err}") from None
+        raise TuneError(f"--storage {_redact(url)}: cannot connect: {_one_line(err)}") from None
     finally:
         engine.dispose()
     clash = tables & TAILPILOT_TABLES
     if clash:
         raise TuneError(f"--storage {_redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
                         "keep Optuna's tables in a separate database")
+
+
+def _check_journal_file(url: str) -> None:
+    """A journal path must be a journal: refuse a directory, a missing folder and a SQLite file."""
+    path = Path(storage_file(url) or "")
+    if path.is_dir():
+        raise TuneError(f"--storage {url}: is a directory; give a file for the journal")
+    if not path.parent.is_dir():
+        raise TuneError(f"--storage {url}: folder {path.parent} does not exist")
+    if path.is_file():
+        with path.open("rb") as fh:
+            head = fh.read(16)
+        if head.startswith(b"SQLite format 3"):
+            raise TuneError(f"--storage {url}: is a SQLite database, not an Optuna journal; "
+                            f"give it as --storage {path} (no journal: prefix)")
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line (drivers add SQL and background links below it)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def _redact(url: str) -> str:
@@ -85,9 +170,18 @@ def _redact(url: str) -> str:
 
 
 def open_storage(url: str):
+    """Optuna's storage for ``url`` (from :func:`storage_url`): a JournalStorage on a
+    JournalFileBackend for ``journal:PATH``, else an RDBStorage with heartbeats. Raises
+    :class:`TuneError` (one line, naming the storage) when it cannot be opened."""
     import optuna
 
     quiet_optuna()
+    if is_journal(url):
+        return _open_journal(url)
+    scheme = _SCHEME.match(url)
+    if scheme is None:
+        raise TuneError(f"--storage {url}: not a storage URL; use {SUPPORTED}")
+    _check_dialect(url, scheme.group(1))
     kw: dict[str, Any] = {}
     if url.startswith("sqlite"):
         kw["engine_kwargs"] = {"connect_args": {"timeout": 60}}
@@ -102,10 +196,34 @@ def open_storage(url: str):
             break
         except Exception as err:  # noqa: BLE001 - any driver error: say which storage
             if attempt == 5 or not _transient_open_error(err):
-                raise TuneError(f"--storage {_redact(url)}: cannot open: {err}") from None
+                raise TuneError(f"--storage {_redact(url)}: cannot open: {_one_line(err)}") from None
             time.sleep(next(delays))
     if url.startswith("sqlite"):
         _sqlite_wal(storage.engine)
+    return storage
+
+
+# The URL each journal storage was opened from (JournalStorage does not keep it; RDBStorage does).
+_JOURNAL_URLS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def url_of(storage) -> str:
+    """The URL ``storage`` was opened from ("" when unknown: a storage opened elsewhere)."""
+    return _JOURNAL_URLS.get(storage) or str(getattr(storage, "url", ""))
+
+
+def _open_journal(url: str):
+    """JournalStorage in a file. Its writers take Optuna's symlink lock (works on NFS too); it has
+    no heartbeats: ``tuner.study`` fails the trials of dead local workers itself."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    _check_journal_file(url)
+    try:
+        storage = JournalStorage(JournalFileBackend(storage_file(url) or ""))
+    except Exception as err:  # noqa: BLE001 - unreadable or not a journal
+        raise TuneError(f"--storage {url}: cannot read the journal: {_one_line(err)}") from None
+    _JOURNAL_URLS[storage] = url
     return storage
 
 

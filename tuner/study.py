@@ -16,7 +16,9 @@ A study is *trace windows × policy × search space × objective(s) × constrain
   defaults, vLLM's own behaviour), enqueued so every suggestion is measured against it on the
   same windows. Its per-window metrics are also the **baseline** of relative constraints
   (``throughput>=0.99*baseline``); they are computed once, when the study is prepared, and kept
-  in the study.
+  in the study. A worker pops and runs it under the setup lock (SQLite ignores ``SELECT ... FOR
+  UPDATE``: two workers released together both popped it, and one crashed telling a COMPLETE
+  trial).
 * **Samplers.** One objective: TPE (multivariate, grouped for the conditional policy choice,
   constant liar for parallel workers) with the WilcoxonPruner over windows; a pruned trial
   returns the mean of the windows it ran (Optuna's documented workaround) and is marked
@@ -30,14 +32,23 @@ A study is *trace windows × policy × search space × objective(s) × constrain
   trace file changed).
 * **Many workers.** Each worker (a local process of ``--workers``, or a ``tailpilot tune`` on
   another machine using the same ``--storage``) runs ``study.optimize`` one trial at a time on
-  the same RDB storage until the study holds ``n_trials`` COMPLETE trials. Before a trial the
+  the same storage (RDB, or a journal file) until the study holds ``n_trials`` COMPLETE trials. Before a trial the
   worker checks the counts (and waits while the remaining slots are all taken by running trials),
   and a trial that finds ``n_trials`` earlier complete-or-running trials ends as FAIL (user attr
   ``excess``) without running, so the number of complete trials is exactly ``n_trials``.
-  Heartbeats fail the trials of crashed workers.
+  Heartbeats fail the trials of crashed workers (RDB); on a journal, which has none, a worker
+  fails the running trials of dead workers of its own host.
+* **Sampler streams.** A worker seeds its sampler with ``seed`` (+ 1,000,003 × its local worker
+  index) + the number of finished trials, and keeps that stream while its trials are numbered
+  one after another from where the study stood when it started (nothing running then): a worker
+  alone. Two workers that started at the same moment saw the same count and drew identical
+  suggestions (issue 23: 9 distinct parameter sets in 14 trials); so as soon as a worker's trial
+  number shows another process in the study (or one was running when it started), every further
+  trial of it draws from ``trial_seed(seed, trial number)``. The storage hands out trial numbers
+  once, so no two trials share a stream, on any backend, without any coordination.
 * **Determinism.** The simulator is deterministic, so one worker with the same seed gives the
-  same trials and the same best trial. A resumed worker seeds its sampler with ``seed`` plus the
-  number of finished trials (a fresh stream, still reproducible).
+  same trials and the same best trial (the same as before per-trial streams existed). A resumed
+  worker starts a fresh stream (``seed`` plus the finished count), still reproducible.
 
 Rooms: the definition is ``tuner/spec.py``, the windows and their replay ``tuner/windows.py``,
 where a study lives ``tuner/optuna_storage.py``; this module prepares a study, runs its workers and
@@ -56,6 +67,7 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +88,8 @@ from tuner.search import (
 )
 # The study's parts, imported here for callers of the study's API (tuner.study.X keeps working).
 from tuner.optuna_storage import (GRACE_S, HEARTBEAT_S, TAILPILOT_TABLES, _redact,  # noqa: F401
-                                  check_storage_separate, open_storage, quiet_optuna, storage_url)
+                                  check_storage_separate, is_journal, open_storage, quiet_optuna, storage_file,
+                                  storage_url, url_of)
 from tuner.spec import (DEFAULT_HOLDOUT, DEFAULT_MAX_WINDOWS, DEFAULT_MIN_REQUESTS,  # noqa: F401
                         DEFAULT_STORAGE_FILE, DEFAULT_WARMUP_S, DEFAULT_WINDOW_S, SPEC_VERSION, StudyConflict,
                         StudySpec, TuneError, file_digest)
@@ -91,6 +104,7 @@ ATTR_FINGERPRINT = "tailpilot:fingerprint"
 ATTR_SPLIT = "tailpilot:split"
 TRIAL_ATTR = "tailpilot"
 ROLE_ATTR = "tailpilot_role"
+OWNER_ATTR = "tailpilot_worker"  # "HOST:PID" of the process running the trial (journal: no heartbeats)
 PRODUCTION = "production"
 INFEASIBLE = 1e12  # constraint value for an undefined (NaN) metric: Optuna refuses NaN
 
@@ -295,9 +309,9 @@ _DEFINING = ("policies", "objectives", "constraints", "traces", "mix", "trim", "
 @contextlib.contextmanager
 def _setup_lock(storage, name: str):
     """A lock across processes for setting study ``name`` up: a PostgreSQL advisory lock, or a
-    ``flock`` beside a SQLite file; other backends go without (the objective still refuses a
-    second production trial)."""
-    url = str(getattr(storage, "url", ""))
+    ``flock`` beside a SQLite or journal file; other backends go without (the objective still
+    refuses a second production trial)."""
+    url = url_of(storage)
     key = int.from_bytes(hashlib.sha256(f"tailpilot-tune:{name}".encode()).digest()[:8], "big", signed=True)
     if url.startswith("postgresql"):
         from sqlalchemy import text
@@ -311,8 +325,8 @@ def _setup_lock(storage, name: str):
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
                 conn.commit()
         return
-    path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
-    if path and path != ":memory:":
+    path = storage_file(url)
+    if path:
         import fcntl
 
         with open(f"{path}.tailpilot-lock", "a+") as fh:
@@ -439,11 +453,67 @@ class ExcessTrial(Exception):
 
 
 def make_sampler(ctx: TuneContext, seed: int):
+    """The study's sampler seeded ``seed``: TPE for one objective, NSGA-II for several."""
     import optuna
 
     if ctx.spec.multi_objective:
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=ctx.spec.population_size)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler seed of trial ``number`` in a study seeded ``seed`` (32 bits of a hash: studies
+    with neighbouring seeds do not share streams shifted by one trial)."""
+    digest = hashlib.sha256(f"tailpilot-sampler:{seed}:{number}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def stream_sampler(ctx: TuneContext, seed: int, process_seed: int, expected: int | None):
+    """A worker's sampler (module docstring, "Sampler streams"): ``make_sampler(ctx,
+    process_seed)`` while its trials are numbered ``expected``, ``expected + 1``, …; from the first
+    trial that is not (or from the start when ``expected`` is None), before each trial
+    ``make_sampler(ctx, trial_seed(seed, number))``. Optuna's samplers keep nothing between
+    trials that the storage does not hold, so a fresh one per trial samples as a long-lived one."""
+    return _stream_sampler_class()(functools.partial(make_sampler, ctx), seed, process_seed, expected)
+
+
+@functools.cache
+def _stream_sampler_class():
+    import optuna
+
+    class StreamSampler(optuna.samplers.BaseSampler):
+        """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
+        one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
+
+        def __init__(self, factory: Callable[[int], Any], seed: int, process_seed: int,
+                     expected: int | None) -> None:
+            self.factory, self.seed, self.expected = factory, seed, expected
+            self.inner = factory(process_seed)
+
+        def before_trial(self, study, trial) -> None:
+            if self.expected is not None and trial.number == self.expected:
+                self.expected += 1  # still alone: today's stream, reproducible
+            else:
+                self.expected = None  # another process took a number: never share a stream
+                self.inner = self.factory(trial_seed(self.seed, trial.number))
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values) -> None:
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            self.inner.reseed_rng()
+
+    return StreamSampler
 
 
 def make_pruner(ctx: TuneContext):
@@ -466,6 +536,7 @@ class Objective:
         from optuna.trial import TrialState
 
         ctx = self.ctx
+        trial.set_user_attr(OWNER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
         if self.check_rank:
             earlier = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
                        if t.number < trial.number]
@@ -521,10 +592,51 @@ def _counts(study) -> tuple[int, int]:
     return complete, running
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def fail_dead_local_trials(study) -> list[int]:
+    """Mark FAIL the RUNNING trials whose worker ran on this host and has exited (what heartbeats
+    do on an RDB storage; a journal has none). Trials of other hosts are left alone: their
+    liveness cannot be seen from here. Returns the failed trials' numbers."""
+    from optuna.trial import TrialState
+
+    host, failed = socket.gethostname(), []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner_host, _, pid = str(t.user_attrs.get(OWNER_ATTR, "")).rpartition(":")
+        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            try:
+                study.tell(t.number, state=TrialState.FAIL)
+            except (RuntimeError, ValueError):  # finished meanwhile (another worker got there first)
+                continue
+            failed.append(t.number)
+    return failed
+
+
 def _finished(study) -> int:
     from optuna.trial import TrialState
 
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+
+
+def _run_waiting_production(storage, name: str, study, objective: Objective) -> int:
+    """Pop and run the waiting production trial, if any, under the setup lock (it takes no time:
+    its metrics are the baseline), so no two workers pop it. Returns the trials run (0 or 1)."""
+    from optuna.trial import TrialState
+
+    with _setup_lock(storage, name):
+        if not any(t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+            return 0
+        study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
+        return 1
 
 
 def run_worker(storage, name: str, ctx: TuneContext, n_trials: int, *, worker: int = 0,
@@ -532,15 +644,24 @@ def run_worker(storage, name: str, ctx: TuneContext, n_trials: int, *, worker: i
                should_stop: Callable[[], bool] | None = None) -> int:
     """Run trials of study ``name`` until it has ``n_trials`` complete ones (or ``should_stop()``);
     returns how many this worker ran. KeyboardInterrupt propagates (the running trial is marked
-    FAIL)."""
+    FAIL). ``worker``: the index of a local worker process (its stream's offset)."""
     import optuna
+    from optuna.trial import TrialState
 
     quiet_optuna()
+    no_heartbeat = isinstance(storage, optuna.storages.JournalStorage)
     probe = _load_study(storage, name)
-    seed = ctx.spec.seed + 1_000_003 * worker + _finished(probe)
-    study = _load_study(storage, name, sampler=make_sampler(ctx, seed), pruner=make_pruner(ctx))
+    if no_heartbeat:
+        fail_dead_local_trials(probe)
+    trials = probe.get_trials(deepcopy=False)
+    waiting = [t.number for t in trials if t.state == TrialState.WAITING]
+    alone = not any(t.state == TrialState.RUNNING for t in trials)
+    expected = (min(waiting) if waiting else len(trials)) if alone else None
+    process_seed = ctx.spec.seed + 1_000_003 * worker + _finished(probe)
+    study = _load_study(storage, name, sampler=stream_sampler(ctx, ctx.spec.seed, process_seed, expected),
+                        pruner=make_pruner(ctx))
     objective = Objective(ctx, n_trials)
-    done = 0
+    done = _run_waiting_production(storage, name, study, objective)
     while True:
         complete, running = _counts(study)
         if progress:
@@ -549,7 +670,10 @@ def run_worker(storage, name: str, ctx: TuneContext, n_trials: int, *, worker: i
             return done
         remaining = n_trials - complete - running
         if remaining <= 0:
-            optuna.storages.fail_stale_trials(study)
+            if no_heartbeat:
+                fail_dead_local_trials(study)
+            else:
+                optuna.storages.fail_stale_trials(study)
             time.sleep(poll_s)
             continue
         objective.check_rank = remaining <= 2 * (running + 1) + 2
