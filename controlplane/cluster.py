@@ -11,7 +11,8 @@
             acme: {commit_tok_s: 5000, ttft: {p50: 0.5, p90: 1.0, p99: 2.0}, ttlt: {p99: 60}}
             beta: {weight: 0.5}
           type_shares: {batch: 0.1}   # minimum shares; default (1/|T|)/(1 + type_eta·p_k)
-          alerts: {scr_warning: 0.95, scr_critical: 0.90, jfi: 0.90, type_fairness: 0.5}
+          alerts: {scr_warning: 0.95, scr_critical: 0.90, jfi: 0.90, type_fairness: 0.5,
+                   for_s: 30, keep_firing_for_s: 60}   # held before firing / before resolving
           governor: {scr_below: 0.85, jfi_below: 0.80, dwell_s: 60}   # record --govern
         replicas:
           - name: a100-0

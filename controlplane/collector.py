@@ -556,6 +556,7 @@ class Collector:
         self._alerts = AlertEvaluator(gov.alerts) if gov is not None else None
         self._gov_params = gov.params() if gov is not None else None
         self._gov_stored: float | None = None
+        self._waiting_since: dict[str, tuple[float, int]] = {}  # tenant -> (since, waiting then)
         self.governance: dict[str, Any] | None = None
         # The governor's last status (state, paused, active modes), when one runs on this
         # collector (controlplane.governor.governor_step sets it; the /metrics page reads it).
@@ -567,9 +568,10 @@ class Collector:
                                replicas={name: v.snapshot() for name, v in self.views.items()},
                                governance=self.governance)
 
-    def govern(self) -> dict[str, Any] | None:
+    def govern(self, *, immediate: bool = False) -> dict[str, Any] | None:
         """The cluster's governance figures over the replicas' windows now; alert transitions and
-        (once per ``window_s``) the figures are queued for the store."""
+        (once per ``window_s``) the figures are queued for the store. ``immediate``: judge the
+        alerts on these figures alone, without their for/keep-firing holds (a one-shot poll)."""
         if self._alerts is None or self._gov_params is None:
             return None
         t = self.clock()
@@ -581,9 +583,11 @@ class Collector:
         for v in self.views.values():
             for kind, n in ((v.state or {}).get("waiting_by_type") or {}).items():
                 asked[kind] = asked.get(kind, 0.0) + float(n)
-        figures = governance_report(*columns, self._gov_params, duration_s=self.cluster.window_s, arrived=asked)
-        events = self._alerts.evaluate(figures)
+        figures = governance_report(*columns, self._gov_params, duration_s=self.cluster.window_s, arrived=asked,
+                                    waiting=self._waiting_tenants(t))
+        events = self._alerts.evaluate(figures, None if immediate else t)
         figures["alerts"] = dict(self._alerts.active)
+        figures["alerts_pending"] = self._alerts.pending()
         figures["alert_values"] = dict(self._alerts.value)
         figures["t_ms"] = t_ms
         self.governance = figures
@@ -593,6 +597,30 @@ class Collector:
                 self._pending.governance.append(GovernanceRow(t_ms=t_ms, summary=figures))
                 self._gov_stored = t
         return figures
+
+    def _waiting_tenants(self, now: float) -> dict[str, dict[str, float]]:
+        """Per tenant its requests waiting on the healthy replicas (``/state``'s
+        ``waiting_by_tenant``) and how long it has had some waiting without its queue shrinking
+        (a lower bound of its oldest request's wait: its requests were neither admitted nor
+        dropped meanwhile), on this collector's clock."""
+        counts: dict[str, int] = {}
+        for v in self.views.values():
+            if v.health.healthy:
+                for tenant, n in ((v.state or {}).get("waiting_by_tenant") or {}).items():
+                    counts[tenant] = counts.get(tenant, 0) + int(n)
+        out: dict[str, dict[str, float]] = {}
+        for tenant in list(self._waiting_since):
+            if counts.get(tenant, 0) <= 0:
+                del self._waiting_since[tenant]
+        for tenant, n in counts.items():
+            if n <= 0:
+                continue
+            since, last = self._waiting_since.get(tenant, (now, n))
+            if n < last:  # some were admitted (or dropped): the oldest may be newer than ``since``
+                since = now
+            self._waiting_since[tenant] = (since, n)
+            out[tenant] = {"requests": n, "waited_s": now - since}
+        return out
 
     def subscribe(self, maxsize: int = 8) -> asyncio.Queue:
         """A queue that receives a :class:`ClusterSnapshot` after every flush tick (oldest dropped
@@ -828,7 +856,7 @@ async def poll_cluster_once(cluster: ClusterSpec, *, client: PollingClient | Non
     views = await _poll_views(cluster, client, True, clock)
     collector = Collector(cluster, client=client, clock=clock)
     collector.views = {v.name: v for v in views}
-    collector.govern()
+    collector.govern(immediate=True)
     return collector.snapshot()
 
 

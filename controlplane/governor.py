@@ -9,19 +9,25 @@ figure is back at its alert threshold and the mode has held for ``dwell_s``:
 mode           enters when                  change                                   undone at
 =============  ===========================  =======================================  ============
 ``scr``        SCR < 0.85                   ``quantiles: p99`` (single-quantile P99)  SCR ≥ 0.95
-``jfi``        JFI < 0.80                   ``throttle``: tenants weighing less than  JFI ≥ 0.90
-                                            the mean, to 50% of their use
+``jfi``        JFI < 0.80 and a tenant      ``throttle``: the over-consumers (ω =     JFI ≥ 0.90
+               uses more than its           min(C/U, α) < 1), to 50% of their use;
+               commitment                   never a tenant within its commitment
 ``type``       type fairness < 0.40 for     ``type_isolation: hard``                  ≥ 0.50
                ``type_sustain_s``
 =============  ===========================  =======================================  ============
 
-Priority SCR > JFI > type (seed 003 §9): when several trigger at once they are entered in that
-order. A parameter the replica pins is never moved (the decision says so). Undoing restores the
-value the mode replaced, unless someone changed it meanwhile. Every decision goes through the
-same path as an operator's change (``controlplane.steering.apply_settings``: If-Match, read back,
-audit row) with who = ``governor`` and the figures that triggered it; in ``dry-run`` (the default)
-the decision is only written to the audit log (result ``dry-run``); ``disarmed`` or ``paused``
-decides nothing. The state is kept in the store (``Store.governor_control``), so the TUI and
+JFI is the suppression-aware figure (controlplane/governance.py, docs/governance.md). Priority
+SCR > JFI > type (seed 003 §9): when several trigger at once they are entered in that order. A
+parameter the replica pins is never moved (the decision says so). Undoing restores the value the
+mode replaced, unless someone changed it meanwhile; a mode stays active (and is undone again at
+the next evaluation) until every replica it changed has taken the undo. Every decision goes
+through the same path as an operator's change (``controlplane.steering.apply_settings``:
+If-Match, read back, audit row) with who = ``governor``, the figures that triggered it and the
+victims' P99 TTFT (the tenants it protects: entering, over the window before; leaving, over the
+window since); in ``dry-run`` (the default) the decision is only written to the audit log
+(result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed`` and the end of the
+recorder undo every change the governor made (``governor disarm --keep``: kept, and the status
+says so). The state is kept in the store (``Store.governor_control``), so the TUI and
 ``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere.
 """
 
@@ -74,10 +80,38 @@ class Decision:
     action: str  # "enter" | "exit"
     figures: dict[str, Any]
     reason: str
+    targets: tuple[str, ...] = ()  # jfi: the tenants throttled
+    # The tenants the mode protects -> their P99 TTFT (s) over the window before entering, and
+    # (leaving) over the window since.
+    before: dict[str, float | None] = field(default_factory=dict)
+    after: dict[str, float | None] = field(default_factory=dict)
 
     def note(self) -> str:
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.figures.items()}
-        return f"governor {self.action}s {self.mode} mode: {self.reason}; figures {json.dumps(shown)}"
+        text = f"governor {self.action}s {self.mode} mode: {self.reason}"
+        if self.targets:
+            text += f"; throttles {', '.join(self.targets)}"
+        if self.before:
+            victims = ", ".join(f"{t} {_s(v)}" + (f" -> {_s(self.after.get(t))}" if self.action == "exit" else "")
+                                for t, v in sorted(self.before.items()))
+            text += f"; victims' P99 TTFT {'before -> since' if self.action == 'exit' else 'before'}: {victims}"
+        return f"{text}; figures {json.dumps(shown)}"
+
+
+def _s(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3g} s"
+
+
+def victims(mode: str, figures: dict[str, Any], targets: tuple[str, ...] = ()) -> dict[str, float | None]:
+    """The tenants a mode protects, with their P99 TTFT in ``figures``: the JFI mode's are every
+    tenant it does not throttle; the SCR mode's the tenants missing a target; the type mode's none
+    (it protects types)."""
+    tenants = figures.get("tenants") or {}
+    if mode == "jfi":
+        return {t: f.get("ttft_p99") for t, f in tenants.items() if t not in targets}
+    if mode == "scr":
+        return {t: f.get("ttft_p99") for t, f in tenants.items() if f.get("missed")}
+    return {}
 
 
 @dataclass(slots=True)
@@ -91,6 +125,9 @@ class Governor:
     dry: set[str] = field(default_factory=set)  # active modes entered in dry-run (never applied)
     below_since: dict[str, float] = field(default_factory=dict)  # type: when it first fell below
     replaced: dict[tuple[str, str], Any] = field(default_factory=dict)  # (mode, replica) -> old value
+    targets: dict[str, list[str]] = field(default_factory=dict)  # mode -> the tenants it throttles
+    before: dict[str, dict[str, float | None]] = field(default_factory=dict)  # mode -> victims' P99 TTFT
+    held: str | None = None  # why a mode whose figure is low is not entered (nobody to throttle)
 
     @classmethod
     def for_cluster(cls, governance) -> "Governor":
@@ -103,8 +140,9 @@ class Governor:
 
     def decide(self, figures: dict[str, Any], now: float) -> list[Decision]:
         """The mode changes these figures call for, in priority order."""
-        shown = {k: figures.get(k) for k in ("scr", "jfi", "type_fairness_min")}
+        shown = {k: figures.get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")}
         out = []
+        self.held = None
         for mode in MODES:
             value = figures.get(mode.figure)
             if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -117,24 +155,57 @@ class Governor:
                     self.below_since.pop("type", None)
                 below = below and now - self.below_since.get("type", now) >= self.spec.type_sustain_s
             if mode.name not in self.active and below:
-                out.append(Decision(mode.name, "enter", shown, f"{mode.figure} {value:.3g} < "
-                                                               f"{self.enter_below(mode.name):g}"))
+                reason = f"{mode.figure} {value:.3g} < {self.enter_below(mode.name):g}"
+                targets: tuple[str, ...] = ()
+                if mode.name == "jfi":
+                    # Seed 003's low-weight tenants: ω = min(C/U, α) low, i.e. using more than their
+                    # commitment. A tenant within its commitment is never throttled.
+                    targets = tuple(over_consumers(figures))
+                    if not targets:
+                        self.held = f"{reason}, but no tenant uses more than its commitment: nobody to throttle"
+                        continue
+                out.append(Decision(mode.name, "enter", shown, reason, targets, victims(mode.name, figures, targets)))
             elif mode.name in self.active and value >= self.exit_at[mode.name]:
                 held = now - self.active[mode.name]
                 if held >= self.spec.dwell_s:
-                    out.append(Decision(mode.name, "exit", shown, f"{mode.figure} {value:.3g} >= "
-                                                                  f"{self.exit_at[mode.name]:g} after {held:.0f} s"))
+                    out.append(self._exit(mode.name, figures, f"{mode.figure} {value:.3g} >= "
+                                                             f"{self.exit_at[mode.name]:g} after {held:.0f} s"))
         return out
+
+    def _exit(self, mode: str, figures: dict[str, Any] | None, reason: str) -> Decision:
+        shown = {k: (figures or {}).get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")}
+        before = dict(self.before.get(mode) or {})
+        tenants = (figures or {}).get("tenants") or {}
+        after = {t: (tenants.get(t) or {}).get("ttft_p99") for t in before}
+        return Decision(mode, "exit", shown, reason, tuple(self.targets.get(mode) or ()), before, after)
+
+    def undo_all(self, figures: dict[str, Any] | None, reason: str) -> list[Decision]:
+        """Exit decisions for every mode applied (not merely decided in dry-run), the last
+        entered first: what ``disarm``, ``pause`` and a recorder stop carry out."""
+        applied = [m.name for m in reversed(MODES) if m.name in self.active and m.name not in self.dry]
+        return [self._exit(m, figures, reason) for m in applied]
+
+    def applied(self) -> list[str]:
+        """The modes whose changes are on replicas now (entered armed, not undone)."""
+        return [m for m in self.active if m not in self.dry]
 
     def record(self, decision: Decision, now: float, *, dry: bool = False) -> None:
         """The decision was carried out (``dry``: in dry-run, would have been)."""
         if decision.action == "enter":
             self.active[decision.mode] = now
+            self.targets[decision.mode] = list(decision.targets)
+            self.before[decision.mode] = dict(decision.before)
             if dry:
                 self.dry.add(decision.mode)
         else:
             self.active.pop(decision.mode, None)
             self.dry.discard(decision.mode)
+            self.targets.pop(decision.mode, None)
+            self.before.pop(decision.mode, None)
+
+    def undone(self, mode: str) -> bool:
+        """No replica still holds a change of ``mode`` to undo."""
+        return not any(m == mode for m, _ in self.replaced)
 
     def armed(self) -> None:
         """Armed now: modes entered in dry-run were never applied — decide them again."""
@@ -147,36 +218,49 @@ class Governor:
         settings (None from it: nothing to do there); ``commit`` it once the replica took it."""
         return Change(self, decision, replica, next(m for m in MODES if m.name == decision.mode))
 
-    def commit(self, change: "Change") -> None:
-        """The replica took ``change``: remember what entering replaced (to undo it), or forget it."""
+    def commit(self, change: "Change", result: str = "applied") -> None:
+        """The replica answered ``change`` with ``result``: remember what entering replaced (to
+        undo it), or forget it once undone — or once there is nothing of ours left to undo there
+        (``skipped``: someone changed the parameter since, or the replica left slofq)."""
         key = (change.mode.name, change.replica)
-        if change.decision.action == "enter" and change.sent:
+        ok = result in ("applied", "staged")
+        if change.decision.action == "enter" and change.sent and ok:
             self.replaced[key] = change.old
-        elif change.decision.action == "exit" and change.sent:
+        elif change.decision.action == "exit" and ((change.sent and ok) or result == "skipped"):
             self.replaced.pop(key, None)
 
     def state(self) -> dict[str, Any]:
         """What a restarted governor needs to go on (kept in the control row's status)."""
         return {"active": dict(self.active), "dry": sorted(self.dry),
-                "replaced": [[m, r, v] for (m, r), v in sorted(self.replaced.items())]}
+                "replaced": [[m, r, v] for (m, r), v in sorted(self.replaced.items())],
+                "targets": {m: list(t) for m, t in self.targets.items()},
+                "before": {m: dict(b) for m, b in self.before.items()}, "held": self.held}
 
     def restore(self, status: dict[str, Any] | None) -> None:
         status = status or {}
         self.active = {m: float(t) for m, t in (status.get("active") or {}).items()}
         self.dry = set(status.get("dry") or ())
         self.replaced = {(m, r): v for m, r, v in status.get("replaced") or ()}
+        self.targets = {m: list(t) for m, t in (status.get("targets") or {}).items()}
+        self.before = {m: dict(b) for m, b in (status.get("before") or {}).items()}
 
-    def _entered_value(self, mode: Mode, current: Settings) -> Any:
+    def _entered_value(self, mode: Mode, current: Settings, targets: tuple[str, ...]) -> Any:
         if mode.name == "scr":
             return "p99"
         if mode.name == "type":
             return "hard"
-        p = current.params  # jfi: the tenants weighing less than the mean, throttled
-        weights = {t: p.base_weight(t) for t in p.tenants}  # weights and commitments on one scale
-        if not weights:
-            return dict(p.throttle)
-        mean = sum(weights.values()) / len(weights)
-        return {**p.throttle, **{t: self.spec.throttle_fraction for t, w in weights.items() if w < mean}}
+        # jfi: the over-consumers the decision names, throttled (an operator's own throttle of a
+        # tenant is kept where it is tighter)
+        p = current.params
+        return {**p.throttle, **{t: min(self.spec.throttle_fraction, p.throttle.get(t, 1.0)) for t in targets}}
+
+
+def over_consumers(figures: dict[str, Any]) -> list[str]:
+    """The tenants using more than their commitment in ``figures`` (ω = min(C/U, α) < 1)."""
+    if figures.get("over_consumers") is not None:
+        return list(figures["over_consumers"])
+    return sorted(t for t, f in (figures.get("tenants") or {}).items()
+                  if f.get("omega") is not None and f["omega"] < 1.0)
 
 
 def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
@@ -188,9 +272,17 @@ def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
 
 
 def modes_text(status: dict[str, Any] | None) -> str:
-    """"active modes: scr" (and ", dry-run only: jfi"): what the CLI and the TUI print."""
+    """"active modes: scr" (and ", dry-run only: jfi"; "kept after disarm" when ``disarm --keep``
+    left them applied): what the CLI and the TUI print."""
     applied, dry = modes(status)
-    return f"active modes: {', '.join(applied) or 'none'}" + (f", dry-run only: {', '.join(dry)}" if dry else "")
+    held = {m for m, _, _ in (status or {}).get("replaced") or ()}
+    # A mode entered armed that no replica took (pinned everywhere, not slofq, refused) is listed
+    # as such: active, but changing nothing.
+    shown = [m if "replaced" not in (status or {}) or m in held else f"{m} (on no replica)" for m in applied]
+    text = f"active modes: {', '.join(shown) or 'none'}" + (f", dry-run only: {', '.join(dry)}" if dry else "")
+    if applied and (status or {}).get("keep"):
+        text += " (kept after disarm: undone only when re-armed and recovered, or disarmed without --keep)"
+    return text
 
 
 _UNSET = object()
@@ -212,7 +304,7 @@ class Change:
         if current.policy != "slofq" or current.is_pinned(self.mode.param):
             return None  # the modes are slofq's parameters; a pinned one is never moved
         old = getattr(current.params, self.mode.param)
-        entered = self.gov._entered_value(self.mode, current)
+        entered = self.gov._entered_value(self.mode, current, self.decision.targets)
         key = (self.mode.name, self.replica)
         if self.decision.action == "enter":
             if entered == old:
@@ -233,40 +325,67 @@ class Change:
 
 async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -> list[dict[str, Any]]:
     """One evaluation: read the control row, decide on the collector's newest figures, carry the
-    decisions out (armed) or log them (dry-run); store the governor's status. Returns what was
-    done: dicts with the decision and each replica's result."""
+    decisions out (armed) or log them (dry-run); disarmed (unless ``--keep``), paused, or dry-run
+    with modes applied: undo them. Store the governor's status. Returns what was done: dicts with
+    the decision and each replica's result."""
+    import asyncio
+
+    cluster = collector.cluster
+    ctl = await asyncio.to_thread(store.governor_control, cluster.name)
+    figures = collector.governance
+    keep = ctl["state"] == "disarmed" and bool((ctl.get("status") or {}).get("keep"))
+    done: list[dict[str, Any]] = []
+    if ctl["state"] == "armed":
+        gov.armed()
+    if ctl["state"] != "armed" or ctl["paused"]:
+        why = "paused" if ctl["paused"] else ctl["state"]
+        if not keep:
+            for decision in gov.undo_all(figures, f"{why}: every change the governor made is undone"):
+                done.append(await _carry_out(gov, collector, store, decision, now, armed=True))
+        if ctl["state"] == "disarmed" or ctl["paused"]:
+            gov.active = {m: t for m, t in gov.active.items() if m not in gov.dry}  # dry decisions: forgotten
+            gov.dry.clear()
+    if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
+        for decision in gov.decide(figures, now):
+            done.append(await _carry_out(gov, collector, store, decision, now, armed=ctl["state"] == "armed"))
+    status = {**gov.state(), "t_ms": int(now * 1000), "keep": keep,
+              "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
+    await asyncio.to_thread(store.set_governor_control, cluster.name, status=status)
+    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
+    return done
+
+
+async def _carry_out(gov: Governor, collector: Any, store: Any, decision: Decision, now: float, *,
+                     armed: bool) -> dict[str, Any]:
+    """Apply ``decision`` on every replica (armed) or log it (dry-run); record it. An exit is
+    recorded only once every replica holding a change of the mode took the undo (else it is
+    tried again at the next evaluation)."""
     import asyncio
 
     from controlplane.steering import apply_settings
 
     cluster = collector.cluster
-    ctl = await asyncio.to_thread(store.governor_control, cluster.name)
-    figures = collector.governance
-    done: list[dict[str, Any]] = []
-    if ctl["state"] == "armed":
-        gov.armed()
-    if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
-        for decision in gov.decide(figures, now):
-            outcome: dict[str, Any] = {"mode": decision.mode, "action": decision.action, "note": decision.note(),
-                                       "state": ctl["state"], "replicas": {}}
-            for spec in cluster.replicas:
-                change = gov.change(decision, spec.name)
-                if ctl["state"] == "armed":
-                    [res] = await apply_settings(cluster, [spec.name], change, store, who=WHO, note=decision.note())
-                    outcome["replicas"][spec.name] = res.result
-                    if res.ok:
-                        gov.commit(change)
-                else:  # dry-run: what would be sent, in the audit log only
-                    current = (collector.views[spec.name].state or {}).get("settings")
-                    outcome["replicas"][spec.name] = await asyncio.to_thread(
-                        _log_dry_run, store, cluster.name, spec.name, current, change, decision)
-            gov.record(decision, now, dry=ctl["state"] != "armed")
-            done.append(outcome)
-    status = {**gov.state(), "t_ms": int(now * 1000),
-              "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
-    await asyncio.to_thread(store.set_governor_control, cluster.name, status=status)
-    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
-    return done
+    outcome: dict[str, Any] = {"mode": decision.mode, "action": decision.action, "note": decision.note(),
+                               "state": "armed" if armed else "dry-run", "replicas": {}}
+    dry = not armed or (decision.action == "exit" and decision.mode in gov.dry)
+    for spec in cluster.replicas:
+        change = gov.change(decision, spec.name)
+        if not dry:
+            if decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
+                outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
+                continue
+            [res] = await apply_settings(cluster, [spec.name], change, store, who=WHO, note=decision.note())
+            outcome["replicas"][spec.name] = res.result
+            gov.commit(change, res.result)
+        else:  # dry-run: what would be sent, in the audit log only
+            current = (collector.views[spec.name].state or {}).get("settings")
+            outcome["replicas"][spec.name] = await asyncio.to_thread(
+                _log_dry_run, store, cluster.name, spec.name, current, change, decision)
+    if decision.action == "enter" or dry or gov.undone(decision.mode):
+        gov.record(decision, now, dry=dry and decision.action == "enter")
+    else:
+        outcome["note"] += "; not undone everywhere yet: tried again at the next evaluation"
+    return outcome
 
 
 def _log_dry_run(store: Any, cluster: str, replica: str, current: dict[str, Any] | None,
@@ -280,8 +399,9 @@ def _log_dry_run(store: Any, cluster: str, replica: str, current: dict[str, Any]
 
 
 async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: float = 1.0,
-                       clock: Callable[[], float] | None = None) -> None:
-    """Evaluate every ``interval_s`` until ``stop`` (an asyncio.Event) is set (``record --govern``)."""
+                       clock: Callable[[], float] | None = None, undo_timeout_s: float = 30.0) -> None:
+    """Evaluate every ``interval_s`` until ``stop`` (an asyncio.Event) is set (``record --govern``);
+    then (or cancelled) undo every change it made, unless disarmed with ``--keep``."""
     import asyncio
     import contextlib
     import logging
@@ -292,13 +412,49 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
     gov.restore((await asyncio.to_thread(store.governor_control, collector.cluster.name)).get("status"))
-    while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
-        if stop.is_set():
-            return
-        try:
-            for outcome in await governor_step(gov, collector, store, clock()):
-                log.warning("%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"])
-        except Exception:  # a failed evaluation (busy store, a replica down) is retried next time
-            log.exception("governor step failed")
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            if stop.is_set():
+                return
+            try:
+                for outcome in await governor_step(gov, collector, store, clock()):
+                    log.warning("%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"])
+            except Exception:  # a failed evaluation (busy store, a replica down) is retried next time
+                log.exception("governor step failed")
+    finally:
+        # The recorder stops: nothing will watch the modes any more, so none stays applied. The
+        # recorder cancels this task once its collector has stopped, possibly mid-undo: the undo
+        # runs shielded and is waited for (at most ``undo_timeout_s``) whatever the cancellation.
+        undo = asyncio.ensure_future(stop_governor(gov, collector, store, clock()))
+        deadline = time.monotonic() + undo_timeout_s
+        while not undo.done() and time.monotonic() < deadline:
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(undo), max(0.0, deadline - time.monotonic()))
+        if not undo.done():
+            undo.cancel()
+            log.error("governor: undoing its changes at the stop took over %.0f s; the status lists what is left",
+                      undo_timeout_s)
+        elif not undo.cancelled() and undo.exception() is not None:
+            log.error("governor: undoing its changes at the stop failed: %s; the status lists what is left",
+                      undo.exception())
+
+
+async def stop_governor(gov: Governor, collector: Any, store: Any, now: float) -> list[dict[str, Any]]:
+    """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``) and store
+    its status: what a recorder stop does."""
+    import asyncio
+
+    ctl = await asyncio.to_thread(store.governor_control, collector.cluster.name)
+    if ctl["state"] == "disarmed" and (ctl.get("status") or {}).get("keep"):
+        return []
+    done = [await _carry_out(gov, collector, store, d, now, armed=True)
+            for d in gov.undo_all(collector.governance, "the recorder stopped: every change the governor made is undone")]
+    gov.active = {m: t for m, t in gov.active.items() if m not in gov.dry}
+    gov.dry.clear()
+    status = {**gov.state(), "t_ms": int(now * 1000), "keep": False,
+              "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
+    await asyncio.to_thread(store.set_governor_control, collector.cluster.name, status=status)
+    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
+    return done

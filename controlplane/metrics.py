@@ -27,10 +27,9 @@ in five ``np.partition`` calls (one per latency family); there is no per-request
 
 Percentiles use numpy's default (``linear``) method and are exact: no histogram buckets.
 
-Fairness follows docs/engine.md#metrics (which corrects seed 003): SLO compliance ratio
-``SCR = mean over tenants of Π_q 1[P_q ≤ s_q]``; Jain's index over tenants' normalised
-throughput (throughput / weight) ``JFI = (Σx)² / (n Σx²)``; type share ratio
-``actual share / guaranteed share``; and the P99/P50 ratio.
+Fairness: ``jain_index`` and the helpers below are the primitives; seed 003's figures (SCR, the
+suppression-aware JFI beside the seed's literal one, type fairness, ω) have one implementation,
+``controlplane.governance.report`` (docs/governance.md), which :func:`fairness_summary` calls.
 """
 
 from __future__ import annotations
@@ -306,7 +305,11 @@ def _build_metrics() -> dict[str, MetricInfo]:
         "slo_compliance_ratio": MetricInfo(
             "SCR: fraction of tenants meeting every one of their SLOs", "fraction", True),
         "jain_index": MetricInfo(
-            "Jain's fairness index over tenants' throughput / weight", "index", True),
+            "JFI: Jain's index over tenants' service / entitlement capped by demand "
+            "(docs/governance.md)", "index", True),
+        "jain_index_seed": MetricInfo(
+            "seed 003's literal JFI over tenants' throughput / commitment (reported, not acted on)",
+            "index", True),
         "type_share_ratio_min": MetricInfo(
             "smallest (actual share / guaranteed share) over request types", "ratio", True),
         # Reported by the live collector, not computed from completions.
@@ -783,20 +786,82 @@ def fairness_summary(
     weights: Mapping[str, float] | None = None,
     guaranteed_shares: Mapping[str, float] | None = None,
     duration_s: float | None = None,
+    waiting: Mapping[str, Mapping[str, float]] | None = None,
+    until: float | None = None,
 ) -> dict[str, float]:
-    """``jain_index`` always; ``slo_compliance_ratio`` when SLOs are given;
-    ``type_share_ratio_min`` (over types with a positive guarantee, shares by output tokens)
-    when guaranteed shares are given."""
-    per_tenant = summarize_by(data, "tenant", duration_s=duration_s)
-    out = {"jain_index": tenant_jain_index(per_tenant, weights)}
+    """Seed 003's figures of ``data``, computed by the governance report (one implementation:
+    ``controlplane.governance.report``, docs/governance.md): ``jain_index`` (the suppression-aware
+    JFI) and ``jain_index_seed`` (the seed's literal one) always; ``slo_compliance_ratio`` when SLOs
+    are given (TTFT/TTLT P50/P90/P99 limits); ``type_share_ratio_min`` when guaranteed shares are.
+
+    ``weights``: each tenant's weight (default 1). ``waiting``: per tenant what still waits at the
+    window's end (as ``report`` takes it). ``until``: the window's end — a request not finished by
+    then counts as still waiting (its tokens as demand, its wait so far as a lower bound), as the
+    live collector would have seen it. Figures without data are NaN."""
+    from controlplane.governance import Terms, completion_columns, report  # noqa: PLC0415 (it imports this module)
+
+    rows = _as_completions(data)
+    queued: dict[str, dict[str, float]] = {t: dict(w) for t, w in (waiting or {}).items()}
+    everything = list(rows)
+    if until is not None:
+        late = [c for c in rows if c.finished_at > until]
+        rows = [c for c in rows if c.finished_at <= until]
+        for c in late:
+            w = queued.setdefault(c.tenant, {"requests": 0, "waited_s": 0.0, "tokens": 0.0})
+            w["requests"] = w.get("requests", 0) + 1
+            w["tokens"] = w.get("tokens", 0.0) + c.prompt_tokens + c.output_tokens
+            if c.first_token_at > until:
+                w["waited_s"] = max(w.get("waited_s") or 0.0, until - c.arrival)
+    for name in (slos or {}):
+        _fairness_limit(name)
+    for per in (tenant_slos or {}).values():
+        for name in per:
+            _fairness_limit(name)
+    weights = dict(weights or {})
+    terms = Terms(limits=lambda t: {**(slos or {}), **(tenant_slos or {}).get(t, {})},
+                  weight=lambda t: float(weights.get(t, 1.0)), committed=lambda t: None,
+                  type_shares=dict(guaranteed_shares or {}))
+    window = _window_s(to_arrays(rows), duration_s) if rows else (duration_s or NAN)
+    if until is not None and duration_s is None and rows:
+        window = until - min(c.arrival for c in rows)
+    rep = report(*completion_columns(rows), terms, duration_s=window if window and window > 0 else 1.0,
+                 arrived=_asked_types(rows, everything if until is not None else ()), waiting=queued)
+    out = {"jain_index": _nan(rep["jfi"]), "jain_index_seed": _nan(rep["jfi_seed"])}
     if slos or tenant_slos:
-        out["slo_compliance_ratio"] = slo_compliance_ratio(
-            per_tenant, slos or {}, tenant_slos=tenant_slos)
+        out["slo_compliance_ratio"] = _nan(rep["scr"])
     if guaranteed_shares:
-        ratios = type_share_ratio(shares(data, key="type"), guaranteed_shares)
-        finite = [r for r in ratios.values() if math.isfinite(r)]
-        out["type_share_ratio_min"] = min(finite) if finite else NAN
+        out["type_share_ratio_min"] = _nan(rep["type_fairness_min"])
     return out
+
+
+def _as_completions(data: CompletionsLike) -> list[Completion]:
+    if not isinstance(data, CompletionArrays):
+        return list(data)
+    cols = [getattr(data, f) for f in ("id", "tenant", "type", "arrival", "scheduled_at", "first_token_at",
+                                       "finished_at", "prompt_tokens", "output_tokens")]
+    return [Completion(str(i), str(t), str(k), float(a), float(s), float(f), float(e), int(p), int(o))
+            for i, t, k, a, s, f, e, p, o in zip(*cols)]
+
+
+def _fairness_limit(name: str) -> None:
+    family, _, q = name.partition("_")
+    if family not in ("ttft", "ttlt") or q not in ("p50", "p90", "p99"):
+        raise ValueError(f"SCR is judged on TTFT/TTLT P50/P90/P99 limits (ttft_p99 ...), not {name!r}")
+
+
+def _asked_types(served: Sequence[Completion], all_rows: Any) -> dict[str, float] | None:
+    """Requests per type asked for: every row when a window's end cut some off, else None
+    (the served ones)."""
+    if not all_rows:
+        return None
+    out: dict[str, float] = {}
+    for c in all_rows:
+        out[c.type] = out.get(c.type, 0.0) + 1.0
+    return out
+
+
+def _nan(value: float | None) -> float:
+    return NAN if value is None else float(value)
 
 
 # --------------------------------------------------------------------------------------

@@ -494,29 +494,41 @@ def autopilot_tune(trace_paths, trials, seed, out, as_json):
 @click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
 @click.option("--who", default=None, help="Name in the governor's control row (default: $USER).")
 @click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
-def governor(action, cluster_name, db, who, as_json):
+@click.option("--keep", is_flag=True, help="With disarm: keep the changes the governor applied (by default "
+              "disarm, pause and a recorder stop undo them).")
+def governor(action, cluster_name, db, who, as_json, keep):
     """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
-    dry-run, disarm, pause, resume. The cluster must be one the database has recorded, and the
-    database must exist: a mistyped name or path is an error (exit 2), never a new control row or
-    a new, empty database."""
+    dry-run, disarm [--keep], pause, resume. Disarm, pause and dry-run undo every change the
+    governor applied, at its next evaluation (`disarm --keep` keeps them, and `status` says so).
+    The cluster must be one the database has recorded, and the database must exist: a mistyped
+    name or path is an error (exit 2), never a new control row or a new, empty database."""
+    if keep and action != "disarm":
+        raise click.UsageError("--keep goes with disarm only")
     store = open_store(db, must_exist=True)
     try:
         known_cluster(store, cluster_name)
         who = who or f"cli:{os.environ.get('USER', 'unknown')}"
         from controlplane.governor import CONTROL_ACTIONS
 
-        changes = CONTROL_ACTIONS.get(action)
+        changes = dict(CONTROL_ACTIONS.get(action) or {})
+        if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status the governor reads
+            changes["status"] = {**(store.governor_control(cluster_name).get("status") or {}), "keep": keep}
         row = store.set_governor_control(cluster_name, who=who, **changes) if changes else store.governor_control(cluster_name)
     finally:
         store.close()
     if as_json:
         echo_json(row, default=str, indent=None)
     else:
-        from controlplane.governor import modes_text
+        from controlplane.governor import modes, modes_text
 
         status = row.get("status") or {}
         click.echo(f"governor of {cluster_name}: {row['state']}{' (paused)' if row['paused'] else ''}"
                    f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}")
+        applied, _ = modes(status)
+        if applied and (row["paused"] or (row["state"] != "armed" and not keep)):
+            click.echo(f"  undoing {', '.join(applied)} at the governor's next evaluation")
+        elif applied and keep:
+            click.echo(f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)")
         for line in status.get("last") or []:
             click.echo(f"  last: {line}")
 

@@ -137,15 +137,19 @@ def window_metrics(settings: Settings, window: Window, config: EngineConfig, nam
     """Replay one window (warm-up first) under ``settings``; the named metrics of the window's own
     requests (NaN when undefined)."""
     result = Simulator(window.trace, settings, config).run()
-    return completion_metrics([c for c in result.completions if c.id in window.measured], names, slo)
+    # JFI judges who was served by the time the window's arrivals end (what a live collector
+    # would have seen then): a request still unfinished counts as waiting demand.
+    end = max((r.arrival for r in window.trace if r.id in window.measured), default=None)
+    return completion_metrics([c for c in result.completions if c.id in window.measured], names, slo, until=end)
 
 
 def completion_metrics(completions: Sequence[Any], names: Sequence[str],
-                       slo: Mapping[str, float] | None = None) -> dict[str, float]:
-    """The named metrics of ``completions`` (NaN when undefined)."""
+                       slo: Mapping[str, float] | None = None, *, until: float | None = None) -> dict[str, float]:
+    """The named metrics of ``completions`` (NaN when undefined). ``until``: the window's end, for
+    the fairness figures (``controlplane.metrics.fairness_summary``)."""
     summary = summarize(completions, slo=slo or None)
-    if any(n in ("jain_index",) for n in names):
-        summary.update(fairness_summary(completions))
+    if any(n in ("jain_index", "jain_index_seed") for n in names):
+        summary.update(fairness_summary(completions, until=until))
     return {n: float(summary.get(n, math.nan)) for n in names}
 
 
