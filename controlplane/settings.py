@@ -112,6 +112,10 @@ class UniBoostParams(PreemptiveParams):
     # γ is re-applied (a new epoch: every waiting key re-derived) only once its smoothed value has
     # moved this fraction away from the applied one; 0 re-applies at every tick.
     ada_deadband: float = Field(0.02, ge=0.0, le=1.0)
+    # Multiplies γ-Ada's target γ, the fitted slope ln 5 / (t99 − t95), before smoothing and
+    # clamping (1: the slope itself). Positive and within the share bounds, so the product stays
+    # finite or +inf (clamped to gamma_max), never 0 · inf.
+    ada_scale: float = Field(1.0, ge=MIN_SHARE, le=MAX_WEIGHT)
     # What γ-Ada fits its tail slope to. "fcfs_wait": each arrival's FCFS-equivalent wait (the
     # prompt and recompute tokens queued ahead of it over the recent admission rate) — the FCFS
     # tail whose decay rate the theory asks for, and the same whichever order is served, so γ

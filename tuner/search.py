@@ -52,6 +52,9 @@ SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise", "sigma_spread"})
 # Margins default to 0 and their upper bounds are safety limits (controlplane.settings: a margin of
 # 1e12 s means "never preempt"), not a scale to search on: searched only when --range gives one.
 UNSCALED_PARAMS = frozenset({"preempt_margin", "margin_tokens"})
+# Searched only when --range gives a range: γ-Ada's ada_scale moves the same γ that is already
+# searched over its whole range (benchmarks/defaults_rule.py measured what it does).
+RANGE_ONLY_PARAMS = frozenset({"ada_scale"})
 ENGINE_PREFIX = "engine."
 THRESHOLD = "long_prefill_token_threshold"
 CHUNKING_SWITCH = "engine.long_prefill_chunking"  # the on/off half of the threshold
@@ -426,7 +429,8 @@ def build_space(policies: Sequence[str], production: Settings, *,
                 dims.append(Dim(qname, "categorical", choices=(False, True)))
                 continue
             centre, span = float(base[name]), SPAN
-            if name in UNSCALED_PARAMS and centre == 0 and (p, name) not in resolved_ranges:
+            if (name in UNSCALED_PARAMS and centre == 0 or name in RANGE_ONLY_PARAMS) \
+                    and (p, name) not in resolved_ranges:
                 continue
             override = resolved_ranges.get((p, name))
             if name == "gamma" and override is None:

@@ -323,7 +323,8 @@ class UniBoost(Policy):
         t95, t99 = np.percentile(np.fromiter(self.recent_tail, float), [95.0, 99.0])
         # P(T > t) ~ C e^{-γt}: between P95 and P99 the tail falls by 5×, so γ = ln 5 / (t99 − t95).
         # No spread between them is a tail that ends at once: as fast a decay as γ may take.
-        target = LN5 / (t99 - t95) if t99 > t95 else p.gamma_max
+        # ada_scale shifts the fitted slope (an infinite one stays as fast as γ may take).
+        target = LN5 / (t99 - t95) * p.ada_scale if t99 > t95 else p.gamma_max
         gamma = (1.0 - p.ada_ema) * self.gamma_smoothed + p.ada_ema * target
         self.gamma_smoothed = gamma = min(p.gamma_max, max(p.gamma_min, gamma))
         # A new γ re-keys the waiting queue and re-sorts the running list; a move smaller than
