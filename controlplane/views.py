@@ -151,23 +151,107 @@ def sample_json(rows: Sequence[SampleRow]) -> dict:
 ALERT_LABELS = {"scr": "SCR", "jfi": "JFI", "type_fairness": "type fairness"}
 
 
+def _alert_figures(governance: Mapping) -> dict[str, object]:
+    # The figure each alert judges: JFI's alert acts on the suppression-aware ``jfi``, never
+    # ``jfi_seed`` (docs/governance.md).
+    return {"scr": governance.get("scr"), "jfi": governance.get("jfi"),
+            "type_fairness": governance.get("type_fairness_min")}
+
+
+def _ordered(alerts: Mapping[str, str]) -> list[tuple[str, str]]:
+    return sorted(alerts.items(), key=lambda kv: (kv[1] != "critical", kv[0]))
+
+
 def alert_text(governance: Mapping | None) -> Text:
     """One line: the firing governance alerts with their figures (the TUI's alert bar), or
-    "no alerts"; empty when the cluster is not governed."""
+    "no alerts"; then the pending ones (condition holding, not yet for ``alerts.for_s``); empty
+    when the cluster is not governed."""
     if not governance:
         return Text("")
     firing = governance.get("alerts") or {}
+    pending = {k: v for k, v in (governance.get("alerts_pending") or {}).items() if firing.get(k) != v}
+    figure = _alert_figures(governance)
     if not firing:
-        return Text("governance: no alerts", style="green")
-    figure = {"scr": governance.get("scr"), "jfi": governance.get("jfi"),
-              "type_fairness": governance.get("type_fairness_min")}
-    out = Text("ALERT ", style="bold")
-    for i, (name, severity) in enumerate(sorted(firing.items(), key=lambda kv: (kv[1] != "critical", kv[0]))):
-        if i:
-            out.append("  ")
-        value = figure.get(name)
-        out.append(f"{ALERT_LABELS.get(name, name)} {fmt_figure(value, 3)} ({severity})",
-                   style="bold red" if severity == "critical" else "yellow")
+        out = Text("governance: no alerts", style="green")
+    else:
+        out = Text("ALERT ", style="bold")
+        for i, (name, severity) in enumerate(_ordered(firing)):
+            if i:
+                out.append("  ")
+            out.append(f"{ALERT_LABELS.get(name, name)} {fmt_figure(figure.get(name), 3)} ({severity})",
+                       style="bold red" if severity == "critical" else "yellow")
+    if pending:
+        out.append("   pending: ", style="dim")
+        out.append(", ".join(f"{ALERT_LABELS.get(n, n)} {fmt_figure(figure.get(n), 3)} ({sev})"
+                             for n, sev in _ordered(pending)), style="yellow")
+    return out
+
+
+def figures_text(governance: Mapping, sep: str = "   ") -> str:
+    """SCR, JFI beside JFI (seed), type fairness and the request count, as one line. JFI is the
+    suppression-aware figure the alerts and the governor act on; JFI (seed) the seed's literal
+    one, reported only."""
+    return sep.join((f"SCR {fmt_figure(governance.get('scr'), 3)}", f"JFI {fmt_figure(governance.get('jfi'), 3)}",
+                     f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}",
+                     f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}",
+                     f"{governance.get('requests', 0)} requests in the window"))
+
+
+def is_over_consumer(governance: Mapping, tenant: str) -> bool:
+    """ω < 1: the tenant uses more than its commitment (the report's ``over_consumers``; an older
+    stored window without it: from ω itself)."""
+    over = governance.get("over_consumers")
+    if over is not None:
+        return tenant in over
+    omega = ((governance.get("tenants") or {}).get(tenant) or {}).get("omega")
+    return omega is not None and omega < 1.0
+
+
+def omega_text(governance: Mapping, tenant: str) -> Text:
+    """A tenant's ω = min(C/U, α), "0.4 over" (bold) for an over-consumer; "—" when not reported."""
+    omega = ((governance.get("tenants") or {}).get(tenant) or {}).get("omega")
+    if omega is None:
+        return Text("—", style="dim")
+    if is_over_consumer(governance, tenant):
+        return Text(f"{fmt_figure(omega, 2)} over", style="bold yellow")
+    return Text(fmt_figure(omega, 2))
+
+
+def waiting_text(figures: Mapping) -> Text:
+    """What a tenant still has waiting at the window's end: "3 ≥12.00s" (its requests waiting, and
+    how long at least they have waited), "starved …" in red when nothing of it completed; "—" when
+    nothing waits."""
+    if not figures.get("waiting"):
+        return Text("—", style="dim")
+    text = _waiting(figures).replace(" waiting", "")
+    if figures.get("starved"):
+        return Text(f"starved {text}", style="bold red")
+    return Text(text)
+
+
+def _waiting(figures: Mapping) -> str:
+    """"3 waiting ≥12.00s": a tenant's requests waiting, and a lower bound of how long."""
+    waited = figures.get("waited_s")
+    return f"{figures.get('waiting') or 0:,} waiting" + (f" ≥{fmt_seconds(waited)}" if waited else "")
+
+
+def governance_notes(governance: Mapping) -> Text | None:
+    """One line naming the over-consumers (ω < 1) and the starved tenants (requests waiting,
+    nothing completed), or None when there are neither."""
+    tenants = governance.get("tenants") or {}
+    over = sorted(t for t in tenants if is_over_consumer(governance, t))
+    starved = sorted(t for t, f in tenants.items() if f.get("starved") and f.get("waiting"))
+    if not over and not starved:
+        return None
+    out = Text()
+    if over:
+        out.append("over-consumers (ω < 1): ", style="bold yellow")
+        out.append(", ".join(f"{t} ω {fmt_figure(tenants[t].get('omega'), 2)}" for t in over))
+    if starved:
+        if over:
+            out.append("   ")
+        out.append("starved: ", style="bold red")
+        out.append(", ".join(f"{t} ({_waiting(tenants[t])})" for t in starved))
     return out
 
 
@@ -179,17 +263,37 @@ def fmt_target(figures: Mapping, key: str) -> str:
 
 
 def governance_lines(governance: Mapping | None) -> list[Text]:
-    """What ``tailpilot status`` prints under the table: the alert line, SCR, JFI, type fairness
-    and each tenant's TTFT quantiles against its targets."""
+    """What ``tailpilot status`` prints under the table: the alert line (firing, then pending),
+    SCR, JFI and JFI (seed), type fairness, the over-consumers and starved tenants, and per tenant
+    its TTFT quantiles against its targets, throughput, service ratio (JFI's x), ω and what waits."""
     if not governance:
         return []
-    lines = [alert_text(governance),
-             Text(f"SCR {fmt_figure(governance.get('scr'), 3)}   JFI {fmt_figure(governance.get('jfi'), 3)}   "
-                  f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}   over "
-                  f"{governance.get('requests', 0)} requests")]
+    lines = [alert_text(governance), Text(figures_text(governance))]
+    notes = governance_notes(governance)
+    if notes is not None:
+        lines.append(notes)
     for tenant, f in sorted((governance.get("tenants") or {}).items()):
         cells = "  ".join(f"{q.replace('_', ' ').upper()} {fmt_target(f, q)}" for q in ("ttft_p50", "ttft_p90", "ttft_p99"))
-        verdict = Text(" meets", style="green") if f.get("compliant") else Text(
-            " misses " + ", ".join(f.get("missed", [])), style="red")
-        lines.append(Text(f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s") + verdict)
+        line = Text(f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s   "
+                    f"served/entitled {fmt_figure(f.get('service_ratio'), 3)}   ω ")
+        line.append_text(omega_text(governance, tenant))
+        if f.get("waiting"):
+            line.append("   waiting ")
+            line.append_text(waiting_text(f))
+        line.append_text(Text("   meets", style="green") if f.get("compliant") else Text(
+            "   misses " + ", ".join(f.get("missed", [])), style="red"))
+        lines.append(line)
     return lines
+
+
+def governor_notes(status: Mapping | None) -> list[str]:
+    """What a governor's status says beyond its modes (``modes_text`` covers those and changes
+    kept after ``disarm --keep``): the tenants each active mode throttles, and why a mode whose
+    figure is low was not entered (``held``)."""
+    status = status or {}
+    active = status.get("active") or {}
+    notes = [f"{mode} throttles {', '.join(tenants)}"
+             for mode, tenants in sorted((status.get("targets") or {}).items()) if tenants and mode in active]
+    if status.get("held"):
+        notes.append(f"held: {status['held']}")
+    return notes

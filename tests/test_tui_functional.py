@@ -20,7 +20,7 @@ import pytest
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import make_client
 from controlplane.settings import GAMMA_DEFAULT, Settings
-from controlplane.views import fmt_number, fmt_seconds
+from controlplane.views import fmt_figure, fmt_number, fmt_seconds
 from storage.store import Store
 from tui import keys as K
 from tui import render as R
@@ -557,10 +557,13 @@ def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(re
 
 def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
     """A governed cluster whose tenants cannot meet a 1 ms P99 TTFT: the alert bar (on every
-    panel) says SCR is critical; the alerts panel lists each tenant against its targets."""
+    panel) says SCR is critical; the alerts panel gives JFI beside JFI (seed) and lists each tenant
+    against its targets with its ω. ``for_s`` 0: the alert fires on the first window instead of
+    pending for 30 s."""
     from controlplane.governance import GovernanceSpec
 
-    spec = spec_of(twins, governance=GovernanceSpec.model_validate({"default_tenant": {"ttft": {"p99": 0.001}}}))
+    spec = spec_of(twins, governance=GovernanceSpec.model_validate({"default_tenant": {"ttft": {"p99": 0.001}},
+                                                                   "alerts": {"for_s": 0}}))
 
     async def scenario():
         app = build_app(spec, refresh_s=0.25)
@@ -574,8 +577,24 @@ def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
             await wait_for(pilot, lambda: table.row_count >= 2, what="tenant rows")
             row = [getattr(c, "plain", c) for c in table.get_row_at(0)]
             assert row[0].startswith("t") and "misses ttft_p99" in row[-1] and row[3].endswith("/1ms")
+
+            def shows_the_report() -> bool:  # the panel shows the collector's figures, none of its own
+                g, first = app.snapshot.governance, [getattr(c, "plain", c) for c in table.get_row_at(0)]
+                omega = fmt_figure(g["tenants"][first[0]]["omega"], 2)
+                return (f"JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
+                        in text_of(app.query_one("#alerts-figures"))
+                        and first[8] == omega + (" over" if first[0] in g["over_consumers"] else ""))
+
+            await wait_for(pilot, shows_the_report, what="JFI, JFI (seed) and ω from the governance report")
             await pilot.press("2")
             assert "ALERT SCR" in text_of(bar)  # the bar stays on every panel
+
+            def replica_reads_the_report() -> bool:  # the replica panel's JFIs: the cluster's report
+                g = app.snapshot.governance
+                return (f"cluster: JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
+                        in text_of(app.query_one("#fairness")))
+
+            await wait_for(pilot, replica_reads_the_report, what="the replica panel's JFI and JFI (seed)")
 
     run(scenario())
 

@@ -106,19 +106,27 @@ def test_alerts_panel_with_a_firing_alert(tmp_path, snap_compare):
 
     db = tmp_path / "gov.db"
     shutil.copy(FIXTURE, db)
+    # The governance report's keys (controlplane.governance.report): acme over-consumes (ω < 1),
+    # delta is starved (requests waiting, nothing completed); JFI 0.667 beside JFI (seed) 0.578;
+    # type fairness below its alert, pending.
     tenant = {"ttft_p50": 0.21, "ttft_p90": 0.9, "ttft_p99": 2.4, "ttlt_p99": 12.0, "tok_s": 812.0,
-              "normalised": 1.6, "limits": {"ttft_p50": 0.5, "ttft_p99": 1.0}, "missed": ["ttft_p99"],
+              "normalised": 1.6, "service_ratio": 1.0, "omega": 0.625, "waiting": 0, "waited_s": None,
+              "starved": False, "limits": {"ttft_p50": 0.5, "ttft_p99": 1.0}, "missed": ["ttft_p99"],
               "compliant": False}
-    figures = {"scr": 0.5, "jfi": 0.82, "type_fairness_min": 0.9, "requests": 240,
+    starved = {**{k: None for k in ("ttft_p50", "ttft_p90", "ttft_p99", "ttlt_p99")}, "tok_s": 0.0,
+               "normalised": 0.0, "service_ratio": 0.0, "omega": 4.0, "waiting": 4, "waited_s": 12.5,
+               "starved": True, "limits": {"ttft_p99": 1.0}, "missed": ["ttft_p99"], "compliant": False}
+    figures = {"scr": 0.333, "jfi": 0.667, "jfi_seed": 0.578, "type_fairness_min": 0.45, "requests": 240,
+               "over_consumers": ["acme"], "alerts_pending": {"type_fairness": "warning"},
                "tenants": {"acme": tenant, "beta": {**tenant, "ttft_p99": 0.8, "missed": [], "compliant": True,
-                                                    "normalised": 0.7}},
+                                                    "normalised": 0.7, "omega": 1.43}, "delta": starved},
                "types": {"chat": {"share": 0.9, "minimum": 0.35, "ratio": 1.2, "ttft_p50": 0.2, "ttft_p99": 2.0},
-                         "batch": {"share": 0.1, "minimum": 0.48, "ratio": 0.9, "ttft_p50": 0.3, "ttft_p99": 2.6}}}
+                         "batch": {"share": 0.1, "minimum": 0.22, "ratio": 0.45, "ttft_p50": 0.3, "ttft_p99": 2.6}}}
     with Store.open(str(db)) as store:
         store.write("fixture", Batch(
             governance=[GovernanceRow(t_ms=START_MS + 30_000, summary=figures)],
             alerts=[AlertRow(START_MS + 30_000, "scr", "critical", "firing",
-                             {"value": 0.5, "threshold": 0.9, "missed": {"acme": ["ttft_p99"]}}),
-                    AlertRow(START_MS + 31_000, "jfi", "warning", "firing", {"value": 0.82, "threshold": 0.9})]))
+                             {"value": 0.333, "threshold": 0.9, "missed": {"acme": ["ttft_p99"], "delta": ["ttft_p99"]}}),
+                    AlertRow(START_MS + 31_000, "jfi", "warning", "firing", {"value": 0.667, "threshold": 0.9})]))
     app = build_app(SPEC, replay=str(db), start_ms=START_MS + 60_000)
     assert snap_compare(app, terminal_size=SIZE, run_before=lambda p: ready(p, "6"))

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from controlplane.collector import ClusterSnapshot, ReplicaSnapshot
 from controlplane.governor import modes_text
-from controlplane.metrics import jain_index, normalised_throughput, slo_compliance
+from controlplane.metrics import slo_compliance
 from controlplane.views import (
     ALERT_LABELS,
     alert_text,
@@ -27,7 +27,12 @@ from controlplane.views import (
     fmt_percent,
     fmt_seconds,
     fmt_target,
+    figures_text,
+    governance_notes,
+    governor_notes,
+    omega_text,
     rejected_note,
+    waiting_text,
 )
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary, fmt_value, settings_diff
@@ -361,8 +366,10 @@ def _tenant_metrics(g: GroupSampleRow, slos: Mapping[str, float]) -> dict[str, f
 
 
 def tenant_table(groups: Sequence[GroupSampleRow], slos: Mapping[str, float],
-                 weights: Mapping[str, float] | None = None) -> tuple[list[tuple], Text]:
-    """(rows, summary) of the per-tenant table: P99s, throughput, SLO, and Jain's index / SCR."""
+                 governance: Mapping[str, Any] | None = None) -> tuple[list[tuple], Text]:
+    """(rows, summary) of the replica's per-tenant table: P99s, throughput, SLO; the summary gives
+    the replica's SCR against the cluster file's ``slos`` and the cluster's JFI and JFI (seed)
+    from ``governance`` (the collector's report: one implementation, never recomputed here)."""
     tenants = sorted((g for g in groups if g.kind == "tenant"), key=lambda g: g.group)
     per = {g.group: _tenant_metrics(g, slos) for g in tenants}
     ok: dict[str, bool] = slo_compliance(per, slos) if slos and per else {}
@@ -374,24 +381,22 @@ def tenant_table(groups: Sequence[GroupSampleRow], slos: Mapping[str, float],
         rows.append((g.group, fmt_number(g.completed), fmt_number(g.throughput_tok_s),
                      fmt_seconds(lat.ttft_p99), fmt_seconds(lat.ttlt_p99), fmt_seconds(lat.tbt_p99), slo))
     summary = Text()
-    if per:
-        thr = {t: (m["throughput_tok_s"] if math.isfinite(m["throughput_tok_s"]) else 0.0) for t, m in per.items()}
-        try:
-            jfi = jain_index(list(normalised_throughput(thr, weights).values()))
-        except ValueError:
-            jfi = NAN
-        summary.append(f"Jain's index {'—' if math.isnan(jfi) else f'{jfi:.3f}'} over {len(per)} tenant(s)")
-        summary.append(" │ ")
-        if slos:
-            scr = sum(ok.values()) / len(ok)
-            summary.append(f"SCR {scr:.2f}", style="green" if scr >= 1 else "bold red")
-            summary.append(f" ({sum(ok.values())}/{len(ok)} tenants meet "
-                           + ", ".join(f"{k} ≤ {fmt_seconds(v) if k[:4] in ('ttft', 'ttlt', 'tbt_') else v}"
-                                       for k, v in slos.items()) + ")")
-        else:
-            summary.append("SCR — (no slos in the cluster file)", style="dim")
-    else:
+    if not per:
         summary.append("no completions in the window", style="dim")
+    elif slos:
+        scr = sum(ok.values()) / len(ok)
+        summary.append(f"SCR {scr:.2f}", style="green" if scr >= 1 else "bold red")
+        summary.append(f" ({sum(ok.values())}/{len(ok)} tenants meet "
+                       + ", ".join(f"{k} ≤ {fmt_seconds(v) if k[:4] in ('ttft', 'ttlt', 'tbt_') else v}"
+                                   for k, v in slos.items()) + ")")
+    else:
+        summary.append("SCR — (no slos in the cluster file)", style="dim")
+    summary.append(" │ ")
+    if governance:
+        summary.append(f"cluster: JFI {fmt_figure(governance.get('jfi'), 3)} · "
+                       f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}")
+    else:
+        summary.append("JFI — (not governed)", style="dim")
     return rows, summary
 
 
@@ -509,26 +514,32 @@ def apply_results(results: Iterable[Any]) -> Text:
 # governance (the alerts panel and the alert bar)
 # --------------------------------------------------------------------------------------------
 
-GOVERNANCE_COLUMNS = (("who", "tenant / type", 16), ("p50", "TTFT P50", 12), ("p90", "TTFT P90", 12),
-                      ("p99", "TTFT P99", 12), ("ttlt", "TTLT P99", 12), ("tok", "tok/s", 9),
-                      ("norm", "use/commit", 10), ("slo", "SLO", 34))
+GOVERNANCE_COLUMNS = (("who", "tenant / type", 14), ("p50", "TTFT P50", 11), ("p90", "TTFT P90", 11),
+                      ("p99", "TTFT P99", 11), ("ttlt", "TTLT P99", 11), ("tok", "tok/s", 8),
+                      ("x", "served/ent", 10), ("norm", "use/commit", 10), ("omega", "ω", 9),
+                      ("waiting", "waiting", 17), ("slo", "SLO", 26))
 ALERT_EVENT_COLUMNS = (("t", "time (UTC)", 19), ("alert", "alert", 14), ("state", "state", 9),
                        ("severity", "severity", 9), ("value", "value", 8), ("threshold", "threshold", 9),
                        ("missed", "tenants missing targets", 40))
 
 
 def governance_summary(g: Mapping[str, Any] | None) -> Text:
-    """The alert line and SCR / JFI / type fairness (what ``tailpilot status`` prints first)."""
+    """The alert line (firing, then pending), SCR / JFI / JFI (seed) / type fairness, and the
+    over-consumers and starved tenants (what ``tailpilot status`` prints first)."""
     if not g:
         return Text("not governed: add a governance block to the cluster file (tenants, SLOs, alerts)", style="dim")
     out = alert_text(g)
-    out.append(f"\nSCR {fmt_figure(g.get('scr'), 3)} · JFI {fmt_figure(g.get('jfi'), 3)} · type fairness (min) "
-               f"{fmt_figure(g.get('type_fairness_min'), 3)} · {g.get('requests', 0)} requests in the window")
+    out.append("\n" + figures_text(g, " · "))
+    notes = governance_notes(g)
+    if notes is not None:
+        out.append("\n")
+        out.append_text(notes)
     return out
 
 
 def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
-    """A row per tenant (figures against its targets), then one per request type."""
+    """A row per tenant (figures against its targets, JFI's x served/entitled, JFI (seed)'s x
+    use/commit, ω with over-consumers marked, what still waits), then one per request type."""
     if not g:
         return []
     rows: list[tuple] = []
@@ -536,18 +547,20 @@ def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
         slo = Text("meets", style="green") if f.get("compliant") else Text(
             "misses " + ", ".join(f.get("missed") or []), style="bold red")
         rows.append((tenant, fmt_target(f, "ttft_p50"), fmt_target(f, "ttft_p90"), fmt_target(f, "ttft_p99"),
-                     fmt_target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("normalised"), 3), slo))
+                     fmt_target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("service_ratio"), 3),
+                     fmt_figure(f.get("normalised"), 3), omega_text(g, tenant), waiting_text(f), slo))
     for kind, f in sorted((g.get("types") or {}).items()):
         ratio = f.get("ratio")
-        share = Text("—" if ratio is None else f"share {fmt_percent(f.get('share'))} = {ratio:.2f}× its minimum",
+        share = Text("—" if ratio is None else f"{fmt_percent(f.get('share'))} = {ratio:.2f}× its min share",
                      style="dim" if ratio is None else ("bold red" if ratio < 0.5 else ""))
         rows.append((Text(f"type {kind}", style="italic"), fmt_seconds(f.get("ttft_p50")), "", fmt_seconds(f.get("ttft_p99")),
-                     "", "", "", share))
+                     "", "", "", "", "", "", share))
     return rows
 
 
 def governor_line(control: Mapping[str, Any] | None) -> Text:
-    """The governor's state, who set it, its active modes and its last decision."""
+    """The governor's state, who set it, its active modes (and whether kept after ``disarm
+    --keep``), the tenants they throttle, why a mode was held back, and its last decision."""
     if not control:
         return Text("governor: not known here (live with --db)", style="dim")
     state = control.get("state", "?")
@@ -559,6 +572,8 @@ def governor_line(control: Mapping[str, Any] | None) -> Text:
         out.append(f" · set by {control['who']}", style="dim")
     status = control.get("status") or {}
     out.append(f" · {modes_text(status)}")
+    for note in governor_notes(status):
+        out.append(f" · {note}", style="bold yellow" if note.startswith("held") else "")
     if status.get("last"):
         out.append(f" · last: {status['last'][-1]}", style="dim")
     return out

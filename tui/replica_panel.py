@@ -63,10 +63,7 @@ class ReplicaPanel(Vertical):
         for i, series in enumerate(R.replica_series(history, snap.t_ms, markers)):
             self._draw(self.query_one(f"#plot-{i}", PlotextPlot), series, span)
         slos = app.cluster.slos if app.cluster is not None else {}
-        weights = None
-        if rs is not None and rs.settings and rs.settings.get("policy") == "vtc":
-            weights = (rs.settings.get("params") or {}).get("weights") or None
-        rows, summary = R.tenant_table(rs.groups if rs else [], slos, weights)
+        rows, summary = R.tenant_table(rs.groups if rs else [], slos, snap.governance)
         self.query_one("#fairness", Static).update(summary)
         fill_table(self.query_one("#tenant-table", DataTable), rows)
         fill_table(self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else []))
