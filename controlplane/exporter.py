@@ -1,23 +1,40 @@
 """The recorder's Prometheus page: ``tailpilot_*`` series read from a live collector at scrape time
-(``tailpilot record --metrics-port 9464``; README, "Prometheus and Grafana").
+(``tailpilot record --metrics-port 9464``; README, "Prometheus and Grafana"; every series and the
+renames of this version in docs/metrics.md).
 
     exporter = MetricsServer(collector, host="127.0.0.1", port=9464)
     await exporter.start()          # GET /metrics (and /health) on a bounded server thread
     ...
     await exporter.stop()
 
-Every figure is the collector's own — the exact windowed percentiles it computes from the replicas'
-completions (never a histogram's estimate), the governance report (SCR, JFI, type fairness, per
-tenant and type) and the governor's last status — so Prometheus, ``tailpilot status --json`` and the
-TUI agree. A figure without data (no request in the window) is left out, not written as NaN.
+Every windowed figure is the collector's own — the exact windowed percentiles it computes from
+the replicas' completions (never a histogram's estimate), the governance report (SCR, both JFIs,
+type fairness, ω, per tenant and type) and the governor's last status — so Prometheus, ``tailpilot
+status --json`` and the TUI agree. A figure without data (no request in the window) is left out,
+not written as NaN. The page follows Prometheus's conventions (``promtool check metrics`` finds
+nothing; the tests run it on a real page):
+
+* Counts are counters (``_total``), for ``rate()``: completed requests, prompt and output tokens
+  per replica and tenant (:class:`CompletionCounters`: what this recorder read since it started),
+  and the replica's own preemptions, refusals and breaker trips (since the replica started).
+  Tokens have one definition per name: ``prompt`` and ``output`` apart, never a mix.
+* Percentiles are gauges labelled ``percentile="p99"``: ``quantile`` is reserved for summaries,
+  and a windowed exact percentile beside its target is not one.
+* Units are suffixes (``_seconds``, ``_ratio``, ``_tokens_total``, ``_requests``).
+* A replica that did not answer its last poll has only ``tailpilot_replica_up 0`` and the
+  recorder's own counts on the page, none of its last answer's figures. The governance figures
+  are over every replica's window: ``tailpilot_governance_stale_replicas`` counts the down ones
+  whose last window still counts in them, and with no replica up they are left out.
 
 :data:`SERIES` names every family and its labels; ``tailpilot export prometheus-rules`` and
 ``grafana`` build their queries from it, and the tests check both against a real scrape.
+:data:`RENAMED` maps the names of the previous version to these.
 
 Tenant names come from clients, so the page labels at most :data:`MAX_TENANTS` of them: the
 cluster file's tenants first, then the busiest; ``tailpilot_tenants_omitted`` counts the rest.
 Request-type names likewise (:data:`MAX_TYPES`, ``tailpilot_types_omitted``); each replica's window
-already folds names past storage.limits' bounds into one "other" group.
+already folds names past storage.limits' bounds into one "other" group, and the counters fold
+names past the same bounds (first come) into "other" for good, so that a counter never vanishes.
 
 ``tailpilot_ingest_rejected_total`` counts, per replica and reason, what the collector could not
 store as a replica sent it (storage.limits.REASONS); ``tailpilot_breaker_trips_total`` is each
@@ -36,6 +53,7 @@ import asyncio
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -43,7 +61,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.settings import QUANTILES
-from storage.limits import REASONS
+from storage.limits import OTHER_GROUP, REASONS
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
@@ -55,13 +73,23 @@ RENDER_TIMEOUT_S = 5.0  # a scrape waits this long for the collector's loop, the
 
 @dataclass(frozen=True, slots=True)
 class Series:
+    """One family of the page: its name (a counter's without ``_total``: its samples carry it),
+    labels and help text."""
+
     name: str
     labels: tuple[str, ...]
     doc: str
-    counter: bool = False  # a count since the replica started (exposed as NAME_total), else a gauge
+    counter: bool = False  # a count (exposed as NAME_total, for rate()), else a gauge
+
+    @property
+    def sample(self) -> str:
+        """The name its samples have on the page."""
+        return f"{self.name}_total" if self.counter else self.name
 
 
-COUNTERS = {"tailpilot_refused_requests", "tailpilot_breaker_trips", "tailpilot_ingest_rejected"}
+COUNTERS = {"tailpilot_refused_requests", "tailpilot_breaker_trips", "tailpilot_ingest_rejected",
+            "tailpilot_preemptions", "tailpilot_requests_completed", "tailpilot_prompt_tokens",
+            "tailpilot_output_tokens", "tailpilot_type_requests_completed"}
 
 
 def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
@@ -71,8 +99,8 @@ def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
 
 R = "cluster replica"
 SERIES: dict[str, Series] = _series(
-    # per replica (the collector's latest poll)
-    ("tailpilot_replica_up", R, "1 when the replica answered its last poll, else 0."),
+    # per replica: the collector's latest poll, only while the replica answers it
+    ("tailpilot_replica_up", R, "1 when the replica answered its last poll, else 0 (its other figures are then left out)."),
     ("tailpilot_replica_info", f"{R} policy mode", "1, labelled with the replica's policy and mode (plugin | metrics-only)."),
     ("tailpilot_settings_version", R, "Version of the replica's active settings document."),
     ("tailpilot_gamma", R, "Live γ of the replica's policy (its adaptive value where it adapts)."),
@@ -80,37 +108,62 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_waiting_requests", R, "Requests waiting in the replica's queue."),
     ("tailpilot_running_requests", R, "Requests in the replica's running batch."),
     ("tailpilot_kv_usage_ratio", R, "Fraction of the replica's KV cache in use (0..1)."),
-    ("tailpilot_throughput_tokens_per_second", R, "Output tokens per second over the window."),
-    ("tailpilot_preemptions_per_second", R, "Preemptions per second over the window."),
+    ("tailpilot_preemptions", R, "Preemptions since the replica started (its own count)."),
     ("tailpilot_refused_requests", R, "Requests the replica turned away on arrival (a tenant's queue cap), since it started."),
     ("tailpilot_breaker_trips", R,
      "Times a policy raised inside the replica's engine step and its circuit breaker fell back, since it started."),
-    ("tailpilot_ingest_rejected", f"{R} reason",
-     "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason."),
-    ("tailpilot_latency_seconds", f"{R} latency quantile",
-     "Exact percentile of the window's completed requests (latency: ttft | ttlt | tbt)."),
-    ("tailpilot_group_latency_seconds", f"{R} kind group latency quantile",
+    ("tailpilot_latency_seconds", f"{R} latency percentile",
+     "Exact percentile (p50 | p90 | p95 | p99) of the window's completed requests (latency: ttft | ttlt | tbt)."),
+    ("tailpilot_group_latency_seconds", f"{R} kind group latency percentile",
      "Exact percentile per tenant or request type (kind) of the replica's window."),
     ("tailpilot_group_requests", f"{R} kind group", "Requests completed in the window per tenant or type."),
+    # per replica: the recorder's own counts, kept while the replica is down (they do not change then)
+    ("tailpilot_ingest_rejected", f"{R} reason",
+     "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason."),
+    ("tailpilot_requests_completed", f"{R} tenant",
+     "Completed requests the recorder read from the replica since the recorder started (refusals not counted)."),
+    ("tailpilot_prompt_tokens", f"{R} tenant", "Prompt tokens of those completed requests."),
+    ("tailpilot_output_tokens", f"{R} tenant", "Output tokens of those completed requests."),
+    ("tailpilot_type_requests_completed", f"{R} type", "Those completed requests per request type."),
+    # the cluster
     ("tailpilot_window_seconds", "cluster", "Length of the rolling window every windowed figure covers."),
     ("tailpilot_tenants_omitted", "cluster", f"Tenants left off this page (at most {MAX_TENANTS} are labelled)."),
     ("tailpilot_types_omitted", "cluster", f"Request types left off this page (at most {MAX_TYPES} are labelled)."),
-    # governance (over every replica's window together)
-    ("tailpilot_scr", "cluster", "SLO compliance ratio: the fraction of tenants meeting every quantile target."),
-    ("tailpilot_jfi", "cluster", "Jain's fairness index over the tenants' throughput per commitment."),
-    ("tailpilot_type_fairness", "cluster", "The lowest request type's share over its guaranteed share."),
+    # governance (over every replica's window together; docs/governance.md)
+    ("tailpilot_governance_timestamp_seconds", "cluster", "When the governance figures were computed (Unix time)."),
+    ("tailpilot_governance_stale_replicas", "cluster",
+     "Replicas down whose last window still counts in the governance figures, unrefreshed (0: all current)."),
     ("tailpilot_governance_requests", "cluster", "Requests the governance figures were computed from."),
-    ("tailpilot_tenant_latency_seconds", "cluster tenant latency quantile",
-     "Exact percentile of the tenant's requests across the cluster (latency: ttft | ttlt)."),
-    ("tailpilot_tenant_slo_seconds", "cluster tenant latency quantile", "The tenant's target for that percentile."),
+    ("tailpilot_scr_ratio", "cluster", "SLO compliance ratio: the fraction of tenants meeting every quantile target."),
+    ("tailpilot_jfi_ratio", "cluster",
+     "Jain's index over each tenant's service per demand-capped entitlement (what alerts and the governor act on)."),
+    ("tailpilot_jfi_seed_ratio", "cluster", "Seed 003's literal JFI, over served rate per committed rate (reported only)."),
+    ("tailpilot_type_fairness_min_ratio", "cluster", "The lowest request type's share over its guaranteed share."),
+    ("tailpilot_tenant_latency_seconds", "cluster tenant latency percentile",
+     "Exact percentile (p50 | p90 | p99) of the tenant's requests across the cluster (latency: ttft | ttlt)."),
+    ("tailpilot_tenant_slo_seconds", "cluster tenant latency percentile", "The tenant's target for that percentile."),
     ("tailpilot_tenant_slo_compliant", "cluster tenant", "1 when the tenant meets every target it has, else 0."),
-    ("tailpilot_tenant_requests", "cluster tenant", "The tenant's requests in the window."),
-    ("tailpilot_tenant_throughput_tokens_per_second", "cluster tenant", "Tokens served (prompt + output) per second."),
-    ("tailpilot_tenant_normalised_throughput", "cluster tenant", "Throughput over the tenant's commitment (or weight)."),
-    ("tailpilot_type_share", "cluster type", "The type's share of the window's completed requests."),
-    ("tailpilot_type_minimum_share", "cluster type", "The type's minimum share ρ_k."),
+    ("tailpilot_tenant_requests", "cluster tenant", "The tenant's requests completed in the window."),
+    ("tailpilot_tenant_waiting_requests", "cluster tenant", "The tenant's requests waiting on the replicas that answer."),
+    ("tailpilot_tenant_waited_seconds", "cluster tenant",
+     "How long the tenant has had requests waiting without its queue shrinking (a lower bound of its oldest wait)."),
+    ("tailpilot_tenant_starved", "cluster tenant", "1 when the tenant has requests waiting and none completed in the window."),
+    ("tailpilot_tenant_window_served_tokens", "cluster tenant", "Tokens (prompt + output) served to the tenant in the window."),
+    ("tailpilot_tenant_window_demand_tokens", "cluster tenant", "Tokens the tenant asked for in the window (served + waiting)."),
+    ("tailpilot_tenant_window_entitled_tokens", "cluster tenant",
+     "The tenant's share of the window's served tokens by weight, capped by its demand."),
+    ("tailpilot_tenant_service_ratio", "cluster tenant", "min(1, served / entitled): the tenant's x in the JFI."),
+    ("tailpilot_tenant_committed_tokens_per_second", "cluster tenant",
+     "The tenant's committed rate (commit_tok_s; for a weight, its share of the served rate)."),
+    ("tailpilot_tenant_normalised_throughput_ratio", "cluster tenant",
+     "Served rate over committed rate: the tenant's x in the seed's JFI."),
+    ("tailpilot_tenant_omega_ratio", "cluster tenant", "ω = min(committed / served, α); below 1: an over-consumer."),
+    ("tailpilot_type_share_ratio", "cluster type", "The type's share of the window's completed requests."),
+    ("tailpilot_type_minimum_share_ratio", "cluster type", "The type's minimum share ρ_k."),
     ("tailpilot_type_fairness_ratio", "cluster type", "The type's share over its guaranteed share."),
     ("tailpilot_alert_firing", "cluster alert severity", "1 while the alert fires at this severity, else 0."),
+    ("tailpilot_alert_pending", "cluster alert severity",
+     "1 while the alert's condition holds at this severity but not yet for alerts.for_s, else 0."),
     ("tailpilot_alert_value", "cluster alert",
      "The figure the alert was last judged on (kept through windows without data, as the alert is)."),
     ("tailpilot_alert_threshold", "cluster alert severity", "The figure below which the alert fires at this severity."),
@@ -120,7 +173,19 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_governor_mode_active", "cluster mode", "1 while the emergency mode (scr | jfi | type) is applied."),
     ("tailpilot_governor_mode_dry_run", "cluster mode", "1 while the mode is only logged (decided in dry-run, not applied)."),
 )
-QUANTILE_LABEL = {f"p{q}": f"{q / 100:g}" for q in PERCENTILES}  # "p99" -> "0.99"
+# The previous version's names (a sample's name, as on the page) -> this version's (None: gone,
+# with what replaces it in docs/metrics.md). Dashboards and rules written against them need these.
+RENAMED: dict[str, str | None] = {
+    "tailpilot_scr": "tailpilot_scr_ratio",
+    "tailpilot_jfi": "tailpilot_jfi_ratio",
+    "tailpilot_type_fairness": "tailpilot_type_fairness_min_ratio",
+    "tailpilot_type_share": "tailpilot_type_share_ratio",
+    "tailpilot_type_minimum_share": "tailpilot_type_minimum_share_ratio",
+    "tailpilot_tenant_normalised_throughput": "tailpilot_tenant_normalised_throughput_ratio",
+    "tailpilot_preemptions_per_second": "tailpilot_preemptions_total",
+    "tailpilot_throughput_tokens_per_second": "tailpilot_output_tokens_total",
+    "tailpilot_tenant_throughput_tokens_per_second": None,
+}
 ALERT_SEVERITIES = {"scr": ("warning", "critical"), "jfi": ("warning",), "type_fairness": ("warning",)}
 
 
@@ -160,11 +225,68 @@ class _Families:
         return (f for f in self.families.values() if f.samples)
 
 
+class CompletionCounters:
+    """Per replica and tenant the completed requests and their prompt and output tokens, and per
+    replica and type the requests, that a collector read since this was attached (its
+    ``on_poll``): the page's counters. A request refused on arrival was never served and is not
+    counted (``tailpilot_refused_requests_total`` counts it). Names past ``max_names`` per kind
+    (the cluster file's always kept apart) are counted under "other" from then on, so a label
+    set, once shown, only grows."""
+
+    def __init__(self, collector: Any, max_names: int = MAX_TENANTS) -> None:
+        spec = collector.cluster.governance
+        self._reserved = {"tenant": frozenset(spec.tenants if spec is not None else ()),
+                          "type": frozenset(spec.type_shares if spec is not None else ())}
+        self._max = max_names
+        self._names: dict[str, set[str]] = {"tenant": set(), "type": set()}
+        self.tenants: dict[tuple[str, str], list[int]] = {}  # (replica, tenant) -> [requests, prompt, output]
+        self.types: dict[tuple[str, str], int] = {}  # (replica, type) -> requests
+        # replica -> whether its last poll read its /state (its own counters are then current,
+        # even when its /metrics failed and it counts as down)
+        self.state_read: dict[str, bool] = {}
+        collector.on_poll(self.observe)
+
+    def _name(self, kind: str, name: str) -> str:
+        names = self._names[kind]
+        if name in names or name in self._reserved[kind]:
+            return name
+        if len(names) >= self._max:
+            return OTHER_GROUP
+        names.add(name)
+        return name
+
+    def observe(self, replica: str, result: Any) -> None:
+        """Count one poll's new completions (``collector.on_poll``'s listener)."""
+        self.state_read[replica] = result.cursor is not None
+        for row in result.completions:
+            if row.reason == "rejected":
+                continue
+            counts = self.tenants.setdefault((replica, self._name("tenant", row.tenant)), [0, 0, 0])
+            counts[0] += 1
+            counts[1] += int(row.prompt_tokens)
+            counts[2] += int(row.output_tokens)
+            key = (replica, self._name("type", row.type))
+            self.types[key] = self.types.get(key, 0) + 1
+
+
+_COUNTERS: "weakref.WeakKeyDictionary[Any, CompletionCounters]" = weakref.WeakKeyDictionary()
+
+
+def completion_counters(collector: Any) -> CompletionCounters:
+    """The collector's :class:`CompletionCounters`, attached on the first call (they count the
+    completions read from then on: the recorder attaches them before its first poll)."""
+    counters = _COUNTERS.get(collector)
+    if counters is None:
+        counters = _COUNTERS[collector] = CompletionCounters(collector)
+    return counters
+
+
 class ClusterMetrics:
     """A prometheus_client collector over a :class:`controlplane.collector.Collector`."""
 
     def __init__(self, collector: Any) -> None:
         self.collector = collector
+        self.counters = completion_counters(collector)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         c = self.collector
@@ -177,87 +299,136 @@ class ClusterMetrics:
         out.add("tailpilot_types_omitted", (cluster,), types_omitted)
         for name, view in c.views.items():
             self._replica(out, cluster, name, view, shown, types)
-        if c.governance is not None:
-            self._governance(out, cluster, c.governance, c.cluster.governance, shown, types)
+            # Whether its last poll read its /state: the listener knows; before it was attached,
+            # the sample says (only a /state answer gives it a policy)
+            read = self.counters.state_read.get(name, view.sample is not None and view.sample.policy is not None)
+            self._replica_counters(out, cluster, name, view, read)
+        self._completions(out, cluster)
+        up = sum(1 for v in c.views.values() if v.health.healthy)
+        # A down replica's window is its last answer's: still in the figures, no longer refreshed.
+        stale = sum(1 for v in c.views.values() if not v.health.healthy and len(v.window))
+        if c.governance is not None and up:  # with no replica up, no figure is current
+            self._governance(out, cluster, c.governance, c.cluster.governance, shown, types, stale)
+        elif c.governance is not None:
+            self._alert_states(out, cluster, c.governance, c.cluster.governance)
         if getattr(c, "governor_status", None) is not None:
             self._governor(out, cluster, c.governor_status)
         return iter(out)
+
+    def _completions(self, out: _Families, cluster: str) -> None:
+        for (replica, tenant), (requests, prompt, output) in sorted(self.counters.tenants.items()):
+            key = (cluster, replica, tenant)
+            out.add("tailpilot_requests_completed", key, requests)
+            out.add("tailpilot_prompt_tokens", key, prompt)
+            out.add("tailpilot_output_tokens", key, output)
+        for (replica, kind), requests in sorted(self.counters.types.items()):
+            out.add("tailpilot_type_requests_completed", (cluster, replica, kind), requests)
 
     @staticmethod
     def _replica(out: _Families, cluster: str, name: str, view: Any, shown: set[str], types: set[str]) -> None:
         key = (cluster, name)
         out.add("tailpilot_replica_up", key, 1.0 if view.health.healthy else 0.0)
-        # Counters: from the last answer, up or down, so that a short outage is no counter reset.
-        for reason in REASONS:
+        for reason in REASONS:  # the recorder's own count: true whether the replica answers or not
             out.add("tailpilot_ingest_rejected", (*key, reason), view.rejected.get(reason, 0))
-        breaker = (view.state or {}).get("breaker")
-        if isinstance(breaker, dict):
-            out.add("tailpilot_breaker_trips", key, breaker.get("trips_total"))
         row = view.sample
-        if row is None or not row.healthy:
-            return
+        if row is None or not row.healthy or not view.health.healthy:
+            return  # its last answer is not now: nothing of it on the page (replica_up says so)
         if row.policy:
             out.add("tailpilot_replica_info", (*key, row.policy, view.health.mode), 1.0)
         for series, value in (("tailpilot_settings_version", row.settings_version),
                               ("tailpilot_gamma", row.gamma_live), ("tailpilot_beta", row.beta_live),
                               ("tailpilot_waiting_requests", row.waiting), ("tailpilot_running_requests", row.running),
-                              ("tailpilot_kv_usage_ratio", row.kv_usage),
-                              ("tailpilot_throughput_tokens_per_second", row.throughput_tok_s),
-                              ("tailpilot_preemptions_per_second", row.preemptions_per_s)):
+                              ("tailpilot_kv_usage_ratio", row.kv_usage)):
             out.add(series, key, value)
-        out.add("tailpilot_refused_requests", key, (view.state or {}).get("refused_total"))
         for lat in LATENCIES:
             for q in PERCENTILES:
-                out.add("tailpilot_latency_seconds", (*key, lat, QUANTILE_LABEL[f"p{q}"]),
-                        getattr(row.latency, f"{lat}_p{q}"))
+                out.add("tailpilot_latency_seconds", (*key, lat, f"p{q}"), getattr(row.latency, f"{lat}_p{q}"))
         for g in view.groups:
             if g.group not in (shown if g.kind == "tenant" else types):
                 continue
             out.add("tailpilot_group_requests", (*key, g.kind, g.group), g.completed)
             for lat in LATENCIES:
                 for q in PERCENTILES:
-                    out.add("tailpilot_group_latency_seconds", (*key, g.kind, g.group, lat, QUANTILE_LABEL[f"p{q}"]),
+                    out.add("tailpilot_group_latency_seconds", (*key, g.kind, g.group, lat, f"p{q}"),
                             getattr(g.latency, f"{lat}_p{q}"))
 
     @staticmethod
-    def _governance(out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str],
-                    types: set[str]) -> None:
+    def _replica_counters(out: _Families, cluster: str, name: str, view: Any, state_read: bool) -> None:
+        """The replica's own counters since it started: from the /state its last poll read (the
+        plugin's), else from vLLM's /metrics while it answers; none from an older answer."""
+        key = (cluster, name)
+        state = view.state or {}
+        if view.health.mode == "plugin":
+            if not state_read:
+                return
+            preemptions = state.get("preemptions_total")
+            out.add("tailpilot_preemptions", key,
+                    preemptions if preemptions is not None else view.metrics.get("preemptions_total"))
+            out.add("tailpilot_refused_requests", key, state.get("refused_total"))
+            breaker = state.get("breaker")
+            if isinstance(breaker, dict):
+                out.add("tailpilot_breaker_trips", key, breaker.get("trips_total"))
+        elif view.health.healthy:
+            out.add("tailpilot_preemptions", key, view.metrics.get("preemptions_total"))
+
+    @classmethod
+    def _governance(cls, out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str],
+                    types: set[str], stale: int) -> None:
         key = (cluster,)
-        out.add("tailpilot_scr", key, g.get("scr"))
-        out.add("tailpilot_jfi", key, g.get("jfi"))
-        out.add("tailpilot_type_fairness", key, g.get("type_fairness_min"))
+        if g.get("t_ms") is not None:
+            out.add("tailpilot_governance_timestamp_seconds", key, g["t_ms"] / 1000.0)
+        out.add("tailpilot_governance_stale_replicas", key, stale)
         out.add("tailpilot_governance_requests", key, g.get("requests"))
+        out.add("tailpilot_scr_ratio", key, g.get("scr"))
+        out.add("tailpilot_jfi_ratio", key, g.get("jfi"))
+        out.add("tailpilot_jfi_seed_ratio", key, g.get("jfi_seed"))
+        out.add("tailpilot_type_fairness_min_ratio", key, g.get("type_fairness_min"))
         for tenant, f in sorted(g.get("tenants", {}).items()):
             if tenant not in shown:
                 continue
             t = (cluster, tenant)
             for lat in ("ttft", "ttlt"):
                 for q in QUANTILES:
-                    out.add("tailpilot_tenant_latency_seconds", (*t, lat, QUANTILE_LABEL[q]), f.get(f"{lat}_{q}"))
+                    out.add("tailpilot_tenant_latency_seconds", (*t, lat, q), f.get(f"{lat}_{q}"))
             for metric, limit in sorted(f.get("limits", {}).items()):
                 lat, q = metric.split("_", 1)
-                out.add("tailpilot_tenant_slo_seconds", (*t, lat, QUANTILE_LABEL[q]), limit)
+                out.add("tailpilot_tenant_slo_seconds", (*t, lat, q), limit)
             out.add("tailpilot_tenant_slo_compliant", t, 1.0 if f.get("compliant") else 0.0)
-            out.add("tailpilot_tenant_requests", t, f.get("requests"))
-            out.add("tailpilot_tenant_throughput_tokens_per_second", t, f.get("tok_s"))
-            out.add("tailpilot_tenant_normalised_throughput", t, f.get("normalised"))
+            for series, k in (("tailpilot_tenant_requests", "requests"), ("tailpilot_tenant_waiting_requests", "waiting"),
+                              ("tailpilot_tenant_waited_seconds", "waited_s"),
+                              ("tailpilot_tenant_window_served_tokens", "served_tokens"),
+                              ("tailpilot_tenant_window_demand_tokens", "demand_tokens"),
+                              ("tailpilot_tenant_window_entitled_tokens", "entitled_tokens"),
+                              ("tailpilot_tenant_service_ratio", "service_ratio"),
+                              ("tailpilot_tenant_committed_tokens_per_second", "committed_tok_s"),
+                              ("tailpilot_tenant_normalised_throughput_ratio", "normalised"),
+                              ("tailpilot_tenant_omega_ratio", "omega")):
+                out.add(series, t, f.get(k))
+            if "starved" in f:
+                out.add("tailpilot_tenant_starved", t, 1.0 if f["starved"] else 0.0)
         for kind, f in sorted(g.get("types", {}).items()):
             if kind not in types:
                 continue
             t = (cluster, kind)
-            out.add("tailpilot_type_share", t, f.get("share"))
-            out.add("tailpilot_type_minimum_share", t, f.get("minimum"))
+            out.add("tailpilot_type_share_ratio", t, f.get("share"))
+            out.add("tailpilot_type_minimum_share_ratio", t, f.get("minimum"))
             out.add("tailpilot_type_fairness_ratio", t, f.get("ratio"))
         for alert, value in sorted((g.get("alert_values") or {}).items()):
             out.add("tailpilot_alert_value", (cluster, alert), value)
-        firing = g.get("alerts") or {}
+        cls._alert_states(out, cluster, g, spec)
+
+    @staticmethod
+    def _alert_states(out: _Families, cluster: str, g: dict[str, Any], spec: Any) -> None:
+        """The collector's alerts (its state, not a figure: shown whether or not a replica is up)."""
+        firing, pending = g.get("alerts") or {}, g.get("alerts_pending") or {}
         thresholds = spec.alerts if spec is not None else None
         for alert, severities in ALERT_SEVERITIES.items():
             for severity in severities:
-                out.add("tailpilot_alert_firing", (cluster, alert, severity), 1.0 if firing.get(alert) == severity else 0.0)
+                key = (cluster, alert, severity)
+                out.add("tailpilot_alert_firing", key, 1.0 if firing.get(alert) == severity else 0.0)
+                out.add("tailpilot_alert_pending", key, 1.0 if pending.get(alert) == severity else 0.0)
                 if thresholds is not None:
-                    out.add("tailpilot_alert_threshold", (cluster, alert, severity),
-                            thresholds.threshold(alert, severity))
+                    out.add("tailpilot_alert_threshold", key, thresholds.threshold(alert, severity))
 
     @staticmethod
     def _governor(out: _Families, cluster: str, status: dict[str, Any]) -> None:
@@ -347,6 +518,7 @@ class MetricsServer:
         self.collector = collector
         self.host, self.port = host, port
         self._server: Any = None
+        completion_counters(collector)  # counting from the first poll on, before the first scrape
 
     async def start(self) -> int:
         """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""

@@ -7,13 +7,22 @@ ServiceMonitor for the recorder's ``/metrics`` (``tailpilot export --cluster FIL
                        thresholds), tenants against their targets, replicas, alerts, the governor
     servicemonitor     a ``ServiceMonitor`` selecting the recorder's Service (port ``metrics``)
 
-The rules fire exactly when the collector's own alerts do (``governance.AlertEvaluator``): one
-severity at a time — SCR warning is ``warning > SCR >= critical``, critical ``SCR < critical``;
-JFI and type fairness (the lowest type's ratio) below their thresholds — over the same figures,
-read from the ``tailpilot_*`` series (:data:`controlplane.exporter.SERIES`). Every query here
-names only series of that table (checked at render time), and every rendering is parsed back and
-checked before it is returned; the tests also run ``promtool check rules`` and ``promtool test
-rules`` on the rule file, and promtool's parser on every dashboard query.
+The governance rules fire exactly when the collector's own alert rules do
+(``governance.AlertEvaluator``, rule by rule): SCR below the warning threshold, SCR below the
+critical one (both fire while SCR is below critical, as Prometheus practice has it: an
+Alertmanager inhibit rule keeps the warning quiet), JFI (the suppression-aware figure) and type
+fairness (the lowest type's ratio) below theirs; each with ``for:`` and ``keep_firing_for:`` from
+the cluster file's ``alerts.for_s`` and ``alerts.keep_firing_for_s``, over the figure each alert
+was last judged on (``tailpilot_alert_value``). Rules over the replicas' counters use ``rate()``
+or ``increase()``. Every query here names only series of :data:`controlplane.exporter.SERIES`
+(checked at render time), and every rendering is parsed back and checked before it is returned;
+the tests also run ``promtool check rules`` and ``promtool test rules`` on the rule file, and
+promtool's parser on every dashboard query.
+
+The dashboard is one cluster's (its thresholds colour the governance panels) but reads every
+series through its ``$cluster`` and ``$replica`` template variables (the cluster's name and all
+replicas by default): :func:`check_dashboard` refuses a query that does not filter on both
+wherever the series has the label.
 """
 
 from __future__ import annotations
@@ -70,11 +79,54 @@ def _sel(cluster: str, **labels: str) -> str:
     return "{" + inner + "}"
 
 
+_SAMPLES = {s.sample: s for s in SERIES.values()}  # a counter's samples carry _total
+_SELECTOR = re.compile(r"\b(tailpilot_[a-z0-9_]+)\b(?:\s*\{([^}]*)\})?")
+_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_RATE = re.compile(r"\b(?:rate|irate|increase)\(\s*$")
+
+
 def metrics_in(expr: str) -> set[str]:
     """The ``tailpilot_*`` families an expression reads (a counter's ``_total`` sample as its family)."""
-    names = set(_METRIC.findall(expr))
-    return {n[:-len("_total")] if n.endswith("_total") and SERIES.get(n[:-len("_total")], None) is not None
-            and SERIES[n[:-len("_total")]].counter else n for n in names}
+    return {_SAMPLES[n].name if n in _SAMPLES else n for n in _METRIC.findall(expr)}
+
+
+def selectors(expr: str) -> list[tuple[str, dict[str, tuple[str, str]], bool]]:
+    """Each ``tailpilot_*`` selector of ``expr``: (sample name, label -> (operator, value), whether
+    it is the argument of rate(), irate() or increase())."""
+    out = []
+    for m in _SELECTOR.finditer(expr):
+        matchers = {k: (op, v) for k, op, v in _MATCHER.findall(m.group(2) or "")}
+        out.append((m.group(1), matchers, bool(_RATE.search(expr[:m.start()]))))
+    return out
+
+
+def _check_series(exprs: list[str], where: str) -> None:
+    """Every query names samples the recorder serves, and reads counters through rate(),
+    irate() or increase() and gauges never so."""
+    problems: set[str] = set()
+    for expr in exprs:
+        for name, _, in_rate in selectors(expr):
+            series = _SAMPLES.get(name)
+            if series is None:
+                problems.add(f"{name} (not served)")
+            elif series.counter and not in_rate:
+                problems.add(f"{name} (a counter outside rate()/increase())")
+            elif not series.counter and in_rate:
+                problems.add(f"{name} (a gauge inside rate()/increase())")
+    if problems:
+        raise MonitoringExportError(f"{where}: queries name series the recorder does not serve as used: "
+                                    f"{sorted(problems)}")
+
+
+def duration(seconds_: float) -> str | None:
+    """``seconds_`` as Prometheus writes a duration (``30s``, ``1m30s``, ``1s500ms``); None for 0
+    (no hold)."""
+    ms = int(round(float(seconds_) * 1000))
+    out = ""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        n, ms = divmod(ms, size)
+        out += f"{n}{unit}" if n else ""
+    return out or None
 
 
 def check_duration(value: str, field: str) -> str:
@@ -85,12 +137,6 @@ def check_duration(value: str, field: str) -> str:
     return value
 
 
-def _check_series(exprs: list[str], where: str) -> None:
-    unknown = sorted({m for e in exprs for m in metrics_in(e)} - set(SERIES))
-    if unknown:
-        raise MonitoringExportError(f"{where}: queries name series the recorder does not serve: {unknown}")
-
-
 # ---------------------------------------------------------------------------------------------
 # alert rules
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +144,8 @@ def _check_series(exprs: list[str], where: str) -> None:
 
 def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]]:
     """The alert rule groups of ``cluster`` (a ``ClusterSpec``); ``for_``: how long a governance
-    figure must stay below its threshold before the alert fires (None: at once, as the collector)."""
+    figure must stay below its threshold before the alert fires (None: the cluster file's
+    ``alerts.for_s``, as the collector's own alerts)."""
     name = cluster.name
     c = _sel(name)
     rules: list[dict[str, Any]] = []
@@ -106,10 +153,12 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
         check_duration(for_, "for")
 
     def alert(alert_name: str, expr: str, severity: str, summary: str, description: str,
-              hold: str | None = None) -> None:
+              hold: str | None = None, keep: str | None = None) -> None:
         rule: dict[str, Any] = {"alert": alert_name, "expr": expr}
         if hold:
             rule["for"] = hold
+        if keep:
+            rule["keep_firing_for"] = keep
         rule["labels"] = {"severity": severity, "cluster": name}
         rule["annotations"] = {"summary": summary, "description": description}
         rules.append(rule)
@@ -117,35 +166,46 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
     gov = cluster.governance
     if gov is not None:
         a = gov.alerts
+        hold = for_ if for_ is not None else duration(a.for_s)
+        keep = duration(a.keep_firing_for_s)
         # On the figure each alert was last judged on (tailpilot_alert_value): like the recorder's
-        # own alerts, a window without data changes nothing (tailpilot_scr itself goes absent).
+        # own alerts, a window without data changes nothing (tailpilot_scr_ratio itself goes absent).
         value = {k: f"max without (alert) (tailpilot_alert_value{_sel(name, alert=k)})"
                  for k in ("scr", "jfi", "type_fairness")}
-        crit, warn = _num(a.scr_critical), _num(a.scr_warning)
-        alert("TailpilotSCRCritical", f"{value['scr']} < {crit}", "critical",
+        alert("TailpilotSCRCritical", f"{value['scr']} < {_num(a.scr_critical)}", "critical",
               f"SLO compliance of cluster {name} below {a.scr_critical:g}",
               "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target "
-              "(tailpilot_tenant_slo_compliant says which do not).", for_)
-        alert("TailpilotSCRWarning", f"{value['scr']} < {warn} >= {crit}", "warning",
+              "(tailpilot_tenant_slo_compliant says which do not).", hold, keep)
+        alert("TailpilotSCRWarning", f"{value['scr']} < {_num(a.scr_warning)}", "warning",
               f"SLO compliance of cluster {name} below {a.scr_warning:g}",
-              "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target.", for_)
+              "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target "
+              "(also firing while TailpilotSCRCritical does: inhibit it there).", hold, keep)
         alert("TailpilotJFILow", f"{value['jfi']} < {_num(a.jfi)}", "warning",
-              f"Tenants of cluster {name} served unfairly (Jain's index below {a.jfi:g})",
-              "Jain's index over throughput per commitment is {{ $value | printf \"%.3f\" }}: a tenant is "
-              "being crowded out (tailpilot_tenant_normalised_throughput).", for_)
+              f"A tenant of cluster {name} is being suppressed (Jain's index below {a.jfi:g})",
+              "Jain's index over service per demand-capped entitlement is {{ $value | printf \"%.3f\" }}: a "
+              "tenant with unmet demand got less than its share (tailpilot_tenant_service_ratio; "
+              "tailpilot_tenant_omega_ratio below 1: the over-consumers).", hold, keep)
         alert("TailpilotTypeFairnessLow", f"{value['type_fairness']} < {_num(a.type_fairness)}", "warning",
               f"A request type of cluster {name} is starved (fairness ratio below {a.type_fairness:g})",
               "The lowest type's share over its guaranteed share is {{ $value | printf \"%.3f\" }} "
-              "(tailpilot_type_fairness_ratio per type).", for_)
+              "(tailpilot_type_fairness_ratio per type).", hold, keep)
         alert("TailpilotTenantMissesSLO", f"tailpilot_tenant_slo_compliant{c} == 0", "info",
               "Tenant {{ $labels.tenant }} misses a latency target",
-              "tailpilot_tenant_latency_seconds against tailpilot_tenant_slo_seconds shows which quantile.", for_)
+              "tailpilot_tenant_latency_seconds against tailpilot_tenant_slo_seconds shows which percentile.", hold)
         alert("TailpilotGovernorModeActive", f"tailpilot_governor_mode_active{c} == 1", "info",
               "The governor's {{ $labels.mode }} emergency mode is applied on cluster " + name,
               "See `tailpilot governor status --cluster-name " + name + "` and the audit log.")
     alert("TailpilotReplicaDown", f"tailpilot_replica_up{c} == 0", "warning",
           "Replica {{ $labels.replica }} of cluster " + name + " does not answer",
           "The recorder's polls of the replica fail; `tailpilot status` gives the reason.", "1m")
+    alert("TailpilotBreakerTripped", f"increase(tailpilot_breaker_trips_total{c}[15m]) > 0", "warning",
+          "A policy raised in replica {{ $labels.replica }}'s engine step (cluster " + name + ")",
+          "Its circuit breaker fell back to the previous settings (or vLLM's stock order): see the audit "
+          "log's engine entries.")
+    alert("TailpilotRequestsRefused", f"rate(tailpilot_refused_requests_total{c}[5m]) > 0", "info",
+          "Replica {{ $labels.replica }} refuses requests at a tenant's queue cap",
+          "{{ $value | printf \"%.3f\" }} requests/s turned away on arrival over 5 minutes (slofq's queue_cap).",
+          "5m")
     alert("TailpilotRecorderAbsent", f"absent(tailpilot_window_seconds{c})", "critical",
           f"No tailpilot recorder reports cluster {name}",
           "Without the recorder's /metrics none of the governance alerts can fire.", "5m")
@@ -277,10 +337,44 @@ def _panel(kind: str, title: str, description: str, queries: list[tuple[str, str
             "fieldConfig": {"defaults": defaults, "overrides": extra.pop("overrides", [])}, **extra}
 
 
+CLUSTER_VAR, REPLICA_VAR = "cluster", "replica"
+_C = f'cluster="${CLUSTER_VAR}"'
+_R = f'replica=~"${REPLICA_VAR}"'
+RATE_WINDOW = "$__rate_interval"  # Grafana's: at least four scrape intervals
+
+
+def _q(series: str, **labels: str) -> str:
+    """A selector of ``series`` on the dashboard's variables: ``$cluster`` always, ``$replica``
+    where the series has a replica label, then ``labels``."""
+    family = _SAMPLES[series]
+    inner = [_C] + ([_R] if "replica" in family.labels else []) + [f'{k}="{v}"' for k, v in labels.items()]
+    return series + "{" + ", ".join(inner) + "}"
+
+
+def _rate(series: str, by: str, **labels: str) -> str:
+    return f"sum by ({by}) (rate({_q(series, **labels)}[{RATE_WINDOW}]))"
+
+
+def _variables(cluster: Any) -> list[dict[str, Any]]:
+    """Datasource, then ``$cluster`` (this cluster by default, any recorder's on the datasource to
+    pick) and ``$replica`` (all by default; the replicas of the picked cluster)."""
+    def query(name: str, label: str, expr: str, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "label": label, "type": "query", "datasource": _DS, "refresh": 2, "sort": 1,
+                "definition": expr, "query": expr, "hide": 0, **extra}
+
+    return [
+        {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus", "current": {},
+         "hide": 0},
+        query(CLUSTER_VAR, "Cluster", "label_values(tailpilot_window_seconds, cluster)",
+              current={"text": cluster.name, "value": cluster.name}, multi=False, includeAll=False),
+        query(REPLICA_VAR, "Replica", f"label_values(tailpilot_replica_up{{{_C}}}, replica)",
+              current={"text": ["All"], "value": ["$__all"]}, multi=True, includeAll=True, allValue=".*"),
+    ]
+
+
 def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
     """The dashboard of ``cluster`` as a dict (the JSON Grafana imports)."""
     name = cluster.name
-    c = _sel(name)
     lay = _Layout()
     gov = cluster.governance
     if gov is not None:
@@ -291,60 +385,78 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
         tf_t = _thresholds([(None, "red"), (a.type_fairness, "green")])
         lay.row("Governance (seed 003): SCR, JFI, type fairness")
         lay.add(_panel("stat", "SCR", "Fraction of tenants meeting every quantile target over the window.",
-                       [(f"tailpilot_scr{c}", "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1), 4, 5)
-        lay.add(_panel("stat", "JFI", "Jain's index over the tenants' throughput per commitment.",
-                       [(f"tailpilot_jfi{c}", "JFI")], thresholds=jfi_t, min_=0, max_=1), 4, 5)
+                       [(_q("tailpilot_scr_ratio"), "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1),
+                4, 5)
+        lay.add(_panel("stat", "JFI", "Jain's index over each tenant's service per demand-capped entitlement "
+                       "(what the alert and the governor act on).",
+                       [(_q("tailpilot_jfi_ratio"), "JFI")], thresholds=jfi_t, min_=0, max_=1), 4, 5)
         lay.add(_panel("stat", "Type fairness (lowest)", "The lowest request type's share over its guaranteed share.",
-                       [(f"tailpilot_type_fairness{c}", "lowest type")], thresholds=tf_t, min_=0), 4, 5)
-        lay.add(_panel("stat", "Alerts firing", "tailpilot's governance alerts firing now (any severity).",
-                       [(f"sum(tailpilot_alert_firing{c})", "firing")],
+                       [(_q("tailpilot_type_fairness_min_ratio"), "lowest type")], thresholds=tf_t, min_=0), 4, 5)
+        lay.add(_panel("stat", "Alerts firing", "tailpilot's governance alerts firing now (any severity); "
+                       "pending: condition holding, not yet for alerts.for_s.",
+                       [(f"sum({_q('tailpilot_alert_firing')})", "firing"),
+                        (f"sum({_q('tailpilot_alert_pending')})", "pending")],
                        thresholds=_thresholds([(None, "green"), (1, "red")])), 4, 5)
         lay.add(_panel("stat", "Governor", "The governor's state (record --govern) and its emergency modes.",
-                       [(f"tailpilot_governor_state{c} == 1", "{{state}}"),
-                        (f"tailpilot_governor_mode_active{c} == 1", "mode {{mode}}")],
+                       [(f"{_q('tailpilot_governor_state')} == 1", "{{state}}"),
+                        (f"{_q('tailpilot_governor_mode_active')} == 1", "mode {{mode}}")],
                        options={"textMode": "name", "colorMode": "none", "reduceOptions": {"calcs": ["lastNotNull"]}}),
                 8, 5)
         lay.add(_panel("timeseries", "SCR over time", f"Yellow below {a.scr_warning:g}, red below {a.scr_critical:g}.",
-                       [(f"tailpilot_scr{c}", "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1), 8, 8)
-        lay.add(_panel("timeseries", "JFI over time", f"The tenant-suppression alert fires below {a.jfi:g}.",
-                       [(f"tailpilot_jfi{c}", "JFI")], thresholds=jfi_t, min_=0, max_=1), 8, 8)
+                       [(_q("tailpilot_scr_ratio"), "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1),
+                8, 8)
+        lay.add(_panel("timeseries", "JFI over time", f"The tenant-suppression alert fires below {a.jfi:g}; "
+                       "the seed's literal JFI (served per committed rate) is reported only.",
+                       [(_q("tailpilot_jfi_ratio"), "JFI"), (_q("tailpilot_jfi_seed_ratio"), "JFI (seed)")],
+                       thresholds=jfi_t, min_=0, max_=1), 8, 8)
         lay.add(_panel("timeseries", "Type fairness ratio per type",
                        f"A type's share over its guaranteed share; starvation alert below {a.type_fairness:g}.",
-                       [(f"tailpilot_type_fairness_ratio{c}", "{{type}}")], thresholds=tf_t, min_=0), 8, 8)
+                       [(_q("tailpilot_type_fairness_ratio"), "{{type}}")], thresholds=tf_t, min_=0), 8, 8)
         lay.row("Tenants against their targets")
         lay.add(_panel("timeseries", "TTFT P99 per tenant (dashed: target)", "Exact windowed percentiles.",
-                       [(f"tailpilot_tenant_latency_seconds{_sel(name, latency='ttft', quantile='0.99')}",
-                         "{{tenant}}"),
-                        (f"tailpilot_tenant_slo_seconds{_sel(name, latency='ttft', quantile='0.99')}",
-                         "{{tenant}} target")], unit="s",
-                       overrides=[{"matcher": {"id": "byRegexp", "options": ".* target$"},
-                                   "properties": [{"id": "custom.lineStyle",
-                                                   "value": {"fill": "dash", "dash": [10, 10]}}]}]), 12, 8)
-        lay.add(_panel("timeseries", "Throughput per commitment", "Tokens served per second over each tenant's "
-                       "committed rate (or weight): what JFI is computed from.",
-                       [(f"tailpilot_tenant_normalised_throughput{c}", "{{tenant}}")]), 12, 8)
-        lay.add(_panel("table", "Tenants now", "Compliance, requests and percentiles of the window.",
-                       [(f"tailpilot_tenant_slo_compliant{c}", "compliant {{tenant}}"),
-                        (f"tailpilot_tenant_requests{c}", "requests {{tenant}}")],
-                       options={"showHeader": True}), 24, 6)
+                       [(_q("tailpilot_tenant_latency_seconds", latency="ttft", percentile="p99"), "{{tenant}}"),
+                        (_q("tailpilot_tenant_slo_seconds", latency="ttft", percentile="p99"), "{{tenant}} target")],
+                       unit="s", overrides=[_DASHED]), 12, 8)
+        lay.add(_panel("timeseries", "Tokens served per tenant (dashed: commitment)",
+                       "Prompt + output tokens per second of the selected replicas, beside each tenant's committed "
+                       "rate.",
+                       [(f"{_rate('tailpilot_prompt_tokens_total', 'tenant')} + "
+                         f"{_rate('tailpilot_output_tokens_total', 'tenant')}", "{{tenant}}"),
+                        (_q("tailpilot_tenant_committed_tokens_per_second"), "{{tenant}} target")],
+                       unit="short", min_=0, overrides=[_DASHED]), 12, 8)
+        lay.add(_panel("timeseries", "Service per entitlement (JFI's x) and ω",
+                       "min(1, served / demand-capped entitlement) per tenant; ω = min(committed / served, α), "
+                       "below 1 an over-consumer (whom the JFI mode throttles).",
+                       [(_q("tailpilot_tenant_service_ratio"), "x {{tenant}}"),
+                        (_q("tailpilot_tenant_omega_ratio"), "ω {{tenant}}")], min_=0), 12, 8)
+        lay.add(_panel("table", "Tenants now", "Compliance, requests, and what waits (starved: waiting, none done).",
+                       [(_q("tailpilot_tenant_slo_compliant"), "compliant {{tenant}}"),
+                        (_q("tailpilot_tenant_requests"), "requests {{tenant}}"),
+                        (_q("tailpilot_tenant_waiting_requests"), "waiting {{tenant}}"),
+                        (_q("tailpilot_tenant_starved"), "starved {{tenant}}")],
+                       options={"showHeader": True}), 12, 8)
     lay.row("Replicas")
     lay.add(_panel("timeseries", "TTFT P99 per replica", "Exact windowed percentile of completed requests.",
-                   [(f"tailpilot_latency_seconds{_sel(name, latency='ttft', quantile='0.99')}", "{{replica}}")],
+                   [(_q("tailpilot_latency_seconds", latency="ttft", percentile="p99"), "{{replica}}")],
                    unit="s"), 8, 8)
     lay.add(_panel("timeseries", "Queue", "Waiting and running requests per replica.",
-                   [(f"tailpilot_waiting_requests{c}", "waiting {{replica}}"),
-                    (f"tailpilot_running_requests{c}", "running {{replica}}")]), 8, 8)
+                   [(_q("tailpilot_waiting_requests"), "waiting {{replica}}"),
+                    (_q("tailpilot_running_requests"), "running {{replica}}")]), 8, 8)
     lay.add(_panel("timeseries", "KV cache in use", "Fraction of each replica's KV blocks in use.",
-                   [(f"tailpilot_kv_usage_ratio{c}", "{{replica}}")], unit="percentunit", min_=0, max_=1), 8, 8)
+                   [(_q("tailpilot_kv_usage_ratio"), "{{replica}}")], unit="percentunit", min_=0, max_=1), 8, 8)
+    lay.add(_panel("timeseries", "Output tokens per second", "Output tokens of the requests completed per replica.",
+                   [(_rate("tailpilot_output_tokens_total", "replica"), "{{replica}}")], unit="short", min_=0), 8, 8)
+    lay.add(_panel("timeseries", "Preemptions and refusals", "Per second: preemptions, and requests turned away at a "
+                   "tenant's queue cap (slofq's queue_cap; each also in the completions log as rejected).",
+                   [(_rate("tailpilot_preemptions_total", "replica"), "preempted {{replica}}"),
+                    (_rate("tailpilot_refused_requests_total", "replica"), "refused {{replica}}")],
+                   unit="short", min_=0), 8, 8)
     lay.add(_panel("timeseries", "Live γ and β", "The policy's live parameters (γ-Ada moves γ).",
-                   [(f"tailpilot_gamma{c}", "γ {{replica}}"), (f"tailpilot_beta{c}", "β {{replica}}")]), 12, 8)
-    lay.add(_panel("timeseries", "Refused on arrival", "Requests per second turned away at a tenant's queue "
-                   "cap (slofq's queue_cap); each is also in the completions log as rejected.",
-                   [(f"rate(tailpilot_refused_requests_total{c}[5m])", "{{replica}}")], unit="reqps", min_=0), 12, 8)
+                   [(_q("tailpilot_gamma"), "γ {{replica}}"), (_q("tailpilot_beta"), "β {{replica}}")]), 8, 8)
     lay.add(_panel("table", "Policy and settings version", "What each replica runs now.",
-                   [(f"tailpilot_replica_info{c}", "{{replica}} {{policy}}"),
-                    (f"tailpilot_settings_version{c}", "{{replica}} version"),
-                    (f"tailpilot_replica_up{c}", "{{replica}} up")], options={"showHeader": True}), 12, 8)
+                   [(_q("tailpilot_replica_info"), "{{replica}} {{policy}}"),
+                    (_q("tailpilot_settings_version"), "{{replica}} version"),
+                    (_q("tailpilot_replica_up"), "{{replica}} up")], options={"showHeader": True}), 24, 8)
     exprs = [t["expr"] for p in lay.panels for t in p.get("targets", [])]
     _check_series(exprs, "grafana")
     return {
@@ -353,11 +465,14 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
         "tags": ["tailpilot", "vllm"], "timezone": "browser", "editable": True, "graphTooltip": 1,
         "schemaVersion": GRAFANA_SCHEMA_VERSION, "version": 1, "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "label": "Prometheus", "type": "datasource",
-                                 "query": "prometheus", "current": {}, "hide": 0}]},
+        "templating": {"list": _variables(cluster)},
         "annotations": {"list": []},
         "panels": lay.panels,
     }
+
+
+_DASHED = {"matcher": {"id": "byRegexp", "options": ".* target$"},
+           "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}
 
 
 def grafana_dashboard(cluster: Any) -> str:
@@ -376,9 +491,24 @@ def dashboard_queries(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def unfiltered(expr: str) -> list[str]:
+    """The selectors of ``expr`` that do not filter on the dashboard's variables: ``$cluster``
+    exactly, and ``$replica`` (as a regex: it may be several, or all) where the series has a
+    replica label."""
+    out = []
+    for name, matchers, _ in selectors(expr):
+        series = _SAMPLES.get(name)
+        if matchers.get("cluster") != ("=", f"${CLUSTER_VAR}"):
+            out.append(f"{name} (no cluster=\"${CLUSTER_VAR}\")")
+        if series is not None and "replica" in series.labels and matchers.get("replica") != ("=~", f"${REPLICA_VAR}"):
+            out.append(f"{name} (no replica=~\"${REPLICA_VAR}\")")
+    return out
+
+
 def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
     """A loaded dashboard is whole: unique panel ids, panels on the grid without overlap, a query
-    per panel naming only served series, and the cluster's thresholds on the governance panels."""
+    per panel naming only served series and filtering on the ``$cluster`` and ``$replica``
+    variables (which it defines), and the cluster's thresholds on the governance panels."""
     def fail(what: str) -> NoReturn:
         raise MonitoringExportError(f"grafana: {what}")
 
@@ -386,6 +516,14 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
         fail("schemaVersion or title missing")
     if not GRAFANA_UID.match(str(doc.get("uid", ""))):
         fail(f"uid {doc.get('uid')!r} is not a Grafana uid (at most 40 of letters, digits, '-' and '_')")
+    variables = {v.get("name"): v for v in (doc.get("templating") or {}).get("list") or []}
+    for var in (CLUSTER_VAR, REPLICA_VAR):
+        if (variables.get(var) or {}).get("type") != "query":
+            fail(f"no ${var} template variable")
+    if variables[CLUSTER_VAR].get("current", {}).get("value") != cluster.name:
+        fail(f"$cluster does not default to the cluster {cluster.name!r}")
+    if not (variables[REPLICA_VAR].get("includeAll") and variables[REPLICA_VAR].get("allValue") == ".*"):
+        fail("$replica cannot select all replicas")
     panels = doc.get("panels")
     if not isinstance(panels, list) or not panels:
         fail("no panels")
@@ -404,7 +542,11 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
         cells |= mine
         if p.get("type") != "row" and not p.get("targets"):
             fail(f"panel {p.get('title')!r} has no query")
-    _check_series(dashboard_queries(doc), "grafana")
+    queries = dashboard_queries(doc)
+    _check_series(queries, "grafana")
+    loose = sorted({x for q in queries for x in unfiltered(q)})
+    if loose:
+        fail(f"queries not filtered on the dashboard's variables: {loose}")
     gov = cluster.governance
     if gov is not None:
         by_title = {p.get("title"): p for p in panels}

@@ -69,7 +69,7 @@ from tailpilot.cli_common import POSITIVE, FiniteFloatRange, echo_json
               help="helm, servicemonitor: the scrape interval.")
 @click.option("--for", "for_", metavar="DURATION",
               help="prometheus-rules: how long a governance figure stays below its threshold before its alert "
-                   "fires (default: at once, as the recorder's own alerts).")
+                   "fires (default: the cluster file's alerts.for_s, as the recorder's own alerts).")
 def export(settings_file, study, db, storage, cluster_file, cluster_name, fmt, out, model, scheduler, settings_path,
            name, namespace, image, replicas, engine_name, api_port, token_secret, service_monitor, labels, interval,
            for_):

@@ -89,14 +89,14 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
                              for f in text_string_to_metric_families(text) for s in f.samples})
                 served = sum(v for (n, labels), v in page.items() if n == "tailpilot_group_requests"
                              and ("kind", "tenant") in labels)
-                return served >= 72 and any(n == "tailpilot_scr" for n, _ in page)
+                return served >= 72 and any(n == "tailpilot_scr_ratio" for n, _ in page)
 
             wait(scraped, "the recorder's /metrics to carry the 72 requests", timeout=60)
             up = {dict(labels)["replica"]: v for (n, labels), v in page.items() if n == "tailpilot_replica_up"}
             assert up == {"cpu-0": 1.0}
             assert page[("tailpilot_replica_info", (("cluster", "cpu"), ("mode", "plugin"), ("policy", "fcfs"),
                                                     ("replica", "cpu-0")))] == 1.0
-            p99 = page[("tailpilot_latency_seconds", (("cluster", "cpu"), ("latency", "ttft"), ("quantile", "0.99"),
+            p99 = page[("tailpilot_latency_seconds", (("cluster", "cpu"), ("latency", "ttft"), ("percentile", "p99"),
                                                       ("replica", "cpu-0")))]
             assert 0 < p99 < 300
             assert {dict(labels)["tenant"] for (n, labels) in page if n == "tailpilot_tenant_latency_seconds"} \

@@ -40,8 +40,8 @@ def promtool() -> str:
     return found
 
 
-def run_promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+def run_promtool(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool(), *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=120)
 
 
 def scrape_families(text: str) -> dict[str, list]:
@@ -67,16 +67,34 @@ def governed(tmp_path):
 
 # --- the recorder's page --------------------------------------------------------------------
 
-def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
+def without_holds(path: Path) -> Path:
+    """The cluster file at ``path`` with ``alerts.for_s: 0``: one govern() fires what it judges."""
+    doc = yaml.safe_load(path.read_text())
+    doc["clusters"][0]["governance"]["alerts"] = {"for_s": 0}
+    out = path.with_name("now-" + path.name)
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+def governed_collector(path: Path, polls: int):
+    """A collector on the cluster file at ``path`` (alerts without holds), its page's counters
+    attached before its first poll (as the recorder's are), polled and governed once."""
     from controlplane.cluster import load_cluster_file
     from controlplane.collector import Collector
+    from controlplane.exporter import completion_counters
+
+    c = Collector(load_cluster_file(without_holds(path)).cluster())
+    completion_counters(c)
+    poll_all(c, polls)
+    return c, c.govern()
+
+
+def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
     from controlplane.exporter import render
 
     path, twin, trace = governed
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
-    c = Collector(load_cluster_file(path).cluster())
-    poll_all(c, 5)
-    g = c.govern()
+    c, g = governed_collector(path, 5)
     fams = scrape_families(render(c).decode())
     assert set(fams) <= set(SERIES) and all(name.startswith("tailpilot_") for name in fams)
 
@@ -84,23 +102,39 @@ def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
         [v] = [s.value for s in fams[name] if all(s.labels.get(k) == x for k, x in labels.items())]
         return v
 
-    assert value("tailpilot_scr", cluster="gov") == g["scr"] and value("tailpilot_jfi") == pytest.approx(g["jfi"])
+    assert value("tailpilot_scr_ratio", cluster="gov") == g["scr"]
+    assert value("tailpilot_jfi_ratio") == pytest.approx(g["jfi"]) and g["jfi"] == 1.0  # everyone was served
+    assert value("tailpilot_jfi_seed_ratio") == pytest.approx(g["jfi_seed"]) and g["jfi_seed"] < 0.9  # reported only
     assert value("tailpilot_governance_requests") == len(trace)
+    assert value("tailpilot_governance_stale_replicas") == 0
+    assert value("tailpilot_governance_timestamp_seconds") == g["t_ms"] / 1000
     for tenant, f in g["tenants"].items():  # exact percentiles, not a histogram's estimate
-        assert value("tailpilot_tenant_latency_seconds", tenant=tenant, latency="ttft", quantile="0.99") == f["ttft_p99"]
-        assert value("tailpilot_tenant_slo_seconds", tenant=tenant, latency="ttft", quantile="0.5") == f["limits"]["ttft_p50"]
+        assert value("tailpilot_tenant_latency_seconds", tenant=tenant, latency="ttft", percentile="p99") == f["ttft_p99"]
+        assert value("tailpilot_tenant_slo_seconds", tenant=tenant, latency="ttft", percentile="p50") == f["limits"]["ttft_p50"]
         assert value("tailpilot_tenant_slo_compliant", tenant=tenant) == float(f["compliant"])
+        assert value("tailpilot_tenant_omega_ratio", tenant=tenant) == f["omega"]
+        assert value("tailpilot_tenant_service_ratio", tenant=tenant) == f["service_ratio"]
+        assert value("tailpilot_tenant_starved", tenant=tenant) == float(f["starved"]) == 0.0
+        assert value("tailpilot_tenant_waiting_requests", tenant=tenant) == f["waiting"]
+        # one definition of tokens: the governance's served tokens (prompt + output) are the counters'
+        served = sum(value(f"tailpilot_{part}_tokens", tenant=tenant) for part in ("prompt", "output"))
+        assert served == f["served_tokens"] == value("tailpilot_tenant_window_served_tokens", tenant=tenant)
+        assert value("tailpilot_requests_completed", tenant=tenant, replica=twin.name) == f["requests"]
     row = c.views[twin.name].sample
-    assert value("tailpilot_latency_seconds", replica=twin.name, latency="ttlt", quantile="0.95") == row.latency.ttlt_p95
+    assert value("tailpilot_latency_seconds", replica=twin.name, latency="ttlt", percentile="p95") == row.latency.ttlt_p95
     assert value("tailpilot_replica_info", replica=twin.name, policy="fcfs") == 1.0
     assert value("tailpilot_settings_version", replica=twin.name) == row.settings_version
     groups = {(s.labels["kind"], s.labels["group"]) for s in fams["tailpilot_group_requests"]}
     assert groups == {("tenant", "a"), ("tenant", "b"), ("tenant", "noisy"), ("type", "chat"), ("type", "batch")}
-    # the alerts as the collector has them: scr critical, jfi warning, nothing else
+    assert sum(s.value for s in fams["tailpilot_type_requests_completed"]) == len(trace)
+    # the alerts as the collector has them: scr critical, nothing else (JFI is 1: nobody suppressed)
     firing = {(s.labels["alert"], s.labels["severity"]) for s in fams["tailpilot_alert_firing"] if s.value == 1}
-    assert firing == {(a, sev) for a, sev in g["alerts"].items()} == {("scr", "critical"), ("jfi", "warning")}
-    [refused] = fams["tailpilot_refused_requests"]  # a counter: exposed as ..._total
-    assert (refused.name, refused.value) == ("tailpilot_refused_requests_total", 0.0)
+    assert firing == {(a, sev) for a, sev in g["alerts"].items()} == {("scr", "critical")}
+    assert not any(s.value for s in fams["tailpilot_alert_pending"])
+    for name in ("refused_requests", "preemptions"):  # the replica's own counts: counters, ..._total
+        [sample] = fams[f"tailpilot_{name}"]
+        state_key = {"refused_requests": "refused_total", "preemptions": "preemptions_total"}[name]
+        assert sample.name == f"tailpilot_{name}_total" and sample.value == c.views[twin.name].state[state_key]
     assert "tailpilot_gamma" not in fams  # fcfs has no γ: left out, never NaN
     assert "tailpilot_governor_state" not in fams  # no governor on this collector
 
@@ -200,7 +234,7 @@ def test_rules_pass_promtool_check(tmp_path):
         rules = tmp_path / f"{fmt}.yaml"
         rules.write_text(yaml.safe_dump(extract(yaml.safe_load(text))))
         res = run_promtool("check", "rules", str(rules), cwd=tmp_path)
-        assert res.returncode == 0 and "SUCCESS: 8 rules found" in res.stdout, res.stdout + res.stderr
+        assert res.returncode == 0 and "SUCCESS: 10 rules found" in res.stdout, res.stdout + res.stderr
     # a broken rule file is refused by the same check (so the check can fail)
     (tmp_path / "bad.yaml").write_text("groups:\n- name: x\n  rules:\n  - alert: X\n    expr: tailpilot_scr <\n")
     assert run_promtool("check", "rules", "bad.yaml", cwd=tmp_path).returncode != 0
@@ -224,50 +258,71 @@ def alert_tests(rules: dict, series: dict[str, list[float]], expect: list[tuple[
                        "alert_rule_test": tests}]}
 
 
+HOLDS = {"for_s": 120.0, "keep_firing_for_s": 60.0}  # two evaluations to fire, one to resolve
+RULE_OF = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
+           ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
+
+
 def test_rules_fire_exactly_when_the_collectors_alerts_do(tmp_path):
-    """A cluster with its own thresholds; figures stepping across them (boundaries included) and
-    windows without data (None: the figure is absent from the page). promtool evaluates the
-    exported rules on the recorder's series minute by minute; the expected alerts are what
-    governance.AlertEvaluator — the collector's own alerts — says at each minute."""
-    cluster = cluster_from(CLUSTER)
-    text = export("--cluster", _write(tmp_path, CLUSTER), "--format", "prometheus-rules")
+    """A cluster with its own thresholds and holds; figures stepping across them (boundaries
+    included) and windows without data (None: the figure is absent from the page). promtool
+    evaluates the exported rules on the recorder's series minute by minute; the expected alerts
+    are, rule by rule, what governance.AlertEvaluator — the collector's own alerts — says at each
+    minute on the same clock (for_s and keep_firing_for_s as the rules' for and keep_firing_for)."""
+    doc = {"clusters": [{**CLUSTER["clusters"][0], "governance": {
+        **CLUSTER["clusters"][0]["governance"], "alerts": {**THRESHOLDS, **HOLDS}}}]}
+    cluster = cluster_from(doc)
+    text = export("--cluster", _write(tmp_path, doc), "--format", "prometheus-rules")
     (tmp_path / "rules.yaml").write_text(text)
     rules = yaml.safe_load(text)
-    steps = {"scr": [1.0, 0.8, 0.79, 0.6, None, None, 0.59, 0.0, 0.7, 0.95, None],
-             "jfi": [0.9, 0.7, 0.69, 0.2, None, 0.71, 1.0, 0.5, 0.7, None, 0.3],
-             "type_fairness_min": [1.0, 0.3, 0.29, 0.0, 2.0, None, 0.31, 0.3, 0.1, 0.2, None]}
-    names = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
-             ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
+    governance = {r["alert"]: r for r in rules["groups"][0]["rules"] if r["alert"] in RULE_OF.values()}
+    assert {(r.get("for"), r.get("keep_firing_for")) for r in governance.values()} == {("2m", "1m")}
+    steps = {"scr": [1.0, 0.8, 0.79, 0.6, 0.6, None, None, 0.59, 0.0, 0.7, 0.95, 0.7, 0.95, None, 0.95],
+             "jfi": [0.9, 0.7, 0.69, 0.2, 0.2, None, 0.71, 1.0, 0.5, 0.5, 0.7, None, 0.3, 0.3, 0.3],
+             "type_fairness_min": [1.0, 0.3, 0.29, 0.0, 0.0, 2.0, None, 0.31, 0.3, 0.1, 0.1, 0.2, None, 0.2, 1.0]}
     figure = {"scr": "scr", "jfi": "jfi", "type_fairness": "type_fairness_min"}
     evaluator = AlertEvaluator(cluster.governance.alerts)
     minutes = len(steps["scr"])
     series: dict[str, list] = {f'tailpilot_{k}{{cluster="odd"}}': v for k, v in
-                               (("scr", steps["scr"]), ("jfi", steps["jfi"]),
-                                ("type_fairness", steps["type_fairness_min"]))}
+                               (("scr_ratio", steps["scr"]), ("jfi_ratio", steps["jfi"]),
+                                ("type_fairness_min_ratio", steps["type_fairness_min"]))}
     series['tailpilot_window_seconds{cluster="odd"}'] = [60.0] * minutes
     values = {a: series.setdefault(f'tailpilot_alert_value{{alert="{a}",cluster="odd"}}', []) for a in figure}
-    expect, fired, gap_fired = [], set(), False
+    expect, fired, gap_fired, held, kept = [], set(), False, False, False
+    last: dict[str, float] = {}  # per figure, the last one with data: what the page holds through a gap
+    below_at: dict[tuple[str, str], float] = {}  # per rule, its figure when last below: the alert's $value
     for minute in range(minutes):
         figures = {k: v[minute] for k, v in steps.items()}
-        evaluator.evaluate(figures)
+        last.update({k: v for k, v in figures.items() if v is not None})
+        # Judged on the held figures: Prometheus's for/keep_firing_for run on through a window
+        # without data (the collector's evaluator pauses them there: docs/metrics.md)
+        evaluator.evaluate({k: last.get(k) for k in figures}, minute * 60.0)
         for a in figure:  # what the page carries: the figure each alert was last judged on
             values[a].append(evaluator.value.get(a))
-        for (alert, severity), rule in names.items():
-            on = evaluator.active.get(alert) == severity
+        for (alert, severity), rule in RULE_OF.items():
+            state = evaluator.rules.get((alert, severity))
+            on = state is not None and state.firing
+            below = alert in evaluator.value and evaluator.value[alert] < cluster.governance.alerts.threshold(
+                alert, severity)
+            if below:
+                below_at[(alert, severity)] = evaluator.value[alert]
+            held |= below and not on  # below, not yet for for_s: pending
+            kept |= on and not below  # back above, still within keep_firing_for_s
             if on:
                 fired.add((alert, severity))
                 gap_fired |= figures[figure[alert]] is None
-            alerts = [{"labels": {}, "value": evaluator.value[alert]}] if on else []
-            expect.append((minute, rule, alerts))
-    assert fired == set(names) and gap_fired  # every rule fires, and goes on firing through a gap
-    assert evaluator.active.get("scr") is None and steps["scr"][3] == 0.6  # 0.6 < 0.6000001: critical
+            expect.append((minute, rule, [{"labels": {}, "value": below_at[(alert, severity)]}] if on else []))
+    assert fired == set(RULE_OF) and gap_fired and held and kept  # every rule fires; holds both ways; gaps
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(alert_tests(rules, series, expect), sort_keys=False))
     res = run_promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    # the same test against rules at the default thresholds fails: the thresholds are the cluster's
-    default = {**CLUSTER, "clusters": [{**CLUSTER["clusters"][0], "governance": {"tenants": {"a": {"weight": 1.0}}}}]}
-    (tmp_path / "rules.yaml").write_text(export("--cluster", _write(tmp_path, default), "--format", "prometheus-rules"))
-    assert run_promtool("test", "rules", "tests.yaml", cwd=tmp_path).returncode != 0
+    # the same test against rules at the default thresholds and holds fails: both are the cluster's
+    for other in ({"tenants": {"a": {"weight": 1.0}}, "alerts": HOLDS},
+                  {"tenants": {"a": {"weight": 1.0}}, "alerts": THRESHOLDS}):
+        doc_other = {"clusters": [{**CLUSTER["clusters"][0], "governance": other}]}
+        (tmp_path / "rules.yaml").write_text(export("--cluster", _write(tmp_path, doc_other), "--format",
+                                                    "prometheus-rules"))
+        assert run_promtool("test", "rules", "tests.yaml", cwd=tmp_path).returncode != 0
 
 
 def _write(tmp_path: Path, doc: dict) -> str:
@@ -277,17 +332,13 @@ def _write(tmp_path: Path, doc: dict) -> str:
 
 
 def test_rules_on_a_real_scrape_fire_the_recorders_alerts(governed, monkeypatch, tmp_path):
-    """The page of a real collector as promtool's input: the alerts that fire are the collector's."""
-    from controlplane.cluster import load_cluster_file
-    from controlplane.collector import Collector
+    """The page of a real collector as promtool's input: the rules that fire are the collector's."""
     from controlplane.exporter import render
 
     path, twin, _ = governed
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
-    c = Collector(load_cluster_file(path).cluster())
-    poll_all(c, 3)
-    g = c.govern()
-    text = export("--cluster", str(path), "--format", "prometheus-rules")
+    c, g = governed_collector(path, 3)
+    text = export("--cluster", str(without_holds(path)), "--format", "prometheus-rules")
     (tmp_path / "rules.yaml").write_text(text)
     rules = yaml.safe_load(text)
     series = {}
@@ -295,15 +346,17 @@ def test_rules_on_a_real_scrape_fire_the_recorders_alerts(governed, monkeypatch,
         for s in fam.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             series[f"{s.name}{{{labels}}}"] = [s.value] * 5
-    severity = {("scr", "critical"): "TailpilotSCRCritical", ("scr", "warning"): "TailpilotSCRWarning",
-                ("jfi", "warning"): "TailpilotJFILow", ("type_fairness", "warning"): "TailpilotTypeFairnessLow"}
     values = {"scr": g["scr"], "jfi": g["jfi"], "type_fairness": g["type_fairness_min"]}
-    expect = [(2, rule, [{"labels": {}, "value": values[a]}] if g["alerts"].get(a) == sev else [])
-              for (a, sev), rule in severity.items()]
+    assert g["alerts"] == {"scr": "critical"}
+    alerts = c.cluster.governance.alerts  # no hold: a rule fires when its figure is below its threshold
+    firing = {(a, sev) for a, sev in RULE_OF if values[a] < alerts.threshold(a, sev)}
+    assert firing == {("scr", "critical"), ("scr", "warning")}  # rule by rule: SCR 0 is below both
+    expect = [(2, rule, [{"labels": {}, "value": values[a]}] if (a, sev) in firing else [])
+              for (a, sev), rule in RULE_OF.items()]
     expect.append((2, "TailpilotTenantMissesSLO", [{"labels": {"tenant": t}, "value": 0.0}
                                                    for t, f in sorted(g["tenants"].items()) if not f["compliant"]]))
-    expect += [(2, "TailpilotReplicaDown", []), (2, "TailpilotRecorderAbsent", [])]
-    assert g["alerts"] == {"scr": "critical", "jfi": "warning"}
+    expect += [(2, "TailpilotReplicaDown", []), (2, "TailpilotRecorderAbsent", []), (2, "TailpilotBreakerTripped", []),
+               (2, "TailpilotRequestsRefused", [])]
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(alert_tests(rules, series, expect), sort_keys=False))
     res = run_promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -338,15 +391,37 @@ def test_the_dashboard_loads_back_and_every_query_parses(tmp_path):
             "Type fairness ratio per type"} <= titles  # seed 003's checklist
     scr = next(p for p in doc["panels"] if p["title"] == "SCR")["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [(s["color"], s["value"]) for s in scr] == [("red", None), ("yellow", 0.6000001), ("green", 0.8)]
-    queries = dashboard_queries(doc)
-    assert all(re.search(r'cluster="odd"', q) for q in queries)
-    # promtool parses every query (as recording rules) — a typo in PromQL fails here
+    # the template variables, and every query filtering on them (walked here, apart from check_dashboard)
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["cluster"]["current"]["value"] == "odd" and variables["cluster"]["type"] == "query"
+    assert variables["replica"]["includeAll"] and variables["replica"]["allValue"] == ".*"
+    assert "$cluster" in variables["replica"]["definition"]  # the replicas of the cluster picked
+    targets = [t for p in doc["panels"] for t in p.get("targets", [])]
+    queries = [t["expr"] for t in targets]
+    assert queries == dashboard_queries(doc) and len(queries) >= 30
+    per_replica = 0
+    for q in queries:
+        found = re.findall(r"\b(tailpilot_\w+)\{([^}]*)\}", q)
+        assert found and len(found) == len(re.findall(r"\btailpilot_\w+", q)), q  # every series selected
+        for name, matchers in found:
+            assert 'cluster="$cluster"' in matchers, q
+            family = SERIES[name[:-len("_total")] if name.endswith("_total") else name]
+            if "replica" in family.labels:
+                per_replica += 1
+                assert 'replica=~"$replica"' in matchers, q
+            if family.counter:
+                assert re.search(rf"\brate\({name}\{{", q), q  # counters only through rate()
+    assert per_replica >= 12 and "odd" not in json.dumps(targets)  # no cluster hard-coded
+    # promtool parses every query (as recording rules, the variables as Grafana fills them in) —
+    # a typo in PromQL fails here
+    filled = [q.replace("$cluster", "odd").replace("$replica", ".*").replace("$__rate_interval", "1m")
+              for q in queries]
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"tailpilot:query_{i}", "expr": q}
-                                                        for i, q in enumerate(queries)]}]}
+                                                        for i, q in enumerate(filled)]}]}
     (tmp_path / "queries.yaml").write_text(yaml.safe_dump(rules))
     res = run_promtool("check", "rules", "queries.yaml", cwd=tmp_path)
     assert res.returncode == 0 and f"SUCCESS: {len(queries)} rules found" in res.stdout, res.stdout + res.stderr
-    rules["groups"][0]["rules"].append({"record": "tailpilot:broken", "expr": "sum(tailpilot_scr{cluster=\"odd\"}"})
+    rules["groups"][0]["rules"].append({"record": "tailpilot:broken", "expr": "sum(tailpilot_scr_ratio{cluster=\"odd\"}"})
     (tmp_path / "queries.yaml").write_text(yaml.safe_dump(rules))
     assert run_promtool("check", "rules", "queries.yaml", cwd=tmp_path).returncode != 0
 
@@ -357,6 +432,11 @@ def test_the_dashboard_loads_back_and_every_query_parses(tmp_path):
     (lambda d: d["panels"][1]["fieldConfig"]["defaults"]["thresholds"]["steps"][1].update(value=0.9), "thresholds"),
     (lambda d: d["panels"][3].update(id=2), "duplicate panel ids"),
     (lambda d: d["panels"][1].update(targets=[]), "no query"),
+    (lambda d: d["templating"]["list"].pop(2), r"no \$replica"),
+    (lambda d: d["templating"]["list"][1]["current"].update(value="prod"), "does not default"),
+    (lambda d: d["panels"][1]["targets"][0].update(expr='tailpilot_scr_ratio{cluster="odd"}'), "not filtered"),
+    (lambda d: d["panels"][-1]["targets"][0].update(expr='tailpilot_replica_info{cluster="$cluster"}'), "not filtered"),
+    (lambda d: d["panels"][1]["targets"][0].update(expr='tailpilot_preemptions_total{cluster="$cluster"}'), "counter"),
 ])
 def test_a_damaged_dashboard_is_refused(damage, needle):
     cluster = cluster_from(CLUSTER)
@@ -370,9 +450,10 @@ def test_an_ungoverned_cluster_gets_replica_panels_and_rules_only(tmp_path):
     plain = {"clusters": [{**CLUSTER["clusters"][0]}]}
     del plain["clusters"][0]["governance"]
     doc = json.loads(export("--cluster", _write(tmp_path, plain), "--format", "grafana"))
-    assert not any("tailpilot_scr" in q for q in dashboard_queries(doc))
+    assert not any("tailpilot_scr" in q for q in dashboard_queries(doc)) and doc["panels"]
     rules = yaml.safe_load(export("--cluster", _write(tmp_path, plain), "--format", "prometheus-rules"))
-    assert [r["alert"] for r in rules["groups"][0]["rules"]] == ["TailpilotReplicaDown", "TailpilotRecorderAbsent"]
+    assert [r["alert"] for r in rules["groups"][0]["rules"]] == ["TailpilotReplicaDown", "TailpilotBreakerTripped",
+                                                                 "TailpilotRequestsRefused", "TailpilotRecorderAbsent"]
 
 
 # --- ServiceMonitors -------------------------------------------------------------------------
