@@ -27,8 +27,10 @@ again on them; column 4 only here). Closure = (defaults − autopilot) / (defaul
 the P95 TTFT ratio. The issue's targets are checked on the whole trace and printed PASS/FAIL.
 
 Workloads: seed_claims' six (``conv1.0``, ``conv1.1``, ``code``, ``mix20``, ``mix70``,
-``longprompt``) and three nobody tunes on (``shift``, ``diurnal``, ``sharegpt``:
-benchmarks/autopilot_workloads.py). Deterministic for a seed (one tuning worker per workload).
+``longprompt``) and four built for this benchmark (``shift``, ``diurnal``, ``sharegpt``, and
+``heldout`` — added before the controller was tuned and run once after its design was frozen:
+benchmarks/autopilot_workloads.py). ``benchmarks/autopilot_dev.py`` caches the fixed columns and
+replays only the autopilot, for iterating on the controller. Deterministic for a seed (one tuning worker per workload).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@
   rate).
 * ``sharegpt``: ShareGPT lengths (etalon's 8k-filtered sample: long multi-turn prompts, medium
   outputs) with Gamma arrivals of CV 2, near saturation, ``duration_s`` (60 minutes).
+* ``heldout``: the trace nobody tuned the controller on — added before any tuning of it and run
+  once, after its design was frozen. arXiv summarisation lengths (long prompts, short outputs)
+  with bursty Gamma-renewal arrivals (CV ``HELDOUT_CV``), near saturation, ``duration_s`` (60
+  minutes), from a seed offset (``HELDOUT_SEED``) no other workload uses.
 
 Every builder is deterministic for its ``seed``. "Near saturation" is seed_claims' definition:
 the load at which vLLM's default scheduler's P95 TTFT is ``knee`` times its light-load value.
@@ -35,9 +39,13 @@ if str(REPO) not in sys.path:
 from benchmarks.seed_claims import KNEE, capacity, near_saturation  # noqa: E402
 from sim import traces  # noqa: E402
 
-NEW_WORKLOADS = ("shift", "diurnal", "sharegpt")
+NEW_WORKLOADS = ("shift", "diurnal", "sharegpt", "heldout", "heldout2")
 SHIFT_CV = 1.5  # Gamma arrivals' coefficient of variation in every shift phase
 SHAREGPT_CV = 2.0
+HELDOUT_CV = 3.0
+HELDOUT_SEED = 9_173  # added to the workload seed: a draw no other workload (or tuning) uses
+HELDOUT2_CV = 2.5
+HELDOUT2_SEED = 31_337  # heldout2's own draw
 PILOT_REQUESTS = 1000  # requests of the burst replay that sizes a phase before its knee is found
 
 
@@ -207,6 +215,28 @@ def build_sharegpt(sources: Sources, *, duration_s: float = 3600.0, seed: int = 
     return saturated_for(lambda n: resample(lengths, n, cv=cv, seed=seed + 4, prefix="sharegpt"), duration_s, knee)
 
 
+def build_heldout(sources: Sources, *, duration_s: float = 3600.0, seed: int = 0, knee: float = KNEE,
+                  cv: float = HELDOUT_CV) -> tuple[traces.Trace, float]:
+    """arXiv summarisation lengths with bursty Gamma arrivals (CV ``cv``) near saturation,
+    ``duration_s`` long: the held-out trace (never used to tune the controller)."""
+    lengths = traces.load_lengths(sources.arxiv, rate=1.0)
+    return saturated_for(lambda n: resample(lengths, n, cv=cv, seed=seed + HELDOUT_SEED, prefix="heldout"),
+                         duration_s, knee)
+
+
+def build_heldout2(sources: Sources, *, duration_s: float = 3600.0, seed: int = 0, knee: float = KNEE,
+                   cv: float = HELDOUT2_CV) -> tuple[traces.Trace, float]:
+    """The second held-out trace, built after ``prefer_small`` was turned off on ``heldout``'s
+    evidence (so ``heldout`` is no longer unseen): half arXiv summarisation lengths, half Azure
+    conv requests, drawn together with bursty Gamma arrivals (CV ``cv``) near saturation."""
+    arxiv = traces.load_lengths(sources.arxiv, rate=1.0)
+    conv = traces.load_trace(sources.conv)
+    n = min(len(arxiv), len(conv))
+    mixed = traces.Trace("arxiv+conv", tuple(arxiv.requests[:n]) + tuple(conv.requests[:n]))
+    return saturated_for(lambda m: resample(mixed, m, cv=cv, seed=seed + HELDOUT2_SEED, prefix="heldout2"),
+                         duration_s, knee)
+
+
 def build_new_workload(name: str, root: Path, *, seed: int = 0, knee: float = KNEE,
                        scale_s: float = 1.0) -> tuple[traces.Trace, str]:
     """One of ``NEW_WORKLOADS`` and a one-line description (``scale_s`` shortens every duration,
@@ -222,4 +252,12 @@ def build_new_workload(name: str, root: Path, *, seed: int = 0, knee: float = KN
     if name == "sharegpt":
         trace, load = build_sharegpt(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
         return trace, f"ShareGPT lengths, Gamma CV {SHAREGPT_CV:g} arrivals, load {load:.2f} (near saturation)"
+    if name == "heldout":
+        trace, load = build_heldout(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
+        return trace, (f"held out (never tuned on): arXiv lengths, Gamma CV {HELDOUT_CV:g} arrivals, "
+                       f"load {load:.2f} (near saturation)")
+    if name == "heldout2":
+        trace, load = build_heldout2(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
+        return trace, (f"held out, second (never tuned on): half arXiv lengths, half Azure conv, Gamma CV "
+                       f"{HELDOUT2_CV:g} arrivals, load {load:.2f} (near saturation)")
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(NEW_WORKLOADS)}")

@@ -149,3 +149,37 @@ def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
     assert res.exit_code == 2 and "--settings replays a whole document: leave out --set" in res.output
     res = run.invoke(main, ["sim", "--settings", str(tmp_path / "missing.json")])
     assert res.exit_code == 2 and "missing.json: cannot read" in res.output and "Traceback" not in res.output
+
+
+def _axis(settings: Settings) -> float:
+    """A candidate's place from size-first (small γ) to age-first (γ-Ada, then sarathi)."""
+    if settings.policy != "uniboost":
+        return float("inf")
+    return 1e9 if settings.params.gamma_ada else settings.params.gamma
+
+
+def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
+    """When every order serves the same, the autopilot moves to the candidate that promotes short
+    requests most, so it is in place when a burst comes; with ``prefer_small`` off it does not."""
+    light = traces.scale_rate(traces.load_bundled(), 0.5)
+    _, decisions = replay_with_autopilot(light, config=CONFIG.model_copy(update={"prefer_small": True}))
+    judged = [d for d in decisions if d.figures]
+    assert judged and judged[-1].choice == "gamma=0.001"
+    first = next(d for d in decisions if d.changed)
+    low = min(f.ttft_p95 for f in first.figures.values() if f.feasible)
+    assert first.figures["gamma=0.001"].ttft_p95 <= (1 + CONFIG.tie) * low  # a tie, not a clear win
+    _, plain = replay_with_autopilot(light, config=CONFIG)  # prefer_small off by default
+    assert [d.choice for d in plain] != [d.choice for d in decisions]
+
+
+def test_a_move_towards_age_order_takes_the_margin_or_a_guard_break(busy_window):
+    """Moving up the axis flushes what a small γ held back: it is taken only for the hysteresis
+    margin (the defaults' margin when leaving them) or when the running choice broke the guard."""
+    options = candidates(Settings.model_validate({"policy": "uniboost"}), CONFIG)
+    for rate in (1.5, 2.0, 3.0):
+        _, decisions = replay_with_autopilot(traces.scale_rate(traces.load_bundled(), rate), config=CONFIG)
+        for d in decisions:
+            if d.changed and _axis(options[d.choice]) > _axis(options[d.previous]):
+                new, old = d.figures[d.choice], d.figures[d.previous]
+                margin = CONFIG.leave_defaults if d.previous == "defaults" else CONFIG.hysteresis
+                assert "breaks the guard" in d.reason or new.ttft_p95 < (1 - margin) * old.ttft_p95, d.reason

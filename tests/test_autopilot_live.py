@@ -27,7 +27,7 @@ class Rig:
     """One twin on conv traffic at 1.5× its rate, a collector and the live autopilot, all on a
     manual clock: ``run_until(t)`` moves the replica 2 s at a time and ticks the autopilot every 6 s."""
 
-    def __init__(self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None):
+    def __init__(self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None):
         from sim.traces import load_bundled
         from tuner.twin import ManualClock, start_twins
 
@@ -42,6 +42,7 @@ class Rig:
         self.cluster = parse_cluster_file(yaml.safe_dump(self.twins.cluster_doc("twins"))).cluster()
         self.verifier = verifier
         self.live = live
+        self.config = {**CONFIG, **(config or {})}
         self.driver = None  # one live autopilot across runs, as in one recorder process
 
     def __enter__(self) -> "Rig":
@@ -63,7 +64,7 @@ class Rig:
             client = PollingClient(self.cluster.timeout_s)
             collector = Collector(self.cluster, self.store, client=client, clock=self.clock.now)
             if self.driver is None:
-                self.driver = LiveAutopilot(collector, self.store, AutopilotConfig.model_validate(CONFIG),
+                self.driver = LiveAutopilot(collector, self.store, AutopilotConfig.model_validate(self.config),
                                             self.live or LiveConfig(verify_minutes=2.0), clock=self.clock.now,
                                             verifier=self.verifier)
             driver = self.driver
@@ -103,7 +104,8 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         running = rig.twin.core.settings
         assert (running.policy, running.params) == (rp.pilot.options[switch["choice"]].policy,
                                                      rp.pilot.options[switch["choice"]].params)
-        assert switch["choice"] != "defaults" and switch["predicted"]["ttft_p95"] < 0
+        # a move to a smaller γ is taken when it ties (within the `tie` of 3%) or beats what runs
+        assert switch["choice"] != "defaults" and switch["predicted"]["ttft_p95"] <= 0.03
         [row] = rig.audit()
         assert row["result"] in ("applied", "staged") and "predicted P95 TTFT" in row["message"]
         assert row["new"]["params"] == running.params.model_dump()
@@ -134,7 +136,8 @@ def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeyp
                                                                       "predicted": predicted}}}
 
     live = LiveConfig(verify_minutes=0.2, hold_s=10_000.0)
-    with Rig(tmp_path, monkeypatch, DEFAULTS, verifier=worse, live=live) as rig:
+    # without the preference for a tied smaller γ it switches often enough to be verified twice
+    with Rig(tmp_path, monkeypatch, DEFAULTS, verifier=worse, live=live, config={"prefer_small": False}) as rig:
         def stepped_back(_driver) -> bool:
             return any("steps back" in c["message"] for c in rig.audit())
 

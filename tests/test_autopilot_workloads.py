@@ -124,6 +124,23 @@ def test_sharegpt_has_gamma_cv2_arrivals_near_saturation(sources):
     assert 1.6 < gaps.std() / gaps.mean() < 2.5  # Poisson arrivals would give about 1
 
 
+def test_heldout_is_bursty_arxiv_near_saturation_from_its_own_draw(sources):
+    """The trace nobody tuned on: arXiv lengths, Gamma CV 3 arrivals, near saturation, from a
+    seed offset no other workload draws from (its order differs from a plain resample's)."""
+    trace, load = wl.build_heldout(sources, duration_s=300.0, seed=1)
+    assert trace.duration >= 300.0 * (1 - 1e-9)
+    assert 0.3 <= load <= 1.2
+    assert trace.rate / capacity(trace) == pytest.approx(load, rel=1e-6)
+    assert {(r.prompt_tokens, r.output_tokens) for r in trace} <= _pairs_of(sources.arxiv)
+    gaps = np.diff(trace.arrivals())
+    assert 2.3 < gaps.std() / gaps.mean() < 3.8
+    assert "heldout" in wl.NEW_WORKLOADS and all(r.id.startswith("heldout-") for r in trace)
+    plain = wl.resample(traces.load_lengths(sources.arxiv, rate=1.0), 50, cv=wl.HELDOUT_CV, seed=1, prefix="heldout")
+    assert [r.prompt_tokens for r in plain] != [r.prompt_tokens for r in trace.requests[:50]]
+    again, _ = wl.build_heldout(sources, duration_s=300.0, seed=1)
+    assert again.requests == trace.requests
+
+
 def test_resample_draws_every_row_before_repeating_one():
     rows = tuple(traces.TraceRequest(f"s-{k}", float(k), 100 + k, 10 + k, 4096) for k in range(10))
     source = traces.Trace("src", rows)

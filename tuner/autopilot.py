@@ -7,10 +7,18 @@ from the moment the autopilot started. A shadow never starts from an empty engin
 judges a setting over a few minutes: it answers "how would this setting have served everything
 so far", which is what a fixed setting chosen with hindsight is scored on. Every ``interval_s``
 the autopilot compares the shadows on the same requests — those that arrived in the last
-``window_s`` before the shadows' clock — and applies the candidate with the lowest P95 TTFT
-among those whose P99 TTLT is within ``ttlt_guard`` and whose throughput is within
-``throughput_guard`` of sarathi's, switching only when it beats the current choice by
-``hysteresis`` (switching has a cost; the comparison is noisy).
+``window_s`` before the shadows' clock — among the candidates whose P99 TTLT is within
+``ttlt_guard`` and whose throughput is within ``throughput_guard`` of sarathi's.
+
+The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
+sarathi), and a move along it is not symmetric: a move down promotes short requests and costs
+nothing, a move up flushes the long requests a small γ held back onto everyone — a cost the
+shadows, each running one setting all along, do not see. So among the candidates within ``tie``
+of the lowest P95 TTFT the autopilot targets the lowest on the axis, and moves down to it as soon
+as it is tied or better (while the load is light every order ties, and the size-first one is then
+already in place when a burst comes: the shadows see a burst late and diluted in their window);
+it moves up only for the ``hysteresis`` margin, after ``min_dwell_s``, or when the running choice
+breaks the guard on ``guard_patience`` decisions in a row.
 
 What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
 cap, tenant, type — never the output length), completions (with their output lengths), and how
@@ -59,19 +67,29 @@ class AutopilotConfig(BaseModel):
     with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
     with_sarathi: bool = True  # vLLM's own order as a candidate (it is always the guard's reference)
     interval_s: float = Field(60.0, ge=1.0, le=3_600.0)
-    delay_s: float = Field(120.0, ge=0.0, le=3_600.0)
+    delay_s: float = Field(60.0, ge=0.0, le=3_600.0)
     window_s: float = Field(3_600.0, ge=60.0, le=86_400.0)
     # Requests are compared only once they arrived this long before the shadows' clock: a request
     # a small γ holds back shows its wait only later, and counted early (censored at its wait so
     # far) it would flatter exactly the settings that starve.
     settle_s: float = Field(0.0, ge=0.0, le=86_400.0)
-    min_requests: int = Field(1_000, ge=10, le=1_000_000)
-    # Leaving the defaults takes a candidate this much better on P95 TTFT (and no worse on the
-    # guard); once away from them, a further switch takes ``hysteresis``: switching reorders the
-    # whole queue, and away from the defaults it may flush a small γ's held-back backlog onto
-    # everyone — a cost the shadows, each running one setting all along, do not see.
+    min_requests: int = Field(100, ge=10, le=1_000_000)
+    # A move up the size-to-age axis (``Autopilot._rank``) takes a candidate this much better on
+    # P95 TTFT: ``leave_defaults`` from the defaults (only sarathi lies above them), ``hysteresis``
+    # from anything else. It flushes a small γ's held-back backlog onto everyone — a cost the
+    # shadows, each running one setting all along, do not see. Moves down take a tie (``tie``).
     leave_defaults: float = Field(0.15, ge=0.0, le=1.0)
     hysteresis: float = Field(0.15, ge=0.0, le=1.0)
+    # Candidates within this fraction of the lowest P95 TTFT are tied; with ``prefer_small`` the one
+    # that promotes short requests most is chosen among them (``Autopilot._choose``), else the
+    # lowest. Off by default: it sat a held-out trace of bursty long prompts on γ 0.001 while the
+    # candidates tied, and that trace is where a small γ loses (README, "The autopilot").
+    tie: float = Field(0.03, ge=0.0, le=1.0)
+    prefer_small: bool = False
+    # A window's P99 TTLT moves by a few percent from one minute to the next; leaving a choice for
+    # the guard (often a move up the size-to-age axis, which flushes a held-back backlog) takes a
+    # break on this many decisions in a row.
+    guard_patience: int = Field(2, ge=1, le=100)
     min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
     ttlt_guard: float = Field(1.02, ge=1.0, le=10.0)
     throughput_guard: float = Field(0.99, ge=0.0, le=1.0)
@@ -218,6 +236,7 @@ class Autopilot:
         self._shadow_clock: float | None = None
         self._next_decision: float | None = None
         self._last_switch = -math.inf
+        self._breaks = 0  # consecutive decisions on which the running choice broke the guard
         self._hold_until = -math.inf  # step_back: no switch before this but to keep the guard
         self._cpu = 0.0
 
@@ -330,43 +349,62 @@ class Autopilot:
         self.current, self._last_switch, self._hold_until = to, now, now + hold_s
 
 
+    def _rank(self, name: str) -> float:
+        """A candidate's place on the size-to-age axis: its γ for a fixed γ; the defaults (γ-Ada)
+        above the grid; sarathi (vLLM's order, by age) last. Moving down the axis promotes short
+        requests — cheap; moving up flushes what a small γ held back onto everyone — costly."""
+        s = self.options[name]
+        if s.policy != "uniboost":
+            return math.inf
+        return s.params.gamma if not s.params.gamma_ada else 1e9
+
     def _choose(self, figures: dict[str, CandidateFigures], now: float, ref_ttlt: float,
                 ref_tput: float) -> tuple[str, bool, str]:
-        """The candidate to run next, whether that is a switch, and why."""
+        """The candidate to run next, whether that is a switch, and why.
+
+        Among the feasible candidates within ``tie`` of the lowest P95 TTFT, the one lowest on the
+        size-to-age axis (``_rank``) is the target: while the load is light every order serves the
+        same, and the one that promotes short requests is already in place when a burst comes
+        (the shadows see a burst only ``delay_s`` late, and diluted in their window). A move down
+        the axis is cheap and is taken whenever the target is tied or better; a move up — or a
+        move off a tied current choice — takes the ``hysteresis`` margin and ``min_dwell_s``."""
         cfg = self.config
         feasible = [n for n, f in figures.items() if f.feasible]
-        best = min(feasible, key=lambda n: (figures[n].ttft_p95, n != self.current, n))
-        current = figures[self.current]
-        # The defaults anchor the choice: another candidate must clearly beat them too.
-        anchor = figures.get("defaults") if "defaults" in figures and figures["defaults"].feasible else None
-        margin, anchor_margin = 1.0 - cfg.hysteresis, 1.0 - cfg.leave_defaults
-        if best == self.current:
-            return best, False, f"{best} is still the best ({current.ttft_p95:.3g} s P95 TTFT)"
+        if not feasible:
+            return self.current, False, "no candidate keeps the guard on this window: kept"
+        low = min(figures[n].ttft_p95 for n in feasible)
+        tied = [n for n in feasible if figures[n].ttft_p95 <= (1.0 + cfg.tie) * low]
+        target = min(tied, key=lambda n: (self._rank(n), n)) if cfg.prefer_small \
+            else min(feasible, key=lambda n: (figures[n].ttft_p95, n != self.current, n))
+        current, best = figures[self.current], figures[target]
+        if target == self.current:
+            return target, False, f"{target} is still the choice ({current.ttft_p95:.3g} s P95 TTFT)"
         # The running choice keeps a little slack on the guard: a window's P99 TTLT moves by a
         # percent or two from one minute to the next, and a switch has a cost.
         current_ok = (current.ttlt_p99 <= (cfg.ttlt_guard + GUARD_SLACK) * ref_ttlt
                       and current.throughput_tok_s >= (cfg.throughput_guard - GUARD_SLACK) * ref_tput)
-        if not current_ok:
-            return best, True, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
-                                f"sarathi's {ref_ttlt:.3g} s); {best} keeps it")
+        self._breaks = 0 if current_ok else self._breaks + 1
+        if not current_ok and self._breaks >= cfg.guard_patience:
+            return target, True, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
+                                  f"sarathi's {ref_ttlt:.3g} s); {target} keeps it")
         if now < self._hold_until:
             return self.current, False, f"{self.current} held after a step back until t={self._hold_until:.0f}"
+        if not current_ok:
+            return self.current, False, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
+                                         f"sarathi's {ref_ttlt:.3g} s): kept until it does so {cfg.guard_patience} "
+                                         "decisions in a row")
+        down = self._rank(target) < self._rank(self.current)
+        margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
+        if down and best.ttft_p95 <= (1.0 + cfg.tie) * current.ttft_p95:
+            return target, True, (f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as {self.current} "
+                                  f"({current.ttft_p95:.3g} s) and promotes short requests more")
         if now - self._last_switch < cfg.min_dwell_s:
             return self.current, False, f"{self.current} kept: switched {now - self._last_switch:.0f} s ago"
-        if self.current == "defaults":
-            margin = anchor_margin
-        clear = figures[best].ttft_p95 < margin * current.ttft_p95
-        if clear and (anchor is None or best == "defaults" or figures[best].ttft_p95 < anchor_margin * anchor.ttft_p95):
-            return best, True, (f"{best} beats {self.current} on P95 TTFT: {figures[best].ttft_p95:.3g} s vs "
-                                f"{current.ttft_p95:.3g} s over the window's requests")
-        # Back to the defaults only once the current choice no longer beats them by half the
-        # margin it took to leave them: a choice is not dropped for the noise that let it in.
-        if self.current != "defaults" and anchor is not None and \
-                not current.ttft_p95 < (1.0 - cfg.leave_defaults / 2) * anchor.ttft_p95:
-            return "defaults", True, (f"{self.current} no longer clearly beats the defaults "
-                                      f"({current.ttft_p95:.3g} s vs {anchor.ttft_p95:.3g} s): back to them")
-        return self.current, False, (f"no candidate beats {self.current} by the {cfg.hysteresis:.0%} hysteresis "
-                                     f"(best {best}: {figures[best].ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)")
+        if best.ttft_p95 < (1.0 - margin) * current.ttft_p95:
+            return target, True, (f"{target} beats {self.current} on P95 TTFT: {best.ttft_p95:.3g} s vs "
+                                  f"{current.ttft_p95:.3g} s over the window's requests")
+        return self.current, False, (f"no candidate beats {self.current} by the {margin:.0%} margin "
+                                     f"(target {target}: {best.ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)")
 
 
 # --- the simulator's driver -------------------------------------------------------------------
