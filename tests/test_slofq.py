@@ -152,7 +152,9 @@ def admit_all(p, waiting, now) -> list[str]:
     return out
 
 
-def test_an_empty_bucket_lends_only_when_no_one_else_waits_and_within_the_tenants_seats():
+def test_an_empty_bucket_yields_to_others_then_borrows_every_free_seat():
+    """Work-conserving (issue 23): the quiet tenant first, then the throttled one takes the seats
+    nobody else waits for — all of them (tests/test_slofq_work_conserving.py); lending off holds."""
     from controlplane.policies.slo import Bucket
 
     p = make_policy(slofq(engine={"max_num_seqs": 4}))
@@ -160,12 +162,7 @@ def test_an_empty_bucket_lends_only_when_no_one_else_waits_and_within_the_tenant
     quiet = arrive(p, [state("q0", "quiet", 0.5)])
     p.buckets["noisy"] = Bucket(rate=1.0, now=0.0)
     p.buckets["noisy"].level = -100.0
-    # quiet goes first; then nobody else waits and noisy borrows — up to its share of the four
-    # seats: half, with quiet running too.
-    assert admit_all(p, noisy + quiet, 0.5) == ["q0", "n0", "n1"]
-    assert admit_all(p, noisy[2:], 0.6) == []
-    p.on_finish(noisy[0], 0.7)
-    assert admit_all(p, noisy[2:], 0.7) == ["n2"]
+    assert admit_all(p, noisy + quiet, 0.5) == ["q0", "n0", "n1", "n2", "n3"]
     # With lending off, held whatever.
     q = make_policy(slofq(engine={"max_num_seqs": 4}, bp_lend=False))
     arrive(q, noisy)
@@ -202,12 +199,13 @@ def test_held_back_requests_are_served_later_and_none_is_lost():
 def test_noisy_neighbour_in_the_simulator():
     """Seed 003's test: one of three tenants bursts to 10x its commitment. Under fcfs the quiet
     tenants miss their targets; under slofq they keep them in (nearly) every window, the noisy
-    one is held back, and nothing is lost."""
+    one is held back while they wait, nothing is lost, and no capacity idles: the output rate is
+    fcfs's (issue 23: it was 8% below, the noisy tenant held back from free seats)."""
     cap = capacity(EngineConfig(), Settings())
     trace, params = noisy_neighbour(capacity_req_s=cap, duration_s=150.0, burst_from_s=40.0, burst_s=40.0)
     slo = SloFqParams.model_validate(params)
     engine = {}
-    quiet_scr = {}
+    quiet_scr, out_rate = {}, {}
     for policy in ("fcfs", "slofq"):
         doc = {"policy": policy, "params": params if policy == "slofq" else {}, "engine": engine}
         sim = Simulator(trace, Settings.model_validate(doc), EngineConfig())
@@ -221,10 +219,12 @@ def test_noisy_neighbour_in_the_simulator():
             rep = window_report(rows, slo, duration_s=10.0)
             scores.append(rep["scr"])
         quiet_scr[policy] = sum(scores) / len(scores)
+        out_rate[policy] = sum(c.output_tokens for c in res.completions) / max(c.finished_at for c in res.completions)
         if policy == "slofq":
             assert "noisy" in sim.policy.detected and sim.policy.first_held["noisy"] - sim.policy.detected["noisy"] < 1.0
     assert quiet_scr["fcfs"] < 0.8, quiet_scr
     assert quiet_scr["slofq"] >= 0.99, quiet_scr
+    assert out_rate["slofq"] >= 0.99 * out_rate["fcfs"], out_rate
 
 
 def test_a_queue_cap_refuses_only_the_capped_tenants_overflow():
