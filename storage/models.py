@@ -297,30 +297,28 @@ class AlertEvent(Base):
     summary: Mapped[Any] = mapped_column(Json)
 
 
-class GovernorControl(Base):
-    """A cluster's governor: armed, dry-run or disarmed, paused, and what it last reported."""
+class ControlRow:
+    """A cluster controller's control row (the governor's, the autopilot's): armed, dry-run or
+    disarmed, paused, who set that and when, and what the controller last reported."""
+
+    cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
+    state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
+    paused: Mapped[bool] = mapped_column(Boolean)
+    who: Mapped[str | None] = mapped_column(String(200))
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[Any | None] = mapped_column(Json)  # the controller's own report
+
+
+class GovernorControl(ControlRow, Base):
+    """The governor's row; its status: active modes, what they replaced, the last decisions."""
 
     __tablename__ = "governor_control"
 
-    cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
-    state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
-    paused: Mapped[bool] = mapped_column(Boolean)
-    who: Mapped[str | None] = mapped_column(String(200))
-    updated_ms: Mapped[int] = mapped_column(BigInteger)
-    status: Mapped[Any | None] = mapped_column(Json)  # the governor's own report (active modes, ...)
 
-
-class AutopilotControl(Base):
-    """A cluster's autopilot: armed, dry-run or disarmed, paused, and what it last reported."""
+class AutopilotControl(ControlRow, Base):
+    """The autopilot's row; its status: per replica its choice, why, the last decisions."""
 
     __tablename__ = "autopilot_control"
-
-    cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
-    state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
-    paused: Mapped[bool] = mapped_column(Boolean)
-    who: Mapped[str | None] = mapped_column(String(200))
-    updated_ms: Mapped[int] = mapped_column(BigInteger)
-    status: Mapped[Any | None] = mapped_column(Json)  # per replica: its choice, why, last decisions
 
 
 class Recommendation(Base):
