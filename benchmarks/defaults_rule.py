@@ -40,8 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload  # noqa: E402
-from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, build_workload, ratio  # noqa: E402
+from benchmarks.autopilot import build  # noqa: E402  (the autopilot benchmark's workloads, built alike)
+from benchmarks.autopilot_workloads import NEW_WORKLOADS  # noqa: E402
+from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, ratio  # noqa: E402
 from controlplane.metrics import summarize  # noqa: E402
 from controlplane.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
@@ -73,16 +74,6 @@ RULES: dict[str, dict[str, Any]] = {
     "ref:g=0.001": {"policy": UNIBOOST, "params": {"gamma": 0.001, "gamma_ada": False}},
 }
 DEFAULT_RULES = ("scale0.3", "scale0.1", "scale0.03", "sig=ttlt", "ref:g=0.001")
-
-
-def build(args: tuple[str, Path, int, float]) -> tuple[str, traces.Trace, str]:
-    """One workload by benchmarks/autopilot.py's builders: (name, trace, description)."""
-    name, root, seed, knee = args
-    if name in NEW_WORKLOADS:
-        trace, how = build_new_workload(name, root, seed=seed, knee=knee)
-    else:
-        trace, how = build_workload(name, root, knee)
-    return name, trace, how
 
 
 def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:

@@ -129,6 +129,13 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
     return None if (new.policy, new.params) == (current.policy, current.params) else new
 
 
+def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
+    """The candidate whose policy and parameters the replica runs (its engine limits and pins
+    aside), None when it runs none of them."""
+    return next((name for name, s in pilot.options.items()
+                 if (s.policy, s.params) == (running.policy, running.params)), None)
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:+.0%}"
 
@@ -270,8 +277,7 @@ class LiveAutopilot:
             log.warning("autopilot: replica %s: its engine is unknown (%s): A100 defaults", name, err)
             engine = EngineConfig()
         pilot = Autopilot(base, self.config, engine)
-        pilot.current = next((n for n, s in pilot.options.items()
-                              if (s.policy, s.params) == (running.policy, running.params)), pilot.current)
+        pilot.current = candidate_running(pilot, running) or pilot.current
         # Time 0 a window before now: the requests in flight at the start arrived after it.
         origin = float(doc.get("time") or 0.0) - self.config.window_s
         rp = ReplicaPilot(name, doc.get("instance"), origin, pilot)
@@ -327,8 +333,7 @@ class LiveAutopilot:
             return
         # The replica runs something else: a switch, or the choice again after a dry run or an
         # operator's unpinned change. Judged against what it runs, where that is a candidate.
-        runs = next((n for n, s in rp.pilot.options.items() if (s.policy, s.params) == (running.policy, running.params)),
-                    "its own settings")
+        runs = candidate_running(rp.pilot, running) or "its own settings"
         switch = dataclasses.replace(decision, changed=True, previous=runs)
         note = decision_note(switch)
         if self.held is not None:

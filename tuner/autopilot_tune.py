@@ -41,14 +41,10 @@ KNOBS: dict[str, tuple[float, float, bool]] = {
 }
 
 
-def _figures(completions: Sequence[Any], span_s: float) -> dict[str, float]:
+def _figures(completions: Sequence[Any]) -> dict[str, float]:
+    """P95 TTFT, P99 TTLT and output tokens per second (first arrival to last finish)."""
     s = summarize(completions)
-    return {"ttft_p95": float(s.get("ttft_p95", math.nan)), "ttlt_p99": float(s.get("ttlt_p99", math.nan)),
-            "throughput_tok_s": sum(c.output_tokens for c in completions) / max(span_s, 1e-9)}
-
-
-def _span(completions: Sequence[Any]) -> float:
-    return max(c.finished_at for c in completions) - min(c.arrival for c in completions) if completions else 0.0
+    return {k: float(s.get(k, math.nan)) for k in ("ttft_p95", "ttlt_p99", "throughput_tok_s")}
 
 
 def score(traces: Sequence[Trace], config: AutopilotConfig, base: Settings, engine: EngineConfig,
@@ -59,7 +55,7 @@ def score(traces: Sequence[Trace], config: AutopilotConfig, base: Settings, engi
     ttft, ttlt, tput = [], [], []
     for trace, ref in zip(traces, references):
         result, _ = replay_with_autopilot(trace, base, config, engine)
-        got = _figures(result.completions, _span(result.completions))
+        got = _figures(result.completions)
         ttft.append(got["ttft_p95"] / ref["ttft_p95"])
         ttlt.append(got["ttlt_p99"] / ref["ttlt_p99"])
         tput.append(got["throughput_tok_s"] / ref["throughput_tok_s"])
@@ -72,8 +68,7 @@ def references(traces: Sequence[Trace], engine: EngineConfig) -> list[dict[str, 
     """sarathi's figures on each trace (the guard's reference)."""
     out = []
     for trace in traces:
-        done = simulate(trace, SARATHI, engine).completions
-        out.append(_figures(done, _span(done)))
+        out.append(_figures(simulate(trace, SARATHI, engine).completions))
     return out
 
 
