@@ -57,8 +57,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload  # noqa: E402
 from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, build_workload, ratio  # noqa: E402
-from controlplane.metrics import summarize  # noqa: E402
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.metrics import summarize  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
 from storage.strict_json import finite  # noqa: E402

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim.engine import simulate
 from sim.traces import load_trace, scale_rate
 

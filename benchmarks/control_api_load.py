@@ -68,7 +68,7 @@ from vllm_support import (  # noqa: E402
     run_completions,
 )
 
-PLUGIN = "controlplane.plugin.vllm.TailpilotScheduler"
+PLUGIN = "scheduler.plugin.vllm.TailpilotScheduler"
 TOKEN = "bench-token-not-a-secret"
 STATE = "/tailpilot/v1/state"
 CONDITIONS = ("A", "B", "C", "D")

@@ -18,7 +18,7 @@ uniboost-nomg (MemGuard off), tie and vtc; sjf, srpt and tie use the ``history``
 a live replica has). Each replay runs on one core; ``ratio`` is its wall time over fcfs's from this
 same run (the machine is shared: only ratios taken together mean anything). ``uptime`` load is
 printed before and after. ``refit_s`` is the part of the wall time spent in the history predictor's
-refits (every 10 simulated seconds; ``controlplane.policies.predictors``), which the queue does not
+refits (every 10 simulated seconds; ``scheduler.policies.predictors``), which the queue does not
 touch.
 
 ``--hash`` prints a SHA-256 over every completion's id and timestamps (arrival, scheduled,
@@ -46,7 +46,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
 from sim.traces import TraceRequest  # noqa: E402
 

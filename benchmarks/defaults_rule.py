@@ -43,8 +43,8 @@ if str(REPO) not in sys.path:
 from benchmarks.autopilot import build  # noqa: E402  (the autopilot benchmark's workloads, built alike)
 from benchmarks.autopilot_workloads import NEW_WORKLOADS  # noqa: E402
 from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, ratio  # noqa: E402
-from controlplane.metrics import summarize  # noqa: E402
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.metrics import summarize  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
 from storage.strict_json import finite  # noqa: E402

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 from vllm_support import VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens  # noqa: E402
 
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from storage.store import Store  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> None:
     api_port = free_port()
     server = VllmServer(model_dir, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=2048,
                         workdir=tmp / "vllm",
-                        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler",
+                        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler",
                                     "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                                     str(args.budget), "--no-enable-prefix-caching"],
                         extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controlplane.governance import window_report  # noqa: E402
-from controlplane.settings import Settings, SloFqParams  # noqa: E402
+from scheduler.settings import Settings, SloFqParams  # noqa: E402
 from sim import traces as tr  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
 from sim.noisy import TENANTS, capacity, noisy_neighbour  # noqa: E402

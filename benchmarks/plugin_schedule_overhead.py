@@ -56,8 +56,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 from plugin_harness import fake_model_output, make_request, make_scheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from controlplane.plugin.vllm import TailpilotScheduler  # noqa: E402
-from controlplane.policies import RequestState  # noqa: E402
+from scheduler.plugin.vllm import TailpilotScheduler  # noqa: E402
+from scheduler.policies import RequestState  # noqa: E402
 
 POLICIES = {
     "fcfs": {"policy": "fcfs"},

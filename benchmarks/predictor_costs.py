@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from controlplane.policies.predictors import HistoryPredictor
-from controlplane.policies.tie_math import tie_moments
+from scheduler.policies.predictors import HistoryPredictor
+from scheduler.policies.tie_math import tie_moments
 
 
 def filled_predictor(keys: int, samples: int, seed: int = 9) -> HistoryPredictor:

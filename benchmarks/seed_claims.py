@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
 

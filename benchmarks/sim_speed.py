@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from controlplane.settings import POLICY_NAMES, Settings
+from scheduler.settings import POLICY_NAMES, Settings
 from sim.engine import Simulator
 from sim.traces import load_trace
 

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.noisy_neighbour import heavy_tenant  # noqa: E402
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
 from sim.noisy import capacity, noisy_neighbour  # noqa: E402
 

@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from controlplane.metrics import percent_change
-from controlplane.settings import Settings
+from scheduler.metrics import percent_change
+from scheduler.settings import Settings
 from tuner.continuous import continuous_metrics
 from tuner.recommend import jsonable, paired_improvement, recommend
 from tuner.study import (

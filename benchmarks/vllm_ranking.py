@@ -192,7 +192,7 @@ CLUSTER, REPLICA = "bench", "cpu-0"
 
 def scored(completions, ids: set[str]) -> dict[str, float]:
     """KEYS of the scored requests (throughput over their first arrival → last finish)."""
-    from controlplane.metrics import summarize
+    from scheduler.metrics import summarize
 
     s = summarize([c for c in completions if c.id in ids])
     return {k: float(s[k]) for k in KEYS}
@@ -226,7 +226,7 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
     api_port = free_port()
     server = VllmServer(build_tiny_model(tmp / "model"), kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
                         max_model_len=2048, workdir=tmp / "vllm",
-                        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler",
+                        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler",
                                     "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                                     str(args.budget), "--no-enable-prefix-caching"],
                         extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
@@ -299,7 +299,7 @@ def replay_all(store, facts: dict, cands: dict, labels: Sequence[str], warmup: f
     """(real figures per run, sim figures per (candidate, run)): every run's recorded traffic
     replayed under its own candidate (and, with ``shared``, under every candidate), scored on the
     run's requests after the warm-up fraction."""
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from sim.engine import simulate
     from tuner.calibrate import replica_engine
     from tuner.recorded import RecordedSpan, as_completion, load_recorded, with_front_end
@@ -424,7 +424,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO / "tests"))  # vllm_support, as benchmarks/fidelity.py does
     from benchmarks.fidelity import load_avg, workload
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from tuner.autopilot import AutopilotConfig, candidates
 
     t_start = time.monotonic()

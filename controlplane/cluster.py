@@ -38,8 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controlplane import strict_yaml
 from controlplane.governance import GovernanceSpec
-from controlplane.metrics import METRICS
-from controlplane.validation import describe_validation
+from scheduler.metrics import METRICS
+from scheduler.validation import describe_validation
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 

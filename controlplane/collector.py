@@ -9,7 +9,7 @@ For each replica, every ``poll_interval_s``:
 
 From the per-request completions it keeps a rolling window (``window_s`` of the cluster, on the
 replica's own clock) and computes **exact** P50/P90/P95/P99 of TTFT, TTLT and TBT per replica, per
-tenant and per request type with :func:`controlplane.metrics.distribution_stats` — no histogram
+tenant and per request type with :func:`scheduler.metrics.distribution_stats` — no histogram
 interpolation. The results are :class:`storage.rows.SampleRow` / ``GroupSampleRow`` /
 ``CompletionRow``, written by one writer task as one :class:`storage.rows.Batch` per flush.
 

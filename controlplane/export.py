@@ -1,6 +1,6 @@
 """Export a settings document for deployment (docs/engine.md#tuner, "Export"; ``tailpilot export``).
 
-Four formats, each rendered from one validated :class:`~controlplane.settings.Settings`:
+Four formats, each rendered from one validated :class:`~scheduler.settings.Settings`:
 
 ``settings``   the JSON document the plugin reads at start-up from ``$TAILPILOT_SETTINGS_FILE``;
 ``vllm-args``  one shell-quoted ``vllm serve MODEL ...`` line: the env assignment naming the
@@ -35,14 +35,14 @@ import yaml
 from pydantic import ValidationError
 
 from controlplane import strict_yaml
-from controlplane.settings import Settings, describe_error
+from scheduler.settings import Settings, describe_error
 
 FORMATS = ("settings", "vllm-args", "configmap", "helm")
-SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"  # = controlplane.plugin.core.SETTINGS_FILE_ENV
+SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"  # = scheduler.plugin.core.SETTINGS_FILE_ENV
 SCHEDULER_CLASSES = {
     # vLLM's GPU default (0.33) is async scheduling; the stock scheduler when it is off (and on CPU).
-    "async": "controlplane.plugin.vllm.TailpilotAsyncScheduler",
-    "sync": "controlplane.plugin.vllm.TailpilotScheduler",
+    "async": "scheduler.plugin.vllm.TailpilotAsyncScheduler",
+    "sync": "scheduler.plugin.vllm.TailpilotScheduler",
 }
 MODEL_PLACEHOLDER = "MODEL"
 DEFAULT_SETTINGS_PATH = "tailpilot-settings.json"  # vllm-args: next to where vLLM is started
@@ -119,7 +119,7 @@ class ExportOptions:
 def check_exportable(settings: Settings, where: str | None = None) -> Settings:
     """Refuse what a live replica refuses at start-up (the plugin builds its policy from the
     document; the simulator-only ``oracle`` predictor fails there)."""
-    from controlplane.plugin.core import ReplicaCore
+    from scheduler.plugin.core import ReplicaCore
 
     try:
         ReplicaCore(settings)

@@ -40,7 +40,7 @@ names past the same bounds (first come) into "other" for good, so that a counter
 store as a replica sent it (storage.limits.REASONS); ``tailpilot_breaker_trips_total`` is each
 replica's own count of its circuit breaker's trips.
 
-Served by the control API's own server (``controlplane.plugin.api.ControlServer``: bounded
+Served by the control API's own server (``scheduler.plugin.api.ControlServer``: bounded
 connections, header and idle deadlines, rate limits; only ``GET /metrics`` and ``/health``).
 The page is rendered on the collector's event loop — the scrape thread asks the loop and waits —
 so it never reads the collector while a poll is changing it; a rendering is reused for
@@ -60,7 +60,7 @@ from typing import Any, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from controlplane.settings import QUANTILES
+from scheduler.settings import QUANTILES
 from storage.limits import OTHER_GROUP, REASONS
 from storage.rows import LATENCIES, PERCENTILES
 
@@ -484,7 +484,7 @@ class _Page:
         self._page: tuple[float, bytes] | None = None
 
     def api_metrics(self) -> tuple[bytes, str]:
-        from controlplane.plugin.api import HTTPError
+        from scheduler.plugin.api import HTTPError
 
         with self._lock:
             if self._page is None or time.monotonic() - self._page[0] > CACHE_S:
@@ -504,7 +504,7 @@ class _Page:
         return True
 
     def _absent(self, *args: Any) -> dict[str, Any]:
-        from controlplane.plugin.api import HTTPError
+        from scheduler.plugin.api import HTTPError
 
         raise HTTPError(404, "this is tailpilot's recorder: only /metrics and /health")
 
@@ -522,7 +522,7 @@ class MetricsServer:
 
     async def start(self) -> int:
         """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""
-        from controlplane.plugin.api import ControlServer, Limits
+        from scheduler.plugin.api import ControlServer, Limits
 
         # Prometheus never sends the page's (random) token: nothing is kept back for token holders.
         limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0)

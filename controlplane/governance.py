@@ -2,7 +2,7 @@
 commitments (a slofq settings document's, or a cluster file's ``governance`` block), and the
 alerts they raise. The one implementation of SCR, JFI, type fairness and ω: the collector, the
 store's governance windows, ``capacity``, the Prometheus page, the TUI and the tuner
-(``controlplane.metrics.fairness_summary``) all read these. Definitions and a worked example:
+(``scheduler.metrics.fairness_summary``) all read these. Definitions and a worked example:
 docs/governance.md.
 
     report = window_report(completions, params, duration_s=10.0, waiting={"c": {"requests": 3, "waited_s": 12.0}})
@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 import numpy as np
 
 from controlplane.governor import GovernorSpec
-from controlplane.metrics import Completion, distribution_stats, jain_index
-from controlplane.settings import DEFAULT_TENANT_SLO, QUANTILES, SloFqParams, TenantSlo, check_shares
+from scheduler.metrics import Completion, distribution_stats, jain_index
+from scheduler.settings import DEFAULT_TENANT_SLO, QUANTILES, SloFqParams, TenantSlo, check_shares
 
 DEFAULT_ALPHA = 4.0  # ω's cap where consumption protection is off (slofq's default protection_alpha)
 

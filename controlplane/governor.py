@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 
 STATES = ("armed", "dry-run", "disarmed")
 WHO = "governor"

@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 import aiohttp
 from pydantic import ValidationError
 
-from controlplane import contract
+from scheduler import contract
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from storage import limits

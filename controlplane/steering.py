@@ -58,7 +58,7 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
                      change: SettingsChange, wait_s: float) -> ApplyResult:
     from pydantic import ValidationError
 
-    from controlplane.settings import Settings, describe_error
+    from scheduler.settings import Settings, describe_error
 
     base = control_base(spec) + "/settings"
     timeout = cluster.timeout_s
@@ -168,7 +168,7 @@ async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | No
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
     ``change`` is a settings document, or a function from the replica's current
-    :class:`~controlplane.settings.Settings` to a document (or a Settings) — e.g.
+    :class:`~scheduler.settings.Settings` to a document (or a Settings) — e.g.
     ``lambda s: s.replace(params={"gamma": 8})``. Per replica: GET the current document and version,
     build and validate the new one, PUT it with ``If-Match`` and the bearer token from the replica's
     ``token_env``, then read ``/state`` until the replica runs the new version (at most ``wait_s``).

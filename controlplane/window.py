@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from controlplane.metrics import distribution_stats
+from scheduler.metrics import distribution_stats
 from storage.limits import MAX_GROUPS_PER_WINDOW, OTHER_GROUP
 from storage.rows import LATENCIES, PERCENTILES, CompletionRow, LatencyPercentiles
 
@@ -148,7 +148,7 @@ def governance_columns(windows: Sequence["_Window"]) -> tuple[np.ndarray, np.nda
 
 
 def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> LatencyPercentiles:
-    """Exact P50/P90/P95/P99 (controlplane.metrics.distribution_stats) as a LatencyPercentiles."""
+    """Exact P50/P90/P95/P99 (scheduler.metrics.distribution_stats) as a LatencyPercentiles."""
     out = LatencyPercentiles()
     for lat, values in zip(LATENCIES, (ttft, ttlt, tbt)):
         if values.size == 0:

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from controlplane.metrics import Completion, summarize
-from controlplane.policies import Policy, RequestState, make_policy
-from controlplane.policies.base import INF, arrival_order
-from controlplane.policies.preemption import plan_preemptions
-from controlplane.policies.queue import WaitingQueue
-from controlplane.settings import Settings
+from scheduler.metrics import Completion, summarize
+from scheduler.policies import Policy, RequestState, make_policy
+from scheduler.policies.base import INF, arrival_order
+from scheduler.policies.preemption import plan_preemptions
+from scheduler.policies.queue import WaitingQueue
+from scheduler.settings import Settings
 from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
 from sim.traces import Trace, TraceRequest
 

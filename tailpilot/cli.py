@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import click
 
-from controlplane.settings import POLICY_NAMES, EngineSettings, Settings, describe_error, settings_from_cli
+from scheduler.settings import POLICY_NAMES, EngineSettings, Settings, describe_error, settings_from_cli
 from tailpilot.cli_common import (
     GPU_BLOCKS,
     POSITIVE,
@@ -317,7 +317,7 @@ def sim(policy, assignments, pins, as_json, autopilot, settings_file, trace_path
         return
     from rich.table import Table
 
-    from controlplane.metrics import METRICS
+    from scheduler.metrics import METRICS
 
     table = Table(title=f"{policy} on {trace.name} ({len(trace)} requests)")
     table.add_column("metric")
@@ -367,7 +367,7 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_
             **engine):
     """Run several policies on one trace; print each one's metrics and % change vs the baseline
     (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
-    from controlplane.metrics import percent_change
+    from scheduler.metrics import percent_change
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for n in names:
@@ -565,8 +565,8 @@ def _fmt(v: float) -> str:
               help="Write the schema here instead of printing it.")
 def schema(out):
     """The JSON Schema of every control-API document (state, completion, steps, settings, error):
-    what the plugin and the twins send and the collector reads (controlplane/contract.py)."""
-    from controlplane.contract import json_schema
+    what the plugin and the twins send and the collector reads (scheduler/contract.py)."""
+    from scheduler.contract import json_schema
 
     text = json_text(json_schema(), sort_keys=True, ensure_ascii=False) + "\n"
     if out:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+from scheduler.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 from tailpilot.cli_common import (
     POSITIVE,
     TRACE_PARSE_ERRORS,
@@ -264,7 +264,7 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
     """Each target's prediction (printed unless --json); {} when none could be made."""
     import httpx
 
-    from controlplane.contract import SettingsAnswer, read
+    from scheduler.contract import SettingsAnswer, read
     from controlplane.replica_http import control_base
     from storage.strict_json import finite
     from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts

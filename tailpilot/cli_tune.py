@@ -39,7 +39,7 @@ from tailpilot.cli_common import (
     FiniteFloatRange,
     echo_json,
 )
-from controlplane.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+from scheduler.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
 _SPEC_FLAGS: dict[str, tuple[str, str]] = {

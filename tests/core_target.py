@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.plugin.core import ReplicaCore
+from scheduler.plugin.core import ReplicaCore
 
 IDLE_KV = {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}
 

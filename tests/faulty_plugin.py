@@ -8,8 +8,8 @@ it weighs a request of tenant ``boom``. Everything else is the real plugin.
 
 from __future__ import annotations
 
-from controlplane.plugin.vllm import TailpilotScheduler
-from controlplane.policies.boost import UniBoost
+from scheduler.plugin.vllm import TailpilotScheduler
+from scheduler.policies.boost import UniBoost
 
 FAULTY_TENANT = "boom"
 _work_tokens = UniBoost.work_tokens

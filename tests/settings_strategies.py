@@ -1,6 +1,6 @@
 """Hypothesis strategies over the whole settings schema, extremes included.
 
-Derived from the pydantic models themselves (``controlplane.settings.PARAM_MODELS`` and
+Derived from the pydantic models themselves (``scheduler.settings.PARAM_MODELS`` and
 ``EngineSettings``), so a parameter added later is covered without touching the tests: every
 numeric field draws its declared bounds, values just inside them and ordinary values; a field
 without an upper bound draws huge numbers (what an attacker would send). Documents may be
@@ -19,7 +19,7 @@ import annotated_types
 from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
 
-from controlplane.settings import PARAM_MODELS, EngineSettings, QuantileSlo, TenantSlo
+from scheduler.settings import PARAM_MODELS, EngineSettings, QuantileSlo, TenantSlo
 
 HUGE_INTS = [2**63, 2**64 + 1, 10**30, 10**400]
 HUGE_FLOATS = [1e300, 1.7976931348623157e308]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from controlplane.policies import RequestState, make_policy
-from controlplane.settings import Settings
+from scheduler.policies import RequestState, make_policy
+from scheduler.settings import Settings
 
 
 def _uniboost(**params):

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim import traces
 from tuner.autopilot import AutopilotConfig, Observation, candidates, log_grid, replay_with_autopilot
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from storage.store import Store
 
 TOKEN = "autopilot-token"

@@ -39,7 +39,7 @@ def test_the_tuned_configuration_is_what_its_figures_say(trace):
     """The figures reported for the best trial are those of replaying its configuration again."""
     from tuner.autopilot_tune import references, score, tune_autopilot
     from sim.engine import EngineConfig
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
 
     result = tune_autopilot([trace], trials=2, seed=1, start=START)
     engine = EngineConfig()

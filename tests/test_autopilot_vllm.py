@@ -38,7 +38,7 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
     server = VllmServer(
         tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(32 * 1024), max_model_len=2048, workdir=tmp_path / "vllm",
         startup_timeout=600.0,  # a loaded 2-core machine starts vLLM slowly
-        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "8",
+        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "8",
                     "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"],
         extra_env={"TAILPILOT_SETTINGS_FILE": str(tmp_path / "settings.json"), "TAILPILOT_API_PORT": str(api_port),
                    "TAILPILOT_REPLICA": "cpu-0", "TAILPILOT_TOKEN": TOKEN})

@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
 from benchmarks import autopilot as bench  # noqa: E402
 from benchmarks import autopilot_workloads as wl  # noqa: E402
 from benchmarks.seed_claims import capacity  # noqa: E402
-from controlplane.metrics import Completion  # noqa: E402
+from scheduler.metrics import Completion  # noqa: E402
 from sim import traces  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"

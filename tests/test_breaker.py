@@ -11,17 +11,17 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from controlplane import contract
-from controlplane.policies.basic import Vtc
-from controlplane.policies.boost import UniBoost
-from controlplane.settings import Settings
+from scheduler import contract
+from scheduler.policies.basic import Vtc
+from scheduler.policies.boost import UniBoost
+from scheduler.settings import Settings
 from tuner.twin import ManualClock, TwinReplica
 
 pytest.importorskip("vllm")
 
 from plugin_harness import Driver, make_request, make_scheduler  # noqa: E402
 
-from controlplane.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
+from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
 
 TOKEN = "breaker-token"
 UNIBOOST = {"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False, "memguard": False,

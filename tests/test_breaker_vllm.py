@@ -11,7 +11,7 @@ import httpx
 import pytest
 from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
 
-from controlplane import contract
+from scheduler import contract
 
 pytestmark = pytest.mark.slow
 

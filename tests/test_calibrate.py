@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from core_target import CoreTarget  # tests/core_target.py
 
 from tailpilot.cli_export import calibrate
-from controlplane.plugin.api import ControlServer
-from controlplane.plugin.core import ReplicaCore
-from controlplane.settings import Settings
+from scheduler.plugin.api import ControlServer
+from scheduler.plugin.core import ReplicaCore
+from scheduler.settings import Settings
 from tuner.calibrate import (
     IDENTIFIED_REL_SE,
     CalibrationError,
@@ -403,7 +403,7 @@ def test_calibrate_on_a_real_vllm_replica_reports_its_error(tiny_model_dir, tmp_
     api_port = free_port()
     server = VllmServer(
         tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=2048, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "32",
+        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "32",
                     "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"],
         extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
                    "TAILPILOT_REPLICA": "cpu-0"})

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from controlplane.settings import Settings, SloFqParams
+from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig
 from sim.noisy import capacity as measured_capacity
 from sim.noisy import noisy_neighbour

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from tailpilot.cli import main
-from controlplane.settings import Settings, settings_from_cli
+from scheduler.settings import Settings, settings_from_cli
 
 
 # --- settings -----------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def test_a_plain_document_keeps_the_replicas_engine(tmp_path, monkeypatch):
 
     from controlplane.cluster import load_cluster_file
     from controlplane.collector import apply_settings
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     start = Settings.model_validate({"policy": "sarathi", "engine": {"max_num_seqs": 64}})

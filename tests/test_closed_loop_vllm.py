@@ -36,7 +36,7 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
     api_port = free_port()
     server = VllmServer(
         tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=2048, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
+        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
                     "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"],
         extra_env={"TAILPILOT_SETTINGS_FILE": str(tmp_path / "settings.json"), "TAILPILOT_API_PORT": str(api_port),
                    "TAILPILOT_REPLICA": "cpu-0", "TAILPILOT_TOKEN": TOKEN})

@@ -22,7 +22,7 @@ from controlplane.collector import (
     parse_vllm_metrics,
 )
 from controlplane.replica_http import StateAnswer, completion_row
-from controlplane.metrics import Completion, summarize, summarize_by
+from scheduler.metrics import Completion, summarize, summarize_by
 from storage.rows import PERCENTILE_FIELDS
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_malformed_metrics_text_names_the_line(bad, words):
 
 
 # --------------------------------------------------------------------------------------------
-# The window: exact percentiles equal controlplane.metrics on the same completions
+# The window: exact percentiles equal scheduler.metrics on the same completions
 # --------------------------------------------------------------------------------------------
 
 
@@ -829,10 +829,10 @@ def test_metrics_every_n_polls_still_catches_bad_metrics(twins, proxy):
 
 from core_target import CoreTarget  # noqa: E402  (tests/core_target.py)
 
-from controlplane.plugin.api import ControlServer  # noqa: E402
-from controlplane.plugin.core import COMPLETION_KEYS, ReplicaCore  # noqa: E402
-from controlplane.policies import RequestState  # noqa: E402
-from controlplane.settings import Settings  # noqa: E402
+from scheduler.plugin.api import ControlServer  # noqa: E402
+from scheduler.plugin.core import COMPLETION_KEYS, ReplicaCore  # noqa: E402
+from scheduler.policies import RequestState  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
 
 
 def test_completion_row_reads_max_tokens_and_tolerates_its_absence():

@@ -11,12 +11,12 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from controlplane import contract
+from scheduler import contract
 from tailpilot.cli import main
 from controlplane.collector import StateFormatError
 from controlplane.replica_http import completion_row, read_state
-from controlplane.plugin.api import PREFIX
-from controlplane.settings import Settings
+from scheduler.plugin.api import PREFIX
+from scheduler.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_the_plugin_sends_what_the_contract_says():
     pytest.importorskip("vllm")
     from plugin_harness import Driver, make_request, make_scheduler, minimal_model_dir
 
-    from controlplane.plugin.vllm import TailpilotScheduler
+    from scheduler.plugin.vllm import TailpilotScheduler
 
     s = make_scheduler(TailpilotScheduler, model_dir=minimal_model_dir(), num_blocks=64, max_num_seqs=4,
                        max_num_batched_tokens=256, settings={"policy": "uniboost"})

@@ -19,10 +19,10 @@ from collections import Counter
 import pytest
 from core_target import CoreTarget  # tests/core_target.py
 
-from controlplane.plugin.api import PREFIX, ControlServer, Limits
-from controlplane.plugin.core import ReplicaCore
-from controlplane.policies import RequestState
-from controlplane.settings import Settings
+from scheduler.plugin.api import PREFIX, ControlServer, Limits
+from scheduler.plugin.core import ReplicaCore
+from scheduler.policies import RequestState
+from scheduler.settings import Settings
 
 TOKEN = "admission-token"
 WAIT_S = 30.0  # a generous bound on every wait for an event

@@ -6,10 +6,10 @@ import httpx
 import pytest
 from core_target import CoreTarget  # tests/core_target.py
 
-from controlplane.plugin.api import ControlServer
-from controlplane.plugin.core import ReplicaCore
-from controlplane.policies import RequestState
-from controlplane.settings import Settings
+from scheduler.plugin.api import ControlServer
+from scheduler.plugin.core import ReplicaCore
+from scheduler.policies import RequestState
+from scheduler.settings import Settings
 
 TOKEN = "t0ken"
 

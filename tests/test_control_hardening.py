@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import ReplicaView, _json, _Resp, apply_settings, make_client
 from controlplane.replica_http import fetch_state
-from controlplane.plugin.api import PREFIX, ControlServer, Limits, token_from_env
-from controlplane.plugin.core import PAGE_LIMIT, ReplicaCore
-from controlplane.policies import RequestState
-from controlplane.settings import Settings
+from scheduler.plugin.api import PREFIX, ControlServer, Limits, token_from_env
+from scheduler.plugin.core import PAGE_LIMIT, ReplicaCore
+from scheduler.policies import RequestState
+from scheduler.settings import Settings
 
 TOKEN = "s3cret"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"

@@ -1,4 +1,4 @@
-"""The waiting queue's grouped layouts (controlplane.policies.queue) yield exactly the policy's order.
+"""The waiting queue's grouped layouts (scheduler.policies.queue) yield exactly the policy's order.
 
 * Driven directly: random arrivals, admissions of the head, preemptions back into the queue (with
   more work attained), aborts, γ / β changes and predictor refits (new epochs), sjf starvation
@@ -22,14 +22,14 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from controlplane.policies import POLICY_CLASSES, RequestState, make_policy
-from controlplane.policies import queue as queue_mod
-from controlplane.policies.base import Policy, new_epoch
-from controlplane.policies.boost import UniBoost
-from controlplane.policies.predictors import HistoryPredictor
-from controlplane.policies.queue import WaitingQueue
-from controlplane.policies.size import Sjf, Srpt
-from controlplane.settings import Settings
+from scheduler.policies import POLICY_CLASSES, RequestState, make_policy
+from scheduler.policies import queue as queue_mod
+from scheduler.policies.base import Policy, new_epoch
+from scheduler.policies.boost import UniBoost
+from scheduler.policies.predictors import HistoryPredictor
+from scheduler.policies.queue import WaitingQueue
+from scheduler.policies.size import Sjf, Srpt
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, Simulator
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest

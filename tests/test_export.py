@@ -26,7 +26,7 @@ from controlplane.export import (
     settings_from_helm_values,
     verify,
 )
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 
 DOCS = {
     "uniboost-lpt": {"policy": "uniboost", "params": {"gamma": 8.0, "gamma_ada": False}, "pinned": ["gamma"],
@@ -53,7 +53,7 @@ def run(*args, **kw):
 # --- round trips per format ---------------------------------------------------------------------
 @pytest.mark.parametrize("key", DOCS)
 def test_settings_format_is_what_the_plugin_reads_at_startup(key, tmp_path, monkeypatch):
-    from controlplane.plugin.core import SETTINGS_FILE_ENV, load_startup_settings
+    from scheduler.plugin.core import SETTINGS_FILE_ENV, load_startup_settings
 
     settings = settings_of(key)
     text = render(settings, "settings", OPTIONS)
@@ -181,7 +181,7 @@ def test_helm_values_follow_the_chart_schema_and_carry_settings_and_flags(key):
 def test_helm_and_configmap_together_give_the_plugin_its_settings(tmp_path, monkeypatch):
     """Mount the ConfigMap's data where the helm values say, as the kubelet would, and start-up
     reads the exported settings."""
-    from controlplane.plugin.core import load_startup_settings
+    from scheduler.plugin.core import load_startup_settings
 
     settings = settings_of("uniboost-lpt")
     options = ExportOptions(name="tp-settings")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.governance import window_report
-from controlplane.metrics import Completion, fairness_summary
-from controlplane.settings import SloFqParams
+from scheduler.metrics import Completion, fairness_summary
+from scheduler.settings import SloFqParams
 
 
 def done(rid, tenant, arrival, ttft, ttlt, tokens=500, rtype="chat"):

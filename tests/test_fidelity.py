@@ -70,7 +70,7 @@ def record_all(twins, db, n: int, recording: str = "lab") -> None:
 def recorded_twin(tmp_path):
     """A twin that served the whole trace under uniboost (γ-Ada on), recorded; yields the db path,
     the twin (still answering) and the trace."""
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from sim.engine import EngineConfig
     from tuner.twin import ManualClock, start_twins
 
@@ -160,7 +160,7 @@ def test_figures_errors_and_decision_diff_on_known_rows():
 
 
 def test_a_settings_change_inside_the_span_is_replayed_from_when_it_was_seen():
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
 
     seen = [{"t_ms": 1000, "settings": {"policy": "fcfs"}}, {"t_ms": 5000, "settings": {"policy": "sarathi"}},
             {"t_ms": 9000, "settings": {"policy": "uniboost"}}]
@@ -171,7 +171,7 @@ def test_a_settings_change_inside_the_span_is_replayed_from_when_it_was_seen():
 
 
 def test_the_replay_switches_settings_at_the_given_time_without_losing_a_request():
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from tuner.fidelity import Replay
 
     trace = small_trace(200, 50.0)

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from controlplane.cluster import ClusterFileError, parse_cluster_file
 from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec, window_report
-from controlplane.metrics import Completion
-from controlplane.settings import SloFqParams
+from scheduler.metrics import Completion
+from scheduler.settings import SloFqParams
 from twin_support import governed_cluster
 
 GOV = {"tenants": {"a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from controlplane.governance import GovernanceSpec
 from controlplane.governor import MODES, Governor, governor_step
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from twin_support import poll_all, serve_all
 
 LOW = {"scr": 0.5, "jfi": 0.99, "type_fairness_min": 1.0}

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from controlplane.governance import GovernanceSpec, window_report
 from controlplane.governor import Governor, governor_step, modes, run_governor
-from controlplane.metrics import Completion
-from controlplane.settings import Settings, SloFqParams
+from scheduler.metrics import Completion
+from scheduler.settings import Settings, SloFqParams
 from twin_support import poll_all
 
 TENANTS = {"big": {"commit_tok_s": 400, "ttft": {"p99": 2.0}}, "s1": {"commit_tok_s": 100, "ttft": {"p99": 2.0}},

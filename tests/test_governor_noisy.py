@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim import traces as tr
 
 QUIET = ("q1", "q2", "q3")

@@ -1,9 +1,11 @@
 """The import contract: which layers may import which (every import, lazy ones included).
 
-- the policy library imports no vLLM, plugin, simulator/tuner, storage, collector or TUI — it
-  serves the simulator and the plugin alike;
-- storage imports nothing of the project — everything above may use it;
-- the plugin (inside vLLM's process) imports no storage, collector, TUI or tuner.
+- ``scheduler`` (what runs inside vLLM, and the library the simulator shares with it) imports
+  nothing of the operator side (``controlplane``, ``storage``, ``tuner``, ``tui``), the simulator
+  or the CLI; its policy library imports no vLLM and no plugin;
+- the simulator (``sim``) imports the scheduler library only — nothing of ``controlplane``;
+- ``storage`` imports nothing of the project — everything above may use it;
+- nothing imports the CLI (the ``tailpilot`` package) but its entry points.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("controlplane", "storage", "tuner", "tui", "sim")  # the library; tailpilot/ (the CLI) sits on top
+# The library; tailpilot/ (the CLI) sits on top.
+PROJECT = ("scheduler", "controlplane", "storage", "tuner", "tui", "sim")
+OPERATOR = ("controlplane", "storage", "tuner", "tui", "tailpilot")
 
 RULES = {
-    "controlplane/policies": ("vllm", "controlplane.plugin", "controlplane.collector", "tailpilot.cli",
-                              "tuner", "sim", "storage", "tui"),
-    # The simulator: the policy library and the settings below it, nothing of the operator side.
-    "sim": ("vllm", "controlplane.plugin", "controlplane.collector", "tailpilot.cli", "tuner", "storage", "tui"),
+    "scheduler": (*OPERATOR, "sim"),
+    "scheduler/policies": (*OPERATOR, "sim", "vllm", "scheduler.plugin"),
+    "sim": (*OPERATOR, "vllm", "scheduler.plugin"),
     "storage": PROJECT,
-    "controlplane/plugin": ("storage", "controlplane.collector", "controlplane.recorder", "tailpilot.cli",
-                            "tui", "tuner", "sim"),
 }
 
 
@@ -84,16 +85,17 @@ def test_the_plugin_needs_only_the_base_install():
     code = (
         "import sys, json\n"
         "before = set(sys.modules)\n"
-        "import controlplane.plugin.api, controlplane.plugin.core, controlplane.plugin.env\n"
-        "import controlplane.policies.preemption, controlplane.policies.predictors\n"
+        "import scheduler.plugin.api, scheduler.plugin.core, scheduler.plugin.env\n"
+        "import scheduler.policies.preemption, scheduler.policies.predictors\n"
         "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
         "print(json.dumps(sorted(m for m in new if m not in sys.stdlib_module_names)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     loaded = set(json.loads(out.stdout))
-    base = {"controlplane", "numpy", "scipy", "pydantic", "pydantic_core", "annotated_types",
+    base = {"scheduler", "numpy", "scipy", "pydantic", "pydantic_core", "annotated_types",
             "typing_extensions", "typing_inspection"}
     operator = {"click", "rich", "sqlalchemy", "alembic", "psycopg", "httpx", "aiohttp", "prometheus_client",
-                "yaml", "textual", "textual_plotext", "optuna", "storage", "tuner", "tui"}
+                "yaml", "textual", "textual_plotext", "optuna", "controlplane", "storage", "tuner", "tui",
+                "sim"}
     assert not loaded & operator, sorted(loaded & operator)
     extra = {m for m in loaded - base if not m.startswith("_") and m != "cython_runtime"}
     assert extra <= {"charset_normalizer"}, sorted(extra)  # numpy/scipy's optional helpers aside

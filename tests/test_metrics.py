@@ -1,4 +1,4 @@
-"""Tests for controlplane.metrics (docs/engine.md#metrics).
+"""Tests for scheduler.metrics (docs/engine.md#metrics).
 
 Expected values are computed by hand or with numpy directly from the raw fields, never with
 the module's own derived columns.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.metrics import (
+from scheduler.metrics import (
     LATENCY_BASES,
     METRIC_ALIASES,
     METRICS,

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from tailpilot.cli import main
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"

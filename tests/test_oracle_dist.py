@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from controlplane.policies import RequestState, make_policy
-from controlplane.policies.predictors import SIGMA_FLOOR, OraclePredictor
-from controlplane.policies.tie_math import tie_moments
-from controlplane.settings import Settings
+from scheduler.policies import RequestState, make_policy
+from scheduler.policies.predictors import SIGMA_FLOOR, OraclePredictor
+from scheduler.policies.tie_math import tie_moments
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
@@ -117,7 +117,7 @@ def test_predictions_depend_on_seed_and_id_only_not_call_order():
 def test_predictions_are_the_same_in_another_process():
     code = (
         "import json; from types import SimpleNamespace as N\n"
-        "from controlplane.policies.predictors import OraclePredictor\n"
+        "from scheduler.policies.predictors import OraclePredictor\n"
         "p = OraclePredictor(sigma_noise=0.8, sigma_spread=0.6, seed=4)\n"
         "print(json.dumps([p.predict_dist(N(id=f'x{i}', output_tokens=100 + i, max_tokens=10**6))"
         " for i in range(20)]))\n"

@@ -14,7 +14,7 @@ from vllm_support import CompletionRequest, VllmServer, fetch_metrics, free_port
 pytestmark = pytest.mark.slow
 
 TOKEN = "test-token-not-a-secret"
-PLUGIN = "controlplane.plugin.vllm.TailpilotScheduler"
+PLUGIN = "scheduler.plugin.vllm.TailpilotScheduler"
 
 
 def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs: int, name: str,

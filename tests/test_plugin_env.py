@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.plugin.api import token_from_env
-from controlplane.plugin.core import load_startup_settings
-from controlplane.plugin.env import DEFAULT_PORT, PluginEnv, PluginEnvError
+from scheduler.plugin.api import token_from_env
+from scheduler.plugin.core import load_startup_settings
+from scheduler.plugin.env import DEFAULT_PORT, PluginEnv, PluginEnvError
 
 
 def test_unset_is_the_defaults():

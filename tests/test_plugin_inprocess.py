@@ -20,7 +20,7 @@ from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from controlplane.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
+from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
 
 FCFS = {"policy": "fcfs"}
 # γ small: ordering by size dominates arrival (b_γ of 10 vs 1000 tokens differ by ~4600 s).
@@ -655,7 +655,7 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
     """Every waiting request of an empty-bucket tenant is held: vLLM sees an empty queue for
     admission (no peek on a held request), keeps stepping the running ones, and admits the held
     ones once the bucket has tokens again — none lost, every token count exact."""
-    from controlplane.policies.slo import Bucket
+    from scheduler.policies.slo import Bucket
 
     clock = Clock()
     s = build(cls, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=256,

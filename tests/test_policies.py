@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from controlplane.policies import RequestState, make_policy
-from controlplane.policies.base import next_threshold, quantize
-from controlplane.policies.predictors import OraclePredictor
-from controlplane.settings import Settings
+from scheduler.policies import RequestState, make_policy
+from scheduler.policies.base import next_threshold, quantize
+from scheduler.policies.predictors import OraclePredictor
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
@@ -268,7 +268,7 @@ def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
 
 
 def test_tie_without_prediction_scores_max_tokens():
-    from controlplane.policies.predictors import HistoryPredictor
+    from scheduler.policies.predictors import HistoryPredictor
 
     p = make_policy(settings("tie"), HistoryPredictor())
     r = RequestState(id="a", arrival=0.0, prompt_tokens=5, max_tokens=321)
@@ -360,7 +360,7 @@ def test_waiting_queue_refiles_several_promotions_into_policy_order():
     """Two requests promoted in one step: each must land by the others' *filed* keys. Re-filing
     them one at a time while the other still sits at its old place under its new key put E
     after B here (a LAS replay hit it 47 times)."""
-    from controlplane.policies.queue import WaitingQueue
+    from scheduler.policies.queue import WaitingQueue
 
     class Promoting:  # the queue's view of a policy: keys, an epoch, and who moved
         reorders_waiting = True

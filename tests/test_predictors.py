@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from controlplane.policies.predictors import (
+from scheduler.policies.predictors import (
     SIGMA_FLOOR,
     HistoryPredictor,
     LengthPredictor,

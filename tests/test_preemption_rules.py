@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from controlplane.policies import RequestState, make_policy
-from controlplane.settings import Settings
+from scheduler.policies import RequestState, make_policy
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest

@@ -85,7 +85,7 @@ def test_requests_start_where_the_engine_core_got_them_and_the_hop_is_added_back
     from dataclasses import replace
 
     from sim.engine import EngineConfig, simulate
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from tuner.recorded import rows_to_trace, with_front_end
 
     rows = [replace(row("a", "r1", 100.0), received_s=100.3), replace(row("a", "r2", 100.5), received_s=100.5),

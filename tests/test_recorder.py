@@ -197,7 +197,7 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     token = "real-vllm-token"
     server = VllmServer(
         tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(2048), max_model_len=1024, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "controlplane.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
+        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
                     "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"],
         extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
                    "TAILPILOT_TOKEN": token, "TAILPILOT_REPLICA": "cpu-0"})

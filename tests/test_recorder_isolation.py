@@ -457,9 +457,9 @@ def test_a_real_replica_cores_breaker_trip_is_audited_and_shown(tmp_path):
     recorder writes one audit row and the page shows the counter."""
     from core_target import CoreTarget
 
-    from controlplane.plugin.api import ControlServer
-    from controlplane.plugin.core import ReplicaCore
-    from controlplane.settings import Settings
+    from scheduler.plugin.api import ControlServer
+    from scheduler.plugin.core import ReplicaCore
+    from scheduler.settings import Settings
 
     core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
     core.step_succeeded()  # version 1 ran a step: the breaker's fallback

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from settings_strategies import documents
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, Simulator
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
@@ -66,7 +66,7 @@ def plugin_classes():
     pytest.importorskip("vllm")
     from plugin_harness import Driver, make_request, make_scheduler
 
-    from controlplane.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
+    from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
     return Driver, make_request, make_scheduler, TailpilotScheduler, TailpilotAsyncScheduler
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from controlplane.validation import describe_validation, field_path
+from scheduler.validation import describe_validation, field_path
 from controlplane.views import fmt_figure
 from storage.backoff import backoff_delays
 
@@ -44,3 +44,14 @@ def test_a_field_error_names_the_path():
         Outer.model_validate({"items": [{"port": 1}, {"port": "x"}]})
     assert describe_validation(err.value).startswith("items[1].port: Input should be a valid integer")
     assert field_path(()) == "document" and field_path((), "file") == "file"
+
+
+def test_finite_or_none_keeps_finite_reals_only():
+    import numpy as np
+
+    from scheduler.validation import finite_or_none
+
+    assert finite_or_none(2) == 2.0 and isinstance(finite_or_none(2), float)
+    assert finite_or_none(np.float64(2.5)) == 2.5 and finite_or_none(np.int64(3)) == 3.0
+    for bad in (None, float("nan"), float("inf"), -np.inf, True, np.bool_(False), "3", [1.0]):
+        assert finite_or_none(bad) is None, bad

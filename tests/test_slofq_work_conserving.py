@@ -12,9 +12,9 @@ import pytest
 
 from benchmarks.noisy_neighbour import HEAVY_QUIET, heavy_tenant
 from controlplane.governance import window_report
-from controlplane.policies import RequestState, make_policy
-from controlplane.policies.slo import Bucket
-from controlplane.settings import Settings, SloFqParams
+from scheduler.policies import RequestState, make_policy
+from scheduler.policies.slo import Bucket
+from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig, Simulator
 from sim.noisy import capacity
 
@@ -179,7 +179,7 @@ def test_heavy_tenant_scenario_throughput_and_the_quiet_tail(heavy):
     assert report["tenants"]["heavy"]["tok_s"] >= 0.97 * fcfs_report["tenants"]["heavy"]["tok_s"]
 
 
-# --- the controller's latency reads (controlplane/policies/slo_latency.py) ----------------------
+# --- the controller's latency reads (scheduler/policies/slo_latency.py) ----------------------
 
 def test_quantiles_of_window_and_waiting_ages_are_numpys_bit_for_bit():
     """The control tick reads the TTFT quantiles of the window and the waiting requests' ages
@@ -189,7 +189,7 @@ def test_quantiles_of_window_and_waiting_ages_are_numpys_bit_for_bit():
 
     import numpy as np
 
-    from controlplane.policies.slo_latency import Latencies, linear_percentile
+    from scheduler.policies.slo_latency import Latencies, linear_percentile
 
     rng = random.Random(23)
     for case in range(400):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, special
 
-from controlplane.policies.tie_math import (
+from scheduler.policies.tie_math import (
     adaptive_beta,
     tie_moments,
     tie_moments_many,

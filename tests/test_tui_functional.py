@@ -19,7 +19,7 @@ import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.collector import make_client
-from controlplane.settings import GAMMA_DEFAULT, Settings
+from scheduler.settings import GAMMA_DEFAULT, Settings
 from controlplane.views import fmt_figure, fmt_number, fmt_seconds
 from storage.store import Store
 from tui import keys as K

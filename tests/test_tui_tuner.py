@@ -24,7 +24,7 @@ from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the t
 from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
 from controlplane.collector import apply_settings
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from storage.store import Store
 from tui import tuner_render as TR
 from tui.main import build_app

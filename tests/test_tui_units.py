@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from rich.text import Text
 
-from controlplane.metrics import jain_index, slo_compliance_ratio
-from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings
+from scheduler.metrics import jain_index, slo_compliance_ratio
+from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings
 from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
 from storage.store import Store
 from tui import keys as K

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 from tailpilot.cli_tune import COMMANDS
-from controlplane.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
+from scheduler.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
 from tuner import study as st
 from tuner.recommend import paired_improvement, recommend
 from tuner.search import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from tuner import study as st
 from sim import traces as tr
 from tuner.continuous import continuous_metrics, engine_losses, losses, validate

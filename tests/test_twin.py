@@ -18,9 +18,9 @@ import yaml
 from core_target import CoreTarget  # tests/core_target.py
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.plugin.api import ControlServer
-from controlplane.plugin.core import COMPLETION_KEYS, ReplicaCore
-from controlplane.settings import Settings
+from scheduler.plugin.api import ControlServer
+from scheduler.plugin.core import COMPLETION_KEYS, ReplicaCore
+from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from sim.traces import Trace, TraceRequest
 from tuner.twin import LAP_SEP, ManualClock, TwinReplica, start_twins

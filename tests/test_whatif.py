@@ -12,7 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from storage.store import Store
 
 TOKEN = "whatif-token"

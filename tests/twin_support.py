@@ -40,7 +40,7 @@ def governed_cluster(tmp_path, token: str = "gov-token"):
     targets) and a governed cluster file naming it: yields (path, twin, trace)."""
     import yaml
 
-    from controlplane.settings import Settings
+    from scheduler.settings import Settings
     from sim.engine import EngineConfig
     from sim.noisy import noisy_neighbour
     from tuner.twin import ManualClock, start_twins

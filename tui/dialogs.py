@@ -19,7 +19,7 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option
 
-from controlplane.settings import POLICY_NAMES
+from scheduler.settings import POLICY_NAMES
 from tui import autopilot_render as AR
 from tui import keys as K
 from tui import render as R

@@ -1,9 +1,9 @@
 """Settings edits the operator stages in the TUI, validated by the one settings model.
 
 Nothing here validates on its own: every candidate document goes through
-:class:`controlplane.settings.Settings` (``model_validate``) and every error message comes from
-:func:`controlplane.settings.describe_error`. Input text is read with the CLI's
-:func:`controlplane.settings.parse_assignment` (``8`` → 8, ``on`` → True, JSON otherwise).
+:class:`scheduler.settings.Settings` (``model_validate``) and every error message comes from
+:func:`scheduler.settings.describe_error`. Input text is read with the CLI's
+:func:`scheduler.settings.parse_assignment` (``8`` → 8, ``on`` → True, JSON otherwise).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import ValidationError
 
-from controlplane.settings import (
+from scheduler.settings import (
     ADAPTIVE_PARAMS,
     PARAM_MODELS,
     Settings,
@@ -175,7 +175,7 @@ def _bounds(info: Any) -> str:
 
 
 def policy_fields(policy: str) -> list[FieldSpec]:
-    """Every parameter of ``policy`` from :data:`controlplane.settings.PARAM_MODELS`, in order."""
+    """Every parameter of ``policy`` from :data:`scheduler.settings.PARAM_MODELS`, in order."""
     model = PARAM_MODELS[policy]
     adaptive = set(ADAPTIVE_PARAMS.get(policy, ()))
     out = []

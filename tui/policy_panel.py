@@ -19,7 +19,7 @@ from textual.widgets import (
     Static,
 )
 
-from controlplane.settings import POLICY_NAMES
+from scheduler.settings import POLICY_NAMES
 from tui import keys as K
 from tui import render as R
 from tui.edits import (
@@ -234,7 +234,7 @@ class PolicyPanel(Vertical):
 
     def revalidate(self) -> None:
         """Run the edit through the settings model; mark the fields it names."""
-        from controlplane.settings import Settings
+        from scheduler.settings import Settings
 
         if not self.fields and self.form_policy is None:
             return

@@ -1,6 +1,6 @@
 """Panels as pure functions: snapshots and histories in, cells, rich renderables and plot series
 out. No widgets, no I/O — testable without a running app. Reuses controlplane.views' formatters
-and controlplane.metrics' fairness helpers.
+and scheduler.metrics' fairness helpers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.text import Text
 
 from controlplane.collector import ClusterSnapshot, ReplicaSnapshot
 from controlplane.governor import modes_text
-from controlplane.metrics import slo_compliance
+from scheduler.metrics import slo_compliance
 from controlplane.views import (
     ALERT_LABELS,
     alert_text,

@@ -299,7 +299,7 @@ class LiveSource:
         replica's last ``minutes`` of recorded traffic (tuner.whatif), or why there is none."""
         if self.store is None:
             return {p["replica"]: "no --db: no recorded traffic to predict on" for p in plans if p.get("new")}
-        from controlplane.settings import Settings
+        from scheduler.settings import Settings
         from storage.strict_json import finite
         from tuner.whatif import WhatIfError, predict
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence, TypeGuard
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from tuner import study as st
 
 

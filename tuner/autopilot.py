@@ -43,8 +43,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.metrics import Completion
-from controlplane.settings import Settings
+from scheduler.metrics import Completion
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, SimResult, Simulator
 from sim.traces import Trace, TraceRequest
 

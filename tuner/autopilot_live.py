@@ -48,9 +48,9 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.governor import modes
-from controlplane.metrics import Completion
+from scheduler.metrics import Completion
 from controlplane.replica_http import HttpFailure, StateFormatError, fetch_inflight, make_client
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from controlplane.steering import apply_settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow

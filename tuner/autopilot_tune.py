@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from controlplane.metrics import summarize
-from controlplane.settings import Settings
+from scheduler.metrics import summarize
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.traces import Trace
 from tuner.autopilot import AutopilotConfig, replay_with_autopilot

@@ -212,7 +212,7 @@ def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) 
     replica does not report are left out). Raises :class:`ReplicaUnreachable`."""
     import httpx
 
-    from controlplane.contract import State, read
+    from scheduler.contract import State, read
     from controlplane.replica_http import MAX_STATE_BYTES
 
     url = steps_url(control_url).removesuffix("/steps") + "/state"

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from controlplane.governance import window_report
-from controlplane.settings import Settings, SloFqParams
+from scheduler.settings import Settings, SloFqParams
 from sim import traces as tr
 from sim.engine import EngineConfig, simulate
 

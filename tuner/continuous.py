@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim.engine import Simulator
 from tuner.study import TuneContext, completion_metrics
 

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from controlplane.metrics import Completion, summarize
-from controlplane.settings import Settings
+from scheduler.metrics import Completion, summarize
+from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import Simulator
 from tuner.recorded import DB_ENV, RecordedSpan, engine_arrival_s, load_recorded, store_lag_s, with_front_end
@@ -59,7 +59,7 @@ def relative_change(value: float | None, base: float | None) -> float | None:
 
 
 def summary_of(completions, span_s: float, keys: Sequence[str]) -> dict[str, float | None]:
-    """``keys`` of ``controlplane.metrics.summarize`` over ``span_s`` seconds (> 0), None where
+    """``keys`` of ``scheduler.metrics.summarize`` over ``span_s`` seconds (> 0), None where
     undefined (no request)."""
     s = summarize(completions, duration_s=span_s)
     return {k: s[k] if math.isfinite(s[k]) else None for k in keys}

@@ -10,7 +10,7 @@ loses, production is kept.
 
 Improvements are paired per window: for each window, the recommended settings and the production
 settings (trial 0) replay the same requests. The headline change is the geometric mean over
-windows of the per-window ratio (positive = better, as ``controlplane.metrics.percent_change``),
+windows of the per-window ratio (positive = better, as ``scheduler.metrics.percent_change``),
 with a t-interval (scipy.stats) over the windows' log ratios — the interval is over windows, the
 unit of noise; the change of the means is reported beside it (see :func:`paired_improvement`).
 Search windows are the ones the search selected on (optimistic); held-out windows were never run
@@ -24,8 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from controlplane.metrics import higher_is_better, percent_change
-from controlplane.settings import Settings
+from scheduler.metrics import higher_is_better, percent_change
+from scheduler.settings import Settings
 from storage.strict_json import finite
 from tuner.continuous import losses, validate
 from tuner.study import (

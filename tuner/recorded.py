@@ -195,7 +195,7 @@ def store_lag_s(store, cluster: str, replica: str, rows) -> float:
 
 def as_completion(row, t0: float):
     """A stored completion as the metrics module's Completion, times from ``t0``."""
-    from controlplane.metrics import Completion
+    from scheduler.metrics import Completion
 
     return Completion(id=row.request_id, tenant=row.tenant, type=row.type, arrival=row.arrival_s - t0,
                       scheduled_at=math.nan,

@@ -2,7 +2,7 @@
 
 Search space
 ------------
-Every range is derived from the one settings model (``controlplane.settings``): a parameter's
+Every range is derived from the one settings model (``scheduler.settings``): a parameter's
 bounds are its pydantic ``Field`` constraints (``gt/ge/lt/le``), and the searched span is a
 window *inside* those bounds around a centre — the production value when the production settings
 run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, docs/policies.md#uniboost):
@@ -39,8 +39,8 @@ from typing import Any, Literal, Mapping, Sequence
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
-from controlplane.metrics import METRICS, metric_direction, validate_metric
-from controlplane.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
+from scheduler.metrics import METRICS, metric_direction, validate_metric
+from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 # γ is searched over its whole useful range on a log scale, not around an estimate: the FCFS tail
@@ -49,7 +49,7 @@ SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 # mix, above 10 /s it is arrival order (benchmarks/autopilot.py).
 GAMMA_RANGE = (1e-4, 10.0)
 SIM_ONLY_PARAMS = frozenset({"predictor", "sigma_noise", "sigma_spread"})
-# Margins default to 0 and their upper bounds are safety limits (controlplane.settings: a margin of
+# Margins default to 0 and their upper bounds are safety limits (scheduler.settings: a margin of
 # 1e12 s means "never preempt"), not a scale to search on: searched only when --range gives one.
 UNSCALED_PARAMS = frozenset({"preempt_margin", "margin_tokens"})
 # Searched only when --range gives a range: γ-Ada's ada_scale moves the same γ that is already

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig
 from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
@@ -125,10 +125,10 @@ class StudySpec:
         try:
             self.production = Settings.model_validate(self.production).to_dict()
         except ValueError as err:
-            from controlplane.settings import describe_error
+            from scheduler.settings import describe_error
 
             raise TuneError(f"--production: {describe_error(err)}") from None
-        from controlplane.metrics import LATENCY_BASES
+        from scheduler.metrics import LATENCY_BASES
 
         self.slo = {k: float(v) for k, v in self.slo.items()}
         for family, seconds in self.slo.items():

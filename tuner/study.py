@@ -75,7 +75,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceError
 from tuner import recorded
@@ -237,7 +237,7 @@ def _canon(key: str, value: Any) -> Any:
     if key == "mix":
         return [(str(Path(p).resolve()), float(f)) for p, f in value]
     if key == "objectives":
-        from controlplane.metrics import validate_metric
+        from scheduler.metrics import validate_metric
 
         try:
             return [validate_metric(n) for n in value]
@@ -388,7 +388,7 @@ def _context(study, spec: StudySpec, log: Callable[[str], None], enqueue: bool =
 
 
 def _wants_gamma(spec: StudySpec) -> bool:
-    from controlplane.settings import PARAM_MODELS
+    from scheduler.settings import PARAM_MODELS
 
     return any("gamma" in PARAM_MODELS[p].model_fields for p in spec.policies)
 
@@ -821,7 +821,7 @@ def choose_recommendation(front: list, ctx: TuneContext) -> Any:
     than the production settings on any objective (every % improvement >= 0), the one with the
     largest mean improvement; if every member gives something up, the one whose worst
     improvement is least bad (max-min). Ties → the lower trial number. One trial: that trial."""
-    from controlplane.metrics import percent_change
+    from scheduler.metrics import percent_change
 
     if len(front) == 1:
         return front[0]

@@ -57,9 +57,9 @@ from typing import Any, Iterable, Iterator, Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from controlplane.plugin.api import TOKEN_ENV, ControlServer, Limits, token_from_env
-from controlplane.plugin.core import ReplicaCore
-from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.plugin.api import TOKEN_ENV, ControlServer, Limits, token_from_env
+from scheduler.plugin.core import ReplicaCore
+from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceRequest
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import simulate
 from tuner.fidelity import Replay, relative_change, summary_of

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from controlplane.metrics import fairness_summary, summarize
-from controlplane.settings import Settings
+from scheduler.metrics import fairness_summary, summarize
+from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
 from tuner import recorded
@@ -146,7 +146,7 @@ def window_metrics(settings: Settings, window: Window, config: EngineConfig, nam
 def completion_metrics(completions: Sequence[Any], names: Sequence[str],
                        slo: Mapping[str, float] | None = None, *, until: float | None = None) -> dict[str, float]:
     """The named metrics of ``completions`` (NaN when undefined). ``until``: the window's end, for
-    the fairness figures (``controlplane.metrics.fairness_summary``)."""
+    the fairness figures (``scheduler.metrics.fairness_summary``)."""
     summary = summarize(completions, slo=slo or None)
     if any(n in ("jain_index", "jain_index_seed") for n in names):
         summary.update(fairness_summary(completions, until=until))

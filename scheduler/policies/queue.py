@@ -43,7 +43,7 @@ from typing import Hashable, Iterable, Iterator
 
 import numpy as np
 
-from controlplane.policies.base import Policy, RequestState
+from scheduler.policies.base import Policy, RequestState
 
 _filed_key = attrgetter("queue_key")
 _arrival_id = attrgetter("arrival", "id")

@@ -27,7 +27,7 @@ from pydantic import (
     WrapValidator,
 )
 
-from controlplane.validation import describe_validation
+from scheduler.validation import describe_validation
 
 API_VERSION = 1
 # Characters of a breaker's last error a replica sends and a reader keeps (an exception's text may

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections import deque
 
-from controlplane.policies.base import INF, Policy, RequestState
+from scheduler.policies.base import INF, Policy, RequestState
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
 TOP_PRIORITY = -1e18

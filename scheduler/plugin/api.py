@@ -54,10 +54,10 @@ from urllib.parse import parse_qs, urlsplit
 import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
 from pydantic import ValidationError
 
-from controlplane.contract import INFLIGHT_LIMIT
-from controlplane.plugin.core import SettingsConflict
-from controlplane.plugin.env import DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
-from controlplane.settings import describe_error
+from scheduler.contract import INFLIGHT_LIMIT
+from scheduler.plugin.core import SettingsConflict
+from scheduler.plugin.env import DEFAULT_PORT, HOST_ENV, PORT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
+from scheduler.settings import describe_error
 
 PREFIX = "/tailpilot/v1"
 log = logging.getLogger("tailpilot.control")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from controlplane.policies.base import Policy, RequestState
+from scheduler.policies.base import Policy, RequestState
 
 
 def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],

@@ -1,7 +1,7 @@
 """tailpilot's scheduler classes for vLLM 0.32–0.33, chosen with ``--scheduler-cls``:
 
-    controlplane.plugin.vllm.TailpilotScheduler       CPU, or GPU without async scheduling
-    controlplane.plugin.vllm.TailpilotAsyncScheduler  GPU default (async scheduling on)
+    scheduler.plugin.vllm.TailpilotScheduler       CPU, or GPU without async scheduling
+    scheduler.plugin.vllm.TailpilotAsyncScheduler  GPU default (async scheduling on)
 
 Both subclass the stock scheduler and change only what docs/engine.md#scheduling-step lets a policy change, using the
 same policy library as the simulator:
@@ -24,11 +24,11 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from controlplane.plugin.api import ControlServer, token_from_env
-from controlplane.plugin.core import ReplicaCore, load_startup_settings
-from controlplane.plugin.env import PluginEnv
-from controlplane.policies import RequestState
-from controlplane.policies.preemption import plan_preemptions
+from scheduler.plugin.api import ControlServer, token_from_env
+from scheduler.plugin.core import ReplicaCore, load_startup_settings
+from scheduler.plugin.env import PluginEnv
+from scheduler.policies import RequestState
+from scheduler.policies.preemption import plan_preemptions
 
 log = logging.getLogger("tailpilot.plugin")
 REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)

@@ -5,6 +5,10 @@ Imports only pydantic: the plugin uses it inside vLLM's process.
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Any
+
 from pydantic import ValidationError
 
 
@@ -20,3 +24,13 @@ def describe_validation(err: ValidationError, root: str = "document", first_only
     """``path: message`` for each invalid field (or only the first), joined by "; "."""
     errors = err.errors()[:1] if first_only else err.errors()
     return "; ".join(f"{field_path(e['loc'], root)}: {e['msg'].replace('Value error, ', '')}" for e in errors)
+
+
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float when it is a finite real number, else None (None, NaN, ±inf, booleans,
+    strings and other non-numbers) — the one conversion every layer uses before a figure is shown,
+    stored or sent as JSON."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    as_float = float(value)
+    return as_float if math.isfinite(as_float) else None

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from controlplane.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
-from controlplane.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
-from controlplane.policies import Policy, RequestState, make_policy
-from controlplane.policies.predictors import HistoryPredictor
-from controlplane.policies.queue import WaitingQueue
-from controlplane.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
+from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
+from scheduler.policies import Policy, RequestState, make_policy
+from scheduler.policies.predictors import HistoryPredictor
+from scheduler.policies.queue import WaitingQueue
+from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 
 log = logging.getLogger("tailpilot.plugin")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator, Sequence
 
-from controlplane.policies.base import INF, Policy, RequestState, arrival_order
+from scheduler.policies.base import INF, Policy, RequestState, arrival_order
 
 
 class Fcfs(Policy):

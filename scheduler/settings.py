@@ -18,7 +18,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from controlplane.validation import describe_validation
+from scheduler.validation import describe_validation
 
 POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq")
 PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq"]

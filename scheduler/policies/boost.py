@@ -13,7 +13,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from controlplane.policies.base import (
+from scheduler.policies.base import (
     INF,
     Policy,
     RequestState,

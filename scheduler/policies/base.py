@@ -21,7 +21,7 @@ from typing import Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from controlplane.settings import Settings
+from scheduler.settings import Settings
 
 INF = math.inf
 _epochs = itertools.count()
@@ -74,7 +74,7 @@ class RequestState:
     score_until: int = 0
     score_value: float = 0.0
     key_value: tuple = ()  # (score_value, arrival, id), cached alongside
-    queue_key: tuple = ()  # the key the waiting queue filed it under (controlplane.policies.queue)
+    queue_key: tuple = ()  # the key the waiting queue filed it under (scheduler.policies.queue)
     queue_group: object = None  # grouped layouts: its group (None: not known under this policy)
     queue_prefix: bool = False  # grouped layouts: in the queue's materialized prefix
     # sjf in the simulator counts waiting steps lazily (Sjf.on_waiting_steps): while the request
@@ -237,7 +237,7 @@ class Policy:
         VTC re-picks the tenant after each admission."""
         return iter(waiting)
 
-    # --- how the waiting queue keeps this order (controlplane.policies.queue) ----------------
+    # --- how the waiting queue keeps this order (scheduler.policies.queue) ----------------
     def waiting_layout(self) -> str | None:
         """How the waiting queue keeps this policy's order when a new epoch re-keys it:
 
@@ -402,8 +402,8 @@ class Policy:
 
 # Policies whose waiting keys depend on a request only through its arrival and its prediction
 # (predictor fit and max_tokens), so that the waiting queue may group them (``wait_group``). sjf and
-# srpt refine the default group (starvation; tokens generated) in controlplane.policies.size; tie's
-# key (controlplane.policies.tie) is ``ln(E + β·CVaR) − (arrival − t_ref)·ln(decay)/τ`` with (E, CVaR)
+# srpt refine the default group (starvation; tokens generated) in scheduler.policies.size; tie's
+# key (scheduler.policies.tie) is ``ln(E + β·CVaR) − (arrival − t_ref)·ln(decay)/τ`` with (E, CVaR)
 # a function of the predicted distribution, max_tokens, alpha and nu.
 PREDICTION_KEYED = frozenset({"sjf", "srpt", "tie"})
 
@@ -414,7 +414,7 @@ def prediction_group_fn(predictor):
 
     The history predictor predicts from the finest fitted key of (tenant, type, prompt bucket),
     falling back to coarser keys of the same request: the finest key fixes the prediction."""
-    from controlplane.policies.predictors import HistoryPredictor
+    from scheduler.policies.predictors import HistoryPredictor
 
     if type(predictor) is HistoryPredictor:
         keys_for = HistoryPredictor.keys_for

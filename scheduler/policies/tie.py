@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from controlplane.policies.base import Policy, RequestState, new_epoch
-from controlplane.policies.tie_math import adaptive_beta, tie_moments
+from scheduler.policies.base import Policy, RequestState, new_epoch
+from scheduler.policies.tie_math import adaptive_beta, tie_moments
 
 # Requests that share a predictor key share (μ, σ) and mostly max_tokens: one quadrature each.
 _moments = lru_cache(maxsize=4096)(tie_moments)

@@ -35,12 +35,12 @@ from collections import defaultdict, deque
 from operator import attrgetter
 from typing import Iterator, Sequence
 
-from controlplane.policies.base import INF, Policy, RequestState, new_epoch
-from controlplane.policies.basic import TenantBacklog
-from controlplane.policies.queue import WaitingQueue
-from controlplane.policies.slo_latency import Latencies, TtftWindow
+from scheduler.policies.base import INF, Policy, RequestState, new_epoch
+from scheduler.policies.basic import TenantBacklog
+from scheduler.policies.queue import WaitingQueue
+from scheduler.policies.slo_latency import Latencies, TtftWindow
 from controlplane.governance import minimum_shares
-from controlplane.settings import QUANTILES
+from scheduler.settings import QUANTILES
 
 RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket
 _ARRIVAL, _PROMPT = attrgetter("arrival"), attrgetter("prompt_tokens")

@@ -1,4 +1,4 @@
-"""slofq's latency reads (controlplane/policies/slo.py): a tenant's TTFT window and the quantiles
+"""slofq's latency reads (scheduler/policies/slo.py): a tenant's TTFT window and the quantiles
 of that window together with the ages of its waiting requests, at every control tick.
 
 The quantiles are numpy's default ("linear") percentiles, bit for bit, without building and

@@ -3,13 +3,13 @@ vLLM plugin alike. No vLLM import anywhere in this package."""
 
 from __future__ import annotations
 
-from controlplane.policies.base import EngineView, Policy, RequestState, boost, quantize
-from controlplane.policies.basic import Fcfs, Sarathi, Vtc
-from controlplane.policies.boost import DistBoost, UniBoost
-from controlplane.policies.size import Las, Sjf, Srpt
-from controlplane.policies.slo import SloFq
-from controlplane.policies.tie import Tie
-from controlplane.settings import Settings
+from scheduler.policies.base import EngineView, Policy, RequestState, boost, quantize
+from scheduler.policies.basic import Fcfs, Sarathi, Vtc
+from scheduler.policies.boost import DistBoost, UniBoost
+from scheduler.policies.size import Las, Sjf, Srpt
+from scheduler.policies.slo import SloFq
+from scheduler.policies.tie import Tie
+from scheduler.settings import Settings
 
 POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (Fcfs, Sarathi, Sjf, Srpt, Las, DistBoost, UniBoost, Tie, Vtc, SloFq)
@@ -24,7 +24,7 @@ def make_policy(settings: Settings, predictor=None) -> Policy:
     """
     cls = POLICY_CLASSES[settings.policy]
     if predictor is None and hasattr(settings.params, "predictor"):
-        from controlplane.policies.predictors import make_predictor
+        from scheduler.policies.predictors import make_predictor
 
         p = settings.params
         kwargs = {}

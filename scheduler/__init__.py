@@ -1,0 +1,11 @@
+"""The scheduler: what runs inside vLLM's process, and the library the simulator shares with it.
+
+- ``scheduler.policies`` — the policy library (uniboost, TIE, slofq, sarathi, …) over one queue;
+- ``scheduler.settings`` — the settings model every layer reads and writes;
+- ``scheduler.contract`` / ``scheduler.validation`` — the control API's typed documents;
+- ``scheduler.metrics`` — completions, summaries and percentiles (the metric core);
+- ``scheduler.plugin`` — the vLLM scheduler subclass and its control API server.
+
+Nothing here imports the operator side (``controlplane``, ``storage``, ``tuner``, ``tui``, the
+CLI) or the simulator; the base install (numpy, scipy, pydantic) is all it needs.
+"""
