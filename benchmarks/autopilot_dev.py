@@ -64,6 +64,7 @@ def main() -> None:
         print(f"== {w} ({wall:.0f} s): defaults {r['defaults']['ttft_p95']:.3f} best {r['best fixed γ']['ttft_p95']:.3f}"
               f" (γ {s['all']['best_gamma']}) autopilot {r['autopilot']['ttft_p95']:.3f} closure "
               f"{s['all'].get('closure', float('nan')):.2f} | 2nd half closure {s['second'].get('closure', float('nan')):.2f}"
+              f" | P99 TTFT {r['autopilot']['ttft_p99']:.2f} (2nd half P95 {s['second']['ratios']['autopilot']['ttft_p95']:.2f})"
               f" | ttlt {r['autopilot']['ttlt_p99']:.3f} thr {r['autopilot']['throughput_tok_s']:.4f}"
               f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s")
         for name, ok, fig in bench.targets(w, s):

@@ -183,3 +183,24 @@ def test_a_move_towards_age_order_takes_the_margin_or_a_guard_break(busy_window)
                 new, old = d.figures[d.choice], d.figures[d.previous]
                 margin = CONFIG.leave_defaults if d.previous == "defaults" else CONFIG.hysteresis
                 assert "breaks the guard" in d.reason or new.ttft_p95 < (1 - margin) * old.ttft_p95, d.reason
+
+
+def test_a_p99_ttft_guard_rules_out_candidates_that_starve_the_tail(busy_window):
+    """Off by default; set, a candidate whose P99 TTFT on the window exceeds the factor times
+    sarathi's is infeasible, and every switch lands on one that keeps it."""
+    assert AutopilotConfig().ttft_p99_guard is None
+    _, free = replay_with_autopilot(busy_window, config=CONFIG)
+    ref = lambda d: d.figures["sarathi"].ttft_p99  # noqa: E731 (one place to read the reference)
+    # Without the guard, some feasible candidate starves the tail beyond 1.1× sarathi's P99 TTFT …
+    assert any(f.feasible and f.ttft_p99 > 1.1 * ref(d) for d in free if d.figures for f in d.figures.values())
+    guarded = CONFIG.model_copy(update={"ttft_p99_guard": 1.1})
+    _, decisions = replay_with_autopilot(busy_window, config=guarded)
+    judged = [d for d in decisions if d.figures]
+    assert judged
+    for d in judged:
+        for f in d.figures.values():  # … with it, none is feasible
+            assert not f.feasible or f.ttft_p99 <= 1.1 * ref(d)
+        if d.changed:
+            assert d.figures[d.choice].feasible
+    with pytest.raises(ValueError, match="ttft_p99_guard"):
+        AutopilotConfig(ttft_p99_guard=0.5)

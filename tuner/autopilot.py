@@ -8,7 +8,8 @@ judges a setting over a few minutes: it answers "how would this setting have ser
 so far", which is what a fixed setting chosen with hindsight is scored on. Every ``interval_s``
 the autopilot compares the shadows on the same requests — those that arrived in the last
 ``window_s`` before the shadows' clock — among the candidates whose P99 TTLT is within
-``ttlt_guard`` and whose throughput is within ``throughput_guard`` of sarathi's.
+``ttlt_guard`` and whose throughput is within ``throughput_guard`` of sarathi's (and, when
+``ttft_p99_guard`` is set, whose P99 TTFT is within it of sarathi's).
 
 The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
 sarathi), and a move along it is not symmetric: a move down promotes short requests and costs
@@ -93,6 +94,10 @@ class AutopilotConfig(BaseModel):
     min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
     ttlt_guard: float = Field(1.02, ge=1.0, le=10.0)
     throughput_guard: float = Field(0.99, ge=0.0, le=1.0)
+    # Off by default: the objective is P95 TTFT, and the small γ that wins it holds the longest
+    # prompts back (README, "The autopilot": P99 TTFT up to 4× sarathi's). Set, a candidate must
+    # also keep its P99 TTFT within this factor of sarathi's — the operator's price for the tail.
+    ttft_p99_guard: float | None = Field(None, ge=1.0, le=100.0)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
 
     @model_validator(mode="after")
@@ -330,16 +335,26 @@ class Autopilot:
         raw = {name: self._figures(s, clock, ids, arrivals) for name, s in self.shadows.items()}
         ref = raw[self.reference]
         figures = {name: CandidateFigures(p95, p99, ttlt, tput,
-                                          feasible=ttlt <= cfg.ttlt_guard * ref[2]
-                                          and tput >= cfg.throughput_guard * ref[3])
+                                          feasible=self._keeps_guard(p99, ttlt, tput, ref, slack=0.0))
                    for name, (p95, p99, ttlt, tput) in raw.items()}
         previous = self.current
-        best, changed, reason = self._choose(figures, now, ref[2], ref[3])
+        best, changed, reason = self._choose(figures, now, ref)
         if changed:
             self.current = best
             self._last_switch = now
         return Decision(now, self.current, self.options[self.current].to_dict(), changed, reason, figures,
                         len(ids), 0.0, previous if changed else "")
+
+    def _keeps_guard(self, ttft_p99: float, ttlt_p99: float, throughput: float,
+                     ref: tuple[float, ...], slack: float) -> bool:
+        """Whether figures keep the guard against sarathi's (``ref``: P95/P99 TTFT, P99 TTLT,
+        throughput), each ratio loosened by ``slack``."""
+        cfg = self.config
+        keeps = (ttlt_p99 <= (cfg.ttlt_guard + slack) * ref[2]
+                 and throughput >= (cfg.throughput_guard - slack) * ref[3])
+        if cfg.ttft_p99_guard is not None:
+            keeps = keeps and ttft_p99 <= (cfg.ttft_p99_guard + slack) * ref[1]
+        return keeps
 
     def step_back(self, now: float, to: str = "defaults", hold_s: float = 3_600.0) -> None:
         """The live driver stepped the replica back to ``to`` (its realized changes were worse than
@@ -358,8 +373,8 @@ class Autopilot:
             return math.inf
         return s.params.gamma if not s.params.gamma_ada else 1e9
 
-    def _choose(self, figures: dict[str, CandidateFigures], now: float, ref_ttlt: float,
-                ref_tput: float) -> tuple[str, bool, str]:
+    def _choose(self, figures: dict[str, CandidateFigures], now: float,
+                ref: tuple[float, ...]) -> tuple[str, bool, str]:
         """The candidate to run next, whether that is a switch, and why.
 
         Among the feasible candidates within ``tie`` of the lowest P95 TTFT, the one lowest on the
@@ -381,18 +396,18 @@ class Autopilot:
             return target, False, f"{target} is still the choice ({current.ttft_p95:.3g} s P95 TTFT)"
         # The running choice keeps a little slack on the guard: a window's P99 TTLT moves by a
         # percent or two from one minute to the next, and a switch has a cost.
-        current_ok = (current.ttlt_p99 <= (cfg.ttlt_guard + GUARD_SLACK) * ref_ttlt
-                      and current.throughput_tok_s >= (cfg.throughput_guard - GUARD_SLACK) * ref_tput)
+        current_ok = self._keeps_guard(current.ttft_p99, current.ttlt_p99, current.throughput_tok_s, ref,
+                                       slack=GUARD_SLACK)
+        against = (f"P99 TTLT {current.ttlt_p99:.3g} s vs sarathi's {ref[2]:.3g} s"
+                   + (f", P99 TTFT {current.ttft_p99:.3g} s vs {ref[1]:.3g} s" if cfg.ttft_p99_guard else ""))
         self._breaks = 0 if current_ok else self._breaks + 1
         if not current_ok and self._breaks >= cfg.guard_patience:
-            return target, True, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
-                                  f"sarathi's {ref_ttlt:.3g} s); {target} keeps it")
+            return target, True, f"{self.current} breaks the guard ({against}); {target} keeps it"
         if now < self._hold_until:
             return self.current, False, f"{self.current} held after a step back until t={self._hold_until:.0f}"
         if not current_ok:
-            return self.current, False, (f"{self.current} breaks the guard (P99 TTLT {current.ttlt_p99:.3g} s vs "
-                                         f"sarathi's {ref_ttlt:.3g} s): kept until it does so {cfg.guard_patience} "
-                                         "decisions in a row")
+            return self.current, False, (f"{self.current} breaks the guard ({against}): kept until it does so "
+                                         f"{cfg.guard_patience} decisions in a row")
         down = self._rank(target) < self._rank(self.current)
         margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
         if down and best.ttft_p95 <= (1.0 + cfg.tie) * current.ttft_p95:
