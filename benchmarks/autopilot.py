@@ -163,7 +163,9 @@ def tune_first_half(trace: traces.Trace, trials: int, seed: int) -> tuple[Settin
     """``tailpilot tune`` + ``recommend`` on the requests arriving before the midpoint; the
     recommended settings and what the study did."""
     from tuner.recommend import recommend
-    from tuner.study import StudySpec, TuneError, open_storage, storage_url, tune
+    from tuner.optimize import tune
+    from tuner.optuna_storage import open_storage, storage_url
+    from tuner.spec import StudySpec, TuneError
 
     first = traces.Trace(trace.name + "|first-half", tuple(r for r in trace if r.arrival < half_time(trace)))
     with tempfile.TemporaryDirectory(prefix="autopilot-bench-") as tmp:

@@ -164,14 +164,14 @@ def main() -> None:
         model = server.served_model_name
 
         def stored() -> int:
-            return len(store.completions("bench", "cpu-0"))
+            return len(store.readings.completions("bench", "cpu-0"))
 
         # Capacity: the same requests all at once, completions per second between the 10th and
         # 90th percentile of finish times (the full-batch regime).
         before = stored()
         asyncio.run(send(server.base_url, model, reqs, None))
         wait_for(lambda: stored() >= before + len(reqs), "the burst to be recorded")
-        fins = sorted(c.finished_s for c in store.completions("bench", "cpu-0")[before:])
+        fins = sorted(c.finished_s for c in store.readings.completions("bench", "cpu-0")[before:])
         lo, hi = fins[len(fins) // 10], fins[9 * len(fins) // 10]
         capacity = (9 * len(fins) // 10 - len(fins) // 10) / (hi - lo)
         print(f"capacity: {capacity:.2f} req/s ({len(reqs)} requests at once)", flush=True)
@@ -180,15 +180,15 @@ def main() -> None:
             for policy in policies:
                 for rep in range(args.repeats):
                     version = put_settings(control, POLICY_DOCS[policy])
-                    wait_for(lambda v=version: any(r["version"] == v for r in store.settings_seen("bench", "cpu-0")),
+                    wait_for(lambda v=version: any(r["version"] == v for r in store.settings_log.settings_seen("bench", "cpu-0")),
                              "the new settings to be recorded")
                     name = f"{policy}@{load:g}-{rep}"
-                    rec = store.begin_recording("bench", name)
+                    rec = store.recordings.begin_recording("bench", name)
                     before = stored()
                     t = time.monotonic()
                     asyncio.run(send(server.base_url, model, reqs, rate))
                     wait_for(lambda b=before: stored() >= b + len(reqs), f"{name} to be recorded")
-                    store.end_recording(rec)
+                    store.recordings.end_recording(rec)
                     print(f"  {name}: {len(reqs)} requests at {rate:.2f} req/s in {time.monotonic() - t:.0f} s",
                           flush=True)
         # Calibrate once on the step log of all the runs (the plugin keeps the last 20,000 steps).
@@ -220,7 +220,7 @@ def main() -> None:
 
         for load in loads:
             if "fcfs" in policies and "uniboost" in policies:
-                recs = {r.name: r for r in store.recordings("bench")}
+                recs = {r.name: r for r in store.recordings.all("bench")}
                 fc = recs[f"fcfs@{load:g}-0"]
                 minutes = (fc.ended_ms - fc.started_ms) / 60_000
                 p = predict(store, "bench", "cpu-0", Settings.model_validate(POLICY_DOCS["fcfs"]),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controlplane.governance import window_report  # noqa: E402
+from scheduler.metrics.fairness import window_report  # noqa: E402
 from scheduler.settings import Settings, SloFqParams  # noqa: E402
 from sim import traces as tr  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402

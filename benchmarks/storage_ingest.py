@@ -1,4 +1,4 @@
-"""Store ingest speed: batched writes of completion rows and sample rows through ``Store.write``.
+"""Store ingest speed: batched writes of completion rows and sample rows through ``RecordingRepository.write``.
 
     python benchmarks/storage_ingest.py [--rows 200000] [--batch 5000] [--samples 50000] [--url URL]
 
@@ -56,7 +56,7 @@ def sample_batches(rows: int, batch: int) -> list[Batch]:
 def timed_writes(store: Store, batches: list[Batch]) -> float:
     t0 = time.perf_counter()
     for b in batches:
-        store.write("bench", b)
+        store.recordings.write("bench", b)
     return time.perf_counter() - t0
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         url = args.url or str(Path(tmp) / "bench.db")
         store = Store.open(url)
-        store.ensure_replicas("bench", [(r, f"http://{r}:8000", f"http://{r}:8001") for r in REPLICAS])
+        store.recordings.ensure_replicas("bench", [(r, f"http://{r}:8000", f"http://{r}:8001") for r in REPLICAS])
         comps = completion_batches(args.rows, args.batch)
         secs = timed_writes(store, comps)
         print(f"completions: {args.rows:,} rows in {len(comps)} batches of {args.batch:,}: "
@@ -84,7 +84,7 @@ def main() -> None:
         total = sum(len(b) for b in samples)
         print(f"samples: {args.samples:,} sample rows (+{total - args.samples:,} group rows) in {secs:.2f} s: "
               f"{args.samples / secs:,.0f} sample rows/s, {total / secs:,.0f} rows/s all told")  # fmt: skip
-        assert len(store.completions("bench")) == args.rows, "a completion was lost or duplicated"
+        assert len(store.readings.completions("bench")) == args.rows, "a completion was lost or duplicated"
         store.close()
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from textual import events  # noqa: E402
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec  # noqa: E402
-from controlplane.collector import ClusterSnapshot, Health, ReplicaSnapshot  # noqa: E402
+from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot  # noqa: E402
 from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow  # noqa: E402
 from tui.app import TailpilotApp  # noqa: E402
 

@@ -39,17 +39,11 @@ from scheduler.metrics import percent_change
 from scheduler.settings import Settings
 from tuner.continuous import continuous_metrics
 from tuner.recommend import jsonable, paired_improvement, recommend
-from tuner.study import (
-    StudySpec,
-    build_traces,
-    build_windows,
-    load_context,
-    nanmean,
-    open_storage,
-    storage_url,
-    tune,
-    window_metrics,
-)
+from tuner.optimize import tune
+from tuner.optuna_storage import open_storage, storage_url
+from tuner.spec import StudySpec
+from tuner.study import load_context
+from tuner.windows import build_traces, build_windows, nanmean, window_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"

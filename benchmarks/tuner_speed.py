@@ -19,7 +19,10 @@ import time
 from pathlib import Path
 
 import tuner.study as study_mod
-from tuner.study import StudySpec, open_storage, prepare, run_worker, storage_url
+from tuner.optimize import run_worker
+from tuner.optuna_storage import open_storage, storage_url
+from tuner.spec import StudySpec
+from tuner.study import prepare
 
 
 def main() -> None:

@@ -247,7 +247,7 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
         model = server.served_model_name
 
         def stored_since(ms: int) -> int:  # only this run's rows: polling the whole table would load the CPU
-            return len(store.completions(CLUSTER, REPLICA, stored_since_ms=ms))
+            return len(store.readings.completions(CLUSTER, REPLICA, stored_since_ms=ms))
 
         # Capacity: a burst of the first requests, completions per second between the 10th and
         # 90th percentile of finish times (the full-batch regime).
@@ -255,7 +255,7 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
         since = int(time.time() * 1000) - 1
         asyncio.run(send(server.base_url, model, burst, None))
         wait_for(lambda: stored_since(since) >= len(burst), "the burst to be recorded")
-        fins = sorted(c.finished_s for c in store.completions(CLUSTER, REPLICA, stored_since_ms=since))
+        fins = sorted(c.finished_s for c in store.readings.completions(CLUSTER, REPLICA, stored_since_ms=since))
         lo, hi = len(fins) // 10, 9 * len(fins) // 10
         capacity = (hi - lo) / (fins[hi] - fins[lo])
         rate = args.load * capacity
@@ -266,16 +266,16 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
             for name in (names if rep % 2 == 0 else names[::-1]):
                 doc = {k: v for k, v in cands[name].to_dict().items() if k != "engine"}  # keep the replica's limits
                 version = put_settings(control, doc)
-                wait_for(lambda v=version: any(r["version"] == v for r in store.settings_seen(CLUSTER, REPLICA)),
+                wait_for(lambda v=version: any(r["version"] == v for r in store.settings_log.settings_seen(CLUSTER, REPLICA)),
                          "the new settings to be recorded")
                 label = run_label(name, rep)
-                rec = store.begin_recording(CLUSTER, label)
-                since = store.recordings(CLUSTER)[-1].started_ms
+                rec = store.recordings.begin_recording(CLUSTER, label)
+                since = store.recordings.all(CLUSTER)[-1].started_ms
                 load_start = load_avg()
                 t = time.monotonic()
                 asyncio.run(send(server.base_url, model, reqs, rate))
                 wait_for(lambda s=since: stored_since(s) >= len(reqs), f"{label} to be recorded")
-                store.end_recording(rec)
+                store.recordings.end_recording(rec)
                 state = httpx.get(control + "/tailpilot/v1/state", trust_env=False).json()
                 out["runs"][label] = {"candidate": name, "repeat": rep, "wall_s": time.monotonic() - t,
                                       "load_start": load_start, "load_end": load_avg(),
@@ -307,7 +307,7 @@ def replay_all(store, facts: dict, cands: dict, labels: Sequence[str], warmup: f
     config, limits = replica_engine(store, CLUSTER, REPLICA, facts)
     settings = {k: Settings.model_validate({**s.to_dict(), "engine": {**s.engine.model_dump(), **limits}})
                 for k, s in cands.items()}
-    rows_by_id = {c.request_id: c for c in store.completions(CLUSTER, REPLICA)}
+    rows_by_id = {c.request_id: c for c in store.readings.completions(CLUSTER, REPLICA)}
     real: dict[str, dict] = {}
     sim: dict[tuple[str, str], dict] = {}
     for label in labels:

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import os
 import shlex
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import yaml
 from pydantic import ValidationError
 
 from controlplane import strict_yaml
+from controlplane.monitoring import scrape_timeout
 from scheduler.settings import Settings, describe_error
 
 FORMATS = ("settings", "vllm-args", "configmap", "helm")
@@ -119,6 +119,8 @@ class ExportOptions:
 def check_exportable(settings: Settings, where: str | None = None) -> Settings:
     """Refuse what a live replica refuses at start-up (the plugin builds its policy from the
     document; the simulator-only ``oracle`` predictor fails there)."""
+    # Imported here for start-up cost: the plugin core loads the policy library and scipy (~350 ms
+    # measured on top of this module), which only this check needs.
     from scheduler.plugin.core import ReplicaCore
 
     try:
@@ -157,9 +159,9 @@ def load_settings_file(path: str | Path) -> Settings:
 def settings_from_study(store, study: str, *, storage: str | None = None,
                         db: str | None = None) -> tuple[Settings, Any]:
     """The settings of the newest recommendation stored for ``study`` (``tailpilot recommend``),
-    and that recommendation (a ``storage.store.RecommendationInfo``). ``storage`` and ``db`` only
+    and that recommendation (a ``storage.tuner_results.RecommendationInfo``). ``storage`` and ``db`` only
     complete the command suggested when there is none."""
-    rec = store.latest_recommendation(study)
+    rec = store.tuner.latest_recommendation(study)
     if rec is None:
         hint = f"tailpilot recommend --study {study}"
         if storage:
@@ -210,38 +212,6 @@ def vllm_args(settings: Settings, options: ExportOptions = ExportOptions()) -> s
     return " ".join(shlex.quote(a) for a in argv) + "\n"
 
 
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the settings JSON in a ConfigMap) as literal blocks, readable in kubectl."""
-
-
-# Plain scalars another YAML reader could take for a number, a boolean or null (YAML 1.1 or 1.2;
-# Kubernetes' reader turns an unquoted 1e3 or 0o17 into a number): written double-quoted.
-_AMBIGUOUS = re.compile(
-    r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?0[xXoObB][0-9a-fA-F_]+|[0-9]+(?::[0-9]+)+"
-    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|[yYnN~]|yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE"
-    r"|on|On|ON|off|Off|OFF|null|Null|NULL|)$")
-
-
-def _str_representer(dumper: yaml.SafeDumper, value: str):
-    if "\n" in value:
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
-    if _AMBIGUOUS.match(value):
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
-
-
-_Dumper.add_representer(str, _str_representer)
-
-
-def _yaml(doc: dict, header: Sequence[str] = ()) -> str:
-    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
-                     width=100)
-    lines = []
-    for line in header:
-        lines += textwrap.wrap(line, 96, break_on_hyphens=False) or [""]
-    return "".join(f"# {line}\n" if line else "#\n" for line in lines) + body
-
-
 def configmap_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict:
     metadata: dict[str, Any] = {"name": options.name}
     if options.namespace:
@@ -258,7 +228,7 @@ def configmap_doc(settings: Settings, options: ExportOptions = ExportOptions()) 
 def configmap(settings: Settings, options: ExportOptions = ExportOptions()) -> str:
     header = [f"tailpilot settings ({settings.policy}) for the scheduler plugin; mount it and set",
               f"{SETTINGS_FILE_ENV} to <mount dir>/{CONFIGMAP_KEY} in the vLLM container."]
-    return _yaml(configmap_doc(settings, options), header)
+    return strict_yaml.dump(configmap_doc(settings, options), header)
 
 
 def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict:
@@ -299,8 +269,6 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
     if options.service_monitor:
         # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics (tailpilot's
         # figures come from the recorder's, `tailpilot export --cluster ... --format servicemonitor`).
-        from controlplane.monitoring import scrape_timeout
-
         engine["serviceMonitor"] = {"enabled": True, "interval": options.scrape_interval,
                                     "scrapeTimeout": scrape_timeout(options.scrape_interval), "honorLabels": False}
     return {"servingEngineSpec": engine}
@@ -328,7 +296,7 @@ def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) ->
         header.append("servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the engines'"
                       " vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come from the"
                       " recorder: tailpilot export --cluster FILE --format servicemonitor.")
-    return _yaml(helm_values_doc(settings, options), header)
+    return strict_yaml.dump(helm_values_doc(settings, options), header)
 
 
 # settings_json takes no options (render() calls it on its own); the others take (settings, options).
@@ -477,8 +445,6 @@ def render(settings: Settings, fmt: str, options: ExportOptions = ExportOptions(
 
 def write_atomically(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file renamed over it."""
-    import os
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)

@@ -522,7 +522,8 @@ class MetricsServer:
 
     async def start(self) -> int:
         """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""
-        from scheduler.plugin.api import ControlServer, Limits
+        from scheduler.plugin.admission import Limits
+        from scheduler.plugin.api import ControlServer
 
         # Prometheus never sends the page's (random) token: nothing is kept back for token holders.
         limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0)

@@ -27,19 +27,23 @@ victims' P99 TTFT (the tenants it protects: entering, over the window before; le
 window since); in ``dry-run`` (the default) the decision is only written to the audit log
 (result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed`` and the end of the
 recorder undo every change the governor made (``governor disarm --keep``: kept, and the status
-says so). The state is kept in the store (``Store.governor_control``), so the TUI and
+says so). The state is kept in the store (``GovernanceRepository.governor_control``), so the TUI and
 ``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from controlplane.governance import GovernanceSpec, GovernorSpec
+from controlplane.steering import apply_settings
 from scheduler.settings import Settings
 
 STATES = ("armed", "dry-run", "disarmed")
@@ -48,19 +52,6 @@ WHO = "governor"
 CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
     "pause": {"paused": True}, "resume": {"paused": False}, "arm": {"state": "armed"},
     "dry-run": {"state": "dry-run"}, "disarm": {"state": "disarmed"}}
-
-
-class GovernorSpec(BaseModel):
-    """Thresholds of the emergency modes (the cluster file's ``governance.governor``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-    scr_below: float = Field(0.85, ge=0.0, le=1.0)
-    jfi_below: float = Field(0.80, ge=0.0, le=1.0)
-    type_fairness_below: float = Field(0.40, ge=0.0, le=100.0)
-    type_sustain_s: float = Field(30.0, ge=0.0, le=86_400.0)
-    throttle_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    dwell_s: float = Field(60.0, ge=0.0, le=86_400.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +121,7 @@ class Governor:
     held: str | None = None  # why a mode whose figure is low is not entered (nobody to throttle)
 
     @classmethod
-    def for_cluster(cls, governance) -> "Governor":
+    def for_cluster(cls, governance: GovernanceSpec) -> "Governor":
         a = governance.alerts
         return cls(governance.governor, {"scr": a.scr_warning, "jfi": a.jfi, "type": a.type_fairness})
 
@@ -328,10 +319,8 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
     decisions out (armed) or log them (dry-run); disarmed (unless ``--keep``), paused, or dry-run
     with modes applied: undo them. Store the governor's status. Returns what was done: dicts with
     the decision and each replica's result."""
-    import asyncio
-
     cluster = collector.cluster
-    ctl = await asyncio.to_thread(store.governor_control, cluster.name)
+    ctl = await asyncio.to_thread(store.governance.governor_control, cluster.name)
     figures = collector.governance
     keep = ctl["state"] == "disarmed" and bool((ctl.get("status") or {}).get("keep"))
     done: list[dict[str, Any]] = []
@@ -350,7 +339,7 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
             done.append(await _carry_out(gov, collector, store, decision, now, armed=ctl["state"] == "armed"))
     status = {**gov.state(), "t_ms": int(now * 1000), "keep": keep,
               "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
-    await asyncio.to_thread(store.set_governor_control, cluster.name, status=status)
+    await asyncio.to_thread(store.governance.set_governor_control, cluster.name, status=status)
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done
 
@@ -360,10 +349,6 @@ async def _carry_out(gov: Governor, collector: Any, store: Any, decision: Decisi
     """Apply ``decision`` on every replica (armed) or log it (dry-run); record it. An exit is
     recorded only once every replica holding a change of the mode took the undo (else it is
     tried again at the next evaluation)."""
-    import asyncio
-
-    from controlplane.steering import apply_settings
-
     cluster = collector.cluster
     outcome: dict[str, Any] = {"mode": decision.mode, "action": decision.action, "note": decision.note(),
                                "state": "armed" if armed else "dry-run", "replicas": {}}
@@ -392,7 +377,7 @@ def _log_dry_run(store: Any, cluster: str, replica: str, current: dict[str, Any]
                  change: Callable[[Settings], Settings | None], decision: Decision) -> str:
     new = change(Settings.model_validate(current)) if current is not None else None
     result = "dry-run" if new is not None else "skipped"
-    store.record_settings_change(cluster, replica, who=WHO, old=current, new=None if new is None else new.to_dict(),
+    store.settings_log.record_settings_change(cluster, replica, who=WHO, old=current, new=None if new is None else new.to_dict(),
                                  result=result, message=f"{decision.note()}; "
                                  + ("not sent (dry-run)" if new is not None else "nothing to change"))
     return result
@@ -402,16 +387,11 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
                        clock: Callable[[], float] | None = None, undo_timeout_s: float = 30.0) -> None:
     """Evaluate every ``interval_s`` until ``stop`` (an asyncio.Event) is set (``record --govern``);
     then (or cancelled) undo every change it made, unless disarmed with ``--keep``."""
-    import asyncio
-    import contextlib
-    import logging
-    import time
-
     log = logging.getLogger("tailpilot.governor")
     clock = clock or time.time
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
-    gov.restore((await asyncio.to_thread(store.governor_control, collector.cluster.name)).get("status"))
+    gov.restore((await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)).get("status"))
     try:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -444,9 +424,7 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
 async def stop_governor(gov: Governor, collector: Any, store: Any, now: float) -> list[dict[str, Any]]:
     """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``) and store
     its status: what a recorder stop does."""
-    import asyncio
-
-    ctl = await asyncio.to_thread(store.governor_control, collector.cluster.name)
+    ctl = await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)
     if ctl["state"] == "disarmed" and (ctl.get("status") or {}).get("keep"):
         return []
     done = [await _carry_out(gov, collector, store, d, now, armed=True)
@@ -455,6 +433,6 @@ async def stop_governor(gov: Governor, collector: Any, store: Any, now: float) -
     gov.dry.clear()
     status = {**gov.state(), "t_ms": int(now * 1000), "keep": False,
               "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
-    await asyncio.to_thread(store.set_governor_control, collector.cluster.name, status=status)
+    await asyncio.to_thread(store.governance.set_governor_control, collector.cluster.name, status=status)
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done

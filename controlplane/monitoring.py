@@ -33,7 +33,6 @@ import re
 from typing import Any, NoReturn
 
 from controlplane import strict_yaml
-from controlplane.export import _yaml
 from controlplane.exporter import SERIES
 
 FORMATS = ("prometheus-rules", "prometheusrule", "grafana", "servicemonitor")
@@ -236,8 +235,9 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
 
 def prometheus_rules(cluster: Any, *, for_: str | None = None) -> str:
     doc = {"groups": rule_groups(cluster, for_=for_)}
-    text = _yaml(doc, [f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export --format "
-                       "prometheus-rules); load with rule_files:, check with `promtool check rules`."])
+    header = [f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export --format "
+              "prometheus-rules); load with rule_files:, check with `promtool check rules`."]
+    text = strict_yaml.dump(doc, header)
     _verify_groups(strict_yaml.load(text).get("groups"), doc["groups"], "prometheus-rules")
     return text
 
@@ -247,8 +247,9 @@ def prometheus_rule_crd(cluster: Any, *, for_: str | None = None, namespace: str
     groups = rule_groups(cluster, for_=for_)
     doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
            "metadata": _metadata(cluster, "rules", namespace, labels), "spec": {"groups": groups}}
-    text = _yaml(doc, [f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator "
-                       "PrometheusRule (--label release=NAME if your Prometheus selects rules by label)."])
+    header = [f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator "
+              "PrometheusRule (--label release=NAME if your Prometheus selects rules by label)."]
+    text = strict_yaml.dump(doc, header)
     back = strict_yaml.load(text)
     if back != doc:
         raise MonitoringExportError("prometheusrule: the rendering did not parse back; this is a bug")
@@ -590,10 +591,11 @@ def service_monitor(cluster: Any, *, namespace: str | None = None, interval: str
                     labels: dict[str, str] | None = None) -> str:
     doc = service_monitor_doc(cluster, namespace=namespace, interval=interval, labels=labels)
     selected = ", ".join(f"{k}={v}" for k, v in doc["spec"]["selector"]["matchLabels"].items())
-    text = _yaml(doc, [f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
-                       f"labelled {selected} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs "
-                       "with `tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). --label release=NAME "
-                       "if your Prometheus selects ServiceMonitors by label."])
+    header = [f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
+              f"labelled {selected} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs "
+              "with `tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). --label release=NAME "
+              "if your Prometheus selects ServiceMonitors by label."]
+    text = strict_yaml.dump(doc, header)
     back = strict_yaml.load(text)
     if back != doc:
         raise MonitoringExportError("servicemonitor: the rendering did not parse back; this is a bug")

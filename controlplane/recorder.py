@@ -6,10 +6,10 @@ On SIGTERM or SIGINT it stops polling, flushes every pending row (retrying a bus
 exits 0; the persisted cursors make a later run continue exactly where this one stopped, and a
 ``kill -9`` at any moment loses and duplicates no completion (the cursor is stored in the same
 transaction as the completions it covers). A database that refuses a write (a full disk) ends it
-with one line naming the database and what failed (``storage.store.StoreWriteError``: no SQL, no
+with one line naming the database and what failed (``storage.database.StoreWriteError``: no SQL, no
 row values) and exit status 1; everything committed before is intact, and what was not is still
 on the replicas, read again from the stored cursors by the next run. With ``recording_name`` the run is also a named
-recording (``Store.begin_recording`` / ``end_recording``), which retention keeps; with
+recording (``RecordingRepository.begin_recording`` / ``end_recording``), which retention keeps; with
 ``retention`` the store's retention runs every ``retention_interval_s``; with ``metrics`` it serves
 the ``tailpilot_*`` Prometheus page (controlplane.exporter) on its own event loop.
 
@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
 from controlplane.cluster import ClusterFileError, ClusterSpec, load_cluster_file
-from controlplane.collector import Collector, PollResult
+from controlplane.collector import Collector
+from controlplane.poller import PollResult
 
 log = logging.getLogger("tailpilot.recorder")
 
@@ -114,12 +115,12 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
     extra: list[asyncio.Task] = []
     try:
         if recording_name:
-            stats.recording_id = await asyncio.to_thread(store.begin_recording, cluster.name, recording_name)
+            stats.recording_id = await asyncio.to_thread(store.recordings.begin_recording, cluster.name, recording_name)
 
         async def retention_loop() -> None:
             while not stop.is_set():
                 try:
-                    report = await asyncio.to_thread(store.apply_retention, int(time.time() * 1000), retention)
+                    report = await asyncio.to_thread(store.retention.apply, int(time.time() * 1000), retention)
                     stats.retention_runs += 1
                     log.info("retention: %s", report)
                 except Exception as err:  # a busy database or a failed fold: try again next time
@@ -135,7 +136,7 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
             if cluster.governance is None:
                 raise ValueError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
             if govern:
-                await asyncio.to_thread(store.set_governor_control, cluster.name, state=govern, who="governor start")
+                await asyncio.to_thread(store.governance.set_governor_control, cluster.name, state=govern, who="governor start")
             extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
         for controller in tasks:
             extra.append(asyncio.create_task(controller(collector, store, stop)))
@@ -148,7 +149,7 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
         await asyncio.gather(*extra, return_exceptions=True)
         if stats.recording_id is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(store.end_recording, stats.recording_id)
+                await asyncio.to_thread(store.recordings.end_recording, stats.recording_id)
     for name in ("polls", "failed_polls", "batches", "rows_written", "samples_written",
                  "group_samples_written", "completions_written", "busy_retries", "breaker_trips"):
         setattr(stats, name, getattr(s, name))
@@ -177,7 +178,7 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
     Blocking. Stops on SIGTERM/SIGINT (``install_signals``, main thread only) or when ``stop`` is
     set — an ``asyncio.Event`` set from the loop, or a ``threading.Event`` set from any thread.
     ``retention`` is a ``storage.retention.RetentionSettings`` (None: no retention). Raises
-    ``storage.store.StoreOpenError`` if the database cannot be opened.
+    ``storage.database.StoreOpenError`` if the database cannot be opened.
     """
     from storage.store import Store
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterFileError, KeyError) as err:
         print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
-    from storage.store import StoreError
+    from storage.database import StoreError
 
     try:
         stats = run_recorder(cluster, args.db, recording_name=args.recording,

@@ -3,11 +3,13 @@ and the reading of their answers (/state paged and fitted per entry, /metrics pa
 
 Every answer is read as strict JSON (NaN, Infinity and numbers too big for a float are null: one
 replica sending them must not break the store or the window), and every failure becomes a short
-reason naming what was asked (``state: timed out after 2 s``), which the TUI and ``status`` show.
+reason naming what was asked (``state: timeout after 2 s``), which the TUI and ``status`` show.
 
 Every answer is read streamed, with a cap on its size (:data:`MAX_STATE_BYTES`, :data:`MAX_METRICS_BYTES`;
 :data:`MAX_STEPS_BYTES` for the step log): an answer that never ends costs the collector at most
-that much memory, however long the cluster's timeout, instead of growing until the timeout ends it.
+that much memory, however long the cluster's timeout, instead of growing until the timeout ends it
+(``controlplane.http``: the clients and the bounded reader; ``controlplane.retry``: a 429 is
+asked again, :data:`controlplane.retry.POLL_RATE_LIMITED`).
 """
 
 from __future__ import annotations
@@ -15,23 +17,33 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
-from urllib.parse import urlencode
+from typing import Any, Callable, Mapping, Protocol
+from urllib.parse import urlencode, urlsplit
 
-import aiohttp
+import httpx
 from pydantic import ValidationError
 
 from scheduler import contract
+from scheduler.validation import finite_or_none
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.http import (
+    MAX_CONNECTIONS_PER_HOST,
+    TRANSPORT_ERRORS,
+    Answer,
+    AnswerTooLarge,
+    async_client,
+    describe_http_error,
+    read_answer,
+    request_timeout,
+)
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
+from controlplane.retry import POLL_RATE_LIMITED, rate_limited
 from storage import limits
 from storage.rows import CompletionRow
 
 API_PREFIX = "/tailpilot/v1"
 log = logging.getLogger("controlplane.collector")  # the collector's log: these are its reads
-RATE_LIMIT_RETRIES = 3  # a 429 is waited out (within the poll's timeout), not a failure
 
 #: The largest /state answer read (also GET/PUT /settings, smaller still). A full page of 1,000
 #: completions is ~0.35 MB (~0.6 MB with 200-character ids and 100-character tenant names): 4 MiB is
@@ -43,7 +55,6 @@ MAX_STEPS_BYTES = 4 * 1024 * 1024
 #: The largest vLLM /metrics page read. One engine's page is ~0.1 MB (~600 sample lines, mostly
 #: histogram buckets); 8 MiB holds dozens of engines or models, and is read before parsing starts.
 MAX_METRICS_BYTES = 8 * 1024 * 1024
-_READ_CHUNK = 64 * 1024
 
 
 def control_base(replica: ReplicaSpec) -> str:
@@ -52,7 +63,8 @@ def control_base(replica: ReplicaSpec) -> str:
     return url if url.endswith(API_PREFIX) else url + API_PREFIX
 
 
-def _opt_int(x: Any) -> int | None:
+def opt_int(x: Any) -> int | None:
+    """``x`` as an int when it is a number (not a boolean), else None."""
     return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -60,102 +72,81 @@ class StateFormatError(ValueError):
     """A control API answer that is not the documented state document; the message names the field."""
 
 
-class AnswerTooLarge(ValueError):
-    """An answer longer than the cap for its kind; nothing of it is used."""
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1024 * 1024):g} MiB"
-
-
-def too_large(what: str, limit: int) -> AnswerTooLarge:
-    return AnswerTooLarge(f"{what}: answer larger than {_mib(limit)} (the collector reads at most that much)")
-
-
-def bounded_body(chunks: Iterable[bytes], limit: int, what: str) -> bytes:
-    """The bytes of ``chunks`` (an HTTP body read streamed), or :class:`AnswerTooLarge` as soon as
-    they pass ``limit``: for synchronous readers (``httpx``'s ``iter_bytes``), as :meth:`PollingClient.get`."""
-    body = bytearray()
-    for chunk in chunks:
-        body += chunk
-        if len(body) > limit:
-            raise too_large(what, limit)
-    return bytes(body)
-
-
-async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, what: str) -> "_Resp":
-    """An answer's body read streamed, :class:`AnswerTooLarge` past ``max_bytes`` (a declared
-    Content-Length past it is refused before any of the body is read)."""
-    declared = response.content_length
-    if declared is not None and declared > max_bytes:
-        raise too_large(what, max_bytes)
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(_READ_CHUNK):  # decompressed bytes, if encoded
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large(what, max_bytes)
-    return _Resp(response.status, bytes(body), response.reason or "")
-
-
 class PollingClient:
-    """The collector's one HTTP client, for polls and settings writes alike: an aiohttp session
-    (aiohttp's C parser on plain asyncio transports costs a third of httpx's pure-Python stack per
-    GET: 256 GET/s against 64 twins, ~7% of a core against 18-27%). It keeps up to 4 connections
-    per replica (none with ``keepalive=False``), reads no proxies from the environment, keeps no
-    cookies and follows no redirects. The session is created on first use: it binds to the
-    running event loop."""
+    """The collector's one HTTP client, for polls and settings writes alike: an httpx async client
+    (``controlplane.http.async_client``: no proxies from the environment, no cookies, no
+    redirects) holding at most :data:`~controlplane.http.MAX_CONNECTIONS_PER_HOST` connections
+    to each replica at a time, idle ones kept for the next poll (none with ``keepalive=False``).
+    The client is created on first use: it binds to the running event loop."""
 
     def __init__(self, timeout_s: float, *, keepalive: bool = True) -> None:
         self._timeout_s = timeout_s
         self._keepalive = keepalive
-        self._session: aiohttp.ClientSession | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._making = asyncio.Lock()
+        # Per replica address (scheme, host, port): the connections it may hold at once.
+        self._per_host: dict[tuple[str, str | None, int | None], asyncio.Semaphore] = {}
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = (aiohttp.TCPConnector(limit=0, limit_per_host=4) if self._keepalive
-                         else aiohttp.TCPConnector(limit=0, force_close=True))
-            self._session = aiohttp.ClientSession(
-                connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=self._timeout_s))
-        return self._session
+    async def ready(self) -> httpx.AsyncClient:
+        """The httpx client, made on first use. Call it before a request's own time bound starts:
+        the first use in a process loads what a request needs (the TLS trust store, httpx's
+        transport and its asyncio layer), tenths of a second on a loaded machine, which is no
+        replica's delay."""
+        if self._client is None:
+            async with self._making:
+                if self._client is None:
+                    # anyio is httpx's own async layer: it loads its asyncio backend on first use.
+                    import anyio  # noqa: PLC0415
 
-    def _timeout(self, timeout_s: float) -> dict[str, Any]:
-        return {} if timeout_s == self._timeout_s else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
+                    # Made on a worker thread: the other replicas' polls do not wait for it.
+                    client = await asyncio.to_thread(async_client, self._timeout_s, keepalive=self._keepalive)
+                    await anyio.sleep(0)
+                    self._client = client
+        return self._client
+
+    def _host_slots(self, url: str) -> asyncio.Semaphore:
+        parts = urlsplit(url)
+        key = (parts.scheme, parts.hostname, parts.port)
+        slots = self._per_host.get(key)
+        if slots is None:
+            slots = self._per_host[key] = asyncio.Semaphore(MAX_CONNECTIONS_PER_HOST)
+        return slots
+
+    async def _request(self, method: str, url: str, timeout_s: float, max_bytes: int, what: str,
+                       headers: Mapping[str, str], doc: Any = None) -> Answer:
+        client = await self.ready()
+        timeout = request_timeout(timeout_s) if timeout_s != self._timeout_s else httpx.USE_CLIENT_DEFAULT
+        headers = dict(headers)
+        body = None
+        if doc is not None:  # json.dumps' defaults: a value the replica refuses is its 4xx, not a client error
+            body = json.dumps(doc).encode()
+            headers.setdefault("Content-Type", "application/json")
+        request = client.build_request(method, url, headers=headers, timeout=timeout, content=body)
+        async with self._host_slots(url):  # held until the answer is read and its connection free
+            response = await client.send(request, stream=True)
+            try:
+                return await read_answer(response, max_bytes, what)
+            finally:
+                await response.aclose()
 
     async def get(self, url: str, timeout_s: float, max_bytes: int = MAX_STATE_BYTES, what: str = "answer",
-                  headers: Mapping[str, str] | None = None) -> "_Resp":
-        """GET ``url``; its body read streamed, :class:`AnswerTooLarge` past ``max_bytes`` (a
-        declared Content-Length past it is refused before any of the body is read)."""
-        async with self._get_session().get(url, allow_redirects=False, headers=dict(headers or {}),
-                                           **self._timeout(timeout_s)) as response:
-            return await _read_capped(response, max_bytes, what)
+                  headers: Mapping[str, str] | None = None) -> Answer:
+        """GET ``url``; its body read streamed, :class:`~controlplane.http.AnswerTooLarge` past
+        ``max_bytes`` (a declared Content-Length past it is refused before any of the body is read)."""
+        return await self._request("GET", url, timeout_s, max_bytes, what, headers or {})
 
-    async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> "_Resp":
-        async with self._get_session().put(url, json=doc, headers=dict(headers), allow_redirects=False,
-                                           **self._timeout(timeout_s)) as response:
-            return await _read_capped(response, MAX_STATE_BYTES, "PUT settings")
+    async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> Answer:
+        return await self._request("PUT", url, timeout_s, MAX_STATE_BYTES, "PUT settings", headers, doc)
 
     async def aclose(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
 
 def make_client(cluster: ClusterSpec) -> PollingClient:
     """The one async client for all replicas of a cluster (no proxies from the environment)."""
     return PollingClient(cluster.timeout_s)
-
-
-def _describe_http_error(err: BaseException, what: str, timeout_s: float) -> str:
-    if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
-        return f"{what}: timeout after {timeout_s:g} s"
-    if isinstance(err, aiohttp.ClientConnectorError):
-        detail = str(err.os_error) if err.os_error else "connection refused"
-        return f"{what}: down ({detail})"
-    if isinstance(err, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError,
-                        aiohttp.ClientOSError)):
-        return f"{what}: connection lost ({type(err).__name__}: {err})"
-    return f"{what}: {type(err).__name__}: {err}"
 
 
 class HttpFailure(Exception):
@@ -166,39 +157,30 @@ class HttpFailure(Exception):
         self.status = status
 
 
-@dataclass(slots=True)
-class _Resp:
-    status_code: int
-    content: bytes
-    reason_phrase: str = ""
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
 def bearer(token: str | None) -> dict[str, str]:
     """The Authorization header for a control-API token (none without one). Reads carry it too:
     the control API keeps a share of its connections and rate for token holders."""
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
-               params: dict[str, Any] | None = None, max_bytes: int = MAX_STATE_BYTES,
-               token: str | None = None) -> _Resp:
+async def get_answer(client: PollingClient, url: str, what: str, timeout_s: float,
+                     params: dict[str, Any] | None = None, max_bytes: int = MAX_STATE_BYTES,
+                     token: str | None = None) -> Answer:
+    """GET ``url`` (``params`` as its query), the whole request within ``timeout_s`` however the
+    bytes trickle, a 429 asked again (:data:`~controlplane.retry.POLL_RATE_LIMITED`); the answer
+    when it is 200, else :class:`HttpFailure` with a one-line reason naming ``what``."""
     if params:
         url = f"{url}?{urlencode(params)}"
+    headers = bearer(token)
+    await client.ready()
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
-            for attempt in range(RATE_LIMIT_RETRIES + 1):
-                resp = await client.get(url, timeout_s, max_bytes, what, bearer(token))
-                if resp.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
-                    break
-                await asyncio.sleep(0.1 * 2 ** attempt)  # the replica is rate-limiting its readers
-    except (aiohttp.ClientError, TimeoutError, OSError) as err:
-        raise HttpFailure(_describe_http_error(err, what, timeout_s)) from None
+            resp = await POLL_RATE_LIMITED.call_async(
+                lambda: client.get(url, timeout_s, max_bytes, what, headers), again=rate_limited)
     except AnswerTooLarge as err:
         raise HttpFailure(str(err)) from None
+    except TRANSPORT_ERRORS as err:
+        raise HttpFailure(describe_http_error(err, what, timeout_s)) from None
     if resp.status_code != 200:
         body = resp.text.strip().replace("\n", " ")
         body = body if len(body) <= 120 else body[:117] + "..."
@@ -207,7 +189,7 @@ async def _get(client: PollingClient, url: str, what: str, timeout_s: float,
     return resp
 
 
-def _json(resp: _Resp, what: str, on_non_finite: Callable[[], None] | None = None) -> Any:
+def read_json(resp: Answer, what: str, on_non_finite: Callable[[], None] | None = None) -> Any:
     """A replica's JSON, with NaN/Infinity (and numbers too big for a float) read as null: one
     replica sending them must not break the store (PostgreSQL refuses them) or the window.
     ``on_non_finite`` is called once for each number so read. An integer of more digits than
@@ -217,15 +199,14 @@ def _json(resp: _Resp, what: str, on_non_finite: Callable[[], None] | None = Non
             on_non_finite()
         return None
 
-    def finite_or_none(text: str) -> float | None:
-        value = float(text)
-        if math.isfinite(value):
-            return value
-        non_finite(text)
-        return None
+    def finite_float(text: str) -> float | None:
+        value = finite_or_none(float(text))
+        if value is None:
+            non_finite(text)
+        return value
 
     try:
-        return json.loads(resp.content, parse_constant=non_finite, parse_float=finite_or_none)
+        return json.loads(resp.content, parse_constant=non_finite, parse_float=finite_float)
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise StateFormatError(f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})") from None
 
@@ -385,14 +366,14 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
 
     for page in range(MAX_PAGES_PER_POLL + 1):
         try:
-            resp = await _get(client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token())
+            resp = await get_answer(client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token())
         except HttpFailure as err:
             if page == 0 or err.status != 429:
                 raise
             break  # the replica rate-limits a long backlog: keep what came, read on next poll
         try:
             page_rejected: dict[str, int] = {}
-            doc = read_state(_json(resp, "state", non_finite), page_rejected)
+            doc = read_state(read_json(resp, "state", non_finite), page_rejected)
         except StateFormatError:
             if page == 0:
                 raise
@@ -441,7 +422,7 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
 
 
 async def fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
-    resp = await _get(client, spec.metrics_url, "metrics", timeout_s, max_bytes=MAX_METRICS_BYTES)
+    resp = await get_answer(client, spec.metrics_url, "metrics", timeout_s, max_bytes=MAX_METRICS_BYTES)
     # Parsed on a worker thread: a page near its caps takes tens of milliseconds, which the event
     # loop (every other replica's polls, the writer, the /metrics page) must not wait for.
     metrics = await asyncio.to_thread(parse_metrics_page, resp)
@@ -450,7 +431,7 @@ async def fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: flo
     return metrics
 
 
-def parse_metrics_page(resp: _Resp) -> dict[str, float]:
+def parse_metrics_page(resp: Answer) -> dict[str, float]:
     return parse_vllm_metrics(resp.text)
 
 
@@ -459,9 +440,9 @@ async def fetch_inflight(client: PollingClient, spec: ReplicaSpec, timeout_s: fl
     """The replica's oldest ``limit`` requests in flight (``GET /inflight``), read through the
     contract strictly on its required fields; ``StateFormatError`` naming the field otherwise,
     ``HttpFailure`` when it did not answer 200."""
-    resp = await _get(client, control_base(spec) + "/inflight", "inflight", timeout_s, {"limit": limit},
+    resp = await get_answer(client, control_base(spec) + "/inflight", "inflight", timeout_s, {"limit": limit},
                       token=spec.token())
     try:
-        return contract.read(contract.Inflight, _json(resp, "inflight"))
+        return contract.read(contract.Inflight, read_json(resp, "inflight"))
     except ValidationError as err:
         raise StateFormatError(f"inflight: {contract.describe(err)}") from None

@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-import aiohttp
-
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.http import TRANSPORT_ERRORS, describe_http_error
 from controlplane.replica_http import (
+    HttpFailure,
     PollingClient,
     StateFormatError,
-    _describe_http_error,
-    _get,
-    HttpFailure,
-    _json,
-    _opt_int,
     control_base,
+    get_answer,
     make_client,
+    opt_int,
+    read_json,
 )
+from controlplane.retry import READ_BACK
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 
@@ -65,8 +63,8 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     res = ApplyResult(spec.name, "error", "")
     produced: Any = None
     try:
-        resp = await _get(client, base, "GET settings", timeout, token=spec.token())
-        current = _json(resp, "GET settings")
+        resp = await get_answer(client, base, "GET settings", timeout, token=spec.token())
+        current = read_json(resp, "GET settings")
         if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
                 or not isinstance(current.get("version"), int):
             raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
@@ -105,8 +103,8 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     try:
         async with asyncio.timeout(timeout):
             put = await client.put_json(base, new_doc, headers, timeout)
-    except (aiohttp.ClientError, TimeoutError, OSError) as err:
-        res.message = _describe_http_error(err, "PUT settings", timeout)
+    except TRANSPORT_ERRORS as err:
+        res.message = describe_http_error(err, "PUT settings", timeout)
         return res
     res.status = put.status_code
     try:
@@ -142,23 +140,24 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
 
 async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, timeout_s: float,
                        wait_s: float) -> tuple[int | None, str]:
-    """Poll the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``:
-    (the active version last seen, why it is not ``version`` yet)."""
+    """Read the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``
+    (:data:`~controlplane.retry.READ_BACK`): (the active version last seen, why it is not
+    ``version`` yet)."""
     url = control_base(spec) + "/state"
-    deadline = time.monotonic() + wait_s
-    delay = 0.02
-    while True:
+
+    async def read_back() -> tuple[int | None, str]:
         try:
-            doc = _json(await _get(client, url, "state (read back)", timeout_s, token=spec.token()),
-                        "state (read back)")
-            active = _opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
-            why = f"the replica runs version {active} (a busy engine applies it at its next step)"
+            doc = read_json(await get_answer(client, url, "state (read back)", timeout_s, token=spec.token()),
+                            "state (read back)")
+            active = opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
+            return active, f"the replica runs version {active} (a busy engine applies it at its next step)"
         except (HttpFailure, StateFormatError) as err:
-            active, why = None, f"could not read it back ({err})"
-        if (active is not None and active >= version) or time.monotonic() >= deadline:
-            return active, why
-        await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
-        delay = min(delay * 2, 0.5)
+            return None, f"could not read it back ({err})"
+
+    def not_yet(seen: tuple[int | None, str]) -> bool:
+        return seen[0] is None or seen[0] < version
+
+    return await READ_BACK.replace(deadline_s=wait_s).call_async(read_back, again=not_yet)
 
 
 async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
@@ -188,9 +187,9 @@ async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | No
             await client.aclose()
     if store is not None:
         def audit() -> None:
-            store.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
+            store.recordings.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
             for r in results:
-                store.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
+                store.settings_log.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
                                              result=r.result, version=r.version,
                                              message=f"{note}; {r.message}" if note else r.message)
         await asyncio.to_thread(audit)

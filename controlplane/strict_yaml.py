@@ -1,5 +1,5 @@
-"""The one YAML loader tailpilot reads with: PyYAML's safe loader, refusing duplicate keys and
-nesting deeper than :data:`MAX_DEPTH`.
+"""The one YAML loader tailpilot reads with — PyYAML's safe loader, refusing duplicate keys and
+nesting deeper than :data:`MAX_DEPTH` — and the one writer its exports use (:func:`dump`).
 
 ``yaml.safe_load`` keeps the last of two equal keys in a mapping without a word, so a cluster file
 that names ``timeout_s`` twice runs with whichever came second. Here that is an error naming the key
@@ -8,11 +8,17 @@ and both lines. Merge keys (``<<: *base``) still work: a key given beside a merg
 PyYAML composes and constructs nested collections recursively: a document 5,000 lists deep ends in
 a ``RecursionError`` thousands of lines long. Here a collection nested deeper than ``MAX_DEPTH``
 levels is a ``yaml.YAMLError`` naming its line and the limit, raised before the recursion is deep.
+
+:func:`dump` writes what Kubernetes and Prometheus read (ConfigMaps, helm values, alert rules,
+ServiceMonitors): keys in the document's order, multi-line strings as literal blocks, and any plain
+string another YAML reader could take for a number, a boolean or null double-quoted.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+import textwrap
+from typing import Any, Sequence
 
 import yaml
 from yaml.composer import ComposerError
@@ -72,3 +78,37 @@ class StrictLoader(yaml.SafeLoader):
 def load(text: str) -> Any:
     """The YAML document in ``text``; ``yaml.YAMLError`` (with the line) if it is malformed."""
     return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the settings JSON in a ConfigMap) as literal blocks, readable in kubectl."""
+
+
+# Plain scalars another YAML reader could take for a number, a boolean or null (YAML 1.1 or 1.2;
+# Kubernetes' reader turns an unquoted 1e3 or 0o17 into a number): written double-quoted.
+_AMBIGUOUS = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?0[xXoObB][0-9a-fA-F_]+|[0-9]+(?::[0-9]+)+"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|[yYnN~]|yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE"
+    r"|on|On|ON|off|Off|OFF|null|Null|NULL|)$")
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str):
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    if _AMBIGUOUS.match(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def dump(doc: dict, header: Sequence[str] = ()) -> str:
+    """``doc`` as YAML (see the module docstring), after ``header``'s lines as ``#`` comments
+    wrapped at 96 characters (an empty line: a bare ``#``)."""
+    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
+                     width=100)
+    lines = []
+    for line in header:
+        lines += textwrap.wrap(line, 96, break_on_hyphens=False) or [""]
+    return "".join(f"# {line}\n" if line else "#\n" for line in lines) + body

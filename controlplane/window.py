@@ -12,27 +12,23 @@ window nor the rows per group.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from scheduler.metrics import distribution_stats
+from scheduler.validation import finite_or_none
 from storage.limits import MAX_GROUPS_PER_WINDOW, OTHER_GROUP
 from storage.rows import LATENCIES, PERCENTILES, CompletionRow, LatencyPercentiles
 
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
 
 
-def _finite(x: float) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
-
-
 _COLUMNS = ("finished", "arrival", "ttft", "ttlt", "tbt", "out_tokens", "tokens", "tenant", "type")
 
 
-class _Window:
+class ReplicaWindow:
     """The completions of one replica inside the rolling window, as numpy columns."""
 
     __slots__ = (*_COLUMNS, "_codes", "_max_groups", "_reserved")
@@ -129,9 +125,9 @@ class _Window:
         self._codes[kind] = {name: int(renumber[code]) for name, code in codes.items() if present[code]}
 
 
-def governance_columns(windows: Sequence["_Window"]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def governance_columns(windows: Sequence[ReplicaWindow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tenant, type, TTFT, TTLT, tokens) of several replicas' windows, names as object arrays:
-    the columns ``controlplane.governance.report`` takes."""
+    the columns ``scheduler.metrics.fairness.report`` takes."""
     tenant, kind, ttft, ttlt, tokens = [], [], [], [], []
     for w in windows:
         if len(w):
@@ -155,11 +151,11 @@ def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> 
             continue
         stats = distribution_stats(values)
         for key in _STAT_KEYS:
-            setattr(out, f"{lat}_{key}", _finite(stats[key]))
+            setattr(out, f"{lat}_{key}", finite_or_none(stats[key]))
     return out
 
 
-class _Rate:
+class CounterRate:
     """Rate of a monotone counter over the window: (newest − oldest) / elapsed."""
 
     __slots__ = ("points",)

@@ -32,6 +32,7 @@ __all__ = [
     "StepTimeModel",
     "StepFitError",
     "COEFFICIENTS",
+    "COEF_MEANING",
     "COEFFICIENT_SETS",
     "DEFAULT_MODEL_NAME",
     "VLLM_ENGINE_DEFAULTS",
@@ -52,7 +53,8 @@ __all__ = [
 #: Coefficient field names, in the order of the model's terms.
 COEFFICIENTS: tuple[str, ...] = ("a", "b", "c", "d", "e")
 
-_COEF_MEANING = {
+#: What each coefficient multiplies, as a unit ("s per prefill token"): for error messages and reports.
+COEF_MEANING: dict[str, str] = {
     "a": "s per step",
     "b": "s per prefill token",
     "c": "s per prefill-chunk token²",
@@ -87,7 +89,7 @@ class StepTimeModel:
                 raise TypeError(f"StepTimeModel.{key} must be a number, got {raw!r}")
             value = float(raw)
             if not math.isfinite(value) or value < 0.0:
-                raise ValueError(f"StepTimeModel.{key} ({_COEF_MEANING[key]}) must be finite and "
+                raise ValueError(f"StepTimeModel.{key} ({COEF_MEANING[key]}) must be finite and "
                                  f">= 0, got {raw!r}")
             object.__setattr__(self, key, value)  # store plain floats (fast inner-loop arithmetic)
         if not isinstance(self.name, str) or not self.name:
@@ -466,7 +468,7 @@ def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
     for j, key in enumerate(COEFFICIENTS[1:], start=1):
         if not np.any(design[:, j] > 0):
             kept = getattr(default, key) if default is not None else 0.0
-            undetermined[key] = (f"{key} ({_COEF_MEANING[key]}) cannot be determined: no step in the "
+            undetermined[key] = (f"{key} ({COEF_MEANING[key]}) cannot be determined: no step in the "
                                  f"log has {_COLUMN_WHAT[key]}; kept at "
                                  f"{'the default' if default is not None else '0'} ({kept:.4g})")
             fixed_values[key] = kept

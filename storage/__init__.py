@@ -1,10 +1,13 @@
-"""tailpilot's database: SQLite (WAL) by default, PostgreSQL by URL, behind one facade, ``Store``.
+"""tailpilot's database: SQLite (WAL) by default, PostgreSQL by URL, behind one object, ``Store``.
 
     from storage import Store
     store = Store.open()                      # ./tailpilot.db, migrated to the newest schema
     store = Store.open("postgresql+psycopg://tailpilot@db/tailpilot")
 
-The collector hands it ``storage.rows`` batches; everything else reads through it. The names below
+A store owns one ``Database`` and a repository per area over it (``store.recordings``,
+``store.readings``, ``store.settings_log``, ``store.tuner``, ``store.governance``,
+``store.retention``; see ``storage.store``). The collector hands ``store.recordings`` its
+``storage.rows`` batches; everything else reads through the repositories. The names below
 are loaded on first use, so ``import storage.rows`` alone does not pull in SQLAlchemy.
 """
 
@@ -15,15 +18,22 @@ from typing import Any
 
 _EXPORTS = {
     "Store": "storage.store",
-    "StoreBusy": "storage.store",
-    "StoreCorrupt": "storage.store",
-    "StoreFull": "storage.store",
-    "StoreWriteError": "storage.store",
-    "StoreError": "storage.store",
-    "StoreOpenError": "storage.store",
-    "ReplicaInfo": "storage.store",
-    "RecordingInfo": "storage.store",
-    "RecommendationInfo": "storage.store",
+    "Database": "storage.database",
+    "StoreBusy": "storage.database",
+    "StoreCorrupt": "storage.database",
+    "StoreFull": "storage.database",
+    "StoreWriteError": "storage.database",
+    "StoreError": "storage.database",
+    "StoreOpenError": "storage.database",
+    "RecordingRepository": "storage.recordings",
+    "ReplicaInfo": "storage.recordings",
+    "RecordingInfo": "storage.recordings",
+    "ReadingRepository": "storage.readings",
+    "SettingsLog": "storage.settings_log",
+    "TunerResults": "storage.tuner_results",
+    "RecommendationInfo": "storage.tuner_results",
+    "GovernanceRepository": "storage.governance",
+    "Retention": "storage.retention",
     "RetentionSettings": "storage.retention",
     "RetentionReport": "storage.retention",
     "Batch": "storage.rows",

@@ -7,7 +7,7 @@ every new DBAPI connection by a ``connect`` event because these settings are per
 * ``synchronous=NORMAL``: in WAL mode a crash cannot corrupt the file, it can only lose the last
   transactions at a power cut, and commits need no fsync each;
 * ``busy_timeout``: a writer that finds the write lock taken waits inside SQLite instead of failing
-  at once (the store retries on top of this until its own deadline, see ``Store.write``);
+  at once (the store retries on top of this until its own deadline, see ``Database.write``);
 * ``foreign_keys=ON``: SQLite does not enforce foreign keys otherwise.
 
 The Python ``sqlite3`` driver's own transaction handling is switched off (``isolation_level=None``)

@@ -50,6 +50,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnClause
 
+from storage.database import Database
 from storage.models import (
     ROLLUP_GROUP_COLUMNS,
     ROLLUP_SAMPLE_COLUMNS,
@@ -70,7 +71,7 @@ DAY_MS = 86_400_000
 
 
 class RetentionSettings(BaseModel):
-    """How long the store keeps what. Applied by ``Store.apply_retention`` (the collector calls it)."""
+    """How long the store keeps what. Applied by ``Retention.apply`` (the collector calls it)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,11 +82,31 @@ class RetentionSettings(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class RetentionReport:
-    """What one ``apply_retention`` did, for the collector's log."""
+    """What one ``Retention.apply`` did, for the collector's log."""
 
     samples_folded: int
     group_samples_folded: int
     completions_deleted: int
+
+
+class Retention:
+    """Applies :class:`RetentionSettings` to the store's database (``store.retention``)."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    def apply(self, now_ms: int, settings: RetentionSettings) -> RetentionReport:
+        """Fold old samples into 1-minute rollups and delete old completions (see the module docstring).
+
+        Each step is its own transaction, so the collector's writes can slip in between.
+        """
+        keep = settings.keep_recordings
+        cut = sample_cutoff_ms(now_ms, settings)
+        samples = self.database.write(lambda c: fold_samples(c, cut, now_ms, keep), snapshot=True)
+        groups = self.database.write(lambda c: fold_group_samples(c, cut, now_ms, keep), snapshot=True)
+        cut_c = completion_cutoff_ms(now_ms, settings)
+        completions = self.database.write(lambda c: delete_completions(c, cut_c, now_ms, keep))
+        return RetentionReport(samples, groups, completions)
 
 
 def sample_cutoff_ms(now_ms: int, settings: RetentionSettings) -> int:

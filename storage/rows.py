@@ -116,7 +116,7 @@ BREAKER_RESULT = "breaker"
 @dataclass(slots=True)
 class SettingsChangeRow:
     """An entry of the settings audit log written with a batch (the collector's: a replica's
-    circuit breaker tripped, ``who="engine"``); ``Store.record_settings_change`` writes the others."""
+    circuit breaker tripped, ``who="engine"``); ``SettingsLog.record_settings_change`` writes the others."""
 
     replica: str
     t_ms: int

@@ -1,4 +1,5 @@
-"""The two dialect-specific statements the store needs: insert-or-ignore and upsert.
+"""SQL the store's repositories share: the two dialect-specific statements (insert-or-ignore and
+upsert) and the half-open time range every ranged read uses.
 
 SQLite and PostgreSQL both speak ``INSERT ... ON CONFLICT``, and SQLAlchemy has a dialect
 ``insert()`` for each with ``on_conflict_do_nothing`` / ``on_conflict_do_update``. Other backends
@@ -34,3 +35,13 @@ def insert_or_update(conn: Connection, table: Table, keys: list[str], columns: l
     """``INSERT ... ON CONFLICT (keys) DO UPDATE SET column = excluded.column`` for ``columns``."""
     stmt = upsert(conn, table)
     return stmt.on_conflict_do_update(index_elements=keys, set_={c: stmt.excluded[c] for c in columns})
+
+
+def in_range(stmt: Any, col: Any, lo: float | None, hi: float | None) -> Any:
+    """``stmt`` restricted to ``lo <= col < hi``, either bound optional: half-open, so consecutive
+    ranges never overlap."""
+    if lo is not None:
+        stmt = stmt.where(col >= lo)
+    if hi is not None:
+        stmt = stmt.where(col < hi)
+    return stmt

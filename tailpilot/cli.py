@@ -270,7 +270,7 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except Exception as err:
-            store = sys.modules.get("storage.store")  # not imported: it raised nothing (and stays unloaded)
+            store = sys.modules.get("storage.database")  # not imported: it raised nothing (and stays unloaded)
             if store is not None and isinstance(err, store.StoreError):
                 raise click.ClickException(str(err)) from None
             raise

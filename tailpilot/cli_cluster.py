@@ -63,7 +63,8 @@ def open_store(db: str | None, *, must_exist: bool = False):
     """The store at ``db`` (default ``$TAILPILOT_DB`` or ./tailpilot.db). ``must_exist``: the command
     only reads, so a SQLite file that does not exist is a usage error naming --db and the path
     (opening it would create an empty database) instead of a new, empty store."""
-    from storage.store import Store, StoreOpenError
+    from storage.database import StoreOpenError
+    from storage.store import Store
 
     url = db or os.environ.get(DB_ENV)
     if must_exist:
@@ -91,10 +92,10 @@ def known_cluster(store, cluster_name: str) -> None:
     clusters the store knows (or says it knows none)."""
     from storage.engine import is_sqlite, redact
 
-    known = store.clusters()
+    known = store.recordings.clusters()
     if cluster_name in known:
         return
-    url = store.engine.url
+    url = store.database.engine.url
     where = url.database if is_sqlite(url) else redact(url)
     if not known:
         raise click.BadParameter(f"no cluster {cluster_name!r}: {where} has no cluster recorded "
@@ -203,7 +204,7 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
     not applied them yet (staged: a replica applies a document at its next scheduling step), 1 when
     any refused them or could not be reached, or nothing was applied (--preview without a
     prediction, or not confirmed)."""
-    from controlplane.collector import apply_settings
+    from controlplane.steering import apply_settings
 
     if bool(replicas) == all_replicas:
         raise click.UsageError("name replicas with --replica NAME (repeatable) or use --all")
@@ -240,7 +241,7 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
                                              who or os.environ.get("USER") or "cli", wait_s=wait_s))
         for r in results:
             if r.ok and r.replica in predictions:  # kept with the change, for `tailpilot verify`
-                predictions[r.replica]["prediction_id"] = store.store_prediction(
+                predictions[r.replica]["prediction_id"] = store.tuner.store_prediction(
                     cluster.name, r.replica, predictions[r.replica], t_ms=applied_ms, version=r.version)
     finally:
         store.close()
@@ -262,10 +263,13 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
 
 def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> dict[str, dict]:
     """Each target's prediction (printed unless --json); {} when none could be made."""
+    import json
+
     import httpx
 
     from scheduler.contract import SettingsAnswer, read
-    from controlplane.replica_http import control_base
+    from controlplane.http import get_sync, sync_client
+    from controlplane.replica_http import MAX_STATE_BYTES, control_base
     from storage.strict_json import finite
     from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts
     from tuner.whatif import WhatIfError, format_prediction, predict
@@ -274,8 +278,9 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
     for name in names:
         spec = cluster.replica(name)
         try:
-            answer = httpx.get(control_base(spec) + "/settings", timeout=cluster.timeout_s, trust_env=False)
-            current = Settings.model_validate(read(SettingsAnswer, answer.json()).settings)
+            with sync_client(cluster.timeout_s) as client:
+                answer = get_sync(client, control_base(spec) + "/settings", MAX_STATE_BYTES, "GET settings")
+            current = Settings.model_validate(read(SettingsAnswer, json.loads(answer.content)).settings)
             proposed = change(current)
             proposed = proposed if isinstance(proposed, Settings) else Settings.model_validate(proposed)
         except (httpx.HTTPError, ValueError) as err:
@@ -318,7 +323,7 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
             raise click.BadParameter(str(err.args[0]), param_hint="--replica") from None
     store = open_store(db, must_exist=True)  # it only reads: a mistyped path creates nothing
     try:
-        kept = [p for p in store.predictions(cluster.name) if not replicas or p["replica"] in replicas]
+        kept = [p for p in store.tuner.predictions(cluster.name) if not replicas or p["replica"] in replicas]
         now_ms = int(time.time() * 1000)
         out = [finite(run_verify(store, p, now_ms=now_ms)) for p in kept]
     finally:
@@ -402,7 +407,7 @@ def autopilot_task(config_file: str | None, state: str):
 
         from tuner.autopilot_live import run_autopilot
 
-        await asyncio.to_thread(store.set_autopilot_control, collector.cluster.name, state=state,
+        await asyncio.to_thread(store.governance.set_autopilot_control, collector.cluster.name, state=state,
                                 who="autopilot start")
         await run_autopilot(collector, store, stop, config=config)
 
@@ -436,8 +441,8 @@ def _autopilot_control(action: str):
         try:
             known_cluster(store, cluster_name)
             changes = CONTROL_ACTIONS.get(action)
-            row = store.set_autopilot_control(cluster_name, who=who or f"cli:{os.environ.get('USER', 'unknown')}",
-                                              **changes) if changes else store.autopilot_control(cluster_name)
+            row = store.governance.set_autopilot_control(cluster_name, who=who or f"cli:{os.environ.get('USER', 'unknown')}",
+                                              **changes) if changes else store.governance.autopilot_control(cluster_name)
         finally:
             store.close()
         if as_json:
@@ -512,8 +517,8 @@ def governor(action, cluster_name, db, who, as_json, keep):
 
         changes = dict(CONTROL_ACTIONS.get(action) or {})
         if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status the governor reads
-            changes["status"] = {**(store.governor_control(cluster_name).get("status") or {}), "keep": keep}
-        row = store.set_governor_control(cluster_name, who=who, **changes) if changes else store.governor_control(cluster_name)
+            changes["status"] = {**(store.governance.governor_control(cluster_name).get("status") or {}), "keep": keep}
+        row = store.governance.set_governor_control(cluster_name, who=who, **changes) if changes else store.governance.governor_control(cluster_name)
     finally:
         store.close()
     if as_json:
@@ -546,7 +551,7 @@ def governor(action, cluster_name, db, who, as_json, keep):
 def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
     """The operator TUI: live cluster view, policy switching and pinning, replay."""
     from storage.engine import DatabaseMissing
-    from storage.store import StoreOpenError
+    from storage.database import StoreOpenError
     from tui import run_tui
     from tui.sources import ReplayError
 

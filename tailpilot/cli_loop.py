@@ -60,7 +60,7 @@ def fidelity(db, replica, cluster_name, recording, start_s, end_s, window_s, ste
             raise click.UsageError(str(err)) from None
         report = finite(report)
         if keep:
-            report["stored_id"] = store.store_fidelity(report["cluster"], replica, report["span"], report)
+            report["stored_id"] = store.tuner.store_fidelity(report["cluster"], replica, report["span"], report)
     finally:
         store.close()
     if as_json:

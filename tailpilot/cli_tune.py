@@ -12,7 +12,9 @@ no database needed); default the SQLite file ``tailpilot-optuna.db``, never tail
 database. Several ``tailpilot tune`` processes with the same ``--storage`` and ``--study`` share
 one study, each trial with its own sampler stream. A URL the tuner cannot use is a usage error
 (exit 2) naming its scheme.
-The library behind these commands is :mod:`tuner.study` and :mod:`tuner.recommend`.
+The library behind these commands is :mod:`tuner.study` (a study's definition and context),
+:mod:`tuner.optimize` (running it) and :mod:`tuner.recommend`. Its errors name a study field
+(``window_s``); these commands name the field's flag instead (``--window-s``, ``_SPEC_FLAGS``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 from click.core import ParameterSource
@@ -40,6 +42,9 @@ from tailpilot.cli_common import (
     echo_json,
 )
 from scheduler.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
+
+if TYPE_CHECKING:  # the tuner's modules load only when a command runs
+    from tuner.spec import SpecError, StudyConflict, StudySpec
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
 _SPEC_FLAGS: dict[str, tuple[str, str]] = {
@@ -76,72 +81,100 @@ def _split(text: str | None) -> list[str]:
     return [p.strip() for p in (text or "").split(",") if p.strip()]
 
 
+def _policy_names(value: str) -> list[str]:
+    names = _split(value)
+    for n in names:
+        if n not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})")
+    return names
+
+
+def _range_texts(value: tuple[str, ...]) -> list[str]:
+    """Parsed now, so a malformed span never becomes a study's definition."""
+    from tuner.search import parse_range  # the tuner's modules load only when a command runs
+
+    for item in value:
+        parse_range(item)
+    return list(value)
+
+
+def _production_doc(value: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(value).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{value}: {err}") from None
+    except RecursionError:  # JSON nested past Python's recursion limit
+        raise ValueError(f"{value}: not JSON: nested too deeply") from None
+    try:
+        return Settings.model_validate(doc).to_dict()
+    except ValueError as err:
+        raise ValueError(f"{value}: {describe_error(err)}") from None
+
+
+def _trace_list(value: str) -> list[str | None]:
+    from tuner.recorded import canonical, is_recorded, split_traces
+
+    return [None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
+            for p in split_traces(value)] or [None]
+
+
+def _mix_list(value: tuple[str, ...]) -> list[tuple[str, float]]:
+    out = []
+    for item in value:
+        path, sep, frac = item.rpartition("=")
+        if not sep or not path:
+            raise ValueError(f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)")
+        out.append((str(Path(path).resolve()), float(frac)))
+    return out
+
+
+def _slo_doc(value: tuple[str, ...]) -> dict[str, float]:
+    slo: dict[str, float] = {}
+    for item in value:
+        fam, sep, secs = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r}: expected FAMILY=SECONDS (e.g. ttlt=20)")
+        slo[fam.strip()] = float(secs)
+    return slo
+
+
+def _fixed_values(value: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        return dict(parse_assignment(item) for item in value)
+    except RecursionError:  # a JSON value past Python's recursion limit
+        raise ValueError("a value nested too deeply") from None
+
+
+def _step_model_doc(value: str) -> dict[str, Any]:
+    """A known name (STEP_MODEL checked it) -> its coefficients."""
+    from sim.stepmodel import get_model
+
+    return get_model(value).as_dict()
+
+
+# CLI parameter -> its value as the StudySpec field's (ValueError: refused); others pass as given.
+_SPEC_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "policies": _policy_names,
+    "ranges": _range_texts,
+    "objectives": list,
+    "constraints": list,
+    "production": _production_doc,
+    "trace_paths": _trace_list,
+    "mix": _mix_list,
+    "window": tuple,  # already (start, duration): TIME_SPAN converted it
+    "slo": _slo_doc,
+    "fix": _fixed_values,
+    "search_params": lambda value: _split(value) or None,
+    "step_model": _step_model_doc,
+    "no_pruner": lambda value: not value,
+}
+
+
 def _spec_value(param: str, value: Any) -> Any:
     """A CLI value converted to its StudySpec field value (UsageError naming the flag)."""
     flag = _SPEC_FLAGS[param][1]
     try:
-        if param == "policies":
-            names = _split(value)
-            for n in names:
-                if n not in POLICY_NAMES:
-                    raise ValueError(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})")
-            return names
-        if param == "ranges":  # parsed now, so a malformed span never becomes a study's definition
-            from tuner.search import parse_range
-
-            for item in value:
-                parse_range(item)
-            return list(value)
-        if param in ("objectives", "constraints"):
-            return list(value)
-        if param == "production":
-            try:
-                doc = json.loads(Path(value).read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as err:
-                raise ValueError(f"{value}: {err}") from None
-            except RecursionError:  # JSON nested past Python's recursion limit
-                raise ValueError(f"{value}: not JSON: nested too deeply") from None
-            try:
-                return Settings.model_validate(doc).to_dict()
-            except ValueError as err:
-                raise ValueError(f"{value}: {describe_error(err)}") from None
-        if param == "trace_paths":
-            from tuner.recorded import canonical, is_recorded, split_traces
-
-            return [None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
-                    for p in split_traces(value)] or [None]
-        if param == "mix":
-            out = []
-            for item in value:
-                path, sep, frac = item.rpartition("=")
-                if not sep or not path:
-                    raise ValueError(f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)")
-                out.append((str(Path(path).resolve()), float(frac)))
-            return out
-        if param == "window":  # already (start, duration): TIME_SPAN converted it
-            return tuple(value)
-        if param == "slo":
-            slo: dict[str, float] = {}
-            for item in value:
-                fam, sep, secs = item.partition("=")
-                if not sep:
-                    raise ValueError(f"{item!r}: expected FAMILY=SECONDS (e.g. ttlt=20)")
-                slo[fam.strip()] = float(secs)
-            return slo
-        if param == "fix":
-            try:
-                return dict(parse_assignment(item) for item in value)
-            except RecursionError:  # a JSON value past Python's recursion limit
-                raise ValueError("a value nested too deeply") from None
-        if param == "search_params":
-            return _split(value) or None
-        if param == "step_model":  # a known name: STEP_MODEL checked it
-            from sim.stepmodel import get_model
-
-            return get_model(value).as_dict()
-        if param == "no_pruner":
-            return not value
-        return value
+        return _SPEC_CONVERT.get(param, lambda v: v)(value)
     except ValueError as err:
         raise click.BadParameter(str(err).removeprefix(f"{flag} "), param_hint=flag) from None  # named once
 
@@ -162,7 +195,8 @@ def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
 def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = False) -> str:
     """The storage URL of ``--storage``, or a usage error (exit 2, one line) when the tuner cannot
     use it: an unknown scheme, tailpilot's own database, a file that is not there to read."""
-    from tuner.study import TuneError, check_storage_separate, storage_file, storage_url
+    from tuner.optuna_storage import check_storage_separate, storage_file, storage_url
+    from tuner.spec import TuneError
 
     try:
         url = storage_url(storage)
@@ -268,8 +302,10 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     hopeless ones); held-out windows are kept for `tailpilot recommend`. Ctrl-C keeps the study:
     run the same command to continue.
     """
-    from tuner.study import StudyConflict, StudySpec, TuneError, open_storage, study_exists
-    from tuner.study import tune as run_tune
+    from tuner.optimize import tune as run_tune
+    from tuner.optuna_storage import open_storage
+    from tuner.spec import SpecError, StudyConflict, TuneError
+    from tuner.study import study_exists
 
     url = _storage_or_exit(storage, db)
     recording = kw.pop("recording")
@@ -287,14 +323,7 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
         exists = study_exists(open_storage(url), study_name)
     except TuneError as err:
         raise click.UsageError(str(err)) from None
-    spec = None
-    if not exists:
-        for need in ("policies", "objectives"):
-            if need not in given:
-                raise click.UsageError(f"study {study_name!r} does not exist yet: {_flag_of(need)} is needed to create it")
-        spec = StudySpec(**{k: v for k, v in given.items()})
-        if "policies" in given and not given["policies"]:
-            raise click.BadParameter("give at least one policy", param_hint="--policy")
+    spec = None if exists else _new_spec(study_name, given)
     show = progress if progress is not None else sys.stderr.isatty()
     bar, update = _progress_bar(show and not as_json)
     log = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
@@ -303,13 +332,9 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
             outcome = run_tune(url, study_name, trials, spec=spec, given=given, workers=workers,
                                progress=update, log=log)
     except StudyConflict as err:
-        why = ""
-        if err.field_name == "seed":  # the seed fixes the windows and the split, not a worker's stream
-            why = (" (the seed fixes the study's windows and held-out split; every trial already draws its "
-                   "own sampler stream, so a joining worker needs no seed of its own)")
-        raise click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
-                               f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
-                               "or use a new --study") from None
+        raise _conflict_error(err, study_name) from None
+    except SpecError as err:
+        raise _spec_error(err) from None
     except TuneError as err:
         raise click.UsageError(str(err)) from None
     except KeyboardInterrupt:
@@ -318,6 +343,38 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     _report_tune(outcome, url, storage, as_json)
     if outcome.interrupted:
         sys.exit(130)
+
+
+def _new_spec(study_name: str, given: dict[str, Any]) -> StudySpec:
+    """The definition of a study to create from the flags given (UsageError naming a flag)."""
+    from tuner.spec import SpecError, StudySpec
+
+    for need in ("policies", "objectives"):
+        if need not in given:
+            raise click.UsageError(f"study {study_name!r} does not exist yet: {_flag_of(need)} is needed to create it")
+    try:
+        spec = StudySpec(**given)
+    except SpecError as err:
+        raise _spec_error(err) from None
+    if not given["policies"]:
+        raise click.BadParameter("give at least one policy", param_hint="--policy")
+    return spec
+
+
+def _spec_error(err: SpecError) -> click.UsageError:
+    """A refused StudySpec field, named by its flag (``window_s: ...`` -> ``--window-s: ...``)."""
+    return click.UsageError(err.naming(_flag_of(err.field_name)))
+
+
+def _conflict_error(err: StudyConflict, study_name: str) -> click.UsageError:
+    """A flag whose value differs from the study's stored definition."""
+    why = ""
+    if err.field_name == "seed":  # the seed fixes the windows and the split, not a worker's stream
+        why = (" (the seed fixes the study's windows and held-out split; every trial already draws its "
+               "own sampler stream, so a joining worker needs no seed of its own)")
+    return click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
+                            f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
+                            "or use a new --study")
 
 
 def _flag_of(field_name: str) -> str:
@@ -348,9 +405,9 @@ def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
         extra = f" (Pareto front of {outcome.best['pareto_size']})" if outcome.best["pareto_size"] > 1 else ""
         click.echo(f"best trial #{outcome.best['trial']}{extra}: {vals}")
         click.echo("  " + json.dumps(outcome.best["settings"]))
-    from tuner.study import _redact
+    from tuner.optuna_storage import redact
 
-    where = f" --storage {_redact(storage) if '://' in storage else storage}" if storage else ""
+    where = f" --storage {redact(storage) if '://' in storage else storage}" if storage else ""
     if outcome.interrupted:
         click.echo(f"run the same command to continue; `tailpilot recommend --study {outcome.study}{where}` reads it now")
     else:
@@ -372,8 +429,9 @@ def recommend(study_name, storage, db, no_store, with_autopilot, as_json):
     settings on search and on held-out windows, with confidence intervals over windows; stored
     so the TUI shows it."""
     from tuner.recommend import jsonable
+    from tuner.optuna_storage import open_storage
     from tuner.recommend import recommend as build
-    from tuner.study import TuneError, open_storage
+    from tuner.spec import TuneError
 
     url = _storage_or_exit(storage, db, must_exist=True)
     try:
@@ -385,7 +443,7 @@ def recommend(study_name, storage, db, no_store, with_autopilot, as_json):
 
         store = open_store(db)
         try:
-            summary["stored_id"] = store.store_recommendation(study_name, summary["settings"], summary)
+            summary["stored_id"] = store.tuner.store_recommendation(study_name, summary["settings"], summary)
         finally:
             store.close()
     if as_json:
@@ -438,26 +496,45 @@ def _print_recommendation(s: dict) -> None:
         console.print(table)
     console.print("per-window change: geometric mean over windows of recommended/production, with a "
                   "t-interval over windows")
-    cont = s.get("continuous")
-    if cont:
-        table = Table(title="continuous replay of the whole trace (what production would see); vs production")
-        table.add_column("metric")
-        for col in ("production, held-out requests", "recommended", "change",
-                    "production, all requests", "recommended", "change"):
-            table.add_column(col, justify="right")
-        for name, h in cont["holdout"].items():
-            a = cont["all"][name]
-            table.add_row(name, *(cell for m in (h, a) for cell in (
-                _fmt(m["production"]), _fmt(m["value"]),
-                "—" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%")))
-        console.print(table)
-        for c in cont["checked"]:
-            if c["losses"]:
-                console.print(f"trial #{c['trial']} passed over: it loses the continuous replay "
-                              f"({'; '.join(c['losses'])})")
-        if cont["kept_production"]:
-            console.print("every candidate checked lost the continuous replay: keep the production settings")
-    for c in s["holdout"].get("constraints", []):
+    if s.get("continuous"):
+        _print_continuous(console, s["continuous"])
+    _print_constraints(console, s["holdout"].get("constraints", []))
+    if s.get("pareto_front"):
+        console.print(f"Pareto front: {len(s['pareto_front'])} trials "
+                      f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")
+    console.print("settings: " + json.dumps(s["settings"]))
+    if s.get("autopilot"):
+        console.print(f"autopilot on the continuous replay: {s['autopilot']['verdict']}", markup=False)
+    if "stored_id" in s:
+        console.print(f"stored as recommendation {s['stored_id']} (the TUI shows it)")
+
+
+def _print_continuous(console, cont: dict) -> None:
+    """The continuous replay of the whole trace: production vs the recommendation, and the
+    candidates passed over."""
+    from rich.table import Table
+
+    table = Table(title="continuous replay of the whole trace (what production would see); vs production")
+    table.add_column("metric")
+    for col in ("production, held-out requests", "recommended", "change",
+                "production, all requests", "recommended", "change"):
+        table.add_column(col, justify="right")
+    for name, h in cont["holdout"].items():
+        a = cont["all"][name]
+        table.add_row(name, *(cell for m in (h, a) for cell in (
+            _fmt(m["production"]), _fmt(m["value"]),
+            "—" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%")))
+    console.print(table)
+    for c in cont["checked"]:
+        if c["losses"]:
+            console.print(f"trial #{c['trial']} passed over: it loses the continuous replay "
+                          f"({'; '.join(c['losses'])})")
+    if cont["kept_production"]:
+        console.print("every candidate checked lost the continuous replay: keep the production settings")
+
+
+def _print_constraints(console, constraints: list[dict]) -> None:
+    for c in constraints:
         # The value is how far the left side is past its bound (Optuna's convention): <= 0 holds.
         v = c["value"]
         if v is None:
@@ -468,14 +545,6 @@ def _print_recommendation(s: dict) -> None:
             detail = f"by {_fmt(v)} over the bound"
         ok = "holds" if c["feasible"] else "VIOLATED"
         console.print(f"constraint {c['constraint']} on held-out windows: {ok} ({detail})")
-    if s.get("pareto_front"):
-        console.print(f"Pareto front: {len(s['pareto_front'])} trials "
-                      f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")
-    console.print("settings: " + json.dumps(s["settings"]))
-    if s.get("autopilot"):
-        console.print(f"autopilot on the continuous replay: {s['autopilot']['verdict']}", markup=False)
-    if "stored_id" in s:
-        console.print(f"stored as recommendation {s['stored_id']} (the TUI shows it)")
 
 
 COMMANDS = (tune, recommend)

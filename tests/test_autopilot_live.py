@@ -58,7 +58,7 @@ class Rig:
         from tuner.autopilot import AutopilotConfig
         from tuner.autopilot_live import LiveAutopilot, LiveConfig
 
-        self.store.set_autopilot_control("twins", state=state, who="test")
+        self.store.governance.set_autopilot_control("twins", state=state, who="test")
 
         async def scenario():
             client = PollingClient(self.cluster.timeout_s)
@@ -89,7 +89,7 @@ class Rig:
         return asyncio.run(scenario())
 
     def audit(self, who: str = "autopilot") -> list[dict]:
-        return [c for c in self.store.settings_changes("twins") if c["who"] == who]
+        return [c for c in self.store.settings_log.settings_changes("twins") if c["who"] == who]
 
 
 def switched(driver) -> bool:
@@ -109,7 +109,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         [row] = rig.audit()
         assert row["result"] in ("applied", "staged") and "predicted P95 TTFT" in row["message"]
         assert row["new"]["params"] == running.params.model_dump()
-        [kept] = rig.store.predictions("twins")
+        [kept] = rig.store.tuner.predictions("twins")
         assert kept["summary"]["who"] == "autopilot" and kept["summary"]["proposed"] == row["new"]
         # verify_minutes later the real verify (the traffic after the switch replayed under the old
         # settings) has judged it, and the status says how
@@ -118,7 +118,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         [verdict] = driver.pilots["twin-0"].verifications
         assert verdict["verdict"] in ("as predicted", "worse than predicted")
         assert isinstance(verdict["realized"], float)
-        status = rig.store.autopilot_control("twins")["status"]
+        status = rig.store.governance.autopilot_control("twins")["status"]
         assert status["replicas"]["twin-0"]["choice"] == rp.pilot.current
 
 
@@ -166,14 +166,14 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
 
 def test_the_governor_goes_first(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
-        rig.store.set_governor_control("twins", state="armed", status={"active": {"scr": 1.0}, "dry": []})
+        rig.store.governance.set_governor_control("twins", state="armed", status={"active": {"scr": 1.0}, "dry": []})
         driver = rig.run(700.0)
         assert rig.twin.core.settings == DEFAULTS and rig.audit() == []
         assert "governor" in driver.held and driver.pilots["twin-0"].note.startswith("held")
-        status = rig.store.autopilot_control("twins")["status"]
+        status = rig.store.governance.autopilot_control("twins")["status"]
         assert "scr" in status["held"]
         # the emergency over, the next decision is carried out
-        rig.store.set_governor_control("twins", status={"active": {}, "dry": []})
+        rig.store.governance.set_governor_control("twins", status={"active": {}, "dry": []})
         rig.run(1_000.0, until=lambda _d: bool(rig.audit()))
         [row] = rig.audit()
         assert row["result"] in ("applied", "staged") and rig.twin.core.settings != DEFAULTS
@@ -185,7 +185,7 @@ def test_dry_run_writes_the_audit_log_only(tmp_path, monkeypatch):
         rows = rig.audit()
         assert rows and all(r["result"] == "dry-run" for r in rows)
         assert "not sent (dry-run)" in rows[0]["message"]
-        assert rig.twin.core.settings == DEFAULTS and rig.store.predictions("twins") == []
+        assert rig.twin.core.settings == DEFAULTS and rig.store.tuner.predictions("twins") == []
 
 
 def test_disarmed_runs_nothing(tmp_path, monkeypatch):
@@ -207,8 +207,8 @@ def test_the_cli_steers_and_shows_it(tmp_path):
 
     db = tmp_path / "s.db"
     store = Store.open(str(db))
-    store.ensure_replicas("prod", [("r0", "http://127.0.0.1:1", "http://127.0.0.1:1")])
-    store.set_autopilot_control("prod", status={"held": None, "replicas": {"r0": {
+    store.recordings.ensure_replicas("prod", [("r0", "http://127.0.0.1:1", "http://127.0.0.1:1")])
+    store.governance.set_autopilot_control("prod", status={"held": None, "replicas": {"r0": {
         "choice": "gamma=0.01", "note": "applied: gamma=0.01", "last": [
             {"t": 600.0, "choice": "gamma=0.01", "changed": True, "reason": "gamma=0.01 beats defaults"}]}}})
     store.close()

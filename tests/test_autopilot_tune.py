@@ -4,7 +4,6 @@ continuous replays, and "keep the autopilot" judged beside a recommendation."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -52,7 +51,7 @@ def test_the_cli_writes_a_config_that_record_reads(tmp_path, trace):
     from tailpilot.cli import main
 
     path = tmp_path / "t.csv"  # the bundled window's first 3 minutes, in Azure's format
-    lines = (Path(tr.__file__).parent / "data" / tr.BUNDLED_FILE).read_text().splitlines()[:400]
+    lines = tr.bundled_trace_path().read_text().splitlines()[:400]
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "ap.json"
     res = CliRunner().invoke(main, ["autopilot", "tune", "--trace", str(path), "--trials", "1", "--out", str(out)])
@@ -63,12 +62,13 @@ def test_the_cli_writes_a_config_that_record_reads(tmp_path, trace):
 
 def test_recommend_judges_keeping_the_autopilot(tmp_path):
     from test_tuner import small_spec
-    from tuner import study as st
+    from tuner.optimize import tune
+    from tuner.optuna_storage import open_storage, storage_url
     from tuner.recommend import recommend
 
-    url = st.storage_url(str(tmp_path / "o.db"))
-    st.tune(url, "r", 3, spec=small_spec())
-    s = recommend(st.open_storage(url), "r", with_autopilot=True)
+    url = storage_url(str(tmp_path / "o.db"))
+    tune(url, "r", 3, spec=small_spec())
+    s = recommend(open_storage(url), "r", with_autopilot=True)
     ap = s["autopilot"]
     assert set(ap) == {"keep", "verdict", "metrics"}
     m = ap["metrics"]["ttlt_p99"]

@@ -57,7 +57,7 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
                              leave_defaults=0.0, hysteresis=0.0, min_dwell_s=0.0)
 
     async def autopilot(collector, store, stop):
-        await asyncio.to_thread(store.set_autopilot_control, collector.cluster.name, state="armed", who="test")
+        await asyncio.to_thread(store.governance.set_autopilot_control, collector.cluster.name, state="armed", who="test")
         await run_autopilot(collector, store, stop, config=config, live=LiveConfig(tick_s=1.0))
 
     with server:
@@ -75,7 +75,7 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
             def changes() -> list[dict]:
                 try:
                     with Store.open("tp.db") as s:
-                        return [c for c in s.settings_changes("cpu") if c["who"] == "autopilot"]
+                        return [c for c in s.settings_log.settings_changes("cpu") if c["who"] == "autopilot"]
                 except Exception:  # the database may not exist yet
                     return []
 
@@ -99,14 +99,14 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
 
             def stored() -> int:
                 with Store.open("tp.db") as s:
-                    return len([c for c in s.completions("cpu") if c.output_tokens > 0])
+                    return len([c for c in s.readings.completions("cpu") if c.output_tokens > 0])
 
             deadline = time.monotonic() + 120
             while stored() < sent:
                 assert time.monotonic() < deadline, f"{stored()} of {sent} requests recorded as served"
                 time.sleep(0.2)
             with Store.open("tp.db") as s:
-                status = s.autopilot_control("cpu")["status"]
+                status = s.governance.autopilot_control("cpu")["status"]
             assert status["replicas"]["cpu-0"]["last"], status
         finally:
             stop.set()

@@ -243,7 +243,7 @@ def store_with(tmp_path):
 
     def make(cluster: str, replicas) -> str:
         with Store.open(str(db)) as store:
-            store.ensure_replicas(cluster, replicas)
+            store.recordings.ensure_replicas(cluster, replicas)
         return str(db)
 
     return make

@@ -82,7 +82,7 @@ def test_set_applies_reads_back_and_audits(twins, tmp_path):
     assert doc["settings"]["params"]["gamma"] == 8.0 and doc["settings"]["pinned"] == ["gamma"]
     assert settings_of(second)["settings"]["policy"] == "sarathi"  # only the named replica
     with Store.open(str(db)) as store:
-        rows = store.settings_changes("twins")
+        rows = store.settings_log.settings_changes("twins")
     assert len(rows) == 1
     row = rows[0]
     assert (row["replica"], row["who"], row["result"], row["version"]) == (first.name, "alice", "applied",
@@ -105,7 +105,7 @@ def test_set_all_with_a_bad_value_changes_nothing_and_audits_the_refusal(twins, 
     assert "params.gamma" in res.output
     assert [settings_of(r) for r in cluster] == before
     with Store.open(str(db)) as store:
-        rows = store.settings_changes("twins")
+        rows = store.settings_log.settings_changes("twins")
     assert sorted(r["replica"] for r in rows) == sorted(r.name for r in cluster)
     assert {r["result"] for r in rows} == {"rejected"}
 
@@ -154,9 +154,9 @@ def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
     res = run("demo", "--replicas", "2", "--speed", "20", "--no-tui", "--duration", "6", "--db", "demo.db")
     assert res.exit_code == 0, res.output
     with Store.open(str(tmp_path / "demo.db")) as store:
-        latest = store.latest_samples("demo")
+        latest = store.readings.latest_samples("demo")
         assert sorted(latest) == ["twin-0", "twin-1"] and all(s.healthy for s in latest.values())
-        tenants = {c.tenant for c in store.completions("demo")}
+        tenants = {c.tenant for c in store.readings.completions("demo")}
     assert len(tenants) > 1  # the demo spreads the bundled trace over Zipf tenants
 
 
@@ -166,7 +166,7 @@ def test_a_plain_document_keeps_the_replicas_engine(tmp_path, monkeypatch):
     import asyncio
 
     from controlplane.cluster import load_cluster_file
-    from controlplane.collector import apply_settings
+    from controlplane.steering import apply_settings
     from scheduler.settings import Settings
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)

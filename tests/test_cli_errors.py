@@ -74,7 +74,7 @@ def test_a_database_damaged_where_the_command_reads_or_writes(command, tmp_path,
     db = tmp_path / "tailpilot.db"
     filled_store(db)
     with Store.open(str(db)) as s:
-        s.store_recommendation("s", {"policy": "fcfs"}, {})
+        s.tuner.store_recommendation("s", {"policy": "fcfs"}, {})
     for table in ("replicas", "samples", "recommendations"):
         damage_table(db, table)
     res = run(argv(command, db, cluster_file), tmp_path)

@@ -160,12 +160,12 @@ def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
     db = workdir / "g.db"
     with Store.open(str(db)) as store:
         for name in ("prod", "staging"):
-            store.ensure_replicas(name, [("r1", UNREACHABLE, UNREACHABLE)])
+            store.recordings.ensure_replicas(name, [("r1", UNREACHABLE, UNREACHABLE)])
     for action in ("arm", "disarm", "pause", "status"):
         assert_one_line_error(invoke("governor", action, "--cluster-name", "prdo", "--db", db), 2,
                               "--cluster-name", "'prdo'", "known: prod, staging")
     with Store.open(str(db)) as store:
-        assert store.governor_control("prdo")["who"] is None  # no control row was written
+        assert store.governance.governor_control("prdo")["who"] is None  # no control row was written
     res = invoke("governor", "arm", "--cluster-name", "prod", "--db", db, "--who", "ops")
     assert res.exit_code == 0 and "governor of prod: armed" in res.output, res.output
 
@@ -233,8 +233,8 @@ def recent_traffic(db: Path, cluster: str, replica: str, n: int = 300) -> None:
                           first_token_s=1000.3 + 0.4 * i, finished_s=1003.0 + 0.4 * i, prompt_tokens=300,
                           output_tokens=60, preemptions=0) for i in range(n)]
     with Store.open(str(db)) as store:
-        store.ensure_replicas(cluster, [(replica, UNREACHABLE, UNREACHABLE)])
-        store.write(cluster, Batch(completions=rows, cursors={replica: n}))
+        store.recordings.ensure_replicas(cluster, [(replica, UNREACHABLE, UNREACHABLE)])
+        store.recordings.write(cluster, Batch(completions=rows, cursors={replica: n}))
 
 
 def test_set_preview_not_confirmed_applies_nothing_and_exits_1(workdir, monkeypatch):
@@ -254,7 +254,7 @@ def test_set_preview_not_confirmed_applies_nothing_and_exits_1(workdir, monkeypa
         assert_one_line_error(res, 1, "not applied", "--yes", max_lines=None)
         assert replica.core.settings.policy == "sarathi"
         with Store.open(str(db)) as store:
-            assert store.settings_changes("twins") == [] and store.predictions("twins") == []
+            assert store.settings_log.settings_changes("twins") == [] and store.tuner.predictions("twins") == []
 
 
 def idle_trace():
@@ -283,7 +283,8 @@ def tune(workdir: Path, *flags: object) -> Result:
 
 
 def study_created(workdir: Path) -> bool:
-    from tuner.study import open_storage, study_exists
+    from tuner.optuna_storage import open_storage
+    from tuner.study import study_exists
 
     return (workdir / "optuna.db").exists() and study_exists(open_storage(f"sqlite:///{workdir / 'optuna.db'}"), "s")
 

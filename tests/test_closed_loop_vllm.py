@@ -64,7 +64,7 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
             def stored() -> int:
                 try:
                     with Store.open("tp.db") as s:
-                        return len(s.completions("cpu"))
+                        return len(s.readings.completions("cpu"))
                 except Exception:
                     return 0
 

@@ -14,14 +14,10 @@ import numpy as np
 import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.collector import (
-    MetricsFormatError,
-    PollingClient,
-    ReplicaView,
-    latency_percentiles,
-    parse_vllm_metrics,
-)
-from controlplane.replica_http import StateAnswer, completion_row
+from controlplane.poller import ReplicaView
+from controlplane.prom import MetricsFormatError, parse_vllm_metrics
+from controlplane.replica_http import PollingClient, StateAnswer, completion_row
+from controlplane.window import latency_percentiles
 from scheduler.metrics import Completion, summarize, summarize_by
 from storage.rows import PERCENTILE_FIELDS
 
@@ -263,7 +259,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 
 import httpx  # noqa: E402
 
-from controlplane.collector import Collector, apply_settings, poll_once  # noqa: E402
+from controlplane.collector import Collector  # noqa: E402
+from controlplane.poller import poll_once  # noqa: E402
+from controlplane.steering import apply_settings  # noqa: E402
 from storage.store import Store  # noqa: E402
 from sim import traces  # noqa: E402
 from tuner.twin import start_twins  # noqa: E402
@@ -378,12 +376,12 @@ def twin_cluster(twins, *, proxy_url=None, poll=0.1, timeout=0.5, window=30.0, n
 
 def assert_exactly_once(store: Store, cluster: str, twins) -> int:
     """Every completion a twin reported before the stored cursor is stored, once; nothing else is."""
-    cursors = store.cursors(cluster)
+    cursors = store.recordings.cursors(cluster)
     total = 0
     for twin in twins:
         log_, _ = twin.core.completions_since(0, limit=10**9)
         expected = sorted(c["id"] for c in log_ if c["seq"] < cursors[twin.name])
-        got = [c.request_id for c in store.completions(cluster, twin.name)]
+        got = [c.request_id for c in store.readings.completions(cluster, twin.name)]
         assert len(got) == len(set(got)), f"{twin.name}: duplicates"
         assert sorted(got) == expected, f"{twin.name}: {len(got)} stored, {len(expected)} expected"
         assert cursors[twin.name] > 0
@@ -456,7 +454,7 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
         rs = snap.replicas[twin.name]
         assert rs.health.healthy and rs.health.mode == "plugin" and rs.settings["policy"] == "sarathi"
         now_r = rs.state["time"]
-        window = [_completion_from_row(c) for c in store.completions("twins", twin.name)
+        window = [_completion_from_row(c) for c in store.readings.completions("twins", twin.name)
                   if c.finished_s > now_r - 20.0]
         assert len(window) == rs.window_completions > 20
         _assert_latency_equals(rs.sample.latency, summarize(window))
@@ -468,12 +466,12 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
             assert groups[("tenant", tenant)].completed == summary["requests"]
             _assert_latency_equals(groups[("tenant", tenant)].latency, summary)
         # What the TUI reads from Python is what was stored.
-        stored = store.latest_samples("twins")[twin.name]
+        stored = store.readings.latest_samples("twins")[twin.name]
         assert stored.latency == rs.sample.latency and stored.t_ms == rs.sample.t_ms
         assert rs.sample.running is not None and rs.sample.kv_total_blocks > 0
         assert rs.sample.throughput_tok_s > 0
-        assert store.group_samples("twins", twin.name, kind="tenant")
-    assert len(store.samples("twins", twins[0].name)) == len(run.polls_of(twins[0].name))
+        assert store.readings.group_samples("twins", twin.name, kind="tenant")
+    assert len(store.readings.samples("twins", twins[0].name)) == len(run.polls_of(twins[0].name))
 
 
 FAULTS = {
@@ -549,7 +547,7 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
     if fault == "down":
         assert any("state: down" in p[3] for p in bad), bad  # once stopped: connection refused
     # The outage is in the history, and nothing was lost or duplicated across it.
-    stored = store.samples("twins", faulty.name)
+    stored = store.readings.samples("twins", faulty.name)
     assert any(not s.healthy and _names_fault(s.reason, fault) for s in stored)
     assert stored[-1].healthy
     assert assert_exactly_once(store, "twins", twins) > 0
@@ -619,8 +617,8 @@ def test_locked_database_loses_no_samples(twins, tmp_path):
     run = asyncio.run(scenario())
     assert run.stats.busy_retries >= 2
     for twin in twins:
-        assert len(store.samples("twins", twin.name)) == len(run.polls_of(twin.name))
-    assert sum(len(store.samples("twins", t.name)) for t in twins) == run.stats.samples_written
+        assert len(store.readings.samples("twins", twin.name)) == len(run.polls_of(twin.name))
+    assert sum(len(store.readings.samples("twins", t.name)) for t in twins) == run.stats.samples_written
     assert assert_exactly_once(store, "twins", twins) > 0
 
 
@@ -643,9 +641,9 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
         view = run.collector.views[tw[0].name]
         assert "instance changed" in view.last_restart[1]
         after = tw[0].core.completions_since(0, limit=10**9)[0]
-        cursor = store.cursors("twins")[tw[0].name]
+        cursor = store.recordings.cursors("twins")[tw[0].name]
         assert cursor == view.cursor
-        stored = [c.request_id for c in store.completions("twins", tw[0].name)]
+        stored = [c.request_id for c in store.readings.completions("twins", tw[0].name)]
         assert len(stored) == len(set(stored))
         new = {c["id"] for c in after if c["seq"] < cursor}
         assert new <= set(stored)  # everything of the new incarnation up to the cursor
@@ -678,7 +676,7 @@ def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
                 await wait_until(lambda: view.restarts == 1 and view.polls > 20, what="the restart seen")
 
         asyncio.run(scenario())
-        seen = store.settings_seen("twins", name)
+        seen = store.settings_log.settings_seen("twins", name)
         store.close()
     assert store_audit_is_empty(tmp_path / "t.db")
     assert [(r["version"], r["settings"]["policy"]) for r in seen] == [(1, "sarathi"), (2, "uniboost"), (1, "sarathi")]
@@ -689,7 +687,7 @@ def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
 
 def store_audit_is_empty(path) -> bool:
     with Store.open(str(path)) as store:
-        return store.settings_changes("twins") == []
+        return store.settings_log.settings_changes("twins") == []
 
 def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
     """The recorder is down; the replica restarts and completes more requests than the stored
@@ -705,9 +703,9 @@ def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
             return run.collector.views[name]
 
         first = asyncio.run(record_until(lambda v: v.cursor > 30, "first completions"))
-        stored_cursor = store.cursors("twins")[name]
+        stored_cursor = store.recordings.cursors("twins")[name]
         assert stored_cursor == first.cursor
-        assert store.cursor_positions("twins") == {name: (stored_cursor, tw[0].core.instance)}
+        assert store.recordings.cursor_positions("twins") == {name: (stored_cursor, tw[0].core.instance)}
         tw[0].restart(fresh=True)  # while no collector runs
         deadline = time.monotonic() + 20
         while tw[0].core.finished_total <= stored_cursor + 20:
@@ -716,10 +714,10 @@ def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
         second = asyncio.run(record_until(lambda v: v.cursor > stored_cursor + 20, "reading the new instance"))
 
     assert second.last_restart is not None and "instance changed" in second.last_restart[1]
-    cursor = store.cursors("twins")[name]
-    assert store.cursor_positions("twins") == {name: (cursor, tw[0].core.instance)}
+    cursor = store.recordings.cursors("twins")[name]
+    assert store.recordings.cursor_positions("twins") == {name: (cursor, tw[0].core.instance)}
     new = {c["id"] for c in tw[0].core.completions_since(0, limit=10**9)[0] if c["seq"] < cursor}
-    stored = [c.request_id for c in store.completions("twins", name)]
+    stored = [c.request_id for c in store.readings.completions("twins", name)]
     assert len(stored) == len(set(stored))
     assert new <= set(stored)  # from the new instance's first completion on
     store.close()
@@ -789,7 +787,7 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
         twins[1].start()
     assert down.result == "error" and "down" in down.message
 
-    audit = list(reversed(store.settings_changes("twins")))
+    audit = list(reversed(store.settings_log.settings_changes("twins")))
     assert [(a["replica"], a["who"], a["result"]) for a in audit] == [
         (twins[0].name, "alice", "applied"), (twins[1].name, "bob", "rejected"), (twins[1].name, "bob", "rejected"),
         (twins[1].name, "cli", "rejected"), (twins[1].name, "eve", "rejected"), (twins[2].name, "carol", "error"),
@@ -880,11 +878,11 @@ def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
         async def scenario():
             async with Running(cluster, store, flush_interval_s=0.05) as run:
                 await wait_until(lambda: run.collector.views["r1"].cursor == len(caps) + 1, what="all completions")
-                await wait_until(lambda: store.cursors("caps").get("r1") == len(caps) + 1, what="stored")
+                await wait_until(lambda: store.recordings.cursors("caps").get("r1") == len(caps) + 1, what="stored")
                 assert run.health("r1").healthy and run.health("r1").mode == "plugin"
 
         asyncio.run(scenario())
-        stored = store.completions("caps", "r1")
+        stored = store.readings.completions("caps", "r1")
         store.close()
     finally:
         server.stop()
@@ -903,7 +901,7 @@ def test_twin_completions_are_stored_with_the_traces_caps(twins, tmp_path):
             await wait_until(lambda: all(run.collector.views[t.name].cursor > 20 for t in twins), what="completions")
 
     asyncio.run(scenario())
-    stored = store.completions("twins")
+    stored = store.readings.completions("twins")
     store.close()
     assert len(stored) > 60
     assert {c.max_tokens for c in stored} == {traces.DEFAULT_MAX_TOKENS}

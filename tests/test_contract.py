@@ -13,8 +13,7 @@ from pydantic import ValidationError
 
 from scheduler import contract
 from tailpilot.cli import main
-from controlplane.collector import StateFormatError
-from controlplane.replica_http import completion_row, read_state
+from controlplane.replica_http import StateFormatError, completion_row, read_state
 from scheduler.plugin.api import PREFIX
 from scheduler.settings import Settings
 

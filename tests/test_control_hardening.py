@@ -17,9 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.collector import ReplicaView, _json, _Resp, apply_settings, make_client
-from controlplane.replica_http import fetch_state
-from scheduler.plugin.api import PREFIX, ControlServer, Limits, token_from_env
+from controlplane.http import Answer as _Resp
+from controlplane.poller import ReplicaView
+from controlplane.replica_http import fetch_state, make_client, read_json as _json
+from controlplane.steering import apply_settings
+from scheduler.plugin.admission import Limits
+from scheduler.plugin.api import PREFIX, ControlServer, token_from_env
 from scheduler.plugin.core import PAGE_LIMIT, ReplicaCore
 from scheduler.policies import RequestState
 from scheduler.settings import Settings

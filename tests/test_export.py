@@ -295,9 +295,9 @@ def test_export_a_studys_newest_recommendation_from_the_store(tmp_path):
 
     db = tmp_path / "tp.db"
     with Store.open(str(db)) as store:
-        store.store_recommendation("nightly", settings_of("tie-history").to_dict(), {"ttlt_p99": 1.0}, t_ms=1000)
-        store.store_recommendation("nightly", DOCS["uniboost-lpt"], {"ttlt_p99": 0.8}, t_ms=2000)
-        store.store_recommendation("other", settings_of("sarathi-defaults").to_dict(), {}, t_ms=3000)
+        store.tuner.store_recommendation("nightly", settings_of("tie-history").to_dict(), {"ttlt_p99": 1.0}, t_ms=1000)
+        store.tuner.store_recommendation("nightly", DOCS["uniboost-lpt"], {"ttlt_p99": 0.8}, t_ms=2000)
+        store.tuner.store_recommendation("other", settings_of("sarathi-defaults").to_dict(), {}, t_ms=3000)
     # --storage (the Optuna storage tune/recommend use) is never opened: the store is enough.
     out = run("--study", "nightly", "--db", db, "--storage", tmp_path / "optuna.db", "--format", "configmap")
     assert out.exit_code == 0, out.output
@@ -318,7 +318,7 @@ def test_export_study_errors(tmp_path, monkeypatch):
     out = run("--study", "nightly", "--db", db, "--storage", "postgresql://h/optuna")
     assert f"tailpilot recommend --study nightly --storage postgresql://h/optuna --db {db}" in out.output
     with Store.open(str(db)) as store:
-        store.store_recommendation("bad", {"policy": "uniboost", "params": {"gamma": -1}}, {})
+        store.tuner.store_recommendation("bad", {"policy": "uniboost", "params": {"gamma": -1}}, {})
     out = run("--study", "bad", "--db", db)
     assert out.exit_code == 2 and "params.gamma" in out.output and "study 'bad'" in out.output
     missing = tmp_path / "nowhere.db"

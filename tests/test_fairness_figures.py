@@ -1,4 +1,4 @@
-"""One definition of each of seed 003's figures (controlplane/governance.py): SCR, the
+"""One definition of each of seed 003's figures (scheduler/metrics/fairness.py): SCR, the
 suppression-aware JFI beside the seed's literal one, type fairness and ω = min(C/U, α); the worked
 example of docs/governance.md computed exactly; starved tenants counted; the tuner's
 ``fairness_summary`` agreeing with the governance report on the same completions."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.governance import window_report
 from scheduler.metrics import Completion, fairness_summary
+from scheduler.metrics.fairness import window_report
 from scheduler.settings import SloFqParams
 
 

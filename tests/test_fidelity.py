@@ -52,7 +52,7 @@ def record_all(twins, db, n: int, recording: str = "lab") -> None:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
                 with Store.open(str(db)) as store:
-                    if len(store.completions("twins")) >= n:
+                    if len(store.readings.completions("twins")) >= n:
                         break
             except Exception:
                 pass
@@ -107,7 +107,7 @@ def test_a_twin_replayed_has_no_error_and_the_same_order(recorded_twin):
     assert len(report["windows"]) == 4 and all(w["requests"] > 0 for w in report["windows"])
     # Stored, newest per replica; the human report names the band.
     with Store.open(str(db)) as store:
-        [kept] = store.latest_fidelity("twins", twin.name)
+        [kept] = store.tuner.latest_fidelity("twins", twin.name)
     assert kept["summary"]["band"] == report["band"] and "recording=lab" in kept["span"]
     text = CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--no-store"]).stdout
     assert "error band on this replica: ±0%" in text and "decision diff: Spearman 1" in text
@@ -195,7 +195,7 @@ def test_the_front_end_hop_is_replayed_from_the_engine_core_and_added_back(recor
         assert res.exit_code == 0, res.output
         return json.loads(res.stdout)["overall"]
 
-    with Store.open(str(db)) as store, store.engine.begin() as conn:
+    with Store.open(str(db)) as store, store.database.engine.begin() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE received_s = arrival_s")).scalar_one() \
             == len(trace)  # a twin's core gets each request when it arrives
         conn.execute(text("UPDATE completions SET arrival_s = received_s - 0.2 * (id % 5)"))  # hops 0–0.8 s
@@ -203,6 +203,6 @@ def test_the_front_end_hop_is_replayed_from_the_engine_core_and_added_back(recor
     for key, err in hopped["errors"].items():
         assert err is None or abs(err) < 1e-6, (key, err)
     assert hopped["real"]["ttft_p99"] > 0.8  # the real figures include the hop
-    with Store.open(str(db)) as store, store.engine.begin() as conn:
+    with Store.open(str(db)) as store, store.database.engine.begin() as conn:
         conn.execute(text("UPDATE completions SET received_s = NULL"))  # an older replica: API arrival only
     assert abs(overall()["errors"]["ttft_p50"]) > 0.01

@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from controlplane.cluster import ClusterFileError, parse_cluster_file
-from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec, window_report
+from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec
 from scheduler.metrics import Completion
+from scheduler.metrics.fairness import window_report
 from scheduler.settings import SloFqParams
 from twin_support import governed_cluster
 
@@ -109,7 +110,7 @@ def test_the_collector_computes_stores_and_restores_governance(governed, tmp_pat
         with Store.open(str(db)) as store:
             c = Collector(cluster, store, clock=lambda: now[0])
             await c.start()
-            from controlplane.collector import make_client
+            from controlplane.replica_http import make_client
             c._client = make_client(cluster)
             try:
                 for _ in range(n_polls):
@@ -131,18 +132,18 @@ def test_the_collector_computes_stores_and_restores_governance(governed, tmp_pat
     assert g["scr"] < 0.9 and g["alerts"] == {"scr": "critical"}
     assert g["jfi"] > 0.9 and g["jfi_seed"] < 0.9
     with Store.open(str(db)) as store:
-        [stored] = store.governance("gov")
+        [stored] = store.governance.windows("gov")
         assert stored["summary"]["scr"] == g["scr"]
-        [event] = store.alert_events("gov", name="scr")
+        [event] = store.governance.alert_events("gov", name="scr")
         assert (event["state"], event["severity"]) == ("firing", "critical")
         assert set(event["summary"]["missed"]) >= {"a", "b"}
-        assert [e["name"] for e in store.firing_alerts("gov")] == ["scr"]
-        assert store.firing_alerts("gov", at_ms=event["t_ms"] - 1) == []
+        assert [e["name"] for e in store.governance.firing_alerts("gov")] == ["scr"]
+        assert store.governance.firing_alerts("gov", at_ms=event["t_ms"] - 1) == []
     # A restarted collector knows the alert still fires: no second "firing" row.
     c2 = asyncio.run(collect(1))
     assert c2._alerts is not None and c2._alerts.active["scr"] == "critical"
     with Store.open(str(db)) as store:
-        assert len(store.alert_events("gov", name="scr")) == 1
+        assert len(store.governance.alert_events("gov", name="scr")) == 1
 
 
 def test_status_prints_and_serves_the_governance(governed, monkeypatch):

@@ -121,7 +121,7 @@ def quantiles(twin) -> str:
 
 
 def governor_rows(store) -> list[dict]:
-    return [r for r in store.settings_changes("gov", None, 100) if r["who"] == "governor"]
+    return [r for r in store.settings_log.settings_changes("gov", None, 100) if r["who"] == "governor"]
 
 
 def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
@@ -138,24 +138,24 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     assert [quantiles(t) for t in twins] == ["multi"] * 3
 
     # Armed: the mode entered in dry-run was never applied, so it is decided again, for real.
-    store.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_governor_control("gov", state="armed", who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 100.0))
     assert out["replicas"] == {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"}
     assert [quantiles(t) for t in twins] == ["p99", "p99", "multi"]  # the pinned one never moves
     applied = [r for r in governor_rows(store) if r["result"] == "applied"]
     assert len(applied) == 2 and all("governor enters scr mode: scr 0.5 < 0.85" in r["message"] for r in applied)
-    status = store.governor_control("gov")["status"]
+    status = store.governance.governor_control("gov")["status"]
     assert status["active"] == {"scr": 100.0} and status["dry"] == []
     assert sorted(r for _, r, _ in status["replaced"]) == ["twin-0", "twin-1"]  # kept for a restart
 
     # Paused: the change is undone (nothing stays applied that nobody watches); resumed with the
     # figures still low, it is entered again.
-    store.set_governor_control("gov", paused=True, who="test")
+    store.governance.set_governor_control("gov", paused=True, who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 200.0))
     assert (out["action"], out["replicas"]) == ("exit", {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"})
     assert [quantiles(t) for t in twins] == ["multi"] * 3 and "paused" in out["note"]
-    assert store.governor_control("gov")["status"]["active"] == {}
-    store.set_governor_control("gov", paused=False, who="test")
+    assert store.governance.governor_control("gov")["status"]["active"] == {}
+    store.governance.set_governor_control("gov", paused=False, who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 210.0))
     assert out["action"] == "enter" and [quantiles(t) for t in twins] == ["p99", "p99", "multi"]
 
@@ -178,7 +178,7 @@ def test_real_figures_trigger_the_scr_mode(twins_governed):
     # The noisy tenant took several times its commitment (the seed's literal JFI says so), but
     # every tenant was served all it asked for: nobody is suppressed, JFI is not low.
     assert figures["jfi_seed"] < 0.8 and figures["jfi"] > 0.9
-    store.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_governor_control("gov", state="armed", who="test")
     outs = asyncio.run(governor_step(Governor.for_cluster(collector.cluster.governance), collector, store, 0.0))
     assert [o["mode"] for o in outs] == ["scr"]
     assert outs[0]["replicas"]["twin-0"] == "applied" and quantiles(twins[0]) == "p99"
@@ -191,7 +191,7 @@ def test_the_governor_command_steers_the_control_row(tmp_path):
 
     db = str(tmp_path / "g.db")
     with Store.open(db) as store:  # the governor steers only a cluster the database knows
-        store.ensure_replicas("c", [("r1", "http://127.0.0.1:1", "http://127.0.0.1:1")])
+        store.recordings.ensure_replicas("c", [("r1", "http://127.0.0.1:1", "http://127.0.0.1:1")])
     run = CliRunner()
     assert "dry-run; active modes: none" in run.invoke(main, ["governor", "status", "--cluster-name", "c", "--db", db]).output
     run.invoke(main, ["governor", "arm", "--cluster-name", "c", "--db", db, "--who", "ops"])
@@ -240,7 +240,7 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
                 time.sleep(0.2)
                 try:
                     with Store.open(str(db)) as store:
-                        rows = [r for r in store.settings_changes("live", None, 10)
+                        rows = [r for r in store.settings_log.settings_changes("live", None, 10)
                                 if r["who"] == "governor" and "enters scr mode" in (r["message"] or "")]
                 except Exception:
                     rows = []
@@ -253,7 +253,7 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
         assert "scr" in row["message"] and "< 0.85" in row["message"]
         # Within two windows of the SCR drop (when the collector's SCR alert first fired).
         with Store.open(str(db)) as store:
-            fired = min(e["t_ms"] for e in store.alert_events("live", name="scr") if e["state"] == "firing")
+            fired = min(e["t_ms"] for e in store.governance.alert_events("live", name="scr") if e["state"] == "firing")
         assert 0 <= row["t_ms"] - fired <= 2 * window_s * 1000
 
 

@@ -10,9 +10,10 @@ import asyncio
 import pytest
 from click.testing import CliRunner
 
-from controlplane.governance import GovernanceSpec, window_report
+from controlplane.governance import GovernanceSpec
 from controlplane.governor import Governor, governor_step, modes, run_governor
 from scheduler.metrics import Completion
+from scheduler.metrics.fairness import window_report
 from scheduler.settings import Settings, SloFqParams
 from twin_support import poll_all
 
@@ -104,7 +105,7 @@ def params_of(twin) -> dict:
 
 def enter_both(g, collector, store) -> None:
     collector.governance = {**suppressed(), "scr": 0.5}
-    store.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_governor_control("gov", state="armed", who="test")
     outs = asyncio.run(governor_step(g, collector, store, 0.0))
     assert [(o["mode"], o["action"]) for o in outs] == [("scr", "enter"), ("jfi", "enter")]
     for t in collector_twins(collector):
@@ -121,15 +122,15 @@ def test_disarm_undoes_every_change_and_status_tells_the_truth(twins):
     collector.test_twins = found
     g = gov()
     enter_both(g, collector, store)
-    assert modes(store.governor_control("gov")["status"]) == (["scr", "jfi"], [])
-    store.set_governor_control("gov", state="disarmed", who="test")
+    assert modes(store.governance.governor_control("gov")["status"]) == (["scr", "jfi"], [])
+    store.governance.set_governor_control("gov", state="disarmed", who="test")
     outs = asyncio.run(governor_step(g, collector, store, 5.0))  # figures still low: undone anyway
     assert [(o["mode"], o["action"]) for o in outs] == [("jfi", "exit"), ("scr", "exit")]
     assert all("disarmed" in o["note"] for o in outs)
     for t in found:
         p = params_of(t)
         assert p["quantiles"] == "multi" and p["throttle"] == {}
-    status = store.governor_control("gov")["status"]
+    status = store.governance.governor_control("gov")["status"]
     assert modes(status) == ([], []) and status["replaced"] == []
 
 
@@ -167,8 +168,8 @@ def test_a_recorder_stop_undoes_every_change(twins):
     for t in found:
         p = params_of(t)
         assert p["quantiles"] == "multi" and p["throttle"] == {}
-    assert modes(store.governor_control("gov")["status"]) == ([], [])
-    notes = [r["message"] for r in store.settings_changes("gov", None, 100) if r["who"] == "governor"]
+    assert modes(store.governance.governor_control("gov")["status"]) == ([], [])
+    notes = [r["message"] for r in store.settings_log.settings_changes("gov", None, 100) if r["who"] == "governor"]
     assert any("the recorder stopped" in (m or "") for m in notes)
 
 

@@ -45,7 +45,8 @@ def run(state: str, db: str, trace: tr.Trace) -> tuple[dict[str, tuple[int, floa
     """Serve ``trace`` on one twin, polling, governing and running the governor every simulated
     second; per tenant (requests, P99 TTFT, tokens) and the governor's audit rows."""
     from controlplane.cluster import ClusterSpec, ReplicaSpec
-    from controlplane.collector import Collector, make_client
+    from controlplane.collector import Collector
+    from controlplane.replica_http import make_client
     from controlplane.governance import GovernanceSpec
     from controlplane.governor import Governor, governor_step
     from storage.store import Store
@@ -62,8 +63,8 @@ def run(state: str, db: str, trace: tr.Trace) -> tuple[dict[str, tuple[int, floa
             {"tenants": tenants, "governor": {"dwell_s": 30.0}}),
             replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env="TAILPILOT_TOKEN")
                       for t in twins])
-        store.ensure_replicas("gov", [(r.name, r.api_url, r.control_url) for r in spec.replicas])
-        store.set_governor_control("gov", state=state, who="test")
+        store.recordings.ensure_replicas("gov", [(r.name, r.api_url, r.control_url) for r in spec.replicas])
+        store.governance.set_governor_control("gov", state=state, who="test")
         collector = Collector(spec, store, clock=clock.now)
         gov = Governor.for_cluster(spec.governance)
 
@@ -90,7 +91,7 @@ def run(state: str, db: str, trace: tr.Trace) -> tuple[dict[str, tuple[int, floa
             if not items:
                 break
             done += items
-        rows = [r for r in store.settings_changes("gov", None, 1000) if r["who"] == "governor"]
+        rows = [r for r in store.settings_log.settings_changes("gov", None, 1000) if r["who"] == "governor"]
     out = {}
     for tenant in QUIET + ("heavy",):
         mine = [c for c in done if c["tenant"] == tenant]

@@ -533,7 +533,7 @@ def test_a_taken_metrics_port_fails_the_start_and_begins_nothing(governed, tmp_p
     from storage.store import Store
 
     with Store.open(str(tmp_path / "t.db")) as store:
-        assert store.recordings("gov") == []  # no recording left open
+        assert store.recordings.all("gov") == []  # no recording left open
 
 
 def test_tenants_from_clients_do_not_grow_the_page_without_bound(governed, monkeypatch):

@@ -36,20 +36,20 @@ def store_path(tmp_path):
     path = tmp_path / "rec.db"
     clock = Clock(1000.0)
     with Store.open(str(path), clock=clock) as store:
-        store.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2"),
+        store.recordings.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2"),
                                     ("b", "http://127.0.0.1:3", "http://127.0.0.1:4")])
-        store.write("c", Batch(completions=[row("a", "before", 990.0)]))
-        rec = store.begin_recording("c", "peak", t_ms=1_500_000)
+        store.recordings.write("c", Batch(completions=[row("a", "before", 990.0)]))
+        rec = store.recordings.begin_recording("c", "peak", t_ms=1_500_000)
         clock.t = 2000.0
-        store.write("c", Batch(completions=[
+        store.recordings.write("c", Batch(completions=[
             row("a", "r1", 1_700_000_000.25, 300, 40, max_tokens=64),
             row("a", "r2", 1_700_000_001.75, 50, 64, max_tokens=64, reason="length", tenant="t2", type="completion"),
             row("a", "r3", 1_700_000_000.0, 20, 5, max_tokens=None, type="weird-type"),
             row("b", "r1", 1_700_000_003.0, 80, 8),
         ]))
-        store.end_recording(rec, t_ms=2_500_000)
+        store.recordings.end_recording(rec, t_ms=2_500_000)
         clock.t = 3000.0
-        store.write("c", Batch(completions=[row("a", "after", 2990.0)]))
+        store.recordings.write("c", Batch(completions=[row("a", "after", 2990.0)]))
     return path
 
 
@@ -163,7 +163,7 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     with start_twins(1, source, speed=20, token="tok") as twins:
         record_all(twins, db, 100, recording="rt")  # the real recorder, until 100 completions are stored
     with Store.open(str(db)) as store:
-        stored = store.completions("twins")
+        stored = store.readings.completions("twins")
     trace = load_recorded(parse_url(f"db:{db}#recording=rt"))
     assert len(trace) == len(stored) >= 100
     t0 = min(c.arrival_s for c in stored)
@@ -185,11 +185,11 @@ def test_tune_on_a_recording_and_recommend_names_it(tmp_path, monkeypatch):
     source = traces.time_window(traces.load_bundled(), 0.0, 240.0)
     clock = Clock(1000.0)
     with Store.open("tp.db", clock=clock) as store:
-        store.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2")])
-        rec = store.begin_recording("c", "day", t_ms=900_000)
-        store.write("c", Batch(completions=[row("a", r.id, 5_000.0 + r.arrival, r.prompt_tokens, r.output_tokens)
+        store.recordings.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2")])
+        rec = store.recordings.begin_recording("c", "day", t_ms=900_000)
+        store.recordings.write("c", Batch(completions=[row("a", r.id, 5_000.0 + r.arrival, r.prompt_tokens, r.output_tokens)
                                             for r in source]))
-        store.end_recording(rec, t_ms=1_100_000)
+        store.recordings.end_recording(rec, t_ms=1_100_000)
     runner = CliRunner()
     base = ["--study", "s", "--storage", "sqlite:///optuna.db", "--db", "tp.db"]
     res = runner.invoke(main, ["tune", *base, "--recording", "day", "--policy", "uniboost", "--objective",
@@ -204,6 +204,6 @@ def test_tune_on_a_recording_and_recommend_names_it(tmp_path, monkeypatch):
     assert f"tuned on db:{tmp_path / 'tp.db'}#recording=day ({len(source):,} requests" in text
     # The recording changed since: resuming the study says so instead of tuning on other traffic.
     with Store.open("tp.db", clock=Clock(1050.0)) as store:
-        store.write("c", Batch(completions=[row("a", "late", 5_100.0)]))
+        store.recordings.write("c", Batch(completions=[row("a", "late", 5_100.0)]))
     res = runner.invoke(main, ["tune", *base, "--trials", "4", "--no-progress"])
     assert res.exit_code == 2 and "changed since the study was created" in res.output

@@ -63,7 +63,7 @@ def _wait(cond, timeout=20.0, what="condition", proc=None):
 
 def _stored(db: Path) -> int:
     with Store.open(str(db)) as store:
-        return sum(store.cursors("twins").values())
+        return sum(store.recordings.cursors("twins").values())
 
 
 def test_sigterm_flushes_everything(twins, tmp_path):
@@ -83,7 +83,7 @@ def test_sigterm_flushes_everything(twins, tmp_path):
         time.sleep(1.5)  # ~15 more polls per replica at 0.1 s
         assert proc.poll() is None
         with Store.open(str(db)) as store:
-            assert store.cursors("twins") == {}  # nothing flushed yet
+            assert store.recordings.cursors("twins") == {}  # nothing flushed yet
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out = proc.stdout.read()
@@ -99,7 +99,7 @@ def test_sigterm_flushes_everything(twins, tmp_path):
     assert stats["batches"] == 1 and stats["completions_written"] > 0 and stats["polls"] > 10
     with Store.open(str(db)) as store:
         assert assert_exactly_once(store, "twins", twins) == stats["completions_written"]
-        assert sum(len(store.samples("twins", t.name)) for t in twins) == stats["samples_written"] == stats["polls"]
+        assert sum(len(store.readings.samples("twins", t.name)) for t in twins) == stats["samples_written"] == stats["polls"]
     assert "replica twin-0 healthy" in err
 
 
@@ -155,7 +155,7 @@ def test_run_recorder_in_process_ends_its_recording(twins, tmp_path):
     assert stats.polls >= 1 and stats.completions_written > 0 and stats.unhealthy_at_end == []
     assert stats.retention_runs == 1
     with Store.open(str(db)) as store:
-        [rec] = store.recordings("twins")
+        [rec] = store.recordings.all("twins")
         assert rec.name == "nightly" and rec.id == stats.recording_id and rec.ended_ms is not None
         assert assert_exactly_once(store, "twins", twins) == stats.completions_written
 
@@ -189,7 +189,8 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     )
 
     from controlplane.cluster import ClusterSpec, ReplicaSpec
-    from controlplane.collector import Collector, apply_settings
+    from controlplane.collector import Collector
+    from controlplane.steering import apply_settings
 
     settings_file = tmp_path / "settings.json"
     settings_file.write_text(json.dumps({"policy": "fcfs"}))
@@ -237,7 +238,7 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
 
     assert applied.result == "applied", applied
     assert unhealthy == []  # vLLM's real /metrics page and the plugin's /state parse on every poll
-    stored = store.completions("real", "cpu-0")
+    stored = store.readings.completions("real", "cpu-0")
     assert len(stored) == len({c.request_id for c in stored}) == len(requests)
     assert sorted((c.tenant, c.output_tokens) for c in stored) == sorted((r.tenant, r.max_tokens) for r in requests)
     # The plugin reports each request's client cap (from vLLM's sampling params) and the store keeps it.
@@ -248,5 +249,5 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     assert {g.group for g in snap.groups if g.kind == "tenant"} == set(tenants)
     assert snap.metrics["requests_total"] == metrics["vllm:request_success_total"] == len(requests)
     assert snap.sample.kv_total_blocks > 0
-    [audit] = store.settings_changes("real")
+    [audit] = store.settings_log.settings_changes("real")
     assert audit["result"] == "applied" and audit["new"]["policy"] == "uniboost"

@@ -29,7 +29,8 @@ from test_collector import Running, _cluster, wait_until
 
 from controlplane import replica_http
 from controlplane.cluster import ClusterSpec
-from controlplane.collector import Collector, make_client, poll_cluster_once
+from controlplane.collector import Collector, poll_cluster_once
+from controlplane.replica_http import make_client
 from controlplane.exporter import MAX_TENANTS, MAX_TYPES, render
 from controlplane.prom import MAX_METRICS_SERIES
 from controlplane.views import sample_json, status_table
@@ -110,14 +111,14 @@ def test_an_integer_past_64_bits_in_a_state_field_is_nulled_and_counted_and_the_
     try:
         c = Collector(cluster_of(bad, good), store)
         poll_rounds(c, 2)
-        assert store.cursors("iso") == {"bad": 5, "good": 5}
-        assert [x.request_id for x in store.completions("iso", "bad")] == [f"q{i}" for i in range(5)]
-        [*_, last] = store.samples("iso", "bad")
+        assert store.recordings.cursors("iso") == {"bad": 5, "good": 5}
+        assert [x.request_id for x in store.readings.completions("iso", "bad")] == [f"q{i}" for i in range(5)]
+        [*_, last] = store.readings.samples("iso", "bad")
         assert last.healthy and last.rejected == {"out_of_range": 2}  # once per poll it was sent
         column = {"kv.used_blocks": "kv_used_blocks", "kv.total_blocks": "kv_total_blocks"}.get(where, where)
         if hasattr(last, column):
             assert getattr(last, column) is None
-        assert c.views["good"].rejected == {} and store.samples("iso", "good")[-1].rejected is None
+        assert c.views["good"].rejected == {} and store.readings.samples("iso", "good")[-1].rejected is None
     finally:
         store.close()
 
@@ -130,11 +131,11 @@ def test_a_count_past_the_32_bit_columns_is_nulled_on_every_backend(replicas, db
     with Store.open(db_url) as store:
         c = Collector(cluster_of(bad, other), store)
         poll_rounds(c)
-        [row] = store.samples("iso", "bad")
+        [row] = store.readings.samples("iso", "bad")
         assert row.waiting is None and row.running == 2**31 - 1 and row.rejected == {"out_of_range": 1}
-        [row] = store.samples("iso", "other")
+        [row] = store.readings.samples("iso", "other")
         assert row.settings_version is None and row.rejected == {"out_of_range": 1}
-        assert [(s["replica"], s["version"]) for s in store.settings_seen("iso")] == [("bad", 1), ("other", None)]
+        assert [(s["replica"], s["version"]) for s in store.settings_log.settings_seen("iso")] == [("bad", 1), ("other", None)]
     page = render(c).decode()  # counted on the recorder's page, every reason of every replica
     assert 'tailpilot_ingest_rejected_total{cluster="iso",reason="out_of_range",replica="bad"} 1.0' in page
     assert 'tailpilot_ingest_rejected_total{cluster="iso",reason="duplicate_id",replica="bad"} 0.0' in page
@@ -147,17 +148,17 @@ def test_a_cursor_past_64_bits_marks_that_replica_unhealthy_and_the_others_keep_
 
     async def scenario():
         async with Running(cluster_of(bad, good), store, flush_interval_s=0.05) as run:
-            await wait_until(lambda: store.cursors("iso").get("good") == 3, what="the good replica stored")
+            await wait_until(lambda: store.recordings.cursors("iso").get("good") == 3, what="the good replica stored")
             good.log += [entry(i) for i in range(3, 9)]  # it goes on finishing requests
-            await wait_until(lambda: store.cursors("iso").get("good") == 9, what="the good replica stored again")
+            await wait_until(lambda: store.recordings.cursors("iso").get("good") == 9, what="the good replica stored again")
             await wait_until(lambda: len(run.polls_of("bad")) >= 3, what="polls of the bad replica")
             return run
 
     run = asyncio.run(scenario())
     health = run.collector.views["bad"].health
     assert not health.healthy and "next_cursor" in health.reason and "beyond what the store holds" in health.reason
-    assert "bad" not in store.cursors("iso") and store.completions("iso", "bad") == []
-    assert not store.samples("iso", "bad")[-1].healthy
+    assert "bad" not in store.recordings.cursors("iso") and store.readings.completions("iso", "bad") == []
+    assert not store.readings.samples("iso", "bad")[-1].healthy
     assert set(bad.cursors_asked) == {0}  # never moved past what it could not store
     store.close()
 
@@ -173,13 +174,13 @@ def test_text_that_is_not_unicode_never_reaches_the_store(replicas, db_url):
     with Store.open(db_url) as store:
         c = Collector(cluster_of(bad), store)
         poll_rounds(c)
-        got = {x.request_id: (x.tenant, x.type) for x in store.completions("iso", "bad")}
+        got = {x.request_id: (x.tenant, x.type) for x in store.readings.completions("iso", "bad")}
         assert got == {"q0": ("other", "chat"), "q1": ("acme", "other"), "q4": ("other", "chat"), "q5": ("acme", "chat")}
         assert c.views["bad"].rejected == {"invalid_text": 7, "long_name": 1}
         assert c.views["bad"].skipped_completions == 2
-        [row] = store.samples("iso", "bad")
+        [row] = store.readings.samples("iso", "bad")
         assert row.healthy and row.policy is None and row.rejected == {"invalid_text": 7, "long_name": 1}
-        assert store.cursor_positions("iso") == {"bad": (6, None)} and store.settings_seen("iso") == []
+        assert store.recordings.cursor_positions("iso") == {"bad": (6, None)} and store.settings_log.settings_seen("iso") == []
 
 
 def test_an_integer_the_json_reader_refuses_is_bad_json_not_a_collector_error(replicas):
@@ -203,15 +204,15 @@ def test_one_out_of_range_token_count_loses_only_its_own_completion_and_a_restar
     with Store.open(db_url) as store:
         c = Collector(cluster_of(rep), store)
         poll_rounds(c)
-        stored = {x.request_id: x for x in store.completions("iso", "r")}
+        stored = {x.request_id: x for x in store.readings.completions("iso", "r")}
         assert sorted(stored, key=lambda i: int(i[1:])) == [f"q{i}" for i in range(20) if i not in (3, 7)]
         assert stored["q12"].max_tokens is None and stored["q11"].max_tokens == 64
         assert c.views["r"].rejected == {"out_of_range": 3} and c.views["r"].skipped_completions == 2
-        assert store.cursors("iso") == {"r": 20}  # saved with the rows it covers
+        assert store.recordings.cursors("iso") == {"r": 20}  # saved with the rows it covers
         # A restart (a new collector on the same store) reads on from there, into no crash.
         again = Collector(cluster_of(rep), store)
         poll_rounds(again)
-        assert rep.cursors_asked == [0, 20] and len(store.completions("iso", "r")) == 18
+        assert rep.cursors_asked == [0, 20] and len(store.readings.completions("iso", "r")) == 18
 
 
 def test_repeated_request_ids_are_counted_not_silently_dropped(replicas, db_url):
@@ -221,9 +222,9 @@ def test_repeated_request_ids_are_counted_not_silently_dropped(replicas, db_url)
         poll_rounds(c)
         rep.log.append(entry(5, id="q3"))  # in a later poll, too
         poll_rounds(c)
-        assert sorted(x.request_id for x in store.completions("iso", "r")) == ["q0", "q1", "q3"]
+        assert sorted(x.request_id for x in store.readings.completions("iso", "r")) == ["q0", "q1", "q3"]
         assert c.views["r"].rejected == {"duplicate_id": 3}
-        assert store.samples("iso", "r")[-1].rejected == {"duplicate_id": 3}
+        assert store.readings.samples("iso", "r")[-1].rejected == {"duplicate_id": 3}
         assert len(c.views["r"].window) == 3  # a repeat is not counted twice in the percentiles either
 
 
@@ -305,11 +306,11 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
     for kind in ("tenant", "type"):
         groups = {g.group: g.completed for g in c.views["r"].groups if g.kind == kind}
         assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 1 and groups["other"] == 150
-        stored = store.group_samples("iso", "r", kind=kind)
+        stored = store.readings.group_samples("iso", "r", kind=kind)
         assert len(stored) == limits.MAX_GROUPS_PER_WINDOW + 1
     waiting = c.views["r"].state["waiting_by_tenant"]
     assert len(waiting) == limits.MAX_GROUPS_PER_WINDOW + 1 and waiting["other"] == 150
-    assert len(store.completions("iso", "r")) == n  # each request keeps its own tenant in its row
+    assert len(store.readings.completions("iso", "r")) == n  # each request keeps its own tenant in its row
     fams = {f.name: f.samples for f in text_string_to_metric_families(render(c).decode())}
     for kind, cap in (("tenant", MAX_TENANTS), ("type", MAX_TYPES)):
         labelled = {s.labels["group"] for s in fams["tailpilot_group_requests"] if s.labels["kind"] == kind}
@@ -342,7 +343,7 @@ def test_breaker_trips_are_audited_once_each_counted_and_shown(replicas, db_url)
         for doc in (breaker(0), breaker(1), breaker(1), breaker(3, fallback=None)):
             rep.state_extra["breaker"] = doc
             poll_rounds(c)
-        audit = [r for r in store.settings_changes("iso") if r["who"] == "engine"]
+        audit = [r for r in store.settings_log.settings_changes("iso") if r["who"] == "engine"]
         assert [(r["replica"], r["result"], r["version"]) for r in audit] == [("r", "breaker", 3)] * 2
         newest, first = audit
         assert "ZeroDivisionError: float division by zero" in first["message"] and "replaced by settings v2" in first["message"]
@@ -354,9 +355,9 @@ def test_breaker_trips_are_audited_once_each_counted_and_shown(replicas, db_url)
         poll_rounds(again)
         rep.state_extra.update(instance="i-2", breaker=breaker(1))
         poll_rounds(again)
-        assert [r["new"]["trips_total"] for r in store.settings_changes("iso") if r["who"] == "engine"] == [1, 3, 1]
+        assert [r["new"]["trips_total"] for r in store.settings_log.settings_changes("iso") if r["who"] == "engine"] == [1, 3, 1]
         # Shown: the samples, the status table and its JSON, the Prometheus page, the TUI's replica view.
-        assert store.samples("iso", "r")[-1].breaker_trips == 1 and store.samples("iso", "old")[-1].breaker_trips is None
+        assert store.readings.samples("iso", "r")[-1].breaker_trips == 1 and store.readings.samples("iso", "old")[-1].breaker_trips is None
         page = render(again).decode()
         assert 'tailpilot_breaker_trips_total{cluster="iso",replica="r"} 1.0' in page
         assert 'replica="old"' not in page.split("tailpilot_breaker_trips_total", 1)[1].split("# HELP", 1)[0]
@@ -426,8 +427,8 @@ def test_a_full_disk_ends_the_recorder_with_one_line_and_loses_nothing_committed
     assert line == (f"error: cannot write to {db}: the database or its disk is full; nothing of this write was "
                     "stored (what was stored before is intact)")
     with Store.open(str(db)) as store:
-        cursor = store.cursors("iso")["r"]
-        ids = [x.request_id for x in store.completions("iso", "r")]
+        cursor = store.recordings.cursors("iso")["r"]
+        ids = [x.request_id for x in store.readings.completions("iso", "r")]
         assert 0 < cursor < 3000 and sorted(ids) == sorted(f"q{i}" for i in range(cursor))  # what was committed
     # With room again, a new run reads on from the stored cursor: every completion once.
     stop = threading.Event()
@@ -436,7 +437,7 @@ def test_a_full_disk_ends_the_recorder_with_one_line_and_loses_nothing_committed
     def stop_when_done() -> None:
         with Store.open(str(db)) as s:
             while not stop.wait(0.05):
-                if s.cursors("iso").get("r") == 3000:
+                if s.recordings.cursors("iso").get("r") == 3000:
                     stop.set()
 
     watcher = threading.Thread(target=stop_when_done, daemon=True)
@@ -447,7 +448,7 @@ def test_a_full_disk_ends_the_recorder_with_one_line_and_loses_nothing_committed
                  install_signals=False)
     watcher.join(10)
     with Store.open(str(db)) as store:
-        ids = [x.request_id for x in store.completions("iso", "r")]
+        ids = [x.request_id for x in store.readings.completions("iso", "r")]
         assert sorted(ids) == sorted(f"q{i}" for i in range(3000))
 
 
@@ -470,11 +471,11 @@ def test_a_real_replica_cores_breaker_trip_is_audited_and_shown(tmp_path):
         store = Store.open(str(tmp_path / "b.db"))
         c = Collector(_cluster([("r1", server.base_url, server.base_url)], name="iso"), store)
         poll_rounds(c)
-        assert [r for r in store.settings_changes("iso") if r["who"] == "engine"] == []
+        assert [r for r in store.settings_log.settings_changes("iso") if r["who"] == "engine"] == []
         core.trip(ZeroDivisionError("float division by zero"), 5.0)
         poll_rounds(c)
         poll_rounds(c)
-        [row] = [r for r in store.settings_changes("iso") if r["who"] == "engine"]
+        [row] = [r for r in store.settings_log.settings_changes("iso") if r["who"] == "engine"]
         assert row["result"] == "breaker" and row["version"] == 2
         assert row["message"].startswith("a policy raised in the engine's step (ZeroDivisionError: float division by "
                                          "zero); settings v2 replaced by settings v1 (1 new trip, 1 since")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.governance import window_report
+from scheduler.metrics.fairness import window_report
 from scheduler.policies import RequestState, make_policy
 from scheduler.settings import Settings, SloFqParams, describe_error
 from sim.engine import EngineConfig, Simulator, simulate

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.noisy_neighbour import HEAVY_QUIET, heavy_tenant
-from controlplane.governance import window_report
+from scheduler.metrics.fairness import window_report
 from scheduler.policies import RequestState, make_policy
 from scheduler.policies.slo import Bucket
 from scheduler.settings import Settings, SloFqParams

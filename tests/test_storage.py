@@ -104,97 +104,97 @@ def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
 
 def test_round_trip_of_every_row_kind(store):
     rng = random.Random(1)
-    store.ensure_replicas("prod", [("r1", "http://r1:8000", "http://r1:9000"), ("r2", "http://r2:8000", None)])
-    store.ensure_replicas("prod", [("r2", "http://r2:8000", "http://r2:9000")])  # URLs of a known replica move
+    store.recordings.ensure_replicas("prod", [("r1", "http://r1:8000", "http://r1:9000"), ("r2", "http://r2:8000", None)])
+    store.recordings.ensure_replicas("prod", [("r2", "http://r2:8000", "http://r2:9000")])  # URLs of a known replica move
     samples = [sample(rng, r, T0 + k * 1000, healthy=(k != 2)) for k in range(4) for r in ("r1", "r2")]
     groups = [group_sample(rng, r, T0 + k * 1000, kind, g) for k in range(3) for r in ("r1", "r2")
               for kind, g in (("tenant", "a"), ("tenant", "b"), ("type", "chat"))]  # fmt: skip
     comps = [completion("r1" if i % 2 else "r2", i, tenant="ab"[i % 2]) for i in range(20)]
-    store.write("prod", Batch(samples=samples, group_samples=groups, completions=comps, cursors={"r1": 10, "r2": 9}))
-    store.write("staging", Batch(samples=[sample(rng, "r1", T0 + 500)], cursors={"r1": 3}))  # another cluster
+    store.recordings.write("prod", Batch(samples=samples, group_samples=groups, completions=comps, cursors={"r1": 10, "r2": 9}))
+    store.recordings.write("staging", Batch(samples=[sample(rng, "r1", T0 + 500)], cursors={"r1": 3}))  # another cluster
 
-    assert store.clusters() == ["prod", "staging"]
-    reps = {r.name: r for r in store.replicas("prod")}
+    assert store.recordings.clusters() == ["prod", "staging"]
+    reps = {r.name: r for r in store.recordings.replicas("prod")}
     assert (reps["r1"].api_url, reps["r1"].control_url) == ("http://r1:8000", "http://r1:9000")
     assert (reps["r2"].api_url, reps["r2"].control_url) == ("http://r2:8000", "http://r2:9000")
     assert reps["r1"].last_seen_ms == max(s.t_ms for s in samples if s.replica == "r1" and s.healthy)
-    assert store.cursors("prod") == {"r1": 10, "r2": 9}
-    assert store.cursors("staging") == {"r1": 3}
+    assert store.recordings.cursors("prod") == {"r1": 10, "r2": 9}
+    assert store.recordings.cursors("staging") == {"r1": 3}
 
     for r in ("r1", "r2"):
-        assert store.samples("prod", r) == [s for s in samples if s.replica == r]
-        assert sorted(store.group_samples("prod", r), key=lambda g: (g.t_ms, g.kind, g.group)) == sorted(
+        assert store.readings.samples("prod", r) == [s for s in samples if s.replica == r]
+        assert sorted(store.readings.group_samples("prod", r), key=lambda g: (g.t_ms, g.kind, g.group)) == sorted(
             (g for g in groups if g.replica == r), key=lambda g: (g.t_ms, g.kind, g.group)
         )
-    assert store.group_samples("prod", "r1", kind="type") == [g for g in groups if g.replica == "r1" and g.kind == "type"]
-    assert store.samples("prod", "r1", since_ms=T0 + 1000, until_ms=T0 + 3000) == [
+    assert store.readings.group_samples("prod", "r1", kind="type") == [g for g in groups if g.replica == "r1" and g.kind == "type"]
+    assert store.readings.samples("prod", "r1", since_ms=T0 + 1000, until_ms=T0 + 3000) == [
         s for s in samples if s.replica == "r1" and T0 + 1000 <= s.t_ms < T0 + 3000
     ]
-    assert store.completions("prod") == sorted(comps, key=lambda c: c.finished_s)
-    assert {c.max_tokens for c in store.completions("prod")} == {None, 256, 4096, 32768}
-    assert {c.received_s is None for c in store.completions("prod")} == {True, False}
-    assert store.completions("prod", "r1", since_s=15.0, until_s=25.0) == [
+    assert store.readings.completions("prod") == sorted(comps, key=lambda c: c.finished_s)
+    assert {c.max_tokens for c in store.readings.completions("prod")} == {None, 256, 4096, 32768}
+    assert {c.received_s is None for c in store.readings.completions("prod")} == {True, False}
+    assert store.readings.completions("prod", "r1", since_s=15.0, until_s=25.0) == [
         c for c in comps if c.replica == "r1" and 15.0 <= c.finished_s < 25.0
     ]
-    assert store.completions("staging") == []
-    assert store.time_range("prod") == (T0, T0 + 3000)
-    assert store.time_range("nowhere") is None
+    assert store.readings.completions("staging") == []
+    assert store.recordings.time_range("prod") == (T0, T0 + 3000)
+    assert store.recordings.time_range("nowhere") is None
 
     old, new = {"policy": "fcfs", "params": {}}, {"policy": "uniboost", "params": {"gamma": 8.0}, "pinned": ["gamma"]}
-    store.record_settings_change("prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0)
-    store.record_settings_change("prod", "r2", who="tuner", old=new, new=old, result="rejected",
+    store.settings_log.record_settings_change("prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0)
+    store.settings_log.record_settings_change("prod", "r2", who="tuner", old=new, new=old, result="rejected",
                                  message="gamma: out of range", t_ms=T0 + 1)  # fmt: skip
-    store.record_settings_change("prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2)  # new name
-    log = store.settings_changes("prod")
+    store.settings_log.record_settings_change("prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2)  # new name
+    log = store.settings_log.settings_changes("prod")
     assert [(c["replica"], c["who"], c["result"]) for c in log] == [
         ("r9", "bob", "error"), ("r2", "tuner", "rejected"), ("r1", "alice", "applied")
     ]
     assert log[2] == {"t_ms": T0, "cluster": "prod", "replica": "r1", "who": "alice", "old": old, "new": new,
                       "result": "applied", "message": None, "version": 4}  # fmt: skip
     assert log[1]["message"] == "gamma: out of range"
-    assert store.settings_changes("prod", "r2", limit=5) == [log[1]]
-    assert store.settings_changes("prod", limit=1) == [log[0]]
+    assert store.settings_log.settings_changes("prod", "r2", limit=5) == [log[1]]
+    assert store.settings_log.settings_changes("prod", limit=1) == [log[0]]
 
-    rec = store.begin_recording("prod", "peak", note="Monday peak", t_ms=T0)
-    other = store.begin_recording("staging", "smoke", t_ms=T0 + 5)
-    store.end_recording(rec, t_ms=T0 + 60_000)
-    recs = store.recordings()
+    rec = store.recordings.begin_recording("prod", "peak", note="Monday peak", t_ms=T0)
+    other = store.recordings.begin_recording("staging", "smoke", t_ms=T0 + 5)
+    store.recordings.end_recording(rec, t_ms=T0 + 60_000)
+    recs = store.recordings.all()
     assert [(r.id, r.name, r.cluster, r.started_ms, r.ended_ms, r.note) for r in recs] == [
         (rec, "peak", "prod", T0, T0 + 60_000, "Monday peak"), (other, "smoke", "staging", T0 + 5, None, None)
     ]
-    assert [r.id for r in store.recordings("staging")] == [other]
+    assert [r.id for r in store.recordings.all("staging")] == [other]
     with pytest.raises(KeyError):
-        store.end_recording(10_000)
+        store.recordings.end_recording(10_000)
 
-    assert store.latest_recommendation() is None
-    store.store_recommendation("s1", {"policy": "uniboost", "params": {"gamma": 4.0}}, {"ttlt_p99": 1.5}, t_ms=T0)
-    store.store_recommendation("s2", {"policy": "fcfs"}, {"ttlt_p99": 2.0, "windows": [1, 2]}, t_ms=T0 + 1)
-    assert store.latest_recommendation().study == "s2"
-    s1 = store.latest_recommendation("s1")
+    assert store.tuner.latest_recommendation() is None
+    store.tuner.store_recommendation("s1", {"policy": "uniboost", "params": {"gamma": 4.0}}, {"ttlt_p99": 1.5}, t_ms=T0)
+    store.tuner.store_recommendation("s2", {"policy": "fcfs"}, {"ttlt_p99": 2.0, "windows": [1, 2]}, t_ms=T0 + 1)
+    assert store.tuner.latest_recommendation().study == "s2"
+    s1 = store.tuner.latest_recommendation("s1")
     assert (s1.settings, s1.summary, s1.created_ms) == ({"policy": "uniboost", "params": {"gamma": 4.0}},
                                                         {"ttlt_p99": 1.5}, T0)  # fmt: skip
 
 
 def test_reopening_keeps_everything(url):
     with Store.open(url) as s:
-        s.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+        s.recordings.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
     with Store.open(url) as s:  # migrations find the schema at head and leave the data alone
-        assert s.cursors("c") == {"r1": 1}
-        assert s.completions("c") == [completion("r1", 1)]
+        assert s.recordings.cursors("c") == {"r1": 1}
+        assert s.readings.completions("c") == [completion("r1", 1)]
 
 
 def test_latest_samples_at_a_past_time(store):
     rng = random.Random(2)
     rows = [sample(rng, "r1", T0 + t) for t in (1000, 2000, 3000)] + [sample(rng, "r2", T0 + t) for t in (1500, 2500)]
-    store.write("c", Batch(samples=rows[:3]))
-    store.write("c", Batch(samples=rows[3:]))
+    store.recordings.write("c", Batch(samples=rows[:3]))
+    store.recordings.write("c", Batch(samples=rows[3:]))
     by_time = {(r.replica, r.t_ms): r for r in rows}
-    assert store.latest_samples("c", at_ms=T0 + 2200) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
-    assert store.latest_samples("c", at_ms=T0 + 2000) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
-    assert store.latest_samples("c", at_ms=T0 + 1200) == {"r1": by_time["r1", T0 + 1000]}
-    assert store.latest_samples("c", at_ms=T0) == {}
-    assert store.latest_samples("c") == {"r1": by_time["r1", T0 + 3000], "r2": by_time["r2", T0 + 2500]}
-    assert store.latest_samples("other") == {}
+    assert store.readings.latest_samples("c", at_ms=T0 + 2200) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
+    assert store.readings.latest_samples("c", at_ms=T0 + 2000) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
+    assert store.readings.latest_samples("c", at_ms=T0 + 1200) == {"r1": by_time["r1", T0 + 1000]}
+    assert store.readings.latest_samples("c", at_ms=T0) == {}
+    assert store.readings.latest_samples("c") == {"r1": by_time["r1", T0 + 3000], "r2": by_time["r2", T0 + 2500]}
+    assert store.readings.latest_samples("other") == {}
 
 
 def test_completion_max_tokens_round_trip(store):
@@ -202,11 +202,11 @@ def test_completion_max_tokens_round_trip(store):
     values unrelated to the output length (over and under it), on both backends."""
     rows = [replace(completion("r1", i), max_tokens=m) for i, m in
             enumerate([None, 1, 16, 4096, 131_072, 2**31 - 1, None, 7])]
-    store.write("c", Batch(completions=rows, cursors={"r1": len(rows)}))
-    got = {c.request_id: c.max_tokens for c in store.completions("c")}
+    store.recordings.write("c", Batch(completions=rows, cursors={"r1": len(rows)}))
+    got = {c.request_id: c.max_tokens for c in store.readings.completions("c")}
     assert got == {c.request_id: c.max_tokens for c in rows}
-    assert store.completions("c", "r1") == sorted(rows, key=lambda c: c.finished_s)
-    with store.engine.connect() as conn:
+    assert store.readings.completions("c", "r1") == sorted(rows, key=lambda c: c.finished_s)
+    with store.database.engine.connect() as conn:
         raw = dict(conn.execute(text("SELECT request_id, max_tokens FROM completions")).all())
     assert raw == got  # the column itself, not a default filled in on the way out
 
@@ -217,13 +217,13 @@ def test_completion_max_tokens_round_trip(store):
 def test_migrations_match_models_and_downgrade(url):
     store = Store.open(url)  # migrates to head
     try:
-        with store.engine.connect() as conn:
+        with store.database.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
         assert diff == []
-        downgrade(store.engine, "base")
-        assert set(inspect(store.engine).get_table_names()) <= {"alembic_version"}
-        upgrade(store.engine)
-        assert set(inspect(store.engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
+        downgrade(store.database.engine, "base")
+        assert set(inspect(store.database.engine).get_table_names()) <= {"alembic_version"}
+        upgrade(store.database.engine)
+        assert set(inspect(store.database.engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
     finally:
         store.close()
 
@@ -234,11 +234,11 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
     store = Store.open(url)
     try:
         old = [replace(completion("r1", i), max_tokens=None, received_s=None) for i in range(6)]
-        store.write("c", Batch(completions=old[:4], cursors={"r1": 4}))
-        downgrade(store.engine, "0002")
-        columns = {c["name"] for c in inspect(store.engine).get_columns("completions")}
+        store.recordings.write("c", Batch(completions=old[:4], cursors={"r1": 4}))
+        downgrade(store.database.engine, "0002")
+        columns = {c["name"] for c in inspect(store.database.engine).get_columns("completions")}
         assert "max_tokens" not in columns and "reason" in columns
-        with store.engine.begin() as conn:  # rows written by a 0002-era store
+        with store.database.engine.begin() as conn:  # rows written by a 0002-era store
             rid = conn.execute(text("SELECT id FROM replicas WHERE name = 'r1'")).scalar_one()
             for c in old[4:]:
                 conn.execute(text(
@@ -251,18 +251,18 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
                      "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
                      "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": c.reason,
                      "stored_ms": T0})
-        with store.engine.connect() as conn:
+        with store.database.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == "0002"
-        upgrade(store.engine)
-        with store.engine.connect() as conn:
+        upgrade(store.database.engine)
+        with store.database.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head_revision()
             assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL "
                                      "AND received_s IS NULL")).scalar_one() == 6
-        assert store.completions("c") == old  # every field as before; max_tokens and received_s None
+        assert store.readings.completions("c") == old  # every field as before; max_tokens and received_s None
         new = replace(completion("r1", 10), max_tokens=2048, received_s=10.004)
-        store.write("c", Batch(completions=[new], cursors={"r1": 7}))
-        assert store.completions("c") == [*old, new]
-        assert store.cursors("c") == {"r1": 7}
+        store.recordings.write("c", Batch(completions=[new], cursors={"r1": 7}))
+        assert store.readings.completions("c") == [*old, new]
+        assert store.recordings.cursors("c") == {"r1": 7}
     finally:
         store.close()
 
@@ -292,7 +292,7 @@ def test_sqlite_wal_synchronous_and_busy_timeout_are_set(tmp_path):
     path = tmp_path / "tuned.db"
     store = Store.open(str(path), busy_timeout_ms=1234)
     try:
-        with store.engine.connect() as conn:
+        with store.database.engine.connect() as conn:
             pragma = lambda name: conn.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
             assert pragma("journal_mode") == "wal"
             assert pragma("busy_timeout") == 1234
@@ -308,10 +308,10 @@ def test_sqlite_wal_synchronous_and_busy_timeout_are_set(tmp_path):
 def test_default_url_is_tailpilot_db_in_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with Store.open() as s:
-        s.write("c", Batch(cursors={"r1": 5}))
+        s.recordings.write("c", Batch(cursors={"r1": 5}))
     assert (tmp_path / "tailpilot.db").is_file()
     with Store.open(f"sqlite:///{tmp_path / 'tailpilot.db'}") as s:
-        assert s.cursors("c") == {"r1": 5}
+        assert s.recordings.cursors("c") == {"r1": 5}
 
 
 # ---------------------------------------------------------------------------------- exactly once
@@ -319,36 +319,36 @@ def test_default_url_is_tailpilot_db_in_the_current_directory(tmp_path, monkeypa
 
 def test_duplicate_completions_are_stored_once(store):
     first = [completion("r1", i) for i in range(10)]
-    store.write("c", Batch(completions=first, cursors={"r1": 10}))
+    store.recordings.write("c", Batch(completions=first, cursors={"r1": 10}))
     again = [replace(completion("r1", i), tenant="changed") for i in range(5, 15)]  # 5..9 re-delivered
     again.append(completion("r1", 14))  # and a duplicate inside one batch
     again.append(completion("r2", 3))  # the same request id on another replica is another request
-    store.write("c", Batch(completions=again, cursors={"r1": 15, "r2": 1}))
-    stored = store.completions("c")
+    store.recordings.write("c", Batch(completions=again, cursors={"r1": 15, "r2": 1}))
+    stored = store.readings.completions("c")
     assert sorted((c.replica, c.request_id) for c in stored) == sorted(
         [("r1", f"req-{i}") for i in range(15)] + [("r2", "req-3")]
     )
     assert {c.request_id: c.tenant for c in stored if c.replica == "r1"}["req-7"] == "a"  # first write wins
-    assert store.cursors("c") == {"r1": 15, "r2": 1}
+    assert store.recordings.cursors("c") == {"r1": 15, "r2": 1}
 
 
 def test_cursor_commits_only_with_its_batch(store):
     rng = random.Random(3)
-    store.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+    store.recordings.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
 
     bad_completion = replace(completion("r1", 2), tenant=None)  # NOT NULL violated
     with pytest.raises(StoreWriteError, match="nothing of this write was stored"):
-        store.write("c", Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 3), bad_completion],
+        store.recordings.write("c", Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 3), bad_completion],
                                cursors={"r1": 3}))  # fmt: skip
-    assert store.cursors("c") == {"r1": 1}
-    assert store.samples("c", "r1") == []
-    assert [c.request_id for c in store.completions("c")] == ["req-1"]
+    assert store.recordings.cursors("c") == {"r1": 1}
+    assert store.readings.samples("c", "r1") == []
+    assert [c.request_id for c in store.readings.completions("c")] == ["req-1"]
 
     # The other way round: a cursor the schema refuses takes its batch's completions down with it.
     with pytest.raises(StoreWriteError):
-        store.write("c", Batch(completions=[completion("r1", 4)], cursors={"r1": -1}))
-    assert [c.request_id for c in store.completions("c")] == ["req-1"]
-    assert store.cursors("c") == {"r1": 1}
+        store.recordings.write("c", Batch(completions=[completion("r1", 4)], cursors={"r1": -1}))
+    assert [c.request_id for c in store.readings.completions("c")] == ["req-1"]
+    assert store.recordings.cursors("c") == {"r1": 1}
 
 
 COLLECTOR_SCRIPT = textwrap.dedent(
@@ -357,12 +357,12 @@ COLLECTOR_SCRIPT = textwrap.dedent(
     from storage import Batch, CompletionRow, Store
     url, total = sys.argv[1], int(sys.argv[2])
     store = Store.open(url)
-    cursor = store.cursors("c").get("r1", 0)   # a restarted collector resumes from the stored cursor
+    cursor = store.recordings.cursors("c").get("r1", 0)   # a restarted collector resumes from the stored cursor
     print("start", cursor, flush=True)
     while cursor < total:
         end = min(cursor + 37, total)
         rows = [CompletionRow("r1", f"req-{i}", "a", "chat", i, i + 0.5, i + 1.0, 10, 20, 0) for i in range(cursor, end)]
-        store.write("c", Batch(completions=rows, cursors={"r1": end}))
+        store.recordings.write("c", Batch(completions=rows, cursors={"r1": end}))
         cursor = end
     """
 )
@@ -376,21 +376,21 @@ def test_kill_9_and_restart_neither_loses_nor_duplicates(url):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with Store.open(url) as watcher:
         deadline = time.monotonic() + 60
-        while watcher.cursors("c").get("r1", 0) < 2_000 and proc.poll() is None and time.monotonic() < deadline:
+        while watcher.recordings.cursors("c").get("r1", 0) < 2_000 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert proc.poll() is None, f"the collector finished before it could be killed: {proc.communicate()}"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        cursor = watcher.cursors("c")["r1"]
+        cursor = watcher.recordings.cursors("c")["r1"]
         assert 0 < cursor < total
-        assert len(watcher.completions("c")) == cursor  # the cursor names exactly what is stored
+        assert len(watcher.readings.completions("c")) == cursor  # the cursor names exactly what is stored
 
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"start {cursor}")
-        stored = [c.request_id for c in watcher.completions("c")]
+        stored = [c.request_id for c in watcher.readings.completions("c")]
         assert sorted(stored) == sorted(f"req-{i}" for i in range(total))
-        assert watcher.cursors("c") == {"r1": total}
+        assert watcher.recordings.cursors("c") == {"r1": total}
 
 
 # ---------------------------------------------------------------------------------- SQLite locking
@@ -424,14 +424,14 @@ def test_locked_sqlite_is_retried_and_nothing_is_lost(tmp_path):
         holder.start()
         assert holder.locked.wait(10)
         rows = [completion("r1", i) for i in range(100)]
-        store.write("c", Batch(samples=[sample(random.Random(4), "r1", T0)], completions=rows, cursors={"r1": 100}))
+        store.recordings.write("c", Batch(samples=[sample(random.Random(4), "r1", T0)], completions=rows, cursors={"r1": 100}))
         holder.join()
-        assert store.busy_retries > 0
+        assert store.database.busy_retries > 0
         assert time.monotonic() >= holder.released_at > 0  # it waited for the lock, it did not sneak past
-        assert store.completions("c") == rows
-        assert store.cursors("c") == {"r1": 100}
-        assert len(store.samples("c", "r1")) == 1
-        assert [r.name for r in store.recordings()] == ["holder"]  # the other writer's row survives too
+        assert store.readings.completions("c") == rows
+        assert store.recordings.cursors("c") == {"r1": 100}
+        assert len(store.readings.samples("c", "r1")) == 1
+        assert [r.name for r in store.recordings.all()] == ["holder"]  # the other writer's row survives too
     finally:
         store.close()
 
@@ -446,12 +446,12 @@ def test_store_busy_after_the_deadline_and_the_batch_can_be_retried(tmp_path):
         batch = Batch(completions=[completion("r1", i) for i in range(10)], cursors={"r1": 10})
         t0 = time.monotonic()
         with pytest.raises(StoreBusy):
-            store.write("c", batch)
+            store.recordings.write("c", batch)
         assert 0.3 <= time.monotonic() - t0 < 1.5
         holder.join()
-        assert store.completions("c") == [] and store.cursors("c") == {}  # nothing half-written
-        store.write("c", batch)  # the caller kept the batch; now it goes in
-        assert len(store.completions("c")) == 10
+        assert store.readings.completions("c") == [] and store.recordings.cursors("c") == {}  # nothing half-written
+        store.recordings.write("c", batch)  # the caller kept the batch; now it goes in
+        assert len(store.readings.completions("c")) == 10
     finally:
         store.close()
 
@@ -471,14 +471,14 @@ def test_retention_folds_old_samples_into_minute_rollups(url):
     samples = [sample(rng, r, T0 + k * 5_000, healthy=rng.random() > 0.2) for k in range(36) for r in ("r1", "r2")]
     groups = [group_sample(rng, "r1", T0 + k * 5_000, "tenant", g) for k in range(36) for g in ("a", "b")]
     with Store.open(url) as store:
-        store.write("c", Batch(samples=samples, group_samples=groups))
-        report = store.apply_retention(now_ms, settings)
+        store.recordings.write("c", Batch(samples=samples, group_samples=groups))
+        report = store.retention.apply(now_ms, settings)
         old = [s for s in samples if s.t_ms < T0 + 120_000]
         assert (report.samples_folded, report.group_samples_folded) == (len(old), 2 * 24)
 
         for r in ("r1", "r2"):
-            assert store.samples("c", r) == [s for s in samples if s.replica == r and s.t_ms >= T0 + 120_000]
-            rollups = store.sample_rollups("c", r)
+            assert store.readings.samples("c", r) == [s for s in samples if s.replica == r and s.t_ms >= T0 + 120_000]
+            rollups = store.readings.sample_rollups("c", r)
             assert [u["minute_ms"] for u in rollups] == [T0, T0 + 60_000]
             for u in rollups:
                 inside = [s for s in old if s.replica == r and u["minute_ms"] <= s.t_ms < u["minute_ms"] + 60_000]
@@ -490,13 +490,13 @@ def test_retention_folds_old_samples_into_minute_rollups(url):
                 for col in PERCENTILE_FIELDS:
                     mean, top = _mean_max([getattr(s.latency, col) for s in inside])
                     assert (u[f"{col}_mean"], u[f"{col}_max"]) == (pytest.approx(mean), pytest.approx(top)), col
-        assert all(g.t_ms >= T0 + 120_000 for g in store.group_samples("c", "r1"))
-        assert len(store.group_samples("c", "r1")) == 2 * 12
-        assert store.time_range("c") == (T0, max(s.t_ms for s in samples))
+        assert all(g.t_ms >= T0 + 120_000 for g in store.readings.group_samples("c", "r1"))
+        assert len(store.readings.group_samples("c", "r1")) == 2 * 12
+        assert store.recordings.time_range("c") == (T0, max(s.t_ms for s in samples))
 
         # Nothing left to fold: a second run changes nothing.
-        assert store.apply_retention(now_ms, settings).samples_folded == 0
-        assert store.sample_rollups("c", "r2") == rollups
+        assert store.retention.apply(now_ms, settings).samples_folded == 0
+        assert store.readings.sample_rollups("c", "r2") == rollups
 
 
 def test_retention_merges_a_late_sample_into_its_folded_minute(url):
@@ -505,11 +505,11 @@ def test_retention_merges_a_late_sample_into_its_folded_minute(url):
     values = [3, 5, 10]
     rows = [SampleRow(replica="r1", t_ms=T0 + 10_000 * k, healthy=True, waiting=v) for k, v in enumerate(values)]
     with Store.open(url) as store:
-        store.write("c", Batch(samples=rows[:2]))
-        store.apply_retention(now_ms, settings)
-        store.write("c", Batch(samples=rows[2:]))  # arrives after its minute was folded
-        assert store.apply_retention(now_ms, settings).samples_folded == 1
-        (u,) = store.sample_rollups("c", "r1")
+        store.recordings.write("c", Batch(samples=rows[:2]))
+        store.retention.apply(now_ms, settings)
+        store.recordings.write("c", Batch(samples=rows[2:]))  # arrives after its minute was folded
+        assert store.retention.apply(now_ms, settings).samples_folded == 1
+        (u,) = store.readings.sample_rollups("c", "r1")
         assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (3, pytest.approx(statistics.fmean(values)), 10)
         assert u["kv_usage_mean"] is None and u["kv_usage_max"] is None
 
@@ -519,28 +519,28 @@ def test_retention_keeps_recorded_spans_and_deletes_old_completions(url):
     now_ms = T0 + 2 * 86_400_000
     with Store.open(url, clock=lambda: clock[0]) as store:
         rows = [SampleRow(replica="r1", t_ms=T0 + 5_000 * k, healthy=True, waiting=k) for k in range(12)]
-        store.write("c", Batch(samples=rows, completions=[completion("r1", i) for i in range(3)]))
-        store.begin_recording("c", "keep me", t_ms=T0 + 20_000)
-        rec = store.begin_recording("c", "closed", t_ms=T0 + 50_000)
-        store.end_recording(rec, t_ms=T0 + 50_000)
+        store.recordings.write("c", Batch(samples=rows, completions=[completion("r1", i) for i in range(3)]))
+        store.recordings.begin_recording("c", "keep me", t_ms=T0 + 20_000)
+        rec = store.recordings.begin_recording("c", "closed", t_ms=T0 + 50_000)
+        store.recordings.end_recording(rec, t_ms=T0 + 50_000)
         clock[0] = (now_ms - 3_600_000) / 1000  # an hour before now: younger than a day
-        store.write("c", Batch(completions=[completion("r1", i) for i in range(3, 5)]))
+        store.recordings.write("c", Batch(completions=[completion("r1", i) for i in range(3, 5)]))
 
-        report = store.apply_retention(now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1))
-        kept = [s.t_ms for s in store.samples("c", "r1")]
+        report = store.retention.apply(now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1))
+        kept = [s.t_ms for s in store.readings.samples("c", "r1")]
         # "keep me" is still open (until now), so everything from T0 + 20 s on stays raw; so does T0 + 50 s.
         assert kept == [s.t_ms for s in rows if s.t_ms >= T0 + 20_000]
         assert report.samples_folded == 4
-        (u,) = store.sample_rollups("c", "r1")
+        (u,) = store.readings.sample_rollups("c", "r1")
         assert (u["n"], u["waiting_max"]) == (4, 3)
         # Completions are judged by the store's clock: the first three were stored two days ago.
         # (The open recording covers only collector time from T0 + 20 s; they were stored at T0.)
-        assert [c.request_id for c in store.completions("c")] == ["req-3", "req-4"]
+        assert [c.request_id for c in store.readings.completions("c")] == ["req-3", "req-4"]
         assert report.completions_deleted == 3
 
-        store.apply_retention(now_ms, RetentionSettings(raw_sample_hours=1, keep_recordings=False))
-        assert store.samples("c", "r1") == []
-        (u,) = store.sample_rollups("c", "r1")
+        store.retention.apply(now_ms, RetentionSettings(raw_sample_hours=1, keep_recordings=False))
+        assert store.readings.samples("c", "r1") == []
+        (u,) = store.readings.sample_rollups("c", "r1")
         assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (12, pytest.approx(5.5), 11)
 
 
@@ -582,11 +582,11 @@ def test_a_sqlite_path_in_a_missing_directory_is_a_clear_error(tmp_path):
 def test_postgres_server_can_host_extra_databases(postgres_server, postgres_url):  # noqa: F811
     """The tuner keeps Optuna's tables in a second database beside the store's."""
     with Store.open(postgres_url) as main:
-        main.write("c", Batch(cursors={"r1": 1}))
+        main.recordings.write("c", Batch(cursors={"r1": 1}))
     optuna_url = postgres_server.create_database("optuna_extra")
     with Store.open(optuna_url) as other:
-        assert other.cursors("c") == {}
-        with other.engine.connect() as conn:
+        assert other.recordings.cursors("c") == {}
+        with other.database.engine.connect() as conn:
             assert conn.execute(text("SELECT current_database()")).scalar() == "optuna_extra"
 
 
@@ -633,16 +633,16 @@ def test_non_finite_floats_in_documents_are_stored_as_json_null(store):
 
     doc = {"policy": "uniboost", "gamma": INF, "params": {"beta": NAN, "trail": [-INF, 1.5]}, "ok": 2.0}
     clean = {"policy": "uniboost", "gamma": None, "params": {"beta": None, "trail": [None, 1.5]}, "ok": 2.0}
-    store.write("c", Batch(settings_seen=[SettingsSeenRow("r1", T0, 3, "i1", doc)]))
-    store.record_settings_change("c", "r1", who="alice", old=doc, new={"gamma": NAN}, result="applied", t_ms=T0)
-    store.store_recommendation("s", {"gamma": INF}, {"gamma": NAN, "ci": [NAN, 3.0]}, t_ms=T0)
+    store.recordings.write("c", Batch(settings_seen=[SettingsSeenRow("r1", T0, 3, "i1", doc)]))
+    store.settings_log.record_settings_change("c", "r1", who="alice", old=doc, new={"gamma": NAN}, result="applied", t_ms=T0)
+    store.tuner.store_recommendation("s", {"gamma": INF}, {"gamma": NAN, "ci": [NAN, 3.0]}, t_ms=T0)
 
-    assert [r["settings"] for r in store.settings_seen("c")] == [clean]
-    [change] = store.settings_changes("c")
+    assert [r["settings"] for r in store.settings_log.settings_seen("c")] == [clean]
+    [change] = store.settings_log.settings_changes("c")
     assert (change["old"], change["new"]) == (clean, {"gamma": None})
-    rec = store.latest_recommendation("s")
+    rec = store.tuner.latest_recommendation("s")
     assert (rec.settings, rec.summary) == ({"gamma": None}, {"gamma": None, "ci": [None, 3.0]})
-    with store.engine.connect() as conn:
+    with store.database.engine.connect() as conn:
         for table, column in (("settings_seen", "settings"), ("settings_changes", "old"),
                               ("settings_changes", "new"), ("recommendations", "settings"),
                               ("recommendations", "summary")):  # fmt: skip
@@ -658,14 +658,14 @@ def test_non_finite_floats_in_rows_are_stored_as_null(store):
     group = GroupSampleRow(replica="r1", t_ms=T0, kind="tenant", group="a", completed=2, throughput_tok_s=NAN,
                            latency=lat)  # fmt: skip
     comp = replace(completion("r1", 1), first_token_s=INF)
-    store.write("c", Batch(samples=[row, big], group_samples=[group], completions=[comp]))
+    store.recordings.write("c", Batch(samples=[row, big], group_samples=[group], completions=[comp]))
 
     want_lat = LatencyPercentiles(ttft_p50=0.5)
-    assert store.samples("c", "r1") == [replace(row, kv_usage=None, gamma_live=None, throughput_tok_s=None,
+    assert store.readings.samples("c", "r1") == [replace(row, kv_usage=None, gamma_live=None, throughput_tok_s=None,
                                                 latency=want_lat), big]  # fmt: skip
-    assert store.group_samples("c", "r1") == [replace(group, throughput_tok_s=None, latency=want_lat)]
-    assert store.completions("c") == [replace(comp, first_token_s=None)]
-    with store.engine.connect() as conn:  # NULL in the database, not NaN (PostgreSQL) or Inf (both)
+    assert store.readings.group_samples("c", "r1") == [replace(group, throughput_tok_s=None, latency=want_lat)]
+    assert store.readings.completions("c") == [replace(comp, first_token_s=None)]
+    with store.database.engine.connect() as conn:  # NULL in the database, not NaN (PostgreSQL) or Inf (both)
         nulls = conn.execute(text("SELECT kv_usage IS NULL AND gamma_live IS NULL AND throughput_tok_s IS NULL "
                                   "AND ttft_p99 IS NULL AND tbt_p90 IS NULL FROM samples ORDER BY t_ms")).scalars()
         assert [bool(v) for v in nulls] == [True, False]
@@ -674,14 +674,14 @@ def test_non_finite_floats_in_rows_are_stored_as_null(store):
 def test_the_float_columns_cleaned_are_the_models_nullable_float_columns():
     from sqlalchemy import Float
 
-    from storage import store as st
+    from storage.columns import GROUP_FLOAT_COLUMNS, SAMPLE_FLOAT_COLUMNS
     from storage.models import Completion, GroupSample, Sample
 
     def floats(model, nullable=True):
         return {c.name for c in model.__table__.columns if isinstance(c.type, Float) and c.nullable == nullable}
 
-    assert set(st._SAMPLE_FLOAT_COLUMNS) == floats(Sample) and not floats(Sample, nullable=False)
-    assert set(st._GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(GroupSample, nullable=False)
+    assert set(SAMPLE_FLOAT_COLUMNS) == floats(Sample) and not floats(Sample, nullable=False)
+    assert set(GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(GroupSample, nullable=False)
     # arrival_s and finished_s: the collector refuses non-finite; the nullable ones are cleaned on insert
     assert floats(Completion) == {"first_token_s", "received_s"}
 
@@ -713,7 +713,7 @@ def damage_table(path: Path, table: str) -> None:
 def filled_store(path: Path) -> None:
     rng = random.Random(4)
     with Store.open(str(path)) as s:
-        s.write("c", Batch(samples=[sample(rng, "r1", T0 + k * 1000) for k in range(3000)],
+        s.recordings.write("c", Batch(samples=[sample(rng, "r1", T0 + k * 1000) for k in range(3000)],
                            completions=[completion("r1", i) for i in range(3000)], cursors={"r1": 3000}))
 
 
@@ -732,12 +732,12 @@ def test_damage_found_after_opening_is_a_store_corrupt_error_naming_the_file(tmp
     filled_store(path)
     damage_table(path, "samples")
     with Store.open(str(path)) as s:
-        assert len(s.completions("c")) == 3000  # the undamaged tables still read
+        assert len(s.readings.completions("c")) == 3000  # the undamaged tables still read
         message = f"^{path}: the database file is damaged \\(database disk image is malformed\\)$"
         with pytest.raises(StoreCorrupt, match=message):
-            s.samples("c", "r1")
+            s.readings.samples("c", "r1")
         with pytest.raises(StoreCorrupt, match=message):
-            s.write("c", Batch(samples=[sample(random.Random(6), "r1", T0 - 1)]))
+            s.recordings.write("c", Batch(samples=[sample(random.Random(6), "r1", T0 - 1)]))
 
 
 def test_garbage_in_the_middle_of_the_file_is_never_a_raw_driver_error(tmp_path):
@@ -752,8 +752,8 @@ def test_garbage_in_the_middle_of_the_file_is_never_a_raw_driver_error(tmp_path)
         f.seek(size // 2)
         f.write(random.Random(7).randbytes(size // 8))
     with Store.open(str(path)) as s:
-        reads = [lambda: s.samples("c", "r1"), lambda: s.completions("c"), lambda: s.latest_samples("c"),
-                 lambda: s.time_range("c"), lambda: s.replicas("c"), lambda: s.cursors("c")]  # fmt: skip
+        reads = [lambda: s.readings.samples("c", "r1"), lambda: s.readings.completions("c"), lambda: s.readings.latest_samples("c"),
+                 lambda: s.recordings.time_range("c"), lambda: s.recordings.replicas("c"), lambda: s.recordings.cursors("c")]  # fmt: skip
         failed = 0
         for read in reads:
             try:
@@ -798,19 +798,19 @@ def test_governance_windows_and_alert_events_round_trip(store):
     from storage.rows import AlertRow, GovernanceRow
 
     figures = {"scr": 0.5, "jfi": 0.99, "tenants": {"a": {"ttft_p99": 3.0, "missed": ["ttft_p99"]}}}
-    store.write("c", Batch(governance=[GovernanceRow(t_ms=T0, summary=figures),
+    store.recordings.write("c", Batch(governance=[GovernanceRow(t_ms=T0, summary=figures),
                                        GovernanceRow(t_ms=T0 + 60_000, summary={**figures, "scr": 1.0})],
                            alerts=[AlertRow(T0, "scr", "critical", "firing", {"value": 0.5}),
                                    AlertRow(T0 + 1000, "jfi", "warning", "firing", {"value": 0.8}),
                                    AlertRow(T0 + 60_000, "scr", "critical", "resolved", {"value": 1.0})]))
-    assert [g["summary"]["scr"] for g in store.governance("c")] == [1.0, 0.5]  # newest first
-    assert store.governance("c", until_ms=T0 + 1) == [{"t_ms": T0, "summary": figures}]
-    assert store.governance("other") == []
-    assert [(e["name"], e["state"]) for e in store.alert_events("c")] == [
+    assert [g["summary"]["scr"] for g in store.governance.windows("c")] == [1.0, 0.5]  # newest first
+    assert store.governance.windows("c", until_ms=T0 + 1) == [{"t_ms": T0, "summary": figures}]
+    assert store.governance.windows("other") == []
+    assert [(e["name"], e["state"]) for e in store.governance.alert_events("c")] == [
         ("scr", "resolved"), ("jfi", "firing"), ("scr", "firing")]
-    assert [e["name"] for e in store.firing_alerts("c", at_ms=T0 + 2000)] == ["jfi", "scr"]
-    assert [e["name"] for e in store.firing_alerts("c")] == ["jfi"]
-    assert store.firing_alerts("c", at_ms=T0 - 1) == []
+    assert [e["name"] for e in store.governance.firing_alerts("c", at_ms=T0 + 2000)] == ["jfi", "scr"]
+    assert [e["name"] for e in store.governance.firing_alerts("c")] == ["jfi"]
+    assert store.governance.firing_alerts("c", at_ms=T0 - 1) == []
 
 
 # ---------------------------------------------------------------------------------- what the store holds
@@ -844,14 +844,14 @@ def test_the_limits_are_the_columns_own():
 def test_a_row_the_store_cannot_hold_is_a_one_line_error_without_its_values(store):
     """A row that bypassed the fitting: the write fails whole, in one line naming the database,
     with no SQL and no value (they may hold tenants' data), and what was stored before stays."""
-    store.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
+    store.recordings.write("c", Batch(completions=[completion("r1", 1)], cursors={"r1": 1}))
     bad = replace(completion("r1", 2, tenant="tenant-secret"), prompt_tokens=2**64)
     with pytest.raises(StoreWriteError) as err:
-        store.write("c", Batch(completions=[bad], cursors={"r1": 2}))
+        store.recordings.write("c", Batch(completions=[bad], cursors={"r1": 2}))
     message = str(err.value)
     assert "\n" not in message and "tenant-secret" not in message and "INSERT" not in message
     assert str(2**64) not in message and "nothing of this write was stored" in message
-    assert store.cursors("c") == {"r1": 1} and len(store.completions("c")) == 1
+    assert store.recordings.cursors("c") == {"r1": 1} and len(store.readings.completions("c")) == 1
 
 
 _ANY_INT = st.one_of(st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.just(2**31), st.just(2**63))
@@ -876,9 +876,9 @@ def test_every_fitted_row_is_stored_on_every_backend(store, tenant, kind, reason
     assert set(reasons) <= set(limits.REASONS)
     sample_row = SampleRow("r1", T0 + n, True, policy=policy, waiting=waiting, settings_version=ints[0])
     assert set(limits.fit_sample(sample_row)) <= set(limits.REASONS)
-    store.write("c", Batch(samples=[sample_row], completions=[fitted] if fitted else [], cursors={"r1": n}))
+    store.recordings.write("c", Batch(samples=[sample_row], completions=[fitted] if fitted else [], cursors={"r1": n}))
     if fitted is None:
         assert reasons
     else:
-        [back] = [c for c in store.completions("c", "r1") if c.request_id == fitted.request_id]
+        [back] = [c for c in store.readings.completions("c", "r1") if c.request_id == fitted.request_id]
         assert (back.tenant, back.type, back.prompt_tokens) == (fitted.tenant, fitted.type, fitted.prompt_tokens)

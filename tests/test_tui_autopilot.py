@@ -1,4 +1,4 @@
-"""The autopilot in the TUI: its control row (``Store.autopilot_control``, written by ``tailpilot
+"""The autopilot in the TUI: its control row (``GovernanceRepository.autopilot_control``, written by ``tailpilot
 record --autopilot``) shown in the alerts panel — state, why it holds, per replica the candidate it
 runs and why, its last decisions — and ``O`` steering it through the store; refused read-only;
 nothing shown in a replay (its control row is not history).
@@ -137,7 +137,7 @@ def test_O_is_a_cluster_change_of_the_alerts_panel():
 
 def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
     clock = Clock(T0)
-    store.set_autopilot_control("pilots", status=status(T0 - 5_000), t_ms=T0 - 5_000)
+    store.governance.set_autopilot_control("pilots", status=status(T0 - 5_000), t_ms=T0 - 5_000)
 
     async def scenario():
         app = live_app(store, clock)
@@ -152,7 +152,7 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             assert "defaults → gamma=0.01" in shown and "-12%" in shown
             # A new report of the driver is shown at the next refresh; an old one is flagged.
             clock.t += 600
-            store.set_autopilot_control("pilots", status=status(T0 + 590_000, note="applied: gamma=0.1"))
+            store.governance.set_autopilot_control("pilots", status=status(T0 + 590_000, note="applied: gamma=0.1"))
             await wait_for(pilot, lambda: "applied: gamma=0.1" in text_of(body), what="the new report")
             assert "ago" not in text_of(body)
             clock.t += 600
@@ -165,8 +165,8 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             assert ids == ["arm", "dry-run", "disarm", "pause"]  # not paused: no resume
             assert "(now)" in str(opts.get_option_at_index(1).prompt)
             await pilot.press("enter")  # the first choice: arm
-            await wait_for(pilot, lambda: store.autopilot_control("pilots")["state"] == "armed", what="armed")
-            row = store.autopilot_control("pilots")
+            await wait_for(pilot, lambda: store.governance.autopilot_control("pilots")["state"] == "armed", what="armed")
+            row = store.governance.autopilot_control("pilots")
             assert row["who"] == app.who and row["who"].startswith("tui:") and not row["paused"]
             assert row["status"]["replicas"]["r0"]["note"] == "applied: gamma=0.1"  # the driver's report kept
             await wait_for(pilot, lambda: text_of(body).startswith("autopilot: armed"), what="shown armed")
@@ -176,8 +176,8 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             await pilot.press("O")
             await wait_for(pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog again")
             await pilot.press("down", "down", "down", "enter")
-            await wait_for(pilot, lambda: store.autopilot_control("pilots")["paused"], what="paused")
-            assert store.autopilot_control("pilots")["state"] == "armed"
+            await wait_for(pilot, lambda: store.governance.autopilot_control("pilots")["paused"], what="paused")
+            assert store.governance.autopilot_control("pilots")["state"] == "armed"
             await wait_for(pilot, lambda: "(paused)" in text_of(body), what="shown paused")
             await pilot.press("O")
             options = await wait_for(pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog")
@@ -186,14 +186,14 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
                 "arm", "dry-run", "disarm", "resume"]
             await pilot.press("escape")
             await wait_for(pilot, lambda: not app.screen.query("#autopilot-options"), what="dismissed")
-            assert store.autopilot_control("pilots")["paused"]  # escape sends nothing
+            assert store.governance.autopilot_control("pilots")["paused"]  # escape sends nothing
 
     asyncio.run(scenario())
 
 
 def test_readonly_shows_the_autopilot_and_refuses_O(store):
-    store.set_autopilot_control("pilots", status=status(T0), t_ms=T0)
-    before = store.autopilot_control("pilots")
+    store.governance.set_autopilot_control("pilots", status=status(T0), t_ms=T0)
+    before = store.governance.autopilot_control("pilots")
 
     async def scenario():
         app = live_app(store, Clock(T0), readonly=True)
@@ -209,7 +209,7 @@ def test_readonly_shows_the_autopilot_and_refuses_O(store):
             assert app.check_action("autopilot", ()) is None  # greyed in the footer, not hidden
 
     asyncio.run(scenario())
-    assert store.autopilot_control("pilots") == before
+    assert store.governance.autopilot_control("pilots") == before
 
 
 def test_a_live_view_without_a_store_has_no_autopilot_to_steer():
@@ -234,7 +234,7 @@ def test_a_replay_shows_no_autopilot_and_refuses_O(tmp_path):
     db = tmp_path / "rec.db"
     shutil.copy(FIXTURE, db)
     with Store.open(str(db)) as s:  # a row in the recording: still not history, not shown
-        s.set_autopilot_control("fixture", state="armed", status=status(T0), t_ms=T0)
+        s.governance.set_autopilot_control("fixture", state="armed", status=status(T0), t_ms=T0)
 
     async def scenario():
         app = build_app(None, replay=str(db))

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.collector import make_client
+from controlplane.replica_http import make_client
 from scheduler.settings import GAMMA_DEFAULT, Settings
 from controlplane.views import fmt_figure, fmt_number, fmt_seconds
 from storage.store import Store
@@ -118,7 +118,7 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             # Some recorded traffic of twin-1 for the confirm dialog's what-if to replay.
-            await wait_for(pilot, lambda: len(store.completions("twins", "twin-1")) >= 30, what="recorded traffic",
+            await wait_for(pilot, lambda: len(store.readings.completions("twins", "twin-1")) >= 30, what="recorded traffic",
                            timeout=30)
             await pilot.press("down")  # cursor: twin-1
             assert app.current_replica == "twin-1"
@@ -156,14 +156,14 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
         return app
 
     run(scenario())
-    rows = store.settings_changes("twins")
+    rows = store.settings_log.settings_changes("twins")
     assert len(rows) == 1
     [row] = rows
     assert row["replica"] == "twin-1" and row["result"] == "applied" and row["who"].startswith("tui:")
     assert row["old"]["policy"] == "uniboost" and row["new"]["policy"] == "las" and row["version"] == v0 + 1
     assert get_settings(twins[0])["settings"]["policy"] == "uniboost"
     # The prediction is kept with the change it was made for (tailpilot verify reads it).
-    [kept] = store.predictions("twins")
+    [kept] = store.tuner.predictions("twins")
     assert kept["replica"] == "twin-1" and kept["version"] == v0 + 1
     assert kept["summary"]["proposed"]["policy"] == "las" and kept["summary"]["metrics"]["ttft_p95"]
     store.close()
@@ -305,7 +305,7 @@ def test_readonly_refuses_every_cluster_change_visibly(twins, tmp_path):
 
     run(scenario())
     assert [get_settings(t) for t in twins] == before
-    assert store.settings_changes("twins") == []
+    assert store.settings_log.settings_changes("twins") == []
     store.close()
 
 
@@ -370,7 +370,7 @@ def expected_cells(row) -> dict[str, str]:
 
 
 def assert_table_shows(app, store, at_ms: int) -> None:
-    rows = store.latest_samples("fixture", at_ms)
+    rows = store.readings.latest_samples("fixture", at_ms)
     assert rows and set(rows) == set(app.snapshot.replicas)
     for name, row in rows.items():
         for column, want in expected_cells(row).items():
@@ -381,7 +381,7 @@ def assert_table_shows(app, store, at_ms: int) -> None:
 
 def test_replay_seek_and_step_show_the_values_recorded_at_that_time(recording):
     store = Store.open(recording)
-    ticks = [s.t_ms for s in store.samples("fixture", "twin-0")]
+    ticks = [s.t_ms for s in store.readings.samples("fixture", "twin-0")]
     start = ticks[0]
 
     async def scenario():
@@ -438,7 +438,7 @@ def test_replay_seek_and_step_show_the_values_recorded_at_that_time(recording):
 def test_filter_and_sort_the_cluster_screen(recording):
     store = Store.open(recording)
     at = 1_700_000_060_000
-    rows = store.latest_samples("fixture", at)
+    rows = store.readings.latest_samples("fixture", at)
 
     async def scenario():
         app = build_app(None, replay=recording, start_ms=at)
@@ -531,9 +531,9 @@ def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(re
     """A fidelity report stored for twin-0 30 s into the recording: replayed before that moment
     the replica panel says fidelity is not measured; after it, the band and the span."""
     store = Store.open(recording)
-    start = store.samples("fixture", "twin-0")[0].t_ms
+    start = store.readings.samples("fixture", "twin-0")[0].t_ms
     report = {"band": 0.125, "requests": 321, "overall": {"decision": {"spearman": 0.97}}}
-    store.store_fidelity("fixture", "twin-0", "db:#recording=x&replicas=twin-0", report, t_ms=start + 30_000)
+    store.tuner.store_fidelity("fixture", "twin-0", "db:#recording=x&replicas=twin-0", report, t_ms=start + 30_000)
     store.close()
 
     async def scenario():
@@ -603,12 +603,12 @@ def test_replayed_alerts_are_those_firing_at_the_position(recording):
     from storage.rows import AlertRow, Batch, GovernanceRow
 
     store = Store.open(recording)
-    start = store.samples("fixture", "twin-0")[0].t_ms
+    start = store.readings.samples("fixture", "twin-0")[0].t_ms
     figures = {"scr": 0.5, "jfi": 0.97, "type_fairness_min": None, "requests": 10,
                "tenants": {"acme": {"ttft_p50": 0.2, "ttft_p90": 0.5, "ttft_p99": 3.0, "ttlt_p99": 9.0,
                                     "limits": {"ttft_p99": 2.0}, "missed": ["ttft_p99"], "compliant": False,
                                     "tok_s": 50.0, "normalised": 0.5}}, "types": {}}
-    store.write("fixture", Batch(governance=[GovernanceRow(t_ms=start + 20_000, summary=figures)],
+    store.recordings.write("fixture", Batch(governance=[GovernanceRow(t_ms=start + 20_000, summary=figures)],
                                  alerts=[AlertRow(t_ms=start + 20_000, name="scr", severity="critical", state="firing",
                                                   summary={"value": 0.5, "threshold": 0.9,
                                                            "missed": {"acme": ["ttft_p99"]}}),
@@ -653,8 +653,8 @@ def test_the_operator_pauses_the_governor_from_the_alerts_panel(twins, tmp_path)
             await pilot.press("G")
             await wait_for(pilot, lambda: app.screen.query("#governor-options"), what="the governor dialog")
             await pilot.press("enter")  # the first choice: pause
-            await wait_for(pilot, lambda: store.governor_control("twins")["paused"], what="paused in the store")
-            assert store.governor_control("twins")["who"].startswith("tui:")
+            await wait_for(pilot, lambda: store.governance.governor_control("twins")["paused"], what="paused in the store")
+            assert store.governance.governor_control("twins")["who"].startswith("tui:")
             await wait_for(pilot, lambda: "(paused)" in text_of(line), what="shown paused")
 
     try:

@@ -123,7 +123,7 @@ def test_alerts_panel_with_a_firing_alert(tmp_path, snap_compare):
                "types": {"chat": {"share": 0.9, "minimum": 0.35, "ratio": 1.2, "ttft_p50": 0.2, "ttft_p99": 2.0},
                          "batch": {"share": 0.1, "minimum": 0.22, "ratio": 0.45, "ttft_p50": 0.3, "ttft_p99": 2.6}}}
     with Store.open(str(db)) as store:
-        store.write("fixture", Batch(
+        store.recordings.write("fixture", Batch(
             governance=[GovernanceRow(t_ms=START_MS + 30_000, summary=figures)],
             alerts=[AlertRow(START_MS + 30_000, "scr", "critical", "firing",
                              {"value": 0.333, "threshold": 0.9, "missed": {"acme": ["ttft_p99"], "delta": ["ttft_p99"]}}),

@@ -23,34 +23,38 @@ from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the t
 )
 from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
-from controlplane.collector import apply_settings
+from controlplane.steering import apply_settings
 from scheduler.settings import Settings
 from storage.store import Store
 from tui import tuner_render as TR
 from tui.main import build_app
 from tui.tuner_data import resolve_storage
 from tuner import study as st
+from tuner.optimize import tune
+from tuner.optuna_storage import open_storage, storage_url
 from tuner.recommend import jsonable, recommend
+from tuner.results import best_trials
+from tuner.spec import DEFAULT_STORAGE_FILE, StudySpec
 
 PARETO, SINGLE = "a-pareto", "b-single"
 
 
-def _spec(objectives: list[str]) -> st.StudySpec:
-    return st.StudySpec(policies=["uniboost"], objectives=objectives, trim=(0.0, 240.0), window_s=60.0, seed=3)
+def _spec(objectives: list[str]) -> StudySpec:
+    return StudySpec(policies=["uniboost"], objectives=objectives, trim=(0.0, 240.0), window_s=60.0, seed=3)
 
 
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory) -> str:
     """Two seeded studies in one SQLite storage: two objectives (6 trials) and one (4 trials)."""
     path = tmp_path_factory.mktemp("tuner") / "optuna.db"
-    url = st.storage_url(str(path))
-    st.tune(url, PARETO, 6, spec=_spec(["ttlt_p99", "throughput"]))
-    st.tune(url, SINGLE, 4, spec=_spec(["ttlt_p99"]))
+    url = storage_url(str(path))
+    tune(url, PARETO, 6, spec=_spec(["ttlt_p99", "throughput"]))
+    tune(url, SINGLE, 4, spec=_spec(["ttlt_p99"]))
     return str(path)
 
 
 def load(path: str, name: str):
-    return optuna.load_study(study_name=name, storage=st.open_storage(st.storage_url(path)))
+    return optuna.load_study(study_name=name, storage=open_storage(storage_url(path)))
 
 
 def fully_evaluated(study) -> list:
@@ -110,8 +114,8 @@ def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_tri
             got = [[plain(c) for c in trials.get_row_at(i)] for i in range(trials.row_count)]
             assert [g[0].rstrip("★·") for g in got] == [str(t.number) for t in pareto.trials]
             assert [g[2:4] for g in got] == [[TR.fmt_num(v) for v in t.values] for t in pareto.trials]
-            front = {t.number for t in st.best_trials(pareto, st.load_context(
-                st.open_storage(st.storage_url(studies)), PARETO)[1])}
+            front = {t.number for t in best_trials(pareto, st.load_context(
+                open_storage(storage_url(studies)), PARETO)[1])}
             assert {int(g[0].rstrip("★·")) for g in got if "★" in g[0]} == front
             # Select the other study: its trials replace them.
             await pilot.press("down")
@@ -125,7 +129,7 @@ def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_tri
 
 
 def test_the_computed_recommendation_is_tuner_recommend(replay_app, studies):
-    expected = jsonable(recommend(st.open_storage(st.storage_url(studies)), SINGLE))
+    expected = jsonable(recommend(open_storage(storage_url(studies)), SINGLE))
 
     async def scenario():
         app = replay_app()
@@ -158,7 +162,7 @@ def test_a_stored_recommendation_is_shown_instead_of_computing(tmp_path, studies
                "search": {"windows": [0, 1], "metrics": {"ttlt_p99": {"improvement_pct": 12.5,
                                                                        "ci_pct": [3.0, 20.0]}}},
                "holdout": {"windows": [2], "metrics": {"ttlt_p99": {"improvement_pct": 4.25, "ci_pct": [None, None]}}}}
-    rid = store.store_recommendation(SINGLE, settings, summary, t_ms=START_MS)
+    rid = store.tuner.store_recommendation(SINGLE, settings, summary, t_ms=START_MS)
 
     async def scenario():
         app = build_app(SPEC, replay=str(db), store=store, start_ms=START_MS + 60_000, optuna_storage=studies)
@@ -189,7 +193,7 @@ def test_no_storage_says_how_to_create_a_study(replay_app, tmp_path, monkeypatch
             await wait_for(pilot, lambda: panel.loaded, what="panel")
             assert "tailpilot tune --study" in text_of(app.query_one("#tuner-message"))
             await pilot.press("R")  # read-only (replay) first
-            assert not (tmp_path / st.DEFAULT_STORAGE_FILE).exists()
+            assert not (tmp_path / DEFAULT_STORAGE_FILE).exists()
 
     asyncio.run(scenario())
 
@@ -198,7 +202,7 @@ def test_no_storage_says_how_to_create_a_study(replay_app, tmp_path, monkeypatch
 
 
 def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_rows(twins, studies, tmp_path):
-    storage = st.open_storage(st.storage_url(studies))
+    storage = open_storage(storage_url(studies))
     rec = jsonable(recommend(storage, SINGLE))
     assert rec["settings"]["policy"] == "uniboost", "the test needs a recommendation that keeps uniboost"
     store = Store.open(str(tmp_path / "live.db"))
@@ -234,7 +238,7 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
     kept = get_settings(twins[1])["settings"]
     assert kept["params"]["gamma"] == 12.0 and kept["pinned"] == ["gamma"]
     assert {**kept, "params": {**kept["params"], "gamma": want["params"]["gamma"]}, "pinned": []} == want
-    rows = store.settings_changes("twins")
+    rows = store.settings_log.settings_changes("twins")
     assert sorted(r["replica"] for r in rows) == ["twin-0", "twin-1", "twin-2"]
     assert all(r["result"] == "applied" and r["who"].startswith("tui:") for r in rows)
     assert next(r for r in rows if r["replica"] == "twin-1")["new"]["params"]["gamma"] == 12.0
@@ -243,7 +247,7 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
 
 def test_R_applies_to_the_selection_only_and_refuses_a_policy_switch_over_a_pin(twins, studies):
     """Selected replicas only; a replica whose pin the recommendation cannot keep is not sent."""
-    rec = jsonable(recommend(st.open_storage(st.storage_url(studies)), SINGLE))
+    rec = jsonable(recommend(open_storage(storage_url(studies)), SINGLE))
     spec = spec_of(twins)
     [r] = asyncio.run(apply_settings(spec, ["twin-2"], {"policy": "tie", "params": {"beta": 0.5},
                                                         "pinned": ["beta"]}, None, "test"))

@@ -1,15 +1,17 @@
 """The TUI's pieces without twins: the key table (bindings, help, palette, read-only), settings
-edits through the settings model, seeking, render functions, the replay source and the cluster
-table's row cache."""
+edits through the settings model, seeking, render functions, the replay source, the cluster
+table's row cache and the panels' contract (reactive data down, messages up)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import shutil
 from pathlib import Path
 
 import pytest
 from rich.text import Text
+from textual.widgets import SelectionList
 
 from scheduler.metrics import jain_index, slo_compliance_ratio
 from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings
@@ -18,8 +20,10 @@ from storage.store import Store
 from tui import keys as K
 from tui import render as R
 from tui.app import ConfirmScreen, TailpilotApp
+from tui.cluster_panel import ClusterPanel
 from tui.edits import (
     SettingsEdit,
+    edit_targets,
     field_errors,
     parse_field,
     pin_edit,
@@ -28,6 +32,7 @@ from tui.edits import (
     try_apply,
 )
 from tui.main import build_app
+from tui.policy_panel import PolicyPanel
 from tui.sources import ReplaySource, parse_seek
 from tui.widgets import ClusterTable
 
@@ -227,7 +232,7 @@ def test_type_shares_and_change_markers():
 
 
 def test_sort_key_puts_missing_values_last():
-    from controlplane.collector import Health, ReplicaSnapshot
+    from controlplane.snapshot import Health, ReplicaSnapshot
 
     def rs(name, ttlt):
         row = SampleRow(name, 0, True, latency=LatencyPercentiles(ttlt_p99=ttlt))
@@ -238,7 +243,7 @@ def test_sort_key_puts_missing_values_last():
 
 
 def test_replica_header_shows_a_staged_settings_version():
-    from controlplane.collector import Health, ReplicaSnapshot
+    from controlplane.snapshot import Health, ReplicaSnapshot
 
     row = SampleRow("r", 0, True, policy="fcfs", settings_version=3)
     settings = {"policy": "fcfs", "params": {}}
@@ -264,7 +269,7 @@ def store(tmp_path):
 
 def test_replay_source_seek_step_and_settings(store):
     src = ReplaySource(store)
-    ticks = [s.t_ms for s in store.samples("fixture", "twin-0")]
+    ticks = [s.t_ms for s in store.readings.samples("fixture", "twin-0")]
     assert src.cluster_name == "fixture" and src.ticks == ticks and src.position == ticks[0]
     assert src.seek(0) == ticks[0] and src.seek(10**15) == ticks[-1]
     src.seek(T0 + 42_500)
@@ -274,17 +279,17 @@ def test_replay_source_seek_step_and_settings(store):
     assert src.step(-1000) == ticks[0] and src.step(1000) == ticks[-1]
     for at in (T0 + 10_000, T0 + 75_000, T0 + 99_999):
         snap = src.snapshot_at(at)
-        assert {n: rs.sample for n, rs in snap.replicas.items()} == store.latest_samples("fixture", at)
+        assert {n: rs.sample for n, rs in snap.replicas.items()} == store.readings.latest_samples("fixture", at)
         for rs in snap.replicas.values():
-            assert [g for g in rs.groups] == store.group_samples("fixture", rs.name, rs.sample.t_ms,
+            assert [g for g in rs.groups] == store.readings.group_samples("fixture", rs.name, rs.sample.t_ms,
                                                                  rs.sample.t_ms + 1)
     assert src.settings_at("twin-1", T0 + 29_000) is None
     assert src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"
     assert src.settings_at("twin-1", T0 + 60_000)["pinned"] == ["gamma"]
     assert src.settings_at("twin-0", T0 + 99_000) is None  # bob's change was rejected
     hist = src.history("twin-1", T0 + 60_000)
-    assert hist == store.samples("fixture", "twin-1", T0 + 60_000 - 600_000, T0 + 60_001)
-    assert asyncio.run(src.audit()) == store.settings_changes("fixture")[:4]
+    assert hist == store.readings.samples("fixture", "twin-1", T0 + 60_000 - 600_000, T0 + 60_001)
+    assert asyncio.run(src.audit()) == store.settings_log.settings_changes("fixture")[:4]
 
 
 def test_replay_settings_come_from_what_the_replicas_ran(store):
@@ -294,7 +299,7 @@ def test_replay_settings_come_from_what_the_replicas_ran(store):
 
     seen = [SettingsSeenRow("twin-1", T0 + 50_000, 7, "i1", {"policy": "las", "params": {}}),
             SettingsSeenRow("twin-1", T0 + 70_000, 8, "i1", {"policy": "vtc", "params": {}})]
-    store.write("fixture", Batch(settings_seen=seen))
+    store.recordings.write("fixture", Batch(settings_seen=seen))
     src = ReplaySource(store)
     assert src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"  # the audit log, before any seen row
     assert src.settings_at("twin-1", T0 + 50_000)["policy"] == "las"
@@ -349,3 +354,53 @@ def test_cluster_table_re_renders_only_changed_rows():
 
 def test_triplets_show_missing_values_as_dashes():
     assert R.fmt_triplet(None, float("nan"), 0.5) == "—/—/500ms"
+
+
+# ------------------------------------------------------------------ panels: data down, messages up
+
+
+def test_panels_read_no_app_state():
+    """A panel shows the reactive data the app sets on it and posts messages for what the operator
+    asks: none reaches into the app (``self.app``)."""
+    for path in sorted((Path(__file__).parent.parent / "tui").glob("*_panel.py")):
+        uses = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)
+                and n.attr == "app" and isinstance(n.value, ast.Name) and n.value.id == "self"]
+        assert not uses, (path.name, uses)
+
+
+def test_edit_targets_are_the_known_selected_replicas_else_the_cursors():
+    assert edit_targets(frozenset({"b", "a", "gone"}), "c", {"a": 1, "b": 2}) == ["a", "b"]
+    assert edit_targets(frozenset({"b", "gone"}), "c", None) == ["b", "gone"]  # no snapshot yet
+    assert edit_targets(frozenset(), "c", {"a": 1}) == ["c"]
+    assert edit_targets(frozenset(), None, None) == []
+
+
+def test_the_policy_panels_targets_list_selects_through_the_app(tmp_path):
+    """Toggling a replica in the policy panel's targets list is a message to the app: the app's
+    selection follows, the panels bound to it follow the app's, and the form its first target."""
+    db = tmp_path / "rec.db"
+    shutil.copy(FIXTURE, db)
+
+    async def wait(pilot, cond) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await pilot.pause(0.05)
+        assert cond()
+
+    async def scenario():
+        app = build_app(None, replay=str(db), start_ms=T0 + 60_000)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await wait(pilot, lambda: app.snapshot is not None)
+            await pilot.press("3")
+            panel = app.query_one(PolicyPanel)
+            await wait(pilot, lambda: panel.form_policy is not None)
+            assert panel.targets == (app.current_replica,) and panel.reference == app.current_replica
+            panel.query_one("#targets", SelectionList).select("twin-2")
+            banner = panel.query_one("#policy-banner")
+            await wait(pilot, lambda: app.selected and "twin-2's settings" in str(banner.content))
+            assert app.selected == {"twin-2"} and app.targets() == ["twin-2"] and panel.reference == "twin-2"
+            assert app.query_one(ClusterPanel).selected == {"twin-2"} and panel.targets == ("twin-2",)
+            assert "1 selected" in str(app.query_one("#topbar").content)
+
+    asyncio.run(scenario())

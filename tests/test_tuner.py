@@ -21,30 +21,29 @@ from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtu
 from tailpilot.cli_tune import COMMANDS
 from scheduler.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
 from tuner import study as st
+from tuner.objectives import ConstraintError, parse_constraint, parse_objectives
+from tuner.optimize import make_pruner, make_sampler, tune
+from tuner.optuna_storage import open_storage, storage_url
 from tuner.recommend import paired_improvement, recommend
-from tuner.search import (
-    ConstraintError,
-    SearchSpaceError,
-    build_space,
-    field_bounds,
-    parse_constraint,
-    parse_objectives,
-)
+from tuner.results import best_trials, is_feasible
+from tuner.search import SearchSpaceError, build_space, field_bounds
+from tuner.spec import SpecError, StudySpec, TuneError
+from tuner.windows import build_traces, nanmean
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def small_spec(**kw) -> st.StudySpec:
+def small_spec(**kw) -> StudySpec:
     """Four 60-s windows of the bundled Azure conv trace (one held out, three searched)."""
     base = dict(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3)
     base.update(kw)
-    return st.StudySpec(**base)
+    return StudySpec(**base)
 
 
-def run_study(tmp_path: Path, name: str, trials: int, spec: st.StudySpec, file: str = "optuna.db"):
-    url = st.storage_url(str(tmp_path / file))
-    outcome = st.tune(url, name, trials, spec=spec)
-    storage = st.open_storage(url)
+def run_study(tmp_path: Path, name: str, trials: int, spec: StudySpec, file: str = "optuna.db"):
+    url = storage_url(str(tmp_path / file))
+    outcome = tune(url, name, trials, spec=spec)
+    storage = open_storage(url)
     return outcome, storage, optuna.load_study(study_name=name, storage=storage)
 
 
@@ -134,6 +133,46 @@ def test_constraint_grammar():
         assert repr(bad) in str(err.value)
 
 
+def test_a_strict_comparison_is_refused_naming_the_constraint(tmp_path, cli):
+    """``>`` silently meant ``>=``: now it is an error that names the constraint and the operator
+    to use; a study defined before reads it as the inclusive bound it ran."""
+    for text, use in (("throughput>0.99*baseline", "'>='"), ("ttft_p99 < 2", "'<='")):
+        with pytest.raises(ConstraintError) as err:
+            parse_constraint(text)
+        assert repr(text) in str(err.value) and f"use {use}" in str(err.value)
+    assert parse_constraint("ttft_p99<2", legacy=True).op == "<="
+    assert parse_constraint("throughput>baseline", legacy=True).value(1.0, 1.0) == 0.0
+    res = CliRunner().invoke(cli, ["tune", "--study", "x", "--storage", str(tmp_path / "o.db"), "--db",
+                                   str(tmp_path / "tp.db"), "--policy", "uniboost", "--objective", "ttlt_p99",
+                                   "--constraint", "throughput>0.99*baseline"])
+    assert res.exit_code == 2, res.output
+    error = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert error == ["Error: --constraint: 'throughput>0.99*baseline': use '>=': a constraint's bound is "
+                     "inclusive (a strict '>' is not supported)"]
+
+
+def test_spec_errors_name_the_field_and_the_cli_its_flag(tmp_path, cli):
+    for kw, field in ((dict(window_s=0.0), "window_s"), (dict(warmup_s=math.nan), "warmup_s"),
+                      (dict(holdout=1.0), "holdout"), (dict(mix=[("x.csv", 1.5)]), "mix"),
+                      (dict(slo={"ttl": 2.0}), "slo"), (dict(production={"policy": "nope"}), "production")):
+        with pytest.raises(SpecError) as err:
+            small_spec(**kw)
+        assert err.value.field_name == field and str(err.value).startswith(f"{field}: ")
+        assert "--" not in str(err.value)  # a library error names the field, not a flag
+    with pytest.raises(SpecError, match=r"^traces: .*missing\.csv: no such file$"):
+        small_spec(traces=[str(tmp_path / "missing.csv")]).normalize()
+    base = ["tune", "--study", "x", "--storage", str(tmp_path / "o.db"), "--db", str(tmp_path / "tp.db"),
+            "--policy", "uniboost", "--objective", "ttlt_p99"]
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,10\n")
+    for flags, says in ((["--mix", f"{trace}=1.5"], "--mix: fractions must be in (0, 1)"),
+                        (["--slo", "ttl=2"], "--slo: ttl=2: expected FAMILY=SECONDS"),
+                        (["--objective", "ttlt_slo_attainment"], "--objective: ttlt_slo_attainment: needs an SLO")):
+        res = CliRunner().invoke(cli, [*base, *flags])
+        assert res.exit_code == 2, res.output
+        assert says in res.output and "Traceback" not in res.output
+
+
 def test_objectives_named_from_metrics():
     assert parse_objectives(["ttlt_p99", "throughput"]) == [("ttlt_p99", "minimize"), ("throughput_tok_s", "maximize")]
     with pytest.raises(ValueError, match="unknown metric 'ttlt_p98'; valid names: .*ttlt_p99"):
@@ -194,14 +233,14 @@ def test_constraint_is_respected(tmp_path):
     infeasible = 0
     for t in complete:
         info = t.user_attrs[st.TRIAL_ATTR]
-        x = st.nanmean(info["metrics"]["ttlt_p99"])
-        b = st.nanmean([ctx.baseline[i]["ttlt_p99"] for i in info["windows"]])
+        x = nanmean(info["metrics"]["ttlt_p99"])
+        b = nanmean([ctx.baseline[i]["ttlt_p99"] for i in info["windows"]])
         assert t.constraints["ttlt_p99<=1.0*baseline"] == pytest.approx(x - b)  # Optuna's set_constraint
         infeasible += t.constraints["ttlt_p99<=1.0*baseline"] > 0
     assert infeasible, "test needs some infeasible trials to mean anything"
-    best = st.best_trials(study, ctx)[0]
-    assert st.is_feasible(best)
-    feasible_values = [t.value for t in complete if st.is_feasible(t) and not t.user_attrs[st.TRIAL_ATTR]["pruned_after"]]
+    best = best_trials(study, ctx)[0]
+    assert is_feasible(best)
+    feasible_values = [t.value for t in complete if is_feasible(t) and not t.user_attrs[st.TRIAL_ATTR]["pruned_after"]]
     assert best.value == min(feasible_values)
     summary = recommend(storage, "c")
     # The best trial is the first candidate; the recommendation is the first candidate that does
@@ -222,8 +261,8 @@ def test_two_objectives_give_a_pareto_front(tmp_path):
     assert out.complete == 8
     assert [d.name for d in study.directions] == ["MINIMIZE", "MINIMIZE"]
     _, ctx = st.load_context(storage, "p")
-    assert isinstance(st.make_sampler(ctx, 0), optuna.samplers.NSGAIISampler)
-    assert isinstance(st.make_pruner(ctx), optuna.pruners.NopPruner)
+    assert isinstance(make_sampler(ctx, 0), optuna.samplers.NSGAIISampler)
+    assert isinstance(make_pruner(ctx), optuna.pruners.NopPruner)
     summary = recommend(storage, "p")
     front = {t["trial"] for t in summary["pareto_front"]}
     assert summary["trial"] in front
@@ -236,8 +275,8 @@ def test_two_objectives_give_a_pareto_front(tmp_path):
 
 def test_recommendation_validated_on_held_out_windows(tmp_path, cli):
     spec = small_spec(trim=(0.0, 300.0), holdout=0.4, constraints=["throughput>=0.99*baseline"])
-    url = st.storage_url(str(tmp_path / "optuna.db"))
-    st.tune(url, "h", 8, spec=spec)
+    url = storage_url(str(tmp_path / "optuna.db"))
+    tune(url, "h", 8, spec=spec)
     db = str(tmp_path / "tailpilot.db")
     res = CliRunner().invoke(cli, ["recommend", "--study", "h", "--storage", url, "--db", db, "--json"])
     assert res.exit_code == 0, res.output
@@ -247,7 +286,7 @@ def test_recommendation_validated_on_held_out_windows(tmp_path, cli):
     m = s["holdout"]["metrics"]["ttlt_p99"]
     assert m["n"] == 2 and m["ci_pct"][0] <= m["improvement_pct"] <= m["ci_pct"][1]
     # The held-out numbers are replays of the recommended and the production settings.
-    _, ctx = st.load_context(st.open_storage(url), "h")
+    _, ctx = st.load_context(open_storage(url), "h")
     rec = Settings.model_validate(s["settings"])
     for k, i in enumerate(held):
         assert m["per_window"][k] == pytest.approx(ctx.run(rec, i)["ttlt_p99"])
@@ -257,14 +296,14 @@ def test_recommendation_validated_on_held_out_windows(tmp_path, cli):
     from storage.store import Store
 
     with Store.open(db) as store:
-        info = store.latest_recommendation("h")
+        info = store.tuner.latest_recommendation("h")
     assert info.settings == s["settings"] and info.summary["holdout"]["windows"] == held
     text = CliRunner().invoke(cli, ["recommend", "--study", "h", "--storage", url, "--no-store"])
     assert text.exit_code == 0 and "held-out windows (never searched): 2 windows" in text.output
 
 
 def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
-    url = st.storage_url(str(tmp_path / "optuna.db"))
+    url = storage_url(str(tmp_path / "optuna.db"))
     calls = {"n": 0}
     real = st.window_metrics
 
@@ -280,7 +319,7 @@ def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 130, res.output
     assert "interrupted" in res.output and "run the same command to continue" in res.output
-    study = optuna.load_study(study_name="r", storage=st.open_storage(url))
+    study = optuna.load_study(study_name="r", storage=open_storage(url))
     n_complete = len(study.get_trials(states=(TrialState.COMPLETE,)))
     assert 0 < n_complete < 6 and study.get_trials(states=(TrialState.FAIL,))
     monkeypatch.setattr(st, "window_metrics", real)
@@ -292,7 +331,7 @@ def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
     ok = CliRunner().invoke(cli, ["tune", "--study", "r", "--storage", url, "--trials", "6", "--seed", "3", "--json"])
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["complete"] == 6
-    study = optuna.load_study(study_name="r", storage=st.open_storage(url))
+    study = optuna.load_study(study_name="r", storage=open_storage(url))
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 6
     production = [t for t in study.trials if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION and t.state == TrialState.COMPLETE]
     assert len(production) == 1
@@ -314,7 +353,7 @@ def test_nan_metric_windows_do_not_crash(tmp_path):
     single = tmp_path / "single.csv"
     single.write_text("\n".join(["arrived_at,num_prefill_tokens,num_decode_tokens"]
                                 + [f"{k * 1.0},100,1" for k in range(240)]) + "\n")
-    with pytest.raises(st.TuneError, match="tbt_p99: undefined"):
+    with pytest.raises(TuneError, match="tbt_p99: undefined"):
         run_study(tmp_path, "n1", 2, small_spec(traces=[str(single)], trim=None, objectives=["tbt_p99"]), "x.db")
 
 
@@ -343,8 +382,8 @@ def test_cli_errors_and_storage_kept_apart(tmp_path, cli):
 
 def test_default_storage_is_a_separate_sqlite_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert st.storage_url(None) == f"sqlite:///{tmp_path / 'tailpilot-optuna.db'}"
-    assert st.storage_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert storage_url(None) == f"sqlite:///{tmp_path / 'tailpilot-optuna.db'}"
+    assert storage_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
 
 
 # ------------------------------------------------------------------------------ many processes
@@ -363,7 +402,7 @@ def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert json.loads(out)["complete"] == 12
-    study = optuna.load_study(study_name="shared", storage=st.open_storage(url))
+    study = optuna.load_study(study_name="shared", storage=open_storage(url))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(complete) == 12
     numbers = [t.number for t in study.trials]
@@ -381,8 +420,8 @@ def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url
 
 def test_max_tokens_default_reaches_the_studys_traces():
     """Traces that record no cap get the study's fixed cap (never the true output length)."""
-    default = st.build_traces(small_spec())[0]
+    default = build_traces(small_spec())[0]
     assert {r.max_tokens for r in default} == {4096}
-    capped = st.build_traces(small_spec(max_tokens_default=300))[0]
+    capped = build_traces(small_spec(max_tokens_default=300))[0]
     assert {r.max_tokens for r in capped} == {300}
     assert all(r.output_tokens <= 300 for r in capped) and capped.truncated > 0

@@ -6,16 +6,20 @@ import pytest
 from click.testing import CliRunner
 
 from scheduler.settings import Settings
-from tuner import study as st
 from sim import traces as tr
-from tuner.continuous import continuous_metrics, engine_losses, losses, validate
 from sim.engine import EngineConfig
+from tuner import study as st
+from tuner.continuous import continuous_metrics, engine_losses, losses, validate
+from tuner.optimize import tune
+from tuner.optuna_storage import open_storage, storage_url
+from tuner.spec import StudySpec, TuneError
+from tuner.windows import build_windows, fingerprint, window_metrics
 
 
-def small_spec(**kw) -> st.StudySpec:
+def small_spec(**kw) -> StudySpec:
     base = dict(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3)
     base.update(kw)
-    return st.StudySpec(**base)
+    return StudySpec(**base)
 
 
 def burst_then_quiet() -> tr.Trace:
@@ -27,7 +31,7 @@ def burst_then_quiet() -> tr.Trace:
 
 def test_a_window_replays_its_warm_up_and_measures_only_its_own_requests():
     trace = tr.transform(tr.load_bundled(), window=(0.0, 240.0))
-    windows = st.build_windows(small_spec(warmup_s=60.0), [trace])
+    windows = build_windows(small_spec(warmup_s=60.0), [trace])
     assert [w.start_s for w in windows] == [0.0, 60.0, 120.0, 180.0]
     first, second = windows[0], windows[1]
     assert len(first.trace) == len(first.measured)  # the trace starts here: nothing before it
@@ -35,20 +39,20 @@ def test_a_window_replays_its_warm_up_and_measures_only_its_own_requests():
     before = {r.id for r in trace if 0.0 <= r.arrival < 60.0}
     assert second.measured == own
     assert {r.id for r in second.trace} == own | before
-    cold = st.build_windows(small_spec(warmup_s=0.0), [trace])
+    cold = build_windows(small_spec(warmup_s=0.0), [trace])
     assert {r.id for r in cold[1].trace} == own
-    assert st.fingerprint(windows) != st.fingerprint(cold)
+    assert fingerprint(windows) != fingerprint(cold)
 
 
 def test_a_warm_window_inherits_the_backlog_a_cold_one_hides():
     trace = burst_then_quiet()
     config = EngineConfig()
     settings = Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 1}})
-    warm = st.build_windows(small_spec(window_s=120.0, warmup_s=120.0, min_requests=5), [trace])[1]
-    cold = st.build_windows(small_spec(window_s=120.0, warmup_s=0.0, min_requests=5), [trace])[1]
+    warm = build_windows(small_spec(window_s=120.0, warmup_s=120.0, min_requests=5), [trace])[1]
+    cold = build_windows(small_spec(window_s=120.0, warmup_s=0.0, min_requests=5), [trace])[1]
     assert warm.measured == cold.measured and len(warm.trace) == 500
-    w = st.window_metrics(settings, warm, config, ["ttft_p50", "requests"])
-    c = st.window_metrics(settings, cold, config, ["ttft_p50", "requests"])
+    w = window_metrics(settings, warm, config, ["ttft_p50", "requests"])
+    c = window_metrics(settings, cold, config, ["ttft_p50", "requests"])
     assert w["requests"] == c["requests"] == 20  # only the window's own requests are measured
     # Cold, the quiet window's requests find an empty engine; warm, they queue behind the burst.
     assert c["ttft_p50"] < 1.0 < 10.0 < w["ttft_p50"]
@@ -57,16 +61,16 @@ def test_a_warm_window_inherits_the_backlog_a_cold_one_hides():
 def test_studies_written_before_warm_windows_still_replay_cold():
     d = small_spec().to_dict()
     del d["warmup_s"]
-    assert st.StudySpec.from_dict(d).warmup_s == 0.0
-    with pytest.raises(st.TuneError, match="--warmup-s"):
+    assert StudySpec.from_dict(d).warmup_s == 0.0
+    with pytest.raises(TuneError, match="warmup_s"):
         small_spec(warmup_s=-1.0).normalize()
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory) -> st.TuneContext:
-    url = st.storage_url(str(tmp_path_factory.mktemp("cont") / "optuna.db"))
-    st.tune(url, "c", 2, spec=small_spec())
-    return st.load_context(st.open_storage(url), "c")[1]
+    url = storage_url(str(tmp_path_factory.mktemp("cont") / "optuna.db"))
+    tune(url, "c", 2, spec=small_spec())
+    return st.load_context(open_storage(url), "c")[1]
 
 
 def test_continuous_replay_measures_the_held_out_requests_of_one_whole_replay(ctx):
@@ -124,8 +128,8 @@ def test_recommend_reports_the_continuous_replay(tmp_path):
 
     from tailpilot.cli_tune import COMMANDS
 
-    url = st.storage_url(str(tmp_path / "o.db"))
-    st.tune(url, "r", 3, spec=small_spec())
+    url = storage_url(str(tmp_path / "o.db"))
+    tune(url, "r", 3, spec=small_spec())
     group = click.Group("tailpilot")
     for command in COMMANDS:
         group.add_command(command)
@@ -134,7 +138,7 @@ def test_recommend_reports_the_continuous_replay(tmp_path):
     assert "continuous replay of the whole trace" in out.output
     from tuner.recommend import recommend
 
-    s = recommend(st.open_storage(url), "r")
+    s = recommend(open_storage(url), "r")
     cont = s["continuous"]
     assert cont["checked"] and set(cont["holdout"]) == set(cont["all"])
     chosen = cont["holdout"]["ttlt_p99"]

@@ -1,13 +1,20 @@
 """Distributed tuning adds trials and never duplicates them (issue 23, point 8): workers released
 at the same instant draw distinct sampler streams, Optuna's JournalStorage (a file) works as a
-second backend for tune and recommend, and a storage URL the tuner cannot use is one usage error."""
+second backend for tune and recommend, Ctrl-C stops every worker with one message, and a storage
+URL the tuner cannot use is one usage error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import os
+import signal
+import socket
+import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +26,11 @@ from optuna.trial import TrialState
 
 from tailpilot.cli_tune import COMMANDS
 from tuner import study as st
+from tuner.optimize import fail_dead_local_trials, make_sampler, run_worker, stream_sampler, trial_seed, tune
+from tuner.optuna_storage import open_storage, storage_file, storage_url
+from tuner.spec import StudySpec
 
+REPO = Path(__file__).resolve().parents[1]
 SEED = 3
 TRIALS = 12
 # The Azure conv window cut into four 60-s windows (one held out), as in tests/test_tuner.py.
@@ -27,8 +38,8 @@ DEFINITION = ["--policy", "uniboost", "--objective", "ttlt_p99", "--window", "0:
               "--seed", str(SEED)]
 
 
-def small_spec() -> st.StudySpec:
-    return st.StudySpec(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=SEED)
+def small_spec() -> StudySpec:
+    return StudySpec(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=SEED)
 
 
 @pytest.fixture
@@ -47,10 +58,10 @@ def cli() -> click.Group:
 def _worker_after_setup(url: str, name: str, n_trials: int, barrier) -> None:
     """A worker whose study is set up, released together with the other: the moment two workers
     pick their sampler streams."""
-    storage = st.open_storage(url)
+    storage = open_storage(url)
     _, ctx = st.load_context(storage, name, enqueue=True)
     barrier.wait()
-    st.run_worker(storage, name, ctx, n_trials)
+    run_worker(storage, name, ctx, n_trials)
 
 
 def _tune_command(args: list[str], barrier) -> None:
@@ -90,11 +101,11 @@ def _assert_distinct_and_shared(study, n_trials: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("backend", ["optuna.db", "optuna.journal"])
 def test_workers_released_together_draw_distinct_parameters(tmp_path, backend):
-    url = st.storage_url(str(tmp_path / backend))
-    storage = st.open_storage(url)
+    url = storage_url(str(tmp_path / backend))
+    storage = open_storage(url)
     st.prepare(storage, "together", small_spec())
     _release_together(_worker_after_setup, [(url, "together", TRIALS)] * 2)
-    study = optuna.load_study(study_name="together", storage=st.open_storage(url))
+    study = optuna.load_study(study_name="together", storage=open_storage(url))
     _assert_distinct_and_shared(study, TRIALS)
 
 
@@ -103,7 +114,7 @@ def test_two_tune_commands_started_at_the_same_instant_on_a_journal(tmp_path, cl
     args = ["--study", "j", "--storage", str(journal), "--trials", str(TRIALS), "--no-progress", "--json",
             "--db", str(tmp_path / "tailpilot.db"), *DEFINITION]
     _release_together(_tune_command, [(args,)] * 2)  # both create-or-join the study
-    study = optuna.load_study(study_name="j", storage=st.open_storage(st.storage_url(str(journal))))
+    study = optuna.load_study(study_name="j", storage=open_storage(storage_url(str(journal))))
     _assert_distinct_and_shared(study, TRIALS)
     production = [t for t in study.get_trials(states=(TrialState.COMPLETE,))
                   if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION]
@@ -122,9 +133,9 @@ def test_one_worker_stays_reproducible_on_a_journal(tmp_path):
     seed and the trial numbers only)."""
     runs = []
     for file in ("a.journal", "b.db"):
-        url = st.storage_url(str(tmp_path / file))
-        st.tune(url, "r", 6, spec=small_spec())
-        runs.append(optuna.load_study(study_name="r", storage=st.open_storage(url)))
+        url = storage_url(str(tmp_path / file))
+        tune(url, "r", 6, spec=small_spec())
+        runs.append(optuna.load_study(study_name="r", storage=open_storage(url)))
     assert [t.params for t in runs[0].trials] == [t.params for t in runs[1].trials]
     assert [t.values for t in runs[0].trials] == [t.values for t in runs[1].trials]
 
@@ -132,15 +143,15 @@ def test_one_worker_stays_reproducible_on_a_journal(tmp_path):
 def test_a_worker_keeps_its_stream_only_while_alone(tmp_path):
     """Consecutive trial numbers from where the study stood: the worker's own (reproducible)
     stream; from the first number another process took: a stream per trial number."""
-    url = st.storage_url(str(tmp_path / "o.db"))
-    ctx = st.prepare(st.open_storage(url), "s", small_spec())
+    url = storage_url(str(tmp_path / "o.db"))
+    ctx = st.prepare(open_storage(url), "s", small_spec())
 
     def draws(expected: int | None, turns: str) -> list[dict]:
         """``turns``: who asks next, "m" (this worker) or "o" (another process); this worker's
         suggestions, in order."""
         storage = optuna.storages.InMemoryStorage()
         mine = optuna.create_study(storage=storage, study_name="s",
-                                   sampler=st.stream_sampler(ctx, SEED, 99, expected))
+                                   sampler=stream_sampler(ctx, SEED, 99, expected))
         other = optuna.load_study(study_name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
         out = []
         for who in turns:
@@ -152,7 +163,7 @@ def test_a_worker_keeps_its_stream_only_while_alone(tmp_path):
             study.tell(trial, state=TrialState.FAIL)
         return out
 
-    reference = optuna.create_study(sampler=st.make_sampler(ctx, 99))
+    reference = optuna.create_study(sampler=make_sampler(ctx, 99))
     own = [ctx.space.suggest(reference.ask()).to_dict() for _ in range(3)]
     assert draws(0, "mmm") == own  # alone: exactly the worker's own stream (as before the fix)
     per_trial = draws(None, "oom")  # trial 2, whoever runs it, draws from trial_seed(SEED, 2)
@@ -163,9 +174,9 @@ def test_a_worker_keeps_its_stream_only_while_alone(tmp_path):
 
 
 def test_trial_seeds_are_distinct_per_trial_and_study():
-    seeds = {st.trial_seed(seed, n) for seed in range(4) for n in range(200)}
+    seeds = {trial_seed(seed, n) for seed in range(4) for n in range(200)}
     assert len(seeds) == 800  # neighbouring seeds do not share streams shifted by one trial
-    assert st.trial_seed(3, 5) == st.trial_seed(3, 5)
+    assert trial_seed(3, 5) == trial_seed(3, 5)
 
 
 # ------------------------------------------------------------------ journal: dead workers' trials
@@ -174,26 +185,72 @@ def test_trial_seeds_are_distinct_per_trial_and_study():
 def test_a_dead_local_workers_running_trial_is_failed_on_a_journal(tmp_path):
     """A journal has no heartbeats: a trial left RUNNING by a killed worker would hold its slot
     forever; the next worker on the host fails it and the study completes."""
-    url = st.storage_url(str(tmp_path / "o.journal"))
-    storage = st.open_storage(url)
+    url = storage_url(str(tmp_path / "o.journal"))
+    storage = open_storage(url)
     st.prepare(storage, "d", small_spec())
     study = optuna.load_study(study_name="d", storage=storage)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     orphan = study.ask()  # pops the production trial: it is what the dead worker was running
-    orphan.set_user_attr(st.OWNER_ATTR, f"{st.socket.gethostname()}:{int(dead.stdout)}")
+    orphan.set_user_attr(st.OWNER_ATTR, f"{socket.gethostname()}:{int(dead.stdout)}")
     alive = study.ask()  # a trial of a live worker (this process) is never touched
-    alive.set_user_attr(st.OWNER_ATTR, f"{st.socket.gethostname()}:{st.os.getpid()}")
+    alive.set_user_attr(st.OWNER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
     remote = study.ask()
     remote.set_user_attr(st.OWNER_ATTR, "another-host:1")
-    assert st.fail_dead_local_trials(study) == [orphan.number]
+    assert fail_dead_local_trials(study) == [orphan.number]
     states = {t.number: t.state for t in study.trials}
     assert states[orphan.number] == TrialState.FAIL
     assert states[alive.number] == states[remote.number] == TrialState.RUNNING
     study.tell(alive, state=TrialState.FAIL)
     study.tell(remote, state=TrialState.FAIL)
-    out = st.tune(url, "d", 4)
+    out = tune(url, "d", 4)
     assert out.complete == 4
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+def _wait_for_trials_of_two_workers(db: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    """Return once trials of two worker processes are in the storage: the study has started.
+    Reads Optuna's SQLite tables directly, read-only (opening an Optuna storage would race the
+    command creating its schema)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"tune exited early ({proc.returncode}): {proc.communicate()[1][-3000:]}")
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
+                owners = conn.execute("SELECT COUNT(DISTINCT value_json) FROM trial_user_attributes "
+                                      "WHERE key = ?", (st.OWNER_ATTR,)).fetchone()[0]
+        except sqlite3.Error:  # not created yet, or locked for a moment
+            owners = 0
+        if owners >= 2:
+            return
+        time.sleep(0.2)
+    pytest.fail("the workers started no trial")
+
+
+def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
+    """A terminal's Ctrl-C reaches every process of ``tailpilot tune --workers 2``: each worker
+    fails its running trial and exits quietly; the command says how to continue, once, with no
+    traceback (Optuna logged one per worker for the interrupted trial)."""
+    db = tmp_path / "optuna.db"
+    cmd = [sys.executable, "-c", "from tailpilot.cli_tune import tune; tune()", "--study", "c", "--storage", str(db),
+           "--db", str(tmp_path / "tailpilot.db"), *DEFINITION, "--trials", "500", "--workers", "2", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group, as a terminal's job
+    try:
+        _wait_for_trials_of_two_workers(db, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole group, workers included
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    assert "(interrupted)" in out and "run the same command to continue" in out
 
 
 # ------------------------------------------------------------------ URLs it cannot use
@@ -223,7 +280,7 @@ def test_storage_the_tuner_cannot_use_is_one_usage_error(tmp_path, cli, storage,
 
 def test_a_sqlite_file_given_as_a_journal_is_refused(tmp_path, cli):
     db = tmp_path / "optuna.db"
-    st.open_storage(st.storage_url(str(db)))  # Optuna's schema: a SQLite file
+    open_storage(storage_url(str(db)))  # Optuna's schema: a SQLite file
     res = CliRunner().invoke(cli, ["recommend", "--study", "x", "--storage", f"journal:{db}",
                                    "--db", str(tmp_path / "tailpilot.db")])
     assert res.exit_code == 2 and "is a SQLite database, not an Optuna journal" in res.output
@@ -233,16 +290,16 @@ def test_a_sqlite_file_given_as_a_journal_is_refused(tmp_path, cli):
 
 
 def test_journal_forms_of_storage():
-    assert st.storage_url("s.journal") == f"journal:{Path('s.journal').resolve()}"
-    assert st.storage_url("s.log") == f"journal:{Path('s.log').resolve()}"
-    assert st.storage_url("journal:s") == f"journal:{Path('s').resolve()}"
-    assert st.storage_url("s.db") == f"sqlite:///{Path('s.db').resolve()}"
-    assert st.storage_file(st.storage_url("journal:s")) == str(Path("s").resolve())
+    assert storage_url("s.journal") == f"journal:{Path('s.journal').resolve()}"
+    assert storage_url("s.log") == f"journal:{Path('s.log').resolve()}"
+    assert storage_url("journal:s") == f"journal:{Path('s').resolve()}"
+    assert storage_url("s.db") == f"sqlite:///{Path('s.db').resolve()}"
+    assert storage_file(storage_url("journal:s")) == str(Path("s").resolve())
 
 
 def test_a_joining_worker_with_another_seed_is_told_why(tmp_path, cli):
-    url = st.storage_url(str(tmp_path / "o.journal"))
-    st.prepare(st.open_storage(url), "s", small_spec())
+    url = storage_url(str(tmp_path / "o.journal"))
+    st.prepare(open_storage(url), "s", small_spec())
     res = CliRunner().invoke(cli, ["tune", "--study", "s", "--storage", url, "--seed", str(SEED + 1),
                                    "--db", str(tmp_path / "tailpilot.db")])
     assert res.exit_code == 2

@@ -23,7 +23,8 @@ from scheduler.plugin.core import COMPLETION_KEYS, ReplicaCore
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from sim.traces import Trace, TraceRequest
-from tuner.twin import LAP_SEP, ManualClock, TwinReplica, start_twins
+from tuner.twin import ManualClock, TwinReplica, start_twins
+from tuner.twin_feed import LAP_SEP
 
 TOKEN = "tw1n-token"
 PLUGIN_STATE_KEYS = set(ReplicaCore(Settings()).state(0, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}))

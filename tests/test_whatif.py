@@ -25,7 +25,8 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     traffic the what-if predicts P95 TTFT down by a fifth or more; applied for real (HTTP PUT), the
     twin then shows it — verify's realized change (the real figures over the same traffic replayed
     under sarathi) has the predicted sign and size."""
-    from controlplane.collector import Collector, apply_settings
+    from controlplane.collector import Collector
+    from controlplane.steering import apply_settings
     from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
     from tuner.twin import ManualClock, start_twins
@@ -63,9 +64,9 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
                 [applied] = await apply_settings(cluster, [twin.name], SIZE_FIRST.to_dict(), store, "test",
                                                  client=client, wait_s=0.0)
                 assert applied.ok, applied.message
-                pid = store.store_prediction(cluster.name, twin.name, p, t_ms=now_ms, version=applied.version)
+                pid = store.tuner.store_prediction(cluster.name, twin.name, p, t_ms=now_ms, version=applied.version)
                 await run_until(250.0, collector)
-                [early] = store.predictions(cluster.name)
+                [early] = store.tuner.predictions(cluster.name)
                 assert not verify(store, early, now_ms=int(clock.now() * 1000))["ready"]
                 await run_until(600.0, collector)  # the span's requests have all finished
                 return p, pid
@@ -76,7 +77,7 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
         assert twin.core.settings.policy == "uniboost"
     predicted = p["metrics"]["ttft_p95"]["change"]
     assert p["requests"] > 100 and predicted < -0.2
-    [kept] = store.predictions("twins")
+    [kept] = store.tuner.predictions("twins")
     assert kept["id"] == pid and kept["summary"]["metrics"]["ttft_p95"]["change"] == predicted
     v = verify(store, kept, now_ms=int(clock.now() * 1000))
     assert v["ready"] and v["requests"] > 100
@@ -119,7 +120,7 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # wait for traffic to predict on (an event, not a sleep)
                 with Store.open("tp.db") as s:
-                    if len(s.completions("twins")) >= 200:
+                    if len(s.readings.completions("twins")) >= 200:
                         break
                 time.sleep(0.2)
             runner = CliRunner()
@@ -134,7 +135,7 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
             [out] = json.loads(res.stdout)
             assert out["prediction"]["metrics"]["ttft_p95"]["change"] is not None
             with Store.open("tp.db") as s:
-                [kept] = s.predictions("twins")
+                [kept] = s.tuner.predictions("twins")
             assert kept["id"] == out["prediction"]["prediction_id"] and kept["version"] == out["version"]
             res = runner.invoke(main_cli(), ["verify", "--cluster", "c.yaml", "--db", "tp.db"])
             assert res.exit_code == 0 and "not ready to verify" in res.output

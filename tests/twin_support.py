@@ -20,7 +20,7 @@ def serve_all(twins, clock, step: float = 2.0, limit: float = 5000.0) -> float:
 
 def poll_all(collector, polls: int = 1) -> None:
     """Poll every replica of the collector's cluster ``polls`` times, with a client of its own."""
-    from controlplane.collector import make_client
+    from controlplane.replica_http import make_client
 
     async def run() -> None:
         collector._client = make_client(collector.cluster)

@@ -1,21 +1,39 @@
 """The alerts panel: the cluster's governance figures per tenant and type, the governor and the
-autopilot (the cluster's automatic controllers), and the alert history."""
+autopilot (the cluster's automatic controllers), and the alert history. It shows its reactive
+``data``, set by the app."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.reactive import var
 from textual.widgets import DataTable, Static
 
 from tui import render as R
-from tui.autopilot_panel import AutopilotPanel
+from tui.autopilot_panel import AutopilotData, AutopilotPanel
 from tui.widgets import AutoSizedTable, fill_table
 
 
+@dataclass(frozen=True)
+class AlertsData:
+    """The window's governance figures, the alert history and the two control rows (None: not
+    known here; the autopilot's block is then hidden) as of ``now_ms``."""
+
+    governance: Mapping[str, Any] | None
+    events: Sequence[Mapping[str, Any]]
+    governor: Mapping[str, Any] | None = None
+    autopilot: Mapping[str, Any] | None = None
+    now_ms: int | None = None
+
+
 class AlertsPanel(Vertical):
+    data: var[AlertsData | None] = var(None, init=False, always_update=True)
+    """What the panel shows; every one re-renders."""
+
     def compose(self) -> ComposeResult:
         yield Static(Text("governance", style="bold"), id="alerts-title", classes="title")
         yield Static("", id="alerts-figures")
@@ -33,13 +51,11 @@ class AlertsPanel(Vertical):
         for key, label, width in R.ALERT_EVENT_COLUMNS:
             h.add_column(label, key=key, width=width)
 
-    def update_from(self, governance: dict[str, Any] | None, events: list[dict[str, Any]],
-                    governor: dict[str, Any] | None = None, autopilot: dict[str, Any] | None = None,
-                    now_ms: int | None = None) -> None:
-        """Show the window's figures, the alert history and the two control rows (None: not known
-        here; the autopilot's block is then hidden) as of ``now_ms``."""
-        self.query_one("#alerts-figures", Static).update(R.governance_summary(governance))
-        self.query_one("#alerts-governor", Static).update(R.governor_line(governor))
-        self.query_one(AutopilotPanel).update_from(autopilot, now_ms)
-        fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(governance))
-        fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in events])
+    def watch_data(self, data: AlertsData | None) -> None:
+        if data is None:
+            return
+        self.query_one("#alerts-figures", Static).update(R.governance_summary(data.governance))
+        self.query_one("#alerts-governor", Static).update(R.governor_line(data.governor))
+        self.query_one(AutopilotPanel).data = AutopilotData(data.autopilot, data.now_ms)
+        fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(data.governance))
+        fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in data.events])

@@ -9,6 +9,9 @@ function (``render``, ``autopilot_render``).
 
 Data flow: one pump task awaits ``source.next_snapshot()`` and applies each snapshot before it
 reads the next (refreshes never overlap); the cluster table is updated cell by cell in place.
+Attributes down, messages up: the app sets each panel's reactive data (the selection and the
+current replica are the app's reactives, bound to the panels with ``data_bind``), and a panel asks
+the app for what only the app may do with a message (``PolicyPanel.ApplyRequested``).
 Polling happens in the collector (asyncio, in this event loop), store reads in threads, settings
 changes in workers: nothing the operator presses waits on the network.
 """
@@ -19,40 +22,41 @@ import getpass
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import AbstractSet, Any
 
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.notifications import SeverityLevel
+from textual.reactive import var
 from textual.screen import ModalScreen
 from textual.widgets import (
     ContentSwitcher,
     DataTable,
     Footer,
-    Input,
     Static,
 )
 
 from controlplane.cluster import ClusterSpec
-from controlplane.collector import ClusterSnapshot
+from controlplane.snapshot import ClusterSnapshot
 from controlplane.views import alert_text
 from tui import keys as K
 from tui import render as R
 from tui.alerts_panel import AlertsPanel
-from tui.audit_panel import AuditPanel
-from tui.cluster_panel import ClusterPanel, FilterInput
+from tui.audit_panel import AuditData, AuditPanel
+from tui.cluster_panel import ClusterData, ClusterPanel
 from tui.controllers import ControllerActions
 from tui.dialogs import ConfirmScreen, HelpScreen, PolicyPickScreen, SeekScreen
 from tui.edits import (
     RecommendationEdit,
     SettingsEdit,
     current_settings,
+    edit_targets,
     pin_edit,
     try_apply,
 )
 from tui.policy_panel import PolicyPanel
-from tui.replica_panel import ReplicaPanel
+from tui.replica_panel import ReplicaData, ReplicaPanel
 from tui.sources import DataSource
 from tui.tuner_panel import TunerPanel
 from tui.widgets import ClusterTable
@@ -76,6 +80,11 @@ class TailpilotApp(ControllerActions, App):
     COMMANDS = App.COMMANDS | {K.KeyCommands}
     ENABLE_COMMAND_PALETTE = True
 
+    selected: var[frozenset[str]] = var(frozenset())
+    """The replicas selected with space (P, N and A act on them; the cluster panel marks them)."""
+    current_replica: var[str | None] = var(None)
+    """The replica under the cluster table's cursor (the replica panel shows it)."""
+
     def __init__(self, source: DataSource, cluster_spec: ClusterSpec | None = None, *, readonly: bool = False,
                  store: Any | None = None, who: str | None = None, optuna_storage: str | None = None) -> None:
         super().__init__()
@@ -87,8 +96,6 @@ class TailpilotApp(ControllerActions, App):
         self._readonly_flag = bool(readonly)
         self.who = who or f"tui:{_user()}"
         self.snapshot: ClusterSnapshot | None = None
-        self.selected: set[str] = set()
-        self.current_replica: str | None = None
         self.panel = "cluster"
         self.paused = False
         self.audit_cache: list[dict[str, Any]] = []
@@ -112,23 +119,29 @@ class TailpilotApp(ControllerActions, App):
             return "--readonly"
         return "replay is read-only"
 
+    def validate_selected(self, names: AbstractSet[str]) -> frozenset[str]:
+        # Any set may be assigned; a frozen one, so that only assigning a new one changes it.
+        return frozenset(names)
+
     def targets(self) -> list[str]:
         """What P, N and A act on: the selection, else the replica under the cursor."""
-        if self.selected:
-            names = set(self.snapshot.replicas) if self.snapshot else self.selected
-            return sorted(n for n in self.selected if n in names)
-        return [self.current_replica] if self.current_replica else []
+        return edit_targets(self.selected, self.current_replica, self.snapshot.replicas if self.snapshot else None)
 
     # --- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(self._topbar_text(), id="topbar")
         yield Static("", id="alertbar")  # the firing governance alerts, on every panel
         with ContentSwitcher(initial="cluster", id="panels"):
-            yield ClusterPanel(id="cluster")
-            yield ReplicaPanel(id="replica")
-            yield PolicyPanel(id="policy")
+            yield ClusterPanel(id="cluster").data_bind(TailpilotApp.selected,
+                                                       cursor_replica=TailpilotApp.current_replica)
+            yield ReplicaPanel(window_s=self.cluster.window_s if self.cluster else None,
+                               slos=self.cluster.slos if self.cluster else None,
+                               history_s=self.source.history_s, id="replica")
+            yield PolicyPanel(replicas=[r.name for r in self.cluster.replicas] if self.cluster else [],
+                              readonly_reason=self.readonly_reason() if self.readonly else None,
+                              id="policy").data_bind(TailpilotApp.selected, TailpilotApp.current_replica)
             yield AuditPanel(id="audit")
-            yield TunerPanel(self.optuna_storage, id="tuner")
+            yield TunerPanel(self.optuna_storage, store=self.store, id="tuner")
             yield AlertsPanel(id="alerts")
         yield Footer()
 
@@ -166,11 +179,14 @@ class TailpilotApp(ControllerActions, App):
         self.snapshot = snap
         if self.current_replica is None or self.current_replica not in snap.replicas:
             self.current_replica = min(snap.replicas) if snap.replicas else None
-        self.query_one(ClusterPanel).update_from(self, snap)
+        trails = {name: self.source.kv_trail(name, R.SPARK_LEN) for name in snap.replicas}
+        self.query_one(ClusterPanel).data = ClusterData(snap, trails)
+        policy = self.query_one(PolicyPanel)
+        policy.snapshot = snap  # also while hidden: the panel reads it when shown
         if self.panel == "replica":
-            self.query_one(ReplicaPanel).update_from(self, snap)
+            self._show_replica(snap)
         elif self.panel == "policy":
-            self.query_one(PolicyPanel).on_snapshot()
+            policy.follow_snapshot()
         bar = self.query_one("#alertbar", Static)
         bar.update(alert_text(snap.governance))
         bar.set_class(bool(snap.governance and snap.governance.get("alerts")), "-firing")
@@ -260,24 +276,7 @@ class TailpilotApp(ControllerActions, App):
     def action_filter(self) -> None:
         if self.panel != "cluster":
             self.action_panel("cluster")
-        f = self.query_one("#filter", FilterInput)
-        f.add_class("-shown")
-        f.focus()
-
-    @on(Input.Changed, "#filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        panel = self.query_one(ClusterPanel)
-        panel.filter_text = event.value.strip()
-        panel._update_title()
-        if self.snapshot is not None:
-            panel.update_from(self, self.snapshot)
-
-    @on(Input.Submitted, "#filter")
-    def _filter_done(self, event: Input.Submitted) -> None:
-        f = self.query_one("#filter", FilterInput)
-        if not f.value.strip():
-            f.remove_class("-shown")
-        self.query_one("#cluster-table").focus()
+        self.query_one(ClusterPanel).open_filter()
 
     def action_panel(self, name: str) -> None:
         if name not in K.PANELS:
@@ -288,7 +287,7 @@ class TailpilotApp(ControllerActions, App):
         if name == "cluster":
             self.query_one("#cluster-table").focus()
         elif name == "replica" and snap is not None:
-            self.query_one(ReplicaPanel).update_from(self, snap)
+            self._show_replica(snap)
         elif name == "policy":
             self.run_worker(self.query_one(PolicyPanel).load(), group="policy-load", exit_on_error=False)
         elif name == "audit":
@@ -316,31 +315,14 @@ class TailpilotApp(ControllerActions, App):
         self.current_replica = event.row_key
         self.action_panel("replica")
 
-    @on(ClusterTable.HeaderSelected, "#cluster-table")
-    def _header_selected(self, event: ClusterTable.HeaderSelected) -> None:
-        key = event.column_key
-        if key in R.SORTABLE:
-            self.query_one(ClusterPanel).set_sort(key)
-            self._rerender_cluster()
-
     def action_open_replica(self) -> None:
         self.action_panel("replica")
 
-    def _rerender_cluster(self) -> None:
-        if self.snapshot is not None:
-            self.query_one(ClusterPanel).update_from(self, self.snapshot)
-
     def action_sort_next(self) -> None:
-        panel = self.query_one(ClusterPanel)
-        cols = R.SORTABLE
-        nxt = cols[(cols.index(panel.sort_column) + 1) % len(cols)] if panel.sort_column in cols else cols[0]
-        panel.set_sort(nxt, reverse=panel.sort_reverse)
-        self._rerender_cluster()
+        self.query_one(ClusterPanel).sort_next()
 
     def action_sort_reverse(self) -> None:
-        panel = self.query_one(ClusterPanel)
-        panel.set_sort(panel.sort_column or "replica", reverse=not panel.sort_reverse)
-        self._rerender_cluster()
+        self.query_one(ClusterPanel).reverse_sort()
 
     def action_toggle_select(self) -> None:
         name = self.current_replica
@@ -355,11 +337,11 @@ class TailpilotApp(ControllerActions, App):
             return
         panel = self.query_one(ClusterPanel)
         shown = [rs.name for rs in panel.visible_rows(snap)]
-        self.selected = set() if set(shown) <= self.selected else set(shown)
+        self.selected = frozenset() if set(shown) <= self.selected else frozenset(shown)
         self.refresh_selection_marks()
 
     def refresh_selection_marks(self) -> None:
-        self._rerender_cluster()
+        """After the selection changed (the cluster panel's marks follow its bound ``selected``)."""
         if self.panel == "policy":
             self.query_one(PolicyPanel).sync_targets()
         self._update_topbar()
@@ -407,13 +389,13 @@ class TailpilotApp(ControllerActions, App):
             if self.mode_name == "live" and getattr(self.source, "store", None) is None:
                 note = "no --db: this session's changes only"
             panel = self.query_one(AuditPanel)
-            panel.update_from(rows, note, self.verification_cache)
+            panel.data = AuditData(rows, note, self.verification_cache)
             try:  # replays: shown when done, the table first
                 self.verification_cache = await self.source.verifications()
             except Exception as err:  # noqa: BLE001
                 log.warning("verifications unavailable: %s", err)
                 return
-            panel.update_from(rows, note, self.verification_cache)
+            panel.data = AuditData(rows, note, self.verification_cache)
 
     async def _reload_fidelity(self) -> None:
         # Reloaded with the audit log (same cadence: fidelity reports are rare).
@@ -423,7 +405,15 @@ class TailpilotApp(ControllerActions, App):
             log.warning("fidelity reports unavailable: %s", err)
             return
         if self.panel == "replica":
-            self.query_one(ReplicaPanel).show_fidelity(self)
+            name = self.current_replica
+            self.query_one(ReplicaPanel).fidelity = self.fidelity_cache.get(name) if name else None
+
+    def _show_replica(self, snap: ClusterSnapshot) -> None:
+        """The replica panel: the current replica in ``snap``, its history and fidelity report."""
+        name = self.current_replica
+        panel = self.query_one(ReplicaPanel)
+        panel.fidelity = self.fidelity_cache.get(name) if name else None
+        panel.data = ReplicaData(snap, name, self.source.history(name, snap.t_ms) if name else [], self.audit_cache)
 
     # --- cluster changes -----------------------------------------------------------------------
     def _plans(self, edits: dict[str, SettingsEdit]) -> list[dict[str, Any]]:
@@ -495,13 +485,11 @@ class TailpilotApp(ControllerActions, App):
             self.notify(f"apply failed: {type(err).__name__}: {err}", severity="error", timeout=15)
             return
         self.last_results = results
-        if any(r.ok for r in results):
-            self.query_one(PolicyPanel).reload_after_apply = True
         for r in results:
             sev: SeverityLevel = "information" if r.ok else ("warning" if r.result == "rejected" else "error")
             self.notify(f"{r.replica}: {r.message}", title=r.result, severity=sev, timeout=8)
-        self.query_one(PolicyPanel).show_results(results)
-        self.query_one(TunerPanel).show_results(results)
+        self.query_one(PolicyPanel).last_results = results
+        self.query_one(TunerPanel).last_results = results
         self.reload_audit()  # the form rebuilds when the next snapshot brings the new version
 
     def action_switch_policy(self) -> None:
@@ -518,6 +506,18 @@ class TailpilotApp(ControllerActions, App):
                                        {n: SettingsEdit(policy=policy) for n in targets})
 
         self.push_screen(PolicyPickScreen(targets, current), picked)
+
+    @on(PolicyPanel.SelectionChanged)
+    def _policy_selection_changed(self, event: PolicyPanel.SelectionChanged) -> None:
+        self.selected = event.selected
+        self.refresh_selection_marks()
+
+    @on(PolicyPanel.ApplyRequested)
+    def _policy_apply_requested(self, event: PolicyPanel.ApplyRequested) -> None:
+        if self.readonly:
+            self.refuse(K.KEYS_BY_ACTION["apply_edits"])
+        else:
+            self.action_apply_edits()
 
     async def action_edit_params(self) -> None:
         self.action_panel("policy")

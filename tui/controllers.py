@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from textual import work
 
-from tui.alerts_panel import AlertsPanel
+from tui.alerts_panel import AlertsData, AlertsPanel
 from tui.dialogs import AutopilotScreen, GovernorScreen
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ class ControllerActions(_AppBase):
                 log.warning("%s state unavailable: %s", what, err)
                 controls[what] = None
         snap = self.snapshot
-        self.query_one(AlertsPanel).update_from(snap.governance if snap else None, events, controls["governor"],
-                                                controls["autopilot"], self._now_ms())
+        self.query_one(AlertsPanel).data = AlertsData(snap.governance if snap else None, events, controls["governor"],
+                                                      controls["autopilot"], self._now_ms())
 
     def _now_ms(self) -> int:
         """The source's clock (a live source's is injectable), for how old a controller's report is."""

@@ -13,7 +13,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import AbstractSet, Any, Container, Literal, Mapping
 
 from pydantic import ValidationError
 
@@ -73,6 +73,14 @@ def try_apply(edit: SettingsEdit, current: Settings) -> tuple[Settings | None, s
         return edit.apply(current), None
     except (ValidationError, ValueError) as err:
         return None, describe_error(err)
+
+
+def edit_targets(selected: AbstractSet[str], cursor: str | None, known: Container[str] | None) -> list[str]:
+    """The replicas a change goes to (what P, N and A act on): the selected ones, those of them
+    still ``known`` when the cluster's replicas are known; else the replica under the cursor."""
+    if selected:
+        return sorted(n for n in selected if known is None or n in known)
+    return [cursor] if cursor else []
 
 
 def current_settings(doc: Mapping[str, Any] | None) -> Settings | None:

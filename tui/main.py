@@ -32,7 +32,7 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
         if store is None:
             require_existing(replay)
             store = Store.open(replay)
-        name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.clusters() else None)
+        name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.recordings.clusters() else None)
         source = ReplaySource(store, name, history_s=history_s, start_ms=start_ms)
         return TailpilotApp(source, cluster, readonly=readonly, store=store,  # replay is read-only anyway
                             optuna_storage=optuna_storage)

@@ -1,14 +1,23 @@
-"""The policy panel: switch a policy, edit and pin parameters for one, several or all replicas."""
+"""The policy panel: switch a policy, edit and pin parameters for one, several or all replicas.
+
+It shows its reactive data: ``snapshot`` and ``last_results``, set by the app, and ``selected`` and
+``current_replica``, bound to the app's (``data_bind``); ``targets`` is computed from them as the
+app computes its own (``edits.edit_targets``). What the operator asks for goes to the app as
+messages: :class:`PolicyPanel.SelectionChanged` (the targets list) and
+:class:`PolicyPanel.ApplyRequested` (enter in a field).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Sequence
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.reactive import var
 from textual.widget import Widget
 from textual.widgets import (
     Checkbox,
@@ -19,13 +28,14 @@ from textual.widgets import (
     Static,
 )
 
+from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
 from scheduler.settings import POLICY_NAMES
-from tui import keys as K
 from tui import render as R
 from tui.edits import (
     FieldSpec,
     SettingsEdit,
     current_settings,
+    edit_targets,
     field_errors,
     field_text,
     parse_field,
@@ -34,20 +44,46 @@ from tui.edits import (
     try_apply,
 )
 
-if TYPE_CHECKING:
-    from tui.app import TailpilotApp
 
 class PolicyPanel(Vertical):
     """Switch, edit and pin: one input per parameter of the chosen policy, validated inline by
-    the settings model; ``A`` (or enter in a field) opens the confirmation with the diff."""
+    the settings model; ``A`` (or enter in a field) opens the confirmation with the diff.
+
+    ``PolicyPanel(replicas=..., readonly_reason=...)``: the cluster file's replicas (the targets
+    before the first snapshot) and why this session cannot change the cluster (None: it can).
+    """
 
     BINDINGS = [Binding("escape", "leave_form", "Leave the form", show=False)]
+
+    class SelectionChanged(Message):
+        """The operator changed the selection in the targets list: the app's to make (the
+        panel's ``selected`` follows at once, until the app's binding sets it)."""
+
+        def __init__(self, selected: frozenset[str]) -> None:
+            super().__init__()
+            self.selected = selected
+
+    class ApplyRequested(Message):
+        """Enter in a field of the form: review and apply the staged edit (as ``A``)."""
+
+    snapshot: var[ClusterSnapshot | None] = var(None, init=False, always_update=True)
+    """The newest snapshot (the replicas and their settings)."""
+    selected: var[frozenset[str]] = var(frozenset(), init=False)
+    """The selected replicas."""
+    current_replica: var[str | None] = var(None, init=False)
+    """The replica under the cluster table's cursor (the target when none is selected)."""
+    targets: var[tuple[str, ...]] = var(())
+    """What an edit goes to (computed)."""
+    last_results: var[Sequence[Any]] = var((), init=False, always_update=True)
+    """What the last apply did, per replica (``ApplyResult``s)."""
 
     def action_leave_form(self) -> None:
         self.query_one("#targets", SelectionList).focus()
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, *, replicas: Sequence[str] = (), readonly_reason: str | None = None, **kw: Any) -> None:
         super().__init__(**kw)
+        self.cluster_replicas = tuple(replicas)
+        self.readonly_reason = readonly_reason
         self.fields: list[FieldSpec] = []
         self.initial: dict[str, Any] = {}
         self.initial_pins: set[str] = set()
@@ -76,43 +112,51 @@ class PolicyPanel(Vertical):
                 yield Static("", id="preview")
                 yield Static("", id="last-result")
 
-    @property
-    def app_(self) -> "TailpilotApp":
-        return self.app  # type: ignore[return-value]
+    # --- the data --------------------------------------------------------------------------
+    def compute_targets(self) -> tuple[str, ...]:
+        snap = self.snapshot
+        return tuple(edit_targets(self.selected, self.current_replica, snap.replicas if snap else None))
+
+    def watch_last_results(self, results: Sequence[Any]) -> None:
+        if any(r.ok for r in results):
+            self.reload_after_apply = True  # rebuild the form when the new version arrives, edits or not
+        self.query_one("#last-result", Static).update(R.apply_results(results))
+
+    def _replica(self, name: str | None) -> ReplicaSnapshot | None:
+        snap = self.snapshot
+        return snap.replicas.get(name) if snap is not None and name else None
 
     # --- loading ---------------------------------------------------------------------------
     def sync_targets(self) -> None:
-        app = self.app_
-        snap = app.snapshot
-        names = sorted(snap.replicas) if snap else [r.name for r in (app.cluster.replicas if app.cluster else [])]
+        snap = self.snapshot
+        names = sorted(snap.replicas) if snap else list(self.cluster_replicas)
         sel = self.query_one("#targets", SelectionList)
         self._syncing = True
         try:
             if [str(sel.get_option_at_index(i).value) for i in range(sel.option_count)] != names:
                 sel.clear_options()
-                sel.add_options([(n, n, n in app.selected) for n in names])
+                sel.add_options([(n, n, n in self.selected) for n in names])
             else:
                 for n in names:
-                    if (n in app.selected) != (n in sel.selected):
-                        (sel.select if n in app.selected else sel.deselect)(n)
+                    if (n in self.selected) != (n in sel.selected):
+                        (sel.select if n in self.selected else sel.deselect)(n)
         finally:
             self._syncing = False
         self._update_banner()
 
-    def on_snapshot(self) -> None:
-        """A new snapshot while the panel is shown: keep the targets in sync, and rebuild the form
-        when the reference replica's settings changed — at once after our own apply or when
-        nothing is staged; otherwise only say so (staged edits are never thrown away)."""
+    def follow_snapshot(self) -> None:
+        """After each new ``snapshot`` while the panel is shown: keep the targets in sync, and
+        rebuild the form when the reference replica's settings changed — at once after our own
+        apply or when nothing is staged; otherwise only say so (staged edits are never thrown away)."""
         self.sync_targets()
-        app = self.app_
-        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        rs = self._replica(self.reference)
         if rs is None or self.form_policy is None or self._loading:
             return
         if rs.settings_version != self.form_version and rs.settings is not None:
             if self.reload_after_apply or self.current_edit().empty:
                 self.reload_after_apply = False
                 self._loading = True
-                app.run_worker(self._reload(), group="policy-load", exit_on_error=False)
+                self.run_worker(self._reload(), group="policy-load", exit_on_error=False)
             else:
                 self._update_banner()
 
@@ -123,18 +167,17 @@ class PolicyPanel(Vertical):
             self._loading = False
 
     def _update_banner(self) -> None:
-        app = self.app_
-        targets = app.targets()
+        targets = self.targets
         banner = self.query_one("#policy-banner", Static)
         text = Text()
-        if app.readonly:
+        if self.readonly_reason is not None:
             text.append(" READ-ONLY ", style="bold white on red")
-            text.append(f" {app.readonly_reason()}: switching, editing and pinning are disabled.  ")
+            text.append(f" {self.readonly_reason}: switching, editing and pinning are disabled.  ")
             banner.add_class("-readonly")
-        how = "selection" if app.selected else "cursor replica; select several with space"
+        how = "selection" if self.selected else "cursor replica; select several with space"
         text.append(f"targets: {', '.join(targets) or 'none'} ({how})")
         if self.reference:
-            rs = app.snapshot.replicas.get(self.reference) if app.snapshot else None
+            rs = self._replica(self.reference)
             v = rs.settings_version if rs else None
             if self.reference_settings() is None:
                 text.append(f" │ {self.reference}'s settings are unknown: the form shows the defaults", style="yellow")
@@ -146,11 +189,10 @@ class PolicyPanel(Vertical):
 
     async def load(self, *, force: bool = False) -> None:
         """(Re)build the form from the first target's current settings."""
-        app = self.app_
         self.sync_targets()
-        targets = app.targets()
+        targets = self.targets
         ref = targets[0] if targets else None
-        rs = app.snapshot.replicas.get(ref) if (app.snapshot and ref) else None
+        rs = self._replica(ref)
         settings = current_settings(rs.settings) if rs else None
         known = settings.policy if settings else (R.policy_of(rs) if rs else None)
         policy = known or "sarathi"
@@ -167,14 +209,12 @@ class PolicyPanel(Vertical):
         self._update_banner()
 
     def reference_settings(self):
-        app = self.app_
-        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        rs = self._replica(self.reference)
         return current_settings(rs.settings) if rs else None
 
     async def _build_form(self, policy: str) -> None:
         ref = self.reference_settings()
-        app = self.app_
-        rs = app.snapshot.replicas.get(self.reference) if (app.snapshot and self.reference) else None
+        rs = self._replica(self.reference)
         self.form_version = rs.settings_version if rs is not None else None
         self.form_policy = policy
         self.fields = policy_fields(policy)
@@ -185,7 +225,7 @@ class PolicyPanel(Vertical):
         form = self.query_one("#form", VerticalScroll)
         await form.remove_children()
         rows: list[Widget] = []
-        disabled = self.app_.readonly
+        disabled = self.readonly_reason is not None
         for f in self.fields:
             wid = f"f{self._gen}-{f.name}"
             value = self.initial[f.name]
@@ -261,7 +301,7 @@ class PolicyPanel(Vertical):
         elif edit.empty:
             preview.append("no changes staged", style="dim")
         else:
-            preview.append(f"staged for {len(self.app_.targets())} replica(s): ", style="bold")
+            preview.append(f"staged for {len(self.targets)} replica(s): ", style="bold")
             preview.append(edit.describe())
             rows = settings_diff(ref.to_dict(), new.to_dict()) if new else []
             for fld, a, b in rows:
@@ -269,7 +309,7 @@ class PolicyPanel(Vertical):
                 preview.append(a, style="red")
                 preview.append(" → ")
                 preview.append(b, style="green")
-            preview.append("\npress A to review and apply", style="bold yellow" if not self.app_.readonly else "dim")
+            preview.append("\npress A to review and apply", style="bold yellow" if self.readonly_reason is None else "dim")
         self.query_one("#preview", Static).update(preview)
 
     @on(Input.Changed)
@@ -283,10 +323,7 @@ class PolicyPanel(Vertical):
     def _field_submitted(self, event: Input.Submitted) -> None:
         if event.input.id and event.input.id.startswith(f"f{self._gen}-"):
             event.stop()
-            if self.app_.readonly:
-                self.app_.refuse(K.KEYS_BY_ACTION["apply_edits"])
-            else:
-                self.app_.action_apply_edits()
+            self.post_message(self.ApplyRequested())
 
     @on(Select.Changed)
     async def _select_changed(self, event: Select.Changed) -> None:
@@ -301,12 +338,10 @@ class PolicyPanel(Vertical):
     async def _targets_changed(self, event: SelectionList.SelectedChanged) -> None:
         if self._syncing:
             return
-        self.app_.selected = set(str(v) for v in event.selection_list.selected)
-        self.app_.refresh_selection_marks()
+        # The app selects them (and binds its selection back here); the form follows at once.
+        self.selected = frozenset(str(v) for v in event.selection_list.selected)
+        self.post_message(self.SelectionChanged(self.selected))
         await self.load()
-
-    def show_results(self, results: Iterable[Any]) -> None:
-        self.query_one("#last-result", Static).update(R.apply_results(results))
 
     def focus_form(self) -> None:
         for w in self.query("#form Input, #form Checkbox, #form Select"):

@@ -13,7 +13,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from controlplane.collector import ClusterSnapshot, ReplicaSnapshot
+from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
 from controlplane.governor import modes_text
 from scheduler.metrics import slo_compliance
 from controlplane.views import (

@@ -1,27 +1,57 @@
-"""The replica panel: percentile plots, queue and KV, γ/β live, per-tenant and per-type tables."""
+"""The replica panel: percentile plots, queue and KV, γ/β live, per-tenant and per-type tables.
+
+It shows its reactive data, set by the app while the panel is shown: ``data`` (a snapshot, the
+replica and its history) and ``fidelity`` (the replica's newest fidelity report).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
+from textual.reactive import var
 from textual.widgets import (
     DataTable,
     Static,
 )
 from textual_plotext import PlotextPlot
 
-from controlplane.collector import ClusterSnapshot
+from controlplane.snapshot import ClusterSnapshot
+from storage.rows import SampleRow
 from tui import render as R
 from tui.widgets import AutoSizedTable, fill_table
 
-if TYPE_CHECKING:
-    from tui.app import TailpilotApp
+
+@dataclass(frozen=True)
+class ReplicaData:
+    """One snapshot of one replica as the replica panel shows it."""
+
+    snapshot: ClusterSnapshot
+    replica: str | None  # None: the cluster has no replica
+    history: Sequence[SampleRow]  # the replica's samples of the plots' span, oldest first
+    audit: Sequence[Mapping[str, Any]]  # the settings audit log (its changes mark the plots)
+
 
 class ReplicaPanel(Vertical):
+    """``ReplicaPanel(window_s=..., slos=..., history_s=...)``: the cluster's window and SLOs
+    (None, {}: not known) and the span of the plots in seconds."""
+
     PLOTS = 6
+
+    data: var[ReplicaData | None] = var(None, init=False, always_update=True)
+    """What the panel shows; every one re-renders."""
+    fidelity: var[dict[str, Any] | None] = var(None, init=False)
+    """The shown replica's newest fidelity report (``TunerResults.latest_fidelity``), None: not measured."""
+
+    def __init__(self, *, window_s: float | None = None, slos: Mapping[str, float] | None = None,
+                 history_s: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.window_s = window_s
+        self.slos: Mapping[str, float] = slos or {}
+        self.history_s = history_s
 
     def compose(self) -> ComposeResult:
         yield Static(R.replica_header(None), id="replica-header")
@@ -45,32 +75,28 @@ class ReplicaPanel(Vertical):
         y = self.query_one("#type-table", DataTable)
         y.add_columns("type", "reqs", "req share", "token share", "TTLT p99")
 
-    def update_from(self, app: "TailpilotApp", snap: ClusterSnapshot) -> None:
-        name = app.current_replica
+    def watch_data(self, data: ReplicaData | None) -> None:
+        if data is None:
+            return
+        snap, name = data.snapshot, data.replica
         rs = snap.replicas.get(name) if name else None
-        window = app.cluster.window_s if app.cluster is not None else None
-        self.query_one("#replica-header", Static).update(R.replica_header(rs, window))
-        self.show_fidelity(app)
+        self.query_one("#replica-header", Static).update(R.replica_header(rs, self.window_s))
         banner = self.query_one("#down-banner", Static)
         if rs is not None and not rs.health.healthy:
             banner.update(f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — last good numbers are not shown")
             banner.add_class("-shown")
         else:
             banner.remove_class("-shown")
-        history = app.source.history(name, snap.t_ms) if name else []
-        markers = R.change_markers(history, app.audit_cache, name)
-        span = app.source.history_s
-        for i, series in enumerate(R.replica_series(history, snap.t_ms, markers)):
-            self._draw(self.query_one(f"#plot-{i}", PlotextPlot), series, span)
-        slos = app.cluster.slos if app.cluster is not None else {}
-        rows, summary = R.tenant_table(rs.groups if rs else [], slos, snap.governance)
+        markers = R.change_markers(data.history, data.audit, name)
+        for i, series in enumerate(R.replica_series(data.history, snap.t_ms, markers)):
+            self._draw(self.query_one(f"#plot-{i}", PlotextPlot), series, self.history_s)
+        rows, summary = R.tenant_table(rs.groups if rs else [], self.slos, snap.governance)
         self.query_one("#fairness", Static).update(summary)
         fill_table(self.query_one("#tenant-table", DataTable), rows)
         fill_table(self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else []))
 
-    def show_fidelity(self, app: "TailpilotApp") -> None:
-        name = app.current_replica
-        self.query_one("#fidelity-line", Static).update(R.fidelity_line(app.fidelity_cache.get(name) if name else None))
+    def watch_fidelity(self, report: dict[str, Any] | None) -> None:
+        self.query_one("#fidelity-line", Static).update(R.fidelity_line(report))
 
     @staticmethod
     def _draw(plot: PlotextPlot, s: R.Series, span_s: float) -> None:

@@ -10,7 +10,7 @@ loop and applies each snapshot before reading the next: refreshes never overlap.
   an in-memory ring of samples per replica (and, with a store, preloads the recent past from it);
   cluster changes go through :func:`controlplane.collector.apply_settings`.
 * :class:`ReplaySource` reads a recording through :class:`storage.store.Store`: ``seek(t_ms)``
-  gives the snapshot as of ``t`` (``Store.latest_samples(at_ms)``), ``step(±1)`` moves one sample
+  gives the snapshot as of ``t`` (``ReadingRepository.latest_samples(at_ms)``), ``step(±1)`` moves one sample
   of the reference replica, ``play``/``pause`` at a speed. It is read-only by construction: it has
   no way to reach a replica.
 """
@@ -29,7 +29,8 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from controlplane.cluster import ClusterSpec
-from controlplane.collector import ClusterSnapshot, Collector, Health, ReplicaSnapshot
+from controlplane.collector import Collector
+from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
 from storage.rows import GroupSampleRow, SampleRow
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,11 @@ class DataSource(Protocol):
         ...
 
     async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
-        """The settings audit log, newest first (Store.settings_changes' dicts)."""
+        """The settings audit log, newest first (SettingsLog.settings_changes' dicts)."""
         ...
 
     async def fidelity(self) -> dict[str, dict[str, Any]]:
-        """Replica name -> its newest fidelity report (Store.latest_fidelity's dicts)."""
+        """Replica name -> its newest fidelity report (TunerResults.latest_fidelity's dicts)."""
         ...
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -155,7 +156,7 @@ class LiveSource:
         since = int((self.clock() - self.history_s) * 1000)
         for name, ring in self.histories.items():
             try:
-                rows = await asyncio.to_thread(self.store.samples, self.cluster_name, name, since)
+                rows = await asyncio.to_thread(self.store.readings.samples, self.cluster_name, name, since)
             except Exception as err:  # noqa: BLE001 - an unreadable store must not stop the live view
                 log.warning("could not preload history of %s: %s", name, err)
                 return
@@ -225,7 +226,7 @@ class LiveSource:
     async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
         if self.store is None:
             return list(reversed(self.session_audit))[:limit]
-        return await asyncio.to_thread(self.store.settings_changes, self.cluster_name, None, limit)
+        return await asyncio.to_thread(self.store.settings_log.settings_changes, self.cluster_name, None, limit)
 
     async def fidelity(self) -> dict[str, dict[str, Any]]:
         if self.store is None:
@@ -235,12 +236,12 @@ class LiveSource:
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
         if self.store is None:
             return []
-        return await asyncio.to_thread(self.store.alert_events, self.cluster_name, limit=limit)
+        return await asyncio.to_thread(self.store.governance.alert_events, self.cluster_name, limit=limit)
 
     async def governor(self) -> dict[str, Any] | None:
         if self.store is None or self.cluster.governance is None:
             return None
-        return await asyncio.to_thread(self.store.governor_control, self.cluster_name)
+        return await asyncio.to_thread(self.store.governance.governor_control, self.cluster_name)
 
     async def steer_governor(self, choice: str, who: str | None = None) -> dict[str, Any]:
         """pause | resume | arm | dry-run | disarm the cluster's governor (its control row)."""
@@ -248,13 +249,13 @@ class LiveSource:
 
         store = self.store
         assert store is not None, "the governor is steered through the store (live with --db)"
-        return await asyncio.to_thread(store.set_governor_control, self.cluster_name, who=who or self.who,
+        return await asyncio.to_thread(store.governance.set_governor_control, self.cluster_name, who=who or self.who,
                                        **CONTROL_ACTIONS[choice])
 
     async def autopilot(self) -> dict[str, Any] | None:
         if self.store is None:
             return None
-        return await asyncio.to_thread(self.store.autopilot_control, self.cluster_name)
+        return await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster_name)
 
     async def steer_autopilot(self, choice: str, who: str | None = None) -> dict[str, Any]:
         """pause | resume | arm | dry-run | disarm the cluster's autopilot (its control row, read by
@@ -263,7 +264,7 @@ class LiveSource:
 
         store = self.store
         assert store is not None, "the autopilot is steered through the store (live with --db)"
-        return await asyncio.to_thread(store.set_autopilot_control, self.cluster_name, who=who or self.who,
+        return await asyncio.to_thread(store.governance.set_autopilot_control, self.cluster_name, who=who or self.who,
                                        **CONTROL_ACTIONS[choice])
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -280,7 +281,7 @@ class LiveSource:
     async def apply(self, changes: dict[str, Callable[[Any], Any]], who: str | None = None) -> list[Any]:
         """Apply ``{replica: change}`` (each a function of that replica's current Settings) with
         :func:`controlplane.collector.apply_settings`: GET, PUT If-Match, read back, audit row."""
-        from controlplane.collector import apply_settings
+        from controlplane.steering import apply_settings
 
         who = who or self.who
         groups = await asyncio.gather(*(
@@ -324,7 +325,7 @@ class LiveSource:
         for r in results:
             p = predictions.get(r.replica)
             if r.ok and isinstance(p, dict):
-                await asyncio.to_thread(self.store.store_prediction, self.cluster_name, r.replica, p,
+                await asyncio.to_thread(self.store.tuner.store_prediction, self.cluster_name, r.replica, p,
                                         t_ms=applied_ms, version=r.version)
 
 
@@ -333,7 +334,7 @@ class LiveSource:
 
 def _latest_fidelity(store: Any, cluster: str, at_ms: int | None) -> dict[str, dict[str, Any]]:
     """The newest fidelity report per replica (made at or before ``at_ms``)."""
-    return {r["replica"]: r for r in store.latest_fidelity(cluster, at_ms=at_ms)}
+    return {r["replica"]: r for r in store.tuner.latest_fidelity(cluster, at_ms=at_ms)}
 
 
 def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -341,7 +342,7 @@ def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int
     call off the UI thread)."""
     from tuner.whatif import verify
 
-    kept = [p for p in store.predictions(cluster) if p["t_ms"] <= now_ms]
+    kept = [p for p in store.tuner.predictions(cluster) if p["t_ms"] <= now_ms]
     return {(p["replica"], p["version"]): verify(store, p, now_ms=now_ms) for p in kept}
 
 
@@ -351,7 +352,7 @@ class ReplayError(ValueError):
 
 def pick_cluster(store: Any, cluster_name: str | None = None) -> str:
     """The cluster to replay: the named one, or the only one the store holds."""
-    clusters = store.clusters()
+    clusters = store.recordings.clusters()
     if cluster_name is not None:
         if cluster_name not in clusters:
             raise ReplayError(f"the recording has no cluster {cluster_name!r} "
@@ -386,13 +387,13 @@ class ReplaySource:
                  speed: float = 1.0, start_ms: int | None = None, chunk_s: float = 900.0) -> None:
         self.store = store
         self.cluster_name = pick_cluster(store, cluster_name)
-        rng = store.time_range(self.cluster_name)
+        rng = store.recordings.time_range(self.cluster_name)
         if rng is None:
             raise ReplayError(f"the recording holds no samples of cluster {self.cluster_name!r}")
         self.history_s = float(history_s)
         self.speed = float(speed)
         self.chunk_ms = int(chunk_s * 1000)
-        self.replicas = [r.name for r in store.replicas(self.cluster_name)]
+        self.replicas = [r.name for r in store.recordings.replicas(self.cluster_name)]
         # The step grid: the sample times of the replica with the most samples in the first chunk.
         self.ticks = self._load_ticks()
         if not self.ticks:
@@ -400,9 +401,9 @@ class ReplaySource:
         self.start_ms, self.end_ms = self.ticks[0], self.ticks[-1]
         self.position = self.start_ms if start_ms is None else self.clamp(start_ms)
         self.playing = False
-        self._audit_all = store.settings_changes(self.cluster_name, None, 100_000)
+        self._audit_all = store.settings_log.settings_changes(self.cluster_name, None, 100_000)
         self._seen: dict[str, tuple[list[int], list[dict[str, Any]]]] = {}  # replica -> (times, documents)
-        for row in store.settings_seen(self.cluster_name):  # oldest first
+        for row in store.settings_log.settings_seen(self.cluster_name):  # oldest first
             times, docs = self._seen.setdefault(row["replica"], ([], []))
             times.append(row["t_ms"])
             docs.append(row["settings"])
@@ -416,7 +417,7 @@ class ReplaySource:
     def _load_ticks(self) -> list[int]:
         best: list[int] = []
         for name in self.replicas:
-            times = [s.t_ms for s in self.store.samples(self.cluster_name, name)]
+            times = [s.t_ms for s in self.store.readings.samples(self.cluster_name, name)]
             if len(times) > len(best):
                 best = times
         return sorted(set(best))
@@ -495,8 +496,8 @@ class ReplaySource:
         lo, hi = lo_needed - self.chunk_ms // 2, pos + self.chunk_ms
         cache = {}
         for name in self.replicas:
-            cache[name] = _ReplicaCache(self.store.samples(self.cluster_name, name, lo, hi),
-                                        self.store.group_samples(self.cluster_name, name, lo, hi))
+            cache[name] = _ReplicaCache(self.store.readings.samples(self.cluster_name, name, lo, hi),
+                                        self.store.readings.group_samples(self.cluster_name, name, lo, hi))
         self._cache, self._cache_lo, self._cache_hi = cache, lo, hi
 
     def settings_at(self, replica: str, t_ms: int) -> dict[str, Any] | None:
@@ -514,7 +515,7 @@ class ReplaySource:
 
     def snapshot_at(self, t_ms: int) -> ClusterSnapshot:
         """The cluster as recorded at ``t_ms``: each replica's newest sample at or before it."""
-        rows = self.store.latest_samples(self.cluster_name, at_ms=t_ms)
+        rows = self.store.readings.latest_samples(self.cluster_name, at_ms=t_ms)
         self._ensure_cache(t_ms)
         replicas: dict[str, ReplicaSnapshot] = {}
         for name in sorted(rows):
@@ -560,7 +561,7 @@ class ReplaySource:
         return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, self.position)
 
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.store.alert_events, self.cluster_name, until_ms=self.position + 1,
+        return await asyncio.to_thread(self.store.governance.alert_events, self.cluster_name, until_ms=self.position + 1,
                                        limit=limit)
 
     async def governor(self) -> dict[str, Any] | None:
@@ -571,8 +572,8 @@ class ReplaySource:
 
     def governance_at(self, t_ms: int) -> dict[str, Any] | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing then."""
-        found = self.store.governance(self.cluster_name, until_ms=t_ms + 1, limit=1)
-        firing = {e["name"]: e["severity"] for e in self.store.firing_alerts(self.cluster_name, at_ms=t_ms)}
+        found = self.store.governance.windows(self.cluster_name, until_ms=t_ms + 1, limit=1)
+        firing = {e["name"]: e["severity"] for e in self.store.governance.firing_alerts(self.cluster_name, at_ms=t_ms)}
         if not found and not firing:
             return None
         return {**(found[0]["summary"] if found else {}), "alerts": firing}

@@ -1,9 +1,9 @@
 """What the tuner panel shows, read from an Optuna storage (blocking: call from a worker thread).
 
 Plain dataclasses out, so the render functions (``tui.tuner_render``) stay pure and testable.
-The feasible front and the best trial come from :func:`tuner.study.best_trials` (the same rule
+The feasible front and the best trial come from :func:`tuner.results.best_trials` (the same rule
 ``tailpilot recommend`` uses); the recommendation from the tailpilot store
-(``Store.latest_recommendation``) when one was stored, else :func:`tuner.recommend.recommend`.
+(``TunerResults.latest_recommendation``) when one was stored, else :func:`tuner.recommend.recommend`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from types import SimpleNamespace
 from typing import Any, Sequence, TypeGuard
 
 from scheduler.settings import Settings
+from tuner import optuna_storage
 from tuner import study as st
+from tuner.optuna_storage import storage_url
+from tuner.results import best_trials, is_feasible
+from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
 
 
 @dataclass(frozen=True)
@@ -70,20 +74,20 @@ def resolve_storage(raw: str | None, cwd: Path | None = None) -> tuple[str | Non
     exists; a path that does not exist is not created (opening would create an empty storage)."""
     cwd = cwd or Path.cwd()
     if raw in (None, ""):
-        path = cwd / st.DEFAULT_STORAGE_FILE
+        path = cwd / DEFAULT_STORAGE_FILE
         if not path.exists():
-            return None, (f"no Optuna storage: ./{st.DEFAULT_STORAGE_FILE} does not exist here.\n"
+            return None, (f"no Optuna storage: ./{DEFAULT_STORAGE_FILE} does not exist here.\n"
                           "Create a study with e.g.\n"
                           "  tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 --trials 50\n"
                           "or point the TUI at a storage with --optuna-storage URL.")
-        return st.storage_url(str(path)), None
+        return storage_url(str(path)), None
     if "://" not in raw and not Path(raw).exists():
         return None, f"no Optuna storage at {raw}: no such file (create it with tailpilot tune --storage {raw})"
-    return st.storage_url(raw), None
+    return storage_url(raw), None
 
 
 def open_storage(url: str):
-    return st.open_storage(url)
+    return optuna_storage.open_storage(url)
 
 
 # ------------------------------------------------------------------------------------ studies
@@ -109,7 +113,7 @@ def _trial_info(t) -> TrialInfo:
         state = "pruned"
     else:
         state = t.state.name.lower()
-    feasible = st.is_feasible(t) if t.state == TrialState.COMPLETE else False
+    feasible = is_feasible(t) if t.state == TrialState.COMPLETE else False
     candidate = t.state == TrialState.COMPLETE and pruned_after is None and "settings" in info and feasible
     values = tuple(float(v) for v in t.values) if t.values is not None else None
     return TrialInfo(t.number, state, values, feasible, candidate,
@@ -135,7 +139,7 @@ def study_info(study, trials: Sequence[Any] | None = None) -> StudyInfo:
         elif t.state in (TrialState.RUNNING, TrialState.WAITING):
             running += 1
     stand_in = SimpleNamespace(objectives=list(objectives))
-    front = st.best_trials(study, stand_in) if objectives else []  # type: ignore[arg-type]  # reads only .objectives
+    front = best_trials(study, stand_in) if objectives else []  # type: ignore[arg-type]  # reads only .objectives
     best = tuple(float(v) for v in front[0].values) if len(front) == 1 and len(objectives) == 1 else None
     return StudyInfo(study.study_name, tuple(spec.get("policies") or ()), objectives,
                      tuple(spec.get("constraints") or ()), complete, pruned, failed, running,
@@ -171,7 +175,7 @@ def load_recommendation(storage, name: str, store: Any | None = None) -> RecInfo
 
     if store is not None:
         try:
-            rec = store.latest_recommendation(name)
+            rec = store.tuner.latest_recommendation(name)
         except Exception:  # noqa: BLE001 - a store without the table: compute instead
             rec = None
         if rec is not None:
@@ -181,7 +185,7 @@ def load_recommendation(storage, name: str, store: Any | None = None) -> RecInfo
             return RecInfo(summary, "stored", rec.id, rec.created_ms)
     try:
         return RecInfo(jsonable(recommend(storage, name)), "computed", created_ms=int(time.time() * 1000))
-    except st.TuneError as err:
+    except TuneError as err:
         return RecInfo(None, "none", error=str(err))
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
-from typing import Any
+from typing import Any, Sequence
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.reactive import var
 from textual.widgets import DataTable, Static
 from textual_plotext import PlotextPlot
 
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class TunerPanel(Vertical):
+    """``TunerPanel(storage, store=...)``: the Optuna storage (None: ./tailpilot-optuna.db if it
+    exists) and the tailpilot store a stored recommendation is read from (None: computed here)."""
+
     DEFAULT_CSS = """
     TunerPanel #tuner-title { height: 1; padding: 0 1; }
     TunerPanel #tuner-message { height: auto; padding: 0 1; display: none; }
@@ -47,9 +51,13 @@ class TunerPanel(Vertical):
     TunerPanel #tuner-result { height: auto; padding: 0 1; }
     """
 
-    def __init__(self, storage: str | None = None, **kw: Any) -> None:
+    last_results: var[Sequence[Any]] = var((), init=False, always_update=True)
+    """What the last apply did, per replica (``ApplyResult``s), shown under the recommendation."""
+
+    def __init__(self, storage: str | None = None, *, store: Any | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.storage_arg = storage
+        self.store = store
         self.url: str | None = None
         self.storage: Any | None = None
         self.message: str | None = None
@@ -165,9 +173,8 @@ class TunerPanel(Vertical):
                             group="tuner-rec", exit_on_error=False)
 
     async def _load_rec(self, name: str) -> None:
-        store = getattr(self.app, "store", None)
         try:
-            rec = await asyncio.to_thread(D.load_recommendation, self.storage, name, store)
+            rec = await asyncio.to_thread(D.load_recommendation, self.storage, name, self.store)
         except Exception as err:  # noqa: BLE001
             log.exception("recommendation failed")
             rec = D.RecInfo(None, "none", error=f"{type(err).__name__}: {err}")
@@ -224,5 +231,5 @@ class TunerPanel(Vertical):
     def current_rec(self) -> D.RecInfo | None:
         return self.recs.get(self.study) if self.study else None
 
-    def show_results(self, results: Any) -> None:
+    def watch_last_results(self, results: Sequence[Any]) -> None:
         self.query_one("#tuner-result", Static).update(R.apply_results(results))

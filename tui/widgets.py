@@ -112,7 +112,9 @@ class ClusterTable(ScrollView, can_focus=True):
         self.refresh()
         new_key = self.cursor_key
         if new_key is not None and new_key != old_key:
-            self.post_message(self.RowHighlighted(self, new_key))
+            # Sent by the table whoever set the rows: Textual stops a message at the parent that
+            # sent it, and the cluster panel sets them (the app must hear of the new cursor).
+            self.post_message(self.RowHighlighted(self, new_key).set_sender(self))
 
     def move_cursor(self, row: int) -> None:
         if not self.order:
@@ -121,7 +123,7 @@ class ClusterTable(ScrollView, can_focus=True):
         if row != self.cursor_row:
             self.cursor_row = row
             self.refresh()
-            self.post_message(self.RowHighlighted(self, self.order[row]))
+            self.post_message(self.RowHighlighted(self, self.order[row]).set_sender(self))
         self._scroll_cursor_into_view()
 
     def _scroll_cursor_into_view(self) -> None:

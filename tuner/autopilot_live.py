@@ -210,7 +210,7 @@ class LiveAutopilot:
     # --- one tick ---------------------------------------------------------------------------
     async def step(self, client: Any) -> dict[str, Any]:
         """Read the control rows, observe every replica, carry decisions out; store the status."""
-        ctl = await asyncio.to_thread(self.store.autopilot_control, self.cluster.name)
+        ctl = await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster.name)
         self.state = ctl["state"]
         if self.state == "disarmed":
             self.pilots.clear()
@@ -224,13 +224,13 @@ class LiveAutopilot:
                     log.exception("autopilot: replica %s", spec.name)
                     self.notes[spec.name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         status = self.status()
-        await asyncio.to_thread(self.store.set_autopilot_control, self.cluster.name, status=status)
+        await asyncio.to_thread(self.store.governance.set_autopilot_control, self.cluster.name, status=status)
         return status
 
     async def _held(self, ctl: dict[str, Any]) -> str | None:
         if ctl["paused"]:
             return f"paused by {ctl.get('who') or 'an operator'}"
-        gov = await asyncio.to_thread(self.store.governor_control, self.cluster.name)
+        gov = await asyncio.to_thread(self.store.governance.governor_control, self.cluster.name)
         applied, _ = modes(gov.get("status"))
         if applied:
             return f"the governor's emergency mode {', '.join(applied)} is active (the governor arbitrates first)"
@@ -341,7 +341,7 @@ class LiveAutopilot:
             return
         if self.state != "armed":
             if decision.changed:  # logged once per decision, not once a minute while it stays
-                await asyncio.to_thread(self.store.record_settings_change, self.cluster.name, rp.name, who=WHO,
+                await asyncio.to_thread(self.store.settings_log.record_settings_change, self.cluster.name, rp.name, who=WHO,
                                         old=running.to_dict(), new=wanted.to_dict(), result="dry-run",
                                         message=f"{note}; not sent (dry-run)")
             rp.note = f"dry-run: would run {decision.choice}"
@@ -354,13 +354,13 @@ class LiveAutopilot:
             band = await asyncio.to_thread(self._band, rp.name)
             summary = decision_summary(switch, rp.name, self.cluster.name, running, wanted, applied_ms,
                                        self.live.verify_minutes, band)
-            pid = await asyncio.to_thread(self.store.store_prediction, self.cluster.name, rp.name, summary,
+            pid = await asyncio.to_thread(self.store.tuner.store_prediction, self.cluster.name, rp.name, summary,
                                           t_ms=applied_ms, version=res.version)
             rp.pending.append({"id": pid, "cluster": self.cluster.name, "replica": rp.name, "t_ms": applied_ms,
                                "summary": summary})
 
     def _band(self, replica: str) -> float | None:
-        reports = self.store.latest_fidelity(self.cluster.name, replica)
+        reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
         return reports[0]["summary"].get("band") if reports else None
 
     async def _verify(self, rp: ReplicaPilot, running: Settings, now: float) -> None:

@@ -47,8 +47,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -132,28 +132,19 @@ def fetch_steps(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX
     return fetch_step_log(control_url, timeout=timeout, max_steps=max_steps, client=client)[1]
 
 
-MAX_RATE_LIMITED = 60  # 429 answers waited out while paging one step log
+MAX_RATE_LIMITED = 60  # 429 answers waited out while paging one step log (controlplane.retry)
 
 
-def _retry_after(header: str | None) -> float:
-    """Seconds a 429's ``Retry-After`` asks for (1 s if absent or not a number), at most 5 s."""
-    try:
-        return min(max(float(header or 1.0), 0.0), 5.0)
-    except ValueError:
-        return 1.0
-
-
-def _get_bounded(client, url: str, limit: int, params: dict | None = None) -> tuple[int, Any, bytes]:
+def _get_bounded(client, url: str, limit: int, params: dict | None = None):
     """GET ``url`` reading at most ``limit`` bytes of the answer (streamed: an answer that never
-    ends costs no memory); (status, headers, body). Raises ReplicaUnreachable for a larger one."""
-    from controlplane.replica_http import AnswerTooLarge, bounded_body
+    ends costs no memory), as a ``controlplane.http.Answer``. Raises ReplicaUnreachable for a
+    larger one."""
+    from controlplane.http import AnswerTooLarge, get_sync
 
-    with client.stream("GET", url, params=params) as resp:
-        try:
-            body = bounded_body(resp.iter_bytes(), limit, url)
-        except AnswerTooLarge as err:
-            raise ReplicaUnreachable(str(err)) from None
-        return resp.status_code, resp.headers, body
+    try:
+        return get_sync(client, url, limit, url, params)
+    except AnswerTooLarge as err:
+        raise ReplicaUnreachable(str(err)) from None
 
 
 def _text(body: bytes, n: int) -> str:
@@ -165,27 +156,34 @@ def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = 
     """(the replica's name as its API reports it, :func:`fetch_steps`)."""
     import httpx
 
+    from controlplane.http import sync_client
     from controlplane.replica_http import MAX_STEPS_BYTES
+    from controlplane.retry import STEP_LOG_RATE_LIMITED, rate_limited
 
     url = steps_url(control_url)
     own = client is None
     if own:
-        client = httpx.Client(timeout=timeout, trust_env=False)
+        client = sync_client(timeout)
     steps: list[dict] = []
     replica: str | None = None
     cursor, refused = 0, 0
+
+    def count_refusal(_state: object) -> None:
+        nonlocal refused
+        refused += 1
+
     try:
         while len(steps) < max_steps:
+            # The replica rate-limits its readers (it serves them from the engine's process): a
+            # 429 is waited out as its Retry-After asks, MAX_RATE_LIMITED times in all.
+            policy = STEP_LOG_RATE_LIMITED.replace(attempts=MAX_RATE_LIMITED - refused + 1)
             try:
-                status, headers, body = _get_bounded(client, url, MAX_STEPS_BYTES, {"cursor": cursor})
+                answer = policy.call(partial(_get_bounded, client, url, MAX_STEPS_BYTES, {"cursor": cursor}),
+                                     again=rate_limited, before_sleep=count_refusal)
             except httpx.HTTPError as err:
                 raise ReplicaUnreachable(f"cannot reach the control API at {url}: "
                                          f"{type(err).__name__}: {err or 'no answer'}") from None
-            if status == 429 and refused < MAX_RATE_LIMITED:
-                # The replica rate-limits its readers (it serves them from the engine's process).
-                refused += 1
-                time.sleep(_retry_after(headers.get("Retry-After")))
-                continue
+            status, body = answer.status_code, answer.content
             if status == 404:
                 raise ReplicaUnreachable(f"{url} answered 404: not a tailpilot control API (or one without "
                                          "a step log); give the control URL, not vLLM's API URL")
@@ -213,17 +211,18 @@ def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) 
     import httpx
 
     from scheduler.contract import State, read
+    from controlplane.http import sync_client
     from controlplane.replica_http import MAX_STATE_BYTES
 
     url = steps_url(control_url).removesuffix("/steps") + "/state"
     own = client is None
     if own:
-        client = httpx.Client(timeout=timeout, trust_env=False)
+        client = sync_client(timeout)
     try:
-        status, _, body = _get_bounded(client, url, MAX_STATE_BYTES)
-        if status != 200:
-            raise ReplicaUnreachable(f"{url} answered HTTP {status}: {_text(body, 200)}")
-        state = read(State, json.loads(body))
+        answer = _get_bounded(client, url, MAX_STATE_BYTES)
+        if answer.status_code != 200:
+            raise ReplicaUnreachable(f"{url} answered HTTP {answer.status_code}: {_text(answer.content, 200)}")
+        state = read(State, json.loads(answer.content))
     except httpx.HTTPError as err:
         raise ReplicaUnreachable(f"cannot reach {url}: {type(err).__name__}: {err or 'no answer'}") from None
     except ValueError as err:
@@ -269,7 +268,7 @@ def replica_engine(store, cluster: str, replica: str, facts: dict[str, Any] | No
     name = step_model or (f"calibrated/{replica}" if f"calibrated/{replica}" in list_models() else DEFAULT_MODEL_NAME)
     facts = dict(facts or {})
     if "num_gpu_blocks" not in facts:
-        latest = store.latest_samples(cluster).get(replica)
+        latest = store.readings.latest_samples(cluster).get(replica)
         if latest is not None and latest.kv_total_blocks:
             facts["num_gpu_blocks"] = latest.kv_total_blocks
     return engine_config(facts, get_model(name))
@@ -467,11 +466,11 @@ def calibrate_url(control_url: str, *, name: str, source: str | None = None, tim
 def replica_control_url(store, replica: str, cluster: str | None = None) -> tuple[str, str]:
     """(cluster, control URL) of ``replica`` as the store knows it (``tailpilot record`` registers
     replicas). Without ``cluster`` the name must be unique across clusters."""
-    clusters = [cluster] if cluster else store.clusters()
-    found = [(c, r) for c in clusters for r in store.replicas(c) if r.name == replica]
+    clusters = [cluster] if cluster else store.recordings.clusters()
+    found = [(c, r) for c in clusters for r in store.recordings.replicas(c) if r.name == replica]
     if not found:
         where = f"cluster {cluster!r}" if cluster else "any cluster"
-        known = sorted(f"{c}/{r.name}" for c in store.clusters() for r in store.replicas(c))
+        known = sorted(f"{c}/{r.name}" for c in store.recordings.clusters() for r in store.recordings.replicas(c))
         raise CalibrationError(f"replica {replica!r} is not in the store ({where}); known: "
                                f"{', '.join(known) or 'none (run `tailpilot record` first)'}")
     if len(found) > 1:
@@ -492,7 +491,7 @@ def _bias_text(bias: dict[str, float | None]) -> str:
 
 def format_report(result: CalibrationResult, saved_to: str | None = None) -> str:
     """The human-readable report ``tailpilot calibrate`` prints."""
-    from sim.stepmodel import _COEF_MEANING
+    from sim.stepmodel import COEF_MEANING as _COEF_MEANING
 
     m, fit = result.model, result.fit
     lines = [f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"

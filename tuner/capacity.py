@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from controlplane.governance import window_report
+from scheduler.metrics.fairness import window_report
 from scheduler.settings import Settings, SloFqParams
 from sim import traces as tr
 from sim.engine import EngineConfig, simulate

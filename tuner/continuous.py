@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from scheduler.settings import Settings
 from sim.engine import Simulator
-from tuner.study import TuneContext, completion_metrics
+from tuner.study import TuneContext
+from tuner.windows import completion_metrics
 
 MAX_CANDIDATES = 5  # continuous replays are whole traces: check the best few, in preference order
 # A candidate that changes the engine limits must keep this share of production's throughput in

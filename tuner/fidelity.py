@@ -160,7 +160,7 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     span = RecordedSpan(db=db or os.environ.get(DB_ENV), recording=recording, cluster=cluster,
                         replicas=(replica,), start_s=start_s, end_s=end_s)
     if cluster is None:
-        found = [c for c in store.clusters() if any(r.name == replica for r in store.replicas(c))]
+        found = [c for c in store.recordings.clusters() if any(r.name == replica for r in store.recordings.replicas(c))]
         if len(found) != 1:
             raise FidelityError(f"replica {replica!r} is in {len(found)} clusters ({', '.join(found) or 'none'}): "
                                 "name the cluster")
@@ -168,11 +168,11 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
         span = replace(span, cluster=cluster)
     trace = _load(store, span)
     # The recording's start (store clock) decides which settings were in force at first.
-    rec = [r for r in store.recordings(cluster) if r.name == recording] if recording else []
+    rec = [r for r in store.recordings.all(cluster) if r.name == recording] if recording else []
     start_ms = rec[-1].started_ms if rec else None
-    timeline = settings_timeline(store.settings_seen(cluster, replica), start_ms)
+    timeline = settings_timeline(store.settings_log.settings_seen(cluster, replica), start_ms)
 
-    real = {c.request_id: c for c in store.completions(cluster, replica)}
+    real = {c.request_id: c for c in store.readings.completions(cluster, replica)}
     rows = [real[r.id] for r in trace if r.id in real]
     if not rows:
         raise FidelityError(f"replica {replica!r}: no recorded completion matches the span's requests")

@@ -68,7 +68,7 @@ def _check_dialect(url: str, scheme: str) -> None:
     try:
         make_url(url).get_dialect()
     except Exception:  # noqa: BLE001 - unparsable or no such dialect: the same answer
-        raise TuneError(f"--storage {_redact(url)}: the tuner cannot use '{scheme}' storage; "
+        raise TuneError(f"--storage {redact(url)}: the tuner cannot use '{scheme}' storage; "
                         f"use {SUPPORTED}") from None
 
 
@@ -126,16 +126,16 @@ def check_storage_separate(url: str, db_url: str | None) -> None:
     try:
         engine = create_engine(url)
     except Exception as err:  # noqa: BLE001 - a driver that is not installed, a malformed URL
-        raise TuneError(f"--storage {_redact(url)}: cannot open: {_one_line(err)}") from None
+        raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
     try:
         tables = set(inspect(engine).get_table_names())
     except Exception as err:  # noqa: BLE001
-        raise TuneError(f"--storage {_redact(url)}: cannot connect: {_one_line(err)}") from None
+        raise TuneError(f"--storage {redact(url)}: cannot connect: {_one_line(err)}") from None
     finally:
         engine.dispose()
     clash = tables & TAILPILOT_TABLES
     if clash:
-        raise TuneError(f"--storage {_redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
+        raise TuneError(f"--storage {redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
                         "keep Optuna's tables in a separate database")
 
 
@@ -160,7 +160,8 @@ def _one_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """``url`` with its password hidden (``***``), for messages; unparsable: as given."""
     from sqlalchemy.engine import make_url
 
     try:
@@ -196,7 +197,7 @@ def open_storage(url: str):
             break
         except Exception as err:  # noqa: BLE001 - any driver error: say which storage
             if attempt == 5 or not _transient_open_error(err):
-                raise TuneError(f"--storage {_redact(url)}: cannot open: {_one_line(err)}") from None
+                raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
             time.sleep(next(delays))
     if url.startswith("sqlite"):
         _sqlite_wal(storage.engine)
@@ -214,7 +215,7 @@ def url_of(storage) -> str:
 
 def _open_journal(url: str):
     """JournalStorage in a file. Its writers take Optuna's symlink lock (works on NFS too); it has
-    no heartbeats: ``tuner.study`` fails the trials of dead local workers itself."""
+    no heartbeats: ``tuner.optimize`` fails the trials of dead local workers itself."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 

@@ -3,7 +3,7 @@
 The recommended settings are the best feasible, fully evaluated trial (one objective) or, with
 several objectives, a member of the feasible Pareto front: of those no worse than the production
 settings on any objective, the one with the largest mean improvement (else the max-min member;
-see ``tuner.study.choose_recommendation``). The whole front is reported too. Before it is
+see ``tuner.results.choose_recommendation``). The whole front is reported too. Before it is
 recommended, a candidate is replayed continuously over the whole trace against production
 (``tuner.continuous``): one that loses there is passed over for the next, and if every candidate
 loses, production is kept.
@@ -26,21 +26,12 @@ import numpy as np
 
 from scheduler.metrics import higher_is_better, percent_change
 from scheduler.settings import Settings
+from scheduler.validation import finite_or_none
 from storage.strict_json import finite
 from tuner.continuous import losses, validate
-from tuner.study import (
-    PRODUCTION,
-    ROLE_ATTR,
-    TRIAL_ATTR,
-    TuneContext,
-    TuneError,
-    _json_num,
-    best_trials,
-    candidate_trials,
-    load_context,
-    ranked_candidates,
-    trial_metrics,
-)
+from tuner.results import best_trials, candidate_trials, ranked_candidates, trial_metrics
+from tuner.spec import TuneError
+from tuner.study import PRODUCTION, ROLE_ATTR, TRIAL_ATTR, TuneContext, load_context
 
 CONFIDENCE = 0.95
 
@@ -64,8 +55,8 @@ def paired_improvement(values: Sequence[float], baseline: Sequence[float], name:
     nan = math.nan
     out: dict[str, Any] = {"n": n, "value": nan, "baseline": nan, "improvement_pct": nan, "mean_change_pct": nan,
                            "ci_pct": [nan, nan], "ci_method": None,
-                           "per_window": [_json_num(v) for v in values],
-                           "baseline_per_window": [_json_num(v) for v in baseline]}
+                           "per_window": [finite_or_none(v) for v in values],
+                           "baseline_per_window": [finite_or_none(v) for v in baseline]}
     if n == 0:
         return out
     x = np.array([p[0] for p in pairs])
@@ -158,7 +149,7 @@ def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, 
         "objectives": [{"name": n, "direction": d} for n, d in ctx.objectives],
         "constraints": list(ctx.spec.constraints),
         "trials_complete": len(complete),
-        "gamma_hat": _json_num(ctx.gamma_hat),
+        "gamma_hat": finite_or_none(ctx.gamma_hat),
         "confidence": CONFIDENCE,
         "search": {"windows": search_windows,
                    "metrics": _metric_table(ctx, search_vals, ctx.baseline, search_windows)},

@@ -104,7 +104,8 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
     from contextlib import nullcontext
 
     from storage.engine import DatabaseMissing, require_existing
-    from storage.store import Store, StoreOpenError
+    from storage.database import StoreOpenError
+    from storage.store import Store
 
     where = span.url()
     if store is None:
@@ -119,14 +120,14 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
         context = nullcontext(store)
     with context:
         cluster, name, stored = _span(store, span, where)
-        known = [r.name for r in store.replicas(cluster)]
+        known = [r.name for r in store.recordings.replicas(cluster)]
         replicas = list(span.replicas) or known
         missing = [r for r in replicas if r not in known]
         if missing:
             raise tr.TraceError(f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
                                 f"known: {', '.join(known) or 'none'}")
         rows = [row for r in replicas
-                for row in store.completions(cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1])]
+                for row in store.readings.completions(cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1])]
     served = sorted({row.replica for row in rows})
     if not rows:
         raise tr.TraceError(f"{where}: no completions stored for {', '.join(replicas) or 'any replica'} "
@@ -188,7 +189,7 @@ def with_front_end(completions, rows) -> list:
 def store_lag_s(store, cluster: str, replica: str, rows) -> float:
     """The replica's clock minus the store's, from stored completions (``rows``): the median
     finish time minus the median time the store received them (exact to a poll interval)."""
-    stored = store.completion_stored_s(cluster, replica, [r.request_id for r in rows])
+    stored = store.readings.completion_stored_s(cluster, replica, [r.request_id for r in rows])
     finished = float(np.median([r.finished_s for r in rows]))
     return finished - float(np.median(stored)) if stored else 0.0
 
@@ -207,7 +208,7 @@ def as_completion(row, t0: float):
 def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:
     """(cluster, display name, stored_ms bounds) of the span."""
     if span.recording is None:
-        clusters = store.clusters()
+        clusters = store.recordings.clusters()
         if span.cluster is None:
             if len(clusters) != 1:
                 raise tr.TraceError(f"{where}: name a recording= or a cluster= (clusters in the store: "
@@ -216,9 +217,9 @@ def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | 
         if span.cluster not in clusters:
             raise tr.TraceError(f"{where}: no cluster {span.cluster!r} in the store; known: {', '.join(clusters) or 'none'}")
         return span.cluster, span.cluster, (None, None)
-    found = [r for r in store.recordings(span.cluster) if r.name == span.recording]
+    found = [r for r in store.recordings.all(span.cluster) if r.name == span.recording]
     if not found:
-        names = sorted({r.name for r in store.recordings(span.cluster)})
+        names = sorted({r.name for r in store.recordings.all(span.cluster)})
         raise tr.TraceError(f"{where}: no recording {span.recording!r}"
                             + (f" of cluster {span.cluster!r}" if span.cluster else "")
                             + f"; known: {', '.join(names) or 'none'}")

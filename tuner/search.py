@@ -1,4 +1,5 @@
-"""The tuner's search space, objectives and constraints (docs/engine.md#tuner).
+"""The tuner's search space (docs/engine.md#tuner); its objectives and constraints are
+``tuner/objectives.py``.
 
 Search space
 ------------
@@ -32,14 +33,12 @@ policy (the production policy is always a candidate, so trial 0 can be the produ
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
-from scheduler.metrics import METRICS, metric_direction, validate_metric
 from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
@@ -145,35 +144,12 @@ def numeric_dim(name: str, kind: str, bounds: Bounds, centre: float,
                 override: tuple[float, float, bool | None] | None = None, span: float = SPAN) -> Dim | None:
     """A float/int dimension inside ``bounds`` around ``centre`` (see the module docstring)."""
     if override is not None:
-        lo, hi, log = override
-        for v, side in ((lo, "low"), (hi, "high")):
-            if not _admits(bounds, v):
-                raise SearchSpaceError(
-                    f"--range {name}: {side} end {v:g} is outside the settings model's bounds "
-                    f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]")
-        if not lo < hi:
-            raise SearchSpaceError(f"--range {name}: low ({lo:g}) must be below high ({hi:g})")
-        if log is None:
-            log = lo > 0 and hi / lo >= 100
-        if log and lo <= 0:
-            raise SearchSpaceError(f"--range {name}: a log range needs low > 0")
+        lo, hi, log = _checked_override(name, bounds, override)
     else:
-        if centre > 0:
-            lo, hi, log = centre / span, centre * span, True
-        elif bounds.lo is not None and bounds.hi is not None:
-            lo, hi, log = bounds.lo, bounds.hi, False
-        else:
+        centred = _centred_span(bounds, centre, span)
+        if centred is None:
             return None  # no scale to search on without --range
-        if bounds.lo is not None and lo <= bounds.lo:
-            lo = bounds.lo
-            if bounds.lo_open:  # step inside an open bound, by a sliver of the searched span
-                lo = lo + 1e-3 * (min(hi, bounds.hi if bounds.hi is not None else hi) - lo)
-        if bounds.hi is not None and hi >= bounds.hi:
-            hi = bounds.hi
-            if bounds.hi_open:
-                hi = hi - 1e-3 * (hi - lo)
-        if lo <= 0:
-            log = False
+        lo, hi, log = centred
     if kind == "int":
         lo = math.floor(lo) + 1 if (bounds.lo_open and lo == bounds.lo) else math.ceil(lo)
         hi = math.ceil(hi) - 1 if (bounds.hi_open and hi == bounds.hi) else math.floor(hi)
@@ -183,6 +159,47 @@ def numeric_dim(name: str, kind: str, bounds: Bounds, centre: float,
         return None
     return Dim(name, kind, float(lo) if kind == "float" else int(lo),
                float(hi) if kind == "float" else int(hi), bool(log))
+
+
+def _checked_override(name: str, bounds: Bounds,
+                      override: tuple[float, float, bool | None]) -> tuple[float, float, bool]:
+    """A ``--range`` span, refused unless inside the model's bounds; its scale (log when not given
+    and the span covers two decades)."""
+    lo, hi, log = override
+    for v, side in ((lo, "low"), (hi, "high")):
+        if not _admits(bounds, v):
+            raise SearchSpaceError(
+                f"--range {name}: {side} end {v:g} is outside the settings model's bounds "
+                f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]")
+    if not lo < hi:
+        raise SearchSpaceError(f"--range {name}: low ({lo:g}) must be below high ({hi:g})")
+    if log is None:
+        log = lo > 0 and hi / lo >= 100
+    if log and lo <= 0:
+        raise SearchSpaceError(f"--range {name}: a log range needs low > 0")
+    return lo, hi, log
+
+
+def _centred_span(bounds: Bounds, centre: float, span: float) -> tuple[float, float, bool] | None:
+    """``[centre / span, centre * span]`` on a log scale (a zero centre: the bounds, linear),
+    clipped to the bounds; None when there is no scale to search on."""
+    if centre > 0:
+        lo, hi, log = centre / span, centre * span, True
+    elif bounds.lo is not None and bounds.hi is not None:
+        lo, hi, log = bounds.lo, bounds.hi, False
+    else:
+        return None
+    if bounds.lo is not None and lo <= bounds.lo:
+        lo = bounds.lo
+        if bounds.lo_open:  # step inside an open bound, by a sliver of the searched span
+            lo = lo + 1e-3 * (min(hi, bounds.hi if bounds.hi is not None else hi) - lo)
+    if bounds.hi is not None and hi >= bounds.hi:
+        hi = bounds.hi
+        if bounds.hi_open:
+            hi = hi - 1e-3 * (hi - lo)
+    if lo <= 0:
+        log = False
+    return lo, hi, log
 
 
 def _fmt_bound(v: float | None, open_: bool, lower: bool) -> str:
@@ -368,6 +385,32 @@ def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
     return name, (lo, hi, log)
 
 
+@dataclass
+class _Overrides:
+    """``--range``/``--fix``/``--search`` resolved to (scope, name) pairs, scope a policy or "engine"."""
+
+    ranges: dict[tuple[str, str], tuple[float, float, bool | None]]
+    fixed: dict[str, dict[str, Any]]  # policy -> {param: value} (shared with the space: it gains defaults)
+    fixed_engine: dict[str, Any]
+    only: set[tuple[str, str]] | None  # --search: only these (None: everything)
+
+    @classmethod
+    def resolve(cls, candidates: Sequence[str], ranges: Mapping[str, tuple[float, float, bool | None]],
+                fixed: Mapping[str, Any], search: Sequence[str] | None) -> "_Overrides":
+        resolved = {_split_name(raw, candidates, "--range"): r for raw, r in ranges.items()}
+        fixed_by: dict[str, dict[str, Any]] = {}
+        fixed_engine: dict[str, Any] = {}
+        for raw, v in fixed.items():
+            scope, name = _split_name(raw, candidates, "--fix")
+            (fixed_engine if scope == "engine" else fixed_by.setdefault(scope, {}))[name] = v
+        only = None if search is None else {_split_name(raw, candidates, "--search") for raw in search}
+        return cls(resolved, fixed_by, fixed_engine, only)
+
+    def wanted(self, scope: str, name: str) -> bool:
+        """Searched unless ``--search`` leaves it out (a ``--range`` always counts as asking for it)."""
+        return (scope, name) in self.ranges or self.only is None or (scope, name) in self.only
+
+
 def build_space(policies: Sequence[str], production: Settings, *,
                 ranges: Mapping[str, tuple[float, float, bool | None]] | None = None,
                 fixed: Mapping[str, Any] | None = None, search: Sequence[str] | None = None,
@@ -383,87 +426,11 @@ def build_space(policies: Sequence[str], production: Settings, *,
             raise SearchSpaceError(f"--policy {p}: unknown policy (valid: {', '.join(PARAM_MODELS)})")
     prod_doc = production.to_dict()
     candidates = tuple(dict.fromkeys([production.policy, *policies]))
-    ranges = dict(ranges or {})
-    fixed = dict(fixed or {})
-    resolved_ranges: dict[tuple[str, str], tuple[float, float, bool | None]] = {}
-    for raw, r in ranges.items():
-        resolved_ranges[_split_name(raw, candidates, "--range")] = r
-    fixed_by: dict[str, dict[str, Any]] = {}
-    fixed_engine: dict[str, Any] = {}
-    for raw, v in fixed.items():
-        scope, name = _split_name(raw, candidates, "--fix")
-        (fixed_engine if scope == "engine" else fixed_by.setdefault(scope, {}))[name] = v
-    only: set[tuple[str, str]] | None = None
-    if search is not None:
-        only = {_split_name(raw, candidates, "--search") for raw in search}
-
-    def wanted(scope: str, name: str) -> bool:
-        if (scope, name) in resolved_ranges:
-            return True
-        return only is None or (scope, name) in only
-
-    space = SearchSpace(policies=candidates, production=prod_doc, fixed=fixed_by, fixed_engine=fixed_engine)
+    over = _Overrides.resolve(candidates, dict(ranges or {}), dict(fixed or {}), search)
+    space = SearchSpace(policies=candidates, production=prod_doc, fixed=over.fixed, fixed_engine=over.fixed_engine)
     for p in candidates:
-        model = PARAM_MODELS[p]
-        tuned = p in policies
-        dims: list[Dim] = []
-        base = dict(prod_doc["params"]) if p == production.policy else model().model_dump()
-        pinned = set(production.pinned) if p == production.policy else set()
-        if tuned and "predictor" in model.model_fields and p != production.policy:
-            fixed_by.setdefault(p, {}).setdefault("predictor", "history")
-        for name in model.model_fields:
-            if not tuned or name in pinned or name in fixed_by.get(p, {}):
-                if (p, name) in resolved_ranges and name in pinned:
-                    raise SearchSpaceError(f"--range {p}.{name}: the production settings pin it")
-                continue
-            if not wanted(p, name):
-                continue
-            if not _is_searchable_param(p, name):
-                if (p, name) in resolved_ranges:
-                    raise SearchSpaceError(f"--range {p}.{name}: this parameter is not searchable")
-                continue
-            kind = _kind_of(model, name)
-            assert kind is not None  # _is_searchable_param checked it
-            qname = f"{p}.{name}"
-            if kind == "bool":
-                dims.append(Dim(qname, "categorical", choices=(False, True)))
-                continue
-            centre, span = float(base[name]), SPAN
-            if (name in UNSCALED_PARAMS and centre == 0 or name in RANGE_ONLY_PARAMS) \
-                    and (p, name) not in resolved_ranges:
-                continue
-            override = resolved_ranges.get((p, name))
-            if name == "gamma" and override is None:
-                override = (*GAMMA_RANGE, True)
-            dim = numeric_dim(qname, kind, field_bounds(model, name), centre, override, span)
-            if dim is not None:
-                dims.append(dim)
-        space.policy_dims[p] = dims
-    if not tune_engine:
-        only_engine = {n for s, n in resolved_ranges if s == "engine"}
-    for name in EngineSettings.model_fields:
-        if name in fixed_engine or not wanted("engine", name):
-            continue
-        if not tune_engine and name not in only_engine:
-            continue
-        kind = _kind_of(EngineSettings, name)
-        assert kind is not None  # the engine fields are all ints
-        bounds = field_bounds(EngineSettings, name)
-        if name == THRESHOLD:
-            # 0 = off: an on/off switch, and a chunk size around the production one (or a
-            # quarter of the production token budget when chunking is off in production).
-            current = prod_doc["engine"][THRESHOLD] or max(1, prod_doc["engine"]["max_num_batched_tokens"] // 4)
-            lo_b = Bounds(max(bounds.lo or 0, 1.0), bounds.hi, False, bounds.hi_open)
-            dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, lo_b, float(current),
-                              resolved_ranges.get(("engine", name)))
-            if dim is not None:
-                space.engine_dims.append(Dim(CHUNKING_SWITCH, "categorical", choices=(False, True)))
-                space.engine_dims.append(dim)
-            continue
-        dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, bounds, float(prod_doc["engine"][name]),
-                          resolved_ranges.get(("engine", name)))
-        if dim is not None:
-            space.engine_dims.append(dim)
+        space.policy_dims[p] = _policy_dims(p, p in policies, production, over)
+    space.engine_dims = _engine_dims(prod_doc["engine"], over, tune_engine)
     # A fixed value must itself be valid: build the settings once per policy.
     for p in candidates:
         try:
@@ -473,117 +440,73 @@ def build_space(policies: Sequence[str], production: Settings, *,
     return space
 
 
-# --------------------------------------------------------------------------------------------
-# Objectives
-# --------------------------------------------------------------------------------------------
-
-#: Metrics a replay summary does not hold (live-only, or need inputs a replay lacks).
-REPLAY_UNAVAILABLE = frozenset({"kv_usage", "slo_compliance_ratio", "type_share_ratio_min"})
-FAIRNESS_METRICS = frozenset({"jain_index"})
-
-
-def parse_objectives(names: Sequence[str], slo: Mapping[str, float] | None = None
-                     ) -> list[tuple[str, Literal["maximize", "minimize"]]]:
-    """Canonical (name, direction) per objective; UnknownMetricError lists valid names."""
-    if not names:
-        raise ValueError("give at least one --objective")
-    out: list[tuple[str, Literal["maximize", "minimize"]]] = []
-    for raw in names:
-        name = check_replay_metric(raw, slo, "--objective")
-        if any(name == n for n, _ in out):
-            raise ValueError(f"--objective {raw}: given twice")
-        out.append((name, metric_direction(name)))
-    return out
+def _policy_dims(p: str, tuned: bool, production: Settings, over: _Overrides) -> list[Dim]:
+    """The searched parameters of candidate policy ``p`` (none unless ``tuned``), around the
+    production values when it is the production policy, else around the model's defaults."""
+    model = PARAM_MODELS[p]
+    is_production = p == production.policy
+    base = production.to_dict()["params"] if is_production else model().model_dump()
+    pinned = set(production.pinned) if is_production else set()
+    if tuned and "predictor" in model.model_fields and not is_production:
+        over.fixed.setdefault(p, {}).setdefault("predictor", "history")
+    dims = []
+    for name in model.model_fields:
+        if not tuned or name in pinned or name in over.fixed.get(p, {}):
+            if (p, name) in over.ranges and name in pinned:
+                raise SearchSpaceError(f"--range {p}.{name}: the production settings pin it")
+            continue
+        dim = _policy_dim(p, name, base, over)
+        if dim is not None:
+            dims.append(dim)
+    return dims
 
 
-def check_replay_metric(raw: str, slo: Mapping[str, float] | None, option: str) -> str:
-    try:
-        name = validate_metric(raw)
-    except KeyError as err:
-        raise ValueError(f"{option} {raw}: {err}") from None
-    if name in REPLAY_UNAVAILABLE:
-        raise ValueError(f"{option} {raw}: {name} is not computed from a trace replay")
-    if name.endswith(("_slo_attainment", "_slo_scale_99")):
-        base = name.split("_slo_")[0]
-        if not slo or base not in slo:
-            raise ValueError(f"{option} {raw}: needs an SLO for {base} (--slo {base}=SECONDS)")
-    return name
+def _policy_dim(p: str, name: str, base: Mapping[str, Any], over: _Overrides) -> Dim | None:
+    """Policy ``p``'s parameter ``name`` as a dimension around ``base[name]``, or None when it is
+    not searched."""
+    if not over.wanted(p, name):
+        return None
+    given = over.ranges.get((p, name))
+    if not _is_searchable_param(p, name):
+        if given is not None:
+            raise SearchSpaceError(f"--range {p}.{name}: this parameter is not searchable")
+        return None
+    model = PARAM_MODELS[p]
+    kind = _kind_of(model, name)
+    assert kind is not None  # _is_searchable_param checked it
+    if kind == "bool":
+        return Dim(f"{p}.{name}", "categorical", choices=(False, True))
+    centre = float(base[name])
+    if given is None and (name in UNSCALED_PARAMS and centre == 0 or name in RANGE_ONLY_PARAMS):
+        return None
+    if name == "gamma" and given is None:
+        given = (*GAMMA_RANGE, True)
+    return numeric_dim(f"{p}.{name}", kind, field_bounds(model, name), centre, given, SPAN)
 
 
-# --------------------------------------------------------------------------------------------
-# Constraints: METRIC (<=|>=|<|>) NUMBER | [NUMBER*]baseline[*NUMBER][(+|-)NUMBER]
-# --------------------------------------------------------------------------------------------
-
-_NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?P<rhs>.+?)\s*$")
-_RHS_NUMBER = re.compile(rf"^(?P<num>{_NUM})$")
-_RHS_BASELINE = re.compile(
-    rf"^(?:(?P<pre>{_NUM})\s*\*\s*)?baseline(?:\s*\*\s*(?P<post>{_NUM}))?(?:\s*(?P<sign>[+-])\s*(?P<add>{_NUM}))?$")
-_RHS_PERCENT = re.compile(rf"^(?P<pct>{_NUM})\s*%\s*(?:of\s+|\*\s*)?baseline$")
-
-
-class ConstraintError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """``metric op rhs``; rhs = ``scale * baseline + offset`` (relative) or ``offset``."""
-
-    text: str
-    metric: str
-    op: str  # "<=" or ">=" (strict comparisons are treated as non-strict)
-    scale: float | None  # None: absolute bound
-    offset: float
-
-    @property
-    def relative(self) -> bool:
-        return self.scale is not None
-
-    def bound(self, baseline: float) -> float:
-        return self.offset if self.scale is None else self.scale * baseline + self.offset
-
-    def value(self, x: float, baseline: float) -> float:
-        """Optuna's convention: <= 0 is feasible. An undefined (NaN) value is infeasible (inf)."""
-        bound = self.bound(baseline)
-        if not (math.isfinite(x) and math.isfinite(bound)):
-            return math.inf
-        return x - bound if self.op == "<=" else bound - x
-
-    @property
-    def key(self) -> str:
-        return self.text
-
-
-def parse_constraint(text: str, slo: Mapping[str, float] | None = None) -> Constraint:
-    """Parse ``throughput>=0.99*baseline``, ``ttft_p99<=2.0``, ``ttlt_p99<=baseline+0.5``,
-    ``throughput>=99%baseline``. Errors name the constraint."""
-    m = _CONSTRAINT.match(text)
-    if not m:
-        raise ConstraintError(f"--constraint {text!r}: expected METRIC<=BOUND or METRIC>=BOUND, "
-                              "BOUND a number or [FACTOR*]baseline[+OFFSET] (e.g. throughput>=0.99*baseline)")
-    try:
-        metric = check_replay_metric(m["metric"], slo, "--constraint")
-    except ValueError as err:
-        raise ConstraintError(f"--constraint {text!r}: {err}") from None
-    op = "<=" if m["op"] in ("<=", "<") else ">="
-    rhs = m["rhs"].strip()
-    if (n := _RHS_NUMBER.match(rhs)) is not None:
-        return Constraint(text.strip(), metric, op, None, float(n["num"]))
-    if (p := _RHS_PERCENT.match(rhs)) is not None:
-        return Constraint(text.strip(), metric, op, float(p["pct"]) / 100.0, 0.0)
-    if (b := _RHS_BASELINE.match(rhs)) is not None:
-        if b["pre"] is not None and b["post"] is not None:
-            raise ConstraintError(f"--constraint {text!r}: give the baseline factor once")
-        scale = float(b["pre"] or b["post"] or 1.0)
-        add = float(b["add"]) * (-1 if b["sign"] == "-" else 1) if b["add"] is not None else 0.0
-        return Constraint(text.strip(), metric, op, scale, add)
-    raise ConstraintError(f"--constraint {text!r}: cannot read the bound {rhs!r}; use a number or "
-                          "[FACTOR*]baseline[+OFFSET] (e.g. 0.99*baseline)")
-
-
-def tracked_metrics(objectives: Sequence[tuple[str, str]], constraints: Sequence[Constraint]) -> list[str]:
-    """Metrics kept per window for every trial: objectives, constraint metrics and the headline tails."""
-    names = [n for n, _ in objectives] + [c.metric for c in constraints]
-    names += ["ttlt_p99", "ttft_p95", "ttft_p99", "throughput_tok_s"]
-    return [n for n in dict.fromkeys(names) if n in METRICS]
+def _engine_dims(prod_engine: Mapping[str, Any], over: _Overrides, tune_engine: bool) -> list[Dim]:
+    """The searched engine fields around the production engine (``tune_engine=False``: only those
+    a ``--range`` names)."""
+    dims: list[Dim] = []
+    for name in EngineSettings.model_fields:
+        if name in over.fixed_engine or not over.wanted("engine", name):
+            continue
+        given = over.ranges.get(("engine", name))
+        if not tune_engine and given is None:
+            continue
+        kind = _kind_of(EngineSettings, name)
+        assert kind is not None  # the engine fields are all ints
+        bounds = field_bounds(EngineSettings, name)
+        if name == THRESHOLD:
+            # 0 = off: an on/off switch, and a chunk size around the production one (or a
+            # quarter of the production token budget when chunking is off in production).
+            current = prod_engine[THRESHOLD] or max(1, prod_engine["max_num_batched_tokens"] // 4)
+            lo_b = Bounds(max(bounds.lo or 0, 1.0), bounds.hi, False, bounds.hi_open)
+            dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, lo_b, float(current), given)
+            if dim is not None:
+                dims.extend([Dim(CHUNKING_SWITCH, "categorical", choices=(False, True)), dim])
+            continue
+        dim = numeric_dim(f"{ENGINE_PREFIX}{name}", kind, bounds, float(prod_engine[name]), given)
+        if dim is not None:
+            dims.append(dim)
+    return dims

@@ -28,71 +28,46 @@ a change to an idle vLLM engine at once, which would otherwise not step until ne
 settings document but, as on vLLM, the running engine keeps its start-up values. The ``oracle``
 predictor is refused, as on a live replica.
 
-Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order (a
-round-robin load balancer): replica ``i`` gets requests ``i, i+n, i+2n, ...``. With
-``loop=True`` each replica replays its share again, shifted by the trace's period (its duration
-plus one mean inter-arrival gap) and with ids suffixed ``@1``, ``@2``, ..., so a demo runs forever.
+Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order, each
+share replayed lap after lap with ``loop=True`` (``tuner/twin_feed.py``).
 
 Step log. Every single step is recorded (``/tailpilot/v1/steps``); a stretch of k identical
 decode steps that event skipping advances as one is recorded by its first and last steps only
 (their context and duration differ by the KV growth across the stretch, which is what fits ``e``).
 
-Metrics. A ``prometheus_client`` registry per twin with a custom collector, read at scrape time
-under the twin's lock, so ``/metrics`` and ``/state`` agree. vLLM 0.32's names and labels
-(``model_name``, ``engine``) and default buckets. The inter-token-latency histogram counts each
-request's ``n − 1`` gaps at the request's mean gap (the simulator does not keep per-token times).
+Metrics. A ``prometheus_client`` registry per twin with vLLM 0.32's metrics, read at scrape time
+under the twin's lock, so ``/metrics`` and ``/state`` agree (``tuner/twin_metrics.py``).
+
+Rooms: this module holds the clock, the ticker, the replica (its engine loop and the API it
+serves) and ``start_twins``/``TwinCluster``, which start a fleet of them.
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from scheduler.plugin.api import TOKEN_ENV, ControlServer, Limits, token_from_env
+from scheduler.plugin.admission import Limits
+from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore
+from scheduler.plugin.env import TOKEN_ENV
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceRequest
+
+from tuner.twin_feed import Feed, split_round_robin, trace_period
+from tuner.twin_metrics import TwinCollector, TwinStats
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TICK_S = 0.05  # 64 busy twins: ~10% of one core at 0.05 s, ~15% at 0.025 s
 DEFAULT_MAX_MODEL_LEN = 8192  # Llama-3-8B, the default step-time model's model
-LAP_SEP = "@"  # looped ids: "<id>@<lap>"
-
-# vLLM 0.32's default histogram buckets (vllm/v1/metrics/buckets.py), copied so that twins do not
-# import vLLM.
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                               5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
-FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-
-
-def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
-    """vLLM's 1-2-5 series capped at ``max_model_len``."""
-    out: list[int] = []
-    exp = 0
-    while True:
-        for m in (1, 2, 5):
-            v = m * 10 ** exp
-            if v > max_model_len:
-                return tuple(out)
-            out.append(v)
-        exp += 1
 
 
 # ------------------------------------------------------------------------------------- clocks
@@ -131,142 +106,6 @@ class ManualClock(TwinClock):
         self.t += float(dt)
 
 
-# ------------------------------------------------------------------------------------- workload
-class _Feed:
-    """A replica's share of the trace, replayed lap after lap when looping."""
-
-    def __init__(self, requests: Sequence[TraceRequest], period: float, loop: bool) -> None:
-        self.requests = sorted(requests, key=lambda r: (r.arrival, r.id))
-        self.period = period
-        self.loop = loop and bool(self.requests)
-        self.lap, self.index = 0, 0
-        self.max_tokens = {r.id: r.max_tokens for r in self.requests}
-
-    def _at(self, lap: int, index: int) -> float:
-        return self.requests[index].arrival + lap * self.period
-
-    def _exhausted(self) -> bool:
-        return self.index >= len(self.requests) and not self.loop
-
-    def _wrap(self) -> None:
-        if self.index >= len(self.requests) and self.loop:
-            self.lap, self.index = self.lap + 1, 0
-
-    def until(self, t: float) -> list[TraceRequest]:
-        """The requests not yet handed out that arrive at or before simulated time ``t``."""
-        out: list[TraceRequest] = []
-        reqs = self.requests
-        while True:
-            self._wrap()
-            if self._exhausted() or not reqs or self._at(self.lap, self.index) > t:
-                return out
-            r = reqs[self.index]
-            if self.lap:
-                r = dataclasses.replace(r, id=f"{r.id}{LAP_SEP}{self.lap}", arrival=r.arrival + self.lap * self.period)
-            out.append(r)
-            self.index += 1
-
-    def skip_to(self, t: float) -> None:
-        """Drop the requests that arrive before ``t`` (a restarted replica never saw them)."""
-        while True:
-            self._wrap()
-            if self._exhausted() or not self.requests or self._at(self.lap, self.index) >= t:
-                return
-            self.index += 1
-
-    def max_tokens_of(self, rid: str) -> int | None:
-        found = self.max_tokens.get(rid)
-        if found is None and LAP_SEP in rid:
-            found = self.max_tokens.get(rid.rsplit(LAP_SEP, 1)[0])
-        return found
-
-
-def trace_period(trace: Iterable[TraceRequest]) -> float:
-    """How far a replayed lap is shifted: the span of arrivals plus one mean gap (≥ 1 ms)."""
-    reqs = list(trace)
-    if len(reqs) < 2:
-        return 1.0
-    span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
-    return max(span + span / (len(reqs) - 1), 1e-3)
-
-
-def split_round_robin(trace: Iterable[TraceRequest], n: int) -> list[list[TraceRequest]]:
-    """Requests in arrival order dealt to ``n`` replicas in turn, re-zeroed to the trace's first
-    arrival (replica ``i`` gets requests ``i, i+n, ...``)."""
-    if n < 1:
-        raise ValueError(f"need at least one replica, got {n}")
-    reqs = sorted(trace, key=lambda r: (r.arrival, r.id))
-    t0 = reqs[0].arrival if reqs else 0.0
-    if t0:
-        reqs = [dataclasses.replace(r, arrival=r.arrival - t0) for r in reqs]
-    return [reqs[i::n] for i in range(n)]
-
-
-# ------------------------------------------------------------------------------------- simulator
-class _Hist:
-    """A histogram kept by hand: observations with a multiplicity, emitted as a metric family."""
-
-    __slots__ = ("bounds", "counts", "total", "n")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float, count: int = 1) -> None:
-        if count <= 0:
-            return
-        self.counts[bisect.bisect_left(self.bounds, value)] += count
-        self.total += value * count
-        self.n += count
-
-    def family(self, name: str, doc: str, labels: Sequence[str], values: Sequence[str]) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily(name, doc, labels=list(labels))
-        buckets, acc = [], 0
-        for bound, c in zip(self.bounds, self.counts):
-            acc += c
-            buckets.append((_fmt_le(bound), acc))
-        buckets.append(("+Inf", self.n))
-        fam.add_metric(list(values), buckets, self.total)
-        return fam
-
-
-def _fmt_le(b: float) -> str:
-    return repr(float(b))
-
-
-HISTOGRAMS = {  # name -> (doc, bucket family)
-    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", "ttft"),
-    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", "itl"),
-    "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.", "itl"),
-    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", "latency"),
-    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.", "latency"),
-    "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.", "latency"),
-    "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.", "latency"),
-    "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.", "latency"),
-    "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "tokens"),
-    "vllm:request_generation_tokens": ("Number of generation tokens processed.", "tokens"),
-    "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.", "tokens"),
-    "vllm:request_num_preemptions": ("Histogram of the number of times a request was preempted.", "preemptions"),
-    "vllm:iteration_tokens_total": ("Histogram of number of tokens per engine_step.", "iteration"),
-}
-
-
-class _Stats:
-    """Counters and histograms of one twin's lifetime (reset by a fresh restart, as vLLM's)."""
-
-    def __init__(self, max_model_len: int) -> None:
-        families = {"ttft": TIME_TO_FIRST_TOKEN_BUCKETS, "itl": INTER_TOKEN_LATENCY_BUCKETS,
-                    "latency": REQUEST_LATENCY_BUCKETS, "tokens": request_tokens_buckets(max_model_len),
-                    "preemptions": REQUEST_NUM_PREEMPTIONS_BUCKETS, "iteration": ITERATION_TOKENS_BUCKETS}
-        self.hists = {name: _Hist(families[fam]) for name, (_, fam) in HISTOGRAMS.items()}
-        self.success = dict.fromkeys(FINISH_REASONS, 0)
-        self.prompt_tokens = 0  # prefill tokens computed, recomputation included
-        self.finished_output_tokens = 0
-        self.rejected = 0
-
-
 # ------------------------------------------------------------------------------------- ticker
 class _Ticker:
     """One thread advancing every registered twin every ``interval`` s of wall time."""
@@ -274,11 +113,11 @@ class _Ticker:
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self._replicas: list[TwinReplica] = []
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def add(self, replica: "TwinReplica") -> None:
-        with self._lock:
+        with self.lock:
             if replica not in self._replicas:
                 self._replicas.append(replica)
             if self._thread is None:
@@ -287,14 +126,14 @@ class _Ticker:
                 self._thread.start()
 
     def remove(self, replica: "TwinReplica") -> None:
-        with self._lock:
+        with self.lock:
             if replica in self._replicas:
                 self._replicas.remove(replica)
 
     def _run(self) -> None:
         next_t = time.monotonic()
         while True:
-            with self._lock:
+            with self.lock:
                 replicas = list(self._replicas)
                 if not replicas:
                     self._thread = None
@@ -342,7 +181,7 @@ class TwinReplica:
         self._requests = list(requests)
         self._period = period if period is not None else trace_period(self._requests)
         self._loop = loop
-        self._lock = threading.RLock()  # the simulator and the stats: ticker vs API readers
+        self.lock = threading.RLock()  # the simulator and the stats: the ticker vs the API's and the scraper's reads
         self._running = False
         self._server: ControlServer | None = None
         self.error: str | None = None
@@ -354,22 +193,22 @@ class TwinReplica:
         """A fresh process: new core (settings version 1, cursor 0), simulator and counters;
         the workload resumes at simulated time ``at``."""
         self.core = ReplicaCore(self.startup_settings, replica=self.name, clock=self._time)
-        self._feed = _Feed(self._requests, self._period, self._loop)
+        self._feed = Feed(self._requests, self._period, self._loop)
         self._feed.skip_to(at)
         sim = Simulator([], self.startup_settings, self.config)
         sim.step_listener = self._on_step
         if at > 0:
             sim.advance_to(at)  # idle: just moves its clock
         self.sim = sim
-        self.stats = _Stats(self.max_model_len)
+        self.stats = TwinStats(self.max_model_len)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_TwinCollector(self))
+        self.registry.register(TwinCollector(self))
         self.error = None
 
     def start(self) -> "TwinReplica":
         """Serve and advance (again, after ``stop``: on the same port, state kept; the simulator
         catches up with the replica clock, as a replica that was unreachable but running)."""
-        with self._lock:
+        with self.lock:
             if self._running:
                 return self
             # One port serves what a vLLM replica splits over two (its API server's /metrics and the
@@ -389,7 +228,7 @@ class TwinReplica:
     def stop(self) -> None:
         """Stop serving (connections refused) and advancing; the port is kept for ``start``."""
         _ticker(self.tick_s).remove(self)
-        with self._lock:
+        with self.lock:
             self._running = False
             server, self._server = self._server, None
         if server is not None:
@@ -401,7 +240,7 @@ class TwinReplica:
         cursor and vLLM's counters restart from 0, and new arrivals come from the replica clock on."""
         self.stop()
         if fresh:
-            with self._lock:
+            with self.lock:
                 self._reset(at=max(self.clock.sim_time(), self.sim.now))
         return self.start()
 
@@ -440,7 +279,7 @@ class TwinReplica:
     def advance(self, t: float | None = None) -> int:
         """Run the simulator to simulated time ``t`` (default: the replica clock now); returns the
         simulator's loop iterations. The ticker calls this; tests may too."""
-        with self._lock:
+        with self.lock:
             if self.error is not None:
                 return 0
             sim = self.sim
@@ -487,53 +326,32 @@ class TwinReplica:
         model = self.config.step_model
         started = self.clock.epoch + now
         d0 = model.step_time(prefill, prefill_sq, decodes, context)
-        core, stats = self.core, self.stats
+        core = self.core
         core.record_step(started, d0, prefill, prefill_sq, decodes, context)
-        stats.prompt_tokens += prefill
-        iteration = stats.hists["vllm:iteration_tokens_total"]
-        iteration.observe(prefill + decodes)
+        self.stats.observe_step(prefill, decodes, k)
         if k > 1:  # a stretch of k identical decode steps: record its last step too
             j = k - 1
             ctx = context + decodes * j
             dj = model.step_time(0, 0, decodes, ctx)
             core.record_step(started + j * d0 + (dj - d0) * (j - 1) / 2.0, dj, 0, 0, decodes, ctx)
-            iteration.observe(decodes, k - 1)
 
     def _collect(self, sim: Simulator) -> None:
         """Move the simulator's new completions into the completions log and the metrics."""
         core, stats, epoch = self.core, self.stats, self.clock.epoch
         done, rejected = sim.drain()  # the log owns them now (a twin may run for days)
         if done:
-            h = stats.hists
             records = []
             for c in done:
-                arrival, sched, first, fin = c.arrival, c.scheduled_at, c.first_token_at, c.finished_at
-                n = c.output_tokens
+                arrival, n = c.arrival, c.output_tokens
                 max_tokens = self._feed.max_tokens_of(c.id)
                 records.append({
                     "id": c.id, "tenant": c.tenant, "type": c.type, "arrival": epoch + arrival,
                     "received_at": epoch + arrival,
-                    "scheduled_at": epoch + sched, "first_token_at": epoch + first, "finished_at": epoch + fin,
+                    "scheduled_at": epoch + c.scheduled_at, "first_token_at": epoch + c.first_token_at,
+                    "finished_at": epoch + c.finished_at,
                     "prompt_tokens": c.prompt_tokens, "output_tokens": n, "max_tokens": max_tokens,
                     "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})
-                stats.success["length" if max_tokens is not None and n >= max_tokens else "stop"] += 1
-                stats.finished_output_tokens += n
-                decode = fin - first
-                h["vllm:time_to_first_token_seconds"].observe(first - arrival)
-                h["vllm:e2e_request_latency_seconds"].observe(fin - arrival)
-                h["vllm:request_queue_time_seconds"].observe(sched - arrival)
-                h["vllm:request_inference_time_seconds"].observe(fin - sched)
-                h["vllm:request_prefill_time_seconds"].observe(first - sched)
-                h["vllm:request_decode_time_seconds"].observe(decode)
-                h["vllm:request_prompt_tokens"].observe(c.prompt_tokens)
-                h["vllm:request_generation_tokens"].observe(n)
-                h["vllm:request_num_preemptions"].observe(c.preemptions)
-                if max_tokens is not None:
-                    h["vllm:request_params_max_tokens"].observe(max_tokens)
-                if n > 1:
-                    gap = decode / (n - 1)
-                    h["vllm:request_time_per_output_token_seconds"].observe(gap)
-                    h["vllm:inter_token_latency_seconds"].observe(gap, n - 1)
+                stats.observe_completion(c, max_tokens)
             core.log_completions(records)
         stats.rejected += len(rejected)
         core.preemptions_total = sim.preemptions
@@ -542,22 +360,23 @@ class TwinReplica:
         core.refused_total = sim.refused
 
     # --- what the API reads -----------------------------------------------------------------
-    def _kv(self) -> dict[str, Any]:
+    def kv(self) -> dict[str, Any]:
+        """The KV cache's blocks in use, of how many, and their share."""
         total = self.config.num_gpu_blocks
         used = total - self.sim.free_blocks
         return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0,
                 "block_size": self.config.block_size}
 
     def api_state(self, cursor: int | None) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             sim = self.sim
-            state = self.core.state(cursor, self._kv(), waiting=list(sim.waiting), running=len(sim.running),
+            state = self.core.state(cursor, self.kv(), waiting=list(sim.waiting), running=len(sim.running),
                                     live=dict(sim.policy.live_state()))
         state["speed"] = self.clock.speed
         return state
 
     def api_inflight(self, limit: int) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             held = [*self.sim.waiting, *self.sim.running]
             return self.core.inflight(limit, held)
 
@@ -582,59 +401,6 @@ class TwinReplica:
 
     def api_health(self) -> bool:
         return self.error is None
-
-
-class _TwinCollector:
-    """vLLM 0.32's metric families for one twin, computed at scrape time."""
-
-    def __init__(self, twin: TwinReplica) -> None:
-        self.twin = twin
-
-    def collect(self) -> Iterator:
-        twin = self.twin
-        labels, values = ["model_name", "engine"], [twin.model_name, "0"]
-
-        def gauge(name, doc, value, extra=None):
-            fam = GaugeMetricFamily(name, doc, labels=labels + list(extra or {}))
-            fam.add_metric(values + list((extra or {}).values()), value)
-            return fam
-
-        def counter(name, doc, value):
-            fam = CounterMetricFamily(name, doc, labels=labels)
-            fam.add_metric(values, value)
-            return fam
-
-        with twin._lock:
-            sim, stats = twin.sim, twin.stats
-            running, waiting = len(sim.running), len(sim.waiting)
-            kv = twin._kv()
-            in_flight = sum(r.generated for r in sim.running) + sum(r.generated for r in sim.waiting)
-            families = [
-                gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running),
-                gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
-                gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv["usage"]),
-                counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", sim.preemptions),
-                counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
-                counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                        stats.finished_output_tokens + in_flight),
-            ]
-            by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
-                                          "Number of waiting requests by reason.", labels=labels + ["reason"])
-            by_reason.add_metric(values + ["capacity"], waiting)
-            by_reason.add_metric(values + ["deferred"], 0)
-            families.append(by_reason)
-            success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                          labels=labels + ["finished_reason"])
-            for reason, n in stats.success.items():
-                success.add_metric(values + [reason], n)
-            families.append(success)
-            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                     labels=["block_size", "num_gpu_blocks", "engine"])
-            info.add_metric([str(twin.config.block_size), str(twin.config.num_gpu_blocks), "0"], 1.0)
-            families.append(info)
-            for name, (doc, _) in HISTOGRAMS.items():
-                families.append(stats.hists[name].family(name, doc, labels, values))
-        yield from families
 
 
 # ------------------------------------------------------------------------------------- cluster

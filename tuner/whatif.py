@@ -46,7 +46,7 @@ def _figures(completions, ids: set[str], span_s: float) -> dict[str, float | Non
 
 
 def _band(store, cluster: str, replica: str) -> float | None:
-    reports = store.latest_fidelity(cluster, replica)
+    reports = store.tuner.latest_fidelity(cluster, replica)
     return reports[0]["summary"].get("band") if reports else None
 
 
@@ -58,7 +58,7 @@ def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | N
     span's last requests). Arrivals are the engine's; the store's clock is mapped onto the engine's
     by the median lag between a request finishing and the store receiving it."""
     slack_ms = int(warmup_s * 1000) + 600_000  # requests that finished well after they arrived
-    rows = store.completions(cluster, replica, stored_since_ms=since_ms - slack_ms)
+    rows = store.readings.completions(cluster, replica, stored_since_ms=since_ms - slack_ms)
     if not rows:
         return None, set(), 0.0, 0.0, []
     lag = store_lag_s(store, cluster, replica, rows)
@@ -113,7 +113,7 @@ def predict(store, cluster: str, replica: str, current: Settings, proposed: Sett
 
 def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict[str, Any] | None = None,
            step_model: str | None = None) -> dict[str, Any]:
-    """Realized vs predicted for one stored prediction (``Store.predictions``' dict); ``ready``
+    """Realized vs predicted for one stored prediction (``TunerResults.predictions``' dict); ``ready``
     False until ``minutes`` have passed since the change."""
     from tuner.calibrate import replica_engine
 

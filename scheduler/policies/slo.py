@@ -35,11 +35,11 @@ from collections import defaultdict, deque
 from operator import attrgetter
 from typing import Iterator, Sequence
 
+from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import INF, Policy, RequestState, new_epoch
 from scheduler.policies.basic import TenantBacklog
 from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.slo_latency import Latencies, TtftWindow
-from controlplane.governance import minimum_shares
 from scheduler.settings import QUANTILES
 
 RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket

@@ -13,88 +13,35 @@ One scheduling step, top to bottom (``Simulator._step``):
 Event skipping: when a step is a pure decode step that admitted and preempted nothing, the steps
 after it are identical until the next arrival, completion, KV exhaustion, policy threshold or
 tick. They are advanced as one event: decode step j of a stretch costs ``t0 + e·n·j`` (the KV
-context grows by n tokens a step), so K steps take ``K·t0 + e·n·K(K−1)/2``. ``event_skipping=False``
-runs the same code one step at a time, for checking.
+context grows by n tokens a step), so K steps take ``K·t0 + e·n·K(K−1)/2`` (``sim.engine.step``).
+``event_skipping=False`` runs the same code one step at a time, for checking.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from scheduler.metrics import Completion, summarize
+from scheduler.metrics import Completion
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.base import INF, arrival_order
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import Settings
-from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
+from sim.engine.config import EngineConfig
+from sim.engine.result import SimResult
+from sim.engine.step import StepPlan, kv_safe_steps, serve_uncontended
 from sim.traces import Trace, TraceRequest
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Replica facts that do not change live (the settings document holds the live limits)."""
-
-    # ≈ 50 GiB of KV on an A100-80GB for Llama-3-8B at 128 KiB/token (sim/stepmodel.py: 32 layers × 8 KV heads × 128 dims × 2 × 2 bytes).
-    num_gpu_blocks: int = 25_000
-    block_size: int = 16
-    step_model: StepTimeModel = field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME))
-    refit_interval_s: float = 10.0  # history predictor refit period (off the scheduling path)
-    # vLLM 0.32's scheduler_reserve_full_isl (default on): admit a request only if its whole
-    # sequence (prompt + generated) fits in the free blocks, though only its chunk is allocated.
-    reserve_full_sequence: bool = True
-
-
-@dataclass(slots=True)
-class _Step:
-    """What one step decided. Decodes (one token each, the common case) are kept apart from
-    prefill chunks so that applying the step can take a short path for them; each part is in
-    service order."""
-
-    decodes: list = field(default_factory=list)  # requests that decode one token this step
-    chunks: dict = field(default_factory=dict)  # RequestState -> prefill tokens (prompt or recompute)
-    preempted: bool = False
-    memory_preempted: bool = False
-    admitted: bool = False
-    kv_blocked: bool = False  # admission stopped because the next request could not get blocks
-    admission_blocked: bool = False  # admission stopped by seats, budget or KV
-    prefill_tokens: int = 0
-    sum_prefill_sq: int = 0
-    sum_kv_context: int = 0  # over the decodes
-
-    @property
-    def decode_seqs(self) -> int:
-        return len(self.decodes)
-
-    def serves(self) -> bool:
-        return bool(self.decodes or self.chunks)
-
-
-@dataclass
-class SimResult:
-    settings: Settings
-    completions: list[Completion]
-    rejected: list[str]
-    steps: int
-    iterations: int  # loop iterations: steps, or stretches of steps when event skipping
-    sim_time_s: float
-    wall_s: float
-    preemptions: int
-    policy_preemptions: int
-    recomputed_tokens: int
-    gamma_timeline: list[tuple[float, float]]
-
-    def metrics(self) -> dict[str, float]:
-        m = summarize(self.completions)
-        m["policy_preemptions"] = float(self.policy_preemptions)
-        m["rejected"] = float(len(self.rejected))
-        return m
-
-
 class Simulator:
+    """One replica replaying ``trace`` under ``settings`` on ``config``'s hardware.
+
+    ``run()`` replays the whole trace; ``advance_to``, ``apply_settings``, ``recover``,
+    ``extend_arrivals`` and ``drain`` drive it live (the twin replicas). ``event_skipping=False``
+    runs one step per loop iteration; ``check_invariants`` checks the KV books after every one.
+    """
+
     _running_sorted: bool  # set at the top of every _schedule (annotation only)
 
     def __init__(self, trace: Trace | Sequence[TraceRequest], settings: Settings,
@@ -350,47 +297,26 @@ class Simulator:
             self._preempt(victim, by_policy=True)
         return bool(victims)
 
-    def _serve_running_uncontended(self, step: _Step) -> int | None:
-        """Give every running request its tokens and blocks, in any order, or return None
-        (touching nothing) if the budget or the free blocks do not cover them all."""
-        eng, bs, blocks = self.settings.engine, self.config.block_size, self.blocks
-        free, lpt = self.free_blocks, eng.long_prefill_token_threshold
-        decodes: list = []
-        chunks: dict = {}
-        grown: list = []
-        sum_ctx = prefill = prefill_sq = 0
-        for req in self.running:
-            c, g = req.computed_tokens, req.generated
-            n = req.prompt_tokens + g - c
-            if n == 1 and g:  # a decode: one token, which needs a new block every bs tokens
-                decodes.append(req)
-                sum_ctx += c + 1
-                if c % bs:  # fits in the blocks it holds
-                    continue
-            else:  # a prefill chunk (the prompt, or a recompute)
-                if 0 < lpt < n:
-                    n = lpt
-                chunks[req] = n
-                prefill += n
-                prefill_sq += n * n
-                if (c + n - 1) // bs < (c + bs - 1) // bs:  # fits in the blocks it holds
-                    continue
-            held = blocks.get(req.id, 0)
-            need = -(-(c + n) // bs) - held
-            free -= need
-            grown.append((req.id, held + need))
-        # Budget and free blocks only shrink above, so checking them once at the end is enough.
-        budget = eng.max_num_batched_tokens - len(decodes) - prefill
-        if budget < 0 or free < 0:
-            return None
-        for rid, held in grown:
-            blocks[rid] = held
-        self.free_blocks = free
-        step.decodes, step.chunks, step.sum_kv_context = decodes, chunks, sum_ctx
-        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
-        return budget
+    def _budget_order(self) -> list[RequestState]:
+        """The order the token budget goes in: the running list itself, or under ``decode_first``
+        a copy with the decodes (in running order) before the prefill chunks (in running order)."""
+        policy, running = self.policy, self.running
+        if not policy.decode_first or policy.running_order_is_budget_order:
+            return running
+        # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
+        chunked = [r for r in running if not (r.generated and r.computed_tokens ==
+                                              r.prompt_tokens + r.generated - 1)]
+        if not 0 < len(chunked) < len(running):
+            return running  # all decodes, or none: the running order is the budget order
+        if len(chunked) == 1:
+            first = chunked[0]
+            order = [r for r in running if r is not first]
+        else:
+            chunked_set = set(chunked)  # RequestState hashes by identity
+            order = [r for r in running if r not in chunked_set]
+        return order + chunked
 
-    def _serve_running(self, step: _Step) -> int:
+    def _serve_running(self, step: StepPlan) -> int:
         """Serve the running requests in running order, preempting on KV shortage (docs/engine.md#budget-order).
 
         Under ``decode_first`` the budget goes to decodes before prefill chunks (each group in
@@ -400,20 +326,7 @@ class Simulator:
         bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
         decodes, chunks = step.decodes, step.chunks
         sum_ctx = prefill = prefill_sq = 0
-        order = running
-        if policy.decode_first and not policy.running_order_is_budget_order:
-            # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
-            chunked = [r for r in running if not (r.generated and r.computed_tokens ==
-                                                  r.prompt_tokens + r.generated - 1)]
-            if 0 < len(chunked) < len(running):
-                if len(chunked) == 1:
-                    first = chunked[0]
-                    order = [r for r in running if r is not first]
-                else:
-                    chunked_set = set(chunked)  # RequestState hashes by identity
-                    order = [r for r in running if r not in chunked_set]
-                order += chunked
-            # else all decodes, or none: the running order is the budget order
+        order = self._budget_order()  # the running list itself, or a reordered copy of it
         i, end = 0, len(order)  # only the preemptions below shrink it
         while i < end and budget > 0:
             req = order[i]
@@ -481,17 +394,20 @@ class Simulator:
             self._settled = len(self.running)
             self._running_sorted = True
 
-    def _schedule(self, now: float) -> _Step:
+    def _schedule(self, now: float) -> StepPlan:
         policy, eng = self.policy, self.settings.engine
         self._running_sorted = not policy.reorders_running
-        step = _Step()
+        step = StepPlan()
         step.preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
         # (Under sustained contention skip the attempt: it would fail again.)
         budget = None
         if not self._running_sorted and not self._was_contended:
-            budget = self._serve_running_uncontended(step)
+            served = serve_uncontended(step, self.running, self.blocks, self.free_blocks, self.config.block_size,
+                                       eng.max_num_batched_tokens, eng.long_prefill_token_threshold)
+            if served is not None:
+                budget, self.free_blocks = served
         if budget is None:
             self._sort_running(now)
             budget = self._serve_running(step)
@@ -534,7 +450,7 @@ class Simulator:
         return step
 
     # --- event skipping -------------------------------------------------------------------
-    def _steady_steps(self, step: _Step, now: float) -> int:
+    def _steady_steps(self, step: StepPlan, now: float) -> int:
         """How many identical steps, starting with this one, can run as one event."""
         running = self.running
         if (step.preempted or step.admitted or step.prefill_tokens or not running
@@ -549,7 +465,7 @@ class Simulator:
         k: float = min(r.output_tokens - r.generated for r in running)  # type: ignore[operator]  # always set here
         if k <= 1:
             return 1
-        k = min(k, self._kv_safe_steps())
+        k = min(k, kv_safe_steps(self.running, self.free_blocks, self.config.block_size))
         waiting = self.waiting.ordered(now)
         k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked))
         t_event = min(self.policy.next_tick(), self._horizon)
@@ -560,98 +476,16 @@ class Simulator:
         if self.waiting:
             t_event = min(t_event, self.policy.next_time_event(waiting, now))
         if t_event < INF and k > 1:
-            k = min(k, self._steps_until(t_event, step))
+            k = min(k, step.steps_until(self.config.step_model, self.now, t_event))
         return max(1, int(k))
 
-    def _kv_safe_steps(self) -> int:
-        """Steps (counting the first, already allocated) before some decode needs a missing block."""
-        bs = self.config.block_size
-        # Step j ≥ 1 of the stretch computes token index c+j; it needs a new block iff (c+j) % bs == 0.
-        firsts = sorted(((-(r.computed_tokens)) % bs) or bs for r in self.running)
-        rounds, rem = divmod(self.free_blocks, len(firsts))
-        return rounds * bs + firsts[rem]
-
-    def _step_time(self, step: _Step) -> float:
-        return self.config.step_model.step_time(step.prefill_tokens, step.sum_prefill_sq,
-                                                step.decode_seqs, step.sum_kv_context)
-
-    def _stretch_time(self, step: _Step, k: int) -> float:
-        t0 = self._step_time(step)
-        if k == 1:
-            return t0
-        return k * t0 + self.config.step_model.e * step.decode_seqs * k * (k - 1) / 2.0
-
-    def _steps_until(self, t_event: float, step: _Step) -> int:
-        """Smallest k ≥ 1 such that the step after k steps starts at or after ``t_event``."""
-        remaining = t_event - self.now
-        if remaining <= 0:
-            return 1
-        t0, g = self._step_time(step), self.config.step_model.e * step.decode_seqs
-        # Solve k·t0 + g·k(k−1)/2 = remaining for k, then fix up rounding by direct evaluation.
-        if g > 0:
-            b = t0 - g / 2.0
-            k = math.ceil((-b + math.sqrt(b * b + 2.0 * g * remaining)) / g)
-        else:
-            k = math.ceil(remaining / t0)
-        k = max(1, k)
-        while k > 1 and self.now + self._stretch_time(step, k - 1) >= t_event:
-            k -= 1
-        while self.now + self._stretch_time(step, k) < t_event:
-            k += 1
-        return k
 
     # --- applying steps ---------------------------------------------------------------------
-    def _advance(self, step: _Step, k: int) -> None:
-        self.now += self._stretch_time(step, k)
+    def _advance(self, step: StepPlan, k: int) -> None:
+        self.now += step.stretch_time(self.config.step_model, k)
         self.steps += k
-        now, policy = self.now, self.policy
-        finished: list[RequestState] = []
-        charges = policy.charges_tokens
-        # The hot loops: locals instead of repeated attribute reads. Decodes go before prefill
-        # chunks, not in service order; that changes nothing: each update touches its own request,
-        # VTC charges the same amount for every token of a tenant, and completions are sorted below.
-        if k == 1:
-            for req in step.decodes:
-                c = req.computed_tokens + 1
-                g = req.generated + 1
-                req.computed_tokens, req.generated = c, g
-                if charges:
-                    policy.on_tokens(req, 1)
-                req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
-                if g >= req.output_tokens:  # the true length (the engine knows it, policies do not)
-                    finished.append(req)
-            for req, n in step.chunks.items():
-                c = req.computed_tokens + n
-                req.computed_tokens = c
-                p, g = req.prompt_tokens, req.generated
-                if c == p + g:  # prefill complete: sample a token
-                    g += 1
-                    req.generated = g
-                    if charges:
-                        policy.on_tokens(req, 1)
-                    if req.first_token_at is None:
-                        req.first_token_at = now
-                done = (c if c < p else p) + g
-                if done > req.attained:  # RequestState.note_progress, inlined
-                    req.attained = done
-                if g >= req.output_tokens:
-                    finished.append(req)
-        else:  # a stretch of k pure decode steps: one token and maybe one block each
-            bs, blocks = self.config.block_size, self.blocks
-            for req in step.decodes:
-                c = req.computed_tokens + k
-                g = req.generated + k
-                req.computed_tokens, req.generated = c, g
-                if charges:
-                    policy.on_tokens(req, k)
-                held = blocks[req.id]
-                need = -(-c // bs) - held
-                if need > 0:
-                    self.free_blocks -= need
-                    blocks[req.id] = held + need
-                req.attained = c + 1
-                if g >= req.output_tokens:
-                    finished.append(req)
+        policy = self.policy
+        finished = self._apply_step(step) if k == 1 else self._apply_stretch(step, k)
         if policy.counts_steps:
             scheduled = step.decodes + list(step.chunks)
             served = set(scheduled)
@@ -661,6 +495,64 @@ class Simulator:
         finished.sort(key=arrival_order)
         for req in finished:
             self._finish(req)
+
+    # The hot loops of _advance: locals instead of repeated attribute reads. Decodes go before
+    # prefill chunks, not in service order; that changes nothing: each update touches its own
+    # request, VTC charges the same amount for every token of a tenant, and _advance sorts the
+    # completions.
+    def _apply_step(self, step: StepPlan) -> list[RequestState]:
+        """Give one step's tokens (the clock already moved to its end); return the requests it finished."""
+        now, policy = self.now, self.policy
+        finished: list[RequestState] = []
+        charges = policy.charges_tokens
+        for req in step.decodes:
+            c = req.computed_tokens + 1
+            g = req.generated + 1
+            req.computed_tokens, req.generated = c, g
+            if charges:
+                policy.on_tokens(req, 1)
+            req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
+            if g >= req.output_tokens:  # the true length (the engine knows it, policies do not)
+                finished.append(req)
+        for req, n in step.chunks.items():
+            c = req.computed_tokens + n
+            req.computed_tokens = c
+            p, g = req.prompt_tokens, req.generated
+            if c == p + g:  # prefill complete: sample a token
+                g += 1
+                req.generated = g
+                if charges:
+                    policy.on_tokens(req, 1)
+                if req.first_token_at is None:
+                    req.first_token_at = now
+            done = (c if c < p else p) + g
+            if done > req.attained:  # RequestState.note_progress, inlined
+                req.attained = done
+            if g >= req.output_tokens:
+                finished.append(req)
+        return finished
+
+    def _apply_stretch(self, step: StepPlan, k: int) -> list[RequestState]:
+        """Give a stretch of ``k`` pure decode steps their tokens (one each a step) and the blocks
+        those fill; return the requests it finished."""
+        policy, bs, blocks = self.policy, self.config.block_size, self.blocks
+        finished: list[RequestState] = []
+        charges = policy.charges_tokens
+        for req in step.decodes:
+            c = req.computed_tokens + k
+            g = req.generated + k
+            req.computed_tokens, req.generated = c, g
+            if charges:
+                policy.on_tokens(req, k)
+            held = blocks[req.id]
+            need = -(-c // bs) - held
+            if need > 0:
+                self.free_blocks -= need
+                blocks[req.id] = held + need
+            req.attained = c + 1
+            if g >= req.output_tokens:
+                finished.append(req)
+        return finished
 
     def _finish(self, req: RequestState) -> None:
         now = self.now

@@ -1,0 +1,435 @@
+"""Running a study (docs/engine.md#tuner): the objective, the samplers and their streams, the
+worker loop, and :func:`tune`, which runs one worker in this process or several local worker
+processes. What a study is — windows, trial 0, the definition kept in the study — is
+``tuner/study.py``'s docstring.
+
+* **Samplers.** One objective: TPE (multivariate, grouped for the conditional policy choice,
+  constant liar for parallel workers) with the WilcoxonPruner over windows; a pruned trial
+  returns the mean of the windows it ran (Optuna's documented workaround) and is marked
+  ``pruned_after``. Several objectives: NSGA-II. Constraints go through ``trial.set_constraint``
+  (Optuna ≥ 5), which both samplers read.
+* **Many workers.** Each worker (a local process of ``--workers``, or a ``tailpilot tune`` on
+  another machine using the same ``--storage``) runs ``study.optimize`` one trial at a time on
+  the same storage (RDB, or a journal file) until the study holds ``n_trials`` COMPLETE trials. Before a trial the
+  worker checks the counts (and waits while the remaining slots are all taken by running trials),
+  and a trial that finds ``n_trials`` earlier complete-or-running trials ends as FAIL (user attr
+  ``excess``) without running, so the number of complete trials is exactly ``n_trials``.
+  Heartbeats fail the trials of crashed workers (RDB); on a journal, which has none, a worker
+  fails the running trials of dead workers of its own host.
+* **Sampler streams.** A worker seeds its sampler with ``seed`` (+ 1,000,003 × its local worker
+  index) + the number of finished trials, and keeps that stream while its trials are numbered
+  one after another from where the study stood when it started (nothing running then): a worker
+  alone. Two workers that started at the same moment saw the same count and drew identical
+  suggestions (issue 23: 9 distinct parameter sets in 14 trials); so as soon as a worker's trial
+  number shows another process in the study (or one was running when it started), every further
+  trial of it draws from ``trial_seed(seed, trial number)``. The storage hands out trial numbers
+  once, so no two trials share a stream, on any backend, without any coordination.
+* **Determinism.** The simulator is deterministic, so one worker with the same seed gives the
+  same trials and the same best trial (the same as before per-trial streams existed). A resumed
+  worker starts a fresh stream (``seed`` plus the finished count), still reproducible.
+* **Ctrl-C.** The running trial of each worker is marked FAIL and the study keeps its complete
+  trials; the same call resumes it. ``tune`` reports the interruption once: the warnings (one
+  with a traceback) Optuna logs for a trial a KeyboardInterrupt stopped are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from scheduler.validation import finite_or_none
+from tuner.optuna_storage import open_storage, quiet_optuna, redact
+from tuner.results import best_summary
+from tuner.spec import StudySpec, TuneError
+from tuner.study import (
+    OWNER_ATTR,
+    PRODUCTION,
+    ROLE_ATTR,
+    TRIAL_ATTR,
+    TuneContext,
+    load_context,
+    load_study,
+    prepare,
+    setup_lock,
+)
+
+# Where Optuna logs "Trial N failed ..." (optuna/study/_optimize.py's logger).
+OPTUNA_TRIAL_LOG = "optuna.study._optimize"
+
+
+class ExcessTrial(Exception):
+    """This trial would exceed the requested number of complete trials (another worker took the slot)."""
+
+
+def make_sampler(ctx: TuneContext, seed: int):
+    """The study's sampler seeded ``seed``: TPE for one objective, NSGA-II for several."""
+    import optuna
+
+    if ctx.spec.multi_objective:
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=ctx.spec.population_size)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler seed of trial ``number`` in a study seeded ``seed`` (32 bits of a hash: studies
+    with neighbouring seeds do not share streams shifted by one trial)."""
+    digest = hashlib.sha256(f"tailpilot-sampler:{seed}:{number}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def stream_sampler(ctx: TuneContext, seed: int, process_seed: int, expected: int | None):
+    """A worker's sampler (module docstring, "Sampler streams"): ``make_sampler(ctx,
+    process_seed)`` while its trials are numbered ``expected``, ``expected + 1``, …; from the first
+    trial that is not (or from the start when ``expected`` is None), before each trial
+    ``make_sampler(ctx, trial_seed(seed, number))``. Optuna's samplers keep nothing between
+    trials that the storage does not hold, so a fresh one per trial samples as a long-lived one."""
+    return _stream_sampler_class()(functools.partial(make_sampler, ctx), seed, process_seed, expected)
+
+
+@functools.cache
+def _stream_sampler_class():
+    import optuna
+
+    class StreamSampler(optuna.samplers.BaseSampler):
+        """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
+        one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
+
+        def __init__(self, factory: Callable[[int], Any], seed: int, process_seed: int,
+                     expected: int | None) -> None:
+            self.factory, self.seed, self.expected = factory, seed, expected
+            self.inner = factory(process_seed)
+
+        def before_trial(self, study, trial) -> None:
+            if self.expected is not None and trial.number == self.expected:
+                self.expected += 1  # still alone: today's stream, reproducible
+            else:
+                self.expected = None  # another process took a number: never share a stream
+                self.inner = self.factory(trial_seed(self.seed, trial.number))
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values) -> None:
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            self.inner.reseed_rng()
+
+    return StreamSampler
+
+
+def make_pruner(ctx: TuneContext):
+    import optuna
+
+    if ctx.spec.multi_objective or not ctx.spec.pruner:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2)
+
+
+class Objective:
+    """``study.optimize``'s objective for one process (windows built once, in ``ctx``)."""
+
+    def __init__(self, ctx: TuneContext, n_trials: int) -> None:
+        self.ctx = ctx
+        self.n_trials = n_trials
+        self.check_rank = False  # set by the worker loop near the end of the study
+        self.interrupted: int | None = None  # the trial a KeyboardInterrupt stopped
+
+    def __call__(self, trial) -> float | list[float]:
+        try:
+            return self._evaluate(trial)
+        except KeyboardInterrupt:
+            self.interrupted = trial.number
+            raise
+
+    def quiet_interrupted(self, record: logging.LogRecord) -> bool:
+        """A logging filter: drop Optuna's "Trial N failed ..." warnings of the interrupted trial
+        (``tune`` reports the interruption; each worker would print a traceback)."""
+        return self.interrupted is None or not record.getMessage().startswith(f"Trial {self.interrupted} failed")
+
+    def _evaluate(self, trial) -> float | list[float]:
+        ctx = self.ctx
+        trial.set_user_attr(OWNER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
+        production = trial.user_attrs.get(ROLE_ATTR) == PRODUCTION
+        self._refuse_excess(trial, production)
+        if production:
+            ctx.space.suggest(trial)  # record the production values as this trial's params
+            settings = ctx.space.production_settings
+        else:
+            settings = ctx.space.suggest(trial)
+        single = not ctx.spec.multi_objective
+        obj_name = ctx.objectives[0][0]
+        per_window: dict[int, dict[str, float]] = {}
+        pruned_after = None
+        for i in ctx.search:
+            m = ctx.baseline[i] if production else ctx.run(settings, i)
+            per_window[i] = m
+            if single:
+                v = m[obj_name]
+                if math.isfinite(v):
+                    trial.report(v, i)
+                    if not production and len(per_window) < len(ctx.search) and trial.should_prune():
+                        pruned_after = len(per_window)
+                        break
+        for key, value in ctx.constraint_values(per_window).items():
+            trial.set_constraint(key, value)
+        run = list(per_window)
+        trial.set_user_attr(TRIAL_ATTR, {
+            "settings": settings.to_dict(),
+            "windows": run,
+            "metrics": {n: [finite_or_none(per_window[i][n]) for i in run] for n in ctx.tracked},
+            "pruned_after": pruned_after,
+        })
+        values = ctx.objective_values(per_window)
+        return values[0] if single else values
+
+    def _refuse_excess(self, trial, production: bool) -> None:
+        """ExcessTrial when the study already holds ``n_trials`` earlier complete-or-running trials
+        (checked near the end only), or when this is a second production trial."""
+        from optuna.trial import TrialState
+
+        if self.check_rank:
+            earlier = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+                       if t.number < trial.number]
+            if len(earlier) >= self.n_trials:
+                trial.set_user_attr("excess", True)
+                raise ExcessTrial(f"trial {trial.number}: {self.n_trials} trials already complete or running")
+        if production and any(t.number < trial.number and t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+                              for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))):
+            trial.set_user_attr("excess", True)
+            raise ExcessTrial(f"trial {trial.number}: a production trial already ran")
+
+
+def _counts(study) -> tuple[int, int]:
+    from optuna.trial import TrialState
+
+    complete = running = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)):
+        if t.state == TrialState.COMPLETE:
+            complete += 1
+        else:
+            running += 1
+    return complete, running
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def fail_dead_local_trials(study) -> list[int]:
+    """Mark FAIL the RUNNING trials whose worker ran on this host and has exited (what heartbeats
+    do on an RDB storage; a journal has none). Trials of other hosts are left alone: their
+    liveness cannot be seen from here. Returns the failed trials' numbers."""
+    from optuna.trial import TrialState
+
+    host, failed = socket.gethostname(), []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner_host, _, pid = str(t.user_attrs.get(OWNER_ATTR, "")).rpartition(":")
+        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            try:
+                study.tell(t.number, state=TrialState.FAIL)
+            except (RuntimeError, ValueError):  # finished meanwhile (another worker got there first)
+                continue
+            failed.append(t.number)
+    return failed
+
+
+def _finished(study) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+
+
+def _run_waiting_production(storage, name: str, study, objective: Objective) -> int:
+    """Pop and run the waiting production trial, if any, under the setup lock (it takes no time:
+    its metrics are the baseline), so no two workers pop it. Returns the trials run (0 or 1)."""
+    from optuna.trial import TrialState
+
+    with setup_lock(storage, name):
+        if not any(t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+            return 0
+        study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
+        return 1
+
+
+def run_worker(storage, name: str, ctx: TuneContext, n_trials: int, *, worker: int = 0,
+               progress: Callable[[int, int], None] | None = None, poll_s: float = 0.5,
+               should_stop: Callable[[], bool] | None = None) -> int:
+    """Run trials of study ``name`` until it has ``n_trials`` complete ones (or ``should_stop()``);
+    returns how many this worker ran. KeyboardInterrupt propagates (the running trial is marked
+    FAIL, without Optuna's warnings about it). ``worker``: the index of a local worker process
+    (its stream's offset)."""
+    quiet_optuna()
+    study = load_study(storage, name, sampler=_worker_sampler(storage, name, ctx, worker), pruner=make_pruner(ctx))
+    objective = Objective(ctx, n_trials)
+    trial_log, quiet = logging.getLogger(OPTUNA_TRIAL_LOG), objective.quiet_interrupted
+    trial_log.addFilter(quiet)
+    try:
+        done = _run_waiting_production(storage, name, study, objective)
+        while True:
+            complete, running = _counts(study)
+            if progress:
+                progress(complete, n_trials)
+            if complete >= n_trials or (should_stop is not None and should_stop()):
+                return done
+            remaining = n_trials - complete - running
+            if remaining <= 0:
+                _fail_dead_trials(storage, study)
+                time.sleep(poll_s)
+                continue
+            objective.check_rank = remaining <= 2 * (running + 1) + 2
+            study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
+            done += 1
+    finally:
+        trial_log.removeFilter(quiet)
+
+
+def _worker_sampler(storage, name: str, ctx: TuneContext, worker: int):
+    """This worker's sampler (module docstring, "Sampler streams"), from where the study stands
+    now (a journal's dead local workers' trials failed first)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    probe = load_study(storage, name)
+    if isinstance(storage, optuna.storages.JournalStorage):
+        fail_dead_local_trials(probe)
+    trials = probe.get_trials(deepcopy=False)
+    waiting = [t.number for t in trials if t.state == TrialState.WAITING]
+    alone = not any(t.state == TrialState.RUNNING for t in trials)
+    expected = (min(waiting) if waiting else len(trials)) if alone else None
+    process_seed = ctx.spec.seed + 1_000_003 * worker + _finished(probe)
+    return stream_sampler(ctx, ctx.spec.seed, process_seed, expected)
+
+
+def _fail_dead_trials(storage, study) -> None:
+    """Fail the trials of dead workers: stale heartbeats (RDB), or dead local processes (a journal
+    has no heartbeats)."""
+    import optuna
+
+    if isinstance(storage, optuna.storages.JournalStorage):
+        fail_dead_local_trials(study)
+    else:
+        optuna.storages.fail_stale_trials(study)
+
+
+def _worker_entry(url: str, name: str, n_trials: int, worker: int, parent: int) -> None:
+    """A spawned worker process: rebuild the context from the stored definition and optimize;
+    stop after the current trial if the parent process is gone. Ctrl-C (or the parent's SIGINT)
+    ends it with status 130 and nothing printed, also when the interrupt surfaces as another
+    exception (it can land inside Optuna's bookkeeping of a trial): the parent reports it."""
+    interrupted = []
+
+    def on_sigint(signum, frame) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        storage = open_storage(url)
+        _, ctx = load_context(storage, name, enqueue=True)
+        run_worker(storage, name, ctx, n_trials, worker=worker, should_stop=lambda: os.getppid() != parent)
+    except BaseException:
+        if interrupted:
+            os._exit(130)
+        raise
+
+
+@dataclass
+class TuneOutcome:
+    study: str
+    storage: str
+    complete: int
+    requested: int
+    interrupted: bool
+    best: dict[str, Any] | None
+
+
+def tune(url: str, name: str, n_trials: int, *, spec: StudySpec | None = None,
+         given: Mapping[str, Any] | None = None, workers: int = 1,
+         progress: Callable[[int, int], None] | None = None,
+         log: Callable[[str], None] | None = None) -> TuneOutcome:
+    """Create or resume study ``name`` at storage ``url`` and run it to ``n_trials`` complete trials.
+
+    ``workers > 1`` spawns that many local processes on the same storage (use a server database
+    for many workers; SQLite serialises writers). Ctrl-C stops cleanly: the study keeps its
+    complete trials and the same call resumes it.
+    """
+    if n_trials < 1:
+        raise TuneError(f"--trials {n_trials}: must be >= 1")
+    if workers < 1:
+        raise TuneError(f"--workers {workers}: must be >= 1")
+    log = log or (lambda _m: None)
+    storage = open_storage(url)
+    ctx = prepare(storage, name, spec, given, log)
+    log(f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on {len(ctx.search)} "
+        f"{ctx.search}, held out {ctx.holdout}")
+    interrupted = False
+    try:
+        if workers == 1:
+            run_worker(storage, name, ctx, n_trials, progress=progress)
+        else:
+            _run_processes(url, name, n_trials, workers, storage, progress)
+    except KeyboardInterrupt:
+        interrupted = True
+    study = load_study(storage, name)
+    complete, _ = _counts(study)
+    return TuneOutcome(name, redact(url), complete, n_trials, interrupted, best_summary(study, ctx))
+
+
+def _run_processes(url: str, name: str, n_trials: int, workers: int, storage, progress) -> None:
+    mp = multiprocessing.get_context("spawn")
+    procs = [mp.Process(target=_worker_entry, args=(url, name, n_trials, k, os.getpid()), name=f"tailpilot-tune-{k}")
+             for k in range(workers)]
+    for p in procs:
+        p.start()
+    study = load_study(storage, name)
+    try:
+        while any(p.is_alive() for p in procs):
+            if progress:
+                progress(_counts(study)[0], n_trials)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reaches the workers too; forward it to any that did not get it.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            time.sleep(0.1)
+        for p in procs:
+            if p.is_alive():
+                assert p.pid is not None  # a started process has one
+                os.kill(p.pid, signal.SIGINT)
+        for p in procs:
+            p.join(timeout=15)
+            if p.is_alive():
+                p.terminate()
+        raise
+    failed = [p for p in procs if p.exitcode not in (0, 130, -signal.SIGINT)]
+    if progress:
+        progress(_counts(study)[0], n_trials)
+    if failed:
+        raise TuneError(f"{len(failed)} worker process(es) failed (exit codes "
+                        f"{', '.join(str(p.exitcode) for p in failed)})")
+
+
