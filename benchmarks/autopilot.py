@@ -56,7 +56,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload  # noqa: E402
-from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, build_workload, ratio  # noqa: E402
+from benchmarks.seed_claims import KNEE, build_workload, ratio  # noqa: E402
+from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS
 from scheduler.metrics import summarize  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
@@ -65,9 +66,14 @@ from storage.strict_json import finite  # noqa: E402
 
 WORKLOADS = (*SEED_WORKLOADS, *NEW_WORKLOADS)
 DEFAULT_TRACES = REPO / "traces"
-DEFAULT_GRID = tuple(m * 10.0 ** e for e in range(-3, 1) for m in (1, 2, 5)) + (10.0,)
+DEFAULT_GRID = tuple(m * 10.0**e for e in range(-3, 1) for m in (1, 2, 5)) + (10.0,)
 METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "throughput_tok_s")
-LABELS = {"ttft_p95": "P95 TTFT", "ttft_p99": "P99 TTFT", "ttlt_p99": "P99 TTLT", "throughput_tok_s": "throughput"}
+LABELS = {
+    "ttft_p95": "P95 TTFT",
+    "ttft_p99": "P99 TTFT",
+    "ttlt_p99": "P99 TTLT",
+    "throughput_tok_s": "throughput",
+}
 SCOPES = ("all", "second")
 TTLT_SLACK = 1.02  # P99 TTLT at most this times sarathi's
 THROUGHPUT_FLOOR = 0.99  # throughput at least this times sarathi's
@@ -111,7 +117,10 @@ def half_time(trace: traces.Trace) -> float:
 def score(completions: list, t_half: float) -> dict[str, dict[str, float]]:
     """The table's metrics over every completion and over those that arrived at or after ``t_half``."""
     out = {}
-    for scope, done in (("all", completions), ("second", [c for c in completions if c.arrival >= t_half])):
+    for scope, done in (
+        ("all", completions),
+        ("second", [c for c in completions if c.arrival >= t_half]),
+    ):
         m = summarize(done)
         out[scope] = {k: float(m[k]) for k in (*METRICS, "requests")}
     return out
@@ -134,8 +143,12 @@ def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
 def best_fixed(grid: dict[float, dict[str, float]], sarathi: dict[str, float]) -> float | None:
     """The hindsight γ: lowest P95 TTFT among the γ whose P99 TTLT ≤ 1.02× and throughput ≥ 0.99×
     sarathi's (ties: the smaller γ); None when no γ keeps both."""
-    feasible = [g for g, m in grid.items() if m["ttlt_p99"] <= TTLT_SLACK * sarathi["ttlt_p99"]
-                and m["throughput_tok_s"] >= THROUGHPUT_FLOOR * sarathi["throughput_tok_s"]]
+    feasible = [
+        g
+        for g, m in grid.items()
+        if m["ttlt_p99"] <= TTLT_SLACK * sarathi["ttlt_p99"]
+        and m["throughput_tok_s"] >= THROUGHPUT_FLOOR * sarathi["throughput_tok_s"]
+    ]
     return min(feasible, key=lambda g: (grid[g]["ttft_p95"], g)) if feasible else None
 
 
@@ -154,25 +167,43 @@ def write_vidur(trace: traces.Trace, path: Path) -> None:
     """``trace`` as a vidur CSV (the tuner reads files): arrival, lengths, cap, tenant, type."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["arrived_at", "num_prefill_tokens", "num_decode_tokens", "max_tokens", "tenant", "type"])
+        w.writerow(
+            [
+                "arrived_at",
+                "num_prefill_tokens",
+                "num_decode_tokens",
+                "max_tokens",
+                "tenant",
+                "type",
+            ]
+        )
         for r in trace:
-            w.writerow([repr(r.arrival), r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type])
+            w.writerow(
+                [repr(r.arrival), r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type]
+            )
 
 
 def tune_first_half(trace: traces.Trace, trials: int, seed: int) -> tuple[Settings, dict[str, Any]]:
     """``tailpilot tune`` + ``recommend`` on the requests arriving before the midpoint; the
     recommended settings and what the study did."""
-    from tuner.recommend import recommend
     from tuner.optimize import tune
     from tuner.optuna_storage import open_storage, storage_url
+    from tuner.recommend import recommend
     from tuner.spec import StudySpec, TuneError
 
-    first = traces.Trace(trace.name + "|first-half", tuple(r for r in trace if r.arrival < half_time(trace)))
+    first = traces.Trace(
+        trace.name + "|first-half", tuple(r for r in trace if r.arrival < half_time(trace))
+    )
     with tempfile.TemporaryDirectory(prefix="autopilot-bench-") as tmp:
         path = Path(tmp) / "first_half.csv"
         write_vidur(first, path)
-        spec = StudySpec(policies=["uniboost"], objectives=["ttft_p95"], constraints=list(TUNE_CONSTRAINTS),
-                         traces=[str(path)], seed=seed)
+        spec = StudySpec(
+            policies=["uniboost"],
+            objectives=["ttft_p95"],
+            constraints=list(TUNE_CONSTRAINTS),
+            traces=[str(path)],
+            seed=seed,
+        )
         url = storage_url(str(Path(tmp) / "optuna.db"))
         started = time.perf_counter()
         outcome = tune(url, "autopilot-bench", trials, spec=spec)
@@ -183,8 +214,12 @@ def tune_first_half(trace: traces.Trace, trials: int, seed: int) -> tuple[Settin
         except TuneError as err:  # no feasible trial: production (sarathi) stays
             info.update(note=str(err), recommend_s=time.perf_counter() - started - tune_s)
             return Settings(), info
-        info.update(trial=summary["trial"], is_production=summary["is_production"],
-                    gamma_hat=summary["gamma_hat"], recommend_s=time.perf_counter() - started - tune_s)
+        info.update(
+            trial=summary["trial"],
+            is_production=summary["is_production"],
+            gamma_hat=summary["gamma_hat"],
+            recommend_s=time.perf_counter() - started - tune_s,
+        )
         return Settings.model_validate(summary["settings"]), info
 
 
@@ -199,12 +234,19 @@ def run_job(job: Job) -> JobResult:
         try:
             result, decisions = replay_with_autopilot(trace)
         except Exception as err:  # a broken controller is reported in its column, not fatal
-            return JobResult(job.workload, job.column, {}, time.perf_counter() - started,
-                             {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+            return JobResult(
+                job.workload,
+                job.column,
+                {},
+                time.perf_counter() - started,
+                {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"},
+            )
         extra["replay_cpu_s"] = time.process_time() - cpu0
         extra["decisions"] = len(decisions)
         # Reported only when every decision carries the field (the controller's API may change).
-        cpu = [float(c) for d in decisions if isinstance(c := getattr(d, "cpu_s", None), int | float)]
+        cpu = [
+            float(c) for d in decisions if isinstance(c := getattr(d, "cpu_s", None), int | float)
+        ]
         if decisions and len(cpu) == len(decisions):
             extra["cpu_s"] = cpu
         choices = [c for d in decisions if isinstance(c := getattr(d, "choice", None), str)]
@@ -218,10 +260,18 @@ def run_job(job: Job) -> JobResult:
             extra["settings"] = settings.to_dict()
         assert settings is not None  # every other column names its settings
         result = simulate(trace, settings)
-    if job.column != "autopilot":  # the timeline holds γ-Ada's ticks only: the controller's γ is in its choices
+    if (
+        job.column != "autopilot"
+    ):  # the timeline holds γ-Ada's ticks only: the controller's γ is in its choices
         extra["median_gamma"] = median_gamma(result.gamma_timeline, result.sim_time_s)
     extra["rejected"] = len(result.rejected)
-    return JobResult(job.workload, job.column, score(result.completions, t_half), time.perf_counter() - started, extra)
+    return JobResult(
+        job.workload,
+        job.column,
+        score(result.completions, t_half),
+        time.perf_counter() - started,
+        extra,
+    )
 
 
 def fixed(gamma: float) -> dict[str, Any]:
@@ -232,8 +282,16 @@ def gamma_of(column: str) -> float:
     return float(column.removeprefix("g="))
 
 
-def jobs_for(workload: str, trace: traces.Trace, grid: tuple[float, ...], *, tuned: bool, autopilot: bool,
-             trials: int, seed: int) -> list[Job]:
+def jobs_for(
+    workload: str,
+    trace: traces.Trace,
+    grid: tuple[float, ...],
+    *,
+    tuned: bool,
+    autopilot: bool,
+    trials: int,
+    seed: int,
+) -> list[Job]:
     """A workload's replays, slowest first (the pool then finishes together)."""
     jobs = []
     if tuned:
@@ -258,7 +316,10 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
         sar = columns["sarathi"].scores[scope]
         grid = {gamma_of(c): r.scores[scope] for c, r in columns.items() if c.startswith("g=")}
         winner = best_fixed(grid, sar)
-        shown: dict[str, dict[str, float]] = {"sarathi": sar, "defaults": columns["defaults"].scores[scope]}
+        shown: dict[str, dict[str, float]] = {
+            "sarathi": sar,
+            "defaults": columns["defaults"].scores[scope],
+        }
         if winner is not None:
             shown["best fixed γ"] = grid[winner]
         if scope == "second" and "tuned" in columns:
@@ -266,14 +327,19 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
         if "autopilot" in columns and columns["autopilot"].scores:
             shown["autopilot"] = columns["autopilot"].scores[scope]
         ratios = {name: {k: ratio(m[k], sar[k]) for k in METRICS} for name, m in shown.items()}
-        entry: dict[str, Any] = {"figures": shown, "ratios": ratios, "best_gamma": winner,
-                                 "at_grid_edge": winner is not None and winner in (min(grid), max(grid)),
-                                 "min_p95_any_gamma": min((m["ttft_p95"] for m in grid.values()), default=math.nan),
-                                 "grid": {f"{g:g}": m for g, m in sorted(grid.items())}}
+        entry: dict[str, Any] = {
+            "figures": shown,
+            "ratios": ratios,
+            "best_gamma": winner,
+            "at_grid_edge": winner is not None and winner in (min(grid), max(grid)),
+            "min_p95_any_gamma": min((m["ttft_p95"] for m in grid.values()), default=math.nan),
+            "grid": {f"{g:g}": m for g, m in sorted(grid.items())},
+        }
         if winner is not None and "autopilot" in ratios:
             r = ratios
-            entry["closure"] = closure(r["defaults"]["ttft_p95"], r["autopilot"]["ttft_p95"],
-                                       r["best fixed γ"]["ttft_p95"])
+            entry["closure"] = closure(
+                r["defaults"]["ttft_p95"], r["autopilot"]["ttft_p95"], r["best fixed γ"]["ttft_p95"]
+            )
         out[scope] = entry
     pilot = columns.get("autopilot")
     if pilot is not None:
@@ -281,8 +347,11 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
         if "cpu_s" in pilot.extra:
             cpu = pilot.extra["cpu_s"]
             hours = trace.duration / 3600.0
-            cost.update(cpu_per_decision_mean=float(np.mean(cpu)), cpu_per_decision_max=float(np.max(cpu)),
-                        cpu_per_hour=sum(cpu) / hours if hours > 0 else math.nan)
+            cost.update(
+                cpu_per_decision_mean=float(np.mean(cpu)),
+                cpu_per_decision_max=float(np.max(cpu)),
+                cpu_per_hour=sum(cpu) / hours if hours > 0 else math.nan,
+            )
             cost["core_share"] = cost["cpu_per_hour"] / 3600.0
         out["autopilot"] = cost
     return out
@@ -304,27 +373,62 @@ def targets(workload: str, s: dict[str, Any]) -> list[tuple[str, bool | None, st
         c = whole.get("closure", math.nan)
         headroom = de["ttft_p95"] - best
         figures = f"closure {c:.2f} (defaults {de['ttft_p95']:.2f}x, best {best:.2f}x, autopilot {ap['ttft_p95']:.2f}x)"
-        rows.append(("closure >= 0.75", c >= CLOSURE_TARGET if headroom >= HEADROOM else None,
-                     figures if headroom >= HEADROOM else f"headroom {headroom:.2f} < {HEADROOM}: {figures}"))
-    rows.append(("P95 TTFT <= defaults + 0.02", ap["ttft_p95"] <= de["ttft_p95"] + NEVER_WORSE,
-                 f"{ap['ttft_p95']:.3f}x vs {de['ttft_p95']:.3f}x"))
-    rows.append(("P99 TTLT <= 1.02x sarathi", ap["ttlt_p99"] <= TTLT_SLACK, f"{ap['ttlt_p99']:.3f}x"))
-    rows.append(("throughput >= 0.99x sarathi", ap["throughput_tok_s"] >= THROUGHPUT_FLOOR,
-                 f"{ap['throughput_tok_s']:.4f}x"))
+        rows.append(
+            (
+                "closure >= 0.75",
+                c >= CLOSURE_TARGET if headroom >= HEADROOM else None,
+                figures
+                if headroom >= HEADROOM
+                else f"headroom {headroom:.2f} < {HEADROOM}: {figures}",
+            )
+        )
+    rows.append(
+        (
+            "P95 TTFT <= defaults + 0.02",
+            ap["ttft_p95"] <= de["ttft_p95"] + NEVER_WORSE,
+            f"{ap['ttft_p95']:.3f}x vs {de['ttft_p95']:.3f}x",
+        )
+    )
+    rows.append(
+        ("P99 TTLT <= 1.02x sarathi", ap["ttlt_p99"] <= TTLT_SLACK, f"{ap['ttlt_p99']:.3f}x")
+    )
+    rows.append(
+        (
+            "throughput >= 0.99x sarathi",
+            ap["throughput_tok_s"] >= THROUGHPUT_FLOOR,
+            f"{ap['throughput_tok_s']:.4f}x",
+        )
+    )
     if workload == "shift":
         p95, every = whole["figures"]["autopilot"]["ttft_p95"], whole["min_p95_any_gamma"]
-        rows.append(("P95 TTFT <= 0.90x every fixed γ (shape shift)", p95 <= SHIFT_MARGIN * every,
-                     f"{p95:.3g} s vs best of any γ {every:.3g} s ({ratio(p95, every):.2f}x)"))
+        rows.append(
+            (
+                "P95 TTFT <= 0.90x every fixed γ (shape shift)",
+                p95 <= SHIFT_MARGIN * every,
+                f"{p95:.3g} s vs best of any γ {every:.3g} s ({ratio(p95, every):.2f}x)",
+            )
+        )
     share = s.get("autopilot", {}).get("core_share")
     if share is not None:
-        rows.append(("controller CPU <= 2% of one core", share <= CORE_SHARE,
-                     f"{100 * share:.2f}% ({s['autopilot']['cpu_per_hour']:.1f} CPU s per hour of traffic)"))
+        rows.append(
+            (
+                "controller CPU <= 2% of one core",
+                share <= CORE_SHARE,
+                f"{100 * share:.2f}% ({s['autopilot']['cpu_per_hour']:.1f} CPU s per hour of traffic)",
+            )
+        )
     return rows
 
 
 def cell(value: float, rel: float, metric: str) -> str:
     head = f"{value:.0f} tok/s" if metric == "throughput_tok_s" else f"{value:.3g} s"
-    return head if rel == 1.0 else f"{head} ({rel:.2f}x)" if metric != "throughput_tok_s" else f"{head} ({rel:.3f}x)"
+    return (
+        head
+        if rel == 1.0
+        else f"{head} ({rel:.2f}x)"
+        if metric != "throughput_tok_s"
+        else f"{head} ({rel:.3f}x)"
+    )
 
 
 def column_label(name: str, entry: dict[str, Any]) -> str:
@@ -335,7 +439,9 @@ def figure_rows(workload: str, entry: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, m in entry["figures"].items():
         rel = entry["ratios"][name]
-        rows.append([workload, column_label(name, entry)] + [cell(m[k], rel[k], k) for k in METRICS])
+        rows.append(
+            [workload, column_label(name, entry)] + [cell(m[k], rel[k], k) for k in METRICS]
+        )
     return rows
 
 
@@ -344,29 +450,46 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def report(built: dict[str, tuple[traces.Trace, str]], summaries: dict[str, dict[str, Any]],
-           results: dict[str, dict[str, JobResult]], autopilot_note: str | None) -> None:
+def report(
+    built: dict[str, tuple[traces.Trace, str]],
+    summaries: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, JobResult]],
+    autopilot_note: str | None,
+) -> None:
     header = ["workload", "column", *(LABELS[k] for k in METRICS)]
     verdicts: list[tuple[str, str, bool | None, str]] = []
     for w, s in summaries.items():
         trace, how = built[w]
-        print(f"\n== {w}: {len(trace)} requests over {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})")
-        for scope, title in (("all", "whole trace"), ("second", f"second half (arrivals from {half_time(trace) / 60:.1f} min)")):
+        print(
+            f"\n== {w}: {len(trace)} requests over {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})"
+        )
+        for scope, title in (
+            ("all", "whole trace"),
+            ("second", f"second half (arrivals from {half_time(trace) / 60:.1f} min)"),
+        ):
             print(f"-- {title}")
             print(markdown(header[1:], [r[1:] for r in figure_rows(w, s[scope])]))
         de_g = results[w]["defaults"].extra.get("median_gamma", math.nan)
-        edge = " (at the grid's edge: a γ beyond it may do better)" if s["all"]["at_grid_edge"] else ""
-        print(f"γ-Ada's time-weighted median γ: {de_g:.3g} /s; hindsight γ: whole {s['all']['best_gamma'] or 'none'}{edge}, "
-              f"second half {s['second']['best_gamma'] or 'none (no γ keeps the constraints)'}")
+        edge = (
+            " (at the grid's edge: a γ beyond it may do better)" if s["all"]["at_grid_edge"] else ""
+        )
+        print(
+            f"γ-Ada's time-weighted median γ: {de_g:.3g} /s; hindsight γ: whole {s['all']['best_gamma'] or 'none'}{edge}, "
+            f"second half {s['second']['best_gamma'] or 'none (no γ keeps the constraints)'}"
+        )
         if "tuned" in results[w]:
             info = results[w]["tuned"].extra
-            print(f"tuned on the first half: {info.get('trials')} trials in {info.get('tune_s', math.nan):.0f} s "
-                  f"(+ recommend {info.get('recommend_s', math.nan):.0f} s): {json.dumps(info.get('settings'))}"
-                  + (f" — {info['note']}" if "note" in info else ""))
+            print(
+                f"tuned on the first half: {info.get('trials')} trials in {info.get('tune_s', math.nan):.0f} s "
+                f"(+ recommend {info.get('recommend_s', math.nan):.0f} s): {json.dumps(info.get('settings'))}"
+                + (f" — {info['note']}" if "note" in info else "")
+            )
         if "autopilot" in s:
             print("autopilot: " + json.dumps(finite(s["autopilot"])))
         if "closure" in s["all"]:
-            print(f"closure (whole trace): {s['all']['closure']:.2f}; second half: {s['second'].get('closure', math.nan):.2f}")
+            print(
+                f"closure (whole trace): {s['all']['closure']:.2f}; second half: {s['second'].get('closure', math.nan):.2f}"
+            )
         for name, ok, figures in targets(w, s):
             verdicts.append((w, name, ok, figures))
             print(f"{'PASS' if ok else 'FAIL' if ok is not None else 'n/a '} {name}: {figures}")
@@ -376,29 +499,74 @@ def report(built: dict[str, tuple[traces.Trace, str]], summaries: dict[str, dict
     summary_rows = []
     for w, s in summaries.items():
         r, best = s["all"]["ratios"], s["all"]["best_gamma"]
-        row = [w, f"{r['defaults']['ttft_p95']:.2f}x",
-               f"{r['best fixed γ']['ttft_p95']:.2f}x (γ {best:g}{', grid edge' if s['all']['at_grid_edge'] else ''})"
-               if best is not None else "none feasible"]
+        row = [
+            w,
+            f"{r['defaults']['ttft_p95']:.2f}x",
+            f"{r['best fixed γ']['ttft_p95']:.2f}x (γ {best:g}{', grid edge' if s['all']['at_grid_edge'] else ''})"
+            if best is not None
+            else "none feasible",
+        ]
         tuned = s["second"]["ratios"].get("tuned on 1st half")
         row.append(f"{tuned['ttft_p95']:.2f}x" if tuned else "—")
         row.append(f"{r['autopilot']['ttft_p95']:.2f}x" if "autopilot" in r else "—")
         c = s["all"].get("closure", math.nan)
-        headroom = r["defaults"]["ttft_p95"] - r["best fixed γ"]["ttft_p95"] if best is not None else 0.0
-        row.append("—" if not math.isfinite(c) else f"{c:.2f}" if headroom >= HEADROOM else f"({c:.2f}: no headroom)")
+        headroom = (
+            r["defaults"]["ttft_p95"] - r["best fixed γ"]["ttft_p95"] if best is not None else 0.0
+        )
+        row.append(
+            "—"
+            if not math.isfinite(c)
+            else f"{c:.2f}"
+            if headroom >= HEADROOM
+            else f"({c:.2f}: no headroom)"
+        )
         summary_rows.append(row)
     print("P95 TTFT vs sarathi (whole continuous replay; tuned: second half only):\n")
-    print(markdown(["workload", "defaults", "best fixed γ (hindsight)", "tuned on 1st half", "autopilot", "closure"],
-                   summary_rows))
+    print(
+        markdown(
+            [
+                "workload",
+                "defaults",
+                "best fixed γ (hindsight)",
+                "tuned on 1st half",
+                "autopilot",
+                "closure",
+            ],
+            summary_rows,
+        )
+    )
     for scope, title in (("all", "Whole trace"), ("second", "Second half")):
         print(f"\n{title}:\n")
-        print(markdown(header, [row for w, s in summaries.items() for row in figure_rows(w, s[scope])]))
-    cost_rows = [[w, str(c.get("decisions")), f"{c['cpu_per_decision_mean']:.3f} / {c['cpu_per_decision_max']:.3f}",
-                  f"{c['cpu_per_hour']:.1f}", f"{100 * c['core_share']:.2f}%"]
-                 for w, s in summaries.items() if "cpu_per_hour" in (c := s.get("autopilot", {}))]
+        print(
+            markdown(
+                header, [row for w, s in summaries.items() for row in figure_rows(w, s[scope])]
+            )
+        )
+    cost_rows = [
+        [
+            w,
+            str(c.get("decisions")),
+            f"{c['cpu_per_decision_mean']:.3f} / {c['cpu_per_decision_max']:.3f}",
+            f"{c['cpu_per_hour']:.1f}",
+            f"{100 * c['core_share']:.2f}%",
+        ]
+        for w, s in summaries.items()
+        if "cpu_per_hour" in (c := s.get("autopilot", {}))
+    ]
     if cost_rows:
         print("\nController cost:\n")
-        print(markdown(["workload", "decisions", "CPU s per decision (mean / max)", "CPU s per hour of traffic",
-                        "share of one core"], cost_rows))
+        print(
+            markdown(
+                [
+                    "workload",
+                    "decisions",
+                    "CPU s per decision (mean / max)",
+                    "CPU s per hour of traffic",
+                    "share of one core",
+                ],
+                cost_rows,
+            )
+        )
     print("\nTargets:")
     for w, name, ok, figures in verdicts:
         print(f"{'PASS' if ok else 'FAIL' if ok is not None else 'n/a '} {w}: {name}: {figures}")
@@ -438,22 +606,40 @@ def autopilot_available() -> str | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the traces folder (traces/ in the repository)")
+    ap.add_argument(
+        "--traces",
+        type=Path,
+        default=DEFAULT_TRACES,
+        help="the traces folder (traces/ in the repository)",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
-    ap.add_argument("--grid", default=",".join(f"{g:g}" for g in DEFAULT_GRID),
-                    help="fixed γ values (1/s) for the hindsight column")
+    ap.add_argument(
+        "--grid",
+        default=",".join(f"{g:g}" for g in DEFAULT_GRID),
+        help="fixed γ values (1/s) for the hindsight column",
+    )
     ap.add_argument("--trials", type=int, default=40, help="tuner trials on each first half")
-    ap.add_argument("--no-tuned", action="store_true", help="skip the tuned-on-the-first-half column (the slowest)")
-    ap.add_argument("--knee", type=float, default=KNEE, help="near saturation, as in benchmarks/seed_claims.py")
+    ap.add_argument(
+        "--no-tuned",
+        action="store_true",
+        help="skip the tuned-on-the-first-half column (the slowest)",
+    )
+    ap.add_argument(
+        "--knee", type=float, default=KNEE, help="near saturation, as in benchmarks/seed_claims.py"
+    )
     ap.add_argument("--seed", type=int, default=0, help="the new workloads' and the tuner's seed")
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
-        raise SystemExit(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+        raise SystemExit(
+            f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}"
+        )
     if args.jobs < 1 or args.trials < 1:
         raise SystemExit("--jobs and --trials must be >= 1")
     grid = parse_grid(args.grid)
@@ -463,13 +649,27 @@ def main() -> None:
     started = time.perf_counter()
     built: dict[str, tuple[traces.Trace, str]] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for name, trace, how in pool.map(build, [(w, args.traces, args.seed, args.knee) for w in workloads]):
+        for name, trace, how in pool.map(
+            build, [(w, args.traces, args.seed, args.knee) for w in workloads]
+        ):
             built[name] = (trace, how)
-            print(f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})",
-                  flush=True)
-        jobs = [j for w in workloads for j in jobs_for(w, built[w][0], grid, tuned=not args.no_tuned,
-                                                       autopilot=autopilot_note is None, trials=args.trials,
-                                                       seed=args.seed)]
+            print(
+                f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})",
+                flush=True,
+            )
+        jobs = [
+            j
+            for w in workloads
+            for j in jobs_for(
+                w,
+                built[w][0],
+                grid,
+                tuned=not args.no_tuned,
+                autopilot=autopilot_note is None,
+                trials=args.trials,
+                seed=args.seed,
+            )
+        ]
         jobs.sort(key=lambda j: {"tuned": 0, "autopilot": 1}.get(j.column, 2))  # slowest first
         results: dict[str, dict[str, JobResult]] = {w: {} for w in workloads}
         for res in pool.map(run_job, jobs):
@@ -479,12 +679,24 @@ def main() -> None:
     wall = time.perf_counter() - started
     print(f"\n{len(jobs)} runs (replays and tunings) in {wall:.0f} s wall ({args.jobs} processes)")
     if args.json:
-        doc = {"grid": list(grid), "trials": None if args.no_tuned else args.trials, "seed": args.seed,
-               "knee": args.knee, "wall_s": wall, "autopilot_note": autopilot_note,
-               "workloads": {w: {"requests": len(built[w][0]), "duration_s": built[w][0].duration,
-                                 "description": built[w][1], "summary": summaries[w],
-                                 "columns": {c: {"wall_s": r.wall_s, **r.extra} for c, r in results[w].items()}}
-                             for w in workloads}}
+        doc = {
+            "grid": list(grid),
+            "trials": None if args.no_tuned else args.trials,
+            "seed": args.seed,
+            "knee": args.knee,
+            "wall_s": wall,
+            "autopilot_note": autopilot_note,
+            "workloads": {
+                w: {
+                    "requests": len(built[w][0]),
+                    "duration_s": built[w][0].duration,
+                    "description": built[w][1],
+                    "summary": summaries[w],
+                    "columns": {c: {"wall_s": r.wall_s, **r.extra} for c, r in results[w].items()},
+                }
+                for w in workloads
+            },
+        }
         args.json.write_text(json.dumps(finite(doc), indent=2))
 
 

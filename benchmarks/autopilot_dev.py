@@ -25,20 +25,28 @@ from benchmarks import autopilot as bench  # noqa: E402
 from tuner.autopilot import AutopilotConfig, replay_with_autopilot  # noqa: E402
 
 
-def fixed_columns(workload: str, cache: Path, root: Path) -> tuple[object, dict[str, bench.JobResult]]:
+def fixed_columns(
+    workload: str, cache: Path, root: Path
+) -> tuple[object, dict[str, bench.JobResult]]:
     path = cache / f"{workload}.pkl"
     if path.exists():
         return pickle.loads(path.read_bytes())
     name, trace, how = bench.build((workload, root, 0, bench.KNEE))
-    jobs = [j for j in bench.jobs_for(workload, trace, bench.DEFAULT_GRID, tuned=False, autopilot=False,
-                                      trials=0, seed=0)]
+    jobs = [
+        j
+        for j in bench.jobs_for(
+            workload, trace, bench.DEFAULT_GRID, tuned=False, autopilot=False, trials=0, seed=0
+        )
+    ]
     cols = {j.column: bench.run_job(j) for j in jobs}
     path.write_bytes(pickle.dumps(((trace, how), cols)))
     return (trace, how), cols
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--set", action="append", default=[], help="AutopilotConfig field=JSON value")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/autopilot-dev"))
@@ -54,19 +62,27 @@ def main() -> None:
         result, decisions = replay_with_autopilot(trace, config=config)
         wall = time.perf_counter() - t0
         cpu = [d.cpu_s for d in decisions]
-        extra = {"decisions": len(decisions), "cpu_s": cpu, "choices": dict(Counter(d.choice for d in decisions)),
-                 "switches": sum(d.changed for d in decisions), "replay_cpu_s": time.process_time() - c0}
+        extra = {
+            "decisions": len(decisions),
+            "cpu_s": cpu,
+            "choices": dict(Counter(d.choice for d in decisions)),
+            "switches": sum(d.changed for d in decisions),
+            "replay_cpu_s": time.process_time() - c0,
+        }
         cols = dict(cols)
-        cols["autopilot"] = bench.JobResult(w, "autopilot", bench.score(result.completions, bench.half_time(trace)),
-                                            wall, extra)
+        cols["autopilot"] = bench.JobResult(
+            w, "autopilot", bench.score(result.completions, bench.half_time(trace)), wall, extra
+        )
         s = bench.summarise(cols, trace)
         r = s["all"]["ratios"]
-        print(f"== {w} ({wall:.0f} s): defaults {r['defaults']['ttft_p95']:.3f} best {r['best fixed γ']['ttft_p95']:.3f}"
-              f" (γ {s['all']['best_gamma']}) autopilot {r['autopilot']['ttft_p95']:.3f} closure "
-              f"{s['all'].get('closure', float('nan')):.2f} | 2nd half closure {s['second'].get('closure', float('nan')):.2f}"
-              f" | P99 TTFT {r['autopilot']['ttft_p99']:.2f} (2nd half P95 {s['second']['ratios']['autopilot']['ttft_p95']:.2f})"
-              f" | ttlt {r['autopilot']['ttlt_p99']:.3f} thr {r['autopilot']['throughput_tok_s']:.4f}"
-              f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s")
+        print(
+            f"== {w} ({wall:.0f} s): defaults {r['defaults']['ttft_p95']:.3f} best {r['best fixed γ']['ttft_p95']:.3f}"
+            f" (γ {s['all']['best_gamma']}) autopilot {r['autopilot']['ttft_p95']:.3f} closure "
+            f"{s['all'].get('closure', float('nan')):.2f} | 2nd half closure {s['second'].get('closure', float('nan')):.2f}"
+            f" | P99 TTFT {r['autopilot']['ttft_p99']:.2f} (2nd half P95 {s['second']['ratios']['autopilot']['ttft_p95']:.2f})"
+            f" | ttlt {r['autopilot']['ttlt_p99']:.3f} thr {r['autopilot']['throughput_tok_s']:.4f}"
+            f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s"
+        )
         for name, ok, fig in bench.targets(w, s):
             if ok is False:
                 print(f"   FAIL {name}: {fig}")
@@ -74,7 +90,7 @@ def main() -> None:
         print(f"   switches {sw}")
         if args.verbose:
             for d in decisions:
-                print(f"   {d.at/60:6.1f} {d.choice:12s} {d.reason}")
+                print(f"   {d.at / 60:6.1f} {d.choice:12s} {d.reason}")
 
 
 if __name__ == "__main__":

@@ -59,11 +59,15 @@ class Sources:
     reasoning_pmf: Path
 
     @classmethod
-    def under(cls, root: Path) -> "Sources":
-        return cls(conv=root / "azure2023" / "AzureLLMInferenceTrace_conv.csv",
-                   arxiv=root / "lengths_only" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-                   sharegpt=root / "lengths_only" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-                   reasoning_pmf=root / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv")
+    def under(cls, root: Path) -> Sources:
+        return cls(
+            conv=root / "azure2023" / "AzureLLMInferenceTrace_conv.csv",
+            arxiv=root
+            / "lengths_only"
+            / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+            sharegpt=root / "lengths_only" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+            reasoning_pmf=root / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +98,18 @@ def resample(source: traces.Trace, n: int, *, cv: float, seed: int, prefix: str)
     arrivals = traces.generate_arrivals(n, rate=1.0, process="gamma", cv=cv, seed=rng)
     width = max(6, len(str(n - 1)))
     rows = source.requests
-    return traces.Trace(f"{prefix}({source.name})", tuple(
-        dataclasses.replace(rows[k], id=f"{prefix}-{j:0{width}d}", arrival=float(a))
-        for j, (k, a) in enumerate(zip(picks.tolist(), arrivals.tolist()))))
+    return traces.Trace(
+        f"{prefix}({source.name})",
+        tuple(
+            dataclasses.replace(rows[k], id=f"{prefix}-{j:0{width}d}", arrival=float(a))
+            for j, (k, a) in enumerate(zip(picks.tolist(), arrivals.tolist()))
+        ),
+    )
 
 
-def saturated_for(make: Callable[[int], traces.Trace], seconds: float, knee: float = KNEE) -> tuple[traces.Trace, float]:
+def saturated_for(
+    make: Callable[[int], traces.Trace], seconds: float, knee: float = KNEE
+) -> tuple[traces.Trace, float]:
     """A trace from ``make(n)`` (n requests at mean rate about 1/s) that lasts ``seconds`` at the
     load where sarathi reaches its knee; returns it and that load.
 
@@ -136,8 +146,10 @@ def phases_of(trace: traces.Trace, loads: dict[str, float]) -> list[Phase]:
     spans: dict[str, list[float]] = {}
     for r in trace:
         spans.setdefault(r.id.rsplit("-", 1)[0], []).append(r.arrival)
-    return [Phase(p, min(a), max(a), len(a), loads.get(p, math.nan))
-            for p, a in sorted(spans.items(), key=lambda kv: min(kv[1]))]
+    return [
+        Phase(p, min(a), max(a), len(a), loads.get(p, math.nan))
+        for p, a in sorted(spans.items(), key=lambda kv: min(kv[1]))
+    ]
 
 
 def load_curve(t: np.ndarray, period_s: float, low: float, high: float) -> np.ndarray:
@@ -149,7 +161,9 @@ def load_curve(t: np.ndarray, period_s: float, low: float, high: float) -> np.nd
 def curve_integral(t: np.ndarray, period_s: float, low: float, high: float) -> np.ndarray:
     """∫0^t ``load_curve``: the expected arrivals by ``t`` per unit of the knee's rate."""
     # ∫0^t sin^2(pi u / T) du = t/2 - T sin(2 pi t / T) / (4 pi)
-    return low * t + (high - low) * (t / 2 - period_s * np.sin(2 * np.pi * t / period_s) / (4 * np.pi))
+    return low * t + (high - low) * (
+        t / 2 - period_s * np.sin(2 * np.pi * t / period_s) / (4 * np.pi)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,15 +171,28 @@ def curve_integral(t: np.ndarray, period_s: float, low: float, high: float) -> n
 # --------------------------------------------------------------------------------------------
 
 
-def build_shift(sources: Sources, *, phase_s: float = 1200.0, seed: int = 0, knee: float = KNEE,
-                cv: float = SHIFT_CV) -> tuple[traces.Trace, list[Phase]]:
+def build_shift(
+    sources: Sources,
+    *,
+    phase_s: float = 1200.0,
+    seed: int = 0,
+    knee: float = KNEE,
+    cv: float = SHIFT_CV,
+) -> tuple[traces.Trace, list[Phase]]:
     """chat → long prompts → reasoning, ``phase_s`` seconds each, each phase at its own knee."""
     conv = traces.load_trace(sources.conv)
     arxiv = traces.load_lengths(sources.arxiv, rate=1.0)
 
     def reasoning(n: int) -> traces.Trace:
-        return traces.load_servegen_reasoning(sources.reasoning_pmf, n=n, rate=1.0, process="gamma", cv=cv,
-                                              seed=seed + 3, prefix="reasoning")
+        return traces.load_servegen_reasoning(
+            sources.reasoning_pmf,
+            n=n,
+            rate=1.0,
+            process="gamma",
+            cv=cv,
+            seed=seed + 3,
+            prefix="reasoning",
+        )
 
     makers: list[tuple[str, Callable[[int], traces.Trace]]] = [
         ("chat", lambda n: resample(conv, n, cv=cv, seed=seed + 1, prefix="chat")),
@@ -180,8 +207,14 @@ def build_shift(sources: Sources, *, phase_s: float = 1200.0, seed: int = 0, kne
     return trace, phases_of(trace, loads)
 
 
-def build_diurnal(sources: Sources, *, period_s: float = 3600.0, low: float = 0.4, high: float = 1.05,
-                  knee: float = KNEE) -> tuple[traces.Trace, float]:
+def build_diurnal(
+    sources: Sources,
+    *,
+    period_s: float = 3600.0,
+    low: float = 0.4,
+    high: float = 1.05,
+    knee: float = KNEE,
+) -> tuple[traces.Trace, float]:
     """Azure conv's requests in order, time-warped so the load follows ``load_curve`` (a fraction
     of the knee of the same requests at a steady rate) over ``period_s``; returns the trace and
     the knee's load. Deterministic (no random draw)."""
@@ -194,8 +227,10 @@ def build_diurnal(sources: Sources, *, period_s: float = 3600.0, low: float = 0.
     knee_rate = scaled.rate  # requests/s at the knee
     n = math.floor(knee_rate * float(curve_integral(np.array(period_s), period_s, low, high)))
     if n > len(conv):
-        raise ValueError(f"diurnal: the day needs {n} requests but {sources.conv} has {len(conv)}; "
-                         "shorten period_s")
+        raise ValueError(
+            f"diurnal: the day needs {n} requests but {sources.conv} has {len(conv)}; "
+            "shorten period_s"
+        )
     source = conv.requests[:n]
     # Operational time: the source's arrivals stretched onto [0, Λ(T)], Λ the expected count;
     # the arrival at operational time s happens at Λ^-1(s).
@@ -208,24 +243,47 @@ def build_diurnal(sources: Sources, *, period_s: float = 3600.0, low: float = 0.
     return traces.Trace(f"diurnal({conv.name})", requests), knee_load
 
 
-def build_sharegpt(sources: Sources, *, duration_s: float = 3600.0, seed: int = 0, knee: float = KNEE,
-                   cv: float = SHAREGPT_CV) -> tuple[traces.Trace, float]:
+def build_sharegpt(
+    sources: Sources,
+    *,
+    duration_s: float = 3600.0,
+    seed: int = 0,
+    knee: float = KNEE,
+    cv: float = SHAREGPT_CV,
+) -> tuple[traces.Trace, float]:
     """ShareGPT lengths with Gamma arrivals (CV ``cv``) near saturation, ``duration_s`` long."""
     lengths = traces.load_lengths(sources.sharegpt, rate=1.0)
-    return saturated_for(lambda n: resample(lengths, n, cv=cv, seed=seed + 4, prefix="sharegpt"), duration_s, knee)
+    return saturated_for(
+        lambda n: resample(lengths, n, cv=cv, seed=seed + 4, prefix="sharegpt"), duration_s, knee
+    )
 
 
-def build_heldout(sources: Sources, *, duration_s: float = 3600.0, seed: int = 0, knee: float = KNEE,
-                  cv: float = HELDOUT_CV) -> tuple[traces.Trace, float]:
+def build_heldout(
+    sources: Sources,
+    *,
+    duration_s: float = 3600.0,
+    seed: int = 0,
+    knee: float = KNEE,
+    cv: float = HELDOUT_CV,
+) -> tuple[traces.Trace, float]:
     """arXiv summarisation lengths with bursty Gamma arrivals (CV ``cv``) near saturation,
     ``duration_s`` long: the held-out trace (never used to tune the controller)."""
     lengths = traces.load_lengths(sources.arxiv, rate=1.0)
-    return saturated_for(lambda n: resample(lengths, n, cv=cv, seed=seed + HELDOUT_SEED, prefix="heldout"),
-                         duration_s, knee)
+    return saturated_for(
+        lambda n: resample(lengths, n, cv=cv, seed=seed + HELDOUT_SEED, prefix="heldout"),
+        duration_s,
+        knee,
+    )
 
 
-def build_heldout2(sources: Sources, *, duration_s: float = 3600.0, seed: int = 0, knee: float = KNEE,
-                   cv: float = HELDOUT2_CV) -> tuple[traces.Trace, float]:
+def build_heldout2(
+    sources: Sources,
+    *,
+    duration_s: float = 3600.0,
+    seed: int = 0,
+    knee: float = KNEE,
+    cv: float = HELDOUT2_CV,
+) -> tuple[traces.Trace, float]:
     """The second held-out trace, built after ``prefer_small`` was turned off on ``heldout``'s
     evidence (so ``heldout`` is no longer unseen): half arXiv summarisation lengths, half Azure
     conv requests, drawn together with bursty Gamma arrivals (CV ``cv``) near saturation."""
@@ -233,31 +291,48 @@ def build_heldout2(sources: Sources, *, duration_s: float = 3600.0, seed: int = 
     conv = traces.load_trace(sources.conv)
     n = min(len(arxiv), len(conv))
     mixed = traces.Trace("arxiv+conv", tuple(arxiv.requests[:n]) + tuple(conv.requests[:n]))
-    return saturated_for(lambda m: resample(mixed, m, cv=cv, seed=seed + HELDOUT2_SEED, prefix="heldout2"),
-                         duration_s, knee)
+    return saturated_for(
+        lambda m: resample(mixed, m, cv=cv, seed=seed + HELDOUT2_SEED, prefix="heldout2"),
+        duration_s,
+        knee,
+    )
 
 
-def build_new_workload(name: str, root: Path, *, seed: int = 0, knee: float = KNEE,
-                       scale_s: float = 1.0) -> tuple[traces.Trace, str]:
+def build_new_workload(
+    name: str, root: Path, *, seed: int = 0, knee: float = KNEE, scale_s: float = 1.0
+) -> tuple[traces.Trace, str]:
     """One of ``NEW_WORKLOADS`` and a one-line description (``scale_s`` shortens every duration,
     for quick looks)."""
     sources = Sources.under(root)
     if name == "shift":
         trace, phases = build_shift(sources, phase_s=1200.0 * scale_s, seed=seed, knee=knee)
-        how = "; ".join(f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}" for p in phases)
+        how = "; ".join(
+            f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}"
+            for p in phases
+        )
         return trace, f"Gamma CV {SHIFT_CV:g} arrivals, each phase at its knee: {how}"
     if name == "diurnal":
         trace, knee_load = build_diurnal(sources, period_s=3600.0 * scale_s, knee=knee)
-        return trace, f"Azure conv time-warped, load 0.40 -> 1.05 -> 0.40 of the knee (load {knee_load:.2f})"
+        return (
+            trace,
+            f"Azure conv time-warped, load 0.40 -> 1.05 -> 0.40 of the knee (load {knee_load:.2f})",
+        )
     if name == "sharegpt":
         trace, load = build_sharegpt(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
-        return trace, f"ShareGPT lengths, Gamma CV {SHAREGPT_CV:g} arrivals, load {load:.2f} (near saturation)"
+        return (
+            trace,
+            f"ShareGPT lengths, Gamma CV {SHAREGPT_CV:g} arrivals, load {load:.2f} (near saturation)",
+        )
     if name == "heldout":
         trace, load = build_heldout(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
-        return trace, (f"held out (never tuned on): arXiv lengths, Gamma CV {HELDOUT_CV:g} arrivals, "
-                       f"load {load:.2f} (near saturation)")
+        return trace, (
+            f"held out (never tuned on): arXiv lengths, Gamma CV {HELDOUT_CV:g} arrivals, "
+            f"load {load:.2f} (near saturation)"
+        )
     if name == "heldout2":
         trace, load = build_heldout2(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
-        return trace, (f"held out, second (never tuned on): half arXiv lengths, half Azure conv, Gamma CV "
-                       f"{HELDOUT2_CV:g} arrivals, load {load:.2f} (near saturation)")
+        return trace, (
+            f"held out, second (never tuned on): half arXiv lengths, half Azure conv, Gamma CV "
+            f"{HELDOUT2_CV:g} arrivals, load {load:.2f} (near saturation)"
+        )
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(NEW_WORKLOADS)}")

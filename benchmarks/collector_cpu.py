@@ -43,9 +43,23 @@ TWINS_SCRIPT = textwrap.dedent("""\
 """)
 
 
-def start_twins_process(n: int, speed: float, rate_scale: float, cluster_file: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", TWINS_SCRIPT, str(n), str(speed), str(rate_scale),
-                             str(cluster_file)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def start_twins_process(
+    n: int, speed: float, rate_scale: float, cluster_file: Path
+) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            TWINS_SCRIPT,
+            str(n),
+            str(speed),
+            str(rate_scale),
+            str(cluster_file),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()
@@ -68,32 +82,56 @@ async def measure(cluster, store, warmup: float, duration: float, metrics_every:
     wall = t1 - t0
     delta = {k: s1[k] - s0[k] for k in s0}
     healthy = sum(v.health.healthy for v in collector.views.values())
-    return {"wall_s": wall, "cpu_s": cpu1 - cpu0, "cpu_pct_one_core": 100 * (cpu1 - cpu0) / wall,
-            "polls_per_s": delta["polls"] / wall, "failed_polls": delta["failed_polls"],
-            "rows_per_s": delta["rows_written"] / wall, "completions_per_s": delta["completions_written"] / wall,
-            "samples_per_s": delta["samples_written"] / wall, "batches": delta["batches"],
-            "busy_retries": delta["busy_retries"], "healthy_at_end": healthy}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu1 - cpu0,
+        "cpu_pct_one_core": 100 * (cpu1 - cpu0) / wall,
+        "polls_per_s": delta["polls"] / wall,
+        "failed_polls": delta["failed_polls"],
+        "rows_per_s": delta["rows_written"] / wall,
+        "completions_per_s": delta["completions_written"] / wall,
+        "samples_per_s": delta["samples_written"] / wall,
+        "batches": delta["batches"],
+        "busy_retries": delta["busy_retries"],
+        "healthy_at_end": healthy,
+    }
 
 
 def _counts(collector) -> dict:
     s = collector.stats
-    return {"polls": s.polls, "failed_polls": s.failed_polls, "rows_written": s.rows_written,
-            "completions_written": s.completions_written, "samples_written": s.samples_written,
-            "batches": s.batches, "busy_retries": s.busy_retries}
+    return {
+        "polls": s.polls,
+        "failed_polls": s.failed_polls,
+        "rows_written": s.rows_written,
+        "completions_written": s.completions_written,
+        "samples_written": s.samples_written,
+        "batches": s.batches,
+        "busy_retries": s.busy_retries,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--interval", type=float, default=1.0, help="poll interval, s")
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=5.0)
-    parser.add_argument("--rate-scale", type=float, default=16.0,
-                        help="arrival rate multiplier of the bundled trace (~4.8 req/s) for the whole cluster")
+    parser.add_argument(
+        "--rate-scale",
+        type=float,
+        default=16.0,
+        help="arrival rate multiplier of the bundled trace (~4.8 req/s) for the whole cluster",
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="twin clock speed")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    parser.add_argument("--metrics-every", type=int, default=1,
-                        help="read /metrics every N polls (the replicas have the plugin; default 1)")
+    parser.add_argument(
+        "--metrics-every",
+        type=int,
+        default=1,
+        help="read /metrics every N polls (the replicas have the plugin; default 1)",
+    )
     parser.add_argument("--db", help="store URL (default: a fresh SQLite file in a temp dir)")
     args = parser.parse_args()
 
@@ -114,18 +152,28 @@ def main() -> None:
             else:
                 runner = asyncio.Runner()
             with runner:
-                r = runner.run(measure(cluster, store, args.warmup, args.duration, args.metrics_every))
+                r = runner.run(
+                    measure(cluster, store, args.warmup, args.duration, args.metrics_every)
+                )
             store.close()
         finally:
             twins.terminate()
             twins.wait(timeout=30)
-    print(f"collector: {args.replicas} replicas every {args.interval:g} s (/metrics every {args.metrics_every}), "
-          f"{args.loop}, {os.cpu_count()} CPUs, "
-          f"measured {r['wall_s']:.1f} s after {args.warmup:g} s warm-up")
-    print(f"  CPU            {r['cpu_pct_one_core']:6.1f} % of one core ({r['cpu_s']:.2f} s)   target < 25 %")
-    print(f"  polls          {r['polls_per_s']:6.1f} /s  ({r['failed_polls']} failed; {r['healthy_at_end']} healthy at end)")
-    print(f"  rows written   {r['rows_per_s']:6.1f} /s  (completions {r['completions_per_s']:.1f}/s, "
-          f"samples {r['samples_per_s']:.1f}/s, {r['batches']} batches, {r['busy_retries']} busy retries)")
+    print(
+        f"collector: {args.replicas} replicas every {args.interval:g} s (/metrics every {args.metrics_every}), "
+        f"{args.loop}, {os.cpu_count()} CPUs, "
+        f"measured {r['wall_s']:.1f} s after {args.warmup:g} s warm-up"
+    )
+    print(
+        f"  CPU            {r['cpu_pct_one_core']:6.1f} % of one core ({r['cpu_s']:.2f} s)   target < 25 %"
+    )
+    print(
+        f"  polls          {r['polls_per_s']:6.1f} /s  ({r['failed_polls']} failed; {r['healthy_at_end']} healthy at end)"
+    )
+    print(
+        f"  rows written   {r['rows_per_s']:6.1f} /s  (completions {r['completions_per_s']:.1f}/s, "
+        f"samples {r['samples_per_s']:.1f}/s, {r['batches']} batches, {r['busy_retries']} busy retries)"
+    )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,12 @@ PLUGIN = "scheduler.plugin.vllm.TailpilotScheduler"
 TOKEN = "bench-token-not-a-secret"
 STATE = "/tailpilot/v1/state"
 CONDITIONS = ("A", "B", "C", "D")
-DESCRIPTION = {"A": "no poller", "B": "collector-like pollers", "C": "hostile cursor=0 pollers",
-               "D": "attack + token holder"}
+DESCRIPTION = {
+    "A": "no poller",
+    "B": "collector-like pollers",
+    "C": "hostile cursor=0 pollers",
+    "D": "attack + token holder",
+}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TARGETS = {"B": 1.05, "C": 1.10, "D": 1.05}
 
@@ -86,7 +90,9 @@ def load() -> str:
 # --- pollers (in a child process) -----------------------------------------------------------
 
 
-def _get(conn: http.client.HTTPConnection, path: str, headers: dict | None = None) -> tuple[int, str | None, bytes]:
+def _get(
+    conn: http.client.HTTPConnection, path: str, headers: dict | None = None
+) -> tuple[int, str | None, bytes]:
     conn.request("GET", path, headers=headers or {})
     resp = conn.getresponse()
     body = resp.read()
@@ -95,8 +101,17 @@ def _get(conn: http.client.HTTPConnection, path: str, headers: dict | None = Non
     return resp.status, resp.getheader("Retry-After"), body
 
 
-def _poller(mode: str, port: int, hz: float, cursor: int, stop, measuring, counts: Counter, latencies: list,
-            lock) -> None:
+def _poller(
+    mode: str,
+    port: int,
+    hz: float,
+    cursor: int,
+    stop,
+    measuring,
+    counts: Counter,
+    latencies: list,
+    lock,
+) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
     def note(what, t0: float | None = None) -> None:
@@ -170,18 +185,37 @@ def _attacker(kind: str, port: int, stop, measuring, counts: Counter, lock) -> N
         stop.wait(0.01)
 
 
-def _poller_process(mode: str, port: int, n: int, hz: float, cursor: int, stop, measuring, out,
-                    attack: tuple[int, int] = (0, 0)) -> None:
+def _poller_process(
+    mode: str,
+    port: int,
+    n: int,
+    hz: float,
+    cursor: int,
+    stop,
+    measuring,
+    out,
+    attack: tuple[int, int] = (0, 0),
+) -> None:
     counts: Counter = Counter()
     latencies: list[float] = []
     lock = threading.Lock()
     attackers: Counter = Counter()
-    threads = [threading.Thread(target=_poller, args=(mode, port, hz, cursor, stop, measuring, counts, latencies,
-                                                      lock), daemon=True) for _ in range(n)]
+    threads = [
+        threading.Thread(
+            target=_poller,
+            args=(mode, port, hz, cursor, stop, measuring, counts, latencies, lock),
+            daemon=True,
+        )
+        for _ in range(n)
+    ]
     if mode == "D":
-        threads += [threading.Thread(target=_attacker, args=(kind, port, stop, measuring, attackers, lock),
-                                     daemon=True)
-                    for kind, k in zip(("idle", "reader"), attack) for _ in range(k)]
+        threads += [
+            threading.Thread(
+                target=_attacker, args=(kind, port, stop, measuring, attackers, lock), daemon=True
+            )
+            for kind, k in zip(("idle", "reader"), attack)
+            for _ in range(k)
+        ]
     for t in threads:
         t.start()
     for t in threads:
@@ -203,7 +237,10 @@ def engine_core(server: VllmServer, api_port: int):
 
     for proc in psutil.Process(server.proc.pid).children(recursive=True):
         try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == api_port for c in proc.net_connections("tcp")):
+            if any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == api_port
+                for c in proc.net_connections("tcp")
+            ):
                 return proc
         except psutil.Error:
             continue
@@ -215,8 +252,9 @@ class Bench:
         self.server, self.api_port = server, api_port
         self.engine = engine_core(server, api_port)
         # The bench's own reads carry the token: under attack (D) only token holders are sure of a slot.
-        self.control = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=60, trust_env=False,
-                                    headers=AUTH)
+        self.control = httpx.Client(
+            base_url=f"http://127.0.0.1:{api_port}", timeout=60, trust_env=False, headers=AUTH
+        )
 
     def state(self, cursor: int | None = None) -> dict:
         while True:  # a polite client: waits out 429s and 503s (a server locked by an attack, before issue 21)
@@ -239,9 +277,16 @@ class Bench:
         with httpx.Client(base_url=self.server.base_url, timeout=600, trust_env=False) as client:
             for start in range(0, n, batch):
                 k = min(batch, n - start)
-                resp = client.post("/v1/completions", json={
-                    "model": self.server.served_model_name, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-                    "prompt": [[5 + (start + i) % 3900, 17, 23, 29] for i in range(k)]})
+                resp = client.post(
+                    "/v1/completions",
+                    json={
+                        "model": self.server.served_model_name,
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "prompt": [[5 + (start + i) % 3900, 17, 23, 29] for i in range(k)],
+                    },
+                )
                 resp.raise_for_status()
 
     def burst(self, requests: list[CompletionRequest], pollers=None) -> dict:
@@ -250,7 +295,9 @@ class Bench:
         cursor = self.state()["next_cursor"]
         cpu0 = _cpu_s(self.engine), (_cpu_s(pollers) if pollers is not None else 0.0)
         t0 = time.perf_counter()
-        results = run_completions(self.server.base_url, requests, model=self.server.served_model_name)
+        results = run_completions(
+            self.server.base_url, requests, model=self.server.served_model_name
+        )
         client_s = time.perf_counter() - t0
         cpu1 = _cpu_s(self.engine), (_cpu_s(pollers) if pollers is not None else 0.0)
         bad = [r for req, r in zip(requests, results) if r.completion_tokens != req.max_tokens]
@@ -260,8 +307,12 @@ class Bench:
         if len(done) != len(requests):
             raise SystemExit(f"the log has {len(done)} completions for a burst of {len(requests)}")
         engine_s = max(c["finished_at"] for c in done) - min(c["arrival"] for c in done)
-        return {"client_s": client_s, "engine_s": engine_s, "eng_cpu": cpu1[0] - cpu0[0],
-                "poll_cpu": cpu1[1] - cpu0[1]}
+        return {
+            "client_s": client_s,
+            "engine_s": engine_s,
+            "eng_cpu": cpu1[0] - cpu0[0],
+            "poll_cpu": cpu1[1] - cpu0[1],
+        }
 
 
 def run_condition(bench: Bench, cond: str, requests, args, ctx) -> dict:
@@ -275,9 +326,21 @@ def run_condition(bench: Bench, cond: str, requests, args, ctx) -> dict:
         stop, measuring, out = ctx.Event(), ctx.Event(), ctx.Queue()
         cursor = bench.state()["next_cursor"]  # a collector that has caught up
         pollers = 1 if cond == "D" else args.pollers  # D: one collector among the attackers
-        proc = ctx.Process(target=_poller_process, daemon=True,
-                           args=(cond, bench.api_port, pollers, args.hz, cursor, stop, measuring, out,
-                                 (args.attack_idle, args.attack_readers)))
+        proc = ctx.Process(
+            target=_poller_process,
+            daemon=True,
+            args=(
+                cond,
+                bench.api_port,
+                pollers,
+                args.hz,
+                cursor,
+                stop,
+                measuring,
+                out,
+                (args.attack_idle, args.attack_readers),
+            ),
+        )
         proc.start()
         try:
             time.sleep(args.lead_in)
@@ -291,8 +354,13 @@ def run_condition(bench: Bench, cond: str, requests, args, ctx) -> dict:
         counts, latencies, attackers = out.get(timeout=60)
         proc.join(30)
         counts["per_s"] = sum(counts.values()) / window
-    return {"cond": cond, **figures, "counts": counts, "latencies": latencies if cond != "A" else [],
-            "attackers": attackers}
+    return {
+        "cond": cond,
+        **figures,
+        "counts": counts,
+        "latencies": latencies if cond != "A" else [],
+        "attackers": attackers,
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -303,27 +371,49 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=200, help="completion requests per burst")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5, help="each condition this many times, rotating order")
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="each condition this many times, rotating order"
+    )
     ap.add_argument("--prefill", type=int, default=3000, help="completions logged before measuring")
     ap.add_argument("--pollers", type=int, default=3)
-    ap.add_argument("--hz", type=float, default=10.0, help="poll rate of each collector-like poller (B)")
-    ap.add_argument("--lead-in", type=float, default=1.0, help="seconds the pollers run before a burst")
+    ap.add_argument(
+        "--hz", type=float, default=10.0, help="poll rate of each collector-like poller (B)"
+    )
+    ap.add_argument(
+        "--lead-in", type=float, default=1.0, help="seconds the pollers run before a burst"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--conditions", default="ABC", help="which conditions to run (A is always run): ABC, AD, ABCD")
-    ap.add_argument("--attack-idle", type=int, default=32, help="D: unauthenticated idle keep-alive connections")
-    ap.add_argument("--attack-readers", type=int, default=12, help="D: unauthenticated tight-loop readers")
+    ap.add_argument(
+        "--conditions",
+        default="ABC",
+        help="which conditions to run (A is always run): ABC, AD, ABCD",
+    )
+    ap.add_argument(
+        "--attack-idle", type=int, default=32, help="D: unauthenticated idle keep-alive connections"
+    )
+    ap.add_argument(
+        "--attack-readers", type=int, default=12, help="D: unauthenticated tight-loop readers"
+    )
     args = ap.parse_args()
     conditions = tuple(c for c in CONDITIONS if c == "A" or c in args.conditions.upper())
 
     print(f"start: {load()}", flush=True)
     ctx = mp.get_context("fork")
-    requests = [CompletionRequest(prompt=[5 + (i * 37 + j * 11) % 3900 for j in range(args.prompt_tokens)],
-                                  max_tokens=args.max_tokens, tenant=f"t{i % 3}") for i in range(args.requests)]
+    requests = [
+        CompletionRequest(
+            prompt=[5 + (i * 37 + j * 11) % 3900 for j in range(args.prompt_tokens)],
+            max_tokens=args.max_tokens,
+            tenant=f"t{i % 3}",
+        )
+        for i in range(args.requests)
+    ]
     with tempfile.TemporaryDirectory(prefix="control-api-load-") as tmp:
         tmp_path = Path(tmp)
         model = build_tiny_model(tmp_path / "tiny-llama")
@@ -331,27 +421,52 @@ def main() -> None:
         settings.write_text(json.dumps({"policy": "fcfs"}))
         api_port = free_port()
         server = VllmServer(
-            model, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=1024, workdir=tmp_path / "server",
-            extra_args=["--scheduler-cls", PLUGIN, "--max-num-seqs", str(args.max_num_seqs),
-                        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching"],
-            extra_env={"TAILPILOT_SETTINGS_FILE": str(settings), "TAILPILOT_API_PORT": str(api_port),
-                       "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": "bench", "VLLM_LOGGING_LEVEL": "WARNING"})
+            model,
+            kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
+            max_model_len=1024,
+            workdir=tmp_path / "server",
+            extra_args=[
+                "--scheduler-cls",
+                PLUGIN,
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+                "--no-enable-prefix-caching",
+            ],
+            extra_env={
+                "TAILPILOT_SETTINGS_FILE": str(settings),
+                "TAILPILOT_API_PORT": str(api_port),
+                "TAILPILOT_TOKEN": TOKEN,
+                "TAILPILOT_REPLICA": "bench",
+                "VLLM_LOGGING_LEVEL": "WARNING",
+            },
+        )
         with server:
             bench = Bench(server, api_port)
-            print(f"server up in {server.startup_seconds:.0f} s; control API on port {api_port}", flush=True)
+            print(
+                f"server up in {server.startup_seconds:.0f} s; control API on port {api_port}",
+                flush=True,
+            )
             for _ in range(2):  # warm-up: the same burst, not timed
                 bench.burst(requests)
             bench.prefill(args.prefill)
             logged = bench.state()["next_cursor"]
             page = len(bench.state(0)["completions"])
-            print(f"completions log: {logged} entries (a cursor=0 answer carries {page}); "
-                  f"burst: {args.requests} requests x {args.prompt_tokens} prompt + {args.max_tokens} output "
-                  f"tokens; {args.pollers} pollers; {args.rounds} rounds; conditions {''.join(conditions)}", flush=True)
+            print(
+                f"completions log: {logged} entries (a cursor=0 answer carries {page}); "
+                f"burst: {args.requests} requests x {args.prompt_tokens} prompt + {args.max_tokens} output "
+                f"tokens; {args.pollers} pollers; {args.rounds} rounds; conditions {''.join(conditions)}",
+                flush=True,
+            )
 
             rows = []
-            print(f"\n{'round':>5} {'cond':>4} {'client_s':>9} {'engine_s':>9} {'200':>6} {'429':>6} "
-                  f"{'other':>6} {'answers/s':>10} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} "
-                  f"{'poll_cpu':>8}", flush=True)
+            print(
+                f"\n{'round':>5} {'cond':>4} {'client_s':>9} {'engine_s':>9} {'200':>6} {'429':>6} "
+                f"{'other':>6} {'answers/s':>10} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} "
+                f"{'poll_cpu':>8}",
+                flush=True,
+            )
             for r in range(args.rounds):
                 shift = r % len(conditions)
                 for cond in conditions[shift:] + conditions[:shift]:
@@ -360,19 +475,32 @@ def main() -> None:
                     rows.append(row)
                     c = row["counts"]
                     other = sum(v for k, v in c.items() if k not in (200, 429, "per_s"))
-                    print(f"{r + 1:>5} {cond:>4} {row['client_s']:9.2f} {row['engine_s']:9.2f} "
-                          f"{c.get(200, 0):>6} {c.get(429, 0):>6} {other:>6} {c.get('per_s', 0):10.1f} "
-                          f"{_pct(row['latencies'], 0.5) * 1e3:11.1f} {_pct(row['latencies'], 0.95) * 1e3:11.1f} "
-                          f"{row['eng_cpu']:8.2f} {row['poll_cpu']:8.2f}"
-                          + (f"  attackers: {dict(sorted(row['attackers'].items()))}" if row["attackers"] else ""),
-                          flush=True)
+                    print(
+                        f"{r + 1:>5} {cond:>4} {row['client_s']:9.2f} {row['engine_s']:9.2f} "
+                        f"{c.get(200, 0):>6} {c.get(429, 0):>6} {other:>6} {c.get('per_s', 0):10.1f} "
+                        f"{_pct(row['latencies'], 0.5) * 1e3:11.1f} {_pct(row['latencies'], 0.95) * 1e3:11.1f} "
+                        f"{row['eng_cpu']:8.2f} {row['poll_cpu']:8.2f}"
+                        + (
+                            f"  attackers: {dict(sorted(row['attackers'].items()))}"
+                            if row["attackers"]
+                            else ""
+                        ),
+                        flush=True,
+                    )
             bench.control.close()
 
-    med = {cond: tuple(statistics.median(done[k] for done in rows if done["cond"] == cond)
-                       for k in ("client_s", "engine_s", "eng_cpu", "poll_cpu")) for cond in conditions}
+    med = {
+        cond: tuple(
+            statistics.median(done[k] for done in rows if done["cond"] == cond)
+            for k in ("client_s", "engine_s", "eng_cpu", "poll_cpu")
+        )
+        for cond in conditions
+    }
     print(f"\nmedians over {args.rounds} rounds; answers summed over the rounds' bursts")
-    print(f"{'condition':<30} {'client_s':>9} {'engine_s':>9} {'vs A (client)':>14} {'vs A (engine)':>14} "
-          f"{'200s':>6} {'429s':>6} {'other':>6} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} {'poll_cpu':>8}")
+    print(
+        f"{'condition':<30} {'client_s':>9} {'engine_s':>9} {'vs A (client)':>14} {'vs A (engine)':>14} "
+        f"{'200s':>6} {'429s':>6} {'other':>6} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} {'poll_cpu':>8}"
+    )
     totals_of: dict[str, Counter] = {}
     for cond in conditions:
         totals = totals_of[cond] = Counter()
@@ -382,26 +510,33 @@ def main() -> None:
                 totals.update({k: v for k, v in done["counts"].items() if k != "per_s"})
                 lats += done["latencies"]
         other = sum(v for k, v in totals.items() if k not in (200, 429))
-        print(f"{cond + ' ' + DESCRIPTION[cond]:<30} {med[cond][0]:9.2f} {med[cond][1]:9.2f} "
-              f"{med[cond][0] / med['A'][0]:14.3f} {med[cond][1] / med['A'][1]:14.3f} "
-              f"{totals.get(200, 0):>6} {totals.get(429, 0):>6} {other:>6} "
-              f"{_pct(lats, 0.5) * 1e3:11.1f} {_pct(lats, 0.95) * 1e3:11.1f} {med[cond][2]:8.2f} {med[cond][3]:8.2f}")
+        print(
+            f"{cond + ' ' + DESCRIPTION[cond]:<30} {med[cond][0]:9.2f} {med[cond][1]:9.2f} "
+            f"{med[cond][0] / med['A'][0]:14.3f} {med[cond][1] / med['A'][1]:14.3f} "
+            f"{totals.get(200, 0):>6} {totals.get(429, 0):>6} {other:>6} "
+            f"{_pct(lats, 0.5) * 1e3:11.1f} {_pct(lats, 0.95) * 1e3:11.1f} {med[cond][2]:8.2f} {med[cond][3]:8.2f}"
+        )
     by_round = {(row["cond"], row["round"]): row for row in rows}
     for cond in conditions[1:]:
         ratio, target = med[cond][0] / med["A"][0], TARGETS[cond]
         # The same ratio within each round (its conditions ran back to back), less sensitive to
         # the load of a shared machine drifting over the run.
-        paired = statistics.median(by_round[cond, r]["client_s"] / by_round["A", r]["client_s"]
-                                   for r in range(args.rounds))
-        print(f"{cond}/A = {ratio:.3f} (client), {med[cond][1] / med['A'][1]:.3f} (engine), median of the rounds' "
-              f"own ratios {paired:.3f}; target <= {target:.2f}: {'met' if ratio <= target else 'NOT met'}")
+        paired = statistics.median(
+            by_round[cond, r]["client_s"] / by_round["A", r]["client_s"] for r in range(args.rounds)
+        )
+        print(
+            f"{cond}/A = {ratio:.3f} (client), {med[cond][1] / med['A'][1]:.3f} (engine), median of the rounds' "
+            f"own ratios {paired:.3f}; target <= {target:.2f}: {'met' if ratio <= target else 'NOT met'}"
+        )
     if "D" in conditions:
         polls = sum(totals_of["D"].values())
         ok = totals_of["D"].get(200, 0) / polls if polls else 0.0
-        print(f"D: the token holder got {totals_of['D'].get(200, 0)} of {polls} polls answered 200 ({ok:.1%}; "
-              f"target >= 95%: {'met' if ok >= 0.95 else 'NOT met'}); engine throughput under attack "
-              f"{med['A'][0] / med['D'][0]:.3f} of A's (client), {med['A'][1] / med['D'][1]:.3f} (engine); engine-core "
-              f"CPU {med['D'][2]:.2f} s against A's {med['A'][2]:.2f} s")
+        print(
+            f"D: the token holder got {totals_of['D'].get(200, 0)} of {polls} polls answered 200 ({ok:.1%}; "
+            f"target >= 95%: {'met' if ok >= 0.95 else 'NOT met'}); engine throughput under attack "
+            f"{med['A'][0] / med['D'][0]:.3f} of A's (client), {med['A'][1] / med['D'][1]:.3f} (engine); engine-core "
+            f"CPU {med['D'][2]:.2f} s against A's {med['A'][2]:.2f} s"
+        )
     print(f"end: {load()}")
 
 

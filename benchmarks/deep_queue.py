@@ -68,7 +68,18 @@ ROWS = {
     "tie-oracle": ("tie", {"predictor": "oracle"}),
     "uniboost-pinned": ("uniboost", {"gamma_ada": False}),
 }
-DEFAULT_ROWS = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "uniboost-nomg", "tie", "vtc")
+DEFAULT_ROWS = (
+    "fcfs",
+    "sarathi",
+    "sjf",
+    "srpt",
+    "las",
+    "distboost",
+    "uniboost",
+    "uniboost-nomg",
+    "tie",
+    "vtc",
+)
 
 
 def settings_for(row: str) -> Settings:
@@ -89,15 +100,25 @@ def capacity_rps(prompt_tokens: float, config: EngineConfig | None = None) -> fl
     return 1.0 / t
 
 
-def deep_trace(n: int, load: float, prompt_mean: int, prompt_spread: int, seed: int = 0) -> list[TraceRequest]:
+def deep_trace(
+    n: int, load: float, prompt_mean: int, prompt_spread: int, seed: int = 0
+) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     rate = load * capacity_rps(prompt_mean)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     prompts = rng.integers(max(1, prompt_mean - prompt_spread), prompt_mean + prompt_spread + 1, n)
     outputs = np.clip(np.rint(rng.lognormal(np.log(120.0), 0.8, n)), 1, 1000).astype(int)
-    return [TraceRequest(id=f"d{i:06d}", arrival=round(float(a), 6), prompt_tokens=int(p), output_tokens=int(o),
-                         max_tokens=1024, tenant=f"t{i % 4}")
-            for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+    return [
+        TraceRequest(
+            id=f"d{i:06d}",
+            arrival=round(float(a), 6),
+            prompt_tokens=int(p),
+            output_tokens=int(o),
+            max_tokens=1024,
+            tenant=f"t{i % 4}",
+        )
+        for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))
+    ]
 
 
 class _Sampled(Simulator):
@@ -114,8 +135,20 @@ class _Sampled(Simulator):
 def completion_hash(completions) -> str:
     h = hashlib.sha256()
     for c in sorted(completions, key=lambda c: c.id):
-        h.update(repr((c.id, c.arrival, c.scheduled_at, c.first_token_at, c.finished_at, c.output_tokens,
-                       c.preemptions, c.recomputed_tokens)).encode())
+        h.update(
+            repr(
+                (
+                    c.id,
+                    c.arrival,
+                    c.scheduled_at,
+                    c.first_token_at,
+                    c.finished_at,
+                    c.output_tokens,
+                    c.preemptions,
+                    c.recomputed_tokens,
+                )
+            ).encode()
+        )
     return h.hexdigest()[:16]
 
 
@@ -151,21 +184,41 @@ def load_avg() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=10500)
-    ap.add_argument("--load", type=float, default=20.0, help="arrival rate as a multiple of one replica's capacity")
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=20.0,
+        help="arrival rate as a multiple of one replica's capacity",
+    )
     ap.add_argument("--prompt-mean", type=int, default=12000)
     ap.add_argument("--prompt-spread", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", default=",".join(DEFAULT_ROWS), help=f"rows among {', '.join(ROWS)}")
+    ap.add_argument(
+        "--policies", default=",".join(DEFAULT_ROWS), help=f"rows among {', '.join(ROWS)}"
+    )
     ap.add_argument("--repeat", type=int, default=1, help="replays per policy (best is reported)")
     ap.add_argument("--profile", default="", help="row to cProfile (printed after the table)")
-    ap.add_argument("--hash", action="store_true", help="print a hash of every replay's completions")
-    ap.add_argument("--hash-bundled", action="store_true",
-                    help="also hash every policy's replay of the bundled Azure conv window")
-    ap.add_argument("--bundled-rate-scale", type=float, default=1.0,
-                    help="--hash-bundled: replay the window at this multiple of its rate")
-    ap.add_argument("--check-invariants", action="store_true", help="assert the engine's invariants every step")
+    ap.add_argument(
+        "--hash", action="store_true", help="print a hash of every replay's completions"
+    )
+    ap.add_argument(
+        "--hash-bundled",
+        action="store_true",
+        help="also hash every policy's replay of the bundled Azure conv window",
+    )
+    ap.add_argument(
+        "--bundled-rate-scale",
+        type=float,
+        default=1.0,
+        help="--hash-bundled: replay the window at this multiple of its rate",
+    )
+    ap.add_argument(
+        "--check-invariants", action="store_true", help="assert the engine's invariants every step"
+    )
     args = ap.parse_args()
     rows = [r for r in args.policies.split(",") if r]
     unknown = [r for r in rows if r not in ROWS]
@@ -175,23 +228,33 @@ def main() -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     trace = deep_trace(args.requests, args.load, args.prompt_mean, args.prompt_spread, args.seed)
     cap = capacity_rps(args.prompt_mean)
-    print(f"deep-queue trace: {len(trace)} requests, prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
-          f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
-          f"{trace[-1].arrival:.0f} s")
+    print(
+        f"deep-queue trace: {len(trace)} requests, prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
+        f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
+        f"{trace[-1].arrival:.0f} s"
+    )
     print(f"load average before: {load_avg()}")
-    print(f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} {'events':>7} "
-          f"{'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""), flush=True)
+    print(
+        f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} {'events':>7} "
+        f"{'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""),
+        flush=True,
+    )
     walls: dict[str, float] = {}
     profiled = None
     for row in rows:
-        runs = [replay(trace, row, check_invariants=args.check_invariants) for _ in range(args.repeat)]
+        runs = [
+            replay(trace, row, check_invariants=args.check_invariants) for _ in range(args.repeat)
+        ]
         wall, res, peak, _, refit_s = min(runs, key=lambda x: x[0])
         walls[row] = wall
         base = walls.get("fcfs")
         ratio = f"{wall / base:6.2f}" if base else f"{'-':>6}"
-        print(f"{row:>14} {wall:8.2f} {ratio} {refit_s:7.2f} {peak:9d} {res.steps:8d} {res.iterations:7d} "
-              f"{res.preemptions:8d} {res.sim_time_s:8.0f}"
-              + (f"  {completion_hash(res.completions)}" if args.hash else ""), flush=True)
+        print(
+            f"{row:>14} {wall:8.2f} {ratio} {refit_s:7.2f} {peak:9d} {res.steps:8d} {res.iterations:7d} "
+            f"{res.preemptions:8d} {res.sim_time_s:8.0f}"
+            + (f"  {completion_hash(res.completions)}" if args.hash else ""),
+            flush=True,
+        )
     print(f"load average after: {load_avg()}")
     if "fcfs" in walls:
         worst = max(walls, key=lambda r: walls[r])

@@ -42,7 +42,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks.autopilot import build  # noqa: E402  (the autopilot benchmark's workloads, built alike)
 from benchmarks.autopilot_workloads import NEW_WORKLOADS  # noqa: E402
-from benchmarks.seed_claims import KNEE, WORKLOADS as SEED_WORKLOADS, ratio  # noqa: E402
+from benchmarks.seed_claims import KNEE, ratio  # noqa: E402
+from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS
 from scheduler.metrics import summarize  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
@@ -56,7 +57,12 @@ HELD_OUT = frozenset({"heldout"})
 DEFAULT_WORKLOADS = tuple(w for w in ALL_WORKLOADS if w not in HELD_OUT)
 DEFAULT_TRACES = REPO / "traces"
 METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "throughput_tok_s")
-LABELS = {"ttft_p95": "P95 TTFT", "ttft_p99": "P99 TTFT", "ttlt_p99": "P99 TTLT", "throughput_tok_s": "throughput"}
+LABELS = {
+    "ttft_p95": "P95 TTFT",
+    "ttft_p99": "P99 TTFT",
+    "ttlt_p99": "P99 TTLT",
+    "throughput_tok_s": "throughput",
+}
 NEVER_WORSE = 0.02  # P95 TTFT ratio: at most this above the defaults'
 P99_TTFT_SLACK = 1.05  # P99 TTFT at most this times the defaults'
 TTLT_SLACK = 1.02  # P99 TTLT at most this times sarathi's
@@ -66,7 +72,10 @@ UNIBOOST = "uniboost"
 RULES: dict[str, dict[str, Any]] = {
     "sarathi": {"policy": "sarathi"},
     "today": {"policy": UNIBOOST},
-    **{f"scale{s:g}": {"policy": UNIBOOST, "params": {"ada_scale": s}} for s in (0.7, 0.5, 0.3, 0.1, 0.03, 0.01)},
+    **{
+        f"scale{s:g}": {"policy": UNIBOOST, "params": {"ada_scale": s}}
+        for s in (0.7, 0.5, 0.3, 0.1, 0.03, 0.01)
+    },
     # The written stage-4 signal: end-to-end latency, whose tail under a small γ is the starved
     # long requests' — it drifts to gamma_min, where the hindsight γ of most workloads sits.
     "sig=ttlt": {"policy": UNIBOOST, "params": {"ada_signal": "ttlt"}},
@@ -80,8 +89,10 @@ def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
     """Time-weighted median of γ-Ada's (time, γ) samples, each held until the next (NaN if none)."""
     if not timeline:
         return math.nan
-    spans = sorted((float(g), (timeline[i + 1][0] if i + 1 < len(timeline) else max(end, t)) - t)
-                   for i, (t, g) in enumerate(timeline))
+    spans = sorted(
+        (float(g), (timeline[i + 1][0] if i + 1 < len(timeline) else max(end, t)) - t)
+        for i, (t, g) in enumerate(timeline)
+    )
     total = sum(w for _, w in spans)
     if total <= 0:
         return float(timeline[-1][1])
@@ -117,22 +128,33 @@ def verdict(rule: str, by_workload: dict[str, dict[str, dict[str, float]]]) -> d
     for w, r in by_workload.items():
         c, d = r[rule], r["today"]
         if c["ttft_p95"] > d["ttft_p95"] + NEVER_WORSE:
-            failures.append(f"{w}: P95 TTFT {c['ttft_p95']:.3f}x > the defaults' {d['ttft_p95']:.3f}x + {NEVER_WORSE}")
+            failures.append(
+                f"{w}: P95 TTFT {c['ttft_p95']:.3f}x > the defaults' {d['ttft_p95']:.3f}x + {NEVER_WORSE}"
+            )
         if c["ttft_p99"] > P99_TTFT_SLACK * d["ttft_p99"]:
-            failures.append(f"{w}: P99 TTFT {c['ttft_p99']:.2f}x > {P99_TTFT_SLACK} x the defaults' "
-                            f"{d['ttft_p99']:.2f}x = {P99_TTFT_SLACK * d['ttft_p99']:.2f}x")
+            failures.append(
+                f"{w}: P99 TTFT {c['ttft_p99']:.2f}x > {P99_TTFT_SLACK} x the defaults' "
+                f"{d['ttft_p99']:.2f}x = {P99_TTFT_SLACK * d['ttft_p99']:.2f}x"
+            )
         if c["ttlt_p99"] > TTLT_SLACK:
             failures.append(f"{w}: P99 TTLT {c['ttlt_p99']:.3f}x sarathi > {TTLT_SLACK}")
         if c["throughput_tok_s"] < THROUGHPUT_FLOOR:
-            failures.append(f"{w}: throughput {c['throughput_tok_s']:.4f}x sarathi < {THROUGHPUT_FLOOR}")
+            failures.append(
+                f"{w}: throughput {c['throughput_tok_s']:.4f}x sarathi < {THROUGHPUT_FLOOR}"
+            )
         gains[w] = d["ttft_p95"] - c["ttft_p95"]
     better_somewhere = any(g > NEVER_WORSE for g in gains.values())
     if not better_somewhere:
         failures.append(f"P95 TTFT better than the defaults by > {NEVER_WORSE} nowhere")
     finite_gains = [g for g in gains.values() if math.isfinite(g)]
-    return {"robust": not failures, "failures": failures, "p95_gain": gains,
-            "mean_p95_gain": sum(finite_gains) / len(finite_gains) if finite_gains else math.nan,
-            "min_p95_gain": min(finite_gains, default=math.nan), "max_p95_gain": max(finite_gains, default=math.nan)}
+    return {
+        "robust": not failures,
+        "failures": failures,
+        "p95_gain": gains,
+        "mean_p95_gain": sum(finite_gains) / len(finite_gains) if finite_gains else math.nan,
+        "min_p95_gain": min(finite_gains, default=math.nan),
+        "max_p95_gain": max(finite_gains, default=math.nan),
+    }
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -140,8 +162,12 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def report(rules: list[str], figures: dict[str, dict[str, dict[str, float]]],
-           by_workload: dict[str, dict[str, dict[str, float]]], verdicts: dict[str, dict[str, Any]]) -> None:
+def report(
+    rules: list[str],
+    figures: dict[str, dict[str, dict[str, float]]],
+    by_workload: dict[str, dict[str, dict[str, float]]],
+    verdicts: dict[str, dict[str, Any]],
+) -> None:
     header = ["workload", "rule", *(LABELS[k] for k in METRICS), "median γ"]
     rows = []
     for w, r in by_workload.items():
@@ -153,25 +179,35 @@ def report(rules: list[str], figures: dict[str, dict[str, dict[str, float]]],
     print(markdown(header, rows))
     print("\nP95 TTFT, ratio to sarathi (one column a rule):\n")
     cols = ["today", *rules]
-    print(markdown(["workload", *cols], [[w, *(f"{r[c]['ttft_p95']:.2f}x" for c in cols)]
-                                         for w, r in by_workload.items()]))
+    print(
+        markdown(
+            ["workload", *cols],
+            [[w, *(f"{r[c]['ttft_p95']:.2f}x" for c in cols)] for w, r in by_workload.items()],
+        )
+    )
     print("\nVerdicts (robustly better than today's defaults?):")
     for rule in rules:
         v = verdicts[rule]
         tag = "reference, never chosen; " if rule.startswith("ref:") else ""
         head = "ROBUST" if v["robust"] else "no"
-        print(f"{head:6s} {rule}: {tag}P95 TTFT gain over the defaults mean {v['mean_p95_gain']:+.3f}, "
-              f"min {v['min_p95_gain']:+.3f}, max {v['max_p95_gain']:+.3f}")
+        print(
+            f"{head:6s} {rule}: {tag}P95 TTFT gain over the defaults mean {v['mean_p95_gain']:+.3f}, "
+            f"min {v['min_p95_gain']:+.3f}, max {v['max_p95_gain']:+.3f}"
+        )
         for f in v["failures"]:
             print(f"         - {f}")
     robust = [r for r in rules if verdicts[r]["robust"] and not r.startswith("ref:")]
     best = max(robust, key=lambda r: verdicts[r]["mean_p95_gain"]) if robust else None
-    print(f"\nBest robust rule: {best or 'none'}"
-          + (f" (mean P95 TTFT gain {verdicts[best]['mean_p95_gain']:+.3f})" if best else ""))
+    print(
+        f"\nBest robust rule: {best or 'none'}"
+        + (f" (mean P95 TTFT gain {verdicts[best]['mean_p95_gain']:+.3f})" if best else "")
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     ap.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"known: {', '.join(RULES)}")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (1: in this process)")
@@ -192,17 +228,24 @@ def main() -> None:
     pool = ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
     mapper = pool.map if pool else map
     built: dict[str, traces.Trace] = {}
-    for name, trace, how in mapper(build, [(w, args.traces, args.seed, args.knee) for w in workloads]):
+    for name, trace, how in mapper(
+        build, [(w, args.traces, args.seed, args.knee) for w in workloads]
+    ):
         built[name] = trace
-        print(f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})", flush=True)
+        print(
+            f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})",
+            flush=True,
+        )
     jobs = [(w, rule, built[w]) for w in workloads for rule in ("sarathi", "today", *rules)]
     figures: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
     walls: dict[str, float] = {}
     for w, rule, m, wall in mapper(replay, jobs):
         figures[w][rule] = m
         walls[f"{w}/{rule}"] = wall
-        print(f"  {w:10s} {rule:12s} P95 TTFT {m['ttft_p95']:9.3g} s  median γ {m['median_gamma']:.3g}  ({wall:.0f} s)",
-              flush=True)
+        print(
+            f"  {w:10s} {rule:12s} P95 TTFT {m['ttft_p95']:9.3g} s  median γ {m['median_gamma']:.3g}  ({wall:.0f} s)",
+            flush=True,
+        )
     if pool:
         pool.shutdown()
     by_workload = {w: ratios(figures[w]) for w in workloads}
@@ -210,12 +253,23 @@ def main() -> None:
     report(rules, figures, by_workload, verdicts)
     wall = time.perf_counter() - started
     load = os.getloadavg()
-    print(f"\n{len(jobs)} replays in {wall:.0f} s wall, {time.process_time() - cpu0:.0f} CPU s in this process "
-          f"({args.jobs} worker{'s' if args.jobs > 1 else ''}); load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(
+        f"\n{len(jobs)} replays in {wall:.0f} s wall, {time.process_time() - cpu0:.0f} CPU s in this process "
+        f"({args.jobs} worker{'s' if args.jobs > 1 else ''}); load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     if args.json:
-        doc = {"workloads": workloads, "rules": {r: RULES[r] for r in ("sarathi", "today", *rules)},
-               "figures": figures, "ratios": by_workload, "verdicts": verdicts, "replay_wall_s": walls,
-               "wall_s": wall, "jobs": args.jobs, "seed": args.seed, "knee": args.knee}
+        doc = {
+            "workloads": workloads,
+            "rules": {r: RULES[r] for r in ("sarathi", "today", *rules)},
+            "figures": figures,
+            "ratios": by_workload,
+            "verdicts": verdicts,
+            "replay_wall_s": walls,
+            "wall_s": wall,
+            "jobs": args.jobs,
+            "seed": args.seed,
+            "knee": args.knee,
+        }
         args.json.write_text(json.dumps(finite(doc), indent=2))
 
 

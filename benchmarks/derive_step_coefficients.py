@@ -128,13 +128,30 @@ def derive(path: Path, tp: int = 1, prefill_range=(256, 8192), decode_range=(1, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("profile", nargs="?", type=Path, default=DEFAULT_PROFILE,
-                        help="vidur mlp.csv profile (default: %(default)s)")
+    parser.add_argument(
+        "profile",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_PROFILE,
+        help="vidur mlp.csv profile (default: %(default)s)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--prefill-range", type=int, nargs=2, default=(256, 8192),
-                        metavar=("LO", "HI"), help="token counts for the b fit (default 256 8192)")
-    parser.add_argument("--decode-range", type=int, nargs=2, default=(1, 128),
-                        metavar=("LO", "HI"), help="token counts for the d fit (default 1 128)")
+    parser.add_argument(
+        "--prefill-range",
+        type=int,
+        nargs=2,
+        default=(256, 8192),
+        metavar=("LO", "HI"),
+        help="token counts for the b fit (default 256 8192)",
+    )
+    parser.add_argument(
+        "--decode-range",
+        type=int,
+        nargs=2,
+        default=(1, 128),
+        metavar=("LO", "HI"),
+        help="token counts for the d fit (default 1 128)",
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -144,12 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     hard = get_model(DEFAULT_MODEL_NAME)
 
     print(f"profile: {args.profile.resolve()}  (TP{args.tp})")
-    print(f"b fit over {r['prefill_range'][0]}..{r['prefill_range'][1]} tokens: {r['b_points']} token "
-          f"counts, intercept {r['b_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['b_max_rel_err']:.1%}")
-    print(f"d fit over {r['decode_range'][0]}..{r['decode_range'][1]} tokens: {r['d_points']} token "
-          f"counts, intercept {r['d_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['d_max_rel_err']:.1%}")
-    print(f"  d = layers+emb {r['d_layers']:.4e} s + LM head {r['d_lm_head']:.4e} s "
-          f"({LM_HEAD_TO_LAYER_GEMMS:.3f} x layer GEMM slope)")
+    print(
+        f"b fit over {r['prefill_range'][0]}..{r['prefill_range'][1]} tokens: {r['b_points']} token "
+        f"counts, intercept {r['b_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['b_max_rel_err']:.1%}"
+    )
+    print(
+        f"d fit over {r['decode_range'][0]}..{r['decode_range'][1]} tokens: {r['d_points']} token "
+        f"counts, intercept {r['d_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['d_max_rel_err']:.1%}"
+    )
+    print(
+        f"  d = layers+emb {r['d_layers']:.4e} s + LM head {r['d_lm_head']:.4e} s "
+        f"({LM_HEAD_TO_LAYER_GEMMS:.3f} x layer GEMM slope)"
+    )
     print()
     print(f"{'coef':<5}{'refit from CSV':>16}{'hard-coded':>14}{'rel. diff':>11}   unit")
     for key, unit in (("b", "s/prefill token"), ("d", "s/decode seq")):

@@ -67,12 +67,18 @@ POLICIES = {
     "vtc": {"policy": "vtc"},
     "las": {"policy": "las"},
     "srpt": {"policy": "srpt", "params": {"predictor": "history"}},
-    "slofq": {"policy": "slofq", "params": {"tenants": {"t0": {"commit_tok_s": 1000.0}, "t1": {"weight": 2.0}}}},
+    "slofq": {
+        "policy": "slofq",
+        "params": {"tenants": {"t0": {"commit_tok_s": 1000.0}, "t1": {"weight": 2.0}}},
+    },
     # A new epoch at every timed step (the deep-queue case: every waiting key moves at once).
     # uniboost-ada: γ-Ada ticks at every step (samples preloaded, a 1 µs interval);
     # tie-refit / srpt-refit: the history predictor refits before every step (untimed), so the
     # step re-keys what the refit changed. (In production: γ every 5 s, refits every 10 s.)
-    "uniboost-ada": {"policy": "uniboost", "params": {"ada_interval_s": 1e-6, "ada_min_samples": 10}},
+    "uniboost-ada": {
+        "policy": "uniboost",
+        "params": {"ada_interval_s": 1e-6, "ada_min_samples": 10},
+    },
     "tie-refit": {"policy": "tie", "params": {"predictor": "history"}},
     "srpt-refit": {"policy": "srpt", "params": {"predictor": "history"}},
     "uniboost-nomg": {"policy": "uniboost", "params": {"memguard": False}},
@@ -97,8 +103,14 @@ def fit_predictor(predictor) -> None:
     for rtype, median, prompt in (("chat", 200, RUNNING_PROMPT), ("batch", 2000, WAITING_PROMPT)):
         for tenant in ("t0", "t1", "t2", "t3"):
             for _ in range(40):
-                r = RequestState(id="h", arrival=0.0, prompt_tokens=prompt, max_tokens=4000, tenant=tenant,
-                                 type=rtype)
+                r = RequestState(
+                    id="h",
+                    arrival=0.0,
+                    prompt_tokens=prompt,
+                    max_tokens=4000,
+                    tenant=tenant,
+                    type=rtype,
+                )
                 predictor.observe(r, int(median * rng.lognormvariate(0.0, 0.3)))
     predictor.refit()
 
@@ -106,12 +118,19 @@ def fit_predictor(predictor) -> None:
 class Case:
     """One scheduler brought to the steady state: ``running`` decoding, ``waiting`` queued."""
 
-    def __init__(self, name: str, cls, settings: dict | None, *, waiting: int, running: int, t0: float) -> None:
+    def __init__(
+        self, name: str, cls, settings: dict | None, *, waiting: int, running: int, t0: float
+    ) -> None:
         self.name = name
         budget = max(2048, running)
         blocks_per_req = -(-(RUNNING_PROMPT + MAX_STEADY_STEPS + 64) // 16)
-        self.s = s = make_scheduler(cls, num_blocks=running * blocks_per_req + 64, max_num_seqs=running,
-                                    max_num_batched_tokens=budget, settings=settings)
+        self.s = s = make_scheduler(
+            cls,
+            num_blocks=running * blocks_per_req + 64,
+            max_num_seqs=running,
+            max_num_batched_tokens=budget,
+            settings=settings,
+        )
         core = self.core = getattr(s, "tp_core", None)
         if core is not None:
             core.stop()  # no background refit while timing: predictions stay fixed
@@ -121,8 +140,16 @@ class Case:
                 core.policy.recent_tail.extend(1.0 + 0.001 * k for k in range(1000))
         self.running, self.waiting = running, waiting
         for i in range(running):
-            s.add_request(make_request(f"r{i:05d}", RUNNING_PROMPT, RUNNING_MAX_TOKENS, arrival=t0 + i * 1e-4,
-                                       tenant=f"t{i % 4}", type="chat"))
+            s.add_request(
+                make_request(
+                    f"r{i:05d}",
+                    RUNNING_PROMPT,
+                    RUNNING_MAX_TOKENS,
+                    arrival=t0 + i * 1e-4,
+                    tenant=f"t{i % 4}",
+                    type="chat",
+                )
+            )
         self.steps = 0
         while not all(r.num_output_tokens > 0 for r in s.running) or len(s.running) < running:
             self.step()
@@ -130,8 +157,16 @@ class Case:
                 raise RuntimeError(f"{name}: running set did not fill")
         for i in range(waiting):
             prompt = WAITING_PROMPT + (i * 7919) % (WAITING_PROMPT_SPREAD + 1)
-            s.add_request(make_request(f"w{i:05d}", prompt, RUNNING_MAX_TOKENS, arrival=t0 + 10 + i * 1e-4,
-                                       tenant=f"t{i % 4}", type="batch"))
+            s.add_request(
+                make_request(
+                    f"w{i:05d}",
+                    prompt,
+                    RUNNING_MAX_TOKENS,
+                    arrival=t0 + 10 + i * 1e-4,
+                    tenant=f"t{i % 4}",
+                    type="batch",
+                )
+            )
         self.times: list[float] = []
 
     def step(self, timed: bool = False):
@@ -151,10 +186,16 @@ class Case:
             self.core.predictor.refit()  # untimed: what it costs the step is the re-key that follows
         out = self.step(timed=True)
         n = len(out.num_scheduled_tokens)
-        if n != self.running or out.scheduled_new_reqs or out.preempted_req_ids \
-                or len(self.s.waiting) != self.waiting:
-            raise RuntimeError(f"{self.name}: not a steady step ({n} scheduled, {len(out.scheduled_new_reqs)} new, "
-                               f"{len(out.preempted_req_ids)} preempted, {len(self.s.waiting)} waiting)")
+        if (
+            n != self.running
+            or out.scheduled_new_reqs
+            or out.preempted_req_ids
+            or len(self.s.waiting) != self.waiting
+        ):
+            raise RuntimeError(
+                f"{self.name}: not a steady step ({n} scheduled, {len(out.scheduled_new_reqs)} new, "
+                f"{len(out.preempted_req_ids)} preempted, {len(self.s.waiting)} waiting)"
+            )
 
     def median_us(self) -> float:
         return statistics.median(self.times) * 1e6
@@ -165,9 +206,14 @@ def run_config(waiting: int, running: int, policies: list[str], reps: int) -> di
 
     rng = random.Random(waiting * 7919 + running)
     t0 = time.time() - 100.0
-    cases = [Case("stock", Scheduler, None, waiting=waiting, running=running, t0=t0),
-             Case("stock#2", Scheduler, None, waiting=waiting, running=running, t0=t0)]  # noise floor
-    cases += [Case(p, TailpilotScheduler, POLICIES[p], waiting=waiting, running=running, t0=t0) for p in policies]
+    cases = [
+        Case("stock", Scheduler, None, waiting=waiting, running=running, t0=t0),
+        Case("stock#2", Scheduler, None, waiting=waiting, running=running, t0=t0),
+    ]  # noise floor
+    cases += [
+        Case(p, TailpilotScheduler, POLICIES[p], waiting=waiting, running=running, t0=t0)
+        for p in policies
+    ]
     for c in cases:  # one untimed steady step each (first-touch effects)
         c.timed_step()
         c.times.clear()
@@ -190,7 +236,9 @@ def run_config(waiting: int, running: int, policies: list[str], reps: int) -> di
 
 def profile(policy: str, waiting: int, running: int, reps: int) -> str:
     t0 = time.time() - 100.0
-    case = Case(policy, TailpilotScheduler, POLICIES[policy], waiting=waiting, running=running, t0=t0)
+    case = Case(
+        policy, TailpilotScheduler, POLICIES[policy], waiting=waiting, running=running, t0=t0
+    )
     stock = Case("stock", Scheduler, None, waiting=waiting, running=running, t0=t0)
     prof_plugin, prof_stock = cProfile.Profile(), cProfile.Profile()
     for _ in range(reps):
@@ -204,7 +252,9 @@ def profile(policy: str, waiting: int, running: int, reps: int) -> str:
             s.update_from_output(out, fake_model_output(s, out))
     buf = io.StringIO()
     for title, prof in ((f"plugin ({policy})", prof_plugin), ("stock", prof_stock)):
-        buf.write(f"\n=== cProfile of schedule(): {title}, {waiting} waiting / {running} running, {reps} calls ===\n")
+        buf.write(
+            f"\n=== cProfile of schedule(): {title}, {waiting} waiting / {running} running, {reps} calls ===\n"
+        )
         st = pstats.Stats(prof, stream=buf)
         st.sort_stats("tottime").print_stats(12)
         if prof is prof_plugin:
@@ -214,32 +264,49 @@ def profile(policy: str, waiting: int, running: int, reps: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--waiting", default="64,256,1024")
     ap.add_argument("--running", default="64,256")
-    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help=f"rows among {', '.join(POLICIES)}")
+    ap.add_argument(
+        "--policies", default=",".join(DEFAULT_POLICIES), help=f"rows among {', '.join(POLICIES)}"
+    )
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="fresh schedulers per round; the least median over rounds is reported")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh schedulers per round; the least median over rounds is reported",
+    )
     ap.add_argument("--profile", default="", help="policy to cProfile at the largest configuration")
-    ap.add_argument("--waiting-prompt-spread", type=int, default=0,
-                    help="waiting prompts take 2048 + 0..N tokens (distinct lengths: uniboost keeps a "
-                         "group per length)")
+    ap.add_argument(
+        "--waiting-prompt-spread",
+        type=int,
+        default=0,
+        help="waiting prompts take 2048 + 0..N tokens (distinct lengths: uniboost keeps a "
+        "group per length)",
+    )
     args = ap.parse_args()
     global WAITING_PROMPT_SPREAD
     WAITING_PROMPT_SPREAD = args.waiting_prompt_spread
     if args.reps + 4 > MAX_STEADY_STEPS:
-        ap.error(f"--reps must be at most {MAX_STEADY_STEPS - 4} (las must stay in its first level)")
+        ap.error(
+            f"--reps must be at most {MAX_STEADY_STEPS - 4} (las must stay in its first level)"
+        )
     logging.getLogger("vllm").setLevel(logging.ERROR)
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, like the engine loop
+        os.sched_setaffinity(
+            0, {sorted(os.sched_getaffinity(0))[0]}
+        )  # one core, like the engine loop
     policies = [p for p in args.policies.split(",") if p]
     waitings = [int(x) for x in args.waiting.split(",")]
     runnings = [int(x) for x in args.running.split(",")]
     print(f"median of {args.reps} schedule() calls, pure-decode steady state (µs)")
-    print(f"{'waiting':>7} {'running':>7} {'policy':>9} {'stock_us':>9} {'plugin_us':>9} {'extra_us':>8} "
-          f"{'ratio':>6}  ratio<=1.2")
+    print(
+        f"{'waiting':>7} {'running':>7} {'policy':>9} {'stock_us':>9} {'plugin_us':>9} {'extra_us':>8} "
+        f"{'ratio':>6}  ratio<=1.2"
+    )
     worst_ratio, worst_abs, worst_extra = 0.0, 0.0, 0.0
     for running in runnings:
         for waiting in waitings:
@@ -253,12 +320,19 @@ def main() -> None:
                     worst_extra = max(worst_extra, res[p] - stock)
                 if waiting >= 1024 and p != "stock#2":
                     worst_abs = max(worst_abs, res[p])
-                print(f"{waiting:7d} {running:7d} {p:>9} {stock:9.1f} {res[p]:9.1f} {res[p] - stock:8.1f} "
-                      f"{ratio:6.2f}  {'ok' if ratio <= 1.2 else 'MISS'}", flush=True)
-    summary = f"worst ratio {worst_ratio:.2f} (target <= 1.2); worst added time {worst_extra:.0f} µs"
+                print(
+                    f"{waiting:7d} {running:7d} {p:>9} {stock:9.1f} {res[p]:9.1f} {res[p] - stock:8.1f} "
+                    f"{ratio:6.2f}  {'ok' if ratio <= 1.2 else 'MISS'}",
+                    flush=True,
+                )
+    summary = (
+        f"worst ratio {worst_ratio:.2f} (target <= 1.2); worst added time {worst_extra:.0f} µs"
+    )
     if max(waitings) >= 1024:
-        summary += (f"; worst plugin time at 1024 waiting {worst_abs:.0f} µs (target < 1000; the stock "
-                    f"column shows how much of it is vLLM's own step)")
+        summary += (
+            f"; worst plugin time at 1024 waiting {worst_abs:.0f} µs (target < 1000; the stock "
+            f"column shows how much of it is vLLM's own step)"
+        )
     print(summary)
     if args.profile:
         print(profile(args.profile, max(waitings), max(runnings), args.reps))

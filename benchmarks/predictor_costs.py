@@ -30,9 +30,15 @@ def filled_predictor(keys: int, samples: int, seed: int = 9) -> HistoryPredictor
     rng = np.random.default_rng(seed)
     h = HistoryPredictor(window=max(5000, samples))
     for k in range(keys):
-        r = SimpleNamespace(id=f"r{k}", tenant=f"t{k // 10}", type=("chat", "batch")[k % 2],
-                            prompt_tokens=2 ** (3 + (k % 10) // 2), max_tokens=1_000_000, output_tokens=None,
-                            generated=0)
+        r = SimpleNamespace(
+            id=f"r{k}",
+            tenant=f"t{k // 10}",
+            type=("chat", "batch")[k % 2],
+            prompt_tokens=2 ** (3 + (k % 10) // 2),
+            max_tokens=1_000_000,
+            output_tokens=None,
+            generated=0,
+        )
         logs = rng.uniform(2, 7) + rng.uniform(0.2, 1.5) * rng.standard_t(3.5, samples)
         for n in np.exp(logs):
             h.observe(r, max(int(n), 1))
@@ -51,9 +57,11 @@ def main() -> None:
         t0 = time.perf_counter()
         fitted = h.refit()
         times.append(time.perf_counter() - t0)
-    print(f"refit of {fitted} keys ({args.keys} fine keys x {args.samples} samples): "
-          f"median {statistics.median(times) * 1000:.0f} ms, worst {max(times) * 1000:.0f} ms "
-          f"over {args.rounds} rounds (target < 1000 ms)")
+    print(
+        f"refit of {fitted} keys ({args.keys} fine keys x {args.samples} samples): "
+        f"median {statistics.median(times) * 1000:.0f} ms, worst {max(times) * 1000:.0f} ms "
+        f"over {args.rounds} rounds (target < 1000 ms)"
+    )
     tie_moments(4.0, 0.8, 4096, 0.9)  # warm caches
     n = 2000
     t0 = time.perf_counter()

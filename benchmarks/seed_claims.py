@@ -61,7 +61,10 @@ POLICIES: dict[str, dict] = {
     "fcfs": {"policy": "fcfs"},
     "srpt-oracle": {"policy": "srpt", "params": {"predictor": "oracle"}},
     "sjf-oracle": {"policy": "sjf", "params": {"predictor": "oracle"}},
-    "sjf-oracle-noguard": {"policy": "sjf", "params": {"predictor": "oracle", "starve_steps": 1_000_000}},
+    "sjf-oracle-noguard": {
+        "policy": "sjf",
+        "params": {"predictor": "oracle", "starve_steps": 1_000_000},
+    },
     "distboost": {"policy": "distboost"},
     "ub-s2": {"policy": "uniboost", "params": {"memguard": False, "gamma_ada": False}},
     "ub-s3": {"policy": "uniboost", "params": {"gamma_ada": False}},
@@ -69,9 +72,20 @@ POLICIES: dict[str, dict] = {
     "uniboost-spec": {"policy": "uniboost", "params": {"ada_signal": "ttlt", "kv_victim": "score"}},
     "sjf-history": {"policy": "sjf", "params": {"predictor": "history"}},
     "tie-history": {"policy": "tie", "params": {"predictor": "history"}},
-    "tie-oracle": {"policy": "tie", "params": {"predictor": "oracle", "sigma_noise": 0.5, "sigma_spread": 0.5}},
+    "tie-oracle": {
+        "policy": "tie",
+        "params": {"predictor": "oracle", "sigma_noise": 0.5, "sigma_spread": 0.5},
+    },
 }
-METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "ttlt_mean", "ptl_mean", "throughput_tok_s", "preemptions")
+METRICS = (
+    "ttft_p95",
+    "ttft_p99",
+    "ttlt_p99",
+    "ttlt_mean",
+    "ptl_mean",
+    "throughput_tok_s",
+    "preemptions",
+)
 KNEE = 20.0  # near saturation: sarathi's P95 TTFT at KNEE x its light-load value
 WORKLOADS = ("conv1.0", "conv1.1", "code", "mix20", "mix70", "longprompt")
 
@@ -82,7 +96,10 @@ def capacity(trace: traces.Trace) -> float:
     percentile of completion times (the full-batch regime, without start-up and the last
     stragglers)."""
     burst = traces.scale_rate(trace, 1e6)
-    done = sorted(c.finished_at for c in simulate(burst, Settings.model_validate({"policy": "sarathi"})).completions)
+    done = sorted(
+        c.finished_at
+        for c in simulate(burst, Settings.model_validate({"policy": "sarathi"})).completions
+    )
     lo, hi = done[len(done) // 10], done[(9 * len(done)) // 10]
     return ((9 * len(done)) // 10 - len(done) // 10) / (hi - lo)
 
@@ -91,7 +108,9 @@ def _sarathi_p95_ttft(trace: traces.Trace) -> float:
     return simulate(trace, Settings.model_validate({"policy": "sarathi"})).metrics()["ttft_p95"]
 
 
-def near_saturation(trace: traces.Trace, knee: float = KNEE, steps: int = 8) -> tuple[traces.Trace, float]:
+def near_saturation(
+    trace: traces.Trace, knee: float = KNEE, steps: int = 8
+) -> tuple[traces.Trace, float]:
     """The trace at the load (utilisation) where vLLM's default scheduler reaches its knee: its
     P95 TTFT is ``knee`` × its P95 TTFT at load 0.3 — queues deep but stable (bisection on load
     in [0.3, 1.2]). Returns the scaled trace and its load."""
@@ -129,12 +148,23 @@ def build_workload(name: str, root: Path, knee: float = KNEE) -> tuple[traces.Tr
     if name in ("mix20", "mix70"):
         share = 0.2 if name == "mix20" else 0.7
         reasoning = traces.load_servegen_reasoning(
-            root / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv", n=len(conv), rate=1.0, seed=7)
-        mixed = traces.mix([(conv, 1.0 - share), (reasoning, share)], n=len(conv), seed=7, name=name)
+            root / "servegen_derived" / "servegen_deepseek_r1_length_pmf.csv",
+            n=len(conv),
+            rate=1.0,
+            seed=7,
+        )
+        mixed = traces.mix(
+            [(conv, 1.0 - share), (reasoning, share)], n=len(conv), seed=7, name=name
+        )
         scaled, rho = near_saturation(mixed, knee)
-        return scaled, f"conv arrivals x{scaled.rate / conv.rate:.3f}, load {rho:.2f} (near saturation)"
+        return (
+            scaled,
+            f"conv arrivals x{scaled.rate / conv.rate:.3f}, load {rho:.2f} (near saturation)",
+        )
     if name == "longprompt":
-        lengths = root / "lengths_only" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
+        lengths = (
+            root / "lengths_only" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
+        )
         base = traces.load_lengths(lengths, n=6000, rate=1.0, seed=11)
         scaled, rho = near_saturation(base, knee)
         return scaled, f"Poisson {scaled.rate:.3f} req/s, load {rho:.2f} (near saturation)"
@@ -159,64 +189,140 @@ def claims(w: str, r: dict[str, dict[str, float]]) -> list[tuple[str, str, str, 
     rows = []
     p95 = ratio(ub["ttft_p95"], sar["ttft_p95"])
     target = 0.8 if w == "code" else 0.3
-    rows.append(("UNIBOOST P95 TTFT vs sarathi", "large gains", f"{p95:.2f}x",
-                 f"target <= {target}x: {'met' if p95 <= target else 'NOT met'}"))
+    rows.append(
+        (
+            "UNIBOOST P95 TTFT vs sarathi",
+            "large gains",
+            f"{p95:.2f}x",
+            f"target <= {target}x: {'met' if p95 <= target else 'NOT met'}",
+        )
+    )
     p99 = ratio(ub["ttlt_p99"], sar["ttlt_p99"])
-    rows.append(("UNIBOOST P99 TTLT vs sarathi", "-", f"{p99:.2f}x", f"target <= 1.0x: {'met' if p99 <= 1.0 else 'NOT met'}"))
+    rows.append(
+        (
+            "UNIBOOST P99 TTLT vs sarathi",
+            "-",
+            f"{p99:.2f}x",
+            f"target <= 1.0x: {'met' if p99 <= 1.0 else 'NOT met'}",
+        )
+    )
     thr = ratio(ub["throughput_tok_s"], sar["throughput_tok_s"])
-    rows.append(("UNIBOOST throughput vs sarathi", "~1.0x", f"{thr:.3f}x", f"target >= 0.99x: {'met' if thr >= 0.99 else 'NOT met'}"))
+    rows.append(
+        (
+            "UNIBOOST throughput vs sarathi",
+            "~1.0x",
+            f"{thr:.3f}x",
+            f"target >= 0.99x: {'met' if thr >= 0.99 else 'NOT met'}",
+        )
+    )
     vs_srpt = ratio(ub["ttlt_p99"], srpt["ttlt_p99"])
     collapsed = srpt["ttlt_p99"] > sar["ttlt_p99"]
-    rows.append(("UNIBOOST P99 TTLT vs SRPT-oracle", "0.50-0.65x", f"{vs_srpt:.2f}x",
-                 (f"SRPT collapses here; target <= 0.65x: {'met' if vs_srpt <= 0.65 else 'NOT met'}" if collapsed
-                  else "SRPT does not collapse here (no target)")))
+    rows.append(
+        (
+            "UNIBOOST P99 TTLT vs SRPT-oracle",
+            "0.50-0.65x",
+            f"{vs_srpt:.2f}x",
+            (
+                f"SRPT collapses here; target <= 0.65x: {'met' if vs_srpt <= 0.65 else 'NOT met'}"
+                if collapsed
+                else "SRPT does not collapse here (no target)"
+            ),
+        )
+    )
     slo = ratio(r["sjf-oracle"]["ttft_p99"], ub["ttft_p99"])
-    rows.append(("TTFT SLO at 99% attainment, SJF / UNIBOOST", "2.9-8.7x tighter", f"{slo:.2f}x",
-                 "reproduces" if slo >= 2.9 else "does not reproduce"))
+    rows.append(
+        (
+            "TTFT SLO at 99% attainment, SJF / UNIBOOST",
+            "2.9-8.7x tighter",
+            f"{slo:.2f}x",
+            "reproduces" if slo >= 2.9 else "does not reproduce",
+        )
+    )
     tie = ratio(r["sjf-history"]["ptl_mean"], r["tie-history"]["ptl_mean"])
-    rows.append(("TIE mean per-token latency, LTR / TIE (history)", "2.31x lower", f"{tie:.2f}x",
-                 "reproduces" if tie >= 2.31 else "does not reproduce"))
+    rows.append(
+        (
+            "TIE mean per-token latency, LTR / TIE (history)",
+            "2.31x lower",
+            f"{tie:.2f}x",
+            "reproduces" if tie >= 2.31 else "does not reproduce",
+        )
+    )
     stages = [r[p]["ttlt_p99"] for p in ("distboost", "ub-s2", "ub-s3", "uniboost")]
     monotone = all(b <= a * 1.02 for a, b in zip(stages, stages[1:]))
-    rows.append(("ablation P99 TTLT s1 -> s2 -> s3 -> s4", "each stage better",
-                 " -> ".join(f"{x:.1f}" for x in stages), "reproduces" if monotone else "does not reproduce"))
+    rows.append(
+        (
+            "ablation P99 TTLT s1 -> s2 -> s3 -> s4",
+            "each stage better",
+            " -> ".join(f"{x:.1f}" for x in stages),
+            "reproduces" if monotone else "does not reproduce",
+        )
+    )
     return rows
 
 
 def gamma_sweep(built: dict[str, traces.Trace], gammas: list[float], jobs: int) -> None:
     """Print each workload's P95 TTFT and P99 TTLT vs sarathi at fixed γ (stage 1 and stages 2-4)."""
-    docs = {"sarathi": POLICIES["sarathi"], "srpt-oracle": POLICIES["srpt-oracle"], "sjf-oracle": POLICIES["sjf-oracle"]}
+    docs = {
+        "sarathi": POLICIES["sarathi"],
+        "srpt-oracle": POLICIES["srpt-oracle"],
+        "sjf-oracle": POLICIES["sjf-oracle"],
+    }
     for g in gammas:
         docs[f"distboost g={g:g}"] = {"policy": "distboost", "params": {"gamma": g}}
-        docs[f"uniboost g={g:g}"] = {"policy": "uniboost", "params": {"gamma": g, "gamma_ada": False}}
-    POLICIES.update(docs)  # run_one (in the worker processes too, which import this module) reads them
+        docs[f"uniboost g={g:g}"] = {
+            "policy": "uniboost",
+            "params": {"gamma": g, "gamma_ada": False},
+        }
+    POLICIES.update(
+        docs
+    )  # run_one (in the worker processes too, which import this module) reads them
     work = [(w, p, built[w]) for w in built for p in docs]
     results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in built}
-    with ProcessPoolExecutor(max_workers=jobs, initializer=POLICIES.update, initargs=(docs,)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=jobs, initializer=POLICIES.update, initargs=(docs,)
+    ) as pool:
         for w, p, m, _secs in pool.map(run_one, work):
             results[w][p] = m
     for w, r in results.items():
         sar = r["sarathi"]
         best = min((p for p in r if " g=" in p), key=lambda p: r[p]["ttft_p95"])
-        print(f"\n== {w}: sarathi P95 TTFT {sar['ttft_p95']:.3g} s, P99 TTLT {sar['ttlt_p99']:.3g} s; "
-              f"least P95 TTFT at a fixed γ: {best} ({ratio(r[best]['ttft_p95'], sar['ttft_p95']):.2f}x)")
+        print(
+            f"\n== {w}: sarathi P95 TTFT {sar['ttft_p95']:.3g} s, P99 TTLT {sar['ttlt_p99']:.3g} s; "
+            f"least P95 TTFT at a fixed γ: {best} ({ratio(r[best]['ttft_p95'], sar['ttft_p95']):.2f}x)"
+        )
         print(f"{'policy':22s} {'P95 TTFT':>10s} {'P99 TTLT':>10s}")
         for p in docs:
             if p != "sarathi":
-                print(f"{p:22s} {ratio(r[p]['ttft_p95'], sar['ttft_p95']):9.2f}x {ratio(r[p]['ttlt_p99'], sar['ttlt_p99']):9.2f}x")
+                print(
+                    f"{p:22s} {ratio(r[p]['ttft_p95'], sar['ttft_p95']):9.2f}x {ratio(r[p]['ttlt_p99'], sar['ttlt_p99']):9.2f}x"
+                )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--knee", type=float, default=KNEE,
-                    help="near saturation: sarathi's P95 TTFT at KNEE x its value at load 0.3")
+    ap.add_argument(
+        "--knee",
+        type=float,
+        default=KNEE,
+        help="near saturation: sarathi's P95 TTFT at KNEE x its value at load 0.3",
+    )
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="the traces folder (traces/ in the repository)")
+    ap.add_argument(
+        "--traces",
+        type=Path,
+        default=DEFAULT_TRACES,
+        help="the traces folder (traces/ in the repository)",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
-    ap.add_argument("--gamma-sweep", metavar="GAMMAS",
-                    help="instead of the claims: P95 TTFT at each fixed γ (comma-separated, 1/s)")
+    ap.add_argument(
+        "--gamma-sweep",
+        metavar="GAMMAS",
+        help="instead of the claims: P95 TTFT at each fixed γ (comma-separated, 1/s)",
+    )
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     policies = [p for p in args.policies.split(",") if p]
@@ -244,14 +350,31 @@ def main() -> None:
             if p == "sarathi" or sar is None:
                 cells = [f"{m[k]:16.4g}" for k in METRICS]
             else:
-                cells = [f"{ratio(m[k], sar[k]):15.3f}x" if k != "preemptions" else f"{m[k]:16.0f}" for k in METRICS]
+                cells = [
+                    f"{ratio(m[k], sar[k]):15.3f}x" if k != "preemptions" else f"{m[k]:16.0f}"
+                    for k in METRICS
+                ]
             print(f"{p:20s} " + " ".join(cells))
-        if all(p in r for p in ("sarathi", "uniboost", "srpt-oracle", "sjf-oracle", "sjf-history", "tie-history",
-                                "distboost", "ub-s2", "ub-s3")):
+        if all(
+            p in r
+            for p in (
+                "sarathi",
+                "uniboost",
+                "srpt-oracle",
+                "sjf-oracle",
+                "sjf-history",
+                "tie-history",
+                "distboost",
+                "ub-s2",
+                "ub-s3",
+            )
+        ):
             print(f"\n{'claim':48s} {'seed':>18s} {'tailpilot':>26s}  verdict")
             for claim, seed, ours, verdict in claims(w, r):
                 print(f"{claim:48s} {seed:>18s} {ours:>26s}  {verdict}")
-    print(f"\n{len(jobs)} replays in {time.perf_counter() - started:.0f} s wall ({args.jobs} processes)")
+    print(
+        f"\n{len(jobs)} replays in {time.perf_counter() - started:.0f} s wall ({args.jobs} processes)"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -21,11 +21,17 @@ from sim.traces import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-ORACLE = {"sjf", "srpt", "tie"}  # the comparison in seed 000 gives size-based baselines perfect predictions
+ORACLE = {
+    "sjf",
+    "srpt",
+    "tie",
+}  # the comparison in seed 000 gives size-based baselines perfect predictions
 
 
 def settings_for(policy: str) -> Settings:
-    return Settings.model_validate({"policy": policy, "params": {"predictor": "oracle"} if policy in ORACLE else {}})
+    return Settings.model_validate(
+        {"policy": policy, "params": {"predictor": "oracle"} if policy in ORACLE else {}}
+    )
 
 
 def replay(trace, policy: str, event_skipping: bool = True):
@@ -36,7 +42,9 @@ def replay(trace, policy: str, event_skipping: bool = True):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--repeat", type=int, default=2)
@@ -45,20 +53,28 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     trace = load_trace(args.trace)
-    print(f"trace {trace.name}: {len(trace)} requests over {trace.duration:.0f} s ({trace.rate:.2f} req/s)")
-    print(f"{'policy':>10} {'wall_s':>7} {'req/s':>9} {'steps':>8} {'events':>7} {'preempt':>8} {'ttlt_p99':>9}")
+    print(
+        f"trace {trace.name}: {len(trace)} requests over {trace.duration:.0f} s ({trace.rate:.2f} req/s)"
+    )
+    print(
+        f"{'policy':>10} {'wall_s':>7} {'req/s':>9} {'steps':>8} {'events':>7} {'preempt':>8} {'ttlt_p99':>9}"
+    )
     fast: dict[str, float] = {}
     for policy in args.policies.split(","):
         best, res = min((replay(trace, policy) for _ in range(args.repeat)), key=lambda x: x[0])
         fast[policy] = best
         m = res.metrics()
-        print(f"{policy:>10} {best:7.2f} {len(trace) / best:9.0f} {res.steps:8d} {res.iterations:7d} "
-              f"{res.preemptions:8d} {m['ttlt_p99']:9.2f}")
+        print(
+            f"{policy:>10} {best:7.2f} {len(trace) / best:9.0f} {res.steps:8d} {res.iterations:7d} "
+            f"{res.preemptions:8d} {m['ttlt_p99']:9.2f}"
+        )
     print(f"worst policy: {max(fast, key=fast.get)} at {max(fast.values()):.2f} s (target <= 2 s)")
     for policy in filter(None, args.step_by_step_policies.split(",")):
         slow, res = replay(trace, policy, event_skipping=False)
-        print(f"step-by-step {policy}: {slow:.2f} s for {res.steps} steps; event skipping is "
-              f"{slow / fast.get(policy, replay(trace, policy)[0]):.1f}x faster")
+        print(
+            f"step-by-step {policy}: {slow:.2f} s for {res.steps} steps; event skipping is "
+            f"{slow / fast.get(policy, replay(trace, policy)[0]):.1f}x faster"
+        )
 
 
 if __name__ == "__main__":

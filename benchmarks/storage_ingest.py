@@ -26,9 +26,18 @@ def completion_batches(rows: int, batch: int) -> list[Batch]:
     out = []
     for start in range(0, rows, batch):
         comps = [
-            CompletionRow(replica=REPLICAS[i % len(REPLICAS)], request_id=f"req-{i}", tenant=TENANTS[i % 3],
-                          type="chat", arrival_s=i * 0.01, first_token_s=i * 0.01 + 0.2, finished_s=i * 0.01 + 3.0,
-                          prompt_tokens=500 + i % 300, output_tokens=100 + i % 700, preemptions=i % 2)  # fmt: skip
+            CompletionRow(
+                replica=REPLICAS[i % len(REPLICAS)],
+                request_id=f"req-{i}",
+                tenant=TENANTS[i % 3],
+                type="chat",
+                arrival_s=i * 0.01,
+                first_token_s=i * 0.01 + 0.2,
+                finished_s=i * 0.01 + 3.0,
+                prompt_tokens=500 + i % 300,
+                output_tokens=100 + i % 700,
+                preemptions=i % 2,
+            )  # fmt: skip
             for i in range(start, min(start + batch, rows))
         ]
         cursors = {r: start + batch for r in REPLICAS}
@@ -42,7 +51,10 @@ def sample_batches(rows: int, batch: int) -> list[Batch]:
     for start in range(0, rows, batch):
         samples, groups = [], []
         for i in range(start, min(start + batch, rows)):
-            replica, t_ms = REPLICAS[i % len(REPLICAS)], 1_700_000_000_000 + (i // len(REPLICAS)) * 1000
+            replica, t_ms = (
+                REPLICAS[i % len(REPLICAS)],
+                1_700_000_000_000 + (i // len(REPLICAS)) * 1000,
+            )
             samples.append(SampleRow(replica=replica, t_ms=t_ms, healthy=True, policy="uniboost", settings_version=3,
                                      waiting=i % 50, running=32, kv_usage=0.7, kv_used_blocks=700,
                                      kv_total_blocks=1000, gamma_live=8.0, beta_live=0.5, throughput_tok_s=2500.0,
@@ -61,17 +73,27 @@ def timed_writes(store: Store, batches: list[Batch]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", type=int, default=200_000, help="completion rows")
-    ap.add_argument("--batch", type=int, default=5_000, help="rows per batch (one transaction each)")
-    ap.add_argument("--samples", type=int, default=50_000, help="sample rows (plus 3 group samples each)")
-    ap.add_argument("--url", default=None, help="store URL (default: a fresh SQLite file in a temp dir)")
+    ap.add_argument(
+        "--batch", type=int, default=5_000, help="rows per batch (one transaction each)"
+    )
+    ap.add_argument(
+        "--samples", type=int, default=50_000, help="sample rows (plus 3 group samples each)"
+    )
+    ap.add_argument(
+        "--url", default=None, help="store URL (default: a fresh SQLite file in a temp dir)"
+    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         url = args.url or str(Path(tmp) / "bench.db")
         store = Store.open(url)
-        store.recordings.ensure_replicas("bench", [(r, f"http://{r}:8000", f"http://{r}:8001") for r in REPLICAS])
+        store.recordings.ensure_replicas(
+            "bench", [(r, f"http://{r}:8000", f"http://{r}:8001") for r in REPLICAS]
+        )
         comps = completion_batches(args.rows, args.batch)
         secs = timed_writes(store, comps)
         print(f"completions: {args.rows:,} rows in {len(comps)} batches of {args.batch:,}: "
@@ -84,7 +106,9 @@ def main() -> None:
         total = sum(len(b) for b in samples)
         print(f"samples: {args.samples:,} sample rows (+{total - args.samples:,} group rows) in {secs:.2f} s: "
               f"{args.samples / secs:,.0f} sample rows/s, {total / secs:,.0f} rows/s all told")  # fmt: skip
-        assert len(store.readings.completions("bench")) == args.rows, "a completion was lost or duplicated"
+        assert len(store.readings.completions("bench")) == args.rows, (
+            "a completion was lost or duplicated"
+        )
         store.close()
 
 

@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from textual import events  # noqa: E402
+from textual import events
 
-from controlplane.cluster import ClusterSpec, ReplicaSpec  # noqa: E402
-from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot  # noqa: E402
-from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow  # noqa: E402
-from tui.app import TailpilotApp  # noqa: E402
+from controlplane.cluster import ClusterSpec, ReplicaSpec
+from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
+from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
+from tui.app import TailpilotApp
 
 
 class SyntheticSource:
@@ -63,16 +63,38 @@ class SyntheticSource:
         r = self.rng
         base = r.uniform(0.05, 0.5)
         lat = LatencyPercentiles(
-            ttft_p50=base, ttft_p90=base * 2, ttft_p95=base * 3, ttft_p99=base * r.uniform(4, 9),
-            ttlt_p50=base * 20, ttlt_p90=base * 40, ttlt_p95=base * 50, ttlt_p99=base * r.uniform(60, 120),
-            tbt_p50=0.02, tbt_p90=0.03, tbt_p95=0.04, tbt_p99=0.05)
+            ttft_p50=base,
+            ttft_p90=base * 2,
+            ttft_p95=base * 3,
+            ttft_p99=base * r.uniform(4, 9),
+            ttlt_p50=base * 20,
+            ttlt_p90=base * 40,
+            ttlt_p95=base * 50,
+            ttlt_p99=base * r.uniform(60, 120),
+            tbt_p50=0.02,
+            tbt_p90=0.03,
+            tbt_p95=0.04,
+            tbt_p99=0.05,
+        )
         healthy = r.random() > 0.02
-        return SampleRow(replica=name, t_ms=t_ms, healthy=healthy, reason=None if healthy else "state: timeout after 2 s",
-                         policy=r.choice(("uniboost", "sarathi", "tie")), settings_version=r.randint(1, 9),
-                         waiting=r.randint(0, 200), running=r.randint(0, 128), kv_usage=r.random(),
-                         kv_used_blocks=r.randint(0, 25_000), kv_total_blocks=25_000, gamma_live=r.uniform(1, 200),
-                         throughput_tok_s=r.uniform(100, 3000), throughput_req_s=r.uniform(1, 30),
-                         preemptions_per_s=r.uniform(0, 3), latency=lat)
+        return SampleRow(
+            replica=name,
+            t_ms=t_ms,
+            healthy=healthy,
+            reason=None if healthy else "state: timeout after 2 s",
+            policy=r.choice(("uniboost", "sarathi", "tie")),
+            settings_version=r.randint(1, 9),
+            waiting=r.randint(0, 200),
+            running=r.randint(0, 128),
+            kv_usage=r.random(),
+            kv_used_blocks=r.randint(0, 25_000),
+            kv_total_blocks=25_000,
+            gamma_live=r.uniform(1, 200),
+            throughput_tok_s=r.uniform(100, 3000),
+            throughput_req_s=r.uniform(1, 30),
+            preemptions_per_s=r.uniform(0, 3),
+            latency=lat,
+        )
 
     async def next_snapshot(self) -> ClusterSnapshot:
         if not self._first:
@@ -83,13 +105,24 @@ class SyntheticSource:
         for name in self.names:
             row = self._row(name, t_ms)
             self.histories[name].append(row)
-            groups = [GroupSampleRow(name, t_ms, "tenant", f"t{i}", 10 * (i + 1), 100.0 * (i + 1), row.latency)
-                      for i in range(3)]
-            reps[name] = ReplicaSnapshot(name=name, health=Health(healthy=row.healthy, reason=row.reason),
-                                         sample=row, groups=groups, settings={"policy": row.policy, "params": {},
-                                                                              "pinned": ["gamma"]},
-                                         settings_version=row.settings_version, state=None, metrics={}, cursor=0,
-                                         window_completions=60)
+            groups = [
+                GroupSampleRow(
+                    name, t_ms, "tenant", f"t{i}", 10 * (i + 1), 100.0 * (i + 1), row.latency
+                )
+                for i in range(3)
+            ]
+            reps[name] = ReplicaSnapshot(
+                name=name,
+                health=Health(healthy=row.healthy, reason=row.reason),
+                sample=row,
+                groups=groups,
+                settings={"policy": row.policy, "params": {}, "pinned": ["gamma"]},
+                settings_version=row.settings_version,
+                state=None,
+                metrics={},
+                cursor=0,
+                window_completions=60,
+            )
         self._latest = ClusterSnapshot("bench", t_ms, reps)
         return self._latest
 
@@ -148,10 +181,14 @@ async def bench(source, cluster: ClusterSpec | None, refreshes: int, interval: f
     return {
         "replicas": len(source.current().replicas) if source.current() else None,
         "refreshes": len(refresh_ms),
-        "refresh_ms_median": statistics.median(refresh_ms), "refresh_ms_p99": pct(refresh_ms, 99),
+        "refresh_ms_median": statistics.median(refresh_ms),
+        "refresh_ms_p99": pct(refresh_ms, 99),
         "refresh_ms_max": max(refresh_ms),
-        "apply_ms_median": statistics.median(apply_ms), "apply_ms_p99": pct(apply_ms, 99),
-        "key_presses": len(key_ms), "key_ms_median": statistics.median(key_ms), "key_ms_p99": pct(key_ms, 99),
+        "apply_ms_median": statistics.median(apply_ms),
+        "apply_ms_p99": pct(apply_ms, 99),
+        "key_presses": len(key_ms),
+        "key_ms_median": statistics.median(key_ms),
+        "key_ms_p99": pct(key_ms, 99),
     }
 
 
@@ -160,10 +197,17 @@ async def with_twins(n: int, refreshes: int, interval: float) -> dict:
     from tuner.twin import start_twins
 
     with start_twins(n, speed=1.0, rate_scale=max(1.0, n / 2)) as twins:
-        cluster = ClusterSpec(name="bench", poll_interval_s=interval, timeout_s=2.0,
-                              replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url)
-                                        for t in twins])
-        return await bench(LiveSource(cluster, None, refresh_s=interval), cluster, refreshes, interval)
+        cluster = ClusterSpec(
+            name="bench",
+            poll_interval_s=interval,
+            timeout_s=2.0,
+            replicas=[
+                ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url) for t in twins
+            ],
+        )
+        return await bench(
+            LiveSource(cluster, None, refresh_s=interval), cluster, refreshes, interval
+        )
 
 
 def main() -> None:
@@ -171,24 +215,34 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--refreshes", type=int, default=60)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    p.add_argument("--twins", type=int, default=0, help="use N twin replicas + the collector instead")
+    p.add_argument(
+        "--twins", type=int, default=0, help="use N twin replicas + the collector instead"
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.twins:
         result = asyncio.run(with_twins(a.twins, a.refreshes, a.interval))
         result["source"] = f"{a.twins} twins + collector"
     else:
-        result = asyncio.run(bench(SyntheticSource(a.replicas, a.interval), None, a.refreshes, a.interval))
+        result = asyncio.run(
+            bench(SyntheticSource(a.replicas, a.interval), None, a.refreshes, a.interval)
+        )
         result["source"] = "synthetic snapshots"
     if a.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{result['source']}: {result['replicas']} replicas, {result['refreshes']} refreshes, "
-          f"every {a.interval:g} s")
-    print(f"  refresh to screen: median {result['refresh_ms_median']:.1f} ms, P99 {result['refresh_ms_p99']:.1f} ms, "
-          f"max {result['refresh_ms_max']:.1f} ms   (apply alone: median {result['apply_ms_median']:.1f} ms)")
-    print(f"  key press while refreshing: median {result['key_ms_median']:.1f} ms, "
-          f"P99 {result['key_ms_p99']:.1f} ms over {result['key_presses']} presses")
+    print(
+        f"{result['source']}: {result['replicas']} replicas, {result['refreshes']} refreshes, "
+        f"every {a.interval:g} s"
+    )
+    print(
+        f"  refresh to screen: median {result['refresh_ms_median']:.1f} ms, P99 {result['refresh_ms_p99']:.1f} ms, "
+        f"max {result['refresh_ms_max']:.1f} ms   (apply alone: median {result['apply_ms_median']:.1f} ms)"
+    )
+    print(
+        f"  key press while refreshing: median {result['key_ms_median']:.1f} ms, "
+        f"P99 {result['key_ms_p99']:.1f} ms over {result['key_presses']} presses"
+    )
     ok = result["refresh_ms_median"] <= 50.0
     print(f"  target median ≤ 50 ms: {'met' if ok else 'MISSED'}")
 

@@ -38,9 +38,9 @@ from pathlib import Path
 from scheduler.metrics import percent_change
 from scheduler.settings import Settings
 from tuner.continuous import continuous_metrics
-from tuner.recommend import jsonable, paired_improvement, recommend
 from tuner.optimize import tune
 from tuner.optuna_storage import open_storage, storage_url
+from tuner.recommend import jsonable, paired_improvement, recommend
 from tuner.spec import StudySpec
 from tuner.study import load_context
 from tuner.windows import build_traces, build_windows, nanmean, window_metrics
@@ -58,14 +58,25 @@ def sweep(base: dict, scales: list[float], window_s: float) -> None:
     print(f"{'scale':>6} {'req/s':>6} {'P95 TTFT':>9} {'P99 TTLT':>9} {'P50 TTLT':>9}")
     config = None
     for scale in scales:
-        spec = StudySpec(policies=["uniboost"], objectives=["ttlt_p99"], rate_scale=scale, window_s=window_s, **base)
+        spec = StudySpec(
+            policies=["uniboost"],
+            objectives=["ttlt_p99"],
+            rate_scale=scale,
+            window_s=window_s,
+            **base,
+        )
         spec.normalize()
         config = config or spec.engine_config()
         (trace,) = build_traces(spec)
         windows = build_windows(spec, [trace])
-        m = [window_metrics(Settings(), w, config, ["ttft_p95", "ttlt_p99", "ttlt_p50"]) for w in windows]
+        m = [
+            window_metrics(Settings(), w, config, ["ttft_p95", "ttlt_p99", "ttlt_p50"])
+            for w in windows
+        ]
         mean = {k: nanmean([x[k] for x in m]) for k in m[0]}
-        print(f"{scale:6.2f} {trace.rate:6.2f} {mean['ttft_p95']:9.2f} {mean['ttlt_p99']:9.1f} {mean['ttlt_p50']:9.2f}")
+        print(
+            f"{scale:6.2f} {trace.rate:6.2f} {mean['ttft_p95']:9.2f} {mean['ttlt_p99']:9.1f} {mean['ttlt_p50']:9.2f}"
+        )
 
 
 def cell(m: dict) -> str:
@@ -78,12 +89,16 @@ def cell(m: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--reasoning-pmf", default=str(DEFAULT_PMF))
     ap.add_argument("--reasoning", type=float, default=0.2, help="fraction of reasoning requests")
     ap.add_argument("--scale", type=float, default=0.9, help="arrival-rate scale")
-    ap.add_argument("--sweep", default="0.5,0.7,0.8,0.9,1.0", help="scales of the sarathi sweep ('' = none)")
+    ap.add_argument(
+        "--sweep", default="0.5,0.7,0.8,0.9,1.0", help="scales of the sarathi sweep ('' = none)"
+    )
     ap.add_argument("--trials", type=int, default=150)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--window-s", type=float, default=240.0)
@@ -98,9 +113,16 @@ def main() -> None:
     scale = args.scale
     if args.sweep:
         sweep(base, [float(x) for x in args.sweep.split(",")], args.window_s)
-    spec = StudySpec(policies=["uniboost"], objectives=["ttlt_p99", "ttft_p95"],
-                     constraints=["throughput>=0.99*baseline"], rate_scale=scale, window_s=args.window_s,
-                     holdout=args.holdout, warmup_s=args.warmup_s, **base)
+    spec = StudySpec(
+        policies=["uniboost"],
+        objectives=["ttlt_p99", "ttft_p95"],
+        constraints=["throughput>=0.99*baseline"],
+        rate_scale=scale,
+        window_s=args.window_s,
+        holdout=args.holdout,
+        warmup_s=args.warmup_s,
+        **base,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         url = storage_url(args.storage or str(Path(tmp) / "tailpilot-optuna.db"))
         t0 = time.perf_counter()
@@ -113,17 +135,25 @@ def main() -> None:
         runs = {
             "sarathi (vLLM default)": ctx.run_many(Settings(), held),
             "uniboost, defaults": ctx.run_many(Settings(policy="uniboost"), held),
-            f"tuned (trial #{summary['trial']})": ctx.run_many(Settings.model_validate(summary["settings"]), held),
+            f"tuned (trial #{summary['trial']})": ctx.run_many(
+                Settings.model_validate(summary["settings"]), held
+            ),
         }
     (trace,) = build_traces(spec)
-    print(f"\nworkload: {trace.name}, {len(trace)} requests at {trace.rate:.2f} req/s "
-          f"(rate x{scale:.3f}); {len(ctx.windows)} windows of {args.window_s:g} s, "
-          f"{len(ctx.search)} searched, {len(held)} held out {held}")
-    print(f"study: {outcome.complete} trials with {args.workers} worker(s) in {tune_s:.0f} s; "
-          f"gamma-hat {summary['gamma_hat']:.4g} /s")
+    print(
+        f"\nworkload: {trace.name}, {len(trace)} requests at {trace.rate:.2f} req/s "
+        f"(rate x{scale:.3f}); {len(ctx.windows)} windows of {args.window_s:g} s, "
+        f"{len(ctx.search)} searched, {len(held)} held out {held}"
+    )
+    print(
+        f"study: {outcome.complete} trials with {args.workers} worker(s) in {tune_s:.0f} s; "
+        f"gamma-hat {summary['gamma_hat']:.4g} /s"
+    )
     print("recommended: " + json.dumps(summary["settings"]))
     for metric, label in METRICS:
-        print(f"search windows (optimistic), {label} vs sarathi: {cell(summary['search']['metrics'][metric])}")
+        print(
+            f"search windows (optimistic), {label} vs sarathi: {cell(summary['search']['metrics'][metric])}"
+        )
     if summary.get("pareto_front"):
         print(f"Pareto front: {len(summary['pareto_front'])} trials")
     print()
@@ -141,22 +171,35 @@ def main() -> None:
             xs = [vals[i][metric] for i in held]
             vs_s = paired_improvement(xs, [ref_sarathi[i][metric] for i in held], metric)
             vs_u = paired_improvement(xs, [ref_uniboost[i][metric] for i in held], metric)
-            row += [f"{vs_s['value']:.2f}", "—" if vals is ref_sarathi else cell(jsonable(vs_s)),
-                    "—" if vals is ref_uniboost else cell(jsonable(vs_u))]
+            row += [
+                f"{vs_s['value']:.2f}",
+                "—" if vals is ref_sarathi else cell(jsonable(vs_s)),
+                "—" if vals is ref_uniboost else cell(jsonable(vs_u)),
+            ]
         print("| " + " | ".join(row) + " |")
-    print(f"\nValues: mean over {len(held)} held-out windows of {args.window_s:g} s of each window's percentile. "
-          "Change: geometric mean over those windows of the per-window ratio, positive = better, "
-          "[95% t-interval over windows].")
+    print(
+        f"\nValues: mean over {len(held)} held-out windows of {args.window_s:g} s of each window's percentile. "
+        "Change: geometric mean over those windows of the per-window ratio, positive = better, "
+        "[95% t-interval over windows]."
+    )
     cont = summary["continuous"]
     defaults = jsonable(continuous_metrics(ctx, Settings(policy="uniboost")))
-    print("\nContinuous replay of the whole trace (what production would see), recommended vs production:")
+    print(
+        "\nContinuous replay of the whole trace (what production would see), recommended vs production:"
+    )
     for part in ("holdout", "all"):
-        cells = [f"{label} {cont[part][m]['value']:.2f} vs {cont[part][m]['production']:.2f} "
-                 f"({cont[part][m]['change_pct']:+.1f}%)" for m, label in METRICS]
+        cells = [
+            f"{label} {cont[part][m]['value']:.2f} vs {cont[part][m]['production']:.2f} "
+            f"({cont[part][m]['change_pct']:+.1f}%)"
+            for m, label in METRICS
+        ]
         print(f"  {part + ' requests':18s} " + "; ".join(cells))
     for part in ("holdout", "all"):
-        cells = [f"{label} {cont[part][m]['value']:.2f} vs {defaults[part][m]:.2f} "
-                 f"({percent_change(cont[part][m]['value'], defaults[part][m], m):+.1f}%)" for m, label in METRICS]
+        cells = [
+            f"{label} {cont[part][m]['value']:.2f} vs {defaults[part][m]:.2f} "
+            f"({percent_change(cont[part][m]['value'], defaults[part][m], m):+.1f}%)"
+            for m, label in METRICS
+        ]
         print(f"  vs uniboost defaults, {part + ' requests':18s} " + "; ".join(cells))
     for c in cont["checked"]:
         if c["losses"]:

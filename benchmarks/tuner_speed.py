@@ -26,7 +26,9 @@ from tuner.study import prepare
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--policy", default="uniboost")
     ap.add_argument("--window-s", type=float, default=120.0)
@@ -48,15 +50,22 @@ def main() -> None:
     study_mod.window_metrics = timed
     with tempfile.TemporaryDirectory() as tmp:
         url = storage_url(str(Path(tmp) / "tailpilot-optuna.db"))
-        spec = StudySpec(policies=[args.policy], objectives=["ttlt_p99"], constraints=["throughput>=0.99*baseline"],
-                         window_s=args.window_s, seed=args.seed)
+        spec = StudySpec(
+            policies=[args.policy],
+            objectives=["ttlt_p99"],
+            constraints=["throughput>=0.99*baseline"],
+            window_s=args.window_s,
+            seed=args.seed,
+        )
         storage = open_storage(url)
         t0 = time.perf_counter()
         ctx = prepare(storage, "speed", spec)
         setup = time.perf_counter() - t0
         n_req = sum(len(w.trace) for w in ctx.windows)
-        print(f"bundled Azure conv window: {n_req} requests in {len(ctx.windows)} windows of {args.window_s:g} s; "
-              f"{len(ctx.search)} searched per trial, {len(ctx.holdout)} held out")
+        print(
+            f"bundled Azure conv window: {n_req} requests in {len(ctx.windows)} windows of {args.window_s:g} s; "
+            f"{len(ctx.search)} searched per trial, {len(ctx.holdout)} held out"
+        )
         print(f"set-up (windows, FCFS replay for gamma-hat, baseline): {setup:.2f} s")
         print(f"search space: {len(ctx.space.describe())} dimensions")
         marks: list[tuple[int, float, float]] = []
@@ -75,12 +84,18 @@ def main() -> None:
     prev = (0, 0.0, 0.0)
     for done, t, s in marks:
         dt = t - prev[1]
-        print(f"{prev[0] + 1:>4}-{done:<4} {60 * (done - prev[0]) / dt:11.1f} {(s - prev[2]) / dt:10.0%}")
+        print(
+            f"{prev[0] + 1:>4}-{done:<4} {60 * (done - prev[0]) / dt:11.1f} {(s - prev[2]) / dt:10.0%}"
+        )
         prev = (done, t, s)
-    print(f"\n{args.trials} trials in {wall:.1f} s on one core: {60 * args.trials / wall:.1f} trials/min "
-          f"(target >= 60); simulation {sim_s[0] / wall:.0%} of the time")
-    print(f"CPU time {cpu:.1f} s: {60 * args.trials / cpu:.1f} trials per CPU-minute "
-          "(the wall figure is lower when other processes share the core)")
+    print(
+        f"\n{args.trials} trials in {wall:.1f} s on one core: {60 * args.trials / wall:.1f} trials/min "
+        f"(target >= 60); simulation {sim_s[0] / wall:.0%} of the time"
+    )
+    print(
+        f"CPU time {cpu:.1f} s: {60 * args.trials / cpu:.1f} trials per CPU-minute "
+        "(the wall figure is lower when other processes share the core)"
+    )
 
 
 if __name__ == "__main__":

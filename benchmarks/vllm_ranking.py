@@ -67,8 +67,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -124,10 +125,16 @@ def pairwise_agreement(real: Mapping[Pair, int], sim: Mapping[Pair, int]) -> dic
     alike = sum(1 for p in separated if real[p] * sim[p] > 0)
     opposite = sum(1 for p in separated if real[p] * sim[p] < 0)
     tied = len(separated) - alike - opposite
-    return {"pairs": len(real), "separated": len(separated), "real_ties": len(real) - len(separated),
-            "alike": alike, "opposite": opposite, "sim_tied": tied,
-            "fraction": (alike + 0.5 * tied) / len(separated) if separated else None,
-            "disagreeing": [list(p) for p in separated if real[p] * sim[p] < 0]}
+    return {
+        "pairs": len(real),
+        "separated": len(separated),
+        "real_ties": len(real) - len(separated),
+        "alike": alike,
+        "opposite": opposite,
+        "sim_tied": tied,
+        "fraction": (alike + 0.5 * tied) / len(separated) if separated else None,
+        "disagreeing": [list(p) for p in separated if real[p] * sim[p] < 0],
+    }
 
 
 def average_ranks(values: Mapping[str, float]) -> dict[str, float]:
@@ -139,14 +146,15 @@ def average_ranks(values: Mapping[str, float]) -> dict[str, float]:
         j = i
         while j + 1 < len(ordered) and values[ordered[j + 1]] == values[ordered[i]]:
             j += 1
-        for k in ordered[i:j + 1]:
+        for k in ordered[i : j + 1]:
             out[k] = (i + j) / 2 + 1
         i = j + 1
     return out
 
 
-def ranking_agreement(real: Mapping[str, Sequence[float]], sim: Mapping[str, float],
-                      sim_tol: float = 0.0) -> dict[str, Any]:
+def ranking_agreement(
+    real: Mapping[str, Sequence[float]], sim: Mapping[str, float], sim_tol: float = 0.0
+) -> dict[str, Any]:
     """How the simulator's order of candidates (``sim``: one figure each, lower is better) agrees
     with the real engine's (``real``: each candidate's repeats). See the module docstring."""
     if set(real) != set(sim):
@@ -157,28 +165,46 @@ def ranking_agreement(real: Mapping[str, Sequence[float]], sim: Mapping[str, flo
     sx, sy = repeat_signs({k: real[k] for k in names}), value_signs(sim, sim_tol)
     real_best = min(names, key=lambda k: mean[k])
     sim_best = min(names, key=lambda k: sim[k])
-    tie_with_best = sim_best == real_best or sx[tuple(sorted((sim_best, real_best), key=names.index))] == 0
+    tie_with_best = (
+        sim_best == real_best or sx[tuple(sorted((sim_best, real_best), key=names.index))] == 0
+    )
     spread = {k: (max(real[k]) - min(real[k])) / mean[k] if mean[k] else 0.0 for k in names}
     return {
         "kendall_tau_b": kendall_tau(sx, sy),
         "kendall_tau_means": kendall_tau(value_signs(mean), sy),
         "pairwise": pairwise_agreement(sx, sy),
-        "real_mean": mean, "real_rank": average_ranks(mean), "sim_rank": average_ranks(sim),
-        "real_best": real_best, "sim_best": sim_best, "sim_best_is_real_best": sim_best == real_best,
+        "real_mean": mean,
+        "real_rank": average_ranks(mean),
+        "sim_rank": average_ranks(sim),
+        "real_best": real_best,
+        "sim_best": sim_best,
+        "sim_best_is_real_best": sim_best == real_best,
         "sim_best_within_noise": tie_with_best,
         "regret": mean[sim_best] / mean[real_best] - 1.0 if mean[real_best] else None,
         "relative_spread": spread,
     }
 
 
-def guarded_choice(figs: Mapping[str, Mapping[str, float]], *, reference: str = "sarathi",
-                   ttlt_guard: float = 1.02, throughput_guard: float = 0.99) -> str:
+def guarded_choice(
+    figs: Mapping[str, Mapping[str, float]],
+    *,
+    reference: str = "sarathi",
+    ttlt_guard: float = 1.02,
+    throughput_guard: float = 0.99,
+) -> str:
     """The autopilot's rule on a table of figures: the lowest ``ttft_p95`` among candidates whose
     ``ttlt_p99`` is within ``ttlt_guard`` and ``throughput_tok_s`` within ``throughput_guard`` of
     ``reference``'s (the reference is always feasible)."""
     ref = figs[reference]
-    ok = [k for k, f in figs.items() if k == reference or (f["ttlt_p99"] <= ttlt_guard * ref["ttlt_p99"] and
-                                                          f["throughput_tok_s"] >= throughput_guard * ref["throughput_tok_s"])]
+    ok = [
+        k
+        for k, f in figs.items()
+        if k == reference
+        or (
+            f["ttlt_p99"] <= ttlt_guard * ref["ttlt_p99"]
+            and f["throughput_tok_s"] >= throughput_guard * ref["throughput_tok_s"]
+        )
+    ]
     return min(ok, key=lambda k: figs[k]["ttft_p95"])
 
 
@@ -209,6 +235,7 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
 
     import httpx
     import yaml
+    from vllm_support import VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens
 
     from benchmarks.fidelity import TOKEN, load_avg, put_settings, send, wait_for
     from controlplane.cluster import load_cluster_file
@@ -217,57 +244,106 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
     from storage.retention import RetentionSettings
     from storage.store import Store
     from tuner.calibrate import calibrate_steps, fetch_engine_facts, fetch_step_log
-    from vllm_support import VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens
 
-    os.environ["TAILPILOT_HOME"] = str(tmp / "home")  # the calibrated model goes here, not the user's
+    os.environ["TAILPILOT_HOME"] = str(
+        tmp / "home"
+    )  # the calibrated model goes here, not the user's
     os.environ["TAILPILOT_TOKEN"] = TOKEN
     settings_file = tmp / "settings.json"
     settings_file.write_text(json.dumps({"policy": "sarathi"}))
     api_port = free_port()
-    server = VllmServer(build_tiny_model(tmp / "model"), kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
-                        max_model_len=2048, workdir=tmp / "vllm",
-                        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler",
-                                    "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                                    str(args.budget), "--no-enable-prefix-caching"],
-                        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                                   "TAILPILOT_REPLICA": REPLICA, "TAILPILOT_TOKEN": TOKEN})
+    server = VllmServer(
+        build_tiny_model(tmp / "model"),
+        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
+        max_model_len=2048,
+        workdir=tmp / "vllm",
+        extra_args=[
+            "--scheduler-cls",
+            "scheduler.plugin.vllm.TailpilotScheduler",
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.budget),
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_REPLICA": REPLICA,
+            "TAILPILOT_TOKEN": TOKEN,
+        },
+    )
     control = f"http://127.0.0.1:{api_port}"
     out: dict[str, Any] = {"runs": {}}
     with server:
-        (tmp / "c.yaml").write_text(yaml.safe_dump({"clusters": [{
-            "name": CLUSTER, "poll_interval_s": 0.2, "timeout_s": 5.0, "window_s": 60.0,
-            "replicas": [{"name": REPLICA, "api_url": server.base_url, "control_url": control,
-                          "token_env": "TAILPILOT_TOKEN"}]}]}))
+        (tmp / "c.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "clusters": [
+                        {
+                            "name": CLUSTER,
+                            "poll_interval_s": 0.2,
+                            "timeout_s": 5.0,
+                            "window_s": 60.0,
+                            "replicas": [
+                                {
+                                    "name": REPLICA,
+                                    "api_url": server.base_url,
+                                    "control_url": control,
+                                    "token_env": "TAILPILOT_TOKEN",
+                                }
+                            ],
+                        }
+                    ]
+                }
+            )
+        )
         stop = threading.Event()
-        recorder = threading.Thread(target=run_recorder,
-                                    args=(load_cluster_file(tmp / "c.yaml").cluster(), str(tmp / "bench.db")),
-                                    kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False})
+        recorder = threading.Thread(
+            target=run_recorder,
+            args=(load_cluster_file(tmp / "c.yaml").cluster(), str(tmp / "bench.db")),
+            kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False},
+        )
         recorder.start()
         store = Store.open(str(tmp / "bench.db"))
         model = server.served_model_name
 
-        def stored_since(ms: int) -> int:  # only this run's rows: polling the whole table would load the CPU
+        def stored_since(
+            ms: int,
+        ) -> int:  # only this run's rows: polling the whole table would load the CPU
             return len(store.readings.completions(CLUSTER, REPLICA, stored_since_ms=ms))
 
         # Capacity: a burst of the first requests, completions per second between the 10th and
         # 90th percentile of finish times (the full-batch regime).
-        burst = reqs[:args.capacity_requests]
+        burst = reqs[: args.capacity_requests]
         since = int(time.time() * 1000) - 1
         asyncio.run(send(server.base_url, model, burst, None))
         wait_for(lambda: stored_since(since) >= len(burst), "the burst to be recorded")
-        fins = sorted(c.finished_s for c in store.readings.completions(CLUSTER, REPLICA, stored_since_ms=since))
+        fins = sorted(
+            c.finished_s
+            for c in store.readings.completions(CLUSTER, REPLICA, stored_since_ms=since)
+        )
         lo, hi = len(fins) // 10, 9 * len(fins) // 10
         capacity = (hi - lo) / (fins[hi] - fins[lo])
         rate = args.load * capacity
-        print(f"capacity: {capacity:.2f} req/s ({len(burst)} requests at once); sending at {rate:.2f} req/s",
-              flush=True)
+        print(
+            f"capacity: {capacity:.2f} req/s ({len(burst)} requests at once); sending at {rate:.2f} req/s",
+            flush=True,
+        )
         names = list(cands)
         for rep in range(args.repeats):
-            for name in (names if rep % 2 == 0 else names[::-1]):
-                doc = {k: v for k, v in cands[name].to_dict().items() if k != "engine"}  # keep the replica's limits
+            for name in names if rep % 2 == 0 else names[::-1]:
+                doc = {
+                    k: v for k, v in cands[name].to_dict().items() if k != "engine"
+                }  # keep the replica's limits
                 version = put_settings(control, doc)
-                wait_for(lambda v=version: any(r["version"] == v for r in store.settings_log.settings_seen(CLUSTER, REPLICA)),
-                         "the new settings to be recorded")
+                wait_for(
+                    lambda v=version: any(
+                        r["version"] == v
+                        for r in store.settings_log.settings_seen(CLUSTER, REPLICA)
+                    ),
+                    "the new settings to be recorded",
+                )
                 label = run_label(name, rep)
                 rec = store.recordings.begin_recording(CLUSTER, label)
                 since = store.recordings.all(CLUSTER)[-1].started_ms
@@ -277,25 +353,44 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
                 wait_for(lambda s=since: stored_since(s) >= len(reqs), f"{label} to be recorded")
                 store.recordings.end_recording(rec)
                 state = httpx.get(control + "/tailpilot/v1/state", trust_env=False).json()
-                out["runs"][label] = {"candidate": name, "repeat": rep, "wall_s": time.monotonic() - t,
-                                      "load_start": load_start, "load_end": load_avg(),
-                                      "policy": state.get("policy"), "gamma_live_end": state.get("gamma_live")}
-                print(f"  {label:<16} {len(reqs)} requests in {time.monotonic() - t:5.0f} s; load {load_start} -> "
-                      f"{load_avg()}; live γ at the end {state.get('gamma_live')}", flush=True)
+                out["runs"][label] = {
+                    "candidate": name,
+                    "repeat": rep,
+                    "wall_s": time.monotonic() - t,
+                    "load_start": load_start,
+                    "load_end": load_avg(),
+                    "policy": state.get("policy"),
+                    "gamma_live_end": state.get("gamma_live"),
+                }
+                print(
+                    f"  {label:<16} {len(reqs)} requests in {time.monotonic() - t:5.0f} s; load {load_start} -> "
+                    f"{load_avg()}; live γ at the end {state.get('gamma_live')}",
+                    flush=True,
+                )
         _, steps = fetch_step_log(control)
         cal = calibrate_steps(steps, name=f"calibrated/{REPLICA}")
         save_user_model(cal.model)
         facts = fetch_engine_facts(control)
-        print(f"calibrated on {cal.steps_used} steps: MAPE {cal.fit['mape']:.1%}, R² {cal.fit['r2']:.2f}, "
-              f"bias {cal.fit['bias']['total']:+.1%}; engine {facts}", flush=True)
+        print(
+            f"calibrated on {cal.steps_used} steps: MAPE {cal.fit['mape']:.1%}, R² {cal.fit['r2']:.2f}, "
+            f"bias {cal.fit['bias']['total']:+.1%}; engine {facts}",
+            flush=True,
+        )
         stop.set()
         recorder.join()
-    out.update(store=store, facts=facts, capacity_req_s=capacity, rate_req_s=rate, calibration=cal.as_dict())
+    out.update(
+        store=store,
+        facts=facts,
+        capacity_req_s=capacity,
+        rate_req_s=rate,
+        calibration=cal.as_dict(),
+    )
     return out
 
 
-def replay_all(store, facts: dict, cands: dict, labels: Sequence[str], warmup: float,
-               shared: bool) -> tuple[dict, dict]:
+def replay_all(
+    store, facts: dict, cands: dict, labels: Sequence[str], warmup: float, shared: bool
+) -> tuple[dict, dict]:
     """(real figures per run, sim figures per (candidate, run)): every run's recorded traffic
     replayed under its own candidate (and, with ``shared``, under every candidate), scored on the
     run's requests after the warm-up fraction."""
@@ -305,26 +400,32 @@ def replay_all(store, facts: dict, cands: dict, labels: Sequence[str], warmup: f
     from tuner.recorded import RecordedSpan, as_completion, load_recorded, with_front_end
 
     config, limits = replica_engine(store, CLUSTER, REPLICA, facts)
-    settings = {k: Settings.model_validate({**s.to_dict(), "engine": {**s.engine.model_dump(), **limits}})
-                for k, s in cands.items()}
+    settings = {
+        k: Settings.model_validate({**s.to_dict(), "engine": {**s.engine.model_dump(), **limits}})
+        for k, s in cands.items()
+    }
     rows_by_id = {c.request_id: c for c in store.readings.completions(CLUSTER, REPLICA)}
     real: dict[str, dict] = {}
     sim: dict[tuple[str, str], dict] = {}
     for label in labels:
-        trace = load_recorded(RecordedSpan(recording=label, cluster=CLUSTER, replicas=(REPLICA,)), store=store)
+        trace = load_recorded(
+            RecordedSpan(recording=label, cluster=CLUSTER, replicas=(REPLICA,)), store=store
+        )
         rows = [rows_by_id[r.id] for r in trace]
         by_arrival = sorted(trace, key=lambda r: (r.arrival, r.id))
-        ids = {r.id for r in by_arrival[int(warmup * len(by_arrival)):]}
+        ids = {r.id for r in by_arrival[int(warmup * len(by_arrival)) :]}
         t0 = min(r.arrival_s for r in rows)
         real[label] = scored([as_completion(r, t0) for r in rows], ids)
         own = label.rsplit("#", 1)[0]
-        for name in (cands if shared else [own]):
+        for name in cands if shared else [own]:
             done = simulate(trace, settings[name], config).completions
             sim[(name, label)] = scored(with_front_end(done, rows), ids)
     return real, sim
 
 
-def summarise(cands: Sequence[str], repeats: int, real: dict, sim: dict, shared: bool, sim_tol: float) -> dict:
+def summarise(
+    cands: Sequence[str], repeats: int, real: dict, sim: dict, shared: bool, sim_tol: float
+) -> dict:
     """Per candidate figures and the agreement of the orders (see the module docstring)."""
     labels = [run_label(n, r) for n in cands for r in range(repeats)]
     table: dict[str, dict] = {}
@@ -334,17 +435,23 @@ def summarise(cands: Sequence[str], repeats: int, real: dict, sim: dict, shared:
         row["real"] = {k: statistics.fmean(v) for k, v in row["real_runs"].items()}
         row["sim_own"] = {k: statistics.fmean(sim[(name, lb)][k] for lb in own) for k in KEYS}
         if shared:
-            row["sim_shared"] = {k: statistics.fmean(sim[(name, lb)][k] for lb in labels) for k in KEYS}
+            row["sim_shared"] = {
+                k: statistics.fmean(sim[(name, lb)][k] for lb in labels) for k in KEYS
+            }
         table[name] = row
     out: dict[str, Any] = {"candidates": table, "agreement": {}}
     for view in ("sim_own", "sim_shared") if shared else ("sim_own",):
         for key in ("ttft_p95", "ttlt_p99"):
             out["agreement"][f"{view}:{key}"] = ranking_agreement(
-                {n: table[n]["real_runs"][key] for n in cands}, {n: table[n][view][key] for n in cands}, sim_tol)
+                {n: table[n]["real_runs"][key] for n in cands},
+                {n: table[n][view][key] for n in cands},
+                sim_tol,
+            )
         if "sarathi" in table:
             out["agreement"][f"{view}:guarded_choice"] = {
                 "sim": guarded_choice({n: table[n][view] for n in cands}),
-                "real": guarded_choice({n: table[n]["real"] for n in cands})}
+                "real": guarded_choice({n: table[n]["real"] for n in cands}),
+            }
     return out
 
 
@@ -354,36 +461,57 @@ def report(summary: dict, repeats: int, shared: bool) -> str:
     ag = summary["agreement"]
     main = ag["sim_own:ttft_p95"]
     runs = " ".join(f"{'run ' + str(r + 1):>7}" for r in range(repeats))
-    lines = ["", "P95 TTFT (s) of the scored requests; rank 1 = lowest", f"{'candidate':<14} {runs} {'mean':>7} "
-             f"{'spread':>7} {'sim':>7} " + (f"{'sim-all':>7} " if shared else "") + f"{'rank':>5} {'sim':>5}   "
-             f"{'P99 TTLT real/sim':>18} {'tok/s real/sim':>16}"]
+    lines = [
+        "",
+        "P95 TTFT (s) of the scored requests; rank 1 = lowest",
+        f"{'candidate':<14} {runs} {'mean':>7} "
+        f"{'spread':>7} {'sim':>7} "
+        + (f"{'sim-all':>7} " if shared else "")
+        + f"{'rank':>5} {'sim':>5}   "
+        f"{'P99 TTLT real/sim':>18} {'tok/s real/sim':>16}",
+    ]
     for n, row in t.items():
         cells = " ".join(f"{v:7.3f}" for v in row["real_runs"]["ttft_p95"])
         lines.append(
             f"{n:<14} {cells} {row['real']['ttft_p95']:7.3f} {main['relative_spread'][n]:7.0%} "
-            f"{row['sim_own']['ttft_p95']:7.3f} " + (f"{row['sim_shared']['ttft_p95']:7.3f} " if shared else "")
+            f"{row['sim_own']['ttft_p95']:7.3f} "
+            + (f"{row['sim_shared']['ttft_p95']:7.3f} " if shared else "")
             + f"{main['real_rank'][n]:5g} {main['sim_rank'][n]:5g}   "
             f"{row['real']['ttlt_p99']:8.2f}/{row['sim_own']['ttlt_p99']:<8.2f} "
-            f"{row['real']['throughput_tok_s']:7.0f}/{row['sim_own']['throughput_tok_s']:<7.0f}")
-    lines.append("(spread: the range of the real runs over their mean; sim: on the candidate's own runs' traffic"
-                 + ("; sim-all: on every run's traffic" if shared else "") + ")")
+            f"{row['real']['throughput_tok_s']:7.0f}/{row['sim_own']['throughput_tok_s']:<7.0f}"
+        )
+    lines.append(
+        "(spread: the range of the real runs over their mean; sim: on the candidate's own runs' traffic"
+        + ("; sim-all: on every run's traffic" if shared else "")
+        + ")"
+    )
     for key in ("ttft_p95", "ttlt_p99"):
         sp = sorted(ag[f"sim_own:{key}"]["relative_spread"].values())
-        lines.append(f"real run-to-run spread of {key}: median {statistics.median(sp):.0%}, {sp[0]:.0%}–{sp[-1]:.0%}")
+        lines.append(
+            f"real run-to-run spread of {key}: median {statistics.median(sp):.0%}, {sp[0]:.0%}–{sp[-1]:.0%}"
+        )
     for key, a in ag.items():
         if key.endswith("guarded_choice"):
-            lines.append(f"{key}: the autopilot's rule picks {a['sim']} on simulated figures, {a['real']} on real ones")
+            lines.append(
+                f"{key}: the autopilot's rule picks {a['sim']} on simulated figures, {a['real']} on real ones"
+            )
             continue
         p = a["pairwise"]
         tau = "n/a" if a["kendall_tau_b"] is None else f"{a['kendall_tau_b']:+.2f}"
         taum = "n/a" if a["kendall_tau_means"] is None else f"{a['kendall_tau_means']:+.2f}"
         frac = "n/a" if p["fraction"] is None else f"{p['fraction']:.0%}"
-        lines.append(f"{key}: τ-b {tau} (τ on means {taum}); pairs ordered alike {frac} of the {p['separated']} the "
-                     f"real runs separate ({p['alike']} alike, {p['opposite']} opposite, {p['sim_tied']} sim-tied; "
-                     f"{p['real_ties']} real ties); sim best {a['sim_best']}, real best {a['real_best']}"
-                     f" ({'same' if a['sim_best_is_real_best'] else 'within noise' if a['sim_best_within_noise'] else 'NOT within noise'}"
-                     f", regret {a['regret']:+.0%})"
-                     + (f"; opposite: {', '.join('/'.join(x) for x in p['disagreeing'])}" if p["disagreeing"] else ""))
+        lines.append(
+            f"{key}: τ-b {tau} (τ on means {taum}); pairs ordered alike {frac} of the {p['separated']} the "
+            f"real runs separate ({p['alike']} alike, {p['opposite']} opposite, {p['sim_tied']} sim-tied; "
+            f"{p['real_ties']} real ties); sim best {a['sim_best']}, real best {a['real_best']}"
+            f" ({'same' if a['sim_best_is_real_best'] else 'within noise' if a['sim_best_within_noise'] else 'NOT within noise'}"
+            f", regret {a['regret']:+.0%})"
+            + (
+                f"; opposite: {', '.join('/'.join(x) for x in p['disagreeing'])}"
+                if p["disagreeing"]
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
@@ -396,23 +524,42 @@ def rescore(saved: dict, sim_tol: float) -> tuple[dict, int, bool]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--warmup", type=float, default=0.25, help="fraction of each run's requests not scored")
-    ap.add_argument("--load", type=float, default=0.9, help="offered load as a fraction of the measured capacity")
+    ap.add_argument(
+        "--warmup", type=float, default=0.25, help="fraction of each run's requests not scored"
+    )
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=0.9,
+        help="offered load as a fraction of the measured capacity",
+    )
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--gammas", default="0.03,0.3,1,3,10", help="fixed γ (1/s) candidates, γ-Ada off")
+    ap.add_argument(
+        "--gammas", default="0.03,0.3,1,3,10", help="fixed γ (1/s) candidates, γ-Ada off"
+    )
     ap.add_argument("--no-defaults", action="store_true", help="leave the defaults (γ-Ada) out")
     ap.add_argument("--capacity-requests", type=int, default=600)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--prompt-scale", type=float, default=0.25)
     ap.add_argument("--output-scale", type=float, default=0.5)
-    ap.add_argument("--sim-tol", type=float, default=0.0, help="relative difference under which sim figures tie")
-    ap.add_argument("--no-shared", action="store_true", help="replay each run under its own candidate only")
+    ap.add_argument(
+        "--sim-tol", type=float, default=0.0, help="relative difference under which sim figures tie"
+    )
+    ap.add_argument(
+        "--no-shared", action="store_true", help="replay each run under its own candidate only"
+    )
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--rescore", type=Path, metavar="JSON",
-                    help="no runs: score a saved --json again (e.g. with another --sim-tol)")
+    ap.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="JSON",
+        help="no runs: score a saved --json again (e.g. with another --sim-tol)",
+    )
     args = ap.parse_args()
     if args.rescore:
         print(report(*rescore(json.loads(args.rescore.read_text()), args.sim_tol)))
@@ -429,8 +576,12 @@ def main() -> None:
 
     t_start = time.monotonic()
     gammas = tuple(float(g) for g in args.gammas.split(",") if g)
-    base = Settings.model_validate({"policy": "uniboost", "engine": {"max_num_seqs": args.max_num_seqs,
-                                                                    "max_num_batched_tokens": args.budget}})
+    base = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "engine": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.budget},
+        }
+    )
     cands = candidates(base, AutopilotConfig(gammas=gammas, with_defaults=not args.no_defaults))
     load_before = load_avg()
     print(f"load average before: {load_before}; candidates: {', '.join(cands)}", flush=True)
@@ -447,14 +598,23 @@ def main() -> None:
     load_after = load_avg()
     wall = time.monotonic() - t_start
     print(report(summary, args.repeats, not args.no_shared))
-    print(f"load average before {load_before}, after {load_after}; wall {wall / 60:.1f} min "
-          f"(replays {replay_s:.0f} s); {args.requests} requests per run, the first "
-          f"{int(args.warmup * args.requests)} not scored")
+    print(
+        f"load average before {load_before}, after {load_after}; wall {wall / 60:.1f} min "
+        f"(replays {replay_s:.0f} s); {args.requests} requests per run, the first "
+        f"{int(args.warmup * args.requests)} not scored"
+    )
     if args.json:
-        results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   **served, **summary, "real_runs": real,
-                   "sim_runs": {f"{n}@{lb}": v for (n, lb), v in sim.items()},
-                   "load_before": load_before, "load_after": load_after, "wall_s": wall, "replay_s": replay_s}
+        results = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **served,
+            **summary,
+            "real_runs": real,
+            "sim_runs": {f"{n}@{lb}": v for (n, lb), v in sim.items()},
+            "load_before": load_before,
+            "load_after": load_after,
+            "wall_s": wall,
+            "replay_s": replay_s,
+        }
         args.json.write_text(json.dumps(results, indent=2, default=float))
 
 

@@ -98,11 +98,13 @@ class ClusterSpec(BaseModel):
     def _known_metrics(cls, slos: dict[str, float]) -> dict[str, float]:
         unknown = sorted(set(slos) - set(METRICS))
         if unknown:
-            raise ValueError(f"unknown metric {unknown[0]!r} (known: ttft_p99, ttlt_p99, tbt_p99, ...)")
+            raise ValueError(
+                f"unknown metric {unknown[0]!r} (known: ttft_p99, ttlt_p99, tbt_p99, ...)"
+            )
         return slos
 
     @model_validator(mode="after")
-    def _unique_replicas(self) -> "ClusterSpec":
+    def _unique_replicas(self) -> ClusterSpec:
         seen: set[str] = set()
         for r in self.replicas:
             if r.name in seen:
@@ -114,8 +116,10 @@ class ClusterSpec(BaseModel):
         for r in self.replicas:
             if r.name == name:
                 return r
-        raise KeyError(f"cluster {self.name!r} has no replica {name!r} "
-                       f"(it has {', '.join(r.name for r in self.replicas)})")
+        raise KeyError(
+            f"cluster {self.name!r} has no replica {name!r} "
+            f"(it has {', '.join(r.name for r in self.replicas)})"
+        )
 
 
 class ClusterFile(BaseModel):
@@ -124,7 +128,7 @@ class ClusterFile(BaseModel):
     clusters: Annotated[list[ClusterSpec], Field(min_length=1)]
 
     @model_validator(mode="after")
-    def _unique_clusters(self) -> "ClusterFile":
+    def _unique_clusters(self) -> ClusterFile:
         names = [c.name for c in self.clusters]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup:
@@ -135,13 +139,17 @@ class ClusterFile(BaseModel):
         """The named cluster, or the only one when the file has one."""
         if name is None:
             if len(self.clusters) > 1:
-                raise KeyError(f"the file has {len(self.clusters)} clusters "
-                               f"({', '.join(c.name for c in self.clusters)}); name one")
+                raise KeyError(
+                    f"the file has {len(self.clusters)} clusters "
+                    f"({', '.join(c.name for c in self.clusters)}); name one"
+                )
             return self.clusters[0]
         for c in self.clusters:
             if c.name == name:
                 return c
-        raise KeyError(f"no cluster {name!r} (the file has {', '.join(c.name for c in self.clusters)})")
+        raise KeyError(
+            f"no cluster {name!r} (the file has {', '.join(c.name for c in self.clusters)})"
+        )
 
 
 def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> ClusterFile:
@@ -150,14 +158,17 @@ def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> Clu
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ClusterFileError(f"{source}: not UTF-8 text (byte 0x{text[err.start]:02x} at offset "
-                                   f"{err.start})") from None
+            raise ClusterFileError(
+                f"{source}: not UTF-8 text (byte 0x{text[err.start]:02x} at offset {err.start})"
+            ) from None
     try:
         doc = strict_yaml.load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise ClusterFileError(f"{source}{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+        raise ClusterFileError(
+            f"{source}{where}: not valid YAML: {getattr(err, 'problem', err)}"
+        ) from None
     if not isinstance(doc, dict):
         raise ClusterFileError(f"{source}: expected a mapping with a 'clusters' list")
     try:

@@ -55,16 +55,17 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from controlplane.cluster import ClusterSpec
 from controlplane.governance import AlertEvaluator
-from scheduler.metrics.fairness import report as governance_report
 from controlplane.poller import PollResult, ReplicaView, poll_view, poll_views, reserved_groups
 from controlplane.replica_http import PollingClient, make_client
 from controlplane.snapshot import ClusterSnapshot
 from controlplane.window import governance_columns
 from controlplane.writer import BatchWriter, CollectorStats
+from scheduler.metrics.fairness import report as governance_report
 from storage.rows import AlertRow, GovernanceRow, SampleRow
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,16 @@ class Collector:
     every poll; a replica without the plugin, or whose last /metrics read failed, every poll).
     """
 
-    def __init__(self, cluster: ClusterSpec, store: Any | None = None, *,
-                 client: PollingClient | None = None, clock: Callable[[], float] = time.time,
-                 flush_interval_s: float = 1.0, metrics_every: int = 1) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        store: Any | None = None,
+        *,
+        client: PollingClient | None = None,
+        clock: Callable[[], float] = time.time,
+        flush_interval_s: float = 1.0,
+        metrics_every: int = 1,
+    ) -> None:
         self.cluster = cluster
         self.metrics_every = max(1, int(metrics_every))
         self.store = store
@@ -90,9 +98,10 @@ class Collector:
         self.flush_interval_s = float(flush_interval_s)
         self._client = client
         self._own_client = client is None
-        self.views: dict[str, ReplicaView] = {r.name: ReplicaView(r, cluster.window_s,
-                                                                  reserved=reserved_groups(cluster))
-                                               for r in cluster.replicas}
+        self.views: dict[str, ReplicaView] = {
+            r.name: ReplicaView(r, cluster.window_s, reserved=reserved_groups(cluster))
+            for r in cluster.replicas
+        }
         self.stats = CollectorStats()
         self._writer = BatchWriter(store, cluster.name, self.stats)
         self._subscribers: list[asyncio.Queue] = []
@@ -109,9 +118,12 @@ class Collector:
 
     # --- public reading side (TUI, tests) ----------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(cluster=self.cluster.name, t_ms=int(self.clock() * 1000),
-                               replicas={name: v.snapshot() for name, v in self.views.items()},
-                               governance=self.governance)
+        return ClusterSnapshot(
+            cluster=self.cluster.name,
+            t_ms=int(self.clock() * 1000),
+            replicas={name: v.snapshot() for name, v in self.views.items()},
+            governance=self.governance,
+        )
 
     def govern(self, *, immediate: bool = False) -> dict[str, Any] | None:
         """The cluster's governance figures over the replicas' windows now; alert transitions and
@@ -122,14 +134,21 @@ class Collector:
         t = self.clock()
         t_ms = int(t * 1000)
         columns = governance_columns([v.window for v in self.views.values()])
-        asked: dict[str, float] = {}  # requests per type: the window's completions and those waiting
+        asked: dict[
+            str, float
+        ] = {}  # requests per type: the window's completions and those waiting
         for kind in columns[1].tolist():
             asked[kind] = asked.get(kind, 0.0) + 1.0
         for v in self.views.values():
             for kind, n in ((v.state or {}).get("waiting_by_type") or {}).items():
                 asked[kind] = asked.get(kind, 0.0) + float(n)
-        figures = governance_report(*columns, self._gov_params, duration_s=self.cluster.window_s, arrived=asked,
-                                    waiting=self._waiting_tenants(t))
+        figures = governance_report(
+            *columns,
+            self._gov_params,
+            duration_s=self.cluster.window_s,
+            arrived=asked,
+            waiting=self._waiting_tenants(t),
+        )
         events = self._alerts.evaluate(figures, None if immediate else t)
         figures["alerts"] = dict(self._alerts.active)
         figures["alerts_pending"] = self._alerts.pending()
@@ -203,21 +222,35 @@ class Collector:
         if self.store is None:
             return
         if self._alerts is not None:  # alerts firing when the last collector stopped still are
-            for event in await asyncio.to_thread(self.store.governance.firing_alerts, self.cluster.name):
+            for event in await asyncio.to_thread(
+                self.store.governance.firing_alerts, self.cluster.name
+            ):
                 self._alerts.active[event["name"]] = event["severity"]
                 value = (event.get("summary") or {}).get("value")
                 if isinstance(value, (int, float)):
                     self._alerts.value.setdefault(event["name"], float(value))
-        await asyncio.to_thread(self.store.recordings.ensure_replicas, self.cluster.name,
-                                [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas])
-        positions = await asyncio.to_thread(self.store.recordings.cursor_positions, self.cluster.name)
+        await asyncio.to_thread(
+            self.store.recordings.ensure_replicas,
+            self.cluster.name,
+            [(r.name, r.api_url, r.control_url) for r in self.cluster.replicas],
+        )
+        positions = await asyncio.to_thread(
+            self.store.recordings.cursor_positions, self.cluster.name
+        )
         for name, (cursor, instance) in positions.items():
             view = self.views.get(name)
             if view is not None and cursor:
-                self.views[name] = ReplicaView(view.spec, self.cluster.window_s, cursor, instance,
-                                               reserved=reserved_groups(self.cluster))
+                self.views[name] = ReplicaView(
+                    view.spec,
+                    self.cluster.window_s,
+                    cursor,
+                    instance,
+                    reserved=reserved_groups(self.cluster),
+                )
         # The newest breaker trip recorded per replica: a restart writes no trip twice.
-        for name, recorded in (await asyncio.to_thread(self.store.recordings.breaker_positions, self.cluster.name)).items():
+        for name, recorded in (
+            await asyncio.to_thread(self.store.recordings.breaker_positions, self.cluster.name)
+        ).items():
             if name in self.views:
                 self.views[name].breaker_recorded = recorded
 
@@ -228,8 +261,10 @@ class Collector:
         try:
             await self.start()
             await self._client.ready()  # made before the first tick: the first polls are on time
-            tasks = [asyncio.create_task(self._replica_loop(v.name, stop), name=f"poll-{v.name}")
-                     for v in self.views.values()]
+            tasks = [
+                asyncio.create_task(self._replica_loop(v.name, stop), name=f"poll-{v.name}")
+                for v in self.views.values()
+            ]
             writer = asyncio.create_task(self._writer_loop(stop), name="collector-writer")
             stopping = asyncio.create_task(stop.wait())
             try:
@@ -237,7 +272,9 @@ class Collector:
                 await asyncio.wait([stopping, writer], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stopping.cancel()
-                for task in tasks:  # an in-flight poll has applied nothing yet: cancelling it is safe
+                for (
+                    task
+                ) in tasks:  # an in-flight poll has applied nothing yet: cancelling it is safe
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if not writer.done():
@@ -258,8 +295,9 @@ class Collector:
         """Poll one replica now and queue its rows for the writer."""
         assert self._client is not None, "poll() needs a client: run() or pass client="
         view = self.views[name]
-        result = await poll_view(self._client, view, self.cluster.timeout_s, self.clock,
-                                  metrics_every=self.metrics_every)
+        result = await poll_view(
+            self._client, view, self.cluster.timeout_s, self.clock, metrics_every=self.metrics_every
+        )
         self.stats.polls += 1
         if not result.sample.healthy:
             self.stats.failed_polls += 1
@@ -267,7 +305,9 @@ class Collector:
             self._writer.add(name, result)
         if result.breaker_trip is not None:
             self.stats.breaker_trips += int((result.breaker_trip.new or {}).get("new_trips") or 1)
-            log.warning("replica %s: circuit breaker tripped: %s", name, result.breaker_trip.message)
+            log.warning(
+                "replica %s: circuit breaker tripped: %s", name, result.breaker_trip.message
+            )
         for fn in self._poll_listeners:
             try:
                 fn(name, result)
@@ -293,8 +333,12 @@ class Collector:
             except Exception as err:  # a collector bug must not silence this replica for good
                 log.exception("polling %s failed", name)
                 view = self.views[name]
-                row = SampleRow(replica=name, t_ms=int(self.clock() * 1000), healthy=False,
-                                reason=f"collector error: {type(err).__name__}: {err}")
+                row = SampleRow(
+                    replica=name,
+                    t_ms=int(self.clock() * 1000),
+                    healthy=False,
+                    reason=f"collector error: {type(err).__name__}: {err}",
+                )
                 view.set_health(self.clock(), False, row.reason, view.health.mode)
                 view.sample = row
                 self.stats.polls += 1
@@ -335,8 +379,12 @@ class Collector:
         return await self._writer.flush(final=final, deadline_s=deadline_s)
 
 
-async def poll_cluster_once(cluster: ClusterSpec, *, client: PollingClient | None = None,
-                            clock: Callable[[], float] = time.time) -> ClusterSnapshot:
+async def poll_cluster_once(
+    cluster: ClusterSpec,
+    *,
+    client: PollingClient | None = None,
+    clock: Callable[[], float] = time.time,
+) -> ClusterSnapshot:
     """``controlplane.poller.poll_once`` with completions, as a ClusterSnapshot with the governance figures of the
     replicas' windows and the alerts they raise now (``tailpilot status``)."""
     views = await poll_views(cluster, client, True, clock)

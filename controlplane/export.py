@@ -26,9 +26,10 @@ import hashlib
 import json
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -49,7 +50,9 @@ DEFAULT_SETTINGS_PATH = "tailpilot-settings.json"  # vllm-args: next to where vL
 CONFIGMAP_KEY = "settings.json"
 DEFAULT_CONFIGMAP_NAME = "tailpilot-settings"
 MOUNT_DIR = "/etc/tailpilot"  # helm: where the ConfigMap is mounted in the vLLM container
-SETTINGS_ANNOTATION = "tailpilot/settings"  # helm: pod annotation; a changed document rolls the pods
+SETTINGS_ANNOTATION = (
+    "tailpilot/settings"  # helm: pod annotation; a changed document rolls the pods
+)
 HASH_ANNOTATION = "tailpilot/settings-sha256"
 DEFAULT_API_PORT = 8765
 
@@ -61,7 +64,8 @@ HELM_SCHEMA_NOTE = (
     "servingEngineSpec.modelSpec[] name, repository, tag, modelURL, replicaCount, requestCPU, "
     "requestMemory, requestGPU, pvcStorage (all required by the schema), podAnnotations, "
     "vllmConfig.enablePrefixCaching, vllmConfig.maxNumSeqs (-> --max-num-seqs), vllmConfig.extraArgs "
-    "(each entry one argument), env (name/value pairs), envFromSecret, extraVolumes, extraVolumeMounts")
+    "(each entry one argument), env (name/value pairs), envFromSecret, extraVolumes, extraVolumeMounts"
+)
 
 
 class ExportError(ValueError):
@@ -98,8 +102,9 @@ class ExportOptions:
         try:
             return SCHEDULER_CLASSES[self.scheduler]
         except KeyError:
-            raise ExportError(f"scheduler: expected one of {', '.join(SCHEDULER_CLASSES)}, "
-                              f"got {self.scheduler!r}") from None
+            raise ExportError(
+                f"scheduler: expected one of {', '.join(SCHEDULER_CLASSES)}, got {self.scheduler!r}"
+            ) from None
 
     @property
     def image_repository_tag(self) -> tuple[str, str]:
@@ -107,7 +112,7 @@ class ExportOptions:
         slash = image.rfind("/")
         colon = image.rfind(":")
         if colon > slash:
-            return image[:colon], image[colon + 1:]
+            return image[:colon], image[colon + 1 :]
         return image, "latest"
 
 
@@ -127,7 +132,9 @@ def check_exportable(settings: Settings, where: str | None = None) -> Settings:
         ReplicaCore(settings)
     except (ValidationError, ValueError) as err:
         prefix = f"{where}: " if where else ""
-        raise ExportError(f"{prefix}a live replica would refuse these settings: {describe_error(err)}") from None
+        raise ExportError(
+            f"{prefix}a live replica would refuse these settings: {describe_error(err)}"
+        ) from None
     return settings
 
 
@@ -156,8 +163,9 @@ def load_settings_file(path: str | Path) -> Settings:
     return validate_document(doc, str(path))
 
 
-def settings_from_study(store, study: str, *, storage: str | None = None,
-                        db: str | None = None) -> tuple[Settings, Any]:
+def settings_from_study(
+    store, study: str, *, storage: str | None = None, db: str | None = None
+) -> tuple[Settings, Any]:
     """The settings of the newest recommendation stored for ``study`` (``tailpilot recommend``),
     and that recommendation (a ``storage.tuner_results.RecommendationInfo``). ``storage`` and ``db`` only
     complete the command suggested when there is none."""
@@ -196,7 +204,12 @@ def settings_sha256(settings: Settings) -> str:
 def engine_flags(settings: Settings) -> list[str]:
     """vLLM flags for the document's engine block (``--long-prefill-token-threshold`` only when on)."""
     eng = settings.engine
-    flags = ["--max-num-seqs", str(eng.max_num_seqs), "--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+    flags = [
+        "--max-num-seqs",
+        str(eng.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(eng.max_num_batched_tokens),
+    ]
     if eng.long_prefill_token_threshold > 0:
         flags += ["--long-prefill-token-threshold", str(eng.long_prefill_token_threshold)]
     return flags
@@ -207,8 +220,13 @@ def plugin_flags(settings: Settings, options: ExportOptions) -> list[str]:
 
 
 def vllm_args(settings: Settings, options: ExportOptions = ExportOptions()) -> str:
-    argv = [f"{SETTINGS_FILE_ENV}={options.settings_path}", "vllm", "serve", options.model,
-            *plugin_flags(settings, options)]
+    argv = [
+        f"{SETTINGS_FILE_ENV}={options.settings_path}",
+        "vllm",
+        "serve",
+        options.model,
+        *plugin_flags(settings, options),
+    ]
     return " ".join(shlex.quote(a) for a in argv) + "\n"
 
 
@@ -216,32 +234,50 @@ def configmap_doc(settings: Settings, options: ExportOptions = ExportOptions()) 
     metadata: dict[str, Any] = {"name": options.name}
     if options.namespace:
         metadata["namespace"] = options.namespace
-    metadata["labels"] = {"app.kubernetes.io/name": "tailpilot", "app.kubernetes.io/component": "settings"}
+    metadata["labels"] = {
+        "app.kubernetes.io/name": "tailpilot",
+        "app.kubernetes.io/component": "settings",
+    }
     annotations = {HASH_ANNOTATION: settings_sha256(settings)}
     if options.source:
         annotations["tailpilot/source"] = options.source
     metadata["annotations"] = annotations
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
-            "data": {CONFIGMAP_KEY: settings_json(settings)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata,
+        "data": {CONFIGMAP_KEY: settings_json(settings)},
+    }
 
 
 def configmap(settings: Settings, options: ExportOptions = ExportOptions()) -> str:
-    header = [f"tailpilot settings ({settings.policy}) for the scheduler plugin; mount it and set",
-              f"{SETTINGS_FILE_ENV} to <mount dir>/{CONFIGMAP_KEY} in the vLLM container."]
+    header = [
+        f"tailpilot settings ({settings.policy}) for the scheduler plugin; mount it and set",
+        f"{SETTINGS_FILE_ENV} to <mount dir>/{CONFIGMAP_KEY} in the vLLM container.",
+    ]
     return strict_yaml.dump(configmap_doc(settings, options), header)
 
 
 def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict:
     repository, tag = options.image_repository_tag
     eng = settings.engine
-    extra_args = ["--scheduler-cls", options.scheduler_cls,
-                  "--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+    extra_args = [
+        "--scheduler-cls",
+        options.scheduler_cls,
+        "--max-num-batched-tokens",
+        str(eng.max_num_batched_tokens),
+    ]
     if eng.long_prefill_token_threshold > 0:
         extra_args += ["--long-prefill-token-threshold", str(eng.long_prefill_token_threshold)]
-    env = [{"name": SETTINGS_FILE_ENV, "value": f"{MOUNT_DIR}/{CONFIGMAP_KEY}"},
-           {"name": "TAILPILOT_API_HOST", "value": "0.0.0.0"},
-           {"name": "TAILPILOT_API_PORT", "value": str(options.api_port)}]
-    annotations = {SETTINGS_ANNOTATION: _compact_json(settings), HASH_ANNOTATION: settings_sha256(settings)}
+    env = [
+        {"name": SETTINGS_FILE_ENV, "value": f"{MOUNT_DIR}/{CONFIGMAP_KEY}"},
+        {"name": "TAILPILOT_API_HOST", "value": "0.0.0.0"},
+        {"name": "TAILPILOT_API_PORT", "value": str(options.api_port)},
+    ]
+    annotations = {
+        SETTINGS_ANNOTATION: _compact_json(settings),
+        HASH_ANNOTATION: settings_sha256(settings),
+    }
     spec: dict[str, Any] = {
         "name": options.engine_name,
         "repository": repository,
@@ -261,7 +297,9 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
         },
         "env": env,
         "extraVolumes": [{"name": "tailpilot-settings", "configMap": {"name": options.name}}],
-        "extraVolumeMounts": [{"name": "tailpilot-settings", "mountPath": MOUNT_DIR, "readOnly": True}],
+        "extraVolumeMounts": [
+            {"name": "tailpilot-settings", "mountPath": MOUNT_DIR, "readOnly": True}
+        ],
     }
     if options.token_secret:
         spec["envFromSecret"] = {"name": options.token_secret}
@@ -269,8 +307,12 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
     if options.service_monitor:
         # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics (tailpilot's
         # figures come from the recorder's, `tailpilot export --cluster ... --format servicemonitor`).
-        engine["serviceMonitor"] = {"enabled": True, "interval": options.scrape_interval,
-                                    "scrapeTimeout": scrape_timeout(options.scrape_interval), "honorLabels": False}
+        engine["serviceMonitor"] = {
+            "enabled": True,
+            "interval": options.scrape_interval,
+            "scrapeTimeout": scrape_timeout(options.scrape_interval),
+            "honorLabels": False,
+        }
     return {"servingEngineSpec": engine}
 
 
@@ -293,15 +335,21 @@ def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) ->
         "requestCPU/requestMemory/requestGPU/pvcStorage are required by the chart's schema: adjust them.",
     ]
     if options.service_monitor:
-        header.append("servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the engines'"
-                      " vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come from the"
-                      " recorder: tailpilot export --cluster FILE --format servicemonitor.")
+        header.append(
+            "servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the engines'"
+            " vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come from the"
+            " recorder: tailpilot export --cluster FILE --format servicemonitor."
+        )
     return strict_yaml.dump(helm_values_doc(settings, options), header)
 
 
 # settings_json takes no options (render() calls it on its own); the others take (settings, options).
-RENDERERS: dict[str, Callable[..., str]] = {"settings": settings_json, "vllm-args": vllm_args,
-                                             "configmap": configmap, "helm": helm_values}
+RENDERERS: dict[str, Callable[..., str]] = {
+    "settings": settings_json,
+    "vllm-args": vllm_args,
+    "configmap": configmap,
+    "helm": helm_values,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +383,12 @@ def parse_vllm_args(text: str) -> tuple[dict[str, str], str, dict[str, str]]:
     """A ``[NAME=VALUE ...] vllm serve MODEL --flag value ...`` line → (env, model, flags)."""
     argv = shlex.split(text, comments=True)
     env: dict[str, str] = {}
-    while argv and "=" in argv[0] and not argv[0].startswith("-") and argv[0].split("=", 1)[0].isidentifier():
+    while (
+        argv
+        and "=" in argv[0]
+        and not argv[0].startswith("-")
+        and argv[0].split("=", 1)[0].isidentifier()
+    ):
         name, value = argv.pop(0).split("=", 1)
         env[name] = value
     if argv[:2] != ["vllm", "serve"] or len(argv) < 3:
@@ -360,8 +413,10 @@ def settings_from_helm_values(text: str) -> tuple[Settings, dict]:
         [spec] = doc["servingEngineSpec"]["modelSpec"]
         annotation = spec["podAnnotations"][SETTINGS_ANNOTATION]
     except (KeyError, TypeError, ValueError):
-        raise ExportError("helm: expected servingEngineSpec.modelSpec with one entry carrying "
-                          f"podAnnotations[{SETTINGS_ANNOTATION!r}]") from None
+        raise ExportError(
+            "helm: expected servingEngineSpec.modelSpec with one entry carrying "
+            f"podAnnotations[{SETTINGS_ANNOTATION!r}]"
+        ) from None
     return Settings.model_validate(json.loads(annotation)), spec
 
 
@@ -372,11 +427,15 @@ def settings_from_helm_values(text: str) -> tuple[Settings, dict]:
 
 def _expect(cond: bool, fmt: str, what: str) -> None:
     if not cond:
-        raise ExportError(f"{fmt}: the rendering did not parse back to its input ({what}); "
-                          "this is a bug in tailpilot export")
+        raise ExportError(
+            f"{fmt}: the rendering did not parse back to its input ({what}); "
+            "this is a bug in tailpilot export"
+        )
 
 
-def verify(fmt: str, text: str, settings: Settings, options: ExportOptions = ExportOptions()) -> None:
+def verify(
+    fmt: str, text: str, settings: Settings, options: ExportOptions = ExportOptions()
+) -> None:
     """Parse a rendering back and check it carries ``settings`` and ``options`` exactly."""
     try:
         _verify(fmt, text, settings, options)
@@ -399,9 +458,17 @@ def _verify(fmt: str, text: str, settings: Settings, options: ExportOptions) -> 
     elif fmt == "configmap":
         doc = strict_yaml.load(text)
         _expect(doc["metadata"]["name"] == options.name, fmt, "metadata.name")
-        _expect(doc["metadata"].get("namespace") == (options.namespace or None), fmt, "metadata.namespace")
+        _expect(
+            doc["metadata"].get("namespace") == (options.namespace or None),
+            fmt,
+            "metadata.namespace",
+        )
         _expect(settings_from_configmap(text) == settings, fmt, "settings differ")
-        _expect(json.loads(doc["data"][CONFIGMAP_KEY]) == settings.to_dict(), fmt, "settings.json differs")
+        _expect(
+            json.loads(doc["data"][CONFIGMAP_KEY]) == settings.to_dict(),
+            fmt,
+            "settings.json differs",
+        )
     elif fmt == "helm":
         back, spec = settings_from_helm_values(text)
         _expect(back == settings, fmt, "settings in the pod annotation differ")
@@ -414,20 +481,35 @@ def _verify(fmt: str, text: str, settings: Settings, options: ExportOptions) -> 
         _expect(spec["modelURL"] == options.model, fmt, "modelURL")
         env = {e["name"]: e["value"] for e in spec["env"]}
         for e in spec["env"]:
-            _expect(set(e) == {"name", "value"} and isinstance(e["value"], str), fmt,
-                    "env entries are name/value strings")
+            _expect(
+                set(e) == {"name", "value"} and isinstance(e["value"], str),
+                fmt,
+                "env entries are name/value strings",
+            )
         path = env.get(SETTINGS_FILE_ENV, "")
         mounts = {m["name"]: m["mountPath"] for m in spec["extraVolumeMounts"]}
         volumes = {v["name"]: v for v in spec["extraVolumes"]}
         mounted = [n for n, d in mounts.items() if path == f"{d.rstrip('/')}/{CONFIGMAP_KEY}"]
-        _expect(len(mounted) == 1 and volumes.get(mounted[0], {}).get("configMap", {}).get("name") == options.name,
-                fmt, f"{SETTINGS_FILE_ENV}={path!r} is not {CONFIGMAP_KEY} of the mounted ConfigMap {options.name!r}")
+        _expect(
+            len(mounted) == 1
+            and volumes.get(mounted[0], {}).get("configMap", {}).get("name") == options.name,
+            fmt,
+            f"{SETTINGS_FILE_ENV}={path!r} is not {CONFIGMAP_KEY} of the mounted ConfigMap {options.name!r}",
+        )
         for key in ("name", "repository", "tag", "modelURL", "requestMemory", "pvcStorage"):
-            _expect(isinstance(spec.get(key), str) and spec[key], fmt, f"modelSpec.{key} must be a string")
+            _expect(
+                isinstance(spec.get(key), str) and spec[key],
+                fmt,
+                f"modelSpec.{key} must be a string",
+            )
         for key in ("replicaCount", "requestCPU", "requestGPU"):
             _expect(isinstance(spec.get(key), int), fmt, f"modelSpec.{key} must be an integer")
         monitor = strict_yaml.load(text)["servingEngineSpec"].get("serviceMonitor")
-        _expect(bool(monitor and monitor.get("enabled")) == options.service_monitor, fmt, "serviceMonitor.enabled")
+        _expect(
+            bool(monitor and monitor.get("enabled")) == options.service_monitor,
+            fmt,
+            "serviceMonitor.enabled",
+        )
     else:
         raise ExportError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")
 

@@ -54,8 +54,9 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -87,21 +88,38 @@ class Series:
         return f"{self.name}_total" if self.counter else self.name
 
 
-COUNTERS = {"tailpilot_refused_requests", "tailpilot_breaker_trips", "tailpilot_ingest_rejected",
-            "tailpilot_preemptions", "tailpilot_requests_completed", "tailpilot_prompt_tokens",
-            "tailpilot_output_tokens", "tailpilot_type_requests_completed"}
+COUNTERS = {
+    "tailpilot_refused_requests",
+    "tailpilot_breaker_trips",
+    "tailpilot_ingest_rejected",
+    "tailpilot_preemptions",
+    "tailpilot_requests_completed",
+    "tailpilot_prompt_tokens",
+    "tailpilot_output_tokens",
+    "tailpilot_type_requests_completed",
+}
 
 
 def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
-    return {name: Series(name, tuple(labels.split()) if labels else (), doc, name in COUNTERS)
-            for name, labels, doc in rows}
+    return {
+        name: Series(name, tuple(labels.split()) if labels else (), doc, name in COUNTERS)
+        for name, labels, doc in rows
+    }
 
 
 R = "cluster replica"
 SERIES: dict[str, Series] = _series(
     # per replica: the collector's latest poll, only while the replica answers it
-    ("tailpilot_replica_up", R, "1 when the replica answered its last poll, else 0 (its other figures are then left out)."),
-    ("tailpilot_replica_info", f"{R} policy mode", "1, labelled with the replica's policy and mode (plugin | metrics-only)."),
+    (
+        "tailpilot_replica_up",
+        R,
+        "1 when the replica answered its last poll, else 0 (its other figures are then left out).",
+    ),
+    (
+        "tailpilot_replica_info",
+        f"{R} policy mode",
+        "1, labelled with the replica's policy and mode (plugin | metrics-only).",
+    ),
     ("tailpilot_settings_version", R, "Version of the replica's active settings document."),
     ("tailpilot_gamma", R, "Live γ of the replica's policy (its adaptive value where it adapts)."),
     ("tailpilot_beta", R, "Live β of the replica's policy."),
@@ -109,69 +127,219 @@ SERIES: dict[str, Series] = _series(
     ("tailpilot_running_requests", R, "Requests in the replica's running batch."),
     ("tailpilot_kv_usage_ratio", R, "Fraction of the replica's KV cache in use (0..1)."),
     ("tailpilot_preemptions", R, "Preemptions since the replica started (its own count)."),
-    ("tailpilot_refused_requests", R, "Requests the replica turned away on arrival (a tenant's queue cap), since it started."),
-    ("tailpilot_breaker_trips", R,
-     "Times a policy raised inside the replica's engine step and its circuit breaker fell back, since it started."),
-    ("tailpilot_latency_seconds", f"{R} latency percentile",
-     "Exact percentile (p50 | p90 | p95 | p99) of the window's completed requests (latency: ttft | ttlt | tbt)."),
-    ("tailpilot_group_latency_seconds", f"{R} kind group latency percentile",
-     "Exact percentile per tenant or request type (kind) of the replica's window."),
-    ("tailpilot_group_requests", f"{R} kind group", "Requests completed in the window per tenant or type."),
+    (
+        "tailpilot_refused_requests",
+        R,
+        "Requests the replica turned away on arrival (a tenant's queue cap), since it started.",
+    ),
+    (
+        "tailpilot_breaker_trips",
+        R,
+        "Times a policy raised inside the replica's engine step and its circuit breaker fell back, since it started.",
+    ),
+    (
+        "tailpilot_latency_seconds",
+        f"{R} latency percentile",
+        "Exact percentile (p50 | p90 | p95 | p99) of the window's completed requests (latency: ttft | ttlt | tbt).",
+    ),
+    (
+        "tailpilot_group_latency_seconds",
+        f"{R} kind group latency percentile",
+        "Exact percentile per tenant or request type (kind) of the replica's window.",
+    ),
+    (
+        "tailpilot_group_requests",
+        f"{R} kind group",
+        "Requests completed in the window per tenant or type.",
+    ),
     # per replica: the recorder's own counts, kept while the replica is down (they do not change then)
-    ("tailpilot_ingest_rejected", f"{R} reason",
-     "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason."),
-    ("tailpilot_requests_completed", f"{R} tenant",
-     "Completed requests the recorder read from the replica since the recorder started (refusals not counted)."),
+    (
+        "tailpilot_ingest_rejected",
+        f"{R} reason",
+        "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason.",
+    ),
+    (
+        "tailpilot_requests_completed",
+        f"{R} tenant",
+        "Completed requests the recorder read from the replica since the recorder started (refusals not counted).",
+    ),
     ("tailpilot_prompt_tokens", f"{R} tenant", "Prompt tokens of those completed requests."),
     ("tailpilot_output_tokens", f"{R} tenant", "Output tokens of those completed requests."),
-    ("tailpilot_type_requests_completed", f"{R} type", "Those completed requests per request type."),
+    (
+        "tailpilot_type_requests_completed",
+        f"{R} type",
+        "Those completed requests per request type.",
+    ),
     # the cluster
-    ("tailpilot_window_seconds", "cluster", "Length of the rolling window every windowed figure covers."),
-    ("tailpilot_tenants_omitted", "cluster", f"Tenants left off this page (at most {MAX_TENANTS} are labelled)."),
-    ("tailpilot_types_omitted", "cluster", f"Request types left off this page (at most {MAX_TYPES} are labelled)."),
+    (
+        "tailpilot_window_seconds",
+        "cluster",
+        "Length of the rolling window every windowed figure covers.",
+    ),
+    (
+        "tailpilot_tenants_omitted",
+        "cluster",
+        f"Tenants left off this page (at most {MAX_TENANTS} are labelled).",
+    ),
+    (
+        "tailpilot_types_omitted",
+        "cluster",
+        f"Request types left off this page (at most {MAX_TYPES} are labelled).",
+    ),
     # governance (over every replica's window together; docs/governance.md)
-    ("tailpilot_governance_timestamp_seconds", "cluster", "When the governance figures were computed (Unix time)."),
-    ("tailpilot_governance_stale_replicas", "cluster",
-     "Replicas down whose last window still counts in the governance figures, unrefreshed (0: all current)."),
-    ("tailpilot_governance_requests", "cluster", "Requests the governance figures were computed from."),
-    ("tailpilot_scr_ratio", "cluster", "SLO compliance ratio: the fraction of tenants meeting every quantile target."),
-    ("tailpilot_jfi_ratio", "cluster",
-     "Jain's index over each tenant's service per demand-capped entitlement (what alerts and the governor act on)."),
-    ("tailpilot_jfi_seed_ratio", "cluster", "Seed 003's literal JFI, over served rate per committed rate (reported only)."),
-    ("tailpilot_type_fairness_min_ratio", "cluster", "The lowest request type's share over its guaranteed share."),
-    ("tailpilot_tenant_latency_seconds", "cluster tenant latency percentile",
-     "Exact percentile (p50 | p90 | p99) of the tenant's requests across the cluster (latency: ttft | ttlt)."),
-    ("tailpilot_tenant_slo_seconds", "cluster tenant latency percentile", "The tenant's target for that percentile."),
-    ("tailpilot_tenant_slo_compliant", "cluster tenant", "1 when the tenant meets every target it has, else 0."),
-    ("tailpilot_tenant_requests", "cluster tenant", "The tenant's requests completed in the window."),
-    ("tailpilot_tenant_waiting_requests", "cluster tenant", "The tenant's requests waiting on the replicas that answer."),
-    ("tailpilot_tenant_waited_seconds", "cluster tenant",
-     "How long the tenant has had requests waiting without its queue shrinking (a lower bound of its oldest wait)."),
-    ("tailpilot_tenant_starved", "cluster tenant", "1 when the tenant has requests waiting and none completed in the window."),
-    ("tailpilot_tenant_window_served_tokens", "cluster tenant", "Tokens (prompt + output) served to the tenant in the window."),
-    ("tailpilot_tenant_window_demand_tokens", "cluster tenant", "Tokens the tenant asked for in the window (served + waiting)."),
-    ("tailpilot_tenant_window_entitled_tokens", "cluster tenant",
-     "The tenant's share of the window's served tokens by weight, capped by its demand."),
-    ("tailpilot_tenant_service_ratio", "cluster tenant", "min(1, served / entitled): the tenant's x in the JFI."),
-    ("tailpilot_tenant_committed_tokens_per_second", "cluster tenant",
-     "The tenant's committed rate (commit_tok_s; for a weight, its share of the served rate)."),
-    ("tailpilot_tenant_normalised_throughput_ratio", "cluster tenant",
-     "Served rate over committed rate: the tenant's x in the seed's JFI."),
-    ("tailpilot_tenant_omega_ratio", "cluster tenant", "ω = min(committed / served, α); below 1: an over-consumer."),
-    ("tailpilot_type_share_ratio", "cluster type", "The type's share of the window's completed requests."),
+    (
+        "tailpilot_governance_timestamp_seconds",
+        "cluster",
+        "When the governance figures were computed (Unix time).",
+    ),
+    (
+        "tailpilot_governance_stale_replicas",
+        "cluster",
+        "Replicas down whose last window still counts in the governance figures, unrefreshed (0: all current).",
+    ),
+    (
+        "tailpilot_governance_requests",
+        "cluster",
+        "Requests the governance figures were computed from.",
+    ),
+    (
+        "tailpilot_scr_ratio",
+        "cluster",
+        "SLO compliance ratio: the fraction of tenants meeting every quantile target.",
+    ),
+    (
+        "tailpilot_jfi_ratio",
+        "cluster",
+        "Jain's index over each tenant's service per demand-capped entitlement (what alerts and the governor act on).",
+    ),
+    (
+        "tailpilot_jfi_seed_ratio",
+        "cluster",
+        "Seed 003's literal JFI, over served rate per committed rate (reported only).",
+    ),
+    (
+        "tailpilot_type_fairness_min_ratio",
+        "cluster",
+        "The lowest request type's share over its guaranteed share.",
+    ),
+    (
+        "tailpilot_tenant_latency_seconds",
+        "cluster tenant latency percentile",
+        "Exact percentile (p50 | p90 | p99) of the tenant's requests across the cluster (latency: ttft | ttlt).",
+    ),
+    (
+        "tailpilot_tenant_slo_seconds",
+        "cluster tenant latency percentile",
+        "The tenant's target for that percentile.",
+    ),
+    (
+        "tailpilot_tenant_slo_compliant",
+        "cluster tenant",
+        "1 when the tenant meets every target it has, else 0.",
+    ),
+    (
+        "tailpilot_tenant_requests",
+        "cluster tenant",
+        "The tenant's requests completed in the window.",
+    ),
+    (
+        "tailpilot_tenant_waiting_requests",
+        "cluster tenant",
+        "The tenant's requests waiting on the replicas that answer.",
+    ),
+    (
+        "tailpilot_tenant_waited_seconds",
+        "cluster tenant",
+        "How long the tenant has had requests waiting without its queue shrinking (a lower bound of its oldest wait).",
+    ),
+    (
+        "tailpilot_tenant_starved",
+        "cluster tenant",
+        "1 when the tenant has requests waiting and none completed in the window.",
+    ),
+    (
+        "tailpilot_tenant_window_served_tokens",
+        "cluster tenant",
+        "Tokens (prompt + output) served to the tenant in the window.",
+    ),
+    (
+        "tailpilot_tenant_window_demand_tokens",
+        "cluster tenant",
+        "Tokens the tenant asked for in the window (served + waiting).",
+    ),
+    (
+        "tailpilot_tenant_window_entitled_tokens",
+        "cluster tenant",
+        "The tenant's share of the window's served tokens by weight, capped by its demand.",
+    ),
+    (
+        "tailpilot_tenant_service_ratio",
+        "cluster tenant",
+        "min(1, served / entitled): the tenant's x in the JFI.",
+    ),
+    (
+        "tailpilot_tenant_committed_tokens_per_second",
+        "cluster tenant",
+        "The tenant's committed rate (commit_tok_s; for a weight, its share of the served rate).",
+    ),
+    (
+        "tailpilot_tenant_normalised_throughput_ratio",
+        "cluster tenant",
+        "Served rate over committed rate: the tenant's x in the seed's JFI.",
+    ),
+    (
+        "tailpilot_tenant_omega_ratio",
+        "cluster tenant",
+        "ω = min(committed / served, α); below 1: an over-consumer.",
+    ),
+    (
+        "tailpilot_type_share_ratio",
+        "cluster type",
+        "The type's share of the window's completed requests.",
+    ),
     ("tailpilot_type_minimum_share_ratio", "cluster type", "The type's minimum share ρ_k."),
-    ("tailpilot_type_fairness_ratio", "cluster type", "The type's share over its guaranteed share."),
-    ("tailpilot_alert_firing", "cluster alert severity", "1 while the alert fires at this severity, else 0."),
-    ("tailpilot_alert_pending", "cluster alert severity",
-     "1 while the alert's condition holds at this severity but not yet for alerts.for_s, else 0."),
-    ("tailpilot_alert_value", "cluster alert",
-     "The figure the alert was last judged on (kept through windows without data, as the alert is)."),
-    ("tailpilot_alert_threshold", "cluster alert severity", "The figure below which the alert fires at this severity."),
+    (
+        "tailpilot_type_fairness_ratio",
+        "cluster type",
+        "The type's share over its guaranteed share.",
+    ),
+    (
+        "tailpilot_alert_firing",
+        "cluster alert severity",
+        "1 while the alert fires at this severity, else 0.",
+    ),
+    (
+        "tailpilot_alert_pending",
+        "cluster alert severity",
+        "1 while the alert's condition holds at this severity but not yet for alerts.for_s, else 0.",
+    ),
+    (
+        "tailpilot_alert_value",
+        "cluster alert",
+        "The figure the alert was last judged on (kept through windows without data, as the alert is).",
+    ),
+    (
+        "tailpilot_alert_threshold",
+        "cluster alert severity",
+        "The figure below which the alert fires at this severity.",
+    ),
     # the governor (when it runs in this recorder)
-    ("tailpilot_governor_state", "cluster state", "1 for the governor's state (armed | dry-run | disarmed), else 0."),
+    (
+        "tailpilot_governor_state",
+        "cluster state",
+        "1 for the governor's state (armed | dry-run | disarmed), else 0.",
+    ),
     ("tailpilot_governor_paused", "cluster", "1 while an operator has paused the governor."),
-    ("tailpilot_governor_mode_active", "cluster mode", "1 while the emergency mode (scr | jfi | type) is applied."),
-    ("tailpilot_governor_mode_dry_run", "cluster mode", "1 while the mode is only logged (decided in dry-run, not applied)."),
+    (
+        "tailpilot_governor_mode_active",
+        "cluster mode",
+        "1 while the emergency mode (scr | jfi | type) is applied.",
+    ),
+    (
+        "tailpilot_governor_mode_dry_run",
+        "cluster mode",
+        "1 while the mode is only logged (decided in dry-run, not applied).",
+    ),
 )
 # The previous version's names (a sample's name, as on the page) -> this version's (None: gone,
 # with what replaces it in docs/metrics.md). Dashboards and rules written against them need these.
@@ -186,7 +354,11 @@ RENAMED: dict[str, str | None] = {
     "tailpilot_throughput_tokens_per_second": "tailpilot_output_tokens_total",
     "tailpilot_tenant_throughput_tokens_per_second": None,
 }
-ALERT_SEVERITIES = {"scr": ("warning", "critical"), "jfi": ("warning",), "type_fairness": ("warning",)}
+ALERT_SEVERITIES = {
+    "scr": ("warning", "critical"),
+    "jfi": ("warning",),
+    "type_fairness": ("warning",),
+}
 
 
 def _label(value: str) -> str:
@@ -213,8 +385,11 @@ class _Families:
 
     def __init__(self) -> None:
         self.families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            s.name: (CounterMetricFamily if s.counter else GaugeMetricFamily)(s.name, s.doc, labels=list(s.labels))
-            for s in SERIES.values()}
+            s.name: (CounterMetricFamily if s.counter else GaugeMetricFamily)(
+                s.name, s.doc, labels=list(s.labels)
+            )
+            for s in SERIES.values()
+        }
 
     def add(self, name: str, labels: tuple[str, ...], value: Any) -> None:
         v = _finite(value)
@@ -235,11 +410,15 @@ class CompletionCounters:
 
     def __init__(self, collector: Any, max_names: int = MAX_TENANTS) -> None:
         spec = collector.cluster.governance
-        self._reserved = {"tenant": frozenset(spec.tenants if spec is not None else ()),
-                          "type": frozenset(spec.type_shares if spec is not None else ())}
+        self._reserved = {
+            "tenant": frozenset(spec.tenants if spec is not None else ()),
+            "type": frozenset(spec.type_shares if spec is not None else ()),
+        }
         self._max = max_names
         self._names: dict[str, set[str]] = {"tenant": set(), "type": set()}
-        self.tenants: dict[tuple[str, str], list[int]] = {}  # (replica, tenant) -> [requests, prompt, output]
+        self.tenants: dict[
+            tuple[str, str], list[int]
+        ] = {}  # (replica, tenant) -> [requests, prompt, output]
         self.types: dict[tuple[str, str], int] = {}  # (replica, type) -> requests
         # replica -> whether its last poll read its /state (its own counters are then current,
         # even when its /metrics failed and it counts as down)
@@ -269,7 +448,7 @@ class CompletionCounters:
             self.types[key] = self.types.get(key, 0) + 1
 
 
-_COUNTERS: "weakref.WeakKeyDictionary[Any, CompletionCounters]" = weakref.WeakKeyDictionary()
+_COUNTERS: weakref.WeakKeyDictionary[Any, CompletionCounters] = weakref.WeakKeyDictionary()
 
 
 def completion_counters(collector: Any) -> CompletionCounters:
@@ -301,7 +480,9 @@ class ClusterMetrics:
             self._replica(out, cluster, name, view, shown, types)
             # Whether its last poll read its /state: the listener knows; before it was attached,
             # the sample says (only a /state answer gives it a policy)
-            read = self.counters.state_read.get(name, view.sample is not None and view.sample.policy is not None)
+            read = self.counters.state_read.get(
+                name, view.sample is not None and view.sample.policy is not None
+            )
             self._replica_counters(out, cluster, name, view, read)
         self._completions(out, cluster)
         up = sum(1 for v in c.views.values() if v.health.healthy)
@@ -325,7 +506,9 @@ class ClusterMetrics:
             out.add("tailpilot_type_requests_completed", (cluster, replica, kind), requests)
 
     @staticmethod
-    def _replica(out: _Families, cluster: str, name: str, view: Any, shown: set[str], types: set[str]) -> None:
+    def _replica(
+        out: _Families, cluster: str, name: str, view: Any, shown: set[str], types: set[str]
+    ) -> None:
         key = (cluster, name)
         out.add("tailpilot_replica_up", key, 1.0 if view.health.healthy else 0.0)
         for reason in REASONS:  # the recorder's own count: true whether the replica answers or not
@@ -335,25 +518,38 @@ class ClusterMetrics:
             return  # its last answer is not now: nothing of it on the page (replica_up says so)
         if row.policy:
             out.add("tailpilot_replica_info", (*key, row.policy, view.health.mode), 1.0)
-        for series, value in (("tailpilot_settings_version", row.settings_version),
-                              ("tailpilot_gamma", row.gamma_live), ("tailpilot_beta", row.beta_live),
-                              ("tailpilot_waiting_requests", row.waiting), ("tailpilot_running_requests", row.running),
-                              ("tailpilot_kv_usage_ratio", row.kv_usage)):
+        for series, value in (
+            ("tailpilot_settings_version", row.settings_version),
+            ("tailpilot_gamma", row.gamma_live),
+            ("tailpilot_beta", row.beta_live),
+            ("tailpilot_waiting_requests", row.waiting),
+            ("tailpilot_running_requests", row.running),
+            ("tailpilot_kv_usage_ratio", row.kv_usage),
+        ):
             out.add(series, key, value)
         for lat in LATENCIES:
             for q in PERCENTILES:
-                out.add("tailpilot_latency_seconds", (*key, lat, f"p{q}"), getattr(row.latency, f"{lat}_p{q}"))
+                out.add(
+                    "tailpilot_latency_seconds",
+                    (*key, lat, f"p{q}"),
+                    getattr(row.latency, f"{lat}_p{q}"),
+                )
         for g in view.groups:
             if g.group not in (shown if g.kind == "tenant" else types):
                 continue
             out.add("tailpilot_group_requests", (*key, g.kind, g.group), g.completed)
             for lat in LATENCIES:
                 for q in PERCENTILES:
-                    out.add("tailpilot_group_latency_seconds", (*key, g.kind, g.group, lat, f"p{q}"),
-                            getattr(g.latency, f"{lat}_p{q}"))
+                    out.add(
+                        "tailpilot_group_latency_seconds",
+                        (*key, g.kind, g.group, lat, f"p{q}"),
+                        getattr(g.latency, f"{lat}_p{q}"),
+                    )
 
     @staticmethod
-    def _replica_counters(out: _Families, cluster: str, name: str, view: Any, state_read: bool) -> None:
+    def _replica_counters(
+        out: _Families, cluster: str, name: str, view: Any, state_read: bool
+    ) -> None:
         """The replica's own counters since it started: from the /state its last poll read (the
         plugin's), else from vLLM's /metrics while it answers; none from an older answer."""
         key = (cluster, name)
@@ -362,8 +558,11 @@ class ClusterMetrics:
             if not state_read:
                 return
             preemptions = state.get("preemptions_total")
-            out.add("tailpilot_preemptions", key,
-                    preemptions if preemptions is not None else view.metrics.get("preemptions_total"))
+            out.add(
+                "tailpilot_preemptions",
+                key,
+                preemptions if preemptions is not None else view.metrics.get("preemptions_total"),
+            )
             out.add("tailpilot_refused_requests", key, state.get("refused_total"))
             breaker = state.get("breaker")
             if isinstance(breaker, dict):
@@ -372,8 +571,16 @@ class ClusterMetrics:
             out.add("tailpilot_preemptions", key, view.metrics.get("preemptions_total"))
 
     @classmethod
-    def _governance(cls, out: _Families, cluster: str, g: dict[str, Any], spec: Any, shown: set[str],
-                    types: set[str], stale: int) -> None:
+    def _governance(
+        cls,
+        out: _Families,
+        cluster: str,
+        g: dict[str, Any],
+        spec: Any,
+        shown: set[str],
+        types: set[str],
+        stale: int,
+    ) -> None:
         key = (cluster,)
         if g.get("t_ms") is not None:
             out.add("tailpilot_governance_timestamp_seconds", key, g["t_ms"] / 1000.0)
@@ -394,15 +601,18 @@ class ClusterMetrics:
                 lat, q = metric.split("_", 1)
                 out.add("tailpilot_tenant_slo_seconds", (*t, lat, q), limit)
             out.add("tailpilot_tenant_slo_compliant", t, 1.0 if f.get("compliant") else 0.0)
-            for series, k in (("tailpilot_tenant_requests", "requests"), ("tailpilot_tenant_waiting_requests", "waiting"),
-                              ("tailpilot_tenant_waited_seconds", "waited_s"),
-                              ("tailpilot_tenant_window_served_tokens", "served_tokens"),
-                              ("tailpilot_tenant_window_demand_tokens", "demand_tokens"),
-                              ("tailpilot_tenant_window_entitled_tokens", "entitled_tokens"),
-                              ("tailpilot_tenant_service_ratio", "service_ratio"),
-                              ("tailpilot_tenant_committed_tokens_per_second", "committed_tok_s"),
-                              ("tailpilot_tenant_normalised_throughput_ratio", "normalised"),
-                              ("tailpilot_tenant_omega_ratio", "omega")):
+            for series, k in (
+                ("tailpilot_tenant_requests", "requests"),
+                ("tailpilot_tenant_waiting_requests", "waiting"),
+                ("tailpilot_tenant_waited_seconds", "waited_s"),
+                ("tailpilot_tenant_window_served_tokens", "served_tokens"),
+                ("tailpilot_tenant_window_demand_tokens", "demand_tokens"),
+                ("tailpilot_tenant_window_entitled_tokens", "entitled_tokens"),
+                ("tailpilot_tenant_service_ratio", "service_ratio"),
+                ("tailpilot_tenant_committed_tokens_per_second", "committed_tok_s"),
+                ("tailpilot_tenant_normalised_throughput_ratio", "normalised"),
+                ("tailpilot_tenant_omega_ratio", "omega"),
+            ):
                 out.add(series, t, f.get(k))
             if "starved" in f:
                 out.add("tailpilot_tenant_starved", t, 1.0 if f["starved"] else 0.0)
@@ -425,8 +635,12 @@ class ClusterMetrics:
         for alert, severities in ALERT_SEVERITIES.items():
             for severity in severities:
                 key = (cluster, alert, severity)
-                out.add("tailpilot_alert_firing", key, 1.0 if firing.get(alert) == severity else 0.0)
-                out.add("tailpilot_alert_pending", key, 1.0 if pending.get(alert) == severity else 0.0)
+                out.add(
+                    "tailpilot_alert_firing", key, 1.0 if firing.get(alert) == severity else 0.0
+                )
+                out.add(
+                    "tailpilot_alert_pending", key, 1.0 if pending.get(alert) == severity else 0.0
+                )
                 if thresholds is not None:
                     out.add("tailpilot_alert_threshold", key, thresholds.threshold(alert, severity))
 
@@ -435,12 +649,26 @@ class ClusterMetrics:
         from controlplane.governor import MODES, STATES, modes
 
         for state in STATES:
-            out.add("tailpilot_governor_state", (cluster, state), 1.0 if status.get("state") == state else 0.0)
+            out.add(
+                "tailpilot_governor_state",
+                (cluster, state),
+                1.0 if status.get("state") == state else 0.0,
+            )
         out.add("tailpilot_governor_paused", (cluster,), 1.0 if status.get("paused") else 0.0)
-        applied, dry = modes(status)  # a mode decided in dry-run was never applied: dry-run, not active
+        applied, dry = modes(
+            status
+        )  # a mode decided in dry-run was never applied: dry-run, not active
         for mode in MODES:
-            out.add("tailpilot_governor_mode_active", (cluster, mode.name), 1.0 if mode.name in applied else 0.0)
-            out.add("tailpilot_governor_mode_dry_run", (cluster, mode.name), 1.0 if mode.name in dry else 0.0)
+            out.add(
+                "tailpilot_governor_mode_active",
+                (cluster, mode.name),
+                1.0 if mode.name in applied else 0.0,
+            )
+            out.add(
+                "tailpilot_governor_mode_dry_run",
+                (cluster, mode.name),
+                1.0 if mode.name in dry else 0.0,
+            )
 
 
 def labelled_tenants(collector: Any, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
@@ -493,8 +721,11 @@ class _Page:
                     self._page = (time.monotonic(), future.result(RENDER_TIMEOUT_S))
                 except Exception as err:  # a stalled or stopping loop: say so, do not hang
                     future.cancel()
-                    raise HTTPError(503, f"the recorder could not render its page: {type(err).__name__}",
-                                    headers={"Retry-After": "1"}) from None
+                    raise HTTPError(
+                        503,
+                        f"the recorder could not render its page: {type(err).__name__}",
+                        headers={"Retry-After": "1"},
+                    ) from None
             return self._page[1], CONTENT_TYPE_LATEST
 
     async def _render(self) -> bytes:
@@ -514,7 +745,9 @@ class _Page:
 class MetricsServer:
     """``GET /metrics`` of a collector on the control API's bounded server (a daemon thread)."""
 
-    def __init__(self, collector: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+    def __init__(
+        self, collector: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT
+    ) -> None:
         self.collector = collector
         self.host, self.port = host, port
         self._server: Any = None
@@ -526,10 +759,17 @@ class MetricsServer:
         from scheduler.plugin.api import ControlServer
 
         # Prometheus never sends the page's (random) token: nothing is kept back for token holders.
-        limits = Limits(max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0)
+        limits = Limits(
+            max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0
+        )
         # A random token: nothing here takes writes, and the server would warn without one.
-        self._server = ControlServer(_Page(self.collector, asyncio.get_running_loop()), host=self.host,
-                                     port=self.port, token=secrets.token_hex(16), limits=limits).start()
+        self._server = ControlServer(
+            _Page(self.collector, asyncio.get_running_loop()),
+            host=self.host,
+            port=self.port,
+            token=secrets.token_hex(16),
+            limits=limits,
+        ).start()
         self.port = self._server.port
         return self.port
 

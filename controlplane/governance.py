@@ -6,8 +6,9 @@ them by), the alert thresholds and the governor's — and the alerts the figures
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -67,7 +68,9 @@ class GovernanceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     tenants: dict[str, TenantSlo] = Field(default_factory=dict)
-    default_tenant: TenantSlo = Field(default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO))
+    default_tenant: TenantSlo = Field(
+        default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO)
+    )
     type_shares: dict[str, float] = Field(default_factory=dict)
     type_eta: float = Field(0.5, ge=0.0, le=1e6)
     alerts: AlertThresholds = Field(default_factory=AlertThresholds)
@@ -118,7 +121,13 @@ class AlertEvaluator:
         """The severity ``value`` calls for right now (no hold)."""
         t = self.thresholds
         if name == "scr":
-            return "critical" if value < t.scr_critical else "warning" if value < t.scr_warning else None
+            return (
+                "critical"
+                if value < t.scr_critical
+                else "warning"
+                if value < t.scr_warning
+                else None
+            )
         return "warning" if value < t.threshold(name, "warning") else None
 
     def pending(self) -> dict[str, str]:
@@ -129,9 +138,15 @@ class AlertEvaluator:
                 out[name] = sev
         return out
 
-    def evaluate(self, figures: Mapping[str, Any], now: float | None = None) -> list[dict[str, Any]]:
+    def evaluate(
+        self, figures: Mapping[str, Any], now: float | None = None
+    ) -> list[dict[str, Any]]:
         """Transitions: dicts with name, severity, state ("firing" | "resolved") and summary."""
-        hold, keep = (0.0, 0.0) if now is None else (self.thresholds.for_s, self.thresholds.keep_firing_for_s)
+        hold, keep = (
+            (0.0, 0.0)
+            if now is None
+            else (self.thresholds.for_s, self.thresholds.keep_firing_for_s)
+        )
         t = 0.0 if now is None else now
         out = []
         for name in ALERT_NAMES:
@@ -158,15 +173,26 @@ class AlertEvaluator:
             severity = firing[-1] if firing else None
             if severity == current:
                 continue
-            summary = {"value": value, "threshold": self.thresholds.threshold(name, severity or current),
-                       "figures": {k: figures.get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")},
-                       "missed": {t_: f["missed"] for t_, f in figures.get("tenants", {}).items() if f["missed"]}}
+            summary = {
+                "value": value,
+                "threshold": self.thresholds.threshold(name, severity or current),
+                "figures": {
+                    k: figures.get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")
+                },
+                "missed": {
+                    t_: f["missed"] for t_, f in figures.get("tenants", {}).items() if f["missed"]
+                },
+            }
             if severity is None:
                 del self.active[name]
-                out.append({"name": name, "severity": current, "state": "resolved", "summary": summary})
+                out.append(
+                    {"name": name, "severity": current, "state": "resolved", "summary": summary}
+                )
             else:
                 self.active[name] = severity
-                out.append({"name": name, "severity": severity, "state": "firing", "summary": summary})
+                out.append(
+                    {"name": name, "severity": severity, "state": "firing", "summary": summary}
+                )
         return out
 
 

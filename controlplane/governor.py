@@ -39,8 +39,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import apply_settings
@@ -50,8 +51,12 @@ STATES = ("armed", "dry-run", "disarmed")
 WHO = "governor"
 # What the operator's commands change in the control row (``tailpilot governor``, the TUI's G).
 CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
-    "pause": {"paused": True}, "resume": {"paused": False}, "arm": {"state": "armed"},
-    "dry-run": {"state": "dry-run"}, "disarm": {"state": "disarmed"}}
+    "pause": {"paused": True},
+    "resume": {"paused": False},
+    "arm": {"state": "armed"},
+    "dry-run": {"state": "dry-run"},
+    "disarm": {"state": "disarmed"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +66,11 @@ class Mode:
     param: str  # the slofq parameter it sets
 
 
-MODES = (Mode("scr", "scr", "quantiles"), Mode("jfi", "jfi", "throttle"),
-         Mode("type", "type_fairness_min", "type_isolation"))
+MODES = (
+    Mode("scr", "scr", "quantiles"),
+    Mode("jfi", "jfi", "throttle"),
+    Mode("type", "type_fairness_min", "type_isolation"),
+)
 
 
 @dataclass(slots=True)
@@ -83,8 +91,10 @@ class Decision:
         if self.targets:
             text += f"; throttles {', '.join(self.targets)}"
         if self.before:
-            victims = ", ".join(f"{t} {_s(v)}" + (f" -> {_s(self.after.get(t))}" if self.action == "exit" else "")
-                                for t, v in sorted(self.before.items()))
+            victims = ", ".join(
+                f"{t} {_s(v)}" + (f" -> {_s(self.after.get(t))}" if self.action == "exit" else "")
+                for t, v in sorted(self.before.items())
+            )
             text += f"; victims' P99 TTFT {'before -> since' if self.action == 'exit' else 'before'}: {victims}"
         return f"{text}; figures {json.dumps(shown)}"
 
@@ -93,7 +103,9 @@ def _s(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3g} s"
 
 
-def victims(mode: str, figures: dict[str, Any], targets: tuple[str, ...] = ()) -> dict[str, float | None]:
+def victims(
+    mode: str, figures: dict[str, Any], targets: tuple[str, ...] = ()
+) -> dict[str, float | None]:
     """The tenants a mode protects, with their P99 TTFT in ``figures``: the JFI mode's are every
     tenant it does not throttle; the SCR mode's the tenants missing a target; the type mode's none
     (it protects types)."""
@@ -115,15 +127,21 @@ class Governor:
     active: dict[str, float] = field(default_factory=dict)  # mode -> since (s)
     dry: set[str] = field(default_factory=set)  # active modes entered in dry-run (never applied)
     below_since: dict[str, float] = field(default_factory=dict)  # type: when it first fell below
-    replaced: dict[tuple[str, str], Any] = field(default_factory=dict)  # (mode, replica) -> old value
+    replaced: dict[tuple[str, str], Any] = field(
+        default_factory=dict
+    )  # (mode, replica) -> old value
     targets: dict[str, list[str]] = field(default_factory=dict)  # mode -> the tenants it throttles
-    before: dict[str, dict[str, float | None]] = field(default_factory=dict)  # mode -> victims' P99 TTFT
+    before: dict[str, dict[str, float | None]] = field(
+        default_factory=dict
+    )  # mode -> victims' P99 TTFT
     held: str | None = None  # why a mode whose figure is low is not entered (nobody to throttle)
 
     @classmethod
-    def for_cluster(cls, governance: GovernanceSpec) -> "Governor":
+    def for_cluster(cls, governance: GovernanceSpec) -> Governor:
         a = governance.alerts
-        return cls(governance.governor, {"scr": a.scr_warning, "jfi": a.jfi, "type": a.type_fairness})
+        return cls(
+            governance.governor, {"scr": a.scr_warning, "jfi": a.jfi, "type": a.type_fairness}
+        )
 
     def enter_below(self, mode: str) -> float:
         s = self.spec
@@ -144,7 +162,9 @@ class Governor:
                     self.below_since.setdefault("type", now)
                 else:
                     self.below_since.pop("type", None)
-                below = below and now - self.below_since.get("type", now) >= self.spec.type_sustain_s
+                below = (
+                    below and now - self.below_since.get("type", now) >= self.spec.type_sustain_s
+                )
             if mode.name not in self.active and below:
                 reason = f"{mode.figure} {value:.3g} < {self.enter_below(mode.name):g}"
                 targets: tuple[str, ...] = ()
@@ -155,12 +175,27 @@ class Governor:
                     if not targets:
                         self.held = f"{reason}, but no tenant uses more than its commitment: nobody to throttle"
                         continue
-                out.append(Decision(mode.name, "enter", shown, reason, targets, victims(mode.name, figures, targets)))
+                out.append(
+                    Decision(
+                        mode.name,
+                        "enter",
+                        shown,
+                        reason,
+                        targets,
+                        victims(mode.name, figures, targets),
+                    )
+                )
             elif mode.name in self.active and value >= self.exit_at[mode.name]:
                 held = now - self.active[mode.name]
                 if held >= self.spec.dwell_s:
-                    out.append(self._exit(mode.name, figures, f"{mode.figure} {value:.3g} >= "
-                                                             f"{self.exit_at[mode.name]:g} after {held:.0f} s"))
+                    out.append(
+                        self._exit(
+                            mode.name,
+                            figures,
+                            f"{mode.figure} {value:.3g} >= "
+                            f"{self.exit_at[mode.name]:g} after {held:.0f} s",
+                        )
+                    )
         return out
 
     def _exit(self, mode: str, figures: dict[str, Any] | None, reason: str) -> Decision:
@@ -168,12 +203,16 @@ class Governor:
         before = dict(self.before.get(mode) or {})
         tenants = (figures or {}).get("tenants") or {}
         after = {t: (tenants.get(t) or {}).get("ttft_p99") for t in before}
-        return Decision(mode, "exit", shown, reason, tuple(self.targets.get(mode) or ()), before, after)
+        return Decision(
+            mode, "exit", shown, reason, tuple(self.targets.get(mode) or ()), before, after
+        )
 
     def undo_all(self, figures: dict[str, Any] | None, reason: str) -> list[Decision]:
         """Exit decisions for every mode applied (not merely decided in dry-run), the last
         entered first: what ``disarm``, ``pause`` and a recorder stop carry out."""
-        applied = [m.name for m in reversed(MODES) if m.name in self.active and m.name not in self.dry]
+        applied = [
+            m.name for m in reversed(MODES) if m.name in self.active and m.name not in self.dry
+        ]
         return [self._exit(m, figures, reason) for m in applied]
 
     def applied(self) -> list[str]:
@@ -204,12 +243,12 @@ class Governor:
             self.active.pop(mode, None)
         self.dry.clear()
 
-    def change(self, decision: Decision, replica: str) -> "Change":
+    def change(self, decision: Decision, replica: str) -> Change:
         """The settings change of ``decision`` for ``replica``: a function of the replica's current
         settings (None from it: nothing to do there); ``commit`` it once the replica took it."""
         return Change(self, decision, replica, next(m for m in MODES if m.name == decision.mode))
 
-    def commit(self, change: "Change", result: str = "applied") -> None:
+    def commit(self, change: Change, result: str = "applied") -> None:
         """The replica answered ``change`` with ``result``: remember what entering replaced (to
         undo it), or forget it once undone — or once there is nothing of ours left to undo there
         (``skipped``: someone changed the parameter since, or the replica left slofq)."""
@@ -222,10 +261,14 @@ class Governor:
 
     def state(self) -> dict[str, Any]:
         """What a restarted governor needs to go on (kept in the control row's status)."""
-        return {"active": dict(self.active), "dry": sorted(self.dry),
-                "replaced": [[m, r, v] for (m, r), v in sorted(self.replaced.items())],
-                "targets": {m: list(t) for m, t in self.targets.items()},
-                "before": {m: dict(b) for m, b in self.before.items()}, "held": self.held}
+        return {
+            "active": dict(self.active),
+            "dry": sorted(self.dry),
+            "replaced": [[m, r, v] for (m, r), v in sorted(self.replaced.items())],
+            "targets": {m: list(t) for m, t in self.targets.items()},
+            "before": {m: dict(b) for m, b in self.before.items()},
+            "held": self.held,
+        }
 
     def restore(self, status: dict[str, Any] | None) -> None:
         status = status or {}
@@ -243,15 +286,21 @@ class Governor:
         # jfi: the over-consumers the decision names, throttled (an operator's own throttle of a
         # tenant is kept where it is tighter)
         p = current.params
-        return {**p.throttle, **{t: min(self.spec.throttle_fraction, p.throttle.get(t, 1.0)) for t in targets}}
+        return {
+            **p.throttle,
+            **{t: min(self.spec.throttle_fraction, p.throttle.get(t, 1.0)) for t in targets},
+        }
 
 
 def over_consumers(figures: dict[str, Any]) -> list[str]:
     """The tenants using more than their commitment in ``figures`` (ω = min(C/U, α) < 1)."""
     if figures.get("over_consumers") is not None:
         return list(figures["over_consumers"])
-    return sorted(t for t, f in (figures.get("tenants") or {}).items()
-                  if f.get("omega") is not None and f["omega"] < 1.0)
+    return sorted(
+        t
+        for t, f in (figures.get("tenants") or {}).items()
+        if f.get("omega") is not None and f["omega"] < 1.0
+    )
 
 
 def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
@@ -263,14 +312,19 @@ def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
 
 
 def modes_text(status: dict[str, Any] | None) -> str:
-    """"active modes: scr" (and ", dry-run only: jfi"; "kept after disarm" when ``disarm --keep``
+    """ "active modes: scr" (and ", dry-run only: jfi"; "kept after disarm" when ``disarm --keep``
     left them applied): what the CLI and the TUI print."""
     applied, dry = modes(status)
     held = {m for m, _, _ in (status or {}).get("replaced") or ()}
     # A mode entered armed that no replica took (pinned everywhere, not slofq, refused) is listed
     # as such: active, but changing nothing.
-    shown = [m if "replaced" not in (status or {}) or m in held else f"{m} (on no replica)" for m in applied]
-    text = f"active modes: {', '.join(shown) or 'none'}" + (f", dry-run only: {', '.join(dry)}" if dry else "")
+    shown = [
+        m if "replaced" not in (status or {}) or m in held else f"{m} (on no replica)"
+        for m in applied
+    ]
+    text = f"active modes: {', '.join(shown) or 'none'}" + (
+        f", dry-run only: {', '.join(dry)}" if dry else ""
+    )
     if applied and (status or {}).get("keep"):
         text += " (kept after disarm: undone only when re-armed and recovered, or disarmed without --keep)"
     return text
@@ -314,7 +368,9 @@ class Change:
 # --------------------------------------------------------------------------------------------
 
 
-async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -> list[dict[str, Any]]:
+async def governor_step(
+    gov: Governor, collector: Any, store: Any, now: float
+) -> list[dict[str, Any]]:
     """One evaluation: read the control row, decide on the collector's newest figures, carry the
     decisions out (armed) or log them (dry-run); disarmed (unless ``--keep``), paused, or dry-run
     with modes applied: undo them. Store the governor's status. Returns what was done: dicts with
@@ -329,29 +385,47 @@ async def governor_step(gov: Governor, collector: Any, store: Any, now: float) -
     if ctl["state"] != "armed" or ctl["paused"]:
         why = "paused" if ctl["paused"] else ctl["state"]
         if not keep:
-            for decision in gov.undo_all(figures, f"{why}: every change the governor made is undone"):
+            for decision in gov.undo_all(
+                figures, f"{why}: every change the governor made is undone"
+            ):
                 done.append(await _carry_out(gov, collector, store, decision, now, armed=True))
         if ctl["state"] == "disarmed" or ctl["paused"]:
-            gov.active = {m: t for m, t in gov.active.items() if m not in gov.dry}  # dry decisions: forgotten
+            gov.active = {
+                m: t for m, t in gov.active.items() if m not in gov.dry
+            }  # dry decisions: forgotten
             gov.dry.clear()
     if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
         for decision in gov.decide(figures, now):
-            done.append(await _carry_out(gov, collector, store, decision, now, armed=ctl["state"] == "armed"))
-    status = {**gov.state(), "t_ms": int(now * 1000), "keep": keep,
-              "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
+            done.append(
+                await _carry_out(
+                    gov, collector, store, decision, now, armed=ctl["state"] == "armed"
+                )
+            )
+    status = {
+        **gov.state(),
+        "t_ms": int(now * 1000),
+        "keep": keep,
+        "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
+    }
     await asyncio.to_thread(store.governance.set_governor_control, cluster.name, status=status)
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done
 
 
-async def _carry_out(gov: Governor, collector: Any, store: Any, decision: Decision, now: float, *,
-                     armed: bool) -> dict[str, Any]:
+async def _carry_out(
+    gov: Governor, collector: Any, store: Any, decision: Decision, now: float, *, armed: bool
+) -> dict[str, Any]:
     """Apply ``decision`` on every replica (armed) or log it (dry-run); record it. An exit is
     recorded only once every replica holding a change of the mode took the undo (else it is
     tried again at the next evaluation)."""
     cluster = collector.cluster
-    outcome: dict[str, Any] = {"mode": decision.mode, "action": decision.action, "note": decision.note(),
-                               "state": "armed" if armed else "dry-run", "replicas": {}}
+    outcome: dict[str, Any] = {
+        "mode": decision.mode,
+        "action": decision.action,
+        "note": decision.note(),
+        "state": "armed" if armed else "dry-run",
+        "replicas": {},
+    }
     dry = not armed or (decision.action == "exit" and decision.mode in gov.dry)
     for spec in cluster.replicas:
         change = gov.change(decision, spec.name)
@@ -359,13 +433,16 @@ async def _carry_out(gov: Governor, collector: Any, store: Any, decision: Decisi
             if decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
                 outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
                 continue
-            [res] = await apply_settings(cluster, [spec.name], change, store, who=WHO, note=decision.note())
+            [res] = await apply_settings(
+                cluster, [spec.name], change, store, who=WHO, note=decision.note()
+            )
             outcome["replicas"][spec.name] = res.result
             gov.commit(change, res.result)
         else:  # dry-run: what would be sent, in the audit log only
             current = (collector.views[spec.name].state or {}).get("settings")
             outcome["replicas"][spec.name] = await asyncio.to_thread(
-                _log_dry_run, store, cluster.name, spec.name, current, change, decision)
+                _log_dry_run, store, cluster.name, spec.name, current, change, decision
+            )
     if decision.action == "enter" or dry or gov.undone(decision.mode):
         gov.record(decision, now, dry=dry and decision.action == "enter")
     else:
@@ -373,25 +450,49 @@ async def _carry_out(gov: Governor, collector: Any, store: Any, decision: Decisi
     return outcome
 
 
-def _log_dry_run(store: Any, cluster: str, replica: str, current: dict[str, Any] | None,
-                 change: Callable[[Settings], Settings | None], decision: Decision) -> str:
+def _log_dry_run(
+    store: Any,
+    cluster: str,
+    replica: str,
+    current: dict[str, Any] | None,
+    change: Callable[[Settings], Settings | None],
+    decision: Decision,
+) -> str:
     new = change(Settings.model_validate(current)) if current is not None else None
     result = "dry-run" if new is not None else "skipped"
-    store.settings_log.record_settings_change(cluster, replica, who=WHO, old=current, new=None if new is None else new.to_dict(),
-                                 result=result, message=f"{decision.note()}; "
-                                 + ("not sent (dry-run)" if new is not None else "nothing to change"))
+    store.settings_log.record_settings_change(
+        cluster,
+        replica,
+        who=WHO,
+        old=current,
+        new=None if new is None else new.to_dict(),
+        result=result,
+        message=f"{decision.note()}; "
+        + ("not sent (dry-run)" if new is not None else "nothing to change"),
+    )
     return result
 
 
-async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: float = 1.0,
-                       clock: Callable[[], float] | None = None, undo_timeout_s: float = 30.0) -> None:
+async def run_governor(
+    collector: Any,
+    store: Any,
+    stop: Any,
+    *,
+    interval_s: float = 1.0,
+    clock: Callable[[], float] | None = None,
+    undo_timeout_s: float = 30.0,
+) -> None:
     """Evaluate every ``interval_s`` until ``stop`` (an asyncio.Event) is set (``record --govern``);
     then (or cancelled) undo every change it made, unless disarmed with ``--keep``."""
     log = logging.getLogger("tailpilot.governor")
     clock = clock or time.time
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
-    gov.restore((await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)).get("status"))
+    gov.restore(
+        (await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)).get(
+            "status"
+        )
+    )
     try:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -400,8 +501,12 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
                 return
             try:
                 for outcome in await governor_step(gov, collector, store, clock()):
-                    log.warning("%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"])
-            except Exception:  # a failed evaluation (busy store, a replica down) is retried next time
+                    log.warning(
+                        "%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"]
+                    )
+            except (
+                Exception
+            ):  # a failed evaluation (busy store, a replica down) is retried next time
                 log.exception("governor step failed")
     finally:
         # The recorder stops: nothing will watch the modes any more, so none stays applied. The
@@ -414,25 +519,41 @@ async def run_governor(collector: Any, store: Any, stop: Any, *, interval_s: flo
                 await asyncio.wait_for(asyncio.shield(undo), max(0.0, deadline - time.monotonic()))
         if not undo.done():
             undo.cancel()
-            log.error("governor: undoing its changes at the stop took over %.0f s; the status lists what is left",
-                      undo_timeout_s)
+            log.error(
+                "governor: undoing its changes at the stop took over %.0f s; the status lists what is left",
+                undo_timeout_s,
+            )
         elif not undo.cancelled() and undo.exception() is not None:
-            log.error("governor: undoing its changes at the stop failed: %s; the status lists what is left",
-                      undo.exception())
+            log.error(
+                "governor: undoing its changes at the stop failed: %s; the status lists what is left",
+                undo.exception(),
+            )
 
 
-async def stop_governor(gov: Governor, collector: Any, store: Any, now: float) -> list[dict[str, Any]]:
+async def stop_governor(
+    gov: Governor, collector: Any, store: Any, now: float
+) -> list[dict[str, Any]]:
     """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``) and store
     its status: what a recorder stop does."""
     ctl = await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)
     if ctl["state"] == "disarmed" and (ctl.get("status") or {}).get("keep"):
         return []
-    done = [await _carry_out(gov, collector, store, d, now, armed=True)
-            for d in gov.undo_all(collector.governance, "the recorder stopped: every change the governor made is undone")]
+    done = [
+        await _carry_out(gov, collector, store, d, now, armed=True)
+        for d in gov.undo_all(
+            collector.governance, "the recorder stopped: every change the governor made is undone"
+        )
+    ]
     gov.active = {m: t for m, t in gov.active.items() if m not in gov.dry}
     gov.dry.clear()
-    status = {**gov.state(), "t_ms": int(now * 1000), "keep": False,
-              "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", [])}
-    await asyncio.to_thread(store.governance.set_governor_control, collector.cluster.name, status=status)
+    status = {
+        **gov.state(),
+        "t_ms": int(now * 1000),
+        "keep": False,
+        "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
+    }
+    await asyncio.to_thread(
+        store.governance.set_governor_control, collector.cluster.name, status=status
+    )
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done

@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import httpx
 
@@ -35,7 +36,12 @@ MAX_CONNECTIONS_PER_HOST = 4
 
 #: What a request that fails as a transport (connection refused or lost, a timeout, a malformed
 #: URL or answer) raises; everything else a caller meets is a bug, not the replica's doing.
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, httpx.InvalidURL, TimeoutError, OSError)
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    httpx.HTTPError,
+    httpx.InvalidURL,
+    TimeoutError,
+    OSError,
+)
 
 
 @dataclass(slots=True)
@@ -62,7 +68,9 @@ def _mib(n: int) -> str:
 
 def too_large(what: str, limit: int) -> AnswerTooLarge:
     """The error for an answer to ``what`` past ``limit`` bytes (its message is shown as is)."""
-    return AnswerTooLarge(f"{what}: answer larger than {_mib(limit)} (the collector reads at most that much)")
+    return AnswerTooLarge(
+        f"{what}: answer larger than {_mib(limit)} (the collector reads at most that much)"
+    )
 
 
 def _refuse_declared(response: httpx.Response, limit: int, what: str) -> None:
@@ -102,8 +110,9 @@ def read_answer_sync(response: httpx.Response, limit: int, what: str) -> Answer:
     return Answer(response.status_code, body, response.reason_phrase, response.headers)
 
 
-def get_sync(client: httpx.Client, url: str, limit: int, what: str,
-             params: dict[str, Any] | None = None) -> Answer:
+def get_sync(
+    client: httpx.Client, url: str, limit: int, what: str, params: dict[str, Any] | None = None
+) -> Answer:
     """GET ``url`` (``params`` as its query) with a synchronous client, the answer read with
     :func:`read_answer_sync`."""
     with client.stream("GET", url, params=params) as response:
@@ -135,14 +144,25 @@ def async_client(timeout_s: float, *, keepalive: bool = True) -> httpx.AsyncClie
     every request opens its own). Making one may load the trust store: on an event loop, make it
     on a worker thread (``asyncio.to_thread``); it binds to the event loop it is first used on."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if keepalive else 0)
-    return httpx.AsyncClient(timeout=request_timeout(timeout_s), limits=limits, trust_env=False,
-                             cookies=_no_cookies(), follow_redirects=False, verify=tls_context())
+    return httpx.AsyncClient(
+        timeout=request_timeout(timeout_s),
+        limits=limits,
+        trust_env=False,
+        cookies=_no_cookies(),
+        follow_redirects=False,
+        verify=tls_context(),
+    )
 
 
 def sync_client(timeout_s: float) -> httpx.Client:
     """:func:`async_client`'s synchronous twin (``tailpilot calibrate``, the ``set`` preview)."""
-    return httpx.Client(timeout=request_timeout(timeout_s), trust_env=False, cookies=_no_cookies(),
-                        follow_redirects=False, verify=tls_context())
+    return httpx.Client(
+        timeout=request_timeout(timeout_s),
+        trust_env=False,
+        cookies=_no_cookies(),
+        follow_redirects=False,
+        verify=tls_context(),
+    )
 
 
 def describe_http_error(err: BaseException, what: str, timeout_s: float) -> str:

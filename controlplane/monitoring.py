@@ -40,8 +40,12 @@ METRICS_PORT_NAME = "metrics"
 RECORDER_LABELS = {"app.kubernetes.io/name": "tailpilot", "app.kubernetes.io/component": "recorder"}
 _METRIC = re.compile(r"\b(tailpilot_[a-z0-9_]+)\b")
 # Prometheus's duration syntax: units largest first, each at most once (model.ParseDuration)
-_DURATION = re.compile(r"^(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?$")
-DNS_NAME = re.compile(r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name (RFC 1123 label)
+_DURATION = re.compile(
+    r"^(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?$"
+)
+DNS_NAME = re.compile(
+    r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$"
+)  # a Kubernetes object name (RFC 1123 label)
 LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 GRAFANA_UID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 
@@ -53,7 +57,7 @@ def _fit(raw: str, allowed: str, limit: int, lower: bool = False) -> str:
     if name == raw and len(name) <= limit:
         return name
     digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
-    return f"{name[:limit - 7].rstrip('-_.')}-{digest}".lstrip("-")
+    return f"{name[: limit - 7].rstrip('-_.')}-{digest}".lstrip("-")
 
 
 def k8s_name(*parts: str) -> str:
@@ -95,7 +99,7 @@ def selectors(expr: str) -> list[tuple[str, dict[str, tuple[str, str]], bool]]:
     out = []
     for m in _SELECTOR.finditer(expr):
         matchers = {k: (op, v) for k, op, v in _MATCHER.findall(m.group(2) or "")}
-        out.append((m.group(1), matchers, bool(_RATE.search(expr[:m.start()]))))
+        out.append((m.group(1), matchers, bool(_RATE.search(expr[: m.start()]))))
     return out
 
 
@@ -113,8 +117,9 @@ def _check_series(exprs: list[str], where: str) -> None:
             elif not series.counter and in_rate:
                 problems.add(f"{name} (a gauge inside rate()/increase())")
     if problems:
-        raise MonitoringExportError(f"{where}: queries name series the recorder does not serve as used: "
-                                    f"{sorted(problems)}")
+        raise MonitoringExportError(
+            f"{where}: queries name series the recorder does not serve as used: {sorted(problems)}"
+        )
 
 
 def duration(seconds_: float) -> str | None:
@@ -130,9 +135,15 @@ def duration(seconds_: float) -> str | None:
 
 def check_duration(value: str, field: str) -> str:
     """``value`` if it is a Prometheus duration (``30s``, ``1m30s``), else an error naming ``field``."""
-    if not isinstance(value, str) or not value or not _DURATION.match(value) \
-            or not any(ch in "123456789" for ch in value):
-        raise MonitoringExportError(f"{field}: {value!r} is not a Prometheus duration such as 30s, 2m or 1h30m")
+    if (
+        not isinstance(value, str)
+        or not value
+        or not _DURATION.match(value)
+        or not any(ch in "123456789" for ch in value)
+    ):
+        raise MonitoringExportError(
+            f"{field}: {value!r} is not a Prometheus duration such as 30s, 2m or 1h30m"
+        )
     return value
 
 
@@ -151,8 +162,15 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
     if for_ is not None:
         check_duration(for_, "for")
 
-    def alert(alert_name: str, expr: str, severity: str, summary: str, description: str,
-              hold: str | None = None, keep: str | None = None) -> None:
+    def alert(
+        alert_name: str,
+        expr: str,
+        severity: str,
+        summary: str,
+        description: str,
+        hold: str | None = None,
+        keep: str | None = None,
+    ) -> None:
         rule: dict[str, Any] = {"alert": alert_name, "expr": expr}
         if hold:
             rule["for"] = hold
@@ -169,53 +187,113 @@ def rule_groups(cluster: Any, *, for_: str | None = None) -> list[dict[str, Any]
         keep = duration(a.keep_firing_for_s)
         # On the figure each alert was last judged on (tailpilot_alert_value): like the recorder's
         # own alerts, a window without data changes nothing (tailpilot_scr_ratio itself goes absent).
-        value = {k: f"max without (alert) (tailpilot_alert_value{_sel(name, alert=k)})"
-                 for k in ("scr", "jfi", "type_fairness")}
-        alert("TailpilotSCRCritical", f"{value['scr']} < {_num(a.scr_critical)}", "critical",
-              f"SLO compliance of cluster {name} below {a.scr_critical:g}",
-              "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target "
-              "(tailpilot_tenant_slo_compliant says which do not).", hold, keep)
-        alert("TailpilotSCRWarning", f"{value['scr']} < {_num(a.scr_warning)}", "warning",
-              f"SLO compliance of cluster {name} below {a.scr_warning:g}",
-              "SCR is {{ $value | printf \"%.3f\" }}: the fraction of tenants meeting every quantile target "
-              "(also firing while TailpilotSCRCritical does: inhibit it there).", hold, keep)
-        alert("TailpilotJFILow", f"{value['jfi']} < {_num(a.jfi)}", "warning",
-              f"A tenant of cluster {name} is being suppressed (Jain's index below {a.jfi:g})",
-              "Jain's index over service per demand-capped entitlement is {{ $value | printf \"%.3f\" }}: a "
-              "tenant with unmet demand got less than its share (tailpilot_tenant_service_ratio; "
-              "tailpilot_tenant_omega_ratio below 1: the over-consumers).", hold, keep)
-        alert("TailpilotTypeFairnessLow", f"{value['type_fairness']} < {_num(a.type_fairness)}", "warning",
-              f"A request type of cluster {name} is starved (fairness ratio below {a.type_fairness:g})",
-              "The lowest type's share over its guaranteed share is {{ $value | printf \"%.3f\" }} "
-              "(tailpilot_type_fairness_ratio per type).", hold, keep)
-        alert("TailpilotTenantMissesSLO", f"tailpilot_tenant_slo_compliant{c} == 0", "info",
-              "Tenant {{ $labels.tenant }} misses a latency target",
-              "tailpilot_tenant_latency_seconds against tailpilot_tenant_slo_seconds shows which percentile.", hold)
-        alert("TailpilotGovernorModeActive", f"tailpilot_governor_mode_active{c} == 1", "info",
-              "The governor's {{ $labels.mode }} emergency mode is applied on cluster " + name,
-              "See `tailpilot governor status --cluster-name " + name + "` and the audit log.")
-    alert("TailpilotReplicaDown", f"tailpilot_replica_up{c} == 0", "warning",
-          "Replica {{ $labels.replica }} of cluster " + name + " does not answer",
-          "The recorder's polls of the replica fail; `tailpilot status` gives the reason.", "1m")
-    alert("TailpilotBreakerTripped", f"increase(tailpilot_breaker_trips_total{c}[15m]) > 0", "warning",
-          "A policy raised in replica {{ $labels.replica }}'s engine step (cluster " + name + ")",
-          "Its circuit breaker fell back to the previous settings (or vLLM's stock order): see the audit "
-          "log's engine entries.")
-    alert("TailpilotRequestsRefused", f"rate(tailpilot_refused_requests_total{c}[5m]) > 0", "info",
-          "Replica {{ $labels.replica }} refuses requests at a tenant's queue cap",
-          "{{ $value | printf \"%.3f\" }} requests/s turned away on arrival over 5 minutes (slofq's queue_cap).",
-          "5m")
-    alert("TailpilotRecorderAbsent", f"absent(tailpilot_window_seconds{c})", "critical",
-          f"No tailpilot recorder reports cluster {name}",
-          "Without the recorder's /metrics none of the governance alerts can fire.", "5m")
+        value = {
+            k: f"max without (alert) (tailpilot_alert_value{_sel(name, alert=k)})"
+            for k in ("scr", "jfi", "type_fairness")
+        }
+        alert(
+            "TailpilotSCRCritical",
+            f"{value['scr']} < {_num(a.scr_critical)}",
+            "critical",
+            f"SLO compliance of cluster {name} below {a.scr_critical:g}",
+            'SCR is {{ $value | printf "%.3f" }}: the fraction of tenants meeting every quantile target '
+            "(tailpilot_tenant_slo_compliant says which do not).",
+            hold,
+            keep,
+        )
+        alert(
+            "TailpilotSCRWarning",
+            f"{value['scr']} < {_num(a.scr_warning)}",
+            "warning",
+            f"SLO compliance of cluster {name} below {a.scr_warning:g}",
+            'SCR is {{ $value | printf "%.3f" }}: the fraction of tenants meeting every quantile target '
+            "(also firing while TailpilotSCRCritical does: inhibit it there).",
+            hold,
+            keep,
+        )
+        alert(
+            "TailpilotJFILow",
+            f"{value['jfi']} < {_num(a.jfi)}",
+            "warning",
+            f"A tenant of cluster {name} is being suppressed (Jain's index below {a.jfi:g})",
+            'Jain\'s index over service per demand-capped entitlement is {{ $value | printf "%.3f" }}: a '
+            "tenant with unmet demand got less than its share (tailpilot_tenant_service_ratio; "
+            "tailpilot_tenant_omega_ratio below 1: the over-consumers).",
+            hold,
+            keep,
+        )
+        alert(
+            "TailpilotTypeFairnessLow",
+            f"{value['type_fairness']} < {_num(a.type_fairness)}",
+            "warning",
+            f"A request type of cluster {name} is starved (fairness ratio below {a.type_fairness:g})",
+            'The lowest type\'s share over its guaranteed share is {{ $value | printf "%.3f" }} '
+            "(tailpilot_type_fairness_ratio per type).",
+            hold,
+            keep,
+        )
+        alert(
+            "TailpilotTenantMissesSLO",
+            f"tailpilot_tenant_slo_compliant{c} == 0",
+            "info",
+            "Tenant {{ $labels.tenant }} misses a latency target",
+            "tailpilot_tenant_latency_seconds against tailpilot_tenant_slo_seconds shows which percentile.",
+            hold,
+        )
+        alert(
+            "TailpilotGovernorModeActive",
+            f"tailpilot_governor_mode_active{c} == 1",
+            "info",
+            "The governor's {{ $labels.mode }} emergency mode is applied on cluster " + name,
+            "See `tailpilot governor status --cluster-name " + name + "` and the audit log.",
+        )
+    alert(
+        "TailpilotReplicaDown",
+        f"tailpilot_replica_up{c} == 0",
+        "warning",
+        "Replica {{ $labels.replica }} of cluster " + name + " does not answer",
+        "The recorder's polls of the replica fail; `tailpilot status` gives the reason.",
+        "1m",
+    )
+    alert(
+        "TailpilotBreakerTripped",
+        f"increase(tailpilot_breaker_trips_total{c}[15m]) > 0",
+        "warning",
+        "A policy raised in replica {{ $labels.replica }}'s engine step (cluster " + name + ")",
+        "Its circuit breaker fell back to the previous settings (or vLLM's stock order): see the audit "
+        "log's engine entries.",
+    )
+    alert(
+        "TailpilotRequestsRefused",
+        f"rate(tailpilot_refused_requests_total{c}[5m]) > 0",
+        "info",
+        "Replica {{ $labels.replica }} refuses requests at a tenant's queue cap",
+        '{{ $value | printf "%.3f" }} requests/s turned away on arrival over 5 minutes (slofq\'s queue_cap).',
+        "5m",
+    )
+    alert(
+        "TailpilotRecorderAbsent",
+        f"absent(tailpilot_window_seconds{c})",
+        "critical",
+        f"No tailpilot recorder reports cluster {name}",
+        "Without the recorder's /metrics none of the governance alerts can fire.",
+        "5m",
+    )
     _check_series([r["expr"] for r in rules], "prometheus-rules")
     return [{"name": f"tailpilot-{name}", "rules": rules}]
 
 
-def _metadata(cluster: Any, kind: str, namespace: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": k8s_name("tailpilot", kind, cluster.name),
-                                "labels": {**RECORDER_LABELS, "tailpilot/cluster": label_value(cluster.name),
-                                           **(labels or {})}}
+def _metadata(
+    cluster: Any, kind: str, namespace: str | None, labels: dict[str, str] | None
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": k8s_name("tailpilot", kind, cluster.name),
+        "labels": {
+            **RECORDER_LABELS,
+            "tailpilot/cluster": label_value(cluster.name),
+            **(labels or {}),
+        },
+    }
     if namespace:
         metadata["namespace"] = namespace
     return metadata
@@ -223,36 +301,55 @@ def _metadata(cluster: Any, kind: str, namespace: str | None, labels: dict[str, 
 
 def check_labels(labels: dict[str, str]) -> dict[str, str]:
     """Extra metadata labels (``--label release=prom``): Kubernetes' rules for keys and values."""
-    key = re.compile(r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+    key = re.compile(
+        r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+    )
     for k, v in labels.items():
         if not key.match(k):
             raise MonitoringExportError(f"label: {k!r} is not a Kubernetes label key")
         if not LABEL_VALUE.match(v):
-            raise MonitoringExportError(f"label: {k}={v!r}: a label value is at most 63 characters of "
-                                        "letters, digits, '-', '_' and '.', starting and ending with a letter or digit")
+            raise MonitoringExportError(
+                f"label: {k}={v!r}: a label value is at most 63 characters of "
+                "letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+            )
     return labels
 
 
 def prometheus_rules(cluster: Any, *, for_: str | None = None) -> str:
     doc = {"groups": rule_groups(cluster, for_=for_)}
-    header = [f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export --format "
-              "prometheus-rules); load with rule_files:, check with `promtool check rules`."]
+    header = [
+        f"Prometheus alert rules for tailpilot cluster {cluster.name} (tailpilot export --format "
+        "prometheus-rules); load with rule_files:, check with `promtool check rules`."
+    ]
     text = strict_yaml.dump(doc, header)
     _verify_groups(strict_yaml.load(text).get("groups"), doc["groups"], "prometheus-rules")
     return text
 
 
-def prometheus_rule_crd(cluster: Any, *, for_: str | None = None, namespace: str | None = None,
-                        labels: dict[str, str] | None = None) -> str:
+def prometheus_rule_crd(
+    cluster: Any,
+    *,
+    for_: str | None = None,
+    namespace: str | None = None,
+    labels: dict[str, str] | None = None,
+) -> str:
     groups = rule_groups(cluster, for_=for_)
-    doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-           "metadata": _metadata(cluster, "rules", namespace, labels), "spec": {"groups": groups}}
-    header = [f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator "
-              "PrometheusRule (--label release=NAME if your Prometheus selects rules by label)."]
+    doc = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _metadata(cluster, "rules", namespace, labels),
+        "spec": {"groups": groups},
+    }
+    header = [
+        f"tailpilot's alert rules for cluster {cluster.name} as a Prometheus Operator "
+        "PrometheusRule (--label release=NAME if your Prometheus selects rules by label)."
+    ]
     text = strict_yaml.dump(doc, header)
     back = strict_yaml.load(text)
     if back != doc:
-        raise MonitoringExportError("prometheusrule: the rendering did not parse back; this is a bug")
+        raise MonitoringExportError(
+            "prometheusrule: the rendering did not parse back; this is a bug"
+        )
     _check_metadata(back["metadata"], "prometheusrule")
     _verify_groups(back["spec"]["groups"], groups, "prometheusrule")
     return text
@@ -260,13 +357,17 @@ def prometheus_rule_crd(cluster: Any, *, for_: str | None = None, namespace: str
 
 def _check_metadata(metadata: dict[str, Any], fmt: str) -> None:
     if not DNS_NAME.match(metadata["name"]):
-        raise MonitoringExportError(f"{fmt}: metadata.name {metadata['name']!r} is not a Kubernetes name")
+        raise MonitoringExportError(
+            f"{fmt}: metadata.name {metadata['name']!r} is not a Kubernetes name"
+        )
     check_labels(metadata["labels"])
 
 
 def _verify_groups(back: Any, groups: list[dict[str, Any]], fmt: str) -> None:
     if back != groups:
-        raise MonitoringExportError(f"{fmt}: the rendering did not parse back to its rules; this is a bug")
+        raise MonitoringExportError(
+            f"{fmt}: the rendering did not parse back to its rules; this is a bug"
+        )
     for group in back:
         names = [r["alert"] for r in group["rules"]]
         if len(names) != len(set(names)):
@@ -282,7 +383,10 @@ _DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def _thresholds(steps: list[tuple[float | None, str]]) -> dict[str, Any]:
-    return {"mode": "absolute", "steps": [{"color": color, "value": value} for value, color in steps]}
+    return {
+        "mode": "absolute",
+        "steps": [{"color": color, "value": value} for value, color in steps],
+    }
 
 
 class _Layout:
@@ -295,8 +399,12 @@ class _Layout:
     def add(self, panel: dict[str, Any], w: int, h: int) -> None:
         if self.x + w > 24:
             self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        panel = {"id": len(self.panels) + 1, "gridPos": {"x": self.x, "y": self.y, "w": w, "h": h},
-                 "datasource": _DS, **panel}
+        panel = {
+            "id": len(self.panels) + 1,
+            "gridPos": {"x": self.x, "y": self.y, "w": w, "h": h},
+            "datasource": _DS,
+            **panel,
+        }
         self.panels.append(panel)
         self.x += w
         self.row_h = max(self.row_h, h)
@@ -304,19 +412,38 @@ class _Layout:
     def row(self, title: str) -> None:
         if self.x:
             self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        self.panels.append({"id": len(self.panels) + 1, "type": "row", "title": title, "collapsed": False,
-                            "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}, "panels": []})
+        self.panels.append(
+            {
+                "id": len(self.panels) + 1,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1},
+                "panels": [],
+            }
+        )
         self.y += 1
 
 
 def _targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
-    return [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "datasource": _DS}
-            for i, (expr, legend) in enumerate(queries)]
+    return [
+        {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "datasource": _DS}
+        for i, (expr, legend) in enumerate(queries)
+    ]
 
 
-def _panel(kind: str, title: str, description: str, queries: list[tuple[str, str]], *, unit: str | None = None,
-           thresholds: dict[str, Any] | None = None, min_: float | None = None, max_: float | None = None,
-           **extra: Any) -> dict[str, Any]:
+def _panel(
+    kind: str,
+    title: str,
+    description: str,
+    queries: list[tuple[str, str]],
+    *,
+    unit: str | None = None,
+    thresholds: dict[str, Any] | None = None,
+    min_: float | None = None,
+    max_: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     defaults: dict[str, Any] = {}
     if unit:
         defaults["unit"] = unit
@@ -334,8 +461,14 @@ def _panel(kind: str, title: str, description: str, queries: list[tuple[str, str
         for t in targets:
             t.update(instant=True, range=False, format="table")
         extra.setdefault("transformations", [{"id": "merge", "options": {}}])
-    return {"type": kind, "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": extra.pop("overrides", [])}, **extra}
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": extra.pop("overrides", [])},
+        **extra,
+    }
 
 
 CLUSTER_VAR, REPLICA_VAR = "cluster", "replica"
@@ -348,7 +481,11 @@ def _q(series: str, **labels: str) -> str:
     """A selector of ``series`` on the dashboard's variables: ``$cluster`` always, ``$replica``
     where the series has a replica label, then ``labels``."""
     family = _SAMPLES[series]
-    inner = [_C] + ([_R] if "replica" in family.labels else []) + [f'{k}="{v}"' for k, v in labels.items()]
+    inner = (
+        [_C]
+        + ([_R] if "replica" in family.labels else [])
+        + [f'{k}="{v}"' for k, v in labels.items()]
+    )
     return series + "{" + ", ".join(inner) + "}"
 
 
@@ -359,17 +496,47 @@ def _rate(series: str, by: str, **labels: str) -> str:
 def _variables(cluster: Any) -> list[dict[str, Any]]:
     """Datasource, then ``$cluster`` (this cluster by default, any recorder's on the datasource to
     pick) and ``$replica`` (all by default; the replicas of the picked cluster)."""
+
     def query(name: str, label: str, expr: str, **extra: Any) -> dict[str, Any]:
-        return {"name": name, "label": label, "type": "query", "datasource": _DS, "refresh": 2, "sort": 1,
-                "definition": expr, "query": expr, "hide": 0, **extra}
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": _DS,
+            "refresh": 2,
+            "sort": 1,
+            "definition": expr,
+            "query": expr,
+            "hide": 0,
+            **extra,
+        }
 
     return [
-        {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus", "current": {},
-         "hide": 0},
-        query(CLUSTER_VAR, "Cluster", "label_values(tailpilot_window_seconds, cluster)",
-              current={"text": cluster.name, "value": cluster.name}, multi=False, includeAll=False),
-        query(REPLICA_VAR, "Replica", f"label_values(tailpilot_replica_up{{{_C}}}, replica)",
-              current={"text": ["All"], "value": ["$__all"]}, multi=True, includeAll=True, allValue=".*"),
+        {
+            "name": "datasource",
+            "label": "Prometheus",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+        },
+        query(
+            CLUSTER_VAR,
+            "Cluster",
+            "label_values(tailpilot_window_seconds, cluster)",
+            current={"text": cluster.name, "value": cluster.name},
+            multi=False,
+            includeAll=False,
+        ),
+        query(
+            REPLICA_VAR,
+            "Replica",
+            f"label_values(tailpilot_replica_up{{{_C}}}, replica)",
+            current={"text": ["All"], "value": ["$__all"]},
+            multi=True,
+            includeAll=True,
+            allValue=".*",
+        ),
     ]
 
 
@@ -385,86 +552,300 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
         jfi_t = _thresholds([(None, "red"), (a.jfi, "green")])
         tf_t = _thresholds([(None, "red"), (a.type_fairness, "green")])
         lay.row("Governance (seed 003): SCR, JFI, type fairness")
-        lay.add(_panel("stat", "SCR", "Fraction of tenants meeting every quantile target over the window.",
-                       [(_q("tailpilot_scr_ratio"), "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1),
-                4, 5)
-        lay.add(_panel("stat", "JFI", "Jain's index over each tenant's service per demand-capped entitlement "
-                       "(what the alert and the governor act on).",
-                       [(_q("tailpilot_jfi_ratio"), "JFI")], thresholds=jfi_t, min_=0, max_=1), 4, 5)
-        lay.add(_panel("stat", "Type fairness (lowest)", "The lowest request type's share over its guaranteed share.",
-                       [(_q("tailpilot_type_fairness_min_ratio"), "lowest type")], thresholds=tf_t, min_=0), 4, 5)
-        lay.add(_panel("stat", "Alerts firing", "tailpilot's governance alerts firing now (any severity); "
-                       "pending: condition holding, not yet for alerts.for_s.",
-                       [(f"sum({_q('tailpilot_alert_firing')})", "firing"),
-                        (f"sum({_q('tailpilot_alert_pending')})", "pending")],
-                       thresholds=_thresholds([(None, "green"), (1, "red")])), 4, 5)
-        lay.add(_panel("stat", "Governor", "The governor's state (record --govern) and its emergency modes.",
-                       [(f"{_q('tailpilot_governor_state')} == 1", "{{state}}"),
-                        (f"{_q('tailpilot_governor_mode_active')} == 1", "mode {{mode}}")],
-                       options={"textMode": "name", "colorMode": "none", "reduceOptions": {"calcs": ["lastNotNull"]}}),
-                8, 5)
-        lay.add(_panel("timeseries", "SCR over time", f"Yellow below {a.scr_warning:g}, red below {a.scr_critical:g}.",
-                       [(_q("tailpilot_scr_ratio"), "SCR")], unit="percentunit", thresholds=scr_t, min_=0, max_=1),
-                8, 8)
-        lay.add(_panel("timeseries", "JFI over time", f"The tenant-suppression alert fires below {a.jfi:g}; "
-                       "the seed's literal JFI (served per committed rate) is reported only.",
-                       [(_q("tailpilot_jfi_ratio"), "JFI"), (_q("tailpilot_jfi_seed_ratio"), "JFI (seed)")],
-                       thresholds=jfi_t, min_=0, max_=1), 8, 8)
-        lay.add(_panel("timeseries", "Type fairness ratio per type",
-                       f"A type's share over its guaranteed share; starvation alert below {a.type_fairness:g}.",
-                       [(_q("tailpilot_type_fairness_ratio"), "{{type}}")], thresholds=tf_t, min_=0), 8, 8)
+        lay.add(
+            _panel(
+                "stat",
+                "SCR",
+                "Fraction of tenants meeting every quantile target over the window.",
+                [(_q("tailpilot_scr_ratio"), "SCR")],
+                unit="percentunit",
+                thresholds=scr_t,
+                min_=0,
+                max_=1,
+            ),
+            4,
+            5,
+        )
+        lay.add(
+            _panel(
+                "stat",
+                "JFI",
+                "Jain's index over each tenant's service per demand-capped entitlement "
+                "(what the alert and the governor act on).",
+                [(_q("tailpilot_jfi_ratio"), "JFI")],
+                thresholds=jfi_t,
+                min_=0,
+                max_=1,
+            ),
+            4,
+            5,
+        )
+        lay.add(
+            _panel(
+                "stat",
+                "Type fairness (lowest)",
+                "The lowest request type's share over its guaranteed share.",
+                [(_q("tailpilot_type_fairness_min_ratio"), "lowest type")],
+                thresholds=tf_t,
+                min_=0,
+            ),
+            4,
+            5,
+        )
+        lay.add(
+            _panel(
+                "stat",
+                "Alerts firing",
+                "tailpilot's governance alerts firing now (any severity); "
+                "pending: condition holding, not yet for alerts.for_s.",
+                [
+                    (f"sum({_q('tailpilot_alert_firing')})", "firing"),
+                    (f"sum({_q('tailpilot_alert_pending')})", "pending"),
+                ],
+                thresholds=_thresholds([(None, "green"), (1, "red")]),
+            ),
+            4,
+            5,
+        )
+        lay.add(
+            _panel(
+                "stat",
+                "Governor",
+                "The governor's state (record --govern) and its emergency modes.",
+                [
+                    (f"{_q('tailpilot_governor_state')} == 1", "{{state}}"),
+                    (f"{_q('tailpilot_governor_mode_active')} == 1", "mode {{mode}}"),
+                ],
+                options={
+                    "textMode": "name",
+                    "colorMode": "none",
+                    "reduceOptions": {"calcs": ["lastNotNull"]},
+                },
+            ),
+            8,
+            5,
+        )
+        lay.add(
+            _panel(
+                "timeseries",
+                "SCR over time",
+                f"Yellow below {a.scr_warning:g}, red below {a.scr_critical:g}.",
+                [(_q("tailpilot_scr_ratio"), "SCR")],
+                unit="percentunit",
+                thresholds=scr_t,
+                min_=0,
+                max_=1,
+            ),
+            8,
+            8,
+        )
+        lay.add(
+            _panel(
+                "timeseries",
+                "JFI over time",
+                f"The tenant-suppression alert fires below {a.jfi:g}; "
+                "the seed's literal JFI (served per committed rate) is reported only.",
+                [
+                    (_q("tailpilot_jfi_ratio"), "JFI"),
+                    (_q("tailpilot_jfi_seed_ratio"), "JFI (seed)"),
+                ],
+                thresholds=jfi_t,
+                min_=0,
+                max_=1,
+            ),
+            8,
+            8,
+        )
+        lay.add(
+            _panel(
+                "timeseries",
+                "Type fairness ratio per type",
+                f"A type's share over its guaranteed share; starvation alert below {a.type_fairness:g}.",
+                [(_q("tailpilot_type_fairness_ratio"), "{{type}}")],
+                thresholds=tf_t,
+                min_=0,
+            ),
+            8,
+            8,
+        )
         lay.row("Tenants against their targets")
-        lay.add(_panel("timeseries", "TTFT P99 per tenant (dashed: target)", "Exact windowed percentiles.",
-                       [(_q("tailpilot_tenant_latency_seconds", latency="ttft", percentile="p99"), "{{tenant}}"),
-                        (_q("tailpilot_tenant_slo_seconds", latency="ttft", percentile="p99"), "{{tenant}} target")],
-                       unit="s", overrides=[_DASHED]), 12, 8)
-        lay.add(_panel("timeseries", "Tokens served per tenant (dashed: commitment)",
-                       "Prompt + output tokens per second of the selected replicas, beside each tenant's committed "
-                       "rate.",
-                       [(f"{_rate('tailpilot_prompt_tokens_total', 'tenant')} + "
-                         f"{_rate('tailpilot_output_tokens_total', 'tenant')}", "{{tenant}}"),
-                        (_q("tailpilot_tenant_committed_tokens_per_second"), "{{tenant}} target")],
-                       unit="short", min_=0, overrides=[_DASHED]), 12, 8)
-        lay.add(_panel("timeseries", "Service per entitlement (JFI's x) and ω",
-                       "min(1, served / demand-capped entitlement) per tenant; ω = min(committed / served, α), "
-                       "below 1 an over-consumer (whom the JFI mode throttles).",
-                       [(_q("tailpilot_tenant_service_ratio"), "x {{tenant}}"),
-                        (_q("tailpilot_tenant_omega_ratio"), "ω {{tenant}}")], min_=0), 12, 8)
-        lay.add(_panel("table", "Tenants now", "Compliance, requests, and what waits (starved: waiting, none done).",
-                       [(_q("tailpilot_tenant_slo_compliant"), "compliant {{tenant}}"),
-                        (_q("tailpilot_tenant_requests"), "requests {{tenant}}"),
-                        (_q("tailpilot_tenant_waiting_requests"), "waiting {{tenant}}"),
-                        (_q("tailpilot_tenant_starved"), "starved {{tenant}}")],
-                       options={"showHeader": True}), 12, 8)
+        lay.add(
+            _panel(
+                "timeseries",
+                "TTFT P99 per tenant (dashed: target)",
+                "Exact windowed percentiles.",
+                [
+                    (
+                        _q("tailpilot_tenant_latency_seconds", latency="ttft", percentile="p99"),
+                        "{{tenant}}",
+                    ),
+                    (
+                        _q("tailpilot_tenant_slo_seconds", latency="ttft", percentile="p99"),
+                        "{{tenant}} target",
+                    ),
+                ],
+                unit="s",
+                overrides=[_DASHED],
+            ),
+            12,
+            8,
+        )
+        lay.add(
+            _panel(
+                "timeseries",
+                "Tokens served per tenant (dashed: commitment)",
+                "Prompt + output tokens per second of the selected replicas, beside each tenant's committed "
+                "rate.",
+                [
+                    (
+                        f"{_rate('tailpilot_prompt_tokens_total', 'tenant')} + "
+                        f"{_rate('tailpilot_output_tokens_total', 'tenant')}",
+                        "{{tenant}}",
+                    ),
+                    (_q("tailpilot_tenant_committed_tokens_per_second"), "{{tenant}} target"),
+                ],
+                unit="short",
+                min_=0,
+                overrides=[_DASHED],
+            ),
+            12,
+            8,
+        )
+        lay.add(
+            _panel(
+                "timeseries",
+                "Service per entitlement (JFI's x) and ω",
+                "min(1, served / demand-capped entitlement) per tenant; ω = min(committed / served, α), "
+                "below 1 an over-consumer (whom the JFI mode throttles).",
+                [
+                    (_q("tailpilot_tenant_service_ratio"), "x {{tenant}}"),
+                    (_q("tailpilot_tenant_omega_ratio"), "ω {{tenant}}"),
+                ],
+                min_=0,
+            ),
+            12,
+            8,
+        )
+        lay.add(
+            _panel(
+                "table",
+                "Tenants now",
+                "Compliance, requests, and what waits (starved: waiting, none done).",
+                [
+                    (_q("tailpilot_tenant_slo_compliant"), "compliant {{tenant}}"),
+                    (_q("tailpilot_tenant_requests"), "requests {{tenant}}"),
+                    (_q("tailpilot_tenant_waiting_requests"), "waiting {{tenant}}"),
+                    (_q("tailpilot_tenant_starved"), "starved {{tenant}}"),
+                ],
+                options={"showHeader": True},
+            ),
+            12,
+            8,
+        )
     lay.row("Replicas")
-    lay.add(_panel("timeseries", "TTFT P99 per replica", "Exact windowed percentile of completed requests.",
-                   [(_q("tailpilot_latency_seconds", latency="ttft", percentile="p99"), "{{replica}}")],
-                   unit="s"), 8, 8)
-    lay.add(_panel("timeseries", "Queue", "Waiting and running requests per replica.",
-                   [(_q("tailpilot_waiting_requests"), "waiting {{replica}}"),
-                    (_q("tailpilot_running_requests"), "running {{replica}}")]), 8, 8)
-    lay.add(_panel("timeseries", "KV cache in use", "Fraction of each replica's KV blocks in use.",
-                   [(_q("tailpilot_kv_usage_ratio"), "{{replica}}")], unit="percentunit", min_=0, max_=1), 8, 8)
-    lay.add(_panel("timeseries", "Output tokens per second", "Output tokens of the requests completed per replica.",
-                   [(_rate("tailpilot_output_tokens_total", "replica"), "{{replica}}")], unit="short", min_=0), 8, 8)
-    lay.add(_panel("timeseries", "Preemptions and refusals", "Per second: preemptions, and requests turned away at a "
-                   "tenant's queue cap (slofq's queue_cap; each also in the completions log as rejected).",
-                   [(_rate("tailpilot_preemptions_total", "replica"), "preempted {{replica}}"),
-                    (_rate("tailpilot_refused_requests_total", "replica"), "refused {{replica}}")],
-                   unit="short", min_=0), 8, 8)
-    lay.add(_panel("timeseries", "Live γ and β", "The policy's live parameters (γ-Ada moves γ).",
-                   [(_q("tailpilot_gamma"), "γ {{replica}}"), (_q("tailpilot_beta"), "β {{replica}}")]), 8, 8)
-    lay.add(_panel("table", "Policy and settings version", "What each replica runs now.",
-                   [(_q("tailpilot_replica_info"), "{{replica}} {{policy}}"),
-                    (_q("tailpilot_settings_version"), "{{replica}} version"),
-                    (_q("tailpilot_replica_up"), "{{replica}} up")], options={"showHeader": True}), 24, 8)
+    lay.add(
+        _panel(
+            "timeseries",
+            "TTFT P99 per replica",
+            "Exact windowed percentile of completed requests.",
+            [(_q("tailpilot_latency_seconds", latency="ttft", percentile="p99"), "{{replica}}")],
+            unit="s",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "timeseries",
+            "Queue",
+            "Waiting and running requests per replica.",
+            [
+                (_q("tailpilot_waiting_requests"), "waiting {{replica}}"),
+                (_q("tailpilot_running_requests"), "running {{replica}}"),
+            ],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "timeseries",
+            "KV cache in use",
+            "Fraction of each replica's KV blocks in use.",
+            [(_q("tailpilot_kv_usage_ratio"), "{{replica}}")],
+            unit="percentunit",
+            min_=0,
+            max_=1,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "timeseries",
+            "Output tokens per second",
+            "Output tokens of the requests completed per replica.",
+            [(_rate("tailpilot_output_tokens_total", "replica"), "{{replica}}")],
+            unit="short",
+            min_=0,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "timeseries",
+            "Preemptions and refusals",
+            "Per second: preemptions, and requests turned away at a "
+            "tenant's queue cap (slofq's queue_cap; each also in the completions log as rejected).",
+            [
+                (_rate("tailpilot_preemptions_total", "replica"), "preempted {{replica}}"),
+                (_rate("tailpilot_refused_requests_total", "replica"), "refused {{replica}}"),
+            ],
+            unit="short",
+            min_=0,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "timeseries",
+            "Live γ and β",
+            "The policy's live parameters (γ-Ada moves γ).",
+            [(_q("tailpilot_gamma"), "γ {{replica}}"), (_q("tailpilot_beta"), "β {{replica}}")],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        _panel(
+            "table",
+            "Policy and settings version",
+            "What each replica runs now.",
+            [
+                (_q("tailpilot_replica_info"), "{{replica}} {{policy}}"),
+                (_q("tailpilot_settings_version"), "{{replica}} version"),
+                (_q("tailpilot_replica_up"), "{{replica}} up"),
+            ],
+            options={"showHeader": True},
+        ),
+        24,
+        8,
+    )
     exprs = [t["expr"] for p in lay.panels for t in p.get("targets", [])]
     _check_series(exprs, "grafana")
     return {
-        "uid": _fit(f"tailpilot-{name}", "A-Za-z0-9_-", 40), "title": f"tailpilot — cluster {name}",
+        "uid": _fit(f"tailpilot-{name}", "A-Za-z0-9_-", 40),
+        "title": f"tailpilot — cluster {name}",
         "description": "tailpilot's recorder /metrics (tailpilot export --format grafana)",
-        "tags": ["tailpilot", "vllm"], "timezone": "browser", "editable": True, "graphTooltip": 1,
-        "schemaVersion": GRAFANA_SCHEMA_VERSION, "version": 1, "refresh": "10s",
+        "tags": ["tailpilot", "vllm"],
+        "timezone": "browser",
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": GRAFANA_SCHEMA_VERSION,
+        "version": 1,
+        "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
         "templating": {"list": _variables(cluster)},
         "annotations": {"list": []},
@@ -472,8 +853,10 @@ def grafana_dashboard_doc(cluster: Any) -> dict[str, Any]:
     }
 
 
-_DASHED = {"matcher": {"id": "byRegexp", "options": ".* target$"},
-           "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}
+_DASHED = {
+    "matcher": {"id": "byRegexp", "options": ".* target$"},
+    "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}],
+}
 
 
 def grafana_dashboard(cluster: Any) -> str:
@@ -500,9 +883,13 @@ def unfiltered(expr: str) -> list[str]:
     for name, matchers, _ in selectors(expr):
         series = _SAMPLES.get(name)
         if matchers.get("cluster") != ("=", f"${CLUSTER_VAR}"):
-            out.append(f"{name} (no cluster=\"${CLUSTER_VAR}\")")
-        if series is not None and "replica" in series.labels and matchers.get("replica") != ("=~", f"${REPLICA_VAR}"):
-            out.append(f"{name} (no replica=~\"${REPLICA_VAR}\")")
+            out.append(f'{name} (no cluster="${CLUSTER_VAR}")')
+        if (
+            series is not None
+            and "replica" in series.labels
+            and matchers.get("replica") != ("=~", f"${REPLICA_VAR}")
+        ):
+            out.append(f'{name} (no replica=~"${REPLICA_VAR}")')
     return out
 
 
@@ -510,20 +897,25 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
     """A loaded dashboard is whole: unique panel ids, panels on the grid without overlap, a query
     per panel naming only served series and filtering on the ``$cluster`` and ``$replica``
     variables (which it defines), and the cluster's thresholds on the governance panels."""
+
     def fail(what: str) -> NoReturn:
         raise MonitoringExportError(f"grafana: {what}")
 
     if doc.get("schemaVersion") != GRAFANA_SCHEMA_VERSION or not doc.get("title"):
         fail("schemaVersion or title missing")
     if not GRAFANA_UID.match(str(doc.get("uid", ""))):
-        fail(f"uid {doc.get('uid')!r} is not a Grafana uid (at most 40 of letters, digits, '-' and '_')")
+        fail(
+            f"uid {doc.get('uid')!r} is not a Grafana uid (at most 40 of letters, digits, '-' and '_')"
+        )
     variables = {v.get("name"): v for v in (doc.get("templating") or {}).get("list") or []}
     for var in (CLUSTER_VAR, REPLICA_VAR):
         if (variables.get(var) or {}).get("type") != "query":
             fail(f"no ${var} template variable")
     if variables[CLUSTER_VAR].get("current", {}).get("value") != cluster.name:
         fail(f"$cluster does not default to the cluster {cluster.name!r}")
-    if not (variables[REPLICA_VAR].get("includeAll") and variables[REPLICA_VAR].get("allValue") == ".*"):
+    if not (
+        variables[REPLICA_VAR].get("includeAll") and variables[REPLICA_VAR].get("allValue") == ".*"
+    ):
         fail("$replica cannot select all replicas")
     panels = doc.get("panels")
     if not isinstance(panels, list) or not panels:
@@ -534,10 +926,18 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
     cells: set[tuple[int, int]] = set()
     for p in panels:
         g = p.get("gridPos") or {}
-        if not (all(isinstance(g.get(k), int) for k in "xywh") and 0 <= g["x"] and g["w"] > 0
-                and g["x"] + g["w"] <= 24 and g["y"] >= 0 and g["h"] > 0):
+        if not (
+            all(isinstance(g.get(k), int) for k in "xywh")
+            and g["x"] >= 0
+            and g["w"] > 0
+            and g["x"] + g["w"] <= 24
+            and g["y"] >= 0
+            and g["h"] > 0
+        ):
             fail(f"panel {p.get('title')!r} is off the 24-column grid: {g}")
-        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
         if mine & cells:
             fail(f"panel {p.get('title')!r} overlaps another")
         cells |= mine
@@ -552,10 +952,19 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
     if gov is not None:
         by_title = {p.get("title"): p for p in panels}
         a = gov.alerts
-        want = {"SCR": [None, a.scr_critical, a.scr_warning], "JFI": [None, a.jfi],
-                "Type fairness (lowest)": [None, a.type_fairness]}
+        want = {
+            "SCR": [None, a.scr_critical, a.scr_warning],
+            "JFI": [None, a.jfi],
+            "Type fairness (lowest)": [None, a.type_fairness],
+        }
         for title, values in want.items():
-            steps = by_title.get(title, {}).get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps")
+            steps = (
+                by_title.get(title, {})
+                .get("fieldConfig", {})
+                .get("defaults", {})
+                .get("thresholds", {})
+                .get("steps")
+            )
             if [s.get("value") for s in steps or []] != values:
                 fail(f"panel {title!r}: thresholds {steps} are not the cluster's {values}")
 
@@ -567,7 +976,15 @@ def check_dashboard(doc: dict[str, Any], cluster: Any) -> None:
 
 def seconds(duration: str) -> float:
     """A Prometheus duration in seconds (``check_duration`` first)."""
-    scale = {"y": 365 * 86_400, "w": 7 * 86_400, "d": 86_400, "h": 3_600, "m": 60, "s": 1, "ms": 0.001}
+    scale = {
+        "y": 365 * 86_400,
+        "w": 7 * 86_400,
+        "d": 86_400,
+        "h": 3_600,
+        "m": 60,
+        "s": 1,
+        "ms": 0.001,
+    }
     return sum(int(n) * scale[u] for n, u in re.findall(r"([0-9]+)(ms|[ywdhms])", duration))
 
 
@@ -577,36 +994,70 @@ def scrape_timeout(interval: str) -> str:
     return f"{int(t)}s" if t >= 1 and t == int(t) else f"{max(1, int(t * 1000))}ms"
 
 
-def service_monitor_doc(cluster: Any, *, namespace: str | None = None, interval: str = "15s",
-                        labels: dict[str, str] | None = None) -> dict[str, Any]:
+def service_monitor_doc(
+    cluster: Any,
+    *,
+    namespace: str | None = None,
+    interval: str = "15s",
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     selector = {**RECORDER_LABELS, "tailpilot/cluster": label_value(cluster.name)}
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": _metadata(cluster, "recorder", namespace, labels),
-            "spec": {"selector": {"matchLabels": selector},
-                     "endpoints": [{"port": METRICS_PORT_NAME, "path": "/metrics", "interval": interval,
-                                    "scrapeTimeout": scrape_timeout(interval)}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(cluster, "recorder", namespace, labels),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "endpoints": [
+                {
+                    "port": METRICS_PORT_NAME,
+                    "path": "/metrics",
+                    "interval": interval,
+                    "scrapeTimeout": scrape_timeout(interval),
+                }
+            ],
+        },
+    }
 
 
-def service_monitor(cluster: Any, *, namespace: str | None = None, interval: str = "15s",
-                    labels: dict[str, str] | None = None) -> str:
+def service_monitor(
+    cluster: Any,
+    *,
+    namespace: str | None = None,
+    interval: str = "15s",
+    labels: dict[str, str] | None = None,
+) -> str:
     doc = service_monitor_doc(cluster, namespace=namespace, interval=interval, labels=labels)
     selected = ", ".join(f"{k}={v}" for k, v in doc["spec"]["selector"]["matchLabels"].items())
-    header = [f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
-              f"labelled {selected} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs "
-              "with `tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). --label release=NAME "
-              "if your Prometheus selects ServiceMonitors by label."]
+    header = [
+        f"A ServiceMonitor for tailpilot's recorder of cluster {cluster.name}: it selects the Service "
+        f"labelled {selected} and scrapes its port named {METRICS_PORT_NAME!r} (the recorder runs "
+        "with `tailpilot record --metrics-port 9464 --metrics-host 0.0.0.0`). --label release=NAME "
+        "if your Prometheus selects ServiceMonitors by label."
+    ]
     text = strict_yaml.dump(doc, header)
     back = strict_yaml.load(text)
     if back != doc:
-        raise MonitoringExportError("servicemonitor: the rendering did not parse back; this is a bug")
+        raise MonitoringExportError(
+            "servicemonitor: the rendering did not parse back; this is a bug"
+        )
     _check_metadata(back["metadata"], "servicemonitor")
     if not all(LABEL_VALUE.match(v) for v in back["spec"]["selector"]["matchLabels"].values()):
-        raise MonitoringExportError("servicemonitor: a selector label value is not a Kubernetes label value")
+        raise MonitoringExportError(
+            "servicemonitor: a selector label value is not a Kubernetes label value"
+        )
     return text
 
 
-def render(cluster: Any, fmt: str, *, namespace: str | None = None, for_: str | None = None,
-           interval: str = "15s", labels: dict[str, str] | None = None) -> str:
+def render(
+    cluster: Any,
+    fmt: str,
+    *,
+    namespace: str | None = None,
+    for_: str | None = None,
+    interval: str = "15s",
+    labels: dict[str, str] | None = None,
+) -> str:
     """``cluster`` (a ``ClusterSpec``) in monitoring format ``fmt``, checked."""
     check_labels(labels or {})
     if fmt == "prometheus-rules":

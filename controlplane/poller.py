@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -71,8 +72,12 @@ class PollResult:
     completions: list[CompletionRow]
     cursor: int | None  # the cursor after ``completions``; None when the state poll failed
     instance: str | None = None  # the replica instance ``cursor`` counts in, when it reports one
-    settings_seen: SettingsSeenRow | None = None  # the settings document, when its version or instance is new
-    breaker_trip: SettingsChangeRow | None = None  # an audit row, when the replica's breaker tripped again
+    settings_seen: SettingsSeenRow | None = (
+        None  # the settings document, when its version or instance is new
+    )
+    breaker_trip: SettingsChangeRow | None = (
+        None  # an audit row, when the replica's breaker tripped again
+    )
 
 
 class ReplicaView:
@@ -82,8 +87,14 @@ class ReplicaView:
     ``contract.State`` (every field of its type, or null) and fitted to what the store holds
     (``storage.limits``): they are used as they are. Only the /metrics numbers are checked here."""
 
-    def __init__(self, spec: ReplicaSpec, window_s: float, cursor: int = 0, instance: str | None = None,
-                 reserved: Mapping[str, Iterable[str]] | None = None) -> None:
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        window_s: float,
+        cursor: int = 0,
+        instance: str | None = None,
+        reserved: Mapping[str, Iterable[str]] | None = None,
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.window_s = float(window_s)
@@ -93,13 +104,17 @@ class ReplicaView:
         self.metrics_error: str | None = None  # the last /metrics poll's error
         self.cursor = int(cursor)
         self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
-        self._settings_key: tuple[str | None, int | None] | None = None  # (instance, version) last stored
+        self._settings_key: tuple[str | None, int | None] | None = (
+            None  # (instance, version) last stored
+        )
         self.window = ReplicaWindow(reserved=reserved)
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
         self.polls = 0
         self.restarts = 0
-        self.skipped_completions = 0  # completions-log entries left out (malformed, unstorable, repeated)
+        self.skipped_completions = (
+            0  # completions-log entries left out (malformed, unstorable, repeated)
+        )
         # Values not stored as sent, per reason (storage.limits.REASONS): an entry skipped or a field nulled.
         self.rejected: dict[str, int] = {}
         # Hashes of the newest request ids read (RECENT_IDS_REMEMBERED), to count repeats.
@@ -108,7 +123,9 @@ class ReplicaView:
         # (instance, trips) of the breaker's newest trip written to the audit log; None: none known.
         self.breaker_recorded: tuple[str | None, int] | None = None
         self.last_restart: tuple[float, str] | None = None  # (collector clock, why)
-        self._coverage_start: float | None = None  # replica clock: since when the window is complete
+        self._coverage_start: float | None = (
+            None  # replica clock: since when the window is complete
+        )
         self._resumed = cursor > 0
         self._last_finished_total: int | None = None
         self._last_steps_total: int | None = None
@@ -127,9 +144,17 @@ class ReplicaView:
             return f"finished_total {finished} < cursor {self.cursor}"
         if doc["next_cursor"] < self.cursor:
             return f"next_cursor {doc['next_cursor']} < cursor {self.cursor}"
-        if finished is not None and self._last_finished_total is not None and finished < self._last_finished_total:
+        if (
+            finished is not None
+            and self._last_finished_total is not None
+            and finished < self._last_finished_total
+        ):
             return f"finished_total went back from {self._last_finished_total} to {finished}"
-        if steps is not None and self._last_steps_total is not None and steps < self._last_steps_total:
+        if (
+            steps is not None
+            and self._last_steps_total is not None
+            and steps < self._last_steps_total
+        ):
             return f"steps_total went back from {self._last_steps_total} to {steps}"
         return None
 
@@ -148,8 +173,14 @@ class ReplicaView:
         self._last_steps_total = doc.get("steps_total")
 
     # --- building rows ----------------------------------------------------------------------
-    def build(self, t: float, answer: "StateAnswer | None", metrics: dict[str, float] | None,
-              errors: list[str], no_plugin: str | None) -> PollResult:
+    def build(
+        self,
+        t: float,
+        answer: StateAnswer | None,
+        metrics: dict[str, float] | None,
+        errors: list[str],
+        no_plugin: str | None,
+    ) -> PollResult:
         """Fold one poll's answers into the view and return its rows. ``t`` is the collector clock."""
         t_ms = int(round(t * 1000))
         self.polls += 1
@@ -166,8 +197,12 @@ class ReplicaView:
         if metrics is not None:
             self.metrics = metrics
         m = metrics or {}
-        row = SampleRow(replica=self.name, t_ms=t_ms, healthy=not errors,
-                        reason="; ".join(errors) if errors else None)
+        row = SampleRow(
+            replica=self.name,
+            t_ms=t_ms,
+            healthy=not errors,
+            reason="; ".join(errors) if errors else None,
+        )
         groups: list[GroupSampleRow] = []
         seen: SettingsSeenRow | None = None
         trip: SettingsChangeRow | None = None
@@ -195,19 +230,34 @@ class ReplicaView:
             row.running = opt_int(m.get("running"))
             row.kv_usage = finite_or_none(m.get("kv_usage"))
             if no_plugin:  # counter rates on our clock (a plugin replica's are on its own clock)
-                row.preemptions_per_s = self._preemptions.add(t, m.get("preemptions_total"), self.window_s)
-                row.throughput_tok_s = self._gen_tokens.add(t, m.get("generation_tokens_total"), self.window_s)
+                row.preemptions_per_s = self._preemptions.add(
+                    t, m.get("preemptions_total"), self.window_s
+                )
+                row.throughput_tok_s = self._gen_tokens.add(
+                    t, m.get("generation_tokens_total"), self.window_s
+                )
                 row.throughput_req_s = self._requests.add(t, m.get("requests_total"), self.window_s)
         if no_plugin and not errors:
             row.reason = no_plugin
         for reason in limits.fit_sample(row):
             count_into(self.rejected, reason)
         row.rejected = dict(self.rejected) or None  # a copy: the row is written later, off the loop
-        self.set_health(t, row.healthy, row.reason, "metrics-only" if no_plugin else
-                         ("plugin" if state is not None else self.health.mode))
+        self.set_health(
+            t,
+            row.healthy,
+            row.reason,
+            "metrics-only" if no_plugin else ("plugin" if state is not None else self.health.mode),
+        )
         self.sample, self.groups = row, groups
-        return PollResult(row, groups, completions, self.cursor if state is not None else None,
-                          self.instance if state is not None else None, seen, trip)
+        return PollResult(
+            row,
+            groups,
+            completions,
+            self.cursor if state is not None else None,
+            self.instance if state is not None else None,
+            seen,
+            trip,
+        )
 
     # --- counts, request ids, the circuit breaker ---------------------------------------------
     def count(self, rejected: Mapping[str, int], skipped: int = 0) -> None:
@@ -229,7 +279,9 @@ class ReplicaView:
         while len(ids) > RECENT_IDS_REMEMBERED:
             members.discard(ids.popleft())
 
-    def _breaker_trip(self, breaker: Mapping[str, Any] | None, t_ms: int) -> SettingsChangeRow | None:
+    def _breaker_trip(
+        self, breaker: Mapping[str, Any] | None, t_ms: int
+    ) -> SettingsChangeRow | None:
         """An audit row when the replica's breaker tripped since the newest trip recorded (its
         counter starts again with each instance); None otherwise."""
         trips = (breaker or {}).get("trips_total")
@@ -237,37 +289,58 @@ class ReplicaView:
             return None
         recorded = self.breaker_recorded
         before = 0
-        if recorded is not None and (recorded[0] == self.instance or None in (recorded[0], self.instance)):
-            before = recorded[1] if recorded[1] <= trips else 0  # fewer: a restart without an instance
+        if recorded is not None and (
+            recorded[0] == self.instance or None in (recorded[0], self.instance)
+        ):
+            before = (
+                recorded[1] if recorded[1] <= trips else 0
+            )  # fewer: a restart without an instance
         self.breaker_recorded = (self.instance, trips)
         if trips <= before:
             return None
         new = trips - before
         failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
         to = f"settings v{fallback}" if fallback is not None else "vLLM's stock order"
-        message = (f"a policy raised in the engine's step ({breaker.get('last_error') or 'no error reported'}); "
-                   f"settings v{failed if failed is not None else '?'} replaced by {to} "
-                   f"({new} new trip{'s' if new > 1 else ''}, {trips} since the replica started)")
+        message = (
+            f"a policy raised in the engine's step ({breaker.get('last_error') or 'no error reported'}); "
+            f"settings v{failed if failed is not None else '?'} replaced by {to} "
+            f"({new} new trip{'s' if new > 1 else ''}, {trips} since the replica started)"
+        )
         version = failed if limits.int_problem(failed, limits.VERSION_RANGE) is None else None
         return SettingsChangeRow(
-            replica=self.name, t_ms=t_ms, who=BREAKER_WHO, result=BREAKER_RESULT, message=message, version=version,
-            new={"trips_total": trips, "new_trips": new, "instance": self.instance, "failed_version": failed,
-                 "fallback_version": fallback, "last_error": breaker.get("last_error"),
-                 "last_at": breaker.get("last_at")})
+            replica=self.name,
+            t_ms=t_ms,
+            who=BREAKER_WHO,
+            result=BREAKER_RESULT,
+            message=message,
+            version=version,
+            new={
+                "trips_total": trips,
+                "new_trips": new,
+                "instance": self.instance,
+                "failed_version": failed,
+                "fallback_version": fallback,
+                "last_error": breaker.get("last_error"),
+                "last_at": breaker.get("last_at"),
+            },
+        )
 
     def _settings_seen(self, state: Mapping[str, Any], t_ms: int) -> SettingsSeenRow | None:
         """The settings document as a row when this (instance, version) was not stored yet."""
         settings, version = state.get("settings"), state.get("settings_version")
         if limits.int_problem(version, limits.VERSION_RANGE) is not None:
-            version = None  # counted where the sample nulls it (the same figure, the same column type)
+            version = (
+                None  # counted where the sample nulls it (the same figure, the same column type)
+            )
         key = (self.instance, version)
         if settings is None or key == self._settings_key:
             return None
         self._settings_key = key
         return SettingsSeenRow(self.name, t_ms, key[1], key[0], settings)
 
-    def _fill_from_state(self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float,
-                         t_ms: int) -> list[GroupSampleRow]:
+    def _fill_from_state(
+        self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float, t_ms: int
+    ) -> list[GroupSampleRow]:
         m = self.metrics
         kv = s.get("kv") or {}
         row.policy = s.get("policy")
@@ -296,11 +369,17 @@ class ReplicaView:
             for code in np.unique(codes):
                 sel = codes == code
                 tokens = float(w.out_tokens[sel].sum())
-                groups.append(GroupSampleRow(
-                    replica=self.name, t_ms=t_ms, kind=kind, group=names[int(code)],
-                    completed=int(sel.sum()),
-                    throughput_tok_s=tokens / duration if duration > 0 else None,
-                    latency=latency_percentiles(w.ttft[sel], w.ttlt[sel], w.tbt[sel])))
+                groups.append(
+                    GroupSampleRow(
+                        replica=self.name,
+                        t_ms=t_ms,
+                        kind=kind,
+                        group=names[int(code)],
+                        completed=int(sel.sum()),
+                        throughput_tok_s=tokens / duration if duration > 0 else None,
+                        latency=latency_percentiles(w.ttft[sel], w.ttlt[sel], w.tbt[sel]),
+                    )
+                )
         return groups
 
     def set_health(self, t: float, healthy: bool, reason: str | None, mode: str) -> None:
@@ -317,22 +396,42 @@ class ReplicaView:
     def snapshot(self) -> ReplicaSnapshot:
         state = self.state or {}
         return ReplicaSnapshot(
-            name=self.name, health=replace(self.health), sample=self.sample, groups=list(self.groups),
-            settings=state.get("settings"), settings_version=state.get("settings_version"),
-            state=self.state, metrics=dict(self.metrics), cursor=self.cursor,
-            window_completions=len(self.window), rejected=dict(self.rejected),
-            breaker=dict(state["breaker"]) if isinstance(state.get("breaker"), dict) else None)
+            name=self.name,
+            health=replace(self.health),
+            sample=self.sample,
+            groups=list(self.groups),
+            settings=state.get("settings"),
+            settings_version=state.get("settings_version"),
+            state=self.state,
+            metrics=dict(self.metrics),
+            cursor=self.cursor,
+            window_completions=len(self.window),
+            rejected=dict(self.rejected),
+            breaker=dict(state["breaker"]) if isinstance(state.get("breaker"), dict) else None,
+        )
 
 
-async def poll_view(client: PollingClient, view: ReplicaView, timeout_s: float, clock: Callable[[], float],
-                     *, with_completions: bool = True, metrics_every: int = 1) -> PollResult:
+async def poll_view(
+    client: PollingClient,
+    view: ReplicaView,
+    timeout_s: float,
+    clock: Callable[[], float],
+    *,
+    with_completions: bool = True,
+    metrics_every: int = 1,
+) -> PollResult:
     """One poll of one replica: /state and /metrics concurrently, folded into ``view``.
 
     ``metrics_every`` > 1 reads /metrics of a replica with the plugin only every that many polls
     (its sample comes from /state; /metrics is then a check that vLLM's API server is up); the
     last metrics answer, or its error, stands in between."""
-    due = (metrics_every <= 1 or view.health.mode != "plugin" or not view.health.healthy
-           or view.metrics_error is not None or view.polls % metrics_every == 0)
+    due = (
+        metrics_every <= 1
+        or view.health.mode != "plugin"
+        or not view.health.healthy
+        or view.metrics_error is not None
+        or view.polls % metrics_every == 0
+    )
 
     async def metrics_part() -> dict[str, float] | None:
         return await fetch_metrics(client, view.spec, timeout_s) if due else None
@@ -340,14 +439,23 @@ async def poll_view(client: PollingClient, view: ReplicaView, timeout_s: float, 
     async def state_part() -> StateAnswer:
         if with_completions:
             return await fetch_state(client, view, timeout_s)
-        resp = await get_answer(client, control_base(view.spec) + "/state", "state", timeout_s,  # no cursor: no completions
-                          token=view.spec.token())
+        resp = await get_answer(
+            client,
+            control_base(view.spec) + "/state",
+            "state",
+            timeout_s,  # no cursor: no completions
+            token=view.spec.token(),
+        )
         rejected: dict[str, int] = {}
-        doc = read_state(read_json(resp, "state", lambda: count_into(rejected, limits.NON_FINITE)), rejected)
+        doc = read_state(
+            read_json(resp, "state", lambda: count_into(rejected, limits.NON_FINITE)), rejected
+        )
         view.count(rejected)
         return StateAnswer(doc, [], view.cursor, rejected=rejected)
 
-    state_res, metrics_res = await asyncio.gather(state_part(), metrics_part(), return_exceptions=True)
+    state_res, metrics_res = await asyncio.gather(
+        state_part(), metrics_part(), return_exceptions=True
+    )
     errors: list[str] = []
     no_plugin: str | None = None
     answer = None
@@ -382,9 +490,13 @@ def reserved_groups(cluster: ClusterSpec) -> dict[str, tuple[str, ...]]:
     return {"tenant": tuple(gov.tenants), "type": tuple(gov.type_shares)} if gov is not None else {}
 
 
-async def poll_once(cluster: ClusterSpec, *, client: PollingClient | None = None,
-                    with_completions: bool = False, clock: Callable[[], float] = time.time,
-                    ) -> list[ReplicaSnapshot]:
+async def poll_once(
+    cluster: ClusterSpec,
+    *,
+    client: PollingClient | None = None,
+    with_completions: bool = False,
+    clock: Callable[[], float] = time.time,
+) -> list[ReplicaSnapshot]:
     """One concurrent poll of every replica, no store (``tailpilot status``).
 
     Without ``with_completions`` the completions are not downloaded (the state is read past the
@@ -394,17 +506,27 @@ async def poll_once(cluster: ClusterSpec, *, client: PollingClient | None = None
     return [v.snapshot() for v in await poll_views(cluster, client, with_completions, clock)]
 
 
-async def poll_views(cluster: ClusterSpec, client: PollingClient | None, with_completions: bool,
-                     clock: Callable[[], float]) -> list[ReplicaView]:
+async def poll_views(
+    cluster: ClusterSpec,
+    client: PollingClient | None,
+    with_completions: bool,
+    clock: Callable[[], float],
+) -> list[ReplicaView]:
     """A view of every replica of ``cluster``, each polled once, concurrently (``client`` made and
     closed here when None)."""
     own = client is None
     client = client or make_client(cluster)
     try:
-        views = [ReplicaView(r, cluster.window_s, reserved=reserved_groups(cluster))
-                 for r in cluster.replicas]
-        await asyncio.gather(*(poll_view(client, v, cluster.timeout_s, clock, with_completions=with_completions)
-                               for v in views))
+        views = [
+            ReplicaView(r, cluster.window_s, reserved=reserved_groups(cluster))
+            for r in cluster.replicas
+        ]
+        await asyncio.gather(
+            *(
+                poll_view(client, v, cluster.timeout_s, clock, with_completions=with_completions)
+                for v in views
+            )
+        )
         return views
     finally:
         if own:

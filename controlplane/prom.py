@@ -51,7 +51,7 @@ def _locate_bad_line(text: str) -> str:
         try:
             for _ in text_string_to_metric_families(line + "\n"):
                 pass
-        except Exception as err:  # noqa: BLE001 (any parser failure is a format error)
+        except Exception as err:
             shown = line if len(line) <= 80 else line[:77] + "..."
             return f"line {number}: {shown!r} ({err or type(err).__name__})"
     return "unparseable text"
@@ -60,12 +60,16 @@ def _locate_bad_line(text: str) -> str:
 # The shape of a sample line: name, optional {labels}, value, optional timestamp. Lenient inside
 # the braces (fast: ~0.5 µs a line); the lines the collector uses are parsed strictly.
 _SAMPLE_LINE = re.compile(
-    r'[ \t]*[A-Za-z_:][A-Za-z0-9_:]*(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+(?:[ \t]+-?[0-9.]+)?[ \t]*')
+    r'[ \t]*[A-Za-z_:][A-Za-z0-9_:]*(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+(?:[ \t]+-?[0-9.]+)?[ \t]*'
+)
 # The lines of the families in VLLM_METRICS: their samples and TYPE comments (HELP text is not
 # needed). A cheap prefix test first, then the exact family name (not a longer one it begins).
-_LINE_PREFIXES: tuple[str, ...] = tuple(p for fam in _FAMILY_TO_LOGICAL for p in (fam, f"# TYPE {fam}"))
+_LINE_PREFIXES: tuple[str, ...] = tuple(
+    p for fam in _FAMILY_TO_LOGICAL for p in (fam, f"# TYPE {fam}")
+)
 _FAMILY_LINE = re.compile(
-    r"(?:# TYPE )?(?:" + "|".join(re.escape(f) for f in _FAMILY_TO_LOGICAL) + r")(?:_total)?[ \t{]")
+    r"(?:# TYPE )?(?:" + "|".join(re.escape(f) for f in _FAMILY_TO_LOGICAL) + r")(?:_total)?[ \t{]"
+)
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
@@ -84,8 +88,10 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     """
     series = count_series(text)
     if series > MAX_METRICS_SERIES:
-        raise MetricsFormatError(f"metrics: the page has {series:,} series, more than the "
-                                 f"{MAX_METRICS_SERIES:,} the collector reads")
+        raise MetricsFormatError(
+            f"metrics: the page has {series:,} series, more than the "
+            f"{MAX_METRICS_SERIES:,} the collector reads"
+        )
     keep: list[str] = []
     fullmatch, family_line = _SAMPLE_LINE.fullmatch, _FAMILY_LINE.match
     for number, line in enumerate(text.splitlines(), 1):
@@ -93,7 +99,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             keep.append(line)
         elif line and line[0] != "#" and fullmatch(line) is None and line.strip():
             shown = line if len(line) <= 80 else line[:77] + "..."
-            raise MetricsFormatError(f"malformed metrics text at line {number}: {shown!r} (not a sample line)")
+            raise MetricsFormatError(
+                f"malformed metrics text at line {number}: {shown!r} (not a sample line)"
+            )
     if not keep:
         _parse_families(text, text)
         return {}
@@ -122,7 +130,7 @@ def _parse_families(text: str, page: str) -> dict[str, float]:
             values = [s.value for s in family.samples if s.name in wanted]
             if values:
                 found.setdefault(logical, {}).setdefault(base, []).extend(values)
-    except Exception as err:  # noqa: BLE001 (the parser raises ValueError, IndexError, ...)
+    except Exception as err:
         raise MetricsFormatError(f"malformed metrics text at {_locate_bad_line(page)}") from err
     out: dict[str, float] = {}
     for logical, by_family in found.items():
@@ -130,6 +138,8 @@ def _parse_families(text: str, page: str) -> dict[str, float]:
         for fam in families:
             fam_values = by_family.get(fam)
             if fam_values:
-                out[logical] = float(sum(fam_values) / len(fam_values) if agg == "mean" else sum(fam_values))
+                out[logical] = float(
+                    sum(fam_values) / len(fam_values) if agg == "mean" else sum(fam_values)
+                )
                 break
     return out

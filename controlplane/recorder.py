@@ -28,8 +28,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any
 
 from controlplane.cluster import ClusterFileError, ClusterSpec, load_cluster_file
 from controlplane.collector import Collector
@@ -88,12 +89,22 @@ def _health_logger(stats: RecorderStats):
     return on_poll
 
 
-async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_label: str = "",
-                 recording_name: str | None = None, retention: Any | None = None,
-                 retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
-                 flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 collector: Collector | None = None, govern: str | None = None,
-                 metrics: tuple[str, int] | None = None, tasks: Sequence[Task] = ()) -> RecorderStats:
+async def record(
+    cluster: ClusterSpec,
+    store: Any,
+    stop: asyncio.Event,
+    *,
+    db_label: str = "",
+    recording_name: str | None = None,
+    retention: Any | None = None,
+    retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
+    flush_interval_s: float = 1.0,
+    metrics_every: int = 1,
+    collector: Collector | None = None,
+    govern: str | None = None,
+    metrics: tuple[str, int] | None = None,
+    tasks: Sequence[Task] = (),
+) -> RecorderStats:
     """Run a collector on ``store`` until ``stop`` is set; flush, end the recording, return stats.
     ``govern``: also run the governor (controlplane.governor), its state set to this first
     ("armed" | "dry-run"; "" keeps the stored state). ``metrics``: (host, port) to serve the
@@ -101,8 +112,9 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
     controllers run beside the collector until ``stop`` (each called with the collector, the
     store and ``stop``; the autopilot: ``tuner.autopilot_live.run_autopilot``)."""
     stats = RecorderStats(cluster=cluster.name, db=db_label, started_ms=int(time.time() * 1000))
-    collector = collector or Collector(cluster, store, flush_interval_s=flush_interval_s,
-                                       metrics_every=metrics_every)
+    collector = collector or Collector(
+        cluster, store, flush_interval_s=flush_interval_s, metrics_every=metrics_every
+    )
     collector.on_poll(_health_logger(stats))
     exporter = None
     if metrics is not None:  # first: a taken port fails the start before anything is begun
@@ -115,12 +127,16 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
     extra: list[asyncio.Task] = []
     try:
         if recording_name:
-            stats.recording_id = await asyncio.to_thread(store.recordings.begin_recording, cluster.name, recording_name)
+            stats.recording_id = await asyncio.to_thread(
+                store.recordings.begin_recording, cluster.name, recording_name
+            )
 
         async def retention_loop() -> None:
             while not stop.is_set():
                 try:
-                    report = await asyncio.to_thread(store.retention.apply, int(time.time() * 1000), retention)
+                    report = await asyncio.to_thread(
+                        store.retention.apply, int(time.time() * 1000), retention
+                    )
                     stats.retention_runs += 1
                     log.info("retention: %s", report)
                 except Exception as err:  # a busy database or a failed fold: try again next time
@@ -134,10 +150,21 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
             from controlplane.governor import run_governor
 
             if cluster.governance is None:
-                raise ValueError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
+                raise ValueError(
+                    f"cluster {cluster.name!r} has no governance block: nothing to govern"
+                )
             if govern:
-                await asyncio.to_thread(store.governance.set_governor_control, cluster.name, state=govern, who="governor start")
-            extra.append(asyncio.create_task(run_governor(collector, store, stop, interval_s=flush_interval_s)))
+                await asyncio.to_thread(
+                    store.governance.set_governor_control,
+                    cluster.name,
+                    state=govern,
+                    who="governor start",
+                )
+            extra.append(
+                asyncio.create_task(
+                    run_governor(collector, store, stop, interval_s=flush_interval_s)
+                )
+            )
         for controller in tasks:
             extra.append(asyncio.create_task(controller(collector, store, stop)))
         s = await collector.run(stop)
@@ -150,8 +177,17 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
         if stats.recording_id is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(store.recordings.end_recording, stats.recording_id)
-    for name in ("polls", "failed_polls", "batches", "rows_written", "samples_written",
-                 "group_samples_written", "completions_written", "busy_retries", "breaker_trips"):
+    for name in (
+        "polls",
+        "failed_polls",
+        "batches",
+        "rows_written",
+        "samples_written",
+        "group_samples_written",
+        "completions_written",
+        "busy_retries",
+        "breaker_trips",
+    ):
         setattr(stats, name, getattr(s, name))
     stats.rejected = {n: dict(v.rejected) for n, v in collector.views.items() if v.rejected}
     stats.unhealthy_at_end = [n for n, v in collector.views.items() if not v.health.healthy]
@@ -161,18 +197,27 @@ async def record(cluster: ClusterSpec, store: Any, stop: asyncio.Event, *, db_la
 
 def _runner() -> asyncio.Runner:
     try:
-        import uvloop  # noqa: PLC0415 (optional: a cheaper event loop when installed)
+        import uvloop
     except ImportError:
         return asyncio.Runner()
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
-                 stop: asyncio.Event | threading.Event | None = None, recording_name: str | None = None,
-                 retention: Any | None = None, retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
-                 flush_interval_s: float = 1.0, metrics_every: int = 1,
-                 install_signals: bool = True, govern: str | None = None,
-                 metrics: tuple[str, int] | None = None, tasks: Sequence[Task] = ()) -> RecorderStats:
+def run_recorder(
+    cluster: ClusterSpec,
+    db_url: str | None,
+    *,
+    stop: asyncio.Event | threading.Event | None = None,
+    recording_name: str | None = None,
+    retention: Any | None = None,
+    retention_interval_s: float = DEFAULT_RETENTION_INTERVAL_S,
+    flush_interval_s: float = 1.0,
+    metrics_every: int = 1,
+    install_signals: bool = True,
+    govern: str | None = None,
+    metrics: tuple[str, int] | None = None,
+    tasks: Sequence[Task] = (),
+) -> RecorderStats:
     """Record ``cluster`` into the store at ``db_url`` (None: ./tailpilot.db) until stopped.
 
     Blocking. Stops on SIGTERM/SIGINT (``install_signals``, main thread only) or when ``stop`` is
@@ -189,10 +234,12 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
         event = stop if isinstance(stop, asyncio.Event) else asyncio.Event()
         watcher = None
         if isinstance(stop, threading.Event):
+
             async def watch() -> None:
                 while not stop.is_set():
                     await asyncio.sleep(0.1)
                 event.set()
+
             watcher = asyncio.create_task(watch())
         installed: list[signal.Signals] = []
         if install_signals and threading.current_thread() is threading.main_thread():
@@ -201,12 +248,26 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
                     loop.add_signal_handler(sig, event.set)
                     installed.append(sig)
         try:
-            log.info("recording cluster %s (%d replicas) into %r", cluster.name, len(cluster.replicas),
-                     str(store))
-            return await record(cluster, store, event, db_label=str(store), recording_name=recording_name,
-                                retention=retention, retention_interval_s=retention_interval_s,
-                                flush_interval_s=flush_interval_s, metrics_every=metrics_every, govern=govern,
-                                metrics=metrics, tasks=tasks)
+            log.info(
+                "recording cluster %s (%d replicas) into %r",
+                cluster.name,
+                len(cluster.replicas),
+                str(store),
+            )
+            return await record(
+                cluster,
+                store,
+                event,
+                db_label=str(store),
+                recording_name=recording_name,
+                retention=retention,
+                retention_interval_s=retention_interval_s,
+                flush_interval_s=flush_interval_s,
+                metrics_every=metrics_every,
+                govern=govern,
+                metrics=metrics,
+                tasks=tasks,
+            )
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
@@ -221,22 +282,40 @@ def run_recorder(cluster: ClusterSpec, db_url: str | None, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m controlplane.recorder",
-                                     description="Record a cluster's replicas into a store until SIGTERM.")
+    parser = argparse.ArgumentParser(
+        prog="python -m controlplane.recorder",
+        description="Record a cluster's replicas into a store until SIGTERM.",
+    )
     parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
-    parser.add_argument("--cluster-name", metavar="NAME", help="which cluster of the file (if several)")
-    parser.add_argument("--db", metavar="URL", help="store URL or SQLite path (default ./tailpilot.db)")
+    parser.add_argument(
+        "--cluster-name", metavar="NAME", help="which cluster of the file (if several)"
+    )
+    parser.add_argument(
+        "--db", metavar="URL", help="store URL or SQLite path (default ./tailpilot.db)"
+    )
     parser.add_argument("--recording", metavar="NAME", help="also make this run a named recording")
     parser.add_argument("--flush-interval", type=float, default=1.0, metavar="S")
-    parser.add_argument("--metrics-every", type=int, default=1, metavar="N",
-                        help="read /metrics of plugin replicas every N polls (default 1)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port)")
+    parser.add_argument(
+        "--metrics-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="read /metrics of plugin replicas every N polls (default 1)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port)",
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     try:
         cluster = load_cluster_file(args.cluster).cluster(args.cluster_name)
     except (ClusterFileError, KeyError) as err:
@@ -245,9 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     from storage.database import StoreError
 
     try:
-        stats = run_recorder(cluster, args.db, recording_name=args.recording,
-                             flush_interval_s=args.flush_interval, metrics_every=args.metrics_every,
-                             metrics=(args.metrics_host, args.metrics_port) if args.metrics_port is not None else None)
+        stats = run_recorder(
+            cluster,
+            args.db,
+            recording_name=args.recording,
+            flush_interval_s=args.flush_interval,
+            metrics_every=args.metrics_every,
+            metrics=(args.metrics_host, args.metrics_port)
+            if args.metrics_port is not None
+            else None,
+        )
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
 
 import httpx
 from pydantic import ValidationError
 
-from scheduler import contract
-from scheduler.validation import finite_or_none
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.http import (
     MAX_CONNECTIONS_PER_HOST,
@@ -39,6 +38,8 @@ from controlplane.http import (
 )
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
+from scheduler import contract
+from scheduler.validation import finite_or_none
 from storage import limits
 from storage.rows import CompletionRow
 
@@ -96,10 +97,12 @@ class PollingClient:
             async with self._making:
                 if self._client is None:
                     # anyio is httpx's own async layer: it loads its asyncio backend on first use.
-                    import anyio  # noqa: PLC0415
+                    import anyio
 
                     # Made on a worker thread: the other replicas' polls do not wait for it.
-                    client = await asyncio.to_thread(async_client, self._timeout_s, keepalive=self._keepalive)
+                    client = await asyncio.to_thread(
+                        async_client, self._timeout_s, keepalive=self._keepalive
+                    )
                     await anyio.sleep(0)
                     self._client = client
         return self._client
@@ -112,13 +115,25 @@ class PollingClient:
             slots = self._per_host[key] = asyncio.Semaphore(MAX_CONNECTIONS_PER_HOST)
         return slots
 
-    async def _request(self, method: str, url: str, timeout_s: float, max_bytes: int, what: str,
-                       headers: Mapping[str, str], doc: Any = None) -> Answer:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        max_bytes: int,
+        what: str,
+        headers: Mapping[str, str],
+        doc: Any = None,
+    ) -> Answer:
         client = await self.ready()
-        timeout = request_timeout(timeout_s) if timeout_s != self._timeout_s else httpx.USE_CLIENT_DEFAULT
+        timeout = (
+            request_timeout(timeout_s) if timeout_s != self._timeout_s else httpx.USE_CLIENT_DEFAULT
+        )
         headers = dict(headers)
         body = None
-        if doc is not None:  # json.dumps' defaults: a value the replica refuses is its 4xx, not a client error
+        if (
+            doc is not None
+        ):  # json.dumps' defaults: a value the replica refuses is its 4xx, not a client error
             body = json.dumps(doc).encode()
             headers.setdefault("Content-Type", "application/json")
         request = client.build_request(method, url, headers=headers, timeout=timeout, content=body)
@@ -129,14 +144,24 @@ class PollingClient:
             finally:
                 await response.aclose()
 
-    async def get(self, url: str, timeout_s: float, max_bytes: int = MAX_STATE_BYTES, what: str = "answer",
-                  headers: Mapping[str, str] | None = None) -> Answer:
+    async def get(
+        self,
+        url: str,
+        timeout_s: float,
+        max_bytes: int = MAX_STATE_BYTES,
+        what: str = "answer",
+        headers: Mapping[str, str] | None = None,
+    ) -> Answer:
         """GET ``url``; its body read streamed, :class:`~controlplane.http.AnswerTooLarge` past
         ``max_bytes`` (a declared Content-Length past it is refused before any of the body is read)."""
         return await self._request("GET", url, timeout_s, max_bytes, what, headers or {})
 
-    async def put_json(self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float) -> Answer:
-        return await self._request("PUT", url, timeout_s, MAX_STATE_BYTES, "PUT settings", headers, doc)
+    async def put_json(
+        self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float
+    ) -> Answer:
+        return await self._request(
+            "PUT", url, timeout_s, MAX_STATE_BYTES, "PUT settings", headers, doc
+        )
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
@@ -163,9 +188,15 @@ def bearer(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-async def get_answer(client: PollingClient, url: str, what: str, timeout_s: float,
-                     params: dict[str, Any] | None = None, max_bytes: int = MAX_STATE_BYTES,
-                     token: str | None = None) -> Answer:
+async def get_answer(
+    client: PollingClient,
+    url: str,
+    what: str,
+    timeout_s: float,
+    params: dict[str, Any] | None = None,
+    max_bytes: int = MAX_STATE_BYTES,
+    token: str | None = None,
+) -> Answer:
     """GET ``url`` (``params`` as its query), the whole request within ``timeout_s`` however the
     bytes trickle, a 429 asked again (:data:`~controlplane.retry.POLL_RATE_LIMITED`); the answer
     when it is 200, else :class:`HttpFailure` with a one-line reason naming ``what``."""
@@ -176,7 +207,8 @@ async def get_answer(client: PollingClient, url: str, what: str, timeout_s: floa
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
             resp = await POLL_RATE_LIMITED.call_async(
-                lambda: client.get(url, timeout_s, max_bytes, what, headers), again=rate_limited)
+                lambda: client.get(url, timeout_s, max_bytes, what, headers), again=rate_limited
+            )
     except AnswerTooLarge as err:
         raise HttpFailure(str(err)) from None
     except TRANSPORT_ERRORS as err:
@@ -184,8 +216,9 @@ async def get_answer(client: PollingClient, url: str, what: str, timeout_s: floa
     if resp.status_code != 200:
         body = resp.text.strip().replace("\n", " ")
         body = body if len(body) <= 120 else body[:117] + "..."
-        raise HttpFailure(f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""),
-                           resp.status_code)
+        raise HttpFailure(
+            f"{what}: HTTP {resp.status_code}" + (f" ({body})" if body else ""), resp.status_code
+        )
     return resp
 
 
@@ -194,6 +227,7 @@ def read_json(resp: Answer, what: str, on_non_finite: Callable[[], None] | None 
     replica sending them must not break the store (PostgreSQL refuses them) or the window.
     ``on_non_finite`` is called once for each number so read. An integer of more digits than
     Python converts (4,300) is bad JSON like any other, not an unexpected error."""
+
     def non_finite(_text: str) -> None:
         if on_non_finite is not None:
             on_non_finite()
@@ -207,8 +241,13 @@ def read_json(resp: Answer, what: str, on_non_finite: Callable[[], None] | None 
 
     try:
         return json.loads(resp.content, parse_constant=non_finite, parse_float=finite_float)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise StateFormatError(f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})") from None
+    except (
+        ValueError,
+        RecursionError,
+    ) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise StateFormatError(
+            f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})"
+        ) from None
 
 
 # --- a state document as the store can hold it ---------------------------------------------------------
@@ -216,8 +255,17 @@ def read_json(resp: Answer, what: str, on_non_finite: Callable[[], None] | None 
 #: Counts a replica reports (queue lengths, totals, versions): any integer past 64 bits is no
 #: count a replica can have, and would break the arithmetic or the store; the columns' own ranges
 #: (storage.limits) are applied where the figures are stored.
-_STATE_COUNTS = ("settings_version", "pending_version", "waiting", "running", "preemptions_total",
-                 "recomputed_tokens_total", "refused_total", "finished_total", "steps_total")
+_STATE_COUNTS = (
+    "settings_version",
+    "pending_version",
+    "waiting",
+    "running",
+    "preemptions_total",
+    "recomputed_tokens_total",
+    "refused_total",
+    "finished_total",
+    "steps_total",
+)
 _KV_COUNTS = ("used_blocks", "total_blocks", "block_size")
 _BREAKER_COUNTS = ("trips_total", "failed_version", "fallback_version")
 
@@ -240,12 +288,18 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
         if isinstance(part, dict):
             for key in keys:
                 nulled(part, key, limits.int_problem(part.get(key), limits.INT64_RANGE))
-    for key, chars in (("instance", limits.INSTANCE_CHARS), ("policy", limits.POLICY_CHARS), ("replica", None)):
+    for key, chars in (
+        ("instance", limits.INSTANCE_CHARS),
+        ("policy", limits.POLICY_CHARS),
+        ("replica", None),
+    ):
         if isinstance(doc.get(key), str):
             nulled(doc, key, limits.text_problem(doc[key], chars))
     breaker = doc.get("breaker")
     if isinstance(breaker, dict) and isinstance(breaker.get("last_error"), str):
-        breaker["last_error"] = limits.clean_text(breaker["last_error"])[:contract.BREAKER_ERROR_CHARS]
+        breaker["last_error"] = limits.clean_text(breaker["last_error"])[
+            : contract.BREAKER_ERROR_CHARS
+        ]
     if doc.get("settings") is not None:
         nulled(doc, "settings", limits.json_problem(doc["settings"]))
     for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
@@ -268,7 +322,10 @@ def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str,
         group, why = limits.group_name(name)
         if why is not None:
             reasons.append(why)
-        elif group not in out and len(out) - (limits.OTHER_GROUP in out) >= limits.MAX_GROUPS_PER_WINDOW:
+        elif (
+            group not in out
+            and len(out) - (limits.OTHER_GROUP in out) >= limits.MAX_GROUPS_PER_WINDOW
+        ):
             group = limits.OTHER_GROUP
         out[group] = out.get(group, 0) + n
     return out
@@ -303,10 +360,19 @@ def completion_row(replica: str, c: Any) -> CompletionRow:
     except ValidationError as err:
         raise ValueError(contract.describe(err)) from None
     return CompletionRow(
-        replica=replica, request_id=comp.id, tenant=comp.tenant or "default", type=comp.type or "default",
-        arrival_s=comp.arrival, received_s=comp.received_at, first_token_s=comp.first_token_at, finished_s=comp.finished_at,
-        prompt_tokens=comp.prompt_tokens, output_tokens=comp.output_tokens, preemptions=comp.preemptions,
-        recomputed_tokens=comp.recomputed_tokens, reason=comp.reason or "finished",
+        replica=replica,
+        request_id=comp.id,
+        tenant=comp.tenant or "default",
+        type=comp.type or "default",
+        arrival_s=comp.arrival,
+        received_s=comp.received_at,
+        first_token_s=comp.first_token_at,
+        finished_s=comp.finished_at,
+        prompt_tokens=comp.prompt_tokens,
+        output_tokens=comp.output_tokens,
+        preemptions=comp.preemptions,
+        recomputed_tokens=comp.recomputed_tokens,
+        reason=comp.reason or "finished",
         max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none
     )
 
@@ -323,7 +389,9 @@ def read_state(doc: Any, rejected: dict[str, int] | None = None) -> dict[str, An
         raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
     if limits.int_problem(state["next_cursor"], limits.CURSOR_RANGE) is not None:
         # The cursor is stored with the rows it covers: a page that cannot be is not taken at all.
-        raise StateFormatError(f"bad state document: next_cursor is beyond what the store holds ({limits.CURSOR_RANGE[1]})")
+        raise StateFormatError(
+            f"bad state document: next_cursor is beyond what the store holds ({limits.CURSOR_RANGE[1]})"
+        )
     for reason in fit_state(state):
         count_into(rejected, reason)
     return state
@@ -359,14 +427,18 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
     rejected, rows, ids = answer.rejected, answer.completions, answer.ids
     this_poll: set[int] = set()
     why = None
-    state_rejected: dict[str, int] = {}  # the document's own fields: counted once a poll, from the page used
+    state_rejected: dict[
+        str, int
+    ] = {}  # the document's own fields: counted once a poll, from the page used
 
     def non_finite() -> None:
         count_into(rejected, limits.NON_FINITE)
 
     for page in range(MAX_PAGES_PER_POLL + 1):
         try:
-            resp = await get_answer(client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token())
+            resp = await get_answer(
+                client, url, "state", timeout_s, {"cursor": answer.cursor}, token=view.spec.token()
+            )
         except HttpFailure as err:
             if page == 0 or err.status != 429:
                 raise
@@ -380,7 +452,10 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
             break  # keep the pages read, with their cursor; the next poll meets this page first
         answer.doc, state_rejected = doc, page_rejected
         if answer.restarted is None and not rows and (restarted := view.restarted(doc)):
-            answer.restarted, answer.cursor = restarted, 0  # read the new incarnation from its beginning
+            answer.restarted, answer.cursor = (
+                restarted,
+                0,
+            )  # read the new incarnation from its beginning
             continue
         for c in doc["completions"]:
             # Each entry is checked before the cursor moves past it: one that cannot be stored is
@@ -402,7 +477,9 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
                 continue
             key = hash(fitted.request_id)
             if key in this_poll or view.seen_id(key):
-                answer.skipped += 1  # the store keeps the first of an id: count the repeat, do not hide it
+                answer.skipped += (
+                    1  # the store keeps the first of an id: count the repeat, do not hide it
+                )
                 count_into(rejected, limits.DUPLICATE_ID)
                 continue
             this_poll.add(key)
@@ -414,15 +491,25 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
             break
     for reason, n in state_rejected.items():
         count_into(rejected, reason, n)
-    view.count(rejected, answer.skipped)  # counted as read: the counts are what was sent, applied or not
+    view.count(
+        rejected, answer.skipped
+    )  # counted as read: the counts are what was sent, applied or not
     if answer.skipped:
-        log.warning("replica %s: skipped %d completion entries (%s)", view.name, answer.skipped,
-                    why or "repeated request ids")
+        log.warning(
+            "replica %s: skipped %d completion entries (%s)",
+            view.name,
+            answer.skipped,
+            why or "repeated request ids",
+        )
     return answer
 
 
-async def fetch_metrics(client: PollingClient, spec: ReplicaSpec, timeout_s: float) -> dict[str, float]:
-    resp = await get_answer(client, spec.metrics_url, "metrics", timeout_s, max_bytes=MAX_METRICS_BYTES)
+async def fetch_metrics(
+    client: PollingClient, spec: ReplicaSpec, timeout_s: float
+) -> dict[str, float]:
+    resp = await get_answer(
+        client, spec.metrics_url, "metrics", timeout_s, max_bytes=MAX_METRICS_BYTES
+    )
     # Parsed on a worker thread: a page near its caps takes tens of milliseconds, which the event
     # loop (every other replica's polls, the writer, the /metrics page) must not wait for.
     metrics = await asyncio.to_thread(parse_metrics_page, resp)
@@ -435,13 +522,20 @@ def parse_metrics_page(resp: Answer) -> dict[str, float]:
     return parse_vllm_metrics(resp.text)
 
 
-async def fetch_inflight(client: PollingClient, spec: ReplicaSpec, timeout_s: float,
-                         limit: int = contract.INFLIGHT_LIMIT) -> contract.Inflight:
+async def fetch_inflight(
+    client: PollingClient, spec: ReplicaSpec, timeout_s: float, limit: int = contract.INFLIGHT_LIMIT
+) -> contract.Inflight:
     """The replica's oldest ``limit`` requests in flight (``GET /inflight``), read through the
     contract strictly on its required fields; ``StateFormatError`` naming the field otherwise,
     ``HttpFailure`` when it did not answer 200."""
-    resp = await get_answer(client, control_base(spec) + "/inflight", "inflight", timeout_s, {"limit": limit},
-                      token=spec.token())
+    resp = await get_answer(
+        client,
+        control_base(spec) + "/inflight",
+        "inflight",
+        timeout_s,
+        {"limit": limit},
+        token=spec.token(),
+    )
     try:
         return contract.read(contract.Inflight, read_json(resp, "inflight"))
     except ValidationError as err:

@@ -22,8 +22,9 @@ numbers are named here, so that every retry the operator side makes reads in one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
@@ -68,7 +69,7 @@ class RetryPolicy:
     max_wait_s: float = 5.0
     retry_after: bool = False
 
-    def replace(self, **changes: Any) -> "RetryPolicy":
+    def replace(self, **changes: Any) -> RetryPolicy:
         """This policy with some numbers changed (a caller's own deadline or budget of tries)."""
         return dataclasses.replace(self, **changes)
 
@@ -89,10 +90,15 @@ class RetryPolicy:
             return True
         return self.deadline_s is not None and (state.seconds_since_start or 0.0) >= self.deadline_s
 
-    def _options(self, again: Callable[[Any], bool] | None, on: tuple[type[BaseException], ...],
-                 before_sleep: Callable[[tenacity.RetryCallState], None] | None) -> dict[str, Any]:
+    def _options(
+        self,
+        again: Callable[[Any], bool] | None,
+        on: tuple[type[BaseException], ...],
+        before_sleep: Callable[[tenacity.RetryCallState], None] | None,
+    ) -> dict[str, Any]:
         if self.attempts is None and self.deadline_s is None:
             raise ValueError("a retry policy needs a number of tries or a deadline")
+
         def retry(state: tenacity.RetryCallState) -> bool:
             outcome = state.outcome
             if outcome is None:
@@ -105,23 +111,39 @@ class RetryPolicy:
             assert state.outcome is not None
             return state.outcome.result()  # the last answer, or the last exception raised again
 
-        return {"retry": retry, "stop": self.done, "wait": self.wait_s, "before_sleep": before_sleep,
-                "retry_error_callback": last_outcome}
+        return {
+            "retry": retry,
+            "stop": self.done,
+            "wait": self.wait_s,
+            "before_sleep": before_sleep,
+            "retry_error_callback": last_outcome,
+        }
 
-    def call(self, fn: Callable[[], T], *, again: Callable[[T], bool] | None = None,
-             on: tuple[type[BaseException], ...] = (),
-             before_sleep: Callable[[tenacity.RetryCallState], None] | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        again: Callable[[T], bool] | None = None,
+        on: tuple[type[BaseException], ...] = (),
+        before_sleep: Callable[[tenacity.RetryCallState], None] | None = None,
+    ) -> T:
         """``fn()``, tried again while ``again(answer)`` is true or it raises one of ``on``, as
         this policy allows; the last answer (or exception) when the tries run out.
         ``before_sleep`` is called before each wait (a caller's count of retries)."""
         result: T = tenacity.Retrying(**self._options(again, on, before_sleep))(fn)
         return result
 
-    async def call_async(self, fn: Callable[[], Awaitable[T]], *, again: Callable[[T], bool] | None = None,
-                         on: tuple[type[BaseException], ...] = (),
-                         before_sleep: Callable[[tenacity.RetryCallState], None] | None = None) -> T:
+    async def call_async(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        again: Callable[[T], bool] | None = None,
+        on: tuple[type[BaseException], ...] = (),
+        before_sleep: Callable[[tenacity.RetryCallState], None] | None = None,
+    ) -> T:
         """:meth:`call` for a coroutine function; the waits are ``asyncio.sleep`` (a caller's
         ``asyncio.timeout`` bounds them too)."""
+
         async def attempt() -> T:
             return await fn()
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.http import TRANSPORT_ERRORS, describe_http_error
@@ -52,8 +53,13 @@ class ApplyResult:
 SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
 
 
-async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaSpec,
-                     change: SettingsChange, wait_s: float) -> ApplyResult:
+async def _apply_one(
+    client: PollingClient,
+    cluster: ClusterSpec,
+    spec: ReplicaSpec,
+    change: SettingsChange,
+    wait_s: float,
+) -> ApplyResult:
     from pydantic import ValidationError
 
     from scheduler.settings import Settings, describe_error
@@ -65,8 +71,11 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     try:
         resp = await get_answer(client, base, "GET settings", timeout, token=spec.token())
         current = read_json(resp, "GET settings")
-        if not isinstance(current, dict) or not isinstance(current.get("settings"), dict) \
-                or not isinstance(current.get("version"), int):
+        if (
+            not isinstance(current, dict)
+            or not isinstance(current.get("settings"), dict)
+            or not isinstance(current.get("version"), int)
+        ):
             raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
     except (HttpFailure, StateFormatError) as err:
         res.message = str(err)
@@ -83,7 +92,9 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
         if isinstance(produced, Settings):
             produced = produced.to_dict()
         if not isinstance(produced, Mapping):
-            raise ValueError(f"the change must give a settings document, got {type(produced).__name__}")
+            raise ValueError(
+                f"the change must give a settings document, got {type(produced).__name__}"
+            )
         # Engine fields a document leaves out keep the replica's values, as the replica's own
         # PUT does — not the model's defaults, which would read as a restart-required change.
         engine = produced.get("engine")
@@ -117,7 +128,11 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
         res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
         res.message = f"HTTP {put.status_code}: {reason}"
         if put.status_code in (401, 403) and not token:
-            res.message += f" (no token: set ${spec.token_env})" if spec.token_env else " (no token_env in the cluster file)"
+            res.message += (
+                f" (no token: set ${spec.token_env})"
+                if spec.token_env
+                else " (no token_env in the cluster file)"
+            )
         return res
     if not isinstance(answer, dict) or not isinstance(answer.get("version"), int):
         res.message = "PUT settings: the answer is not {settings, version}"
@@ -129,7 +144,8 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     if active is not None and active >= new_version:
         res.result = "applied"
         res.message = f"applied as version {new_version}, active" + (
-            f" (the replica has since moved on to version {active})" if active > new_version else "")
+            f" (the replica has since moved on to version {active})" if active > new_version else ""
+        )
     else:
         res.result = "staged"
         res.message = f"staged as version {new_version}, not active yet: {why}"
@@ -138,8 +154,9 @@ async def _apply_one(client: PollingClient, cluster: ClusterSpec, spec: ReplicaS
     return res
 
 
-async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, timeout_s: float,
-                       wait_s: float) -> tuple[int | None, str]:
+async def _wait_active(
+    client: PollingClient, spec: ReplicaSpec, version: int, timeout_s: float, wait_s: float
+) -> tuple[int | None, str]:
     """Read the replica's /state until it runs ``version`` (or a later one), for at most ``wait_s``
     (:data:`~controlplane.retry.READ_BACK`): (the active version last seen, why it is not
     ``version`` yet)."""
@@ -147,10 +164,15 @@ async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, t
 
     async def read_back() -> tuple[int | None, str]:
         try:
-            doc = read_json(await get_answer(client, url, "state (read back)", timeout_s, token=spec.token()),
-                            "state (read back)")
+            doc = read_json(
+                await get_answer(client, url, "state (read back)", timeout_s, token=spec.token()),
+                "state (read back)",
+            )
             active = opt_int(doc.get("settings_version")) if isinstance(doc, dict) else None
-            return active, f"the replica runs version {active} (a busy engine applies it at its next step)"
+            return (
+                active,
+                f"the replica runs version {active} (a busy engine applies it at its next step)",
+            )
         except (HttpFailure, StateFormatError) as err:
             return None, f"could not read it back ({err})"
 
@@ -160,10 +182,17 @@ async def _wait_active(client: PollingClient, spec: ReplicaSpec, version: int, t
     return await READ_BACK.replace(deadline_s=wait_s).call_async(read_back, again=not_yet)
 
 
-async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | None, change: SettingsChange,
-                         store: Any | None = None, who: str = "cli", *,
-                         client: PollingClient | None = None,
-                         wait_s: float = APPLY_WAIT_S, note: str | None = None) -> list[ApplyResult]:
+async def apply_settings(
+    cluster: ClusterSpec,
+    replica_names: Iterable[str] | None,
+    change: SettingsChange,
+    store: Any | None = None,
+    who: str = "cli",
+    *,
+    client: PollingClient | None = None,
+    wait_s: float = APPLY_WAIT_S,
+    note: str | None = None,
+) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
     ``change`` is a settings document, or a function from the replica's current
@@ -181,16 +210,29 @@ async def apply_settings(cluster: ClusterSpec, replica_names: Iterable[str] | No
     own = client is None
     client = client or make_client(cluster)
     try:
-        results = list(await asyncio.gather(*(_apply_one(client, cluster, s, change, wait_s) for s in specs)))
+        results = list(
+            await asyncio.gather(*(_apply_one(client, cluster, s, change, wait_s) for s in specs))
+        )
     finally:
         if own:
             await client.aclose()
     if store is not None:
+
         def audit() -> None:
-            store.recordings.ensure_replicas(cluster.name, [(s.name, s.api_url, s.control_url) for s in specs])
+            store.recordings.ensure_replicas(
+                cluster.name, [(s.name, s.api_url, s.control_url) for s in specs]
+            )
             for r in results:
-                store.settings_log.record_settings_change(cluster.name, r.replica, who=who, old=r.old, new=r.new,
-                                             result=r.result, version=r.version,
-                                             message=f"{note}; {r.message}" if note else r.message)
+                store.settings_log.record_settings_change(
+                    cluster.name,
+                    r.replica,
+                    who=who,
+                    old=r.old,
+                    new=r.new,
+                    result=r.result,
+                    version=r.version,
+                    message=f"{note}; {r.message}" if note else r.message,
+                )
+
         await asyncio.to_thread(audit)
     return results

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 from yaml.composer import ComposerError
@@ -48,8 +49,12 @@ class StrictLoader(yaml.SafeLoader):
         opens = self.check_event(CollectionStartEvent)
         if opens:
             if self.collection_depth >= MAX_DEPTH:
-                raise ComposerError(None, None, f"collections nested deeper than {MAX_DEPTH} levels",
-                                    self.peek_event().start_mark)
+                raise ComposerError(
+                    None,
+                    None,
+                    f"collections nested deeper than {MAX_DEPTH} levels",
+                    self.peek_event().start_mark,
+                )
             self.collection_depth += 1
         try:
             return super().compose_node(parent, index)
@@ -70,14 +75,17 @@ class StrictLoader(yaml.SafeLoader):
                     continue  # an unhashable key: the safe loader's own error says so
                 if first is not key_node:
                     raise ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"duplicate key {key!r} (first on line {first.start_mark.line + 1})", key_node.start_mark)
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"duplicate key {key!r} (first on line {first.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
         return super().construct_mapping(node, deep=deep)
 
 
 def load(text: str) -> Any:
     """The YAML document in ``text``; ``yaml.YAMLError`` (with the line) if it is malformed."""
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    return yaml.load(text, Loader=StrictLoader)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -89,7 +97,8 @@ class _Dumper(yaml.SafeDumper):
 _AMBIGUOUS = re.compile(
     r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?0[xXoObB][0-9a-fA-F_]+|[0-9]+(?::[0-9]+)+"
     r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|[yYnN~]|yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE"
-    r"|on|On|ON|off|Off|OFF|null|Null|NULL|)$")
+    r"|on|On|ON|off|Off|OFF|null|Null|NULL|)$"
+)
 
 
 def _str_representer(dumper: yaml.SafeDumper, value: str):
@@ -106,8 +115,14 @@ _Dumper.add_representer(str, _str_representer)
 def dump(doc: dict, header: Sequence[str] = ()) -> str:
     """``doc`` as YAML (see the module docstring), after ``header``'s lines as ``#`` comments
     wrapped at 96 characters (an empty line: a bare ``#``)."""
-    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
-                     width=100)
+    body = yaml.dump(
+        doc,
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
     lines = []
     for line in header:
         lines += textwrap.wrap(line, 96, break_on_hyphens=False) or [""]

@@ -6,8 +6,8 @@ render the same rows the same way.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Iterable, Mapping, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -19,7 +19,9 @@ from storage.rows import SampleRow
 def wide_console(min_width: int = 160) -> Console:
     """The terminal's console, or a wide one when output is piped (tables must not wrap in logs)."""
     console = Console()
-    return console if console.is_terminal and console.width >= min_width else Console(width=min_width)
+    return (
+        console if console.is_terminal and console.width >= min_width else Console(width=min_width)
+    )
 
 
 def fmt_seconds(v: float | None) -> str:
@@ -78,10 +80,16 @@ def cluster_totals(rows: Sequence[SampleRow]) -> dict[str, float | int | None]:
 
     used = total("kv_used_blocks")
     cap = total("kv_total_blocks")
-    return {"replicas": len(rows), "healthy": len(healthy), "waiting": total("waiting"),
-            "running": total("running"), "kv_usage": (used / cap) if used is not None and cap else None,
-            "throughput_tok_s": total("throughput_tok_s"), "throughput_req_s": total("throughput_req_s"),
-            "preemptions_per_s": total("preemptions_per_s")}
+    return {
+        "replicas": len(rows),
+        "healthy": len(healthy),
+        "waiting": total("waiting"),
+        "running": total("running"),
+        "kv_usage": (used / cap) if used is not None and cap else None,
+        "throughput_tok_s": total("throughput_tok_s"),
+        "throughput_req_s": total("throughput_req_s"),
+        "preemptions_per_s": total("preemptions_per_s"),
+    }
 
 
 def breaker_note(trips: int | None, breaker: Mapping | None = None) -> str | None:
@@ -102,7 +110,9 @@ def rejected_note(rejected: Mapping[str, int] | None) -> str | None:
     """A note like ``not stored as sent: duplicate_id 1, out_of_range 2`` (storage.limits.REASONS), else None."""
     if not rejected:
         return None
-    return "not stored as sent: " + ", ".join(f"{reason} {n:,}" for reason, n in sorted(rejected.items()) if n)
+    return "not stored as sent: " + ", ".join(
+        f"{reason} {n:,}" for reason, n in sorted(rejected.items()) if n
+    )
 
 
 def replica_notes(r: SampleRow) -> list[str]:
@@ -111,41 +121,79 @@ def replica_notes(r: SampleRow) -> list[str]:
     return [n for n in (breaker_note(r.breaker_trips), rejected_note(r.rejected)) if n]
 
 
-COLUMNS = ("replica", "health", "policy", "γ", "wait", "run", "KV", "TTFT p50/p95/p99", "TTLT p50/p95/p99",
-           "preempt/s", "tok/s")
+COLUMNS = (
+    "replica",
+    "health",
+    "policy",
+    "γ",
+    "wait",
+    "run",
+    "KV",
+    "TTFT p50/p95/p99",
+    "TTLT p50/p95/p99",
+    "preempt/s",
+    "tok/s",
+)
 
 
-def status_table(rows: Sequence[SampleRow], pinned: Mapping[str, Iterable[str]] | None = None,
-                 title: str | None = None) -> Table:
+def status_table(
+    rows: Sequence[SampleRow],
+    pinned: Mapping[str, Iterable[str]] | None = None,
+    title: str | None = None,
+) -> Table:
     """One row per replica plus cluster totals; unhealthy replicas show their reason."""
     pinned = pinned or {}
     table = Table(title=title, expand=False)
     for name in COLUMNS:
-        table.add_column(name, justify="left" if name in ("replica", "health", "policy") else "right")
+        table.add_column(
+            name, justify="left" if name in ("replica", "health", "policy") else "right"
+        )
     for r in sorted(rows, key=lambda r: r.replica):
         lat = r.latency
-        health = Text("ok", style="green") if r.healthy else Text(f"DOWN: {r.reason or '?'}", style="bold red")
+        health = (
+            Text("ok", style="green")
+            if r.healthy
+            else Text(f"DOWN: {r.reason or '?'}", style="bold red")
+        )
         for note in replica_notes(r):
             health.append(f"; {note}", style="yellow")
         table.add_row(
-            r.replica, health, r.policy or "—",
+            r.replica,
+            health,
+            r.policy or "—",
             fmt_gamma(r.gamma_live, "gamma" in set(pinned.get(r.replica, ()))),
-            fmt_number(r.waiting), fmt_number(r.running), fmt_percent(r.kv_usage),
+            fmt_number(r.waiting),
+            fmt_number(r.running),
+            fmt_percent(r.kv_usage),
             "/".join(fmt_seconds(x) for x in (lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
             "/".join(fmt_seconds(x) for x in (lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
-            fmt_number(r.preemptions_per_s, 1), fmt_number(r.throughput_tok_s))
+            fmt_number(r.preemptions_per_s, 1),
+            fmt_number(r.throughput_tok_s),
+        )
     t = cluster_totals(rows)
     table.add_section()
-    table.add_row("cluster", f"{t['healthy']}/{t['replicas']} ok", "", "", fmt_number(t["waiting"]),
-                  fmt_number(t["running"]), fmt_percent(t["kv_usage"]), "", "",
-                  fmt_number(t["preemptions_per_s"], 1), fmt_number(t["throughput_tok_s"]))
+    table.add_row(
+        "cluster",
+        f"{t['healthy']}/{t['replicas']} ok",
+        "",
+        "",
+        fmt_number(t["waiting"]),
+        fmt_number(t["running"]),
+        fmt_percent(t["kv_usage"]),
+        "",
+        "",
+        fmt_number(t["preemptions_per_s"], 1),
+        fmt_number(t["throughput_tok_s"]),
+    )
     return table
 
 
 def sample_json(rows: Sequence[SampleRow]) -> dict:
     """The status document of ``tailpilot status --json``: every replica row and the totals."""
-    return {"replicas": [asdict(r) for r in sorted(rows, key=lambda r: r.replica)],
-            "totals": cluster_totals(rows)}
+    return {
+        "replicas": [asdict(r) for r in sorted(rows, key=lambda r: r.replica)],
+        "totals": cluster_totals(rows),
+    }
 
 
 ALERT_LABELS = {"scr": "SCR", "jfi": "JFI", "type_fairness": "type fairness"}
@@ -154,8 +202,11 @@ ALERT_LABELS = {"scr": "SCR", "jfi": "JFI", "type_fairness": "type fairness"}
 def _alert_figures(governance: Mapping) -> dict[str, object]:
     # The figure each alert judges: JFI's alert acts on the suppression-aware ``jfi``, never
     # ``jfi_seed`` (docs/governance.md).
-    return {"scr": governance.get("scr"), "jfi": governance.get("jfi"),
-            "type_fairness": governance.get("type_fairness_min")}
+    return {
+        "scr": governance.get("scr"),
+        "jfi": governance.get("jfi"),
+        "type_fairness": governance.get("type_fairness_min"),
+    }
 
 
 def _ordered(alerts: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -169,7 +220,9 @@ def alert_text(governance: Mapping | None) -> Text:
     if not governance:
         return Text("")
     firing = governance.get("alerts") or {}
-    pending = {k: v for k, v in (governance.get("alerts_pending") or {}).items() if firing.get(k) != v}
+    pending = {
+        k: v for k, v in (governance.get("alerts_pending") or {}).items() if firing.get(k) != v
+    }
     figure = _alert_figures(governance)
     if not firing:
         out = Text("governance: no alerts", style="green")
@@ -178,12 +231,19 @@ def alert_text(governance: Mapping | None) -> Text:
         for i, (name, severity) in enumerate(_ordered(firing)):
             if i:
                 out.append("  ")
-            out.append(f"{ALERT_LABELS.get(name, name)} {fmt_figure(figure.get(name), 3)} ({severity})",
-                       style="bold red" if severity == "critical" else "yellow")
+            out.append(
+                f"{ALERT_LABELS.get(name, name)} {fmt_figure(figure.get(name), 3)} ({severity})",
+                style="bold red" if severity == "critical" else "yellow",
+            )
     if pending:
         out.append("   pending: ", style="dim")
-        out.append(", ".join(f"{ALERT_LABELS.get(n, n)} {fmt_figure(figure.get(n), 3)} ({sev})"
-                             for n, sev in _ordered(pending)), style="yellow")
+        out.append(
+            ", ".join(
+                f"{ALERT_LABELS.get(n, n)} {fmt_figure(figure.get(n), 3)} ({sev})"
+                for n, sev in _ordered(pending)
+            ),
+            style="yellow",
+        )
     return out
 
 
@@ -191,10 +251,15 @@ def figures_text(governance: Mapping, sep: str = "   ") -> str:
     """SCR, JFI beside JFI (seed), type fairness and the request count, as one line. JFI is the
     suppression-aware figure the alerts and the governor act on; JFI (seed) the seed's literal
     one, reported only."""
-    return sep.join((f"SCR {fmt_figure(governance.get('scr'), 3)}", f"JFI {fmt_figure(governance.get('jfi'), 3)}",
-                     f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}",
-                     f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}",
-                     f"{governance.get('requests', 0)} requests in the window"))
+    return sep.join(
+        (
+            f"SCR {fmt_figure(governance.get('scr'), 3)}",
+            f"JFI {fmt_figure(governance.get('jfi'), 3)}",
+            f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}",
+            f"type fairness (min) {fmt_figure(governance.get('type_fairness_min'), 3)}",
+            f"{governance.get('requests', 0)} requests in the window",
+        )
+    )
 
 
 def is_over_consumer(governance: Mapping, tenant: str) -> bool:
@@ -230,9 +295,11 @@ def waiting_text(figures: Mapping) -> Text:
 
 
 def _waiting(figures: Mapping) -> str:
-    """"3 waiting ≥12.00s": a tenant's requests waiting, and a lower bound of how long."""
+    """ "3 waiting ≥12.00s": a tenant's requests waiting, and a lower bound of how long."""
     waited = figures.get("waited_s")
-    return f"{figures.get('waiting') or 0:,} waiting" + (f" ≥{fmt_seconds(waited)}" if waited else "")
+    return f"{figures.get('waiting') or 0:,} waiting" + (
+        f" ≥{fmt_seconds(waited)}" if waited else ""
+    )
 
 
 def governance_notes(governance: Mapping) -> Text | None:
@@ -273,15 +340,23 @@ def governance_lines(governance: Mapping | None) -> list[Text]:
     if notes is not None:
         lines.append(notes)
     for tenant, f in sorted((governance.get("tenants") or {}).items()):
-        cells = "  ".join(f"{q.replace('_', ' ').upper()} {fmt_target(f, q)}" for q in ("ttft_p50", "ttft_p90", "ttft_p99"))
-        line = Text(f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s   "
-                    f"served/entitled {fmt_figure(f.get('service_ratio'), 3)}   ω ")
+        cells = "  ".join(
+            f"{q.replace('_', ' ').upper()} {fmt_target(f, q)}"
+            for q in ("ttft_p50", "ttft_p90", "ttft_p99")
+        )
+        line = Text(
+            f"  {tenant}: {cells}   {fmt_number(f.get('tok_s'))} tok/s   "
+            f"served/entitled {fmt_figure(f.get('service_ratio'), 3)}   ω "
+        )
         line.append_text(omega_text(governance, tenant))
         if f.get("waiting"):
             line.append("   waiting ")
             line.append_text(waiting_text(f))
-        line.append_text(Text("   meets", style="green") if f.get("compliant") else Text(
-            "   misses " + ", ".join(f.get("missed", [])), style="red"))
+        line.append_text(
+            Text("   meets", style="green")
+            if f.get("compliant")
+            else Text("   misses " + ", ".join(f.get("missed", [])), style="red")
+        )
         lines.append(line)
     return lines
 
@@ -292,8 +367,11 @@ def governor_notes(status: Mapping | None) -> list[str]:
     figure is low was not entered (``held``)."""
     status = status or {}
     active = status.get("active") or {}
-    notes = [f"{mode} throttles {', '.join(tenants)}"
-             for mode, tenants in sorted((status.get("targets") or {}).items()) if tenants and mode in active]
+    notes = [
+        f"{mode} throttles {', '.join(tenants)}"
+        for mode, tenants in sorted((status.get("targets") or {}).items())
+        if tenants and mode in active
+    ]
     if status.get("held"):
         notes.append(f"held: {status['held']}")
     return notes

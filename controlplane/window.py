@@ -13,7 +13,7 @@ window nor the rows per group.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,12 +33,17 @@ class ReplicaWindow:
 
     __slots__ = (*_COLUMNS, "_codes", "_max_groups", "_reserved")
 
-    def __init__(self, max_groups: int = MAX_GROUPS_PER_WINDOW, reserved: Mapping[str, Iterable[str]] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        max_groups: int = MAX_GROUPS_PER_WINDOW,
+        reserved: Mapping[str, Iterable[str]] | None = None,
+    ) -> None:
         self._max_groups = max_groups
         # Names kept apart whatever the count, per kind: the cluster file's tenants and types, whose
         # targets and shares are judged.
-        self._reserved = {kind: frozenset((reserved or {}).get(kind, ())) for kind in ("tenant", "type")}
+        self._reserved = {
+            kind: frozenset((reserved or {}).get(kind, ())) for kind in ("tenant", "type")
+        }
         self.clear()
 
     def clear(self) -> None:
@@ -65,7 +70,10 @@ class ReplicaWindow:
         code = codes.get(name)
         if code is not None:
             return code
-        if len(codes) - (OTHER_GROUP in codes) >= self._max_groups and name not in self._reserved[kind]:
+        if (
+            len(codes) - (OTHER_GROUP in codes) >= self._max_groups
+            and name not in self._reserved[kind]
+        ):
             name = OTHER_GROUP
             code = codes.get(name)
             if code is not None:
@@ -81,8 +89,9 @@ class ReplicaWindow:
         n = len(rows)
         arrival = np.fromiter((r.arrival_s for r in rows), np.float64, n)
         finished = np.fromiter((r.finished_s for r in rows), np.float64, n)
-        first = np.fromiter((np.nan if r.first_token_s is None else r.first_token_s for r in rows),
-                            np.float64, n)
+        first = np.fromiter(
+            (np.nan if r.first_token_s is None else r.first_token_s for r in rows), np.float64, n
+        )
         out_tokens = np.fromiter((r.output_tokens for r in rows), np.int64, n)
         tokens = out_tokens + np.fromiter((r.prompt_tokens for r in rows), np.int64, n)
         gaps = out_tokens - 1.0
@@ -122,10 +131,14 @@ class ReplicaWindow:
             return
         renumber = (np.cumsum(present) - 1).astype(np.int32)
         setattr(self, kind, renumber[column])
-        self._codes[kind] = {name: int(renumber[code]) for name, code in codes.items() if present[code]}
+        self._codes[kind] = {
+            name: int(renumber[code]) for name, code in codes.items() if present[code]
+        }
 
 
-def governance_columns(windows: Sequence[ReplicaWindow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def governance_columns(
+    windows: Sequence[ReplicaWindow],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tenant, type, TTFT, TTLT, tokens) of several replicas' windows, names as object arrays:
     the columns ``scheduler.metrics.fairness.report`` takes."""
     tenant, kind, ttft, ttlt, tokens = [], [], [], [], []
@@ -139,8 +152,13 @@ def governance_columns(windows: Sequence[ReplicaWindow]) -> tuple[np.ndarray, np
     if not tenant:
         empty = np.empty(0, dtype=object)
         return empty, empty, np.empty(0), np.empty(0), np.empty(0)
-    return (np.concatenate(tenant), np.concatenate(kind), np.concatenate(ttft), np.concatenate(ttlt),
-            np.concatenate(tokens))
+    return (
+        np.concatenate(tenant),
+        np.concatenate(kind),
+        np.concatenate(ttft),
+        np.concatenate(ttlt),
+        np.concatenate(tokens),
+    )
 
 
 def latency_percentiles(ttft: np.ndarray, ttlt: np.ndarray, tbt: np.ndarray) -> LatencyPercentiles:

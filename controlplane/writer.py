@@ -37,7 +37,7 @@ class CollectorStats:
 
 def _store_busy_types() -> tuple[type[BaseException], ...]:
     try:
-        from storage.database import StoreBusy  # noqa: PLC0415 (built in parallel; optional here)
+        from storage.database import StoreBusy
     except ImportError:
         return ()
     return (StoreBusy,)
@@ -87,7 +87,9 @@ class BatchWriter:
                 except self._busy:
                     self.stats.pending_rows = len(self.pending)
                     return 0
-            return await STORE_BUSY.replace(deadline_s=deadline_s).call_async(self._drain, on=self._busy)
+            return await STORE_BUSY.replace(deadline_s=deadline_s).call_async(
+                self._drain, on=self._busy
+            )
 
     async def _drain(self) -> int:
         """Write batches until nothing is pending (rows polled meanwhile included); the rows of

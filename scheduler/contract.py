@@ -39,7 +39,12 @@ INFLIGHT_LIMIT = 1_000
 
 def _lenient(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
     """Strict validation, except that a lenient reader takes a bad value as null."""
-    if isinstance(value, float) and not math.isfinite(value) and info.context and info.context.get("lenient"):
+    if (
+        isinstance(value, float)
+        and not math.isfinite(value)
+        and info.context
+        and info.context.get("lenient")
+    ):
         return None
     try:
         return handler(value)
@@ -75,12 +80,16 @@ class Completion(_Doc):
 
     model_config = ConfigDict(extra="allow", strict=False, ser_json_inf_nan="null")
 
-    seq: OptInt = Field(None, ge=0, description="position in the replica's completions log (always sent)")
+    seq: OptInt = Field(
+        None, ge=0, description="position in the replica's completions log (always sent)"
+    )
     id: str
     tenant: str = "default"
     type: str = "default"
     arrival: Time = Field(description="when the API server got it")
-    received_at: OptFloat = Field(None, description="when the engine core got it (null: not recorded)")
+    received_at: OptFloat = Field(
+        None, description="when the engine core got it (null: not recorded)"
+    )
     scheduled_at: OptFloat = Field(None, description="first admission")
     first_token_at: OptFloat = None
     finished_at: Time
@@ -103,12 +112,19 @@ class Breaker(_Doc):
     """The plugin's circuit breaker: a policy that raised inside the engine's step was replaced by
     the last settings that ran (else vLLM's stock scheduler) instead of stopping the engine."""
 
-    trips_total: OptInt = Field(None, description="times a policy raised inside a step and was replaced")
-    last_error: OptStr = Field(None, description=f"the last failure, 'ExceptionType: message' "
-                                                 f"(at most {BREAKER_ERROR_CHARS} chars)")
+    trips_total: OptInt = Field(
+        None, description="times a policy raised inside a step and was replaced"
+    )
+    last_error: OptStr = Field(
+        None,
+        description=f"the last failure, 'ExceptionType: message' "
+        f"(at most {BREAKER_ERROR_CHARS} chars)",
+    )
     last_at: OptFloat = Field(None, description="when it last tripped (replica clock, s)")
     failed_version: OptInt = Field(None, description="the settings version that raised")
-    fallback_version: OptInt = Field(None, description="the version fallen back to (null: vLLM's stock order)")
+    fallback_version: OptInt = Field(
+        None, description="the version fallen back to (null: vLLM's stock order)"
+    )
 
 
 class State(_Doc):
@@ -116,12 +132,16 @@ class State(_Doc):
     page of completions since it."""
 
     replica: OptStr = None
-    instance: OptStr = Field(None, description="a fresh id per process start; the cursor counts in it")
+    instance: OptStr = Field(
+        None, description="a fresh id per process start; the cursor counts in it"
+    )
     time: OptFloat = Field(None, description="the replica's clock, seconds")
     policy: OptStr = None
     settings: dict[str, Any] | None = Field(None, description="the active settings document")
     settings_version: OptInt = None
-    pending_version: OptInt = Field(None, description="a staged document's version, until a step applies it")
+    pending_version: OptInt = Field(
+        None, description="a staged document's version, until a step applies it"
+    )
     waiting: OptInt = None
     running: OptInt = None
     waiting_by_tenant: dict[str, int] | None = None
@@ -129,19 +149,27 @@ class State(_Doc):
     kv: KvState | None = None
     gamma_live: OptFloat = None
     beta_live: OptFloat = None
-    live: dict[str, Any] | None = Field(None, description="the policy's adaptive state (γ, β, counters)")
+    live: dict[str, Any] | None = Field(
+        None, description="the policy's adaptive state (γ, β, counters)"
+    )
     preemptions_total: OptInt = None
     recomputed_tokens_total: OptInt = None
-    refused_total: OptInt = Field(None, description="requests refused on arrival (a tenant's queue cap)")
+    refused_total: OptInt = Field(
+        None, description="requests refused on arrival (a tenant's queue cap)"
+    )
     finished_total: OptInt = None
     steps_total: OptInt = None
     # Raw entries: a reader validates each as a Completion on its own, so one broken entry is
     # skipped (and counted) instead of losing the page.
-    completions: list[Any] = Field(description="Completion documents since the cursor, in seq order")
+    completions: list[Any] = Field(
+        description="Completion documents since the cursor, in seq order"
+    )
     next_cursor: int = Field(ge=0, description="the cursor for the next page")
     more: bool | None = Field(None, description="another page follows at next_cursor")
     speed: OptFloat = Field(None, description="twin replicas: clock speed")
-    breaker: Breaker | None = Field(None, description="the circuit breaker's counters (absent: never built)")
+    breaker: Breaker | None = Field(
+        None, description="the circuit breaker's counters (absent: never built)"
+    )
 
 
 class Step(_Doc):
@@ -170,7 +198,9 @@ class SettingsAnswer(_Doc):
     settings: dict[str, Any]
     version: int = Field(ge=0)
     replica: OptStr = None
-    restart_required: list[str] | None = Field(None, description="PUT only: engine fields that need a restart")
+    restart_required: list[str] | None = Field(
+        None, description="PUT only: engine fields that need a restart"
+    )
 
 
 class InflightRequest(_Doc):
@@ -205,8 +235,14 @@ class ErrorAnswer(_Doc):
 
 
 DOCUMENTS: dict[str, type[BaseModel]] = {
-    "state": State, "breaker": Breaker, "completion": Completion, "steps": StepsPage, "step": Step,
-    "settings": SettingsAnswer, "inflight": Inflight, "error": ErrorAnswer,
+    "state": State,
+    "breaker": Breaker,
+    "completion": Completion,
+    "steps": StepsPage,
+    "step": Step,
+    "settings": SettingsAnswer,
+    "inflight": Inflight,
+    "error": ErrorAnswer,
 }
 
 
@@ -223,5 +259,7 @@ def describe(err: ValidationError) -> str:
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of every control-API document, keyed by document name."""
-    return {"api_version": API_VERSION,
-            "documents": {name: model.model_json_schema() for name, model in DOCUMENTS.items()}}
+    return {
+        "api_version": API_VERSION,
+        "documents": {name: model.model_json_schema() for name, model in DOCUMENTS.items()},
+    }

@@ -13,15 +13,29 @@ Every error names the field it is about (``params.gamma``, ``engine.max_num_seqs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scheduler.validation import describe_validation
 
-POLICY_NAMES = ("fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq")
-PolicyName = Literal["fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq"]
+POLICY_NAMES = (
+    "fcfs",
+    "sarathi",
+    "sjf",
+    "srpt",
+    "las",
+    "distboost",
+    "uniboost",
+    "tie",
+    "vtc",
+    "slofq",
+)
+PolicyName = Literal[
+    "fcfs", "sarathi", "sjf", "srpt", "las", "distboost", "uniboost", "tie", "vtc", "slofq"
+]
 PredictorName = Literal["oracle", "history"]
 
 
@@ -30,7 +44,9 @@ PredictorName = Literal["oracle", "history"]
 # every float-to-int conversion in range, whatever the other parameters
 # (tests/test_settings_safety.py steps vLLM's scheduler and the simulator through each policy's
 # whole schema, extremes and sequences of switches included).
-MIN_DURATION_S = 1e-3  # finer than any engine step (~10 ms); a 5e-324 s interval ticks every step for ever
+MIN_DURATION_S = (
+    1e-3  # finer than any engine step (~10 ms); a 5e-324 s interval ticks every step for ever
+)
 MAX_DURATION_S = 86_400.0  # a day: longer spans mean "never"
 MIN_S_PER_TOKEN = 1e-9  # an A100 prefills a token in ~70 µs; 1 ns keeps score / cost below 1e17
 MAX_TOKENS = 10_000_000  # longer than any model's context; token margins beyond it mean "never"
@@ -45,8 +61,9 @@ MAX_SCORE_MARGIN = 1e12
 class _Strict(BaseModel):
     # strict: a string or a boolean is never taken for a number ("5", true); finite: NaN and
     # Infinity would reach /state, and JSON readers (PostgreSQL's jsonb among them) refuse them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, strict=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=True, strict=True, allow_inf_nan=False
+    )
 
 
 class NoParams(_Strict):
@@ -145,9 +162,11 @@ class UniBoostParams(PreemptiveParams):
     kv_victim: Literal["score", "newest"] = "newest"
 
     @model_validator(mode="after")
-    def _clamps_ordered(self) -> "UniBoostParams":
+    def _clamps_ordered(self) -> UniBoostParams:
         if self.gamma_min > self.gamma_max:
-            raise ValueError(f"gamma_min ({self.gamma_min}) must not exceed gamma_max ({self.gamma_max})")
+            raise ValueError(
+                f"gamma_min ({self.gamma_min}) must not exceed gamma_max ({self.gamma_max})"
+            )
         return self
 
 
@@ -161,9 +180,11 @@ class TieParams(PredictedParams):
     nu: float = Field(3.5, gt=1.0, le=1000.0)
 
     @model_validator(mode="after")
-    def _clamps_ordered(self) -> "TieParams":
+    def _clamps_ordered(self) -> TieParams:
         if self.beta_min > self.beta_max:
-            raise ValueError(f"beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})")
+            raise ValueError(
+                f"beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})"
+            )
         return self
 
 
@@ -177,7 +198,9 @@ class VtcParams(_Strict):
     def _positive_weights(cls, weights: dict[str, float]) -> dict[str, float]:
         for tenant, w in weights.items():
             if not MIN_SHARE <= w <= MAX_WEIGHT:
-                raise ValueError(f"weight of tenant {tenant!r} must be in [{MIN_SHARE:g}, {MAX_WEIGHT:g}], got {w}")
+                raise ValueError(
+                    f"weight of tenant {tenant!r} must be in [{MIN_SHARE:g}, {MAX_WEIGHT:g}], got {w}"
+                )
         return weights
 
 
@@ -193,7 +216,7 @@ class QuantileSlo(_Strict):
     p99: float | None = Field(None, ge=MIN_DURATION_S, le=MAX_DURATION_S)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "QuantileSlo":
+    def _ordered(self) -> QuantileSlo:
         given = [(q, getattr(self, q)) for q in QUANTILES if getattr(self, q) is not None]
         if not given:
             raise ValueError("give at least one of p50, p90, p99 (seconds)")
@@ -219,7 +242,7 @@ class TenantSlo(_Strict):
     queue_cap: int | None = Field(None, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
-    def _one_share(self) -> "TenantSlo":
+    def _one_share(self) -> TenantSlo:
         if self.weight is not None and self.commit_tok_s is not None:
             raise ValueError("give weight or commit_tok_s, not both")
         return self
@@ -241,7 +264,9 @@ DEFAULT_TENANT_SLO = {"ttft": {"p50": 1.0, "p90": 2.0, "p99": 4.0}}
 class SloFqParams(_Strict):
     # Tenants by name; any other tenant is ``default_tenant``.
     tenants: dict[str, TenantSlo] = Field(default_factory=dict, max_length=10_000)
-    default_tenant: TenantSlo = Field(default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO))
+    default_tenant: TenantSlo = Field(
+        default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO)
+    )
     # "multi": a request's deadline is its tenant's tightest TTFT target missed in the sliding
     # window (else P99); "p99": always the P99 target (the governor's single-quantile mode).
     quantiles: Literal["multi", "p99"] = "multi"
@@ -287,7 +312,9 @@ class SloFqParams(_Strict):
     def _fractions(cls, throttle: dict[str, float]) -> dict[str, float]:
         for tenant, f in throttle.items():
             if not MIN_SHARE <= f <= 1.0:
-                raise ValueError(f"throttle of tenant {tenant!r} must be in [{MIN_SHARE:g}, 1], got {f}")
+                raise ValueError(
+                    f"throttle of tenant {tenant!r} must be in [{MIN_SHARE:g}, 1], got {f}"
+                )
         return throttle
 
     def tenant(self, name: str) -> TenantSlo:
@@ -391,7 +418,9 @@ class Settings(BaseModel):
         for name in pinned:
             if name not in model.model_fields:
                 valid = ", ".join(model.model_fields) or "none"
-                raise ValueError(f"pinned: {name!r} is not a parameter of {policy} (valid: {valid})")
+                raise ValueError(
+                    f"pinned: {name!r} is not a parameter of {policy} (valid: {valid})"
+                )
         data["pinned"] = tuple(dict.fromkeys(pinned))
         return data
 
@@ -401,7 +430,7 @@ class Settings(BaseModel):
     def is_pinned(self, name: str) -> bool:
         return name in self.pinned
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         """A new validated document with top-level fields and/or params changed.
 
         ``params`` given here are merged into the current ones when the policy is unchanged.
@@ -453,8 +482,12 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return name, raw
 
 
-def settings_from_cli(policy: str, assignments: Sequence[str] = (), pinned: Sequence[str] = (),
-                      engine: dict[str, int] | None = None) -> Settings:
+def settings_from_cli(
+    policy: str,
+    assignments: Sequence[str] = (),
+    pinned: Sequence[str] = (),
+    engine: dict[str, int] | None = None,
+) -> Settings:
     """Build settings from CLI flags; engine.* names in assignments go to the engine block."""
     params: dict[str, Any] = {}
     eng: dict[str, Any] = dict(engine or {})
@@ -466,4 +499,6 @@ def settings_from_cli(policy: str, assignments: Sequence[str] = (), pinned: Sequ
             eng[name] = value
         else:
             params[name] = value
-    return Settings.model_validate({"policy": policy, "params": params, "pinned": list(pinned), "engine": eng})
+    return Settings.model_validate(
+        {"policy": policy, "params": params, "pinned": list(pinned), "engine": eng}
+    )

@@ -20,10 +20,14 @@ def field_path(loc: tuple, root: str = "document") -> str:
     return out or root
 
 
-def describe_validation(err: ValidationError, root: str = "document", first_only: bool = False) -> str:
+def describe_validation(
+    err: ValidationError, root: str = "document", first_only: bool = False
+) -> str:
     """``path: message`` for each invalid field (or only the first), joined by "; "."""
     errors = err.errors()[:1] if first_only else err.errors()
-    return "; ".join(f"{field_path(e['loc'], root)}: {e['msg'].replace('Value error, ', '')}" for e in errors)
+    return "; ".join(
+        f"{field_path(e['loc'], root)}: {e['msg'].replace('Value error, ', '')}" for e in errors
+    )
 
 
 def finite_or_none(value: Any) -> float | None:

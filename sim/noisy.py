@@ -20,10 +20,20 @@ from sim import traces as tr
 TENANTS = ("a", "b", "noisy")
 
 
-def noisy_neighbour(*, capacity_req_s: float, share: float = 0.2, burst: float = 10.0, duration_s: float = 240.0,
-                    burst_from_s: float = 60.0, burst_s: float = 60.0, seed: int = 3,
-                    ttft: dict[str, float] | None = None, prompt_scale: float = 1.0,
-                    output_scale: float = 1.0, batch_fraction: float = 0.1) -> tuple[tr.Trace, dict[str, Any]]:
+def noisy_neighbour(
+    *,
+    capacity_req_s: float,
+    share: float = 0.2,
+    burst: float = 10.0,
+    duration_s: float = 240.0,
+    burst_from_s: float = 60.0,
+    burst_s: float = 60.0,
+    seed: int = 3,
+    ttft: dict[str, float] | None = None,
+    prompt_scale: float = 1.0,
+    output_scale: float = 1.0,
+    batch_fraction: float = 0.1,
+) -> tuple[tr.Trace, dict[str, Any]]:
     """(trace, slofq params) of the scenario (module docstring)."""
     rng = random.Random(seed)
     pool = [(r.prompt_tokens, r.output_tokens) for r in tr.load_bundled()]
@@ -45,9 +55,17 @@ def noisy_neighbour(*, capacity_req_s: float, share: float = 0.2, burst: float =
         p, o = max(1, int(p * prompt_scale)), max(1, int(o * output_scale))
         mean_tokens += p + o
         rtype = "batch" if rng.random() < batch_fraction else "chat"
-        requests.append(tr.TraceRequest(id=f"{tenant}-{i:05d}", arrival=round(t, 6), prompt_tokens=p,
-                                        output_tokens=o, max_tokens=tr.DEFAULT_MAX_TOKENS, tenant=tenant,
-                                        type=rtype))
+        requests.append(
+            tr.TraceRequest(
+                id=f"{tenant}-{i:05d}",
+                arrival=round(t, 6),
+                prompt_tokens=p,
+                output_tokens=o,
+                max_tokens=tr.DEFAULT_MAX_TOKENS,
+                tenant=tenant,
+                type=rtype,
+            )
+        )
     mean_tokens /= max(1, len(requests))
     commit = rate * mean_tokens  # each tenant's base rate in tokens/s
     slo = ttft or {"p50": 0.5, "p90": 1.0, "p99": 2.0}
@@ -55,15 +73,39 @@ def noisy_neighbour(*, capacity_req_s: float, share: float = 0.2, burst: float =
     return tr.Trace("noisy-neighbour", tuple(requests)), params
 
 
-def capacity(config, settings, *, n: int = 2000, seed: int = 3, prompt_scale: float = 1.0,
-             output_scale: float = 1.0) -> float:
+def capacity(
+    config,
+    settings,
+    *,
+    n: int = 2000,
+    seed: int = 3,
+    prompt_scale: float = 1.0,
+    output_scale: float = 1.0,
+) -> float:
     """Completions per second of about ``n`` requests of the scenario's lengths sent at once."""
     from sim.engine import simulate
 
-    trace, _ = noisy_neighbour(capacity_req_s=n / 30.0, seed=seed, duration_s=10.0, share=1.0, burst=1.0,
-                               prompt_scale=prompt_scale, output_scale=output_scale)
-    burst = tr.Trace("burst", tuple(tr.TraceRequest(id=r.id, arrival=0.0, prompt_tokens=r.prompt_tokens,
-                                                    output_tokens=r.output_tokens, max_tokens=r.max_tokens)
-                                    for r in trace.requests))
+    trace, _ = noisy_neighbour(
+        capacity_req_s=n / 30.0,
+        seed=seed,
+        duration_s=10.0,
+        share=1.0,
+        burst=1.0,
+        prompt_scale=prompt_scale,
+        output_scale=output_scale,
+    )
+    burst = tr.Trace(
+        "burst",
+        tuple(
+            tr.TraceRequest(
+                id=r.id,
+                arrival=0.0,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=r.output_tokens,
+                max_tokens=r.max_tokens,
+            )
+            for r in trace.requests
+        ),
+    )
     res = simulate(burst, settings, config)
     return len(burst) / max(c.finished_at for c in res.completions)

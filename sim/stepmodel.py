@@ -21,33 +21,33 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 from urllib.parse import quote, unquote
 
 import numpy as np
 
 __all__ = [
-    "StepTimeModel",
-    "StepFitError",
     "COEFFICIENTS",
-    "COEF_MEANING",
     "COEFFICIENT_SETS",
+    "COEF_MEANING",
     "DEFAULT_MODEL_NAME",
-    "VLLM_ENGINE_DEFAULTS",
-    "engine_defaults",
     "MIN_FIT_ROWS",
+    "USER_DIR_ENV",
+    "VLLM_ENGINE_DEFAULTS",
+    "StepFitError",
+    "StepTimeModel",
+    "engine_defaults",
+    "fit_step_model",
     "get_model",
+    "list_models",
+    "load_model",
     "register",
     "save_model",
-    "load_model",
-    "fit_step_model",
-    "USER_DIR_ENV",
-    "user_models_dir",
-    "user_model_path",
     "save_user_model",
-    "list_models",
+    "user_model_path",
+    "user_models_dir",
 ]
 
 #: Coefficient field names, in the order of the model's terms.
@@ -89,32 +89,52 @@ class StepTimeModel:
                 raise TypeError(f"StepTimeModel.{key} must be a number, got {raw!r}")
             value = float(raw)
             if not math.isfinite(value) or value < 0.0:
-                raise ValueError(f"StepTimeModel.{key} ({COEF_MEANING[key]}) must be finite and "
-                                 f">= 0, got {raw!r}")
+                raise ValueError(
+                    f"StepTimeModel.{key} ({COEF_MEANING[key]}) must be finite and "
+                    f">= 0, got {raw!r}"
+                )
             object.__setattr__(self, key, value)  # store plain floats (fast inner-loop arithmetic)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("StepTimeModel.name must be a non-empty string")
         if not isinstance(self.source, str):
             raise TypeError("StepTimeModel.source must be a string")
 
-    def step_time(self, prefill_tokens: float, sum_prefill_sq: float, decode_seqs: float,
-                  sum_kv_context: float) -> float:
+    def step_time(
+        self,
+        prefill_tokens: float,
+        sum_prefill_sq: float,
+        decode_seqs: float,
+        sum_kv_context: float,
+    ) -> float:
         """Duration of one engine step in seconds (plain float arithmetic, no checks)."""
-        return (self.a + self.b * prefill_tokens + self.c * sum_prefill_sq
-                + self.d * decode_seqs + self.e * sum_kv_context)
+        return (
+            self.a
+            + self.b * prefill_tokens
+            + self.c * sum_prefill_sq
+            + self.d * decode_seqs
+            + self.e * sum_kv_context
+        )
 
-    def batch_time(self, prefill_chunk_lens: Sequence[int] = (),
-                   decode_kv_contexts: Sequence[int] = ()) -> float:
+    def batch_time(
+        self, prefill_chunk_lens: Sequence[int] = (), decode_kv_contexts: Sequence[int] = ()
+    ) -> float:
         """Convenience: step time from the chunk lengths and the decoders' KV context lengths."""
-        return self.step_time(sum(prefill_chunk_lens), sum(l * l for l in prefill_chunk_lens),
-                              len(decode_kv_contexts), sum(decode_kv_contexts))
+        return self.step_time(
+            sum(prefill_chunk_lens),
+            sum(l * l for l in prefill_chunk_lens),
+            len(decode_kv_contexts),
+            sum(decode_kv_contexts),
+        )
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "source": self.source,
-                **{key: getattr(self, key) for key in COEFFICIENTS}}
+        return {
+            "name": self.name,
+            "source": self.source,
+            **{key: getattr(self, key) for key in COEFFICIENTS},
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "StepTimeModel":
+    def from_dict(cls, data: dict) -> StepTimeModel:
         if not isinstance(data, dict):
             raise TypeError(f"expected a dict, got {type(data).__name__}")
         missing = [key for key in COEFFICIENTS if key not in data]
@@ -123,8 +143,11 @@ class StepTimeModel:
         unknown = sorted(set(data) - set(COEFFICIENTS) - {"name", "source"})
         if unknown:
             raise ValueError(f"step-time model has unknown key(s) {', '.join(unknown)}")
-        return cls(**{key: data[key] for key in COEFFICIENTS},
-                   name=data.get("name", "custom"), source=data.get("source", "user-supplied"))
+        return cls(
+            **{key: data[key] for key in COEFFICIENTS},
+            name=data.get("name", "custom"),
+            source=data.get("source", "user-supplied"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +167,9 @@ H100_MFU_DECODE = 0.30  # BLIS
 # Llama-3-8B shape.
 LLAMA3_8B_LAYERS = 32
 LLAMA3_8B_HIDDEN = 4096
-LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # (K,V) × layers × KV heads × head dim × bf16 = 128 KiB
+LLAMA3_8B_KV_BYTES_PER_TOKEN = (
+    2 * 32 * 8 * 128 * 2
+)  # (K,V) × layers × KV heads × head dim × bf16 = 128 KiB
 LLAMA3_8B_WEIGHT_BYTES = 16.06e9  # ≈ 8.03 B parameters × 2 bytes (bf16), the notes' "≈ 16 GB"
 
 # DistServe analytic fit, OPT-13B on A100-80G, vLLM backend (decode, batch < 95), in seconds.
@@ -157,12 +182,18 @@ OPT13B_WEIGHT_BYTES = 12.85e9 * 2  # ≈ 12.85 B parameters × 2 bytes = 25.7 GB
 # Achieved HBM fraction: DistServe's measured 4.94e-4 ms per context token against the roofline
 # 819,200 B / 2.039 TB/s = 4.018e-4 ms  →  4.018 / 4.94 = 0.813 of peak bandwidth achieved while
 # streaming KV (and weights) in decode.  Reused for weights (a) and KV (e), and for H100.
-ACHIEVED_HBM_FRACTION = (OPT13B_KV_BYTES_PER_TOKEN / A100_HBM_BYTES_PER_S) / DISTSERVE_DECODE_PER_CTX_TOKEN_S
+ACHIEVED_HBM_FRACTION = (
+    OPT13B_KV_BYTES_PER_TOKEN / A100_HBM_BYTES_PER_S
+) / DISTSERVE_DECODE_PER_CTX_TOKEN_S
 
 # Cross-checks of a and d: DistServe's OPT-13B decode intercept and per-sequence slope scaled by
 # the weight size ratio 16.06 / 25.7 GB (= parameter ratio 8.03 / 12.85 B).
-DISTSERVE_SCALED_INTERCEPT_S = DISTSERVE_DECODE_INTERCEPT_S * LLAMA3_8B_WEIGHT_BYTES / OPT13B_WEIGHT_BYTES  # 12.2 ms
-DISTSERVE_SCALED_PER_SEQ_S = DISTSERVE_DECODE_PER_SEQ_S * LLAMA3_8B_WEIGHT_BYTES / OPT13B_WEIGHT_BYTES  # 3.16e-5 s
+DISTSERVE_SCALED_INTERCEPT_S = (
+    DISTSERVE_DECODE_INTERCEPT_S * LLAMA3_8B_WEIGHT_BYTES / OPT13B_WEIGHT_BYTES
+)  # 12.2 ms
+DISTSERVE_SCALED_PER_SEQ_S = (
+    DISTSERVE_DECODE_PER_SEQ_S * LLAMA3_8B_WEIGHT_BYTES / OPT13B_WEIGHT_BYTES
+)  # 3.16e-5 s
 
 
 def _causal_attention_flops_per_len_sq(hidden: int, layers: int) -> float:
@@ -188,8 +219,9 @@ _A100_D_LM_HEAD = 2.01e-6  # LM head (128256×4096 = 525.3 M params = 2.409 × t
 
 _A100_A = LLAMA3_8B_WEIGHT_BYTES / (ACHIEVED_HBM_FRACTION * A100_HBM_BYTES_PER_S)
 _A100_B = _A100_B_PROFILE
-_A100_C = (_causal_attention_flops_per_len_sq(LLAMA3_8B_HIDDEN, LLAMA3_8B_LAYERS)
-           / (A100_MFU_PREFILL * A100_PEAK_BF16_FLOPS))
+_A100_C = _causal_attention_flops_per_len_sq(LLAMA3_8B_HIDDEN, LLAMA3_8B_LAYERS) / (
+    A100_MFU_PREFILL * A100_PEAK_BF16_FLOPS
+)
 _A100_D = _A100_D_PROFILE_LAYERS + _A100_D_LM_HEAD
 _A100_E = LLAMA3_8B_KV_BYTES_PER_TOKEN / (ACHIEVED_HBM_FRACTION * A100_HBM_BYTES_PER_S)
 
@@ -214,8 +246,10 @@ A100_LLAMA3_8B_TP1 = StepTimeModel(
     #     DistServe's 4.94e-4 ms/token × 131,072 / 819,200 B).
     e=_A100_E,
     name="a100-80gb/llama-3-8b/tp1",
-    source=("derived: vidur A100 profile (b, d), attention FLOPs at MFU 0.38 (c), weights/KV at "
-            "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); sim/stepmodel.py facts"),
+    source=(
+        "derived: vidur A100 profile (b, d), attention FLOPs at MFU 0.38 (c), weights/KV at "
+        "0.813 of 2.039 TB/s from the DistServe OPT-13B fit (a, e); sim/stepmodel.py facts"
+    ),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +258,12 @@ A100_LLAMA3_8B_TP1 = StepTimeModel(
 
 # Compute terms scale with the achieved FLOP/s (peak × the notes' BLIS MFU), memory terms with
 # the HBM bandwidth at the same achieved fraction 0.813 (no H100 measurement to refine it).
-_H100_PREFILL_SPEEDUP = (H100_MFU_PREFILL * H100_PEAK_BF16_FLOPS) / (A100_MFU_PREFILL * A100_PEAK_BF16_FLOPS)  # 3.756
-_H100_DECODE_SPEEDUP = (H100_MFU_DECODE * H100_PEAK_BF16_FLOPS) / (A100_MFU_DECODE * A100_PEAK_BF16_FLOPS)  # 5.286
+_H100_PREFILL_SPEEDUP = (H100_MFU_PREFILL * H100_PEAK_BF16_FLOPS) / (
+    A100_MFU_PREFILL * A100_PEAK_BF16_FLOPS
+)  # 3.756
+_H100_DECODE_SPEEDUP = (H100_MFU_DECODE * H100_PEAK_BF16_FLOPS) / (
+    A100_MFU_DECODE * A100_PEAK_BF16_FLOPS
+)  # 5.286
 
 H100_LLAMA3_8B_TP1 = StepTimeModel(
     # a = 16.06 GB of weights at 0.813 × 3.35 TB/s → 5.89 ms.
@@ -233,15 +271,19 @@ H100_LLAMA3_8B_TP1 = StepTimeModel(
     # b = A100 profile slope / (0.45 × 989.5 TFLOP/s ÷ 0.38 × 312 TFLOP/s = 3.756) → 1.773e-5 s/token.
     b=_A100_B / _H100_PREFILL_SPEEDUP,
     # c = 262,144 FLOP per l² at 0.45 × 989.5 TFLOP/s → 5.887e-10 s/token².
-    c=(_causal_attention_flops_per_len_sq(LLAMA3_8B_HIDDEN, LLAMA3_8B_LAYERS)
-       / (H100_MFU_PREFILL * H100_PEAK_BF16_FLOPS)),
+    c=(
+        _causal_attention_flops_per_len_sq(LLAMA3_8B_HIDDEN, LLAMA3_8B_LAYERS)
+        / (H100_MFU_PREFILL * H100_PEAK_BF16_FLOPS)
+    ),
     # d = A100 per-sequence cost / (0.30 × 989.5 ÷ 0.18 × 312 = 5.286) → 5.88e-6 s/seq.
     d=_A100_D / _H100_DECODE_SPEEDUP,
     # e = 128 KiB of KV per context token at 0.813 × 3.35 TB/s → 4.81e-8 s/token.
     e=LLAMA3_8B_KV_BYTES_PER_TOKEN / (ACHIEVED_HBM_FRACTION * H100_HBM_BYTES_PER_S),
     name="h100-sxm/llama-3-8b/tp1",
-    source=("roofline-scaled from the A100 set with the notes' H100 numbers (989.5 TFLOP/s, "
-            "3.35 TB/s, MFU 0.45/0.30); NOT measured - calibrate on a live replica"),
+    source=(
+        "roofline-scaled from the A100 set with the notes' H100 numbers (989.5 TFLOP/s, "
+        "3.35 TB/s, MFU 0.45/0.30); NOT measured - calibrate on a live replica"
+    ),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +303,11 @@ COEFFICIENT_SETS: dict[str, StepTimeModel] = {
 # 70 GiB get 256/2,048; H100/H200 (≥ 70 GiB, not an A100) 1,024/8,192; ≥ 160 GiB (B200)
 # 1,024/16,384; the CPU build 128/2,048.
 VLLM_ENGINE_DEFAULTS: dict[str, tuple[int, int]] = {
-    "a100": (256, 2048), "h100": (1024, 8192), "h200": (1024, 8192), "b200": (1024, 16384), "cpu": (128, 2048),
+    "a100": (256, 2048),
+    "h100": (1024, 8192),
+    "h200": (1024, 8192),
+    "b200": (1024, 16384),
+    "cpu": (128, 2048),
 }
 
 
@@ -307,8 +353,10 @@ def register(model: StepTimeModel, *, overwrite: bool = False) -> StepTimeModel:
         raise TypeError(f"expected a StepTimeModel, got {type(model).__name__}")
     existing = COEFFICIENT_SETS.get(model.name)
     if existing is not None and existing != model and not overwrite:
-        raise ValueError(f"a different step-time model is already registered as {model.name!r}; "
-                         "pass overwrite=True to replace it")
+        raise ValueError(
+            f"a different step-time model is already registered as {model.name!r}; "
+            "pass overwrite=True to replace it"
+        )
     COEFFICIENT_SETS[model.name] = model
     return model
 
@@ -332,7 +380,10 @@ def load_model(path: str | os.PathLike) -> StepTimeModel:
             doc = json.load(fh)
     except OSError as err:
         raise ValueError(f"{os.fspath(path)}: cannot read: {err.strerror or err}") from None
-    except (ValueError, RecursionError) as err:  # not JSON (nor UTF-8), or nested past the recursion limit
+    except (
+        ValueError,
+        RecursionError,
+    ) as err:  # not JSON (nor UTF-8), or nested past the recursion limit
         reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
         raise ValueError(f"{os.fspath(path)}: not JSON: {reason}") from None
     if not isinstance(doc, dict):
@@ -357,7 +408,9 @@ def user_models_dir() -> Path:
     so a changed ``$TAILPILOT_HOME`` takes effect at once)."""
     home = os.environ.get(USER_DIR_ENV)
     if not home:
-        data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        data = os.environ.get("XDG_DATA_HOME") or os.path.join(
+            os.path.expanduser("~"), ".local", "share"
+        )
         home = os.path.join(data, "tailpilot")
     return Path(home).expanduser() / "step-models"
 
@@ -423,9 +476,15 @@ class StepFitError(ValueError):
     """The step log cannot determine the coefficients (too few rows, bad values, collinearity)."""
 
 
-def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
-                   default: StepTimeModel | None = None, relative: bool = True,
-                   strict: bool = False) -> tuple[StepTimeModel, dict]:
+def fit_step_model(
+    rows: Iterable[Sequence[float]],
+    name: str,
+    source: str,
+    *,
+    default: StepTimeModel | None = None,
+    relative: bool = True,
+    strict: bool = False,
+) -> tuple[StepTimeModel, dict]:
     """Fit the five coefficients to observed steps by non-negative least squares.
 
     ``rows``: (duration_s, prefill_tokens, sum_prefill_sq, decode_seqs, sum_kv_context) per step.
@@ -452,13 +511,17 @@ def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
     if n < MIN_FIT_ROWS:
         raise StepFitError(f"need at least {MIN_FIT_ROWS} steps to fit the 5 coefficients, got {n}")
     if data.ndim != 2 or data.shape[1] != 5:
-        raise StepFitError("each step row must be (duration_s, prefill_tokens, sum_prefill_sq, "
-                           f"decode_seqs, sum_kv_context); got rows of shape {data.shape[1:]}")
+        raise StepFitError(
+            "each step row must be (duration_s, prefill_tokens, sum_prefill_sq, "
+            f"decode_seqs, sum_kv_context); got rows of shape {data.shape[1:]}"
+        )
     bad = ~np.isfinite(data).all(axis=1) | (data < 0).any(axis=1) | (data[:, 0] <= 0)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
-        raise StepFitError(f"{int(bad.sum())} step row(s) have a non-finite or negative value or a "
-                           f"duration <= 0 (first: row {first}: {data[first].tolist()})")
+        raise StepFitError(
+            f"{int(bad.sum())} step row(s) have a non-finite or negative value or a "
+            f"duration <= 0 (first: row {first}: {data[first].tolist()})"
+        )
 
     y = data[:, 0]
     design = np.column_stack([np.ones(n), data[:, 1:]])
@@ -468,9 +531,11 @@ def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
     for j, key in enumerate(COEFFICIENTS[1:], start=1):
         if not np.any(design[:, j] > 0):
             kept = getattr(default, key) if default is not None else 0.0
-            undetermined[key] = (f"{key} ({COEF_MEANING[key]}) cannot be determined: no step in the "
-                                 f"log has {_COLUMN_WHAT[key]}; kept at "
-                                 f"{'the default' if default is not None else '0'} ({kept:.4g})")
+            undetermined[key] = (
+                f"{key} ({COEF_MEANING[key]}) cannot be determined: no step in the "
+                f"log has {_COLUMN_WHAT[key]}; kept at "
+                f"{'the default' if default is not None else '0'} ({kept:.4g})"
+            )
             fixed_values[key] = kept
     if undetermined and strict:
         raise StepFitError("; ".join(undetermined.values()))
@@ -489,12 +554,15 @@ def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
     rank = int(np.sum(sing > tol))
     if rank < len(free):
         null = vt[rank:]
-        involved = [COEFFICIENTS[free[i]] for i in range(len(free)) if np.any(np.abs(null[:, i]) > 1e-6)]
+        involved = [
+            COEFFICIENTS[free[i]] for i in range(len(free)) if np.any(np.abs(null[:, i]) > 1e-6)
+        ]
         raise StepFitError(
             f"coefficients {', '.join(involved)} cannot be separated: their columns are linearly "
             f"dependent in this step log (rank {rank} of {len(free)}; e.g. every prefill chunk has "
             "the same length or every decode batch the same size/context). Record steps with "
-            "more varied batches.")
+            "more varied batches."
+        )
 
     sol, _ = nnls(matrix, target * weights)
     coef = dict(fixed_values)
@@ -505,7 +573,7 @@ def fit_step_model(rows: Iterable[Sequence[float]], name: str, source: str, *,
     model = StepTimeModel(**{k: coef[k] for k in COEFFICIENTS}, name=name, source=source)
     pred = design @ np.array([coef[k] for k in COEFFICIENTS])
     resid = pred - y
-    ss_res = float(np.sum(resid ** 2))
+    ss_res = float(np.sum(resid**2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     report = {
         "n": n,

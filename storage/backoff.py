@@ -6,10 +6,12 @@ Imports nothing beyond the standard library.
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 
-def backoff_delays(first_s: float, cap_s: float, rng: random.Random | None = None) -> Iterator[float]:
+def backoff_delays(
+    first_s: float, cap_s: float, rng: random.Random | None = None
+) -> Iterator[float]:
     """Sleeps before each retry: ``first_s``, doubling up to ``cap_s``, each drawn in [½, 1] of the
     current step — jitter, so writers that collided do not retry in step."""
     uniform = (rng or random).uniform

@@ -17,7 +17,13 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from storage.rows import PERCENTILE_FIELDS, CompletionRow, GroupSampleRow, LatencyPercentiles, SampleRow
+from storage.rows import (
+    PERCENTILE_FIELDS,
+    CompletionRow,
+    GroupSampleRow,
+    LatencyPercentiles,
+    SampleRow,
+)
 
 # Plain (non-latency) SampleRow fields, in column order; the latency fields are PERCENTILE_FIELDS.
 SAMPLE_FIELDS: tuple[str, ...] = (

@@ -183,8 +183,10 @@ class Database:
                     self._raise_if_damaged(exc)
                     failure = _write_failure(exc)
                     error = StoreFull if failure == _FULL else StoreWriteError
-                    raise error(f"cannot write to {_where(self.engine.url)}: {failure}; nothing of this "
-                                "write was stored (what was stored before is intact)") from None
+                    raise error(
+                        f"cannot write to {_where(self.engine.url)}: {failure}; nothing of this "
+                        "write was stored (what was stored before is intact)"
+                    ) from None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreBusy(
@@ -194,8 +196,10 @@ class Database:
                 self.busy_retries += 1
                 time.sleep(min(left, next(delays)))
             except (OverflowError, UnicodeEncodeError) as exc:  # the driver could not bind a value
-                raise StoreWriteError(f"cannot write to {_where(self.engine.url)}: a value no column can hold "
-                                      f"({type(exc).__name__}); nothing of this write was stored") from None
+                raise StoreWriteError(
+                    f"cannot write to {_where(self.engine.url)}: a value no column can hold "
+                    f"({type(exc).__name__}); nothing of this write was stored"
+                ) from None
 
     def _raise_if_damaged(self, exc: DBAPIError) -> None:
         """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is damaged."""

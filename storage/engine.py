@@ -98,7 +98,10 @@ def make_engine(url: URL, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> 
         # pre_ping: a shared server restarts now and then; a stale pooled connection should not
         # turn into a failed collector flush.
         return create_engine(url, pool_pre_ping=True, json_serializer=strict_json.dumps)
-    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}, "json_serializer": strict_json.dumps}
+    kwargs: dict[str, Any] = {
+        "connect_args": {"check_same_thread": False},
+        "json_serializer": strict_json.dumps,
+    }
     if url.database in (None, "", ":memory:"):
         kwargs["poolclass"] = StaticPool  # one shared in-memory database, not one per connection
     engine = create_engine(url, **kwargs)
@@ -106,7 +109,9 @@ def make_engine(url: URL, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> 
     return engine
 
 
-def sqlite_pragmas(dbapi_conn: Any, *, busy_timeout_ms: int | None = None, foreign_keys: bool = False) -> None:
+def sqlite_pragmas(
+    dbapi_conn: Any, *, busy_timeout_ms: int | None = None, foreign_keys: bool = False
+) -> None:
     """WAL with synchronous=NORMAL (a commit without an fsync: readers never block the writer),
     and optionally a busy timeout and foreign keys, on a new DB-API SQLite connection. tailpilot's
     store and the tuner's Optuna storage both open their connections through this."""

@@ -32,19 +32,39 @@ class GovernanceRepository:
 
     # ------------------------------------------------------------------ governance windows and alerts
 
-    def windows(self, cluster: str, *, since_ms: int | None = None, until_ms: int | None = None,
-                limit: int | None = None) -> list[dict[str, Any]]:
+    def windows(
+        self,
+        cluster: str,
+        *,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
         """Stored governance windows of ``cluster`` (``since_ms <= t_ms < until_ms``), newest
         first: dicts with t_ms and summary."""
-        stmt = select(GovernanceWindow.t_ms, GovernanceWindow.summary).where(GovernanceWindow.cluster == cluster)
+        stmt = select(GovernanceWindow.t_ms, GovernanceWindow.summary).where(
+            GovernanceWindow.cluster == cluster
+        )
         return self._newest_first(stmt, GovernanceWindow, since_ms, until_ms, limit)
 
-    def alert_events(self, cluster: str, *, since_ms: int | None = None, until_ms: int | None = None,
-                     limit: int | None = None, name: str | None = None) -> list[dict[str, Any]]:
+    def alert_events(
+        self,
+        cluster: str,
+        *,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        limit: int | None = None,
+        name: str | None = None,
+    ) -> list[dict[str, Any]]:
         """Alert transitions of ``cluster`` (of alert ``name``; ``since_ms <= t_ms < until_ms``),
         newest first: dicts with t_ms, name, severity, state and summary."""
-        stmt = (select(AlertEvent.t_ms, AlertEvent.name, AlertEvent.severity, AlertEvent.state, AlertEvent.summary)
-                .where(AlertEvent.cluster == cluster))
+        stmt = select(
+            AlertEvent.t_ms,
+            AlertEvent.name,
+            AlertEvent.severity,
+            AlertEvent.state,
+            AlertEvent.summary,
+        ).where(AlertEvent.cluster == cluster)
         if name is not None:
             stmt = stmt.where(AlertEvent.name == name)
         return self._newest_first(stmt, AlertEvent, since_ms, until_ms, limit)
@@ -54,15 +74,26 @@ class GovernanceRepository:
         before it, where that is "firing"."""
         until = None if at_ms is None else at_ms + 1
         with self.database.read() as conn:
-            names = conn.execute(select(AlertEvent.name).where(AlertEvent.cluster == cluster).distinct()).scalars().all()
-        newest = [self.alert_events(cluster, until_ms=until, limit=1, name=n) for n in sorted(names)]
+            names = (
+                conn.execute(
+                    select(AlertEvent.name).where(AlertEvent.cluster == cluster).distinct()
+                )
+                .scalars()
+                .all()
+            )
+        newest = [
+            self.alert_events(cluster, until_ms=until, limit=1, name=n) for n in sorted(names)
+        ]
         return [e[0] for e in newest if e and e[0]["state"] == "firing"]
 
-    def _newest_first(self, stmt: Any, model: Any, since_ms: int | None, until_ms: int | None,
-                      limit: int | None) -> list[dict[str, Any]]:
+    def _newest_first(
+        self, stmt: Any, model: Any, since_ms: int | None, until_ms: int | None, limit: int | None
+    ) -> list[dict[str, Any]]:
         """The rows of ``stmt`` on a cluster-level table (t_ms, id) in ``[since_ms, until_ms)``,
         newest first, at most ``limit``, as dicts."""
-        stmt = in_range(stmt, model.t_ms, since_ms, until_ms).order_by(model.t_ms.desc(), model.id.desc())
+        stmt = in_range(stmt, model.t_ms, since_ms, until_ms).order_by(
+            model.t_ms.desc(), model.id.desc()
+        )
         if limit is not None:
             stmt = stmt.limit(limit)
         with self.database.read() as conn:
@@ -75,26 +106,56 @@ class GovernanceRepository:
         default (dry-run, not paused) when none was written."""
         return self._control_row(GovernorControl, cluster)
 
-    def set_governor_control(self, cluster: str, *, state: str | None = None, paused: bool | None = None,
-                             status: dict[str, Any] | None = None, who: str | None = None,
-                             t_ms: int | None = None) -> dict[str, Any]:
+    def set_governor_control(
+        self,
+        cluster: str,
+        *,
+        state: str | None = None,
+        paused: bool | None = None,
+        status: dict[str, Any] | None = None,
+        who: str | None = None,
+        t_ms: int | None = None,
+    ) -> dict[str, Any]:
         """Change the governor's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
         status (what is not given is kept); returns the row."""
-        return self._set_control_row(GovernorControl, "governor", cluster, state=state, paused=paused,
-                                     status=status, who=who, t_ms=t_ms)
+        return self._set_control_row(
+            GovernorControl,
+            "governor",
+            cluster,
+            state=state,
+            paused=paused,
+            status=status,
+            who=who,
+            t_ms=t_ms,
+        )
 
     def autopilot_control(self, cluster: str) -> dict[str, Any]:
         """The cluster's autopilot control row, shaped as the governor's (state, paused, who,
         updated_ms, status: the autopilot's own report per replica); dry-run by default."""
         return self._control_row(AutopilotControl, cluster)
 
-    def set_autopilot_control(self, cluster: str, *, state: str | None = None, paused: bool | None = None,
-                              status: dict[str, Any] | None = None, who: str | None = None,
-                              t_ms: int | None = None) -> dict[str, Any]:
+    def set_autopilot_control(
+        self,
+        cluster: str,
+        *,
+        state: str | None = None,
+        paused: bool | None = None,
+        status: dict[str, Any] | None = None,
+        who: str | None = None,
+        t_ms: int | None = None,
+    ) -> dict[str, Any]:
         """Change the autopilot's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
         status (what is not given is kept); returns the row."""
-        return self._set_control_row(AutopilotControl, "autopilot", cluster, state=state, paused=paused,
-                                     status=status, who=who, t_ms=t_ms)
+        return self._set_control_row(
+            AutopilotControl,
+            "autopilot",
+            cluster,
+            state=state,
+            paused=paused,
+            status=status,
+            who=who,
+            t_ms=t_ms,
+        )
 
     def _control_row(self, model: ControlModel, cluster: str) -> dict[str, Any]:
         stmt = select(model.__table__).where(model.cluster == cluster)
@@ -104,9 +165,18 @@ class GovernanceRepository:
             return {"cluster": cluster, **self.CONTROL_DEFAULT}
         return dict(row._mapping)
 
-    def _set_control_row(self, model: ControlModel, what: str, cluster: str, *, state: str | None,
-                         paused: bool | None, status: dict[str, Any] | None, who: str | None,
-                         t_ms: int | None) -> dict[str, Any]:
+    def _set_control_row(
+        self,
+        model: ControlModel,
+        what: str,
+        cluster: str,
+        *,
+        state: str | None,
+        paused: bool | None,
+        status: dict[str, Any] | None,
+        who: str | None,
+        t_ms: int | None,
+    ) -> dict[str, Any]:
         if state is not None and state not in self.CONTROL_STATES:
             raise ValueError(f"{what} state must be armed, dry-run or disarmed, got {state!r}")
         now = self.database.now_ms() if t_ms is None else t_ms

@@ -51,9 +51,19 @@ OUT_OF_RANGE = "out_of_range"  # an integer beyond its column's range
 INVALID_TEXT = "invalid_text"  # not valid Unicode (a lone surrogate) or holding a NUL
 TOO_LONG = "too_long"  # text longer than its column
 NON_FINITE = "non_finite"  # NaN or ±Infinity, read as null
-LONG_NAME = "long_name"  # a tenant or type name past MAX_GROUP_NAME_CHARS, counted under OTHER_GROUP
+LONG_NAME = (
+    "long_name"  # a tenant or type name past MAX_GROUP_NAME_CHARS, counted under OTHER_GROUP
+)
 DUPLICATE_ID = "duplicate_id"  # a completion repeating a request id already read
-REASONS: tuple[str, ...] = (MALFORMED, OUT_OF_RANGE, INVALID_TEXT, TOO_LONG, NON_FINITE, LONG_NAME, DUPLICATE_ID)
+REASONS: tuple[str, ...] = (
+    MALFORMED,
+    OUT_OF_RANGE,
+    INVALID_TEXT,
+    TOO_LONG,
+    NON_FINITE,
+    LONG_NAME,
+    DUPLICATE_ID,
+)
 
 INT32_RANGE = (-(2**31), 2**31 - 1)  # Integer columns (PostgreSQL INTEGER)
 INT64_RANGE = (-(2**63), 2**63 - 1)  # BigInteger columns (PostgreSQL BIGINT, SQLite INTEGER)
@@ -69,8 +79,21 @@ INSTANCE_CHARS = 64  # collector_cursors.instance, settings_seen.instance: a uui
 
 # The integer columns a replica's values go to, by range (test_storage checks them against the models).
 INT32_COLUMNS: dict[str, tuple[str, ...]] = {
-    "completions": ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "max_tokens"),
-    "samples": ("settings_version", "waiting", "running", "kv_used_blocks", "kv_total_blocks", "breaker_trips"),
+    "completions": (
+        "prompt_tokens",
+        "output_tokens",
+        "preemptions",
+        "recomputed_tokens",
+        "max_tokens",
+    ),
+    "samples": (
+        "settings_version",
+        "waiting",
+        "running",
+        "kv_used_blocks",
+        "kv_total_blocks",
+        "breaker_trips",
+    ),
     "settings_seen": ("version",),
     "settings_changes": ("version",),
 }
@@ -157,7 +180,9 @@ def fit_completion(row: CompletionRow) -> tuple[CompletionRow | None, list[str]]
     :data:`OTHER_GROUP` (the request still counts); a cap out of range or a non-finite optional
     time is nulled."""
     reasons: list[str] = []
-    problem = text_problem(row.request_id, REQUEST_ID_CHARS) or text_problem(row.reason, REASON_CHARS)
+    problem = text_problem(row.request_id, REQUEST_ID_CHARS) or text_problem(
+        row.reason, REASON_CHARS
+    )
     if problem is None:
         for name in _COMPLETION_REQUIRED_INTS:
             problem = int_problem(getattr(row, name), INT32_RANGE)
@@ -204,9 +229,34 @@ def fit_sample(row: SampleRow) -> list[str]:
 
 
 __all__ = [
-    "CURSOR_RANGE", "DUPLICATE_ID", "INSTANCE_CHARS", "INT32_COLUMNS", "INT32_RANGE", "INT64_COLUMNS", "INT64_RANGE",
-    "INVALID_TEXT", "LONG_NAME", "MALFORMED", "MAX_GROUPS_PER_WINDOW", "MAX_GROUP_NAME_CHARS", "NON_FINITE",
-    "OTHER_GROUP", "OUT_OF_RANGE", "POLICY_CHARS", "REASONS", "REASON_CHARS", "REQUEST_ID_CHARS", "TENANT_CHARS",
-    "TOO_LONG", "TYPE_CHARS", "VERSION_RANGE", "clean_text", "fit_completion", "fit_sample", "group_name",
-    "int_problem", "json_problem", "text_problem",
+    "CURSOR_RANGE",
+    "DUPLICATE_ID",
+    "INSTANCE_CHARS",
+    "INT32_COLUMNS",
+    "INT32_RANGE",
+    "INT64_COLUMNS",
+    "INT64_RANGE",
+    "INVALID_TEXT",
+    "LONG_NAME",
+    "MALFORMED",
+    "MAX_GROUPS_PER_WINDOW",
+    "MAX_GROUP_NAME_CHARS",
+    "NON_FINITE",
+    "OTHER_GROUP",
+    "OUT_OF_RANGE",
+    "POLICY_CHARS",
+    "REASONS",
+    "REASON_CHARS",
+    "REQUEST_ID_CHARS",
+    "TENANT_CHARS",
+    "TOO_LONG",
+    "TYPE_CHARS",
+    "VERSION_RANGE",
+    "clean_text",
+    "fit_completion",
+    "fit_sample",
+    "group_name",
+    "int_problem",
+    "json_problem",
+    "text_problem",
 ]

@@ -39,7 +39,14 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.limits import INSTANCE_CHARS, POLICY_CHARS, REASON_CHARS, REQUEST_ID_CHARS, TENANT_CHARS, TYPE_CHARS
+from storage.limits import (
+    INSTANCE_CHARS,
+    POLICY_CHARS,
+    REASON_CHARS,
+    REQUEST_ID_CHARS,
+    TENANT_CHARS,
+    TYPE_CHARS,
+)
 from storage.rows import PERCENTILE_FIELDS
 
 # Deterministic constraint names, so migrations can refer to them on every backend.
@@ -336,7 +343,9 @@ class Recommendation(Base):
 
 def _mean_max_columns(names: tuple[str, ...]) -> list[Column[Any]]:
     """``<name>_mean`` and ``<name>_max`` for each folded column (see storage.retention)."""
-    return [Column(f"{name}_{agg}", Float, nullable=True) for name in names for agg in ("mean", "max")]
+    return [
+        Column(f"{name}_{agg}", Float, nullable=True) for name in names for agg in ("mean", "max")
+    ]
 
 
 # The rollups are plain Core tables: their columns are generated, and only retention (Core

@@ -83,7 +83,10 @@ class ReadingRepository:
         )
         stmt = in_range(stmt, r.c.minute_ms, since_ms, until_ms).order_by(r.c.minute_ms)
         with self.database.read() as conn:
-            return [{k: v for k, v in row._mapping.items() if k != "replica_id"} for row in conn.execute(stmt)]
+            return [
+                {k: v for k, v in row._mapping.items() if k != "replica_id"}
+                for row in conn.execute(stmt)
+            ]
 
     def completions(
         self,
@@ -98,7 +101,9 @@ class ReadingRepository:
         """Completions with ``since_s <= finished_s < until_s`` (replica clocks) and
         ``stored_since_ms <= stored_ms < stored_until_ms`` (the store's clock: what a recording
         spans), by finish time."""
-        stmt = select(Replica.name, Completion.__table__).join(Replica, Replica.id == Completion.replica_id)
+        stmt = select(Replica.name, Completion.__table__).join(
+            Replica, Replica.id == Completion.replica_id
+        )
         stmt = stmt.where(Replica.cluster == cluster)
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
@@ -108,15 +113,24 @@ class ReadingRepository:
         with self.database.read() as conn:
             return [completion_row(row.name, row) for row in conn.execute(stmt)]
 
-    def completion_stored_s(self, cluster: str, replica: str, request_ids: Sequence[str]) -> list[float]:
+    def completion_stored_s(
+        self, cluster: str, replica: str, request_ids: Sequence[str]
+    ) -> list[float]:
         """When the store received each of these completions of ``replica`` (its own clock, s)."""
         wanted = set(request_ids)
-        stmt = (select(Completion.request_id, Completion.stored_ms).join(Replica, Replica.id == Completion.replica_id)
-                .where(Replica.cluster == cluster, Replica.name == replica))
+        stmt = (
+            select(Completion.request_id, Completion.stored_ms)
+            .join(Replica, Replica.id == Completion.replica_id)
+            .where(Replica.cluster == cluster, Replica.name == replica)
+        )
         with self.database.read() as conn:
-            return [row.stored_ms / 1000.0 for row in conn.execute(stmt) if row.request_id in wanted]
+            return [
+                row.stored_ms / 1000.0 for row in conn.execute(stmt) if row.request_id in wanted
+            ]
 
 
 def _of_replica(stmt: Any, model: Any, cluster: str, replica: str) -> Any:
     """``stmt`` on ``model``'s table restricted to the rows of ``replica`` of ``cluster``."""
-    return stmt.join(Replica, Replica.id == model.replica_id).where(Replica.cluster == cluster, Replica.name == replica)
+    return stmt.join(Replica, Replica.id == model.replica_id).where(
+        Replica.cluster == cluster, Replica.name == replica
+    )

@@ -84,7 +84,13 @@ class RecordingRepository:
         """Register (name, api_url, control_url) replicas of ``cluster``; updates the URLs of known ones."""
         now = self.database.now_ms()
         params = [
-            {"cluster": cluster, "name": name, "api_url": api, "control_url": ctl, "first_seen_ms": now}
+            {
+                "cluster": cluster,
+                "name": name,
+                "api_url": api,
+                "control_url": ctl,
+                "first_seen_ms": now,
+            }
             for name, api, ctl in replicas
         ]
         if not params:
@@ -92,7 +98,10 @@ class RecordingRepository:
 
         def txn(conn: Connection) -> dict[str, int]:
             conn.execute(
-                insert_or_update(conn, table(Replica), ["cluster", "name"], ["api_url", "control_url"]), params
+                insert_or_update(
+                    conn, table(Replica), ["cluster", "name"], ["api_url", "control_url"]
+                ),
+                params,
             )
             return self.replica_ids.lookup(conn, cluster, {str(p["name"]) for p in params})
 
@@ -111,12 +120,28 @@ class RecordingRepository:
 
         def txn(conn: Connection) -> dict[str, int]:
             if batch.governance:
-                conn.execute(insert(GovernanceWindow), [{"cluster": cluster, "t_ms": g.t_ms, "summary": g.summary}
-                                                        for g in batch.governance])
+                conn.execute(
+                    insert(GovernanceWindow),
+                    [
+                        {"cluster": cluster, "t_ms": g.t_ms, "summary": g.summary}
+                        for g in batch.governance
+                    ],
+                )
             if batch.alerts:
-                conn.execute(insert(AlertEvent), [{"cluster": cluster, "t_ms": a.t_ms, "name": a.name,
-                                                   "severity": a.severity, "state": a.state, "summary": a.summary}
-                                                  for a in batch.alerts])
+                conn.execute(
+                    insert(AlertEvent),
+                    [
+                        {
+                            "cluster": cluster,
+                            "t_ms": a.t_ms,
+                            "name": a.name,
+                            "severity": a.severity,
+                            "state": a.state,
+                            "summary": a.summary,
+                        }
+                        for a in batch.alerts
+                    ],
+                )
             if not names:
                 return {}
             ids = self.replica_ids.ids_for(conn, cluster, names, now)
@@ -151,22 +176,36 @@ class RecordingRepository:
         """Replica name -> (instance, trips) of the newest circuit-breaker trip stored for it: the
         collector writes one audit row per trip it sees, and starts from these so a restart writes
         none twice."""
-        stmt = (select(Replica.name, SettingsChange.new)
-                .join(Replica, Replica.id == SettingsChange.replica_id)
-                .where(Replica.cluster == cluster, SettingsChange.who == BREAKER_WHO,
-                       SettingsChange.result == BREAKER_RESULT)
-                .order_by(SettingsChange.t_ms.desc(), SettingsChange.id.desc()))
+        stmt = (
+            select(Replica.name, SettingsChange.new)
+            .join(Replica, Replica.id == SettingsChange.replica_id)
+            .where(
+                Replica.cluster == cluster,
+                SettingsChange.who == BREAKER_WHO,
+                SettingsChange.result == BREAKER_RESULT,
+            )
+            .order_by(SettingsChange.t_ms.desc(), SettingsChange.id.desc())
+        )
         newest: dict[str, tuple[str | None, int]] = {}
         with self.database.read() as conn:
             for name, new in conn.execute(stmt):
-                if name not in newest and isinstance(new, dict) and isinstance(new.get("trips_total"), int):
+                if (
+                    name not in newest
+                    and isinstance(new, dict)
+                    and isinstance(new.get("trips_total"), int)
+                ):
                     instance = new.get("instance")
-                    newest[name] = (instance if isinstance(instance, str) else None, new["trips_total"])
+                    newest[name] = (
+                        instance if isinstance(instance, str) else None,
+                        new["trips_total"],
+                    )
         return newest
 
     # ------------------------------------------------------------------ named recordings
 
-    def begin_recording(self, cluster: str, name: str, note: str | None = None, *, t_ms: int | None = None) -> int:
+    def begin_recording(
+        self, cluster: str, name: str, note: str | None = None, *, t_ms: int | None = None
+    ) -> int:
         """Start a named recording of ``cluster`` now (or at ``t_ms``); returns its id."""
         row = {"cluster": cluster, "name": name, "note": note,
                "started_ms": self.database.now_ms() if t_ms is None else t_ms}  # fmt: skip
@@ -205,15 +244,22 @@ class RecordingRepository:
         stmt = select(Replica.__table__).where(Replica.cluster == cluster).order_by(Replica.name)
         with self.database.read() as conn:
             return [
-                ReplicaInfo(r.cluster, r.name, r.api_url, r.control_url, r.first_seen_ms, r.last_seen_ms)
+                ReplicaInfo(
+                    r.cluster, r.name, r.api_url, r.control_url, r.first_seen_ms, r.last_seen_ms
+                )
                 for r in conn.execute(stmt)
             ]
 
     def time_range(self, cluster: str) -> tuple[int, int] | None:
         """(first, last) sample time of ``cluster`` in ms, rollups included; None if it has none."""
-        sources = ((Sample.t_ms, Sample.replica_id), (sample_rollups.c.minute_ms, sample_rollups.c.replica_id))
+        sources = (
+            (Sample.t_ms, Sample.replica_id),
+            (sample_rollups.c.minute_ms, sample_rollups.c.replica_id),
+        )
         bounds = [
-            select(func.min(t), func.max(t)).join(Replica, Replica.id == rid).where(Replica.cluster == cluster)
+            select(func.min(t), func.max(t))
+            .join(Replica, Replica.id == rid)
+            .where(Replica.cluster == cluster)
             for t, rid in sources
         ]
         with self.database.read() as conn:
@@ -242,39 +288,79 @@ def _insert_samples(conn: Connection, rows: Sequence[SampleRow], ids: dict[str, 
         conn.execute(insert(Sample), [sample_params(r, ids[r.replica]) for r in rows])
 
 
-def _insert_group_samples(conn: Connection, rows: Sequence[GroupSampleRow], ids: dict[str, int]) -> None:
+def _insert_group_samples(
+    conn: Connection, rows: Sequence[GroupSampleRow], ids: dict[str, int]
+) -> None:
     if rows:
         conn.execute(insert(GroupSample), [group_sample_params(r, ids[r.replica]) for r in rows])
 
 
-def _insert_completions(conn: Connection, rows: Sequence[CompletionRow], ids: dict[str, int], now_ms: int) -> None:
+def _insert_completions(
+    conn: Connection, rows: Sequence[CompletionRow], ids: dict[str, int], now_ms: int
+) -> None:
     """Insert completions; one already stored (same replica and request id) is silently skipped."""
     if rows:
         params = [completion_params(c, ids[c.replica], now_ms) for c in rows]
         conn.execute(insert_ignoring(conn, table(Completion), ["replica_id", "request_id"]), params)
 
 
-def _upsert_cursors(conn: Connection, cursors: dict[str, int], instances: dict[str, str], ids: dict[str, int],
-                    now_ms: int) -> None:
+def _upsert_cursors(
+    conn: Connection,
+    cursors: dict[str, int],
+    instances: dict[str, str],
+    ids: dict[str, int],
+    now_ms: int,
+) -> None:
     if cursors:
-        params = [{"replica_id": ids[n], "cursor": c, "updated_ms": now_ms, "instance": instances.get(n)}
-                  for n, c in cursors.items()]
-        stmt = insert_or_update(conn, table(CollectorCursor), ["replica_id"], ["cursor", "updated_ms", "instance"])
+        params = [
+            {"replica_id": ids[n], "cursor": c, "updated_ms": now_ms, "instance": instances.get(n)}
+            for n, c in cursors.items()
+        ]
+        stmt = insert_or_update(
+            conn, table(CollectorCursor), ["replica_id"], ["cursor", "updated_ms", "instance"]
+        )
         conn.execute(stmt, params)
 
 
-def _insert_settings_seen(conn: Connection, rows: Sequence[SettingsSeenRow], ids: dict[str, int]) -> None:
+def _insert_settings_seen(
+    conn: Connection, rows: Sequence[SettingsSeenRow], ids: dict[str, int]
+) -> None:
     if rows:
-        conn.execute(insert(table(SettingsSeen)), [
-            {"replica_id": ids[r.replica], "t_ms": r.t_ms, "instance": r.instance, "version": r.version,
-             "settings": r.settings} for r in rows])
+        conn.execute(
+            insert(table(SettingsSeen)),
+            [
+                {
+                    "replica_id": ids[r.replica],
+                    "t_ms": r.t_ms,
+                    "instance": r.instance,
+                    "version": r.version,
+                    "settings": r.settings,
+                }
+                for r in rows
+            ],
+        )
 
 
-def _insert_settings_changes(conn: Connection, rows: Sequence[SettingsChangeRow], ids: dict[str, int]) -> None:
+def _insert_settings_changes(
+    conn: Connection, rows: Sequence[SettingsChangeRow], ids: dict[str, int]
+) -> None:
     if rows:
-        conn.execute(insert(SettingsChange), [
-            {"replica_id": ids[r.replica], "t_ms": r.t_ms, "who": r.who, "old": r.old, "new": r.new,
-             "result": r.result, "message": r.message, "version": r.version} for r in rows])
+        conn.execute(
+            insert(SettingsChange),
+            [
+                {
+                    "replica_id": ids[r.replica],
+                    "t_ms": r.t_ms,
+                    "who": r.who,
+                    "old": r.old,
+                    "new": r.new,
+                    "result": r.result,
+                    "message": r.message,
+                    "version": r.version,
+                }
+                for r in rows
+            ],
+        )
 
 
 def _touch_last_seen(conn: Connection, rows: Sequence[SampleRow], ids: dict[str, int]) -> None:
@@ -285,6 +371,7 @@ def _touch_last_seen(conn: Connection, rows: Sequence[SampleRow], ids: dict[str,
             newest[r.replica] = r.t_ms
     for name, t_ms in newest.items():
         later = case(
-            (Replica.last_seen_ms.is_(None) | (Replica.last_seen_ms < t_ms), t_ms), else_=Replica.last_seen_ms
+            (Replica.last_seen_ms.is_(None) | (Replica.last_seen_ms < t_ms), t_ms),
+            else_=Replica.last_seen_ms,
         )
         conn.execute(update(Replica).where(Replica.id == ids[name]).values(last_seen_ms=later))

@@ -33,13 +33,17 @@ class ReplicaRegistry:
         for name, rid in self.database.write(txn).items():
             self._ids[(cluster, name)] = rid
 
-    def ids_for(self, conn: Connection, cluster: str, names: set[str], now_ms: int) -> dict[str, int]:
+    def ids_for(
+        self, conn: Connection, cluster: str, names: set[str], now_ms: int
+    ) -> dict[str, int]:
         """Replica ids for ``names``: from the cache, else looked up, else created (URLs unknown,
         first seen at ``now_ms``)."""
         ids = {n: self._ids[(cluster, n)] for n in names if (cluster, n) in self._ids}
         missing = names - ids.keys()
         if missing:
-            rows = [{"cluster": cluster, "name": n, "first_seen_ms": now_ms} for n in sorted(missing)]
+            rows = [
+                {"cluster": cluster, "name": n, "first_seen_ms": now_ms} for n in sorted(missing)
+            ]
             conn.execute(insert_ignoring(conn, table(Replica), ["cluster", "name"]), rows)
             ids.update(self.lookup(conn, cluster, missing))
         return ids
@@ -47,5 +51,7 @@ class ReplicaRegistry:
     @staticmethod
     def lookup(conn: Connection, cluster: str, names: set[str]) -> dict[str, int]:
         """The ids of those of ``names`` already stored in ``cluster`` (no cache, no creation)."""
-        stmt = select(Replica.name, Replica.id).where(Replica.cluster == cluster, Replica.name.in_(names))
+        stmt = select(Replica.name, Replica.id).where(
+            Replica.cluster == cluster, Replica.name.in_(names)
+        )
         return {name: rid for name, rid in conn.execute(stmt)}

@@ -75,9 +75,15 @@ class RetentionSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    raw_sample_hours: float = Field(24.0, gt=0, description="raw samples older than this become 1-minute rollups")
-    completion_days: float = Field(7.0, gt=0, description="completions older than this (store clock) are deleted")
-    keep_recordings: bool = Field(True, description="never fold or delete rows inside a recording's span")
+    raw_sample_hours: float = Field(
+        24.0, gt=0, description="raw samples older than this become 1-minute rollups"
+    )
+    completion_days: float = Field(
+        7.0, gt=0, description="completions older than this (store clock) are deleted"
+    )
+    keep_recordings: bool = Field(
+        True, description="never fold or delete rows inside a recording's span"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +109,9 @@ class Retention:
         keep = settings.keep_recordings
         cut = sample_cutoff_ms(now_ms, settings)
         samples = self.database.write(lambda c: fold_samples(c, cut, now_ms, keep), snapshot=True)
-        groups = self.database.write(lambda c: fold_group_samples(c, cut, now_ms, keep), snapshot=True)
+        groups = self.database.write(
+            lambda c: fold_group_samples(c, cut, now_ms, keep), snapshot=True
+        )
         cut_c = completion_cutoff_ms(now_ms, settings)
         completions = self.database.write(lambda c: delete_completions(c, cut_c, now_ms, keep))
         return RetentionReport(samples, groups, completions)
@@ -156,7 +164,11 @@ def _mean_max(src: Table, names: tuple[str, ...]) -> dict[str, ColumnElement]:
 
 
 def _expired(
-    replica_col: ColumnClause, time_col: ColumnClause, cutoff_ms: int, now_ms: int, keep_recordings: bool
+    replica_col: ColumnClause,
+    time_col: ColumnClause,
+    cutoff_ms: int,
+    now_ms: int,
+    keep_recordings: bool,
 ) -> ColumnElement[bool]:
     """Rows older than the cut-off and, with ``keep_recordings``, outside every recording of their cluster."""
     older = time_col < cutoff_ms

@@ -44,7 +44,9 @@ class SampleRow:
     replica: str
     t_ms: int
     healthy: bool
-    reason: str | None = None  # why unhealthy ("timeout after 2.0 s", "HTTP 500", "bad JSON at ...")
+    reason: str | None = (
+        None  # why unhealthy ("timeout after 2.0 s", "HTTP 500", "bad JSON at ...")
+    )
     policy: str | None = None
     settings_version: int | None = None
     waiting: int | None = None
@@ -58,7 +60,9 @@ class SampleRow:
     throughput_req_s: float | None = None
     preemptions_per_s: float | None = None
     latency: LatencyPercentiles = field(default_factory=LatencyPercentiles)
-    breaker_trips: int | None = None  # the replica's circuit-breaker trips since it started; None: not reported
+    breaker_trips: int | None = (
+        None  # the replica's circuit-breaker trips since it started; None: not reported
+    )
     # Values from the replica the collector could not store as sent, per reason (storage.limits.REASONS),
     # since the collector started; None when there were none.
     rejected: dict[str, int] | None = None
@@ -94,7 +98,9 @@ class CompletionRow:
     recomputed_tokens: int = 0
     reason: str = "finished"
     max_tokens: int | None = None  # the client's cap; None when the replica did not report it
-    received_s: float | None = None  # when the engine core got it (arrival_s: the API server); None: not reported
+    received_s: float | None = (
+        None  # when the engine core got it (arrival_s: the API server); None: not reported
+    )
 
 
 @dataclass(slots=True)
@@ -161,13 +167,17 @@ class Batch:
     group_samples: list[GroupSampleRow] = field(default_factory=list)
     completions: list[CompletionRow] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
-    instances: dict[str, str] = field(default_factory=dict)  # replica -> the instance its cursor counts in
+    instances: dict[str, str] = field(
+        default_factory=dict
+    )  # replica -> the instance its cursor counts in
     settings_seen: list[SettingsSeenRow] = field(default_factory=list)
-    settings_changes: list[SettingsChangeRow] = field(default_factory=list)  # audit rows (breaker trips)
+    settings_changes: list[SettingsChangeRow] = field(
+        default_factory=list
+    )  # audit rows (breaker trips)
     governance: list[GovernanceRow] = field(default_factory=list)  # cluster-level
     alerts: list[AlertRow] = field(default_factory=list)  # cluster-level
 
-    def followed_by(self, newer: "Batch") -> "Batch":
+    def followed_by(self, newer: Batch) -> Batch:
         """This batch and a newer one as one: rows in order, the newer cursors (and instances) win."""
         merged = {}
         for f in fields(Batch):
@@ -176,5 +186,12 @@ class Batch:
         return Batch(**merged)
 
     def __len__(self) -> int:
-        return (len(self.samples) + len(self.group_samples) + len(self.completions) + len(self.settings_seen)
-                + len(self.settings_changes) + len(self.governance) + len(self.alerts))
+        return (
+            len(self.samples)
+            + len(self.group_samples)
+            + len(self.completions)
+            + len(self.settings_seen)
+            + len(self.settings_changes)
+            + len(self.governance)
+            + len(self.alerts)
+        )

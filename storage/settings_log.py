@@ -48,11 +48,15 @@ class SettingsLog:
 
         self.replica_ids.write(cluster, txn)
 
-    def settings_changes(self, cluster: str, replica: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    def settings_changes(
+        self, cluster: str, replica: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
         """The settings audit log, newest first: dicts with t_ms, cluster, replica, who, old, new, result,
         message, version."""
         stmt = select(Replica.cluster, Replica.name.label("replica"), SettingsChange.__table__)
-        stmt = stmt.join(Replica, Replica.id == SettingsChange.replica_id).where(Replica.cluster == cluster)
+        stmt = stmt.join(Replica, Replica.id == SettingsChange.replica_id).where(
+            Replica.cluster == cluster
+        )
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
         stmt = stmt.order_by(SettingsChange.t_ms.desc(), SettingsChange.id.desc()).limit(limit)
@@ -63,9 +67,16 @@ class SettingsLog:
     def settings_seen(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
         """The settings documents replicas ran, oldest first: dicts with t_ms, replica, instance,
         version, settings (one per new version or instance the collector saw)."""
-        stmt = select(Replica.name.label("replica"), SettingsSeen.t_ms, SettingsSeen.instance, SettingsSeen.version,
-                      SettingsSeen.settings)
-        stmt = stmt.join(Replica, Replica.id == SettingsSeen.replica_id).where(Replica.cluster == cluster)
+        stmt = select(
+            Replica.name.label("replica"),
+            SettingsSeen.t_ms,
+            SettingsSeen.instance,
+            SettingsSeen.version,
+            SettingsSeen.settings,
+        )
+        stmt = stmt.join(Replica, Replica.id == SettingsSeen.replica_id).where(
+            Replica.cluster == cluster
+        )
         if replica is not None:
             stmt = stmt.where(Replica.name == replica)
         stmt = stmt.order_by(SettingsSeen.t_ms, SettingsSeen.id)

@@ -23,7 +23,9 @@ def upsert(conn: Connection, table: Table) -> Any:
         return sqlite.insert(table)
     if name == "postgresql":
         return postgresql.insert(table)
-    raise NotImplementedError(f"tailpilot's store supports {' and '.join(SUPPORTED_BACKENDS)}, not {name}")
+    raise NotImplementedError(
+        f"tailpilot's store supports {' and '.join(SUPPORTED_BACKENDS)}, not {name}"
+    )
 
 
 def insert_ignoring(conn: Connection, table: Table, keys: list[str]) -> Any:
@@ -34,7 +36,9 @@ def insert_ignoring(conn: Connection, table: Table, keys: list[str]) -> Any:
 def insert_or_update(conn: Connection, table: Table, keys: list[str], columns: list[str]) -> Any:
     """``INSERT ... ON CONFLICT (keys) DO UPDATE SET column = excluded.column`` for ``columns``."""
     stmt = upsert(conn, table)
-    return stmt.on_conflict_do_update(index_elements=keys, set_={c: stmt.excluded[c] for c in columns})
+    return stmt.on_conflict_do_update(
+        index_elements=keys, set_={c: stmt.excluded[c] for c in columns}
+    )
 
 
 def in_range(stmt: Any, col: Any, lo: float | None, hi: float | None) -> Any:

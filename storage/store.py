@@ -90,8 +90,9 @@ class Store:
         Raises:
             StoreOpenError: the database could not be opened or migrated.
         """
-        database = Database.open(url, write_deadline_s=write_deadline_s, busy_timeout_ms=busy_timeout_ms,
-                                 clock=clock)
+        database = Database.open(
+            url, write_deadline_s=write_deadline_s, busy_timeout_ms=busy_timeout_ms, clock=clock
+        )
         return cls(database)
 
     def close(self) -> None:

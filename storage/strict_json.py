@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def finite(doc: Any) -> Any:
     """``doc`` with every non-finite float, at any depth, replaced by None (tuples become lists,
     numpy scalars Python numbers: what JSON can hold)."""
-    if type(doc).__module__ == "numpy" and hasattr(doc, "item"):  # a numpy scalar, without importing numpy
+    if type(doc).__module__ == "numpy" and hasattr(
+        doc, "item"
+    ):  # a numpy scalar, without importing numpy
         doc = doc.item()
     if isinstance(doc, float):
         return doc if math.isfinite(doc) else None
@@ -30,6 +33,8 @@ def finite(doc: Any) -> Any:
 def dumps(doc: Any, default: Callable[[Any], Any] | None = None) -> str:
     """``doc`` as strict JSON text, non-finite floats as null (``default`` as in ``json.dumps``)."""
     try:
-        return json.dumps(doc, allow_nan=False, default=default)  # the common case: one pass, no copy
+        return json.dumps(
+            doc, allow_nan=False, default=default
+        )  # the common case: one pass, no copy
     except ValueError:  # a NaN or ±Infinity somewhere
         return json.dumps(finite(doc), allow_nan=False, default=default)

@@ -16,7 +16,13 @@ from typing import Any, cast
 
 import click
 
-from scheduler.settings import POLICY_NAMES, EngineSettings, Settings, describe_error, settings_from_cli
+from scheduler.settings import (
+    POLICY_NAMES,
+    EngineSettings,
+    Settings,
+    describe_error,
+    settings_from_cli,
+)
 from tailpilot.cli_common import (
     GPU_BLOCKS,
     POSITIVE,
@@ -36,19 +42,36 @@ PREDICTED_POLICIES = ("sjf", "srpt", "tie")
 
 # Metrics shown in the compare table, in Table 2's spirit (seed 000): tails first.
 COMPARE_METRICS = (
-    "ttlt_mean", "ttlt_p50", "ttlt_p95", "ttlt_p99", "ttft_mean", "ttft_p95", "ttft_p99",
-    "tbt_p99", "throughput_tok_s", "preemptions",
+    "ttlt_mean",
+    "ttlt_p50",
+    "ttlt_p95",
+    "ttlt_p99",
+    "ttft_mean",
+    "ttft_p95",
+    "ttft_p99",
+    "tbt_p99",
+    "throughput_tok_s",
+    "preemptions",
 )
 
 
-def _load_trace(path: str | None, rate_scale: float | None, target_rate: float | None,
-                span: tuple[float, float] | None, cap: int | None, tenants: int | None, seed: int):
+def _load_trace(
+    path: str | None,
+    rate_scale: float | None,
+    target_rate: float | None,
+    span: tuple[float, float] | None,
+    cap: int | None,
+    tenants: int | None,
+    seed: int,
+):
     from sim import traces
 
     # --max-tokens-default is not passed through the commands' signatures: its callback keeps it in
     # the command's context (see ``trace_options``).
     ctx = click.get_current_context(silent=True)
-    default_cap = (ctx.meta.get(_MAX_TOKENS_DEFAULT_KEY) if ctx is not None else None) or traces.DEFAULT_MAX_TOKENS
+    default_cap = (
+        ctx.meta.get(_MAX_TOKENS_DEFAULT_KEY) if ctx is not None else None
+    ) or traces.DEFAULT_MAX_TOKENS
     recording = ctx.meta.get(_RECORDING_KEY) if ctx is not None else None
     if recording is not None:
         if path is not None:
@@ -69,20 +92,34 @@ def _load_trace(path: str | None, rate_scale: float | None, target_rate: float |
             trace = traces.load_trace(path, seed=seed, max_tokens_default=default_cap, **generate)
         except traces.ArrivalsNeeded as err:
             if err.needs == ("rate",):
-                raise click.UsageError(f"{path}: lengths without arrival times: give --target-rate REQ_PER_S "
-                                       "(Poisson arrivals at that rate)") from None
-            raise click.UsageError(f"{path}: a length distribution, not requests: sample it from Python "
-                                   "(sim.traces.load_servegen_reasoning) or mix it into a trace "
-                                   "(tailpilot tune --mix FILE=FRACTION)") from None
-    trace = traces.transform(trace, window=span, rate_scale=rate_scale, rate=target_rate, max_tokens_cap=cap,
-                             tenants=tenants, seed=seed)
+                raise click.UsageError(
+                    f"{path}: lengths without arrival times: give --target-rate REQ_PER_S "
+                    "(Poisson arrivals at that rate)"
+                ) from None
+            raise click.UsageError(
+                f"{path}: a length distribution, not requests: sample it from Python "
+                "(sim.traces.load_servegen_reasoning) or mix it into a trace "
+                "(tailpilot tune --mix FILE=FRACTION)"
+            ) from None
+    trace = traces.transform(
+        trace,
+        window=span,
+        rate_scale=rate_scale,
+        rate=target_rate,
+        max_tokens_cap=cap,
+        tenants=tenants,
+        seed=seed,
+    )
     if len(trace) == 0:
         raise click.UsageError("the trace is empty after the transforms")
     if trace.truncated:
         # On stderr, so --json output stays one document.
-        click.echo(f"note: {trace.truncated} of {len(trace)} requests of {trace.name} had outputs longer than "
-                   f"their max_tokens cap and were truncated to it (cap for requests the trace records none: "
-                   f"{default_cap}; --max-tokens-default N to change it)", err=True)
+        click.echo(
+            f"note: {trace.truncated} of {len(trace)} requests of {trace.name} had outputs longer than "
+            f"their max_tokens cap and were truncated to it (cap for requests the trace records none: "
+            f"{default_cap}; --max-tokens-default N to change it)",
+            err=True,
+        )
     return trace
 
 
@@ -105,13 +142,17 @@ def _engine_limit(name: str) -> click.IntRange:
     return click.IntRange(low, high)
 
 
-def _remember_max_tokens_default(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+def _remember_max_tokens_default(
+    ctx: click.Context, param: click.Parameter, value: int | None
+) -> int | None:
     if value is not None:
         ctx.meta[_MAX_TOKENS_DEFAULT_KEY] = value
     return value
 
 
-def _remember_recording(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def _remember_recording(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
     if value is not None:
         ctx.meta[_RECORDING_KEY] = value
     return value
@@ -139,8 +180,14 @@ def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     if show_progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn(f"{label:>10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=_stderr_console(), transient=True) as bar:
+        with Progress(
+            TextColumn(f"{label:>10}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=_stderr_console(),
+            transient=True,
+        ) as bar:
             task = bar.add_task(label, total=len(trace))
             result = sim.run(progress=lambda done, total: bar.update(task, completed=done))
     else:
@@ -149,8 +196,13 @@ def _run_one(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
 
 
 def _run_info(result, trace) -> dict[str, Any]:
-    return {"wall_s": result.wall_s, "steps": result.steps, "iterations": result.iterations,
-            "sim_time_s": result.sim_time_s, "requests": len(trace)}
+    return {
+        "wall_s": result.wall_s,
+        "steps": result.steps,
+        "iterations": result.iterations,
+        "sim_time_s": result.sim_time_s,
+        "requests": len(trace),
+    }
 
 
 def _call(task: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
@@ -164,14 +216,31 @@ def _run_autopilot(args: tuple) -> tuple[str, dict[str, float], dict[str, Any]]:
     from tuner.autopilot import replay_with_autopilot
 
     label, trace, settings_doc, config, _, _ = args
-    result, decisions = replay_with_autopilot(trace, Settings.model_validate(settings_doc), engine=config)
+    result, decisions = replay_with_autopilot(
+        trace, Settings.model_validate(settings_doc), engine=config
+    )
     cpu = sum(d.cpu_s for d in decisions)
     hours = max(result.sim_time_s - (min((r.arrival for r in trace), default=0.0)), 1e-9) / 3600.0
-    info = {**_run_info(result, trace),
-            "autopilot": {"cpu_s": cpu, "cpu_s_per_decision": cpu / len(decisions) if decisions else None,
-                          "cpu_s_per_hour": cpu / hours, "final": result.settings.to_dict(),
-                          "decisions": [{"at": d.at, "choice": d.choice, "changed": d.changed, "reason": d.reason,
-                                         "requests": d.requests, "cpu_s": d.cpu_s} for d in decisions]}}
+    info = {
+        **_run_info(result, trace),
+        "autopilot": {
+            "cpu_s": cpu,
+            "cpu_s_per_decision": cpu / len(decisions) if decisions else None,
+            "cpu_s_per_hour": cpu / hours,
+            "final": result.settings.to_dict(),
+            "decisions": [
+                {
+                    "at": d.at,
+                    "choice": d.choice,
+                    "changed": d.changed,
+                    "reason": d.reason,
+                    "requests": d.requests,
+                    "cpu_s": d.cpu_s,
+                }
+                for d in decisions
+            ],
+        },
+    }
     return label, result.metrics(), info
 
 
@@ -192,9 +261,13 @@ def _stderr_console():
     return Console(stderr=True)
 
 
-def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: str = "oracle") -> Settings:
+def _settings_or_exit(
+    policy: str, assignments, pins, engine: dict, predictor: str = "oracle"
+) -> Settings:
     assignments = list(assignments)
-    if policy in PREDICTED_POLICIES and not any(a.split("=", 1)[0].strip() == "predictor" for a in assignments):
+    if policy in PREDICTED_POLICIES and not any(
+        a.split("=", 1)[0].strip() == "predictor" for a in assignments
+    ):
         assignments.insert(0, f"predictor={predictor}")
     try:
         return settings_from_cli(policy, assignments, list(pins), engine)
@@ -207,38 +280,97 @@ def _settings_or_exit(policy: str, assignments, pins, engine: dict, predictor: s
 # Option groups: what picks and shapes a trace, what sizes the simulated engine, and what only a
 # batch simulation takes. ``sim``/``compare`` take all three; ``twin`` the first two.
 trace_options = [
-    click.option("--trace", "trace_path", metavar="FILE",
-                 help="Trace file (any supported format), or a recording as db:[STORE]#recording=NAME[&replicas=R]"
-                      "[&from=S&to=S]; default: the bundled Azure conv window."),
-    click.option("--recording", expose_value=False, callback=_remember_recording, metavar="NAME",
-                 help="Replay a recording of the cluster's own traffic (in $TAILPILOT_DB or ./tailpilot.db)."),
+    click.option(
+        "--trace",
+        "trace_path",
+        metavar="FILE",
+        help="Trace file (any supported format), or a recording as db:[STORE]#recording=NAME[&replicas=R]"
+        "[&from=S&to=S]; default: the bundled Azure conv window.",
+    ),
+    click.option(
+        "--recording",
+        expose_value=False,
+        callback=_remember_recording,
+        metavar="NAME",
+        help="Replay a recording of the cluster's own traffic (in $TAILPILOT_DB or ./tailpilot.db).",
+    ),
     click.option("--rate-scale", type=POSITIVE, help="Multiply the arrival rate by X (> 0)."),
-    click.option("--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0)."),
-    click.option("--window", type=TIME_SPAN, metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds."),
-    click.option("--max-tokens-cap", "cap", type=TOKENS, metavar="N", help="Cap every request's output at N tokens."),
-    click.option("--max-tokens-default", type=TOKENS, expose_value=False,
-                 callback=_remember_max_tokens_default, metavar="N",
-                 help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
-                      "[default: 4096]."),
+    click.option(
+        "--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0)."
+    ),
+    click.option(
+        "--window",
+        type=TIME_SPAN,
+        metavar="START:DUR",
+        help="Keep arrivals in [START, START+DUR) seconds.",
+    ),
+    click.option(
+        "--max-tokens-cap",
+        "cap",
+        type=TOKENS,
+        metavar="N",
+        help="Cap every request's output at N tokens.",
+    ),
+    click.option(
+        "--max-tokens-default",
+        type=TOKENS,
+        expose_value=False,
+        callback=_remember_max_tokens_default,
+        metavar="N",
+        help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
+        "[default: 4096].",
+    ),
     click.option("--tenants", type=TENANTS, metavar="N", help="Assign N Zipf-distributed tenants."),
-    click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for generated arrivals and tenants."),
+    click.option(
+        "--seed",
+        type=SEED,
+        default=0,
+        show_default=True,
+        help="Seed for generated arrivals and tenants.",
+    ),
 ]
 engine_options = [
-    click.option("--max-num-seqs", type=_engine_limit("max_num_seqs"),
-                 help="Engine: max running sequences (default: vLLM's for the step model's GPU, A100 256, H100/H200 1,024)."),
-    click.option("--max-num-batched-tokens", type=_engine_limit("max_num_batched_tokens"),
-                 help="Engine: token budget per step (default: vLLM's for the step model's GPU, A100 2,048, H100/H200 8,192)."),
-    click.option("--long-prefill-token-threshold", type=_engine_limit("long_prefill_token_threshold"),
-                 help="Engine: max prefill chunk (0 = off)."),
-    click.option("--num-gpu-blocks", type=GPU_BLOCKS, help="KV cache size in blocks of 16 tokens (default 25,000)."),
-    click.option("--step-model", type=STEP_MODEL, metavar="NAME",
-                 help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1)."),
+    click.option(
+        "--max-num-seqs",
+        type=_engine_limit("max_num_seqs"),
+        help="Engine: max running sequences (default: vLLM's for the step model's GPU, A100 256, H100/H200 1,024).",
+    ),
+    click.option(
+        "--max-num-batched-tokens",
+        type=_engine_limit("max_num_batched_tokens"),
+        help="Engine: token budget per step (default: vLLM's for the step model's GPU, A100 2,048, H100/H200 8,192).",
+    ),
+    click.option(
+        "--long-prefill-token-threshold",
+        type=_engine_limit("long_prefill_token_threshold"),
+        help="Engine: max prefill chunk (0 = off).",
+    ),
+    click.option(
+        "--num-gpu-blocks",
+        type=GPU_BLOCKS,
+        help="KV cache size in blocks of 16 tokens (default 25,000).",
+    ),
+    click.option(
+        "--step-model",
+        type=STEP_MODEL,
+        metavar="NAME",
+        help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).",
+    ),
 ]
 batch_options = [
-    click.option("--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."),
-    click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
-    click.option("--predictor", type=click.Choice(["oracle", "history"]), default="oracle", show_default=True,
-                 help="Length predictor for sjf/srpt/tie (oracle = true lengths, as in the papers' baselines)."),
+    click.option(
+        "--step-by-step", is_flag=True, help="Disable event skipping (slow; for checking)."
+    ),
+    click.option(
+        "--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."
+    ),
+    click.option(
+        "--predictor",
+        type=click.Choice(["oracle", "history"]),
+        default="oracle",
+        show_default=True,
+        help="Length predictor for sjf/srpt/tie (oracle = true lengths, as in the papers' baselines).",
+    ),
 ]
 
 
@@ -247,6 +379,7 @@ def with_options(*groups):
         for opt in reversed([o for group in groups for o in group]):
             fn = opt(fn)
         return fn
+
     return decorate
 
 
@@ -257,8 +390,11 @@ def _engine_dict(kw: dict, step_model: str | None) -> dict:
     """The engine limits given on the command line, over vLLM's defaults for the step model's GPU."""
     from sim.stepmodel import DEFAULT_MODEL_NAME, engine_defaults
 
-    given = {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
-             if kw.get(k) is not None}
+    given = {
+        k: kw[k]
+        for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+        if kw.get(k) is not None
+    }
     return {**engine_defaults(step_model or DEFAULT_MODEL_NAME), **given}
 
 
@@ -270,7 +406,9 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except Exception as err:
-            store = sys.modules.get("storage.database")  # not imported: it raised nothing (and stays unloaded)
+            store = sys.modules.get(
+                "storage.database"
+            )  # not imported: it raised nothing (and stays unloaded)
             if store is not None and isinstance(err, store.StoreError):
                 raise click.ClickException(str(err)) from None
             raise
@@ -284,36 +422,80 @@ def main() -> None:
 
 @main.command()
 @click.option("--policy", type=click.Choice(POLICY_NAMES), default="uniboost", show_default=True)
-@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
-@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Set a policy parameter (repeatable).",
+)
+@click.option(
+    "--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
-@click.option("--autopilot", is_flag=True,
-              help="Let the autopilot choose γ while it replays (starting from --policy's settings); "
-                   "prints its decisions too.")
-@click.option("--settings", "settings_file", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Replay this settings document (e.g. from `tailpilot export`) instead of --policy/--set/--pin.")
+@click.option(
+    "--autopilot",
+    is_flag=True,
+    help="Let the autopilot choose γ while it replays (starting from --policy's settings); "
+    "prints its decisions too.",
+)
+@click.option(
+    "--settings",
+    "settings_file",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Replay this settings document (e.g. from `tailpilot export`) instead of --policy/--set/--pin.",
+)
 @with_trace_options
-def sim(policy, assignments, pins, as_json, autopilot, settings_file, trace_path, rate_scale, target_rate, window,
-        cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor, **engine):
+def sim(
+    policy,
+    assignments,
+    pins,
+    as_json,
+    autopilot,
+    settings_file,
+    trace_path,
+    rate_scale,
+    target_rate,
+    window,
+    cap,
+    tenants,
+    seed,
+    num_gpu_blocks,
+    step_model,
+    step_by_step,
+    progress,
+    predictor,
+    **engine,
+):
     """Replay a trace through the engine simulator under one policy and print its metrics."""
     if settings_file:
         ctx = click.get_current_context()
-        given = [flag for flag, param in (("--policy", "policy"), ("--set", "assignments"), ("--pin", "pins"))
-                 if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
+        given = [
+            flag
+            for flag, param in (("--policy", "policy"), ("--set", "assignments"), ("--pin", "pins"))
+            if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE
+        ]
         if given:
-            raise click.UsageError(f"--settings replays a whole document: leave out {', '.join(given)}")
+            raise click.UsageError(
+                f"--settings replays a whole document: leave out {', '.join(given)}"
+            )
         settings = _settings_file_or_exit(settings_file)
         policy = settings.policy
     else:
-        settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), predictor)
+        settings = _settings_or_exit(
+            policy, assignments, pins, _engine_dict(engine, step_model), predictor
+        )
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace))
     run = _run_autopilot if autopilot else _run_one
     _, metrics, info = run((policy, trace, settings.to_dict(), config, not step_by_step, show))
     if as_json:
-        echo_json({"trace": trace.name, "settings": settings.to_dict(), "metrics": metrics, "run": info},
-                  default=float)
+        echo_json(
+            {"trace": trace.name, "settings": settings.to_dict(), "metrics": metrics, "run": info},
+            default=float,
+        )
         return
     from rich.table import Table
 
@@ -327,8 +509,10 @@ def sim(policy, assignments, pins, as_json, autopilot, settings_file, trace_path
         unit = METRICS[name][1] if name in METRICS else ""
         table.add_row(name, _fmt(value), unit)
     _console().print(table)
-    click.echo(f"simulated {info['sim_time_s']:.1f} s in {info['wall_s']:.2f} s wall "
-               f"({info['steps']} steps in {info['iterations']} events)")
+    click.echo(
+        f"simulated {info['sim_time_s']:.1f} s in {info['wall_s']:.2f} s wall "
+        f"({info['steps']} steps in {info['iterations']} events)"
+    )
     if autopilot:
         _print_decisions(info["autopilot"])
 
@@ -344,27 +528,75 @@ def _print_decisions(pilot: dict[str, Any]) -> None:
             table.add_row(f"{d['at']:.0f}", d["choice"], d["reason"])
     _console().print(table)
     per = pilot["cpu_s_per_decision"]
-    click.echo(f"{len(pilot['decisions'])} decisions, {sum(d['changed'] for d in pilot['decisions'])} changes; "
-               f"controller CPU {pilot['cpu_s']:.1f} s ({per or 0:.3f} s per decision, "
-               f"{pilot['cpu_s_per_hour']:.1f} s per hour of traffic)")
+    click.echo(
+        f"{len(pilot['decisions'])} decisions, {sum(d['changed'] for d in pilot['decisions'])} changes; "
+        f"controller CPU {pilot['cpu_s']:.1f} s ({per or 0:.3f} s per decision, "
+        f"{pilot['cpu_s_per_hour']:.1f} s per hour of traffic)"
+    )
 
 
 @main.command()
-@click.option("--policies", default="fcfs,sarathi,sjf,srpt,las,uniboost,tie", show_default=True,
-              help="Comma-separated policy names.")
-@click.option("--baseline", default="sarathi", show_default=True,
-              help="Policy the others are compared against (added to --policies if missing, with a note).")
-@click.option("--set", "assignments", multiple=True, metavar="POLICY.NAME=VALUE",
-              help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).")
-@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Policies simulated in parallel.")
+@click.option(
+    "--policies",
+    default="fcfs,sarathi,sjf,srpt,las,uniboost,tie",
+    show_default=True,
+    help="Comma-separated policy names.",
+)
+@click.option(
+    "--baseline",
+    default="sarathi",
+    show_default=True,
+    help="Policy the others are compared against (added to --policies if missing, with a note).",
+)
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="POLICY.NAME=VALUE",
+    help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Policies simulated in parallel.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print metrics and changes as JSON.")
-@click.option("--autopilot", is_flag=True, help="Add a column: the autopilot choosing γ (from uniboost's defaults).")
-@click.option("--settings", "settings_files", metavar="A.json,B.json",
-              help="Add a column per settings document (e.g. from `tailpilot export`), named by its file.")
+@click.option(
+    "--autopilot",
+    is_flag=True,
+    help="Add a column: the autopilot choosing γ (from uniboost's defaults).",
+)
+@click.option(
+    "--settings",
+    "settings_files",
+    metavar="A.json,B.json",
+    help="Add a column per settings document (e.g. from `tailpilot export`), named by its file.",
+)
 @with_trace_options
-def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_files, trace_path, rate_scale,
-            target_rate, window, cap, tenants, seed, num_gpu_blocks, step_model, step_by_step, progress, predictor,
-            **engine):
+def compare(
+    policies,
+    baseline,
+    assignments,
+    jobs,
+    as_json,
+    autopilot,
+    settings_files,
+    trace_path,
+    rate_scale,
+    target_rate,
+    window,
+    cap,
+    tenants,
+    seed,
+    num_gpu_blocks,
+    step_model,
+    step_by_step,
+    progress,
+    predictor,
+    **engine,
+):
     """Run several policies on one trace; print each one's metrics and % change vs the baseline
     (positive = better), in the layout of Table 2 of the UNIBOOST paper."""
     from scheduler.metrics import percent_change
@@ -372,17 +604,28 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for n in names:
         if n not in POLICY_NAMES:
-            raise click.BadParameter(f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})", param_hint="--policies")
+            raise click.BadParameter(
+                f"unknown policy {n!r} (valid: {', '.join(POLICY_NAMES)})", param_hint="--policies"
+            )
     if baseline not in names:
         names.insert(0, baseline)
-        click.echo(f"note: the baseline {baseline} is not in --policies; comparing it too", err=True)
+        click.echo(
+            f"note: the baseline {baseline} is not in --policies; comparing it too", err=True
+        )
     per_policy: dict[str, list[str]] = {n: [] for n in names}
     for item in assignments:
         head, _, rest = item.partition(".")
         if head not in per_policy or not rest:
-            raise click.BadParameter(f"{item!r}: expected POLICY.NAME=VALUE for a compared policy", param_hint="--set")
+            raise click.BadParameter(
+                f"{item!r}: expected POLICY.NAME=VALUE for a compared policy", param_hint="--set"
+            )
         per_policy[head].append(rest)
-    docs = {n: _settings_or_exit(n, per_policy[n], (), _engine_dict(engine, step_model), predictor).to_dict() for n in names}
+    docs = {
+        n: _settings_or_exit(
+            n, per_policy[n], (), _engine_dict(engine, step_model), predictor
+        ).to_dict()
+        for n in names
+    }
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     config = _engine_config(num_gpu_blocks, step_model)
     show = _show_progress(progress, len(trace)) and jobs == 1
@@ -394,9 +637,13 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_
         names.append(label)
     tasks = [(_run_one, (n, trace, docs[n], config, not step_by_step, show)) for n in names]
     if autopilot:
-        start = _settings_or_exit("uniboost", per_policy.get("uniboost", []), (), _engine_dict(engine, step_model))
+        start = _settings_or_exit(
+            "uniboost", per_policy.get("uniboost", []), (), _engine_dict(engine, step_model)
+        )
         names.append("autopilot")
-        tasks.append((_run_autopilot, ("autopilot", trace, start.to_dict(), config, not step_by_step, False)))
+        tasks.append(
+            (_run_autopilot, ("autopilot", trace, start.to_dict(), config, not step_by_step, False))
+        )
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
@@ -408,19 +655,34 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_
     metrics = {label: m for label, m, _ in results}
     info = {label: i for label, _, i in results}
     base = metrics[baseline]
-    changes = {n: {k: percent_change(metrics[n][k], base[k], k) for k in COMPARE_METRICS} for n in names}
+    changes = {
+        n: {k: percent_change(metrics[n][k], base[k], k) for k in COMPARE_METRICS} for n in names
+    }
     if as_json:  # an undefined change (against a zero baseline) is null
-        echo_json({"trace": trace.name, "requests": len(trace), "baseline": baseline, "metrics": metrics,
-                   "change_pct": changes, "runs": info}, default=float)
+        echo_json(
+            {
+                "trace": trace.name,
+                "requests": len(trace),
+                "baseline": baseline,
+                "metrics": metrics,
+                "change_pct": changes,
+                "runs": info,
+            },
+            default=float,
+        )
         return
     from rich.table import Table
 
-    table = Table(title=f"{trace.name}: {len(trace)} requests; % change vs {baseline} (positive = better)")
+    table = Table(
+        title=f"{trace.name}: {len(trace)} requests; % change vs {baseline} (positive = better)"
+    )
     table.add_column("policy")
     for k in COMPARE_METRICS:
         table.add_column(k, justify="right")
     for n in names:
-        cells = [f"{changes[n][k]:+.1f}%" if n != baseline else _fmt(base[k]) for k in COMPARE_METRICS]
+        cells = [
+            f"{changes[n][k]:+.1f}%" if n != baseline else _fmt(base[k]) for k in COMPARE_METRICS
+        ]
         table.add_row(n + (" (abs)" if n == baseline else ""), *cells)
     _console().print(table)
     total_wall = sum(i["wall_s"] for i in info.values())
@@ -428,21 +690,66 @@ def compare(policies, baseline, assignments, jobs, as_json, autopilot, settings_
 
 
 @main.command()
-@click.option("--cluster", "cluster_file", required=True, metavar="FILE", type=click.Path(dir_okay=False),
-              help="Cluster file whose governance block gives the tenants, their commitments and SLOs.")
+@click.option(
+    "--cluster",
+    "cluster_file",
+    required=True,
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Cluster file whose governance block gives the tenants, their commitments and SLOs.",
+)
 @click.option("--cluster-name", metavar="NAME", help="Which cluster of the file.")
-@click.option("--policy", type=click.Choice(POLICY_NAMES), default="slofq", show_default=True,
-              help="The replicas' policy (slofq takes the governance block's tenants as its parameters).")
-@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
-@click.option("--target", type=FiniteFloatRange(0, 1, min_open=True), default=0.99, show_default=True,
-              help="The mean per-window SCR to keep.")
-@click.option("--window-s", type=FiniteFloatRange(min=1), default=60.0, show_default=True,
-              help="Judge SCR per window of this many seconds of arrivals.")
+@click.option(
+    "--policy",
+    type=click.Choice(POLICY_NAMES),
+    default="slofq",
+    show_default=True,
+    help="The replicas' policy (slofq takes the governance block's tenants as its parameters).",
+)
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Set a policy parameter (repeatable).",
+)
+@click.option(
+    "--target",
+    type=FiniteFloatRange(0, 1, min_open=True),
+    default=0.99,
+    show_default=True,
+    help="The mean per-window SCR to keep.",
+)
+@click.option(
+    "--window-s",
+    type=FiniteFloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="Judge SCR per window of this many seconds of arrivals.",
+)
 @click.option("--max-replicas", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @with_options(trace_options, engine_options)
-def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, max_replicas, as_json, trace_path,
-             rate_scale, target_rate, window, cap, tenants, seed, num_gpu_blocks, step_model, **engine):
+def capacity(
+    cluster_file,
+    cluster_name,
+    policy,
+    assignments,
+    target,
+    window_s,
+    max_replicas,
+    as_json,
+    trace_path,
+    rate_scale,
+    target_rate,
+    window,
+    cap,
+    tenants,
+    seed,
+    num_gpu_blocks,
+    step_model,
+    **engine,
+):
     """How many replicas keep SCR at --target for this traffic and the cluster's SLOs (by simulation)."""
     from tailpilot.cli_cluster import load_cluster
     from tuner.capacity import capacity as plan_capacity
@@ -450,13 +757,28 @@ def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, 
 
     cluster = load_cluster(cluster_file, cluster_name)
     if cluster.governance is None:
-        raise click.UsageError(f"cluster {cluster.name!r} has no governance block: no tenants or SLOs to keep")
+        raise click.UsageError(
+            f"cluster {cluster.name!r} has no governance block: no tenants or SLOs to keep"
+        )
     params = cluster.governance.params()
-    base = [f"{k}={json.dumps(v)}" for k, v in params.model_dump().items()] if policy == "slofq" else []
-    settings = _settings_or_exit(policy, (*base, *assignments), (), _engine_dict(engine, step_model), "history")
+    base = (
+        [f"{k}={json.dumps(v)}" for k, v in params.model_dump().items()]
+        if policy == "slofq"
+        else []
+    )
+    settings = _settings_or_exit(
+        policy, (*base, *assignments), (), _engine_dict(engine, step_model), "history"
+    )
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
-    plan = plan_capacity(trace, params, settings, _engine_config(num_gpu_blocks, step_model), target=target,
-                         window_s=window_s, max_replicas=max_replicas)
+    plan = plan_capacity(
+        trace,
+        params,
+        settings,
+        _engine_config(num_gpu_blocks, step_model),
+        target=target,
+        window_s=window_s,
+        max_replicas=max_replicas,
+    )
     if as_json:
         echo_json(plan, default=float)
     else:
@@ -466,24 +788,91 @@ def capacity(cluster_file, cluster_name, policy, assignments, target, window_s, 
 
 
 @main.command()
-@click.option("--replicas", "-n", type=click.IntRange(1, 4096), default=2, show_default=True,
-              help="Number of simulated replicas (twin-0, twin-1, ...).")
-@click.option("--speed", type=POSITIVE, default=1.0, show_default=True,
-              help="Replica clock speed (10 = ten simulated seconds per wall second).")
-@click.option("--policy", type=click.Choice(POLICY_NAMES), default="sarathi", show_default=True,
-              help="Start-up policy (sarathi = vLLM's own behaviour, as a plugin without a settings file).")
-@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE", help="Set a policy parameter (repeatable).")
-@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the replicas listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
-              help="First port (replica i listens on PORT+i); 0 = ephemeral ports.")
-@click.option("--token", envvar="TAILPILOT_TOKEN", help="Bearer token for writes [env TAILPILOT_TOKEN]; default: a random one, printed.")
-@click.option("--loop/--no-loop", default=True, show_default=True, help="Replay the trace again when it runs out.")
-@click.option("--cluster-out", type=click.Path(dir_okay=False, writable=True), help="Write a cluster YAML for the twins here.")
-@click.option("--cluster-name", default="twins", show_default=True, help="Cluster name in the YAML.")
+@click.option(
+    "--replicas",
+    "-n",
+    type=click.IntRange(1, 4096),
+    default=2,
+    show_default=True,
+    help="Number of simulated replicas (twin-0, twin-1, ...).",
+)
+@click.option(
+    "--speed",
+    type=POSITIVE,
+    default=1.0,
+    show_default=True,
+    help="Replica clock speed (10 = ten simulated seconds per wall second).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(POLICY_NAMES),
+    default="sarathi",
+    show_default=True,
+    help="Start-up policy (sarathi = vLLM's own behaviour, as a plugin without a settings file).",
+)
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Set a policy parameter (repeatable).",
+)
+@click.option(
+    "--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter (no adaptation)."
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address the replicas listen on."
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="First port (replica i listens on PORT+i); 0 = ephemeral ports.",
+)
+@click.option(
+    "--token",
+    envvar="TAILPILOT_TOKEN",
+    help="Bearer token for writes [env TAILPILOT_TOKEN]; default: a random one, printed.",
+)
+@click.option(
+    "--loop/--no-loop",
+    default=True,
+    show_default=True,
+    help="Replay the trace again when it runs out.",
+)
+@click.option(
+    "--cluster-out",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write a cluster YAML for the twins here.",
+)
+@click.option(
+    "--cluster-name", default="twins", show_default=True, help="Cluster name in the YAML."
+)
 @with_options(trace_options, engine_options)
-def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tenants, seed, policy, assignments, pins,
-         num_gpu_blocks, step_model, host, port, token, loop, cluster_out, cluster_name, **engine):
+def twin(
+    replicas,
+    trace_path,
+    speed,
+    rate_scale,
+    target_rate,
+    window,
+    cap,
+    tenants,
+    seed,
+    policy,
+    assignments,
+    pins,
+    num_gpu_blocks,
+    step_model,
+    host,
+    port,
+    token,
+    loop,
+    cluster_out,
+    cluster_name,
+    **engine,
+):
     """Start simulated replicas serving the control API and vLLM's /metrics, fed by a trace in
     (accelerated) real time, until Ctrl-C or SIGTERM. Rate options apply to the whole trace,
     before it is split round-robin across the replicas."""
@@ -494,15 +883,29 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
     from tuner.twin import start_twins
 
     if port and port + replicas - 1 > 65535:
-        raise click.BadParameter(f"ports {port}..{port + replicas - 1} exceed 65535", param_hint="--port")
-    settings = _settings_or_exit(policy, assignments, pins, _engine_dict(engine, step_model), "history")
+        raise click.BadParameter(
+            f"ports {port}..{port + replicas - 1} exceed 65535", param_hint="--port"
+        )
+    settings = _settings_or_exit(
+        policy, assignments, pins, _engine_dict(engine, step_model), "history"
+    )
     trace = _load_trace_or_exit(trace_path, rate_scale, target_rate, window, cap, tenants, seed)
     generated = token is None
     token = token or secrets.token_urlsafe(16)
     try:
-        cluster = start_twins(replicas, trace, speed=speed, settings=settings, host=host, port=port, loop=loop,
-                              seed=seed, token=token, config=_engine_config(num_gpu_blocks, step_model),
-                              cluster_name=cluster_name)
+        cluster = start_twins(
+            replicas,
+            trace,
+            speed=speed,
+            settings=settings,
+            host=host,
+            port=port,
+            loop=loop,
+            seed=seed,
+            token=token,
+            config=_engine_config(num_gpu_blocks, step_model),
+            cluster_name=cluster_name,
+        )
     except OSError as err:
         raise click.ClickException(f"cannot listen: {err}") from None
     except ValueError as err:
@@ -510,8 +913,10 @@ def twin(replicas, trace_path, speed, rate_scale, target_rate, window, cap, tena
     done = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
-        click.echo(f"{len(cluster)} twin replicas of {trace.name} ({len(trace)} requests"
-                   f"{', looping' if loop else ''}) at speed {speed:g}, policy {settings.policy}:")
+        click.echo(
+            f"{len(cluster)} twin replicas of {trace.name} ({len(trace)} requests"
+            f"{', looping' if loop else ''}) at speed {speed:g}, policy {settings.policy}:"
+        )
         for r in cluster:
             click.echo(f"  {r.name}  {r.url}")
         if cluster_out:
@@ -561,8 +966,11 @@ def _fmt(v: float) -> str:
 
 
 @main.command()
-@click.option("--out", type=click.Path(dir_okay=False, writable=True),
-              help="Write the schema here instead of printing it.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the schema here instead of printing it.",
+)
 def schema(out):
     """The JSON Schema of every control-API document (state, completion, steps, settings, error):
     what the plugin and the twins send and the collector reads (scheduler/contract.py)."""

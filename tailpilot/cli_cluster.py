@@ -36,9 +36,19 @@ from tailpilot.cli_common import (
 DB_ENV = "TAILPILOT_DB"  # default database URL when --db is not given
 
 cluster_options = [
-    click.option("--cluster", "cluster_file", required=True, metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Cluster file (YAML) listing the replicas."),
-    click.option("--cluster-name", metavar="NAME", help="Which cluster of the file (needed when it has several)."),
+    click.option(
+        "--cluster",
+        "cluster_file",
+        required=True,
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="Cluster file (YAML) listing the replicas.",
+    ),
+    click.option(
+        "--cluster-name",
+        metavar="NAME",
+        help="Which cluster of the file (needed when it has several).",
+    ),
 ]
 
 
@@ -98,10 +108,15 @@ def known_cluster(store, cluster_name: str) -> None:
     url = store.database.engine.url
     where = url.database if is_sqlite(url) else redact(url)
     if not known:
-        raise click.BadParameter(f"no cluster {cluster_name!r}: {where} has no cluster recorded "
-                                 "(tailpilot record --cluster FILE records one)", param_hint="--cluster-name")
+        raise click.BadParameter(
+            f"no cluster {cluster_name!r}: {where} has no cluster recorded "
+            "(tailpilot record --cluster FILE records one)",
+            param_hint="--cluster-name",
+        )
     shown = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
-    raise click.BadParameter(f"no cluster {cluster_name!r} in {where} (known: {shown})", param_hint="--cluster-name")
+    raise click.BadParameter(
+        f"no cluster {cluster_name!r} in {where} (known: {shown})", param_hint="--cluster-name"
+    )
 
 
 def _unhealthy_row(name: str, reason: str | None):
@@ -114,7 +129,11 @@ def snapshot_rows(snapshots) -> tuple[list, dict[str, list[str]]]:
     """(SampleRow per replica, pinned parameters per replica) from collector snapshots."""
     rows, pinned = [], {}
     for snap in snapshots:
-        row = snap.sample if snap.sample is not None else _unhealthy_row(snap.name, snap.health.reason)
+        row = (
+            snap.sample
+            if snap.sample is not None
+            else _unhealthy_row(snap.name, snap.health.reason)
+        )
         if not snap.health.healthy:
             row.healthy, row.reason = False, snap.health.reason
         rows.append(row)
@@ -154,8 +173,9 @@ def status(cluster_file, cluster_name, as_json):
 
 
 # --------------------------------------------------------------------------------------------
-def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[str, ...],
-                 unpins: tuple[str, ...]):
+def build_change(
+    policy: str | None, assignments: tuple[str, ...], pins: tuple[str, ...], unpins: tuple[str, ...]
+):
     """A function from a replica's current settings to the new ones (raises ValueError on bad input)."""
     parsed = [parse_assignment(a) for a in assignments]
 
@@ -177,27 +197,72 @@ def build_change(policy: str | None, assignments: tuple[str, ...], pins: tuple[s
 
 @click.command(name="set")
 @with_cluster_options
-@click.option("--replica", "replicas", multiple=True, metavar="NAME", help="Replica to change (repeatable).")
+@click.option(
+    "--replica", "replicas", multiple=True, metavar="NAME", help="Replica to change (repeatable)."
+)
 @click.option("--all", "all_replicas", is_flag=True, help="Change every replica of the cluster.")
 @click.option("--policy", type=click.Choice(POLICY_NAMES), help="Switch to this policy.")
-@click.option("--set", "assignments", multiple=True, metavar="NAME=VALUE",
-              help="Set a parameter (or engine.max_num_seqs=...) (repeatable).")
-@click.option("--pin", "pins", multiple=True, metavar="NAME", help="Pin a parameter: adaptation leaves it alone.")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Set a parameter (or engine.max_num_seqs=...) (repeatable).",
+)
+@click.option(
+    "--pin",
+    "pins",
+    multiple=True,
+    metavar="NAME",
+    help="Pin a parameter: adaptation leaves it alone.",
+)
 @click.option("--unpin", "unpins", multiple=True, metavar="NAME", help="Unpin a parameter.")
-@click.option("--db", metavar="URL", help=f"Database for the audit log (default ${DB_ENV} or ./tailpilot.db).")
+@click.option(
+    "--db", metavar="URL", help=f"Database for the audit log (default ${DB_ENV} or ./tailpilot.db)."
+)
 @click.option("--who", default=None, help="Name in the audit log (default: $USER).")
-@click.option("--wait", "wait_s", type=FiniteFloatRange(0, 300), default=5.0, show_default=True,
-              metavar="SECONDS", help="How long to wait for each replica to run the new settings.")
-@click.option("--preview", is_flag=True,
-              help="First predict the change on each replica's last --minutes of recorded traffic (replayed "
-                   "warm, current vs proposed settings), show it with the simulator's error band on that "
-                   "replica, and ask before applying; the prediction is kept for `tailpilot verify`.")
-@click.option("--minutes", type=FiniteFloatRange(0.5, 7 * 24 * 60), default=10.0, show_default=True,
-              help="--preview: minutes of recorded traffic to predict on (and to verify on afterwards).")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=FiniteFloatRange(0, 300),
+    default=5.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for each replica to run the new settings.",
+)
+@click.option(
+    "--preview",
+    is_flag=True,
+    help="First predict the change on each replica's last --minutes of recorded traffic (replayed "
+    "warm, current vs proposed settings), show it with the simulator's error band on that "
+    "replica, and ask before applying; the prediction is kept for `tailpilot verify`.",
+)
+@click.option(
+    "--minutes",
+    type=FiniteFloatRange(0.5, 7 * 24 * 60),
+    default=10.0,
+    show_default=True,
+    help="--preview: minutes of recorded traffic to predict on (and to verify on afterwards).",
+)
 @click.option("--yes", is_flag=True, help="--preview: apply without asking.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assignments, pins, unpins, db, who,
-                wait_s, preview, minutes, yes, as_json):
+def set_command(
+    cluster_file,
+    cluster_name,
+    replicas,
+    all_replicas,
+    policy,
+    assignments,
+    pins,
+    unpins,
+    db,
+    who,
+    wait_s,
+    preview,
+    minutes,
+    yes,
+    as_json,
+):
     """Change replicas' settings through the control API, wait until they run them, and audit the change.
 
     Exit status 0 when every replica runs the new settings, 3 when all accepted them but some have
@@ -237,19 +302,37 @@ def set_command(cluster_file, cluster_name, replicas, all_replicas, policy, assi
                 if not click.confirm("apply these settings?", default=False):
                     raise click.ClickException("not applied: declined at the prompt")
         applied_ms = int(time.time() * 1000)
-        results = asyncio.run(apply_settings(cluster, names, change, store,
-                                             who or os.environ.get("USER") or "cli", wait_s=wait_s))
+        results = asyncio.run(
+            apply_settings(
+                cluster, names, change, store, who or os.environ.get("USER") or "cli", wait_s=wait_s
+            )
+        )
         for r in results:
             if r.ok and r.replica in predictions:  # kept with the change, for `tailpilot verify`
                 predictions[r.replica]["prediction_id"] = store.tuner.store_prediction(
-                    cluster.name, r.replica, predictions[r.replica], t_ms=applied_ms, version=r.version)
+                    cluster.name,
+                    r.replica,
+                    predictions[r.replica],
+                    t_ms=applied_ms,
+                    version=r.version,
+                )
     finally:
         store.close()
     if as_json:
-        echo_json([{"replica": r.replica, "result": r.result, "message": r.message, "version": r.version,
-                    "settings": r.new, "restart_required": r.restart_required,
-                    **({"prediction": predictions[r.replica]} if r.replica in predictions else {})}
-                   for r in results])
+        echo_json(
+            [
+                {
+                    "replica": r.replica,
+                    "result": r.result,
+                    "message": r.message,
+                    "version": r.version,
+                    "settings": r.new,
+                    "restart_required": r.restart_required,
+                    **({"prediction": predictions[r.replica]} if r.replica in predictions else {}),
+                }
+                for r in results
+            ]
+        )
     else:
         colour = {"applied": {"fg": "green"}, "staged": {"fg": "yellow"}}
         for r in results:
@@ -267,9 +350,9 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
 
     import httpx
 
-    from scheduler.contract import SettingsAnswer, read
     from controlplane.http import get_sync, sync_client
     from controlplane.replica_http import MAX_STATE_BYTES, control_base
+    from scheduler.contract import SettingsAnswer, read
     from storage.strict_json import finite
     from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts
     from tuner.whatif import WhatIfError, format_prediction, predict
@@ -279,10 +362,16 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
         spec = cluster.replica(name)
         try:
             with sync_client(cluster.timeout_s) as client:
-                answer = get_sync(client, control_base(spec) + "/settings", MAX_STATE_BYTES, "GET settings")
-            current = Settings.model_validate(read(SettingsAnswer, json.loads(answer.content)).settings)
+                answer = get_sync(
+                    client, control_base(spec) + "/settings", MAX_STATE_BYTES, "GET settings"
+                )
+            current = Settings.model_validate(
+                read(SettingsAnswer, json.loads(answer.content)).settings
+            )
             proposed = change(current)
-            proposed = proposed if isinstance(proposed, Settings) else Settings.model_validate(proposed)
+            proposed = (
+                proposed if isinstance(proposed, Settings) else Settings.model_validate(proposed)
+            )
         except (httpx.HTTPError, ValueError) as err:
             click.echo(f"{name}: no preview: cannot read its settings ({err})", err=True)
             continue
@@ -291,8 +380,18 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
         except ReplicaUnreachable:
             facts = None
         try:
-            p = finite(predict(store, cluster.name, name, current, proposed, now_ms=int(time.time() * 1000),
-                               minutes=minutes, engine_facts=facts))
+            p = finite(
+                predict(
+                    store,
+                    cluster.name,
+                    name,
+                    current,
+                    proposed,
+                    now_ms=int(time.time() * 1000),
+                    minutes=minutes,
+                    engine_facts=facts,
+                )
+            )
         except WhatIfError as err:
             click.echo(f"{name}: no preview: {err}", err=True)
             continue
@@ -304,8 +403,14 @@ def _preview(cluster, names, change, store, minutes: float, as_json: bool) -> di
 
 @click.command()
 @with_cluster_options
-@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
-@click.option("--replica", "replicas", multiple=True, metavar="NAME", help="Only these replicas (repeatable).")
+@click.option(
+    "--db",
+    metavar="URL",
+    help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).",
+)
+@click.option(
+    "--replica", "replicas", multiple=True, metavar="NAME", help="Only these replicas (repeatable)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the verifications as JSON.")
 def verify(cluster_file, cluster_name, db, replicas, as_json):
     """Realized vs predicted for every change applied with a prediction (`set --preview`): once its
@@ -323,7 +428,11 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
             raise click.BadParameter(str(err.args[0]), param_hint="--replica") from None
     store = open_store(db, must_exist=True)  # it only reads: a mistyped path creates nothing
     try:
-        kept = [p for p in store.tuner.predictions(cluster.name) if not replicas or p["replica"] in replicas]
+        kept = [
+            p
+            for p in store.tuner.predictions(cluster.name)
+            if not replicas or p["replica"] in replicas
+        ]
         now_ms = int(time.time() * 1000)
         out = [finite(run_verify(store, p, now_ms=now_ms)) for p in kept]
     finally:
@@ -340,23 +449,66 @@ def verify(cluster_file, cluster_name, db, replicas, as_json):
 # --------------------------------------------------------------------------------------------
 @click.command()
 @with_cluster_options
-@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
-@click.option("--name", "recording_name", metavar="NAME", help="Also mark the run as a named recording.")
-@click.option("--raw-hours", type=FiniteFloatRange(0, 10 * 365 * 24, min_open=True),
-              help="Retention: keep raw samples this many hours, then 1-minute rollups.")
-@click.option("--govern", is_flag=True, help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.")
-@click.option("--autopilot", is_flag=True,
-              help="Also run the autopilot (chooses each uniboost/sarathi replica's γ online); dry-run unless --arm.")
-@click.option("--autopilot-config", type=click.Path(dir_okay=False, exists=True), metavar="FILE",
-              help="--autopilot: its knobs, a JSON object of AutopilotConfig fields (README, \"The autopilot\").")
-@click.option("--arm", is_flag=True, help="Arm the controllers started with --govern / --autopilot (they apply "
-                                          "their changes; without it they only write them to the audit log).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="PORT",
-              help="Serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port; 9464 by convention).")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True,
-              help="Address the Prometheus page listens on (0.0.0.0 in a pod).")
-def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, autopilot, autopilot_config, arm,
-           metrics_port, metrics_host):
+@click.option(
+    "--db",
+    metavar="URL",
+    help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).",
+)
+@click.option(
+    "--name", "recording_name", metavar="NAME", help="Also mark the run as a named recording."
+)
+@click.option(
+    "--raw-hours",
+    type=FiniteFloatRange(0, 10 * 365 * 24, min_open=True),
+    help="Retention: keep raw samples this many hours, then 1-minute rollups.",
+)
+@click.option(
+    "--govern",
+    is_flag=True,
+    help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.",
+)
+@click.option(
+    "--autopilot",
+    is_flag=True,
+    help="Also run the autopilot (chooses each uniboost/sarathi replica's γ online); dry-run unless --arm.",
+)
+@click.option(
+    "--autopilot-config",
+    type=click.Path(dir_okay=False, exists=True),
+    metavar="FILE",
+    help='--autopilot: its knobs, a JSON object of AutopilotConfig fields (README, "The autopilot").',
+)
+@click.option(
+    "--arm",
+    is_flag=True,
+    help="Arm the controllers started with --govern / --autopilot (they apply "
+    "their changes; without it they only write them to the audit log).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    help="Serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port; 9464 by convention).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the Prometheus page listens on (0.0.0.0 in a pod).",
+)
+def record(
+    cluster_file,
+    cluster_name,
+    db,
+    recording_name,
+    raw_hours,
+    govern,
+    autopilot,
+    autopilot_config,
+    arm,
+    metrics_port,
+    metrics_host,
+):
     """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector)."""
     import logging
 
@@ -369,7 +521,9 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, au
         raise click.UsageError("--autopilot-config goes with --autopilot")
     tasks = [autopilot_task(autopilot_config, "armed" if arm else "dry-run")] if autopilot else []
     if govern and cluster.governance is None:
-        raise click.UsageError(f"cluster {cluster.name!r} has no governance block: nothing to govern")
+        raise click.UsageError(
+            f"cluster {cluster.name!r} has no governance block: nothing to govern"
+        )
     retention = None
     if raw_hours is not None:
         from storage.retention import RetentionSettings
@@ -378,15 +532,21 @@ def record(cluster_file, cluster_name, db, recording_name, raw_hours, govern, au
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     open_store(db).close()  # a bad URL is a usage error before anything starts
     try:
-        stats = run_recorder(cluster, db or os.environ.get(DB_ENV), recording_name=recording_name,
-                             retention=retention, govern=("armed" if arm else "dry-run") if govern else None,
-                             metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
-                             tasks=tasks)
+        stats = run_recorder(
+            cluster,
+            db or os.environ.get(DB_ENV),
+            recording_name=recording_name,
+            retention=retention,
+            govern=("armed" if arm else "dry-run") if govern else None,
+            metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
+            tasks=tasks,
+        )
     except OSError as err:
         if metrics_port is None:
             raise
-        raise click.ClickException(f"cannot serve /metrics on {metrics_host}:{metrics_port}: "
-                                   f"{err.strerror or err}") from None
+        raise click.ClickException(
+            f"cannot serve /metrics on {metrics_host}:{metrics_port}: {err.strerror or err}"
+        ) from None
     echo_json(stats.as_dict(), default=str, indent=None)
 
 
@@ -398,7 +558,11 @@ def autopilot_task(config_file: str | None, state: str):
     from tuner.autopilot import AutopilotConfig
 
     try:
-        config = AutopilotConfig.model_validate_json(Path(config_file).read_bytes()) if config_file else None
+        config = (
+            AutopilotConfig.model_validate_json(Path(config_file).read_bytes())
+            if config_file
+            else None
+        )
     except ValidationError as err:
         raise click.BadParameter(describe_error(err), param_hint="--autopilot-config") from None
 
@@ -407,8 +571,12 @@ def autopilot_task(config_file: str | None, state: str):
 
         from tuner.autopilot_live import run_autopilot
 
-        await asyncio.to_thread(store.governance.set_autopilot_control, collector.cluster.name, state=state,
-                                who="autopilot start")
+        await asyncio.to_thread(
+            store.governance.set_autopilot_control,
+            collector.cluster.name,
+            state=state,
+            who="autopilot start",
+        )
         await run_autopilot(collector, store, stop, config=config)
 
     return task
@@ -420,29 +588,50 @@ def autopilot():
     disarm, pause, resume), or tune its own knobs on traces (tune)."""
 
 
-AUTOPILOT_ACTIONS = {"status": "Its state, each replica's choice and why, and its last decisions.",
-                     "arm": "Apply its decisions through the control API (audited, verified).",
-                     "dry-run": "Only write its decisions to the audit log (the default).",
-                     "disarm": "Stop it (its simulators are dropped; arming starts them afresh).",
-                     "pause": "Hold it: it keeps watching and applies nothing.",
-                     "resume": "Undo pause."}
+AUTOPILOT_ACTIONS = {
+    "status": "Its state, each replica's choice and why, and its last decisions.",
+    "arm": "Apply its decisions through the control API (audited, verified).",
+    "dry-run": "Only write its decisions to the audit log (the default).",
+    "disarm": "Stop it (its simulators are dropped; arming starts them afresh).",
+    "pause": "Hold it: it keeps watching and applies nothing.",
+    "resume": "Undo pause.",
+}
 
 
 def _autopilot_control(action: str):
     @autopilot.command(name=action, help=AUTOPILOT_ACTIONS[action])
-    @click.option("--cluster-name", "cluster_name", required=True, metavar="NAME", help="The cluster it runs on.")
-    @click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
-    @click.option("--who", default=None, help="Name in the autopilot's control row (default: $USER).")
+    @click.option(
+        "--cluster-name",
+        "cluster_name",
+        required=True,
+        metavar="NAME",
+        help="The cluster it runs on.",
+    )
+    @click.option(
+        "--db",
+        metavar="URL",
+        help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).",
+    )
+    @click.option(
+        "--who", default=None, help="Name in the autopilot's control row (default: $USER)."
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
     def command(cluster_name, db, who, as_json):
         from tuner.autopilot_live import CONTROL_ACTIONS, status_lines
 
-        store = open_store(db, must_exist=True)  # a mistyped path or cluster is an error, never a new row
+        store = open_store(
+            db, must_exist=True
+        )  # a mistyped path or cluster is an error, never a new row
         try:
             known_cluster(store, cluster_name)
             changes = CONTROL_ACTIONS.get(action)
-            row = store.governance.set_autopilot_control(cluster_name, who=who or f"cli:{os.environ.get('USER', 'unknown')}",
-                                              **changes) if changes else store.governance.autopilot_control(cluster_name)
+            row = (
+                store.governance.set_autopilot_control(
+                    cluster_name, who=who or f"cli:{os.environ.get('USER', 'unknown')}", **changes
+                )
+                if changes
+                else store.governance.autopilot_control(cluster_name)
+            )
         finally:
             store.close()
         if as_json:
@@ -459,12 +648,21 @@ for _action in AUTOPILOT_ACTIONS:
 
 
 @autopilot.command(name="tune")
-@click.option("--trace", "trace_paths", multiple=True, metavar="FILE",
-              help="A trace to tune on (repeatable; default the bundled Azure conv window).")
+@click.option(
+    "--trace",
+    "trace_paths",
+    multiple=True,
+    metavar="FILE",
+    help="A trace to tune on (repeatable; default the bundled Azure conv window).",
+)
 @click.option("--trials", type=click.IntRange(1, 10_000), default=20, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
-              help="Write the configuration here (for `record --autopilot-config FILE`).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="FILE",
+    help="Write the configuration here (for `record --autopilot-config FILE`).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def autopilot_tune(trace_paths, trials, seed, out, as_json):
     """Tune the autopilot's own knobs (margins, dwell, window, interval, delay) on continuous replays
@@ -475,7 +673,9 @@ def autopilot_tune(trace_paths, trials, seed, out, as_json):
     loaded = []
     for path in trace_paths or ("bundled",):
         try:
-            loaded.append(tr.load_bundled() if path == "bundled" else tr.load_trace(path, seed=seed))
+            loaded.append(
+                tr.load_bundled() if path == "bundled" else tr.load_trace(path, seed=seed)
+            )
         except (tr.TraceError, OSError) as err:
             raise click.BadParameter(str(err), param_hint="--trace") from None
         except TRACE_PARSE_ERRORS as err:
@@ -487,20 +687,34 @@ def autopilot_tune(trace_paths, trials, seed, out, as_json):
         echo_json(result)
         return
     f, s0 = result["figures"], result["start"]
-    click.echo(f"{result['trials']} trials; best #{result['trial']}: P95 TTFT {f['ttft_p95_ratio']:.3f}x sarathi "
-               f"(default configuration {s0['ttft_p95_ratio']:.3f}x), P99 TTLT {f['ttlt_p99_ratio']:.3f}x, "
-               f"throughput {f['throughput_ratio']:.3f}x")
+    click.echo(
+        f"{result['trials']} trials; best #{result['trial']}: P95 TTFT {f['ttft_p95_ratio']:.3f}x sarathi "
+        f"(default configuration {s0['ttft_p95_ratio']:.3f}x), P99 TTLT {f['ttlt_p99_ratio']:.3f}x, "
+        f"throughput {f['throughput_ratio']:.3f}x"
+    )
     click.echo("config: " + json_text(result["config"]) + (f" (written to {out})" if out else ""))
 
 
 @click.command()
-@click.argument("action", type=click.Choice(["status", "arm", "dry-run", "disarm", "pause", "resume"]))
-@click.option("--cluster-name", "cluster_name", required=True, metavar="NAME", help="The governed cluster.")
-@click.option("--db", metavar="URL", help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).")
+@click.argument(
+    "action", type=click.Choice(["status", "arm", "dry-run", "disarm", "pause", "resume"])
+)
+@click.option(
+    "--cluster-name", "cluster_name", required=True, metavar="NAME", help="The governed cluster."
+)
+@click.option(
+    "--db",
+    metavar="URL",
+    help=f"Database URL or SQLite path (default ${DB_ENV} or ./tailpilot.db).",
+)
 @click.option("--who", default=None, help="Name in the governor's control row (default: $USER).")
 @click.option("--json", "as_json", is_flag=True, help="Print the control row as JSON.")
-@click.option("--keep", is_flag=True, help="With disarm: keep the changes the governor applied (by default "
-              "disarm, pause and a recorder stop undo them).")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="With disarm: keep the changes the governor applied (by default "
+    "disarm, pause and a recorder stop undo them).",
+)
 def governor(action, cluster_name, db, who, as_json, keep):
     """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
     dry-run, disarm [--keep], pause, resume. Disarm, pause and dry-run undo every change the
@@ -516,9 +730,20 @@ def governor(action, cluster_name, db, who, as_json, keep):
         from controlplane.governor import CONTROL_ACTIONS
 
         changes = dict(CONTROL_ACTIONS.get(action) or {})
-        if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status the governor reads
-            changes["status"] = {**(store.governance.governor_control(cluster_name).get("status") or {}), "keep": keep}
-        row = store.governance.set_governor_control(cluster_name, who=who, **changes) if changes else store.governance.governor_control(cluster_name)
+        if action in (
+            "disarm",
+            "arm",
+            "dry-run",
+        ):  # the keep flag lives in the status the governor reads
+            changes["status"] = {
+                **(store.governance.governor_control(cluster_name).get("status") or {}),
+                "keep": keep,
+            }
+        row = (
+            store.governance.set_governor_control(cluster_name, who=who, **changes)
+            if changes
+            else store.governance.governor_control(cluster_name)
+        )
     finally:
         store.close()
     if as_json:
@@ -527,31 +752,53 @@ def governor(action, cluster_name, db, who, as_json, keep):
         from controlplane.governor import modes, modes_text
 
         status = row.get("status") or {}
-        click.echo(f"governor of {cluster_name}: {row['state']}{' (paused)' if row['paused'] else ''}"
-                   f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}")
+        click.echo(
+            f"governor of {cluster_name}: {row['state']}{' (paused)' if row['paused'] else ''}"
+            f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}"
+        )
         applied, _ = modes(status)
         if applied and (row["paused"] or (row["state"] != "armed" and not keep)):
             click.echo(f"  undoing {', '.join(applied)} at the governor's next evaluation")
         elif applied and keep:
-            click.echo(f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)")
+            click.echo(
+                f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)"
+            )
         for line in status.get("last") or []:
             click.echo(f"  last: {line}")
 
 
 # --------------------------------------------------------------------------------------------
 @click.command()
-@click.option("--cluster", "cluster_file", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Cluster file (YAML); with --replay it only supplies SLOs and the window.")
+@click.option(
+    "--cluster",
+    "cluster_file",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Cluster file (YAML); with --replay it only supplies SLOs and the window.",
+)
 @click.option("--cluster-name", metavar="NAME", help="Which cluster of the file or recording.")
-@click.option("--db", metavar="URL", help="Record into this database while watching (SQLite path or URL).")
-@click.option("--readonly", is_flag=True, help="Watch only: every action that changes the cluster is disabled.")
-@click.option("--replay", metavar="FILE", help="Open a recording (the recorder's database) instead of a live cluster.")
-@click.option("--optuna-storage", metavar="URL",
-              help="Optuna storage for the tuner panel (5): URL or SQLite path; default ./tailpilot-optuna.db if it exists.")
+@click.option(
+    "--db", metavar="URL", help="Record into this database while watching (SQLite path or URL)."
+)
+@click.option(
+    "--readonly",
+    is_flag=True,
+    help="Watch only: every action that changes the cluster is disabled.",
+)
+@click.option(
+    "--replay",
+    metavar="FILE",
+    help="Open a recording (the recorder's database) instead of a live cluster.",
+)
+@click.option(
+    "--optuna-storage",
+    metavar="URL",
+    help="Optuna storage for the tuner panel (5): URL or SQLite path; default ./tailpilot-optuna.db if it exists.",
+)
 def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
     """The operator TUI: live cluster view, policy switching and pinning, replay."""
-    from storage.engine import DatabaseMissing
     from storage.database import StoreOpenError
+    from storage.engine import DatabaseMissing
     from tui import run_tui
     from tui.sources import ReplayError
 
@@ -561,8 +808,14 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
         require_database(replay, "--replay")
     cluster = load_cluster(cluster_file, cluster_name) if cluster_file else None
     try:
-        run_tui(cluster, db_url=db, readonly=readonly, replay=replay, cluster_name=cluster_name,
-                optuna_storage=optuna_storage)
+        run_tui(
+            cluster,
+            db_url=db,
+            readonly=readonly,
+            replay=replay,
+            cluster_name=cluster_name,
+            optuna_storage=optuna_storage,
+        )
     except (ReplayError, StoreOpenError) as err:
         raise click.UsageError(str(err)) from None
     except DatabaseMissing as err:  # removed since the check above
@@ -571,19 +824,50 @@ def tui(cluster_file, cluster_name, db, readonly, replay, optuna_storage):
 
 # --------------------------------------------------------------------------------------------
 @click.command()
-@click.option("--replicas", "n", type=click.IntRange(1, 256), default=4, show_default=True,
-              help="Twin replicas to start.")
-@click.option("--trace", "trace_path", metavar="FILE", help="Trace to replay (default: the bundled Azure conv window).")
-@click.option("--speed", type=FiniteFloatRange(min=0.01), default=1.0, show_default=True,
-              help="Replica clock speed (2 = twice real time).")
-@click.option("--rate-scale", type=FiniteFloatRange(min=0.01), default=None,
-              help="Multiply the trace's arrival rate (default 1.5 × replicas: every replica queues).")
-@click.option("--policy", type=click.Choice(POLICY_NAMES), default=None,
-              help="Start every replica on this policy [default: side by side — sarathi (vLLM's default), "
-                   "uniboost, tie, vtc, round-robin].")
-@click.option("--db", default="tailpilot-demo.db", show_default=True, metavar="URL",
-              help="Where the demo records (a SQLite path or URL).")
-@click.option("--duration", type=POSITIVE, help="Stop after this many seconds (default: until q / Ctrl-C).")
+@click.option(
+    "--replicas",
+    "n",
+    type=click.IntRange(1, 256),
+    default=4,
+    show_default=True,
+    help="Twin replicas to start.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    metavar="FILE",
+    help="Trace to replay (default: the bundled Azure conv window).",
+)
+@click.option(
+    "--speed",
+    type=FiniteFloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="Replica clock speed (2 = twice real time).",
+)
+@click.option(
+    "--rate-scale",
+    type=FiniteFloatRange(min=0.01),
+    default=None,
+    help="Multiply the trace's arrival rate (default 1.5 × replicas: every replica queues).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(POLICY_NAMES),
+    default=None,
+    help="Start every replica on this policy [default: side by side — sarathi (vLLM's default), "
+    "uniboost, tie, vtc, round-robin].",
+)
+@click.option(
+    "--db",
+    default="tailpilot-demo.db",
+    show_default=True,
+    metavar="URL",
+    help="Where the demo records (a SQLite path or URL).",
+)
+@click.option(
+    "--duration", type=POSITIVE, help="Stop after this many seconds (default: until q / Ctrl-C)."
+)
 @click.option("--no-tui", is_flag=True, help="Print a status table instead of opening the TUI.")
 def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
     """Start twin replicas on a trace, record them into SQLite and show them live."""
@@ -597,23 +881,43 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
         raise click.UsageError(str(err)) from None
     except TRACE_PARSE_ERRORS as err:
         raise unreadable_trace(trace_path, err) from None
-    if len({r.tenant for r in trace}) == 1:  # three Zipf tenants, so the fairness views have something to show
+    if (
+        len({r.tenant for r in trace}) == 1
+    ):  # three Zipf tenants, so the fairness views have something to show
         trace = traces.assign_tenants_zipf(trace, 3, seed=0)
     token_env = "TAILPILOT_DEMO_TOKEN"
     os.environ.setdefault(token_env, secrets.token_hex(16))
     # Side by side by default, so the first screen compares vLLM's default with the tail-aware
     # policies on the same traffic (tie on the history predictor: what a live replica can run).
-    settings = ([Settings.model_validate({"policy": policy})] if policy else
-                [Settings.model_validate(d) for d in DEMO_POLICIES])
+    settings = (
+        [Settings.model_validate({"policy": policy})]
+        if policy
+        else [Settings.model_validate(d) for d in DEMO_POLICIES]
+    )
     # The bundled window is about one A100's load; at 1.5× per replica queues build and tails show.
     scale = rate_scale if rate_scale is not None else 1.5 * n
-    with start_twins(n, trace, speed=speed, rate_scale=scale, settings=settings,
-                     token=os.environ[token_env], cluster_name="demo") as twins:
-        cluster = ClusterSpec(name="demo", window_s=60.0, slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
-                              replicas=[ReplicaSpec(name=r.name, api_url=r.url, control_url=r.url,
-                                                    token_env=token_env) for r in twins.replicas])
+    with start_twins(
+        n,
+        trace,
+        speed=speed,
+        rate_scale=scale,
+        settings=settings,
+        token=os.environ[token_env],
+        cluster_name="demo",
+    ) as twins:
+        cluster = ClusterSpec(
+            name="demo",
+            window_s=60.0,
+            slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
+            replicas=[
+                ReplicaSpec(name=r.name, api_url=r.url, control_url=r.url, token_env=token_env)
+                for r in twins.replicas
+            ],
+        )
         Path("tailpilot-demo.yaml").write_text(_dump(ClusterFile(clusters=[cluster])))
-        click.echo(f"{n} twin replicas up (cluster file: tailpilot-demo.yaml, database: {db})", err=True)
+        click.echo(
+            f"{n} twin replicas up (cluster file: tailpilot-demo.yaml, database: {db})", err=True
+        )
         if no_tui or not _tui_available():
             _demo_table(cluster, db, duration)
         else:
@@ -622,8 +926,12 @@ def demo(n, trace_path, speed, rate_scale, policy, db, duration, no_tui):
             run_tui(cluster, db_url=db, readonly=False, duration_s=duration)
 
 
-DEMO_POLICIES = ({"policy": "sarathi"}, {"policy": "uniboost"},
-                 {"policy": "tie", "params": {"predictor": "history"}}, {"policy": "vtc"})
+DEMO_POLICIES = (
+    {"policy": "sarathi"},
+    {"policy": "uniboost"},
+    {"policy": "tie", "params": {"predictor": "history"}},
+    {"policy": "vtc"},
+)
 
 
 def _dump(clusters) -> str:

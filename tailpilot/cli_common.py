@@ -18,7 +18,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -45,7 +46,9 @@ class FiniteFloatRange(click.FloatRange):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{number} is not a finite number in the range {describe_range(self)}.", param, ctx)
+            self.fail(
+                f"{number} is not a finite number in the range {describe_range(self)}.", param, ctx
+            )
         return number
 
 
@@ -99,8 +102,11 @@ class TimeSpan(click.ParamType):
         except ValueError:
             self.fail(f"{value!r}: expected START:DURATION in seconds", param, ctx)
         if not (math.isfinite(start) and math.isfinite(duration) and duration > 0):
-            self.fail(f"{value!r}: START must be a finite number of seconds and DURATION finite and > 0",
-                      param, ctx)
+            self.fail(
+                f"{value!r}: START must be a finite number of seconds and DURATION finite and > 0",
+                param,
+                ctx,
+            )
         return (start, duration)
 
 
@@ -118,8 +124,13 @@ def unreadable_trace(path: str | None, err: BaseException) -> click.UsageError:
     return click.UsageError(f"{path}: not a trace tailpilot can read ({reason})")
 
 
-def json_text(doc: Any, *, default: Callable[[Any], Any] | None = None, indent: int | None = 2,
-              **dumps_options: Any) -> str:
+def json_text(
+    doc: Any,
+    *,
+    default: Callable[[Any], Any] | None = None,
+    indent: int | None = 2,
+    **dumps_options: Any,
+) -> str:
     """``doc`` as strict JSON text: every NaN and ±Infinity, at any depth and also in what
     ``default`` returns for an object JSON cannot hold, becomes null (``storage.strict_json.finite``);
     ``dumps_options`` go to ``json.dumps`` (``sort_keys``, ``ensure_ascii``)."""
@@ -127,7 +138,9 @@ def json_text(doc: Any, *, default: Callable[[Any], Any] | None = None, indent: 
     return json.dumps(finite(doc), indent=indent, allow_nan=False, default=convert, **dumps_options)
 
 
-def echo_json(doc: Any, *, default: Callable[[Any], Any] | None = None, indent: int | None = 2) -> None:
+def echo_json(
+    doc: Any, *, default: Callable[[Any], Any] | None = None, indent: int | None = 2
+) -> None:
     """Print ``doc`` as strict JSON (:func:`json_text`) on standard output: the one way a command's
     ``--json`` output is written."""
     click.echo(json_text(doc, default=default, indent=indent))

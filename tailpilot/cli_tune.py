@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
 
+from scheduler.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 from tailpilot.cli_cluster import DB_ENV
 from tailpilot.cli_common import (
     GPU_BLOCKS,
@@ -41,7 +43,6 @@ from tailpilot.cli_common import (
     FiniteFloatRange,
     echo_json,
 )
-from scheduler.settings import POLICY_NAMES, Settings, describe_error, parse_assignment
 
 if TYPE_CHECKING:  # the tuner's modules load only when a command runs
     from tuner.spec import SpecError, StudyConflict, StudySpec
@@ -114,8 +115,10 @@ def _production_doc(value: str) -> dict[str, Any]:
 def _trace_list(value: str) -> list[str | None]:
     from tuner.recorded import canonical, is_recorded, split_traces
 
-    return [None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
-            for p in split_traces(value)] or [None]
+    return [
+        None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
+        for p in split_traces(value)
+    ] or [None]
 
 
 def _mix_list(value: tuple[str, ...]) -> list[tuple[str, float]]:
@@ -123,7 +126,9 @@ def _mix_list(value: tuple[str, ...]) -> list[tuple[str, float]]:
     for item in value:
         path, sep, frac = item.rpartition("=")
         if not sep or not path:
-            raise ValueError(f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)")
+            raise ValueError(
+                f"{item!r}: expected FILE=FRACTION (e.g. servegen_deepseek_r1_length_pmf.csv=0.2)"
+            )
         out.append((str(Path(path).resolve()), float(frac)))
     return out
 
@@ -176,7 +181,9 @@ def _spec_value(param: str, value: Any) -> Any:
     try:
         return _SPEC_CONVERT.get(param, lambda v: v)(value)
     except ValueError as err:
-        raise click.BadParameter(str(err).removeprefix(f"{flag} "), param_hint=flag) from None  # named once
+        raise click.BadParameter(
+            str(err).removeprefix(f"{flag} "), param_hint=flag
+        ) from None  # named once
 
 
 def _given(ctx: click.Context, kw: dict[str, Any]) -> dict[str, Any]:
@@ -229,8 +236,15 @@ def _progress_bar(show: bool):
         TimeRemainingColumn,
     )
 
-    bar = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+    bar = Progress(
+        TextColumn("trials"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
     task: dict[str, TaskID | None] = {"id": None}
 
     def update(complete: int, total: int) -> None:
@@ -243,56 +257,186 @@ def _progress_bar(show: bool):
 
 
 @click.command()
-@click.option("--study", "study_name", required=True, metavar="NAME", help="Study name (created, joined or resumed).")
-@click.option("--storage", metavar="URL", help="Optuna storage: RDB URL (postgresql://... for many machines), SQLite path, "
-              "or journal file (journal:PATH, or PATH.journal / PATH.log; no database) [default: ./tailpilot-optuna.db].")
-@click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Complete trials the study should hold in total (a resumed study continues up to this).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Local worker processes on the same storage.")
-@click.option("--policy", "policies", metavar="NAME[,NAME]", help="Policy (or policies) to tune; needed to create a study.")
-@click.option("--objective", "objectives", multiple=True, metavar="METRIC",
-              help="Metric to optimise (repeatable; several → NSGA-II Pareto front), e.g. ttlt_p99.")
-@click.option("--constraint", "constraints", multiple=True, metavar="EXPR",
-              help='e.g. "throughput>=0.99*baseline" or "ttft_p99<=2.0" (baseline = production settings).')
-@click.option("--production", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Current production settings JSON (trial 0 and the baseline) [default: sarathi, vLLM's behaviour].")
-@click.option("--trace", "trace_paths", metavar="FILE[,FILE]",
-              help="Trace file(s), or one recording as db:[STORE]#recording=NAME[&replicas=R][&from=S&to=S]; "
-                   "default: the bundled Azure conv window.")
-@click.option("--recording", metavar="NAME",
-              help="Tune on a recording of the cluster's own traffic in --db (the same as --trace db:DB#recording=NAME).")
-@click.option("--mix", multiple=True, metavar="FILE=FRACTION",
-              help="Mix FRACTION of requests from FILE (e.g. the ServeGen reasoning PMF) into each trace (repeatable).")
-@click.option("--window", type=TIME_SPAN, metavar="START:DUR", help="Keep arrivals in [START, START+DUR) seconds first.")
+@click.option(
+    "--study",
+    "study_name",
+    required=True,
+    metavar="NAME",
+    help="Study name (created, joined or resumed).",
+)
+@click.option(
+    "--storage",
+    metavar="URL",
+    help="Optuna storage: RDB URL (postgresql://... for many machines), SQLite path, "
+    "or journal file (journal:PATH, or PATH.journal / PATH.log; no database) [default: ./tailpilot-optuna.db].",
+)
+@click.option(
+    "--trials",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Complete trials the study should hold in total (a resumed study continues up to this).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Local worker processes on the same storage.",
+)
+@click.option(
+    "--policy",
+    "policies",
+    metavar="NAME[,NAME]",
+    help="Policy (or policies) to tune; needed to create a study.",
+)
+@click.option(
+    "--objective",
+    "objectives",
+    multiple=True,
+    metavar="METRIC",
+    help="Metric to optimise (repeatable; several → NSGA-II Pareto front), e.g. ttlt_p99.",
+)
+@click.option(
+    "--constraint",
+    "constraints",
+    multiple=True,
+    metavar="EXPR",
+    help='e.g. "throughput>=0.99*baseline" or "ttft_p99<=2.0" (baseline = production settings).',
+)
+@click.option(
+    "--production",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="Current production settings JSON (trial 0 and the baseline) [default: sarathi, vLLM's behaviour].",
+)
+@click.option(
+    "--trace",
+    "trace_paths",
+    metavar="FILE[,FILE]",
+    help="Trace file(s), or one recording as db:[STORE]#recording=NAME[&replicas=R][&from=S&to=S]; "
+    "default: the bundled Azure conv window.",
+)
+@click.option(
+    "--recording",
+    metavar="NAME",
+    help="Tune on a recording of the cluster's own traffic in --db (the same as --trace db:DB#recording=NAME).",
+)
+@click.option(
+    "--mix",
+    multiple=True,
+    metavar="FILE=FRACTION",
+    help="Mix FRACTION of requests from FILE (e.g. the ServeGen reasoning PMF) into each trace (repeatable).",
+)
+@click.option(
+    "--window",
+    type=TIME_SPAN,
+    metavar="START:DUR",
+    help="Keep arrivals in [START, START+DUR) seconds first.",
+)
 @click.option("--rate-scale", type=POSITIVE, help="Multiply the arrival rate by X (> 0).")
-@click.option("--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0).")
-@click.option("--max-tokens-cap", "cap", type=TOKENS, metavar="N", help="Cap every request's output at N tokens.")
-@click.option("--max-tokens-default", type=TOKENS, metavar="N",
-              help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
-                   "[default: 4096].")
+@click.option(
+    "--target-rate", type=POSITIVE, help="Rescale arrivals to this many requests/s (> 0)."
+)
+@click.option(
+    "--max-tokens-cap",
+    "cap",
+    type=TOKENS,
+    metavar="N",
+    help="Cap every request's output at N tokens.",
+)
+@click.option(
+    "--max-tokens-default",
+    type=TOKENS,
+    metavar="N",
+    help="max_tokens of requests whose trace records no cap (longer outputs are truncated to it) "
+    "[default: 4096].",
+)
 @click.option("--tenants", type=TENANTS, metavar="N", help="Assign N Zipf-distributed tenants.")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed: held-out split, sampler, generated arrivals.")
-@click.option("--window-s", type=POSITIVE, default=120.0, show_default=True, help="Window length in seconds.")
-@click.option("--warmup-s", type=NON_NEGATIVE, default=120.0, show_default=True,
-              help="Seconds of arrivals replayed before each window and not measured (0: windows start empty).")
-@click.option("--windows", type=click.IntRange(min=1), help="Search windows per trial (K) [default: all, up to 12].")
-@click.option("--holdout", type=FiniteFloatRange(0, 1, min_open=True, max_open=True), default=0.25, show_default=True,
-              help="Fraction of windows held out for validation.")
-@click.option("--slo", multiple=True, metavar="FAMILY=SECONDS", help="SLO for *_slo_* metrics, e.g. ttlt=20 (repeatable).")
-@click.option("--range", "ranges", multiple=True, metavar="NAME=LO:HI[:log]", help="Override a parameter's search span.")
-@click.option("--fix", multiple=True, metavar="NAME=VALUE", help="Fix a parameter instead of searching it.")
-@click.option("--search", "search_params", metavar="NAME[,NAME]", help="Search only these parameters.")
-@click.option("--engine/--no-engine", "tune_engine", default=True, show_default=True,
-              help="Also search max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold.")
-@click.option("--num-gpu-blocks", type=GPU_BLOCKS, help="KV cache size in blocks of 16 tokens (default 25,000).")
-@click.option("--step-model", type=STEP_MODEL, metavar="NAME",
-              help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).")
-@click.option("--no-pruner", is_flag=True, help="Run every window of every trial (no WilcoxonPruner).")
-@click.option("--population", type=click.IntRange(min=2), default=20, show_default=True,
-              help="NSGA-II population (several objectives).")
-@click.option("--db", metavar="URL", help=f"tailpilot's database (default ${DB_ENV}); the storage must differ from it.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
+@click.option(
+    "--seed",
+    type=SEED,
+    default=0,
+    show_default=True,
+    help="Seed: held-out split, sampler, generated arrivals.",
+)
+@click.option(
+    "--window-s", type=POSITIVE, default=120.0, show_default=True, help="Window length in seconds."
+)
+@click.option(
+    "--warmup-s",
+    type=NON_NEGATIVE,
+    default=120.0,
+    show_default=True,
+    help="Seconds of arrivals replayed before each window and not measured (0: windows start empty).",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(min=1),
+    help="Search windows per trial (K) [default: all, up to 12].",
+)
+@click.option(
+    "--holdout",
+    type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
+    default=0.25,
+    show_default=True,
+    help="Fraction of windows held out for validation.",
+)
+@click.option(
+    "--slo",
+    multiple=True,
+    metavar="FAMILY=SECONDS",
+    help="SLO for *_slo_* metrics, e.g. ttlt=20 (repeatable).",
+)
+@click.option(
+    "--range",
+    "ranges",
+    multiple=True,
+    metavar="NAME=LO:HI[:log]",
+    help="Override a parameter's search span.",
+)
+@click.option(
+    "--fix", multiple=True, metavar="NAME=VALUE", help="Fix a parameter instead of searching it."
+)
+@click.option(
+    "--search", "search_params", metavar="NAME[,NAME]", help="Search only these parameters."
+)
+@click.option(
+    "--engine/--no-engine",
+    "tune_engine",
+    default=True,
+    show_default=True,
+    help="Also search max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold.",
+)
+@click.option(
+    "--num-gpu-blocks",
+    type=GPU_BLOCKS,
+    help="KV cache size in blocks of 16 tokens (default 25,000).",
+)
+@click.option(
+    "--step-model",
+    type=STEP_MODEL,
+    metavar="NAME",
+    help="Step-time coefficient set (default a100-80gb/llama-3-8b/tp1).",
+)
+@click.option(
+    "--no-pruner", is_flag=True, help="Run every window of every trial (no WilcoxonPruner)."
+)
+@click.option(
+    "--population",
+    type=click.IntRange(min=2),
+    default=20,
+    show_default=True,
+    help="NSGA-II population (several objectives).",
+)
+@click.option(
+    "--db",
+    metavar="URL",
+    help=f"tailpilot's database (default ${DB_ENV}); the storage must differ from it.",
+)
+@click.option(
+    "--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
 def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw):
@@ -329,8 +473,16 @@ def tune(ctx, study_name, storage, trials, workers, db, progress, as_json, **kw)
     log = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
         with bar:
-            outcome = run_tune(url, study_name, trials, spec=spec, given=given, workers=workers,
-                               progress=update, log=log)
+            outcome = run_tune(
+                url,
+                study_name,
+                trials,
+                spec=spec,
+                given=given,
+                workers=workers,
+                progress=update,
+                log=log,
+            )
     except StudyConflict as err:
         raise _conflict_error(err, study_name) from None
     except SpecError as err:
@@ -351,7 +503,9 @@ def _new_spec(study_name: str, given: dict[str, Any]) -> StudySpec:
 
     for need in ("policies", "objectives"):
         if need not in given:
-            raise click.UsageError(f"study {study_name!r} does not exist yet: {_flag_of(need)} is needed to create it")
+            raise click.UsageError(
+                f"study {study_name!r} does not exist yet: {_flag_of(need)} is needed to create it"
+            )
     try:
         spec = StudySpec(**given)
     except SpecError as err:
@@ -370,11 +524,15 @@ def _conflict_error(err: StudyConflict, study_name: str) -> click.UsageError:
     """A flag whose value differs from the study's stored definition."""
     why = ""
     if err.field_name == "seed":  # the seed fixes the windows and the split, not a worker's stream
-        why = (" (the seed fixes the study's windows and held-out split; every trial already draws its "
-               "own sampler stream, so a joining worker needs no seed of its own)")
-    return click.UsageError(f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
-                            f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
-                            "or use a new --study")
+        why = (
+            " (the seed fixes the study's windows and held-out split; every trial already draws its "
+            "own sampler stream, so a joining worker needs no seed of its own)"
+        )
+    return click.UsageError(
+        f"{_flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
+        f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
+        "or use a new --study"
+    )
 
 
 def _flag_of(field_name: str) -> str:
@@ -399,37 +557,57 @@ def _report_tune(outcome, url: str, storage: str | None, as_json: bool) -> None:
         echo_json(jsonable(asdict(outcome)))
         return
     state = "interrupted" if outcome.interrupted else "done"
-    click.echo(f"study {outcome.study}: {outcome.complete} of {outcome.requested} trials complete ({state})")
+    click.echo(
+        f"study {outcome.study}: {outcome.complete} of {outcome.requested} trials complete ({state})"
+    )
     if outcome.best:
         vals = ", ".join(f"{v:.4g}" for v in outcome.best["values"])
-        extra = f" (Pareto front of {outcome.best['pareto_size']})" if outcome.best["pareto_size"] > 1 else ""
+        extra = (
+            f" (Pareto front of {outcome.best['pareto_size']})"
+            if outcome.best["pareto_size"] > 1
+            else ""
+        )
         click.echo(f"best trial #{outcome.best['trial']}{extra}: {vals}")
         click.echo("  " + json.dumps(outcome.best["settings"]))
     from tuner.optuna_storage import redact
 
     where = f" --storage {redact(storage) if '://' in storage else storage}" if storage else ""
     if outcome.interrupted:
-        click.echo(f"run the same command to continue; `tailpilot recommend --study {outcome.study}{where}` reads it now")
+        click.echo(
+            f"run the same command to continue; `tailpilot recommend --study {outcome.study}{where}` reads it now"
+        )
     else:
         click.echo(f"next: tailpilot recommend --study {outcome.study}{where}")
 
 
 @click.command()
 @click.option("--study", "study_name", required=True, metavar="NAME")
-@click.option("--storage", metavar="URL", help="Optuna storage of the study: RDB URL, SQLite path or journal:PATH "
-              "[default: ./tailpilot-optuna.db].")
-@click.option("--db", metavar="URL", help=f"Store the recommendation here (default ${DB_ENV} or ./tailpilot.db).")
+@click.option(
+    "--storage",
+    metavar="URL",
+    help="Optuna storage of the study: RDB URL, SQLite path or journal:PATH "
+    "[default: ./tailpilot-optuna.db].",
+)
+@click.option(
+    "--db",
+    metavar="URL",
+    help=f"Store the recommendation here (default ${DB_ENV} or ./tailpilot.db).",
+)
 @click.option("--no-store", is_flag=True, help="Only print; do not store the recommendation.")
-@click.option("--autopilot", "with_autopilot", is_flag=True,
-              help="Also judge keeping the autopilot (it replays every trace whole, choosing online) against "
-                   "the recommendation; about a dozen replays of the traces more.")
+@click.option(
+    "--autopilot",
+    "with_autopilot",
+    is_flag=True,
+    help="Also judge keeping the autopilot (it replays every trace whole, choosing online) against "
+    "the recommendation; about a dozen replays of the traces more.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the recommendation as JSON.")
 def recommend(study_name, storage, db, no_store, with_autopilot, as_json):
     """The study's best settings (or Pareto front) and their improvement over the production
     settings on search and on held-out windows, with confidence intervals over windows; stored
     so the TUI shows it."""
-    from tuner.recommend import jsonable
     from tuner.optuna_storage import open_storage
+    from tuner.recommend import jsonable
     from tuner.recommend import recommend as build
     from tuner.spec import TuneError
 
@@ -443,7 +621,9 @@ def recommend(study_name, storage, db, no_store, with_autopilot, as_json):
 
         store = open_store(db)
         try:
-            summary["stored_id"] = store.tuner.store_recommendation(study_name, summary["settings"], summary)
+            summary["stored_id"] = store.tuner.store_recommendation(
+                study_name, summary["settings"], summary
+            )
         finally:
             store.close()
     if as_json:
@@ -476,14 +656,27 @@ def _print_recommendation(s: dict) -> None:
 
     console = wide_console()
     pct = int(round(s["confidence"] * 100))
-    head = ("keep the production settings (nothing beat them)" if s["is_production"]
-            else f"trial #{s['trial']}")
-    console.print(f"[bold]study {s['study']}[/]: {s['trials_complete']} complete trials; recommendation: {head}")
+    head = (
+        "keep the production settings (nothing beat them)"
+        if s["is_production"]
+        else f"trial #{s['trial']}"
+    )
+    console.print(
+        f"[bold]study {s['study']}[/]: {s['trials_complete']} complete trials; recommendation: {head}"
+    )
     for t in s.get("traces", []):
-        console.print(f"tuned on {t['source']} ({t['requests']:,} requests over {t['span_s']:,.0f} s)", markup=False)
-    for part, title in (("search", "search windows (selected on; optimistic)"), ("holdout", "held-out windows (never searched)")):
+        console.print(
+            f"tuned on {t['source']} ({t['requests']:,} requests over {t['span_s']:,.0f} s)",
+            markup=False,
+        )
+    for part, title in (
+        ("search", "search windows (selected on; optimistic)"),
+        ("holdout", "held-out windows (never searched)"),
+    ):
         block = s[part]
-        table = Table(title=f"{title}: {len(block['windows'])} windows; vs production, positive = better")
+        table = Table(
+            title=f"{title}: {len(block['windows'])} windows; vs production, positive = better"
+        )
         table.add_column("metric")
         table.add_column("production (mean)", justify="right")
         table.add_column("recommended (mean)", justify="right")
@@ -491,20 +684,31 @@ def _print_recommendation(s: dict) -> None:
         table.add_column(f"per-window change [{pct}% CI]", justify="right")
         for name, m in block["metrics"].items():
             mean_change = m.get("mean_change_pct")
-            table.add_row(name, _fmt(m["baseline"]), _fmt(m["value"]),
-                          "—" if mean_change is None else f"{mean_change:+.1f}%", _ci(m))
+            table.add_row(
+                name,
+                _fmt(m["baseline"]),
+                _fmt(m["value"]),
+                "—" if mean_change is None else f"{mean_change:+.1f}%",
+                _ci(m),
+            )
         console.print(table)
-    console.print("per-window change: geometric mean over windows of recommended/production, with a "
-                  "t-interval over windows")
+    console.print(
+        "per-window change: geometric mean over windows of recommended/production, with a "
+        "t-interval over windows"
+    )
     if s.get("continuous"):
         _print_continuous(console, s["continuous"])
     _print_constraints(console, s["holdout"].get("constraints", []))
     if s.get("pareto_front"):
-        console.print(f"Pareto front: {len(s['pareto_front'])} trials "
-                      f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})")
+        console.print(
+            f"Pareto front: {len(s['pareto_front'])} trials "
+            f"({', '.join('#' + str(t['trial']) for t in s['pareto_front'])})"
+        )
     console.print("settings: " + json.dumps(s["settings"]))
     if s.get("autopilot"):
-        console.print(f"autopilot on the continuous replay: {s['autopilot']['verdict']}", markup=False)
+        console.print(
+            f"autopilot on the continuous replay: {s['autopilot']['verdict']}", markup=False
+        )
     if "stored_id" in s:
         console.print(f"stored as recommendation {s['stored_id']} (the TUI shows it)")
 
@@ -514,23 +718,44 @@ def _print_continuous(console, cont: dict) -> None:
     candidates passed over."""
     from rich.table import Table
 
-    table = Table(title="continuous replay of the whole trace (what production would see); vs production")
+    table = Table(
+        title="continuous replay of the whole trace (what production would see); vs production"
+    )
     table.add_column("metric")
-    for col in ("production, held-out requests", "recommended", "change",
-                "production, all requests", "recommended", "change"):
+    for col in (
+        "production, held-out requests",
+        "recommended",
+        "change",
+        "production, all requests",
+        "recommended",
+        "change",
+    ):
         table.add_column(col, justify="right")
     for name, h in cont["holdout"].items():
         a = cont["all"][name]
-        table.add_row(name, *(cell for m in (h, a) for cell in (
-            _fmt(m["production"]), _fmt(m["value"]),
-            "—" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%")))
+        table.add_row(
+            name,
+            *(
+                cell
+                for m in (h, a)
+                for cell in (
+                    _fmt(m["production"]),
+                    _fmt(m["value"]),
+                    "—" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%",
+                )
+            ),
+        )
     console.print(table)
     for c in cont["checked"]:
         if c["losses"]:
-            console.print(f"trial #{c['trial']} passed over: it loses the continuous replay "
-                          f"({'; '.join(c['losses'])})")
+            console.print(
+                f"trial #{c['trial']} passed over: it loses the continuous replay "
+                f"({'; '.join(c['losses'])})"
+            )
     if cont["kept_production"]:
-        console.print("every candidate checked lost the continuous replay: keep the production settings")
+        console.print(
+            "every candidate checked lost the continuous replay: keep the production settings"
+        )
 
 
 def _print_constraints(console, constraints: list[dict]) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from test_collector import VLLM_V1_PAGE
@@ -24,16 +25,31 @@ PAGE_LIMIT = 1_000  # the control API's page size
 
 def entry(i: int, **fields: Any) -> dict[str, Any]:
     """The completions-log entry number ``i``, valid unless ``fields`` say otherwise."""
-    doc = {"seq": i, "id": f"q{i}", "tenant": "acme", "type": "chat", "arrival": float(i),
-           "received_at": i + 0.01, "scheduled_at": i + 0.1, "first_token_at": i + 0.2, "finished_at": i + 1.0,
-           "prompt_tokens": 10 + i, "output_tokens": 5 + i, "max_tokens": 64, "preemptions": 0,
-           "recomputed_tokens": 0, "reason": "finished"}
+    doc = {
+        "seq": i,
+        "id": f"q{i}",
+        "tenant": "acme",
+        "type": "chat",
+        "arrival": float(i),
+        "received_at": i + 0.01,
+        "scheduled_at": i + 0.1,
+        "first_token_at": i + 0.2,
+        "finished_at": i + 1.0,
+        "prompt_tokens": 10 + i,
+        "output_tokens": 5 + i,
+        "max_tokens": 64,
+        "preemptions": 0,
+        "recomputed_tokens": 0,
+        "reason": "finished",
+    }
     doc.update(fields)
     return doc
 
 
 class CraftedReplica:
-    def __init__(self, name: str, log: list[dict[str, Any]] | None = None, *, metrics: bytes | None = None) -> None:
+    def __init__(
+        self, name: str, log: list[dict[str, Any]] | None = None, *, metrics: bytes | None = None
+    ) -> None:
         self.name = name
         self.log: list[dict[str, Any]] = list(log or [])
         self.state_extra: dict[str, Any] = {}
@@ -50,7 +66,7 @@ class CraftedReplica:
             def log_message(self, *a: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 parts = urlsplit(self.path)
                 if parts.path == "/tailpilot/v1/state":
                     cursor = int(parse_qs(parts.query).get("cursor", ["-1"])[0])
@@ -80,21 +96,34 @@ class CraftedReplica:
 
     def state_doc(self, cursor: int) -> dict[str, Any]:
         start = max(cursor, 0) if cursor >= 0 else len(self.log)
-        page = self.log[start:start + self.page_limit]
+        page = self.log[start : start + self.page_limit]
         doc: dict[str, Any] = {
-            "replica": self.name, "instance": "i-1", "time": 100.0, "policy": "fcfs",
-            "settings": {"policy": "fcfs", "params": {}, "pinned": []}, "settings_version": 1,
-            "waiting": 0, "running": 1, "kv": {"used_blocks": 1, "total_blocks": 100, "usage": 0.01},
-            "finished_total": len(self.log), "steps_total": 10 + len(self.log),
-            "completions": page, "next_cursor": start + len(page), "more": start + len(page) < len(self.log),
+            "replica": self.name,
+            "instance": "i-1",
+            "time": 100.0,
+            "policy": "fcfs",
+            "settings": {"policy": "fcfs", "params": {}, "pinned": []},
+            "settings_version": 1,
+            "waiting": 0,
+            "running": 1,
+            "kv": {"used_blocks": 1, "total_blocks": 100, "usage": 0.01},
+            "finished_total": len(self.log),
+            "steps_total": 10 + len(self.log),
+            "completions": page,
+            "next_cursor": start + len(page),
+            "more": start + len(page) < len(self.log),
         }
         doc.update(self.state_extra)
         return doc
 
     def state_body(self, cursor: int) -> bytes:
-        return json.dumps(self.state_doc(cursor)).encode()  # ensure_ascii: a lone surrogate as "\ud800"
+        return json.dumps(
+            self.state_doc(cursor)
+        ).encode()  # ensure_ascii: a lone surrogate as "\ud800"
 
-    def stream(self, handler: BaseHTTPRequestHandler, total: int, *, declared: int | None = None) -> None:
+    def stream(
+        self, handler: BaseHTTPRequestHandler, total: int, *, declared: int | None = None
+    ) -> None:
         """Answer with ``total`` bytes of a JSON array that never closes, then a byte every 50 ms
         until the client hangs up (a replica whose answer never ends); ``declared``: a Content-Length."""
         try:
@@ -110,7 +139,9 @@ class CraftedReplica:
                 sent += len(chunk)
                 self.bytes_sent += len(chunk)
             give_up = time.monotonic() + 60.0  # a test's own bound on a thread of this server
-            while time.monotonic() < give_up:  # a byte now and then, never the end: the client's cap or timeout ends it
+            while (
+                time.monotonic() < give_up
+            ):  # a byte now and then, never the end: the client's cap or timeout ends it
                 time.sleep(0.05)
                 handler.wfile.write(b" ")
                 handler.wfile.flush()

@@ -17,7 +17,9 @@ _work_tokens = UniBoost.work_tokens
 
 def _faulty_work_tokens(self, req):
     if req.tenant == FAULTY_TENANT:
-        raise RuntimeError(f"injected fault: uniboost weighed a request of tenant {FAULTY_TENANT!r}")
+        raise RuntimeError(
+            f"injected fault: uniboost weighed a request of tenant {FAULTY_TENANT!r}"
+        )
     return _work_tokens(self, req)
 
 

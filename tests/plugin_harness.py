@@ -33,24 +33,24 @@ import os
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 PORT_ENV = "TAILPILOT_API_PORT"
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
@@ -60,11 +60,20 @@ SAMPLED_TOKEN_ID = 7  # any id: ignore_eos is set, so no sampled token stops a r
 
 #: What ModelConfig reads: a Llama architecture and its geometry (no weights, no tokenizer).
 MINIMAL_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_MODEL_LEN,
-    "vocab_size": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "vocab_size": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
 }
 
 _minimal_dir: Path | None = None
@@ -105,41 +114,78 @@ def _env(**values: str | None) -> Iterator[None]:
 _model_configs: dict[tuple, ModelConfig] = {}
 
 
-def make_vllm_config(*, model_dir: Path | str | None = None, num_blocks: int, max_num_seqs: int,
-                     max_num_batched_tokens: int, block_size: int = 16, long_prefill_token_threshold: int = 0,
-                     enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                     max_model_len: int = MAX_MODEL_LEN) -> VllmConfig:
+def make_vllm_config(
+    *,
+    model_dir: Path | str | None = None,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int = 16,
+    long_prefill_token_threshold: int = 0,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = False,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> VllmConfig:
     model = str(model_dir or minimal_model_dir())
     key = (model, max_model_len)
     model_config = _model_configs.get(key)
     if model_config is None:  # ModelConfig is read-only for the scheduler: share it
         model_config = _model_configs[key] = ModelConfig(
-            model=model, tokenizer=model, skip_tokenizer_init=True, dtype="float32", seed=0,
-            max_model_len=max_model_len, trust_remote_code=False)
+            model=model,
+            tokenizer=model,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=max_model_len,
+            trust_remote_code=False,
+        )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-        enable_chunked_prefill=enable_chunked_prefill, is_encoder_decoder=False)
-    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
-                               enable_prefix_caching=enable_prefix_caching)
-    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                             cache_config=cache_config)
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return vllm_config
 
 
 def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
     """One full-attention group with exactly ``num_blocks`` blocks (block 0 is vLLM's null block)."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
 
 
-def make_scheduler(cls: type[Scheduler] = Scheduler, *, num_blocks: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, settings: dict | None = None, block_size: int = 16,
-                   long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
-                   enable_prefix_caching: bool = False, model_dir: Path | str | None = None,
-                   max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
+def make_scheduler(
+    cls: type[Scheduler] = Scheduler,
+    *,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    settings: dict | None = None,
+    block_size: int = 16,
+    long_prefill_token_threshold: int = 0,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = False,
+    model_dir: Path | str | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> Scheduler:
     """A scheduler of class ``cls`` over a KV cache of ``num_blocks`` blocks.
 
     ``settings`` is tailpilot's start-up settings document (written to a temporary file named by
@@ -147,11 +193,16 @@ def make_scheduler(cls: type[Scheduler] = Scheduler, *, num_blocks: int, max_num
     (sarathi). The plugin's control server is disabled (``$TAILPILOT_API_PORT=-1``).
     """
     vllm_config = make_vllm_config(
-        model_dir=model_dir, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        model_dir=model_dir,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-        max_model_len=max_model_len)
+        enable_chunked_prefill=enable_chunked_prefill,
+        enable_prefix_caching=enable_prefix_caching,
+        max_model_len=max_model_len,
+    )
     kv_cache_config = make_kv_cache_config(num_blocks, block_size)
     with tempfile.TemporaryDirectory(prefix="tp-settings-") as tmp:
         settings_path = None
@@ -159,17 +210,28 @@ def make_scheduler(cls: type[Scheduler] = Scheduler, *, num_blocks: int, max_num
             settings_path = str(Path(tmp) / "settings.json")
             Path(settings_path).write_text(json.dumps(settings))
         with _env(**{SETTINGS_FILE_ENV: settings_path, PORT_ENV: "-1"}):
-            return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                       structured_output_manager=StructuredOutputManager(vllm_config),
-                       block_size=block_size, log_stats=False)
+            return cls(
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=block_size,
+                log_stats=False,
+            )
 
 
 _token_seed = iter(range(1, 1 << 30))
 
 
-def make_request(id: str, prompt_len: int, max_tokens: int, arrival: float | None = None, *,
-                 tenant: str = "default", type: str = "chat", prompt_token_ids: list[int] | None = None
-                 ) -> Request:
+def make_request(
+    id: str,
+    prompt_len: int,
+    max_tokens: int,
+    arrival: float | None = None,
+    *,
+    tenant: str = "default",
+    type: str = "chat",
+    prompt_token_ids: list[int] | None = None,
+) -> Request:
     """A request of ``prompt_len`` prompt tokens that generates exactly ``max_tokens`` tokens.
 
     Prompts differ between requests (no accidental prefix-cache hits when caching is on).
@@ -178,14 +240,24 @@ def make_request(id: str, prompt_len: int, max_tokens: int, arrival: float | Non
     if prompt_token_ids is None:
         base = next(_token_seed) * 7919
         prompt_token_ids = [10 + (base + i * 31) % 4000 for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                            extra_args={"tenant": tenant, "type": type})
-    return Request(request_id=id, prompt_token_ids=prompt_token_ids, sampling_params=params,
-                   pooling_params=None, arrival_time=time.time() if arrival is None else arrival)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        extra_args={"tenant": tenant, "type": type},
+    )
+    return Request(
+        request_id=id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time() if arrival is None else arrival,
+    )
 
 
-def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
-                      token_id: int = SAMPLED_TOKEN_ID) -> ModelRunnerOutput:
+def fake_model_output(
+    scheduler: Scheduler, output: SchedulerOutput, token_id: int = SAMPLED_TOKEN_ID
+) -> ModelRunnerOutput:
     """What a model runner returns for ``output``: one sampled token for each scheduled request
     whose prefill completed this step, nothing for one still mid-prefill.
 
@@ -201,9 +273,14 @@ def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
         # is_prefill_chunk: num_computed_tokens < num_tokens (+ in-flight placeholders under async
         # scheduling), set by schedule() for every scheduled request.
         sampled.append([] if request.is_prefill_chunk else [token_id])
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                             pooler_output=[])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -274,8 +351,12 @@ class Driver:
         s = self.scheduler
         output = s.schedule()
         runner_output = fake_model_output(s, output)
-        record = StepRecord(index=len(self.history), scheduled=list(output.num_scheduled_tokens.items()),
-                            admitted=admitted(output), preempted=sorted(output.preempted_req_ids))
+        record = StepRecord(
+            index=len(self.history),
+            scheduled=list(output.num_scheduled_tokens.items()),
+            admitted=admitted(output),
+            preempted=sorted(output.preempted_req_ids),
+        )
         for rid in record.admitted:
             if rid not in self.first_admitted:
                 self.first_admitted.append(rid)
@@ -293,8 +374,14 @@ class Driver:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._inflight)
 
-    def run(self, *, arrivals: dict[int, list[Request]] | None = None, max_steps: int = 20_000,
-            steps: int | None = None, on_step=None) -> int:
+    def run(
+        self,
+        *,
+        arrivals: dict[int, list[Request]] | None = None,
+        max_steps: int = 20_000,
+        steps: int | None = None,
+        on_step=None,
+    ) -> int:
         """Step until the scheduler is empty (or for ``steps`` steps). ``arrivals[k]`` are added
         just before the k-th step of this call. Returns the number of steps taken."""
         arrivals = dict(arrivals or {})
@@ -315,13 +402,24 @@ class Driver:
             n += 1
             if n >= max_steps:
                 s = self.scheduler
-                raise AssertionError(f"not done after {max_steps} steps: {len(s.running)} running, "
-                                     f"{len(s.waiting)} waiting")
+                raise AssertionError(
+                    f"not done after {max_steps} steps: {len(s.running)} running, "
+                    f"{len(s.waiting)} waiting"
+                )
         return n
 
 
 __all__ = [
-    "Driver", "MINIMAL_LLAMA_CONFIG", "RequestStatus", "StepRecord", "admitted", "fake_model_output",
-    "make_kv_cache_config", "make_request", "make_scheduler", "make_vllm_config", "minimal_model_dir",
+    "MINIMAL_LLAMA_CONFIG",
+    "Driver",
+    "RequestStatus",
+    "StepRecord",
+    "admitted",
+    "fake_model_output",
+    "make_kv_cache_config",
+    "make_request",
+    "make_scheduler",
+    "make_vllm_config",
+    "minimal_model_dir",
     "step",
 ]

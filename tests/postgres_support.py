@@ -93,7 +93,19 @@ class PostgresServer:
             options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
                        "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50")  # fmt: skip
             try:
-                self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60", "start")
+                self._run(
+                    "pg_ctl",
+                    "-D",
+                    str(self.data),
+                    "-l",
+                    str(self.log),
+                    "-o",
+                    options,
+                    "-w",
+                    "-t",
+                    "60",
+                    "start",
+                )
                 return self
             except PostgresError:
                 if attempt == attempts - 1:
@@ -124,7 +136,9 @@ class PostgresServer:
             raise ValueError(f"database name {name!r}: use lower-case letters, digits and _")
         import psycopg  # a dependency of tailpilot; imported late so the module loads without it
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=PG_USER, dbname="postgres", autocommit=True) as c:
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user=PG_USER, dbname="postgres", autocommit=True
+        ) as c:
             c.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
@@ -172,4 +186,3 @@ def postgres_server() -> Iterator[PostgresServer]:
 def postgres_url(postgres_server: PostgresServer) -> str:
     """SQLAlchemy URL of the session's ``tailpilot`` database (empty at first; tests share it)."""
     return postgres_server.create_database("tailpilot")
-

@@ -76,12 +76,16 @@ def _quantile_slo() -> st.SearchStrategy[dict]:
 
 def _tenant_slo() -> st.SearchStrategy[dict]:
     fields = TenantSlo.model_fields
-    return st.fixed_dictionaries({}, optional={
-        "weight": _number(float, fields["weight"]),
-        "commit_tok_s": _number(float, fields["commit_tok_s"]),
-        "ttft": _quantile_slo(), "ttlt": _quantile_slo(),
-        "queue_cap": _number(int, fields["queue_cap"]),
-    })
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "weight": _number(float, fields["weight"]),
+            "commit_tok_s": _number(float, fields["commit_tok_s"]),
+            "ttft": _quantile_slo(),
+            "ttlt": _quantile_slo(),
+            "queue_cap": _number(int, fields["queue_cap"]),
+        },
+    )
 
 
 def _fraction_map(keys: list[str]) -> st.SearchStrategy[dict]:
@@ -91,8 +95,12 @@ def _fraction_map(keys: list[str]) -> st.SearchStrategy[dict]:
 
 # Fields whose type is a mapping: the schema says what each value is.
 SPECIAL: dict[str, st.SearchStrategy[Any]] = {
-    "weights": st.dictionaries(st.sampled_from(TENANTS), st.one_of(
-        st.sampled_from([1e-300, 5e-324, 1e300, 1.7976931348623157e308]), st.floats(1e-3, 1e3))),
+    "weights": st.dictionaries(
+        st.sampled_from(TENANTS),
+        st.one_of(
+            st.sampled_from([1e-300, 5e-324, 1e300, 1.7976931348623157e308]), st.floats(1e-3, 1e3)
+        ),
+    ),
     "tenants": st.dictionaries(st.sampled_from(TENANTS), _tenant_slo(), max_size=3),
     "default_tenant": _tenant_slo(),
     "throttle": _fraction_map(TENANTS),
@@ -130,8 +138,11 @@ def params_strategy(policy: str) -> st.SearchStrategy[dict]:
 
 def engine_strategy(fixed: dict[str, int] | None = None) -> st.SearchStrategy[dict]:
     """The engine block; ``fixed`` fields (what a replica cannot change live) are left out."""
-    fields = {name: field_strategy(name, info) for name, info in EngineSettings.model_fields.items()
-              if name not in (fixed or {})}
+    fields = {
+        name: field_strategy(name, info)
+        for name, info in EngineSettings.model_fields.items()
+        if name not in (fixed or {})
+    }
     return st.fixed_dictionaries({}, optional=fields)
 
 

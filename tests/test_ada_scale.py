@@ -16,13 +16,21 @@ from scheduler.settings import Settings
 def _uniboost(**params):
     # Fed finished requests' latencies (ada_signal "ttlt"): the same samples reach every policy.
     # ada_ema 1 makes γ the clamped target itself, so the scale shows undiluted.
-    doc = {"ada_signal": "ttlt", "ada_min_samples": 10, "ada_window": 5_000, "ada_ema": 1.0, **params}
+    doc = {
+        "ada_signal": "ttlt",
+        "ada_min_samples": 10,
+        "ada_window": 5_000,
+        "ada_ema": 1.0,
+        **params,
+    }
     return make_policy(Settings.model_validate({"policy": "uniboost", "params": doc}))
 
 
 def _feed(policy, ttlts) -> None:
     for i, t in enumerate(ttlts):
-        policy.on_finish(RequestState(id=f"x{i}", arrival=0.0, prompt_tokens=10, max_tokens=10), float(t))
+        policy.on_finish(
+            RequestState(id=f"x{i}", arrival=0.0, prompt_tokens=10, max_tokens=10), float(t)
+        )
 
 
 TAIL = np.random.default_rng(7).exponential(1 / 0.2, 5_000)  # decay rate 0.2 /s
@@ -55,7 +63,9 @@ def test_scaled_gamma_stays_within_the_clamps():
     slope.tick(10.0)
     low = _uniboost(gamma=1.0, ada_scale=1e-6, gamma_min=0.004)  # scale × slope far below gamma_min
     high = _uniboost(gamma=1.0, ada_scale=1e6, gamma_max=3.0)  # far above gamma_max
-    flat = _uniboost(gamma=1.0, ada_scale=0.01, gamma_max=7.0)  # no spread: the fastest decay allowed
+    flat = _uniboost(
+        gamma=1.0, ada_scale=0.01, gamma_max=7.0
+    )  # no spread: the fastest decay allowed
     for p, tail in ((low, TAIL), (high, TAIL), (flat, [2.0] * 100)):
         _feed(p, tail)
         p.tick(10.0)
@@ -81,4 +91,9 @@ def test_settings_refuse_an_out_of_range_scale_naming_the_field(bad):
 
 @pytest.mark.parametrize("edge", [1e-6, 1e6])
 def test_settings_accept_the_bounds(edge):
-    assert Settings.model_validate({"policy": "uniboost", "params": {"ada_scale": edge}}).params.ada_scale == edge
+    assert (
+        Settings.model_validate(
+            {"policy": "uniboost", "params": {"ada_scale": edge}}
+        ).params.ada_scale
+        == edge
+    )

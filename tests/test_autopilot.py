@@ -9,10 +9,17 @@ import pytest
 
 from scheduler.settings import Settings
 from sim import traces
-from tuner.autopilot import AutopilotConfig, Observation, candidates, log_grid, replay_with_autopilot
+from tuner.autopilot import (
+    AutopilotConfig,
+    Observation,
+    candidates,
+    log_grid,
+    replay_with_autopilot,
+)
 
-CONFIG = AutopilotConfig(gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0,
-                         min_requests=50)
+CONFIG = AutopilotConfig(
+    gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0, min_requests=50
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +30,16 @@ def busy_window() -> traces.Trace:
 
 def decisions_until(trace, t: float) -> list[tuple]:
     _, decisions = replay_with_autopilot(trace, config=CONFIG)
-    return [(d.at, d.choice, d.changed, tuple(sorted((n, f.ttft_p95, f.ttlt_p99) for n, f in d.figures.items())))
-            for d in decisions if d.at <= t]
+    return [
+        (
+            d.at,
+            d.choice,
+            d.changed,
+            tuple(sorted((n, f.ttft_p95, f.ttlt_p99) for n, f in d.figures.items())),
+        )
+        for d in decisions
+        if d.at <= t
+    ]
 
 
 def test_decisions_never_depend_on_the_future(busy_window):
@@ -38,8 +53,14 @@ def test_decisions_never_depend_on_the_future(busy_window):
     changed = []
     for r in reqs:
         if r.arrival > t_cut:  # the future: other prompts and lengths
-            changed.append(replace(r, prompt_tokens=r.prompt_tokens * 3 + 7, output_tokens=r.output_tokens * 5 + 1,
-                                   max_tokens=max(r.max_tokens, r.output_tokens * 5 + 1)))
+            changed.append(
+                replace(
+                    r,
+                    prompt_tokens=r.prompt_tokens * 3 + 7,
+                    output_tokens=r.output_tokens * 5 + 1,
+                    max_tokens=max(r.max_tokens, r.output_tokens * 5 + 1),
+                )
+            )
         elif r.id not in finished_by_cut:  # in flight at the cut: a true length nobody knows yet
             longer = min(r.max_tokens, r.output_tokens * 4 + 50)
             changed.append(replace(r, output_tokens=max(longer, r.output_tokens)))
@@ -72,12 +93,22 @@ def test_it_leaves_the_defaults_for_a_better_gamma_under_load(busy_window):
 
 
 def test_candidates_keep_the_base_documents_parameters_and_engine():
-    base = Settings.model_validate({"policy": "uniboost", "params": {"memguard": False, "quant_ratio": 3.0},
-                                    "engine": {"max_num_seqs": 64}})
+    base = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"memguard": False, "quant_ratio": 3.0},
+            "engine": {"max_num_seqs": 64},
+        }
+    )
     options = candidates(base, AutopilotConfig(gammas=(0.01, 5.0)))
     assert set(options) == {"sarathi", "defaults", "gamma=0.01", "gamma=5"}
     g = options["gamma=5"]
-    assert g.params.gamma == 5.0 and not g.params.gamma_ada and not g.params.memguard and g.params.quant_ratio == 3.0
+    assert (
+        g.params.gamma == 5.0
+        and not g.params.gamma_ada
+        and not g.params.memguard
+        and g.params.quant_ratio == 3.0
+    )
     assert g.params.gamma_min <= 5.0 <= g.params.gamma_max
     assert all(s.engine.max_num_seqs == 64 for s in options.values())
 
@@ -97,6 +128,7 @@ def test_the_default_grid_spans_a_thousandth_to_ten_with_three_points_a_decade()
 def test_an_observation_carries_no_output_length():
     assert "output_tokens" not in Observation.__dataclass_fields__
     from tuner.autopilot import Arrival
+
     assert "output_tokens" not in Arrival.__dataclass_fields__
 
 
@@ -108,13 +140,17 @@ def test_sim_and_compare_take_autopilot_and_print_its_decisions():
     from tailpilot.cli import main
 
     run = CliRunner()
-    res = run.invoke(main, ["sim", "--autopilot", "--window", "0:180", "--rate-scale", "2", "--json"])
+    res = run.invoke(
+        main, ["sim", "--autopilot", "--window", "0:180", "--rate-scale", "2", "--json"]
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     pilot = doc["run"]["autopilot"]
     assert pilot["decisions"] and all(d["reason"] for d in pilot["decisions"])
     assert pilot["cpu_s_per_hour"] > 0 and doc["metrics"]["requests"] > 0
-    res = run.invoke(main, ["compare", "--policies", "sarathi", "--autopilot", "--window", "0:120", "--json"])
+    res = run.invoke(
+        main, ["compare", "--policies", "sarathi", "--autopilot", "--window", "0:120", "--json"]
+    )
     assert res.exit_code == 0, res.output
     assert set(json.loads(res.output)["metrics"]) == {"sarathi", "autopilot"}
 
@@ -129,7 +165,9 @@ def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
     from tailpilot.cli import main
 
     small = tmp_path / "small-gamma.json"
-    small.write_text(json.dumps({"policy": "uniboost", "params": {"gamma": 0.003, "gamma_ada": False}}))
+    small.write_text(
+        json.dumps({"policy": "uniboost", "params": {"gamma": 0.003, "gamma_ada": False}})
+    )
     sarathi = tmp_path / "vllm.json"
     sarathi.write_text(json.dumps({"policy": "sarathi"}))
     run = CliRunner()
@@ -137,18 +175,46 @@ def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
     res = run.invoke(main, ["sim", "--settings", str(small), *window, "--json"])
     assert res.exit_code == 0, res.output
     by_file = json.loads(res.output)
-    assert by_file["settings"]["params"]["gamma"] == 0.003 and not by_file["settings"]["params"]["gamma_ada"]
-    res = run.invoke(main, ["sim", "--policy", "uniboost", "--set", "gamma=0.003", "--set", "gamma_ada=off",
-                            *window, "--json"])
-    assert json.loads(res.output)["metrics"] == by_file["metrics"]  # the same document, the same replay
-    res = run.invoke(main, ["compare", "--policies", "sarathi", "--settings", f"{small},{sarathi}", *window, "--json"])
+    assert (
+        by_file["settings"]["params"]["gamma"] == 0.003
+        and not by_file["settings"]["params"]["gamma_ada"]
+    )
+    res = run.invoke(
+        main,
+        [
+            "sim",
+            "--policy",
+            "uniboost",
+            "--set",
+            "gamma=0.003",
+            "--set",
+            "gamma_ada=off",
+            *window,
+            "--json",
+        ],
+    )
+    assert (
+        json.loads(res.output)["metrics"] == by_file["metrics"]
+    )  # the same document, the same replay
+    res = run.invoke(
+        main,
+        ["compare", "--policies", "sarathi", "--settings", f"{small},{sarathi}", *window, "--json"],
+    )
     assert res.exit_code == 0, res.output
     metrics = json.loads(res.output)["metrics"]
-    assert set(metrics) == {"sarathi", "small-gamma", "vllm"} and metrics["vllm"] == metrics["sarathi"]
+    assert (
+        set(metrics) == {"sarathi", "small-gamma", "vllm"} and metrics["vllm"] == metrics["sarathi"]
+    )
     res = run.invoke(main, ["sim", "--settings", str(small), "--set", "gamma=1"])
-    assert res.exit_code == 2 and "--settings replays a whole document: leave out --set" in res.output
+    assert (
+        res.exit_code == 2 and "--settings replays a whole document: leave out --set" in res.output
+    )
     res = run.invoke(main, ["sim", "--settings", str(tmp_path / "missing.json")])
-    assert res.exit_code == 2 and "missing.json: cannot read" in res.output and "Traceback" not in res.output
+    assert (
+        res.exit_code == 2
+        and "missing.json: cannot read" in res.output
+        and "Traceback" not in res.output
+    )
 
 
 def _axis(settings: Settings) -> float:
@@ -162,7 +228,9 @@ def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
     """When every order serves the same, the autopilot moves to the candidate that promotes short
     requests most, so it is in place when a burst comes; with ``prefer_small`` off it does not."""
     light = traces.scale_rate(traces.load_bundled(), 0.5)
-    _, decisions = replay_with_autopilot(light, config=CONFIG.model_copy(update={"prefer_small": True}))
+    _, decisions = replay_with_autopilot(
+        light, config=CONFIG.model_copy(update={"prefer_small": True})
+    )
     judged = [d for d in decisions if d.figures]
     assert judged and judged[-1].choice == "gamma=0.001"
     first = next(d for d in decisions if d.changed)
@@ -177,12 +245,16 @@ def test_a_move_towards_age_order_takes_the_margin_or_a_guard_break(busy_window)
     margin (the defaults' margin when leaving them) or when the running choice broke the guard."""
     options = candidates(Settings.model_validate({"policy": "uniboost"}), CONFIG)
     for rate in (1.5, 2.0, 3.0):
-        _, decisions = replay_with_autopilot(traces.scale_rate(traces.load_bundled(), rate), config=CONFIG)
+        _, decisions = replay_with_autopilot(
+            traces.scale_rate(traces.load_bundled(), rate), config=CONFIG
+        )
         for d in decisions:
             if d.changed and _axis(options[d.choice]) > _axis(options[d.previous]):
                 new, old = d.figures[d.choice], d.figures[d.previous]
                 margin = CONFIG.leave_defaults if d.previous == "defaults" else CONFIG.hysteresis
-                assert "breaks the guard" in d.reason or new.ttft_p95 < (1 - margin) * old.ttft_p95, d.reason
+                assert (
+                    "breaks the guard" in d.reason or new.ttft_p95 < (1 - margin) * old.ttft_p95
+                ), d.reason
 
 
 def test_a_p99_ttft_guard_rules_out_candidates_that_starve_the_tail(busy_window):
@@ -192,7 +264,12 @@ def test_a_p99_ttft_guard_rules_out_candidates_that_starve_the_tail(busy_window)
     _, free = replay_with_autopilot(busy_window, config=CONFIG)
     ref = lambda d: d.figures["sarathi"].ttft_p99  # noqa: E731 (one place to read the reference)
     # Without the guard, some feasible candidate starves the tail beyond 1.1× sarathi's P99 TTFT …
-    assert any(f.feasible and f.ttft_p99 > 1.1 * ref(d) for d in free if d.figures for f in d.figures.values())
+    assert any(
+        f.feasible and f.ttft_p99 > 1.1 * ref(d)
+        for d in free
+        if d.figures
+        for f in d.figures.values()
+    )
     guarded = CONFIG.model_copy(update={"ttft_p99_guard": 1.1})
     _, decisions = replay_with_autopilot(busy_window, config=guarded)
     judged = [d for d in decisions if d.figures]

@@ -19,23 +19,40 @@ from storage.store import Store
 TOKEN = "autopilot-token"
 DEFAULTS = Settings.model_validate({"policy": "uniboost"})
 # Small and quick: two fixed γ besides the defaults and sarathi, short windows, no dwell.
-CONFIG = {"gammas": [0.01, 1.0], "interval_s": 30.0, "delay_s": 30.0, "window_s": 300.0, "min_requests": 100,
-          "leave_defaults": 0.05, "hysteresis": 0.05, "min_dwell_s": 0.0}
+CONFIG = {
+    "gammas": [0.01, 1.0],
+    "interval_s": 30.0,
+    "delay_s": 30.0,
+    "window_s": 300.0,
+    "min_requests": 100,
+    "leave_defaults": 0.05,
+    "hysteresis": 0.05,
+    "min_dwell_s": 0.0,
+}
 
 
 class Rig:
     """One twin on conv traffic at 1.5× its rate, a collector and the live autopilot, all on a
     manual clock: ``run_until(t)`` moves the replica 2 s at a time and ticks the autopilot every 6 s."""
 
-    def __init__(self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None):
+    def __init__(
+        self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None
+    ):
         from sim.traces import load_bundled
         from tuner.twin import ManualClock, start_twins
 
         monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
         self.clock = ManualClock()
         self.store = Store.open(str(tmp_path / "a.db"), clock=self.clock.now)
-        self.twins = start_twins(1, load_bundled(), rate_scale=1.5, clock=self.clock, loop=True,
-                                 settings=settings, token=TOKEN)
+        self.twins = start_twins(
+            1,
+            load_bundled(),
+            rate_scale=1.5,
+            clock=self.clock,
+            loop=True,
+            settings=settings,
+            token=TOKEN,
+        )
         self.twin = self.twins[0]
         from controlplane.cluster import parse_cluster_file
 
@@ -45,7 +62,7 @@ class Rig:
         self.config = {**CONFIG, **(config or {})}
         self.driver = None  # one live autopilot across runs, as in one recorder process
 
-    def __enter__(self) -> "Rig":
+    def __enter__(self) -> Rig:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,9 +81,14 @@ class Rig:
             client = PollingClient(self.cluster.timeout_s)
             collector = Collector(self.cluster, self.store, client=client, clock=self.clock.now)
             if self.driver is None:
-                self.driver = LiveAutopilot(collector, self.store, AutopilotConfig.model_validate(self.config),
-                                            self.live or LiveConfig(verify_minutes=2.0), clock=self.clock.now,
-                                            verifier=self.verifier)
+                self.driver = LiveAutopilot(
+                    collector,
+                    self.store,
+                    AutopilotConfig.model_validate(self.config),
+                    self.live or LiveConfig(verify_minutes=2.0),
+                    clock=self.clock.now,
+                    verifier=self.verifier,
+                )
             driver = self.driver
             driver.collector = collector
             collector.on_poll(driver.on_poll)
@@ -93,7 +115,11 @@ class Rig:
 
 
 def switched(driver) -> bool:
-    return any(d["changed"] for d in driver.pilots["twin-0"].last) if "twin-0" in driver.pilots else False
+    return (
+        any(d["changed"] for d in driver.pilots["twin-0"].last)
+        if "twin-0" in driver.pilots
+        else False
+    )
 
 
 def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_path, monkeypatch):
@@ -102,8 +128,10 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         rp = driver.pilots["twin-0"]
         [switch] = [d for d in rp.last if d["changed"]]
         running = rig.twin.core.settings
-        assert (running.policy, running.params) == (rp.pilot.options[switch["choice"]].policy,
-                                                     rp.pilot.options[switch["choice"]].params)
+        assert (running.policy, running.params) == (
+            rp.pilot.options[switch["choice"]].policy,
+            rp.pilot.options[switch["choice"]].params,
+        )
         # a move to a smaller γ is taken when it ties (within the `tie` of 3%) or beats what runs
         assert switch["choice"] != "defaults" and switch["predicted"]["ttft_p95"] <= 0.03
         [row] = rig.audit()
@@ -132,21 +160,35 @@ def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeyp
     def worse(store, prediction, now_ms):
         seen.append(prediction["id"])
         predicted = prediction["summary"]["metrics"]["ttft_p95"]["change"]
-        return {"ready": True, "band": 0.05, "metrics": {"ttft_p95": {"realized": predicted + 0.5,
-                                                                      "predicted": predicted}}}
+        return {
+            "ready": True,
+            "band": 0.05,
+            "metrics": {"ttft_p95": {"realized": predicted + 0.5, "predicted": predicted}},
+        }
 
     live = LiveConfig(verify_minutes=0.2, hold_s=10_000.0)
     # without the preference for a tied smaller γ it switches often enough to be verified twice
-    with Rig(tmp_path, monkeypatch, DEFAULTS, verifier=worse, live=live, config={"prefer_small": False}) as rig:
+    with Rig(
+        tmp_path, monkeypatch, DEFAULTS, verifier=worse, live=live, config={"prefer_small": False}
+    ) as rig:
+
         def stepped_back(_driver) -> bool:
             return any("steps back" in c["message"] for c in rig.audit())
 
         driver = rig.run(3_000.0, until=stepped_back)
-        assert len(seen) == 2  # two switches verified, both worse than predicted: then the step back
+        assert (
+            len(seen) == 2
+        )  # two switches verified, both worse than predicted: then the step back
         [back] = [c for c in rig.audit() if "steps back" in c["message"]]
         # applied, or skipped when the second miss was itself a return to the defaults
-        assert back["result"] in ("applied", "staged", "skipped") and "2 times in a row" in back["message"]
-        assert (rig.twin.core.settings.policy, rig.twin.core.settings.params) == (DEFAULTS.policy, DEFAULTS.params)
+        assert (
+            back["result"] in ("applied", "staged", "skipped")
+            and "2 times in a row" in back["message"]
+        )
+        assert (rig.twin.core.settings.policy, rig.twin.core.settings.params) == (
+            DEFAULTS.policy,
+            DEFAULTS.params,
+        )
         assert driver.pilots["twin-0"].pilot.current == "defaults"
         # held on the defaults: no further switch for hold_s
         before = len(rig.audit())
@@ -155,8 +197,9 @@ def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeyp
 
 
 def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
-    pinned = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 5.0, "gamma_ada": False},
-                                      "pinned": ["gamma"]})
+    pinned = Settings.model_validate(
+        {"policy": "uniboost", "params": {"gamma": 5.0, "gamma_ada": False}, "pinned": ["gamma"]}
+    )
     with Rig(tmp_path, monkeypatch, pinned) as rig:
         driver = rig.run(700.0)
         assert rig.twin.core.settings == pinned and rig.audit() == []
@@ -166,7 +209,9 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
 
 def test_the_governor_goes_first(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
-        rig.store.governance.set_governor_control("twins", state="armed", status={"active": {"scr": 1.0}, "dry": []})
+        rig.store.governance.set_governor_control(
+            "twins", state="armed", status={"active": {"scr": 1.0}, "dry": []}
+        )
         driver = rig.run(700.0)
         assert rig.twin.core.settings == DEFAULTS and rig.audit() == []
         assert "governor" in driver.held and driver.pilots["twin-0"].note.startswith("held")
@@ -208,15 +253,35 @@ def test_the_cli_steers_and_shows_it(tmp_path):
     db = tmp_path / "s.db"
     store = Store.open(str(db))
     store.recordings.ensure_replicas("prod", [("r0", "http://127.0.0.1:1", "http://127.0.0.1:1")])
-    store.governance.set_autopilot_control("prod", status={"held": None, "replicas": {"r0": {
-        "choice": "gamma=0.01", "note": "applied: gamma=0.01", "last": [
-            {"t": 600.0, "choice": "gamma=0.01", "changed": True, "reason": "gamma=0.01 beats defaults"}]}}})
+    store.governance.set_autopilot_control(
+        "prod",
+        status={
+            "held": None,
+            "replicas": {
+                "r0": {
+                    "choice": "gamma=0.01",
+                    "note": "applied: gamma=0.01",
+                    "last": [
+                        {
+                            "t": 600.0,
+                            "choice": "gamma=0.01",
+                            "changed": True,
+                            "reason": "gamma=0.01 beats defaults",
+                        }
+                    ],
+                }
+            },
+        },
+    )
     store.close()
     runner = CliRunner()
     res = runner.invoke(main, ["autopilot", "status", "--cluster-name", "prod", "--db", str(db)])
     assert res.exit_code == 0, res.output
     assert "autopilot of prod: dry-run" in res.output and "running gamma=0.01" in res.output
-    res = runner.invoke(main, ["autopilot", "arm", "--cluster-name", "prod", "--db", str(db), "--who", "ana", "--json"])
+    res = runner.invoke(
+        main,
+        ["autopilot", "arm", "--cluster-name", "prod", "--db", str(db), "--who", "ana", "--json"],
+    )
     row = json.loads(res.output)
     assert (row["state"], row["who"]) == ("armed", "ana")
     res = runner.invoke(main, ["autopilot", "disarm", "--cluster-name", "prod", "--db", str(db)])
@@ -229,28 +294,68 @@ def test_record_refuses_a_bad_autopilot_config_naming_the_field(tmp_path):
     from tailpilot.cli import main
 
     cluster = tmp_path / "c.yaml"
-    cluster.write_text(yaml.safe_dump({"clusters": [{"name": "c", "replicas": [
-        {"name": "r0", "api_url": "http://127.0.0.1:1", "control_url": "http://127.0.0.1:1"}]}]}))
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [
+                    {
+                        "name": "c",
+                        "replicas": [
+                            {
+                                "name": "r0",
+                                "api_url": "http://127.0.0.1:1",
+                                "control_url": "http://127.0.0.1:1",
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     bad = tmp_path / "ap.json"
     bad.write_text(json.dumps({"interval_s": -1}))
     runner = CliRunner()
-    res = runner.invoke(main, ["record", "--cluster", str(cluster), "--db", str(tmp_path / "d.db"), "--autopilot",
-                               "--autopilot-config", str(bad)])
+    res = runner.invoke(
+        main,
+        [
+            "record",
+            "--cluster",
+            str(cluster),
+            "--db",
+            str(tmp_path / "d.db"),
+            "--autopilot",
+            "--autopilot-config",
+            str(bad),
+        ],
+    )
     assert res.exit_code == 2 and "interval_s" in res.output
     res = runner.invoke(main, ["record", "--cluster", str(cluster), "--arm"])
     assert res.exit_code == 2 and "--autopilot" in res.output
 
 
-@pytest.mark.parametrize("pins,target,why", [
-    ((), {"policy": "sarathi"}, None),
-    (("gamma",), {"policy": "sarathi"}, "does not change the policy"),
-    (("gamma",), {"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False}}, "gamma is pinned"),
-])
+@pytest.mark.parametrize(
+    "pins,target,why",
+    [
+        ((), {"policy": "sarathi"}, None),
+        (("gamma",), {"policy": "sarathi"}, "does not change the policy"),
+        (
+            ("gamma",),
+            {"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False}},
+            "gamma is pinned",
+        ),
+    ],
+)
 def test_blocked_names_the_pin(pins, target, why):
     from tuner.autopilot_live import blocked, target_document
 
-    current = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 0.5}, "pinned": list(pins),
-                                       "engine": {"max_num_seqs": 64}})
+    current = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"gamma": 0.5},
+            "pinned": list(pins),
+            "engine": {"max_num_seqs": 64},
+        }
+    )
     found = blocked(current, Settings.model_validate(target))
     assert (found is None) if why is None else (why in found)
     doc = target_document(current, Settings.model_validate(target))

@@ -12,7 +12,9 @@ from sim import traces as tr
 from tuner.autopilot import AutopilotConfig
 
 # Quick: two fixed γ besides the defaults and sarathi, short windows.
-START = AutopilotConfig(gammas=(0.01, 1.0), interval_s=30.0, delay_s=30.0, window_s=600.0, min_requests=100)
+START = AutopilotConfig(
+    gammas=(0.01, 1.0), interval_s=30.0, delay_s=30.0, window_s=600.0, min_requests=100
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +29,33 @@ def test_tuning_is_seeded_and_never_worse_than_where_it_started(trace):
     first = tune_autopilot([trace], trials=3, seed=5, start=START)
     again = tune_autopilot([trace], trials=3, seed=5, start=START)
     assert first == again and first["trials"] == 3
-    config = AutopilotConfig.model_validate(first["config"])  # a configuration record --autopilot-config takes
+    config = AutopilotConfig.model_validate(
+        first["config"]
+    )  # a configuration record --autopilot-config takes
     assert config.gammas == START.gammas
     if first["start"]["feasible"]:
-        assert first["figures"]["feasible"] and first["figures"]["ttft_p95_ratio"] <= first["start"]["ttft_p95_ratio"]
+        assert (
+            first["figures"]["feasible"]
+            and first["figures"]["ttft_p95_ratio"] <= first["start"]["ttft_p95_ratio"]
+        )
     assert first["figures"]["ttft_p95_ratio"] > 0
 
 
 def test_the_tuned_configuration_is_what_its_figures_say(trace):
     """The figures reported for the best trial are those of replaying its configuration again."""
-    from tuner.autopilot_tune import references, score, tune_autopilot
-    from sim.engine import EngineConfig
     from scheduler.settings import Settings
+    from sim.engine import EngineConfig
+    from tuner.autopilot_tune import references, score, tune_autopilot
 
     result = tune_autopilot([trace], trials=2, seed=1, start=START)
     engine = EngineConfig()
-    again = score([trace], AutopilotConfig.model_validate(result["config"]),
-                  Settings.model_validate({"policy": "uniboost"}), engine, references([trace], engine))
+    again = score(
+        [trace],
+        AutopilotConfig.model_validate(result["config"]),
+        Settings.model_validate({"policy": "uniboost"}),
+        engine,
+        references([trace], engine),
+    )
     assert again == pytest.approx(result["figures"])
 
 
@@ -54,7 +66,9 @@ def test_the_cli_writes_a_config_that_record_reads(tmp_path, trace):
     lines = tr.bundled_trace_path().read_text().splitlines()[:400]
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "ap.json"
-    res = CliRunner().invoke(main, ["autopilot", "tune", "--trace", str(path), "--trials", "1", "--out", str(out)])
+    res = CliRunner().invoke(
+        main, ["autopilot", "tune", "--trace", str(path), "--trials", "1", "--out", str(out)]
+    )
     assert res.exit_code == 0, res.output
     assert "P95 TTFT" in res.output
     AutopilotConfig.model_validate(json.loads(out.read_text()))
@@ -62,6 +76,7 @@ def test_the_cli_writes_a_config_that_record_reads(tmp_path, trace):
 
 def test_recommend_judges_keeping_the_autopilot(tmp_path):
     from test_tuner import small_spec
+
     from tuner.optimize import tune
     from tuner.optuna_storage import open_storage, storage_url
     from tuner.recommend import recommend

@@ -39,15 +39,20 @@ def _long_prompts_csv(path: Path, rows: int = 300) -> Path:
 
 def _pairs_of(path: Path) -> set[tuple[int, int]]:
     with path.open(newline="") as f:
-        return {(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)}
+        return {
+            (int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)
+        }
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> wl.Sources:
     tmp = tmp_path_factory.mktemp("autopilot-sources")
-    return wl.Sources(conv=traces.bundled_trace_path(), arxiv=_long_prompts_csv(tmp / "long.csv"),
-                      sharegpt=FIXTURES / "sharegpt_lengths_head.csv",
-                      reasoning_pmf=FIXTURES / "servegen_r1_pmf_small.csv")
+    return wl.Sources(
+        conv=traces.bundled_trace_path(),
+        arxiv=_long_prompts_csv(tmp / "long.csv"),
+        sharegpt=FIXTURES / "sharegpt_lengths_head.csv",
+        reasoning_pmf=FIXTURES / "servegen_r1_pmf_small.csv",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,9 @@ def test_shift_runs_chat_then_long_prompts_then_reasoning_back_to_back(shift, so
         assert 0 < gap <= 1.01 * mean_gap  # no overlap, and no idle stretch between phases
     conv_pairs = {(r.prompt_tokens, r.output_tokens) for r in traces.load_bundled()}
     assert {(r.prompt_tokens, r.output_tokens) for r in _phase(trace, "chat")} <= conv_pairs
-    assert {(r.prompt_tokens, r.output_tokens) for r in _phase(trace, "longprompt")} <= _pairs_of(sources.arxiv)
+    assert {(r.prompt_tokens, r.output_tokens) for r in _phase(trace, "longprompt")} <= _pairs_of(
+        sources.arxiv
+    )
     reasoning = _phase(trace, "reasoning")
     assert {r.type for r in reasoning} == {"reasoning"}
     assert {r.prompt_tokens for r in reasoning} <= {16, 256, 4096}
@@ -103,13 +110,18 @@ def test_diurnal_load_rises_and_falls_on_the_source_requests_in_order(sources):
     trace, knee_load = wl.build_diurnal(sources, period_s=period)
     assert 0.3 <= knee_load <= 1.2
     source = traces.load_trace(sources.conv).requests[: len(trace)]
-    assert [(r.id, r.prompt_tokens, r.output_tokens) for r in trace] == \
-        [(r.id, r.prompt_tokens, r.output_tokens) for r in source]
+    assert [(r.id, r.prompt_tokens, r.output_tokens) for r in trace] == [
+        (r.id, r.prompt_tokens, r.output_tokens) for r in source
+    ]
     arrivals = trace.arrivals()
     assert arrivals[-1] <= period and arrivals[-1] >= 0.95 * period
     # The warp: a request's share of the day's expected arrivals is its share of the source's span.
-    share = wl.curve_integral(arrivals, period, 0.4, 1.05) / wl.curve_integral(np.array(period), period, 0.4, 1.05)
-    assert share == pytest.approx(np.array([r.arrival for r in source]) / source[-1].arrival, abs=1e-4)
+    share = wl.curve_integral(arrivals, period, 0.4, 1.05) / wl.curve_integral(
+        np.array(period), period, 0.4, 1.05
+    )
+    assert share == pytest.approx(
+        np.array([r.arrival for r in source]) / source[-1].arrival, abs=1e-4
+    )
     counts = np.histogram(arrivals, bins=np.linspace(0.0, period, 6))[0]
     assert counts[2] > 2 * counts[0] and counts[2] > 2 * counts[4]  # 1.05 of the knee vs about 0.4
 
@@ -135,7 +147,9 @@ def test_heldout_is_bursty_arxiv_near_saturation_from_its_own_draw(sources):
     gaps = np.diff(trace.arrivals())
     assert 2.3 < gaps.std() / gaps.mean() < 3.8
     assert "heldout" in wl.NEW_WORKLOADS and all(r.id.startswith("heldout-") for r in trace)
-    plain = wl.resample(traces.load_lengths(sources.arxiv, rate=1.0), 50, cv=wl.HELDOUT_CV, seed=1, prefix="heldout")
+    plain = wl.resample(
+        traces.load_lengths(sources.arxiv, rate=1.0), 50, cv=wl.HELDOUT_CV, seed=1, prefix="heldout"
+    )
     assert [r.prompt_tokens for r in plain] != [r.prompt_tokens for r in trace.requests[:50]]
     again, _ = wl.build_heldout(sources, duration_s=300.0, seed=1)
     assert again.requests == trace.requests
@@ -160,11 +174,13 @@ def _m(p95: float, ttlt: float, thr: float) -> dict[str, float]:
 
 def test_hindsight_gamma_is_the_lowest_p95_that_keeps_ttlt_and_throughput():
     sarathi = _m(10.0, 100.0, 1000.0)
-    grid = {0.001: _m(1.0, 103.0, 1000.0),  # best P95, but P99 TTLT 1.03x: out
-            0.002: _m(2.0, 101.0, 985.0),  # throughput 0.985x: out
-            0.005: _m(3.0, 102.0, 990.0),  # exactly at both bounds: in
-            0.01: _m(3.0, 90.0, 1000.0),  # ties on P95: the smaller γ wins
-            1.0: _m(9.0, 100.0, 1000.0)}
+    grid = {
+        0.001: _m(1.0, 103.0, 1000.0),  # best P95, but P99 TTLT 1.03x: out
+        0.002: _m(2.0, 101.0, 985.0),  # throughput 0.985x: out
+        0.005: _m(3.0, 102.0, 990.0),  # exactly at both bounds: in
+        0.01: _m(3.0, 90.0, 1000.0),  # ties on P95: the smaller γ wins
+        1.0: _m(9.0, 100.0, 1000.0),
+    }
     assert bench.best_fixed(grid, sarathi) == 0.005
     assert bench.best_fixed({0.001: grid[0.001]}, sarathi) is None
     assert bench.closure(0.9, 0.4, 0.2) == pytest.approx(5 / 7)
@@ -172,20 +188,47 @@ def test_hindsight_gamma_is_the_lowest_p95_that_keeps_ttlt_and_throughput():
 
 
 def test_second_half_scores_only_requests_arriving_after_the_midpoint():
-    trace = traces.Trace("t", tuple(traces.TraceRequest(f"r-{k}", float(k), 10, 5, 4096) for k in range(11)))
+    trace = traces.Trace(
+        "t", tuple(traces.TraceRequest(f"r-{k}", float(k), 10, 5, 4096) for k in range(11))
+    )
     assert bench.half_time(trace) == 5.0
-    done = [Completion(r.id, "default", "chat", r.arrival, r.arrival, r.arrival + (1.0 if r.arrival < 5 else 9.0),
-                       r.arrival + 10.0, 10, 5) for r in trace]
+    done = [
+        Completion(
+            r.id,
+            "default",
+            "chat",
+            r.arrival,
+            r.arrival,
+            r.arrival + (1.0 if r.arrival < 5 else 9.0),
+            r.arrival + 10.0,
+            10,
+            5,
+        )
+        for r in trace
+    ]
     scores = bench.score(done, bench.half_time(trace))
     assert scores["all"]["requests"] == 11 and scores["second"]["requests"] == 6
     assert scores["second"]["ttft_p95"] == pytest.approx(9.0)
 
 
 def test_first_half_file_replays_the_same_requests(tmp_path):
-    rows = (traces.TraceRequest("a-1", 0.1 + 0.2, 300, 40, 512, "t1", "reasoning"),
-            traces.TraceRequest("a-2", 1 / 3, 20, 4096, 4096, "default", "chat", truncated=True))
+    rows = (
+        traces.TraceRequest("a-1", 0.1 + 0.2, 300, 40, 512, "t1", "reasoning"),
+        traces.TraceRequest("a-2", 1 / 3, 20, 4096, 4096, "default", "chat", truncated=True),
+    )
     path = tmp_path / "half.csv"
     bench.write_vidur(traces.Trace("t", rows), path)
     back = traces.load_vidur(path)
-    assert [(r.arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type) for r in back] == \
-        [(r.arrival - rows[0].arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type) for r in rows]
+    assert [
+        (r.arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type) for r in back
+    ] == [
+        (
+            r.arrival - rows[0].arrival,
+            r.prompt_tokens,
+            r.output_tokens,
+            r.max_tokens,
+            r.tenant,
+            r.type,
+        )
+        for r in rows
+    ]

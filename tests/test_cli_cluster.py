@@ -10,9 +10,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from tailpilot.cli import main
-from storage.store import Store
 from sim.traces import Trace, TraceRequest
+from storage.store import Store
+from tailpilot.cli import main
 from tuner.twin import start_twins
 
 TOKEN = "cli-token"
@@ -20,10 +20,20 @@ TOKEN = "cli-token"
 
 def small_trace(n: int = 400, duration: float = 120.0) -> Trace:
     rng = random.Random(3)
-    return Trace("cli", tuple(
-        TraceRequest(id=f"c{i:04d}", arrival=i * duration / n, prompt_tokens=rng.randint(50, 800),
-                     output_tokens=rng.randint(10, 200), max_tokens=256, tenant=rng.choice(("a", "b")))
-        for i in range(n)))
+    return Trace(
+        "cli",
+        tuple(
+            TraceRequest(
+                id=f"c{i:04d}",
+                arrival=i * duration / n,
+                prompt_tokens=rng.randint(50, 800),
+                output_tokens=rng.randint(10, 200),
+                max_tokens=256,
+                tenant=rng.choice(("a", "b")),
+            )
+            for i in range(n)
+        ),
+    )
 
 
 @pytest.fixture()
@@ -64,7 +74,9 @@ def test_status_marks_a_down_replica_and_exits_1(twins):
     doc = json.loads(res.output)
     down = {r["replica"]: r for r in doc["replicas"]}
     assert down[cluster.replicas[0].name]["healthy"]
-    assert not down[cluster.replicas[1].name]["healthy"] and down[cluster.replicas[1].name]["reason"]
+    assert (
+        not down[cluster.replicas[1].name]["healthy"] and down[cluster.replicas[1].name]["reason"]
+    )
     table = run("status", "--cluster", str(path))
     assert "DOWN" in table.output and "1/2 ok" in table.output
 
@@ -73,8 +85,23 @@ def test_set_applies_reads_back_and_audits(twins, tmp_path):
     cluster, path = twins
     db = tmp_path / "audit.db"
     first, second = cluster.replicas
-    res = run("set", "--cluster", str(path), "--replica", first.name, "--policy", "uniboost",
-              "--set", "gamma=8", "--pin", "gamma", "--db", str(db), "--who", "alice")
+    res = run(
+        "set",
+        "--cluster",
+        str(path),
+        "--replica",
+        first.name,
+        "--policy",
+        "uniboost",
+        "--set",
+        "gamma=8",
+        "--pin",
+        "gamma",
+        "--db",
+        str(db),
+        "--who",
+        "alice",
+    )
     assert res.exit_code == 0, res.output
     assert "applied" in res.output
     doc = settings_of(first)
@@ -85,22 +112,41 @@ def test_set_applies_reads_back_and_audits(twins, tmp_path):
         rows = store.settings_log.settings_changes("twins")
     assert len(rows) == 1
     row = rows[0]
-    assert (row["replica"], row["who"], row["result"], row["version"]) == (first.name, "alice", "applied",
-                                                                           doc["version"])
+    assert (row["replica"], row["who"], row["result"], row["version"]) == (
+        first.name,
+        "alice",
+        "applied",
+        doc["version"],
+    )
     assert row["old"]["policy"] == "sarathi" and row["new"]["params"]["gamma"] == 8.0
 
     # Unpinning keeps the policy and its other parameters.
-    res = run("set", "--cluster", str(path), "--replica", first.name, "--unpin", "gamma", "--db", str(db))
+    res = run(
+        "set", "--cluster", str(path), "--replica", first.name, "--unpin", "gamma", "--db", str(db)
+    )
     assert res.exit_code == 0, res.output
     after = settings_of(first)["settings"]
-    assert after["policy"] == "uniboost" and after["params"]["gamma"] == 8.0 and after["pinned"] == []
+    assert (
+        after["policy"] == "uniboost" and after["params"]["gamma"] == 8.0 and after["pinned"] == []
+    )
 
 
 def test_set_all_with_a_bad_value_changes_nothing_and_audits_the_refusal(twins, tmp_path):
     cluster, path = twins
     db = tmp_path / "audit.db"
     before = [settings_of(r) for r in cluster]
-    res = run("set", "--cluster", str(path), "--all", "--policy", "uniboost", "--set", "gamma=-1", "--db", str(db))
+    res = run(
+        "set",
+        "--cluster",
+        str(path),
+        "--all",
+        "--policy",
+        "uniboost",
+        "--set",
+        "gamma=-1",
+        "--db",
+        str(db),
+    )
     assert res.exit_code == 1
     assert "params.gamma" in res.output
     assert [settings_of(r) for r in cluster] == before
@@ -113,17 +159,29 @@ def test_set_all_with_a_bad_value_changes_nothing_and_audits_the_refusal(twins, 
 def test_set_without_the_token_is_refused(twins, tmp_path, monkeypatch):
     cluster, path = twins
     monkeypatch.setenv("TAILPILOT_TOKEN", "wrong")
-    res = run("set", "--cluster", str(path), "--replica", cluster.replicas[0].name, "--policy", "fcfs",
-              "--db", str(tmp_path / "a.db"))
+    res = run(
+        "set",
+        "--cluster",
+        str(path),
+        "--replica",
+        cluster.replicas[0].name,
+        "--policy",
+        "fcfs",
+        "--db",
+        str(tmp_path / "a.db"),
+    )
     assert res.exit_code == 1
     assert settings_of(cluster.replicas[0])["settings"]["policy"] == "sarathi"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--policy", "fcfs"], "--replica NAME"),
-    (["--replica", "nope", "--policy", "fcfs"], "no replica 'nope'"),
-    (["--all"], "nothing to change"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--policy", "fcfs"], "--replica NAME"),
+        (["--replica", "nope", "--policy", "fcfs"], "no replica 'nope'"),
+        (["--all"], "nothing to change"),
+    ],
+)
 def test_set_usage_errors(twins, args, needle):
     _, path = twins
     res = run("set", "--cluster", str(path), *args)
@@ -133,8 +191,10 @@ def test_set_usage_errors(twins, args, needle):
 
 def test_cluster_file_errors_name_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("clusters:\n  - name: c\n    replicas:\n      - name: r\n        api_url: http://127.0.0.1:1\n"
-                   "        control_url: not-a-url\n        colour: red\n")
+    bad.write_text(
+        "clusters:\n  - name: c\n    replicas:\n      - name: r\n        api_url: http://127.0.0.1:1\n"
+        "        control_url: not-a-url\n        colour: red\n"
+    )
     res = run("status", "--cluster", str(bad))
     assert res.exit_code == 2
     assert "clusters[0].replicas[0].control_url" in res.output
@@ -151,7 +211,9 @@ def test_demo_with_a_bad_trace_is_a_usage_error_naming_the_file(tmp_path):
 
 def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    res = run("demo", "--replicas", "2", "--speed", "20", "--no-tui", "--duration", "6", "--db", "demo.db")
+    res = run(
+        "demo", "--replicas", "2", "--speed", "20", "--no-tui", "--duration", "6", "--db", "demo.db"
+    )
     assert res.exit_code == 0, res.output
     with Store.open(str(tmp_path / "demo.db")) as store:
         latest = store.readings.latest_samples("demo")

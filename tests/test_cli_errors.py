@@ -15,7 +15,9 @@ from test_storage import damage_table, filled_store
 from storage import Store
 
 BIN = Path(sys.executable).parent
-UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
+UNREACHABLE = (
+    "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
+)
 CLUSTER = f"""\
 clusters:
   - name: c
@@ -26,7 +28,9 @@ clusters:
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        args, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
 
 
 # Every entry point that opens a store; {db} and {cluster} are filled in per test.
@@ -53,7 +57,9 @@ def cluster_file(tmp_path) -> Path:
     return path
 
 
-def assert_one_line_error(res: subprocess.CompletedProcess[str], codes: tuple[int, ...], *words: str) -> None:
+def assert_one_line_error(
+    res: subprocess.CompletedProcess[str], codes: tuple[int, ...], *words: str
+) -> None:
     out = res.stdout + res.stderr
     assert "Traceback" not in out, out
     assert res.returncode in codes, out
@@ -78,7 +84,9 @@ def test_a_database_damaged_where_the_command_reads_or_writes(command, tmp_path,
     for table in ("replicas", "samples", "recommendations"):
         damage_table(db, table)
     res = run(argv(command, db, cluster_file), tmp_path)
-    assert_one_line_error(res, (1, 2), str(db), "the database file is damaged (database disk image is malformed)")
+    assert_one_line_error(
+        res, (1, 2), str(db), "the database file is damaged (database disk image is malformed)"
+    )
 
 
 def test_a_cluster_file_that_is_not_utf8(tmp_path):
@@ -91,6 +99,8 @@ def test_a_cluster_file_that_is_not_utf8(tmp_path):
 
 def test_a_cluster_file_with_a_key_written_twice(tmp_path):
     path = tmp_path / "cluster.yaml"
-    path.write_text(CLUSTER.replace("    poll_interval_s: 0.2\n", "    poll_interval_s: 0.2\n    name: d\n"))
+    path.write_text(
+        CLUSTER.replace("    poll_interval_s: 0.2\n", "    poll_interval_s: 0.2\n    name: d\n")
+    )
     res = run([str(BIN / "tailpilot"), "status", "--cluster", str(path)], tmp_path)
     assert_one_line_error(res, (2,), f"{path}:4:", "duplicate key 'name' (first on line 2)")

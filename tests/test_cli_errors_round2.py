@@ -20,7 +20,9 @@ from click.testing import CliRunner, Result
 from storage import Batch, CompletionRow, Store
 from tailpilot.cli import main
 
-UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
+UNREACHABLE = (
+    "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
+)
 CLUSTER = f"""\
 clusters:
   - name: c
@@ -112,14 +114,26 @@ REFUSED = [
     (["sim", *SHORT, "--num-gpu-blocks", "0"], "--num-gpu-blocks", "1<=x"),
     (["sim", *SHORT, "--max-num-seqs", "0"], "--max-num-seqs", "1<=x"),
     (["sim", *SHORT, "--max-num-batched-tokens", "-1"], "--max-num-batched-tokens", "1<=x"),
-    (["sim", *SHORT, "--long-prefill-token-threshold", "-1"], "--long-prefill-token-threshold", "0<=x"),
-    (["compare", "--policies", "fcfs", *SHORT, "--num-gpu-blocks", "0"], "--num-gpu-blocks", "1<=x"),
+    (
+        ["sim", *SHORT, "--long-prefill-token-threshold", "-1"],
+        "--long-prefill-token-threshold",
+        "0<=x",
+    ),
+    (
+        ["compare", "--policies", "fcfs", *SHORT, "--num-gpu-blocks", "0"],
+        "--num-gpu-blocks",
+        "1<=x",
+    ),
     (["tune", "--study", "s", "--num-gpu-blocks", "-1"], "--num-gpu-blocks", "1<=x"),
 ]
 
 
-@pytest.mark.parametrize("argv,option,allowed", REFUSED, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in REFUSED])
-def test_a_number_that_makes_no_sense_is_refused_naming_the_option_and_the_range(workdir, argv, option, allowed):
+@pytest.mark.parametrize(
+    "argv,option,allowed", REFUSED, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in REFUSED]
+)
+def test_a_number_that_makes_no_sense_is_refused_naming_the_option_and_the_range(
+    workdir, argv, option, allowed
+):
     assert_one_line_error(invoke(*argv), 2, option, allowed)
     assert list(workdir.iterdir()) == []  # refused before anything ran or was written
 
@@ -128,8 +142,13 @@ def test_a_number_that_makes_no_sense_is_refused_naming_the_option_and_the_range
 def test_an_unknown_step_model_is_refused_listing_the_known_ones(workdir, command):
     from sim.stepmodel import DEFAULT_MODEL_NAME
 
-    assert_one_line_error(invoke(*command, *SHORT, "--step-model", "a100/typo"), 2,
-                          "'--step-model'", "'a100/typo'", DEFAULT_MODEL_NAME)
+    assert_one_line_error(
+        invoke(*command, *SHORT, "--step-model", "a100/typo"),
+        2,
+        "'--step-model'",
+        "'a100/typo'",
+        DEFAULT_MODEL_NAME,
+    )
 
 
 # ---------------------------------------------------------------------------- read-only commands
@@ -150,7 +169,9 @@ def test_a_mistyped_database_path_creates_nothing(workdir, command):
     db = workdir / "tailpilot-typo.db"
     argv = [a.format(db=db, cluster=cluster) for a in READ_ONLY[command]]
     assert_one_line_error(invoke(*argv), 2, str(db), "does not exist")
-    assert sorted(p.name for p in workdir.iterdir()) == ["cluster.yaml"]  # no database, no -wal/-shm
+    assert sorted(p.name for p in workdir.iterdir()) == [
+        "cluster.yaml"
+    ]  # no database, no -wal/-shm
 
 
 # ---------------------------------------------------------------------------- governor on an unknown cluster
@@ -162,10 +183,17 @@ def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
         for name in ("prod", "staging"):
             store.recordings.ensure_replicas(name, [("r1", UNREACHABLE, UNREACHABLE)])
     for action in ("arm", "disarm", "pause", "status"):
-        assert_one_line_error(invoke("governor", action, "--cluster-name", "prdo", "--db", db), 2,
-                              "--cluster-name", "'prdo'", "known: prod, staging")
+        assert_one_line_error(
+            invoke("governor", action, "--cluster-name", "prdo", "--db", db),
+            2,
+            "--cluster-name",
+            "'prdo'",
+            "known: prod, staging",
+        )
     with Store.open(str(db)) as store:
-        assert store.governance.governor_control("prdo")["who"] is None  # no control row was written
+        assert (
+            store.governance.governor_control("prdo")["who"] is None
+        )  # no control row was written
     res = invoke("governor", "arm", "--cluster-name", "prod", "--db", db, "--who", "ops")
     assert res.exit_code == 0 and "governor of prod: armed" in res.output, res.output
 
@@ -173,8 +201,12 @@ def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
 def test_the_governor_on_a_database_with_no_cluster_says_so(workdir):
     db = workdir / "empty.db"
     Store.open(str(db)).close()
-    assert_one_line_error(invoke("governor", "arm", "--cluster-name", "prod", "--db", db), 2,
-                          "'prod'", "no cluster recorded")
+    assert_one_line_error(
+        invoke("governor", "arm", "--cluster-name", "prod", "--db", db),
+        2,
+        "'prod'",
+        "no cluster recorded",
+    )
 
 
 # ---------------------------------------------------------------------------- strict JSON out
@@ -190,8 +222,10 @@ def strict_json(text: str):
 def one_token_trace(path: Path) -> Path:
     """Five requests of one output token each: no gap between tokens, so every TBT figure (and
     its change against a baseline) is undefined."""
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    + "".join(f"2023-11-16 18:15:{i:02d}.000000,100,1\n" for i in range(5)))
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{i:02d}.000000,100,1\n" for i in range(5))
+    )
     return path
 
 
@@ -200,7 +234,9 @@ def test_sim_and_compare_json_write_null_for_an_undefined_figure(workdir):
     res = invoke("sim", "--policy", "fcfs", "--trace", trace, "--json")
     assert res.exit_code == 0, res.output
     assert strict_json(res.stdout)["metrics"]["tbt_p99"] is None
-    res = invoke("compare", "--policies", "fcfs,sjf", "--baseline", "fcfs", "--trace", trace, "--json")
+    res = invoke(
+        "compare", "--policies", "fcfs,sjf", "--baseline", "fcfs", "--trace", trace, "--json"
+    )
     assert res.exit_code == 0, res.output
     doc = strict_json(res.stdout)
     assert doc["metrics"]["sjf"]["tbt_p99"] is None and doc["change_pct"]["sjf"]["tbt_p99"] is None
@@ -212,9 +248,16 @@ def test_the_one_json_encoder_turns_every_non_finite_number_into_null():
     class Figure:  # what a command hands ``default`` (a numpy scalar, a dataclass field)
         pass
 
-    doc = {"nan": float("nan"), "deep": [{"inf": float("inf")}, (float("-inf"), 1.5)], "obj": Figure()}
+    doc = {
+        "nan": float("nan"),
+        "deep": [{"inf": float("inf")}, (float("-inf"), 1.5)],
+        "obj": Figure(),
+    }
     assert strict_json(json_text(doc, default=lambda _obj: float("nan"))) == {
-        "nan": None, "deep": [{"inf": None}, [None, 1.5]], "obj": None}
+        "nan": None,
+        "deep": [{"inf": None}, [None, 1.5]],
+        "obj": None,
+    }
 
 
 # ---------------------------------------------------------------------------- did not do what was asked
@@ -229,9 +272,21 @@ def cluster_file(workdir: Path, twins) -> Path:
 def recent_traffic(db: Path, cluster: str, replica: str, n: int = 300) -> None:
     """``n`` completions stored now, arrivals 0.4 s apart on the replica's clock: the last minute
     of them is traffic `set --preview` can predict on."""
-    rows = [CompletionRow(replica=replica, request_id=f"q{i}", tenant="a", type="chat", arrival_s=1000.0 + 0.4 * i,
-                          first_token_s=1000.3 + 0.4 * i, finished_s=1003.0 + 0.4 * i, prompt_tokens=300,
-                          output_tokens=60, preemptions=0) for i in range(n)]
+    rows = [
+        CompletionRow(
+            replica=replica,
+            request_id=f"q{i}",
+            tenant="a",
+            type="chat",
+            arrival_s=1000.0 + 0.4 * i,
+            first_token_s=1000.3 + 0.4 * i,
+            finished_s=1003.0 + 0.4 * i,
+            prompt_tokens=300,
+            output_tokens=60,
+            preemptions=0,
+        )
+        for i in range(n)
+    ]
     with Store.open(str(db)) as store:
         store.recordings.ensure_replicas(cluster, [(replica, UNREACHABLE, UNREACHABLE)])
         store.recordings.write(cluster, Batch(completions=rows, cursors={replica: n}))
@@ -248,28 +303,64 @@ def test_set_preview_not_confirmed_applies_nothing_and_exits_1(workdir, monkeypa
         path = cluster_file(workdir, twins)
         replica = twins[0]
         recent_traffic(db, "twins", replica.name)
-        res = invoke("set", "--cluster", path, "--replica", replica.name, "--policy", "fcfs", "--preview",
-                     "--minutes", "1", "--db", db)
+        res = invoke(
+            "set",
+            "--cluster",
+            path,
+            "--replica",
+            replica.name,
+            "--policy",
+            "fcfs",
+            "--preview",
+            "--minutes",
+            "1",
+            "--db",
+            db,
+        )
         assert "P95 TTFT" in res.output  # the prediction was made and shown
         assert_one_line_error(res, 1, "not applied", "--yes", max_lines=None)
         assert replica.core.settings.policy == "sarathi"
         with Store.open(str(db)) as store:
-            assert store.settings_log.settings_changes("twins") == [] and store.tuner.predictions("twins") == []
+            assert (
+                store.settings_log.settings_changes("twins") == []
+                and store.tuner.predictions("twins") == []
+            )
 
 
 def idle_trace():
     """A twin's own traffic is irrelevant here (the prediction replays what the store holds)."""
     from sim.traces import Trace, TraceRequest
 
-    return Trace("idle", (TraceRequest(id="only", arrival=3600.0, prompt_tokens=10, output_tokens=1, max_tokens=1,
-                                       tenant="a"),))
+    return Trace(
+        "idle",
+        (
+            TraceRequest(
+                id="only",
+                arrival=3600.0,
+                prompt_tokens=10,
+                output_tokens=1,
+                max_tokens=1,
+                tenant="a",
+            ),
+        ),
+    )
 
 
 def test_set_preview_with_nothing_to_predict_on_exits_1_saying_so(workdir):
     cluster = workdir / "cluster.yaml"
     cluster.write_text(CLUSTER)
-    res = invoke("set", "--cluster", cluster, "--all", "--policy", "fcfs", "--preview", "--yes", "--db",
-                 workdir / "audit.db")
+    res = invoke(
+        "set",
+        "--cluster",
+        cluster,
+        "--all",
+        "--policy",
+        "fcfs",
+        "--preview",
+        "--yes",
+        "--db",
+        workdir / "audit.db",
+    )
     line = assert_one_line_error(res, 1, "not applied", max_lines=None)
     assert line == "Error: not applied: no replica could be previewed"
 
@@ -278,26 +369,49 @@ def test_set_preview_with_nothing_to_predict_on_exits_1_saying_so(workdir):
 
 
 def tune(workdir: Path, *flags: object) -> Result:
-    return invoke("tune", "--study", "s", "--storage", workdir / "optuna.db", "--db", workdir / "tp.db",
-                  "--policy", "uniboost", "--objective", "ttlt_p99", "--trials", "1", "--no-progress", *flags)
+    return invoke(
+        "tune",
+        "--study",
+        "s",
+        "--storage",
+        workdir / "optuna.db",
+        "--db",
+        workdir / "tp.db",
+        "--policy",
+        "uniboost",
+        "--objective",
+        "ttlt_p99",
+        "--trials",
+        "1",
+        "--no-progress",
+        *flags,
+    )
 
 
 def study_created(workdir: Path) -> bool:
     from tuner.optuna_storage import open_storage
     from tuner.study import study_exists
 
-    return (workdir / "optuna.db").exists() and study_exists(open_storage(f"sqlite:///{workdir / 'optuna.db'}"), "s")
+    return (workdir / "optuna.db").exists() and study_exists(
+        open_storage(f"sqlite:///{workdir / 'optuna.db'}"), "s"
+    )
 
 
 def test_tune_refuses_a_non_finite_range_before_creating_the_study(workdir):
-    assert_one_line_error(tune(workdir, "--range", "gamma=nan:1"), 2, "--range", "'gamma=nan:1'", "finite")
+    assert_one_line_error(
+        tune(workdir, "--range", "gamma=nan:1"), 2, "--range", "'gamma=nan:1'", "finite"
+    )
     assert not study_created(workdir)
 
 
-@pytest.mark.parametrize("flag,value,words", [
-    ("--range", "gamma=1:0", ("--range uniboost.gamma", "outside the settings model's bounds")),
-    ("--fix", "gamma=nan", ("--fix", "params.gamma")),
-], ids=["range out of bounds", "fix refused"])
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        ("--range", "gamma=1:0", ("--range uniboost.gamma", "outside the settings model's bounds")),
+        ("--fix", "gamma=nan", ("--fix", "params.gamma")),
+    ],
+    ids=["range out of bounds", "fix refused"],
+)
 def test_a_definition_the_setup_refuses_leaves_no_study_behind(workdir, flag, value, words):
     """Kept, the refused definition made every later run fail the same way, corrected flags or not."""
     res = tune(workdir, "--window-s", "60", "--windows", "2", flag, value)

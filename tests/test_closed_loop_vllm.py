@@ -20,9 +20,17 @@ TOKEN = "loop-token"
 
 
 @pytest.mark.slow
-def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_dir, tmp_path, monkeypatch):
+def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     import yaml
-    from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, send_completions
+    from vllm_support import (
+        CompletionRequest,
+        VllmServer,
+        free_port,
+        kv_bytes_for_tokens,
+        send_completions,
+    )
 
     from controlplane.cluster import load_cluster_file
     from controlplane.recorder import run_recorder
@@ -35,32 +43,81 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
     (tmp_path / "settings.json").write_text(json.dumps({"policy": "fcfs"}))
     api_port = free_port()
     server = VllmServer(
-        tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(64 * 1024), max_model_len=2048, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
-                    "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"],
-        extra_env={"TAILPILOT_SETTINGS_FILE": str(tmp_path / "settings.json"), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_REPLICA": "cpu-0", "TAILPILOT_TOKEN": TOKEN})
+        tiny_model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
+        max_model_len=2048,
+        workdir=tmp_path / "vllm",
+        extra_args=[
+            "--scheduler-cls",
+            "scheduler.plugin.vllm.TailpilotScheduler",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "256",
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(tmp_path / "settings.json"),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_REPLICA": "cpu-0",
+            "TAILPILOT_TOKEN": TOKEN,
+        },
+    )
     rng = random.Random(7)
 
     def wave(n: int) -> list[CompletionRequest]:
-        return [CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([16, 64, 200]))],
-                                  max_tokens=rng.choice([8, 24, 64]), tenant=f"t{i % 2}") for i in range(n)]
+        return [
+            CompletionRequest(
+                prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([16, 64, 200]))],
+                max_tokens=rng.choice([8, 24, 64]),
+                tenant=f"t{i % 2}",
+            )
+            for i in range(n)
+        ]
 
     with server:
         control = f"http://127.0.0.1:{api_port}"
         with open("c.yaml", "w") as f:
-            yaml.safe_dump({"clusters": [{"name": "cpu", "poll_interval_s": 0.2, "timeout_s": 5.0,
-                                          "governance": {"tenants": {"t0": {"weight": 1.0}, "t1": {"weight": 1.0}}},
-                                          "replicas": [{"name": "cpu-0", "api_url": server.base_url,
-                                                        "control_url": control, "token_env": "TAILPILOT_TOKEN"}]}]}, f)
+            yaml.safe_dump(
+                {
+                    "clusters": [
+                        {
+                            "name": "cpu",
+                            "poll_interval_s": 0.2,
+                            "timeout_s": 5.0,
+                            "governance": {
+                                "tenants": {"t0": {"weight": 1.0}, "t1": {"weight": 1.0}}
+                            },
+                            "replicas": [
+                                {
+                                    "name": "cpu-0",
+                                    "api_url": server.base_url,
+                                    "control_url": control,
+                                    "token_env": "TAILPILOT_TOKEN",
+                                }
+                            ],
+                        }
+                    ]
+                },
+                f,
+            )
         stop = threading.Event()
         metrics_port = free_port()
-        rec = threading.Thread(target=run_recorder, args=(load_cluster_file("c.yaml").cluster(), "tp.db"),
-                               kwargs={"stop": stop, "recording_name": "loop", "retention": RetentionSettings(),
-                                       "install_signals": False, "metrics": ("127.0.0.1", metrics_port)})
+        rec = threading.Thread(
+            target=run_recorder,
+            args=(load_cluster_file("c.yaml").cluster(), "tp.db"),
+            kwargs={
+                "stop": stop,
+                "recording_name": "loop",
+                "retention": RetentionSettings(),
+                "install_signals": False,
+                "metrics": ("127.0.0.1", metrics_port),
+            },
+        )
         rec.start()
         runner = CliRunner()
         try:
+
             def stored() -> int:
                 try:
                     with Store.open("tp.db") as s:
@@ -83,26 +140,66 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
             def scraped() -> bool:
                 from prometheus_client.parser import text_string_to_metric_families
 
-                text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
+                text = httpx.get(
+                    f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False
+                ).text
                 page.clear()
-                page.update({(s.name, tuple(sorted(s.labels.items()))): s.value
-                             for f in text_string_to_metric_families(text) for s in f.samples})
-                served = sum(v for (n, labels), v in page.items() if n == "tailpilot_group_requests"
-                             and ("kind", "tenant") in labels)
+                page.update(
+                    {
+                        (s.name, tuple(sorted(s.labels.items()))): s.value
+                        for f in text_string_to_metric_families(text)
+                        for s in f.samples
+                    }
+                )
+                served = sum(
+                    v
+                    for (n, labels), v in page.items()
+                    if n == "tailpilot_group_requests" and ("kind", "tenant") in labels
+                )
                 return served >= 72 and any(n == "tailpilot_scr_ratio" for n, _ in page)
 
             wait(scraped, "the recorder's /metrics to carry the 72 requests", timeout=60)
-            up = {dict(labels)["replica"]: v for (n, labels), v in page.items() if n == "tailpilot_replica_up"}
+            up = {
+                dict(labels)["replica"]: v
+                for (n, labels), v in page.items()
+                if n == "tailpilot_replica_up"
+            }
             assert up == {"cpu-0": 1.0}
-            assert page[("tailpilot_replica_info", (("cluster", "cpu"), ("mode", "plugin"), ("policy", "fcfs"),
-                                                    ("replica", "cpu-0")))] == 1.0
-            p99 = page[("tailpilot_latency_seconds", (("cluster", "cpu"), ("latency", "ttft"), ("percentile", "p99"),
-                                                      ("replica", "cpu-0")))]
+            assert (
+                page[
+                    (
+                        "tailpilot_replica_info",
+                        (
+                            ("cluster", "cpu"),
+                            ("mode", "plugin"),
+                            ("policy", "fcfs"),
+                            ("replica", "cpu-0"),
+                        ),
+                    )
+                ]
+                == 1.0
+            )
+            p99 = page[
+                (
+                    "tailpilot_latency_seconds",
+                    (
+                        ("cluster", "cpu"),
+                        ("latency", "ttft"),
+                        ("percentile", "p99"),
+                        ("replica", "cpu-0"),
+                    ),
+                )
+            ]
             assert 0 < p99 < 300
-            assert {dict(labels)["tenant"] for (n, labels) in page if n == "tailpilot_tenant_latency_seconds"} \
-                == {"t0", "t1"}
+            assert {
+                dict(labels)["tenant"]
+                for (n, labels) in page
+                if n == "tailpilot_tenant_latency_seconds"
+            } == {"t0", "t1"}
             # calibrate: unbiased, the engine's facts read from the replica
-            res = runner.invoke(main, ["calibrate", "--db", "tp.db", "--replica", "cpu-0", "--json"])
+            res = runner.invoke(
+                main, ["calibrate", "--db", "tp.db", "--replica", "cpu-0", "--json"]
+            )
             assert res.exit_code == 0, res.output
             cal = json.loads(res.stdout)
             assert abs(cal["fit"]["bias"]["total"]) < 1e-6 and cal["engine"]["max_num_seqs"] == 16
@@ -110,15 +207,38 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(tiny_model_d
             res = runner.invoke(main, ["fidelity", "--db", "tp.db", "--replica", "cpu-0", "--json"])
             assert res.exit_code == 0, res.output
             fid = json.loads(res.stdout)
-            assert fid["requests"] >= 72 and fid["step_model"] == "calibrated/cpu-0" and fid["band"] is not None
+            assert (
+                fid["requests"] >= 72
+                and fid["step_model"] == "calibrated/cpu-0"
+                and fid["band"] is not None
+            )
             assert fid["engine"]["block_size"] == cal["engine"]["block_size"]
             print(f"\nvllm-cpu fidelity: band {fid['band']:.0%}, errors {fid['overall']['errors']}")
             # preview + apply: the prediction shows the band measured just now, and is kept
-            res = runner.invoke(main, ["set", "--cluster", "c.yaml", "--replica", "cpu-0", "--db", "tp.db",
-                                       "--policy", "uniboost", "--preview", "--minutes", "0.5", "--yes", "--json"])
+            res = runner.invoke(
+                main,
+                [
+                    "set",
+                    "--cluster",
+                    "c.yaml",
+                    "--replica",
+                    "cpu-0",
+                    "--db",
+                    "tp.db",
+                    "--policy",
+                    "uniboost",
+                    "--preview",
+                    "--minutes",
+                    "0.5",
+                    "--yes",
+                    "--json",
+                ],
+            )
             assert res.exit_code in (0, 3), res.output
             [out] = json.loads(res.stdout)
-            assert out["result"] in ("applied", "staged") and out["prediction"]["band"] == pytest.approx(fid["band"])
+            assert out["result"] in ("applied", "staged") and out["prediction"][
+                "band"
+            ] == pytest.approx(fid["band"])
             applied = time.time()
             for n in (24, 32):
                 asyncio.run(send_completions(server.base_url, wave(n)))

@@ -72,28 +72,41 @@ def test_token_comes_from_the_environment(monkeypatch):
 
 def test_unknown_field_is_named():
     with pytest.raises(ClusterFileError) as err:
-        parse_cluster_file(_with(VALID, "        token_env: TAILPILOT_TOKEN\n",
-                                 "        token_env: TAILPILOT_TOKEN\n        colour: red\n"), "c.yaml")
+        parse_cluster_file(
+            _with(
+                VALID,
+                "        token_env: TAILPILOT_TOKEN\n",
+                "        token_env: TAILPILOT_TOKEN\n        colour: red\n",
+            ),
+            "c.yaml",
+        )
     assert "c.yaml" in str(err.value)
     assert "clusters[0].replicas[0].colour" in str(err.value)
 
     with pytest.raises(ClusterFileError, match=r"clusters\[1\]\.pol_interval_s"):
-        parse_cluster_file(_with(VALID, "  - name: staging\n", "  - name: staging\n    pol_interval_s: 1\n"))
+        parse_cluster_file(
+            _with(VALID, "  - name: staging\n", "  - name: staging\n    pol_interval_s: 1\n")
+        )
 
     with pytest.raises(ClusterFileError, match=r"(?s)^(?!.*clusters\[).*extra"):
         parse_cluster_file(VALID + "extra: 1\n")
 
 
-@pytest.mark.parametrize("url, words", [
-    ("ftp://127.0.0.1:8001", "http(s) URL"),
-    ("127.0.0.1:8001", "http(s) URL"),
-    ("http://:8001", "http(s) URL"),
-    ("http://127.0.0.1:99999", "invalid port"),
-    ("http://127.0.0.1:8001?x=1", "no query"),
-])
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("ftp://127.0.0.1:8001", "http(s) URL"),
+        ("127.0.0.1:8001", "http(s) URL"),
+        ("http://:8001", "http(s) URL"),
+        ("http://127.0.0.1:99999", "invalid port"),
+        ("http://127.0.0.1:8001?x=1", "no query"),
+    ],
+)
 def test_bad_url_is_named(url, words):
     with pytest.raises(ClusterFileError) as err:
-        parse_cluster_file(_with(VALID, "control_url: http://127.0.0.1:8001", f"control_url: {url!r}"))
+        parse_cluster_file(
+            _with(VALID, "control_url: http://127.0.0.1:8001", f"control_url: {url!r}")
+        )
     message = str(err.value)
     assert "clusters[0].replicas[0].control_url" in message
     assert words in message
@@ -116,7 +129,9 @@ def test_other_errors_name_the_field(tmp_path):
     with pytest.raises(ClusterFileError, match=r"clusters\[0\]\.timeout_s"):
         parse_cluster_file(_with(VALID, "timeout_s: 1.5", "timeout_s: -1"))
     with pytest.raises(ClusterFileError, match=r"clusters\[1\]\.replicas"):
-        parse_cluster_file(VALID.split("  - name: staging")[0] + "  - name: staging\n    replicas: []\n")
+        parse_cluster_file(
+            VALID.split("  - name: staging")[0] + "  - name: staging\n    replicas: []\n"
+        )
     with pytest.raises(ClusterFileError, match=r"not valid YAML"):
         parse_cluster_file("clusters: [\n")
     with pytest.raises(ClusterFileError, match="expected a mapping"):
@@ -130,9 +145,13 @@ def test_a_file_that_is_not_utf8_is_named_with_the_byte_offset(tmp_path):
     offset = data.index(b"\xe4")
     path = tmp_path / "clusters.yaml"
     path.write_bytes(data)
-    with pytest.raises(ClusterFileError, match=f"^{path}: not UTF-8 text \\(byte 0xe4 at offset {offset}\\)$"):
+    with pytest.raises(
+        ClusterFileError, match=f"^{path}: not UTF-8 text \\(byte 0xe4 at offset {offset}\\)$"
+    ):
         load_cluster_file(path)
-    with pytest.raises(ClusterFileError, match=f"^<cluster file>: not UTF-8 text .* offset {offset}"):
+    with pytest.raises(
+        ClusterFileError, match=f"^<cluster file>: not UTF-8 text .* offset {offset}"
+    ):
         parse_cluster_file(data)
     assert parse_cluster_file(VALID.encode()) == parse_cluster_file(VALID)  # UTF-8 bytes are fine
 
@@ -145,8 +164,11 @@ def test_a_file_that_is_not_utf8_is_named_with_the_byte_offset(tmp_path):
 ])  # fmt: skip
 def test_a_key_written_twice_is_named_with_its_lines(old, new, key, line, first):
     """PyYAML's safe_load silently keeps the last of two equal keys; the second may be a typo'd copy."""
-    with pytest.raises(ClusterFileError, match=f"^<cluster file>:{line}: not valid YAML: "
-                                               f"duplicate key '{key}' \\(first on line {first}\\)$"):
+    with pytest.raises(
+        ClusterFileError,
+        match=f"^<cluster file>:{line}: not valid YAML: "
+        f"duplicate key '{key}' \\(first on line {first}\\)$",
+    ):
         parse_cluster_file(_with(VALID, old, new))
 
 

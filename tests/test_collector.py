@@ -76,22 +76,36 @@ vllm:generation_tokens_total{model_name="m"} 123
 
 def test_parse_vllm_v1_page():
     m = parse_vllm_metrics(VLLM_V1_PAGE)
-    assert m == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.375, "preemptions_total": 15.0,
-                 "prompt_tokens_total": 1000.0, "generation_tokens_total": 5000.0,
-                 "requests_total": 42.0}
+    assert m == {
+        "running": 5.0,
+        "waiting": 7.0,
+        "kv_usage": 0.375,
+        "preemptions_total": 15.0,
+        "prompt_tokens_total": 1000.0,
+        "generation_tokens_total": 5000.0,
+        "requests_total": 42.0,
+    }
 
 
 def test_parse_older_vllm_names():
     m = parse_vllm_metrics(VLLM_V0_PAGE)
-    assert m == {"running": 1.0, "waiting": 2.0, "kv_usage": 0.75, "preemptions_total": 9.0,
-                 "generation_tokens_total": 123.0}
+    assert m == {
+        "running": 1.0,
+        "waiting": 2.0,
+        "kv_usage": 0.75,
+        "preemptions_total": 9.0,
+        "generation_tokens_total": 123.0,
+    }
 
 
-@pytest.mark.parametrize("bad, words", [
-    ('vllm:num_requests_running{engine="0" 3\n', "line 3"),
-    ("vllm:num_requests_waiting not-a-number\n", "line 3"),
-    ("<html><body>502 Bad Gateway</body></html>\n", "<html>"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ('vllm:num_requests_running{engine="0" 3\n', "line 3"),
+        ("vllm:num_requests_waiting not-a-number\n", "line 3"),
+        ("<html><body>502 Bad Gateway</body></html>\n", "<html>"),
+    ],
+)
 def test_malformed_metrics_text_names_the_line(bad, words):
     text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n" + bad
     with pytest.raises(MetricsFormatError) as err:
@@ -104,17 +118,32 @@ def test_malformed_metrics_text_names_the_line(bad, words):
 # --------------------------------------------------------------------------------------------
 
 
-def _fake_completions(n: int, t0: float, t1: float, rng: random.Random, start_seq: int = 0) -> list[dict]:
+def _fake_completions(
+    n: int, t0: float, t1: float, rng: random.Random, start_seq: int = 0
+) -> list[dict]:
     out = []
     for i in range(n):
         finished = rng.uniform(t0, t1)
         arrival = finished - rng.uniform(0.5, 30)
         first = arrival + rng.uniform(0.01, 2)
         tokens = rng.choice([1, 2, 5, 50, 300])
-        out.append({"seq": start_seq + i, "id": f"r{start_seq + i}", "tenant": rng.choice(["acme", "globex", "initech"]),
-                    "type": rng.choice(["chat", "code"]), "arrival": arrival, "scheduled_at": arrival,
-                    "first_token_at": min(first, finished), "finished_at": finished, "prompt_tokens": 10,
-                    "output_tokens": tokens, "preemptions": 0, "recomputed_tokens": 0, "reason": "finished"})
+        out.append(
+            {
+                "seq": start_seq + i,
+                "id": f"r{start_seq + i}",
+                "tenant": rng.choice(["acme", "globex", "initech"]),
+                "type": rng.choice(["chat", "code"]),
+                "arrival": arrival,
+                "scheduled_at": arrival,
+                "first_token_at": min(first, finished),
+                "finished_at": finished,
+                "prompt_tokens": 10,
+                "output_tokens": tokens,
+                "preemptions": 0,
+                "recomputed_tokens": 0,
+                "reason": "finished",
+            }
+        )
     out.sort(key=lambda c: c["finished_at"])
     for i, c in enumerate(out):
         c["seq"] = start_seq + i
@@ -122,18 +151,38 @@ def _fake_completions(n: int, t0: float, t1: float, rng: random.Random, start_se
 
 
 def _as_completion(c: dict) -> Completion:
-    return Completion(id=c["id"], tenant=c["tenant"], type=c["type"], arrival=c["arrival"],
-                      scheduled_at=c["scheduled_at"], first_token_at=c["first_token_at"],
-                      finished_at=c["finished_at"], prompt_tokens=c["prompt_tokens"],
-                      output_tokens=c["output_tokens"])
+    return Completion(
+        id=c["id"],
+        tenant=c["tenant"],
+        type=c["type"],
+        arrival=c["arrival"],
+        scheduled_at=c["scheduled_at"],
+        first_token_at=c["first_token_at"],
+        finished_at=c["finished_at"],
+        prompt_tokens=c["prompt_tokens"],
+        output_tokens=c["output_tokens"],
+    )
 
 
 def _state(now: float, completions: list[dict], next_cursor: int, **extra) -> dict:
-    return {"replica": "r", "time": now, "policy": "fcfs", "settings": {"policy": "fcfs"}, "settings_version": 1,
-            "waiting": 3, "running": 2, "kv": {"used_blocks": 5, "total_blocks": 10, "usage": 0.5},
-            "gamma_live": None, "beta_live": None, "preemptions_total": extra.pop("preemptions_total", 0),
-            "finished_total": next_cursor, "steps_total": 100, "completions": completions,
-            "next_cursor": next_cursor, **extra}
+    return {
+        "replica": "r",
+        "time": now,
+        "policy": "fcfs",
+        "settings": {"policy": "fcfs"},
+        "settings_version": 1,
+        "waiting": 3,
+        "running": 2,
+        "kv": {"used_blocks": 5, "total_blocks": 10, "usage": 0.5},
+        "gamma_live": None,
+        "beta_live": None,
+        "preemptions_total": extra.pop("preemptions_total", 0),
+        "finished_total": next_cursor,
+        "steps_total": 100,
+        "completions": completions,
+        "next_cursor": next_cursor,
+        **extra,
+    }
 
 
 def _assert_latency_equals(latency, summary: dict) -> None:
@@ -155,7 +204,9 @@ def test_window_percentiles_equal_metrics_module():
         new = _fake_completions(rng.randint(50, 400), now - 10, now, rng, start_seq=len(all_c))
         all_c += new
         rows = [completion_row("r", c) for c in new]
-        result = view.build(now, StateAnswer(_state(now, new, len(all_c)), rows, len(all_c)), None, [], None)
+        result = view.build(
+            now, StateAnswer(_state(now, new, len(all_c)), rows, len(all_c)), None, [], None
+        )
         in_window = [_as_completion(c) for c in all_c if c["finished_at"] > now - 60.0]
         assert result.sample.healthy and result.sample.reason is None
         assert result.cursor == len(all_c) and view.cursor == len(all_c)
@@ -181,9 +232,11 @@ def test_tbt_and_single_token_requests():
     assert lat.ttft_p50 == pytest.approx(0.15) and lat.tbt_p50 is None
     spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
     view = ReplicaView(spec, window_s=60.0)
-    cs = [{"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5},
-          {"id": "b", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 1.0, "output_tokens": 1},
-          {"id": "c", "arrival": 0.0, "first_token_at": None, "finished_at": 2.0, "output_tokens": 0}]
+    cs = [
+        {"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5},
+        {"id": "b", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 1.0, "output_tokens": 1},
+        {"id": "c", "arrival": 0.0, "first_token_at": None, "finished_at": 2.0, "output_tokens": 0},
+    ]
     rows = [completion_row("r", c) for c in cs]
     result = view.build(10.0, StateAnswer(_state(10.0, cs, 3), rows, 3), None, [], None)
     lat = result.sample.latency
@@ -197,10 +250,14 @@ def test_restart_detection():
     spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
     view = ReplicaView(spec, window_s=60.0, cursor=500)
     assert view.restarted(_state(1.0, [], 500)) is None
-    assert "finished_total 20 < cursor 500" in view.restarted(_state(1.0, [], 500, finished_total=20))
+    assert "finished_total 20 < cursor 500" in view.restarted(
+        _state(1.0, [], 500, finished_total=20)
+    )
     view.build(1.0, StateAnswer(_state(1.0, [], 600, finished_total=700), [], 600), None, [], None)
     assert "finished_total went back" in view.restarted(_state(2.0, [], 600, finished_total=650))
-    assert "steps_total went back" in view.restarted(_state(2.0, [], 600, finished_total=700, steps_total=3))
+    assert "steps_total went back" in view.restarted(
+        _state(2.0, [], 600, finished_total=700, steps_total=3)
+    )
 
 
 def test_restart_detection_by_instance():
@@ -209,25 +266,41 @@ def test_restart_detection_by_instance():
     spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
     view = ReplicaView(spec, window_s=60.0, cursor=500, instance="a")
     assert view.restarted(_state(1.0, [], 900, finished_total=900, instance="a")) is None
-    assert view.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) == "instance changed from a to b"
+    assert (
+        view.restarted(_state(1.0, [], 900, finished_total=900, instance="b"))
+        == "instance changed from a to b"
+    )
     unknown = ReplicaView(spec, window_s=60.0, cursor=500)  # a cursor stored without an instance
     assert unknown.restarted(_state(1.0, [], 900, finished_total=900, instance="b")) is None
-    result = unknown.build(1.0, StateAnswer(_state(1.0, [], 900, finished_total=900, instance="b"), [], 900),
-                           None, [], None)
+    result = unknown.build(
+        1.0,
+        StateAnswer(_state(1.0, [], 900, finished_total=900, instance="b"), [], 900),
+        None,
+        [],
+        None,
+    )
     assert unknown.instance == "b" and result.instance == "b" and result.cursor == 900
-    assert unknown.restarted(_state(2.0, [], 950, finished_total=950, instance="c")).startswith("instance changed")
+    assert unknown.restarted(_state(2.0, [], 950, finished_total=950, instance="c")).startswith(
+        "instance changed"
+    )
 
 
 def test_metrics_only_replica_is_healthy_and_marked():
     spec = ReplicaSpec(name="r", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
     view = ReplicaView(spec, window_s=60.0)
     m = parse_vllm_metrics(VLLM_V1_PAGE)
-    first = view.build(100.0, None, m, [], "metrics only: no tailpilot control API (state: HTTP 404)")
+    first = view.build(
+        100.0, None, m, [], "metrics only: no tailpilot control API (state: HTTP 404)"
+    )
     assert first.sample.healthy and "no tailpilot control API" in first.sample.reason
-    assert first.sample.running == 5 and first.sample.waiting == 7 and first.sample.kv_usage == 0.375
+    assert (
+        first.sample.running == 5 and first.sample.waiting == 7 and first.sample.kv_usage == 0.375
+    )
     assert first.cursor is None and first.completions == [] and first.groups == []
     m2 = {**m, "preemptions_total": m["preemptions_total"] + 10, "generation_tokens_total": 5500.0}
-    second = view.build(102.0, None, m2, [], "metrics only: no tailpilot control API (state: HTTP 404)")
+    second = view.build(
+        102.0, None, m2, [], "metrics only: no tailpilot control API (state: HTTP 404)"
+    )
     assert second.sample.preemptions_per_s == pytest.approx(5.0)
     assert second.sample.throughput_tok_s == pytest.approx(250.0)
     assert view.health.mode == "metrics-only"
@@ -239,8 +312,13 @@ def test_cluster_spec_for_tests_is_valid():
 
 
 def _cluster(replicas, *, poll=0.2, timeout=1.0, window=30.0, name="test") -> ClusterSpec:
-    return ClusterSpec(name=name, poll_interval_s=poll, timeout_s=timeout, window_s=window,
-                       replicas=[ReplicaSpec(name=n, api_url=a, control_url=c) for n, a, c in replicas])
+    return ClusterSpec(
+        name=name,
+        poll_interval_s=poll,
+        timeout_s=timeout,
+        window_s=window,
+        replicas=[ReplicaSpec(name=n, api_url=a, control_url=c) for n, a, c in replicas],
+    )
 
 
 def run(coro):
@@ -262,8 +340,8 @@ import httpx  # noqa: E402
 from controlplane.collector import Collector  # noqa: E402
 from controlplane.poller import poll_once  # noqa: E402
 from controlplane.steering import apply_settings  # noqa: E402
-from storage.store import Store  # noqa: E402
 from sim import traces  # noqa: E402
+from storage.store import Store  # noqa: E402
 from tuner.twin import start_twins  # noqa: E402
 
 TOKEN = "collector-test-token"
@@ -273,7 +351,10 @@ SPEED = 20.0  # replica seconds per wall second: ~30 completions/s per twin
 def mixed_trace() -> traces.Trace:
     """The bundled trace with three Zipf tenants and two request types."""
     t = traces.assign_tenants_zipf(traces.load_bundled(), 3, seed=1)
-    reqs = [dataclasses.replace(r, type="completion" if i % 2 == 0 else "chat") for i, r in enumerate(t.requests)]
+    reqs = [
+        dataclasses.replace(r, type="completion" if i % 2 == 0 else "chat")
+        for i, r in enumerate(t.requests)
+    ]
     return traces.Trace("mixed", tuple(reqs))
 
 
@@ -329,24 +410,33 @@ class FaultProxy:
                     if mode == "bad_json" and is_state:
                         return self._reply(200, b'{"replica": "x", "completions": [{"id": ')
                     if mode == "bad_metrics" and self.path == "/metrics":
-                        return self._reply(200, b'vllm:num_requests_running{engine="0" 3\n', "text/plain")
+                        return self._reply(
+                            200, b'vllm:num_requests_running{engine="0" 3\n', "text/plain"
+                        )
                     if mode == "no_plugin" and is_state:
                         return self._reply(404, b'{"detail":"Not Found"}')
                     length = int(self.headers.get("Content-Length") or 0)
                     body = self.rfile.read(length) if length else None
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() in ("authorization", "if-match", "content-type")}
+                    headers = {
+                        k: v
+                        for k, v in self.headers.items()
+                        if k.lower() in ("authorization", "if-match", "content-type")
+                    }
                     resp = proxy._client.request(method, self.path, content=body, headers=headers)
-                    self._reply(resp.status_code, resp.content, resp.headers.get("content-type", "text/plain"))
+                    self._reply(
+                        resp.status_code,
+                        resp.content,
+                        resp.headers.get("content-type", "text/plain"),
+                    )
                 finally:
                     if is_state:
                         with proxy._lock:
                             proxy.inflight -= 1
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 self._handle("GET")
 
-            def do_PUT(self):  # noqa: N802
+            def do_PUT(self):
                 self._handle("PUT")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -367,7 +457,9 @@ def proxy(twins):
     p.close()
 
 
-def twin_cluster(twins, *, proxy_url=None, poll=0.1, timeout=0.5, window=30.0, name="twins") -> ClusterSpec:
+def twin_cluster(
+    twins, *, proxy_url=None, poll=0.1, timeout=0.5, window=30.0, name="twins"
+) -> ClusterSpec:
     reps = [(t.name, t.url, t.control_url) for t in twins]
     if proxy_url:
         reps[2] = (reps[2][0], proxy_url, proxy_url)
@@ -403,8 +495,11 @@ class Running:
     def __init__(self, cluster, store=None, **kw):
         self.collector = Collector(cluster, store, **kw)
         self.polls: list[tuple[float, str, bool, str | None]] = []
-        self.collector.on_poll(lambda name, r: self.polls.append(
-            (time.monotonic(), name, r.sample.healthy, r.sample.reason)))
+        self.collector.on_poll(
+            lambda name, r: self.polls.append(
+                (time.monotonic(), name, r.sample.healthy, r.sample.reason)
+            )
+        )
         self.stop = asyncio.Event()
 
     async def __aenter__(self):
@@ -423,10 +518,17 @@ class Running:
 
 
 def _completion_from_row(c) -> Completion:
-    return Completion(id=c.request_id, tenant=c.tenant, type=c.type, arrival=c.arrival_s,
-                      scheduled_at=c.arrival_s,
-                      first_token_at=np.nan if c.first_token_s is None else c.first_token_s,
-                      finished_at=c.finished_s, prompt_tokens=c.prompt_tokens, output_tokens=c.output_tokens)
+    return Completion(
+        id=c.request_id,
+        tenant=c.tenant,
+        type=c.type,
+        arrival=c.arrival_s,
+        scheduled_at=c.arrival_s,
+        first_token_at=np.nan if c.first_token_s is None else c.first_token_s,
+        finished_at=c.finished_s,
+        prompt_tokens=c.prompt_tokens,
+        output_tokens=c.output_tokens,
+    )
 
 
 def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
@@ -436,8 +538,13 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
     async def scenario():
         async with Running(cluster, store, flush_interval_s=0.3) as run:
             updates = run.collector.subscribe()
-            await wait_until(lambda: all(len(run.polls_of(t.name)) >= 15 and run.collector.views[t.name].cursor >= 40
-                                         for t in twins), what="polls and completions")
+            await wait_until(
+                lambda: all(
+                    len(run.polls_of(t.name)) >= 15 and run.collector.views[t.name].cursor >= 40
+                    for t in twins
+                ),
+                what="polls and completions",
+            )
             # The TUI's feed: a snapshot of every replica after each flush tick.
             update = await asyncio.wait_for(updates.get(), 5)
             assert set(update.replicas) == {t.name for t in twins}
@@ -447,15 +554,24 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
     run = asyncio.run(scenario())
     # A loaded machine may time out a poll of a healthy twin (its 2 s deadline); what this test is
     # about — every completion once, the percentiles exact — must hold whatever the machine's speed.
-    assert run.stats.polls >= 45 and run.stats.failed_polls <= run.stats.polls // 10 and run.stats.batches >= 2
+    assert (
+        run.stats.polls >= 45
+        and run.stats.failed_polls <= run.stats.polls // 10
+        and run.stats.batches >= 2
+    )
     assert assert_exactly_once(store, "twins", twins) > 100
     snap = run.collector.snapshot()
     for twin in twins:
         rs = snap.replicas[twin.name]
-        assert rs.health.healthy and rs.health.mode == "plugin" and rs.settings["policy"] == "sarathi"
+        assert (
+            rs.health.healthy and rs.health.mode == "plugin" and rs.settings["policy"] == "sarathi"
+        )
         now_r = rs.state["time"]
-        window = [_completion_from_row(c) for c in store.readings.completions("twins", twin.name)
-                  if c.finished_s > now_r - 20.0]
+        window = [
+            _completion_from_row(c)
+            for c in store.readings.completions("twins", twin.name)
+            if c.finished_s > now_r - 20.0
+        ]
         assert len(window) == rs.window_completions > 20
         _assert_latency_equals(rs.sample.latency, summarize(window))
         by_tenant = summarize_by(window, "tenant")
@@ -478,8 +594,14 @@ FAULTS = {
     # Stopping a server takes a moment: a request that reaches it meanwhile waits in the listen
     # backlog ("timeout") or is reset ("connection lost"), and the first failed poll may have had
     # its /state answered just before; afterwards connections are refused ("down").
-    "down": ("state: down", "state: connection lost", "state: timeout", "metrics: down", "metrics: connection lost",
-             "metrics: timeout"),
+    "down": (
+        "state: down",
+        "state: connection lost",
+        "state: timeout",
+        "metrics: down",
+        "metrics: connection lost",
+        "metrics: timeout",
+    ),
     "timeout": ("state: timeout after 1 s",),
     "http500": ("state: HTTP 500",),
     "bad_json": ("state: bad JSON",),
@@ -509,7 +631,9 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
             # process would not; without keep-alive every poll opens a new connection and sees it.
             client = PollingClient(cluster.timeout_s, keepalive=False)
         async with Running(cluster, store, flush_interval_s=0.3, client=client) as run:
-            await wait_until(lambda: all(run.health(t.name).healthy for t in twins), what="all healthy")
+            await wait_until(
+                lambda: all(run.health(t.name).healthy for t in twins), what="all healthy"
+            )
             t0 = time.monotonic()
             if fault == "down":
                 faulty.stop()
@@ -523,8 +647,10 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
                 assert run.health(faulty.name).failures >= 1
                 # The others keep being polled while it is down: wait for that (an event), rather
                 # than count the polls of a stretch of wall time (a loaded machine polls fewer).
-                await wait_until(lambda: all(len(run.polls_of(o.name, since=t0)) >= 4 for o in others),
-                                 what="the others polled while it is down")
+                await wait_until(
+                    lambda: all(len(run.polls_of(o.name, since=t0)) >= 4 for o in others),
+                    what="the others polled while it is down",
+                )
             finally:
                 if fault == "down":
                     faulty.start()
@@ -578,7 +704,9 @@ def test_slow_replica_does_not_delay_the_others(twins, proxy):
 
     async def scenario():
         async with Running(cluster, None) as run:
-            await wait_until(lambda: len(run.polls_of(twins[2].name)) >= 2, timeout=10, what="slow polls")
+            await wait_until(
+                lambda: len(run.polls_of(twins[2].name)) >= 2, timeout=10, what="slow polls"
+            )
         return run
 
     run = asyncio.run(scenario())
@@ -610,7 +738,9 @@ def test_locked_database_loses_no_samples(twins, tmp_path):
                 lock.execute("ROLLBACK")
                 lock.close()
             batches = run.collector.stats.batches
-            await wait_until(lambda: run.collector.stats.batches > batches, what="a batch after the lock")
+            await wait_until(
+                lambda: run.collector.stats.batches > batches, what="a batch after the lock"
+            )
             assert run.collector.pending_rows < 100
         return run
 
@@ -618,7 +748,10 @@ def test_locked_database_loses_no_samples(twins, tmp_path):
     assert run.stats.busy_retries >= 2
     for twin in twins:
         assert len(store.readings.samples("twins", twin.name)) == len(run.polls_of(twin.name))
-    assert sum(len(store.readings.samples("twins", t.name)) for t in twins) == run.stats.samples_written
+    assert (
+        sum(len(store.readings.samples("twins", t.name)) for t in twins)
+        == run.stats.samples_written
+    )
     assert assert_exactly_once(store, "twins", twins) > 0
 
 
@@ -630,11 +763,17 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
 
         async def scenario():
             async with Running(cluster, store, flush_interval_s=0.2) as run:
-                await wait_until(lambda: run.collector.views[tw[0].name].cursor > 30, what="progress")
+                await wait_until(
+                    lambda: run.collector.views[tw[0].name].cursor > 30, what="progress"
+                )
                 before.extend(c["id"] for c in tw[0].core.completions_since(0, limit=10**9)[0])
                 tw[0].restart(fresh=True)
-                await wait_until(lambda: run.collector.views[tw[0].name].restarts == 1, what="restart seen")
-                await wait_until(lambda: run.collector.views[tw[0].name].cursor > 10, what="progress after")
+                await wait_until(
+                    lambda: run.collector.views[tw[0].name].restarts == 1, what="restart seen"
+                )
+                await wait_until(
+                    lambda: run.collector.views[tw[0].name].cursor > 10, what="progress after"
+                )
             return run
 
         run = asyncio.run(scenario())
@@ -650,7 +789,7 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
         old = set(stored) - new
         assert old and old <= set(before)  # the rest is the old incarnation's
         # ... a prefix of its log: nothing in the middle went missing.
-        assert old == set(before[:len(old)])
+        assert old == set(before[: len(old)])
         assert assert_exactly_once(store, "twins", tw[1:]) > 0
 
 
@@ -667,20 +806,33 @@ def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
                 view = run.collector.views[name]
                 await wait_until(lambda: view.polls > 3, what="first polls")
                 with httpx.Client(base_url=tw[0].url, trust_env=False, timeout=10) as c:
-                    r = c.put("/tailpilot/v1/settings", headers={"Authorization": f"Bearer {TOKEN}"},
-                              json={"policy": "uniboost", "params": {"gamma": 4.0}, "pinned": ["gamma"]})
+                    r = c.put(
+                        "/tailpilot/v1/settings",
+                        headers={"Authorization": f"Bearer {TOKEN}"},
+                        json={"policy": "uniboost", "params": {"gamma": 4.0}, "pinned": ["gamma"]},
+                    )
                     assert r.status_code == 200, r.text
-                await wait_until(lambda: (view.state or {}).get("settings_version") == 2, what="version 2 seen")
+                await wait_until(
+                    lambda: (view.state or {}).get("settings_version") == 2, what="version 2 seen"
+                )
                 await wait_until(lambda: view.polls > 12, what="more polls")
                 tw[0].restart(fresh=True)
-                await wait_until(lambda: view.restarts == 1 and view.polls > 20, what="the restart seen")
+                await wait_until(
+                    lambda: view.restarts == 1 and view.polls > 20, what="the restart seen"
+                )
 
         asyncio.run(scenario())
         seen = store.settings_log.settings_seen("twins", name)
         store.close()
     assert store_audit_is_empty(tmp_path / "t.db")
-    assert [(r["version"], r["settings"]["policy"]) for r in seen] == [(1, "sarathi"), (2, "uniboost"), (1, "sarathi")]
-    assert seen[1]["settings"]["params"]["gamma"] == 4.0 and seen[1]["settings"]["pinned"] == ["gamma"]
+    assert [(r["version"], r["settings"]["policy"]) for r in seen] == [
+        (1, "sarathi"),
+        (2, "uniboost"),
+        (1, "sarathi"),
+    ]
+    assert seen[1]["settings"]["params"]["gamma"] == 4.0 and seen[1]["settings"]["pinned"] == [
+        "gamma"
+    ]
     assert seen[0]["instance"] == seen[1]["instance"] != seen[2]["instance"]
     assert [r["t_ms"] for r in seen] == sorted(r["t_ms"] for r in seen)
 
@@ -688,6 +840,7 @@ def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
 def store_audit_is_empty(path) -> bool:
     with Store.open(str(path)) as store:
         return store.settings_log.settings_changes("twins") == []
+
 
 def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
     """The recorder is down; the replica restarts and completes more requests than the stored
@@ -705,13 +858,17 @@ def test_restart_while_no_collector_ran_is_read_from_cursor_zero(tmp_path):
         first = asyncio.run(record_until(lambda v: v.cursor > 30, "first completions"))
         stored_cursor = store.recordings.cursors("twins")[name]
         assert stored_cursor == first.cursor
-        assert store.recordings.cursor_positions("twins") == {name: (stored_cursor, tw[0].core.instance)}
+        assert store.recordings.cursor_positions("twins") == {
+            name: (stored_cursor, tw[0].core.instance)
+        }
         tw[0].restart(fresh=True)  # while no collector runs
         deadline = time.monotonic() + 20
         while tw[0].core.finished_total <= stored_cursor + 20:
             assert time.monotonic() < deadline, "the restarted twin made no progress"
             time.sleep(0.05)
-        second = asyncio.run(record_until(lambda v: v.cursor > stored_cursor + 20, "reading the new instance"))
+        second = asyncio.run(
+            record_until(lambda v: v.cursor > stored_cursor + 20, "reading the new instance")
+        )
 
     assert second.last_restart is not None and "instance changed" in second.last_restart[1]
     cursor = store.recordings.cursors("twins")[name]
@@ -727,10 +884,14 @@ def test_poll_once_for_status(twins, proxy):
     proxy.mode = "http500"
     cluster = twin_cluster(twins, proxy_url=proxy.url)
     snaps = {s.name: s for s in run(poll_once(cluster))}
-    assert snaps[twins[0].name].health.healthy and snaps[twins[0].name].settings["policy"] == "sarathi"
+    assert (
+        snaps[twins[0].name].health.healthy and snaps[twins[0].name].settings["policy"] == "sarathi"
+    )
     assert snaps[twins[0].name].sample.waiting is not None
     assert snaps[twins[0].name].sample.latency.ttlt_p50 is None  # no completions downloaded
-    assert not snaps[twins[2].name].health.healthy and "HTTP 500" in snaps[twins[2].name].health.reason
+    assert (
+        not snaps[twins[2].name].health.healthy and "HTTP 500" in snaps[twins[2].name].health.reason
+    )
     full = {s.name: s for s in run(poll_once(cluster, with_completions=True))}
     assert full[twins[0].name].sample.latency.ttlt_p50 is not None
     assert full[twins[0].name].window_completions > 0
@@ -739,34 +900,77 @@ def test_poll_once_for_status(twins, proxy):
 def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
     store = Store.open(str(tmp_path / "t.db"))
     reps = [(t.name, t.url, t.control_url) for t in twins]
-    cluster = ClusterSpec(name="twins", poll_interval_s=0.1, timeout_s=0.5, replicas=[
-        ReplicaSpec(name=reps[0][0], api_url=reps[0][1], control_url=reps[0][2], token_env="TP_TEST_TOKEN"),
-        ReplicaSpec(name=reps[1][0], api_url=reps[1][1], control_url=reps[1][2], token_env="TP_TEST_TOKEN"),
-        ReplicaSpec(name=reps[2][0], api_url=proxy.url, control_url=proxy.url, token_env="TP_TEST_TOKEN")])
+    cluster = ClusterSpec(
+        name="twins",
+        poll_interval_s=0.1,
+        timeout_s=0.5,
+        replicas=[
+            ReplicaSpec(
+                name=reps[0][0],
+                api_url=reps[0][1],
+                control_url=reps[0][2],
+                token_env="TP_TEST_TOKEN",
+            ),
+            ReplicaSpec(
+                name=reps[1][0],
+                api_url=reps[1][1],
+                control_url=reps[1][2],
+                token_env="TP_TEST_TOKEN",
+            ),
+            ReplicaSpec(
+                name=reps[2][0], api_url=proxy.url, control_url=proxy.url, token_env="TP_TEST_TOKEN"
+            ),
+        ],
+    )
     monkeypatch.setenv("TP_TEST_TOKEN", TOKEN)
     v0 = twins[0].core.version
 
     # Applied: the replica's version moves on and the read-back confirms it.
-    [ok] = run(apply_settings(cluster, [twins[0].name], lambda s: s.replace(policy="uniboost", params={"gamma": 7.0}),
-                              store, who="alice"))
+    [ok] = run(
+        apply_settings(
+            cluster,
+            [twins[0].name],
+            lambda s: s.replace(policy="uniboost", params={"gamma": 7.0}),
+            store,
+            who="alice",
+        )
+    )
     assert ok.result == "applied" and ok.version == v0 + 1 and ok.status == 200, ok
-    assert ok.old["policy"] == "sarathi" and ok.new["policy"] == "uniboost" and ok.new["params"]["gamma"] == 7.0
+    assert (
+        ok.old["policy"] == "sarathi"
+        and ok.new["policy"] == "uniboost"
+        and ok.new["params"]["gamma"] == 7.0
+    )
     assert twins[0].core.settings_doc()["settings"]["params"]["gamma"] == 7.0
 
     # Rejected by the replica (valid locally, refused there: 400 naming the reason).
-    [bad] = run(apply_settings(cluster, [twins[1].name], {"policy": "srpt", "params": {"predictor": "oracle"}},
-                               store, who="bob"))
+    [bad] = run(
+        apply_settings(
+            cluster,
+            [twins[1].name],
+            {"policy": "srpt", "params": {"predictor": "oracle"}},
+            store,
+            who="bob",
+        )
+    )
     assert bad.result == "rejected" and bad.status == 400 and "oracle" in bad.message
 
     # Rejected: someone else changed the settings between our GET and PUT (If-Match -> 409).
     def racing(settings):
         twins[1].core.put_settings({"policy": "fcfs"})
         return settings.replace(policy="las")
+
     [conflict] = run(apply_settings(cluster, [twins[1].name], racing, store, who="bob"))
-    assert conflict.result == "rejected" and conflict.status == 409 and "If-Match" in conflict.message
+    assert (
+        conflict.result == "rejected" and conflict.status == 409 and "If-Match" in conflict.message
+    )
 
     # Rejected before sending: an invalid document names the field.
-    [local] = run(apply_settings(cluster, [twins[1].name], {"policy": "uniboost", "params": {"gama": 3}}, store))
+    [local] = run(
+        apply_settings(
+            cluster, [twins[1].name], {"policy": "uniboost", "params": {"gama": 3}}, store
+        )
+    )
     assert local.result == "rejected" and local.status is None and "params.gama" in local.message
 
     # Rejected: wrong token.
@@ -782,16 +986,23 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
     proxy.mode = "pass"
     twins[1].stop()
     try:
-        [down] = run(apply_settings(cluster, [twins[1].name], {"policy": "fcfs"}, store, who="carol"))
+        [down] = run(
+            apply_settings(cluster, [twins[1].name], {"policy": "fcfs"}, store, who="carol")
+        )
     finally:
         twins[1].start()
     assert down.result == "error" and "down" in down.message
 
     audit = list(reversed(store.settings_log.settings_changes("twins")))
     assert [(a["replica"], a["who"], a["result"]) for a in audit] == [
-        (twins[0].name, "alice", "applied"), (twins[1].name, "bob", "rejected"), (twins[1].name, "bob", "rejected"),
-        (twins[1].name, "cli", "rejected"), (twins[1].name, "eve", "rejected"), (twins[2].name, "carol", "error"),
-        (twins[1].name, "carol", "error")]
+        (twins[0].name, "alice", "applied"),
+        (twins[1].name, "bob", "rejected"),
+        (twins[1].name, "bob", "rejected"),
+        (twins[1].name, "cli", "rejected"),
+        (twins[1].name, "eve", "rejected"),
+        (twins[2].name, "carol", "error"),
+        (twins[1].name, "carol", "error"),
+    ]
     assert audit[0]["version"] == v0 + 1 and audit[0]["new"]["params"]["gamma"] == 7.0
     assert audit[0]["old"]["policy"] == "sarathi"
     assert "oracle" in audit[1]["message"] and "409" in audit[2]["message"]
@@ -834,7 +1045,13 @@ from scheduler.settings import Settings  # noqa: E402
 
 
 def test_completion_row_reads_max_tokens_and_tolerates_its_absence():
-    base = {"id": "a", "arrival": 0.0, "first_token_at": 1.0, "finished_at": 5.0, "output_tokens": 5}
+    base = {
+        "id": "a",
+        "arrival": 0.0,
+        "first_token_at": 1.0,
+        "finished_at": 5.0,
+        "output_tokens": 5,
+    }
     assert completion_row("r", {**base, "max_tokens": 4096}).max_tokens == 4096
     assert completion_row("r", {**base, "max_tokens": 64.0}).max_tokens == 64  # JSON may carry 64.0
     assert completion_row("r", base).max_tokens is None  # an older replica does not send it
@@ -856,14 +1073,27 @@ def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
     core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
     caps = {"q0": 16, "q1": 4096, "q2": 512, "q3": 1, "q4": 32_768}
     for i, (rid, cap) in enumerate(caps.items()):
-        state = RequestState(id=rid, arrival=float(i), prompt_tokens=10 + i, max_tokens=cap, tenant="acme")
+        state = RequestState(
+            id=rid, arrival=float(i), prompt_tokens=10 + i, max_tokens=cap, tenant="acme"
+        )
         core.track(state, float(i))
         state.status, state.scheduled_at, state.first_token_at = "running", i + 0.25, i + 0.5
         state.generated = min(cap, 3 + 2 * i)  # unrelated to the cap except where it reached it
         core.finish(state, i + 1.0)
-    old_entry = {"id": "old", "tenant": "acme", "type": "chat", "arrival": 9.0, "scheduled_at": 9.1,
-                 "first_token_at": 9.2, "finished_at": 9.5, "prompt_tokens": 5, "output_tokens": 2,
-                 "preemptions": 0, "recomputed_tokens": 0, "reason": "finished"}  # no max_tokens key
+    old_entry = {
+        "id": "old",
+        "tenant": "acme",
+        "type": "chat",
+        "arrival": 9.0,
+        "scheduled_at": 9.1,
+        "first_token_at": 9.2,
+        "finished_at": 9.5,
+        "prompt_tokens": 5,
+        "output_tokens": 2,
+        "preemptions": 0,
+        "recomputed_tokens": 0,
+        "reason": "finished",
+    }  # no max_tokens key
     core.log_completions([old_entry])
     server = ControlServer(MetricsCoreTarget(core), port=0, token=TOKEN).start()
     try:
@@ -877,8 +1107,14 @@ def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
 
         async def scenario():
             async with Running(cluster, store, flush_interval_s=0.05) as run:
-                await wait_until(lambda: run.collector.views["r1"].cursor == len(caps) + 1, what="all completions")
-                await wait_until(lambda: store.recordings.cursors("caps").get("r1") == len(caps) + 1, what="stored")
+                await wait_until(
+                    lambda: run.collector.views["r1"].cursor == len(caps) + 1,
+                    what="all completions",
+                )
+                await wait_until(
+                    lambda: store.recordings.cursors("caps").get("r1") == len(caps) + 1,
+                    what="stored",
+                )
                 assert run.health("r1").healthy and run.health("r1").mode == "plugin"
 
         asyncio.run(scenario())
@@ -888,7 +1124,9 @@ def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
         server.stop()
     assert {c.request_id: c.max_tokens for c in stored} == {**caps, "old": None}
     assert {c.request_id: c.output_tokens for c in stored} == {
-        **{rid: min(cap, 3 + 2 * i) for i, (rid, cap) in enumerate(caps.items())}, "old": 2}
+        **{rid: min(cap, 3 + 2 * i) for i, (rid, cap) in enumerate(caps.items())},
+        "old": 2,
+    }
 
 
 def test_twin_completions_are_stored_with_the_traces_caps(twins, tmp_path):
@@ -898,7 +1136,10 @@ def test_twin_completions_are_stored_with_the_traces_caps(twins, tmp_path):
 
     async def scenario():
         async with Running(twin_cluster(twins), store, flush_interval_s=0.1) as run:
-            await wait_until(lambda: all(run.collector.views[t.name].cursor > 20 for t in twins), what="completions")
+            await wait_until(
+                lambda: all(run.collector.views[t.name].cursor > 20 for t in twins),
+                what="completions",
+            )
 
     asyncio.run(scenario())
     stored = store.readings.completions("twins")

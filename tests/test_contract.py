@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from scheduler import contract
-from tailpilot.cli import main
 from controlplane.replica_http import StateFormatError, completion_row, read_state
+from scheduler import contract
 from scheduler.plugin.api import PREFIX
 from scheduler.settings import Settings
+from tailpilot.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,11 +33,26 @@ def check_state_page(doc: dict) -> None:
         comp = strict(contract.Completion, c)
         assert comp.seq is not None
         row = completion_row("r", c)
-        assert (row.request_id, row.arrival_s, row.finished_s, row.output_tokens, row.max_tokens) == \
-            (comp.id, comp.arrival, comp.finished_at, comp.output_tokens, comp.max_tokens)
+        assert (
+            row.request_id,
+            row.arrival_s,
+            row.finished_s,
+            row.output_tokens,
+            row.max_tokens,
+        ) == (comp.id, comp.arrival, comp.finished_at, comp.output_tokens, comp.max_tokens)
     seen = read_state(doc)
-    for key in ("policy", "settings_version", "waiting", "running", "finished_total", "next_cursor", "more",
-                "gamma_live", "instance", "settings"):
+    for key in (
+        "policy",
+        "settings_version",
+        "waiting",
+        "running",
+        "finished_total",
+        "next_cursor",
+        "more",
+        "gamma_live",
+        "instance",
+        "settings",
+    ):
         assert seen[key] == doc[key], key
     assert seen["kv"] == doc["kv"]
 
@@ -45,7 +60,9 @@ def check_state_page(doc: dict) -> None:
 def test_a_twin_sends_what_the_contract_says():
     from tuner.twin import start_twins
 
-    with start_twins(1, speed=200, settings=Settings.model_validate({"policy": "uniboost"}), token="t") as cluster:
+    with start_twins(
+        1, speed=200, settings=Settings.model_validate({"policy": "uniboost"}), token="t"
+    ) as cluster:
         url = cluster.replicas[0].url + PREFIX
         with httpx.Client(timeout=10) as http:
             import time
@@ -56,7 +73,9 @@ def test_a_twin_sends_what_the_contract_says():
                 time.sleep(0.05)
             check_state_page(doc)
             strict(contract.SettingsAnswer, http.get(url + "/settings").json())
-            put = http.put(url + "/settings", json={"policy": "fcfs"}, headers={"Authorization": "Bearer t"})
+            put = http.put(
+                url + "/settings", json={"policy": "fcfs"}, headers={"Authorization": "Bearer t"}
+            )
             assert strict(contract.SettingsAnswer, put.json()).restart_required == []
             steps = http.get(url + "/steps", params={"cursor": 0}).json()
             assert strict(contract.StepsPage, steps).steps
@@ -73,7 +92,9 @@ def check_inflight(doc: dict, limit: int) -> list[dict]:
     nothing that tells an output length before the request finished."""
     seen = strict(contract.Inflight, doc)
     assert len(seen.requests) <= limit and seen.total >= len(seen.requests)
-    assert [(r.arrival, r.id) for r in seen.requests] == sorted((r.arrival, r.id) for r in seen.requests)
+    assert [(r.arrival, r.id) for r in seen.requests] == sorted(
+        (r.arrival, r.id) for r in seen.requests
+    )
     for entry in doc["requests"]:
         assert not {"output_tokens", "finished_at"} & set(entry), entry
     return doc["requests"]
@@ -85,8 +106,14 @@ def test_the_plugin_sends_what_the_contract_says():
 
     from scheduler.plugin.vllm import TailpilotScheduler
 
-    s = make_scheduler(TailpilotScheduler, model_dir=minimal_model_dir(), num_blocks=64, max_num_seqs=4,
-                       max_num_batched_tokens=256, settings={"policy": "uniboost"})
+    s = make_scheduler(
+        TailpilotScheduler,
+        model_dir=minimal_model_dir(),
+        num_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        settings={"policy": "uniboost"},
+    )
     try:
         d = Driver(s)
         d.add(*[make_request(f"r{i}", 16 + i, 4) for i in range(3)])
@@ -103,15 +130,28 @@ def test_the_plugin_sends_what_the_contract_says():
 
 
 def test_a_lenient_reader_nulls_a_broken_optional_field_and_names_a_missing_required_one():
-    doc = {"completions": [], "next_cursor": 3, "waiting": "many", "gamma_live": math.inf,
-           "kv": {"used_blocks": True, "total_blocks": 10, "usage": 0.5}}
+    doc = {
+        "completions": [],
+        "next_cursor": 3,
+        "waiting": "many",
+        "gamma_live": math.inf,
+        "kv": {"used_blocks": True, "total_blocks": 10, "usage": 0.5},
+    }
     seen = read_state(doc)
-    assert (seen["waiting"], seen["gamma_live"], seen["kv"]["used_blocks"], seen["kv"]["total_blocks"]) == \
-        (None, None, None, 10)
+    assert (
+        seen["waiting"],
+        seen["gamma_live"],
+        seen["kv"]["used_blocks"],
+        seen["kv"]["total_blocks"],
+    ) == (None, None, None, 10)
     with pytest.raises(ValidationError):
         strict(contract.State, doc)  # a producer must send it right
-    for broken, field in (({"completions": []}, "next_cursor"), ({"next_cursor": 1}, "completions"),
-                          ({"completions": [], "next_cursor": -1}, "next_cursor"), ([], "object")):
+    for broken, field in (
+        ({"completions": []}, "next_cursor"),
+        ({"next_cursor": 1}, "completions"),
+        ({"completions": [], "next_cursor": -1}, "next_cursor"),
+        ([], "object"),
+    ):
         with pytest.raises(StateFormatError, match=field):
             read_state(broken)
 
@@ -119,7 +159,12 @@ def test_a_lenient_reader_nulls_a_broken_optional_field_and_names_a_missing_requ
 def test_a_broken_completion_is_refused_whole():
     good = {"seq": 0, "id": "a", "arrival": 1.0, "finished_at": 2.0, "output_tokens": 3}
     assert completion_row("r", good).output_tokens == 3
-    for bad in ({**good, "finished_at": math.nan}, {**good, "output_tokens": "three"}, {**good, "id": None}, "x"):
+    for bad in (
+        {**good, "finished_at": math.nan},
+        {**good, "output_tokens": "three"},
+        {**good, "id": None},
+        "x",
+    ):
         with pytest.raises(ValueError):
             completion_row("r", bad)
 
@@ -128,7 +173,9 @@ def test_the_published_schema_is_the_contract():
     res = CliRunner().invoke(main, ["schema"])
     assert res.exit_code == 0
     published = (ROOT / "docs" / "control-api.schema.json").read_text(encoding="utf-8")
-    assert json.loads(res.output) == json.loads(published), "run: tailpilot schema --out docs/control-api.schema.json"
+    assert json.loads(res.output) == json.loads(published), (
+        "run: tailpilot schema --out docs/control-api.schema.json"
+    )
     docs = json.loads(published)["documents"]
     assert {"state", "completion", "steps", "settings", "error"} <= set(docs)
     assert {"completions", "next_cursor"} <= set(docs["state"]["required"])

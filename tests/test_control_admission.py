@@ -47,11 +47,15 @@ def serve(**limits) -> tuple[ReplicaCore, ControlServer]:
         s.generated = 5
         core.finish(s, float(i) + 1)
     limits.setdefault("max_penalty_s", 0.0)
-    return core, ControlServer(CoreTarget(core), port=0, token=TOKEN, limits=Limits(**limits)).start()
+    return core, ControlServer(
+        CoreTarget(core), port=0, token=TOKEN, limits=Limits(**limits)
+    ).start()
 
 
 def connect(server: ControlServer, source: str = "127.0.0.1") -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S, source_address=(source, 0))
+    return socket.create_connection(
+        ("127.0.0.1", server.port), timeout=WAIT_S, source_address=(source, 0)
+    )
 
 
 def ask(sock: socket.socket, path: str = "/state", auth: str | None = None) -> int:
@@ -104,20 +108,31 @@ def test_anonymous_connections_leave_slots_for_token_holders():
         raw = b""
         while chunk := extra.recv(65536):
             raw += chunk
-        assert raw.startswith(b"HTTP/1.1 503 ") and b"kept for requests with the bearer token" in raw
+        assert (
+            raw.startswith(b"HTTP/1.1 503 ") and b"kept for requests with the bearer token" in raw
+        )
         # A token holder gets the kept slot, and keeps it.
         holder = connect(server)
         assert [ask(holder, auth=BEARER) for _ in range(3)] == [200] * 3
         assert [ask(s) for s in anonymous] == [200] * 3  # the anonymous ones were not disturbed
-        assert server.httpd.admission() == {"connections": 4, "anonymous": 3, "token": 1, "new": 0, "closing": 0,
-                                            "parked": 0, "addresses": 1}
+        assert server.httpd.admission() == {
+            "connections": 4,
+            "anonymous": 3,
+            "token": 1,
+            "new": 0,
+            "closing": 0,
+            "parked": 0,
+            "addresses": 1,
+        }
     finally:
         server.stop()
 
 
 def test_without_a_token_configured_nothing_is_kept_back():
     core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
-    server = ControlServer(CoreTarget(core), port=0, token=" ", limits=Limits(max_connections=4)).start()
+    server = ControlServer(
+        CoreTarget(core), port=0, token=" ", limits=Limits(max_connections=4)
+    ).start()
     try:
         clients = [connect(server) for _ in range(4)]  # every slot serves anonymous clients
         assert [ask(s) for s in clients] == [200] * 4
@@ -201,7 +216,9 @@ def test_anonymous_requests_leave_a_share_of_the_rate_for_token_holders(scheme):
         assert [ask(holder, auth=f"{scheme} {TOKEN}") for _ in range(3)] == [200] * 2 + [429]
         assert ask(holder, auth=f"Bearer {TOKEN}x") == 429  # a wrong token is anonymous
         clock.t += 1.0
-        assert [ask(holder, auth=f"{scheme} {TOKEN}") for _ in range(8)] == [200] * 8  # all of it when idle
+        assert [ask(holder, auth=f"{scheme} {TOKEN}") for _ in range(8)] == [
+            200
+        ] * 8  # all of it when idle
     finally:
         server.stop()
 
@@ -210,7 +227,9 @@ def test_the_anonymous_rate_is_per_client_address_across_reconnects():
     clock = SteppedClock()
     _, server = serve(rate_per_address=5, rate_per_connection=1e9, rate_total=1e9, clock=clock)
     try:
-        codes = [ask(s) for s in (connect(server) for _ in range(3)) for _ in range(3)]  # 3 fresh connections
+        codes = [
+            ask(s) for s in (connect(server) for _ in range(3)) for _ in range(3)
+        ]  # 3 fresh connections
         assert codes == [200] * 5 + [429] * 4
         other = connect(server, source="127.0.0.2")  # another address has its own budget
         assert [ask(other) for _ in range(6)] == [200] * 5 + [429]
@@ -222,7 +241,9 @@ def test_the_anonymous_rate_is_per_client_address_across_reconnects():
 
 def test_the_address_table_is_bounded_and_forgets_the_least_recent():
     clock = SteppedClock()
-    _, server = serve(rate_per_address=1, max_addresses=2, rate_per_connection=1e9, rate_total=1e9, clock=clock)
+    _, server = serve(
+        rate_per_address=1, max_addresses=2, rate_per_connection=1e9, rate_total=1e9, clock=clock
+    )
     try:
         first = connect(server, source="127.0.0.2")
         assert [ask(first), ask(first)] == [200, 429]
@@ -241,23 +262,32 @@ class Attack:
     """32 unauthenticated keep-alive connections that reconnect when closed, and a dozen readers
     looping on ``GET /state`` without a token, ignoring ``Retry-After``."""
 
-    def __init__(self, server: ControlServer, clock: SteppedClock, idle: int = 32, readers: int = 12) -> None:
+    def __init__(
+        self, server: ControlServer, clock: SteppedClock, idle: int = 32, readers: int = 12
+    ) -> None:
         self.server, self.clock = server, clock
         self.stop = threading.Event()
         self.lock = threading.Condition()
         self.outcomes: Counter = Counter()
         self.reader_answers = 0
         self.started = [threading.Event() for _ in range(idle + readers)]  # each has had an answer
-        self.threads = [threading.Thread(target=self._idle, args=(i,), daemon=True) for i in range(idle)]
-        self.threads += [threading.Thread(target=self._reader, args=(idle + i,), daemon=True) for i in range(readers)]
+        self.threads = [
+            threading.Thread(target=self._idle, args=(i,), daemon=True) for i in range(idle)
+        ]
+        self.threads += [
+            threading.Thread(target=self._reader, args=(idle + i,), daemon=True)
+            for i in range(readers)
+        ]
 
-    def __enter__(self) -> "Attack":
+    def __enter__(self) -> Attack:
         for t in self.threads:
             t.start()
         deadline = time.monotonic() + WAIT_S
         for started in self.started:
             while not started.wait(0.05):
-                self.clock.t += 0.05  # refused ones get their 503 once the pause is over on this clock
+                self.clock.t += (
+                    0.05  # refused ones get their 503 once the pause is over on this clock
+                )
                 assert time.monotonic() < deadline, "an attacker never got an answer"
         return self
 
@@ -330,11 +360,17 @@ def test_a_token_holder_keeps_polling_while_anonymous_clients_attack():
             holder: http.client.HTTPConnection | None = None
             cursor, seen = 0, attack.reader_answers
             for _ in range(60):
-                seen = attack.wait_for_readers(seen, 2)  # each poll lands among the readers' requests
+                seen = attack.wait_for_readers(
+                    seen, 2
+                )  # each poll lands among the readers' requests
                 clock.t += 0.1  # the collector's 10 Hz polls, or 1 Hz with its pages
-                holder = holder or http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+                holder = holder or http.client.HTTPConnection(
+                    "127.0.0.1", server.port, timeout=WAIT_S
+                )
                 try:
-                    holder.request("GET", f"{PREFIX}/state?cursor={cursor}", headers={"Authorization": BEARER})
+                    holder.request(
+                        "GET", f"{PREFIX}/state?cursor={cursor}", headers={"Authorization": BEARER}
+                    )
                     resp = holder.getresponse()
                     body = resp.read()
                     polls[resp.status] += 1
@@ -351,7 +387,9 @@ def test_a_token_holder_keeps_polling_while_anonymous_clients_attack():
             # the anonymous share while the token holder kept its connection.
             assert attackers.get(503, 0) > 0, attackers
             admission = server.httpd.admission()
-            assert admission["anonymous"] <= Limits().anonymous_connections and admission["token"] == 1, admission
+            assert (
+                admission["anonymous"] <= Limits().anonymous_connections and admission["token"] == 1
+            ), admission
     finally:
         server.stop()
 

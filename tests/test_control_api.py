@@ -38,17 +38,29 @@ def test_put_stages_and_the_next_step_applies(api):
     core, client = api
     busy = RequestState(id="busy", arrival=0.0, prompt_tokens=5, max_tokens=5)
     core.track(busy, 0.0)  # work in flight: the engine steps, so the change waits for its next step
-    r = put(client, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, **{"If-Match": "1"})
+    r = put(
+        client,
+        {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]},
+        **{"If-Match": "1"},
+    )
     assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
     assert core.policy.name == "fcfs"  # not yet: applied at the top of the next step
     assert client.get("/settings").json()["settings"]["policy"] == "uniboost"
     staged = client.get("/state").json()  # the running document and its version, and what is staged
-    assert (staged["policy"], staged["settings"]["policy"], staged["settings_version"]) == ("fcfs", "fcfs", 1)
+    assert (staged["policy"], staged["settings"]["policy"], staged["settings_version"]) == (
+        "fcfs",
+        "fcfs",
+        1,
+    )
     assert staged["pending_version"] == 2
     core.begin_step(now=1.0)
     assert core.policy.name == "uniboost" and core.policy.gamma == 8.0
     state = client.get("/state").json()
-    assert state["policy"] == "uniboost" and state["settings_version"] == 2 and state["gamma_live"] == 8.0
+    assert (
+        state["policy"] == "uniboost"
+        and state["settings_version"] == 2
+        and state["gamma_live"] == 8.0
+    )
     assert state["settings"]["policy"] == "uniboost" and state["pending_version"] is None
 
 
@@ -58,13 +70,16 @@ def test_restart_required_engine_fields_are_reported(api):
     assert r.status_code == 200 and r.json()["restart_required"] == ["max_num_seqs"]
 
 
-@pytest.mark.parametrize("doc, words", [
-    ({"policy": "nope"}, "policy"),
-    ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
-    ({"policy": "uniboost", "params": {"foo": 1}}, "params.foo"),
-    ({"policy": "fcfs", "bar": 1}, "bar"),
-    ({"policy": "tie", "params": {"predictor": "oracle"}}, "oracle"),
-])
+@pytest.mark.parametrize(
+    "doc, words",
+    [
+        ({"policy": "nope"}, "policy"),
+        ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
+        ({"policy": "uniboost", "params": {"foo": 1}}, "params.foo"),
+        ({"policy": "fcfs", "bar": 1}, "bar"),
+        ({"policy": "tie", "params": {"predictor": "oracle"}}, "oracle"),
+    ],
+)
 def test_bad_documents_are_400_and_change_nothing(api, doc, words):
     core, client = api
     r = put(client, doc)
@@ -78,7 +93,12 @@ def test_auth_and_compare_and_set(api):
     assert put(client, {"policy": "fcfs"}, token="nope").status_code == 401
     assert put(client, {"policy": "fcfs"}, **{"If-Match": "0"}).status_code == 409
     assert put(client, {"policy": "fcfs"}, **{"If-Match": "x"}).status_code == 400
-    assert client.put("/settings", content=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 400
+    assert (
+        client.put(
+            "/settings", content=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).status_code
+        == 400
+    )
     assert client.get("/settings").json()["version"] == 1
 
 
@@ -111,9 +131,19 @@ def test_completions_cursor_pages_without_loss_or_repeats(api):
 
 
 def test_switch_keeps_requests_and_pinned_gamma_is_not_adapted():
-    core = ReplicaCore(Settings.model_validate({"policy": "uniboost", "params": {
-        "gamma": 50.0, "ada_min_samples": 10, "ada_interval_s": 1.0}, "pinned": ["gamma"]}))
-    waiting = [RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=10 * (i + 1), max_tokens=4) for i in range(5)]
+    core = ReplicaCore(
+        Settings.model_validate(
+            {
+                "policy": "uniboost",
+                "params": {"gamma": 50.0, "ada_min_samples": 10, "ada_interval_s": 1.0},
+                "pinned": ["gamma"],
+            }
+        )
+    )
+    waiting = [
+        RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=10 * (i + 1), max_tokens=4)
+        for i in range(5)
+    ]
     for w in waiting:
         core.track(w, w.arrival)
         core.waiting.push(w, w.arrival)
@@ -126,7 +156,9 @@ def test_switch_keeps_requests_and_pinned_gamma_is_not_adapted():
     assert core.policy.gamma == 50.0
     core.put_settings({"policy": "vtc"})
     core.begin_step(11.0)
-    assert core.policy.name == "vtc" and [r.id for r in core.waiting.ordered(11.0)] == [w.id for w in waiting]
+    assert core.policy.name == "vtc" and [r.id for r in core.waiting.ordered(11.0)] == [
+        w.id for w in waiting
+    ]
     assert all(core.states[w.id] is w for w in waiting)
 
 

@@ -28,7 +28,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_support import CompletionRequest, VllmServer, free_port, kv_bytes_for_tokens, run_completions
+from vllm_support import (
+    CompletionRequest,
+    VllmServer,
+    free_port,
+    kv_bytes_for_tokens,
+    run_completions,
+)
 
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.core import PAGE_LIMIT
@@ -81,8 +87,10 @@ def engine_core_pid(server: VllmServer, api_port: int) -> int:
 
     for proc in psutil.Process(server.proc.pid).children(recursive=True):
         try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == api_port
-                   for c in proc.net_connections(kind="tcp")):
+            if any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == api_port
+                for c in proc.net_connections(kind="tcp")
+            ):
                 return proc.pid
         except psutil.Error:
             continue
@@ -104,8 +112,15 @@ def settled_threads(pid: int, *, timeout_s: float = 15.0) -> int:
 # --- clients --------------------------------------------------------------------------------
 
 
-def control(replica: Replica, method: str = "GET", path: str = "/state", *, deadline_s: float = 30.0,
-            log: list | None = None, **kw) -> httpx.Response:
+def control(
+    replica: Replica,
+    method: str = "GET",
+    path: str = "/state",
+    *,
+    deadline_s: float = 30.0,
+    log: list | None = None,
+    **kw,
+) -> httpx.Response:
     """A polite client: a 429 or 503 is waited out as its Retry-After says, within ``deadline_s``."""
     deadline = time.monotonic() + deadline_s
     while True:
@@ -143,9 +158,16 @@ def prefill_log(replica: Replica, n: int, *, max_tokens: int = 1, batch: int = 2
         while done < n:
             k = min(batch, n - done)
             prompts = [[5 + (done + i) % 3900, 17, 23, 29] for i in range(k)]
-            resp = client.post("/v1/completions", json={
-                "model": replica.server.served_model_name, "prompt": prompts, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True})
+            resp = client.post(
+                "/v1/completions",
+                json={
+                    "model": replica.server.served_model_name,
+                    "prompt": prompts,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert resp.status_code == 200, resp.text[:500]
             assert len(resp.json()["choices"]) == k
             done += k
@@ -170,7 +192,9 @@ def _parse_http(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     assert sep, f"no complete HTTP answer: {raw[:300]!r}"
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    headers = {
+        k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])
+    }
     return status, headers, body
 
 
@@ -184,11 +208,26 @@ def replica(tiny_model_dir, tmp_path_factory):
     settings_file.write_text(json.dumps({"policy": "fcfs"}))
     api_port = free_port()
     server = VllmServer(
-        tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(16 * 1024), max_model_len=1024, workdir=tmp / "server",
-        extra_args=["--scheduler-cls", PLUGIN, "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-                    "--no-enable-prefix-caching"],
-        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": "engine"})
+        tiny_model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(16 * 1024),
+        max_model_len=1024,
+        workdir=tmp / "server",
+        extra_args=[
+            "--scheduler-cls",
+            PLUGIN,
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_TOKEN": TOKEN,
+            "TAILPILOT_REPLICA": "engine",
+        },
+    )
     with server:
         rep = Replica(server, api_port, engine_core_pid(server, api_port))
         # Warm both servers up (the first requests allocate what later ones reuse), then keep a
@@ -253,7 +292,7 @@ class _RssWatch:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, rss_bytes(self.pid))
 
-    def __enter__(self) -> "_RssWatch":
+    def __enter__(self) -> _RssWatch:
         self._thread.start()
         return self
 
@@ -263,18 +302,31 @@ class _RssWatch:
         self.peak = max(self.peak, rss_bytes(self.pid))
 
 
-@pytest.mark.parametrize("headers, status, words", [
-    ({"Content-Length": "-1"}, 401, "bearer token"),
-    ({"Content-Length": str(10**15)}, 401, "bearer token"),
-    ({"Content-Length": "-1", **auth("not-the-token")}, 401, "wrong bearer token"),
-    ({"Content-Length": str(10**15), **auth("not-the-token")}, 401, "wrong bearer token"),
-    ({"Content-Length": "-1", **auth()}, 400, "Content-Length"),
-    ({"Content-Length": str(10**15), **auth()}, 413, "over the limit"),
-    ({"Content-Length": str(LIMITS.max_body + 1), **auth()}, 413, "over the limit"),
-    ({"Transfer-Encoding": "chunked", **auth()}, 411, "Transfer-Encoding"),
-    ({**auth()}, 411, "Content-Length: required"),
-], ids=["noauth-cl-1", "noauth-cl-huge", "badtoken-cl-1", "badtoken-cl-huge", "auth-cl-1", "auth-cl-huge",
-        "auth-cl-over-limit", "auth-chunked", "auth-no-cl"])
+@pytest.mark.parametrize(
+    "headers, status, words",
+    [
+        ({"Content-Length": "-1"}, 401, "bearer token"),
+        ({"Content-Length": str(10**15)}, 401, "bearer token"),
+        ({"Content-Length": "-1", **auth("not-the-token")}, 401, "wrong bearer token"),
+        ({"Content-Length": str(10**15), **auth("not-the-token")}, 401, "wrong bearer token"),
+        ({"Content-Length": "-1", **auth()}, 400, "Content-Length"),
+        ({"Content-Length": str(10**15), **auth()}, 413, "over the limit"),
+        ({"Content-Length": str(LIMITS.max_body + 1), **auth()}, 413, "over the limit"),
+        ({"Transfer-Encoding": "chunked", **auth()}, 411, "Transfer-Encoding"),
+        ({**auth()}, 411, "Content-Length: required"),
+    ],
+    ids=[
+        "noauth-cl-1",
+        "noauth-cl-huge",
+        "badtoken-cl-1",
+        "badtoken-cl-huge",
+        "auth-cl-1",
+        "auth-cl-huge",
+        "auth-cl-over-limit",
+        "auth-chunked",
+        "auth-no-cl",
+    ],
+)
 def test_a_unread_bodies_cost_the_engine_no_memory(replica, headers, status, words):
     pid = replica.engine_pid
     before_doc = control(replica, path="/settings").json()
@@ -282,7 +334,9 @@ def test_a_unread_bodies_cost_the_engine_no_memory(replica, headers, status, wor
     with _RssWatch(pid) as watch:
         outcome = _hostile_put(replica.api_port, headers, 200 * MIB)
     grew = watch.peak - baseline
-    assert grew < RSS_SLACK, f"engine RSS grew {grew / MIB:.1f} MiB (baseline {baseline / MIB:.0f} MiB)"
+    assert grew < RSS_SLACK, (
+        f"engine RSS grew {grew / MIB:.1f} MiB (baseline {baseline / MIB:.0f} MiB)"
+    )
 
     code, answer_headers, body = _parse_http(outcome["answer"])
     assert code == status, outcome["answer"][:500]
@@ -294,8 +348,10 @@ def test_a_unread_bodies_cost_the_engine_no_memory(replica, headers, status, wor
     # pipe or reset) long before its 200 MiB, and the engine never held them.
     assert isinstance(outcome["send_error"], (BrokenPipeError, ConnectionResetError)), outcome
     assert outcome["sent"] < 200 * MIB, outcome
-    print(f"RSS {baseline / MIB:.0f} MiB, peak +{grew / MIB:.1f} MiB; stream cut after {outcome['sent'] / MIB:.0f} MiB "
-          f"({type(outcome['send_error']).__name__})")
+    print(
+        f"RSS {baseline / MIB:.0f} MiB, peak +{grew / MIB:.1f} MiB; stream cut after {outcome['sent'] / MIB:.0f} MiB "
+        f"({type(outcome['send_error']).__name__})"
+    )
     assert control(replica, path="/settings").json() == before_doc  # nothing was staged
 
 
@@ -306,7 +362,9 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
     pid = replica.engine_pid
     base_threads = settled_threads(pid)
     n_idle = 300
-    socks = [socket.create_connection(("127.0.0.1", replica.api_port), timeout=10) for _ in range(n_idle)]
+    socks = [
+        socket.create_connection(("127.0.0.1", replica.api_port), timeout=10) for _ in range(n_idle)
+    ]
 
     # Meanwhile a polite client still reads /state (waiting out 503s until the reaper frees a
     # slot) and vLLM still serves a completion.
@@ -347,7 +405,11 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
                 continue
             sel.unregister(s)
             raw = bytes(received[s])
-            outcome[s] = "503" if raw.startswith(b"HTTP/1.1 503 ") else (how if not raw else raw[:60].decode("latin-1"))
+            outcome[s] = (
+                "503"
+                if raw.startswith(b"HTTP/1.1 503 ")
+                else (how if not raw else raw[:60].decode("latin-1"))
+            )
         peak_threads = max(peak_threads, thread_count(pid))
     elapsed = time.monotonic() - t0
     sel.close()
@@ -356,7 +418,9 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
     client.join(60)
 
     counts = Counter(outcome.values())
-    assert len(outcome) == n_idle, f"{n_idle - len(outcome)} idle connections still open after 30 s: {counts}"
+    assert len(outcome) == n_idle, (
+        f"{n_idle - len(outcome)} idle connections still open after 30 s: {counts}"
+    )
     assert set(counts) <= {"503", "closed", "reset"}, counts
     # At most max_connections hold a thread at once (peak_threads below); the surplus gets a 503.
     # How many are closed rather than answered depends on this machine's speed: a silent
@@ -367,7 +431,10 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
         if what == "503":
             status, headers, body = _parse_http(bytes(received[s]))
             assert headers.get("retry-after") == "1" and json.loads(body)["status"] == 503
-    assert peak_threads <= base_threads + LIMITS.max_connections + THREAD_SLACK, (peak_threads, base_threads)
+    assert peak_threads <= base_threads + LIMITS.max_connections + THREAD_SLACK, (
+        peak_threads,
+        base_threads,
+    )
 
     assert not client.is_alive() and "error" not in meanwhile, meanwhile
     check_exact([REFERENCE], [meanwhile["completion"]])
@@ -379,8 +446,10 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
     while thread_count(pid) > base_threads + THREAD_SLACK and time.monotonic() < deadline:
         time.sleep(0.1)
     assert thread_count(pid) <= base_threads + THREAD_SLACK, (thread_count(pid), base_threads)
-    print(f"idle connections: {dict(counts)} within {elapsed:.1f} s; engine threads {base_threads} -> peak "
-          f"{peak_threads} -> {thread_count(pid)}; polite /state client saw {meanwhile['state_log']}")
+    print(
+        f"idle connections: {dict(counts)} within {elapsed:.1f} s; engine threads {base_threads} -> peak "
+        f"{peak_threads} -> {thread_count(pid)}; polite /state client saw {meanwhile['state_log']}"
+    )
 
 
 # --- c. pollers that ask for everything -----------------------------------------------------
@@ -410,20 +479,27 @@ def test_c_tight_polling_gets_pages_and_429s_and_completions_still_finish(replic
                 if resp.status_code == 200:
                     doc = resp.json()
                     seqs = [c["seq"] for c in doc["completions"]]
-                    log.append((200, len(seqs), seqs[:1], seqs[-1:], doc["more"], doc["next_cursor"], seqs))
+                    log.append(
+                        (200, len(seqs), seqs[:1], seqs[-1:], doc["more"], doc["next_cursor"], seqs)
+                    )
                 else:
                     log.append((resp.status_code, resp.headers.get("Retry-After"), resp.text[:200]))
                 # A hostile client: Retry-After is ignored. It stops once the burst is over and
                 # it has been refused at least once (or at the deadline, which fails below).
-                if burst_done.is_set() and time.monotonic() - t_start > 1.0 and \
-                        any(entry[0] == 429 for entry in log):
+                if (
+                    burst_done.is_set()
+                    and time.monotonic() - t_start > 1.0
+                    and any(entry[0] == 429 for entry in log)
+                ):
                     return
 
     pollers = [threading.Thread(target=poller, args=(log,), daemon=True) for log in polls]
     for t in pollers:
         t.start()
-    burst = [CompletionRequest(prompt=[7 + i, 11, 13 + i % 5, 17, 19], max_tokens=16, tenant=f"t{i % 3}")
-             for i in range(200)]
+    burst = [
+        CompletionRequest(prompt=[7 + i, 11, 13 + i % 5, 17, 19], max_tokens=16, tenant=f"t{i % 3}")
+        for i in range(200)
+    ]
     try:
         results = run_completions(replica.server.base_url, burst)
     finally:
@@ -444,10 +520,14 @@ def test_c_tight_polling_gets_pages_and_429s_and_completions_still_finish(replic
                 _, n, first, last, more, next_cursor, seqs = entry
                 # A page, not the log: the first PAGE_LIMIT entries, and where to go on.
                 assert n == PAGE_LIMIT and first == [0] and last == [PAGE_LIMIT - 1], entry[:6]
-                assert seqs == list(range(PAGE_LIMIT)) and more is True and next_cursor == PAGE_LIMIT
+                assert (
+                    seqs == list(range(PAGE_LIMIT)) and more is True and next_cursor == PAGE_LIMIT
+                )
             else:
                 _, retry_after, text = entry
-                assert retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1, entry
+                assert (
+                    retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1
+                ), entry
                 assert json.loads(text)["status"] == 429
 
     # The burst's completions are in the log exactly once, each with its token count.
@@ -465,9 +545,16 @@ def test_c_tight_polling_gets_pages_and_429s_and_completions_still_finish(replic
 def test_d_engine_still_takes_settings_and_serves_exact_completions(replica):
     # A little more hostile input on the way: garbage, an unparseable body, an unknown method.
     for raw, status in [
-        (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64 + b"\r\n\r\n", 400),  # TLS hello
-        (b"PUT /tailpilot/v1/settings HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
-         + b"\r\nContent-Length: 5\r\n\r\n{bad}", 400),
+        (
+            b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64 + b"\r\n\r\n",
+            400,
+        ),  # TLS hello
+        (
+            b"PUT /tailpilot/v1/settings HTTP/1.1\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b"\r\nContent-Length: 5\r\n\r\n{bad}",
+            400,
+        ),
         (b"DELETE /tailpilot/v1/settings HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
         (b"GET /tailpilot/v1/state?cursor=-1 HTTP/1.1\r\n\r\n", 400),
     ]:
@@ -482,7 +569,13 @@ def test_d_engine_still_takes_settings_and_serves_exact_completions(replica):
 
     current = control(replica, path="/settings").json()
     doc = {"policy": "uniboost", "params": {"gamma": 5.0}}
-    answer = control(replica, "PUT", "/settings", json=doc, headers={**auth(), "If-Match": str(current["version"])})
+    answer = control(
+        replica,
+        "PUT",
+        "/settings",
+        json=doc,
+        headers={**auth(), "If-Match": str(current["version"])},
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["version"] == current["version"] + 1
     assert answer.headers["ETag"] == str(current["version"] + 1)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.http import Answer as _Resp
 from controlplane.poller import ReplicaView
-from controlplane.replica_http import fetch_state, make_client, read_json as _json
+from controlplane.replica_http import fetch_state, make_client
+from controlplane.replica_http import read_json as _json
 from controlplane.steering import apply_settings
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.api import PREFIX, ControlServer, token_from_env
@@ -41,7 +42,9 @@ class FrozenClock:
         return self.t
 
 
-def serve(core: ReplicaCore | None = None, token: str | None = TOKEN, **limits) -> tuple[ReplicaCore, ControlServer]:
+def serve(
+    core: ReplicaCore | None = None, token: str | None = TOKEN, **limits
+) -> tuple[ReplicaCore, ControlServer]:
     core = core or ReplicaCore(Settings(policy="fcfs"), replica="r1")
     limits.setdefault("max_penalty_s", 0.0)
     server = ControlServer(CoreTarget(core), port=0, token=token, limits=Limits(**limits)).start()
@@ -55,7 +58,9 @@ def api():
     server.stop()
 
 
-def exchange(server: ControlServer, data: bytes, *, half_close: bool = True, timeout: float = 10.0) -> bytes:
+def exchange(
+    server: ControlServer, data: bytes, *, half_close: bool = True, timeout: float = 10.0
+) -> bytes:
     """Send raw bytes, then read until the server closes the connection."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
         try:
@@ -104,13 +109,23 @@ def put_raw(body: bytes, *, headers: str = AUTH, length: str | None = None) -> b
 # --- authentication before any body --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("auth", ["", "Authorization: Bearer nope\r\n", "Authorization: Bearer \r\n",
-                                  "Authorization: Basic czNjcmV0\r\n", "Authorization: Bearer ²\r\n"])
+@pytest.mark.parametrize(
+    "auth",
+    [
+        "",
+        "Authorization: Bearer nope\r\n",
+        "Authorization: Bearer \r\n",
+        "Authorization: Basic czNjcmV0\r\n",
+        "Authorization: Bearer ²\r\n",
+    ],
+)
 def test_unauthorised_writes_are_refused_from_the_headers_without_reading_the_body(api, auth):
     core, server = api
     # A declared body far over the limit that is never sent: the answer cannot wait for it.
     for length in ("-1", str(300 << 20)):
-        status, body = one(exchange(server, put_raw(b"", headers=auth, length=length), half_close=False))
+        status, body = one(
+            exchange(server, put_raw(b"", headers=auth, length=length), half_close=False)
+        )
         assert status == 401 and "token" in body["error"]
     assert core.version == 1
 
@@ -127,7 +142,9 @@ def test_an_empty_or_blank_token_is_no_token(monkeypatch, tmp_path, value, caplo
         core, server = serve(token=value)
     try:
         assert "writes are refused" in caplog.text
-        status, body = one(exchange(server, put_raw(b'{"policy": "las"}', headers="Authorization: Bearer \r\n")))
+        status, body = one(
+            exchange(server, put_raw(b'{"policy": "las"}', headers="Authorization: Bearer \r\n"))
+        )
         assert status == 403 and "no token configured" in body["error"]
         assert core.version == 1
     finally:
@@ -137,13 +154,16 @@ def test_an_empty_or_blank_token_is_no_token(monkeypatch, tmp_path, value, caplo
 # --- the body ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length, status, words", [
-    ("", 411, "Content-Length: required"),
-    ("-1", 400, "Content-Length"),
-    ("abc", 400, "Content-Length"),
-    ("1" * 5000, 400, "Content-Length"),
-    (str(64 * 1024 + 1), 413, "over the limit"),
-])
+@pytest.mark.parametrize(
+    "length, status, words",
+    [
+        ("", 411, "Content-Length: required"),
+        ("-1", 400, "Content-Length"),
+        ("abc", 400, "Content-Length"),
+        ("1" * 5000, 400, "Content-Length"),
+        (str(64 * 1024 + 1), 413, "over the limit"),
+    ],
+)
 def test_content_length_is_required_and_bounded(api, length, status, words):
     core, server = api
     got, body = one(exchange(server, put_raw(b"", length=length), half_close=False))
@@ -159,23 +179,26 @@ def test_an_oversized_body_is_not_parsed_as_further_requests(api):
     assert core.version == 1
 
 
-@pytest.mark.parametrize("body, words", [
-    (b"\xff\xfe{}", "not UTF-8"),
-    (b"[" * 1000 + b"]" * 1000, "body"),
-    (b'{"policy": "vtc", "params": {"weights": {"acme": Infinity}}}', "Infinity"),
-    (b'{"policy": "las", "params": {"preempt_margin": NaN}}', "NaN"),
-    (b'{"policy": "uniboost", "params": {"gamma": 1e999}}', "out of range"),
-    (b'{"policy": "uniboost", "params": {"gamma": "5"}}', "params.gamma"),
-    (b'{"policy": "uniboost", "params": {"gamma": true}}', "params.gamma"),
-    (b'{"policy": "uniboost", "params": {"memguard": "yes"}}', "params.memguard"),
-    (b'{"policy": "vtc", "params": {"weights": {"acme": "2"}}}', "params.weights.acme"),
-    (b'{"policy": "fcfs", "engine": "bogus"}', "engine"),
-    (b'{"policy": "fcfs", "engine": {"max_num_seqs": 8.0}}', "engine.max_num_seqs"),
-    (b'{"policy": "uniboost", "pinned": 5}', "pinned"),
-    (b'{"policy": "uniboost", "pinned": [["gamma"]]}', "pinned"),
-    (b'["policy"]', "expected a settings object"),
-    (b"{not json", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b"[" * 1000 + b"]" * 1000, "body"),
+        (b'{"policy": "vtc", "params": {"weights": {"acme": Infinity}}}', "Infinity"),
+        (b'{"policy": "las", "params": {"preempt_margin": NaN}}', "NaN"),
+        (b'{"policy": "uniboost", "params": {"gamma": 1e999}}', "out of range"),
+        (b'{"policy": "uniboost", "params": {"gamma": "5"}}', "params.gamma"),
+        (b'{"policy": "uniboost", "params": {"gamma": true}}', "params.gamma"),
+        (b'{"policy": "uniboost", "params": {"memguard": "yes"}}', "params.memguard"),
+        (b'{"policy": "vtc", "params": {"weights": {"acme": "2"}}}', "params.weights.acme"),
+        (b'{"policy": "fcfs", "engine": "bogus"}', "engine"),
+        (b'{"policy": "fcfs", "engine": {"max_num_seqs": 8.0}}', "engine.max_num_seqs"),
+        (b'{"policy": "uniboost", "pinned": 5}', "pinned"),
+        (b'{"policy": "uniboost", "pinned": [["gamma"]]}', "pinned"),
+        (b'["policy"]', "expected a settings object"),
+        (b"{not json", "not JSON"),
+    ],
+)
 def test_malformed_or_non_finite_documents_are_400_naming_the_problem(api, body, words):
     core, server = api
     status, answer = one(exchange(server, put_raw(body)))
@@ -186,30 +209,55 @@ def test_malformed_or_non_finite_documents_are_400_naming_the_problem(api, body,
 @pytest.mark.parametrize("if_match", ["1" * 5000, "²", "١", "1 2", "-1", ""])
 def test_a_malformed_if_match_is_400(api, if_match):
     core, server = api
-    status, answer = one(exchange(server, put_raw(b'{"policy": "las"}', headers=AUTH + f"If-Match: {if_match}\r\n")))
+    status, answer = one(
+        exchange(server, put_raw(b'{"policy": "las"}', headers=AUTH + f"If-Match: {if_match}\r\n"))
+    )
     assert status == 400 and "If-Match" in answer["error"]
     assert core.version == 1
 
 
 def test_a_valid_write_still_works_and_an_etag_if_match_is_taken(api):
     core, server = api
-    status, answer = one(exchange(server, put_raw(b'{"policy": "las"}', headers=AUTH + 'If-Match: "1"\r\n')))
+    status, answer = one(
+        exchange(server, put_raw(b'{"policy": "las"}', headers=AUTH + 'If-Match: "1"\r\n'))
+    )
     assert status == 200 and answer["version"] == 2
 
 
 # --- requests http.server itself would answer with HTML or nothing -------------------------------------
 
 
-@pytest.mark.parametrize("raw, status", [
-    (b"GARBAGE\r\n\r\n", 400),
-    (b"GET /\r\n\r\n", 400),  # HTTP/0.9-looking: still a status line and JSON
-    (b"POST " + PREFIX.encode() + b"/settings HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
-    (b"DELETE " + PREFIX.encode() + b"/settings HTTP/1.1\r\n\r\n", 405),
-    (b"BREW /pot HTTP/1.1\r\n\r\n", 501),
-    (b"GET " + PREFIX.encode() + b"/state HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 20000 + b"\r\n\r\n", 431),
-    (b"GET " + PREFIX.encode() + b"/state HTTP/1.1\r\n" + b"X: y\r\n" * 3000 + b"\r\n", 431),
-    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 431),
-], ids=["garbage", "http0.9", "post", "delete", "brew", "long-header", "many-headers", "long-line"])
+@pytest.mark.parametrize(
+    "raw, status",
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET /\r\n\r\n", 400),  # HTTP/0.9-looking: still a status line and JSON
+        (b"POST " + PREFIX.encode() + b"/settings HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+        (b"DELETE " + PREFIX.encode() + b"/settings HTTP/1.1\r\n\r\n", 405),
+        (b"BREW /pot HTTP/1.1\r\n\r\n", 501),
+        (
+            b"GET "
+            + PREFIX.encode()
+            + b"/state HTTP/1.1\r\n"
+            + b"X-Pad: "
+            + b"a" * 20000
+            + b"\r\n\r\n",
+            431,
+        ),
+        (b"GET " + PREFIX.encode() + b"/state HTTP/1.1\r\n" + b"X: y\r\n" * 3000 + b"\r\n", 431),
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 431),
+    ],
+    ids=[
+        "garbage",
+        "http0.9",
+        "post",
+        "delete",
+        "brew",
+        "long-header",
+        "many-headers",
+        "long-line",
+    ],
+)
 def test_malformed_requests_get_a_json_4xx(api, raw, status):
     _, server = api
     got, body = one(exchange(server, raw))
@@ -229,8 +277,12 @@ def test_repeated_content_length_is_400_and_the_rest_is_not_read_as_a_request(ap
     body = b'{"policy": "las"}'  # 17 bytes, then a smuggled request
     smuggled = f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode()
     cls = "".join(f"Content-Length: {n}\r\n" for n in lengths)
-    raw = exchange(server, f"{method} {PREFIX}/settings HTTP/1.1\r\nHost: x\r\n{AUTH}{cls}\r\n".encode()
-                   + body + smuggled)
+    raw = exchange(
+        server,
+        f"{method} {PREFIX}/settings HTTP/1.1\r\nHost: x\r\n{AUTH}{cls}\r\n".encode()
+        + body
+        + smuggled,
+    )
     answers = responses(raw)
     assert [s for s, _ in answers] == [400], answers  # one answer, then the connection is closed
     assert "Content-Length: given 2 times" in answers[0][1]["error"]
@@ -241,45 +293,80 @@ def test_repeated_content_length_is_400_and_the_rest_is_not_read_as_a_request(ap
 @pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
 def test_the_auth_scheme_is_case_insensitive(api, scheme):
     core, server = api
-    status, answer = one(exchange(server, put_raw(b'{"policy": "las"}', headers=f"Authorization: {scheme} {TOKEN}\r\n")))
+    status, answer = one(
+        exchange(
+            server, put_raw(b'{"policy": "las"}', headers=f"Authorization: {scheme} {TOKEN}\r\n")
+        )
+    )
     assert status == 200 and answer["version"] == 2 and core.settings.policy == "las"
 
 
-@pytest.mark.parametrize("method, path, allowed", [
-    ("POST", "/settings", "GET, PUT"), ("DELETE", "/settings", "GET, PUT"), ("PATCH", "/settings", "GET, PUT"),
-    ("POST", "/state", "GET"), ("PUT", "/state", "GET"), ("PUT", "/steps", "GET"), ("HEAD", "/health", "GET"),
-    ("OPTIONS", "/health", "GET"),
-])
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [
+        ("POST", "/settings", "GET, PUT"),
+        ("DELETE", "/settings", "GET, PUT"),
+        ("PATCH", "/settings", "GET, PUT"),
+        ("POST", "/state", "GET"),
+        ("PUT", "/state", "GET"),
+        ("PUT", "/steps", "GET"),
+        ("HEAD", "/health", "GET"),
+        ("OPTIONS", "/health", "GET"),
+    ],
+)
 def test_405_names_the_method_and_the_allowed_ones(api, method, path, allowed):
     _, server = api
-    raw = exchange(server, f"{method} {PREFIX}{path} HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n".encode())
+    raw = exchange(
+        server,
+        f"{method} {PREFIX}{path} HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n".encode(),
+    )
     assert raw.startswith(b"HTTP/1.1 405 ") and head_of(raw)["Allow"] == allowed
     if method != "HEAD":  # a HEAD answer has no body
-        assert one(raw)[1]["error"] == f"method {method} not allowed on {PREFIX}{path}; allowed: {allowed}"
+        assert (
+            one(raw)[1]["error"]
+            == f"method {method} not allowed on {PREFIX}{path}; allowed: {allowed}"
+        )
 
 
 def test_an_unknown_path_is_404_whatever_the_method(api):
     _, server = api
     for method in ("POST", "PUT", "DELETE"):
-        status, body = one(exchange(server, f"{method} /nope HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n"
-                                    .encode()))
+        status, body = one(
+            exchange(
+                server,
+                f"{method} /nope HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 0\r\n\r\n".encode(),
+            )
+        )
         assert status == 404 and "no such endpoint: /nope" in body["error"]
 
 
-@pytest.mark.parametrize("query, words", [
-    ("cursor=", "cursor"), ("cursor=1&cursor=2", "2 times"), ("cursor=%D9%A3", "cursor"),  # Arabic-Indic 3
-    ("cursor=-1", "cursor"), ("cursor=" + "9" * 30, "cursor"), ("limit=5", "unknown parameter"), ("&&", "query"),
-])
+@pytest.mark.parametrize(
+    "query, words",
+    [
+        ("cursor=", "cursor"),
+        ("cursor=1&cursor=2", "2 times"),
+        ("cursor=%D9%A3", "cursor"),  # Arabic-Indic 3
+        ("cursor=-1", "cursor"),
+        ("cursor=" + "9" * 30, "cursor"),
+        ("limit=5", "unknown parameter"),
+        ("&&", "query"),
+    ],
+)
 def test_cursor_and_query_are_strict(api, query, words):
     _, server = api
-    status, body = one(exchange(server, f"GET {PREFIX}/state?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode()))
+    status, body = one(
+        exchange(server, f"GET {PREFIX}/state?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    )
     assert status == 400 and words in body["error"], body
 
 
 def test_a_get_with_a_body_closes_the_connection_instead_of_reading_it_as_a_request(api):
     _, server = api
-    raw = exchange(server, f"GET {PREFIX}/health HTTP/1.1\r\nContent-Length: 44\r\n\r\n".encode()
-                   + f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    raw = exchange(
+        server,
+        f"GET {PREFIX}/health HTTP/1.1\r\nContent-Length: 44\r\n\r\n".encode()
+        + f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+    )
     assert [s for s, _ in responses(raw)] == [200]
 
 
@@ -306,12 +393,21 @@ def test_handler_failures_are_500_and_logged_once_and_output_is_strict_json(capl
     try:
         with caplog.at_level(logging.WARNING, logger="tailpilot.control"):
             for _ in range(3):
-                status, body = one(exchange(server, f"GET {PREFIX}/state HTTP/1.1\r\n\r\n".encode()))
-                assert status == 500 and "RuntimeError" in body["error"] and "boom" not in body["error"]
+                status, body = one(
+                    exchange(server, f"GET {PREFIX}/state HTTP/1.1\r\n\r\n".encode())
+                )
+                assert (
+                    status == 500
+                    and "RuntimeError" in body["error"]
+                    and "boom" not in body["error"]
+                )
         assert sum("RuntimeError" in r.getMessage() for r in caplog.records) == 1
         assert "Traceback" not in caplog.text
         raw = exchange(server, f"GET {PREFIX}/settings HTTP/1.1\r\n\r\n".encode())
-        assert b"Infinity" not in raw and one(raw) == (200, {"settings": {"gamma": None}, "version": 1, "replica": "r1"})
+        assert b"Infinity" not in raw and one(raw) == (
+            200,
+            {"settings": {"gamma": None}, "version": 1, "replica": "r1"},
+        )
     finally:
         server.stop()
 
@@ -356,7 +452,9 @@ def test_a_trickling_client_is_cut_off_at_the_request_deadline():
     core, server = serve(request_timeout_s=0.3)
     try:
         sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(f"PUT {PREFIX}/settings HTTP/1.1\r\n".encode())  # the request line, then nothing
+        sock.sendall(
+            f"PUT {PREFIX}/settings HTTP/1.1\r\n".encode()
+        )  # the request line, then nothing
         assert wait_closed(sock) == b""
         sock.close()
         status, body = one(exchange(server, put_raw(b"{", length="100"), half_close=False))
@@ -375,7 +473,11 @@ def test_rate_limited_readers_get_429_with_retry_after():
             codes = [client.get("/health").status_code for _ in range(7)]
             assert codes == [200] * 5 + [429] * 2  # the connection's burst, then refused
             r = client.get("/health")
-            assert r.status_code == 429 and r.headers["Retry-After"] == "1" and "slow down" in r.json()["error"]
+            assert (
+                r.status_code == 429
+                and r.headers["Retry-After"] == "1"
+                and "slow down" in r.json()["error"]
+            )
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as other:
             # A second connection has its own burst, within what is left of the total (8 - 5).
             assert [other.get("/health").status_code for _ in range(4)] == [200] * 3 + [429]
@@ -401,9 +503,17 @@ def test_state_sends_completions_only_for_a_cursor_and_at_most_a_page(api):
     finish_many(core, 2 * PAGE_LIMIT + 10)
     with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as client:
         bare = client.get("/state").json()
-        assert bare["completions"] == [] and bare["next_cursor"] == 2 * PAGE_LIMIT + 10 and not bare["more"]
+        assert (
+            bare["completions"] == []
+            and bare["next_cursor"] == 2 * PAGE_LIMIT + 10
+            and not bare["more"]
+        )
         page = client.get("/state", params={"cursor": 0}).json()
-        assert len(page["completions"]) == PAGE_LIMIT and page["more"] and page["next_cursor"] == PAGE_LIMIT
+        assert (
+            len(page["completions"]) == PAGE_LIMIT
+            and page["more"]
+            and page["next_cursor"] == PAGE_LIMIT
+        )
         last = client.get("/state", params={"cursor": 2 * PAGE_LIMIT}).json()
         assert len(last["completions"]) == 10 and not last["more"]
 
@@ -427,18 +537,24 @@ def test_the_collector_pages_through_a_backlog(api):
     core, server = api
     finish_many(core, 3 * PAGE_LIMIT + 7)
     _, answer = collector_read(server)
-    assert [c.request_id for c in answer.completions] == [f"q{i}" for i in range(3 * PAGE_LIMIT + 7)]
+    assert [c.request_id for c in answer.completions] == [
+        f"q{i}" for i in range(3 * PAGE_LIMIT + 7)
+    ]
     assert answer.cursor == 3 * PAGE_LIMIT + 7
 
 
 def test_the_collector_reads_non_finite_numbers_as_null_and_skips_broken_completions(api):
-    assert _json(_Resp(200, b'{"a": NaN, "b": [Infinity, -Infinity, 1e999, 2.5]}'), "x") == \
-        {"a": None, "b": [None, None, None, 2.5]}
+    assert _json(_Resp(200, b'{"a": NaN, "b": [Infinity, -Infinity, 1e999, 2.5]}'), "x") == {
+        "a": None,
+        "b": [None, None, None, 2.5],
+    }
 
     class Hostile(CoreTarget):
         def api_state(self, cursor):
             doc = super().api_state(cursor)
-            doc["completions"] = [{**c, "arrival": float("inf")} if c["id"] == "q1" else c for c in doc["completions"]]
+            doc["completions"] = [
+                {**c, "arrival": float("inf")} if c["id"] == "q1" else c for c in doc["completions"]
+            ]
             return doc
 
     core = ReplicaCore(Settings(policy="fcfs"))
@@ -457,8 +573,18 @@ def test_the_collector_reads_non_finite_numbers_as_null_and_skips_broken_complet
 
 
 def cluster_of(server: ControlServer) -> ClusterSpec:
-    return ClusterSpec(name="c", timeout_s=2.0, replicas=[
-        ReplicaSpec(name="r1", api_url=server.base_url, control_url=server.base_url, token_env="TP_HARDEN_TOKEN")])
+    return ClusterSpec(
+        name="c",
+        timeout_s=2.0,
+        replicas=[
+            ReplicaSpec(
+                name="r1",
+                api_url=server.base_url,
+                control_url=server.base_url,
+                token_env="TP_HARDEN_TOKEN",
+            )
+        ],
+    )
 
 
 def test_an_idle_replica_applies_at_once_and_set_reports_applied(api, monkeypatch):
@@ -475,7 +601,9 @@ def test_a_change_not_active_within_the_wait_is_reported_staged_then_applies(api
     busy = RequestState(id="busy", arrival=0.0, prompt_tokens=5, max_tokens=5)
     core.track(busy, 0.0)  # work in flight and no step runs: the document stays staged
     [r] = asyncio.run(apply_settings(cluster_of(server), None, {"policy": "las"}, wait_s=0.2))
-    assert r.result == "staged" and r.ok and "not active yet" in r.message and "version 1" in r.message
+    assert (
+        r.result == "staged" and r.ok and "not active yet" in r.message and "version 1" in r.message
+    )
     assert core.policy.name == "fcfs"
     stepped = threading.Event()
 
@@ -484,8 +612,11 @@ def test_a_change_not_active_within_the_wait_is_reported_staged_then_applies(api
         stepped.set()
 
     threading.Timer(0.05, step_soon).start()
-    [r2] = asyncio.run(apply_settings(cluster_of(server), None, {"policy": "las", "params": {"starve_s": 4.0}},
-                                      wait_s=30.0))
+    [r2] = asyncio.run(
+        apply_settings(
+            cluster_of(server), None, {"policy": "las", "params": {"starve_s": 4.0}}, wait_s=30.0
+        )
+    )
     assert stepped.is_set() and r2.result in ("applied", "staged")
     core.begin_step(2.0)
     assert core.policy.name == "las" and core.active_version == 3
@@ -494,31 +625,58 @@ def test_a_change_not_active_within_the_wait_is_reported_staged_then_applies(api
 # --- fuzz -------------------------------------------------------------------------------------------------
 
 METHODS = st.sampled_from(["GET", "PUT", "POST", "HEAD", "DELETE", "PUT", "PUT", "X"])
-PATHS = st.sampled_from([f"{PREFIX}/settings", f"{PREFIX}/state", f"{PREFIX}/steps", f"{PREFIX}/health",
-                         "/", "/metrics", f"{PREFIX}/state?cursor=0", f"{PREFIX}/state?cursor=x"])
+PATHS = st.sampled_from(
+    [
+        f"{PREFIX}/settings",
+        f"{PREFIX}/state",
+        f"{PREFIX}/steps",
+        f"{PREFIX}/health",
+        "/",
+        "/metrics",
+        f"{PREFIX}/state?cursor=0",
+        f"{PREFIX}/state?cursor=x",
+    ]
+)
 HEADER = st.tuples(
-    st.sampled_from(["Authorization", "Content-Length", "If-Match", "Transfer-Encoding", "Host", "X-Junk"]),
-    st.one_of(st.just(f"Bearer {TOKEN}"), st.just("Bearer "), st.text(max_size=30),
-              st.integers(-5, 1 << 20).map(str), st.just("chunked")))
+    st.sampled_from(
+        ["Authorization", "Content-Length", "If-Match", "Transfer-Encoding", "Host", "X-Junk"]
+    ),
+    st.one_of(
+        st.just(f"Bearer {TOKEN}"),
+        st.just("Bearer "),
+        st.text(max_size=30),
+        st.integers(-5, 1 << 20).map(str),
+        st.just("chunked"),
+    ),
+)
 BODIES = st.one_of(
     st.binary(max_size=300),
     st.just(b'{"policy": "las"}'),
-    st.builds(lambda g: json.dumps({"policy": "uniboost", "params": {"gamma": g}}).encode(),
-              st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5), st.booleans())),
+    st.builds(
+        lambda g: json.dumps({"policy": "uniboost", "params": {"gamma": g}}).encode(),
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5), st.booleans()
+        ),
+    ),
 )
 
 
 @pytest.fixture(scope="module")
 def fuzz_api():
-    core, server = serve(rate_per_connection=1e9, rate_total=1e9, rate_per_address=1e9)  # not a rate test
+    core, server = serve(
+        rate_per_connection=1e9, rate_total=1e9, rate_per_address=1e9
+    )  # not a rate test
     yield core, server
     server.stop()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(method=METHODS, path=PATHS, headers=st.lists(HEADER, max_size=5), body=BODIES)
 def test_fuzz_every_request_gets_an_answer_and_nothing_changes_without_token_and_document(
-        fuzz_api, method, path, headers, body):
+    fuzz_api, method, path, headers, body
+):
     core, server = fuzz_api
     before = (core.version, core.settings)
     lines = "".join(f"{k}: {v}\r\n" for k, v in headers if "\r" not in v and "\n" not in v)
@@ -533,7 +691,10 @@ def test_fuzz_every_request_gets_an_answer_and_nothing_changes_without_token_and
             doc = json.loads(body)
         except ValueError:
             pytest.fail(f"state changed on an invalid body {body!r}")
-        assert Settings.model_validate({**doc, "engine": before[1].engine.model_dump()}).policy == core.settings.policy
+        assert (
+            Settings.model_validate({**doc, "engine": before[1].engine.model_dump()}).policy
+            == core.settings.policy
+        )
     else:
         assert status != 200 or method in ("GET", "PUT")
     # The server still serves.
@@ -544,8 +705,14 @@ def test_large_answers_cost_more_of_the_rate_limit(api):
     core, _ = api
     finish_many(core, PAGE_LIMIT)
     clock = FrozenClock()
-    _, server = serve(core, rate_per_connection=20, rate_total=1000, rate_per_address=1e9, clock=clock,
-                      bytes_per_token=16 * 1024)
+    _, server = serve(
+        core,
+        rate_per_connection=20,
+        rate_total=1000,
+        rate_per_address=1e9,
+        clock=clock,
+        bytes_per_token=16 * 1024,
+    )
     try:
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as client:
             # A full page (~200 KB) costs ~13 requests' worth: the second page is already refused.

@@ -34,7 +34,9 @@ from sim.engine import EngineConfig, Simulator
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
 
-STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")
+STEP_MODEL = StepTimeModel(
+    a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test"
+)
 
 QUEUE_POLICIES = {
     # name: (policy, params, layout expected)
@@ -58,8 +60,14 @@ def make(name: str, **extra) -> Policy:
 def teach(predictor, rng: random.Random, n: int = 60) -> None:
     """Give the history predictor fits that differ by tenant, type and prompt bucket."""
     for _ in range(n):
-        r = RequestState(id="h", arrival=0.0, prompt_tokens=rng.choice(PROMPTS), max_tokens=500,
-                         tenant=rng.choice(["t0", "t1", "t2"]), type=rng.choice(["chat", "batch"]))
+        r = RequestState(
+            id="h",
+            arrival=0.0,
+            prompt_tokens=rng.choice(PROMPTS),
+            max_tokens=500,
+            tenant=rng.choice(["t0", "t1", "t2"]),
+            type=rng.choice(["chat", "batch"]),
+        )
         predictor.observe(r, int(rng.lognormvariate(3.0 + (r.type == "batch"), 1.0)) + 1)
     predictor.refit()
 
@@ -67,7 +75,9 @@ def teach(predictor, rng: random.Random, n: int = 60) -> None:
 def test_layouts():
     for name, (_, _, layout) in QUEUE_POLICIES.items():
         assert make(name).waiting_layout() == layout, name
-    assert make("uniboost", gamma_ada=False).waiting_layout() is None  # γ fixed: no epochs to speak of
+    assert (
+        make("uniboost", gamma_ada=False).waiting_layout() is None
+    )  # γ fixed: no epochs to speak of
     assert make("sjf", predictor="oracle").waiting_layout() is None  # a prediction per request
 
 
@@ -103,7 +113,7 @@ class Driver:
         if want:
             assert view[0] is want[0]
         got = list(itertools.islice(iter(view), depth)) if depth >= 0 else list(view)
-        assert [r.id for r in got] == [r.id for r in want[:len(got)]]
+        assert [r.id for r in got] == [r.id for r in want[: len(got)]]
         if depth < 0:
             assert len(got) == len(want)
         if self.policy.name == "vtc":  # tenant heads straight from the queue's groups
@@ -119,9 +129,15 @@ class Driver:
         else:
             self.now += rng.choice([0.0, 0.001, 0.3])
             arrival = self.now
-        r = RequestState(id=f"r{next(self.ids):04d}", arrival=arrival, prompt_tokens=rng.choice(self.prompts),
-                         max_tokens=rng.choice(self.caps), tenant=rng.choice(self.tenants),
-                         type=rng.choice(self.types), enqueued_at=self.now)
+        r = RequestState(
+            id=f"r{next(self.ids):04d}",
+            arrival=arrival,
+            prompt_tokens=rng.choice(self.prompts),
+            max_tokens=rng.choice(self.caps),
+            tenant=rng.choice(self.tenants),
+            type=rng.choice(self.types),
+            enqueued_at=self.now,
+        )
         self.queue.push(r, self.now)
         self.policy.on_arrival(r, self.now)
         self.waiting.append(r)
@@ -187,8 +203,16 @@ class Driver:
         p.moved.append(r)
 
     def step(self, op: int, arg: int) -> None:
-        [self.arrive, self.arrive, self.arrive, lambda: self.admit(arg % 3 + 1), self.preempt, self.abort,
-         self.new_epoch, self.promote][op]()
+        [
+            self.arrive,
+            self.arrive,
+            self.arrive,
+            lambda: self.admit(arg % 3 + 1),
+            self.preempt,
+            self.abort,
+            self.new_epoch,
+            self.promote,
+        ][op]()
         if self.rng.random() < 0.5:  # a full read (rare) materializes the whole order
             self.check(-1 if arg == 0 else [0, 1, 1, 2, 5][arg % 5])
 
@@ -256,8 +280,10 @@ def naive():
 def replay(reqs, settings, config, event_skipping=True):
     sim = Simulator(reqs, settings, config, event_skipping=event_skipping, check_invariants=True)
     res = sim.run()
-    return [(c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions, c.recomputed_tokens)
-            for c in res.completions], res.steps
+    return [
+        (c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions, c.recomputed_tokens)
+        for c in res.completions
+    ], res.steps
 
 
 SIM_PARAMS = {
@@ -265,8 +291,14 @@ SIM_PARAMS = {
     "srpt": {"predictor": "history"},
     "tie": {"predictor": "history"},
     "las": {"q0_s": 0.003, "starve_s": 0.4},
-    "uniboost": {"gamma": 2.0, "quant_base_tokens": 16, "ada_interval_s": 0.3, "ada_min_samples": 3,
-                 "ada_window": 10, "alpha_s_per_token": 1e-3},
+    "uniboost": {
+        "gamma": 2.0,
+        "quant_base_tokens": 16,
+        "ada_interval_s": 0.3,
+        "ada_min_samples": 3,
+        "ada_window": 10,
+        "alpha_s_per_token": 1e-3,
+    },
     "vtc": {"weights": {"t1": 2.0}},
 }
 
@@ -279,22 +311,36 @@ def deep_scenarios(draw):
     reqs = []
     for i in range(n):
         out = draw(st.integers(1, 40))
-        reqs.append(TraceRequest(
-            id=f"r{i:03d}", arrival=round(draw(st.floats(0.0, 1.5)), 3),
-            prompt_tokens=draw(st.sampled_from(PROMPTS[:6])),
-            output_tokens=out, max_tokens=draw(st.sampled_from([out, out + 7, max(1, out - 3)])),
-            tenant=draw(st.sampled_from(["t0", "t1", "t2"])), type=draw(st.sampled_from(["chat", "batch"]))))
+        reqs.append(
+            TraceRequest(
+                id=f"r{i:03d}",
+                arrival=round(draw(st.floats(0.0, 1.5)), 3),
+                prompt_tokens=draw(st.sampled_from(PROMPTS[:6])),
+                output_tokens=out,
+                max_tokens=draw(st.sampled_from([out, out + 7, max(1, out - 3)])),
+                tenant=draw(st.sampled_from(["t0", "t1", "t2"])),
+                type=draw(st.sampled_from(["chat", "batch"])),
+            )
+        )
     biggest = max(-(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // bs) for r in reqs)
     blocks = draw(st.integers(biggest, biggest * 3))
     policy = draw(st.sampled_from(["sjf", "srpt", "tie", "vtc", "uniboost", "las", "fcfs"]))
     params = dict(SIM_PARAMS.get(policy, {}))
     if policy == "uniboost":
         params["memguard"] = draw(st.booleans())
-    engine = {"max_num_seqs": draw(st.integers(1, 6)), "max_num_batched_tokens": draw(st.integers(8, 200)),
-              "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 5, 40]))}
+    engine = {
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "max_num_batched_tokens": draw(st.integers(8, 200)),
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 5, 40])),
+    }
     settings = Settings.model_validate({"policy": policy, "params": params, "engine": engine})
-    return reqs, settings, EngineConfig(num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL,
-                                        refit_interval_s=0.2)
+    return (
+        reqs,
+        settings,
+        EngineConfig(
+            num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL, refit_interval_s=0.2
+        ),
+    )
 
 
 @hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -313,20 +359,38 @@ def deep_trace(n: int = 400, seed: int = 3) -> list[TraceRequest]:
     for i in range(n):
         t += rng.expovariate(40.0)
         o = rng.randint(1, 60)
-        out.append(TraceRequest(id=f"d{i:04d}", arrival=round(t, 6), prompt_tokens=rng.randint(200, 1200),
-                                output_tokens=o, max_tokens=rng.choice([o, 64]), tenant=f"t{i % 3}"))
+        out.append(
+            TraceRequest(
+                id=f"d{i:04d}",
+                arrival=round(t, 6),
+                prompt_tokens=rng.randint(200, 1200),
+                output_tokens=o,
+                max_tokens=rng.choice([o, 64]),
+                tenant=f"t{i % 3}",
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
 def test_deep_queue_replay_identical_to_the_plain_queue(policy):
     """Hundreds waiting at once, every policy (uniboost with γ-Ada moving γ every 0.5 s)."""
-    params = {"uniboost": {"ada_interval_s": 0.5, "ada_min_samples": 20},
-              "sjf": {"predictor": "history", "starve_steps": 40}, "srpt": {"predictor": "history"},
-              "tie": {"predictor": "history"}}.get(policy, {})
-    settings = Settings.model_validate({"policy": policy, "params": params,
-                                        "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 512}})
-    config = EngineConfig(num_gpu_blocks=900, block_size=16, step_model=STEP_MODEL, refit_interval_s=1.0)
+    params = {
+        "uniboost": {"ada_interval_s": 0.5, "ada_min_samples": 20},
+        "sjf": {"predictor": "history", "starve_steps": 40},
+        "srpt": {"predictor": "history"},
+        "tie": {"predictor": "history"},
+    }.get(policy, {})
+    settings = Settings.model_validate(
+        {
+            "policy": policy,
+            "params": params,
+            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        }
+    )
+    config = EngineConfig(
+        num_gpu_blocks=900, block_size=16, step_model=STEP_MODEL, refit_interval_s=1.0
+    )
     reqs = deep_trace()
     sim = Simulator(reqs, settings, config, check_invariants=True)
     peak = 0
@@ -336,9 +400,15 @@ def test_deep_queue_replay_identical_to_the_plain_queue(policy):
         sim._step()
         peak = max(peak, len(sim.waiting))
     assert peak > 200  # a deep queue
-    fast = [(c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions) for c in sim.completions]
+    fast = [
+        (c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions)
+        for c in sim.completions
+    ]
     with naive():
         res = Simulator(reqs, settings, config).run()
-    assert fast == [(c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions) for c in res.completions]
+    assert fast == [
+        (c.id, c.scheduled_at, c.first_token_at, c.finished_at, c.preemptions)
+        for c in res.completions
+    ]
     if policy == "uniboost":
         assert len({g for _, g in res.gamma_timeline}) > 5  # γ moved while the queue was deep

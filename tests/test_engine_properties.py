@@ -14,15 +14,23 @@ from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
 
 # Deliberately non-round coefficients so step boundaries never coincide with arrival times.
-STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")
+STEP_MODEL = StepTimeModel(
+    a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test"
+)
 
 POLICY_PARAMS = {
     "sjf": {"predictor": "oracle", "starve_steps": 7, "quantum_steps": 3},
     "srpt": {"predictor": "oracle", "sigma_noise": 0.5},
     "las": {"q0_s": 0.003, "starve_s": 0.4},
     "distboost": {"gamma": 3.0},
-    "uniboost": {"gamma": 2.0, "quant_base_tokens": 16, "ada_interval_s": 0.3, "ada_min_samples": 3,
-                 "ada_window": 10, "alpha_s_per_token": 1e-3},
+    "uniboost": {
+        "gamma": 2.0,
+        "quant_base_tokens": 16,
+        "ada_interval_s": 0.3,
+        "ada_min_samples": 3,
+        "ada_window": 10,
+        "alpha_s_per_token": 1e-3,
+    },
     "tie": {"predictor": "oracle", "sigma_noise": 0.3},
     "vtc": {"weights": {"t1": 2.0}},
 }
@@ -36,10 +44,16 @@ def scenarios(draw):
     for i in range(n):
         prompt = draw(st.integers(1, 200))
         out = draw(st.integers(1, 60))
-        reqs.append(TraceRequest(
-            id=f"r{i:03d}", arrival=round(draw(st.floats(0.0, 3.0)), 4), prompt_tokens=prompt,
-            output_tokens=out, max_tokens=draw(st.sampled_from([out, out + 7, max(1, out - 3)])),
-            tenant=draw(st.sampled_from(["t0", "t1", "t2"]))))
+        reqs.append(
+            TraceRequest(
+                id=f"r{i:03d}",
+                arrival=round(draw(st.floats(0.0, 3.0)), 4),
+                prompt_tokens=prompt,
+                output_tokens=out,
+                max_tokens=draw(st.sampled_from([out, out + 7, max(1, out - 3)])),
+                tenant=draw(st.sampled_from(["t0", "t1", "t2"])),
+            )
+        )
     biggest = max(-(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // bs) for r in reqs)
     blocks = draw(st.integers(max(1, biggest - 3), biggest * 4))  # sometimes too small: rejections
     policy = draw(st.sampled_from(POLICY_NAMES))
@@ -47,11 +61,19 @@ def scenarios(draw):
     if policy == "uniboost":
         params["memguard"] = draw(st.booleans())
         params["gamma_ada"] = draw(st.booleans())
-    engine = {"max_num_seqs": draw(st.integers(1, 8)), "max_num_batched_tokens": draw(st.integers(8, 300)),
-              "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 5, 40]))}
+    engine = {
+        "max_num_seqs": draw(st.integers(1, 8)),
+        "max_num_batched_tokens": draw(st.integers(8, 300)),
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 5, 40])),
+    }
     settings = Settings.model_validate({"policy": policy, "params": params, "engine": engine})
-    return reqs, settings, EngineConfig(num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL,
-                                        refit_interval_s=0.5)
+    return (
+        reqs,
+        settings,
+        EngineConfig(
+            num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL, refit_interval_s=0.5
+        ),
+    )
 
 
 class ClockedSimulator(Simulator):
@@ -64,7 +86,9 @@ class ClockedSimulator(Simulator):
 
 
 def run(reqs, settings, config, event_skipping=True):
-    sim = ClockedSimulator(reqs, settings, config, event_skipping=event_skipping, check_invariants=True)
+    sim = ClockedSimulator(
+        reqs, settings, config, event_skipping=event_skipping, check_invariants=True
+    )
     return sim, sim.run()
 
 
@@ -87,7 +111,10 @@ def test_every_request_finishes_once_with_its_tokens(case):
         assert c.arrival <= c.scheduled_at <= c.first_token_at <= c.finished_at
     for rid in res.rejected:  # only what could never fit is rejected
         r = by_id[rid]
-        assert -(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // config.block_size) > config.num_gpu_blocks
+        assert (
+            -(-(r.prompt_tokens + min(r.output_tokens, r.max_tokens)) // config.block_size)
+            > config.num_gpu_blocks
+        )
 
 
 @PROPS
@@ -114,8 +141,9 @@ def test_same_input_same_result(case):
     reqs, settings, config = case
     _, a = run(reqs, settings, config)
     _, b = run(list(reversed(reqs)), settings, config)  # input order must not matter either
-    assert [(c.id, c.first_token_at, c.finished_at, c.preemptions) for c in a.completions] == \
-           [(c.id, c.first_token_at, c.finished_at, c.preemptions) for c in b.completions]
+    assert [(c.id, c.first_token_at, c.finished_at, c.preemptions) for c in a.completions] == [
+        (c.id, c.first_token_at, c.finished_at, c.preemptions) for c in b.completions
+    ]
 
 
 @hsettings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -132,7 +160,10 @@ def test_event_skipping_matches_step_by_step(case):
         f = got[c.id]
         assert (f.preemptions, f.output_tokens) == (c.preemptions, c.output_tokens), c.id
         for field in ("scheduled_at", "first_token_at", "finished_at"):
-            assert math.isclose(getattr(f, field), getattr(c, field), rel_tol=1e-9, abs_tol=1e-9), (c.id, field)
+            assert math.isclose(getattr(f, field), getattr(c, field), rel_tol=1e-9, abs_tol=1e-9), (
+                c.id,
+                field,
+            )
 
 
 @hsettings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

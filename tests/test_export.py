@@ -11,7 +11,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tailpilot.cli_export import COMMANDS, calibrate, export
 from controlplane.export import (
     CONFIGMAP_KEY,
     FORMATS,
@@ -27,19 +26,39 @@ from controlplane.export import (
     verify,
 )
 from scheduler.settings import Settings
+from tailpilot.cli_export import COMMANDS, calibrate, export
 
 DOCS = {
-    "uniboost-lpt": {"policy": "uniboost", "params": {"gamma": 8.0, "gamma_ada": False}, "pinned": ["gamma"],
-                     "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
-                                "long_prefill_token_threshold": 512}},
+    "uniboost-lpt": {
+        "policy": "uniboost",
+        "params": {"gamma": 8.0, "gamma_ada": False},
+        "pinned": ["gamma"],
+        "engine": {
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 4096,
+            "long_prefill_token_threshold": 512,
+        },
+    },
     "sarathi-defaults": {"policy": "sarathi"},
-    "vtc-weights": {"policy": "vtc", "params": {"weights": {"acme": 2.0, "globex: eu": 0.5}},
-                    "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}},
-    "tie-history": {"policy": "tie", "params": {"predictor": "history", "beta": 0.2}, "pinned": ["beta"]},
+    "vtc-weights": {
+        "policy": "vtc",
+        "params": {"weights": {"acme": 2.0, "globex: eu": 0.5}},
+        "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+    },
+    "tie-history": {
+        "policy": "tie",
+        "params": {"predictor": "history", "beta": 0.2},
+        "pinned": ["beta"],
+    },
 }
 
-OPTIONS = ExportOptions(model="meta-llama/Meta-Llama-3-8B-Instruct", settings_path="/etc/tp/settings file.json",
-                        name="tp-settings", namespace="llm", source="test")
+OPTIONS = ExportOptions(
+    model="meta-llama/Meta-Llama-3-8B-Instruct",
+    settings_path="/etc/tp/settings file.json",
+    name="tp-settings",
+    namespace="llm",
+    source="test",
+)
 
 
 def settings_of(key: str) -> Settings:
@@ -69,8 +88,11 @@ def test_settings_format_is_what_the_plugin_reads_at_startup(key, tmp_path, monk
 @pytest.mark.parametrize("key", DOCS)
 def test_vllm_args_line_splits_back_into_env_model_and_flags(key, scheduler):
     settings = settings_of(key)
-    options = ExportOptions(model="org/model with space", settings_path="/etc/tp/settings file.json",
-                            scheduler=scheduler)
+    options = ExportOptions(
+        model="org/model with space",
+        settings_path="/etc/tp/settings file.json",
+        scheduler=scheduler,
+    )
     text = render(settings, "vllm-args", options)
     assert text.count("\n") == 1
     argv = shlex.split(text)
@@ -78,8 +100,11 @@ def test_vllm_args_line_splits_back_into_env_model_and_flags(key, scheduler):
     assert argv[1:4] == ["vllm", "serve", "org/model with space"]
     env, model, flags = parse_vllm_args(text)
     eng = settings.engine
-    want = {"--scheduler-cls": SCHEDULER_CLASSES[scheduler], "--max-num-seqs": str(eng.max_num_seqs),
-            "--max-num-batched-tokens": str(eng.max_num_batched_tokens)}
+    want = {
+        "--scheduler-cls": SCHEDULER_CLASSES[scheduler],
+        "--max-num-seqs": str(eng.max_num_seqs),
+        "--max-num-batched-tokens": str(eng.max_num_batched_tokens),
+    }
     if eng.long_prefill_token_threshold > 0:
         want["--long-prefill-token-threshold"] = str(eng.long_prefill_token_threshold)
     assert flags == want and model == "org/model with space"
@@ -103,7 +128,9 @@ def test_configmap_parses_back_to_the_same_settings(key):
     assert settings_from_configmap(text) == settings
     assert "|" in text  # the JSON is a literal block, readable in `kubectl get -o yaml`
     no_ns = yaml.safe_load(render(settings, "configmap", ExportOptions()))
-    assert "namespace" not in no_ns["metadata"] and no_ns["metadata"]["name"] == "tailpilot-settings"
+    assert (
+        "namespace" not in no_ns["metadata"] and no_ns["metadata"]["name"] == "tailpilot-settings"
+    )
 
 
 def test_a_configmap_with_a_key_written_twice_is_refused():
@@ -117,19 +144,46 @@ def test_a_configmap_with_a_key_written_twice_is_refused():
 # modelSpec entries we write must satisfy: the required keys and the types of every key we set.
 MODEL_SPEC_SCHEMA = {
     "type": "object",
-    "required": ["name", "repository", "tag", "modelURL", "replicaCount", "requestCPU", "requestMemory",
-                 "requestGPU", "pvcStorage"],
+    "required": [
+        "name",
+        "repository",
+        "tag",
+        "modelURL",
+        "replicaCount",
+        "requestCPU",
+        "requestMemory",
+        "requestGPU",
+        "pvcStorage",
+    ],
     "properties": {
-        "name": {"type": "string"}, "repository": {"type": "string"}, "tag": {"type": "string"},
-        "modelURL": {"type": "string"}, "replicaCount": {"type": "integer"}, "requestCPU": {"type": "integer"},
-        "requestMemory": {"type": "string"}, "requestGPU": {"type": "integer"}, "pvcStorage": {"type": "string"},
+        "name": {"type": "string"},
+        "repository": {"type": "string"},
+        "tag": {"type": "string"},
+        "modelURL": {"type": "string"},
+        "replicaCount": {"type": "integer"},
+        "requestCPU": {"type": "integer"},
+        "requestMemory": {"type": "string"},
+        "requestGPU": {"type": "integer"},
+        "pvcStorage": {"type": "string"},
         "podAnnotations": {"type": "object", "additionalProperties": {"type": "string"}},
-        "vllmConfig": {"type": "object", "properties": {
-            "enablePrefixCaching": {"type": "boolean"}, "maxNumSeqs": {"type": "integer"},
-            "extraArgs": {"type": "array", "items": {"type": "string"}}}},
-        "env": {"type": "array", "items": {"type": "object", "required": ["name", "value"],
-                                           "properties": {"name": {"type": "string"}, "value": {"type": "string"}}}},
-        "extraVolumes": {"type": "array"}, "extraVolumeMounts": {"type": "array"},
+        "vllmConfig": {
+            "type": "object",
+            "properties": {
+                "enablePrefixCaching": {"type": "boolean"},
+                "maxNumSeqs": {"type": "integer"},
+                "extraArgs": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "env": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "value"],
+                "properties": {"name": {"type": "string"}, "value": {"type": "string"}},
+            },
+        },
+        "extraVolumes": {"type": "array"},
+        "extraVolumeMounts": {"type": "array"},
     },
 }
 
@@ -140,7 +194,11 @@ def chart_command_line(spec: dict) -> list[str]:
     then each extraArgs entry as its own argument."""
     vcfg = spec["vllmConfig"]
     argv = ["vllm", "serve", spec["modelURL"], "--host", "0.0.0.0", "--port", "8000"]
-    argv.append("--enable-prefix-caching" if vcfg.get("enablePrefixCaching") else "--no-enable-prefix-caching")
+    argv.append(
+        "--enable-prefix-caching"
+        if vcfg.get("enablePrefixCaching")
+        else "--no-enable-prefix-caching"
+    )
     if "maxNumSeqs" in vcfg:
         argv += ["--max-num-seqs", str(vcfg["maxNumSeqs"])]
     return argv + [str(a) for a in vcfg.get("extraArgs", [])]
@@ -149,32 +207,52 @@ def chart_command_line(spec: dict) -> list[str]:
 @pytest.mark.parametrize("key", DOCS)
 def test_helm_values_follow_the_chart_schema_and_carry_settings_and_flags(key):
     settings = settings_of(key)
-    options = ExportOptions(model="meta-llama/Meta-Llama-3-8B-Instruct", name="tp-settings", replicas=3,
-                            image="registry.local:5000/vllm-tailpilot:0.33", token_secret="tp-token")
+    options = ExportOptions(
+        model="meta-llama/Meta-Llama-3-8B-Instruct",
+        name="tp-settings",
+        replicas=3,
+        image="registry.local:5000/vllm-tailpilot:0.33",
+        token_secret="tp-token",
+    )
     text = render(settings, "helm", options)
     assert text.startswith("# Helm values for the vLLM production-stack chart")
     assert "values.schema.json" in text and "0.1." in text  # which schema version it follows
     doc = yaml.safe_load(text)
     [spec] = doc["servingEngineSpec"]["modelSpec"]
     import jsonschema
+
     jsonschema.validate(spec, MODEL_SPEC_SCHEMA)
-    assert (spec["repository"], spec["tag"], spec["replicaCount"]) == ("registry.local:5000/vllm-tailpilot", "0.33", 3)
+    assert (spec["repository"], spec["tag"], spec["replicaCount"]) == (
+        "registry.local:5000/vllm-tailpilot",
+        "0.33",
+        3,
+    )
     back, _ = settings_from_helm_values(text)
-    assert back == settings and json.loads(spec["podAnnotations"][SETTINGS_ANNOTATION]) == settings.to_dict()
+    assert (
+        back == settings
+        and json.loads(spec["podAnnotations"][SETTINGS_ANNOTATION]) == settings.to_dict()
+    )
     # The command line the chart builds carries the plugin class and the engine flags.
     argv = chart_command_line(spec)
     assert argv.count("--scheduler-cls") == 1
     assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLASSES["async"]
     assert argv[argv.index("--max-num-seqs") + 1] == str(settings.engine.max_num_seqs)
-    assert argv[argv.index("--max-num-batched-tokens") + 1] == str(settings.engine.max_num_batched_tokens)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == str(
+        settings.engine.max_num_batched_tokens
+    )
     assert "--enable-prefix-caching" in argv  # the chart would otherwise turn vLLM's default off
-    assert ("--long-prefill-token-threshold" in argv) == (settings.engine.long_prefill_token_threshold > 0)
+    assert ("--long-prefill-token-threshold" in argv) == (
+        settings.engine.long_prefill_token_threshold > 0
+    )
     # The settings file named in the env is settings.json of the mounted ConfigMap.
     env = {e["name"]: e["value"] for e in spec["env"]}
     [mount] = spec["extraVolumeMounts"]
     [volume] = spec["extraVolumes"]
     assert env["TAILPILOT_SETTINGS_FILE"] == f"{mount['mountPath']}/{CONFIGMAP_KEY}"
-    assert volume == {"name": mount["name"], "configMap": {"name": "tp-settings"}} and mount["readOnly"] is True
+    assert (
+        volume == {"name": mount["name"], "configMap": {"name": "tp-settings"}}
+        and mount["readOnly"] is True
+    )
     assert env["TAILPILOT_API_HOST"] == "0.0.0.0" and spec["envFromSecret"] == {"name": "tp-token"}
 
 
@@ -211,7 +289,9 @@ def test_verify_catches_a_rendering_that_does_not_match(fmt):
             verify(fmt, text, settings.replace(**change), OPTIONS)
     if fmt != "settings":
         with pytest.raises(ExportError):
-            verify(fmt, text, settings, ExportOptions(model="other", name="other", settings_path="x"))
+            verify(
+                fmt, text, settings, ExportOptions(model="other", name="other", settings_path="x")
+            )
 
 
 def test_helm_verify_catches_a_broken_mount():
@@ -231,7 +311,7 @@ def test_a_simulator_only_predictor_is_refused():
 
 # --- the command ---------------------------------------------------------------------------------
 def test_commands_are_exported_for_the_cli():
-    assert COMMANDS == (export, calibrate)
+    assert (export, calibrate) == COMMANDS
     assert export.name == "export" and calibrate.name == "calibrate"
 
 
@@ -240,11 +320,25 @@ def test_export_from_a_settings_file_to_stdout_and_to_a_file(fmt, tmp_path):
     src = tmp_path / "tuned.json"
     src.write_text(json.dumps(DOCS["uniboost-lpt"]))
     settings = settings_of("uniboost-lpt")
-    args = ["--settings", src, "--format", fmt, "--model", "m/x", "--name", "cm1", "--namespace", "ns"]
+    args = [
+        "--settings",
+        src,
+        "--format",
+        fmt,
+        "--model",
+        "m/x",
+        "--name",
+        "cm1",
+        "--namespace",
+        "ns",
+    ]
     out = run(*args)
     assert out.exit_code == 0, out.output
-    expected = render(settings, fmt, ExportOptions(model="m/x", name="cm1", namespace="ns",
-                                                   source="file tuned.json"))
+    expected = render(
+        settings,
+        fmt,
+        ExportOptions(model="m/x", name="cm1", namespace="ns", source="file tuned.json"),
+    )
     assert out.stdout == expected
     dest = tmp_path / "out" / f"{fmt}.txt"
     dest.parent.mkdir()
@@ -262,15 +356,18 @@ def test_export_default_format_is_the_settings_document(tmp_path):
     assert out.exit_code == 0 and json.loads(out.stdout) == settings_of("tie-history").to_dict()
 
 
-@pytest.mark.parametrize("doc, words", [
-    ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
-    ({"policy": "uniboost", "params": {"gama": 3}}, "params.gama"),
-    ({"policy": "nope"}, "policy"),
-    ({"policy": "fcfs", "colour": "red"}, "colour"),
-    ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-    ({"policy": "sjf", "params": {"predictor": "oracle"}}, "oracle"),
-    ([1, 2], "expected a settings object"),
-])
+@pytest.mark.parametrize(
+    "doc, words",
+    [
+        ({"policy": "uniboost", "params": {"gamma": 0}}, "params.gamma"),
+        ({"policy": "uniboost", "params": {"gama": 3}}, "params.gama"),
+        ({"policy": "nope"}, "policy"),
+        ({"policy": "fcfs", "colour": "red"}, "colour"),
+        ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+        ({"policy": "sjf", "params": {"predictor": "oracle"}}, "oracle"),
+        ([1, 2], "expected a settings object"),
+    ],
+)
 def test_an_invalid_settings_file_is_refused_naming_the_field(tmp_path, doc, words):
     src = tmp_path / "bad.json"
     src.write_text(json.dumps(doc))
@@ -295,11 +392,26 @@ def test_export_a_studys_newest_recommendation_from_the_store(tmp_path):
 
     db = tmp_path / "tp.db"
     with Store.open(str(db)) as store:
-        store.tuner.store_recommendation("nightly", settings_of("tie-history").to_dict(), {"ttlt_p99": 1.0}, t_ms=1000)
-        store.tuner.store_recommendation("nightly", DOCS["uniboost-lpt"], {"ttlt_p99": 0.8}, t_ms=2000)
-        store.tuner.store_recommendation("other", settings_of("sarathi-defaults").to_dict(), {}, t_ms=3000)
+        store.tuner.store_recommendation(
+            "nightly", settings_of("tie-history").to_dict(), {"ttlt_p99": 1.0}, t_ms=1000
+        )
+        store.tuner.store_recommendation(
+            "nightly", DOCS["uniboost-lpt"], {"ttlt_p99": 0.8}, t_ms=2000
+        )
+        store.tuner.store_recommendation(
+            "other", settings_of("sarathi-defaults").to_dict(), {}, t_ms=3000
+        )
     # --storage (the Optuna storage tune/recommend use) is never opened: the store is enough.
-    out = run("--study", "nightly", "--db", db, "--storage", tmp_path / "optuna.db", "--format", "configmap")
+    out = run(
+        "--study",
+        "nightly",
+        "--db",
+        db,
+        "--storage",
+        tmp_path / "optuna.db",
+        "--format",
+        "configmap",
+    )
     assert out.exit_code == 0, out.output
     assert settings_from_configmap(out.stdout) == settings_of("uniboost-lpt")
     assert "study nightly, recommendation #2" in out.stdout  # the source annotation
@@ -316,7 +428,10 @@ def test_export_study_errors(tmp_path, monkeypatch):
     out = run("--study", "nightly", "--db", db)
     assert out.exit_code == 2 and "tailpilot recommend --study nightly" in out.output
     out = run("--study", "nightly", "--db", db, "--storage", "postgresql://h/optuna")
-    assert f"tailpilot recommend --study nightly --storage postgresql://h/optuna --db {db}" in out.output
+    assert (
+        f"tailpilot recommend --study nightly --storage postgresql://h/optuna --db {db}"
+        in out.output
+    )
     with Store.open(str(db)) as store:
         store.tuner.store_recommendation("bad", {"policy": "uniboost", "params": {"gamma": -1}}, {})
     out = run("--study", "bad", "--db", db)
@@ -356,7 +471,10 @@ def test_vllms_argument_parser_accepts_the_exported_flags_and_the_plugin_imports
             assert args.max_num_seqs == settings.engine.max_num_seqs
             assert args.max_num_batched_tokens == settings.engine.max_num_batched_tokens
             if settings.engine.long_prefill_token_threshold:
-                assert args.long_prefill_token_threshold == settings.engine.long_prefill_token_threshold
+                assert (
+                    args.long_prefill_token_threshold
+                    == settings.engine.long_prefill_token_threshold
+                )
             module, cls = args.scheduler_cls.rsplit(".", 1)
             assert isinstance(getattr(importlib.import_module(module), cls), type)
         # The chart's command line (minus `vllm serve MODEL`) parses too.
@@ -365,7 +483,7 @@ def test_vllms_argument_parser_accepts_the_exported_flags_and_the_plugin_imports
         # --host/--port are the frontend's flags, not the engine's: drop them for EngineArgs.
         for flag in ("--host", "--port"):
             i = helm_argv.index(flag)
-            del helm_argv[i:i + 2]
+            del helm_argv[i : i + 2]
         args = parser.parse_args(["--model", spec["modelURL"], *helm_argv])
         assert args.scheduler_cls == SCHEDULER_CLASSES["async"]
         assert args.max_num_seqs == settings.engine.max_num_seqs

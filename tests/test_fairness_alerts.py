@@ -49,22 +49,40 @@ def test_the_collector_counts_a_starved_tenant():
     from controlplane.collector import Collector
     from storage.rows import CompletionRow
 
-    gov = GovernanceSpec.model_validate({"tenants": {t: {"weight": 1.0, "ttft": {"p99": 2.0}} for t in "abc"},
-                                         "alerts": {"for_s": 0.0}})
-    spec = ClusterSpec(name="c", governance=gov, window_s=60.0,
-                       replicas=[ReplicaSpec(name="r", api_url="http://127.0.0.1:9", control_url="http://127.0.0.1:9")])
+    gov = GovernanceSpec.model_validate(
+        {
+            "tenants": {t: {"weight": 1.0, "ttft": {"p99": 2.0}} for t in "abc"},
+            "alerts": {"for_s": 0.0},
+        }
+    )
+    spec = ClusterSpec(
+        name="c",
+        governance=gov,
+        window_s=60.0,
+        replicas=[
+            ReplicaSpec(name="r", api_url="http://127.0.0.1:9", control_url="http://127.0.0.1:9")
+        ],
+    )
     now = [100.0]
     col = Collector(spec, clock=lambda: now[0])
     view = col.views["r"]
     view.health.healthy = True
-    view.window.add([CompletionRow("r", f"{t}{i}", t, "chat", 90.0 + i, 90.2 + i, 91.0 + i, 100, 100, 0)
-                     for t in "ab" for i in range(5)])
+    view.window.add(
+        [
+            CompletionRow("r", f"{t}{i}", t, "chat", 90.0 + i, 90.2 + i, 91.0 + i, 100, 100, 0)
+            for t in "ab"
+            for i in range(5)
+        ]
+    )
     view.state = {"waiting_by_tenant": {"c": 3}, "waiting_by_type": {"chat": 3}}
     first = col.govern()
     assert first["scr"] == 1.0 and first["tenants"]["c"]["waiting"] == 3  # counted; not late yet
     now[0] += 30.0
     later = col.govern()
-    assert later["tenants"]["c"]["waited_s"] == pytest.approx(30.0) and later["tenants"]["c"]["starved"]
+    assert (
+        later["tenants"]["c"]["waited_s"] == pytest.approx(30.0)
+        and later["tenants"]["c"]["starved"]
+    )
     assert later["scr"] == pytest.approx(2 / 3) and later["jfi"] == pytest.approx(2 / 3)
     assert later["alerts"] == {"scr": "critical", "jfi": "warning"}
     view.state = {"waiting_by_tenant": {"c": 2}}  # one admitted: the oldest may be newer now

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from twin_support import serve_all
 
 from storage.store import Store
-from twin_support import serve_all
 from tailpilot.cli import main
 from tuner.fidelity import FidelityError, compare, decision_diff, figures, settings_timeline
 
@@ -26,11 +26,19 @@ def small_trace(n: int = 400, duration: float = 100.0, seed: int = 2):
     from sim.traces import Trace, TraceRequest
 
     rng = random.Random(seed)
-    return Trace("fid", tuple(
-        TraceRequest(id=f"r{i:04d}", arrival=round(i * duration / n + rng.random() * 0.1, 4),
-                     prompt_tokens=int(rng.lognormvariate(6.5, 1)) + 8, output_tokens=rng.randint(10, 300),
-                     max_tokens=512)
-        for i in range(n)))
+    return Trace(
+        "fid",
+        tuple(
+            TraceRequest(
+                id=f"r{i:04d}",
+                arrival=round(i * duration / n + rng.random() * 0.1, 4),
+                prompt_tokens=int(rng.lognormvariate(6.5, 1)) + 8,
+                output_tokens=rng.randint(10, 300),
+                max_tokens=512,
+            )
+            for i in range(n)
+        ),
+    )
 
 
 def record_all(twins, db, n: int, recording: str = "lab") -> None:
@@ -61,8 +69,14 @@ def record_all(twins, db, n: int, recording: str = "lab") -> None:
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    run_recorder(load_cluster_file(path).cluster(), str(db), stop=stop, recording_name=recording,
-                 retention=RetentionSettings(), install_signals=False)
+    run_recorder(
+        load_cluster_file(path).cluster(),
+        str(db),
+        stop=stop,
+        recording_name=recording,
+        retention=RetentionSettings(),
+        install_signals=False,
+    )
     watcher.join()
 
 
@@ -77,10 +91,18 @@ def recorded_twin(tmp_path):
     trace = small_trace()
     clock = ManualClock()
     db = tmp_path / "fid.db"
-    settings = Settings.model_validate({"policy": "uniboost", "engine": {"max_num_seqs": 16,
-                                                                        "max_num_batched_tokens": 512}})
-    with start_twins(1, trace, clock=clock, config=EngineConfig(num_gpu_blocks=3000), loop=False,
-                     settings=settings, token=TOKEN) as twins:
+    settings = Settings.model_validate(
+        {"policy": "uniboost", "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 512}}
+    )
+    with start_twins(
+        1,
+        trace,
+        clock=clock,
+        config=EngineConfig(num_gpu_blocks=3000),
+        loop=False,
+        settings=settings,
+        token=TOKEN,
+    ) as twins:
         twin = twins[0]
         serve_all(twins, clock, step=5.0)
         assert twin.core.finished_total == len(trace)
@@ -90,8 +112,21 @@ def recorded_twin(tmp_path):
 
 def test_a_twin_replayed_has_no_error_and_the_same_order(recorded_twin):
     db, twin, trace = recorded_twin
-    res = CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--recording", "lab",
-                                    "--window-s", "25", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "fidelity",
+            "--db",
+            str(db),
+            "--replica",
+            twin.name,
+            "--recording",
+            "lab",
+            "--window-s",
+            "25",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["requests"] == len(trace) and report["unmatched"] == 0
@@ -109,7 +144,11 @@ def test_a_twin_replayed_has_no_error_and_the_same_order(recorded_twin):
     with Store.open(str(db)) as store:
         [kept] = store.tuner.latest_fidelity("twins", twin.name)
     assert kept["summary"]["band"] == report["band"] and "recording=lab" in kept["span"]
-    text = CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--no-store"]).stdout
+    text = (
+        CliRunner()
+        .invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--no-store"])
+        .stdout
+    )
     assert "error band on this replica: ±0%" in text and "decision diff: Spearman 1" in text
 
 
@@ -120,10 +159,24 @@ def test_a_different_step_model_shows_up_as_error_and_reordering(recorded_twin):
 
     db, twin, trace = recorded_twin
     true = get_model()
-    fast = StepTimeModel(**{k: getattr(true, k) * 0.6 for k in "abcde"}, name="fid/fast", source="test")
+    fast = StepTimeModel(
+        **{k: getattr(true, k) * 0.6 for k in "abcde"}, name="fid/fast", source="test"
+    )
     save_user_model(fast)
-    res = CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--step-model", "fid/fast",
-                                    "--no-store", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "fidelity",
+            "--db",
+            str(db),
+            "--replica",
+            twin.name,
+            "--step-model",
+            "fid/fast",
+            "--no-store",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["step_model"] == "fid/fast"
@@ -136,9 +189,13 @@ def test_errors_name_what_is_missing(recorded_twin, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["fidelity", "--db", str(db), "--replica", "nope"])
     assert res.exit_code == 2 and "'nope'" in res.output
-    res = runner.invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--recording", "nope"])
+    res = runner.invoke(
+        main, ["fidelity", "--db", str(db), "--replica", twin.name, "--recording", "nope"]
+    )
     assert res.exit_code == 2 and "no recording 'nope'" in res.output
-    res = runner.invoke(main, ["fidelity", "--db", str(tmp_path / "none.db"), "--replica", twin.name])
+    res = runner.invoke(
+        main, ["fidelity", "--db", str(tmp_path / "none.db"), "--replica", twin.name]
+    )
     assert res.exit_code == 2 and "no tailpilot store" in res.output
     with pytest.raises(FidelityError, match="no settings document"):
         settings_timeline([], None)
@@ -152,8 +209,13 @@ def test_figures_errors_and_decision_diff_on_known_rows():
     c = compare(fr, fs)
     assert c["errors"]["ttft_p50"] == 0.0 and c["errors"]["ttlt_p99"] == pytest.approx(4.98 / 4 - 1)
     assert c["errors"]["preemptions"] == -1.0 and c["real"]["ttlt_p99"] == 4.0
-    d = decision_diff(np.array([1.0, 2.0, 4.0]), np.array([1.0, 3.0, 2.5]), np.array([0.0, 1.0, 2.0]),
-                      np.array([0, 1, 0]), np.array([0, 0, 0]))
+    d = decision_diff(
+        np.array([1.0, 2.0, 4.0]),
+        np.array([1.0, 3.0, 2.5]),
+        np.array([0.0, 1.0, 2.0]),
+        np.array([0, 1, 0]),
+        np.array([0, 0, 0]),
+    )
     # real: served in arrival order; sim: the third arrival got its first token before the second
     assert d["overtaken_real"] == 0 and d["overtaken_sim"] == 1
     assert d["spearman"] == pytest.approx(0.5) and d["preemptions_differ"] == 1
@@ -162,8 +224,11 @@ def test_figures_errors_and_decision_diff_on_known_rows():
 def test_a_settings_change_inside_the_span_is_replayed_from_when_it_was_seen():
     from scheduler.settings import Settings
 
-    seen = [{"t_ms": 1000, "settings": {"policy": "fcfs"}}, {"t_ms": 5000, "settings": {"policy": "sarathi"}},
-            {"t_ms": 9000, "settings": {"policy": "uniboost"}}]
+    seen = [
+        {"t_ms": 1000, "settings": {"policy": "fcfs"}},
+        {"t_ms": 5000, "settings": {"policy": "sarathi"}},
+        {"t_ms": 9000, "settings": {"policy": "uniboost"}},
+    ]
     timeline = settings_timeline(seen, 6000)
     assert [(t, s.policy) for t, s in timeline] == [(None, "sarathi"), (9000, "uniboost")]
     assert isinstance(timeline[0][1], Settings)
@@ -190,19 +255,36 @@ def test_the_front_end_hop_is_replayed_from_the_engine_core_and_added_back(recor
     db, twin, trace = recorded_twin
 
     def overall() -> dict:
-        res = CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--recording", "lab",
-                                        "--no-store", "--json"])
+        res = CliRunner().invoke(
+            main,
+            [
+                "fidelity",
+                "--db",
+                str(db),
+                "--replica",
+                twin.name,
+                "--recording",
+                "lab",
+                "--no-store",
+                "--json",
+            ],
+        )
         assert res.exit_code == 0, res.output
         return json.loads(res.stdout)["overall"]
 
     with Store.open(str(db)) as store, store.database.engine.begin() as conn:
-        assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE received_s = arrival_s")).scalar_one() \
-            == len(trace)  # a twin's core gets each request when it arrives
-        conn.execute(text("UPDATE completions SET arrival_s = received_s - 0.2 * (id % 5)"))  # hops 0–0.8 s
+        assert conn.execute(
+            text("SELECT COUNT(*) FROM completions WHERE received_s = arrival_s")
+        ).scalar_one() == len(trace)  # a twin's core gets each request when it arrives
+        conn.execute(
+            text("UPDATE completions SET arrival_s = received_s - 0.2 * (id % 5)")
+        )  # hops 0–0.8 s
     hopped = overall()
     for key, err in hopped["errors"].items():
         assert err is None or abs(err) < 1e-6, (key, err)
     assert hopped["real"]["ttft_p99"] > 0.8  # the real figures include the hop
     with Store.open(str(db)) as store, store.database.engine.begin() as conn:
-        conn.execute(text("UPDATE completions SET received_s = NULL"))  # an older replica: API arrival only
+        conn.execute(
+            text("UPDATE completions SET received_s = NULL")
+        )  # an older replica: API arrival only
     assert abs(overall()["errors"]["ttft_p50"]) > 0.01

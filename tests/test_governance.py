@@ -10,41 +10,60 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from twin_support import governed_cluster
 
 from controlplane.cluster import ClusterFileError, parse_cluster_file
 from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec
 from scheduler.metrics import Completion
 from scheduler.metrics.fairness import window_report
 from scheduler.settings import SloFqParams
-from twin_support import governed_cluster
 
-GOV = {"tenants": {"a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},
-                   "b": {"commit_tok_s": 100.0, "ttft": {"p99": 1.0}, "ttlt": {"p99": 5.0}}},
-       "type_shares": {"batch": 0.2}}
+GOV = {
+    "tenants": {
+        "a": {"commit_tok_s": 100.0, "ttft": {"p50": 0.5, "p99": 2.0}},
+        "b": {"commit_tok_s": 100.0, "ttft": {"p99": 1.0}, "ttlt": {"p99": 5.0}},
+    },
+    "type_shares": {"batch": 0.2},
+}
 
 
 def done(rid, tenant, arrival, ttft, ttlt, tokens=(50, 50), rtype="chat"):
-    return Completion(id=rid, tenant=tenant, type=rtype, arrival=arrival, scheduled_at=arrival,
-                      first_token_at=arrival + ttft, finished_at=arrival + ttlt, prompt_tokens=tokens[0],
-                      output_tokens=tokens[1])
+    return Completion(
+        id=rid,
+        tenant=tenant,
+        type=rtype,
+        arrival=arrival,
+        scheduled_at=arrival,
+        first_token_at=arrival + ttft,
+        finished_at=arrival + ttlt,
+        prompt_tokens=tokens[0],
+        output_tokens=tokens[1],
+    )
 
 
 def test_figures_on_known_requests():
     params = SloFqParams.model_validate(GOV)
     rows = [done(f"a{i}", "a", i, 0.1, 1.0) for i in range(10)]  # a: fast, 1,000 tokens
-    rows += [done(f"b{i}", "b", i, 3.0 if i == 9 else 0.2, 4.0, rtype="batch" if i < 2 else "chat")
-             for i in range(10)]  # b: P99 TTFT ≈ 2.7 s > 1 s; 20% of its tokens batch
+    rows += [
+        done(f"b{i}", "b", i, 3.0 if i == 9 else 0.2, 4.0, rtype="batch" if i < 2 else "chat")
+        for i in range(10)
+    ]  # b: P99 TTFT ≈ 2.7 s > 1 s; 20% of its tokens batch
     rep = window_report(rows, params, duration_s=10.0)
     assert rep["tenants"]["a"]["compliant"] and not rep["tenants"]["b"]["compliant"]
     assert rep["tenants"]["b"]["missed"] == ["ttft_p99"]
     assert rep["scr"] == 0.5
-    assert rep["tenants"]["a"]["normalised"] == pytest.approx(1.0)  # 100 tok/s over a 100 tok/s commitment
+    assert rep["tenants"]["a"]["normalised"] == pytest.approx(
+        1.0
+    )  # 100 tok/s over a 100 tok/s commitment
     assert rep["jfi"] == pytest.approx(1.0)
     # batch asked for 10% of the requests and got them: its guarantee is capped at what it asked
     assert rep["type_fairness"]["batch"] == pytest.approx(1.0)
     # ... but had it asked for 25% (more waiting) it got half its 20% minimum: starving
     starved = window_report(rows, params, duration_s=10.0, arrived={"chat": 18, "batch": 6})
-    assert starved["type_fairness"]["batch"] == pytest.approx(0.1 / 0.2) and starved["type_fairness_min"] == 0.5
+    assert (
+        starved["type_fairness"]["batch"] == pytest.approx(0.1 / 0.2)
+        and starved["type_fairness_min"] == 0.5
+    )
     lopsided = window_report(rows[:10] + rows[10:11], params, duration_s=10.0)
     # b asked for one request and got it: nobody is suppressed (the seed's literal figure, over
     # served / committed, reads the inequality of demand as unfairness)
@@ -63,20 +82,39 @@ def test_alerts_fire_change_severity_and_resolve():
     assert ev.evaluate({"scr": None}) == []  # no data: nothing moves
     events = ev.evaluate({"scr": 1.0, "jfi": 0.7, "type_fairness_min": 0.3})
     assert [(e["name"], e["severity"], e["state"]) for e in events] == [
-        ("scr", "critical", "resolved"), ("jfi", "warning", "firing"), ("type_fairness", "warning", "firing")]
+        ("scr", "critical", "resolved"),
+        ("jfi", "warning", "firing"),
+        ("type_fairness", "warning", "firing"),
+    ]
     assert ev.active == {"jfi": "warning", "type_fairness": "warning"}
 
 
-@pytest.mark.parametrize("block,needle", [
-    ("governance: {alerts: {scr_warning: 0.9, scr_critical: 0.95}}", "clusters[0].governance.alerts.scr_critical"),
-    ("governance: {tenants: {a: {ttft: {p90: 1, p50: 2}}}}", "clusters[0].governance.tenants.a.ttft"),
-    ("governance: {type_shares: {chat: 0.8, batch: 0.8}}", "clusters[0].governance.type_shares"),
-    ("governance: {alerts: {jfi: 1.5}}", "clusters[0].governance.alerts.jfi"),
-    ("governance: {tenantz: {}}", "clusters[0].governance.tenantz"),
-])
+@pytest.mark.parametrize(
+    "block,needle",
+    [
+        (
+            "governance: {alerts: {scr_warning: 0.9, scr_critical: 0.95}}",
+            "clusters[0].governance.alerts.scr_critical",
+        ),
+        (
+            "governance: {tenants: {a: {ttft: {p90: 1, p50: 2}}}}",
+            "clusters[0].governance.tenants.a.ttft",
+        ),
+        (
+            "governance: {type_shares: {chat: 0.8, batch: 0.8}}",
+            "clusters[0].governance.type_shares",
+        ),
+        ("governance: {alerts: {jfi: 1.5}}", "clusters[0].governance.alerts.jfi"),
+        ("governance: {tenantz: {}}", "clusters[0].governance.tenantz"),
+    ],
+)
 def test_the_cluster_file_names_a_bad_governance_field(block, needle):
-    text = ("clusters:\n  - name: p\n    " + block + "\n    replicas: [{name: r, api_url: 'http://127.0.0.1:1', "
-            "control_url: 'http://127.0.0.1:2'}]\n")
+    text = (
+        "clusters:\n  - name: p\n    "
+        + block
+        + "\n    replicas: [{name: r, api_url: 'http://127.0.0.1:1', "
+        "control_url: 'http://127.0.0.1:2'}]\n"
+    )
     with pytest.raises(ClusterFileError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         parse_cluster_file(text)
 
@@ -87,6 +125,7 @@ def test_defaults_are_seed_003s():
 
 
 # --- against real twins, through the collector and the store ----------------------------
+
 
 @pytest.fixture
 def governed(tmp_path):
@@ -111,6 +150,7 @@ def test_the_collector_computes_stores_and_restores_governance(governed, tmp_pat
             c = Collector(cluster, store, clock=lambda: now[0])
             await c.start()
             from controlplane.replica_http import make_client
+
             c._client = make_client(cluster)
             try:
                 for _ in range(n_polls):

@@ -10,24 +10,30 @@ import asyncio
 
 import pytest
 from click.testing import CliRunner
+from twin_support import poll_all, serve_all
 
 from controlplane.governance import GovernanceSpec
 from controlplane.governor import MODES, Governor, governor_step
 from scheduler.settings import Settings
-from twin_support import poll_all, serve_all
 
 LOW = {"scr": 0.5, "jfi": 0.99, "type_fairness_min": 1.0}
 OK = {"scr": 1.0, "jfi": 0.99, "type_fairness_min": 1.0}
 
 
 def gov() -> Governor:
-    return Governor.for_cluster(GovernanceSpec.model_validate({"governor": {"dwell_s": 60.0, "type_sustain_s": 30.0}}))
+    return Governor.for_cluster(
+        GovernanceSpec.model_validate({"governor": {"dwell_s": 60.0, "type_sustain_s": 30.0}})
+    )
 
 
 def test_modes_enter_below_and_leave_at_the_alert_threshold_after_the_dwell():
     g = gov()
     [d] = g.decide(LOW, 0.0)
-    assert (d.mode, d.action) == ("scr", "enter") and "scr 0.5 < 0.85" in d.note() and '"scr": 0.5' in d.note()
+    assert (
+        (d.mode, d.action) == ("scr", "enter")
+        and "scr 0.5 < 0.85" in d.note()
+        and '"scr": 0.5' in d.note()
+    )
     g.record(d, 0.0)
     assert g.decide(LOW, 1.0) == []  # already in it
     assert g.decide({**OK, "scr": 0.9}, 100.0) == []  # hysteresis: above 0.85 is not yet 0.95
@@ -49,8 +55,19 @@ def test_priority_and_the_sustained_type_rule():
 
 
 def slofq(**extra) -> Settings:
-    return Settings.model_validate({"policy": "slofq", "params": {
-        "tenants": {"big": {"weight": 4.0}, "mid": {"weight": 2.0}, "small": {"weight": 0.5}}}, **extra})
+    return Settings.model_validate(
+        {
+            "policy": "slofq",
+            "params": {
+                "tenants": {
+                    "big": {"weight": 4.0},
+                    "mid": {"weight": 2.0},
+                    "small": {"weight": 0.5},
+                }
+            },
+            **extra,
+        }
+    )
 
 
 def test_changes_respect_pins_other_policies_and_later_edits():
@@ -82,6 +99,7 @@ def test_changes_respect_pins_other_policies_and_later_edits():
 
 # --- against twins ----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def twins_governed(tmp_path, monkeypatch):
     """Three twins running slofq (the third with ``quantiles`` pinned), a governed cluster, a
@@ -93,18 +111,34 @@ def twins_governed(tmp_path, monkeypatch):
     from tuner.twin import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
-    trace, params = noisy_neighbour(capacity_req_s=10.0, duration_s=20.0, burst_from_s=5.0, burst_s=5.0)
-    docs = [Settings.model_validate({"policy": "slofq", "params": params}),
-            Settings.model_validate({"policy": "slofq", "params": params}),
-            Settings.model_validate({"policy": "slofq", "params": params, "pinned": ["quantiles"]})]
+    trace, params = noisy_neighbour(
+        capacity_req_s=10.0, duration_s=20.0, burst_from_s=5.0, burst_s=5.0
+    )
+    docs = [
+        Settings.model_validate({"policy": "slofq", "params": params}),
+        Settings.model_validate({"policy": "slofq", "params": params}),
+        Settings.model_validate({"policy": "slofq", "params": params, "pinned": ["quantiles"]}),
+    ]
     clock = ManualClock()
     with start_twins(3, trace, clock=clock, loop=False, token="gov-token", settings=docs) as twins:
         # Targets no engine meets (1 ms P99 TTFT): the real figures' SCR is 0.
         strict = {t: {**spec_, "ttft": {"p99": 0.001}} for t, spec_ in params["tenants"].items()}
-        spec = ClusterSpec(name="gov", timeout_s=5.0, governance=GovernanceSpec.model_validate(
-            {"tenants": strict, "governor": {"dwell_s": 60.0}}),
-            replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env="TAILPILOT_TOKEN")
-                      for t in twins])
+        spec = ClusterSpec(
+            name="gov",
+            timeout_s=5.0,
+            governance=GovernanceSpec.model_validate(
+                {"tenants": strict, "governor": {"dwell_s": 60.0}}
+            ),
+            replicas=[
+                ReplicaSpec(
+                    name=t.name,
+                    api_url=t.url,
+                    control_url=t.control_url,
+                    token_env="TAILPILOT_TOKEN",
+                )
+                for t in twins
+            ],
+        )
         store = Store.open(str(tmp_path / "gov.db"))
         collector = Collector(spec, store)
         poll_all(collector)
@@ -116,12 +150,15 @@ def twins_governed(tmp_path, monkeypatch):
 def quantiles(twin) -> str:
     import httpx
 
-    return httpx.get(f"{twin.control_url}/tailpilot/v1/settings", timeout=5, trust_env=False).json()["settings"][
-        "params"]["quantiles"]
+    return httpx.get(
+        f"{twin.control_url}/tailpilot/v1/settings", timeout=5, trust_env=False
+    ).json()["settings"]["params"]["quantiles"]
 
 
 def governor_rows(store) -> list[dict]:
-    return [r for r in store.settings_log.settings_changes("gov", None, 100) if r["who"] == "governor"]
+    return [
+        r for r in store.settings_log.settings_changes("gov", None, 100) if r["who"] == "governor"
+    ]
 
 
 def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
@@ -131,10 +168,15 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
 
     # Dry-run (the default): an audit row per replica with the figures, nothing sent.
     [out] = asyncio.run(governor_step(g, collector, store, 0.0))
-    assert out["state"] == "dry-run" and out["replicas"] == {"twin-0": "dry-run", "twin-1": "dry-run",
-                                                              "twin-2": "skipped"}
+    assert out["state"] == "dry-run" and out["replicas"] == {
+        "twin-0": "dry-run",
+        "twin-1": "dry-run",
+        "twin-2": "skipped",
+    }
     rows = governor_rows(store)
-    assert {r["result"] for r in rows} == {"dry-run", "skipped"} and all('"scr": 0.5' in r["message"] for r in rows)
+    assert {r["result"] for r in rows} == {"dry-run", "skipped"} and all(
+        '"scr": 0.5' in r["message"] for r in rows
+    )
     assert [quantiles(t) for t in twins] == ["multi"] * 3
 
     # Armed: the mode entered in dry-run was never applied, so it is decided again, for real.
@@ -143,7 +185,9 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     assert out["replicas"] == {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"}
     assert [quantiles(t) for t in twins] == ["p99", "p99", "multi"]  # the pinned one never moves
     applied = [r for r in governor_rows(store) if r["result"] == "applied"]
-    assert len(applied) == 2 and all("governor enters scr mode: scr 0.5 < 0.85" in r["message"] for r in applied)
+    assert len(applied) == 2 and all(
+        "governor enters scr mode: scr 0.5 < 0.85" in r["message"] for r in applied
+    )
     status = store.governance.governor_control("gov")["status"]
     assert status["active"] == {"scr": 100.0} and status["dry"] == []
     assert sorted(r for _, r, _ in status["replaced"]) == ["twin-0", "twin-1"]  # kept for a restart
@@ -152,7 +196,10 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     # figures still low, it is entered again.
     store.governance.set_governor_control("gov", paused=True, who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 200.0))
-    assert (out["action"], out["replicas"]) == ("exit", {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"})
+    assert (out["action"], out["replicas"]) == (
+        "exit",
+        {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"},
+    )
     assert [quantiles(t) for t in twins] == ["multi"] * 3 and "paused" in out["note"]
     assert store.governance.governor_control("gov")["status"]["active"] == {}
     store.governance.set_governor_control("gov", paused=False, who="test")
@@ -179,23 +226,29 @@ def test_real_figures_trigger_the_scr_mode(twins_governed):
     # every tenant was served all it asked for: nobody is suppressed, JFI is not low.
     assert figures["jfi_seed"] < 0.8 and figures["jfi"] > 0.9
     store.governance.set_governor_control("gov", state="armed", who="test")
-    outs = asyncio.run(governor_step(Governor.for_cluster(collector.cluster.governance), collector, store, 0.0))
+    outs = asyncio.run(
+        governor_step(Governor.for_cluster(collector.cluster.governance), collector, store, 0.0)
+    )
     assert [o["mode"] for o in outs] == ["scr"]
     assert outs[0]["replicas"]["twin-0"] == "applied" and quantiles(twins[0]) == "p99"
 
 
 def test_the_governor_command_steers_the_control_row(tmp_path):
-    from tailpilot.cli import main
-
     from storage.store import Store
+    from tailpilot.cli import main
 
     db = str(tmp_path / "g.db")
     with Store.open(db) as store:  # the governor steers only a cluster the database knows
         store.recordings.ensure_replicas("c", [("r1", "http://127.0.0.1:1", "http://127.0.0.1:1")])
     run = CliRunner()
-    assert "dry-run; active modes: none" in run.invoke(main, ["governor", "status", "--cluster-name", "c", "--db", db]).output
+    assert (
+        "dry-run; active modes: none"
+        in run.invoke(main, ["governor", "status", "--cluster-name", "c", "--db", db]).output
+    )
     run.invoke(main, ["governor", "arm", "--cluster-name", "c", "--db", db, "--who", "ops"])
-    out = run.invoke(main, ["governor", "pause", "--cluster-name", "c", "--db", db, "--who", "ops"]).output
+    out = run.invoke(
+        main, ["governor", "pause", "--cluster-name", "c", "--db", db, "--who", "ops"]
+    ).output
     assert "armed (paused) · set by ops" in out
     res = run.invoke(main, ["governor", "resume", "--cluster-name", "c", "--db", db, "--json"])
     assert '"paused": false' in res.output and '"state": "armed"' in res.output
@@ -223,15 +276,25 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
     window_s = 10.0
     with start_twins(1, trace, speed=4.0, token="gov-token", settings=doc_settings) as twins:
         doc = twins.cluster_doc("live")
-        doc["clusters"][0].update(poll_interval_s=0.2, timeout_s=5.0, window_s=window_s, governance={
-            "default_tenant": {"ttft": {"p99": 0.001}}, "governor": {"dwell_s": 600.0},
-            "alerts": {"for_s": 0.0}})  # the alert fires with the drop: the governor's clock starts there
+        doc["clusters"][0].update(
+            poll_interval_s=0.2,
+            timeout_s=5.0,
+            window_s=window_s,
+            governance={
+                "default_tenant": {"ttft": {"p99": 0.001}},
+                "governor": {"dwell_s": 600.0},
+                "alerts": {"for_s": 0.0},
+            },
+        )  # the alert fires with the drop: the governor's clock starts there
         path = tmp_path / "live.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         db = tmp_path / "live.db"
         stop = threading.Event()
-        runner = threading.Thread(target=run_recorder, args=(load_cluster_file(path).cluster(), str(db)),
-                                  kwargs={"stop": stop, "govern": "armed", "install_signals": False})
+        runner = threading.Thread(
+            target=run_recorder,
+            args=(load_cluster_file(path).cluster(), str(db)),
+            kwargs={"stop": stop, "govern": "armed", "install_signals": False},
+        )
         runner.start()
         try:
             deadline = time.monotonic() + 60
@@ -240,8 +303,11 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
                 time.sleep(0.2)
                 try:
                     with Store.open(str(db)) as store:
-                        rows = [r for r in store.settings_log.settings_changes("live", None, 10)
-                                if r["who"] == "governor" and "enters scr mode" in (r["message"] or "")]
+                        rows = [
+                            r
+                            for r in store.settings_log.settings_changes("live", None, 10)
+                            if r["who"] == "governor" and "enters scr mode" in (r["message"] or "")
+                        ]
                 except Exception:
                     rows = []
         finally:
@@ -253,7 +319,11 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
         assert "scr" in row["message"] and "< 0.85" in row["message"]
         # Within two windows of the SCR drop (when the collector's SCR alert first fired).
         with Store.open(str(db)) as store:
-            fired = min(e["t_ms"] for e in store.governance.alert_events("live", name="scr") if e["state"] == "firing")
+            fired = min(
+                e["t_ms"]
+                for e in store.governance.alert_events("live", name="scr")
+                if e["state"] == "firing"
+            )
         assert 0 <= row["t_ms"] - fired <= 2 * window_s * 1000
 
 

@@ -9,30 +9,47 @@ import asyncio
 
 import pytest
 from click.testing import CliRunner
+from twin_support import poll_all
 
 from controlplane.governance import GovernanceSpec
 from controlplane.governor import Governor, governor_step, modes, run_governor
 from scheduler.metrics import Completion
 from scheduler.metrics.fairness import window_report
 from scheduler.settings import Settings, SloFqParams
-from twin_support import poll_all
 
-TENANTS = {"big": {"commit_tok_s": 400, "ttft": {"p99": 2.0}}, "s1": {"commit_tok_s": 100, "ttft": {"p99": 2.0}},
-           "s2": {"commit_tok_s": 100, "ttft": {"p99": 2.0}}}
+TENANTS = {
+    "big": {"commit_tok_s": 400, "ttft": {"p99": 2.0}},
+    "s1": {"commit_tok_s": 100, "ttft": {"p99": 2.0}},
+    "s2": {"commit_tok_s": 100, "ttft": {"p99": 2.0}},
+}
 
 
 def done(rid, tenant, arrival, ttft, tokens=500):
-    return Completion(id=rid, tenant=tenant, type="chat", arrival=arrival, scheduled_at=arrival,
-                      first_token_at=arrival + ttft, finished_at=arrival + ttft + 1.0,
-                      prompt_tokens=tokens // 2, output_tokens=tokens - tokens // 2)
+    return Completion(
+        id=rid,
+        tenant=tenant,
+        type="chat",
+        arrival=arrival,
+        scheduled_at=arrival,
+        first_token_at=arrival + ttft,
+        finished_at=arrival + ttft + 1.0,
+        prompt_tokens=tokens // 2,
+        output_tokens=tokens - tokens // 2,
+    )
 
 
 def suppressed(big_commit: float = 400) -> dict:
     """big (commitment 400 tok/s) served 600 tok/s while s1 waits for 9 requests and s2 for 5."""
-    params = SloFqParams.model_validate({"tenants": {**TENANTS, "big": {**TENANTS["big"], "commit_tok_s": big_commit}}})
+    params = SloFqParams.model_validate(
+        {"tenants": {**TENANTS, "big": {**TENANTS["big"], "commit_tok_s": big_commit}}}
+    )
     rows = [done(f"big{i}", "big", i, 0.1) for i in range(12)] + [done("s10", "s1", 0, 0.2)]
-    return window_report(rows, params, duration_s=10.0, waiting={"s1": {"requests": 9, "waited_s": 3.0},
-                                                                 "s2": {"requests": 5, "waited_s": 12.0}})
+    return window_report(
+        rows,
+        params,
+        duration_s=10.0,
+        waiting={"s1": {"requests": 9, "waited_s": 3.0}, "s2": {"requests": 5, "waited_s": 12.0}},
+    )
 
 
 def slofq_doc() -> Settings:
@@ -53,8 +70,15 @@ def test_the_jfi_mode_throttles_the_over_consumer_and_notes_the_victims():
     note = d.note()
     assert "throttles big" in note and "victims' P99 TTFT before: s1 0.2 s, s2 n/a" in note
     g.record(d, 0.0)
-    recovered = {**figures, "jfi": 0.95, "tenants": {**figures["tenants"], "s1": {**figures["tenants"]["s1"], "ttft_p99": 0.3},
-                                                      "s2": {**figures["tenants"]["s2"], "ttft_p99": 0.4}}}
+    recovered = {
+        **figures,
+        "jfi": 0.95,
+        "tenants": {
+            **figures["tenants"],
+            "s1": {**figures["tenants"]["s1"], "ttft_p99": 0.3},
+            "s2": {**figures["tenants"]["s2"], "ttft_p99": 0.4},
+        },
+    }
     [e] = [e for e in g.decide(recovered, 61.0) if e.mode == "jfi"]
     assert "victims' P99 TTFT before -> since: s1 0.2 s -> 0.3 s, s2 n/a -> 0.4 s" in e.note()
     ch = g.change(d, "r0")
@@ -74,6 +98,7 @@ def test_never_a_tenant_within_its_commitment():
 
 # --- against twins ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def twins(tmp_path, monkeypatch):
     from controlplane.cluster import ClusterSpec, ReplicaSpec
@@ -84,12 +109,30 @@ def twins(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     trace, _ = noisy_neighbour(capacity_req_s=10.0, duration_s=5.0)
-    with start_twins(2, trace, clock=ManualClock(), loop=False, token="gov-token",
-                     settings=[slofq_doc(), slofq_doc()]) as found:
-        spec = ClusterSpec(name="gov", timeout_s=5.0, governance=GovernanceSpec.model_validate(
-            {"tenants": TENANTS, "governor": {"dwell_s": 60.0}}),
-            replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env="TAILPILOT_TOKEN")
-                      for t in found])
+    with start_twins(
+        2,
+        trace,
+        clock=ManualClock(),
+        loop=False,
+        token="gov-token",
+        settings=[slofq_doc(), slofq_doc()],
+    ) as found:
+        spec = ClusterSpec(
+            name="gov",
+            timeout_s=5.0,
+            governance=GovernanceSpec.model_validate(
+                {"tenants": TENANTS, "governor": {"dwell_s": 60.0}}
+            ),
+            replicas=[
+                ReplicaSpec(
+                    name=t.name,
+                    api_url=t.url,
+                    control_url=t.control_url,
+                    token_env="TAILPILOT_TOKEN",
+                )
+                for t in found
+            ],
+        )
         store = Store.open(str(tmp_path / "gov.db"))
         collector = Collector(spec, store)
         poll_all(collector)
@@ -100,7 +143,9 @@ def twins(tmp_path, monkeypatch):
 def params_of(twin) -> dict:
     import httpx
 
-    return httpx.get(f"{twin.control_url}/tailpilot/v1/settings", timeout=5, trust_env=False).json()["settings"]["params"]
+    return httpx.get(
+        f"{twin.control_url}/tailpilot/v1/settings", timeout=5, trust_env=False
+    ).json()["settings"]["params"]
 
 
 def enter_both(g, collector, store) -> None:
@@ -141,17 +186,27 @@ def test_disarm_keep_keeps_them_and_says_so(twins):
     collector.test_twins = found
     g = gov()
     enter_both(g, collector, store)
-    out = CliRunner().invoke(main, ["governor", "disarm", "--keep", "--cluster-name", "gov", "--db", db]).output
+    out = (
+        CliRunner()
+        .invoke(main, ["governor", "disarm", "--keep", "--cluster-name", "gov", "--db", db])
+        .output
+    )
     assert "keeping scr, jfi applied" in out
     assert asyncio.run(governor_step(g, collector, store, 5.0)) == []
     assert all(params_of(t)["throttle"] == {"big": 0.5} for t in found)
-    out = CliRunner().invoke(main, ["governor", "status", "--cluster-name", "gov", "--db", db]).output
+    out = (
+        CliRunner().invoke(main, ["governor", "status", "--cluster-name", "gov", "--db", db]).output
+    )
     assert "active modes: scr, jfi (kept after disarm" in out
     # disarmed without --keep: undone at the next evaluation
-    out = CliRunner().invoke(main, ["governor", "disarm", "--cluster-name", "gov", "--db", db]).output
+    out = (
+        CliRunner().invoke(main, ["governor", "disarm", "--cluster-name", "gov", "--db", db]).output
+    )
     assert "undoing scr, jfi at the governor's next evaluation" in out
     asyncio.run(governor_step(g, collector, store, 6.0))
-    assert all(params_of(t)["throttle"] == {} and params_of(t)["quantiles"] == "multi" for t in found)
+    assert all(
+        params_of(t)["throttle"] == {} and params_of(t)["quantiles"] == "multi" for t in found
+    )
 
 
 def test_a_recorder_stop_undoes_every_change(twins):
@@ -169,7 +224,11 @@ def test_a_recorder_stop_undoes_every_change(twins):
         p = params_of(t)
         assert p["quantiles"] == "multi" and p["throttle"] == {}
     assert modes(store.governance.governor_control("gov")["status"]) == ([], [])
-    notes = [r["message"] for r in store.settings_log.settings_changes("gov", None, 100) if r["who"] == "governor"]
+    notes = [
+        r["message"]
+        for r in store.settings_log.settings_changes("gov", None, 100)
+        if r["who"] == "governor"
+    ]
     assert any("the recorder stopped" in (m or "") for m in notes)
 
 
@@ -181,7 +240,9 @@ def test_a_recorder_cancelling_the_governor_mid_stop_still_undoes(twins):
 
     async def cancelled() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(run_governor(collector, store, stop, interval_s=0.01, clock=lambda: 10.0))
+        task = asyncio.create_task(
+            run_governor(collector, store, stop, interval_s=0.01, clock=lambda: 10.0)
+        )
         await asyncio.sleep(0.05)
         stop.set()
         await asyncio.sleep(0)  # it wakes and starts undoing ...
@@ -189,7 +250,9 @@ def test_a_recorder_cancelling_the_governor_mid_stop_still_undoes(twins):
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(cancelled())
-    assert all(params_of(t)["quantiles"] == "multi" and params_of(t)["throttle"] == {} for t in found)
+    assert all(
+        params_of(t)["quantiles"] == "multi" and params_of(t)["throttle"] == {} for t in found
+    )
 
 
 def test_a_mode_no_replica_took_is_shown_as_such():

@@ -36,34 +36,70 @@ def noisy_trace(seed: int = 7, duration_s: float = 120.0) -> tr.Trace:
     out = []
     for i, (t, tenant) in enumerate(arrivals):
         p, o = pool[rng.randrange(len(pool))]
-        out.append(tr.TraceRequest(id=f"{tenant}-{i:05d}", arrival=round(t, 6), prompt_tokens=p, output_tokens=o,
-                                   max_tokens=tr.DEFAULT_MAX_TOKENS, tenant=tenant, type="chat"))
+        out.append(
+            tr.TraceRequest(
+                id=f"{tenant}-{i:05d}",
+                arrival=round(t, 6),
+                prompt_tokens=p,
+                output_tokens=o,
+                max_tokens=tr.DEFAULT_MAX_TOKENS,
+                tenant=tenant,
+                type="chat",
+            )
+        )
     return tr.Trace("noisy4", tuple(out))
 
 
-def run(state: str, db: str, trace: tr.Trace) -> tuple[dict[str, tuple[int, float, int]], list[dict]]:
+def run(
+    state: str, db: str, trace: tr.Trace
+) -> tuple[dict[str, tuple[int, float, int]], list[dict]]:
     """Serve ``trace`` on one twin, polling, governing and running the governor every simulated
     second; per tenant (requests, P99 TTFT, tokens) and the governor's audit rows."""
     from controlplane.cluster import ClusterSpec, ReplicaSpec
     from controlplane.collector import Collector
-    from controlplane.replica_http import make_client
     from controlplane.governance import GovernanceSpec
     from controlplane.governor import Governor, governor_step
+    from controlplane.replica_http import make_client
     from storage.store import Store
     from tuner.twin import ManualClock, start_twins
 
     mean = float(np.mean([r.prompt_tokens + r.output_tokens for r in trace]))
-    tenants = {**{q: {"commit_tok_s": round(1.2 * mean, 1), "ttft": SLO} for q in QUIET},  # 2× their use
-               "heavy": {"commit_tok_s": round(2.0 * mean, 1), "ttft": SLO}}  # 2× its base use, 1/6 of its burst
-    doc = Settings.model_validate({"policy": "slofq", "engine": {"max_num_seqs": 16}, "params": {
-        "tenants": tenants, "fair_lag_s": 1000.0, "backpressure": False}})
+    tenants = {
+        **{q: {"commit_tok_s": round(1.2 * mean, 1), "ttft": SLO} for q in QUIET},  # 2× their use
+        "heavy": {"commit_tok_s": round(2.0 * mean, 1), "ttft": SLO},
+    }  # 2× its base use, 1/6 of its burst
+    doc = Settings.model_validate(
+        {
+            "policy": "slofq",
+            "engine": {"max_num_seqs": 16},
+            "params": {"tenants": tenants, "fair_lag_s": 1000.0, "backpressure": False},
+        }
+    )
     clock = ManualClock()
-    with start_twins(1, trace, clock=clock, loop=False, token="gov-token", settings=doc) as twins, Store.open(db) as store:
-        spec = ClusterSpec(name="gov", timeout_s=5.0, window_s=10.0, governance=GovernanceSpec.model_validate(
-            {"tenants": tenants, "governor": {"dwell_s": 30.0}}),
-            replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env="TAILPILOT_TOKEN")
-                      for t in twins])
-        store.recordings.ensure_replicas("gov", [(r.name, r.api_url, r.control_url) for r in spec.replicas])
+    with (
+        start_twins(1, trace, clock=clock, loop=False, token="gov-token", settings=doc) as twins,
+        Store.open(db) as store,
+    ):
+        spec = ClusterSpec(
+            name="gov",
+            timeout_s=5.0,
+            window_s=10.0,
+            governance=GovernanceSpec.model_validate(
+                {"tenants": tenants, "governor": {"dwell_s": 30.0}}
+            ),
+            replicas=[
+                ReplicaSpec(
+                    name=t.name,
+                    api_url=t.url,
+                    control_url=t.control_url,
+                    token_env="TAILPILOT_TOKEN",
+                )
+                for t in twins
+            ],
+        )
+        store.recordings.ensure_replicas(
+            "gov", [(r.name, r.api_url, r.control_url) for r in spec.replicas]
+        )
         store.governance.set_governor_control("gov", state=state, who="test")
         collector = Collector(spec, store, clock=clock.now)
         gov = Governor.for_cluster(spec.governance)
@@ -91,12 +127,20 @@ def run(state: str, db: str, trace: tr.Trace) -> tuple[dict[str, tuple[int, floa
             if not items:
                 break
             done += items
-        rows = [r for r in store.settings_log.settings_changes("gov", None, 1000) if r["who"] == "governor"]
+        rows = [
+            r
+            for r in store.settings_log.settings_changes("gov", None, 1000)
+            if r["who"] == "governor"
+        ]
     out = {}
     for tenant in QUIET + ("heavy",):
         mine = [c for c in done if c["tenant"] == tenant]
         ttft = [c["first_token_at"] - c["arrival"] for c in mine]
-        out[tenant] = (len(mine), float(np.percentile(ttft, 99)), sum(c["prompt_tokens"] + c["output_tokens"] for c in mine))
+        out[tenant] = (
+            len(mine),
+            float(np.percentile(ttft, 99)),
+            sum(c["prompt_tokens"] + c["output_tokens"] for c in mine),
+        )
     return out, rows
 
 
@@ -107,9 +151,17 @@ def test_the_governor_protects_the_quiet_tenants_and_throttles_the_heavy_one(tmp
     on, rows = run("armed", str(tmp_path / "on.db"), trace)
     for q in QUIET:
         assert on[q][1] <= off[q][1], (q, on[q], off[q])  # P99 TTFT never worse
-    assert sum(on[q][1] for q in QUIET) < 0.5 * sum(off[q][1] for q in QUIET)  # and much better here
-    assert {t: (n, tok) for t, (n, _, tok) in on.items()} == {t: (n, tok) for t, (n, _, tok) in off.items()}  # all served
-    throttled = [r for r in rows if r["result"] == "applied" and "enters jfi" in (r["message"] or "")]
+    assert sum(on[q][1] for q in QUIET) < 0.5 * sum(
+        off[q][1] for q in QUIET
+    )  # and much better here
+    assert {t: (n, tok) for t, (n, _, tok) in on.items()} == {
+        t: (n, tok) for t, (n, _, tok) in off.items()
+    }  # all served
+    throttled = [
+        r for r in rows if r["result"] == "applied" and "enters jfi" in (r["message"] or "")
+    ]
     assert throttled and all(set(r["new"]["params"]["throttle"]) == {"heavy"} for r in throttled)
     assert all("victims' P99 TTFT" in r["message"] for r in throttled)
-    assert not any(set((r["new"] or {}).get("params", {}).get("throttle") or {}) & set(QUIET) for r in rows)
+    assert not any(
+        set((r["new"] or {}).get("params", {}).get("throttle") or {}) & set(QUIET) for r in rows
+    )

@@ -68,11 +68,14 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     (tmp_path / "storage").mkdir()
     (tmp_path / "storage" / "probe.py").write_text(
         "import json\n\ndef f():\n    from controlplane import settings\n    from . import engine\n"
-        "    import tui.app\n")
+        "    import tui.app\n"
+    )
     found = imports(tmp_path / "storage" / "probe.py", tmp_path)
     assert (4, "controlplane") in found and (5, "storage") in found and (6, "tui.app") in found
-    assert violations("storage", PROJECT, tmp_path) == ["storage/probe.py:4 imports controlplane",
-                                                        "storage/probe.py:6 imports tui.app"]
+    assert violations("storage", PROJECT, tmp_path) == [
+        "storage/probe.py:4 imports controlplane",
+        "storage/probe.py:6 imports tui.app",
+    ]
 
 
 def test_the_plugin_needs_only_the_base_install():
@@ -88,14 +91,41 @@ def test_the_plugin_needs_only_the_base_install():
         "import scheduler.plugin.api, scheduler.plugin.core, scheduler.plugin.env\n"
         "import scheduler.policies.preemption, scheduler.policies.predictors\n"
         "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
-        "print(json.dumps(sorted(m for m in new if m not in sys.stdlib_module_names)))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+        "print(json.dumps(sorted(m for m in new if m not in sys.stdlib_module_names)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     loaded = set(json.loads(out.stdout))
-    base = {"scheduler", "numpy", "scipy", "pydantic", "pydantic_core", "annotated_types",
-            "typing_extensions", "typing_inspection"}
-    operator = {"click", "rich", "sqlalchemy", "alembic", "psycopg", "httpx", "aiohttp", "prometheus_client",
-                "yaml", "textual", "textual_plotext", "optuna", "controlplane", "storage", "tuner", "tui",
-                "sim"}
+    base = {
+        "scheduler",
+        "numpy",
+        "scipy",
+        "pydantic",
+        "pydantic_core",
+        "annotated_types",
+        "typing_extensions",
+        "typing_inspection",
+    }
+    operator = {
+        "click",
+        "rich",
+        "sqlalchemy",
+        "alembic",
+        "psycopg",
+        "httpx",
+        "aiohttp",
+        "prometheus_client",
+        "yaml",
+        "textual",
+        "textual_plotext",
+        "optuna",
+        "controlplane",
+        "storage",
+        "tuner",
+        "tui",
+        "sim",
+    }
     assert not loaded & operator, sorted(loaded & operator)
     extra = {m for m in loaded - base if not m.startswith("_") and m != "cython_runtime"}
     assert extra <= {"charset_normalizer"}, sorted(extra)  # numpy/scipy's optional helpers aside
@@ -111,6 +141,9 @@ def test_nothing_imports_the_cli():
             rel = str(path.relative_to(ROOT))
             if rel in entry_points:
                 continue
-            bad += [f"{rel}:{line} imports {m}" for line, m in imports(path)
-                    if m == "tailpilot" or m.startswith("tailpilot.")]
+            bad += [
+                f"{rel}:{line} imports {m}"
+                for line, m in imports(path)
+                if m == "tailpilot" or m.startswith("tailpilot.")
+            ]
     assert bad == []

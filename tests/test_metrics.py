@@ -46,10 +46,33 @@ QS = [50, 90, 95, 99, 99.9]
 SUFFIX_Q = dict(zip(["p50", "p90", "p95", "p99", "p999"], QS))
 
 
-def make(i, arrival, scheduled, first, finished, out, *, prompt=10, tenant="a", kind="chat",
-         preemptions=0, recomputed=0):
-    return Completion(f"r{i}", tenant, kind, arrival, scheduled, first, finished, prompt, out,
-                      preemptions, recomputed)
+def make(
+    i,
+    arrival,
+    scheduled,
+    first,
+    finished,
+    out,
+    *,
+    prompt=10,
+    tenant="a",
+    kind="chat",
+    preemptions=0,
+    recomputed=0,
+):
+    return Completion(
+        f"r{i}",
+        tenant,
+        kind,
+        arrival,
+        scheduled,
+        first,
+        finished,
+        prompt,
+        out,
+        preemptions,
+        recomputed,
+    )
 
 
 # Three hand-built requests (times in seconds).
@@ -81,9 +104,19 @@ def random_completions(n, seed=0, tenants=("a", "b", "c"), kinds=("chat", "batch
     out = rng.integers(1, 200, n)
     finished = first + (out - 1) * rng.uniform(0.01, 0.05, n)
     return [
-        Completion(f"r{i}", tenants[i % len(tenants)], kinds[i % len(kinds)], float(arrival[i]),
-                   float(scheduled[i]), float(first[i]), float(finished[i]),
-                   int(rng.integers(1, 500)), int(out[i]), int(i % 4 == 0), int(i % 4 == 0) * 5)
+        Completion(
+            f"r{i}",
+            tenants[i % len(tenants)],
+            kinds[i % len(kinds)],
+            float(arrival[i]),
+            float(scheduled[i]),
+            float(first[i]),
+            float(finished[i]),
+            int(rng.integers(1, 500)),
+            int(out[i]),
+            int(i % 4 == 0),
+            int(i % 4 == 0) * 5,
+        )
         for i in range(n)
     ]
 
@@ -164,7 +197,8 @@ def test_summarize_matches_numpy_on_raw_fields():
         np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=base)
         assert s[f"{base}_mean"] == pytest.approx(values.mean(), rel=1e-12)
     assert s["ttlt_p99_p50"] == pytest.approx(
-        np.percentile(raw["ttlt"], 99) / np.percentile(raw["ttlt"], 50), rel=1e-12)
+        np.percentile(raw["ttlt"], 99) / np.percentile(raw["ttlt"], 50), rel=1e-12
+    )
 
 
 def test_summarize_accepts_arrays_and_lists_alike():
@@ -226,8 +260,17 @@ def test_every_summary_key_is_a_known_metric():
     keys = summarize(HAND, slo={base: 1.0 for base in LATENCY_BASES}).keys()
     unknown = [k for k in keys if k not in METRICS]
     assert unknown == []
-    for key in ("ttft_p999", "ttlt_p99", "tbt_mean", "ptl_p50", "queue_p95", "throughput_tok_s",
-                "throughput_req_s", "ttlt_p99_p50", "recomputed_tokens"):
+    for key in (
+        "ttft_p999",
+        "ttlt_p99",
+        "tbt_mean",
+        "ptl_p50",
+        "queue_p95",
+        "throughput_tok_s",
+        "throughput_req_s",
+        "ttlt_p99_p50",
+        "recomputed_tokens",
+    ):
         assert key in keys
 
 
@@ -293,7 +336,8 @@ def test_summarize_by_tenant_uses_the_common_window():
     total = summarize(cs)
     # Same window for every group, so group throughputs add up to the total.
     assert sum(g["throughput_tok_s"] for g in groups.values()) == pytest.approx(
-        total["throughput_tok_s"])
+        total["throughput_tok_s"]
+    )
     assert sum(g["requests"] for g in groups.values()) == total["requests"]
     subset = [c for c in cs if c.tenant == "b"]
     alone = summarize(subset, duration_s=total["duration_s"])
@@ -349,8 +393,9 @@ def test_slo_compliance_ratio_two_tenants_one_violating():
     # One quantile failing is enough (product, not mean): beta meets P50 but not P99.
     assert slo_compliance_ratio(per_tenant, {"ttft_p99": 2.0}) == pytest.approx(1.0)
     # Per-tenant SLO override (seed 003's per-tenant vectors).
-    assert slo_compliance_ratio(per_tenant, slos,
-                                tenant_slos={"beta": {"ttft_p99": 1.5}}) == pytest.approx(1.0)
+    assert slo_compliance_ratio(
+        per_tenant, slos, tenant_slos={"beta": {"ttft_p99": 1.5}}
+    ) == pytest.approx(1.0)
     # Higher-is-better metrics must be >= their limit.
     assert slo_compliance({"x": {"throughput_tok_s": 10.0}}, {"throughput": 20.0}) == {"x": False}
     # No data for a quantile is not compliance.
@@ -364,16 +409,19 @@ def test_shares_and_type_share_ratio():
     got = shares(HAND, key="type")  # output tokens: chat 5+11, batch 1
     assert got == pytest.approx({"chat": 16 / 17, "batch": 1 / 17})
     assert shares(HAND, key="type", weight="requests") == pytest.approx(
-        {"chat": 2 / 3, "batch": 1 / 3})
-    ratios = type_share_ratio({"chat": 0.3, "batch": 0.7},
-                              {"chat": 0.6, "batch": 0.2, "reasoning": 0.2})
+        {"chat": 2 / 3, "batch": 1 / 3}
+    )
+    ratios = type_share_ratio(
+        {"chat": 0.3, "batch": 0.7}, {"chat": 0.6, "batch": 0.2, "reasoning": 0.2}
+    )
     assert ratios == pytest.approx({"chat": 0.5, "batch": 3.5, "reasoning": 0.0})
     assert math.isnan(type_share_ratio({"chat": 1.0}, {"chat": 0.0})["chat"])
 
 
 def test_fairness_summary_end_to_end():
-    f = fairness_summary(HAND, slos={"ttft_p99": 1.99},
-                         guaranteed_shares={"chat": 0.5, "batch": 0.5})
+    f = fairness_summary(
+        HAND, slos={"ttft_p99": 1.99}, guaranteed_shares={"chat": 0.5, "batch": 0.5}
+    )
     # Each tenant got all it asked for (nobody waits): nobody is suppressed, the acted-on JFI is 1
     # (docs/governance.md). The seed's literal index over served / committed (equal weights: each
     # tenant's committed rate is half the served rate) is the one implementation's, reported beside.
@@ -438,8 +486,11 @@ def test_summary_slo_keys():
         summarize(HAND, slo={"latency": 1.0})
 
 
-@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=200),
-       st.floats(0.05, 1.0), st.floats(0.1, 10.0))
+@given(
+    st.lists(st.floats(0.01, 100.0), min_size=1, max_size=200),
+    st.floats(0.05, 1.0),
+    st.floats(0.1, 10.0),
+)
 @settings(max_examples=150, deadline=None)
 def test_tightest_scale_is_the_least_scale_reaching_target(values, target, slo):
     k = tightest_slo_scale(values, slo, target)
@@ -451,9 +502,12 @@ def test_tightest_scale_is_the_least_scale_reaching_target(values, target, slo):
 
 
 latencies = st.lists(
-    st.tuples(st.floats(0.0, 50.0), st.floats(0.0, 50.0), st.floats(0.0, 1e4),
-              st.integers(1, 2000)),
-    min_size=1, max_size=120)
+    st.tuples(
+        st.floats(0.0, 50.0), st.floats(0.0, 50.0), st.floats(0.0, 1e4), st.integers(1, 2000)
+    ),
+    min_size=1,
+    max_size=120,
+)
 
 
 @given(latencies)
@@ -486,8 +540,9 @@ def test_windowed_percentiles_after_wraparound():
     np.testing.assert_array_equal(w.values(), last)
     got = w.percentiles()
     assert list(got) == ["p50", "p90", "p95", "p99"]
-    np.testing.assert_allclose(list(got.values()), np.percentile(last, [50, 90, 95, 99]),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        list(got.values()), np.percentile(last, [50, 90, 95, 99]), rtol=1e-12
+    )
     assert w.percentile(99.9) == pytest.approx(np.percentile(last, 99.9))
 
 
@@ -504,8 +559,7 @@ def test_windowed_before_full_and_invalid_values():
         WindowedPercentiles(0)
 
 
-@given(st.integers(1, 40),
-       st.lists(st.lists(st.floats(-1e6, 1e6), max_size=60), max_size=12))
+@given(st.integers(1, 40), st.lists(st.lists(st.floats(-1e6, 1e6), max_size=60), max_size=12))
 @settings(max_examples=200, deadline=None)
 def test_windowed_extend_matches_last_n(capacity, chunks):
     w = WindowedPercentiles(capacity)
@@ -520,5 +574,6 @@ def test_windowed_extend_matches_last_n(capacity, chunks):
     np.testing.assert_array_equal(w.values(), last)
     if last.size:
         got = w.percentiles((50, 90, 99))
-        np.testing.assert_allclose(list(got.values()), np.percentile(last, [50, 90, 99]),
-                                   rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(
+            list(got.values()), np.percentile(last, [50, 90, 99]), rtol=1e-12, atol=1e-9
+        )

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tailpilot.cli import main
 from scheduler.settings import Settings
+from tailpilot.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -56,13 +56,17 @@ def test_a_length_only_trace_takes_its_arrivals_from_target_rate():
     trace = str(FIXTURES / "sharegpt_lengths_head.csv")
     res = CliRunner().invoke(main, ["sim", "--trace", trace, "--policy", "fcfs"])
     assert res.exit_code == 2 and "--target-rate" in res.output and "rate=" not in res.output
-    res = CliRunner().invoke(main, ["sim", "--trace", trace, "--policy", "fcfs", "--target-rate", "2", "--json"])
+    res = CliRunner().invoke(
+        main, ["sim", "--trace", trace, "--policy", "fcfs", "--target-rate", "2", "--json"]
+    )
     assert res.exit_code == 0, res.output
 
 
 def test_a_length_distribution_says_how_to_use_it_instead_of_asking_for_a_rate_again():
     pmf = str(FIXTURES / "servegen_r1_pmf_small.csv")
-    res = CliRunner().invoke(main, ["sim", "--trace", pmf, "--policy", "fcfs", "--target-rate", "2"])
+    res = CliRunner().invoke(
+        main, ["sim", "--trace", pmf, "--policy", "fcfs", "--target-rate", "2"]
+    )
     assert res.exit_code == 2 and "a length distribution" in res.output and "--mix" in res.output
 
 
@@ -79,7 +83,10 @@ def test_compare_says_when_it_adds_the_baseline():
 def test_twins_can_start_side_by_side_on_different_policies():
     from tuner.twin import start_twins
 
-    docs = [Settings.model_validate({"policy": "sarathi"}), Settings.model_validate({"policy": "uniboost"})]
+    docs = [
+        Settings.model_validate({"policy": "sarathi"}),
+        Settings.model_validate({"policy": "uniboost"}),
+    ]
     with start_twins(3, speed=50, settings=docs) as cluster:
         policies = [r.core.settings.policy for r in cluster.replicas]
     assert policies == ["sarathi", "uniboost", "sarathi"]
@@ -88,6 +95,8 @@ def test_twins_can_start_side_by_side_on_different_policies():
 def test_the_demo_starts_side_by_side_by_default():
     from tailpilot.cli_cluster import DEMO_POLICIES
 
-    assert [d["policy"] for d in DEMO_POLICIES][0] == "sarathi" and len({d["policy"] for d in DEMO_POLICIES}) >= 3
+    assert [d["policy"] for d in DEMO_POLICIES][0] == "sarathi" and len(
+        {d["policy"] for d in DEMO_POLICIES}
+    ) >= 3
     for d in DEMO_POLICIES:  # what a live replica accepts (no oracle predictor)
         Settings.model_validate(d)

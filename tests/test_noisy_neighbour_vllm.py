@@ -29,8 +29,16 @@ def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("noisy")
     # The engine inside the API server process (as the one-seat e2e server): on 2 cores a separate
     # EngineCore starves the API server, which then feeds the burst in no faster than it is served.
-    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=8 * 1024, max_num_seqs=SEATS,
-                 name="noisy", batched_tokens=256, extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as s:
+    with _server(
+        tiny_model_dir,
+        tmp,
+        settings={"policy": "fcfs"},
+        kv_tokens=8 * 1024,
+        max_num_seqs=SEATS,
+        name="noisy",
+        batched_tokens=256,
+        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    ) as s:
         yield s
 
 
@@ -38,8 +46,11 @@ def unloaded_ttft(server) -> float:
     """Median engine-side TTFT of a few requests sent one at a time."""
     cursor = control(server).json()["next_cursor"]
     for _ in range(5):
-        run_completions(server.base_url, [CompletionRequest(prompt=[11] * 48, max_tokens=8, tenant="probe")],
-                        model=server.served_model_name)
+        run_completions(
+            server.base_url,
+            [CompletionRequest(prompt=[11] * 48, max_tokens=8, tenant="probe")],
+            model=server.served_model_name,
+        )
     done = read_all_completions(server, cursor)[0]
     return statistics.median(c["first_token_at"] - c["arrival"] for c in done)
 
@@ -48,8 +59,15 @@ def one_round(server, tag: str, gap_s: float) -> tuple[list[dict], list[dict]]:
     """The noisy burst and, alongside it, each quiet tenant one request every ``gap_s``; returns
     (the completions, the /state documents polled during the round)."""
     cursor = control(server).json()["next_cursor"]
-    noisy = [CompletionRequest(prompt=[23] * 64, max_tokens=96, tenant="noisy") for _ in range(NOISY_BURST)]
-    quiet = [CompletionRequest(prompt=[31] * 48, max_tokens=16, tenant=t) for _ in range(8) for t in QUIET]
+    noisy = [
+        CompletionRequest(prompt=[23] * 64, max_tokens=96, tenant="noisy")
+        for _ in range(NOISY_BURST)
+    ]
+    quiet = [
+        CompletionRequest(prompt=[31] * 48, max_tokens=16, tenant=t)
+        for _ in range(8)
+        for t in QUIET
+    ]
     results: dict[str, list] = {}
     states: list[dict] = []
     stop = threading.Event()
@@ -63,7 +81,11 @@ def one_round(server, tag: str, gap_s: float) -> tuple[list[dict], list[dict]]:
         most = 0
         while True:  # (at most 10 reads/s: the control API answers a faster reader with 429)
             answer = control(server)
-            seen = (answer.json().get("waiting_by_tenant") or {}).get("noisy", 0) if answer.status_code == 200 else 0
+            seen = (
+                (answer.json().get("waiting_by_tenant") or {}).get("noisy", 0)
+                if answer.status_code == 200
+                else 0
+            )
             most = max(most, seen)
             if seen >= 2 * SEATS:
                 break
@@ -71,7 +93,9 @@ def one_round(server, tag: str, gap_s: float) -> tuple[list[dict], list[dict]]:
             time.sleep(0.1)
         out = []
         for i in range(0, len(quiet), len(QUIET)):
-            out += run_completions(server.base_url, quiet[i:i + len(QUIET)], model=server.served_model_name)
+            out += run_completions(
+                server.base_url, quiet[i : i + len(QUIET)], model=server.served_model_name
+            )
             stop.wait(gap_s)
         results["quiet"] = out
 
@@ -109,26 +133,48 @@ def test_the_quiet_tenants_keep_their_tail_and_the_noisy_one_is_throttled(server
     fcfs_done, _ = one_round(server, "fcfs", gap_s=5 * t0)
     target = max(10 * t0, 0.05)
     slo = {"p50": target / 4, "p90": target / 2, "p99": target}
-    doc = {"policy": "slofq", "params": {
-        "tenants": {t: {"commit_tok_s": 200.0, "ttft": slo} for t in (*QUIET, "noisy")},
-        "slo_window_s": 5.0, "protection_window_s": 5.0}}
+    doc = {
+        "policy": "slofq",
+        "params": {
+            "tenants": {t: {"commit_tok_s": 200.0, "ttft": slo} for t in (*QUIET, "noisy")},
+            "slo_window_s": 5.0,
+            "protection_window_s": 5.0,
+        },
+    }
     answer = put_settings(server, doc)
     assert answer.status_code == 200, answer.text
     slofq_done, states = one_round(server, "slofq", gap_s=5 * t0)
 
-    throttled = [s["live"]["tenants"]["noisy"] for s in states
-                 if s.get("policy") == "slofq" and s["live"].get("tenants", {}).get("noisy", {}).get("throttled")]
+    throttled = [
+        s["live"]["tenants"]["noisy"]
+        for s in states
+        if s.get("policy") == "slofq"
+        and s["live"].get("tenants", {}).get("noisy", {}).get("throttled")
+    ]
     assert throttled, "the noisy tenant's bucket never showed in /state"
     assert any(t["retry_after_s"] > 0 for t in throttled)
-    assert not any(s["live"].get("tenants", {}).get(q, {}).get("throttled") for s in states for q in QUIET)
-    print(f"unloaded TTFT {t0 * 1000:.1f} ms; quiet P99 TTFT fcfs {quiet_p99(fcfs_done) * 1000:.1f} ms, "
-          f"slofq {quiet_p99(slofq_done) * 1000:.1f} ms; noisy throttled in {len(throttled)} of {len(states)} polls")
+    assert not any(
+        s["live"].get("tenants", {}).get(q, {}).get("throttled") for s in states for q in QUIET
+    )
+    print(
+        f"unloaded TTFT {t0 * 1000:.1f} ms; quiet P99 TTFT fcfs {quiet_p99(fcfs_done) * 1000:.1f} ms, "
+        f"slofq {quiet_p99(slofq_done) * 1000:.1f} ms; noisy throttled in {len(throttled)} of {len(states)} polls"
+    )
     # The quiet tenants' tail under slofq, against the same traffic under fcfs on this machine.
-    assert quiet_p99(slofq_done) < 0.5 * quiet_p99(fcfs_done), (quiet_p99(slofq_done), quiet_p99(fcfs_done))
-    noisy_ttft = statistics.median(c["first_token_at"] - c["arrival"] for c in slofq_done if c["tenant"] == "noisy")
-    quiet_ttft = statistics.median(c["first_token_at"] - c["arrival"] for c in slofq_done if c["tenant"] in QUIET)
+    assert quiet_p99(slofq_done) < 0.5 * quiet_p99(fcfs_done), (
+        quiet_p99(slofq_done),
+        quiet_p99(fcfs_done),
+    )
+    noisy_ttft = statistics.median(
+        c["first_token_at"] - c["arrival"] for c in slofq_done if c["tenant"] == "noisy"
+    )
+    quiet_ttft = statistics.median(
+        c["first_token_at"] - c["arrival"] for c in slofq_done if c["tenant"] in QUIET
+    )
     assert noisy_ttft > quiet_ttft
-    httpx.get(server.base_url + "/health", timeout=10, trust_env=False).raise_for_status()  # the engine is fine
+    httpx.get(
+        server.base_url + "/health", timeout=10, trust_env=False
+    ).raise_for_status()  # the engine is fine
 
 
 def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
@@ -138,16 +184,32 @@ def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
     requests are exact and the engine serves the next request as usual."""
     import asyncio
 
-    doc = {"policy": "slofq", "params": {"backpressure": False, "tenants": {"noisy": {"queue_cap": 2}}}}
+    doc = {
+        "policy": "slofq",
+        "params": {"backpressure": False, "tenants": {"noisy": {"queue_cap": 2}}},
+    }
     assert put_settings(server, doc).status_code == 200
     cursor = control(server).json()["next_cursor"]
-    body = {"model": server.served_model_name, "prompt": [23] * 64, "max_tokens": 48, "ignore_eos": True,
-            "vllm_xargs": {"tenant": "noisy"}}
+    body = {
+        "model": server.served_model_name,
+        "prompt": [23] * 64,
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "vllm_xargs": {"tenant": "noisy"},
+    }
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300, trust_env=False,
-                                     limits=httpx.Limits(max_connections=32)) as client:
-            return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24))))
+        async with httpx.AsyncClient(
+            base_url=server.base_url,
+            timeout=300,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=32),
+        ) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(24))
+                )
+            )
 
     answers = asyncio.run(burst())
     ok = [a for a in answers if a.status_code == 200]
@@ -157,10 +219,15 @@ def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
     assert {a.status_code for a in refused} == {500}  # vLLM's answer to a request it ends in error
     done = read_all_completions(server, cursor)[0]
     rejected = [c for c in done if c["reason"] == "rejected"]
-    assert len(rejected) == len(refused) and all(c["tenant"] == "noisy" and c["output_tokens"] == 0 for c in rejected)
+    assert len(rejected) == len(refused) and all(
+        c["tenant"] == "noisy" and c["output_tokens"] == 0 for c in rejected
+    )
     assert len([c for c in done if c["reason"] == "finished"]) == len(ok)
     live = control(server).json()["live"]["tenants"]["noisy"]
     assert live["queue_cap"] == 2 and live["refused"] >= len(refused)
     print(f"queue cap 2 on 4 seats: {len(ok)} of 24 served, {len(refused)} refused")
-    run_completions(server.base_url, [CompletionRequest(prompt=[11] * 16, max_tokens=4, tenant="noisy")],
-                    model=server.served_model_name)  # the engine goes on
+    run_completions(
+        server.base_url,
+        [CompletionRequest(prompt=[11] * 16, max_tokens=4, tenant="noisy")],
+        model=server.served_model_name,
+    )  # the engine goes on

@@ -29,13 +29,22 @@ from sim.traces import TraceRequest
 
 
 def req(i, output_tokens, max_tokens=10**6):
-    return SimpleNamespace(id=f"r{i}", tenant="default", type="chat", prompt_tokens=100,
-                           max_tokens=max_tokens, output_tokens=output_tokens, generated=0)
+    return SimpleNamespace(
+        id=f"r{i}",
+        tenant="default",
+        type="chat",
+        prompt_tokens=100,
+        max_tokens=max_tokens,
+        output_tokens=output_tokens,
+        generated=0,
+    )
 
 
 def true_lengths(n, seed=0):
     """Integer true lengths spread log-uniformly over 5 .. 5000 tokens."""
-    return np.round(np.exp(np.random.default_rng(seed).uniform(math.log(5), math.log(5000), n))).astype(int)
+    return np.round(
+        np.exp(np.random.default_rng(seed).uniform(math.log(5), math.log(5000), n))
+    ).astype(int)
 
 
 def predictions(p, rs):
@@ -109,7 +118,9 @@ def test_predictions_depend_on_seed_and_id_only_not_call_order():
     mu1, s1 = a.predict_dist(req(0, rs[0].output_tokens * 4))
     assert s1 == s0 and mu1 - mu0 == pytest.approx(math.log(4), abs=1e-12)
     # another seed: other draws for every request
-    other = [OraclePredictor(sigma_noise=0.8, sigma_spread=0.6, seed=10).predict_dist(r) for r in rs]
+    other = [
+        OraclePredictor(sigma_noise=0.8, sigma_spread=0.6, seed=10).predict_dist(r) for r in rs
+    ]
     assert all(x[0] != y[0] and x[1] != y[1] for x, y in zip(forward, other))
     assert len({s for _, s in forward}) == len(rs)  # different ids, different sigma
 
@@ -123,11 +134,19 @@ def test_predictions_are_the_same_in_another_process():
         " for i in range(20)]))\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     p = OraclePredictor(sigma_noise=0.8, sigma_spread=0.6, seed=4)
-    here = [list(p.predict_dist(SimpleNamespace(id=f"x{i}", output_tokens=100 + i, max_tokens=10**6)))
-            for i in range(20)]
+    here = [
+        list(p.predict_dist(SimpleNamespace(id=f"x{i}", output_tokens=100 + i, max_tokens=10**6)))
+        for i in range(20)
+    ]
     assert json.loads(out.stdout) == here
 
 
@@ -135,13 +154,21 @@ def test_predictions_are_the_same_in_another_process():
 
 
 def tie_settings(beta, **params):
-    return Settings.model_validate({"policy": "tie", "pinned": ["beta"], "params": {
-        "predictor": "oracle", "beta": beta, "decay": 1.0, **params}})
+    return Settings.model_validate(
+        {
+            "policy": "tie",
+            "pinned": ["beta"],
+            "params": {"predictor": "oracle", "beta": beta, "decay": 1.0, **params},
+        }
+    )
 
 
 def test_tie_cvar_reorders_two_requests_with_the_same_mean():
     params = {"sigma_noise": 0.8, "sigma_spread": 0.6}
-    greedy, cautious = make_policy(tie_settings(0.0, **params)), make_policy(tie_settings(0.5, **params))
+    greedy, cautious = (
+        make_policy(tie_settings(0.0, **params)),
+        make_policy(tie_settings(0.5, **params)),
+    )
     oracle = greedy.predictor
     assert isinstance(oracle, OraclePredictor) and oracle.sigma_spread == 0.6
     max_tokens, alpha, nu = 4096, greedy.params.alpha, greedy.params.nu
@@ -151,7 +178,9 @@ def test_tie_cvar_reorders_two_requests_with_the_same_mean():
     assert sig[wide_id] > 3 * sig[narrow_id]
 
     def state(rid, out):
-        return RequestState(id=rid, arrival=0.0, prompt_tokens=10, max_tokens=max_tokens, output_tokens=out)
+        return RequestState(
+            id=rid, arrival=0.0, prompt_tokens=10, max_tokens=max_tokens, output_tokens=out
+        )
 
     def moments(rid, out):
         mu, sigma = oracle.predict_dist(state(rid, out))
@@ -161,8 +190,11 @@ def test_tie_cvar_reorders_two_requests_with_the_same_mean():
     e_wide, cvar_wide = moments(wide_id, wide_out)
     # The narrow request's true length such that its E[X~] equals the wide one's (then rounded up
     # to whole tokens: E a hair above, so β = 0 puts the wide one first).
-    x = math.exp(optimize.brentq(lambda lx: moments(narrow_id, math.exp(lx))[0] - e_wide, 0.0,
-                                         math.log(max_tokens)))
+    x = math.exp(
+        optimize.brentq(
+            lambda lx: moments(narrow_id, math.exp(lx))[0] - e_wide, 0.0, math.log(max_tokens)
+        )
+    )
     narrow_out = math.ceil(x)
     e_narrow, cvar_narrow = moments(narrow_id, narrow_out)
     assert e_wide < e_narrow and e_wide == pytest.approx(e_narrow, rel=5e-3)
@@ -177,15 +209,26 @@ def test_tie_cvar_reorders_two_requests_with_the_same_mean():
 
 
 # One second per step whatever the batch; a small batch so a queue forms and its order matters.
-UNIT = EngineConfig(num_gpu_blocks=10_000, block_size=16,
-                    step_model=StepTimeModel(a=1.0, b=0.0, c=0.0, d=0.0, e=0.0, name="unit", source="test"))
+UNIT = EngineConfig(
+    num_gpu_blocks=10_000,
+    block_size=16,
+    step_model=StepTimeModel(a=1.0, b=0.0, c=0.0, d=0.0, e=0.0, name="unit", source="test"),
+)
 
 
 def synthetic_trace(n=200):
     rng = np.random.default_rng(17)
     out = np.clip(np.round(np.exp(rng.normal(3.5, 1.0, n))), 1, 1000).astype(int)
-    return [TraceRequest(id=f"q{i:03d}", arrival=0.2 * i, prompt_tokens=int(rng.integers(10, 200)),
-                         output_tokens=int(o), max_tokens=1024) for i, o in enumerate(out)]
+    return [
+        TraceRequest(
+            id=f"q{i:03d}",
+            arrival=0.2 * i,
+            prompt_tokens=int(rng.integers(10, 200)),
+            output_tokens=int(o),
+            max_tokens=1024,
+        )
+        for i, o in enumerate(out)
+    ]
 
 
 def completion_order(beta, **params):

@@ -9,7 +9,14 @@ import time
 
 import httpx
 import pytest
-from vllm_support import CompletionRequest, VllmServer, fetch_metrics, free_port, kv_bytes_for_tokens, run_completions
+from vllm_support import (
+    CompletionRequest,
+    VllmServer,
+    fetch_metrics,
+    free_port,
+    kv_bytes_for_tokens,
+    run_completions,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +24,43 @@ TOKEN = "test-token-not-a-secret"
 PLUGIN = "scheduler.plugin.vllm.TailpilotScheduler"
 
 
-def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs: int, name: str,
-            max_model_len: int = 1024, batched_tokens: int = 512, extra_env: dict | None = None):
+def _server(
+    model_dir,
+    tmp_path,
+    *,
+    settings: dict,
+    kv_tokens: int,
+    max_num_seqs: int,
+    name: str,
+    max_model_len: int = 1024,
+    batched_tokens: int = 512,
+    extra_env: dict | None = None,
+):
     settings_file = tmp_path / f"{name}-settings.json"
     settings_file.write_text(json.dumps(settings))
     api_port = free_port()
     server = VllmServer(
-        model_dir, kv_cache_bytes=kv_bytes_for_tokens(kv_tokens), max_model_len=max_model_len, workdir=tmp_path / name,
-        extra_args=["--scheduler-cls", PLUGIN, "--max-num-seqs", str(max_num_seqs),
-                    "--max-num-batched-tokens", str(batched_tokens), "--no-enable-prefix-caching"],
-        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_TOKEN": TOKEN, "TAILPILOT_REPLICA": name, **(extra_env or {})})
+        model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(kv_tokens),
+        max_model_len=max_model_len,
+        workdir=tmp_path / name,
+        extra_args=[
+            "--scheduler-cls",
+            PLUGIN,
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--max-num-batched-tokens",
+            str(batched_tokens),
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_TOKEN": TOKEN,
+            "TAILPILOT_REPLICA": name,
+            **(extra_env or {}),
+        },
+    )
     server.control = f"http://127.0.0.1:{api_port}/tailpilot/v1"
     return server
 
@@ -36,8 +69,14 @@ def _server(model_dir, tmp_path, *, settings: dict, kv_tokens: int, max_num_seqs
 def busy_server(tiny_model_dir, tmp_path_factory):
     """A replica with a small KV cache, so that preemptions happen."""
     tmp = tmp_path_factory.mktemp("busy")
-    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=2048, max_num_seqs=16,
-                 name="busy") as server:
+    with _server(
+        tiny_model_dir,
+        tmp,
+        settings={"policy": "fcfs"},
+        kv_tokens=2048,
+        max_num_seqs=16,
+        name="busy",
+    ) as server:
         yield server
 
 
@@ -67,10 +106,15 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     tenants = ["acme", "globex", "initech"]
 
     def batch(n):
-        return [CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 40, 120, 300]))],
-                                  max_tokens=rng.choice([16, 64, 128, 256]), tenant=tenants[i % 3],
-                                  type=rng.choice(["chat", "completion", "reasoning"]))
-                for i in range(n)]
+        return [
+            CompletionRequest(
+                prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 40, 120, 300]))],
+                max_tokens=rng.choice([16, 64, 128, 256]),
+                tenant=tenants[i % 3],
+                type=rng.choice(["chat", "completion", "reasoning"]),
+            )
+            for i in range(n)
+        ]
 
     # Load keeps arriving in batches until every switch has been applied, so each switch lands
     # while requests are in flight however fast or slow this machine is.
@@ -87,9 +131,11 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     version0 = control(busy_server, path="/settings").json()["version"]
     thread = threading.Thread(target=sender)
     thread.start()
-    switches = [{"policy": "uniboost", "params": {"gamma": 5.0}},
-                {"policy": "tie"},
-                {"policy": "vtc", "params": {"weights": {"acme": 2.0}}}]
+    switches = [
+        {"policy": "uniboost", "params": {"gamma": 5.0}},
+        {"policy": "tie"},
+        {"policy": "vtc", "params": {"weights": {"acme": 2.0}}},
+    ]
     applied = []
     try:
         for doc in switches:
@@ -119,8 +165,9 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     completions, state = read_all_completions(busy_server)
     ids = [c["id"] for c in completions]
     assert len(ids) == len(set(ids)) == len(requests)
-    assert sorted((c["tenant"], c["output_tokens"]) for c in completions) == \
-        sorted((r.tenant, r.max_tokens) for r in requests)
+    assert sorted((c["tenant"], c["output_tokens"]) for c in completions) == sorted(
+        (r.tenant, r.max_tokens) for r in requests
+    )
     for c in completions:  # the API server takes arrival, then the engine core receives it
         assert c["arrival"] <= c["received_at"] <= c["first_token_at"] <= c["finished_at"]
 
@@ -139,14 +186,17 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     assert sum(s["prefill_tokens"] for s in steps) > 0 and sum(s["decode_seqs"] for s in steps) > 0
 
 
-@pytest.mark.parametrize("doc, status, words", [
-    ({"policy": "nope"}, 400, "policy"),
-    ({"policy": "uniboost", "params": {"gamma": 0}}, 400, "params.gamma"),
-    ({"policy": "uniboost", "params": {"gamma": -2}}, 400, "params.gamma"),
-    ({"policy": "uniboost", "params": {"gamma": 3}, "colour": "red"}, 400, "colour"),
-    ({"policy": "uniboost", "params": {"gama": 3}}, 400, "params.gama"),
-    ({"policy": "srpt", "params": {"predictor": "oracle"}}, 400, "oracle"),
-])
+@pytest.mark.parametrize(
+    "doc, status, words",
+    [
+        ({"policy": "nope"}, 400, "policy"),
+        ({"policy": "uniboost", "params": {"gamma": 0}}, 400, "params.gamma"),
+        ({"policy": "uniboost", "params": {"gamma": -2}}, 400, "params.gamma"),
+        ({"policy": "uniboost", "params": {"gamma": 3}, "colour": "red"}, 400, "colour"),
+        ({"policy": "uniboost", "params": {"gama": 3}}, 400, "params.gama"),
+        ({"policy": "srpt", "params": {"predictor": "oracle"}}, 400, "oracle"),
+    ],
+)
 def test_bad_settings_are_refused_and_nothing_changes(busy_server, doc, status, words):
     before = control(busy_server, path="/settings").json()
     answer = put_settings(busy_server, doc)
@@ -162,7 +212,9 @@ def test_auth_and_stale_if_match(busy_server):
     assert stale.status_code == 409 and str(before["version"]) in stale.json()["error"]
     assert control(busy_server, path="/settings").json() == before
     # The engine keeps serving after all of that.
-    [res] = run_completions(busy_server.base_url, [CompletionRequest(prompt="still alive?", max_tokens=5)])
+    [res] = run_completions(
+        busy_server.base_url, [CompletionRequest(prompt="still alive?", max_tokens=5)]
+    )
     assert res.completion_tokens == 5
 
 
@@ -172,8 +224,15 @@ def one_slot_server(tiny_model_dir, tmp_path_factory):
     the API server process (no EngineCore process): on 2 cores a separate EngineCore spins both
     cores and starves the API server, which then holds back requests sent during a generation."""
     tmp = tmp_path_factory.mktemp("slot")
-    with _server(tiny_model_dir, tmp, settings={"policy": "fcfs"}, kv_tokens=64 * 1024, max_num_seqs=1,
-                 name="slot", extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as server:
+    with _server(
+        tiny_model_dir,
+        tmp,
+        settings={"policy": "fcfs"},
+        kv_tokens=64 * 1024,
+        max_num_seqs=1,
+        name="slot",
+        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    ) as server:
         yield server
 
 
@@ -186,19 +245,27 @@ def _long_then_short(server) -> dict[str, float]:
         _, state = read_all_completions(server)
         cursor = state["next_cursor"]
         long_req = CompletionRequest(prompt=[11] * 20, max_tokens=1000, tenant="long")
-        t = threading.Thread(target=run_completions, args=(server.base_url, [long_req]),
-                             kwargs={"model": server.served_model_name})
+        t = threading.Thread(
+            target=run_completions,
+            args=(server.base_url, [long_req]),
+            kwargs={"model": server.served_model_name},
+        )
         t.start()
         deadline = time.time() + 30
         while control(server).json()["running"] < 1 and time.time() < deadline:
             time.sleep(0.005)
-        shorts = [CompletionRequest(prompt=[17] * 8, max_tokens=4, tenant=f"short{i}") for i in range(3)]
+        shorts = [
+            CompletionRequest(prompt=[17] * 8, max_tokens=4, tenant=f"short{i}") for i in range(3)
+        ]
         run_completions(server.base_url, shorts, model=server.served_model_name)
         t.join(timeout=300)
         by = {c["tenant"]: c for c in read_all_completions(server, cursor)[0]}
         assert len(by) == 4, by
         long_c = by["long"]
-        if all(long_c["scheduled_at"] < by[f"short{i}"]["arrival"] < long_c["finished_at"] for i in range(3)):
+        if all(
+            long_c["scheduled_at"] < by[f"short{i}"]["arrival"] < long_c["finished_at"]
+            for i in range(3)
+        ):
             return {k: c["finished_at"] for k, c in by.items()}
     raise AssertionError(f"the short requests never arrived while the long one was running: {by}")
 
@@ -208,15 +275,35 @@ def test_small_gamma_lets_short_requests_overtake_a_long_one(one_slot_server):
     assert all(fcfs["long"] < fcfs[f"short{i}"] for i in range(3))
 
     # The one seat is always full: policy preemption must be allowed at any utilisation.
-    answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
-        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001,
-        "preempt_max_utilisation": None}})
+    answer = put_settings(
+        one_slot_server,
+        {
+            "policy": "uniboost",
+            "params": {
+                "gamma": 0.01,
+                "memguard": False,
+                "gamma_ada": False,
+                "alpha_s_per_token": 0.001,
+                "preempt_max_utilisation": None,
+            },
+        },
+    )
     assert answer.status_code == 200, answer.text
     boosted = _long_then_short(one_slot_server)
     assert all(boosted[f"short{i}"] < boosted["long"] for i in range(3))
     # With seed 003's gate (the default 0.8) a full batch is not preempted: the long one finishes first.
-    answer = put_settings(one_slot_server, {"policy": "uniboost", "params": {
-        "gamma": 0.01, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001}})
+    answer = put_settings(
+        one_slot_server,
+        {
+            "policy": "uniboost",
+            "params": {
+                "gamma": 0.01,
+                "memguard": False,
+                "gamma_ada": False,
+                "alpha_s_per_token": 0.001,
+            },
+        },
+    )
     assert answer.status_code == 200, answer.text
     gated = _long_then_short(one_slot_server)
     assert all(gated["long"] < gated[f"short{i}"] for i in range(3))

@@ -16,18 +16,25 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, minimal_model_dir  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, minimal_model_dir
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 
-from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # noqa: E402
+from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 
 FCFS = {"policy": "fcfs"}
 # γ small: ordering by size dominates arrival (b_γ of 10 vs 1000 tokens differ by ~4600 s).
 # Policy preemption whatever the batch's utilisation (these scripts fill one or two seats).
-UNIBOOST = {"policy": "uniboost",
-            "params": {"gamma": 0.001, "memguard": False, "gamma_ada": False, "alpha_s_per_token": 0.001,
-                       "preempt_max_utilisation": None}}
+UNIBOOST = {
+    "policy": "uniboost",
+    "params": {
+        "gamma": 0.001,
+        "memguard": False,
+        "gamma_ada": False,
+        "alpha_s_per_token": 0.001,
+        "preempt_max_utilisation": None,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,9 @@ def req(clock: Clock, rid: str, prompt: int, max_tokens: int, offset: float, **k
     return make_request(rid, prompt, max_tokens, arrival=clock(offset), **kw)
 
 
-def assert_all_finished(driver: Driver, *, completions_cursor: int = 0, rejected: set[str] = frozenset()) -> None:
+def assert_all_finished(
+    driver: Driver, *, completions_cursor: int = 0, rejected: set[str] = frozenset()
+) -> None:
     """Every request added got exactly max_tokens tokens, finished once (reason 'length'), the
     scheduler is empty, and — for the plugin — each appears once in the completions log with the
     right output length and no tracked state is left behind (``rejected``: ids also logged, as
@@ -124,27 +133,38 @@ def _fcfs_workload(clock: Clock) -> dict[int, list]:
 
 
 @pytest.mark.parametrize("lpt", [0, 48])
-@pytest.mark.parametrize("stock_cls,plugin_cls", [(Scheduler, TailpilotScheduler),
-                                                  (AsyncScheduler, TailpilotAsyncScheduler)],
-                         ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "stock_cls,plugin_cls",
+    [(Scheduler, TailpilotScheduler), (AsyncScheduler, TailpilotAsyncScheduler)],
+    ids=["sync", "async"],
+)
 def test_fcfs_matches_stock_step_by_step(build, stock_cls, plugin_cls, lpt):
     clock = Clock()
     script = _fcfs_workload(clock)
     pipelined = issubclass(stock_cls, AsyncScheduler)
     runs = {}
     for name, cls, settings in [("stock", stock_cls, None), ("fcfs", plugin_cls, FCFS)]:
-        s = build(cls, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=96, settings=settings,
-                  long_prefill_token_threshold=lpt)
+        s = build(
+            cls,
+            num_blocks=30,
+            max_num_seqs=6,
+            max_num_batched_tokens=96,
+            settings=settings,
+            long_prefill_token_threshold=lpt,
+        )
         d = Driver(s, pipelined=pipelined)
         arrivals = {k: [req(clock, *spec) for spec in specs] for k, specs in script.items()}
         d.run(arrivals=arrivals)
         assert_all_finished(d)
         runs[name] = d
     stock, fcfs = runs["stock"], runs["fcfs"]
-    assert sum(len(r.preempted) for r in stock.history) >= 2, "the workload must hit memory pressure"
+    assert sum(len(r.preempted) for r in stock.history) >= 2, (
+        "the workload must hit memory pressure"
+    )
     assert stock.first_admitted == fcfs.first_admitted
-    assert [(r.scheduled, r.admitted, r.preempted) for r in stock.history] == \
-        [(r.scheduled, r.admitted, r.preempted) for r in fcfs.history]
+    assert [(r.scheduled, r.admitted, r.preempted) for r in stock.history] == [
+        (r.scheduled, r.admitted, r.preempted) for r in fcfs.history
+    ]
     assert fcfs.scheduler.tp_core.preemptions_total == sum(len(r.preempted) for r in stock.history)
 
 
@@ -171,8 +191,10 @@ def test_default_settings_are_sarathi_and_match_stock(build):
 
 def _admission_script(clock: Clock) -> dict[int, list]:
     # X holds the only seat; A (long), B, C (short) arrive while it runs, in that order.
-    return {0: [req(clock, "X", 4, 3, 0.0)],
-            1: [req(clock, "A", 256, 2, 1.0), req(clock, "B", 16, 2, 2.0), req(clock, "C", 16, 2, 3.0)]}
+    return {
+        0: [req(clock, "X", 4, 3, 0.0)],
+        1: [req(clock, "A", 256, 2, 1.0), req(clock, "B", 16, 2, 2.0), req(clock, "C", 16, 2, 3.0)],
+    }
 
 
 def test_admission_order_fcfs_is_arrival_order(build):
@@ -212,14 +234,22 @@ UNIBOOST_SCORE_VICTIM = {**UNIBOOST, "params": {**UNIBOOST["params"], "kv_victim
 VICTIM_SCRIPT = [("R0", 64, 6, 0.0), ("R1", 16, 6, 1.0), ("R2", 32, 6, 2.0), ("R3", 8, 6, 3.0)]
 
 
-@pytest.mark.parametrize("cls,settings,victim", [
-    (Scheduler, None, "R3"),  # stock: the last admitted
-    (TailpilotScheduler, FCFS, "R3"),  # fcfs: the latest arrival
-    (TailpilotScheduler, UNIBOOST, "R3"),  # uniboost (kv_victim newest): the latest arrival, as stage 1
-    # kv_victim score: the worst score, i.e. the most work (largest prompt) at a small γ
-    (TailpilotScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
-    (TailpilotAsyncScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
-], ids=["stock", "fcfs", "uniboost", "uniboost-score", "uniboost-score-async"])
+@pytest.mark.parametrize(
+    "cls,settings,victim",
+    [
+        (Scheduler, None, "R3"),  # stock: the last admitted
+        (TailpilotScheduler, FCFS, "R3"),  # fcfs: the latest arrival
+        (
+            TailpilotScheduler,
+            UNIBOOST,
+            "R3",
+        ),  # uniboost (kv_victim newest): the latest arrival, as stage 1
+        # kv_victim score: the worst score, i.e. the most work (largest prompt) at a small γ
+        (TailpilotScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
+        (TailpilotAsyncScheduler, UNIBOOST_SCORE_VICTIM, "R0"),
+    ],
+    ids=["stock", "fcfs", "uniboost", "uniboost-score", "uniboost-score-async"],
+)
 def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
     clock = Clock()
     s = build(cls, num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
@@ -236,8 +266,12 @@ def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
         core = s.tp_core
         assert core.preemptions_total == 1
         state = core.states[victim]
-        assert state.status == "waiting" and state.preemptions == 1 and state.policy_preemptions == 0
-        assert state.recomputed_tokens == VICTIM_SCRIPT[[v[0] for v in VICTIM_SCRIPT].index(victim)][1]
+        assert (
+            state.status == "waiting" and state.preemptions == 1 and state.policy_preemptions == 0
+        )
+        assert (
+            state.recomputed_tokens == VICTIM_SCRIPT[[v[0] for v in VICTIM_SCRIPT].index(victim)][1]
+        )
         assert [r.request_id for r in s.waiting] == [victim]
     d.run()
     assert_all_finished(d)
@@ -246,8 +280,11 @@ def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
         assert c["preemptions"] == 1
 
 
-@pytest.mark.parametrize("settings,victim", [(FCFS, "C"), (UNIBOOST_SCORE_VICTIM, "A"), (UNIBOOST, "C")],
-                         ids=["fcfs", "uniboost-score", "uniboost"])
+@pytest.mark.parametrize(
+    "settings,victim",
+    [(FCFS, "C"), (UNIBOOST_SCORE_VICTIM, "A"), (UNIBOOST, "C")],
+    ids=["fcfs", "uniboost-score", "uniboost"],
+)
 def test_memory_pressure_victim_by_attained_work(build, settings, victim):
     """Equal prompts: under kv_victim "score" uniboost's worst is the request with the most
     attained work (A, which has been decoding longest); fcfs's and, by default, uniboost's is the
@@ -275,7 +312,9 @@ def test_memory_pressure_victim_by_attained_work(build, settings, victim):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"]
+)
 def test_waiting_short_preempts_running_long_under_uniboost(build, cls):
     clock = Clock()
     s = build(cls, num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=UNIBOOST)
@@ -353,8 +392,13 @@ def test_settings_switch_mid_run_keeps_progress(build):
     d = Driver(s)
     # Y: a long prompt mid chunked-prefill at the switch; X decoding; A (long) and B (short)
     # waiting, A first in arrival order.
-    d.run(arrivals={0: [req(clock, "X", 8, 12, 0.0), req(clock, "Y", 300, 4, 0.5)],
-                    1: [req(clock, "A", 200, 2, 1.0), req(clock, "B", 16, 2, 2.0)]}, steps=3)
+    d.run(
+        arrivals={
+            0: [req(clock, "X", 8, 12, 0.0), req(clock, "Y", 300, 4, 0.5)],
+            1: [req(clock, "A", 200, 2, 1.0), req(clock, "B", 16, 2, 2.0)],
+        },
+        steps=3,
+    )
     assert sorted(r.request_id for r in s.running) == ["X", "Y"]
     assert [r.request_id for r in s.waiting] == ["A", "B"]
     before = {rid: (r.num_computed_tokens, r.num_output_tokens) for rid, r in s.requests.items()}
@@ -363,16 +407,26 @@ def test_settings_switch_mid_run_keeps_progress(build):
     settings_before = core.settings
 
     # What a client does: read the settings, change the policy, write them back.
-    doc = {**core.settings_doc()["settings"], "policy": "uniboost", "pinned": ["gamma"],
-           "params": {"gamma": 0.001, "memguard": False, "alpha_s_per_token": 0.001,
-                      "preempt_margin": 1e6}}  # no policy preemption: only the order changes
+    doc = {
+        **core.settings_doc()["settings"],
+        "policy": "uniboost",
+        "pinned": ["gamma"],
+        "params": {
+            "gamma": 0.001,
+            "memguard": False,
+            "alpha_s_per_token": 0.001,
+            "preempt_margin": 1e6,
+        },
+    }  # no policy preemption: only the order changes
     answer = core.put_settings(doc, if_match=version)
     assert answer["version"] == version + 1 == core.version
     assert answer["restart_required"] == []
     # Staged, not applied: nothing moved, the active settings are still fcfs.
     assert core.settings is settings_before and core.policy.name == "fcfs"
     assert core.settings_doc()["settings"]["policy"] == "uniboost"
-    assert {rid: (r.num_computed_tokens, r.num_output_tokens) for rid, r in s.requests.items()} == before
+    assert {
+        rid: (r.num_computed_tokens, r.num_output_tokens) for rid, r in s.requests.items()
+    } == before
 
     record = d.step()  # the switch happens at the top of this step
     assert core.policy.name == "uniboost" and core.settings.policy == "uniboost"
@@ -395,15 +449,40 @@ def test_settings_switch_mid_run_keeps_progress(build):
 def test_switch_back_and_forth_many_times(build):
     """Switching every step among all live policies loses no request and no token."""
     clock = Clock()
-    s = build(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, settings=FCFS,
-              long_prefill_token_threshold=32)
+    s = build(
+        num_blocks=40,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        settings=FCFS,
+        long_prefill_token_threshold=32,
+    )
     core = s.tp_core
     d = Driver(s)
-    docs = [{"policy": "sarathi"}, UNIBOOST, {"policy": "las", "params": {"alpha_s_per_token": 0.001}},
-            {"policy": "vtc"}, {"policy": "srpt"}, {"policy": "tie"}, {"policy": "sjf"},
-            {"policy": "distboost"}, FCFS]
-    arrivals = {k: [req(clock, f"r{k}", [12, 90, 30][k % 3], 3 + k % 7, k * 0.1,
-                        tenant=["a", "b"][k % 2], type=["chat", "batch"][k % 2])] for k in range(30)}
+    docs = [
+        {"policy": "sarathi"},
+        UNIBOOST,
+        {"policy": "las", "params": {"alpha_s_per_token": 0.001}},
+        {"policy": "vtc"},
+        {"policy": "srpt"},
+        {"policy": "tie"},
+        {"policy": "sjf"},
+        {"policy": "distboost"},
+        FCFS,
+    ]
+    arrivals = {
+        k: [
+            req(
+                clock,
+                f"r{k}",
+                [12, 90, 30][k % 3],
+                3 + k % 7,
+                k * 0.1,
+                tenant=["a", "b"][k % 2],
+                type=["chat", "batch"][k % 2],
+            )
+        ]
+        for k in range(30)
+    }
     start = core.version
 
     def on_step(record):
@@ -419,9 +498,19 @@ def test_switch_back_and_forth_many_times(build):
 # --------------------------------------------------------------------------------------------
 
 
-ADA = {"policy": "uniboost",
-       "params": {"gamma": 0.5, "memguard": False, "gamma_ada": True, "ada_min_samples": 5,
-                  "ada_window": 10, "ada_interval_s": 0.001, "gamma_min": 1.0, "gamma_max": 200.0}}
+ADA = {
+    "policy": "uniboost",
+    "params": {
+        "gamma": 0.5,
+        "memguard": False,
+        "gamma_ada": True,
+        "ada_min_samples": 5,
+        "ada_window": 10,
+        "ada_interval_s": 0.001,
+        "gamma_min": 1.0,
+        "gamma_max": 200.0,
+    },
+}
 
 
 def _ada_run(build, settings):
@@ -473,26 +562,62 @@ def test_pinned_gamma_survives_a_switch(build):
 
 
 ALL_POLICIES = [
-    FCFS, {"policy": "sarathi"}, UNIBOOST, {"policy": "uniboost"},
-    {"policy": "las", "params": {"alpha_s_per_token": 0.001}}, {"policy": "srpt"}, {"policy": "sjf"},
-    {"policy": "tie"}, {"policy": "vtc", "params": {"weights": {"a": 2.0}}}, {"policy": "distboost"},
+    FCFS,
+    {"policy": "sarathi"},
+    UNIBOOST,
+    {"policy": "uniboost"},
+    {"policy": "las", "params": {"alpha_s_per_token": 0.001}},
+    {"policy": "srpt"},
+    {"policy": "sjf"},
+    {"policy": "tie"},
+    {"policy": "vtc", "params": {"weights": {"a": 2.0}}},
+    {"policy": "distboost"},
     {"policy": "slofq", "params": {"tenants": {"a": {"weight": 2.0}}, "type_isolation": "hard"}},
 ]
 
 
-@pytest.mark.parametrize("settings", ALL_POLICIES, ids=lambda d: d["policy"] + ("-" + "-".join(
-    f"{k}={v}" for k, v in d.get("params", {}).items() if k in ("gamma", "memguard")) if d.get("params") else ""))
-@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "settings",
+    ALL_POLICIES,
+    ids=lambda d: (
+        d["policy"]
+        + (
+            "-"
+            + "-".join(
+                f"{k}={v}" for k, v in d.get("params", {}).items() if k in ("gamma", "memguard")
+            )
+            if d.get("params")
+            else ""
+        )
+    ),
+)
+@pytest.mark.parametrize(
+    "cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"]
+)
 def test_every_policy_finishes_everything_under_pressure(build, cls, settings):
     clock = Clock()
-    s = build(cls, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=64, settings=settings,
-              long_prefill_token_threshold=32)
+    s = build(
+        cls,
+        num_blocks=30,
+        max_num_seqs=5,
+        max_num_batched_tokens=64,
+        settings=settings,
+        long_prefill_token_threshold=32,
+    )
     d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
     arrivals = {}
     for k in range(36):
         arrivals.setdefault(k // 2, []).append(
-            req(clock, f"p{k:02d}", [10, 60, 25, 140][k % 4], [3, 25, 8, 2][k % 4], k * 0.05,
-                tenant=["a", "b", "c"][k % 3], type=["chat", "batch", "reasoning"][k % 3]))
+            req(
+                clock,
+                f"p{k:02d}",
+                [10, 60, 25, 140][k % 4],
+                [3, 25, 8, 2][k % 4],
+                k * 0.05,
+                tenant=["a", "b", "c"][k % 3],
+                type=["chat", "batch", "reasoning"][k % 3],
+            )
+        )
     d.run(arrivals=arrivals)
     assert_all_finished(d)
     core = s.tp_core
@@ -509,12 +634,20 @@ def test_every_policy_finishes_everything_under_pressure(build, cls, settings):
 
 def test_policy_preemption_is_not_wasted_on_full_sequence_gate(build):
     clock = Clock()
-    s = build(num_blocks=31, max_num_seqs=4, max_num_batched_tokens=512,
-              settings={"policy": "las"})
+    s = build(num_blocks=31, max_num_seqs=4, max_num_batched_tokens=512, settings={"policy": "las"})
     d = Driver(s)
     # H1..H3 stay in LAS level 0 (< 157 tokens attained) and hold 18 blocks; V (level 1) holds 11.
-    d.run(arrivals={0: [req(clock, "H1", 80, 40, 0.0), req(clock, "H2", 80, 40, 1.0),
-                        req(clock, "H3", 80, 40, 2.0), req(clock, "V", 160, 40, 3.0)]}, steps=3)
+    d.run(
+        arrivals={
+            0: [
+                req(clock, "H1", 80, 40, 0.0),
+                req(clock, "H2", 80, 40, 1.0),
+                req(clock, "H3", 80, 40, 2.0),
+                req(clock, "V", 160, 40, 3.0),
+            ]
+        },
+        steps=3,
+    )
     # W (level 0) needs 20 blocks for its prompt; preempting V frees only 11 (+1 free).
     d.add(req(clock, "W", 320, 2, 10.0))
     record = d.step()
@@ -532,8 +665,12 @@ def test_long_prefill_threshold_applies_live(build):
     d = Driver(s)
     d.add(req(clock, "long-a", 200, 4, 0.0), req(clock, "long-b", 200, 4, 0.01))
     first = d.step()
-    assert dict(first.scheduled)["long-a"] == 200  # no threshold: one request takes its whole prompt
-    answer = s.tp_core.put_settings({"policy": "fcfs", "engine": {"long_prefill_token_threshold": 32}})
+    assert (
+        dict(first.scheduled)["long-a"] == 200
+    )  # no threshold: one request takes its whole prompt
+    answer = s.tp_core.put_settings(
+        {"policy": "fcfs", "engine": {"long_prefill_token_threshold": 32}}
+    )
     assert answer["restart_required"] == []
     d.add(req(clock, "long-c", 200, 4, 0.02))
     second = d.step()
@@ -558,14 +695,32 @@ def test_memguard_memory_victim_is_outside_its_guard(build):
     """On KV shortage vLLM preempts running[-1]: under MemGuard that must be the worst request
     outside its guard, not a resumed request still inside it."""
     clock = Clock()
-    guard = {"policy": "uniboost", "pinned": ["gamma"],
-             "params": {"gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": True, "kv_victim": "score",
-                        "quant_base_tokens": 16, "quant_ratio": 2.0}}
+    guard = {
+        "policy": "uniboost",
+        "pinned": ["gamma"],
+        "params": {
+            "gamma": 0.001,
+            "alpha_s_per_token": 0.001,
+            "memguard": True,
+            "kv_victim": "score",
+            "quant_base_tokens": 16,
+            "quant_ratio": 2.0,
+        },
+    }
     s = build(num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=guard)
     core = s.tp_core
     d = Driver(s)
-    d.add(*[req(clock, rid, p, m, a) for rid, p, m, a in
-            [("R0", 64, 40, 0.0), ("R1", 16, 4, 1.0), ("R2", 32, 4, 2.0), ("R3", 8, 4, 3.0)]])
+    d.add(
+        *[
+            req(clock, rid, p, m, a)
+            for rid, p, m, a in [
+                ("R0", 64, 40, 0.0),
+                ("R1", 16, 4, 1.0),
+                ("R2", 32, 4, 2.0),
+                ("R3", 8, 4, 3.0),
+            ]
+        ]
+    )
     d.run(steps=2)
     assert d.history[1].preempted == ["R0"]  # the worst and unguarded: policy and vLLM agree
     # Run until R0 is back (resumed with guard = next threshold above its attained 65: 128).
@@ -615,13 +770,17 @@ def test_decode_first_gives_running_decodes_the_budget_before_prefill_chunks(bui
     settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "decode_first": decode_first}}
     s = build(num_blocks=100, max_num_seqs=4, max_num_batched_tokens=32, settings=settings)
     d = Driver(s)
-    d.run(arrivals={0: [req(clock, "D", 128, 40, 0.0)]}, steps=6)  # D: prefilled in 4 steps, decoding
+    d.run(
+        arrivals={0: [req(clock, "D", 128, 40, 0.0)]}, steps=6
+    )  # D: prefilled in 4 steps, decoding
     assert s.requests["D"].num_output_tokens >= 1
     d.add(req(clock, "P", 100, 4, 1.0))
     d.step()  # P admitted after the running D: D 1 token, P the rest
     record = d.step()
     scheduled = dict(record.scheduled)
-    assert s.tp_core.policy.key(s.tp_core.states["P"], 0.0) < s.tp_core.policy.key(s.tp_core.states["D"], 0.0)
+    assert s.tp_core.policy.key(s.tp_core.states["P"], 0.0) < s.tp_core.policy.key(
+        s.tp_core.states["D"], 0.0
+    )
     if decode_first:
         assert record.scheduled[0] == ("D", 1) and scheduled["P"] == 31
     else:
@@ -635,7 +794,10 @@ def test_decode_first_keeps_the_policy_worst_as_the_memory_victim(build):
     the prefilling P; when the decoding D (the worse score: more work) needs a block, the victim
     must still be the policy's worst, D itself. (No policy preemption: a huge margin.)"""
     clock = Clock()
-    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "preempt_margin": 1e9, "kv_victim": "score"}}
+    settings = {
+        **UNIBOOST,
+        "params": {**UNIBOOST["params"], "preempt_margin": 1e9, "kv_victim": "score"},
+    }
     s = build(num_blocks=17, max_num_seqs=4, max_num_batched_tokens=32, settings=settings)
     d = Driver(s)
     d.run(arrivals={0: [req(clock, "D", 140, 60, 0.0)]}, steps=6)
@@ -650,7 +812,9 @@ def test_decode_first_keeps_the_policy_worst_as_the_memory_victim(build):
     assert_all_finished(d)
 
 
-@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"]
+)
 def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, cls):
     """Every waiting request of an empty-bucket tenant is held: vLLM sees an empty queue for
     admission (no peek on a held request), keeps stepping the running ones, and admits the held
@@ -658,8 +822,13 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
     from scheduler.policies.slo import Bucket
 
     clock = Clock()
-    s = build(cls, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=256,
-              settings={"policy": "slofq", "params": {"backpressure": False, "bp_lend": False}})
+    s = build(
+        cls,
+        num_blocks=200,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        settings={"policy": "slofq", "params": {"backpressure": False, "bp_lend": False}},
+    )
     d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
     policy = s.tp_core.policy
     d.add(req(clock, "free", 20, 30, 0.0, tenant="free"))
@@ -677,19 +846,29 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
     assert_all_finished(d)
 
 
-@pytest.mark.parametrize("cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "cls", [TailpilotScheduler, TailpilotAsyncScheduler], ids=["sync", "async"]
+)
 def test_slofq_queue_cap_refuses_through_vllms_error_path(build, cls):
     """A tenant at its queue cap: the next request is refused on arrival (never queued), vLLM's own
     error path finishes it at the next step's output (finish reason error) even when nothing else
     is running, the completions log says rejected, /state counts it; the others finish exactly."""
     clock = Clock()
-    s = build(cls, num_blocks=200, max_num_seqs=1, max_num_batched_tokens=256,
-              settings={"policy": "slofq", "params": {"tenants": {"capped": {"queue_cap": 2}}}})
+    s = build(
+        cls,
+        num_blocks=200,
+        max_num_seqs=1,
+        max_num_batched_tokens=256,
+        settings={"policy": "slofq", "params": {"tenants": {"capped": {"queue_cap": 2}}}},
+    )
     d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
     d.add(req(clock, "run", 20, 6, 0.0, tenant="capped"))
     d.step()  # "run" holds the only seat
     d.add(*[req(clock, f"q{i}", 20, 3, 0.1 + i * 0.01, tenant="capped") for i in range(2)])
-    d.add(req(clock, "over", 20, 3, 0.2, tenant="capped"), req(clock, "other", 20, 3, 0.21, tenant="free"))
+    d.add(
+        req(clock, "over", 20, 3, 0.2, tenant="capped"),
+        req(clock, "other", 20, 3, 0.21, tenant="free"),
+    )
     assert len(s.waiting) == 3 and "over" in s.requests  # refused: not queued, but vLLM knows it
     d.run()
     assert d.finished.pop("over") == "error" and d.tokens.pop("over", 0) == 0
@@ -703,17 +882,28 @@ def test_slofq_queue_cap_refuses_through_vllms_error_path(build, cls):
     s.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED)
     assert len(s.waiting) == 0 and not s.running and s.has_requests()
     d.run()
-    assert d.finished == {**{rid: "length" for rid in d.requests if rid not in ("r0", "r1", "r2")}, "r2": "error"}
+    assert d.finished == {
+        **{rid: "length" for rid in d.requests if rid not in ("r0", "r1", "r2")},
+        "r2": "error",
+    }
     assert not s.requests and not s._tp_refused
 
 
-@pytest.mark.parametrize("settings", [{"policy": "vtc"}, {"policy": "slofq"}, FCFS], ids=["vtc", "slofq", "fcfs"])
+@pytest.mark.parametrize(
+    "settings", [{"policy": "vtc"}, {"policy": "slofq"}, FCFS], ids=["vtc", "slofq", "fcfs"]
+)
 def test_aborting_waiting_requests_of_a_grouped_queue(build, settings):
     """Clients that go away while their requests wait (vLLM's finish_requests: out of the queue,
     then freed). vtc and slofq queue per tenant: each request leaves its group exactly once (a
     second removal crashed the engine); the rest finish exactly, the aborted are logged once."""
     clock = Clock()
-    s = build(TailpilotScheduler, num_blocks=200, max_num_seqs=1, max_num_batched_tokens=256, settings=settings)
+    s = build(
+        TailpilotScheduler,
+        num_blocks=200,
+        max_num_seqs=1,
+        max_num_batched_tokens=256,
+        settings=settings,
+    )
     d = Driver(s)
     d.add(req(clock, "run", 20, 4, 0.0, tenant="a"))
     d.step()
@@ -724,7 +914,11 @@ def test_aborting_waiting_requests_of_a_grouped_queue(build, settings):
         del d.requests[rid]
     d.run()
     aborted, _ = s.tp_core.completions_since(0)
-    assert sorted(c["id"] for c in aborted if c["reason"] == "finished_aborted") == ["w0", "w2", "w3"]
+    assert sorted(c["id"] for c in aborted if c["reason"] == "finished_aborted") == [
+        "w0",
+        "w2",
+        "w3",
+    ]
     assert d.finished == {"run": "length", "w1": "length", "w4": "length"}
     assert not s.requests and s.tp_core.states == {} and len(s.tp_core.waiting) == 0
     # the fair queues know the aborted ones left: no tenant stays "backlogged" (its counter lift)

@@ -21,12 +21,20 @@ BIG_KV = EngineConfig(num_gpu_blocks=10_000, block_size=16, step_model=UNIT_STEP
 
 
 def req(rid, arrival, prompt, output, **kw):
-    return TraceRequest(id=rid, arrival=arrival, prompt_tokens=prompt, output_tokens=output,
-                        max_tokens=kw.pop("max_tokens", output), **kw)
+    return TraceRequest(
+        id=rid,
+        arrival=arrival,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        max_tokens=kw.pop("max_tokens", output),
+        **kw,
+    )
 
 
 def settings(policy, engine=None, **params):
-    if policy == "uniboost":  # the seeds' scenarios fill every seat: no utilisation gate on preemption
+    if (
+        policy == "uniboost"
+    ):  # the seeds' scenarios fill every seat: no utilisation gate on preemption
         params.setdefault("preempt_max_utilisation", None)
     return Settings.model_validate({"policy": policy, "params": params, "engine": engine or {}})
 
@@ -42,8 +50,14 @@ def finish_times(result):
 # Boost variants for the figure: memguard off so attained work enters the score unquantized,
 # α = 1 s/token so a token of work is worth a step, γ pinned.
 def boost(gamma):
-    return settings("uniboost", {"max_num_seqs": 1}, gamma=gamma, alpha_s_per_token=1.0, memguard=False,
-                    gamma_ada=False)
+    return settings(
+        "uniboost",
+        {"max_num_seqs": 1},
+        gamma=gamma,
+        alpha_s_per_token=1.0,
+        memguard=False,
+        gamma_ada=False,
+    )
 
 
 # --- Figure 3, left: a long A (prefill 2, decode 8) at t0 delays short B..E arriving behind it --
@@ -59,7 +73,11 @@ def test_left_fcfs_runs_A_to_completion_first():
 
 @pytest.mark.parametrize("policy", ["srpt", "las"])
 def test_left_srpt_and_las_preempt_A_for_the_short_ones(policy):
-    params = {"predictor": "oracle", "c": 1.0} if policy == "srpt" else {"q0_s": 1.0, "alpha_s_per_token": 1.0}
+    params = (
+        {"predictor": "oracle", "c": 1.0}
+        if policy == "srpt"
+        else {"q0_s": 1.0, "alpha_s_per_token": 1.0}
+    )
     res = simulate(LEFT, settings(policy, SLOT, **params), BIG_KV)
     assert finish_order(res)[-1] == "A"
     assert res.policy_preemptions >= 1
@@ -105,8 +123,11 @@ def test_right_fcfs_keeps_A_fair():
 
 @pytest.mark.parametrize("policy", ["srpt", "las"])
 def test_right_size_based_starves_A(policy):
-    params = {"predictor": "oracle", "c": 1.0} if policy == "srpt" else {"q0_s": 0.1, "alpha_s_per_token": 1.0,
-                                                                          "starve_s": 1000.0}
+    params = (
+        {"predictor": "oracle", "c": 1.0}
+        if policy == "srpt"
+        else {"q0_s": 0.1, "alpha_s_per_token": 1.0, "starve_s": 1000.0}
+    )
     res = simulate(RIGHT, settings(policy, CHUNK3, **params), BIG_KV)
     assert finish_order(res)[-1] == "A"
     fcfs = simulate(RIGHT, settings("fcfs", CHUNK3), BIG_KV)
@@ -117,7 +138,9 @@ def test_right_size_based_starves_A(policy):
 
 def test_right_boost_large_gamma_protects_A_small_gamma_starves_it():
     eng = {"max_num_seqs": 1, "max_num_batched_tokens": 3}
-    mk = lambda g: settings("uniboost", eng, gamma=g, alpha_s_per_token=1.0, memguard=False, gamma_ada=False)
+    mk = lambda g: settings(
+        "uniboost", eng, gamma=g, alpha_s_per_token=1.0, memguard=False, gamma_ada=False
+    )
     assert finish_order(simulate(RIGHT, mk(1e6), BIG_KV))[0] == "A"
     assert finish_order(simulate(RIGHT, mk(0.01), BIG_KV))[-1] == "A"
 
@@ -133,7 +156,9 @@ def _one_token_trace():
 def test_gamma_to_infinity_is_fcfs_order():
     trace = _one_token_trace()
     eng = {"max_num_seqs": 1}
-    boosted = simulate(trace, settings("uniboost", eng, gamma=1e6, memguard=False, gamma_ada=False), BIG_KV)
+    boosted = simulate(
+        trace, settings("uniboost", eng, gamma=1e6, memguard=False, gamma_ada=False), BIG_KV
+    )
     assert finish_order(boosted) == finish_order(simulate(trace, settings("fcfs", eng), BIG_KV))
     assert finish_order(boosted) == [r.id for r in trace]
 
@@ -141,7 +166,9 @@ def test_gamma_to_infinity_is_fcfs_order():
 def test_gamma_to_zero_is_size_order():
     trace = [req(r.id, 0.0, r.prompt_tokens, 1) for r in _one_token_trace()]
     eng = {"max_num_seqs": 1}
-    res = simulate(trace, settings("uniboost", eng, gamma=1e-6, memguard=False, gamma_ada=False), BIG_KV)
+    res = simulate(
+        trace, settings("uniboost", eng, gamma=1e-6, memguard=False, gamma_ada=False), BIG_KV
+    )
     assert finish_order(res) == [r.id for r in sorted(trace, key=lambda r: r.prompt_tokens)]
 
 
@@ -164,10 +191,23 @@ def test_memguard_bounds_policy_preemptions():
     base = 64
     fast = StepTimeModel(a=0.02, b=0.0, c=0.0, d=0.0, e=0.0, name="fast", source="test")
     cfg = EngineConfig(num_gpu_blocks=10_000, step_model=fast)
-    guarded = simulate(trace, settings("uniboost", {"max_num_seqs": 2}, gamma=0.5, memguard=True,
-                                       quant_base_tokens=base, gamma_ada=False), cfg)
-    unguarded = simulate(trace, settings("uniboost", {"max_num_seqs": 2}, gamma=0.5, memguard=False,
-                                         gamma_ada=False), cfg)
+    guarded = simulate(
+        trace,
+        settings(
+            "uniboost",
+            {"max_num_seqs": 2},
+            gamma=0.5,
+            memguard=True,
+            quant_base_tokens=base,
+            gamma_ada=False,
+        ),
+        cfg,
+    )
+    unguarded = simulate(
+        trace,
+        settings("uniboost", {"max_num_seqs": 2}, gamma=0.5, memguard=False, gamma_ada=False),
+        cfg,
+    )
     assert unguarded.policy_preemptions > guarded.policy_preemptions
     lengths = {r.id: r.prompt_tokens + r.output_tokens for r in trace}
     sim_reqs = guarded.completions
@@ -221,8 +261,15 @@ def test_gamma_ada_waits_for_min_samples_and_never_moves_pinned_gamma():
     _feed(p, [1.0] * 49)
     p.tick(10.0)
     assert p.gamma == 50.0
-    pinned = make_policy(Settings.model_validate(
-        {"policy": "uniboost", "params": {"gamma": 50.0, "ada_min_samples": 10}, "pinned": ["gamma"]}))
+    pinned = make_policy(
+        Settings.model_validate(
+            {
+                "policy": "uniboost",
+                "params": {"gamma": 50.0, "ada_min_samples": 10},
+                "pinned": ["gamma"],
+            }
+        )
+    )
     _feed(pinned, [1.0] * 95 + [9.0] * 5)
     pinned.tick(10.0)
     pinned.tick(20.0)
@@ -231,9 +278,11 @@ def test_gamma_ada_waits_for_min_samples_and_never_moves_pinned_gamma():
 
 def test_gamma_ada_in_a_simulation_changes_gamma_over_time():
     trace = [req(f"r{i}", 0.05 * i, 50 + (i * 37) % 400, 5 + (i * 13) % 200) for i in range(600)]
-    res = simulate(trace, settings("uniboost", gamma=10.0, ada_interval_s=1.0, ada_min_samples=50,
-                                   ada_signal="ttlt"),
-                   EngineConfig())
+    res = simulate(
+        trace,
+        settings("uniboost", gamma=10.0, ada_interval_s=1.0, ada_min_samples=50, ada_signal="ttlt"),
+        EngineConfig(),
+    )
     gammas = [g for _, g in res.gamma_timeline]
     assert len(set(gammas)) > 1 and all(1.0 <= g <= 200.0 for g in gammas)
 
@@ -245,8 +294,12 @@ def _tie(**params):
 
 def test_tie_wait_decay_lets_a_starved_request_overtake():
     p = _tie(decay=0.5, tau_s=10.0, beta=0.2)
-    long = RequestState(id="long", arrival=0.0, prompt_tokens=10, max_tokens=4000, output_tokens=2000)
-    short = RequestState(id="short", arrival=100.0, prompt_tokens=10, max_tokens=4000, output_tokens=100)
+    long = RequestState(
+        id="long", arrival=0.0, prompt_tokens=10, max_tokens=4000, output_tokens=2000
+    )
+    short = RequestState(
+        id="short", arrival=100.0, prompt_tokens=10, max_tokens=4000, output_tokens=100
+    )
     assert p.order_waiting([long, short], now=100.0)[0] is long
     no_decay = _tie(decay=1.0, beta=0.2)
     assert no_decay.order_waiting([long, short], now=100.0)[0] is short
@@ -255,14 +308,20 @@ def test_tie_wait_decay_lets_a_starved_request_overtake():
 def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
     p = _tie(beta_min=0.1, beta_max=0.5)
     seats = p.view.max_num_seqs  # the engine default (vLLM's A100: 256)
-    reqs = [RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=5, max_tokens=64, output_tokens=10)
-            for i in range(1000)]
+    reqs = [
+        RequestState(id=f"w{i}", arrival=float(i), prompt_tokens=5, max_tokens=64, output_tokens=10)
+        for i in range(1000)
+    ]
     p.before_step(reqs[:10], 0.0)
     assert p.beta == pytest.approx(0.1)  # 0.1·10/seats below the floor
     p.before_step(reqs[:700], 0.0)
     assert p.beta == pytest.approx(min(0.5, 0.1 * 700 / seats)) and 0.1 < p.beta < 0.5
-    pinned = make_policy(Settings.model_validate({"policy": "tie", "params": {"predictor": "oracle", "beta": 0.7},
-                                                  "pinned": ["beta"]}), OraclePredictor())
+    pinned = make_policy(
+        Settings.model_validate(
+            {"policy": "tie", "params": {"predictor": "oracle", "beta": 0.7}, "pinned": ["beta"]}
+        ),
+        OraclePredictor(),
+    )
     pinned.before_step(reqs, 0.0)
     assert pinned.beta == 0.7
 
@@ -298,7 +357,9 @@ def test_vtc_counter_lift_and_charging():
     p.on_arrival(c, 0.5)
     order = p.admission_order([a2, c], 0.6)
     first = next(order)
-    assert first.tenant in ("a", "c") and p.counters[first.tenant] == min(p.counters["a"], p.counters["c"])
+    assert first.tenant in ("a", "c") and p.counters[first.tenant] == min(
+        p.counters["a"], p.counters["c"]
+    )
 
 
 def test_vtc_shares_service_between_tenants_in_simulation():
@@ -316,8 +377,12 @@ def test_sjf_starvation_guard_admits_a_starved_long_request():
     trace = [req("long", 0.0, 10, 50)] + [req(f"s{i:03d}", 0.0 + 0.5 * i, 10, 5) for i in range(60)]
     trace = [req("first", 0.0, 10, 3)] + trace
     eng = {"max_num_seqs": 1}
-    guarded = finish_times(simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=20), BIG_KV))
-    unguarded = finish_times(simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=100000), BIG_KV))
+    guarded = finish_times(
+        simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=20), BIG_KV)
+    )
+    unguarded = finish_times(
+        simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=100000), BIG_KV)
+    )
     assert guarded["long"] < unguarded["long"]
 
 
@@ -335,8 +400,10 @@ def test_srpt_trail_limit_stops_preemption_late_in_a_request():
 def test_simulator_switches_policy_mid_run_without_losing_requests():
     from sim.engine import Simulator
 
-    trace = [req(f"r{i:03d}", 0.02 * i, 30 + (i * 37) % 300, 5 + (i * 13) % 120, tenant=f"t{i % 3}")
-             for i in range(300)]
+    trace = [
+        req(f"r{i:03d}", 0.02 * i, 30 + (i * 37) % 300, 5 + (i * 13) % 120, tenant=f"t{i % 3}")
+        for i in range(300)
+    ]
     plan = {40: "uniboost", 120: "tie", 200: "vtc", 260: "las"}
 
     class Switching(Simulator):
@@ -347,13 +414,21 @@ def test_simulator_switches_policy_mid_run_without_losing_requests():
                 self.apply_settings(settings(policy, {"max_num_seqs": 8}, **params))
             super()._step()
 
-    sim = Switching(trace, settings("fcfs", {"max_num_seqs": 8}),
-                    EngineConfig(num_gpu_blocks=400, step_model=UNIT_STEPS), check_invariants=True)
+    sim = Switching(
+        trace,
+        settings("fcfs", {"max_num_seqs": 8}),
+        EngineConfig(num_gpu_blocks=400, step_model=UNIT_STEPS),
+        check_invariants=True,
+    )
     res = sim.run()
     assert sim.policy.name == "las" and res.settings.policy == "las"
     assert sorted(c.id for c in res.completions) == sorted(r.id for r in trace)
-    assert all(c.output_tokens == r.output_tokens for c, r in zip(sorted(res.completions, key=lambda c: c.id),
-                                                                   sorted(trace, key=lambda r: r.id)))
+    assert all(
+        c.output_tokens == r.output_tokens
+        for c, r in zip(
+            sorted(res.completions, key=lambda c: c.id), sorted(trace, key=lambda r: r.id)
+        )
+    )
 
 
 def test_waiting_queue_refiles_several_promotions_into_policy_order():
@@ -379,7 +454,9 @@ def test_waiting_queue_refiles_several_promotions_into_policy_order():
     policy = Promoting()
     policy.keys = {"A": 1.0, "B": 2.0, "C": 3.0, "D": 4.0, "E": 5.0}
     queue = WaitingQueue(policy)
-    reqs = {rid: RequestState(id=rid, arrival=0.0, prompt_tokens=1, max_tokens=1) for rid in "ABCDE"}
+    reqs = {
+        rid: RequestState(id=rid, arrival=0.0, prompt_tokens=1, max_tokens=1) for rid in "ABCDE"
+    }
     for r in reqs.values():
         queue.push(r, 0.0)
     assert [r.id for r in queue.ordered(0.0)] == list("ABCDE")
@@ -396,9 +473,19 @@ def test_simulator_decode_first_serves_decodes_before_prefill_chunks(decode_firs
     does D keep getting its token in them."""
     from sim.engine import Simulator
 
-    settings = Settings.model_validate({"policy": "uniboost", "params": {
-        "gamma": 0.001, "alpha_s_per_token": 0.001, "memguard": False, "gamma_ada": False,
-        "decode_first": decode_first}, "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 32}})
+    settings = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {
+                "gamma": 0.001,
+                "alpha_s_per_token": 0.001,
+                "memguard": False,
+                "gamma_ada": False,
+                "decode_first": decode_first,
+            },
+            "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 32},
+        }
+    )
     trace = [req("D", 0.0, 128, 40), req("P", 5.5, 100, 4)]
     sim = Simulator(trace, settings, BIG_KV, event_skipping=False)
     steps = []
@@ -424,7 +511,9 @@ def test_sjf_starvation_guard_turns_sjf_into_fcfs_near_saturation():
     eng = {"max_num_seqs": 2}
 
     def admission_order(starve_steps):
-        res = simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=starve_steps), BIG_KV)
+        res = simulate(
+            trace, settings("sjf", eng, predictor="oracle", starve_steps=starve_steps), BIG_KV
+        )
         return [c.id for c in sorted(res.completions, key=lambda c: (c.scheduled_at, c.id))]
 
     def rank_correlation(order, key):

@@ -22,7 +22,15 @@ from scheduler.policies.predictors import (
 )
 
 
-def req(i=0, *, tenant="default", type="chat", prompt_tokens=100, max_tokens=1_000_000, output_tokens=None):
+def req(
+    i=0,
+    *,
+    tenant="default",
+    type="chat",
+    prompt_tokens=100,
+    max_tokens=1_000_000,
+    output_tokens=None,
+):
     return SimpleNamespace(
         id=f"r{i}",
         tenant=tenant,
@@ -123,7 +131,16 @@ def test_mle_many_equals_one_by_one():
 
 
 def test_prompt_bucket():
-    assert [prompt_bucket(p) for p in (0, 1, 2, 3, 4, 1023, 1024, 5000)] == [0, 0, 1, 1, 2, 9, 10, 12]
+    assert [prompt_bucket(p) for p in (0, 1, 2, 3, 4, 1023, 1024, 5000)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        9,
+        10,
+        12,
+    ]
 
 
 @pytest.mark.parametrize("mu, sigma", [(5.0, 0.7), (3.5, 0.3), (7.0, 1.2)])
@@ -181,7 +198,9 @@ def test_history_sigma_comes_from_each_keys_observed_spread():
     # Two fine keys with the same median but different observed spreads get their own ML sigma;
     # the fallback levels are fitted on their own pooled observations.
     rng = np.random.default_rng(21)
-    h = HistoryPredictor(nu=3.5, window=10_000, min_samples=20)  # the window keeps every observation
+    h = HistoryPredictor(
+        nu=3.5, window=10_000, min_samples=20
+    )  # the window keeps every observation
     narrow = req(tenant="acme", type="chat", prompt_tokens=100)  # key (acme, chat, 6)
     wide = req(tenant="acme", type="chat", prompt_tokens=1000)  # key (acme, chat, 9)
     logs_by_key = {}
@@ -210,10 +229,13 @@ def test_history_sigma_comes_from_each_keys_observed_spread():
     assert s_n < s_f < s_w
     # tenant-level and global fallbacks: each the fit of exactly its own observations
     key, mu_b, s_b = h.fit_for(req(tenant="beta", type="code", prompt_tokens=5))
-    assert key == ("beta",) and (mu_b, s_b) == pytest.approx(fit_logt_mle(np.log(other), 3.5), rel=1e-9)
+    assert key == ("beta",) and (mu_b, s_b) == pytest.approx(
+        fit_logt_mle(np.log(other), 3.5), rel=1e-9
+    )
     key, mu_g, s_g = h.fit_for(req(tenant="nobody"))
-    assert key == () and (mu_g, s_g) == pytest.approx(fit_logt_mle(np.concatenate([acme, np.log(other)]), 3.5),
-                                                      rel=1e-9)
+    assert key == () and (mu_g, s_g) == pytest.approx(
+        fit_logt_mle(np.concatenate([acme, np.log(other)]), 3.5), rel=1e-9
+    )
     assert len({s_n, s_w, s_f, s_b, s_g}) == 5
 
 
@@ -273,7 +295,12 @@ def test_history_refit_fits_every_key_level():
     h = HistoryPredictor(window=5000)
     for k in range(100):
         # 100 distinct fine keys: 10 tenants x 2 types x 5 prompt buckets
-        r = req(k, tenant=f"t{k // 10}", type=("chat", "batch")[k % 2], prompt_tokens=2 ** (3 + (k % 10) // 2))
+        r = req(
+            k,
+            tenant=f"t{k // 10}",
+            type=("chat", "batch")[k % 2],
+            prompt_tokens=2 ** (3 + (k % 10) // 2),
+        )
         logs = rng.uniform(2, 7) + rng.uniform(0.2, 1.5) * rng.standard_t(3.5, 2000)
         for n in np.exp(logs):
             h.observe(r, max(int(n), 1))
@@ -294,7 +321,9 @@ def test_history_refits_only_what_changed_and_warm_starts_to_the_same_fit():
         h.observe(b, max(int(2 * n), 1))
     h.refit()
     fits, version = h.fits, h.version
-    assert h.refit() == len(fits) and h.version == version and h.fits == fits  # nothing new: no new epoch
+    assert (
+        h.refit() == len(fits) and h.version == version and h.fits == fits
+    )  # nothing new: no new epoch
     extra = np.exp(5 + 0.5 * rng.standard_t(3.5, 300))
     for n in extra:
         h.observe(a, max(int(n), 1))
@@ -305,7 +334,9 @@ def test_history_refits_only_what_changed_and_warm_starts_to_the_same_fit():
         assert new[key] == fits[key]
     for key in h.keys_for(a):  # a's keys (and the global one) moved, to the cold fit's optimum
         assert new[key] != fits[key]
-        cold_mu, cold_sigma = fit_logt_mle(np.fromiter(h._pools[key], float), h.nu)  # the pools hold ln(tokens)
+        cold_mu, cold_sigma = fit_logt_mle(
+            np.fromiter(h._pools[key], float), h.nu
+        )  # the pools hold ln(tokens)
         assert new[key][0] == pytest.approx(cold_mu, abs=1e-6)
         assert new[key][1] == pytest.approx(max(cold_sigma, SIGMA_FLOOR), abs=1e-6)
     # Fewer new lengths than refit_fraction (2%) of a key's pool wait for more: 5 of 800 does not refit.

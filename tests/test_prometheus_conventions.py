@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
-from controlplane.exporter import RENAMED, SERIES, CompletionCounters, render
 from test_prometheus import governed_collector, run_promtool, scrape_families
 from twin_support import governed_cluster, poll_all
+
+from controlplane.exporter import RENAMED, SERIES, CompletionCounters, render
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1: every poll of it fails at once
@@ -49,13 +49,21 @@ def test_a_real_page_passes_promtool_check_metrics_with_no_findings(governed, tm
     assert check_metrics(page, tmp_path) == ""
     fams = scrape_families(page)
     # nearly every family is on it (so the check covers them): fcfs has no γ/β, nobody waits
-    assert set(SERIES) - set(fams) == {"tailpilot_gamma", "tailpilot_beta", "tailpilot_tenant_waited_seconds"}
+    assert set(SERIES) - set(fams) == {
+        "tailpilot_gamma",
+        "tailpilot_beta",
+        "tailpilot_tenant_waited_seconds",
+    }
     # the previous version's page: quantile labels on gauges, a counter without _total
-    old = ('# HELP tailpilot_latency_seconds x\n# TYPE tailpilot_latency_seconds gauge\n'
-           'tailpilot_latency_seconds{latency="ttft",quantile="0.99"} 1.0\n'
-           '# HELP tailpilot_preemptions x\n# TYPE tailpilot_preemptions counter\ntailpilot_preemptions 1.0\n')
+    old = (
+        "# HELP tailpilot_latency_seconds x\n# TYPE tailpilot_latency_seconds gauge\n"
+        'tailpilot_latency_seconds{latency="ttft",quantile="0.99"} 1.0\n'
+        "# HELP tailpilot_preemptions x\n# TYPE tailpilot_preemptions counter\ntailpilot_preemptions 1.0\n"
+    )
     findings = check_metrics(old, tmp_path)
-    assert 'non-summary metrics should not have "quantile" label' in findings and "_total" in findings
+    assert (
+        'non-summary metrics should not have "quantile" label' in findings and "_total" in findings
+    )
 
 
 def test_a_down_replica_shows_none_of_its_last_answer(governed, tmp_path):
@@ -71,15 +79,36 @@ def test_a_down_replica_shows_none_of_its_last_answer(governed, tmp_path):
     assert check_metrics(page, tmp_path) == ""
     fams = scrape_families(page)
     assert [s.value for s in fams["tailpilot_replica_up"]] == [0.0]
-    for gone in ("tailpilot_latency_seconds", "tailpilot_waiting_requests", "tailpilot_kv_usage_ratio",
-                 "tailpilot_preemptions", "tailpilot_refused_requests", "tailpilot_breaker_trips",
-                 "tailpilot_replica_info", "tailpilot_group_requests", "tailpilot_scr_ratio", "tailpilot_jfi_ratio",
-                 "tailpilot_tenant_latency_seconds", "tailpilot_alert_value", "tailpilot_governance_requests"):
+    for gone in (
+        "tailpilot_latency_seconds",
+        "tailpilot_waiting_requests",
+        "tailpilot_kv_usage_ratio",
+        "tailpilot_preemptions",
+        "tailpilot_refused_requests",
+        "tailpilot_breaker_trips",
+        "tailpilot_replica_info",
+        "tailpilot_group_requests",
+        "tailpilot_scr_ratio",
+        "tailpilot_jfi_ratio",
+        "tailpilot_tenant_latency_seconds",
+        "tailpilot_alert_value",
+        "tailpilot_governance_requests",
+    ):
         assert gone in before and gone not in fams, gone
-    for kept in ("tailpilot_requests_completed", "tailpilot_output_tokens", "tailpilot_ingest_rejected"):
-        assert [s.value for s in fams[kept]] == [s.value for s in before[kept]], kept  # counts, unchanged
-    assert sum(s.value for s in fams["tailpilot_requests_completed"]) == len(trace)  # each counted once
-    assert {s.labels["alert"] for s in fams["tailpilot_alert_firing"] if s.value} == {"scr"}  # the collector's
+    for kept in (
+        "tailpilot_requests_completed",
+        "tailpilot_output_tokens",
+        "tailpilot_ingest_rejected",
+    ):
+        assert [s.value for s in fams[kept]] == [s.value for s in before[kept]], (
+            kept
+        )  # counts, unchanged
+    assert sum(s.value for s in fams["tailpilot_requests_completed"]) == len(
+        trace
+    )  # each counted once
+    assert {s.labels["alert"] for s in fams["tailpilot_alert_firing"] if s.value} == {
+        "scr"
+    }  # the collector's
 
 
 def test_a_down_replica_among_others_is_counted_stale(governed, tmp_path):
@@ -87,7 +116,9 @@ def test_a_down_replica_among_others_is_counted_stale(governed, tmp_path):
     is up) and say how many down replicas' windows they still hold."""
     path, twin, _ = governed
     doc = yaml.safe_load(path.read_text())
-    doc["clusters"][0]["replicas"].append({**doc["clusters"][0]["replicas"][0], "name": "twin-copy"})
+    doc["clusters"][0]["replicas"].append(
+        {**doc["clusters"][0]["replicas"][0], "name": "twin-copy"}
+    )
     two = path.with_name("two.yaml")
     two.write_text(yaml.safe_dump(doc))
     c, _ = governed_collector(two, 1)
@@ -96,8 +127,13 @@ def test_a_down_replica_among_others_is_counted_stale(governed, tmp_path):
     poll_all(c, 1)
     c.govern()
     fams = scrape_families(render(c).decode())
-    assert {s.labels["replica"]: s.value for s in fams["tailpilot_replica_up"]} == {twin.name: 1.0, "twin-copy": 0.0}
-    assert fams["tailpilot_governance_stale_replicas"][0].value == 1 and "tailpilot_scr_ratio" in fams
+    assert {s.labels["replica"]: s.value for s in fams["tailpilot_replica_up"]} == {
+        twin.name: 1.0,
+        "twin-copy": 0.0,
+    }
+    assert (
+        fams["tailpilot_governance_stale_replicas"][0].value == 1 and "tailpilot_scr_ratio" in fams
+    )
     assert {s.labels["replica"] for s in fams["tailpilot_latency_seconds"]} == {twin.name}
 
 
@@ -111,14 +147,27 @@ def test_counters_keep_their_label_sets_and_count_once():
     assert listeners == [counters.observe]
 
     def row(tenant, reason="finished"):
-        return SimpleNamespace(tenant=tenant, type="chat", prompt_tokens=10, output_tokens=5, reason=reason)
+        return SimpleNamespace(
+            tenant=tenant, type="chat", prompt_tokens=10, output_tokens=5, reason=reason
+        )
 
-    counters.observe("r", SimpleNamespace(cursor=5, completions=[row("a"), row("b"), row("c"), row("vip"), row("a")]))
-    counters.observe("r", SimpleNamespace(cursor=8, completions=[row("c"), row("a", "rejected"), row("d")]))
-    assert counters.tenants == {("r", "a"): [2, 20, 10], ("r", "b"): [1, 10, 5], ("r", "other"): [3, 30, 15],
-                                ("r", "vip"): [1, 10, 5]}
+    counters.observe(
+        "r",
+        SimpleNamespace(cursor=5, completions=[row("a"), row("b"), row("c"), row("vip"), row("a")]),
+    )
+    counters.observe(
+        "r", SimpleNamespace(cursor=8, completions=[row("c"), row("a", "rejected"), row("d")])
+    )
+    assert counters.tenants == {
+        ("r", "a"): [2, 20, 10],
+        ("r", "b"): [1, 10, 5],
+        ("r", "other"): [3, 30, 15],
+        ("r", "vip"): [1, 10, 5],
+    }
     assert counters.types == {("r", "chat"): 7}
-    counters.observe("r", SimpleNamespace(cursor=None, completions=[]))  # its /state not read: a failed poll
+    counters.observe(
+        "r", SimpleNamespace(cursor=None, completions=[])
+    )  # its /state not read: a failed poll
     assert counters.state_read == {"r": False} and counters.types == {("r", "chat"): 7}
 
 
@@ -128,4 +177,6 @@ def test_the_docs_list_every_series_and_every_rename():
     assert {s.sample for s in SERIES.values()} <= documented
     for old, new in RENAMED.items():
         assert re.search(rf"^\| `{old}` \| .*`{new or ''}", text, flags=re.M), old
-    assert not set(RENAMED) & {s.sample for s in SERIES.values()}  # an old name is never served again
+    assert not set(RENAMED) & {
+        s.sample for s in SERIES.values()
+    }  # an old name is never served again

@@ -23,10 +23,32 @@ class Clock:
         return self.t
 
 
-def row(replica, rid, arrival, prompt=100, output=20, *, max_tokens=512, reason="finished", tenant="t1", type="chat"):
-    return CompletionRow(replica=replica, request_id=rid, tenant=tenant, type=type, arrival_s=arrival,
-                         first_token_s=arrival + 0.5, finished_s=arrival + 2.0, prompt_tokens=prompt,
-                         output_tokens=output, preemptions=0, reason=reason, max_tokens=max_tokens)
+def row(
+    replica,
+    rid,
+    arrival,
+    prompt=100,
+    output=20,
+    *,
+    max_tokens=512,
+    reason="finished",
+    tenant="t1",
+    type="chat",
+):
+    return CompletionRow(
+        replica=replica,
+        request_id=rid,
+        tenant=tenant,
+        type=type,
+        arrival_s=arrival,
+        first_token_s=arrival + 0.5,
+        finished_s=arrival + 2.0,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        preemptions=0,
+        reason=reason,
+        max_tokens=max_tokens,
+    )
 
 
 @pytest.fixture
@@ -36,17 +58,37 @@ def store_path(tmp_path):
     path = tmp_path / "rec.db"
     clock = Clock(1000.0)
     with Store.open(str(path), clock=clock) as store:
-        store.recordings.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2"),
-                                    ("b", "http://127.0.0.1:3", "http://127.0.0.1:4")])
+        store.recordings.ensure_replicas(
+            "c",
+            [
+                ("a", "http://127.0.0.1:1", "http://127.0.0.1:2"),
+                ("b", "http://127.0.0.1:3", "http://127.0.0.1:4"),
+            ],
+        )
         store.recordings.write("c", Batch(completions=[row("a", "before", 990.0)]))
         rec = store.recordings.begin_recording("c", "peak", t_ms=1_500_000)
         clock.t = 2000.0
-        store.recordings.write("c", Batch(completions=[
-            row("a", "r1", 1_700_000_000.25, 300, 40, max_tokens=64),
-            row("a", "r2", 1_700_000_001.75, 50, 64, max_tokens=64, reason="length", tenant="t2", type="completion"),
-            row("a", "r3", 1_700_000_000.0, 20, 5, max_tokens=None, type="weird-type"),
-            row("b", "r1", 1_700_000_003.0, 80, 8),
-        ]))
+        store.recordings.write(
+            "c",
+            Batch(
+                completions=[
+                    row("a", "r1", 1_700_000_000.25, 300, 40, max_tokens=64),
+                    row(
+                        "a",
+                        "r2",
+                        1_700_000_001.75,
+                        50,
+                        64,
+                        max_tokens=64,
+                        reason="length",
+                        tenant="t2",
+                        type="completion",
+                    ),
+                    row("a", "r3", 1_700_000_000.0, 20, 5, max_tokens=None, type="weird-type"),
+                    row("b", "r1", 1_700_000_003.0, 80, 8),
+                ]
+            ),
+        )
         store.recordings.end_recording(rec, t_ms=2_500_000)
         clock.t = 3000.0
         store.recordings.write("c", Batch(completions=[row("a", "after", 2990.0)]))
@@ -55,15 +97,25 @@ def store_path(tmp_path):
 
 def test_a_recording_replays_its_replicas_requests_as_the_engine_recorded_them(store_path):
     trace = load_recorded(parse_url(f"db:{store_path}#recording=peak&replicas=a"))
-    assert [r.id for r in trace] == ["r3", "r1", "r2"]  # by engine arrival; nothing stored outside the span
+    assert [r.id for r in trace] == [
+        "r3",
+        "r1",
+        "r2",
+    ]  # by engine arrival; nothing stored outside the span
     assert [r.arrival for r in trace] == [0.0, 0.25, 1.75]
     by_id = {r.id: r for r in trace}
-    assert (by_id["r1"].prompt_tokens, by_id["r1"].output_tokens, by_id["r1"].max_tokens) == (300, 40, 64)
+    assert (by_id["r1"].prompt_tokens, by_id["r1"].output_tokens, by_id["r1"].max_tokens) == (
+        300,
+        40,
+        64,
+    )
     assert by_id["r2"].truncated and by_id["r2"].tenant == "t2" and by_id["r2"].type == "completion"
     # No recorded cap: the fixed default, never the output length.
     assert by_id["r3"].max_tokens == traces.DEFAULT_MAX_TOKENS and by_id["r3"].type == "chat"
     assert trace.name == "recording:peak:a"
-    capped = load_recorded(parse_url(f"db:{store_path}#recording=peak&replicas=a"), max_tokens_default=7)
+    capped = load_recorded(
+        parse_url(f"db:{store_path}#recording=peak&replicas=a"), max_tokens_default=7
+    )
     assert {r.id: r.max_tokens for r in capped}["r3"] == 7
 
 
@@ -74,7 +126,9 @@ def test_replicas_merge_only_when_asked_and_from_to_cut_the_span(store_path):
     assert [r.id for r in both] == ["a/r3", "a/r1", "a/r2", "b/r1"]
     part = load_recorded(parse_url(f"db:{store_path}#recording=peak&replicas=a,b&from=0.2&to=2"))
     assert [(r.id, r.arrival) for r in part] == [("a/r1", 0.0), ("a/r2", 1.5)]
-    whole = load_recorded(parse_url(f"db:{store_path}#cluster=c&replicas=a"))  # no recording: everything stored
+    whole = load_recorded(
+        parse_url(f"db:{store_path}#cluster=c&replicas=a")
+    )  # no recording: everything stored
     assert {r.id for r in whole} == {"before", "r1", "r2", "r3", "after"}
 
 
@@ -84,12 +138,15 @@ def test_requests_start_where_the_engine_core_got_them_and_the_hop_is_added_back
     each request's hop back on the simulated completions."""
     from dataclasses import replace
 
-    from sim.engine import EngineConfig, simulate
     from scheduler.settings import Settings
+    from sim.engine import EngineConfig, simulate
     from tuner.recorded import rows_to_trace, with_front_end
 
-    rows = [replace(row("a", "r1", 100.0), received_s=100.3), replace(row("a", "r2", 100.5), received_s=100.5),
-            row("a", "r3", 101.0)]
+    rows = [
+        replace(row("a", "r1", 100.0), received_s=100.3),
+        replace(row("a", "r2", 100.5), received_s=100.5),
+        row("a", "r3", 101.0),
+    ]
     trace = rows_to_trace(rows, "x")
     assert [(r.id, r.arrival) for r in trace] == [("r1", 0.0), ("r2", 0.2), ("r3", 0.7)]
     done = simulate(trace, Settings(), EngineConfig()).completions
@@ -107,22 +164,28 @@ def test_a_request_refused_on_arrival_is_not_replayed():
 
     from tuner.recorded import rows_to_trace
 
-    rows = [row("a", "r1", 100.0), replace(row("a", "r2", 99.0), reason="rejected", first_token_s=None,
-                                           output_tokens=0), row("a", "r3", 101.0)]
+    rows = [
+        row("a", "r1", 100.0),
+        replace(row("a", "r2", 99.0), reason="rejected", first_token_s=None, output_tokens=0),
+        row("a", "r3", 101.0),
+    ]
     trace = rows_to_trace(rows, "x")
     assert [(r.id, r.arrival) for r in trace] == [("r1", 0.0), ("r3", 1.0)]
 
 
-@pytest.mark.parametrize("frag,needle", [
-    ("recording=nope", r"no recording 'nope'.*known: peak"),
-    ("recording=peak&replicas=z", r"no replica 'z'; known: a, b"),
-    ("recording=peak&replicas=a&color=red", r"unknown key 'color'"),
-    ("recording=peak&recording=peak", r"'recording' given twice"),
-    ("recording=peak&from=x", r"from='x' is not a number"),
-    ("recording=peak&from=5&to=1", r"to \(1\) must be after from \(5\)"),
-    ("recording=peak&replicas=a&from=100", r"no request arrived between from and to"),
-    ("cluster=nope", r"no cluster 'nope'"),
-])
+@pytest.mark.parametrize(
+    "frag,needle",
+    [
+        ("recording=nope", r"no recording 'nope'.*known: peak"),
+        ("recording=peak&replicas=z", r"no replica 'z'; known: a, b"),
+        ("recording=peak&replicas=a&color=red", r"unknown key 'color'"),
+        ("recording=peak&recording=peak", r"'recording' given twice"),
+        ("recording=peak&from=x", r"from='x' is not a number"),
+        ("recording=peak&from=5&to=1", r"to \(1\) must be after from \(5\)"),
+        ("recording=peak&replicas=a&from=100", r"no request arrived between from and to"),
+        ("cluster=nope", r"no cluster 'nope'"),
+    ],
+)
 def test_a_bad_span_is_one_error_naming_the_part(store_path, frag, needle):
     with pytest.raises(traces.TraceError, match=needle):
         load_recorded(parse_url(f"db:{store_path}#{frag}"))
@@ -138,14 +201,25 @@ def test_url_round_trip_and_splitting():
 
 def test_sim_and_compare_take_a_recording(store_path, monkeypatch):
     runner = CliRunner()
-    res = runner.invoke(main, ["sim", "--trace", f"db:{store_path}#recording=peak&replicas=a", "--policy", "fcfs",
-                               "--json"])
+    res = runner.invoke(
+        main,
+        [
+            "sim",
+            "--trace",
+            f"db:{store_path}#recording=peak&replicas=a",
+            "--policy",
+            "fcfs",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["run"]["requests"] == 3 and doc["trace"] == "recording:peak:a"
     monkeypatch.setenv("TAILPILOT_DB", str(store_path))
     res = runner.invoke(main, ["compare", "--recording", "peak", "--policies", "fcfs,sarathi"])
-    assert res.exit_code != 0 and "replicas=NAME" in res.output  # two replicas: the error says how to pick
+    assert (
+        res.exit_code != 0 and "replicas=NAME" in res.output
+    )  # two replicas: the error says how to pick
     res = runner.invoke(main, ["sim", "--recording", "peak", "--trace", "x.csv"])
     assert res.exit_code == 2 and "--trace or --recording, not both" in res.output
 
@@ -161,7 +235,9 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     by_id = {r.id: r for r in source}
     db = tmp_path / "rt.db"
     with start_twins(1, source, speed=20, token="tok") as twins:
-        record_all(twins, db, 100, recording="rt")  # the real recorder, until 100 completions are stored
+        record_all(
+            twins, db, 100, recording="rt"
+        )  # the real recorder, until 100 completions are stored
     with Store.open(str(db)) as store:
         stored = store.readings.completions("twins")
     trace = load_recorded(parse_url(f"db:{db}#recording=rt"))
@@ -175,7 +251,9 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     # The engine-side spacing is the source's: consecutive first-lap requests keep their gaps.
     first = [r for r in trace if "@" not in r.id]
     for x, y in zip(first, first[1:]):
-        assert y.arrival - x.arrival == pytest.approx(by_id[y.id].arrival - by_id[x.id].arrival, abs=1e-5)
+        assert y.arrival - x.arrival == pytest.approx(
+            by_id[y.id].arrival - by_id[x.id].arrival, abs=1e-5
+        )
 
 
 def test_tune_on_a_recording_and_recommend_names_it(tmp_path, monkeypatch):
@@ -187,19 +265,46 @@ def test_tune_on_a_recording_and_recommend_names_it(tmp_path, monkeypatch):
     with Store.open("tp.db", clock=clock) as store:
         store.recordings.ensure_replicas("c", [("a", "http://127.0.0.1:1", "http://127.0.0.1:2")])
         rec = store.recordings.begin_recording("c", "day", t_ms=900_000)
-        store.recordings.write("c", Batch(completions=[row("a", r.id, 5_000.0 + r.arrival, r.prompt_tokens, r.output_tokens)
-                                            for r in source]))
+        store.recordings.write(
+            "c",
+            Batch(
+                completions=[
+                    row("a", r.id, 5_000.0 + r.arrival, r.prompt_tokens, r.output_tokens)
+                    for r in source
+                ]
+            ),
+        )
         store.recordings.end_recording(rec, t_ms=1_100_000)
     runner = CliRunner()
     base = ["--study", "s", "--storage", "sqlite:///optuna.db", "--db", "tp.db"]
-    res = runner.invoke(main, ["tune", *base, "--recording", "day", "--policy", "uniboost", "--objective",
-                               "ttlt_p99", "--window-s", "60", "--warmup-s", "0", "--trials", "3", "--no-engine",
-                               "--no-progress"])
+    res = runner.invoke(
+        main,
+        [
+            "tune",
+            *base,
+            "--recording",
+            "day",
+            "--policy",
+            "uniboost",
+            "--objective",
+            "ttlt_p99",
+            "--window-s",
+            "60",
+            "--warmup-s",
+            "0",
+            "--trials",
+            "3",
+            "--no-engine",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, ["recommend", *base, "--no-store", "--json"])
     assert res.exit_code == 0, res.output
     [tr_] = json.loads(res.stdout)["traces"]
-    assert tr_["source"] == f"db:{tmp_path / 'tp.db'}#recording=day" and tr_["requests"] == len(source)
+    assert tr_["source"] == f"db:{tmp_path / 'tp.db'}#recording=day" and tr_["requests"] == len(
+        source
+    )
     text = runner.invoke(main, ["recommend", *base, "--no-store"]).stdout
     assert f"tuned on db:{tmp_path / 'tp.db'}#recording=day ({len(source):,} requests" in text
     # The recording changed since: resuming the study says so instead of tuning on other traffic.

@@ -41,9 +41,23 @@ def _cluster_file(twins, tmp_path, poll=0.1) -> Path:
 
 def _start(cluster_file: Path, db: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "controlplane.recorder", "--cluster", str(cluster_file), "--cluster-name", "twins",
-         "--db", str(db), *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "controlplane.recorder",
+            "--cluster",
+            str(cluster_file),
+            "--cluster-name",
+            "twins",
+            "--db",
+            str(db),
+            *extra,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait(cond, timeout=20.0, what="condition", proc=None):
@@ -75,11 +89,17 @@ def test_sigterm_flushes_everything(twins, tmp_path):
     # Read stderr as it comes: the recorder's start-up (imports) takes seconds on a loaded CI machine,
     # so wait for its first polls (one "healthy" line per replica) instead of a fixed sleep.
     err_lines: list[str] = []
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader = threading.Thread(
+        target=lambda: err_lines.extend(iter(proc.stderr.readline, "")), daemon=True
+    )
     reader.start()
     try:
-        _wait(lambda: sum(" healthy" in line for line in err_lines) >= len(twins.replicas), timeout=60,
-              what="the recorder's first polls", proc=proc)
+        _wait(
+            lambda: sum(" healthy" in line for line in err_lines) >= len(twins.replicas),
+            timeout=60,
+            what="the recorder's first polls",
+            proc=proc,
+        )
         time.sleep(1.5)  # ~15 more polls per replica at 0.1 s
         assert proc.poll() is None
         with Store.open(str(db)) as store:
@@ -99,7 +119,11 @@ def test_sigterm_flushes_everything(twins, tmp_path):
     assert stats["batches"] == 1 and stats["completions_written"] > 0 and stats["polls"] > 10
     with Store.open(str(db)) as store:
         assert assert_exactly_once(store, "twins", twins) == stats["completions_written"]
-        assert sum(len(store.readings.samples("twins", t.name)) for t in twins) == stats["samples_written"] == stats["polls"]
+        assert (
+            sum(len(store.readings.samples("twins", t.name)) for t in twins)
+            == stats["samples_written"]
+            == stats["polls"]
+        )
     assert "replica twin-0 healthy" in err
 
 
@@ -119,7 +143,9 @@ def test_kill_9_and_restart_lose_and_duplicate_nothing(twins, tmp_path):
     assert first.returncode == -signal.SIGKILL
     at_kill = _stored(db)
     finished = sum(t.core.finished_total for t in twins)
-    assert finished > at_kill  # the twins finished more than was stored: the kill lost in-memory rows
+    assert (
+        finished > at_kill
+    )  # the twins finished more than was stored: the kill lost in-memory rows
 
     second = _start(cluster_file, db, "--flush-interval", "0.3")
     try:
@@ -143,15 +169,23 @@ def test_run_recorder_in_process_ends_its_recording(twins, tmp_path):
     db = tmp_path / "rec.db"
     stop = threading.Event()
 
-    def stop_once_stored() -> None:  # an event, not a timer: a loaded machine polls fewer times a second
+    def stop_once_stored() -> (
+        None
+    ):  # an event, not a timer: a loaded machine polls fewer times a second
         try:
             _wait(lambda: _stored(db) > 0, timeout=60.0, what="completions stored")
         finally:
             stop.set()
 
     threading.Thread(target=stop_once_stored, daemon=True).start()
-    stats = run_recorder(cluster, str(db), stop=stop, recording_name="nightly",
-                         retention=RetentionSettings(), install_signals=False)
+    stats = run_recorder(
+        cluster,
+        str(db),
+        stop=stop,
+        recording_name="nightly",
+        retention=RetentionSettings(),
+        install_signals=False,
+    )
     assert stats.polls >= 1 and stats.completions_written > 0 and stats.unhealthy_at_end == []
     assert stats.retention_runs == 1
     with Store.open(str(db)) as store:
@@ -162,10 +196,25 @@ def test_run_recorder_in_process_ends_its_recording(twins, tmp_path):
 
 def test_bad_cluster_file_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("clusters:\n  - name: x\n    replicas:\n      - name: a\n        api_url: nope\n"
-                   "        control_url: http://127.0.0.1:1\n")
-    proc = subprocess.run([sys.executable, "-m", "controlplane.recorder", "--cluster", str(bad), "--db",
-                           str(tmp_path / "x.db")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad.write_text(
+        "clusters:\n  - name: x\n    replicas:\n      - name: a\n        api_url: nope\n"
+        "        control_url: http://127.0.0.1:1\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "controlplane.recorder",
+            "--cluster",
+            str(bad),
+            "--db",
+            str(tmp_path / "x.db"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "clusters[0].replicas[0].api_url" in proc.stderr
 
 
@@ -197,21 +246,53 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     api_port = free_port()
     token = "real-vllm-token"
     server = VllmServer(
-        tiny_model_dir, kv_cache_bytes=kv_bytes_for_tokens(2048), max_model_len=1024, workdir=tmp_path / "vllm",
-        extra_args=["--scheduler-cls", "scheduler.plugin.vllm.TailpilotScheduler", "--max-num-seqs", "16",
-                    "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"],
-        extra_env={"TAILPILOT_SETTINGS_FILE": str(settings_file), "TAILPILOT_API_PORT": str(api_port),
-                   "TAILPILOT_TOKEN": token, "TAILPILOT_REPLICA": "cpu-0"})
+        tiny_model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(2048),
+        max_model_len=1024,
+        workdir=tmp_path / "vllm",
+        extra_args=[
+            "--scheduler-cls",
+            "scheduler.plugin.vllm.TailpilotScheduler",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_TOKEN": token,
+            "TAILPILOT_REPLICA": "cpu-0",
+        },
+    )
     rng = random.Random(5)
     tenants = ["acme", "globex"]
-    requests = [CompletionRequest(prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 40, 120]))],
-                                  max_tokens=rng.choice([8, 32, 64]), tenant=tenants[i % 2],
-                                  type=rng.choice(["chat", "completion"])) for i in range(48)]
+    requests = [
+        CompletionRequest(
+            prompt=[rng.randrange(5, 4000) for _ in range(rng.choice([8, 40, 120]))],
+            max_tokens=rng.choice([8, 32, 64]),
+            tenant=tenants[i % 2],
+            type=rng.choice(["chat", "completion"]),
+        )
+        for i in range(48)
+    ]
     monkeypatch.setenv("TP_REAL_TOKEN", token)
     with server:
-        cluster = ClusterSpec(name="real", poll_interval_s=0.25, timeout_s=10.0, window_s=600.0, replicas=[
-            ReplicaSpec(name="cpu-0", api_url=server.base_url, control_url=f"http://127.0.0.1:{api_port}",
-                        token_env="TP_REAL_TOKEN")])
+        cluster = ClusterSpec(
+            name="real",
+            poll_interval_s=0.25,
+            timeout_s=10.0,
+            window_s=600.0,
+            replicas=[
+                ReplicaSpec(
+                    name="cpu-0",
+                    api_url=server.base_url,
+                    control_url=f"http://127.0.0.1:{api_port}",
+                    token_env="TP_REAL_TOKEN",
+                )
+            ],
+        )
         store = Store.open(str(tmp_path / "real.db"))
 
         unhealthy: list[str] = []
@@ -222,11 +303,13 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
             stop = asyncio.Event()
             task = asyncio.create_task(collector.run(stop))
             await asyncio.to_thread(run_completions, server.base_url, requests)
-            [applied] = await apply_settings(cluster, ["cpu-0"], lambda s: s.replace(policy="uniboost"), store,
-                                             who="test")
+            [applied] = await apply_settings(
+                cluster, ["cpu-0"], lambda s: s.replace(policy="uniboost"), store, who="test"
+            )
             deadline = time.monotonic() + 60
-            while collector.views["cpu-0"].cursor < len(requests) or \
-                    (collector.views["cpu-0"].sample.policy != "uniboost" and time.monotonic() < deadline):
+            while collector.views["cpu-0"].cursor < len(requests) or (
+                collector.views["cpu-0"].sample.policy != "uniboost" and time.monotonic() < deadline
+            ):
                 assert time.monotonic() < deadline, "the collector never caught up"
                 await asyncio.sleep(0.1)
             stop.set()
@@ -240,9 +323,13 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     assert unhealthy == []  # vLLM's real /metrics page and the plugin's /state parse on every poll
     stored = store.readings.completions("real", "cpu-0")
     assert len(stored) == len({c.request_id for c in stored}) == len(requests)
-    assert sorted((c.tenant, c.output_tokens) for c in stored) == sorted((r.tenant, r.max_tokens) for r in requests)
+    assert sorted((c.tenant, c.output_tokens) for c in stored) == sorted(
+        (r.tenant, r.max_tokens) for r in requests
+    )
     # The plugin reports each request's client cap (from vLLM's sampling params) and the store keeps it.
-    assert sorted((c.tenant, c.max_tokens) for c in stored) == sorted((r.tenant, r.max_tokens) for r in requests)
+    assert sorted((c.tenant, c.max_tokens) for c in stored) == sorted(
+        (r.tenant, r.max_tokens) for r in requests
+    )
     snap = collector.snapshot().replicas["cpu-0"]
     assert snap.health.healthy and snap.health.mode == "plugin", snap.health
     assert snap.sample.latency.ttlt_p99 is not None and snap.sample.latency.tbt_p50 is not None

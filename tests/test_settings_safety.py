@@ -24,26 +24,59 @@ from sim.engine import EngineConfig, Simulator
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
 
-PROPS = hsettings(max_examples=60, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-STEP_MODEL = StepTimeModel(a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test")
+PROPS = hsettings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+STEP_MODEL = StepTimeModel(
+    a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test"
+)
 TENANTS = ["t0", "t1", "t2", "default"]
 TYPES = ["chat", "reasoning", "batch"]
 
 
 # What the first hardening review sent (each was answered 200 and stopped the replica), and what
 # the property test found next: kept as explicit examples, so they are always tried.
-_REQS = [(100, 30, "t0", "chat"), (5, 5, "t1", "chat"), (300, 40, "t2", "reasoning"), (7, 3, "t0", "chat"),
-         (200, 20, "t1", "batch"), (50, 30, "t0", "chat"), (120, 9, "t2", "chat"), (1, 40, "t1", "chat")]
+_REQS = [
+    (100, 30, "t0", "chat"),
+    (5, 5, "t1", "chat"),
+    (300, 40, "t2", "reasoning"),
+    (7, 3, "t0", "chat"),
+    (200, 20, "t1", "batch"),
+    (50, 30, "t0", "chat"),
+    (120, 9, "t2", "chat"),
+    (1, 40, "t1", "chat"),
+]
 HUGE_MARGIN = {"policy": "srpt", "params": {"margin_tokens": 10**400, "predictor": "history"}}
 TINY_LAS_ALPHA = {"policy": "las", "params": {"alpha_s_per_token": 5e-324}}
-UNIBOOST_LOW = {"policy": "uniboost", "params": {"gamma": 5e-324, "gamma_min": 5e-324, "gamma_max": 5e-324,
-                                                 "ada_min_samples": 1, "ada_interval_s": 5e-324, "memguard": False}}
-UNIBOOST_HIGH = {"policy": "uniboost", "params": {"gamma": 1e6, "gamma_min": 1e6, "gamma_max": 1e6,
-                                                  "ada_min_samples": 1, "ada_interval_s": 5e-324}}
-KNOWN_BAD = [[(HUGE_MARGIN, _REQS, 6), (HUGE_MARGIN, _REQS, 6)],
-             [(TINY_LAS_ALPHA, _REQS, 6)],
-             [(UNIBOOST_LOW, _REQS, 6), (UNIBOOST_HIGH, _REQS, 6)]]
+UNIBOOST_LOW = {
+    "policy": "uniboost",
+    "params": {
+        "gamma": 5e-324,
+        "gamma_min": 5e-324,
+        "gamma_max": 5e-324,
+        "ada_min_samples": 1,
+        "ada_interval_s": 5e-324,
+        "memguard": False,
+    },
+}
+UNIBOOST_HIGH = {
+    "policy": "uniboost",
+    "params": {
+        "gamma": 1e6,
+        "gamma_min": 1e6,
+        "gamma_max": 1e6,
+        "ada_min_samples": 1,
+        "ada_interval_s": 5e-324,
+    },
+}
+KNOWN_BAD = [
+    [(HUGE_MARGIN, _REQS, 6), (HUGE_MARGIN, _REQS, 6)],
+    [(TINY_LAS_ALPHA, _REQS, 6)],
+    [(UNIBOOST_LOW, _REQS, 6), (UNIBOOST_HIGH, _REQS, 6)],
+]
 
 
 def _accept(put, doc: dict) -> bool:
@@ -57,8 +90,18 @@ def _accept(put, doc: dict) -> bool:
 @st.composite
 def arrivals(draw, n_max: int = 6) -> list[tuple[int, int, str, str]]:
     """(prompt tokens, output tokens, tenant, type) of a few requests."""
-    return draw(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40), st.sampled_from(TENANTS),
-                                   st.sampled_from(TYPES)), min_size=1, max_size=n_max))
+    return draw(
+        st.lists(
+            st.tuples(
+                st.integers(1, 300),
+                st.integers(1, 40),
+                st.sampled_from(TENANTS),
+                st.sampled_from(TYPES),
+            ),
+            min_size=1,
+            max_size=n_max,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +110,15 @@ def plugin_classes():
     from plugin_harness import Driver, make_request, make_scheduler
 
     from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
+
     return Driver, make_request, make_scheduler, TailpilotScheduler, TailpilotAsyncScheduler
 
 
 @PROPS
-@given(st.lists(st.tuples(documents(), arrivals(), st.integers(0, 12)), min_size=1, max_size=4),
-       st.booleans())
+@given(
+    st.lists(st.tuples(documents(), arrivals(), st.integers(0, 12)), min_size=1, max_size=4),
+    st.booleans(),
+)
 @example(KNOWN_BAD[0], False)
 @example(KNOWN_BAD[1], True)
 @example(KNOWN_BAD[2], False)
@@ -90,11 +136,17 @@ def test_every_accepted_document_runs_in_vllms_scheduler(plugin_classes, sequenc
             for i, (prompt, out, tenant, rtype) in enumerate(reqs):
                 rid = f"d{k}r{i}"
                 expected[rid] = out
-                driver.add(make_request(rid, prompt, out, arrival=base + k + i * 0.01, tenant=tenant, type=rtype))
+                driver.add(
+                    make_request(
+                        rid, prompt, out, arrival=base + k + i * 0.01, tenant=tenant, type=rtype
+                    )
+                )
             driver.run(steps=steps)
         driver.run(max_steps=5_000)
         driver.drain()
-        assert core.breaker.trips_total == 0, f"an accepted document raised in the step: {core.breaker.last_error}"
+        assert core.breaker.trips_total == 0, (
+            f"an accepted document raised in the step: {core.breaker.last_error}"
+        )
         assert driver.tokens == expected, "a request lost tokens"
         assert set(driver.finished) == set(expected)
     finally:
@@ -107,23 +159,38 @@ def test_every_accepted_document_runs_in_vllms_scheduler(plugin_classes, sequenc
 @example([(doc, reqs, 0.5) for doc, reqs, _ in KNOWN_BAD[1]])
 @example([(doc, reqs, 0.5) for doc, reqs, _ in KNOWN_BAD[2]])
 def test_every_accepted_document_runs_in_the_simulator(sequence):
-    sim = Simulator([], Settings.model_validate({"policy": "sarathi"}),
-                    EngineConfig(num_gpu_blocks=64, block_size=16, step_model=STEP_MODEL),
-                    check_invariants=True)
+    sim = Simulator(
+        [],
+        Settings.model_validate({"policy": "sarathi"}),
+        EngineConfig(num_gpu_blocks=64, block_size=16, step_model=STEP_MODEL),
+        check_invariants=True,
+    )
     t = 0.0
     expected: set[str] = set()
     for k, (doc, reqs, dt) in enumerate(sequence):
         # A small engine, so requests contend for seats and KV: the preemption planner runs.
-        doc = {**doc, "engine": {**doc.get("engine", {}), "max_num_seqs": 4, "max_num_batched_tokens": 64}}
+        doc = {
+            **doc,
+            "engine": {**doc.get("engine", {}), "max_num_seqs": 4, "max_num_batched_tokens": 64},
+        }
         try:
             settings = Settings.model_validate(doc)
         except (ValidationError, ValueError):
             settings = None
         if settings is not None:
             sim.apply_settings(settings)
-        new = [TraceRequest(id=f"d{k}r{i}", arrival=t + i * 0.01, prompt_tokens=prompt, output_tokens=out,
-                            max_tokens=out, tenant=tenant, type=rtype)
-               for i, (prompt, out, tenant, rtype) in enumerate(reqs)]
+        new = [
+            TraceRequest(
+                id=f"d{k}r{i}",
+                arrival=t + i * 0.01,
+                prompt_tokens=prompt,
+                output_tokens=out,
+                max_tokens=out,
+                tenant=tenant,
+                type=rtype,
+            )
+            for i, (prompt, out, tenant, rtype) in enumerate(reqs)
+        ]
         expected |= {r.id for r in new}
         sim.extend_arrivals(new)
         t += dt + 0.1

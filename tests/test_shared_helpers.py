@@ -9,8 +9,8 @@ import random
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from scheduler.validation import describe_validation, field_path
 from controlplane.views import fmt_figure
+from scheduler.validation import describe_validation, field_path
 from storage.backoff import backoff_delays
 
 
@@ -18,19 +18,34 @@ def test_backoff_doubles_to_its_cap_with_jitter_in_the_upper_half():
     delays = list(itertools.islice(backoff_delays(0.1, 0.8, random.Random(1)), 8))
     steps = [0.1, 0.2, 0.4, 0.8, 0.8, 0.8, 0.8, 0.8]
     assert all(s / 2 <= d <= s for d, s in zip(delays, steps, strict=True))
-    assert len({round(d / s, 6) for d, s in zip(delays, steps, strict=True)}) > 1  # jittered, not fixed
+    assert (
+        len({round(d / s, 6) for d, s in zip(delays, steps, strict=True)}) > 1
+    )  # jittered, not fixed
 
 
-@pytest.mark.parametrize("value,text", [
-    (None, "—"), (math.nan, "—"), (math.inf, "—"), (True, "on"), (False, "off"), (12345.6, "12,346"),
-    (3.14159, "3.142"), (7, "7"), ("x", "x"),
-])
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        (None, "—"),
+        (math.nan, "—"),
+        (math.inf, "—"),
+        (True, "on"),
+        (False, "off"),
+        (12345.6, "12,346"),
+        (3.14159, "3.142"),
+        (7, "7"),
+        ("x", "x"),
+    ],
+)
 def test_a_figure_is_written_one_way(value, text):
     assert fmt_figure(value) == text
 
 
 def test_an_ungrouped_figure_keeps_integers_and_more_digits():
-    assert fmt_figure(12345, grouped=False) == "12345" and fmt_figure(3.14159, sig=5, grouped=False) == "3.1416"
+    assert (
+        fmt_figure(12345, grouped=False) == "12345"
+        and fmt_figure(3.14159, sig=5, grouped=False) == "3.1416"
+    )
 
 
 def test_a_field_error_names_the_path():
@@ -42,7 +57,9 @@ def test_a_field_error_names_the_path():
 
     with pytest.raises(ValidationError) as err:
         Outer.model_validate({"items": [{"port": 1}, {"port": "x"}]})
-    assert describe_validation(err.value).startswith("items[1].port: Input should be a valid integer")
+    assert describe_validation(err.value).startswith(
+        "items[1].port: Input should be a valid integer"
+    )
     assert field_path(()) == "document" and field_path((), "file") == "file"
 
 

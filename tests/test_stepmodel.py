@@ -80,8 +80,7 @@ def test_2048_token_prefill_chunk_is_100_to_250_ms():
 def test_batch_time_matches_step_time_terms():
     model = get_model()
     chunks, ctxs = [512, 1024], [10, 20, 30]
-    expected = (model.a + model.b * 1536 + model.c * (512**2 + 1024**2)
-                + model.d * 3 + model.e * 60)
+    expected = model.a + model.b * 1536 + model.c * (512**2 + 1024**2) + model.d * 3 + model.e * 60
     assert model.batch_time(chunks, ctxs) == pytest.approx(expected, rel=1e-12)
     assert model.batch_time() == pytest.approx(model.a)
 
@@ -184,8 +183,14 @@ def test_model_rejects_negative_or_nonfinite_coefficients():
 # --------------------------------------------------------------------------------------------
 
 
-def _synthetic_log(model: StepTimeModel, seed: int, n: int = 2000, noise: float = 0.01,
-                   prefill: bool = True, decode: bool = True) -> list[tuple]:
+def _synthetic_log(
+    model: StepTimeModel,
+    seed: int,
+    n: int = 2000,
+    noise: float = 0.01,
+    prefill: bool = True,
+    decode: bool = True,
+) -> list[tuple]:
     """Random steps: ~60 % decode-only, ~20 % prefill-only, ~20 % mixed; 1 % multiplicative noise."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -193,8 +198,11 @@ def _synthetic_log(model: StepTimeModel, seed: int, n: int = 2000, noise: float 
         kind = rng.random()
         has_prefill = prefill and (kind >= 0.6 or not decode)
         has_decode = decode and (kind < 0.8 or not prefill)
-        chunks = (np.exp(rng.uniform(np.log(16), np.log(8192), size=rng.integers(1, 4))).astype(int)
-                  if has_prefill else np.zeros(0, dtype=int))
+        chunks = (
+            np.exp(rng.uniform(np.log(16), np.log(8192), size=rng.integers(1, 4))).astype(int)
+            if has_prefill
+            else np.zeros(0, dtype=int)
+        )
         if has_decode:
             level = np.exp(rng.uniform(np.log(16), np.log(8000)))  # phase-dependent context length
             ctxs = rng.integers(1, int(2 * level) + 1, size=rng.integers(1, 257))
@@ -202,8 +210,13 @@ def _synthetic_log(model: StepTimeModel, seed: int, n: int = 2000, noise: float 
             ctxs = np.zeros(0, dtype=int)
         # true time from the formula, computed here term by term
         sq = float(np.sum(chunks.astype(float) ** 2))
-        t = (model.a + model.b * chunks.sum() + model.c * sq + model.d * len(ctxs)
-             + model.e * ctxs.sum())
+        t = (
+            model.a
+            + model.b * chunks.sum()
+            + model.c * sq
+            + model.d * len(ctxs)
+            + model.e * ctxs.sum()
+        )
         t *= 1.0 + noise * rng.standard_normal()
         rows.append((t, int(chunks.sum()), sq, len(ctxs), int(ctxs.sum())))
     return rows

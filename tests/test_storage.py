@@ -55,7 +55,9 @@ def url(request, tmp_path) -> str:
     """A fresh, empty database: a SQLite file, or a new database on the session's PostgreSQL."""
     if request.param == "sqlite":
         return str(tmp_path / "store.db")
-    return request.getfixturevalue("postgres_server").create_database(f"t{os.getpid()}_{next(_db_numbers)}")
+    return request.getfixturevalue("postgres_server").create_database(
+        f"t{os.getpid()}_{next(_db_numbers)}"
+    )
 
 
 @pytest.fixture
@@ -69,7 +71,9 @@ def store(url):
 
 
 def latency(rng: random.Random, none_share: float = 0.2) -> LatencyPercentiles:
-    return LatencyPercentiles(*(None if rng.random() < none_share else rng.uniform(0.01, 5.0) for _ in range(12)))
+    return LatencyPercentiles(
+        *(None if rng.random() < none_share else rng.uniform(0.01, 5.0) for _ in range(12))
+    )
 
 
 def sample(rng: random.Random, replica: str, t_ms: int, healthy: bool = True) -> SampleRow:
@@ -85,7 +89,9 @@ def sample(rng: random.Random, replica: str, t_ms: int, healthy: bool = True) ->
     )  # fmt: skip
 
 
-def group_sample(rng: random.Random, replica: str, t_ms: int, kind: str, group: str) -> GroupSampleRow:
+def group_sample(
+    rng: random.Random, replica: str, t_ms: int, kind: str, group: str
+) -> GroupSampleRow:
     return GroupSampleRow(replica=replica, t_ms=t_ms, kind=kind, group=group, completed=rng.randint(0, 30),
                           throughput_tok_s=rng.uniform(0, 900), latency=latency(rng))  # fmt: skip
 
@@ -104,29 +110,46 @@ def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
 
 def test_round_trip_of_every_row_kind(store):
     rng = random.Random(1)
-    store.recordings.ensure_replicas("prod", [("r1", "http://r1:8000", "http://r1:9000"), ("r2", "http://r2:8000", None)])
-    store.recordings.ensure_replicas("prod", [("r2", "http://r2:8000", "http://r2:9000")])  # URLs of a known replica move
-    samples = [sample(rng, r, T0 + k * 1000, healthy=(k != 2)) for k in range(4) for r in ("r1", "r2")]
+    store.recordings.ensure_replicas(
+        "prod", [("r1", "http://r1:8000", "http://r1:9000"), ("r2", "http://r2:8000", None)]
+    )
+    store.recordings.ensure_replicas(
+        "prod", [("r2", "http://r2:8000", "http://r2:9000")]
+    )  # URLs of a known replica move
+    samples = [
+        sample(rng, r, T0 + k * 1000, healthy=(k != 2)) for k in range(4) for r in ("r1", "r2")
+    ]
     groups = [group_sample(rng, r, T0 + k * 1000, kind, g) for k in range(3) for r in ("r1", "r2")
               for kind, g in (("tenant", "a"), ("tenant", "b"), ("type", "chat"))]  # fmt: skip
     comps = [completion("r1" if i % 2 else "r2", i, tenant="ab"[i % 2]) for i in range(20)]
-    store.recordings.write("prod", Batch(samples=samples, group_samples=groups, completions=comps, cursors={"r1": 10, "r2": 9}))
-    store.recordings.write("staging", Batch(samples=[sample(rng, "r1", T0 + 500)], cursors={"r1": 3}))  # another cluster
+    store.recordings.write(
+        "prod",
+        Batch(
+            samples=samples, group_samples=groups, completions=comps, cursors={"r1": 10, "r2": 9}
+        ),
+    )
+    store.recordings.write(
+        "staging", Batch(samples=[sample(rng, "r1", T0 + 500)], cursors={"r1": 3})
+    )  # another cluster
 
     assert store.recordings.clusters() == ["prod", "staging"]
     reps = {r.name: r for r in store.recordings.replicas("prod")}
     assert (reps["r1"].api_url, reps["r1"].control_url) == ("http://r1:8000", "http://r1:9000")
     assert (reps["r2"].api_url, reps["r2"].control_url) == ("http://r2:8000", "http://r2:9000")
-    assert reps["r1"].last_seen_ms == max(s.t_ms for s in samples if s.replica == "r1" and s.healthy)
+    assert reps["r1"].last_seen_ms == max(
+        s.t_ms for s in samples if s.replica == "r1" and s.healthy
+    )
     assert store.recordings.cursors("prod") == {"r1": 10, "r2": 9}
     assert store.recordings.cursors("staging") == {"r1": 3}
 
     for r in ("r1", "r2"):
         assert store.readings.samples("prod", r) == [s for s in samples if s.replica == r]
-        assert sorted(store.readings.group_samples("prod", r), key=lambda g: (g.t_ms, g.kind, g.group)) == sorted(
-            (g for g in groups if g.replica == r), key=lambda g: (g.t_ms, g.kind, g.group)
-        )
-    assert store.readings.group_samples("prod", "r1", kind="type") == [g for g in groups if g.replica == "r1" and g.kind == "type"]
+        assert sorted(
+            store.readings.group_samples("prod", r), key=lambda g: (g.t_ms, g.kind, g.group)
+        ) == sorted((g for g in groups if g.replica == r), key=lambda g: (g.t_ms, g.kind, g.group))
+    assert store.readings.group_samples("prod", "r1", kind="type") == [
+        g for g in groups if g.replica == "r1" and g.kind == "type"
+    ]
     assert store.readings.samples("prod", "r1", since_ms=T0 + 1000, until_ms=T0 + 3000) == [
         s for s in samples if s.replica == "r1" and T0 + 1000 <= s.t_ms < T0 + 3000
     ]
@@ -140,14 +163,23 @@ def test_round_trip_of_every_row_kind(store):
     assert store.recordings.time_range("prod") == (T0, T0 + 3000)
     assert store.recordings.time_range("nowhere") is None
 
-    old, new = {"policy": "fcfs", "params": {}}, {"policy": "uniboost", "params": {"gamma": 8.0}, "pinned": ["gamma"]}
-    store.settings_log.record_settings_change("prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0)
+    old, new = (
+        {"policy": "fcfs", "params": {}},
+        {"policy": "uniboost", "params": {"gamma": 8.0}, "pinned": ["gamma"]},
+    )
+    store.settings_log.record_settings_change(
+        "prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0
+    )
     store.settings_log.record_settings_change("prod", "r2", who="tuner", old=new, new=old, result="rejected",
                                  message="gamma: out of range", t_ms=T0 + 1)  # fmt: skip
-    store.settings_log.record_settings_change("prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2)  # new name
+    store.settings_log.record_settings_change(
+        "prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2
+    )  # new name
     log = store.settings_log.settings_changes("prod")
     assert [(c["replica"], c["who"], c["result"]) for c in log] == [
-        ("r9", "bob", "error"), ("r2", "tuner", "rejected"), ("r1", "alice", "applied")
+        ("r9", "bob", "error"),
+        ("r2", "tuner", "rejected"),
+        ("r1", "alice", "applied"),
     ]
     assert log[2] == {"t_ms": T0, "cluster": "prod", "replica": "r1", "who": "alice", "old": old, "new": new,
                       "result": "applied", "message": None, "version": 4}  # fmt: skip
@@ -160,15 +192,20 @@ def test_round_trip_of_every_row_kind(store):
     store.recordings.end_recording(rec, t_ms=T0 + 60_000)
     recs = store.recordings.all()
     assert [(r.id, r.name, r.cluster, r.started_ms, r.ended_ms, r.note) for r in recs] == [
-        (rec, "peak", "prod", T0, T0 + 60_000, "Monday peak"), (other, "smoke", "staging", T0 + 5, None, None)
+        (rec, "peak", "prod", T0, T0 + 60_000, "Monday peak"),
+        (other, "smoke", "staging", T0 + 5, None, None),
     ]
     assert [r.id for r in store.recordings.all("staging")] == [other]
     with pytest.raises(KeyError):
         store.recordings.end_recording(10_000)
 
     assert store.tuner.latest_recommendation() is None
-    store.tuner.store_recommendation("s1", {"policy": "uniboost", "params": {"gamma": 4.0}}, {"ttlt_p99": 1.5}, t_ms=T0)
-    store.tuner.store_recommendation("s2", {"policy": "fcfs"}, {"ttlt_p99": 2.0, "windows": [1, 2]}, t_ms=T0 + 1)
+    store.tuner.store_recommendation(
+        "s1", {"policy": "uniboost", "params": {"gamma": 4.0}}, {"ttlt_p99": 1.5}, t_ms=T0
+    )
+    store.tuner.store_recommendation(
+        "s2", {"policy": "fcfs"}, {"ttlt_p99": 2.0, "windows": [1, 2]}, t_ms=T0 + 1
+    )
     assert store.tuner.latest_recommendation().study == "s2"
     s1 = store.tuner.latest_recommendation("s1")
     assert (s1.settings, s1.summary, s1.created_ms) == ({"policy": "uniboost", "params": {"gamma": 4.0}},
@@ -185,23 +222,36 @@ def test_reopening_keeps_everything(url):
 
 def test_latest_samples_at_a_past_time(store):
     rng = random.Random(2)
-    rows = [sample(rng, "r1", T0 + t) for t in (1000, 2000, 3000)] + [sample(rng, "r2", T0 + t) for t in (1500, 2500)]
+    rows = [sample(rng, "r1", T0 + t) for t in (1000, 2000, 3000)] + [
+        sample(rng, "r2", T0 + t) for t in (1500, 2500)
+    ]
     store.recordings.write("c", Batch(samples=rows[:3]))
     store.recordings.write("c", Batch(samples=rows[3:]))
     by_time = {(r.replica, r.t_ms): r for r in rows}
-    assert store.readings.latest_samples("c", at_ms=T0 + 2200) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
-    assert store.readings.latest_samples("c", at_ms=T0 + 2000) == {"r1": by_time["r1", T0 + 2000], "r2": by_time["r2", T0 + 1500]}
+    assert store.readings.latest_samples("c", at_ms=T0 + 2200) == {
+        "r1": by_time["r1", T0 + 2000],
+        "r2": by_time["r2", T0 + 1500],
+    }
+    assert store.readings.latest_samples("c", at_ms=T0 + 2000) == {
+        "r1": by_time["r1", T0 + 2000],
+        "r2": by_time["r2", T0 + 1500],
+    }
     assert store.readings.latest_samples("c", at_ms=T0 + 1200) == {"r1": by_time["r1", T0 + 1000]}
     assert store.readings.latest_samples("c", at_ms=T0) == {}
-    assert store.readings.latest_samples("c") == {"r1": by_time["r1", T0 + 3000], "r2": by_time["r2", T0 + 2500]}
+    assert store.readings.latest_samples("c") == {
+        "r1": by_time["r1", T0 + 3000],
+        "r2": by_time["r2", T0 + 2500],
+    }
     assert store.readings.latest_samples("other") == {}
 
 
 def test_completion_max_tokens_round_trip(store):
     """The client's cap is stored per completion and read back as written: set, absent (None), and
     values unrelated to the output length (over and under it), on both backends."""
-    rows = [replace(completion("r1", i), max_tokens=m) for i, m in
-            enumerate([None, 1, 16, 4096, 131_072, 2**31 - 1, None, 7])]
+    rows = [
+        replace(completion("r1", i), max_tokens=m)
+        for i, m in enumerate([None, 1, 16, 4096, 131_072, 2**31 - 1, None, 7])
+    ]
     store.recordings.write("c", Batch(completions=rows, cursors={"r1": len(rows)}))
     got = {c.request_id: c.max_tokens for c in store.readings.completions("c")}
     assert got == {c.request_id: c.max_tokens for c in rows}
@@ -218,12 +268,16 @@ def test_migrations_match_models_and_downgrade(url):
     store = Store.open(url)  # migrates to head
     try:
         with store.database.engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata
+            )
         assert diff == []
         downgrade(store.database.engine, "base")
         assert set(inspect(store.database.engine).get_table_names()) <= {"alembic_version"}
         upgrade(store.database.engine)
-        assert set(inspect(store.database.engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
+        assert set(inspect(store.database.engine).get_table_names()) == set(
+            Base.metadata.tables
+        ) | {"alembic_version"}
     finally:
         store.close()
 
@@ -241,24 +295,46 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
         with store.database.engine.begin() as conn:  # rows written by a 0002-era store
             rid = conn.execute(text("SELECT id FROM replicas WHERE name = 'r1'")).scalar_one()
             for c in old[4:]:
-                conn.execute(text(
-                    "INSERT INTO completions (replica_id, request_id, tenant, type, arrival_s, first_token_s, "
-                    "finished_s, prompt_tokens, output_tokens, preemptions, recomputed_tokens, reason, stored_ms) "
-                    "VALUES (:rid, :request_id, :tenant, :type, :arrival_s, :first_token_s, :finished_s, "
-                    ":prompt_tokens, :output_tokens, :preemptions, :recomputed_tokens, :reason, :stored_ms)"),
-                    {"rid": rid, "request_id": c.request_id, "tenant": c.tenant, "type": c.type,
-                     "arrival_s": c.arrival_s, "first_token_s": c.first_token_s, "finished_s": c.finished_s,
-                     "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
-                     "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": c.reason,
-                     "stored_ms": T0})
+                conn.execute(
+                    text(
+                        "INSERT INTO completions (replica_id, request_id, tenant, type, arrival_s, first_token_s, "
+                        "finished_s, prompt_tokens, output_tokens, preemptions, recomputed_tokens, reason, stored_ms) "
+                        "VALUES (:rid, :request_id, :tenant, :type, :arrival_s, :first_token_s, :finished_s, "
+                        ":prompt_tokens, :output_tokens, :preemptions, :recomputed_tokens, :reason, :stored_ms)"
+                    ),
+                    {
+                        "rid": rid,
+                        "request_id": c.request_id,
+                        "tenant": c.tenant,
+                        "type": c.type,
+                        "arrival_s": c.arrival_s,
+                        "first_token_s": c.first_token_s,
+                        "finished_s": c.finished_s,
+                        "prompt_tokens": c.prompt_tokens,
+                        "output_tokens": c.output_tokens,
+                        "preemptions": c.preemptions,
+                        "recomputed_tokens": c.recomputed_tokens,
+                        "reason": c.reason,
+                        "stored_ms": T0,
+                    },
+                )
         with store.database.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == "0002"
         upgrade(store.database.engine)
         with store.database.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head_revision()
-            assert conn.execute(text("SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL "
-                                     "AND received_s IS NULL")).scalar_one() == 6
-        assert store.readings.completions("c") == old  # every field as before; max_tokens and received_s None
+            assert (
+                conn.execute(
+                    text(
+                        "SELECT COUNT(*) FROM completions WHERE max_tokens IS NULL "
+                        "AND received_s IS NULL"
+                    )
+                ).scalar_one()
+                == 6
+            )
+        assert (
+            store.readings.completions("c") == old
+        )  # every field as before; max_tokens and received_s None
         new = replace(completion("r1", 10), max_tokens=2048, received_s=10.004)
         store.recordings.write("c", Batch(completions=[new], cursors={"r1": 7}))
         assert store.readings.completions("c") == [*old, new]
@@ -274,7 +350,7 @@ def test_concurrent_first_opens_migrate_once(tmp_path):
     def opener() -> None:
         try:
             Store.open(path).close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=opener) for _ in range(4)]
@@ -320,7 +396,9 @@ def test_default_url_is_tailpilot_db_in_the_current_directory(tmp_path, monkeypa
 def test_duplicate_completions_are_stored_once(store):
     first = [completion("r1", i) for i in range(10)]
     store.recordings.write("c", Batch(completions=first, cursors={"r1": 10}))
-    again = [replace(completion("r1", i), tenant="changed") for i in range(5, 15)]  # 5..9 re-delivered
+    again = [
+        replace(completion("r1", i), tenant="changed") for i in range(5, 15)
+    ]  # 5..9 re-delivered
     again.append(completion("r1", 14))  # and a duplicate inside one batch
     again.append(completion("r2", 3))  # the same request id on another replica is another request
     store.recordings.write("c", Batch(completions=again, cursors={"r1": 15, "r2": 1}))
@@ -328,7 +406,9 @@ def test_duplicate_completions_are_stored_once(store):
     assert sorted((c.replica, c.request_id) for c in stored) == sorted(
         [("r1", f"req-{i}") for i in range(15)] + [("r2", "req-3")]
     )
-    assert {c.request_id: c.tenant for c in stored if c.replica == "r1"}["req-7"] == "a"  # first write wins
+    assert {c.request_id: c.tenant for c in stored if c.replica == "r1"}[
+        "req-7"
+    ] == "a"  # first write wins
     assert store.recordings.cursors("c") == {"r1": 15, "r2": 1}
 
 
@@ -376,14 +456,22 @@ def test_kill_9_and_restart_neither_loses_nor_duplicates(url):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with Store.open(url) as watcher:
         deadline = time.monotonic() + 60
-        while watcher.recordings.cursors("c").get("r1", 0) < 2_000 and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            watcher.recordings.cursors("c").get("r1", 0) < 2_000
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
-        assert proc.poll() is None, f"the collector finished before it could be killed: {proc.communicate()}"
+        assert proc.poll() is None, (
+            f"the collector finished before it could be killed: {proc.communicate()}"
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         cursor = watcher.recordings.cursors("c")["r1"]
         assert 0 < cursor < total
-        assert len(watcher.readings.completions("c")) == cursor  # the cursor names exactly what is stored
+        assert (
+            len(watcher.readings.completions("c")) == cursor
+        )  # the cursor names exactly what is stored
 
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -418,20 +506,31 @@ class LockHolder(threading.Thread):
 
 def test_locked_sqlite_is_retried_and_nothing_is_lost(tmp_path):
     path = tmp_path / "locked.db"
-    store = Store.open(str(path), busy_timeout_ms=50)  # SQLite gives up fast; the store's retries must carry it
+    store = Store.open(
+        str(path), busy_timeout_ms=50
+    )  # SQLite gives up fast; the store's retries must carry it
     try:
         holder = LockHolder(path, hold_s=1.0)
         holder.start()
         assert holder.locked.wait(10)
         rows = [completion("r1", i) for i in range(100)]
-        store.recordings.write("c", Batch(samples=[sample(random.Random(4), "r1", T0)], completions=rows, cursors={"r1": 100}))
+        store.recordings.write(
+            "c",
+            Batch(
+                samples=[sample(random.Random(4), "r1", T0)], completions=rows, cursors={"r1": 100}
+            ),
+        )
         holder.join()
         assert store.database.busy_retries > 0
-        assert time.monotonic() >= holder.released_at > 0  # it waited for the lock, it did not sneak past
+        assert (
+            time.monotonic() >= holder.released_at > 0
+        )  # it waited for the lock, it did not sneak past
         assert store.readings.completions("c") == rows
         assert store.recordings.cursors("c") == {"r1": 100}
         assert len(store.readings.samples("c", "r1")) == 1
-        assert [r.name for r in store.recordings.all()] == ["holder"]  # the other writer's row survives too
+        assert [r.name for r in store.recordings.all()] == [
+            "holder"
+        ]  # the other writer's row survives too
     finally:
         store.close()
 
@@ -449,7 +548,9 @@ def test_store_busy_after_the_deadline_and_the_batch_can_be_retried(tmp_path):
             store.recordings.write("c", batch)
         assert 0.3 <= time.monotonic() - t0 < 1.5
         holder.join()
-        assert store.readings.completions("c") == [] and store.recordings.cursors("c") == {}  # nothing half-written
+        assert (
+            store.readings.completions("c") == [] and store.recordings.cursors("c") == {}
+        )  # nothing half-written
         store.recordings.write("c", batch)  # the caller kept the batch; now it goes in
         assert len(store.readings.completions("c")) == 10
     finally:
@@ -465,11 +566,19 @@ def _mean_max(values):
 
 
 def test_retention_folds_old_samples_into_minute_rollups(url):
-    now_ms = T0 + 2 * 60_000 + 3_600_000 + 30_000  # cut-off: T0 + 2 min (1 h ago, rounded down to the minute)
+    now_ms = (
+        T0 + 2 * 60_000 + 3_600_000 + 30_000
+    )  # cut-off: T0 + 2 min (1 h ago, rounded down to the minute)
     settings = RetentionSettings(raw_sample_hours=1, completion_days=1)
     rng = random.Random(5)
-    samples = [sample(rng, r, T0 + k * 5_000, healthy=rng.random() > 0.2) for k in range(36) for r in ("r1", "r2")]
-    groups = [group_sample(rng, "r1", T0 + k * 5_000, "tenant", g) for k in range(36) for g in ("a", "b")]
+    samples = [
+        sample(rng, r, T0 + k * 5_000, healthy=rng.random() > 0.2)
+        for k in range(36)
+        for r in ("r1", "r2")
+    ]
+    groups = [
+        group_sample(rng, "r1", T0 + k * 5_000, "tenant", g) for k in range(36) for g in ("a", "b")
+    ]
     with Store.open(url) as store:
         store.recordings.write("c", Batch(samples=samples, group_samples=groups))
         report = store.retention.apply(now_ms, settings)
@@ -477,19 +586,31 @@ def test_retention_folds_old_samples_into_minute_rollups(url):
         assert (report.samples_folded, report.group_samples_folded) == (len(old), 2 * 24)
 
         for r in ("r1", "r2"):
-            assert store.readings.samples("c", r) == [s for s in samples if s.replica == r and s.t_ms >= T0 + 120_000]
+            assert store.readings.samples("c", r) == [
+                s for s in samples if s.replica == r and s.t_ms >= T0 + 120_000
+            ]
             rollups = store.readings.sample_rollups("c", r)
             assert [u["minute_ms"] for u in rollups] == [T0, T0 + 60_000]
             for u in rollups:
-                inside = [s for s in old if s.replica == r and u["minute_ms"] <= s.t_ms < u["minute_ms"] + 60_000]
+                inside = [
+                    s
+                    for s in old
+                    if s.replica == r and u["minute_ms"] <= s.t_ms < u["minute_ms"] + 60_000
+                ]
                 assert (u["n"], u["n_healthy"]) == (len(inside), sum(s.healthy for s in inside))
                 assert u["settings_version_max"] == max(s.settings_version or 0 for s in inside)
                 for col in SAMPLE_GAUGES:
                     mean, top = _mean_max([getattr(s, col) for s in inside])
-                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (pytest.approx(mean), pytest.approx(top)), col
+                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (
+                        pytest.approx(mean),
+                        pytest.approx(top),
+                    ), col
                 for col in PERCENTILE_FIELDS:
                     mean, top = _mean_max([getattr(s.latency, col) for s in inside])
-                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (pytest.approx(mean), pytest.approx(top)), col
+                    assert (u[f"{col}_mean"], u[f"{col}_max"]) == (
+                        pytest.approx(mean),
+                        pytest.approx(top),
+                    ), col
         assert all(g.t_ms >= T0 + 120_000 for g in store.readings.group_samples("c", "r1"))
         assert len(store.readings.group_samples("c", "r1")) == 2 * 12
         assert store.recordings.time_range("c") == (T0, max(s.t_ms for s in samples))
@@ -503,14 +624,21 @@ def test_retention_merges_a_late_sample_into_its_folded_minute(url):
     now_ms = T0 + 60_000 + 3_600_000
     settings = RetentionSettings(raw_sample_hours=1)
     values = [3, 5, 10]
-    rows = [SampleRow(replica="r1", t_ms=T0 + 10_000 * k, healthy=True, waiting=v) for k, v in enumerate(values)]
+    rows = [
+        SampleRow(replica="r1", t_ms=T0 + 10_000 * k, healthy=True, waiting=v)
+        for k, v in enumerate(values)
+    ]
     with Store.open(url) as store:
         store.recordings.write("c", Batch(samples=rows[:2]))
         store.retention.apply(now_ms, settings)
         store.recordings.write("c", Batch(samples=rows[2:]))  # arrives after its minute was folded
         assert store.retention.apply(now_ms, settings).samples_folded == 1
         (u,) = store.readings.sample_rollups("c", "r1")
-        assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (3, pytest.approx(statistics.fmean(values)), 10)
+        assert (u["n"], u["waiting_mean"], u["waiting_max"]) == (
+            3,
+            pytest.approx(statistics.fmean(values)),
+            10,
+        )
         assert u["kv_usage_mean"] is None and u["kv_usage_max"] is None
 
 
@@ -518,15 +646,21 @@ def test_retention_keeps_recorded_spans_and_deletes_old_completions(url):
     clock = [T0 / 1000]
     now_ms = T0 + 2 * 86_400_000
     with Store.open(url, clock=lambda: clock[0]) as store:
-        rows = [SampleRow(replica="r1", t_ms=T0 + 5_000 * k, healthy=True, waiting=k) for k in range(12)]
-        store.recordings.write("c", Batch(samples=rows, completions=[completion("r1", i) for i in range(3)]))
+        rows = [
+            SampleRow(replica="r1", t_ms=T0 + 5_000 * k, healthy=True, waiting=k) for k in range(12)
+        ]
+        store.recordings.write(
+            "c", Batch(samples=rows, completions=[completion("r1", i) for i in range(3)])
+        )
         store.recordings.begin_recording("c", "keep me", t_ms=T0 + 20_000)
         rec = store.recordings.begin_recording("c", "closed", t_ms=T0 + 50_000)
         store.recordings.end_recording(rec, t_ms=T0 + 50_000)
         clock[0] = (now_ms - 3_600_000) / 1000  # an hour before now: younger than a day
         store.recordings.write("c", Batch(completions=[completion("r1", i) for i in range(3, 5)]))
 
-        report = store.retention.apply(now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1))
+        report = store.retention.apply(
+            now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1)
+        )
         kept = [s.t_ms for s in store.readings.samples("c", "r1")]
         # "keep me" is still open (until now), so everything from T0 + 20 s on stays raw; so does T0 + 50 s.
         assert kept == [s.t_ms for s in rows if s.t_ms >= T0 + 20_000]
@@ -557,9 +691,18 @@ def test_retention_settings_are_validated():
 @pytest.mark.parametrize(
     "bad_url, shown",
     [
-        ("postgresql+psycopg://tp:s3cret-pw@127.0.0.1:1/tailpilot", "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot"),
-        ("postgresql://tp:s3cret-pw@127.0.0.1:1/tailpilot", "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot"),
-        ("postgresql://tp:s3cret-pw@db:notaport/tailpilot", "postgresql://tp:***@db:notaport/tailpilot"),
+        (
+            "postgresql+psycopg://tp:s3cret-pw@127.0.0.1:1/tailpilot",
+            "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot",
+        ),
+        (
+            "postgresql://tp:s3cret-pw@127.0.0.1:1/tailpilot",
+            "postgresql+psycopg://tp:***@127.0.0.1:1/tailpilot",
+        ),
+        (
+            "postgresql://tp:s3cret-pw@db:notaport/tailpilot",
+            "postgresql://tp:***@db:notaport/tailpilot",
+        ),
         ("mysql://tp:s3cret-pw@db/tailpilot", "mysql://tp:***@db/tailpilot"),
         ("nosuchdialect://tp:s3cret-pw@db/x", "nosuchdialect://tp:***@db/x"),
     ],
@@ -570,7 +713,9 @@ def test_a_url_that_cannot_be_opened_is_a_clear_error_without_the_password(bad_u
     message = str(info.value)
     assert shown in message
     assert "s3cret" not in message
-    assert "s3cret" not in repr(info.value.__cause__) and "s3cret" not in repr(info.value.__context__)
+    assert "s3cret" not in repr(info.value.__cause__) and "s3cret" not in repr(
+        info.value.__context__
+    )
 
 
 def test_a_sqlite_path_in_a_missing_directory_is_a_clear_error(tmp_path):
@@ -579,7 +724,7 @@ def test_a_sqlite_path_in_a_missing_directory_is_a_clear_error(tmp_path):
         Store.open(str(missing))
 
 
-def test_postgres_server_can_host_extra_databases(postgres_server, postgres_url):  # noqa: F811
+def test_postgres_server_can_host_extra_databases(postgres_server, postgres_url):
     """The tuner keeps Optuna's tables in a second database beside the store's."""
     with Store.open(postgres_url) as main:
         main.recordings.write("c", Batch(cursors={"r1": 1}))
@@ -603,12 +748,25 @@ def test_a_refused_batch_goes_back_in_front_of_newer_rows():
     from storage.rows import SettingsSeenRow
 
     rng = random.Random(3)
-    old = Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 1)], cursors={"r1": 1, "r2": 4},
-                instances={"r1": "a"}, settings_seen=[SettingsSeenRow("r1", T0, 1, "a", {"policy": "fcfs"})])
-    new = Batch(samples=[sample(rng, "r1", T0 + 1)], completions=[completion("r1", 2)], cursors={"r1": 2},
-                instances={"r1": "b"}, settings_seen=[SettingsSeenRow("r1", T0 + 1, 2, "b", {"policy": "las"})])
+    old = Batch(
+        samples=[sample(rng, "r1", T0)],
+        completions=[completion("r1", 1)],
+        cursors={"r1": 1, "r2": 4},
+        instances={"r1": "a"},
+        settings_seen=[SettingsSeenRow("r1", T0, 1, "a", {"policy": "fcfs"})],
+    )
+    new = Batch(
+        samples=[sample(rng, "r1", T0 + 1)],
+        completions=[completion("r1", 2)],
+        cursors={"r1": 2},
+        instances={"r1": "b"},
+        settings_seen=[SettingsSeenRow("r1", T0 + 1, 2, "b", {"policy": "las"})],
+    )
     both = old.followed_by(new)
-    assert both.samples == old.samples + new.samples and both.completions == old.completions + new.completions
+    assert (
+        both.samples == old.samples + new.samples
+        and both.completions == old.completions + new.completions
+    )
     assert both.cursors == {"r1": 2, "r2": 4} and both.instances == {"r1": "b"}
     assert [r.version for r in both.settings_seen] == [1, 2] and len(both) == len(old) + len(new)
 
@@ -631,10 +789,22 @@ def test_non_finite_floats_in_documents_are_stored_as_json_null(store):
     """A replica's settings may hold NaN/Infinity: PostgreSQL refused them, SQLite stored invalid JSON."""
     from storage.rows import SettingsSeenRow
 
-    doc = {"policy": "uniboost", "gamma": INF, "params": {"beta": NAN, "trail": [-INF, 1.5]}, "ok": 2.0}
-    clean = {"policy": "uniboost", "gamma": None, "params": {"beta": None, "trail": [None, 1.5]}, "ok": 2.0}
+    doc = {
+        "policy": "uniboost",
+        "gamma": INF,
+        "params": {"beta": NAN, "trail": [-INF, 1.5]},
+        "ok": 2.0,
+    }
+    clean = {
+        "policy": "uniboost",
+        "gamma": None,
+        "params": {"beta": None, "trail": [None, 1.5]},
+        "ok": 2.0,
+    }
     store.recordings.write("c", Batch(settings_seen=[SettingsSeenRow("r1", T0, 3, "i1", doc)]))
-    store.settings_log.record_settings_change("c", "r1", who="alice", old=doc, new={"gamma": NAN}, result="applied", t_ms=T0)
+    store.settings_log.record_settings_change(
+        "c", "r1", who="alice", old=doc, new={"gamma": NAN}, result="applied", t_ms=T0
+    )
     store.tuner.store_recommendation("s", {"gamma": INF}, {"gamma": NAN, "ci": [NAN, 3.0]}, t_ms=T0)
 
     assert [r["settings"] for r in store.settings_log.settings_seen("c")] == [clean]
@@ -653,21 +823,37 @@ def test_non_finite_floats_in_rows_are_stored_as_null(store):
     lat = LatencyPercentiles(ttft_p50=0.5, ttft_p99=INF, tbt_p90=NAN, ttlt_p95=-INF)
     row = SampleRow(replica="r1", t_ms=T0, healthy=True, waiting=3, kv_usage=NAN, gamma_live=INF,
                     beta_live=0.25, throughput_tok_s=-INF, latency=lat)  # fmt: skip
-    big = SampleRow(replica="r1", t_ms=T0 + 1, healthy=True, throughput_tok_s=1e308, throughput_req_s=1e308,
-                    latency=LatencyPercentiles(ttft_p99=1e308))  # a sum that overflows: all kept
+    big = SampleRow(
+        replica="r1",
+        t_ms=T0 + 1,
+        healthy=True,
+        throughput_tok_s=1e308,
+        throughput_req_s=1e308,
+        latency=LatencyPercentiles(ttft_p99=1e308),
+    )  # a sum that overflows: all kept
     group = GroupSampleRow(replica="r1", t_ms=T0, kind="tenant", group="a", completed=2, throughput_tok_s=NAN,
                            latency=lat)  # fmt: skip
     comp = replace(completion("r1", 1), first_token_s=INF)
-    store.recordings.write("c", Batch(samples=[row, big], group_samples=[group], completions=[comp]))
+    store.recordings.write(
+        "c", Batch(samples=[row, big], group_samples=[group], completions=[comp])
+    )
 
     want_lat = LatencyPercentiles(ttft_p50=0.5)
     assert store.readings.samples("c", "r1") == [replace(row, kv_usage=None, gamma_live=None, throughput_tok_s=None,
                                                 latency=want_lat), big]  # fmt: skip
-    assert store.readings.group_samples("c", "r1") == [replace(group, throughput_tok_s=None, latency=want_lat)]
+    assert store.readings.group_samples("c", "r1") == [
+        replace(group, throughput_tok_s=None, latency=want_lat)
+    ]
     assert store.readings.completions("c") == [replace(comp, first_token_s=None)]
-    with store.database.engine.connect() as conn:  # NULL in the database, not NaN (PostgreSQL) or Inf (both)
-        nulls = conn.execute(text("SELECT kv_usage IS NULL AND gamma_live IS NULL AND throughput_tok_s IS NULL "
-                                  "AND ttft_p99 IS NULL AND tbt_p90 IS NULL FROM samples ORDER BY t_ms")).scalars()
+    with (
+        store.database.engine.connect() as conn
+    ):  # NULL in the database, not NaN (PostgreSQL) or Inf (both)
+        nulls = conn.execute(
+            text(
+                "SELECT kv_usage IS NULL AND gamma_live IS NULL AND throughput_tok_s IS NULL "
+                "AND ttft_p99 IS NULL AND tbt_p90 IS NULL FROM samples ORDER BY t_ms"
+            )
+        ).scalars()
         assert [bool(v) for v in nulls] == [True, False]
 
 
@@ -678,10 +864,16 @@ def test_the_float_columns_cleaned_are_the_models_nullable_float_columns():
     from storage.models import Completion, GroupSample, Sample
 
     def floats(model, nullable=True):
-        return {c.name for c in model.__table__.columns if isinstance(c.type, Float) and c.nullable == nullable}
+        return {
+            c.name
+            for c in model.__table__.columns
+            if isinstance(c.type, Float) and c.nullable == nullable
+        }
 
     assert set(SAMPLE_FLOAT_COLUMNS) == floats(Sample) and not floats(Sample, nullable=False)
-    assert set(GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(GroupSample, nullable=False)
+    assert set(GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(
+        GroupSample, nullable=False
+    )
     # arrival_s and finished_s: the collector refuses non-finite; the nullable ones are cleaned on insert
     assert floats(Completion) == {"first_token_s", "received_s"}
 
@@ -693,7 +885,10 @@ def test_strict_json_leaves_finite_documents_alone_and_nulls_the_rest():
 
     doc = {"a": [1, 2.5, None, "x", {"b": True}], "c": -0.0}
     assert dumps(doc) == json.dumps(doc)
-    assert json.loads(dumps({"a": (NAN, 1.0), "b": {"c": -INF}})) == {"a": [None, 1.0], "b": {"c": None}}
+    assert json.loads(dumps({"a": (NAN, 1.0), "b": {"c": -INF}})) == {
+        "a": [None, 1.0],
+        "b": {"c": None},
+    }
 
 
 # ---------------------------------------------------------------------------------- damaged files
@@ -702,7 +897,9 @@ def test_strict_json_leaves_finite_documents_alone_and_nulls_the_rest():
 def damage_table(path: Path, table: str) -> None:
     """Overwrite the root page of ``table`` with garbage: every statement touching it then fails."""
     with sqlite3.connect(path) as raw:
-        (root,) = raw.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+        (root,) = raw.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)
+        ).fetchone()
         (page_size,) = raw.execute("PRAGMA page_size").fetchone()
     raw.close()
     with open(path, "r+b") as f:
@@ -713,14 +910,22 @@ def damage_table(path: Path, table: str) -> None:
 def filled_store(path: Path) -> None:
     rng = random.Random(4)
     with Store.open(str(path)) as s:
-        s.recordings.write("c", Batch(samples=[sample(rng, "r1", T0 + k * 1000) for k in range(3000)],
-                           completions=[completion("r1", i) for i in range(3000)], cursors={"r1": 3000}))
+        s.recordings.write(
+            "c",
+            Batch(
+                samples=[sample(rng, "r1", T0 + k * 1000) for k in range(3000)],
+                completions=[completion("r1", i) for i in range(3000)],
+                cursors={"r1": 3000},
+            ),
+        )
 
 
 def test_a_file_that_is_not_a_database_is_a_clear_open_error(tmp_path):
     path = tmp_path / "noise.db"
     path.write_bytes(random.Random(5).randbytes(50_000))
-    with pytest.raises(StoreOpenError, match=f"{path}: not a SQLite database \\(file is not a database\\)$"):
+    with pytest.raises(
+        StoreOpenError, match=f"{path}: not a SQLite database \\(file is not a database\\)$"
+    ):
         Store.open(str(path))
 
 
@@ -780,7 +985,7 @@ def test_an_opener_waits_out_another_openers_long_migration(tmp_path):
         try:
             Store.open(str(path), busy_timeout_ms=50).close()
             opened.set()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     t = threading.Thread(target=opener)
@@ -798,22 +1003,41 @@ def test_governance_windows_and_alert_events_round_trip(store):
     from storage.rows import AlertRow, GovernanceRow
 
     figures = {"scr": 0.5, "jfi": 0.99, "tenants": {"a": {"ttft_p99": 3.0, "missed": ["ttft_p99"]}}}
-    store.recordings.write("c", Batch(governance=[GovernanceRow(t_ms=T0, summary=figures),
-                                       GovernanceRow(t_ms=T0 + 60_000, summary={**figures, "scr": 1.0})],
-                           alerts=[AlertRow(T0, "scr", "critical", "firing", {"value": 0.5}),
-                                   AlertRow(T0 + 1000, "jfi", "warning", "firing", {"value": 0.8}),
-                                   AlertRow(T0 + 60_000, "scr", "critical", "resolved", {"value": 1.0})]))
-    assert [g["summary"]["scr"] for g in store.governance.windows("c")] == [1.0, 0.5]  # newest first
+    store.recordings.write(
+        "c",
+        Batch(
+            governance=[
+                GovernanceRow(t_ms=T0, summary=figures),
+                GovernanceRow(t_ms=T0 + 60_000, summary={**figures, "scr": 1.0}),
+            ],
+            alerts=[
+                AlertRow(T0, "scr", "critical", "firing", {"value": 0.5}),
+                AlertRow(T0 + 1000, "jfi", "warning", "firing", {"value": 0.8}),
+                AlertRow(T0 + 60_000, "scr", "critical", "resolved", {"value": 1.0}),
+            ],
+        ),
+    )
+    assert [g["summary"]["scr"] for g in store.governance.windows("c")] == [
+        1.0,
+        0.5,
+    ]  # newest first
     assert store.governance.windows("c", until_ms=T0 + 1) == [{"t_ms": T0, "summary": figures}]
     assert store.governance.windows("other") == []
     assert [(e["name"], e["state"]) for e in store.governance.alert_events("c")] == [
-        ("scr", "resolved"), ("jfi", "firing"), ("scr", "firing")]
-    assert [e["name"] for e in store.governance.firing_alerts("c", at_ms=T0 + 2000)] == ["jfi", "scr"]
+        ("scr", "resolved"),
+        ("jfi", "firing"),
+        ("scr", "firing"),
+    ]
+    assert [e["name"] for e in store.governance.firing_alerts("c", at_ms=T0 + 2000)] == [
+        "jfi",
+        "scr",
+    ]
     assert [e["name"] for e in store.governance.firing_alerts("c")] == ["jfi"]
     assert store.governance.firing_alerts("c", at_ms=T0 - 1) == []
 
 
 # ---------------------------------------------------------------------------------- what the store holds
+
 
 def test_the_limits_are_the_columns_own():
     """storage.limits states each column's range as the schema has it: Integer is PostgreSQL's
@@ -829,15 +1053,26 @@ def test_the_limits_are_the_columns_own():
             for col in columns:
                 assert type(tables[name].c[col].type) is kind, (name, col)
     assert set(limits.INT32_COLUMNS["completions"]) == {
-        c.name for c in tables["completions"].c if type(c.type) is Integer and c.name != "replica_id"}
-    widths = {("completions", "request_id"): limits.REQUEST_ID_CHARS, ("completions", "tenant"): limits.TENANT_CHARS,
-              ("completions", "type"): limits.TYPE_CHARS, ("completions", "reason"): limits.REASON_CHARS,
-              ("samples", "policy"): limits.POLICY_CHARS, ("settings_seen", "instance"): limits.INSTANCE_CHARS,
-              ("collector_cursors", "instance"): limits.INSTANCE_CHARS}
+        c.name
+        for c in tables["completions"].c
+        if type(c.type) is Integer and c.name != "replica_id"
+    }
+    widths = {
+        ("completions", "request_id"): limits.REQUEST_ID_CHARS,
+        ("completions", "tenant"): limits.TENANT_CHARS,
+        ("completions", "type"): limits.TYPE_CHARS,
+        ("completions", "reason"): limits.REASON_CHARS,
+        ("samples", "policy"): limits.POLICY_CHARS,
+        ("settings_seen", "instance"): limits.INSTANCE_CHARS,
+        ("collector_cursors", "instance"): limits.INSTANCE_CHARS,
+    }
     for (name, col), width in widths.items():
         assert tables[name].c[col].type.length == width
-    assert limits.INT32_RANGE == (-(2**31), 2**31 - 1) and limits.INT64_RANGE == (-(2**63), 2**63 - 1)
-    assert limits.MAX_GROUP_NAME_CHARS <= min(limits.TENANT_CHARS, limits.TYPE_CHARS)
+    assert limits.INT32_RANGE == (-(2**31), 2**31 - 1) and limits.INT64_RANGE == (
+        -(2**63),
+        2**63 - 1,
+    )
+    assert min(limits.TENANT_CHARS, limits.TYPE_CHARS) >= limits.MAX_GROUP_NAME_CHARS
     assert limits.CURSOR_RANGE == (0, 2**63 - 1)
 
 
@@ -854,31 +1089,71 @@ def test_a_row_the_store_cannot_hold_is_a_one_line_error_without_its_values(stor
     assert store.recordings.cursors("c") == {"r1": 1} and len(store.readings.completions("c")) == 1
 
 
-_ANY_INT = st.one_of(st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.just(2**31), st.just(2**63))
-_ANY_TEXT = st.one_of(st.text(max_size=8), st.text(st.characters(blacklist_categories=()), max_size=8),
-                      st.text(min_size=99, max_size=260), st.sampled_from(["\ud800", "a\x00b", "ok"]))
+_ANY_INT = st.one_of(
+    st.integers(-5, 10**6), st.integers(-(2**70), 2**70), st.just(2**31), st.just(2**63)
+)
+_ANY_TEXT = st.one_of(
+    st.text(max_size=8),
+    st.text(st.characters(blacklist_categories=()), max_size=8),
+    st.text(min_size=99, max_size=260),
+    st.sampled_from(["\ud800", "a\x00b", "ok"]),
+)
 _ANY_TIME = st.one_of(st.floats(0, 1e6), st.sampled_from([math.inf, -math.inf, math.nan]))
 _fitted_ids = itertools.count()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(tenant=_ANY_TEXT, kind=_ANY_TEXT, reason=_ANY_TEXT, rid=_ANY_TEXT, ints=st.lists(_ANY_INT, min_size=5, max_size=5),
-       times=st.lists(_ANY_TIME, min_size=4, max_size=4), waiting=_ANY_INT, policy=_ANY_TEXT)
-def test_every_fitted_row_is_stored_on_every_backend(store, tenant, kind, reason, rid, ints, times, waiting, policy):
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    tenant=_ANY_TEXT,
+    kind=_ANY_TEXT,
+    reason=_ANY_TEXT,
+    rid=_ANY_TEXT,
+    ints=st.lists(_ANY_INT, min_size=5, max_size=5),
+    times=st.lists(_ANY_TIME, min_size=4, max_size=4),
+    waiting=_ANY_INT,
+    policy=_ANY_TEXT,
+)
+def test_every_fitted_row_is_stored_on_every_backend(
+    store, tenant, kind, reason, rid, ints, times, waiting, policy
+):
     """Whatever a replica sends, what storage.limits lets through the store holds (SQLite and
     PostgreSQL alike), and what it refuses is named by a reason."""
     from storage import limits
 
     n = next(_fitted_ids)
-    row = CompletionRow("r1", f"{rid}-{n}", tenant, kind, times[0], times[1], times[2], *ints[:3],
-                        recomputed_tokens=ints[3], reason=reason, max_tokens=ints[4], received_s=times[3])
+    row = CompletionRow(
+        "r1",
+        f"{rid}-{n}",
+        tenant,
+        kind,
+        times[0],
+        times[1],
+        times[2],
+        *ints[:3],
+        recomputed_tokens=ints[3],
+        reason=reason,
+        max_tokens=ints[4],
+        received_s=times[3],
+    )
     fitted, reasons = limits.fit_completion(row)
     assert set(reasons) <= set(limits.REASONS)
-    sample_row = SampleRow("r1", T0 + n, True, policy=policy, waiting=waiting, settings_version=ints[0])
+    sample_row = SampleRow(
+        "r1", T0 + n, True, policy=policy, waiting=waiting, settings_version=ints[0]
+    )
     assert set(limits.fit_sample(sample_row)) <= set(limits.REASONS)
-    store.recordings.write("c", Batch(samples=[sample_row], completions=[fitted] if fitted else [], cursors={"r1": n}))
+    store.recordings.write(
+        "c", Batch(samples=[sample_row], completions=[fitted] if fitted else [], cursors={"r1": n})
+    )
     if fitted is None:
         assert reasons
     else:
-        [back] = [c for c in store.readings.completions("c", "r1") if c.request_id == fitted.request_id]
-        assert (back.tenant, back.type, back.prompt_tokens) == (fitted.tenant, fitted.type, fitted.prompt_tokens)
+        [back] = [
+            c for c in store.readings.completions("c", "r1") if c.request_id == fitted.request_id
+        ]
+        assert (back.tenant, back.type, back.prompt_tokens) == (
+            fitted.tenant,
+            fitted.type,
+            fitted.prompt_tokens,
+        )

@@ -57,8 +57,13 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def _trace(arrivals, prompt=100, output=50, name="t") -> Trace:
-    return Trace(name, tuple(TraceRequest(f"r-{i:06d}", float(a), prompt, output, T.DEFAULT_MAX_TOKENS)
-                             for i, a in enumerate(arrivals)))
+    return Trace(
+        name,
+        tuple(
+            TraceRequest(f"r-{i:06d}", float(a), prompt, output, T.DEFAULT_MAX_TOKENS)
+            for i, a in enumerate(arrivals)
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,13 +92,20 @@ def test_azure_fixture_exact_values():
 
 
 def test_azure_fractional_seconds_to_100ns(tmp_path):
-    text = (f"{AZURE_HEADER}\r\n"
-            "2023-11-16 23:59:59.9999999,10,5\r\n"
-            "2023-11-17 00:00:00.0000001,11,6\r\n"
-            "2023-11-17 00:00:01.25,12,7\r\n"
-            "2023-11-17 00:00:02,13,8")  # no trailing newline, fewer fractional digits
+    text = (
+        f"{AZURE_HEADER}\r\n"
+        "2023-11-16 23:59:59.9999999,10,5\r\n"
+        "2023-11-17 00:00:00.0000001,11,6\r\n"
+        "2023-11-17 00:00:01.25,12,7\r\n"
+        "2023-11-17 00:00:02,13,8"
+    )  # no trailing newline, fewer fractional digits
     trace = T.load_azure(_write(tmp_path, "a.csv", text))
-    assert [r.arrival for r in trace] == [0.0, 2e-7, float(Fraction(12500001, 10**7)), float(Fraction(20000001, 10**7))]
+    assert [r.arrival for r in trace] == [
+        0.0,
+        2e-7,
+        float(Fraction(12500001, 10**7)),
+        float(Fraction(20000001, 10**7)),
+    ]
     assert [r.prompt_tokens for r in trace] == [10, 11, 12, 13]
 
 
@@ -131,11 +143,13 @@ def test_azure_timestamps_roundtrip_exactly(tmp_path_factory, offsets):
     ],
 )
 def test_azure_malformed_row_names_file_line_and_column(tmp_path, bad_row, column):
-    text = (f"{AZURE_HEADER}\r\n"
-            "2023-11-16 18:15:46.0000000,1,1\r\n"
-            "2023-11-16 18:15:46.5000000,2,2\r\n"
-            f"{bad_row}\r\n"
-            "2023-11-16 18:15:48.0000000,3,3\r\n")
+    text = (
+        f"{AZURE_HEADER}\r\n"
+        "2023-11-16 18:15:46.0000000,1,1\r\n"
+        "2023-11-16 18:15:46.5000000,2,2\r\n"
+        f"{bad_row}\r\n"
+        "2023-11-16 18:15:48.0000000,3,3\r\n"
+    )
     path = _write(tmp_path, "bad.csv", text)
     with pytest.raises(TraceError) as info:
         T.load_azure(path)
@@ -200,8 +214,12 @@ def test_vidur_optional_columns_and_sorting():
         assert req.id == f"vidur_tenants-{i:06d}"  # id keeps the file row index
         assert req.tenant == (row["tenant"] or "default")
         assert req.type == (row["type"] or "chat")
-        assert req.max_tokens == (int(row["max_tokens"]) if row["max_tokens"] else T.DEFAULT_MAX_TOKENS)
-        assert req.output_tokens == int(row["num_decode_tokens"])  # a recorded cap changes no output
+        assert req.max_tokens == (
+            int(row["max_tokens"]) if row["max_tokens"] else T.DEFAULT_MAX_TOKENS
+        )
+        assert req.output_tokens == int(
+            row["num_decode_tokens"]
+        )  # a recorded cap changes no output
         assert not req.truncated
 
 
@@ -217,8 +235,10 @@ def test_vidur_optional_columns_and_sorting():
     ],
 )
 def test_vidur_malformed_row(tmp_path, bad_row, column):
-    text = ("arrived_at,num_prefill_tokens,num_decode_tokens,tenant,type,max_tokens\n"
-            "0.0,1,1,a,chat,\n1.0,1,1,a,chat,\n2.0,1,1,a,chat,\n" + bad_row + "\n")
+    text = (
+        "arrived_at,num_prefill_tokens,num_decode_tokens,tenant,type,max_tokens\n"
+        "0.0,1,1,a,chat,\n1.0,1,1,a,chat,\n2.0,1,1,a,chat,\n" + bad_row + "\n"
+    )
     path = _write(tmp_path, "v.csv", text)
     with pytest.raises(TraceError) as info:
         T.load_vidur(path)
@@ -227,7 +247,9 @@ def test_vidur_malformed_row(tmp_path, bad_row, column):
 
 
 def test_extra_field_is_an_error(tmp_path):
-    path = _write(tmp_path, "v.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1,2,2,3\n")
+    path = _write(
+        tmp_path, "v.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1,2,2,3\n"
+    )
     with pytest.raises(TraceError, match=r"v\.csv:3: row has 4 fields, header has 3"):
         T.load_vidur(path)
 
@@ -241,8 +263,12 @@ def test_mooncake_fixture():
     objs = [json.loads(line) for line in MOONCAKE.read_text().splitlines() if line.strip()]
     trace = T.load_mooncake(MOONCAKE)
     assert len(trace) == len(objs)
-    assert [r.arrival for r in trace] == [(o["timestamp"] - objs[0]["timestamp"]) / 1000 for o in objs]
-    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(o["input_length"], o["output_length"]) for o in objs]
+    assert [r.arrival for r in trace] == [
+        (o["timestamp"] - objs[0]["timestamp"]) / 1000 for o in objs
+    ]
+    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [
+        (o["input_length"], o["output_length"]) for o in objs
+    ]
     assert len({r.id for r in trace}) == len(objs)
 
 
@@ -250,7 +276,7 @@ def test_mooncake_fixture():
     ("bad_line", "needle"),
     [
         ('{"timestamp": 5000, "input_length": 10, "output_length": 3', "invalid JSON"),
-        ('[1, 2, 3]', "expected a JSON object"),
+        ("[1, 2, 3]", "expected a JSON object"),
         ('{"timestamp": 5000, "output_length": 3}', "'input_length'"),
         ('{"timestamp": 5000, "input_length": 10, "output_length": 0}', "'output_length'"),
         ('{"timestamp": 5000, "input_length": 10.5, "output_length": 3}', "'input_length'"),
@@ -303,7 +329,9 @@ def test_burstgpt_tenant_column():
 )
 def test_burstgpt_malformed_row(tmp_path, bad_row, column):
     header = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-    path = _write(tmp_path, "b.csv", header + "5,ChatGPT,472,18,490,Conversation log\n" + bad_row + "\n")
+    path = _write(
+        tmp_path, "b.csv", header + "5,ChatGPT,472,18,490,Conversation log\n" + bad_row + "\n"
+    )
     with pytest.raises(TraceError) as info:
         T.load_burstgpt(path)
     assert str(info.value).startswith(f"{path}:3:")
@@ -390,8 +418,10 @@ def test_servegen_reasoning_sampling():
     n = 10_000
     trace = T.load_servegen_reasoning(SERVEGEN, n=n, rate=8.0, seed=5)
     assert len(trace) == n and {r.type for r in trace} == {"reasoning"}
-    for field, values in (("input_tokens", [r.prompt_tokens for r in trace]),
-                          ("output_tokens", [r.output_tokens for r in trace])):
+    for field, values in (
+        ("input_tokens", [r.prompt_tokens for r in trace]),
+        ("output_tokens", [r.output_tokens for r in trace]),
+    ):
         counts = Counter(values)
         assert set(counts) <= set(pmf[field])
         for value, p in pmf[field].items():
@@ -435,11 +465,15 @@ def test_load_trace_dispatches_by_content(path, loader, kw):
 def test_load_trace_jsonl_without_extension(tmp_path):
     path = tmp_path / "trace.txt"
     path.write_bytes(MOONCAKE.read_bytes())
-    assert [r.prompt_tokens for r in T.load_trace(path)] == [r.prompt_tokens for r in T.load_mooncake(MOONCAKE)]
+    assert [r.prompt_tokens for r in T.load_trace(path)] == [
+        r.prompt_tokens for r in T.load_mooncake(MOONCAKE)
+    ]
 
 
 def test_load_trace_unknown_format_names_file_and_header(tmp_path):
-    path = _write(tmp_path, "weird.csv", "model,window_start_s,total_rate_rps,active_clients\nm,0,1.0,3\n")
+    path = _write(
+        tmp_path, "weird.csv", "model,window_start_s,total_rate_rps,active_clients\nm,0,1.0,3\n"
+    )
     with pytest.raises(TraceError) as info:
         T.load_trace(path)
     assert str(path) in str(info.value) and "window_start_s" in str(info.value)
@@ -468,8 +502,15 @@ def test_trace_sorts_by_arrival_then_id_and_rejects_duplicates():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(prompt_tokens=0), dict(output_tokens=-1), dict(max_tokens=0), dict(type="poem"),
-     dict(arrival=-1.0), dict(arrival=math.nan), dict(tenant="")],
+    [
+        dict(prompt_tokens=0),
+        dict(output_tokens=-1),
+        dict(max_tokens=0),
+        dict(type="poem"),
+        dict(arrival=-1.0),
+        dict(arrival=math.nan),
+        dict(tenant=""),
+    ],
 )
 def test_trace_request_rejects_invalid_fields(kwargs):
     base = dict(id="r", arrival=0.0, prompt_tokens=1, output_tokens=1, max_tokens=1)
@@ -501,7 +542,9 @@ def test_time_window_keeps_right_rows_and_rezeroes():
     window = T.time_window(trace, start, dur)
     assert [r.id for r in window] == [r.id for r in expected]
     assert window.requests[0].arrival == 0.0
-    assert [r.arrival for r in window] == pytest.approx([r.arrival - expected[0].arrival for r in expected])
+    assert [r.arrival for r in window] == pytest.approx(
+        [r.arrival - expected[0].arrival for r in expected]
+    )
     assert window.duration <= dur
     assert len(T.time_window(trace, 1e6, 10.0)) == 0
 
@@ -529,7 +572,9 @@ def test_scale_tokens_rounds_and_floors_at_one():
 
 def test_assign_tenants_zipf_seeded_and_skewed():
     trace = T.load_lengths(LENGTHS, rate=1.0)
-    big = Trace("big", tuple(TraceRequest(f"r{i:05d}", i * 0.01, 10, 10, 10) for i in range(10_000)))
+    big = Trace(
+        "big", tuple(TraceRequest(f"r{i:05d}", i * 0.01, 10, 10, 10) for i in range(10_000))
+    )
     a = T.assign_tenants_zipf(big, 8, s=1.1, seed=1)
     assert a == T.assign_tenants_zipf(big, 8, s=1.1, seed=1)
     assert [r.tenant for r in a] != [r.tenant for r in T.assign_tenants_zipf(big, 8, s=1.1, seed=2)]
@@ -541,13 +586,17 @@ def test_assign_tenants_zipf_seeded_and_skewed():
     assert counts["t0"] / len(big) == pytest.approx(weights[0] / weights.sum(), abs=0.02)
     # Only tenants change.
     small = T.assign_tenants_zipf(trace, 3, seed=0)
-    assert [(r.id, r.arrival, r.prompt_tokens) for r in small] == [(r.id, r.arrival, r.prompt_tokens) for r in trace]
+    assert [(r.id, r.arrival, r.prompt_tokens) for r in small] == [
+        (r.id, r.arrival, r.prompt_tokens) for r in trace
+    ]
 
 
 def test_assign_tenants_from_and_with_type():
     trace = T.load_azure(AZURE)
     by_size = T.assign_tenants_from(trace, lambda r: "long" if r.prompt_tokens > 500 else "short")
-    assert [r.tenant for r in by_size] == ["long" if r.prompt_tokens > 500 else "short" for r in trace]
+    assert [r.tenant for r in by_size] == [
+        "long" if r.prompt_tokens > 500 else "short" for r in trace
+    ]
     with pytest.raises(ValueError):
         T.assign_tenants_from(trace, lambda r: "")
     assert {r.type for r in T.with_type(trace, "batch")} == {"batch"}
@@ -557,8 +606,13 @@ def test_assign_tenants_from_and_with_type():
 
 def _many(n: int, prompt: int, type_: str, rate: float, prefix: str) -> Trace:
     arrivals = T.generate_arrivals(n, rate=rate, seed=n)
-    return Trace(prefix, tuple(TraceRequest(f"{prefix}-{i:06d}", float(a), prompt + i % 7, 20, 256, type=type_)
-                               for i, a in enumerate(arrivals)))
+    return Trace(
+        prefix,
+        tuple(
+            TraceRequest(f"{prefix}-{i:06d}", float(a), prompt + i % 7, 20, 256, type=type_)
+            for i, a in enumerate(arrivals)
+        ),
+    )
 
 
 def test_mix_fractions_and_arrivals():
@@ -654,8 +708,10 @@ def _expect(stem: str, indices, outputs, recorded=None) -> dict[str, tuple[int, 
 
 
 def _fmt_azure(tmp_path):
-    lines = [AZURE_HEADER] + [f"2023-11-16 18:15:{10 + i:02d}.5000000,{p},{o}"
-                              for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    lines = [AZURE_HEADER] + [
+        f"2023-11-16 18:15:{10 + i:02d}.5000000,{p},{o}"
+        for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))
+    ]
     path = _write(tmp_path, "az.csv", "\r\n".join(lines) + "\r\n")
     return path, {}, _expect("az", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
 
@@ -669,23 +725,34 @@ def _fmt_vidur(tmp_path):
 
 def _fmt_vidur_recorded(tmp_path):
     lines = ["arrived_at,num_prefill_tokens,num_decode_tokens,max_tokens"]
-    lines += [f"{0.25 * i},{p},{o},{'' if m is None else m}"
-              for i, (p, o, m) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED))]
+    lines += [
+        f"{0.25 * i},{p},{o},{'' if m is None else m}"
+        for i, (p, o, m) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED))
+    ]
     path = _write(tmp_path, "vidcap.csv", "\n".join(lines) + "\n")
     return path, {}, _expect("vidcap", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS, RECORDED)
 
 
 def _fmt_mooncake(tmp_path):
-    lines = [json.dumps({"timestamp": 1000 + 250 * i, "input_length": p, "output_length": o, "hash_ids": [i]})
-             for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    lines = [
+        json.dumps(
+            {"timestamp": 1000 + 250 * i, "input_length": p, "output_length": o, "hash_ids": [i]}
+        )
+        for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))
+    ]
     path = _write(tmp_path, "moon.jsonl", "\n".join(lines) + "\n")
     return path, {}, _expect("moon", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS)
 
 
 def _fmt_burstgpt(tmp_path):
-    lines = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",
-             "0,ChatGPT,10,0,10,Conversation log"]  # a failure: skipped, but it keeps its row index
-    lines += [f"{i + 1},GPT-4,{p},{o},{p + o},API log" for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))]
+    lines = [
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",
+        "0,ChatGPT,10,0,10,Conversation log",
+    ]  # a failure: skipped, but it keeps its row index
+    lines += [
+        f"{i + 1},GPT-4,{p},{o},{p + o},API log"
+        for i, (p, o) in enumerate(zip(LEAK_PROMPTS, LEAK_OUTPUTS))
+    ]
     path = _write(tmp_path, "bgpt.csv", "\n".join(lines) + "\n")
     return path, {}, _expect("bgpt", range(1, len(LEAK_OUTPUTS) + 1), LEAK_OUTPUTS)
 
@@ -699,7 +766,9 @@ def _fmt_lengths(tmp_path):
 
 def _fmt_lengths_recorded(tmp_path):
     lines = ["num_prefill_tokens,num_decode_tokens,max_tokens"]
-    lines += [f"{p},{o},{'' if m is None else m}" for p, o, m in zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED)]
+    lines += [
+        f"{p},{o},{'' if m is None else m}" for p, o, m in zip(LEAK_PROMPTS, LEAK_OUTPUTS, RECORDED)
+    ]
     path = _write(tmp_path, "lencap.csv", "\n".join(lines) + "\n")
     return path, {"rate": 3.0}, _expect("lencap", range(len(LEAK_OUTPUTS)), LEAK_OUTPUTS, RECORDED)
 
@@ -712,7 +781,9 @@ def _fmt_servegen(tmp_path):
     kw = {"n": 600, "rate": 4.0, "seed": 9}
     # The PMF's draws do not depend on the cap: an uncapped load gives each request's source output.
     uncapped = T.load_servegen_reasoning(path, **kw, max_tokens_default=BIG_CAP)
-    assert set(LEAK_OUTPUTS) == {r.output_tokens for r in uncapped}  # every value drawn, over both caps
+    assert set(LEAK_OUTPUTS) == {
+        r.output_tokens for r in uncapped
+    }  # every value drawn, over both caps
     return path, kw, {r.id: (r.output_tokens, None) for r in uncapped}
 
 
@@ -769,7 +840,8 @@ def test_max_tokens_default_overrides_the_cap_per_load(tmp_path, fmt):
     assert trace.truncated > loader(path, **kw).truncated  # a lower cap truncates more
     # Arrivals, prompts and ids do not depend on the cap.
     assert [(r.id, r.arrival, r.prompt_tokens) for r in trace] == [
-        (r.id, r.arrival, r.prompt_tokens) for r in loader(path, **kw)]
+        (r.id, r.arrival, r.prompt_tokens) for r in loader(path, **kw)
+    ]
 
 
 def test_truncation_count_is_exact_and_carried_by_transforms(tmp_path):
@@ -783,14 +855,23 @@ def test_truncation_count_is_exact_and_carried_by_transforms(tmp_path):
     assert T.load_azure(path, max_tokens_default=300).truncated == over_300
     assert T.load_azure(path, max_tokens_default=BIG_CAP).truncated == 0
     # Transforms that keep every request keep the count; a window counts what it keeps.
-    for t in (T.scale_rate(trace, 2.0), T.target_rate(trace, 1.0), T.assign_tenants_zipf(trace, 3),
-              T.with_type(trace, "batch"), T.scale_tokens(trace, 2.0, 0.5), T.transform(trace, tenants=2)):
+    for t in (
+        T.scale_rate(trace, 2.0),
+        T.target_rate(trace, 1.0),
+        T.assign_tenants_zipf(trace, 3),
+        T.with_type(trace, "batch"),
+        T.scale_tokens(trace, 2.0, 0.5),
+        T.transform(trace, tenants=2),
+    ):
         assert t.truncated == over_default
     window = T.time_window(trace, 0.0, 10.0)  # rows 0..9: outputs up to 4097
     assert window.truncated == 1 and len(window) == 10
     # --max-tokens-cap truncates too: it adds the requests it cuts (each counted once).
     assert T.cap_max_tokens(trace, 300).truncated == over_300
-    assert T.cap_max_tokens(trace, 300).truncated == T.load_azure(path, max_tokens_default=300).truncated
+    assert (
+        T.cap_max_tokens(trace, 300).truncated
+        == T.load_azure(path, max_tokens_default=300).truncated
+    )
     # BurstGPT keeps its failures apart from truncations.
     bpath, _, _ = _fmt_burstgpt(tmp_path)
     bt = T.load_burstgpt(bpath)
@@ -807,7 +888,9 @@ def test_max_tokens_default_is_validated(tmp_path):
             T.load_azure(path, max_tokens_default=bad)
         with pytest.raises(ValueError, match="max_tokens_default"):
             T.load_bundled(max_tokens_default=bad)
-    assert T.load_azure(path, max_tokens_default=np.int64(300)) == T.load_azure(path, max_tokens_default=300)
+    assert T.load_azure(path, max_tokens_default=np.int64(300)) == T.load_azure(
+        path, max_tokens_default=300
+    )
 
 
 def test_bundled_trace_has_a_fixed_cap():
@@ -815,7 +898,9 @@ def test_bundled_trace_has_a_fixed_cap():
     outputs = [int(r["GeneratedTokens"]) for r in rows]
     trace = T.load_bundled()
     _check_caps(trace, _expect("conv", range(len(rows)), outputs), T.DEFAULT_MAX_TOKENS)
-    assert trace.truncated == 0 and max(outputs) == 1000  # the window's longest output is far below 4,096
+    assert (
+        trace.truncated == 0 and max(outputs) == 1000
+    )  # the window's longest output is far below 4,096
     low = T.load_bundled(max_tokens_default=500)
     _check_caps(low, _expect("conv", range(len(rows)), outputs), 500)
     assert low.truncated == sum(o > 500 for o in outputs) > 0
@@ -829,7 +914,11 @@ def test_mix_and_token_scaling_keep_the_cap_independent_of_the_output(tmp_path):
     mixed = T.mix([(chat, 0.5), (reasoning, 0.5)], n=400, seed=1)
     for r in mixed:
         source_id = r.id.split("-", 1)[1]
-        source, cap = (aexp[source_id][0], T.DEFAULT_MAX_TOKENS) if r.type == "chat" else (sexp[source_id][0], 8192)
+        source, cap = (
+            (aexp[source_id][0], T.DEFAULT_MAX_TOKENS)
+            if r.type == "chat"
+            else (sexp[source_id][0], 8192)
+        )
         assert (r.max_tokens, r.output_tokens, r.truncated) == (cap, min(source, cap), source > cap)
     assert {r.max_tokens for r in mixed} == {T.DEFAULT_MAX_TOKENS, 8192}
     assert len({r.output_tokens for r in mixed}) > 5
@@ -841,9 +930,14 @@ def test_mix_and_token_scaling_keep_the_cap_independent_of_the_output(tmp_path):
         assert all(r.output_tokens <= r.max_tokens for r in scaled)
         assert [r.truncated for r in scaled] == [r.truncated for r in chat]
     # The other transforms never touch the cap.
-    for t in (T.time_window(chat, 1.0, 5.0), T.scale_rate(chat, 3.0), T.target_rate(chat, 2.0),
-              T.assign_tenants_zipf(chat, 4), T.with_type(chat, "completion"),
-              T.transform(chat, window=(0.0, 8.0), rate_scale=2.0, tenants=3)):
+    for t in (
+        T.time_window(chat, 1.0, 5.0),
+        T.scale_rate(chat, 3.0),
+        T.target_rate(chat, 2.0),
+        T.assign_tenants_zipf(chat, 4),
+        T.with_type(chat, "completion"),
+        T.transform(chat, window=(0.0, 8.0), rate_scale=2.0, tenants=3),
+    ):
         assert {r.max_tokens for r in t} == {T.DEFAULT_MAX_TOKENS}
     capped = T.cap_max_tokens(chat, 1000)
     assert {r.max_tokens for r in capped} == {1000}

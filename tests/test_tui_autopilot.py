@@ -27,25 +27,67 @@ from tui.sources import LiveSource
 SIZE = (160, 48)
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
 T0 = 1_700_000_000_000  # 2023-11-14 22:13:20 UTC
-SPEC = ClusterSpec(name="pilots", poll_interval_s=0.25, timeout_s=1.0, window_s=30.0,
-                   replicas=[ReplicaSpec(name=f"r{i}", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
-                             for i in range(2)])
+SPEC = ClusterSpec(
+    name="pilots",
+    poll_interval_s=0.25,
+    timeout_s=1.0,
+    window_s=30.0,
+    replicas=[
+        ReplicaSpec(name=f"r{i}", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1")
+        for i in range(2)
+    ],
+)
 
-SWITCH = {"t": 1250.0, "choice": "gamma=0.01", "previous": "defaults", "changed": True,
-          "reason": "gamma=0.01 beats defaults by 12% on P95 TTFT", "requests": 840, "cpu_s": 0.31,
-          "predicted": {"ttft_p95": -0.123, "ttft_p99": -0.08, "ttlt_p99": 0.01, "throughput_tok_s": 0.0}}
-KEEP = {"t": 1310.0, "choice": "gamma=0.01", "previous": None, "changed": False,
-        "reason": "no candidate beats gamma=0.01 by 7.5%", "requests": 900, "cpu_s": 0.2, "predicted": {}}
+SWITCH = {
+    "t": 1250.0,
+    "choice": "gamma=0.01",
+    "previous": "defaults",
+    "changed": True,
+    "reason": "gamma=0.01 beats defaults by 12% on P95 TTFT",
+    "requests": 840,
+    "cpu_s": 0.31,
+    "predicted": {"ttft_p95": -0.123, "ttft_p99": -0.08, "ttlt_p99": 0.01, "throughput_tok_s": 0.0},
+}
+KEEP = {
+    "t": 1310.0,
+    "choice": "gamma=0.01",
+    "previous": None,
+    "changed": False,
+    "reason": "no candidate beats gamma=0.01 by 7.5%",
+    "requests": 900,
+    "cpu_s": 0.2,
+    "predicted": {},
+}
 
 
-def status(t_ms: int, *, held: str | None = None, note: str = "dry-run: would run gamma=0.01") -> dict:
+def status(
+    t_ms: int, *, held: str | None = None, note: str = "dry-run: would run gamma=0.01"
+) -> dict:
     """A report as ``LiveAutopilot.status`` writes it: r0 steered, r1 not (its policy)."""
-    return {"t_ms": t_ms, "held": held, "replicas": {
-        "r0": {"choice": "gamma=0.01", "note": note, "late": 0, "worse_in_row": 0, "pending_verifications": 1,
-               "last": [SWITCH, KEEP],
-               "verifications": [{"id": 3, "predicted": -0.1, "realized": -0.07, "band": 0.1,
-                                  "verdict": "as predicted"}]},
-        "r1": {"note": "runs slofq: the autopilot steers uniboost and sarathi replicas only"}}}
+    return {
+        "t_ms": t_ms,
+        "held": held,
+        "replicas": {
+            "r0": {
+                "choice": "gamma=0.01",
+                "note": note,
+                "late": 0,
+                "worse_in_row": 0,
+                "pending_verifications": 1,
+                "last": [SWITCH, KEEP],
+                "verifications": [
+                    {
+                        "id": 3,
+                        "predicted": -0.1,
+                        "realized": -0.07,
+                        "band": 0.1,
+                        "verdict": "as predicted",
+                    }
+                ],
+            },
+            "r1": {"note": "runs slofq: the autopilot steers uniboost and sarathi replicas only"},
+        },
+    }
 
 
 def plain(renderable) -> str:
@@ -96,18 +138,34 @@ def live_app(store, clock: Clock, readonly: bool = False) -> TailpilotApp:
 
 
 def test_the_block_shows_state_held_choice_note_and_decisions():
-    row = {"cluster": "pilots", "state": "armed", "paused": True, "who": "tui:ana", "updated_ms": T0,
-           "status": status(T0, held="paused by tui:ana", note="held: paused by tui:ana")}
+    row = {
+        "cluster": "pilots",
+        "state": "armed",
+        "paused": True,
+        "who": "tui:ana",
+        "updated_ms": T0,
+        "status": status(T0, held="paused by tui:ana", note="held: paused by tui:ana"),
+    }
     text = plain(AR.autopilot_renderable(row, now_ms=T0 + 5_000))
     head = text.splitlines()[0]
-    assert head.startswith("autopilot: armed (paused) · set by tui:ana · held: paused by tui:ana"), head
+    assert head.startswith(
+        "autopilot: armed (paused) · set by tui:ana · held: paused by tui:ana"
+    ), head
     assert "report 22:13:20 UTC" in head and "ago" not in head
     assert "r0  running gamma=0.01 · held: paused by tui:ana" in text
-    assert "1 switch(es) awaiting verification" in text and "last verified: as predicted (P95 TTFT -7% realized" in text
+    assert (
+        "1 switch(es) awaiting verification" in text
+        and "last verified: as predicted (P95 TTFT -7% realized" in text
+    )
     assert "r1  runs slofq: the autopilot steers uniboost and sarathi replicas only" in text
     lines = text.splitlines()
     switch = next(line for line in lines if "switch" in line and "defaults → gamma=0.01" in line)
-    assert "1250" in switch and "-12%" in switch and "840" in switch and "beats defaults by 12%" in switch
+    assert (
+        "1250" in switch
+        and "-12%" in switch
+        and "840" in switch
+        and "beats defaults by 12%" in switch
+    )
     keep = next(line for line in lines if " keep " in line)
     # Newest first; a kept choice predicts no change.
     assert lines.index(keep) < lines.index(switch) and "—" in keep and "1310" in keep
@@ -115,7 +173,9 @@ def test_the_block_shows_state_held_choice_note_and_decisions():
 
 def test_the_block_says_when_there_is_no_report_or_an_old_one():
     fresh = {"cluster": "pilots", "state": "dry-run", "paused": False, "who": None, "status": None}
-    assert "no report yet (it runs in tailpilot record --autopilot)" in plain(AR.autopilot_renderable(fresh, T0))
+    assert "no report yet (it runs in tailpilot record --autopilot)" in plain(
+        AR.autopilot_renderable(fresh, T0)
+    )
     old = {**fresh, "status": status(T0)}
     text = plain(AR.autopilot_line(old, T0 + 10 * 60_000))
     assert "10 min ago: is tailpilot record --autopilot still running?" in text
@@ -145,47 +205,80 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             await pilot.press("6")
             block = app.query_one("#alerts-autopilot")
             body = app.query_one("#autopilot-body")
-            await wait_for(pilot, lambda: "autopilot: dry-run" in text_of(body), what="the autopilot block")
+            await wait_for(
+                pilot, lambda: "autopilot: dry-run" in text_of(body), what="the autopilot block"
+            )
             assert block.display and block.has_class("-shown")
             shown = text_of(body)
-            assert "report 22:13:15 UTC" in shown and "running gamma=0.01 · dry-run: would run gamma=0.01" in shown
+            assert (
+                "report 22:13:15 UTC" in shown
+                and "running gamma=0.01 · dry-run: would run gamma=0.01" in shown
+            )
             assert "defaults → gamma=0.01" in shown and "-12%" in shown
             # A new report of the driver is shown at the next refresh; an old one is flagged.
             clock.t += 600
-            store.governance.set_autopilot_control("pilots", status=status(T0 + 590_000, note="applied: gamma=0.1"))
-            await wait_for(pilot, lambda: "applied: gamma=0.1" in text_of(body), what="the new report")
+            store.governance.set_autopilot_control(
+                "pilots", status=status(T0 + 590_000, note="applied: gamma=0.1")
+            )
+            await wait_for(
+                pilot, lambda: "applied: gamma=0.1" in text_of(body), what="the new report"
+            )
             assert "ago" not in text_of(body)
             clock.t += 600
-            await wait_for(pilot, lambda: "still running?" in text_of(body), what="the stale report flagged")
+            await wait_for(
+                pilot, lambda: "still running?" in text_of(body), what="the stale report flagged"
+            )
 
             await pilot.press("O")
-            options = await wait_for(pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog")
+            options = await wait_for(
+                pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog"
+            )
             opts = options.first()
             ids = [opts.get_option_at_index(i).id for i in range(opts.option_count)]
             assert ids == ["arm", "dry-run", "disarm", "pause"]  # not paused: no resume
             assert "(now)" in str(opts.get_option_at_index(1).prompt)
             await pilot.press("enter")  # the first choice: arm
-            await wait_for(pilot, lambda: store.governance.autopilot_control("pilots")["state"] == "armed", what="armed")
+            await wait_for(
+                pilot,
+                lambda: store.governance.autopilot_control("pilots")["state"] == "armed",
+                what="armed",
+            )
             row = store.governance.autopilot_control("pilots")
             assert row["who"] == app.who and row["who"].startswith("tui:") and not row["paused"]
-            assert row["status"]["replicas"]["r0"]["note"] == "applied: gamma=0.1"  # the driver's report kept
-            await wait_for(pilot, lambda: text_of(body).startswith("autopilot: armed"), what="shown armed")
+            assert (
+                row["status"]["replicas"]["r0"]["note"] == "applied: gamma=0.1"
+            )  # the driver's report kept
+            await wait_for(
+                pilot, lambda: text_of(body).startswith("autopilot: armed"), what="shown armed"
+            )
             assert app.refused == []
 
             # Pause: the dialog then offers resume instead.
             await pilot.press("O")
-            await wait_for(pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog again")
+            await wait_for(
+                pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog again"
+            )
             await pilot.press("down", "down", "down", "enter")
-            await wait_for(pilot, lambda: store.governance.autopilot_control("pilots")["paused"], what="paused")
+            await wait_for(
+                pilot, lambda: store.governance.autopilot_control("pilots")["paused"], what="paused"
+            )
             assert store.governance.autopilot_control("pilots")["state"] == "armed"
             await wait_for(pilot, lambda: "(paused)" in text_of(body), what="shown paused")
             await pilot.press("O")
-            options = await wait_for(pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog")
+            options = await wait_for(
+                pilot, lambda: app.screen.query("#autopilot-options"), what="the dialog"
+            )
             opts = options.first()
             assert [opts.get_option_at_index(i).id for i in range(opts.option_count)] == [
-                "arm", "dry-run", "disarm", "resume"]
+                "arm",
+                "dry-run",
+                "disarm",
+                "resume",
+            ]
             await pilot.press("escape")
-            await wait_for(pilot, lambda: not app.screen.query("#autopilot-options"), what="dismissed")
+            await wait_for(
+                pilot, lambda: not app.screen.query("#autopilot-options"), what="dismissed"
+            )
             assert store.governance.autopilot_control("pilots")["paused"]  # escape sends nothing
 
     asyncio.run(scenario())
@@ -200,7 +293,9 @@ def test_readonly_shows_the_autopilot_and_refuses_O(store):
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("6")
             body = app.query_one("#autopilot-body")
-            await wait_for(pilot, lambda: "autopilot: dry-run" in text_of(body), what="the autopilot block")
+            await wait_for(
+                pilot, lambda: "autopilot: dry-run" in text_of(body), what="the autopilot block"
+            )
             await pilot.press("O")
             await pilot.pause(0.2)
             assert app.refused == ["autopilot"]
@@ -219,8 +314,11 @@ def test_a_live_view_without_a_store_has_no_autopilot_to_steer():
             await pilot.press("6")
             await wait_for(pilot, lambda: app.snapshot is not None, what="a snapshot")
             await pilot.press("O")
-            await wait_for(pilot, lambda: any("no autopilot here" in n.message for n in app._notifications),
-                           what="the notice")
+            await wait_for(
+                pilot,
+                lambda: any("no autopilot here" in n.message for n in app._notifications),
+                what="the notice",
+            )
             assert not app.query_one("#alerts-autopilot").has_class("-shown")
             assert not app.screen.query("#autopilot-options")
 
@@ -242,8 +340,11 @@ def test_a_replay_shows_no_autopilot_and_refuses_O(tmp_path):
             await wait_for(pilot, lambda: app.snapshot is not None, what="the first snapshot")
             assert await app.source.autopilot() is None
             await pilot.press("6")
-            await wait_for(pilot, lambda: "governor: not known here" in text_of(app.query_one("#alerts-governor")),
-                           what="the alerts panel filled")
+            await wait_for(
+                pilot,
+                lambda: "governor: not known here" in text_of(app.query_one("#alerts-governor")),
+                what="the alerts panel filled",
+            )
             block = app.query_one("#alerts-autopilot")
             assert not block.has_class("-shown") and not block.display
             assert app.check_action("autopilot", ()) is False  # hidden in the footer

@@ -19,14 +19,14 @@ import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.replica_http import make_client
-from scheduler.settings import GAMMA_DEFAULT, Settings
 from controlplane.views import fmt_figure, fmt_number, fmt_seconds
+from scheduler.settings import GAMMA_DEFAULT, Settings
+from sim import traces
 from storage.store import Store
 from tui import keys as K
 from tui import render as R
 from tui.main import build_app
 from tui.sources import ReplaySource
-from sim import traces
 from tuner.twin import start_twins
 
 TOKEN = "tui-test-token"
@@ -35,27 +35,46 @@ SPEED = 20.0
 SIZE = (160, 48)
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
 # γ-Ada quick enough to move within a few wall seconds at SPEED (5 replica-s = 0.25 wall-s).
-UNIBOOST = {"policy": "uniboost", "params": {"ada_min_samples": 20, "ada_window": 200, "ada_interval_s": 5.0}}
+UNIBOOST = {
+    "policy": "uniboost",
+    "params": {"ada_min_samples": 20, "ada_window": 200, "ada_interval_s": 5.0},
+}
 
 
 def minute_trace() -> traces.Trace:
-    return traces.assign_tenants_zipf(traces.time_window(traces.load_bundled(), 0.0, 60.0), 3, seed=3)
+    return traces.assign_tenants_zipf(
+        traces.time_window(traces.load_bundled(), 0.0, 60.0), 3, seed=3
+    )
 
 
 @pytest.fixture
 def twins(monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    with start_twins(3, minute_trace(), speed=SPEED, token=TOKEN, rate_scale=2.0,
-                     settings=Settings.model_validate(UNIBOOST)) as tw:
+    with start_twins(
+        3,
+        minute_trace(),
+        speed=SPEED,
+        token=TOKEN,
+        rate_scale=2.0,
+        settings=Settings.model_validate(UNIBOOST),
+    ) as tw:
         yield tw
 
 
 def spec_of(twins, **kw) -> ClusterSpec:
     # timeout_s: generous, so a loaded CI machine does not turn a slow answer into a failed apply.
-    return ClusterSpec(name="twins", poll_interval_s=0.25, timeout_s=5.0, window_s=30.0,
-                       slos={"ttft_p99": 2.0, "ttlt_p99": 30.0},
-                       replicas=[ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url,
-                                             token_env=TOKEN_ENV) for t in twins], **kw)
+    return ClusterSpec(
+        name="twins",
+        poll_interval_s=0.25,
+        timeout_s=5.0,
+        window_s=30.0,
+        slos={"ttft_p99": 2.0, "ttlt_p99": 30.0},
+        replicas=[
+            ReplicaSpec(name=t.name, api_url=t.url, control_url=t.control_url, token_env=TOKEN_ENV)
+            for t in twins
+        ],
+        **kw,
+    )
 
 
 def get_settings(twin) -> dict:
@@ -78,8 +97,16 @@ async def wait_for(pilot, cond, timeout: float = 15.0, what: str = "condition"):
 
 async def started(pilot, app):
     """Wait until every replica has been polled and shown."""
-    await wait_for(pilot, lambda: app.snapshot is not None and all(
-        rs.sample is not None and rs.sample.healthy for rs in app.snapshot.replicas.values()), what="first poll")
+    await wait_for(
+        pilot,
+        lambda: (
+            app.snapshot is not None
+            and all(
+                rs.sample is not None and rs.sample.healthy for rs in app.snapshot.replicas.values()
+            )
+        ),
+        what="first poll",
+    )
 
 
 def cell(app, replica: str, column: str) -> str:
@@ -118,26 +145,40 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             # Some recorded traffic of twin-1 for the confirm dialog's what-if to replay.
-            await wait_for(pilot, lambda: len(store.readings.completions("twins", "twin-1")) >= 30, what="recorded traffic",
-                           timeout=30)
+            await wait_for(
+                pilot,
+                lambda: len(store.readings.completions("twins", "twin-1")) >= 30,
+                what="recorded traffic",
+                timeout=30,
+            )
             await pilot.press("down")  # cursor: twin-1
             assert app.current_replica == "twin-1"
             await pilot.press("P")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "PolicyPickScreen", what="policy picker")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "PolicyPickScreen", what="policy picker"
+            )
             options = app.screen.query_one("#policy-options")
             # from uniboost (current) to las: up twice (uniboost -> distboost -> las)
             assert options.get_option_at_index(options.highlighted).id == "uniboost"
             await pilot.press("up", "up", "enter")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "twin-1" in diff and "policy: uniboost → las" in diff, diff
             # The what-if: each figure's predicted change on twin-1's recorded traffic, with the band.
             preview = app.screen.query_one("#dialog-preview")
-            await wait_for(pilot, lambda: "P95 TTFT" in text_of(preview), what="what-if", timeout=30)
+            await wait_for(
+                pilot, lambda: "P95 TTFT" in text_of(preview), what="what-if", timeout=30
+            )
             assert "fidelity not measured here" in text_of(preview) and "twin-1" in text_of(preview)
-            assert get_settings(twins[1])["settings"]["policy"] == "uniboost"  # nothing sent before y
+            assert (
+                get_settings(twins[1])["settings"]["policy"] == "uniboost"
+            )  # nothing sent before y
             await pilot.press("y")
-            await wait_for(pilot, lambda: get_settings(twins[1])["settings"]["policy"] == "las", what="PUT")
+            await wait_for(
+                pilot, lambda: get_settings(twins[1])["settings"]["policy"] == "las", what="PUT"
+            )
             # The applied version read back shows in the policy panel and in the table.
             await wait_for(pilot, lambda: app.last_results, what="apply result")
             [res] = app.last_results
@@ -145,13 +186,17 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
             await pilot.press("3")
             text = text_of(app.query_one("#last-result"))
             assert f"applied as version {v0 + 1}" in text
-            await wait_for(pilot, lambda: cell(app, "twin-1", "policy") == "las", what="table shows las")
+            await wait_for(
+                pilot, lambda: cell(app, "twin-1", "policy") == "las", what="table shows las"
+            )
             assert cell(app, "twin-0", "policy") == "uniboost"  # only the target changed
             await pilot.press("4")
             table = app.query_one("#audit-table")
             await wait_for(pilot, lambda: table.row_count >= 1, what="audit table")
             # The change was applied with a prediction: predicted P95 TTFT, realized once its 10 min pass.
-            await wait_for(pilot, lambda: "→ due" in str(table.get_row_at(0)[6]), what="verification cell")
+            await wait_for(
+                pilot, lambda: "→ due" in str(table.get_row_at(0)[6]), what="verification cell"
+            )
             return app
         return app
 
@@ -159,8 +204,14 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
     rows = store.settings_log.settings_changes("twins")
     assert len(rows) == 1
     [row] = rows
-    assert row["replica"] == "twin-1" and row["result"] == "applied" and row["who"].startswith("tui:")
-    assert row["old"]["policy"] == "uniboost" and row["new"]["policy"] == "las" and row["version"] == v0 + 1
+    assert (
+        row["replica"] == "twin-1" and row["result"] == "applied" and row["who"].startswith("tui:")
+    )
+    assert (
+        row["old"]["policy"] == "uniboost"
+        and row["new"]["policy"] == "las"
+        and row["version"] == v0 + 1
+    )
     assert get_settings(twins[0])["settings"]["policy"] == "uniboost"
     # The prediction is kept with the change it was made for (tailpilot verify reads it).
     [kept] = store.tuner.predictions("twins")
@@ -175,22 +226,44 @@ def test_pin_gamma_with_N_stops_gamma_ada_while_unpinned_gamma_moves(twins):
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             # Let γ-Ada act once on every twin, so the pin freezes an adapted value.
-            await wait_for(pilot, lambda: all(rs.sample.gamma_live not in (None, GAMMA_DEFAULT)
-                                              for rs in app.snapshot.replicas.values()), what="γ-Ada moving")
+            await wait_for(
+                pilot,
+                lambda: all(
+                    rs.sample.gamma_live not in (None, GAMMA_DEFAULT)
+                    for rs in app.snapshot.replicas.values()
+                ),
+                what="γ-Ada moving",
+            )
             assert app.current_replica == "twin-0"
             await pilot.press("N")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "params.gamma" in diff and 'pinned: [] → ["gamma"]' in diff, diff
             await pilot.press("y")
-            await wait_for(pilot, lambda: "gamma" in get_settings(twins[0])["settings"]["pinned"], what="pinned")
+            await wait_for(
+                pilot,
+                lambda: "gamma" in get_settings(twins[0])["settings"]["pinned"],
+                what="pinned",
+            )
             pinned = get_settings(twins[0])["settings"]["params"]["gamma"]
-            await wait_for(pilot, lambda: cell(app, "twin-0", "gamma").endswith("*"), what="pin shown")
+            await wait_for(
+                pilot, lambda: cell(app, "twin-0", "gamma").endswith("*"), what="pin shown"
+            )
             t_pin = app.snapshot.t_ms
             # Several γ-Ada intervals (5 replica s each = 0.25 wall s).
             await pilot.pause(3.0)
-            hist0 = [r.gamma_live for r in app.source.history("twin-0") if r.t_ms > t_pin + 500 and r.healthy]
-            hist1 = [r.gamma_live for r in app.source.history("twin-1") if r.t_ms > t_pin + 500 and r.healthy]
+            hist0 = [
+                r.gamma_live
+                for r in app.source.history("twin-0")
+                if r.t_ms > t_pin + 500 and r.healthy
+            ]
+            hist1 = [
+                r.gamma_live
+                for r in app.source.history("twin-1")
+                if r.t_ms > t_pin + 500 and r.healthy
+            ]
             return pinned, hist0, hist1, cell(app, "twin-0", "gamma")
 
     pinned, hist0, hist1, shown = run(scenario())
@@ -209,8 +282,11 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             await pilot.press("down", "down")  # twin-2
             await pilot.press("E")
             panel = app.query_one("#policy")
-            await wait_for(pilot, lambda: panel.form_policy == "uniboost" and panel.reference == "twin-2",
-                           what="form")
+            await wait_for(
+                pilot,
+                lambda: panel.form_policy == "uniboost" and panel.reference == "twin-2",
+                what="form",
+            )
             gen = panel._gen
             gamma = app.query_one(f"#f{gen}-gamma")
             # An invalid value: the settings model's own message, on the field, and A refuses.
@@ -237,17 +313,32 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             preview = text_of(app.query_one("#preview"))
             assert "params.gamma: 0.1 → 8" in preview and "pinned" in preview, preview
             await pilot.press("A")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             await pilot.press("y")
-            await wait_for(pilot, lambda: get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0, what="PUT")
+            await wait_for(
+                pilot,
+                lambda: get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0,
+                what="PUT",
+            )
             doc = get_settings(twins[2])["settings"]
             assert doc["pinned"] == ["gamma"] and doc["params"]["gamma_min"] == 1.0
-            await wait_for(pilot, lambda: (app.snapshot.replicas["twin-2"].settings or {}).get("pinned") == ["gamma"],
-                           what="new settings polled")
+            await wait_for(
+                pilot,
+                lambda: (app.snapshot.replicas["twin-2"].settings or {}).get("pinned") == ["gamma"],
+                what="new settings polled",
+            )
             # The form rebuilds from the applied settings by itself; unpin there: untick, apply.
-            await wait_for(pilot, lambda: panel._gen > gen and not panel._loading
-                           and panel.form_version == get_settings(twins[2])["version"],
-                           what="form rebuilt from the new version")
+            await wait_for(
+                pilot,
+                lambda: (
+                    panel._gen > gen
+                    and not panel._loading
+                    and panel.form_version == get_settings(twins[2])["version"]
+                ),
+                what="form rebuilt from the new version",
+            )
             gen = panel._gen
             assert app.query_one(f"#p{gen}-gamma").value is True
             assert app.query_one(f"#f{gen}-gamma").value == "8"
@@ -255,11 +346,17 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             app.query_one(f"#p{gen}-gamma").value = False
             await pilot.pause(0.1)
             await pilot.press("A")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             await pilot.press("y")
-            await wait_for(pilot, lambda: get_settings(twins[2])["settings"]["pinned"] == [], what="unpinned")
+            await wait_for(
+                pilot, lambda: get_settings(twins[2])["settings"]["pinned"] == [], what="unpinned"
+            )
             assert get_settings(twins[2])["settings"]["params"]["gamma"] == 8.0
-            assert get_settings(twins[0])["settings"]["params"]["gamma"] == GAMMA_DEFAULT  # untouched
+            assert (
+                get_settings(twins[0])["settings"]["params"]["gamma"] == GAMMA_DEFAULT
+            )  # untouched
 
     run(scenario())
 
@@ -274,7 +371,10 @@ def test_readonly_refuses_every_cluster_change_visibly(twins, tmp_path):
             await started(pilot, app)
             assert "READ-ONLY" in text_of(app.query_one("#topbar"))
             # Greyed in the footer (check_action None = shown disabled), not hidden.
-            assert app.check_action("switch_policy", ()) is None and app.check_action("toggle_pin", ()) is None
+            assert (
+                app.check_action("switch_policy", ()) is None
+                and app.check_action("toggle_pin", ()) is None
+            )
             for key in ("P", "N", "E"):
                 await pilot.press(key)
                 await pilot.pause(0.1)
@@ -320,7 +420,9 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
             collector = app.source.collector
             old, collector._client = collector._client, make_client(collector.cluster)
             await old.aclose()
-            await wait_for(pilot, lambda: cell(app, "twin-2", "health").startswith("DOWN"), what="down")
+            await wait_for(
+                pilot, lambda: cell(app, "twin-2", "health").startswith("DOWN"), what="down"
+            )
 
             def reason_now() -> str:
                 return app.snapshot.replicas["twin-2"].health.reason or ""
@@ -328,9 +430,11 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
             # The cell and the snapshot are read together (a refresh may land between two reads).
             def cell_shows_reason() -> bool:
                 health = cell(app, "twin-2", "health")
-                return health.startswith("DOWN") and health == f"DOWN {reason_now()}"[:len(health)]
+                return health.startswith("DOWN") and health == f"DOWN {reason_now()}"[: len(health)]
 
-            await wait_for(pilot, cell_shows_reason, what="the health cell shows the snapshot's reason")
+            await wait_for(
+                pilot, cell_shows_reason, what="the health cell shows the snapshot's reason"
+            )
             reason = reason_now()
             assert "down" in reason and reason.startswith("state")
             n = app.snapshots_applied
@@ -338,13 +442,20 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
             assert cell(app, "twin-0", "health") == "ok" and app.is_running
             assert "2/3 healthy" in text_of(app.query_one("#topbar"))
             await pilot.press("down", "down", "2")
-            await wait_for(pilot, lambda: "UNHEALTHY" in text_of(app.query_one("#down-banner"))
-                           and reason_now().split(";")[0] in text_of(app.query_one("#down-banner")),
-                           what="the banner shows the current reason")
+            await wait_for(
+                pilot,
+                lambda: (
+                    "UNHEALTHY" in text_of(app.query_one("#down-banner"))
+                    and reason_now().split(";")[0] in text_of(app.query_one("#down-banner"))
+                ),
+                what="the banner shows the current reason",
+            )
             # Back up: healthy again.
             twins[2].start()
             await pilot.press("1")
-            await wait_for(pilot, lambda: cell(app, "twin-2", "health") == "ok", what="healthy again")
+            await wait_for(
+                pilot, lambda: cell(app, "twin-2", "health") == "ok", what="healthy again"
+            )
 
     run(scenario())
 
@@ -363,10 +474,15 @@ def expected_cells(row) -> dict[str, str]:
     lat = row.latency
     if not row.healthy:
         return {"waiting": "—", "running": "—", "ttlt": "—/—/—", "tok_s": "—"}
-    return {"waiting": fmt_number(row.waiting), "running": fmt_number(row.running), "policy": row.policy,
-            "ttft": "/".join(fmt_seconds(x) for x in (lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
-            "ttlt": "/".join(fmt_seconds(x) for x in (lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
-            "tok_s": fmt_number(row.throughput_tok_s), "preempt": fmt_number(row.preemptions_per_s, 1)}
+    return {
+        "waiting": fmt_number(row.waiting),
+        "running": fmt_number(row.running),
+        "policy": row.policy,
+        "ttft": "/".join(fmt_seconds(x) for x in (lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
+        "ttlt": "/".join(fmt_seconds(x) for x in (lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
+        "tok_s": fmt_number(row.throughput_tok_s),
+        "preempt": fmt_number(row.preemptions_per_s, 1),
+    }
 
 
 def assert_table_shows(app, store, at_ms: int) -> None:
@@ -392,7 +508,9 @@ def test_replay_seek_and_step_show_the_values_recorded_at_that_time(recording):
             assert app.readonly and app.snapshot.t_ms == start
             # Seek with g: 42 s into the recording.
             await pilot.press("g")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "SeekScreen", what="seek dialog")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "SeekScreen", what="seek dialog"
+            )
             await pilot.press(*"@0:42.5", "enter")
             target = start + 42_500
             await wait_for(pilot, lambda: app.snapshot.t_ms == target, what="seek applied")
@@ -411,13 +529,17 @@ def test_replay_seek_and_step_show_the_values_recorded_at_that_time(recording):
             assert_table_shows(app, store, prev)
             # Into twin-2's outage (recorded as down from t=70 s to 79 s).
             src.seek(start + 75_000)
-            await wait_for(pilot, lambda: app.snapshot.t_ms == start + 75_000, what="seek into outage")
+            await wait_for(
+                pilot, lambda: app.snapshot.t_ms == start + 75_000, what="seek into outage"
+            )
             assert cell(app, "twin-2", "health").startswith("DOWN state: down")
             assert_table_shows(app, store, start + 75_000)
             # The γ pin of t=55 shows from then on (settings from the recorded audit log).
             assert cell(app, "twin-1", "gamma").endswith("*")
             src.seek(start + 50_000)
-            await wait_for(pilot, lambda: app.snapshot.t_ms == start + 50_000, what="before the pin")
+            await wait_for(
+                pilot, lambda: app.snapshot.t_ms == start + 50_000, what="before the pin"
+            )
             assert not cell(app, "twin-1", "gamma").endswith("*")
             # A bad time is refused inline, the position stays.
             await pilot.press("g", *"yesterday", "enter")
@@ -461,7 +583,9 @@ def test_filter_and_sort_the_cluster_screen(recording):
             assert table.order == ["twin-0", "twin-1", "twin-2"]
             # s cycles the sort column, r reverses; the cursor stays on its replica.
             table.focus()
-            assert app.current_replica == "twin-2"  # the cursor stayed on the replica the filter left
+            assert (
+                app.current_replica == "twin-2"
+            )  # the cursor stayed on the replica the filter left
             await pilot.press("home", "down")
             assert app.current_replica == "twin-1"
             panel = app.query_one("#cluster")
@@ -477,8 +601,9 @@ def test_filter_and_sort_the_cluster_screen(recording):
             await pilot.click("#cluster-table", offset=(x, 0))
             await pilot.pause(0.1)
             assert panel.sort_column == "tok_s"
-            assert table.order == sorted(rows, key=lambda n: (rows[n].throughput_tok_s, n),
-                                         reverse=panel.sort_reverse)
+            assert table.order == sorted(
+                rows, key=lambda n: (rows[n].throughput_tok_s, n), reverse=panel.sort_reverse
+            )
 
     run(scenario())
     store.close()
@@ -493,7 +618,9 @@ def test_replay_plays_and_pauses(recording):
             src.speed = 32.0
             await pilot.press("p")
             assert src.playing
-            await wait_for(pilot, lambda: app.snapshot.t_ms >= src.start_ms + 10_000, what="playing")
+            await wait_for(
+                pilot, lambda: app.snapshot.t_ms >= src.start_ms + 10_000, what="playing"
+            )
             await pilot.press("p")
             assert not src.playing
             stopped = src.position
@@ -516,14 +643,18 @@ def test_the_live_source_stamps_with_its_injected_clock(twins):
         await source.start()
         try:
             snap = await asyncio.wait_for(source.next_snapshot(), timeout=30)
-            results = await source.apply({twins.replicas[0].name: lambda s: s.replace(policy="fcfs")}, who="t")
+            results = await source.apply(
+                {twins.replicas[0].name: lambda s: s.replace(policy="fcfs")}, who="t"
+            )
         finally:
             await source.stop()
         return snap, results
 
     snap, results = asyncio.run(scenario())
     assert snap.t_ms == int(fixed * 1000)
-    assert all(r.t_ms == int(fixed * 1000) for rs in snap.replicas.values() if (r := rs.sample) is not None)
+    assert all(
+        r.t_ms == int(fixed * 1000) for rs in snap.replicas.values() if (r := rs.sample) is not None
+    )
     assert results and results[0].ok
 
 
@@ -533,7 +664,9 @@ def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(re
     store = Store.open(recording)
     start = store.readings.samples("fixture", "twin-0")[0].t_ms
     report = {"band": 0.125, "requests": 321, "overall": {"decision": {"spearman": 0.97}}}
-    store.tuner.store_fidelity("fixture", "twin-0", "db:#recording=x&replicas=twin-0", report, t_ms=start + 30_000)
+    store.tuner.store_fidelity(
+        "fixture", "twin-0", "db:#recording=x&replicas=twin-0", report, t_ms=start + 30_000
+    )
     store.close()
 
     async def scenario():
@@ -547,7 +680,9 @@ def test_the_replica_panel_shows_the_simulators_error_band_known_at_that_time(re
             await wait_for(pilot, lambda: "not measured" in text_of(line), what="no report yet")
             src.seek(start + 40_000)
             await wait_for(pilot, lambda: "±12%" in text_of(line), what="the band after the report")
-            assert "Spearman 0.97" in text_of(line) and "321 requests of db:#recording=x" in text_of(line)
+            assert "Spearman 0.97" in text_of(
+                line
+            ) and "321 requests of db:#recording=x" in text_of(line)
 
     run(scenario())
 
@@ -562,8 +697,12 @@ def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
     pending for 30 s."""
     from controlplane.governance import GovernanceSpec
 
-    spec = spec_of(twins, governance=GovernanceSpec.model_validate({"default_tenant": {"ttft": {"p99": 0.001}},
-                                                                   "alerts": {"for_s": 0}}))
+    spec = spec_of(
+        twins,
+        governance=GovernanceSpec.model_validate(
+            {"default_tenant": {"ttft": {"p99": 0.001}}, "alerts": {"for_s": 0}}
+        ),
+    )
 
     async def scenario():
         app = build_app(spec, refresh_s=0.25)
@@ -576,25 +715,42 @@ def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
             table = app.query_one("#alerts-tenants")
             await wait_for(pilot, lambda: table.row_count >= 2, what="tenant rows")
             row = [getattr(c, "plain", c) for c in table.get_row_at(0)]
-            assert row[0].startswith("t") and "misses ttft_p99" in row[-1] and row[3].endswith("/1ms")
+            assert (
+                row[0].startswith("t") and "misses ttft_p99" in row[-1] and row[3].endswith("/1ms")
+            )
 
-            def shows_the_report() -> bool:  # the panel shows the collector's figures, none of its own
-                g, first = app.snapshot.governance, [getattr(c, "plain", c) for c in table.get_row_at(0)]
+            def shows_the_report() -> (
+                bool
+            ):  # the panel shows the collector's figures, none of its own
+                g, first = (
+                    app.snapshot.governance,
+                    [getattr(c, "plain", c) for c in table.get_row_at(0)],
+                )
                 omega = fmt_figure(g["tenants"][first[0]]["omega"], 2)
-                return (f"JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
-                        in text_of(app.query_one("#alerts-figures"))
-                        and first[8] == omega + (" over" if first[0] in g["over_consumers"] else ""))
+                return (
+                    f"JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
+                    in text_of(app.query_one("#alerts-figures"))
+                    and first[8] == omega + (" over" if first[0] in g["over_consumers"] else "")
+                )
 
-            await wait_for(pilot, shows_the_report, what="JFI, JFI (seed) and ω from the governance report")
+            await wait_for(
+                pilot, shows_the_report, what="JFI, JFI (seed) and ω from the governance report"
+            )
             await pilot.press("2")
             assert "ALERT SCR" in text_of(bar)  # the bar stays on every panel
 
-            def replica_reads_the_report() -> bool:  # the replica panel's JFIs: the cluster's report
+            def replica_reads_the_report() -> (
+                bool
+            ):  # the replica panel's JFIs: the cluster's report
                 g = app.snapshot.governance
-                return (f"cluster: JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
-                        in text_of(app.query_one("#fairness")))
+                return (
+                    f"cluster: JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
+                    in text_of(app.query_one("#fairness"))
+                )
 
-            await wait_for(pilot, replica_reads_the_report, what="the replica panel's JFI and JFI (seed)")
+            await wait_for(
+                pilot, replica_reads_the_report, what="the replica panel's JFI and JFI (seed)"
+            )
 
     run(scenario())
 
@@ -604,16 +760,48 @@ def test_replayed_alerts_are_those_firing_at_the_position(recording):
 
     store = Store.open(recording)
     start = store.readings.samples("fixture", "twin-0")[0].t_ms
-    figures = {"scr": 0.5, "jfi": 0.97, "type_fairness_min": None, "requests": 10,
-               "tenants": {"acme": {"ttft_p50": 0.2, "ttft_p90": 0.5, "ttft_p99": 3.0, "ttlt_p99": 9.0,
-                                    "limits": {"ttft_p99": 2.0}, "missed": ["ttft_p99"], "compliant": False,
-                                    "tok_s": 50.0, "normalised": 0.5}}, "types": {}}
-    store.recordings.write("fixture", Batch(governance=[GovernanceRow(t_ms=start + 20_000, summary=figures)],
-                                 alerts=[AlertRow(t_ms=start + 20_000, name="scr", severity="critical", state="firing",
-                                                  summary={"value": 0.5, "threshold": 0.9,
-                                                           "missed": {"acme": ["ttft_p99"]}}),
-                                         AlertRow(t_ms=start + 50_000, name="scr", severity="critical",
-                                                  state="resolved", summary={"value": 1.0, "threshold": 0.9})]))
+    figures = {
+        "scr": 0.5,
+        "jfi": 0.97,
+        "type_fairness_min": None,
+        "requests": 10,
+        "tenants": {
+            "acme": {
+                "ttft_p50": 0.2,
+                "ttft_p90": 0.5,
+                "ttft_p99": 3.0,
+                "ttlt_p99": 9.0,
+                "limits": {"ttft_p99": 2.0},
+                "missed": ["ttft_p99"],
+                "compliant": False,
+                "tok_s": 50.0,
+                "normalised": 0.5,
+            }
+        },
+        "types": {},
+    }
+    store.recordings.write(
+        "fixture",
+        Batch(
+            governance=[GovernanceRow(t_ms=start + 20_000, summary=figures)],
+            alerts=[
+                AlertRow(
+                    t_ms=start + 20_000,
+                    name="scr",
+                    severity="critical",
+                    state="firing",
+                    summary={"value": 0.5, "threshold": 0.9, "missed": {"acme": ["ttft_p99"]}},
+                ),
+                AlertRow(
+                    t_ms=start + 50_000,
+                    name="scr",
+                    severity="critical",
+                    state="resolved",
+                    summary={"value": 1.0, "threshold": 0.9},
+                ),
+            ],
+        ),
+    )
     store.close()
 
     async def scenario():
@@ -623,10 +811,16 @@ def test_replayed_alerts_are_those_firing_at_the_position(recording):
             await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
             bar = app.query_one("#alertbar")
             src.seek(start + 10_000)
-            await wait_for(pilot, lambda: app.snapshot.t_ms <= start + 10_000, what="the early position")
-            assert not bar.has_class("-shown")  # nothing stored yet: not governed as far as replay knows
+            await wait_for(
+                pilot, lambda: app.snapshot.t_ms <= start + 10_000, what="the early position"
+            )
+            assert not bar.has_class(
+                "-shown"
+            )  # nothing stored yet: not governed as far as replay knows
             src.seek(start + 30_000)
-            await wait_for(pilot, lambda: "ALERT SCR 0.5 (critical)" in text_of(bar), what="the firing alert")
+            await wait_for(
+                pilot, lambda: "ALERT SCR 0.5 (critical)" in text_of(bar), what="the firing alert"
+            )
             await pilot.press("6")
             history = app.query_one("#alerts-history")
             await wait_for(pilot, lambda: history.row_count == 1, what="one transition so far")
@@ -649,11 +843,19 @@ def test_the_operator_pauses_the_governor_from_the_alerts_panel(twins, tmp_path)
             await started(pilot, app)
             await pilot.press("6")
             line = app.query_one("#alerts-governor")
-            await wait_for(pilot, lambda: "governor: dry-run" in text_of(line), what="the governor line")
+            await wait_for(
+                pilot, lambda: "governor: dry-run" in text_of(line), what="the governor line"
+            )
             await pilot.press("G")
-            await wait_for(pilot, lambda: app.screen.query("#governor-options"), what="the governor dialog")
+            await wait_for(
+                pilot, lambda: app.screen.query("#governor-options"), what="the governor dialog"
+            )
             await pilot.press("enter")  # the first choice: pause
-            await wait_for(pilot, lambda: store.governance.governor_control("twins")["paused"], what="paused in the store")
+            await wait_for(
+                pilot,
+                lambda: store.governance.governor_control("twins")["paused"],
+                what="paused in the store",
+            )
             assert store.governance.governor_control("twins")["who"].startswith("tui:")
             await wait_for(pilot, lambda: "(paused)" in text_of(line), what="shown paused")
 

@@ -22,9 +22,17 @@ FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
 SIZE = (160, 48)
 START_MS = 1_700_000_000_000  # the recording's first sample (make_recording.EPOCH)
 # The SLOs and window the recording was made with (a replay takes them from the cluster file).
-SPEC = ClusterSpec(name="fixture", window_s=30.0, slos={"ttft_p99": 1.0, "ttlt_p99": 15.0},
-                   replicas=[ReplicaSpec(name=f"twin-{i}", api_url="http://127.0.0.1:1",
-                                         control_url="http://127.0.0.1:1") for i in range(3)])
+SPEC = ClusterSpec(
+    name="fixture",
+    window_s=30.0,
+    slos={"ttft_p99": 1.0, "ttlt_p99": 15.0},
+    replicas=[
+        ReplicaSpec(
+            name=f"twin-{i}", api_url="http://127.0.0.1:1", control_url="http://127.0.0.1:1"
+        )
+        for i in range(3)
+    ],
+)
 
 
 @pytest.fixture
@@ -71,20 +79,26 @@ def test_cluster_screen_with_an_unhealthy_replica_sorted_and_selected(replay_app
 
 def test_replica_screen(replay_app, snap_compare):
     # twin-1: sarathi → uniboost at 30 s, γ pinned at 55 s (both marked on the time axis).
-    assert snap_compare(replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "2"))
+    assert snap_compare(
+        replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "2")
+    )
 
 
 def test_policy_panel(replay_app, snap_compare):
-    assert snap_compare(replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "3"))
+    assert snap_compare(
+        replay_app(90), terminal_size=SIZE, run_before=lambda p: ready(p, "down", "3")
+    )
 
 
 def test_confirm_dialog(replay_app, snap_compare):
     async def before(pilot):
         await ready(pilot)
         app = pilot.app
-        edits = {"twin-1": SettingsEdit(params={"gamma": 25.0}, unpin=frozenset({"gamma"})),
-                 "twin-2": SettingsEdit(params={"beta": 2.0}),  # tie's β ≤ 1: refused, not sent
-                 "twin-0": SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0})}  # settings unknown
+        edits = {
+            "twin-1": SettingsEdit(params={"gamma": 25.0}, unpin=frozenset({"gamma"})),
+            "twin-2": SettingsEdit(params={"beta": 2.0}),  # tie's β ≤ 1: refused, not sent
+            "twin-0": SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0}),
+        }  # settings unknown
         app.push_screen(ConfirmScreen("Apply to 3 replica(s)?", app._plans(edits)))
         await pilot.pause(0.1)
 
@@ -96,7 +110,9 @@ def test_audit_screen(replay_app, snap_compare):
 
 
 def test_help_screen(replay_app, snap_compare):
-    assert snap_compare(replay_app(60), terminal_size=SIZE, run_before=lambda p: ready(p, "question_mark"))
+    assert snap_compare(
+        replay_app(60), terminal_size=SIZE, run_before=lambda p: ready(p, "question_mark")
+    )
 
 
 def test_alerts_panel_with_a_firing_alert(tmp_path, snap_compare):
@@ -109,24 +125,92 @@ def test_alerts_panel_with_a_firing_alert(tmp_path, snap_compare):
     # The governance report's keys (controlplane.governance.report): acme over-consumes (ω < 1),
     # delta is starved (requests waiting, nothing completed); JFI 0.667 beside JFI (seed) 0.578;
     # type fairness below its alert, pending.
-    tenant = {"ttft_p50": 0.21, "ttft_p90": 0.9, "ttft_p99": 2.4, "ttlt_p99": 12.0, "tok_s": 812.0,
-              "normalised": 1.6, "service_ratio": 1.0, "omega": 0.625, "waiting": 0, "waited_s": None,
-              "starved": False, "limits": {"ttft_p50": 0.5, "ttft_p99": 1.0}, "missed": ["ttft_p99"],
-              "compliant": False}
-    starved = {**{k: None for k in ("ttft_p50", "ttft_p90", "ttft_p99", "ttlt_p99")}, "tok_s": 0.0,
-               "normalised": 0.0, "service_ratio": 0.0, "omega": 4.0, "waiting": 4, "waited_s": 12.5,
-               "starved": True, "limits": {"ttft_p99": 1.0}, "missed": ["ttft_p99"], "compliant": False}
-    figures = {"scr": 0.333, "jfi": 0.667, "jfi_seed": 0.578, "type_fairness_min": 0.45, "requests": 240,
-               "over_consumers": ["acme"], "alerts_pending": {"type_fairness": "warning"},
-               "tenants": {"acme": tenant, "beta": {**tenant, "ttft_p99": 0.8, "missed": [], "compliant": True,
-                                                    "normalised": 0.7, "omega": 1.43}, "delta": starved},
-               "types": {"chat": {"share": 0.9, "minimum": 0.35, "ratio": 1.2, "ttft_p50": 0.2, "ttft_p99": 2.0},
-                         "batch": {"share": 0.1, "minimum": 0.22, "ratio": 0.45, "ttft_p50": 0.3, "ttft_p99": 2.6}}}
+    tenant = {
+        "ttft_p50": 0.21,
+        "ttft_p90": 0.9,
+        "ttft_p99": 2.4,
+        "ttlt_p99": 12.0,
+        "tok_s": 812.0,
+        "normalised": 1.6,
+        "service_ratio": 1.0,
+        "omega": 0.625,
+        "waiting": 0,
+        "waited_s": None,
+        "starved": False,
+        "limits": {"ttft_p50": 0.5, "ttft_p99": 1.0},
+        "missed": ["ttft_p99"],
+        "compliant": False,
+    }
+    starved = {
+        **{k: None for k in ("ttft_p50", "ttft_p90", "ttft_p99", "ttlt_p99")},
+        "tok_s": 0.0,
+        "normalised": 0.0,
+        "service_ratio": 0.0,
+        "omega": 4.0,
+        "waiting": 4,
+        "waited_s": 12.5,
+        "starved": True,
+        "limits": {"ttft_p99": 1.0},
+        "missed": ["ttft_p99"],
+        "compliant": False,
+    }
+    figures = {
+        "scr": 0.333,
+        "jfi": 0.667,
+        "jfi_seed": 0.578,
+        "type_fairness_min": 0.45,
+        "requests": 240,
+        "over_consumers": ["acme"],
+        "alerts_pending": {"type_fairness": "warning"},
+        "tenants": {
+            "acme": tenant,
+            "beta": {
+                **tenant,
+                "ttft_p99": 0.8,
+                "missed": [],
+                "compliant": True,
+                "normalised": 0.7,
+                "omega": 1.43,
+            },
+            "delta": starved,
+        },
+        "types": {
+            "chat": {"share": 0.9, "minimum": 0.35, "ratio": 1.2, "ttft_p50": 0.2, "ttft_p99": 2.0},
+            "batch": {
+                "share": 0.1,
+                "minimum": 0.22,
+                "ratio": 0.45,
+                "ttft_p50": 0.3,
+                "ttft_p99": 2.6,
+            },
+        },
+    }
     with Store.open(str(db)) as store:
-        store.recordings.write("fixture", Batch(
-            governance=[GovernanceRow(t_ms=START_MS + 30_000, summary=figures)],
-            alerts=[AlertRow(START_MS + 30_000, "scr", "critical", "firing",
-                             {"value": 0.333, "threshold": 0.9, "missed": {"acme": ["ttft_p99"], "delta": ["ttft_p99"]}}),
-                    AlertRow(START_MS + 31_000, "jfi", "warning", "firing", {"value": 0.667, "threshold": 0.9})]))
+        store.recordings.write(
+            "fixture",
+            Batch(
+                governance=[GovernanceRow(t_ms=START_MS + 30_000, summary=figures)],
+                alerts=[
+                    AlertRow(
+                        START_MS + 30_000,
+                        "scr",
+                        "critical",
+                        "firing",
+                        {
+                            "value": 0.333,
+                            "threshold": 0.9,
+                            "missed": {"acme": ["ttft_p99"], "delta": ["ttft_p99"]},
+                        },
+                    ),
+                    AlertRow(
+                        START_MS + 31_000,
+                        "jfi",
+                        "warning",
+                        "firing",
+                        {"value": 0.667, "threshold": 0.9},
+                    ),
+                ],
+            ),
+        )
     app = build_app(SPEC, replay=str(db), start_ms=START_MS + 60_000)
     assert snap_compare(app, terminal_size=SIZE, run_before=lambda p: ready(p, "6"))

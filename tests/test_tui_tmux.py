@@ -30,14 +30,32 @@ class Tmux:
         self.path = ""
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True, text=True, check=check,
-                              timeout=30)
+        return subprocess.run(
+            [TMUX, "-L", self.socket, *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=30,
+        )
 
     def start(self, command: list[str], cwd: str, width: int = 160, height: int = 48) -> None:
         env_cmd = " ".join(f"'{c}'" for c in command)
-        self.run("new-session", "-d", "-s", self.session, "-x", str(width), "-y", str(height), "-c", cwd,
-                 f"env -u COLUMNS -u LINES TERM=xterm-256color {env_cmd}")  # the pane's size, not pytest's
-        self.path = self.run("display-message", "-p", "-t", self.session, "#{socket_path}").stdout.strip()
+        self.run(
+            "new-session",
+            "-d",
+            "-s",
+            self.session,
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            "-c",
+            cwd,
+            f"env -u COLUMNS -u LINES TERM=xterm-256color {env_cmd}",
+        )  # the pane's size, not pytest's
+        self.path = self.run(
+            "display-message", "-p", "-t", self.session, "#{socket_path}"
+        ).stdout.strip()
 
     def alive(self) -> bool:
         return self.run("has-session", "-t", self.session, check=False).returncode == 0
@@ -53,7 +71,9 @@ class Tmux:
         text = ""
         while time.monotonic() < end:
             if not self.alive():
-                raise AssertionError(f"the demo exited while waiting for {what}; last screen:\n{text}")
+                raise AssertionError(
+                    f"the demo exited while waiting for {what}; last screen:\n{text}"
+                )
             text = self.screen()
             if predicate(text):
                 return text
@@ -75,12 +95,23 @@ def tmux():
 
 
 def test_demo_under_tmux_keys_and_screens(tmux, tmp_path):
-    cmd = demo_command() + ["--replicas", "3", "--speed", "10", "--policy", "uniboost",
-                            "--db", str(tmp_path / "demo.db")]
+    cmd = demo_command() + [
+        "--replicas",
+        "3",
+        "--speed",
+        "10",
+        "--policy",
+        "uniboost",
+        "--db",
+        str(tmp_path / "demo.db"),
+    ]
     tmux.start(cmd, str(tmp_path))  # the demo may write its cluster file to the working directory
     # The cluster screen with every twin polled and healthy.
-    screen = tmux.wait_for(lambda s: "3/3 healthy" in s and all(f"twin-{i}" in s for i in range(3)),
-                           timeout=90, what="the cluster screen")
+    screen = tmux.wait_for(
+        lambda s: "3/3 healthy" in s and all(f"twin-{i}" in s for i in range(3)),
+        timeout=90,
+        what="the cluster screen",
+    )
     assert "TTLT p50/p95/p99" in screen and "uniboost" in screen and "LIVE" in screen
     # ? opens the help generated from the key table.
     tmux.keys("?")
@@ -90,7 +121,9 @@ def test_demo_under_tmux_keys_and_screens(tmux, tmp_path):
     tmux.wait_for(lambda s: "tailpilot — keys" not in s, what="help closed")
     # 2: the replica screen of the cursor replica, with its plots and tenant table.
     tmux.keys("2")
-    screen = tmux.wait_for(lambda s: "panel replica" in s and "TTFT (s)" in s, what="replica screen")
+    screen = tmux.wait_for(
+        lambda s: "panel replica" in s and "TTFT (s)" in s, what="replica screen"
+    )
     assert "twin-0" in screen and "per tenant" in screen and "live γ" in screen
     # P (capital: a cluster change) asks which policy, and Escape sends nothing.
     tmux.keys("1")

@@ -12,7 +12,7 @@ import shutil
 import optuna
 import pytest
 from optuna.trial import TrialState
-from test_tui_functional import (  # noqa: E402, F401  (shared helpers and the twins fixture)
+from test_tui_functional import (  # noqa: F401  (shared helpers and the twins fixture)
     get_settings,
     notifications,
     spec_of,
@@ -40,7 +40,9 @@ PARETO, SINGLE = "a-pareto", "b-single"
 
 
 def _spec(objectives: list[str]) -> StudySpec:
-    return StudySpec(policies=["uniboost"], objectives=objectives, trim=(0.0, 240.0), window_s=60.0, seed=3)
+    return StudySpec(
+        policies=["uniboost"], objectives=objectives, trim=(0.0, 240.0), window_s=60.0, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,11 @@ def load(path: str, name: str):
 
 
 def fully_evaluated(study) -> list:
-    return [t for t in study.get_trials(states=(TrialState.COMPLETE,))
-            if (t.user_attrs.get("tailpilot") or {}).get("pruned_after") is None]
+    return [
+        t
+        for t in study.get_trials(states=(TrialState.COMPLETE,))
+        if (t.user_attrs.get("tailpilot") or {}).get("pruned_after") is None
+    ]
 
 
 def plain(v) -> str:
@@ -68,9 +73,18 @@ def plain(v) -> str:
 
 async def tuner_ready(pilot, app, study: str | None = None):
     panel = app.query_one("#tuner")
-    await wait_for(pilot, lambda: panel.loaded and panel.detail is not None and panel.detail_pending is None
-                   and (study is None or panel.detail.info.name == study)
-                   and panel.current_rec() is not None, timeout=60, what="tuner panel loaded")
+    await wait_for(
+        pilot,
+        lambda: (
+            panel.loaded
+            and panel.detail is not None
+            and panel.detail_pending is None
+            and (study is None or panel.detail.info.name == study)
+            and panel.current_rec() is not None
+        ),
+        timeout=60,
+        what="tuner panel loaded",
+    )
     await pilot.pause(0.1)
     return panel
 
@@ -90,7 +104,9 @@ def replay_app(tmp_path, studies):
 # ----------------------------------------------------------------------- listing and selecting
 
 
-def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_trials(replay_app, studies):
+def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_trials(
+    replay_app, studies
+):
     single, pareto = load(studies, SINGLE), load(studies, PARETO)
     best = min(t.value for t in fully_evaluated(single))
 
@@ -101,8 +117,10 @@ def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_tri
             await pilot.press("5")
             panel = await tuner_ready(pilot, app, PARETO)
             table = app.query_one("#studies-table")
-            rows = {plain(table.get_row_at(i)[0]): [plain(c) for c in table.get_row_at(i)] for i in
-                    range(table.row_count)}
+            rows = {
+                plain(table.get_row_at(i)[0]): [plain(c) for c in table.get_row_at(i)]
+                for i in range(table.row_count)
+            }
             assert list(rows) == [PARETO, SINGLE]
             cols = list(TR.STUDY_COLUMNS)
             assert rows[SINGLE][cols.index("complete")] == str(len(fully_evaluated(single))) == "4"
@@ -113,9 +131,15 @@ def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_tri
             trials = app.query_one("#trials-table")
             got = [[plain(c) for c in trials.get_row_at(i)] for i in range(trials.row_count)]
             assert [g[0].rstrip("★·") for g in got] == [str(t.number) for t in pareto.trials]
-            assert [g[2:4] for g in got] == [[TR.fmt_num(v) for v in t.values] for t in pareto.trials]
-            front = {t.number for t in best_trials(pareto, st.load_context(
-                open_storage(storage_url(studies)), PARETO)[1])}
+            assert [g[2:4] for g in got] == [
+                [TR.fmt_num(v) for v in t.values] for t in pareto.trials
+            ]
+            front = {
+                t.number
+                for t in best_trials(
+                    pareto, st.load_context(open_storage(storage_url(studies)), PARETO)[1]
+                )
+            }
             assert {int(g[0].rstrip("★·")) for g in got if "★" in g[0]} == front
             # Select the other study: its trials replace them.
             await pilot.press("down")
@@ -123,7 +147,9 @@ def test_panel_lists_studies_with_trial_counts_and_best_value_then_shows_the_tri
             got = [[plain(c) for c in trials.get_row_at(i)] for i in range(trials.row_count)]
             assert [g[0].rstrip("★·") for g in got] == [str(t.number) for t in single.trials]
             assert [g[2] for g in got] == [TR.fmt_num(t.value) for t in single.trials]
-            assert panel.detail.info.front == (min(fully_evaluated(single), key=lambda t: (t.value, t.number)).number,)
+            assert panel.detail.info.front == (
+                min(fully_evaluated(single), key=lambda t: (t.value, t.number)).number,
+            )
 
     asyncio.run(scenario())
 
@@ -143,7 +169,10 @@ def test_the_computed_recommendation_is_tuner_recommend(replay_app, studies):
             held = expected["holdout"]["metrics"]["ttlt_p99"]["improvement_pct"]
             search = expected["search"]["metrics"]["ttlt_p99"]
             assert f"trial {expected['trial']}" in text and TR.fmt_pct(held) in text
-            assert TR.fmt_pct(search["improvement_pct"]) in text and TR.fmt_pct(search["ci_pct"][0]) in text
+            assert (
+                TR.fmt_pct(search["improvement_pct"]) in text
+                and TR.fmt_pct(search["ci_pct"][0]) in text
+            )
             # Replay is read-only: R is refused, nothing to confirm.
             await pilot.press("R")
             await pilot.pause(0.1)
@@ -158,22 +187,43 @@ def test_a_stored_recommendation_is_shown_instead_of_computing(tmp_path, studies
     shutil.copy(FIXTURE, db)
     store = Store.open(str(db))
     settings = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 7.5}}).to_dict()
-    summary = {"study": SINGLE, "trial": 99, "settings": settings, "objectives": [{"name": "ttlt_p99"}],
-               "search": {"windows": [0, 1], "metrics": {"ttlt_p99": {"improvement_pct": 12.5,
-                                                                       "ci_pct": [3.0, 20.0]}}},
-               "holdout": {"windows": [2], "metrics": {"ttlt_p99": {"improvement_pct": 4.25, "ci_pct": [None, None]}}}}
+    summary = {
+        "study": SINGLE,
+        "trial": 99,
+        "settings": settings,
+        "objectives": [{"name": "ttlt_p99"}],
+        "search": {
+            "windows": [0, 1],
+            "metrics": {"ttlt_p99": {"improvement_pct": 12.5, "ci_pct": [3.0, 20.0]}},
+        },
+        "holdout": {
+            "windows": [2],
+            "metrics": {"ttlt_p99": {"improvement_pct": 4.25, "ci_pct": [None, None]}},
+        },
+    }
     rid = store.tuner.store_recommendation(SINGLE, settings, summary, t_ms=START_MS)
 
     async def scenario():
-        app = build_app(SPEC, replay=str(db), store=store, start_ms=START_MS + 60_000, optuna_storage=studies)
+        app = build_app(
+            SPEC, replay=str(db), store=store, start_ms=START_MS + 60_000, optuna_storage=studies
+        )
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause(0.2)
             await pilot.press("5", "down")
             panel = await tuner_ready(pilot, app, SINGLE)
             rec = panel.current_rec()
-            assert rec.source == "stored" and rec.stored_id == rid and rec.summary["settings"] == settings
+            assert (
+                rec.source == "stored"
+                and rec.stored_id == rid
+                and rec.summary["settings"] == settings
+            )
             text = text_of(app.query_one("#recommendation"))
-            assert "trial 99" in text and f"stored #{rid}" in text and "+12.5%" in text and "+4.2%" in text
+            assert (
+                "trial 99" in text
+                and f"stored #{rid}" in text
+                and "+12.5%" in text
+                and "+4.2%" in text
+            )
             assert "[+3.0%, +20.0%]" in text and "gamma 7.5" in text
 
     asyncio.run(scenario())
@@ -201,15 +251,26 @@ def test_no_storage_says_how_to_create_a_study(replay_app, tmp_path, monkeypatch
 # ------------------------------------------------------------------------------- applying (live)
 
 
-def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_rows(twins, studies, tmp_path):
+def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_rows(
+    twins, studies, tmp_path
+):
     storage = open_storage(storage_url(studies))
     rec = jsonable(recommend(storage, SINGLE))
-    assert rec["settings"]["policy"] == "uniboost", "the test needs a recommendation that keeps uniboost"
+    assert rec["settings"]["policy"] == "uniboost", (
+        "the test needs a recommendation that keeps uniboost"
+    )
     store = Store.open(str(tmp_path / "live.db"))
     spec = spec_of(twins)
     # The operator pinned γ on twin-1 at 12.
-    [pin] = asyncio.run(apply_settings(spec, ["twin-1"], lambda s: s.replace(params={"gamma": 12.0},
-                                                                             pinned=["gamma"]), None, "test"))
+    [pin] = asyncio.run(
+        apply_settings(
+            spec,
+            ["twin-1"],
+            lambda s: s.replace(params={"gamma": 12.0}, pinned=["gamma"]),
+            None,
+            "test",
+        )
+    )
     assert pin.ok, pin.message
     before = [get_settings(t)["version"] for t in twins]
 
@@ -221,11 +282,15 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
             panel = await tuner_ready(pilot, app, SINGLE)
             assert panel.current_rec().summary["settings"] == rec["settings"]
             await pilot.press("R")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "twin-0" in diff and "twin-1" in diff and "twin-2" in diff
             assert "params.gamma: 12 kept: pinned" in diff, diff
-            assert all(get_settings(t)["version"] == v for t, v in zip(twins, before))  # nothing sent before y
+            assert all(
+                get_settings(t)["version"] == v for t, v in zip(twins, before)
+            )  # nothing sent before y
             await pilot.press("y")
             await wait_for(pilot, lambda: len(app.last_results) == 3, what="apply results")
             assert all(r.ok for r in app.last_results), [r.message for r in app.last_results]
@@ -237,7 +302,11 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
         assert get_settings(t)["settings"] == want
     kept = get_settings(twins[1])["settings"]
     assert kept["params"]["gamma"] == 12.0 and kept["pinned"] == ["gamma"]
-    assert {**kept, "params": {**kept["params"], "gamma": want["params"]["gamma"]}, "pinned": []} == want
+    assert {
+        **kept,
+        "params": {**kept["params"], "gamma": want["params"]["gamma"]},
+        "pinned": [],
+    } == want
     rows = store.settings_log.settings_changes("twins")
     assert sorted(r["replica"] for r in rows) == ["twin-0", "twin-1", "twin-2"]
     assert all(r["result"] == "applied" and r["who"].startswith("tui:") for r in rows)
@@ -249,8 +318,15 @@ def test_R_applies_to_the_selection_only_and_refuses_a_policy_switch_over_a_pin(
     """Selected replicas only; a replica whose pin the recommendation cannot keep is not sent."""
     rec = jsonable(recommend(open_storage(storage_url(studies)), SINGLE))
     spec = spec_of(twins)
-    [r] = asyncio.run(apply_settings(spec, ["twin-2"], {"policy": "tie", "params": {"beta": 0.5},
-                                                        "pinned": ["beta"]}, None, "test"))
+    [r] = asyncio.run(
+        apply_settings(
+            spec,
+            ["twin-2"],
+            {"policy": "tie", "params": {"beta": 0.5}, "pinned": ["beta"]},
+            None,
+            "test",
+        )
+    )
     assert r.ok, r.message
     v0 = get_settings(twins[0])["version"]
 
@@ -262,7 +338,9 @@ def test_R_applies_to_the_selection_only_and_refuses_a_policy_switch_over_a_pin(
             await pilot.press("5", "down")
             await tuner_ready(pilot, app, SINGLE)
             await pilot.press("R")
-            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation")
+            await wait_for(
+                pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
+            )
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "twin-0" not in diff and "twin-1" in diff
             assert "not sent: pinned beta on tie" in diff, diff
@@ -315,7 +393,16 @@ def test_tuner_panel_snapshot(replay_app, snap_compare):
 
 
 def test_render_units():
-    assert TR.key_params({"policy": "uniboost", "uniboost.gamma": 0.5, "engine.max_num_seqs": 64,
-                          "uniboost.memguard": True}) == "γ=0.5 seqs=64 memguard=on"
+    assert (
+        TR.key_params(
+            {
+                "policy": "uniboost",
+                "uniboost.gamma": 0.5,
+                "engine.max_num_seqs": 64,
+                "uniboost.memguard": True,
+            }
+        )
+        == "γ=0.5 seqs=64 memguard=on"
+    )
     assert TR.fmt_pct(math.nan) == "—" and TR.fmt_pct(1.25) == "+1.2%"
     assert TR.redact("postgresql+psycopg://u:secret@h/db") == "postgresql+psycopg://u:***@h/db"

@@ -48,14 +48,19 @@ def test_bindings_help_and_palette_come_from_the_one_key_table():
     table = {(k.key, k.action) for k in K.KEYS if k.bind and k.scope == "app"}
     assert app_bindings == table
     assert {(b.key, b.action) for b in ConfirmScreen.BINDINGS} == {
-        (k.key, k.action) for k in K.KEYS if k.scope == "confirm"}
+        (k.key, k.action) for k in K.KEYS if k.scope == "confirm"
+    }
     # Every action of the table exists where it is bound.
     for k in K.KEYS:
         if k.bind:
             owner = ConfirmScreen if k.scope == "confirm" else TailpilotApp
             assert callable(getattr(owner, f"action_{k.action_name}", None)), k
     # Help lists every key, in its group.
-    listed = {(group, key) for group, rows in K.help_rows(readonly=False, mode="live") for key, _d, _n in rows}
+    listed = {
+        (group, key)
+        for group, rows in K.help_rows(readonly=False, mode="live")
+        for key, _d, _n in rows
+    }
     assert listed == {(k.group, k.display) for k in K.KEYS}
 
 
@@ -63,17 +68,26 @@ def test_operator_conventions():
     by_display = {k.display: k for k in K.KEYS}
     assert by_display["?"].action == "help" and by_display["q"].action == "quit"
     assert by_display["p"].action == "toggle_pause" and by_display["/"].action == "filter"
-    assert [by_display[str(i)].action for i in range(1, len(K.PANELS) + 1)] == [f"panel('{p}')" for p in K.PANELS]
+    assert [by_display[str(i)].action for i in range(1, len(K.PANELS) + 1)] == [
+        f"panel('{p}')" for p in K.PANELS
+    ]
     changing = [k for k in K.KEYS if k.changes_cluster]
     assert changing and all(len(k.display) == 1 and k.display.isupper() for k in changing)
-    assert all(k.display.isupper() is False for k in K.KEYS if not k.changes_cluster and len(k.display) == 1
-               and k.display.isalpha())
+    assert all(
+        k.display.isupper() is False
+        for k in K.KEYS
+        if not k.changes_cluster and len(k.display) == 1 and k.display.isalpha()
+    )
 
 
 def test_help_marks_cluster_changes_refused_when_read_only():
-    rows = {key: note for _g, rs in K.help_rows(readonly=True, mode="replay") for key, _d, note in rs}
+    rows = {
+        key: note for _g, rs in K.help_rows(readonly=True, mode="replay") for key, _d, note in rs
+    }
     assert all(rows[k.display].startswith("REFUSED") for k in K.KEYS if k.changes_cluster)
-    live = {key: note for _g, rs in K.help_rows(readonly=False, mode="live") for key, _d, note in rs}
+    live = {
+        key: note for _g, rs in K.help_rows(readonly=False, mode="live") for key, _d, note in rs
+    }
     assert live["P"] == "asks for confirmation" and "replay only" in live["["]
 
 
@@ -90,7 +104,9 @@ def test_command_palette_runs_key_actions_and_refuses_when_read_only(tmp_path):
             labels = [hit.text async for hit in provider.discover()]
             assert "Replica panel (the replica under the cursor)" in labels
             assert any(t.startswith("Switch the policy") and "read-only" in t for t in labels)
-            assert not any("Apply the change shown" in t for t in labels)  # dialog keys stay in the dialog
+            assert not any(
+                "Apply the change shown" in t for t in labels
+            )  # dialog keys stay in the dialog
             await pilot.press("ctrl+p")
             await pilot.pause(0.2)
             await pilot.press(*"audit log", "enter")
@@ -110,17 +126,38 @@ def test_command_palette_runs_key_actions_and_refuses_when_read_only(tmp_path):
 
 
 def test_settings_edit_semantics():
-    uni = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 7.0, "quant_ratio": 3.0},
-                                   "pinned": ["gamma"], "engine": {"max_num_seqs": 32}})
+    uni = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"gamma": 7.0, "quant_ratio": 3.0},
+            "pinned": ["gamma"],
+            "engine": {"max_num_seqs": 32},
+        }
+    )
     # Same policy: parameters merge, pins add/remove, the engine stays.
-    s = SettingsEdit(params={"quant_ratio": 4.0}, pin=frozenset({"quant_base_tokens"}),
-                     unpin=frozenset({"gamma"})).apply(uni)
-    assert s.param("gamma") == 7.0 and s.param("quant_ratio") == 4.0 and s.pinned == ("quant_base_tokens",)
+    s = SettingsEdit(
+        params={"quant_ratio": 4.0},
+        pin=frozenset({"quant_base_tokens"}),
+        unpin=frozenset({"gamma"}),
+    ).apply(uni)
+    assert (
+        s.param("gamma") == 7.0
+        and s.param("quant_ratio") == 4.0
+        and s.pinned == ("quant_base_tokens",)
+    )
     assert s.engine.max_num_seqs == 32
     # A switch starts from the new policy's defaults (as Settings.replace does).
     t = SettingsEdit(policy="tie", params={"beta": 0.3}).apply(uni)
-    assert t.policy == "tie" and t.param("beta") == 0.3 and t.pinned == () and t.engine.max_num_seqs == 32
-    assert t.to_dict()["params"] == {**Settings.model_validate({"policy": "tie"}).to_dict()["params"], "beta": 0.3}
+    assert (
+        t.policy == "tie"
+        and t.param("beta") == 0.3
+        and t.pinned == ()
+        and t.engine.max_num_seqs == 32
+    )
+    assert t.to_dict()["params"] == {
+        **Settings.model_validate({"policy": "tie"}).to_dict()["params"],
+        "beta": 0.3,
+    }
     # Invalid: the settings model's message, naming the field.
     new, err = try_apply(SettingsEdit(params={"gamma": 0}), uni)
     assert new is None and "params.gamma" in err and "greater than or equal to 0.000001" in err
@@ -134,7 +171,11 @@ def test_policy_fields_cover_every_parameter_of_every_policy():
         assert [f.name for f in fields] == list(model.model_fields), policy
         assert {f.name for f in fields if f.adaptive} == set(ADAPTIVE_PARAMS.get(policy, ()))
     kinds = {f.name: f.kind for f in policy_fields("uniboost")}
-    assert kinds["memguard"] == "bool" and kinds["quant_base_tokens"] == "int" and kinds["gamma"] == "float"
+    assert (
+        kinds["memguard"] == "bool"
+        and kinds["quant_base_tokens"] == "int"
+        and kinds["gamma"] == "float"
+    )
     assert {f.name: f.kind for f in policy_fields("tie")}["predictor"] == "choice"
     assert {f.name: f.kind for f in policy_fields("vtc")}["weights"] == "json"
     gamma = next(f for f in policy_fields("uniboost") if f.name == "gamma")
@@ -146,31 +187,54 @@ def test_field_parsing_and_error_placement():
     weights = next(f for f in policy_fields("vtc") if f.name == "weights")
     assert parse_field(gamma, "8") == 8 and parse_field(gamma, "abc") == "abc"
     assert parse_field(weights, '{"acme": 2}') == {"acme": 2}
-    _, err = try_apply(SettingsEdit(params={"gamma": "abc", "quant_ratio": 0.5}),
-                       Settings.model_validate({"policy": "uniboost"}))
+    _, err = try_apply(
+        SettingsEdit(params={"gamma": "abc", "quant_ratio": 0.5}),
+        Settings.model_validate({"policy": "uniboost"}),
+    )
     where = field_errors(err, ["gamma", "quant_ratio", "memguard"])
-    assert set(where) == {"gamma", "quant_ratio"} and "number" in where["gamma"] and "greater than 1" in where[
-        "quant_ratio"]
+    assert (
+        set(where) == {"gamma", "quant_ratio"}
+        and "number" in where["gamma"]
+        and "greater than 1" in where["quant_ratio"]
+    )
 
 
 def test_pin_edit():
     uni = Settings.model_validate({"policy": "uniboost"})
     edit, what = pin_edit(uni, "uniboost", {"gamma": 12.34567, "beta": None})
-    assert edit == SettingsEdit(params={"gamma": 12.35}, pin=frozenset({"gamma"})) and "12.35" in what
+    assert (
+        edit == SettingsEdit(params={"gamma": 12.35}, pin=frozenset({"gamma"})) and "12.35" in what
+    )
     pinned = edit.apply(uni)
     assert pinned.is_pinned("gamma")
-    assert pin_edit(pinned, "uniboost", {"gamma": 50.0})[0] == SettingsEdit(unpin=frozenset({"gamma"}))
-    assert pin_edit(Settings.model_validate({"policy": "tie"}), "tie", {"beta": 0.25})[0].params == {"beta": 0.25}
+    assert pin_edit(pinned, "uniboost", {"gamma": 50.0})[0] == SettingsEdit(
+        unpin=frozenset({"gamma"})
+    )
+    assert pin_edit(Settings.model_validate({"policy": "tie"}), "tie", {"beta": 0.25})[
+        0
+    ].params == {"beta": 0.25}
     edit, why = pin_edit(Settings.model_validate({"policy": "fcfs"}), "fcfs", {})
     assert edit is None and "no adaptive parameter" in why
 
 
 def test_settings_diff():
     old = Settings.model_validate({"policy": "sarathi", "engine": {"max_num_seqs": 32}}).to_dict()
-    new = SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0}).apply(Settings.model_validate(old)).to_dict()
-    assert settings_diff(old, new) == [("policy", "sarathi", "uniboost"), ("params.quant_ratio", "default", "4")]
-    pinned = SettingsEdit(params={"gamma": 8.0}, pin=frozenset({"gamma"})).apply(Settings.model_validate(new))
-    assert settings_diff(new, pinned.to_dict()) == [("params.gamma", "0.1", "8"), ("pinned", "[]", '["gamma"]')]
+    new = (
+        SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0})
+        .apply(Settings.model_validate(old))
+        .to_dict()
+    )
+    assert settings_diff(old, new) == [
+        ("policy", "sarathi", "uniboost"),
+        ("params.quant_ratio", "default", "4"),
+    ]
+    pinned = SettingsEdit(params={"gamma": 8.0}, pin=frozenset({"gamma"})).apply(
+        Settings.model_validate(new)
+    )
+    assert settings_diff(new, pinned.to_dict()) == [
+        ("params.gamma", "0.1", "8"),
+        ("pinned", "[]", '["gamma"]'),
+    ]
 
 
 # ------------------------------------------------------------------------------------------ seeking
@@ -198,18 +262,29 @@ def test_sparkline_is_on_a_fixed_scale():
     assert R.sparkline([0.1] * 20, width=5) == "▁" * 5
 
 
-def group(tenant: str, tok_s: float, ttft_p99: float, ttlt_p99: float, kind: str = "tenant") -> GroupSampleRow:
-    return GroupSampleRow("r", 0, kind, tenant, 10, tok_s, LatencyPercentiles(ttft_p99=ttft_p99, ttlt_p99=ttlt_p99))
+def group(
+    tenant: str, tok_s: float, ttft_p99: float, ttlt_p99: float, kind: str = "tenant"
+) -> GroupSampleRow:
+    return GroupSampleRow(
+        "r", 0, kind, tenant, 10, tok_s, LatencyPercentiles(ttft_p99=ttft_p99, ttlt_p99=ttlt_p99)
+    )
 
 
 def test_tenant_table_gives_the_replicas_scr_and_the_clusters_jfis():
-    groups = [group("a", 100.0, 0.5, 10.0), group("b", 300.0, 3.0, 10.0), group("c", 200.0, 0.4, 50.0),
-              group("chat", 600.0, 1.0, 20.0, kind="type")]
+    groups = [
+        group("a", 100.0, 0.5, 10.0),
+        group("b", 300.0, 3.0, 10.0),
+        group("c", 200.0, 0.4, 50.0),
+        group("chat", 600.0, 1.0, 20.0, kind="type"),
+    ]
     slos = {"ttft_p99": 1.0, "ttlt_p99": 20.0}
     rows, summary = R.tenant_table(groups, slos, {"jfi": 0.9, "jfi_seed": 0.64})
     assert [r[0] for r in rows] == ["a", "b", "c"]
     assert [r[-1].plain for r in rows] == ["meets", "MISSES", "MISSES"]
-    per = {g.group: {"ttft_p99": g.latency.ttft_p99, "ttlt_p99": g.latency.ttlt_p99} for g in groups[:3]}
+    per = {
+        g.group: {"ttft_p99": g.latency.ttft_p99, "ttlt_p99": g.latency.ttlt_p99}
+        for g in groups[:3]
+    }
     scr = slo_compliance_ratio(per, slos)
     assert f"SCR {scr:.2f}" in summary.plain
     # JFI is the governance report's (one implementation): not Jain's index of these throughputs
@@ -222,12 +297,22 @@ def test_tenant_table_gives_the_replicas_scr_and_the_clusters_jfis():
 def test_type_shares_and_change_markers():
     groups = [group("chat", 300.0, 1, 1, kind="type"), group("batch", 100.0, 1, 1, kind="type")]
     assert [(r[0], r[3]) for r in R.type_share_rows(groups)] == [("batch", "25%"), ("chat", "75%")]
-    hist = [SampleRow("r", t, True, policy=p, settings_version=v)
-            for t, p, v in ((0, "sarathi", 1), (1000, "sarathi", 1), (2000, "uniboost", 2), (3000, "uniboost", 2),
-                            (4000, "uniboost", 3))]
+    hist = [
+        SampleRow("r", t, True, policy=p, settings_version=v)
+        for t, p, v in (
+            (0, "sarathi", 1),
+            (1000, "sarathi", 1),
+            (2000, "uniboost", 2),
+            (3000, "uniboost", 2),
+            (4000, "uniboost", 3),
+        )
+    ]
     assert R.change_markers(hist) == [2000, 4000]
-    audit = [{"t_ms": 1900, "replica": "r", "result": "applied"}, {"t_ms": 2500, "replica": "x", "result": "applied"},
-             {"t_ms": 500, "replica": "r", "result": "rejected"}]
+    audit = [
+        {"t_ms": 1900, "replica": "r", "result": "applied"},
+        {"t_ms": 2500, "replica": "x", "result": "applied"},
+        {"t_ms": 500, "replica": "r", "result": "rejected"},
+    ]
     assert R.change_markers(hist, audit, "r") == [2000, 4000]  # 1900 is the same change as 2000
 
 
@@ -249,9 +334,13 @@ def test_replica_header_shows_a_staged_settings_version():
     settings = {"policy": "fcfs", "params": {}}
 
     def header(state):
-        return R.replica_header(ReplicaSnapshot("r", Health(True, None), row, [], settings, 3, state, {}, 0, 0)).plain
+        return R.replica_header(
+            ReplicaSnapshot("r", Health(True, None), row, [], settings, 3, state, {}, 0, 0)
+        ).plain
 
-    assert "(settings v3)" in header({"pending_version": None}) and "staged" not in header({"pending_version": None})
+    assert "(settings v3)" in header({"pending_version": None}) and "staged" not in header(
+        {"pending_version": None}
+    )
     assert "(settings v3) v4 staged" in header({"pending_version": 4})
 
 
@@ -279,10 +368,13 @@ def test_replay_source_seek_step_and_settings(store):
     assert src.step(-1000) == ticks[0] and src.step(1000) == ticks[-1]
     for at in (T0 + 10_000, T0 + 75_000, T0 + 99_999):
         snap = src.snapshot_at(at)
-        assert {n: rs.sample for n, rs in snap.replicas.items()} == store.readings.latest_samples("fixture", at)
+        assert {n: rs.sample for n, rs in snap.replicas.items()} == store.readings.latest_samples(
+            "fixture", at
+        )
         for rs in snap.replicas.values():
-            assert [g for g in rs.groups] == store.readings.group_samples("fixture", rs.name, rs.sample.t_ms,
-                                                                 rs.sample.t_ms + 1)
+            assert [g for g in rs.groups] == store.readings.group_samples(
+                "fixture", rs.name, rs.sample.t_ms, rs.sample.t_ms + 1
+            )
     assert src.settings_at("twin-1", T0 + 29_000) is None
     assert src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"
     assert src.settings_at("twin-1", T0 + 60_000)["pinned"] == ["gamma"]
@@ -297,16 +389,23 @@ def test_replay_settings_come_from_what_the_replicas_ran(store):
     audit log is all a recording has."""
     from storage.rows import Batch, SettingsSeenRow
 
-    seen = [SettingsSeenRow("twin-1", T0 + 50_000, 7, "i1", {"policy": "las", "params": {}}),
-            SettingsSeenRow("twin-1", T0 + 70_000, 8, "i1", {"policy": "vtc", "params": {}})]
+    seen = [
+        SettingsSeenRow("twin-1", T0 + 50_000, 7, "i1", {"policy": "las", "params": {}}),
+        SettingsSeenRow("twin-1", T0 + 70_000, 8, "i1", {"policy": "vtc", "params": {}}),
+    ]
     store.recordings.write("fixture", Batch(settings_seen=seen))
     src = ReplaySource(store)
-    assert src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"  # the audit log, before any seen row
+    assert (
+        src.settings_at("twin-1", T0 + 40_000)["policy"] == "uniboost"
+    )  # the audit log, before any seen row
     assert src.settings_at("twin-1", T0 + 50_000)["policy"] == "las"
-    assert src.settings_at("twin-1", T0 + 69_999)["policy"] == "las"  # not the audit log's later pin
+    assert (
+        src.settings_at("twin-1", T0 + 69_999)["policy"] == "las"
+    )  # not the audit log's later pin
     assert src.settings_at("twin-1", T0 + 99_000)["policy"] == "vtc"
     assert src.snapshot_at(T0 + 75_000).replicas["twin-1"].settings["policy"] == "vtc"
     assert src.settings_at("twin-0", T0 + 99_000) is None
+
 
 def test_replay_refuses_a_store_without_the_cluster(store):
     from tui.sources import ReplayError
@@ -363,8 +462,14 @@ def test_panels_read_no_app_state():
     """A panel shows the reactive data the app sets on it and posts messages for what the operator
     asks: none reaches into the app (``self.app``)."""
     for path in sorted((Path(__file__).parent.parent / "tui").glob("*_panel.py")):
-        uses = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)
-                and n.attr == "app" and isinstance(n.value, ast.Name) and n.value.id == "self"]
+        uses = [
+            n.lineno
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute)
+            and n.attr == "app"
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "self"
+        ]
         assert not uses, (path.name, uses)
 
 
@@ -395,12 +500,20 @@ def test_the_policy_panels_targets_list_selects_through_the_app(tmp_path):
             await pilot.press("3")
             panel = app.query_one(PolicyPanel)
             await wait(pilot, lambda: panel.form_policy is not None)
-            assert panel.targets == (app.current_replica,) and panel.reference == app.current_replica
+            assert (
+                panel.targets == (app.current_replica,) and panel.reference == app.current_replica
+            )
             panel.query_one("#targets", SelectionList).select("twin-2")
             banner = panel.query_one("#policy-banner")
             await wait(pilot, lambda: app.selected and "twin-2's settings" in str(banner.content))
-            assert app.selected == {"twin-2"} and app.targets() == ["twin-2"] and panel.reference == "twin-2"
-            assert app.query_one(ClusterPanel).selected == {"twin-2"} and panel.targets == ("twin-2",)
+            assert (
+                app.selected == {"twin-2"}
+                and app.targets() == ["twin-2"]
+                and panel.reference == "twin-2"
+            )
+            assert app.query_one(ClusterPanel).selected == {"twin-2"} and panel.targets == (
+                "twin-2",
+            )
             assert "1 selected" in str(app.query_one("#topbar").content)
 
     asyncio.run(scenario())

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from optuna.trial import TrialState
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
-from tailpilot.cli_tune import COMMANDS
 from scheduler.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
+from tailpilot.cli_tune import COMMANDS
 from tuner import study as st
 from tuner.objectives import ConstraintError, parse_constraint, parse_objectives
 from tuner.optimize import make_pruner, make_sampler, tune
@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def small_spec(**kw) -> StudySpec:
     """Four 60-s windows of the bundled Azure conv trace (one held out, three searched)."""
-    base = dict(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3)
+    base = dict(
+        policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3
+    )
     base.update(kw)
     return StudySpec(**base)
 
@@ -77,7 +79,9 @@ def test_space_ranges_come_from_the_settings_model(policy):
             assert _inside_model(PARAM_MODELS[policy], name, dim.low, dim.high), dim
     for dim in space.engine_dims:
         if dim.kind != "categorical":
-            assert _inside_model(EngineSettings, dim.name.removeprefix("engine."), dim.low, dim.high), dim
+            assert _inside_model(
+                EngineSettings, dim.name.removeprefix("engine."), dim.low, dim.high
+            ), dim
     # Every sample is a valid settings document (min/max pairs repaired, vLLM's budget rule kept).
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(30):
@@ -91,8 +95,14 @@ def test_gamma_searched_over_its_whole_useful_range_on_a_log_scale_and_pins_resp
     space = build_space(["uniboost"], Settings())
     gamma = next(d for d in space.policy_dims["uniboost"] if d.name == "uniboost.gamma")
     assert gamma.log and (gamma.low, gamma.high) == (1e-4, 10.0)  # 0.003-0.007 included (issue 22)
-    prod = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 8, "gamma_ada": False},
-                                    "pinned": ["gamma"], "engine": {"max_num_seqs": 256}})
+    prod = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"gamma": 8, "gamma_ada": False},
+            "pinned": ["gamma"],
+            "engine": {"max_num_seqs": 256},
+        }
+    )
     space = build_space(["uniboost"], prod)
     names = {d.name for d in space.policy_dims["uniboost"]}
     assert "uniboost.gamma" not in names and "uniboost.alpha_s_per_token" in names
@@ -107,13 +117,23 @@ def test_gamma_searched_over_its_whole_useful_range_on_a_log_scale_and_pins_resp
 
 
 def test_range_fix_and_search_options_are_checked():
-    with pytest.raises(SearchSpaceError, match=r"--range uniboost.gamma: low end 0 is outside .*\[1e-06, 1e\+06\]"):
+    with pytest.raises(
+        SearchSpaceError, match=r"--range uniboost.gamma: low end 0 is outside .*\[1e-06, 1e\+06\]"
+    ):
         build_space(["uniboost"], Settings(), ranges={"gamma": (0.0, 5.0, None)})
     with pytest.raises(SearchSpaceError, match="--fix gamm: not a parameter"):
         build_space(["uniboost"], Settings(), fixed={"gamm": 3})
-    space = build_space(["uniboost"], Settings(), ranges={"preempt_margin": (0.0, 2.0, None)},
-                        search=["gamma", "max_num_seqs"], fixed={"memguard": False})
-    assert [d.name for d in space.policy_dims["uniboost"]] == ["uniboost.preempt_margin", "uniboost.gamma"]
+    space = build_space(
+        ["uniboost"],
+        Settings(),
+        ranges={"preempt_margin": (0.0, 2.0, None)},
+        search=["gamma", "max_num_seqs"],
+        fixed={"memguard": False},
+    )
+    assert [d.name for d in space.policy_dims["uniboost"]] == [
+        "uniboost.preempt_margin",
+        "uniboost.gamma",
+    ]
     assert [d.name for d in space.engine_dims] == ["engine.max_num_seqs"]
     assert space.build("uniboost", {}, {}).param("memguard") is False
 
@@ -121,13 +141,21 @@ def test_range_fix_and_search_options_are_checked():
 def test_constraint_grammar():
     c = parse_constraint("throughput>=0.99*baseline")
     assert (c.metric, c.op, c.scale, c.offset) == ("throughput_tok_s", ">=", 0.99, 0.0)
-    assert c.value(990.0, 1000.0) == pytest.approx(0.0) and c.value(1000.0, 1000.0) < 0 < c.value(900.0, 1000.0)
+    assert c.value(990.0, 1000.0) == pytest.approx(0.0) and c.value(1000.0, 1000.0) < 0 < c.value(
+        900.0, 1000.0
+    )
     assert parse_constraint("ttft_p99 <= 2").value(2.5, math.nan) == pytest.approx(0.5)
     assert parse_constraint("ttlt_p99<=baseline+0.5").bound(10.0) == pytest.approx(10.5)
     assert parse_constraint("throughput>=99%baseline").scale == pytest.approx(0.99)
-    assert parse_constraint("ttft_p99<=2").value(math.nan, 1.0) == math.inf  # undefined → infeasible
-    for bad, msg in (("throughput=>0.9", "expected METRIC"), ("thruput>=0.9*baseline", "unknown metric"),
-                     ("ttft_p99<=two", "cannot read the bound"), ("ttlt_slo_scale_99<=1", "--slo ttlt")):
+    assert (
+        parse_constraint("ttft_p99<=2").value(math.nan, 1.0) == math.inf
+    )  # undefined → infeasible
+    for bad, msg in (
+        ("throughput=>0.9", "expected METRIC"),
+        ("thruput>=0.9*baseline", "unknown metric"),
+        ("ttft_p99<=two", "cannot read the bound"),
+        ("ttlt_slo_scale_99<=1", "--slo ttlt"),
+    ):
         with pytest.raises(ConstraintError, match=msg) as err:
             parse_constraint(bad)
         assert repr(bad) in str(err.value)
@@ -142,39 +170,77 @@ def test_a_strict_comparison_is_refused_naming_the_constraint(tmp_path, cli):
         assert repr(text) in str(err.value) and f"use {use}" in str(err.value)
     assert parse_constraint("ttft_p99<2", legacy=True).op == "<="
     assert parse_constraint("throughput>baseline", legacy=True).value(1.0, 1.0) == 0.0
-    res = CliRunner().invoke(cli, ["tune", "--study", "x", "--storage", str(tmp_path / "o.db"), "--db",
-                                   str(tmp_path / "tp.db"), "--policy", "uniboost", "--objective", "ttlt_p99",
-                                   "--constraint", "throughput>0.99*baseline"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "tune",
+            "--study",
+            "x",
+            "--storage",
+            str(tmp_path / "o.db"),
+            "--db",
+            str(tmp_path / "tp.db"),
+            "--policy",
+            "uniboost",
+            "--objective",
+            "ttlt_p99",
+            "--constraint",
+            "throughput>0.99*baseline",
+        ],
+    )
     assert res.exit_code == 2, res.output
     error = [line for line in res.output.splitlines() if line.startswith("Error:")]
-    assert error == ["Error: --constraint: 'throughput>0.99*baseline': use '>=': a constraint's bound is "
-                     "inclusive (a strict '>' is not supported)"]
+    assert error == [
+        "Error: --constraint: 'throughput>0.99*baseline': use '>=': a constraint's bound is "
+        "inclusive (a strict '>' is not supported)"
+    ]
 
 
 def test_spec_errors_name_the_field_and_the_cli_its_flag(tmp_path, cli):
-    for kw, field in ((dict(window_s=0.0), "window_s"), (dict(warmup_s=math.nan), "warmup_s"),
-                      (dict(holdout=1.0), "holdout"), (dict(mix=[("x.csv", 1.5)]), "mix"),
-                      (dict(slo={"ttl": 2.0}), "slo"), (dict(production={"policy": "nope"}), "production")):
+    for kw, field in (
+        (dict(window_s=0.0), "window_s"),
+        (dict(warmup_s=math.nan), "warmup_s"),
+        (dict(holdout=1.0), "holdout"),
+        (dict(mix=[("x.csv", 1.5)]), "mix"),
+        (dict(slo={"ttl": 2.0}), "slo"),
+        (dict(production={"policy": "nope"}), "production"),
+    ):
         with pytest.raises(SpecError) as err:
             small_spec(**kw)
         assert err.value.field_name == field and str(err.value).startswith(f"{field}: ")
         assert "--" not in str(err.value)  # a library error names the field, not a flag
     with pytest.raises(SpecError, match=r"^traces: .*missing\.csv: no such file$"):
         small_spec(traces=[str(tmp_path / "missing.csv")]).normalize()
-    base = ["tune", "--study", "x", "--storage", str(tmp_path / "o.db"), "--db", str(tmp_path / "tp.db"),
-            "--policy", "uniboost", "--objective", "ttlt_p99"]
+    base = [
+        "tune",
+        "--study",
+        "x",
+        "--storage",
+        str(tmp_path / "o.db"),
+        "--db",
+        str(tmp_path / "tp.db"),
+        "--policy",
+        "uniboost",
+        "--objective",
+        "ttlt_p99",
+    ]
     trace = tmp_path / "t.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,10\n")
-    for flags, says in ((["--mix", f"{trace}=1.5"], "--mix: fractions must be in (0, 1)"),
-                        (["--slo", "ttl=2"], "--slo: ttl=2: expected FAMILY=SECONDS"),
-                        (["--objective", "ttlt_slo_attainment"], "--objective: ttlt_slo_attainment: needs an SLO")):
+    for flags, says in (
+        (["--mix", f"{trace}=1.5"], "--mix: fractions must be in (0, 1)"),
+        (["--slo", "ttl=2"], "--slo: ttl=2: expected FAMILY=SECONDS"),
+        (["--objective", "ttlt_slo_attainment"], "--objective: ttlt_slo_attainment: needs an SLO"),
+    ):
         res = CliRunner().invoke(cli, [*base, *flags])
         assert res.exit_code == 2, res.output
         assert says in res.output and "Traceback" not in res.output
 
 
 def test_objectives_named_from_metrics():
-    assert parse_objectives(["ttlt_p99", "throughput"]) == [("ttlt_p99", "minimize"), ("throughput_tok_s", "maximize")]
+    assert parse_objectives(["ttlt_p99", "throughput"]) == [
+        ("ttlt_p99", "minimize"),
+        ("throughput_tok_s", "maximize"),
+    ]
     with pytest.raises(ValueError, match="unknown metric 'ttlt_p98'; valid names: .*ttlt_p99"):
         parse_objectives(["ttlt_p98"])
     with pytest.raises(ValueError, match="not computed from a trace replay"):
@@ -190,7 +256,9 @@ def test_paired_improvement_t_interval():
     lo, hi = r["ci_pct"]
     assert 0 < lo < geo < hi < 20
     # One overloaded window must not swamp a consistent gain (every window improves).
-    r = paired_improvement([0.64, 0.73, 8.85, 0.49, 0.46], [1.01, 1.38, 51.8, 0.63, 1.03], "ttft_p95")
+    r = paired_improvement(
+        [0.64, 0.73, 8.85, 0.49, 0.46], [1.01, 1.38, 51.8, 0.63, 1.03], "ttft_p95"
+    )
     assert r["ci_pct"][0] > 0 and r["mean_change_pct"] > r["improvement_pct"] > 0
     up = paired_improvement([1100.0, 1210.0], [1000.0, 1100.0], "throughput")  # higher is better
     assert up["improvement_pct"] == pytest.approx(10.0)
@@ -218,7 +286,9 @@ def test_same_seed_same_trials_and_best(tmp_path):
     assert len(split["windows"]) == 4 and len(split["holdout"]) == 1
     for t in s1.trials:  # per-window values kept, never on a held-out window
         info = t.user_attrs[st.TRIAL_ATTR]
-        assert set(info["windows"]) <= set(split["search"]) and not set(info["windows"]) & set(split["holdout"])
+        assert set(info["windows"]) <= set(split["search"]) and not set(info["windows"]) & set(
+            split["holdout"]
+        )
         assert len(info["metrics"]["ttlt_p99"]) == len(info["windows"])
     # The study definition is stored: a different seed is a different study.
     out3, _, s3 = run_study(tmp_path, "a", 8, small_spec(seed=4), "three.db")
@@ -235,12 +305,18 @@ def test_constraint_is_respected(tmp_path):
         info = t.user_attrs[st.TRIAL_ATTR]
         x = nanmean(info["metrics"]["ttlt_p99"])
         b = nanmean([ctx.baseline[i]["ttlt_p99"] for i in info["windows"]])
-        assert t.constraints["ttlt_p99<=1.0*baseline"] == pytest.approx(x - b)  # Optuna's set_constraint
+        assert t.constraints["ttlt_p99<=1.0*baseline"] == pytest.approx(
+            x - b
+        )  # Optuna's set_constraint
         infeasible += t.constraints["ttlt_p99<=1.0*baseline"] > 0
     assert infeasible, "test needs some infeasible trials to mean anything"
     best = best_trials(study, ctx)[0]
     assert is_feasible(best)
-    feasible_values = [t.value for t in complete if is_feasible(t) and not t.user_attrs[st.TRIAL_ATTR]["pruned_after"]]
+    feasible_values = [
+        t.value
+        for t in complete
+        if is_feasible(t) and not t.user_attrs[st.TRIAL_ATTR]["pruned_after"]
+    ]
     assert best.value == min(feasible_values)
     summary = recommend(storage, "c")
     # The best trial is the first candidate; the recommendation is the first candidate that does
@@ -252,7 +328,10 @@ def test_constraint_is_respected(tmp_path):
         assert summary["is_production"] and checked[-1]["losses"]
     else:
         assert summary["trial"] == checked[-1]["trial"] and not checked[-1]["losses"]
-        assert summary["search"]["metrics"]["ttlt_p99"]["value"] <= summary["search"]["metrics"]["ttlt_p99"]["baseline"] + 1e-9
+        assert (
+            summary["search"]["metrics"]["ttlt_p99"]["value"]
+            <= summary["search"]["metrics"]["ttlt_p99"]["baseline"] + 1e-9
+        )
 
 
 def test_two_objectives_give_a_pareto_front(tmp_path):
@@ -267,7 +346,9 @@ def test_two_objectives_give_a_pareto_front(tmp_path):
     front = {t["trial"] for t in summary["pareto_front"]}
     assert summary["trial"] in front
     for t in study.get_trials(states=(TrialState.COMPLETE,)):
-        assert t.user_attrs[st.TRIAL_ATTR]["pruned_after"] is None  # no pruner with several objectives
+        assert (
+            t.user_attrs[st.TRIAL_ATTR]["pruned_after"] is None
+        )  # no pruner with several objectives
     # The choice never regresses an objective when some front member does not.
     gains = [summary["search"]["metrics"][n]["improvement_pct"] for n in ("ttlt_p99", "ttft_p95")]
     assert min(gains) >= 0 or summary["is_production"]
@@ -278,7 +359,9 @@ def test_recommendation_validated_on_held_out_windows(tmp_path, cli):
     url = storage_url(str(tmp_path / "optuna.db"))
     tune(url, "h", 8, spec=spec)
     db = str(tmp_path / "tailpilot.db")
-    res = CliRunner().invoke(cli, ["recommend", "--study", "h", "--storage", url, "--db", db, "--json"])
+    res = CliRunner().invoke(
+        cli, ["recommend", "--study", "h", "--storage", url, "--db", db, "--json"]
+    )
     assert res.exit_code == 0, res.output
     s = json.loads(res.output)
     held, searched = s["holdout"]["windows"], s["search"]["windows"]
@@ -314,8 +397,26 @@ def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(st, "window_metrics", interrupt_on_the_eighth)
-    args = ["tune", "--study", "r", "--storage", url, "--policy", "uniboost", "--objective", "ttlt_p99",
-            "--window", "0:240", "--window-s", "60", "--seed", "3", "--trials", "6", "--no-progress"]
+    args = [
+        "tune",
+        "--study",
+        "r",
+        "--storage",
+        url,
+        "--policy",
+        "uniboost",
+        "--objective",
+        "ttlt_p99",
+        "--window",
+        "0:240",
+        "--window-s",
+        "60",
+        "--seed",
+        "3",
+        "--trials",
+        "6",
+        "--no-progress",
+    ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 130, res.output
     assert "interrupted" in res.output and "run the same command to continue" in res.output
@@ -324,16 +425,26 @@ def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
     assert 0 < n_complete < 6 and study.get_trials(states=(TrialState.FAIL,))
     monkeypatch.setattr(st, "window_metrics", real)
     # Resuming needs no definition flags; conflicting ones are refused, naming the flag.
-    bad = CliRunner().invoke(cli, ["tune", "--study", "r", "--storage", url, "--policy", "las", "--trials", "6"])
+    bad = CliRunner().invoke(
+        cli, ["tune", "--study", "r", "--storage", url, "--policy", "las", "--trials", "6"]
+    )
     assert bad.exit_code == 2 and "--policy" in bad.output and "uniboost" in bad.output
-    bad = CliRunner().invoke(cli, ["tune", "--study", "r", "--storage", url, "--window-s", "30", "--trials", "6"])
+    bad = CliRunner().invoke(
+        cli, ["tune", "--study", "r", "--storage", url, "--window-s", "30", "--trials", "6"]
+    )
     assert bad.exit_code == 2 and "--window-s" in bad.output
-    ok = CliRunner().invoke(cli, ["tune", "--study", "r", "--storage", url, "--trials", "6", "--seed", "3", "--json"])
+    ok = CliRunner().invoke(
+        cli, ["tune", "--study", "r", "--storage", url, "--trials", "6", "--seed", "3", "--json"]
+    )
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["complete"] == 6
     study = optuna.load_study(study_name="r", storage=open_storage(url))
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 6
-    production = [t for t in study.trials if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION and t.state == TrialState.COMPLETE]
+    production = [
+        t
+        for t in study.trials
+        if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION and t.state == TrialState.COMPLETE
+    ]
     assert len(production) == 1
 
 
@@ -351,30 +462,75 @@ def test_nan_metric_windows_do_not_crash(tmp_path):
     for t in study.get_trials(states=(TrialState.COMPLETE,)):
         assert math.isfinite(t.value)
     single = tmp_path / "single.csv"
-    single.write_text("\n".join(["arrived_at,num_prefill_tokens,num_decode_tokens"]
-                                + [f"{k * 1.0},100,1" for k in range(240)]) + "\n")
+    single.write_text(
+        "\n".join(
+            ["arrived_at,num_prefill_tokens,num_decode_tokens"]
+            + [f"{k * 1.0},100,1" for k in range(240)]
+        )
+        + "\n"
+    )
     with pytest.raises(TuneError, match="tbt_p99: undefined"):
-        run_study(tmp_path, "n1", 2, small_spec(traces=[str(single)], trim=None, objectives=["tbt_p99"]), "x.db")
+        run_study(
+            tmp_path,
+            "n1",
+            2,
+            small_spec(traces=[str(single)], trim=None, objectives=["tbt_p99"]),
+            "x.db",
+        )
 
 
 def test_cli_errors_and_storage_kept_apart(tmp_path, cli):
     db = str(tmp_path / "tailpilot.db")
     runner = CliRunner()
-    res = runner.invoke(cli, ["tune", "--study", "x", "--storage", db, "--db", db, "--policy", "las",
-                              "--objective", "ttlt_p99"])
+    res = runner.invoke(
+        cli,
+        [
+            "tune",
+            "--study",
+            "x",
+            "--storage",
+            db,
+            "--db",
+            db,
+            "--policy",
+            "las",
+            "--objective",
+            "ttlt_p99",
+        ],
+    )
     assert res.exit_code == 2 and "keep Optuna's tables apart" in res.output
     from storage.store import Store
 
     Store.open(db).close()  # tailpilot's tables now exist there
-    res = runner.invoke(cli, ["tune", "--study", "x", "--storage", db, "--policy", "las", "--objective", "ttlt_p99"])
+    res = runner.invoke(
+        cli, ["tune", "--study", "x", "--storage", db, "--policy", "las", "--objective", "ttlt_p99"]
+    )
     assert res.exit_code == 2 and "holds tailpilot's tables" in res.output
     store = str(tmp_path / "o.db")
-    res = runner.invoke(cli, ["tune", "--study", "x", "--storage", store, "--objective", "ttlt_p99"])
+    res = runner.invoke(
+        cli, ["tune", "--study", "x", "--storage", store, "--objective", "ttlt_p99"]
+    )
     assert res.exit_code == 2 and "--policy is needed" in res.output
-    res = runner.invoke(cli, ["tune", "--study", "x", "--storage", store, "--policy", "las", "--objective", "nope"])
+    res = runner.invoke(
+        cli, ["tune", "--study", "x", "--storage", store, "--policy", "las", "--objective", "nope"]
+    )
     assert res.exit_code == 2 and "unknown metric 'nope'" in res.output
-    res = runner.invoke(cli, ["tune", "--study", "x", "--storage", store, "--policy", "las", "--objective",
-                              "ttlt_p99", "--constraint", "throughput>>1"])
+    res = runner.invoke(
+        cli,
+        [
+            "tune",
+            "--study",
+            "x",
+            "--storage",
+            store,
+            "--policy",
+            "las",
+            "--objective",
+            "ttlt_p99",
+            "--constraint",
+            "throughput>>1",
+        ],
+    )
     assert res.exit_code == 2 and "'throughput>>1'" in res.output
     res = runner.invoke(cli, ["recommend", "--study", "x", "--storage", str(tmp_path / "none.db")])
     assert res.exit_code == 2 and "does not exist" in res.output
@@ -389,15 +545,42 @@ def test_default_storage_is_a_separate_sqlite_file(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ many processes
 
 
-def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url):  # noqa: F811
+def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url):
     url = postgres_server.create_database("optuna_tune")
-    cmd = [sys.executable, "-c", "from tailpilot.cli_tune import tune; tune()",
-           "--study", "shared", "--storage", url, "--db", postgres_url, "--policy", "uniboost",
-           "--objective", "ttlt_p99", "--constraint", "throughput>=0.99*baseline", "--window", "0:240",
-           "--window-s", "60", "--trials", "12", "--seed", "7", "--no-progress", "--json"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from tailpilot.cli_tune import tune; tune()",
+        "--study",
+        "shared",
+        "--storage",
+        url,
+        "--db",
+        postgres_url,
+        "--policy",
+        "uniboost",
+        "--objective",
+        "ttlt_p99",
+        "--constraint",
+        "throughput>=0.99*baseline",
+        "--window",
+        "0:240",
+        "--window-s",
+        "60",
+        "--trials",
+        "12",
+        "--seed",
+        "7",
+        "--no-progress",
+        "--json",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen(cmd + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for extra in ([], ["--workers", "2"])]
+    procs = [
+        subprocess.Popen(
+            cmd + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for extra in ([], ["--workers", "2"])
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

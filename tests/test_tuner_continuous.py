@@ -17,7 +17,9 @@ from tuner.windows import build_windows, fingerprint, window_metrics
 
 
 def small_spec(**kw) -> StudySpec:
-    base = dict(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3)
+    base = dict(
+        policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=3
+    )
     base.update(kw)
     return StudySpec(**base)
 
@@ -101,26 +103,41 @@ def test_a_candidate_that_breaks_a_constraint_on_held_out_windows_is_never_recom
     """Issue 22: recommend printed "constraint on held-out windows: VIOLATED" and recommended the
     trial anyway; now the held-out windows' verdict is one more way to lose."""
     production = ctx.space.production_settings
-    same_order = Settings.model_validate({"policy": "fcfs", "engine": production.engine.model_dump()})
+    same_order = Settings.model_validate(
+        {"policy": "fcfs", "engine": production.engine.model_dump()}
+    )
     asked: list[str] = []
 
     def held_out(candidate: Settings) -> list[str]:
         asked.append(candidate.policy)
-        return ["held-out windows: constraint ttlt_p99<=1.02*baseline fails"] if candidate == same_order else []
+        return (
+            ["held-out windows: constraint ttlt_p99<=1.02*baseline fails"]
+            if candidate == same_order
+            else []
+        )
 
     check = validate(ctx, [(3, same_order), (0, production)], production, held_out)
     assert asked == ["fcfs"] and check["chosen"] == 0
-    assert check["checked"][0]["losses"] == ["held-out windows: constraint ttlt_p99<=1.02*baseline fails"]
+    assert check["checked"][0]["losses"] == [
+        "held-out windows: constraint ttlt_p99<=1.02*baseline fails"
+    ]
 
 
 def test_other_engine_limits_are_judged_on_throughput_in_the_continuous_replay():
     production = Settings.model_validate({"policy": "sarathi"})
     bigger = production.replace(engine={"max_num_batched_tokens": 1068})
-    assert engine_losses(bigger, production, {"throughput_tok_s": 98.0}, {"throughput_tok_s": 100.0}) == [
-        "engine limits: throughput 98 tok/s vs production 100 in the continuous replay"]
-    assert engine_losses(bigger, production, {"throughput_tok_s": 99.5}, {"throughput_tok_s": 100.0}) == []
+    assert engine_losses(
+        bigger, production, {"throughput_tok_s": 98.0}, {"throughput_tok_s": 100.0}
+    ) == ["engine limits: throughput 98 tok/s vs production 100 in the continuous replay"]
+    assert (
+        engine_losses(bigger, production, {"throughput_tok_s": 99.5}, {"throughput_tok_s": 100.0})
+        == []
+    )
     same = production.replace(params={})
-    assert engine_losses(same, production, {"throughput_tok_s": 50.0}, {"throughput_tok_s": 100.0}) == []
+    assert (
+        engine_losses(same, production, {"throughput_tok_s": 50.0}, {"throughput_tok_s": 100.0})
+        == []
+    )
 
 
 def test_recommend_reports_the_continuous_replay(tmp_path):

@@ -26,7 +26,14 @@ from optuna.trial import TrialState
 
 from tailpilot.cli_tune import COMMANDS
 from tuner import study as st
-from tuner.optimize import fail_dead_local_trials, make_sampler, run_worker, stream_sampler, trial_seed, tune
+from tuner.optimize import (
+    fail_dead_local_trials,
+    make_sampler,
+    run_worker,
+    stream_sampler,
+    trial_seed,
+    tune,
+)
 from tuner.optuna_storage import open_storage, storage_file, storage_url
 from tuner.spec import StudySpec
 
@@ -34,12 +41,24 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = 3
 TRIALS = 12
 # The Azure conv window cut into four 60-s windows (one held out), as in tests/test_tuner.py.
-DEFINITION = ["--policy", "uniboost", "--objective", "ttlt_p99", "--window", "0:240", "--window-s", "60",
-              "--seed", str(SEED)]
+DEFINITION = [
+    "--policy",
+    "uniboost",
+    "--objective",
+    "ttlt_p99",
+    "--window",
+    "0:240",
+    "--window-s",
+    "60",
+    "--seed",
+    str(SEED),
+]
 
 
 def small_spec() -> StudySpec:
-    return StudySpec(policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=SEED)
+    return StudySpec(
+        policies=["uniboost"], objectives=["ttlt_p99"], trim=(0.0, 240.0), window_s=60.0, seed=SEED
+    )
 
 
 @pytest.fixture
@@ -111,17 +130,42 @@ def test_workers_released_together_draw_distinct_parameters(tmp_path, backend):
 
 def test_two_tune_commands_started_at_the_same_instant_on_a_journal(tmp_path, cli):
     journal = tmp_path / "study.journal"
-    args = ["--study", "j", "--storage", str(journal), "--trials", str(TRIALS), "--no-progress", "--json",
-            "--db", str(tmp_path / "tailpilot.db"), *DEFINITION]
+    args = [
+        "--study",
+        "j",
+        "--storage",
+        str(journal),
+        "--trials",
+        str(TRIALS),
+        "--no-progress",
+        "--json",
+        "--db",
+        str(tmp_path / "tailpilot.db"),
+        *DEFINITION,
+    ]
     _release_together(_tune_command, [(args,)] * 2)  # both create-or-join the study
     study = optuna.load_study(study_name="j", storage=open_storage(storage_url(str(journal))))
     _assert_distinct_and_shared(study, TRIALS)
-    production = [t for t in study.get_trials(states=(TrialState.COMPLETE,))
-                  if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION]
+    production = [
+        t
+        for t in study.get_trials(states=(TrialState.COMPLETE,))
+        if t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION
+    ]
     assert len(production) == 1
     # recommend reads the journal like a database (journal:PATH is the same storage).
-    res = CliRunner().invoke(cli, ["recommend", "--study", "j", "--storage", f"journal:{journal}",
-                                   "--db", str(tmp_path / "tailpilot.db"), "--json"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "recommend",
+            "--study",
+            "j",
+            "--storage",
+            f"journal:{journal}",
+            "--db",
+            str(tmp_path / "tailpilot.db"),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output)
     assert summary["trials_complete"] == TRIALS and summary["holdout"]["windows"]
@@ -150,9 +194,12 @@ def test_a_worker_keeps_its_stream_only_while_alone(tmp_path):
         """``turns``: who asks next, "m" (this worker) or "o" (another process); this worker's
         suggestions, in order."""
         storage = optuna.storages.InMemoryStorage()
-        mine = optuna.create_study(storage=storage, study_name="s",
-                                   sampler=stream_sampler(ctx, SEED, 99, expected))
-        other = optuna.load_study(study_name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
+        mine = optuna.create_study(
+            storage=storage, study_name="s", sampler=stream_sampler(ctx, SEED, 99, expected)
+        )
+        other = optuna.load_study(
+            study_name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0)
+        )
         out = []
         for who in turns:
             study = mine if who == "m" else other
@@ -189,8 +236,12 @@ def test_a_dead_local_workers_running_trial_is_failed_on_a_journal(tmp_path):
     storage = open_storage(url)
     st.prepare(storage, "d", small_spec())
     study = optuna.load_study(study_name="d", storage=storage)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     orphan = study.ask()  # pops the production trial: it is what the dead worker was running
     orphan.set_user_attr(st.OWNER_ATTR, f"{socket.gethostname()}:{int(dead.stdout)}")
     alive = study.ask()  # a trial of a live worker (this process) is never touched
@@ -210,7 +261,9 @@ def test_a_dead_local_workers_running_trial_is_failed_on_a_journal(tmp_path):
 # ------------------------------------------------------------------ Ctrl-C
 
 
-def _wait_for_trials_of_two_workers(db: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+def _wait_for_trials_of_two_workers(
+    db: Path, proc: subprocess.Popen, timeout_s: float = 300.0
+) -> None:
     """Return once trials of two worker processes are in the storage: the study has started.
     Reads Optuna's SQLite tables directly, read-only (opening an Optuna storage would race the
     command creating its schema)."""
@@ -219,9 +272,13 @@ def _wait_for_trials_of_two_workers(db: Path, proc: subprocess.Popen, timeout_s:
         if proc.poll() is not None:
             pytest.fail(f"tune exited early ({proc.returncode}): {proc.communicate()[1][-3000:]}")
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
-                owners = conn.execute("SELECT COUNT(DISTINCT value_json) FROM trial_user_attributes "
-                                      "WHERE key = ?", (st.OWNER_ATTR,)).fetchone()[0]
+            with contextlib.closing(
+                sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+            ) as conn:
+                owners = conn.execute(
+                    "SELECT COUNT(DISTINCT value_json) FROM trial_user_attributes WHERE key = ?",
+                    (st.OWNER_ATTR,),
+                ).fetchone()[0]
         except sqlite3.Error:  # not created yet, or locked for a moment
             owners = 0
         if owners >= 2:
@@ -235,11 +292,32 @@ def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
     fails its running trial and exits quietly; the command says how to continue, once, with no
     traceback (Optuna logged one per worker for the interrupted trial)."""
     db = tmp_path / "optuna.db"
-    cmd = [sys.executable, "-c", "from tailpilot.cli_tune import tune; tune()", "--study", "c", "--storage", str(db),
-           "--db", str(tmp_path / "tailpilot.db"), *DEFINITION, "--trials", "500", "--workers", "2", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from tailpilot.cli_tune import tune; tune()",
+        "--study",
+        "c",
+        "--storage",
+        str(db),
+        "--db",
+        str(tmp_path / "tailpilot.db"),
+        *DEFINITION,
+        "--trials",
+        "500",
+        "--workers",
+        "2",
+        "--no-progress",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own process group, as a terminal's job
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )  # its own process group, as a terminal's job
     try:
         _wait_for_trials_of_two_workers(db, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole group, workers included
@@ -256,20 +334,37 @@ def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
 # ------------------------------------------------------------------ URLs it cannot use
 
 
-@pytest.mark.parametrize("storage, says", [
-    ("redis://localhost:6379", "cannot use 'redis' storage; use a SQLite file"),
-    ("redis:localhost", "cannot use 'redis' storage"),
-    ("file:study", "cannot use 'file' storage"),
-    ("journal:", "give the journal file's path"),
-    ("journal:{tmp}/no-such-folder/s.journal", "does not exist"),
-    ("journal:{tmp}", "is a directory"),
-    ("mysql://u@localhost/db", "--storage mysql://u@localhost/db: cannot"),  # no MySQL driver here
-])
+@pytest.mark.parametrize(
+    "storage, says",
+    [
+        ("redis://localhost:6379", "cannot use 'redis' storage; use a SQLite file"),
+        ("redis:localhost", "cannot use 'redis' storage"),
+        ("file:study", "cannot use 'file' storage"),
+        ("journal:", "give the journal file's path"),
+        ("journal:{tmp}/no-such-folder/s.journal", "does not exist"),
+        ("journal:{tmp}", "is a directory"),
+        (
+            "mysql://u@localhost/db",
+            "--storage mysql://u@localhost/db: cannot",
+        ),  # no MySQL driver here
+    ],
+)
 def test_storage_the_tuner_cannot_use_is_one_usage_error(tmp_path, cli, storage, says):
     storage = storage.format(tmp=tmp_path)
     for command in (["tune", *DEFINITION], ["recommend"]):
-        res = CliRunner().invoke(cli, [command[0], "--study", "x", "--storage", storage,
-                                       "--db", str(tmp_path / "tailpilot.db"), *command[1:]])
+        res = CliRunner().invoke(
+            cli,
+            [
+                command[0],
+                "--study",
+                "x",
+                "--storage",
+                storage,
+                "--db",
+                str(tmp_path / "tailpilot.db"),
+                *command[1:],
+            ],
+        )
         assert res.exit_code == 2, res.output
         assert says in res.output and "Traceback" not in res.output and res.exception is not None
         error = [line for line in res.output.splitlines() if line.startswith("Error:")]
@@ -281,11 +376,32 @@ def test_storage_the_tuner_cannot_use_is_one_usage_error(tmp_path, cli, storage,
 def test_a_sqlite_file_given_as_a_journal_is_refused(tmp_path, cli):
     db = tmp_path / "optuna.db"
     open_storage(storage_url(str(db)))  # Optuna's schema: a SQLite file
-    res = CliRunner().invoke(cli, ["recommend", "--study", "x", "--storage", f"journal:{db}",
-                                   "--db", str(tmp_path / "tailpilot.db")])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "recommend",
+            "--study",
+            "x",
+            "--storage",
+            f"journal:{db}",
+            "--db",
+            str(tmp_path / "tailpilot.db"),
+        ],
+    )
     assert res.exit_code == 2 and "is a SQLite database, not an Optuna journal" in res.output
-    res = CliRunner().invoke(cli, ["tune", "--study", "x", "--storage", f"journal:{tmp_path / 'tailpilot.db'}",
-                                   "--db", str(tmp_path / "tailpilot.db"), *DEFINITION])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "tune",
+            "--study",
+            "x",
+            "--storage",
+            f"journal:{tmp_path / 'tailpilot.db'}",
+            "--db",
+            str(tmp_path / "tailpilot.db"),
+            *DEFINITION,
+        ],
+    )
     assert res.exit_code == 2 and "keep Optuna's tables apart" in res.output
 
 
@@ -300,7 +416,19 @@ def test_journal_forms_of_storage():
 def test_a_joining_worker_with_another_seed_is_told_why(tmp_path, cli):
     url = storage_url(str(tmp_path / "o.journal"))
     st.prepare(open_storage(url), "s", small_spec())
-    res = CliRunner().invoke(cli, ["tune", "--study", "s", "--storage", url, "--seed", str(SEED + 1),
-                                   "--db", str(tmp_path / "tailpilot.db")])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "tune",
+            "--study",
+            "s",
+            "--storage",
+            url,
+            "--seed",
+            str(SEED + 1),
+            "--db",
+            str(tmp_path / "tailpilot.db"),
+        ],
+    )
     assert res.exit_code == 2
     assert "--seed" in res.output and "own sampler stream" in res.output

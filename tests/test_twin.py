@@ -27,21 +27,33 @@ from tuner.twin import ManualClock, TwinReplica, start_twins
 from tuner.twin_feed import LAP_SEP
 
 TOKEN = "tw1n-token"
-PLUGIN_STATE_KEYS = set(ReplicaCore(Settings()).state(0, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0}))
+PLUGIN_STATE_KEYS = set(
+    ReplicaCore(Settings()).state(0, {"used_blocks": 0, "total_blocks": 1, "usage": 0.0})
+)
 
 
-def make_trace(n: int, duration: float, *, prompt=(100, 1500), output=(20, 300), seed: int = 0,
-               name: str = "t") -> Trace:
+def make_trace(
+    n: int, duration: float, *, prompt=(100, 1500), output=(20, 300), seed: int = 0, name: str = "t"
+) -> Trace:
     rng = random.Random(seed)
     gap = duration / max(n - 1, 1)
     # Two client caps, neither derived from a request's own output: half the requests have a cap a
     # quarter into the output range (the longer ones stop at it: "length"), half 4,096.
     low_cap = output[0] + (output[1] - output[0]) // 4
-    return Trace(name, tuple(
-        TraceRequest(id=f"{name}{i:05d}", arrival=i * gap, prompt_tokens=rng.randint(*prompt),
-                     output_tokens=rng.randint(*output), max_tokens=rng.choice((low_cap, 4096)),
-                     tenant=rng.choice(("acme", "globex")))
-        for i in range(n)))
+    return Trace(
+        name,
+        tuple(
+            TraceRequest(
+                id=f"{name}{i:05d}",
+                arrival=i * gap,
+                prompt_tokens=rng.randint(*prompt),
+                output_tokens=rng.randint(*output),
+                max_tokens=rng.choice((low_cap, 4096)),
+                tenant=rng.choice(("acme", "globex")),
+            )
+            for i in range(n)
+        ),
+    )
 
 
 def client(replica) -> httpx.Client:
@@ -93,8 +105,9 @@ def drain(pollers: list[Poller], expected: int, timeout: float, during=None) -> 
             during()
         if sum(len(p.completions) for p in pollers) >= expected:
             return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout, \
+        assert time.monotonic() - t0 < timeout, (
             f"only {sum(len(p.completions) for p in pollers)}/{expected} completions after {timeout} s"
+        )
         time.sleep(0.05)
 
 
@@ -111,7 +124,9 @@ def check_once(trace: Trace, completions: list[dict], epoch: float) -> None:
         assert c["reason"] == "finished" and c["output_tokens"] >= 1
         # The client's cap as the trace gave it (not the output length), and what was generated within it.
         r = by_id[c["id"]]
-        assert c["max_tokens"] == r.max_tokens and c["output_tokens"] == min(r.output_tokens, r.max_tokens), c
+        assert c["max_tokens"] == r.max_tokens and c["output_tokens"] == min(
+            r.output_tokens, r.max_tokens
+        ), c
     assert len({c["max_tokens"] for c in completions}) == 2
 
 
@@ -125,8 +140,15 @@ def test_state_has_the_plugins_keys_and_advances():
             time.sleep(0.6)
             s2 = state(c)
             assert set(s1) == PLUGIN_STATE_KEYS | {"speed"} and s1["speed"] == 10.0
-            assert s1["replica"] == "twin-0" and s1["policy"] == "sarathi" and s1["settings_version"] == 1
-            assert set(s1["kv"]) == {"used_blocks", "total_blocks", "usage", "block_size"} and s1["kv"]["total_blocks"] == 25_000
+            assert (
+                s1["replica"] == "twin-0"
+                and s1["policy"] == "sarathi"
+                and s1["settings_version"] == 1
+            )
+            assert (
+                set(s1["kv"]) == {"used_blocks", "total_blocks", "usage", "block_size"}
+                and s1["kv"]["total_blocks"] == 25_000
+            )
             assert s1["kv"]["block_size"] == 16
             assert s2["time"] - s1["time"] >= 0.5 * 10  # the replica clock runs at 10x
             assert s2["steps_total"] > s1["steps_total"] and s2["finished_total"] > 0
@@ -155,7 +177,9 @@ def test_completions_since_cursor_every_request_exactly_once():
 
 def test_speed_compresses_wall_time():
     duration, speed = 40.0, 20.0
-    trace = make_trace(80, duration, output=(5, 20), seed=2)  # light load: the last finishes soon after it arrives
+    trace = make_trace(
+        80, duration, output=(5, 20), seed=2
+    )  # light load: the last finishes soon after it arrives
     t0 = time.monotonic()
     with start_twins(1, trace, speed=speed, loop=False, token=TOKEN) as cluster:
         poller = Poller(cluster[0])
@@ -178,11 +202,15 @@ def test_loop_replays_the_trace_with_unique_ids():
         drain([poller], 35, timeout=10)
         ids = [c["id"] for c in poller.completions]
         assert len(ids) == len(set(ids))
-        assert {f"{trace.requests[0].id}{LAP_SEP}{lap}" for lap in (1, 2)} <= set(ids) and trace.requests[0].id in ids
+        assert {f"{trace.requests[0].id}{LAP_SEP}{lap}" for lap in (1, 2)} <= set(
+            ids
+        ) and trace.requests[0].id in ids
         by_id = {c["id"]: c for c in poller.completions}
         period = 1.0 + 1.0 / 9
         first = trace.requests[0].id
-        assert by_id[f"{first}{LAP_SEP}2"]["arrival"] - by_id[first]["arrival"] == pytest.approx(2 * period)
+        assert by_id[f"{first}{LAP_SEP}2"]["arrival"] - by_id[first]["arrival"] == pytest.approx(
+            2 * period
+        )
         poller.close()
 
 
@@ -190,7 +218,9 @@ def test_loop_replays_the_trace_with_unique_ids():
 def test_put_settings_if_match_validation_and_apply():
     with start_twins(1, make_trace(400, 20.0, seed=4), speed=5, token=TOKEN) as cluster:
         with client(cluster[0]) as c:
-            r = put(c, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, if_match=1)
+            r = put(
+                c, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, if_match=1
+            )
             assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
             assert r.json()["restart_required"] == []
             got = c.get("/tailpilot/v1/settings")
@@ -199,26 +229,40 @@ def test_put_settings_if_match_validation_and_apply():
             while (s := state(c))["policy"] != "uniboost":
                 assert time.monotonic() < deadline, s["policy"]
                 time.sleep(0.05)
-            assert s["settings_version"] == 2 and s["gamma_live"] == 8.0 and s["live"]["gamma_pinned"] is True
+            assert (
+                s["settings_version"] == 2
+                and s["gamma_live"] == 8.0
+                and s["live"]["gamma_pinned"] is True
+            )
 
             stale = put(c, {"policy": "fcfs"}, if_match=1)
             assert stale.status_code == 409 and "does not match" in stale.json()["error"]
-            for doc, field in [({"policy": "uniboost", "params": {"gamma": -1}}, "params.gamma"),
-                               ({"policy": "uniboost", "params": {"bogus": 1}}, "params.bogus"),
-                               ({"policy": "nope"}, "policy"),
-                               ({"policy": "srpt", "params": {"predictor": "oracle"}}, "params.predictor"),
-                               ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-                               ({"policy": "fcfs", "pinned": ["gamma"]}, "pinned")]:
+            for doc, field in [
+                ({"policy": "uniboost", "params": {"gamma": -1}}, "params.gamma"),
+                ({"policy": "uniboost", "params": {"bogus": 1}}, "params.bogus"),
+                ({"policy": "nope"}, "policy"),
+                ({"policy": "srpt", "params": {"predictor": "oracle"}}, "params.predictor"),
+                ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+                ({"policy": "fcfs", "pinned": ["gamma"]}, "pinned"),
+            ]:
                 bad = put(c, doc)
                 assert bad.status_code == 400 and field in bad.json()["error"], (doc, bad.text)
             assert put(c, {"policy": "fcfs"}, token=None).status_code == 401
             assert put(c, {"policy": "fcfs"}, token="wrong").status_code == 401
             assert c.get("/tailpilot/v1/settings").json()["version"] == 2  # nothing changed
 
-            r = put(c, {"policy": "las", "engine": {"max_num_seqs": 64, "long_prefill_token_threshold": 256}},
-                    if_match=2)
+            r = put(
+                c,
+                {
+                    "policy": "las",
+                    "engine": {"max_num_seqs": 64, "long_prefill_token_threshold": 256},
+                },
+                if_match=2,
+            )
             assert r.status_code == 200 and r.json()["restart_required"] == ["max_num_seqs"]
-            assert r.json()["settings"]["engine"]["max_num_batched_tokens"] == 2048  # left out: kept
+            assert (
+                r.json()["settings"]["engine"]["max_num_batched_tokens"] == 2048
+            )  # left out: kept
 
 
 def test_writes_refused_without_a_token(monkeypatch):
@@ -231,11 +275,13 @@ def test_writes_refused_without_a_token(monkeypatch):
 
 def test_live_switches_lose_and_duplicate_no_request():
     trace = make_trace(600, 40.0, seed=5)  # ~15 req/s on one replica: a queue builds up
-    switches = [{"policy": "uniboost", "params": {"gamma": 8}},
-                {"policy": "srpt"},
-                {"policy": "fcfs", "engine": {"max_num_seqs": 2}},
-                {"policy": "las"},
-                {"policy": "tie"}]
+    switches = [
+        {"policy": "uniboost", "params": {"gamma": 8}},
+        {"policy": "srpt"},
+        {"policy": "fcfs", "engine": {"max_num_seqs": 2}},
+        {"policy": "las"},
+        {"policy": "tie"},
+    ]
     with start_twins(1, trace, speed=40, loop=False, token=TOKEN) as cluster:
         poller = Poller(cluster[0])
         versions = []
@@ -256,8 +302,10 @@ def test_live_switches_lose_and_duplicate_no_request():
         assert s["running"] + s["waiting"] == 0
         # ...but, as on vLLM, max_num_seqs needs a restart: the engine kept running more than 2
         late = [c for c in poller.completions if c["arrival"] - cluster.clock.epoch > 20]
-        overlap = max(sum(1 for d in late if d["scheduled_at"] <= c["scheduled_at"] < d["finished_at"])
-                      for c in late)
+        overlap = max(
+            sum(1 for d in late if d["scheduled_at"] <= c["scheduled_at"] < d["finished_at"])
+            for c in late
+        )
         assert overlap > 2
         poller.close()
 
@@ -267,9 +315,12 @@ def test_pinned_gamma_is_not_moved_by_gamma_ada():
     params = {"gamma": 8.0, "gamma_ada": True, "ada_interval_s": 1.0, "ada_min_samples": 20}
     adaptive = Settings.model_validate({"policy": "uniboost", "params": params})
     pinned = Settings.model_validate({"policy": "uniboost", "params": params, "pinned": ["gamma"]})
-    with start_twins(1, trace, speed=30, settings=adaptive, token=TOKEN, name_prefix="ada") as a, \
-            start_twins(1, trace, speed=30, settings=pinned, token=TOKEN, name_prefix="pin") as p, \
-            client(a[0]) as ca, client(p[0]) as cp:
+    with (
+        start_twins(1, trace, speed=30, settings=adaptive, token=TOKEN, name_prefix="ada") as a,
+        start_twins(1, trace, speed=30, settings=pinned, token=TOKEN, name_prefix="pin") as p,
+        client(a[0]) as ca,
+        client(p[0]) as cp,
+    ):
         deadline = time.monotonic() + 10
         while (ga := state(ca)["gamma_live"]) == 8.0:
             assert time.monotonic() < deadline, "γ-Ada never moved γ"
@@ -318,26 +369,42 @@ def test_metrics_have_vllm_names_and_agree_with_state():
     assert m[("vllm:num_requests_waiting", lab)] == s["waiting"]
     assert m[("vllm:kv_cache_usage_perc", lab)] == pytest.approx(s["kv"]["usage"])
     assert m[("vllm:num_preemptions_total", lab)] == s["preemptions_total"]
-    success = {dict(k[1])["finished_reason"]: v for k, v in m.items() if k[0] == "vllm:request_success_total"}
+    success = {
+        dict(k[1])["finished_reason"]: v
+        for k, v in m.items()
+        if k[0] == "vllm:request_success_total"
+    }
     assert set(success) == {"stop", "length", "abort", "error", "repetition"}
     assert sum(success.values()) == s["finished_total"] > 0
     assert success["length"] > 0 and success["stop"] > 0  # max_tokens reached or not
-    for h in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds",
-              "vllm:request_queue_time_seconds", "vllm:request_generation_tokens"):
+    for h in (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_generation_tokens",
+    ):
         assert m[(f"{h}_count", lab)] == s["finished_total"]
         assert m[(f"{h}_bucket", lab | {("le", "+Inf")})] == s["finished_total"]
     done = s["completions"]
     # "length" is a request that reached its client cap, which the completions log reports.
     assert success["length"] == sum(c["output_tokens"] >= c["max_tokens"] for c in done)
     assert m[("vllm:e2e_request_latency_seconds_sum", lab)] == pytest.approx(
-        sum(c["finished_at"] - c["arrival"] for c in done))
-    assert m[("vllm:inter_token_latency_seconds_count", lab)] == sum(c["output_tokens"] - 1 for c in done)
-    assert m[("vllm:generation_tokens_total", lab)] > sum(c["output_tokens"] for c in done)  # + in flight
+        sum(c["finished_at"] - c["arrival"] for c in done)
+    )
+    assert m[("vllm:inter_token_latency_seconds_count", lab)] == sum(
+        c["output_tokens"] - 1 for c in done
+    )
+    assert m[("vllm:generation_tokens_total", lab)] > sum(
+        c["output_tokens"] for c in done
+    )  # + in flight
     assert m[("vllm:prompt_tokens_total", lab)] >= sum(c["prompt_tokens"] for c in done)
     assert m[("vllm:iteration_tokens_total_count", lab)] == s["steps_total"]
     # buckets are cumulative and vLLM's
-    ttft = [(float(dict(k[1])["le"]), v) for k, v in m.items()
-            if k[0] == "vllm:time_to_first_token_seconds_bucket" and dict(k[1])["le"] != "+Inf"]
+    ttft = [
+        (float(dict(k[1])["le"]), v)
+        for k, v in m.items()
+        if k[0] == "vllm:time_to_first_token_seconds_bucket" and dict(k[1])["le"] != "+Inf"
+    ]
     assert [b for b, _ in sorted(ttft)][:3] == [0.001, 0.005, 0.01]
     assert [v for _, v in sorted(ttft)] == sorted(v for _, v in ttft)
 
@@ -345,17 +412,26 @@ def test_metrics_have_vllm_names_and_agree_with_state():
 def test_step_log_matches_the_step_model():
     clock = ManualClock()
     config = EngineConfig()
-    twin = TwinReplica("twin-s", make_trace(100, 10.0, seed=8).requests, loop=False, clock=clock, config=config)
+    twin = TwinReplica(
+        "twin-s", make_trace(100, 10.0, seed=8).requests, loop=False, clock=clock, config=config
+    )
     twin.advance(5.0)  # driven by hand: the ticker does exactly this
     steps, nxt = twin.core.steps_since(0)
     assert steps and nxt == len(steps) and twin.core.steps_total == twin.sim.steps >= len(steps)
     assert any(s["prefill_tokens"] for s in steps) and any(s["decode_seqs"] > 1 for s in steps)
     model = config.step_model
     for s in steps:
-        assert s["duration_s"] == pytest.approx(model.step_time(s["prefill_tokens"], s["sum_prefill_sq"],
-                                                                s["decode_seqs"], s["sum_kv_context"]))
+        assert s["duration_s"] == pytest.approx(
+            model.step_time(
+                s["prefill_tokens"], s["sum_prefill_sq"], s["decode_seqs"], s["sum_kv_context"]
+            )
+        )
     starts = [s["started"] for s in steps]
-    assert starts == sorted(starts) and clock.epoch <= starts[0] and starts[-1] <= clock.epoch + 5.0 + 1.0
+    assert (
+        starts == sorted(starts)
+        and clock.epoch <= starts[0]
+        and starts[-1] <= clock.epoch + 5.0 + 1.0
+    )
     assert twin.api_steps(len(steps) - 1)["steps"] == steps[-1:]
 
 
@@ -394,7 +470,9 @@ def test_stop_and_restart_on_the_same_port():
         deadline = time.monotonic() + 30
         while (after := poller.poll())["settings_version"] != 2 and time.monotonic() < deadline:
             time.sleep(0.1)  # within the control API's per-connection rate
-        assert after["settings_version"] == 2 and after["finished_total"] >= before["finished_total"]
+        assert (
+            after["settings_version"] == 2 and after["finished_total"] >= before["finished_total"]
+        )
         assert after["time"] > before["time"] + 0.3 * 10 * 0.8
         twin.restart(fresh=True)  # a process restart: a new engine, same port
         assert twin.port == port
@@ -412,9 +490,31 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
     out = tmp_path / "twins.yaml"
     env = {**os.environ, "TAILPILOT_TOKEN": TOKEN}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tailpilot.cli", "twin", "--replicas", "2", "--speed", "10", "--rate-scale", "2",
-         "--policy", "uniboost", "--set", "gamma=8", "--pin", "gamma", "--cluster-out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "tailpilot.cli",
+            "twin",
+            "--replicas",
+            "2",
+            "--speed",
+            "10",
+            "--rate-scale",
+            "2",
+            "--policy",
+            "uniboost",
+            "--set",
+            "gamma=8",
+            "--pin",
+            "gamma",
+            "--cluster-out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 30
         while not out.exists():
@@ -429,9 +529,16 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
             assert r["api_url"] == r["control_url"] and r["token_env"] == "TAILPILOT_TOKEN"
             with httpx.Client(base_url=r["control_url"], trust_env=False, timeout=10) as c:
                 s = state(c)
-                assert s["replica"] == r["name"] and s["policy"] == "uniboost" and s["gamma_live"] == 8.0
+                assert (
+                    s["replica"] == r["name"]
+                    and s["policy"] == "uniboost"
+                    and s["gamma_live"] == 8.0
+                )
                 assert put(c, {"policy": "fcfs"}, if_match=1).status_code == 200
-            assert "vllm:num_requests_running" in httpx.get(r["api_url"] + "/metrics", trust_env=False).text
+            assert (
+                "vllm:num_requests_running"
+                in httpx.get(r["api_url"] + "/metrics", trust_env=False).text
+            )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         text = proc.stdout.read()
@@ -452,7 +559,9 @@ def test_completions_since_reads_any_cursor_of_a_trimmed_log():
         for limit in (1, 3, 100):
             items, nxt = core.completions_since(cursor, limit)
             want = [i for i in range(max(cursor, 15), 25)][:limit]
-            assert [c["seq"] for c in items] == want and [c["id"] for c in items] == [f"r{i}" for i in want]
+            assert [c["seq"] for c in items] == want and [c["id"] for c in items] == [
+                f"r{i}" for i in want
+            ]
             assert nxt == (want[-1] + 1 if want else max(cursor, 25))
 
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from vllm_support import (  # noqa: E402
+from vllm_support import (
     KV_BLOCK_SIZE_CPU,
     CompletionRequest,
     VllmServer,

@@ -11,8 +11,15 @@ import random
 import pytest
 from scipy import stats
 
-from benchmarks.vllm_ranking import (average_ranks, guarded_choice, kendall_tau, pairwise_agreement,
-                                     ranking_agreement, repeat_signs, value_signs)
+from benchmarks.vllm_ranking import (
+    average_ranks,
+    guarded_choice,
+    kendall_tau,
+    pairwise_agreement,
+    ranking_agreement,
+    repeat_signs,
+    value_signs,
+)
 
 
 def test_tau_matches_scipy_tau_b_with_and_without_ties():
@@ -57,7 +64,13 @@ def test_pairwise_agreement_counts_sim_ties_as_half_and_skips_real_ties():
     real = {("a", "b"): -1, ("a", "c"): -1, ("b", "c"): 0, ("a", "d"): 1}
     sim = {("a", "b"): -1, ("a", "c"): 0, ("b", "c"): 1, ("a", "d"): -1}
     p = pairwise_agreement(real, sim)
-    assert (p["separated"], p["real_ties"], p["alike"], p["opposite"], p["sim_tied"]) == (3, 1, 1, 1, 1)
+    assert (p["separated"], p["real_ties"], p["alike"], p["opposite"], p["sim_tied"]) == (
+        3,
+        1,
+        1,
+        1,
+        1,
+    )
     assert p["fraction"] == pytest.approx((1 + 0.5) / 3)
     assert p["disagreeing"] == [["a", "d"]]
     assert pairwise_agreement({("a", "b"): 0}, {("a", "b"): 1})["fraction"] is None
@@ -67,12 +80,24 @@ def test_ranking_agreement_best_within_noise_and_regret():
     real = {"sarathi": [4.0, 4.4], "defaults": [2.0, 2.6], "g1": [2.4, 2.5], "g2": [1.6, 3.2]}
     sim = {"sarathi": 3.9, "defaults": 2.1, "g1": 2.2, "g2": 2.3}
     a = ranking_agreement(real, sim)
-    assert a["real_best"] == "defaults" and a["sim_best"] == "defaults" and a["sim_best_is_real_best"]
-    sim = {"sarathi": 3.9, "defaults": 2.3, "g1": 2.2, "g2": 2.5}  # sim picks g1: overlaps defaults' range
+    assert (
+        a["real_best"] == "defaults" and a["sim_best"] == "defaults" and a["sim_best_is_real_best"]
+    )
+    sim = {
+        "sarathi": 3.9,
+        "defaults": 2.3,
+        "g1": 2.2,
+        "g2": 2.5,
+    }  # sim picks g1: overlaps defaults' range
     a = ranking_agreement(real, sim)
     assert a["sim_best"] == "g1" and not a["sim_best_is_real_best"] and a["sim_best_within_noise"]
     assert a["regret"] == pytest.approx(2.45 / 2.3 - 1)
-    sim = {"sarathi": 1.0, "defaults": 2.3, "g1": 2.2, "g2": 2.5}  # sim picks sarathi: clearly worse
+    sim = {
+        "sarathi": 1.0,
+        "defaults": 2.3,
+        "g1": 2.2,
+        "g2": 2.5,
+    }  # sim picks sarathi: clearly worse
     a = ranking_agreement(real, sim)
     assert a["sim_best"] == "sarathi" and not a["sim_best_within_noise"]
     assert a["pairwise"]["opposite"] == 3 and a["kendall_tau_b"] < 0
@@ -81,7 +106,12 @@ def test_ranking_agreement_best_within_noise_and_regret():
 
 
 def test_average_ranks_share_ties():
-    assert average_ranks({"a": 3.0, "b": 1.0, "c": 3.0, "d": 2.0}) == {"b": 1, "d": 2, "a": 3.5, "c": 3.5}
+    assert average_ranks({"a": 3.0, "b": 1.0, "c": 3.0, "d": 2.0}) == {
+        "b": 1,
+        "d": 2,
+        "a": 3.5,
+        "c": 3.5,
+    }
 
 
 def test_repeat_signs_is_antisymmetric_in_names():
@@ -94,10 +124,12 @@ def test_repeat_signs_is_antisymmetric_in_names():
 
 
 def test_guarded_choice_respects_the_guards():
-    figs = {"sarathi": {"ttft_p95": 3.0, "ttlt_p99": 10.0, "throughput_tok_s": 100.0},
-            "g_fast_but_slow_tail": {"ttft_p95": 0.5, "ttlt_p99": 10.3, "throughput_tok_s": 100.0},
-            "g_fast_but_loses_tokens": {"ttft_p95": 0.6, "ttlt_p99": 9.0, "throughput_tok_s": 98.0},
-            "g_ok": {"ttft_p95": 1.0, "ttlt_p99": 10.2, "throughput_tok_s": 99.0}}
+    figs = {
+        "sarathi": {"ttft_p95": 3.0, "ttlt_p99": 10.0, "throughput_tok_s": 100.0},
+        "g_fast_but_slow_tail": {"ttft_p95": 0.5, "ttlt_p99": 10.3, "throughput_tok_s": 100.0},
+        "g_fast_but_loses_tokens": {"ttft_p95": 0.6, "ttlt_p99": 9.0, "throughput_tok_s": 98.0},
+        "g_ok": {"ttft_p95": 1.0, "ttlt_p99": 10.2, "throughput_tok_s": 99.0},
+    }
     assert guarded_choice(figs) == "g_ok"
     del figs["g_ok"]
     assert guarded_choice(figs) == "sarathi"

@@ -17,7 +17,9 @@ from storage.store import Store
 
 TOKEN = "whatif-token"
 SARATHI = Settings.model_validate({"policy": "sarathi"})
-SIZE_FIRST = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False}})
+SIZE_FIRST = Settings.model_validate(
+    {"policy": "uniboost", "params": {"gamma": 0.01, "gamma_ada": False}}
+)
 
 
 def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
@@ -26,8 +28,8 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     twin then shows it — verify's realized change (the real figures over the same traffic replayed
     under sarathi) has the predicted sign and size."""
     from controlplane.collector import Collector
-    from controlplane.steering import apply_settings
     from controlplane.replica_http import PollingClient
+    from controlplane.steering import apply_settings
     from sim.traces import load_bundled
     from tuner.twin import ManualClock, start_twins
     from tuner.whatif import predict, verify
@@ -35,8 +37,9 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()
     store = Store.open(str(tmp_path / "w.db"), clock=clock.now)
-    with start_twins(1, load_bundled(), rate_scale=1.5, clock=clock, loop=False, settings=SARATHI,
-                     token=TOKEN) as twins:
+    with start_twins(
+        1, load_bundled(), rate_scale=1.5, clock=clock, loop=False, settings=SARATHI, token=TOKEN
+    ) as twins:
         twin = twins[0]
         import yaml
 
@@ -59,12 +62,29 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
             try:
                 await run_until(240.0, collector)
                 now_ms = int(clock.now() * 1000)
-                p = predict(store, cluster.name, twin.name, SARATHI, SIZE_FIRST, now_ms=now_ms, minutes=2.0,
-                            warmup_s=240.0)
-                [applied] = await apply_settings(cluster, [twin.name], SIZE_FIRST.to_dict(), store, "test",
-                                                 client=client, wait_s=0.0)
+                p = predict(
+                    store,
+                    cluster.name,
+                    twin.name,
+                    SARATHI,
+                    SIZE_FIRST,
+                    now_ms=now_ms,
+                    minutes=2.0,
+                    warmup_s=240.0,
+                )
+                [applied] = await apply_settings(
+                    cluster,
+                    [twin.name],
+                    SIZE_FIRST.to_dict(),
+                    store,
+                    "test",
+                    client=client,
+                    wait_s=0.0,
+                )
                 assert applied.ok, applied.message
-                pid = store.tuner.store_prediction(cluster.name, twin.name, p, t_ms=now_ms, version=applied.version)
+                pid = store.tuner.store_prediction(
+                    cluster.name, twin.name, p, t_ms=now_ms, version=applied.version
+                )
                 await run_until(250.0, collector)
                 [early] = store.tuner.predictions(cluster.name)
                 assert not verify(store, early, now_ms=int(clock.now() * 1000))["ready"]
@@ -106,29 +126,54 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
-    with start_twins(1, load_bundled(), speed=20, rate_scale=1.5, settings=SARATHI, token=TOKEN) as twins:
+    with start_twins(
+        1, load_bundled(), speed=20, rate_scale=1.5, settings=SARATHI, token=TOKEN
+    ) as twins:
         doc = twins.cluster_doc("twins")
         doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0)
         Store.open("tp.db").close()
         with open("c.yaml", "w") as f:
             yaml.safe_dump(doc, f)
         stop = threading.Event()
-        rec = threading.Thread(target=run_recorder, args=(load_cluster_file("c.yaml").cluster(), "tp.db"),
-                               kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False})
+        rec = threading.Thread(
+            target=run_recorder,
+            args=(load_cluster_file("c.yaml").cluster(), "tp.db"),
+            kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False},
+        )
         rec.start()
         try:
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # wait for traffic to predict on (an event, not a sleep)
+            while (
+                time.monotonic() < deadline
+            ):  # wait for traffic to predict on (an event, not a sleep)
                 with Store.open("tp.db") as s:
                     if len(s.readings.completions("twins")) >= 200:
                         break
                 time.sleep(0.2)
             runner = CliRunner()
-            base = ["set", "--cluster", "c.yaml", "--replica", twins[0].name, "--db", "tp.db", "--policy", "uniboost",
-                    "--set", "gamma=0.01", "--set", "gamma_ada=false", "--preview", "--minutes", "1"]
+            base = [
+                "set",
+                "--cluster",
+                "c.yaml",
+                "--replica",
+                twins[0].name,
+                "--db",
+                "tp.db",
+                "--policy",
+                "uniboost",
+                "--set",
+                "gamma=0.01",
+                "--set",
+                "gamma_ada=false",
+                "--preview",
+                "--minutes",
+                "1",
+            ]
             res = runner.invoke(main_cli(), base)  # not a terminal, no --yes: shown, not applied
             assert res.exit_code == 1, res.output  # nothing was applied: not what was asked
-            assert "P95 TTFT" in res.output and "fidelity not measured on this replica" in res.output
+            assert (
+                "P95 TTFT" in res.output and "fidelity not measured on this replica" in res.output
+            )
             assert "not applied" in res.output and twins[0].core.settings.policy == "sarathi"
             res = runner.invoke(main_cli(), [*base, "--yes", "--json"])
             assert res.exit_code in (0, 3), res.output
@@ -136,7 +181,10 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
             assert out["prediction"]["metrics"]["ttft_p95"]["change"] is not None
             with Store.open("tp.db") as s:
                 [kept] = s.tuner.predictions("twins")
-            assert kept["id"] == out["prediction"]["prediction_id"] and kept["version"] == out["version"]
+            assert (
+                kept["id"] == out["prediction"]["prediction_id"]
+                and kept["version"] == out["version"]
+            )
             res = runner.invoke(main_cli(), ["verify", "--cluster", "c.yaml", "--db", "tp.db"])
             assert res.exit_code == 0 and "not ready to verify" in res.output
         finally:

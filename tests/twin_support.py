@@ -45,16 +45,33 @@ def governed_cluster(tmp_path, token: str = "gov-token"):
     from sim.noisy import noisy_neighbour
     from tuner.twin import ManualClock, start_twins
 
-    trace, params = noisy_neighbour(capacity_req_s=30.0, duration_s=40.0, burst_from_s=5.0, burst_s=20.0,
-                                    prompt_scale=0.5, output_scale=0.5)
+    trace, params = noisy_neighbour(
+        capacity_req_s=30.0,
+        duration_s=40.0,
+        burst_from_s=5.0,
+        burst_s=20.0,
+        prompt_scale=0.5,
+        output_scale=0.5,
+    )
     clock = ManualClock()
-    with start_twins(1, trace, clock=clock, config=EngineConfig(), loop=False, token=token,
-                     settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}})) as twins:
+    with start_twins(
+        1,
+        trace,
+        clock=clock,
+        config=EngineConfig(),
+        loop=False,
+        token=token,
+        settings=Settings.model_validate({"policy": "fcfs", "engine": {"max_num_seqs": 32}}),
+    ) as twins:
         twin = twins[0]
         serve_all(twins, clock, limit=3000.0)
         doc = twins.cluster_doc("gov")
-        doc["clusters"][0].update(poll_interval_s=0.1, timeout_s=2.0, window_s=3600.0,
-                                  governance={"tenants": params["tenants"]})
+        doc["clusters"][0].update(
+            poll_interval_s=0.1,
+            timeout_s=2.0,
+            window_s=3600.0,
+            governance={"tenants": params["tenants"]},
+        )
         path = tmp_path / "gov.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         yield path, twin, trace

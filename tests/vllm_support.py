@@ -80,10 +80,7 @@ def kv_bytes_for_tokens(num_tokens: int) -> int:
     return blocks * KV_BYTES_PER_BLOCK_FP32
 
 
-_SYLLABLES = (
-    "ka ri to na mo se lu vi de pa ro chi sta pre qu el an or ing tion er al ex co im un re "
-    "th sh ow ai ea ou io be ma ne ti lo gra bri spe tro cla fen dor mur pin sol var zen"
-).split()
+_SYLLABLES = ["ka", "ri", "to", "na", "mo", "se", "lu", "vi", "de", "pa", "ro", "chi", "sta", "pre", "qu", "el", "an", "or", "ing", "tion", "er", "al", "ex", "co", "im", "un", "re", "th", "sh", "ow", "ai", "ea", "ou", "io", "be", "ma", "ne", "ti", "lo", "gra", "bri", "spe", "tro", "cla", "fen", "dor", "mur", "pin", "sol", "var", "zen"]
 _PUNCT = (".", ",", ";", ":", "?", "!")
 _CODE_SNIPPETS = (
     "def {w}(x, y=None):\n    return x + {n}\n",
@@ -98,10 +95,7 @@ def _generated_corpus(seed: int = SEED, lines: int = 12000) -> list[str]:
     """Deterministic pseudo-language plus code-ish lines; no files, no network."""
     rng = random.Random(seed)
     lexicon = sorted(
-        {
-            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
-            for _ in range(6000)
-        }
+        {"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(6000)}
     )
     # Zipf-like weights so frequent words become single tokens.
     weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]

@@ -1,7 +1,7 @@
 """``python -m tui``: the same command as ``tailpilot tui`` (one definition of its options).
 
-    python -m tui --cluster clusters.yaml [--cluster-name NAME] [--db URL] [--readonly]
-    python -m tui --replay recording.db [--cluster-name NAME] [--cluster clusters.yaml (for its SLOs)]
+python -m tui --cluster clusters.yaml [--cluster-name NAME] [--db URL] [--readonly]
+python -m tui --replay recording.db [--cluster-name NAME] [--cluster clusters.yaml (for its SLOs)]
 """
 
 from __future__ import annotations
@@ -10,11 +10,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tailpilot.cli import main as tailpilot  # its group turns store failures into one-line errors
+    from tailpilot.cli import (
+        main as tailpilot,
+    )  # its group turns store failures into one-line errors
 
     try:
-        tailpilot.main(args=["tui", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m",  # usage reads "python -m tui ..."
-                       standalone_mode=True)
+        tailpilot.main(
+            args=["tui", *(sys.argv[1:] if argv is None else argv)],
+            prog_name="python -m",  # usage reads "python -m tui ..."
+            standalone_mode=True,
+        )
     except SystemExit as done:
         return int(done.code or 0)
     return 0

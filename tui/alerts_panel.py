@@ -4,8 +4,9 @@ autopilot (the cluster's automatic controllers), and the alert history. It shows
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -58,4 +59,7 @@ class AlertsPanel(Vertical):
         self.query_one("#alerts-governor", Static).update(R.governor_line(data.governor))
         self.query_one(AutopilotPanel).data = AutopilotData(data.autopilot, data.now_ms)
         fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(data.governance))
-        fill_table(self.query_one("#alerts-history", DataTable), [R.alert_event_row(e) for e in data.events])
+        fill_table(
+            self.query_one("#alerts-history", DataTable),
+            [R.alert_event_row(e) for e in data.events],
+        )

@@ -64,7 +64,6 @@ from tui.widgets import ClusterTable
 log = logging.getLogger(__name__)
 
 
-
 # ---------------------------------------------------------------------------------------- the app
 
 
@@ -85,8 +84,16 @@ class TailpilotApp(ControllerActions, App):
     current_replica: var[str | None] = var(None)
     """The replica under the cluster table's cursor (the replica panel shows it)."""
 
-    def __init__(self, source: DataSource, cluster_spec: ClusterSpec | None = None, *, readonly: bool = False,
-                 store: Any | None = None, who: str | None = None, optuna_storage: str | None = None) -> None:
+    def __init__(
+        self,
+        source: DataSource,
+        cluster_spec: ClusterSpec | None = None,
+        *,
+        readonly: bool = False,
+        store: Any | None = None,
+        who: str | None = None,
+        optuna_storage: str | None = None,
+    ) -> None:
         super().__init__()
         self.optuna_storage = optuna_storage  # None: ./tailpilot-optuna.db if it exists
         self.source = source
@@ -100,7 +107,9 @@ class TailpilotApp(ControllerActions, App):
         self.paused = False
         self.audit_cache: list[dict[str, Any]] = []
         self.fidelity_cache: dict[str, dict[str, Any]] = {}  # replica -> newest fidelity report
-        self.verification_cache: dict[tuple[str, Any], dict[str, Any]] = {}  # (replica, version) -> verify
+        self.verification_cache: dict[
+            tuple[str, Any], dict[str, Any]
+        ] = {}  # (replica, version) -> verify
         self.last_results: list[Any] = []
         self.snapshots_applied = 0
         self.apply_ms: deque[float] = deque(maxlen=10_000)
@@ -125,21 +134,29 @@ class TailpilotApp(ControllerActions, App):
 
     def targets(self) -> list[str]:
         """What P, N and A act on: the selection, else the replica under the cursor."""
-        return edit_targets(self.selected, self.current_replica, self.snapshot.replicas if self.snapshot else None)
+        return edit_targets(
+            self.selected, self.current_replica, self.snapshot.replicas if self.snapshot else None
+        )
 
     # --- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(self._topbar_text(), id="topbar")
         yield Static("", id="alertbar")  # the firing governance alerts, on every panel
         with ContentSwitcher(initial="cluster", id="panels"):
-            yield ClusterPanel(id="cluster").data_bind(TailpilotApp.selected,
-                                                       cursor_replica=TailpilotApp.current_replica)
-            yield ReplicaPanel(window_s=self.cluster.window_s if self.cluster else None,
-                               slos=self.cluster.slos if self.cluster else None,
-                               history_s=self.source.history_s, id="replica")
-            yield PolicyPanel(replicas=[r.name for r in self.cluster.replicas] if self.cluster else [],
-                              readonly_reason=self.readonly_reason() if self.readonly else None,
-                              id="policy").data_bind(TailpilotApp.selected, TailpilotApp.current_replica)
+            yield ClusterPanel(id="cluster").data_bind(
+                TailpilotApp.selected, cursor_replica=TailpilotApp.current_replica
+            )
+            yield ReplicaPanel(
+                window_s=self.cluster.window_s if self.cluster else None,
+                slos=self.cluster.slos if self.cluster else None,
+                history_s=self.source.history_s,
+                id="replica",
+            )
+            yield PolicyPanel(
+                replicas=[r.name for r in self.cluster.replicas] if self.cluster else [],
+                readonly_reason=self.readonly_reason() if self.readonly else None,
+                id="policy",
+            ).data_bind(TailpilotApp.selected, TailpilotApp.current_replica)
             yield AuditPanel(id="audit")
             yield TunerPanel(self.optuna_storage, store=self.store, id="tuner")
             yield AlertsPanel(id="alerts")
@@ -149,7 +166,7 @@ class TailpilotApp(ControllerActions, App):
         self.query_one("#cluster-table").focus()
         try:
             await self.source.start()
-        except Exception as err:  # noqa: BLE001 - shown, never a crash
+        except Exception as err:
             log.exception("source failed to start")
             self.notify(f"could not start: {err}", severity="error", timeout=30)
         self._pump()
@@ -168,7 +185,7 @@ class TailpilotApp(ControllerActions, App):
                 continue
             try:
                 self.apply_snapshot(snap)
-            except Exception as err:  # noqa: BLE001 - a rendering bug must not kill the live view
+            except Exception as err:
                 log.exception("applying a snapshot failed")
                 self.notify(f"display error: {type(err).__name__}: {err}", severity="error")
 
@@ -209,9 +226,14 @@ class TailpilotApp(ControllerActions, App):
         if snap is not None:
             ok = sum(1 for rs in snap.replicas.values() if rs.health.healthy)
             t.append("│ ")
-            t.append(f"{ok}/{len(snap.replicas)} healthy", style="green" if ok == len(snap.replicas) else "bold red")
+            t.append(
+                f"{ok}/{len(snap.replicas)} healthy",
+                style="green" if ok == len(snap.replicas) else "bold red",
+            )
             if self.mode_name == "live":
-                t.append(f" · updated {time.strftime('%H:%M:%S', time.localtime(snap.t_ms / 1000))}")
+                t.append(
+                    f" · updated {time.strftime('%H:%M:%S', time.localtime(snap.t_ms / 1000))}"
+                )
         t.append(f" │ panel {self.panel} ")
         if self.selected:
             t.append(f"│ {len(self.selected)} selected ", style="magenta")
@@ -240,14 +262,22 @@ class TailpilotApp(ControllerActions, App):
 
     def on_key(self, event) -> None:
         k = K.KEYS_BY_KEY.get(event.key)
-        if k is not None and k.changes_cluster and self.readonly and not isinstance(self.screen, ModalScreen):
+        if (
+            k is not None
+            and k.changes_cluster
+            and self.readonly
+            and not isinstance(self.screen, ModalScreen)
+        ):
             self.refuse(k)
             event.stop()
 
     def refuse(self, k: K.Key) -> None:
         self.refused.append(k.action_name)
-        self.notify(f"{k.display}: {k.description.split(' (')[0].lower()} — refused: {self.readonly_reason()}",
-                    title="read-only", severity="warning")
+        self.notify(
+            f"{k.display}: {k.description.split(' (')[0].lower()} — refused: {self.readonly_reason()}",
+            title="read-only",
+            severity="warning",
+        )
 
     async def invoke_key(self, k: K.Key) -> None:
         """Run a key's action from the command palette, with the same checks as the key."""
@@ -289,7 +319,9 @@ class TailpilotApp(ControllerActions, App):
         elif name == "replica" and snap is not None:
             self._show_replica(snap)
         elif name == "policy":
-            self.run_worker(self.query_one(PolicyPanel).load(), group="policy-load", exit_on_error=False)
+            self.run_worker(
+                self.query_one(PolicyPanel).load(), group="policy-load", exit_on_error=False
+            )
         elif name == "audit":
             self.query_one("#audit-table", DataTable).focus()
             self.reload_audit()
@@ -379,7 +411,7 @@ class TailpilotApp(ControllerActions, App):
     async def reload_audit(self) -> None:
         try:
             rows = await self.source.audit(200)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("audit log unavailable: %s", err)
             return
         self.audit_cache = rows
@@ -392,7 +424,7 @@ class TailpilotApp(ControllerActions, App):
             panel.data = AuditData(rows, note, self.verification_cache)
             try:  # replays: shown when done, the table first
                 self.verification_cache = await self.source.verifications()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 log.warning("verifications unavailable: %s", err)
                 return
             panel.data = AuditData(rows, note, self.verification_cache)
@@ -401,7 +433,7 @@ class TailpilotApp(ControllerActions, App):
         # Reloaded with the audit log (same cadence: fidelity reports are rare).
         try:
             self.fidelity_cache = await self.source.fidelity()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("fidelity reports unavailable: %s", err)
             return
         if self.panel == "replica":
@@ -413,7 +445,9 @@ class TailpilotApp(ControllerActions, App):
         name = self.current_replica
         panel = self.query_one(ReplicaPanel)
         panel.fidelity = self.fidelity_cache.get(name) if name else None
-        panel.data = ReplicaData(snap, name, self.source.history(name, snap.t_ms) if name else [], self.audit_cache)
+        panel.data = ReplicaData(
+            snap, name, self.source.history(name, snap.t_ms) if name else [], self.audit_cache
+        )
 
     # --- cluster changes -----------------------------------------------------------------------
     def _plans(self, edits: dict[str, SettingsEdit]) -> list[dict[str, Any]]:
@@ -422,8 +456,11 @@ class TailpilotApp(ControllerActions, App):
         for name, edit in edits.items():
             rs = snap.replicas.get(name) if snap else None
             cur = current_settings(rs.settings) if rs else None
-            plan: dict[str, Any] = {"replica": name, "version": rs.settings_version if rs else None,
-                                    "edit": edit.describe()}
+            plan: dict[str, Any] = {
+                "replica": name,
+                "version": rs.settings_version if rs else None,
+                "edit": edit.describe(),
+            }
             if cur is None:
                 plan["old"] = None
             else:
@@ -442,7 +479,10 @@ class TailpilotApp(ControllerActions, App):
         if self.readonly:
             return
         if not edits:
-            self.notify("no target replica: move the cursor to one or select some with space", severity="warning")
+            self.notify(
+                "no target replica: move the cursor to one or select some with space",
+                severity="warning",
+            )
             return
         plans = self._plans(edits)
         predictions: dict[str, Any] = {}
@@ -459,18 +499,22 @@ class TailpilotApp(ControllerActions, App):
             self._predict(screen, plans, predictions)
 
     @work(group="predict", exit_on_error=False)
-    async def _predict(self, screen: ConfirmScreen, plans: list[dict[str, Any]], into: dict[str, Any]) -> None:
+    async def _predict(
+        self, screen: ConfirmScreen, plans: list[dict[str, Any]], into: dict[str, Any]
+    ) -> None:
         """The what-if of the confirm dialog, off the UI thread; kept with the change if applied."""
         try:
             found = await self.source.predict(plans, PREVIEW_MINUTES)  # type: ignore[attr-defined]
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("what-if failed: %s", err)
             found = {p["replica"]: f"{type(err).__name__}: {err}" for p in plans}
         into.update(found)
         screen.show_preview(found)
 
     @work(group="apply", exit_on_error=False)
-    async def apply_changes(self, edits: dict[str, SettingsEdit], predictions: dict[str, Any] | None = None) -> None:
+    async def apply_changes(
+        self, edits: dict[str, SettingsEdit], predictions: dict[str, Any] | None = None
+    ) -> None:
         """Send the changes (GET, PUT If-Match, read back, audit row) without blocking the UI."""
         if self.readonly or not hasattr(self.source, "apply"):
             return
@@ -480,13 +524,15 @@ class TailpilotApp(ControllerActions, App):
             results = await self.source.apply(edits, self.who)  # type: ignore[attr-defined]
             if predictions:
                 await self.source.keep_predictions(results, predictions, applied_ms)  # type: ignore[attr-defined]
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.exception("apply failed")
             self.notify(f"apply failed: {type(err).__name__}: {err}", severity="error", timeout=15)
             return
         self.last_results = results
         for r in results:
-            sev: SeverityLevel = "information" if r.ok else ("warning" if r.result == "rejected" else "error")
+            sev: SeverityLevel = (
+                "information" if r.ok else ("warning" if r.result == "rejected" else "error")
+            )
             self.notify(f"{r.replica}: {r.message}", title=r.result, severity=sev, timeout=8)
         self.query_one(PolicyPanel).last_results = results
         self.query_one(TunerPanel).last_results = results
@@ -498,12 +544,17 @@ class TailpilotApp(ControllerActions, App):
             self.notify("no target replica", severity="warning")
             return
         snap = self.snapshot
-        current = {n: (R.policy_of(snap.replicas[n]) if snap and n in snap.replicas else None) for n in targets}
+        current = {
+            n: (R.policy_of(snap.replicas[n]) if snap and n in snap.replicas else None)
+            for n in targets
+        }
 
         def picked(policy: str | None) -> None:
             if policy:
-                self.confirm_and_apply(f"Switch {len(targets)} replica(s) to {policy}?",
-                                       {n: SettingsEdit(policy=policy) for n in targets})
+                self.confirm_and_apply(
+                    f"Switch {len(targets)} replica(s) to {policy}?",
+                    {n: SettingsEdit(policy=policy) for n in targets},
+                )
 
         self.push_screen(PolicyPickScreen(targets, current), picked)
 
@@ -557,8 +608,9 @@ class TailpilotApp(ControllerActions, App):
             self.notify("no changes staged", severity="warning")
             return
         targets = self.targets()
-        self.confirm_and_apply(f"Apply {edit.describe()} to {len(targets)} replica(s)?",
-                               {n: edit for n in targets})
+        self.confirm_and_apply(
+            f"Apply {edit.describe()} to {len(targets)} replica(s)?", {n: edit for n in targets}
+        )
 
     def action_apply_recommendation(self) -> None:
         """``R`` in the tuner panel: the shown recommendation to the selected replicas (all when
@@ -566,24 +618,35 @@ class TailpilotApp(ControllerActions, App):
         panel = self.query_one(TunerPanel)
         rec = panel.current_rec()
         if rec is None or rec.summary is None or not rec.summary.get("settings"):
-            why = "still computing" if rec is None and panel.study else (rec.error if rec else "no study selected")
+            why = (
+                "still computing"
+                if rec is None and panel.study
+                else (rec.error if rec else "no study selected")
+            )
             self.notify(f"no recommendation to apply: {why}", severity="warning")
             return
-        known = sorted(self.snapshot.replicas) if self.snapshot else (
-            [r.name for r in self.cluster.replicas] if self.cluster else [])
+        known = (
+            sorted(self.snapshot.replicas)
+            if self.snapshot
+            else ([r.name for r in self.cluster.replicas] if self.cluster else [])
+        )
         targets = sorted(n for n in self.selected if n in known) if self.selected else known
         s = rec.summary
-        edit = RecommendationEdit(dict(s["settings"]), study=str(s.get("study") or panel.study or ""),
-                                  trial=s.get("trial"))
+        edit = RecommendationEdit(
+            dict(s["settings"]),
+            study=str(s.get("study") or panel.study or ""),
+            trial=s.get("trial"),
+        )
         which = "selected" if self.selected else "all"
-        self.confirm_and_apply(f"Apply the recommendation of study {edit.study} (trial {edit.trial}) to "
-                               f"{len(targets)} replica(s) ({which})? Pinned parameters are kept.",
-                               {n: edit for n in targets})
-
+        self.confirm_and_apply(
+            f"Apply the recommendation of study {edit.study} (trial {edit.trial}) to "
+            f"{len(targets)} replica(s) ({which})? Pinned parameters are kept.",
+            {n: edit for n in targets},
+        )
 
 
 def _user() -> str:
     try:
         return getpass.getuser()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "operator"

@@ -5,8 +5,9 @@ It shows its reactive ``data`` (the audit log and the changes' verifications), s
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -36,7 +37,11 @@ class AuditPanel(Vertical):
     """What the panel shows; every one re-renders."""
 
     def compose(self) -> ComposeResult:
-        yield Static(Text("settings audit log (newest first)", style="bold"), id="audit-title", classes="title")
+        yield Static(
+            Text("settings audit log (newest first)", style="bold"),
+            id="audit-title",
+            classes="title",
+        )
         yield AutoSizedTable(id="audit-table", cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
@@ -54,9 +59,18 @@ class AuditPanel(Vertical):
         if data is None:
             return
         verifications = data.verifications
-        fill_table(self.query_one(DataTable),
-                   [R.audit_row(a, verifications.get((a.get("replica"), a.get("version")))
-                                if a.get("result") in ("applied", "staged") else None) for a in data.rows])
+        fill_table(
+            self.query_one(DataTable),
+            [
+                R.audit_row(
+                    a,
+                    verifications.get((a.get("replica"), a.get("version")))
+                    if a.get("result") in ("applied", "staged")
+                    else None,
+                )
+                for a in data.rows
+            ],
+        )
         title = Text("settings audit log (newest first)", style="bold")
         title.append(f" · {len(data.rows)} entries")
         if data.note:

@@ -5,8 +5,9 @@ panel."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -37,4 +38,6 @@ class AutopilotPanel(VerticalScroll):
         if data is None:
             return
         self.set_class(data.control is not None, "-shown")
-        self.query_one("#autopilot-body", Static).update(AR.autopilot_renderable(data.control, data.now_ms))
+        self.query_one("#autopilot-body", Static).update(
+            AR.autopilot_renderable(data.control, data.now_ms)
+        )

@@ -9,7 +9,8 @@ not carried out (``note``) and its recent decisions with their predicted change.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
@@ -24,7 +25,11 @@ STATE_STYLES = {"armed": "bold red", "dry-run": "yellow", "disarmed": "dim"}
 
 
 def _pct(value: Any) -> str:
-    return "n/a" if not isinstance(value, (int, float)) or not math.isfinite(value) else f"{value:+.0%}"
+    return (
+        "n/a"
+        if not isinstance(value, (int, float)) or not math.isfinite(value)
+        else f"{value:+.0%}"
+    )
 
 
 def _age(ms: int) -> str:
@@ -51,8 +56,11 @@ def autopilot_line(control: Mapping[str, Any] | None, now_ms: int | None = None)
     if not isinstance(t_ms, int):
         out.append(" · no report yet (it runs in tailpilot record --autopilot)", style="dim")
     elif now_ms is not None and now_ms - t_ms > STALE_MS:
-        out.append(f" · last report {fmt_clock(t_ms)} UTC, {_age(now_ms - t_ms)} ago: is tailpilot record "
-                   "--autopilot still running?", style="bold yellow")
+        out.append(
+            f" · last report {fmt_clock(t_ms)} UTC, {_age(now_ms - t_ms)} ago: is tailpilot record "
+            "--autopilot still running?",
+            style="bold yellow",
+        )
     else:
         out.append(f" · report {fmt_clock(t_ms)} UTC", style="dim")
     return out
@@ -79,8 +87,10 @@ def replica_line(name: str, r: Mapping[str, Any]) -> Text:
     if verified:
         v = verified[-1]
         if "realized" in v:
-            extra.append(f"last verified: {v.get('verdict')} (P95 TTFT {_pct(v.get('realized'))} realized, "
-                         f"{_pct(v.get('predicted'))} predicted)")
+            extra.append(
+                f"last verified: {v.get('verdict')} (P95 TTFT {_pct(v.get('realized'))} realized, "
+                f"{_pct(v.get('predicted'))} predicted)"
+            )
         else:
             extra.append(f"last verified: {v.get('verdict')}")
     if extra:
@@ -92,17 +102,28 @@ def decision_cells(name: str, d: Mapping[str, Any]) -> tuple[Any, ...]:
     """One decision as table cells: replica, controller time, switch/keep, choice, predicted P95
     TTFT change, requests compared, reason."""
     changed = bool(d.get("changed"))
-    move = f"{d.get('previous')} → {d.get('choice')}" if changed and d.get("previous") else str(d.get("choice"))
+    move = (
+        f"{d.get('previous')} → {d.get('choice')}"
+        if changed and d.get("previous")
+        else str(d.get("choice"))
+    )
     p95 = (d.get("predicted") or {}).get("ttft_p95")
     style = "" if not isinstance(p95, (int, float)) else ("green" if p95 < 0 else "red")
     t = d.get("t")
-    return (name, "—" if not isinstance(t, (int, float)) else f"{t:.0f}",
-            Text("switch", style="bold") if changed else Text("keep", style="dim"), move,
-            Text(_pct(p95) if changed else "—", style=style), str(d.get("requests", "—")), str(d.get("reason", "")))
+    return (
+        name,
+        "—" if not isinstance(t, (int, float)) else f"{t:.0f}",
+        Text("switch", style="bold") if changed else Text("keep", style="dim"),
+        move,
+        Text(_pct(p95) if changed else "—", style=style),
+        str(d.get("requests", "—")),
+        str(d.get("reason", "")),
+    )
 
 
-def autopilot_renderable(control: Mapping[str, Any] | None, now_ms: int | None = None,
-                         shown: int = DECISIONS_SHOWN) -> Group:
+def autopilot_renderable(
+    control: Mapping[str, Any] | None, now_ms: int | None = None, shown: int = DECISIONS_SHOWN
+) -> Group:
     """The whole block: the head line, a line per replica, the last ``shown`` decisions of each."""
     parts: list[Any] = [autopilot_line(control, now_ms)]
     replicas = ((control or {}).get("status") or {}).get("replicas") or {}
@@ -112,10 +133,18 @@ def autopilot_renderable(control: Mapping[str, Any] | None, now_ms: int | None =
         parts.append(replica_line(name, r))
         rows.extend(decision_cells(name, d) for d in reversed((r.get("last") or [])[-shown:]))
     if rows:
-        table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold dim", expand=False)
-        for label, kw in (("replica", {}), ("t (s)", {"justify": "right"}), ("", {}), ("choice", {}),
-                          ("P95 TTFT pred.", {"justify": "right"}), ("requests", {"justify": "right"}),
-                          ("reason", {"overflow": "ellipsis", "no_wrap": True})):
+        table = Table(
+            box=None, padding=(0, 1), show_edge=False, header_style="bold dim", expand=False
+        )
+        for label, kw in (
+            ("replica", {}),
+            ("t (s)", {"justify": "right"}),
+            ("", {}),
+            ("choice", {}),
+            ("P95 TTFT pred.", {"justify": "right"}),
+            ("requests", {"justify": "right"}),
+            ("reason", {"overflow": "ellipsis", "no_wrap": True}),
+        ):
             table.add_column(label, **kw)
         for row in rows:
             table.add_row(*row)

@@ -7,8 +7,8 @@ and ``selected`` and ``cursor_replica``, bound to the app's selection and curren
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from rich.text import Text
 from textual import on
@@ -56,9 +56,13 @@ class ClusterPanel(Vertical):
     """(the column the rows are sorted by, None: by name; descending)."""
 
     def compose(self) -> ComposeResult:
-        yield FilterInput(placeholder="filter: words in name, policy, health, reason (esc: done)", id="filter")
+        yield FilterInput(
+            placeholder="filter: words in name, policy, health, reason (esc: done)", id="filter"
+        )
         yield Static("", id="table-title", classes="title")
-        yield ClusterTable([(c.key, c.label, c.width, c.right) for c in R.COLUMNS], id="cluster-table")
+        yield ClusterTable(
+            [(c.key, c.label, c.width, c.right) for c in R.COLUMNS], id="cluster-table"
+        )
         yield Static(R.totals_text(None), id="totals")
 
     def on_mount(self) -> None:
@@ -103,7 +107,9 @@ class ClusterPanel(Vertical):
 
     def visible_rows(self, snap: ClusterSnapshot) -> list[ReplicaSnapshot]:
         """The replicas the table shows: filtered, in the chosen sort order."""
-        rows = [rs for _, rs in sorted(snap.replicas.items()) if R.matches_filter(rs, self.filter_text)]
+        rows = [
+            rs for _, rs in sorted(snap.replicas.items()) if R.matches_filter(rs, self.filter_text)
+        ]
         if self.sort_column:
             key = R.sort_key(self.sort_column)
             rows.sort(key=key, reverse=self.sort_reverse)
@@ -116,8 +122,10 @@ class ClusterPanel(Vertical):
             return
         rows = self.visible_rows(data.snapshot)
         names = [rs.name for rs in rows]
-        cells = {rs.name: R.cluster_row(rs, data.kv_trails.get(rs.name, ()), rs.name in self.selected)
-                 for rs in rows}
+        cells = {
+            rs.name: R.cluster_row(rs, data.kv_trails.get(rs.name, ()), rs.name in self.selected)
+            for rs in rows
+        }
         self.table.set_rows(names, cells, keep_cursor_on=self.cursor_replica)
         self.query_one("#totals", Static).update(R.totals_text(data.snapshot, shown=len(names)))
 
@@ -133,7 +141,11 @@ class ClusterPanel(Vertical):
     def sort_next(self) -> None:
         """``s``: the next sortable column, in the same direction."""
         cols = R.SORTABLE
-        nxt = cols[(cols.index(self.sort_column) + 1) % len(cols)] if self.sort_column in cols else cols[0]
+        nxt = (
+            cols[(cols.index(self.sort_column) + 1) % len(cols)]
+            if self.sort_column in cols
+            else cols[0]
+        )
         self.set_sort(nxt, reverse=self.sort_reverse)
 
     def reverse_sort(self) -> None:

@@ -26,8 +26,10 @@ else:
     _AppBase = object
 
 # The controllers steered through a control row in the store, and where one exists.
-STEERED = {"governor": "a cluster with a governance block, live with --db",
-           "autopilot": "it is steered through the store (live with --db); it runs in tailpilot record --autopilot"}
+STEERED = {
+    "governor": "a cluster with a governance block, live with --db",
+    "autopilot": "it is steered through the store (live with --db); it runs in tailpilot record --autopilot",
+}
 
 
 class ControllerActions(_AppBase):
@@ -43,19 +45,24 @@ class ControllerActions(_AppBase):
         governor's and the autopilot's control rows."""
         try:
             events = await self.source.alert_events(200)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("alert history unavailable: %s", err)
             events = []
         controls: dict[str, dict[str, Any] | None] = {}
         for what in STEERED:
             try:
                 controls[what] = await getattr(self.source, what)()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 log.warning("%s state unavailable: %s", what, err)
                 controls[what] = None
         snap = self.snapshot
-        self.query_one(AlertsPanel).data = AlertsData(snap.governance if snap else None, events, controls["governor"],
-                                                      controls["autopilot"], self._now_ms())
+        self.query_one(AlertsPanel).data = AlertsData(
+            snap.governance if snap else None,
+            events,
+            controls["governor"],
+            controls["autopilot"],
+            self._now_ms(),
+        )
 
     def _now_ms(self) -> int:
         """The source's clock (a live source's is injectable), for how old a controller's report is."""
@@ -65,13 +72,15 @@ class ControllerActions(_AppBase):
         await self._open_steering("governor", GovernorScreen)
 
     async def action_autopilot(self) -> None:
-        await self._open_steering("autopilot", lambda control: AutopilotScreen(control, self._now_ms()))
+        await self._open_steering(
+            "autopilot", lambda control: AutopilotScreen(control, self._now_ms())
+        )
 
     async def _open_steering(self, what: str, screen: Any) -> None:
         """G / O: the controller's control row in a dialog; the operator's pick goes to the store."""
         try:
             control = await getattr(self.source, what)()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             self.notify(f"{what} state unavailable: {err}", severity="error")
             return
         if control is None:

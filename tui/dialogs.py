@@ -31,7 +31,9 @@ class ConfirmScreen(ModalScreen[bool]):
 
     BINDINGS = K.bindings(scope="confirm")
 
-    def __init__(self, title: str, plans: list[dict[str, Any]], preview_minutes: float | None = None) -> None:
+    def __init__(
+        self, title: str, plans: list[dict[str, Any]], preview_minutes: float | None = None
+    ) -> None:
         super().__init__()
         self.title_text = title
         self.plans = plans
@@ -44,10 +46,16 @@ class ConfirmScreen(ModalScreen[bool]):
             with VerticalScroll(id="dialog-body"):
                 yield Static(R.diff_renderable(self.plans), id="dialog-diff")
                 if self.preview_minutes is not None:
-                    yield Static(R.preview_renderable(None, self.preview_minutes), id="dialog-preview")
+                    yield Static(
+                        R.preview_renderable(None, self.preview_minutes), id="dialog-preview"
+                    )
             with Horizontal(id="dialog-buttons"):
-                yield Button(f"Apply to {sendable} replica(s) \\[y]", id="yes", variant="warning",
-                             disabled=sendable == 0)
+                yield Button(
+                    f"Apply to {sendable} replica(s) \\[y]",
+                    id="yes",
+                    variant="warning",
+                    disabled=sendable == 0,
+                )
                 yield Button("Cancel \\[n/esc]", id="no")
 
     def on_mount(self) -> None:
@@ -56,7 +64,9 @@ class ConfirmScreen(ModalScreen[bool]):
     def show_preview(self, predictions: dict[str, Any]) -> None:
         """The what-if predictions arrived (computed off the UI thread)."""
         if self.preview_minutes is not None and self.is_attached:
-            self.query_one("#dialog-preview", Static).update(R.preview_renderable(predictions, self.preview_minutes))
+            self.query_one("#dialog-preview", Static).update(
+                R.preview_renderable(predictions, self.preview_minutes)
+            )
 
     def action_confirm(self) -> None:
         if any(not p.get("error") for p in self.plans):
@@ -86,11 +96,16 @@ class HelpScreen(ModalScreen[None]):
             head = Text("tailpilot — keys", style="bold")
             if self.readonly:
                 head.append("   READ-ONLY: cluster changes are refused", style="bold white on red")
-            head.append("\nEvery key is also a command in the palette (ctrl+p). Capital letters change the "
-                        "cluster and always ask for confirmation with the diff first.", style="dim")
+            head.append(
+                "\nEvery key is also a command in the palette (ctrl+p). Capital letters change the "
+                "cluster and always ask for confirmation with the diff first.",
+                style="dim",
+            )
             head.append("\nesc, ? or q closes this help.", style="bold")
             yield Static(head)
-            yield Static(R.help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table")
+            yield Static(
+                R.help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table"
+            )
 
     def action_close(self) -> None:
         self.dismiss(None)
@@ -105,16 +120,28 @@ class SeekScreen(ModalScreen["int | None"]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Static(Text.assemble(("Seek", "bold"), f"  recording {fmt_time(self.start_ms)} – "
-                                       f"{fmt_time(self.end_ms)} UTC, now {fmt_time(self.position_ms)}"))
-            yield Input(placeholder="+30s, -2m, @1:30 (from start), 22:15:00 (UTC), ISO time, start, end",
-                        id="seek-input")
+            yield Static(
+                Text.assemble(
+                    ("Seek", "bold"),
+                    f"  recording {fmt_time(self.start_ms)} – "
+                    f"{fmt_time(self.end_ms)} UTC, now {fmt_time(self.position_ms)}",
+                )
+            )
+            yield Input(
+                placeholder="+30s, -2m, @1:30 (from start), 22:15:00 (UTC), ISO time, start, end",
+                id="seek-input",
+            )
             yield Static("", id="seek-error")
 
     @on(Input.Submitted, "#seek-input")
     def _submit(self, event: Input.Submitted) -> None:
         try:
-            t = parse_seek(event.value, position_ms=self.position_ms, start_ms=self.start_ms, end_ms=self.end_ms)
+            t = parse_seek(
+                event.value,
+                position_ms=self.position_ms,
+                start_ms=self.start_ms,
+                end_ms=self.end_ms,
+            )
         except ValueError as err:
             self.query_one("#seek-error", Static).update(str(err))
             return
@@ -134,10 +161,16 @@ class PolicyPickScreen(ModalScreen["str | None"]):
     def compose(self) -> ComposeResult:
         now = sorted({p for p in self.current.values() if p})
         with Vertical(id="dialog"):
-            yield Static(Text.assemble(("Switch policy", "bold"), f" of {', '.join(self.targets)}"
-                                       f" (now: {', '.join(now) or 'unknown'})"))
-            yield OptionList(*[Option(f"{p}{'  (current)' if p in now else ''}", id=p) for p in POLICY_NAMES],
-                             id="policy-options")
+            yield Static(
+                Text.assemble(
+                    ("Switch policy", "bold"),
+                    f" of {', '.join(self.targets)} (now: {', '.join(now) or 'unknown'})",
+                )
+            )
+            yield OptionList(
+                *[Option(f"{p}{'  (current)' if p in now else ''}", id=p) for p in POLICY_NAMES],
+                id="policy-options",
+            )
 
     def on_mount(self) -> None:
         opts = self.query_one(OptionList)
@@ -154,14 +187,20 @@ class PolicyPickScreen(ModalScreen["str | None"]):
         self.dismiss(None)
 
 
-GOVERNOR_CHOICES = {"pause": "pause (decide nothing until resumed)", "resume": "resume",
-                    "arm": "arm (apply its modes)", "dry-run": "dry-run (log its decisions only)",
-                    "disarm": "disarm (off)"}
-AUTOPILOT_CHOICES = {"arm": "arm (carry its decisions out through the control API, who = autopilot)",
-                     "dry-run": "dry-run (its decisions in the audit log only)",
-                     "disarm": "disarm (off: its controllers are dropped, arming starts them afresh)",
-                     "pause": "pause (its shadows keep running, nothing is applied until resumed)",
-                     "resume": "resume"}
+GOVERNOR_CHOICES = {
+    "pause": "pause (decide nothing until resumed)",
+    "resume": "resume",
+    "arm": "arm (apply its modes)",
+    "dry-run": "dry-run (log its decisions only)",
+    "disarm": "disarm (off)",
+}
+AUTOPILOT_CHOICES = {
+    "arm": "arm (carry its decisions out through the control API, who = autopilot)",
+    "dry-run": "dry-run (its decisions in the audit log only)",
+    "disarm": "disarm (off: its controllers are dropped, arming starts them afresh)",
+    "pause": "pause (its shadows keep running, nothing is applied until resumed)",
+    "resume": "resume",
+}
 
 
 class SteerScreen(ModalScreen["str | None"]):
@@ -170,8 +209,14 @@ class SteerScreen(ModalScreen["str | None"]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
 
-    def __init__(self, title: str, head: Text, choices: dict[str, str], control: dict[str, Any],
-                 options_id: str) -> None:
+    def __init__(
+        self,
+        title: str,
+        head: Text,
+        choices: dict[str, str],
+        control: dict[str, Any],
+        options_id: str,
+    ) -> None:
         super().__init__()
         self.title_text, self.head, self.choices = title, head, choices
         self.control, self.options_id = control, options_id
@@ -181,8 +226,14 @@ class SteerScreen(ModalScreen["str | None"]):
         skip = "pause" if self.control.get("paused") else "resume"
         with Vertical(id="dialog"):
             yield Static(Text.assemble((self.title_text, "bold"), "  ", self.head))
-            yield OptionList(*[Option(f"{label}{'  (now)' if key == state else ''}", id=key)
-                               for key, label in self.choices.items() if key != skip], id=self.options_id)
+            yield OptionList(
+                *[
+                    Option(f"{label}{'  (now)' if key == state else ''}", id=key)
+                    for key, label in self.choices.items()
+                    if key != skip
+                ],
+                id=self.options_id,
+            )
 
     def on_mount(self) -> None:
         self.query_one(OptionList).focus()
@@ -199,12 +250,19 @@ class GovernorScreen(SteerScreen):
     """Steer the cluster's governor: the operator picks pause/resume, arm, dry-run or disarm."""
 
     def __init__(self, control: dict[str, Any]) -> None:
-        super().__init__("Governor", R.governor_line(control), GOVERNOR_CHOICES, control, "governor-options")
+        super().__init__(
+            "Governor", R.governor_line(control), GOVERNOR_CHOICES, control, "governor-options"
+        )
 
 
 class AutopilotScreen(SteerScreen):
     """Steer the cluster's autopilot: arm, dry-run, disarm, pause or resume."""
 
     def __init__(self, control: dict[str, Any], now_ms: int | None = None) -> None:
-        super().__init__("Autopilot", AR.autopilot_line(control, now_ms), AUTOPILOT_CHOICES, control,
-                         "autopilot-options")
+        super().__init__(
+            "Autopilot",
+            AR.autopilot_line(control, now_ms),
+            AUTOPILOT_CHOICES,
+            control,
+            "autopilot-options",
+        )

@@ -12,8 +12,9 @@ import json
 import re
 import types
 import typing
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Container, Literal, Mapping
+from typing import AbstractSet, Any, Literal
 
 from pydantic import ValidationError
 
@@ -75,7 +76,9 @@ def try_apply(edit: SettingsEdit, current: Settings) -> tuple[Settings | None, s
         return None, describe_error(err)
 
 
-def edit_targets(selected: AbstractSet[str], cursor: str | None, known: Container[str] | None) -> list[str]:
+def edit_targets(
+    selected: AbstractSet[str], cursor: str | None, known: Container[str] | None
+) -> list[str]:
     """The replicas a change goes to (what P, N and A act on): the selected ones, those of them
     still ``known`` when the cluster's replicas are known; else the replica under the cursor."""
     if selected:
@@ -108,7 +111,9 @@ def _defaults(policy: Any) -> dict[str, Any] | None:
     return model().model_dump() if model is not None else None
 
 
-def settings_diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
+def settings_diff(
+    old: Mapping[str, Any] | None, new: Mapping[str, Any] | None
+) -> list[tuple[str, str, str]]:
     """(field, old, new) for every leaf that differs between two settings documents.
 
     Across a policy switch the old policy's parameters are not listed one by one (they all go):
@@ -126,8 +131,13 @@ def settings_diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) 
         for k in list(np_) + [k for k in op if k not in np_]:
             a, b = op.get(k, None), np_.get(k, None)
             if a != b:
-                out.append((f"params.{k}", "—" if k not in op else fmt_value(a),
-                            "—" if k not in np_ else fmt_value(b)))
+                out.append(
+                    (
+                        f"params.{k}",
+                        "—" if k not in op else fmt_value(a),
+                        "—" if k not in np_ else fmt_value(b),
+                    )
+                )
     a, b = list(old.get("pinned") or []), list(new.get("pinned") or [])
     if sorted(a) != sorted(b):
         out.append(("pinned", fmt_value(a), fmt_value(b)))
@@ -227,8 +237,9 @@ def field_errors(message: str | None, names: list[str]) -> dict[str, str]:
     return out
 
 
-def pin_edit(settings: Settings | None, policy: str | None, live: Mapping[str, float | None]) -> tuple[
-        SettingsEdit | None, str]:
+def pin_edit(
+    settings: Settings | None, policy: str | None, live: Mapping[str, float | None]
+) -> tuple[SettingsEdit | None, str]:
     """The ``N`` key: pin the adaptive parameter at its live value, or unpin it if pinned.
 
     Returns (edit, what) or (None, why not)."""
@@ -272,8 +283,10 @@ class RecommendationEdit:
         pins = list(current.pinned)
         if pins:
             if doc["policy"] != current.policy:
-                raise ValueError(f"pinned {', '.join(pins)} on {current.policy}: the recommendation switches to "
-                                 f"{doc['policy']}; unpin first to apply it")
+                raise ValueError(
+                    f"pinned {', '.join(pins)} on {current.policy}: the recommendation switches to "
+                    f"{doc['policy']}; unpin first to apply it"
+                )
             for name in pins:
                 doc["params"][name] = current.param(name)
             doc["pinned"] = pins
@@ -291,7 +304,10 @@ class RecommendationEdit:
         if current is None or not current.pinned:
             return []
         rec = dict(self.settings).get("params") or {}
-        return [(n, fmt_value(current.param(n)), fmt_value(rec[n]) if n in rec else "—") for n in current.pinned]
+        return [
+            (n, fmt_value(current.param(n)), fmt_value(rec[n]) if n in rec else "—")
+            for n in current.pinned
+        ]
 
     def describe(self) -> str:
         what = f"recommendation of study {self.study}" if self.study else "recommendation"

@@ -12,9 +12,9 @@ cluster** — those always open a confirmation showing the settings diff first, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable
 
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Provider
@@ -50,73 +50,280 @@ KEYS: tuple[Key, ...] = (
     # General
     Key("question_mark", "?", "help", "Help: every key", "General", footer=True, label="Help"),
     Key("q", "q", "quit", "Quit", "General", footer=True, label="Quit"),
-    Key("p", "p", "toggle_pause", "Pause / resume (live: stop applying snapshots; replay: playback)",
-        "General", footer=True, label="Pause"),
-    Key("slash", "/", "filter", "Filter replicas by name, policy, health or reason", "General",
-        screens=("cluster",), footer=True, label="Filter"),
-    Key("ctrl+p", "ctrl+p", "command_palette", "Command palette", "General", bind=False, palette=False),
+    Key(
+        "p",
+        "p",
+        "toggle_pause",
+        "Pause / resume (live: stop applying snapshots; replay: playback)",
+        "General",
+        footer=True,
+        label="Pause",
+    ),
+    Key(
+        "slash",
+        "/",
+        "filter",
+        "Filter replicas by name, policy, health or reason",
+        "General",
+        screens=("cluster",),
+        footer=True,
+        label="Filter",
+    ),
+    Key(
+        "ctrl+p",
+        "ctrl+p",
+        "command_palette",
+        "Command palette",
+        "General",
+        bind=False,
+        palette=False,
+    ),
     # Panels
     Key("1", "1", "panel('cluster')", "Cluster panel", "Panels", footer=True, label="Cluster"),
-    Key("2", "2", "panel('replica')", "Replica panel (the replica under the cursor)", "Panels", footer=True,
-        label="Replica"),
-    Key("3", "3", "panel('policy')", "Policy panel: switch, edit, pin", "Panels", footer=True, label="Policy"),
-    Key("4", "4", "panel('audit')", "Audit log of settings changes", "Panels", footer=True, label="Audit"),
-    Key("5", "5", "panel('tuner')", "Tuner panel: studies, trials, Pareto front, recommendation", "Panels",
-        label="Tuner"),
-    Key("6", "6", "panel('alerts')", "Alerts panel: SCR, JFI, type fairness per tenant and type; the governor "
-        "and the autopilot; alert history", "Panels", label="Alerts"),
+    Key(
+        "2",
+        "2",
+        "panel('replica')",
+        "Replica panel (the replica under the cursor)",
+        "Panels",
+        footer=True,
+        label="Replica",
+    ),
+    Key(
+        "3",
+        "3",
+        "panel('policy')",
+        "Policy panel: switch, edit, pin",
+        "Panels",
+        footer=True,
+        label="Policy",
+    ),
+    Key(
+        "4",
+        "4",
+        "panel('audit')",
+        "Audit log of settings changes",
+        "Panels",
+        footer=True,
+        label="Audit",
+    ),
+    Key(
+        "5",
+        "5",
+        "panel('tuner')",
+        "Tuner panel: studies, trials, Pareto front, recommendation",
+        "Panels",
+        label="Tuner",
+    ),
+    Key(
+        "6",
+        "6",
+        "panel('alerts')",
+        "Alerts panel: SCR, JFI, type fairness per tenant and type; the governor "
+        "and the autopilot; alert history",
+        "Panels",
+        label="Alerts",
+    ),
     # Cluster view
-    Key("enter", "enter", "open_replica", "Open the replica under the cursor", "Cluster view",
-        screens=("cluster",), bind=False, palette=False),
-    Key("s", "s", "sort_next", "Sort by the next column (or click a header)", "Cluster view",
-        screens=("cluster",), label="Sort"),
-    Key("r", "r", "sort_reverse", "Reverse the sort order", "Cluster view", screens=("cluster",), label="Reverse"),
-    Key("space", "space", "toggle_select", "Select / unselect the replica (targets of P, N, A)", "Cluster view",
-        screens=("cluster",), label="Select"),
-    Key("asterisk", "*", "select_all", "Select all (shown) replicas / none", "Cluster view",
-        screens=("cluster", "policy"), label="All"),
+    Key(
+        "enter",
+        "enter",
+        "open_replica",
+        "Open the replica under the cursor",
+        "Cluster view",
+        screens=("cluster",),
+        bind=False,
+        palette=False,
+    ),
+    Key(
+        "s",
+        "s",
+        "sort_next",
+        "Sort by the next column (or click a header)",
+        "Cluster view",
+        screens=("cluster",),
+        label="Sort",
+    ),
+    Key(
+        "r",
+        "r",
+        "sort_reverse",
+        "Reverse the sort order",
+        "Cluster view",
+        screens=("cluster",),
+        label="Reverse",
+    ),
+    Key(
+        "space",
+        "space",
+        "toggle_select",
+        "Select / unselect the replica (targets of P, N, A)",
+        "Cluster view",
+        screens=("cluster",),
+        label="Select",
+    ),
+    Key(
+        "asterisk",
+        "*",
+        "select_all",
+        "Select all (shown) replicas / none",
+        "Cluster view",
+        screens=("cluster", "policy"),
+        label="All",
+    ),
     # Replay
-    Key("left_square_bracket", "[", "step(-1)", "Step back one sample", "Replay", modes=("replay",), footer=True,
-        label="Back"),
-    Key("right_square_bracket", "]", "step(1)", "Step forward one sample", "Replay", modes=("replay",),
-        footer=True, label="Fwd"),
+    Key(
+        "left_square_bracket",
+        "[",
+        "step(-1)",
+        "Step back one sample",
+        "Replay",
+        modes=("replay",),
+        footer=True,
+        label="Back",
+    ),
+    Key(
+        "right_square_bracket",
+        "]",
+        "step(1)",
+        "Step forward one sample",
+        "Replay",
+        modes=("replay",),
+        footer=True,
+        label="Fwd",
+    ),
     Key("g", "g", "seek", "Seek to a time", "Replay", modes=("replay",), footer=True, label="Seek"),
-    Key("less_than_sign", "<", "speed(0.5)", "Play slower", "Replay", modes=("replay",), label="Slower"),
-    Key("greater_than_sign", ">", "speed(2.0)", "Play faster", "Replay", modes=("replay",), label="Faster"),
+    Key(
+        "less_than_sign",
+        "<",
+        "speed(0.5)",
+        "Play slower",
+        "Replay",
+        modes=("replay",),
+        label="Slower",
+    ),
+    Key(
+        "greater_than_sign",
+        ">",
+        "speed(2.0)",
+        "Play faster",
+        "Replay",
+        modes=("replay",),
+        label="Faster",
+    ),
     # Cluster changes: capital letters, always through a confirmation with the diff.
-    Key("P", "P", "switch_policy", "Switch the policy of the targets (selection, else the cursor replica)",
-        "Cluster changes", changes_cluster=True, footer=True, label="Switch"),
-    Key("E", "E", "edit_params", "Edit / pin parameters of the targets in the policy panel",
-        "Cluster changes", changes_cluster=True, footer=True, label="Edit"),
-    Key("N", "N", "toggle_pin", "Pin the live γ (uniboost) or β (tie) at its current value / unpin it",
-        "Cluster changes", changes_cluster=True, footer=True, label="Pin"),
-    Key("A", "A", "apply_edits", "Apply the policy panel's edits to its targets (enter in a field too)",
+    Key(
+        "P",
+        "P",
+        "switch_policy",
+        "Switch the policy of the targets (selection, else the cursor replica)",
         "Cluster changes",
-        changes_cluster=True, screens=("policy",), footer=True, label="Apply"),
-    Key("G", "G", "governor", "Steer the governor: pause / resume, arm, dry-run, disarm (a governed cluster, --db)",
-        "Cluster changes", changes_cluster=True, screens=("alerts",), footer=True, label="Governor"),
-    Key("O", "O", "autopilot", "Steer the autopilot: arm, dry-run, disarm, pause / resume (live, --db)",
-        "Cluster changes", changes_cluster=True, screens=("alerts",), footer=True, label="Autopilot"),
-    Key("R", "R", "apply_recommendation",
+        changes_cluster=True,
+        footer=True,
+        label="Switch",
+    ),
+    Key(
+        "E",
+        "E",
+        "edit_params",
+        "Edit / pin parameters of the targets in the policy panel",
+        "Cluster changes",
+        changes_cluster=True,
+        footer=True,
+        label="Edit",
+    ),
+    Key(
+        "N",
+        "N",
+        "toggle_pin",
+        "Pin the live γ (uniboost) or β (tie) at its current value / unpin it",
+        "Cluster changes",
+        changes_cluster=True,
+        footer=True,
+        label="Pin",
+    ),
+    Key(
+        "A",
+        "A",
+        "apply_edits",
+        "Apply the policy panel's edits to its targets (enter in a field too)",
+        "Cluster changes",
+        changes_cluster=True,
+        screens=("policy",),
+        footer=True,
+        label="Apply",
+    ),
+    Key(
+        "G",
+        "G",
+        "governor",
+        "Steer the governor: pause / resume, arm, dry-run, disarm (a governed cluster, --db)",
+        "Cluster changes",
+        changes_cluster=True,
+        screens=("alerts",),
+        footer=True,
+        label="Governor",
+    ),
+    Key(
+        "O",
+        "O",
+        "autopilot",
+        "Steer the autopilot: arm, dry-run, disarm, pause / resume (live, --db)",
+        "Cluster changes",
+        changes_cluster=True,
+        screens=("alerts",),
+        footer=True,
+        label="Autopilot",
+    ),
+    Key(
+        "R",
+        "R",
+        "apply_recommendation",
         "Apply the tuner's recommendation to the selected replicas (all when none is selected); "
-        "pinned parameters are kept", "Cluster changes", changes_cluster=True, screens=("tuner",), footer=True,
-        label="Apply rec"),
+        "pinned parameters are kept",
+        "Cluster changes",
+        changes_cluster=True,
+        screens=("tuner",),
+        footer=True,
+        label="Apply rec",
+    ),
     # The confirmation every cluster change passes through.
-    Key("y", "y", "confirm", "Apply the change shown in the dialog", "Confirmation dialog", scope="confirm",
-        palette=False, label="Apply"),
-    Key("n,escape", "n / esc", "cancel", "Cancel: nothing is sent", "Confirmation dialog", scope="confirm",
-        palette=False, label="Cancel"),
+    Key(
+        "y",
+        "y",
+        "confirm",
+        "Apply the change shown in the dialog",
+        "Confirmation dialog",
+        scope="confirm",
+        palette=False,
+        label="Apply",
+    ),
+    Key(
+        "n,escape",
+        "n / esc",
+        "cancel",
+        "Cancel: nothing is sent",
+        "Confirmation dialog",
+        scope="confirm",
+        palette=False,
+        label="Cancel",
+    ),
 )
 
 KEYS_BY_KEY: dict[str, Key] = {k.key: k for k in KEYS if k.scope == "app"}
 KEYS_BY_ACTION: dict[str, Key] = {k.action_name: k for k in KEYS if k.bind and k.scope == "app"}
-CLUSTER_CHANGING_ACTIONS: frozenset[str] = frozenset(k.action_name for k in KEYS if k.changes_cluster)
+CLUSTER_CHANGING_ACTIONS: frozenset[str] = frozenset(
+    k.action_name for k in KEYS if k.changes_cluster
+)
 
 
 def bindings(keys: Iterable[Key] = KEYS, *, scope: str = "app") -> list[BindingType]:
     """``BINDINGS`` of the app (``scope="app"``) or of the confirmation dialog, from the table."""
-    return [Binding(k.key, k.action, _short(k), show=k.footer or scope != "app", key_display=k.display)
-            for k in keys if k.bind and k.scope == scope]
+    return [
+        Binding(k.key, k.action, _short(k), show=k.footer or scope != "app", key_display=k.display)
+        for k in keys
+        if k.bind and k.scope == scope
+    ]
 
 
 def _short(k: Key) -> str:
@@ -195,4 +402,10 @@ class KeyCommands(Provider):
         for label, k in self._commands():
             score = matcher.match(f"{label} {k.display}")
             if score > 0:
-                yield Hit(score, matcher.highlight(label), self._runner(k), text=label, help=f"key: {k.display}")
+                yield Hit(
+                    score,
+                    matcher.highlight(label),
+                    self._runner(k),
+                    text=label,
+                    help=f"key: {k.display}",
+                )

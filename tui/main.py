@@ -1,11 +1,11 @@
 """Entry points: what ``tailpilot tui`` and ``tailpilot demo`` call.
 
-    run_tui(cluster_spec, db_url="sqlite:///t.db")          # live, recording into a store
-    run_tui(cluster_spec, readonly=True)                    # live, read-only
-    run_tui(None, replay="recording.db")                     # replay (read-only by construction)
-    run_tui(cluster_spec, store=store, duration_s=60)        # an open store (the demo), for a minute
-    run_tui(cluster_spec, optuna_storage="postgresql://...") # the tuner panel (5) on that Optuna storage
-                                                             # (default: ./tailpilot-optuna.db if it exists)
+run_tui(cluster_spec, db_url="sqlite:///t.db")          # live, recording into a store
+run_tui(cluster_spec, readonly=True)                    # live, read-only
+run_tui(None, replay="recording.db")                     # replay (read-only by construction)
+run_tui(cluster_spec, store=store, duration_s=60)        # an open store (the demo), for a minute
+run_tui(cluster_spec, optuna_storage="postgresql://...") # the tuner panel (5) on that Optuna storage
+                                                         # (default: ./tailpilot-optuna.db if it exists)
 """
 
 from __future__ import annotations
@@ -17,10 +17,19 @@ from tui.app import TailpilotApp
 from tui.sources import DEFAULT_HISTORY_S, LiveSource, ReplaySource
 
 
-def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
-              replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
-              history_s: float = DEFAULT_HISTORY_S, start_ms: int | None = None,
-              refresh_s: float = 1.0, optuna_storage: str | None = None) -> TailpilotApp:
+def build_app(
+    cluster: ClusterSpec | None = None,
+    *,
+    db_url: str | None = None,
+    readonly: bool = False,
+    replay: str | None = None,
+    cluster_name: str | None = None,
+    store: Any | None = None,
+    history_s: float = DEFAULT_HISTORY_S,
+    start_ms: int | None = None,
+    refresh_s: float = 1.0,
+    optuna_storage: str | None = None,
+) -> TailpilotApp:
     """The app on a live cluster (``cluster``; a store from ``store`` or ``db_url``, optional) or on
     a recording (``replay``: a SQLite file or a database URL; ``cluster``, if given, only supplies
     the SLOs and the window). A replay only reads: a SQLite file that does not exist raises
@@ -32,10 +41,19 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
         if store is None:
             require_existing(replay)
             store = Store.open(replay)
-        name = cluster_name or (cluster.name if cluster is not None and cluster.name in store.recordings.clusters() else None)
+        name = cluster_name or (
+            cluster.name
+            if cluster is not None and cluster.name in store.recordings.clusters()
+            else None
+        )
         source = ReplaySource(store, name, history_s=history_s, start_ms=start_ms)
-        return TailpilotApp(source, cluster, readonly=readonly, store=store,  # replay is read-only anyway
-                            optuna_storage=optuna_storage)
+        return TailpilotApp(
+            source,
+            cluster,
+            readonly=readonly,
+            store=store,  # replay is read-only anyway
+            optuna_storage=optuna_storage,
+        )
     if cluster is None:
         raise ValueError("a live TUI needs a cluster (or replay= a recording)")
     if store is None and db_url is not None:
@@ -46,10 +64,18 @@ def build_app(cluster: ClusterSpec | None = None, *, db_url: str | None = None, 
     return app
 
 
-def run_tui(cluster: ClusterSpec | None = None, *, db_url: str | None = None, readonly: bool = False,
-            replay: str | None = None, cluster_name: str | None = None, store: Any | None = None,
-            history_s: float = DEFAULT_HISTORY_S, duration_s: float | None = None,
-            optuna_storage: str | None = None) -> None:
+def run_tui(
+    cluster: ClusterSpec | None = None,
+    *,
+    db_url: str | None = None,
+    readonly: bool = False,
+    replay: str | None = None,
+    cluster_name: str | None = None,
+    store: Any | None = None,
+    history_s: float = DEFAULT_HISTORY_S,
+    duration_s: float | None = None,
+    optuna_storage: str | None = None,
+) -> None:
     """Run the TUI until the operator quits (``tailpilot tui``), or for ``duration_s`` seconds.
 
     Live: ``cluster`` and optionally a store (``store``, or opened from ``db_url``) that the
@@ -57,8 +83,16 @@ def run_tui(cluster: ClusterSpec | None = None, *, db_url: str | None = None, re
     (SQLite file or URL), ``cluster_name`` when it holds several clusters. A store passed in
     stays open."""
     own_store = store is None
-    app = build_app(cluster, db_url=db_url, readonly=readonly, replay=replay, cluster_name=cluster_name,
-                    store=store, history_s=history_s, optuna_storage=optuna_storage)
+    app = build_app(
+        cluster,
+        db_url=db_url,
+        readonly=readonly,
+        replay=replay,
+        cluster_name=cluster_name,
+        store=store,
+        history_s=history_s,
+        optuna_storage=optuna_storage,
+    )
     app.exit_after_s = duration_s
     try:
         app.run()

@@ -9,7 +9,8 @@ messages: :class:`PolicyPanel.SelectionChanged` (the targets list) and
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.text import Text
 from textual import on
@@ -80,7 +81,9 @@ class PolicyPanel(Vertical):
     def action_leave_form(self) -> None:
         self.query_one("#targets", SelectionList).focus()
 
-    def __init__(self, *, replicas: Sequence[str] = (), readonly_reason: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self, *, replicas: Sequence[str] = (), readonly_reason: str | None = None, **kw: Any
+    ) -> None:
         super().__init__(**kw)
         self.cluster_replicas = tuple(replicas)
         self.readonly_reason = readonly_reason
@@ -89,11 +92,15 @@ class PolicyPanel(Vertical):
         self.initial_pins: set[str] = set()
         self.form_policy: str | None = None
         self.reference: str | None = None
-        self.ref_policy: str | None = None  # the reference replica's policy (from its settings or samples)
+        self.ref_policy: str | None = (
+            None  # the reference replica's policy (from its settings or samples)
+        )
         self.error: str | None = None
         self._gen = 0
         self._syncing = False
-        self.form_version: int | None = None  # the reference's settings version the form was built from
+        self.form_version: int | None = (
+            None  # the reference's settings version the form was built from
+        )
         self.reload_after_apply = False
         self._loading = False
 
@@ -106,8 +113,13 @@ class PolicyPanel(Vertical):
             with Vertical(id="editor"):
                 with Horizontal(id="policy-row"):
                     yield Label("policy")
-                    yield Select([(p, p) for p in POLICY_NAMES], allow_blank=False, value="sarathi",
-                                 id="policy-select", compact=True)
+                    yield Select(
+                        [(p, p) for p in POLICY_NAMES],
+                        allow_blank=False,
+                        value="sarathi",
+                        id="policy-select",
+                        compact=True,
+                    )
                 yield VerticalScroll(id="form")
                 yield Static("", id="preview")
                 yield Static("", id="last-result")
@@ -115,11 +127,15 @@ class PolicyPanel(Vertical):
     # --- the data --------------------------------------------------------------------------
     def compute_targets(self) -> tuple[str, ...]:
         snap = self.snapshot
-        return tuple(edit_targets(self.selected, self.current_replica, snap.replicas if snap else None))
+        return tuple(
+            edit_targets(self.selected, self.current_replica, snap.replicas if snap else None)
+        )
 
     def watch_last_results(self, results: Sequence[Any]) -> None:
         if any(r.ok for r in results):
-            self.reload_after_apply = True  # rebuild the form when the new version arrives, edits or not
+            self.reload_after_apply = (
+                True  # rebuild the form when the new version arrives, edits or not
+            )
         self.query_one("#last-result", Static).update(R.apply_results(results))
 
     def _replica(self, name: str | None) -> ReplicaSnapshot | None:
@@ -180,11 +196,17 @@ class PolicyPanel(Vertical):
             rs = self._replica(self.reference)
             v = rs.settings_version if rs else None
             if self.reference_settings() is None:
-                text.append(f" │ {self.reference}'s settings are unknown: the form shows the defaults", style="yellow")
+                text.append(
+                    f" │ {self.reference}'s settings are unknown: the form shows the defaults",
+                    style="yellow",
+                )
             else:
                 text.append(f" │ form shows {self.reference}'s settings (v{self.form_version})")
                 if v is not None and self.form_version is not None and v != self.form_version:
-                    text.append(f" — the replica is now at v{v}: apply re-reads it (If-Match)", style="yellow")
+                    text.append(
+                        f" — the replica is now at v{v}: apply re-reads it (If-Match)",
+                        style="yellow",
+                    )
         banner.update(text)
 
     async def load(self, *, force: bool = False) -> None:
@@ -196,7 +218,12 @@ class PolicyPanel(Vertical):
         settings = current_settings(rs.settings) if rs else None
         known = settings.policy if settings else (R.policy_of(rs) if rs else None)
         policy = known or "sarathi"
-        if not force and ref == self.reference and known == self.ref_policy and self.form_policy is not None:
+        if (
+            not force
+            and ref == self.reference
+            and known == self.ref_policy
+            and self.form_policy is not None
+        ):
             self._update_banner()
             return
         self.reference, self.ref_policy = ref, known
@@ -231,18 +258,39 @@ class PolicyPanel(Vertical):
             value = self.initial[f.name]
             widget: Widget
             if f.kind == "bool":
-                widget = Checkbox("on", value=bool(value), id=wid, disabled=disabled, compact=True,
-                                  classes="fvalue")
+                widget = Checkbox(
+                    "on",
+                    value=bool(value),
+                    id=wid,
+                    disabled=disabled,
+                    compact=True,
+                    classes="fvalue",
+                )
             elif f.kind == "choice":
-                widget = Select([(c, c) for c in f.choices], value=str(value), allow_blank=False, id=wid,
-                                disabled=disabled, compact=True)
+                widget = Select(
+                    [(c, c) for c in f.choices],
+                    value=str(value),
+                    allow_blank=False,
+                    id=wid,
+                    disabled=disabled,
+                    compact=True,
+                )
             else:
                 widget = Input(value=field_text(f, value), id=wid, disabled=disabled, compact=True)
             label = Label(f.name + (" ~" if f.adaptive else ""), classes="fname")
-            pin = Checkbox("pin", value=f.name in self.initial_pins, id=f"p{self._gen}-{f.name}", disabled=disabled,
-                           compact=True, classes="fpin")
-            hint = Static(f.hint + ("; adapts live unless pinned" if f.adaptive else ""), classes="fhint",
-                          id=f"h{self._gen}-{f.name}")
+            pin = Checkbox(
+                "pin",
+                value=f.name in self.initial_pins,
+                id=f"p{self._gen}-{f.name}",
+                disabled=disabled,
+                compact=True,
+                classes="fpin",
+            )
+            hint = Static(
+                f.hint + ("; adapts live unless pinned" if f.adaptive else ""),
+                classes="fhint",
+                id=f"h{self._gen}-{f.name}",
+            )
             rows.append(Horizontal(label, widget, pin, hint, classes="form-row"))
         if not rows:
             rows.append(Static(Text(f"{policy} has no parameters.", style="dim")))
@@ -264,13 +312,21 @@ class PolicyPanel(Vertical):
         pins = set()
         for f in self.fields:
             v = self._value_of(f)
-            if v != self.initial[f.name] or type(v) is str and not isinstance(self.initial[f.name], str):
+            if (
+                v != self.initial[f.name]
+                or (type(v) is str
+                and not isinstance(self.initial[f.name], str))
+            ):
                 params[f.name] = v
             if self.query_one(f"#p{self._gen}-{f.name}", Checkbox).value:
                 pins.add(f.name)
         policy = self.form_policy if self.form_policy != self.ref_policy else None
-        return SettingsEdit(policy=policy, params=params, pin=frozenset(pins - self.initial_pins),
-                            unpin=frozenset(self.initial_pins - pins))
+        return SettingsEdit(
+            policy=policy,
+            params=params,
+            pin=frozenset(pins - self.initial_pins),
+            unpin=frozenset(self.initial_pins - pins),
+        )
 
     def revalidate(self) -> None:
         """Run the edit through the settings model; mark the fields it names."""
@@ -309,7 +365,10 @@ class PolicyPanel(Vertical):
                 preview.append(a, style="red")
                 preview.append(" → ")
                 preview.append(b, style="green")
-            preview.append("\npress A to review and apply", style="bold yellow" if self.readonly_reason is None else "dim")
+            preview.append(
+                "\npress A to review and apply",
+                style="bold yellow" if self.readonly_reason is None else "dim",
+            )
         self.query_one("#preview", Static).update(preview)
 
     @on(Input.Changed)

@@ -6,34 +6,35 @@ and scheduler.metrics' fairness helpers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
 from controlplane.governor import modes_text
-from scheduler.metrics import slo_compliance
+from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
 from controlplane.views import (
     ALERT_LABELS,
     alert_text,
     breaker_note,
     cluster_totals,
+    figures_text,
     fmt_figure,
     fmt_gamma,
     fmt_number,
     fmt_percent,
     fmt_seconds,
     fmt_target,
-    figures_text,
     governance_notes,
     governor_notes,
     omega_text,
     rejected_note,
     waiting_text,
 )
+from scheduler.metrics import slo_compliance
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary, fmt_value, settings_diff
 from tui.sources import fmt_time
@@ -43,7 +44,9 @@ SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_LEN = 10
 
 
-def sparkline(values: Sequence[float], width: int = SPARK_LEN, lo: float = 0.0, hi: float = 1.0) -> str:
+def sparkline(
+    values: Sequence[float], width: int = SPARK_LEN, lo: float = 0.0, hi: float = 1.0
+) -> str:
     """A unicode block sparkline of the last ``width`` values on a fixed [lo, hi] scale."""
     vals = [v for v in values if v is not None and math.isfinite(v)][-width:]
     if not vals:
@@ -90,7 +93,9 @@ def _live_adaptive(rs: ReplicaSnapshot) -> float | None:
 COLUMNS: tuple[Column, ...] = (
     Column("sel", " ", 1, lambda rs: 0, right=False),
     Column("replica", "replica", 12, lambda rs: rs.name, right=False),
-    Column("health", "health", 20, lambda rs: (rs.health.healthy, rs.health.reason or ""), right=False),
+    Column(
+        "health", "health", 20, lambda rs: (rs.health.healthy, rs.health.reason or ""), right=False
+    ),
     Column("policy", "policy", 9, lambda rs: policy_of(rs) or "", right=False),
     Column("gamma", "γ/β live", 8, _live_adaptive),
     Column("waiting", "wait", 5, _attr("waiting")),
@@ -141,13 +146,28 @@ def adaptive_cell(rs: ReplicaSnapshot) -> str:
     return "—"
 
 
-def cluster_row(rs: ReplicaSnapshot, kv_trail: Sequence[float] = (), selected: bool = False) -> tuple:
+def cluster_row(
+    rs: ReplicaSnapshot, kv_trail: Sequence[float] = (), selected: bool = False
+) -> tuple:
     """The cells of one replica's row, in :data:`COLUMNS` order."""
     s = rs.sample
     sel = Text("●", style="bold magenta") if selected else " "
     name = rs.name
     if s is None:
-        return (sel, name, health_cell(rs), policy_of(rs) or "—", "—", "—", "—", "—", "—", "—", "—", "—")
+        return (
+            sel,
+            name,
+            health_cell(rs),
+            policy_of(rs) or "—",
+            "—",
+            "—",
+            "—",
+            "—",
+            "—",
+            "—",
+            "—",
+            "—",
+        )
     dim = not rs.health.healthy
     lat = s.latency
 
@@ -156,11 +176,18 @@ def cluster_row(rs: ReplicaSnapshot, kv_trail: Sequence[float] = (), selected: b
 
     kv = f"{fmt_percent(s.kv_usage):>4} {sparkline(kv_trail)}"
     return (
-        sel, name, health_cell(rs), policy_of(rs) or "—", cell(adaptive_cell(rs)),
-        cell(fmt_number(s.waiting)), cell(fmt_number(s.running)), cell(kv),
+        sel,
+        name,
+        health_cell(rs),
+        policy_of(rs) or "—",
+        cell(adaptive_cell(rs)),
+        cell(fmt_number(s.waiting)),
+        cell(fmt_number(s.running)),
+        cell(kv),
         cell(fmt_triplet(lat.ttft_p50, lat.ttft_p95, lat.ttft_p99)),
         cell(fmt_triplet(lat.ttlt_p50, lat.ttlt_p95, lat.ttlt_p99)),
-        cell(fmt_number(s.preemptions_per_s, 1)), cell(fmt_number(s.throughput_tok_s)),
+        cell(fmt_number(s.preemptions_per_s, 1)),
+        cell(fmt_number(s.throughput_tok_s)),
     )
 
 
@@ -181,8 +208,16 @@ def matches_filter(rs: ReplicaSnapshot, text: str) -> bool:
     words = text.lower().split()
     if not words:
         return True
-    hay = " ".join(x for x in (rs.name, policy_of(rs) or "", "ok" if rs.health.healthy else "down unhealthy",
-                               rs.health.reason or "") if x).lower()
+    hay = " ".join(
+        x
+        for x in (
+            rs.name,
+            policy_of(rs) or "",
+            "ok" if rs.health.healthy else "down unhealthy",
+            rs.health.reason or "",
+        )
+        if x
+    ).lower()
     return all(w in hay for w in words)
 
 
@@ -200,12 +235,14 @@ def totals_text(snap: ClusterSnapshot | None, shown: int | None = None) -> Text:
     out.append(f"{t['healthy']}/{len(snap.replicas)} healthy", style=healthy_style)
     if unpolled:
         out.append(f" ({unpolled} not polled yet)", style="dim")
-    out.append(f" │ waiting {fmt_number(t['waiting'])} │ running {fmt_number(t['running'])}"
-               f" │ KV {fmt_percent(t['kv_usage'])}"
-               f" │ worst TTFT p99 {fmt_seconds(max(worst_ft) if worst_ft else None)}"
-               f" │ worst TTLT p99 {fmt_seconds(max(worst) if worst else None)}"
-               f" │ {fmt_number(t['preemptions_per_s'], 1)} preempt/s"
-               f" │ {fmt_number(t['throughput_tok_s'])} tok/s │ {fmt_number(t['throughput_req_s'], 1)} req/s")
+    out.append(
+        f" │ waiting {fmt_number(t['waiting'])} │ running {fmt_number(t['running'])}"
+        f" │ KV {fmt_percent(t['kv_usage'])}"
+        f" │ worst TTFT p99 {fmt_seconds(max(worst_ft) if worst_ft else None)}"
+        f" │ worst TTLT p99 {fmt_seconds(max(worst) if worst else None)}"
+        f" │ {fmt_number(t['preemptions_per_s'], 1)} preempt/s"
+        f" │ {fmt_number(t['throughput_tok_s'])} tok/s │ {fmt_number(t['throughput_req_s'], 1)} req/s"
+    )
     if shown is not None and shown != len(snap.replicas):
         out.append(f" │ showing {shown} of {len(snap.replicas)}", style="yellow")
     return out
@@ -218,7 +255,9 @@ def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Te
     """The what-if block of the confirm dialog: per replica the predicted change of each figure
     with the simulator's error band on that replica, or why there is no prediction."""
     if predictions is None:
-        return Text(f"predicting on each replica's last {minutes:g} min of recorded traffic…", style="dim")
+        return Text(
+            f"predicting on each replica's last {minutes:g} min of recorded traffic…", style="dim"
+        )
     from tuner.whatif import LABELS
 
     out = Text()
@@ -226,13 +265,24 @@ def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Te
         if isinstance(p, str):
             out.append(f"{name}: no prediction: {p}\n", style="dim")
             continue
-        band = "fidelity not measured here" if p.get("band") is None else f"±{p['band']:.0%} on this replica"
+        band = (
+            "fidelity not measured here"
+            if p.get("band") is None
+            else f"±{p['band']:.0%} on this replica"
+        )
         out.append(f"{name}", style="bold")
-        out.append(f" — predicted on its last {p['minutes']:g} min ({p['requests']} requests), {band}\n", style="dim")
+        out.append(
+            f" — predicted on its last {p['minutes']:g} min ({p['requests']} requests), {band}\n",
+            style="dim",
+        )
         for key, m in p["metrics"].items():
             change = m.get("change")
             text = "n/a" if change is None else f"{change:+.0%}"
-            style = "" if change is None else ("green" if (change < 0) != (key == "throughput_tok_s") else "red")
+            style = (
+                ""
+                if change is None
+                else ("green" if (change < 0) != (key == "throughput_tok_s") else "red")
+            )
             out.append(f"  {LABELS[key]:<11} ")
             out.append(f"{text:>6}", style=style)
             out.append("\n")
@@ -242,16 +292,20 @@ def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Te
 def fidelity_line(report: dict[str, Any] | None) -> Text:
     """How far to trust the simulator on this replica: its newest fidelity report's error band."""
     if report is None:
-        return Text("simulator fidelity: not measured on this replica (tailpilot fidelity --replica NAME)",
-                    style="dim")
+        return Text(
+            "simulator fidelity: not measured on this replica (tailpilot fidelity --replica NAME)",
+            style="dim",
+        )
     summary = report["summary"]
     band = summary.get("band")
     rho = (summary.get("overall") or {}).get("decision", {}).get("spearman")
     out = Text("simulator on this replica: ", style="bold")
     out.append("n/a" if band is None else f"±{band:.0%}", style="bold")
-    out.append(f" (largest P50/P99 latency error; order Spearman {'n/a' if rho is None else f'{rho:.2f}'}; "
-               f"{summary.get('requests', 0):,} requests of {report['span']}, {fmt_time(report['created_ms'])} UTC)",
-               style="dim")
+    out.append(
+        f" (largest P50/P99 latency error; order Spearman {'n/a' if rho is None else f'{rho:.2f}'}; "
+        f"{summary.get('requests', 0):,} requests of {report['span']}, {fmt_time(report['created_ms'])} UTC)",
+        style="dim",
+    )
     return out
 
 
@@ -271,9 +325,13 @@ def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) ->
     s = rs.sample
     if s is not None:
         if s.gamma_live is not None:
-            out.append(f" │ γ live {s.gamma_live:.4g}" + (" (pinned)" if "gamma" in pinned_of(rs) else ""))
+            out.append(
+                f" │ γ live {s.gamma_live:.4g}" + (" (pinned)" if "gamma" in pinned_of(rs) else "")
+            )
         if s.beta_live is not None:
-            out.append(f" │ β live {s.beta_live:.4g}" + (" (pinned)" if "beta" in pinned_of(rs) else ""))
+            out.append(
+                f" │ β live {s.beta_live:.4g}" + (" (pinned)" if "beta" in pinned_of(rs) else "")
+            )
         out.append(f" │ sample {fmt_time(s.t_ms)} UTC")
     if window_s:
         out.append(f" │ window {window_s:g} s")
@@ -295,8 +353,14 @@ def replica_notes(rs: ReplicaSnapshot) -> list[str]:
     """The replica's circuit-breaker trips (with the last error and the versions) and what the
     collector could not store as it sent it: lines under the replica's header, none when all is well."""
     trips = (rs.breaker or {}).get("trips_total")
-    return [n for n in (breaker_note(trips if isinstance(trips, int) else None, rs.breaker),
-                        rejected_note(rs.rejected)) if n]
+    return [
+        n
+        for n in (
+            breaker_note(trips if isinstance(trips, int) else None, rs.breaker),
+            rejected_note(rs.rejected),
+        )
+        if n
+    ]
 
 
 @dataclass
@@ -310,8 +374,11 @@ class Series:
     ylabel: str = ""
 
 
-def change_markers(history: Sequence[SampleRow], audit: Iterable[Mapping[str, Any]] = (),
-                   replica: str | None = None) -> list[int]:
+def change_markers(
+    history: Sequence[SampleRow],
+    audit: Iterable[Mapping[str, Any]] = (),
+    replica: str | None = None,
+) -> list[int]:
     """t_ms of policy or settings-version changes: from the samples themselves, plus applied
     audit rows of ``replica`` inside the history's span."""
     out: list[int] = []
@@ -326,15 +393,20 @@ def change_markers(history: Sequence[SampleRow], audit: Iterable[Mapping[str, An
     if history:
         lo, hi = history[0].t_ms, history[-1].t_ms
         for a in audit:
-            if (replica is None or a.get("replica") == replica) and a.get("result") == "applied" \
-                    and lo <= a["t_ms"] <= hi:
+            if (
+                (replica is None or a.get("replica") == replica)
+                and a.get("result") == "applied"
+                and lo <= a["t_ms"] <= hi
+            ):
                 # an audited change shows in the samples at the next poll: mark once
                 if not any(abs(a["t_ms"] - t) <= 5_000 and t >= a["t_ms"] for t in out):
                     out.append(int(a["t_ms"]))
     return sorted(set(out))
 
 
-def replica_series(history: Sequence[SampleRow], now_ms: int, markers_ms: Sequence[int] = ()) -> list[Series]:
+def replica_series(
+    history: Sequence[SampleRow], now_ms: int, markers_ms: Sequence[int] = ()
+) -> list[Series]:
     """The replica panel's plots from a sample history."""
     x = [(r.t_ms - now_ms) / 1000.0 for r in history]
     marks = [(t - now_ms) / 1000.0 for t in markers_ms]
@@ -342,22 +414,57 @@ def replica_series(history: Sequence[SampleRow], now_ms: int, markers_ms: Sequen
     def col(fn: Callable[[SampleRow], float | None]) -> list[float | None]:
         return [fn(r) if r.healthy else None for r in history]
 
-    has_beta = any(r.beta_live is not None for r in history) and not any(r.gamma_live is not None for r in history)
+    has_beta = any(r.beta_live is not None for r in history) and not any(
+        r.gamma_live is not None for r in history
+    )
     return [
-        Series("TTFT (s)", x, {"p50": col(lambda r: r.latency.ttft_p50), "p95": col(lambda r: r.latency.ttft_p95),
-                               "p99": col(lambda r: r.latency.ttft_p99)}, marks),
-        Series("TTLT (s)", x, {"p50": col(lambda r: r.latency.ttlt_p50), "p95": col(lambda r: r.latency.ttlt_p95),
-                               "p99": col(lambda r: r.latency.ttlt_p99)}, marks),
-        Series("queue depth", x, {"waiting": col(lambda r: r.waiting), "running": col(lambda r: r.running)}, marks),
-        Series("KV usage (%)", x, {"kv": col(lambda r: None if r.kv_usage is None else 100 * r.kv_usage)}, marks),
-        Series("live β" if has_beta else "live γ", x,
-               {"β" if has_beta else "γ": col(lambda r: r.beta_live if has_beta else r.gamma_live)}, marks),
+        Series(
+            "TTFT (s)",
+            x,
+            {
+                "p50": col(lambda r: r.latency.ttft_p50),
+                "p95": col(lambda r: r.latency.ttft_p95),
+                "p99": col(lambda r: r.latency.ttft_p99),
+            },
+            marks,
+        ),
+        Series(
+            "TTLT (s)",
+            x,
+            {
+                "p50": col(lambda r: r.latency.ttlt_p50),
+                "p95": col(lambda r: r.latency.ttlt_p95),
+                "p99": col(lambda r: r.latency.ttlt_p99),
+            },
+            marks,
+        ),
+        Series(
+            "queue depth",
+            x,
+            {"waiting": col(lambda r: r.waiting), "running": col(lambda r: r.running)},
+            marks,
+        ),
+        Series(
+            "KV usage (%)",
+            x,
+            {"kv": col(lambda r: None if r.kv_usage is None else 100 * r.kv_usage)},
+            marks,
+        ),
+        Series(
+            "live β" if has_beta else "live γ",
+            x,
+            {"β" if has_beta else "γ": col(lambda r: r.beta_live if has_beta else r.gamma_live)},
+            marks,
+        ),
         Series("throughput", x, {"tok/s": col(lambda r: r.throughput_tok_s)}, marks),
     ]
 
 
 def _tenant_metrics(g: GroupSampleRow, slos: Mapping[str, float]) -> dict[str, float]:
-    m = {f: (getattr(g.latency, f) if getattr(g.latency, f) is not None else NAN) for f in PERCENTILE_FIELDS}
+    m = {
+        f: (getattr(g.latency, f) if getattr(g.latency, f) is not None else NAN)
+        for f in PERCENTILE_FIELDS
+    }
     m["throughput_tok_s"] = g.throughput_tok_s if g.throughput_tok_s is not None else NAN
     m["requests"] = float(g.completed)
     for name in slos:
@@ -365,8 +472,11 @@ def _tenant_metrics(g: GroupSampleRow, slos: Mapping[str, float]) -> dict[str, f
     return m
 
 
-def tenant_table(groups: Sequence[GroupSampleRow], slos: Mapping[str, float],
-                 governance: Mapping[str, Any] | None = None) -> tuple[list[tuple], Text]:
+def tenant_table(
+    groups: Sequence[GroupSampleRow],
+    slos: Mapping[str, float],
+    governance: Mapping[str, Any] | None = None,
+) -> tuple[list[tuple], Text]:
     """(rows, summary) of the replica's per-tenant table: P99s, throughput, SLO; the summary gives
     the replica's SCR against the cluster file's ``slos`` and the cluster's JFI and JFI (seed)
     from ``governance`` (the collector's report: one implementation, never recomputed here)."""
@@ -376,25 +486,46 @@ def tenant_table(groups: Sequence[GroupSampleRow], slos: Mapping[str, float],
     rows = []
     for g in tenants:
         lat = g.latency
-        slo = ("—" if not slos else Text("meets", style="green") if ok.get(g.group)
-               else Text("MISSES", style="bold red"))
-        rows.append((g.group, fmt_number(g.completed), fmt_number(g.throughput_tok_s),
-                     fmt_seconds(lat.ttft_p99), fmt_seconds(lat.ttlt_p99), fmt_seconds(lat.tbt_p99), slo))
+        slo = (
+            "—"
+            if not slos
+            else Text("meets", style="green")
+            if ok.get(g.group)
+            else Text("MISSES", style="bold red")
+        )
+        rows.append(
+            (
+                g.group,
+                fmt_number(g.completed),
+                fmt_number(g.throughput_tok_s),
+                fmt_seconds(lat.ttft_p99),
+                fmt_seconds(lat.ttlt_p99),
+                fmt_seconds(lat.tbt_p99),
+                slo,
+            )
+        )
     summary = Text()
     if not per:
         summary.append("no completions in the window", style="dim")
     elif slos:
         scr = sum(ok.values()) / len(ok)
         summary.append(f"SCR {scr:.2f}", style="green" if scr >= 1 else "bold red")
-        summary.append(f" ({sum(ok.values())}/{len(ok)} tenants meet "
-                       + ", ".join(f"{k} ≤ {fmt_seconds(v) if k[:4] in ('ttft', 'ttlt', 'tbt_') else v}"
-                                   for k, v in slos.items()) + ")")
+        summary.append(
+            f" ({sum(ok.values())}/{len(ok)} tenants meet "
+            + ", ".join(
+                f"{k} ≤ {fmt_seconds(v) if k[:4] in ('ttft', 'ttlt', 'tbt_') else v}"
+                for k, v in slos.items()
+            )
+            + ")"
+        )
     else:
         summary.append("SCR — (no slos in the cluster file)", style="dim")
     summary.append(" │ ")
     if governance:
-        summary.append(f"cluster: JFI {fmt_figure(governance.get('jfi'), 3)} · "
-                       f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}")
+        summary.append(
+            f"cluster: JFI {fmt_figure(governance.get('jfi'), 3)} · "
+            f"JFI (seed) {fmt_figure(governance.get('jfi_seed'), 3)}"
+        )
     else:
         summary.append("JFI — (not governed)", style="dim")
     return rows, summary
@@ -407,9 +538,15 @@ def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[tuple]:
     tok = sum(g.throughput_tok_s or 0.0 for g in types_)
     rows = []
     for g in types_:
-        rows.append((g.group, fmt_number(g.completed), fmt_percent(g.completed / n if n else None),
-                     fmt_percent((g.throughput_tok_s or 0.0) / tok if tok else None),
-                     fmt_seconds(g.latency.ttlt_p99)))
+        rows.append(
+            (
+                g.group,
+                fmt_number(g.completed),
+                fmt_percent(g.completed / n if n else None),
+                fmt_percent((g.throughput_tok_s or 0.0) / tok if tok else None),
+                fmt_seconds(g.latency.ttlt_p99),
+            )
+        )
     return rows
 
 
@@ -423,10 +560,21 @@ RESULT_STYLES = {"applied": "green", "staged": "cyan", "rejected": "yellow"}
 def audit_row(a: Mapping[str, Any], verification: Mapping[str, Any] | None = None) -> tuple:
     result = a.get("result") or "?"
     style = RESULT_STYLES.get(result, "bold red")
-    change = breaker_change(a.get("new")) if result == "breaker" else diff_summary(a.get("old"), a.get("new"))
-    return (f"{fmt_time(a.get('t_ms'))}", a.get("replica") or "—", a.get("who") or "—", Text(result, style=style),
-            "—" if a.get("version") is None else str(a["version"]), change,
-            verification_cell(verification), a.get("message") or "")
+    change = (
+        breaker_change(a.get("new"))
+        if result == "breaker"
+        else diff_summary(a.get("old"), a.get("new"))
+    )
+    return (
+        f"{fmt_time(a.get('t_ms'))}",
+        a.get("replica") or "—",
+        a.get("who") or "—",
+        Text(result, style=style),
+        "—" if a.get("version") is None else str(a["version"]),
+        change,
+        verification_cell(verification),
+        a.get("message") or "",
+    )
 
 
 def breaker_change(new: Mapping[str, Any] | None) -> str:
@@ -467,8 +615,13 @@ def diff_renderable(plans: Sequence[Mapping[str, Any]]) -> Group:
             parts.append(Text(f"  not sent: {p['error']}", style="bold red"))
             continue
         if p.get("old") is None:
-            parts.append(Text(f"  current settings unknown: {p.get('edit', '')} will be applied to what the "
-                              f"replica reports", style="yellow"))
+            parts.append(
+                Text(
+                    f"  current settings unknown: {p.get('edit', '')} will be applied to what the "
+                    f"replica reports",
+                    style="yellow",
+                )
+            )
             continue
         rows = settings_diff(p["old"], p["new"])
         if not rows:
@@ -514,20 +667,38 @@ def apply_results(results: Iterable[Any]) -> Text:
 # governance (the alerts panel and the alert bar)
 # --------------------------------------------------------------------------------------------
 
-GOVERNANCE_COLUMNS = (("who", "tenant / type", 14), ("p50", "TTFT P50", 11), ("p90", "TTFT P90", 11),
-                      ("p99", "TTFT P99", 11), ("ttlt", "TTLT P99", 11), ("tok", "tok/s", 8),
-                      ("x", "served/ent", 10), ("norm", "use/commit", 10), ("omega", "ω", 9),
-                      ("waiting", "waiting", 17), ("slo", "SLO", 26))
-ALERT_EVENT_COLUMNS = (("t", "time (UTC)", 19), ("alert", "alert", 14), ("state", "state", 9),
-                       ("severity", "severity", 9), ("value", "value", 8), ("threshold", "threshold", 9),
-                       ("missed", "tenants missing targets", 40))
+GOVERNANCE_COLUMNS = (
+    ("who", "tenant / type", 14),
+    ("p50", "TTFT P50", 11),
+    ("p90", "TTFT P90", 11),
+    ("p99", "TTFT P99", 11),
+    ("ttlt", "TTLT P99", 11),
+    ("tok", "tok/s", 8),
+    ("x", "served/ent", 10),
+    ("norm", "use/commit", 10),
+    ("omega", "ω", 9),
+    ("waiting", "waiting", 17),
+    ("slo", "SLO", 26),
+)
+ALERT_EVENT_COLUMNS = (
+    ("t", "time (UTC)", 19),
+    ("alert", "alert", 14),
+    ("state", "state", 9),
+    ("severity", "severity", 9),
+    ("value", "value", 8),
+    ("threshold", "threshold", 9),
+    ("missed", "tenants missing targets", 40),
+)
 
 
 def governance_summary(g: Mapping[str, Any] | None) -> Text:
     """The alert line (firing, then pending), SCR / JFI / JFI (seed) / type fairness, and the
     over-consumers and starved tenants (what ``tailpilot status`` prints first)."""
     if not g:
-        return Text("not governed: add a governance block to the cluster file (tenants, SLOs, alerts)", style="dim")
+        return Text(
+            "not governed: add a governance block to the cluster file (tenants, SLOs, alerts)",
+            style="dim",
+        )
     out = alert_text(g)
     out.append("\n" + figures_text(g, " · "))
     notes = governance_notes(g)
@@ -544,17 +715,47 @@ def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
         return []
     rows: list[tuple] = []
     for tenant, f in sorted((g.get("tenants") or {}).items()):
-        slo = Text("meets", style="green") if f.get("compliant") else Text(
-            "misses " + ", ".join(f.get("missed") or []), style="bold red")
-        rows.append((tenant, fmt_target(f, "ttft_p50"), fmt_target(f, "ttft_p90"), fmt_target(f, "ttft_p99"),
-                     fmt_target(f, "ttlt_p99"), fmt_number(f.get("tok_s")), fmt_figure(f.get("service_ratio"), 3),
-                     fmt_figure(f.get("normalised"), 3), omega_text(g, tenant), waiting_text(f), slo))
+        slo = (
+            Text("meets", style="green")
+            if f.get("compliant")
+            else Text("misses " + ", ".join(f.get("missed") or []), style="bold red")
+        )
+        rows.append(
+            (
+                tenant,
+                fmt_target(f, "ttft_p50"),
+                fmt_target(f, "ttft_p90"),
+                fmt_target(f, "ttft_p99"),
+                fmt_target(f, "ttlt_p99"),
+                fmt_number(f.get("tok_s")),
+                fmt_figure(f.get("service_ratio"), 3),
+                fmt_figure(f.get("normalised"), 3),
+                omega_text(g, tenant),
+                waiting_text(f),
+                slo,
+            )
+        )
     for kind, f in sorted((g.get("types") or {}).items()):
         ratio = f.get("ratio")
-        share = Text("—" if ratio is None else f"{fmt_percent(f.get('share'))} = {ratio:.2f}× its min share",
-                     style="dim" if ratio is None else ("bold red" if ratio < 0.5 else ""))
-        rows.append((Text(f"type {kind}", style="italic"), fmt_seconds(f.get("ttft_p50")), "", fmt_seconds(f.get("ttft_p99")),
-                     "", "", "", "", "", "", share))
+        share = Text(
+            "—" if ratio is None else f"{fmt_percent(f.get('share'))} = {ratio:.2f}× its min share",
+            style="dim" if ratio is None else ("bold red" if ratio < 0.5 else ""),
+        )
+        rows.append(
+            (
+                Text(f"type {kind}", style="italic"),
+                fmt_seconds(f.get("ttft_p50")),
+                "",
+                fmt_seconds(f.get("ttft_p99")),
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                share,
+            )
+        )
     return rows
 
 
@@ -584,6 +785,12 @@ def alert_event_row(e: Mapping[str, Any]) -> tuple:
     firing = e.get("state") == "firing"
     style = ("bold red" if e.get("severity") == "critical" else "yellow") if firing else "green"
     missed = "; ".join(f"{t}: {', '.join(m)}" for t, m in sorted((s.get("missed") or {}).items()))
-    return (fmt_time(e.get("t_ms")), ALERT_LABELS.get(e.get("name", ""), e.get("name", "?")),
-            Text(e.get("state", "?"), style=style), e.get("severity") or "—", fmt_figure(s.get("value"), 3),
-            fmt_figure(s.get("threshold"), 3), missed or "—")
+    return (
+        fmt_time(e.get("t_ms")),
+        ALERT_LABELS.get(e.get("name", ""), e.get("name", "?")),
+        Text(e.get("state", "?"), style=style),
+        e.get("severity") or "—",
+        fmt_figure(s.get("value"), 3),
+        fmt_figure(s.get("threshold"), 3),
+        missed or "—",
+    )

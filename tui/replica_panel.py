@@ -6,8 +6,9 @@ replica and its history) and ``fidelity`` (the replica's newest fidelity report)
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -46,8 +47,14 @@ class ReplicaPanel(Vertical):
     fidelity: var[dict[str, Any] | None] = var(None, init=False)
     """The shown replica's newest fidelity report (``TunerResults.latest_fidelity``), None: not measured."""
 
-    def __init__(self, *, window_s: float | None = None, slos: Mapping[str, float] | None = None,
-                 history_s: float, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        window_s: float | None = None,
+        slos: Mapping[str, float] | None = None,
+        history_s: float,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self.window_s = window_s
         self.slos: Mapping[str, float] = slos or {}
@@ -83,7 +90,9 @@ class ReplicaPanel(Vertical):
         self.query_one("#replica-header", Static).update(R.replica_header(rs, self.window_s))
         banner = self.query_one("#down-banner", Static)
         if rs is not None and not rs.health.healthy:
-            banner.update(f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — last good numbers are not shown")
+            banner.update(
+                f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — last good numbers are not shown"
+            )
             banner.add_class("-shown")
         else:
             banner.remove_class("-shown")
@@ -93,7 +102,9 @@ class ReplicaPanel(Vertical):
         rows, summary = R.tenant_table(rs.groups if rs else [], self.slos, snap.governance)
         self.query_one("#fairness", Static).update(summary)
         fill_table(self.query_one("#tenant-table", DataTable), rows)
-        fill_table(self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else []))
+        fill_table(
+            self.query_one("#type-table", DataTable), R.type_share_rows(rs.groups if rs else [])
+        )
 
     def watch_fidelity(self, report: dict[str, Any] | None) -> None:
         self.query_one("#fidelity-line", Static).update(R.fidelity_line(report))

@@ -25,8 +25,9 @@ import math
 import re
 import time
 from collections import deque
-from datetime import datetime, timezone
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol, runtime_checkable
 
 from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector
@@ -99,13 +100,13 @@ def fmt_time(t_ms: int | None) -> str:
     """UTC wall time of a sample, ``2023-11-14 22:13:20``."""
     if t_ms is None:
         return "—"
-    return datetime.fromtimestamp(t_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(t_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def fmt_clock(t_ms: int | None) -> str:
     if t_ms is None:
         return "—"
-    return datetime.fromtimestamp(t_ms / 1000, tz=timezone.utc).strftime("%H:%M:%S")
+    return datetime.fromtimestamp(t_ms / 1000, tz=UTC).strftime("%H:%M:%S")
 
 
 def fmt_offset(ms: int) -> str:
@@ -124,19 +125,33 @@ class LiveSource:
     mode = "live"
     readonly = False
 
-    def __init__(self, cluster: ClusterSpec, store: Any | None = None, *, history_s: float = DEFAULT_HISTORY_S,
-                 collector: Collector | None = None, who: str = "tui", refresh_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        store: Any | None = None,
+        *,
+        history_s: float = DEFAULT_HISTORY_S,
+        collector: Collector | None = None,
+        who: str = "tui",
+        refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cluster = cluster
         self.clock = clock  # seconds since the epoch: sample stamps, the preload window, audit rows
         self.cluster_name = cluster.name
         self.store = store
         self.history_s = float(history_s)
         self.who = who
-        self.collector = collector or Collector(cluster, store, flush_interval_s=refresh_s, clock=clock)
+        self.collector = collector or Collector(
+            cluster, store, flush_interval_s=refresh_s, clock=clock
+        )
         n = max(8, int(math.ceil(self.history_s / cluster.poll_interval_s)) + 2)
-        self.histories: dict[str, deque[SampleRow]] = {r.name: deque(maxlen=n) for r in cluster.replicas}
-        self.session_audit: list[dict[str, Any]] = []  # changes made from this TUI (used without a store)
+        self.histories: dict[str, deque[SampleRow]] = {
+            r.name: deque(maxlen=n) for r in cluster.replicas
+        }
+        self.session_audit: list[
+            dict[str, Any]
+        ] = []  # changes made from this TUI (used without a store)
         self._queue: asyncio.Queue | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -156,8 +171,10 @@ class LiveSource:
         since = int((self.clock() - self.history_s) * 1000)
         for name, ring in self.histories.items():
             try:
-                rows = await asyncio.to_thread(self.store.readings.samples, self.cluster_name, name, since)
-            except Exception as err:  # noqa: BLE001 - an unreadable store must not stop the live view
+                rows = await asyncio.to_thread(
+                    self.store.readings.samples, self.cluster_name, name, since
+                )
+            except Exception as err:
                 log.warning("could not preload history of %s: %s", name, err)
                 return
             ring.extend(rows)
@@ -167,7 +184,7 @@ class LiveSource:
             await self.collector.run(self._stop)
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001 - shown in the top bar, never a crash
+        except Exception as err:
             log.exception("collector stopped")
             self.error = f"collector stopped: {type(err).__name__}: {err}"
 
@@ -176,7 +193,7 @@ class LiveSource:
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), 10.0)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            except (TimeoutError, Exception):
                 self._task.cancel()
                 with contextlib.suppress(BaseException):
                     await self._task
@@ -226,7 +243,9 @@ class LiveSource:
     async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
         if self.store is None:
             return list(reversed(self.session_audit))[:limit]
-        return await asyncio.to_thread(self.store.settings_log.settings_changes, self.cluster_name, None, limit)
+        return await asyncio.to_thread(
+            self.store.settings_log.settings_changes, self.cluster_name, None, limit
+        )
 
     async def fidelity(self) -> dict[str, dict[str, Any]]:
         if self.store is None:
@@ -236,7 +255,9 @@ class LiveSource:
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
         if self.store is None:
             return []
-        return await asyncio.to_thread(self.store.governance.alert_events, self.cluster_name, limit=limit)
+        return await asyncio.to_thread(
+            self.store.governance.alert_events, self.cluster_name, limit=limit
+        )
 
     async def governor(self) -> dict[str, Any] | None:
         if self.store is None or self.cluster.governance is None:
@@ -249,8 +270,12 @@ class LiveSource:
 
         store = self.store
         assert store is not None, "the governor is steered through the store (live with --db)"
-        return await asyncio.to_thread(store.governance.set_governor_control, self.cluster_name, who=who or self.who,
-                                       **CONTROL_ACTIONS[choice])
+        return await asyncio.to_thread(
+            store.governance.set_governor_control,
+            self.cluster_name,
+            who=who or self.who,
+            **CONTROL_ACTIONS[choice],
+        )
 
     async def autopilot(self) -> dict[str, Any] | None:
         if self.store is None:
@@ -264,13 +289,19 @@ class LiveSource:
 
         store = self.store
         assert store is not None, "the autopilot is steered through the store (live with --db)"
-        return await asyncio.to_thread(store.governance.set_autopilot_control, self.cluster_name, who=who or self.who,
-                                       **CONTROL_ACTIONS[choice])
+        return await asyncio.to_thread(
+            store.governance.set_autopilot_control,
+            self.cluster_name,
+            who=who or self.who,
+            **CONTROL_ACTIONS[choice],
+        )
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         if self.store is None:
             return {}
-        return await asyncio.to_thread(_verifications, self.store, self.cluster_name, int(self.clock() * 1000))
+        return await asyncio.to_thread(
+            _verifications, self.store, self.cluster_name, int(self.clock() * 1000)
+        )
 
     def status(self) -> str:
         if self.error:
@@ -278,28 +309,47 @@ class LiveSource:
         return f"LIVE · polling every {self.cluster.poll_interval_s:g} s · window {self.cluster.window_s:g} s"
 
     # --- changing the cluster ------------------------------------------------------------------
-    async def apply(self, changes: dict[str, Callable[[Any], Any]], who: str | None = None) -> list[Any]:
+    async def apply(
+        self, changes: dict[str, Callable[[Any], Any]], who: str | None = None
+    ) -> list[Any]:
         """Apply ``{replica: change}`` (each a function of that replica's current Settings) with
         :func:`controlplane.collector.apply_settings`: GET, PUT If-Match, read back, audit row."""
         from controlplane.steering import apply_settings
 
         who = who or self.who
-        groups = await asyncio.gather(*(
-            apply_settings(self.cluster, [name], change, self.store, who) for name, change in changes.items()))
+        groups = await asyncio.gather(
+            *(
+                apply_settings(self.cluster, [name], change, self.store, who)
+                for name, change in changes.items()
+            )
+        )
         results = [r for g in groups for r in g]
         now = int(self.clock() * 1000)
         for r in results:
-            self.session_audit.append({"t_ms": now, "cluster": self.cluster_name, "replica": r.replica, "who": who,
-                                       "old": r.old, "new": r.new, "result": r.result, "message": r.message,
-                                       "version": r.version})
+            self.session_audit.append(
+                {
+                    "t_ms": now,
+                    "cluster": self.cluster_name,
+                    "replica": r.replica,
+                    "who": who,
+                    "old": r.old,
+                    "new": r.new,
+                    "result": r.result,
+                    "message": r.message,
+                    "version": r.version,
+                }
+            )
         return results
-
 
     async def predict(self, plans: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
         """Per sendable plan, the what-if prediction of its new settings over its old ones on the
         replica's last ``minutes`` of recorded traffic (tuner.whatif), or why there is none."""
         if self.store is None:
-            return {p["replica"]: "no --db: no recorded traffic to predict on" for p in plans if p.get("new")}
+            return {
+                p["replica"]: "no --db: no recorded traffic to predict on"
+                for p in plans
+                if p.get("new")
+            }
         from scheduler.settings import Settings
         from storage.strict_json import finite
         from tuner.whatif import WhatIfError, predict
@@ -308,9 +358,17 @@ class LiveSource:
 
         def one(plan: dict[str, Any]) -> Any:
             try:
-                return finite(predict(self.store, self.cluster_name, plan["replica"],
-                                      Settings.model_validate(plan["old"]), Settings.model_validate(plan["new"]),
-                                      now_ms=now_ms, minutes=minutes))
+                return finite(
+                    predict(
+                        self.store,
+                        self.cluster_name,
+                        plan["replica"],
+                        Settings.model_validate(plan["old"]),
+                        Settings.model_validate(plan["new"]),
+                        now_ms=now_ms,
+                        minutes=minutes,
+                    )
+                )
             except WhatIfError as err:
                 return str(err)
 
@@ -318,15 +376,23 @@ class LiveSource:
         done = await asyncio.gather(*(asyncio.to_thread(one, p) for p in sendable))
         return {p["replica"]: d for p, d in zip(sendable, done)}
 
-    async def keep_predictions(self, results: list[Any], predictions: dict[str, Any], applied_ms: int) -> None:
+    async def keep_predictions(
+        self, results: list[Any], predictions: dict[str, Any], applied_ms: int
+    ) -> None:
         """Keep each applied change's prediction with its new version (for tailpilot verify)."""
         if self.store is None:
             return
         for r in results:
             p = predictions.get(r.replica)
             if r.ok and isinstance(p, dict):
-                await asyncio.to_thread(self.store.tuner.store_prediction, self.cluster_name, r.replica, p,
-                                        t_ms=applied_ms, version=r.version)
+                await asyncio.to_thread(
+                    self.store.tuner.store_prediction,
+                    self.cluster_name,
+                    r.replica,
+                    p,
+                    t_ms=applied_ms,
+                    version=r.version,
+                )
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -337,7 +403,9 @@ def _latest_fidelity(store: Any, cluster: str, at_ms: int | None) -> dict[str, d
     return {r["replica"]: r for r in store.tuner.latest_fidelity(cluster, at_ms=at_ms)}
 
 
-def _verifications(store: Any, cluster: str, now_ms: int) -> dict[tuple[str, int | None], dict[str, Any]]:
+def _verifications(
+    store: Any, cluster: str, now_ms: int
+) -> dict[tuple[str, int | None], dict[str, Any]]:
     """Realized vs predicted of the changes kept with a prediction before ``now_ms`` (replays:
     call off the UI thread)."""
     from tuner.whatif import verify
@@ -355,19 +423,23 @@ def pick_cluster(store: Any, cluster_name: str | None = None) -> str:
     clusters = store.recordings.clusters()
     if cluster_name is not None:
         if cluster_name not in clusters:
-            raise ReplayError(f"the recording has no cluster {cluster_name!r} "
-                              f"(it has: {', '.join(clusters) or 'none'})")
+            raise ReplayError(
+                f"the recording has no cluster {cluster_name!r} "
+                f"(it has: {', '.join(clusters) or 'none'})"
+            )
         return cluster_name
     if not clusters:
         raise ReplayError("the recording holds no cluster")
     if len(clusters) > 1:
-        raise ReplayError(f"the recording holds {len(clusters)} clusters ({', '.join(clusters)}); "
-                          f"name one with --cluster-name")
+        raise ReplayError(
+            f"the recording holds {len(clusters)} clusters ({', '.join(clusters)}); "
+            f"name one with --cluster-name"
+        )
     return clusters[0]
 
 
 class _ReplicaCache:
-    __slots__ = ("samples", "times", "groups")
+    __slots__ = ("groups", "samples", "times")
 
     def __init__(self, samples: list[SampleRow], groups: list[GroupSampleRow]) -> None:
         self.samples = samples
@@ -383,8 +455,16 @@ class ReplaySource:
     mode = "replay"
     readonly = True
 
-    def __init__(self, store: Any, cluster_name: str | None = None, *, history_s: float = DEFAULT_HISTORY_S,
-                 speed: float = 1.0, start_ms: int | None = None, chunk_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        cluster_name: str | None = None,
+        *,
+        history_s: float = DEFAULT_HISTORY_S,
+        speed: float = 1.0,
+        start_ms: int | None = None,
+        chunk_s: float = 900.0,
+    ) -> None:
         self.store = store
         self.cluster_name = pick_cluster(store, cluster_name)
         rng = store.recordings.time_range(self.cluster_name)
@@ -397,12 +477,16 @@ class ReplaySource:
         # The step grid: the sample times of the replica with the most samples in the first chunk.
         self.ticks = self._load_ticks()
         if not self.ticks:
-            raise ReplayError(f"the recording holds no raw samples of cluster {self.cluster_name!r}")
+            raise ReplayError(
+                f"the recording holds no raw samples of cluster {self.cluster_name!r}"
+            )
         self.start_ms, self.end_ms = self.ticks[0], self.ticks[-1]
         self.position = self.start_ms if start_ms is None else self.clamp(start_ms)
         self.playing = False
         self._audit_all = store.settings_log.settings_changes(self.cluster_name, None, 100_000)
-        self._seen: dict[str, tuple[list[int], list[dict[str, Any]]]] = {}  # replica -> (times, documents)
+        self._seen: dict[
+            str, tuple[list[int], list[dict[str, Any]]]
+        ] = {}  # replica -> (times, documents)
         for row in store.settings_log.settings_seen(self.cluster_name):  # oldest first
             times, docs = self._seen.setdefault(row["replica"], ([], []))
             times.append(row["t_ms"])
@@ -448,7 +532,9 @@ class ReplaySource:
         if self.playing and self.position >= self.end_ms:
             self.position = self.start_ms
         if self.playing and (self._play_task is None or self._play_task.done()):
-            self._play_task = asyncio.get_running_loop().create_task(self._play(), name="tailpilot-replay")
+            self._play_task = asyncio.get_running_loop().create_task(
+                self._play(), name="tailpilot-replay"
+            )
         self._wake.set()
 
     def set_speed(self, factor: float) -> float:
@@ -496,8 +582,10 @@ class ReplaySource:
         lo, hi = lo_needed - self.chunk_ms // 2, pos + self.chunk_ms
         cache = {}
         for name in self.replicas:
-            cache[name] = _ReplicaCache(self.store.readings.samples(self.cluster_name, name, lo, hi),
-                                        self.store.readings.group_samples(self.cluster_name, name, lo, hi))
+            cache[name] = _ReplicaCache(
+                self.store.readings.samples(self.cluster_name, name, lo, hi),
+                self.store.readings.group_samples(self.cluster_name, name, lo, hi),
+            )
         self._cache, self._cache_lo, self._cache_hi = cache, lo, hi
 
     def settings_at(self, replica: str, t_ms: int) -> dict[str, Any] | None:
@@ -509,7 +597,12 @@ class ReplaySource:
         if i:
             return docs[i - 1]
         for row in self._audit_all:  # newest first
-            if row["replica"] == replica and row["t_ms"] <= t_ms and row["result"] == "applied" and row["new"]:
+            if (
+                row["replica"] == replica
+                and row["t_ms"] <= t_ms
+                and row["result"] == "applied"
+                and row["new"]
+            ):
                 return row["new"]
         return None
 
@@ -524,16 +617,28 @@ class ReplaySource:
             groups = list(cache.groups.get(row.t_ms, ())) if cache is not None else []
             settings = self.settings_at(name, t_ms)
             replicas[name] = ReplicaSnapshot(
-                name=name, health=Health(healthy=row.healthy, reason=row.reason, since=None,
-                                         mode="replay"),
-                sample=row, groups=groups, settings=settings, settings_version=row.settings_version,
-                state=None, metrics={}, cursor=0, window_completions=sum(g.completed for g in groups
-                                                                         if g.kind == "tenant"),
+                name=name,
+                health=Health(healthy=row.healthy, reason=row.reason, since=None, mode="replay"),
+                sample=row,
+                groups=groups,
+                settings=settings,
+                settings_version=row.settings_version,
+                state=None,
+                metrics={},
+                cursor=0,
+                window_completions=sum(g.completed for g in groups if g.kind == "tenant"),
                 rejected=dict(row.rejected or {}),
                 # The trips as recorded (the details of each are in the audit log).
-                breaker={"trips_total": row.breaker_trips} if row.breaker_trips is not None else None)
-        return ClusterSnapshot(cluster=self.cluster_name, t_ms=t_ms, replicas=replicas,
-                               governance=self.governance_at(t_ms))
+                breaker={"trips_total": row.breaker_trips}
+                if row.breaker_trips is not None
+                else None,
+            )
+        return ClusterSnapshot(
+            cluster=self.cluster_name,
+            t_ms=t_ms,
+            replicas=replicas,
+            governance=self.governance_at(t_ms),
+        )
 
     def history(self, replica: str, until_ms: int | None = None) -> list[SampleRow]:
         until = self.position if until_ms is None else until_ms
@@ -550,7 +655,7 @@ class ReplaySource:
         if cache is None:
             return []
         j = bisect.bisect_right(cache.times, self.position)
-        out = [s.kv_usage for s in cache.samples[max(0, j - 4 * n):j] if s.kv_usage is not None]
+        out = [s.kv_usage for s in cache.samples[max(0, j - 4 * n) : j] if s.kv_usage is not None]
         return out[-n:]
 
     async def audit(self, limit: int = 200) -> list[dict[str, Any]]:
@@ -558,11 +663,17 @@ class ReplaySource:
 
     async def fidelity(self) -> dict[str, dict[str, Any]]:
         # The reports made by the replay position: what an operator knew at that time.
-        return await asyncio.to_thread(_latest_fidelity, self.store, self.cluster_name, self.position)
+        return await asyncio.to_thread(
+            _latest_fidelity, self.store, self.cluster_name, self.position
+        )
 
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.store.governance.alert_events, self.cluster_name, until_ms=self.position + 1,
-                                       limit=limit)
+        return await asyncio.to_thread(
+            self.store.governance.alert_events,
+            self.cluster_name,
+            until_ms=self.position + 1,
+            limit=limit,
+        )
 
     async def governor(self) -> dict[str, Any] | None:
         return None  # its control row is not history: the audit panel shows what it did
@@ -573,7 +684,10 @@ class ReplaySource:
     def governance_at(self, t_ms: int) -> dict[str, Any] | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing then."""
         found = self.store.governance.windows(self.cluster_name, until_ms=t_ms + 1, limit=1)
-        firing = {e["name"]: e["severity"] for e in self.store.governance.firing_alerts(self.cluster_name, at_ms=t_ms)}
+        firing = {
+            e["name"]: e["severity"]
+            for e in self.store.governance.firing_alerts(self.cluster_name, at_ms=t_ms)
+        }
         if not found and not firing:
             return None
         return {**(found[0]["summary"] if found else {}), "alerts": firing}
@@ -583,8 +697,10 @@ class ReplaySource:
 
     def status(self) -> str:
         state = "▶ playing" if self.playing else "⏸ paused"
-        return (f"REPLAY {fmt_time(self.position)} UTC · +{fmt_offset(self.position - self.start_ms)} of "
-                f"{fmt_offset(self.end_ms - self.start_ms)} · {state} · {self.speed:g}x")
+        return (
+            f"REPLAY {fmt_time(self.position)} UTC · +{fmt_offset(self.position - self.start_ms)} of "
+            f"{fmt_offset(self.end_ms - self.start_ms)} · {state} · {self.speed:g}x"
+        )
 
 
 # ------------------------------------------------------------------------------------------ seeking
@@ -632,7 +748,7 @@ def parse_seek(text: str, *, position_ms: int, start_ms: int, end_ms: int) -> in
     if raw.isdigit() and len(raw) >= 12:
         return int(raw)
     if re.fullmatch(r"\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?", raw):
-        day = datetime.fromtimestamp(start_ms / 1000, tz=timezone.utc)
+        day = datetime.fromtimestamp(start_ms / 1000, tz=UTC)
         parts = [float(p) for p in raw.split(":")]
         h, m, s = (parts + [0.0])[:3]
         base = day.replace(hour=0, minute=0, second=0, microsecond=0).timestamp() * 1000
@@ -643,7 +759,9 @@ def parse_seek(text: str, *, position_ms: int, start_ms: int, end_ms: int) -> in
     with contextlib.suppress(ValueError):
         dt = datetime.fromisoformat(raw.replace(" ", "T", 1))
         if dt.tzinfo is None:
-            dt = dt.replace(tzinfo=timezone.utc)
+            dt = dt.replace(tzinfo=UTC)
         return int(dt.timestamp() * 1000)
-    raise ValueError(f"cannot read {raw!r} as a time: use +30s / -2m, @1:30 (from the start), "
-                     f"22:15:00 (UTC), 2023-11-14T22:15:00, start or end")
+    raise ValueError(
+        f"cannot read {raw!r} as a time: use +30s / -2m, @1:30 (from the start), "
+        f"22:15:00 (UTC), 2023-11-14T22:15:00, start or end"
+    )

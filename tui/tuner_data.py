@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence, TypeGuard
+from typing import Any, TypeGuard
 
 from scheduler.settings import Settings
 from tuner import optuna_storage
@@ -31,7 +32,9 @@ class TrialInfo:
     feasible: bool
     candidate: bool  # complete, feasible, fully evaluated: may be recommended
     production: bool
-    params: dict[str, Any] = field(default_factory=dict)  # Optuna's params (policy, uniboost.gamma, ...)
+    params: dict[str, Any] = field(
+        default_factory=dict
+    )  # Optuna's params (policy, uniboost.gamma, ...)
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,18 @@ def resolve_storage(raw: str | None, cwd: Path | None = None) -> tuple[str | Non
     if raw in (None, ""):
         path = cwd / DEFAULT_STORAGE_FILE
         if not path.exists():
-            return None, (f"no Optuna storage: ./{DEFAULT_STORAGE_FILE} does not exist here.\n"
-                          "Create a study with e.g.\n"
-                          "  tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 --trials 50\n"
-                          "or point the TUI at a storage with --optuna-storage URL.")
+            return None, (
+                f"no Optuna storage: ./{DEFAULT_STORAGE_FILE} does not exist here.\n"
+                "Create a study with e.g.\n"
+                "  tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 --trials 50\n"
+                "or point the TUI at a storage with --optuna-storage URL."
+            )
         return storage_url(str(path)), None
     if "://" not in raw and not Path(raw).exists():
-        return None, f"no Optuna storage at {raw}: no such file (create it with tailpilot tune --storage {raw})"
+        return (
+            None,
+            f"no Optuna storage at {raw}: no such file (create it with tailpilot tune --storage {raw})",
+        )
     return storage_url(raw), None
 
 
@@ -114,10 +122,19 @@ def _trial_info(t) -> TrialInfo:
     else:
         state = t.state.name.lower()
     feasible = is_feasible(t) if t.state == TrialState.COMPLETE else False
-    candidate = t.state == TrialState.COMPLETE and pruned_after is None and "settings" in info and feasible
+    candidate = (
+        t.state == TrialState.COMPLETE and pruned_after is None and "settings" in info and feasible
+    )
     values = tuple(float(v) for v in t.values) if t.values is not None else None
-    return TrialInfo(t.number, state, values, feasible, candidate,
-                     t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION, dict(t.params))
+    return TrialInfo(
+        t.number,
+        state,
+        values,
+        feasible,
+        candidate,
+        t.user_attrs.get(st.ROLE_ATTR) == st.PRODUCTION,
+        dict(t.params),
+    )
 
 
 def study_info(study, trials: Sequence[Any] | None = None) -> StudyInfo:
@@ -140,10 +157,24 @@ def study_info(study, trials: Sequence[Any] | None = None) -> StudyInfo:
             running += 1
     stand_in = SimpleNamespace(objectives=list(objectives))
     front = best_trials(study, stand_in) if objectives else []  # type: ignore[arg-type]  # reads only .objectives
-    best = tuple(float(v) for v in front[0].values) if len(front) == 1 and len(objectives) == 1 else None
-    return StudyInfo(study.study_name, tuple(spec.get("policies") or ()), objectives,
-                     tuple(spec.get("constraints") or ()), complete, pruned, failed, running,
-                     tuple(t.number for t in front), best, tailpilot=bool(spec))
+    best = (
+        tuple(float(v) for v in front[0].values)
+        if len(front) == 1 and len(objectives) == 1
+        else None
+    )
+    return StudyInfo(
+        study.study_name,
+        tuple(spec.get("policies") or ()),
+        objectives,
+        tuple(spec.get("constraints") or ()),
+        complete,
+        pruned,
+        failed,
+        running,
+        tuple(t.number for t in front),
+        best,
+        tailpilot=bool(spec),
+    )
 
 
 def list_studies(storage) -> list[StudyInfo]:
@@ -151,7 +182,10 @@ def list_studies(storage) -> list[StudyInfo]:
     import optuna
 
     out = []
-    for s in sorted(optuna.get_all_study_summaries(storage, include_best_trial=False), key=lambda s: s.study_name):
+    for s in sorted(
+        optuna.get_all_study_summaries(storage, include_best_trial=False),
+        key=lambda s: s.study_name,
+    ):
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         out.append(study_info(study))
     return out
@@ -162,7 +196,10 @@ def study_detail(storage, name: str) -> StudyDetail:
 
     study = optuna.load_study(study_name=name, storage=storage)
     trials = study.get_trials(deepcopy=False)
-    return StudyDetail(study_info(study, trials), tuple(_trial_info(t) for t in sorted(trials, key=lambda t: t.number)))
+    return StudyDetail(
+        study_info(study, trials),
+        tuple(_trial_info(t) for t in sorted(trials, key=lambda t: t.number)),
+    )
 
 
 # ----------------------------------------------------------------------------- recommendation
@@ -176,7 +213,7 @@ def load_recommendation(storage, name: str, store: Any | None = None) -> RecInfo
     if store is not None:
         try:
             rec = store.tuner.latest_recommendation(name)
-        except Exception:  # noqa: BLE001 - a store without the table: compute instead
+        except Exception:
             rec = None
         if rec is not None:
             summary = dict(rec.summary or {})
@@ -184,7 +221,9 @@ def load_recommendation(storage, name: str, store: Any | None = None) -> RecInfo
             summary["settings"] = rec.settings
             return RecInfo(summary, "stored", rec.id, rec.created_ms)
     try:
-        return RecInfo(jsonable(recommend(storage, name)), "computed", created_ms=int(time.time() * 1000))
+        return RecInfo(
+            jsonable(recommend(storage, name)), "computed", created_ms=int(time.time() * 1000)
+        )
     except TuneError as err:
         return RecInfo(None, "none", error=str(err))
 

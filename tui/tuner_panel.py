@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 from rich.text import Text
 from textual import on
@@ -104,7 +105,7 @@ class TunerPanel(Vertical):
                 self.url = url
                 self.storage = await asyncio.to_thread(D.open_storage, url)
             self.studies = await asyncio.to_thread(D.list_studies, self.storage)
-        except Exception as err:  # noqa: BLE001 - shown, never a crash
+        except Exception as err:
             log.exception("tuner storage unreadable")
             self._show_message(f"cannot read the Optuna storage: {type(err).__name__}: {err}")
             return
@@ -118,8 +119,11 @@ class TunerPanel(Vertical):
         msg = self.query_one("#tuner-message", Static)
         msg.update(Text(text or "", style="yellow"))
         msg.set_class(bool(text), "-shown")
-        self.query_one("#tuner-title", Static).update(TR.tuner_title(self.url, None if text else len(self.studies),
-                                                                     "no storage" if text else None))
+        self.query_one("#tuner-title", Static).update(
+            TR.tuner_title(
+                self.url, None if text else len(self.studies), "no storage" if text else None
+            )
+        )
         if text:
             self.loaded = True
 
@@ -128,7 +132,9 @@ class TunerPanel(Vertical):
         t = self.query_one("#studies-table", DataTable)
         fill_table(t, [TR.study_row(s) for s in self.studies], [s.name for s in self.studies])
         if not self.studies:
-            self._show_message("the storage holds no study yet: create one with tailpilot tune --study NAME ...")
+            self._show_message(
+                "the storage holds no study yet: create one with tailpilot tune --study NAME ..."
+            )
             return
         names = [s.name for s in self.studies]
         keep = self.study if self.study in names else names[0]
@@ -143,17 +149,25 @@ class TunerPanel(Vertical):
     def select(self, name: str, *, force: bool = False) -> None:
         # The cursor landing on the selected study (RowHighlighted, after _fill_studies) is not a
         # new selection: re-reading it would re-render the trials table under the operator's eyes.
-        if name == self.study and not force and (self.detail is not None or self.detail_pending == name):
+        if (
+            name == self.study
+            and not force
+            and (self.detail is not None or self.detail_pending == name)
+        ):
             return
         self.study = name
         self.detail_pending = name
-        self.run_worker(partial(self._load_detail, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
-                        group="tuner-detail", exclusive=True, exit_on_error=False)
+        self.run_worker(
+            partial(self._load_detail, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
+            group="tuner-detail",
+            exclusive=True,
+            exit_on_error=False,
+        )
 
     async def _load_detail(self, name: str) -> None:
         try:
             detail = await asyncio.to_thread(D.study_detail, self.storage, name)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.exception("study unreadable")
             self._show_message(f"study {name}: {type(err).__name__}: {err}")
             return
@@ -169,13 +183,16 @@ class TunerPanel(Vertical):
         elif name not in self._rec_pending:
             self._render_rec()
             self._rec_pending.add(name)
-            self.run_worker(partial(self._load_rec, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
-                            group="tuner-rec", exit_on_error=False)
+            self.run_worker(
+                partial(self._load_rec, name),  # type: ignore[arg-type]  # mypy can't solve WorkType's union
+                group="tuner-rec",
+                exit_on_error=False,
+            )
 
     async def _load_rec(self, name: str) -> None:
         try:
             rec = await asyncio.to_thread(D.load_recommendation, self.storage, name, self.store)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.exception("recommendation failed")
             rec = D.RecInfo(None, "none", error=f"{type(err).__name__}: {err}")
         finally:
@@ -195,8 +212,11 @@ class TunerPanel(Vertical):
             t.add_column(c)
         fill_table(t, TR.trial_rows(d), [str(trial.number) for trial in d.trials])
         title = Text(f"trials of {d.info.name}", style="bold")
-        title.append(f" · {len(d.trials)} · ★ = {'best' if len(d.info.objectives) == 1 else 'Pareto front'}"
-                     " · (prod) = trial 0, the production settings", style="dim")
+        title.append(
+            f" · {len(d.trials)} · ★ = {'best' if len(d.info.objectives) == 1 else 'Pareto front'}"
+            " · (prod) = trial 0, the production settings",
+            style="dim",
+        )
         self.query_one("#trials-title", Static).update(title)
         self._draw(TR.tuner_plot(d))
 
@@ -209,7 +229,13 @@ class TunerPanel(Vertical):
         if p.kind == "pareto":
             for label, (xs, ys) in p.series.items():
                 front = label == "Pareto front"
-                plt.scatter(xs, ys, label=label, marker="●" if front else "dot", color="green" if front else "gray")
+                plt.scatter(
+                    xs,
+                    ys,
+                    label=label,
+                    marker="●" if front else "dot",
+                    color="green" if front else "gray",
+                )
                 if front and len(xs) > 1:
                     plt.plot(xs, ys, color="green")
         elif p.kind == "best":
@@ -226,7 +252,8 @@ class TunerPanel(Vertical):
         name = self.study
         rec = self.recs.get(name) if name else None
         self.query_one("#recommendation", Static).update(
-            TR.recommendation_renderable(rec, loading=rec is None and name is not None))
+            TR.recommendation_renderable(rec, loading=rec is None and name is not None)
+        )
 
     def current_rec(self) -> D.RecInfo | None:
         return self.recs.get(self.study) if self.study else None

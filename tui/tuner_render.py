@@ -3,8 +3,9 @@ rich renderables out. No widgets, no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
@@ -18,8 +19,13 @@ from tui.tuner_data import RecInfo, StudyDetail, StudyInfo, TrialInfo, finite
 STUDY_COLUMNS = ("study", "policies", "objectives", "complete", "pruned", "failed", "best")
 # Parameters shown first in the trials table (the adaptive ones and vLLM's two knobs).
 KEY_PARAMS = ("gamma", "beta", "max_num_seqs", "max_num_batched_tokens")
-SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "long_prefill_token_threshold": "lp_thresh",
-         "long_prefill_chunking": "lp_chunk", "alpha_s_per_token": "alpha"}
+SHORT = {
+    "max_num_seqs": "seqs",
+    "max_num_batched_tokens": "tokens",
+    "long_prefill_token_threshold": "lp_thresh",
+    "long_prefill_chunking": "lp_chunk",
+    "alpha_s_per_token": "alpha",
+}
 
 
 def fmt_num(v: Any) -> str:
@@ -42,8 +48,15 @@ def study_row(s: StudyInfo) -> tuple:
     else:
         best = "— (none feasible)"
     name = s.name if s.tailpilot else f"{s.name} (not tailpilot)"
-    return (name, ",".join(s.policies) or "—", objectives_text(s.objectives), str(s.complete), str(s.pruned),
-            str(s.failed) + (f" +{s.running} running" if s.running else ""), best)
+    return (
+        name,
+        ",".join(s.policies) or "—",
+        objectives_text(s.objectives),
+        str(s.complete),
+        str(s.pruned),
+        str(s.failed) + (f" +{s.running} running" if s.running else ""),
+        best,
+    )
 
 
 def trial_columns(objectives: Sequence[tuple[str, str]]) -> list[str]:
@@ -58,7 +71,10 @@ def key_params(params: Mapping[str, Any], limit: int = 6) -> str:
             continue
         flat[k.split(".", 1)[1] if "." in k else k] = v
     order = [k for k in KEY_PARAMS if k in flat] + [k for k in flat if k not in KEY_PARAMS]
-    words = [f"{ {'gamma': 'γ', 'beta': 'β'}.get(k, SHORT.get(k, k)) }={fmt_num(flat[k])}" for k in order[:limit]]
+    words = [
+        f"{ {'gamma': 'γ', 'beta': 'β'}.get(k, SHORT.get(k, k)) }={fmt_num(flat[k])}"
+        for k in order[:limit]
+    ]
     if len(order) > limit:
         words.append(f"+{len(order) - limit}")
     return " ".join(words)
@@ -72,8 +88,13 @@ def trial_row(t: TrialInfo, n_objectives: int, front: Sequence[int] = ()) -> tup
     vals: list[float | None] = list((t.values or ())[:n_objectives])
     vals += [None] * (n_objectives - len(vals))
     policy = str(t.params.get("policy", "—")) + (" (prod)" if t.production else "")
-    return (number, Text(state, style=state_style if state != "infeasible" else "yellow"),
-            *[fmt_num(v) for v in vals], policy, key_params(t.params))
+    return (
+        number,
+        Text(state, style=state_style if state != "infeasible" else "yellow"),
+        *[fmt_num(v) for v in vals],
+        policy,
+        key_params(t.params),
+    )
 
 
 def trial_rows(d: StudyDetail) -> list[tuple]:
@@ -92,7 +113,9 @@ class TunerPlot:
     title: str
     xlabel: str = ""
     ylabel: str = ""
-    series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)  # label -> (x, y)
+    series: dict[str, tuple[list[float], list[float]]] = field(
+        default_factory=dict
+    )  # label -> (x, y)
 
 
 def tuner_plot(d: StudyDetail | None) -> TunerPlot:
@@ -100,8 +123,14 @@ def tuner_plot(d: StudyDetail | None) -> TunerPlot:
         return TunerPlot("none", "no study selected")
     objs = d.info.objectives
     # (trial, its values): the complete, feasible trials whose values are all finite
-    done = [(t, t.values) for t in d.trials if t.values is not None and t.state == "complete" and t.feasible
-            and all(finite(v) for v in t.values)]
+    done = [
+        (t, t.values)
+        for t in d.trials
+        if t.values is not None
+        and t.state == "complete"
+        and t.feasible
+        and all(finite(v) for v in t.values)
+    ]
     if len(objs) == 2:
         (xn, xd), (yn, yd) = objs
         front = [(t, vs) for t, vs in done if t.number in d.info.front]
@@ -113,20 +142,29 @@ def tuner_plot(d: StudyDetail | None) -> TunerPlot:
             front.sort(key=lambda tv: tv[1][0])
             series["Pareto front"] = ([vs[0] for _t, vs in front], [vs[1] for _t, vs in front])
         arrow = {"minimize": "↓", "maximize": "↑"}
-        return TunerPlot("pareto", f"{len(done)} feasible trials, front of {len(front)}",
-                         f"{xn} {arrow[xd]}", f"{yn} {arrow[yd]}", series)
+        return TunerPlot(
+            "pareto",
+            f"{len(done)} feasible trials, front of {len(front)}",
+            f"{xn} {arrow[xd]}",
+            f"{yn} {arrow[yd]}",
+            series,
+        )
     if len(objs) == 1:
         name, direction = objs[0]
         xs, ys, best = [], [], None
         for t, vs in sorted(done, key=lambda tv: tv[0].number):
             v = vs[0]
-            best = v if best is None else (min(best, v) if direction == "minimize" else max(best, v))
+            best = (
+                v if best is None else (min(best, v) if direction == "minimize" else max(best, v))
+            )
             xs.append(float(t.number))
             ys.append(best)
         series = {"best so far": (xs, ys)} if xs else {}
         if xs:
             series["trial"] = ([float(t.number) for t, _vs in done], [vs[0] for _t, vs in done])
-        return TunerPlot("best", f"{name}: best so far ({len(done)} feasible trials)", "trial", name, series)
+        return TunerPlot(
+            "best", f"{name}: best so far ({len(done)} feasible trials)", "trial", name, series
+        )
     return TunerPlot("none", f"{len(objs)} objectives: no plot")
 
 
@@ -153,9 +191,13 @@ def _improvement_table(summary: Mapping[str, Any]) -> Table:
         for part in (search.get(n) or {}, held.get(n) or {}):
             imp = part.get("improvement_pct")
             ci = part.get("ci_pct") or [None, None]
-            style = "green" if finite(imp) and imp > 0 else ("red" if finite(imp) and imp < 0 else "")
+            style = (
+                "green" if finite(imp) and imp > 0 else ("red" if finite(imp) and imp < 0 else "")
+            )
             cells.append(Text(fmt_pct(imp), style=style))
-            cells.append(f"[{fmt_pct(ci[0])}, {fmt_pct(ci[1])}]" if finite(ci[0]) and finite(ci[1]) else "—")
+            cells.append(
+                f"[{fmt_pct(ci[0])}, {fmt_pct(ci[1])}]" if finite(ci[0]) and finite(ci[1]) else "—"
+            )
         table.add_row(n + (" *" if n in objectives else ""), *cells)
     return table
 
@@ -164,9 +206,13 @@ def recommendation_renderable(rec: RecInfo | None, *, loading: bool = False) -> 
     """The recommendation: where it comes from, the settings (as a diff from the production
     settings), and the improvements on the search and held-out windows with their intervals."""
     if loading or rec is None:
-        return Group(Text("recommendation: computing (replaying the held-out windows)…", style="yellow"))
+        return Group(
+            Text("recommendation: computing (replaying the held-out windows)…", style="yellow")
+        )
     if rec.summary is None:
-        return Group(Text("no recommendation: ", style="bold yellow"), Text(rec.error or "—", style="yellow"))
+        return Group(
+            Text("no recommendation: ", style="bold yellow"), Text(rec.error or "—", style="yellow")
+        )
     s = rec.summary
     head = Text("recommendation", style="bold")
     head.append(f": trial {s.get('trial', '?')}")
@@ -176,10 +222,14 @@ def recommendation_renderable(rec: RecInfo | None, *, loading: bool = False) -> 
         head.append(" · computed now (not stored; `tailpilot recommend` stores it)", style="dim")
     parts: list[Any] = [head]
     if s.get("is_production"):
-        parts.append(Text("  the production settings are the best found: nothing to change", style="yellow"))
+        parts.append(
+            Text("  the production settings are the best found: nothing to change", style="yellow")
+        )
     settings = s.get("settings") or {}
     prod = s.get("production") or {}
-    rows = settings_diff(prod, settings)  # no production known: the parameters that differ from defaults
+    rows = settings_diff(
+        prod, settings
+    )  # no production known: the parameters that differ from defaults
     line = Text(f"  policy {settings.get('policy', '?')}", style="bold")
     if prod and prod.get("policy") != settings.get("policy"):
         line.append(f" (production: {prod.get('policy')}; parameters vs its defaults)", style="dim")
@@ -196,19 +246,33 @@ def recommendation_renderable(rec: RecInfo | None, *, loading: bool = False) -> 
             changes.append("→")
         changes.append(b, style="green")
     if not [r for r in rows if r[0] != "policy"]:
-        changes.append("= the production settings" if prod else "the policy's defaults", style="dim")
+        changes.append(
+            "= the production settings" if prod else "the policy's defaults", style="dim"
+        )
     parts.append(changes)
     nw = len((s.get("search") or {}).get("windows") or [])
     nh = len((s.get("holdout") or {}).get("windows") or [])
-    parts.append(Text(f"change vs production (+ = better; * objective; {nw} search / {nh} held-out windows):",
-                      style="bold"))
+    parts.append(
+        Text(
+            f"change vs production (+ = better; * objective; {nw} search / {nh} held-out windows):",
+            style="bold",
+        )
+    )
     parts.append(_improvement_table(s))
     for c in (s.get("holdout") or {}).get("constraints") or []:
         ok = c.get("feasible")
-        parts.append(Text(f"  held-out {c.get('constraint')}: {'met' if ok else 'VIOLATED'}",
-                          style="green" if ok else "bold red"))
-    parts.append(Text("R: apply to the selected replicas (all when none is selected); pinned parameters are kept",
-                      style="dim"))
+        parts.append(
+            Text(
+                f"  held-out {c.get('constraint')}: {'met' if ok else 'VIOLATED'}",
+                style="green" if ok else "bold red",
+            )
+        )
+    parts.append(
+        Text(
+            "R: apply to the selected replicas (all when none is selected); pinned parameters are kept",
+            style="dim",
+        )
+    )
     return Group(*parts)
 
 

@@ -11,8 +11,9 @@ sort), a cursor row, zebra stripes, vertical scrolling.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from itertools import repeat
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from rich.segment import Segment
 from rich.style import Style
@@ -40,7 +41,11 @@ class ClusterTable(ScrollView, can_focus=True):
         Binding("end", "jump(-1)", "Last", show=False),
         Binding("enter", "select", "Open", show=False),
     ]
-    COMPONENT_CLASSES = {"cluster-table--header", "cluster-table--cursor", "cluster-table--even-row"}
+    COMPONENT_CLASSES = {
+        "cluster-table--header",
+        "cluster-table--cursor",
+        "cluster-table--even-row",
+    }
     DEFAULT_CSS = """
     ClusterTable { background: $surface; }
     ClusterTable > .cluster-table--header { background: $panel; color: $foreground; text-style: bold; }
@@ -51,24 +56,24 @@ class ClusterTable(ScrollView, can_focus=True):
     """
 
     class RowHighlighted(Message):
-        def __init__(self, table: "ClusterTable", row_key: str) -> None:
+        def __init__(self, table: ClusterTable, row_key: str) -> None:
             super().__init__()
             self.table, self.row_key = table, row_key
 
         @property
-        def control(self) -> "ClusterTable":
+        def control(self) -> ClusterTable:
             return self.table
 
     class RowSelected(RowHighlighted):
         pass
 
     class HeaderSelected(Message):
-        def __init__(self, table: "ClusterTable", column_key: str) -> None:
+        def __init__(self, table: ClusterTable, column_key: str) -> None:
             super().__init__()
             self.table, self.column_key = table, column_key
 
         @property
-        def control(self) -> "ClusterTable":
+        def control(self) -> ClusterTable:
             return self.table
 
     def __init__(self, columns: Sequence[tuple[str, str, int, bool]], **kw: Any) -> None:
@@ -96,7 +101,9 @@ class ClusterTable(ScrollView, can_focus=True):
     def get_cell(self, row_key: str, column_key: str) -> Any:
         return self.cells[row_key][self._col_index[column_key]]
 
-    def set_rows(self, order: list[str], cells: dict[str, tuple], *, keep_cursor_on: str | None = None) -> None:
+    def set_rows(
+        self, order: list[str], cells: dict[str, tuple], *, keep_cursor_on: str | None = None
+    ) -> None:
         """Show ``order`` (row keys, top to bottom) with ``cells``; only changed rows re-render."""
         old_key = keep_cursor_on if keep_cursor_on is not None else self.cursor_key
         changed_order = order != self.order
@@ -188,8 +195,12 @@ class ClusterTable(ScrollView, can_focus=True):
             header_key = (tuple(label for _k, label, _w, _r in self.columns), style, width)
             if self._header is None or self._header[0] != header_key:
                 labels = [Text(label, style=style) for _k, label, _w, _r in self.columns]
-                self._header = (header_key, self._render_cells(labels, style).extend_cell_length(width, style)
-                                .crop(0, width))
+                self._header = (
+                    header_key,
+                    self._render_cells(labels, style)
+                    .extend_cell_length(width, style)
+                    .crop(0, width),
+                )
             return self._header[1]
         row = int(self.scroll_y) + y - 1
         base_style = self.rich_style
@@ -245,7 +256,9 @@ class AutoSizedTable(DataTable):
         self.refresh()
 
 
-def fill_table(table: DataTable, rows: Iterable[Sequence[Any]], keys: Iterable[str] | None = None) -> None:
+def fill_table(
+    table: DataTable, rows: Iterable[Sequence[Any]], keys: Iterable[str] | None = None
+) -> None:
     """Replace a DataTable's rows. DataTable sizes its columns on its next idle, and an idle only
     follows a message the table itself processes; rows added from another widget's handler or a
     worker post none, so the columns could stay sized to their headers until the next key or

@@ -38,8 +38,9 @@ import bisect
 import math
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,7 +67,9 @@ class AutopilotConfig(BaseModel):
 
     gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
     with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
-    with_sarathi: bool = True  # vLLM's own order as a candidate (it is always the guard's reference)
+    with_sarathi: bool = (
+        True  # vLLM's own order as a candidate (it is always the guard's reference)
+    )
     interval_s: float = Field(60.0, ge=1.0, le=3_600.0)
     delay_s: float = Field(60.0, ge=0.0, le=3_600.0)
     window_s: float = Field(3_600.0, ge=60.0, le=86_400.0)
@@ -101,7 +104,7 @@ class AutopilotConfig(BaseModel):
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
 
     @model_validator(mode="after")
-    def _gammas_in_range(self) -> "AutopilotConfig":
+    def _gammas_in_range(self) -> AutopilotConfig:
         for g in self.gammas:
             if not 1e-6 <= g <= 1e6:
                 raise ValueError(f"gammas: {g} is outside the safe range [1e-6, 1e6]")
@@ -128,7 +131,9 @@ class Observation:
     now: float
     arrivals: Sequence[Arrival] = ()
     completions: Sequence[Completion] = ()
-    generated: Mapping[str, int] = field(default_factory=dict)  # tokens so far, per request in flight
+    generated: Mapping[str, int] = field(
+        default_factory=dict
+    )  # tokens so far, per request in flight
 
 
 def _arrival_order(a: Arrival) -> tuple[float, str]:
@@ -164,9 +169,12 @@ class Decision:
         new, old = self.figures.get(self.choice), self.figures.get(self.previous)
         if not self.changed or new is None or old is None:
             return {}
-        pairs = {"ttft_p95": (new.ttft_p95, old.ttft_p95), "ttft_p99": (new.ttft_p99, old.ttft_p99),
-                 "ttlt_p99": (new.ttlt_p99, old.ttlt_p99),
-                 "throughput_tok_s": (new.throughput_tok_s, old.throughput_tok_s)}
+        pairs = {
+            "ttft_p95": (new.ttft_p95, old.ttft_p95),
+            "ttft_p99": (new.ttft_p99, old.ttft_p99),
+            "ttlt_p99": (new.ttlt_p99, old.ttlt_p99),
+            "throughput_tok_s": (new.throughput_tok_s, old.throughput_tok_s),
+        }
         return {k: (a / b - 1.0 if b > 0 else None) for k, (a, b) in pairs.items()}
 
 
@@ -187,8 +195,13 @@ def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
         out["defaults"] = Settings.model_validate({"policy": "uniboost", "engine": engine})
     for g in config.gammas:
         p = {**params, "gamma": g, "gamma_ada": False}
-        p["gamma_min"], p["gamma_max"] = min(p.get("gamma_min", g), g), max(p.get("gamma_max", g), g)
-        out[f"gamma={g:g}"] = Settings.model_validate({"policy": "uniboost", "params": p, "engine": engine})
+        p["gamma_min"], p["gamma_max"] = (
+            min(p.get("gamma_min", g), g),
+            max(p.get("gamma_max", g), g),
+        )
+        out[f"gamma={g:g}"] = Settings.model_validate(
+            {"policy": "uniboost", "params": p, "engine": engine}
+        )
     return out
 
 
@@ -198,7 +211,9 @@ class _Shadow:
 
     def __init__(self, settings: Settings, engine: EngineConfig) -> None:
         self.sim = Simulator([], settings, engine)
-        self.done: dict[str, tuple[float, float, float, int]] = {}  # id -> (ttft, ttlt, finished_at, tokens)
+        self.done: dict[
+            str, tuple[float, float, float, int]
+        ] = {}  # id -> (ttft, ttlt, finished_at, tokens)
 
     def advance(self, requests: Sequence[TraceRequest], t: float) -> None:
         if requests:
@@ -206,7 +221,12 @@ class _Shadow:
         self.sim.advance_to(t)
         done, _ = self.sim.drain()
         for c in done:
-            self.done[c.id] = (c.first_token_at - c.arrival, c.finished_at - c.arrival, c.finished_at, c.output_tokens)
+            self.done[c.id] = (
+                c.first_token_at - c.arrival,
+                c.finished_at - c.arrival,
+                c.finished_at,
+                c.output_tokens,
+            )
 
     def first_tokens(self) -> dict[str, float]:
         """First-token times of requests in flight that have one."""
@@ -221,8 +241,12 @@ class Autopilot:
     """The controller: feed it ``Observation``s (``observe``); every ``interval_s`` it returns a
     ``Decision``. Deterministic: the same observations give the same decisions."""
 
-    def __init__(self, base: Settings, config: AutopilotConfig | None = None,
-                 engine: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        base: Settings,
+        config: AutopilotConfig | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
         self.config = config or AutopilotConfig()
         self.engine = engine or EngineConfig()
         self.base = base
@@ -234,7 +258,9 @@ class Autopilot:
         # Arrived, not yet handed to the shadows, in (arrival, id) order: a live replica reports a
         # request when it first sees it in flight or finished, not always in arrival order.
         self._pending: list[Arrival] = []
-        self.late = 0  # requests first seen after the shadows had passed their arrival (not replayed)
+        self.late = (
+            0  # requests first seen after the shadows had passed their arrival (not replayed)
+        )
         self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
         self._recent: deque[int] = deque(maxlen=self.config.history)  # completed lengths
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
@@ -288,8 +314,17 @@ class Autopilot:
             out = self._lengths.pop(a.id, None)
             if out is None:
                 out = self._imputed(a, generated.get(a.id, 0))
-            batch.append(TraceRequest(id=a.id, arrival=a.arrival, prompt_tokens=a.prompt_tokens, output_tokens=out,
-                                      max_tokens=max(a.max_tokens, 1), tenant=a.tenant, type=a.type))
+            batch.append(
+                TraceRequest(
+                    id=a.id,
+                    arrival=a.arrival,
+                    prompt_tokens=a.prompt_tokens,
+                    output_tokens=out,
+                    max_tokens=max(a.max_tokens, 1),
+                    tenant=a.tenant,
+                    type=a.type,
+                )
+            )
             self._window.append((a.arrival, a.id))
         for shadow in self.shadows.values():
             shadow.advance(batch, t)
@@ -303,7 +338,9 @@ class Autopilot:
                 shadow.forget(gone)
 
     # --- deciding ----------------------------------------------------------------------------
-    def _figures(self, shadow: _Shadow, clock: float, ids: list[str], arrivals: np.ndarray) -> tuple[float, ...]:
+    def _figures(
+        self, shadow: _Shadow, clock: float, ids: list[str], arrivals: np.ndarray
+    ) -> tuple[float, ...]:
         """P95/P99 TTFT, P99 TTLT and throughput of one shadow over the window's requests; a
         request not served yet counts with its wait so far (a lower bound of its latency)."""
         censored = clock - arrivals
@@ -320,7 +357,12 @@ class Autopilot:
             elif rid in first:
                 ttft[i] = first[rid] - arrivals[i]
         p95, p99 = np.percentile(ttft, [95.0, 99.0])
-        return float(p95), float(p99), float(np.percentile(ttlt, 99.0)), tokens / self.config.window_s
+        return (
+            float(p95),
+            float(p99),
+            float(np.percentile(ttlt, 99.0)),
+            tokens / self.config.window_s,
+        )
 
     def _decide(self, now: float) -> Decision:
         cfg = self.config
@@ -328,30 +370,57 @@ class Autopilot:
         settled = [(a, rid) for a, rid in self._window if a <= clock - cfg.settle_s]
         ids = [rid for _, rid in settled]
         if len(ids) < cfg.min_requests:
-            return Decision(now, self.current, self.options[self.current].to_dict(), False,
-                            f"waiting for data: {len(ids)} of {cfg.min_requests} requests in the window", {},
-                            len(ids), 0.0)
+            return Decision(
+                now,
+                self.current,
+                self.options[self.current].to_dict(),
+                False,
+                f"waiting for data: {len(ids)} of {cfg.min_requests} requests in the window",
+                {},
+                len(ids),
+                0.0,
+            )
         arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
         raw = {name: self._figures(s, clock, ids, arrivals) for name, s in self.shadows.items()}
         ref = raw[self.reference]
-        figures = {name: CandidateFigures(p95, p99, ttlt, tput,
-                                          feasible=self._keeps_guard(p99, ttlt, tput, ref, slack=0.0))
-                   for name, (p95, p99, ttlt, tput) in raw.items()}
+        figures = {
+            name: CandidateFigures(
+                p95, p99, ttlt, tput, feasible=self._keeps_guard(p99, ttlt, tput, ref, slack=0.0)
+            )
+            for name, (p95, p99, ttlt, tput) in raw.items()
+        }
         previous = self.current
         best, changed, reason = self._choose(figures, now, ref)
         if changed:
             self.current = best
             self._last_switch = now
-        return Decision(now, self.current, self.options[self.current].to_dict(), changed, reason, figures,
-                        len(ids), 0.0, previous if changed else "")
+        return Decision(
+            now,
+            self.current,
+            self.options[self.current].to_dict(),
+            changed,
+            reason,
+            figures,
+            len(ids),
+            0.0,
+            previous if changed else "",
+        )
 
-    def _keeps_guard(self, ttft_p99: float, ttlt_p99: float, throughput: float,
-                     ref: tuple[float, ...], slack: float) -> bool:
+    def _keeps_guard(
+        self,
+        ttft_p99: float,
+        ttlt_p99: float,
+        throughput: float,
+        ref: tuple[float, ...],
+        slack: float,
+    ) -> bool:
         """Whether figures keep the guard against sarathi's (``ref``: P95/P99 TTFT, P99 TTLT,
         throughput), each ratio loosened by ``slack``."""
         cfg = self.config
-        keeps = (ttlt_p99 <= (cfg.ttlt_guard + slack) * ref[2]
-                 and throughput >= (cfg.throughput_guard - slack) * ref[3])
+        keeps = (
+            ttlt_p99 <= (cfg.ttlt_guard + slack) * ref[2]
+            and throughput >= (cfg.throughput_guard - slack) * ref[3]
+        )
         if cfg.ttft_p99_guard is not None:
             keeps = keeps and ttft_p99 <= (cfg.ttft_p99_guard + slack) * ref[1]
         return keeps
@@ -363,7 +432,6 @@ class Autopilot:
             raise KeyError(f"no candidate named {to!r}")
         self.current, self._last_switch, self._hold_until = to, now, now + hold_s
 
-
     def _rank(self, name: str) -> float:
         """A candidate's place on the size-to-age axis: its γ for a fixed γ; the defaults (γ-Ada)
         above the grid; sarathi (vLLM's order, by age) last. Moving down the axis promotes short
@@ -373,8 +441,9 @@ class Autopilot:
             return math.inf
         return s.params.gamma if not s.params.gamma_ada else 1e9
 
-    def _choose(self, figures: dict[str, CandidateFigures], now: float,
-                ref: tuple[float, ...]) -> tuple[str, bool, str]:
+    def _choose(
+        self, figures: dict[str, CandidateFigures], now: float, ref: tuple[float, ...]
+    ) -> tuple[str, bool, str]:
         """The candidate to run next, whether that is a switch, and why.
 
         Among the feasible candidates within ``tie`` of the lowest P95 TTFT, the one lowest on the
@@ -389,43 +458,87 @@ class Autopilot:
             return self.current, False, "no candidate keeps the guard on this window: kept"
         low = min(figures[n].ttft_p95 for n in feasible)
         tied = [n for n in feasible if figures[n].ttft_p95 <= (1.0 + cfg.tie) * low]
-        target = min(tied, key=lambda n: (self._rank(n), n)) if cfg.prefer_small \
+        target = (
+            min(tied, key=lambda n: (self._rank(n), n))
+            if cfg.prefer_small
             else min(feasible, key=lambda n: (figures[n].ttft_p95, n != self.current, n))
+        )
         current, best = figures[self.current], figures[target]
         if target == self.current:
-            return target, False, f"{target} is still the choice ({current.ttft_p95:.3g} s P95 TTFT)"
+            return (
+                target,
+                False,
+                f"{target} is still the choice ({current.ttft_p95:.3g} s P95 TTFT)",
+            )
         # The running choice keeps a little slack on the guard: a window's P99 TTLT moves by a
         # percent or two from one minute to the next, and a switch has a cost.
-        current_ok = self._keeps_guard(current.ttft_p99, current.ttlt_p99, current.throughput_tok_s, ref,
-                                       slack=GUARD_SLACK)
-        against = (f"P99 TTLT {current.ttlt_p99:.3g} s vs sarathi's {ref[2]:.3g} s"
-                   + (f", P99 TTFT {current.ttft_p99:.3g} s vs {ref[1]:.3g} s" if cfg.ttft_p99_guard else ""))
+        current_ok = self._keeps_guard(
+            current.ttft_p99, current.ttlt_p99, current.throughput_tok_s, ref, slack=GUARD_SLACK
+        )
+        against = f"P99 TTLT {current.ttlt_p99:.3g} s vs sarathi's {ref[2]:.3g} s" + (
+            f", P99 TTFT {current.ttft_p99:.3g} s vs {ref[1]:.3g} s" if cfg.ttft_p99_guard else ""
+        )
         self._breaks = 0 if current_ok else self._breaks + 1
         if not current_ok and self._breaks >= cfg.guard_patience:
             return target, True, f"{self.current} breaks the guard ({against}); {target} keeps it"
         if now < self._hold_until:
-            return self.current, False, f"{self.current} held after a step back until t={self._hold_until:.0f}"
+            return (
+                self.current,
+                False,
+                f"{self.current} held after a step back until t={self._hold_until:.0f}",
+            )
         if not current_ok:
-            return self.current, False, (f"{self.current} breaks the guard ({against}): kept until it does so "
-                                         f"{cfg.guard_patience} decisions in a row")
+            return (
+                self.current,
+                False,
+                (
+                    f"{self.current} breaks the guard ({against}): kept until it does so "
+                    f"{cfg.guard_patience} decisions in a row"
+                ),
+            )
         down = self._rank(target) < self._rank(self.current)
         margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
         if down and best.ttft_p95 <= (1.0 + cfg.tie) * current.ttft_p95:
-            return target, True, (f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as {self.current} "
-                                  f"({current.ttft_p95:.3g} s) and promotes short requests more")
+            return (
+                target,
+                True,
+                (
+                    f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as {self.current} "
+                    f"({current.ttft_p95:.3g} s) and promotes short requests more"
+                ),
+            )
         if now - self._last_switch < cfg.min_dwell_s:
-            return self.current, False, f"{self.current} kept: switched {now - self._last_switch:.0f} s ago"
+            return (
+                self.current,
+                False,
+                f"{self.current} kept: switched {now - self._last_switch:.0f} s ago",
+            )
         if best.ttft_p95 < (1.0 - margin) * current.ttft_p95:
-            return target, True, (f"{target} beats {self.current} on P95 TTFT: {best.ttft_p95:.3g} s vs "
-                                  f"{current.ttft_p95:.3g} s over the window's requests")
-        return self.current, False, (f"no candidate beats {self.current} by the {margin:.0%} margin "
-                                     f"(target {target}: {best.ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)")
+            return (
+                target,
+                True,
+                (
+                    f"{target} beats {self.current} on P95 TTFT: {best.ttft_p95:.3g} s vs "
+                    f"{current.ttft_p95:.3g} s over the window's requests"
+                ),
+            )
+        return (
+            self.current,
+            False,
+            (
+                f"no candidate beats {self.current} by the {margin:.0%} margin "
+                f"(target {target}: {best.ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)"
+            ),
+        )
 
 
 # --- the simulator's driver -------------------------------------------------------------------
-def replay_with_autopilot(trace: Trace | Sequence[TraceRequest], base: Settings | None = None,
-                          config: AutopilotConfig | None = None,
-                          engine: EngineConfig | None = None) -> tuple[SimResult, list[Decision]]:
+def replay_with_autopilot(
+    trace: Trace | Sequence[TraceRequest],
+    base: Settings | None = None,
+    config: AutopilotConfig | None = None,
+    engine: EngineConfig | None = None,
+) -> tuple[SimResult, list[Decision]]:
     """Replay ``trace`` with the autopilot choosing the settings every ``interval_s``: the
     replica starts on ``base`` (default: uniboost's defaults); at each decision the controller
     is shown only what a live replica would know by then. Returns the replay's result (its
@@ -460,11 +573,19 @@ def replay_with_autopilot(trace: Trace | Sequence[TraceRequest], base: Settings 
             sim.apply_settings(pilot.options[decision.choice])
         if t > end and not sim.running and not len(sim.waiting):
             break
-    result = SimResult(settings=sim.settings, completions=completions, rejected=rejected_ids,
-                       steps=sim.steps, iterations=sim.iterations, sim_time_s=sim.now,
-                       wall_s=time.perf_counter() - t_start, preemptions=sim.preemptions,
-                       policy_preemptions=sim.policy_preemptions, recomputed_tokens=sim.recomputed_tokens,
-                       gamma_timeline=sim.gamma_timeline)
+    result = SimResult(
+        settings=sim.settings,
+        completions=completions,
+        rejected=rejected_ids,
+        steps=sim.steps,
+        iterations=sim.iterations,
+        sim_time_s=sim.now,
+        wall_s=time.perf_counter() - t_start,
+        preemptions=sim.preemptions,
+        policy_preemptions=sim.policy_preemptions,
+        recomputed_tokens=sim.recomputed_tokens,
+        gamma_timeline=sim.gamma_timeline,
+    )
     return result, pilot.decisions
 
 
@@ -473,4 +594,3 @@ def _name_of(pilot: Autopilot, settings: Settings) -> str:
         if s == settings:
             return name
     return pilot.current
-

@@ -42,16 +42,17 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.governor import modes
-from scheduler.metrics import Completion
 from controlplane.replica_http import HttpFailure, StateFormatError, fetch_inflight, make_client
-from scheduler.settings import Settings
 from controlplane.steering import apply_settings
+from scheduler.metrics import Completion
+from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
 from tuner.autopilot import Arrival, Autopilot, AutopilotConfig, Decision, Observation
@@ -64,9 +65,15 @@ WHO = "autopilot"
 STEERED_POLICIES = ("uniboost", "sarathi")
 # What the operator's commands change in the control row (``tailpilot autopilot``, the TUI's O).
 CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
-    "pause": {"paused": True}, "resume": {"paused": False}, "arm": {"state": "armed"},
-    "dry-run": {"state": "dry-run"}, "disarm": {"state": "disarmed"}}
-DEFAULT_MAX_TOKENS = 4_096  # the cap of a request whose client set none (a replica that did not report it)
+    "pause": {"paused": True},
+    "resume": {"paused": False},
+    "arm": {"state": "armed"},
+    "dry-run": {"state": "dry-run"},
+    "disarm": {"state": "disarmed"},
+}
+DEFAULT_MAX_TOKENS = (
+    4_096  # the cap of a request whose client set none (a replica that did not report it)
+)
 
 
 class LiveConfig(BaseModel):
@@ -75,10 +82,18 @@ class LiveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tick_s: float = Field(5.0, gt=0.0, le=600.0)  # wall seconds between observations
-    verify_minutes: float = Field(10.0, gt=0.0, le=7 * 24 * 60.0)  # after a switch, before verifying it
-    band: float = Field(0.10, ge=0.0, le=10.0)  # the predicted band where the replica has no fidelity band
-    step_back_after: int = Field(2, ge=1, le=100)  # realized worse than predicted this many times in a row
-    hold_s: float = Field(3_600.0, ge=0.0, le=7 * 86_400.0)  # on the defaults after a step back (replica s)
+    verify_minutes: float = Field(
+        10.0, gt=0.0, le=7 * 24 * 60.0
+    )  # after a switch, before verifying it
+    band: float = Field(
+        0.10, ge=0.0, le=10.0
+    )  # the predicted band where the replica has no fidelity band
+    step_back_after: int = Field(
+        2, ge=1, le=100
+    )  # realized worse than predicted this many times in a row
+    hold_s: float = Field(
+        3_600.0, ge=0.0, le=7 * 86_400.0
+    )  # on the defaults after a step back (replica s)
     decisions_kept: int = Field(10, ge=1, le=1_000)  # per replica, in the status
 
 
@@ -101,7 +116,9 @@ class ReplicaPilot:
     completions: list[CompletionRow] = field(default_factory=list)  # polled since the last tick
     last: deque[dict[str, Any]] = field(default_factory=deque)  # recent decisions, for the status
     verifications: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10))
-    pending: list[dict[str, Any]] = field(default_factory=list)  # applied switches awaiting verification
+    pending: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # applied switches awaiting verification
     worse_in_row: int = 0
     note: str = ""  # why the last decision was or was not carried out
 
@@ -109,8 +126,10 @@ class ReplicaPilot:
 def blocked(current: Settings, target: Settings) -> str | None:
     """Why ``target`` may not replace ``current`` (a pin), else None."""
     if current.pinned and target.policy != current.policy:
-        return (f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a replica "
-                "with pins (it would drop them)")
+        return (
+            f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a replica "
+            "with pins (it would drop them)"
+        )
     for name in current.pinned:
         if getattr(target.params, name, None) != current.param(name):
             return f"{name} is pinned by the operator"
@@ -132,8 +151,14 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
 def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
     """The candidate whose policy and parameters the replica runs (its engine limits and pins
     aside), None when it runs none of them."""
-    return next((name for name, s in pilot.options.items()
-                 if (s.policy, s.params) == (running.policy, running.params)), None)
+    return next(
+        (
+            name
+            for name, s in pilot.options.items()
+            if (s.policy, s.params) == (running.policy, running.params)
+        ),
+        None,
+    )
 
 
 def _pct(value: float | None) -> str:
@@ -143,40 +168,82 @@ def _pct(value: float | None) -> str:
 def decision_note(decision: Decision) -> str:
     """One line for the audit log: the switch, why, and its predicted change."""
     p = decision.predicted()
-    return (f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 TTFT "
-            f"{_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
-            f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests")
+    return (
+        f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 TTFT "
+        f"{_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
+        f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests"
+    )
 
 
-def decision_summary(decision: Decision, replica: str, cluster: str, current: Settings, proposed: Settings,
-                     t_ms: int, minutes: float, band: float | None) -> dict[str, Any]:
+def decision_summary(
+    decision: Decision,
+    replica: str,
+    cluster: str,
+    current: Settings,
+    proposed: Settings,
+    t_ms: int,
+    minutes: float,
+    band: float | None,
+) -> dict[str, Any]:
     """A switch as a stored prediction (``tuner.whatif``'s shape), so ``tailpilot verify`` and the
     step back judge it like any previewed change."""
     old, new = decision.figures[decision.previous], decision.figures[decision.choice]
     predicted = decision.predicted()
     # Every figure the what-if keeps; those the shadows do not compare (the medians) left unknown.
-    metrics = {k: {"current": getattr(old, k, None), "proposed": getattr(new, k, None),
-                   "change": predicted.get(k)} for k in WHATIF_METRICS}
-    return {"replica": replica, "cluster": cluster, "t_ms": t_ms, "minutes": minutes, "warmup_s": 120.0,
-            "requests": decision.requests, "step_model": "autopilot shadows", "band": band, "who": WHO,
-            "current": current.to_dict(), "proposed": proposed.to_dict(), "metrics": metrics}
+    metrics = {
+        k: {
+            "current": getattr(old, k, None),
+            "proposed": getattr(new, k, None),
+            "change": predicted.get(k),
+        }
+        for k in WHATIF_METRICS
+    }
+    return {
+        "replica": replica,
+        "cluster": cluster,
+        "t_ms": t_ms,
+        "minutes": minutes,
+        "warmup_s": 120.0,
+        "requests": decision.requests,
+        "step_model": "autopilot shadows",
+        "band": band,
+        "who": WHO,
+        "current": current.to_dict(),
+        "proposed": proposed.to_dict(),
+        "metrics": metrics,
+    }
 
 
 def decision_row(decision: Decision, now: float) -> dict[str, Any]:
     """A decision as the status keeps it (JSON)."""
-    return {"t": round(now, 3), "choice": decision.choice, "previous": decision.previous or None,
-            "changed": decision.changed, "reason": decision.reason, "requests": decision.requests,
-            "cpu_s": round(decision.cpu_s, 4),
-            "predicted": {k: (None if v is None else round(v, 4)) for k, v in decision.predicted().items()}}
+    return {
+        "t": round(now, 3),
+        "choice": decision.choice,
+        "previous": decision.previous or None,
+        "changed": decision.changed,
+        "reason": decision.reason,
+        "requests": decision.requests,
+        "cpu_s": round(decision.cpu_s, 4),
+        "predicted": {
+            k: (None if v is None else round(v, 4)) for k, v in decision.predicted().items()
+        },
+    }
 
 
 class LiveAutopilot:
     """The live driver: ``on_poll`` is the collector's hook (completions), ``step`` one tick."""
 
-    def __init__(self, collector: Any, store: Any, config: AutopilotConfig | None = None,
-                 live: LiveConfig | None = None, *, clock: Callable[[], float] = time.time,
-                 verifier: Verifier | None = None,
-                 engine_for: Callable[[str], EngineConfig] | None = None) -> None:
+    def __init__(
+        self,
+        collector: Any,
+        store: Any,
+        config: AutopilotConfig | None = None,
+        live: LiveConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        verifier: Verifier | None = None,
+        engine_for: Callable[[str], EngineConfig] | None = None,
+    ) -> None:
         self.collector = collector
         self.cluster = collector.cluster
         self.store = store
@@ -224,7 +291,9 @@ class LiveAutopilot:
                     log.exception("autopilot: replica %s", spec.name)
                     self.notes[spec.name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         status = self.status()
-        await asyncio.to_thread(self.store.governance.set_autopilot_control, self.cluster.name, status=status)
+        await asyncio.to_thread(
+            self.store.governance.set_autopilot_control, self.cluster.name, status=status
+        )
         return status
 
     async def _held(self, ctl: dict[str, Any]) -> str | None:
@@ -251,7 +320,9 @@ class LiveAutopilot:
             rp = None
         if rp is None:
             if running.policy not in STEERED_POLICIES:
-                self.notes[name] = f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas only"
+                self.notes[name] = (
+                    f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas only"
+                )
                 return
             rp = await self._start(name, doc, running)
         try:
@@ -269,12 +340,19 @@ class LiveAutopilot:
             await self._carry_out(rp, decision, running)
 
     async def _start(self, name: str, doc: dict[str, Any], running: Settings) -> ReplicaPilot:
-        base = running if running.policy == "uniboost" else Settings.model_validate(
-            {"policy": "uniboost", "engine": running.engine.model_dump()})
+        base = (
+            running
+            if running.policy == "uniboost"
+            else Settings.model_validate(
+                {"policy": "uniboost", "engine": running.engine.model_dump()}
+            )
+        )
         try:
             engine = await asyncio.to_thread(self.engine_for, name)
         except Exception as err:  # the defaults' engine: a model, not a reason to steer nothing
-            log.warning("autopilot: replica %s: its engine is unknown (%s): A100 defaults", name, err)
+            log.warning(
+                "autopilot: replica %s: its engine is unknown (%s): A100 defaults", name, err
+            )
             engine = EngineConfig()
         pilot = Autopilot(base, self.config, engine)
         pilot.current = candidate_running(pilot, running) or pilot.current
@@ -290,22 +368,48 @@ class LiveAutopilot:
         completion or in flight), completions with their lengths, tokens so far of those in flight."""
         arrivals: list[Arrival] = []
 
-        def arrive(rid: str, arrival: float, prompt: int, cap: int | None, tenant: str, rtype: str) -> None:
+        def arrive(
+            rid: str, arrival: float, prompt: int, cap: int | None, tenant: str, rtype: str
+        ) -> None:
             if rid in rp.seen:
                 return
             rp.seen[rid] = arrival
-            arrivals.append(Arrival(rid, max(arrival - rp.origin, 0.0), max(prompt, 1),
-                                    max(cap or DEFAULT_MAX_TOKENS, 1), tenant, rtype))
+            arrivals.append(
+                Arrival(
+                    rid,
+                    max(arrival - rp.origin, 0.0),
+                    max(prompt, 1),
+                    max(cap or DEFAULT_MAX_TOKENS, 1),
+                    tenant,
+                    rtype,
+                )
+            )
 
         completions: list[Completion] = []
         for row in rp.completions:
             if row.reason == "rejected":
                 continue  # refused on arrival: it never took a seat
-            arrive(row.request_id, row.arrival_s, row.prompt_tokens, row.max_tokens, row.tenant, row.type)
-            completions.append(Completion(id=row.request_id, tenant=row.tenant, type=row.type,
-                                          arrival=row.arrival_s - rp.origin, scheduled_at=math.nan,
-                                          first_token_at=math.nan, finished_at=row.finished_s - rp.origin,
-                                          prompt_tokens=row.prompt_tokens, output_tokens=row.output_tokens))
+            arrive(
+                row.request_id,
+                row.arrival_s,
+                row.prompt_tokens,
+                row.max_tokens,
+                row.tenant,
+                row.type,
+            )
+            completions.append(
+                Completion(
+                    id=row.request_id,
+                    tenant=row.tenant,
+                    type=row.type,
+                    arrival=row.arrival_s - rp.origin,
+                    scheduled_at=math.nan,
+                    first_token_at=math.nan,
+                    finished_at=row.finished_s - rp.origin,
+                    prompt_tokens=row.prompt_tokens,
+                    output_tokens=row.output_tokens,
+                )
+            )
         rp.completions = []
         for r in inflight.requests:
             arrive(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type)
@@ -313,7 +417,9 @@ class LiveAutopilot:
         horizon = now + rp.origin - self.config.window_s - self.config.delay_s - 600.0
         if len(rp.seen) > 4 * self.config.min_requests:
             rp.seen = {rid: t for rid, t in rp.seen.items() if t >= horizon}
-        return Observation(now, arrivals, completions, {r.id: r.generated for r in inflight.requests})
+        return Observation(
+            now, arrivals, completions, {r.id: r.generated for r in inflight.requests}
+        )
 
     # --- acting -----------------------------------------------------------------------------
     async def _carry_out(self, rp: ReplicaPilot, decision: Decision, running: Settings) -> None:
@@ -341,23 +447,57 @@ class LiveAutopilot:
             return
         if self.state != "armed":
             if decision.changed:  # logged once per decision, not once a minute while it stays
-                await asyncio.to_thread(self.store.settings_log.record_settings_change, self.cluster.name, rp.name, who=WHO,
-                                        old=running.to_dict(), new=wanted.to_dict(), result="dry-run",
-                                        message=f"{note}; not sent (dry-run)")
+                await asyncio.to_thread(
+                    self.store.settings_log.record_settings_change,
+                    self.cluster.name,
+                    rp.name,
+                    who=WHO,
+                    old=running.to_dict(),
+                    new=wanted.to_dict(),
+                    result="dry-run",
+                    message=f"{note}; not sent (dry-run)",
+                )
             rp.note = f"dry-run: would run {decision.choice}"
             return
         applied_ms = int(self.clock() * 1000)
-        [res] = await apply_settings(self.cluster, [rp.name], lambda cur: target_document(cur, target),
-                                     self.store, who=WHO, note=note)
+        [res] = await apply_settings(
+            self.cluster,
+            [rp.name],
+            lambda cur: target_document(cur, target),
+            self.store,
+            who=WHO,
+            note=note,
+        )
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
         if res.ok and runs in decision.figures:
             band = await asyncio.to_thread(self._band, rp.name)
-            summary = decision_summary(switch, rp.name, self.cluster.name, running, wanted, applied_ms,
-                                       self.live.verify_minutes, band)
-            pid = await asyncio.to_thread(self.store.tuner.store_prediction, self.cluster.name, rp.name, summary,
-                                          t_ms=applied_ms, version=res.version)
-            rp.pending.append({"id": pid, "cluster": self.cluster.name, "replica": rp.name, "t_ms": applied_ms,
-                               "summary": summary})
+            summary = decision_summary(
+                switch,
+                rp.name,
+                self.cluster.name,
+                running,
+                wanted,
+                applied_ms,
+                self.live.verify_minutes,
+                band,
+            )
+            pid = await asyncio.to_thread(
+                self.store.tuner.store_prediction,
+                self.cluster.name,
+                rp.name,
+                summary,
+                t_ms=applied_ms,
+                version=res.version,
+            )
+            rp.pending.append(
+                {
+                    "id": pid,
+                    "cluster": self.cluster.name,
+                    "replica": rp.name,
+                    "t_ms": applied_ms,
+                    "summary": summary,
+                }
+            )
 
     def _band(self, replica: str) -> float | None:
         reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
@@ -366,7 +506,9 @@ class LiveAutopilot:
     async def _verify(self, rp: ReplicaPilot, running: Settings, now: float) -> None:
         """Verify the applied switches whose window has passed; step back after repeated misses."""
         now_ms = int(self.clock() * 1000)
-        for prediction in [p for p in rp.pending if now_ms >= p["t_ms"] + int(self.live.verify_minutes * 60_000)]:
+        for prediction in [
+            p for p in rp.pending if now_ms >= p["t_ms"] + int(self.live.verify_minutes * 60_000)
+        ]:
             v = await asyncio.to_thread(self.verifier, self.store, prediction, now_ms)
             if not v.get("ready"):
                 continue
@@ -374,48 +516,79 @@ class LiveAutopilot:
             m = (v.get("metrics") or {}).get("ttft_p95") or {}
             realized, predicted = m.get("realized"), m.get("predicted")
             if realized is None or predicted is None:
-                rp.verifications.append({"id": prediction["id"], "verdict": "no traffic to verify on"})
+                rp.verifications.append(
+                    {"id": prediction["id"], "verdict": "no traffic to verify on"}
+                )
                 continue
             band = float(v["band"]) if v.get("band") is not None else self.live.band
             worse = realized > predicted + band
             rp.worse_in_row = rp.worse_in_row + 1 if worse else 0
-            rp.verifications.append({"id": prediction["id"], "predicted": round(predicted, 4),
-                                     "realized": round(realized, 4), "band": band,
-                                     "verdict": "worse than predicted" if worse else "as predicted"})
+            rp.verifications.append(
+                {
+                    "id": prediction["id"],
+                    "predicted": round(predicted, 4),
+                    "realized": round(realized, 4),
+                    "band": band,
+                    "verdict": "worse than predicted" if worse else "as predicted",
+                }
+            )
             if rp.worse_in_row >= self.live.step_back_after:
                 await self._step_back(rp, running, now, realized, predicted, band)
 
-    async def _step_back(self, rp: ReplicaPilot, running: Settings, now: float, realized: float,
-                         predicted: float, band: float) -> None:
+    async def _step_back(
+        self,
+        rp: ReplicaPilot,
+        running: Settings,
+        now: float,
+        realized: float,
+        predicted: float,
+        band: float,
+    ) -> None:
         rp.worse_in_row = 0
         to = "defaults" if "defaults" in rp.pilot.options else rp.pilot.reference
         rp.pilot.step_back(now, to, self.live.hold_s)
         target = rp.pilot.options[to]
-        note = (f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted by more "
-                f"than the band {self.live.step_back_after} times in a row (last: {realized:+.0%} realized, "
-                f"{predicted:+.0%} predicted, band ±{band:.0%}); held {self.live.hold_s:.0f} s")
+        note = (
+            f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted by more "
+            f"than the band {self.live.step_back_after} times in a row (last: {realized:+.0%} realized, "
+            f"{predicted:+.0%} predicted, band ±{band:.0%}); held {self.live.hold_s:.0f} s"
+        )
         log.warning("replica %s: %s", rp.name, note)
         rp.note = note
         rp.pending.clear()
         if self.state == "armed" and self.held is None:
-            await apply_settings(self.cluster, [rp.name], lambda cur: target_document(cur, target), self.store,
-                                 who=WHO, note=note)
+            await apply_settings(
+                self.cluster,
+                [rp.name],
+                lambda cur: target_document(cur, target),
+                self.store,
+                who=WHO,
+                note=note,
+            )
 
     # --- what the CLI and the TUI show -------------------------------------------------------
     def status(self) -> dict[str, Any]:
         replicas: dict[str, Any] = {name: {"note": note} for name, note in self.notes.items()}
         for name, rp in self.pilots.items():
-            replicas[name] = {"choice": rp.pilot.current, "note": rp.note, "late": rp.pilot.late,
-                              "worse_in_row": rp.worse_in_row, "pending_verifications": len(rp.pending),
-                              "last": list(rp.last), "verifications": list(rp.verifications)}
+            replicas[name] = {
+                "choice": rp.pilot.current,
+                "note": rp.note,
+                "late": rp.pilot.late,
+                "worse_in_row": rp.worse_in_row,
+                "pending_verifications": len(rp.pending),
+                "last": list(rp.last),
+                "verifications": list(rp.verifications),
+            }
         return {"t_ms": int(self.clock() * 1000), "held": self.held, "replicas": replicas}
 
 
 def status_lines(row: dict[str, Any]) -> list[str]:
     """The control row as the CLI prints it (``tailpilot autopilot status``)."""
     status = row.get("status") or {}
-    head = (f"autopilot of {row['cluster']}: {row['state']}{' (paused)' if row.get('paused') else ''}"
-            f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}")
+    head = (
+        f"autopilot of {row['cluster']}: {row['state']}{' (paused)' if row.get('paused') else ''}"
+        f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}"
+    )
     if status.get("held") and status["held"] != "disarmed":
         head += f"; held: {status['held']}"
     lines = [head]
@@ -425,12 +598,21 @@ def status_lines(row: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"  {name}: running {r['choice']} · {r.get('note') or 'no decision yet'}")
         for d in (r.get("last") or [])[-3:]:
-            lines.append(f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: {d['reason']}")
+            lines.append(
+                f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: {d['reason']}"
+            )
     return lines
 
 
-async def run_autopilot(collector: Any, store: Any, stop: asyncio.Event, *, config: AutopilotConfig | None = None,
-                        live: LiveConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+async def run_autopilot(
+    collector: Any,
+    store: Any,
+    stop: asyncio.Event,
+    *,
+    config: AutopilotConfig | None = None,
+    live: LiveConfig | None = None,
+    clock: Callable[[], float] = time.time,
+) -> None:
     """Tick every ``live.tick_s`` until ``stop`` is set (``tailpilot record --autopilot``)."""
     driver = LiveAutopilot(collector, store, config, live, clock=clock)
     collector.on_poll(driver.on_poll)

@@ -20,7 +20,8 @@ costs about as much as a dozen plain replays of its traces.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from scheduler.metrics import summarize
 from scheduler.settings import Settings
@@ -47,9 +48,16 @@ def _figures(completions: Sequence[Any]) -> dict[str, float]:
     return {k: float(s.get(k, math.nan)) for k in ("ttft_p95", "ttlt_p99", "throughput_tok_s")}
 
 
-def score(traces: Sequence[Trace], config: AutopilotConfig, base: Settings, engine: EngineConfig,
-          references: Sequence[dict[str, float]], *, ttlt_guard: float = 1.02,
-          throughput_guard: float = 0.99) -> dict[str, Any]:
+def score(
+    traces: Sequence[Trace],
+    config: AutopilotConfig,
+    base: Settings,
+    engine: EngineConfig,
+    references: Sequence[dict[str, float]],
+    *,
+    ttlt_guard: float = 1.02,
+    throughput_guard: float = 0.99,
+) -> dict[str, Any]:
     """The autopilot's figures on ``traces`` as ratios to sarathi's (``references``): the mean P95
     TTFT ratio (lower is better), and the worst P99 TTLT and throughput ratios with feasibility."""
     ttft, ttlt, tput = [], [], []
@@ -60,8 +68,12 @@ def score(traces: Sequence[Trace], config: AutopilotConfig, base: Settings, engi
         ttlt.append(got["ttlt_p99"] / ref["ttlt_p99"])
         tput.append(got["throughput_tok_s"] / ref["throughput_tok_s"])
     worst_ttlt, worst_tput = max(ttlt), min(tput)
-    return {"ttft_p95_ratio": sum(ttft) / len(ttft), "ttlt_p99_ratio": worst_ttlt, "throughput_ratio": worst_tput,
-            "feasible": worst_ttlt <= ttlt_guard and worst_tput >= throughput_guard}
+    return {
+        "ttft_p95_ratio": sum(ttft) / len(ttft),
+        "ttlt_p99_ratio": worst_ttlt,
+        "throughput_ratio": worst_tput,
+        "feasible": worst_ttlt <= ttlt_guard and worst_tput >= throughput_guard,
+    }
 
 
 def references(traces: Sequence[Trace], engine: EngineConfig) -> list[dict[str, float]]:
@@ -72,9 +84,17 @@ def references(traces: Sequence[Trace], engine: EngineConfig) -> list[dict[str, 
     return out
 
 
-def tune_autopilot(traces: Sequence[Trace], *, trials: int = 20, seed: int = 0, base: Settings | None = None,
-                   engine: EngineConfig | None = None, start: AutopilotConfig | None = None,
-                   ttlt_guard: float = 1.02, throughput_guard: float = 0.99) -> dict[str, Any]:
+def tune_autopilot(
+    traces: Sequence[Trace],
+    *,
+    trials: int = 20,
+    seed: int = 0,
+    base: Settings | None = None,
+    engine: EngineConfig | None = None,
+    start: AutopilotConfig | None = None,
+    ttlt_guard: float = 1.02,
+    throughput_guard: float = 0.99,
+) -> dict[str, Any]:
     """Search the autopilot's decision knobs (``KNOBS``) on ``traces``; returns the best feasible
     configuration (``config``, a dict of AutopilotConfig fields), its figures, the starting
     configuration's figures and the trials run. Deterministic for a seed."""
@@ -91,9 +111,19 @@ def tune_autopilot(traces: Sequence[Trace], *, trials: int = 20, seed: int = 0, 
         return AutopilotConfig.model_validate({**start.model_dump(), **params})
 
     def objective(trial: optuna.Trial) -> float:
-        params = {name: trial.suggest_float(name, lo, hi, log=log) for name, (lo, hi, log) in KNOBS.items()}
-        got = score(traces, config_of(params), base, engine, refs, ttlt_guard=ttlt_guard,
-                    throughput_guard=throughput_guard)
+        params = {
+            name: trial.suggest_float(name, lo, hi, log=log)
+            for name, (lo, hi, log) in KNOBS.items()
+        }
+        got = score(
+            traces,
+            config_of(params),
+            base,
+            engine,
+            refs,
+            ttlt_guard=ttlt_guard,
+            throughput_guard=throughput_guard,
+        )
         trial.set_user_attr("figures", got)
         # Optuna's constraints: ≤ 0 is feasible.
         trial.set_constraint("ttlt_p99_ratio", got["ttlt_p99_ratio"] - ttlt_guard)
@@ -103,18 +133,32 @@ def tune_autopilot(traces: Sequence[Trace], *, trials: int = 20, seed: int = 0, 
     sampler = optuna.samplers.TPESampler(seed=seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="minimize", sampler=sampler)
-    study.enqueue_trial({name: min(max(getattr(start, name), lo), hi) for name, (lo, hi, _) in KNOBS.items()})
+    study.enqueue_trial(
+        {name: min(max(getattr(start, name), lo), hi) for name, (lo, hi, _) in KNOBS.items()}
+    )
     study.optimize(objective, n_trials=max(trials, 1))
     first = study.trials[0]
-    feasible = [t for t in study.trials if t.value is not None and t.user_attrs["figures"]["feasible"]]
+    feasible = [
+        t for t in study.trials if t.value is not None and t.user_attrs["figures"]["feasible"]
+    ]
     best = min(feasible, key=lambda t: (t.value, t.number)) if feasible else first
-    return {"config": config_of(best.params).model_dump(mode="json"), "trial": best.number,
-            "figures": best.user_attrs["figures"], "start": first.user_attrs["figures"],
-            "trials": len(study.trials)}
+    return {
+        "config": config_of(best.params).model_dump(mode="json"),
+        "trial": best.number,
+        "figures": best.user_attrs["figures"],
+        "start": first.user_attrs["figures"],
+        "trials": len(study.trials),
+    }
 
 
-def autopilot_metrics(traces: Sequence[Trace], production: Settings, engine: EngineConfig, names: Sequence[str],
-                      config: AutopilotConfig | None = None, slo: dict[str, float] | None = None) -> dict[str, float]:
+def autopilot_metrics(
+    traces: Sequence[Trace],
+    production: Settings,
+    engine: EngineConfig,
+    names: Sequence[str],
+    config: AutopilotConfig | None = None,
+    slo: dict[str, float] | None = None,
+) -> dict[str, float]:
     """The autopilot, starting from ``production``, replaying every trace whole: the figures
     ``names`` over every request (``recommend --autopilot`` judges "keep the autopilot" on them)."""
     from tuner.windows import completion_metrics

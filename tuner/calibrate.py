@@ -47,9 +47,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,9 @@ class ReplicaUnreachable(CalibrationError):
 @dataclass
 class CalibrationResult:
     model: StepTimeModel
-    fit: dict[str, Any]  # fit_step_model's report on every step used (n, rmse_s, mape, r2, bias, ...)
+    fit: dict[
+        str, Any
+    ]  # fit_step_model's report on every step used (n, rmse_s, mape, r2, bias, ...)
     holdout: dict[str, Any] | None  # {n, n_fit, mape, r2, rmse_s, bias} or None (too few steps)
     rel_se: dict[str, float]  # coefficient -> standard error / value (inf when the value is 0)
     steps_read: int
@@ -87,27 +90,41 @@ class CalibrationResult:
     holdout_note: str | None = None
     warnings: list[str] = field(default_factory=list)
     error: str = "absolute"  # the loss the coefficients were fitted on
-    engine: dict[str, Any] | None = None  # the replica's block size, KV blocks, limits (fetch_engine_facts)
+    engine: dict[str, Any] | None = (
+        None  # the replica's block size, KV blocks, limits (fetch_engine_facts)
+    )
 
     @property
     def identified(self) -> list[str]:
         """Coefficients the log pins down (relative standard error < 10 %, i.e. a 95 % interval
         within about ±20 %)."""
-        return [k for k in COEFFICIENTS if k not in self.fit["undetermined"]
-                and self.rel_se.get(k, math.inf) < IDENTIFIED_REL_SE]
+        return [
+            k
+            for k in COEFFICIENTS
+            if k not in self.fit["undetermined"]
+            and self.rel_se.get(k, math.inf) < IDENTIFIED_REL_SE
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.model.name, "source": self.source,
+            "name": self.model.name,
+            "source": self.source,
             "coefficients": {k: getattr(self.model, k) for k in COEFFICIENTS},
             "rel_se": {k: (v if math.isfinite(v) else None) for k, v in self.rel_se.items()},
             "identified": self.identified,
-            "error": self.error, "engine": self.engine,
+            "error": self.error,
+            "engine": self.engine,
             "fit": {k: self.fit[k] for k in ("n", "mape", "r2", "rmse_s", "bias")},
-            "holdout": self.holdout, "holdout_note": self.holdout_note,
-            "undetermined": self.fit["undetermined"], "at_zero": self.fit["at_zero"],
-            "steps": {"read": self.steps_read, "used": self.steps_used, "dropped_empty": self.dropped_empty,
-                      "dropped_outliers": self.dropped_outliers},
+            "holdout": self.holdout,
+            "holdout_note": self.holdout_note,
+            "undetermined": self.fit["undetermined"],
+            "at_zero": self.fit["at_zero"],
+            "steps": {
+                "read": self.steps_read,
+                "used": self.steps_used,
+                "dropped_empty": self.dropped_empty,
+                "dropped_outliers": self.dropped_outliers,
+            },
             "warnings": self.warnings,
         }
 
@@ -125,8 +142,9 @@ def steps_url(control_url: str) -> str:
     return base + STEPS_PATH
 
 
-def fetch_steps(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
-                client=None) -> list[dict]:
+def fetch_steps(
+    control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS, client=None
+) -> list[dict]:
     """Every step the replica still keeps, oldest first, paging ``?cursor=N`` from 0 until a page
     comes back empty (or ``max_steps`` were read). Raises :class:`ReplicaUnreachable`."""
     return fetch_step_log(control_url, timeout=timeout, max_steps=max_steps, client=client)[1]
@@ -151,8 +169,9 @@ def _text(body: bytes, n: int) -> str:
     return body[:n].decode("utf-8", "replace")
 
 
-def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS,
-                   client=None) -> tuple[str | None, list[dict]]:
+def fetch_step_log(
+    control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS, client=None
+) -> tuple[str | None, list[dict]]:
     """(the replica's name as its API reports it, :func:`fetch_steps`)."""
     import httpx
 
@@ -178,22 +197,31 @@ def fetch_step_log(control_url: str, *, timeout: float = 10.0, max_steps: int = 
             # 429 is waited out as its Retry-After asks, MAX_RATE_LIMITED times in all.
             policy = STEP_LOG_RATE_LIMITED.replace(attempts=MAX_RATE_LIMITED - refused + 1)
             try:
-                answer = policy.call(partial(_get_bounded, client, url, MAX_STEPS_BYTES, {"cursor": cursor}),
-                                     again=rate_limited, before_sleep=count_refusal)
+                answer = policy.call(
+                    partial(_get_bounded, client, url, MAX_STEPS_BYTES, {"cursor": cursor}),
+                    again=rate_limited,
+                    before_sleep=count_refusal,
+                )
             except httpx.HTTPError as err:
-                raise ReplicaUnreachable(f"cannot reach the control API at {url}: "
-                                         f"{type(err).__name__}: {err or 'no answer'}") from None
+                raise ReplicaUnreachable(
+                    f"cannot reach the control API at {url}: "
+                    f"{type(err).__name__}: {err or 'no answer'}"
+                ) from None
             status, body = answer.status_code, answer.content
             if status == 404:
-                raise ReplicaUnreachable(f"{url} answered 404: not a tailpilot control API (or one without "
-                                         "a step log); give the control URL, not vLLM's API URL")
+                raise ReplicaUnreachable(
+                    f"{url} answered 404: not a tailpilot control API (or one without "
+                    "a step log); give the control URL, not vLLM's API URL"
+                )
             if status != 200:
                 raise ReplicaUnreachable(f"{url} answered HTTP {status}: {_text(body, 300)}")
             try:
                 page = json.loads(body)
                 items, next_cursor = page["steps"], int(page["next_cursor"])
             except (ValueError, KeyError, TypeError):
-                raise ReplicaUnreachable(f"{url} did not answer a step-log page ({_text(body, 200)!r})") from None
+                raise ReplicaUnreachable(
+                    f"{url} did not answer a step-log page ({_text(body, 200)!r})"
+                ) from None
             replica = page.get("replica", replica) if isinstance(page, dict) else replica
             if not items or next_cursor <= cursor:
                 break
@@ -210,9 +238,9 @@ def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) 
     replica does not report are left out). Raises :class:`ReplicaUnreachable`."""
     import httpx
 
-    from scheduler.contract import State, read
     from controlplane.http import sync_client
     from controlplane.replica_http import MAX_STATE_BYTES
+    from scheduler.contract import State, read
 
     url = steps_url(control_url).removesuffix("/steps") + "/state"
     own = client is None
@@ -221,10 +249,14 @@ def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) 
     try:
         answer = _get_bounded(client, url, MAX_STATE_BYTES)
         if answer.status_code != 200:
-            raise ReplicaUnreachable(f"{url} answered HTTP {answer.status_code}: {_text(answer.content, 200)}")
+            raise ReplicaUnreachable(
+                f"{url} answered HTTP {answer.status_code}: {_text(answer.content, 200)}"
+            )
         state = read(State, json.loads(answer.content))
     except httpx.HTTPError as err:
-        raise ReplicaUnreachable(f"cannot reach {url}: {type(err).__name__}: {err or 'no answer'}") from None
+        raise ReplicaUnreachable(
+            f"cannot reach {url}: {type(err).__name__}: {err or 'no answer'}"
+        ) from None
     except ValueError as err:
         raise ReplicaUnreachable(f"{url} did not answer a state document: {err}") from None
     finally:
@@ -252,20 +284,30 @@ def engine_config(facts: dict[str, Any], model: StepTimeModel):
     for key in ("block_size", "num_gpu_blocks"):
         if key in facts:
             kw[key] = facts[key]
-    limits = {k: facts[k] for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
-              if k in facts}
+    limits = {
+        k: facts[k]
+        for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+        if k in facts
+    }
     return EngineConfig(**kw), limits
 
 
-def replica_engine(store, cluster: str, replica: str, facts: dict[str, Any] | None = None,
-                   step_model: str | None = None):
+def replica_engine(
+    store,
+    cluster: str,
+    replica: str,
+    facts: dict[str, Any] | None = None,
+    step_model: str | None = None,
+):
     """(EngineConfig, engine limits) for replaying ``replica``: the named step model, else its
     calibrated one (``calibrated/<replica>``) if saved, else the default; its engine ``facts``
     (:func:`fetch_engine_facts`), the KV blocks its newest stored sample reports where the facts
     have none."""
     from sim.stepmodel import DEFAULT_MODEL_NAME, get_model, list_models
 
-    name = step_model or (f"calibrated/{replica}" if f"calibrated/{replica}" in list_models() else DEFAULT_MODEL_NAME)
+    name = step_model or (
+        f"calibrated/{replica}" if f"calibrated/{replica}" in list_models() else DEFAULT_MODEL_NAME
+    )
     facts = dict(facts or {})
     if "num_gpu_blocks" not in facts:
         latest = store.readings.latest_samples(cluster).get(replica)
@@ -283,7 +325,11 @@ def steps_to_rows(steps: Iterable[dict]) -> tuple[list[tuple[float, ...]], int]:
         except (KeyError, TypeError, ValueError):
             dropped += 1
             continue
-        if not all(math.isfinite(v) and v >= 0 for v in row) or row[0] <= 0 or (row[1] == 0 and row[3] == 0):
+        if (
+            not all(math.isfinite(v) and v >= 0 for v in row)
+            or row[0] <= 0
+            or (row[1] == 0 and row[3] == 0)
+        ):
             dropped += 1
             continue
         rows.append(row)
@@ -296,8 +342,13 @@ def steps_to_rows(steps: Iterable[dict]) -> tuple[list[tuple[float, ...]], int]:
 
 
 def _predict(model: StepTimeModel, rows: np.ndarray) -> np.ndarray:
-    return (model.a + model.b * rows[:, 1] + model.c * rows[:, 2] + model.d * rows[:, 3]
-            + model.e * rows[:, 4])
+    return (
+        model.a
+        + model.b * rows[:, 1]
+        + model.c * rows[:, 2]
+        + model.d * rows[:, 3]
+        + model.e * rows[:, 4]
+    )
 
 
 def total_bias(model: StepTimeModel, rows: np.ndarray) -> dict[str, float | None]:
@@ -306,7 +357,11 @@ def total_bias(model: StepTimeModel, rows: np.ndarray) -> dict[str, float | None
     pred, y = _predict(model, rows), rows[:, 0]
     prefill = rows[:, 1] > 0
     out: dict[str, float | None] = {}
-    for name, mask in (("total", np.ones(len(y), bool)), ("prefill", prefill), ("decode", ~prefill)):
+    for name, mask in (
+        ("total", np.ones(len(y), bool)),
+        ("prefill", prefill),
+        ("decode", ~prefill),
+    ):
         out[name] = float(pred[mask].sum() / y[mask].sum() - 1.0) if mask.any() else None
     return out
 
@@ -316,15 +371,20 @@ def prediction_error(model: StepTimeModel, rows: np.ndarray) -> dict[str, Any]:
     the measured ones."""
     y = rows[:, 0]
     resid = _predict(model, rows) - y
-    ss_res = float(np.sum(resid ** 2))
+    ss_res = float(np.sum(resid**2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
-    return {"n": int(len(y)), "mape": float(np.mean(np.abs(resid) / y)),
-            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0),
-            "rmse_s": math.sqrt(ss_res / len(y)), "bias": total_bias(model, rows)}
+    return {
+        "n": len(y),
+        "mape": float(np.mean(np.abs(resid) / y)),
+        "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0),
+        "rmse_s": math.sqrt(ss_res / len(y)),
+        "bias": total_bias(model, rows),
+    }
 
 
-def relative_standard_errors(model: StepTimeModel, rows: np.ndarray, fitted: Sequence[str],
-                             relative: bool = False) -> dict[str, float]:
+def relative_standard_errors(
+    model: StepTimeModel, rows: np.ndarray, fitted: Sequence[str], relative: bool = False
+) -> dict[str, float]:
     """Standard error / value of each fitted coefficient, from the least-squares covariance
     σ²(XᵀX)⁻¹ (X weighted by 1/duration when the fit was on relative error). Linearised: it
     ignores the non-negativity constraint, so it is a guide to identifiability, not an exact
@@ -340,7 +400,7 @@ def relative_standard_errors(model: StepTimeModel, rows: np.ndarray, fitted: Seq
     out = {k: math.inf for k in COEFFICIENTS}
     if dof <= 0 or not cols:
         return out
-    sigma2 = float(np.sum(resid ** 2)) / dof
+    sigma2 = float(np.sum(resid**2)) / dof
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     xs = x / scale
@@ -352,16 +412,20 @@ def relative_standard_errors(model: StepTimeModel, rows: np.ndarray, fitted: Seq
     return out
 
 
-def _fit(rows: np.ndarray, name: str, source: str, base: StepTimeModel | None,
-         error: str = "absolute") -> tuple[StepTimeModel, dict]:
+def _fit(
+    rows: np.ndarray, name: str, source: str, base: StepTimeModel | None, error: str = "absolute"
+) -> tuple[StepTimeModel, dict]:
     try:
-        model, report = fit_step_model(rows, name, source, default=base, strict=base is None,
-                                       relative=error == "relative")
+        model, report = fit_step_model(
+            rows, name, source, default=base, strict=base is None, relative=error == "relative"
+        )
     except StepFitError as err:
         hint = ""
         if base is None and "cannot be determined" in str(err):
-            hint = (" (drive load with both prefill and decode, or give a base set whose values the "
-                    "missing terms keep)")
+            hint = (
+                " (drive load with both prefill and decode, or give a base set whose values the "
+                "missing terms keep)"
+            )
         raise CalibrationError(f"degenerate fit: {err}{hint}") from None
     return _to_total(model, rows, report["undetermined"]), report
 
@@ -371,7 +435,9 @@ def _to_total(model: StepTimeModel, rows: np.ndarray, kept=()) -> StepTimeModel:
     its predicted total step time equals the recorded total."""
     fitted = [k for k in COEFFICIENTS if k not in kept]
     columns = np.column_stack([np.ones(len(rows)), rows[:, 1:]])
-    part = columns[:, [COEFFICIENTS.index(k) for k in fitted]] @ np.array([getattr(model, k) for k in fitted])
+    part = columns[:, [COEFFICIENTS.index(k) for k in fitted]] @ np.array(
+        [getattr(model, k) for k in fitted]
+    )
     rest = float(_predict(model, rows).sum()) - float(part.sum())
     if part.sum() <= 0:
         return model
@@ -381,10 +447,18 @@ def _to_total(model: StepTimeModel, rows: np.ndarray, kept=()) -> StepTimeModel:
     return dataclasses.replace(model, **{key: getattr(model, key) * k for key in fitted})
 
 
-def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: str, source: str = "calibrated",
-                    min_steps: int = DEFAULT_MIN_STEPS, holdout: float = DEFAULT_HOLDOUT,
-                    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR, base: StepTimeModel | None = None,
-                    seed: int = 0, error: str = "absolute") -> CalibrationResult:
+def calibrate_steps(
+    steps: Iterable[dict] | Sequence[Sequence[float]],
+    *,
+    name: str,
+    source: str = "calibrated",
+    min_steps: int = DEFAULT_MIN_STEPS,
+    holdout: float = DEFAULT_HOLDOUT,
+    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+    base: StepTimeModel | None = None,
+    seed: int = 0,
+    error: str = "absolute",
+) -> CalibrationResult:
     """Fit a named coefficient set to step-log entries (dicts as the API serves them, or rows
     ``(duration_s, prefill_tokens, sum_prefill_sq, decode_seqs, sum_kv_context)``) on ``error``
     ("absolute" or "relative"), scaled to the recorded total."""
@@ -400,7 +474,8 @@ def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: 
         raise CalibrationError(
             f"too few steps: {len(rows_list)} usable of {read} in the step log, need at least "
             f"{max(min_steps, 5)}; send the replica some traffic (varied prompt and output lengths) and "
-            "try again")
+            "try again"
+        )
     rows = np.asarray(rows_list, dtype=float)
     model, report = _fit(rows, name, source, base, error)
 
@@ -413,7 +488,7 @@ def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: 
         # robust σ of the relative residuals; never call a step within 5 % of the fit an outlier
         limit = max(outlier_factor * 1.4826 * float(np.median(dev)), OUTLIER_FLOOR)
         keep = dev <= limit
-        if 0 < int((~keep).sum()) and int(keep.sum()) >= max(min_steps, 5):
+        if int((~keep).sum()) > 0 and int(keep.sum()) >= max(min_steps, 5):
             dropped_outliers = int((~keep).sum())
             rows = rows[keep]
             model, report = _fit(rows, name, source, base, error)
@@ -431,31 +506,51 @@ def calibrate_steps(steps: Iterable[dict] | Sequence[Sequence[float]], *, name: 
         order = np.random.default_rng(seed).permutation(n)
         test, train = rows[order[:n_test]], rows[order[n_test:]]
         try:
-            m80, _ = fit_step_model(train, name, source, default=model, strict=False, relative=error == "relative")
+            m80, _ = fit_step_model(
+                train, name, source, default=model, strict=False, relative=error == "relative"
+            )
             m80 = _to_total(m80, train, report["undetermined"])
         except StepFitError as err:
             note = f"no held-out error: the 80 % split alone cannot be fitted ({err})"
         else:
-            held = {**prediction_error(m80, test), "n_fit": int(len(train))}
+            held = {**prediction_error(m80, test), "n_fit": len(train)}
     else:
         note = f"no held-out error: {n} steps are too few to hold {holdout:.0%} out"
 
     warnings = []
     for key in report["at_zero"]:
-        warnings.append(f"{key} came out 0 (the non-negative fit found no cost per {key!r} term in this log)")
+        warnings.append(
+            f"{key} came out 0 (the non-negative fit found no cost per {key!r} term in this log)"
+        )
     warnings.extend(report["undetermined"].values())
     if not (math.isfinite(report["r2"]) and report["r2"] > 0):
-        warnings.append(f"R² = {report['r2']:.3g}: the model explains little of the step-time variance")
-    return CalibrationResult(model=model, fit=report, holdout=held, rel_se=rel_se, steps_read=read,
-                             steps_used=len(rows), dropped_empty=dropped_empty, dropped_outliers=dropped_outliers,
-                             source=source, holdout_note=note, warnings=warnings, error=error)
+        warnings.append(
+            f"R² = {report['r2']:.3g}: the model explains little of the step-time variance"
+        )
+    return CalibrationResult(
+        model=model,
+        fit=report,
+        holdout=held,
+        rel_se=rel_se,
+        steps_read=read,
+        steps_used=len(rows),
+        dropped_empty=dropped_empty,
+        dropped_outliers=dropped_outliers,
+        source=source,
+        holdout_note=note,
+        warnings=warnings,
+        error=error,
+    )
 
 
-def calibrate_url(control_url: str, *, name: str, source: str | None = None, timeout: float = 10.0,
-                  **kwargs: Any) -> CalibrationResult:
+def calibrate_url(
+    control_url: str, *, name: str, source: str | None = None, timeout: float = 10.0, **kwargs: Any
+) -> CalibrationResult:
     """Fetch a replica's step log from its control API and fit it (see :func:`calibrate_steps`)."""
     steps = fetch_steps(control_url, timeout=timeout)
-    return calibrate_steps(steps, name=name, source=source or f"calibrated from {control_url}", **kwargs)
+    return calibrate_steps(
+        steps, name=name, source=source or f"calibrated from {control_url}", **kwargs
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,22 +565,34 @@ def replica_control_url(store, replica: str, cluster: str | None = None) -> tupl
     found = [(c, r) for c in clusters for r in store.recordings.replicas(c) if r.name == replica]
     if not found:
         where = f"cluster {cluster!r}" if cluster else "any cluster"
-        known = sorted(f"{c}/{r.name}" for c in store.recordings.clusters() for r in store.recordings.replicas(c))
-        raise CalibrationError(f"replica {replica!r} is not in the store ({where}); known: "
-                               f"{', '.join(known) or 'none (run `tailpilot record` first)'}")
+        known = sorted(
+            f"{c}/{r.name}"
+            for c in store.recordings.clusters()
+            for r in store.recordings.replicas(c)
+        )
+        raise CalibrationError(
+            f"replica {replica!r} is not in the store ({where}); known: "
+            f"{', '.join(known) or 'none (run `tailpilot record` first)'}"
+        )
     if len(found) > 1:
-        raise CalibrationError(f"replica {replica!r} is in several clusters "
-                               f"({', '.join(c for c, _ in found)}); name one with --cluster-name")
+        raise CalibrationError(
+            f"replica {replica!r} is in several clusters "
+            f"({', '.join(c for c, _ in found)}); name one with --cluster-name"
+        )
     c, info = found[0]
     if not info.control_url:
-        raise CalibrationError(f"the store has no control URL for replica {replica!r} of cluster {c!r}")
+        raise CalibrationError(
+            f"the store has no control URL for replica {replica!r} of cluster {c!r}"
+        )
     return c, info.control_url
 
 
 def _bias_text(bias: dict[str, float | None]) -> str:
-    """"+0.0% total (prefill +1.2%, decode −0.8%)": predicted over recorded step time."""
+    """ "+0.0% total (prefill +1.2%, decode −0.8%)": predicted over recorded step time."""
+
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:+.1%}"
+
     return f"{pct(bias['total'])} total (prefill steps {pct(bias['prefill'])}, decode steps {pct(bias['decode'])})"
 
 
@@ -494,10 +601,12 @@ def format_report(result: CalibrationResult, saved_to: str | None = None) -> str
     from sim.stepmodel import COEF_MEANING as _COEF_MEANING
 
     m, fit = result.model, result.fit
-    lines = [f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"
-             f" ({result.dropped_empty} empty, {result.dropped_outliers} outliers dropped)",
-             f"  source: {result.source}",
-             "  coef        value   rel.s.e.  meaning"]
+    lines = [
+        f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"
+        f" ({result.dropped_empty} empty, {result.dropped_outliers} outliers dropped)",
+        f"  source: {result.source}",
+        "  coef        value   rel.s.e.  meaning",
+    ]
     for key in COEFFICIENTS:
         se = result.rel_se.get(key, math.inf)
         if key in fit["undetermined"]:
@@ -505,20 +614,28 @@ def format_report(result: CalibrationResult, saved_to: str | None = None) -> str
         else:
             se_text = f"{se:8.1%}" if math.isfinite(se) else "     n/a"
         lines.append(f"  {key}    {getattr(m, key):12.4e}  {se_text:>8}  {_COEF_MEANING[key]}")
-    lines.append(f"  identified by this log (rel. s.e. < {IDENTIFIED_REL_SE:.0%}): "
-                 f"{', '.join(result.identified) or 'none'}")
+    lines.append(
+        f"  identified by this log (rel. s.e. < {IDENTIFIED_REL_SE:.0%}): "
+        f"{', '.join(result.identified) or 'none'}"
+    )
     lines.append(f"fit on {result.error} error, scaled to the recorded total")
-    lines.append(f"fit error ({fit['n']} steps): MAPE {fit['mape']:.2%}, R² {fit['r2']:.4f}, "
-                 f"RMSE {fit['rmse_s'] * 1e3:.3f} ms, bias {_bias_text(fit['bias'])}")
+    lines.append(
+        f"fit error ({fit['n']} steps): MAPE {fit['mape']:.2%}, R² {fit['r2']:.4f}, "
+        f"RMSE {fit['rmse_s'] * 1e3:.3f} ms, bias {_bias_text(fit['bias'])}"
+    )
     if result.holdout is not None:
         h = result.holdout
-        lines.append(f"held-out error ({h['n']} steps, fitted on the other {h['n_fit']}): MAPE {h['mape']:.2%}, "
-                     f"R² {h['r2']:.4f}, RMSE {h['rmse_s'] * 1e3:.3f} ms, bias {_bias_text(h['bias'])}")
+        lines.append(
+            f"held-out error ({h['n']} steps, fitted on the other {h['n_fit']}): MAPE {h['mape']:.2%}, "
+            f"R² {h['r2']:.4f}, RMSE {h['rmse_s'] * 1e3:.3f} ms, bias {_bias_text(h['bias'])}"
+        )
     elif result.holdout_note:
         lines.append(result.holdout_note)
     if result.engine:
         e = result.engine
-        lines.append("engine (read from the replica): " + ", ".join(f"{k} {v:,}" for k, v in e.items()))
+        lines.append(
+            "engine (read from the replica): " + ", ".join(f"{k} {v:,}" for k, v in e.items())
+        )
     for w in result.warnings:
         lines.append(f"warning: {w}")
     if saved_to:

@@ -34,8 +34,16 @@ def split(trace: tr.Trace, n: int) -> list[tr.Trace]:
     return [tr.Trace(f"{trace.name}#{i}/{n}", tuple(trace.requests[i::n])) for i in range(n)]
 
 
-def evaluate(trace: tr.Trace, n: int, params: SloFqParams, settings: Settings, config: EngineConfig, *,
-             window_s: float, target: float) -> dict[str, Any]:
+def evaluate(
+    trace: tr.Trace,
+    n: int,
+    params: SloFqParams,
+    settings: Settings,
+    config: EngineConfig,
+    *,
+    window_s: float,
+    target: float,
+) -> dict[str, Any]:
     """SCR per window of ``n`` replicas serving the trace, and the KV bound per replica."""
     import numpy as np
 
@@ -62,13 +70,29 @@ def evaluate(trace: tr.Trace, n: int, params: SloFqParams, settings: Settings, c
     rate = len(trace) / max(span, 1e-9) / n
     kv_demand = rate * ttlt * context
     kv_capacity = config.num_gpu_blocks * config.block_size
-    return {"replicas": n, "scr_mean": mean_scr, "windows_at_target": (sum(s >= target for s in scrs) / len(scrs))
-            if scrs else None, "windows": len(scrs), "requests": len(done), "lost": len(trace) - len(done),
-            "kv_demand_tokens": kv_demand, "kv_capacity_tokens": kv_capacity, "kv_bound": kv_demand > kv_capacity}
+    return {
+        "replicas": n,
+        "scr_mean": mean_scr,
+        "windows_at_target": (sum(s >= target for s in scrs) / len(scrs)) if scrs else None,
+        "windows": len(scrs),
+        "requests": len(done),
+        "lost": len(trace) - len(done),
+        "kv_demand_tokens": kv_demand,
+        "kv_capacity_tokens": kv_capacity,
+        "kv_bound": kv_demand > kv_capacity,
+    }
 
 
-def capacity(trace: tr.Trace, params: SloFqParams, settings: Settings, config: EngineConfig, *,
-             target: float = 0.99, window_s: float = 60.0, max_replicas: int = 64) -> dict[str, Any]:
+def capacity(
+    trace: tr.Trace,
+    params: SloFqParams,
+    settings: Settings,
+    config: EngineConfig,
+    *,
+    target: float = 0.99,
+    window_s: float = 60.0,
+    max_replicas: int = 64,
+) -> dict[str, Any]:
     """The smallest replica count whose mean per-window SCR meets ``target`` (module docstring)."""
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
@@ -78,7 +102,9 @@ def capacity(trace: tr.Trace, params: SloFqParams, settings: Settings, config: E
 
     def meets(n: int) -> bool:
         if n not in tried:
-            tried[n] = evaluate(trace, n, params, settings, config, window_s=window_s, target=target)
+            tried[n] = evaluate(
+                trace, n, params, settings, config, window_s=window_s, target=target
+            )
         scr = tried[n]["scr_mean"]
         return scr is not None and scr >= target
 
@@ -95,21 +121,36 @@ def capacity(trace: tr.Trace, params: SloFqParams, settings: Settings, config: E
             else:
                 lo = mid
         answer = hi
-    return {"replicas": answer, "target": target, "window_s": window_s, "max_replicas": max_replicas,
-            "policy": settings.policy, "requests": len(trace), "rows": [tried[n] for n in sorted(tried)]}
+    return {
+        "replicas": answer,
+        "target": target,
+        "window_s": window_s,
+        "max_replicas": max_replicas,
+        "policy": settings.policy,
+        "requests": len(trace),
+        "rows": [tried[n] for n in sorted(tried)],
+    }
 
 
 def format_plan(plan: dict[str, Any]) -> str:
-    lines = [f"{'replicas':>8} {'mean SCR':>9} {'windows at target':>18} {'KV demand/capacity':>20}"]
+    lines = [
+        f"{'replicas':>8} {'mean SCR':>9} {'windows at target':>18} {'KV demand/capacity':>20}"
+    ]
     for r in plan["rows"]:
         scr = "n/a" if r["scr_mean"] is None else f"{r['scr_mean']:.3f}"
         at = "n/a" if r["windows_at_target"] is None else f"{r['windows_at_target']:.0%}"
-        kv = f"{r['kv_demand_tokens'] / max(r['kv_capacity_tokens'], 1):.2f}" + (" KV-bound" if r["kv_bound"] else "")
+        kv = f"{r['kv_demand_tokens'] / max(r['kv_capacity_tokens'], 1):.2f}" + (
+            " KV-bound" if r["kv_bound"] else ""
+        )
         lines.append(f"{r['replicas']:>8} {scr:>9} {at:>18} {kv:>20}")
     if plan["replicas"] is None:
-        lines.append(f"no count up to {plan['max_replicas']} keeps the mean SCR at {plan['target']:g} "
-                     f"({plan['policy']}, {plan['requests']} requests)")
+        lines.append(
+            f"no count up to {plan['max_replicas']} keeps the mean SCR at {plan['target']:g} "
+            f"({plan['policy']}, {plan['requests']} requests)"
+        )
     else:
-        lines.append(f"{plan['replicas']} replicas keep the mean per-window SCR at {plan['target']:g} or above "
-                     f"({plan['policy']}, {plan['requests']} requests, {plan['window_s']:g}-s windows)")
+        lines.append(
+            f"{plan['replicas']} replicas keep the mean per-window SCR at {plan['target']:g} or above "
+            f"({plan['policy']}, {plan['requests']} requests, {plan['window_s']:g}-s windows)"
+        )
     return "\n".join(lines)

@@ -14,7 +14,8 @@ production is kept and the summary says why.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from scheduler.settings import Settings
 from sim.engine import Simulator
@@ -43,11 +44,15 @@ def continuous_metrics(ctx: TuneContext, settings: Settings) -> dict[str, dict[s
         all_done += done
         ids = held.get(trace_no, set())
         held_done += [c for c in done if c.id in ids]
-    return {"holdout": completion_metrics(held_done, ctx.tracked, ctx.spec.slo),
-            "all": completion_metrics(all_done, ctx.tracked, ctx.spec.slo)}
+    return {
+        "holdout": completion_metrics(held_done, ctx.tracked, ctx.spec.slo),
+        "all": completion_metrics(all_done, ctx.tracked, ctx.spec.slo),
+    }
 
 
-def losses(ctx: TuneContext, values: Mapping[str, float], production: Mapping[str, float]) -> list[str]:
+def losses(
+    ctx: TuneContext, values: Mapping[str, float], production: Mapping[str, float]
+) -> list[str]:
     """Why ``values`` lose to ``production`` (empty: they do not): each objective that is worse,
     each constraint that fails, as a short phrase with the figures."""
     out = []
@@ -55,7 +60,9 @@ def losses(ctx: TuneContext, values: Mapping[str, float], production: Mapping[st
         x, b = values.get(name, math.nan), production.get(name, math.nan)
         if not math.isfinite(x) and math.isfinite(b):
             out.append(f"{name} undefined (production {b:.4g})")
-        elif math.isfinite(x) and math.isfinite(b) and (x < b if direction == "maximize" else x > b):
+        elif (
+            math.isfinite(x) and math.isfinite(b) and (x < b if direction == "maximize" else x > b)
+        ):
             out.append(f"{name} {x:.4g} vs production {b:.4g}")
     if ctx.constraints:
         for key, v in ctx.constraint_values({0: values}, baseline={0: production}).items():
@@ -64,20 +71,30 @@ def losses(ctx: TuneContext, values: Mapping[str, float], production: Mapping[st
     return out
 
 
-def engine_losses(candidate: Settings, production: Settings, values: Mapping[str, float],
-                  base: Mapping[str, float]) -> list[str]:
+def engine_losses(
+    candidate: Settings,
+    production: Settings,
+    values: Mapping[str, float],
+    base: Mapping[str, float],
+) -> list[str]:
     """A candidate with other engine limits than production's, judged on throughput in the
     continuous replay of every request."""
     if candidate.engine == production.engine:
         return []
     x, b = values.get("throughput_tok_s", math.nan), base.get("throughput_tok_s", math.nan)
     if math.isfinite(x) and math.isfinite(b) and x < ENGINE_THROUGHPUT_FLOOR * b:
-        return [f"engine limits: throughput {x:.4g} tok/s vs production {b:.4g} in the continuous replay"]
+        return [
+            f"engine limits: throughput {x:.4g} tok/s vs production {b:.4g} in the continuous replay"
+        ]
     return []
 
 
-def validate(ctx: TuneContext, candidates: Sequence[tuple[int, Settings]], production: Settings,
-             held_out_losses: Callable[[Settings], list[str]] | None = None) -> dict[str, Any]:
+def validate(
+    ctx: TuneContext,
+    candidates: Sequence[tuple[int, Settings]],
+    production: Settings,
+    held_out_losses: Callable[[Settings], list[str]] | None = None,
+) -> dict[str, Any]:
     """Continuous replays of ``candidates`` ((trial number, settings), best first; at most
     ``MAX_CANDIDATES``) against ``production``: the first that does not lose is ``chosen``
     (None: keep production). A candidate loses if it is worse on an objective or breaks a

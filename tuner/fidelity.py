@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,14 @@ from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import Simulator
-from tuner.recorded import DB_ENV, RecordedSpan, engine_arrival_s, load_recorded, store_lag_s, with_front_end
+from tuner.recorded import (
+    DB_ENV,
+    RecordedSpan,
+    engine_arrival_s,
+    load_recorded,
+    store_lag_s,
+    with_front_end,
+)
 
 LATENCIES = ("ttft_p50", "ttft_p99", "ttlt_p50", "ttlt_p99")
 FIGURES = (*LATENCIES, "throughput_tok_s", "preemptions")
@@ -65,21 +73,46 @@ def summary_of(completions, span_s: float, keys: Sequence[str]) -> dict[str, flo
     return {k: s[k] if math.isfinite(s[k]) else None for k in keys}
 
 
-def figures(rows: Sequence[tuple[float, float | None, float, int, int]], span_s: float) -> dict[str, float | None]:
+def figures(
+    rows: Sequence[tuple[float, float | None, float, int, int]], span_s: float
+) -> dict[str, float | None]:
     """P50/P99 TTFT and TTLT, throughput and preemptions of (arrival, first token, finish,
     output tokens, preemptions) rows, times relative to one origin; ``span_s`` the window length."""
-    done = [Completion(id=str(i), tenant="", type="", arrival=a, scheduled_at=math.nan,
-                       first_token_at=math.nan if f is None else f, finished_at=e, prompt_tokens=0,
-                       output_tokens=n, preemptions=p) for i, (a, f, e, n, p) in enumerate(rows)]
+    done = [
+        Completion(
+            id=str(i),
+            tenant="",
+            type="",
+            arrival=a,
+            scheduled_at=math.nan,
+            first_token_at=math.nan if f is None else f,
+            finished_at=e,
+            prompt_tokens=0,
+            output_tokens=n,
+            preemptions=p,
+        )
+        for i, (a, f, e, n, p) in enumerate(rows)
+    ]
     return summary_of(done, span_s, FIGURES)
 
 
-def compare(real: dict[str, float | None], sim: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
-    return {"real": real, "sim": sim, "errors": {k: relative_change(sim[k], real[k]) for k in FIGURES}}
+def compare(
+    real: dict[str, float | None], sim: dict[str, float | None]
+) -> dict[str, dict[str, float | None]]:
+    return {
+        "real": real,
+        "sim": sim,
+        "errors": {k: relative_change(sim[k], real[k]) for k in FIGURES},
+    }
 
 
-def decision_diff(real_first: np.ndarray, sim_first: np.ndarray, arrivals: np.ndarray,
-                  real_pre: np.ndarray, sim_pre: np.ndarray) -> dict[str, Any]:
+def decision_diff(
+    real_first: np.ndarray,
+    sim_first: np.ndarray,
+    arrivals: np.ndarray,
+    real_pre: np.ndarray,
+    sim_pre: np.ndarray,
+) -> dict[str, Any]:
     """How differently two runs ordered the same requests (first-token times, preemptions)."""
     from scipy import stats
 
@@ -111,7 +144,9 @@ def _overtaken(arrivals: np.ndarray, first: np.ndarray) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def settings_timeline(seen: Sequence[dict[str, Any]], start_ms: int | None) -> list[tuple[int | None, Settings]]:
+def settings_timeline(
+    seen: Sequence[dict[str, Any]], start_ms: int | None
+) -> list[tuple[int | None, Settings]]:
     """[(t_ms, settings)] in force from ``start_ms`` on: the last document seen at or before it
     (t None), then every later one. FidelityError when none was seen."""
     docs = sorted(seen, key=lambda r: r["t_ms"])
@@ -121,8 +156,10 @@ def settings_timeline(seen: Sequence[dict[str, Any]], start_ms: int | None) -> l
     after = [r for r in docs if r["t_ms"] > start_ms]
     first = before[-1] if before else (after.pop(0) if after else None)
     if first is None:
-        raise FidelityError("no settings document of this replica was recorded (the collector stores "
-                            "each version it sees): nothing says what the replica ran")
+        raise FidelityError(
+            "no settings document of this replica was recorded (the collector stores "
+            "each version it sees): nothing says what the replica ran"
+        )
     out: list[tuple[int | None, Settings]] = [(None, Settings.model_validate(first["settings"]))]
     out += [(r["t_ms"], Settings.model_validate(r["settings"])) for r in after]
     return out
@@ -146,10 +183,19 @@ class Replay(Simulator):
 # --------------------------------------------------------------------------------------------
 
 
-def fidelity(store, *, cluster: str | None = None, replica: str, recording: str | None = None,
-             start_s: float | None = None, end_s: float | None = None, window_s: float = DEFAULT_WINDOW_S,
-             step_model: str | None = None, engine_facts: dict[str, Any] | None = None,
-             db: str | None = None) -> dict[str, Any]:
+def fidelity(
+    store,
+    *,
+    cluster: str | None = None,
+    replica: str,
+    recording: str | None = None,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    window_s: float = DEFAULT_WINDOW_S,
+    step_model: str | None = None,
+    engine_facts: dict[str, Any] | None = None,
+    db: str | None = None,
+) -> dict[str, Any]:
     """Replay ``replica``'s recorded span and compare (see the module docstring). ``engine_facts``:
     the replica's block size, KV blocks and limits (``tuner.calibrate.fetch_engine_facts``); None
     reads what the store knows. ``db`` is only used to name the span in the report."""
@@ -157,13 +203,25 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
 
     if not (window_s > 0 and math.isfinite(window_s)):
         raise FidelityError(f"window_s must be a positive number of seconds, got {window_s!r}")
-    span = RecordedSpan(db=db or os.environ.get(DB_ENV), recording=recording, cluster=cluster,
-                        replicas=(replica,), start_s=start_s, end_s=end_s)
+    span = RecordedSpan(
+        db=db or os.environ.get(DB_ENV),
+        recording=recording,
+        cluster=cluster,
+        replicas=(replica,),
+        start_s=start_s,
+        end_s=end_s,
+    )
     if cluster is None:
-        found = [c for c in store.recordings.clusters() if any(r.name == replica for r in store.recordings.replicas(c))]
+        found = [
+            c
+            for c in store.recordings.clusters()
+            if any(r.name == replica for r in store.recordings.replicas(c))
+        ]
         if len(found) != 1:
-            raise FidelityError(f"replica {replica!r} is in {len(found)} clusters ({', '.join(found) or 'none'}): "
-                                "name the cluster")
+            raise FidelityError(
+                f"replica {replica!r} is in {len(found)} clusters ({', '.join(found) or 'none'}): "
+                "name the cluster"
+            )
         cluster = found[0]
         span = replace(span, cluster=cluster)
     trace = _load(store, span)
@@ -175,13 +233,17 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     real = {c.request_id: c for c in store.readings.completions(cluster, replica)}
     rows = [real[r.id] for r in trace if r.id in real]
     if not rows:
-        raise FidelityError(f"replica {replica!r}: no recorded completion matches the span's requests")
+        raise FidelityError(
+            f"replica {replica!r}: no recorded completion matches the span's requests"
+        )
     t0 = min(c.arrival_s for c in rows)
     t0_trace = min(engine_arrival_s(c) for c in rows)  # the trace's origin (engine-core arrivals)
     # Settings changes inside the span: at the replica-clock time they were first seen (the
     # collector's clock mapped by the median offset between finish times and the store's clock).
     offset = store_lag_s(store, cluster, replica, rows)
-    changes = [(t_ms / 1000.0 + offset - t0_trace, s) for t_ms, s in timeline[1:] if t_ms is not None]
+    changes = [
+        (t_ms / 1000.0 + offset - t0_trace, s) for t_ms, s in timeline[1:] if t_ms is not None
+    ]
 
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
     model = config.step_model
@@ -195,10 +257,26 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
     shift = t0_trace - t0  # the trace's clock onto the real rows' one
 
     matched = [c for c in rows if c.request_id in simulated]
-    real_rows = [(c.arrival_s - t0, None if c.first_token_s is None else c.first_token_s - t0, c.finished_s - t0,
-                  c.output_tokens, c.preemptions) for c in matched]
-    sim_rows = [(s.arrival + shift, s.first_token_at + shift, s.finished_at + shift, s.output_tokens, s.preemptions)
-                for s in (simulated[c.request_id] for c in matched)]
+    real_rows = [
+        (
+            c.arrival_s - t0,
+            None if c.first_token_s is None else c.first_token_s - t0,
+            c.finished_s - t0,
+            c.output_tokens,
+            c.preemptions,
+        )
+        for c in matched
+    ]
+    sim_rows = [
+        (
+            s.arrival + shift,
+            s.first_token_at + shift,
+            s.finished_at + shift,
+            s.output_tokens,
+            s.preemptions,
+        )
+        for s in (simulated[c.request_id] for c in matched)
+    ]
     span_s = max(r[0] for r in real_rows) + 1e-9
     windows: list[dict[str, Any]] = []
     n_windows = max(1, math.ceil(span_s / window_s))
@@ -209,22 +287,43 @@ def fidelity(store, *, cluster: str | None = None, replica: str, recording: str 
             continue
         rw = [real_rows[i] for i in idx]
         sw = [sim_rows[i] for i in idx]
-        entry = {"start_s": lo, "requests": len(idx), **compare(figures(rw, window_s), figures(sw, window_s)),
-                 "decision": _diff([real_rows[i] for i in idx], [sim_rows[i] for i in idx])}
+        entry = {
+            "start_s": lo,
+            "requests": len(idx),
+            **compare(figures(rw, window_s), figures(sw, window_s)),
+            "decision": _diff([real_rows[i] for i in idx], [sim_rows[i] for i in idx]),
+        }
         windows.append(entry)
     whole = span_s if span_s > 0 else 1.0
     errors = compare(figures(real_rows, whole), figures(sim_rows, whole))
     overall: dict[str, Any] = {**errors, "decision": _diff(real_rows, sim_rows)}
-    band = max((abs(v) for k, v in errors["errors"].items() if k in LATENCIES and v is not None), default=None)
-    ranked = sorted((w for w in windows if w["requests"] >= MIN_WINDOW_REQUESTS), key=_divergence, reverse=True)
+    band = max(
+        (abs(v) for k, v in errors["errors"].items() if k in LATENCIES and v is not None),
+        default=None,
+    )
+    ranked = sorted(
+        (w for w in windows if w["requests"] >= MIN_WINDOW_REQUESTS), key=_divergence, reverse=True
+    )
     return {
-        "cluster": cluster, "replica": replica, "span": span.url(), "requests": len(matched),
-        "unmatched": len(trace) - len(matched), "window_s": window_s,
-        "settings": [{"from_s": None if i == 0 else round(changes[i - 1][0], 3), "policy": s.policy}
-                     for i, (_, s) in enumerate(timeline)],
-        "step_model": model.name, "engine": {**engine, "block_size": config.block_size,
-                                            "num_gpu_blocks": config.num_gpu_blocks},
-        "overall": overall, "band": band, "windows": windows,
+        "cluster": cluster,
+        "replica": replica,
+        "span": span.url(),
+        "requests": len(matched),
+        "unmatched": len(trace) - len(matched),
+        "window_s": window_s,
+        "settings": [
+            {"from_s": None if i == 0 else round(changes[i - 1][0], 3), "policy": s.policy}
+            for i, (_, s) in enumerate(timeline)
+        ],
+        "step_model": model.name,
+        "engine": {
+            **engine,
+            "block_size": config.block_size,
+            "num_gpu_blocks": config.num_gpu_blocks,
+        },
+        "overall": overall,
+        "band": band,
+        "windows": windows,
         "divergent_windows": [w["start_s"] for w in ranked[:3]],
     }
 
@@ -233,12 +332,21 @@ def _diff(real_rows, sim_rows) -> dict[str, Any]:
     arrivals = np.array([r[0] for r in real_rows], float)
     real_first = np.array([r[1] if r[1] is not None else r[2] for r in real_rows], float)
     sim_first = np.array([s[1] if s[1] is not None else s[2] for s in sim_rows], float)
-    return decision_diff(real_first, sim_first, arrivals, np.array([r[4] for r in real_rows]),
-                         np.array([s[4] for s in sim_rows]))
+    return decision_diff(
+        real_first,
+        sim_first,
+        arrivals,
+        np.array([r[4] for r in real_rows]),
+        np.array([s[4] for s in sim_rows]),
+    )
 
 
 def _divergence(window: dict[str, Any]) -> float:
-    errors = [abs(window["errors"][k]) for k in ("ttft_p99", "ttlt_p99") if window["errors"][k] is not None]
+    errors = [
+        abs(window["errors"][k])
+        for k in ("ttft_p99", "ttlt_p99")
+        if window["errors"][k] is not None
+    ]
     rho = window["decision"]["spearman"]
     return max(errors, default=0.0) + (0.0 if rho is None else max(0.0, 1.0 - rho))
 
@@ -253,6 +361,7 @@ def _load(store, span: RecordedSpan) -> tr.Trace:
 
 def format_report(report: dict[str, Any]) -> str:
     """The table ``tailpilot fidelity`` prints."""
+
     def pct(v):
         return "   n/a" if v is None else f"{v:+6.1%}"
 
@@ -261,22 +370,31 @@ def format_report(report: dict[str, Any]) -> str:
 
     o = report["overall"]
     d = o["decision"]
-    lines = [f"fidelity of {report['cluster']}/{report['replica']}: {report['requests']} requests of {report['span']}",
-             f"  replayed with {', '.join(s['policy'] for s in report['settings'])}, step model "
-             f"{report['step_model']}, engine {report['engine']}",
-             f"  {'window':>8} {'req':>5} " + " ".join(f"{k:>16}" for k in FIGURES)]
+    lines = [
+        f"fidelity of {report['cluster']}/{report['replica']}: {report['requests']} requests of {report['span']}",
+        f"  replayed with {', '.join(s['policy'] for s in report['settings'])}, step model "
+        f"{report['step_model']}, engine {report['engine']}",
+        f"  {'window':>8} {'req':>5} " + " ".join(f"{k:>16}" for k in FIGURES),
+    ]
     for w in [*report["windows"], {"start_s": None, "requests": report["requests"], **o}]:
         label = "all" if w["start_s"] is None else f"{w['start_s']:.0f}s"
         cells = [f"{num(w['sim'][k])}/{num(w['real'][k])} {pct(w['errors'][k])}" for k in FIGURES]
         lines.append(f"  {label:>8} {w['requests']:>5} " + " ".join(f"{c:>16}" for c in cells))
     lines.append("  (cells: sim/real error)")
-    lines.append(f"decision diff: Spearman {num(d['spearman'])}, Kendall {num(d['kendall'])} over first-token "
-                 f"times; overtaken by a later arrival: {d['overtaken_real']} real, {d['overtaken_sim']} sim; "
-                 f"preemptions per request {num(d['preemptions_per_request_real'])} real, "
-                 f"{num(d['preemptions_per_request_sim'])} sim ({d['preemptions_differ']} requests differ)")
+    lines.append(
+        f"decision diff: Spearman {num(d['spearman'])}, Kendall {num(d['kendall'])} over first-token "
+        f"times; overtaken by a later arrival: {d['overtaken_real']} real, {d['overtaken_sim']} sim; "
+        f"preemptions per request {num(d['preemptions_per_request_real'])} real, "
+        f"{num(d['preemptions_per_request_sim'])} sim ({d['preemptions_differ']} requests differ)"
+    )
     if report["divergent_windows"]:
-        lines.append("diverging most: " + ", ".join(f"{s:.0f}s" for s in report["divergent_windows"]))
+        lines.append(
+            "diverging most: " + ", ".join(f"{s:.0f}s" for s in report["divergent_windows"])
+        )
     band = report["band"]
-    lines.append(f"error band on this replica: ±{band:.0%} (largest |error| of P50/P99 TTFT and TTLT)"
-                 if band is not None else "error band: n/a")
+    lines.append(
+        f"error band on this replica: ±{band:.0%} (largest |error| of P50/P99 TTFT and TTLT)"
+        if band is not None
+        else "error band: n/a"
+    )
     return "\n".join(lines)

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 from scheduler.metrics import METRICS, metric_direction, validate_metric
-
 
 #: Metrics a replay summary does not hold (live-only, or need inputs a replay lacks).
 REPLAY_UNAVAILABLE = frozenset({"kv_usage", "slo_compliance_ratio", "type_share_ratio_min"})
 FAIRNESS_METRICS = frozenset({"jain_index"})
 
 
-def parse_objectives(names: Sequence[str], slo: Mapping[str, float] | None = None
-                     ) -> list[tuple[str, Literal["maximize", "minimize"]]]:
+def parse_objectives(
+    names: Sequence[str], slo: Mapping[str, float] | None = None
+) -> list[tuple[str, Literal["maximize", "minimize"]]]:
     """Canonical (name, direction) per objective; UnknownMetricError lists valid names."""
     if not names:
         raise ValueError("give at least one objective")
@@ -58,10 +59,13 @@ def check_replay_metric(raw: str, slo: Mapping[str, float] | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 _NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?P<rhs>.+?)\s*$")
+_CONSTRAINT = re.compile(
+    r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?P<rhs>.+?)\s*$"
+)
 _RHS_NUMBER = re.compile(rf"^(?P<num>{_NUM})$")
 _RHS_BASELINE = re.compile(
-    rf"^(?:(?P<pre>{_NUM})\s*\*\s*)?baseline(?:\s*\*\s*(?P<post>{_NUM}))?(?:\s*(?P<sign>[+-])\s*(?P<add>{_NUM}))?$")
+    rf"^(?:(?P<pre>{_NUM})\s*\*\s*)?baseline(?:\s*\*\s*(?P<post>{_NUM}))?(?:\s*(?P<sign>[+-])\s*(?P<add>{_NUM}))?$"
+)
 _RHS_PERCENT = re.compile(rf"^(?P<pct>{_NUM})\s*%\s*(?:of\s+|\*\s*)?baseline$")
 
 
@@ -98,7 +102,9 @@ class Constraint:
         return self.text
 
 
-def parse_constraint(text: str, slo: Mapping[str, float] | None = None, *, legacy: bool = False) -> Constraint:
+def parse_constraint(
+    text: str, slo: Mapping[str, float] | None = None, *, legacy: bool = False
+) -> Constraint:
     """Parse ``throughput>=0.99*baseline``, ``ttft_p99<=2.0``, ``ttlt_p99<=baseline+0.5``,
     ``throughput>=99%baseline``. Errors name the constraint.
 
@@ -108,8 +114,10 @@ def parse_constraint(text: str, slo: Mapping[str, float] | None = None, *, legac
     """
     m = _CONSTRAINT.match(text)
     if not m:
-        raise ConstraintError(f"{text!r}: expected METRIC<=BOUND or METRIC>=BOUND, "
-                              "BOUND a number or [FACTOR*]baseline[+OFFSET] (e.g. throughput>=0.99*baseline)")
+        raise ConstraintError(
+            f"{text!r}: expected METRIC<=BOUND or METRIC>=BOUND, "
+            "BOUND a number or [FACTOR*]baseline[+OFFSET] (e.g. throughput>=0.99*baseline)"
+        )
     try:
         metric = check_replay_metric(m["metric"], slo)
     except ValueError as err:
@@ -118,8 +126,10 @@ def parse_constraint(text: str, slo: Mapping[str, float] | None = None, *, legac
     op = m["op"]
     if op in ("<", ">"):
         if not legacy:
-            raise ConstraintError(f"{text!r}: use {op + '='!r}: a constraint's bound is inclusive (a strict "
-                                  f"{op!r} is not supported)")
+            raise ConstraintError(
+                f"{text!r}: use {op + '='!r}: a constraint's bound is inclusive (a strict "
+                f"{op!r} is not supported)"
+            )
         op += "="
     return Constraint(text.strip(), metric, op, scale, offset)
 
@@ -136,11 +146,15 @@ def _parse_bound(text: str, rhs: str) -> tuple[float | None, float]:
         scale = float(b["pre"] or b["post"] or 1.0)
         add = float(b["add"]) * (-1 if b["sign"] == "-" else 1) if b["add"] is not None else 0.0
         return scale, add
-    raise ConstraintError(f"{text!r}: cannot read the bound {rhs!r}; use a number or "
-                          "[FACTOR*]baseline[+OFFSET] (e.g. 0.99*baseline)")
+    raise ConstraintError(
+        f"{text!r}: cannot read the bound {rhs!r}; use a number or "
+        "[FACTOR*]baseline[+OFFSET] (e.g. 0.99*baseline)"
+    )
 
 
-def tracked_metrics(objectives: Sequence[tuple[str, str]], constraints: Sequence[Constraint]) -> list[str]:
+def tracked_metrics(
+    objectives: Sequence[tuple[str, str]], constraints: Sequence[Constraint]
+) -> list[str]:
     """Metrics kept per window for every trial: objectives, constraint metrics and the headline tails."""
     names = [n for n, _ in objectives] + [c.metric for c in constraints]
     names += ["ttlt_p99", "ttft_p95", "ttft_p99", "throughput_tok_s"]

@@ -43,8 +43,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from scheduler.validation import finite_or_none
 from tuner.optuna_storage import open_storage, quiet_optuna, redact
@@ -92,7 +93,9 @@ def stream_sampler(ctx: TuneContext, seed: int, process_seed: int, expected: int
     trial that is not (or from the start when ``expected`` is None), before each trial
     ``make_sampler(ctx, trial_seed(seed, number))``. Optuna's samplers keep nothing between
     trials that the storage does not hold, so a fresh one per trial samples as a long-lived one."""
-    return _stream_sampler_class()(functools.partial(make_sampler, ctx), seed, process_seed, expected)
+    return _stream_sampler_class()(
+        functools.partial(make_sampler, ctx), seed, process_seed, expected
+    )
 
 
 @functools.cache
@@ -103,8 +106,9 @@ def _stream_sampler_class():
         """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
         one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
 
-        def __init__(self, factory: Callable[[int], Any], seed: int, process_seed: int,
-                     expected: int | None) -> None:
+        def __init__(
+            self, factory: Callable[[int], Any], seed: int, process_seed: int, expected: int | None
+        ) -> None:
             self.factory, self.seed, self.expected = factory, seed, expected
             self.inner = factory(process_seed)
 
@@ -161,7 +165,9 @@ class Objective:
     def quiet_interrupted(self, record: logging.LogRecord) -> bool:
         """A logging filter: drop Optuna's "Trial N failed ..." warnings of the interrupted trial
         (``tune`` reports the interruption; each worker would print a traceback)."""
-        return self.interrupted is None or not record.getMessage().startswith(f"Trial {self.interrupted} failed")
+        return self.interrupted is None or not record.getMessage().startswith(
+            f"Trial {self.interrupted} failed"
+        )
 
     def _evaluate(self, trial) -> float | list[float]:
         ctx = self.ctx
@@ -184,18 +190,27 @@ class Objective:
                 v = m[obj_name]
                 if math.isfinite(v):
                     trial.report(v, i)
-                    if not production and len(per_window) < len(ctx.search) and trial.should_prune():
+                    if (
+                        not production
+                        and len(per_window) < len(ctx.search)
+                        and trial.should_prune()
+                    ):
                         pruned_after = len(per_window)
                         break
         for key, value in ctx.constraint_values(per_window).items():
             trial.set_constraint(key, value)
         run = list(per_window)
-        trial.set_user_attr(TRIAL_ATTR, {
-            "settings": settings.to_dict(),
-            "windows": run,
-            "metrics": {n: [finite_or_none(per_window[i][n]) for i in run] for n in ctx.tracked},
-            "pruned_after": pruned_after,
-        })
+        trial.set_user_attr(
+            TRIAL_ATTR,
+            {
+                "settings": settings.to_dict(),
+                "windows": run,
+                "metrics": {
+                    n: [finite_or_none(per_window[i][n]) for i in run] for n in ctx.tracked
+                },
+                "pruned_after": pruned_after,
+            },
+        )
         values = ctx.objective_values(per_window)
         return values[0] if single else values
 
@@ -205,13 +220,24 @@ class Objective:
         from optuna.trial import TrialState
 
         if self.check_rank:
-            earlier = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
-                       if t.number < trial.number]
+            earlier = [
+                t
+                for t in trial.study.get_trials(
+                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)
+                )
+                if t.number < trial.number
+            ]
             if len(earlier) >= self.n_trials:
                 trial.set_user_attr("excess", True)
-                raise ExcessTrial(f"trial {trial.number}: {self.n_trials} trials already complete or running")
-        if production and any(t.number < trial.number and t.user_attrs.get(ROLE_ATTR) == PRODUCTION
-                              for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))):
+                raise ExcessTrial(
+                    f"trial {trial.number}: {self.n_trials} trials already complete or running"
+                )
+        if production and any(
+            t.number < trial.number and t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+            for t in trial.study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)
+            )
+        ):
             trial.set_user_attr("excess", True)
             raise ExcessTrial(f"trial {trial.number}: a production trial already ran")
 
@@ -250,7 +276,10 @@ def fail_dead_local_trials(study) -> list[int]:
         if owner_host == host and pid.isdigit() and not _alive(int(pid)):
             try:
                 study.tell(t.number, state=TrialState.FAIL)
-            except (RuntimeError, ValueError):  # finished meanwhile (another worker got there first)
+            except (
+                RuntimeError,
+                ValueError,
+            ):  # finished meanwhile (another worker got there first)
                 continue
             failed.append(t.number)
     return failed
@@ -259,7 +288,11 @@ def fail_dead_local_trials(study) -> list[int]:
 def _finished(study) -> int:
     from optuna.trial import TrialState
 
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+    return len(
+        study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+        )
+    )
 
 
 def _run_waiting_production(storage, name: str, study, objective: Objective) -> int:
@@ -268,22 +301,34 @@ def _run_waiting_production(storage, name: str, study, objective: Objective) -> 
     from optuna.trial import TrialState
 
     with setup_lock(storage, name):
-        if not any(t.user_attrs.get(ROLE_ATTR) == PRODUCTION
-                   for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+        if not any(
+            t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+            for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        ):
             return 0
         study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
         return 1
 
 
-def run_worker(storage, name: str, ctx: TuneContext, n_trials: int, *, worker: int = 0,
-               progress: Callable[[int, int], None] | None = None, poll_s: float = 0.5,
-               should_stop: Callable[[], bool] | None = None) -> int:
+def run_worker(
+    storage,
+    name: str,
+    ctx: TuneContext,
+    n_trials: int,
+    *,
+    worker: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    poll_s: float = 0.5,
+    should_stop: Callable[[], bool] | None = None,
+) -> int:
     """Run trials of study ``name`` until it has ``n_trials`` complete ones (or ``should_stop()``);
     returns how many this worker ran. KeyboardInterrupt propagates (the running trial is marked
     FAIL, without Optuna's warnings about it). ``worker``: the index of a local worker process
     (its stream's offset)."""
     quiet_optuna()
-    study = load_study(storage, name, sampler=_worker_sampler(storage, name, ctx, worker), pruner=make_pruner(ctx))
+    study = load_study(
+        storage, name, sampler=_worker_sampler(storage, name, ctx, worker), pruner=make_pruner(ctx)
+    )
     objective = Objective(ctx, n_trials)
     trial_log, quiet = logging.getLogger(OPTUNA_TRIAL_LOG), objective.quiet_interrupted
     trial_log.addFilter(quiet)
@@ -350,7 +395,9 @@ def _worker_entry(url: str, name: str, n_trials: int, worker: int, parent: int) 
     try:
         storage = open_storage(url)
         _, ctx = load_context(storage, name, enqueue=True)
-        run_worker(storage, name, ctx, n_trials, worker=worker, should_stop=lambda: os.getppid() != parent)
+        run_worker(
+            storage, name, ctx, n_trials, worker=worker, should_stop=lambda: os.getppid() != parent
+        )
     except BaseException:
         if interrupted:
             os._exit(130)
@@ -367,10 +414,17 @@ class TuneOutcome:
     best: dict[str, Any] | None
 
 
-def tune(url: str, name: str, n_trials: int, *, spec: StudySpec | None = None,
-         given: Mapping[str, Any] | None = None, workers: int = 1,
-         progress: Callable[[int, int], None] | None = None,
-         log: Callable[[str], None] | None = None) -> TuneOutcome:
+def tune(
+    url: str,
+    name: str,
+    n_trials: int,
+    *,
+    spec: StudySpec | None = None,
+    given: Mapping[str, Any] | None = None,
+    workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TuneOutcome:
     """Create or resume study ``name`` at storage ``url`` and run it to ``n_trials`` complete trials.
 
     ``workers > 1`` spawns that many local processes on the same storage (use a server database
@@ -384,8 +438,10 @@ def tune(url: str, name: str, n_trials: int, *, spec: StudySpec | None = None,
     log = log or (lambda _m: None)
     storage = open_storage(url)
     ctx = prepare(storage, name, spec, given, log)
-    log(f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on {len(ctx.search)} "
-        f"{ctx.search}, held out {ctx.holdout}")
+    log(
+        f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on {len(ctx.search)} "
+        f"{ctx.search}, held out {ctx.holdout}"
+    )
     interrupted = False
     try:
         if workers == 1:
@@ -401,8 +457,14 @@ def tune(url: str, name: str, n_trials: int, *, spec: StudySpec | None = None,
 
 def _run_processes(url: str, name: str, n_trials: int, workers: int, storage, progress) -> None:
     mp = multiprocessing.get_context("spawn")
-    procs = [mp.Process(target=_worker_entry, args=(url, name, n_trials, k, os.getpid()), name=f"tailpilot-tune-{k}")
-             for k in range(workers)]
+    procs = [
+        mp.Process(
+            target=_worker_entry,
+            args=(url, name, n_trials, k, os.getpid()),
+            name=f"tailpilot-tune-{k}",
+        )
+        for k in range(workers)
+    ]
     for p in procs:
         p.start()
     study = load_study(storage, name)
@@ -429,7 +491,7 @@ def _run_processes(url: str, name: str, n_trials: int, workers: int, storage, pr
     if progress:
         progress(_counts(study)[0], n_trials)
     if failed:
-        raise TuneError(f"{len(failed)} worker process(es) failed (exit codes "
-                        f"{', '.join(str(p.exitcode) for p in failed)})")
-
-
+        raise TuneError(
+            f"{len(failed)} worker process(es) failed (exit codes "
+            f"{', '.join(str(p.exitcode) for p in failed)})"
+        )

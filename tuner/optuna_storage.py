@@ -28,13 +28,17 @@ HEARTBEAT_S = 10  # workers' heartbeats; a trial of a worker silent for GRACE_S 
 GRACE_S = 40
 
 
-TAILPILOT_TABLES = frozenset({"replicas", "samples", "completions", "recommendations", "settings_changes"})
+TAILPILOT_TABLES = frozenset(
+    {"replicas", "samples", "completions", "recommendations", "settings_changes"}
+)
 
 
 JOURNAL_PREFIX = "journal:"
 JOURNAL_SUFFIXES = (".journal", ".log")  # optuna-dashboard reads a .log file as a journal too
-SUPPORTED = ("a SQLite file (PATH or sqlite:///PATH), a journal file (journal:PATH, or a PATH ending "
-             ".journal or .log) or a database URL (postgresql://USER@HOST/DB)")
+SUPPORTED = (
+    "a SQLite file (PATH or sqlite:///PATH), a journal file (journal:PATH, or a PATH ending "
+    ".journal or .log) or a database URL (postgresql://USER@HOST/DB)"
+)
 # A scheme of two or more letters before ':' (one letter is a Windows drive, not a scheme).
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):")
 
@@ -45,18 +49,22 @@ def storage_url(raw: str | None) -> str:
     if raw is None or raw == "":
         return f"sqlite:///{Path.cwd() / DEFAULT_STORAGE_FILE}"
     if raw.startswith(JOURNAL_PREFIX):
-        path = raw[len(JOURNAL_PREFIX):]
+        path = raw[len(JOURNAL_PREFIX) :]
         if not path:
-            raise TuneError(f"--storage {raw}: give the journal file's path, e.g. journal:study.journal")
+            raise TuneError(
+                f"--storage {raw}: give the journal file's path, e.g. journal:study.journal"
+            )
         return JOURNAL_PREFIX + str(Path(path).resolve())
     scheme = _SCHEME.match(raw)
-    if scheme is None or ("://" not in raw and Path(raw).exists()):  # a file path (even one with a ':')
+    if scheme is None or (
+        "://" not in raw and Path(raw).exists()
+    ):  # a file path (even one with a ':')
         if Path(raw).suffix in JOURNAL_SUFFIXES:
             return JOURNAL_PREFIX + str(Path(raw).resolve())
         return f"sqlite:///{Path(raw).resolve()}"
     for prefix in ("postgresql://", "postgres://"):
         if raw.startswith(prefix):
-            return "postgresql+psycopg://" + raw[len(prefix):]
+            return "postgresql+psycopg://" + raw[len(prefix) :]
     _check_dialect(raw, scheme.group(1))
     return raw
 
@@ -67,9 +75,10 @@ def _check_dialect(url: str, scheme: str) -> None:
 
     try:
         make_url(url).get_dialect()
-    except Exception:  # noqa: BLE001 - unparsable or no such dialect: the same answer
-        raise TuneError(f"--storage {redact(url)}: the tuner cannot use '{scheme}' storage; "
-                        f"use {SUPPORTED}") from None
+    except Exception:
+        raise TuneError(
+            f"--storage {redact(url)}: the tuner cannot use '{scheme}' storage; use {SUPPORTED}"
+        ) from None
 
 
 def is_journal(url: str) -> bool:
@@ -80,7 +89,7 @@ def is_journal(url: str) -> bool:
 def storage_file(url: str) -> str | None:
     """The file a SQLite or journal storage lives in (None: a server, or SQLite in memory)."""
     if is_journal(url):
-        return url[len(JOURNAL_PREFIX):]
+        return url[len(JOURNAL_PREFIX) :]
     if url.startswith("sqlite:///"):
         path = url.removeprefix("sqlite:///")
         return None if path in ("", ":memory:") else path
@@ -92,7 +101,7 @@ def _same_database(a: str, b: str) -> bool:
 
     try:
         ua, ub = make_url(a), make_url(b)
-    except Exception:  # noqa: BLE001 - unparsable: let the open fail later
+    except Exception:
         return False
     if ua.get_backend_name() != ub.get_backend_name():
         return False
@@ -112,10 +121,15 @@ def check_storage_separate(url: str, db_url: str | None) -> None:
         db = db_url if "://" in db_url else f"sqlite:///{Path(db_url).resolve()}"
         journal = storage_file(url) if is_journal(url) else None
         db_file = storage_file(db)
-        if (_same_database(url, db) if journal is None
-                else db_file is not None and Path(journal).resolve() == Path(db_file).resolve()):
-            raise TuneError(f"--storage is tailpilot's database ({db_url}); keep Optuna's tables apart: "
-                            f"use another database (default: the SQLite file {DEFAULT_STORAGE_FILE})")
+        if (
+            _same_database(url, db)
+            if journal is None
+            else db_file is not None and Path(journal).resolve() == Path(db_file).resolve()
+        ):
+            raise TuneError(
+                f"--storage is tailpilot's database ({db_url}); keep Optuna's tables apart: "
+                f"use another database (default: the SQLite file {DEFAULT_STORAGE_FILE})"
+            )
     if is_journal(url):
         _check_journal_file(url)
         return
@@ -125,18 +139,20 @@ def check_storage_separate(url: str, db_url: str | None) -> None:
         return
     try:
         engine = create_engine(url)
-    except Exception as err:  # noqa: BLE001 - a driver that is not installed, a malformed URL
+    except Exception as err:
         raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
     try:
         tables = set(inspect(engine).get_table_names())
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise TuneError(f"--storage {redact(url)}: cannot connect: {_one_line(err)}") from None
     finally:
         engine.dispose()
     clash = tables & TAILPILOT_TABLES
     if clash:
-        raise TuneError(f"--storage {redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
-                        "keep Optuna's tables in a separate database")
+        raise TuneError(
+            f"--storage {redact(url)} holds tailpilot's tables ({', '.join(sorted(clash))}); "
+            "keep Optuna's tables in a separate database"
+        )
 
 
 def _check_journal_file(url: str) -> None:
@@ -150,8 +166,10 @@ def _check_journal_file(url: str) -> None:
         with path.open("rb") as fh:
             head = fh.read(16)
         if head.startswith(b"SQLite format 3"):
-            raise TuneError(f"--storage {url}: is a SQLite database, not an Optuna journal; "
-                            f"give it as --storage {path} (no journal: prefix)")
+            raise TuneError(
+                f"--storage {url}: is a SQLite database, not an Optuna journal; "
+                f"give it as --storage {path} (no journal: prefix)"
+            )
 
 
 def _one_line(err: BaseException) -> str:
@@ -166,7 +184,7 @@ def redact(url: str) -> str:
 
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return url
 
 
@@ -193,9 +211,11 @@ def open_storage(url: str):
     delays = backoff_delays(0.2, 3.2)
     for attempt in range(6):
         try:
-            storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw)
+            storage = optuna.storages.RDBStorage(
+                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw
+            )
             break
-        except Exception as err:  # noqa: BLE001 - any driver error: say which storage
+        except Exception as err:
             if attempt == 5 or not _transient_open_error(err):
                 raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
             time.sleep(next(delays))
@@ -205,7 +225,7 @@ def open_storage(url: str):
 
 
 # The URL each journal storage was opened from (JournalStorage does not keep it; RDBStorage does).
-_JOURNAL_URLS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_JOURNAL_URLS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def url_of(storage) -> str:
@@ -222,7 +242,7 @@ def _open_journal(url: str):
     _check_journal_file(url)
     try:
         storage = JournalStorage(JournalFileBackend(storage_file(url) or ""))
-    except Exception as err:  # noqa: BLE001 - unreadable or not a journal
+    except Exception as err:
         raise TuneError(f"--storage {url}: cannot read the journal: {_one_line(err)}") from None
     _JOURNAL_URLS[storage] = url
     return storage
@@ -230,8 +250,17 @@ def _open_journal(url: str):
 
 def _transient_open_error(err: Exception) -> bool:
     text = str(err).lower()
-    return any(k in text for k in ("duplicate key", "already exists", "database is locked", "deadlock",
-                                   "could not serialize", "unique constraint"))
+    return any(
+        k in text
+        for k in (
+            "duplicate key",
+            "already exists",
+            "database is locked",
+            "deadlock",
+            "could not serialize",
+            "unique constraint",
+        )
+    )
 
 
 def _sqlite_wal(engine) -> None:

@@ -20,7 +20,8 @@ by the search.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,8 +37,9 @@ from tuner.study import PRODUCTION, ROLE_ATTR, TRIAL_ATTR, TuneContext, load_con
 CONFIDENCE = 0.95
 
 
-def paired_improvement(values: Sequence[float], baseline: Sequence[float], name: str,
-                       confidence: float = CONFIDENCE) -> dict[str, Any]:
+def paired_improvement(
+    values: Sequence[float], baseline: Sequence[float], name: str, confidence: float = CONFIDENCE
+) -> dict[str, Any]:
     """How ``values`` compare with ``baseline``, window by window (positive = better).
 
     * ``value``, ``baseline``: means over the windows where both are defined;
@@ -49,14 +51,24 @@ def paired_improvement(values: Sequence[float], baseline: Sequence[float], name:
       the interval is a t-interval of the paired differences divided by the mean baseline and
       ``improvement_pct`` is ``mean_change_pct`` (``ci_method`` says which).
     """
-    pairs = [(x, b) for x, b in zip(values, baseline)
-             if x is not None and b is not None and math.isfinite(x) and math.isfinite(b)]
+    pairs = [
+        (x, b)
+        for x, b in zip(values, baseline)
+        if x is not None and b is not None and math.isfinite(x) and math.isfinite(b)
+    ]
     n = len(pairs)
     nan = math.nan
-    out: dict[str, Any] = {"n": n, "value": nan, "baseline": nan, "improvement_pct": nan, "mean_change_pct": nan,
-                           "ci_pct": [nan, nan], "ci_method": None,
-                           "per_window": [finite_or_none(v) for v in values],
-                           "baseline_per_window": [finite_or_none(v) for v in baseline]}
+    out: dict[str, Any] = {
+        "n": n,
+        "value": nan,
+        "baseline": nan,
+        "improvement_pct": nan,
+        "mean_change_pct": nan,
+        "ci_pct": [nan, nan],
+        "ci_method": None,
+        "per_window": [finite_or_none(v) for v in values],
+        "baseline_per_window": [finite_or_none(v) for v in baseline],
+    }
     if n == 0:
         return out
     x = np.array([p[0] for p in pairs])
@@ -95,10 +107,18 @@ def paired_improvement(values: Sequence[float], baseline: Sequence[float], name:
     return out
 
 
-def _metric_table(ctx: TuneContext, values: Mapping[int, Mapping[str, float]],
-                  baseline: Mapping[int, Mapping[str, float]], windows: Sequence[int]) -> dict[str, Any]:
-    return {name: paired_improvement([values[i][name] for i in windows], [baseline[i][name] for i in windows], name)
-            for name in ctx.tracked}
+def _metric_table(
+    ctx: TuneContext,
+    values: Mapping[int, Mapping[str, float]],
+    baseline: Mapping[int, Mapping[str, float]],
+    windows: Sequence[int],
+) -> dict[str, Any]:
+    return {
+        name: paired_improvement(
+            [values[i][name] for i in windows], [baseline[i][name] for i in windows], name
+        )
+        for name in ctx.tracked
+    }
 
 
 def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, Any]:
@@ -111,8 +131,10 @@ def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, 
     front = best_trials(study, ctx)
     if not front:
         feasible = len(candidate_trials(study))
-        raise TuneError(f"study {name}: no feasible, fully evaluated trial among {len(complete)} complete "
-                        f"({feasible} feasible); run more trials or relax --constraint")
+        raise TuneError(
+            f"study {name}: no feasible, fully evaluated trial among {len(complete)} complete "
+            f"({feasible} feasible); run more trials or relax --constraint"
+        )
     production = ctx.space.production_settings
     ranked = ranked_candidates(study, ctx)
     held = ctx.holdout
@@ -125,20 +147,30 @@ def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, 
         values = ctx.constraint_values(ctx.run_many(candidate, held), baseline=held_base)
         return [f"held-out windows: constraint {k} fails" for k, v in values.items() if v > 0]
 
-    check = validate(ctx, [(t.number, Settings.model_validate(t.user_attrs[TRIAL_ATTR]["settings"]))
-                           for t in ranked], production, held_out_losses)
+    check = validate(
+        ctx,
+        [(t.number, Settings.model_validate(t.user_attrs[TRIAL_ATTR]["settings"])) for t in ranked],
+        production,
+        held_out_losses,
+    )
     if check["chosen"] is None:  # every candidate lost the continuous replay: keep production
         chosen = next((t for t in complete if t.user_attrs.get(ROLE_ATTR) == PRODUCTION), ranked[0])
         settings = production
     else:
         chosen = next(t for t in ranked if t.number == check["chosen"])
         settings = Settings.model_validate(chosen.user_attrs[TRIAL_ATTR]["settings"])
-    search_vals = trial_metrics(chosen) if chosen.user_attrs.get(TRIAL_ATTR, {}).get("metrics") else {}
+    search_vals = (
+        trial_metrics(chosen) if chosen.user_attrs.get(TRIAL_ATTR, {}).get("metrics") else {}
+    )
     search_windows = list(search_vals)
     held_vals = ctx.run_many(settings, held)
-    held_constraints = ctx.constraint_values(held_vals, baseline=held_base) if ctx.constraints else {}
-    cont_metrics = next((c["metrics"] for c in check["checked"] if c["trial"] == check["chosen"]),
-                        check["production"])
+    held_constraints = (
+        ctx.constraint_values(held_vals, baseline=held_base) if ctx.constraints else {}
+    )
+    cont_metrics = next(
+        (c["metrics"] for c in check["checked"] if c["trial"] == check["chosen"]),
+        check["production"],
+    )
     summary: dict[str, Any] = {
         "study": name,
         "trial": chosen.number,
@@ -151,38 +183,68 @@ def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, 
         "trials_complete": len(complete),
         "gamma_hat": finite_or_none(ctx.gamma_hat),
         "confidence": CONFIDENCE,
-        "search": {"windows": search_windows,
-                   "metrics": _metric_table(ctx, search_vals, ctx.baseline, search_windows)},
-        "holdout": {"windows": list(held),
-                    "metrics": _metric_table(ctx, held_vals, held_base, held),
-                    "constraints": [{"constraint": k, "value": v, "feasible": v <= 0}
-                                    for k, v in held_constraints.items()]},
+        "search": {
+            "windows": search_windows,
+            "metrics": _metric_table(ctx, search_vals, ctx.baseline, search_windows),
+        },
+        "holdout": {
+            "windows": list(held),
+            "metrics": _metric_table(ctx, held_vals, held_base, held),
+            "constraints": [
+                {"constraint": k, "value": v, "feasible": v <= 0}
+                for k, v in held_constraints.items()
+            ],
+        },
         "continuous": {
             "what": "every trace replayed whole; held-out = the held-out windows' requests in that replay",
-            "holdout": _continuous_table(ctx, cont_metrics["holdout"], check["production"]["holdout"]),
+            "holdout": _continuous_table(
+                ctx, cont_metrics["holdout"], check["production"]["holdout"]
+            ),
             "all": _continuous_table(ctx, cont_metrics["all"], check["production"]["all"]),
             "checked": [{"trial": c["trial"], "losses": c["losses"]} for c in check["checked"]],
             "kept_production": check["chosen"] is None,
         },
         # What the study tuned on: each trace's source (a file, the bundled window, or the recording
         # and span as a db: URL) and what was replayed of it.
-        "traces": [{"source": source or "bundled", "name": t.name, "requests": len(t),
-                    "span_s": t.requests[-1].arrival if len(t) else 0.0}
-                   for source, t in zip(ctx.spec.traces, ctx.traces)],
-        "windows": {"window_s": ctx.spec.window_s, "warmup_s": ctx.spec.warmup_s, "count": len(ctx.windows),
-                    "labels": {str(w.index): w.label() for w in ctx.windows}},
+        "traces": [
+            {
+                "source": source or "bundled",
+                "name": t.name,
+                "requests": len(t),
+                "span_s": t.requests[-1].arrival if len(t) else 0.0,
+            }
+            for source, t in zip(ctx.spec.traces, ctx.traces)
+        ],
+        "windows": {
+            "window_s": ctx.spec.window_s,
+            "warmup_s": ctx.spec.warmup_s,
+            "count": len(ctx.windows),
+            "labels": {str(w.index): w.label() for w in ctx.windows},
+        },
     }
     if with_autopilot:
-        summary["autopilot"] = keep_the_autopilot(ctx, production, cont_metrics["all"], check["production"]["all"])
+        summary["autopilot"] = keep_the_autopilot(
+            ctx, production, cont_metrics["all"], check["production"]["all"]
+        )
     if len(ctx.objectives) > 1:
-        summary["pareto_front"] = [{"trial": t.number, "values": list(t.values),
-                                    "settings": t.user_attrs[TRIAL_ATTR]["settings"]} for t in front]
+        summary["pareto_front"] = [
+            {
+                "trial": t.number,
+                "values": list(t.values),
+                "settings": t.user_attrs[TRIAL_ATTR]["settings"],
+            }
+            for t in front
+        ]
     return summary
 
 
-def keep_the_autopilot(ctx: TuneContext, production: Settings, recommended: Mapping[str, float],
-                       base: Mapping[str, float]) -> dict[str, Any]:
-    """"Keep the autopilot" as a candidate: the autopilot (default configuration, starting on
+def keep_the_autopilot(
+    ctx: TuneContext,
+    production: Settings,
+    recommended: Mapping[str, float],
+    base: Mapping[str, float],
+) -> dict[str, Any]:
+    """ "Keep the autopilot" as a candidate: the autopilot (default configuration, starting on
     production) replays every study trace whole; it is kept when it loses nothing to production
     (objectives and constraints, as any candidate) and, against the recommendation on every
     request, is no worse on any objective and better on one."""
@@ -193,21 +255,37 @@ def keep_the_autopilot(ctx: TuneContext, production: Settings, recommended: Mapp
     worse = [n for n, d in ctx.objectives if _worse(got[n], recommended[n], d)]
     better = [n for n, d in ctx.objectives if _worse(recommended[n], got[n], d)]
     keep = not lost and not worse and bool(better)
-    why = ("it beats the recommended settings on " + ", ".join(better) if keep
-           else "; ".join(lost + [f"{n} worse than the recommendation" for n in worse]) or "no better on any objective")
-    return {"keep": keep, "verdict": ("keep the autopilot: " if keep else "the recommended settings: ") + why,
-            "metrics": {n: {"value": got[n], "recommended": recommended[n], "production": base[n]} for n in ctx.tracked}}
+    why = (
+        "it beats the recommended settings on " + ", ".join(better)
+        if keep
+        else "; ".join(lost + [f"{n} worse than the recommendation" for n in worse])
+        or "no better on any objective"
+    )
+    return {
+        "keep": keep,
+        "verdict": ("keep the autopilot: " if keep else "the recommended settings: ") + why,
+        "metrics": {
+            n: {"value": got[n], "recommended": recommended[n], "production": base[n]}
+            for n in ctx.tracked
+        },
+    }
 
 
 def _worse(a: float, b: float, direction: str) -> bool:
     return math.isfinite(a) and math.isfinite(b) and (a < b if direction == "maximize" else a > b)
 
 
-def _continuous_table(ctx: TuneContext, values: Mapping[str, float],
-                      production: Mapping[str, float]) -> dict[str, Any]:
-    return {name: {"value": values[name], "production": production[name],
-                   "change_pct": percent_change(values[name], production[name], name)}
-            for name in ctx.tracked}
+def _continuous_table(
+    ctx: TuneContext, values: Mapping[str, float], production: Mapping[str, float]
+) -> dict[str, Any]:
+    return {
+        name: {
+            "value": values[name],
+            "production": production[name],
+            "change_pct": percent_change(values[name], production[name], name),
+        }
+        for name in ctx.tracked
+    }
 
 
 # NaN/inf → None, recursively (strict JSON for stores and --json): one rule, storage's.

@@ -55,10 +55,18 @@ class RecordedSpan:
 
     def url(self) -> str:
         """The ``db:`` URL naming this span (what ``recommend`` and studies report)."""
-        keys = [("recording", self.recording), ("cluster", self.cluster),
-                ("replicas", ",".join(self.replicas) or None), ("from", self.start_s), ("to", self.end_s)]
-        frag = "&".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={quote(str(v), safe=',/@:')}"
-                        for k, v in keys if v is not None)
+        keys = [
+            ("recording", self.recording),
+            ("cluster", self.cluster),
+            ("replicas", ",".join(self.replicas) or None),
+            ("from", self.start_s),
+            ("to", self.end_s),
+        ]
+        frag = "&".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={quote(str(v), safe=',/@:')}"
+            for k, v in keys
+            if v is not None
+        )
         return f"{PREFIX}{self.db or ''}" + (f"#{frag}" if frag else "")
 
 
@@ -70,7 +78,7 @@ def parse_url(url: str) -> RecordedSpan:
     """``db:[STORE][#key=value&...]`` → a RecordedSpan; a TraceError names the bad part."""
     if not is_recorded(url):
         raise tr.TraceError(f"{url!r}: a recorded trace URL starts with {PREFIX!r}")
-    store, _, frag = url[len(PREFIX):].partition("#")
+    store, _, frag = url[len(PREFIX) :].partition("#")
     values: dict[str, str] = {}
     for key, value in parse_qsl(frag, keep_blank_values=True, strict_parsing=False):
         if key not in KEYS:
@@ -86,25 +94,38 @@ def parse_url(url: str) -> RecordedSpan:
             try:
                 bounds[key] = float(values[key])
             except ValueError:
-                raise tr.TraceError(f"{url!r}: {key}={values[key]!r} is not a number of seconds") from None
+                raise tr.TraceError(
+                    f"{url!r}: {key}={values[key]!r} is not a number of seconds"
+                ) from None
             if not (bounds[key] >= 0 and bounds[key] < float("inf")):
-                raise tr.TraceError(f"{url!r}: {key}={values[key]!r} must be a finite number of seconds >= 0")
+                raise tr.TraceError(
+                    f"{url!r}: {key}={values[key]!r} must be a finite number of seconds >= 0"
+                )
     if "from" in bounds and "to" in bounds and bounds["to"] <= bounds["from"]:
-        raise tr.TraceError(f"{url!r}: to ({bounds['to']:g}) must be after from ({bounds['from']:g})")
+        raise tr.TraceError(
+            f"{url!r}: to ({bounds['to']:g}) must be after from ({bounds['from']:g})"
+        )
     replicas = tuple(r for r in values.get("replicas", "").split(",") if r)
-    return RecordedSpan(db=store or None, recording=values.get("recording"), cluster=values.get("cluster"),
-                        replicas=replicas, start_s=bounds.get("from"), end_s=bounds.get("to"))
+    return RecordedSpan(
+        db=store or None,
+        recording=values.get("recording"),
+        cluster=values.get("cluster"),
+        replicas=replicas,
+        start_s=bounds.get("from"),
+        end_s=bounds.get("to"),
+    )
 
 
-def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
-                  store=None) -> tr.Trace:
+def load_recorded(
+    span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, store=None
+) -> tr.Trace:
     """The span's requests as a Trace (arrivals from the first one, ids ``replica/request`` when
     several replicas are merged), from ``store`` if given (else the span's db, opened and closed
     here). TraceError when the span names nothing or holds no request."""
     from contextlib import nullcontext
 
-    from storage.engine import DatabaseMissing, require_existing
     from storage.database import StoreOpenError
+    from storage.engine import DatabaseMissing, require_existing
     from storage.store import Store
 
     where = span.url()
@@ -124,19 +145,34 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
         replicas = list(span.replicas) or known
         missing = [r for r in replicas if r not in known]
         if missing:
-            raise tr.TraceError(f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
-                                f"known: {', '.join(known) or 'none'}")
-        rows = [row for r in replicas
-                for row in store.readings.completions(cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1])]
+            raise tr.TraceError(
+                f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
+                f"known: {', '.join(known) or 'none'}"
+            )
+        rows = [
+            row
+            for r in replicas
+            for row in store.readings.completions(
+                cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1]
+            )
+        ]
     served = sorted({row.replica for row in rows})
     if not rows:
-        raise tr.TraceError(f"{where}: no completions stored for {', '.join(replicas) or 'any replica'} "
-                            f"of cluster {cluster!r} in this span")
+        raise tr.TraceError(
+            f"{where}: no completions stored for {', '.join(replicas) or 'any replica'} "
+            f"of cluster {cluster!r} in this span"
+        )
     if len(served) > 1 and not span.replicas:
-        raise tr.TraceError(f"{where}: the span holds the traffic of {len(served)} replicas ({', '.join(served)}); "
-                            "the simulator replays one replica: add replicas=NAME (or replicas=a,b to merge)")
-    trace = rows_to_trace(rows, f"recording:{name}" + (f":{'+'.join(served)}" if served else ""),
-                          max_tokens_default=max_tokens_default, prefix_replica=len(served) > 1)
+        raise tr.TraceError(
+            f"{where}: the span holds the traffic of {len(served)} replicas ({', '.join(served)}); "
+            "the simulator replays one replica: add replicas=NAME (or replicas=a,b to merge)"
+        )
+    trace = rows_to_trace(
+        rows,
+        f"recording:{name}" + (f":{'+'.join(served)}" if served else ""),
+        max_tokens_default=max_tokens_default,
+        prefix_replica=len(served) > 1,
+    )
     if span.start_s is not None or span.end_s is not None:
         start = span.start_s or 0.0
         end = span.end_s if span.end_s is not None else trace.requests[-1].arrival + 1.0
@@ -149,13 +185,22 @@ def load_recorded(span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MA
     return trace
 
 
-def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
-                  prefix_replica: bool = False) -> tr.Trace:
+def rows_to_trace(
+    rows,
+    name: str,
+    *,
+    max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
+    prefix_replica: bool = False,
+) -> tr.Trace:
     """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals at the engine core
     (``engine_arrival_s``) from the first one, the recorded cap or the fixed default (never the output length), a request
     stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``. A request
     the replica refused on arrival (reason ``rejected``: a tenant's queue cap) never ran: left out."""
-    if isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int) or max_tokens_default < 1:
+    if (
+        isinstance(max_tokens_default, bool)
+        or not isinstance(max_tokens_default, int)
+        or max_tokens_default < 1
+    ):
         raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
     rows = [row for row in rows if row.reason != "rejected"]
     if not rows:
@@ -165,11 +210,18 @@ def rows_to_trace(rows, name: str, *, max_tokens_default: int = tr.DEFAULT_MAX_T
     for row in rows:
         rid = f"{row.replica}/{row.request_id}" if prefix_replica else row.request_id
         cap = row.max_tokens if row.max_tokens and row.max_tokens > 0 else max_tokens_default
-        requests.append(tr.TraceRequest(
-            id=rid, arrival=round(engine_arrival_s(row) - t0, 6), prompt_tokens=max(row.prompt_tokens, 1),
-            output_tokens=max(min(row.output_tokens, cap), 1), max_tokens=cap,
-            tenant=row.tenant or "default", type=row.type if row.type in tr.REQUEST_TYPES else "chat",
-            truncated=row.reason == "length" or row.output_tokens > cap))
+        requests.append(
+            tr.TraceRequest(
+                id=rid,
+                arrival=round(engine_arrival_s(row) - t0, 6),
+                prompt_tokens=max(row.prompt_tokens, 1),
+                output_tokens=max(min(row.output_tokens, cap), 1),
+                max_tokens=cap,
+                tenant=row.tenant or "default",
+                type=row.type if row.type in tr.REQUEST_TYPES else "chat",
+                truncated=row.reason == "length" or row.output_tokens > cap,
+            )
+        )
     return tr.Trace(name, tuple(requests))
 
 
@@ -198,11 +250,18 @@ def as_completion(row, t0: float):
     """A stored completion as the metrics module's Completion, times from ``t0``."""
     from scheduler.metrics import Completion
 
-    return Completion(id=row.request_id, tenant=row.tenant, type=row.type, arrival=row.arrival_s - t0,
-                      scheduled_at=math.nan,
-                      first_token_at=math.nan if row.first_token_s is None else row.first_token_s - t0,
-                      finished_at=row.finished_s - t0, prompt_tokens=row.prompt_tokens,
-                      output_tokens=row.output_tokens, preemptions=row.preemptions)
+    return Completion(
+        id=row.request_id,
+        tenant=row.tenant,
+        type=row.type,
+        arrival=row.arrival_s - t0,
+        scheduled_at=math.nan,
+        first_token_at=math.nan if row.first_token_s is None else row.first_token_s - t0,
+        finished_at=row.finished_s - t0,
+        prompt_tokens=row.prompt_tokens,
+        output_tokens=row.output_tokens,
+        preemptions=row.preemptions,
+    )
 
 
 def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:
@@ -211,26 +270,36 @@ def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | 
         clusters = store.recordings.clusters()
         if span.cluster is None:
             if len(clusters) != 1:
-                raise tr.TraceError(f"{where}: name a recording= or a cluster= (clusters in the store: "
-                                    f"{', '.join(clusters) or 'none'})")
+                raise tr.TraceError(
+                    f"{where}: name a recording= or a cluster= (clusters in the store: "
+                    f"{', '.join(clusters) or 'none'})"
+                )
             return clusters[0], clusters[0], (None, None)
         if span.cluster not in clusters:
-            raise tr.TraceError(f"{where}: no cluster {span.cluster!r} in the store; known: {', '.join(clusters) or 'none'}")
+            raise tr.TraceError(
+                f"{where}: no cluster {span.cluster!r} in the store; known: {', '.join(clusters) or 'none'}"
+            )
         return span.cluster, span.cluster, (None, None)
     found = [r for r in store.recordings.all(span.cluster) if r.name == span.recording]
     if not found:
         names = sorted({r.name for r in store.recordings.all(span.cluster)})
-        raise tr.TraceError(f"{where}: no recording {span.recording!r}"
-                            + (f" of cluster {span.cluster!r}" if span.cluster else "")
-                            + f"; known: {', '.join(names) or 'none'}")
+        raise tr.TraceError(
+            f"{where}: no recording {span.recording!r}"
+            + (f" of cluster {span.cluster!r}" if span.cluster else "")
+            + f"; known: {', '.join(names) or 'none'}"
+        )
     if len({r.cluster for r in found}) > 1:
-        raise tr.TraceError(f"{where}: recordings named {span.recording!r} exist for clusters "
-                            f"{', '.join(sorted({r.cluster for r in found}))}: add cluster=NAME")
+        raise tr.TraceError(
+            f"{where}: recordings named {span.recording!r} exist for clusters "
+            f"{', '.join(sorted({r.cluster for r in found}))}: add cluster=NAME"
+        )
     rec = found[-1]  # the newest of that name
     return rec.cluster, rec.name, (rec.started_ms, rec.ended_ms)
 
 
-def load_any(spec: str | None, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, **kw) -> tr.Trace:
+def load_any(
+    spec: str | None, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, **kw
+) -> tr.Trace:
     """A trace from a file, the bundled window (None or "bundled"), or a ``db:`` URL."""
     if spec in (None, "bundled"):
         return tr.load_bundled(max_tokens_default=max_tokens_default)
@@ -252,7 +321,11 @@ def trace_digest(trace: tr.Trace) -> str:
     resume as it checks a file's)."""
     h = hashlib.sha256()
     for r in trace:
-        h.update(repr((r.id, r.arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type)).encode())
+        h.update(
+            repr(
+                (r.id, r.arrival, r.prompt_tokens, r.output_tokens, r.max_tokens, r.tenant, r.type)
+            ).encode()
+        )
     return h.hexdigest()
 
 

@@ -53,8 +53,10 @@ def best_trials(study, ctx: TuneContext) -> list:
 def trial_metrics(trial) -> dict[int, dict[str, float]]:
     """A trial's per-window metrics from its user attributes (window index -> metric -> value)."""
     info = trial.user_attrs[TRIAL_ATTR]
-    return {w: {m: (math.nan if vals[k] is None else vals[k]) for m, vals in info["metrics"].items()}
-            for k, w in enumerate(info["windows"])}
+    return {
+        w: {m: (math.nan if vals[k] is None else vals[k]) for m, vals in info["metrics"].items()}
+        for k, w in enumerate(info["windows"])
+    }
 
 
 def choose_recommendation(front: list, ctx: TuneContext) -> Any:
@@ -69,8 +71,12 @@ def choose_recommendation(front: list, ctx: TuneContext) -> Any:
 
     def gains(t) -> list[float]:
         m = trial_metrics(t)
-        out = [percent_change(nanmean([m[i][n] for i in m]), nanmean([ctx.baseline[i][n] for i in m]), n)
-               for n, _ in ctx.objectives]
+        out = [
+            percent_change(
+                nanmean([m[i][n] for i in m]), nanmean([ctx.baseline[i][n] for i in m]), n
+            )
+            for n, _ in ctx.objectives
+        ]
         return [g if math.isfinite(g) else -math.inf for g in out]
 
     scored = [(gains(t), t) for t in front]
@@ -90,8 +96,10 @@ def ranked_candidates(study, ctx: TuneContext) -> list:
     first = choose_recommendation(front, ctx)
     if len(ctx.objectives) == 1:
         sign = 1.0 if ctx.objectives[0][1] == "minimize" else -1.0
-        rest = sorted((t for t in candidate_trials(study) if t.number != first.number),
-                      key=lambda t: (sign * t.values[0], t.number))
+        rest = sorted(
+            (t for t in candidate_trials(study) if t.number != first.number),
+            key=lambda t: (sign * t.values[0], t.number),
+        )
     else:
         rest = []
         others = [t for t in front if t.number != first.number]
@@ -107,5 +115,9 @@ def best_summary(study, ctx: TuneContext) -> dict[str, Any] | None:
     if not best:
         return None
     t = choose_recommendation(best, ctx)
-    return {"trial": t.number, "values": list(t.values), "settings": t.user_attrs[TRIAL_ATTR]["settings"],
-            "pareto_size": len(best)}
+    return {
+        "trial": t.number,
+        "values": list(t.values),
+        "settings": t.user_attrs[TRIAL_ATTR]["settings"],
+        "pareto_size": len(best),
+    }

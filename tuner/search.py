@@ -33,13 +33,20 @@ policy (the production policy is always a candidate, so trial 0 can be the produ
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
-from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, EngineSettings, Settings, describe_error
+from scheduler.settings import (
+    ADAPTIVE_PARAMS,
+    PARAM_MODELS,
+    EngineSettings,
+    Settings,
+    describe_error,
+)
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 # γ is searched over its whole useful range on a log scale, not around an estimate: the FCFS tail
@@ -84,7 +91,9 @@ class Dim:
         if self.kind == "float":
             return trial.suggest_float(self.name, self.low, self.high, log=self.log)
         if self.kind == "int":
-            assert self.low is not None and self.high is not None  # numeric dims always have both ends
+            assert (
+                self.low is not None and self.high is not None
+            )  # numeric dims always have both ends
             return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
         return trial.suggest_categorical(self.name, list(self.choices))
 
@@ -97,9 +106,15 @@ class Dim:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Dim":
-        return cls(name=d["name"], kind=d["kind"], low=d.get("low"), high=d.get("high"),
-                   log=bool(d.get("log", False)), choices=tuple(d.get("choices", ())))
+    def from_dict(cls, d: Mapping[str, Any]) -> Dim:
+        return cls(
+            name=d["name"],
+            kind=d["kind"],
+            low=d.get("low"),
+            high=d.get("high"),
+            log=bool(d.get("log", False)),
+            choices=tuple(d.get("choices", ())),
+        )
 
     def describe(self) -> str:
         if self.kind == "categorical":
@@ -140,8 +155,14 @@ def _admits(b: Bounds, v: float) -> bool:
     return True
 
 
-def numeric_dim(name: str, kind: str, bounds: Bounds, centre: float,
-                override: tuple[float, float, bool | None] | None = None, span: float = SPAN) -> Dim | None:
+def numeric_dim(
+    name: str,
+    kind: str,
+    bounds: Bounds,
+    centre: float,
+    override: tuple[float, float, bool | None] | None = None,
+    span: float = SPAN,
+) -> Dim | None:
     """A float/int dimension inside ``bounds`` around ``centre`` (see the module docstring)."""
     if override is not None:
         lo, hi, log = _checked_override(name, bounds, override)
@@ -157,12 +178,18 @@ def numeric_dim(name: str, kind: str, bounds: Bounds, centre: float,
             lo = 1
     if not lo < hi:
         return None
-    return Dim(name, kind, float(lo) if kind == "float" else int(lo),
-               float(hi) if kind == "float" else int(hi), bool(log))
+    return Dim(
+        name,
+        kind,
+        float(lo) if kind == "float" else int(lo),
+        float(hi) if kind == "float" else int(hi),
+        bool(log),
+    )
 
 
-def _checked_override(name: str, bounds: Bounds,
-                      override: tuple[float, float, bool | None]) -> tuple[float, float, bool]:
+def _checked_override(
+    name: str, bounds: Bounds, override: tuple[float, float, bool | None]
+) -> tuple[float, float, bool]:
     """A ``--range`` span, refused unless inside the model's bounds; its scale (log when not given
     and the span covers two decades)."""
     lo, hi, log = override
@@ -170,7 +197,8 @@ def _checked_override(name: str, bounds: Bounds,
         if not _admits(bounds, v):
             raise SearchSpaceError(
                 f"--range {name}: {side} end {v:g} is outside the settings model's bounds "
-                f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]")
+                f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]"
+            )
     if not lo < hi:
         raise SearchSpaceError(f"--range {name}: low ({lo:g}) must be below high ({hi:g})")
     if log is None:
@@ -246,17 +274,25 @@ class SearchSpace:
 
     # -- serialisation (kept in the study's user attributes)
     def to_dict(self) -> dict[str, Any]:
-        return {"policies": list(self.policies), "production": self.production,
-                "policy_dims": {p: [d.to_dict() for d in ds] for p, ds in self.policy_dims.items()},
-                "engine_dims": [d.to_dict() for d in self.engine_dims],
-                "fixed": self.fixed, "fixed_engine": self.fixed_engine}
+        return {
+            "policies": list(self.policies),
+            "production": self.production,
+            "policy_dims": {p: [d.to_dict() for d in ds] for p, ds in self.policy_dims.items()},
+            "engine_dims": [d.to_dict() for d in self.engine_dims],
+            "fixed": self.fixed,
+            "fixed_engine": self.fixed_engine,
+        }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SearchSpace":
-        return cls(policies=tuple(d["policies"]), production=dict(d["production"]),
-                   policy_dims={p: [Dim.from_dict(x) for x in ds] for p, ds in d["policy_dims"].items()},
-                   engine_dims=[Dim.from_dict(x) for x in d["engine_dims"]],
-                   fixed={p: dict(v) for p, v in d["fixed"].items()}, fixed_engine=dict(d["fixed_engine"]))
+    def from_dict(cls, d: Mapping[str, Any]) -> SearchSpace:
+        return cls(
+            policies=tuple(d["policies"]),
+            production=dict(d["production"]),
+            policy_dims={p: [Dim.from_dict(x) for x in ds] for p, ds in d["policy_dims"].items()},
+            engine_dims=[Dim.from_dict(x) for x in d["engine_dims"]],
+            fixed={p: dict(v) for p, v in d["fixed"].items()},
+            fixed_engine=dict(d["fixed_engine"]),
+        )
 
     def describe(self) -> list[str]:
         lines = []
@@ -305,7 +341,9 @@ class SearchSpace:
         # vLLM refuses max_num_batched_tokens < max_num_seqs at start-up.
         eng["max_num_batched_tokens"] = max(eng["max_num_batched_tokens"], eng["max_num_seqs"])
         pinned = list(prod.get("pinned", ())) if same else []
-        return Settings.model_validate({"policy": policy, "params": params, "pinned": pinned, "engine": eng})
+        return Settings.model_validate(
+            {"policy": policy, "params": params, "pinned": pinned, "engine": eng}
+        )
 
     def production_params(self) -> dict[str, Any]:
         """The production settings as values of this space (enqueued as trial 0)."""
@@ -340,26 +378,38 @@ def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, st
     if raw.startswith(ENGINE_PREFIX):
         name = raw.removeprefix(ENGINE_PREFIX)
         if name not in EngineSettings.model_fields:
-            raise SearchSpaceError(f"{option} {raw}: unknown engine field (valid: {', '.join(EngineSettings.model_fields)})")
+            raise SearchSpaceError(
+                f"{option} {raw}: unknown engine field (valid: {', '.join(EngineSettings.model_fields)})"
+            )
         return "engine", name
     if "." in raw:
         scope, name = raw.split(".", 1)
         if scope not in policies:
-            raise SearchSpaceError(f"{option} {raw}: {scope!r} is not a candidate policy ({', '.join(policies)})")
+            raise SearchSpaceError(
+                f"{option} {raw}: {scope!r} is not a candidate policy ({', '.join(policies)})"
+            )
         if name not in PARAM_MODELS[scope].model_fields:
             valid = ", ".join(PARAM_MODELS[scope].model_fields) or "none"
-            raise SearchSpaceError(f"{option} {raw}: {name!r} is not a parameter of {scope} (valid: {valid})")
+            raise SearchSpaceError(
+                f"{option} {raw}: {name!r} is not a parameter of {scope} (valid: {valid})"
+            )
         return scope, name
     if raw in EngineSettings.model_fields:
         return "engine", raw
     owners = [p for p in policies if raw in PARAM_MODELS[p].model_fields]
     if not owners:
-        valid_names = sorted({n for p in policies for n in PARAM_MODELS[p].model_fields}
-                             | set(EngineSettings.model_fields))
-        raise SearchSpaceError(f"{option} {raw}: not a parameter of {', '.join(policies)} nor an engine field "
-                               f"(valid: {', '.join(valid_names)})")
+        valid_names = sorted(
+            {n for p in policies for n in PARAM_MODELS[p].model_fields}
+            | set(EngineSettings.model_fields)
+        )
+        raise SearchSpaceError(
+            f"{option} {raw}: not a parameter of {', '.join(policies)} nor an engine field "
+            f"(valid: {', '.join(valid_names)})"
+        )
     if len(owners) > 1:
-        raise SearchSpaceError(f"{option} {raw}: ambiguous, say which policy ({', '.join(o + '.' + raw for o in owners)})")
+        raise SearchSpaceError(
+            f"{option} {raw}: ambiguous, say which policy ({', '.join(o + '.' + raw for o in owners)})"
+        )
     return owners[0], raw
 
 
@@ -390,20 +440,29 @@ class _Overrides:
     """``--range``/``--fix``/``--search`` resolved to (scope, name) pairs, scope a policy or "engine"."""
 
     ranges: dict[tuple[str, str], tuple[float, float, bool | None]]
-    fixed: dict[str, dict[str, Any]]  # policy -> {param: value} (shared with the space: it gains defaults)
+    fixed: dict[
+        str, dict[str, Any]
+    ]  # policy -> {param: value} (shared with the space: it gains defaults)
     fixed_engine: dict[str, Any]
     only: set[tuple[str, str]] | None  # --search: only these (None: everything)
 
     @classmethod
-    def resolve(cls, candidates: Sequence[str], ranges: Mapping[str, tuple[float, float, bool | None]],
-                fixed: Mapping[str, Any], search: Sequence[str] | None) -> "_Overrides":
+    def resolve(
+        cls,
+        candidates: Sequence[str],
+        ranges: Mapping[str, tuple[float, float, bool | None]],
+        fixed: Mapping[str, Any],
+        search: Sequence[str] | None,
+    ) -> _Overrides:
         resolved = {_split_name(raw, candidates, "--range"): r for raw, r in ranges.items()}
         fixed_by: dict[str, dict[str, Any]] = {}
         fixed_engine: dict[str, Any] = {}
         for raw, v in fixed.items():
             scope, name = _split_name(raw, candidates, "--fix")
             (fixed_engine if scope == "engine" else fixed_by.setdefault(scope, {}))[name] = v
-        only = None if search is None else {_split_name(raw, candidates, "--search") for raw in search}
+        only = (
+            None if search is None else {_split_name(raw, candidates, "--search") for raw in search}
+        )
         return cls(resolved, fixed_by, fixed_engine, only)
 
     def wanted(self, scope: str, name: str) -> bool:
@@ -411,10 +470,15 @@ class _Overrides:
         return (scope, name) in self.ranges or self.only is None or (scope, name) in self.only
 
 
-def build_space(policies: Sequence[str], production: Settings, *,
-                ranges: Mapping[str, tuple[float, float, bool | None]] | None = None,
-                fixed: Mapping[str, Any] | None = None, search: Sequence[str] | None = None,
-                tune_engine: bool = True) -> SearchSpace:
+def build_space(
+    policies: Sequence[str],
+    production: Settings,
+    *,
+    ranges: Mapping[str, tuple[float, float, bool | None]] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    search: Sequence[str] | None = None,
+    tune_engine: bool = True,
+) -> SearchSpace:
     """Derive the search space for ``policies`` (tuned) around ``production``.
 
     ``ranges``: explicit spans by parameter name (checked against the model's bounds);
@@ -423,11 +487,15 @@ def build_space(policies: Sequence[str], production: Settings, *,
     """
     for p in policies:
         if p not in PARAM_MODELS:
-            raise SearchSpaceError(f"--policy {p}: unknown policy (valid: {', '.join(PARAM_MODELS)})")
+            raise SearchSpaceError(
+                f"--policy {p}: unknown policy (valid: {', '.join(PARAM_MODELS)})"
+            )
     prod_doc = production.to_dict()
     candidates = tuple(dict.fromkeys([production.policy, *policies]))
     over = _Overrides.resolve(candidates, dict(ranges or {}), dict(fixed or {}), search)
-    space = SearchSpace(policies=candidates, production=prod_doc, fixed=over.fixed, fixed_engine=over.fixed_engine)
+    space = SearchSpace(
+        policies=candidates, production=prod_doc, fixed=over.fixed, fixed_engine=over.fixed_engine
+    )
     for p in candidates:
         space.policy_dims[p] = _policy_dims(p, p in policies, production, over)
     space.engine_dims = _engine_dims(prod_doc["engine"], over, tune_engine)
@@ -436,7 +504,9 @@ def build_space(policies: Sequence[str], production: Settings, *,
         try:
             space.build(p, {}, {})
         except ValueError as err:
-            raise SearchSpaceError(f"--fix: {describe_error(err)}") from None  # one line, no input values
+            raise SearchSpaceError(
+                f"--fix: {describe_error(err)}"
+            ) from None  # one line, no input values
     return space
 
 
@@ -477,7 +547,7 @@ def _policy_dim(p: str, name: str, base: Mapping[str, Any], over: _Overrides) ->
     if kind == "bool":
         return Dim(f"{p}.{name}", "categorical", choices=(False, True))
     centre = float(base[name])
-    if given is None and (name in UNSCALED_PARAMS and centre == 0 or name in RANGE_ONLY_PARAMS):
+    if given is None and ((name in UNSCALED_PARAMS and centre == 0) or name in RANGE_ONLY_PARAMS):
         return None
     if name == "gamma" and given is None:
         given = (*GAMMA_RANGE, True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -57,7 +58,7 @@ class SpecError(TuneError):
         super().__init__(f"{path or field_name}: {problem}")
 
     @classmethod
-    def from_validation(cls, err: ValidationError) -> "SpecError":
+    def from_validation(cls, err: ValidationError) -> SpecError:
         """The first invalid field of a failed ``StudySpec`` validation."""
         loc = err.errors()[0]["loc"]
         path = field_path(loc, "spec")
@@ -66,7 +67,7 @@ class SpecError(TuneError):
 
     def naming(self, label: str) -> str:
         """The message with the field called ``label`` (the CLI passes the field's flag)."""
-        return label + str(self)[len(self.field_name):]
+        return label + str(self)[len(self.field_name) :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,7 +89,9 @@ class StudySpec(BaseModel):
     policies: list[str]
     objectives: list[str]
     constraints: list[str] = Field(default_factory=list)
-    traces: list[str | None] = Field(default_factory=lambda: _BUNDLED.copy())  # None = the bundled window
+    traces: list[str | None] = Field(
+        default_factory=lambda: _BUNDLED.copy()
+    )  # None = the bundled window
     trim: tuple[float, float] | None = None  # keep arrivals in [start, start+dur) first
     mix: list[tuple[str, float]] = Field(default_factory=list)  # (file, fraction) mixed in
     rate_scale: float | None = None
@@ -100,7 +103,9 @@ class StudySpec(BaseModel):
     window_s: float = Field(DEFAULT_WINDOW_S, gt=0, allow_inf_nan=False)
     warmup_s: float = Field(DEFAULT_WARMUP_S, ge=0, allow_inf_nan=False)
     holdout: float = Field(DEFAULT_HOLDOUT, gt=0, lt=1)
-    windows: int | None = Field(None, ge=1)  # K search windows per trial (None: all, up to DEFAULT_MAX_WINDOWS)
+    windows: int | None = Field(
+        None, ge=1
+    )  # K search windows per trial (None: all, up to DEFAULT_MAX_WINDOWS)
     min_requests: int = DEFAULT_MIN_REQUESTS
     production: dict[str, Any] = Field(default_factory=lambda: Settings().to_dict())
     slo: dict[str, float] = Field(default_factory=dict)
@@ -109,7 +114,9 @@ class StudySpec(BaseModel):
     search: list[str] | None = None
     tune_engine: bool = True
     num_gpu_blocks: int | None = None
-    step_model: dict[str, Any] = Field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME).as_dict())
+    step_model: dict[str, Any] = Field(
+        default_factory=lambda: get_model(DEFAULT_MODEL_NAME).as_dict()
+    )
     pruner: bool = True
     population_size: int = 20  # NSGA-II
     # Filled by normalize(): file digests, so a changed file is caught on resume.
@@ -137,8 +144,10 @@ class StudySpec(BaseModel):
     def _slo_families(cls, slo: dict[str, float]) -> dict[str, float]:
         for family, seconds in slo.items():
             if family not in LATENCY_BASES or not seconds > 0:
-                raise ValueError(f"{family}={seconds:g}: expected FAMILY=SECONDS with FAMILY one of "
-                                 f"{', '.join(LATENCY_BASES)} and SECONDS > 0")
+                raise ValueError(
+                    f"{family}={seconds:g}: expected FAMILY=SECONDS with FAMILY one of "
+                    f"{', '.join(LATENCY_BASES)} and SECONDS > 0"
+                )
         return slo
 
     @field_validator("production")
@@ -164,22 +173,33 @@ class StudySpec(BaseModel):
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StudySpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> StudySpec:
         d = dict(d)
         unknown = set(d) - set(cls.model_fields)
         if unknown:
-            raise TuneError(f"the study was written by a newer tailpilot (unknown fields {sorted(unknown)})")
+            raise TuneError(
+                f"the study was written by a newer tailpilot (unknown fields {sorted(unknown)})"
+            )
         # Studies written before warm windows replayed each window from an empty engine.
         d.setdefault("warmup_s", 0.0)
         return cls(**d)
 
-    def normalize(self) -> "StudySpec":
+    def normalize(self) -> StudySpec:
         """Complete the definition: absolute paths (files must exist), canonical metric names,
         constraints checked against the SLOs, file digests."""
-        self.traces = [None if p in (None, "bundled") else recorded.canonical(p) if recorded.is_recorded(p)
-                       else str(Path(p).resolve()) for p in self.traces] or [None]
+        self.traces = [
+            None
+            if p in (None, "bundled")
+            else recorded.canonical(p)
+            if recorded.is_recorded(p)
+            else str(Path(p).resolve())
+            for p in self.traces
+        ] or [None]
         self.mix = [(str(Path(p).resolve()), f) for p, f in self.mix]
-        for name, paths in (("traces", filter(None, self.traces)), ("mix", (p for p, _ in self.mix))):
+        for name, paths in (
+            ("traces", filter(None, self.traces)),
+            ("mix", (p for p, _ in self.mix)),
+        ):
             for p in paths:
                 if not recorded.is_recorded(p) and not Path(p).is_file():
                     raise SpecError(name, f"{p}: no such file")

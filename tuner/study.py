@@ -43,9 +43,10 @@ import contextlib
 import functools
 import hashlib
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -54,8 +55,8 @@ from scheduler.validation import finite_or_none
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceError
 from tuner import recorded
-from tuner.optuna_storage import quiet_optuna, storage_file, url_of
 from tuner.objectives import Constraint, tracked_metrics
+from tuner.optuna_storage import quiet_optuna, storage_file, url_of
 from tuner.search import SearchSpace, build_space, parse_range
 from tuner.spec import SpecError, StudyConflict, StudySpec, TuneError, file_digest
 from tuner.windows import (
@@ -78,7 +79,9 @@ ATTR_FINGERPRINT = "tailpilot:fingerprint"
 ATTR_SPLIT = "tailpilot:split"
 TRIAL_ATTR = "tailpilot"
 ROLE_ATTR = "tailpilot_role"
-OWNER_ATTR = "tailpilot_worker"  # "HOST:PID" of the process running the trial (journal: no heartbeats)
+OWNER_ATTR = (
+    "tailpilot_worker"  # "HOST:PID" of the process running the trial (journal: no heartbeats)
+)
 PRODUCTION = "production"
 INFEASIBLE = 1e12  # constraint value for an undefined (NaN) metric: Optuna refuses NaN
 
@@ -111,7 +114,9 @@ class TuneContext:
         return build_traces(self.spec)
 
     def run(self, settings: Settings, index: int) -> dict[str, float]:
-        return window_metrics(settings, self.windows[index], self.config, self.tracked, self.spec.slo)
+        return window_metrics(
+            settings, self.windows[index], self.config, self.tracked, self.spec.slo
+        )
 
     def run_many(self, settings: Settings, indices: Sequence[int]) -> dict[int, dict[str, float]]:
         return {i: self.run(settings, i) for i in indices}
@@ -126,8 +131,11 @@ class TuneContext:
             out.append(v if math.isfinite(v) else worst(direction))
         return out
 
-    def constraint_values(self, per_window: Mapping[int, Mapping[str, float]],
-                          baseline: Mapping[int, Mapping[str, float]] | None = None) -> dict[str, float]:
+    def constraint_values(
+        self,
+        per_window: Mapping[int, Mapping[str, float]],
+        baseline: Mapping[int, Mapping[str, float]] | None = None,
+    ) -> dict[str, float]:
         """Constraint values over the windows in ``per_window`` (the baseline on the same ones)."""
         baseline = self.baseline if baseline is None else baseline
         out = {}
@@ -139,15 +147,18 @@ class TuneContext:
         return out
 
 
-def estimate_gamma(spec: StudySpec, windows: Sequence[Window], indices: Sequence[int],
-                   config: EngineConfig) -> float:
+def estimate_gamma(
+    spec: StudySpec, windows: Sequence[Window], indices: Sequence[int], config: EngineConfig
+) -> float:
     """γ̂ = ln 5 / (t99 − t95) of TTLT, pooled over an FCFS replay of the search windows
     (docs/policies.md#uniboost); NaN when the tail is degenerate."""
     fcfs = Settings.model_validate({"policy": "fcfs", "engine": spec.production["engine"]})
     ttlt: list[float] = []
     for i in indices:
         res = Simulator(windows[i].trace, fcfs, config).run()
-        ttlt.extend(c.finished_at - c.arrival for c in res.completions if c.id in windows[i].measured)
+        ttlt.extend(
+            c.finished_at - c.arrival for c in res.completions if c.id in windows[i].measured
+        )
     if len(ttlt) < 20:
         return math.nan
     t95, t99 = np.percentile(np.asarray(ttlt), [95, 99])
@@ -167,8 +178,14 @@ def load_study(storage, name: str, spec: StudySpec | None = None, sampler=None, 
 
     if spec is not None:
         directions = [d for _, d in spec.objective_dirs()]
-        return optuna.create_study(storage=storage, study_name=name, directions=directions,
-                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+        return optuna.create_study(
+            storage=storage,
+            study_name=name,
+            directions=directions,
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=True,
+        )
     try:
         return optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError:
@@ -196,8 +213,10 @@ def _resolve_spec(study, spec: StudySpec | None, given: Mapping[str, Any]) -> St
     stored = stored_spec(study)
     if stored is None:
         if spec is None:
-            raise TuneError(f"--study {study.study_name}: the study has no tailpilot definition "
-                            "(not created by tailpilot tune?); give --objective and --policy to create it")
+            raise TuneError(
+                f"--study {study.study_name}: the study has no tailpilot definition "
+                "(not created by tailpilot tune?); give --objective and --policy to create it"
+            )
         return spec
     for key, value in given.items():
         theirs = getattr(stored, key)
@@ -228,8 +247,13 @@ def _canon(key: str, value: Any) -> Any:
     return value
 
 
-def prepare(storage, name: str, spec: StudySpec | None = None, given: Mapping[str, Any] | None = None,
-            log: Callable[[str], None] | None = None) -> TuneContext:
+def prepare(
+    storage,
+    name: str,
+    spec: StudySpec | None = None,
+    given: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TuneContext:
     """Create (or join/resume) study ``name`` and return this process's context.
 
     ``spec``: the definition for a new study (ignored, except for conflict checks, when the study
@@ -246,11 +270,15 @@ def prepare(storage, name: str, spec: StudySpec | None = None, given: Mapping[st
         exists = study_exists(storage, name)
         if exists:
             study = load_study(storage, name)
-            if given is None and spec is not None:  # a library caller: its whole definition must agree
+            if (
+                given is None and spec is not None
+            ):  # a library caller: its whole definition must agree
                 given = {k: getattr(spec, k) for k in _DEFINING}
             spec = _resolve_spec(study, spec, dict(given or {}))
         elif spec is None:
-            raise TuneError(f"--study {name}: no such study; give --policy and --objective to create it")
+            raise TuneError(
+                f"--study {name}: no such study; give --policy and --objective to create it"
+            )
         else:
             study = load_study(storage, name, spec)
             if stored_spec(study) is None:
@@ -277,9 +305,32 @@ def _discard_new_study(storage, study) -> None:
         optuna.delete_study(study_name=study.study_name, storage=storage)
 
 
-_DEFINING = ("policies", "objectives", "constraints", "traces", "mix", "trim", "rate_scale", "target_rate",
-             "max_tokens_cap", "max_tokens_default", "tenants", "seed", "window_s", "holdout", "windows", "production", "slo",
-             "ranges", "fixed", "search", "tune_engine", "num_gpu_blocks", "step_model", "pruner")
+_DEFINING = (
+    "policies",
+    "objectives",
+    "constraints",
+    "traces",
+    "mix",
+    "trim",
+    "rate_scale",
+    "target_rate",
+    "max_tokens_cap",
+    "max_tokens_default",
+    "tenants",
+    "seed",
+    "window_s",
+    "holdout",
+    "windows",
+    "production",
+    "slo",
+    "ranges",
+    "fixed",
+    "search",
+    "tune_engine",
+    "num_gpu_blocks",
+    "step_model",
+    "pruner",
+)
 
 
 @contextlib.contextmanager
@@ -288,7 +339,9 @@ def setup_lock(storage, name: str):
     ``flock`` beside a SQLite or journal file; other backends go without (the objective still
     refuses a second production trial)."""
     url = url_of(storage)
-    key = int.from_bytes(hashlib.sha256(f"tailpilot-tune:{name}".encode()).digest()[:8], "big", signed=True)
+    key = int.from_bytes(
+        hashlib.sha256(f"tailpilot-tune:{name}".encode()).digest()[:8], "big", signed=True
+    )
     if url.startswith("postgresql"):
         from sqlalchemy import text
 
@@ -315,25 +368,45 @@ def setup_lock(storage, name: str):
     yield
 
 
-def _context(study, spec: StudySpec, log: Callable[[str], None], enqueue: bool = True) -> TuneContext:
+def _context(
+    study, spec: StudySpec, log: Callable[[str], None], enqueue: bool = True
+) -> TuneContext:
     _check_digests(spec)
     windows = build_windows(spec)
     search, held = split_windows(spec, len(windows), [window_load(w) for w in windows])
     attrs = study.user_attrs
     fp = fingerprint(windows)
     if ATTR_FINGERPRINT in attrs and attrs[ATTR_FINGERPRINT] != fp:
-        raise TuneError(f"study {study.study_name}: the windows rebuilt here differ from the study's "
-                        "(different tailpilot version or trace loader?)")
+        raise TuneError(
+            f"study {study.study_name}: the windows rebuilt here differ from the study's "
+            "(different tailpilot version or trace loader?)"
+        )
     if ATTR_FINGERPRINT not in attrs:
         study.set_user_attr(ATTR_FINGERPRINT, fp)
-        study.set_user_attr(ATTR_SPLIT, {"search": search, "holdout": held, "windows": [
-            {"index": w.index, "source": w.source, "start_s": w.start_s, "requests": len(w.measured),
-             "warmup_requests": len(w.trace) - len(w.measured)} for w in windows]})
+        study.set_user_attr(
+            ATTR_SPLIT,
+            {
+                "search": search,
+                "holdout": held,
+                "windows": [
+                    {
+                        "index": w.index,
+                        "source": w.source,
+                        "start_s": w.start_s,
+                        "requests": len(w.measured),
+                        "warmup_requests": len(w.trace) - len(w.measured),
+                    }
+                    for w in windows
+                ],
+            },
+        )
     config = spec.engine_config()
     if ATTR_GAMMA_HAT in attrs:
         gamma_hat = _num(attrs[ATTR_GAMMA_HAT])
     else:
-        gamma_hat = estimate_gamma(spec, windows, search, config) if _wants_gamma(spec) else math.nan
+        gamma_hat = (
+            estimate_gamma(spec, windows, search, config) if _wants_gamma(spec) else math.nan
+        )
         study.set_user_attr(ATTR_GAMMA_HAT, None if not math.isfinite(gamma_hat) else gamma_hat)
         if math.isfinite(gamma_hat):
             log(f"gamma-hat from an FCFS replay of the search windows: {gamma_hat:.4g} /s")
@@ -342,22 +415,35 @@ def _context(study, spec: StudySpec, log: Callable[[str], None], enqueue: bool =
     else:
         try:
             ranges = dict(parse_range(r) for r in spec.ranges)
-            space = build_space(spec.policies, Settings.model_validate(spec.production),
-                                ranges=ranges, fixed=spec.fixed, search=spec.search, tune_engine=spec.tune_engine)
+            space = build_space(
+                spec.policies,
+                Settings.model_validate(spec.production),
+                ranges=ranges,
+                fixed=spec.fixed,
+                search=spec.search,
+                tune_engine=spec.tune_engine,
+            )
         except ValueError as err:
             raise TuneError(str(err)) from None
         study.set_user_attr(ATTR_SPACE, space.to_dict())
     ctx = TuneContext(spec, space, windows, search, held, gamma_hat, {})
     if ATTR_BASELINE in attrs:
-        ctx.baseline = {int(k): {m: _num(v) for m, v in d.items()} for k, d in attrs[ATTR_BASELINE].items()}
+        ctx.baseline = {
+            int(k): {m: _num(v) for m, v in d.items()} for k, d in attrs[ATTR_BASELINE].items()
+        }
     else:
         ctx.baseline = ctx.run_many(space.production_settings, search)
         for name, _ in ctx.objectives:
             if not any(math.isfinite(ctx.baseline[i][name]) for i in search):
-                raise SpecError("objectives", f"{name}: undefined (NaN) on every search window for the "
-                                "production settings; pick another metric")
-        study.set_user_attr(ATTR_BASELINE, {str(i): {m: finite_or_none(v) for m, v in d.items()}
-                                            for i, d in ctx.baseline.items()})
+                raise SpecError(
+                    "objectives",
+                    f"{name}: undefined (NaN) on every search window for the "
+                    "production settings; pick another metric",
+                )
+        study.set_user_attr(
+            ATTR_BASELINE,
+            {str(i): {m: finite_or_none(v) for m, v in d.items()} for i, d in ctx.baseline.items()},
+        )
     if enqueue:
         _ensure_production_trial(study, ctx)
     return ctx
@@ -370,7 +456,10 @@ def _wants_gamma(spec: StudySpec) -> bool:
 
 
 def _check_digests(spec: StudySpec) -> None:
-    for path, digest in [*zip(spec.traces, spec.trace_digests), *zip((p for p, _ in spec.mix), spec.mix_digests)]:
+    for path, digest in [
+        *zip(spec.traces, spec.trace_digests),
+        *zip((p for p, _ in spec.mix), spec.mix_digests),
+    ]:
         if path is None or digest is None:
             continue
         if recorded.is_recorded(path):
@@ -379,12 +468,16 @@ def _check_digests(spec: StudySpec) -> None:
             except TraceError as err:
                 raise TuneError(f"recorded trace of this study: {err}") from None
             if now != digest:
-                raise TuneError(f"recorded trace {path} changed since the study was created (its requests differ)")
+                raise TuneError(
+                    f"recorded trace {path} changed since the study was created (its requests differ)"
+                )
             continue
         if not Path(path).is_file():
             raise TuneError(f"trace file {path} of this study is missing here")
         if file_digest(path) != digest:
-            raise TuneError(f"trace file {path} changed since the study was created (SHA-256 differs)")
+            raise TuneError(
+                f"trace file {path} changed since the study was created (SHA-256 differs)"
+            )
 
 
 def _num(v: Any) -> float:
@@ -395,7 +488,9 @@ def _ensure_production_trial(study, ctx: TuneContext) -> None:
     """Enqueue the production settings unless a production trial is waiting, running or done."""
     from optuna.trial import TrialState
 
-    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)):
+    for t in study.get_trials(
+        deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
+    ):
         if t.user_attrs.get(ROLE_ATTR) == PRODUCTION:
             return
     study.enqueue_trial(ctx.space.production_params(), user_attrs={ROLE_ATTR: PRODUCTION})
@@ -413,4 +508,3 @@ def load_context(storage, name: str, *, enqueue: bool = False) -> tuple[Any, Tun
         with setup_lock(storage, name):
             return study, _context(study, spec, lambda _m: None)
     return study, _context(study, spec, lambda _m: None, enqueue=False)
-

@@ -48,8 +48,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -60,7 +61,6 @@ from scheduler.plugin.env import TOKEN_ENV
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceRequest
-
 from tuner.twin_feed import Feed, split_round_robin, trace_period
 from tuner.twin_metrics import TwinCollector, TwinStats
 
@@ -116,16 +116,17 @@ class _Ticker:
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def add(self, replica: "TwinReplica") -> None:
+    def add(self, replica: TwinReplica) -> None:
         with self.lock:
             if replica not in self._replicas:
                 self._replicas.append(replica)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"tailpilot-twins-{self.interval:g}s",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name=f"tailpilot-twins-{self.interval:g}s", daemon=True
+                )
                 self._thread.start()
 
-    def remove(self, replica: "TwinReplica") -> None:
+    def remove(self, replica: TwinReplica) -> None:
         with self.lock:
             if replica in self._replicas:
                 self._replicas.remove(replica)
@@ -164,11 +165,24 @@ class TwinReplica:
     """One simulated replica: a simulator on a replica clock behind the control API and vLLM's
     metrics, on ``host:port`` (``port=0``: an ephemeral port, kept across ``stop``/``start``)."""
 
-    def __init__(self, name: str, requests: Sequence[TraceRequest] = (), *, period: float | None = None,
-                 loop: bool = True, settings: Settings | None = None, config: EngineConfig | None = None,
-                 clock: TwinClock | None = None, speed: float = 1.0, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, tick_s: float = DEFAULT_TICK_S, model_name: str | None = None,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+    def __init__(
+        self,
+        name: str,
+        requests: Sequence[TraceRequest] = (),
+        *,
+        period: float | None = None,
+        loop: bool = True,
+        settings: Settings | None = None,
+        config: EngineConfig | None = None,
+        clock: TwinClock | None = None,
+        speed: float = 1.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        tick_s: float = DEFAULT_TICK_S,
+        model_name: str | None = None,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ) -> None:
         self.name = name
         self.model_name = model_name or name
         self.max_model_len = max_model_len
@@ -181,7 +195,9 @@ class TwinReplica:
         self._requests = list(requests)
         self._period = period if period is not None else trace_period(self._requests)
         self._loop = loop
-        self.lock = threading.RLock()  # the simulator and the stats: the ticker vs the API's and the scraper's reads
+        self.lock = (
+            threading.RLock()
+        )  # the simulator and the stats: the ticker vs the API's and the scraper's reads
         self._running = False
         self._server: ControlServer | None = None
         self.error: str | None = None
@@ -205,7 +221,7 @@ class TwinReplica:
         self.registry.register(TwinCollector(self))
         self.error = None
 
-    def start(self) -> "TwinReplica":
+    def start(self) -> TwinReplica:
         """Serve and advance (again, after ``stop``: on the same port, state kept; the simulator
         catches up with the replica clock, as a replica that was unreachable but running)."""
         with self.lock:
@@ -214,10 +230,13 @@ class TwinReplica:
             # One port serves what a vLLM replica splits over two (its API server's /metrics and the
             # plugin's control API), so a poller's connection may make twice the plugin's requests.
             stock = Limits()
-            limits = Limits(rate_per_connection=2 * stock.rate_per_connection,
-                            rate_per_address=2 * stock.rate_per_address)
-            self._server = ControlServer(self, host=self.host, port=self.port, token=self.token,
-                                         limits=limits).start()
+            limits = Limits(
+                rate_per_connection=2 * stock.rate_per_connection,
+                rate_per_address=2 * stock.rate_per_address,
+            )
+            self._server = ControlServer(
+                self, host=self.host, port=self.port, token=self.token, limits=limits
+            ).start()
             self.port = self._server.port
             self._running = True
             if self.started_at is None:
@@ -234,7 +253,7 @@ class TwinReplica:
         if server is not None:
             server.stop()
 
-    def restart(self, fresh: bool = False) -> "TwinReplica":
+    def restart(self, fresh: bool = False) -> TwinReplica:
         """``stop`` then ``start`` on the same port. ``fresh=True`` is a process restart: requests
         in flight are lost, the settings are the start-up ones at version 1, the completions
         cursor and vLLM's counters restart from 0, and new arrivals come from the replica clock on."""
@@ -317,12 +336,16 @@ class TwinReplica:
         """What the running engine actually runs: engine fields vLLM cannot change live keep
         their start-up values (the settings document shows the staged ones, as on vLLM)."""
         engine = settings.engine.model_dump()
-        fixed = {f: getattr(self.startup_settings.engine, f) for f in RESTART_REQUIRED_ENGINE_FIELDS}
+        fixed = {
+            f: getattr(self.startup_settings.engine, f) for f in RESTART_REQUIRED_ENGINE_FIELDS
+        }
         if all(engine[f] == v for f, v in fixed.items()):
             return settings
         return Settings.model_validate({**settings.to_dict(), "engine": {**engine, **fixed}})
 
-    def _on_step(self, now: float, prefill: int, prefill_sq: int, decodes: int, context: int, k: int) -> None:
+    def _on_step(
+        self, now: float, prefill: int, prefill_sq: int, decodes: int, context: int, k: int
+    ) -> None:
         model = self.config.step_model
         started = self.clock.epoch + now
         d0 = model.step_time(prefill, prefill_sq, decodes, context)
@@ -344,13 +367,24 @@ class TwinReplica:
             for c in done:
                 arrival, n = c.arrival, c.output_tokens
                 max_tokens = self._feed.max_tokens_of(c.id)
-                records.append({
-                    "id": c.id, "tenant": c.tenant, "type": c.type, "arrival": epoch + arrival,
-                    "received_at": epoch + arrival,
-                    "scheduled_at": epoch + c.scheduled_at, "first_token_at": epoch + c.first_token_at,
-                    "finished_at": epoch + c.finished_at,
-                    "prompt_tokens": c.prompt_tokens, "output_tokens": n, "max_tokens": max_tokens,
-                    "preemptions": c.preemptions, "recomputed_tokens": c.recomputed_tokens, "reason": "finished"})
+                records.append(
+                    {
+                        "id": c.id,
+                        "tenant": c.tenant,
+                        "type": c.type,
+                        "arrival": epoch + arrival,
+                        "received_at": epoch + arrival,
+                        "scheduled_at": epoch + c.scheduled_at,
+                        "first_token_at": epoch + c.first_token_at,
+                        "finished_at": epoch + c.finished_at,
+                        "prompt_tokens": c.prompt_tokens,
+                        "output_tokens": n,
+                        "max_tokens": max_tokens,
+                        "preemptions": c.preemptions,
+                        "recomputed_tokens": c.recomputed_tokens,
+                        "reason": "finished",
+                    }
+                )
                 stats.observe_completion(c, max_tokens)
             core.log_completions(records)
         stats.rejected += len(rejected)
@@ -364,14 +398,23 @@ class TwinReplica:
         """The KV cache's blocks in use, of how many, and their share."""
         total = self.config.num_gpu_blocks
         used = total - self.sim.free_blocks
-        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0,
-                "block_size": self.config.block_size}
+        return {
+            "used_blocks": used,
+            "total_blocks": total,
+            "usage": used / total if total else 0.0,
+            "block_size": self.config.block_size,
+        }
 
     def api_state(self, cursor: int | None) -> dict[str, Any]:
         with self.lock:
             sim = self.sim
-            state = self.core.state(cursor, self.kv(), waiting=list(sim.waiting), running=len(sim.running),
-                                    live=dict(sim.policy.live_state()))
+            state = self.core.state(
+                cursor,
+                self.kv(),
+                waiting=list(sim.waiting),
+                running=len(sim.running),
+                live=dict(sim.policy.live_state()),
+            )
         state["speed"] = self.clock.speed
         return state
 
@@ -394,10 +437,21 @@ class TwinReplica:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def api_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(self.started_at or time.time()),
-            "owned_by": "vllm", "root": self.model_name, "parent": None, "max_model_len": self.max_model_len,
-            "permission": []}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": int(self.started_at or time.time()),
+                    "owned_by": "vllm",
+                    "root": self.model_name,
+                    "parent": None,
+                    "max_model_len": self.max_model_len,
+                    "permission": [],
+                }
+            ],
+        }
 
     def api_health(self) -> bool:
         return self.error is None
@@ -412,7 +466,7 @@ class TwinCluster:
         self.clock = clock
         self.name = name
 
-    def __enter__(self) -> "TwinCluster":
+    def __enter__(self) -> TwinCluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -435,7 +489,9 @@ class TwinCluster:
         for t in threads:
             t.join()
 
-    def cluster_doc(self, name: str | None = None, token_env: str | None = TOKEN_ENV) -> dict[str, Any]:
+    def cluster_doc(
+        self, name: str | None = None, token_env: str | None = TOKEN_ENV
+    ) -> dict[str, Any]:
         """The cluster file's document (``controlplane.cluster``'s format)."""
         replicas = []
         for r in self.replicas:
@@ -445,8 +501,9 @@ class TwinCluster:
             replicas.append(entry)
         return {"clusters": [{"name": name or self.name, "replicas": replicas}]}
 
-    def write_cluster_yaml(self, path: str | os.PathLike, name: str | None = None,
-                           token_env: str | None = TOKEN_ENV) -> Path:
+    def write_cluster_yaml(
+        self, path: str | os.PathLike, name: str | None = None, token_env: str | None = TOKEN_ENV
+    ) -> Path:
         import yaml
 
         path = Path(path)
@@ -454,12 +511,24 @@ class TwinCluster:
         return path
 
 
-def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLike | None = None, *,
-                speed: float = 1.0, settings: Settings | Sequence[Settings] | None = None,
-                host: str = "127.0.0.1", port: int = 0,
-                rate_scale: float = 1.0, loop: bool = True, seed: int = 0, token: str | None = None,
-                config: EngineConfig | None = None, tick_s: float = DEFAULT_TICK_S, name_prefix: str = "twin",
-                cluster_name: str = "twins", clock: TwinClock | None = None) -> TwinCluster:
+def start_twins(
+    n: int,
+    trace: Trace | Sequence[TraceRequest] | str | os.PathLike | None = None,
+    *,
+    speed: float = 1.0,
+    settings: Settings | Sequence[Settings] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    rate_scale: float = 1.0,
+    loop: bool = True,
+    seed: int = 0,
+    token: str | None = None,
+    config: EngineConfig | None = None,
+    tick_s: float = DEFAULT_TICK_S,
+    name_prefix: str = "twin",
+    cluster_name: str = "twins",
+    clock: TwinClock | None = None,
+) -> TwinCluster:
     """Start ``n`` twins named ``{name_prefix}-0 ...`` on ``host`` (``port=0``: ephemeral ports;
     otherwise ``port``, ``port+1``, ...), fed round-robin from ``trace`` (a Trace, requests, a
     trace file, or None for the bundled Azure conv window) with its arrival rate multiplied by
@@ -495,10 +564,21 @@ def start_twins(n: int, trace: Trace | Sequence[TraceRequest] | str | os.PathLik
     replicas: list[TwinReplica] = []
     try:
         for i, share in enumerate(shares):
-            replicas.append(TwinReplica(
-                f"{name_prefix}-{i}", share, period=period, loop=loop, settings=per_twin[i % len(per_twin)],
-                config=config,
-                clock=clock, host=host, port=port + i if port else 0, token=token, tick_s=tick_s).start())
+            replicas.append(
+                TwinReplica(
+                    f"{name_prefix}-{i}",
+                    share,
+                    period=period,
+                    loop=loop,
+                    settings=per_twin[i % len(per_twin)],
+                    config=config,
+                    clock=clock,
+                    host=host,
+                    port=port + i if port else 0,
+                    token=token,
+                    tick_s=tick_s,
+                ).start()
+            )
     except BaseException:
         TwinCluster(replicas, clock).stop()
         raise

@@ -8,7 +8,7 @@ shifted by the trace's period (its duration plus one mean inter-arrival gap), wi
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from sim.traces import TraceRequest
 
@@ -45,7 +45,9 @@ class Feed:
                 return out
             r = reqs[self.index]
             if self.lap:
-                r = dataclasses.replace(r, id=f"{r.id}{LAP_SEP}{self.lap}", arrival=r.arrival + self.lap * self.period)
+                r = dataclasses.replace(
+                    r, id=f"{r.id}{LAP_SEP}{self.lap}", arrival=r.arrival + self.lap * self.period
+                )
             out.append(r)
             self.index += 1
 
@@ -83,4 +85,3 @@ def split_round_robin(trace: Iterable[TraceRequest], n: int) -> list[list[TraceR
     if t0:
         reqs = [dataclasses.replace(r, arrival=r.arrival - t0) for r in reqs]
     return [reqs[i::n] for i in range(n)]
-

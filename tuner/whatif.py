@@ -27,13 +27,25 @@ from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import simulate
 from tuner.fidelity import Replay, relative_change, summary_of
-from tuner.recorded import as_completion, engine_arrival_s, rows_to_trace, store_lag_s, with_front_end
+from tuner.recorded import (
+    as_completion,
+    engine_arrival_s,
+    rows_to_trace,
+    store_lag_s,
+    with_front_end,
+)
 
 METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "ttlt_p50", "ttlt_p99", "throughput_tok_s")
 DEFAULT_MINUTES = 10.0
 DEFAULT_WARMUP_S = 120.0
-LABELS = {"ttft_p50": "P50 TTFT", "ttft_p95": "P95 TTFT", "ttft_p99": "P99 TTFT", "ttlt_p50": "P50 TTLT",
-          "ttlt_p99": "P99 TTLT", "throughput_tok_s": "throughput"}
+LABELS = {
+    "ttft_p50": "P50 TTFT",
+    "ttft_p95": "P95 TTFT",
+    "ttft_p99": "P99 TTFT",
+    "ttlt_p50": "P50 TTLT",
+    "ttlt_p99": "P99 TTLT",
+    "throughput_tok_s": "throughput",
+}
 
 
 class WhatIfError(ValueError):
@@ -50,7 +62,9 @@ def _band(store, cluster: str, replica: str) -> float | None:
     return reports[0]["summary"].get("band") if reports else None
 
 
-def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | None, warmup_s: float):
+def _traffic(
+    store, cluster: str, replica: str, since_ms: int, until_ms: int | None, warmup_s: float
+):
     """(trace, ids of the span's requests, span length in s, the span's start on the trace's
     clock, the stored rows of the trace's requests): the span is the requests that arrived at the engine from ``since_ms`` (the store's
     clock) until ``until_ms`` (None: now); the trace holds them, the ``warmup_s`` of arrivals
@@ -74,10 +88,17 @@ def _traffic(store, cluster: str, replica: str, since_ms: int, until_ms: int | N
     return trace, span_ids, max(span_s, 1.0), lo - t0, kept
 
 
-def _run(trace: tr.Trace, rows, settings: Settings, config, limits: dict[str, Any],
-         switch: tuple[float, Settings] | None = None):
+def _run(
+    trace: tr.Trace,
+    rows,
+    settings: Settings,
+    config,
+    limits: dict[str, Any],
+    switch: tuple[float, Settings] | None = None,
+):
     """The trace's completions under ``settings`` (switching to ``switch[1]`` at ``switch[0]`` s),
     with the replica's engine limits, each with its recorded front-end hop (``rows``) added back."""
+
     def with_limits(s: Settings) -> Settings:
         doc = s.to_dict()
         doc["engine"] = {**doc["engine"], **limits}
@@ -86,33 +107,66 @@ def _run(trace: tr.Trace, rows, settings: Settings, config, limits: dict[str, An
     if switch is None:
         done = simulate(trace, with_limits(settings), config).completions
     else:
-        done = Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))]).run().completions
+        done = (
+            Replay(trace, with_limits(settings), config, [(switch[0], with_limits(switch[1]))])
+            .run()
+            .completions
+        )
     return with_front_end(done, rows)
 
 
-def predict(store, cluster: str, replica: str, current: Settings, proposed: Settings, *,
-            now_ms: int, minutes: float = DEFAULT_MINUTES, warmup_s: float = DEFAULT_WARMUP_S,
-            engine_facts: dict[str, Any] | None = None, step_model: str | None = None) -> dict[str, Any]:
+def predict(
+    store,
+    cluster: str,
+    replica: str,
+    current: Settings,
+    proposed: Settings,
+    *,
+    now_ms: int,
+    minutes: float = DEFAULT_MINUTES,
+    warmup_s: float = DEFAULT_WARMUP_S,
+    engine_facts: dict[str, Any] | None = None,
+    step_model: str | None = None,
+) -> dict[str, Any]:
     """The predicted change of ``proposed`` over ``current`` on the replica's last ``minutes``."""
     from tuner.calibrate import replica_engine
 
     since = now_ms - int(minutes * 60_000)
     trace, ids, span_s, _, rows = _traffic(store, cluster, replica, since, now_ms, warmup_s)
     if trace is None or not ids:
-        raise WhatIfError(f"replica {replica!r}: no traffic recorded in the last {minutes:g} min to predict on "
-                          "(record the cluster: tailpilot record / the TUI with --db)")
+        raise WhatIfError(
+            f"replica {replica!r}: no traffic recorded in the last {minutes:g} min to predict on "
+            "(record the cluster: tailpilot record / the TUI with --db)"
+        )
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
     cur = _figures(_run(trace, rows, current, config, limits), ids, span_s)
     new = _figures(_run(trace, rows, proposed, config, limits), ids, span_s)
-    return {"replica": replica, "cluster": cluster, "t_ms": now_ms, "minutes": minutes, "warmup_s": warmup_s,
-            "requests": len(ids), "step_model": config.step_model.name, "band": _band(store, cluster, replica),
-            "current": current.to_dict(), "proposed": proposed.to_dict(),
-            "metrics": {k: {"current": cur[k], "proposed": new[k], "change": relative_change(new[k], cur[k])}
-                        for k in METRICS}}
+    return {
+        "replica": replica,
+        "cluster": cluster,
+        "t_ms": now_ms,
+        "minutes": minutes,
+        "warmup_s": warmup_s,
+        "requests": len(ids),
+        "step_model": config.step_model.name,
+        "band": _band(store, cluster, replica),
+        "current": current.to_dict(),
+        "proposed": proposed.to_dict(),
+        "metrics": {
+            k: {"current": cur[k], "proposed": new[k], "change": relative_change(new[k], cur[k])}
+            for k in METRICS
+        },
+    }
 
 
-def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict[str, Any] | None = None,
-           step_model: str | None = None) -> dict[str, Any]:
+def verify(
+    store,
+    prediction: dict[str, Any],
+    *,
+    now_ms: int,
+    engine_facts: dict[str, Any] | None = None,
+    step_model: str | None = None,
+) -> dict[str, Any]:
     """Realized vs predicted for one stored prediction (``TunerResults.predictions``' dict); ``ready``
     False until ``minutes`` have passed since the change."""
     from tuner.calibrate import replica_engine
@@ -121,13 +175,20 @@ def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict
     summary = prediction["summary"]
     applied_ms = prediction["t_ms"]
     minutes = summary["minutes"]
-    out: dict[str, Any] = {"id": prediction["id"], "replica": replica, "applied_ms": applied_ms,
-                           "minutes": minutes, "predicted": {k: v["change"] for k, v in summary["metrics"].items()},
-                           "band": _band(store, cluster, replica)}
+    out: dict[str, Any] = {
+        "id": prediction["id"],
+        "replica": replica,
+        "applied_ms": applied_ms,
+        "minutes": minutes,
+        "predicted": {k: v["change"] for k, v in summary["metrics"].items()},
+        "band": _band(store, cluster, replica),
+    }
     due = applied_ms + int(minutes * 60_000)
     if now_ms < due:
         return {**out, "ready": False, "due_ms": due}
-    trace, ids, span_s, change_s, rows = _traffic(store, cluster, replica, applied_ms, due, summary["warmup_s"])
+    trace, ids, span_s, change_s, rows = _traffic(
+        store, cluster, replica, applied_ms, due, summary["warmup_s"]
+    )
     if trace is None or not ids:
         return {**out, "ready": True, "requests": 0, "note": "no traffic came after the change"}
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
@@ -138,11 +199,24 @@ def verify(store, prediction: dict[str, Any], *, now_ms: int, engine_facts: dict
     counterfactual = _figures(_run(trace, rows, old, config, limits), ids, span_s)
     # The model's own account of what happened: the warm-up under the old settings, the new ones
     # from the change on. Its distance from the real figures is the model's error on this traffic.
-    simulated_new = _figures(_run(trace, rows, old, config, limits, switch=(change_s, new)), ids, span_s)
-    return {**out, "ready": True, "requests": len(ids),
-            "metrics": {k: {"real": real[k], "counterfactual": counterfactual[k], "simulated_new": simulated_new[k],
-                            "realized": relative_change(real[k], counterfactual[k]),
-                            "predicted": summary["metrics"][k]["change"]} for k in METRICS}}
+    simulated_new = _figures(
+        _run(trace, rows, old, config, limits, switch=(change_s, new)), ids, span_s
+    )
+    return {
+        **out,
+        "ready": True,
+        "requests": len(ids),
+        "metrics": {
+            k: {
+                "real": real[k],
+                "counterfactual": counterfactual[k],
+                "simulated_new": simulated_new[k],
+                "realized": relative_change(real[k], counterfactual[k]),
+                "predicted": summary["metrics"][k]["change"],
+            }
+            for k in METRICS
+        },
+    }
 
 
 def _pct(v: float | None) -> str:
@@ -151,11 +225,19 @@ def _pct(v: float | None) -> str:
 
 def format_prediction(p: dict[str, Any]) -> str:
     """``replica: P95 TTFT −62% (±9% on this replica), ...`` and the figures."""
-    band = "fidelity not measured on this replica" if p["band"] is None else f"±{p['band']:.0%} on this replica"
-    lines = [f"{p['replica']}: predicted on its last {p['minutes']:g} min ({p['requests']} requests, warm "
-             f"{p['warmup_s']:g} s before; step model {p['step_model']}); {band}"]
+    band = (
+        "fidelity not measured on this replica"
+        if p["band"] is None
+        else f"±{p['band']:.0%} on this replica"
+    )
+    lines = [
+        f"{p['replica']}: predicted on its last {p['minutes']:g} min ({p['requests']} requests, warm "
+        f"{p['warmup_s']:g} s before; step model {p['step_model']}); {band}"
+    ]
     for k, m in p["metrics"].items():
-        lines.append(f"  {LABELS[k]:<11} {_pct(m['change']):>6}   {_num(m['current'])} -> {_num(m['proposed'])}")
+        lines.append(
+            f"  {LABELS[k]:<11} {_pct(m['change']):>6}   {_num(m['current'])} -> {_num(m['proposed'])}"
+        )
     return "\n".join(lines)
 
 
@@ -165,11 +247,15 @@ def format_verification(v: dict[str, Any]) -> str:
     if not v.get("requests"):
         return f"{v['replica']}: change {v['id']}: {v.get('note', 'no traffic')}"
     band = "" if v["band"] is None else f" (±{v['band']:.0%} on this replica)"
-    lines = [f"{v['replica']}: change {v['id']}, {v['requests']} requests in the {v['minutes']:g} min after it{band}",
-             f"  {'':<11} {'predicted':>9} {'realized':>9}   real vs counterfactual (old settings, same traffic)"]
+    lines = [
+        f"{v['replica']}: change {v['id']}, {v['requests']} requests in the {v['minutes']:g} min after it{band}",
+        f"  {'':<11} {'predicted':>9} {'realized':>9}   real vs counterfactual (old settings, same traffic)",
+    ]
     for k, m in v["metrics"].items():
-        lines.append(f"  {LABELS[k]:<11} {_pct(m['predicted']):>9} {_pct(m['realized']):>9}   "
-                     f"{_num(m['real'])} vs {_num(m['counterfactual'])}")
+        lines.append(
+            f"  {LABELS[k]:<11} {_pct(m['predicted']):>9} {_pct(m['realized']):>9}   "
+            f"{_num(m['real'])} vs {_num(m['counterfactual'])}"
+        )
     return "\n".join(lines)
 
 

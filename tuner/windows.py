@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,15 +45,29 @@ def build_traces(spec: StudySpec) -> list[tr.Trace]:
             if spec.mix and len(trace):
                 parts: list[tuple[tr.Trace, float]] = []
                 for i, (mpath, frac) in enumerate(spec.mix):
-                    part = tr.load_trace(mpath, n=len(trace), rate=trace.rate or 1.0, seed=spec.seed + i,
-                                         max_tokens_default=cap)
+                    part = tr.load_trace(
+                        mpath,
+                        n=len(trace),
+                        rate=trace.rate or 1.0,
+                        seed=spec.seed + i,
+                        max_tokens_default=cap,
+                    )
                     parts.append((part, frac))
                 rest = 1.0 - math.fsum(f for _, f in parts)
-                trace = tr.mix([(trace, rest), *parts], seed=spec.seed,
-                               name=trace.name + "+" + "+".join(f"{f:g}*{p.name}" for p, f in parts))
+                trace = tr.mix(
+                    [(trace, rest), *parts],
+                    seed=spec.seed,
+                    name=trace.name + "+" + "+".join(f"{f:g}*{p.name}" for p, f in parts),
+                )
             # The rest in the command line's order (after the mix, which scales with the trace).
-            trace = tr.transform(trace, rate_scale=spec.rate_scale, rate=spec.target_rate,
-                                 max_tokens_cap=spec.max_tokens_cap, tenants=spec.tenants, seed=spec.seed)
+            trace = tr.transform(
+                trace,
+                rate_scale=spec.rate_scale,
+                rate=spec.target_rate,
+                max_tokens_cap=spec.max_tokens_cap,
+                tenants=spec.tenants,
+                seed=spec.seed,
+            )
         except tr.TraceError as err:
             raise TuneError(str(err)) from None
         out.append(trace)
@@ -93,14 +108,18 @@ def _stratified(order: Sequence[int], k: int, rng: np.random.Generator) -> list[
     return sorted(picks)
 
 
-def split_windows(spec: StudySpec, n: int, load: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+def split_windows(
+    spec: StudySpec, n: int, load: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
     """(search, held-out) window indices. The held-out windows are a seeded choice stratified by
     load (prompt + output tokens per window): with windows ranked by load, one is drawn from each of
     ``n_holdout`` consecutive strata, so validation sees light and heavy windows alike. K search
     windows are chosen from the rest the same way (all of them when K is not smaller)."""
     if n < 2:
-        raise TuneError(f"the trace gives {n} window(s) of {spec.window_s:g} s with >= {spec.min_requests} "
-                        "requests; need at least 2 (one is held out): lower --window-s or use a longer trace")
+        raise TuneError(
+            f"the trace gives {n} window(s) of {spec.window_s:g} s with >= {spec.min_requests} "
+            "requests; need at least 2 (one is held out): lower --window-s or use a longer trace"
+        )
     rng = np.random.default_rng([spec.seed, 0x5EED])
     load = list(load) if load is not None else [0] * n
     order = sorted(range(n), key=lambda i: (load[i], i))
@@ -122,8 +141,10 @@ def fingerprint(windows: Sequence[Window]) -> str:
     for w in windows:
         h.update(f"{w.index}|{w.source}|{w.start_s!r}|{len(w.trace)}\n".encode())
         for r in w.trace:
-            h.update(f"{r.id},{r.arrival!r},{r.prompt_tokens},{r.output_tokens},{r.max_tokens},"
-                     f"{r.tenant},{r.type}{'' if r.id in w.measured else ',warm-up'}\n".encode())
+            h.update(
+                f"{r.id},{r.arrival!r},{r.prompt_tokens},{r.output_tokens},{r.max_tokens},"
+                f"{r.tenant},{r.type}{'' if r.id in w.measured else ',warm-up'}\n".encode()
+            )
     return h.hexdigest()
 
 
@@ -132,19 +153,31 @@ def fingerprint(windows: Sequence[Window]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def window_metrics(settings: Settings, window: Window, config: EngineConfig, names: Sequence[str],
-                   slo: Mapping[str, float] | None = None) -> dict[str, float]:
+def window_metrics(
+    settings: Settings,
+    window: Window,
+    config: EngineConfig,
+    names: Sequence[str],
+    slo: Mapping[str, float] | None = None,
+) -> dict[str, float]:
     """Replay one window (warm-up first) under ``settings``; the named metrics of the window's own
     requests (NaN when undefined)."""
     result = Simulator(window.trace, settings, config).run()
     # JFI judges who was served by the time the window's arrivals end (what a live collector
     # would have seen then): a request still unfinished counts as waiting demand.
     end = max((r.arrival for r in window.trace if r.id in window.measured), default=None)
-    return completion_metrics([c for c in result.completions if c.id in window.measured], names, slo, until=end)
+    return completion_metrics(
+        [c for c in result.completions if c.id in window.measured], names, slo, until=end
+    )
 
 
-def completion_metrics(completions: Sequence[Any], names: Sequence[str],
-                       slo: Mapping[str, float] | None = None, *, until: float | None = None) -> dict[str, float]:
+def completion_metrics(
+    completions: Sequence[Any],
+    names: Sequence[str],
+    slo: Mapping[str, float] | None = None,
+    *,
+    until: float | None = None,
+) -> dict[str, float]:
     """The named metrics of ``completions`` (NaN when undefined). ``until``: the window's end, for
     the fairness figures (``scheduler.metrics.fairness_summary``)."""
     summary = summarize(completions, slo=slo or None)

@@ -8,9 +8,10 @@ Times are seconds on the run's clock; derived latencies are defined in the packa
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -104,12 +105,12 @@ class CompletionArrays:
         return int(self.arrival.shape[0])
 
     @classmethod
-    def empty(cls) -> "CompletionArrays":
+    def empty(cls) -> CompletionArrays:
         # Lists are fine here: __post_init__ coerces every column to its numpy dtype.
         columns: dict[str, Any] = {name: [] for name in _ALL_FIELDS}
         return cls(**columns)
 
-    def select(self, index: np.ndarray) -> "CompletionArrays":
+    def select(self, index: np.ndarray) -> CompletionArrays:
         """Rows picked by a boolean mask or an integer index array."""
         return CompletionArrays(**{name: getattr(self, name)[index] for name in _ALL_FIELDS})
 

@@ -37,8 +37,9 @@ Definitions and a worked example: docs/governance.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,6 @@ from scheduler.metrics.registry import METRICS, metric_value, validate_metric
 from scheduler.metrics.summary import GROUP_KEYS, distribution_stats, throughput_window_s
 from scheduler.settings import QUANTILES, SloFqParams
 from scheduler.validation import finite_or_none
-
 
 # --------------------------------------------------------------------------------------
 # Primitives
@@ -200,7 +200,9 @@ def type_share_ratio(
 # Seed 003's figures
 # --------------------------------------------------------------------------------------
 
-DEFAULT_ALPHA = 4.0  # ω's cap where consumption protection is off (slofq's default protection_alpha)
+DEFAULT_ALPHA = (
+    4.0  # ω's cap where consumption protection is off (slofq's default protection_alpha)
+)
 
 
 def limits(params: SloFqParams, tenant: str) -> dict[str, float]:
@@ -217,7 +219,9 @@ def minimum_shares(params: SloFqParams, arrived: Mapping[str, float]) -> dict[st
     return _minimum_shares(params.type_shares, params.type_eta, arrived)
 
 
-def _minimum_shares(explicit: Mapping[str, float], eta: float, arrived: Mapping[str, float]) -> dict[str, float]:
+def _minimum_shares(
+    explicit: Mapping[str, float], eta: float, arrived: Mapping[str, float]
+) -> dict[str, float]:
     if explicit:
         return dict(explicit)
     total = sum(arrived.values())
@@ -241,15 +245,21 @@ class Terms:
     eta: float = 0.5
 
     @classmethod
-    def of(cls, params: SloFqParams) -> "Terms":
+    def of(cls, params: SloFqParams) -> Terms:
         """A slofq document's (or a cluster's ``governance``) tenants and types."""
-        return cls(limits=lambda t: limits(params, t), weight=params.base_weight,
-                   committed=lambda t: params.tenant(t).commit_tok_s,
-                   alpha=params.protection_alpha or DEFAULT_ALPHA, type_shares=dict(params.type_shares),
-                   eta=params.type_eta)
+        return cls(
+            limits=lambda t: limits(params, t),
+            weight=params.base_weight,
+            committed=lambda t: params.tenant(t).commit_tok_s,
+            alpha=params.protection_alpha or DEFAULT_ALPHA,
+            type_shares=dict(params.type_shares),
+            eta=params.type_eta,
+        )
 
 
-def water_fill(capacity: float, weights: Mapping[str, float], demands: Mapping[str, float]) -> dict[str, float]:
+def water_fill(
+    capacity: float, weights: Mapping[str, float], demands: Mapping[str, float]
+) -> dict[str, float]:
     """Weighted max-min fair shares of ``capacity``: each tenant its weight's share, never more
     than its demand, what a capped tenant leaves shared again among the others."""
     out = {t: 0.0 for t in demands}
@@ -269,25 +279,50 @@ def water_fill(capacity: float, weights: Mapping[str, float], demands: Mapping[s
     return out
 
 
-def completion_columns(completions: Iterable[Completion]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def completion_columns(
+    completions: Iterable[Completion],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tenant, type, TTFT, TTLT, tokens) of completions: the columns ``report`` takes."""
     done = list(completions)
-    return (np.array([c.tenant for c in done], dtype=object), np.array([c.type for c in done], dtype=object),
-            np.array([c.first_token_at - c.arrival for c in done], dtype=np.float64),
-            np.array([c.finished_at - c.arrival for c in done], dtype=np.float64),
-            np.array([c.prompt_tokens + c.output_tokens for c in done], dtype=np.float64))
+    return (
+        np.array([c.tenant for c in done], dtype=object),
+        np.array([c.type for c in done], dtype=object),
+        np.array([c.first_token_at - c.arrival for c in done], dtype=np.float64),
+        np.array([c.finished_at - c.arrival for c in done], dtype=np.float64),
+        np.array([c.prompt_tokens + c.output_tokens for c in done], dtype=np.float64),
+    )
 
 
-def window_report(completions: Iterable[Completion], params: SloFqParams | Terms, *, duration_s: float,
-                  arrived: Mapping[str, float] | None = None,
-                  waiting: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
+def window_report(
+    completions: Iterable[Completion],
+    params: SloFqParams | Terms,
+    *,
+    duration_s: float,
+    arrived: Mapping[str, float] | None = None,
+    waiting: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
     """``report`` of ``completions`` (the requests of one window, ``duration_s`` long)."""
-    return report(*completion_columns(completions), params, duration_s=duration_s, arrived=arrived, waiting=waiting)
+    return report(
+        *completion_columns(completions),
+        params,
+        duration_s=duration_s,
+        arrived=arrived,
+        waiting=waiting,
+    )
 
 
-def report(tenant: np.ndarray, rtype: np.ndarray, ttft: np.ndarray, ttlt: np.ndarray, tokens: np.ndarray,
-           params: SloFqParams | Terms, *, duration_s: float, arrived: Mapping[str, float] | None = None,
-           waiting: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, Any]:
+def report(
+    tenant: np.ndarray,
+    rtype: np.ndarray,
+    ttft: np.ndarray,
+    ttlt: np.ndarray,
+    tokens: np.ndarray,
+    params: SloFqParams | Terms,
+    *,
+    duration_s: float,
+    arrived: Mapping[str, float] | None = None,
+    waiting: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
     """Per tenant and per type figures, SCR, JFI (and the seed's literal ``jfi_seed``), ω and type
     fairness of one window's requests, given as columns (tenant and type names, TTFT and TTLT in s
     — NaN where undefined — and tokens served, prompt + output). ``arrived``: requests per type
@@ -303,8 +338,10 @@ def report(tenant: np.ndarray, rtype: np.ndarray, ttft: np.ndarray, ttlt: np.nda
         rows = tenant == name
         n = int(rows.sum())
         ft, lt = distribution_stats(ttft[rows]), distribution_stats(ttlt[rows])
-        figures = {**{f"ttft_{q}": finite_or_none(ft[q]) for q in QUANTILES},
-                   **{f"ttlt_{q}": finite_or_none(lt[q]) for q in QUANTILES}}
+        figures = {
+            **{f"ttft_{q}": finite_or_none(ft[q]) for q in QUANTILES},
+            **{f"ttlt_{q}": finite_or_none(lt[q]) for q in QUANTILES},
+        }
         p50, p99 = figures["ttft_p50"], figures["ttft_p99"]
         figures["ttft_p99_p50"] = p99 / p50 if p50 and p99 is not None else None
         lim = terms.limits(name)
@@ -315,11 +352,22 @@ def report(tenant: np.ndarray, rtype: np.ndarray, ttft: np.ndarray, ttlt: np.nda
         else:  # nothing completed: judged on the wait so far, a lower bound of its tail latency
             met = {k: not waited > v for k, v in _tail_limits(lim).items()}
         served = float(tokens[rows].sum())
-        queued_tokens = float(queued.get("tokens", queued.get("requests", 0) * (served / n if n else mean_tokens)))
-        tenants[name] = {**figures, "requests": n, "tok_s": served / duration_s, "served_tokens": served,
-                         "waiting": int(queued.get("requests", 0)), "waited_s": waited if queued else None,
-                         "starved": not n, "demand_tokens": served + queued_tokens, "limits": lim,
-                         "missed": sorted(k for k, ok in met.items() if not ok), "compliant": all(met.values())}
+        queued_tokens = float(
+            queued.get("tokens", queued.get("requests", 0) * (served / n if n else mean_tokens))
+        )
+        tenants[name] = {
+            **figures,
+            "requests": n,
+            "tok_s": served / duration_s,
+            "served_tokens": served,
+            "waiting": int(queued.get("requests", 0)),
+            "waited_s": waited if queued else None,
+            "starved": not n,
+            "demand_tokens": served + queued_tokens,
+            "limits": lim,
+            "missed": sorted(k for k, ok in met.items() if not ok),
+            "compliant": all(met.values()),
+        }
     fair = _fairness(tenants, terms, duration_s)
     kinds = sorted(set(rtype.tolist()))
     served_k = {k: float((rtype == k).sum()) for k in kinds}
@@ -327,17 +375,31 @@ def report(tenant: np.ndarray, rtype: np.ndarray, ttft: np.ndarray, ttlt: np.nda
     total, total_asked = sum(served_k.values()), sum(asked.values())
     rho = _minimum_shares(terms.type_shares, terms.eta, asked)
     guaranteed = {k: min(r, asked.get(k, 0.0) / total_asked) for k, r in rho.items() if total_asked}
-    ratios = {k: (served_k.get(k, 0.0) / total) / g if total else None for k, g in guaranteed.items() if g > 0}
+    ratios = {
+        k: (served_k.get(k, 0.0) / total) / g if total else None
+        for k, g in guaranteed.items()
+        if g > 0
+    }
     types = {}
     for k in kinds:
         ft = distribution_stats(ttft[rtype == k])
-        types[k] = {"share": served_k[k] / total if total else None, "minimum": rho.get(k), "ratio": ratios.get(k),
-                    "ttft_p50": finite_or_none(ft["p50"]), "ttft_p99": finite_or_none(ft["p99"])}
+        types[k] = {
+            "share": served_k[k] / total if total else None,
+            "minimum": rho.get(k),
+            "ratio": ratios.get(k),
+            "ttft_p50": finite_or_none(ft["p50"]),
+            "ttft_p99": finite_or_none(ft["p99"]),
+        }
     finite = [r for r in ratios.values() if r is not None]
     return {
-        "requests": int(tenant.size), "duration_s": duration_s, "tenants": tenants, "types": types,
+        "requests": int(tenant.size),
+        "duration_s": duration_s,
+        "tenants": tenants,
+        "types": types,
         "scr": (sum(t["compliant"] for t in tenants.values()) / len(tenants)) if tenants else None,
-        **fair, "type_fairness": ratios, "type_fairness_min": min(finite) if finite else None,
+        **fair,
+        "type_fairness": ratios,
+        "type_fairness_min": min(finite) if finite else None,
     }
 
 
@@ -351,7 +413,9 @@ def _tail_limits(lim: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def _fairness(tenants: dict[str, dict[str, Any]], terms: Terms, duration_s: float) -> dict[str, Any]:
+def _fairness(
+    tenants: dict[str, dict[str, Any]], terms: Terms, duration_s: float
+) -> dict[str, Any]:
     """Fills each tenant's entitlement, service ratio, committed rate, Û and ω; returns the JFIs
     and the over-consumers."""
     if not tenants:
@@ -372,9 +436,11 @@ def _fairness(tenants: dict[str, dict[str, Any]], terms: Terms, duration_s: floa
         f["omega"] = min(c / use, terms.alpha) if use > 0 else terms.alpha
     ratios = [f["service_ratio"] for f in tenants.values() if f["service_ratio"] is not None]
     seed = [f["normalised"] for f in tenants.values() if f["normalised"] is not None]
-    return {"jfi": finite_or_none(jain_index(ratios)) if ratios else None,
-            "jfi_seed": finite_or_none(jain_index(seed)) if seed else None,
-            "over_consumers": sorted(t for t, f in tenants.items() if f["omega"] < 1.0)}
+    return {
+        "jfi": finite_or_none(jain_index(ratios)) if ratios else None,
+        "jfi_seed": finite_or_none(jain_index(seed)) if seed else None,
+        "over_consumers": sorted(t for t, f in tenants.items() if f["omega"] < 1.0),
+    }
 
 
 def fairness_summary(
@@ -409,20 +475,28 @@ def fairness_summary(
             w["tokens"] = w.get("tokens", 0.0) + c.prompt_tokens + c.output_tokens
             if c.first_token_at > until:
                 w["waited_s"] = max(w.get("waited_s") or 0.0, until - c.arrival)
-    for name in (slos or {}):
+    for name in slos or {}:
         _fairness_limit(name)
     for per in (tenant_slos or {}).values():
         for name in per:
             _fairness_limit(name)
     weights = dict(weights or {})
-    terms = Terms(limits=lambda t: {**(slos or {}), **(tenant_slos or {}).get(t, {})},
-                  weight=lambda t: float(weights.get(t, 1.0)), committed=lambda t: None,
-                  type_shares=dict(guaranteed_shares or {}))
+    terms = Terms(
+        limits=lambda t: {**(slos or {}), **(tenant_slos or {}).get(t, {})},
+        weight=lambda t: float(weights.get(t, 1.0)),
+        committed=lambda t: None,
+        type_shares=dict(guaranteed_shares or {}),
+    )
     window = throughput_window_s(to_arrays(rows), duration_s) if rows else (duration_s or math.nan)
     if until is not None and duration_s is None and rows:
         window = until - min(c.arrival for c in rows)
-    rep = report(*completion_columns(rows), terms, duration_s=window if window and window > 0 else 1.0,
-                 arrived=_asked_types(rows, everything if until is not None else ()), waiting=queued)
+    rep = report(
+        *completion_columns(rows),
+        terms,
+        duration_s=window if window and window > 0 else 1.0,
+        arrived=_asked_types(rows, everything if until is not None else ()),
+        waiting=queued,
+    )
     out = {"jain_index": _nan(rep["jfi"]), "jain_index_seed": _nan(rep["jfi_seed"])}
     if slos or tenant_slos:
         out["slo_compliance_ratio"] = _nan(rep["scr"])
@@ -434,16 +508,32 @@ def fairness_summary(
 def _as_completions(data: CompletionsLike) -> list[Completion]:
     if not isinstance(data, CompletionArrays):
         return list(data)
-    cols = [getattr(data, f) for f in ("id", "tenant", "type", "arrival", "scheduled_at", "first_token_at",
-                                       "finished_at", "prompt_tokens", "output_tokens")]
-    return [Completion(str(i), str(t), str(k), float(a), float(s), float(f), float(e), int(p), int(o))
-            for i, t, k, a, s, f, e, p, o in zip(*cols)]
+    cols = [
+        getattr(data, f)
+        for f in (
+            "id",
+            "tenant",
+            "type",
+            "arrival",
+            "scheduled_at",
+            "first_token_at",
+            "finished_at",
+            "prompt_tokens",
+            "output_tokens",
+        )
+    ]
+    return [
+        Completion(str(i), str(t), str(k), float(a), float(s), float(f), float(e), int(p), int(o))
+        for i, t, k, a, s, f, e, p, o in zip(*cols)
+    ]
 
 
 def _fairness_limit(name: str) -> None:
     family, _, q = name.partition("_")
     if family not in ("ttft", "ttlt") or q not in ("p50", "p90", "p99"):
-        raise ValueError(f"SCR is judged on TTFT/TTLT P50/P90/P99 limits (ttft_p99 ...), not {name!r}")
+        raise ValueError(
+            f"SCR is judged on TTFT/TTLT P50/P90/P99 limits (ttft_p99 ...), not {name!r}"
+        )
 
 
 def _asked_types(served: Sequence[Completion], all_rows: Any) -> dict[str, float] | None:

@@ -6,7 +6,8 @@ the aliases accepted for some, and the helpers that validate a name and compare 
 from __future__ import annotations
 
 import math
-from typing import Literal, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
 
 #: (key suffix, percentile) pairs reported for every latency family.
 PERCENTILES: tuple[tuple[str, float], ...] = (
@@ -22,8 +23,11 @@ STAT_SUFFIXES: tuple[str, ...] = tuple(s for s, _ in PERCENTILES) + ("mean",)
 _LATENCY_INFO: dict[str, tuple[str, str]] = {
     "ttft": ("time to first token (first token - arrival)", "s"),
     "ttlt": ("time to last token, end-to-end latency (finish - arrival)", "s"),
-    "tbt": ("time between tokens: mean inter-token gap after the first token "
-            "(single-token requests excluded)", "s"),
+    "tbt": (
+        "time between tokens: mean inter-token gap after the first token "
+        "(single-token requests excluded)",
+        "s",
+    ),
     "ptl": ("per-token latency: TTLT / output tokens", "s/token"),
     "queue": ("queue time: first admission - arrival", "s"),
 }
@@ -52,37 +56,56 @@ def _build_metrics() -> dict[str, MetricInfo]:
             table[f"{base}_{suffix}"] = MetricInfo(f"{_STAT_WORDS[suffix]} {desc}", unit, False)
         # Only present in a summary when summarize() is given an SLO for this family.
         table[f"{base}_slo_attainment"] = MetricInfo(
-            f"fraction of requests whose {base.upper()} meets its SLO", "fraction", True)
+            f"fraction of requests whose {base.upper()} meets its SLO", "fraction", True
+        )
         table[f"{base}_slo_scale_99"] = MetricInfo(
             f"smallest k such that 99% of requests meet k x the {base.upper()} SLO "
-            "(how much tighter an SLO the policy holds at 99%)", "x", False)
-    table.update({
-        "ttft_p99_p50": MetricInfo("TTFT P99 / P50 ratio (tail spread)", "ratio", False),
-        "ttlt_p99_p50": MetricInfo("TTLT P99 / P50 ratio (tail spread)", "ratio", False),
-        "throughput_tok_s": MetricInfo("output tokens per second over the window", "tok/s", True),
-        "throughput_req_s": MetricInfo("completed requests per second over the window", "req/s",
-                                       True),
-        "requests": MetricInfo("completed requests", "count", True),
-        "output_tokens": MetricInfo("output tokens generated", "tokens", True),
-        "prompt_tokens": MetricInfo("prompt tokens of completed requests", "tokens", True),
-        "preemptions": MetricInfo("preemptions, all causes", "count", False),
-        "recomputed_tokens": MetricInfo("tokens prefilled again after preemption", "tokens", False),
-        "duration_s": MetricInfo("window length used for throughput", "s", False),
-        # Fairness (fairness_summary and the functions below).
-        "slo_compliance_ratio": MetricInfo(
-            "SCR: fraction of tenants meeting every one of their SLOs", "fraction", True),
-        "jain_index": MetricInfo(
-            "JFI: Jain's index over tenants' service / entitlement capped by demand "
-            "(docs/governance.md)", "index", True),
-        "jain_index_seed": MetricInfo(
-            "seed 003's literal JFI over tenants' throughput / commitment (reported, not acted on)",
-            "index", True),
-        "type_share_ratio_min": MetricInfo(
-            "smallest (actual share / guaranteed share) over request types", "ratio", True),
-        # Reported by the live collector, not computed from completions.
-        "kv_usage": MetricInfo("fraction of KV-cache blocks in use (informational)", "fraction",
-                               False),
-    })
+            "(how much tighter an SLO the policy holds at 99%)",
+            "x",
+            False,
+        )
+    table.update(
+        {
+            "ttft_p99_p50": MetricInfo("TTFT P99 / P50 ratio (tail spread)", "ratio", False),
+            "ttlt_p99_p50": MetricInfo("TTLT P99 / P50 ratio (tail spread)", "ratio", False),
+            "throughput_tok_s": MetricInfo(
+                "output tokens per second over the window", "tok/s", True
+            ),
+            "throughput_req_s": MetricInfo(
+                "completed requests per second over the window", "req/s", True
+            ),
+            "requests": MetricInfo("completed requests", "count", True),
+            "output_tokens": MetricInfo("output tokens generated", "tokens", True),
+            "prompt_tokens": MetricInfo("prompt tokens of completed requests", "tokens", True),
+            "preemptions": MetricInfo("preemptions, all causes", "count", False),
+            "recomputed_tokens": MetricInfo(
+                "tokens prefilled again after preemption", "tokens", False
+            ),
+            "duration_s": MetricInfo("window length used for throughput", "s", False),
+            # Fairness (fairness_summary and the functions below).
+            "slo_compliance_ratio": MetricInfo(
+                "SCR: fraction of tenants meeting every one of their SLOs", "fraction", True
+            ),
+            "jain_index": MetricInfo(
+                "JFI: Jain's index over tenants' service / entitlement capped by demand "
+                "(docs/governance.md)",
+                "index",
+                True,
+            ),
+            "jain_index_seed": MetricInfo(
+                "seed 003's literal JFI over tenants' throughput / commitment (reported, not acted on)",
+                "index",
+                True,
+            ),
+            "type_share_ratio_min": MetricInfo(
+                "smallest (actual share / guaranteed share) over request types", "ratio", True
+            ),
+            # Reported by the live collector, not computed from completions.
+            "kv_usage": MetricInfo(
+                "fraction of KV-cache blocks in use (informational)", "fraction", False
+            ),
+        }
+    )
     return table
 
 

@@ -6,7 +6,7 @@ curve over a grid of scales k), and the tightest scale a target fraction meets
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

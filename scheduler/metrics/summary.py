@@ -6,7 +6,7 @@ throughput and counts (:func:`summarize`), the same per tenant or per request ty
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -124,7 +124,8 @@ def summarize(
     for base, limit in (slo or {}).items():
         if base not in columns:
             raise ValueError(
-                f"slo key {base!r} is not a latency family; use one of {LATENCY_BASES}")
+                f"slo key {base!r} is not a latency family; use one of {LATENCY_BASES}"
+            )
         out[f"{base}_slo_attainment"] = float(slo_attainment(columns[base], limit, 1.0))
         out[f"{base}_slo_scale_99"] = tightest_slo_scale(columns[base], limit, 0.99)
     return out
@@ -141,7 +142,7 @@ def _groups(a: CompletionArrays, key: str) -> dict[str, np.ndarray]:
     names, inverse = np.unique(getattr(a, key), return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[order], np.arange(len(names) + 1))
-    return {str(name): order[bounds[i]:bounds[i + 1]] for i, name in enumerate(names)}
+    return {str(name): order[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)}
 
 
 def summarize_by(

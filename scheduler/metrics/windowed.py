@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -56,8 +56,9 @@ class WindowedPercentiles:
             self._seen += 1
 
     def extend(self, values: Iterable[float] | np.ndarray) -> None:
-        v = np.asarray(values if isinstance(values, np.ndarray) else list(values),
-                       dtype=np.float64).ravel()
+        v = np.asarray(
+            values if isinstance(values, np.ndarray) else list(values), dtype=np.float64
+        ).ravel()
         v = v[np.isfinite(v)]
         k, cap = v.size, self.capacity
         if k == 0:
@@ -69,8 +70,8 @@ class WindowedPercentiles:
                 self._next, self._count = 0, cap
                 return
             first = min(k, cap - self._next)  # up to the end of the buffer ...
-            self._buf[self._next:self._next + first] = v[:first]
-            self._buf[:k - first] = v[first:]  # ... and the rest wraps to the front
+            self._buf[self._next : self._next + first] = v[:first]
+            self._buf[: k - first] = v[first:]  # ... and the rest wraps to the front
             self._next = (self._next + k) % cap
             self._count = min(self._count + k, cap)
 
@@ -82,8 +83,8 @@ class WindowedPercentiles:
         """A copy of the held values, oldest first."""
         with self._lock:
             if self._count < self.capacity:
-                return self._buf[:self._count].copy()
-            return np.concatenate((self._buf[self._next:], self._buf[:self._next]))
+                return self._buf[: self._count].copy()
+            return np.concatenate((self._buf[self._next :], self._buf[: self._next]))
 
     def percentiles(self, qs: Sequence[float] = DEFAULT_QUANTILES) -> dict[str, float]:
         """Exact percentiles of the held values, keyed ``p50``, ``p90`` ... (NaN when empty)."""
@@ -92,7 +93,7 @@ class WindowedPercentiles:
             if self._count == 0:
                 return {k: math.nan for k in keys}
             # Order does not matter for percentiles, so no need to unroll the ring.
-            result = np.percentile(self._buf[:self._count], list(qs))
+            result = np.percentile(self._buf[: self._count], list(qs))
         return {k: float(v) for k, v in zip(keys, np.atleast_1d(result))}
 
     def percentile(self, q: float) -> float:

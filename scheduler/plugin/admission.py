@@ -26,9 +26,9 @@ import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
-from typing import Callable
 
 from scheduler.plugin.wire import encode_json
 
@@ -63,7 +63,9 @@ class Limits:
     # Anonymous requests/s from one client address (burst the same): what one connection gets, so
     # opening more connections or reconnecting buys an unauthenticated client nothing.
     rate_per_address: float = 20.0
-    max_addresses: int = 1024  # client addresses whose rate is remembered; the least recent is forgotten
+    max_addresses: int = (
+        1024  # client addresses whose rate is remembered; the least recent is forgotten
+    )
     # An unauthenticated connection idle (or silent since accepted) this long may be closed early
     # to make room; a younger one is left alone, so a fresh connection can send its request.
     evict_idle_s: float = 1.0
@@ -81,7 +83,9 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.token_reserve < 1.0:
-            raise ValueError(f"Limits.token_reserve: expected a share in [0, 1), got {self.token_reserve!r}")
+            raise ValueError(
+                f"Limits.token_reserve: expected a share in [0, 1), got {self.token_reserve!r}"
+            )
         if self.max_connections < 1 or self.max_addresses < 1:
             raise ValueError("Limits.max_connections and Limits.max_addresses: expected at least 1")
 
@@ -104,7 +108,7 @@ class Limits:
 class TokenBucket:
     """``rate`` tokens per second up to ``rate`` banked; ``take`` returns 0 or the wait for a token."""
 
-    __slots__ = ("rate", "tokens", "stamp", "clock")
+    __slots__ = ("clock", "rate", "stamp", "tokens")
 
     def __init__(self, rate: float, clock: Callable[[], float]) -> None:
         self.rate, self.tokens, self.clock = rate, rate, clock
@@ -134,8 +138,10 @@ CLOSED_EARLY = "closed early to make room"  # begin_request's answer for a conne
 def _refusal(message: str) -> bytes:
     """A whole 503 answer that closes the connection, to send without a handler."""
     body = encode_json({"error": message, "status": 503})
-    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
 
 
 @dataclass(slots=True)
@@ -166,7 +172,9 @@ class RateBudgets:
         with self._lock:
             if token:
                 return self.total.take()
-            return self._address_bucket(address).take() or self.anonymous.take() or self.total.take()
+            return (
+                self._address_bucket(address).take() or self.anonymous.take() or self.total.take()
+            )
 
     def charge(self, address: str, token: bool, cost: float) -> None:
         """Charge a large answer's extra cost to the shared budgets it drew on."""
@@ -190,7 +198,9 @@ class RateBudgets:
         # total still bounds what many addresses get together.
         if len(self._addresses) >= self.limits.max_addresses:
             self._addresses.popitem(last=False)
-        bucket = self._addresses[address] = TokenBucket(self.limits.rate_per_address, self.limits.clock)
+        bucket = self._addresses[address] = TokenBucket(
+            self.limits.rate_per_address, self.limits.clock
+        )
         return bucket
 
 
@@ -210,14 +220,20 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self.limits = limits
         self.rates = RateBudgets(limits)  # shared by the handler threads
         self._conns: dict[socket.socket, _Conn] = {}
-        self._idle_new: OrderedDict[socket.socket, None] = OrderedDict()  # silent since accepted, oldest first
-        self._idle_anonymous: OrderedDict[socket.socket, None] = OrderedDict()  # between requests, idlest first
+        self._idle_new: OrderedDict[socket.socket, None] = (
+            OrderedDict()
+        )  # silent since accepted, oldest first
+        self._idle_anonymous: OrderedDict[socket.socket, None] = (
+            OrderedDict()
+        )  # between requests, idlest first
         self._anonymous = 0  # connections whose last request was anonymous
         self._closing = 0  # closed early, their threads finishing: at most max_closing at once
         self._max_closing = max(1, limits.reserved_connections)
         self._cut: set[socket.socket] = set()  # connections whose input the reaper has shut
         self._refusing: dict[socket.socket, bytes] = {}  # handlers done: refuse instead of closing
-        self._parked: deque[tuple[float, socket.socket, bytes]] = deque()  # (due, socket, answer), due first
+        self._parked: deque[tuple[float, socket.socket, bytes]] = (
+            deque()
+        )  # (due, socket, answer), due first
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._stop = threading.Event()
@@ -253,7 +269,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._lock:
             park = self.limits.max_penalty_s > 0 and len(self._parked) < self.limits.max_parked
             if park:
-                self._parked.append((self.limits.clock() + self.limits.max_penalty_s, request, answer))
+                self._parked.append(
+                    (self.limits.clock() + self.limits.max_penalty_s, request, answer)
+                )
         if not park:
             self._answer_and_close(request, answer)
 
@@ -270,7 +288,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def _answer_and_close(self, request, answer: bytes) -> None:
         with contextlib.suppress(OSError):
             request.setblocking(False)  # never wait on a client from the accept or reaper thread
-            with contextlib.suppress(BlockingIOError):  # what it sent already: unread, it would reset the answer
+            with contextlib.suppress(
+                BlockingIOError
+            ):  # what it sent already: unread, it would reset the answer
                 request.recv(LINGER_BYTES)
             request.send(answer)
         super().shutdown_request(request)
@@ -296,9 +316,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                     if self._closing < self._max_closing:
                         victim = self._close_idlest(now, self._idle_anonymous)
                     if victim is None:
-                        return ("too many unauthenticated connections to the control API "
-                                f"({self.limits.reserved_connections} of {self.limits.max_connections} "
-                                "are kept for requests with the bearer token)")
+                        return (
+                            "too many unauthenticated connections to the control API "
+                            f"({self.limits.reserved_connections} of {self.limits.max_connections} "
+                            "are kept for requests with the bearer token)"
+                        )
                 conn.kind = ANONYMOUS
                 self._anonymous += 1
         if victim is not None:
@@ -352,8 +374,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         remembered."""
         with self._lock:
             kinds = Counter(conn.kind for conn in self._conns.values() if not conn.closing)
-            counts = {"connections": len(self._conns) - self._closing, "anonymous": self._anonymous,
-                      "token": kinds[TOKEN], "new": kinds[NEW], "closing": self._closing, "parked": len(self._parked)}
+            counts = {
+                "connections": len(self._conns) - self._closing,
+                "anonymous": self._anonymous,
+                "token": kinds[TOKEN],
+                "new": kinds[NEW],
+                "closing": self._closing,
+                "parked": len(self._parked),
+            }
         counts["addresses"] = self.rates.addresses()
         return counts
 
@@ -383,10 +411,15 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         so one blocked writing to a client that does not read returns too. How many were cut."""
         now = time.monotonic()
         with self._lock:
-            late = [(request, socket.SHUT_RDWR if request in self._cut else socket.SHUT_RD)
-                    for request, conn in self._conns.items() if conn.deadline < now]
+            late = [
+                (request, socket.SHUT_RDWR if request in self._cut else socket.SHUT_RD)
+                for request, conn in self._conns.items()
+                if conn.deadline < now
+            ]
             for request, how in late:
-                self._conns[request].deadline = now + self.limits.grace_s if how == socket.SHUT_RD else math.inf
+                self._conns[request].deadline = (
+                    now + self.limits.grace_s if how == socket.SHUT_RD else math.inf
+                )
                 self._cut.add(request)
         for request, how in late:
             with contextlib.suppress(OSError):
@@ -419,8 +452,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         kind = type(err).__name__
         self._failures[kind] = self._failures.get(kind, 0) + 1
         if self._failures[kind] == 1:
-            log.warning("tailpilot control API: request failed (%s: %s); later %s failures are counted, "
-                        "not logged", kind, str(err)[:200], kind)
+            log.warning(
+                "tailpilot control API: request failed (%s: %s); later %s failures are counted, "
+                "not logged",
+                kind,
+                str(err)[:200],
+                kind,
+            )
 
     def handle_error(self, request, client_address) -> None:
         # Failures inside a request are answered by the handler; what reaches here is a client

@@ -48,9 +48,10 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import ValidationError
@@ -78,8 +79,12 @@ def token_from_env(env: PluginEnv | None = None) -> str | None:
         try:
             token = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as err:
-            log.warning("tailpilot control API: cannot read %s=%s (%s): writes are disabled",
-                        TOKEN_FILE_ENV, path, type(err).__name__)
+            log.warning(
+                "tailpilot control API: cannot read %s=%s (%s): writes are disabled",
+                TOKEN_FILE_ENV,
+                path,
+                type(err).__name__,
+            )
             return None
     return token or None
 
@@ -105,7 +110,14 @@ class OptionalEndpoints(Protocol):
 class HTTPError(Exception):
     """Answer ``status`` with ``message``; ``close`` when unread bytes make the connection unusable."""
 
-    def __init__(self, status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        close: bool = False,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.close, self.headers = status, close, headers or {}
 
@@ -157,10 +169,14 @@ class ControlHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         limits = self.server.limits
-        self.connection.settimeout(limits.request_timeout_s)  # per socket operation; the reaper bounds the total
+        self.connection.settimeout(
+            limits.request_timeout_s
+        )  # per socket operation; the reaper bounds the total
         self.rfile = _Reader(self.rfile, limits.max_header_bytes)  # type: ignore[assignment]
         self.bucket = TokenBucket(limits.rate_per_connection, limits.clock)
-        self.address = str(self.client_address[0])  # whose per-address budget anonymous requests draw on
+        self.address = str(
+            self.client_address[0]
+        )  # whose per-address budget anonymous requests draw on
         self.authenticated = False  # the current request carries this replica's token
         self.linger = False  # closing on unread input: drain a little so the answer is not reset
 
@@ -205,9 +221,13 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
         lengths = self.headers.get_all("Content-Length") or []
-        if len(lengths) > 1:  # which one frames the body is ambiguous: the rest could be a smuggled request
+        if (
+            len(lengths) > 1
+        ):  # which one frames the body is ambiguous: the rest could be a smuggled request
             shown = ", ".join(repr(v[:20]) for v in lengths[:4])
-            self.send_error(400, f"Content-Length: given {len(lengths)} times ({shown}); send it once")
+            self.send_error(
+                400, f"Content-Length: given {len(lengths)} times ({shown}); send it once"
+            )
             return False
         return True
 
@@ -215,8 +235,11 @@ class ControlHandler(BaseHTTPRequestHandler):
         """Whether the request carries this replica's token, compared as bytes in constant time
         whatever was sent."""
         given, token = self._bearer(), self.server.token
-        return given is not None and token is not None and hmac.compare_digest(
-            given.encode("latin-1", "replace"), token)
+        return (
+            given is not None
+            and token is not None
+            and hmac.compare_digest(given.encode("latin-1", "replace"), token)
+        )
 
     def _admit_connection(self) -> bool:
         """Whether the server lets this connection carry the request (``BoundedHTTPServer.begin_request``);
@@ -225,7 +248,9 @@ class ControlHandler(BaseHTTPRequestHandler):
         if refusal is None:
             return True
         self.close_connection = True
-        if refusal is CLOSED_EARLY:  # closed to make room while its request arrived: nobody to answer
+        if (
+            refusal is CLOSED_EARLY
+        ):  # closed to make room while its request arrived: nobody to answer
             return False
         if self._has_body():  # unread input: answer now and drain it (closing later would reset it)
             self.linger = True
@@ -238,7 +263,9 @@ class ControlHandler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own errors (bad request line, headers, method) as JSON, connection closed."""
         self.close_connection = self.linger = True
-        self.request_version = "HTTP/1.1"  # an HTTP/0.9-looking request line still gets a status line
+        self.request_version = (
+            "HTTP/1.1"  # an HTTP/0.9-looking request line still gets a status line
+        )
         with contextlib.suppress(OSError):
             self._send(code, {"error": message or explain or "bad request", "status": code})
 
@@ -261,7 +288,7 @@ class ControlHandler(BaseHTTPRequestHandler):
 
     # Methods http.server does not find here get its own 501; these are all routed (404/405 when
     # the route table has no answer).
-    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = do_PATCH = do_OPTIONS = _serve  # noqa: N815
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = do_PATCH = do_OPTIONS = _serve
 
     def _admit_rate(self) -> None:
         """Draw on this connection's rate budget, then on the shared ones; over them, 429."""
@@ -272,9 +299,14 @@ class ControlHandler(BaseHTTPRequestHandler):
             # No GIL held while asleep: the engine runs on. An anonymous client waits the
             # whole pause, so one that ignores Retry-After costs a request per pause, not
             # one per refill of its budget.
-            time.sleep(min(wait, limits.max_penalty_s) if self.authenticated else limits.max_penalty_s)
-            raise HTTPError(429, "too many requests: slow down", headers={
-                "Retry-After": str(max(1, math.ceil(wait)))})
+            time.sleep(
+                min(wait, limits.max_penalty_s) if self.authenticated else limits.max_penalty_s
+            )
+            raise HTTPError(
+                429,
+                "too many requests: slow down",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
 
     def _route(self) -> None:
         path = urlsplit(self.path).path
@@ -290,14 +322,22 @@ class ControlHandler(BaseHTTPRequestHandler):
         allowed = _allowed(path, self.server.target)
         if allowed is None and self.command == "GET":
             self._query(())  # a GET's query is checked before its path is looked up
-            raise HTTPError(404, f"no such endpoint: {path[:200]}")  # nothing unread: the connection stays
+            raise HTTPError(
+                404, f"no such endpoint: {path[:200]}"
+            )  # nothing unread: the connection stays
         if allowed is None:
             raise HTTPError(404, f"no such endpoint: {path[:200]}", close=True)
-        raise HTTPError(405, f"method {self.command} not allowed on {path[:200]}; allowed: {allowed}",
-                        close=True, headers={"Allow": allowed})
+        raise HTTPError(
+            405,
+            f"method {self.command} not allowed on {path[:200]}; allowed: {allowed}",
+            close=True,
+            headers={"Allow": allowed},
+        )
 
     # --- answers -----------------------------------------------------------------------------------
-    def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         data = encode_json(body)
         limits = self.server.limits
         if len(data) >= limits.bytes_per_token:
@@ -306,8 +346,9 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.server.rates.charge(self.address, self.authenticated, cost)
         self._send_raw(status, data, "application/json", headers)
 
-    def _send_raw(self, status: int, data: bytes, content_type: str,
-                  headers: dict[str, str] | None = None) -> None:
+    def _send_raw(
+        self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
@@ -361,13 +402,20 @@ class ControlHandler(BaseHTTPRequestHandler):
         if not url.query:
             return {}
         try:
-            query = parse_qs(url.query, keep_blank_values=True, strict_parsing=True,
-                             max_num_fields=len(allowed) + 1)
+            query = parse_qs(
+                url.query,
+                keep_blank_values=True,
+                strict_parsing=True,
+                max_num_fields=len(allowed) + 1,
+            )
         except ValueError as err:
             raise HTTPError(400, f"query: {err}") from None
         for name, values in query.items():
             if name not in allowed:
-                raise HTTPError(400, f"query: unknown parameter {name!r} (known: {', '.join(allowed) or 'none'})")
+                raise HTTPError(
+                    400,
+                    f"query: unknown parameter {name!r} (known: {', '.join(allowed) or 'none'})",
+                )
             if len(values) > 1:
                 raise HTTPError(400, f"query: {name} given {len(values)} times")
         return {name: values[0] for name, values in query.items()}
@@ -385,12 +433,15 @@ class ControlHandler(BaseHTTPRequestHandler):
         if raw is None:
             return INFLIGHT_LIMIT
         if not _DIGITS.fullmatch(raw) or not 1 <= int(raw) <= INFLIGHT_LIMIT:
-            raise HTTPError(400, f"limit: expected an integer from 1 to {INFLIGHT_LIMIT}, got {raw[:40]!r}")
+            raise HTTPError(
+                400, f"limit: expected an integer from 1 to {INFLIGHT_LIMIT}, got {raw[:40]!r}"
+            )
         return int(raw)
 
     def _has_body(self) -> bool:
-        return self.headers.get("Content-Length", "0").strip() not in ("", "0") or \
-            bool(self.headers.get("Transfer-Encoding"))
+        return self.headers.get("Content-Length", "0").strip() not in ("", "0") or bool(
+            self.headers.get("Transfer-Encoding")
+        )
 
     def _refuse_body(self) -> None:
         """A GET with a body: we do not read it, so the connection cannot carry another request."""
@@ -422,8 +473,12 @@ class ControlHandler(BaseHTTPRequestHandler):
         """Decided from the headers alone (``parse_request`` compared the token): an unauthorised
         body is never read."""
         if self.server.token is None:
-            raise HTTPError(403, "writes are disabled: no token configured on this replica "
-                                 f"(set {TOKEN_ENV} or {TOKEN_FILE_ENV})", close=True)
+            raise HTTPError(
+                403,
+                "writes are disabled: no token configured on this replica "
+                f"(set {TOKEN_ENV} or {TOKEN_FILE_ENV})",
+                close=True,
+            )
         if self._bearer() is None:
             raise HTTPError(401, "missing bearer token (Authorization: Bearer <token>)", close=True)
         if not self.authenticated:
@@ -436,8 +491,11 @@ class ControlHandler(BaseHTTPRequestHandler):
             return None
         m = _VERSION.fullmatch(if_match.strip())
         if m is None:
-            raise HTTPError(400, f"If-Match: expected a settings version number, got {if_match[:40]!r}",
-                            close=True)
+            raise HTTPError(
+                400,
+                f"If-Match: expected a settings version number, got {if_match[:40]!r}",
+                close=True,
+            )
         return int(m.group(1))
 
     def _settings_document(self) -> dict[str, Any]:
@@ -453,19 +511,27 @@ class ControlHandler(BaseHTTPRequestHandler):
     def _body(self) -> bytes:
         limits = self.server.limits
         if self.headers.get("Transfer-Encoding"):
-            raise HTTPError(411, "Transfer-Encoding is not accepted: send Content-Length", close=True)
+            raise HTTPError(
+                411, "Transfer-Encoding is not accepted: send Content-Length", close=True
+            )
         raw = self.headers.get("Content-Length")
         if raw is None:
             raise HTTPError(411, "Content-Length: required", close=True)
         if not _DIGITS.fullmatch(raw.strip()):
-            raise HTTPError(400, f"Content-Length: expected a byte count, got {raw[:40]!r}", close=True)
+            raise HTTPError(
+                400, f"Content-Length: expected a byte count, got {raw[:40]!r}", close=True
+            )
         length = int(raw)
         if length > limits.max_body:
-            raise HTTPError(413, f"body: {length} bytes, over the limit of {limits.max_body}", close=True)
+            raise HTTPError(
+                413, f"body: {length} bytes, over the limit of {limits.max_body}", close=True
+            )
         try:
             body = self.rfile.read(length)
         except TimeoutError:
-            raise HTTPError(408, f"body: not received within {limits.request_timeout_s:g} s", close=True) from None
+            raise HTTPError(
+                408, f"body: not received within {limits.request_timeout_s:g} s", close=True
+            ) from None
         if len(body) < length:  # the client closed, or the reaper cut a trickle off
             raise HTTPError(408, f"body: {len(body)} of {length} bytes arrived in time", close=True)
         return body
@@ -500,25 +566,43 @@ ROUTES: dict[tuple[str, str], Route] = {
 
 def _allowed(path: str, target: ControlTarget) -> str | None:
     """The methods ``path`` answers on ``target`` (405's ``Allow``), None for no such endpoint."""
-    methods = [method for (method, route_path), route in ROUTES.items()
-               if route_path == path and route.served_by(target)]
+    methods = [
+        method
+        for (method, route_path), route in ROUTES.items()
+        if route_path == path and route.served_by(target)
+    ]
     return ", ".join(methods) or None
 
 
 class ControlServer:
     """The HTTP server on a daemon thread; ``port=0`` picks a free port."""
 
-    def __init__(self, target: ControlTarget, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 token: str | None = None, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        target: ControlTarget,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        token: str | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.limits = limits or Limits()
         token = (token or "").strip() or None
         if token is None:
-            log.warning("tailpilot control API: no token configured (%s / %s): settings writes are refused",
-                        TOKEN_ENV, TOKEN_FILE_ENV)
-            self.limits = dataclasses.replace(self.limits, token_reserve=0.0)  # nobody could use the reserve
+            log.warning(
+                "tailpilot control API: no token configured (%s / %s): settings writes are refused",
+                TOKEN_ENV,
+                TOKEN_FILE_ENV,
+            )
+            self.limits = dataclasses.replace(
+                self.limits, token_reserve=0.0
+            )  # nobody could use the reserve
         self.httpd = ControlHTTPServer((host, port), target, token, self.limits)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="tailpilot-control", daemon=True)
-        self.reaper = threading.Thread(target=self.httpd.reap_forever, name="tailpilot-control-reaper", daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="tailpilot-control", daemon=True
+        )
+        self.reaper = threading.Thread(
+            target=self.httpd.reap_forever, name="tailpilot-control-reaper", daemon=True
+        )
 
     @property
     def port(self) -> int:
@@ -536,7 +620,7 @@ class ControlServer:
     def url(self) -> str:
         return f"{self.base_url}{PREFIX}"
 
-    def start(self) -> "ControlServer":
+    def start(self) -> ControlServer:
         self.thread.start()
         self.reaper.start()
         return self

@@ -18,12 +18,13 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
-from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv  # noqa: F401 (re-exported)
+from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -41,9 +42,23 @@ PAGE_LIMIT = 1_000
 # is the client's cap on the request (what a recorded trace needs instead of the output length);
 # ``received_at`` when the engine core got it (``arrival`` is the API server's, before tokenising
 # and the hop to the core: a replay starts a request at ``received_at``).
-COMPLETION_KEYS = ("seq", "id", "tenant", "type", "arrival", "received_at", "scheduled_at", "first_token_at",
-                   "finished_at",
-                   "prompt_tokens", "output_tokens", "max_tokens", "preemptions", "recomputed_tokens", "reason")
+COMPLETION_KEYS = (
+    "seq",
+    "id",
+    "tenant",
+    "type",
+    "arrival",
+    "received_at",
+    "scheduled_at",
+    "first_token_at",
+    "finished_at",
+    "prompt_tokens",
+    "output_tokens",
+    "max_tokens",
+    "preemptions",
+    "recomputed_tokens",
+    "reason",
+)
 
 
 class SettingsConflict(Exception):
@@ -66,8 +81,13 @@ class Breaker:
     fallback_version: int | None = None  # of the document restored; None: the stock order
 
     def as_dict(self) -> dict[str, Any]:
-        return {"trips_total": self.trips_total, "last_error": self.last_error, "last_at": self.last_at,
-                "failed_version": self.failed_version, "fallback_version": self.fallback_version}
+        return {
+            "trips_total": self.trips_total,
+            "last_error": self.last_error,
+            "last_at": self.last_at,
+            "failed_version": self.failed_version,
+            "fallback_version": self.fallback_version,
+        }
 
 
 @dataclass(slots=True)
@@ -83,13 +103,20 @@ class StepRecord:
     sum_kv_context: int
 
     def as_dict(self) -> dict:
-        return {"seq": self.seq, "started": self.started, "duration_s": self.duration_s,
-                "prefill_tokens": self.prefill_tokens, "sum_prefill_sq": self.sum_prefill_sq,
-                "decode_seqs": self.decode_seqs, "sum_kv_context": self.sum_kv_context}
+        return {
+            "seq": self.seq,
+            "started": self.started,
+            "duration_s": self.duration_s,
+            "prefill_tokens": self.prefill_tokens,
+            "sum_prefill_sq": self.sum_prefill_sq,
+            "decode_seqs": self.decode_seqs,
+            "sum_kv_context": self.sum_kv_context,
+        }
 
 
-def load_startup_settings(engine_defaults: dict[str, int] | None = None,
-                          env: PluginEnv | None = None) -> Settings:
+def load_startup_settings(
+    engine_defaults: dict[str, int] | None = None, env: PluginEnv | None = None
+) -> Settings:
     """Settings named by ``$TAILPILOT_SETTINGS_FILE`` (a JSON document), else vLLM's behaviour."""
     path = (env or PluginEnv.read()).settings_file
     if not path:
@@ -163,8 +190,10 @@ class ReplicaCore:
     def _build(self, settings: Settings, previous: Policy | None) -> Policy:
         predictor = self.predictor if hasattr(settings.params, "predictor") else None
         if hasattr(settings.params, "predictor") and settings.params.predictor == "oracle":
-            raise ValueError("params.predictor: 'oracle' needs true lengths, which only the simulator has; "
-                             "use 'history' on a live replica")
+            raise ValueError(
+                "params.predictor: 'oracle' needs true lengths, which only the simulator has; "
+                "use 'history' on a live replica"
+            )
         policy = make_policy(settings, predictor)
         if previous is not None:
             policy.adopt_live_state(previous)
@@ -192,15 +221,24 @@ class ReplicaCore:
         self._build(new, None)  # fail now, not inside the scheduling step
         with self._lock:
             if if_match is not None and if_match != self.version:
-                raise SettingsConflict(f"If-Match {if_match} does not match the current version {self.version}")
+                raise SettingsConflict(
+                    f"If-Match {if_match} does not match the current version {self.version}"
+                )
             current = self._pending or self.settings
             self._pending = new
             self.version += 1
             version = self.version
-        restart = [f for f in RESTART_REQUIRED_ENGINE_FIELDS
-                   if getattr(new.engine, f) != getattr(current.engine, f)]
-        return {"settings": new.to_dict(), "version": version, "replica": self.replica,
-                "restart_required": restart}
+        restart = [
+            f
+            for f in RESTART_REQUIRED_ENGINE_FIELDS
+            if getattr(new.engine, f) != getattr(current.engine, f)
+        ]
+        return {
+            "settings": new.to_dict(),
+            "version": version,
+            "replica": self.replica,
+            "restart_required": restart,
+        }
 
     def take_pending(self) -> Settings | None:
         """Make the staged settings the active document and return them (None if none is staged).
@@ -235,7 +273,11 @@ class ReplicaCore:
         if new is not None:
             self.policy.detach(self.waiting)  # write back what the old policy kept lazily (sjf)
             policy = self._build(new, self.policy)
-            policy.attach(self.waiting.in_order(), [s for s in self.states.values() if s.status == "running"], now)
+            policy.attach(
+                self.waiting.in_order(),
+                [s for s in self.states.values() if s.status == "running"],
+                now,
+            )
             self.waiting.set_policy(policy)
             self.policy = policy
         policy = self.policy
@@ -266,7 +308,9 @@ class ReplicaCore:
         if good:
             fallback, fallback_version = good[0]
         else:
-            fallback = Settings.model_validate({"policy": "sarathi", "engine": self.settings.engine.model_dump()})
+            fallback = Settings.model_validate(
+                {"policy": "sarathi", "engine": self.settings.engine.model_dump()}
+            )
             fallback_version = None
         text = f"{type(err).__name__}: {err}"[:BREAKER_ERROR_CHARS]
         with self._lock:
@@ -278,10 +322,22 @@ class ReplicaCore:
             self.settings, self.active_version = fallback, self.version
             if self._pending is not None:
                 self.version += 1  # the staged document stays the newest
-        what = f"settings version {fallback_version}" if fallback_version is not None else "vLLM's stock order"
-        log.error("tailpilot: the %s policy of settings version %d raised inside the engine's step (%s); "
-                  "the engine carries on under %s, now version %d (trip %d)", self.policy.name, failed, text,
-                  what, self.active_version, breaker.trips_total, exc_info=err)
+        what = (
+            f"settings version {fallback_version}"
+            if fallback_version is not None
+            else "vLLM's stock order"
+        )
+        log.error(
+            "tailpilot: the %s policy of settings version %d raised inside the engine's step (%s); "
+            "the engine carries on under %s, now version %d (trip %d)",
+            self.policy.name,
+            failed,
+            text,
+            what,
+            self.active_version,
+            breaker.trips_total,
+            exc_info=err,
+        )
         return fallback
 
     def trip(self, err: BaseException, now: float) -> Policy:
@@ -349,14 +405,26 @@ class ReplicaCore:
         self._log_finished(state, now, reason)
 
     def _log_finished(self, state: RequestState, now: float, reason: str) -> None:
-        self.log_completions([{
-            "id": state.id, "tenant": state.tenant, "type": state.type,
-            "arrival": state.arrival, "received_at": state.received_at, "scheduled_at": state.scheduled_at,
-            "first_token_at": state.first_token_at, "finished_at": now,
-            "prompt_tokens": state.prompt_tokens, "output_tokens": state.generated, "max_tokens": state.max_tokens,
-            "preemptions": state.preemptions, "recomputed_tokens": state.recomputed_tokens,
-            "reason": reason,
-        }])
+        self.log_completions(
+            [
+                {
+                    "id": state.id,
+                    "tenant": state.tenant,
+                    "type": state.type,
+                    "arrival": state.arrival,
+                    "received_at": state.received_at,
+                    "scheduled_at": state.scheduled_at,
+                    "first_token_at": state.first_token_at,
+                    "finished_at": now,
+                    "prompt_tokens": state.prompt_tokens,
+                    "output_tokens": state.generated,
+                    "max_tokens": state.max_tokens,
+                    "preemptions": state.preemptions,
+                    "recomputed_tokens": state.recomputed_tokens,
+                    "reason": reason,
+                }
+            ]
+        )
 
     def log_completions(self, records: Iterable[dict]) -> None:
         """Append finished requests to the completions log (each gets the next ``seq``) and count
@@ -366,18 +434,36 @@ class ReplicaCore:
                 self.finished_total += 1
                 self._completions.append({"seq": next(self._completion_seq), **record})
 
-    def record_step(self, started: float, duration_s: float, prefill_tokens: int, sum_prefill_sq: int,
-                    decode_seqs: int, sum_kv_context: int) -> None:
+    def record_step(
+        self,
+        started: float,
+        duration_s: float,
+        prefill_tokens: int,
+        sum_prefill_sq: int,
+        decode_seqs: int,
+        sum_kv_context: int,
+    ) -> None:
         with self._lock:
             self.steps_total += 1
-            self._steps.append(StepRecord(next(self._step_seq), started, duration_s, prefill_tokens,
-                                          sum_prefill_sq, decode_seqs, sum_kv_context))
+            self._steps.append(
+                StepRecord(
+                    next(self._step_seq),
+                    started,
+                    duration_s,
+                    prefill_tokens,
+                    sum_prefill_sq,
+                    decode_seqs,
+                    sum_kv_context,
+                )
+            )
 
     # --- what the control API reads -----------------------------------------------------------
     def completions_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict], int]:
         with self._lock:
             items = self._since(self._completions, cursor, limit)
-        next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._completions))
+        next_cursor = (
+            items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._completions))
+        )
         return items, next_cursor
 
     def steps_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict], int]:
@@ -411,19 +497,45 @@ class ReplicaCore:
     def _next_seq(cls, log: deque) -> int:
         return cls._seq(log[-1]) + 1 if log else 0
 
-    def inflight(self, limit: int = INFLIGHT_LIMIT, requests: Iterable[RequestState] | None = None) -> dict[str, Any]:
+    def inflight(
+        self, limit: int = INFLIGHT_LIMIT, requests: Iterable[RequestState] | None = None
+    ) -> dict[str, Any]:
         """The ``/inflight`` document: the oldest ``limit`` requests in flight (by default the
         core's own; a twin passes its simulator's), with what the replica knows of each. Costs
         O(n log limit) in the requests held: a snapshot list, then a bounded heap."""
         held = list(self.states.values()) if requests is None else list(requests)
-        oldest = heapq.nsmallest(max(0, min(limit, INFLIGHT_LIMIT)), held, key=lambda s: (s.arrival, s.id))
-        return {"instance": self.instance, "time": self.clock(), "total": len(held), "requests": [
-            {"id": s.id, "tenant": s.tenant, "type": s.type, "arrival": s.arrival, "received_at": s.received_at,
-             "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens, "generated": s.generated,
-             "status": s.status} for s in oldest]}
+        oldest = heapq.nsmallest(
+            max(0, min(limit, INFLIGHT_LIMIT)), held, key=lambda s: (s.arrival, s.id)
+        )
+        return {
+            "instance": self.instance,
+            "time": self.clock(),
+            "total": len(held),
+            "requests": [
+                {
+                    "id": s.id,
+                    "tenant": s.tenant,
+                    "type": s.type,
+                    "arrival": s.arrival,
+                    "received_at": s.received_at,
+                    "prompt_tokens": s.prompt_tokens,
+                    "max_tokens": s.max_tokens,
+                    "generated": s.generated,
+                    "status": s.status,
+                }
+                for s in oldest
+            ],
+        }
 
-    def state(self, cursor: int | None, kv: dict[str, Any], *, waiting: Sequence[RequestState] | None = None,
-              running: int | None = None, live: dict | None = None) -> dict[str, Any]:
+    def state(
+        self,
+        cursor: int | None,
+        kv: dict[str, Any],
+        *,
+        waiting: Sequence[RequestState] | None = None,
+        running: int | None = None,
+        live: dict | None = None,
+    ) -> dict[str, Any]:
         """The ``/state`` document; completions only when a ``cursor`` is given, at most a page
         (``more`` says another follows at ``next_cursor``). A driver that keeps its own queues and
         policy (the simulated twin replica) passes ``waiting`` (in queue order), the ``running``
@@ -443,18 +555,30 @@ class ReplicaCore:
             completions, next_cursor = self.completions_since(cursor)
         live = self.policy.live_state() if live is None else live
         return {
-            "replica": self.replica, "instance": self.instance, "time": self.clock(), "policy": self.settings.policy,
+            "replica": self.replica,
+            "instance": self.instance,
+            "time": self.clock(),
+            "policy": self.settings.policy,
             # The active document and its version (they always match); a staged one shows only as
             # its version until the next step applies it.
-            "settings": self.settings.to_dict(), "settings_version": self.active_version,
+            "settings": self.settings.to_dict(),
+            "settings_version": self.active_version,
             "pending_version": self.version if self.version != self.active_version else None,
-            "waiting": len(waiting), "running": running, "waiting_by_tenant": by_tenant,
+            "waiting": len(waiting),
+            "running": running,
+            "waiting_by_tenant": by_tenant,
             "waiting_by_type": by_type,
-            "kv": kv, "gamma_live": live.get("gamma"), "beta_live": live.get("beta"), "live": live,
-            "preemptions_total": self.preemptions_total, "recomputed_tokens_total": self.recomputed_tokens_total,
+            "kv": kv,
+            "gamma_live": live.get("gamma"),
+            "beta_live": live.get("beta"),
+            "live": live,
+            "preemptions_total": self.preemptions_total,
+            "recomputed_tokens_total": self.recomputed_tokens_total,
             "refused_total": self.refused_total,
-            "finished_total": self.finished_total, "steps_total": self.steps_total,
-            "completions": completions, "next_cursor": next_cursor,
+            "finished_total": self.finished_total,
+            "steps_total": self.steps_total,
+            "completions": completions,
+            "next_cursor": next_cursor,
             "more": next_cursor < self._next_seq(self._completions),
             "breaker": self.breaker.as_dict(),
         }

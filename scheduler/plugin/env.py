@@ -9,8 +9,8 @@ engine either starts with a valid configuration or refuses with a message such a
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -54,11 +54,14 @@ class PluginEnv(BaseModel):
         return (v.strip() or None) if isinstance(v, str) else v
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] | None = None) -> "PluginEnv":
+    def read(cls, environ: Mapping[str, str] | None = None) -> PluginEnv:
         """The plugin's configuration from ``environ`` (default ``os.environ``)."""
         environ = os.environ if environ is None else environ
-        raw = {name: environ[var].strip() if name != "token" else environ[var]
-               for name, (var, _) in VARIABLES.items() if var in environ}
+        raw = {
+            name: environ[var].strip() if name != "token" else environ[var]
+            for name, (var, _) in VARIABLES.items()
+            if var in environ
+        }
         raw = {k: v for k, v in raw.items() if v != "" or k == "token"}
         try:
             return cls.model_validate(raw)

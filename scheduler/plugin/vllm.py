@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -49,7 +49,7 @@ class PolicyRequestQueue(RequestQueue):
     that failed half-way is already complete in the rebuilt queue.
     """
 
-    def __init__(self, plugin: "TailpilotMixin") -> None:
+    def __init__(self, plugin: TailpilotMixin) -> None:
         self.plugin = plugin
 
     def _queue(self):
@@ -109,8 +109,10 @@ class PolicyRequestQueue(RequestQueue):
         self.remove_states([state])
         # vLLM also pops requests it only sets aside for this step (skip_request: grammar still
         # compiling, KV still loading, stale async output) and prepends them back: not admissions.
-        if not (self.plugin._is_blocked_waiting_status(request.status)
-                or (getattr(request, "num_stale_output_tokens", 0) and not request.drop_stale_output)):
+        if not (
+            self.plugin._is_blocked_waiting_status(request.status)
+            or (getattr(request, "num_stale_output_tokens", 0) and not request.drop_stale_output)
+        ):
             self.plugin._tp_admitted(state)
         return request
 
@@ -153,10 +155,15 @@ class TailpilotMixin:
     def _tp_init(self) -> None:
         cfg = self.vllm_config
         sched = cfg.scheduler_config
-        engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-                  "long_prefill_token_threshold": sched.long_prefill_token_threshold or 0}
+        engine = {
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "long_prefill_token_threshold": sched.long_prefill_token_threshold or 0,
+        }
         rank = cfg.parallel_config.data_parallel_rank or 0
-        env = PluginEnv.read()  # every TAILPILOT_* variable, validated once: a bad one stops start-up
+        env = (
+            PluginEnv.read()
+        )  # every TAILPILOT_* variable, validated once: a bad one stops start-up
         replica = env.replica + (f"-dp{rank}" if rank else "")
         self._tp_now = time.time()
         self._tp_requests: dict[str, Request] = {}
@@ -171,8 +178,9 @@ class TailpilotMixin:
         self.tp_server: ControlServer | None = None
         port = env.api_port
         if port >= 0:  # a negative port disables the API (in-process tests drive the core directly)
-            self.tp_server = ControlServer(self, host=env.api_host, port=port + rank if port else 0,
-                                           token=token_from_env(env)).start()
+            self.tp_server = ControlServer(
+                self, host=env.api_host, port=port + rank if port else 0, token=token_from_env(env)
+            ).start()
 
     # --- request bookkeeping -----------------------------------------------------------------
     def _tp_state_for(self, request: Request) -> RequestState:
@@ -189,9 +197,13 @@ class TailpilotMixin:
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         rtype = str(extra.get("type", "chat"))
         return RequestState(
-            id=request.request_id, arrival=request.arrival_time, prompt_tokens=request.num_prompt_tokens,
-            max_tokens=request.max_tokens or 1, tenant=str(extra.get("tenant", "default")),
-            type=rtype if rtype in REQUEST_TYPES else "chat")
+            id=request.request_id,
+            arrival=request.arrival_time,
+            prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.max_tokens or 1,
+            tenant=str(extra.get("tenant", "default")),
+            type=rtype if rtype in REQUEST_TYPES else "chat",
+        )
 
     def _tp_refuse(self, request: Request) -> bool:
         """Turn a new request away when the policy says so (slofq's per-tenant queue cap): vLLM's
@@ -217,7 +229,11 @@ class TailpilotMixin:
         if entry is not None and self._tp_now - entry[0] < REFUSAL_LOG_S:
             entry[1] += 1
             return
-        more = f" ({entry[1]} more of this tenant's since the last message)" if entry and entry[1] else ""
+        more = (
+            f" ({entry[1]} more of this tenant's since the last message)"
+            if entry and entry[1]
+            else ""
+        )
         log.warning("tailpilot refused request %s: %s%s", request_id, why, more)
         if len(self._tp_refusal_log) >= 1024:  # tenant names come from clients
             self._tp_refusal_log.clear()
@@ -301,7 +317,9 @@ class TailpilotMixin:
         scheduled = [states[r] for r in served if r in states]
         idle = [states[r.request_id] for r in self.running if r.request_id not in served]
         policy.on_steps(scheduled, idle, 1)
-        policy.on_waiting_steps(self.tp_core.waiting, 1)  # counted lazily: no pass over a deep queue
+        policy.on_waiting_steps(
+            self.tp_core.waiting, 1
+        )  # counted lazily: no pass over a deep queue
 
     def _tp_prepare_step(self, now: float) -> None:
         """The step's policy work before vLLM's own step: staged settings, the running order and
@@ -366,11 +384,19 @@ class TailpilotMixin:
 
         pool = self.kv_cache_manager.block_pool
         victims = plan_preemptions(
-            policy, core.waiting.ordered(now), lambda: ordered,
-            now=now, seats=self.max_num_running_reqs - len(self.running), free_blocks=pool.get_num_free_blocks(),
-            budget=self.max_num_scheduled_tokens, chunk=chunk, blocks_needed=blocks_needed,
+            policy,
+            core.waiting.ordered(now),
+            lambda: ordered,
+            now=now,
+            seats=self.max_num_running_reqs - len(self.running),
+            free_blocks=pool.get_num_free_blocks(),
+            budget=self.max_num_scheduled_tokens,
+            chunk=chunk,
+            blocks_needed=blocks_needed,
             held_blocks=lambda s: -(-s.computed_tokens // bs),
-            max_seats=self.max_num_running_reqs, total_blocks=pool.num_gpu_blocks)
+            max_seats=self.max_num_running_reqs,
+            total_blocks=pool.num_gpu_blocks,
+        )
         for state in victims:
             request = self._tp_requests[state.id]
             self.running.remove(request)
@@ -429,8 +455,12 @@ class TailpilotMixin:
         if state is not None:
             self._tp_now = time.time()
             self._tp_sync(request, state)
-            reason = "finished" if request.status.name.startswith("FINISHED_") and \
-                request.status.name not in ("FINISHED_ABORTED", "FINISHED_ERROR") else request.status.name.lower()
+            reason = (
+                "finished"
+                if request.status.name.startswith("FINISHED_")
+                and request.status.name not in ("FINISHED_ABORTED", "FINISHED_ERROR")
+                else request.status.name.lower()
+            )
             if state.status == "waiting":
                 self.waiting.remove_states([state])
             self.tp_core.finish(state, self._tp_now, reason)
@@ -443,8 +473,12 @@ class TailpilotMixin:
         pool = self.kv_cache_manager.block_pool
         total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         used = total - pool.get_num_free_blocks()
-        return {"used_blocks": used, "total_blocks": total, "usage": used / total if total else 0.0,
-                "block_size": self.block_size}
+        return {
+            "used_blocks": used,
+            "total_blocks": total,
+            "usage": used / total if total else 0.0,
+            "block_size": self.block_size,
+        }
 
     def api_state(self, cursor: int | None) -> dict:
         return self.tp_core.state(cursor, self._tp_kv())

@@ -39,4 +39,6 @@ def parse_json_body(body: bytes) -> Any:
 
 def encode_json(doc: Any) -> bytes:
     """Strict JSON out (NaN/Infinity as null): readers such as PostgreSQL's jsonb refuse them."""
-    return pydantic_core.to_json(doc, inf_nan_mode="null", fallback=float)  # fallback: numpy scalars
+    return pydantic_core.to_json(
+        doc, inf_nan_mode="null", fallback=float
+    )  # fallback: numpy scalars

@@ -28,12 +28,25 @@ def make_policy(settings: Settings, predictor=None) -> Policy:
 
         p = settings.params
         kwargs = {}
-        if p.predictor == "oracle":  # drawn with TIE's ν, so its distributions are the ones TIE assumes
-            kwargs = {"sigma_noise": p.sigma_noise, "sigma_spread": p.sigma_spread, "nu": getattr(p, "nu", 3.5)}
+        if (
+            p.predictor == "oracle"
+        ):  # drawn with TIE's ν, so its distributions are the ones TIE assumes
+            kwargs = {
+                "sigma_noise": p.sigma_noise,
+                "sigma_spread": p.sigma_spread,
+                "nu": getattr(p, "nu", 3.5),
+            }
         predictor = make_predictor(settings.params.predictor, **kwargs)
     return cls(settings, predictor)
 
 
 __all__ = [
-    "POLICY_CLASSES", "EngineView", "Policy", "RequestState", "Settings", "boost", "make_policy", "quantize",
+    "POLICY_CLASSES",
+    "EngineView",
+    "Policy",
+    "RequestState",
+    "Settings",
+    "boost",
+    "make_policy",
+    "quantize",
 ]

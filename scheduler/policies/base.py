@@ -15,9 +15,9 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import insort
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -56,7 +56,9 @@ class RequestState:
     preemptions: int = 0
     policy_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose KV was thrown away by preemptions
-    received_at: float | None = None  # when the engine core received it (arrival is the API server's)
+    received_at: float | None = (
+        None  # when the engine core received it (arrival is the API server's)
+    )
     enqueued_at: float = 0.0  # when it last entered the waiting queue
     scheduled_at: float | None = None  # first admission
     first_token_at: float | None = None
@@ -154,7 +156,9 @@ class Policy:
         self.epoch = new_epoch()
         self.moved: list[RequestState] = []  # waiting requests whose own key changed (re-insert)
         self._predictor_version = getattr(predictor, "version", 0)
-        self._prediction_group = prediction_group_fn(predictor) if self.name in PREDICTION_KEYED else None
+        self._prediction_group = (
+            prediction_group_fn(predictor) if self.name in PREDICTION_KEYED else None
+        )
 
     # --- ordering -------------------------------------------------------------------------
     def score(self, req: RequestState, now: float) -> float:
@@ -200,7 +204,9 @@ class Policy:
         """The key function ``order_running`` sorts by (``reorder_running`` inserts by it)."""
         return self.sort_key(now)
 
-    def reorder_running(self, running: Sequence[RequestState], settled: int, now: float) -> list[RequestState]:
+    def reorder_running(
+        self, running: Sequence[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
         """``order_running`` for a list whose first ``settled`` requests are in the order this
         method returned last time (though their keys may have changed since) and whose other
         requests are new (just admitted).
@@ -215,8 +221,15 @@ class Policy:
         epoch = self.epoch
         head = list(running[:settled])
         # A request keeps its place while its cached key is valid and is the key it was placed by.
-        moved = [r for r in head if not (r.score_epoch == epoch and r.attained < r.score_until
-                                         and r.key_value is r.running_key)]
+        moved = [
+            r
+            for r in head
+            if not (
+                r.score_epoch == epoch
+                and r.attained < r.score_until
+                and r.key_value is r.running_key
+            )
+        ]
         stale = len(moved)
         moved += running[settled:]
         if 8 * len(moved) > len(running):  # many (a new epoch, a first call): sort them all
@@ -232,7 +245,9 @@ class Policy:
             r.running_key = r.key_value
         return head
 
-    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+    def admission_order(
+        self, waiting: Sequence[RequestState], now: float
+    ) -> Iterator[RequestState]:
         """Waiting requests (already in queue order) in the order admission should try them;
         VTC re-picks the tenant after each admission."""
         return iter(waiting)
@@ -264,7 +279,9 @@ class Policy:
         Default (``PREDICTION_KEYED`` policies): a key that depends on the request only through
         its arrival, its prediction and ``max_tokens``; the prediction is fixed by the predictor's
         inputs (``prediction_group_fn``)."""
-        assert self._prediction_group is not None  # a grouped layout only for PREDICTION_KEYED policies
+        assert (
+            self._prediction_group is not None
+        )  # a grouped layout only for PREDICTION_KEYED policies
         return (self._prediction_group(req), req.max_tokens)
 
     def approx_offsets(self, values: np.ndarray) -> np.ndarray:
@@ -287,8 +304,9 @@ class Policy:
         """Victim when a running request cannot get a KV block; ``running`` is in running order."""
         return running[-1]
 
-    def policy_victim(self, waiting_req: RequestState, running: Sequence[RequestState],
-                      now: float) -> RequestState | None:
+    def policy_victim(
+        self, waiting_req: RequestState, running: Sequence[RequestState], now: float
+    ) -> RequestState | None:
         """The running request to preempt so ``waiting_req`` can be admitted, or None.
 
         ``running`` is in running order (best first), so the worst eligible is found from the end.
@@ -298,7 +316,11 @@ class Policy:
         cand = self.worst_preemptible(running, now)
         if cand is None:
             return None
-        w_key, r_key, margin = self.key(waiting_req, now), self.key(cand, now), self.victim_margin(cand)
+        w_key, r_key, margin = (
+            self.key(waiting_req, now),
+            self.key(cand, now),
+            self.victim_margin(cand),
+        )
         better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
         return cand if better else None
 
@@ -353,8 +375,9 @@ class Policy:
     def on_finish(self, req: RequestState, now: float) -> None:
         pass
 
-    def on_steps(self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState],
-                 steps: int) -> None:
+    def on_steps(
+        self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
+    ) -> None:
         """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled`` none."""
 
     def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
@@ -378,8 +401,13 @@ class Policy:
         """Earliest time at which the waiting order may change by itself (starvation), or INF."""
         return INF
 
-    def steady_steps(self, running: Sequence[RequestState], waiting: Sequence[RequestState],
-                     now: float, kv_blocked: bool) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         """How many more pure-decode steps keep every decision of this step the same.
 
         Called only when nothing was admitted or preempted this step and every running request
@@ -388,7 +416,9 @@ class Policy:
         """
         return INF
 
-    def attach(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> None:
+    def attach(
+        self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
+    ) -> None:
         """Take over a live replica's queues after a settings switch (rebuild derived state)."""
 
     # --- live state -----------------------------------------------------------------------
@@ -396,7 +426,7 @@ class Policy:
         """Adaptive values for the control API (γ, β)."""
         return {}
 
-    def adopt_live_state(self, previous: "Policy") -> None:
+    def adopt_live_state(self, previous: Policy) -> None:
         """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
 
 
@@ -437,7 +467,7 @@ def quantize(tokens: int, base: int, ratio: float) -> float:
     if tokens < base:
         return 0.0
     k = math.floor(math.log(tokens / base, ratio) + 1e-12)
-    q = base * ratio ** k
+    q = base * ratio**k
     if q > tokens:  # guard the float floor at exact powers
         q /= ratio
     return q

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from scheduler.policies.base import INF, Policy, RequestState, arrival_order
 
@@ -44,7 +44,9 @@ class TenantBacklog:
         n = self.backlog.get(tenant, 0)
         if n == 0:
             # Counter lift: a tenant returning from idle cannot bank credit (docs/policies.md#vtc).
-            others = [self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant]
+            others = [
+                self.counters.get(t, 0.0) for t, k in self.backlog.items() if k > 0 and t != tenant
+            ]
             if others:
                 self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
         self.backlog[tenant] = n + 1
@@ -112,8 +114,9 @@ class Vtc(TenantBacklog, Policy):
         self._seat(req)
         self._leave_backlog(req.tenant)
         if req.scheduled_at is None:  # charge the prompt once, not again after a preemption
-            self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
-                                         + self.params.input_price * req.prompt_tokens / self.weight(req.tenant))
+            self.counters[req.tenant] = self.counters.get(
+                req.tenant, 0.0
+            ) + self.params.input_price * req.prompt_tokens / self.weight(req.tenant)
 
     def on_tokens(self, req: RequestState, new_tokens: int) -> None:
         self.counters[req.tenant] += self.params.output_price * new_tokens / self.weight(req.tenant)
@@ -127,7 +130,9 @@ class Vtc(TenantBacklog, Policy):
     def wait_group(self, req: RequestState) -> str:
         return req.tenant
 
-    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+    def admission_order(
+        self, waiting: Sequence[RequestState], now: float
+    ) -> Iterator[RequestState]:
         by_group = getattr(waiting, "by_group", None)
         if by_group is not None:
             queues: dict[str, list[RequestState]] = by_group()  # per tenant, in arrival order
@@ -138,7 +143,9 @@ class Vtc(TenantBacklog, Policy):
         heads = {t: 0 for t in queues}
         while heads:
             # Re-pick after every admission: on_admit has charged the admitted tenant.
-            tenant = min(heads, key=lambda t: (self.counters.get(t, 0.0), queues[t][heads[t]].arrival, t))
+            tenant = min(
+                heads, key=lambda t: (self.counters.get(t, 0.0), queues[t][heads[t]].arrival, t)
+            )
             yield queues[tenant][heads[tenant]]
             heads[tenant] += 1
             if heads[tenant] == len(queues[tenant]):

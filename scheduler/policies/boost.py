@@ -51,17 +51,23 @@ def decodes_then_prefills(policy: Policy, running, now: float) -> list[RequestSt
     """Stage 1's running order: decodes first in arrival order (the last, the newest decode, is
     the memory victim), then prefill chunks (prompts, recomputes) by the policy's key. It is the
     budget order too (``Policy.running_order_is_budget_order``)."""
+
     def key(r: RequestState) -> tuple:
-        if r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1:  # in_decode, inlined
+        if (
+            r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1
+        ):  # in_decode, inlined
             return (0, r.arrival, r.id)
         return (1, *policy.key(r, now))
+
     return sorted(running, key=key)
 
 
 _PLACED_DECODE = ("decode",)  # RequestState.running_key of a request placed among the decodes
 
 
-def reorder_decodes_then_prefills(policy: Policy, running, settled: int, now: float) -> list[RequestState]:
+def reorder_decodes_then_prefills(
+    policy: Policy, running, settled: int, now: float
+) -> list[RequestState]:
     """``decodes_then_prefills`` for a list whose first ``settled`` requests are in the order it
     gave last (``Policy.reorder_running``), without sorting the decodes again: a decode stays a
     decode until it leaves, so the placed decodes are still in arrival order and only the few
@@ -101,7 +107,9 @@ class UniBoost(Policy):
         super().__init__(settings, predictor)
         p = self.params
         self.gamma = p.gamma
-        self.gamma_smoothed = p.gamma  # γ-Ada's running estimate; self.gamma follows it (ada_deadband)
+        self.gamma_smoothed = (
+            p.gamma
+        )  # γ-Ada's running estimate; self.gamma follows it (ada_deadband)
         self.decode_first = p.decode_first
         # The newest-decode memory victim orders decodes before prefills: decode-first only.
         self.newest_victim = p.kv_victim == "newest" and p.decode_first
@@ -126,7 +134,11 @@ class UniBoost(Policy):
     # --- score ---------------------------------------------------------------------------
     def work_tokens(self, req: RequestState) -> float:
         p = self.params
-        attained = quantize(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard else req.attained
+        attained = (
+            quantize(req.attained, p.quant_base_tokens, p.quant_ratio)
+            if p.memguard
+            else req.attained
+        )
         return max(attained, req.prompt_tokens)
 
     def key(self, req: RequestState, now: float) -> tuple:
@@ -138,7 +150,9 @@ class UniBoost(Policy):
             # threshold above both it and the prompt (below the prompt, w̃ is the prompt);
             # without, until attained work passes the prompt or itself.
             if p.memguard:
-                until = next_threshold(max(req.attained, req.prompt_tokens), p.quant_base_tokens, p.quant_ratio)
+                until = next_threshold(
+                    max(req.attained, req.prompt_tokens), p.quant_base_tokens, p.quant_ratio
+                )
             else:
                 until = max(req.attained, req.prompt_tokens) + 1
             key = self.cache_key(req, value, until)
@@ -192,7 +206,9 @@ class UniBoost(Policy):
             self.backlog -= n
             self.admitted_log.append((now, n))
             self.admitted_sum += n
-        req.guard_tokens = next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard else 0
+        req.guard_tokens = (
+            next_threshold(req.attained, p.quant_base_tokens, p.quant_ratio) if p.memguard else 0
+        )
 
     def policy_preemptible(self, req: RequestState) -> bool:
         return req.attained >= req.guard_tokens
@@ -248,8 +264,15 @@ class UniBoost(Policy):
             return self.order_running(running, now)
         epoch = self.epoch
         head = list(running[:settled])
-        moved = [r for r in head if not (r.score_epoch == epoch and r.attained < r.score_until
-                                         and r.running_key == (r.attained >= r.guard_tokens, r.key_value))]
+        moved = [
+            r
+            for r in head
+            if not (
+                r.score_epoch == epoch
+                and r.attained < r.score_until
+                and r.running_key == (r.attained >= r.guard_tokens, r.key_value)
+            )
+        ]
         stale = len(moved)
         moved += running[settled:]
         key = self.running_sort_key(now)
@@ -298,7 +321,11 @@ class UniBoost(Policy):
             else:
                 b = -log(-expm1(-x)) / gamma
             value = r.arrival - b
-            r.score_epoch, r.score_until, r.score_value = epoch, max(attained, r.prompt_tokens) + 1, value
+            r.score_epoch, r.score_until, r.score_value = (
+                epoch,
+                max(attained, r.prompt_tokens) + 1,
+                value,
+            )
             k = r.key_value = (value, r.arrival, r.id)
             return k
 
@@ -342,8 +369,13 @@ class UniBoost(Policy):
         p = self.params
         if p.memguard:
             # Scores and guards change only when attained work crosses a threshold.
-            return max(1, min(next_threshold(r.attained, p.quant_base_tokens, p.quant_ratio) - r.attained
-                              for r in running))
+            return max(
+                1,
+                min(
+                    next_threshold(r.attained, p.quant_base_tokens, p.quant_ratio) - r.attained
+                    for r in running
+                ),
+            )
         # Without MemGuard a running score rises continuously; find when the worst one would pass
         # the best waiting score. b_γ is its own inverse, so the crossing is closed-form.
         best = self.score(waiting[0], now) + self.preempt_margin()  # waiting is in key order
@@ -362,7 +394,11 @@ class UniBoost(Policy):
 
     def adopt_live_state(self, previous: Policy) -> None:
         # Keep the adapted γ across a switch unless the new document pins or sets it explicitly.
-        if isinstance(previous, UniBoost) and self.ada_enabled and previous.params.gamma == self.params.gamma:
+        if (
+            isinstance(previous, UniBoost)
+            and self.ada_enabled
+            and previous.params.gamma == self.params.gamma
+        ):
             self.gamma, self.gamma_smoothed = previous.gamma, previous.gamma_smoothed
             self.epoch = new_epoch()
             self.recent_tail = deque(previous.recent_tail, maxlen=self.params.ada_window)

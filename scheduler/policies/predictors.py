@@ -30,15 +30,15 @@ import numpy as np
 from scipy import special
 
 __all__ = [
-    "LengthPredictor",
-    "OraclePredictor",
-    "HistoryPredictor",
-    "fit_logt_mle",
-    "fit_logt_mle_many",
-    "prompt_bucket",
-    "make_predictor",
     "PREDICTORS",
     "SIGMA_FLOOR",
+    "HistoryPredictor",
+    "LengthPredictor",
+    "OraclePredictor",
+    "fit_logt_mle",
+    "fit_logt_mle_many",
+    "make_predictor",
+    "prompt_bucket",
 ]
 
 #: Smallest log-scale sigma a predictor reports (a point mass would make TIE degenerate).
@@ -92,7 +92,7 @@ class LengthPredictor(ABC):
     def observe(self, req, output_tokens: int) -> None:  # noqa: B027 - optional hook
         """Record a finished request and its true output length (cheap; never refits)."""
 
-    def refit(self) -> int:  # noqa: B027 - optional hook
+    def refit(self) -> int:
         """Re-estimate from the observations (may be expensive: run it on a timer, never inside a
         scheduling step). Returns the number of fitted keys."""
         return 0
@@ -131,8 +131,9 @@ class OraclePredictor(LengthPredictor):
 
     name = "oracle"
 
-    def __init__(self, sigma_noise: float = 0.0, seed: int = 0, nu: float = 3.5,
-                 sigma_spread: float = 0.0) -> None:
+    def __init__(
+        self, sigma_noise: float = 0.0, seed: int = 0, nu: float = 3.5, sigma_spread: float = 0.0
+    ) -> None:
         if not (sigma_noise >= 0) or not math.isfinite(sigma_noise):
             raise ValueError(f"sigma_noise must be a finite number >= 0, got {sigma_noise!r}")
         if not (sigma_spread >= 0) or not math.isfinite(sigma_spread):
@@ -172,7 +173,9 @@ class OraclePredictor(LengthPredictor):
             return 0.0
         if self.sigma_spread == 0.0:
             return self.sigma_noise
-        return self.sigma_noise * math.exp(self.sigma_spread * self.noise_z(req_id) - self._half_spread2)
+        return self.sigma_noise * math.exp(
+            self.sigma_spread * self.noise_z(req_id) - self._half_spread2
+        )
 
     def _true(self, req) -> float:
         true = getattr(req, "output_tokens", None)
@@ -189,8 +192,9 @@ class OraclePredictor(LengthPredictor):
         kz, kt = self._uniforms(str(req.id))
         sigma = self.sigma_noise
         if self.sigma_spread > 0.0:
-            sigma *= math.exp(self.sigma_spread * _STD_NORMAL.inv_cdf((kz + 0.5) * _INV_2_53)
-                              - self._half_spread2)
+            sigma *= math.exp(
+                self.sigma_spread * _STD_NORMAL.inv_cdf((kz + 0.5) * _INV_2_53) - self._half_spread2
+            )
         return math.log(max(true, 1.0)) - sigma * self._t_of(kt), sigma
 
     def predict_total(self, req) -> float:
@@ -209,7 +213,10 @@ class OraclePredictor(LengthPredictor):
 
 
 def fit_logt_mle_many(
-    samples: list[np.ndarray], nu: float = 3.5, tol: float = 1e-9, max_iter: int = 1000,
+    samples: list[np.ndarray],
+    nu: float = 3.5,
+    tol: float = 1e-9,
+    max_iter: int = 1000,
     start: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Maximum-likelihood ``(mu, sigma)`` of a location-scale Student-t (``nu`` fixed), for many
@@ -268,7 +275,9 @@ def fit_logt_mle_many(
         tmp *= w
         sig2_new = np.maximum(np.add.reduceat(tmp, starts) / sw, 1e-12)
         sig_old = np.sqrt(sig2)
-        done = (np.abs(mu_new - mu) <= tol * sig_old) & (np.abs(np.sqrt(sig2_new) - sig_old) <= tol * sig_old)
+        done = (np.abs(mu_new - mu) <= tol * sig_old) & (
+            np.abs(np.sqrt(sig2_new) - sig_old) <= tol * sig_old
+        )
         mu, sig2 = mu_new, sig2_new
         if np.all(done):
             break
@@ -305,8 +314,13 @@ class HistoryPredictor(LengthPredictor):
 
     name = "history"
 
-    def __init__(self, nu: float = 3.5, window: int = 5000, min_samples: int = 20,
-                 refit_fraction: float = 0.02) -> None:
+    def __init__(
+        self,
+        nu: float = 3.5,
+        window: int = 5000,
+        min_samples: int = 20,
+        refit_fraction: float = 0.02,
+    ) -> None:
         if not (nu > 0) or not math.isfinite(nu):
             raise ValueError(f"nu must be a finite number > 0, got {nu!r}")
         if int(window) < 1:
@@ -357,8 +371,12 @@ class HistoryPredictor(LengthPredictor):
         t0 = time.perf_counter()
         fitted, frac = self._fits, self.refit_fraction
         with self._lock:  # snapshot only; the fit itself runs without the lock
-            snap = {k: np.fromiter(p, dtype=float, count=len(p)) for k, n in self._new.items()
-                    if len(p := self._pools[k]) >= self.min_samples and (k not in fitted or n >= frac * len(p))}
+            snap = {
+                k: np.fromiter(p, dtype=float, count=len(p))
+                for k, n in self._new.items()
+                if len(p := self._pools[k]) >= self.min_samples
+                and (k not in fitted or n >= frac * len(p))
+            }
             for k in snap:
                 del self._new[k]
         if not snap:
@@ -368,12 +386,18 @@ class HistoryPredictor(LengthPredictor):
         # A key fitted before starts from its last fit (a few iterations, not a few dozen).
         warm = [k for k in snap if k in old]
         cold = [k for k in snap if k not in old]
-        for keys, start in ((warm, (np.array([old[k][0] for k in warm]), np.array([old[k][1] for k in warm]))),
-                            (cold, None)):
+        for keys, start in (
+            (warm, (np.array([old[k][0] for k in warm]), np.array([old[k][1] for k in warm]))),
+            (cold, None),
+        ):
             if keys:
                 mu, sigma = fit_logt_mle_many([snap[k] for k in keys], self.nu, start=start)
-                fits.update({k: (float(m), max(float(s), SIGMA_FLOOR), len(snap[k]))
-                             for k, m, s in zip(keys, mu, sigma)})
+                fits.update(
+                    {
+                        k: (float(m), max(float(s), SIGMA_FLOOR), len(snap[k]))
+                        for k, m, s in zip(keys, mu, sigma)
+                    }
+                )
         self._fits = fits  # atomic swap
         self.version += 1
         self.last_refit_s = time.perf_counter() - t0
@@ -414,7 +438,9 @@ def make_predictor(name: str, **params) -> LengthPredictor:
     """Build a predictor by name (``"history"`` or ``"oracle"``) with its keyword parameters."""
     cls = PREDICTORS.get(name)
     if cls is None:
-        raise ValueError(f"unknown predictor {name!r}; valid names: {', '.join(sorted(PREDICTORS))}")
+        raise ValueError(
+            f"unknown predictor {name!r}; valid names: {', '.join(sorted(PREDICTORS))}"
+        )
     allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(allowed))
     if unknown:

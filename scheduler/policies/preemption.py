@@ -15,18 +15,26 @@ batch is full).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from scheduler.policies.base import Policy, RequestState
 
 
-def plan_preemptions(policy: Policy, waiting: Sequence[RequestState],
-                     running: Callable[[], Sequence[RequestState]], *,
-                     now: float, seats: int, free_blocks: int, budget: int,
-                     chunk: Callable[[RequestState, int], int],
-                     blocks_needed: Callable[[RequestState, int], int],
-                     held_blocks: Callable[[RequestState], int],
-                     max_seats: int, total_blocks: int) -> list[RequestState]:
+def plan_preemptions(
+    policy: Policy,
+    waiting: Sequence[RequestState],
+    running: Callable[[], Sequence[RequestState]],
+    *,
+    now: float,
+    seats: int,
+    free_blocks: int,
+    budget: int,
+    chunk: Callable[[RequestState, int], int],
+    blocks_needed: Callable[[RequestState, int], int],
+    held_blocks: Callable[[RequestState], int],
+    max_seats: int,
+    total_blocks: int,
+) -> list[RequestState]:
     """Victims, in the order to preempt them. ``running()`` gives the running requests in running
     order (best first); it is called only if a victim is needed, since ordering costs a sort.
     Nothing is mutated — the caller preempts the victims. ``seats`` and ``free_blocks`` are what is

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left, insort
+from collections.abc import Hashable, Iterable, Iterator
 from heapq import heapify, heappop, heappush
 from operator import attrgetter
-from typing import Hashable, Iterable, Iterator
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class WaitingQueue:
         return len(self._items) if self._index is None else self._n
 
     @property
-    def _groups(self) -> "_Groups":
+    def _groups(self) -> _Groups:
         """The grouped index (only called in a grouped layout)."""
         assert self._index is not None
         return self._index
@@ -240,7 +240,9 @@ class WaitingQueue:
         if self._index is None:
             if policy.reorders_waiting and self._epoch == policy.epoch:
                 keys = [req.queue_key for req in self._items]
-                assert all(a <= b for a, b in zip(keys, keys[1:])), "waiting queue out of policy order"
+                assert all(a <= b for a, b in zip(keys, keys[1:])), (
+                    "waiting queue out of policy order"
+                )
             return
         if self._epoch != policy.epoch or policy.moved:
             return  # the next ordered() re-keys
@@ -252,13 +254,18 @@ class WaitingQueue:
         count = len(self._items)
         for gid, group in self._groups.groups.items():
             assert group, f"empty group {gid!r}"
-            assert all(policy.wait_group(req) == gid and req.queue_group == gid and not req.queue_prefix
-                       for req in group), \
-                f"request filed in the wrong group {gid!r}"
+            assert all(
+                policy.wait_group(req) == gid and req.queue_group == gid and not req.queue_prefix
+                for req in group
+            ), f"request filed in the wrong group {gid!r}"
             order = [_arrival_id(req) for req in group]
-            assert all(a < b for a, b in zip(order, order[1:])), f"group {gid!r} out of arrival order"
+            assert all(a < b for a, b in zip(order, order[1:])), (
+                f"group {gid!r} out of arrival order"
+            )
             keys = [key(req, now) for req in group]
-            assert all(a < b for a, b in zip(keys, keys[1:])), f"group {gid!r}: keys not in arrival order"
+            assert all(a < b for a, b in zip(keys, keys[1:])), (
+                f"group {gid!r}: keys not in arrival order"
+            )
             assert not prefix or prefix[-1] < keys[0], f"group {gid!r} sorts into the prefix"
             count += len(group)
         assert count == self._n, "waiting queue lost count"
@@ -347,7 +354,7 @@ class _Ordered:
         return self._q._by_group()
 
 
-def _make_index(policy: Policy) -> "_Groups | None":
+def _make_index(policy: Policy) -> _Groups | None:
     layout_of = getattr(policy, "waiting_layout", None)  # a duck-typed policy keeps the plain list
     layout = layout_of() if layout_of is not None and policy.reorders_waiting else None
     if layout is None:
@@ -487,7 +494,7 @@ class _OffsetGroups(_Groups):
 
     # Error bound of an approximate key relative to |arrival| + |offset|: numpy's log/expm1 and
     # the C library's differ by a few ulps (2⁻⁵⁰); this leaves 2⁶ of margin.
-    _REL = 2.0 ** -44
+    _REL = 2.0**-44
     _SCAN = 24  # up to this many groups, comparing the heads' exact keys is cheaper than numpy
 
     def __init__(self, policy: Policy) -> None:
@@ -610,8 +617,12 @@ class _OffsetGroups(_Groups):
     def check(self) -> None:
         for gid, group in self.groups.items():
             slot = self._slot[gid]
-            assert self._gids[slot] == gid and self._arrival[slot] == group[0].arrival, f"slot of {gid!r}"
+            assert self._gids[slot] == gid and self._arrival[slot] == group[0].arrival, (
+                f"slot of {gid!r}"
+            )
             if not self._all_stale and slot not in self._stale:
-                assert self._approx[slot] == self._arrival[slot] - self._offset[slot], f"approx of {gid!r}"
+                assert self._approx[slot] == self._arrival[slot] - self._offset[slot], (
+                    f"approx of {gid!r}"
+                )
         assert len(self._slot) == len(self.groups)
         assert np.isinf(self._approx[[i for i, g in enumerate(self._gids) if g is None]]).all()

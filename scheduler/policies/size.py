@@ -19,8 +19,10 @@ def predicted_total(policy: Policy, req: RequestState) -> float:
     version = getattr(policy.predictor, "version", 0)
     if req.cache_key != ("total", version):
         pred = policy.predictor.predict_total(req)
-        req.cache_key, req.cache_value = ("total", version), (float(req.max_tokens) if pred is None else
-                                                              min(float(pred), float(req.max_tokens)))
+        req.cache_key, req.cache_value = (
+            ("total", version),
+            (float(req.max_tokens) if pred is None else min(float(pred), float(req.max_tokens))),
+        )
     return req.cache_value  # type: ignore[return-value]  # a float under the ("total", version) key
 
 
@@ -61,7 +63,11 @@ class Sjf(Policy):
         def fast(r: RequestState) -> tuple:
             if r.quantum_left > 0 or r.unscheduled_steps >= limit:
                 return (TOP_PRIORITY, r.arrival, r.id)
-            return (r.cache_value if r.cache_key == tag else predicted_total(self, r), r.arrival, r.id)
+            return (
+                r.cache_value if r.cache_key == tag else predicted_total(self, r),
+                r.arrival,
+                r.id,
+            )
 
         return fast
 
@@ -128,7 +134,9 @@ class Sjf(Policy):
         if not self._lazy:
             return max(1, min(self.params.starve_steps - r.unscheduled_steps for r in waiting))
         starving = self._starving
-        while starving and not (starving[0][1].status == "waiting" and starving[0][1].wait_seq == starving[0][0]):
+        while starving and not (
+            starving[0][1].status == "waiting" and starving[0][1].wait_seq == starving[0][0]
+        ):
             starving.popleft()  # admitted since (a new wait has a new entry)
         if starving:
             return 1  # one waits at or past its limit: the eager minimum is ≤ 0
@@ -186,7 +194,9 @@ class Las(Policy):
         self._seq = itertools.count()
 
     def _watch(self, req: RequestState) -> None:
-        heapq.heappush(self._starve_at, (req.enqueued_at + self.params.starve_s, next(self._seq), req))
+        heapq.heappush(
+            self._starve_at, (req.enqueued_at + self.params.starve_s, next(self._seq), req)
+        )
 
     def on_arrival(self, req, now) -> None:
         self._watch(req)
@@ -204,7 +214,11 @@ class Las(Policy):
         while heap and heap[0][0] <= now:
             t, _, req = heapq.heappop(heap)
             # Entries of admitted requests go stale; only a request still waiting since then counts.
-            if req.status == "waiting" and req.enqueued_at + self.params.starve_s == t and req.attained > req.las_base:
+            if (
+                req.status == "waiting"
+                and req.enqueued_at + self.params.starve_s == t
+                and req.attained > req.las_base
+            ):
                 req.las_base = req.attained  # promotion back to level 0
                 req.score_epoch = -1  # drop the cached level
                 self.moved.append(req)
@@ -219,7 +233,9 @@ class Las(Policy):
             level = self.level(req)
             # The level holds until attained service reaches the next level's threshold.
             next_s = self.params.q0_s * (2.0 ** (level + 1) - 1.0)
-            key = self.cache_key(req, float(level), req.las_base + math.floor(next_s / self.params.alpha_s_per_token))
+            key = self.cache_key(
+                req, float(level), req.las_base + math.floor(next_s / self.params.alpha_s_per_token)
+            )
         return key
 
     def score(self, req: RequestState, now: float) -> float:

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
 from operator import attrgetter
-from typing import Iterator, Sequence
 
 from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import INF, Policy, RequestState, new_epoch
@@ -84,7 +84,7 @@ class _Window:
 class Bucket:
     """A tenant's admission token bucket (rate in tokens/s; level may go into debt)."""
 
-    __slots__ = ("rate", "level", "t", "base")
+    __slots__ = ("base", "level", "rate", "t")
 
     def __init__(self, rate: float, now: float) -> None:
         self.rate, self.level, self.t, self.base = rate, 0.0, now, rate
@@ -128,7 +128,9 @@ class SloFq(TenantBacklog, Policy):
         self.queued: dict[str, float] = {}
         self._queues: dict[str, list[Sequence[RequestState]]] = {}
         self.running: dict[str, str] = {}  # running request id -> its tenant
-        self.fresh: dict[tuple[str, str], int] = defaultdict(int)  # tokens not yet charged (_settle)
+        self.fresh: dict[tuple[str, str], int] = defaultdict(
+            int
+        )  # tokens not yet charged (_settle)
         self.seated: dict[str, int] = defaultdict(int)  # running requests per tenant
         # When a tenant was first over its P99 target and over its entitlement (the controller
         # armed its bucket), and when admission first held one of its requests back: the
@@ -150,7 +152,9 @@ class SloFq(TenantBacklog, Policy):
         self._next_control = -INF
         self._now = 0.0
         self._shares: dict[str, float] | None = None  # shares() of the current arrival window
-        self._targets_of: dict[str | None, tuple] = {}  # _targets(), per named tenant and the default
+        self._targets_of: dict[
+            str | None, tuple
+        ] = {}  # _targets(), per named tenant and the default
 
     # --- weights, deadlines, shares -------------------------------------------------------
     def weight(self, tenant: str) -> float:
@@ -164,7 +168,9 @@ class SloFq(TenantBacklog, Policy):
         if p.protection_alpha is None or spec.commit_tok_s is None:
             return w
         use = self.used.total(tenant) / self.used.span
-        return w * (p.protection_alpha if use <= 0 else min(spec.commit_tok_s / use, p.protection_alpha))
+        return w * (
+            p.protection_alpha if use <= 0 else min(spec.commit_tok_s / use, p.protection_alpha)
+        )
 
     def deadline(self, req: RequestState) -> float:
         target = self.target.get(req.tenant)
@@ -184,14 +190,23 @@ class SloFq(TenantBacklog, Policy):
     # other for ever (one by policy, the other by memory pressure; found by the property tests).
     def _running_key(self, req: RequestState) -> tuple:
         # (_p99_target inlined: this runs for every running request at every contended step)
-        return (req.arrival + self._p99_named.get(req.tenant, self._p99_default), req.arrival, req.id)
+        return (
+            req.arrival + self._p99_named.get(req.tenant, self._p99_default),
+            req.arrival,
+            req.id,
+        )
 
-    def policy_victim(self, waiting_req: RequestState, running: Sequence[RequestState],
-                      now: float) -> RequestState | None:
+    def policy_victim(
+        self, waiting_req: RequestState, running: Sequence[RequestState], now: float
+    ) -> RequestState | None:
         cand = self.worst_preemptible(running, now)
         if cand is None:
             return None
-        w, r, margin = self._running_key(waiting_req), self._running_key(cand), self.preempt_margin()
+        w, r, margin = (
+            self._running_key(waiting_req),
+            self._running_key(cand),
+            self.preempt_margin(),
+        )
         return cand if ((w < r) if margin == 0 else (w[0] + margin < r[0])) else None
 
     # The budget order (and the memory-pressure victim, running[-1]): throttled tenants' requests
@@ -199,14 +214,20 @@ class SloFq(TenantBacklog, Policy):
     # prefill goes before the throttled tenant's backlog (work-conserving admission lets that
     # backlog fill the seats nobody else wants). The throttled set moves only at control ticks.
     def _budget_key(self, req: RequestState) -> tuple:
-        return (req.tenant in self.throttled, req.arrival + self._p99_named.get(req.tenant, self._p99_default),
-                req.arrival, req.id)
+        return (
+            req.tenant in self.throttled,
+            req.arrival + self._p99_named.get(req.tenant, self._p99_default),
+            req.arrival,
+            req.id,
+        )
 
     def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         self._ordered_for = self.throttled
         return sorted(running, key=self._budget_key)
 
-    def reorder_running(self, running: Sequence[RequestState], settled: int, now: float) -> list[RequestState]:
+    def reorder_running(
+        self, running: Sequence[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
         # A running request's budget key changes only when the throttled set does (at a control
         # tick): otherwise the settled prefix is still in order and only the requests admitted
         # since are put in by binary search (sorting ~256 keys at every contended step was a
@@ -245,7 +266,9 @@ class SloFq(TenantBacklog, Policy):
         bucket = self.buckets.get(tenant)
         return bucket is not None and bucket.level <= 0.0
 
-    def admission_order(self, waiting: Sequence[RequestState], now: float) -> Iterator[RequestState]:
+    def admission_order(
+        self, waiting: Sequence[RequestState], now: float
+    ) -> Iterator[RequestState]:
         by_group = getattr(waiting, "by_group", None)
         if by_group is not None:
             queues: dict = by_group()
@@ -273,9 +296,16 @@ class SloFq(TenantBacklog, Policy):
             # bucket and type (a tenant may go into debt, a type reach its share, within one pass).
             groups = list(heads)
             if budget > 0:
-                served = {k: typed_sums.get(k, 0.0) + typed_pending.get(k, 0.0) for k in {g[1] for g in groups}}
+                served = {
+                    k: typed_sums.get(k, 0.0) + typed_pending.get(k, 0.0)
+                    for k in {g[1] for g in groups}
+                }
                 if isolation == "hard":
-                    groups = [g for g in groups if served[g[1]] < (cap_room + shares.get(g[1], 0.0)) * budget]
+                    groups = [
+                        g
+                        for g in groups
+                        if served[g[1]] < (cap_room + shares.get(g[1], 0.0)) * budget
+                    ]
                     if not groups:  # every remaining type is at its cap: the one mode that may idle
                         self._hold(previous, heads, now, "type_isolation: hard")
                         return
@@ -287,7 +317,9 @@ class SloFq(TenantBacklog, Policy):
                 if cands:
                     for t in held:
                         if t not in self.first_held and any(g[0] == t for g in groups):
-                            self.first_held[t] = now  # the backpressure's reaction (noisy_neighbour.py)
+                            self.first_held[t] = (
+                                now  # the backpressure's reaction (noisy_neighbour.py)
+                            )
                 elif lend:
                     cands = groups
                 else:  # bp_lend: false — held whatever, an operator's explicit choice to idle
@@ -300,7 +332,9 @@ class SloFq(TenantBacklog, Policy):
             for g in cands:
                 if counters.get(g[0], 0.0) <= floor:
                     head = queues[g][heads[g]]
-                    tenant = head.tenant  # the deadline (self.deadline, inlined: once per group per admission)
+                    tenant = (
+                        head.tenant
+                    )  # the deadline (self.deadline, inlined: once per group per admission)
                     target = targets.get(tenant)
                     if target is None:
                         target = p99_named.get(tenant, p99_default)
@@ -316,9 +350,15 @@ class SloFq(TenantBacklog, Policy):
     def _hold(self, previous: dict | None, heads: dict, now: float, reason: str) -> None:
         """Record that admission stops with work waiting (live_state's ``held_back``): the reason,
         the tenants and types held, and since when (kept while the same reason holds)."""
-        since = previous["since_s"] if previous is not None and previous["reason"] == reason else now
-        self.held_back = {"reason": reason, "since_s": since, "tenants": sorted({g[0] for g in heads}),
-                          "types": sorted({g[1] for g in heads})}
+        since = (
+            previous["since_s"] if previous is not None and previous["reason"] == reason else now
+        )
+        self.held_back = {
+            "reason": reason,
+            "since_s": since,
+            "tenants": sorted({g[0] for g in heads}),
+            "types": sorted({g[1] for g in heads}),
+        }
         for g in heads:
             if self._held_tenant(g[0]):
                 self.first_held.setdefault(g[0], now)
@@ -332,8 +372,9 @@ class SloFq(TenantBacklog, Policy):
         self.refused[req.tenant] += 1
         self._settle()  # the retry-after reads the bucket
         retry = self.retry_after_s(req.tenant)
-        return (f"tenant {req.tenant!r} has {waiting} requests waiting, its queue_cap is {cap}"
-                + (f"; retry after {retry:.1f} s" if retry > 0 else ""))
+        return f"tenant {req.tenant!r} has {waiting} requests waiting, its queue_cap is {cap}" + (
+            f"; retry after {retry:.1f} s" if retry > 0 else ""
+        )
 
     def on_arrival(self, req: RequestState, now: float) -> None:
         self._settle()  # the counter lift reads the others' counters
@@ -354,8 +395,9 @@ class SloFq(TenantBacklog, Policy):
         if bucket is not None:
             bucket.level -= tokens
         if req.scheduled_at is None:  # charged once, as vtc: a recompute is the engine's cost
-            self.counters[req.tenant] = (self.counters.get(req.tenant, 0.0)
-                                         + self.params.prefill_cost_s * req.prompt_tokens / self.weight(req.tenant))
+            self.counters[req.tenant] = self.counters.get(
+                req.tenant, 0.0
+            ) + self.params.prefill_cost_s * req.prompt_tokens / self.weight(req.tenant)
             self.used.pending[req.tenant] += req.prompt_tokens
             self.typed.pending[req.type] += req.prompt_tokens
 
@@ -433,7 +475,13 @@ class SloFq(TenantBacklog, Policy):
         for (tenant, _), reqs in groups:
             queues[tenant].append(reqs)
         self._shares = None  # the arrival window moved
-        tenants = set(self.backlog) | set(self.samples) | set(self.buckets) | set(self.used.sums) | set(p.throttle)
+        tenants = (
+            set(self.backlog)
+            | set(self.samples)
+            | set(self.buckets)
+            | set(self.used.sums)
+            | set(p.throttle)
+        )
         self.weights = {t: self._protected_weight(t) for t in tenants}
         active = [t for t in tenants if self.backlog.get(t) or self.used.total(t) > 0]
         total_w = sum(self.weights[t] for t in active) or 1.0
@@ -456,7 +504,11 @@ class SloFq(TenantBacklog, Policy):
                 self.buckets.pop(tenant, None)  # backpressure turned off, or the throttle lifted
             else:
                 entitled = self._entitlement(tenant, total_w, total_rate)
-                p99 = latencies.value(fractions[top]) if latencies is not None and top is not None else None
+                p99 = (
+                    latencies.value(fractions[top])
+                    if latencies is not None and top is not None
+                    else None
+                )
                 self._control_bucket(tenant, now, p99, s99, entitled)
         if changed:  # deadlines moved: the waiting queue re-keys its heads
             self.epoch = new_epoch()
@@ -497,7 +549,9 @@ class SloFq(TenantBacklog, Policy):
             return spec.commit_tok_s
         return self.weights.get(tenant, 1.0) / total_w * total_rate
 
-    def _control_bucket(self, tenant: str, now: float, p99: float | None, s99: float, entitled: float) -> None:
+    def _control_bucket(
+        self, tenant: str, now: float, p99: float | None, s99: float, entitled: float
+    ) -> None:
         p = self.params
         use = self.used.total(tenant) / self.used.span
         over = p99 is not None and p99 > s99
@@ -516,7 +570,10 @@ class SloFq(TenantBacklog, Policy):
                     bucket.rate = max(bucket.rate, floor)
                 else:
                     bucket.rate *= 2.0
-                    if bucket.rate >= RELEASE_FACTOR * max(use, entitled, p.bp_min_tok_s) and tenant not in p.throttle:
+                    if (
+                        bucket.rate >= RELEASE_FACTOR * max(use, entitled, p.bp_min_tok_s)
+                        and tenant not in p.throttle
+                    ):
                         del self.buckets[tenant]
                         bucket = None
         fraction = p.throttle.get(tenant)
@@ -531,10 +588,25 @@ class SloFq(TenantBacklog, Policy):
         """Drop the state of tenants with nothing queued, running, served or sampled in the
         windows (tenant names come from clients: what the engine keeps must not grow with them)."""
         for t in tenants | set(self.counters):
-            if not self.backlog.get(t) and not self.seated.get(t) and self.used.total(t) <= 0 \
-                    and not self.samples.get(t) and t not in self.buckets:
-                for table in (self.backlog, self.samples, self.target, self.weights, self.counters, self.seated,
-                              self.queued, self.detected, self.first_held, self.refused):
+            if (
+                not self.backlog.get(t)
+                and not self.seated.get(t)
+                and self.used.total(t) <= 0
+                and not self.samples.get(t)
+                and t not in self.buckets
+            ):
+                for table in (
+                    self.backlog,
+                    self.samples,
+                    self.target,
+                    self.weights,
+                    self.counters,
+                    self.seated,
+                    self.queued,
+                    self.detected,
+                    self.first_held,
+                    self.refused,
+                ):
                     table.pop(t, None)
 
     # --- switching and live state ---------------------------------------------------------
@@ -556,7 +628,12 @@ class SloFq(TenantBacklog, Policy):
             self.running, self.seated = dict(previous.running), defaultdict(int, previous.seated)
             self.samples, self.buckets = previous.samples, previous.buckets
             self.throttled = frozenset(self.buckets)
-            self.used, self.typed, self.arrived, self.steps = previous.used, previous.typed, previous.arrived, previous.steps
+            self.used, self.typed, self.arrived, self.steps = (
+                previous.used,
+                previous.typed,
+                previous.arrived,
+                previous.steps,
+            )
             self._shares = None
             self.used.span = self.params.protection_window_s  # the new document's windows
             for w in (self.typed, self.arrived, self.steps):
@@ -570,17 +647,25 @@ class SloFq(TenantBacklog, Policy):
             return 0.0
         queued = self.queued.get(tenant)
         if queued is None:  # summed once per tick, on demand
-            queued = self.queued[tenant] = sum(sum(map(_PROMPT, reqs)) for reqs in self._queues.get(tenant, ()))
+            queued = self.queued[tenant] = sum(
+                sum(map(_PROMPT, reqs)) for reqs in self._queues.get(tenant, ())
+            )
         return max(0.0, queued - bucket.level) / bucket.rate
 
     def live_state(self) -> dict:
         tenants = {}
         for t in sorted(set(self.counters) | set(self.buckets) | set(self.refused)):
             b = self.buckets.get(t)
-            tenants[t] = {"counter": self.counters.get(t, 0.0), "weight": self.weight(t),
-                          "target_s": None if math.isinf(self.target.get(t, INF)) else self.target.get(t),
-                          "throttled": b is not None, "rate_tok_s": None if b is None else b.rate,
-                          "bucket": None if b is None else b.level, "retry_after_s": self.retry_after_s(t),
-                          "waiting": self.backlog.get(t, 0), "queue_cap": self.params.tenant(t).queue_cap,
-                          "refused": self.refused.get(t, 0)}
+            tenants[t] = {
+                "counter": self.counters.get(t, 0.0),
+                "weight": self.weight(t),
+                "target_s": None if math.isinf(self.target.get(t, INF)) else self.target.get(t),
+                "throttled": b is not None,
+                "rate_tok_s": None if b is None else b.rate,
+                "bucket": None if b is None else b.level,
+                "retry_after_s": self.retry_after_s(t),
+                "waiting": self.backlog.get(t, 0),
+                "queue_cap": self.params.tenant(t).queue_cap,
+                "refused": self.refused.get(t, 0),
+            }
         return {"tenants": tenants, "type_shares": dict(self.shares()), "held_back": self.held_back}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 SAMPLES_KEPT = 4096  # TTFT samples per tenant in the sliding window (bounded memory in the engine)
 # Up to this many waiting requests the union is simply sorted: counting pays off above it.
@@ -69,7 +69,7 @@ class Latencies:
     """The multiset of a sorted TTFT list and the ages ``now - arrival`` of waiting requests
     (``runs``: lists in arrival order), read as if sorted: ``value(f)`` and ``above(f, s)``."""
 
-    __slots__ = ("ttfts", "runs", "now", "n", "_sorted", "_neg_age")
+    __slots__ = ("_neg_age", "_sorted", "n", "now", "runs", "ttfts")
 
     def __init__(self, ttfts: list[float], runs: Sequence[Sequence], now: float) -> None:
         self.ttfts, self.now = ttfts, now
@@ -103,7 +103,7 @@ class Latencies:
         for run in self.runs:
             part += [now - r.arrival for r in run[:top]]  # a run's oldest requests come first
         part.sort()
-        tail = part[len(part) - top:]  # x[lo], x[lo + 1], ...
+        tail = part[len(part) - top :]  # x[lo], x[lo + 1], ...
         a, b = tail[0], tail[min(1, len(tail) - 1)]
         t = virtual - below
         diff = b - a

@@ -18,7 +18,9 @@ _moments = lru_cache(maxsize=4096)(tie_moments)
 
 class Tie(Policy):
     name = "tie"
-    incremental_running_order = True  # keys hold for an epoch (β, the predictor's fit): most stay put
+    incremental_running_order = (
+        True  # keys hold for an epoch (β, the predictor's fit): most stay put
+    )
 
     def __init__(self, settings, predictor=None) -> None:
         super().__init__(settings, predictor)
@@ -35,7 +37,9 @@ class Tie(Policy):
             value = None
             if dist is not None:
                 mu, sigma = dist
-                value = _moments(mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu)
+                value = _moments(
+                    mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu
+                )
             req.cache_key, req.cache_value = key, value
         return req.cache_value  # type: ignore[return-value]  # set just above under this key
 
@@ -59,8 +63,10 @@ class Tie(Policy):
             if self._t_ref is None:
                 self._t_ref = req.arrival
             p = self.params
-            value = (math.log(max(self.base_score(req), 1e-300))
-                     - math.log(p.decay) * (req.arrival - self._t_ref) / p.tau_s)
+            value = (
+                math.log(max(self.base_score(req), 1e-300))
+                - math.log(p.decay) * (req.arrival - self._t_ref) / p.tau_s
+            )
             key = self.cache_key(req, value, 1 << 62)
         return key
 

@@ -43,10 +43,10 @@ import numpy as np
 from scipy import special
 
 __all__ = [
+    "adaptive_beta",
     "tie_moments",
     "tie_moments_many",
     "tie_score",
-    "adaptive_beta",
     "wait_decay",
 ]
 
@@ -82,7 +82,9 @@ def _log_pdf_nu(t: np.ndarray, nu: float, half_nu1: float, log_c: float) -> np.n
 @lru_cache(maxsize=64)
 def _table(nu: float) -> _NuTable:
     half_nu1 = (nu + 1) / 2
-    log_c = float(special.gammaln(half_nu1) - special.gammaln(nu / 2) - 0.5 * math.log(nu * math.pi))
+    log_c = float(
+        special.gammaln(half_nu1) - special.gammaln(nu / 2) - 0.5 * math.log(nu * math.pi)
+    )
     lower = special.stdtrit(nu, _LOWER_U)
     upper = -special.stdtrit(nu, _UPPER_SF)  # F^{-1}(1 - p) = -F^{-1}(p): exact near u = 1
     t_bp = np.concatenate([lower, [0.0], upper]).astype(float)
@@ -126,7 +128,9 @@ def _check_array(name: str, a: np.ndarray, ok: np.ndarray, rule: str) -> None:
 # ----------------------------------------------------------------------------- scalar path
 
 
-def _partial_scalar(a: float, z: float, mu: float, sigma: float, tab: _NuTable, open_seg: bool) -> np.ndarray:
+def _partial_scalar(
+    a: float, z: float, mu: float, sigma: float, tab: _NuTable, open_seg: bool
+) -> np.ndarray:
     """Gauss-Legendre integrand values*weights of exp(mu+sigma t) f(t) on [a, z]."""
     if open_seg:  # beyond the last breakpoint (a > 0): integrate in v = ln t
         la, lz = math.log(a), math.log(z)
@@ -184,7 +188,9 @@ def tie_moments(
 # ----------------------------------------------------------------------------- vectorized path
 
 
-def _g_many(z: np.ndarray, k: np.ndarray, cum: np.ndarray, mu: np.ndarray, sigma: np.ndarray, tab: _NuTable) -> np.ndarray:
+def _g_many(
+    z: np.ndarray, k: np.ndarray, cum: np.ndarray, mu: np.ndarray, sigma: np.ndarray, tab: _NuTable
+) -> np.ndarray:
     """int_{-inf}^{z} exp(mu + sigma t) f(t) dt (mass below the first breakpoint dropped)."""
     n_seg = len(tab.t_bp) - 1
     out = np.zeros_like(z)
@@ -203,7 +209,9 @@ def _g_many(z: np.ndarray, k: np.ndarray, cum: np.ndarray, mu: np.ndarray, sigma
     if np.any(lin):
         al, zl = a[lin, None], zz[lin, None]
         t = al + (zl - al) * _X01[None, :]
-        part[lin] = ((zl - al) * _W01[None, :] * np.exp(m[lin] + s[lin] * t + _log_pdf(t, tab))).sum(axis=1)
+        part[lin] = (
+            (zl - al) * _W01[None, :] * np.exp(m[lin] + s[lin] * t + _log_pdf(t, tab))
+        ).sum(axis=1)
     if np.any(open_seg):
         la, lz = np.log(a[open_seg, None]), np.log(zz[open_seg, None])
         t = np.exp(la + (lz - la) * _X01[None, :])
@@ -253,7 +261,9 @@ def tie_moments_many(mu, sigma, x_max, alpha=0.9, nu=3.5) -> tuple[np.ndarray, n
         *(np.asarray(v, dtype=float) for v in (mu, sigma, x_max, alpha, nu))
     )
     shape = mu.shape
-    mu, sigma, x_max, alpha, nu = (np.ascontiguousarray(v).ravel() for v in (mu, sigma, x_max, alpha, nu))
+    mu, sigma, x_max, alpha, nu = (
+        np.ascontiguousarray(v).ravel() for v in (mu, sigma, x_max, alpha, nu)
+    )
     _check_array("mu", mu, np.isfinite(mu), "finite")
     _check_array("sigma", sigma, np.isfinite(sigma) & (sigma > 0), "a finite number > 0")
     _check_array("x_max", x_max, np.isfinite(x_max) & (x_max >= 1), "a finite number >= 1")
@@ -266,7 +276,9 @@ def tie_moments_many(mu, sigma, x_max, alpha=0.9, nu=3.5) -> tuple[np.ndarray, n
         sel = np.nonzero(nu == nu_val)[0]
         for start in range(0, len(sel), chunk):
             ix = sel[start : start + chunk]
-            e[ix], cvar[ix] = _moments_one_nu(mu[ix], sigma[ix], x_max[ix], alpha[ix], float(nu_val))
+            e[ix], cvar[ix] = _moments_one_nu(
+                mu[ix], sigma[ix], x_max[ix], alpha[ix], float(nu_val)
+            )
     return e.reshape(shape), cvar.reshape(shape)
 
 

@@ -20,7 +20,7 @@ context grows by n tokens a step), so K steps take ``K·t0 + e·n·K(K−1)/2`` 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from scheduler.metrics import Completion
 from scheduler.policies import Policy, RequestState, make_policy
@@ -44,9 +44,16 @@ class Simulator:
 
     _running_sorted: bool  # set at the top of every _schedule (annotation only)
 
-    def __init__(self, trace: Trace | Sequence[TraceRequest], settings: Settings,
-                 config: EngineConfig | None = None, *, event_skipping: bool = True,
-                 predictor=None, check_invariants: bool = False) -> None:
+    def __init__(
+        self,
+        trace: Trace | Sequence[TraceRequest],
+        settings: Settings,
+        config: EngineConfig | None = None,
+        *,
+        event_skipping: bool = True,
+        predictor=None,
+        check_invariants: bool = False,
+    ) -> None:
         self.config = config or EngineConfig()
         self.settings = settings
         self.event_skipping = event_skipping
@@ -61,7 +68,9 @@ class Simulator:
         self.now = reqs[0].arrival if reqs else 0.0
         self.waiting = WaitingQueue(self.policy)
         self.running: list[RequestState] = []
-        self._settled = 0  # running[:_settled] is still in the order the policy last gave it (_sort_running)
+        self._settled = (
+            0  # running[:_settled] is still in the order the policy last gave it (_sort_running)
+        )
         self.blocks: dict[str, int] = {}  # KV blocks held per request id
         self.free_blocks = self.config.num_gpu_blocks
         self.completions: list[Completion] = []
@@ -101,7 +110,9 @@ class Simulator:
 
     def _kept_predictor(self, settings: Settings):
         """The predictor a new policy takes over (what it learned stays useful), if it ranks by one."""
-        return self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
+        return (
+            self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
+        )
 
     def recover(self, settings: Settings) -> None:
         """Replace a policy that raised inside a step with ``settings`` (the twin's circuit
@@ -127,7 +138,10 @@ class Simulator:
         try:
             while self.now < t:
                 if not self.waiting and not self.running:
-                    if self.next_arrival >= len(self.arrivals) or self.arrivals[self.next_arrival].arrival > t:
+                    if (
+                        self.next_arrival >= len(self.arrivals)
+                        or self.arrivals[self.next_arrival].arrival > t
+                    ):
                         self.now = t
                         break
                     self.now = max(self.now, self.arrivals[self.next_arrival].arrival)
@@ -140,9 +154,15 @@ class Simulator:
         """Append requests that arrive no earlier than every request already queued (a looping
         trace feeding a live twin)."""
         new = sorted(requests, key=lambda r: (r.arrival, r.id))
-        if new and self.arrivals and (new[0].arrival, new[0].id) < (self.arrivals[-1].arrival, self.arrivals[-1].id):
-            raise ValueError(f"request {new[0].id} arrives at {new[0].arrival} before the last queued "
-                             f"request ({self.arrivals[-1].arrival})")
+        if (
+            new
+            and self.arrivals
+            and (new[0].arrival, new[0].id) < (self.arrivals[-1].arrival, self.arrivals[-1].id)
+        ):
+            raise ValueError(
+                f"request {new[0].id} arrives at {new[0].arrival} before the last queued "
+                f"request ({self.arrivals[-1].arrival})"
+            )
         self.arrivals.extend(new)
 
     def drain(self) -> tuple[list[Completion], list[str]]:
@@ -151,7 +171,7 @@ class Simulator:
         done, self.completions = self.completions, []
         rejected, self.rejected = self.rejected, []
         if self.next_arrival:
-            del self.arrivals[:self.next_arrival]
+            del self.arrivals[: self.next_arrival]
             self.next_arrival = 0
         return done, rejected
 
@@ -171,25 +191,41 @@ class Simulator:
         if progress:
             progress(total, total)
         return SimResult(
-            settings=self.settings, completions=self.completions, rejected=self.rejected,
-            steps=self.steps, iterations=self.iterations, sim_time_s=self.now,
-            wall_s=time.perf_counter() - t_start, preemptions=self.preemptions,
-            policy_preemptions=self.policy_preemptions, recomputed_tokens=self.recomputed_tokens,
+            settings=self.settings,
+            completions=self.completions,
+            rejected=self.rejected,
+            steps=self.steps,
+            iterations=self.iterations,
+            sim_time_s=self.now,
+            wall_s=time.perf_counter() - t_start,
+            preemptions=self.preemptions,
+            policy_preemptions=self.policy_preemptions,
+            recomputed_tokens=self.recomputed_tokens,
             gamma_timeline=self.gamma_timeline,
         )
 
     def _admit_arrivals(self) -> None:
         bs, cap = self.config.block_size, self.config.num_gpu_blocks
-        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival].arrival <= self.now:
+        while (
+            self.next_arrival < len(self.arrivals)
+            and self.arrivals[self.next_arrival].arrival <= self.now
+        ):
             t = self.arrivals[self.next_arrival]
             self.next_arrival += 1
             target = min(t.output_tokens, t.max_tokens)
             if -(-(t.prompt_tokens + target) // bs) > cap:
                 self.rejected.append(t.id)  # could never fit in KV: vLLM rejects it up front too
                 continue
-            req = RequestState(id=t.id, arrival=t.arrival, prompt_tokens=t.prompt_tokens,
-                               max_tokens=t.max_tokens, tenant=t.tenant, type=t.type,
-                               output_tokens=target, enqueued_at=self.now)
+            req = RequestState(
+                id=t.id,
+                arrival=t.arrival,
+                prompt_tokens=t.prompt_tokens,
+                max_tokens=t.max_tokens,
+                tenant=t.tenant,
+                type=t.type,
+                output_tokens=target,
+                enqueued_at=self.now,
+            )
             if self.policy.refuses and self.policy.refuse(req, self.now) is not None:
                 self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
                 self.refused += 1
@@ -222,8 +258,10 @@ class Simulator:
             if self.next_arrival < len(self.arrivals):
                 t = min(t, self.arrivals[self.next_arrival].arrival)
             if not now < t < INF:
-                raise RuntimeError(f"simulator stalled at t={now:.6f}: {policy.name} holds every waiting request "
-                                   f"back and names no time to try again")
+                raise RuntimeError(
+                    f"simulator stalled at t={now:.6f}: {policy.name} holds every waiting request "
+                    f"back and names no time to try again"
+                )
             self.now = t
             return
         if step.serves():
@@ -231,13 +269,21 @@ class Simulator:
         else:  # preempting without serving anyone: bounded, or it is a livelock worth a loud error
             self._idle_iterations += 1
             if self._idle_iterations > 10_000:
-                raise RuntimeError(f"simulator livelock at t={now:.6f}: {self._idle_iterations} steps without "
-                                   f"service (policy {policy.name}, waiting={len(self.waiting)}, "
-                                   f"running={len(self.running)}, free_blocks={self.free_blocks})")
+                raise RuntimeError(
+                    f"simulator livelock at t={now:.6f}: {self._idle_iterations} steps without "
+                    f"service (policy {policy.name}, waiting={len(self.waiting)}, "
+                    f"running={len(self.running)}, free_blocks={self.free_blocks})"
+                )
         n_steps = self._steady_steps(step, now) if self.event_skipping else 1
         if self.step_listener is not None:
-            self.step_listener(now, step.prefill_tokens, step.sum_prefill_sq, step.decode_seqs,
-                               step.sum_kv_context, n_steps)
+            self.step_listener(
+                now,
+                step.prefill_tokens,
+                step.sum_prefill_sq,
+                step.decode_seqs,
+                step.sum_kv_context,
+                n_steps,
+            )
         self._advance(step, n_steps)
         self.iterations += 1
         if self.check_invariants:
@@ -253,7 +299,9 @@ class Simulator:
         return self._blocks_for(max(tokens, chunk))
 
     def _chunk(self, req: RequestState, budget: int) -> int:
-        n = req.prompt_tokens + req.generated - req.computed_tokens  # req.remaining_prefill, inlined
+        n = (
+            req.prompt_tokens + req.generated - req.computed_tokens
+        )  # req.remaining_prefill, inlined
         lpt = self.settings.engine.long_prefill_token_threshold
         if 0 < lpt < n:
             n = lpt
@@ -288,11 +336,19 @@ class Simulator:
             return self.running
 
         victims = plan_preemptions(
-            self.policy, self.waiting.ordered(now), ordered_running, now=now,
-            seats=eng.max_num_seqs - len(self.running), free_blocks=self.free_blocks,
-            budget=eng.max_num_batched_tokens, chunk=self._chunk, blocks_needed=self._admission_blocks,
+            self.policy,
+            self.waiting.ordered(now),
+            ordered_running,
+            now=now,
+            seats=eng.max_num_seqs - len(self.running),
+            free_blocks=self.free_blocks,
+            budget=eng.max_num_batched_tokens,
+            chunk=self._chunk,
+            blocks_needed=self._admission_blocks,
             held_blocks=lambda r: self.blocks.get(r.id, 0),
-            max_seats=eng.max_num_seqs, total_blocks=self.config.num_gpu_blocks)
+            max_seats=eng.max_num_seqs,
+            total_blocks=self.config.num_gpu_blocks,
+        )
         for victim in victims:
             self._preempt(victim, by_policy=True)
         return bool(victims)
@@ -304,8 +360,11 @@ class Simulator:
         if not policy.decode_first or policy.running_order_is_budget_order:
             return running
         # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
-        chunked = [r for r in running if not (r.generated and r.computed_tokens ==
-                                              r.prompt_tokens + r.generated - 1)]
+        chunked = [
+            r
+            for r in running
+            if not (r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1)
+        ]
         if not 0 < len(chunked) < len(running):
             return running  # all decodes, or none: the running order is the budget order
         if len(chunked) == 1:
@@ -404,8 +463,15 @@ class Simulator:
         # (Under sustained contention skip the attempt: it would fail again.)
         budget = None
         if not self._running_sorted and not self._was_contended:
-            served = serve_uncontended(step, self.running, self.blocks, self.free_blocks, self.config.block_size,
-                                       eng.max_num_batched_tokens, eng.long_prefill_token_threshold)
+            served = serve_uncontended(
+                step,
+                self.running,
+                self.blocks,
+                self.free_blocks,
+                self.config.block_size,
+                eng.max_num_batched_tokens,
+                eng.long_prefill_token_threshold,
+            )
             if served is not None:
                 budget, self.free_blocks = served
         if budget is None:
@@ -444,20 +510,35 @@ class Simulator:
                 step.admitted = True
                 self.waiting.remove(admitted)
 
-        if not step.serves() and not step.preempted and not (policy.gates_admission and not running):
-            raise RuntimeError(f"simulator stalled at t={now:.6f}: nothing schedulable "
-                               f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})")
+        if (
+            not step.serves()
+            and not step.preempted
+            and not (policy.gates_admission and not running)
+        ):
+            raise RuntimeError(
+                f"simulator stalled at t={now:.6f}: nothing schedulable "
+                f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})"
+            )
         return step
 
     # --- event skipping -------------------------------------------------------------------
     def _steady_steps(self, step: StepPlan, now: float) -> int:
         """How many identical steps, starting with this one, can run as one event."""
         running = self.running
-        if (step.preempted or step.admitted or step.prefill_tokens or not running
-                or step.decode_seqs != len(running)
-                or (self.waiting and not step.admission_blocked)):
+        if (
+            step.preempted
+            or step.admitted
+            or step.prefill_tokens
+            or not running
+            or step.decode_seqs != len(running)
+            or (self.waiting and not step.admission_blocked)
+        ):
             return 1
-        if self.waiting and self.policy.preemptive and len(running) < self.settings.engine.max_num_seqs:
+        if (
+            self.waiting
+            and self.policy.preemptive
+            and len(running) < self.settings.engine.max_num_seqs
+        ):
             # With a seat free, whether a waiting request needs a victim depends on the free
             # blocks, which shrink every decode step: decide step by step.
             return 1
@@ -479,7 +560,6 @@ class Simulator:
             k = min(k, step.steps_until(self.config.step_model, self.now, t_event))
         return max(1, int(k))
 
-
     # --- applying steps ---------------------------------------------------------------------
     def _advance(self, step: StepPlan, k: int) -> None:
         self.now += step.stretch_time(self.config.step_model, k)
@@ -490,7 +570,9 @@ class Simulator:
             scheduled = step.decodes + list(step.chunks)
             served = set(scheduled)
             policy.on_steps(scheduled, [r for r in self.running if r not in served], k)
-            policy.on_waiting_steps(self.waiting, k)  # sjf counts these lazily: no pass over the queue
+            policy.on_waiting_steps(
+                self.waiting, k
+            )  # sjf counts these lazily: no pass over the queue
         # Same-time completions in a canonical order, whatever order the running list was in.
         finished.sort(key=arrival_order)
         for req in finished:
@@ -563,19 +645,30 @@ class Simulator:
         self.policy.on_finish(req, now)
         if self.predictor is not None:
             self.predictor.observe(req, req.generated)
-        self.completions.append(Completion(
-            id=req.id, tenant=req.tenant, type=req.type, arrival=req.arrival,
-            scheduled_at=req.scheduled_at, first_token_at=req.first_token_at,  # type: ignore[arg-type]  # set by now
-            finished_at=now,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.generated,
-            preemptions=req.preemptions, recomputed_tokens=req.recomputed_tokens))
+        self.completions.append(
+            Completion(
+                id=req.id,
+                tenant=req.tenant,
+                type=req.type,
+                arrival=req.arrival,
+                scheduled_at=req.scheduled_at,
+                first_token_at=req.first_token_at,  # type: ignore[arg-type]  # set by now
+                finished_at=now,
+                prompt_tokens=req.prompt_tokens,
+                output_tokens=req.generated,
+                preemptions=req.preemptions,
+                recomputed_tokens=req.recomputed_tokens,
+            )
+        )
 
     def _check(self) -> None:
         held = sum(self.blocks.values())
         assert held + self.free_blocks == self.config.num_gpu_blocks, "KV block accounting broken"
         assert self.free_blocks >= 0, "KV blocks over capacity"
         for r in self.running:
-            assert self.blocks.get(r.id, 0) >= self._blocks_for(r.computed_tokens), f"{r.id} lacks KV"
+            assert self.blocks.get(r.id, 0) >= self._blocks_for(r.computed_tokens), (
+                f"{r.id} lacks KV"
+            )
         self.waiting.check_order()
 
 

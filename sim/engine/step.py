@@ -24,7 +24,9 @@ class StepPlan:
     service order."""
 
     decodes: list = field(default_factory=list)  # requests that decode one token this step
-    chunks: dict = field(default_factory=dict)  # RequestState -> prefill tokens (prompt or recompute)
+    chunks: dict = field(
+        default_factory=dict
+    )  # RequestState -> prefill tokens (prompt or recompute)
     preempted: bool = False
     memory_preempted: bool = False
     admitted: bool = False
@@ -45,7 +47,9 @@ class StepPlan:
 
     def duration(self, model: StepTimeModel) -> float:
         """This step's duration under ``model``, in seconds."""
-        return model.step_time(self.prefill_tokens, self.sum_prefill_sq, self.decode_seqs, self.sum_kv_context)
+        return model.step_time(
+            self.prefill_tokens, self.sum_prefill_sq, self.decode_seqs, self.sum_kv_context
+        )
 
     def stretch_time(self, model: StepTimeModel, k: int) -> float:
         """Duration of ``k`` identical steps starting with this one (a pure decode step's KV
@@ -76,8 +80,15 @@ class StepPlan:
         return k
 
 
-def serve_uncontended(step: StepPlan, running: Sequence[RequestState], blocks: dict[str, int], free_blocks: int,
-                      block_size: int, token_budget: int, long_prefill_threshold: int) -> tuple[int, int] | None:
+def serve_uncontended(
+    step: StepPlan,
+    running: Sequence[RequestState],
+    blocks: dict[str, int],
+    free_blocks: int,
+    block_size: int,
+    token_budget: int,
+    long_prefill_threshold: int,
+) -> tuple[int, int] | None:
     """Give every running request its tokens and blocks, in any order: fill ``step`` and grow
     ``blocks`` (KV blocks held per request id), and return (the token budget left, the free blocks
     left). Return None, touching nothing, if ``token_budget`` or ``free_blocks`` do not cover them

@@ -33,7 +33,9 @@ def generate_arrivals(
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     if process == "poisson":
         if cv != 1.0:
-            raise ValueError(f"cv={cv} only applies to process='gamma' (Poisson arrivals have CV 1)")
+            raise ValueError(
+                f"cv={cv} only applies to process='gamma' (Poisson arrivals have CV 1)"
+            )
         gaps = rng.exponential(1.0 / rate, size=max(n - 1, 0))
     elif process == "gamma":
         shape = 1.0 / (cv * cv)

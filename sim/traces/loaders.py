@@ -94,8 +94,13 @@ def _optional_extras(rows: CsvRows) -> Callable[[int, list[str]], tuple[int | No
 # --------------------------------------------------------------------------------------------
 
 
-def load_azure(path: PathLike, *, name: str | None = None, prefix: str | None = None,
-               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
+def load_azure(
+    path: PathLike,
+    *,
+    name: str | None = None,
+    prefix: str | None = None,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
+) -> Trace:
     """Load an Azure LLM inference 2023 CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
 
     Timestamps are parsed exactly to 100 ns (integer ticks, then one division), so arrivals are
@@ -106,7 +111,9 @@ def load_azure(path: PathLike, *, name: str | None = None, prefix: str | None = 
     cap = _check_cap(max_tokens_default)
     where = os.fspath(path)
     with open_trace_file(path) as f:
-        return _parse_azure(f, where, name or _default_name(path), prefix or _default_prefix(path), cap)
+        return _parse_azure(
+            f, where, name or _default_name(path), prefix or _default_prefix(path), cap
+        )
 
 
 def _parse_azure(f: IO[str], where: str, name: str, prefix: str, cap: int) -> Trace:
@@ -134,8 +141,13 @@ def _parse_azure(f: IO[str], where: str, name: str, prefix: str, cap: int) -> Tr
     return Trace(name, requests)
 
 
-def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = None,
-               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
+def load_vidur(
+    path: PathLike,
+    *,
+    name: str | None = None,
+    prefix: str | None = None,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
+) -> Trace:
     """Load a vidur trace CSV (`arrived_at,num_prefill_tokens,num_decode_tokens`, seconds).
 
     Optional columns: `max_tokens`, `tenant`, `type` (empty cells mean "default"/"chat"/no cap).
@@ -146,7 +158,9 @@ def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = 
     where = os.fspath(path)
     with open_trace_file(path) as f:
         rows = CsvRows(f, where, ("arrived_at", "num_prefill_tokens", "num_decode_tokens"))
-        i_t, i_in, i_out = (rows.columns[c] for c in ("arrived_at", "num_prefill_tokens", "num_decode_tokens"))
+        i_t, i_in, i_out = (
+            rows.columns[c] for c in ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+        )
         extras = _optional_extras(rows)
         acc = ParsedRows()
         for index, (line, row) in enumerate(rows):
@@ -157,8 +171,13 @@ def load_vidur(path: PathLike, *, name: str | None = None, prefix: str | None = 
     return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
-def load_mooncake(path: PathLike, *, name: str | None = None, prefix: str | None = None,
-                  max_tokens_default: int = DEFAULT_MAX_TOKENS) -> Trace:
+def load_mooncake(
+    path: PathLike,
+    *,
+    name: str | None = None,
+    prefix: str | None = None,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
+) -> Trace:
     """Load a Mooncake JSONL trace: one object per line with `timestamp` (ms), `input_length`,
     `output_length` (`hash_ids` and other keys are ignored). Blank lines are passed over. The
     format records no client cap: every request gets `max_tokens_default`."""
@@ -174,9 +193,13 @@ def load_mooncake(path: PathLike, *, name: str | None = None, prefix: str | None
                 try:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise TraceError(f"{where}:{line}: invalid JSON: {e.msg} (char {e.colno})") from None
+                    raise TraceError(
+                        f"{where}:{line}: invalid JSON: {e.msg} (char {e.colno})"
+                    ) from None
                 if not isinstance(obj, dict):
-                    raise TraceError(f"{where}:{line}: expected a JSON object, got {type(obj).__name__}")
+                    raise TraceError(
+                        f"{where}:{line}: expected a JSON object, got {type(obj).__name__}"
+                    )
                 ts = _json_number(obj, "timestamp", where, line)
                 prompt = _json_tokens(obj, "input_length", where, line)
                 output = _json_tokens(obj, "output_length", where, line)
@@ -207,7 +230,11 @@ def _json_tokens(obj: dict, key: str, where: str, line: int) -> int:
 
 
 def load_burstgpt(
-    path: PathLike, *, name: str | None = None, prefix: str | None = None, tenant_column: str | None = None,
+    path: PathLike,
+    *,
+    name: str | None = None,
+    prefix: str | None = None,
+    tenant_column: str | None = None,
     max_tokens_default: int = DEFAULT_MAX_TOKENS,
 ) -> Trace:
     """Load a BurstGPT CSV (`Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`).
@@ -226,7 +253,9 @@ def load_burstgpt(
         required.append(tenant_column)
     with open_trace_file(path) as f:
         rows = CsvRows(f, where, required)
-        i_t, i_in, i_out = (rows.columns[c] for c in ("Timestamp", "Request tokens", "Response tokens"))
+        i_t, i_in, i_out = (
+            rows.columns[c] for c in ("Timestamp", "Request tokens", "Response tokens")
+        )
         i_tenant = rows.columns[tenant_column] if tenant_column is not None else None
         acc = ParsedRows()
         skipped = 0
@@ -238,15 +267,21 @@ def load_burstgpt(
                 skipped += 1  # a failed request: BurstGPT logs failures with 0 response tokens
                 continue
             if prompt == 0:
-                raise field_error(where, line, "Request tokens",
-                                  "token count must be >= 1 for a completed request, got 0")
+                raise field_error(
+                    where,
+                    line,
+                    "Request tokens",
+                    "token count must be >= 1 for a completed request, got 0",
+                )
             tenant = "default"
             if i_tenant is not None:
                 tenant = row[i_tenant].strip()
                 if not tenant:
                     raise field_error(where, line, tenant_column or "", "empty tenant value")
             acc.add(index, arrival, prompt, output, None, tenant)
-    return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap, skipped=skipped)
+    return acc.to_trace(
+        name or _default_name(path), prefix or _default_prefix(path), cap, skipped=skipped
+    )
 
 
 def load_lengths(
@@ -285,7 +320,9 @@ def load_lengths(
             acc.add(index, 0.0, prompt, output, *extras(line, row))
     if n is not None and len(acc.index) < n:
         raise TraceError(f"{where}: n={n} requested but the file has only {len(acc.index)} rows")
-    acc.arrival = generate_arrivals(len(acc.index), rate=rate, process=process, cv=cv, seed=seed).tolist()
+    acc.arrival = generate_arrivals(
+        len(acc.index), rate=rate, process=process, cv=cv, seed=seed
+    ).tolist()
     return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
@@ -319,7 +356,9 @@ def load_servegen_reasoning(
     pmf: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
     with open_trace_file(path) as f:
         rows = CsvRows(f, where, ("model", "field", "value", "prob"))
-        i_model, i_field, i_value, i_prob = (rows.columns[c] for c in ("model", "field", "value", "prob"))
+        i_model, i_field, i_value, i_prob = (
+            rows.columns[c] for c in ("model", "field", "value", "prob")
+        )
         for line, row in rows:
             field = row[i_field].strip()
             if field not in ("input_tokens", "output_tokens"):
@@ -346,7 +385,9 @@ def load_servegen_reasoning(
         values, probs = pmf[model][field]
         total = math.fsum(probs)
         if abs(total - 1.0) > 1e-4:
-            raise TraceError(f"{where}: {model} {field} probabilities sum to {total:.6g}, expected 1")
+            raise TraceError(
+                f"{where}: {model} {field} probabilities sum to {total:.6g}, expected 1"
+            )
         marginals.append((np.asarray(values, dtype=np.int64), np.asarray(probs) / total))
 
     rng = np.random.default_rng(seed)
@@ -382,7 +423,9 @@ def load_trace(path: PathLike, **kw) -> Trace:
     # Arrival-generation settings (rate, process, cv, seed, n) only reach loaders that take them,
     # so one command line can name any trace file.
     accepted = inspect.signature(loader).parameters
-    return loader(path, **{k: v for k, v in kw.items() if k in accepted or k not in _GENERATION_KEYS})
+    return loader(
+        path, **{k: v for k, v in kw.items() if k in accepted or k not in _GENERATION_KEYS}
+    )
 
 
 _GENERATION_KEYS = {"rate", "process", "cv", "seed", "n"}
@@ -403,14 +446,19 @@ def _choose_loader(path: PathLike, where: str, kw: dict):
         return load_vidur, first
     if {"num_prefill_tokens", "num_decode_tokens"} <= header:
         if "rate" not in kw:
-            raise ArrivalsNeeded(f"{where}: a length-only trace (no arrival times): pass rate= "
-                                 "(and optionally process=, cv=, seed=, n=)", ("rate",))
+            raise ArrivalsNeeded(
+                f"{where}: a length-only trace (no arrival times): pass rate= "
+                "(and optionally process=, cv=, seed=, n=)",
+                ("rate",),
+            )
         return load_lengths, first
     if {"Timestamp", "Request tokens", "Response tokens"} <= header:
         return load_burstgpt, first
     if {"model", "field", "value", "prob"} <= header:
         if "rate" not in kw or "n" not in kw:
-            raise ArrivalsNeeded(f"{where}: a length distribution (no requests): pass n= and rate=", ("n", "rate"))
+            raise ArrivalsNeeded(
+                f"{where}: a length distribution (no requests): pass n= and rate=", ("n", "rate")
+            )
         return load_servegen_reasoning, first
     raise TraceError(f"{where}: unknown trace format; header seen: {first.strip()[:200]!r}")
 
@@ -419,7 +467,9 @@ def bundled_trace_path() -> Path:
     """Path of the bundled Azure conv window (first 600 s of AzureLLMInferenceTrace_conv.csv)."""
     ref = resources.files("sim").joinpath("data", BUNDLED_FILE)
     if not isinstance(ref, Path):  # e.g. a zipped install: no real file to point at
-        raise TraceError(f"{BUNDLED_FILE}: the package is not installed as files; use load_bundled()")
+        raise TraceError(
+            f"{BUNDLED_FILE}: the package is not installed as files; use load_bundled()"
+        )
     return ref
 
 

@@ -53,14 +53,18 @@ class TraceRequest:
     def __post_init__(self) -> None:
         # Cheap invariant checks: a bad request would otherwise surface deep in the simulator.
         if not (math.isfinite(self.arrival) and self.arrival >= 0.0):
-            raise ValueError(f"request {self.id!r}: arrival must be finite and >= 0, got {self.arrival}")
+            raise ValueError(
+                f"request {self.id!r}: arrival must be finite and >= 0, got {self.arrival}"
+            )
         if self.prompt_tokens < 1 or self.output_tokens < 1 or self.max_tokens < 1:
             raise ValueError(
                 f"request {self.id!r}: token counts must be >= 1, got prompt={self.prompt_tokens} "
                 f"output={self.output_tokens} max_tokens={self.max_tokens}"
             )
         if self.type not in REQUEST_TYPES:
-            raise ValueError(f"request {self.id!r}: type must be one of {sorted(REQUEST_TYPES)}, got {self.type!r}")
+            raise ValueError(
+                f"request {self.id!r}: type must be one of {sorted(REQUEST_TYPES)}, got {self.type!r}"
+            )
         if not self.tenant:
             raise ValueError(f"request {self.id!r}: tenant must be a non-empty string")
 
@@ -119,9 +123,10 @@ class Trace:
 
     def arrivals(self) -> np.ndarray:
         """Arrival times as a float64 array (in trace order)."""
-        return np.fromiter((r.arrival for r in self.requests), dtype=np.float64, count=len(self.requests))
+        return np.fromiter(
+            (r.arrival for r in self.requests), dtype=np.float64, count=len(self.requests)
+        )
 
 
 def _arrival_then_id(r: TraceRequest) -> tuple[float, str]:
     return (r.arrival, r.id)
-

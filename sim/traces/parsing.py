@@ -39,8 +39,12 @@ def parse_tokens(text: str, where: str, line: int, column: str, minimum: int = 1
         value = _integral_float(text)
         if value is None:
             if not text.strip():
-                raise field_error(where, line, column, "empty value, expected a token count") from None
-            raise field_error(where, line, column, f"{text!r} is not an integer token count") from None
+                raise field_error(
+                    where, line, column, "empty value, expected a token count"
+                ) from None
+            raise field_error(
+                where, line, column, f"{text!r} is not an integer token count"
+            ) from None
     if value < minimum:
         raise field_error(where, line, column, f"token count must be >= {minimum}, got {value}")
     return value
@@ -96,7 +100,9 @@ class AzureClock:
         """`text` ("YYYY-MM-DD HH:MM:SS.fffffff") as 100-ns ticks since 0001-01-01."""
         m = _AZURE_TS.fullmatch(text.strip())
         if m is None:
-            raise field_error(where, line, column, f"{text!r} is not a timestamp 'YYYY-MM-DD HH:MM:SS.fffffff'")
+            raise field_error(
+                where, line, column, f"{text!r} is not a timestamp 'YYYY-MM-DD HH:MM:SS.fffffff'"
+            )
         minute, ss, frac = m.group(1, 7, 8)
         base = self._minutes.get(minute)
         if base is None:
@@ -150,7 +156,9 @@ class CsvRows:
         except (csv.Error, UnicodeDecodeError) as e:
             raise TraceError(f"{where}:1: cannot read header: {e}") from None
         if header is None:
-            raise TraceError(f"{where}:1: empty file, expected a header with columns {list(required)}")
+            raise TraceError(
+                f"{where}:1: empty file, expected a header with columns {list(required)}"
+            )
         self.header = [h.strip() for h in header]
         self.columns: dict[str, int] = {}
         for i, name in enumerate(self.header):
@@ -159,7 +167,9 @@ class CsvRows:
             self.columns[name] = i
         for name in required:
             if name not in self.columns:
-                raise TraceError(f"{where}:1: missing column {name!r} (header: {','.join(self.header)})")
+                raise TraceError(
+                    f"{where}:1: missing column {name!r} (header: {','.join(self.header)})"
+                )
 
     def __iter__(self) -> Iterator[tuple[int, list[str]]]:
         reader, width = self._reader, len(self.header)
@@ -172,7 +182,9 @@ class CsvRows:
                     if len(row) < width:
                         what = f"missing (row has {len(row)} of {width} fields)"
                         raise field_error(self.where, line, self.header[len(row)], what)
-                    raise TraceError(f"{self.where}:{line}: row has {len(row)} fields, header has {width}")
+                    raise TraceError(
+                        f"{self.where}:{line}: row has {len(row)} fields, header has {width}"
+                    )
                 yield reader.line_num, row
         except (csv.Error, UnicodeDecodeError) as e:
             raise TraceError(f"{self.where}:{reader.line_num}: {e}") from None
@@ -193,7 +205,7 @@ def request_ids(prefix: str, indices: Sequence[int]) -> list[str]:
 class ParsedRows:
     """Column-oriented accumulator for parsed rows, turned into a re-zeroed Trace at the end."""
 
-    __slots__ = ("index", "arrival", "prompt", "output", "max_tokens", "tenant", "type")
+    __slots__ = ("arrival", "index", "max_tokens", "output", "prompt", "tenant", "type")
 
     def __init__(self) -> None:
         self.index: list[int] = []
@@ -204,8 +216,16 @@ class ParsedRows:
         self.tenant: list[str] = []
         self.type: list[str] = []
 
-    def add(self, index: int, arrival: float, prompt: int, output: int,
-            max_tokens: int | None = None, tenant: str = "default", type: str = "chat") -> None:
+    def add(
+        self,
+        index: int,
+        arrival: float,
+        prompt: int,
+        output: int,
+        max_tokens: int | None = None,
+        tenant: str = "default",
+        type: str = "chat",
+    ) -> None:
         self.index.append(index)
         self.arrival.append(arrival)
         self.prompt.append(prompt)
@@ -226,13 +246,23 @@ class ParsedRows:
         return Trace(name, requests, skipped)
 
 
-def source_request(rid: str, arrival: float, prompt: int, output: int, recorded_cap: int | None,
-                   default_cap: int, tenant: str = "default", type: str = "chat") -> TraceRequest:
+def source_request(
+    rid: str,
+    arrival: float,
+    prompt: int,
+    output: int,
+    recorded_cap: int | None,
+    default_cap: int,
+    tenant: str = "default",
+    type: str = "chat",
+) -> TraceRequest:
     """A source row as a request. A cap the source recorded is kept as it is; a row without one gets
     `default_cap`, and an output longer than that is truncated to it (as a server would) and flagged.
     Never `max_tokens = output`: the cap must not tell a policy the true length."""
     if recorded_cap is not None:
         return TraceRequest(rid, arrival, prompt, output, recorded_cap, tenant, type)
     if output > default_cap:
-        return TraceRequest(rid, arrival, prompt, default_cap, default_cap, tenant, type, truncated=True)
+        return TraceRequest(
+            rid, arrival, prompt, default_cap, default_cap, tenant, type, truncated=True
+        )
     return TraceRequest(rid, arrival, prompt, output, default_cap, tenant, type)

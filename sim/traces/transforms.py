@@ -22,7 +22,11 @@ def scale_rate(trace: Trace, factor: float) -> Trace:
     """Multiply the arrival rate by `factor` (arrivals divided by it); lengths are unchanged."""
     if not (math.isfinite(factor) and factor > 0.0):
         raise ValueError(f"factor must be finite and > 0, got {factor}")
-    return _rebuild(trace, (dataclasses.replace(r, arrival=r.arrival / factor) for r in trace), f"rate*{factor:g}")
+    return _rebuild(
+        trace,
+        (dataclasses.replace(r, arrival=r.arrival / factor) for r in trace),
+        f"rate*{factor:g}",
+    )
 
 
 def target_rate(trace: Trace, rps: float) -> Trace:
@@ -31,7 +35,9 @@ def target_rate(trace: Trace, rps: float) -> Trace:
         raise ValueError(f"rps must be finite and > 0, got {rps}")
     current = trace.rate
     if not (math.isfinite(current) and current > 0.0):
-        raise ValueError(f"trace {trace.name!r} has no finite positive rate ({current}); cannot retarget it")
+        raise ValueError(
+            f"trace {trace.name!r} has no finite positive rate ({current}); cannot retarget it"
+        )
     return scale_rate(trace, rps / current)
 
 
@@ -45,8 +51,11 @@ def time_window(trace: Trace, start_s: float, duration_s: float) -> Trace:
     end = start_s + duration_s
     kept = [r for r in trace if start_s <= r.arrival < end]
     t0 = kept[0].arrival if kept else 0.0
-    return _rebuild(trace, (dataclasses.replace(r, arrival=r.arrival - t0) for r in kept),
-                    f"window[{start_s:g}s+{duration_s:g}s]")
+    return _rebuild(
+        trace,
+        (dataclasses.replace(r, arrival=r.arrival - t0) for r in kept),
+        f"window[{start_s:g}s+{duration_s:g}s]",
+    )
 
 
 def cap_max_tokens(trace: Trace, cap: int) -> Trace:
@@ -58,16 +67,29 @@ def cap_max_tokens(trace: Trace, cap: int) -> Trace:
         raise ValueError(f"cap must be an integer >= 1, got {cap!r}")
     return _rebuild(
         trace,
-        (dataclasses.replace(r, max_tokens=min(r.max_tokens, cap), output_tokens=min(r.output_tokens, cap),
-                             truncated=r.truncated or r.output_tokens > cap)
-         for r in trace),
+        (
+            dataclasses.replace(
+                r,
+                max_tokens=min(r.max_tokens, cap),
+                output_tokens=min(r.output_tokens, cap),
+                truncated=r.truncated or r.output_tokens > cap,
+            )
+            for r in trace
+        ),
         f"cap{cap}",
     )
 
 
-def transform(trace: Trace, *, window: tuple[float, float] | None = None, rate_scale: float | None = None,
-              rate: float | None = None, max_tokens_cap: int | None = None, tenants: int | None = None,
-              seed: int = 0) -> Trace:
+def transform(
+    trace: Trace,
+    *,
+    window: tuple[float, float] | None = None,
+    rate_scale: float | None = None,
+    rate: float | None = None,
+    max_tokens_cap: int | None = None,
+    tenants: int | None = None,
+    seed: int = 0,
+) -> Trace:
     """The command line's transforms, in their one order: time window, rate scale, target rate,
     max_tokens cap, Zipf tenants (each skipped when None).
 
@@ -102,10 +124,15 @@ def scale_tokens(trace: Trace, prompt_factor: float = 1.0, output_factor: float 
 
     return _rebuild(
         trace,
-        (dataclasses.replace(r, prompt_tokens=scaled(r.prompt_tokens, prompt_factor),
-                             output_tokens=scaled(r.output_tokens, output_factor),
-                             max_tokens=scaled(r.max_tokens, output_factor))
-         for r in trace),
+        (
+            dataclasses.replace(
+                r,
+                prompt_tokens=scaled(r.prompt_tokens, prompt_factor),
+                output_tokens=scaled(r.output_tokens, output_factor),
+                max_tokens=scaled(r.max_tokens, output_factor),
+            )
+            for r in trace
+        ),
         f"tokens*({prompt_factor:g},{output_factor:g})",
     )
 
@@ -118,9 +145,14 @@ def assign_tenants_zipf(trace: Trace, n_tenants: int, s: float = 1.1, seed: int 
     if not (math.isfinite(s) and s >= 0.0):
         raise ValueError(f"s must be finite and >= 0, got {s}")
     weights = 1.0 / np.arange(1, n_tenants + 1, dtype=np.float64) ** s
-    picks = np.random.default_rng(seed).choice(n_tenants, size=len(trace), p=weights / weights.sum())
-    return _rebuild(trace, (dataclasses.replace(r, tenant=f"t{k}") for r, k in zip(trace, picks.tolist())),
-                    f"zipf{n_tenants}(s={s:g})")
+    picks = np.random.default_rng(seed).choice(
+        n_tenants, size=len(trace), p=weights / weights.sum()
+    )
+    return _rebuild(
+        trace,
+        (dataclasses.replace(r, tenant=f"t{k}") for r, k in zip(trace, picks.tolist())),
+        f"zipf{n_tenants}(s={s:g})",
+    )
 
 
 def assign_tenants_from(trace: Trace, mapping_fn: Callable[[TraceRequest], str]) -> Trace:
@@ -129,7 +161,9 @@ def assign_tenants_from(trace: Trace, mapping_fn: Callable[[TraceRequest], str])
     def tenant_of(r: TraceRequest) -> str:
         tenant = mapping_fn(r)
         if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"mapping_fn returned {tenant!r} for request {r.id!r}; expected a non-empty str")
+            raise ValueError(
+                f"mapping_fn returned {tenant!r} for request {r.id!r}; expected a non-empty str"
+            )
         return tenant
 
     return _rebuild(trace, (dataclasses.replace(r, tenant=tenant_of(r)) for r in trace), "tenants")
@@ -166,7 +200,9 @@ def mix(
     fractions = [float(f) for _, f in parts]
     total = math.fsum(fractions)
     if any(not math.isfinite(f) or f < 0.0 for f in fractions) or abs(total - 1.0) > 1e-9:
-        raise ValueError(f"mix fractions must be >= 0 and sum to 1 (within 1e-9); got {fractions}, sum {total!r}")
+        raise ValueError(
+            f"mix fractions must be >= 0 and sum to 1 (within 1e-9); got {fractions}, sum {total!r}"
+        )
     for trace, f in parts:
         if f > 0.0 and len(trace) == 0:
             raise ValueError(f"mix part {trace.name!r} has fraction {f} but no requests")
@@ -201,7 +237,9 @@ def mix(
     return Trace(name, tuple(requests))
 
 
-def _mix_slots(base: Trace, n: int | None, duration_s: float | None, rng: np.random.Generator) -> np.ndarray:
+def _mix_slots(
+    base: Trace, n: int | None, duration_s: float | None, rng: np.random.Generator
+) -> np.ndarray:
     arrivals = base.arrivals()
     if n is None and duration_s is None:
         return arrivals
@@ -211,7 +249,9 @@ def _mix_slots(base: Trace, n: int | None, duration_s: float | None, rng: np.ran
     if need_more:
         rate = base.rate
         if not (math.isfinite(rate) and rate > 0.0):
-            raise ValueError(f"mix: the first trace {base.name!r} has too few arrivals and no usable rate ({rate})")
+            raise ValueError(
+                f"mix: the first trace {base.name!r} has too few arrivals and no usable rate ({rate})"
+            )
         last = arrivals[-1]
         extra: list[np.ndarray] = []
         while True:  # continue with Poisson arrivals until n / duration_s is covered
@@ -220,7 +260,9 @@ def _mix_slots(base: Trace, n: int | None, duration_s: float | None, rng: np.ran
             extra.append(chunk)
             last = chunk[-1]
             total = len(arrivals) + sum(len(c) for c in extra)
-            if (n is None or total >= n) and (duration_s is None or n is not None or last >= duration_s):
+            if (n is None or total >= n) and (
+                duration_s is None or n is not None or last >= duration_s
+            ):
                 break
         arrivals = np.concatenate([arrivals, *extra])
     if duration_s is not None:

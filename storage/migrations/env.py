@@ -28,13 +28,19 @@ def _configure(connection) -> None:
 
 
 def _url() -> str | None:
-    return context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
+    return context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option(
+        "sqlalchemy.url"
+    )
 
 
 def run_offline() -> None:
     url = normalize_url(_url())
-    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=url.get_backend_name() == "sqlite")
+    context.configure(
+        url=url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=url.get_backend_name() == "sqlite",
+    )
     with context.begin_transaction():
         context.run_migrations()
 
