@@ -30,7 +30,8 @@ Workloads: seed_claims' six (``conv1.0``, ``conv1.1``, ``code``, ``mix20``, ``mi
 ``longprompt``) and four built for this benchmark (``shift``, ``diurnal``, ``sharegpt``, and
 ``heldout`` — added before the controller was tuned and run once after its design was frozen:
 benchmarks/autopilot_workloads.py). ``benchmarks/autopilot_dev.py`` caches the fixed columns and
-replays only the autopilot, for iterating on the controller. Deterministic for a seed (one tuning worker per workload).
+replays only the autopilot, for iterating on the controller. Deterministic for a seed (one tuning
+worker per workload).
 """
 
 from __future__ import annotations
@@ -49,39 +50,39 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.autopilot_scoring import (  # noqa: E402
+    HEADROOM,
+    LABELS,
+    METRICS,
+    THROUGHPUT_FLOOR,
+    TTLT_SLACK,
+    JobResult,
+    half_time,
+    median_gamma,
+    score,
+    summarise,
+    targets,
+)
 from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload  # noqa: E402
-from benchmarks.seed_claims import KNEE, build_workload, ratio  # noqa: E402
-from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS
-from scheduler.metrics import summarize  # noqa: E402
+from benchmarks.seed_claims import KNEE, build_workload  # noqa: E402
+from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
 from storage.strict_json import finite  # noqa: E402
+from tuner.optimize import tune  # noqa: E402
+from tuner.optuna_storage import open_storage, storage_url  # noqa: E402
+from tuner.recommend import recommend  # noqa: E402
+from tuner.spec import StudySpec, TuneError  # noqa: E402
 
 WORKLOADS = (*SEED_WORKLOADS, *NEW_WORKLOADS)
 DEFAULT_TRACES = REPO / "traces"
-DEFAULT_GRID = tuple(m * 10.0**e for e in range(-3, 1) for m in (1, 2, 5)) + (10.0,)
-METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "throughput_tok_s")
-LABELS = {
-    "ttft_p95": "P95 TTFT",
-    "ttft_p99": "P99 TTFT",
-    "ttlt_p99": "P99 TTLT",
-    "throughput_tok_s": "throughput",
-}
-SCOPES = ("all", "second")
-TTLT_SLACK = 1.02  # P99 TTLT at most this times sarathi's
-THROUGHPUT_FLOOR = 0.99  # throughput at least this times sarathi's
-CLOSURE_TARGET = 0.75
-HEADROOM = 0.05  # closure is a target where the defaults are this far above the best fixed γ
-NEVER_WORSE = 0.02
-SHIFT_MARGIN = 0.90  # on the shape shift the autopilot beats every fixed γ by 10%
-CORE_SHARE = 0.02  # the controller's CPU: at most 2% of one core
+DEFAULT_GRID = (*(m * 10.0**e for e in range(-3, 1) for m in (1, 2, 5)), 10.0)
 TUNE_CONSTRAINTS = [f"ttlt_p99<={TTLT_SLACK}*baseline", f"throughput>={THROUGHPUT_FLOOR}*baseline"]
 
 
@@ -95,67 +96,9 @@ class Job:
     seed: int = 0
 
 
-@dataclasses.dataclass
-class JobResult:
-    workload: str
-    column: str
-    scores: dict[str, dict[str, float]]  # scope -> metric -> value
-    wall_s: float
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
 # --------------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------------
-
-
-def half_time(trace: traces.Trace) -> float:
-    """The midpoint in time of the trace's arrivals: the second half is the requests at or after it."""
-    return trace.requests[0].arrival + trace.duration / 2 if len(trace) else 0.0
-
-
-def score(completions: list, t_half: float) -> dict[str, dict[str, float]]:
-    """The table's metrics over every completion and over those that arrived at or after ``t_half``."""
-    out = {}
-    for scope, done in (
-        ("all", completions),
-        ("second", [c for c in completions if c.arrival >= t_half]),
-    ):
-        m = summarize(done)
-        out[scope] = {k: float(m[k]) for k in (*METRICS, "requests")}
-    return out
-
-
-def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
-    """Time-weighted median of a γ timeline ((time, γ) samples, each held until the next; NaN if empty)."""
-    if not timeline:
-        return math.nan
-    times = np.array([t for t, _ in timeline] + [max(end, timeline[-1][0])])
-    values = np.array([g for _, g in timeline])
-    weights = np.diff(times)
-    if weights.sum() <= 0:
-        return float(values[-1])
-    order = np.argsort(values)
-    cum = np.cumsum(weights[order])
-    return float(values[order][np.searchsorted(cum, cum[-1] / 2)])
-
-
-def best_fixed(grid: dict[float, dict[str, float]], sarathi: dict[str, float]) -> float | None:
-    """The hindsight γ: lowest P95 TTFT among the γ whose P99 TTLT ≤ 1.02× and throughput ≥ 0.99×
-    sarathi's (ties: the smaller γ); None when no γ keeps both."""
-    feasible = [
-        g
-        for g, m in grid.items()
-        if m["ttlt_p99"] <= TTLT_SLACK * sarathi["ttlt_p99"]
-        and m["throughput_tok_s"] >= THROUGHPUT_FLOOR * sarathi["throughput_tok_s"]
-    ]
-    return min(feasible, key=lambda g: (grid[g]["ttft_p95"], g)) if feasible else None
-
-
-def closure(defaults: float, autopilot: float, best: float) -> float:
-    """(defaults − autopilot) / (defaults − best fixed γ); NaN when the defaults already are the best."""
-    gap = defaults - best
-    return (defaults - autopilot) / gap if gap > 0 else math.nan
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,11 +129,6 @@ def write_vidur(trace: traces.Trace, path: Path) -> None:
 def tune_first_half(trace: traces.Trace, trials: int, seed: int) -> tuple[Settings, dict[str, Any]]:
     """``tailpilot tune`` + ``recommend`` on the requests arriving before the midpoint; the
     recommended settings and what the study did."""
-    from tuner.optimize import tune
-    from tuner.optuna_storage import open_storage, storage_url
-    from tuner.recommend import recommend
-    from tuner.spec import StudySpec, TuneError
-
     first = traces.Trace(
         trace.name + "|first-half", tuple(r for r in trace if r.arrival < half_time(trace))
     )
@@ -228,6 +166,8 @@ def run_job(job: Job) -> JobResult:
     trace, t_half = job.trace, half_time(job.trace)
     extra: dict[str, Any] = {}
     if job.column == "autopilot":
+        # Optional: the column is omitted when tuner.autopilot does not import
+        # (autopilot_available).
         from tuner.autopilot import replay_with_autopilot
 
         cpu0 = time.process_time()
@@ -278,10 +218,6 @@ def fixed(gamma: float) -> dict[str, Any]:
     return {"policy": "uniboost", "params": {"gamma": gamma, "gamma_ada": False}}
 
 
-def gamma_of(column: str) -> float:
-    return float(column.removeprefix("g="))
-
-
 def jobs_for(
     workload: str,
     trace: traces.Trace,
@@ -307,117 +243,6 @@ def jobs_for(
 # --------------------------------------------------------------------------------------------
 # Tables and targets
 # --------------------------------------------------------------------------------------------
-
-
-def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, Any]:
-    """Per scope: the shown columns' figures and ratios, the hindsight γ, the closure; plus cost."""
-    out: dict[str, Any] = {}
-    for scope in SCOPES:
-        sar = columns["sarathi"].scores[scope]
-        grid = {gamma_of(c): r.scores[scope] for c, r in columns.items() if c.startswith("g=")}
-        winner = best_fixed(grid, sar)
-        shown: dict[str, dict[str, float]] = {
-            "sarathi": sar,
-            "defaults": columns["defaults"].scores[scope],
-        }
-        if winner is not None:
-            shown["best fixed γ"] = grid[winner]
-        if scope == "second" and "tuned" in columns:
-            shown["tuned on 1st half"] = columns["tuned"].scores[scope]
-        if "autopilot" in columns and columns["autopilot"].scores:
-            shown["autopilot"] = columns["autopilot"].scores[scope]
-        ratios = {name: {k: ratio(m[k], sar[k]) for k in METRICS} for name, m in shown.items()}
-        entry: dict[str, Any] = {
-            "figures": shown,
-            "ratios": ratios,
-            "best_gamma": winner,
-            "at_grid_edge": winner is not None and winner in (min(grid), max(grid)),
-            "min_p95_any_gamma": min((m["ttft_p95"] for m in grid.values()), default=math.nan),
-            "grid": {f"{g:g}": m for g, m in sorted(grid.items())},
-        }
-        if winner is not None and "autopilot" in ratios:
-            r = ratios
-            entry["closure"] = closure(
-                r["defaults"]["ttft_p95"], r["autopilot"]["ttft_p95"], r["best fixed γ"]["ttft_p95"]
-            )
-        out[scope] = entry
-    pilot = columns.get("autopilot")
-    if pilot is not None:
-        cost = {k: v for k, v in pilot.extra.items() if k != "cpu_s"}
-        if "cpu_s" in pilot.extra:
-            cpu = pilot.extra["cpu_s"]
-            hours = trace.duration / 3600.0
-            cost.update(
-                cpu_per_decision_mean=float(np.mean(cpu)),
-                cpu_per_decision_max=float(np.max(cpu)),
-                cpu_per_hour=sum(cpu) / hours if hours > 0 else math.nan,
-            )
-            cost["core_share"] = cost["cpu_per_hour"] / 3600.0
-        out["autopilot"] = cost
-    return out
-
-
-def targets(workload: str, s: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
-    """(target, PASS/FAIL/None = not applicable, the figures) on the whole trace."""
-    whole = s["all"]
-    r = whole["ratios"]
-    if "autopilot" not in r:
-        note = s.get("autopilot", {}).get("error", "no autopilot column")
-        return [("autopilot targets", None, note)]
-    ap, de = r["autopilot"], r["defaults"]
-    rows: list[tuple[str, bool | None, str]] = []
-    if whole["best_gamma"] is None:
-        rows.append(("closure >= 0.75", None, "no fixed γ keeps the constraints"))
-    else:
-        best = r["best fixed γ"]["ttft_p95"]
-        c = whole.get("closure", math.nan)
-        headroom = de["ttft_p95"] - best
-        figures = f"closure {c:.2f} (defaults {de['ttft_p95']:.2f}x, best {best:.2f}x, autopilot {ap['ttft_p95']:.2f}x)"
-        rows.append(
-            (
-                "closure >= 0.75",
-                c >= CLOSURE_TARGET if headroom >= HEADROOM else None,
-                figures
-                if headroom >= HEADROOM
-                else f"headroom {headroom:.2f} < {HEADROOM}: {figures}",
-            )
-        )
-    rows.append(
-        (
-            "P95 TTFT <= defaults + 0.02",
-            ap["ttft_p95"] <= de["ttft_p95"] + NEVER_WORSE,
-            f"{ap['ttft_p95']:.3f}x vs {de['ttft_p95']:.3f}x",
-        )
-    )
-    rows.append(
-        ("P99 TTLT <= 1.02x sarathi", ap["ttlt_p99"] <= TTLT_SLACK, f"{ap['ttlt_p99']:.3f}x")
-    )
-    rows.append(
-        (
-            "throughput >= 0.99x sarathi",
-            ap["throughput_tok_s"] >= THROUGHPUT_FLOOR,
-            f"{ap['throughput_tok_s']:.4f}x",
-        )
-    )
-    if workload == "shift":
-        p95, every = whole["figures"]["autopilot"]["ttft_p95"], whole["min_p95_any_gamma"]
-        rows.append(
-            (
-                "P95 TTFT <= 0.90x every fixed γ (shape shift)",
-                p95 <= SHIFT_MARGIN * every,
-                f"{p95:.3g} s vs best of any γ {every:.3g} s ({ratio(p95, every):.2f}x)",
-            )
-        )
-    share = s.get("autopilot", {}).get("core_share")
-    if share is not None:
-        rows.append(
-            (
-                "controller CPU <= 2% of one core",
-                share <= CORE_SHARE,
-                f"{100 * share:.2f}% ({s['autopilot']['cpu_per_hour']:.1f} CPU s per hour of traffic)",
-            )
-        )
-    return rows
 
 
 def cell(value: float, rel: float, metric: str) -> str:
@@ -461,7 +286,8 @@ def report(
     for w, s in summaries.items():
         trace, how = built[w]
         print(
-            f"\n== {w}: {len(trace)} requests over {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})"
+            f"\n== {w}: {len(trace)} requests over {trace.duration / 60:.1f} min, "
+            f"{trace.rate:.2f} req/s ({how})"
         )
         for scope, title in (
             ("all", "whole trace"),
@@ -474,21 +300,25 @@ def report(
             " (at the grid's edge: a γ beyond it may do better)" if s["all"]["at_grid_edge"] else ""
         )
         print(
-            f"γ-Ada's time-weighted median γ: {de_g:.3g} /s; hindsight γ: whole {s['all']['best_gamma'] or 'none'}{edge}, "
+            f"γ-Ada's time-weighted median γ: {de_g:.3g} /s; "
+            f"hindsight γ: whole {s['all']['best_gamma'] or 'none'}{edge}, "
             f"second half {s['second']['best_gamma'] or 'none (no γ keeps the constraints)'}"
         )
         if "tuned" in results[w]:
             info = results[w]["tuned"].extra
             print(
-                f"tuned on the first half: {info.get('trials')} trials in {info.get('tune_s', math.nan):.0f} s "
-                f"(+ recommend {info.get('recommend_s', math.nan):.0f} s): {json.dumps(info.get('settings'))}"
+                f"tuned on the first half: {info.get('trials')} trials in "
+                f"{info.get('tune_s', math.nan):.0f} s "
+                f"(+ recommend {info.get('recommend_s', math.nan):.0f} s): "
+                f"{json.dumps(info.get('settings'))}"
                 + (f" — {info['note']}" if "note" in info else "")
             )
         if "autopilot" in s:
             print("autopilot: " + json.dumps(finite(s["autopilot"])))
         if "closure" in s["all"]:
             print(
-                f"closure (whole trace): {s['all']['closure']:.2f}; second half: {s['second'].get('closure', math.nan):.2f}"
+                f"closure (whole trace): {s['all']['closure']:.2f}; "
+                f"second half: {s['second'].get('closure', math.nan):.2f}"
             )
         for name, ok, figures in targets(w, s):
             verdicts.append((w, name, ok, figures))
@@ -502,7 +332,8 @@ def report(
         row = [
             w,
             f"{r['defaults']['ttft_p95']:.2f}x",
-            f"{r['best fixed γ']['ttft_p95']:.2f}x (γ {best:g}{', grid edge' if s['all']['at_grid_edge'] else ''})"
+            f"{r['best fixed γ']['ttft_p95']:.2f}x "
+            f"(γ {best:g}{', grid edge' if s['all']['at_grid_edge'] else ''})"
             if best is not None
             else "none feasible",
         ]
@@ -597,8 +428,12 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 
 def autopilot_available() -> str | None:
-    """None when ``tuner.autopilot.replay_with_autopilot`` imports; else why the column is omitted."""
+    """None when ``tuner.autopilot.replay_with_autopilot`` imports.
+
+    Else why the column is omitted.
+    """
     try:
+        # The probe itself: whether the optional column's module imports (the name is unused).
         from tuner.autopilot import replay_with_autopilot  # noqa: F401
     except ImportError as err:
         return f"autopilot column omitted: tuner.autopilot does not import ({err})"
@@ -654,7 +489,8 @@ def main() -> None:
         ):
             built[name] = (trace, how)
             print(
-                f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})",
+                f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, "
+                f"{trace.rate:.2f} req/s ({how})",
                 flush=True,
             )
         jobs = [

@@ -17,21 +17,23 @@ import time
 from collections import Counter
 from pathlib import Path
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import autopilot as bench  # noqa: E402
+from benchmarks import autopilot_scoring as scoring  # noqa: E402
 from tuner.autopilot import AutopilotConfig, replay_with_autopilot  # noqa: E402
 
 
 def fixed_columns(
     workload: str, cache: Path, root: Path
-) -> tuple[object, dict[str, bench.JobResult]]:
+) -> tuple[object, dict[str, scoring.JobResult]]:
     path = cache / f"{workload}.pkl"
     if path.exists():
         return pickle.loads(path.read_bytes())
-    name, trace, how = bench.build((workload, root, 0, bench.KNEE))
+    _name, trace, how = bench.build((workload, root, 0, bench.KNEE))
     jobs = [
         j
         for j in bench.jobs_for(
@@ -57,7 +59,7 @@ def main() -> None:
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     config = AutopilotConfig(**overrides)
     for w in args.workloads.split(","):
-        (trace, how), cols = fixed_columns(w, args.cache, args.traces)
+        (trace, _how), cols = fixed_columns(w, args.cache, args.traces)
         t0, c0 = time.perf_counter(), time.process_time()
         result, decisions = replay_with_autopilot(trace, config=config)
         wall = time.perf_counter() - t0
@@ -70,20 +72,24 @@ def main() -> None:
             "replay_cpu_s": time.process_time() - c0,
         }
         cols = dict(cols)
-        cols["autopilot"] = bench.JobResult(
-            w, "autopilot", bench.score(result.completions, bench.half_time(trace)), wall, extra
+        cols["autopilot"] = scoring.JobResult(
+            w, "autopilot", scoring.score(result.completions, scoring.half_time(trace)), wall, extra
         )
-        s = bench.summarise(cols, trace)
+        s = scoring.summarise(cols, trace)
         r = s["all"]["ratios"]
         print(
-            f"== {w} ({wall:.0f} s): defaults {r['defaults']['ttft_p95']:.3f} best {r['best fixed γ']['ttft_p95']:.3f}"
+            f"== {w} ({wall:.0f} s): defaults {r['defaults']['ttft_p95']:.3f} "
+            f"best {r['best fixed γ']['ttft_p95']:.3f}"
             f" (γ {s['all']['best_gamma']}) autopilot {r['autopilot']['ttft_p95']:.3f} closure "
-            f"{s['all'].get('closure', float('nan')):.2f} | 2nd half closure {s['second'].get('closure', float('nan')):.2f}"
-            f" | P99 TTFT {r['autopilot']['ttft_p99']:.2f} (2nd half P95 {s['second']['ratios']['autopilot']['ttft_p95']:.2f})"
+            f"{s['all'].get('closure', float('nan')):.2f} | "
+            f"2nd half closure {s['second'].get('closure', float('nan')):.2f}"
+            f" | P99 TTFT {r['autopilot']['ttft_p99']:.2f} "
+            f"(2nd half P95 {s['second']['ratios']['autopilot']['ttft_p95']:.2f})"
             f" | ttlt {r['autopilot']['ttlt_p99']:.3f} thr {r['autopilot']['throughput_tok_s']:.4f}"
-            f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s"
+            f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s "
+            f"ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s"
         )
-        for name, ok, fig in bench.targets(w, s):
+        for name, ok, fig in scoring.targets(w, s):
             if ok is False:
                 print(f"   FAIL {name}: {fig}")
         sw = [(round(d.at / 60, 1), d.choice) for d in decisions if d.changed]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -321,7 +322,8 @@ def build_new_workload(
         trace, load = build_sharegpt(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)
         return (
             trace,
-            f"ShareGPT lengths, Gamma CV {SHAREGPT_CV:g} arrivals, load {load:.2f} (near saturation)",
+            f"ShareGPT lengths, Gamma CV {SHAREGPT_CV:g} arrivals, "
+            f"load {load:.2f} (near saturation)",
         )
     if name == "heldout":
         trace, load = build_heldout(sources, duration_s=3600.0 * scale_s, seed=seed, knee=knee)

@@ -25,14 +25,20 @@ import textwrap
 import time
 from pathlib import Path
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from controlplane.cluster import load_cluster_file  # noqa: E402
+from controlplane.collector import Collector  # noqa: E402
+from storage.store import Store  # noqa: E402
 
 TWINS_SCRIPT = textwrap.dedent("""\
     import signal, sys, threading
     from sim import traces
     from tuner.twin import start_twins
-    n, speed, rate_scale, out = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    n, speed = int(sys.argv[1]), float(sys.argv[2])
+    rate_scale, out = float(sys.argv[3]), sys.argv[4]
     trace = traces.assign_tenants_zipf(traces.load_bundled(), 4, seed=1)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -68,8 +74,6 @@ def start_twins_process(
 
 
 async def measure(cluster, store, warmup: float, duration: float, metrics_every: int = 1) -> dict:
-    from controlplane.collector import Collector
-
     collector = Collector(cluster, store, flush_interval_s=1.0, metrics_every=metrics_every)
     stop = asyncio.Event()
     task = asyncio.create_task(collector.run(stop))
@@ -135,9 +139,6 @@ def main() -> None:
     parser.add_argument("--db", help="store URL (default: a fresh SQLite file in a temp dir)")
     args = parser.parse_args()
 
-    from controlplane.cluster import load_cluster_file
-    from storage.store import Store
-
     with tempfile.TemporaryDirectory() as tmp:
         cluster_file = Path(tmp) / "bench.yaml"
         twins = start_twins_process(args.replicas, args.speed, args.rate_scale, cluster_file)
@@ -146,7 +147,7 @@ def main() -> None:
             cluster = spec.model_copy(update={"poll_interval_s": args.interval})
             store = Store.open(args.db or str(Path(tmp) / "bench.db"))
             if args.loop == "uvloop":
-                import uvloop
+                import uvloop  # optional: only for --loop uvloop
 
                 runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
             else:
@@ -160,19 +161,23 @@ def main() -> None:
             twins.terminate()
             twins.wait(timeout=30)
     print(
-        f"collector: {args.replicas} replicas every {args.interval:g} s (/metrics every {args.metrics_every}), "
+        f"collector: {args.replicas} replicas every {args.interval:g} s "
+        f"(/metrics every {args.metrics_every}), "
         f"{args.loop}, {os.cpu_count()} CPUs, "
         f"measured {r['wall_s']:.1f} s after {args.warmup:g} s warm-up"
     )
     print(
-        f"  CPU            {r['cpu_pct_one_core']:6.1f} % of one core ({r['cpu_s']:.2f} s)   target < 25 %"
+        f"  CPU            {r['cpu_pct_one_core']:6.1f} % of one core ({r['cpu_s']:.2f} s)"
+        "   target < 25 %"
     )
     print(
-        f"  polls          {r['polls_per_s']:6.1f} /s  ({r['failed_polls']} failed; {r['healthy_at_end']} healthy at end)"
+        f"  polls          {r['polls_per_s']:6.1f} /s  "
+        f"({r['failed_polls']} failed; {r['healthy_at_end']} healthy at end)"
     )
     print(
         f"  rows written   {r['rows_per_s']:6.1f} /s  (completions {r['completions_per_s']:.1f}/s, "
-        f"samples {r['samples_per_s']:.1f}/s, {r['batches']} batches, {r['busy_retries']} busy retries)"
+        f"samples {r['samples_per_s']:.1f}/s, {r['batches']} batches, "
+        f"{r['busy_retries']} busy retries)"
     )
 
 

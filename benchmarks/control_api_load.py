@@ -54,6 +54,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+# Run as a script: tests/ (the vLLM support modules) and the repository root go on sys.path
+# before the imports below (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
@@ -233,7 +235,7 @@ def _cpu_s(proc) -> float:
 
 def engine_core(server: VllmServer, api_port: int):
     """The server's process that listens on the control port: vLLM's engine-core process."""
-    import psutil
+    import psutil  # optional: not a tailpilot dependency (vLLM brings it)
 
     for proc in psutil.Process(server.proc.pid).children(recursive=True):
         try:
@@ -251,13 +253,15 @@ class Bench:
     def __init__(self, server: VllmServer, api_port: int) -> None:
         self.server, self.api_port = server, api_port
         self.engine = engine_core(server, api_port)
-        # The bench's own reads carry the token: under attack (D) only token holders are sure of a slot.
+        # The bench's own reads carry the token: under attack (D) only token holders are sure of a
+        # slot.
         self.control = httpx.Client(
             base_url=f"http://127.0.0.1:{api_port}", timeout=60, trust_env=False, headers=AUTH
         )
 
     def state(self, cursor: int | None = None) -> dict:
-        while True:  # a polite client: waits out 429s and 503s (a server locked by an attack, before issue 21)
+        # A polite client: waits out 429s and 503s (a server locked by an attack, before issue 21).
+        while True:
             resp = self.control.get(STATE, params={} if cursor is None else {"cursor": cursor})
             if resp.status_code not in (429, 503):
                 resp.raise_for_status()
@@ -316,7 +320,7 @@ class Bench:
 
 
 def run_condition(bench: Bench, cond: str, requests, args, ctx) -> dict:
-    import psutil
+    import psutil  # optional: not a tailpilot dependency (vLLM brings it)
 
     counts: dict = {}
     attackers: dict = {}
@@ -455,16 +459,17 @@ def main() -> None:
             page = len(bench.state(0)["completions"])
             print(
                 f"completions log: {logged} entries (a cursor=0 answer carries {page}); "
-                f"burst: {args.requests} requests x {args.prompt_tokens} prompt + {args.max_tokens} output "
-                f"tokens; {args.pollers} pollers; {args.rounds} rounds; conditions {''.join(conditions)}",
+                f"burst: {args.requests} requests x {args.prompt_tokens} prompt + "
+                f"{args.max_tokens} output tokens; {args.pollers} pollers; {args.rounds} rounds; "
+                f"conditions {''.join(conditions)}",
                 flush=True,
             )
 
             rows = []
             print(
                 f"\n{'round':>5} {'cond':>4} {'client_s':>9} {'engine_s':>9} {'200':>6} {'429':>6} "
-                f"{'other':>6} {'answers/s':>10} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} "
-                f"{'poll_cpu':>8}",
+                f"{'other':>6} {'answers/s':>10} {'lat_p50_ms':>11} {'lat_p95_ms':>11} "
+                f"{'eng_cpu':>8} {'poll_cpu':>8}",
                 flush=True,
             )
             for r in range(args.rounds):
@@ -477,8 +482,10 @@ def main() -> None:
                     other = sum(v for k, v in c.items() if k not in (200, 429, "per_s"))
                     print(
                         f"{r + 1:>5} {cond:>4} {row['client_s']:9.2f} {row['engine_s']:9.2f} "
-                        f"{c.get(200, 0):>6} {c.get(429, 0):>6} {other:>6} {c.get('per_s', 0):10.1f} "
-                        f"{_pct(row['latencies'], 0.5) * 1e3:11.1f} {_pct(row['latencies'], 0.95) * 1e3:11.1f} "
+                        f"{c.get(200, 0):>6} {c.get(429, 0):>6} {other:>6} "
+                        f"{c.get('per_s', 0):10.1f} "
+                        f"{_pct(row['latencies'], 0.5) * 1e3:11.1f} "
+                        f"{_pct(row['latencies'], 0.95) * 1e3:11.1f} "
                         f"{row['eng_cpu']:8.2f} {row['poll_cpu']:8.2f}"
                         + (
                             f"  attackers: {dict(sorted(row['attackers'].items()))}"
@@ -498,8 +505,9 @@ def main() -> None:
     }
     print(f"\nmedians over {args.rounds} rounds; answers summed over the rounds' bursts")
     print(
-        f"{'condition':<30} {'client_s':>9} {'engine_s':>9} {'vs A (client)':>14} {'vs A (engine)':>14} "
-        f"{'200s':>6} {'429s':>6} {'other':>6} {'lat_p50_ms':>11} {'lat_p95_ms':>11} {'eng_cpu':>8} {'poll_cpu':>8}"
+        f"{'condition':<30} {'client_s':>9} {'engine_s':>9} {'vs A (client)':>14} "
+        f"{'vs A (engine)':>14} {'200s':>6} {'429s':>6} {'other':>6} {'lat_p50_ms':>11} "
+        f"{'lat_p95_ms':>11} {'eng_cpu':>8} {'poll_cpu':>8}"
     )
     totals_of: dict[str, Counter] = {}
     for cond in conditions:
@@ -514,7 +522,8 @@ def main() -> None:
             f"{cond + ' ' + DESCRIPTION[cond]:<30} {med[cond][0]:9.2f} {med[cond][1]:9.2f} "
             f"{med[cond][0] / med['A'][0]:14.3f} {med[cond][1] / med['A'][1]:14.3f} "
             f"{totals.get(200, 0):>6} {totals.get(429, 0):>6} {other:>6} "
-            f"{_pct(lats, 0.5) * 1e3:11.1f} {_pct(lats, 0.95) * 1e3:11.1f} {med[cond][2]:8.2f} {med[cond][3]:8.2f}"
+            f"{_pct(lats, 0.5) * 1e3:11.1f} {_pct(lats, 0.95) * 1e3:11.1f} "
+            f"{med[cond][2]:8.2f} {med[cond][3]:8.2f}"
         )
     by_round = {(row["cond"], row["round"]): row for row in rows}
     for cond in conditions[1:]:
@@ -525,16 +534,18 @@ def main() -> None:
             by_round[cond, r]["client_s"] / by_round["A", r]["client_s"] for r in range(args.rounds)
         )
         print(
-            f"{cond}/A = {ratio:.3f} (client), {med[cond][1] / med['A'][1]:.3f} (engine), median of the rounds' "
-            f"own ratios {paired:.3f}; target <= {target:.2f}: {'met' if ratio <= target else 'NOT met'}"
+            f"{cond}/A = {ratio:.3f} (client), {med[cond][1] / med['A'][1]:.3f} (engine), "
+            f"median of the rounds' own ratios {paired:.3f}; target <= {target:.2f}: "
+            f"{'met' if ratio <= target else 'NOT met'}"
         )
     if "D" in conditions:
         polls = sum(totals_of["D"].values())
         ok = totals_of["D"].get(200, 0) / polls if polls else 0.0
         print(
-            f"D: the token holder got {totals_of['D'].get(200, 0)} of {polls} polls answered 200 ({ok:.1%}; "
-            f"target >= 95%: {'met' if ok >= 0.95 else 'NOT met'}); engine throughput under attack "
-            f"{med['A'][0] / med['D'][0]:.3f} of A's (client), {med['A'][1] / med['D'][1]:.3f} (engine); engine-core "
+            f"D: the token holder got {totals_of['D'].get(200, 0)} of {polls} polls answered 200 "
+            f"({ok:.1%}; target >= 95%: {'met' if ok >= 0.95 else 'NOT met'}); "
+            f"engine throughput under attack {med['A'][0] / med['D'][0]:.3f} of A's (client), "
+            f"{med['A'][1] / med['D'][1]:.3f} (engine); engine-core "
             f"CPU {med['D'][2]:.2f} s against A's {med['A'][2]:.2f} s"
         )
     print(f"end: {load()}")

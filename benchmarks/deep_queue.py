@@ -43,12 +43,13 @@ from pathlib import Path
 
 import numpy as np
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
-from sim.traces import TraceRequest  # noqa: E402
+from sim.traces import TraceRequest, load_bundled, scale_rate  # noqa: E402
 
 PREDICTED = {"sjf", "srpt", "tie"}
 ROWS = {
@@ -229,14 +230,15 @@ def main() -> None:
     trace = deep_trace(args.requests, args.load, args.prompt_mean, args.prompt_spread, args.seed)
     cap = capacity_rps(args.prompt_mean)
     print(
-        f"deep-queue trace: {len(trace)} requests, prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
+        f"deep-queue trace: {len(trace)} requests, "
+        f"prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
         f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
         f"{trace[-1].arrival:.0f} s"
     )
     print(f"load average before: {load_avg()}")
     print(
-        f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} {'events':>7} "
-        f"{'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""),
+        f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} "
+        f"{'events':>7} {'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""),
         flush=True,
     )
     walls: dict[str, float] = {}
@@ -250,8 +252,8 @@ def main() -> None:
         base = walls.get("fcfs")
         ratio = f"{wall / base:6.2f}" if base else f"{'-':>6}"
         print(
-            f"{row:>14} {wall:8.2f} {ratio} {refit_s:7.2f} {peak:9d} {res.steps:8d} {res.iterations:7d} "
-            f"{res.preemptions:8d} {res.sim_time_s:8.0f}"
+            f"{row:>14} {wall:8.2f} {ratio} {refit_s:7.2f} {peak:9d} {res.steps:8d} "
+            f"{res.iterations:7d} {res.preemptions:8d} {res.sim_time_s:8.0f}"
             + (f"  {completion_hash(res.completions)}" if args.hash else ""),
             flush=True,
         )
@@ -260,8 +262,6 @@ def main() -> None:
         worst = max(walls, key=lambda r: walls[r])
         print(f"worst: {worst} at {walls[worst] / walls['fcfs']:.2f}x fcfs (target <= 2x)")
     if args.hash_bundled:
-        from sim.traces import load_bundled, scale_rate
-
         bundled = load_bundled()
         if args.bundled_rate_scale != 1.0:
             bundled = scale_rate(bundled, args.bundled_rate_scale)

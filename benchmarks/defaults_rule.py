@@ -1,4 +1,5 @@
-"""Candidate rules for uniboost's defaults (no controller attached), on continuous replays (issue 22).
+"""Candidate rules for uniboost's defaults (no controller attached), on continuous replays
+(issue 22).
 
     python benchmarks/defaults_rule.py [--workloads conv1.0,...,sharegpt] [--jobs 1]
         [--rules today,scale0.3,scale0.1,scale0.03,...] [--json OUT] [--seed 0]
@@ -36,14 +37,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.autopilot import build  # noqa: E402  (the autopilot benchmark's workloads, built alike)
+# The autopilot benchmark's workloads, built alike.
+from benchmarks.autopilot import build  # noqa: E402
 from benchmarks.autopilot_workloads import NEW_WORKLOADS  # noqa: E402
 from benchmarks.seed_claims import KNEE, ratio  # noqa: E402
-from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS
+from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS  # noqa: E402
 from scheduler.metrics import summarize  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
@@ -105,7 +108,7 @@ def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
 
 
 def replay(job: tuple[str, str, traces.Trace]) -> tuple[str, str, dict[str, float], float]:
-    """(workload, rule, the metrics with γ-Ada's median γ, wall seconds) of one continuous replay."""
+    """One continuous replay: (workload, rule, the metrics with γ-Ada's median γ, wall seconds)."""
     workload, rule, trace = job
     started = time.perf_counter()
     result = simulate(trace, Settings.model_validate(RULES[rule]))
@@ -129,7 +132,8 @@ def verdict(rule: str, by_workload: dict[str, dict[str, dict[str, float]]]) -> d
         c, d = r[rule], r["today"]
         if c["ttft_p95"] > d["ttft_p95"] + NEVER_WORSE:
             failures.append(
-                f"{w}: P95 TTFT {c['ttft_p95']:.3f}x > the defaults' {d['ttft_p95']:.3f}x + {NEVER_WORSE}"
+                f"{w}: P95 TTFT {c['ttft_p95']:.3f}x > "
+                f"the defaults' {d['ttft_p95']:.3f}x + {NEVER_WORSE}"
             )
         if c["ttft_p99"] > P99_TTFT_SLACK * d["ttft_p99"]:
             failures.append(
@@ -191,7 +195,8 @@ def report(
         tag = "reference, never chosen; " if rule.startswith("ref:") else ""
         head = "ROBUST" if v["robust"] else "no"
         print(
-            f"{head:6s} {rule}: {tag}P95 TTFT gain over the defaults mean {v['mean_p95_gain']:+.3f}, "
+            f"{head:6s} {rule}: {tag}P95 TTFT gain over the defaults "
+            f"mean {v['mean_p95_gain']:+.3f}, "
             f"min {v['min_p95_gain']:+.3f}, max {v['max_p95_gain']:+.3f}"
         )
         for f in v["failures"]:
@@ -233,7 +238,8 @@ def main() -> None:
     ):
         built[name] = trace
         print(
-            f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, {trace.rate:.2f} req/s ({how})",
+            f"{name}: {len(trace)} requests, {trace.duration / 60:.1f} min, "
+            f"{trace.rate:.2f} req/s ({how})",
             flush=True,
         )
     jobs = [(w, rule, built[w]) for w in workloads for rule in ("sarathi", "today", *rules)]
@@ -243,7 +249,8 @@ def main() -> None:
         figures[w][rule] = m
         walls[f"{w}/{rule}"] = wall
         print(
-            f"  {w:10s} {rule:12s} P95 TTFT {m['ttft_p95']:9.3g} s  median γ {m['median_gamma']:.3g}  ({wall:.0f} s)",
+            f"  {w:10s} {rule:12s} P95 TTFT {m['ttft_p95']:9.3g} s  "
+            f"median γ {m['median_gamma']:.3g}  ({wall:.0f} s)",
             flush=True,
         )
     if pool:
@@ -254,8 +261,10 @@ def main() -> None:
     wall = time.perf_counter() - started
     load = os.getloadavg()
     print(
-        f"\n{len(jobs)} replays in {wall:.0f} s wall, {time.process_time() - cpu0:.0f} CPU s in this process "
-        f"({args.jobs} worker{'s' if args.jobs > 1 else ''}); load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        f"\n{len(jobs)} replays in {wall:.0f} s wall, "
+        f"{time.process_time() - cpu0:.0f} CPU s in this process "
+        f"({args.jobs} worker{'s' if args.jobs > 1 else ''}); "
+        f"load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     if args.json:
         doc = {

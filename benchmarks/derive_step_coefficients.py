@@ -37,7 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
+# Run as a script: the repository root goes on sys.path before the project's import (E402).
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from sim.stepmodel import DEFAULT_MODEL_NAME, get_model  # noqa: E402
+
 DEFAULT_PROFILE = REPO_ROOT / "traces" / "profiles" / "vidur_a100_llama3_8b_mlp.csv"
 
 PER_LAYER_OPS = (
@@ -68,8 +73,14 @@ LM_HEAD_TO_LAYER_GEMMS = LM_HEAD_PARAMS / LAYER_LINEAR_PARAMS
 MS = 1e-3
 
 
+def op_median(row: dict[str, str], op: str) -> float:
+    """The median time (ms) of the profiled operation ``op`` in one profile row."""
+    return float(row[f"time_stats.{op}.median"])
+
+
 def load_profile(path: Path, tp: int) -> dict[str, dict[int, float]]:
-    """Per token count: per-layer op time, embedding time and GEMM time (ms), duplicates averaged."""
+    """Per token count: per-layer op time, embedding time and GEMM time (ms), duplicates
+    averaged."""
     layer: dict[int, list[float]] = defaultdict(list)
     once: dict[int, list[float]] = defaultdict(list)
     gemm: dict[int, list[float]] = defaultdict(list)
@@ -78,10 +89,9 @@ def load_profile(path: Path, tp: int) -> dict[str, dict[int, float]]:
             if int(row["num_tensor_parallel_workers"]) != tp:
                 continue
             n = int(row["num_tokens"])
-            med = lambda op, row=row: float(row[f"time_stats.{op}.median"])  # noqa: E731
-            layer[n].append(sum(med(op) for op in PER_LAYER_OPS))
-            once[n].append(sum(med(op) for op in ONCE_PER_STEP_OPS))
-            gemm[n].append(sum(med(op) for op in GEMM_OPS))
+            layer[n].append(sum(op_median(row, op) for op in PER_LAYER_OPS))
+            once[n].append(sum(op_median(row, op) for op in ONCE_PER_STEP_OPS))
+            gemm[n].append(sum(op_median(row, op) for op in GEMM_OPS))
     if not layer:
         raise SystemExit(f"{path}: no rows with num_tensor_parallel_workers == {tp}")
     return {
@@ -92,7 +102,8 @@ def load_profile(path: Path, tp: int) -> dict[str, dict[int, float]]:
 
 
 def linear_fit(points: dict[int, float], lo: int, hi: int) -> tuple[float, float, int, float]:
-    """Least-squares (intercept, slope) over lo <= n <= hi; also the point count and max rel. error."""
+    """Least-squares (intercept, slope) over lo <= n <= hi; also the point count and the max
+    relative error."""
     ns = np.array(sorted(n for n in points if lo <= n <= hi), dtype=float)
     if len(ns) < 2:
         raise SystemExit(f"fewer than two token counts in [{lo}, {hi}]")
@@ -153,21 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         help="token counts for the d fit (default 1 128)",
     )
     args = parser.parse_args(argv)
-
-    sys.path.insert(0, str(REPO_ROOT))
-    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model
-
     r = derive(args.profile.resolve(), args.tp, tuple(args.prefill_range), tuple(args.decode_range))
     hard = get_model(DEFAULT_MODEL_NAME)
 
     print(f"profile: {args.profile.resolve()}  (TP{args.tp})")
     print(
-        f"b fit over {r['prefill_range'][0]}..{r['prefill_range'][1]} tokens: {r['b_points']} token "
-        f"counts, intercept {r['b_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['b_max_rel_err']:.1%}"
+        f"b fit over {r['prefill_range'][0]}..{r['prefill_range'][1]} tokens: "
+        f"{r['b_points']} token counts, intercept {r['b_intercept_s'] * 1e3:.3f} ms, "
+        f"max rel. residual {r['b_max_rel_err']:.1%}"
     )
     print(
         f"d fit over {r['decode_range'][0]}..{r['decode_range'][1]} tokens: {r['d_points']} token "
-        f"counts, intercept {r['d_intercept_s'] * 1e3:.3f} ms, max rel. residual {r['d_max_rel_err']:.1%}"
+        f"counts, intercept {r['d_intercept_s'] * 1e3:.3f} ms, "
+        f"max rel. residual {r['d_max_rel_err']:.1%}"
     )
     print(
         f"  d = layers+emb {r['d_layers']:.4e} s + LM head {r['d_lm_head']:.4e} s "

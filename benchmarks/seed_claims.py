@@ -5,7 +5,8 @@
 
 Every workload is replayed whole, from its first request to the last completion, through the
 simulator at vLLM's A100 engine defaults (256 sequences, 2,048-token budget, the default step
-model) — never as windows that start from an empty engine. Workloads (docs/engine.md#tuner, seed 000 §4):
+model) — never as windows that start from an empty engine. Workloads (docs/engine.md#tuner,
+seed 000 §4):
 
 * ``conv1.0``, ``conv1.1``: Azure conv (19,366 requests, 58 min) at its recorded rate and ×1.1;
 * ``code``: Azure code at its recorded rate;
@@ -26,21 +27,24 @@ Policies: ``sarathi`` (vLLM's default), ``fcfs``, ``srpt-oracle`` (TRAIL with pe
 ``sjf-oracle`` (LTR with its starvation guard) and without the guard, the UNIBOOST stages
 (``distboost`` = stage 1, ``ub-s2`` = one priority space, ``ub-s3`` = +MemGuard, ``uniboost`` =
 +γ-Ada, i.e. the defaults: γ-Ada on the FCFS-equivalent wait, the newest decode as the memory
-victim), ``uniboost-spec`` (docs/policies.md#uniboost to the letter: γ-Ada on end-to-end latency, the worst-scored
-request as the memory victim), ``sjf-history`` and ``tie-history`` (what a live replica can run),
+victim), ``uniboost-spec`` (docs/policies.md#uniboost to the letter: γ-Ada on end-to-end
+latency, the worst-scored request as the memory victim), ``sjf-history`` and ``tie-history`` (what
+a live replica can run),
 ``tie-oracle`` (a calibrated distributional oracle, σ 0.5 spread 0.5).
 
 The claims table puts each seed claim beside the measured figure; a claim that does not reproduce
 says so — the benchmark is not tuned to the claims.
 
-``--gamma-sweep`` asks instead what γ *could* do: P95 TTFT and P99 TTLT against sarathi's for stage
-1 (``distboost``) and the full UNIBOOST (γ-Ada off) at each fixed γ, per workload, beside SRPT and SJF
-with perfect lengths — the best any fixed γ reaches, i.e. what a perfect γ-Ada could reach.
+``--gamma-sweep`` asks instead what γ *could* do: P95 TTFT and P99 TTLT against sarathi's for
+stage 1 (``distboost``) and the full UNIBOOST (γ-Ada off) at each fixed γ, per workload, beside
+SRPT and SJF with perfect lengths — the best any fixed γ reaches, i.e. what a perfect γ-Ada could
+reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -48,6 +52,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -248,7 +253,7 @@ def claims(w: str, r: dict[str, dict[str, float]]) -> list[tuple[str, str, str, 
         )
     )
     stages = [r[p]["ttlt_p99"] for p in ("distboost", "ub-s2", "ub-s3", "uniboost")]
-    monotone = all(b <= a * 1.02 for a, b in zip(stages, stages[1:]))
+    monotone = all(b <= a * 1.02 for a, b in itertools.pairwise(stages))
     rows.append(
         (
             "ablation P99 TTLT s1 -> s2 -> s3 -> s4",
@@ -261,7 +266,8 @@ def claims(w: str, r: dict[str, dict[str, float]]) -> list[tuple[str, str, str, 
 
 
 def gamma_sweep(built: dict[str, traces.Trace], gammas: list[float], jobs: int) -> None:
-    """Print each workload's P95 TTFT and P99 TTLT vs sarathi at fixed γ (stage 1 and stages 2-4)."""
+    """Print each workload's P95 TTFT and P99 TTLT vs sarathi at each fixed γ (stage 1 and
+    stages 2-4)."""
     docs = {
         "sarathi": POLICIES["sarathi"],
         "srpt-oracle": POLICIES["srpt-oracle"],
@@ -273,9 +279,8 @@ def gamma_sweep(built: dict[str, traces.Trace], gammas: list[float], jobs: int) 
             "policy": "uniboost",
             "params": {"gamma": g, "gamma_ada": False},
         }
-    POLICIES.update(
-        docs
-    )  # run_one (in the worker processes too, which import this module) reads them
+    # run_one (in the worker processes too, which import this module) reads them.
+    POLICIES.update(docs)
     work = [(w, p, built[w]) for w in built for p in docs]
     results: dict[str, dict[str, dict[str, float]]] = {w: {} for w in built}
     with ProcessPoolExecutor(
@@ -287,14 +292,16 @@ def gamma_sweep(built: dict[str, traces.Trace], gammas: list[float], jobs: int) 
         sar = r["sarathi"]
         best = min((p for p in r if " g=" in p), key=lambda p: r[p]["ttft_p95"])
         print(
-            f"\n== {w}: sarathi P95 TTFT {sar['ttft_p95']:.3g} s, P99 TTLT {sar['ttlt_p99']:.3g} s; "
-            f"least P95 TTFT at a fixed γ: {best} ({ratio(r[best]['ttft_p95'], sar['ttft_p95']):.2f}x)"
+            f"\n== {w}: sarathi P95 TTFT {sar['ttft_p95']:.3g} s, "
+            f"P99 TTLT {sar['ttlt_p99']:.3g} s; least P95 TTFT at a fixed γ: {best} "
+            f"({ratio(r[best]['ttft_p95'], sar['ttft_p95']):.2f}x)"
         )
         print(f"{'policy':22s} {'P95 TTFT':>10s} {'P99 TTLT':>10s}")
         for p in docs:
             if p != "sarathi":
                 print(
-                    f"{p:22s} {ratio(r[p]['ttft_p95'], sar['ttft_p95']):9.2f}x {ratio(r[p]['ttlt_p99'], sar['ttlt_p99']):9.2f}x"
+                    f"{p:22s} {ratio(r[p]['ttft_p95'], sar['ttft_p95']):9.2f}x "
+                    f"{ratio(r[p]['ttlt_p99'], sar['ttlt_p99']):9.2f}x"
                 )
 
 
@@ -373,7 +380,8 @@ def main() -> None:
             for claim, seed, ours, verdict in claims(w, r):
                 print(f"{claim:48s} {seed:>18s} {ours:>26s}  {verdict}")
     print(
-        f"\n{len(jobs)} replays in {time.perf_counter() - started:.0f} s wall ({args.jobs} processes)"
+        f"\n{len(jobs)} replays in {time.perf_counter() - started:.0f} s wall "
+        f"({args.jobs} processes)"
     )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

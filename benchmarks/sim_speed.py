@@ -1,7 +1,8 @@
 """Simulator speed: replay the whole Azure conv trace (19,366 requests) at its recorded rate
 through each policy, on one core.
 
-    python benchmarks/sim_speed.py [--trace PATH] [--repeat N] [--step-by-step-policies fcfs,uniboost]
+    python benchmarks/sim_speed.py [--trace PATH] [--repeat N]
+        [--step-by-step-policies fcfs,uniboost]
 
 Prints, per policy: wall seconds per replay (best of N), simulated requests per second, steps,
 and event-loop iterations; then the speed-up of event skipping over step-by-step mode.
@@ -21,11 +22,8 @@ from sim.traces import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-ORACLE = {
-    "sjf",
-    "srpt",
-    "tie",
-}  # the comparison in seed 000 gives size-based baselines perfect predictions
+# The comparison in seed 000 gives size-based baselines perfect predictions.
+ORACLE = {"sjf", "srpt", "tie"}
 
 
 def settings_for(policy: str) -> Settings:
@@ -54,10 +52,12 @@ def main() -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     trace = load_trace(args.trace)
     print(
-        f"trace {trace.name}: {len(trace)} requests over {trace.duration:.0f} s ({trace.rate:.2f} req/s)"
+        f"trace {trace.name}: {len(trace)} requests over {trace.duration:.0f} s "
+        f"({trace.rate:.2f} req/s)"
     )
     print(
-        f"{'policy':>10} {'wall_s':>7} {'req/s':>9} {'steps':>8} {'events':>7} {'preempt':>8} {'ttlt_p99':>9}"
+        f"{'policy':>10} {'wall_s':>7} {'req/s':>9} {'steps':>8} {'events':>7} {'preempt':>8} "
+        f"{'ttlt_p99':>9}"
     )
     fast: dict[str, float] = {}
     for policy in args.policies.split(","):

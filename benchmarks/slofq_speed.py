@@ -62,7 +62,8 @@ def main() -> None:
     }
     out = {}
     print(
-        f"\n{'scenario':<52} {'policy':<6} {'CPU s':>6} {'wall s':>7} {'iterations':>10} {'out tok/s':>9}"
+        f"\n{'scenario':<52} {'policy':<6} {'CPU s':>6} {'wall s':>7} {'iterations':>10} "
+        f"{'out tok/s':>9}"
     )
     for name, (trace, params) in scenarios.items():
         runs: dict[str, list[dict]] = {p: [] for p in POLICIES}

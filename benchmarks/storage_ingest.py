@@ -1,12 +1,14 @@
-"""Store ingest speed: batched writes of completion rows and sample rows through ``RecordingRepository.write``.
+"""Store ingest speed: batched writes of completion rows and sample rows through
+``RecordingRepository.write``.
 
     python benchmarks/storage_ingest.py [--rows 200000] [--batch 5000] [--samples 50000] [--url URL]
 
-Writes ``--rows`` completions in batches of ``--batch`` (each batch one transaction, as the collector
-flushes), then ``--samples`` sample rows (with their per-tenant group samples: three per sample) the
-same way, into a fresh SQLite file in a temporary directory (or the store at ``--url``: use an empty
-database), and prints rows/s for each. Row objects are built before the clock starts: this measures
-the store, not the row factory. Target (issue 4): >= 50,000 completion rows/s on SQLite.
+Writes ``--rows`` completions in batches of ``--batch`` (each batch one transaction, as the
+collector flushes), then ``--samples`` sample rows (with their per-tenant group samples: three per
+sample) the same way, into a fresh SQLite file in a temporary directory (or the store at
+``--url``: use an empty database), and prints rows/s for each. Row objects are built before the
+clock starts: this measures the store, not the row factory. Target (issue 4): >= 50,000
+completion rows/s on SQLite.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def completion_batches(rows: int, batch: int) -> list[Batch]:
                 prompt_tokens=500 + i % 300,
                 output_tokens=100 + i % 700,
                 preemptions=i % 2,
-            )  # fmt: skip
+            )
             for i in range(start, min(start + batch, rows))
         ]
         cursors = {r: start + batch for r in REPLICAS}
@@ -51,16 +53,40 @@ def sample_batches(rows: int, batch: int) -> list[Batch]:
     for start in range(0, rows, batch):
         samples, groups = [], []
         for i in range(start, min(start + batch, rows)):
-            replica, t_ms = (
-                REPLICAS[i % len(REPLICAS)],
-                1_700_000_000_000 + (i // len(REPLICAS)) * 1000,
+            replica = REPLICAS[i % len(REPLICAS)]
+            t_ms = 1_700_000_000_000 + (i // len(REPLICAS)) * 1000
+            samples.append(
+                SampleRow(
+                    replica=replica,
+                    t_ms=t_ms,
+                    healthy=True,
+                    policy="uniboost",
+                    settings_version=3,
+                    waiting=i % 50,
+                    running=32,
+                    kv_usage=0.7,
+                    kv_used_blocks=700,
+                    kv_total_blocks=1000,
+                    gamma_live=8.0,
+                    beta_live=0.5,
+                    throughput_tok_s=2500.0,
+                    throughput_req_s=10.0,
+                    preemptions_per_s=0.1,
+                    latency=lat,
+                )
             )
-            samples.append(SampleRow(replica=replica, t_ms=t_ms, healthy=True, policy="uniboost", settings_version=3,
-                                     waiting=i % 50, running=32, kv_usage=0.7, kv_used_blocks=700,
-                                     kv_total_blocks=1000, gamma_live=8.0, beta_live=0.5, throughput_tok_s=2500.0,
-                                     throughput_req_s=10.0, preemptions_per_s=0.1, latency=lat))  # fmt: skip
-            groups += [GroupSampleRow(replica=replica, t_ms=t_ms, kind="tenant", group=g, completed=5,
-                                      throughput_tok_s=800.0, latency=lat) for g in TENANTS]  # fmt: skip
+            groups += [
+                GroupSampleRow(
+                    replica=replica,
+                    t_ms=t_ms,
+                    kind="tenant",
+                    group=g,
+                    completed=5,
+                    throughput_tok_s=800.0,
+                    latency=lat,
+                )
+                for g in TENANTS
+            ]
         out.append(Batch(samples=samples, group_samples=groups))
     return out
 
@@ -96,16 +122,21 @@ def main() -> None:
         )
         comps = completion_batches(args.rows, args.batch)
         secs = timed_writes(store, comps)
-        print(f"completions: {args.rows:,} rows in {len(comps)} batches of {args.batch:,}: "
-              f"{secs:.2f} s, {args.rows / secs:,.0f} rows/s")  # fmt: skip
+        print(
+            f"completions: {args.rows:,} rows in {len(comps)} batches of {args.batch:,}: "
+            f"{secs:.2f} s, {args.rows / secs:,.0f} rows/s"
+        )
         secs = timed_writes(store, comps[: max(1, len(comps) // 10)])
         dup = sum(len(b.completions) for b in comps[: max(1, len(comps) // 10)])
         print(f"completions re-delivered (all duplicates): {dup:,} rows: {dup / secs:,.0f} rows/s")
         samples = sample_batches(args.samples, args.batch)
         secs = timed_writes(store, samples)
         total = sum(len(b) for b in samples)
-        print(f"samples: {args.samples:,} sample rows (+{total - args.samples:,} group rows) in {secs:.2f} s: "
-              f"{args.samples / secs:,.0f} sample rows/s, {total / secs:,.0f} rows/s all told")  # fmt: skip
+        print(
+            f"samples: {args.samples:,} sample rows (+{total - args.samples:,} group rows) "
+            f"in {secs:.2f} s: "
+            f"{args.samples / secs:,.0f} sample rows/s, {total / secs:,.0f} rows/s all told"
+        )
         assert len(store.readings.completions("bench")) == args.rows, (
             "a completion was lost or duplicated"
         )

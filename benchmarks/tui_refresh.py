@@ -35,6 +35,8 @@ from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
 from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
 from tui.app import TailpilotApp
+from tui.sources import LiveSource
+from tuner.twin import start_twins
 
 
 class SyntheticSource:
@@ -146,7 +148,7 @@ def pct(values: list[float], q: float) -> float:
     xs = sorted(values)
     if not xs:
         return float("nan")
-    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[k]
 
 
@@ -193,9 +195,6 @@ async def bench(source, cluster: ClusterSpec | None, refreshes: int, interval: f
 
 
 async def with_twins(n: int, refreshes: int, interval: float) -> dict:
-    from tui.sources import LiveSource
-    from tuner.twin import start_twins
-
     with start_twins(n, speed=1.0, rate_scale=max(1.0, n / 2)) as twins:
         cluster = ClusterSpec(
             name="bench",
@@ -236,8 +235,9 @@ def main() -> None:
         f"every {a.interval:g} s"
     )
     print(
-        f"  refresh to screen: median {result['refresh_ms_median']:.1f} ms, P99 {result['refresh_ms_p99']:.1f} ms, "
-        f"max {result['refresh_ms_max']:.1f} ms   (apply alone: median {result['apply_ms_median']:.1f} ms)"
+        f"  refresh to screen: median {result['refresh_ms_median']:.1f} ms, "
+        f"P99 {result['refresh_ms_p99']:.1f} ms, max {result['refresh_ms_max']:.1f} ms   "
+        f"(apply alone: median {result['apply_ms_median']:.1f} ms)"
     )
     print(
         f"  key press while refreshing: median {result['key_ms_median']:.1f} ms, "

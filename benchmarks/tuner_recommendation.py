@@ -75,7 +75,8 @@ def sweep(base: dict, scales: list[float], window_s: float) -> None:
         ]
         mean = {k: nanmean([x[k] for x in m]) for k in m[0]}
         print(
-            f"{scale:6.2f} {trace.rate:6.2f} {mean['ttft_p95']:9.2f} {mean['ttlt_p99']:9.1f} {mean['ttlt_p50']:9.2f}"
+            f"{scale:6.2f} {trace.rate:6.2f} {mean['ttft_p95']:9.2f} {mean['ttlt_p99']:9.1f} "
+            f"{mean['ttlt_p50']:9.2f}"
         )
 
 
@@ -152,7 +153,8 @@ def main() -> None:
     print("recommended: " + json.dumps(summary["settings"]))
     for metric, label in METRICS:
         print(
-            f"search windows (optimistic), {label} vs sarathi: {cell(summary['search']['metrics'][metric])}"
+            f"search windows (optimistic), {label} vs sarathi: "
+            f"{cell(summary['search']['metrics'][metric])}"
         )
     if summary.get("pareto_front"):
         print(f"Pareto front: {len(summary['pareto_front'])} trials")
@@ -178,14 +180,16 @@ def main() -> None:
             ]
         print("| " + " | ".join(row) + " |")
     print(
-        f"\nValues: mean over {len(held)} held-out windows of {args.window_s:g} s of each window's percentile. "
+        f"\nValues: mean over {len(held)} held-out windows of {args.window_s:g} s "
+        "of each window's percentile. "
         "Change: geometric mean over those windows of the per-window ratio, positive = better, "
         "[95% t-interval over windows]."
     )
     cont = summary["continuous"]
     defaults = jsonable(continuous_metrics(ctx, Settings(policy="uniboost")))
     print(
-        "\nContinuous replay of the whole trace (what production would see), recommended vs production:"
+        "\nContinuous replay of the whole trace (what production would see), "
+        "recommended vs production:"
     )
     for part in ("holdout", "all"):
         cells = [

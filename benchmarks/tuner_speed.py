@@ -63,7 +63,8 @@ def main() -> None:
         setup = time.perf_counter() - t0
         n_req = sum(len(w.trace) for w in ctx.windows)
         print(
-            f"bundled Azure conv window: {n_req} requests in {len(ctx.windows)} windows of {args.window_s:g} s; "
+            f"bundled Azure conv window: {n_req} requests in {len(ctx.windows)} windows "
+            f"of {args.window_s:g} s; "
             f"{len(ctx.search)} searched per trial, {len(ctx.holdout)} held out"
         )
         print(f"set-up (windows, FCFS replay for gamma-hat, baseline): {setup:.2f} s")
@@ -85,11 +86,13 @@ def main() -> None:
     for done, t, s in marks:
         dt = t - prev[1]
         print(
-            f"{prev[0] + 1:>4}-{done:<4} {60 * (done - prev[0]) / dt:11.1f} {(s - prev[2]) / dt:10.0%}"
+            f"{prev[0] + 1:>4}-{done:<4} {60 * (done - prev[0]) / dt:11.1f} "
+            f"{(s - prev[2]) / dt:10.0%}"
         )
         prev = (done, t, s)
     print(
-        f"\n{args.trials} trials in {wall:.1f} s on one core: {60 * args.trials / wall:.1f} trials/min "
+        f"\n{args.trials} trials in {wall:.1f} s on one core: "
+        f"{60 * args.trials / wall:.1f} trials/min "
         f"(target >= 60); simulation {sim_s[0] / wall:.0%} of the time"
     )
     print(

@@ -25,8 +25,9 @@ step model. This workload's prompts span ×32 (P5 32, P95 1,020 tokens): the lar
 is ``3.5/γ`` s. The tiny model's P95 TTFT near saturation on a shared 2-core machine is a few
 seconds (2–15 s at loads 0.8–0.9), so γ = 0.03 (a 115-s head start) is pure size order, 0.3
 (12 s) nearly so, 1 (3.5 s) and 3 (1.2 s) mix size and age at the scale of the tail, and 10
-(0.35 s) is nearly FCFS. γ = 0.001 or 0.01 would give the same order as 0.03 here, so they are left out (on an
-A100 replay, whose waits are 10–100× longer, the same orders sit at 10–100× smaller γ).
+(0.35 s) is nearly FCFS. γ = 0.001 or 0.01 would give the same order as 0.03 here, so they are
+left out (on an A100 replay, whose waits are 10–100× longer, the same orders sit at 10–100×
+smaller γ).
 
 Then the step model is calibrated once on the step log of all runs (``tailpilot calibrate``'s fit)
 and every run's recorded traffic is replayed in the simulator under every candidate, with the
@@ -61,11 +62,9 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -212,13 +211,16 @@ def guarded_choice(
 # the benchmark
 # --------------------------------------------------------------------------------------------
 
+# The benchmark imports its stack (vLLM test support, HTTP, the store, the tuner) inside its
+# functions: ~2 s of imports (measured) that the ranking statistics above, ``--rescore`` and
+# tests/test_vllm_ranking.py do not need.
 KEYS = ("ttft_p95", "ttft_p99", "ttlt_p99", "throughput_tok_s")
 CLUSTER, REPLICA = "bench", "cpu-0"
 
 
 def scored(completions, ids: set[str]) -> dict[str, float]:
     """KEYS of the scored requests (throughput over their first arrival → last finish)."""
-    from scheduler.metrics import summarize
+    from scheduler.metrics import summarize  # lazy: the benchmark's stack (above KEYS)
 
     s = summarize([c for c in completions if c.id in ids])
     return {k: float(s[k]) for k in KEYS}
@@ -231,86 +233,37 @@ def run_label(name: str, rep: int) -> str:
 def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str, Any]:
     """Start the replica and the recorder, measure capacity, run every candidate ``repeats``
     times, calibrate once; returns what the replay needs (the store stays open in it)."""
+    # Lazy: the benchmark's stack (above KEYS).
     import asyncio
 
     import httpx
-    import yaml
-    from vllm_support import VllmServer, build_tiny_model, free_port, kv_bytes_for_tokens
 
-    from benchmarks.fidelity import TOKEN, load_avg, put_settings, send, wait_for
-    from controlplane.cluster import load_cluster_file
-    from controlplane.recorder import run_recorder
-    from sim.stepmodel import save_user_model
-    from storage.retention import RetentionSettings
-    from storage.store import Store
-    from tuner.calibrate import calibrate_steps, fetch_engine_facts, fetch_step_log
-
-    os.environ["TAILPILOT_HOME"] = str(
-        tmp / "home"
-    )  # the calibrated model goes here, not the user's
-    os.environ["TAILPILOT_TOKEN"] = TOKEN
-    settings_file = tmp / "settings.json"
-    settings_file.write_text(json.dumps({"policy": "sarathi"}))
-    api_port = free_port()
-    server = VllmServer(
-        build_tiny_model(tmp / "model"),
-        kv_cache_bytes=kv_bytes_for_tokens(64 * 1024),
-        max_model_len=2048,
-        workdir=tmp / "vllm",
-        extra_args=[
-            "--scheduler-cls",
-            "scheduler.plugin.vllm.TailpilotScheduler",
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(args.budget),
-            "--no-enable-prefix-caching",
-        ],
-        extra_env={
-            "TAILPILOT_SETTINGS_FILE": str(settings_file),
-            "TAILPILOT_API_PORT": str(api_port),
-            "TAILPILOT_REPLICA": REPLICA,
-            "TAILPILOT_TOKEN": TOKEN,
-        },
+    from benchmarks.fidelity import (
+        calibrate_once,
+        load_avg,
+        plugin_server,
+        put_settings,
+        send,
+        start_recorder,
+        wait_for,
     )
-    control = f"http://127.0.0.1:{api_port}"
+    from storage.store import Store
+
+    server, control = plugin_server(
+        tmp,
+        policy="sarathi",
+        replica=REPLICA,
+        max_num_seqs=args.max_num_seqs,
+        budget=args.budget,
+    )
     out: dict[str, Any] = {"runs": {}}
     with server:
-        (tmp / "c.yaml").write_text(
-            yaml.safe_dump(
-                {
-                    "clusters": [
-                        {
-                            "name": CLUSTER,
-                            "poll_interval_s": 0.2,
-                            "timeout_s": 5.0,
-                            "window_s": 60.0,
-                            "replicas": [
-                                {
-                                    "name": REPLICA,
-                                    "api_url": server.base_url,
-                                    "control_url": control,
-                                    "token_env": "TAILPILOT_TOKEN",
-                                }
-                            ],
-                        }
-                    ]
-                }
-            )
-        )
-        stop = threading.Event()
-        recorder = threading.Thread(
-            target=run_recorder,
-            args=(load_cluster_file(tmp / "c.yaml").cluster(), str(tmp / "bench.db")),
-            kwargs={"stop": stop, "retention": RetentionSettings(), "install_signals": False},
-        )
-        recorder.start()
-        store = Store.open(str(tmp / "bench.db"))
+        recorder = start_recorder(tmp, server, control, cluster=CLUSTER, replica=REPLICA)
+        store = Store.open(str(recorder.db))
         model = server.served_model_name
 
-        def stored_since(
-            ms: int,
-        ) -> int:  # only this run's rows: polling the whole table would load the CPU
+        # Only this run's rows: polling the whole table would load the CPU.
+        def stored_since(ms: int) -> int:
             return len(store.readings.completions(CLUSTER, REPLICA, stored_since_ms=ms))
 
         # Capacity: a burst of the first requests, completions per second between the 10th and
@@ -327,15 +280,15 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
         capacity = (hi - lo) / (fins[hi] - fins[lo])
         rate = args.load * capacity
         print(
-            f"capacity: {capacity:.2f} req/s ({len(burst)} requests at once); sending at {rate:.2f} req/s",
+            f"capacity: {capacity:.2f} req/s ({len(burst)} requests at once); "
+            f"sending at {rate:.2f} req/s",
             flush=True,
         )
         names = list(cands)
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else names[::-1]:
-                doc = {
-                    k: v for k, v in cands[name].to_dict().items() if k != "engine"
-                }  # keep the replica's limits
+                # Keep the replica's limits.
+                doc = {k: v for k, v in cands[name].to_dict().items() if k != "engine"}
                 version = put_settings(control, doc)
                 wait_for(
                     lambda v=version: any(
@@ -363,21 +316,13 @@ def serve_and_record(args, cands: dict, reqs: list[dict], tmp: Path) -> dict[str
                     "gamma_live_end": state.get("gamma_live"),
                 }
                 print(
-                    f"  {label:<16} {len(reqs)} requests in {time.monotonic() - t:5.0f} s; load {load_start} -> "
-                    f"{load_avg()}; live γ at the end {state.get('gamma_live')}",
+                    f"  {label:<16} {len(reqs)} requests in {time.monotonic() - t:5.0f} s; "
+                    f"load {load_start} -> {load_avg()}; "
+                    f"live γ at the end {state.get('gamma_live')}",
                     flush=True,
                 )
-        _, steps = fetch_step_log(control)
-        cal = calibrate_steps(steps, name=f"calibrated/{REPLICA}")
-        save_user_model(cal.model)
-        facts = fetch_engine_facts(control)
-        print(
-            f"calibrated on {cal.steps_used} steps: MAPE {cal.fit['mape']:.1%}, R² {cal.fit['r2']:.2f}, "
-            f"bias {cal.fit['bias']['total']:+.1%}; engine {facts}",
-            flush=True,
-        )
-        stop.set()
-        recorder.join()
+        cal, facts = calibrate_once(control, REPLICA)
+        recorder.close()
     out.update(
         store=store,
         facts=facts,
@@ -394,10 +339,11 @@ def replay_all(
     """(real figures per run, sim figures per (candidate, run)): every run's recorded traffic
     replayed under its own candidate (and, with ``shared``, under every candidate), scored on the
     run's requests after the warm-up fraction."""
+    # Lazy: the benchmark's stack (above KEYS).
     from scheduler.settings import Settings
     from sim.engine import simulate
-    from tuner.calibrate import replica_engine
     from tuner.recorded import RecordedSpan, as_completion, load_recorded, with_front_end
+    from tuner.replica_facts import replica_engine
 
     config, limits = replica_engine(store, CLUSTER, REPLICA, facts)
     settings = {
@@ -481,31 +427,40 @@ def report(summary: dict, repeats: int, shared: bool) -> str:
             f"{row['real']['throughput_tok_s']:7.0f}/{row['sim_own']['throughput_tok_s']:<7.0f}"
         )
     lines.append(
-        "(spread: the range of the real runs over their mean; sim: on the candidate's own runs' traffic"
+        "(spread: the range of the real runs over their mean; "
+        "sim: on the candidate's own runs' traffic"
         + ("; sim-all: on every run's traffic" if shared else "")
         + ")"
     )
     for key in ("ttft_p95", "ttlt_p99"):
         sp = sorted(ag[f"sim_own:{key}"]["relative_spread"].values())
         lines.append(
-            f"real run-to-run spread of {key}: median {statistics.median(sp):.0%}, {sp[0]:.0%}–{sp[-1]:.0%}"
+            f"real run-to-run spread of {key}: median {statistics.median(sp):.0%}, "
+            f"{sp[0]:.0%}–{sp[-1]:.0%}"
         )
     for key, a in ag.items():
         if key.endswith("guarded_choice"):
             lines.append(
-                f"{key}: the autopilot's rule picks {a['sim']} on simulated figures, {a['real']} on real ones"
+                f"{key}: the autopilot's rule picks {a['sim']} on simulated figures, "
+                f"{a['real']} on real ones"
             )
             continue
         p = a["pairwise"]
         tau = "n/a" if a["kendall_tau_b"] is None else f"{a['kendall_tau_b']:+.2f}"
         taum = "n/a" if a["kendall_tau_means"] is None else f"{a['kendall_tau_means']:+.2f}"
         frac = "n/a" if p["fraction"] is None else f"{p['fraction']:.0%}"
+        if a["sim_best_is_real_best"]:
+            best = "same"
+        elif a["sim_best_within_noise"]:
+            best = "within noise"
+        else:
+            best = "NOT within noise"
         lines.append(
-            f"{key}: τ-b {tau} (τ on means {taum}); pairs ordered alike {frac} of the {p['separated']} the "
-            f"real runs separate ({p['alike']} alike, {p['opposite']} opposite, {p['sim_tied']} sim-tied; "
+            f"{key}: τ-b {tau} (τ on means {taum}); pairs ordered alike {frac} of the "
+            f"{p['separated']} the real runs separate ({p['alike']} alike, "
+            f"{p['opposite']} opposite, {p['sim_tied']} sim-tied; "
             f"{p['real_ties']} real ties); sim best {a['sim_best']}, real best {a['real_best']}"
-            f" ({'same' if a['sim_best_is_real_best'] else 'within noise' if a['sim_best_within_noise'] else 'NOT within noise'}"
-            f", regret {a['regret']:+.0%})"
+            f" ({best}, regret {a['regret']:+.0%})"
             + (
                 f"; opposite: {', '.join('/'.join(x) for x in p['disagreeing'])}"
                 if p["disagreeing"]
@@ -570,6 +525,7 @@ def main() -> None:
         ap.error("--warmup is a fraction in [0, 1)")
 
     sys.path.insert(0, str(REPO / "tests"))  # vllm_support, as benchmarks/fidelity.py does
+    # Lazy: the benchmark's stack (above KEYS); not needed by --rescore.
     from benchmarks.fidelity import load_avg, workload
     from scheduler.settings import Settings
     from tuner.autopilot import AutopilotConfig, candidates

@@ -21,9 +21,9 @@
             token_env: TAILPILOT_TOKEN            # bearer token for writes, read from this env var
 
 Several clusters per file. Unknown keys, bad URLs and duplicate names are errors naming the field
-(``clusters[0].replicas[1].control_url: ...``); a key written twice in one mapping is an error naming
-the key and its line, and a file that is not UTF-8 one naming the byte offset. Tokens never live in
-the file, only the name of the environment variable that holds one.
+(``clusters[0].replicas[1].control_url: ...``); a key written twice in one mapping is an error
+naming the key and its line, and a file that is not UTF-8 one naming the byte offset. Tokens never
+live in the file, only the name of the environment variable that holds one.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ class ClusterFile(BaseModel):
 
 
 def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> ClusterFile:
-    """The cluster file in ``text`` (bytes must be UTF-8); ClusterFileError naming ``source`` and where."""
+    """The cluster file in ``text`` (bytes must be UTF-8); ClusterFileError naming ``source`` and
+    where."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -187,4 +188,5 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
 
 
 def dump_cluster_file(clusters: ClusterFile) -> str:
-    return yaml.safe_dump(clusters.model_dump(exclude_defaults=True), sort_keys=False)
+    text: str = yaml.safe_dump(clusters.model_dump(exclude_defaults=True), sort_keys=False)
+    return text

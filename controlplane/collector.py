@@ -5,7 +5,8 @@ For each replica, every ``poll_interval_s``:
 * ``GET {control_url}/tailpilot/v1/state?cursor=N`` — queue, KV, live γ/β, counters, the settings
   document and the completions finished since cursor ``N`` (docs/control-api.md);
 * ``GET {api_url}/metrics`` — vLLM's Prometheus page, parsed with ``prometheus_client``'s parser
-  through ``controlplane.prom.VLLM_METRICS``, a table of the metric names different vLLM versions use.
+  through ``controlplane.prom.VLLM_METRICS``, a table of the metric names different vLLM versions
+  use.
 
 From the per-request completions it keeps a rolling window (``window_s`` of the cluster, on the
 replica's own clock) and computes **exact** P50/P90/P95/P99 of TTFT, TTLT and TBT per replica, per
@@ -24,16 +25,17 @@ the rolling window and its exact percentiles ``controlplane/window.py``. This mo
 the poll loop, the governance figures, the snapshots' subscribers and the writer's task.
 
 Concurrency: one client for all replicas (:class:`~controlplane.replica_http.PollingClient`, one
-httpx client for polls and settings writes); one task per replica that polls and then
+aiohttp session for polls and settings writes); one task per replica that polls and then
 sleeps to its next tick, so a poll never overlaps the previous one of the same replica and a slow
 replica (bounded by the cluster's ``timeout_s``) only delays itself.
 
-Isolation: what one replica sends costs only its own values. Every entry is fitted before the
-cursor moves past it (a value no column holds is nulled or its entry skipped, counted per reason in
-``ReplicaView.rejected``; repeated request ids are counted too), a page whose cursor the store cannot
-hold marks only that replica unhealthy, and its /state and /metrics answers are read with caps.
-When a replica's circuit breaker trips (its /state ``breaker``), one settings-audit row is written
-per increase (``who="engine"``, ``result="breaker"``), with the batch, never twice across restarts.
+Isolation: what one replica sends costs only its own values. Every entry is fitted before the cursor
+moves past it (a value no column holds is nulled or its entry skipped, counted per reason in
+``ReplicaView.rejected``; repeated request ids are counted too), a page whose cursor the store
+cannot hold marks only that replica unhealthy, and its /state and /metrics answers are read with
+caps. When a replica's circuit breaker trips (its /state ``breaker``), one settings-audit row is
+written per increase (``who="engine"``, ``result="breaker"``), with the batch, never twice across
+restarts.
 
 Exactly-once: a replica's cursor is persisted in the same transaction as the completions it covers
 (``Batch.cursors``); a batch the store refuses (``StoreBusy``) is kept and retried with the next,
@@ -104,7 +106,7 @@ class Collector:
         }
         self.stats = CollectorStats()
         self._writer = BatchWriter(store, cluster.name, self.stats)
-        self._subscribers: list[asyncio.Queue] = []
+        self._subscribers: list[asyncio.Queue[ClusterSnapshot]] = []
         self._poll_listeners: list[Callable[[str, PollResult], None]] = []
         gov = cluster.governance
         self._alerts = AlertEvaluator(gov.alerts) if gov is not None else None
@@ -186,14 +188,14 @@ class Collector:
             out[tenant] = {"requests": n, "waited_s": now - since}
         return out
 
-    def subscribe(self, maxsize: int = 8) -> asyncio.Queue:
+    def subscribe(self, maxsize: int = 8) -> asyncio.Queue[ClusterSnapshot]:
         """A queue that receives a :class:`ClusterSnapshot` after every flush tick (oldest dropped
         when the reader falls behind)."""
-        q: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        q: asyncio.Queue[ClusterSnapshot] = asyncio.Queue(maxsize=maxsize)
         self._subscribers.append(q)
         return q
 
-    def unsubscribe(self, q: asyncio.Queue) -> None:
+    def unsubscribe(self, q: asyncio.Queue[ClusterSnapshot]) -> None:
         with contextlib.suppress(ValueError):
             self._subscribers.remove(q)
 
@@ -353,7 +355,7 @@ class Collector:
     async def _writer_loop(self, stop: asyncio.Event) -> None:
         """Every ``flush_interval_s``: a snapshot to the subscribers, and a flush unless the last
         one is still waiting for the store (a locked database never stalls the snapshots)."""
-        flushing: asyncio.Task | None = None
+        flushing: asyncio.Task[int] | None = None
         try:
             while not stop.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -385,8 +387,8 @@ async def poll_cluster_once(
     client: PollingClient | None = None,
     clock: Callable[[], float] = time.time,
 ) -> ClusterSnapshot:
-    """``controlplane.poller.poll_once`` with completions, as a ClusterSnapshot with the governance figures of the
-    replicas' windows and the alerts they raise now (``tailpilot status``)."""
+    """``controlplane.poller.poll_once`` with completions, as a ClusterSnapshot with the governance
+    figures of the replicas' windows and the alerts they raise now (``tailpilot status``)."""
     views = await poll_views(cluster, client, True, clock)
     collector = Collector(cluster, client=client, clock=clock)
     collector.views = {v.name: v for v in views}

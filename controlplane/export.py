@@ -29,19 +29,24 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
 
 from controlplane import strict_yaml
-from controlplane.monitoring import scrape_timeout
+from controlplane.monitoring.prometheus import scrape_timeout
 from scheduler.settings import Settings, describe_error
+
+if TYPE_CHECKING:  # annotations only: the store is the caller's (sqlalchemy is not loaded here)
+    from storage.store import Store
+    from storage.tuner_results import RecommendationInfo
 
 FORMATS = ("settings", "vllm-args", "configmap", "helm")
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"  # = scheduler.plugin.core.SETTINGS_FILE_ENV
 SCHEDULER_CLASSES = {
-    # vLLM's GPU default (0.33) is async scheduling; the stock scheduler when it is off (and on CPU).
+    # vLLM's GPU default (0.33) is async scheduling; the stock scheduler when it is off (and on
+    # CPU).
     "async": "scheduler.plugin.vllm.TailpilotAsyncScheduler",
     "sync": "scheduler.plugin.vllm.TailpilotScheduler",
 }
@@ -63,8 +68,9 @@ HELM_SCHEMA_NOTE = (
     "0.1.16), its helm/values.schema.json and templates/deployment-vllm-multi.yaml. Keys used: "
     "servingEngineSpec.modelSpec[] name, repository, tag, modelURL, replicaCount, requestCPU, "
     "requestMemory, requestGPU, pvcStorage (all required by the schema), podAnnotations, "
-    "vllmConfig.enablePrefixCaching, vllmConfig.maxNumSeqs (-> --max-num-seqs), vllmConfig.extraArgs "
-    "(each entry one argument), env (name/value pairs), envFromSecret, extraVolumes, extraVolumeMounts"
+    "vllmConfig.enablePrefixCaching, vllmConfig.maxNumSeqs (-> --max-num-seqs), "
+    "vllmConfig.extraArgs (each entry one argument), env (name/value pairs), envFromSecret, "
+    "extraVolumes, extraVolumeMounts"
 )
 
 
@@ -164,11 +170,11 @@ def load_settings_file(path: str | Path) -> Settings:
 
 
 def settings_from_study(
-    store, study: str, *, storage: str | None = None, db: str | None = None
-) -> tuple[Settings, Any]:
-    """The settings of the newest recommendation stored for ``study`` (``tailpilot recommend``),
-    and that recommendation (a ``storage.tuner_results.RecommendationInfo``). ``storage`` and ``db`` only
-    complete the command suggested when there is none."""
+    store: Store, study: str, *, storage: str | None = None, db: str | None = None
+) -> tuple[Settings, RecommendationInfo]:
+    """The settings of the newest recommendation stored for ``study`` (``tailpilot recommend``), and
+    that recommendation (a ``storage.tuner_results.RecommendationInfo``). ``storage`` and ``db``
+    only complete the command suggested when there is none."""
     rec = store.tuner.latest_recommendation(study)
     if rec is None:
         hint = f"tailpilot recommend --study {study}"
@@ -202,7 +208,8 @@ def settings_sha256(settings: Settings) -> str:
 
 
 def engine_flags(settings: Settings) -> list[str]:
-    """vLLM flags for the document's engine block (``--long-prefill-token-threshold`` only when on)."""
+    """vLLM flags for the document's engine block (``--long-prefill-token-threshold`` only when
+    on)."""
     eng = settings.engine
     flags = [
         "--max-num-seqs",
@@ -230,7 +237,7 @@ def vllm_args(settings: Settings, options: ExportOptions = ExportOptions()) -> s
     return " ".join(shlex.quote(a) for a in argv) + "\n"
 
 
-def configmap_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict:
+def configmap_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": options.name}
     if options.namespace:
         metadata["namespace"] = options.namespace
@@ -258,7 +265,7 @@ def configmap(settings: Settings, options: ExportOptions = ExportOptions()) -> s
     return strict_yaml.dump(configmap_doc(settings, options), header)
 
 
-def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict:
+def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()) -> dict[str, Any]:
     repository, tag = options.image_repository_tag
     eng = settings.engine
     extra_args = [
@@ -305,8 +312,9 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
         spec["envFromSecret"] = {"name": options.token_secret}
     engine: dict[str, Any] = {"modelSpec": [spec]}
     if options.service_monitor:
-        # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics (tailpilot's
-        # figures come from the recorder's, `tailpilot export --cluster ... --format servicemonitor`).
+        # The chart's own ServiceMonitor: Prometheus scrapes each engine's vLLM /metrics
+        # (tailpilot's figures come from the recorder's, `tailpilot export --cluster ... --format
+        # servicemonitor`).
         engine["serviceMonitor"] = {
             "enabled": True,
             "interval": options.scrape_interval,
@@ -319,31 +327,36 @@ def helm_values_doc(settings: Settings, options: ExportOptions = ExportOptions()
 def helm_values(settings: Settings, options: ExportOptions = ExportOptions()) -> str:
     name = options.name
     header = [
-        f"Helm values for the vLLM production-stack chart ({HELM_CHART}), written by `tailpilot export`.",
+        f"Helm values for the vLLM production-stack chart ({HELM_CHART}), written by "
+        "`tailpilot export`.",
         f"Schema followed: {HELM_SCHEMA_NOTE}.",
         "",
-        f"The scheduler plugin reads its settings from the ConfigMap {name!r}, mounted at {MOUNT_DIR};"
-        " create it first (same settings):",
+        f"The scheduler plugin reads its settings from the ConfigMap {name!r}, mounted at "
+        f"{MOUNT_DIR}; create it first (same settings):",
         "",
         f"    tailpilot export ... --format configmap --name {name} | kubectl apply -f -",
         "",
-        f"The pod annotation {SETTINGS_ANNOTATION} carries the same document, so a new one rolls the pods.",
-        "The image must have tailpilot installed next to vLLM (FROM vllm/vllm-openai; pip install tailpilot).",
-        f"The control API listens on every pod at :{options.api_port} (TAILPILOT_API_HOST/PORT); writes need a"
-        " token: pass --token-secret NAME for a Secret holding TAILPILOT_TOKEN"
+        f"The pod annotation {SETTINGS_ANNOTATION} carries the same document, so a new one rolls "
+        "the pods.",
+        "The image must have tailpilot installed next to vLLM (FROM vllm/vllm-openai; "
+        "pip install tailpilot).",
+        f"The control API listens on every pod at :{options.api_port} (TAILPILOT_API_HOST/PORT); "
+        "writes need a token: pass --token-secret NAME for a Secret holding TAILPILOT_TOKEN"
         + (f" (this file uses {options.token_secret!r})." if options.token_secret else "."),
-        "requestCPU/requestMemory/requestGPU/pvcStorage are required by the chart's schema: adjust them.",
+        "requestCPU/requestMemory/requestGPU/pvcStorage are required by the chart's schema: "
+        "adjust them.",
     ]
     if options.service_monitor:
         header.append(
-            "servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the engines'"
-            " vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come from the"
-            " recorder: tailpilot export --cluster FILE --format servicemonitor."
+            "servingEngineSpec.serviceMonitor makes the chart create a ServiceMonitor for the "
+            "engines' vLLM /metrics (Prometheus Operator); tailpilot's own tailpilot_* series come "
+            "from the recorder: tailpilot export --cluster FILE --format servicemonitor."
         )
     return strict_yaml.dump(helm_values_doc(settings, options), header)
 
 
-# settings_json takes no options (render() calls it on its own); the others take (settings, options).
+# settings_json takes no options (render() calls it on its own); the others take (settings,
+# options).
 RENDERERS: dict[str, Callable[..., str]] = {
     "settings": settings_json,
     "vllm-args": vllm_args,
@@ -358,7 +371,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
 
 
 def _flag_pairs(args: list[str], where: str) -> dict[str, str]:
-    """``--name value`` / ``--name=value`` pairs → {"--name": "value"}; repeated flags are an error."""
+    """``--name value`` / ``--name=value`` pairs → {"--name": "value"}; repeated flags are an
+    error."""
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -406,7 +420,7 @@ def settings_from_configmap(text: str) -> Settings:
     return Settings.model_validate(json.loads(data[CONFIGMAP_KEY]))
 
 
-def settings_from_helm_values(text: str) -> tuple[Settings, dict]:
+def settings_from_helm_values(text: str) -> tuple[Settings, dict[str, Any]]:
     """(the settings in the pod annotation, the modelSpec entry) of helm values we wrote."""
     doc = strict_yaml.load(text)
     try:
@@ -494,7 +508,8 @@ def _verify(fmt: str, text: str, settings: Settings, options: ExportOptions) -> 
             len(mounted) == 1
             and volumes.get(mounted[0], {}).get("configMap", {}).get("name") == options.name,
             fmt,
-            f"{SETTINGS_FILE_ENV}={path!r} is not {CONFIGMAP_KEY} of the mounted ConfigMap {options.name!r}",
+            f"{SETTINGS_FILE_ENV}={path!r} is not {CONFIGMAP_KEY} of the mounted ConfigMap "
+            f"{options.name!r}",
         )
         for key in ("name", "repository", "tag", "modelURL", "requestMemory", "pvcStorage"):
             _expect(

@@ -26,13 +26,14 @@ nothing; the tests run it on a real page):
   are over every replica's window: ``tailpilot_governance_stale_replicas`` counts the down ones
   whose last window still counts in them, and with no replica up they are left out.
 
-:data:`SERIES` names every family and its labels; ``tailpilot export prometheus-rules`` and
-``grafana`` build their queries from it, and the tests check both against a real scrape.
-:data:`RENAMED` maps the names of the previous version to these.
+:data:`controlplane.series.SERIES` names every family and its labels (``tailpilot export
+prometheus-rules`` and ``grafana`` build their queries from it, and the tests check both against a
+real scrape); :data:`controlplane.series.RENAMED` maps the names of the previous version to these.
 
-Tenant names come from clients, so the page labels at most :data:`MAX_TENANTS` of them: the
-cluster file's tenants first, then the busiest; ``tailpilot_tenants_omitted`` counts the rest.
-Request-type names likewise (:data:`MAX_TYPES`, ``tailpilot_types_omitted``); each replica's window
+Tenant names come from clients, so the page labels at most
+:data:`~controlplane.series.MAX_TENANTS` of them: the cluster file's tenants first, then the
+busiest; ``tailpilot_tenants_omitted`` counts the rest. Request-type names likewise
+(:data:`~controlplane.series.MAX_TYPES`, ``tailpilot_types_omitted``); each replica's window
 already folds names past storage.limits' bounds into one "other" group, and the counters fold
 names past the same bounds (first come) into "other" for good, so that a counter never vanishes.
 
@@ -55,329 +56,36 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from controlplane.collector import Collector
+from controlplane.governance import GovernanceSpec
+from controlplane.governor import MODES, STATES, modes
+from controlplane.poller import PollResult, ReplicaView
+from controlplane.series import ALERT_SEVERITIES, MAX_TENANTS, MAX_TYPES, SERIES
+from scheduler.plugin.admission import Limits
+from scheduler.plugin.api import ControlServer, HTTPError
 from scheduler.settings import QUANTILES
+from scheduler.validation import finite_or_none
 from storage.limits import OTHER_GROUP, REASONS
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
-MAX_TENANTS = 100  # tenants labelled on one page (cardinality: tenant names come from clients)
-MAX_TYPES = 100  # request types labelled on one page (type names come from clients too)
 CACHE_S = 0.5  # a rendering serves the scrapes of this long
 RENDER_TIMEOUT_S = 5.0  # a scrape waits this long for the collector's loop, then gets 503
 
 
-@dataclass(frozen=True, slots=True)
-class Series:
-    """One family of the page: its name (a counter's without ``_total``: its samples carry it),
-    labels and help text."""
-
-    name: str
-    labels: tuple[str, ...]
-    doc: str
-    counter: bool = False  # a count (exposed as NAME_total, for rate()), else a gauge
-
-    @property
-    def sample(self) -> str:
-        """The name its samples have on the page."""
-        return f"{self.name}_total" if self.counter else self.name
-
-
-COUNTERS = {
-    "tailpilot_refused_requests",
-    "tailpilot_breaker_trips",
-    "tailpilot_ingest_rejected",
-    "tailpilot_preemptions",
-    "tailpilot_requests_completed",
-    "tailpilot_prompt_tokens",
-    "tailpilot_output_tokens",
-    "tailpilot_type_requests_completed",
-}
-
-
-def _series(*rows: tuple[str, str, str]) -> dict[str, Series]:
-    return {
-        name: Series(name, tuple(labels.split()) if labels else (), doc, name in COUNTERS)
-        for name, labels, doc in rows
-    }
-
-
-R = "cluster replica"
-SERIES: dict[str, Series] = _series(
-    # per replica: the collector's latest poll, only while the replica answers it
-    (
-        "tailpilot_replica_up",
-        R,
-        "1 when the replica answered its last poll, else 0 (its other figures are then left out).",
-    ),
-    (
-        "tailpilot_replica_info",
-        f"{R} policy mode",
-        "1, labelled with the replica's policy and mode (plugin | metrics-only).",
-    ),
-    ("tailpilot_settings_version", R, "Version of the replica's active settings document."),
-    ("tailpilot_gamma", R, "Live γ of the replica's policy (its adaptive value where it adapts)."),
-    ("tailpilot_beta", R, "Live β of the replica's policy."),
-    ("tailpilot_waiting_requests", R, "Requests waiting in the replica's queue."),
-    ("tailpilot_running_requests", R, "Requests in the replica's running batch."),
-    ("tailpilot_kv_usage_ratio", R, "Fraction of the replica's KV cache in use (0..1)."),
-    ("tailpilot_preemptions", R, "Preemptions since the replica started (its own count)."),
-    (
-        "tailpilot_refused_requests",
-        R,
-        "Requests the replica turned away on arrival (a tenant's queue cap), since it started.",
-    ),
-    (
-        "tailpilot_breaker_trips",
-        R,
-        "Times a policy raised inside the replica's engine step and its circuit breaker fell back, since it started.",
-    ),
-    (
-        "tailpilot_latency_seconds",
-        f"{R} latency percentile",
-        "Exact percentile (p50 | p90 | p95 | p99) of the window's completed requests (latency: ttft | ttlt | tbt).",
-    ),
-    (
-        "tailpilot_group_latency_seconds",
-        f"{R} kind group latency percentile",
-        "Exact percentile per tenant or request type (kind) of the replica's window.",
-    ),
-    (
-        "tailpilot_group_requests",
-        f"{R} kind group",
-        "Requests completed in the window per tenant or type.",
-    ),
-    # per replica: the recorder's own counts, kept while the replica is down (they do not change then)
-    (
-        "tailpilot_ingest_rejected",
-        f"{R} reason",
-        "Values from the replica the recorder could not store as sent (an entry skipped or a field nulled), by reason.",
-    ),
-    (
-        "tailpilot_requests_completed",
-        f"{R} tenant",
-        "Completed requests the recorder read from the replica since the recorder started (refusals not counted).",
-    ),
-    ("tailpilot_prompt_tokens", f"{R} tenant", "Prompt tokens of those completed requests."),
-    ("tailpilot_output_tokens", f"{R} tenant", "Output tokens of those completed requests."),
-    (
-        "tailpilot_type_requests_completed",
-        f"{R} type",
-        "Those completed requests per request type.",
-    ),
-    # the cluster
-    (
-        "tailpilot_window_seconds",
-        "cluster",
-        "Length of the rolling window every windowed figure covers.",
-    ),
-    (
-        "tailpilot_tenants_omitted",
-        "cluster",
-        f"Tenants left off this page (at most {MAX_TENANTS} are labelled).",
-    ),
-    (
-        "tailpilot_types_omitted",
-        "cluster",
-        f"Request types left off this page (at most {MAX_TYPES} are labelled).",
-    ),
-    # governance (over every replica's window together; docs/governance.md)
-    (
-        "tailpilot_governance_timestamp_seconds",
-        "cluster",
-        "When the governance figures were computed (Unix time).",
-    ),
-    (
-        "tailpilot_governance_stale_replicas",
-        "cluster",
-        "Replicas down whose last window still counts in the governance figures, unrefreshed (0: all current).",
-    ),
-    (
-        "tailpilot_governance_requests",
-        "cluster",
-        "Requests the governance figures were computed from.",
-    ),
-    (
-        "tailpilot_scr_ratio",
-        "cluster",
-        "SLO compliance ratio: the fraction of tenants meeting every quantile target.",
-    ),
-    (
-        "tailpilot_jfi_ratio",
-        "cluster",
-        "Jain's index over each tenant's service per demand-capped entitlement (what alerts and the governor act on).",
-    ),
-    (
-        "tailpilot_jfi_seed_ratio",
-        "cluster",
-        "Seed 003's literal JFI, over served rate per committed rate (reported only).",
-    ),
-    (
-        "tailpilot_type_fairness_min_ratio",
-        "cluster",
-        "The lowest request type's share over its guaranteed share.",
-    ),
-    (
-        "tailpilot_tenant_latency_seconds",
-        "cluster tenant latency percentile",
-        "Exact percentile (p50 | p90 | p99) of the tenant's requests across the cluster (latency: ttft | ttlt).",
-    ),
-    (
-        "tailpilot_tenant_slo_seconds",
-        "cluster tenant latency percentile",
-        "The tenant's target for that percentile.",
-    ),
-    (
-        "tailpilot_tenant_slo_compliant",
-        "cluster tenant",
-        "1 when the tenant meets every target it has, else 0.",
-    ),
-    (
-        "tailpilot_tenant_requests",
-        "cluster tenant",
-        "The tenant's requests completed in the window.",
-    ),
-    (
-        "tailpilot_tenant_waiting_requests",
-        "cluster tenant",
-        "The tenant's requests waiting on the replicas that answer.",
-    ),
-    (
-        "tailpilot_tenant_waited_seconds",
-        "cluster tenant",
-        "How long the tenant has had requests waiting without its queue shrinking (a lower bound of its oldest wait).",
-    ),
-    (
-        "tailpilot_tenant_starved",
-        "cluster tenant",
-        "1 when the tenant has requests waiting and none completed in the window.",
-    ),
-    (
-        "tailpilot_tenant_window_served_tokens",
-        "cluster tenant",
-        "Tokens (prompt + output) served to the tenant in the window.",
-    ),
-    (
-        "tailpilot_tenant_window_demand_tokens",
-        "cluster tenant",
-        "Tokens the tenant asked for in the window (served + waiting).",
-    ),
-    (
-        "tailpilot_tenant_window_entitled_tokens",
-        "cluster tenant",
-        "The tenant's share of the window's served tokens by weight, capped by its demand.",
-    ),
-    (
-        "tailpilot_tenant_service_ratio",
-        "cluster tenant",
-        "min(1, served / entitled): the tenant's x in the JFI.",
-    ),
-    (
-        "tailpilot_tenant_committed_tokens_per_second",
-        "cluster tenant",
-        "The tenant's committed rate (commit_tok_s; for a weight, its share of the served rate).",
-    ),
-    (
-        "tailpilot_tenant_normalised_throughput_ratio",
-        "cluster tenant",
-        "Served rate over committed rate: the tenant's x in the seed's JFI.",
-    ),
-    (
-        "tailpilot_tenant_omega_ratio",
-        "cluster tenant",
-        "ω = min(committed / served, α); below 1: an over-consumer.",
-    ),
-    (
-        "tailpilot_type_share_ratio",
-        "cluster type",
-        "The type's share of the window's completed requests.",
-    ),
-    ("tailpilot_type_minimum_share_ratio", "cluster type", "The type's minimum share ρ_k."),
-    (
-        "tailpilot_type_fairness_ratio",
-        "cluster type",
-        "The type's share over its guaranteed share.",
-    ),
-    (
-        "tailpilot_alert_firing",
-        "cluster alert severity",
-        "1 while the alert fires at this severity, else 0.",
-    ),
-    (
-        "tailpilot_alert_pending",
-        "cluster alert severity",
-        "1 while the alert's condition holds at this severity but not yet for alerts.for_s, else 0.",
-    ),
-    (
-        "tailpilot_alert_value",
-        "cluster alert",
-        "The figure the alert was last judged on (kept through windows without data, as the alert is).",
-    ),
-    (
-        "tailpilot_alert_threshold",
-        "cluster alert severity",
-        "The figure below which the alert fires at this severity.",
-    ),
-    # the governor (when it runs in this recorder)
-    (
-        "tailpilot_governor_state",
-        "cluster state",
-        "1 for the governor's state (armed | dry-run | disarmed), else 0.",
-    ),
-    ("tailpilot_governor_paused", "cluster", "1 while an operator has paused the governor."),
-    (
-        "tailpilot_governor_mode_active",
-        "cluster mode",
-        "1 while the emergency mode (scr | jfi | type) is applied.",
-    ),
-    (
-        "tailpilot_governor_mode_dry_run",
-        "cluster mode",
-        "1 while the mode is only logged (decided in dry-run, not applied).",
-    ),
-)
-# The previous version's names (a sample's name, as on the page) -> this version's (None: gone,
-# with what replaces it in docs/metrics.md). Dashboards and rules written against them need these.
-RENAMED: dict[str, str | None] = {
-    "tailpilot_scr": "tailpilot_scr_ratio",
-    "tailpilot_jfi": "tailpilot_jfi_ratio",
-    "tailpilot_type_fairness": "tailpilot_type_fairness_min_ratio",
-    "tailpilot_type_share": "tailpilot_type_share_ratio",
-    "tailpilot_type_minimum_share": "tailpilot_type_minimum_share_ratio",
-    "tailpilot_tenant_normalised_throughput": "tailpilot_tenant_normalised_throughput_ratio",
-    "tailpilot_preemptions_per_second": "tailpilot_preemptions_total",
-    "tailpilot_throughput_tokens_per_second": "tailpilot_output_tokens_total",
-    "tailpilot_tenant_throughput_tokens_per_second": None,
-}
-ALERT_SEVERITIES = {
-    "scr": ("warning", "critical"),
-    "jfi": ("warning",),
-    "type_fairness": ("warning",),
-}
-
-
 def _label(value: str) -> str:
-    """A label value the text format can carry (a lone surrogate from a client would fail the page)."""
+    """A label value the text format can carry (a lone surrogate from a client would fail the
+    page)."""
     try:
         value.encode("utf-8")
         return value
     except UnicodeEncodeError:
         return value.encode("utf-8", "replace").decode("utf-8")
-
-
-def _finite(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if value == value and abs(value) != float("inf") else None
 
 
 class _Families:
@@ -392,7 +100,7 @@ class _Families:
         }
 
     def add(self, name: str, labels: tuple[str, ...], value: Any) -> None:
-        v = _finite(value)
+        v = finite_or_none(value)
         if v is not None:
             self.families[name].add_metric([_label(x) for x in labels], v)
 
@@ -408,7 +116,7 @@ class CompletionCounters:
     (the cluster file's always kept apart) are counted under "other" from then on, so a label
     set, once shown, only grows."""
 
-    def __init__(self, collector: Any, max_names: int = MAX_TENANTS) -> None:
+    def __init__(self, collector: Collector, max_names: int = MAX_TENANTS) -> None:
         spec = collector.cluster.governance
         self._reserved = {
             "tenant": frozenset(spec.tenants if spec is not None else ()),
@@ -434,7 +142,7 @@ class CompletionCounters:
         names.add(name)
         return name
 
-    def observe(self, replica: str, result: Any) -> None:
+    def observe(self, replica: str, result: PollResult) -> None:
         """Count one poll's new completions (``collector.on_poll``'s listener)."""
         self.state_read[replica] = result.cursor is not None
         for row in result.completions:
@@ -451,7 +159,7 @@ class CompletionCounters:
 _COUNTERS: weakref.WeakKeyDictionary[Any, CompletionCounters] = weakref.WeakKeyDictionary()
 
 
-def completion_counters(collector: Any) -> CompletionCounters:
+def completion_counters(collector: Collector) -> CompletionCounters:
     """The collector's :class:`CompletionCounters`, attached on the first call (they count the
     completions read from then on: the recorder attaches them before its first poll)."""
     counters = _COUNTERS.get(collector)
@@ -463,7 +171,7 @@ def completion_counters(collector: Any) -> CompletionCounters:
 class ClusterMetrics:
     """A prometheus_client collector over a :class:`controlplane.collector.Collector`."""
 
-    def __init__(self, collector: Any) -> None:
+    def __init__(self, collector: Collector) -> None:
         self.collector = collector
         self.counters = completion_counters(collector)
 
@@ -492,8 +200,9 @@ class ClusterMetrics:
             self._governance(out, cluster, c.governance, c.cluster.governance, shown, types, stale)
         elif c.governance is not None:
             self._alert_states(out, cluster, c.governance, c.cluster.governance)
-        if getattr(c, "governor_status", None) is not None:
-            self._governor(out, cluster, c.governor_status)
+        status = getattr(c, "governor_status", None)
+        if status is not None:
+            self._governor(out, cluster, status)
         return iter(out)
 
     def _completions(self, out: _Families, cluster: str) -> None:
@@ -507,7 +216,12 @@ class ClusterMetrics:
 
     @staticmethod
     def _replica(
-        out: _Families, cluster: str, name: str, view: Any, shown: set[str], types: set[str]
+        out: _Families,
+        cluster: str,
+        name: str,
+        view: ReplicaView,
+        shown: set[str],
+        types: set[str],
     ) -> None:
         key = (cluster, name)
         out.add("tailpilot_replica_up", key, 1.0 if view.health.healthy else 0.0)
@@ -548,7 +262,7 @@ class ClusterMetrics:
 
     @staticmethod
     def _replica_counters(
-        out: _Families, cluster: str, name: str, view: Any, state_read: bool
+        out: _Families, cluster: str, name: str, view: ReplicaView, state_read: bool
     ) -> None:
         """The replica's own counters since it started: from the /state its last poll read (the
         plugin's), else from vLLM's /metrics while it answers; none from an older answer."""
@@ -576,7 +290,7 @@ class ClusterMetrics:
         out: _Families,
         cluster: str,
         g: dict[str, Any],
-        spec: Any,
+        spec: GovernanceSpec | None,
         shown: set[str],
         types: set[str],
         stale: int,
@@ -628,8 +342,11 @@ class ClusterMetrics:
         cls._alert_states(out, cluster, g, spec)
 
     @staticmethod
-    def _alert_states(out: _Families, cluster: str, g: dict[str, Any], spec: Any) -> None:
-        """The collector's alerts (its state, not a figure: shown whether or not a replica is up)."""
+    def _alert_states(
+        out: _Families, cluster: str, g: dict[str, Any], spec: GovernanceSpec | None
+    ) -> None:
+        """The collector's alerts (its state, not a figure: shown whether or not a replica is
+        up)."""
         firing, pending = g.get("alerts") or {}, g.get("alerts_pending") or {}
         thresholds = spec.alerts if spec is not None else None
         for alert, severities in ALERT_SEVERITIES.items():
@@ -646,8 +363,6 @@ class ClusterMetrics:
 
     @staticmethod
     def _governor(out: _Families, cluster: str, status: dict[str, Any]) -> None:
-        from controlplane.governor import MODES, STATES, modes
-
         for state in STATES:
             out.add(
                 "tailpilot_governor_state",
@@ -671,15 +386,16 @@ class ClusterMetrics:
             )
 
 
-def labelled_tenants(collector: Any, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
+def labelled_tenants(collector: Collector, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
     """(the tenants the page labels, how many it leaves off): the cluster file's tenants, then the
     most requests in the window (ties by name), ``limit`` in all."""
     return labelled_groups(collector, "tenant", limit)
 
 
-def labelled_groups(collector: Any, kind: str, limit: int) -> tuple[set[str], int]:
+def labelled_groups(collector: Collector, kind: str, limit: int) -> tuple[set[str], int]:
     """(the tenants or request types (``kind``) the page labels, how many it leaves off): those
-    the cluster file names, then the most requests in the window (ties by name), ``limit`` in all."""
+    the cluster file names, then the most requests in the window (ties by name), ``limit`` in
+    all."""
     counts: dict[str, float] = {}
     for view in collector.views.values():
         for g in view.groups:
@@ -695,10 +411,10 @@ def labelled_groups(collector: Any, kind: str, limit: int) -> tuple[set[str], in
     return set(shown), len(counts) - len(shown)
 
 
-def render(collector: Any) -> bytes:
+def render(collector: Collector) -> bytes:
     """The Prometheus text page of ``collector`` now."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClusterMetrics(collector))  # type: ignore[arg-type]
+    registry.register(ClusterMetrics(collector))
     return generate_latest(registry)
 
 
@@ -706,14 +422,12 @@ class _Page:
     """The control server's target: ``/metrics`` rendered on the collector's loop (cached), and
     ``/health``; the control endpoints do not exist here."""
 
-    def __init__(self, collector: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, collector: Collector, loop: asyncio.AbstractEventLoop) -> None:
         self.collector, self.loop = collector, loop
         self._lock = threading.Lock()  # one rendering at a time; the others wait for its result
         self._page: tuple[float, bytes] | None = None
 
     def api_metrics(self) -> tuple[bytes, str]:
-        from scheduler.plugin.api import HTTPError
-
         with self._lock:
             if self._page is None or time.monotonic() - self._page[0] > CACHE_S:
                 future = asyncio.run_coroutine_threadsafe(self._render(), self.loop)
@@ -735,8 +449,6 @@ class _Page:
         return True
 
     def _absent(self, *args: Any) -> dict[str, Any]:
-        from scheduler.plugin.api import HTTPError
-
         raise HTTPError(404, "this is tailpilot's recorder: only /metrics and /health")
 
     api_state = api_settings = api_put_settings = api_steps = _absent
@@ -746,7 +458,7 @@ class MetricsServer:
     """``GET /metrics`` of a collector on the control API's bounded server (a daemon thread)."""
 
     def __init__(
-        self, collector: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT
+        self, collector: Collector, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT
     ) -> None:
         self.collector = collector
         self.host, self.port = host, port
@@ -755,9 +467,6 @@ class MetricsServer:
 
     async def start(self) -> int:
         """Listen (OSError when the address is taken); returns the port (the one picked for 0)."""
-        from scheduler.plugin.admission import Limits
-        from scheduler.plugin.api import ControlServer
-
         # Prometheus never sends the page's (random) token: nothing is kept back for token holders.
         limits = Limits(
             max_connections=16, rate_per_connection=5.0, rate_total=50.0, token_reserve=0.0

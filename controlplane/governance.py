@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from scheduler.settings import DEFAULT_TENANT_SLO, SloFqParams, TenantSlo, check_shares
 
@@ -35,7 +35,7 @@ class AlertThresholds(BaseModel):
 
     @field_validator("scr_critical")
     @classmethod
-    def _critical_below_warning(cls, v: float, info) -> float:
+    def _critical_below_warning(cls, v: float, info: ValidationInfo) -> float:
         warning = info.data.get("scr_warning")
         if warning is not None and v > warning:
             raise ValueError(f"scr_critical ({v:g}) must not exceed scr_warning ({warning:g})")

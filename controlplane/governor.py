@@ -95,7 +95,8 @@ class Decision:
                 f"{t} {_s(v)}" + (f" -> {_s(self.after.get(t))}" if self.action == "exit" else "")
                 for t, v in sorted(self.before.items())
             )
-            text += f"; victims' P99 TTFT {'before -> since' if self.action == 'exit' else 'before'}: {victims}"
+            when = "before -> since" if self.action == "exit" else "before"
+            text += f"; victims' P99 TTFT {when}: {victims}"
         return f"{text}; figures {json.dumps(shown)}"
 
 
@@ -173,7 +174,10 @@ class Governor:
                     # commitment. A tenant within its commitment is never throttled.
                     targets = tuple(over_consumers(figures))
                     if not targets:
-                        self.held = f"{reason}, but no tenant uses more than its commitment: nobody to throttle"
+                        self.held = (
+                            f"{reason}, but no tenant uses more than its commitment: "
+                            "nobody to throttle"
+                        )
                         continue
                 out.append(
                     Decision(
@@ -304,7 +308,8 @@ def over_consumers(figures: dict[str, Any]) -> list[str]:
 
 
 def modes(status: dict[str, Any] | None) -> tuple[list[str], list[str]]:
-    """(applied, dry-run) modes of a governor's status: a mode decided in dry-run was only logged."""
+    """(applied, dry-run) modes of a governor's status: a mode decided in dry-run was only
+    logged."""
     status = status or {}
     dry = set(status.get("dry") or ())
     active = list(status.get("active") or {})
@@ -326,7 +331,10 @@ def modes_text(status: dict[str, Any] | None) -> str:
         f", dry-run only: {', '.join(dry)}" if dry else ""
     )
     if applied and (status or {}).get("keep"):
-        text += " (kept after disarm: undone only when re-armed and recovered, or disarmed without --keep)"
+        text += (
+            " (kept after disarm: undone only when re-armed and recovered, or disarmed without"
+            " --keep)"
+        )
     return text
 
 
@@ -520,12 +528,14 @@ async def run_governor(
         if not undo.done():
             undo.cancel()
             log.error(
-                "governor: undoing its changes at the stop took over %.0f s; the status lists what is left",
+                "governor: undoing its changes at the stop took over %.0f s; "
+                "the status lists what is left",
                 undo_timeout_s,
             )
         elif not undo.cancelled() and undo.exception() is not None:
             log.error(
-                "governor: undoing its changes at the stop failed: %s; the status lists what is left",
+                "governor: undoing its changes at the stop failed: %s; "
+                "the status lists what is left",
                 undo.exception(),
             )
 

@@ -72,12 +72,10 @@ class PollResult:
     completions: list[CompletionRow]
     cursor: int | None  # the cursor after ``completions``; None when the state poll failed
     instance: str | None = None  # the replica instance ``cursor`` counts in, when it reports one
-    settings_seen: SettingsSeenRow | None = (
-        None  # the settings document, when its version or instance is new
-    )
-    breaker_trip: SettingsChangeRow | None = (
-        None  # an audit row, when the replica's breaker tripped again
-    )
+    # The settings document, when its version or instance is new.
+    settings_seen: SettingsSeenRow | None = None
+    # An audit row, when the replica's breaker tripped again.
+    breaker_trip: SettingsChangeRow | None = None
 
 
 class ReplicaView:
@@ -104,18 +102,17 @@ class ReplicaView:
         self.metrics_error: str | None = None  # the last /metrics poll's error
         self.cursor = int(cursor)
         self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
-        self._settings_key: tuple[str | None, int | None] | None = (
-            None  # (instance, version) last stored
-        )
+        # (instance, version) last stored.
+        self._settings_key: tuple[str | None, int | None] | None = None
         self.window = ReplicaWindow(reserved=reserved)
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
         self.polls = 0
         self.restarts = 0
-        self.skipped_completions = (
-            0  # completions-log entries left out (malformed, unstorable, repeated)
-        )
-        # Values not stored as sent, per reason (storage.limits.REASONS): an entry skipped or a field nulled.
+        # Completions-log entries left out (malformed, unstorable, repeated).
+        self.skipped_completions = 0
+        # Values not stored as sent, per reason (storage.limits.REASONS): an entry skipped or a
+        # field nulled.
         self.rejected: dict[str, int] = {}
         # Hashes of the newest request ids read (RECENT_IDS_REMEMBERED), to count repeats.
         self._recent_ids: deque[int] = deque()
@@ -123,9 +120,8 @@ class ReplicaView:
         # (instance, trips) of the breaker's newest trip written to the audit log; None: none known.
         self.breaker_recorded: tuple[str | None, int] | None = None
         self.last_restart: tuple[float, str] | None = None  # (collector clock, why)
-        self._coverage_start: float | None = (
-            None  # replica clock: since when the window is complete
-        )
+        # The replica's clock: since when the window is complete.
+        self._coverage_start: float | None = None
         self._resumed = cursor > 0
         self._last_finished_total: int | None = None
         self._last_steps_total: int | None = None
@@ -181,8 +177,9 @@ class ReplicaView:
         errors: list[str],
         no_plugin: str | None,
     ) -> PollResult:
-        """Fold one poll's answers into the view and return its rows. ``t`` is the collector clock."""
-        t_ms = int(round(t * 1000))
+        """Fold one poll's answers into the view and return its rows. ``t`` is the collector
+        clock."""
+        t_ms = round(t * 1000)
         self.polls += 1
         state: dict[str, Any] | None = None
         completions: list[CompletionRow] = []
@@ -219,7 +216,8 @@ class ReplicaView:
                     self._coverage_start = now_r
                 else:
                     self._coverage_start = min(now_r, min(c.arrival_s for c in completions))
-            # Trimmed first too: names that left the window free their place in its cap before new ones come.
+            # Trimmed first too: names that left the window free their place in its cap before
+            # new ones come.
             self.window.trim(now_r - self.window_s)
             self.window.add(completions)
             self.window.trim(now_r - self.window_s)
@@ -292,9 +290,8 @@ class ReplicaView:
         if recorded is not None and (
             recorded[0] == self.instance or None in (recorded[0], self.instance)
         ):
-            before = (
-                recorded[1] if recorded[1] <= trips else 0
-            )  # fewer: a restart without an instance
+            # Fewer: a restart without an instance.
+            before = recorded[1] if recorded[1] <= trips else 0
         self.breaker_recorded = (self.instance, trips)
         if trips <= before:
             return None
@@ -302,7 +299,8 @@ class ReplicaView:
         failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
         to = f"settings v{fallback}" if fallback is not None else "vLLM's stock order"
         message = (
-            f"a policy raised in the engine's step ({breaker.get('last_error') or 'no error reported'}); "
+            "a policy raised in the engine's step "
+            f"({breaker.get('last_error') or 'no error reported'}); "
             f"settings v{failed if failed is not None else '?'} replaced by {to} "
             f"({new} new trip{'s' if new > 1 else ''}, {trips} since the replica started)"
         )
@@ -329,9 +327,8 @@ class ReplicaView:
         """The settings document as a row when this (instance, version) was not stored yet."""
         settings, version = state.get("settings"), state.get("settings_version")
         if limits.int_problem(version, limits.VERSION_RANGE) is not None:
-            version = (
-                None  # counted where the sample nulls it (the same figure, the same column type)
-            )
+            # Counted where the sample nulls it (the same figure, the same column type).
+            version = None
         key = (self.instance, version)
         if settings is None or key == self._settings_key:
             return None
@@ -485,7 +482,8 @@ async def poll_view(
 
 
 def reserved_groups(cluster: ClusterSpec) -> dict[str, tuple[str, ...]]:
-    """The tenants and types the cluster file names: each window keeps them apart whatever the count."""
+    """The tenants and types the cluster file names: each window keeps them apart whatever the
+    count."""
     gov = cluster.governance
     return {"tenant": tuple(gov.tenants), "type": tuple(gov.type_shares)} if gov is not None else {}
 

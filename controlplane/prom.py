@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from prometheus_client.parser import text_string_to_metric_families
+
 #: logical name -> (aggregation over label sets, metric family names across vLLM versions, newest
 #: first). Family names are given without the ``_total`` suffix: prometheus_client strips it from
 #: counter families (``vllm:num_preemptions_total`` is family ``vllm:num_preemptions``), and an
@@ -43,8 +45,6 @@ def _strip_total(name: str) -> str:
 
 def _locate_bad_line(text: str) -> str:
     """Parse line by line to name the first line prometheus_client refuses (error path only)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
@@ -60,7 +60,9 @@ def _locate_bad_line(text: str) -> str:
 # The shape of a sample line: name, optional {labels}, value, optional timestamp. Lenient inside
 # the braces (fast: ~0.5 µs a line); the lines the collector uses are parsed strictly.
 _SAMPLE_LINE = re.compile(
-    r'[ \t]*[A-Za-z_:][A-Za-z0-9_:]*(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+(?:[ \t]+-?[0-9.]+)?[ \t]*'
+    r"[ \t]*[A-Za-z_:][A-Za-z0-9_:]*"  # the name
+    r'(?:[ \t]*\{.*\}[ \t]*|[ \t]+)[^ \t{}"]+'  # {labels} or a space, the value
+    r"(?:[ \t]+-?[0-9.]+)?[ \t]*"  # a timestamp
 )
 # The lines of the families in VLLM_METRICS: their samples and TYPE comments (HELP text is not
 # needed). A cheap prefix test first, then the exact family name (not a longer one it begins).
@@ -117,8 +119,6 @@ def count_series(text: str) -> int:
 
 
 def _parse_families(text: str, page: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     found: dict[str, dict[str, list[float]]] = {}
     try:
         for family in text_string_to_metric_families(text):

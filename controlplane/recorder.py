@@ -1,17 +1,19 @@
-"""The headless recorder: the collector writing to a store until SIGTERM/SIGINT (``tailpilot record``).
+"""The headless recorder: the collector writing to a store until stopped. ``tailpilot record`` is
+its command line (tailpilot/cli_record.py); :func:`run_recorder` is what it calls.
 
-    python -m controlplane.recorder --cluster clusters.yaml [--cluster-name prod] --db sqlite:///t.db
+    stats = run_recorder(cluster, "sqlite:///t.db", recording_name="incident-42")
 
 On SIGTERM or SIGINT it stops polling, flushes every pending row (retrying a busy database) and
-exits 0; the persisted cursors make a later run continue exactly where this one stopped, and a
-``kill -9`` at any moment loses and duplicates no completion (the cursor is stored in the same
-transaction as the completions it covers). A database that refuses a write (a full disk) ends it
-with one line naming the database and what failed (``storage.database.StoreWriteError``: no SQL, no
-row values) and exit status 1; everything committed before is intact, and what was not is still
-on the replicas, read again from the stored cursors by the next run. With ``recording_name`` the run is also a named
-recording (``RecordingRepository.begin_recording`` / ``end_recording``), which retention keeps; with
-``retention`` the store's retention runs every ``retention_interval_s``; with ``metrics`` it serves
-the ``tailpilot_*`` Prometheus page (controlplane.exporter) on its own event loop.
+returns its :class:`RecorderStats`; the persisted cursors make a later run continue exactly where
+this one stopped, and a ``kill -9`` at any moment loses and duplicates no completion (the cursor
+is stored in the same transaction as the completions it covers). A database that refuses a write
+(a full disk) raises ``storage.database.StoreWriteError``, which names the database and what
+failed (no SQL, no row values); everything committed before is intact, and what was not is still
+on the replicas, read again from the stored cursors by the next run. With ``recording_name`` the
+run is also a named recording (``RecordingRepository.begin_recording`` / ``end_recording``),
+which retention keeps; with ``retention`` the store's retention runs every
+``retention_interval_s``; with ``metrics`` it serves the ``tailpilot_*`` Prometheus page
+(controlplane.exporter) on its own event loop.
 
 Health changes are logged (``replica twin-3 unhealthy: state: timeout after 2 s``; ``... healthy
 again``), so a headless run's log says when each replica was out and why.
@@ -19,22 +21,22 @@ again``), so a headless run's log says when each replica was out and why.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from controlplane.cluster import ClusterFileError, ClusterSpec, load_cluster_file
+from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector
+from controlplane.exporter import MetricsServer
+from controlplane.governor import run_governor
 from controlplane.poller import PollResult
+from storage.store import Store
 
 log = logging.getLogger("tailpilot.recorder")
 
@@ -70,7 +72,7 @@ class RecorderStats:
         return asdict(self)
 
 
-def _health_logger(stats: RecorderStats):
+def _health_logger(stats: RecorderStats) -> Callable[[str, PollResult], None]:
     previous: dict[str, bool] = {}
 
     def on_poll(replica: str, result: PollResult) -> None:
@@ -118,13 +120,11 @@ async def record(
     collector.on_poll(_health_logger(stats))
     exporter = None
     if metrics is not None:  # first: a taken port fails the start before anything is begun
-        from controlplane.exporter import MetricsServer
-
         exporter = MetricsServer(collector, host=metrics[0], port=metrics[1])
         port = await exporter.start()
         stats.metrics_url = f"http://{metrics[0]}:{port}/metrics"
         log.info("serving Prometheus metrics at %s", stats.metrics_url)
-    extra: list[asyncio.Task] = []
+    extra: list[asyncio.Task[None]] = []
     try:
         if recording_name:
             stats.recording_id = await asyncio.to_thread(
@@ -147,8 +147,6 @@ async def record(
         if retention is not None:
             extra.append(asyncio.create_task(retention_loop()))
         if govern is not None:
-            from controlplane.governor import run_governor
-
             if cluster.governance is None:
                 raise ValueError(
                     f"cluster {cluster.name!r} has no governance block: nothing to govern"
@@ -197,7 +195,7 @@ async def record(
 
 def _runner() -> asyncio.Runner:
     try:
-        import uvloop
+        import uvloop  # optional dependency: the faster event loop when installed
     except ImportError:
         return asyncio.Runner()
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
@@ -225,8 +223,6 @@ def run_recorder(
     ``retention`` is a ``storage.retention.RetentionSettings`` (None: no retention). Raises
     ``storage.database.StoreOpenError`` if the database cannot be opened.
     """
-    from storage.store import Store
-
     store = Store.open(db_url)
 
     async def main() -> RecorderStats:
@@ -279,67 +275,3 @@ def run_recorder(
             return runner.run(main())
     finally:
         store.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m controlplane.recorder",
-        description="Record a cluster's replicas into a store until SIGTERM.",
-    )
-    parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
-    parser.add_argument(
-        "--cluster-name", metavar="NAME", help="which cluster of the file (if several)"
-    )
-    parser.add_argument(
-        "--db", metavar="URL", help="store URL or SQLite path (default ./tailpilot.db)"
-    )
-    parser.add_argument("--recording", metavar="NAME", help="also make this run a named recording")
-    parser.add_argument("--flush-interval", type=float, default=1.0, metavar="S")
-    parser.add_argument(
-        "--metrics-every",
-        type=int,
-        default=1,
-        metavar="N",
-        help="read /metrics of plugin replicas every N polls (default 1)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port)",
-    )
-    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        cluster = load_cluster_file(args.cluster).cluster(args.cluster_name)
-    except (ClusterFileError, KeyError) as err:
-        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
-        return 2
-    from storage.database import StoreError
-
-    try:
-        stats = run_recorder(
-            cluster,
-            args.db,
-            recording_name=args.recording,
-            flush_interval_s=args.flush_interval,
-            metrics_every=args.metrics_every,
-            metrics=(args.metrics_host, args.metrics_port)
-            if args.metrics_port is not None
-            else None,
-        )
-    except StoreError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(json.dumps(stats.as_dict()), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

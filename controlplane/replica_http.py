@@ -5,11 +5,11 @@ Every answer is read as strict JSON (NaN, Infinity and numbers too big for a flo
 replica sending them must not break the store or the window), and every failure becomes a short
 reason naming what was asked (``state: timeout after 2 s``), which the TUI and ``status`` show.
 
-Every answer is read streamed, with a cap on its size (:data:`MAX_STATE_BYTES`, :data:`MAX_METRICS_BYTES`;
-:data:`MAX_STEPS_BYTES` for the step log): an answer that never ends costs the collector at most
-that much memory, however long the cluster's timeout, instead of growing until the timeout ends it
-(``controlplane.http``: the clients and the bounded reader; ``controlplane.retry``: a 429 is
-asked again, :data:`controlplane.retry.POLL_RATE_LIMITED`).
+Every answer is read streamed, with a cap on its size (:data:`MAX_STATE_BYTES`,
+:data:`MAX_METRICS_BYTES`; :data:`MAX_STEPS_BYTES` for the step log): an answer that never ends
+costs the collector at most that much memory, however long the cluster's timeout, instead of
+growing until the timeout ends it (``controlplane.http``: the session and the bounded reader;
+``controlplane.retry``: a 429 is asked again, :data:`controlplane.retry.POLL_RATE_LIMITED`).
 """
 
 from __future__ import annotations
@@ -20,21 +20,20 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
-import httpx
+import aiohttp
 from pydantic import ValidationError
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.http import (
-    MAX_CONNECTIONS_PER_HOST,
     TRANSPORT_ERRORS,
     Answer,
     AnswerTooLarge,
     async_client,
     describe_http_error,
-    read_answer,
-    request_timeout,
+    request,
+    tls_context,
 )
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
@@ -70,50 +69,32 @@ def opt_int(x: Any) -> int | None:
 
 
 class StateFormatError(ValueError):
-    """A control API answer that is not the documented state document; the message names the field."""
+    """A control API answer that is not the documented state document; the message names the
+    field."""
 
 
 class PollingClient:
-    """The collector's one HTTP client, for polls and settings writes alike: an httpx async client
+    """The collector's one HTTP client, for polls and settings writes alike: an aiohttp session
     (``controlplane.http.async_client``: no proxies from the environment, no cookies, no
     redirects) holding at most :data:`~controlplane.http.MAX_CONNECTIONS_PER_HOST` connections
     to each replica at a time, idle ones kept for the next poll (none with ``keepalive=False``).
-    The client is created on first use: it binds to the running event loop."""
+    The session is made on first use: it binds to the running event loop."""
 
     def __init__(self, timeout_s: float, *, keepalive: bool = True) -> None:
         self._timeout_s = timeout_s
         self._keepalive = keepalive
-        self._client: httpx.AsyncClient | None = None
-        self._making = asyncio.Lock()
-        # Per replica address (scheme, host, port): the connections it may hold at once.
-        self._per_host: dict[tuple[str, str | None, int | None], asyncio.Semaphore] = {}
+        self._session: aiohttp.ClientSession | None = None
 
-    async def ready(self) -> httpx.AsyncClient:
-        """The httpx client, made on first use. Call it before a request's own time bound starts:
-        the first use in a process loads what a request needs (the TLS trust store, httpx's
-        transport and its asyncio layer), tenths of a second on a loaded machine, which is no
-        replica's delay."""
-        if self._client is None:
-            async with self._making:
-                if self._client is None:
-                    # anyio is httpx's own async layer: it loads its asyncio backend on first use.
-                    import anyio
-
-                    # Made on a worker thread: the other replicas' polls do not wait for it.
-                    client = await asyncio.to_thread(
-                        async_client, self._timeout_s, keepalive=self._keepalive
-                    )
-                    await anyio.sleep(0)
-                    self._client = client
-        return self._client
-
-    def _host_slots(self, url: str) -> asyncio.Semaphore:
-        parts = urlsplit(url)
-        key = (parts.scheme, parts.hostname, parts.port)
-        slots = self._per_host.get(key)
-        if slots is None:
-            slots = self._per_host[key] = asyncio.Semaphore(MAX_CONNECTIONS_PER_HOST)
-        return slots
+    async def ready(self) -> aiohttp.ClientSession:
+        """The aiohttp session, made on first use. Call it before a request's own time bound
+        starts: the first use in a process loads the TLS trust store, tens of milliseconds (more
+        on a loaded machine), which is no replica's delay."""
+        if self._session is None:
+            # Loaded on a worker thread: the other replicas' polls do not wait for it.
+            await asyncio.to_thread(tls_context)
+            if self._session is None:  # another poll may have made it meanwhile
+                self._session = async_client(self._timeout_s, keepalive=self._keepalive)
+        return self._session
 
     async def _request(
         self,
@@ -125,24 +106,23 @@ class PollingClient:
         headers: Mapping[str, str],
         doc: Any = None,
     ) -> Answer:
-        client = await self.ready()
-        timeout = (
-            request_timeout(timeout_s) if timeout_s != self._timeout_s else httpx.USE_CLIENT_DEFAULT
-        )
+        session = await self.ready()
         headers = dict(headers)
         body = None
-        if (
-            doc is not None
-        ):  # json.dumps' defaults: a value the replica refuses is its 4xx, not a client error
+        if doc is not None:
+            # json.dumps' defaults: a value the replica refuses is its 4xx, not a client error.
             body = json.dumps(doc).encode()
             headers.setdefault("Content-Type", "application/json")
-        request = client.build_request(method, url, headers=headers, timeout=timeout, content=body)
-        async with self._host_slots(url):  # held until the answer is read and its connection free
-            response = await client.send(request, stream=True)
-            try:
-                return await read_answer(response, max_bytes, what)
-            finally:
-                await response.aclose()
+        return await request(
+            session,
+            method,
+            url,
+            max_bytes,
+            what,
+            headers=headers,
+            body=body,
+            timeout_s=None if timeout_s == self._timeout_s else timeout_s,
+        )
 
     async def get(
         self,
@@ -153,20 +133,22 @@ class PollingClient:
         headers: Mapping[str, str] | None = None,
     ) -> Answer:
         """GET ``url``; its body read streamed, :class:`~controlplane.http.AnswerTooLarge` past
-        ``max_bytes`` (a declared Content-Length past it is refused before any of the body is read)."""
+        ``max_bytes`` (a declared Content-Length past it is refused before any of the body is
+        read)."""
         return await self._request("GET", url, timeout_s, max_bytes, what, headers or {})
 
     async def put_json(
         self, url: str, doc: Any, headers: Mapping[str, str], timeout_s: float
     ) -> Answer:
+        """PUT ``doc`` as JSON to ``url``; its answer read as :meth:`get` reads one."""
         return await self._request(
             "PUT", url, timeout_s, MAX_STATE_BYTES, "PUT settings", headers, doc
         )
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
 
 def make_client(cluster: ClusterSpec) -> PollingClient:
@@ -206,7 +188,7 @@ async def get_answer(
     await client.ready()
     try:
         async with asyncio.timeout(timeout_s):  # the whole request, however the bytes trickle
-            resp = await POLL_RATE_LIMITED.call_async(
+            resp: Answer = await POLL_RATE_LIMITED.call_async(
                 lambda: client.get(url, timeout_s, max_bytes, what, headers), again=rate_limited
             )
     except AnswerTooLarge as err:
@@ -241,16 +223,13 @@ def read_json(resp: Answer, what: str, on_non_finite: Callable[[], None] | None 
 
     try:
         return json.loads(resp.content, parse_constant=non_finite, parse_float=finite_float)
-    except (
-        ValueError,
-        RecursionError,
-    ) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise StateFormatError(
             f"{what}: bad JSON ({type(err).__name__}: {str(err)[:120]})"
         ) from None
 
 
-# --- a state document as the store can hold it ---------------------------------------------------------
+# --- a state document as the store can hold it -------------------------------------------------
 
 #: Counts a replica reports (queue lengths, totals, versions): any integer past 64 bits is no
 #: count a replica can have, and would break the arithmetic or the store; the columns' own ranges
@@ -313,7 +292,8 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
 
 def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str, int]:
     """Waiting requests per tenant (or type): names bounded as the window bounds them (too long,
-    not valid text, or past MAX_GROUPS_PER_WINDOW: under OTHER_GROUP); counts past 64 bits dropped."""
+    not valid text, or past MAX_GROUPS_PER_WINDOW: under OTHER_GROUP); counts past 64 bits
+    dropped."""
     out: dict[str, int] = {}
     for name, n in counts.items():
         if limits.int_problem(n, limits.INT64_RANGE) is not None:
@@ -331,7 +311,7 @@ def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str,
     return out
 
 
-# --- reading a replica's answers: /state (paged, fitted per entry) and /metrics -----------------------
+# --- reading a replica's answers: /state (paged, fitted per entry) and /metrics -----------------
 
 #: The control API returns at most a page of completions per answer and says ``more`` when
 #: another follows (a replica without that flag: a page of this size means more are waiting).
@@ -354,7 +334,8 @@ class StateReader(Protocol):
 
 
 def completion_row(replica: str, c: Any) -> CompletionRow:
-    """One completions-log entry (``contract.Completion``) as a row; ValueError for a malformed one."""
+    """One completions-log entry (``contract.Completion``) as a row; ValueError for a malformed
+    one."""
     try:
         comp = contract.read(contract.Completion, c, lenient=False)
     except ValidationError as err:
@@ -373,7 +354,8 @@ def completion_row(replica: str, c: Any) -> CompletionRow:
         preemptions=comp.preemptions,
         recomputed_tokens=comp.recomputed_tokens,
         reason=comp.reason or "finished",
-        max_tokens=comp.max_tokens,  # the client's cap; replicas from before it was logged send none
+        # The client's cap; replicas from before it was logged send none.
+        max_tokens=comp.max_tokens,
     )
 
 
@@ -384,13 +366,15 @@ def read_state(doc: Any, rejected: dict[str, int] | None = None) -> dict[str, An
     if not isinstance(doc, dict):
         raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
     try:
-        state = contract.read(contract.State, doc).model_dump()
+        model: contract.State = contract.read(contract.State, doc)
+        state = model.model_dump()
     except ValidationError as err:
         raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
     if limits.int_problem(state["next_cursor"], limits.CURSOR_RANGE) is not None:
         # The cursor is stored with the rows it covers: a page that cannot be is not taken at all.
         raise StateFormatError(
-            f"bad state document: next_cursor is beyond what the store holds ({limits.CURSOR_RANGE[1]})"
+            "bad state document: next_cursor is beyond what the store holds "
+            f"({limits.CURSOR_RANGE[1]})"
         )
     for reason in fit_state(state):
         count_into(rejected, reason)
@@ -417,6 +401,42 @@ class StateAnswer:
     ids: list[int] = field(default_factory=list)  # hashes of the request ids of ``completions``
 
 
+def _take_completions(
+    view: StateReader, answer: StateAnswer, entries: list[Any], this_poll: set[int]
+) -> str | None:
+    """Add a page's completions-log ``entries`` to ``answer``, each checked before the cursor moves
+    past it: one that cannot be stored is skipped (or a field nulled) and counted, the rest of the
+    page is kept, and a replica that keeps sending a broken entry does not stall its own recording
+    behind it. The first reason an entry was skipped (None: none was, or only repeated ids)."""
+    why = None
+    rejected = answer.rejected
+    for c in entries:
+        try:
+            row = completion_row(view.name, c)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            answer.skipped += 1
+            count_into(rejected, limits.MALFORMED)
+            why = why or f"{type(err).__name__}: {str(err)[:80]}"
+            continue
+        fitted, reasons = limits.fit_completion(row)
+        for reason in reasons:
+            count_into(rejected, reason)
+        if fitted is None:
+            answer.skipped += 1
+            why = why or f"an entry the store cannot hold ({reasons[0]})"
+            continue
+        key = hash(fitted.request_id)
+        if key in this_poll or view.seen_id(key):
+            # The store keeps the first of an id: count the repeat, do not hide it.
+            answer.skipped += 1
+            count_into(rejected, limits.DUPLICATE_ID)
+            continue
+        this_poll.add(key)
+        answer.ids.append(key)
+        answer.completions.append(fitted)
+    return why
+
+
 async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float) -> StateAnswer:
     """The state document and the completions since ``view.cursor``; changes nothing in ``view``
     but its counts of what could not be stored as sent (its ``count``).
@@ -424,12 +444,11 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
     Pages through a backlog; reads from cursor 0 when the replica restarted."""
     url = control_base(view.spec) + "/state"
     answer = StateAnswer({}, [], view.cursor)
-    rejected, rows, ids = answer.rejected, answer.completions, answer.ids
+    rejected = answer.rejected
     this_poll: set[int] = set()
     why = None
-    state_rejected: dict[
-        str, int
-    ] = {}  # the document's own fields: counted once a poll, from the page used
+    # The document's own fields: counted once a poll, from the page used.
+    state_rejected: dict[str, int] = {}
 
     def non_finite() -> None:
         count_into(rejected, limits.NON_FINITE)
@@ -451,49 +470,21 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
                 raise
             break  # keep the pages read, with their cursor; the next poll meets this page first
         answer.doc, state_rejected = doc, page_rejected
-        if answer.restarted is None and not rows and (restarted := view.restarted(doc)):
-            answer.restarted, answer.cursor = (
-                restarted,
-                0,
-            )  # read the new incarnation from its beginning
-            continue
-        for c in doc["completions"]:
-            # Each entry is checked before the cursor moves past it: one that cannot be stored is
-            # skipped (or a field nulled) and counted, the rest of the page is kept, and a replica
-            # that keeps sending a broken entry does not stall its own recording behind it.
-            try:
-                row = completion_row(view.name, c)
-            except (KeyError, TypeError, ValueError, AttributeError) as err:
-                answer.skipped += 1
-                count_into(rejected, limits.MALFORMED)
-                why = why or f"{type(err).__name__}: {str(err)[:80]}"
+        if answer.restarted is None and not answer.completions:
+            restarted = view.restarted(doc)
+            if restarted:  # read the new incarnation from its beginning
+                answer.restarted, answer.cursor = restarted, 0
                 continue
-            fitted, reasons = limits.fit_completion(row)
-            for reason in reasons:
-                count_into(rejected, reason)
-            if fitted is None:
-                answer.skipped += 1
-                why = why or f"an entry the store cannot hold ({reasons[0]})"
-                continue
-            key = hash(fitted.request_id)
-            if key in this_poll or view.seen_id(key):
-                answer.skipped += (
-                    1  # the store keeps the first of an id: count the repeat, do not hide it
-                )
-                count_into(rejected, limits.DUPLICATE_ID)
-                continue
-            this_poll.add(key)
-            ids.append(key)
-            rows.append(fitted)
+        page_why = _take_completions(view, answer, doc["completions"], this_poll)
+        why = why or page_why
         answer.cursor = max(answer.cursor, doc["next_cursor"])
         more = doc.get("more")
         if more is False or (more is None and len(doc["completions"]) < STATE_PAGE_LIMIT):
             break
     for reason, n in state_rejected.items():
         count_into(rejected, reason, n)
-    view.count(
-        rejected, answer.skipped
-    )  # counted as read: the counts are what was sent, applied or not
+    # Counted as read: the counts are what was sent, applied or not.
+    view.count(rejected, answer.skipped)
     if answer.skipped:
         log.warning(
             "replica %s: skipped %d completion entries (%s)",
@@ -537,6 +528,7 @@ async def fetch_inflight(
         token=spec.token(),
     )
     try:
-        return contract.read(contract.Inflight, read_json(resp, "inflight"))
+        inflight: contract.Inflight = contract.read(contract.Inflight, read_json(resp, "inflight"))
+        return inflight
     except ValidationError as err:
         raise StateFormatError(f"inflight: {contract.describe(err)}") from None

@@ -155,7 +155,7 @@ class RetryPolicy:
 #: poll's own timeout; the fourth 429 is the poll's answer.
 POLL_RATE_LIMITED = RetryPolicy(attempts=4, first_wait_s=0.1, max_wait_s=0.4)
 #: A step-log page answered 429: asked again after what its ``Retry-After`` says (at most 5 s);
-#: the caller gives its budget of tries (``tuner.calibrate.MAX_RATE_LIMITED`` per log).
+#: the caller gives its budget of tries (``tuner.replica_facts.MAX_RATE_LIMITED`` per log).
 STEP_LOG_RATE_LIMITED = RetryPolicy(retry_after=True, max_wait_s=5.0)
 #: A settings change read back until the replica runs it: waits of 0.02 s doubling to 0.5 s; the
 #: caller gives the deadline (``controlplane.steering.APPLY_WAIT_S`` by default).

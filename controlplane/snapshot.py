@@ -40,9 +40,11 @@ class ReplicaSnapshot:
     metrics: dict[str, float]  # the last parsed /metrics (logical names)
     cursor: int
     window_completions: int
-    # What the collector could not store as this replica sent it, per reason (storage.limits.REASONS).
+    # What the collector could not store as this replica sent it, per reason
+    # (storage.limits.REASONS).
     rejected: dict[str, int] = field(default_factory=dict)
-    # The replica's circuit breaker as its last /state reported it (contract.Breaker), None when not.
+    # The replica's circuit breaker as its last /state reported it (contract.Breaker), None when
+    # not.
     breaker: dict[str, Any] | None = None
 
 

@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.http import TRANSPORT_ERRORS, describe_http_error
+from controlplane.http import TRANSPORT_ERRORS, Answer, describe_http_error
 from controlplane.replica_http import (
     HttpFailure,
     PollingClient,
@@ -27,6 +29,7 @@ from controlplane.replica_http import (
     read_json,
 )
 from controlplane.retry import READ_BACK
+from scheduler.settings import Settings, describe_error
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 
@@ -53,42 +56,31 @@ class ApplyResult:
 SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
 
 
-async def _apply_one(
-    client: PollingClient,
-    cluster: ClusterSpec,
-    spec: ReplicaSpec,
-    change: SettingsChange,
-    wait_s: float,
-) -> ApplyResult:
-    from pydantic import ValidationError
+async def _current_settings(
+    client: PollingClient, url: str, timeout_s: float, spec: ReplicaSpec
+) -> dict[str, Any]:
+    """The replica's ``{settings, version}`` (GET /settings); HttpFailure or StateFormatError."""
+    resp = await get_answer(client, url, "GET settings", timeout_s, token=spec.token())
+    current = read_json(resp, "GET settings")
+    if (
+        not isinstance(current, dict)
+        or not isinstance(current.get("settings"), dict)
+        or not isinstance(current.get("version"), int)
+    ):
+        raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
+    return current
 
-    from scheduler.settings import Settings, describe_error
 
-    base = control_base(spec) + "/settings"
-    timeout = cluster.timeout_s
-    res = ApplyResult(spec.name, "error", "")
+def _new_document(res: ApplyResult, change: SettingsChange) -> dict[str, Any] | None:
+    """The validated document ``change`` makes of ``res.old``; None when there is nothing to send
+    (``res`` then says why: "skipped", or "rejected" before sending)."""
     produced: Any = None
+    old = res.old or {}
     try:
-        resp = await get_answer(client, base, "GET settings", timeout, token=spec.token())
-        current = read_json(resp, "GET settings")
-        if (
-            not isinstance(current, dict)
-            or not isinstance(current.get("settings"), dict)
-            or not isinstance(current.get("version"), int)
-        ):
-            raise StateFormatError("GET settings: expected {settings: {...}, version: N}")
-    except (HttpFailure, StateFormatError) as err:
-        res.message = str(err)
-        return res
-    res.old, res.version = current["settings"], current["version"]
-    try:
-        if callable(change):
-            produced = change(Settings.model_validate(res.old))
-        else:
-            produced = change
+        produced = change(Settings.model_validate(old)) if callable(change) else change
         if produced is None:
             res.result, res.message = "skipped", "nothing to change"
-            return res
+            return None
         if isinstance(produced, Settings):
             produced = produced.to_dict()
         if not isinstance(produced, Mapping):
@@ -100,11 +92,50 @@ async def _apply_one(
         engine = produced.get("engine")
         if not isinstance(engine, Mapping):
             engine = {}
-        produced = {**produced, "engine": {**res.old.get("engine", {}), **engine}}
-        new_doc = Settings.model_validate(produced).to_dict()  # validate before sending
+        produced = {**produced, "engine": {**old.get("engine", {}), **engine}}
+        new_doc: dict[str, Any] = Settings.model_validate(produced).to_dict()  # validated first
     except (ValidationError, ValueError, KeyError, AttributeError) as err:
         res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
         res.new = dict(produced) if isinstance(produced, Mapping) else None
+        return None
+    return new_doc
+
+
+def _refused(
+    res: ApplyResult, put: Answer, answer: Any, spec: ReplicaSpec, token: str | None
+) -> None:
+    """``res`` for a PUT the replica did not answer 200: rejected (a 4xx) or error, with its
+    reason."""
+    reason = answer.get("error") if isinstance(answer, dict) else None
+    reason = reason or put.text.strip()[:200] or put.reason_phrase
+    res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
+    res.message = f"HTTP {put.status_code}: {reason}"
+    if put.status_code in (401, 403) and not token:
+        res.message += (
+            f" (no token: set ${spec.token_env})"
+            if spec.token_env
+            else " (no token_env in the cluster file)"
+        )
+
+
+async def _apply_one(
+    client: PollingClient,
+    cluster: ClusterSpec,
+    spec: ReplicaSpec,
+    change: SettingsChange,
+    wait_s: float,
+) -> ApplyResult:
+    base = control_base(spec) + "/settings"
+    timeout = cluster.timeout_s
+    res = ApplyResult(spec.name, "error", "")
+    try:
+        current = await _current_settings(client, base, timeout, spec)
+    except (HttpFailure, StateFormatError) as err:
+        res.message = str(err)
+        return res
+    res.old, res.version = current["settings"], current["version"]
+    new_doc = _new_document(res, change)
+    if new_doc is None:
         return res
     res.new = new_doc
     headers = {"If-Match": str(res.version)}
@@ -123,16 +154,7 @@ async def _apply_one(
     except (json.JSONDecodeError, UnicodeDecodeError):
         answer = None
     if put.status_code != 200:
-        reason = answer.get("error") if isinstance(answer, dict) else None
-        reason = reason or put.text.strip()[:200] or put.reason_phrase
-        res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
-        res.message = f"HTTP {put.status_code}: {reason}"
-        if put.status_code in (401, 403) and not token:
-            res.message += (
-                f" (no token: set ${spec.token_env})"
-                if spec.token_env
-                else " (no token_env in the cluster file)"
-            )
+        _refused(res, put, answer, spec, token)
         return res
     if not isinstance(answer, dict) or not isinstance(answer.get("version"), int):
         res.message = "PUT settings: the answer is not {settings, version}"

@@ -80,7 +80,8 @@ class StrictLoader(yaml.SafeLoader):
                         f"duplicate key {key!r} (first on line {first.start_mark.line + 1})",
                         key_node.start_mark,
                     )
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def load(text: str) -> Any:
@@ -89,7 +90,8 @@ def load(text: str) -> Any:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the settings JSON in a ConfigMap) as literal blocks, readable in kubectl."""
+    """Multi-line strings (the settings JSON in a ConfigMap) as literal blocks, readable in
+    kubectl."""
 
 
 # Plain scalars another YAML reader could take for a number, a boolean or null (YAML 1.1 or 1.2;
@@ -101,7 +103,7 @@ _AMBIGUOUS = re.compile(
 )
 
 
-def _str_representer(dumper: yaml.SafeDumper, value: str):
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
     if "\n" in value:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
     if _AMBIGUOUS.match(value):
@@ -112,10 +114,10 @@ def _str_representer(dumper: yaml.SafeDumper, value: str):
 _Dumper.add_representer(str, _str_representer)
 
 
-def dump(doc: dict, header: Sequence[str] = ()) -> str:
+def dump(doc: dict[str, Any], header: Sequence[str] = ()) -> str:
     """``doc`` as YAML (see the module docstring), after ``header``'s lines as ``#`` comments
     wrapped at 96 characters (an empty line: a bare ``#``)."""
-    body = yaml.dump(
+    body: str = yaml.dump(
         doc,
         Dumper=_Dumper,
         sort_keys=False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -92,9 +93,10 @@ def cluster_totals(rows: Sequence[SampleRow]) -> dict[str, float | int | None]:
     }
 
 
-def breaker_note(trips: int | None, breaker: Mapping | None = None) -> str | None:
+def breaker_note(trips: int | None, breaker: Mapping[str, Any] | None = None) -> str | None:
     """A note like ``breaker tripped 2× (last: ValueError: ...; v3 → vLLM's stock order)`` when the
-    replica's circuit breaker has tripped (``breaker``: the /state document's, for the details), else None."""
+    replica's circuit breaker has tripped (``breaker``: the /state document's, for the details),
+    else None."""
     if not trips:
         return None
     note = f"breaker tripped {trips}×"
@@ -107,7 +109,8 @@ def breaker_note(trips: int | None, breaker: Mapping | None = None) -> str | Non
 
 
 def rejected_note(rejected: Mapping[str, int] | None) -> str | None:
-    """A note like ``not stored as sent: duplicate_id 1, out_of_range 2`` (storage.limits.REASONS), else None."""
+    """A note like ``not stored as sent: duplicate_id 1, out_of_range 2`` (storage.limits.REASONS),
+    else None."""
     if not rejected:
         return None
     return "not stored as sent: " + ", ".join(
@@ -188,7 +191,7 @@ def status_table(
     return table
 
 
-def sample_json(rows: Sequence[SampleRow]) -> dict:
+def sample_json(rows: Sequence[SampleRow]) -> dict[str, Any]:
     """The status document of ``tailpilot status --json``: every replica row and the totals."""
     return {
         "replicas": [asdict(r) for r in sorted(rows, key=lambda r: r.replica)],
@@ -199,7 +202,7 @@ def sample_json(rows: Sequence[SampleRow]) -> dict:
 ALERT_LABELS = {"scr": "SCR", "jfi": "JFI", "type_fairness": "type fairness"}
 
 
-def _alert_figures(governance: Mapping) -> dict[str, object]:
+def _alert_figures(governance: Mapping[str, Any]) -> dict[str, object]:
     # The figure each alert judges: JFI's alert acts on the suppression-aware ``jfi``, never
     # ``jfi_seed`` (docs/governance.md).
     return {
@@ -213,7 +216,7 @@ def _ordered(alerts: Mapping[str, str]) -> list[tuple[str, str]]:
     return sorted(alerts.items(), key=lambda kv: (kv[1] != "critical", kv[0]))
 
 
-def alert_text(governance: Mapping | None) -> Text:
+def alert_text(governance: Mapping[str, Any] | None) -> Text:
     """One line: the firing governance alerts with their figures (the TUI's alert bar), or
     "no alerts"; then the pending ones (condition holding, not yet for ``alerts.for_s``); empty
     when the cluster is not governed."""
@@ -247,7 +250,7 @@ def alert_text(governance: Mapping | None) -> Text:
     return out
 
 
-def figures_text(governance: Mapping, sep: str = "   ") -> str:
+def figures_text(governance: Mapping[str, Any], sep: str = "   ") -> str:
     """SCR, JFI beside JFI (seed), type fairness and the request count, as one line. JFI is the
     suppression-aware figure the alerts and the governor act on; JFI (seed) the seed's literal
     one, reported only."""
@@ -262,7 +265,7 @@ def figures_text(governance: Mapping, sep: str = "   ") -> str:
     )
 
 
-def is_over_consumer(governance: Mapping, tenant: str) -> bool:
+def is_over_consumer(governance: Mapping[str, Any], tenant: str) -> bool:
     """ω < 1: the tenant uses more than its commitment (the report's ``over_consumers``; an older
     stored window without it: from ω itself)."""
     over = governance.get("over_consumers")
@@ -272,7 +275,7 @@ def is_over_consumer(governance: Mapping, tenant: str) -> bool:
     return omega is not None and omega < 1.0
 
 
-def omega_text(governance: Mapping, tenant: str) -> Text:
+def omega_text(governance: Mapping[str, Any], tenant: str) -> Text:
     """A tenant's ω = min(C/U, α), "0.4 over" (bold) for an over-consumer; "—" when not reported."""
     omega = ((governance.get("tenants") or {}).get(tenant) or {}).get("omega")
     if omega is None:
@@ -282,7 +285,7 @@ def omega_text(governance: Mapping, tenant: str) -> Text:
     return Text(fmt_figure(omega, 2))
 
 
-def waiting_text(figures: Mapping) -> Text:
+def waiting_text(figures: Mapping[str, Any]) -> Text:
     """What a tenant still has waiting at the window's end: "3 ≥12.00s" (its requests waiting, and
     how long at least they have waited), "starved …" in red when nothing of it completed; "—" when
     nothing waits."""
@@ -294,7 +297,7 @@ def waiting_text(figures: Mapping) -> Text:
     return Text(text)
 
 
-def _waiting(figures: Mapping) -> str:
+def _waiting(figures: Mapping[str, Any]) -> str:
     """ "3 waiting ≥12.00s": a tenant's requests waiting, and a lower bound of how long."""
     waited = figures.get("waited_s")
     return f"{figures.get('waiting') or 0:,} waiting" + (
@@ -302,7 +305,7 @@ def _waiting(figures: Mapping) -> str:
     )
 
 
-def governance_notes(governance: Mapping) -> Text | None:
+def governance_notes(governance: Mapping[str, Any]) -> Text | None:
     """One line naming the over-consumers (ω < 1) and the starved tenants (requests waiting,
     nothing completed), or None when there are neither."""
     tenants = governance.get("tenants") or {}
@@ -322,17 +325,17 @@ def governance_notes(governance: Mapping) -> Text | None:
     return out
 
 
-def fmt_target(figures: Mapping, key: str) -> str:
+def fmt_target(figures: Mapping[str, Any], key: str) -> str:
     """A tenant's figure against its target, "2.40s/1.00s" (the figure alone without a target)."""
     value = fmt_seconds(figures.get(key))
     limit = (figures.get("limits") or {}).get(key)
     return value if limit is None else f"{value}/{fmt_seconds(limit)}"
 
 
-def governance_lines(governance: Mapping | None) -> list[Text]:
-    """What ``tailpilot status`` prints under the table: the alert line (firing, then pending),
-    SCR, JFI and JFI (seed), type fairness, the over-consumers and starved tenants, and per tenant
-    its TTFT quantiles against its targets, throughput, service ratio (JFI's x), ω and what waits."""
+def governance_lines(governance: Mapping[str, Any] | None) -> list[Text]:
+    """What ``tailpilot status`` prints under the table: the alert line (firing, then pending), SCR,
+    JFI and JFI (seed), type fairness, the over-consumers and starved tenants, and per tenant its
+    TTFT quantiles against its targets, throughput, service ratio (JFI's x), ω and what waits."""
     if not governance:
         return []
     lines = [alert_text(governance), Text(figures_text(governance))]
@@ -361,7 +364,7 @@ def governance_lines(governance: Mapping | None) -> list[Text]:
     return lines
 
 
-def governor_notes(status: Mapping | None) -> list[str]:
+def governor_notes(status: Mapping[str, Any] | None) -> list[str]:
     """What a governor's status says beyond its modes (``modes_text`` covers those and changes
     kept after ``disarm --keep``): the tenants each active mode throttles, and why a mode whose
     figure is low was not entered (``held``)."""

@@ -65,7 +65,8 @@ class ReplicaWindow:
         return out
 
     def _code(self, kind: str, name: str) -> int:
-        """``name``'s code in column ``kind``: its own while fewer than the cap are kept, else OTHER_GROUP's."""
+        """``name``'s code in column ``kind``: its own while fewer than the cap are kept, else
+        OTHER_GROUP's."""
         codes = self._codes[kind]
         code = codes.get(name)
         if code is not None:

@@ -1,5 +1,5 @@
-"""The one settings model (docs/policies.md#settings-document), shared by the plugin, the control API, the simulator,
-the TUI, the tuner and export.
+"""The one settings model (docs/policies.md#settings-document), shared by the plugin, the control
+API, the simulator, the TUI, the tuner and export.
 
 A settings document names a policy, that policy's parameters, which parameters are pinned
 (never moved by adaptation or by an applied recommendation) and the engine limits:
@@ -13,6 +13,8 @@ Every error names the field it is about (``params.gamma``, ``engine.max_num_seqs
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, Literal
@@ -199,7 +201,8 @@ class VtcParams(_Strict):
         for tenant, w in weights.items():
             if not MIN_SHARE <= w <= MAX_WEIGHT:
                 raise ValueError(
-                    f"weight of tenant {tenant!r} must be in [{MIN_SHARE:g}, {MAX_WEIGHT:g}], got {w}"
+                    f"weight of tenant {tenant!r} must be in [{MIN_SHARE:g}, {MAX_WEIGHT:g}], "
+                    f"got {w}"
                 )
         return weights
 
@@ -220,7 +223,7 @@ class QuantileSlo(_Strict):
         given = [(q, getattr(self, q)) for q in QUANTILES if getattr(self, q) is not None]
         if not given:
             raise ValueError("give at least one of p50, p90, p99 (seconds)")
-        for (q1, v1), (q2, v2) in zip(given, given[1:]):
+        for (q1, v1), (q2, v2) in itertools.pairwise(given):
             if v1 > v2:
                 raise ValueError(f"{q1} ({v1:g} s) must not exceed {q2} ({v2:g} s)")
         return self
@@ -465,8 +468,6 @@ def describe_error(err: Exception) -> str:
 
 def parse_assignment(text: str) -> tuple[str, Any]:
     """Parse a CLI ``name=value`` into (name, value) with JSON-ish typing (8 → 8, on → True)."""
-    import json
-
     if "=" not in text:
         raise ValueError(f"--set {text!r}: expected name=value")
     name, raw = text.split("=", 1)

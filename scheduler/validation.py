@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import ValidationError
 
 
-def field_path(loc: tuple, root: str = "document") -> str:
-    """('clusters', 0, 'replicas', 1, 'api_url') -> 'clusters[0].replicas[1].api_url' (``root`` if empty)."""
+def field_path(loc: tuple[int | str, ...], root: str = "document") -> str:
+    """('clusters', 0, 'replicas', 1, 'api_url') -> 'clusters[0].replicas[1].api_url' (``root``
+    if empty)."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

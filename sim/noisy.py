@@ -15,7 +15,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from scheduler.settings import Settings
 from sim import traces as tr
+from sim.engine import EngineConfig, simulate
 
 TENANTS = ("a", "b", "noisy")
 
@@ -74,8 +76,8 @@ def noisy_neighbour(
 
 
 def capacity(
-    config,
-    settings,
+    config: EngineConfig | None,
+    settings: Settings,
     *,
     n: int = 2000,
     seed: int = 3,
@@ -83,8 +85,6 @@ def capacity(
     output_scale: float = 1.0,
 ) -> float:
     """Completions per second of about ``n`` requests of the scenario's lengths sent at once."""
-    from sim.engine import simulate
-
     trace, _ = noisy_neighbour(
         capacity_req_s=n / 30.0,
         seed=seed,

@@ -10,8 +10,9 @@
 Coefficient sets are kept per (GPU, model, TP) in :data:`COEFFICIENT_SETS`.  The default set
 (A100-80GB, Llama-3-8B, TP1) is derived below from public hardware and model facts (written out
 next to the coefficients, with their sources) and the measured vidur profile
-``traces/profiles/vidur_a100_llama3_8b_mlp.csv``; every coefficient says which fact it comes from.  ``benchmarks/derive_step_coefficients.py``
-recomputes the two profile-based coefficients (b, d) from the CSV.  For a live deployment the
+``traces/profiles/vidur_a100_llama3_8b_mlp.csv``; every coefficient says which fact it comes
+from.  ``benchmarks/derive_step_coefficients.py`` recomputes the two profile-based coefficients
+(b, d) from the CSV.  For a live deployment the
 ground truth is the replica's own step log: :func:`fit_step_model` fits all five coefficients
 to it (what ``tailpilot calibrate`` does).
 """
@@ -24,6 +25,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -53,7 +55,8 @@ __all__ = [
 #: Coefficient field names, in the order of the model's terms.
 COEFFICIENTS: tuple[str, ...] = ("a", "b", "c", "d", "e")
 
-#: What each coefficient multiplies, as a unit ("s per prefill token"): for error messages and reports.
+#: What each coefficient multiplies, as a unit ("s per prefill token"): for error messages and
+#: reports.
 COEF_MEANING: dict[str, str] = {
     "a": "s per step",
     "b": "s per prefill token",
@@ -121,12 +124,12 @@ class StepTimeModel:
         """Convenience: step time from the chunk lengths and the decoders' KV context lengths."""
         return self.step_time(
             sum(prefill_chunk_lens),
-            sum(l * l for l in prefill_chunk_lens),
+            sum(n * n for n in prefill_chunk_lens),
             len(decode_kv_contexts),
             sum(decode_kv_contexts),
         )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "source": self.source,
@@ -134,7 +137,7 @@ class StepTimeModel:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> StepTimeModel:
+    def from_dict(cls, data: dict[str, Any]) -> StepTimeModel:
         if not isinstance(data, dict):
             raise TypeError(f"expected a dict, got {type(data).__name__}")
         missing = [key for key in COEFFICIENTS if key not in data]
@@ -268,7 +271,8 @@ _H100_DECODE_SPEEDUP = (H100_MFU_DECODE * H100_PEAK_BF16_FLOPS) / (
 H100_LLAMA3_8B_TP1 = StepTimeModel(
     # a = 16.06 GB of weights at 0.813 × 3.35 TB/s → 5.89 ms.
     a=LLAMA3_8B_WEIGHT_BYTES / (ACHIEVED_HBM_FRACTION * H100_HBM_BYTES_PER_S),
-    # b = A100 profile slope / (0.45 × 989.5 TFLOP/s ÷ 0.38 × 312 TFLOP/s = 3.756) → 1.773e-5 s/token.
+    # b = A100 profile slope / (0.45 × 989.5 TFLOP/s ÷ 0.38 × 312 TFLOP/s = 3.756)
+    #   → 1.773e-5 s/token.
     b=_A100_B / _H100_PREFILL_SPEEDUP,
     # c = 262,144 FLOP per l² at 0.45 × 989.5 TFLOP/s → 5.887e-10 s/token².
     c=(
@@ -361,7 +365,7 @@ def register(model: StepTimeModel, *, overwrite: bool = False) -> StepTimeModel:
     return model
 
 
-def save_model(model: StepTimeModel, path: str | os.PathLike) -> None:
+def save_model(model: StepTimeModel, path: str | os.PathLike[str]) -> None:
     """Write ``model`` as JSON (atomically: a temporary file renamed over ``path``)."""
     doc = {"format": _FORMAT, **model.as_dict()}
     path = os.fspath(path)
@@ -372,7 +376,7 @@ def save_model(model: StepTimeModel, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def load_model(path: str | os.PathLike) -> StepTimeModel:
+def load_model(path: str | os.PathLike[str]) -> StepTimeModel:
     """Read a model written by :func:`save_model` (it is not registered; see :func:`register`).
     ValueError naming the file when it cannot be read or is not such a document."""
     try:
@@ -484,7 +488,7 @@ def fit_step_model(
     default: StepTimeModel | None = None,
     relative: bool = True,
     strict: bool = False,
-) -> tuple[StepTimeModel, dict]:
+) -> tuple[StepTimeModel, dict[str, Any]]:
     """Fit the five coefficients to observed steps by non-negative least squares.
 
     ``rows``: (duration_s, prefill_tokens, sum_prefill_sq, decode_seqs, sum_kv_context) per step.
@@ -501,6 +505,8 @@ def fit_step_model(
     Returns the model and a report ``{n, rmse_s, mape, r2, a, b, c, d, e, undetermined,
     at_zero, relative}``.
     """
+    # Measured start-up cost: scipy.optimize adds ~120 ms to every importer of sim.engine, and
+    # only fitting needs it.
     from scipy.optimize import nnls
 
     try:

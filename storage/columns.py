@@ -33,7 +33,8 @@ SAMPLE_FIELDS: tuple[str, ...] = (
 )  # fmt: skip
 # The float ones among them: like the percentiles, NaN or ±inf there is stored as NULL.
 SAMPLE_FLOAT_FIELDS: tuple[str, ...] = (
-    "kv_usage", "gamma_live", "beta_live", "throughput_tok_s", "throughput_req_s", "preemptions_per_s",
+    "kv_usage", "gamma_live", "beta_live", "throughput_tok_s", "throughput_req_s",
+    "preemptions_per_s",
 )  # fmt: skip
 COMPLETION_FIELDS: tuple[str, ...] = (
     "request_id", "tenant", "type", "arrival_s", "first_token_s", "finished_s", "prompt_tokens",
@@ -50,7 +51,8 @@ _latency_values = attrgetter(*PERCENTILE_FIELDS)
 
 
 def finite_or_none(value: float | None) -> float | None:
-    """NaN and ±inf as None: a nullable float column stores them as NULL, which every reader understands.
+    """NaN and ±inf as None: a nullable float column stores them as NULL, which every reader
+    understands.
 
     Storage's own copy of ``scheduler.validation.finite_or_none``: storage imports nothing of the
     project (``tests/test_layers.py``). It also differs on purpose: it runs per row on the ingest
@@ -60,7 +62,8 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 def _all_finite(values: tuple[Any, ...], also: float | None = None) -> bool:
-    """No NaN or ±inf among ``values`` and ``also`` (None allowed). False may also mean an overflow."""
+    """No NaN or ±inf among ``values`` and ``also`` (None allowed). False may also mean an
+    overflow."""
     # One pass in C: a sum is finite only if every term is; an overflow merely takes the slow path.
     return math.isfinite(sum(filter(None, values), also or 0.0))
 
@@ -93,7 +96,8 @@ def group_sample_params(r: GroupSampleRow, replica_id: int) -> dict[str, Any]:
 
 
 def completion_params(c: CompletionRow, replica_id: int, stored_ms: int) -> dict[str, Any]:
-    """Insert parameters for one completion of the replica ``replica_id``, received at ``stored_ms``."""
+    """Insert parameters for one completion of the replica ``replica_id``, received at
+    ``stored_ms``."""
     return {
         "replica_id": replica_id,
         "request_id": c.request_id,

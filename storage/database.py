@@ -1,4 +1,5 @@
-"""``Database``: the one connection to tailpilot's database that every repository of the store shares.
+"""``Database``: the one connection to tailpilot's database that every repository of the store
+shares.
 
 It owns the SQLAlchemy engine and knows everything about the backend that the repositories should
 not: how a URL is read (``storage.engine``), opening and migrating, transactions, what a driver's
@@ -51,7 +52,8 @@ class StoreOpenError(StoreError):
 
 
 class StoreBusy(StoreError):
-    """A write found the database locked until its deadline. Nothing was written: keep the batch, retry."""
+    """A write found the database locked until its deadline. Nothing was written: keep the batch,
+    retry."""
 
 
 class StoreCorrupt(StoreError):
@@ -114,7 +116,8 @@ class Database:
         shown = _where(parsed)
         if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
             raise StoreOpenError(
-                f"cannot open store at {shown}: only {' and '.join(SUPPORTED_BACKENDS)} are supported"
+                f"cannot open store at {shown}: "
+                f"only {' and '.join(SUPPORTED_BACKENDS)} are supported"
             )
         if busy_timeout_ms is None:
             busy_timeout_ms = int(min(engines.DEFAULT_BUSY_TIMEOUT_MS, write_deadline_s * 1000))
@@ -190,8 +193,8 @@ class Database:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreBusy(
-                        f"{engines.redact(self.engine.url)} stayed locked for {self.write_deadline_s:g} s; "
-                        f"nothing was written ({exc.orig})"
+                        f"{engines.redact(self.engine.url)} stayed locked for "
+                        f"{self.write_deadline_s:g} s; nothing was written ({exc.orig})"
                     ) from exc
                 self.busy_retries += 1
                 time.sleep(min(left, next(delays)))
@@ -202,7 +205,8 @@ class Database:
                 ) from None
 
     def _raise_if_damaged(self, exc: DBAPIError) -> None:
-        """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is damaged."""
+        """Raise :class:`StoreCorrupt`, naming the file, if ``exc`` says the database file is
+        damaged."""
         damage = _damage(exc)
         if damage is not None:
             raise StoreCorrupt(f"{_where(self.engine.url)}: {damage}") from exc
@@ -214,15 +218,17 @@ class Database:
         return conn
 
 
-# ---------------------------------------------------------------------- what the driver's errors mean
+# -------------------------------------------------------------------- what the driver's errors mean
 
 
 def _parse_url(url: str | None) -> URL:
     try:
         return engines.normalize_url(url)
     except Exception as exc:  # a malformed URL: the exception text may hold the password
-        raise StoreOpenError(f"cannot open store at {engines.redact(url)}: not a valid database URL "
-                             f"({type(exc).__name__})") from None  # fmt: skip
+        raise StoreOpenError(
+            f"cannot open store at {engines.redact(url)}: not a valid database URL "
+            f"({type(exc).__name__})"
+        ) from None
 
 
 def _where(url: URL) -> str:
@@ -237,7 +243,8 @@ _SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 
 
 def _damage(exc: DBAPIError) -> str | None:
-    """What is wrong with the file if ``exc`` reports a damaged or foreign database file, else None."""
+    """What is wrong with the file if ``exc`` reports a damaged or foreign database file, else
+    None."""
     code = getattr(exc.orig, "sqlite_errorcode", None)
     if code is None:
         return None

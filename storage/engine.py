@@ -1,4 +1,5 @@
-"""Engine factory: a SQLite file by default, any SQLAlchemy URL (PostgreSQL via psycopg 3) when shared.
+"""Engine factory: a SQLite file by default, any SQLAlchemy URL (PostgreSQL via psycopg 3) when
+shared.
 
 SQLite is tuned for one writer (the collector) beside readers (TUI, ``tailpilot status``), set on
 every new DBAPI connection by a ``connect`` event because these settings are per connection:
@@ -12,9 +13,9 @@ every new DBAPI connection by a ``connect`` event because these settings are per
 
 The Python ``sqlite3`` driver's own transaction handling is switched off (``isolation_level=None``)
 and SQLAlchemy's ``begin`` event emits ``BEGIN`` itself: plain ``BEGIN`` for reads, ``BEGIN
-IMMEDIATE`` for connections marked ``execution_options(sqlite_immediate=True)`` (the store's writes),
-which take the write lock up front, so a write transaction that has read something never hits the
-"cannot upgrade a read snapshot" busy error that no waiting can cure.
+IMMEDIATE`` for connections marked ``execution_options(sqlite_immediate=True)`` (the store's
+writes), which take the write lock up front, so a write transaction that has read something never
+hits the "cannot upgrade a read snapshot" busy error that no waiting can cure.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def normalize_url(url: str | None) -> URL:
     """Turn what an operator typed into a SQLAlchemy URL.
 
     ``None`` is ``tailpilot.db`` in the current directory; anything without ``://`` is a filesystem
-    path to a SQLite file; ``postgres://`` and ``postgresql://`` mean psycopg 3, the driver tailpilot
-    depends on (SQLAlchemy's default for them, psycopg2, is not installed).
+    path to a SQLite file; ``postgres://`` and ``postgresql://`` mean psycopg 3, the driver
+    tailpilot depends on (SQLAlchemy's default for them, psycopg2, is not installed).
     """
     if url is None:
         return URL.create("sqlite", database=str(Path.cwd() / DEFAULT_SQLITE_FILE))
@@ -54,7 +55,8 @@ def normalize_url(url: str | None) -> URL:
 
 
 class DatabaseMissing(LookupError):
-    """A command that only reads named a SQLite file that does not exist; the message names the path."""
+    """A command that only reads named a SQLite file that does not exist; the message names the
+    path."""
 
 
 def require_existing(url: str | None) -> None:
@@ -117,7 +119,8 @@ def sqlite_pragmas(
     store and the tuner's Optuna storage both open their connections through this."""
     cur = dbapi_conn.cursor()
     try:
-        # The timeout first: switching a fresh file to WAL needs a lock that a racing opener may hold.
+        # The timeout first: switching a fresh file to WAL needs a lock that a racing opener may
+        # hold.
         if busy_timeout_ms is not None:
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         cur.execute("PRAGMA journal_mode=WAL")

@@ -1,4 +1,5 @@
-"""``GovernanceRepository``: a cluster's governance windows, alert events, and its controllers' control rows.
+"""``GovernanceRepository``: a cluster's governance windows, alert events, and its controllers'
+control rows.
 
 The collector writes governance windows (multi-tenant figures: SCR, JFI, type fairness) and alert
 transitions with its batches (``RecordingRepository.write``); this reads them back. The governor and
@@ -8,7 +9,7 @@ that and when, and the controller's own status — which the TUI and the CLI rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection, select
 
@@ -20,17 +21,19 @@ ControlModel = type[GovernorControl] | type[AutopilotControl]
 
 
 class GovernanceRepository:
-    """Governance windows and alert events per cluster; the governor's and the autopilot's control rows."""
+    """Governance windows and alert events per cluster; the governor's and the autopilot's control
+    rows."""
 
     # A control row as read when none was written: dry-run, not paused.
-    CONTROL_DEFAULT: dict[str, Any] = {"state": "dry-run", "paused": False, "who": None, "updated_ms": None,
-                                       "status": None}  # fmt: skip
+    CONTROL_DEFAULT: ClassVar[dict[str, Any]] = {
+        "state": "dry-run", "paused": False, "who": None, "updated_ms": None, "status": None,
+    }  # fmt: skip
     CONTROL_STATES = ("armed", "dry-run", "disarmed")
 
     def __init__(self, database: Database) -> None:
         self.database = database
 
-    # ------------------------------------------------------------------ governance windows and alerts
+    # ---------------------------------------------------------------- governance windows and alerts
 
     def windows(
         self,

@@ -10,10 +10,10 @@ key or a required figure cannot be stored is skipped, and each is counted by rea
 
 The ranges are the columns' own: ``Integer`` holds what PostgreSQL's INTEGER holds (SQLite holds
 more; the store keeps what every backend can hold and read back), ``BigInteger`` what BIGINT holds,
-``String(n)`` n characters; :mod:`storage.models` takes its widths from here, and a test checks every
-column against :func:`int_range` / :func:`text_length`. PostgreSQL refuses a NUL in text and a lone
-surrogate anywhere, so both are refused on every backend. This module imports no SQLAlchemy: the
-collector (``tailpilot status``) fits rows without loading the database layer.
+``String(n)`` n characters; :mod:`storage.models` takes its widths from here, and a test checks
+every column against :func:`int_range` / :func:`text_length`. PostgreSQL refuses a NUL in text and a
+lone surrogate anywhere, so both are refused on every backend. This module imports no SQLAlchemy:
+the collector (``tailpilot status``) fits rows without loading the database layer.
 
 Tenant and request-type names come from clients: they are bounded in length
 (:data:`MAX_GROUP_NAME_CHARS`) and in number per window (:data:`MAX_GROUPS_PER_WINDOW`), the rest
@@ -30,7 +30,7 @@ from typing import Any
 
 from storage.rows import CompletionRow, SampleRow
 
-# --- bounds on names (one place: the collector's window, the store's group rows, the page) -----------
+# --- bounds on names (one place: the collector's window, the store's group rows, the page) --------
 
 #: A tenant or request-type name longer than this is folded into OTHER_GROUP. Real names are short
 #: identifiers (an API key's owner, "chat"); 100 is the type column's width (TYPE_CHARS; the
@@ -41,10 +41,11 @@ MAX_GROUP_NAME_CHARS = 100
 #: per group are one row per group per poll in the store, so a client sending a new name on every
 #: request must not multiply the rows (or the series) with them.
 MAX_GROUPS_PER_WINDOW = 100
-#: The group that holds everything beyond those bounds (a legitimate tenant named "other" shares it).
+#: The group that holds everything beyond those bounds (a legitimate tenant named "other" shares
+#: it).
 OTHER_GROUP = "other"
 
-# --- why a value was not stored as sent (the label of the counts per replica) -----------------------
+# --- why a value was not stored as sent (the label of the counts per replica) ---------------------
 
 MALFORMED = "malformed"  # not the documented shape (a missing id, a string for a count, ...)
 OUT_OF_RANGE = "out_of_range"  # an integer beyond its column's range
@@ -68,7 +69,7 @@ REASONS: tuple[str, ...] = (
 INT32_RANGE = (-(2**31), 2**31 - 1)  # Integer columns (PostgreSQL INTEGER)
 INT64_RANGE = (-(2**63), 2**63 - 1)  # BigInteger columns (PostgreSQL BIGINT, SQLite INTEGER)
 
-# --- the widths of the text columns a replica's values go to (storage.models uses these) -------------
+# --- the widths of the text columns a replica's values go to (storage.models uses these) ----------
 
 REQUEST_ID_CHARS = 200  # completions.request_id: vLLM's ids are ~40 characters
 TENANT_CHARS = 200  # completions.tenant
@@ -77,7 +78,8 @@ REASON_CHARS = 50  # completions.reason: "finished", "aborted", "length", ...
 POLICY_CHARS = 100  # samples.policy
 INSTANCE_CHARS = 64  # collector_cursors.instance, settings_seen.instance: a uuid4 hex is 32
 
-# The integer columns a replica's values go to, by range (test_storage checks them against the models).
+# The integer columns a replica's values go to, by range (test_storage checks them against the
+# models).
 INT32_COLUMNS: dict[str, tuple[str, ...]] = {
     "completions": (
         "prompt_tokens",
@@ -154,7 +156,7 @@ def _strings(doc: Any) -> Iterator[str]:
             stack.extend(item)
 
 
-# --- fitting rows ---------------------------------------------------------------------------------------
+# --- fitting rows ---------------------------------------------------------------------------------
 
 _COMPLETION_REQUIRED_INTS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens")
 #: The settings version of a settings_seen row and of an audit row (both Integer columns).

@@ -60,7 +60,8 @@ NAMING_CONVENTION = {
 
 RowId = BigInteger().with_variant(Integer(), "sqlite")
 Json = JSON().with_variant(JSONB(), "postgresql")
-# A JSON column where Python None is SQL NULL (not the JSON text 'null'): a column that is empty nearly always.
+# A JSON column where Python None is SQL NULL (not the JSON text 'null'): a column that is empty
+# nearly always.
 NullableJson = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 # Gauges folded into rollups as mean and max (see storage.retention); the percentile columns too.
 SAMPLE_GAUGES: tuple[str, ...] = (
@@ -162,7 +163,8 @@ class GroupSample(_Percentiles, Base):
 
 
 class Completion(Base):
-    """One finished request (CompletionRow). Unique per (replica, request_id): re-delivery is a no-op."""
+    """One finished request (CompletionRow). Unique per (replica, request_id): re-delivery is a
+    no-op."""
 
     __tablename__ = "completions"
     __table_args__ = (
@@ -184,9 +186,11 @@ class Completion(Base):
     recomputed_tokens: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(String(REASON_CHARS))
     stored_ms: Mapped[int] = mapped_column(BigInteger)  # the store's clock: retention only
-    # The client's cap (migration 0003); None for rows stored before it and replicas that do not report it.
+    # The client's cap (migration 0003); None for rows stored before it and replicas that do not
+    # report it.
     max_tokens: Mapped[int | None] = mapped_column(Integer)
-    # When the engine core got it (migration 0006; arrival_s is the API server's); None: not reported.
+    # When the engine core got it (migration 0006; arrival_s is the API server's); None: not
+    # reported.
     received_s: Mapped[float | None] = mapped_column(Float)
 
 
@@ -208,7 +212,8 @@ class SettingsSeen(Base):
     """A replica's settings document as the collector first saw it at a new version or instance.
 
     The audit log holds the changes tailpilot made; this holds what every replica actually ran,
-    whoever changed it (or since start-up), so a replay shows the parameters in force at any time."""
+    whoever changed it (or since start-up), so a replay shows the parameters in force at any
+    time."""
 
     __tablename__ = "settings_seen"
     __table_args__ = (Index("ix_settings_seen_replica_t", "replica_id", "t_ms"),)
@@ -222,7 +227,8 @@ class SettingsSeen(Base):
 
 
 class SettingsChange(Base):
-    """Audit log: who tried to change which replica's settings, from what to what, and the outcome."""
+    """Audit log: who tried to change which replica's settings, from what to what, and the
+    outcome."""
 
     __tablename__ = "settings_changes"
     __table_args__ = (Index("ix_settings_changes_replica_t", "replica_id", "t_ms"),)
@@ -239,7 +245,8 @@ class SettingsChange(Base):
 
 
 class Recording(Base):
-    """A named time span of one cluster; retention keeps the data inside it (see storage.retention)."""
+    """A named time span of one cluster; retention keeps the data inside it (see
+    storage.retention)."""
 
     __tablename__ = "recordings"
 
@@ -278,7 +285,8 @@ class Prediction(Base):
 
 
 class GovernanceWindow(Base):
-    """A cluster's multi-tenant figures (SCR, JFI, type fairness, per tenant and type) over a window."""
+    """A cluster's multi-tenant figures (SCR, JFI, type fairness, per tenant and type) over a
+    window."""
 
     __tablename__ = "governance_windows"
     __table_args__ = (Index("ix_governance_windows_cluster_t", "cluster", "t_ms"),)
@@ -351,7 +359,7 @@ def _mean_max_columns(names: tuple[str, ...]) -> list[Column[Any]]:
 # The rollups are plain Core tables: their columns are generated, and only retention (Core
 # INSERT ... SELECT) and the read side touch them, so a mapped class would add nothing.
 ROLLUP_SAMPLE_COLUMNS: tuple[str, ...] = SAMPLE_GAUGES + PERCENTILE_FIELDS
-ROLLUP_GROUP_COLUMNS: tuple[str, ...] = ("completed", "throughput_tok_s") + PERCENTILE_FIELDS
+ROLLUP_GROUP_COLUMNS: tuple[str, ...] = ("completed", "throughput_tok_s", *PERCENTILE_FIELDS)
 
 # Samples older than the raw retention, folded per replica into 1-minute buckets.
 sample_rollups = Table(

@@ -74,7 +74,8 @@ class ReadingRepository:
     def sample_rollups(
         self, cluster: str, replica: str, since_ms: int | None = None, until_ms: int | None = None
     ) -> list[dict[str, Any]]:
-        """A replica's 1-minute rollups (see storage.retention) with ``minute_ms`` in the range, as dicts."""
+        """A replica's 1-minute rollups (see storage.retention) with ``minute_ms`` in the range, as
+        dicts."""
         r = sample_rollups
         stmt = (
             select(r)

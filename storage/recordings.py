@@ -1,13 +1,14 @@
-"""``RecordingRepository``: what the collector records of a cluster, where it resumes, and what is recorded.
+"""``RecordingRepository``: what the collector records of a cluster, where it resumes, and what is
+recorded.
 
-Write side (the collector): ``ensure_replicas``, then ``write(cluster, batch)`` per flush. A batch is
-written in ONE transaction with Core ``executemany`` inserts — no ORM unit of work on the hot path —
-and carries the replicas' control-API cursors, upserted in the same transaction. Completions are
-unique per (replica, request_id) and inserted with ``ON CONFLICT DO NOTHING``. Together these make a
-``kill -9`` at any moment harmless: either the batch and its cursors are stored, or neither is and
-the collector re-reads the same completions from the old cursor; re-reading ones already stored is
-a no-op. Rows must fit the columns (``storage.limits``: the collector fits every entry a replica
-sends before queuing it).
+Write side (the collector): ``ensure_replicas``, then ``write(cluster, batch)`` per flush. A batch
+is written in ONE transaction with Core ``executemany`` inserts — no ORM unit of work on the hot
+path — and carries the replicas' control-API cursors, upserted in the same transaction. Completions
+are unique per (replica, request_id) and inserted with ``ON CONFLICT DO NOTHING``. Together these
+make a ``kill -9`` at any moment harmless: either the batch and its cursors are stored, or neither
+is and the collector re-reads the same completions from the old cursor; re-reading ones already
+stored is a no-op. Rows must fit the columns (``storage.limits``: the collector fits every entry a
+replica sends before queuing it).
 
 A restarted collector resumes from ``cursor_positions`` and ``breaker_positions``. Named recordings
 (``begin_recording`` / ``end_recording``) mark spans that retention keeps; ``clusters``,
@@ -72,7 +73,8 @@ class RecordingInfo:
 
 
 class RecordingRepository:
-    """The collector's batches and cursors, named recordings, and the catalog of clusters and replicas."""
+    """The collector's batches and cursors, named recordings, and the catalog of clusters and
+    replicas."""
 
     def __init__(self, database: Database, replica_ids: ReplicaRegistry) -> None:
         self.database = database
@@ -81,7 +83,8 @@ class RecordingRepository:
     # ------------------------------------------------------------------ the collector's writes
 
     def ensure_replicas(self, cluster: str, replicas: Iterable[tuple[str, str, str]]) -> None:
-        """Register (name, api_url, control_url) replicas of ``cluster``; updates the URLs of known ones."""
+        """Register (name, api_url, control_url) replicas of ``cluster``; updates the URLs of known
+        ones."""
         now = self.database.now_ms()
         params = [
             {
@@ -163,7 +166,8 @@ class RecordingRepository:
         return {name: cursor for name, (cursor, _) in self.cursor_positions(cluster).items()}
 
     def cursor_positions(self, cluster: str) -> dict[str, tuple[int, str | None]]:
-        """Replica name -> (stored cursor, the replica instance it counts in or None if unreported)."""
+        """Replica name -> (stored cursor, the replica instance it counts in or None if
+        unreported)."""
         stmt = (
             select(Replica.name, CollectorCursor.cursor, CollectorCursor.instance)
             .join(CollectorCursor, CollectorCursor.replica_id == Replica.id)

@@ -1,4 +1,5 @@
-"""``ReplicaRegistry``: the ``replicas.id`` of each (cluster, name), registering names not seen before.
+"""``ReplicaRegistry``: the ``replicas.id`` of each (cluster, name), registering names not seen
+before.
 
 Replicas are addressed by (cluster, name) everywhere in the store's API, while the tables point at
 ``replicas.id``. Every repository that writes rows of a replica (the collector's batches, the

@@ -1,4 +1,5 @@
-"""Retention and downsampling: raw samples for hours, 1-minute rollups after that, completions for days.
+"""Retention and downsampling: raw samples for hours, 1-minute rollups after that, completions for
+days.
 
 A poll every second per replica is 86,400 sample rows a day per replica, plus one per tenant and
 type; nobody looks at last month's data at that resolution. So samples older than
@@ -15,8 +16,8 @@ What a rollup keeps, and why it cannot keep more:
   is not a function of the parts' percentiles (windows {1, 2, 3} and {4, 5, 100} have medians 2 and
   5; so do {1, 2, 3} and {2, 5, 9}; the unions' medians are 3.5 and 2.5), and the sliding windows
   overlap, so one request counts in many of them. Exact minute percentiles would need the raw
-  latencies (the completions, kept for ``completion_days``) or a mergeable sketch per window. The max
-  is the honest upper bound an operator wants ("was the tail ever this bad in that minute"); the
+  latencies (the completions, kept for ``completion_days``) or a mergeable sketch per window. The
+  max is the honest upper bound an operator wants ("was the tail ever this bad in that minute"); the
   mean is the typical level.
 
 The cut-off is rounded down to a whole minute so every minute is folded at once. Should a sample
@@ -26,14 +27,15 @@ rollup merges into the existing row: means weighted by sample counts, maxima by 
 Completions are deleted after ``completion_days`` by ``stored_ms`` — the store's clock, since a
 request's own times are on its replica's clock, which may not be the wall clock.
 
-Recordings pin their data: with ``keep_recordings`` (the default), rows of a cluster inside one of its
-recordings' spans (an open recording runs until now) are neither folded nor deleted, so a recording
-can still be replayed or turned into a trace in full months later.
+Recordings pin their data: with ``keep_recordings`` (the default), rows of a cluster inside one of
+its recordings' spans (an open recording runs until now) are neither folded nor deleted, so a
+recording can still be replayed or turned into a trace in full months later.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import (
@@ -48,7 +50,7 @@ from sqlalchemy import (
     literal,
     select,
 )
-from sqlalchemy.sql.elements import ColumnClause
+from sqlalchemy.sql.base import ReadOnlyColumnCollection
 
 from storage.database import Database
 from storage.models import (
@@ -102,7 +104,8 @@ class Retention:
         self.database = database
 
     def apply(self, now_ms: int, settings: RetentionSettings) -> RetentionReport:
-        """Fold old samples into 1-minute rollups and delete old completions (see the module docstring).
+        """Fold old samples into 1-minute rollups and delete old completions (see the module
+        docstring).
 
         Each step is its own transaction, so the collector's writes can slip in between.
         """
@@ -128,7 +131,8 @@ def completion_cutoff_ms(now_ms: int, settings: RetentionSettings) -> int:
 
 
 def fold_samples(conn: Connection, cutoff_ms: int, now_ms: int, keep_recordings: bool) -> int:
-    """Fold samples before ``cutoff_ms`` into ``sample_rollups`` and delete them; returns rows folded."""
+    """Fold samples before ``cutoff_ms`` into ``sample_rollups`` and delete them; returns rows
+    folded."""
     src = table(Sample)
     old = _expired(src.c.replica_id, src.c.t_ms, cutoff_ms, now_ms, keep_recordings)
     aggregates = {
@@ -155,8 +159,8 @@ def delete_completions(conn: Connection, cutoff_ms: int, now_ms: int, keep_recor
     return conn.execute(delete(src).where(old)).rowcount
 
 
-def _mean_max(src: Table, names: tuple[str, ...]) -> dict[str, ColumnElement]:
-    out: dict[str, ColumnElement] = {}
+def _mean_max(src: Table, names: tuple[str, ...]) -> dict[str, ColumnElement[Any]]:
+    out: dict[str, ColumnElement[Any]] = {}
     for name in names:
         out[f"{name}_mean"] = func.avg(src.c[name])
         out[f"{name}_max"] = func.max(src.c[name])
@@ -164,13 +168,14 @@ def _mean_max(src: Table, names: tuple[str, ...]) -> dict[str, ColumnElement]:
 
 
 def _expired(
-    replica_col: ColumnClause,
-    time_col: ColumnClause,
+    replica_col: ColumnElement[int],
+    time_col: ColumnElement[int],
     cutoff_ms: int,
     now_ms: int,
     keep_recordings: bool,
 ) -> ColumnElement[bool]:
-    """Rows older than the cut-off and, with ``keep_recordings``, outside every recording of their cluster."""
+    """Rows older than the cut-off and, with ``keep_recordings``, outside every recording of their
+    cluster."""
     older = time_col < cutoff_ms
     if not keep_recordings:
         return older
@@ -192,10 +197,11 @@ def _fold(
     src: Table,
     rollup: Table,
     extra_keys: tuple[str, ...],
-    aggregates: dict[str, ColumnElement],
+    aggregates: dict[str, ColumnElement[Any]],
     where: ColumnElement[bool],
 ) -> int:
-    """INSERT ... SELECT one row per (replica, minute, *extra_keys), merging into existing rollups; then delete."""
+    """INSERT ... SELECT one row per (replica, minute, *extra_keys), merging into existing rollups;
+    then delete."""
     minute = (src.c.t_ms // MINUTE_MS) * MINUTE_MS
     keys = [src.c.replica_id.label("replica_id"), minute.label("minute_ms")]
     keys += [src.c[k].label(k) for k in extra_keys]
@@ -211,10 +217,12 @@ def _fold(
     return conn.execute(delete(src).where(where)).rowcount
 
 
-def _merge_rules(rollup: Table, new, names: list[str]) -> dict[str, ColumnElement]:
+def _merge_rules(
+    rollup: Table, new: ReadOnlyColumnCollection[str, Any], names: list[str]
+) -> dict[str, ColumnElement[Any]]:
     """How a late fold merges into an existing rollup row (see the module docstring)."""
     old_n, new_n = rollup.c.n, new.n
-    rules: dict[str, ColumnElement] = {}
+    rules: dict[str, ColumnElement[Any]] = {}
     for name in names:
         old, incoming = rollup.c[name], new[name]
         if name in ("n", "n_healthy"):

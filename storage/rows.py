@@ -17,7 +17,8 @@ from typing import Any
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
 LATENCIES: tuple[str, ...] = ("ttft", "ttlt", "tbt")
-# Column names of the windowed tail percentiles, e.g. "ttft_p99" (the same names as metrics.METRICS).
+# Column names of the windowed tail percentiles, e.g. "ttft_p99" (the same names as
+# metrics.METRICS).
 PERCENTILE_FIELDS: tuple[str, ...] = tuple(f"{lat}_p{q}" for lat in LATENCIES for q in PERCENTILES)
 
 
@@ -63,8 +64,8 @@ class SampleRow:
     breaker_trips: int | None = (
         None  # the replica's circuit-breaker trips since it started; None: not reported
     )
-    # Values from the replica the collector could not store as sent, per reason (storage.limits.REASONS),
-    # since the collector started; None when there were none.
+    # Values from the replica the collector could not store as sent, per reason
+    # (storage.limits.REASONS), since the collector started; None when there were none.
     rejected: dict[str, int] | None = None
 
 
@@ -122,7 +123,8 @@ BREAKER_RESULT = "breaker"
 @dataclass(slots=True)
 class SettingsChangeRow:
     """An entry of the settings audit log written with a batch (the collector's: a replica's
-    circuit breaker tripped, ``who="engine"``); ``SettingsLog.record_settings_change`` writes the others."""
+    circuit breaker tripped, ``who="engine"``); ``SettingsLog.record_settings_change`` writes the
+    others."""
 
     replica: str
     t_ms: int
@@ -178,7 +180,8 @@ class Batch:
     alerts: list[AlertRow] = field(default_factory=list)  # cluster-level
 
     def followed_by(self, newer: Batch) -> Batch:
-        """This batch and a newer one as one: rows in order, the newer cursors (and instances) win."""
+        """This batch and a newer one as one: rows in order, the newer cursors (and instances)
+        win."""
         merged = {}
         for f in fields(Batch):
             old, new = getattr(self, f.name), getattr(newer, f.name)

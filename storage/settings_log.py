@@ -38,8 +38,8 @@ class SettingsLog:
     ) -> None:
         """Append to the settings audit log (``result``: "applied", "rejected", "error", ...)."""
         now = self.database.now_ms()
-        row = {"t_ms": now if t_ms is None else t_ms, "who": who, "old": old, "new": new, "result": result,
-               "message": message, "version": version}  # fmt: skip
+        row = {"t_ms": now if t_ms is None else t_ms, "who": who, "old": old, "new": new,
+               "result": result, "message": message, "version": version}  # fmt: skip
 
         def txn(conn: Connection) -> dict[str, int]:
             ids = self.replica_ids.ids_for(conn, cluster, {replica}, now)
@@ -51,8 +51,8 @@ class SettingsLog:
     def settings_changes(
         self, cluster: str, replica: str | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
-        """The settings audit log, newest first: dicts with t_ms, cluster, replica, who, old, new, result,
-        message, version."""
+        """The settings audit log, newest first: dicts with t_ms, cluster, replica, who, old, new,
+        result, message, version."""
         stmt = select(Replica.cluster, Replica.name.label("replica"), SettingsChange.__table__)
         stmt = stmt.join(Replica, Replica.id == SettingsChange.replica_id).where(
             Replica.cluster == cluster

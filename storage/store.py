@@ -16,13 +16,14 @@ transactions, errors, retries) and exposes one repository per area over it:
   the documents replicas ran;
 * ``store.tuner`` (:class:`~storage.tuner_results.TunerResults`): recommendations, fidelity reports,
   predictions;
-* ``store.governance`` (:class:`~storage.governance.GovernanceRepository`): governance windows, alert
-  events, the governor's and the autopilot's control rows;
+* ``store.governance`` (:class:`~storage.governance.GovernanceRepository`): governance windows,
+  alert events, the governor's and the autopilot's control rows;
 * ``store.retention`` (:class:`~storage.retention.Retention`): folding and deleting old rows.
 
-The repositories that write rows of a replica share one :class:`~storage.replica_registry.ReplicaRegistry`,
-so each replica's id is looked up once per store. Reads return plain dataclasses and dicts — never
-ORM objects tied to a session. Errors are :class:`~storage.database.StoreError` and its subclasses.
+The repositories that write rows of a replica share one
+:class:`~storage.replica_registry.ReplicaRegistry`, so each replica's id is looked up once per
+store. Reads return plain dataclasses and dicts — never ORM objects tied to a session. Errors are
+:class:`~storage.database.StoreError` and its subclasses.
 """
 
 from __future__ import annotations

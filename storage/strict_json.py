@@ -1,9 +1,10 @@
 """Strict JSON for what tailpilot stores: NaN and ±Infinity become null.
 
-Python's ``json`` writes non-finite floats as the bare tokens ``NaN`` and ``Infinity``, which are not
-JSON: PostgreSQL refuses them (``Token "Infinity" is invalid``) and SQLite stores text that its own
-JSON functions call invalid. A replica's documents may hold them, so every JSON column is written
-through :func:`dumps` (the engine's ``json_serializer``). Imports nothing beyond the standard library.
+Python's ``json`` writes non-finite floats as the bare tokens ``NaN`` and ``Infinity``, which are
+not JSON: PostgreSQL refuses them (``Token "Infinity" is invalid``) and SQLite stores text that its
+own JSON functions call invalid. A replica's documents may hold them, so every JSON column is
+written through :func:`dumps` (the engine's ``json_serializer``). Imports nothing beyond the
+standard library.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class TunerResults:
         t_ms: int,
         version: int | None = None,
     ) -> int:
-        """Keep the prediction made for a change applied to ``replica`` at ``t_ms``; returns its id."""
+        """Keep the prediction made for a change applied to ``replica`` at ``t_ms``; returns its
+        id."""
         return self._insert_for_replica(
             Prediction,
             cluster,
@@ -126,7 +127,8 @@ class TunerResults:
         )
 
     def predictions(self, cluster: str, replica: str | None = None) -> list[dict[str, Any]]:
-        """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version, summary."""
+        """Kept predictions, newest first: dicts with id, cluster, replica, t_ms, version,
+        summary."""
         stmt = (
             select(
                 Prediction.id,
@@ -152,8 +154,9 @@ class TunerResults:
 
         def txn(conn: Connection) -> int:
             rid = self.replica_ids.ids_for(conn, cluster, {replica}, now_ms)[replica]
-            return conn.execute(
+            row_id: int = conn.execute(
                 insert(model).returning(model.id), [{"replica_id": rid, **row}]
             ).scalar_one()
+            return row_id
 
         return self.database.write(txn)

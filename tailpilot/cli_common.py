@@ -5,8 +5,14 @@ The types turn a bad value into click's own one-line usage error naming the opti
 range (exit 2) before anything runs, instead of a traceback from deep in the simulator:
 
     --rate-scale 0     Error: Invalid value for '--rate-scale': 0.0 is not in the range x>0.
-    --rate-scale nan   Error: Invalid value for '--rate-scale': nan is not a finite number in the range x>0.
-    --step-model x     Error: Invalid value for '--step-model': unknown step-time model 'x'; known: ...
+    --rate-scale nan   Error: Invalid value for '--rate-scale': nan is not a finite number in the
+                       range x>0.
+    --step-model x     Error: Invalid value for '--step-model': unknown step-time model 'x'; known:
+                       ...
+
+One object per kind of value (``POSITIVE``, ``WINDOW_LENGTH``, ``REPLICA_COUNT``, ``POLICY``, ...):
+an option spelled the same in two commands takes the same type there (``tailpilot.options``,
+docs/cli.md; tests/test_cli_vocabulary.py checks it).
 
 Every ``--json`` output goes through :func:`echo_json`: strict JSON (RFC 8259), so a figure that is
 undefined (a percent change against a zero baseline, a percentile of no requests) is ``null``,
@@ -23,6 +29,7 @@ from typing import Any
 
 import click
 
+from scheduler.settings import POLICY_NAMES
 from storage.strict_json import finite
 
 # Bounds that keep derived values inside what the simulator, numpy and the store take: seeds feed
@@ -32,6 +39,7 @@ MAX_SEED = 2**31 - 1
 MAX_TOKENS = 2**31 - 1
 MAX_GPU_BLOCKS = 2**31 - 1
 MAX_TENANTS = 1_000_000
+MAX_REPLICAS = 4096  # twin replicas in one process: ports and threads, not the simulator, bound it
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -64,39 +72,69 @@ def describe_range(kind: click.FloatRange | click.IntRange) -> str:
 
 
 # Common shapes of a number option.
-POSITIVE = FiniteFloatRange(min=0, min_open=True)  # a rate, a factor, a duration
+POSITIVE = FiniteFloatRange(min=0, min_open=True)  # a rate, a factor, a speed, a duration
 NON_NEGATIVE = FiniteFloatRange(min=0)
 SEED = click.IntRange(0, MAX_SEED)
 TOKENS = click.IntRange(1, MAX_TOKENS)
 TENANTS = click.IntRange(1, MAX_TENANTS)
 GPU_BLOCKS = click.IntRange(1, MAX_GPU_BLOCKS)
+REPLICA_COUNT = click.IntRange(1, MAX_REPLICAS)
+# --from/--to: seconds from a trace's first arrival (every loader re-zeroes arrivals).
+SECONDS_INTO = FiniteFloatRange(min=0)
+# --window-s: the length of the windows a trace is judged in; below a second no percentile or SLO
+# ratio means anything.
+WINDOW_LENGTH = FiniteFloatRange(min=1)
+POLICY = click.Choice(POLICY_NAMES)
+FILE = click.Path(dir_okay=False)  # read; whether it exists is the loader's error, naming it
+OUT_FILE = click.Path(dir_okay=False, writable=True)
 
 
-class StepModelName(click.ParamType):
+class PolicyList(click.ParamType[list[str], Any]):
+    """Comma-separated policy names (``fcfs,sarathi,uniboost``), converted to a list; an unknown
+    name is a usage error listing the known ones."""
+
+    name = "policy list"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> list[str]:
+        if isinstance(value, list):  # a default, or a value converted before
+            return value
+        names = [part.strip() for part in str(value).split(",") if part.strip()]
+        for name in names:
+            if name not in POLICY_NAMES:
+                self.fail(f"unknown policy {name!r} (valid: {', '.join(POLICY_NAMES)})", param, ctx)
+        return names
+
+
+class StepModelName(click.ParamType[str, Any]):
     """The name of a step-time coefficient set (``sim.stepmodel.get_model``): a built-in one or one
     ``tailpilot calibrate`` saved. Converts to the name; an unknown one is a usage error listing
     the known names."""
 
     name = "step model"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from sim.stepmodel import get_model
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from sim.stepmodel import get_model  # start-up cost
 
         try:
             get_model(value)
         except ValueError as err:
             self.fail(str(err), param, ctx)
-        return value
+        return str(value)
 
 
-class TimeSpan(click.ParamType):
-    """``START:DURATION`` in seconds (finite, DURATION > 0), converted to ``(start, duration)``."""
+class TimeSpan(click.ParamType[tuple[float, float], Any]):
+    """``START:DURATION`` in seconds (finite, DURATION > 0), converted to ``(start, duration)``:
+    the old ``--window`` spelling of ``--from START --to START+DURATION``."""
 
     name = "START:DUR"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[float, float]:
         if isinstance(value, tuple):  # a default, or a value converted before
-            return value
+            return (float(value[0]), float(value[1]))
         try:
             start, duration = (float(part) for part in str(value).split(":"))
         except ValueError:
@@ -110,11 +148,44 @@ class TimeSpan(click.ParamType):
         return (start, duration)
 
 
+class KeyValue(click.ParamType[tuple[str, Any], Any]):
+    """``KEY=VALUE`` (``--mix FILE=FRACTION``, ``--slo FAMILY=SECONDS``, ``--label KEY=VALUE``),
+    converted to ``(key, value)`` with the value converted by ``value_type``; without an ``=`` (or
+    a key) a usage error shows the expected form and ``example``. ``last``: split at the last
+    ``=``, since a file path may hold one."""
+
+    def __init__(
+        self,
+        form: str,
+        example: str,
+        value_type: click.ParamType[Any, Any] = click.STRING,
+        *,
+        last: bool = False,
+    ) -> None:
+        self.name = form
+        self.example = example
+        self.value_type = value_type
+        self.last = last
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, Any]:
+        if isinstance(value, tuple):  # a default, or a value converted before
+            return (str(value[0]), value[1])
+        text = str(value)
+        key, sep, raw = text.rpartition("=") if self.last else text.partition("=")
+        if not sep or not key:
+            self.fail(f"{text!r}: expected {self.name} (e.g. {self.example})", param, ctx)
+        return (key, self.value_type.convert(raw, param, ctx))
+
+
+POLICY_LIST = PolicyList()
 STEP_MODEL = StepModelName()
 TIME_SPAN = TimeSpan()
 
 # What trace loaders raise besides ``sim.traces.TraceError`` on a file they cannot parse: JSON
-# nested past Python's recursion limit (the Mooncake loader), a CSV field past the csv module's limit.
+# nested past Python's recursion limit (the Mooncake loader), a CSV field past the csv module's
+# limit.
 TRACE_PARSE_ERRORS = (RecursionError, csv.Error)
 
 
@@ -132,10 +203,21 @@ def json_text(
     **dumps_options: Any,
 ) -> str:
     """``doc`` as strict JSON text: every NaN and ±Infinity, at any depth and also in what
-    ``default`` returns for an object JSON cannot hold, becomes null (``storage.strict_json.finite``);
-    ``dumps_options`` go to ``json.dumps`` (``sort_keys``, ``ensure_ascii``)."""
-    convert = None if default is None else (lambda obj: finite(default(obj)))
-    return json.dumps(finite(doc), indent=indent, allow_nan=False, default=convert, **dumps_options)
+    ``default`` returns for an object JSON cannot hold, becomes null
+    (``storage.strict_json.finite``); ``dumps_options`` go to ``json.dumps`` (``sort_keys``,
+    ``ensure_ascii``)."""
+
+    def convert(obj: Any) -> Any:
+        assert default is not None  # only passed to json.dumps when there is one
+        return finite(default(obj))
+
+    return json.dumps(
+        finite(doc),
+        indent=indent,
+        allow_nan=False,
+        default=None if default is None else convert,
+        **dumps_options,
+    )
 
 
 def echo_json(

@@ -1,6 +1,6 @@
 """The closed loop: ``tailpilot fidelity`` (how faithfully the simulator replays a replica).
 
-    tailpilot fidelity --replica a100-0 --recording peak [--window-s 60] [--json] [--no-store]
+    tailpilot fidelity --replica a100-0 --recording peak [--from S --to S] [--window-s 60] [--json]
 
 A thin layer over ``tuner.fidelity``. Exit status: 0 with a report, 2 on a usage error (no such
 replica, recording or settings record).
@@ -12,45 +12,24 @@ import sys
 
 import click
 
-from tailpilot.cli_cluster import DB_ENV, open_store
-from tailpilot.cli_common import STEP_MODEL, FiniteFloatRange, echo_json
+from storage.strict_json import finite
+from tailpilot import options
+from tailpilot.cli_cluster import open_store
+from tailpilot.cli_common import echo_json
 
 
 @click.command()
-@click.option(
-    "--db",
-    metavar="URL",
-    help=f"The store that recorded the replica (default ${DB_ENV} or ./tailpilot.db).",
+@options.database(
+    help=f"The store that recorded the replica [default: ${options.DB_ENV}, else ./tailpilot.db]."
 )
-@click.option("--replica", required=True, metavar="NAME", help="The replica to check.")
-@click.option(
-    "--cluster-name", metavar="NAME", help="Its cluster (needed when the name is in several)."
-)
-@click.option(
-    "--recording", metavar="NAME", help="The recorded span to replay (default: everything stored)."
-)
-@click.option(
-    "--from",
-    "start_s",
-    type=FiniteFloatRange(min=0),
-    metavar="S",
-    help="Seconds from the span's first arrival to start at.",
-)
-@click.option(
-    "--to", "end_s", type=FiniteFloatRange(min=0), metavar="S", help="... and to stop at."
-)
-@click.option(
-    "--window-s",
-    type=FiniteFloatRange(min=1),
-    default=60.0,
-    show_default=True,
-    help="Compare per window of this many seconds of arrivals.",
-)
-@click.option(
-    "--step-model",
-    type=STEP_MODEL,
-    metavar="SETNAME",
-    help="Step-time model (default: calibrated/<replica> if `tailpilot calibrate` saved one).",
+@options.replica(several=False, required=True, help="The replica to check.")
+@options.cluster_name(help="Its cluster (needed when the name is in several).")
+@options.recording(help="The recorded span to replay [default: everything stored].")
+@options.span_bounds(what="the recorded span")
+@options.window_length(help="Compare per window of this many seconds of arrivals.")
+@options.step_model(
+    help="Step-time coefficient set [default: calibrated/<replica> if `tailpilot calibrate` saved "
+    "one]."
 )
 @click.option(
     "--live/--no-live",
@@ -58,30 +37,33 @@ from tailpilot.cli_common import STEP_MODEL, FiniteFloatRange, echo_json
     show_default=True,
     help="Read the replica's block size and KV blocks from its control API if it answers.",
 )
-@click.option(
-    "--store/--no-store",
-    "keep",
-    default=True,
-    show_default=True,
-    help="Keep the report in the store (the TUI shows the newest per replica).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@options.keep_result(help="Keep the report in the store (the TUI shows the newest per replica).")
+@options.json_output("the report")
 def fidelity(
-    db, replica, cluster_name, recording, start_s, end_s, window_s, step_model, live, keep, as_json
-):
+    db: str | None,
+    replica: str,
+    cluster_name: str | None,
+    recording: str | None,
+    start_s: float | None,
+    end_s: float | None,
+    window_s: float,
+    step_model: str | None,
+    live: bool,
+    keep: bool,
+    as_json: bool,
+) -> None:
     """Replay a replica's recorded traffic with the settings it ran and its calibrated engine, and
     compare with what it really did: per window sim vs real P50/P99 TTFT and TTLT, throughput and
     preemptions with their errors; how differently the two ordered the same requests; the windows
     where they diverge most; and the error band to expect from the simulator on this replica."""
-    from storage.strict_json import finite
-    from tuner.calibrate import (
+    from tuner.fidelity import FidelityError, format_report  # start-up cost
+    from tuner.fidelity import fidelity as run_fidelity  # start-up cost
+    from tuner.replica_facts import (
         CalibrationError,
         ReplicaUnreachable,
         fetch_engine_facts,
         replica_control_url,
-    )
-    from tuner.fidelity import FidelityError, format_report
-    from tuner.fidelity import fidelity as run_fidelity
+    )  # start-up cost
 
     store = open_store(db, must_exist=True)
     try:
@@ -124,4 +106,4 @@ def fidelity(
     sys.stdout.flush()
 
 
-COMMANDS = (fidelity,)
+COMMANDS: tuple[click.Command, ...] = (fidelity,)

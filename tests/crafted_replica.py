@@ -125,7 +125,8 @@ class CraftedReplica:
         self, handler: BaseHTTPRequestHandler, total: int, *, declared: int | None = None
     ) -> None:
         """Answer with ``total`` bytes of a JSON array that never closes, then a byte every 50 ms
-        until the client hangs up (a replica whose answer never ends); ``declared``: a Content-Length."""
+        until the client hangs up (a replica whose answer never ends); ``declared``: a
+        Content-Length."""
         try:
             handler.send_response(200)
             handler.send_header("Content-Type", "application/json")

@@ -20,9 +20,10 @@ vLLM this repository pins (0.32–0.33):
 The model directory only needs a ``config.json``: ``ModelConfig`` reads the architecture and the
 geometry from it, and with ``skip_tokenizer_init`` nothing else is loaded.
 :func:`minimal_model_dir` writes one; the tests may pass the tiny Llama of ``tests/conftest.py``
-instead. :func:`make_scheduler` sets ``TAILPILOT_API_PORT=-1`` while it builds a plugin scheduler, so
-that no HTTP control server starts, and writes ``settings`` to the file ``TAILPILOT_SETTINGS_FILE``
-names. A plugin scheduler starts the history predictor's refit thread: ``shutdown()`` stops it.
+instead. :func:`make_scheduler` sets ``TAILPILOT_API_PORT=-1`` while it builds a plugin scheduler,
+so that no HTTP control server starts, and writes ``settings`` to the file
+``TAILPILOT_SETTINGS_FILE`` names. A plugin scheduler starts the history predictor's refit
+thread: ``shutdown()`` stops it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ _minimal_dir: Path | None = None
 
 
 def minimal_model_dir(dest: Path | str | None = None) -> Path:
-    """A model directory holding only ``config.json`` (enough for ModelConfig; cached per process)."""
+    """A model directory holding only ``config.json`` (enough for ModelConfig; cached per
+    process)."""
     global _minimal_dir
     if dest is None:
         if _minimal_dir is not None and (_minimal_dir / "config.json").exists():
@@ -161,7 +163,8 @@ def make_vllm_config(
 
 
 def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
-    """One full-attention group with exactly ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+    """One full-attention group with exactly ``num_blocks`` blocks (block 0 is vLLM's null
+    block)."""
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
     )

@@ -12,10 +12,10 @@ Fixtures (session-scoped; a test module imports them to use them)::
 
     from postgres_support import postgres_server, postgres_url  # noqa: F401
 
-* ``postgres_server`` -> the running :class:`PostgresServer`. ``postgres_server.create_database(name)``
-  creates another database on it and returns its SQLAlchemy URL — e.g. a test's own empty database,
-  or the tuner's Optuna storage beside tailpilot's store
-  (``optuna.storages.RDBStorage(postgres_server.create_database("optuna"))``).
+* ``postgres_server`` -> the running :class:`PostgresServer`.
+  ``postgres_server.create_database(name)`` creates another database on it and returns its
+  SQLAlchemy URL — e.g. a test's own empty database, or the tuner's Optuna storage beside
+  tailpilot's store (``optuna.storages.RDBStorage(postgres_server.create_database("optuna"))``).
 * ``postgres_url`` -> the URL of one database, ``tailpilot``, created for the session.
 
 If the server cannot be started the fixtures FAIL the tests that use them, with the server's log,
@@ -46,7 +46,8 @@ class PostgresError(RuntimeError):
 
 
 def find_pg_bin() -> Path:
-    """The directory holding ``initdb``, ``pg_ctl`` and ``postgres``: newest of /usr/lib/postgresql/*, else PATH."""
+    """The directory holding ``initdb``, ``pg_ctl`` and ``postgres``: newest of
+    /usr/lib/postgresql/*, else PATH."""
     candidates = sorted(
         glob.glob("/usr/lib/postgresql/*/bin"),
         key=lambda p: int(re.sub(r"\D", "", Path(p).parent.name) or 0),
@@ -59,8 +60,8 @@ def find_pg_bin() -> Path:
         if all((Path(d) / exe).exists() for exe in ("initdb", "pg_ctl", "postgres")):
             return Path(d)
     raise PostgresError(
-        "PostgreSQL binaries (initdb, pg_ctl, postgres) not found on PATH or under /usr/lib/postgresql/*/bin; "
-        "install Debian's `postgresql` package (scripts/test.sh does so)"
+        "PostgreSQL binaries (initdb, pg_ctl, postgres) not found on PATH or under "
+        "/usr/lib/postgresql/*/bin; install Debian's `postgresql` package (scripts/test.sh does so)"
     )
 
 
@@ -90,8 +91,10 @@ class PostgresServer:
                   "--locale=C", "--no-sync")  # fmt: skip
         for attempt in range(attempts):  # another process may grab the free port before we bind it
             self.port = _free_port()
-            options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
-                       "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50")  # fmt: skip
+            options = (
+                f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50"
+            )
             try:
                 self._run(
                     "pg_ctl",
@@ -131,7 +134,8 @@ class PostgresServer:
         return f"postgresql+psycopg://{PG_USER}@127.0.0.1:{self.port}/{database}"
 
     def create_database(self, name: str) -> str:
-        """Create database ``name`` (lower-case identifier) on this server; returns its SQLAlchemy URL."""
+        """Create database ``name`` (lower-case identifier) on this server; returns its SQLAlchemy
+        URL."""
         if not _NAME.match(name):
             raise ValueError(f"database name {name!r}: use lower-case letters, digits and _")
         import psycopg  # a dependency of tailpilot; imported late so the module loads without it

@@ -141,7 +141,7 @@ def test_sim_and_compare_take_autopilot_and_print_its_decisions():
 
     run = CliRunner()
     res = run.invoke(
-        main, ["sim", "--autopilot", "--window", "0:180", "--rate-scale", "2", "--json"]
+        main, ["sim", "--autopilot", "--from", "0", "--to", "180", "--rate-scale", "2", "--json"]
     )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
@@ -149,15 +149,15 @@ def test_sim_and_compare_take_autopilot_and_print_its_decisions():
     assert pilot["decisions"] and all(d["reason"] for d in pilot["decisions"])
     assert pilot["cpu_s_per_hour"] > 0 and doc["metrics"]["requests"] > 0
     res = run.invoke(
-        main, ["compare", "--policies", "sarathi", "--autopilot", "--window", "0:120", "--json"]
+        main, ["compare", "--policies", "sarathi", "--autopilot", "--to", "120", "--json"]
     )
     assert res.exit_code == 0, res.output
     assert set(json.loads(res.output)["metrics"]) == {"sarathi", "autopilot"}
 
 
 def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
-    """`sim --settings FILE` replays exactly the document; `compare --settings A,B` adds a column per
-    file; a document given with --set is a usage error naming both."""
+    """`sim --settings FILE` replays exactly the document; `compare --settings A,B` adds a column
+    per file; a document given with --set is a usage error naming both."""
     import json
 
     from click.testing import CliRunner
@@ -171,7 +171,7 @@ def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
     sarathi = tmp_path / "vllm.json"
     sarathi.write_text(json.dumps({"policy": "sarathi"}))
     run = CliRunner()
-    window = ["--window", "0:90", "--rate-scale", "1.5"]
+    window = ["--from", "0", "--to", "90", "--rate-scale", "1.5"]
     res = run.invoke(main, ["sim", "--settings", str(small), *window, "--json"])
     assert res.exit_code == 0, res.output
     by_file = json.loads(res.output)

@@ -33,7 +33,8 @@ CONFIG = {
 
 class Rig:
     """One twin on conv traffic at 1.5× its rate, a collector and the live autopilot, all on a
-    manual clock: ``run_until(t)`` moves the replica 2 s at a time and ticks the autopilot every 6 s."""
+    manual clock: ``run_until(t)`` moves the replica 2 s at a time and ticks the autopilot
+    every 6 s."""
 
     def __init__(
         self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None

@@ -12,34 +12,30 @@ import threading
 import time
 
 import pytest
+import yaml
+from vllm_support import (
+    CompletionRequest,
+    VllmServer,
+    free_port,
+    kv_bytes_for_tokens,
+    send_completions,
+)
 
+from controlplane.cluster import load_cluster_file
+from controlplane.recorder import run_recorder
 from storage.store import Store
+from tuner.autopilot import AutopilotConfig
+from tuner.autopilot_live import LiveConfig, run_autopilot
 
 TOKEN = "autopilot-vllm-token"
-START = {
-    "policy": "uniboost",
-    "params": {"gamma": 5.0, "gamma_ada": False},
-}  # not one of the candidates
+# Not one of the candidates.
+START = {"policy": "uniboost", "params": {"gamma": 5.0, "gamma_ada": False}}
 
 
 @pytest.mark.slow
 def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_served(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    import yaml
-    from vllm_support import (
-        CompletionRequest,
-        VllmServer,
-        free_port,
-        kv_bytes_for_tokens,
-        send_completions,
-    )
-
-    from controlplane.cluster import load_cluster_file
-    from controlplane.recorder import run_recorder
-    from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveConfig, run_autopilot
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILPILOT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
@@ -160,9 +156,8 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
                 )
                 # the shape changes after the first waves: short chat, then long prompts
                 batch = chat(16) if waves < 3 else long_prompts(12)
-                results = asyncio.run(
-                    send_completions(server.base_url, batch)
-                )  # raises on any non-200
+                # Raises on any non-200.
+                results = asyncio.run(send_completions(server.base_url, batch))
                 assert len(results) == len(batch)
                 sent += len(batch)
                 waves += 1

@@ -1,10 +1,11 @@
 """The autopilot benchmark's workloads (benchmarks/autopilot_workloads.py) and the pieces of its
-scoring (benchmarks/autopilot.py) that decide a column: small sizes, real loaders on the bundled
-Azure window, the test fixtures and files written into ``tmp_path``."""
+scoring (benchmarks/autopilot_scoring.py) that decide a column: small sizes, real loaders on the
+bundled Azure window, the test fixtures and files written into ``tmp_path``."""
 
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import autopilot as bench  # noqa: E402
+from benchmarks import autopilot_scoring as scoring  # noqa: E402
 from benchmarks import autopilot_workloads as wl  # noqa: E402
 from benchmarks.seed_claims import capacity  # noqa: E402
 from scheduler.metrics import Completion  # noqa: E402
@@ -70,7 +72,7 @@ def test_shift_runs_chat_then_long_prompts_then_reasoning_back_to_back(shift, so
     assert sum(p.requests for p in phases) == len(trace)
     for p in phases:
         assert p.end_s - p.start_s >= PHASE_S * (1 - 1e-9), p  # each phase lasts its full length
-    for before, after in zip(phases, phases[1:]):
+    for before, after in itertools.pairwise(phases):
         gap = after.start_s - before.end_s
         mean_gap = (after.end_s - after.start_s) / (after.requests - 1)
         assert 0 < gap <= 1.01 * mean_gap  # no overlap, and no idle stretch between phases
@@ -181,17 +183,17 @@ def test_hindsight_gamma_is_the_lowest_p95_that_keeps_ttlt_and_throughput():
         0.01: _m(3.0, 90.0, 1000.0),  # ties on P95: the smaller γ wins
         1.0: _m(9.0, 100.0, 1000.0),
     }
-    assert bench.best_fixed(grid, sarathi) == 0.005
-    assert bench.best_fixed({0.001: grid[0.001]}, sarathi) is None
-    assert bench.closure(0.9, 0.4, 0.2) == pytest.approx(5 / 7)
-    assert math.isnan(bench.closure(0.8, 0.7, 0.8))
+    assert scoring.best_fixed(grid, sarathi) == 0.005
+    assert scoring.best_fixed({0.001: grid[0.001]}, sarathi) is None
+    assert scoring.closure(0.9, 0.4, 0.2) == pytest.approx(5 / 7)
+    assert math.isnan(scoring.closure(0.8, 0.7, 0.8))
 
 
 def test_second_half_scores_only_requests_arriving_after_the_midpoint():
     trace = traces.Trace(
         "t", tuple(traces.TraceRequest(f"r-{k}", float(k), 10, 5, 4096) for k in range(11))
     )
-    assert bench.half_time(trace) == 5.0
+    assert scoring.half_time(trace) == 5.0
     done = [
         Completion(
             r.id,
@@ -206,7 +208,7 @@ def test_second_half_scores_only_requests_arriving_after_the_midpoint():
         )
         for r in trace
     ]
-    scores = bench.score(done, bench.half_time(trace))
+    scores = scoring.score(done, scoring.half_time(trace))
     assert scores["all"]["requests"] == 11 and scores["second"]["requests"] == 6
     assert scores["second"]["ttft_p95"] == pytest.approx(9.0)
 

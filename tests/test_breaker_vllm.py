@@ -66,7 +66,8 @@ def test_a_policy_that_raises_on_a_real_server_falls_back_and_serves_everyone(
             headers={"Authorization": f"Bearer {TOKEN}", "If-Match": "1"},
         )
         assert answer.status_code == 200, answer.text
-        # Traffic under uniboost, with one tenant whose requests make it raise, arriving among others.
+        # Traffic under uniboost, with one tenant whose requests make it raise, arriving among
+        # others.
         wave = [
             CompletionRequest(
                 prompt=[100 + i] * (30 + 17 * i),

@@ -30,15 +30,8 @@ from sim.stepmodel import (
     user_models_dir,
 )
 from tailpilot.cli_export import calibrate
-from tuner.calibrate import (
-    IDENTIFIED_REL_SE,
-    CalibrationError,
-    ReplicaUnreachable,
-    calibrate_steps,
-    fetch_steps,
-    format_report,
-    steps_url,
-)
+from tuner.calibrate import IDENTIFIED_REL_SE, calibrate_steps, format_report
+from tuner.replica_facts import CalibrationError, ReplicaUnreachable, fetch_steps, steps_url
 
 # Not any built-in set: a replica whose coefficients nothing in tailpilot knows beforehand.
 TRUTH = StepTimeModel(a=0.011, b=5.5e-5, c=1.8e-9, d=4.2e-5, e=9.0e-8, name="truth")
@@ -221,7 +214,7 @@ def test_the_human_report_names_coefficients_errors_and_the_saved_set(serve_log)
 def test_outliers_are_dropped_and_counted():
     rows = synthetic_log(3000, seed=9)
     for i in range(0, 3000, 100):  # 30 stalled steps, 5x their model time
-        rows[i] = (rows[i][0] * 5,) + rows[i][1:]
+        rows[i] = (rows[i][0] * 5, *rows[i][1:])
     result = calibrate_steps(rows, name="o")
     assert result.dropped_outliers == 30 and result.steps_used == 2970
     assert_recovered(result.model, TRUTH, result.identified)
@@ -236,7 +229,7 @@ def test_empty_steps_are_not_fitted():
     assert result.dropped_empty == 50 and result.steps_used == 500
 
 
-# --- a twin replica through the store --------------------------------------------------------------
+# --- a twin replica through the store ---------------------------------------------------------
 def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
     from sim.traces import Trace, TraceRequest
 
@@ -326,8 +319,10 @@ def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store
             "sim",
             "--policy",
             "fcfs",
-            "--window",
-            "0:20",
+            "--from",
+            "0",
+            "--to",
+            "20",
             "--step-model",
             f"calibrated/{twin.name}",
             "--json",
@@ -445,7 +440,7 @@ def test_user_sets_are_found_by_name_and_listed(tailpilot_home, monkeypatch):
     path = save_user_model(model)
     assert path == tailpilot_home / "step-models" / "calibrated%2Fgpu-7.json"
     assert get_model("calibrated/gpu-7") == model
-    assert list_models() == sorted(COEFFICIENT_SETS) + ["calibrated/gpu-7"]
+    assert list_models() == [*sorted(COEFFICIENT_SETS), "calibrated/gpu-7"]
     with pytest.raises(ValueError, match="already saved"):
         save_user_model(model, overwrite=False)
     save_user_model(StepTimeModel(0.02, 1e-5, 1e-9, 1e-5, 1e-8, name="calibrated/gpu-7"))

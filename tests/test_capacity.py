@@ -60,7 +60,8 @@ def test_the_kv_bound_says_when_memory_not_the_scheduler_binds(overload):
 
 def test_the_command(tmp_path):
     """On the bundled window at 4x its rate, with one default tenant and its SLOs from the cluster
-    file: more than one replica, the answer's SCR at target; no governance block is a usage error."""
+    file: more than one replica, the answer's SCR at target; no governance block is a usage
+    error."""
     from tailpilot.cli import main
 
     cluster = {
@@ -83,8 +84,10 @@ def test_the_command(tmp_path):
         "capacity",
         "--cluster",
         str(tmp_path / "c.yaml"),
-        "--window",
-        "0:120",
+        "--from",
+        "0",
+        "--to",
+        "120",
         "--rate-scale",
         "4",
         "--window-s",

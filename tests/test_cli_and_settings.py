@@ -75,8 +75,10 @@ def test_sim_json_on_the_bundled_window():
         "gamma=8",
         "--pin",
         "gamma",
-        "--window",
-        "0:120",
+        "--from",
+        "0",
+        "--to",
+        "120",
         "--json",
     )
     assert res.exit_code == 0, res.output
@@ -88,9 +90,9 @@ def test_sim_json_on_the_bundled_window():
 
 
 def test_sim_rejects_bad_parameters_naming_them():
-    res = run_cli("sim", "--policy", "uniboost", "--set", "gamma=-1", "--window", "0:10")
+    res = run_cli("sim", "--policy", "uniboost", "--set", "gamma=-1", "--to", "10")
     assert res.exit_code == 2 and "params.gamma" in res.output
-    res = run_cli("sim", "--policy", "uniboost", "--set", "gamam=2", "--window", "0:10")
+    res = run_cli("sim", "--policy", "uniboost", "--set", "gamam=2", "--to", "10")
     assert res.exit_code == 2 and "params.gamam" in res.output and "unknown parameter" in res.output
 
 
@@ -112,8 +114,10 @@ def test_compare_changes_are_relative_to_the_baseline():
         "fcfs,uniboost,srpt",
         "--baseline",
         "fcfs",
-        "--window",
-        "0:120",
+        "--from",
+        "0",
+        "--to",
+        "120",
         "--set",
         "uniboost.gamma=0.5",
         "--json",
@@ -137,8 +141,10 @@ def test_compare_table_and_console_script():
             "fcfs,uniboost",
             "--baseline",
             "fcfs",
-            "--window",
-            "0:60",
+            "--from",
+            "0",
+            "--to",
+            "60",
         ],
         capture_output=True,
         text=True,

@@ -215,6 +215,10 @@ def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
         "demo", "--replicas", "2", "--speed", "20", "--no-tui", "--duration", "6", "--db", "demo.db"
     )
     assert res.exit_code == 0, res.output
+    # Off a terminal it says at once what it runs and where its output goes.
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("tailpilot demo: 2 twin replicas") and "recording into demo.db" in first
+    assert "no terminal: the status table is printed when it stops (after 6 s)" in first
     with Store.open(str(tmp_path / "demo.db")) as store:
         latest = store.readings.latest_samples("demo")
         assert sorted(latest) == ["twin-0", "twin-1"] and all(s.healthy for s in latest.values())

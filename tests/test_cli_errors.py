@@ -41,7 +41,7 @@ COMMANDS = {
     "calibrate": "tailpilot calibrate --db {db} --replica r1",
     "export": "tailpilot export --study s --db {db}",
     "python -m tui": "python -m tui --replay {db}",
-    "python -m controlplane.recorder": "python -m controlplane.recorder --cluster {cluster} --db {db} --quiet",
+    "record --quiet": "tailpilot record --cluster {cluster} --db {db} --quiet",
 }
 
 
@@ -76,7 +76,8 @@ def test_a_file_that_is_not_a_database(command, tmp_path, cluster_file):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_database_damaged_where_the_command_reads_or_writes(command, tmp_path, cluster_file):
-    """The file opens (its schema and migration version are intact); the damage shows at first use."""
+    """The file opens (its schema and migration version are intact); the damage shows at first
+    use."""
     db = tmp_path / "tailpilot.db"
     filled_store(db)
     with Store.open(str(db)) as s:

@@ -38,8 +38,9 @@ def invoke(*args: object) -> Result:
 
 
 def assert_one_line_error(res: Result, code: int, *words: str, max_lines: int | None = 4) -> str:
-    """Exit ``code``; no exception escaped (no traceback); exactly one ``Error:`` line, holding every
-    word; at most ``max_lines`` lines in all (click's usage lines and the error, nothing more)."""
+    """Exit ``code``; no exception escaped (no traceback); exactly one ``Error:`` line, holding
+    every word; at most ``max_lines`` lines in all (click's usage lines and the error, nothing
+    more)."""
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     out = res.output
     assert "Traceback" not in out, out
@@ -89,7 +90,7 @@ def test_the_depth_limit_is_exact():
 
 # ---------------------------------------------------------------------------- numeric options
 
-SHORT = ("--window", "0:30")  # should a value be accepted, the run stays short
+SHORT = ("--to", "30")  # should a value be accepted, the run stays short
 REFUSED = [
     # (argv, the option, what the error says of the allowed values)
     (["sim", *SHORT, "--rate-scale", "0"], "--rate-scale", "x>0"),
@@ -97,7 +98,8 @@ REFUSED = [
     (["sim", *SHORT, "--rate-scale", "nan"], "--rate-scale", "finite"),
     (["sim", *SHORT, "--target-rate", "-5"], "--target-rate", "x>0"),
     (["sim", *SHORT, "--target-rate", "inf"], "--target-rate", "finite"),
-    (["sim", "--window", "0:0"], "--window", "DURATION finite and > 0"),
+    (["sim", "--from", "10", "--to", "10"], "--to", "not after --from 10"),
+    (["sim", "--from", "-1"], "--from", "x>=0"),
     (["sim", *SHORT, "--max-tokens-cap", "0"], "--max-tokens-cap", "1<=x"),
     (["compare", "--policies", "fcfs", *SHORT, "--rate-scale", "-1"], "--rate-scale", "x>0"),
     (["compare", "--policies", "fcfs", *SHORT, "--jobs", "0"], "--jobs", "x>=1"),
@@ -106,7 +108,7 @@ REFUSED = [
     (["demo", "--no-tui", "--duration", "1", "--speed", "nan"], "--speed", "finite"),
     (["demo", "--no-tui", "--duration", "1", "--rate-scale", "inf"], "--rate-scale", "finite"),
     (["tune", "--study", "s", "--rate-scale", "0"], "--rate-scale", "x>0"),
-    (["tune", "--study", "s", "--window", "0:-1"], "--window", "DURATION finite and > 0"),
+    (["tune", "--study", "s", "--from", "5", "--to", "1"], "--to", "not after --from 5"),
     (["tune", "--study", "s", "--population", "1"], "--population", "x>=2"),
     # engine limits: refused naming the option, not the settings field (or accepted and every
     # request rejected, as --num-gpu-blocks -5 was; 0 silently meant the default)
@@ -174,7 +176,7 @@ def test_a_mistyped_database_path_creates_nothing(workdir, command):
     ]  # no database, no -wal/-shm
 
 
-# ---------------------------------------------------------------------------- governor on an unknown cluster
+# ------------------------------------------------------------------ governor on an unknown cluster
 
 
 def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
@@ -260,7 +262,7 @@ def test_the_one_json_encoder_turns_every_non_finite_number_into_null():
     }
 
 
-# ---------------------------------------------------------------------------- did not do what was asked
+# ---------------------------------------------------------------------- did not do what was asked
 
 
 def cluster_file(workdir: Path, twins) -> Path:
@@ -365,7 +367,7 @@ def test_set_preview_with_nothing_to_predict_on_exits_1_saying_so(workdir):
     assert line == "Error: not applied: no replica could be previewed"
 
 
-# ---------------------------------------------------------------------------- tune: no study left behind
+# --------------------------------------------------------------------- tune: no study left behind
 
 
 def tune(workdir: Path, *flags: object) -> Result:
@@ -413,7 +415,8 @@ def test_tune_refuses_a_non_finite_range_before_creating_the_study(workdir):
     ids=["range out of bounds", "fix refused"],
 )
 def test_a_definition_the_setup_refuses_leaves_no_study_behind(workdir, flag, value, words):
-    """Kept, the refused definition made every later run fail the same way, corrected flags or not."""
+    """Kept, the refused definition made every later run fail the same way, corrected flags or
+    not."""
     res = tune(workdir, "--window-s", "60", "--windows", "2", flag, value)
     line = assert_one_line_error(res, 2, *words, max_lines=None)
     assert "input_value" not in line  # pydantic's echo of the document: one line, no values

@@ -12,9 +12,22 @@ import time
 
 import httpx
 import pytest
+import yaml
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+from vllm_support import (
+    CompletionRequest,
+    VllmServer,
+    free_port,
+    kv_bytes_for_tokens,
+    send_completions,
+)
 
+from controlplane.cluster import load_cluster_file
+from controlplane.recorder import run_recorder
+from storage.retention import RetentionSettings
 from storage.store import Store
+from tailpilot.cli import main
 
 TOKEN = "loop-token"
 
@@ -23,20 +36,6 @@ TOKEN = "loop-token"
 def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    import yaml
-    from vllm_support import (
-        CompletionRequest,
-        VllmServer,
-        free_port,
-        kv_bytes_for_tokens,
-        send_completions,
-    )
-
-    from controlplane.cluster import load_cluster_file
-    from controlplane.recorder import run_recorder
-    from storage.retention import RetentionSettings
-    from tailpilot.cli import main
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILPILOT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
@@ -138,8 +137,6 @@ def test_record_calibrate_fidelity_preview_apply_verify_on_vllm_cpu(
             page = {}
 
             def scraped() -> bool:
-                from prometheus_client.parser import text_string_to_metric_families
-
                 text = httpx.get(
                     f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False
                 ).text

@@ -160,10 +160,12 @@ def test_a_file_that_is_not_utf8_is_named_with_the_byte_offset(tmp_path):
     ("clusters:\n", "clusters: []\nclusters:\n", "clusters", 2, 1),
     ("    timeout_s: 1.5\n", "    timeout_s: 1.5\n    timeout_s: 3\n", "timeout_s", 5, 4),
     ("        control_url: http://127.0.0.1:8001\n",
-     "        control_url: http://127.0.0.1:8001\n        api_url: http://127.0.0.1:9\n", "api_url", 11, 9),
+     "        control_url: http://127.0.0.1:8001\n        api_url: http://127.0.0.1:9\n",
+     "api_url", 11, 9),
 ])  # fmt: skip
 def test_a_key_written_twice_is_named_with_its_lines(old, new, key, line, first):
-    """PyYAML's safe_load silently keeps the last of two equal keys; the second may be a typo'd copy."""
+    """PyYAML's safe_load silently keeps the last of two equal keys; the second may be a typo'd
+    copy."""
     with pytest.raises(
         ClusterFileError,
         match=f"^<cluster file>:{line}: not valid YAML: "

@@ -467,7 +467,8 @@ def twin_cluster(
 
 
 def assert_exactly_once(store: Store, cluster: str, twins) -> int:
-    """Every completion a twin reported before the stored cursor is stored, once; nothing else is."""
+    """Every completion a twin reported before the stored cursor is stored, once; nothing else
+    is."""
     cursors = store.recordings.cursors(cluster)
     total = 0
     for twin in twins:
@@ -626,9 +627,10 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
     async def scenario():
         client = None
         if fault == "down":
-            # TwinReplica.stop() closes the listening socket but ControlServer's handler threads keep
-            # answering requests on connections already open (HTTP/1.1 keep-alive), which a dead
-            # process would not; without keep-alive every poll opens a new connection and sees it.
+            # TwinReplica.stop() closes the listening socket but ControlServer's handler threads
+            # keep answering requests on connections already open (HTTP/1.1 keep-alive), which a
+            # dead process would not; without keep-alive every poll opens a new connection and
+            # sees it.
             client = PollingClient(cluster.timeout_s, keepalive=False)
         async with Running(cluster, store, flush_interval_s=0.3, client=client) as run:
             await wait_until(
@@ -794,8 +796,9 @@ def test_replica_restart_is_read_from_cursor_zero(tmp_path):
 
 
 def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
-    """A change made behind tailpilot's back (a direct PUT: no audit row) is still recorded, once per
-    version, with the document the replica reports; a restart records the start-up settings again."""
+    """A change made behind tailpilot's back (a direct PUT: no audit row) is still recorded, once
+    per version, with the document the replica reports; a restart records the start-up settings
+    again."""
     with start_twins(1, mixed_trace(), speed=SPEED, token=TOKEN) as tw:
         store = Store.open(str(tmp_path / "t.db"))
         cluster = _cluster([(t.name, t.url, t.control_url) for t in tw], poll=0.05, name="twins")
@@ -1061,15 +1064,16 @@ def test_completion_row_reads_max_tokens_and_tolerates_its_absence():
 
 
 class MetricsCoreTarget(CoreTarget):
-    """A bare ReplicaCore behind the real control server, with a vLLM /metrics page on the same port."""
+    """A bare ReplicaCore behind the real control server, with a vLLM /metrics page on the same
+    port."""
 
     def api_metrics(self):
         return VLLM_V1_PAGE.encode(), "text/plain; version=0.0.4; charset=utf-8"
 
 
 def test_max_tokens_from_a_control_api_answer_is_stored(tmp_path):
-    """Requests finished through ReplicaCore carry their client cap in /state; the collector reads it
-    and the store keeps it. An entry without one (an older replica) is stored with None."""
+    """Requests finished through ReplicaCore carry their client cap in /state; the collector reads
+    it and the store keeps it. An entry without one (an older replica) is stored with None."""
     core = ReplicaCore(Settings(policy="fcfs"), replica="r1")
     caps = {"q0": 16, "q1": 4096, "q2": 512, "q3": 1, "q4": 32_768}
     for i, (rid, cap) in enumerate(caps.items()):

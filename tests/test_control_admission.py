@@ -92,7 +92,7 @@ def settled(server: ControlServer) -> bool:
 BEARER = f"Bearer {TOKEN}"
 
 
-# --- connection slots -------------------------------------------------------------------------------
+# --- connection slots -----------------------------------------------------------------------------
 
 
 def test_anonymous_connections_leave_slots_for_token_holders():
@@ -203,7 +203,7 @@ def test_refused_connections_wait_for_their_503_without_a_thread():
         server.stop()
 
 
-# --- rate budgets -------------------------------------------------------------------------------------
+# --- rate budgets ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
@@ -255,7 +255,7 @@ def test_the_address_table_is_bounded_and_forgets_the_least_recent():
         server.stop()
 
 
-# --- the attack of issue 21 ---------------------------------------------------------------------------
+# --- the attack of issue 21 -----------------------------------------------------------------------
 
 
 class Attack:
@@ -394,7 +394,7 @@ def test_a_token_holder_keeps_polling_while_anonymous_clients_attack():
         server.stop()
 
 
-# --- the collector is a token holder ---------------------------------------------------------------
+# --- the collector is a token holder --------------------------------------------------------------
 
 
 def test_the_collectors_polls_carry_its_token_and_get_the_kept_slot(monkeypatch):

@@ -83,7 +83,7 @@ def thread_count(pid: int) -> int:
 
 def engine_core_pid(server: VllmServer, api_port: int) -> int:
     """The server's descendant that listens on the control port (vLLM's engine-core process)."""
-    import psutil
+    import psutil  # optional: not a tailpilot dependency (vLLM brings it)
 
     for proc in psutil.Process(server.proc.pid).children(recursive=True):
         try:
@@ -121,7 +121,8 @@ def control(
     log: list | None = None,
     **kw,
 ) -> httpx.Response:
-    """A polite client: a 429 or 503 is waited out as its Retry-After says, within ``deadline_s``."""
+    """A polite client: a 429 or 503 is waited out as its Retry-After says, within
+    ``deadline_s``."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
@@ -152,7 +153,8 @@ def check_exact(requests, results) -> None:
 
 
 def prefill_log(replica: Replica, n: int, *, max_tokens: int = 1, batch: int = 250) -> None:
-    """``n`` more completions in the plugin's log, cheaply: one request carries ``batch`` prompts."""
+    """``n`` more completions in the plugin's log, cheaply: one request carries ``batch``
+    prompts."""
     with httpx.Client(base_url=replica.server.base_url, timeout=300, trust_env=False) as client:
         done = 0
         while done < n:
@@ -250,7 +252,10 @@ def _hostile_put(port: int, headers: dict[str, str], stream_bytes: int) -> dict:
     """PUT /settings with ``headers``, then stream ``stream_bytes`` of body while a second thread
     reads the answer. Returns the answer and how far the stream got before the server cut it."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = "PUT /tailpilot/v1/settings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head = (
+        "PUT /tailpilot/v1/settings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/json\r\n"
+    )
     head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     answer = bytearray()
     outcome: dict = {"read_error": None, "send_error": None, "sent": 0}
@@ -349,7 +354,8 @@ def test_a_unread_bodies_cost_the_engine_no_memory(replica, headers, status, wor
     assert isinstance(outcome["send_error"], (BrokenPipeError, ConnectionResetError)), outcome
     assert outcome["sent"] < 200 * MIB, outcome
     print(
-        f"RSS {baseline / MIB:.0f} MiB, peak +{grew / MIB:.1f} MiB; stream cut after {outcome['sent'] / MIB:.0f} MiB "
+        f"RSS {baseline / MIB:.0f} MiB, peak +{grew / MIB:.1f} MiB; "
+        f"stream cut after {outcome['sent'] / MIB:.0f} MiB "
         f"({type(outcome['send_error']).__name__})"
     )
     assert control(replica, path="/settings").json() == before_doc  # nothing was staged
@@ -429,7 +435,7 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
     assert counts["503"] >= n_idle // 4, counts
     for s, what in outcome.items():
         if what == "503":
-            status, headers, body = _parse_http(bytes(received[s]))
+            _status, headers, body = _parse_http(bytes(received[s]))
             assert headers.get("retry-after") == "1" and json.loads(body)["status"] == 503
     assert peak_threads <= base_threads + LIMITS.max_connections + THREAD_SLACK, (
         peak_threads,
@@ -447,7 +453,8 @@ def test_b_idle_connections_are_shed_or_reaped(replica):
         time.sleep(0.1)
     assert thread_count(pid) <= base_threads + THREAD_SLACK, (thread_count(pid), base_threads)
     print(
-        f"idle connections: {dict(counts)} within {elapsed:.1f} s; engine threads {base_threads} -> peak "
+        f"idle connections: {dict(counts)} within {elapsed:.1f} s; "
+        f"engine threads {base_threads} -> peak "
         f"{peak_threads} -> {thread_count(pid)}; polite /state client saw {meanwhile['state_log']}"
     )
 
@@ -545,10 +552,8 @@ def test_c_tight_polling_gets_pages_and_429s_and_completions_still_finish(replic
 def test_d_engine_still_takes_settings_and_serves_exact_completions(replica):
     # A little more hostile input on the way: garbage, an unparseable body, an unknown method.
     for raw, status in [
-        (
-            b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64 + b"\r\n\r\n",
-            400,
-        ),  # TLS hello
+        # A TLS hello.
+        (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64 + b"\r\n\r\n", 400),
         (
             b"PUT /tailpilot/v1/settings HTTP/1.1\r\nAuthorization: Bearer "
             + TOKEN.encode()

@@ -17,10 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from controlplane.http import Answer as _Resp
+from controlplane.http import Answer
 from controlplane.poller import ReplicaView
-from controlplane.replica_http import fetch_state, make_client
-from controlplane.replica_http import read_json as _json
+from controlplane.replica_http import fetch_state, make_client, read_json
 from controlplane.steering import apply_settings
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.api import PREFIX, ControlServer, token_from_env
@@ -151,7 +150,7 @@ def test_an_empty_or_blank_token_is_no_token(monkeypatch, tmp_path, value, caplo
         server.stop()
 
 
-# --- the body ----------------------------------------------------------------------------------------
+# --- the body ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -206,7 +205,8 @@ def test_malformed_or_non_finite_documents_are_400_naming_the_problem(api, body,
     assert core.version == 1 and core.settings.policy == "fcfs"
 
 
-@pytest.mark.parametrize("if_match", ["1" * 5000, "²", "١", "1 2", "-1", ""])
+# The third value is ARABIC-INDIC DIGIT ONE on purpose: a hostile If-Match int() accepts.
+@pytest.mark.parametrize("if_match", ["1" * 5000, "²", "١", "1 2", "-1", ""])  # noqa: RUF001
 def test_a_malformed_if_match_is_400(api, if_match):
     core, server = api
     status, answer = one(
@@ -217,14 +217,14 @@ def test_a_malformed_if_match_is_400(api, if_match):
 
 
 def test_a_valid_write_still_works_and_an_etag_if_match_is_taken(api):
-    core, server = api
+    _core, server = api
     status, answer = one(
         exchange(server, put_raw(b'{"policy": "las"}', headers=AUTH + 'If-Match: "1"\r\n'))
     )
     assert status == 200 and answer["version"] == 2
 
 
-# --- requests http.server itself would answer with HTML or nothing -------------------------------------
+# --- requests http.server itself would answer with HTML or nothing -------------------------------
 
 
 @pytest.mark.parametrize(
@@ -376,7 +376,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(api):
     assert [s for s, _ in responses(exchange(server, req * 3))] == [200, 200, 200]
 
 
-# --- the server's own failures ----------------------------------------------------------------------
+# --- the server's own failures -------------------------------------------------------------------
 
 
 class Broken(CoreTarget):
@@ -412,7 +412,7 @@ def test_handler_failures_are_500_and_logged_once_and_output_is_strict_json(capl
         server.stop()
 
 
-# --- bounded in connections, time and rate -------------------------------------------------------------
+# --- bounded in connections, time and rate -------------------------------------------------------
 
 
 def wait_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
@@ -430,7 +430,7 @@ def wait_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
 
 
 def test_connections_over_the_cap_get_503_and_silent_ones_are_reaped():
-    core, server = serve(max_connections=4, first_request_s=0.3)
+    _core, server = serve(max_connections=4, first_request_s=0.3)
     try:
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
         # Over the cap: answered at once by the accept thread, without a handler thread.
@@ -467,7 +467,7 @@ def test_a_trickling_client_is_cut_off_at_the_request_deadline():
 def test_rate_limited_readers_get_429_with_retry_after():
     clock = FrozenClock()
     # No share kept for token holders here: tests/test_control_admission.py covers that.
-    core, server = serve(rate_per_connection=5, rate_total=8, token_reserve=0.0, clock=clock)
+    _core, server = serve(rate_per_connection=5, rate_total=8, token_reserve=0.0, clock=clock)
     try:
         with httpx.Client(base_url=server.url, trust_env=False, timeout=10) as client:
             codes = [client.get("/health").status_code for _ in range(7)]
@@ -487,7 +487,7 @@ def test_rate_limited_readers_get_429_with_retry_after():
         server.stop()
 
 
-# --- /state is bounded; the collector pages --------------------------------------------------------------
+# --- /state is bounded; the collector pages ------------------------------------------------------
 
 
 def finish_many(core: ReplicaCore, n: int) -> None:
@@ -544,7 +544,7 @@ def test_the_collector_pages_through_a_backlog(api):
 
 
 def test_the_collector_reads_non_finite_numbers_as_null_and_skips_broken_completions(api):
-    assert _json(_Resp(200, b'{"a": NaN, "b": [Infinity, -Infinity, 1e999, 2.5]}'), "x") == {
+    assert read_json(Answer(200, b'{"a": NaN, "b": [Infinity, -Infinity, 1e999, 2.5]}'), "x") == {
         "a": None,
         "b": [None, None, None, 2.5],
     }
@@ -564,12 +564,13 @@ def test_the_collector_reads_non_finite_numbers_as_null_and_skips_broken_complet
         view, answer = collector_read(server)
     finally:
         server.stop()
-    # The broken entry is left out (sent as null), the others are kept, and the cursor moves past all.
+    # The broken entry is left out (sent as null), the others are kept, and the cursor moves
+    # past all.
     assert [c.request_id for c in answer.completions] == ["q0", "q2"] and answer.cursor == 3
     assert view.skipped_completions == 1
 
 
-# --- "applied" means applied ------------------------------------------------------------------------------
+# --- "applied" means applied ---------------------------------------------------------------------
 
 
 def cluster_of(server: ControlServer) -> ClusterSpec:
@@ -622,7 +623,7 @@ def test_a_change_not_active_within_the_wait_is_reported_staged_then_applies(api
     assert core.policy.name == "las" and core.active_version == 3
 
 
-# --- fuzz -------------------------------------------------------------------------------------------------
+# --- fuzz ----------------------------------------------------------------------------------------
 
 METHODS = st.sampled_from(["GET", "PUT", "POST", "HEAD", "DELETE", "PUT", "PUT", "X"])
 PATHS = st.sampled_from(

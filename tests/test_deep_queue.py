@@ -75,9 +75,8 @@ def teach(predictor, rng: random.Random, n: int = 60) -> None:
 def test_layouts():
     for name, (_, _, layout) in QUEUE_POLICIES.items():
         assert make(name).waiting_layout() == layout, name
-    assert (
-        make("uniboost", gamma_ada=False).waiting_layout() is None
-    )  # γ fixed: no epochs to speak of
+    # γ fixed: no epochs to speak of.
+    assert make("uniboost", gamma_ada=False).waiting_layout() is None
     assert make("sjf", predictor="oracle").waiting_layout() is None  # a prediction per request
 
 
@@ -305,7 +304,8 @@ SIM_PARAMS = {
 
 @st.composite
 def deep_scenarios(draw):
-    """Bursts of many requests on a small engine: queues of tens, refits and γ moves while they wait."""
+    """Bursts of many requests on a small engine: queues of tens, refits and γ moves while they
+    wait."""
     n = draw(st.integers(5, 60))
     bs = draw(st.sampled_from([4, 16]))
     reqs = []

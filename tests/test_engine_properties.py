@@ -1,4 +1,5 @@
-"""Property-based checks of the engine simulator over every policy (docs/engine.md#scheduling-step)."""
+"""Property-based checks of the engine simulator over every policy
+(docs/engine.md#scheduling-step)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ PROPS = hsettings(max_examples=150, deadline=None, suppress_health_check=[Health
 @given(scenarios())
 def test_every_request_finishes_once_with_its_tokens(case):
     reqs, settings, config = case
-    sim, res = run(reqs, settings, config)
+    _sim, res = run(reqs, settings, config)
     ids = [c.id for c in res.completions]
     assert len(ids) == len(set(ids)), "a request finished twice"
     assert set(ids) | set(res.rejected) == {r.id for r in reqs}

@@ -134,7 +134,8 @@ def test_configmap_parses_back_to_the_same_settings(key):
 
 
 def test_a_configmap_with_a_key_written_twice_is_refused():
-    """Read with the same strict loader as cluster files: PyYAML alone would keep the second ``data``."""
+    """Read with the same strict loader as cluster files: PyYAML alone would keep the second
+    ``data``."""
     text = render(settings_of("uniboost-lpt"), "configmap", OPTIONS)
     with pytest.raises(yaml.YAMLError, match="duplicate key 'data'"):
         settings_from_configmap(text + "data: {}\n")

@@ -190,7 +190,8 @@ def test_a_starved_tenant_counts_in_scr_and_jfi():
     assert fresh["scr"] == 1.0 and fresh["tenants"]["c"]["compliant"]
 
 
-# --- one implementation ----------------------------------------------------------------------------
+# --- one implementation
+# ----------------------------------------------------------------------------
 
 
 def test_fairness_summary_and_the_governance_report_agree():

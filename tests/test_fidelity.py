@@ -157,7 +157,7 @@ def test_a_different_step_model_shows_up_as_error_and_reordering(recorded_twin):
     which the report shows per window and in its band."""
     from sim.stepmodel import StepTimeModel, get_model, save_user_model
 
-    db, twin, trace = recorded_twin
+    db, twin, _trace = recorded_twin
     true = get_model()
     fast = StepTimeModel(
         **{k: getattr(true, k) * 0.6 for k in "abcde"}, name="fid/fast", source="test"

@@ -189,7 +189,7 @@ def test_the_collector_computes_stores_and_restores_governance(governed, tmp_pat
 def test_status_prints_and_serves_the_governance(governed, monkeypatch):
     from tailpilot.cli import main
 
-    path, twin, trace = governed
+    path, _twin, _trace = governed
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     res = CliRunner().invoke(main, ["status", "--cluster", str(path), "--json"])
     doc = json.loads(res.stdout)

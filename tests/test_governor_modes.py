@@ -163,7 +163,7 @@ def collector_twins(collector):
 
 
 def test_disarm_undoes_every_change_and_status_tells_the_truth(twins):
-    found, collector, store, db = twins
+    found, collector, store, _db = twins
     collector.test_twins = found
     g = gov()
     enter_both(g, collector, store)
@@ -210,7 +210,7 @@ def test_disarm_keep_keeps_them_and_says_so(twins):
 
 
 def test_a_recorder_stop_undoes_every_change(twins):
-    found, collector, store, db = twins
+    found, collector, store, _db = twins
     collector.test_twins = found
     enter_both(gov(), collector, store)  # as a governor that ran before: its state is in the store
 
@@ -234,7 +234,7 @@ def test_a_recorder_stop_undoes_every_change(twins):
 
 def test_a_recorder_cancelling_the_governor_mid_stop_still_undoes(twins):
     """The recorder sets ``stop`` and then cancels its controllers' tasks: the undo finishes."""
-    found, collector, store, db = twins
+    found, collector, store, _db = twins
     collector.test_twins = found
     enter_both(gov(), collector, store)
 

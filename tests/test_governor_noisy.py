@@ -24,7 +24,7 @@ def noisy_trace(seed: int = 7, duration_s: float = 120.0) -> tr.Trace:
     rng = random.Random(seed)
     pool = [(max(1, r.prompt_tokens // 2), max(1, r.output_tokens // 2)) for r in tr.load_bundled()]
     arrivals = []
-    for tenant in QUIET + ("heavy",):
+    for tenant in (*QUIET, "heavy"):
         t = 0.0
         while True:
             rate = (12.0 if 20.0 <= t < 80.0 else 1.0) if tenant == "heavy" else 0.6
@@ -133,7 +133,7 @@ def run(
             if r["who"] == "governor"
         ]
     out = {}
-    for tenant in QUIET + ("heavy",):
+    for tenant in (*QUIET, "heavy"):
         mine = [c for c in done if c["tenant"] == tenant]
         ttft = [c["first_token_at"] - c["arrival"] for c in mine]
         out[tenant] = (

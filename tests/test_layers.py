@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The library; tailpilot/ (the CLI) sits on top.
 PROJECT = ("scheduler", "controlplane", "storage", "tuner", "tui", "sim")
+PACKAGES = (*PROJECT, "tailpilot")  # everything, the CLI included
 OPERATOR = ("controlplane", "storage", "tuner", "tui", "tailpilot")
 
 RULES = {
@@ -146,4 +147,172 @@ def test_nothing_imports_the_cli():
                 for line, m in imports(path)
                 if m == "tailpilot" or m.startswith("tailpilot.")
             ]
+    assert bad == []
+
+
+# --- no cycles between modules; imports inside functions only with a reason -------------------
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The file of project module ``name`` (a module or a package's ``__init__``), if any."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs (module level or inside functions), ``if TYPE_CHECKING:`` aside."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (lazy imports included; a ``from a
+    import b`` names the submodule ``a.b`` when there is one, else ``a``)."""
+    graph: dict[str, set[str]] = {}
+    for folder in PACKAGES:
+        for path in sorted((root / folder).rglob("*.py")):
+            if "migrations" in path.parts:
+                continue
+            rel = path.relative_to(root).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            name = ".".join(parts)
+            package = ".".join(rel.parts[:-1])
+            edges = graph.setdefault(name, set())
+            for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    if node.level:
+                        up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                        module = ".".join(up + ([node.module] if node.module else []))
+                    else:
+                        module = node.module or ""
+                    targets = [
+                        f"{module}.{a.name}" if _module_file(f"{module}.{a.name}", root) else module
+                        for a in node.names
+                    ]
+                for target in targets:
+                    while target and _module_file(target, root) is None:
+                        target = target.rpartition(".")[0]
+                    if target and target != name:
+                        edges.add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_checker_finds_a_cycle_closed_by_a_lazy_import(tmp_path):
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "__init__.py").write_text("")
+    (tmp_path / "storage" / "a.py").write_text("from storage import b\n")
+    (tmp_path / "storage" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from storage import c\n"
+        "def f():\n    from storage.a import x\n"
+    )
+    (tmp_path / "storage" / "c.py").write_text("from storage import b\n")
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir(exist_ok=True)
+    graph = module_graph(tmp_path)
+    assert graph["storage.b"] == {"storage.a"}  # the TYPE_CHECKING import is not an edge
+    assert cycles(graph) == [["storage.a", "storage.b"]]
+
+
+def unexplained_lazy_imports(root: Path = ROOT) -> list[str]:
+    """Imports inside functions without a comment (on their line or the line above) saying
+    why they are there: an optional dependency, a measured start-up cost, a cycle."""
+    bad = []
+    for folder in PACKAGES:
+        for path in sorted((root / folder).rglob("*.py")):
+            if "migrations" in path.parts:
+                continue
+            lines = path.read_text(encoding="utf-8").splitlines()
+            for fn in ast.walk(ast.parse("\n".join(lines))):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(fn):
+                    if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                        continue
+                    first = lines[node.lineno - 1]
+                    block = lines[node.lineno - 1 : node.end_lineno]
+                    above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+                    if not any("#" in line for line in block) and not above.startswith("#"):
+                        bad.append(f"{path.relative_to(root)}:{node.lineno}: {first.strip()}")
+    return sorted(set(bad))
+
+
+def test_imports_inside_functions_say_why():
+    assert unexplained_lazy_imports() == []
+
+
+def test_one_http_client_library():
+    """The operator side talks HTTP through aiohttp only (controlplane/http.py): no second client
+    library (httpx, requests, urllib's opener) in the project's packages. (The scheduler's control
+    server is the standard library's HTTP server: it serves, it is not a client.)"""
+    others = ("httpx", "requests", "urllib.request", "urllib3", "http.client")
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for folder in PACKAGES
+        if folder != "scheduler"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, module in imports(path)
+        if any(module == o or module.startswith(o + ".") for o in others)
+    ]
     assert bad == []

@@ -439,7 +439,7 @@ def test_fairness_summary_end_to_end():
 @pytest.mark.parametrize("extra", [0, 40])  # a short grid and a long one (two code paths)
 def test_attainment_curve_counts_and_monotone(extra):
     values = [0.1, 0.2, 0.2, 0.4, 1.0]
-    scales = [0.25, 0.5, 1.0, 2.0, 5.0] + list(np.linspace(6.0, 9.0, extra))
+    scales = [0.25, 0.5, 1.0, 2.0, 5.0, *np.linspace(6.0, 9.0, extra)]
     curve = slo_attainment(values, 0.2, scales)
     # <= k*slo, inclusive: at k=1 the two values equal to the SLO count as met.
     np.testing.assert_allclose(curve[:5], [0.0, 0.2, 0.6, 0.8, 1.0])

@@ -71,7 +71,7 @@ def test_a_length_distribution_says_how_to_use_it_instead_of_asking_for_a_rate_a
 
 
 def test_compare_says_when_it_adds_the_baseline():
-    res = CliRunner().invoke(main, ["compare", "--policies", "fcfs", "--window", "0:60", "--json"])
+    res = CliRunner().invoke(main, ["compare", "--policies", "fcfs", "--to", "60", "--json"])
     assert res.exit_code == 0, res.output
     assert "the baseline sarathi is not in --policies" in res.stderr
     import json
@@ -93,10 +93,10 @@ def test_twins_can_start_side_by_side_on_different_policies():
 
 
 def test_the_demo_starts_side_by_side_by_default():
-    from tailpilot.cli_cluster import DEMO_POLICIES
+    from tailpilot.cli_twin import DEMO_POLICIES
 
-    assert [d["policy"] for d in DEMO_POLICIES][0] == "sarathi" and len(
-        {d["policy"] for d in DEMO_POLICIES}
-    ) >= 3
+    assert (
+        DEMO_POLICIES[0]["policy"] == "sarathi" and len({d["policy"] for d in DEMO_POLICIES}) >= 3
+    )
     for d in DEMO_POLICIES:  # what a live replica accepts (no oracle predictor)
         Settings.model_validate(d)

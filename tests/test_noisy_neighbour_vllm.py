@@ -8,6 +8,7 @@ a retry-after), and no request is lost, every token count exact."""
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
@@ -157,8 +158,10 @@ def test_the_quiet_tenants_keep_their_tail_and_the_noisy_one_is_throttled(server
         s["live"].get("tenants", {}).get(q, {}).get("throttled") for s in states for q in QUIET
     )
     print(
-        f"unloaded TTFT {t0 * 1000:.1f} ms; quiet P99 TTFT fcfs {quiet_p99(fcfs_done) * 1000:.1f} ms, "
-        f"slofq {quiet_p99(slofq_done) * 1000:.1f} ms; noisy throttled in {len(throttled)} of {len(states)} polls"
+        f"unloaded TTFT {t0 * 1000:.1f} ms; "
+        f"quiet P99 TTFT fcfs {quiet_p99(fcfs_done) * 1000:.1f} ms, "
+        f"slofq {quiet_p99(slofq_done) * 1000:.1f} ms; "
+        f"noisy throttled in {len(throttled)} of {len(states)} polls"
     )
     # The quiet tenants' tail under slofq, against the same traffic under fcfs on this machine.
     assert quiet_p99(slofq_done) < 0.5 * quiet_p99(fcfs_done), (
@@ -182,8 +185,6 @@ def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
     seats and the cap hold; the rest are refused through vLLM's error path — each one an error
     answer, a `rejected` entry in the completions log and a count in /state — while the served
     requests are exact and the engine serves the next request as usual."""
-    import asyncio
-
     doc = {
         "policy": "slofq",
         "params": {"backpressure": False, "tenants": {"noisy": {"queue_cap": 2}}},
@@ -226,8 +227,9 @@ def test_a_queue_cap_refuses_the_overflow_and_the_engine_goes_on(server):
     live = control(server).json()["live"]["tenants"]["noisy"]
     assert live["queue_cap"] == 2 and live["refused"] >= len(refused)
     print(f"queue cap 2 on 4 seats: {len(ok)} of 24 served, {len(refused)} refused")
+    # The engine goes on.
     run_completions(
         server.base_url,
         [CompletionRequest(prompt=[11] * 16, max_tokens=4, tenant="noisy")],
         model=server.served_model_name,
-    )  # the engine goes on
+    )

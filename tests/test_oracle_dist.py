@@ -1,4 +1,5 @@
-"""The simulator's distributional oracle: calibrated per-request log-t predictions (docs/policies.md#tie).
+"""The simulator's distributional oracle: calibrated per-request log-t predictions
+(docs/policies.md#tie).
 
 Each request gets ``sigma_i = sigma_noise * exp(sigma_spread * z_i - sigma_spread**2 / 2)`` and
 ``mu_i = ln(true_i) - sigma_i * t_i`` (``z_i`` normal, ``t_i`` Student-t(nu), both functions of

@@ -291,7 +291,8 @@ def test_small_gamma_lets_short_requests_overtake_a_long_one(one_slot_server):
     assert answer.status_code == 200, answer.text
     boosted = _long_then_short(one_slot_server)
     assert all(boosted[f"short{i}"] < boosted["long"] for i in range(3))
-    # With seed 003's gate (the default 0.8) a full batch is not preempted: the long one finishes first.
+    # With seed 003's gate (the default 0.8) a full batch is not preempted: the long one finishes
+    # first.
     answer = put_settings(
         one_slot_server,
         {

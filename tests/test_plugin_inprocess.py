@@ -534,7 +534,7 @@ def test_gamma_ada_moves_an_unpinned_gamma(build):
 
 
 def test_pinned_gamma_is_never_moved_by_gamma_ada(build):
-    s, policy = _ada_run(build, {**ADA, "pinned": ["gamma"]})
+    _s, policy = _ada_run(build, {**ADA, "pinned": ["gamma"]})
     assert not policy.ada_enabled
     assert policy.gamma == 0.5 and policy.gamma_updates == 0
     assert policy.live_state() == {"gamma": 0.5, "gamma_pinned": True}

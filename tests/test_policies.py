@@ -83,7 +83,10 @@ def test_left_srpt_and_las_preempt_A_for_the_short_ones(policy):
     assert res.policy_preemptions >= 1
     fcfs = finish_times(simulate(LEFT, settings("fcfs", SLOT), BIG_KV))
     got = finish_times(res)
-    short_mean = lambda t: sum(t[x] - r.arrival for x, r in zip("BCDE", LEFT[1:])) / 4
+
+    def short_mean(t):
+        return sum(t[x] - r.arrival for x, r in zip("BCDE", LEFT[1:])) / 4
+
     assert short_mean(got) < short_mean(fcfs)
 
 
@@ -100,8 +103,13 @@ def test_left_a_middle_gamma_lies_between_fcfs_and_srpt_on_worst_and_mean():
     A). Beating FCFS on the worst case too, as the seed's figure suggests, does not reproduce here:
     the one preemption throws A's progress away (recompute), so A ends 1 step later than under
     FCFS (worst 9 vs 8)."""
-    worst = lambda r: max(c.finished_at - c.arrival for c in r.completions)
-    mean = lambda r: sum(c.finished_at - c.arrival for c in r.completions) / len(r.completions)
+
+    def worst(r):
+        return max(c.finished_at - c.arrival for c in r.completions)
+
+    def mean(r):
+        return sum(c.finished_at - c.arrival for c in r.completions) / len(r.completions)
+
     fcfs = simulate(LEFT, settings("fcfs", SLOT), BIG_KV)
     srpt = simulate(LEFT, settings("srpt", SLOT, predictor="oracle", c=1.0), BIG_KV)
     middle = simulate(LEFT, boost(0.3), BIG_KV)
@@ -131,16 +139,22 @@ def test_right_size_based_starves_A(policy):
     res = simulate(RIGHT, settings(policy, CHUNK3, **params), BIG_KV)
     assert finish_order(res)[-1] == "A"
     fcfs = simulate(RIGHT, settings("fcfs", CHUNK3), BIG_KV)
+
     # Starving A stretches the worst latency beyond FCFS's.
-    worst = lambda r: max(c.finished_at - c.arrival for c in r.completions)
+    def worst(r):
+        return max(c.finished_at - c.arrival for c in r.completions)
+
     assert worst(res) > worst(fcfs)
 
 
 def test_right_boost_large_gamma_protects_A_small_gamma_starves_it():
     eng = {"max_num_seqs": 1, "max_num_batched_tokens": 3}
-    mk = lambda g: settings(
-        "uniboost", eng, gamma=g, alpha_s_per_token=1.0, memguard=False, gamma_ada=False
-    )
+
+    def mk(g):
+        return settings(
+            "uniboost", eng, gamma=g, alpha_s_per_token=1.0, memguard=False, gamma_ada=False
+        )
+
     assert finish_order(simulate(RIGHT, mk(1e6), BIG_KV))[0] == "A"
     assert finish_order(simulate(RIGHT, mk(0.01), BIG_KV))[-1] == "A"
 
@@ -375,7 +389,7 @@ def test_vtc_shares_service_between_tenants_in_simulation():
 # --- SJF starvation guard -------------------------------------------------------------------
 def test_sjf_starvation_guard_admits_a_starved_long_request():
     trace = [req("long", 0.0, 10, 50)] + [req(f"s{i:03d}", 0.0 + 0.5 * i, 10, 5) for i in range(60)]
-    trace = [req("first", 0.0, 10, 3)] + trace
+    trace = [req("first", 0.0, 10, 3), *trace]
     eng = {"max_num_seqs": 1}
     guarded = finish_times(
         simulate(trace, settings("sjf", eng, predictor="oracle", starve_steps=20), BIG_KV)
@@ -520,8 +534,12 @@ def test_sjf_starvation_guard_turns_sjf_into_fcfs_near_saturation():
         ranks = np.argsort(np.argsort([key(rid) for rid in order]))
         return float(np.corrcoef(ranks, np.arange(len(order)))[0, 1])
 
-    arrival = lambda rid: int(rid[1:])
-    size = lambda rid: int(outputs[int(rid[1:])])
+    def arrival(rid):
+        return int(rid[1:])
+
+    def size(rid):
+        return int(outputs[int(rid[1:])])
+
     guarded, unguarded = admission_order(200), admission_order(1_000_000)
     # Measured: guarded 0.82 with arrival order, 0.28 with size order; unguarded 0.04 and 0.99.
     assert rank_correlation(guarded, arrival) > 0.75 and rank_correlation(guarded, size) < 0.5

@@ -150,7 +150,7 @@ def test_history_recovers_known_logt(mu, sigma):
     lengths = np.exp(mu + sigma * rng.standard_t(3.5, 4000))
     r = req(prompt_tokens=300)
     for n in lengths:
-        h.observe(r, max(int(round(n)), 1))
+        h.observe(r, max(round(n), 1))
     h.refit()
     got_mu, got_sigma = h.predict_dist(r)
     assert got_mu == pytest.approx(mu, abs=0.04)
@@ -339,7 +339,8 @@ def test_history_refits_only_what_changed_and_warm_starts_to_the_same_fit():
         )  # the pools hold ln(tokens)
         assert new[key][0] == pytest.approx(cold_mu, abs=1e-6)
         assert new[key][1] == pytest.approx(max(cold_sigma, SIGMA_FLOOR), abs=1e-6)
-    # Fewer new lengths than refit_fraction (2%) of a key's pool wait for more: 5 of 800 does not refit.
+    # Fewer new lengths than refit_fraction (2%) of a key's pool wait for more: 5 of 800 does not
+    # refit.
     for _ in range(5):
         h.observe(a, 7)
     assert h.refit() == len(new) and h.version == version + 1 and h.fits == new

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -84,7 +85,10 @@ def test_recompute_cost_spares_a_victim_whose_recompute_outweighs_the_gain():
     # The short one (10 tokens) beats the long one (30-token prompt) by b_γ(10) − b_γ(30 + g) − 3 s
     # of score (α = 1 s/token): less than the long one's own recompute time, 30 + g seconds.
     trace = [req("long", 0.0, 30, 40), req("short", 3.0, 10, 2)]
-    b = lambda w: -math.log(-math.expm1(-0.05 * w)) / 0.05
+
+    def b(w):
+        return -math.log(-math.expm1(-0.05 * w)) / 0.05
+
     assert 0 < b(10) - b(30) - 3.0 < 30
     plain = simulate(trace, uniboost({"max_num_seqs": 1}), BIG_KV)
     spared = simulate(trace, uniboost({"max_num_seqs": 1}, preempt_recompute_cost=True), BIG_KV)
@@ -117,9 +121,10 @@ def test_kv_victim_newest_evicts_the_latest_decode_not_the_most_attained():
     kv = EngineConfig(num_gpu_blocks=12, block_size=16, step_model=UNIT_STEPS)
     newest = simulate(trace, uniboost(gamma=0.001), kv)
     score = simulate(trace, uniboost(gamma=0.001, kv_victim="score"), kv)
-    first_victim = lambda res: (
-        min((c for c in res.completions if c.preemptions), key=lambda c: c.arrival).id
-    )
+
+    def first_victim(res):
+        return min((c for c in res.completions if c.preemptions), key=lambda c: c.arrival).id
+
     assert newest.preemptions and score.preemptions
     assert first_victim(score) == "R0"
     victims = {c.id for c in newest.completions if c.preemptions}
@@ -200,4 +205,4 @@ def test_the_ablation_order_does_not_get_worse_on_a_saturated_window(scale, slac
         {"policy": "uniboost"},
     ]
     p99 = [simulate(trace, Settings.model_validate(doc)).metrics()["ttlt_p99"] for doc in stages]
-    assert all(b <= a * slack for a, b in zip(p99, p99[1:])), p99
+    assert all(b <= a * slack for a, b in itertools.pairwise(p99)), p99

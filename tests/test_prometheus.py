@@ -1,4 +1,4 @@
-"""Prometheus and Grafana (controlplane/exporter.py, controlplane/monitoring.py): the recorder's
+"""Prometheus and Grafana (controlplane/exporter.py, series.py, monitoring/): the recorder's
 ``/metrics`` against the collector's own figures, the exported alert rules judged by ``promtool``
 (syntax, and unit tests that they fire exactly when the collector's alerts do, at a cluster's own
 thresholds and on a real scrape), the Grafana dashboard loaded back and its every query parsed by
@@ -26,14 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from twin_support import governed_cluster, poll_all
 
 from controlplane.cluster import parse_cluster_file
-from controlplane.exporter import SERIES
 from controlplane.governance import AlertEvaluator
-from controlplane.monitoring import (
-    MonitoringExportError,
-    check_dashboard,
-    dashboard_queries,
-    grafana_dashboard_doc,
-)
+from controlplane.monitoring import MonitoringExportError
+from controlplane.monitoring.checks import check_dashboard, dashboard_queries
+from controlplane.monitoring.grafana import grafana_dashboard_doc
+from controlplane.series import SERIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,7 +143,8 @@ def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
         assert value("tailpilot_tenant_service_ratio", tenant=tenant) == f["service_ratio"]
         assert value("tailpilot_tenant_starved", tenant=tenant) == float(f["starved"]) == 0.0
         assert value("tailpilot_tenant_waiting_requests", tenant=tenant) == f["waiting"]
-        # one definition of tokens: the governance's served tokens (prompt + output) are the counters'
+        # one definition of tokens: the governance's served tokens (prompt + output) are the
+        # counters'
         served = sum(
             value(f"tailpilot_{part}_tokens", tenant=tenant) for part in ("prompt", "output")
         )
@@ -264,7 +262,7 @@ def wait_for_page(url: str, proc, want: str, timeout_s: float = 120.0) -> str:
 
 
 def test_record_serves_metrics_with_the_governor(recording):
-    url, proc, twin = recording
+    url, proc, _twin = recording
     text = wait_for_page(url, proc, 'tailpilot_governor_mode_dry_run{cluster="gov",mode="scr"} 1.0')
     fams = scrape_families(text)
     states = {s.labels["state"]: s.value for s in fams["tailpilot_governor_state"]}
@@ -293,7 +291,7 @@ def test_record_serves_metrics_with_the_governor(recording):
 
 def render_annotation(template: str, value: float, labels: dict[str, str]) -> str:
     """The two template forms the rules use, as Go's text/template renders them."""
-    out = template.replace('{{ $value | printf "%.3f" }}', "%.3f" % value)
+    out = template.replace('{{ $value | printf "%.3f" }}', f"{value:.3f}")
     return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], out)
 
 
@@ -493,7 +491,7 @@ def test_rules_on_a_real_scrape_fire_the_recorders_alerts(governed, monkeypatch,
     """The page of a real collector as promtool's input: the rules that fire are the collector's."""
     from controlplane.exporter import render
 
-    path, twin, _ = governed
+    path, _twin, _ = governed
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     c, g = governed_collector(path, 3)
     text = export("--cluster", str(without_holds(path)), "--format", "prometheus-rules")
@@ -583,7 +581,8 @@ def test_the_dashboard_loads_back_and_every_query_parses(tmp_path):
         ("yellow", 0.6000001),
         ("green", 0.8),
     ]
-    # the template variables, and every query filtering on them (walked here, apart from check_dashboard)
+    # the template variables, and every query filtering on them (walked here, apart from
+    # check_dashboard)
     variables = {v["name"]: v for v in doc["templating"]["list"]}
     assert (
         variables["cluster"]["current"]["value"] == "odd"
@@ -741,7 +740,7 @@ def test_names_kubernetes_and_grafana_accept_for_any_cluster_name(tmp_path, name
     """A cluster name the cluster file accepts (letters of both cases, '_', '.', a trailing '-',
     64 characters, a number) becomes valid Kubernetes names and label values and a Grafana uid,
     with a hash where it had to change; a value YAML could read as a number is quoted."""
-    from controlplane.monitoring import DNS_NAME, GRAFANA_UID, LABEL_VALUE
+    from controlplane.monitoring.checks import DNS_NAME, GRAFANA_UID, LABEL_VALUE
 
     doc = {"clusters": [{**CLUSTER["clusters"][0], "name": name}]}
     path = _write(tmp_path, doc)
@@ -813,7 +812,7 @@ CHART_SERVICE_MONITOR_SCHEMA = {
 def test_a_taken_metrics_port_fails_the_start_and_begins_nothing(governed, tmp_path, monkeypatch):
     from tailpilot.cli import main
 
-    path, twin, _ = governed
+    path, _twin, _ = governed
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -826,7 +825,7 @@ def test_a_taken_metrics_port_fails_the_start_and_begins_nothing(governed, tmp_p
                 str(path),
                 "--db",
                 str(tmp_path / "t.db"),
-                "--name",
+                "--recording",
                 "r1",
                 "--metrics-port",
                 str(port),
@@ -846,7 +845,8 @@ def test_tenants_from_clients_do_not_grow_the_page_without_bound(governed, monke
     busiest); the rest counted; a tenant name the text format cannot carry as is still renders."""
     from controlplane.cluster import load_cluster_file
     from controlplane.collector import Collector
-    from controlplane.exporter import MAX_TENANTS, render
+    from controlplane.exporter import render
+    from controlplane.series import MAX_TENANTS
     from storage.rows import GroupSampleRow
 
     path, twin, _ = governed
@@ -885,7 +885,7 @@ def test_the_page_is_served_on_the_loop_and_stops(governed, monkeypatch):
     from controlplane.collector import Collector
     from controlplane.exporter import MetricsServer
 
-    path, twin, _ = governed
+    path, _twin, _ = governed
     c = Collector(load_cluster_file(path).cluster())
 
     async def run() -> tuple[str, int]:
@@ -906,7 +906,8 @@ def test_the_page_is_served_on_the_loop_and_stops(governed, monkeypatch):
 
 
 def test_the_readmes_monitoring_examples_run_on_its_cluster_file(tmp_path, monkeypatch):
-    """The README's cluster file (its yaml block) and its `tailpilot export --cluster` lines, as written."""
+    """The README's cluster file (its yaml block) and its `tailpilot export --cluster` lines, as
+    written."""
     import shlex
 
     from test_newcomer import readme_commands

@@ -14,7 +14,8 @@ import yaml
 from test_prometheus import governed_collector, run_promtool, scrape_families
 from twin_support import governed_cluster, poll_all
 
-from controlplane.exporter import RENAMED, SERIES, CompletionCounters, render
+from controlplane.exporter import CompletionCounters, render
+from controlplane.series import RENAMED, SERIES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1: every poll of it fails at once
@@ -42,7 +43,7 @@ def kill(collector, replica: str) -> None:
 
 
 def test_a_real_page_passes_promtool_check_metrics_with_no_findings(governed, tmp_path):
-    path, twin, _ = governed
+    path, _twin, _ = governed
     c, _ = governed_collector(path, 3)
     c.governor_status = {"state": "dry-run", "paused": False, "active": {"scr": {}}, "dry": ["scr"]}
     page = render(c).decode()
@@ -58,7 +59,8 @@ def test_a_real_page_passes_promtool_check_metrics_with_no_findings(governed, tm
     old = (
         "# HELP tailpilot_latency_seconds x\n# TYPE tailpilot_latency_seconds gauge\n"
         'tailpilot_latency_seconds{latency="ttft",quantile="0.99"} 1.0\n'
-        "# HELP tailpilot_preemptions x\n# TYPE tailpilot_preemptions counter\ntailpilot_preemptions 1.0\n"
+        "# HELP tailpilot_preemptions x\n# TYPE tailpilot_preemptions counter\n"
+        "tailpilot_preemptions 1.0\n"
     )
     findings = check_metrics(old, tmp_path)
     assert (

@@ -3,6 +3,7 @@ the client's caps; db: URLs and --recording wherever a trace is accepted; a twin
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -250,7 +251,7 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
         assert r.arrival == arrivals[r.id]
     # The engine-side spacing is the source's: consecutive first-lap requests keep their gaps.
     first = [r for r in trace if "@" not in r.id]
-    for x, y in zip(first, first[1:]):
+    for x, y in itertools.pairwise(first):
         assert y.arrival - x.arrival == pytest.approx(
             by_id[y.id].arrival - by_id[x.id].arrival, abs=1e-5
         )

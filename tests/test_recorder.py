@@ -1,5 +1,6 @@
-"""The headless recorder (controlplane/recorder.py): SIGTERM flushes; kill -9 and a restart lose and
-duplicate no completion; in-process runs end their recording; a real vLLM replica is recorded."""
+"""The headless recorder (``tailpilot record``, controlplane/recorder.py): SIGTERM flushes; kill -9
+and a restart lose and duplicate no completion; in-process runs end their recording; a real vLLM
+replica is recorded; Alembic's migration lines show only with --verbose."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _start(cluster_file: Path, db: Path, *extra: str) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "controlplane.recorder",
+            "tailpilot.cli",
+            "record",
             "--cluster",
             str(cluster_file),
             "--cluster-name",
@@ -86,8 +88,8 @@ def test_sigterm_flushes_everything(twins, tmp_path):
     # A flush interval far longer than the run: whatever is stored was written by the SIGTERM flush.
     Store.open(str(db)).close()  # migrated up front: the test reads it while the recorder runs
     proc = _start(cluster_file, db, "--flush-interval", "600")
-    # Read stderr as it comes: the recorder's start-up (imports) takes seconds on a loaded CI machine,
-    # so wait for its first polls (one "healthy" line per replica) instead of a fixed sleep.
+    # Read stderr as it comes: the recorder's start-up (imports) takes seconds on a loaded CI
+    # machine, so wait for its first polls (one "healthy" line per replica), not a fixed sleep.
     err_lines: list[str] = []
     reader = threading.Thread(
         target=lambda: err_lines.extend(iter(proc.stderr.readline, "")), daemon=True
@@ -151,7 +153,7 @@ def test_kill_9_and_restart_lose_and_duplicate_nothing(twins, tmp_path):
     try:
         _wait(lambda: _stored(db) > finished + 30, what="the restart catching up", proc=second)
         second.send_signal(signal.SIGTERM)
-        out, err = second.communicate(timeout=30)
+        _, err = second.communicate(timeout=30)
     finally:
         if second.poll() is None:
             second.kill()
@@ -194,6 +196,39 @@ def test_run_recorder_in_process_ends_its_recording(twins, tmp_path):
         assert assert_exactly_once(store, "twins", twins) == stats.completions_written
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_migrations_are_logged_only_with_verbose(tmp_path, verbose):
+    """A fresh database is migrated at start: Alembic's line per step only with --verbose; the
+    recorder's own lines (a replica's health) either way."""
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        "clusters:\n  - name: twins\n    poll_interval_s: 0.2\n    timeout_s: 0.5\n"
+        "    replicas:\n      - {name: r, api_url: 'http://127.0.0.1:9', "
+        "control_url: 'http://127.0.0.1:9'}\n"
+    )
+    proc = _start(cluster, tmp_path / "fresh.db", *(["--verbose"] if verbose else []))
+    err_lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: err_lines.extend(iter(proc.stderr.readline, "")), daemon=True
+    )
+    reader.start()
+    try:
+        _wait(
+            lambda: any("replica r unhealthy" in line for line in err_lines),
+            timeout=60,
+            what="the first poll",
+            proc=proc,
+        )
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(err_lines)
+    assert any("Running upgrade" in line for line in err_lines) == verbose, "".join(err_lines)
+
+
 def test_bad_cluster_file_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -204,7 +239,8 @@ def test_bad_cluster_file_exits_2(tmp_path):
         [
             sys.executable,
             "-m",
-            "controlplane.recorder",
+            "tailpilot.cli",
+            "record",
             "--cluster",
             str(bad),
             "--db",
@@ -326,7 +362,8 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     assert sorted((c.tenant, c.output_tokens) for c in stored) == sorted(
         (r.tenant, r.max_tokens) for r in requests
     )
-    # The plugin reports each request's client cap (from vLLM's sampling params) and the store keeps it.
+    # The plugin reports each request's client cap (from vLLM's sampling params); the store keeps
+    # it.
     assert sorted((c.tenant, c.max_tokens) for c in stored) == sorted(
         (r.tenant, r.max_tokens) for r in requests
     )

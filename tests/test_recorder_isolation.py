@@ -75,7 +75,8 @@ _started: set[int] = set()
 
 def poll_rounds(collector: Collector, rounds: int = 1, *, flush: bool = True) -> None:
     """Poll every replica ``rounds`` times in order, then write what was polled (one batch). The
-    first call starts the collector (its cursors and breaker trips from the store), as ``run`` does."""
+    first call starts the collector (its cursors and breaker trips from the store), as ``run``
+    does."""
 
     async def run() -> None:
         collector._client = make_client(collector.cluster)
@@ -98,7 +99,7 @@ def good_log(n: int = 5) -> list[dict]:
     return [entry(i) for i in range(n)]
 
 
-# --- point 2: a value the store cannot hold costs that value, not the recording --------------------------
+# --- point 2: a value the store cannot hold costs that value, not the recording -------------------
 
 BIG = (
     2**64
@@ -273,7 +274,7 @@ def test_an_integer_the_json_reader_refuses_is_bad_json_not_a_collector_error(re
     assert reason.startswith("state: bad JSON (ValueError: Exceeds the limit (4300 digits)"), reason
 
 
-# --- point 3: one bad completion costs itself, counted; the cursor is saved with the rows ----------------
+# --- point 3: one bad completion costs itself, counted; the cursor is saved with the rows ---------
 
 
 def test_one_out_of_range_token_count_loses_only_its_own_completion_and_a_restart_reads_on(
@@ -323,7 +324,7 @@ def test_repeated_request_ids_are_counted_not_silently_dropped(replicas, db_url)
         )  # a repeat is not counted twice in the percentiles either
 
 
-# --- point 5: bounded reads --------------------------------------------------------------------------------
+# --- point 5: bounded reads -----------------------------------------------------------------------
 
 
 def test_an_answer_that_never_ends_is_cut_at_the_cap_not_the_timeout(replicas):
@@ -334,10 +335,11 @@ def test_an_answer_that_never_ends_is_cut_at_the_cap_not_the_timeout(replicas):
     c = Collector(cluster_of(rep, timeout=60.0))
     poll_rounds(c, flush=False)
     reason = c.views["endless"].health.reason
-    assert (
-        reason
-        == f"state: answer larger than {replica_http.MAX_STATE_BYTES // 2**20:g} MiB (the collector reads at most that much)"
+    expected = (
+        f"state: answer larger than {replica_http.MAX_STATE_BYTES // 2**20:g} MiB "
+        "(the collector reads at most that much)"
     )
+    assert reason == expected
     assert rep.disconnected.wait(10)  # the collector hung up: it did not wait out the 60 s timeout
 
 
@@ -353,9 +355,9 @@ def test_a_declared_length_past_the_cap_is_refused_before_reading(replicas):
 
 
 def test_the_step_log_and_state_readers_of_calibrate_stop_at_the_cap(replicas):
-    """``tailpilot calibrate`` reads /steps and /state with httpx: an answer that never ends stops
+    """``tailpilot calibrate`` reads /steps and /state with aiohttp: an answer that never ends stops
     at the cap (MAX_STEPS_BYTES, MAX_STATE_BYTES), not at the client's timeout."""
-    from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts, fetch_steps
+    from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, fetch_steps
 
     rep = replicas("steps")
     rep.answer = lambda h, path: rep.stream(h, 3 * replica_http.MAX_STEPS_BYTES) or True
@@ -450,7 +452,7 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
     store.close()
 
 
-# --- the circuit breaker, as the operator sees it ------------------------------------------------------------
+# --- the circuit breaker, as the operator sees it -------------------------------------------------
 
 
 def breaker(
@@ -504,7 +506,8 @@ def test_breaker_trips_are_audited_once_each_counted_and_shown(replicas, db_url)
             for r in store.settings_log.settings_changes("iso")
             if r["who"] == "engine"
         ] == [1, 3, 1]
-        # Shown: the samples, the status table and its JSON, the Prometheus page, the TUI's replica view.
+        # Shown: the samples, the status table and its JSON, the Prometheus page, the TUI's
+        # replica view.
         assert (
             store.readings.samples("iso", "r")[-1].breaker_trips == 1
             and store.readings.samples("iso", "old")[-1].breaker_trips is None
@@ -522,7 +525,7 @@ def test_breaker_trips_are_audited_once_each_counted_and_shown(replicas, db_url)
 def test_status_and_the_tui_show_the_breaker_and_what_was_not_stored(replicas):
     from rich.console import Console
 
-    rep = replicas("r", good_log() + [entry(9, prompt_tokens=BIG)])
+    rep = replicas("r", [*good_log(), entry(9, prompt_tokens=BIG)])
     rep.state_extra["breaker"] = breaker(2, fallback=None)
     snap = asyncio.run(poll_cluster_once(cluster_of(rep)))
     rs = snap.replicas["r"]
@@ -536,13 +539,13 @@ def test_status_and_the_tui_show_the_breaker_and_what_was_not_stored(replicas):
     assert "breaker tripped 2×" in text and "not stored as sent: out_of_range 1" in text
     header = replica_header(rs).plain
     assert (
-        "breaker tripped 2× (last: ZeroDivisionError: float division by zero; v3 → vLLM's stock order)"
-        in header
+        "breaker tripped 2× (last: ZeroDivisionError: float division by zero; "
+        "v3 → vLLM's stock order)" in header
     )
     assert "not stored as sent: out_of_range 1" in header
 
 
-# --- point 7: a full disk is one line, and loses nothing committed -------------------------------------------
+# --- point 7: a full disk is one line, and loses nothing committed --------------------------------
 
 LIMITED_RECORDER = textwrap.dedent("""
     # The real recorder on a real SQLite whose file may not grow past N pages: SQLite's own
@@ -557,8 +560,8 @@ LIMITED_RECORDER = textwrap.dedent("""
     def limit(dbapi_conn, record):
         dbapi_conn.execute(f"PRAGMA max_page_count={pages}")
 
-    from controlplane.recorder import main
-    sys.exit(main(sys.argv[1:]))
+    from tailpilot.cli import main
+    main(["record", *sys.argv[1:]])
 """)
 
 
@@ -612,7 +615,7 @@ def test_a_full_disk_ends_the_recorder_with_one_line_and_loses_nothing_committed
     [line] = proc.stderr.strip().splitlines()
     assert "tenant-secret-name" not in proc.stderr and "INSERT" not in proc.stderr
     assert line == (
-        f"error: cannot write to {db}: the database or its disk is full; nothing of this write was "
+        f"Error: cannot write to {db}: the database or its disk is full; nothing of this write was "
         "stored (what was stored before is intact)"
     )
     with Store.open(str(db)) as store:

@@ -107,9 +107,10 @@ def arrivals(draw, n_max: int = 6) -> list[tuple[int, int, str, str]]:
 @pytest.fixture(scope="module")
 def plugin_classes():
     pytest.importorskip("vllm")
+    # Optional: vLLM (skipped above when absent); both modules import it.
     from plugin_harness import Driver, make_request, make_scheduler
 
-    from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
+    from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler  # needs vLLM
 
     return Driver, make_request, make_scheduler, TailpilotScheduler, TailpilotAsyncScheduler
 

@@ -6,11 +6,12 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from controlplane.views import fmt_figure
-from scheduler.validation import describe_validation, field_path
+from scheduler.validation import describe_validation, field_path, finite_or_none
 from storage.backoff import backoff_delays
 
 
@@ -18,9 +19,8 @@ def test_backoff_doubles_to_its_cap_with_jitter_in_the_upper_half():
     delays = list(itertools.islice(backoff_delays(0.1, 0.8, random.Random(1)), 8))
     steps = [0.1, 0.2, 0.4, 0.8, 0.8, 0.8, 0.8, 0.8]
     assert all(s / 2 <= d <= s for d, s in zip(delays, steps, strict=True))
-    assert (
-        len({round(d / s, 6) for d, s in zip(delays, steps, strict=True)}) > 1
-    )  # jittered, not fixed
+    # Jittered, not fixed.
+    assert len({round(d / s, 6) for d, s in zip(delays, steps, strict=True)}) > 1
 
 
 @pytest.mark.parametrize(
@@ -64,10 +64,6 @@ def test_a_field_error_names_the_path():
 
 
 def test_finite_or_none_keeps_finite_reals_only():
-    import numpy as np
-
-    from scheduler.validation import finite_or_none
-
     assert finite_or_none(2) == 2.0 and isinstance(finite_or_none(2), float)
     assert finite_or_none(np.float64(2.5)) == 2.5 and finite_or_none(np.int64(3)) == 3.0
     for bad in (None, float("nan"), float("inf"), -np.inf, True, np.bool_(False), "3", [1.0]):

@@ -60,7 +60,8 @@ def test_a_throttled_tenant_goes_last_but_takes_every_seat_nobody_else_wants():
         p.on_arrival(r, 0.0)
     empty_bucket(p, "noisy")
     # Scarce (one seat): the quiet tenant first although it arrived last.
-    assert list(p.admission_order(noisy + quiet, 0.6))[0].id == "q0"
+    order = list(p.admission_order(noisy + quiet, 0.6))
+    assert order[0].id == "q0"
     # Not scarce (16 seats): everyone is admitted, the throttled tenant after the quiet one.
     assert admit_all(p, noisy + quiet, 0.6, seats=16) == ["q0"] + [r.id for r in noisy]
     assert p.first_held["noisy"] == 0.6  # it was passed over once: the backpressure's reaction

@@ -66,12 +66,12 @@ def test_pure_decode_step_32_seqs_1000_context_is_10_to_30_ms():
 
 def test_2048_token_prefill_chunk_is_100_to_250_ms():
     model = get_model(DEFAULT_MODEL_NAME)
-    l = 2048
-    t = model.step_time(l, l * l, 0, 0)
+    n = 2048
+    t = model.step_time(n, n * n, 0, 0)
     assert 0.100 <= t <= 0.250, t
     # Compute roofline: 2 FLOPs per parameter per token in the linear layers, plus causal attention
     # (QKᵀ and PV, 2 FLOPs per MAC, halved by the mask), at the full 312 TFLOP/s.
-    flops = 2 * LAYERS * _linear_params_per_layer() * l + 2 * 2 * l * l * HIDDEN * LAYERS / 2
+    flops = 2 * LAYERS * _linear_params_per_layer() * n + 2 * 2 * n * n * HIDDEN * LAYERS / 2
     assert t >= flops / A100_FLOPS, (t, flops / A100_FLOPS)
     # ... and an implied utilisation that is plausible for large GEMMs (notes: 0.38 .. ~0.66).
     assert 0.3 <= (flops / A100_FLOPS) / t <= 0.8
@@ -191,7 +191,8 @@ def _synthetic_log(
     prefill: bool = True,
     decode: bool = True,
 ) -> list[tuple]:
-    """Random steps: ~60 % decode-only, ~20 % prefill-only, ~20 % mixed; 1 % multiplicative noise."""
+    """Random steps: ~60 % decode-only, ~20 % prefill-only, ~20 % mixed; 1 % multiplicative
+    noise."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
@@ -259,10 +260,10 @@ def test_fit_needs_five_rows():
 
 def test_fit_rejects_bad_rows():
     rows = _synthetic_log(get_model(), seed=1, n=10)
-    rows[3] = (-0.01,) + rows[3][1:]
+    rows[3] = (-0.01, *rows[3][1:])
     with pytest.raises(StepFitError, match="row 3"):
         fit_step_model(rows, "x", "y")
-    with pytest.raises(StepFitError, match="5 numbers|shape"):
+    with pytest.raises(StepFitError, match=r"5 numbers|shape"):
         fit_step_model([(0.01, 1, 1)] * 10, "x", "y")
 
 

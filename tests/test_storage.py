@@ -1,4 +1,5 @@
-"""The store: round trips, migrations, SQLite tuning, exactly-once completions, lock retries, retention.
+"""The store: round trips, migrations, SQLite tuning, exactly-once completions, lock retries,
+retention.
 
 Most tests run twice: on a SQLite file and on a real PostgreSQL server that the session starts
 (tests/postgres_support.py), each test on its own fresh database.
@@ -92,17 +93,34 @@ def sample(rng: random.Random, replica: str, t_ms: int, healthy: bool = True) ->
 def group_sample(
     rng: random.Random, replica: str, t_ms: int, kind: str, group: str
 ) -> GroupSampleRow:
-    return GroupSampleRow(replica=replica, t_ms=t_ms, kind=kind, group=group, completed=rng.randint(0, 30),
-                          throughput_tok_s=rng.uniform(0, 900), latency=latency(rng))  # fmt: skip
+    return GroupSampleRow(
+        replica=replica,
+        t_ms=t_ms,
+        kind=kind,
+        group=group,
+        completed=rng.randint(0, 30),
+        throughput_tok_s=rng.uniform(0, 900),
+        latency=latency(rng),
+    )
 
 
 def completion(replica: str, i: int, tenant: str = "a") -> CompletionRow:
-    return CompletionRow(replica=replica, request_id=f"req-{i}", tenant=tenant, type="chat", arrival_s=10.0 + i,
-                         first_token_s=None if i % 5 == 0 else 10.25 + i, finished_s=12.5 + i,
-                         prompt_tokens=100 + i, output_tokens=7 * i, preemptions=i % 3,
-                         recomputed_tokens=i % 4 * 16, reason="finished" if i % 7 else "aborted",
-                         max_tokens=None if i % 6 == 0 else (256, 4096, 32768)[i % 3],
-                         received_s=None if i % 4 == 0 else 10.002 + i)  # fmt: skip
+    return CompletionRow(
+        replica=replica,
+        request_id=f"req-{i}",
+        tenant=tenant,
+        type="chat",
+        arrival_s=10.0 + i,
+        first_token_s=None if i % 5 == 0 else 10.25 + i,
+        finished_s=12.5 + i,
+        prompt_tokens=100 + i,
+        output_tokens=7 * i,
+        preemptions=i % 3,
+        recomputed_tokens=i % 4 * 16,
+        reason="finished" if i % 7 else "aborted",
+        max_tokens=None if i % 6 == 0 else (256, 4096, 32768)[i % 3],
+        received_s=None if i % 4 == 0 else 10.002 + i,
+    )
 
 
 # ---------------------------------------------------------------------------------- round trip
@@ -170,8 +188,16 @@ def test_round_trip_of_every_row_kind(store):
     store.settings_log.record_settings_change(
         "prod", "r1", who="alice", old=old, new=new, result="applied", version=4, t_ms=T0
     )
-    store.settings_log.record_settings_change("prod", "r2", who="tuner", old=new, new=old, result="rejected",
-                                 message="gamma: out of range", t_ms=T0 + 1)  # fmt: skip
+    store.settings_log.record_settings_change(
+        "prod",
+        "r2",
+        who="tuner",
+        old=new,
+        new=old,
+        result="rejected",
+        message="gamma: out of range",
+        t_ms=T0 + 1,
+    )
     store.settings_log.record_settings_change(
         "prod", "r9", who="bob", old=None, new=new, result="error", t_ms=T0 + 2
     )  # new name
@@ -181,8 +207,17 @@ def test_round_trip_of_every_row_kind(store):
         ("r2", "tuner", "rejected"),
         ("r1", "alice", "applied"),
     ]
-    assert log[2] == {"t_ms": T0, "cluster": "prod", "replica": "r1", "who": "alice", "old": old, "new": new,
-                      "result": "applied", "message": None, "version": 4}  # fmt: skip
+    assert log[2] == {
+        "t_ms": T0,
+        "cluster": "prod",
+        "replica": "r1",
+        "who": "alice",
+        "old": old,
+        "new": new,
+        "result": "applied",
+        "message": None,
+        "version": 4,
+    }
     assert log[1]["message"] == "gamma: out of range"
     assert store.settings_log.settings_changes("prod", "r2", limit=5) == [log[1]]
     assert store.settings_log.settings_changes("prod", limit=1) == [log[0]]
@@ -208,8 +243,11 @@ def test_round_trip_of_every_row_kind(store):
     )
     assert store.tuner.latest_recommendation().study == "s2"
     s1 = store.tuner.latest_recommendation("s1")
-    assert (s1.settings, s1.summary, s1.created_ms) == ({"policy": "uniboost", "params": {"gamma": 4.0}},
-                                                        {"ttlt_p99": 1.5}, T0)  # fmt: skip
+    assert (s1.settings, s1.summary, s1.created_ms) == (
+        {"policy": "uniboost", "params": {"gamma": 4.0}},
+        {"ttlt_p99": 1.5},
+        T0,
+    )
 
 
 def test_reopening_keeps_everything(url):
@@ -284,7 +322,8 @@ def test_migrations_match_models_and_downgrade(url):
 
 def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
     """A database at 0002 with completions in it: the upgrade adds the nullable columns, every
-    existing row reads back unchanged with max_tokens and received_s None, and new rows carry them."""
+    existing row reads back unchanged with max_tokens and received_s None, and new rows carry
+    them."""
     store = Store.open(url)
     try:
         old = [replace(completion("r1", i), max_tokens=None, received_s=None) for i in range(6)]
@@ -297,10 +336,11 @@ def test_upgrade_from_0002_keeps_completions_and_leaves_max_tokens_null(url):
             for c in old[4:]:
                 conn.execute(
                     text(
-                        "INSERT INTO completions (replica_id, request_id, tenant, type, arrival_s, first_token_s, "
-                        "finished_s, prompt_tokens, output_tokens, preemptions, recomputed_tokens, reason, stored_ms) "
-                        "VALUES (:rid, :request_id, :tenant, :type, :arrival_s, :first_token_s, :finished_s, "
-                        ":prompt_tokens, :output_tokens, :preemptions, :recomputed_tokens, :reason, :stored_ms)"
+                        "INSERT INTO completions (replica_id, request_id, tenant, type, arrival_s, "
+                        "first_token_s, finished_s, prompt_tokens, output_tokens, preemptions, "
+                        "recomputed_tokens, reason, stored_ms) VALUES (:rid, :request_id, :tenant, "
+                        ":type, :arrival_s, :first_token_s, :finished_s, :prompt_tokens, "
+                        ":output_tokens, :preemptions, :recomputed_tokens, :reason, :stored_ms)"
                     ),
                     {
                         "rid": rid,
@@ -418,8 +458,14 @@ def test_cursor_commits_only_with_its_batch(store):
 
     bad_completion = replace(completion("r1", 2), tenant=None)  # NOT NULL violated
     with pytest.raises(StoreWriteError, match="nothing of this write was stored"):
-        store.recordings.write("c", Batch(samples=[sample(rng, "r1", T0)], completions=[completion("r1", 3), bad_completion],
-                               cursors={"r1": 3}))  # fmt: skip
+        store.recordings.write(
+            "c",
+            Batch(
+                samples=[sample(rng, "r1", T0)],
+                completions=[completion("r1", 3), bad_completion],
+                cursors={"r1": 3},
+            ),
+        )
     assert store.recordings.cursors("c") == {"r1": 1}
     assert store.readings.samples("c", "r1") == []
     assert [c.request_id for c in store.readings.completions("c")] == ["req-1"]
@@ -437,11 +483,15 @@ COLLECTOR_SCRIPT = textwrap.dedent(
     from storage import Batch, CompletionRow, Store
     url, total = sys.argv[1], int(sys.argv[2])
     store = Store.open(url)
-    cursor = store.recordings.cursors("c").get("r1", 0)   # a restarted collector resumes from the stored cursor
+    # A restarted collector resumes from the stored cursor.
+    cursor = store.recordings.cursors("c").get("r1", 0)
     print("start", cursor, flush=True)
     while cursor < total:
         end = min(cursor + 37, total)
-        rows = [CompletionRow("r1", f"req-{i}", "a", "chat", i, i + 0.5, i + 1.0, 10, 20, 0) for i in range(cursor, end)]
+        rows = [
+            CompletionRow("r1", f"req-{i}", "a", "chat", i, i + 0.5, i + 1.0, 10, 20, 0)
+            for i in range(cursor, end)
+        ]
         store.recordings.write("c", Batch(completions=rows, cursors={"r1": end}))
         cursor = end
     """
@@ -662,7 +712,8 @@ def test_retention_keeps_recorded_spans_and_deletes_old_completions(url):
             now_ms, RetentionSettings(raw_sample_hours=1, completion_days=1)
         )
         kept = [s.t_ms for s in store.readings.samples("c", "r1")]
-        # "keep me" is still open (until now), so everything from T0 + 20 s on stays raw; so does T0 + 50 s.
+        # "keep me" is still open (until now), so everything from T0 + 20 s on stays raw; so does
+        # T0 + 50 s.
         assert kept == [s.t_ms for s in rows if s.t_ms >= T0 + 20_000]
         assert report.samples_folded == 4
         (u,) = store.readings.sample_rollups("c", "r1")
@@ -771,7 +822,7 @@ def test_a_refused_batch_goes_back_in_front_of_newer_rows():
     assert [r.version for r in both.settings_seen] == [1, 2] and len(both) == len(old) + len(new)
 
 
-# ---------------------------------------------------------------------------------- non-finite floats
+# -------------------------------------------------------------------------------- non-finite floats
 
 NAN, INF = float("nan"), float("inf")
 
@@ -786,7 +837,8 @@ def _json_is_valid(conn, table: str, column: str) -> list[bool]:
 
 
 def test_non_finite_floats_in_documents_are_stored_as_json_null(store):
-    """A replica's settings may hold NaN/Infinity: PostgreSQL refused them, SQLite stored invalid JSON."""
+    """A replica's settings may hold NaN/Infinity: PostgreSQL refused them, SQLite stored invalid
+    JSON."""
     from storage.rows import SettingsSeenRow
 
     doc = {
@@ -831,16 +883,25 @@ def test_non_finite_floats_in_rows_are_stored_as_null(store):
         throughput_req_s=1e308,
         latency=LatencyPercentiles(ttft_p99=1e308),
     )  # a sum that overflows: all kept
-    group = GroupSampleRow(replica="r1", t_ms=T0, kind="tenant", group="a", completed=2, throughput_tok_s=NAN,
-                           latency=lat)  # fmt: skip
+    group = GroupSampleRow(
+        replica="r1",
+        t_ms=T0,
+        kind="tenant",
+        group="a",
+        completed=2,
+        throughput_tok_s=NAN,
+        latency=lat,
+    )
     comp = replace(completion("r1", 1), first_token_s=INF)
     store.recordings.write(
         "c", Batch(samples=[row, big], group_samples=[group], completions=[comp])
     )
 
     want_lat = LatencyPercentiles(ttft_p50=0.5)
-    assert store.readings.samples("c", "r1") == [replace(row, kv_usage=None, gamma_live=None, throughput_tok_s=None,
-                                                latency=want_lat), big]  # fmt: skip
+    assert store.readings.samples("c", "r1") == [
+        replace(row, kv_usage=None, gamma_live=None, throughput_tok_s=None, latency=want_lat),
+        big,
+    ]
     assert store.readings.group_samples("c", "r1") == [
         replace(group, throughput_tok_s=None, latency=want_lat)
     ]
@@ -874,7 +935,8 @@ def test_the_float_columns_cleaned_are_the_models_nullable_float_columns():
     assert set(GROUP_FLOAT_COLUMNS) == floats(GroupSample) and not floats(
         GroupSample, nullable=False
     )
-    # arrival_s and finished_s: the collector refuses non-finite; the nullable ones are cleaned on insert
+    # arrival_s and finished_s: the collector refuses non-finite; the nullable ones are cleaned on
+    # insert
     assert floats(Completion) == {"first_token_s", "received_s"}
 
 
@@ -957,8 +1019,14 @@ def test_garbage_in_the_middle_of_the_file_is_never_a_raw_driver_error(tmp_path)
         f.seek(size // 2)
         f.write(random.Random(7).randbytes(size // 8))
     with Store.open(str(path)) as s:
-        reads = [lambda: s.readings.samples("c", "r1"), lambda: s.readings.completions("c"), lambda: s.readings.latest_samples("c"),
-                 lambda: s.recordings.time_range("c"), lambda: s.recordings.replicas("c"), lambda: s.recordings.cursors("c")]  # fmt: skip
+        reads = [
+            lambda: s.readings.samples("c", "r1"),
+            lambda: s.readings.completions("c"),
+            lambda: s.readings.latest_samples("c"),
+            lambda: s.recordings.time_range("c"),
+            lambda: s.recordings.replicas("c"),
+            lambda: s.recordings.cursors("c"),
+        ]
         failed = 0
         for read in reads:
             try:
@@ -1036,7 +1104,7 @@ def test_governance_windows_and_alert_events_round_trip(store):
     assert store.governance.firing_alerts("c", at_ms=T0 - 1) == []
 
 
-# ---------------------------------------------------------------------------------- what the store holds
+# ----------------------------------------------------------------------------- what the store holds
 
 
 def test_the_limits_are_the_columns_own():

@@ -1,4 +1,5 @@
-"""TIE quadrature (docs/policies.md#tie): accuracy against scipy.integrate.quad and the score helpers."""
+"""TIE quadrature (docs/policies.md#tie): accuracy against scipy.integrate.quad and the score
+helpers."""
 
 from __future__ import annotations
 

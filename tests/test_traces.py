@@ -40,7 +40,8 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 
 
 def _azure_seconds(ts: str) -> Fraction:
-    """Exact seconds since the epoch day of an Azure timestamp, via Decimal (independent of the loader)."""
+    """Exact seconds since the epoch day of an Azure timestamp, via Decimal (independent of the
+    loader)."""
     date, clock = ts.split(" ")
     y, mo, d = (int(x) for x in date.split("-"))
     hh, mm, ss = clock.split(":")
@@ -175,9 +176,9 @@ def test_missing_column_is_named(tmp_path):
 def test_missing_file_is_named(tmp_path):
     path = tmp_path / "nope.csv"
     for loader in (T.load_azure, T.load_vidur, T.load_mooncake, T.load_burstgpt, T.load_trace):
-        with pytest.raises(TraceError, match="nope.csv"):
+        with pytest.raises(TraceError, match=r"nope\.csv"):
             loader(path)
-    with pytest.raises(TraceError, match="nope.csv"):
+    with pytest.raises(TraceError, match=r"nope\.csv"):
         T.load_lengths(path, rate=1.0)
 
 
@@ -432,7 +433,7 @@ def test_servegen_reasoning_sampling():
 
 def test_servegen_bad_probabilities(tmp_path):
     text = "model,field,value,prob\nr1,input_tokens,5,0.5\nr1,output_tokens,9,1.0\n"
-    with pytest.raises(TraceError, match="input_tokens probabilities sum to 0.5"):
+    with pytest.raises(TraceError, match=r"input_tokens probabilities sum to 0\.5"):
         T.load_servegen_reasoning(_write(tmp_path, "p.csv", text), n=5, rate=1.0)
     text = "model,field,value,prob\nr1,input_tokens,5,1.0\nr1,output_tokens,0,1.0\n"
     path = _write(tmp_path, "q.csv", text)

@@ -1,7 +1,7 @@
-"""The autopilot in the TUI: its control row (``GovernanceRepository.autopilot_control``, written by ``tailpilot
-record --autopilot``) shown in the alerts panel — state, why it holds, per replica the candidate it
-runs and why, its last decisions — and ``O`` steering it through the store; refused read-only;
-nothing shown in a replay (its control row is not history).
+"""The autopilot in the TUI: its control row (``GovernanceRepository.autopilot_control``, written by
+``tailpilot record --autopilot``) shown in the alerts panel — state, why it holds, per replica the
+candidate it runs and why, its last decisions — and ``O`` steering it through the store; refused
+read-only; nothing shown in a replay (its control row is not history).
 
 The live app runs on a store and replicas that answer nothing (a closed loopback port): the block
 comes from the store alone, and the refreshes from the collector's (failed) polls."""

@@ -26,7 +26,7 @@ from storage.store import Store
 from tui import keys as K
 from tui import render as R
 from tui.main import build_app
-from tui.sources import ReplaySource
+from tui.replay import ReplaySource
 from tuner.twin import start_twins
 
 TOKEN = "tui-test-token"
@@ -166,7 +166,8 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
             )
             diff = text_of(app.screen.query_one("#dialog-diff"))
             assert "twin-1" in diff and "policy: uniboost → las" in diff, diff
-            # The what-if: each figure's predicted change on twin-1's recorded traffic, with the band.
+            # The what-if: each figure's predicted change on twin-1's recorded traffic, with the
+            # band.
             preview = app.screen.query_one("#dialog-preview")
             await wait_for(
                 pilot, lambda: "P95 TTFT" in text_of(preview), what="what-if", timeout=30
@@ -193,7 +194,8 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
             await pilot.press("4")
             table = app.query_one("#audit-table")
             await wait_for(pilot, lambda: table.row_count >= 1, what="audit table")
-            # The change was applied with a prediction: predicted P95 TTFT, realized once its 10 min pass.
+            # The change was applied with a prediction: predicted P95 TTFT, realized once its 10 min
+            # pass.
             await wait_for(
                 pilot, lambda: "→ due" in str(table.get_row_at(0)[6]), what="verification cell"
             )
@@ -631,7 +633,8 @@ def test_replay_plays_and_pauses(recording):
 
 
 def test_the_live_source_stamps_with_its_injected_clock(twins):
-    """No wall clock inside the live source: samples, snapshots and audit rows take the clock given."""
+    """No wall clock inside the live source: samples, snapshots and audit rows take the clock
+    given."""
     import asyncio
 
     from tui.sources import LiveSource
@@ -739,12 +742,12 @@ def test_live_alert_bar_and_alerts_panel_show_the_governance(twins):
             await pilot.press("2")
             assert "ALERT SCR" in text_of(bar)  # the bar stays on every panel
 
-            def replica_reads_the_report() -> (
-                bool
-            ):  # the replica panel's JFIs: the cluster's report
+            def replica_reads_the_report() -> bool:
+                # the replica panel's JFIs: the cluster's report
                 g = app.snapshot.governance
                 return (
-                    f"cluster: JFI {fmt_figure(g['jfi'], 3)} · JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
+                    f"cluster: JFI {fmt_figure(g['jfi'], 3)} · "
+                    f"JFI (seed) {fmt_figure(g['jfi_seed'], 3)}"
                     in text_of(app.query_one("#fairness"))
                 )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
-from tui.app import ConfirmScreen
+from tui.dialogs import ConfirmScreen
 from tui.edits import SettingsEdit
 from tui.main import build_app
 

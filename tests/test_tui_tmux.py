@@ -95,7 +95,8 @@ def tmux():
 
 
 def test_demo_under_tmux_keys_and_screens(tmux, tmp_path):
-    cmd = demo_command() + [
+    cmd = [
+        *demo_command(),
         "--replicas",
         "3",
         "--speed",

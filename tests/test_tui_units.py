@@ -19,8 +19,9 @@ from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
 from storage.store import Store
 from tui import keys as K
 from tui import render as R
-from tui.app import ConfirmScreen, TailpilotApp
+from tui.app import TailpilotApp
 from tui.cluster_panel import ClusterPanel
+from tui.dialogs import ConfirmScreen
 from tui.edits import (
     SettingsEdit,
     edit_targets,
@@ -33,7 +34,7 @@ from tui.edits import (
 )
 from tui.main import build_app
 from tui.policy_panel import PolicyPanel
-from tui.sources import ReplaySource, parse_seek
+from tui.replay import ReplaySource, parse_seek
 from tui.widgets import ClusterTable
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"

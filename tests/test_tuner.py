@@ -241,7 +241,7 @@ def test_objectives_named_from_metrics():
         ("ttlt_p99", "minimize"),
         ("throughput_tok_s", "maximize"),
     ]
-    with pytest.raises(ValueError, match="unknown metric 'ttlt_p98'; valid names: .*ttlt_p99"):
+    with pytest.raises(ValueError, match=r"unknown metric 'ttlt_p98'; valid names: .*ttlt_p99"):
         parse_objectives(["ttlt_p98"])
     with pytest.raises(ValueError, match="not computed from a trace replay"):
         parse_objectives(["kv_usage"])
@@ -291,7 +291,7 @@ def test_same_seed_same_trials_and_best(tmp_path):
         )
         assert len(info["metrics"]["ttlt_p99"]) == len(info["windows"])
     # The study definition is stored: a different seed is a different study.
-    out3, _, s3 = run_study(tmp_path, "a", 8, small_spec(seed=4), "three.db")
+    _out3, _, s3 = run_study(tmp_path, "a", 8, small_spec(seed=4), "three.db")
     assert [t.params for t in s3.trials][1:] != [t.params for t in s1.trials][1:]
 
 
@@ -407,8 +407,10 @@ def test_ctrl_c_leaves_a_study_that_resumes(tmp_path, cli, monkeypatch):
         "uniboost",
         "--objective",
         "ttlt_p99",
-        "--window",
-        "0:240",
+        "--from",
+        "0",
+        "--to",
+        "240",
         "--window-s",
         "60",
         "--seed",
@@ -563,8 +565,10 @@ def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url
         "ttlt_p99",
         "--constraint",
         "throughput>=0.99*baseline",
-        "--window",
-        "0:240",
+        "--from",
+        "0",
+        "--to",
+        "240",
         "--window-s",
         "60",
         "--trials",

@@ -106,7 +106,8 @@ def drain(pollers: list[Poller], expected: int, timeout: float, during=None) -> 
         if sum(len(p.completions) for p in pollers) >= expected:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < timeout, (
-            f"only {sum(len(p.completions) for p in pollers)}/{expected} completions after {timeout} s"
+            f"only {sum(len(p.completions) for p in pollers)}/{expected} completions after "
+            f"{timeout} s"
         )
         time.sleep(0.05)
 
@@ -122,7 +123,8 @@ def check_once(trace: Trace, completions: list[dict], epoch: float) -> None:
         assert c["arrival"] == pytest.approx(epoch + arrivals[c["id"]], abs=1e-6)
         assert c["arrival"] <= c["scheduled_at"] <= c["first_token_at"] <= c["finished_at"], c
         assert c["reason"] == "finished" and c["output_tokens"] >= 1
-        # The client's cap as the trace gave it (not the output length), and what was generated within it.
+        # The client's cap as the trace gave it (not the output length), and what was generated
+        # within it.
         r = by_id[c["id"]]
         assert c["max_tokens"] == r.max_tokens and c["output_tokens"] == min(
             r.output_tokens, r.max_tokens
@@ -216,53 +218,51 @@ def test_loop_replays_the_trace_with_unique_ids():
 
 # --- settings ----------------------------------------------------------------------------------
 def test_put_settings_if_match_validation_and_apply():
-    with start_twins(1, make_trace(400, 20.0, seed=4), speed=5, token=TOKEN) as cluster:
-        with client(cluster[0]) as c:
-            r = put(
-                c, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, if_match=1
-            )
-            assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
-            assert r.json()["restart_required"] == []
-            got = c.get("/tailpilot/v1/settings")
-            assert got.json()["version"] == 2 and got.json()["settings"]["policy"] == "uniboost"
-            deadline = time.monotonic() + 5
-            while (s := state(c))["policy"] != "uniboost":
-                assert time.monotonic() < deadline, s["policy"]
-                time.sleep(0.05)
-            assert (
-                s["settings_version"] == 2
-                and s["gamma_live"] == 8.0
-                and s["live"]["gamma_pinned"] is True
-            )
+    with (
+        start_twins(1, make_trace(400, 20.0, seed=4), speed=5, token=TOKEN) as cluster,
+        client(cluster[0]) as c,
+    ):
+        r = put(c, {"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]}, if_match=1)
+        assert r.status_code == 200 and r.json()["version"] == 2 and r.headers["ETag"] == "2"
+        assert r.json()["restart_required"] == []
+        got = c.get("/tailpilot/v1/settings")
+        assert got.json()["version"] == 2 and got.json()["settings"]["policy"] == "uniboost"
+        deadline = time.monotonic() + 5
+        while (s := state(c))["policy"] != "uniboost":
+            assert time.monotonic() < deadline, s["policy"]
+            time.sleep(0.05)
+        assert (
+            s["settings_version"] == 2
+            and s["gamma_live"] == 8.0
+            and s["live"]["gamma_pinned"] is True
+        )
 
-            stale = put(c, {"policy": "fcfs"}, if_match=1)
-            assert stale.status_code == 409 and "does not match" in stale.json()["error"]
-            for doc, field in [
-                ({"policy": "uniboost", "params": {"gamma": -1}}, "params.gamma"),
-                ({"policy": "uniboost", "params": {"bogus": 1}}, "params.bogus"),
-                ({"policy": "nope"}, "policy"),
-                ({"policy": "srpt", "params": {"predictor": "oracle"}}, "params.predictor"),
-                ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-                ({"policy": "fcfs", "pinned": ["gamma"]}, "pinned"),
-            ]:
-                bad = put(c, doc)
-                assert bad.status_code == 400 and field in bad.json()["error"], (doc, bad.text)
-            assert put(c, {"policy": "fcfs"}, token=None).status_code == 401
-            assert put(c, {"policy": "fcfs"}, token="wrong").status_code == 401
-            assert c.get("/tailpilot/v1/settings").json()["version"] == 2  # nothing changed
+        stale = put(c, {"policy": "fcfs"}, if_match=1)
+        assert stale.status_code == 409 and "does not match" in stale.json()["error"]
+        for doc, field in [
+            ({"policy": "uniboost", "params": {"gamma": -1}}, "params.gamma"),
+            ({"policy": "uniboost", "params": {"bogus": 1}}, "params.bogus"),
+            ({"policy": "nope"}, "policy"),
+            ({"policy": "srpt", "params": {"predictor": "oracle"}}, "params.predictor"),
+            ({"policy": "fcfs", "engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+            ({"policy": "fcfs", "pinned": ["gamma"]}, "pinned"),
+        ]:
+            bad = put(c, doc)
+            assert bad.status_code == 400 and field in bad.json()["error"], (doc, bad.text)
+        assert put(c, {"policy": "fcfs"}, token=None).status_code == 401
+        assert put(c, {"policy": "fcfs"}, token="wrong").status_code == 401
+        assert c.get("/tailpilot/v1/settings").json()["version"] == 2  # nothing changed
 
-            r = put(
-                c,
-                {
-                    "policy": "las",
-                    "engine": {"max_num_seqs": 64, "long_prefill_token_threshold": 256},
-                },
-                if_match=2,
-            )
-            assert r.status_code == 200 and r.json()["restart_required"] == ["max_num_seqs"]
-            assert (
-                r.json()["settings"]["engine"]["max_num_batched_tokens"] == 2048
-            )  # left out: kept
+        r = put(
+            c,
+            {
+                "policy": "las",
+                "engine": {"max_num_seqs": 64, "long_prefill_token_threshold": 256},
+            },
+            if_match=2,
+        )
+        assert r.status_code == 200 and r.json()["restart_required"] == ["max_num_seqs"]
+        assert r.json()["settings"]["engine"]["max_num_batched_tokens"] == 2048  # left out: kept
 
 
 def test_writes_refused_without_a_token(monkeypatch):
@@ -443,7 +443,7 @@ def test_a_long_running_twin_forgets_what_it_no_longer_needs():
         twin.advance(float(t))
         assert twin.sim.next_arrival == 0  # admitted arrivals dropped at every advance
         assert len(twin.sim.arrivals) <= len(trace)  # only what has not arrived yet
-        done, cursor = twin.core.completions_since(sum(seen.values()))
+        done, _cursor = twin.core.completions_since(sum(seen.values()))
         seen.update(c["id"] for c in done)
         assert twin.sim.completions == []  # drained into the log
     assert max(seen.values()) == 1 and len(seen) > 5 * len(trace)
@@ -549,7 +549,7 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
             proc.wait()
 
 
-# --- the shared pieces the twin added to the core and the server -------------------------------------
+# --- the shared pieces the twin added to the core and the server ----------------------------------
 def test_completions_since_reads_any_cursor_of_a_trimmed_log():
     core = ReplicaCore(Settings())
     core._completions = deque(maxlen=10)  # a log that has dropped its oldest entries

@@ -9,9 +9,21 @@ from __future__ import annotations
 import pytest
 from test_fairness_figures import example_report
 
-from controlplane.views import alert_text, governance_lines, governor_notes
+from controlplane.views import (
+    alert_text,
+    governance_lines,
+    governor_notes,
+    omega_text,
+    waiting_text,
+)
 from storage.rows import GroupSampleRow, LatencyPercentiles
 from tui import render as R
+from tui.alerts_render import (
+    GOVERNANCE_COLUMNS,
+    governance_rows,
+    governance_summary,
+    governor_line,
+)
 
 
 @pytest.fixture
@@ -52,7 +64,7 @@ def test_the_jfi_shown_is_the_reports_whatever_it_is(report):
     lines = plain(governance_lines(report))
     assert "JFI 0.123   JFI (seed) 0.456" in lines[1]
     assert lines[2].startswith("over-consumers (ω < 1): beta ω 2")
-    summary = R.governance_summary(report).plain
+    summary = governance_summary(report).plain
     assert "JFI 0.123 · JFI (seed) 0.456" in summary and "over-consumers (ω < 1): beta" in summary
 
 
@@ -62,7 +74,8 @@ def test_the_alert_bar_says_no_alerts_and_what_is_pending():
         == "governance: no alerts   pending: SCR 0.8 (critical)"
     )
     assert alert_text({"scr": 1.0, "alerts": {}}).plain == "governance: no alerts"
-    # A stored window from before the report had pending alerts or JFI (seed): shown as far as known.
+    # A stored window from before the report had pending alerts or JFI (seed): shown as far as
+    # known.
     old = {
         "scr": 0.5,
         "jfi": 0.82,
@@ -74,17 +87,17 @@ def test_the_alert_bar_says_no_alerts_and_what_is_pending():
         "ALERT JFI 0.82 (warning)",
         "SCR 0.5   JFI 0.82   JFI (seed) —   type fairness (min) —   3 requests in the window",
     ]
-    assert R.governance_rows(old)[0][6:10] == (
+    assert governance_rows(old)[0][6:10] == (
         "—",
         "0.5",
-        R.omega_text(old, "acme"),
-        R.waiting_text({}),
+        omega_text(old, "acme"),
+        waiting_text({}),
     )
 
 
 def test_alerts_panel_rows_carry_service_ratio_use_omega_and_waiting(report):
-    rows = {r[0] if isinstance(r[0], str) else r[0].plain: r for r in R.governance_rows(report)}
-    keys = [k for k, _, _ in R.GOVERNANCE_COLUMNS]
+    rows = {r[0] if isinstance(r[0], str) else r[0].plain: r for r in governance_rows(report)}
+    keys = [k for k, _, _ in GOVERNANCE_COLUMNS]
     col = {k: i for i, k in enumerate(keys)}
     assert all(len(r) == len(keys) for r in rows.values())
     gamma, delta = rows["gamma"], rows["delta"]
@@ -116,7 +129,7 @@ def test_governor_line_names_the_throttled_the_held_reason_and_kept_changes():
         "held": "JFI 0.7 < 0.8, but no tenant uses more than its commitment: nobody to throttle",
     }
     assert governor_notes(status) == ["jfi throttles gamma", "held: " + status["held"]]
-    line = R.governor_line({"state": "disarmed", "paused": False, "status": status}).plain
+    line = governor_line({"state": "disarmed", "paused": False, "status": status}).plain
     assert "active modes: jfi (kept after disarm" in line
     assert "· jfi throttles gamma · held: JFI 0.7 < 0.8" in line
     assert (

@@ -83,21 +83,13 @@ def test_ranking_agreement_best_within_noise_and_regret():
     assert (
         a["real_best"] == "defaults" and a["sim_best"] == "defaults" and a["sim_best_is_real_best"]
     )
-    sim = {
-        "sarathi": 3.9,
-        "defaults": 2.3,
-        "g1": 2.2,
-        "g2": 2.5,
-    }  # sim picks g1: overlaps defaults' range
+    # The sim picks g1, whose range overlaps the defaults'.
+    sim = {"sarathi": 3.9, "defaults": 2.3, "g1": 2.2, "g2": 2.5}
     a = ranking_agreement(real, sim)
     assert a["sim_best"] == "g1" and not a["sim_best_is_real_best"] and a["sim_best_within_noise"]
     assert a["regret"] == pytest.approx(2.45 / 2.3 - 1)
-    sim = {
-        "sarathi": 1.0,
-        "defaults": 2.3,
-        "g1": 2.2,
-        "g2": 2.5,
-    }  # sim picks sarathi: clearly worse
+    # The sim picks sarathi: clearly worse.
+    sim = {"sarathi": 1.0, "defaults": 2.3, "g1": 2.2, "g2": 2.5}
     a = ranking_agreement(real, sim)
     assert a["sim_best"] == "sarathi" and not a["sim_best_within_noise"]
     assert a["pairwise"]["opposite"] == 3 and a["kendall_tau_b"] < 0

@@ -105,8 +105,9 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     # The twin is the simulator: what the model says happened (warm-up under sarathi, uniboost from
     # the change on, the same requests) is what the twin did.
     assert m["real"] == pytest.approx(m["simulated_new"], rel=1e-4)
-    # Realized on the traffic that came (−17%) has the predicted sign and size (−29% predicted on the
-    # two minutes before): the windows' traffic differs, which is why verify replays the new one.
+    # Realized on the traffic that came (−17%) has the predicted sign and size (−29% predicted on
+    # the two minutes before): the windows' traffic differs, which is why verify replays the new
+    # one.
     assert m["predicted"] == predicted and -0.5 < m["realized"] < -0.1
     assert v["metrics"]["throughput_tok_s"]["realized"] == pytest.approx(0.0, abs=1e-9)
     store.close()

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 # --------------------------------------------------------------------------------------------
 # Tiny model
@@ -80,7 +82,12 @@ def kv_bytes_for_tokens(num_tokens: int) -> int:
     return blocks * KV_BYTES_PER_BLOCK_FP32
 
 
-_SYLLABLES = ["ka", "ri", "to", "na", "mo", "se", "lu", "vi", "de", "pa", "ro", "chi", "sta", "pre", "qu", "el", "an", "or", "ing", "tion", "er", "al", "ex", "co", "im", "un", "re", "th", "sh", "ow", "ai", "ea", "ou", "io", "be", "ma", "ne", "ti", "lo", "gra", "bri", "spe", "tro", "cla", "fen", "dor", "mur", "pin", "sol", "var", "zen"]
+_SYLLABLES = [
+    "ka", "ri", "to", "na", "mo", "se", "lu", "vi", "de", "pa", "ro", "chi", "sta", "pre", "qu",
+    "el", "an", "or", "ing", "tion", "er", "al", "ex", "co", "im", "un", "re", "th", "sh", "ow",
+    "ai", "ea", "ou", "io", "be", "ma", "ne", "ti", "lo", "gra", "bri", "spe", "tro", "cla", "fen",
+    "dor", "mur", "pin", "sol", "var", "zen",
+]  # fmt: skip
 _PUNCT = (".", ",", ";", ":", "?", "!")
 _CODE_SNIPPETS = (
     "def {w}(x, y=None):\n    return x + {n}\n",
@@ -128,6 +135,8 @@ def build_tiny_model(dest: Path, *, seed: int = SEED) -> Path:
 
     Deterministic for a given seed and library versions. Takes a few seconds.
     """
+    # Optional: the vLLM extra's torch, tokenizers and transformers, needed only to build the model
+    # (the fast tests never pay for them).
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -322,7 +331,8 @@ class VllmServer:
         self._tmpdir = tempfile.mkdtemp(prefix="vllm-")
         if self.port is None:
             self.port = free_port(self.host)
-        self._log_file = open(self.log_path, "wb")
+        # Open for the server's whole life (the child writes to it); stop() closes it.
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(),
@@ -342,8 +352,6 @@ class VllmServer:
         return self
 
     def _wait_healthy(self) -> None:
-        import httpx
-
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         with httpx.Client(timeout=2.0, trust_env=False) as client:
@@ -368,7 +376,7 @@ class VllmServer:
 
     def _descendants(self) -> list[Any]:
         try:
-            import psutil
+            import psutil  # optional: not a tailpilot dependency (vLLM brings it)
 
             assert self.proc is not None
             return psutil.Process(self.proc.pid).children(recursive=True)
@@ -424,7 +432,7 @@ def _group_alive(pgid: int, leader: subprocess.Popen[bytes]) -> bool:
         return True
     # Members may be zombies waiting for a parent that is no longer ours to reap.
     try:
-        import psutil
+        import psutil  # optional: not a tailpilot dependency (vLLM brings it)
 
         for p in psutil.process_iter(["pid", "status"]):
             try:
@@ -489,8 +497,6 @@ async def send_completions(
     A mapping request uses the :class:`CompletionRequest` field names. ``model`` defaults to
     the first id listed by ``/v1/models``. Raises on any non-200 answer.
     """
-    import httpx
-
     reqs = [r if isinstance(r, CompletionRequest) else CompletionRequest(**r) for r in requests]
     limits = httpx.Limits(max_connections=max(len(reqs), 1), max_keepalive_connections=0)
     async with httpx.AsyncClient(
@@ -540,8 +546,6 @@ def parse_metrics(text: str) -> dict[str, float]:
     names, so a counter keeps its ``_total`` (``vllm:num_preemptions_total``) and a histogram
     gives ``..._bucket`` / ``..._sum`` / ``..._count``. Raises ValueError on malformed text.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -550,8 +554,6 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def fetch_metrics(base_url: str) -> dict[str, float]:
-    import httpx
-
     resp = httpx.get(base_url + "/metrics", timeout=30.0, trust_env=False)
     resp.raise_for_status()
     return parse_metrics(resp.text)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sys
 
+# The CLI's group (not the TUI's entry point directly): it turns store failures into one-line
+# errors, as `tailpilot tui` does.
+from tailpilot.cli import main as tailpilot
+
 
 def main(argv: list[str] | None = None) -> int:
-    from tailpilot.cli import (
-        main as tailpilot,
-    )  # its group turns store failures into one-line errors
-
     try:
         tailpilot.main(
             args=["tui", *(sys.argv[1:] if argv is None else argv)],

@@ -14,7 +14,14 @@ from textual.containers import Vertical
 from textual.reactive import var
 from textual.widgets import DataTable, Static
 
-from tui import render as R
+from tui.alerts_render import (
+    ALERT_EVENT_COLUMNS,
+    GOVERNANCE_COLUMNS,
+    alert_event_row,
+    governance_rows,
+    governance_summary,
+    governor_line,
+)
 from tui.autopilot_panel import AutopilotData, AutopilotPanel
 from tui.widgets import AutoSizedTable, fill_table
 
@@ -46,20 +53,20 @@ class AlertsPanel(Vertical):
 
     def on_mount(self) -> None:
         t = self.query_one("#alerts-tenants", DataTable)
-        for key, label, width in R.GOVERNANCE_COLUMNS:
+        for key, label, width in GOVERNANCE_COLUMNS:
             t.add_column(label, key=key, width=width)
         h = self.query_one("#alerts-history", DataTable)
-        for key, label, width in R.ALERT_EVENT_COLUMNS:
+        for key, label, width in ALERT_EVENT_COLUMNS:
             h.add_column(label, key=key, width=width)
 
     def watch_data(self, data: AlertsData | None) -> None:
         if data is None:
             return
-        self.query_one("#alerts-figures", Static).update(R.governance_summary(data.governance))
-        self.query_one("#alerts-governor", Static).update(R.governor_line(data.governor))
+        self.query_one("#alerts-figures", Static).update(governance_summary(data.governance))
+        self.query_one("#alerts-governor", Static).update(governor_line(data.governor))
         self.query_one(AutopilotPanel).data = AutopilotData(data.autopilot, data.now_ms)
-        fill_table(self.query_one("#alerts-tenants", DataTable), R.governance_rows(data.governance))
+        fill_table(self.query_one("#alerts-tenants", DataTable), governance_rows(data.governance))
         fill_table(
             self.query_one("#alerts-history", DataTable),
-            [R.alert_event_row(e) for e in data.events],
+            [alert_event_row(e) for e in data.events],
         )

@@ -3,9 +3,11 @@ pinning, audit log, the governor and the autopilot, and replay of recordings on 
 
 The app is thin: each panel is its own module (``cluster_panel``, ``replica_panel``,
 ``policy_panel``, ``audit_panel``, ``tuner_panel``, ``alerts_panel`` with ``autopilot_panel``),
-the modal screens are ``dialogs``, steering the governor and the autopilot ``controllers``, the
-styles ``app.tcss``, the keys one table (``keys``), and what a panel shows is a pure render
-function (``render``, ``autopilot_render``).
+the modal screens are ``dialogs``, steering the governor and the autopilot ``controllers``,
+changing settings through the confirm dialog ``changes``, the styles ``app.tcss``, the keys one
+table (``keys``), and what a panel shows is a pure render function (``render``,
+``alerts_render``, ``dialog_render``, ``autopilot_render``, ``tuner_render``). The data comes
+from ``sources`` (live) or ``replay`` (a recording).
 
 Data flow: one pump task awaits ``source.next_snapshot()`` and applies each snapshot before it
 reads the next (refreshes never overlap); the cluster table is updated cell by cell in place.
@@ -22,12 +24,12 @@ import getpass
 import logging
 import time
 from collections import deque
-from typing import AbstractSet, Any
+from collections.abc import Set
+from typing import Any
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult
-from textual.notifications import SeverityLevel
 from textual.reactive import var
 from textual.screen import ModalScreen
 from textual.widgets import (
@@ -39,23 +41,19 @@ from textual.widgets import (
 
 from controlplane.cluster import ClusterSpec
 from controlplane.snapshot import ClusterSnapshot
+from controlplane.steering import ApplyResult
 from controlplane.views import alert_text
 from tui import keys as K
 from tui import render as R
 from tui.alerts_panel import AlertsPanel
 from tui.audit_panel import AuditData, AuditPanel
+from tui.changes import ChangeActions
 from tui.cluster_panel import ClusterData, ClusterPanel
 from tui.controllers import ControllerActions
-from tui.dialogs import ConfirmScreen, HelpScreen, PolicyPickScreen, SeekScreen
-from tui.edits import (
-    RecommendationEdit,
-    SettingsEdit,
-    current_settings,
-    edit_targets,
-    pin_edit,
-    try_apply,
-)
+from tui.dialogs import HelpScreen, SeekScreen
+from tui.edits import RecommendationEdit, edit_targets
 from tui.policy_panel import PolicyPanel
+from tui.replay import ReplaySource
 from tui.replica_panel import ReplicaData, ReplicaPanel
 from tui.sources import DataSource
 from tui.tuner_panel import TunerPanel
@@ -67,10 +65,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------- the app
 
 
-PREVIEW_MINUTES = 10.0  # the confirm dialog's what-if replays each replica's last this many minutes
-
-
-class TailpilotApp(ControllerActions, App):
+class TailpilotApp(ControllerActions, ChangeActions, App[None]):
     """``TailpilotApp(source, cluster_spec, readonly=..., store=...)``."""
 
     TITLE = "tailpilot"
@@ -110,7 +105,7 @@ class TailpilotApp(ControllerActions, App):
         self.verification_cache: dict[
             tuple[str, Any], dict[str, Any]
         ] = {}  # (replica, version) -> verify
-        self.last_results: list[Any] = []
+        self.last_results: list[ApplyResult] = []
         self.snapshots_applied = 0
         self.apply_ms: deque[float] = deque(maxlen=10_000)
         self.refresh_ms: deque[float] = deque(maxlen=10_000)
@@ -128,7 +123,7 @@ class TailpilotApp(ControllerActions, App):
             return "--readonly"
         return "replay is read-only"
 
-    def validate_selected(self, names: AbstractSet[str]) -> frozenset[str]:
+    def validate_selected(self, names: Set[str]) -> frozenset[str]:
         # Any set may be assigned; a frozen one, so that only assigning a new one changes it.
         return frozenset(names)
 
@@ -260,7 +255,7 @@ class TailpilotApp(ControllerActions, App):
             return False if self.mode_name == "replay" else None
         return True
 
-    def on_key(self, event) -> None:
+    def on_key(self, event: events.Key) -> None:
         k = K.KEYS_BY_KEY.get(event.key)
         if (
             k is not None
@@ -274,7 +269,8 @@ class TailpilotApp(ControllerActions, App):
     def refuse(self, k: K.Key) -> None:
         self.refused.append(k.action_name)
         self.notify(
-            f"{k.display}: {k.description.split(' (')[0].lower()} — refused: {self.readonly_reason()}",
+            f"{k.display}: {k.description.split(' (')[0].lower()} — "
+            f"refused: {self.readonly_reason()}",
             title="read-only",
             severity="warning",
         )
@@ -294,13 +290,14 @@ class TailpilotApp(ControllerActions, App):
         self.exit()
 
     def action_toggle_pause(self) -> None:
-        if self.mode_name == "replay":
-            src = self.source
-            src.set_playing(not src.playing)  # type: ignore[attr-defined]
+        replay = self._replay()
+        if replay is not None:
+            replay.set_playing(not replay.playing)
         else:
             self.paused = not self.paused
-            if not self.paused and self.source.current() is not None:
-                self.apply_snapshot(self.source.current())  # type: ignore[arg-type]
+            current = self.source.current()
+            if not self.paused and current is not None:
+                self.apply_snapshot(current)
         self._update_topbar()
 
     def action_filter(self) -> None:
@@ -379,30 +376,35 @@ class TailpilotApp(ControllerActions, App):
         self._update_topbar()
 
     # --- replay --------------------------------------------------------------------------------
+    def _replay(self) -> ReplaySource | None:
+        """The source when it is a recording (seek, step, play), else None."""
+        return self.source if isinstance(self.source, ReplaySource) else None
+
     def action_step(self, n: int) -> None:
-        src = self.source
-        if self.mode_name != "replay":
+        src = self._replay()
+        if src is None:
             return
-        src.set_playing(False)  # type: ignore[attr-defined]
-        src.step(int(n))  # type: ignore[attr-defined]
+        src.set_playing(False)
+        src.step(int(n))
         self._update_topbar()
 
     def action_seek(self) -> None:
-        if self.mode_name != "replay":
+        src = self._replay()
+        if src is None:
             return
-        src = self.source
 
         def done(t: int | None) -> None:
             if t is not None:
-                src.set_playing(False)  # type: ignore[attr-defined]
-                src.seek(t)  # type: ignore[attr-defined]
+                src.set_playing(False)
+                src.seek(t)
                 self._update_topbar()
 
-        self.push_screen(SeekScreen(src.position, src.start_ms, src.end_ms), done)  # type: ignore[attr-defined]
+        self.push_screen(SeekScreen(src.position, src.start_ms, src.end_ms), done)
 
     def action_speed(self, factor: float) -> None:
-        if self.mode_name == "replay":
-            speed = self.source.set_speed(float(factor))  # type: ignore[attr-defined]
+        src = self._replay()
+        if src is not None:
+            speed = src.set_speed(float(factor))
             self.notify(f"replay speed {speed:g}x", timeout=2)
             self._update_topbar()
 
@@ -450,114 +452,6 @@ class TailpilotApp(ControllerActions, App):
         )
 
     # --- cluster changes -----------------------------------------------------------------------
-    def _plans(self, edits: dict[str, SettingsEdit]) -> list[dict[str, Any]]:
-        plans = []
-        snap = self.snapshot
-        for name, edit in edits.items():
-            rs = snap.replicas.get(name) if snap else None
-            cur = current_settings(rs.settings) if rs else None
-            plan: dict[str, Any] = {
-                "replica": name,
-                "version": rs.settings_version if rs else None,
-                "edit": edit.describe(),
-            }
-            if cur is None:
-                plan["old"] = None
-            else:
-                new, err = try_apply(edit, cur)
-                plan["old"] = cur.to_dict()
-                if err:
-                    plan["error"] = err
-                else:
-                    plan["new"] = new.to_dict()  # type: ignore[union-attr]
-                    if isinstance(edit, RecommendationEdit):
-                        plan["kept_pins"] = edit.kept_pins(cur)
-            plans.append(plan)
-        return plans
-
-    def confirm_and_apply(self, title: str, edits: dict[str, Any]) -> None:
-        if self.readonly:
-            return
-        if not edits:
-            self.notify(
-                "no target replica: move the cursor to one or select some with space",
-                severity="warning",
-            )
-            return
-        plans = self._plans(edits)
-        predictions: dict[str, Any] = {}
-        what_if = hasattr(self.source, "predict")
-
-        def done(ok: bool | None) -> None:
-            if ok:
-                sendable = {p["replica"]: edits[p["replica"]] for p in plans if not p.get("error")}
-                self.apply_changes(sendable, predictions)
-
-        screen = ConfirmScreen(title, plans, PREVIEW_MINUTES if what_if else None)
-        self.push_screen(screen, done)
-        if what_if:
-            self._predict(screen, plans, predictions)
-
-    @work(group="predict", exit_on_error=False)
-    async def _predict(
-        self, screen: ConfirmScreen, plans: list[dict[str, Any]], into: dict[str, Any]
-    ) -> None:
-        """The what-if of the confirm dialog, off the UI thread; kept with the change if applied."""
-        try:
-            found = await self.source.predict(plans, PREVIEW_MINUTES)  # type: ignore[attr-defined]
-        except Exception as err:
-            log.warning("what-if failed: %s", err)
-            found = {p["replica"]: f"{type(err).__name__}: {err}" for p in plans}
-        into.update(found)
-        screen.show_preview(found)
-
-    @work(group="apply", exit_on_error=False)
-    async def apply_changes(
-        self, edits: dict[str, SettingsEdit], predictions: dict[str, Any] | None = None
-    ) -> None:
-        """Send the changes (GET, PUT If-Match, read back, audit row) without blocking the UI."""
-        if self.readonly or not hasattr(self.source, "apply"):
-            return
-        self.notify(f"applying to {', '.join(edits)}…", timeout=3)
-        applied_ms = int(getattr(self.source, "clock", time.time)() * 1000)
-        try:
-            results = await self.source.apply(edits, self.who)  # type: ignore[attr-defined]
-            if predictions:
-                await self.source.keep_predictions(results, predictions, applied_ms)  # type: ignore[attr-defined]
-        except Exception as err:
-            log.exception("apply failed")
-            self.notify(f"apply failed: {type(err).__name__}: {err}", severity="error", timeout=15)
-            return
-        self.last_results = results
-        for r in results:
-            sev: SeverityLevel = (
-                "information" if r.ok else ("warning" if r.result == "rejected" else "error")
-            )
-            self.notify(f"{r.replica}: {r.message}", title=r.result, severity=sev, timeout=8)
-        self.query_one(PolicyPanel).last_results = results
-        self.query_one(TunerPanel).last_results = results
-        self.reload_audit()  # the form rebuilds when the next snapshot brings the new version
-
-    def action_switch_policy(self) -> None:
-        targets = self.targets()
-        if not targets:
-            self.notify("no target replica", severity="warning")
-            return
-        snap = self.snapshot
-        current = {
-            n: (R.policy_of(snap.replicas[n]) if snap and n in snap.replicas else None)
-            for n in targets
-        }
-
-        def picked(policy: str | None) -> None:
-            if policy:
-                self.confirm_and_apply(
-                    f"Switch {len(targets)} replica(s) to {policy}?",
-                    {n: SettingsEdit(policy=policy) for n in targets},
-                )
-
-        self.push_screen(PolicyPickScreen(targets, current), picked)
-
     @on(PolicyPanel.SelectionChanged)
     def _policy_selection_changed(self, event: PolicyPanel.SelectionChanged) -> None:
         self.selected = event.selected
@@ -575,42 +469,6 @@ class TailpilotApp(ControllerActions, App):
         panel = self.query_one(PolicyPanel)
         await panel.load(force=True)
         panel.focus_form()
-
-    def action_toggle_pin(self) -> None:
-        snap = self.snapshot
-        edits: dict[str, SettingsEdit] = {}
-        skipped = []
-        for name in self.targets():
-            rs = snap.replicas.get(name) if snap else None
-            if rs is None:
-                continue
-            s = rs.sample
-            live = {"gamma": s.gamma_live if s else None, "beta": s.beta_live if s else None}
-            edit, what = pin_edit(current_settings(rs.settings), R.policy_of(rs), live)
-            if edit is None:
-                skipped.append(f"{name}: {what}")
-            else:
-                edits[name] = edit
-        if skipped:
-            self.notify("; ".join(skipped), severity="warning")
-        if edits:
-            self.confirm_and_apply("Pin / unpin the adaptive parameter?", edits)
-
-    def action_apply_edits(self) -> None:
-        panel = self.query_one(PolicyPanel)
-        if panel.form_policy is None:
-            return
-        if panel.error:
-            self.notify(f"not valid: {panel.error}", severity="error")
-            return
-        edit = panel.current_edit()
-        if edit.empty:
-            self.notify("no changes staged", severity="warning")
-            return
-        targets = self.targets()
-        self.confirm_and_apply(
-            f"Apply {edit.describe()} to {len(targets)} replica(s)?", {n: edit for n in targets}
-        )
 
     def action_apply_recommendation(self) -> None:
         """``R`` in the tuner panel: the shown recommendation to the selected replicas (all when

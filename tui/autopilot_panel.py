@@ -19,7 +19,8 @@ from tui import autopilot_render as AR
 
 @dataclass(frozen=True)
 class AutopilotData:
-    """The autopilot's control row (``GovernanceRepository.autopilot_control``'s; None: none here) as of ``now_ms``."""
+    """The autopilot's control row (``GovernanceRepository.autopilot_control``'s; None: none here)
+    as of ``now_ms``."""
 
     control: Mapping[str, Any] | None
     now_ms: int | None = None

@@ -1,9 +1,9 @@
 """The autopilot's control row as the TUI shows it: pure functions, no widgets, no I/O.
 
-The row is ``GovernanceRepository.autopilot_control``'s (written by ``tuner.autopilot_live`` inside ``tailpilot
-record --autopilot``): the operator's state and pause flag, and the driver's last ``status`` — why
-nothing is applied (``held``), per replica the candidate it runs, why its last decision was or was
-not carried out (``note``) and its recent decisions with their predicted change.
+The row is ``GovernanceRepository.autopilot_control``'s (written by ``tuner.autopilot_live`` inside
+``tailpilot record --autopilot``): the operator's state and pause flag, and the driver's last
+``status`` — why nothing is applied (``held``), per replica the candidate it runs, why its last
+decision was or was not carried out (``note``) and its recent decisions with their predicted change.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from rich.text import Text
 from tui.sources import fmt_clock
 
 DECISIONS_SHOWN = 3  # per replica, newest first (the status keeps more)
-# A report older than this says the driver may have stopped: it writes one every tick (5 s by default).
+# A report older than this says the driver may have stopped: it writes one every tick (5 s by
+# default).
 STALE_MS = 60_000
 STATE_STYLES = {"armed": "bold red", "dry-run": "yellow", "disarmed": "dim"}
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.reactive import var
 from textual.widgets import (
@@ -35,7 +36,7 @@ class ClusterData:
 
 
 class FilterInput(Input):
-    BINDINGS = [Binding("escape", "done", "Done", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "done", "Done", show=False)]
 
     def action_done(self) -> None:
         self.post_message(self.Submitted(self, self.value))

@@ -13,30 +13,34 @@ from typing import TYPE_CHECKING, Any
 
 from textual import work
 
+from controlplane.snapshot import ClusterSnapshot
 from tui.alerts_panel import AlertsData, AlertsPanel
 from tui.dialogs import AutopilotScreen, GovernorScreen
+from tui.sources import DataSource
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the mixin's methods run on the app: type-check them as the app's
     from textual.app import App
 
-    _AppBase = App
+    _AppBase = App[None]
 else:
     _AppBase = object
 
 # The controllers steered through a control row in the store, and where one exists.
 STEERED = {
     "governor": "a cluster with a governance block, live with --db",
-    "autopilot": "it is steered through the store (live with --db); it runs in tailpilot record --autopilot",
+    "autopilot": (
+        "it is steered through the store (live with --db); it runs in tailpilot record --autopilot"
+    ),
 }
 
 
 class ControllerActions(_AppBase):
     """reload_alerts, action_governor (G) and action_autopilot (O) of the app."""
 
-    source: Any
-    snapshot: Any
+    source: DataSource
+    snapshot: ClusterSnapshot | None
     who: str
 
     @work(exclusive=True, group="alerts", exit_on_error=False)
@@ -65,7 +69,8 @@ class ControllerActions(_AppBase):
         )
 
     def _now_ms(self) -> int:
-        """The source's clock (a live source's is injectable), for how old a controller's report is."""
+        """The source's clock (a live source's is injectable), for how old a controller's report
+        is."""
         return int(getattr(self.source, "clock", time.time)() * 1000)
 
     async def action_governor(self) -> None:
@@ -77,7 +82,8 @@ class ControllerActions(_AppBase):
         )
 
     async def _open_steering(self, what: str, screen: Any) -> None:
-        """G / O: the controller's control row in a dialog; the operator's pick goes to the store."""
+        """G / O: the controller's control row in a dialog; the operator's pick goes to the
+        store."""
         try:
             control = await getattr(self.source, what)()
         except Exception as err:

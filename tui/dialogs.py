@@ -3,12 +3,12 @@ the governor or the autopilot."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import (
@@ -22,8 +22,10 @@ from textual.widgets.option_list import Option
 from scheduler.settings import POLICY_NAMES
 from tui import autopilot_render as AR
 from tui import keys as K
-from tui import render as R
-from tui.sources import fmt_time, parse_seek
+from tui.alerts_render import governor_line
+from tui.dialog_render import diff_renderable, help_table, preview_renderable
+from tui.replay import parse_seek
+from tui.sources import fmt_time
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -44,10 +46,10 @@ class ConfirmScreen(ModalScreen[bool]):
         with Vertical(id="dialog"):
             yield Static(Text(self.title_text, style="bold"), id="dialog-title")
             with VerticalScroll(id="dialog-body"):
-                yield Static(R.diff_renderable(self.plans), id="dialog-diff")
+                yield Static(diff_renderable(self.plans), id="dialog-diff")
                 if self.preview_minutes is not None:
                     yield Static(
-                        R.preview_renderable(None, self.preview_minutes), id="dialog-preview"
+                        preview_renderable(None, self.preview_minutes), id="dialog-preview"
                     )
             with Horizontal(id="dialog-buttons"):
                 yield Button(
@@ -65,7 +67,7 @@ class ConfirmScreen(ModalScreen[bool]):
         """The what-if predictions arrived (computed off the UI thread)."""
         if self.preview_minutes is not None and self.is_attached:
             self.query_one("#dialog-preview", Static).update(
-                R.preview_renderable(predictions, self.preview_minutes)
+                preview_renderable(predictions, self.preview_minutes)
             )
 
     def action_confirm(self) -> None:
@@ -85,7 +87,9 @@ class ConfirmScreen(ModalScreen[bool]):
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,question_mark,q", "close", "Close", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,question_mark,q", "close", "Close", show=False)
+    ]
 
     def __init__(self, readonly: bool, mode: str) -> None:
         super().__init__()
@@ -104,7 +108,7 @@ class HelpScreen(ModalScreen[None]):
             head.append("\nesc, ? or q closes this help.", style="bold")
             yield Static(head)
             yield Static(
-                R.help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table"
+                help_table(K.help_rows(readonly=self.readonly, mode=self.mode)), id="help-table"
             )
 
     def action_close(self) -> None:
@@ -112,7 +116,7 @@ class HelpScreen(ModalScreen[None]):
 
 
 class SeekScreen(ModalScreen["int | None"]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel", show=False)]
 
     def __init__(self, position_ms: int, start_ms: int, end_ms: int) -> None:
         super().__init__()
@@ -152,7 +156,7 @@ class SeekScreen(ModalScreen["int | None"]):
 
 
 class PolicyPickScreen(ModalScreen["str | None"]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel", show=False)]
 
     def __init__(self, targets: list[str], current: dict[str, str | None]) -> None:
         super().__init__()
@@ -207,7 +211,7 @@ class SteerScreen(ModalScreen["str | None"]):
     """Steer one of the cluster's automatic controllers through its control row: the operator picks
     one of ``choices`` (pause or resume, whichever applies; the current state marked)."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel", show=False)]
 
     def __init__(
         self,
@@ -251,7 +255,7 @@ class GovernorScreen(SteerScreen):
 
     def __init__(self, control: dict[str, Any]) -> None:
         super().__init__(
-            "Governor", R.governor_line(control), GOVERNOR_CHOICES, control, "governor-options"
+            "Governor", governor_line(control), GOVERNOR_CHOICES, control, "governor-options"
         )
 
 

@@ -12,9 +12,9 @@ import json
 import re
 import types
 import typing
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Set
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -68,7 +68,7 @@ class SettingsEdit:
         return ", ".join(parts) or "no change"
 
 
-def try_apply(edit: SettingsEdit, current: Settings) -> tuple[Settings | None, str | None]:
+def try_apply(edit: Edit, current: Settings) -> tuple[Settings | None, str | None]:
     """(new settings, None) or (None, the settings model's message naming the field)."""
     try:
         return edit.apply(current), None
@@ -76,9 +76,7 @@ def try_apply(edit: SettingsEdit, current: Settings) -> tuple[Settings | None, s
         return None, describe_error(err)
 
 
-def edit_targets(
-    selected: AbstractSet[str], cursor: str | None, known: Container[str] | None
-) -> list[str]:
+def edit_targets(selected: Set[str], cursor: str | None, known: Container[str] | None) -> list[str]:
     """The replicas a change goes to (what P, N and A act on): the selected ones, those of them
     still ``known`` when the cluster's replicas are known; else the replica under the cursor."""
     if selected:
@@ -224,7 +222,8 @@ def parse_field(spec: FieldSpec, text: str) -> Any:
 
 
 def field_errors(message: str | None, names: list[str]) -> dict[str, str]:
-    """Split a describe_error message into the parts about each parameter (``params.gamma: ...``)."""
+    """Split a describe_error message into the parts about each parameter (``params.gamma:
+    ...``)."""
     if not message:
         return {}
     out: dict[str, str] = {}
@@ -265,8 +264,9 @@ def pin_edit(
 @dataclass(frozen=True)
 class RecommendationEdit:
     """The ``R`` key of the tuner panel: a study's recommended settings document, applied to a
-    replica's current settings with that replica's **pinned parameters kept** (docs/policies.md#settings-document: an
-    applied recommendation never changes a pinned parameter unless the operator unpins it).
+    replica's current settings with that replica's **pinned parameters kept**
+    (docs/policies.md#settings-document: an applied recommendation never changes a pinned parameter
+    unless the operator unpins it).
 
     Same interface as :class:`SettingsEdit` (``apply``, callable, ``describe``), so it goes
     through the same confirmation and the same ``apply_settings`` path. When the replica pins a
@@ -300,7 +300,8 @@ class RecommendationEdit:
         return False
 
     def kept_pins(self, current: Settings | None) -> list[tuple[str, str, str]]:
-        """(name, the replica's value kept, the recommended value not applied) per pinned parameter."""
+        """(name, the replica's value kept, the recommended value not applied) per pinned
+        parameter."""
         if current is None or not current.pinned:
             return []
         rec = dict(self.settings).get("params") or {}
@@ -314,3 +315,8 @@ class RecommendationEdit:
         if self.trial is not None:
             what += f" (trial {self.trial})"
         return what
+
+
+Edit = SettingsEdit | RecommendationEdit
+"""What the confirm dialog and the apply worker take: either edit (``apply``, callable,
+``describe``)."""

@@ -12,9 +12,10 @@ cluster** — those always open a confirmation showing the settings diff first, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Provider
@@ -387,7 +388,7 @@ class KeyCommands(Provider):
             out.append((label, k))
         return out
 
-    def _runner(self, k: Key):
+    def _runner(self, k: Key) -> Callable[[], Awaitable[Any]]:
         invoke = getattr(self.app, "invoke_key", None)
         if invoke is not None:
             return partial(invoke, k)

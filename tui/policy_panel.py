@@ -10,12 +10,12 @@ messages: :class:`PolicyPanel.SelectionChanged` (the targets list) and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import var
@@ -30,7 +30,7 @@ from textual.widgets import (
 )
 
 from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
-from scheduler.settings import POLICY_NAMES
+from scheduler.settings import POLICY_NAMES, Settings
 from tui import render as R
 from tui.edits import (
     FieldSpec,
@@ -54,7 +54,9 @@ class PolicyPanel(Vertical):
     before the first snapshot) and why this session cannot change the cluster (None: it can).
     """
 
-    BINDINGS = [Binding("escape", "leave_form", "Leave the form", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "leave_form", "Leave the form", show=False)
+    ]
 
     class SelectionChanged(Message):
         """The operator changed the selection in the targets list: the app's to make (the
@@ -162,8 +164,8 @@ class PolicyPanel(Vertical):
 
     def follow_snapshot(self) -> None:
         """After each new ``snapshot`` while the panel is shown: keep the targets in sync, and
-        rebuild the form when the reference replica's settings changed — at once after our own
-        apply or when nothing is staged; otherwise only say so (staged edits are never thrown away)."""
+        rebuild the form when the reference replica's settings changed — at once after our own apply
+        or when nothing is staged; otherwise only say so (staged edits are never thrown away)."""
         self.sync_targets()
         rs = self._replica(self.reference)
         if rs is None or self.form_policy is None or self._loading:
@@ -235,7 +237,7 @@ class PolicyPanel(Vertical):
         await self._build_form(policy)
         self._update_banner()
 
-    def reference_settings(self):
+    def reference_settings(self) -> Settings | None:
         rs = self._replica(self.reference)
         return current_settings(rs.settings) if rs else None
 
@@ -245,9 +247,11 @@ class PolicyPanel(Vertical):
         self.form_version = rs.settings_version if rs is not None else None
         self.form_policy = policy
         self.fields = policy_fields(policy)
-        same = ref is not None and ref.policy == policy
-        self.initial = {f.name: (ref.param(f.name) if same else f.default) for f in self.fields}
-        self.initial_pins = set(ref.pinned) if same else set()
+        same = ref if ref is not None and ref.policy == policy else None  # its values shown
+        self.initial = {
+            f.name: (same.param(f.name) if same is not None else f.default) for f in self.fields
+        }
+        self.initial_pins = set(same.pinned) if same is not None else set()
         self._gen += 1
         form = self.query_one("#form", VerticalScroll)
         await form.remove_children()
@@ -312,10 +316,8 @@ class PolicyPanel(Vertical):
         pins = set()
         for f in self.fields:
             v = self._value_of(f)
-            if (
-                v != self.initial[f.name]
-                or (type(v) is str
-                and not isinstance(self.initial[f.name], str))
+            if v != self.initial[f.name] or (
+                type(v) is str and not isinstance(self.initial[f.name], str)
             ):
                 params[f.name] = v
             if self.query_one(f"#p{self._gen}-{f.name}", Checkbox).value:
@@ -330,8 +332,6 @@ class PolicyPanel(Vertical):
 
     def revalidate(self) -> None:
         """Run the edit through the settings model; mark the fields it names."""
-        from scheduler.settings import Settings
-
         if not self.fields and self.form_policy is None:
             return
         edit = self.current_edit()
@@ -373,7 +373,7 @@ class PolicyPanel(Vertical):
 
     @on(Input.Changed)
     @on(Checkbox.Changed)
-    def _field_changed(self, event) -> None:
+    def _field_changed(self, event: Input.Changed | Checkbox.Changed) -> None:
         wid = event.control.id or ""
         if wid.startswith((f"f{self._gen}-", f"p{self._gen}-")):
             self.revalidate()
@@ -394,7 +394,7 @@ class PolicyPanel(Vertical):
             self.revalidate()
 
     @on(SelectionList.SelectedChanged, "#targets")
-    async def _targets_changed(self, event: SelectionList.SelectedChanged) -> None:
+    async def _targets_changed(self, event: SelectionList.SelectedChanged[str]) -> None:
         if self._syncing:
             return
         # The app selects them (and binds its selection back here); the form follows at once.

@@ -1,6 +1,10 @@
 """Panels as pure functions: snapshots and histories in, cells, rich renderables and plot series
 out. No widgets, no I/O — testable without a running app. Reuses controlplane.views' formatters
 and scheduler.metrics' fairness helpers.
+
+Here: the cluster table, the replica panel and the audit log's rows. The alerts panel's are
+``tui.alerts_render``, the dialogs' ``tui.dialog_render``, the autopilot's
+``tui.autopilot_render`` and the tuner panel's ``tui.tuner_render``.
 """
 
 from __future__ import annotations
@@ -10,34 +14,28 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
-from controlplane.governor import modes_text
 from controlplane.snapshot import ClusterSnapshot, ReplicaSnapshot
 from controlplane.views import (
-    ALERT_LABELS,
-    alert_text,
     breaker_note,
     cluster_totals,
-    figures_text,
     fmt_figure,
     fmt_gamma,
     fmt_number,
     fmt_percent,
     fmt_seconds,
-    fmt_target,
-    governance_notes,
-    governor_notes,
-    omega_text,
     rejected_note,
-    waiting_text,
 )
 from scheduler.metrics import slo_compliance
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
-from tui.edits import diff_summary, fmt_value, settings_diff
+from tui.edits import diff_summary, fmt_value
 from tui.sources import fmt_time
+
+Cell = str | Text
+"""A table cell: plain text, or styled."""
+Row = tuple[Cell, ...]
+"""A table row's cells, in its columns' order."""
 
 NAN = float("nan")
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -63,7 +61,7 @@ def fmt_triplet(a: float | None, b: float | None, c: float | None) -> str:
     return "/".join(fmt_seconds(x) for x in (a, b, c))
 
 
-# ------------------------------------------------------------------------------------- cluster table
+# ------------------------------------------------------------------------------ cluster table
 
 
 @dataclass(frozen=True)
@@ -146,9 +144,7 @@ def adaptive_cell(rs: ReplicaSnapshot) -> str:
     return "—"
 
 
-def cluster_row(
-    rs: ReplicaSnapshot, kv_trail: Sequence[float] = (), selected: bool = False
-) -> tuple:
+def cluster_row(rs: ReplicaSnapshot, kv_trail: Sequence[float] = (), selected: bool = False) -> Row:
     """The cells of one replica's row, in :data:`COLUMNS` order."""
     s = rs.sample
     sel = Text("●", style="bold magenta") if selected else " "
@@ -191,11 +187,11 @@ def cluster_row(
     )
 
 
-def sort_key(column: str) -> Callable[[ReplicaSnapshot], tuple]:
+def sort_key(column: str) -> Callable[[ReplicaSnapshot], tuple[bool, Any, str]]:
     """A key for sorting replicas by ``column``; missing values sort last, ties by name."""
     col = next(c for c in COLUMNS if c.key == column)
 
-    def key(rs: ReplicaSnapshot) -> tuple:
+    def key(rs: ReplicaSnapshot) -> tuple[bool, Any, str]:
         v = col.sort(rs)
         missing = v is None or (isinstance(v, float) and math.isnan(v))
         return (missing, 0 if missing else v, rs.name)
@@ -241,52 +237,15 @@ def totals_text(snap: ClusterSnapshot | None, shown: int | None = None) -> Text:
         f" │ worst TTFT p99 {fmt_seconds(max(worst_ft) if worst_ft else None)}"
         f" │ worst TTLT p99 {fmt_seconds(max(worst) if worst else None)}"
         f" │ {fmt_number(t['preemptions_per_s'], 1)} preempt/s"
-        f" │ {fmt_number(t['throughput_tok_s'])} tok/s │ {fmt_number(t['throughput_req_s'], 1)} req/s"
+        f" │ {fmt_number(t['throughput_tok_s'])} tok/s"
+        f" │ {fmt_number(t['throughput_req_s'], 1)} req/s"
     )
     if shown is not None and shown != len(snap.replicas):
         out.append(f" │ showing {shown} of {len(snap.replicas)}", style="yellow")
     return out
 
 
-# ------------------------------------------------------------------------------------- replica panel
-
-
-def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Text:
-    """The what-if block of the confirm dialog: per replica the predicted change of each figure
-    with the simulator's error band on that replica, or why there is no prediction."""
-    if predictions is None:
-        return Text(
-            f"predicting on each replica's last {minutes:g} min of recorded traffic…", style="dim"
-        )
-    from tuner.whatif import LABELS
-
-    out = Text()
-    for name, p in predictions.items():
-        if isinstance(p, str):
-            out.append(f"{name}: no prediction: {p}\n", style="dim")
-            continue
-        band = (
-            "fidelity not measured here"
-            if p.get("band") is None
-            else f"±{p['band']:.0%} on this replica"
-        )
-        out.append(f"{name}", style="bold")
-        out.append(
-            f" — predicted on its last {p['minutes']:g} min ({p['requests']} requests), {band}\n",
-            style="dim",
-        )
-        for key, m in p["metrics"].items():
-            change = m.get("change")
-            text = "n/a" if change is None else f"{change:+.0%}"
-            style = (
-                ""
-                if change is None
-                else ("green" if (change < 0) != (key == "throughput_tok_s") else "red")
-            )
-            out.append(f"  {LABELS[key]:<11} ")
-            out.append(f"{text:>6}", style=style)
-            out.append("\n")
-    return out
+# ------------------------------------------------------------------------------ replica panel
 
 
 def fidelity_line(report: dict[str, Any] | None) -> Text:
@@ -301,9 +260,11 @@ def fidelity_line(report: dict[str, Any] | None) -> Text:
     rho = (summary.get("overall") or {}).get("decision", {}).get("spearman")
     out = Text("simulator on this replica: ", style="bold")
     out.append("n/a" if band is None else f"±{band:.0%}", style="bold")
+    spearman = "n/a" if rho is None else f"{rho:.2f}"
     out.append(
-        f" (largest P50/P99 latency error; order Spearman {'n/a' if rho is None else f'{rho:.2f}'}; "
-        f"{summary.get('requests', 0):,} requests of {report['span']}, {fmt_time(report['created_ms'])} UTC)",
+        f" (largest P50/P99 latency error; order Spearman {spearman}; "
+        f"{summary.get('requests', 0):,} requests of {report['span']}, "
+        f"{fmt_time(report['created_ms'])} UTC)",
         style="dim",
     )
     return out
@@ -351,7 +312,8 @@ def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) ->
 
 def replica_notes(rs: ReplicaSnapshot) -> list[str]:
     """The replica's circuit-breaker trips (with the last error and the versions) and what the
-    collector could not store as it sent it: lines under the replica's header, none when all is well."""
+    collector could not store as it sent it: lines under the replica's header, none when all is
+    well."""
     trips = (rs.breaker or {}).get("trips_total")
     return [
         n
@@ -382,7 +344,7 @@ def change_markers(
     """t_ms of policy or settings-version changes: from the samples themselves, plus applied
     audit rows of ``replica`` inside the history's span."""
     out: list[int] = []
-    prev: tuple | None = None
+    prev: tuple[str | None, int | None] | None = None
     for row in history:
         if row.policy is None and row.settings_version is None:
             continue
@@ -393,14 +355,14 @@ def change_markers(
     if history:
         lo, hi = history[0].t_ms, history[-1].t_ms
         for a in audit:
+            # an audited change shows in the samples at the next poll: mark once
             if (
                 (replica is None or a.get("replica") == replica)
                 and a.get("result") == "applied"
                 and lo <= a["t_ms"] <= hi
+                and not any(abs(a["t_ms"] - t) <= 5_000 and t >= a["t_ms"] for t in out)
             ):
-                # an audited change shows in the samples at the next poll: mark once
-                if not any(abs(a["t_ms"] - t) <= 5_000 and t >= a["t_ms"] for t in out):
-                    out.append(int(a["t_ms"]))
+                out.append(int(a["t_ms"]))
     return sorted(set(out))
 
 
@@ -476,14 +438,14 @@ def tenant_table(
     groups: Sequence[GroupSampleRow],
     slos: Mapping[str, float],
     governance: Mapping[str, Any] | None = None,
-) -> tuple[list[tuple], Text]:
+) -> tuple[list[Row], Text]:
     """(rows, summary) of the replica's per-tenant table: P99s, throughput, SLO; the summary gives
     the replica's SCR against the cluster file's ``slos`` and the cluster's JFI and JFI (seed)
     from ``governance`` (the collector's report: one implementation, never recomputed here)."""
     tenants = sorted((g for g in groups if g.kind == "tenant"), key=lambda g: g.group)
     per = {g.group: _tenant_metrics(g, slos) for g in tenants}
     ok: dict[str, bool] = slo_compliance(per, slos) if slos and per else {}
-    rows = []
+    rows: list[Row] = []
     for g in tenants:
         lat = g.latency
         slo = (
@@ -531,12 +493,12 @@ def tenant_table(
     return rows, summary
 
 
-def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[tuple]:
+def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[Row]:
     """Per request type: requests, their share, output-token share (of the window)."""
     types_ = sorted((g for g in groups if g.kind == "type"), key=lambda g: g.group)
     n = sum(g.completed for g in types_)
     tok = sum(g.throughput_tok_s or 0.0 for g in types_)
-    rows = []
+    rows: list[Row] = []
     for g in types_:
         rows.append(
             (
@@ -557,7 +519,7 @@ def type_share_rows(groups: Sequence[GroupSampleRow]) -> list[tuple]:
 RESULT_STYLES = {"applied": "green", "staged": "cyan", "rejected": "yellow"}
 
 
-def audit_row(a: Mapping[str, Any], verification: Mapping[str, Any] | None = None) -> tuple:
+def audit_row(a: Mapping[str, Any], verification: Mapping[str, Any] | None = None) -> Row:
     result = a.get("result") or "?"
     style = RESULT_STYLES.get(result, "bold red")
     change = (
@@ -603,55 +565,6 @@ def verification_cell(v: Mapping[str, Any] | None) -> Text:
     return out
 
 
-def diff_renderable(plans: Sequence[Mapping[str, Any]]) -> Group:
-    """The confirmation dialog's body: per replica, the fields that will change."""
-    parts: list[Any] = []
-    for p in plans:
-        head = Text(p["replica"], style="bold")
-        if p.get("version") is not None:
-            head.append(f"  (settings v{p['version']})", style="dim")
-        parts.append(head)
-        if p.get("error"):
-            parts.append(Text(f"  not sent: {p['error']}", style="bold red"))
-            continue
-        if p.get("old") is None:
-            parts.append(
-                Text(
-                    f"  current settings unknown: {p.get('edit', '')} will be applied to what the "
-                    f"replica reports",
-                    style="yellow",
-                )
-            )
-            continue
-        rows = settings_diff(p["old"], p["new"])
-        if not rows:
-            parts.append(Text("  no change", style="dim"))
-        for f, a, b in rows:
-            line = Text(f"  {f}: ")
-            line.append(a, style="red")
-            line.append(" → ")
-            line.append(b, style="green")
-            parts.append(line)
-        for name, kept, rec in p.get("kept_pins") or ():
-            line = Text(f"  params.{name}: {kept} ", style="cyan")
-            line.append(f"kept: pinned (recommended {rec} not applied)", style="bold cyan")
-            parts.append(line)
-    return Group(*parts)
-
-
-def help_table(groups: Sequence[tuple[str, list[tuple[str, str, str]]]]) -> Table:
-    table = Table(expand=True, show_edge=False, box=None, padding=(0, 1))
-    table.add_column("key", style="bold cyan", width=8)
-    table.add_column("does")
-    table.add_column("note", style="dim")
-    for group, rows in groups:
-        table.add_row("", Text(group, style="bold underline"), "")
-        for key, desc, note in rows:
-            style = "bold red" if note.startswith("REFUSED") else "dim"
-            table.add_row(key, desc, Text(note, style=style))
-    return table
-
-
 def apply_results(results: Iterable[Any]) -> Text:
     """What the last apply did, per replica (``collector.ApplyResult``): the policy panel and the
     tuner panel show the same lines."""
@@ -661,136 +574,3 @@ def apply_results(results: Iterable[Any]) -> Text:
         text.append(f"  {r.replica}: ", style="bold")
         text.append(f"{r.result} — {r.message}\n", style=style)
     return text
-
-
-# --------------------------------------------------------------------------------------------
-# governance (the alerts panel and the alert bar)
-# --------------------------------------------------------------------------------------------
-
-GOVERNANCE_COLUMNS = (
-    ("who", "tenant / type", 14),
-    ("p50", "TTFT P50", 11),
-    ("p90", "TTFT P90", 11),
-    ("p99", "TTFT P99", 11),
-    ("ttlt", "TTLT P99", 11),
-    ("tok", "tok/s", 8),
-    ("x", "served/ent", 10),
-    ("norm", "use/commit", 10),
-    ("omega", "ω", 9),
-    ("waiting", "waiting", 17),
-    ("slo", "SLO", 26),
-)
-ALERT_EVENT_COLUMNS = (
-    ("t", "time (UTC)", 19),
-    ("alert", "alert", 14),
-    ("state", "state", 9),
-    ("severity", "severity", 9),
-    ("value", "value", 8),
-    ("threshold", "threshold", 9),
-    ("missed", "tenants missing targets", 40),
-)
-
-
-def governance_summary(g: Mapping[str, Any] | None) -> Text:
-    """The alert line (firing, then pending), SCR / JFI / JFI (seed) / type fairness, and the
-    over-consumers and starved tenants (what ``tailpilot status`` prints first)."""
-    if not g:
-        return Text(
-            "not governed: add a governance block to the cluster file (tenants, SLOs, alerts)",
-            style="dim",
-        )
-    out = alert_text(g)
-    out.append("\n" + figures_text(g, " · "))
-    notes = governance_notes(g)
-    if notes is not None:
-        out.append("\n")
-        out.append_text(notes)
-    return out
-
-
-def governance_rows(g: Mapping[str, Any] | None) -> list[tuple]:
-    """A row per tenant (figures against its targets, JFI's x served/entitled, JFI (seed)'s x
-    use/commit, ω with over-consumers marked, what still waits), then one per request type."""
-    if not g:
-        return []
-    rows: list[tuple] = []
-    for tenant, f in sorted((g.get("tenants") or {}).items()):
-        slo = (
-            Text("meets", style="green")
-            if f.get("compliant")
-            else Text("misses " + ", ".join(f.get("missed") or []), style="bold red")
-        )
-        rows.append(
-            (
-                tenant,
-                fmt_target(f, "ttft_p50"),
-                fmt_target(f, "ttft_p90"),
-                fmt_target(f, "ttft_p99"),
-                fmt_target(f, "ttlt_p99"),
-                fmt_number(f.get("tok_s")),
-                fmt_figure(f.get("service_ratio"), 3),
-                fmt_figure(f.get("normalised"), 3),
-                omega_text(g, tenant),
-                waiting_text(f),
-                slo,
-            )
-        )
-    for kind, f in sorted((g.get("types") or {}).items()):
-        ratio = f.get("ratio")
-        share = Text(
-            "—" if ratio is None else f"{fmt_percent(f.get('share'))} = {ratio:.2f}× its min share",
-            style="dim" if ratio is None else ("bold red" if ratio < 0.5 else ""),
-        )
-        rows.append(
-            (
-                Text(f"type {kind}", style="italic"),
-                fmt_seconds(f.get("ttft_p50")),
-                "",
-                fmt_seconds(f.get("ttft_p99")),
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                share,
-            )
-        )
-    return rows
-
-
-def governor_line(control: Mapping[str, Any] | None) -> Text:
-    """The governor's state, who set it, its active modes (and whether kept after ``disarm
-    --keep``), the tenants they throttle, why a mode was held back, and its last decision."""
-    if not control:
-        return Text("governor: not known here (live with --db)", style="dim")
-    state = control.get("state", "?")
-    out = Text("governor: ")
-    out.append(state, style={"armed": "bold red", "dry-run": "yellow"}.get(state, "dim"))
-    if control.get("paused"):
-        out.append(" (paused)", style="bold yellow")
-    if control.get("who"):
-        out.append(f" · set by {control['who']}", style="dim")
-    status = control.get("status") or {}
-    out.append(f" · {modes_text(status)}")
-    for note in governor_notes(status):
-        out.append(f" · {note}", style="bold yellow" if note.startswith("held") else "")
-    if status.get("last"):
-        out.append(f" · last: {status['last'][-1]}", style="dim")
-    return out
-
-
-def alert_event_row(e: Mapping[str, Any]) -> tuple:
-    s = e.get("summary") or {}
-    firing = e.get("state") == "firing"
-    style = ("bold red" if e.get("severity") == "critical" else "yellow") if firing else "green"
-    missed = "; ".join(f"{t}: {', '.join(m)}" for t, m in sorted((s.get("missed") or {}).items()))
-    return (
-        fmt_time(e.get("t_ms")),
-        ALERT_LABELS.get(e.get("name", ""), e.get("name", "?")),
-        Text(e.get("state", "?"), style=style),
-        e.get("severity") or "—",
-        fmt_figure(s.get("value"), 3),
-        fmt_figure(s.get("threshold"), 3),
-        missed or "—",
-    )

@@ -45,7 +45,8 @@ class ReplicaPanel(Vertical):
     data: var[ReplicaData | None] = var(None, init=False, always_update=True)
     """What the panel shows; every one re-renders."""
     fidelity: var[dict[str, Any] | None] = var(None, init=False)
-    """The shown replica's newest fidelity report (``TunerResults.latest_fidelity``), None: not measured."""
+    """The shown replica's newest fidelity report (``TunerResults.latest_fidelity``), None: not
+    measured."""
 
     def __init__(
         self,
@@ -91,7 +92,8 @@ class ReplicaPanel(Vertical):
         banner = self.query_one("#down-banner", Static)
         if rs is not None and not rs.health.healthy:
             banner.update(
-                f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — last good numbers are not shown"
+                f"UNHEALTHY: {rs.health.reason or 'unknown reason'} — "
+                "last good numbers are not shown"
             )
             banner.add_class("-shown")
         else:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import on
@@ -24,10 +24,16 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static
 from textual_plotext import PlotextPlot
 
+from controlplane.steering import ApplyResult
 from tui import render as R
 from tui import tuner_data as D
 from tui import tuner_render as TR
 from tui.widgets import AutoSizedTable, fill_table
+
+if TYPE_CHECKING:  # annotations only (optuna is read in tui.tuner_data, when the panel opens)
+    from optuna.storages import BaseStorage
+
+    from storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +58,17 @@ class TunerPanel(Vertical):
     TunerPanel #tuner-result { height: auto; padding: 0 1; }
     """
 
-    last_results: var[Sequence[Any]] = var((), init=False, always_update=True)
+    last_results: var[Sequence[ApplyResult]] = var((), init=False, always_update=True)
     """What the last apply did, per replica (``ApplyResult``s), shown under the recommendation."""
 
-    def __init__(self, storage: str | None = None, *, store: Any | None = None, **kw: Any) -> None:
+    def __init__(
+        self, storage: str | None = None, *, store: Store | None = None, **kw: Any
+    ) -> None:
         super().__init__(**kw)
         self.storage_arg = storage
         self.store = store
         self.url: str | None = None
-        self.storage: Any | None = None
+        self.storage: BaseStorage | None = None
         self.message: str | None = None
         self.studies: list[D.StudyInfo] = []
         self.study: str | None = None  # the selected study
@@ -164,9 +172,15 @@ class TunerPanel(Vertical):
             exit_on_error=False,
         )
 
+    def _opened(self) -> BaseStorage:
+        """The storage :meth:`load` opened (a study is picked only from the list it read)."""
+        if self.storage is None:
+            raise RuntimeError("the Optuna storage is not open")
+        return self.storage
+
     async def _load_detail(self, name: str) -> None:
         try:
-            detail = await asyncio.to_thread(D.study_detail, self.storage, name)
+            detail = await asyncio.to_thread(D.study_detail, self._opened(), name)
         except Exception as err:
             log.exception("study unreadable")
             self._show_message(f"study {name}: {type(err).__name__}: {err}")
@@ -191,7 +205,7 @@ class TunerPanel(Vertical):
 
     async def _load_rec(self, name: str) -> None:
         try:
-            rec = await asyncio.to_thread(D.load_recommendation, self.storage, name, self.store)
+            rec = await asyncio.to_thread(D.load_recommendation, self._opened(), name, self.store)
         except Exception as err:
             log.exception("recommendation failed")
             rec = D.RecInfo(None, "none", error=f"{type(err).__name__}: {err}")

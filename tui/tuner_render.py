@@ -13,6 +13,7 @@ from rich.text import Text
 
 from controlplane.views import fmt_figure
 from tui.edits import fmt_value, settings_diff
+from tui.render import Row
 from tui.sources import fmt_time
 from tui.tuner_data import RecInfo, StudyDetail, StudyInfo, TrialInfo, finite
 
@@ -40,7 +41,7 @@ def objectives_text(objectives: Sequence[tuple[str, str]]) -> str:
     return ", ".join(f"{n} {'↓' if d == 'minimize' else '↑'}" for n, d in objectives) or "—"
 
 
-def study_row(s: StudyInfo) -> tuple:
+def study_row(s: StudyInfo) -> Row:
     if s.best_values is not None:
         best = ", ".join(fmt_num(v) for v in s.best_values)
     elif len(s.objectives) > 1 and s.front:
@@ -64,7 +65,8 @@ def trial_columns(objectives: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def key_params(params: Mapping[str, Any], limit: int = 6) -> str:
-    """``γ=0.289 seqs=150 tokens=1050 …`` from Optuna's params (``uniboost.gamma``, ``engine.x``)."""
+    """``γ=0.289 seqs=150 tokens=1050 …`` from Optuna's params (``uniboost.gamma``,
+    ``engine.x``)."""
     flat: dict[str, Any] = {}
     for k, v in params.items():
         if k == "policy":
@@ -80,7 +82,7 @@ def key_params(params: Mapping[str, Any], limit: int = 6) -> str:
     return " ".join(words)
 
 
-def trial_row(t: TrialInfo, n_objectives: int, front: Sequence[int] = ()) -> tuple:
+def trial_row(t: TrialInfo, n_objectives: int, front: Sequence[int] = ()) -> Row:
     mark = "★" if t.number in front else ("·" if t.production else "")
     number = Text(f"{t.number}{mark}", style="bold green" if t.number in front else "")
     state_style = {"complete": "green", "fail": "red", "running": "yellow"}.get(t.state, "dim")
@@ -97,7 +99,7 @@ def trial_row(t: TrialInfo, n_objectives: int, front: Sequence[int] = ()) -> tup
     )
 
 
-def trial_rows(d: StudyDetail) -> list[tuple]:
+def trial_rows(d: StudyDetail) -> list[Row]:
     n = len(d.info.objectives)
     return [trial_row(t, n, d.info.front) for t in d.trials]
 
@@ -269,7 +271,8 @@ def recommendation_renderable(rec: RecInfo | None, *, loading: bool = False) -> 
         )
     parts.append(
         Text(
-            "R: apply to the selected replicas (all when none is selected); pinned parameters are kept",
+            "R: apply to the selected replicas (all when none is selected); "
+            "pinned parameters are kept",
             style="dim",
         )
     )
@@ -289,7 +292,8 @@ def tuner_title(url: str | None, studies: int | None, message: str | None = None
 
 
 def redact(url: str) -> str:
-    """What the title shows of a storage URL: a SQLite file's name, a server URL without its password."""
+    """What the title shows of a storage URL: a SQLite file's name, a server URL without its
+    password."""
     if url.startswith("sqlite:///"):
         return "sqlite " + url.rsplit("/", 1)[-1]
     if "@" in url and "://" in url:

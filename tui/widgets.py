@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.events import Click, Idle
 from textual.geometry import Size
 from textual.message import Message
@@ -26,13 +26,15 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import DataTable
 
+from tui.render import Cell, Row
+
 PAD = 1  # blanks on each side of a cell
 
 
 class ClusterTable(ScrollView, can_focus=True):
     """Rows keyed by replica name; cells are ``str`` or rich ``Text``, one per column."""
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up", "cursor(-1)", "Up", show=False),
         Binding("down", "cursor(1)", "Down", show=False),
         Binding("pageup", "page(-1)", "Page up", show=False),
@@ -41,14 +43,15 @@ class ClusterTable(ScrollView, can_focus=True):
         Binding("end", "jump(-1)", "Last", show=False),
         Binding("enter", "select", "Open", show=False),
     ]
-    COMPONENT_CLASSES = {
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
         "cluster-table--header",
         "cluster-table--cursor",
         "cluster-table--even-row",
     }
     DEFAULT_CSS = """
     ClusterTable { background: $surface; }
-    ClusterTable > .cluster-table--header { background: $panel; color: $foreground; text-style: bold; }
+    ClusterTable > .cluster-table--header { background: $panel; color: $foreground;
+                                            text-style: bold; }
     ClusterTable > .cluster-table--cursor { background: $block-cursor-blurred-background; }
     ClusterTable:focus > .cluster-table--cursor { background: $block-cursor-background;
                                                    color: $block-cursor-foreground; }
@@ -83,10 +86,11 @@ class ClusterTable(ScrollView, can_focus=True):
         self.column_keys = [c[0] for c in columns]
         self._col_index = {k: i for i, k in enumerate(self.column_keys)}
         self.order: list[str] = []
-        self.cells: dict[str, tuple] = {}
+        self.cells: dict[str, Row] = {}
         self.cursor_row = 0
-        self._strips: dict[str, tuple[tuple, Strip]] = {}  # row key -> (cache key, strip)
-        self._header: tuple[tuple, Strip] | None = None
+        # row key -> (cache key, strip)
+        self._strips: dict[str, tuple[tuple[object, ...], Strip]] = {}
+        self._header: tuple[tuple[object, ...], Strip] | None = None
         self.renders = 0  # rows rendered (not served from the cache), for tests and benchmarks
 
     # --- data ------------------------------------------------------------------------------
@@ -102,7 +106,7 @@ class ClusterTable(ScrollView, can_focus=True):
         return self.cells[row_key][self._col_index[column_key]]
 
     def set_rows(
-        self, order: list[str], cells: dict[str, tuple], *, keep_cursor_on: str | None = None
+        self, order: list[str], cells: dict[str, Row], *, keep_cursor_on: str | None = None
     ) -> None:
         """Show ``order`` (row keys, top to bottom) with ``cells``; only changed rows re-render."""
         old_key = keep_cursor_on if keep_cursor_on is not None else self.cursor_key
@@ -237,7 +241,7 @@ class ClusterTable(ScrollView, can_focus=True):
         self.refresh()
 
 
-class AutoSizedTable(DataTable):
+class AutoSizedTable(DataTable[Cell]):
     """A DataTable whose columns, once re-measured, are what the screen shows.
 
     DataTable measures new rows on its next idle. A frame painted before that (likely on a busy
@@ -257,7 +261,7 @@ class AutoSizedTable(DataTable):
 
 
 def fill_table(
-    table: DataTable, rows: Iterable[Sequence[Any]], keys: Iterable[str] | None = None
+    table: DataTable[Cell], rows: Iterable[Sequence[Cell]], keys: Iterable[str] | None = None
 ) -> None:
     """Replace a DataTable's rows. DataTable sizes its columns on its next idle, and an idle only
     follows a message the table itself processes; rows added from another widget's handler or a

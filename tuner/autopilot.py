@@ -52,7 +52,8 @@ from sim.traces import Trace, TraceRequest
 
 
 def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
-    """``per_decade`` points per decade from ``lo`` to ``hi`` inclusive, rounded to 3 significant digits."""
+    """``per_decade`` points per decade from ``lo`` to ``hi`` inclusive, rounded to 3 significant
+    digits."""
     n = round(math.log10(hi / lo) * per_decade)
     return tuple(float(f"{lo * 10 ** (k / per_decade):.3g}") for k in range(n + 1))
 
@@ -503,8 +504,8 @@ class Autopilot:
                 target,
                 True,
                 (
-                    f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as {self.current} "
-                    f"({current.ttft_p95:.3g} s) and promotes short requests more"
+                    f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as "
+                    f"{self.current} ({current.ttft_p95:.3g} s) and promotes short requests more"
                 ),
             )
         if now - self._last_switch < cfg.min_dwell_s:

@@ -1,4 +1,5 @@
-"""The autopilot on a live cluster (``tailpilot record --autopilot [--arm]``; README, "The autopilot").
+"""The autopilot on a live cluster (``tailpilot record --autopilot [--arm]``; README, "The
+autopilot").
 
 One controller (``tuner.autopilot.Autopilot``) per replica, fed only what the replica reports:
 its completions (the recorder's polls), its requests in flight (``GET /inflight``: arrival, prompt
@@ -44,24 +45,37 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.governor import modes
-from controlplane.replica_http import HttpFailure, StateFormatError, fetch_inflight, make_client
+from controlplane.replica_http import (
+    HttpFailure,
+    PollingClient,
+    StateFormatError,
+    fetch_inflight,
+    make_client,
+)
 from controlplane.steering import apply_settings
 from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
 from tuner.autopilot import Arrival, Autopilot, AutopilotConfig, Decision, Observation
-from tuner.whatif import METRICS as WHATIF_METRICS
+from tuner.autopilot_records import WHO, decision_note, decision_row, decision_summary
+from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
 from tuner.whatif import verify
+
+if TYPE_CHECKING:  # the caller's collector and store (the collector runs this in its loop)
+    from controlplane.cluster import ReplicaSpec
+    from controlplane.collector import Collector
+    from controlplane.poller import PollResult
+    from scheduler.contract import Inflight
+    from storage.store import Store
 
 log = logging.getLogger("tailpilot.autopilot")
 
-WHO = "autopilot"
 STEERED_POLICIES = ("uniboost", "sarathi")
 # What the operator's commands change in the control row (``tailpilot autopilot``, the TUI's O).
 CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
@@ -71,9 +85,8 @@ CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
     "dry-run": {"state": "dry-run"},
     "disarm": {"state": "disarmed"},
 }
-DEFAULT_MAX_TOKENS = (
-    4_096  # the cap of a request whose client set none (a replica that did not report it)
-)
+# The cap of a request whose client set none (a replica that did not report it).
+DEFAULT_MAX_TOKENS = 4_096
 
 
 class LiveConfig(BaseModel):
@@ -82,25 +95,21 @@ class LiveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tick_s: float = Field(5.0, gt=0.0, le=600.0)  # wall seconds between observations
-    verify_minutes: float = Field(
-        10.0, gt=0.0, le=7 * 24 * 60.0
-    )  # after a switch, before verifying it
-    band: float = Field(
-        0.10, ge=0.0, le=10.0
-    )  # the predicted band where the replica has no fidelity band
-    step_back_after: int = Field(
-        2, ge=1, le=100
-    )  # realized worse than predicted this many times in a row
-    hold_s: float = Field(
-        3_600.0, ge=0.0, le=7 * 86_400.0
-    )  # on the defaults after a step back (replica s)
+    # After a switch, before verifying it.
+    verify_minutes: float = Field(10.0, gt=0.0, le=7 * 24 * 60.0)
+    # The predicted band where the replica has no fidelity band.
+    band: float = Field(0.10, ge=0.0, le=10.0)
+    # Realized worse than predicted this many times in a row: step back.
+    step_back_after: int = Field(2, ge=1, le=100)
+    # On the defaults after a step back (replica seconds).
+    hold_s: float = Field(3_600.0, ge=0.0, le=7 * 86_400.0)
     decisions_kept: int = Field(10, ge=1, le=1_000)  # per replica, in the status
 
 
-Verifier = Callable[[Any, dict[str, Any], int], dict[str, Any]]
+Verifier = Callable[["Store", dict[str, Any], int], dict[str, Any]]
 
 
-def _whatif_verify(store: Any, prediction: dict[str, Any], now_ms: int) -> dict[str, Any]:
+def _whatif_verify(store: Store, prediction: dict[str, Any], now_ms: int) -> dict[str, Any]:
     return verify(store, prediction, now_ms=now_ms)
 
 
@@ -116,9 +125,8 @@ class ReplicaPilot:
     completions: list[CompletionRow] = field(default_factory=list)  # polled since the last tick
     last: deque[dict[str, Any]] = field(default_factory=deque)  # recent decisions, for the status
     verifications: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10))
-    pending: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # applied switches awaiting verification
+    # Applied switches awaiting verification.
+    pending: list[dict[str, Any]] = field(default_factory=list)
     worse_in_row: int = 0
     note: str = ""  # why the last decision was or was not carried out
 
@@ -127,8 +135,8 @@ def blocked(current: Settings, target: Settings) -> str | None:
     """Why ``target`` may not replace ``current`` (a pin), else None."""
     if current.pinned and target.policy != current.policy:
         return (
-            f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a replica "
-            "with pins (it would drop them)"
+            f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a "
+            "replica with pins (it would drop them)"
         )
     for name in current.pinned:
         if getattr(target.params, name, None) != current.param(name):
@@ -161,82 +169,13 @@ def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
     )
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:+.0%}"
-
-
-def decision_note(decision: Decision) -> str:
-    """One line for the audit log: the switch, why, and its predicted change."""
-    p = decision.predicted()
-    return (
-        f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 TTFT "
-        f"{_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
-        f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests"
-    )
-
-
-def decision_summary(
-    decision: Decision,
-    replica: str,
-    cluster: str,
-    current: Settings,
-    proposed: Settings,
-    t_ms: int,
-    minutes: float,
-    band: float | None,
-) -> dict[str, Any]:
-    """A switch as a stored prediction (``tuner.whatif``'s shape), so ``tailpilot verify`` and the
-    step back judge it like any previewed change."""
-    old, new = decision.figures[decision.previous], decision.figures[decision.choice]
-    predicted = decision.predicted()
-    # Every figure the what-if keeps; those the shadows do not compare (the medians) left unknown.
-    metrics = {
-        k: {
-            "current": getattr(old, k, None),
-            "proposed": getattr(new, k, None),
-            "change": predicted.get(k),
-        }
-        for k in WHATIF_METRICS
-    }
-    return {
-        "replica": replica,
-        "cluster": cluster,
-        "t_ms": t_ms,
-        "minutes": minutes,
-        "warmup_s": 120.0,
-        "requests": decision.requests,
-        "step_model": "autopilot shadows",
-        "band": band,
-        "who": WHO,
-        "current": current.to_dict(),
-        "proposed": proposed.to_dict(),
-        "metrics": metrics,
-    }
-
-
-def decision_row(decision: Decision, now: float) -> dict[str, Any]:
-    """A decision as the status keeps it (JSON)."""
-    return {
-        "t": round(now, 3),
-        "choice": decision.choice,
-        "previous": decision.previous or None,
-        "changed": decision.changed,
-        "reason": decision.reason,
-        "requests": decision.requests,
-        "cpu_s": round(decision.cpu_s, 4),
-        "predicted": {
-            k: (None if v is None else round(v, 4)) for k, v in decision.predicted().items()
-        },
-    }
-
-
 class LiveAutopilot:
     """The live driver: ``on_poll`` is the collector's hook (completions), ``step`` one tick."""
 
     def __init__(
         self,
-        collector: Any,
-        store: Any,
+        collector: Collector,
+        store: Store,
         config: AutopilotConfig | None = None,
         live: LiveConfig | None = None,
         *,
@@ -258,15 +197,13 @@ class LiveAutopilot:
         self.held: str | None = None
 
     # --- inputs ----------------------------------------------------------------------------
-    def on_poll(self, replica: str, result: Any) -> None:
+    def on_poll(self, replica: str, result: PollResult) -> None:
         rp = self.pilots.get(replica)
         if rp is not None and result.completions:
             rp.completions.extend(result.completions)
 
     def _replica_engine(self, replica: str) -> EngineConfig:
         """The replica's engine as the what-if sees it (calibrated step model, KV blocks)."""
-        from tuner.calibrate import ReplicaUnreachable, fetch_engine_facts, replica_engine
-
         spec = self.cluster.replica(replica)
         try:
             facts = fetch_engine_facts(spec.control_url, timeout=self.cluster.timeout_s)
@@ -275,7 +212,7 @@ class LiveAutopilot:
         return replica_engine(self.store, self.cluster.name, replica, facts)[0]
 
     # --- one tick ---------------------------------------------------------------------------
-    async def step(self, client: Any) -> dict[str, Any]:
+    async def step(self, client: PollingClient) -> dict[str, Any]:
         """Read the control rows, observe every replica, carry decisions out; store the status."""
         ctl = await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster.name)
         self.state = ctl["state"]
@@ -302,14 +239,22 @@ class LiveAutopilot:
         gov = await asyncio.to_thread(self.store.governance.governor_control, self.cluster.name)
         applied, _ = modes(gov.get("status"))
         if applied:
-            return f"the governor's emergency mode {', '.join(applied)} is active (the governor arbitrates first)"
+            return (
+                f"the governor's emergency mode {', '.join(applied)} is active "
+                "(the governor arbitrates first)"
+            )
         return None
 
-    async def _replica_tick(self, client: Any, spec: Any) -> None:
+    async def _replica_tick(self, client: PollingClient, spec: ReplicaSpec) -> None:
         name = spec.name
         view = self.collector.views.get(name)
         doc = view.state if view is not None else None
-        if doc is None or not view.health.healthy or not isinstance(doc.get("settings"), dict):
+        if (
+            view is None
+            or doc is None
+            or not view.health.healthy
+            or not isinstance(doc.get("settings"), dict)
+        ):
             self.notes[name] = "no state from the replica"
             return
         running = Settings.model_validate(doc["settings"])
@@ -321,7 +266,8 @@ class LiveAutopilot:
         if rp is None:
             if running.policy not in STEERED_POLICIES:
                 self.notes[name] = (
-                    f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas only"
+                    f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas "
+                    "only"
                 )
                 return
             rp = await self._start(name, doc, running)
@@ -363,9 +309,10 @@ class LiveAutopilot:
         self.notes.pop(name, None)
         return rp
 
-    def _observation(self, rp: ReplicaPilot, inflight: Any, now: float) -> Observation:
+    def _observation(self, rp: ReplicaPilot, inflight: Inflight, now: float) -> Observation:
         """What came since the last tick, on the controller's clock: arrivals first seen now (in a
-        completion or in flight), completions with their lengths, tokens so far of those in flight."""
+        completion or in flight), completions with their lengths, tokens so far of those in
+        flight."""
         arrivals: list[Arrival] = []
 
         def arrive(
@@ -413,7 +360,8 @@ class LiveAutopilot:
         rp.completions = []
         for r in inflight.requests:
             arrive(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type)
-        # Forget ids long past every window: the map stays bounded on a replica that runs for months.
+        # Forget ids long past every window: the map stays bounded on a replica that runs for
+        # months.
         horizon = now + rp.origin - self.config.window_s - self.config.delay_s - 600.0
         if len(rp.seen) > 4 * self.config.min_requests:
             rp.seen = {rid: t for rid, t in rp.seen.items() if t >= horizon}
@@ -549,9 +497,10 @@ class LiveAutopilot:
         rp.pilot.step_back(now, to, self.live.hold_s)
         target = rp.pilot.options[to]
         note = (
-            f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted by more "
-            f"than the band {self.live.step_back_after} times in a row (last: {realized:+.0%} realized, "
-            f"{predicted:+.0%} predicted, band ±{band:.0%}); held {self.live.hold_s:.0f} s"
+            f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted "
+            f"by more than the band {self.live.step_back_after} times in a row (last: "
+            f"{realized:+.0%} realized, {predicted:+.0%} predicted, band ±{band:.0%}); held "
+            f"{self.live.hold_s:.0f} s"
         )
         log.warning("replica %s: %s", rp.name, note)
         rp.note = note
@@ -599,14 +548,15 @@ def status_lines(row: dict[str, Any]) -> list[str]:
         lines.append(f"  {name}: running {r['choice']} · {r.get('note') or 'no decision yet'}")
         for d in (r.get("last") or [])[-3:]:
             lines.append(
-                f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: {d['reason']}"
+                f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: "
+                f"{d['reason']}"
             )
     return lines
 
 
 async def run_autopilot(
-    collector: Any,
-    store: Any,
+    collector: Collector,
+    store: Store,
     stop: asyncio.Event,
     *,
     config: AutopilotConfig | None = None,

@@ -23,11 +23,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler.metrics import summarize
+import optuna
+
+from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.traces import Trace
 from tuner.autopilot import AutopilotConfig, replay_with_autopilot
+from tuner.windows import completion_metrics
 
 SARATHI = Settings.model_validate({"policy": "sarathi"})
 # The decision knobs searched: (low, high, log scale). The candidate grid, the guards and the
@@ -98,8 +101,6 @@ def tune_autopilot(
     """Search the autopilot's decision knobs (``KNOBS``) on ``traces``; returns the best feasible
     configuration (``config``, a dict of AutopilotConfig fields), its figures, the starting
     configuration's figures and the trials run. Deterministic for a seed."""
-    import optuna
-
     if not traces or not any(len(t) for t in traces):
         raise ValueError("traces: nothing to tune on")
     base = base or Settings.model_validate({"policy": "uniboost"})
@@ -128,7 +129,8 @@ def tune_autopilot(
         # Optuna's constraints: ≤ 0 is feasible.
         trial.set_constraint("ttlt_p99_ratio", got["ttlt_p99_ratio"] - ttlt_guard)
         trial.set_constraint("throughput_ratio", throughput_guard - got["throughput_ratio"])
-        return got["ttft_p95_ratio"]
+        ratio: float = got["ttft_p95_ratio"]
+        return ratio
 
     sampler = optuna.samplers.TPESampler(seed=seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -161,9 +163,7 @@ def autopilot_metrics(
 ) -> dict[str, float]:
     """The autopilot, starting from ``production``, replaying every trace whole: the figures
     ``names`` over every request (``recommend --autopilot`` judges "keep the autopilot" on them)."""
-    from tuner.windows import completion_metrics
-
-    done: list[Any] = []
+    done: list[Completion] = []
     for trace in traces:
         if len(trace):
             done += replay_with_autopilot(trace, production, config, engine)[0].completions

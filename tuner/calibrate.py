@@ -1,4 +1,5 @@
-"""Calibrate the step-time model on a live replica (docs/engine.md#step-time-model; ``tailpilot calibrate``).
+"""Calibrate the step-time model on a live replica (docs/engine.md#step-time-model;
+``tailpilot calibrate``).
 
     result = calibrate_url("http://10.0.0.7:8765", name="calibrated/a100-0")
     print(result.model, result.fit["mape"], result.holdout["r2"])
@@ -45,41 +46,35 @@ prefills), still scaled to the total.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 
-from sim.stepmodel import COEFFICIENTS, StepFitError, StepTimeModel, fit_step_model
+from sim.stepmodel import (
+    COEF_MEANING,
+    COEFFICIENTS,
+    StepFitError,
+    StepTimeModel,
+    fit_step_model,
+)
+from tuner.replica_facts import CalibrationError, fetch_steps
 
-STEPS_PATH = "/tailpilot/v1/steps"
 DEFAULT_MIN_STEPS = 50
 DEFAULT_HOLDOUT = 0.2
 DEFAULT_OUTLIER_FACTOR = 10.0
 OUTLIER_FLOOR = 0.05  # relative residual below which a step is never dropped as an outlier
-MAX_STEPS = 200_000  # a plugin keeps 20,000; a safety bound on paging a log that keeps growing
 STEP_KEYS = ("duration_s", "prefill_tokens", "sum_prefill_sq", "decode_seqs", "sum_kv_context")
 IDENTIFIED_REL_SE = 0.10  # relative standard error below which a coefficient counts as identified
-
-
-class CalibrationError(RuntimeError):
-    """Calibration cannot proceed; the message says why and what to do."""
-
-
-class ReplicaUnreachable(CalibrationError):
-    """The control API did not answer (connection refused, timeout, not a tailpilot replica)."""
 
 
 @dataclass
 class CalibrationResult:
     model: StepTimeModel
-    fit: dict[
-        str, Any
-    ]  # fit_step_model's report on every step used (n, rmse_s, mape, r2, bias, ...)
+    # fit_step_model's report on every step used (n, rmse_s, mape, r2, bias, ...)
+    fit: dict[str, Any]
     holdout: dict[str, Any] | None  # {n, n_fit, mape, r2, rmse_s, bias} or None (too few steps)
     rel_se: dict[str, float]  # coefficient -> standard error / value (inf when the value is 0)
     steps_read: int
@@ -90,9 +85,8 @@ class CalibrationResult:
     holdout_note: str | None = None
     warnings: list[str] = field(default_factory=list)
     error: str = "absolute"  # the loss the coefficients were fitted on
-    engine: dict[str, Any] | None = (
-        None  # the replica's block size, KV blocks, limits (fetch_engine_facts)
-    )
+    # The replica's block size, KV blocks, limits (fetch_engine_facts).
+    engine: dict[str, Any] | None = None
 
     @property
     def identified(self) -> list[str]:
@@ -129,194 +123,7 @@ class CalibrationResult:
         }
 
 
-# ---------------------------------------------------------------------------------------------
-# reading the step log
-# ---------------------------------------------------------------------------------------------
-
-
-def steps_url(control_url: str) -> str:
-    """The steps endpoint of a control URL given as ``http://host:port`` or ``.../tailpilot/v1``."""
-    base = control_url.rstrip("/")
-    if base.endswith("/tailpilot/v1"):
-        base = base[: -len("/tailpilot/v1")]
-    return base + STEPS_PATH
-
-
-def fetch_steps(
-    control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS, client=None
-) -> list[dict]:
-    """Every step the replica still keeps, oldest first, paging ``?cursor=N`` from 0 until a page
-    comes back empty (or ``max_steps`` were read). Raises :class:`ReplicaUnreachable`."""
-    return fetch_step_log(control_url, timeout=timeout, max_steps=max_steps, client=client)[1]
-
-
-MAX_RATE_LIMITED = 60  # 429 answers waited out while paging one step log (controlplane.retry)
-
-
-def _get_bounded(client, url: str, limit: int, params: dict | None = None):
-    """GET ``url`` reading at most ``limit`` bytes of the answer (streamed: an answer that never
-    ends costs no memory), as a ``controlplane.http.Answer``. Raises ReplicaUnreachable for a
-    larger one."""
-    from controlplane.http import AnswerTooLarge, get_sync
-
-    try:
-        return get_sync(client, url, limit, url, params)
-    except AnswerTooLarge as err:
-        raise ReplicaUnreachable(str(err)) from None
-
-
-def _text(body: bytes, n: int) -> str:
-    return body[:n].decode("utf-8", "replace")
-
-
-def fetch_step_log(
-    control_url: str, *, timeout: float = 10.0, max_steps: int = MAX_STEPS, client=None
-) -> tuple[str | None, list[dict]]:
-    """(the replica's name as its API reports it, :func:`fetch_steps`)."""
-    import httpx
-
-    from controlplane.http import sync_client
-    from controlplane.replica_http import MAX_STEPS_BYTES
-    from controlplane.retry import STEP_LOG_RATE_LIMITED, rate_limited
-
-    url = steps_url(control_url)
-    own = client is None
-    if own:
-        client = sync_client(timeout)
-    steps: list[dict] = []
-    replica: str | None = None
-    cursor, refused = 0, 0
-
-    def count_refusal(_state: object) -> None:
-        nonlocal refused
-        refused += 1
-
-    try:
-        while len(steps) < max_steps:
-            # The replica rate-limits its readers (it serves them from the engine's process): a
-            # 429 is waited out as its Retry-After asks, MAX_RATE_LIMITED times in all.
-            policy = STEP_LOG_RATE_LIMITED.replace(attempts=MAX_RATE_LIMITED - refused + 1)
-            try:
-                answer = policy.call(
-                    partial(_get_bounded, client, url, MAX_STEPS_BYTES, {"cursor": cursor}),
-                    again=rate_limited,
-                    before_sleep=count_refusal,
-                )
-            except httpx.HTTPError as err:
-                raise ReplicaUnreachable(
-                    f"cannot reach the control API at {url}: "
-                    f"{type(err).__name__}: {err or 'no answer'}"
-                ) from None
-            status, body = answer.status_code, answer.content
-            if status == 404:
-                raise ReplicaUnreachable(
-                    f"{url} answered 404: not a tailpilot control API (or one without "
-                    "a step log); give the control URL, not vLLM's API URL"
-                )
-            if status != 200:
-                raise ReplicaUnreachable(f"{url} answered HTTP {status}: {_text(body, 300)}")
-            try:
-                page = json.loads(body)
-                items, next_cursor = page["steps"], int(page["next_cursor"])
-            except (ValueError, KeyError, TypeError):
-                raise ReplicaUnreachable(
-                    f"{url} did not answer a step-log page ({_text(body, 200)!r})"
-                ) from None
-            replica = page.get("replica", replica) if isinstance(page, dict) else replica
-            if not items or next_cursor <= cursor:
-                break
-            steps.extend(items)
-            cursor = next_cursor
-    finally:
-        if own:
-            client.close()
-    return replica, steps[:max_steps]
-
-
-def fetch_engine_facts(control_url: str, *, timeout: float = 10.0, client=None) -> dict[str, Any]:
-    """The replica's block size, KV blocks and engine limits from its ``/state`` (the keys a
-    replica does not report are left out). Raises :class:`ReplicaUnreachable`."""
-    import httpx
-
-    from controlplane.http import sync_client
-    from controlplane.replica_http import MAX_STATE_BYTES
-    from scheduler.contract import State, read
-
-    url = steps_url(control_url).removesuffix("/steps") + "/state"
-    own = client is None
-    if own:
-        client = sync_client(timeout)
-    try:
-        answer = _get_bounded(client, url, MAX_STATE_BYTES)
-        if answer.status_code != 200:
-            raise ReplicaUnreachable(
-                f"{url} answered HTTP {answer.status_code}: {_text(answer.content, 200)}"
-            )
-        state = read(State, json.loads(answer.content))
-    except httpx.HTTPError as err:
-        raise ReplicaUnreachable(
-            f"cannot reach {url}: {type(err).__name__}: {err or 'no answer'}"
-        ) from None
-    except ValueError as err:
-        raise ReplicaUnreachable(f"{url} did not answer a state document: {err}") from None
-    finally:
-        if own:
-            client.close()
-    facts: dict[str, Any] = {}
-    if state.kv is not None:
-        if state.kv.block_size:
-            facts["block_size"] = state.kv.block_size
-        if state.kv.total_blocks:
-            facts["num_gpu_blocks"] = state.kv.total_blocks
-    engine = (state.settings or {}).get("engine") or {}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
-        if isinstance(engine.get(key), int):
-            facts[key] = engine[key]
-    return facts
-
-
-def engine_config(facts: dict[str, Any], model: StepTimeModel):
-    """(EngineConfig, engine settings) for replaying the replica ``facts`` describe with ``model``:
-    its block size and KV blocks, its limits (the simulator's defaults where it reported none)."""
-    from sim.engine import EngineConfig
-
-    kw: dict[str, Any] = {"step_model": model}
-    for key in ("block_size", "num_gpu_blocks"):
-        if key in facts:
-            kw[key] = facts[key]
-    limits = {
-        k: facts[k]
-        for k in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
-        if k in facts
-    }
-    return EngineConfig(**kw), limits
-
-
-def replica_engine(
-    store,
-    cluster: str,
-    replica: str,
-    facts: dict[str, Any] | None = None,
-    step_model: str | None = None,
-):
-    """(EngineConfig, engine limits) for replaying ``replica``: the named step model, else its
-    calibrated one (``calibrated/<replica>``) if saved, else the default; its engine ``facts``
-    (:func:`fetch_engine_facts`), the KV blocks its newest stored sample reports where the facts
-    have none."""
-    from sim.stepmodel import DEFAULT_MODEL_NAME, get_model, list_models
-
-    name = step_model or (
-        f"calibrated/{replica}" if f"calibrated/{replica}" in list_models() else DEFAULT_MODEL_NAME
-    )
-    facts = dict(facts or {})
-    if "num_gpu_blocks" not in facts:
-        latest = store.readings.latest_samples(cluster).get(replica)
-        if latest is not None and latest.kv_total_blocks:
-            facts["num_gpu_blocks"] = latest.kv_total_blocks
-    return engine_config(facts, get_model(name))
-
-
-def steps_to_rows(steps: Iterable[dict]) -> tuple[list[tuple[float, ...]], int]:
+def steps_to_rows(steps: Iterable[dict[str, Any]]) -> tuple[list[tuple[float, ...]], int]:
     """(rows for :func:`fit_step_model`, number of empty or unusable steps dropped)."""
     rows, dropped = [], 0
     for s in steps:
@@ -414,7 +221,7 @@ def relative_standard_errors(
 
 def _fit(
     rows: np.ndarray, name: str, source: str, base: StepTimeModel | None, error: str = "absolute"
-) -> tuple[StepTimeModel, dict]:
+) -> tuple[StepTimeModel, dict[str, Any]]:
     try:
         model, report = fit_step_model(
             rows, name, source, default=base, strict=base is None, relative=error == "relative"
@@ -430,7 +237,7 @@ def _fit(
     return _to_total(model, rows, report["undetermined"]), report
 
 
-def _to_total(model: StepTimeModel, rows: np.ndarray, kept=()) -> StepTimeModel:
+def _to_total(model: StepTimeModel, rows: np.ndarray, kept: Container[str] = ()) -> StepTimeModel:
     """The model with its fitted coefficients (not those ``kept`` at a base value) scaled so that
     its predicted total step time equals the recorded total."""
     fitted = [k for k in COEFFICIENTS if k not in kept]
@@ -448,7 +255,7 @@ def _to_total(model: StepTimeModel, rows: np.ndarray, kept=()) -> StepTimeModel:
 
 
 def calibrate_steps(
-    steps: Iterable[dict] | Sequence[Sequence[float]],
+    steps: Iterable[dict[str, Any]] | Sequence[Sequence[float]],
     *,
     name: str,
     source: str = "calibrated",
@@ -473,8 +280,8 @@ def calibrate_steps(
     if len(rows_list) < max(min_steps, 5):
         raise CalibrationError(
             f"too few steps: {len(rows_list)} usable of {read} in the step log, need at least "
-            f"{max(min_steps, 5)}; send the replica some traffic (varied prompt and output lengths) and "
-            "try again"
+            f"{max(min_steps, 5)}; send the replica some traffic (varied prompt and output "
+            "lengths) and try again"
         )
     rows = np.asarray(rows_list, dtype=float)
     model, report = _fit(rows, name, source, base, error)
@@ -501,7 +308,7 @@ def calibrate_steps(
     held: dict[str, Any] | None = None
     note = None
     n = len(rows)
-    n_test = int(round(n * holdout)) if 0 < holdout < 1 else 0
+    n_test = round(n * holdout) if 0 < holdout < 1 else 0
     if n_test >= 5 and n - n_test >= max(10, 5):
         order = np.random.default_rng(seed).permutation(n)
         test, train = rows[order[:n_test]], rows[order[n_test:]]
@@ -553,53 +360,20 @@ def calibrate_url(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# finding a replica in the store
-# ---------------------------------------------------------------------------------------------
-
-
-def replica_control_url(store, replica: str, cluster: str | None = None) -> tuple[str, str]:
-    """(cluster, control URL) of ``replica`` as the store knows it (``tailpilot record`` registers
-    replicas). Without ``cluster`` the name must be unique across clusters."""
-    clusters = [cluster] if cluster else store.recordings.clusters()
-    found = [(c, r) for c in clusters for r in store.recordings.replicas(c) if r.name == replica]
-    if not found:
-        where = f"cluster {cluster!r}" if cluster else "any cluster"
-        known = sorted(
-            f"{c}/{r.name}"
-            for c in store.recordings.clusters()
-            for r in store.recordings.replicas(c)
-        )
-        raise CalibrationError(
-            f"replica {replica!r} is not in the store ({where}); known: "
-            f"{', '.join(known) or 'none (run `tailpilot record` first)'}"
-        )
-    if len(found) > 1:
-        raise CalibrationError(
-            f"replica {replica!r} is in several clusters "
-            f"({', '.join(c for c, _ in found)}); name one with --cluster-name"
-        )
-    c, info = found[0]
-    if not info.control_url:
-        raise CalibrationError(
-            f"the store has no control URL for replica {replica!r} of cluster {c!r}"
-        )
-    return c, info.control_url
-
-
 def _bias_text(bias: dict[str, float | None]) -> str:
     """ "+0.0% total (prefill +1.2%, decode −0.8%)": predicted over recorded step time."""
 
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:+.1%}"
 
-    return f"{pct(bias['total'])} total (prefill steps {pct(bias['prefill'])}, decode steps {pct(bias['decode'])})"
+    return (
+        f"{pct(bias['total'])} total (prefill steps {pct(bias['prefill'])}, "
+        f"decode steps {pct(bias['decode'])})"
+    )
 
 
 def format_report(result: CalibrationResult, saved_to: str | None = None) -> str:
     """The human-readable report ``tailpilot calibrate`` prints."""
-    from sim.stepmodel import COEF_MEANING as _COEF_MEANING
-
     m, fit = result.model, result.fit
     lines = [
         f"step-time model {m.name!r}: {result.steps_used} steps used of {result.steps_read} read"
@@ -613,7 +387,7 @@ def format_report(result: CalibrationResult, saved_to: str | None = None) -> str
             se_text = "kept"
         else:
             se_text = f"{se:8.1%}" if math.isfinite(se) else "     n/a"
-        lines.append(f"  {key}    {getattr(m, key):12.4e}  {se_text:>8}  {_COEF_MEANING[key]}")
+        lines.append(f"  {key}    {getattr(m, key):12.4e}  {se_text:>8}  {COEF_MEANING[key]}")
     lines.append(
         f"  identified by this log (rel. s.e. < {IDENTIFIED_REL_SE:.0%}): "
         f"{', '.join(result.identified) or 'none'}"
@@ -626,8 +400,9 @@ def format_report(result: CalibrationResult, saved_to: str | None = None) -> str
     if result.holdout is not None:
         h = result.holdout
         lines.append(
-            f"held-out error ({h['n']} steps, fitted on the other {h['n_fit']}): MAPE {h['mape']:.2%}, "
-            f"R² {h['r2']:.4f}, RMSE {h['rmse_s'] * 1e3:.3f} ms, bias {_bias_text(h['bias'])}"
+            f"held-out error ({h['n']} steps, fitted on the other {h['n_fit']}): "
+            f"MAPE {h['mape']:.2%}, R² {h['r2']:.4f}, RMSE {h['rmse_s'] * 1e3:.3f} ms, "
+            f"bias {_bias_text(h['bias'])}"
         )
     elif result.holdout_note:
         lines.append(result.holdout_note)

@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
+from scheduler.metrics import Completion
 from scheduler.metrics.fairness import window_report
 from scheduler.settings import Settings, SloFqParams
 from sim import traces as tr
@@ -45,15 +48,15 @@ def evaluate(
     target: float,
 ) -> dict[str, Any]:
     """SCR per window of ``n`` replicas serving the trace, and the KV bound per replica."""
-    import numpy as np
-
-    done = []
+    done: list[Completion] = []
     for share in split(trace, n):
         if len(share):
             done += simulate(share, settings, config).completions
     span = max((r.arrival for r in trace), default=0.0)
     windows = max(1, math.ceil(span / window_s))
-    by_window: dict[int, list] = {}  # the completions of each window of arrivals, in one pass
+    by_window: dict[
+        int, list[Completion]
+    ] = {}  # the completions of each window of arrivals, in one pass
     for c in done:
         by_window.setdefault(math.floor(c.arrival / window_s), []).append(c)
     scrs = []
@@ -150,7 +153,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         )
     else:
         lines.append(
-            f"{plan['replicas']} replicas keep the mean per-window SCR at {plan['target']:g} or above "
-            f"({plan['policy']}, {plan['requests']} requests, {plan['window_s']:g}-s windows)"
+            f"{plan['replicas']} replicas keep the mean per-window SCR at {plan['target']:g} or "
+            f"above ({plan['policy']}, {plan['requests']} requests, {plan['window_s']:g}-s windows)"
         )
     return "\n".join(lines)

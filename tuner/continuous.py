@@ -84,7 +84,8 @@ def engine_losses(
     x, b = values.get("throughput_tok_s", math.nan), base.get("throughput_tok_s", math.nan)
     if math.isfinite(x) and math.isfinite(b) and x < ENGINE_THROUGHPUT_FLOOR * b:
         return [
-            f"engine limits: throughput {x:.4g} tok/s vs production {b:.4g} in the continuous replay"
+            f"engine limits: throughput {x:.4g} tok/s vs production {b:.4g} in the continuous "
+            "replay"
         ]
     return []
 

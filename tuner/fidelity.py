@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim import traces as tr
-from sim.engine import Simulator
+from sim.engine import EngineConfig, Simulator
 from tuner.recorded import (
     DB_ENV,
     RecordedSpan,
@@ -48,15 +48,24 @@ from tuner.recorded import (
     store_lag_s,
     with_front_end,
 )
+from tuner.replica_facts import replica_engine
+
+if TYPE_CHECKING:  # the caller's open store (storage.store costs ~0.4 s to import)
+    from storage.store import Store
 
 LATENCIES = ("ttft_p50", "ttft_p99", "ttlt_p50", "ttlt_p99")
 FIGURES = (*LATENCIES, "throughput_tok_s", "preemptions")
 DEFAULT_WINDOW_S = 60.0
 MIN_WINDOW_REQUESTS = 5  # a window with fewer real requests is reported but not ranked
 
+#: One request as the report compares it: (arrival, first token or None, finish, output tokens,
+#: preemptions), times relative to one origin.
+FigureRow = tuple[float, float | None, float, int, int]
+
 
 class FidelityError(ValueError):
-    """The span cannot be replayed (no settings recorded, no requests, ...); the message says why."""
+    """The span cannot be replayed (no settings recorded, no requests, ...); the message says
+    why."""
 
 
 def relative_change(value: float | None, base: float | None) -> float | None:
@@ -66,16 +75,16 @@ def relative_change(value: float | None, base: float | None) -> float | None:
     return value / base - 1.0
 
 
-def summary_of(completions, span_s: float, keys: Sequence[str]) -> dict[str, float | None]:
+def summary_of(
+    completions: Iterable[Completion], span_s: float, keys: Sequence[str]
+) -> dict[str, float | None]:
     """``keys`` of ``scheduler.metrics.summarize`` over ``span_s`` seconds (> 0), None where
     undefined (no request)."""
     s = summarize(completions, duration_s=span_s)
     return {k: s[k] if math.isfinite(s[k]) else None for k in keys}
 
 
-def figures(
-    rows: Sequence[tuple[float, float | None, float, int, int]], span_s: float
-) -> dict[str, float | None]:
+def figures(rows: Sequence[FigureRow], span_s: float) -> dict[str, float | None]:
     """P50/P99 TTFT and TTLT, throughput and preemptions of (arrival, first token, finish,
     output tokens, preemptions) rows, times relative to one origin; ``span_s`` the window length."""
     done = [
@@ -114,6 +123,8 @@ def decision_diff(
     sim_pre: np.ndarray,
 ) -> dict[str, Any]:
     """How differently two runs ordered the same requests (first-token times, preemptions)."""
+    # start-up cost: scipy.stats adds ~0.4 s to importing this module (python -X importtime),
+    # which tuner.whatif (the autopilot, set --preview) imports for its replay helpers.
     from scipy import stats
 
     n = len(arrivals)
@@ -168,11 +179,17 @@ def settings_timeline(
 class Replay(Simulator):
     """A replay that switches settings at given simulated times (a change recorded in the span)."""
 
-    def __init__(self, trace, settings, config, changes: list[tuple[float, Settings]]) -> None:
+    def __init__(
+        self,
+        trace: tr.Trace | Sequence[tr.TraceRequest],
+        settings: Settings,
+        config: EngineConfig | None,
+        changes: list[tuple[float, Settings]],
+    ) -> None:
         super().__init__(trace, settings, config)
         self._changes = sorted(changes, key=lambda c: c[0])
 
-    def _step(self):
+    def _step(self) -> None:
         while self._changes and self.now >= self._changes[0][0]:
             self.apply_settings(self._changes.pop(0)[1])
         super()._step()
@@ -184,7 +201,7 @@ class Replay(Simulator):
 
 
 def fidelity(
-    store,
+    store: Store,
     *,
     cluster: str | None = None,
     replica: str,
@@ -197,10 +214,8 @@ def fidelity(
     db: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``replica``'s recorded span and compare (see the module docstring). ``engine_facts``:
-    the replica's block size, KV blocks and limits (``tuner.calibrate.fetch_engine_facts``); None
-    reads what the store knows. ``db`` is only used to name the span in the report."""
-    from tuner.calibrate import replica_engine
-
+    the replica's block size, KV blocks and limits (``tuner.replica_facts.fetch_engine_facts``);
+    None reads what the store knows. ``db`` is only used to name the span in the report."""
     if not (window_s > 0 and math.isfinite(window_s)):
         raise FidelityError(f"window_s must be a positive number of seconds, got {window_s!r}")
     span = RecordedSpan(
@@ -257,7 +272,7 @@ def fidelity(
     shift = t0_trace - t0  # the trace's clock onto the real rows' one
 
     matched = [c for c in rows if c.request_id in simulated]
-    real_rows = [
+    real_rows: list[FigureRow] = [
         (
             c.arrival_s - t0,
             None if c.first_token_s is None else c.first_token_s - t0,
@@ -267,7 +282,7 @@ def fidelity(
         )
         for c in matched
     ]
-    sim_rows = [
+    sim_rows: list[FigureRow] = [
         (
             s.arrival + shift,
             s.first_token_at + shift,
@@ -328,7 +343,7 @@ def fidelity(
     }
 
 
-def _diff(real_rows, sim_rows) -> dict[str, Any]:
+def _diff(real_rows: Sequence[FigureRow], sim_rows: Sequence[FigureRow]) -> dict[str, Any]:
     arrivals = np.array([r[0] for r in real_rows], float)
     real_first = np.array([r[1] if r[1] is not None else r[2] for r in real_rows], float)
     sim_first = np.array([s[1] if s[1] is not None else s[2] for s in sim_rows], float)
@@ -351,7 +366,7 @@ def _divergence(window: dict[str, Any]) -> float:
     return max(errors, default=0.0) + (0.0 if rho is None else max(0.0, 1.0 - rho))
 
 
-def _load(store, span: RecordedSpan) -> tr.Trace:
+def _load(store: Store, span: RecordedSpan) -> tr.Trace:
     """The span's trace from an open store (load_recorded opens its own, by URL)."""
     try:
         return load_recorded(span, store=store)
@@ -362,16 +377,17 @@ def _load(store, span: RecordedSpan) -> tr.Trace:
 def format_report(report: dict[str, Any]) -> str:
     """The table ``tailpilot fidelity`` prints."""
 
-    def pct(v):
+    def pct(v: float | None) -> str:
         return "   n/a" if v is None else f"{v:+6.1%}"
 
-    def num(v):
+    def num(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3g}"
 
     o = report["overall"]
     d = o["decision"]
     lines = [
-        f"fidelity of {report['cluster']}/{report['replica']}: {report['requests']} requests of {report['span']}",
+        f"fidelity of {report['cluster']}/{report['replica']}: {report['requests']} requests of "
+        f"{report['span']}",
         f"  replayed with {', '.join(s['policy'] for s in report['settings'])}, step model "
         f"{report['step_model']}, engine {report['engine']}",
         f"  {'window':>8} {'req':>5} " + " ".join(f"{k:>16}" for k in FIGURES),
@@ -382,10 +398,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {label:>8} {w['requests']:>5} " + " ".join(f"{c:>16}" for c in cells))
     lines.append("  (cells: sim/real error)")
     lines.append(
-        f"decision diff: Spearman {num(d['spearman'])}, Kendall {num(d['kendall'])} over first-token "
-        f"times; overtaken by a later arrival: {d['overtaken_real']} real, {d['overtaken_sim']} sim; "
-        f"preemptions per request {num(d['preemptions_per_request_real'])} real, "
-        f"{num(d['preemptions_per_request_sim'])} sim ({d['preemptions_differ']} requests differ)"
+        f"decision diff: Spearman {num(d['spearman'])}, Kendall {num(d['kendall'])} over "
+        f"first-token times; overtaken by a later arrival: {d['overtaken_real']} real, "
+        f"{d['overtaken_sim']} sim; preemptions per request "
+        f"{num(d['preemptions_per_request_real'])} real, {num(d['preemptions_per_request_sim'])} "
+        f"sim ({d['preemptions_differ']} requests differ)"
     )
     if report["divergent_windows"]:
         lines.append(

@@ -1,7 +1,9 @@
 """The tuner's objectives and constraints (docs/engine.md#tuner): metric names checked against
 what a trace replay computes, and the constraint grammar
 
-    METRIC (<=|>=) NUMBER | METRIC (<=|>=) [FACTOR*]baseline[*FACTOR][(+|-)OFFSET] | METRIC (<=|>=) PCT%baseline
+    METRIC (<=|>=) NUMBER
+    | METRIC (<=|>=) [FACTOR*]baseline[*FACTOR][(+|-)OFFSET]
+    | METRIC (<=|>=) PCT%baseline
 
 (``baseline``: the production settings' value on the same windows). A bound is inclusive; a
 strict ``<``/``>`` is refused. Errors name the offending metric or constraint (the caller names
@@ -155,7 +157,8 @@ def _parse_bound(text: str, rhs: str) -> tuple[float | None, float]:
 def tracked_metrics(
     objectives: Sequence[tuple[str, str]], constraints: Sequence[Constraint]
 ) -> list[str]:
-    """Metrics kept per window for every trial: objectives, constraint metrics and the headline tails."""
+    """Metrics kept per window for every trial: objectives, constraint metrics and the headline
+    tails."""
     names = [n for n, _ in objectives] + [c.metric for c in constraints]
     names += ["ttlt_p99", "ttft_p95", "ttft_p99", "throughput_tok_s"]
     return [n for n in dict.fromkeys(names) if n in METRICS]

@@ -10,12 +10,12 @@ processes. What a study is — windows, trial 0, the definition kept in the stud
   (Optuna ≥ 5), which both samplers read.
 * **Many workers.** Each worker (a local process of ``--workers``, or a ``tailpilot tune`` on
   another machine using the same ``--storage``) runs ``study.optimize`` one trial at a time on
-  the same storage (RDB, or a journal file) until the study holds ``n_trials`` COMPLETE trials. Before a trial the
-  worker checks the counts (and waits while the remaining slots are all taken by running trials),
-  and a trial that finds ``n_trials`` earlier complete-or-running trials ends as FAIL (user attr
-  ``excess``) without running, so the number of complete trials is exactly ``n_trials``.
-  Heartbeats fail the trials of crashed workers (RDB); on a journal, which has none, a worker
-  fails the running trials of dead workers of its own host.
+  the same storage (RDB, or a journal file) until the study holds ``n_trials`` COMPLETE trials.
+  Before a trial the worker checks the counts (and waits while the remaining slots are all taken by
+  running trials), and a trial that finds ``n_trials`` earlier complete-or-running trials ends as
+  FAIL (user attr ``excess``) without running, so the number of complete trials is exactly
+  ``n_trials``. Heartbeats fail the trials of crashed workers (RDB); on a journal, which has none, a
+  worker fails the running trials of dead workers of its own host.
 * **Sampler streams.** A worker seeds its sampler with ``seed`` (+ 1,000,003 × its local worker
   index) + the number of finished trials, and keeps that stream while its trials are numbered
   one after another from where the study stood when it started (nothing running then): a worker
@@ -43,9 +43,15 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
 
 from scheduler.validation import finite_or_none
 from tuner.optuna_storage import open_storage, quiet_optuna, redact
@@ -68,13 +74,12 @@ OPTUNA_TRIAL_LOG = "optuna.study._optimize"
 
 
 class ExcessTrial(Exception):
-    """This trial would exceed the requested number of complete trials (another worker took the slot)."""
+    """This trial would exceed the requested number of complete trials (another worker took the
+    slot)."""
 
 
-def make_sampler(ctx: TuneContext, seed: int):
+def make_sampler(ctx: TuneContext, seed: int) -> optuna.samplers.BaseSampler:
     """The study's sampler seeded ``seed``: TPE for one objective, NSGA-II for several."""
-    import optuna
-
     if ctx.spec.multi_objective:
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=ctx.spec.population_size)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True)
@@ -87,60 +92,72 @@ def trial_seed(seed: int, number: int) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
-def stream_sampler(ctx: TuneContext, seed: int, process_seed: int, expected: int | None):
+def stream_sampler(
+    ctx: TuneContext, seed: int, process_seed: int, expected: int | None
+) -> StreamSampler:
     """A worker's sampler (module docstring, "Sampler streams"): ``make_sampler(ctx,
     process_seed)`` while its trials are numbered ``expected``, ``expected + 1``, …; from the first
     trial that is not (or from the start when ``expected`` is None), before each trial
     ``make_sampler(ctx, trial_seed(seed, number))``. Optuna's samplers keep nothing between
     trials that the storage does not hold, so a fresh one per trial samples as a long-lived one."""
-    return _stream_sampler_class()(
-        functools.partial(make_sampler, ctx), seed, process_seed, expected
-    )
+    return StreamSampler(functools.partial(make_sampler, ctx), seed, process_seed, expected)
 
 
-@functools.cache
-def _stream_sampler_class():
-    import optuna
+class StreamSampler(optuna.samplers.BaseSampler):
+    """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
+    one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
 
-    class StreamSampler(optuna.samplers.BaseSampler):
-        """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
-        one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
+    def __init__(
+        self,
+        factory: Callable[[int], optuna.samplers.BaseSampler],
+        seed: int,
+        process_seed: int,
+        expected: int | None,
+    ) -> None:
+        self.factory, self.seed, self.expected = factory, seed, expected
+        self.inner = factory(process_seed)
 
-        def __init__(
-            self, factory: Callable[[int], Any], seed: int, process_seed: int, expected: int | None
-        ) -> None:
-            self.factory, self.seed, self.expected = factory, seed, expected
-            self.inner = factory(process_seed)
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if self.expected is not None and trial.number == self.expected:
+            self.expected += 1  # still alone: today's stream, reproducible
+        else:
+            self.expected = None  # another process took a number: never share a stream
+            self.inner = self.factory(trial_seed(self.seed, trial.number))
+        self.inner.before_trial(study, trial)
 
-        def before_trial(self, study, trial) -> None:
-            if self.expected is not None and trial.number == self.expected:
-                self.expected += 1  # still alone: today's stream, reproducible
-            else:
-                self.expected = None  # another process took a number: never share a stream
-                self.inner = self.factory(trial_seed(self.seed, trial.number))
-            self.inner.before_trial(study, trial)
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return self.inner.infer_relative_search_space(study, trial)
 
-        def infer_relative_search_space(self, study, trial):
-            return self.inner.infer_relative_search_space(study, trial)
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        return self.inner.sample_relative(study, trial, search_space)
 
-        def sample_relative(self, study, trial, search_space):
-            return self.inner.sample_relative(study, trial, search_space)
+    def sample_independent(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        param_name: str,
+        param_distribution: BaseDistribution,
+    ) -> Any:
+        return self.inner.sample_independent(study, trial, param_name, param_distribution)
 
-        def sample_independent(self, study, trial, param_name, param_distribution):
-            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        self.inner.after_trial(study, trial, state, values)
 
-        def after_trial(self, study, trial, state, values) -> None:
-            self.inner.after_trial(study, trial, state, values)
-
-        def reseed_rng(self) -> None:
-            self.inner.reseed_rng()
-
-    return StreamSampler
+    def reseed_rng(self) -> None:
+        self.inner.reseed_rng()
 
 
-def make_pruner(ctx: TuneContext):
-    import optuna
-
+def make_pruner(ctx: TuneContext) -> optuna.pruners.BasePruner:
     if ctx.spec.multi_objective or not ctx.spec.pruner:
         return optuna.pruners.NopPruner()
     return optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2)
@@ -155,7 +172,7 @@ class Objective:
         self.check_rank = False  # set by the worker loop near the end of the study
         self.interrupted: int | None = None  # the trial a KeyboardInterrupt stopped
 
-    def __call__(self, trial) -> float | list[float]:
+    def __call__(self, trial: optuna.Trial) -> float | list[float]:
         try:
             return self._evaluate(trial)
         except KeyboardInterrupt:
@@ -169,7 +186,7 @@ class Objective:
             f"Trial {self.interrupted} failed"
         )
 
-    def _evaluate(self, trial) -> float | list[float]:
+    def _evaluate(self, trial: optuna.Trial) -> float | list[float]:
         ctx = self.ctx
         trial.set_user_attr(OWNER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
         production = trial.user_attrs.get(ROLE_ATTR) == PRODUCTION
@@ -214,11 +231,9 @@ class Objective:
         values = ctx.objective_values(per_window)
         return values[0] if single else values
 
-    def _refuse_excess(self, trial, production: bool) -> None:
+    def _refuse_excess(self, trial: optuna.Trial, production: bool) -> None:
         """ExcessTrial when the study already holds ``n_trials`` earlier complete-or-running trials
         (checked near the end only), or when this is a second production trial."""
-        from optuna.trial import TrialState
-
         if self.check_rank:
             earlier = [
                 t
@@ -242,9 +257,7 @@ class Objective:
             raise ExcessTrial(f"trial {trial.number}: a production trial already ran")
 
 
-def _counts(study) -> tuple[int, int]:
-    from optuna.trial import TrialState
-
+def _counts(study: optuna.Study) -> tuple[int, int]:
     complete = running = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)):
         if t.state == TrialState.COMPLETE:
@@ -264,12 +277,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fail_dead_local_trials(study) -> list[int]:
+def fail_dead_local_trials(study: optuna.Study) -> list[int]:
     """Mark FAIL the RUNNING trials whose worker ran on this host and has exited (what heartbeats
     do on an RDB storage; a journal has none). Trials of other hosts are left alone: their
     liveness cannot be seen from here. Returns the failed trials' numbers."""
-    from optuna.trial import TrialState
-
     host, failed = socket.gethostname(), []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner_host, _, pid = str(t.user_attrs.get(OWNER_ATTR, "")).rpartition(":")
@@ -285,9 +296,7 @@ def fail_dead_local_trials(study) -> list[int]:
     return failed
 
 
-def _finished(study) -> int:
-    from optuna.trial import TrialState
-
+def _finished(study: optuna.Study) -> int:
     return len(
         study.get_trials(
             deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
@@ -295,11 +304,11 @@ def _finished(study) -> int:
     )
 
 
-def _run_waiting_production(storage, name: str, study, objective: Objective) -> int:
+def _run_waiting_production(
+    storage: BaseStorage, name: str, study: optuna.Study, objective: Objective
+) -> int:
     """Pop and run the waiting production trial, if any, under the setup lock (it takes no time:
     its metrics are the baseline), so no two workers pop it. Returns the trials run (0 or 1)."""
-    from optuna.trial import TrialState
-
     with setup_lock(storage, name):
         if not any(
             t.user_attrs.get(ROLE_ATTR) == PRODUCTION
@@ -311,7 +320,7 @@ def _run_waiting_production(storage, name: str, study, objective: Objective) -> 
 
 
 def run_worker(
-    storage,
+    storage: BaseStorage,
     name: str,
     ctx: TuneContext,
     n_trials: int,
@@ -352,12 +361,11 @@ def run_worker(
         trial_log.removeFilter(quiet)
 
 
-def _worker_sampler(storage, name: str, ctx: TuneContext, worker: int):
+def _worker_sampler(
+    storage: BaseStorage, name: str, ctx: TuneContext, worker: int
+) -> StreamSampler:
     """This worker's sampler (module docstring, "Sampler streams"), from where the study stands
     now (a journal's dead local workers' trials failed first)."""
-    import optuna
-    from optuna.trial import TrialState
-
     probe = load_study(storage, name)
     if isinstance(storage, optuna.storages.JournalStorage):
         fail_dead_local_trials(probe)
@@ -369,11 +377,9 @@ def _worker_sampler(storage, name: str, ctx: TuneContext, worker: int):
     return stream_sampler(ctx, ctx.spec.seed, process_seed, expected)
 
 
-def _fail_dead_trials(storage, study) -> None:
+def _fail_dead_trials(storage: BaseStorage, study: optuna.Study) -> None:
     """Fail the trials of dead workers: stale heartbeats (RDB), or dead local processes (a journal
     has no heartbeats)."""
-    import optuna
-
     if isinstance(storage, optuna.storages.JournalStorage):
         fail_dead_local_trials(study)
     else:
@@ -385,9 +391,9 @@ def _worker_entry(url: str, name: str, n_trials: int, worker: int, parent: int) 
     stop after the current trial if the parent process is gone. Ctrl-C (or the parent's SIGINT)
     ends it with status 130 and nothing printed, also when the interrupt surfaces as another
     exception (it can land inside Optuna's bookkeeping of a trial): the parent reports it."""
-    interrupted = []
+    interrupted: list[int] = []
 
-    def on_sigint(signum, frame) -> None:
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
         interrupted.append(signum)
         raise KeyboardInterrupt
 
@@ -425,7 +431,8 @@ def tune(
     progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TuneOutcome:
-    """Create or resume study ``name`` at storage ``url`` and run it to ``n_trials`` complete trials.
+    """Create or resume study ``name`` at storage ``url`` and run it to ``n_trials`` complete
+    trials.
 
     ``workers > 1`` spawns that many local processes on the same storage (use a server database
     for many workers; SQLite serialises writers). Ctrl-C stops cleanly: the study keeps its
@@ -439,8 +446,8 @@ def tune(
     storage = open_storage(url)
     ctx = prepare(storage, name, spec, given, log)
     log(
-        f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on {len(ctx.search)} "
-        f"{ctx.search}, held out {ctx.holdout}"
+        f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on "
+        f"{len(ctx.search)} {ctx.search}, held out {ctx.holdout}"
     )
     interrupted = False
     try:
@@ -455,7 +462,14 @@ def tune(
     return TuneOutcome(name, redact(url), complete, n_trials, interrupted, best_summary(study, ctx))
 
 
-def _run_processes(url: str, name: str, n_trials: int, workers: int, storage, progress) -> None:
+def _run_processes(
+    url: str,
+    name: str,
+    n_trials: int,
+    workers: int,
+    storage: BaseStorage,
+    progress: Callable[[int, int], None] | None,
+) -> None:
     mp = multiprocessing.get_context("spawn")
     procs = [
         mp.Process(

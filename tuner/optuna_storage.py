@@ -15,14 +15,25 @@ Anything else (``redis://``, a typo) is a :class:`TuneError` naming the scheme a
 from __future__ import annotations
 
 import re
-import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from storage.backoff import backoff_delays
+from controlplane.retry import RetryPolicy
 from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
+
+# Optuna and SQLAlchemy are imported inside the functions that use them: the TUI imports this
+# module at start (through tuner.study), and they would add ~40 ms and ~0.2 s to it (python -X
+# importtime); storage.engine loads SQLAlchemy.
+if TYPE_CHECKING:
+    from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+    from sqlalchemy import Engine
+    from sqlalchemy.pool import ConnectionPoolEntry
+
+#: Opening an RDB storage while other workers create Optuna's schema: the losers of that race
+#: find the tables on a later try (``open_storage``). 6 tries, waiting 0.2 s doubling to 3.2 s.
+SCHEMA_RACE = RetryPolicy(attempts=6, first_wait_s=0.2, max_wait_s=3.2)
 
 HEARTBEAT_S = 10  # workers' heartbeats; a trial of a worker silent for GRACE_S is failed
 GRACE_S = 40
@@ -71,7 +82,7 @@ def storage_url(raw: str | None) -> str:
 
 def _check_dialect(url: str, scheme: str) -> None:
     """Refuse a URL no SQLAlchemy dialect reads (``redis://``, ``file:``, a typo), in one line."""
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # start-up cost: see the note at the imports
 
     try:
         make_url(url).get_dialect()
@@ -97,7 +108,7 @@ def storage_file(url: str) -> str | None:
 
 
 def _same_database(a: str, b: str) -> bool:
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # start-up cost: see the note at the imports
 
     try:
         ua, ub = make_url(a), make_url(b)
@@ -114,7 +125,7 @@ def _same_database(a: str, b: str) -> bool:
 def check_storage_separate(url: str, db_url: str | None) -> None:
     """Refuse to put Optuna's tables into tailpilot's database (both use alembic_version).
     ``db_url``: tailpilot's database (None: its default, ./tailpilot.db)."""
-    from storage.engine import DEFAULT_SQLITE_FILE
+    from storage.engine import DEFAULT_SQLITE_FILE  # start-up cost: see the note at the imports
 
     db_url = db_url or DEFAULT_SQLITE_FILE
     if db_url is not None:
@@ -133,7 +144,7 @@ def check_storage_separate(url: str, db_url: str | None) -> None:
     if is_journal(url):
         _check_journal_file(url)
         return
-    from sqlalchemy import create_engine, inspect
+    from sqlalchemy import create_engine, inspect  # start-up cost: see the note at the imports
 
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         return
@@ -180,7 +191,7 @@ def _one_line(err: BaseException) -> str:
 
 def redact(url: str) -> str:
     """``url`` with its password hidden (``***``), for messages; unparsable: as given."""
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # start-up cost: see the note at the imports
 
     try:
         return make_url(url).render_as_string(hide_password=True)
@@ -188,12 +199,14 @@ def redact(url: str) -> str:
         return url
 
 
-def open_storage(url: str):
+class _SchemaRace(Exception):
+    """Opening an RDB storage failed as a loser of the race to create Optuna's schema does."""
+
+
+def open_storage(url: str) -> BaseStorage:
     """Optuna's storage for ``url`` (from :func:`storage_url`): a JournalStorage on a
     JournalFileBackend for ``journal:PATH``, else an RDBStorage with heartbeats. Raises
     :class:`TuneError` (one line, naming the storage) when it cannot be opened."""
-    import optuna
-
     quiet_optuna()
     if is_journal(url):
         return _open_journal(url)
@@ -208,36 +221,44 @@ def open_storage(url: str):
         kw["engine_kwargs"] = {"pool_pre_ping": True}
     # Workers starting together on an empty database race to create Optuna's schema (PostgreSQL:
     # "duplicate key ... pg_type"); the loser finds the tables on a second try.
-    delays = backoff_delays(0.2, 3.2)
-    for attempt in range(6):
-        try:
-            storage = optuna.storages.RDBStorage(
-                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw
-            )
-            break
-        except Exception as err:
-            if attempt == 5 or not _transient_open_error(err):
-                raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
-            time.sleep(next(delays))
+    try:
+        storage = SCHEMA_RACE.call(lambda: _open_rdb(url, kw), on=(_SchemaRace,))
+    except _SchemaRace as race:
+        raise TuneError(f"--storage {redact(url)}: cannot open: {race}") from None
     if url.startswith("sqlite"):
         _sqlite_wal(storage.engine)
     return storage
+
+
+def _open_rdb(url: str, kw: dict[str, Any]) -> RDBStorage:
+    """One try at an RDBStorage with heartbeats: :class:`_SchemaRace` (the error's first line)
+    when the error is one a second try cures, :class:`TuneError` when it is not."""
+    import optuna  # start-up cost: see the note at the imports
+
+    try:
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **kw
+        )
+    except Exception as err:
+        if _transient_open_error(err):
+            raise _SchemaRace(_one_line(err)) from None
+        raise TuneError(f"--storage {redact(url)}: cannot open: {_one_line(err)}") from None
 
 
 # The URL each journal storage was opened from (JournalStorage does not keep it; RDBStorage does).
 _JOURNAL_URLS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def url_of(storage) -> str:
+def url_of(storage: BaseStorage) -> str:
     """The URL ``storage`` was opened from ("" when unknown: a storage opened elsewhere)."""
     return _JOURNAL_URLS.get(storage) or str(getattr(storage, "url", ""))
 
 
-def _open_journal(url: str):
+def _open_journal(url: str) -> JournalStorage:
     """JournalStorage in a file. Its writers take Optuna's symlink lock (works on NFS too); it has
     no heartbeats: ``tuner.optimize`` fails the trials of dead local workers itself."""
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    from optuna.storages import JournalStorage  # start-up cost: see the note at the imports
+    from optuna.storages.journal import JournalFileBackend  # start-up cost, likewise
 
     _check_journal_file(url)
     try:
@@ -263,22 +284,22 @@ def _transient_open_error(err: Exception) -> bool:
     )
 
 
-def _sqlite_wal(engine) -> None:
+def _sqlite_wal(engine: Engine) -> None:
     """WAL with synchronous=NORMAL: a commit without an fsync (Optuna commits every suggested
     parameter and report; at ~10 ms per fsync that would cost more than the simulation)."""
-    from sqlalchemy import event
+    from sqlalchemy import event  # start-up cost: see the note at the imports
 
-    from storage.engine import sqlite_pragmas
+    from storage.engine import sqlite_pragmas  # start-up cost, likewise
 
     @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - exercised via the engine
+    def _pragmas(dbapi_conn: Any, _record: ConnectionPoolEntry) -> None:  # pragma: no cover
         sqlite_pragmas(dbapi_conn)
 
     engine.dispose()  # connections opened before the listener reconnect with the pragmas
 
 
 def quiet_optuna() -> None:
-    import optuna
+    import optuna  # start-up cost: see the note at the imports
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

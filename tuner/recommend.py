@@ -24,11 +24,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from optuna.storages import BaseStorage
+from optuna.trial import TrialState
 
 from scheduler.metrics import higher_is_better, percent_change
 from scheduler.settings import Settings
 from scheduler.validation import finite_or_none
 from storage.strict_json import finite
+from tuner.autopilot_tune import autopilot_metrics
 from tuner.continuous import losses, validate
 from tuner.results import best_trials, candidate_trials, ranked_candidates, trial_metrics
 from tuner.spec import TuneError
@@ -78,6 +81,8 @@ def paired_improvement(
     out.update(value=mx, baseline=mb, mean_change_pct=percent_change(mx, mb, name))
 
     def t_interval(d: np.ndarray) -> tuple[float, float]:
+        # start-up cost: scipy.stats adds ~0.4 s to importing this module (python -X importtime),
+        # which the tune command does for jsonable alone.
         from scipy import stats
 
         centre, sd = float(d.mean()), float(d.std(ddof=1))
@@ -121,11 +126,9 @@ def _metric_table(
     }
 
 
-def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, Any]:
+def recommend(storage: BaseStorage, name: str, *, with_autopilot: bool = False) -> dict[str, Any]:
     """Build the recommendation summary of study ``name`` (JSON-able; NaN where undefined).
     ``with_autopilot``: also judge "keep the autopilot" (``autopilot`` in the summary)."""
-    from optuna.trial import TrialState
-
     study, ctx = load_context(storage, name)
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     front = best_trials(study, ctx)
@@ -196,7 +199,10 @@ def recommend(storage, name: str, *, with_autopilot: bool = False) -> dict[str, 
             ],
         },
         "continuous": {
-            "what": "every trace replayed whole; held-out = the held-out windows' requests in that replay",
+            "what": (
+                "every trace replayed whole; held-out = the held-out windows' requests in that "
+                "replay"
+            ),
             "holdout": _continuous_table(
                 ctx, cont_metrics["holdout"], check["production"]["holdout"]
             ),
@@ -248,8 +254,6 @@ def keep_the_autopilot(
     production) replays every study trace whole; it is kept when it loses nothing to production
     (objectives and constraints, as any candidate) and, against the recommendation on every
     request, is no worse on any objective and better on one."""
-    from tuner.autopilot_tune import autopilot_metrics
-
     got = autopilot_metrics(ctx.traces, production, ctx.config, ctx.tracked, slo=ctx.spec.slo)
     lost = losses(ctx, got, base)
     worse = [n for n, d in ctx.objectives if _worse(got[n], recommended[n], d)]

@@ -1,7 +1,7 @@
 """A recording is a trace: the requests a cluster's replicas served, replayed through the simulator.
 
-    trace = load_any("db:tailpilot.db#recording=peak&replicas=a")   # or any trace file
-    trace = load_recorded(RecordedSpan(recording="peak"))           # $TAILPILOT_DB or ./tailpilot.db
+    trace = load_any("db:tailpilot.db#recording=peak&replicas=a")  # or any trace file
+    trace = load_recorded(RecordedSpan(recording="peak"))  # $TAILPILOT_DB or ./tailpilot.db
 
 A ``db:`` trace URL is ``db:[STORE][#KEY=VALUE&...]``: STORE an SQLite path or SQLAlchemy URL
 (empty: ``$TAILPILOT_DB``, else ./tailpilot.db); the keys select what to replay:
@@ -18,10 +18,10 @@ own clock, so a twin's fast clock or a replica's skewed one does not matter); wi
 recording, every stored completion of the cluster. What each request carries is the engine's own
 record: its arrival time at the engine core (scheduled send times can lag by seconds under load;
 the API server's arrival precedes tokenising and the hop to the core, which no scheduler
-changes), its prompt and output lengths, tenant, type and the client's ``max_tokens``. A request that stopped
-at its cap (reason ``length``) is marked truncated: its true length is unknown, at least the cap.
-A row without a recorded cap (an older store, a replica that does not report it) gets the fixed
-default cap, never its own output length.
+changes), its prompt and output lengths, tenant, type and the client's ``max_tokens``. A request
+that stopped at its cap (reason ``length``) is marked truncated: its true length is unknown, at
+least the cap. A row without a recorded cap (an older store, a replica that does not report it) gets
+the fixed default cap, never its own output length.
 """
 
 from __future__ import annotations
@@ -29,13 +29,24 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import parse_qsl, quote
 
 import numpy as np
 
+from scheduler.metrics import Completion
 from sim import traces as tr
+from storage.rows import CompletionRow
+
+# The store's modules are imported inside load_recorded: storage.store (SQLAlchemy, Alembic) adds
+# ~0.4 s to importing this module, which tuner.spec and the TUI's start import (python -X
+# importtime), and only a recorded trace needs it.
+if TYPE_CHECKING:
+    from storage.store import Store
 
 PREFIX = "db:"
 DB_ENV = "TAILPILOT_DB"
@@ -70,7 +81,7 @@ class RecordedSpan:
         return f"{PREFIX}{self.db or ''}" + (f"#{frag}" if frag else "")
 
 
-def is_recorded(spec: object) -> bool:
+def is_recorded(spec: object) -> TypeGuard[str]:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
@@ -117,18 +128,21 @@ def parse_url(url: str) -> RecordedSpan:
 
 
 def load_recorded(
-    span: RecordedSpan, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, store=None
+    span: RecordedSpan,
+    *,
+    max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
+    store: Store | None = None,
 ) -> tr.Trace:
     """The span's requests as a Trace (arrivals from the first one, ids ``replica/request`` when
     several replicas are merged), from ``store`` if given (else the span's db, opened and closed
     here). TraceError when the span names nothing or holds no request."""
-    from contextlib import nullcontext
-
+    # start-up cost: see the note at the imports
     from storage.database import StoreOpenError
-    from storage.engine import DatabaseMissing, require_existing
-    from storage.store import Store
+    from storage.engine import DatabaseMissing, require_existing  # start-up cost, likewise
+    from storage.store import Store  # start-up cost, likewise
 
     where = span.url()
+    context: AbstractContextManager[Any]
     if store is None:
         try:
             url = span.db or os.environ.get(DB_ENV)
@@ -186,16 +200,17 @@ def load_recorded(
 
 
 def rows_to_trace(
-    rows,
+    rows: Iterable[CompletionRow],
     name: str,
     *,
     max_tokens_default: int = tr.DEFAULT_MAX_TOKENS,
     prefix_replica: bool = False,
 ) -> tr.Trace:
     """Stored completions (``storage.rows.CompletionRow``) as a trace: arrivals at the engine core
-    (``engine_arrival_s``) from the first one, the recorded cap or the fixed default (never the output length), a request
-    stopped at its cap marked truncated; ids ``replica/request`` with ``prefix_replica``. A request
-    the replica refused on arrival (reason ``rejected``: a tenant's queue cap) never ran: left out."""
+    (``engine_arrival_s``) from the first one, the recorded cap or the fixed default (never the
+    output length), a request stopped at its cap marked truncated; ids ``replica/request`` with
+    ``prefix_replica``. A request the replica refused on arrival (reason ``rejected``: a tenant's
+    queue cap) never ran: left out."""
     if (
         isinstance(max_tokens_default, bool)
         or not isinstance(max_tokens_default, int)
@@ -225,12 +240,14 @@ def rows_to_trace(
     return tr.Trace(name, tuple(requests))
 
 
-def engine_arrival_s(row) -> float:
+def engine_arrival_s(row: CompletionRow) -> float:
     """When the engine core received the request (its API-server arrival where not recorded)."""
     return row.arrival_s if row.received_s is None else row.received_s
 
 
-def with_front_end(completions, rows) -> list:
+def with_front_end(
+    completions: Iterable[Completion], rows: Iterable[CompletionRow]
+) -> list[Completion]:
     """Simulated completions (of a trace made by ``rows_to_trace`` from ``rows``, one replica) as
     the client's side sees them: each arrival moved back by its recorded front-end hop (API server
     to engine core), so TTFT and TTLT compare with the real ones (``as_completion``)."""
@@ -238,7 +255,7 @@ def with_front_end(completions, rows) -> list:
     return [replace(c, arrival=c.arrival - hop.get(c.id, 0.0)) for c in completions]
 
 
-def store_lag_s(store, cluster: str, replica: str, rows) -> float:
+def store_lag_s(store: Store, cluster: str, replica: str, rows: Sequence[CompletionRow]) -> float:
     """The replica's clock minus the store's, from stored completions (``rows``): the median
     finish time minus the median time the store received them (exact to a poll interval)."""
     stored = store.readings.completion_stored_s(cluster, replica, [r.request_id for r in rows])
@@ -246,10 +263,8 @@ def store_lag_s(store, cluster: str, replica: str, rows) -> float:
     return finished - float(np.median(stored)) if stored else 0.0
 
 
-def as_completion(row, t0: float):
+def as_completion(row: CompletionRow, t0: float) -> Completion:
     """A stored completion as the metrics module's Completion, times from ``t0``."""
-    from scheduler.metrics import Completion
-
     return Completion(
         id=row.request_id,
         tenant=row.tenant,
@@ -264,7 +279,9 @@ def as_completion(row, t0: float):
     )
 
 
-def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | None, int | None]]:
+def _span(
+    store: Store, span: RecordedSpan, where: str
+) -> tuple[str, str, tuple[int | None, int | None]]:
     """(cluster, display name, stored_ms bounds) of the span."""
     if span.recording is None:
         clusters = store.recordings.clusters()
@@ -277,7 +294,8 @@ def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | 
             return clusters[0], clusters[0], (None, None)
         if span.cluster not in clusters:
             raise tr.TraceError(
-                f"{where}: no cluster {span.cluster!r} in the store; known: {', '.join(clusters) or 'none'}"
+                f"{where}: no cluster {span.cluster!r} in the store; known: "
+                f"{', '.join(clusters) or 'none'}"
             )
         return span.cluster, span.cluster, (None, None)
     found = [r for r in store.recordings.all(span.cluster) if r.name == span.recording]
@@ -298,14 +316,14 @@ def _span(store, span: RecordedSpan, where: str) -> tuple[str, str, tuple[int | 
 
 
 def load_any(
-    spec: str | None, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, **kw
+    spec: str | None, *, max_tokens_default: int = tr.DEFAULT_MAX_TOKENS, **kw: Any
 ) -> tr.Trace:
     """A trace from a file, the bundled window (None or "bundled"), or a ``db:`` URL."""
     if spec in (None, "bundled"):
         return tr.load_bundled(max_tokens_default=max_tokens_default)
     if is_recorded(spec):
-        return load_recorded(parse_url(spec), max_tokens_default=max_tokens_default)  # type: ignore[arg-type]
-    return tr.load_trace(spec, max_tokens_default=max_tokens_default, **kw)  # type: ignore[arg-type]
+        return load_recorded(parse_url(spec), max_tokens_default=max_tokens_default)
+    return tr.load_trace(spec, max_tokens_default=max_tokens_default, **kw)
 
 
 def canonical(url: str) -> str:

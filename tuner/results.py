@@ -6,21 +6,29 @@ or the feasible Pareto front (several), and the trial an operator would take fro
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from scheduler.metrics import percent_change
 from tuner.study import TRIAL_ATTR, TuneContext
 from tuner.windows import nanmean
 
+# Optuna is imported inside the functions that use it: the TUI imports this module at start, and
+# optuna would add ~40 ms to it (python -X importtime).
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.trial import FrozenTrial
 
-def is_feasible(trial) -> bool:
+
+def is_feasible(trial: FrozenTrial) -> bool:
     return all(v <= 0 for v in trial.constraints.values())
 
 
-def candidate_trials(study) -> list:
+def candidate_trials(study: Study) -> list[FrozenTrial]:
     """COMPLETE, feasible, fully evaluated (not pruned) trials."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # start-up cost: see the note above TYPE_CHECKING
 
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -30,7 +38,7 @@ def candidate_trials(study) -> list:
     return out
 
 
-def best_trials(study, ctx: TuneContext) -> list:
+def best_trials(study: Study, ctx: TuneContext) -> list[FrozenTrial]:
     """Single objective: [the best feasible trial] (lowest number on ties). Several: the feasible
     Pareto front, ordered by trial number."""
     cands = candidate_trials(study)
@@ -50,7 +58,7 @@ def best_trials(study, ctx: TuneContext) -> list:
     return sorted(front, key=lambda t: t.number)
 
 
-def trial_metrics(trial) -> dict[int, dict[str, float]]:
+def trial_metrics(trial: FrozenTrial) -> dict[int, dict[str, float]]:
     """A trial's per-window metrics from its user attributes (window index -> metric -> value)."""
     info = trial.user_attrs[TRIAL_ATTR]
     return {
@@ -59,17 +67,15 @@ def trial_metrics(trial) -> dict[int, dict[str, float]]:
     }
 
 
-def choose_recommendation(front: list, ctx: TuneContext) -> Any:
+def choose_recommendation(front: Sequence[FrozenTrial], ctx: TuneContext) -> FrozenTrial:
     """Of a Pareto front, the trial an operator would take: among the members that are no worse
     than the production settings on any objective (every % improvement >= 0), the one with the
     largest mean improvement; if every member gives something up, the one whose worst
     improvement is least bad (max-min). Ties → the lower trial number. One trial: that trial."""
-    from scheduler.metrics import percent_change
-
     if len(front) == 1:
         return front[0]
 
-    def gains(t) -> list[float]:
+    def gains(t: FrozenTrial) -> list[float]:
         m = trial_metrics(t)
         out = [
             percent_change(
@@ -86,7 +92,7 @@ def choose_recommendation(front: list, ctx: TuneContext) -> Any:
     return min(scored, key=lambda gt: (-min(gt[0]), -sum(gt[0]) / len(gt[0]), gt[1].number))[1]
 
 
-def ranked_candidates(study, ctx: TuneContext) -> list:
+def ranked_candidates(study: Study, ctx: TuneContext) -> list[FrozenTrial]:
     """Feasible, fully evaluated trials in the order ``recommend`` would take them: the chosen
     one (``choose_recommendation`` of the front) first; then, one objective, the rest by value;
     several, the rest of the front by the same rule."""
@@ -110,7 +116,7 @@ def ranked_candidates(study, ctx: TuneContext) -> list:
     return [first, *rest]
 
 
-def best_summary(study, ctx: TuneContext) -> dict[str, Any] | None:
+def best_summary(study: Study, ctx: TuneContext) -> dict[str, Any] | None:
     best = best_trials(study, ctx)
     if not best:
         return None

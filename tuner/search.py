@@ -6,7 +6,8 @@ Search space
 Every range is derived from the one settings model (``scheduler.settings``): a parameter's
 bounds are its pydantic ``Field`` constraints (``gt/ge/lt/le``), and the searched span is a
 window *inside* those bounds around a centre — the production value when the production settings
-run the same policy, else the model's default (γ: the FCFS tail estimate γ̂, docs/policies.md#uniboost):
+run the same policy, else the model's default (γ: the FCFS tail estimate γ̂,
+docs/policies.md#uniboost):
 
 * γ → log scale over ``GAMMA_RANGE`` (1e-4 .. 10 /s);
 * positive centre  → log scale, ``[centre / SPAN, centre · SPAN]`` (SPAN = 4) clipped to
@@ -20,7 +21,8 @@ Not searched: ``predictor`` (the tuner replays with the ``history`` predictor, t
 live replica has) and ``sigma_noise`` (an oracle-noise knob of the simulator); an adaptive
 parameter (``ADAPTIVE_PARAMS``) only when the model has a switch for its adaptation
 (``gamma`` has ``gamma_ada``; TIE's ``beta`` is overwritten by adaptive β unless pinned); and
-parameters the production settings pin (docs/policies.md#settings-document: recommendations never move them).
+parameters the production settings pin (docs/policies.md#settings-document: recommendations never
+move them).
 
 Engine fields (``EngineSettings``) are searched the same way around the production engine;
 ``long_prefill_token_threshold`` (0 = off) is an on/off switch plus a log-scaled chunk size.
@@ -35,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
@@ -47,6 +49,9 @@ from scheduler.settings import (
     Settings,
     describe_error,
 )
+
+if TYPE_CHECKING:  # the trials come from Optuna, which this module does not need to import
+    from optuna import Trial
 
 SPAN = 4.0  # log-scaled ranges reach centre/SPAN .. centre*SPAN
 # γ is searched over its whole useful range on a log scale, not around an estimate: the FCFS tail
@@ -87,13 +92,12 @@ class Dim:
     log: bool = False
     choices: tuple[Any, ...] = ()
 
-    def suggest(self, trial) -> Any:
-        if self.kind == "float":
-            return trial.suggest_float(self.name, self.low, self.high, log=self.log)
-        if self.kind == "int":
-            assert (
-                self.low is not None and self.high is not None
-            )  # numeric dims always have both ends
+    def suggest(self, trial: Trial) -> Any:
+        if self.kind in ("float", "int"):
+            # A numeric dimension always has both ends.
+            assert self.low is not None and self.high is not None
+            if self.kind == "float":
+                return trial.suggest_float(self.name, self.low, self.high, log=self.log)
             return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
         return trial.suggest_categorical(self.name, list(self.choices))
 
@@ -150,9 +154,7 @@ def field_bounds(model: type[BaseModel], name: str) -> Bounds:
 def _admits(b: Bounds, v: float) -> bool:
     if b.lo is not None and (v < b.lo or (b.lo_open and v == b.lo)):
         return False
-    if b.hi is not None and (v > b.hi or (b.hi_open and v == b.hi)):
-        return False
-    return True
+    return not (b.hi is not None and (v > b.hi or (b.hi_open and v == b.hi)))
 
 
 def numeric_dim(
@@ -197,7 +199,8 @@ def _checked_override(
         if not _admits(bounds, v):
             raise SearchSpaceError(
                 f"--range {name}: {side} end {v:g} is outside the settings model's bounds "
-                f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, {_fmt_bound(bounds.hi, bounds.hi_open, False)}]"
+                f"[{_fmt_bound(bounds.lo, bounds.lo_open, True)}, "
+                f"{_fmt_bound(bounds.hi, bounds.hi_open, False)}]"
             )
     if not lo < hi:
         raise SearchSpaceError(f"--range {name}: low ({lo:g}) must be below high ({hi:g})")
@@ -308,7 +311,7 @@ class SearchSpace:
         return Settings.model_validate(self.production)
 
     # -- sampling
-    def suggest(self, trial) -> Settings:
+    def suggest(self, trial: Trial) -> Settings:
         """Ask ``trial`` for every dimension and build the (validated, repaired) settings."""
         policy = self.policies[0]
         if len(self.policies) > 1:
@@ -374,12 +377,14 @@ def _repair_min_max(params: dict[str, Any]) -> None:
 
 
 def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, str]:
-    """``gamma`` / ``uniboost.gamma`` / ``engine.max_num_seqs`` / ``max_num_seqs`` → (scope, name)."""
+    """``gamma`` / ``uniboost.gamma`` / ``engine.max_num_seqs`` / ``max_num_seqs`` → (scope,
+    name)."""
     if raw.startswith(ENGINE_PREFIX):
         name = raw.removeprefix(ENGINE_PREFIX)
         if name not in EngineSettings.model_fields:
             raise SearchSpaceError(
-                f"{option} {raw}: unknown engine field (valid: {', '.join(EngineSettings.model_fields)})"
+                f"{option} {raw}: unknown engine field (valid: "
+                f"{', '.join(EngineSettings.model_fields)})"
             )
         return "engine", name
     if "." in raw:
@@ -408,7 +413,8 @@ def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, st
         )
     if len(owners) > 1:
         raise SearchSpaceError(
-            f"{option} {raw}: ambiguous, say which policy ({', '.join(o + '.' + raw for o in owners)})"
+            f"{option} {raw}: ambiguous, say which policy "
+            f"({', '.join(o + '.' + raw for o in owners)})"
         )
     return owners[0], raw
 
@@ -437,7 +443,8 @@ def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
 
 @dataclass
 class _Overrides:
-    """``--range``/``--fix``/``--search`` resolved to (scope, name) pairs, scope a policy or "engine"."""
+    """``--range``/``--fix``/``--search`` resolved to (scope, name) pairs, scope a policy or
+    "engine"."""
 
     ranges: dict[tuple[str, str], tuple[float, float, bool | None]]
     fixed: dict[
@@ -466,7 +473,8 @@ class _Overrides:
         return cls(resolved, fixed_by, fixed_engine, only)
 
     def wanted(self, scope: str, name: str) -> bool:
-        """Searched unless ``--search`` leaves it out (a ``--range`` always counts as asking for it)."""
+        """Searched unless ``--search`` leaves it out (a ``--range`` always counts as asking for
+        it)."""
         return (scope, name) in self.ranges or self.only is None or (scope, name) in self.only
 
 

@@ -43,14 +43,15 @@ import contextlib
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
-from scheduler.settings import Settings
+from scheduler.metrics import validate_metric
+from scheduler.settings import PARAM_MODELS, Settings
 from scheduler.validation import finite_or_none
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceError
@@ -70,6 +71,14 @@ from tuner.windows import (
     window_metrics,
     worst,
 )
+
+# Optuna is imported inside the functions that use it: the TUI imports this module at start, and
+# optuna would add ~40 ms to it (python -X importtime); sqlalchemy, ~0.2 s, likewise.
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
+    from optuna.storages import BaseStorage, RDBStorage
 
 ATTR_SPEC = "tailpilot:spec"
 ATTR_SPACE = "tailpilot:space"
@@ -171,10 +180,16 @@ def estimate_gamma(
 # --------------------------------------------------------------------------------------------
 
 
-def load_study(storage, name: str, spec: StudySpec | None = None, sampler=None, pruner=None):
+def load_study(
+    storage: BaseStorage,
+    name: str,
+    spec: StudySpec | None = None,
+    sampler: BaseSampler | None = None,
+    pruner: BasePruner | None = None,
+) -> Study:
     """Optuna's study ``name``: created (or joined) with ``spec``'s directions, else loaded
     (:class:`TuneError` when there is none)."""
-    import optuna
+    import optuna  # start-up cost: see the note above TYPE_CHECKING
 
     if spec is not None:
         directions = [d for _, d in spec.objective_dirs()]
@@ -192,8 +207,8 @@ def load_study(storage, name: str, spec: StudySpec | None = None, sampler=None, 
         raise TuneError(f"--study {name}: no such study in this storage") from None
 
 
-def study_exists(storage, name: str) -> bool:
-    import optuna
+def study_exists(storage: BaseStorage, name: str) -> bool:
+    import optuna  # start-up cost: see the note above TYPE_CHECKING
 
     try:
         storage.get_study_id_from_name(name)
@@ -204,12 +219,12 @@ def study_exists(storage, name: str) -> bool:
         return False
 
 
-def stored_spec(study) -> StudySpec | None:
+def stored_spec(study: Study) -> StudySpec | None:
     raw = study.user_attrs.get(ATTR_SPEC)
     return None if raw is None else StudySpec.from_dict(raw)
 
 
-def _resolve_spec(study, spec: StudySpec | None, given: Mapping[str, Any]) -> StudySpec:
+def _resolve_spec(study: Study, spec: StudySpec | None, given: Mapping[str, Any]) -> StudySpec:
     stored = stored_spec(study)
     if stored is None:
         if spec is None:
@@ -232,8 +247,6 @@ def _canon(key: str, value: Any) -> Any:
     if key == "mix":
         return [(str(Path(p).resolve()), float(f)) for p, f in value]
     if key == "objectives":
-        from scheduler.metrics import validate_metric
-
         try:
             return [validate_metric(n) for n in value]
         except KeyError:
@@ -248,7 +261,7 @@ def _canon(key: str, value: Any) -> Any:
 
 
 def prepare(
-    storage,
+    storage: BaseStorage,
     name: str,
     spec: StudySpec | None = None,
     given: Mapping[str, Any] | None = None,
@@ -294,12 +307,13 @@ def prepare(
         return _context(study, spec, log)
 
 
-def _discard_new_study(storage, study) -> None:
+def _discard_new_study(storage: BaseStorage, study: Study) -> None:
     """Delete ``study``, created by this very call, whose setup refused its definition (a --range
     outside the model's bounds, a --fix the settings refuse, an objective undefined on every
     window). Kept, the stored definition would be refused again on every later run of the command,
-    corrected flags or not (they would conflict with it). A study holding a trial is never deleted."""
-    import optuna
+    corrected flags or not (they would conflict with it). A study holding a trial is never
+    deleted."""
+    import optuna  # start-up cost: see the note above TYPE_CHECKING
 
     if not study.trials:
         optuna.delete_study(study_name=study.study_name, storage=storage)
@@ -334,7 +348,7 @@ _DEFINING = (
 
 
 @contextlib.contextmanager
-def setup_lock(storage, name: str):
+def setup_lock(storage: BaseStorage, name: str) -> Iterator[None]:
     """A lock across processes for setting study ``name`` up: a PostgreSQL advisory lock, or a
     ``flock`` beside a SQLite or journal file; other backends go without (the objective still
     refuses a second production trial)."""
@@ -343,9 +357,10 @@ def setup_lock(storage, name: str):
         hashlib.sha256(f"tailpilot-tune:{name}".encode()).digest()[:8], "big", signed=True
     )
     if url.startswith("postgresql"):
-        from sqlalchemy import text
+        from sqlalchemy import text  # start-up cost: see the note above TYPE_CHECKING
 
-        with storage.engine.connect() as conn:
+        engine = cast("RDBStorage", storage).engine  # a PostgreSQL URL is an RDB storage's
+        with engine.connect() as conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
             conn.commit()
             try:
@@ -356,7 +371,7 @@ def setup_lock(storage, name: str):
         return
     path = storage_file(url)
     if path:
-        import fcntl
+        import fcntl  # POSIX only: the module still imports where there is no fcntl
 
         with open(f"{path}.tailpilot-lock", "a+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
@@ -369,7 +384,7 @@ def setup_lock(storage, name: str):
 
 
 def _context(
-    study, spec: StudySpec, log: Callable[[str], None], enqueue: bool = True
+    study: Study, spec: StudySpec, log: Callable[[str], None], enqueue: bool = True
 ) -> TuneContext:
     _check_digests(spec)
     windows = build_windows(spec)
@@ -450,8 +465,6 @@ def _context(
 
 
 def _wants_gamma(spec: StudySpec) -> bool:
-    from scheduler.settings import PARAM_MODELS
-
     return any("gamma" in PARAM_MODELS[p].model_fields for p in spec.policies)
 
 
@@ -469,7 +482,8 @@ def _check_digests(spec: StudySpec) -> None:
                 raise TuneError(f"recorded trace of this study: {err}") from None
             if now != digest:
                 raise TuneError(
-                    f"recorded trace {path} changed since the study was created (its requests differ)"
+                    f"recorded trace {path} changed since the study was created (its requests "
+                    "differ)"
                 )
             continue
         if not Path(path).is_file():
@@ -484,9 +498,9 @@ def _num(v: Any) -> float:
     return math.nan if v is None else float(v)
 
 
-def _ensure_production_trial(study, ctx: TuneContext) -> None:
+def _ensure_production_trial(study: Study, ctx: TuneContext) -> None:
     """Enqueue the production settings unless a production trial is waiting, running or done."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # start-up cost: see the note above TYPE_CHECKING
 
     for t in study.get_trials(
         deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
@@ -496,7 +510,9 @@ def _ensure_production_trial(study, ctx: TuneContext) -> None:
     study.enqueue_trial(ctx.space.production_params(), user_attrs={ROLE_ATTR: PRODUCTION})
 
 
-def load_context(storage, name: str, *, enqueue: bool = False) -> tuple[Any, TuneContext]:
+def load_context(
+    storage: BaseStorage, name: str, *, enqueue: bool = False
+) -> tuple[Study, TuneContext]:
     """(study, context) of an existing study, rebuilt from its stored definition. ``enqueue``:
     re-enqueue the production trial if it has none (a worker joining); readers leave it alone."""
     quiet_optuna()

@@ -24,9 +24,10 @@ Settings, versions, ``If-Match``/409, validation (400 naming the field), ``resta
 the completions log with its cursor and the step log are ``ReplicaCore``'s, exactly as in the
 plugin: a staged document becomes active at the twin's next simulator step
 (``ReplicaCore.take_pending``), or at the next tick when the engine is idle (as the plugin applies
-a change to an idle vLLM engine at once, which would otherwise not step until new work arrives). Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show in the
-settings document but, as on vLLM, the running engine keeps its start-up values. The ``oracle``
-predictor is refused, as on a live replica.
+a change to an idle vLLM engine at once, which would otherwise not step until new work arrives).
+Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show in the settings
+document but, as on vLLM, the running engine keeps its start-up values. The ``oracle`` predictor is
+refused, as on a live replica.
 
 Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order, each
 share replayed lap after lap with ``loop=True`` (``tuner/twin_feed.py``).
@@ -52,6 +53,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from scheduler.plugin.admission import Limits
@@ -59,8 +61,10 @@ from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore
 from scheduler.plugin.env import TOKEN_ENV
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from sim import traces
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceRequest
+from tuner.recorded import load_any
 from tuner.twin_feed import Feed, split_round_robin, trace_period
 from tuner.twin_metrics import TwinCollector, TwinStats
 
@@ -256,7 +260,8 @@ class TwinReplica:
     def restart(self, fresh: bool = False) -> TwinReplica:
         """``stop`` then ``start`` on the same port. ``fresh=True`` is a process restart: requests
         in flight are lost, the settings are the start-up ones at version 1, the completions
-        cursor and vLLM's counters restart from 0, and new arrivals come from the replica clock on."""
+        cursor and vLLM's counters restart from 0, and new arrivals come from the replica clock
+        on."""
         self.stop()
         if fresh:
             with self.lock:
@@ -469,7 +474,7 @@ class TwinCluster:
     def __enter__(self) -> TwinCluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def __iter__(self) -> Iterator[TwinReplica]:
@@ -502,18 +507,19 @@ class TwinCluster:
         return {"clusters": [{"name": name or self.name, "replicas": replicas}]}
 
     def write_cluster_yaml(
-        self, path: str | os.PathLike, name: str | None = None, token_env: str | None = TOKEN_ENV
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        token_env: str | None = TOKEN_ENV,
     ) -> Path:
-        import yaml
-
-        path = Path(path)
-        path.write_text(yaml.safe_dump(self.cluster_doc(name, token_env), sort_keys=False))
-        return path
+        out = Path(path)
+        out.write_text(yaml.safe_dump(self.cluster_doc(name, token_env), sort_keys=False))
+        return out
 
 
 def start_twins(
     n: int,
-    trace: Trace | Sequence[TraceRequest] | str | os.PathLike | None = None,
+    trace: Trace | Sequence[TraceRequest] | str | os.PathLike[str] | None = None,
     *,
     speed: float = 1.0,
     settings: Settings | Sequence[Settings] | None = None,
@@ -535,15 +541,11 @@ def start_twins(
     ``rate_scale``. ``seed`` goes to trace loaders that generate arrivals. ``token`` (default
     ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin.
     ``settings``: one document for every twin, or a sequence taken round-robin (side by side)."""
-    from sim import traces
-
     if n < 1:
         raise ValueError(f"need at least one replica, got {n}")
     if trace is None:
         trace = traces.load_bundled()
     elif isinstance(trace, (str, os.PathLike)):
-        from tuner.recorded import load_any
-
         trace = load_any(os.fspath(trace), seed=seed)
     if not isinstance(trace, Trace):
         trace = Trace("twin-trace", tuple(trace))

@@ -8,10 +8,15 @@ mean gap (the simulator does not keep per-token times).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from scheduler.metrics import Completion
 
@@ -233,16 +238,18 @@ class TwinCollector:
     def __init__(self, twin: TwinReplica) -> None:
         self.twin = twin
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         twin = self.twin
         labels, values = ["model_name", "engine"], [twin.model_name, "0"]
 
-        def gauge(name, doc, value, extra=None):
+        def gauge(
+            name: str, doc: str, value: float, extra: Mapping[str, str] | None = None
+        ) -> GaugeMetricFamily:
             fam = GaugeMetricFamily(name, doc, labels=labels + list(extra or {}))
             fam.add_metric(values + list((extra or {}).values()), value)
             return fam
 
-        def counter(name, doc, value):
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             fam = CounterMetricFamily(name, doc, labels=labels)
             fam.add_metric(values, value)
             return fam
@@ -287,18 +294,18 @@ class TwinCollector:
             by_reason = GaugeMetricFamily(
                 "vllm:num_requests_waiting_by_reason",
                 "Number of waiting requests by reason.",
-                labels=labels + ["reason"],
+                labels=[*labels, "reason"],
             )
-            by_reason.add_metric(values + ["capacity"], waiting)
-            by_reason.add_metric(values + ["deferred"], 0)
+            by_reason.add_metric([*values, "capacity"], waiting)
+            by_reason.add_metric([*values, "deferred"], 0)
             families.append(by_reason)
             success = CounterMetricFamily(
                 "vllm:request_success",
                 "Count of successfully processed requests.",
-                labels=labels + ["finished_reason"],
+                labels=[*labels, "finished_reason"],
             )
             for reason, n in stats.success.items():
-                success.add_metric(values + [reason], n)
+                success.add_metric([*values, reason], n)
             families.append(success)
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",

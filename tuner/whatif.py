@@ -5,7 +5,7 @@
 
 **Predict.** The replica's last ``minutes`` of recorded traffic (the requests the store received
 then, as ``tuner.recorded`` turns them into a trace), preceded by ``warmup_s`` of the traffic before
-it, is replayed twice with the replica's engine (``tuner.calibrate.replica_engine``): under the
+it, is replayed twice with the replica's engine (``tuner.replica_facts.replica_engine``): under the
 current and under the proposed settings, the same requests. The figures are those of the requests
 that arrived after the warm-up (so neither run starts from an empty engine), and the change is
 proposed / current − 1. The band beside each is the replica's newest fidelity error band
@@ -21,11 +21,14 @@ before/after windows with different load. It is shown beside the prediction, wit
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim import traces as tr
-from sim.engine import simulate
+from sim.engine import EngineConfig, simulate
+from storage.rows import CompletionRow
 from tuner.fidelity import Replay, relative_change, summary_of
 from tuner.recorded import (
     as_completion,
@@ -34,6 +37,10 @@ from tuner.recorded import (
     store_lag_s,
     with_front_end,
 )
+from tuner.replica_facts import replica_engine
+
+if TYPE_CHECKING:  # the caller's open store (storage.store costs ~0.4 s to import)
+    from storage.store import Store
 
 METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "ttlt_p50", "ttlt_p99", "throughput_tok_s")
 DEFAULT_MINUTES = 10.0
@@ -52,25 +59,29 @@ class WhatIfError(ValueError):
     """Nothing to predict or verify on (no recorded traffic, no prediction); says why."""
 
 
-def _figures(completions, ids: set[str], span_s: float) -> dict[str, float | None]:
+def _figures(
+    completions: Iterable[Completion], ids: set[str], span_s: float
+) -> dict[str, float | None]:
     """METRICS of the span's requests (``ids``) among ``completions``."""
     return summary_of([c for c in completions if c.id in ids], span_s, METRICS)
 
 
-def _band(store, cluster: str, replica: str) -> float | None:
+def _band(store: Store, cluster: str, replica: str) -> float | None:
     reports = store.tuner.latest_fidelity(cluster, replica)
-    return reports[0]["summary"].get("band") if reports else None
+    band: float | None = reports[0]["summary"].get("band") if reports else None
+    return band
 
 
 def _traffic(
-    store, cluster: str, replica: str, since_ms: int, until_ms: int | None, warmup_s: float
-):
+    store: Store, cluster: str, replica: str, since_ms: int, until_ms: int | None, warmup_s: float
+) -> tuple[tr.Trace | None, set[str], float, float, list[CompletionRow]]:
     """(trace, ids of the span's requests, span length in s, the span's start on the trace's
-    clock, the stored rows of the trace's requests): the span is the requests that arrived at the engine from ``since_ms`` (the store's
-    clock) until ``until_ms`` (None: now); the trace holds them, the ``warmup_s`` of arrivals
-    before, and every stored request that arrived after the span (they shared the engine with the
-    span's last requests). Arrivals are the engine's; the store's clock is mapped onto the engine's
-    by the median lag between a request finishing and the store receiving it."""
+    clock, the stored rows of the trace's requests): the span is the requests that arrived at the
+    engine from ``since_ms`` (the store's clock) until ``until_ms`` (None: now); the trace holds
+    them, the ``warmup_s`` of arrivals before, and every stored request that arrived after the span
+    (they shared the engine with the span's last requests). Arrivals are the engine's; the store's
+    clock is mapped onto the engine's by the median lag between a request finishing and the store
+    receiving it."""
     slack_ms = int(warmup_s * 1000) + 600_000  # requests that finished well after they arrived
     rows = store.readings.completions(cluster, replica, stored_since_ms=since_ms - slack_ms)
     if not rows:
@@ -90,12 +101,12 @@ def _traffic(
 
 def _run(
     trace: tr.Trace,
-    rows,
+    rows: Sequence[CompletionRow],
     settings: Settings,
-    config,
+    config: EngineConfig,
     limits: dict[str, Any],
     switch: tuple[float, Settings] | None = None,
-):
+) -> list[Completion]:
     """The trace's completions under ``settings`` (switching to ``switch[1]`` at ``switch[0]`` s),
     with the replica's engine limits, each with its recorded front-end hop (``rows``) added back."""
 
@@ -116,7 +127,7 @@ def _run(
 
 
 def predict(
-    store,
+    store: Store,
     cluster: str,
     replica: str,
     current: Settings,
@@ -129,8 +140,6 @@ def predict(
     step_model: str | None = None,
 ) -> dict[str, Any]:
     """The predicted change of ``proposed`` over ``current`` on the replica's last ``minutes``."""
-    from tuner.calibrate import replica_engine
-
     since = now_ms - int(minutes * 60_000)
     trace, ids, span_s, _, rows = _traffic(store, cluster, replica, since, now_ms, warmup_s)
     if trace is None or not ids:
@@ -160,17 +169,15 @@ def predict(
 
 
 def verify(
-    store,
+    store: Store,
     prediction: dict[str, Any],
     *,
     now_ms: int,
     engine_facts: dict[str, Any] | None = None,
     step_model: str | None = None,
 ) -> dict[str, Any]:
-    """Realized vs predicted for one stored prediction (``TunerResults.predictions``' dict); ``ready``
-    False until ``minutes`` have passed since the change."""
-    from tuner.calibrate import replica_engine
-
+    """Realized vs predicted for one stored prediction (``TunerResults.predictions``' dict);
+    ``ready`` False until ``minutes`` have passed since the change."""
     cluster, replica = prediction["cluster"], prediction["replica"]
     summary = prediction["summary"]
     applied_ms = prediction["t_ms"]
@@ -231,25 +238,31 @@ def format_prediction(p: dict[str, Any]) -> str:
         else f"±{p['band']:.0%} on this replica"
     )
     lines = [
-        f"{p['replica']}: predicted on its last {p['minutes']:g} min ({p['requests']} requests, warm "
-        f"{p['warmup_s']:g} s before; step model {p['step_model']}); {band}"
+        f"{p['replica']}: predicted on its last {p['minutes']:g} min ({p['requests']} requests, "
+        f"warm {p['warmup_s']:g} s before; step model {p['step_model']}); {band}"
     ]
     for k, m in p["metrics"].items():
         lines.append(
-            f"  {LABELS[k]:<11} {_pct(m['change']):>6}   {_num(m['current'])} -> {_num(m['proposed'])}"
+            f"  {LABELS[k]:<11} {_pct(m['change']):>6}   {_num(m['current'])} -> "
+            f"{_num(m['proposed'])}"
         )
     return "\n".join(lines)
 
 
 def format_verification(v: dict[str, Any]) -> str:
     if not v["ready"]:
-        return f"{v['replica']}: change {v['id']} not ready to verify (its {v['minutes']:g} min end later)"
+        return (
+            f"{v['replica']}: change {v['id']} not ready to verify "
+            f"(its {v['minutes']:g} min end later)"
+        )
     if not v.get("requests"):
         return f"{v['replica']}: change {v['id']}: {v.get('note', 'no traffic')}"
     band = "" if v["band"] is None else f" (±{v['band']:.0%} on this replica)"
     lines = [
-        f"{v['replica']}: change {v['id']}, {v['requests']} requests in the {v['minutes']:g} min after it{band}",
-        f"  {'':<11} {'predicted':>9} {'realized':>9}   real vs counterfactual (old settings, same traffic)",
+        f"{v['replica']}: change {v['id']}, {v['requests']} requests in the {v['minutes']:g} min "
+        f"after it{band}",
+        f"  {'':<11} {'predicted':>9} {'realized':>9}   real vs counterfactual (old settings, same "
+        "traffic)",
     ]
     for k, m in v["metrics"].items():
         lines.append(

@@ -35,7 +35,8 @@ class Window:
 
 
 def build_traces(spec: StudySpec) -> list[tr.Trace]:
-    """Load and transform each trace file (in the order of the transforms, docs/engine.md#traces)."""
+    """Load and transform each trace file (in the order of the transforms,
+    docs/engine.md#traces)."""
     out = []
     for path in spec.traces:
         try:
@@ -103,7 +104,7 @@ def _stratified(order: Sequence[int], k: int, rng: np.random.Generator) -> list[
     edges = np.linspace(0, len(order), k + 1)
     picks = []
     for j in range(k):
-        lo, hi = int(round(edges[j])), int(round(edges[j + 1]))
+        lo, hi = round(edges[j]), round(edges[j + 1])
         picks.append(order[int(rng.integers(lo, max(hi, lo + 1)))])
     return sorted(picks)
 
@@ -123,7 +124,7 @@ def split_windows(
     rng = np.random.default_rng([spec.seed, 0x5EED])
     load = list(load) if load is not None else [0] * n
     order = sorted(range(n), key=lambda i: (load[i], i))
-    n_hold = min(n - 1, max(1, int(round(spec.holdout * n))))
+    n_hold = min(n - 1, max(1, round(spec.holdout * n)))
     held = _stratified(order, n_hold, rng)
     rest = [i for i in order if i not in set(held)]
     k = min(spec.windows or DEFAULT_MAX_WINDOWS, len(rest))

@@ -30,7 +30,8 @@ Percentiles use numpy's default (``linear``) method and are exact: no histogram 
 Modules
 -------
 * ``completions`` — :class:`Completion`, :class:`CompletionArrays`, :func:`to_arrays`;
-* ``registry`` — the metric table (:data:`METRICS`), name validation, directions, ``percent_change``;
+* ``registry`` — the metric table (:data:`METRICS`), name validation, directions,
+  ``percent_change``;
 * ``summary`` — :func:`distribution_stats`, :func:`summarize`, :func:`summarize_by`;
 * ``slo`` — SLO attainment curves and the tightest SLO scale met;
 * ``fairness`` — Jain's index, SLO compliance, shares, and seed 003's figures (SCR, the

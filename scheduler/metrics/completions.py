@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -117,11 +117,13 @@ class CompletionArrays:
     # Derived per-request columns (seconds). NaN marks "undefined for this request".
     @property
     def ttft(self) -> np.ndarray:
-        return self.first_token_at - self.arrival
+        ttft: np.ndarray = self.first_token_at - self.arrival
+        return ttft
 
     @property
     def ttlt(self) -> np.ndarray:
-        return self.finished_at - self.arrival
+        ttlt: np.ndarray = self.finished_at - self.arrival
+        return ttlt
 
     # An undefined divisor is set to NaN so that the quotient is NaN without a warning
     # (this is also ~8x faster than np.divide(..., where=...)).
@@ -129,7 +131,8 @@ class CompletionArrays:
     def tbt(self) -> np.ndarray:
         gaps = self.output_tokens - 1.0
         gaps[gaps <= 0] = np.nan  # one token: no inter-token gap
-        return (self.finished_at - self.first_token_at) / gaps
+        tbt: np.ndarray = (self.finished_at - self.first_token_at) / gaps
+        return tbt
 
     @property
     def ptl(self) -> np.ndarray:
@@ -139,12 +142,13 @@ class CompletionArrays:
 
     @property
     def queue(self) -> np.ndarray:
-        return self.scheduled_at - self.arrival
+        queue: np.ndarray = self.scheduled_at - self.arrival
+        return queue
 
 
 _ALL_FIELDS = _STR_FIELDS + _FLOAT_FIELDS + _INT_FIELDS
 
-CompletionsLike = Union[CompletionArrays, Iterable[Completion]]
+CompletionsLike = CompletionArrays | Iterable[Completion]
 
 
 def to_arrays(completions: CompletionsLike) -> CompletionArrays:

@@ -6,8 +6,11 @@ the store's governance windows, ``capacity``, the Prometheus page, the TUI, the 
 (:func:`fairness_summary`) and slofq (its minimum shares, :func:`minimum_shares`) all read these.
 Definitions and a worked example: docs/governance.md.
 
-    report = window_report(completions, params, duration_s=10.0, waiting={"c": {"requests": 3, "waited_s": 12.0}})
-    report["scr"], report["jfi"], report["jfi_seed"], report["type_fairness_min"], report["tenants"]["acme"]["omega"]
+    report = window_report(
+        completions, params, duration_s=10.0, waiting={"c": {"requests": 3, "waited_s": 12.0}}
+    )
+    report["scr"], report["jfi"], report["jfi_seed"], report["type_fairness_min"]
+    report["tenants"]["acme"]["omega"]
 
 * **SCR** (SLO compliance ratio, the seed's): the fraction of tenants meeting *every* quantile
   target they have (TTFT, and TTLT where set). A tenant counts when it asked for something in the

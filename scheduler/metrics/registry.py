@@ -17,7 +17,7 @@ PERCENTILES: tuple[tuple[str, float], ...] = (
     ("p99", 99.0),
     ("p999", 99.9),
 )
-STAT_SUFFIXES: tuple[str, ...] = tuple(s for s, _ in PERCENTILES) + ("mean",)
+STAT_SUFFIXES: tuple[str, ...] = (*(s for s, _ in PERCENTILES), "mean")
 
 #: Latency families: key prefix -> (description, unit).
 _LATENCY_INFO: dict[str, tuple[str, str]] = {
@@ -93,7 +93,8 @@ def _build_metrics() -> dict[str, MetricInfo]:
                 True,
             ),
             "jain_index_seed": MetricInfo(
-                "seed 003's literal JFI over tenants' throughput / commitment (reported, not acted on)",
+                "seed 003's literal JFI over tenants' throughput / commitment "
+                "(reported, not acted on)",
                 "index",
                 True,
             ),

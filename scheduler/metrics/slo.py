@@ -27,7 +27,8 @@ def _normalised(values: np.ndarray | Sequence[float], slo: float | np.ndarray) -
     # Compare value/slo with k rather than value with k*slo, so that the attainment curve
     # and tightest_slo_scale agree exactly (no rounding in k*slo).
     norm = x / s
-    return norm[np.isfinite(norm)]
+    finite: np.ndarray = norm[np.isfinite(norm)]
+    return finite
 
 
 def _count_at_most(norm: np.ndarray, k: np.ndarray) -> np.ndarray:

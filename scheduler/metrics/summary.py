@@ -33,7 +33,7 @@ def linear_percentiles(x: np.ndarray, fractions: np.ndarray) -> np.ndarray:
     a, b = x[lo], x[hi]
     t = virtual - below
     diff = b - a
-    result = a + diff * t
+    result: np.ndarray = a + diff * t
     # numpy interpolates from the nearer end, which keeps results monotone and within [a, b].
     np.subtract(b, diff * (1 - t), out=result, where=t >= 0.5)
     return result

@@ -1,7 +1,8 @@
-"""Admission for the control API's server: what one server may cost its host process, and how it is
-shared out between token holders and anonymous clients.
+"""Admission for the control API's server: what one server may cost its host process, and how it
+is shared out between token holders and anonymous clients.
 
-The server runs in vLLM's engine-core process, so every decision here is bounded and constant work:
+The server runs in vLLM's engine-core process, so every decision here is bounded and constant
+work:
 
 * connections: at most ``Limits.max_connections`` open; a share (``token_reserve``) is kept for
   requests carrying the bearer token, so unauthenticated clients cannot lock the collector out;
@@ -11,9 +12,9 @@ The server runs in vLLM's engine-core process, so every decision here is bounded
   (``TokenBucket``, ``RateBudgets``); a large answer costs more;
 * deadlines: a reaper thread cuts off connections that are silent, trickle or do not read.
 
-The request handler (``scheduler.plugin.api``) asks ``BoundedHTTPServer`` at each step of a request:
-``begin_request`` when its headers are in, ``rates.take`` before answering, ``end_request`` after.
-Only standard-library parts: nothing heavy enters vLLM's process.
+The request handler (``scheduler.plugin.api``) asks ``BoundedHTTPServer`` at each step of a
+request: ``begin_request`` when its headers are in, ``rates.take`` before answering,
+``end_request`` after. Only standard-library parts: nothing heavy enters vLLM's process.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from scheduler.plugin.wire import encode_json
 
 log = logging.getLogger("tailpilot.control")
 
 LINGER_BYTES = 64 * 1024  # what a refused connection may have sent already, read before closing
+
+#: What socketserver calls a request: a stream server's is its connection's socket (the datagram
+#: form, ``(data, socket)``, never reaches this TCP server).
+ServerRequest = socket.socket | tuple[bytes, socket.socket]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +111,8 @@ class Limits:
 
 
 class TokenBucket:
-    """``rate`` tokens per second up to ``rate`` banked; ``take`` returns 0 or the wait for a token."""
+    """``rate`` tokens per second up to ``rate`` banked; ``take`` returns 0 or the wait for a
+    token."""
 
     __slots__ = ("clock", "rate", "stamp", "tokens")
 
@@ -139,8 +145,8 @@ def _refusal(message: str) -> bytes:
     """A whole 503 answer that closes the connection, to send without a handler."""
     body = encode_json({"error": message, "status": 503})
     return (
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
 
 
@@ -215,32 +221,34 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     BUSY = _refusal("too many connections to the control API")
 
-    def __init__(self, address, handler, limits: Limits) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        limits: Limits,
+    ) -> None:
         self.request_queue_size = limits.backlog
         self.limits = limits
         self.rates = RateBudgets(limits)  # shared by the handler threads
         self._conns: dict[socket.socket, _Conn] = {}
-        self._idle_new: OrderedDict[socket.socket, None] = (
-            OrderedDict()
-        )  # silent since accepted, oldest first
-        self._idle_anonymous: OrderedDict[socket.socket, None] = (
-            OrderedDict()
-        )  # between requests, idlest first
+        # Silent since accepted, oldest first; and between requests, idlest first.
+        self._idle_new: OrderedDict[socket.socket, None] = OrderedDict()
+        self._idle_anonymous: OrderedDict[socket.socket, None] = OrderedDict()
         self._anonymous = 0  # connections whose last request was anonymous
         self._closing = 0  # closed early, their threads finishing: at most max_closing at once
         self._max_closing = max(1, limits.reserved_connections)
         self._cut: set[socket.socket] = set()  # connections whose input the reaper has shut
         self._refusing: dict[socket.socket, bytes] = {}  # handlers done: refuse instead of closing
-        self._parked: deque[tuple[float, socket.socket, bytes]] = (
-            deque()
-        )  # (due, socket, answer), due first
+        # (due, socket, answer), due first
+        self._parked: deque[tuple[float, socket.socket, bytes]] = deque()
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._stop = threading.Event()
         super().__init__(address, handler)
 
     # --- admission ------------------------------------------------------------------------------
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: ServerRequest, client_address: object) -> None:
+        assert isinstance(request, socket.socket)  # a stream server's request (ServerRequest)
         now, victim = self.limits.clock(), None
         with self._lock:
             admitted = len(self._conns) - self._closing < self.limits.max_connections
@@ -257,13 +265,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return
         super().process_request(request, client_address)
 
-    def refuse_on_close(self, request, message: str) -> None:
-        """When its handler is done, answer ``request`` 503 with ``message`` instead of closing it."""
+    def refuse_on_close(self, request: socket.socket, message: str) -> None:
+        """When its handler is done, answer ``request`` 503 with ``message`` instead of closing
+        it."""
         answer = _refusal(message)
         with self._lock:
             self._refusing[request] = answer
 
-    def _refuse(self, request, answer: bytes) -> None:
+    def _refuse(self, request: socket.socket, answer: bytes) -> None:
         """Answer ``answer`` and close: after the pause from the reaper thread, or at once when
         there is no pause or the parking lot is full."""
         with self._lock:
@@ -277,7 +286,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def release_parked(self) -> int:
         """Answer and close the parked connections whose pause is over; how many."""
-        now, due = self.limits.clock(), []
+        now = self.limits.clock()
+        due: list[tuple[float, socket.socket, bytes]] = []
         with self._lock:
             while self._parked and self._parked[0][0] <= now:
                 due.append(self._parked.popleft())
@@ -285,17 +295,16 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._answer_and_close(request, answer)
         return len(due)
 
-    def _answer_and_close(self, request, answer: bytes) -> None:
+    def _answer_and_close(self, request: socket.socket, answer: bytes) -> None:
         with contextlib.suppress(OSError):
             request.setblocking(False)  # never wait on a client from the accept or reaper thread
-            with contextlib.suppress(
-                BlockingIOError
-            ):  # what it sent already: unread, it would reset the answer
+            # What it sent already: unread, it would reset the answer.
+            with contextlib.suppress(BlockingIOError):
                 request.recv(LINGER_BYTES)
             request.send(answer)
         super().shutdown_request(request)
 
-    def begin_request(self, request, token: bool) -> str | None:
+    def begin_request(self, request: socket.socket, token: bool) -> str | None:
         """A request's headers are in: None to serve it, else why it is refused (the connection is
         then closed). An anonymous request on a connection not yet counted as anonymous needs an
         anonymous slot: a free one, or the idlest idle anonymous connection's, closed early."""
@@ -327,7 +336,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._shut(victim)
         return None
 
-    def end_request(self, request, keep_alive: bool) -> None:
+    def end_request(self, request: socket.socket, keep_alive: bool) -> None:
         """A request is answered (or its connection is leaving): idle until the next one."""
         with self._lock:
             conn = self._conns.get(request)
@@ -340,7 +349,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 if conn.kind == ANONYMOUS:
                     self._idle_anonymous[request] = None  # the idlest stay first
 
-    def _close_idlest(self, now: float, *queues: OrderedDict) -> socket.socket | None:
+    def _close_idlest(
+        self, now: float, *queues: OrderedDict[socket.socket, None]
+    ) -> socket.socket | None:
         """Under the lock: mark the idlest connection at the head of ``queues`` as closing, if it
         has been idle at least ``evict_idle_s``; the caller shuts it outside the lock."""
         heads = [next(iter(queue)) for queue in queues if queue]
@@ -355,7 +366,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._closing += 1
         return request
 
-    def _leave_counts(self, request, conn: _Conn) -> None:
+    def _leave_counts(self, request: socket.socket, conn: _Conn) -> None:
         """Under the lock: a connection closing (early, or for good) leaves the idle queues and
         the count of anonymous connections."""
         self._idle_new.pop(request, None)
@@ -363,7 +374,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._anonymous -= conn.kind == ANONYMOUS
 
     @staticmethod
-    def _shut(request) -> None:
+    def _shut(request: socket.socket) -> None:
         # Its thread, waiting for a request line, reads end-of-file and finishes.
         with contextlib.suppress(OSError):
             request.shutdown(socket.SHUT_RDWR)
@@ -385,13 +396,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         counts["addresses"] = self.rates.addresses()
         return counts
 
-    # --- deadlines ----------------------------------------------------------------------------------
-    def set_deadline(self, request, seconds: float) -> None:
+    # --- deadlines -------------------------------------------------------------------------------
+    def set_deadline(self, request: socket.socket, seconds: float) -> None:
         with self._lock:
             if (conn := self._conns.get(request)) is not None:
                 conn.deadline = time.monotonic() + seconds
 
-    def shutdown_request(self, request) -> None:
+    def shutdown_request(self, request: ServerRequest) -> None:
+        assert isinstance(request, socket.socket)  # a stream server's request (ServerRequest)
         with self._lock:
             conn = self._conns.pop(request, None)
             if conn is not None and conn.closing:
@@ -460,7 +472,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 kind,
             )
 
-    def handle_error(self, request, client_address) -> None:
+    def handle_error(self, request: ServerRequest, client_address: object) -> None:
         # Failures inside a request are answered by the handler; what reaches here is a client
         # gone mid-request or a bug in the server itself: never a traceback in vLLM's log.
         err = sys.exc_info()[1]

@@ -1,11 +1,14 @@
 """The replica control API (docs/control-api.md), served on a daemon thread next to the scheduler.
 
     GET /tailpilot/v1/state[?cursor=N]   queue, KV, live γ/β, counters; with a cursor also the
-                                         completions since N (at most a page; ``more``, ``next_cursor``)
+                                         completions since N (at most a page; ``more``,
+                                         ``next_cursor``)
     GET /tailpilot/v1/settings           the active (or staged) settings document and its version
     PUT /tailpilot/v1/settings           validate + stage a document; If-Match: <version> for CAS
-    GET /tailpilot/v1/steps?cursor=N     the step log (duration and batch composition per step), paged
-    GET /tailpilot/v1/inflight[?limit=N] the oldest requests in flight (no output lengths), at most 1,000
+    GET /tailpilot/v1/steps?cursor=N     the step log (duration and batch composition per step),
+                                         paged
+    GET /tailpilot/v1/inflight[?limit=N] the oldest requests in flight (no output lengths), at
+                                         most 1,000
     GET /tailpilot/v1/health
 
 A target that also plays a vLLM server (the simulated twin replicas) may define any of
@@ -29,7 +32,8 @@ token (reads included) is a token holder's, and a share of the connections and o
 out; when connections run short, the idlest unauthenticated one is closed early; a refused
 connection gets its 503 after the same pause, held without a thread. Every request gets
 an HTTP answer: malformed ones a 4xx JSON error naming the problem, the server's own failures a
-500 (logged once per kind, briefly). Only standard-library parts: nothing heavy enters vLLM's process.
+500 (logged once per kind, briefly). Only standard-library parts: nothing heavy enters vLLM's
+process.
 
 The pieces: this module answers requests (``ControlHandler``, its route table ``ROUTES``) and
 starts the server (``ControlServer``); ``scheduler.plugin.admission`` admits, times and refuses
@@ -42,6 +46,7 @@ import contextlib
 import dataclasses
 import hmac
 import http.client
+import io
 import logging
 import math
 import re
@@ -90,7 +95,8 @@ def token_from_env(env: PluginEnv | None = None) -> str | None:
 
 
 class ControlTarget(Protocol):
-    """What the control endpoints answer from (the plugin's replica, a twin, the recorder's page)."""
+    """What the control endpoints answer from (the plugin's replica, a twin, the recorder's
+    page)."""
 
     def api_state(self, cursor: int | None) -> dict[str, Any]: ...
     def api_settings(self) -> dict[str, Any]: ...
@@ -99,7 +105,8 @@ class ControlTarget(Protocol):
 
 
 class OptionalEndpoints(Protocol):
-    """What a target may also define; each endpoint exists only on a target that does (``Route.needs``)."""
+    """What a target may also define; each endpoint exists only on a target that does
+    (``Route.needs``)."""
 
     def api_inflight(self, limit: int) -> dict[str, Any]: ...
     def api_metrics(self) -> tuple[bytes, str]: ...  # (body, content type)
@@ -108,7 +115,8 @@ class OptionalEndpoints(Protocol):
 
 
 class HTTPError(Exception):
-    """Answer ``status`` with ``message``; ``close`` when unread bytes make the connection unusable."""
+    """Answer ``status`` with ``message``; ``close`` when unread bytes make the connection
+    unusable."""
 
     def __init__(
         self,
@@ -125,7 +133,7 @@ class HTTPError(Exception):
 class _Reader:
     """A connection's input with a byte budget for each request's line and headers."""
 
-    def __init__(self, raw, budget: int) -> None:
+    def __init__(self, raw: io.BufferedIOBase, budget: int) -> None:
         self.raw, self.budget, self.left = raw, budget, budget
 
     def new_request(self) -> None:
@@ -148,7 +156,9 @@ class _Reader:
 class ControlHTTPServer(BoundedHTTPServer):
     """The bounded server with what its handlers answer from: the target and the write token."""
 
-    def __init__(self, address, target: ControlTarget, token: str | None, limits: Limits) -> None:
+    def __init__(
+        self, address: tuple[str, int], target: ControlTarget, token: str | None, limits: Limits
+    ) -> None:
         self.target = target
         self.token = token.encode() if token else None  # compared as bytes, in constant time
         super().__init__(address, ControlHandler, limits)
@@ -169,14 +179,14 @@ class ControlHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         limits = self.server.limits
-        self.connection.settimeout(
-            limits.request_timeout_s
-        )  # per socket operation; the reaper bounds the total
-        self.rfile = _Reader(self.rfile, limits.max_header_bytes)  # type: ignore[assignment]
+        # Per socket operation; the reaper bounds the total.
+        self.connection.settimeout(limits.request_timeout_s)
+        self.reader = _Reader(self.rfile, limits.max_header_bytes)
+        # http.server reads rfile by readline and read only; typeshed's BufferedIOBase is stricter.
+        self.rfile = self.reader  # type: ignore[assignment]
         self.bucket = TokenBucket(limits.rate_per_connection, limits.clock)
-        self.address = str(
-            self.client_address[0]
-        )  # whose per-address budget anonymous requests draw on
+        # Whose per-address budget anonymous requests draw on.
+        self.address = str(self.client_address[0])
         self.authenticated = False  # the current request carries this replica's token
         self.linger = False  # closing on unread input: drain a little so the answer is not reset
 
@@ -192,12 +202,12 @@ class ControlHandler(BaseHTTPRequestHandler):
                 while drained < self.server.limits.max_body and (chunk := self.request.recv(16384)):
                     drained += len(chunk)
 
-    def log_message(self, fmt, *args):  # quiet: the engine's log is not ours to flood
-        pass
+    def log_message(self, fmt: str, *args: Any) -> None:
+        pass  # quiet: the engine's log is not ours to flood
 
-    # --- the request cycle: framed, authenticated, admitted (from the headers) ----------------------
+    # --- the request cycle: framed, authenticated, admitted (from the headers) --------------------
     def handle_one_request(self) -> None:
-        self.rfile.new_request()  # type: ignore[attr-defined]  # our _Reader (setup)
+        self.reader.new_request()
         self.command, self.requestline, self.request_version = "", "", self.default_request_version
         try:
             super().handle_one_request()
@@ -221,9 +231,8 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
         lengths = self.headers.get_all("Content-Length") or []
-        if (
-            len(lengths) > 1
-        ):  # which one frames the body is ambiguous: the rest could be a smuggled request
+        # Which one frames the body is ambiguous: the rest could be a smuggled request.
+        if len(lengths) > 1:
             shown = ", ".join(repr(v[:20]) for v in lengths[:4])
             self.send_error(
                 400, f"Content-Length: given {len(lengths)} times ({shown}); send it once"
@@ -242,8 +251,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         )
 
     def _admit_connection(self) -> bool:
-        """Whether the server lets this connection carry the request (``BoundedHTTPServer.begin_request``);
-        a refused one is answered 503 and closed."""
+        """Whether the server lets this connection carry the request
+        (``BoundedHTTPServer.begin_request``); a refused one is answered 503 and closed."""
         refusal = self.server.begin_request(self.request, self.authenticated)
         if refusal is None:
             return True
@@ -261,7 +270,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         return False
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own errors (bad request line, headers, method) as JSON, connection closed."""
+        """http.server's own errors (bad request line, headers, method) as JSON, connection
+        closed."""
         self.close_connection = self.linger = True
         self.request_version = (
             "HTTP/1.1"  # an HTTP/0.9-looking request line still gets a status line
@@ -269,7 +279,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         with contextlib.suppress(OSError):
             self._send(code, {"error": message or explain or "bad request", "status": code})
 
-    # --- the request cycle: rate-admitted, routed, answered ------------------------------------------
+    # --- the request cycle: rate-admitted, routed, answered ---------------------------------------
     def _serve(self) -> None:
         try:
             self._admit_rate()
@@ -334,7 +344,7 @@ class ControlHandler(BaseHTTPRequestHandler):
             headers={"Allow": allowed},
         )
 
-    # --- answers -----------------------------------------------------------------------------------
+    # --- answers ----------------------------------------------------------------------------------
     def _send(
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> None:
@@ -360,7 +370,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    # --- GET -----------------------------------------------------------------------------------------
+    # --- GET --------------------------------------------------------------------------------------
     def get_state(self) -> None:
         self._send(200, self.server.target.api_state(self._cursor(self._query(("cursor",)))))
 
@@ -394,7 +404,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         self._send_raw(200 if self._optional().api_health() else 503, b"", "text/plain")
 
     def _optional(self) -> OptionalEndpoints:
-        """The target as one defining the optional endpoint being answered (its route exists only then)."""
+        """The target as one defining the optional endpoint being answered (its route exists only
+        then)."""
         return cast(OptionalEndpoints, self.server.target)
 
     def _query(self, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -448,7 +459,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         if self._has_body():
             self.close_connection = True
 
-    # --- PUT -----------------------------------------------------------------------------------------
+    # --- PUT --------------------------------------------------------------------------------------
     def put_settings(self) -> None:
         self._query(())
         self._authorize()
@@ -539,7 +550,8 @@ class ControlHandler(BaseHTTPRequestHandler):
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """One endpoint's answer for one method, and the target method without which it does not exist."""
+    """One endpoint's answer for one method, and the target method without which it does not
+    exist."""
 
     answer: Callable[[ControlHandler], None]
     needs: str | None = None  # an ``OptionalEndpoints`` method
@@ -610,7 +622,8 @@ class ControlServer:
 
     @property
     def base_url(self) -> str:
-        """``http://host:port``: where ``/metrics`` and ``/v1/models`` live on a vLLM-like target."""
+        """``http://host:port``: where ``/metrics`` and ``/v1/models`` live on a vLLM-like
+        target."""
         host = self.httpd.server_address[0]
         if isinstance(host, bytes):  # an AF_UNIX-style address; never for TCP, which this serves
             host = host.decode()

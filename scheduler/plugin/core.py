@@ -10,6 +10,7 @@ and the simulated twin replicas drive the same core, so the API cannot tell them
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
@@ -18,10 +19,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
@@ -31,6 +32,8 @@ from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 
 log = logging.getLogger("tailpilot.plugin")
+
+_Entry = TypeVar("_Entry", dict[str, Any], "StepRecord")  # a completions- or step-log entry
 
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
@@ -102,7 +105,7 @@ class StepRecord:
     decode_seqs: int
     sum_kv_context: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "seq": self.seq,
             "started": self.started,
@@ -131,7 +134,13 @@ def load_startup_settings(
 
 
 class ReplicaCore:
-    def __init__(self, settings: Settings, *, replica: str = "replica", clock=time.time) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        replica: str = "replica",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.replica = replica
         self.clock = clock
         # Names this incarnation: a collector whose cursor belongs to another instance reads from 0
@@ -156,7 +165,7 @@ class ReplicaCore:
         self.recomputed_tokens_total = 0
         self.finished_total = 0
         self.steps_total = 0
-        self._completions: deque[dict] = deque(maxlen=COMPLETIONS_KEPT)
+        self._completions: deque[dict[str, Any]] = deque(maxlen=COMPLETIONS_KEPT)
         self._completion_seq = itertools.count()
         self._steps: deque[StepRecord] = deque(maxlen=STEPS_KEPT)
         self._step_seq = itertools.count()
@@ -167,16 +176,16 @@ class ReplicaCore:
         self._good_before: tuple[Settings, int] | None = None
 
     def start_refit_thread(self, interval_s: float = REFIT_INTERVAL_S) -> threading.Thread:
-        """Refit the history predictor on a timer, never inside the scheduling step (docs/policies.md#predictors).
-        A refit bumps the predictor's version; the policy re-sorts at the next step."""
+        """Refit the history predictor on a timer, never inside the scheduling step
+        (docs/policies.md#predictors). A refit bumps the predictor's version; the policy re-sorts
+        at the next step."""
         stop = self._refit_stop = threading.Event()
 
         def loop() -> None:
             while not stop.wait(interval_s):
-                try:
+                # A failed fit keeps the previous one; never kill the engine.
+                with contextlib.suppress(Exception):
                     self.predictor.refit()
-                except Exception:  # a failed fit keeps the previous one; never kill the engine
-                    pass
 
         thread = threading.Thread(target=loop, name="tailpilot-refit", daemon=True)
         thread.start()
@@ -426,7 +435,7 @@ class ReplicaCore:
             ]
         )
 
-    def log_completions(self, records: Iterable[dict]) -> None:
+    def log_completions(self, records: Iterable[dict[str, Any]]) -> None:
         """Append finished requests to the completions log (each gets the next ``seq``) and count
         them. A record has the keys of ``COMPLETION_KEYS`` other than ``seq``."""
         with self._lock:
@@ -458,7 +467,9 @@ class ReplicaCore:
             )
 
     # --- what the control API reads -----------------------------------------------------------
-    def completions_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict], int]:
+    def completions_since(
+        self, cursor: int, limit: int = PAGE_LIMIT
+    ) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
             items = self._since(self._completions, cursor, limit)
         next_cursor = (
@@ -466,18 +477,21 @@ class ReplicaCore:
         )
         return items, next_cursor
 
-    def steps_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict], int]:
+    def steps_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
             items = [s.as_dict() for s in self._since(self._steps, cursor, limit)]
         next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._steps))
         return items, next_cursor
 
     @staticmethod
-    def _seq(entry) -> int:
-        return entry["seq"] if isinstance(entry, dict) else entry.seq
+    def _seq(entry: dict[str, Any] | StepRecord) -> int:
+        if isinstance(entry, dict):
+            seq: int = entry["seq"]
+            return seq
+        return entry.seq
 
     @classmethod
-    def _since(cls, log: deque, cursor: int, limit: int) -> list:
+    def _since(cls, log: deque[_Entry], cursor: int, limit: int) -> list[_Entry]:
         """Entries with ``seq >= cursor``, at most ``limit``, without scanning the whole log: the
         seqs in a log are consecutive, so the cursor's position is arithmetic (a poller that keeps
         up reads only the tail, from the right end of the deque)."""
@@ -494,7 +508,7 @@ class ReplicaCore:
         return list(itertools.islice(log, start, start + limit))
 
     @classmethod
-    def _next_seq(cls, log: deque) -> int:
+    def _next_seq(cls, log: deque[dict[str, Any]] | deque[StepRecord]) -> int:
         return cls._seq(log[-1]) + 1 if log else 0
 
     def inflight(
@@ -534,7 +548,7 @@ class ReplicaCore:
         *,
         waiting: Sequence[RequestState] | None = None,
         running: int | None = None,
-        live: dict | None = None,
+        live: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The ``/state`` document; completions only when a ``cursor`` is given, at most a page
         (``more`` says another follows at ``next_cursor``). A driver that keeps its own queues and
@@ -548,7 +562,7 @@ class ReplicaCore:
         for s in waiting:
             by_tenant[s.tenant] = by_tenant.get(s.tenant, 0) + 1
             by_type[s.type] = by_type.get(s.type, 0) + 1
-        completions: list[dict]
+        completions: list[dict[str, Any]]
         if cursor is None:
             completions, next_cursor = [], self._next_seq(self._completions)
         else:

@@ -3,14 +3,19 @@
     scheduler.plugin.vllm.TailpilotScheduler       CPU, or GPU without async scheduling
     scheduler.plugin.vllm.TailpilotAsyncScheduler  GPU default (async scheduling on)
 
-Both subclass the stock scheduler and change only what docs/engine.md#scheduling-step lets a policy change, using the
-same policy library as the simulator:
+Both subclass the stock scheduler and change only what docs/engine.md#scheduling-step lets a
+policy change, using the same policy library as the simulator:
   * the waiting queue is a ``RequestQueue`` kept in policy order (``PolicyRequestQueue``);
   * the running list is reordered at the top of every step, so budget priority follows the policy
     and the stock memory-pressure victim (``running[-1]``) is the policy's worst request;
   * before the stock step runs, policy-driven preemption (srpt, las, uniboost) preempts running
     requests for waiting ones through vLLM's own ``_preempt_request``.
 Settings arrive through the control API (``plugin.api``) and are swapped in at the top of a step.
+
+Typing: mypy does not follow vLLM's modules (its private v1 scheduler changes with minor
+releases), so vLLM's classes and objects (``Request``, the scheduler's output) are ``Any`` here;
+``_StockScheduler`` declares what the mixin uses of the stock scheduler, for the type checker
+only.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -27,8 +33,9 @@ from vllm.v1.request import Request
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import PluginEnv
-from scheduler.policies import RequestState
+from scheduler.policies import Policy, RequestState
 from scheduler.policies.preemption import plan_preemptions
+from scheduler.policies.queue import WaitingQueue
 
 log = logging.getLogger("tailpilot.plugin")
 REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)
@@ -52,7 +59,7 @@ class PolicyRequestQueue(RequestQueue):
     def __init__(self, plugin: TailpilotMixin) -> None:
         self.plugin = plugin
 
-    def _queue(self):
+    def _queue(self) -> WaitingQueue:
         return self.plugin.tp_core.waiting
 
     def _state(self, request: Request) -> RequestState:
@@ -109,9 +116,10 @@ class PolicyRequestQueue(RequestQueue):
         self.remove_states([state])
         # vLLM also pops requests it only sets aside for this step (skip_request: grammar still
         # compiling, KV still loading, stale async output) and prepends them back: not admissions.
+        stale: int = getattr(request, "num_stale_output_tokens", 0)  # not in every vLLM release
         if not (
             self.plugin._is_blocked_waiting_status(request.status)
-            or (getattr(request, "num_stale_output_tokens", 0) and not request.drop_stale_output)
+            or (stale and not request.drop_stale_output)
         ):
             self.plugin._tp_admitted(state)
         return request
@@ -149,8 +157,44 @@ class PolicyRequestQueue(RequestQueue):
         return iter([requests[s.id] for s in order])
 
 
-class TailpilotMixin:
+if TYPE_CHECKING:
+
+    class _StockScheduler:
+        """What ``TailpilotMixin`` uses of vLLM's ``Scheduler`` (and ``AsyncScheduler``), its
+        mixin partner; vLLM's own objects are ``Any`` (module docstring)."""
+
+        vllm_config: Any
+        scheduler_config: Any
+        policy: Any  # SchedulingPolicy
+        requests: dict[str, Any]  # request id -> Request
+        running: list[Any]  # Request
+        block_size: int
+        max_num_running_reqs: int
+        max_num_scheduled_tokens: int
+        scheduler_reserve_full_isl: bool
+        kv_cache_manager: Any
+
+        def add_request(self, request: Any) -> None: ...
+        def finish_requests(self, *args: Any, **kwargs: Any) -> Any: ...
+        def schedule(self, *args: Any, **kwargs: Any) -> Any: ...
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any: ...
+        def get_request_counts(self) -> tuple[int, int]: ...
+        def shutdown(self) -> None: ...
+        def _preempt_request(
+            self, request: Any, timestamp: float, *args: Any, **kwargs: Any
+        ) -> None: ...
+        def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any: ...
+        @staticmethod
+        def _is_blocked_waiting_status(status: Any) -> bool: ...
+
+else:
+    _StockScheduler = object  # at run time the mixin's partner is the real scheduler (MRO)
+
+
+class TailpilotMixin(_StockScheduler):
     """The plugin's behaviour; mixed into the stock and the async scheduler alike."""
+
+    waiting: PolicyRequestQueue  # replaces the stock queue (_tp_init)
 
     def _tp_init(self) -> None:
         cfg = self.vllm_config
@@ -161,16 +205,15 @@ class TailpilotMixin:
             "long_prefill_token_threshold": sched.long_prefill_token_threshold or 0,
         }
         rank = cfg.parallel_config.data_parallel_rank or 0
-        env = (
-            PluginEnv.read()
-        )  # every TAILPILOT_* variable, validated once: a bad one stops start-up
+        env = PluginEnv.read()  # every TAILPILOT_* variable, validated once: bad ones stop start-up
         replica = env.replica + (f"-dp{rank}" if rank else "")
         self._tp_now = time.time()
         self._tp_requests: dict[str, Request] = {}
         self._tp_policy_victim = False  # set while the plugin itself preempts (policy-driven)
         self._tp_inflight: dict[int, tuple[float, float, tuple[int, int, int, int]]] = {}
         self._tp_refused: set[str] = set()  # refused on arrival, until vLLM's error path frees them
-        self._tp_refusal_log: dict[str, list] = {}  # tenant -> [last logged (s), refused since]
+        # tenant -> [last logged (s), refused since]
+        self._tp_refusal_log: dict[str, list[float]] = {}
         self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
         self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
@@ -255,8 +298,9 @@ class TailpilotMixin:
             self._tp_trip(err)
 
     def _tp_trip(self, err: BaseException) -> None:
-        """A policy raised inside one of vLLM's scheduler entry points: fall back (``ReplicaCore.trip``)
-        and go on; vLLM's own state is untouched by the policy, so the step completes."""
+        """A policy raised inside one of vLLM's scheduler entry points: fall back
+        (``ReplicaCore.trip``) and go on; vLLM's own state is untouched by the policy, so the step
+        completes."""
         self.tp_core.trip(err, self._tp_now)
 
     def _tp_sync(self, request: Request, state: RequestState) -> None:
@@ -281,15 +325,16 @@ class TailpilotMixin:
             if not (self.tp_core.policy.refuses and self._tp_refuse(request)):
                 super().add_request(request)
 
-    def finish_requests(self, *args, **kwargs):
+    # The entry points pass vLLM's arguments through unchanged (they differ between releases).
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         with self.tp_core.engine_lock:
             return super().finish_requests(*args, **kwargs)
 
-    def schedule(self, *args, **kwargs):
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
         with self.tp_core.engine_lock:
             return self._tp_schedule(*args, **kwargs)
 
-    def _tp_schedule(self, *args, **kwargs):
+    def _tp_schedule(self, *args: Any, **kwargs: Any) -> Any:
         now = self._tp_now = time.time()
         for attempt in range(3):  # the failing document, the last good one, the stock order
             try:
@@ -311,15 +356,14 @@ class TailpilotMixin:
         self.tp_core.step_succeeded()
         return output
 
-    def _tp_count_steps(self, policy, output) -> None:
+    def _tp_count_steps(self, policy: Policy, output: Any) -> None:
         states = self.tp_core.states
         served = output.num_scheduled_tokens
         scheduled = [states[r] for r in served if r in states]
         idle = [states[r.request_id] for r in self.running if r.request_id not in served]
         policy.on_steps(scheduled, idle, 1)
-        policy.on_waiting_steps(
-            self.tp_core.waiting, 1
-        )  # counted lazily: no pass over a deep queue
+        # Counted lazily: no pass over a deep queue.
+        policy.on_waiting_steps(self.tp_core.waiting, 1)
 
     def _tp_prepare_step(self, now: float) -> None:
         """The step's policy work before vLLM's own step: staged settings, the running order and
@@ -356,7 +400,8 @@ class TailpilotMixin:
         if not decode_first:
             self.running[:] = [requests[s.id] for s in ordered]
             return
-        decodes, prefills = [], []
+        decodes: list[Any] = []  # Request
+        prefills: list[Any] = []
         for rank, state in enumerate(ordered):
             request = requests[state.id]
             request.priority = rank
@@ -376,7 +421,8 @@ class TailpilotMixin:
             n = state.prompt_tokens + state.generated - state.computed_tokens
             return min(lpt if 0 < lpt < n else n, budget)
 
-        full = self.scheduler_reserve_full_isl  # vLLM's admission gate: the whole sequence must fit
+        # vLLM's admission gate: the whole sequence must fit.
+        full = self.scheduler_reserve_full_isl
 
         def blocks_needed(state: RequestState, n: int) -> int:
             tokens = max(n, state.prompt_tokens + state.generated) if full else n
@@ -405,7 +451,7 @@ class TailpilotMixin:
             self._preempt_request(request, time.monotonic())
         self._tp_policy_victim = False
 
-    def _tp_composition(self, output) -> tuple[int, int, int, int]:
+    def _tp_composition(self, output: Any) -> tuple[int, int, int, int]:
         prefill = prefill_sq = decodes = context = 0
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -419,7 +465,9 @@ class TailpilotMixin:
                 prefill_sq += n * n
         return prefill, prefill_sq, decodes, context
 
-    def _preempt_request(self, request: Request, timestamp: float, *args, **kwargs) -> None:
+    def _preempt_request(
+        self, request: Request, timestamp: float, *args: Any, **kwargs: Any
+    ) -> None:
         state = self.tp_core.states.get(request.request_id)
         if state is not None:
             state.computed_tokens = request.num_computed_tokens
@@ -432,11 +480,11 @@ class TailpilotMixin:
         if state is not None:
             state.computed_tokens = request.num_computed_tokens  # 0: its KV is gone
 
-    def update_from_output(self, scheduler_output, model_runner_output):
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         with self.tp_core.engine_lock:
             return self._tp_update_from_output(scheduler_output, model_runner_output)
 
-    def _tp_update_from_output(self, scheduler_output, model_runner_output):
+    def _tp_update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self._tp_now = time.time()
         states = self.tp_core.states
         result = super().update_from_output(scheduler_output, model_runner_output)
@@ -450,7 +498,7 @@ class TailpilotMixin:
             self.tp_core.record_step(wall, time.perf_counter() - started, *comp)
         return result
 
-    def _free_request(self, request: Request, *args, **kwargs):
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         state = self.tp_core.states.get(request.request_id)
         if state is not None:
             self._tp_now = time.time()
@@ -468,8 +516,8 @@ class TailpilotMixin:
         self._tp_refused.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
-    # --- the control API's view ------------------------------------------------------------------
-    def _tp_kv(self) -> dict:
+    # --- the control API's view -------------------------------------------------------------------
+    def _tp_kv(self) -> dict[str, Any]:
         pool = self.kv_cache_manager.block_pool
         total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         used = total - pool.get_num_free_blocks()
@@ -480,21 +528,21 @@ class TailpilotMixin:
             "block_size": self.block_size,
         }
 
-    def api_state(self, cursor: int | None) -> dict:
+    def api_state(self, cursor: int | None) -> dict[str, Any]:
         return self.tp_core.state(cursor, self._tp_kv())
 
-    def api_inflight(self, limit: int) -> dict:
+    def api_inflight(self, limit: int) -> dict[str, Any]:
         return self.tp_core.inflight(limit)
 
-    def api_settings(self) -> dict:
+    def api_settings(self) -> dict[str, Any]:
         return self.tp_core.settings_doc()
 
-    def api_put_settings(self, doc: dict, if_match: int | None) -> dict:
+    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]:
         answer = self.tp_core.put_settings(doc, if_match)
         self.tp_core.apply_if_idle(time.time())  # an idle engine would wait for the next request
         return answer
 
-    def api_steps(self, cursor: int) -> dict:
+    def api_steps(self, cursor: int) -> dict[str, Any]:
         steps, next_cursor = self.tp_core.steps_since(cursor)
         return {"replica": self.tp_core.replica, "steps": steps, "next_cursor": next_cursor}
 
@@ -509,7 +557,7 @@ class TailpilotMixin:
 class TailpilotScheduler(TailpilotMixin, Scheduler):
     """The stock scheduler running tailpilot's policies (CPU; GPU without async scheduling)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # vLLM's constructor arguments
         super().__init__(*args, **kwargs)
         self._tp_init()
 
@@ -517,6 +565,6 @@ class TailpilotScheduler(TailpilotMixin, Scheduler):
 class TailpilotAsyncScheduler(TailpilotMixin, AsyncScheduler):
     """The async scheduler (vLLM's GPU default) running tailpilot's policies."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # vLLM's constructor arguments
         super().__init__(*args, **kwargs)
         self._tp_init()

@@ -1,11 +1,12 @@
-"""The policy library (docs/policies.md): one implementation of each policy, used by the simulator and the
-vLLM plugin alike. No vLLM import anywhere in this package."""
+"""The policy library (docs/policies.md): one implementation of each policy, used by the simulator
+and the vLLM plugin alike. No vLLM import anywhere in this package."""
 
 from __future__ import annotations
 
 from scheduler.policies.base import EngineView, Policy, RequestState, boost, quantize
 from scheduler.policies.basic import Fcfs, Sarathi, Vtc
 from scheduler.policies.boost import DistBoost, UniBoost
+from scheduler.policies.predictors import LengthPredictor, make_predictor
 from scheduler.policies.size import Las, Sjf, Srpt
 from scheduler.policies.slo import SloFq
 from scheduler.policies.tie import Tie
@@ -16,7 +17,7 @@ POLICY_CLASSES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(settings: Settings, predictor=None) -> Policy:
+def make_policy(settings: Settings, predictor: LengthPredictor | None = None) -> Policy:
     """Instantiate the policy a settings document names.
 
     Policies that rank by predicted length (sjf, srpt, tie) need a predictor; when none is given
@@ -24,13 +25,9 @@ def make_policy(settings: Settings, predictor=None) -> Policy:
     """
     cls = POLICY_CLASSES[settings.policy]
     if predictor is None and hasattr(settings.params, "predictor"):
-        from scheduler.policies.predictors import make_predictor
-
         p = settings.params
-        kwargs = {}
-        if (
-            p.predictor == "oracle"
-        ):  # drawn with TIE's ν, so its distributions are the ones TIE assumes
+        kwargs: dict[str, float] = {}
+        if p.predictor == "oracle":  # drawn with TIE's ν, so its distributions are TIE's own
             kwargs = {
                 "sigma_noise": p.sigma_noise,
                 "sigma_spread": p.sigma_spread,

@@ -1,10 +1,11 @@
 """What every policy sees and does.
 
-A policy changes three things only (docs/engine.md#scheduling-step): the order of the waiting queue, the order of the
-running list (which fixes budget priority and the memory-pressure victim), and whether a running
-request may be preempted for a waiting one. Everything else — token budget, KV blocks, chunked
-prefill — belongs to the engine (vLLM, or the simulator in ``sim.engine``), which calls the
-hooks below. The same classes run in both; nothing here imports vLLM.
+A policy changes three things only (docs/engine.md#scheduling-step): the order of the waiting
+queue, the order of the running list (which fixes budget priority and the memory-pressure
+victim), and whether a running request may be preempted for a waiting one. Everything else —
+token budget, KV blocks, chunked prefill — belongs to the engine (vLLM, or the simulator in
+``sim.engine``), which calls the hooks below. The same classes run in both; nothing here imports
+vLLM.
 
 Every ordering key is ``(score, arrival, id)``: lower is served first, and ties break on
 arrival then id so every run is deterministic.
@@ -15,16 +16,34 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import insort
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import BaseModel
 
+from scheduler.policies.predictors import HistoryPredictor, LengthPredictor
 from scheduler.settings import Settings
+
+if TYPE_CHECKING:  # the queue module imports this one
+    from scheduler.policies.queue import WaitingQueue
 
 INF = math.inf
 _epochs = itertools.count()
+
+#: A policy's ordering key ``(score, arrival, id)``: lower is served first.
+Key = tuple[float, float, str]
+#: What ``RequestState.key_value`` and ``queue_key`` hold before a policy or the waiting queue
+#: sets them: a key after every real one. A cached key is read only while ``score_epoch`` names
+#: the policy's epoch (-1 names none); the queue finds a request it has not filed by identity.
+NO_KEY: Key = (INF, INF, "")
+#: A key function over requests, as ``sorted`` and ``insort`` take it.
+SortKey = Callable[["RequestState"], Key]
+#: A running-order key function: ``Key``, or a tuple that refines it (MemGuard's guard flag,
+#: slofq's throttled flag), compared as a tuple.
+RunningSortKey = Callable[["RequestState"], tuple[object, ...]]
 
 
 def new_epoch() -> int:
@@ -70,21 +89,24 @@ class RequestState:
     guard_tokens: int = 0  # uniboost MemGuard: not policy-preemptible before attained reaches this
     las_base: int = 0  # las: attained tokens at the last starvation promotion
     cache_key: object = None  # policies cache per-request derived values (predictions) here
-    cache_value: object = None
+    # The value cache_key names, whose type the key's tag fixes (size.predicted_total: a float;
+    # Tie.moments: a pair or None): each reader narrows it where it reads its own tag.
+    cache_value: Any = None
     # Score cache: valid while the policy's epoch is unchanged and attained < score_until.
     score_epoch: int = -1
     score_until: int = 0
     score_value: float = 0.0
-    key_value: tuple = ()  # (score_value, arrival, id), cached alongside
-    queue_key: tuple = ()  # the key the waiting queue filed it under (scheduler.policies.queue)
-    queue_group: object = None  # grouped layouts: its group (None: not known under this policy)
+    key_value: Key = NO_KEY  # (score_value, arrival, id), cached alongside
+    queue_key: Key = NO_KEY  # the key the waiting queue filed it under (scheduler.policies.queue)
+    queue_group: Hashable = None  # grouped layouts: its group (None: not known under this policy)
     queue_prefix: bool = False  # grouped layouts: in the queue's materialized prefix
     # sjf in the simulator counts waiting steps lazily (Sjf.on_waiting_steps): while the request
     # waits, its unscheduled steps are the policy's step clock minus wait_mark; wait_seq names
     # the wait (a request can wait several times).
     wait_mark: int = 0
     wait_seq: int = -1
-    running_key: tuple = ()  # the key that placed it in the running order (Policy.reorder_running)
+    # The key that placed it in the running order (Policy.reorder_running; a policy's own shape).
+    running_key: tuple[object, ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -146,8 +168,10 @@ class Policy:
     # and whose ``key`` caches every key it computes (``cache_key``): ``reorder_running`` can then
     # keep the running list in order by moving only the requests whose key changed.
     incremental_running_order = False
+    # The settings document's params model; each policy narrows it to its own (UniBoostParams...).
+    params: BaseModel
 
-    def __init__(self, settings: Settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         self.settings = settings
         self.params = settings.params
         self.predictor = predictor
@@ -156,7 +180,7 @@ class Policy:
         self.epoch = new_epoch()
         self.moved: list[RequestState] = []  # waiting requests whose own key changed (re-insert)
         self._predictor_version = getattr(predictor, "version", 0)
-        self._prediction_group = (
+        self.prediction_group = (
             prediction_group_fn(predictor) if self.name in PREDICTION_KEYED else None
         )
 
@@ -164,7 +188,7 @@ class Policy:
     def score(self, req: RequestState, now: float) -> float:
         return req.arrival
 
-    def key(self, req: RequestState, now: float) -> tuple:
+    def key(self, req: RequestState, now: float) -> Key:
         return (self.score(req, now), req.arrival, req.id)
 
     def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
@@ -172,23 +196,23 @@ class Policy:
             return list(waiting)
         return sorted(waiting, key=self.sort_key(now))
 
-    def cached_key(self, req: RequestState) -> tuple | None:
+    def cached_key(self, req: RequestState) -> Key | None:
         """The request's cached key if still valid (same epoch, attained below its bound)."""
         if req.score_epoch == self.epoch and req.attained < req.score_until:
             return req.key_value
         return None
 
-    def cache_key(self, req: RequestState, score: float, until: int) -> tuple:
+    def cache_key(self, req: RequestState, score: float, until: int) -> Key:
         req.score_epoch, req.score_until, req.score_value = self.epoch, until, score
         req.key_value = key = (score, req.arrival, req.id)
         return key
 
-    def sort_key(self, now: float):
+    def sort_key(self, now: float) -> SortKey:
         """A key function for sorting: the cached key when valid, inline (this runs per request
         per step), else ``key``."""
         epoch, key = self.epoch, self.key
 
-        def fast(r: RequestState) -> tuple:
+        def fast(r: RequestState) -> Key:
             if r.score_epoch == epoch and r.attained < r.score_until:
                 return r.key_value
             return key(r, now)
@@ -200,12 +224,12 @@ class Policy:
             return list(running)
         return sorted(running, key=self.sort_key(now))
 
-    def running_sort_key(self, now: float):
+    def running_sort_key(self, now: float) -> RunningSortKey:
         """The key function ``order_running`` sorts by (``reorder_running`` inserts by it)."""
         return self.sort_key(now)
 
     def reorder_running(
-        self, running: Sequence[RequestState], settled: int, now: float
+        self, running: list[RequestState], settled: int, now: float
     ) -> list[RequestState]:
         """``order_running`` for a list whose first ``settled`` requests are in the order this
         method returned last time (though their keys may have changed since) and whose other
@@ -271,25 +295,26 @@ class Policy:
         Predicted-length policies (sjf, srpt, tie) group by what their predictor's prediction
         depends on when that is known (``prediction_group``); with a per-request prediction
         (the oracle) a group would hold one request, and the plain list is kept."""
-        return "groups" if self._prediction_group is not None else None
+        return "groups" if self.prediction_group is not None else None
 
     def wait_group(self, req: RequestState) -> Hashable:
-        """The request's group under ``waiting_layout`` (see there); only called for a grouped layout.
+        """The request's group under ``waiting_layout`` (see there); only called for a grouped
+        layout.
 
         Default (``PREDICTION_KEYED`` policies): a key that depends on the request only through
         its arrival, its prediction and ``max_tokens``; the prediction is fixed by the predictor's
         inputs (``prediction_group_fn``)."""
-        assert (
-            self._prediction_group is not None
-        )  # a grouped layout only for PREDICTION_KEYED policies
-        return (self._prediction_group(req), req.max_tokens)
+        # A grouped layout only for PREDICTION_KEYED policies.
+        assert self.prediction_group is not None
+        return (self.prediction_group(req), req.max_tokens)
 
     def approx_offsets(self, values: np.ndarray) -> np.ndarray:
         """``"offsets"`` layout: the offsets of an array of group values, in this epoch."""
         raise NotImplementedError
 
-    def before_step(self, waiting: Sequence[RequestState], now: float) -> None:
-        """Refresh adaptive state at the top of a step (``waiting`` in queue order)."""
+    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+        """Refresh adaptive state at the top of a step: ``waiting`` is the waiting requests in
+        queue order, or (the simulator) the waiting queue itself, whose ``ordered`` gives them."""
         version = getattr(self.predictor, "version", 0)
         if version != self._predictor_version:  # the predictor refitted: every prediction moved
             self._predictor_version = version
@@ -337,7 +362,8 @@ class Policy:
         return INF
 
     def preempt_margin(self) -> float:
-        return getattr(self.params, "preempt_margin", 0.0)
+        margin: float = getattr(self.params, "preempt_margin", 0.0)  # preemptive policies' params
+        return margin
 
     def victim_margin(self, victim: RequestState) -> float:
         """How far (score units) a waiting request must beat ``victim`` to preempt it."""
@@ -378,7 +404,8 @@ class Policy:
     def on_steps(
         self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
     ) -> None:
-        """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled`` none."""
+        """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled``
+        none."""
 
     def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
         """``steps`` identical steps ran and every request in ``waiting`` (the simulator's waiting
@@ -422,7 +449,7 @@ class Policy:
         """Take over a live replica's queues after a settings switch (rebuild derived state)."""
 
     # --- live state -----------------------------------------------------------------------
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         """Adaptive values for the control API (γ, β)."""
         return {}
 
@@ -438,14 +465,14 @@ class Policy:
 PREDICTION_KEYED = frozenset({"sjf", "srpt", "tie"})
 
 
-def prediction_group_fn(predictor):
+def prediction_group_fn(
+    predictor: LengthPredictor | None,
+) -> Callable[[RequestState], Hashable] | None:
     """A function naming what ``predictor``'s predictions for a request depend on (besides
     ``max_tokens``, which caps them), or None when each request gets its own (the oracle).
 
     The history predictor predicts from the finest fitted key of (tenant, type, prompt bucket),
     falling back to coarser keys of the same request: the finest key fixes the prediction."""
-    from scheduler.policies.predictors import HistoryPredictor
-
     if type(predictor) is HistoryPredictor:
         keys_for = HistoryPredictor.keys_for
         return lambda req: keys_for(req)[0]
@@ -453,7 +480,8 @@ def prediction_group_fn(predictor):
 
 
 def boost(w: float, gamma: float) -> float:
-    """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap (docs/policies.md#uniboost)."""
+    """γ-Boost b_γ(w) = -ln(1 - e^{-γw})/γ, stable via expm1; w ≤ 0 gets the cap
+    (docs/policies.md#uniboost)."""
     x = gamma * w
     if x <= 0.0:
         return 1e9
@@ -486,8 +514,8 @@ def next_threshold(tokens: int, base: int, ratio: float) -> int:
 
 
 def boost_array(w: np.ndarray, gamma: float) -> np.ndarray:
-    """``boost`` over an array with numpy's log/expm1: within a few ulps of ``boost`` (not bit-equal;
-    the waiting queue uses it only to shortlist, see ``Policy.approx_offsets``)."""
+    """``boost`` over an array with numpy's log/expm1: within a few ulps of ``boost`` (not
+    bit-equal; the waiting queue uses it only to shortlist, see ``Policy.approx_offsets``)."""
     x = gamma * w
     with np.errstate(all="ignore"):
         b = -np.log(-np.expm1(-x)) / gamma

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from scheduler.policies.base import INF, Policy, RequestState, arrival_order
+from scheduler.policies.predictors import LengthPredictor
+from scheduler.settings import NoParams, Settings, VtcParams
 
 
 class Fcfs(Policy):
     """Score = arrival, for waiting and running alike."""
 
     name = "fcfs"
+    params: NoParams
 
     # (arrival, id) is the same order as (score, arrival, id) here, and sorts at C speed.
-    def order_waiting(self, waiting, now):
+    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
         return sorted(waiting, key=arrival_order)
 
-    def order_running(self, running, now):
+    def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         return sorted(running, key=arrival_order)
 
 
@@ -26,6 +30,7 @@ class Sarathi(Policy):
     waiting is FCFS with preempted requests put back at the front (the engine keeps that order)."""
 
     name = "sarathi"
+    params: NoParams
     reorders_running = False
     reorders_waiting = False
 
@@ -80,13 +85,15 @@ class TenantBacklog:
 
 
 class Vtc(TenantBacklog, Policy):
-    """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant with the
-    least counter, FCFS within a tenant; charge prompt tokens on admission, output per token."""
+    """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant
+    with the least counter, FCFS within a tenant; charge prompt tokens on admission, output per
+    token."""
 
     name = "vtc"
+    params: VtcParams
     charges_tokens = True
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
         self.counters: dict[str, float] = {}
         self.backlog: dict[str, int] = {}  # waiting requests per tenant
@@ -151,11 +158,19 @@ class Vtc(TenantBacklog, Policy):
             if heads[tenant] == len(queues[tenant]):
                 del heads[tenant]
 
-    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         # Counters move with every generated token, so the tenant picked next can change.
         return 1 if (waiting and kv_blocked) else INF
 
-    def attach(self, waiting, running, now) -> None:
+    def attach(
+        self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
+    ) -> None:
         self.backlog = {}
         for r in waiting:
             self.counters.setdefault(r.tenant, 0.0)
@@ -164,7 +179,7 @@ class Vtc(TenantBacklog, Policy):
             self.counters.setdefault(r.tenant, 0.0)
         self._seat_all(running)
 
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         return {"tenant_counters": dict(self.counters)}
 
     def adopt_live_state(self, previous: Policy) -> None:

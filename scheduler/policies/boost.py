@@ -9,20 +9,27 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import deque
+from collections.abc import Sequence
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
 from scheduler.policies.base import (
     INF,
+    Key,
     Policy,
     RequestState,
+    RunningSortKey,
+    SortKey,
     boost,
     boost_array,
     new_epoch,
     next_threshold,
     quantize,
 )
+from scheduler.policies.predictors import LengthPredictor
+from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
 LN5 = math.log(5.0)
 _arrival_id = attrgetter("arrival", "id")
@@ -34,28 +41,32 @@ class DistBoost(Policy):
     γ-Boost on their prompt work. Non-preemptive."""
 
     name = "distboost"
+    params: DistBoostParams
     running_order_is_budget_order = True
 
     def score(self, req: RequestState, now: float) -> float:
         work = self.params.alpha_s_per_token * req.prompt_tokens
         return req.arrival - boost(work, self.params.gamma)
 
-    def order_running(self, running, now):
+    def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         return decodes_then_prefills(self, running, now)
 
-    def reorder_running(self, running, settled, now):
+    def reorder_running(
+        self, running: list[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
         return reorder_decodes_then_prefills(self, running, settled, now)
 
 
-def decodes_then_prefills(policy: Policy, running, now: float) -> list[RequestState]:
+def decodes_then_prefills(
+    policy: Policy, running: Sequence[RequestState], now: float
+) -> list[RequestState]:
     """Stage 1's running order: decodes first in arrival order (the last, the newest decode, is
     the memory victim), then prefill chunks (prompts, recomputes) by the policy's key. It is the
     budget order too (``Policy.running_order_is_budget_order``)."""
 
-    def key(r: RequestState) -> tuple:
-        if (
-            r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1
-        ):  # in_decode, inlined
+    def key(r: RequestState) -> tuple[int, float, str] | tuple[int, float, float, str]:
+        # in_decode, inlined
+        if r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1:
             return (0, r.arrival, r.id)
         return (1, *policy.key(r, now))
 
@@ -66,7 +77,7 @@ _PLACED_DECODE = ("decode",)  # RequestState.running_key of a request placed amo
 
 
 def reorder_decodes_then_prefills(
-    policy: Policy, running, settled: int, now: float
+    policy: Policy, running: list[RequestState], settled: int, now: float
 ) -> list[RequestState]:
     """``decodes_then_prefills`` for a list whose first ``settled`` requests are in the order it
     gave last (``Policy.reorder_running``), without sorting the decodes again: a decode stays a
@@ -101,15 +112,15 @@ class UniBoost(Policy):
     ``kv_victim`` and the ``preempt_*`` rules."""
 
     name = "uniboost"
+    params: UniBoostParams
     preemptive = True
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
         p = self.params
         self.gamma = p.gamma
-        self.gamma_smoothed = (
-            p.gamma
-        )  # γ-Ada's running estimate; self.gamma follows it (ada_deadband)
+        # γ-Ada's running estimate; self.gamma follows it (ada_deadband)
+        self.gamma_smoothed = p.gamma
         self.decode_first = p.decode_first
         # The newest-decode memory victim orders decodes before prefills: decode-first only.
         self.newest_victim = p.kv_victim == "newest" and p.decode_first
@@ -141,7 +152,7 @@ class UniBoost(Policy):
         )
         return max(attained, req.prompt_tokens)
 
-    def key(self, req: RequestState, now: float) -> tuple:
+    def key(self, req: RequestState, now: float) -> Key:
         key = self.cached_key(req)
         if key is None:
             p = self.params
@@ -214,7 +225,9 @@ class UniBoost(Policy):
         return req.attained >= req.guard_tokens
 
     # --- preemption that does not waste work (each rule a parameter) -----------------------
-    def policy_victim(self, waiting_req, running, now):
+    def policy_victim(
+        self, waiting_req: RequestState, running: Sequence[RequestState], now: float
+    ) -> RequestState | None:
         # Under kv_victim "newest", a request the memory victim rule evicted (it may be the
         # best-scored one) waits for room instead of evicting by score in turn: the two rules
         # would trade the same KV back and forth without end.
@@ -222,7 +235,7 @@ class UniBoost(Policy):
             return None
         return super().policy_victim(waiting_req, running, now)
 
-    def worst_preemptible(self, running, now):
+    def worst_preemptible(self, running: Sequence[RequestState], now: float) -> RequestState | None:
         # Under kv_victim "newest" the running order puts the newest decode last (the memory
         # victim); the policy's own victim is still its worst-scored request, found in one pass.
         if not self.newest_victim:
@@ -247,7 +260,7 @@ class UniBoost(Policy):
         limit = self.params.preempt_max_utilisation
         return INF if limit is None else limit
 
-    def order_running(self, running, now):
+    def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         # The memory-pressure victim is the last running request (vLLM pops running[-1]), and
         # MemGuard wants it to be the worst request outside its guard, falling back to the worst
         # guarded one: so guarded requests come first, each group in key order.
@@ -255,7 +268,9 @@ class UniBoost(Policy):
             return decodes_then_prefills(self, running, now)
         return sorted(running, key=self.running_sort_key(now))
 
-    def reorder_running(self, running, settled, now):
+    def reorder_running(
+        self, running: list[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
         """``Policy.reorder_running`` for MemGuard's (guarded, key) order: a request keeps its
         place while its cached key and its guard flag are the ones it was placed by."""
         if self.newest_victim:
@@ -288,19 +303,19 @@ class UniBoost(Policy):
             r.running_key = (r.attained >= r.guard_tokens, r.key_value)
         return head
 
-    def running_sort_key(self, now):
+    def running_sort_key(self, now: float) -> RunningSortKey:
         if not self.params.memguard:
             return self.sort_key(now)
         epoch, key = self.epoch, self.key
 
-        def guarded_first(r: RequestState) -> tuple:
+        def guarded_first(r: RequestState) -> tuple[bool, Key]:
             if r.score_epoch == epoch and r.attained < r.score_until:  # key(), cached, inlined
                 return (r.attained >= r.guard_tokens, r.key_value)
             return (r.attained >= r.guard_tokens, key(r, now))
 
         return guarded_first
 
-    def sort_key(self, now):
+    def sort_key(self, now: float) -> SortKey:
         """``key``, inlined for sorting (it runs per running request per step): the cached key
         while valid, else computed and cached exactly as ``key`` does."""
         p = self.params
@@ -309,7 +324,7 @@ class UniBoost(Policy):
             return super().sort_key(now)
         log, expm1, exp = math.log, math.expm1, math.exp
 
-        def fast(r: RequestState) -> tuple:
+        def fast(r: RequestState) -> Key:
             if r.score_epoch == epoch and r.attained < r.score_until:
                 return r.key_value
             attained = r.attained
@@ -363,7 +378,13 @@ class UniBoost(Policy):
         self.gamma_updates += 1
 
     # --- event skipping ------------------------------------------------------------------
-    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         if not waiting:
             return INF
         p = self.params
@@ -389,7 +410,7 @@ class UniBoost(Policy):
         return steps
 
     # --- live state ----------------------------------------------------------------------
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         return {"gamma": self.gamma, "gamma_pinned": self.settings.is_pinned("gamma")}
 
     def adopt_live_state(self, previous: Policy) -> None:

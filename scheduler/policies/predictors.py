@@ -5,8 +5,9 @@ A predictor maps a request to a log-t output-length distribution ``X = exp(mu + 
 estimate used by sjf/srpt, i.e. the median ``exp(mu)`` (capped at ``max_tokens``, which makes it
 the median of the truncated length ``min(X, max_tokens)`` that the engine can actually produce).
 
-Requests are duck-typed: ``id``, ``tenant``, ``type``, ``prompt_tokens``, ``max_tokens``,
-``output_tokens`` (true length, simulator only), ``generated``.
+Requests are duck-typed (``PredictedRequest``): ``id``, and, read with defaults when missing,
+``tenant``, ``type``, ``prompt_tokens``, ``max_tokens`` and ``output_tokens`` (true length,
+simulator only).
 
 ``version`` is bumped whenever the predictions a predictor gives may have changed (a refit);
 policies cache per-request predictions keyed on it.
@@ -25,8 +26,10 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable
 from statistics import NormalDist
+from typing import Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy import special
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "HistoryPredictor",
     "LengthPredictor",
     "OraclePredictor",
+    "PredictedRequest",
     "fit_logt_mle",
     "fit_logt_mle_many",
     "make_predictor",
@@ -50,17 +54,26 @@ _HALF_2_53 = 1 << 52
 _INV_2_53 = 1.0 / _TWO_53
 
 
-def _tenant(req) -> str:
+class PredictedRequest(Protocol):
+    """What a predictor needs of a request: its id. The rest (``tenant``, ``type``,
+    ``prompt_tokens``, ``max_tokens``, ``output_tokens``) is read when present, with defaults:
+    the engines pass ``RequestState``, tests and benchmarks lighter objects."""
+
+    @property
+    def id(self) -> str: ...
+
+
+def _tenant(req: PredictedRequest) -> str:
     t = getattr(req, "tenant", None)
     return "default" if t is None else str(t)
 
 
-def _rtype(req) -> str:
+def _rtype(req: PredictedRequest) -> str:
     t = getattr(req, "type", None)
     return "chat" if t is None else str(t)
 
 
-def _cap(value: float, req) -> float:
+def _cap(value: float, req: PredictedRequest) -> float:
     """Cap a length prediction at the request's ``max_tokens`` (when it has a positive one)."""
     mt = getattr(req, "max_tokens", None)
     if mt is not None and mt > 0 and value > mt:
@@ -82,14 +95,14 @@ class LengthPredictor(ABC):
     version: int = 0
 
     @abstractmethod
-    def predict_total(self, req) -> float | None:
+    def predict_total(self, req: PredictedRequest) -> float | None:
         """Point estimate (median) of the request's total output tokens; None if unknown."""
 
     @abstractmethod
-    def predict_dist(self, req) -> tuple[float, float] | None:
+    def predict_dist(self, req: PredictedRequest) -> tuple[float, float] | None:
         """``(mu, sigma)`` of the log-t output-length distribution; None if unknown."""
 
-    def observe(self, req, output_tokens: int) -> None:  # noqa: B027 - optional hook
+    def observe(self, req: PredictedRequest, output_tokens: int) -> None:  # noqa: B027 - optional hook
         """Record a finished request and its true output length (cheap; never refits)."""
 
     def refit(self) -> int:
@@ -177,7 +190,7 @@ class OraclePredictor(LengthPredictor):
             self.sigma_spread * self.noise_z(req_id) - self._half_spread2
         )
 
-    def _true(self, req) -> float:
+    def _true(self, req: PredictedRequest) -> float:
         true = getattr(req, "output_tokens", None)
         if true is None:
             raise ValueError(
@@ -186,7 +199,7 @@ class OraclePredictor(LengthPredictor):
             )
         return _cap(float(true), req)
 
-    def _mu_sigma(self, req) -> tuple[float, float]:
+    def _mu_sigma(self, req: PredictedRequest) -> tuple[float, float]:
         """``(mu_i, sigma_i)``, sigma not floored; requires ``sigma_noise > 0``."""
         true = self._true(req)
         kz, kt = self._uniforms(str(req.id))
@@ -197,12 +210,12 @@ class OraclePredictor(LengthPredictor):
             )
         return math.log(max(true, 1.0)) - sigma * self._t_of(kt), sigma
 
-    def predict_total(self, req) -> float:
+    def predict_total(self, req: PredictedRequest) -> float:
         if self.sigma_noise == 0.0:
             return self._true(req)
         return _cap(math.exp(self._mu_sigma(req)[0]), req)
 
-    def predict_dist(self, req) -> tuple[float, float]:
+    def predict_dist(self, req: PredictedRequest) -> tuple[float, float]:
         if self.sigma_noise == 0.0:
             return math.log(max(self._true(req), 1.0)), SIGMA_FLOOR
         mu, sigma = self._mu_sigma(req)
@@ -234,10 +247,11 @@ def fit_logt_mle_many(
     the speed, not the answer).  Started from the median and the MAD it converges in a few dozen
     iterations; ``start`` (per-sample ``mu`` and ``sigma``, e.g. the previous fit of a sample
     that only grew a little) starts closer and converges in a few.  All groups are iterated
-    together with ``np.bincount`` on the concatenated data, so 100 keys x 2000 samples take a few tens of ms, where ``scipy.stats.t.fit(x, fix_df=nu)`` (a
-    generic Nelder-Mead on the same likelihood) takes tens of ms *per key*; the tests check that
-    both reach the same optimum.  ``sigma`` is floored at 1e-6 during the iteration (all-equal
-    samples); callers apply their own reporting floor.
+    together with ``np.bincount`` on the concatenated data, so 100 keys x 2000 samples take a few
+    tens of ms, where ``scipy.stats.t.fit(x, fix_df=nu)`` (a generic Nelder-Mead on the same
+    likelihood) takes tens of ms *per key*; the tests check that both reach the same optimum.
+    ``sigma`` is floored at 1e-6 during the iteration (all-equal samples); callers apply their own
+    reporting floor.
     """
     nu = float(nu)
     g = len(samples)
@@ -284,7 +298,7 @@ def fit_logt_mle_many(
     return mu, np.sqrt(sig2)
 
 
-def fit_logt_mle(x, nu: float = 3.5) -> tuple[float, float]:
+def fit_logt_mle(x: ArrayLike, nu: float = 3.5) -> tuple[float, float]:
     """ML ``(mu, sigma)`` of one sample (see :func:`fit_logt_mle_many`)."""
     mu, sigma = fit_logt_mle_many([np.asarray(x, dtype=float)], nu)
     return float(mu[0]), float(sigma[0])
@@ -297,7 +311,8 @@ Key = tuple[Hashable, ...]
 
 
 class HistoryPredictor(LengthPredictor):
-    """Fits a log-t (``nu`` fixed) to the observed output lengths per key (docs/policies.md#predictors).
+    """Fits a log-t (``nu`` fixed) to the observed output lengths per key
+    (docs/policies.md#predictors).
 
     Keys, finest to coarsest: ``(tenant, type, prompt_bucket)``, ``(tenant, type)``,
     ``(tenant,)``, ``()`` (global); ``prompt_bucket = floor(log2(prompt_tokens))``.  Each key
@@ -309,7 +324,8 @@ class HistoryPredictor(LengthPredictor):
     atomically).
 
     Observed lengths below 1 token are counted as 1 (the model is on ``ln(tokens)``).  Lengths cut
-    at ``max_tokens`` are treated as exact (no censoring correction), as the policy library documents (docs/policies.md#predictors).
+    at ``max_tokens`` are treated as exact (no censoring correction), as the policy library
+    documents (docs/policies.md#predictors).
     """
 
     name = "history"
@@ -341,13 +357,13 @@ class HistoryPredictor(LengthPredictor):
         self._lock = threading.Lock()
 
     @staticmethod
-    def keys_for(req) -> tuple[Key, Key, Key, Key]:
+    def keys_for(req: PredictedRequest) -> tuple[Key, Key, Key, Key]:
         """The request's keys, finest first."""
         tenant, rtype = _tenant(req), _rtype(req)
         bucket = prompt_bucket(getattr(req, "prompt_tokens", 0) or 0)
         return (tenant, rtype, bucket), (tenant, rtype), (tenant,), ()
 
-    def observe(self, req, output_tokens: int) -> None:
+    def observe(self, req: PredictedRequest, output_tokens: int) -> None:
         v = math.log(max(float(output_tokens), 1.0))
         with self._lock:
             for key in self.keys_for(req):
@@ -408,7 +424,7 @@ class HistoryPredictor(LengthPredictor):
         """Copy of the current fits: key -> (mu, sigma, n_samples)."""
         return dict(self._fits)
 
-    def fit_for(self, req) -> tuple[Key, float, float] | None:
+    def fit_for(self, req: PredictedRequest) -> tuple[Key, float, float] | None:
         """``(key used, mu, sigma)`` for the request, or None when no key is fitted yet."""
         fits = self._fits
         for key in self.keys_for(req):
@@ -417,11 +433,11 @@ class HistoryPredictor(LengthPredictor):
                 return key, f[0], f[1]
         return None
 
-    def predict_dist(self, req) -> tuple[float, float] | None:
+    def predict_dist(self, req: PredictedRequest) -> tuple[float, float] | None:
         f = self.fit_for(req)
         return None if f is None else (f[1], f[2])
 
-    def predict_total(self, req) -> float | None:
+    def predict_total(self, req: PredictedRequest) -> float | None:
         f = self.fit_for(req)
         return None if f is None else _cap(math.exp(f[1]), req)
 
@@ -434,7 +450,7 @@ PREDICTORS: dict[str, type[LengthPredictor]] = {
 }
 
 
-def make_predictor(name: str, **params) -> LengthPredictor:
+def make_predictor(name: str, **params: float) -> LengthPredictor:
     """Build a predictor by name (``"history"`` or ``"oracle"``) with its keyword parameters."""
     cls = PREDICTORS.get(name)
     if cls is None:

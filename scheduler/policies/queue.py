@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from operator import attrgetter
+from typing import cast, overload
 
 import numpy as np
 
-from scheduler.policies.base import Policy, RequestState
+from scheduler.policies.base import NO_KEY, Key, Policy, RequestState
 
 _filed_key = attrgetter("queue_key")
 _arrival_id = attrgetter("arrival", "id")
@@ -114,7 +115,7 @@ class WaitingQueue:
             self._pull_all()
         return list(self._items)
 
-    def ordered(self, now: float):
+    def ordered(self, now: float) -> Sequence[RequestState]:
         """The waiting requests in policy order: the list itself for the plain layout (do not
         mutate), a lazy read-only sequence for a grouped one (read it before changing the queue)."""
         policy = self.policy
@@ -240,7 +241,7 @@ class WaitingQueue:
         if self._index is None:
             if policy.reorders_waiting and self._epoch == policy.epoch:
                 keys = [req.queue_key for req in self._items]
-                assert all(a <= b for a, b in zip(keys, keys[1:])), (
+                assert all(a <= b for a, b in itertools.pairwise(keys)), (
                     "waiting queue out of policy order"
                 )
             return
@@ -249,7 +250,9 @@ class WaitingQueue:
         now, key = self._now, policy.key
         prefix = [key(req, now) for req in self._items]
         assert prefix == [req.queue_key for req in self._items], "stale key in the waiting prefix"
-        assert all(a < b for a, b in zip(prefix, prefix[1:])), "waiting prefix out of policy order"
+        assert all(a < b for a, b in itertools.pairwise(prefix)), (
+            "waiting prefix out of policy order"
+        )
         assert all(req.queue_prefix for req in self._items)
         count = len(self._items)
         for gid, group in self._groups.groups.items():
@@ -259,11 +262,11 @@ class WaitingQueue:
                 for req in group
             ), f"request filed in the wrong group {gid!r}"
             order = [_arrival_id(req) for req in group]
-            assert all(a < b for a, b in zip(order, order[1:])), (
+            assert all(a < b for a, b in itertools.pairwise(order)), (
                 f"group {gid!r} out of arrival order"
             )
             keys = [key(req, now) for req in group]
-            assert all(a < b for a, b in zip(keys, keys[1:])), (
+            assert all(a < b for a, b in itertools.pairwise(keys)), (
                 f"group {gid!r}: keys not in arrival order"
             )
             assert not prefix or prefix[-1] < keys[0], f"group {gid!r} sorts into the prefix"
@@ -310,7 +313,7 @@ class WaitingQueue:
             self._items = [r for r in self._items if id(r) not in gone]
 
 
-class _Ordered:
+class _Ordered(Sequence[RequestState]):
     """A grouped queue's order, read lazily: what is read is materialized in the prefix."""
 
     __slots__ = ("_q",)
@@ -339,7 +342,13 @@ class _Ordered:
             elif not q._pull():
                 return
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> RequestState: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[RequestState]: ...
+
+    def __getitem__(self, i: int | slice) -> RequestState | list[RequestState]:
         q = self._q
         if isinstance(i, slice) or i < 0:
             return list(self)[i]
@@ -374,15 +383,16 @@ class _Groups:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.groups: dict[Hashable, list[RequestState]] = {}
-        self._heap: list = []  # (key, seq, head, group)
+        self._heap: list[tuple[Key, int, RequestState, Hashable]] = []  # (key, seq, head, group)
         self._seq = itertools.count()
-        self._dirty: list = []  # groups whose new head has no heap entry yet (no key at hand)
+        # Groups whose new head has no heap entry yet (no key at hand).
+        self._dirty: list[Hashable] = []
 
     def members(self) -> Iterator[RequestState]:
         for group in self.groups.values():
             yield from group
 
-    def add(self, req: RequestState, key: tuple | None = None, gid: Hashable = None) -> None:
+    def add(self, req: RequestState, key: Key | None = None, gid: Hashable = None) -> None:
         """File ``req`` in its group (``gid`` if known, else ``wait_group``); ``key`` is its key in
         this epoch if known (a new head then enters the merge at once)."""
         if gid is None:
@@ -413,7 +423,7 @@ class _Groups:
         elif i == 0:
             self._new_head(gid, group[0], None)
 
-    def _new_head(self, gid: Hashable, head: RequestState, key: tuple | None) -> None:
+    def _new_head(self, gid: Hashable, head: RequestState, key: Key | None) -> None:
         if key is None:
             self._dirty.append(gid)
         else:
@@ -425,7 +435,7 @@ class _Groups:
     def rekey(self, now: float) -> None:
         """A new epoch: key every group's head afresh."""
         key, seq = self.policy.key, self._seq
-        heap = []
+        heap: list[tuple[Key, int, RequestState, Hashable]] = []
         for gid, group in self.groups.items():
             head = group[0]
             k = head.queue_key = key(head, now)
@@ -467,7 +477,7 @@ class _Groups:
     def drain(self, now: float) -> list[RequestState]:
         """Every request, out of the groups, in key order (each keyed once)."""
         key = self.policy.key
-        out = []
+        out: list[RequestState] = []
         for group in self.groups.values():
             for req in group:
                 req.queue_key = key(req, now)
@@ -500,7 +510,7 @@ class _OffsetGroups(_Groups):
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self._slot: dict[Hashable, int] = {}
-        self._gids: list = []  # slot -> group (None: free)
+        self._gids: list[Hashable] = []  # slot -> group (None: free)
         self._free: list[int] = []
         self._arrival = np.full(16, np.inf)  # head arrival per slot, inf when free
         self._value = np.ones(16)  # group value (w) per slot
@@ -517,13 +527,13 @@ class _OffsetGroups(_Groups):
         if abs(arrival) > self._amax:
             self._amax = abs(arrival)
 
-    def _new_head(self, gid: Hashable, head: RequestState, key: tuple | None) -> None:
+    def _new_head(self, gid: Hashable, head: RequestState, key: Key | None) -> None:
         slot = self._slot.get(gid)
         if slot is None:
             slot = self._free.pop() if self._free else self._grow()
             self._slot[gid] = slot
             self._gids[slot] = gid
-            self._value[slot] = gid  # type: ignore[call-overload]  # the offsets layout's groups are floats (w)
+            self._value[slot] = cast(float, gid)  # the offsets layout's groups are floats (w)
             self._stale.append(slot)
         self._set_head(slot, head.arrival)
 
@@ -572,7 +582,7 @@ class _OffsetGroups(_Groups):
             return None
         key = self.policy.key
         best: RequestState | None = None
-        best_key: tuple = ()
+        best_key: Key = NO_KEY
         best_gid: Hashable = None
         if len(groups) <= self._SCAN:  # a shallow queue: the exact keys of the heads, no numpy
             for gid, group in groups.items():

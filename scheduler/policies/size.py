@@ -6,8 +6,12 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 
-from scheduler.policies.base import INF, Policy, RequestState
+from scheduler.policies.base import INF, Key, Policy, RequestState, SortKey
+from scheduler.policies.predictors import LengthPredictor
+from scheduler.policies.queue import WaitingQueue
+from scheduler.settings import LasParams, Settings, SjfParams, SrptParams
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
 TOP_PRIORITY = -1e18
@@ -16,14 +20,18 @@ STARVING = ("starving",)  # sjf's waiting group of starving requests (WaitingQue
 
 def predicted_total(policy: Policy, req: RequestState) -> float:
     """Point prediction of the total output length, cached on the request per predictor fit."""
-    version = getattr(policy.predictor, "version", 0)
+    predictor = policy.predictor
+    version = getattr(predictor, "version", 0)
     if req.cache_key != ("total", version):
-        pred = policy.predictor.predict_total(req)
+        if predictor is None:
+            raise ValueError(f"{policy.name} ranks by predicted length: it needs a predictor")
+        pred = predictor.predict_total(req)
         req.cache_key, req.cache_value = (
             ("total", version),
             (float(req.max_tokens) if pred is None else min(float(pred), float(req.max_tokens))),
         )
-    return req.cache_value  # type: ignore[return-value]  # a float under the ("total", version) key
+    total: float = req.cache_value  # a float under the ("total", version) key
+    return total
 
 
 class Sjf(Policy):
@@ -31,9 +39,10 @@ class Sjf(Policy):
     unscheduled for ``starve_steps`` steps gets top priority for ``quantum_steps`` steps."""
 
     name = "sjf"
+    params: SjfParams
     counts_steps = True
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
         # Lazy counting of waiting steps (the simulator, through on_waiting_steps): a waiting
         # request's unscheduled steps are clock − wait_mark. Only the crossing of the starvation
@@ -42,8 +51,10 @@ class Sjf(Policy):
         # true count does.
         self._lazy = False
         self._clock = 0
-        self._starve_at: list = []  # heap of (clock at which it starves, wait_seq, request)
-        self._starving: deque = deque()  # (wait_seq, request): waiting at or past the limit
+        # heap of (clock at which it starves, wait_seq, request)
+        self._starve_at: list[tuple[int, int, RequestState]] = []
+        # (wait_seq, request): waiting at or past the limit
+        self._starving: deque[tuple[int, RequestState]] = deque()
         self._seq = itertools.count()
 
     def score(self, req: RequestState, now: float) -> float:
@@ -51,16 +62,16 @@ class Sjf(Policy):
             return TOP_PRIORITY
         return predicted_total(self, req)
 
-    def wait_group(self, req: RequestState):
+    def wait_group(self, req: RequestState) -> Hashable:
         if req.quantum_left > 0 or req.unscheduled_steps >= self.params.starve_steps:
             return STARVING  # all at TOP_PRIORITY: in arrival order
         return super().wait_group(req)
 
-    def sort_key(self, now: float):
+    def sort_key(self, now: float) -> SortKey:
         """``key``, inlined for sorting (the running list, every step)."""
         limit, tag = self.params.starve_steps, ("total", getattr(self.predictor, "version", 0))
 
-        def fast(r: RequestState) -> tuple:
+        def fast(r: RequestState) -> Key:
             if r.quantum_left > 0 or r.unscheduled_steps >= limit:
                 return (TOP_PRIORITY, r.arrival, r.id)
             return (
@@ -75,7 +86,9 @@ class Sjf(Policy):
         if req.unscheduled_steps >= self.params.starve_steps:
             req.quantum_left = self.params.quantum_steps
 
-    def on_steps(self, scheduled, unscheduled, steps: int) -> None:
+    def on_steps(
+        self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
+    ) -> None:
         for r in scheduled:
             r.unscheduled_steps = 0
             if r.quantum_left:
@@ -106,7 +119,7 @@ class Sjf(Policy):
         if self._lazy:
             self._watch(req)
 
-    def on_waiting_steps(self, waiting, steps: int) -> None:
+    def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
         if not self._lazy:  # the first call: from now on every wait is tracked
             self._lazy = True
             for r in waiting:
@@ -120,14 +133,20 @@ class Sjf(Policy):
                 self.moved.append(req)  # a starving request jumps the waiting queue
                 self._starving.append((seq, req))
 
-    def detach(self, waiting) -> None:
+    def detach(self, waiting: Iterable[RequestState]) -> None:
         if self._lazy:
             for r in waiting:
                 if r.wait_seq >= 0:
                     r.unscheduled_steps = self._clock - r.wait_mark
                 r.wait_seq = -1
 
-    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         if not (waiting and kv_blocked):
             return INF
         # A waiting request reaching its starvation limit can change the head of the queue.
@@ -151,21 +170,26 @@ class Srpt(Policy):
     preemptible once ``generated > c * predicted_total``."""
 
     name = "srpt"
+    params: SrptParams
     preemptive = True
 
     def score(self, req: RequestState, now: float) -> float:
         return max(predicted_total(self, req) - req.generated, 0.0)
 
-    def wait_group(self, req: RequestState):
-        return (*super().wait_group(req), req.generated)  # type: ignore[misc]  # a tuple; generated is fixed while it waits
+    def wait_group(self, req: RequestState) -> Hashable:
+        # The default group (Policy.wait_group), refined by the tokens generated so far (fixed
+        # while it waits).
+        group = self.prediction_group
+        assert group is not None  # a grouped layout only with a prediction group
+        return (group(req), req.max_tokens, req.generated)
 
-    def sort_key(self, now: float):
+    def sort_key(self, now: float) -> SortKey:
         """``key``, inlined for sorting (the running list, every step)."""
         tag = ("total", getattr(self.predictor, "version", 0))
 
-        def fast(r: RequestState) -> tuple:
-            total = r.cache_value if r.cache_key == tag else predicted_total(self, r)
-            return (max(total - r.generated, 0.0), r.arrival, r.id)  # type: ignore[operator]  # a float
+        def fast(r: RequestState) -> Key:
+            total: float = r.cache_value if r.cache_key == tag else predicted_total(self, r)
+            return (max(total - r.generated, 0.0), r.arrival, r.id)
 
         return fast
 
@@ -185,12 +209,14 @@ class Las(Policy):
     a request waiting longer than ``starve_s`` is promoted back to level 0."""
 
     name = "las"
+    params: LasParams
     preemptive = True
     incremental_running_order = True  # levels change only at thresholds: most keys hold
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
-        self._starve_at: list = []  # heap of (time the request starves, seq, request)
+        # heap of (time the request starves, seq, request)
+        self._starve_at: list[tuple[float, int, RequestState]] = []
         self._seq = itertools.count()
 
     def _watch(self, req: RequestState) -> None:
@@ -198,17 +224,19 @@ class Las(Policy):
             self._starve_at, (req.enqueued_at + self.params.starve_s, next(self._seq), req)
         )
 
-    def on_arrival(self, req, now) -> None:
+    def on_arrival(self, req: RequestState, now: float) -> None:
         self._watch(req)
 
-    def on_preempt(self, req, now, by_policy) -> None:
+    def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
         self._watch(req)
 
-    def attach(self, waiting, running, now) -> None:
+    def attach(
+        self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
+    ) -> None:
         for r in waiting:
             self._watch(r)
 
-    def before_step(self, waiting, now) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
         super().before_step(waiting, now)
         heap = self._starve_at
         while heap and heap[0][0] <= now:
@@ -225,9 +253,9 @@ class Las(Policy):
 
     def level(self, req: RequestState) -> int:
         service_s = (req.attained - req.las_base) * self.params.alpha_s_per_token
-        return int(math.floor(math.log2(service_s / self.params.q0_s + 1.0)))
+        return math.floor(math.log2(service_s / self.params.q0_s + 1.0))
 
-    def key(self, req: RequestState, now: float) -> tuple:
+    def key(self, req: RequestState, now: float) -> Key:
         key = self.cached_key(req)
         if key is None:
             level = self.level(req)
@@ -247,10 +275,16 @@ class Las(Policy):
         tokens = next_s / self.params.alpha_s_per_token + req.las_base
         return max(1, math.ceil(tokens) - req.attained)
 
-    def next_time_event(self, waiting, now) -> float:
+    def next_time_event(self, waiting: Sequence[RequestState], now: float) -> float:
         return self._starve_at[0][0] if self._starve_at else INF
 
-    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         if not waiting:
             return INF
         # Levels change only at thresholds; stop one step short of the nearest crossing.

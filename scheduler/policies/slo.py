@@ -32,23 +32,43 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
+from typing import Any
 
 from scheduler.metrics.fairness import minimum_shares
-from scheduler.policies.base import INF, Policy, RequestState, new_epoch
+from scheduler.policies.base import INF, Key, Policy, RequestState, RunningSortKey, new_epoch
 from scheduler.policies.basic import TenantBacklog
+from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.slo_latency import Latencies, TtftWindow
-from scheduler.settings import QUANTILES
+from scheduler.settings import QUANTILES, QuantileSlo, Settings, SloFqParams
 
 RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket
 _ARRIVAL, _PROMPT = attrgetter("arrival"), attrgetter("prompt_tokens")
 
+#: A waiting group: (tenant, request type), each queue in arrival order.
+Group = tuple[str, str]
+#: A tenant's TTFT targets by quantile name, those quantiles as fractions, and the highest one.
+Targets = tuple[dict[str, float], dict[str, float], str | None]
 
-def _highest(slo) -> float:
+
+def _highest(slo: QuantileSlo | None) -> float:
     """A TTFT SLO's highest target (its P99, or the highest quantile given); INF without one."""
     return max(slo.targets().values()) if slo is not None else INF
+
+
+def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[RequestState]]:
+    """The waiting requests per (tenant, type), each list in queue order: the waiting queue's own
+    groups when it keeps them (``by_group``), else grouped here."""
+    by_group = getattr(waiting, "by_group", None)
+    if by_group is not None:
+        queues: dict[Group, list[RequestState]] = by_group()
+        return queues
+    queues = {}
+    for r in waiting:
+        queues.setdefault((r.tenant, r.type), []).append(r)
+    return queues
 
 
 class _Window:
@@ -100,15 +120,17 @@ class Bucket:
 
 
 class SloFq(TenantBacklog, Policy):
-    """Deadline-aware token-level fair queue with type shares and backpressure (module docstring)."""
+    """Deadline-aware token-level fair queue with type shares and backpressure (module
+    docstring)."""
 
     name = "slofq"
+    params: SloFqParams
     preemptive = True
     charges_tokens = True
     counts_steps = True  # the window's token budget is the engine budget times the steps served
     gates_admission = True
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
         p = self.params
         self.budget = settings.engine.max_num_batched_tokens
@@ -140,21 +162,21 @@ class SloFq(TenantBacklog, Policy):
         self.refused: dict[str, int] = defaultdict(int)  # requests refused at the queue cap
         # Why the last admission pass stopped with work waiting (hard isolation or bp_lend: false,
         # the only modes that may leave capacity idle); None when it did not (live_state).
-        self.held_back: dict | None = None
+        self.held_back: dict[str, Any] | None = None
         # The throttled tenants (those with a bucket) as of the last control tick: the running
         # order puts their requests last. A new object whenever the set changes (reorder_running).
         self.throttled: frozenset[str] = frozenset()
         self._ordered_for: frozenset[str] | None = None
         self.refuses = any(t.queue_cap is not None for t in (p.default_tenant, *p.tenants.values()))
-        # The P99 TTFT target per tenant, looked up per running request per step (the document is frozen).
+        # The P99 TTFT target per tenant, looked up per running request per step (the document is
+        # frozen).
         self._p99_named = {t: _highest(p.ttft_slo(t)) for t in p.tenants}
         self._p99_default = _highest(p.default_tenant.ttft)
         self._next_control = -INF
         self._now = 0.0
         self._shares: dict[str, float] | None = None  # shares() of the current arrival window
-        self._targets_of: dict[
-            str | None, tuple
-        ] = {}  # _targets(), per named tenant and the default
+        # _targets(), per named tenant and the default
+        self._targets_of: dict[str | None, Targets] = {}
 
     # --- weights, deadlines, shares -------------------------------------------------------
     def weight(self, tenant: str) -> float:
@@ -181,14 +203,14 @@ class SloFq(TenantBacklog, Policy):
     def _p99_target(self, tenant: str) -> float:
         return self._p99_named.get(tenant, self._p99_default)
 
-    def key(self, req: RequestState, now: float) -> tuple:
+    def key(self, req: RequestState, now: float) -> Key:
         return (self.deadline(req), req.arrival, req.id)
 
     # The running order (the budget order and the memory-pressure victim, running[-1]) and policy
     # preemption go by the P99 deadline, which does not move: with the current target's deadline a
     # tenant switching between quantiles flips the order, and two requests short of KV evict each
     # other for ever (one by policy, the other by memory pressure; found by the property tests).
-    def _running_key(self, req: RequestState) -> tuple:
+    def _running_key(self, req: RequestState) -> Key:
         # (_p99_target inlined: this runs for every running request at every contended step)
         return (
             req.arrival + self._p99_named.get(req.tenant, self._p99_default),
@@ -213,7 +235,7 @@ class SloFq(TenantBacklog, Policy):
     # after everyone else's, so that when the step's token budget is scarce a quiet tenant's
     # prefill goes before the throttled tenant's backlog (work-conserving admission lets that
     # backlog fill the seats nobody else wants). The throttled set moves only at control ticks.
-    def _budget_key(self, req: RequestState) -> tuple:
+    def _budget_key(self, req: RequestState) -> tuple[bool, float, float, str]:
         return (
             req.tenant in self.throttled,
             req.arrival + self._p99_named.get(req.tenant, self._p99_default),
@@ -226,7 +248,7 @@ class SloFq(TenantBacklog, Policy):
         return sorted(running, key=self._budget_key)
 
     def reorder_running(
-        self, running: Sequence[RequestState], settled: int, now: float
+        self, running: list[RequestState], settled: int, now: float
     ) -> list[RequestState]:
         # A running request's budget key changes only when the throttled set does (at a control
         # tick): otherwise the settled prefix is still in order and only the requests admitted
@@ -239,7 +261,7 @@ class SloFq(TenantBacklog, Policy):
             insort(head, req, key=self._budget_key)
         return head
 
-    def running_sort_key(self, now: float):
+    def running_sort_key(self, now: float) -> RunningSortKey:
         return self._budget_key
 
     def shares(self) -> dict[str, float]:
@@ -259,7 +281,7 @@ class SloFq(TenantBacklog, Policy):
     def waiting_layout(self) -> str | None:
         return "groups"
 
-    def wait_group(self, req: RequestState) -> tuple[str, str]:
+    def wait_group(self, req: RequestState) -> Group:
         return (req.tenant, req.type)
 
     def _held_tenant(self, tenant: str) -> bool:
@@ -269,13 +291,7 @@ class SloFq(TenantBacklog, Policy):
     def admission_order(
         self, waiting: Sequence[RequestState], now: float
     ) -> Iterator[RequestState]:
-        by_group = getattr(waiting, "by_group", None)
-        if by_group is not None:
-            queues: dict = by_group()
-        else:
-            queues = {}
-            for r in waiting:
-                queues.setdefault((r.tenant, r.type), []).append(r)
+        queues = _waiting_groups(waiting)
         self._settle()
         burst_s = self.params.bp_burst_s
         for bucket in self.buckets.values():
@@ -287,9 +303,7 @@ class SloFq(TenantBacklog, Policy):
         budget = self._window_budget() if isolation != "off" else 0.0
         shares = self.shares() if budget > 0 else {}
         cap_room = 1.0 - sum(shares.values())  # under hard isolation a type's cap is this + its ρ_k
-        counters, fair_lag = self.counters, self.params.fair_lag_s
         buckets, typed_sums, typed_pending = self.buckets, self.typed.sums, self.typed.pending
-        targets, p99_named, p99_default = self.target, self._p99_named, self._p99_default
         heads = {g: 0 for g in queues}
         while heads:
             # Re-decided after every admission: on_admit has charged the admitted tenant's counter,
@@ -315,11 +329,7 @@ class SloFq(TenantBacklog, Policy):
             cands = [g for g in groups if g[0] not in held] if held else groups
             if len(cands) < len(groups):
                 if cands:
-                    for t in held:
-                        if t not in self.first_held and any(g[0] == t for g in groups):
-                            self.first_held[t] = (
-                                now  # the backpressure's reaction (noisy_neighbour.py)
-                            )
+                    self._note_first_held(held, groups, now)
                 elif lend:
                     cands = groups
                 else:  # bp_lend: false — held whatever, an operator's explicit choice to idle
@@ -327,27 +337,49 @@ class SloFq(TenantBacklog, Policy):
                     return
             if budget > 0:  # type reserve: groups of types under their minimum share first
                 cands = [g for g in cands if served[g[1]] < shares.get(g[1], 0.0) * budget] or cands
-            floor = min(counters.get(g[0], 0.0) for g in cands) + fair_lag
-            best, best_key = None, None
-            for g in cands:
-                if counters.get(g[0], 0.0) <= floor:
-                    head = queues[g][heads[g]]
-                    tenant = (
-                        head.tenant
-                    )  # the deadline (self.deadline, inlined: once per group per admission)
-                    target = targets.get(tenant)
-                    if target is None:
-                        target = p99_named.get(tenant, p99_default)
-                    k = (head.arrival + target, head.arrival, head.id)
-                    if best_key is None or k < best_key:
-                        best, best_key = g, k
-            assert best is not None  # the least-served candidate is always within its share
+            best = self._earliest_deadline(cands, queues, heads)
             yield queues[best][heads[best]]
             heads[best] += 1
             if heads[best] == len(queues[best]):
                 del heads[best]
 
-    def _hold(self, previous: dict | None, heads: dict, now: float, reason: str) -> None:
+    def _note_first_held(self, held: Iterable[str], groups: list[Group], now: float) -> None:
+        """When admission first put each held tenant with work waiting after the others: the
+        backpressure's reaction (benchmarks/noisy_neighbour.py)."""
+        for t in held:
+            if t not in self.first_held and any(g[0] == t for g in groups):
+                self.first_held[t] = now
+
+    def _earliest_deadline(
+        self,
+        cands: list[Group],
+        queues: Mapping[Group, Sequence[RequestState]],
+        heads: Mapping[Group, int],
+    ) -> Group:
+        """The candidate group admitted next: among those whose tenant's counter is within
+        ``fair_lag_s`` of the least-served candidate's (fair share), the one whose head has the
+        earliest deadline (ties: arrival, id)."""
+        counters = self.counters
+        floor = min(counters.get(g[0], 0.0) for g in cands) + self.params.fair_lag_s
+        targets, p99_named, p99_default = self.target, self._p99_named, self._p99_default
+        best, best_key = None, None
+        for g in cands:
+            if counters.get(g[0], 0.0) <= floor:
+                head = queues[g][heads[g]]
+                # The deadline (self.deadline, inlined: once per group per admission).
+                tenant = head.tenant
+                target = targets.get(tenant)
+                if target is None:
+                    target = p99_named.get(tenant, p99_default)
+                k = (head.arrival + target, head.arrival, head.id)
+                if best_key is None or k < best_key:
+                    best, best_key = g, k
+        assert best is not None  # the least-served candidate is always within its share
+        return best
+
+    def _hold(
+        self, previous: dict[str, Any] | None, heads: Mapping[Group, int], now: float, reason: str
+    ) -> None:
         """Record that admission stops with work waiting (live_state's ``held_back``): the reason,
         the tenants and types held, and since when (kept while the same reason holds)."""
         since = (
@@ -423,11 +455,13 @@ class SloFq(TenantBacklog, Policy):
                 bucket.level -= tokens
         self.fresh.clear()
 
-    def on_steps(self, scheduled, unscheduled, steps: int) -> None:
+    def on_steps(
+        self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
+    ) -> None:
         if scheduled:  # a step that served nobody had no budget to share
             self.steps.pending[""] += steps
 
-    def on_waiting_steps(self, waiting, steps: int) -> None:
+    def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
         pass
 
     def on_finish(self, req: RequestState, now: float) -> None:
@@ -442,12 +476,18 @@ class SloFq(TenantBacklog, Policy):
     def next_tick(self) -> float:
         return self._next_control
 
-    def steady_steps(self, running, waiting, now, kv_blocked) -> float:
+    def steady_steps(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        now: float,
+        kv_blocked: bool,
+    ) -> float:
         # As vtc: counters move with every token, so the head admitted next can change; stretches
         # also end at the next control tick (next_tick).
         return 1 if (waiting and kv_blocked) else INF
 
-    def before_step(self, waiting: Sequence[RequestState], now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
         self._settle()
         super().before_step(waiting, now)
         self._now = now
@@ -455,7 +495,7 @@ class SloFq(TenantBacklog, Policy):
             self._control(waiting, now)
             self._next_control = now + self.params.bp_interval_s
 
-    def _control(self, waiting: Sequence[RequestState], now: float) -> None:
+    def _control(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
         p = self.params
         for w in (self.used, self.typed, self.arrived, self.steps):
             w.flush(now)
@@ -519,7 +559,7 @@ class SloFq(TenantBacklog, Policy):
         if self.throttled != self.buckets.keys():
             self.throttled = frozenset(self.buckets)
 
-    def _targets(self, tenant: str) -> tuple[dict[str, float], dict[str, float], str | None]:
+    def _targets(self, tenant: str) -> Targets:
         """The tenant's TTFT targets, their quantiles as fractions and the highest quantile (the
         backpressure's P99), looked up once per document (named tenants and the default only:
         tenant names come from clients)."""
@@ -532,7 +572,9 @@ class SloFq(TenantBacklog, Policy):
             got = self._targets_of[key] = (targets, {q: int(q[1:]) / 100.0 for q in targets}, top)
         return got
 
-    def _latencies(self, tenant: str, runs, now: float) -> Latencies | None:
+    def _latencies(
+        self, tenant: str, runs: Sequence[Sequence[RequestState]], now: float
+    ) -> Latencies | None:
         """The window's TTFTs and the ages of the tenant's waiting requests (``runs``, each in
         arrival order); None when it has neither."""
         window = self.samples.get(tenant)
@@ -554,19 +596,19 @@ class SloFq(TenantBacklog, Policy):
     ) -> None:
         p = self.params
         use = self.used.total(tenant) / self.used.span
-        over = p99 is not None and p99 > s99
+        over = p99 if p99 is not None and p99 > s99 else None  # the P99 when over target
         bucket = self.buckets.get(tenant)
         floor = max(entitled, p.bp_min_tok_s)
         if p.backpressure:
             if bucket is None:
-                if over and use > entitled:  # armed at the current use, scaled down, empty
-                    bucket = self.buckets[tenant] = Bucket(max(floor, use * s99 / p99), now)  # type: ignore[operator]
+                if over is not None and use > entitled:  # armed at the use, scaled down, empty
+                    bucket = self.buckets[tenant] = Bucket(max(floor, use * s99 / over), now)
                     self.detected.setdefault(tenant, now)
             else:
                 bucket.refill(now, p.bp_burst_s)
-                if over and use > entitled:
-                    bucket.rate = max(floor, bucket.rate * s99 / p99)  # type: ignore[operator]
-                elif over:
+                if over is not None and use > entitled:
+                    bucket.rate = max(floor, bucket.rate * s99 / over)
+                elif over is not None:
                     bucket.rate = max(bucket.rate, floor)
                 else:
                     bucket.rate *= 2.0
@@ -610,7 +652,9 @@ class SloFq(TenantBacklog, Policy):
                     table.pop(t, None)
 
     # --- switching and live state ---------------------------------------------------------
-    def attach(self, waiting, running, now) -> None:
+    def attach(
+        self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
+    ) -> None:
         self._settle()
         # The queues as they are (no counter lift: a switch is not a tenant coming back from idle).
         self.backlog = {}
@@ -652,7 +696,7 @@ class SloFq(TenantBacklog, Policy):
             )
         return max(0.0, queued - bucket.level) / bucket.rate
 
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         tenants = {}
         for t in sorted(set(self.counters) | set(self.buckets) | set(self.refused)):
             b = self.buckets.get(t)

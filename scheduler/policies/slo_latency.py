@@ -15,6 +15,8 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
 
+from scheduler.policies.base import RequestState
+
 SAMPLES_KEPT = 4096  # TTFT samples per tenant in the sliding window (bounded memory in the engine)
 # Up to this many waiting requests the union is simply sorted: counting pays off above it.
 SORT_UP_TO = 64
@@ -71,7 +73,9 @@ class Latencies:
 
     __slots__ = ("_neg_age", "_sorted", "n", "now", "runs", "ttfts")
 
-    def __init__(self, ttfts: list[float], runs: Sequence[Sequence], now: float) -> None:
+    def __init__(
+        self, ttfts: list[float], runs: Sequence[Sequence[RequestState]], now: float
+    ) -> None:
         self.ttfts, self.now = ttfts, now
         self.runs = [run for run in runs if run]
         waiting = sum(map(len, self.runs))

@@ -7,10 +7,15 @@ max_tokens (quadrature in ``tie_math``); β adapts to the queue unless pinned. N
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
-from scheduler.policies.base import Policy, RequestState, new_epoch
+from scheduler.policies.base import Key, Policy, RequestState, new_epoch
+from scheduler.policies.predictors import LengthPredictor
+from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.tie_math import adaptive_beta, tie_moments
+from scheduler.settings import Settings, TieParams
 
 # Requests that share a predictor key share (μ, σ) and mostly max_tokens: one quadrature each.
 _moments = lru_cache(maxsize=4096)(tie_moments)
@@ -18,11 +23,10 @@ _moments = lru_cache(maxsize=4096)(tie_moments)
 
 class Tie(Policy):
     name = "tie"
-    incremental_running_order = (
-        True  # keys hold for an epoch (β, the predictor's fit): most stay put
-    )
+    params: TieParams
+    incremental_running_order = True  # keys hold for an epoch (β, the predictor's fit)
 
-    def __init__(self, settings, predictor=None) -> None:
+    def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
         self.beta_pinned = settings.is_pinned("beta")
         self.beta = self.params.beta
@@ -41,7 +45,8 @@ class Tie(Policy):
                     mu, sigma, float(req.max_tokens), self.params.alpha, self.params.nu
                 )
             req.cache_key, req.cache_value = key, value
-        return req.cache_value  # type: ignore[return-value]  # set just above under this key
+        moments: tuple[float, float] | None = req.cache_value  # set under this key
+        return moments
 
     def base_score(self, req: RequestState) -> float:
         m = self.moments(req)
@@ -51,9 +56,10 @@ class Tie(Policy):
 
     def score(self, req: RequestState, now: float) -> float:
         t_wait = max(0.0, now - req.arrival)
-        return self.base_score(req) * self.params.decay ** (t_wait / self.params.tau_s)
+        decayed: float = self.params.decay ** (t_wait / self.params.tau_s)  # decay > 0: a float
+        return self.base_score(req) * decayed
 
-    def key(self, req: RequestState, now: float) -> tuple:
+    def key(self, req: RequestState, now: float) -> Key:
         # ln(score') = ln(E + β·CVaR) + (now − arrival)·ln(decay)/τ. The term in ``now`` is the same
         # for every request at a given instant, so dropping it keeps the order at every instant and
         # leaves a key that is constant within an epoch (β, the predictor's fit): cached, not
@@ -70,7 +76,7 @@ class Tie(Policy):
             key = self.cache_key(req, value, 1 << 62)
         return key
 
-    def before_step(self, waiting, now) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
         super().before_step(waiting, now)
         if not self.beta_pinned:
             p = self.params
@@ -82,5 +88,5 @@ class Tie(Policy):
     # The wait decay multiplies every score by the same factor per unit time, so the waiting order
     # never changes by itself during a decode stretch: the default steady_steps (INF) holds.
 
-    def live_state(self) -> dict:
+    def live_state(self) -> dict[str, Any]:
         return {"beta": self.beta, "beta_pinned": self.beta_pinned}

@@ -11,8 +11,8 @@ truncated at ``x_max = max_tokens``: ``X~ = min(X, x_max)``.  With the quantile 
 Quadrature (deterministic; never Monte Carlo)
 ---------------------------------------------
 The u-axis is split at fixed breakpoints: decades ``1e-10 .. 0.1`` in the lower tail, ``0.5``,
-and ``1 - 0.1, 1 - 0.01, 1 - 0.001, 1 - 0.0001`` (the TIE write-up's splits) continued by decades down to
-``1 - 1e-16``; the integral is additionally cut at ``u_c`` and at ``alpha``.  Each segment
+and ``1 - 0.1, 1 - 0.01, 1 - 0.001, 1 - 0.0001`` (the TIE write-up's splits) continued by decades
+down to ``1 - 1e-16``; the integral is additionally cut at ``u_c`` and at ``alpha``.  Each segment
 ``[u_k, u_{k+1}]`` is integrated with 16-point Gauss-Legendre after the substitution
 ``u = F_nu(t)`` (``du = f_nu(t) dt``), i.e. over ``[t_k, t_{k+1}] = F_nu^{-1}([u_k, u_{k+1}])``
 with integrand ``exp(mu + sigma t) f_nu(t)``.  In ``t`` every tail segment spans a fixed ratio
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy import special
 
 __all__ = [
@@ -76,7 +77,8 @@ def _log_pdf(t: np.ndarray, tab: _NuTable) -> np.ndarray:
 
 
 def _log_pdf_nu(t: np.ndarray, nu: float, half_nu1: float, log_c: float) -> np.ndarray:
-    return log_c - half_nu1 * np.log1p(t * t / nu)
+    log_pdf: np.ndarray = log_c - half_nu1 * np.log1p(t * t / nu)
+    return log_pdf
 
 
 @lru_cache(maxsize=64)
@@ -132,18 +134,22 @@ def _partial_scalar(
     a: float, z: float, mu: float, sigma: float, tab: _NuTable, open_seg: bool
 ) -> np.ndarray:
     """Gauss-Legendre integrand values*weights of exp(mu+sigma t) f(t) on [a, z]."""
+    values: np.ndarray
     if open_seg:  # beyond the last breakpoint (a > 0): integrate in v = ln t
         la, lz = math.log(a), math.log(z)
         t = np.exp(la + (lz - la) * _X01)
-        return (lz - la) * _W01 * t * np.exp(mu + sigma * t + _log_pdf(t, tab))
+        values = (lz - la) * _W01 * t * np.exp(mu + sigma * t + _log_pdf(t, tab))
+        return values
     t = a + (z - a) * _X01
-    return (z - a) * _W01 * np.exp(mu + sigma * t + _log_pdf(t, tab))
+    values = (z - a) * _W01 * np.exp(mu + sigma * t + _log_pdf(t, tab))
+    return values
 
 
 def tie_moments(
     mu: float, sigma: float, x_max: float, alpha: float = 0.9, nu: float = 3.5
 ) -> tuple[float, float]:
-    """Return ``(E[X~], CVaR_alpha[X~])`` of the log-t length truncated at ``x_max`` (docs/policies.md#tie).
+    """Return ``(E[X~], CVaR_alpha[X~])`` of the log-t length truncated at ``x_max``
+    (docs/policies.md#tie).
 
     ``mu``, ``sigma``: location and scale of ``ln X`` (``sigma > 0``); ``x_max >= 1``: the
     truncation point (the request's ``max_tokens``); ``alpha`` in (0, 1); ``nu > 0`` the
@@ -222,7 +228,9 @@ def _g_many(
     return out
 
 
-def _moments_one_nu(mu, sigma, x_max, alpha, nu: float) -> tuple[np.ndarray, np.ndarray]:
+def _moments_one_nu(
+    mu: np.ndarray, sigma: np.ndarray, x_max: np.ndarray, alpha: np.ndarray, nu: float
+) -> tuple[np.ndarray, np.ndarray]:
     tab = _table(nu)
     z_c = (np.log(x_max) - mu) / sigma
     sf_c = special.stdtr(nu, -z_c)
@@ -251,7 +259,13 @@ def _moments_one_nu(mu, sigma, x_max, alpha, nu: float) -> tuple[np.ndarray, np.
     return e, cvar
 
 
-def tie_moments_many(mu, sigma, x_max, alpha=0.9, nu=3.5) -> tuple[np.ndarray, np.ndarray]:
+def tie_moments_many(
+    mu: ArrayLike,
+    sigma: ArrayLike,
+    x_max: ArrayLike,
+    alpha: ArrayLike = 0.9,
+    nu: ArrayLike = 3.5,
+) -> tuple[np.ndarray, np.ndarray]:
     """Vectorized :func:`tie_moments`: arguments broadcast against each other (numpy rules).
 
     Returns two float arrays of the broadcast shape; element ``i`` equals
@@ -291,17 +305,20 @@ def tie_score(E: float, cvar: float, beta: float) -> float:
 
 
 def adaptive_beta(queue_len: int, max_num_seqs: int, beta_min: float, beta_max: float) -> float:
-    """``min(beta_max, max(beta_min, 0.1 * L_q / S))`` (docs/policies.md#tie); ``S`` must be >= 1."""
+    """``min(beta_max, max(beta_min, 0.1 * L_q / S))`` (docs/policies.md#tie); ``S`` must be
+    >= 1."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
     return min(beta_max, max(beta_min, 0.1 * queue_len / max_num_seqs))
 
 
 def wait_decay(score: float, t_wait: float, decay: float, tau_s: float) -> float:
-    """Starvation guard ``score * decay ** (t_wait / tau_s)`` (docs/policies.md#tie); ``tau_s`` must be > 0."""
+    """Starvation guard ``score * decay ** (t_wait / tau_s)`` (docs/policies.md#tie); ``tau_s``
+    must be > 0."""
     if not (tau_s > 0):
         raise ValueError(f"tau_s must be > 0, got {tau_s!r}")
-    return score * decay ** (t_wait / tau_s)
+    decayed: float = score * decay ** (t_wait / tau_s)  # decay > 0: a float
+    return decayed
 
 
 _table(3.5)  # precompute the default-nu nodes/weights at import

@@ -1,4 +1,5 @@
-"""The engine simulator: one vLLM v1 replica's scheduling steps replayed on a trace (docs/engine.md).
+"""The engine simulator: one vLLM v1 replica's scheduling steps replayed on a trace
+(docs/engine.md).
 
 ``simulate(trace, settings, config)`` replays a whole trace and returns a `SimResult`; a
 `Simulator` can also be driven live (``advance_to``, ``apply_settings``), as the twin replicas do.

@@ -11,7 +11,8 @@ from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
 class EngineConfig:
     """Replica facts that do not change live (the settings document holds the live limits)."""
 
-    # ≈ 50 GiB of KV on an A100-80GB for Llama-3-8B at 128 KiB/token (sim/stepmodel.py: 32 layers × 8 KV heads × 128 dims × 2 × 2 bytes).
+    # ≈ 50 GiB of KV on an A100-80GB for Llama-3-8B at 128 KiB/token (sim/stepmodel.py: 32 layers
+    # × 8 KV heads × 128 dims × 2 × 2 bytes).
     num_gpu_blocks: int = 25_000
     block_size: int = 16
     step_model: StepTimeModel = field(default_factory=lambda: get_model(DEFAULT_MODEL_NAME))

@@ -26,7 +26,8 @@ class SimResult:
     gamma_timeline: list[tuple[float, float]]
 
     def metrics(self) -> dict[str, float]:
-        """``scheduler.metrics.summarize`` of the completions, plus policy preemptions and rejections."""
+        """``scheduler.metrics.summarize`` of the completions, plus policy preemptions and
+        rejections."""
         m = summarize(self.completions)
         m["policy_preemptions"] = float(self.policy_preemptions)
         m["rejected"] = float(len(self.rejected))

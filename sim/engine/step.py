@@ -12,21 +12,35 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from scheduler.policies import RequestState
 from sim.stepmodel import StepTimeModel
 
+if TYPE_CHECKING:
+
+    class KnownLengthRequest(RequestState):
+        """A request in the simulator: a ``RequestState`` whose true ``output_tokens`` is always
+        set (``Simulator._admit_arrivals``). For the type checker only: the simulator narrows
+        each step's plan once (``StepPlan[KnownLengthRequest]``) instead of testing every
+        request in its hot loops."""
+
+        output_tokens: int
+
+
+Req = TypeVar("Req", bound=RequestState)
+
 
 @dataclass(slots=True)
-class StepPlan:
+class StepPlan(Generic[Req]):
     """What one step decided. Decodes (one token each, the common case) are kept apart from
     prefill chunks so that applying the step can take a short path for them; each part is in
     service order."""
 
-    decodes: list = field(default_factory=list)  # requests that decode one token this step
-    chunks: dict = field(
-        default_factory=dict
-    )  # RequestState -> prefill tokens (prompt or recompute)
+    # Requests that decode one token this step; requests given a prefill chunk (the prompt, or a
+    # recompute) -> its tokens.
+    decodes: list[Req] = field(default_factory=list)
+    chunks: dict[Req, int] = field(default_factory=dict)
     preempted: bool = False
     memory_preempted: bool = False
     admitted: bool = False
@@ -81,7 +95,7 @@ class StepPlan:
 
 
 def serve_uncontended(
-    step: StepPlan,
+    step: StepPlan[RequestState],
     running: Sequence[RequestState],
     blocks: dict[str, int],
     free_blocks: int,
@@ -94,9 +108,9 @@ def serve_uncontended(
     left). Return None, touching nothing, if ``token_budget`` or ``free_blocks`` do not cover them
     all: the running order then matters, and the simulator serves them in it."""
     bs, lpt, free = block_size, long_prefill_threshold, free_blocks
-    decodes: list = []
-    chunks: dict = {}
-    grown: list = []
+    decodes: list[RequestState] = []
+    chunks: dict[RequestState, int] = {}
+    grown: list[tuple[str, int]] = []  # (request id, blocks it will hold)
     sum_ctx = prefill = prefill_sq = 0
     for req in running:
         c, g = req.computed_tokens, req.generated

@@ -1,13 +1,13 @@
 """Workload traces for the tuner: loaders for public LLM-serving traces, and pure transforms.
 
-A trace is an immutable, arrival-sorted sequence of `TraceRequest`s (docs/engine.md#requests): arrival time in
-seconds relative to the first request, prompt and output token counts, `max_tokens`, tenant and
-request type. Every loader re-zeroes arrivals so the first request arrives at 0.0, gives each
-request an id `<prefix>-<row index>` (0-based data-row index, zero-padded so ids sort in file
-order), and reports malformed input as a `TraceError` whose message starts with
-`<file>:<line>:` (1-based, header = line 1) and names the offending column. Nothing is dropped
-silently: the only loader that drops rows by design (BurstGPT failures) counts them in
-`Trace.skipped`.
+A trace is an immutable, arrival-sorted sequence of `TraceRequest`s (docs/engine.md#requests):
+arrival time in seconds relative to the first request, prompt and output token counts,
+`max_tokens`, tenant and request type. Every loader re-zeroes arrivals so the first request
+arrives at 0.0, gives each request an id `<prefix>-<row index>` (0-based data-row index,
+zero-padded so ids sort in file order), and reports malformed input as a `TraceError` whose
+message starts with `<file>:<line>:` (1-based, header = line 1) and names the offending column.
+Nothing is dropped silently: the only loader that drops rows by design (BurstGPT failures) counts
+them in `Trace.skipped`.
 
 `max_tokens` is the client's cap, never the true output length (a policy sees `max_tokens`; were it
 the output length, every policy would be an oracle). Formats that record a per-request cap (the
@@ -24,7 +24,8 @@ Supported formats (see `load_trace` for auto-detection):
 * BurstGPT CSV (`Timestamp,Model,Request tokens,Response tokens,...`)        -> `load_burstgpt`
 * length-only CSVs (`num_prefill_tokens,num_decode_tokens,...`) + a generated
   Poisson/Gamma arrival process                                              -> `load_lengths`
-* ServeGen-derived length PMFs (`model,field,value,prob`), reasoning type    -> `load_servegen_reasoning`
+* ServeGen-derived length PMFs (`model,field,value,prob`), reasoning type
+                                                       -> `load_servegen_reasoning`
 
 Bundled data: `sim/data/azure_conv_window.csv` holds the first 600 s (2,867 rows, byte-for-byte,
 same header) of AzureLLMInferenceTrace_conv.csv from Azure/AzurePublicDataset, licensed CC BY 4.0;

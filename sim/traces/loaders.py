@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -126,7 +126,10 @@ def _parse_azure(f: IO[str], where: str, name: str, prefix: str, cap: int) -> Tr
     for line, row in rows:
         t = clock.ticks(row[i_ts], where, line, "TIMESTAMP")
         if ticks and t < ticks[-1]:
-            what = f"{row[i_ts].strip()!r} is earlier than the previous row's (the format is sorted by time)"
+            what = (
+                f"{row[i_ts].strip()!r} is earlier than the previous row's "
+                "(the format is sorted by time)"
+            )
             raise field_error(where, line, "TIMESTAMP", what)
         ticks.append(t)
         prompt.append(parse_tokens(row[i_in], where, line, "ContextTokens"))
@@ -210,7 +213,7 @@ def load_mooncake(
     return acc.to_trace(name or _default_name(path), prefix or _default_prefix(path), cap)
 
 
-def _json_number(obj: dict, key: str, where: str, line: int) -> float:
+def _json_number(obj: dict[str, Any], key: str, where: str, line: int) -> float:
     if key not in obj:
         raise TraceError(f"{where}:{line}: missing field {key!r}")
     v = obj[key]
@@ -220,7 +223,7 @@ def _json_number(obj: dict, key: str, where: str, line: int) -> float:
     return float(v)
 
 
-def _json_tokens(obj: dict, key: str, where: str, line: int) -> int:
+def _json_tokens(obj: dict[str, Any], key: str, where: str, line: int) -> int:
     v = _json_number(obj, key, where, line)
     if not v.is_integer():
         raise field_error(where, line, key, f"{obj[key]!r} is not an integer token count")
@@ -408,7 +411,7 @@ def load_servegen_reasoning(
 # --------------------------------------------------------------------------------------------
 
 
-def load_trace(path: PathLike, **kw) -> Trace:
+def load_trace(path: PathLike, **kw: Any) -> Trace:
     """Load any supported trace, choosing the loader from the file's content.
 
     JSONL (`.jsonl`, or a first line starting with "{") -> Mooncake. CSVs by header: Azure
@@ -419,7 +422,7 @@ def load_trace(path: PathLike, **kw) -> Trace:
     `max_tokens_default=` (the cap of requests whose source records none).
     """
     where = os.fspath(path)
-    loader, first = _choose_loader(path, where, kw)
+    loader = _choose_loader(path, where, kw)
     # Arrival-generation settings (rate, process, cv, seed, n) only reach loaders that take them,
     # so one command line can name any trace file.
     accepted = inspect.signature(loader).parameters
@@ -431,19 +434,20 @@ def load_trace(path: PathLike, **kw) -> Trace:
 _GENERATION_KEYS = {"rate", "process", "cv", "seed", "n"}
 
 
-def _choose_loader(path: PathLike, where: str, kw: dict):
+def _choose_loader(path: PathLike, where: str, kw: dict[str, Any]) -> Callable[..., Trace]:
+    """The loader for the file's format, from its first non-blank line."""
     with open_trace_file(path) as f:
         try:
             first = next((line for line in f if line.strip()), "")
         except UnicodeDecodeError as e:
             raise TraceError(f"{where}: not UTF-8 text: {e}") from None
     if where.endswith(".jsonl") or first.lstrip().startswith("{"):
-        return load_mooncake, first
+        return load_mooncake
     header = {c.strip() for c in next(csv.reader([first]), [])}
     if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= header:
-        return load_azure, first
+        return load_azure
     if {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} <= header:
-        return load_vidur, first
+        return load_vidur
     if {"num_prefill_tokens", "num_decode_tokens"} <= header:
         if "rate" not in kw:
             raise ArrivalsNeeded(
@@ -451,15 +455,15 @@ def _choose_loader(path: PathLike, where: str, kw: dict):
                 "(and optionally process=, cv=, seed=, n=)",
                 ("rate",),
             )
-        return load_lengths, first
+        return load_lengths
     if {"Timestamp", "Request tokens", "Response tokens"} <= header:
-        return load_burstgpt, first
+        return load_burstgpt
     if {"model", "field", "value", "prob"} <= header:
         if "rate" not in kw or "n" not in kw:
             raise ArrivalsNeeded(
                 f"{where}: a length distribution (no requests): pass n= and rate=", ("n", "rate")
             )
-        return load_servegen_reasoning, first
+        return load_servegen_reasoning
     raise TraceError(f"{where}: unknown trace format; header seen: {first.strip()[:200]!r}")
 
 

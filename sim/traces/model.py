@@ -63,7 +63,8 @@ class TraceRequest:
             )
         if self.type not in REQUEST_TYPES:
             raise ValueError(
-                f"request {self.id!r}: type must be one of {sorted(REQUEST_TYPES)}, got {self.type!r}"
+                f"request {self.id!r}: type must be one of {sorted(REQUEST_TYPES)}, "
+                f"got {self.type!r}"
             )
         if not self.tenant:
             raise ValueError(f"request {self.id!r}: tenant must be a non-empty string")

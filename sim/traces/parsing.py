@@ -31,7 +31,8 @@ def field_error(where: str, line: int, column: str, what: str) -> TraceError:
 
 
 def parse_tokens(text: str, where: str, line: int, column: str, minimum: int = 1) -> int:
-    """A token count: an integer >= minimum. Integral float text ("12.0", as pandas writes) is accepted."""
+    """A token count: an integer >= minimum. Integral float text ("12.0", as pandas writes) is
+    accepted."""
     value: int | None
     try:
         value = int(text)
@@ -256,9 +257,9 @@ def source_request(
     tenant: str = "default",
     type: str = "chat",
 ) -> TraceRequest:
-    """A source row as a request. A cap the source recorded is kept as it is; a row without one gets
-    `default_cap`, and an output longer than that is truncated to it (as a server would) and flagged.
-    Never `max_tokens = output`: the cap must not tell a policy the true length."""
+    """A source row as a request. A cap the source recorded is kept as it is; a row without one
+    gets `default_cap`, and an output longer than that is truncated to it (as a server would) and
+    flagged. Never `max_tokens = output`: the cap must not tell a policy the true length."""
     if recorded_cap is not None:
         return TraceRequest(rid, arrival, prompt, output, recorded_cap, tenant, type)
     if output > default_cap:

@@ -250,7 +250,8 @@ def _mix_slots(
         rate = base.rate
         if not (math.isfinite(rate) and rate > 0.0):
             raise ValueError(
-                f"mix: the first trace {base.name!r} has too few arrivals and no usable rate ({rate})"
+                f"mix: the first trace {base.name!r} has too few arrivals and no usable rate "
+                f"({rate})"
             )
         last = arrivals[-1]
         extra: list[np.ndarray] = []

@@ -9,6 +9,7 @@ serialises concurrent openers share one transaction). Without one (``alembic -x 
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import Connection
 
 from storage.engine import make_engine, normalize_url
 from storage.models import Base
@@ -17,7 +18,7 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def _configure(connection) -> None:
+def _configure(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

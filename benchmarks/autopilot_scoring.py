@@ -1,0 +1,216 @@
+"""Scoring of benchmarks/autopilot.py: the table's metrics over a trace and its second half, the
+hindsight γ, the closure, and the issue's targets (README, "The autopilot")."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from benchmarks.seed_claims import ratio
+from scheduler.metrics import summarize
+from sim import traces
+
+METRICS = ("ttft_p95", "ttft_p99", "ttlt_p99", "throughput_tok_s")
+LABELS = {
+    "ttft_p95": "P95 TTFT",
+    "ttft_p99": "P99 TTFT",
+    "ttlt_p99": "P99 TTLT",
+    "throughput_tok_s": "throughput",
+}
+SCOPES = ("all", "second")
+TTLT_SLACK = 1.02  # P99 TTLT at most this times sarathi's
+THROUGHPUT_FLOOR = 0.99  # throughput at least this times sarathi's
+CLOSURE_TARGET = 0.75
+HEADROOM = 0.05  # closure is a target where the defaults are this far above the best fixed γ
+NEVER_WORSE = 0.02
+SHIFT_MARGIN = 0.90  # on the shape shift the autopilot beats every fixed γ by 10%
+CORE_SHARE = 0.02  # the controller's CPU: at most 2% of one core
+
+
+@dataclasses.dataclass
+class JobResult:
+    workload: str
+    column: str
+    scores: dict[str, dict[str, float]]  # scope -> metric -> value
+    wall_s: float
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def half_time(trace: traces.Trace) -> float:
+    """The midpoint in time of the trace's arrivals.
+
+    The second half is the requests that arrive at or after it.
+    """
+    return trace.requests[0].arrival + trace.duration / 2 if len(trace) else 0.0
+
+
+def score(completions: list, t_half: float) -> dict[str, dict[str, float]]:
+    """The table's metrics over every completion and over those arriving at or after ``t_half``."""
+    out = {}
+    for scope, done in (
+        ("all", completions),
+        ("second", [c for c in completions if c.arrival >= t_half]),
+    ):
+        m = summarize(done)
+        out[scope] = {k: float(m[k]) for k in (*METRICS, "requests")}
+    return out
+
+
+def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
+    """Time-weighted median of a γ timeline; NaN if empty.
+
+    The timeline is (time, γ) samples, each held until the next.
+    """
+    if not timeline:
+        return math.nan
+    times = np.array([t for t, _ in timeline] + [max(end, timeline[-1][0])])
+    values = np.array([g for _, g in timeline])
+    weights = np.diff(times)
+    if weights.sum() <= 0:
+        return float(values[-1])
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cum, cum[-1] / 2)])
+
+
+def best_fixed(grid: dict[float, dict[str, float]], sarathi: dict[str, float]) -> float | None:
+    """The hindsight γ: lowest P95 TTFT among the γ whose P99 TTLT ≤ 1.02× and throughput ≥ 0.99×
+    sarathi's (ties: the smaller γ); None when no γ keeps both."""
+    feasible = [
+        g
+        for g, m in grid.items()
+        if m["ttlt_p99"] <= TTLT_SLACK * sarathi["ttlt_p99"]
+        and m["throughput_tok_s"] >= THROUGHPUT_FLOOR * sarathi["throughput_tok_s"]
+    ]
+    return min(feasible, key=lambda g: (grid[g]["ttft_p95"], g)) if feasible else None
+
+
+def closure(defaults: float, autopilot: float, best: float) -> float:
+    """(defaults − autopilot) / (defaults − best fixed γ).
+
+    NaN when the defaults already are the best.
+    """
+    gap = defaults - best
+    return (defaults - autopilot) / gap if gap > 0 else math.nan
+
+
+def gamma_of(column: str) -> float:
+    return float(column.removeprefix("g="))
+
+
+def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, Any]:
+    """Per scope: the shown columns' figures and ratios, the hindsight γ, the closure; plus cost."""
+    out: dict[str, Any] = {}
+    for scope in SCOPES:
+        sar = columns["sarathi"].scores[scope]
+        grid = {gamma_of(c): r.scores[scope] for c, r in columns.items() if c.startswith("g=")}
+        winner = best_fixed(grid, sar)
+        shown: dict[str, dict[str, float]] = {
+            "sarathi": sar,
+            "defaults": columns["defaults"].scores[scope],
+        }
+        if winner is not None:
+            shown["best fixed γ"] = grid[winner]
+        if scope == "second" and "tuned" in columns:
+            shown["tuned on 1st half"] = columns["tuned"].scores[scope]
+        if "autopilot" in columns and columns["autopilot"].scores:
+            shown["autopilot"] = columns["autopilot"].scores[scope]
+        ratios = {name: {k: ratio(m[k], sar[k]) for k in METRICS} for name, m in shown.items()}
+        entry: dict[str, Any] = {
+            "figures": shown,
+            "ratios": ratios,
+            "best_gamma": winner,
+            "at_grid_edge": winner is not None and winner in (min(grid), max(grid)),
+            "min_p95_any_gamma": min((m["ttft_p95"] for m in grid.values()), default=math.nan),
+            "grid": {f"{g:g}": m for g, m in sorted(grid.items())},
+        }
+        if winner is not None and "autopilot" in ratios:
+            r = ratios
+            entry["closure"] = closure(
+                r["defaults"]["ttft_p95"], r["autopilot"]["ttft_p95"], r["best fixed γ"]["ttft_p95"]
+            )
+        out[scope] = entry
+    pilot = columns.get("autopilot")
+    if pilot is not None:
+        cost = {k: v for k, v in pilot.extra.items() if k != "cpu_s"}
+        if "cpu_s" in pilot.extra:
+            cpu = pilot.extra["cpu_s"]
+            hours = trace.duration / 3600.0
+            cost.update(
+                cpu_per_decision_mean=float(np.mean(cpu)),
+                cpu_per_decision_max=float(np.max(cpu)),
+                cpu_per_hour=sum(cpu) / hours if hours > 0 else math.nan,
+            )
+            cost["core_share"] = cost["cpu_per_hour"] / 3600.0
+        out["autopilot"] = cost
+    return out
+
+
+def targets(workload: str, s: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    """(target, PASS/FAIL/None = not applicable, the figures) on the whole trace."""
+    whole = s["all"]
+    r = whole["ratios"]
+    if "autopilot" not in r:
+        note = s.get("autopilot", {}).get("error", "no autopilot column")
+        return [("autopilot targets", None, note)]
+    ap, de = r["autopilot"], r["defaults"]
+    rows: list[tuple[str, bool | None, str]] = []
+    if whole["best_gamma"] is None:
+        rows.append(("closure >= 0.75", None, "no fixed γ keeps the constraints"))
+    else:
+        best = r["best fixed γ"]["ttft_p95"]
+        c = whole.get("closure", math.nan)
+        headroom = de["ttft_p95"] - best
+        figures = (
+            f"closure {c:.2f} (defaults {de['ttft_p95']:.2f}x, best {best:.2f}x, "
+            f"autopilot {ap['ttft_p95']:.2f}x)"
+        )
+        rows.append(
+            (
+                "closure >= 0.75",
+                c >= CLOSURE_TARGET if headroom >= HEADROOM else None,
+                figures
+                if headroom >= HEADROOM
+                else f"headroom {headroom:.2f} < {HEADROOM}: {figures}",
+            )
+        )
+    rows.append(
+        (
+            "P95 TTFT <= defaults + 0.02",
+            ap["ttft_p95"] <= de["ttft_p95"] + NEVER_WORSE,
+            f"{ap['ttft_p95']:.3f}x vs {de['ttft_p95']:.3f}x",
+        )
+    )
+    rows.append(
+        ("P99 TTLT <= 1.02x sarathi", ap["ttlt_p99"] <= TTLT_SLACK, f"{ap['ttlt_p99']:.3f}x")
+    )
+    rows.append(
+        (
+            "throughput >= 0.99x sarathi",
+            ap["throughput_tok_s"] >= THROUGHPUT_FLOOR,
+            f"{ap['throughput_tok_s']:.4f}x",
+        )
+    )
+    if workload == "shift":
+        p95, every = whole["figures"]["autopilot"]["ttft_p95"], whole["min_p95_any_gamma"]
+        rows.append(
+            (
+                "P95 TTFT <= 0.90x every fixed γ (shape shift)",
+                p95 <= SHIFT_MARGIN * every,
+                f"{p95:.3g} s vs best of any γ {every:.3g} s ({ratio(p95, every):.2f}x)",
+            )
+        )
+    share = s.get("autopilot", {}).get("core_share")
+    if share is not None:
+        rows.append(
+            (
+                "controller CPU <= 2% of one core",
+                share <= CORE_SHARE,
+                f"{100 * share:.2f}% "
+                f"({s['autopilot']['cpu_per_hour']:.1f} CPU s per hour of traffic)",
+            )
+        )
+    return rows

@@ -1,0 +1,424 @@
+"""The headless recorder and the controllers it runs: ``record``, ``governor`` and ``autopilot``.
+
+    tailpilot record --cluster clusters.yaml --db sqlite:///tailpilot.db [--recording incident-42]
+    tailpilot governor status --cluster clusters.yaml --db tailpilot.db   # or --cluster-name prod
+    tailpilot autopilot arm --cluster-name prod --db tailpilot.db
+
+``record`` is the one entry point of the recorder (``controlplane.recorder.run_recorder``): it
+polls every replica, writes to the database until SIGTERM or Ctrl-C, flushes, and prints its
+statistics as one JSON line. The governor and the autopilot run inside it (``--govern``,
+``--autopilot``); ``governor`` and ``autopilot`` steer them through the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from pydantic import ValidationError
+
+from scheduler.settings import describe_error
+from tailpilot import options
+from tailpilot.cli_cluster import known_cluster, load_cluster, open_store
+from tailpilot.cli_common import (
+    POSITIVE,
+    TRACE_PARSE_ERRORS,
+    FiniteFloatRange,
+    echo_json,
+    json_text,
+    unreadable_trace,
+)
+
+if TYPE_CHECKING:  # the operator's modules load only when a command runs (start-up cost)
+    from controlplane.collector import Collector
+    from controlplane.recorder import Task
+    from storage.store import Store
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+def configure_logging(quiet: bool, verbose: bool) -> None:
+    """The recorder's log on stderr: its own lines (start, health changes, retention) at INFO,
+    warnings only with ``quiet``; Alembic's line per migration step only with ``verbose`` (every
+    start would otherwise open with them)."""
+    if quiet and verbose:
+        raise click.UsageError("give --quiet or --verbose, not both")
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, format=LOG_FORMAT, stream=sys.stderr
+    )
+    logging.getLogger("alembic").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def recording_name(recording: str | None, old_name: str | None) -> str | None:
+    """--recording, or the old ``--name`` spelling of it (with a note on stderr)."""
+    if old_name is None:
+        return recording
+    if recording is not None:
+        raise click.UsageError("--name is the old --recording: give one of them")
+    click.echo(f"note: --name is now --recording {old_name} (docs/cli.md)", err=True)
+    return old_name
+
+
+# --------------------------------------------------------------------------------------------
+@click.command()
+@options.cluster_file()
+@options.cluster_name()
+@options.database()
+@options.recording(help="Also make this run a named recording NAME (retention keeps it).")
+@click.option("--name", "old_name", hidden=True, metavar="NAME")  # the old --recording
+@click.option(
+    "--raw-hours",
+    type=FiniteFloatRange(0, 10 * 365 * 24, min_open=True),
+    metavar="HOURS",
+    help="Retention: keep raw samples this many hours, then 1-minute rollups.",
+)
+@click.option(
+    "--govern",
+    is_flag=True,
+    help="Also run the governor (the cluster's emergency modes); dry-run unless --arm.",
+)
+@options.autopilot(
+    help="Also run the autopilot (chooses each uniboost/sarathi replica's γ online); dry-run "
+    "unless --arm."
+)
+@click.option(
+    "--autopilot-config",
+    type=click.Path(dir_okay=False, exists=True),
+    metavar="FILE",
+    help='--autopilot: its knobs, a JSON object of AutopilotConfig fields (README, "The '
+    'autopilot").',
+)
+@click.option(
+    "--arm",
+    is_flag=True,
+    help="Arm the controllers started with --govern / --autopilot (they apply "
+    "their changes; without it they only write them to the audit log).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    help="Serve the tailpilot_* Prometheus page at :PORT/metrics (0: any free port; 9464 by "
+    "convention).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the Prometheus page listens on (0.0.0.0 in a pod).",
+)
+@click.option(
+    "--flush-interval",
+    type=POSITIVE,
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Write what was polled to the database this often.",
+)
+@click.option(
+    "--metrics-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Read /metrics of plugin replicas every N polls.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Log warnings and errors only.")
+@click.option(
+    "--verbose", "-v", is_flag=True, help="Also log the database's migration steps (Alembic)."
+)
+def record(
+    cluster_file: str,
+    cluster_name: str | None,
+    db: str | None,
+    recording: str | None,
+    old_name: str | None,
+    raw_hours: float | None,
+    govern: bool,
+    autopilot: bool,
+    autopilot_config: str | None,
+    arm: bool,
+    metrics_port: int | None,
+    metrics_host: str,
+    flush_interval: float,
+    metrics_every: int,
+    quiet: bool,
+    verbose: bool,
+) -> None:
+    """Record the cluster into the database until SIGTERM or Ctrl-C (headless collector), then
+    print the run's statistics as one JSON line. Exit status 0 after a clean stop, 1 when the
+    database refused a write (what was committed before is intact), 2 for bad input."""
+    from controlplane.recorder import run_recorder  # start-up cost
+
+    recording = recording_name(recording, old_name)
+    configure_logging(quiet, verbose)
+    cluster = load_cluster(cluster_file, cluster_name)
+    if arm and not (govern or autopilot):
+        raise click.UsageError("--arm goes with --govern or --autopilot")
+    if autopilot_config and not autopilot:
+        raise click.UsageError("--autopilot-config goes with --autopilot")
+    state = "armed" if arm else "dry-run"
+    tasks = [autopilot_task(autopilot_config, state)] if autopilot else []
+    if govern and cluster.governance is None:
+        raise click.UsageError(
+            f"cluster {cluster.name!r} has no governance block: nothing to govern"
+        )
+    retention = None
+    if raw_hours is not None:
+        from storage.retention import RetentionSettings  # start-up cost
+
+        retention = RetentionSettings(raw_sample_hours=raw_hours)
+    open_store(db).close()  # a bad URL is a usage error before anything starts
+    try:
+        stats = run_recorder(
+            cluster,
+            db or os.environ.get(options.DB_ENV),
+            recording_name=recording,
+            retention=retention,
+            flush_interval_s=flush_interval,
+            metrics_every=metrics_every,
+            govern=state if govern else None,
+            metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
+            tasks=tasks,
+        )
+    except OSError as err:
+        if metrics_port is None:
+            raise
+        raise click.ClickException(
+            f"cannot serve /metrics on {metrics_host}:{metrics_port}: {err.strerror or err}"
+        ) from None
+    echo_json(stats.as_dict(), default=str, indent=None)
+
+
+def autopilot_task(config_file: str | None, state: str) -> Task:
+    """The recorder task that runs the autopilot, its control row set to ``state`` first; a bad
+    config file is a usage error naming the field before anything starts."""
+    from tuner.autopilot import AutopilotConfig  # start-up cost
+
+    try:
+        config = (
+            AutopilotConfig.model_validate_json(Path(config_file).read_bytes())
+            if config_file
+            else None
+        )
+    except ValidationError as err:
+        raise click.BadParameter(describe_error(err), param_hint="--autopilot-config") from None
+
+    async def task(collector: Collector, store: Store, stop: asyncio.Event) -> None:
+        from tuner.autopilot_live import run_autopilot  # start-up cost
+
+        await asyncio.to_thread(
+            store.governance.set_autopilot_control,
+            collector.cluster.name,
+            state=state,
+            who="autopilot start",
+        )
+        await run_autopilot(collector, store, stop, config=config)
+
+    return task
+
+
+# --------------------------------------------------------------------------------------------
+def steered_cluster_options(what: str) -> options.Decorator:
+    """How ``governor`` and ``autopilot`` name the cluster they steer: by its file, as every
+    cluster command does, or by its name alone (the database knows it)."""
+    return options.stack(
+        options.cluster_file(
+            required=False, help=f"The cluster file of the cluster {what} runs on."
+        ),
+        options.cluster_name(
+            help=f"The cluster {what} runs on, by name: which cluster of --cluster, or, without "
+            "it, as the database recorded it."
+        ),
+    )
+
+
+def steered_cluster(cluster_file: str | None, cluster_name: str | None) -> tuple[str, str]:
+    """(the steered cluster's name, the option that named it)."""
+    if cluster_file is not None:
+        return load_cluster(cluster_file, cluster_name).name, "--cluster"
+    if cluster_name is not None:
+        return cluster_name, "--cluster-name"
+    raise click.UsageError(
+        "name the cluster: --cluster FILE, or --cluster-name NAME as the database recorded it"
+    )
+
+
+def caller(who: str | None) -> str:
+    return who or f"cli:{os.environ.get('USER', 'unknown')}"
+
+
+@click.command()
+@click.argument(
+    "action", type=click.Choice(["status", "arm", "dry-run", "disarm", "pause", "resume"])
+)
+@steered_cluster_options("the governor")
+@options.database()
+@options.who(help="Name in the governor's control row [default: $USER].")
+@options.json_output("the control row")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="With disarm: keep the changes the governor applied (by default "
+    "disarm, pause and a recorder stop undo them).",
+)
+def governor(
+    action: str,
+    cluster_file: str | None,
+    cluster_name: str | None,
+    db: str | None,
+    who: str | None,
+    as_json: bool,
+    keep: bool,
+) -> None:
+    """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
+    dry-run, disarm [--keep], pause, resume. Disarm, pause and dry-run undo every change the
+    governor applied, at its next evaluation (`disarm --keep` keeps them, and `status` says so).
+    The cluster must be one the database has recorded, and the database must exist: a mistyped
+    name or path is an error (exit 2), never a new control row or a new, empty database."""
+    from controlplane.governor import CONTROL_ACTIONS, modes, modes_text  # start-up cost
+
+    if keep and action != "disarm":
+        raise click.UsageError("--keep goes with disarm only")
+    name, option = steered_cluster(cluster_file, cluster_name)
+    store = open_store(db, must_exist=True)
+    try:
+        known_cluster(store, name, option)
+        changes = dict(CONTROL_ACTIONS.get(action) or {})
+        if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status it reads
+            changes["status"] = {
+                **(store.governance.governor_control(name).get("status") or {}),
+                "keep": keep,
+            }
+        row = (
+            store.governance.set_governor_control(name, who=caller(who), **changes)
+            if changes
+            else store.governance.governor_control(name)
+        )
+    finally:
+        store.close()
+    if as_json:
+        echo_json(row, default=str, indent=None)
+        return
+    status = row.get("status") or {}
+    click.echo(
+        f"governor of {name}: {row['state']}{' (paused)' if row['paused'] else ''}"
+        f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}"
+    )
+    applied, _ = modes(status)
+    if applied and (row["paused"] or (row["state"] != "armed" and not keep)):
+        click.echo(f"  undoing {', '.join(applied)} at the governor's next evaluation")
+    elif applied and keep:
+        click.echo(f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)")
+    for line in status.get("last") or []:
+        click.echo(f"  last: {line}")
+
+
+# --------------------------------------------------------------------------------------------
+@click.group()
+def autopilot() -> None:
+    """The autopilot: steer the one running in `tailpilot record --autopilot` (status, arm,
+    dry-run, disarm, pause, resume), or tune its own knobs on traces (tune)."""
+
+
+AUTOPILOT_ACTIONS = {
+    "status": "Its state, each replica's choice and why, and its last decisions.",
+    "arm": "Apply its decisions through the control API (audited, verified).",
+    "dry-run": "Only write its decisions to the audit log (the default).",
+    "disarm": "Stop it (its simulators are dropped; arming starts them afresh).",
+    "pause": "Hold it: it keeps watching and applies nothing.",
+    "resume": "Undo pause.",
+}
+
+
+def autopilot_control(action: str) -> click.Command:
+    """The ``autopilot ACTION`` command: set (or, for status, read) the control row."""
+
+    @autopilot.command(name=action, help=AUTOPILOT_ACTIONS[action])
+    @steered_cluster_options("the autopilot")
+    @options.database()
+    @options.who(help="Name in the autopilot's control row [default: $USER].")
+    @options.json_output("the control row")
+    def command(
+        cluster_file: str | None,
+        cluster_name: str | None,
+        db: str | None,
+        who: str | None,
+        as_json: bool,
+    ) -> None:
+        from tuner.autopilot_live import CONTROL_ACTIONS, status_lines  # start-up cost
+
+        name, option = steered_cluster(cluster_file, cluster_name)
+        store = open_store(db, must_exist=True)  # a mistyped path is an error, never a new file
+        try:
+            known_cluster(store, name, option)  # ... and a mistyped cluster, never a new row
+            changes = CONTROL_ACTIONS.get(action)
+            row = (
+                store.governance.set_autopilot_control(name, who=caller(who), **changes)
+                if changes
+                else store.governance.autopilot_control(name)
+            )
+        finally:
+            store.close()
+        if as_json:
+            echo_json(row, default=str, indent=None)
+        else:
+            for line in status_lines(row):
+                click.echo(line)
+
+    return command
+
+
+for _action in AUTOPILOT_ACTIONS:
+    autopilot_control(_action)
+
+
+@autopilot.command(name="tune")
+@options.trace(
+    several=True,
+    help="Traces to tune on, comma-separated [default: the bundled Azure conv window].",
+)
+@options.trials(default=20, maximum=10_000, help="Trials to run.")
+@options.seed(help="Seed of the sampler and of generated arrivals.")
+@options.out_file(help="Write the configuration here (for `record --autopilot-config FILE`).")
+@options.json_output("the result")
+def autopilot_tune(
+    trace_paths: str | None, trials: int, seed: int, out: str | None, as_json: bool
+) -> None:
+    """Tune the autopilot's own knobs (margins, dwell, window, interval, delay) on continuous
+    replays of the traces: P95 TTFT against sarathi's, with the P99 TTLT and throughput guards."""
+    from sim import traces as tr  # start-up cost
+    from tuner.autopilot_tune import tune_autopilot  # start-up cost
+
+    loaded = []
+    for path in [p.strip() for p in (trace_paths or "bundled").split(",") if p.strip()]:
+        try:
+            loaded.append(
+                tr.load_bundled() if path == "bundled" else tr.load_trace(path, seed=seed)
+            )
+        except (tr.TraceError, OSError) as err:
+            raise click.BadParameter(str(err), param_hint="--trace") from None
+        except TRACE_PARSE_ERRORS as err:
+            raise unreadable_trace(path, err) from None
+    result = tune_autopilot(loaded, trials=trials, seed=seed)
+    if out:
+        Path(out).write_text(json_text(result["config"], indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        echo_json(result)
+        return
+    f, s0 = result["figures"], result["start"]
+    click.echo(
+        f"{result['trials']} trials; best #{result['trial']}: P95 TTFT "
+        f"{f['ttft_p95_ratio']:.3f}x sarathi (default configuration "
+        f"{s0['ttft_p95_ratio']:.3f}x), P99 TTLT {f['ttlt_p99_ratio']:.3f}x, "
+        f"throughput {f['throughput_ratio']:.3f}x"
+    )
+    click.echo("config: " + json_text(result["config"]) + (f" (written to {out})" if out else ""))
+
+
+COMMANDS: tuple[click.Command, ...] = (record, governor, autopilot)

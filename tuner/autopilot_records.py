@@ -1,0 +1,85 @@
+"""How the live autopilot records a decision (``tuner.autopilot_live``): the note its audit row
+carries, the stored prediction ``tailpilot verify`` and the step back judge, and the row its
+status keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from scheduler.settings import Settings
+from tuner.autopilot import Decision
+from tuner.whatif import METRICS as WHATIF_METRICS
+
+#: The autopilot's name in the audit log and on its stored predictions.
+WHO = "autopilot"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:+.0%}"
+
+
+def decision_note(decision: Decision) -> str:
+    """One line for the audit log: the switch, why, and its predicted change."""
+    p = decision.predicted()
+    return (
+        f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 "
+        f"TTFT {_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
+        f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests"
+    )
+
+
+def decision_summary(
+    decision: Decision,
+    replica: str,
+    cluster: str,
+    current: Settings,
+    proposed: Settings,
+    t_ms: int,
+    minutes: float,
+    band: float | None,
+) -> dict[str, Any]:
+    """A switch as a stored prediction (``tuner.whatif``'s shape), so ``tailpilot verify`` and the
+    step back judge it like any previewed change."""
+    old, new = decision.figures[decision.previous], decision.figures[decision.choice]
+    predicted = decision.predicted()
+    # Every figure the what-if keeps; those the shadows do not compare (the medians) left unknown.
+    metrics = {
+        k: {
+            "current": getattr(old, k, None),
+            "proposed": getattr(new, k, None),
+            "change": predicted.get(k),
+        }
+        for k in WHATIF_METRICS
+    }
+    return {
+        "replica": replica,
+        "cluster": cluster,
+        "t_ms": t_ms,
+        "minutes": minutes,
+        "warmup_s": 120.0,
+        "requests": decision.requests,
+        "step_model": "autopilot shadows",
+        "band": band,
+        "who": WHO,
+        "current": current.to_dict(),
+        "proposed": proposed.to_dict(),
+        "metrics": metrics,
+    }
+
+
+def decision_row(decision: Decision, now: float) -> dict[str, Any]:
+    """A decision as the status keeps it (JSON)."""
+    return {
+        "t": round(now, 3),
+        "choice": decision.choice,
+        "previous": decision.previous or None,
+        "changed": decision.changed,
+        "reason": decision.reason,
+        "requests": decision.requests,
+        "cpu_s": round(decision.cpu_s, 4),
+        "predicted": {
+            k: (None if v is None else round(v, 4)) for k, v in decision.predicted().items()
+        },
+    }
