@@ -351,7 +351,7 @@ def report(
         queued = waiting.get(name, {})
         waited = float(queued.get("waited_s") or 0.0)
         if n:
-            met = {k: figures[k] is not None and figures[k] <= v for k, v in lim.items()}  # type: ignore[operator]
+            met = {k: (got := figures[k]) is not None and got <= v for k, v in lim.items()}
         else:  # nothing completed: judged on the wait so far, a lower bound of its tail latency
             met = {k: not waited > v for k, v in _tail_limits(lim).items()}
         served = float(tokens[rows].sum())
