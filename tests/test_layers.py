@@ -37,13 +37,16 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            out.append((node.lineno, module))
+            out.append((node.lineno, imported_module(node, package)))
     return out
+
+
+def imported_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from … import`` names, a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def violations(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> list[str]:
@@ -203,11 +206,7 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 if isinstance(node, ast.Import):
                     targets = [a.name for a in node.names]
                 else:
-                    if node.level:
-                        up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                        module = ".".join(up + ([node.module] if node.module else []))
-                    else:
-                        module = node.module or ""
+                    module = imported_module(node, package)
                     targets = [
                         f"{module}.{a.name}" if _module_file(f"{module}.{a.name}", root) else module
                         for a in node.names
