@@ -67,7 +67,8 @@ from controlplane.governor import MODES, STATES, modes
 from controlplane.poller import PollResult, ReplicaView
 from controlplane.series import ALERT_SEVERITIES, MAX_TENANTS, MAX_TYPES, SERIES
 from scheduler.plugin.admission import Limits
-from scheduler.plugin.api import ControlServer, HTTPError
+from scheduler.plugin.api import ControlServer
+from scheduler.plugin.request import HTTPError
 from scheduler.settings import QUANTILES
 from scheduler.validation import finite_or_none
 from storage.limits import OTHER_GROUP, REASONS

@@ -28,6 +28,7 @@ from scheduler.policies.base import Policy, new_epoch
 from scheduler.policies.boost import UniBoost
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
+from scheduler.policies.queue_groups import OffsetGroups
 from scheduler.policies.size import Sjf, Srpt
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, Simulator
@@ -225,7 +226,7 @@ def test_queue_order_is_the_sort_of_fresh_keys(name, scan, seed, narrow, n_ops):
         return
     with contextlib.ExitStack() as stack:
         if scan is not None:  # uniboost's vectorized shortlist even for a handful of groups
-            stack.enter_context(mock.patch.object(queue_mod._OffsetGroups, "_SCAN", scan))
+            stack.enter_context(mock.patch.object(OffsetGroups, "_SCAN", scan))
         d = Driver(name, seed, narrow)
         ops = random.Random(seed ^ 0x5EED)  # long operation sequences: deep queues, many epochs
         for _ in range(n_ops):
@@ -267,7 +268,7 @@ def naive():
         self.incremental_running_order = False
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(queue_mod, "_make_index", lambda policy: None))
+        stack.enter_context(mock.patch.object(queue_mod, "make_index", lambda policy: None))
         stack.enter_context(mock.patch.object(Sjf, "on_waiting_steps", Policy.on_waiting_steps))
         for cls in (UniBoost, Sjf, Srpt):
             stack.enter_context(mock.patch.object(cls, "sort_key", Policy.sort_key))

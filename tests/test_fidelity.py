@@ -22,6 +22,18 @@ from tuner.fidelity import FidelityError, compare, decision_diff, figures, setti
 TOKEN = "fid-token"
 
 
+def fidelity_cli(db, replica: str, *flags: str):
+    """``tailpilot fidelity --db DB --replica REPLICA FLAGS…`` through click's runner."""
+    return CliRunner().invoke(main, ["fidelity", "--db", str(db), "--replica", replica, *flags])
+
+
+def fidelity_json(db, replica: str, *flags: str) -> dict:
+    """The ``--json`` report of a run that must succeed."""
+    res = fidelity_cli(db, replica, *flags, "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
 def small_trace(n: int = 400, duration: float = 100.0, seed: int = 2):
     from sim.traces import Trace, TraceRequest
 
@@ -112,23 +124,7 @@ def recorded_twin(tmp_path):
 
 def test_a_twin_replayed_has_no_error_and_the_same_order(recorded_twin):
     db, twin, trace = recorded_twin
-    res = CliRunner().invoke(
-        main,
-        [
-            "fidelity",
-            "--db",
-            str(db),
-            "--replica",
-            twin.name,
-            "--recording",
-            "lab",
-            "--window-s",
-            "25",
-            "--json",
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout)
+    report = fidelity_json(db, twin.name, "--recording", "lab", "--window-s", "25")
     assert report["requests"] == len(trace) and report["unmatched"] == 0
     assert report["settings"][0]["policy"] == "uniboost"
     # The twin's engine, read from its /state: limits and KV (not the simulator's defaults).
@@ -144,11 +140,7 @@ def test_a_twin_replayed_has_no_error_and_the_same_order(recorded_twin):
     with Store.open(str(db)) as store:
         [kept] = store.tuner.latest_fidelity("twins", twin.name)
     assert kept["summary"]["band"] == report["band"] and "recording=lab" in kept["span"]
-    text = (
-        CliRunner()
-        .invoke(main, ["fidelity", "--db", str(db), "--replica", twin.name, "--no-store"])
-        .stdout
-    )
+    text = fidelity_cli(db, twin.name, "--no-store").stdout
     assert "error band on this replica: ±0%" in text and "decision diff: Spearman 1" in text
 
 
@@ -163,22 +155,7 @@ def test_a_different_step_model_shows_up_as_error_and_reordering(recorded_twin):
         **{k: getattr(true, k) * 0.6 for k in "abcde"}, name="fid/fast", source="test"
     )
     save_user_model(fast)
-    res = CliRunner().invoke(
-        main,
-        [
-            "fidelity",
-            "--db",
-            str(db),
-            "--replica",
-            twin.name,
-            "--step-model",
-            "fid/fast",
-            "--no-store",
-            "--json",
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout)
+    report = fidelity_json(db, twin.name, "--step-model", "fid/fast", "--no-store")
     assert report["step_model"] == "fid/fast"
     assert report["overall"]["errors"]["ttlt_p50"] < -0.2 and report["band"] > 0.2
     assert report["divergent_windows"]
@@ -186,16 +163,11 @@ def test_a_different_step_model_shows_up_as_error_and_reordering(recorded_twin):
 
 def test_errors_name_what_is_missing(recorded_twin, tmp_path):
     db, twin, _ = recorded_twin
-    runner = CliRunner()
-    res = runner.invoke(main, ["fidelity", "--db", str(db), "--replica", "nope"])
+    res = fidelity_cli(db, "nope")
     assert res.exit_code == 2 and "'nope'" in res.output
-    res = runner.invoke(
-        main, ["fidelity", "--db", str(db), "--replica", twin.name, "--recording", "nope"]
-    )
+    res = fidelity_cli(db, twin.name, "--recording", "nope")
     assert res.exit_code == 2 and "no recording 'nope'" in res.output
-    res = runner.invoke(
-        main, ["fidelity", "--db", str(tmp_path / "none.db"), "--replica", twin.name]
-    )
+    res = fidelity_cli(tmp_path / "none.db", twin.name)
     assert res.exit_code == 2 and "no tailpilot store" in res.output
     with pytest.raises(FidelityError, match="no settings document"):
         settings_timeline([], None)
@@ -255,22 +227,7 @@ def test_the_front_end_hop_is_replayed_from_the_engine_core_and_added_back(recor
     db, twin, trace = recorded_twin
 
     def overall() -> dict:
-        res = CliRunner().invoke(
-            main,
-            [
-                "fidelity",
-                "--db",
-                str(db),
-                "--replica",
-                twin.name,
-                "--recording",
-                "lab",
-                "--no-store",
-                "--json",
-            ],
-        )
-        assert res.exit_code == 0, res.output
-        return json.loads(res.stdout)["overall"]
+        return fidelity_json(db, twin.name, "--recording", "lab", "--no-store")["overall"]
 
     with Store.open(str(db)) as store, store.database.engine.begin() as conn:
         assert conn.execute(

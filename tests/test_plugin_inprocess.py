@@ -819,7 +819,7 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
     """Every waiting request of an empty-bucket tenant is held: vLLM sees an empty queue for
     admission (no peek on a held request), keeps stepping the running ones, and admits the held
     ones once the bucket has tokens again — none lost, every token count exact."""
-    from scheduler.policies.slo import Bucket
+    from scheduler.policies.slo_backpressure import Bucket
 
     clock = Clock()
     s = build(

@@ -217,7 +217,7 @@ def admit_all(p, waiting, now) -> list[str]:
 def test_an_empty_bucket_yields_to_others_then_borrows_every_free_seat():
     """Work-conserving (issue 23): the quiet tenant first, then the throttled one takes the seats
     nobody else waits for — all of them (tests/test_slofq_work_conserving.py); lending off holds."""
-    from scheduler.policies.slo import Bucket
+    from scheduler.policies.slo_backpressure import Bucket
 
     p = make_policy(slofq(engine={"max_num_seqs": 4}))
     noisy = arrive(p, [state(f"n{i}", "noisy", 0.0) for i in range(4)])
@@ -344,7 +344,7 @@ def test_a_queue_cap_refuses_only_the_capped_tenants_overflow():
 
 
 def test_the_refusal_names_the_tenant_cap_and_retry():
-    from scheduler.policies.slo import Bucket
+    from scheduler.policies.slo_backpressure import Bucket
 
     policy = make_policy(slofq(tenants={"t": {"queue_cap": 2}}))
     arrive(policy, [state("a", "t", 0.0), state("b", "t", 0.1)])
@@ -448,7 +448,7 @@ def test_a_switch_keeps_each_tenants_credit_and_the_new_windows():
 
 
 def test_buckets_go_with_backpressure_and_an_idle_tenants_throttle_waits_for_use():
-    from scheduler.policies.slo import Bucket
+    from scheduler.policies.slo_backpressure import Bucket
 
     p = make_policy(slofq(backpressure=False, throttle={"idle": 0.5}))
     p.buckets["was"] = Bucket(rate=1.0, now=0.0)  # carried over from a document with backpressure

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.noisy_neighbour import HEAVY_QUIET, heavy_tenant
 from scheduler.metrics.fairness import window_report
 from scheduler.policies import RequestState, make_policy
-from scheduler.policies.slo import Bucket
+from scheduler.policies.slo_backpressure import Bucket
 from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig, Simulator
 from sim.noisy import capacity

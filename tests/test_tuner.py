@@ -161,6 +161,23 @@ def test_constraint_grammar():
         assert repr(bad) in str(err.value)
 
 
+def tune_x_args(tmp_path: Path) -> list[str]:
+    """``tailpilot tune`` of study x (uniboost, P99 TTLT) with its files under tmp_path."""
+    return [
+        "tune",
+        "--study",
+        "x",
+        "--storage",
+        str(tmp_path / "o.db"),
+        "--db",
+        str(tmp_path / "tp.db"),
+        "--policy",
+        "uniboost",
+        "--objective",
+        "ttlt_p99",
+    ]
+
+
 def test_a_strict_comparison_is_refused_naming_the_constraint(tmp_path, cli):
     """``>`` silently meant ``>=``: now it is an error that names the constraint and the operator
     to use; a study defined before reads it as the inclusive bound it ran."""
@@ -171,22 +188,7 @@ def test_a_strict_comparison_is_refused_naming_the_constraint(tmp_path, cli):
     assert parse_constraint("ttft_p99<2", legacy=True).op == "<="
     assert parse_constraint("throughput>baseline", legacy=True).value(1.0, 1.0) == 0.0
     res = CliRunner().invoke(
-        cli,
-        [
-            "tune",
-            "--study",
-            "x",
-            "--storage",
-            str(tmp_path / "o.db"),
-            "--db",
-            str(tmp_path / "tp.db"),
-            "--policy",
-            "uniboost",
-            "--objective",
-            "ttlt_p99",
-            "--constraint",
-            "throughput>0.99*baseline",
-        ],
+        cli, [*tune_x_args(tmp_path), "--constraint", "throughput>0.99*baseline"]
     )
     assert res.exit_code == 2, res.output
     error = [line for line in res.output.splitlines() if line.startswith("Error:")]
@@ -211,19 +213,7 @@ def test_spec_errors_name_the_field_and_the_cli_its_flag(tmp_path, cli):
         assert "--" not in str(err.value)  # a library error names the field, not a flag
     with pytest.raises(SpecError, match=r"^traces: .*missing\.csv: no such file$"):
         small_spec(traces=[str(tmp_path / "missing.csv")]).normalize()
-    base = [
-        "tune",
-        "--study",
-        "x",
-        "--storage",
-        str(tmp_path / "o.db"),
-        "--db",
-        str(tmp_path / "tp.db"),
-        "--policy",
-        "uniboost",
-        "--objective",
-        "ttlt_p99",
-    ]
+    base = tune_x_args(tmp_path)
     trace = tmp_path / "t.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,10\n")
     for flags, says in (

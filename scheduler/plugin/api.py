@@ -36,8 +36,10 @@ an HTTP answer: malformed ones a 4xx JSON error naming the problem, the server's
 process.
 
 The pieces: this module answers requests (``ControlHandler``, its route table ``ROUTES``) and
-starts the server (``ControlServer``); ``scheduler.plugin.admission`` admits, times and refuses
-connections and requests (``Limits``); ``scheduler.plugin.wire`` reads and writes strict JSON.
+starts the server (``ControlServer``); ``scheduler.plugin.request`` reads a request's headers,
+query and body within their budgets (``HTTPError`` for what cannot be answered as asked);
+``scheduler.plugin.admission`` admits, times and refuses connections and requests (``Limits``);
+``scheduler.plugin.wire`` reads and writes strict JSON.
 """
 
 from __future__ import annotations
@@ -46,10 +48,8 @@ import contextlib
 import dataclasses
 import hmac
 import http.client
-import io
 import logging
 import math
-import re
 import socket
 import threading
 import time
@@ -57,22 +57,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any, NoReturn, Protocol, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from scheduler.contract import INFLIGHT_LIMIT
 from scheduler.plugin.admission import CLOSED_EARLY, BoundedHTTPServer, Limits, TokenBucket
 from scheduler.plugin.core import SettingsConflict
 from scheduler.plugin.env import DEFAULT_PORT, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv
-from scheduler.plugin.wire import encode_json, parse_json_body
+from scheduler.plugin.request import (
+    HeaderBudgetReader,
+    HTTPError,
+    duplicate_content_length,
+    has_body,
+    parse_cursor,
+    parse_if_match,
+    parse_limit,
+    parse_query,
+    read_settings_document,
+)
+from scheduler.plugin.wire import encode_json
 from scheduler.settings import describe_error
 
 PREFIX = "/tailpilot/v1"
 log = logging.getLogger("tailpilot.control")
 
-_DIGITS = re.compile(r"[0-9]{1,18}", re.ASCII)  # cursors, versions, lengths: ASCII digits, < 2**63
-_VERSION = re.compile(r'"?([0-9]{1,18})"?', re.ASCII)  # If-Match, bare or as an ETag
 LINGER_S = 0.5  # at most this long reading what a refused client still sends before closing
 
 
@@ -114,45 +122,6 @@ class OptionalEndpoints(Protocol):
     def api_health(self) -> bool: ...
 
 
-class HTTPError(Exception):
-    """Answer ``status`` with ``message``; ``close`` when unread bytes make the connection
-    unusable."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        close: bool = False,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.close, self.headers = status, close, headers or {}
-
-
-class _Reader:
-    """A connection's input with a byte budget for each request's line and headers."""
-
-    def __init__(self, raw: io.BufferedIOBase, budget: int) -> None:
-        self.raw, self.budget, self.left = raw, budget, budget
-
-    def new_request(self) -> None:
-        self.left = self.budget
-
-    def readline(self, size: int = -1) -> bytes:
-        if self.left <= 0:
-            raise http.client.LineTooLong("request line and headers over the size limit")
-        line = self.raw.readline(self.left if size < 0 else min(size, self.left))
-        self.left -= len(line)
-        return line
-
-    def read(self, size: int = -1) -> bytes:
-        return self.raw.read(size)
-
-    def close(self) -> None:
-        self.raw.close()
-
-
 class ControlHTTPServer(BoundedHTTPServer):
     """The bounded server with what its handlers answer from: the target and the write token."""
 
@@ -181,7 +150,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         limits = self.server.limits
         # Per socket operation; the reaper bounds the total.
         self.connection.settimeout(limits.request_timeout_s)
-        self.reader = _Reader(self.rfile, limits.max_header_bytes)
+        self.reader = HeaderBudgetReader(self.rfile, limits.max_header_bytes)
         # http.server reads rfile by readline and read only; typeshed's BufferedIOBase is stricter.
         self.rfile = self.reader  # type: ignore[assignment]
         self.bucket = TokenBucket(limits.rate_per_connection, limits.clock)
@@ -230,13 +199,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":  # no headers, no status line: nothing to answer with
             self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
-        lengths = self.headers.get_all("Content-Length") or []
-        # Which one frames the body is ambiguous: the rest could be a smuggled request.
-        if len(lengths) > 1:
-            shown = ", ".join(repr(v[:20]) for v in lengths[:4])
-            self.send_error(
-                400, f"Content-Length: given {len(lengths)} times ({shown}); send it once"
-            )
+        if (problem := duplicate_content_length(self.headers)) is not None:
+            self.send_error(400, problem)
             return False
         return True
 
@@ -261,7 +225,8 @@ class ControlHandler(BaseHTTPRequestHandler):
             refusal is CLOSED_EARLY
         ):  # closed to make room while its request arrived: nobody to answer
             return False
-        if self._has_body():  # unread input: answer now and drain it (closing later would reset it)
+        # Unread input: answer now and drain it (closing later would reset it).
+        if has_body(self.headers):
             self.linger = True
             with contextlib.suppress(OSError):
                 self._send(503, {"error": refusal, "status": 503}, {"Retry-After": "1"})
@@ -320,8 +285,9 @@ class ControlHandler(BaseHTTPRequestHandler):
 
     def _route(self) -> None:
         path = urlsplit(self.path).path
-        if self.command == "GET":
-            self._refuse_body()
+        # A GET with a body: we do not read it, so the connection cannot carry another request.
+        if self.command == "GET" and has_body(self.headers):
+            self.close_connection = True
         route = ROUTES.get((self.command, path))
         if route is None or not route.served_by(self.server.target):
             self._no_route(path)
@@ -331,7 +297,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         """No answer for this method on ``path``: 405 naming the methods that have one, else 404."""
         allowed = _allowed(path, self.server.target)
         if allowed is None and self.command == "GET":
-            self._query(())  # a GET's query is checked before its path is looked up
+            parse_query(self.path, ())  # a GET's query is checked before its path is looked up
             raise HTTPError(
                 404, f"no such endpoint: {path[:200]}"
             )  # nothing unread: the connection stays
@@ -372,35 +338,38 @@ class ControlHandler(BaseHTTPRequestHandler):
 
     # --- GET --------------------------------------------------------------------------------------
     def get_state(self) -> None:
-        self._send(200, self.server.target.api_state(self._cursor(self._query(("cursor",)))))
+        cursor = parse_cursor(parse_query(self.path, ("cursor",)))
+        self._send(200, self.server.target.api_state(cursor))
 
     def get_steps(self) -> None:
-        self._send(200, self.server.target.api_steps(self._cursor(self._query(("cursor",))) or 0))
+        cursor = parse_cursor(parse_query(self.path, ("cursor",)))
+        self._send(200, self.server.target.api_steps(cursor or 0))
 
     def get_inflight(self) -> None:
-        self._send(200, self._optional().api_inflight(self._limit(self._query(("limit",)))))
+        limit = parse_limit(parse_query(self.path, ("limit",)))
+        self._send(200, self._optional().api_inflight(limit))
 
     def get_settings(self) -> None:
-        self._query(())
+        parse_query(self.path, ())
         doc = self.server.target.api_settings()
         self._send(200, doc, {"ETag": str(doc["version"])})
 
     def get_health(self) -> None:
-        self._query(())
+        parse_query(self.path, ())
         self._send(200, {"ok": True})
 
     def get_metrics(self) -> None:
-        self._query(())
+        parse_query(self.path, ())
         data, content_type = self._optional().api_metrics()
         self._send_raw(200, data, content_type)
 
     def get_models(self) -> None:
-        self._query(())
+        parse_query(self.path, ())
         self._send(200, self._optional().api_models())
 
     def get_server_health(self) -> None:
         """vLLM's ``GET /health``: an empty 200, or 503 when the target is unhealthy."""
-        self._query(())
+        parse_query(self.path, ())
         self._send_raw(200 if self._optional().api_health() else 503, b"", "text/plain")
 
     def _optional(self) -> OptionalEndpoints:
@@ -408,63 +377,12 @@ class ControlHandler(BaseHTTPRequestHandler):
         then)."""
         return cast(OptionalEndpoints, self.server.target)
 
-    def _query(self, allowed: tuple[str, ...]) -> dict[str, str]:
-        url = urlsplit(self.path)
-        if not url.query:
-            return {}
-        try:
-            query = parse_qs(
-                url.query,
-                keep_blank_values=True,
-                strict_parsing=True,
-                max_num_fields=len(allowed) + 1,
-            )
-        except ValueError as err:
-            raise HTTPError(400, f"query: {err}") from None
-        for name, values in query.items():
-            if name not in allowed:
-                raise HTTPError(
-                    400,
-                    f"query: unknown parameter {name!r} (known: {', '.join(allowed) or 'none'})",
-                )
-            if len(values) > 1:
-                raise HTTPError(400, f"query: {name} given {len(values)} times")
-        return {name: values[0] for name, values in query.items()}
-
-    def _cursor(self, query: dict[str, str]) -> int | None:
-        raw = query.get("cursor")
-        if raw is None:
-            return None
-        if not _DIGITS.fullmatch(raw):
-            raise HTTPError(400, f"cursor: expected a non-negative integer, got {raw[:40]!r}")
-        return int(raw)
-
-    def _limit(self, query: dict[str, str]) -> int:
-        raw = query.get("limit")
-        if raw is None:
-            return INFLIGHT_LIMIT
-        if not _DIGITS.fullmatch(raw) or not 1 <= int(raw) <= INFLIGHT_LIMIT:
-            raise HTTPError(
-                400, f"limit: expected an integer from 1 to {INFLIGHT_LIMIT}, got {raw[:40]!r}"
-            )
-        return int(raw)
-
-    def _has_body(self) -> bool:
-        return self.headers.get("Content-Length", "0").strip() not in ("", "0") or bool(
-            self.headers.get("Transfer-Encoding")
-        )
-
-    def _refuse_body(self) -> None:
-        """A GET with a body: we do not read it, so the connection cannot carry another request."""
-        if self._has_body():
-            self.close_connection = True
-
     # --- PUT --------------------------------------------------------------------------------------
     def put_settings(self) -> None:
-        self._query(())
+        parse_query(self.path, ())
         self._authorize()
-        version = self._if_match()
-        doc = self._settings_document()
+        version = parse_if_match(self.headers)
+        doc = read_settings_document(self.headers, self.reader, self.server.limits)
         try:
             result = self.server.target.api_put_settings(doc, version)
         except SettingsConflict as err:
@@ -494,58 +412,6 @@ class ControlHandler(BaseHTTPRequestHandler):
             raise HTTPError(401, "missing bearer token (Authorization: Bearer <token>)", close=True)
         if not self.authenticated:
             raise HTTPError(401, "wrong bearer token", close=True)
-
-    def _if_match(self) -> int | None:
-        """The settings version ``If-Match`` names (compare-and-set), None without one."""
-        if_match = self.headers.get("If-Match")
-        if if_match is None:
-            return None
-        m = _VERSION.fullmatch(if_match.strip())
-        if m is None:
-            raise HTTPError(
-                400,
-                f"If-Match: expected a settings version number, got {if_match[:40]!r}",
-                close=True,
-            )
-        return int(m.group(1))
-
-    def _settings_document(self) -> dict[str, Any]:
-        """The body, read within the limits, as a JSON object."""
-        try:
-            doc = parse_json_body(self._body())
-        except ValueError as err:
-            raise HTTPError(400, str(err)) from None
-        if not isinstance(doc, dict):
-            raise HTTPError(400, f"body: expected a settings object, got {type(doc).__name__}")
-        return doc
-
-    def _body(self) -> bytes:
-        limits = self.server.limits
-        if self.headers.get("Transfer-Encoding"):
-            raise HTTPError(
-                411, "Transfer-Encoding is not accepted: send Content-Length", close=True
-            )
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            raise HTTPError(411, "Content-Length: required", close=True)
-        if not _DIGITS.fullmatch(raw.strip()):
-            raise HTTPError(
-                400, f"Content-Length: expected a byte count, got {raw[:40]!r}", close=True
-            )
-        length = int(raw)
-        if length > limits.max_body:
-            raise HTTPError(
-                413, f"body: {length} bytes, over the limit of {limits.max_body}", close=True
-            )
-        try:
-            body = self.rfile.read(length)
-        except TimeoutError:
-            raise HTTPError(
-                408, f"body: not received within {limits.request_timeout_s:g} s", close=True
-            ) from None
-        if len(body) < length:  # the client closed, or the reaper cut a trickle off
-            raise HTTPError(408, f"body: {len(body)} of {length} bytes arrived in time", close=True)
-        return body
 
 
 @dataclass(frozen=True, slots=True)

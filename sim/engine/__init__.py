@@ -6,7 +6,8 @@
 
 Modules: `simulator` (the `Simulator` loop and `simulate`), `step` (what one step decided and the
 event-skipping time arithmetic), `config` (`EngineConfig`, the replica's fixed facts), `result`
-(`SimResult`). This package's namespace is the public API: import from `sim.engine`.
+(`SimResult`), `preemption` (policy and memory preemption, the contended serve), `invariants`
+(the books checked). This package's namespace is the public API: import from `sim.engine`.
 """
 
 from sim.engine.config import EngineConfig

@@ -6,7 +6,8 @@ One scheduling step, top to bottom (``Simulator._step``):
   2. the policy orders the running list and may preempt running requests for waiting ones;
   3. running requests, in running order, get ``min(remaining prefill or 1, budget, threshold)``
      tokens and the KV blocks those need; when a block is missing the policy's memory victim is
-     preempted by recompute (its KV freed, back to the front of waiting);
+     preempted by recompute (its KV freed, back to the front of waiting). 2's preemptions and 3
+     under contention are in ``sim.engine.preemption``;
   4. only if nothing was preempted in 3, waiting requests are admitted in the policy's order while
      budget, ``max_num_seqs`` and KV allow; the first that cannot get blocks stops admission;
   5. the step takes the step-time model's time; a request whose prefill completes emits a token.
@@ -28,10 +29,11 @@ from scheduler.metrics import Completion
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.base import INF, arrival_order
 from scheduler.policies.predictors import LengthPredictor
-from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import Settings
 from sim.engine.config import EngineConfig
+from sim.engine.invariants import check_books
+from sim.engine.preemption import preempt_for_waiting, serve_in_running_order
 from sim.engine.result import SimResult
 from sim.engine.step import StepPlan, kv_safe_steps, serve_uncontended
 from sim.traces import Trace, TraceRequest
@@ -74,7 +76,7 @@ class Simulator:
         self.now = reqs[0].arrival if reqs else 0.0
         self.waiting = WaitingQueue(self.policy)
         self.running: list[RequestState] = []
-        # running[:_settled] is still in the order the policy last gave it (_sort_running)
+        # running[:_settled] is still in the order the policy last gave it (sort_running)
         self._settled = 0
         self.blocks: dict[str, int] = {}  # KV blocks held per request id
         self.free_blocks = self.config.num_gpu_blocks
@@ -131,7 +133,7 @@ class Simulator:
         policy.attach(self.waiting.in_order(), self.running, self.now)
         self._settled = 0
         self.policy, self.settings = policy, settings
-        self._check()
+        check_books(self)
 
     def advance_to(self, t: float) -> int:
         """Run the steps that start before ``t`` (a live twin replica calls this with its clock);
@@ -293,164 +295,35 @@ class Simulator:
         self._advance(step, n_steps)
         self.iterations += 1
         if self.check_invariants:
-            self._check()
+            check_books(self)
 
     # --- deciding one step ------------------------------------------------------------------
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
-    def _admission_blocks(self, req: RequestState, chunk: int) -> int:
+    def admission_blocks(self, req: RequestState, chunk: int) -> int:
         """Free blocks a waiting request needs to be admitted with ``chunk`` tokens."""
         tokens = req.prompt_tokens + req.generated if self.config.reserve_full_sequence else chunk
         return self._blocks_for(max(tokens, chunk))
 
-    def _chunk(self, req: RequestState, budget: int) -> int:
+    def prefill_chunk(self, req: RequestState, budget: int) -> int:
+        """The tokens ``req`` gets next out of ``budget``: the rest of its prefill, capped by the
+        long-prefill threshold."""
         n = req.prompt_tokens + req.generated - req.computed_tokens  # remaining_prefill, inlined
         lpt = self.settings.engine.long_prefill_token_threshold
         if 0 < lpt < n:
             n = lpt
         return min(n, budget)
 
-    def _leave_running(self, req: RequestState) -> None:
+    def leave_running(self, req: RequestState) -> None:
+        """Take a finished or preempted request out of the running list."""
         i = self.running.index(req)
         del self.running[i]
         if i < self._settled:
             self._settled -= 1
 
-    def _preempt(self, req: RequestState, by_policy: bool, requeue: bool = True) -> None:
-        self._leave_running(req)
-        self.free_blocks += self.blocks.pop(req.id, 0)
-        self.recomputed_tokens += req.note_preemption(self.now, by_policy)
-        req.computed_tokens = 0
-        self.preemptions += 1
-        self.policy_preemptions += by_policy
-        if requeue:
-            self._requeue(req, by_policy)
-
-    def _requeue(self, req: RequestState, by_policy: bool) -> None:
-        self.waiting.push(req, self.now, front=True)  # recompute: back to the front (stock order)
-        self.policy.on_preempt(req, self.now, by_policy)
-
-    def _policy_preemptions(self, now: float) -> bool:
-        """Preempt running requests for better-keyed waiting ones that cannot otherwise fit."""
-        eng = self.settings.engine
-
-        def ordered_running() -> list[RequestState]:
-            self._sort_running(now)
-            return self.running
-
-        victims = plan_preemptions(
-            self.policy,
-            self.waiting.ordered(now),
-            ordered_running,
-            now=now,
-            seats=eng.max_num_seqs - len(self.running),
-            free_blocks=self.free_blocks,
-            budget=eng.max_num_batched_tokens,
-            chunk=self._chunk,
-            blocks_needed=self._admission_blocks,
-            held_blocks=lambda r: self.blocks.get(r.id, 0),
-            max_seats=eng.max_num_seqs,
-            total_blocks=self.config.num_gpu_blocks,
-        )
-        for victim in victims:
-            self._preempt(victim, by_policy=True)
-        return bool(victims)
-
-    def _budget_order(self) -> list[RequestState]:
-        """The order the token budget goes in: the running list itself, or under ``decode_first``
-        a copy with the decodes (in running order) before the prefill chunks (in running order)."""
-        policy, running = self.policy, self.running
-        if not policy.decode_first or policy.running_order_is_budget_order:
-            return running
-        # Prefill chunks (prompts, recomputes) are few: find them, then the decodes are the rest.
-        chunked = [
-            r
-            for r in running
-            if not (r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1)
-        ]
-        if not 0 < len(chunked) < len(running):
-            return running  # all decodes, or none: the running order is the budget order
-        if len(chunked) == 1:
-            first = chunked[0]
-            order = [r for r in running if r is not first]
-        else:
-            chunked_set = set(chunked)  # RequestState hashes by identity
-            order = [r for r in running if r not in chunked_set]
-        return order + chunked
-
-    def _serve_running(self, step: StepPlan[RequestState]) -> int:
-        """Serve the running requests in running order, preempting on KV shortage
-        (docs/engine.md#budget-order).
-
-        Under ``decode_first`` the budget goes to decodes before prefill chunks (each group in
-        running order), while the memory-pressure victim still comes from the running order."""
-        policy, eng, running, blocks = self.policy, self.settings.engine, self.running, self.blocks
-        budget = eng.max_num_batched_tokens
-        bs, lpt = self.config.block_size, eng.long_prefill_token_threshold
-        decodes, chunks = step.decodes, step.chunks
-        sum_ctx = prefill = prefill_sq = 0
-        order = self._budget_order()  # the running list itself, or a reordered copy of it
-        i, end = 0, len(order)  # only the preemptions below shrink it
-        while i < end and budget > 0:
-            req = order[i]
-            c, g = req.computed_tokens, req.generated
-            n = req.prompt_tokens + g - c
-            if n == 1 and g and c % bs:  # a decode within the blocks it holds: the common case
-                decodes.append(req)
-                sum_ctx += c + 1
-                budget -= 1
-                i += 1
-                continue
-            decode = n == 1 and g > 0  # else a prefill chunk (the prompt, or a recompute)
-            if not decode:
-                if 0 < lpt < n:
-                    n = lpt
-                if n > budget:
-                    n = budget
-            if (c + n - 1) // bs >= (c + bs - 1) // bs:  # crosses into a block it does not hold
-                held = blocks.get(req.id, 0)
-                need = -(-(c + n) // bs) - held
-                while need > self.free_blocks:
-                    victim = policy.memory_victim(running)
-                    vi = order.index(victim)
-                    if victim in chunks:  # already served this step: take its service back
-                        vn = chunks.pop(victim)
-                        budget += vn
-                        prefill -= vn
-                        prefill_sq -= vn * vn
-                    elif victim in decodes:
-                        decodes.remove(victim)
-                        budget += 1
-                        sum_ctx -= victim.computed_tokens + 1
-                    self._preempt(victim, by_policy=False)
-                    if order is not running:
-                        order.remove(victim)
-                    end -= 1
-                    step.memory_preempted = True
-                    if victim is req:
-                        break
-                    if vi < i:
-                        i -= 1
-                else:
-                    self.free_blocks -= need
-                    blocks[req.id] = held + need
-                if req.status == "waiting":  # it was its own victim: running[i] is the next one
-                    continue
-            if decode:
-                decodes.append(req)
-                sum_ctx += c + 1
-            else:
-                chunks[req] = n
-                prefill += n
-                prefill_sq += n * n
-            budget -= n
-            i += 1
-        step.sum_kv_context = sum_ctx
-        step.prefill_tokens, step.sum_prefill_sq = prefill, prefill_sq
-        return budget
-
-    def _sort_running(self, now: float) -> None:
+    def sort_running(self, now: float) -> None:
+        """Have the policy order the running list, once a step at most."""
         if not self._running_sorted:
             # running[:_settled] is in the order the policy gave it last (completions and
             # preemptions only removed from it); admissions since were appended after it.
@@ -462,7 +335,7 @@ class Simulator:
         policy, eng = self.policy, self.settings.engine
         self._running_sorted = not policy.reorders_running
         step: StepPlan[RequestState] = StepPlan()
-        step.preempted = bool(self.waiting) and policy.preemptive and self._policy_preemptions(now)
+        step.preempted = bool(self.waiting) and policy.preemptive and preempt_for_waiting(self, now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
         # (Under sustained contention skip the attempt: it would fail again.)
@@ -480,8 +353,8 @@ class Simulator:
             if served is not None:
                 budget, self.free_blocks = served
         if budget is None:
-            self._sort_running(now)
-            budget = self._serve_running(step)
+            self.sort_running(now)
+            budget = serve_in_running_order(self, step)
             self._was_contended = budget <= 0 or step.memory_preempted
         else:
             self._was_contended = False
@@ -494,8 +367,8 @@ class Simulator:
                 if len(running) >= eng.max_num_seqs or budget == 0:
                     step.admission_blocked = True
                     break
-                n = self._chunk(w, budget)
-                if self._admission_blocks(w, n) > self.free_blocks:
+                n = self.prefill_chunk(w, budget)
+                if self.admission_blocks(w, n) > self.free_blocks:
                     step.admission_blocked = step.kv_blocked = True
                     break
                 need = self._blocks_for(n)
@@ -651,7 +524,7 @@ class Simulator:
         now = self.now
         req.finished_at = now
         req.status = "finished"
-        self._leave_running(req)
+        self.leave_running(req)
         self.free_blocks += self.blocks.pop(req.id)
         self.policy.on_finish(req, now)
         if self.predictor is not None:
@@ -673,16 +546,6 @@ class Simulator:
                 recomputed_tokens=req.recomputed_tokens,
             )
         )
-
-    def _check(self) -> None:
-        held = sum(self.blocks.values())
-        assert held + self.free_blocks == self.config.num_gpu_blocks, "KV block accounting broken"
-        assert self.free_blocks >= 0, "KV blocks over capacity"
-        for r in self.running:
-            assert self.blocks.get(r.id, 0) >= self._blocks_for(r.computed_tokens), (
-                f"{r.id} lacks KV"
-            )
-        self.waiting.check_order()
 
 
 def simulate(
