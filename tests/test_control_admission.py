@@ -89,6 +89,18 @@ def settled(server: ControlServer) -> bool:
     return True
 
 
+def at_rest(server: ControlServer) -> bool:
+    """Waits until every answered request's connection is idle again. A handler marks its
+    connection idle (and queues it by idle age) only after the answer is sent, so a test that
+    moves the clock right after a reply must wait for this, or the idle order is a race."""
+    deadline = time.monotonic() + WAIT_S
+    while server.httpd.admission()["busy"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 BEARER = f"Bearer {TOKEN}"
 
 
@@ -115,11 +127,12 @@ def test_anonymous_connections_leave_slots_for_token_holders():
         holder = connect(server)
         assert [ask(holder, auth=BEARER) for _ in range(3)] == [200] * 3
         assert [ask(s) for s in anonymous] == [200] * 3  # the anonymous ones were not disturbed
-        assert server.httpd.admission() == {
+        assert at_rest(server) and server.httpd.admission() == {
             "connections": 4,
             "anonymous": 3,
             "token": 1,
             "new": 0,
+            "busy": 0,
             "closing": 0,
             "parked": 0,
             "addresses": 1,
@@ -146,14 +159,14 @@ def test_idle_anonymous_connections_are_closed_early_idlest_first_and_never_a_to
     try:
         a = [connect(server) for _ in range(3)]
         for s in a:
-            assert ask(s) == 200
+            assert ask(s) == 200 and at_rest(server)
             clock.t += 1.0  # a[0] is the idlest, then a[1], a[2]
         clock.t += 1.0
         newcomer = connect(server)
-        assert ask(newcomer) == 200  # in a[0]'s anonymous slot
+        assert ask(newcomer) == 200 and at_rest(server)  # in a[0]'s anonymous slot
         assert closed_by_server(a[0]) and settled(server)
         holder = connect(server)  # the fourth slot
-        assert ask(holder, auth=BEARER) == 200
+        assert ask(holder, auth=BEARER) == 200 and at_rest(server)
         clock.t += 5.0  # every connection idle for long, the token holder's too
         late = connect(server)  # all four slots taken: the idlest unauthenticated one goes, a[1]
         assert ask(late) == 200

@@ -381,15 +381,18 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def admission(self) -> dict[str, int]:
         """A snapshot of the connection table and the rate table: connections by kind, how many are
-        closing early, how many refused ones wait for their answer, how many client addresses are
+        serving a request now (busy: answered but not yet idle counts too), how many are closing
+        early, how many refused ones wait for their answer, how many client addresses are
         remembered."""
         with self._lock:
-            kinds = Counter(conn.kind for conn in self._conns.values() if not conn.closing)
+            open_conns = [conn for conn in self._conns.values() if not conn.closing]
+            kinds = Counter(conn.kind for conn in open_conns)
             counts = {
                 "connections": len(self._conns) - self._closing,
                 "anonymous": self._anonymous,
                 "token": kinds[TOKEN],
                 "new": kinds[NEW],
+                "busy": sum(conn.busy for conn in open_conns),
                 "closing": self._closing,
                 "parked": len(self._parked),
             }
