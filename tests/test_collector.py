@@ -671,7 +671,12 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
 
     run = asyncio.run(scenario())
     bad = [p for p in run.polls_of(faulty.name) if not p[2]]
-    assert bad and all(_names_fault(p[3], fault) for p in bad), bad
+    # Every failed poll names the injected fault, except a poll that timed out: the faulty
+    # replica is reached through the test's Python proxy, which on a loaded 2-core machine can
+    # miss the 1-s timeout on its own (a CI run saw one "metrics: timeout" among the HTTP 500s).
+    # A timeout is a true reason there, never a wrong one; the fault must still be named.
+    named = [p for p in bad if _names_fault(p[3], fault)]
+    assert named and all(p in named or "timeout after" in p[3] for p in bad), bad
     if fault == "down":
         assert any("state: down" in p[3] for p in bad), bad  # once stopped: connection refused
     # The outage is in the history, and nothing was lost or duplicated across it.
