@@ -4,6 +4,10 @@
         [--policies fcfs,sarathi,uniboost,tie,vtc,las,srpt,slofq] [--reps 100] [--rounds 1]
         [--profile tie]
 
+    # the costliest valid document against the stock one (10,000 tenants and throttles, 1-ms ticks)
+    python benchmarks/plugin_schedule_overhead.py --waiting 256 --running 64 \
+        --policies slofq,slofq-worst
+
     # the deep queue: 10,000 waiting, a new epoch at every step (γ-Ada, predictor refits)
     P=fcfs,uniboost,uniboost-ada,uniboost-nomg,tie,tie-refit,srpt,srpt-refit,sjf,las,vtc,distboost
     python benchmarks/plugin_schedule_overhead.py --waiting 10000 --running 64 --policies $P
@@ -88,6 +92,16 @@ POLICIES = {
     "uniboost-nomg": {"policy": "uniboost", "params": {"memguard": False}},
     "distboost": {"policy": "distboost"},
     "sjf": {"policy": "sjf", "params": {"predictor": "history"}},
+    # The costliest valid slofq document (a settings file; over HTTP the 64 KiB body cap binds
+    # first): 10,000 named tenants and throttles, a control tick at every step (1 ms).
+    "slofq-worst": {
+        "policy": "slofq",
+        "params": {
+            "tenants": {f"n{i}": {"weight": 2.0} for i in range(10_000)},
+            "throttle": {f"n{i}": 0.5 for i in range(10_000)},
+            "bp_interval_s": 0.001,
+        },
+    },
 }
 DEFAULT_POLICIES = ("fcfs", "sarathi", "uniboost", "tie", "vtc", "las", "srpt", "slofq")
 REFIT_EVERY_STEP = {"tie-refit", "srpt-refit"}

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from controlplane import strict_yaml
 from controlplane.monitoring.prometheus import scrape_timeout
+from scheduler.plugin.wire import parse_json_file
 from scheduler.settings import Settings, describe_error
 
 if TYPE_CHECKING:  # annotations only: the store is the caller's (sqlalchemy is not loaded here)
@@ -159,13 +160,11 @@ def load_settings_file(path: str | Path) -> Settings:
     """Read and validate a settings JSON file (the same document the plugin reads)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        doc = parse_json_file(path)
     except OSError as err:
         raise ExportError(f"{path}: cannot read: {err.strerror or err}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{path}: not JSON: {err}") from None
+    except ValueError as err:  # not UTF-8, not JSON, a key twice, NaN, ... (strict, as the plugin)
+        raise ExportError(f"{path}: {err}") from None
     return validate_document(doc, str(path))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from scheduler.settings import DEFAULT_TENANT_SLO, SloFqParams, TenantSlo, check_shares
+from scheduler.settings import DEFAULT_TENANT_SLO, Name, SloFqParams, TenantSlo, check_shares
 
 __all__ = ["ALERT_NAMES", "AlertEvaluator", "AlertThresholds", "GovernanceSpec", "GovernorSpec"]
 
@@ -67,11 +67,12 @@ class GovernanceSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    tenants: dict[str, TenantSlo] = Field(default_factory=dict)
+    # Names and sizes as slofq's parameters take them (``params`` must not fail later).
+    tenants: dict[Name, TenantSlo] = Field(default_factory=dict, max_length=10_000)
     default_tenant: TenantSlo = Field(
         default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO)
     )
-    type_shares: dict[str, float] = Field(default_factory=dict)
+    type_shares: dict[Name, float] = Field(default_factory=dict, max_length=1_000)
     type_eta: float = Field(0.5, ge=0.0, le=1e6)
     alerts: AlertThresholds = Field(default_factory=AlertThresholds)
     governor: GovernorSpec = Field(default_factory=GovernorSpec)

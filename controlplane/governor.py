@@ -43,9 +43,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import apply_settings
-from scheduler.settings import Settings
+from scheduler.settings import Settings, describe_error
 
 STATES = ("armed", "dry-run", "disarmed")
 WHO = "governor"
@@ -466,7 +468,14 @@ def _log_dry_run(
     change: Callable[[Settings], Settings | None],
     decision: Decision,
 ) -> str:
-    new = change(Settings.model_validate(current)) if current is not None else None
+    new, why = None, "nothing to change"
+    if current is not None:
+        # What a replica reports is its own: a document this version cannot read (a newer
+        # plugin's field, a broken replica) skips that replica, never the step for the cluster.
+        try:
+            new = change(Settings.model_validate(current))
+        except (ValidationError, ValueError, TypeError) as err:
+            why = f"its settings document is not one this version reads ({describe_error(err)})"
     result = "dry-run" if new is not None else "skipped"
     store.settings_log.record_settings_change(
         cluster,
@@ -475,8 +484,7 @@ def _log_dry_run(
         old=current,
         new=None if new is None else new.to_dict(),
         result=result,
-        message=f"{decision.note()}; "
-        + ("not sent (dry-run)" if new is not None else "nothing to change"),
+        message=f"{decision.note()}; " + ("not sent (dry-run)" if new is not None else why),
     )
     return result
 

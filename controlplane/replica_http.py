@@ -64,8 +64,12 @@ def control_base(replica: ReplicaSpec) -> str:
 
 
 def opt_int(x: Any) -> int | None:
-    """``x`` as an int when it is a number (not a boolean), else None."""
-    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+    """``x`` as an int when it is a finite number (not a boolean) within a 64-bit column, else
+    None (a metrics page may say NaN or +Inf)."""
+    value = finite_or_none(x)
+    if value is None or limits.int_problem(int(value), limits.INT64_RANGE) is not None:
+        return None
+    return int(value)
 
 
 class StateFormatError(ValueError):
@@ -261,12 +265,12 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
             reasons.append(problem)
 
     for key in _STATE_COUNTS:
-        nulled(doc, key, limits.int_problem(doc.get(key), limits.INT64_RANGE))
+        nulled(doc, key, limits.int_problem(doc.get(key), limits.COUNT_RANGE))
     for sub, keys in (("kv", _KV_COUNTS), ("breaker", _BREAKER_COUNTS)):
         part = doc.get(sub)
         if isinstance(part, dict):
             for key in keys:
-                nulled(part, key, limits.int_problem(part.get(key), limits.INT64_RANGE))
+                nulled(part, key, limits.int_problem(part.get(key), limits.COUNT_RANGE))
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
         ("policy", limits.POLICY_CHARS),
@@ -280,7 +284,7 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
             : contract.BREAKER_ERROR_CHARS
         ]
     if doc.get("settings") is not None:
-        nulled(doc, "settings", limits.json_problem(doc["settings"]))
+        nulled(doc, "settings", limits.settings_problem(doc["settings"]))
     for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
         if doc.get(key) is not None:
             nulled(doc, key, limits.json_problem(doc[key]))

@@ -65,6 +65,9 @@ def _finite(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationI
 OptInt = Annotated[int | None, WrapValidator(_lenient)]
 OptFloat = Annotated[float | None, WrapValidator(_lenient), WrapValidator(_finite)]
 OptStr = Annotated[str | None, WrapValidator(_lenient)]
+OptObject = Annotated[dict[str, Any] | None, WrapValidator(_lenient)]
+OptCounts = Annotated[dict[str, int] | None, WrapValidator(_lenient)]  # counts by tenant or type
+OptBool = Annotated[bool | None, WrapValidator(_lenient)]
 Time = Annotated[float, WrapValidator(_finite)]
 
 
@@ -137,21 +140,19 @@ class State(_Doc):
     )
     time: OptFloat = Field(None, description="the replica's clock, seconds")
     policy: OptStr = None
-    settings: dict[str, Any] | None = Field(None, description="the active settings document")
+    settings: OptObject = Field(None, description="the active settings document")
     settings_version: OptInt = None
     pending_version: OptInt = Field(
         None, description="a staged document's version, until a step applies it"
     )
     waiting: OptInt = None
     running: OptInt = None
-    waiting_by_tenant: dict[str, int] | None = None
-    waiting_by_type: dict[str, int] | None = None
-    kv: KvState | None = None
+    waiting_by_tenant: OptCounts = None
+    waiting_by_type: OptCounts = None
+    kv: Annotated[KvState | None, WrapValidator(_lenient)] = None
     gamma_live: OptFloat = None
     beta_live: OptFloat = None
-    live: dict[str, Any] | None = Field(
-        None, description="the policy's adaptive state (γ, β, counters)"
-    )
+    live: OptObject = Field(None, description="the policy's adaptive state (γ, β, counters)")
     preemptions_total: OptInt = None
     recomputed_tokens_total: OptInt = None
     refused_total: OptInt = Field(
@@ -165,9 +166,9 @@ class State(_Doc):
         description="Completion documents since the cursor, in seq order"
     )
     next_cursor: int = Field(ge=0, description="the cursor for the next page")
-    more: bool | None = Field(None, description="another page follows at next_cursor")
+    more: OptBool = Field(None, description="another page follows at next_cursor")
     speed: OptFloat = Field(None, description="twin replicas: clock speed")
-    breaker: Breaker | None = Field(
+    breaker: Annotated[Breaker | None, WrapValidator(_lenient)] = Field(
         None, description="the circuit breaker's counters (absent: never built)"
     )
 

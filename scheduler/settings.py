@@ -17,11 +17,25 @@ import itertools
 import json
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from scheduler.validation import describe_validation
+from scheduler.validation import (
+    describe_validation,
+    field_path,
+    is_control,
+    join_errors,
+    readable,
+)
 
 POLICY_NAMES = (
     "fcfs",
@@ -58,6 +72,51 @@ GAMMA_MIN_SAFE, GAMMA_MAX_SAFE = 1e-6, 1e6  # 1/s: b_γ(w) stays finite for w >=
 # Scores are seconds (arrival − boost, boosts capped at 1e9 s): a margin of 1e12 already means
 # "never preempt", and score + margin stays exact enough to compare.
 MAX_SCORE_MARGIN = 1e12
+
+
+# Tenant and request-type names: they come from clients and from documents, and end up in /state,
+# in the recorder's database and on the TUI, so each must be text every one of them can carry.
+NAME_MAX_CHARS = 128
+DEFAULT_TENANT = "default"
+
+
+def _unreadable(ch: str) -> bool:
+    """A control character or a lone surrogate (UTF-8, JSON readers and databases refuse it)."""
+    return is_control(ch) or "\ud800" <= ch <= "\udfff"
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a tenant or type name, None when it can."""
+    if not name:
+        return "must not be empty"
+    if len(name) > NAME_MAX_CHARS:
+        return f"{len(name)} characters, over the limit of {NAME_MAX_CHARS}"
+    bad = next((ch for ch in name if _unreadable(ch)), None)
+    if bad is not None:
+        return f"holds U+{ord(bad):04X} (no control characters or lone surrogates)"
+    return None
+
+
+def _check_name(name: str) -> str:
+    if (problem := name_problem(name)) is not None:
+        raise ValueError(f'name "{readable(name)}": {problem}')
+    return name
+
+
+# A tenant or type name in a settings document (a key of weights, tenants, throttle, type_shares).
+Name = Annotated[str, AfterValidator(_check_name)]
+
+
+def clean_name(raw: object, default: str = DEFAULT_TENANT) -> str:
+    """A client's tenant (or type) label as a name every reader can carry: missing or empty is
+    ``default``; control characters and lone surrogates become U+FFFD; cut to ``NAME_MAX_CHARS``.
+    The engine never refuses a request over its label."""
+    name = default if raw is None else str(raw)[:NAME_MAX_CHARS]
+    if not name:
+        return default
+    if name_problem(name) is None:
+        return name
+    return "".join("\ufffd" if _unreadable(ch) else ch for ch in name)
 
 
 class _Strict(BaseModel):
@@ -191,7 +250,7 @@ class TieParams(PredictedParams):
 
 
 class VtcParams(_Strict):
-    weights: dict[str, float] = Field(default_factory=dict, max_length=10_000)
+    weights: dict[Name, float] = Field(default_factory=dict, max_length=10_000)
     input_price: float = Field(1.0, ge=0.0, le=1e6)
     output_price: float = Field(2.0, ge=0.0, le=1e6)
 
@@ -266,7 +325,7 @@ DEFAULT_TENANT_SLO = {"ttft": {"p50": 1.0, "p90": 2.0, "p99": 4.0}}
 
 class SloFqParams(_Strict):
     # Tenants by name; any other tenant is ``default_tenant``.
-    tenants: dict[str, TenantSlo] = Field(default_factory=dict, max_length=10_000)
+    tenants: dict[Name, TenantSlo] = Field(default_factory=dict, max_length=10_000)
     default_tenant: TenantSlo = Field(
         default_factory=lambda: TenantSlo.model_validate(DEFAULT_TENANT_SLO)
     )
@@ -288,7 +347,7 @@ class SloFqParams(_Strict):
     # Request types: a minimum share rho_k of the served tokens per window. Explicit, or (empty)
     # rho_k = (1/|T|) / (1 + eta·p_k) from the observed shares p_k. "soft" lends unused reserve,
     # "hard" does not (no type takes more than 1 − the others' reserves), "off" ignores types.
-    type_shares: dict[str, float] = Field(default_factory=dict, max_length=1_000)
+    type_shares: dict[Name, float] = Field(default_factory=dict, max_length=1_000)
     type_eta: float = Field(0.5, ge=0.0, le=1e6)
     type_isolation: Literal["off", "soft", "hard"] = "soft"
     type_window_s: float = Field(10.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
@@ -303,7 +362,7 @@ class SloFqParams(_Strict):
     # no one else waiting the capacity is lent (false: held whatever, not work-conserving).
     bp_lend: bool = True
     # Operator or governor throttles: tenant -> fraction (0, 1] of its use rate when set.
-    throttle: dict[str, float] = Field(default_factory=dict, max_length=10_000)
+    throttle: dict[Name, float] = Field(default_factory=dict, max_length=10_000)
     preempt_margin: float = Field(0.0, ge=0.0, le=MAX_SCORE_MARGIN)
     # Policy preemption only while the batch is less full than this (seed 003 §5; None: always).
     preempt_max_utilisation: float | None = Field(0.8, gt=0.0, le=1.0)
@@ -378,12 +437,11 @@ RESTART_REQUIRED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 def _prefix_errors(prefix: str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in (prefix, *e["loc"]))
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown parameter"
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+        parts.append(f"{field_path((prefix, *e['loc']))}: {msg}")
+    return join_errors(parts)
 
 
 class Settings(BaseModel):
@@ -406,7 +464,9 @@ class Settings(BaseModel):
         model = PARAM_MODELS.get(policy) if isinstance(policy, str) else None
         if model is None:
             return data  # the Literal on `policy` reports the unknown name
-        raw = data.get("params") or {}
+        raw = data.get("params")
+        if raw is None:  # absent or null: the policy's defaults (0, "", [] or false are errors)
+            raw = {}
         if isinstance(raw, BaseModel):
             raw = raw.model_dump()
         if not isinstance(raw, dict):
@@ -415,7 +475,9 @@ class Settings(BaseModel):
             data["params"] = model.model_validate(raw)
         except ValidationError as err:
             raise ValueError(_prefix_errors("params", err)) from None
-        pinned = data.get("pinned") or ()
+        pinned = data.get("pinned")
+        if pinned is None:
+            pinned = ()
         if not isinstance(pinned, (list, tuple)) or not all(isinstance(p, str) for p in pinned):
             raise ValueError("pinned: must be a list of parameter names")
         for name in pinned:

@@ -23,6 +23,7 @@ and the Prometheus page alike.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import replace
@@ -68,6 +69,10 @@ REASONS: tuple[str, ...] = (
 
 INT32_RANGE = (-(2**31), 2**31 - 1)  # Integer columns (PostgreSQL INTEGER)
 INT64_RANGE = (-(2**63), 2**63 - 1)  # BigInteger columns (PostgreSQL BIGINT, SQLite INTEGER)
+COUNT_RANGE = (0, 2**63 - 1)  # counts, versions, blocks: a negative one is a broken replica's
+#: A settings document larger than a replica takes in a PUT (its control API's body limit) was
+#: never put: stored once per version, it would let a broken replica fill the disk.
+SETTINGS_DOC_BYTES = 64 * 1024
 
 # --- the widths of the text columns a replica's values go to (storage.models uses these) ----------
 
@@ -129,6 +134,18 @@ def clean_text(value: str) -> str:
     if text_problem(value) is None:
         return value
     return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
+
+
+def settings_problem(doc: Any) -> str | None:
+    """Why a replica's settings document cannot be stored, else None: ``json_problem``'s, or
+    larger than ``SETTINGS_DOC_BYTES`` as JSON."""
+    if (problem := json_problem(doc)) is not None:
+        return problem
+    try:
+        size = len(json.dumps(doc, ensure_ascii=False).encode("utf-8"))
+    except (TypeError, ValueError):  # not JSON-shaped (a reader parsed it: should not happen)
+        return MALFORMED
+    return TOO_LONG if size > SETTINGS_DOC_BYTES else None
 
 
 def json_problem(doc: Any) -> str | None:

@@ -193,15 +193,18 @@ def _load_trace(request: TraceRequest, path: str | None) -> Trace:
     else:
         trace = _load_file(path, request, default_cap)
     last = max((r.arrival for r in trace), default=0.0)
-    trace = traces.transform(
-        trace,
-        window=request.window(last),
-        rate_scale=request.rate_scale,
-        rate=request.target_rate,
-        max_tokens_cap=request.max_tokens_cap,
-        tenants=request.tenants,
-        seed=request.seed,
-    )
+    try:
+        trace = traces.transform(
+            trace,
+            window=request.window(last),
+            rate_scale=request.rate_scale,
+            rate=request.target_rate,
+            max_tokens_cap=request.max_tokens_cap,
+            tenants=request.tenants,
+            seed=request.seed,
+        )
+    except ValueError as err:  # what the options ask cannot be done to this trace
+        raise click.UsageError(f"{trace.name}: {err}") from None
     if len(trace) == 0:
         raise click.UsageError("the trace is empty after the transforms")
     if trace.truncated:

@@ -183,14 +183,54 @@ def test_a_silent_connection_is_closed_early_only_once_it_has_been_silent_a_whil
     _, server = serve(max_connections=2, clock=clock)
     try:
         silent = [connect(server) for _ in range(2)]
+        assert accepted(server, new=2)
         young = connect(server)  # both slots held by connections too young to close: 503
         assert young.recv(65536).startswith(b"HTTP/1.1 503 ")
-        clock.t += 1.0
+        clock.t += server.limits.evict_new_s
         holder = connect(server)  # the older silent connection makes room
         assert ask(holder, auth=BEARER) == 200
         assert closed_by_server(silent[0])
         silent[1].sendall(f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert silent[1].recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        server.stop()
+
+
+def accepted(server: ControlServer, new: int) -> bool:
+    """Waits until the server has accepted ``new`` connections that have sent nothing yet (a
+    connect returns before the accept thread has counted it)."""
+    deadline = time.monotonic() + WAIT_S
+    while server.httpd.admission()["new"] < new:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_churning_silent_connections_cannot_crowd_a_token_holder_out():
+    """An attacker re-opening silent connections faster than ``evict_idle_s`` once held every slot
+    (a token holder got 503 one poll in three): a connection still silent ``evict_new_s`` after it
+    was accepted gives its slot to a newcomer, while a keep-alive client idle between requests
+    keeps its slot for ``evict_idle_s``."""
+    clock = SteppedClock()
+    _, server = serve(max_connections=4, clock=clock)
+    limits = server.limits
+    assert limits.evict_new_s < limits.evict_idle_s
+    try:
+        kept = connect(server)
+        assert ask(kept) == 200 and at_rest(server)  # an anonymous keep-alive client, now idle
+        silent = [connect(server) for _ in range(3)]  # the table is full
+        assert accepted(server, new=3)
+        young = connect(server)
+        assert young.recv(65536).startswith(b"HTTP/1.1 503 ")  # nobody silent long enough yet
+        clock.t += limits.evict_new_s  # kept has been idle as long: it keeps its slot
+        holders = []
+        for i in range(2):  # the silent connection accepted first makes room, each time
+            holders.append(connect(server))
+            assert ask(holders[-1], auth=BEARER) == 200, i
+            assert closed_by_server(silent[i]) and settled(server)
+        assert ask(kept) == 200 and ask(silent[2]) == 200  # neither was closed
+        assert [ask(h, auth=BEARER) for h in holders] == [200, 200]
     finally:
         server.stop()
 

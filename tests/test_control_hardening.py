@@ -196,6 +196,24 @@ def test_an_oversized_body_is_not_parsed_as_further_requests(api):
         (b'{"policy": "uniboost", "pinned": [["gamma"]]}', "pinned"),
         (b'["policy"]', "expected a settings object"),
         (b"{not json", "not JSON"),
+        # Falsy values of the wrong type are not "no params" (only absent or null is).
+        (b'{"policy": "uniboost", "params": []}', "params: must be an object"),
+        (b'{"policy": "uniboost", "params": false}', "params: must be an object"),
+        (b'{"policy": "uniboost", "params": ""}', "params: must be an object"),
+        (b'{"policy": "uniboost", "pinned": false}', "pinned: must be a list"),
+        (b'{"policy": "uniboost", "pinned": 0}', "pinned: must be a list"),
+        # Ambiguous or costly JSON: which key counts; int() is quadratic in the digits.
+        (b'{"policy": "fcfs", "policy": "las"}', "key 'policy' given more than once"),
+        (b'{"policy": "vtc", "params": {"weights": {"a": 1.0, "a": 2.0}}}', "key 'a' given"),
+        (b'{"policy": "uniboost", "params": {"gamma": 1' + b"0" * 5000 + b"}}", "5001 digits"),
+        # Tenant and type names every reader can carry: the field and the name are named.
+        (rb'{"policy": "vtc", "params": {"weights": {"\ud800": 1.0}}}', "params.weights"),
+        (rb'{"policy": "slofq", "params": {"throttle": {"a\u0000b": 0.5}}}', "U+0000"),
+        (rb'{"policy": "slofq", "params": {"tenants": {"": {}}}}', "must not be empty"),
+        (
+            b'{"policy": "slofq", "params": {"type_shares": {"' + b"t" * 129 + b'": 0.5}}}',
+            "129 characters, over the limit of 128",
+        ),
     ],
 )
 def test_malformed_or_non_finite_documents_are_400_naming_the_problem(api, body, words):
@@ -206,7 +224,10 @@ def test_malformed_or_non_finite_documents_are_400_naming_the_problem(api, body,
 
 
 # The third value is ARABIC-INDIC DIGIT ONE on purpose: a hostile If-Match int() accepts.
-@pytest.mark.parametrize("if_match", ["1" * 5000, "²", "١", "1 2", "-1", ""])  # noqa: RUF001
+@pytest.mark.parametrize(
+    "if_match",
+    ["1" * 5000, "²", "١", "1 2", "-1", "", '"1', '1"', "*", 'W/"1"'],  # noqa: RUF001
+)
 def test_a_malformed_if_match_is_400(api, if_match):
     core, server = api
     status, answer = one(
@@ -288,6 +309,59 @@ def test_repeated_content_length_is_400_and_the_rest_is_not_read_as_a_request(ap
     assert "Content-Length: given 2 times" in answers[0][1]["error"]
     assert head_of(raw)["Connection"] == "close"
     assert core.version == 1
+
+
+@pytest.mark.parametrize(
+    "head, words",
+    [
+        # A line that is not a header ends the block for the parser; a reader that skips it sees
+        # the Content-Length after it, and the "body" is a second request.
+        ("Broken header line\r\nContent-Length: 43\r\n", "not 'Name: value'"),
+        ("Content-Length : 43\r\n", "not 'Name: value'"),  # a space before the colon
+        ("X-Pad: a\r\n  folded\r\nContent-Length: 43\r\n", "folded"),
+        ("Content-Length: 43\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: x\r\n", "given 2"),
+        ("Content-Length: 43\r\n" + AUTH, "Authorization: given 2 times"),
+        ("Content-Length: 43\r\nIf-Match: 1\r\nIf-Match: 9\r\n", "If-Match: given 2 times"),
+        ("Content-Length: 43\r\nHost: y\r\n", "Host: given 2 times"),
+    ],
+    ids=[
+        "no-colon",
+        "space-before-colon",
+        "obs-fold",
+        "te-twice",
+        "auth-twice",
+        "if-match",
+        "host",
+    ],
+)
+def test_a_header_block_another_reader_could_read_otherwise_is_400_and_nothing_is_smuggled(
+    api, head, words
+):
+    core, server = api
+    smuggled = f"PUT {PREFIX}/settings HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 17\r\n\r\n"
+    raw = exchange(
+        server,
+        f"GET {PREFIX}/health HTTP/1.1\r\nHost: x\r\n{AUTH}{head}\r\n".encode()
+        + smuggled.encode()
+        + b'{"policy": "las"}',
+    )
+    answers = responses(raw)
+    assert [s for s, _ in answers] == [400], answers  # one answer, then the connection is closed
+    assert words in answers[0][1]["error"]
+    assert core.version == 1 and core.settings.policy == "fcfs"
+
+
+def test_text_utf8_cannot_carry_is_answered_escaped_never_a_500(api):
+    """A lone surrogate in a tenant label (the plugin cleans labels; a target may not) is sent
+    spelled as its escape: /state stays readable, and the collector's cursor can move on."""
+    core, server = api
+    s = RequestState(id="q\udc80", arrival=1.0, prompt_tokens=5, max_tokens=5, tenant="t\ud800")
+    core.track(s, 1.0)
+    s.generated = 5
+    core.finish(s, 2.0)
+    status, answer = one(exchange(server, f"GET {PREFIX}/state?cursor=0 HTTP/1.1\r\n\r\n".encode()))
+    assert status == 200
+    assert [(c["id"], c["tenant"]) for c in answer["completions"]] == [("q\\udc80", "t\\ud800")]
 
 
 @pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])

@@ -161,6 +161,23 @@ def governor_rows(store) -> list[dict]:
     ]
 
 
+def test_a_replica_reporting_a_document_this_version_cannot_read_is_skipped_not_the_step(
+    twins_governed,
+):
+    """A newer plugin's field (or a broken replica) in one replica's reported settings once
+    failed the governor's step for the whole cluster, every second; that replica is skipped, with
+    the reason in the audit log, and the others are governed."""
+    _twins, collector, store = twins_governed
+    g = Governor.for_cluster(collector.cluster.governance)
+    collector.governance = dict(LOW)
+    view = collector.views["twin-0"]
+    view.state = {**view.state, "settings": {**view.state["settings"], "unknown_key": 1}}
+    [out] = asyncio.run(governor_step(g, collector, store, 0.0))
+    assert out["replicas"] == {"twin-0": "skipped", "twin-1": "dry-run", "twin-2": "skipped"}
+    [row] = [r for r in governor_rows(store) if r["replica"] == "twin-0"]
+    assert "unknown_key" in row["message"] and "not one this version reads" in row["message"]
+
+
 def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     twins, collector, store = twins_governed
     g = Governor.for_cluster(collector.cluster.governance)

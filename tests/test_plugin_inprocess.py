@@ -10,6 +10,7 @@ and appears once in the plugin's completions log.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -21,8 +22,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
+from scheduler.plugin.wire import encode_json
+from scheduler.settings import NAME_MAX_CHARS
 
 FCFS = {"policy": "fcfs"}
+SLOFQ = {"policy": "slofq"}
 # γ small: ordering by size dominates arrival (b_γ of 10 vs 1000 tokens differ by ~4600 s).
 # Policy preemption whatever the batch's utilisation (these scripts fill one or two seats).
 UNIBOOST = {
@@ -923,3 +927,32 @@ def test_aborting_waiting_requests_of_a_grouped_queue(build, settings):
     assert not s.requests and s.tp_core.states == {} and len(s.tp_core.waiting) == 0
     # the fair queues know the aborted ones left: no tenant stays "backlogged" (its counter lift)
     assert not any(getattr(s.tp_core.policy, "backlog", {}).values())
+
+
+def test_a_hostile_tenant_label_is_made_storable_and_never_refuses_its_request(build):
+    """A client's tenant label is its own to choose: a lone surrogate (which UTF-8 cannot carry),
+    control characters, a megabyte of text, an empty string or a number. Each request is served
+    under a cleaned label, and /state — in flight and in the completions log — stays strict JSON
+    that names the tenants readably (the collector reads it; a 500 there would stall its
+    cursor)."""
+    clock = Clock()
+    s = build(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=256, settings=SLOFQ)
+    d = Driver(s)
+    labels = {"sur": "bad\ud800", "ctl": "a\x00b\nc", "big": "x" * 10**6, "empty": "", "num": 5}
+    d.add(
+        *[req(clock, rid, 20, 3, i * 0.01, tenant=t) for i, (rid, t) in enumerate(labels.items())]
+    )
+    d.step()
+    cleaned = {rid: s.tp_core.states[rid].tenant for rid in labels}
+    assert cleaned == {
+        "sur": "bad\ufffd",
+        "ctl": "a\ufffdb\ufffdc",
+        "big": "x" * NAME_MAX_CHARS,
+        "empty": "default",
+        "num": "5",
+    }
+    assert json.loads(encode_json(s.api_inflight(100)))["requests"]
+    d.run()
+    assert_all_finished(d)
+    done = json.loads(encode_json(s.api_state(0)))["completions"]
+    assert {c["id"]: c["tenant"] for c in done} == cleaned

@@ -575,3 +575,24 @@ def test_a_plain_control_target_serves_no_vllm_endpoints():
             assert server.url == server.base_url + "/tailpilot/v1"
     finally:
         server.stop()
+
+
+def test_a_twin_slower_than_its_clock_falls_behind_instead_of_holding_its_lock():
+    """The ticker's advance stops at the end of a slice once its wall budget is spent (here 0: one
+    slice of a tick's simulated time). A twin whose simulation runs slower than its clock (a
+    costly document, a loaded host) once ran ever longer advances under its lock, so /state hung
+    and a document put back never took effect. Now it lags, and the next slice runs the new
+    document."""
+    clock = ManualClock()
+    trace = make_trace(2000, 100.0, seed=3)
+    twin = TwinReplica("twin-lag", trace.requests, loop=False, clock=clock, token=TOKEN)
+    clock.set(100.0)
+    twin.advance(max_wall_s=0.0)
+    slice_s = twin.tick_s * clock.speed
+    assert 0 < twin.sim.now < 1.0 + slice_s  # one slice (a step may end past it), far behind
+    twin.core.put_settings({"policy": "fcfs"})
+    twin.advance(max_wall_s=0.0)
+    assert twin.sim.settings.policy == "fcfs" and twin.core.active_version == 2
+    assert twin.sim.now < 2.0 + 2 * slice_s
+    twin.advance()  # unbounded, as tests and a catching-up caller ask: all the way
+    assert twin.sim.now >= 100.0

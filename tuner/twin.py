@@ -17,8 +17,9 @@ Advancing. One background thread per process (``_Ticker``) calls ``TwinReplica.a
 every running twin every ``tick_s`` of wall time (50 ms by default): it feeds the arrivals due by
 the replica clock (``Simulator.extend_arrivals``), hands staged settings to the simulator
 (``Simulator.apply_settings``) and runs it to the clock (``Simulator.advance_to``, which skips
-over stretches of identical decode steps). One thread for all twins never overlaps itself and
-costs one wake-up per tick however many twins run.
+over stretches of identical decode steps), a tick's simulated time per slice for at most
+``TICK_BUDGET_TICKS`` ticks of wall time (a twin slower than its clock lags, its API answering).
+One thread for all twins never overlaps itself and costs one wake-up per tick however many run.
 
 Settings, versions, ``If-Match``/409, validation (400 naming the field), ``restart_required``,
 the completions log with its cursor and the step log are ``ReplicaCore``'s, exactly as in the
@@ -71,6 +72,7 @@ from tuner.twin_metrics import TwinCollector, TwinStats
 log = logging.getLogger(__name__)
 
 DEFAULT_TICK_S = 0.05  # 64 busy twins: ~10% of one core at 0.05 s, ~15% at 0.025 s
+TICK_BUDGET_TICKS = 4  # one tick advances a twin for at most this many ticks' wall time
 DEFAULT_MAX_MODEL_LEN = 8192  # Llama-3-8B, the default step-time model's model
 
 
@@ -199,9 +201,8 @@ class TwinReplica:
         self._requests = list(requests)
         self._period = period if period is not None else trace_period(self._requests)
         self._loop = loop
-        self.lock = (
-            threading.RLock()
-        )  # the simulator and the stats: the ticker vs the API's and the scraper's reads
+        # The simulator and the stats: the ticker vs the API's and the scraper's reads.
+        self.lock = threading.RLock()
         self._running = False
         self._server: ControlServer | None = None
         self.error: str | None = None
@@ -294,36 +295,48 @@ class TwinReplica:
         if not self._running:
             return
         try:
-            self.advance()
+            self.advance(max_wall_s=TICK_BUDGET_TICKS * self.tick_s)
         except Exception as err:  # a broken twin reports unhealthy; the others carry on
             log.exception("twin %s stopped advancing", self.name)
             self.error = f"{type(err).__name__}: {err}"
             _ticker(self.tick_s).remove(self)
 
-    def advance(self, t: float | None = None) -> int:
+    def advance(self, t: float | None = None, *, max_wall_s: float | None = None) -> int:
         """Run the simulator to simulated time ``t`` (default: the replica clock now); returns the
-        simulator's loop iterations. The ticker calls this; tests may too."""
-        with self.lock:
-            if self.error is not None:
-                return 0
-            sim = self.sim
-            if t is None:
-                t = self.clock.sim_time()
-            new = self._feed.until(t)
-            if new:
-                sim.extend_arrivals(new)
-            settings = self.core.take_pending()  # busy: before the next step; idle: now
-            if settings is not None:
-                sim.apply_settings(self._effective(settings))
-            try:
-                n = sim.advance_to(t)
-            except Exception as err:  # the circuit breaker, as in the plugin: fall back, carry on
-                self._trip(sim, err)
-                n = 0
-            else:
-                self.core.step_succeeded()
-            self._collect(sim)
-            return n
+        simulator's loop iterations. ``max_wall_s`` (the ticker's): stop at the end of the slice
+        (a tick's simulated time) that spends it, the lock released between slices."""
+        if t is None:
+            t = self.clock.sim_time()
+        started, n = time.monotonic(), 0
+        slice_s = float("inf") if max_wall_s is None else self.tick_s * self.clock.speed
+        while True:
+            with self.lock:  # released between slices: the API's readers get their turn
+                if self.error is not None:
+                    return n
+                before = self.sim.now
+                n += self._advance_to(min(t, before + slice_s))
+                if self.sim.now >= t or self.sim.now <= before:  # there, or tripped and recovering
+                    return n
+            if max_wall_s is None or time.monotonic() - started >= max_wall_s:
+                return n
+
+    def _advance_to(self, t: float) -> int:
+        sim = self.sim
+        new = self._feed.until(t)
+        if new:
+            sim.extend_arrivals(new)
+        settings = self.core.take_pending()  # busy: before the next step; idle: now
+        if settings is not None:
+            sim.apply_settings(self._effective(settings))
+        try:
+            n = sim.advance_to(t)
+        except Exception as err:  # the circuit breaker, as in the plugin: fall back, carry on
+            self._trip(sim, err)
+            n = 0
+        else:
+            self.core.step_succeeded()
+        self._collect(sim)
+        return n
 
     def _trip(self, sim: Simulator, err: Exception) -> None:
         """A policy raised inside the simulator's step: run the fallback document the core names

@@ -71,9 +71,14 @@ class Limits:
     max_addresses: int = (
         1024  # client addresses whose rate is remembered; the least recent is forgotten
     )
-    # An unauthenticated connection idle (or silent since accepted) this long may be closed early
-    # to make room; a younger one is left alone, so a fresh connection can send its request.
+    # When the slots are full, a newcomer takes the slot of the unauthenticated connection idle
+    # this long between requests, or silent this long since it was accepted (evict_new_s), the
+    # idlest first. A client sends its request as it connects: its handler reads the headers
+    # within milliseconds, so a connection still silent after evict_new_s is holding a slot, and
+    # churning silent connections cannot crowd token holders out (a keep-alive client between
+    # requests is given longer).
     evict_idle_s: float = 1.0
+    evict_new_s: float = 0.05
     max_penalty_s: float = 1.0  # a rate-limited request waits up to this long before its 429
     # A refused connection gets its 503 after about max_penalty_s, held without a thread (a socket
     # each), so a client retrying in a loop costs a refusal a second, not thousands; more are
@@ -253,7 +258,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._lock:
             admitted = len(self._conns) - self._closing < self.limits.max_connections
             if not admitted and self._closing < self._max_closing:
-                victim = self._close_idlest(now, self._idle_anonymous, self._idle_new)
+                victim = self._close_idlest(now, new_too=True)
                 admitted = victim is not None
             if admitted:
                 self._conns[request] = _Conn(time.monotonic() + self.limits.first_request_s, now)
@@ -323,7 +328,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             elif conn.kind != ANONYMOUS:
                 if self._anonymous >= self.limits.anonymous_connections:
                     if self._closing < self._max_closing:
-                        victim = self._close_idlest(now, self._idle_anonymous)
+                        victim = self._close_idlest(now)
                     if victim is None:
                         return (
                             "too many unauthenticated connections to the control API "
@@ -349,18 +354,23 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 if conn.kind == ANONYMOUS:
                     self._idle_anonymous[request] = None  # the idlest stay first
 
-    def _close_idlest(
-        self, now: float, *queues: OrderedDict[socket.socket, None]
-    ) -> socket.socket | None:
-        """Under the lock: mark the idlest connection at the head of ``queues`` as closing, if it
-        has been idle at least ``evict_idle_s``; the caller shuts it outside the lock."""
-        heads = [next(iter(queue)) for queue in queues if queue]
-        if not heads:
+    def _close_idlest(self, now: float, new_too: bool = False) -> socket.socket | None:
+        """Under the lock: mark the idlest idle anonymous connection (idle ``evict_idle_s``) or,
+        with ``new_too``, silent new one (silent ``evict_new_s``) as closing; the caller shuts it
+        outside the lock. None when no connection has been idle or silent that long."""
+        heads = [
+            (self._conns[queue_head].idle_since + wait, queue_head)
+            for queue, wait in (
+                (self._idle_anonymous, self.limits.evict_idle_s),
+                (self._idle_new, self.limits.evict_new_s if new_too else math.inf),
+            )
+            if (queue_head := next(iter(queue), None)) is not None
+        ]
+        # The one that became evictable first (each queue is in idle order, its head first).
+        evictable_since, request = min(heads, key=lambda head: head[0], default=(math.inf, None))
+        if request is None or now < evictable_since:
             return None
-        request = min(heads, key=lambda r: self._conns[r].idle_since)
         conn = self._conns[request]
-        if now - conn.idle_since < self.limits.evict_idle_s:
-            return None
         self._leave_counts(request, conn)
         conn.closing = True
         self._closing += 1

@@ -67,8 +67,8 @@ from scheduler.plugin.env import DEFAULT_PORT, TOKEN_ENV, TOKEN_FILE_ENV, Plugin
 from scheduler.plugin.request import (
     HeaderBudgetReader,
     HTTPError,
-    duplicate_content_length,
     has_body,
+    header_problem,
     parse_cursor,
     parse_if_match,
     parse_limit,
@@ -195,11 +195,12 @@ class ControlHandler(BaseHTTPRequestHandler):
         return self._admit_connection()
 
     def _framed(self) -> bool:
-        """Refuse (400) what cannot be answered safely: an HTTP/0.9 request, an ambiguous body."""
+        """Refuse (400) what cannot be answered safely: an HTTP/0.9 request, a header block that
+        another reader could read otherwise (``header_problem``)."""
         if self.request_version == "HTTP/0.9":  # no headers, no status line: nothing to answer with
             self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
-        if (problem := duplicate_content_length(self.headers)) is not None:
+        if (problem := header_problem(self.headers)) is not None:
             self.send_error(400, problem)
             return False
         return True

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import json
 import logging
 import threading
 import time
@@ -21,11 +20,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
+from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -125,9 +124,11 @@ def load_startup_settings(
     if not path:
         return Settings.model_validate({"policy": "sarathi", "engine": engine_defaults or {}})
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        doc = parse_json_file(path)
+    except (OSError, ValueError) as err:
         raise ValueError(f"{SETTINGS_FILE_ENV}={path}: cannot read settings: {err}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{SETTINGS_FILE_ENV}={path}: expected a settings object")
     if engine_defaults:
         doc = {**doc, "engine": {**engine_defaults, **doc.get("engine", {})}}
     return Settings.model_validate(doc)

@@ -1,5 +1,5 @@
 """What the control API's handler reads from a request, each part within its budget: the request
-line and headers (``HeaderBudgetReader``), the body's framing (``duplicate_content_length``,
+line and headers (``HeaderBudgetReader``), the header block's framing (``header_problem``,
 ``has_body``), the query (``parse_query``, ``parse_cursor``, ``parse_limit``), ``If-Match``
 (``parse_if_match``) and a settings document (``read_settings_document``). What cannot be read as
 asked raises ``HTTPError``, which the handler (``scheduler.plugin.api``) answers. Only
@@ -20,7 +20,10 @@ from scheduler.plugin.admission import Limits
 from scheduler.plugin.wire import parse_json_body
 
 _DIGITS = re.compile(r"[0-9]{1,18}", re.ASCII)  # cursors, versions, lengths: ASCII digits, < 2**63
-_VERSION = re.compile(r'"?([0-9]{1,18})"?', re.ASCII)  # If-Match, bare or as an ETag
+_VERSION = re.compile(r'([0-9]{1,18})|"([0-9]{1,18})"', re.ASCII)  # If-Match, bare or an ETag
+# Headers that decide how a request is framed, who sends it or what it may change: given twice,
+# which one counts is ambiguous (one reader's choice can differ from a proxy's).
+SINGLE_HEADERS = ("Content-Length", "Transfer-Encoding", "Authorization", "If-Match", "Host")
 
 
 class HTTPError(Exception):
@@ -62,13 +65,21 @@ class HeaderBudgetReader:
         self.raw.close()
 
 
-def duplicate_content_length(headers: Message) -> str | None:
-    """The problem (400) with a ``Content-Length`` given more than once, None when it is not."""
-    lengths = headers.get_all("Content-Length") or []
-    # Which one frames the body is ambiguous: the rest could be a smuggled request.
-    if len(lengths) > 1:
-        shown = ", ".join(repr(v[:20]) for v in lengths[:4])
-        return f"Content-Length: given {len(lengths)} times ({shown}); send it once"
+def header_problem(headers: Message) -> str | None:
+    """The problem (400) with the request's header block, None when there is none: a line that is
+    not ``Name: value`` (a space before the colon included), a folded line (obsolete line
+    folding, RFC 9112 §5.2), or a header of ``SINGLE_HEADERS`` given more than once. Each could
+    hide a header from this server while another reader sees it: a smuggled request."""
+    if headers.defects:  # the parser stopped at a line it could not read as a header
+        return "headers: a line is not 'Name: value' (no space before the colon, no folding)"
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value:
+            return f"{name[:40]}: folded over lines (obsolete line folding is not accepted)"
+    for name in SINGLE_HEADERS:
+        given = headers.get_all(name) or []
+        if len(given) > 1:
+            shown = ", ".join(repr(v[:20]) for v in given[:4])
+            return f"{name}: given {len(given)} times ({shown}); send it once"
     return None
 
 
@@ -128,13 +139,13 @@ def parse_if_match(headers: Message) -> int | None:
     if if_match is None:
         return None
     m = _VERSION.fullmatch(if_match.strip())
-    if m is None:
+    if m is None:  # "*", weak tags, lists and half-quoted values included
         raise HTTPError(
             400,
             f"If-Match: expected a settings version number, got {if_match[:40]!r}",
             close=True,
         )
-    return int(m.group(1))
+    return int(m.group(1) or m.group(2))
 
 
 def read_settings_document(

@@ -36,6 +36,7 @@ from scheduler.plugin.env import PluginEnv
 from scheduler.policies import Policy, RequestState
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
+from scheduler.settings import clean_name
 
 log = logging.getLogger("tailpilot.plugin")
 REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)
@@ -244,7 +245,8 @@ class TailpilotMixin(_StockScheduler):
             arrival=request.arrival_time,
             prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens or 1,
-            tenant=str(extra.get("tenant", "default")),
+            # A label from the client: made storable and bounded, never a reason to refuse.
+            tenant=clean_name(extra.get("tenant")),
             type=rtype if rtype in REQUEST_TYPES else "chat",
         )
 

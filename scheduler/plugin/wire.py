@@ -3,11 +3,18 @@ server's refusals). Standard library and pydantic's core only: this runs in vLLM
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import os
 from typing import Any
 
 import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
+
+from scheduler.validation import readable
+
+MAX_FILE_BYTES = 16 * 1024 * 1024  # a settings file: 10,000 tenants' SLOs are ~2 MiB
+MAX_INT_DIGITS = 400  # far beyond any count, version or token number; int() is quadratic in digits
 
 
 def _reject_constant(name: str) -> Any:
@@ -21,14 +28,36 @@ def _reject_big_float(text: str) -> float:
     return value
 
 
+def _reject_big_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:  # int() of a long digit string costs quadratic time
+        raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:  # which one counts is ambiguous: another reader may take the other
+            raise ValueError(f"key {readable(key)!r} given more than once in one object")
+        doc[key] = value
+    return doc
+
+
 def parse_json_body(body: bytes) -> Any:
-    """Strict JSON: UTF-8, finite numbers, bounded nesting; ValueError naming the problem."""
+    """Strict JSON: UTF-8, finite numbers, bounded nesting, each key once per object; ValueError
+    naming the problem."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"body: not UTF-8 (byte {err.start})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_reject_big_float)
+        return json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_reject_big_float,
+            parse_int=_reject_big_int,
+            object_pairs_hook=_reject_duplicate_keys,
+        )
     except RecursionError:
         raise ValueError("body: JSON nested too deeply") from None
     except json.JSONDecodeError as err:
@@ -37,8 +66,32 @@ def parse_json_body(body: bytes) -> Any:
         raise ValueError(f"body: {err}") from None
 
 
+def parse_json_file(path: str | os.PathLike[str]) -> Any:
+    """A settings file read as strictly as a PUT body (a UTF-8 BOM allowed); ValueError naming
+    the problem (OSError when it cannot be read)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"over {MAX_FILE_BYTES // 1024 // 1024} MiB: not a settings document")
+    return parse_json_body(data.removeprefix(codecs.BOM_UTF8))
+
+
 def encode_json(doc: Any) -> bytes:
-    """Strict JSON out (NaN/Infinity as null): readers such as PostgreSQL's jsonb refuse them."""
-    return pydantic_core.to_json(
-        doc, inf_nan_mode="null", fallback=float
-    )  # fallback: numpy scalars
+    """Strict JSON out (NaN/Infinity as null): readers such as PostgreSQL's jsonb refuse them.
+
+    Text that UTF-8 cannot carry (a lone surrogate, from a client's label or an echoed key) goes
+    out as its escape spelled in plain characters (``\\ud800``) rather than failing the answer."""
+    try:
+        return pydantic_core.to_json(doc, inf_nan_mode="null", fallback=float)  # float: numpy
+    except pydantic_core.PydanticSerializationError:
+        return pydantic_core.to_json(_readable(doc), inf_nan_mode="null", fallback=float)
+
+
+def _readable(doc: Any) -> Any:
+    if isinstance(doc, str):  # spelled out, not cut
+        return doc.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(doc, dict):
+        return {_readable(k): _readable(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_readable(v) for v in doc]
+    return doc

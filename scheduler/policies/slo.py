@@ -437,13 +437,10 @@ class SloFq(Backpressure, Policy):
         for (tenant, _), reqs in groups:
             queues[tenant].append(reqs)
         self._shares = None  # the arrival window moved
-        tenants = (
-            set(self.backlog)
-            | set(self.samples)
-            | set(self.buckets)
-            | set(self.used.sums)
-            | set(p.throttle)
-        )
+        # The tenants seen lately, not every tenant a document names (up to 10,000 throttles or
+        # SLOs): a tick costs what the traffic holds. A throttle takes hold once its tenant uses
+        # something (``_control_bucket``).
+        tenants = set(self.backlog) | set(self.samples) | set(self.buckets) | set(self.used.sums)
         self.weights = {t: self._protected_weight(t) for t in tenants}
         active = [t for t in tenants if self.backlog.get(t) or self.used.total(t) > 0]
         total_w = sum(self.weights[t] for t in active) or 1.0

@@ -199,6 +199,10 @@ def load_mooncake(
                     raise TraceError(
                         f"{where}:{line}: invalid JSON: {e.msg} (char {e.colno})"
                     ) from None
+                except ValueError:  # an integer over Python's 4,300-digit limit
+                    raise TraceError(
+                        f"{where}:{line}: invalid JSON: a number of more than 4,300 digits"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise TraceError(
                         f"{where}:{line}: expected a JSON object, got {type(obj).__name__}"
@@ -218,9 +222,15 @@ def _json_number(obj: dict[str, Any], key: str, where: str, line: int) -> float:
         raise TraceError(f"{where}:{line}: missing field {key!r}")
     v = obj[key]
     # bool is an int subclass; a `true` timestamp is a data error, not 1 ms.
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise field_error(where, line, key, f"{v!r} is not a finite number")
-    return float(v)
+    try:
+        as_float = float(v)  # an integer past a float's range raises
+    except OverflowError:
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise field_error(where, line, key, f"{str(v)[:40]} is not a finite number")
+    return as_float
 
 
 def _json_tokens(obj: dict[str, Any], key: str, where: str, line: int) -> int:

@@ -22,6 +22,12 @@ REQUEST_TYPES: frozenset[str] = frozenset({"chat", "completion", "reasoning", "b
 DEFAULT_MAX_TOKENS = 4096
 
 
+# Arrivals are float seconds (from the trace's first request, or Unix times ~1.7e9 in a recording):
+# at 1e11 s a float still resolves 15 µs, a step is ~10 ms; far past it a step's duration falls
+# below a float's resolution and the simulator's clock could no longer move (1e50 hung it).
+MAX_ARRIVAL_S = 1e11
+
+
 class TraceError(ValueError):
     """A trace file is missing, unreadable or malformed.
 
@@ -52,9 +58,10 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         # Cheap invariant checks: a bad request would otherwise surface deep in the simulator.
-        if not (math.isfinite(self.arrival) and self.arrival >= 0.0):
-            raise ValueError(
-                f"request {self.id!r}: arrival must be finite and >= 0, got {self.arrival}"
+        if not 0.0 <= self.arrival <= MAX_ARRIVAL_S:  # False for NaN too
+            raise TraceError(
+                f"request {self.id!r}: arrival must be in [0, {MAX_ARRIVAL_S:g}] s, "
+                f"got {self.arrival}"
             )
         if self.prompt_tokens < 1 or self.output_tokens < 1 or self.max_tokens < 1:
             raise ValueError(

@@ -1,0 +1,157 @@
+"""What a stranger sent (2026-12-03 review): hostile trace and settings files get one line naming
+the file and the line or field, never a traceback or a hang; a broken replica's /state is read
+with each broken optional value as null, and nothing it says can grow the store without bound or
+store a negative count. Each case failed on the code before (a traceback, a hang, a whole answer
+dropped, a 4 MB row per version).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from controlplane.export import ExportError, load_settings_file
+from controlplane.replica_http import opt_int, read_state
+from scheduler.plugin.core import load_startup_settings
+from scheduler.plugin.env import PluginEnv
+from storage import limits
+from tailpilot.cli import main
+
+
+def invoke(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
+def one_error_line(res: Result, *words: str) -> str:
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output and res.exit_code == 2, res.output
+    [line] = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert all(w in line for w in words), line
+    return line
+
+
+# --- trace files ---------------------------------------------------------------------------------
+
+VIDUR = "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        # a gap of 1e50 s: the simulator's clock could not move past it (it hung)
+        ("gap.csv", VIDUR + "0,10,5\n1e50,10,5\n", ["gap-000001", "arrival must be in"]),
+        ("span.csv", VIDUR + "-1e308,10,5\n1e308,10,5\n", ["span-000001", "arrival"]),
+        (
+            "digits.jsonl",
+            '{"timestamp": ' + "9" * 5000 + ', "input_length": 5, "output_length": 5}\n',
+            ["digits.jsonl:1", "4,300 digits"],
+        ),
+        (
+            "huge.jsonl",
+            '{"timestamp": 0, "input_length": ' + "9" * 400 + ', "output_length": 5}\n',
+            ["huge.jsonl:1", "input_length", "not a finite number"],
+        ),
+    ],
+)
+def test_a_hostile_trace_is_one_line_naming_the_file_or_request(tmp_path, name, text, words):
+    path = tmp_path / name
+    path.write_text(text)
+    one_error_line(invoke("sim", "--trace", path, "--policy", "fcfs"), *words)
+
+
+def test_retargeting_a_trace_without_a_rate_is_one_line(tmp_path):
+    path = tmp_path / "one.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n")  # a length-only trace
+    one_error_line(invoke("sim", "--trace", path, "--target-rate", 2), "one", "rate")
+
+
+# --- settings files -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b'{"policy": "uniboost", "n": "caf\xe9"}', "not UTF-8"),
+        (b'{"policy": "uniboost", "params": {"gamma": 1' + b"0" * 5000 + b"}}", "5001 digits"),
+        (b'{"policy": "uniboost", "policy": "fcfs"}', "key 'policy' given more than once"),
+        (b'{"policy": "slofq", "params": {"tenants": {"a\\u0000b": {}}}}', "a\\x00b"),
+    ],
+)
+def test_a_hostile_settings_file_is_refused_naming_the_problem(tmp_path, data, words):
+    path = tmp_path / "s.json"
+    path.write_bytes(data)
+    with pytest.raises(ExportError) as err:
+        load_settings_file(path)
+    assert words in str(err.value) and "\x00" not in str(err.value)
+    line = one_error_line(invoke("export", "--settings", path), words)
+    assert "\x00" not in line
+    # The plugin reads its start-up file with the same strict reader (and the same model).
+    with pytest.raises(ValueError):
+        load_startup_settings(env=PluginEnv(settings_file=str(path)))
+
+
+def test_a_settings_file_with_a_bom_is_read_as_the_plugin_reads_it(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"policy": "las"}).encode())
+    assert load_settings_file(path).policy == "las"
+    assert load_startup_settings(env=PluginEnv(settings_file=str(path))).policy == "las"
+
+
+# --- a broken replica -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e400, 2.0**70, True, "5"])
+def test_a_count_off_a_metrics_page_that_is_no_count_is_null(value):
+    assert opt_int(value) is None
+
+
+def test_opt_int_keeps_what_is_a_count():
+    assert [opt_int(v) for v in (0, 7, 7.0, -3)] == [0, 7, 7, -3]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("more", "yes"),
+        ("settings", [1]),
+        ("live", 7),
+        ("kv", "full"),
+        ("breaker", "x"),
+        ("waiting_by_tenant", {"a": "x"}),
+        ("waiting_by_tenant", ["a"]),
+        ("waiting_by_type", {"a": 1.5}),
+    ],
+)
+def test_a_broken_optional_field_is_null_and_the_rest_is_read(field, value):
+    doc = {"completions": [], "next_cursor": 3, "waiting": 2, field: value}
+    state = read_state(doc)
+    assert state[field] is None and state["waiting"] == 2 and state["next_cursor"] == 3
+
+
+def test_negative_counts_and_an_oversized_settings_document_are_not_stored():
+    rejected: dict[str, int] = {}
+    big = {"policy": "fcfs", "params": {}, "note": "x" * (limits.SETTINGS_DOC_BYTES + 1)}
+    doc = {
+        "completions": [],
+        "next_cursor": 0,
+        "waiting": -12,
+        "running": -3,
+        "settings_version": -7,
+        "kv": {"used_blocks": -5, "total_blocks": 10},
+        "settings": big,
+    }
+    state = read_state(doc, rejected)
+    assert (state["waiting"], state["running"], state["settings_version"]) == (None, None, None)
+    assert state["kv"]["used_blocks"] is None and state["kv"]["total_blocks"] == 10
+    assert state["settings"] is None
+    assert rejected == {limits.OUT_OF_RANGE: 4, limits.TOO_LONG: 1}
+
+
+def test_a_settings_document_a_replica_could_have_taken_is_stored(tmp_path: Path):
+    doc = {"policy": "fcfs", "params": {}, "note": "x" * 1000}
+    state = read_state({"completions": [], "next_cursor": 0, "settings": doc})
+    assert state["settings"] == doc
