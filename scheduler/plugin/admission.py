@@ -358,17 +358,19 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         """Under the lock: mark the idlest idle anonymous connection (idle ``evict_idle_s``) or,
         with ``new_too``, silent new one (silent ``evict_new_s``) as closing; the caller shuts it
         outside the lock. None when no connection has been idle or silent that long."""
+        queues = [(self._idle_anonymous, self.limits.evict_idle_s)]
+        if new_too:
+            queues.append((self._idle_new, self.limits.evict_new_s))
+        # Each queue is in idle order: its head became evictable first (idle since + its wait).
         heads = [
-            (self._conns[queue_head].idle_since + wait, queue_head)
-            for queue, wait in (
-                (self._idle_anonymous, self.limits.evict_idle_s),
-                (self._idle_new, self.limits.evict_new_s if new_too else math.inf),
-            )
-            if (queue_head := next(iter(queue), None)) is not None
+            (self._conns[head].idle_since + wait, head)
+            for queue, wait in queues
+            if (head := next(iter(queue), None)) is not None
         ]
-        # The one that became evictable first (each queue is in idle order, its head first).
-        evictable_since, request = min(heads, key=lambda head: head[0], default=(math.inf, None))
-        if request is None or now < evictable_since:
+        if not heads:
+            return None
+        evictable_since, request = min(heads, key=lambda item: item[0])
+        if now < evictable_since:
             return None
         conn = self._conns[request]
         self._leave_counts(request, conn)
