@@ -188,12 +188,14 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
     model_dir: Path | str | None = None,
     max_model_len: int = MAX_MODEL_LEN,
+    api_port: int = -1,
 ) -> Scheduler:
     """A scheduler of class ``cls`` over a KV cache of ``num_blocks`` blocks.
 
     ``settings`` is tailpilot's start-up settings document (written to a temporary file named by
     ``$TAILPILOT_SETTINGS_FILE`` while the scheduler is built); None gives the plugin's default
-    (sarathi). The plugin's control server is disabled (``$TAILPILOT_API_PORT=-1``).
+    (sarathi). The plugin's control server is disabled (``$TAILPILOT_API_PORT=-1``) unless
+    ``api_port`` is given.
     """
     vllm_config = make_vllm_config(
         model_dir=model_dir,
@@ -212,7 +214,7 @@ def make_scheduler(
         if settings is not None:
             settings_path = str(Path(tmp) / "settings.json")
             Path(settings_path).write_text(json.dumps(settings))
-        with _env(**{SETTINGS_FILE_ENV: settings_path, PORT_ENV: "-1"}):
+        with _env(**{SETTINGS_FILE_ENV: settings_path, PORT_ENV: str(api_port)}):
             return cls(
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,

@@ -29,13 +29,13 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from net_support import free_port
 
 PG_USER = "postgres"  # the database superuser initdb creates (and the OS user when we are root)
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -65,12 +65,6 @@ def find_pg_bin() -> Path:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """One private PostgreSQL server; ``start()`` / ``stop()``, or use it as a context manager."""
 
@@ -90,7 +84,7 @@ class PostgresServer:
         self._run("initdb", "-D", str(self.data), "-U", PG_USER, "--auth=trust", "-E", "UTF8",
                   "--locale=C", "--no-sync")  # fmt: skip
         for attempt in range(attempts):  # another process may grab the free port before we bind it
-            self.port = _free_port()
+            self.port = free_port()
             options = (
                 f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
                 "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50"

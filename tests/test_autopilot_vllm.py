@@ -13,10 +13,10 @@ import time
 
 import pytest
 import yaml
+from net_support import free_port
 from vllm_support import (
     CompletionRequest,
     VllmServer,
-    free_port,
     kv_bytes_for_tokens,
     send_completions,
 )

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from net_support import free_port
 from vllm_support import (
     CompletionRequest,
     VllmServer,
-    free_port,
     kv_bytes_for_tokens,
     run_completions,
 )

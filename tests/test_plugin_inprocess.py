@@ -11,6 +11,7 @@ and appears once in the plugin's completions log.
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from scheduler.plugin.env import PluginEnvError
 from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 from scheduler.plugin.wire import encode_json
 from scheduler.settings import NAME_MAX_CHARS
@@ -956,3 +958,17 @@ def test_a_hostile_tenant_label_is_made_storable_and_never_refuses_its_request(b
     assert_all_finished(d)
     done = json.loads(encode_json(s.api_state(0)))["completions"]
     assert {c["id"]: c["tenant"] for c in done} == cleaned
+
+
+def test_a_taken_control_port_stops_start_up_with_the_variable_named(build):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(PluginEnvError) as raised:
+            build(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, api_port=busy)
+    message = str(raised.value)
+    assert f"TAILPILOT_API_PORT={busy}" in message and "cannot listen" in message
+    # a free port: the same build starts and its control API answers on it
+    scheduler = build(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, api_port=0)
+    assert scheduler.tp_server is not None and scheduler.tp_server.port > 0

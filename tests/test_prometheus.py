@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from net_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from twin_support import governed_cluster, poll_all
 
@@ -192,12 +193,6 @@ def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
         )
     assert "tailpilot_gamma" not in fams  # fcfs has no γ: left out, never NaN
     assert "tailpilot_governor_state" not in fams  # no governor on this collector
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> str:

@@ -264,11 +264,11 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
     import asyncio
     import random
 
+    from net_support import free_port
     from vllm_support import (
         CompletionRequest,
         VllmServer,
         fetch_metrics,
-        free_port,
         kv_bytes_for_tokens,
         run_completions,
     )

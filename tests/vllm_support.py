@@ -24,7 +24,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 import pytest
+from net_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 # --------------------------------------------------------------------------------------------
@@ -196,12 +196,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --------------------------------------------------------------------------------------------
 # Server
 # --------------------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class VllmServerError(RuntimeError):

@@ -32,7 +32,7 @@ from vllm.v1.request import Request
 
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
-from scheduler.plugin.env import PluginEnv
+from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
 from scheduler.policies import Policy, RequestState
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
@@ -216,15 +216,24 @@ class TailpilotMixin(_StockScheduler):
         # tenant -> [last logged (s), refused since]
         self._tp_refusal_log: dict[str, list[float]] = {}
         self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
-        self.tp_core.start_refit_thread()
         self.waiting = PolicyRequestQueue(self)
         self._tp_stock_policy = self.policy  # vLLM's, restored when decode_first is off
         self.tp_server: ControlServer | None = None
         port = env.api_port
         if port >= 0:  # a negative port disables the API (in-process tests drive the core directly)
-            self.tp_server = ControlServer(
-                self, host=env.api_host, port=port + rank if port else 0, token=token_from_env(env)
-            ).start()
+            port = port + rank if port else 0
+            try:
+                server = ControlServer(
+                    self, host=env.api_host, port=port, token=token_from_env(env)
+                )
+            except OSError as err:  # a start-up error the operator can act on, not a traceback
+                raise PluginEnvError(
+                    f"{HOST_ENV}={env.api_host!r} {PORT_ENV}={port}: the control API cannot "
+                    f"listen there ({err.strerror or err}); choose a free port, 0 for any free "
+                    "one, or a negative one to run without the API"
+                ) from err
+            self.tp_server = server.start()
+        self.tp_core.start_refit_thread()
 
     # --- request bookkeeping -----------------------------------------------------------------
     def _tp_state_for(self, request: Request) -> RequestState:
