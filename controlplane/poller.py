@@ -226,7 +226,7 @@ class ReplicaView:
         elif metrics is not None:  # no plugin, or its control API failed this time
             row.waiting = opt_int(m.get("waiting"))
             row.running = opt_int(m.get("running"))
-            row.kv_usage = finite_or_none(m.get("kv_usage"))
+            row.kv_usage = kv_usage_of(m)
             if no_plugin:  # counter rates on our clock (a plugin replica's are on its own clock)
                 row.preemptions_per_s = self._preemptions.add(
                     t, m.get("preemptions_total"), self.window_s
@@ -346,7 +346,7 @@ class ReplicaView:
         row.kv_used_blocks, row.kv_total_blocks = kv.get("used_blocks"), kv.get("total_blocks")
         row.kv_usage = kv.get("usage")
         if row.kv_usage is None:
-            row.kv_usage = finite_or_none(m.get("kv_usage"))
+            row.kv_usage = kv_usage_of(m)
         row.gamma_live, row.beta_live = s.get("gamma_live"), s.get("beta_live")
         preemptions = s.get("preemptions_total")
         if preemptions is None:
@@ -479,6 +479,12 @@ async def poll_view(
     if no_plugin and metrics is None:
         errors.insert(0, "state: HTTP 404 (no tailpilot control API)")
     return view.build(clock(), answer, metrics, errors, no_plugin)
+
+
+def kv_usage_of(metrics: Mapping[str, Any]) -> float | None:
+    """KV usage off a replica's metrics page: a fraction, or None (missing, NaN, out of 0..1)."""
+    usage = finite_or_none(metrics.get("kv_usage"))
+    return usage if limits.fraction_problem(usage) is None else None
 
 
 def reserved_groups(cluster: ClusterSpec) -> dict[str, tuple[str, ...]]:

@@ -257,20 +257,13 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
     """Null (in place) what a /state document (read through ``contract.State``) holds that the
     collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
     completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller."""
-    reasons: list[str] = []
+    reasons = _fit_numbers(doc)
 
     def nulled(where: dict[str, Any], key: str, problem: str | None) -> None:
         if problem is not None:
             where[key] = None
             reasons.append(problem)
 
-    for key in _STATE_COUNTS:
-        nulled(doc, key, limits.int_problem(doc.get(key), limits.COUNT_RANGE))
-    for sub, keys in (("kv", _KV_COUNTS), ("breaker", _BREAKER_COUNTS)):
-        part = doc.get(sub)
-        if isinstance(part, dict):
-            for key in keys:
-                nulled(part, key, limits.int_problem(part.get(key), limits.COUNT_RANGE))
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
         ("policy", limits.POLICY_CHARS),
@@ -291,6 +284,28 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
     for key in ("waiting_by_tenant", "waiting_by_type"):
         if doc.get(key) is not None:
             doc[key] = _fit_counts_by_name(doc[key], reasons)
+    return reasons
+
+
+def _fit_numbers(doc: dict[str, Any]) -> list[str]:
+    """Null (in place) the counts a /state document holds out of range (negative, past 64 bits)
+    and a KV usage outside 0..1; the reasons."""
+    reasons: list[str] = []
+    parts: list[tuple[dict[str, Any], tuple[str, ...]]] = [(doc, _STATE_COUNTS)]
+    parts += [
+        (part, keys)
+        for sub, keys in (("kv", _KV_COUNTS), ("breaker", _BREAKER_COUNTS))
+        if isinstance(part := doc.get(sub), dict)
+    ]
+    for part, keys in parts:
+        for key in keys:
+            if (problem := limits.int_problem(part.get(key), limits.COUNT_RANGE)) is not None:
+                part[key] = None
+                reasons.append(problem)
+    kv = doc.get("kv")
+    if isinstance(kv, dict) and (problem := limits.fraction_problem(kv.get("usage"))) is not None:
+        kv["usage"] = None
+        reasons.append(problem)
     return reasons
 
 

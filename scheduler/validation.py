@@ -20,6 +20,11 @@ def is_control(ch: str) -> bool:
     return ch < " " or "\x7f" <= ch <= "\x9f"
 
 
+def spell_unencodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot carry (lone surrogates) spelled as its escape, whole."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def readable(text: str, limit: int = MAX_KEY_SHOWN) -> str:
     """``text`` cut to ``limit`` characters (an ellipsis marking the cut), control characters and
     lone surrogates spelled as their escapes: safe to echo in an error, a log or a JSON answer."""
@@ -27,7 +32,7 @@ def readable(text: str, limit: int = MAX_KEY_SHOWN) -> str:
     shown = "".join(  # control characters spelled out: they garble terminals and logs
         f"\\x{ord(ch):02x}" if is_control(ch) else ch for ch in shown
     )
-    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+    return spell_unencodable(shown)
 
 
 def field_path(loc: tuple[int | str, ...], root: str = "document") -> str:

@@ -70,6 +70,7 @@ REASONS: tuple[str, ...] = (
 INT32_RANGE = (-(2**31), 2**31 - 1)  # Integer columns (PostgreSQL INTEGER)
 INT64_RANGE = (-(2**63), 2**63 - 1)  # BigInteger columns (PostgreSQL BIGINT, SQLite INTEGER)
 COUNT_RANGE = (0, 2**63 - 1)  # counts, versions, blocks: a negative one is a broken replica's
+TOKEN_COUNT_RANGE = (0, INT32_RANGE[1])  # a completion's token counts (Integer columns)
 #: A settings document larger than a replica takes in a PUT (its control API's body limit) was
 #: never put: stored once per version, it would let a broken replica fill the disk.
 SETTINGS_DOC_BYTES = 64 * 1024
@@ -112,6 +113,13 @@ def int_problem(value: Any, bounds: tuple[int, int]) -> str | None:
     if value is None or (isinstance(value, int) and bounds[0] <= value <= bounds[1]):
         return None
     return OUT_OF_RANGE
+
+
+def fraction_problem(value: Any) -> str | None:
+    """Why ``value`` (a float, or None) cannot be a fraction such as KV usage, else None."""
+    if value is None or (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+        return None  # NaN fails both comparisons
+    return NON_FINITE if isinstance(value, float) and not math.isfinite(value) else OUT_OF_RANGE
 
 
 def text_problem(value: str, max_chars: int | None = None) -> str | None:
@@ -193,22 +201,25 @@ def group_name(name: str) -> tuple[str, str | None]:
 def fit_completion(row: CompletionRow) -> tuple[CompletionRow | None, list[str]]:
     """(``row`` as the store can hold it, or None to skip it; why, per field changed).
 
-    Skipped: a request id, reason or token count the columns cannot hold (the id is the entry's
-    key, and a count the store would have to invent is worse than no entry). Kept with a change:
-    a tenant or type name that is too long or not valid text is stored and grouped under
-    :data:`OTHER_GROUP` (the request still counts); a cap out of range or a non-finite optional
-    time is nulled."""
+    Skipped: a request id, reason or token count the columns cannot hold, a negative count, a
+    finish before the arrival (the id is the entry's key, and a count or a latency the store would
+    have to invent is worse than no entry). Kept with a change: a tenant or type name that is too
+    long or not valid text is stored and grouped under :data:`OTHER_GROUP` (the request still
+    counts); a cap out of range, a non-finite optional time and a first token outside the
+    request's life are nulled."""
     reasons: list[str] = []
     problem = text_problem(row.request_id, REQUEST_ID_CHARS) or text_problem(
         row.reason, REASON_CHARS
     )
     if problem is None:
         for name in _COMPLETION_REQUIRED_INTS:
-            problem = int_problem(getattr(row, name), INT32_RANGE)
+            problem = int_problem(getattr(row, name), TOKEN_COUNT_RANGE)
             if problem is not None:
                 break
     if problem is None and not (math.isfinite(row.arrival_s) and math.isfinite(row.finished_s)):
         problem = NON_FINITE
+    if problem is None and row.finished_s < row.arrival_s:  # a latency below zero: no time is true
+        problem = OUT_OF_RANGE
     if problem is not None:
         return None, [problem]
     changes: dict[str, Any] = {}
@@ -217,7 +228,7 @@ def fit_completion(row: CompletionRow) -> tuple[CompletionRow | None, list[str]]
         if why is not None:
             changes[name] = value
             reasons.append(why)
-    if int_problem(row.max_tokens, INT32_RANGE) is not None:
+    if int_problem(row.max_tokens, TOKEN_COUNT_RANGE) is not None:
         changes["max_tokens"] = None
         reasons.append(OUT_OF_RANGE)
     for name in ("first_token_s", "received_s"):
@@ -225,6 +236,10 @@ def fit_completion(row: CompletionRow) -> tuple[CompletionRow | None, list[str]]
         if value is not None and not math.isfinite(value):
             changes[name] = None
             reasons.append(NON_FINITE)
+    first_token = changes.get("first_token_s", row.first_token_s)
+    if first_token is not None and not row.arrival_s <= first_token <= row.finished_s:
+        changes["first_token_s"] = None  # a first token outside the request's life: TTFT unknown
+        reasons.append(OUT_OF_RANGE)
     return (replace(row, **changes) if changes else row), reasons
 
 
@@ -248,6 +263,7 @@ def fit_sample(row: SampleRow) -> list[str]:
 
 
 __all__ = [
+    "COUNT_RANGE",
     "CURSOR_RANGE",
     "DUPLICATE_ID",
     "INSTANCE_CHARS",
@@ -268,12 +284,14 @@ __all__ = [
     "REASON_CHARS",
     "REQUEST_ID_CHARS",
     "TENANT_CHARS",
+    "TOKEN_COUNT_RANGE",
     "TOO_LONG",
     "TYPE_CHARS",
     "VERSION_RANGE",
     "clean_text",
     "fit_completion",
     "fit_sample",
+    "fraction_problem",
     "group_name",
     "int_problem",
     "json_problem",

@@ -211,8 +211,8 @@ def test_an_oversized_body_is_not_parsed_as_further_requests(api):
         (rb'{"policy": "slofq", "params": {"throttle": {"a\u0000b": 0.5}}}', "U+0000"),
         (rb'{"policy": "slofq", "params": {"tenants": {"": {}}}}', "must not be empty"),
         (
-            b'{"policy": "slofq", "params": {"type_shares": {"' + b"t" * 129 + b'": 0.5}}}',
-            "129 characters, over the limit of 128",
+            b'{"policy": "slofq", "params": {"type_shares": {"' + b"t" * 101 + b'": 0.5}}}',
+            "101 characters, over the limit of 100",
         ),
     ],
 )

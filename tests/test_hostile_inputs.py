@@ -15,10 +15,13 @@ import pytest
 from click.testing import CliRunner, Result
 
 from controlplane.export import ExportError, load_settings_file
+from controlplane.poller import kv_usage_of
 from controlplane.replica_http import opt_int, read_state
 from scheduler.plugin.core import load_startup_settings
 from scheduler.plugin.env import PluginEnv
+from scheduler.settings import NAME_MAX_CHARS, clean_name, name_problem
 from storage import limits
+from storage.rows import CompletionRow
 from tailpilot.cli import main
 
 
@@ -141,17 +144,71 @@ def test_negative_counts_and_an_oversized_settings_document_are_not_stored():
         "waiting": -12,
         "running": -3,
         "settings_version": -7,
-        "kv": {"used_blocks": -5, "total_blocks": 10},
+        "kv": {"used_blocks": -5, "total_blocks": 10, "usage": -0.5},
         "settings": big,
     }
     state = read_state(doc, rejected)
     assert (state["waiting"], state["running"], state["settings_version"]) == (None, None, None)
     assert state["kv"]["used_blocks"] is None and state["kv"]["total_blocks"] == 10
+    assert state["kv"]["usage"] is None  # a fraction below zero
     assert state["settings"] is None
-    assert rejected == {limits.OUT_OF_RANGE: 4, limits.TOO_LONG: 1}
+    assert rejected == {limits.OUT_OF_RANGE: 5, limits.TOO_LONG: 1}
+
+
+@pytest.mark.parametrize(
+    ("usage", "kept"), [(0.0, True), (1.0, True), (1.5, False), (-1e-9, False)]
+)
+def test_kv_usage_is_a_fraction(usage, kept):
+    state = read_state({"completions": [], "next_cursor": 0, "kv": {"usage": usage}}, {})
+    assert state["kv"]["usage"] == (usage if kept else None)
+    assert kv_usage_of({"kv_usage": usage}) == (usage if kept else None)
+
+
+def completion_entry(**fields: object) -> CompletionRow:
+    base: dict = dict(
+        replica="r", request_id="q", tenant="a", type="chat", arrival_s=10.0,
+        first_token_s=11.0, finished_s=12.0, prompt_tokens=5, output_tokens=7, preemptions=0,
+    )  # fmt: skip
+    return CompletionRow(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(finished_s=9.0),  # finished before it arrived: no latency of it is true
+        dict(prompt_tokens=-1),
+        dict(output_tokens=-7),
+        dict(preemptions=-1),
+        dict(recomputed_tokens=-2),
+    ],
+)
+def test_a_completion_with_a_negative_latency_or_count_is_not_stored(fields):
+    fitted, reasons = limits.fit_completion(completion_entry(**fields))
+    assert fitted is None and reasons == [limits.OUT_OF_RANGE]
+
+
+@pytest.mark.parametrize("first_token_s", [9.0, 12.5])
+def test_a_first_token_outside_the_requests_life_is_unknown(first_token_s):
+    fitted, reasons = limits.fit_completion(completion_entry(first_token_s=first_token_s))
+    assert fitted is not None and fitted.first_token_s is None and reasons == [limits.OUT_OF_RANGE]
+    fitted, reasons = limits.fit_completion(completion_entry(max_tokens=-4))
+    assert fitted is not None and fitted.max_tokens is None and reasons == [limits.OUT_OF_RANGE]
+    fitted, reasons = limits.fit_completion(completion_entry(first_token_s=12.0, max_tokens=0))
+    assert fitted == completion_entry(first_token_s=12.0, max_tokens=0) and reasons == []
 
 
 def test_a_settings_document_a_replica_could_have_taken_is_stored(tmp_path: Path):
     doc = {"policy": "fcfs", "params": {}, "note": "x" * 1000}
     state = read_state({"completions": [], "next_cursor": 0, "settings": doc})
     assert state["settings"] == doc
+
+
+def test_a_name_the_engine_governs_by_is_recorded_and_shown_by_that_name():
+    """One bound for tenant and type names in the engine and in the recorder: a name a settings
+    document may govern by is never folded into "other" on the operator side."""
+    assert NAME_MAX_CHARS == limits.MAX_GROUP_NAME_CHARS
+    longest = "t" * NAME_MAX_CHARS
+    assert name_problem(longest) is None and limits.group_name(longest) == (longest, None)
+    assert name_problem(longest + "t") is not None  # the document is refused, naming it
+    label = clean_name(longest + "t")  # a client's longer label is cut, never refused
+    assert limits.group_name(label) == (label, None)

@@ -602,3 +602,52 @@ def test_max_tokens_default_reaches_the_studys_traces():
     capped = build_traces(small_spec(max_tokens_default=300))[0]
     assert {r.max_tokens for r in capped} == {300}
     assert all(r.output_tokens <= 300 for r in capped) and capped.truncated > 0
+
+
+def field_bounds_of(name: str) -> tuple[float | None, bool, float | None, bool]:
+    """(low, low open, high, high open) of a StudySpec field's number constraints."""
+    low = high = None
+    low_open = high_open = False
+    for rule in StudySpec.model_fields[name].metadata:
+        if (value := getattr(rule, "ge", None)) is not None:
+            low = value
+        if (value := getattr(rule, "gt", None)) is not None:
+            low, low_open = value, True
+        if (value := getattr(rule, "le", None)) is not None:
+            high = value
+        if (value := getattr(rule, "lt", None)) is not None:
+            high, high_open = value, True
+    return low, low_open, high, high_open
+
+
+def test_a_spec_field_holds_the_bounds_of_its_flag():
+    """A definition read back from a study is held to what its flags would have allowed."""
+    from tailpilot.study_options import SPEC_FLAGS
+
+    command = COMMANDS[0]
+    checked = []
+    for param in command.params:
+        if param.name not in SPEC_FLAGS or not isinstance(
+            param.type, click.IntRange | click.FloatRange
+        ):
+            continue
+        field = SPEC_FLAGS[param.name][0]
+        kind = param.type
+        assert field_bounds_of(field) == (kind.min, kind.min_open, kind.max, kind.max_open), field
+        checked.append(field)
+    assert {"rate_scale", "window_s", "seed", "tenants", "num_gpu_blocks"} <= set(checked)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("rate_scale", -1.0), ("window_s", 0.001), ("population_size", 1), ("seed", -3)],
+)
+def test_a_stored_definition_edited_by_hand_is_refused_naming_the_field(field, value):
+    study = optuna.create_study(study_name="edited")
+    study.set_user_attr(st.ATTR_SPEC, {**small_spec().to_dict(), field: value})
+    invalid = rf"^study edited: its stored definition is invalid \({field}: "
+    with pytest.raises(TuneError, match=invalid):
+        st.stored_spec(study)
+    study.set_user_attr(st.ATTR_SPEC, ["not", "an", "object"])
+    with pytest.raises(TuneError, match="not an object"):
+        st.stored_spec(study)

@@ -36,6 +36,9 @@ DEFAULT_WARMUP_S = 120.0  # arrivals replayed before each window and not measure
 DEFAULT_HOLDOUT = 0.25
 DEFAULT_MAX_WINDOWS = 12  # search windows per trial when --windows is not given
 DEFAULT_MIN_REQUESTS = 20
+# The CLI's bounds for the same flags (tests/test_tuner.py holds the two equal).
+MAX_INT32 = 2**31 - 1  # seeds, token caps, KV blocks
+MAX_TENANTS = 1_000_000
 
 
 class TuneError(ValueError):
@@ -94,31 +97,34 @@ class StudySpec(BaseModel):
     )  # None = the bundled window
     trim: tuple[float, float] | None = None  # keep arrivals in [start, start+dur) first
     mix: list[tuple[str, float]] = Field(default_factory=list)  # (file, fraction) mixed in
-    rate_scale: float | None = None
-    target_rate: float | None = None
-    max_tokens_cap: int | None = None
-    max_tokens_default: int | None = None  # None: tr.DEFAULT_MAX_TOKENS
-    tenants: int | None = None
-    seed: int = 0
-    window_s: float = Field(DEFAULT_WINDOW_S, gt=0, allow_inf_nan=False)
+    # The bounds are the CLI's (tailpilot/cli_common.py): a definition read back from a study
+    # (its JSON may have been edited by hand) is held to what the flags would have allowed.
+    rate_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
+    target_rate: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_tokens_cap: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_tokens_default: int | None = Field(None, ge=1, le=MAX_INT32)  # None: DEFAULT_MAX_TOKENS
+    tenants: int | None = Field(None, ge=1, le=MAX_TENANTS)
+    seed: int = Field(0, ge=0, le=MAX_INT32)
+    # Below a second no percentile or SLO ratio of a window means anything.
+    window_s: float = Field(DEFAULT_WINDOW_S, ge=1, allow_inf_nan=False)
     warmup_s: float = Field(DEFAULT_WARMUP_S, ge=0, allow_inf_nan=False)
     holdout: float = Field(DEFAULT_HOLDOUT, gt=0, lt=1)
     windows: int | None = Field(
         None, ge=1
     )  # K search windows per trial (None: all, up to DEFAULT_MAX_WINDOWS)
-    min_requests: int = DEFAULT_MIN_REQUESTS
+    min_requests: int = Field(DEFAULT_MIN_REQUESTS, ge=0)
     production: dict[str, Any] = Field(default_factory=lambda: Settings().to_dict())
     slo: dict[str, float] = Field(default_factory=dict)
     ranges: list[str] = Field(default_factory=list)  # NAME=LO:HI[:log]
     fixed: dict[str, Any] = Field(default_factory=dict)
     search: list[str] | None = None
     tune_engine: bool = True
-    num_gpu_blocks: int | None = None
+    num_gpu_blocks: int | None = Field(None, ge=1, le=MAX_INT32)
     step_model: dict[str, Any] = Field(
         default_factory=lambda: get_model(DEFAULT_MODEL_NAME).as_dict()
     )
     pruner: bool = True
-    population_size: int = 20  # NSGA-II
+    population_size: int = Field(20, ge=2)  # NSGA-II
     # Filled by normalize(): file digests, so a changed file is caught on resume.
     trace_digests: list[str | None] = Field(default_factory=list)
     mix_digests: list[str | None] = Field(default_factory=list)

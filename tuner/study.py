@@ -220,8 +220,20 @@ def study_exists(storage: BaseStorage, name: str) -> bool:
 
 
 def stored_spec(study: Study) -> StudySpec | None:
+    """The definition the study was created with (None: not a tailpilot study); a definition the
+    CLI could not have written (edited by hand in the study's storage) is a :class:`TuneError`."""
     raw = study.user_attrs.get(ATTR_SPEC)
-    return None if raw is None else StudySpec.from_dict(raw)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise TuneError(f"study {study.study_name}: its stored definition is not an object")
+    try:
+        return StudySpec.from_dict(raw)
+    except SpecError as err:
+        raise TuneError(
+            f"study {study.study_name}: its stored definition is invalid ({err}); "
+            "was it edited outside tailpilot? Create a new study"
+        ) from None
 
 
 def _resolve_spec(study: Study, spec: StudySpec | None, given: Mapping[str, Any]) -> StudySpec:

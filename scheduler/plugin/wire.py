@@ -11,7 +11,7 @@ from typing import Any
 
 import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
 
-from scheduler.validation import readable
+from scheduler.validation import readable, spell_unencodable
 
 MAX_FILE_BYTES = 16 * 1024 * 1024  # a settings file: 10,000 tenants' SLOs are ~2 MiB
 MAX_INT_DIGITS = 400  # far beyond any count, version or token number; int() is quadratic in digits
@@ -88,8 +88,8 @@ def encode_json(doc: Any) -> bytes:
 
 
 def _readable(doc: Any) -> Any:
-    if isinstance(doc, str):  # spelled out, not cut
-        return doc.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(doc, str):  # spelled out, not cut (JSON escapes control characters itself)
+        return spell_unencodable(doc)
     if isinstance(doc, dict):
         return {_readable(k): _readable(v) for k, v in doc.items()}
     if isinstance(doc, (list, tuple)):
