@@ -289,6 +289,46 @@ def _wait_for_trials_of_two_workers(
     pytest.fail("the workers started no trial")
 
 
+INTERRUPT_IN_A_CALLBACK = """
+import os, signal, sys, weakref
+from tuner.optimize import exit_quietly_on_interrupt
+
+exit_quietly_on_interrupt() if sys.argv[1] == "worker" else None
+
+class Node:
+    pass
+
+def on_collected(ref):
+    os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next bytecode: here
+    for _ in range(1000):
+        pass
+
+node = Node()
+ref = weakref.ref(node, on_collected)
+del node  # the callback runs now, and the interrupt is raised inside it
+print("carried on", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("mode", "code"), [("worker", 130), ("plain", 0)])
+def test_an_interrupt_landing_in_a_gc_callback_still_ends_a_worker_quietly(mode, code):
+    """What a fresh-clone CI run saw: a worker's Ctrl-C raised inside SQLAlchemy's weakref
+    callback was printed as "Exception ignored ... Traceback" and lost. Plain Python shows why
+    (it carries on); a worker ends with 130 and prints nothing."""
+    ran = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_IN_A_CALLBACK, mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert ran.returncode == code, ran.stderr
+    if mode == "worker":
+        assert ran.stdout == "" and ran.stderr == ""
+    else:  # the interrupt is lost: printed, and the program goes on
+        assert "carried on" in ran.stdout and "Exception ignored" in ran.stderr
+
+
 def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
     """A terminal's Ctrl-C reaches every process of ``tailpilot tune --workers 2``: each worker
     fails its running trial and exits quietly; the command says how to continue, once, with no

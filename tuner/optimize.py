@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -386,18 +387,38 @@ def _fail_dead_trials(storage: BaseStorage, study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def _worker_entry(url: str, name: str, n_trials: int, worker: int, parent: int) -> None:
-    """A spawned worker process: rebuild the context from the stored definition and optimize;
-    stop after the current trial if the parent process is gone. Ctrl-C (or the parent's SIGINT)
-    ends it with status 130 and nothing printed, also when the interrupt surfaces as another
-    exception (it can land inside Optuna's bookkeeping of a trial): the parent reports it."""
+def exit_quietly_on_interrupt() -> list[int]:
+    """Make Ctrl-C end this (worker) process with status 130 and nothing printed; the list the
+    SIGINT handler appends to, for the caller's ``except`` to tell an interrupt from an error.
+
+    The handler raises KeyboardInterrupt, so that Optuna marks the running trial failed on its
+    way out. Python runs the handler between any two bytecodes, also inside a weakref or garbage
+    collector callback (SQLAlchemy's registry has some), where an exception cannot propagate:
+    Python prints it as "Exception ignored in ..." with a traceback and goes on, the interrupt
+    lost. The unraisable hook ends the process there instead, as the interrupt would have.
+    """
     interrupted: list[int] = []
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
         interrupted.append(signum)
         raise KeyboardInterrupt
 
+    def on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+        if interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            os._exit(130)
+        sys.__unraisablehook__(unraisable)
+
     signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = on_unraisable
+    return interrupted
+
+
+def _worker_entry(url: str, name: str, n_trials: int, worker: int, parent: int) -> None:
+    """A spawned worker process: rebuild the context from the stored definition and optimize;
+    stop after the current trial if the parent process is gone. Ctrl-C (or the parent's SIGINT)
+    ends it with status 130 and nothing printed, also when the interrupt surfaces as another
+    exception (it can land inside Optuna's bookkeeping of a trial): the parent reports it."""
+    interrupted = exit_quietly_on_interrupt()
     try:
         storage = open_storage(url)
         _, ctx = load_context(storage, name, enqueue=True)
