@@ -258,29 +258,23 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
     collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
     completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller."""
     reasons = _fit_numbers(doc)
-
-    def nulled(where: dict[str, Any], key: str, problem: str | None) -> None:
-        if problem is not None:
-            where[key] = None
-            reasons.append(problem)
-
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
         ("policy", limits.POLICY_CHARS),
         ("replica", None),
     ):
         if isinstance(doc.get(key), str):
-            nulled(doc, key, limits.text_problem(doc[key], chars))
+            _null(doc, key, limits.text_problem(doc[key], chars), reasons)
     breaker = doc.get("breaker")
     if isinstance(breaker, dict) and isinstance(breaker.get("last_error"), str):
         breaker["last_error"] = limits.clean_text(breaker["last_error"])[
             : contract.BREAKER_ERROR_CHARS
         ]
     if doc.get("settings") is not None:
-        nulled(doc, "settings", limits.settings_problem(doc["settings"]))
+        _null(doc, "settings", limits.settings_problem(doc["settings"]), reasons)
     for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
         if doc.get(key) is not None:
-            nulled(doc, key, limits.json_problem(doc[key]))
+            _null(doc, key, limits.json_problem(doc[key]), reasons)
     for key in ("waiting_by_tenant", "waiting_by_type"):
         if doc.get(key) is not None:
             doc[key] = _fit_counts_by_name(doc[key], reasons)
@@ -299,14 +293,18 @@ def _fit_numbers(doc: dict[str, Any]) -> list[str]:
     ]
     for part, keys in parts:
         for key in keys:
-            if (problem := limits.int_problem(part.get(key), limits.COUNT_RANGE)) is not None:
-                part[key] = None
-                reasons.append(problem)
+            _null(part, key, limits.int_problem(part.get(key), limits.COUNT_RANGE), reasons)
     kv = doc.get("kv")
-    if isinstance(kv, dict) and (problem := limits.fraction_problem(kv.get("usage"))) is not None:
-        kv["usage"] = None
-        reasons.append(problem)
+    if isinstance(kv, dict):
+        _null(kv, "usage", limits.fraction_problem(kv.get("usage")), reasons)
     return reasons
+
+
+def _null(where: dict[str, Any], key: str, problem: str | None, reasons: list[str]) -> None:
+    """Null ``where[key]`` and note why, when there is a ``problem``."""
+    if problem is not None:
+        where[key] = None
+        reasons.append(problem)
 
 
 def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str, int]:

@@ -604,22 +604,6 @@ def test_max_tokens_default_reaches_the_studys_traces():
     assert all(r.output_tokens <= 300 for r in capped) and capped.truncated > 0
 
 
-def field_bounds_of(name: str) -> tuple[float | None, bool, float | None, bool]:
-    """(low, low open, high, high open) of a StudySpec field's number constraints."""
-    low = high = None
-    low_open = high_open = False
-    for rule in StudySpec.model_fields[name].metadata:
-        if (value := getattr(rule, "ge", None)) is not None:
-            low = value
-        if (value := getattr(rule, "gt", None)) is not None:
-            low, low_open = value, True
-        if (value := getattr(rule, "le", None)) is not None:
-            high = value
-        if (value := getattr(rule, "lt", None)) is not None:
-            high, high_open = value, True
-    return low, low_open, high, high_open
-
-
 def test_a_spec_field_holds_the_bounds_of_its_flag():
     """A definition read back from a study is held to what its flags would have allowed."""
     from tailpilot.study_options import SPEC_FLAGS
@@ -633,7 +617,13 @@ def test_a_spec_field_holds_the_bounds_of_its_flag():
             continue
         field = SPEC_FLAGS[param.name][0]
         kind = param.type
-        assert field_bounds_of(field) == (kind.min, kind.min_open, kind.max, kind.max_open), field
+        bounds = field_bounds(StudySpec, field)
+        assert (bounds.lo, bounds.lo_open, bounds.hi, bounds.hi_open) == (
+            kind.min,
+            kind.min_open,
+            kind.max,
+            kind.max_open,
+        ), field
         checked.append(field)
     assert {"rate_scale", "window_s", "seed", "tenants", "num_gpu_blocks"} <= set(checked)
 
