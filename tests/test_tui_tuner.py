@@ -89,6 +89,20 @@ async def tuner_ready(pilot, app, study: str | None = None):
     return panel
 
 
+async def open_tuner_on(pilot, app, study: str):
+    """Show the tuner panel and move its cursor down to ``study`` once the study list is in the
+    table (a key pressed before the list is read has no row to move to and is lost)."""
+    await pilot.press("5")
+    panel = await tuner_ready(pilot, app)
+    for _ in panel.studies:
+        if panel.study == study:
+            break
+        was = panel.study
+        await pilot.press("down")
+        await wait_for(pilot, lambda: panel.study != was, what="the cursor moved")  # noqa: B023
+    return await tuner_ready(pilot, app, study)
+
+
 @pytest.fixture
 def replay_app(tmp_path, studies):
     db = tmp_path / "rec.db"
@@ -161,8 +175,7 @@ def test_the_computed_recommendation_is_tuner_recommend(replay_app, studies):
         app = replay_app()
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause(0.2)
-            await pilot.press("5", "down")
-            panel = await tuner_ready(pilot, app, SINGLE)
+            panel = await open_tuner_on(pilot, app, SINGLE)
             rec = panel.current_rec()
             assert rec.source == "computed" and rec.summary == expected
             text = text_of(app.query_one("#recommendation"))
@@ -209,8 +222,7 @@ def test_a_stored_recommendation_is_shown_instead_of_computing(tmp_path, studies
         )
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause(0.2)
-            await pilot.press("5", "down")
-            panel = await tuner_ready(pilot, app, SINGLE)
+            panel = await open_tuner_on(pilot, app, SINGLE)
             rec = panel.current_rec()
             assert (
                 rec.source == "stored"
@@ -278,8 +290,7 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
         app = build_app(spec, store=store, refresh_s=0.25, optuna_storage=studies)
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
-            await pilot.press("5", "down")
-            panel = await tuner_ready(pilot, app, SINGLE)
+            panel = await open_tuner_on(pilot, app, SINGLE)
             assert panel.current_rec().summary["settings"] == rec["settings"]
             await pilot.press("R")
             await wait_for(
@@ -335,8 +346,7 @@ def test_R_applies_to_the_selection_only_and_refuses_a_policy_switch_over_a_pin(
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             app.selected = {"twin-1", "twin-2"}
-            await pilot.press("5", "down")
-            await tuner_ready(pilot, app, SINGLE)
+            await open_tuner_on(pilot, app, SINGLE)
             await pilot.press("R")
             await wait_for(
                 pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
