@@ -35,9 +35,18 @@ SPEED = 20.0
 SIZE = (160, 48)
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
 # γ-Ada quick enough to move within a few wall seconds at SPEED (5 replica-s = 0.25 wall-s).
+# Its signal the TTLT tail, which keeps moving as the looping trace's mix goes by: the default
+# (fcfs_wait) reads 0 at this light load, so γ climbs to gamma_max within ~100 replica s and stays,
+# and a test that needs an unpinned γ still adapting would pass only on a machine fast enough
+# to get there first.
 UNIBOOST = {
     "policy": "uniboost",
-    "params": {"ada_min_samples": 20, "ada_window": 200, "ada_interval_s": 5.0},
+    "params": {
+        "ada_min_samples": 20,
+        "ada_window": 200,
+        "ada_interval_s": 5.0,
+        "ada_signal": "ttlt",
+    },
 }
 
 
@@ -223,57 +232,82 @@ def test_switch_policy_with_P_changes_the_replica_and_writes_the_audit_row(twins
 
 
 def test_pin_gamma_with_N_stops_gamma_ada_while_unpinned_gamma_moves(twins):
+    # twin-1 is pinned and twin-2 watched: their tails keep moving with the looping trace, so
+    # γ-Ada keeps changing their γ (twin-0's tail settles, its γ with it: a pin there would
+    # have nothing to stop).
+    pinned_twin, watched_twin = twins[1], twins[2]
+
     async def scenario():
         app = build_app(spec_of(twins), refresh_s=0.25)
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
-            # Let γ-Ada act once on every twin, so the pin freezes an adapted value.
+
+            def adapted(replica: str, since_ms: int = 0) -> list[float]:
+                return [
+                    r.gamma_live
+                    for r in app.source.history(replica)
+                    if r.t_ms > since_ms and r.healthy and r.gamma_live not in (None, GAMMA_DEFAULT)
+                ]
+
+            # γ-Ada has moved both twins' γ more than once, so the pin freezes an adapted value
+            # of a γ that was still moving.
             await wait_for(
                 pilot,
-                lambda: all(
-                    rs.sample.gamma_live not in (None, GAMMA_DEFAULT)
-                    for rs in app.snapshot.replicas.values()
-                ),
+                lambda: all(len(set(adapted(t.name))) > 1 for t in (pinned_twin, watched_twin)),
                 what="γ-Ada moving",
+                timeout=60,
             )
-            assert app.current_replica == "twin-0"
+            await pilot.press("down")
+            await wait_for(
+                pilot, lambda: app.current_replica == pinned_twin.name, what="cursor on twin-1"
+            )
             await pilot.press("N")
             await wait_for(
                 pilot, lambda: type(app.screen).__name__ == "ConfirmScreen", what="confirmation"
             )
             diff = text_of(app.screen.query_one("#dialog-diff"))
+            assert pinned_twin.name in diff, diff
             assert "params.gamma" in diff and 'pinned: [] → ["gamma"]' in diff, diff
             await pilot.press("y")
             await wait_for(
                 pilot,
-                lambda: "gamma" in get_settings(twins[0])["settings"]["pinned"],
+                lambda: "gamma" in get_settings(pinned_twin)["settings"]["pinned"],
                 what="pinned",
             )
-            pinned = get_settings(twins[0])["settings"]["params"]["gamma"]
+            pinned = get_settings(pinned_twin)["settings"]["params"]["gamma"]
             await wait_for(
-                pilot, lambda: cell(app, "twin-0", "gamma").endswith("*"), what="pin shown"
+                pilot,
+                lambda: cell(app, pinned_twin.name, "gamma").endswith("*"),
+                what="pin shown",
             )
-            t_pin = app.snapshot.t_ms
-            # Several γ-Ada intervals (5 replica s each = 0.25 wall s).
-            await pilot.pause(3.0)
-            hist0 = [
-                r.gamma_live
-                for r in app.source.history("twin-0")
-                if r.t_ms > t_pin + 500 and r.healthy
-            ]
-            hist1 = [
-                r.gamma_live
-                for r in app.source.history("twin-1")
-                if r.t_ms > t_pin + 500 and r.healthy
-            ]
-            return pinned, hist0, hist1, cell(app, "twin-0", "gamma")
+            since_ms = app.snapshot.t_ms + 500
 
-    pinned, hist0, hist1, shown = run(scenario())
-    assert len(hist0) >= 5 and len(hist1) >= 5
-    assert all(g == pytest.approx(pinned) for g in hist0), (pinned, hist0)
-    assert len(set(hist1)) > 1, hist1  # the unpinned twin's γ kept adapting
+            # Until the watched twin's γ-Ada has moved its γ again after the pin: a few of its
+            # 5-replica-s intervals (0.25 wall s each) unloaded. A loaded machine's twin may lag
+            # its clock, so the test waits on the move itself, not on a guess of the speed.
+            await wait_for(
+                pilot,
+                lambda: (
+                    len(adapted(pinned_twin.name, since_ms)) >= 5
+                    and len(adapted(watched_twin.name, since_ms)) >= 5
+                    and len(set(adapted(watched_twin.name, since_ms))) > 1
+                ),
+                what="the unpinned twin's γ moving after the pin",
+                timeout=60,
+            )
+            return (
+                pinned,
+                adapted(pinned_twin.name, since_ms),
+                adapted(watched_twin.name, since_ms),
+                cell(app, pinned_twin.name, "gamma"),
+            )
+
+    pinned, hist_pinned, hist_watched, shown = run(scenario())
+    assert all(g == pytest.approx(pinned) for g in hist_pinned), (pinned, hist_pinned)
+    assert len(set(hist_watched)) > 1, hist_watched  # the unpinned twin's γ kept adapting
     assert shown == f"{pinned:.3g}*"
-    assert twins[0].sim.policy.gamma == pytest.approx(pinned)
+    assert pinned_twin.sim.policy.gamma == pytest.approx(pinned)
+    assert [get_settings(t)["settings"]["pinned"] for t in twins] == [[], ["gamma"], []]
 
 
 def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
@@ -609,6 +643,38 @@ def test_filter_and_sort_the_cluster_screen(recording):
 
     run(scenario())
     store.close()
+
+
+def test_a_snapshot_arriving_while_the_app_closes_is_dropped_quietly(recording, caplog):
+    # The pump waits on the source; a snapshot that comes while Textual is taking the screens
+    # down must not be put on panels that are gone (it was: a NoMatches logged as a display
+    # error on most exits of a live app).
+    app = build_app(None, replay=recording)
+    first_snapshot = app.source.next_snapshot
+    late = {"delivered": False}
+
+    async def next_snapshot():
+        if app.snapshot is None:
+            return await first_snapshot()
+        table = app.query_one("#cluster-table")
+        while table.is_attached:  # until the app's exit has taken the panels down
+            await asyncio.sleep(0.01)
+        late["delivered"] = True
+        return app.snapshot
+
+    app.source.next_snapshot = next_snapshot
+
+    async def scenario():
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="first snapshot")
+            applied = app.snapshots_applied
+        return applied
+
+    with caplog.at_level("ERROR", logger="tui.app"):
+        applied = run(scenario())
+    assert late["delivered"]
+    assert app.snapshots_applied == applied
+    assert not [r for r in caplog.records if r.name == "tui.app"], caplog.text
 
 
 def test_replay_plays_and_pauses(recording):

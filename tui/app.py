@@ -176,6 +176,8 @@ class TailpilotApp(ControllerActions, ChangeActions, App[None]):
     async def _pump(self) -> None:
         while True:
             snap = await self.source.next_snapshot()
+            if not self.is_running:  # the app is closing: its panels are being taken down
+                return
             if self.paused and self.mode_name == "live":
                 continue
             try:
