@@ -364,10 +364,14 @@ def twins():
         yield tw
 
 
+HOLD_LIMIT_S = 30.0  # the longest a held answer waits (a failing test ends, never hangs)
+
+
 class FaultProxy:
     """A loopback HTTP proxy in front of one twin that injects the faults a real replica cannot
-    produce on demand: ``timeout`` / ``slow`` (sleeps), ``http500``, ``bad_json`` (state),
-    ``bad_metrics`` (/metrics) and ``no_plugin`` (the control API 404s, as on plain vLLM)."""
+    produce on demand: ``timeout`` (sleeps), ``hold`` (the control API's answers wait until
+    ``release()``), ``http500``, ``bad_json`` (state), ``bad_metrics`` (/metrics) and
+    ``no_plugin`` (the control API 404s, as on plain vLLM)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -375,6 +379,7 @@ class FaultProxy:
         self.sleep_s = 2.0
         self.inflight = self.max_inflight = 0
         self.state_requests = self.metrics_requests = 0
+        self.released = threading.Event()
         self._lock = threading.Lock()
         self._client = httpx.Client(base_url=target, trust_env=False, timeout=10)
         proxy = self
@@ -403,8 +408,7 @@ class FaultProxy:
                         proxy.state_requests += 1
                         proxy.max_inflight = max(proxy.max_inflight, proxy.inflight)
                 try:
-                    if mode in ("timeout", "slow"):
-                        time.sleep(proxy.sleep_s)
+                    proxy.delay(mode, is_state)
                     if mode == "http500":
                         return self._reply(500, b"Internal Server Error", "text/plain")
                     if mode == "bad_json" and is_state:
@@ -444,7 +448,20 @@ class FaultProxy:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
+    def delay(self, mode: str, is_state: bool) -> None:
+        """The wait a fault puts before an answer: ``timeout`` sleeps, ``hold`` waits to be let
+        go (the control API's answers only)."""
+        if mode == "timeout":
+            time.sleep(self.sleep_s)
+        elif mode == "hold" and is_state:
+            self.released.wait(HOLD_LIMIT_S)
+
+    def release(self) -> None:
+        """Lets the held answers (mode ``hold``) go, and every later one through."""
+        self.released.set()
+
     def close(self) -> None:
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._client.close()
@@ -712,24 +729,33 @@ def test_plain_vllm_without_plugin_gives_metrics_only_samples(twins, proxy):
 
 
 def test_slow_replica_does_not_delay_the_others(twins, proxy):
-    proxy.mode, proxy.sleep_s = "slow", 1.0
-    cluster = twin_cluster(twins, proxy_url=proxy.url, poll=0.1, timeout=2.0)
+    # twin-2's control API holds its answer until the test lets it go (inside the poll's
+    # timeout): while it is held, the others must be polled on. A collector that waited for the
+    # slow replica would stop polling them, and the wait below would time out.
+    proxy.mode = "hold"
+    cluster = twin_cluster(twins, proxy_url=proxy.url, poll=0.1, timeout=HOLD_LIMIT_S)
+    slow = twins[2].name
 
     async def scenario():
         async with Running(cluster, None) as run:
+            await wait_until(lambda: proxy.inflight == 1, timeout=30, what="a held poll")
+            held_at = len(run.polls_of(slow))
+            before = {o.name: len(run.polls_of(o.name)) for o in twins[:2]}
             await wait_until(
-                lambda: len(run.polls_of(twins[2].name)) >= 2, timeout=10, what="slow polls"
+                lambda: all(len(run.polls_of(o.name)) >= before[o.name] + 10 for o in twins[:2]),
+                timeout=30,
+                what="ten polls of each other replica while one poll is held",
             )
-        return run
+            still_held = proxy.inflight == 1 and len(run.polls_of(slow)) == held_at
+            proxy.release()
+            await wait_until(
+                lambda: len(run.polls_of(slow)) > held_at + 1, timeout=30, what="the held poll"
+            )
+        return run, still_held
 
-    run = asyncio.run(scenario())
-    slow = run.polls_of(twins[2].name)
-    assert all(ok for _, _, ok, _ in slow)  # slow, but inside its timeout: healthy
-    span = (slow[0][0], slow[-1][0])
-    for other in twins[:2]:
-        times = [p[0] for p in run.polls_of(other.name) if span[0] <= p[0] <= span[1]]
-        assert len(times) >= 6, times  # ~10 polls while one slow poll is in flight
-        assert max(np.diff(times)) < 0.45
+    run, still_held = asyncio.run(scenario())
+    assert still_held  # the others' ten polls all came while the slow one's was in flight
+    assert all(ok for _, _, ok, _ in run.polls_of(slow))  # slow, but inside its timeout: healthy
     assert proxy.max_inflight == 1  # the slow replica's polls never overlapped
 
 
