@@ -161,6 +161,31 @@ def test_state_has_the_plugins_keys_and_advances():
             assert [m["id"] for m in models["data"]] == ["twin-0"] and models["object"] == "list"
 
 
+def test_inflight_times_are_on_the_replica_clock_as_its_completions_are():
+    """``/inflight``'s arrival times and ``time`` are the replica clock's (epoch + simulated
+    seconds), as its completions' are: a controller that replays the replica's traffic (the
+    autopilot) puts in-flight requests and completions on one timeline."""
+    trace = make_trace(400, 20.0, output=(5, 400), seed=4)
+    clock = ManualClock(epoch=1_700_000_000.0)
+    with start_twins(1, trace, clock=clock, loop=False, token=TOKEN) as cluster:
+        (twin,) = cluster.replicas
+        clock.set(10.0)
+        twin.advance(10.0)
+        arrivals = {r.id: r.arrival for r in trace}
+        with client(twin) as c:
+            doc = c.get("/tailpilot/v1/inflight").json()
+            done = c.get("/tailpilot/v1/state", params={"cursor": 0}).json()["completions"]
+        assert doc["requests"] and doc["time"] == pytest.approx(clock.epoch + 10.0)
+        for r in doc["requests"]:
+            assert r["arrival"] == pytest.approx(clock.epoch + arrivals[r["id"]], abs=1e-6)
+            assert r["arrival"] <= doc["time"]
+            if r["received_at"] is not None:
+                assert clock.epoch <= r["received_at"] <= doc["time"]
+        assert done and all(
+            c["arrival"] == pytest.approx(clock.epoch + arrivals[c["id"]], abs=1e-6) for c in done
+        )
+
+
 def test_completions_since_cursor_every_request_exactly_once():
     trace = make_trace(300, 30.0, seed=1)
     with start_twins(2, trace, speed=40, loop=False, token=TOKEN) as cluster:

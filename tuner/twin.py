@@ -439,7 +439,15 @@ class TwinReplica:
     def api_inflight(self, limit: int) -> dict[str, Any]:
         with self.lock:
             held = [*self.sim.waiting, *self.sim.running]
-            return self.core.inflight(limit, held)
+            doc = self.core.inflight(limit, held)
+        # The simulator's requests count from the twin's epoch; the document's times are the
+        # replica clock's (``time``), as its completions' are.
+        epoch = self.clock.epoch
+        for r in doc["requests"]:
+            for key in ("arrival", "received_at"):
+                if r.get(key) is not None:
+                    r[key] += epoch
+        return doc
 
     def api_settings(self) -> dict[str, Any]:
         return self.core.settings_doc()
