@@ -39,7 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -546,6 +546,28 @@ async def run_governor(
                 "the status lists what is left",
                 undo.exception(),
             )
+
+
+def governor_task(
+    state: str | None, *, interval_s: float = 1.0, who: str = "governor start"
+) -> Callable[[Any, Any, asyncio.Event], Coroutine[Any, Any, None]]:
+    """The governor as a controller run beside a collector (the recorder's ``tasks``, the TUI's
+    live source): its control row set to ``state`` first ("armed" | "dry-run"; None keeps the
+    stored state), then :func:`run_governor` until ``stop``. The cluster must have a governance
+    block."""
+
+    async def task(collector: Any, store: Any, stop: asyncio.Event) -> None:
+        if collector.cluster.governance is None:
+            raise ValueError(
+                f"cluster {collector.cluster.name!r} has no governance block: nothing to govern"
+            )
+        if state:
+            await asyncio.to_thread(
+                store.governance.set_governor_control, collector.cluster.name, state=state, who=who
+            )
+        await run_governor(collector, store, stop, interval_s=interval_s)
+
+    return task
 
 
 async def stop_governor(

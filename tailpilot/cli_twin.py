@@ -4,24 +4,33 @@
     tailpilot demo                      # twin replicas on the bundled trace, recorded, shown live
 
 A twin is the engine simulator run in (accelerated) real time behind the same control API and
-``/metrics`` as a vLLM replica running the plugin (``tuner.twin``).
+``/metrics`` as a vLLM replica running the plugin (``tuner.twin``). The demo also runs what
+``tailpilot record --autopilot --govern`` runs (below ``demo``): the autopilot, armed on one
+replica and dry-run on the others, and the governor (dry-run) over a governance block of the
+demo's tenants.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import logging
 import os
 import secrets
 import signal
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from rich.console import Group
 from rich.live import Live
+from rich.text import Text
 
 from controlplane.views import status_table, wide_console
 from scheduler.settings import Settings, describe_error
@@ -39,6 +48,12 @@ from tailpilot.cli_trace import (
 
 if TYPE_CHECKING:  # the operator's modules load only when a command runs (start-up cost)
     from controlplane.cluster import ClusterSpec
+    from controlplane.governance import GovernanceSpec
+    from sim.traces import Trace
+    from tuner.autopilot import AutopilotConfig
+    from tuner.autopilot_live import LiveConfig
+
+log = logging.getLogger("tailpilot.demo")
 
 DEMO_TOKEN_ENV = "TAILPILOT_DEMO_TOKEN"
 DEMO_CLUSTER_FILE = "tailpilot-demo.yaml"
@@ -192,9 +207,14 @@ def twin(
     "--duration",
     type=POSITIVE,
     metavar="SECONDS",
-    help="Stop after this many seconds [default: until q / Ctrl-C].",
+    help="Stop after this many seconds [default: until q / Ctrl-C (or SIGTERM with --no-tui)].",
 )
-@click.option("--no-tui", is_flag=True, help="Print a status table instead of opening the TUI.")
+@click.option(
+    "--no-tui",
+    is_flag=True,
+    help="Print a status table, the autopilot's report and the tenants' figures instead of "
+    "opening the TUI.",
+)
 def demo(
     n_replicas: int,
     trace_path: str | None,
@@ -205,7 +225,10 @@ def demo(
     duration: float | None,
     no_tui: bool,
 ) -> None:
-    """Start twin replicas on a trace, record them into SQLite and show them live."""
+    """Start twin replicas on a trace, record them into SQLite and show them live, with the
+    autopilot (armed on one uniboost replica, dry-run on the others) and the governor (dry-run,
+    over the tenants' SLOs) running on them as `tailpilot record --autopilot --govern` runs
+    them."""
     from controlplane.cluster import (
         ClusterFile,
         ClusterSpec,
@@ -237,31 +260,51 @@ def demo(
             name="demo",
             window_s=60.0,
             slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
+            governance=demo_governance(trace, scale),
             replicas=[
                 ReplicaSpec(name=r.name, api_url=r.url, control_url=r.url, token_env=DEMO_TOKEN_ENV)
                 for r in twins.replicas
             ],
         )
         Path(DEMO_CLUSTER_FILE).write_text(dump_cluster_file(ClusterFile(clusters=[cluster])))
-        in_tui = not no_tui and _tui_available()
+        starts = {r.name: settings[i % len(settings)].policy for i, r in enumerate(twins.replicas)}
+        armed = armed_replica(starts)
+        controllers = demo_controllers([armed] if armed else [])
         what = (
             f"tailpilot demo: {n_replicas} twin replicas of {trace.name} at speed {speed:g} "
             f"(policies {', '.join(_policies_of(settings, n_replicas))}), recording into {db} "
-            f"(cluster file {DEMO_CLUSTER_FILE})"
+            f"(cluster file {DEMO_CLUSTER_FILE}, with the tenants' SLOs); "
+            f"{_controllers_text(armed, starts)}"
         )
-        if in_tui:
+        if not no_tui and _tui_available():
             click.echo(what, err=True)
             from tui import run_tui  # optional dependency (textual), checked by _tui_available
 
-            run_tui(cluster, db_url=db, readonly=False, duration_s=duration)
+            run_tui(
+                cluster, db_url=db, readonly=False, duration_s=duration, controllers=controllers
+            )
         else:
             _announce_table(what, duration)
-            _demo_table(cluster, db, duration)
+            _demo_table(cluster, db, duration, controllers)
 
 
 def _policies_of(settings: list[Settings], n: int) -> list[str]:
     """The policies the ``n`` replicas start on (settings are taken round-robin), each once."""
     return list(dict.fromkeys(settings[i % len(settings)].policy for i in range(n)))
+
+
+def _controllers_text(armed: str | None, starts: Mapping[str, str]) -> str:
+    """What the demo says it runs beside the replicas: where the autopilot is armed, and the
+    governor."""
+    dry = [n for n, p in starts.items() if p in STEERED and n != armed]
+    pilot = (
+        f"the autopilot armed on {armed}"
+        + (f" (dry-run on {', '.join(dry)})" if dry else "")
+        + f", deciding every {DEMO_PACING['interval_s']:g} s (the demo's pacing)"
+        if armed
+        else "the autopilot in dry-run (no uniboost or sarathi replica to arm it on)"
+    )
+    return f"{pilot}; the governor in dry-run"
 
 
 def _tui_available() -> bool:
@@ -285,8 +328,11 @@ def _announce_table(what: str, duration: float | None) -> None:
     sys.stdout.flush()
 
 
-def _demo_table(cluster: ClusterSpec, db: str, duration: float | None) -> None:
-    """Record the cluster and redraw the status table once a second."""
+def _demo_table(
+    cluster: ClusterSpec, db: str, duration: float | None, controllers: Sequence[Controller] = ()
+) -> None:
+    """Record the cluster with the controllers running beside the collector; redraw the status
+    table, the autopilot's report, the tenants' figures and the governor's state once a second."""
     from controlplane.collector import Collector  # start-up cost
 
     store = open_store(db)
@@ -296,16 +342,44 @@ def _demo_table(cluster: ClusterSpec, db: str, duration: float | None) -> None:
         collector = Collector(cluster, store)
         stop = asyncio.Event()
         task = asyncio.create_task(collector.run(stop))
+        running = [asyncio.create_task(c(collector, store, stop)) for c in controllers]
         end = time.monotonic() + duration if duration else None
+
+        async def view() -> Group:
+            rows, pinned = snapshot_rows(collector.snapshot().replicas.values())
+            pilot, governor = await asyncio.gather(
+                asyncio.to_thread(store.governance.autopilot_control, cluster.name),
+                asyncio.to_thread(store.governance.governor_control, cluster.name),
+            )
+            return Group(
+                status_table(rows, pinned, title=f"tailpilot demo — {db}"),
+                *demo_report(
+                    pilot if controllers else None,
+                    governor if controllers else None,
+                    collector.governance,
+                ),
+            )
+
+        ended = asyncio.Event()  # SIGTERM: stop as at the end of --duration (the last view shown)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ended.set)
         with Live(refresh_per_second=2, console=console) as live:
             try:
-                while end is None or time.monotonic() < end:
-                    await asyncio.sleep(1.0)
-                    rows, pinned = snapshot_rows(collector.snapshot().replicas.values())
-                    live.update(status_table(rows, pinned, title=f"tailpilot demo — {db}"))
+                while not ended.is_set() and (end is None or time.monotonic() < end):
+                    wait = 1.0 if end is None else max(0.0, min(1.0, end - time.monotonic()))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ended.wait(), wait)
+                    live.update(await view())
             finally:
-                stop.set()
-                await task
+                # The last view, what is printed off a terminal: taken while the controllers still
+                # run (stopping, the governor forgets its dry-run modes).
+                try:
+                    last = await view()
+                finally:
+                    stop.set()
+                    await task
+                    await asyncio.gather(*running, return_exceptions=True)
+                live.update(last)
 
     try:
         asyncio.run(main())
@@ -313,6 +387,224 @@ def _demo_table(cluster: ClusterSpec, db: str, duration: float | None) -> None:
         pass
     finally:
         store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# What the demo runs beside its collector, as `tailpilot record --autopilot --govern` runs them
+# (controllers: called with the collector, the store and the stop event, as the recorder's tasks),
+# in the TUI's event loop or beside --no-tui's collector: the autopilot, armed on one replica and
+# dry-run on the others, and the governor (dry-run) over the demo's tenants and their SLOs.
+#
+# One replica armed, the others dry-run: the autopilot's state is one control row per cluster
+# (tuner.autopilot_live: armed | dry-run | disarmed, steered by `tailpilot autopilot` and the TUI's
+# O). The demo's driver (_split_armed_driver) is LiveAutopilot with one addition: while the row
+# says armed, only the replicas it names apply their decisions; every other replica's are carried
+# out as in dry-run (the audit log, result dry-run; nothing sent). The row's dry-run and disarmed
+# hold for every replica. The demo arms the first uniboost replica and leaves the sarathi one
+# (vLLM's own order, the reference the others are compared with) on dry-run.
+# --------------------------------------------------------------------------------------------
+STEERED = ("uniboost", "sarathi")  # the policies the autopilot steers (tuner.autopilot_live)
+# The autopilot's pacing in the demo, so that its decisions show within the first half minute
+# (record --autopilot's defaults: interval_s 60, delay_s 60, min_requests 100).
+DEMO_PACING: dict[str, float] = {"interval_s": 10.0, "delay_s": 10.0, "min_requests": 50}
+PACING_NOTE = (
+    "the demo's pacing: a decision every 10 s (replica clock) after a 10-s delay, once 50 "
+    "requests are in (tailpilot record --autopilot: 60 s, 60 s, 100)"
+)
+# The demo's tenants, most requests first: commitment as a share of the tenant's own demand, and
+# seed 003's multi-quantile SLOs (TTFT, TTLT). With every replica busy (the demo's 1.5× load) the
+# commitments add up to about what the cluster serves, and the busiest tenant, committed half its
+# demand, is the over-consumer (ω < 1). Its TTFT targets are a premium tenant's, tighter than the
+# side-by-side lineup serves (P90 ~0.5 s, P99 ~1.1 s on the bundled trace): it misses them, SCR
+# reads 2/3, the SCR alert fires and the governor (dry-run) says what it would do.
+DEMO_TENANTS: tuple[tuple[float, dict[str, float], dict[str, float] | None], ...] = (
+    (0.5, {"p50": 0.25, "p90": 0.4, "p99": 0.8}, {"p99": 60.0}),
+    (0.8, {"p50": 1.0, "p90": 2.0, "p99": 4.0}, None),
+    (1.0, {"p99": 10.0}, {"p99": 120.0}),
+)
+DEMO_WHO = "tailpilot demo"
+Controller = Callable[[Any, Any, asyncio.Event], Coroutine[Any, Any, None]]
+
+
+def armed_replica(starts: Mapping[str, str]) -> str | None:
+    """The replica the demo arms the autopilot on (replica -> start-up policy): the first running
+    uniboost, else the first running sarathi (the policies it steers), else None."""
+    for wanted in ("uniboost", "sarathi"):
+        for name, policy in starts.items():
+            if policy == wanted:
+                return name
+    return None
+
+
+def demo_governance(trace: Trace, rate_scale: float) -> GovernanceSpec:
+    """The demo's governance block: its (up to) three busiest tenants, each with a commitment sized
+    on its demand in ``trace`` at ``rate_scale`` (prompt + output tokens/s, two significant digits)
+    and its SLOs (``DEMO_TENANTS``); any other tenant is the default tenant. The alerts' and the
+    governor's thresholds are the defaults (docs/governance.md)."""
+    from controlplane.governance import GovernanceSpec  # start-up cost
+
+    tokens: Counter[str] = Counter()
+    for r in trace:
+        tokens[r.tenant] += r.prompt_tokens + r.output_tokens
+    span = max(trace.duration, 1.0) / rate_scale
+    tenants: dict[str, Any] = {}
+    for (name, n), (share, ttft, ttlt) in zip(tokens.most_common(), DEMO_TENANTS, strict=False):
+        commit = max(share * n / span, 1.0)
+        tenants[name] = {"commit_tok_s": float(f"{commit:.2g}"), "ttft": ttft}
+        if ttlt is not None:
+            tenants[name]["ttlt"] = ttlt
+    return GovernanceSpec.model_validate({"tenants": tenants})
+
+
+def demo_controllers(
+    armed: Collection[str],
+    *,
+    config: AutopilotConfig | None = None,
+    live: LiveConfig | None = None,
+) -> list[Controller]:
+    """The autopilot (armed on ``armed``; ``config`` by default the demo's pacing, ``live`` the
+    driver's defaults) and the governor (dry-run)."""
+    from controlplane.governor import governor_task  # start-up cost
+    from tuner.autopilot import AutopilotConfig  # start-up cost
+
+    return [
+        autopilot_controller(
+            armed, config or AutopilotConfig.model_validate(DEMO_PACING), live=live
+        ),
+        governor_task("dry-run", who=DEMO_WHO),
+    ]
+
+
+def _split_armed_driver() -> type:
+    """The demo's autopilot driver class: LiveAutopilot armed on some replicas only (built when it
+    runs: the autopilot's modules load only then)."""
+    from tuner.autopilot_live import LiveAutopilot  # start-up cost
+
+    class SplitArmedAutopilot(LiveAutopilot):
+        """While the control row says ``armed``, the replicas not in ``armed`` carry their
+        decisions out as in dry-run. Its status adds ``armed_replicas`` and ``pacing``."""
+
+        def __init__(
+            self, *args: Any, armed: Collection[str], pacing: str | None = None, **kw: Any
+        ) -> None:
+            super().__init__(*args, **kw)
+            self.armed = frozenset(armed)
+            self.pacing = pacing
+
+        async def _replica_tick(self, client: Any, spec: Any) -> None:
+            # The driver reads ``state`` when it carries a decision out or steps back, within
+            # this call; the replicas are ticked one after the other, so only this one sees it.
+            state = self.state
+            if state == "armed" and spec.name not in self.armed:
+                self.state = "dry-run"
+            try:
+                await super()._replica_tick(client, spec)
+            finally:
+                self.state = state
+
+        def status(self) -> dict[str, Any]:
+            out: dict[str, Any] = super().status()
+            out["armed_replicas"] = sorted(self.armed)
+            if self.pacing:
+                out["pacing"] = self.pacing
+            return out
+
+    return SplitArmedAutopilot
+
+
+def autopilot_controller(
+    armed: Collection[str],
+    config: AutopilotConfig | None = None,
+    *,
+    pacing: str | None = PACING_NOTE,
+    live: LiveConfig | None = None,
+) -> Controller:
+    """The autopilot as ``tailpilot record --autopilot --arm`` runs it (``run_autopilot``'s loop),
+    armed on the ``armed`` replicas only. Its control row is set to armed and not paused first,
+    and the last run's report cleared: the screen shows this run's decisions only."""
+
+    async def controller(collector: Any, store: Any, stop: asyncio.Event) -> None:
+        from controlplane.replica_http import make_client  # start-up cost
+
+        await asyncio.to_thread(
+            store.governance.set_autopilot_control,
+            collector.cluster.name,
+            state="armed",
+            paused=False,
+            status={},
+            who=DEMO_WHO,
+        )
+        driver = _split_armed_driver()(collector, store, config, live, armed=armed, pacing=pacing)
+        collector.on_poll(driver.on_poll)
+        client = make_client(driver.cluster)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), driver.live.tick_s)
+                if stop.is_set():
+                    return
+                try:
+                    await driver.step(client)
+                except Exception:  # a busy store or the like: the next tick tries again
+                    log.exception("autopilot step failed")
+        finally:
+            await client.aclose()
+
+    return controller
+
+
+def demo_report(
+    autopilot: Mapping[str, Any] | None,
+    governor: Mapping[str, Any] | None,
+    governance: Mapping[str, Any] | None,
+) -> list[Text]:
+    """What ``demo --no-tui`` prints under its table: the autopilot's control row as ``tailpilot
+    autopilot status`` prints it (with where it is armed, the promise it keeps when its report
+    gives one, and the demo's pacing), the tenants' figures as ``tailpilot status`` prints them,
+    and the governor's state as ``tailpilot governor status`` does."""
+    from controlplane.governor import modes_text  # start-up cost
+    from controlplane.views import governance_lines  # start-up cost
+    from tuner.autopilot_live import status_lines  # start-up cost
+
+    out: list[Text] = []
+    if autopilot is not None:
+        status = autopilot.get("status") or {}
+        lines = status_lines(dict(autopilot))
+        out.append(Text(lines[0], style="bold"))
+        armed = status.get("armed_replicas")
+        if autopilot.get("state") == "armed" and isinstance(armed, list):
+            out.append(
+                Text(
+                    f"  armed on {', '.join(armed) or 'no replica'} only; the others are dry-run "
+                    "(their 'running' is what it would run: nothing is sent)"
+                )
+            )
+        promise = status.get("promise")
+        if promise and not any(promise in line for line in lines):  # status_lines may say it
+            out.append(Text(f"  keeps: {promise}"))
+        if status.get("pacing"):
+            out.append(Text(f"  {status['pacing']}", style="dim"))
+        if not status.get("t_ms"):
+            out.append(Text("  no report yet (it reports every 5 s)", style="dim"))
+        out.extend(Text(line) for line in lines[1:])
+    if governance:
+        out.append(Text("tenants (their SLOs are in the cluster file):", style="bold"))
+        out.extend(governance_lines(governance))
+    else:
+        out.append(Text("tenants: no figures yet (the collector's first window)", style="dim"))
+    if governor is not None:
+        status = governor.get("status") or {}
+        out.append(
+            Text(
+                f"governor of {governor.get('cluster')}: {governor.get('state')}"
+                f"{' (paused)' if governor.get('paused') else ''} · {modes_text(status)}",
+                style="bold",
+            )
+        )
+        if status.get("held"):
+            out.append(Text(f"  held: {status['held']}"))
+        out.extend(Text(f"  last: {line}") for line in (status.get("last") or [])[-3:])
+    return out
 
 
 COMMANDS: tuple[Any, ...] = (twin, demo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from rich.console import Console
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from scheduler.settings import Settings
 from storage.store import Store
 from tui import autopilot_render as AR
 from tui import keys as K
@@ -353,3 +355,110 @@ def test_a_replay_shows_no_autopilot_and_refuses_O(tmp_path):
             assert app.refused == ["autopilot"] and not app.screen.query("#autopilot-options")
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------- the demo
+
+
+def test_the_demos_first_screen_shows_the_autopilot_its_promise_and_the_tenants(
+    tmp_path, monkeypatch
+):
+    """``tailpilot demo``'s TUI: real twins (sarathi and uniboost side by side, three Zipf
+    tenants), the demo's autopilot (armed on the uniboost replica, dry-run on the sarathi one) and
+    governor (dry-run) running beside the app's collector. The strip above the cluster table
+    shows the autopilot's decisions on data, per replica whether it is armed, the promise its
+    report gives, the tenants' SCR and JFI and the governor; the alerts panel (6) the same in full,
+    the strip then hidden."""
+    from sim import traces
+    from tailpilot.cli_twin import DEMO_TOKEN_ENV, demo_controllers, demo_governance
+    from tuner.autopilot import AutopilotConfig
+    from tuner.autopilot_live import LiveConfig
+    from tuner.twin import start_twins
+
+    monkeypatch.setenv(DEMO_TOKEN_ENV, "demo-tui-token")
+    trace = traces.assign_tenants_zipf(
+        traces.time_window(traces.load_bundled(), 0.0, 120.0), 3, seed=0
+    )
+    docs = [Settings.model_validate({"policy": p}) for p in ("sarathi", "uniboost")]
+    # The demo's pacing on a smaller grid (two fixed γ besides the defaults and sarathi): the
+    # same controllers, less CPU.
+    config = AutopilotConfig.model_validate(
+        {"gammas": [0.01, 1.0], "interval_s": 10.0, "delay_s": 10.0, "min_requests": 20}
+    )
+    with start_twins(
+        2, trace, speed=10.0, rate_scale=3.0, settings=docs, token="demo-tui-token"
+    ) as twins:
+        spec = ClusterSpec(
+            name="demo",
+            poll_interval_s=0.25,
+            timeout_s=5.0,
+            window_s=30.0,
+            governance=demo_governance(trace, 3.0),
+            replicas=[
+                ReplicaSpec(name=t.name, api_url=t.url, control_url=t.url, token_env=DEMO_TOKEN_ENV)
+                for t in twins
+            ],
+        )
+        store = Store.open(str(tmp_path / "demo.db"))
+        controllers = demo_controllers(["twin-1"], config=config, live=LiveConfig(tick_s=0.5))
+
+        def decided(text: str) -> bool:  # both steered replicas past "waiting for data"
+            lines = [ln for ln in text.splitlines() if "[armed]" in ln or "[dry-run]" in ln]
+            return len(lines) == 2 and not any("waiting for data" in ln for ln in lines)
+
+        async def scenario():
+            app = build_app(spec, store=store, refresh_s=0.25, controllers=controllers)
+            async with app.run_test(size=SIZE) as pilot:
+                bar = app.query_one("#controlsbar")
+                await wait_for(
+                    pilot,
+                    lambda: bar.has_class("-shown") and decided(text_of(bar)),
+                    timeout=180,
+                    what="the autopilot's decisions on data in the strip",
+                )
+                await wait_for(
+                    pilot,
+                    lambda: "tenants: SCR " in text_of(bar) and "governor: dry-run" in text_of(bar),
+                    timeout=60,
+                    what="the tenants' figures and the governor in the strip",
+                )
+                shown = text_of(bar)
+                assert bar.display and app.panel == "cluster"
+                assert "autopilot: armed on twin-1 only, dry-run on the others" in shown
+                assert "twin-1  [armed] running " in shown and "twin-0  [dry-run] chooses " in shown
+                assert "the demo's pacing: a decision every 10 s" in shown
+                assert re.search(r"tenants: SCR \d\S* · JFI \d", shown), shown
+                promise = store.governance.autopilot_control("demo")["status"].get("promise")
+                if promise:  # the autopilot's report says which promise holds: the strip shows it
+                    assert f"keeps: {promise}" in shown
+                # The sarathi replica is never sent anything: the autopilot is dry-run there.
+                assert twins[0].core.settings.policy == "sarathi"
+                assert all(
+                    c["result"] == "dry-run"
+                    for c in store.settings_log.settings_changes("demo", "twin-0")
+                    if c["who"] == "autopilot"
+                )
+                # 6: the same in full; the strip steps aside.
+                await pilot.press("6")
+                body = app.query_one("#autopilot-body")
+                await wait_for(
+                    pilot,
+                    lambda: "[armed] running" in text_of(body) and not bar.has_class("-shown"),
+                    what="the alerts panel's autopilot block",
+                )
+                full = text_of(body)
+                assert full.startswith("autopilot: armed on twin-1 only, dry-run on the others")
+                assert "twin-0  [dry-run] chooses " in full
+                await wait_for(
+                    pilot,
+                    lambda: "SCR " in text_of(app.query_one("#alerts-figures")),
+                    what="the governance figures",
+                )
+                assert "governor: dry-run" in text_of(app.query_one("#alerts-governor"))
+                await pilot.press("1")
+                await wait_for(pilot, lambda: bar.has_class("-shown"), what="the strip back")
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            store.close()

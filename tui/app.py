@@ -112,6 +112,7 @@ class TailpilotApp(ControllerActions, ChangeActions, App[None]):
         self.refused: list[str] = []  # actions refused as read-only (for tests and the log)
         self._audit_every = 10
         self.exit_after_s: float | None = None  # run_tui(duration_s=...): quit on its own
+        self.controls = {}  # the governor's and the autopilot's control rows (the strip)
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -137,6 +138,9 @@ class TailpilotApp(ControllerActions, ChangeActions, App[None]):
     def compose(self) -> ComposeResult:
         yield Static(self._topbar_text(), id="topbar")
         yield Static("", id="alertbar")  # the firing governance alerts, on every panel
+        # What steers the cluster, on every panel while a controller reports (the demo's first
+        # screen): the autopilot's choices and promise, the tenants' SCR and JFI, the governor.
+        yield Static("", id="controlsbar")
         with ContentSwitcher(initial="cluster", id="panels"):
             yield ClusterPanel(id="cluster").data_bind(
                 TailpilotApp.selected, cursor_replica=TailpilotApp.current_replica
@@ -205,8 +209,11 @@ class TailpilotApp(ControllerActions, ChangeActions, App[None]):
         bar.update(alert_text(snap.governance))
         bar.set_class(bool(snap.governance and snap.governance.get("alerts")), "-firing")
         bar.set_class(snap.governance is not None, "-shown")
+        self.show_controls()
         if self.panel == "alerts":
             self.reload_alerts()
+        if first or self.snapshots_applied % self._controls_every == 0:
+            self.reload_controls()
         self.snapshots_applied += 1
         if self.mode_name == "replay" or self.snapshots_applied % self._audit_every == 0 or first:
             self.reload_audit()
@@ -331,6 +338,7 @@ class TailpilotApp(ControllerActions, ChangeActions, App[None]):
             panel = self.query_one(TunerPanel)
             self.query_one("#studies-table", DataTable).focus()
             self.run_worker(panel.load(), group="tuner-load", exclusive=True, exit_on_error=False)
+        self.show_controls()
         self._update_topbar()
         self.refresh_bindings()
 

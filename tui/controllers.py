@@ -1,5 +1,7 @@
 """The app's side of the cluster's automatic controllers (the governor, the autopilot): the alerts
-panel's data, and ``G`` / ``O``, which steer a controller through its control row in the store.
+panel's data, the strip above every panel (``#controlsbar``: what steers the cluster, while a
+controller reports), and ``G`` / ``O``, which steer a controller through its control row in the
+store.
 
 A mixin of :class:`tui.app.TailpilotApp` (kept apart so the app stays thin): it uses the app's
 ``source``, ``snapshot``, ``who`` and Textual's ``notify`` / ``push_screen`` / ``run_worker``.
@@ -12,9 +14,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from textual import work
+from textual.widgets import Static
 
 from controlplane.snapshot import ClusterSnapshot
 from tui.alerts_panel import AlertsData, AlertsPanel
+from tui.autopilot_render import controls_brief
 from tui.dialogs import AutopilotScreen, GovernorScreen
 from tui.sources import DataSource
 
@@ -37,11 +41,49 @@ STEERED = {
 
 
 class ControllerActions(_AppBase):
-    """reload_alerts, action_governor (G) and action_autopilot (O) of the app."""
+    """reload_alerts, the controls strip (reload_controls, show_controls), action_governor (G) and
+    action_autopilot (O) of the app."""
 
     source: DataSource
     snapshot: ClusterSnapshot | None
     who: str
+    panel: str
+    # The control rows the strip shows, read again every ``_controls_every`` snapshots (the
+    # controllers report every few seconds); the app starts it empty.
+    controls: dict[str, dict[str, Any] | None]
+    _controls_every = 2
+
+    async def _control_rows(self) -> dict[str, dict[str, Any] | None]:
+        """The governor's and the autopilot's control rows (None: none here)."""
+        controls: dict[str, dict[str, Any] | None] = {}
+        for what in STEERED:
+            try:
+                controls[what] = await getattr(self.source, what)()
+            except Exception as err:
+                log.warning("%s state unavailable: %s", what, err)
+                controls[what] = None
+        return controls
+
+    @work(exclusive=True, group="controls", exit_on_error=False)
+    async def reload_controls(self) -> None:
+        """Read the control rows again and redraw the strip."""
+        self.controls = await self._control_rows()
+        self.show_controls()
+
+    def show_controls(self) -> None:
+        """The strip: shown while the autopilot or the governor reports (``controls_brief``),
+        except on the alerts panel, which shows them in full."""
+        snap = self.snapshot
+        brief = controls_brief(
+            self.controls.get("autopilot"),
+            self.controls.get("governor"),
+            snap.governance if snap else None,
+            self._now_ms(),
+        )
+        bar = self.query_one("#controlsbar", Static)
+        bar.set_class(brief is not None and self.panel != "alerts", "-shown")
+        if brief is not None:
+            bar.update(brief)
 
     @work(exclusive=True, group="alerts", exit_on_error=False)
     async def reload_alerts(self) -> None:
@@ -52,13 +94,9 @@ class ControllerActions(_AppBase):
         except Exception as err:
             log.warning("alert history unavailable: %s", err)
             events = []
-        controls: dict[str, dict[str, Any] | None] = {}
-        for what in STEERED:
-            try:
-                controls[what] = await getattr(self.source, what)()
-            except Exception as err:
-                log.warning("%s state unavailable: %s", what, err)
-                controls[what] = None
+        controls = await self._control_rows()
+        self.controls = controls
+        self.show_controls()
         snap = self.snapshot
         self.query_one(AlertsPanel).data = AlertsData(
             snap.governance if snap else None,
@@ -103,3 +141,4 @@ class ControllerActions(_AppBase):
         row = await getattr(self.source, f"steer_{what}")(choice, self.who)
         self.notify(f"{what}: {choice} ({row['state']}{', paused' if row['paused'] else ''})")
         self.reload_alerts()
+        self.reload_controls()

@@ -10,6 +10,8 @@ refreshes never overlap.
   own event loop (the polling is asyncio + aiohttp, ``controlplane/http.py``: the UI never blocks on
   the network); it keeps an in-memory ring of samples per replica (and, with a store, preloads the
   recent past from it); cluster changes go through :func:`controlplane.steering.apply_settings`.
+  With ``controllers`` (``tailpilot demo``: the governor and the autopilot) it runs them beside
+  its collector, as ``tailpilot record`` runs its ``tasks``.
 * :class:`tui.replay.ReplaySource` reads a recording through :class:`storage.store.Store`:
   ``seek(t_ms)`` gives the snapshot as of ``t`` (``ReadingRepository.latest_samples(at_ms)``),
   ``step(±1)`` moves one sample of the reference replica, ``play``/``pause`` at a speed. It is
@@ -24,7 +26,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -46,6 +48,10 @@ if TYPE_CHECKING:  # annotations only: the app passes the store it opened
 log = logging.getLogger(__name__)
 
 DEFAULT_HISTORY_S = 600.0  # how far back the replica plots reach
+# A controller run beside the live collector until the source stops (controlplane.recorder's Task:
+# called with the collector, the store and the stop event).
+Controller = Callable[[Collector, Any, asyncio.Event], Coroutine[Any, Any, None]]
+CONTROLLERS_STOP_S = 35.0  # a governor undoes its changes at the stop (30 s at most)
 
 
 @runtime_checkable
@@ -144,7 +150,10 @@ class LiveSource:
         who: str = "tui",
         refresh_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        controllers: Sequence[Controller] = (),
     ) -> None:
+        if controllers and store is None:
+            raise ValueError("controllers run on a store (their control rows live there)")
         self.cluster = cluster
         self.clock = clock  # seconds since the epoch: sample stamps, the preload window, audit rows
         self.cluster_name = cluster.name
@@ -165,6 +174,8 @@ class LiveSource:
         self._task: asyncio.Task[None] | None = None
         self._latest: ClusterSnapshot | None = None
         self.error: str | None = None  # why the collector stopped, if it did
+        self.controllers = tuple(controllers)
+        self._controller_tasks: list[asyncio.Task[None]] = []
         self.collector.on_poll(self._on_poll)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -173,6 +184,19 @@ class LiveSource:
         if self.store is not None:
             await self._preload()
         self._task = asyncio.create_task(self._run(), name="tailpilot-collector")
+        self._controller_tasks = [
+            asyncio.create_task(self._control(c), name=f"tailpilot-controller-{i}")
+            for i, c in enumerate(self.controllers)
+        ]
+
+    async def _control(self, controller: Controller) -> None:
+        try:
+            await controller(self.collector, self.store, self._stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a controller's failure never stops the view
+            log.exception("controller stopped")
+            self.error = f"a controller stopped: {type(err).__name__}: {err}"
 
     async def _preload(self) -> None:
         assert self.store is not None  # start() preloads only with a store
@@ -205,6 +229,11 @@ class LiveSource:
                 self._task.cancel()
                 with contextlib.suppress(BaseException):
                     await self._task
+        if self._controller_tasks:  # they see the same stop event; a governor undoes its changes
+            _, late = await asyncio.wait(self._controller_tasks, timeout=CONTROLLERS_STOP_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self._queue is not None:
             self.collector.unsubscribe(self._queue)
 
