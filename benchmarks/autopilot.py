@@ -17,7 +17,7 @@ to sarathi on the same requests:
    the production settings = sarathi) on the requests arriving in the first half of the trace,
    then ``tailpilot recommend``; the recommended settings replay the whole trace (warm) and are
    scored on the requests arriving in the second half only;
-5. ``autopilot``: ``tuner.autopilot.replay_with_autopilot`` — omitted, with a note, when that
+5. ``autopilot``: ``tuner.autopilot_replay.replay_with_autopilot`` — omitted, with a note, when that
    module does not import. Its decisions' ``cpu_s`` give the controller's CPU seconds per decision
    and per hour of traffic.
 
@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.autopilot_frozen import FROZEN_WORKLOADS, build_frozen_workload  # noqa: E402
 from benchmarks.autopilot_scoring import (  # noqa: E402
     HEADROOM,
     LABELS,
@@ -68,7 +69,7 @@ from benchmarks.autopilot_scoring import (  # noqa: E402
     summarise,
     targets,
 )
-from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload  # noqa: E402
+from benchmarks.autopilot_workloads import NEW_WORKLOADS, build_new_workload, slos_of  # noqa: E402
 from benchmarks.seed_claims import KNEE, build_workload  # noqa: E402
 from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
@@ -80,7 +81,7 @@ from tuner.optuna_storage import open_storage, storage_url  # noqa: E402
 from tuner.recommend import recommend  # noqa: E402
 from tuner.spec import StudySpec, TuneError  # noqa: E402
 
-WORKLOADS = (*SEED_WORKLOADS, *NEW_WORKLOADS)
+WORKLOADS = (*SEED_WORKLOADS, *NEW_WORKLOADS, *FROZEN_WORKLOADS)
 DEFAULT_TRACES = REPO / "traces"
 DEFAULT_GRID = (*(m * 10.0**e for e in range(-3, 1) for m in (1, 2, 5)), 10.0)
 TUNE_CONSTRAINTS = [f"ttlt_p99<={TTLT_SLACK}*baseline", f"throughput>={THROUGHPUT_FLOOR}*baseline"]
@@ -168,11 +169,11 @@ def run_job(job: Job) -> JobResult:
     if job.column == "autopilot":
         # Optional: the column is omitted when tuner.autopilot does not import
         # (autopilot_available).
-        from tuner.autopilot import replay_with_autopilot
+        from tuner.autopilot_replay import replay_with_autopilot
 
         cpu0 = time.process_time()
         try:
-            result, decisions = replay_with_autopilot(trace)
+            result, decisions = replay_with_autopilot(trace, config=autopilot_config(job.workload))
         except Exception as err:  # a broken controller is reported in its column, not fatal
             return JobResult(
                 job.workload,
@@ -208,10 +209,20 @@ def run_job(job: Job) -> JobResult:
     return JobResult(
         job.workload,
         job.column,
-        score(result.completions, t_half),
+        score(result.completions, t_half, slos_of(job.workload)),
         time.perf_counter() - started,
         extra,
     )
+
+
+def autopilot_config(workload: str) -> Any:
+    """The autopilot's configuration for a workload: the defaults, with the workload's declared
+    SLOs as the promise where it declares them."""
+    from tuner.autopilot import AutopilotConfig
+    from tuner.promise import Promise
+
+    slo = slos_of(workload)
+    return AutopilotConfig() if slo is None else AutopilotConfig(promise=Promise(slo=slo))
 
 
 def fixed(gamma: float) -> dict[str, Any]:
@@ -237,6 +248,9 @@ def jobs_for(
     jobs.append(Job(workload, "sarathi", trace, {"policy": "sarathi"}))
     jobs.append(Job(workload, "defaults", trace, {"policy": "uniboost"}))
     jobs += [Job(workload, f"g={g:g}", trace, fixed(g)) for g in grid]
+    slo = slos_of(workload)
+    if slo is not None:  # token-level fair queueing with the declared tenants: an SLO reference
+        jobs.append(Job(workload, "slofq", trace, {"policy": "slofq", "params": slo.model_dump()}))
     return jobs
 
 
@@ -339,7 +353,15 @@ def report(
         ]
         tuned = s["second"]["ratios"].get("tuned on 1st half")
         row.append(f"{tuned['ttft_p95']:.2f}x" if tuned else "—")
-        row.append(f"{r['autopilot']['ttft_p95']:.2f}x" if "autopilot" in r else "—")
+        # The autopilot on every quantile the promise holds (and throughput), as ratios.
+        row += [f"{r['autopilot'][k]:.3f}" if "autopilot" in r else "—" for k in METRICS]
+        got = s["all"]["figures"].get("autopilot", {})
+        row.append(
+            f"SCR {got['scr']:.2f} (defaults {s['all']['figures']['defaults']['scr']:.2f}, "
+            f"slofq {s['all']['figures']['slofq']['scr']:.2f}), JFI {got['jfi']:.3f}"
+            if "scr" in got and "slofq" in s["all"]["figures"]
+            else "—"
+        )
         c = s["all"].get("closure", math.nan)
         headroom = (
             r["defaults"]["ttft_p95"] - r["best fixed γ"]["ttft_p95"] if best is not None else 0.0
@@ -352,15 +374,19 @@ def report(
             else f"({c:.2f}: no headroom)"
         )
         summary_rows.append(row)
-    print("P95 TTFT vs sarathi (whole continuous replay; tuned: second half only):\n")
+    print(
+        "Ratios to sarathi on the whole continuous replay (tuned: P95 TTFT, second half only); "
+        "defaults and best fixed: P95 TTFT; the autopilot on every quantile:\n"
+    )
     print(
         markdown(
             [
                 "workload",
                 "defaults",
-                "best fixed γ (hindsight)",
+                "best fixed γ (hindsight, every quantile kept)",
                 "tuned on 1st half",
-                "autopilot",
+                *(f"autopilot {LABELS[k]}" for k in METRICS),
+                "tenants",
                 "closure",
             ],
             summary_rows,
@@ -410,7 +436,9 @@ def report(
 
 def build(args: tuple[str, Path, int, float]) -> tuple[str, traces.Trace, str]:
     name, root, seed, knee = args
-    if name in NEW_WORKLOADS:
+    if name in FROZEN_WORKLOADS:
+        trace, how = build_frozen_workload(name, root, knee)
+    elif name in NEW_WORKLOADS:
         trace, how = build_new_workload(name, root, seed=seed, knee=knee)
     else:
         trace, how = build_workload(name, root, knee)
@@ -428,13 +456,13 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 
 def autopilot_available() -> str | None:
-    """None when ``tuner.autopilot.replay_with_autopilot`` imports.
+    """None when ``tuner.autopilot_replay.replay_with_autopilot`` imports.
 
     Else why the column is omitted.
     """
     try:
         # The probe itself: whether the optional column's module imports (the name is unused).
-        from tuner.autopilot import replay_with_autopilot  # noqa: F401
+        from tuner.autopilot_replay import replay_with_autopilot  # noqa: F401
     except ImportError as err:
         return f"autopilot column omitted: tuner.autopilot does not import ({err})"
     return None

@@ -24,7 +24,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks import autopilot as bench  # noqa: E402
 from benchmarks import autopilot_scoring as scoring  # noqa: E402
-from tuner.autopilot import AutopilotConfig, replay_with_autopilot  # noqa: E402
+from benchmarks.autopilot_workloads import slos_of  # noqa: E402
+from tuner.autopilot_replay import replay_with_autopilot  # noqa: E402
 
 
 def fixed_columns(
@@ -57,8 +58,8 @@ def main() -> None:
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config = AutopilotConfig(**overrides)
     for w in args.workloads.split(","):
+        config = bench.autopilot_config(w).model_copy(update=overrides)
         (trace, _how), cols = fixed_columns(w, args.cache, args.traces)
         t0, c0 = time.perf_counter(), time.process_time()
         result, decisions = replay_with_autopilot(trace, config=config)
@@ -73,7 +74,11 @@ def main() -> None:
         }
         cols = dict(cols)
         cols["autopilot"] = scoring.JobResult(
-            w, "autopilot", scoring.score(result.completions, scoring.half_time(trace)), wall, extra
+            w,
+            "autopilot",
+            scoring.score(result.completions, scoring.half_time(trace), slos_of(w)),
+            wall,
+            extra,
         )
         s = scoring.summarise(cols, trace)
         r = s["all"]["ratios"]
@@ -88,6 +93,7 @@ def main() -> None:
             f" | ttlt {r['autopilot']['ttlt_p99']:.3f} thr {r['autopilot']['throughput_tok_s']:.4f}"
             f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s "
             f"ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s"
+            f" | controller {100 * s['autopilot'].get('core_share', float('nan')):.2f}% of a core"
         )
         for name, ok, fig in scoring.targets(w, s):
             if ok is False:

@@ -13,6 +13,13 @@
   rate).
 * ``sharegpt``: ShareGPT lengths (etalon's 8k-filtered sample: long multi-turn prompts, medium
   outputs) with Gamma arrivals of CV 2, near saturation, ``duration_s`` (60 minutes).
+* ``overload`` (issue 32): sustained overload — Azure conv requests, ten minutes at the knee, then
+  twenty minutes of arrivals at ``OVERLOAD_FACTOR`` × the replica's capacity, then none: the queue
+  drains for long after the last arrival.
+* ``bursts`` (issue 32): transient overload — ShareGPT lengths, six ten-minute periods each of
+  eight minutes at 0.6 × capacity and a two-minute burst at ``BURST_FACTOR`` × capacity.
+* ``tenants`` (issue 32): three tenants (Zipf, Azure conv at its recorded rate) with declared
+  per-tenant multi-quantile SLOs (``TENANT_SLOS``): the promise is theirs (SCR, then JFI).
 * ``heldout``: the trace nobody tuned the controller on — added before any tuning of it and run
   once, after its design was frozen. arXiv summarisation lengths (long prompts, short outputs)
   with bursty Gamma-renewal arrivals (CV ``HELDOUT_CV``), near saturation, ``duration_s`` (60
@@ -38,9 +45,28 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.seed_claims import KNEE, capacity, near_saturation  # noqa: E402
+from scheduler.settings import SloFqParams  # noqa: E402
 from sim import traces  # noqa: E402
 
-NEW_WORKLOADS = ("shift", "diurnal", "sharegpt", "heldout", "heldout2")
+NEW_WORKLOADS = (
+    "shift",
+    "diurnal",
+    "sharegpt",
+    "heldout",
+    "heldout2",
+    "overload",
+    "bursts",
+    "tenants",
+)
+OVERLOAD_FACTOR = 1.5  # sustained overload: arrivals at this multiple of the replica's capacity
+BURST_FACTOR = 2.5  # transient overload: each burst at this multiple of capacity
+# The multi-tenant workload's declared SLOs (seed 003's per-tenant, per-quantile targets; the
+# governance block's format): an interactive tenant, a standard one, a batch one.
+TENANT_SLOS: dict[str, dict[str, object]] = {
+    "t0": {"weight": 2.0, "ttft": {"p50": 1.0, "p99": 10.0}},
+    "t1": {"weight": 1.0, "ttft": {"p50": 0.5, "p90": 2.0, "p99": 5.0}},
+    "t2": {"weight": 1.0, "ttlt": {"p99": 120.0}},
+}
 SHIFT_CV = 1.5  # Gamma arrivals' coefficient of variation in every shift phase
 SHAREGPT_CV = 2.0
 HELDOUT_CV = 3.0
@@ -299,6 +325,77 @@ def build_heldout2(
     )
 
 
+def at_capacity_multiple(
+    make: Callable[[int], traces.Trace], factor: float, seconds: float
+) -> traces.Trace:
+    """``seconds`` of ``make``'s requests arriving at ``factor`` × their own capacity."""
+    rate = factor * capacity(make(PILOT_REQUESTS))
+    part = make(max(2, math.ceil(rate * seconds)))
+    return traces.scale_rate(part, rate / part.rate)
+
+
+def build_overload(
+    sources: Sources,
+    *,
+    seed: int = 0,
+    knee: float = KNEE,
+    lead_s: float = 600.0,
+    over_s: float = 1200.0,
+    factor: float = OVERLOAD_FACTOR,
+) -> tuple[traces.Trace, float]:
+    """Azure conv: ``lead_s`` at the knee, then ``over_s`` at ``factor`` × capacity."""
+    conv = traces.load_trace(sources.conv)
+    lead, load = saturated_for(
+        lambda n: resample(conv, n, cv=SHIFT_CV, seed=seed + 5, prefix="lead"), lead_s, knee
+    )
+    over = at_capacity_multiple(
+        lambda n: resample(conv, n, cv=SHIFT_CV, seed=seed + 6, prefix="over"), factor, over_s
+    )
+    return concatenate([lead, over], f"overload(conv, x{factor:g} capacity)"), load
+
+
+def build_bursts(
+    sources: Sources,
+    *,
+    seed: int = 0,
+    periods: int = 6,
+    base_s: float = 480.0,
+    burst_s: float = 120.0,
+    factor: float = BURST_FACTOR,
+) -> traces.Trace:
+    """ShareGPT lengths: ``periods`` × (``base_s`` at 0.6 × capacity, ``burst_s`` at ``factor``)."""
+    lengths = traces.load_lengths(sources.sharegpt, rate=1.0)
+    parts = []
+    for k in range(periods):
+        for tag, level, span in (("base", 0.6, base_s), ("burst", factor, burst_s)):
+            prefix = f"{tag}{k}"
+            parts.append(
+                at_capacity_multiple(
+                    lambda n, p=prefix, d=seed + 7 + 2 * k + (tag == "burst"): resample(
+                        lengths, n, cv=1.0, seed=d, prefix=p
+                    ),
+                    level,
+                    span,
+                )
+            )
+    return concatenate(parts, f"bursts(sharegpt, x{factor:g} capacity)")
+
+
+def slos_of(workload: str) -> SloFqParams | None:
+    """The SLOs a workload declares (the autopilot's promise is then theirs), or None."""
+    return tenant_slos() if workload == "tenants" else None
+
+
+def tenant_slos() -> SloFqParams:
+    """The ``tenants`` workload's declared SLOs, as the governance block's parameters."""
+    return SloFqParams.model_validate({"tenants": TENANT_SLOS})
+
+
+def build_tenants(sources: Sources) -> tuple[traces.Trace, str]:
+    conv = traces.load_trace(sources.conv)
+    return traces.assign_tenants_zipf(conv, 3, seed=11), "Azure conv, 3 Zipf tenants"
+
+
 def build_new_workload(
     name: str, root: Path, *, seed: int = 0, knee: float = KNEE, scale_s: float = 1.0
 ) -> tuple[traces.Trace, str]:
@@ -337,4 +434,19 @@ def build_new_workload(
             f"held out, second (never tuned on): half arXiv lengths, half Azure conv, Gamma CV "
             f"{HELDOUT2_CV:g} arrivals, load {load:.2f} (near saturation)"
         )
+    if name == "overload":
+        trace, load = build_overload(sources, seed=seed, knee=knee, over_s=1200.0 * scale_s)
+        return trace, (
+            f"sustained overload: Azure conv, 10 min at the knee (load {load:.2f}), then 20 min "
+            f"at {OVERLOAD_FACTOR:g}x capacity, then no arrival"
+        )
+    if name == "bursts":
+        trace = build_bursts(sources, seed=seed)
+        return trace, (
+            f"transient overload: ShareGPT lengths, 8 min at 0.6x capacity then 2 min at "
+            f"{BURST_FACTOR:g}x, six times"
+        )
+    if name == "tenants":
+        trace, how = build_tenants(sources)
+        return trace, f"{how} with declared SLOs {TENANT_SLOS}"
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(NEW_WORKLOADS)}")

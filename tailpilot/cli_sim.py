@@ -111,7 +111,7 @@ def run_info(result: SimResult, trace: Trace) -> dict[str, Any]:
 def run_autopilot(run: Run) -> Outcome:
     """Replay with the autopilot choosing the settings (tuner.autopilot), starting from the run's
     settings; the run facts carry its decisions."""
-    from tuner.autopilot import replay_with_autopilot  # start-up cost
+    from tuner.autopilot_replay import replay_with_autopilot  # start-up cost
 
     trace = run.trace
     result, decisions = replay_with_autopilot(

@@ -397,20 +397,16 @@ def _demo_table(
 #
 # One replica armed, the others dry-run: the autopilot's state is one control row per cluster
 # (tuner.autopilot_live: armed | dry-run | disarmed, steered by `tailpilot autopilot` and the TUI's
-# O). The demo's driver (_split_armed_driver) is LiveAutopilot with one addition: while the row
-# says armed, only the replicas it names apply their decisions; every other replica's are carried
+# O). The demo runs it as `record --autopilot` does, with LiveConfig.armed_replicas naming the one
+# replica that applies its decisions while the row says armed; every other replica's are carried
 # out as in dry-run (the audit log, result dry-run; nothing sent). The row's dry-run and disarmed
 # hold for every replica. The demo arms the first uniboost replica and leaves the sarathi one
 # (vLLM's own order, the reference the others are compared with) on dry-run.
 # --------------------------------------------------------------------------------------------
 STEERED = ("uniboost", "sarathi")  # the policies the autopilot steers (tuner.autopilot_live)
 # The autopilot's pacing in the demo, so that its decisions show within the first half minute
-# (record --autopilot's defaults: interval_s 60, delay_s 60, min_requests 100).
+# (record --autopilot's defaults: interval_s 60, delay_s 60, min_requests 1,000).
 DEMO_PACING: dict[str, float] = {"interval_s": 10.0, "delay_s": 10.0, "min_requests": 50}
-PACING_NOTE = (
-    "the demo's pacing: a decision every 10 s (replica clock) after a 10-s delay, once 50 "
-    "requests are in (tailpilot record --autopilot: 60 s, 60 s, 100)"
-)
 # The demo's tenants, most requests first: commitment as a share of the tenant's own demand, and
 # seed 003's multi-quantile SLOs (TTFT, TTLT). With every replica busy (the demo's 1.5× load) the
 # commitments add up to about what the cluster serves, and the busiest tenant, committed half its
@@ -475,56 +471,19 @@ def demo_controllers(
     ]
 
 
-def _split_armed_driver() -> type:
-    """The demo's autopilot driver class: LiveAutopilot armed on some replicas only (built when it
-    runs: the autopilot's modules load only then)."""
-    from tuner.autopilot_live import LiveAutopilot  # start-up cost
-
-    class SplitArmedAutopilot(LiveAutopilot):
-        """While the control row says ``armed``, the replicas not in ``armed`` carry their
-        decisions out as in dry-run. Its status adds ``armed_replicas`` and ``pacing``."""
-
-        def __init__(
-            self, *args: Any, armed: Collection[str], pacing: str | None = None, **kw: Any
-        ) -> None:
-            super().__init__(*args, **kw)
-            self.armed = frozenset(armed)
-            self.pacing = pacing
-
-        async def _replica_tick(self, client: Any, spec: Any) -> None:
-            # The driver reads ``state`` when it carries a decision out or steps back, within
-            # this call; the replicas are ticked one after the other, so only this one sees it.
-            state = self.state
-            if state == "armed" and spec.name not in self.armed:
-                self.state = "dry-run"
-            try:
-                await super()._replica_tick(client, spec)
-            finally:
-                self.state = state
-
-        def status(self) -> dict[str, Any]:
-            out: dict[str, Any] = super().status()
-            out["armed_replicas"] = sorted(self.armed)
-            if self.pacing:
-                out["pacing"] = self.pacing
-            return out
-
-    return SplitArmedAutopilot
-
-
 def autopilot_controller(
     armed: Collection[str],
     config: AutopilotConfig | None = None,
     *,
-    pacing: str | None = PACING_NOTE,
     live: LiveConfig | None = None,
 ) -> Controller:
-    """The autopilot as ``tailpilot record --autopilot --arm`` runs it (``run_autopilot``'s loop),
-    armed on the ``armed`` replicas only. Its control row is set to armed and not paused first,
-    and the last run's report cleared: the screen shows this run's decisions only."""
+    """The autopilot as ``tailpilot record --autopilot --arm`` runs it (``run_autopilot``), armed
+    on the ``armed`` replicas only (``LiveConfig.armed_replicas``). Its control row is set to
+    armed and not paused first, and the last run's report cleared: the screen shows this run's
+    decisions only."""
 
     async def controller(collector: Any, store: Any, stop: asyncio.Event) -> None:
-        from controlplane.replica_http import make_client  # start-up cost
+        from tuner.autopilot_live import LiveConfig, run_autopilot  # start-up cost
 
         await asyncio.to_thread(
             store.governance.set_autopilot_control,
@@ -534,21 +493,8 @@ def autopilot_controller(
             status={},
             who=DEMO_WHO,
         )
-        driver = _split_armed_driver()(collector, store, config, live, armed=armed, pacing=pacing)
-        collector.on_poll(driver.on_poll)
-        client = make_client(driver.cluster)
-        try:
-            while not stop.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), driver.live.tick_s)
-                if stop.is_set():
-                    return
-                try:
-                    await driver.step(client)
-                except Exception:  # a busy store or the like: the next tick tries again
-                    log.exception("autopilot step failed")
-        finally:
-            await client.aclose()
+        only = (live or LiveConfig()).model_copy(update={"armed_replicas": tuple(sorted(armed))})
+        await run_autopilot(collector, store, stop, config=config, live=only)
 
     return controller
 
@@ -582,8 +528,8 @@ def demo_report(
         promise = status.get("promise")
         if promise and not any(promise in line for line in lines):  # status_lines may say it
             out.append(Text(f"  keeps: {promise}"))
-        if status.get("pacing"):
-            out.append(Text(f"  {status['pacing']}", style="dim"))
+        if status.get("cadence"):
+            out.append(Text(f"  {status['cadence']} (the demo's pacing)", style="dim"))
         if not status.get("t_ms"):
             out.append(Text("  no report yet (it reports every 5 s)", style="dim"))
         out.extend(Text(line) for line in lines[1:])

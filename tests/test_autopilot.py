@@ -9,13 +9,9 @@ import pytest
 
 from scheduler.settings import Settings
 from sim import traces
-from tuner.autopilot import (
-    AutopilotConfig,
-    Observation,
-    candidates,
-    log_grid,
-    replay_with_autopilot,
-)
+from tuner.autopilot import AutopilotConfig, candidates, log_grid
+from tuner.autopilot_replay import replay_with_autopilot
+from tuner.autopilot_types import Observation
 
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0, min_requests=50
@@ -80,11 +76,14 @@ def test_decisions_are_deterministic(busy_window):
     assert decisions_until(busy_window, 1e9) == decisions_until(busy_window, 1e9)
 
 
-def test_it_leaves_the_defaults_for_a_better_gamma_under_load(busy_window):
-    result, decisions = replay_with_autopilot(busy_window, config=CONFIG)
+def test_it_leaves_the_defaults_for_a_better_gamma_under_load():
+    """At 1.5× the bundled window a fixed γ keeps every quantile within 2% of sarathi's with a P95
+    TTFT well below the defaults' (0.69× vs 0.91×): the autopilot finds it."""
+    busy = traces.scale_rate(traces.load_bundled(), 1.5)
+    result, decisions = replay_with_autopilot(busy, config=CONFIG)
     chosen = {d.choice for d in decisions}
     assert chosen - {"defaults"}, "never left the defaults"
-    assert len(result.completions) + len(result.rejected) == len(busy_window)
+    assert len(result.completions) + len(result.rejected) == len(busy)
     for d in decisions:
         if d.changed:
             assert d.figures[d.choice].feasible
@@ -127,7 +126,7 @@ def test_the_default_grid_spans_a_thousandth_to_ten_with_three_points_a_decade()
 
 def test_an_observation_carries_no_output_length():
     assert "output_tokens" not in Observation.__dataclass_fields__
-    from tuner.autopilot import Arrival
+    from tuner.autopilot_types import Arrival
 
     assert "output_tokens" not in Arrival.__dataclass_fields__
 
@@ -225,11 +224,12 @@ def _axis(settings: Settings) -> float:
 
 
 def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
-    """When every order serves the same, the autopilot moves to the candidate that promotes short
-    requests most, so it is in place when a burst comes; with ``prefer_small`` off it does not."""
+    """With ``prefer_small`` and no margin for a move down, when every order serves the same the
+    autopilot moves to the candidate that promotes short requests most; by default (a move down
+    takes ``down_margin``, ties go to the most age-first) it does not."""
     light = traces.scale_rate(traces.load_bundled(), 0.5)
     _, decisions = replay_with_autopilot(
-        light, config=CONFIG.model_copy(update={"prefer_small": True})
+        light, config=CONFIG.model_copy(update={"prefer_small": True, "down_margin": 0.0})
     )
     judged = [d for d in decisions if d.figures]
     assert judged and judged[-1].choice == "gamma=0.001"
@@ -240,9 +240,10 @@ def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
     assert [d.choice for d in plain] != [d.choice for d in decisions]
 
 
-def test_a_move_towards_age_order_takes_the_margin_or_a_guard_break(busy_window):
+def test_a_move_towards_age_order_takes_the_margin_or_a_promise_break(busy_window):
     """Moving up the axis flushes what a small γ held back: it is taken only for the hysteresis
-    margin (the defaults' margin when leaving them) or when the running choice broke the guard."""
+    margin (the defaults' margin when leaving them), when the running choice broke the promise, or
+    in overload (up to the defaults)."""
     options = candidates(Settings.model_validate({"policy": "uniboost"}), CONFIG)
     for rate in (1.5, 2.0, 3.0):
         _, decisions = replay_with_autopilot(
@@ -253,31 +254,7 @@ def test_a_move_towards_age_order_takes_the_margin_or_a_guard_break(busy_window)
                 new, old = d.figures[d.choice], d.figures[d.previous]
                 margin = CONFIG.leave_defaults if d.previous == "defaults" else CONFIG.hysteresis
                 assert (
-                    "breaks the guard" in d.reason or new.ttft_p95 < (1 - margin) * old.ttft_p95
+                    "breaks the promise" in d.reason
+                    or (d.overload and d.choice == "defaults")
+                    or new.ttft_p95 < (1 - margin) * old.ttft_p95
                 ), d.reason
-
-
-def test_a_p99_ttft_guard_rules_out_candidates_that_starve_the_tail(busy_window):
-    """Off by default; set, a candidate whose P99 TTFT on the window exceeds the factor times
-    sarathi's is infeasible, and every switch lands on one that keeps it."""
-    assert AutopilotConfig().ttft_p99_guard is None
-    _, free = replay_with_autopilot(busy_window, config=CONFIG)
-    ref = lambda d: d.figures["sarathi"].ttft_p99  # noqa: E731 (one place to read the reference)
-    # Without the guard, some feasible candidate starves the tail beyond 1.1× sarathi's P99 TTFT …
-    assert any(
-        f.feasible and f.ttft_p99 > 1.1 * ref(d)
-        for d in free
-        if d.figures
-        for f in d.figures.values()
-    )
-    guarded = CONFIG.model_copy(update={"ttft_p99_guard": 1.1})
-    _, decisions = replay_with_autopilot(busy_window, config=guarded)
-    judged = [d for d in decisions if d.figures]
-    assert judged
-    for d in judged:
-        for f in d.figures.values():  # … with it, none is feasible
-            assert not f.feasible or f.ttft_p99 <= 1.1 * ref(d)
-        if d.changed:
-            assert d.figures[d.choice].feasible
-    with pytest.raises(ValueError, match="ttft_p99_guard"):
-        AutopilotConfig(ttft_p99_guard=0.5)

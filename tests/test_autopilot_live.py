@@ -278,13 +278,17 @@ def test_the_cli_steers_and_shows_it(tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["autopilot", "status", "--cluster-name", "prod", "--db", str(db)])
     assert res.exit_code == 0, res.output
-    assert "autopilot of prod: dry-run" in res.output and "running gamma=0.01" in res.output
+    # Dry-run: what it would run, never "running" (the replica runs its own settings).
+    assert "autopilot of prod: dry-run" in res.output and "would run gamma=0.01" in res.output
+    assert "running gamma" not in res.output
     res = runner.invoke(
         main,
         ["autopilot", "arm", "--cluster-name", "prod", "--db", str(db), "--who", "ana", "--json"],
     )
     row = json.loads(res.output)
     assert (row["state"], row["who"]) == ("armed", "ana")
+    res = runner.invoke(main, ["autopilot", "status", "--cluster-name", "prod", "--db", str(db)])
+    assert "r0: running gamma=0.01" in res.output  # armed: the choice is what the replica runs
     res = runner.invoke(main, ["autopilot", "disarm", "--cluster-name", "prod", "--db", str(db)])
     assert res.exit_code == 0 and "disarmed" in res.output
     res = runner.invoke(main, ["autopilot", "status", "--cluster-name", "nope", "--db", str(db)])

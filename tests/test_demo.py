@@ -63,9 +63,8 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
     from controlplane.collector import Collector
     from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
-    from tailpilot.cli_twin import _split_armed_driver
     from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveConfig
+    from tuner.autopilot_live import LiveAutopilot, LiveConfig
     from tuner.twin import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
@@ -88,14 +87,12 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
     async def scenario():
         client = PollingClient(cluster.timeout_s)
         collector = Collector(cluster, store, client=client, clock=clock.now)
-        driver = _split_armed_driver()(
+        driver = LiveAutopilot(
             collector,
             store,
             AutopilotConfig.model_validate(SWITCHING),
-            LiveConfig(verify_minutes=60.0),
+            LiveConfig(verify_minutes=60.0, armed_replicas=(armed.name,)),
             clock=clock.now,
-            armed=[armed.name],
-            pacing="test pacing",
         )
         collector.on_poll(driver.on_poll)
         try:
@@ -132,7 +129,7 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
         )
         assert {r["result"] for r in autopilot_rows(store, dry.name)} <= {"dry-run"}
         status = store.governance.autopilot_control("twins")["status"]
-        assert status["armed_replicas"] == [armed.name] and status["pacing"] == "test pacing"
+        assert status["armed_replicas"] == [armed.name] and "a decision every" in status["cadence"]
     finally:
         twins.stop()
         store.close()
@@ -205,7 +202,7 @@ def test_demo_no_tui_prints_the_autopilots_decisions_and_the_tenants_figures(tmp
     # The autopilot's report: where it is armed, its pacing, each steered replica's decisions.
     assert "autopilot of demo: armed · set by tailpilot demo" in out
     assert "armed on twin-1 only; the others are dry-run" in out
-    assert "the demo's pacing: a decision every 10 s" in out
+    assert "a decision every 10 s (replica clock)" in out and "(the demo's pacing)" in out
     decisions = [ln for ln in lines if re.match(r"^    t=\d+ (keep|switch) \S+: ", ln)]
     assert any("waiting for data" not in ln for ln in decisions), out
     for replica in ("twin-0", "twin-1"):  # what each runs (or would run) and why

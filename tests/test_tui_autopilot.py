@@ -426,7 +426,7 @@ def test_the_demos_first_screen_shows_the_autopilot_its_promise_and_the_tenants(
                 assert bar.display and app.panel == "cluster"
                 assert "autopilot: armed on twin-1 only, dry-run on the others" in shown
                 assert "twin-1  [armed] running " in shown and "twin-0  [dry-run] chooses " in shown
-                assert "the demo's pacing: a decision every 10 s" in shown
+                assert "a decision every 10 s (replica clock)" in shown
                 assert re.search(r"tenants: SCR \d\S* · JFI \d", shown), shown
                 promise = store.governance.autopilot_control("demo")["status"].get("promise")
                 if promise:  # the autopilot's report says which promise holds: the strip shows it

@@ -6,7 +6,7 @@ the driver's last ``status`` — why nothing is applied (``held``), per replica 
 why its last decision was or was not carried out (``note``) and its recent decisions with their
 predicted change; when the report gives them, the promise it keeps (``promise``: one line), the
 replicas it is armed on while the others run dry (``armed_replicas``: the demo's) and how often it
-decides (``pacing``).
+decides (``cadence``).
 
 ``controls_brief`` is the strip above every panel (the app's ``#controlsbar``): the autopilot's head
 line, its promise and each steered replica's last decision, then the tenants' SCR and JFI with the
@@ -102,8 +102,8 @@ def promise_lines(control: Mapping[str, Any] | None) -> list[Text]:
         line = Text("  keeps: ", style="bold")
         line.append(str(status["promise"]))
         out.append(line)
-    if status.get("pacing"):
-        out.append(Text(f"  {status['pacing']}", style="dim"))
+    if status.get("cadence"):
+        out.append(Text(f"  {status['cadence']}", style="dim"))
     return out
 
 

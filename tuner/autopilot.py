@@ -7,19 +7,33 @@ from the moment the autopilot started. A shadow never starts from an empty engin
 judges a setting over a few minutes: it answers "how would this setting have served everything
 so far", which is what a fixed setting chosen with hindsight is scored on. Every ``interval_s``
 the autopilot compares the shadows on the same requests — those that arrived in the last
-``window_s`` before the shadows' clock — among the candidates whose P99 TTLT is within
-``ttlt_guard`` and whose throughput is within ``throughput_guard`` of sarathi's (and, when
-``ttft_p99_guard`` is set, whose P99 TTFT is within it of sarathi's).
+``window_s`` before the shadows' clock — among the candidates that keep the operator's promise
+(``tuner.promise``: by default no quantile of TTFT or TTLT, nor throughput, worse than sarathi's
+by more than 2%; with tenants' SLOs declared, SCR and JFI first). A request a shadow has not
+finished counts with its *projected* latency: the shadow forked and drained with no further
+arrival (``tuner.shadows``), so a held-back request is charged its wait so far and the backlog
+ahead of it before the drain shows it.
 
 The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
-sarathi), and a move along it is not symmetric: a move down promotes short requests and costs
-nothing, a move up flushes the long requests a small γ held back onto everyone — a cost the
-shadows, each running one setting all along, do not see. So among the candidates within ``tie``
-of the lowest P95 TTFT the autopilot targets the lowest on the axis, and moves down to it as soon
-as it is tied or better (while the load is light every order ties, and the size-first one is then
-already in place when a burst comes: the shadows see a burst late and diluted in their window);
-it moves up only for the ``hysteresis`` margin, after ``min_dwell_s``, or when the running choice
-breaks the guard on ``guard_patience`` decisions in a row.
+sarathi), and a move along it is not symmetric: a move down promotes short requests, a move up
+flushes the long requests a small γ held back onto everyone — a cost the shadows, each running
+one setting all along, do not see. The rules, each measured (README, "The autopilot"):
+
+* nothing is judged before the window holds ``min_requests`` (γ-Ada's shadow shows its warm-up
+  before that, and a P99 of a few hundred requests rests on a handful);
+* among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
+  else the most age-first is the target (it holds back least for the same objective);
+* a move down takes ``down_margin`` and the *stress test*: the candidate's and the reference's
+  shadows forked with the last ``stress_recent_s`` of arrivals repeated for ``stress_s`` more,
+  and the promise judged on the window and those arrivals together — a small γ that looks as
+  good as any at the start of a burst holds the long requests back through it, and fails here;
+  while the load rises, the running choice below the defaults is stress-tested every decision;
+* a move up takes the ``hysteresis`` margin (``leave_defaults`` from the defaults) after
+  ``min_dwell_s``, or the running choice breaking the promise — beyond its sampling noise — on
+  ``guard_patience`` decisions in a row;
+* overload is judged on the reference: "rising" (its queue takes over ``overload_growth_s`` to
+  empty, and longer than at the last decision) stops every move down; "sustained" (over
+  ``overload_drain_s``) also moves a choice below the defaults up to them, and holds.
 
 What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
 cap, tenant, type — never the output length), completions (with their output lengths), and how
@@ -28,7 +42,7 @@ many tokens each request in flight has generated so far. The shadows run ``delay
 in flight gets an imputed length — the median of recently completed lengths longer than what it
 has generated so far — never its true one.
 
-One implementation serves the simulator (``replay_with_autopilot``: ``tailpilot sim
+One implementation serves the simulator (``tuner.autopilot_replay``: ``tailpilot sim
 --autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations).
 """
 
@@ -38,17 +52,24 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.metrics import Completion
 from scheduler.settings import Settings
-from sim.engine import EngineConfig, SimResult, Simulator
-from sim.traces import Trace, TraceRequest
+from sim.engine import EngineConfig
+from sim.traces import TraceRequest
+from tuner.autopilot_types import Arrival, Decision, Observation, arrival_order
+from tuner.promise import (
+    Figures,
+    Promise,
+    breaks,
+    judge,
+    rank_key,
+    sampling_slack,
+)
+from tuner.shadows import Projection, Shadow, Window, repeat_recent
 
 
 def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
@@ -78,7 +99,7 @@ class AutopilotConfig(BaseModel):
     # a small γ holds back shows its wait only later, and counted early (censored at its wait so
     # far) it would flatter exactly the settings that starve.
     settle_s: float = Field(0.0, ge=0.0, le=86_400.0)
-    min_requests: int = Field(100, ge=10, le=1_000_000)
+    min_requests: int = Field(3_000, ge=10, le=1_000_000)
     # A move up the size-to-age axis (``Autopilot._rank``) takes a candidate this much better on
     # P95 TTFT: ``leave_defaults`` from the defaults (only sarathi lies above them), ``hysteresis``
     # from anything else. It flushes a small γ's held-back backlog onto everyone — a cost the
@@ -91,17 +112,44 @@ class AutopilotConfig(BaseModel):
     # candidates tied, and that trace is where a small γ loses (README, "The autopilot").
     tie: float = Field(0.03, ge=0.0, le=1.0)
     prefer_small: bool = False
+    # A move down the axis takes a candidate this much better on the objective (0: a tie is
+    # enough). A tie while the load is light is no evidence, and a small γ taken on it is in place
+    # when the load rises — holding back the long requests the promise's P99 is made of.
+    down_margin: float = Field(0.05, ge=0.0, le=1.0)
+    # The running choice is judged to break the promise only beyond its estimate's sampling noise:
+    # this over the square root of the window's requests beyond each quantile …
+    noise: float = Field(0.1, ge=0.0, le=10.0)
+    # … and only once the window holds this many requests: a P99 of fewer rests on a handful, and
+    # the defaults' γ-Ada fits its slope to its last 2,000 samples — before, its shadow shows its
+    # warm-up, not its steady behaviour.
+    judge_requests: int = Field(3_000, ge=10, le=1_000_000)
     # A window's P99 TTLT moves by a few percent from one minute to the next; leaving a choice for
     # the guard (often a move up the size-to-age axis, which flushes a held-back backlog) takes a
     # break on this many decisions in a row.
     guard_patience: int = Field(2, ge=1, le=100)
     min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
-    ttlt_guard: float = Field(1.02, ge=1.0, le=10.0)
-    throughput_guard: float = Field(0.99, ge=0.0, le=1.0)
-    # Off by default: the objective is P95 TTFT, and the small γ that wins it holds the longest
-    # prompts back (README, "The autopilot": P99 TTFT up to 4× sarathi's). Set, a candidate must
-    # also keep its P99 TTFT within this factor of sarathi's — the operator's price for the tail.
-    ttft_p99_guard: float | None = Field(None, ge=1.0, le=100.0)
+    # What is kept and what is won (tuner.promise): every quantile within 2% of sarathi's by
+    # default; the tenants' SLOs when declared.
+    promise: Promise = Field(default_factory=Promise)
+    # A request a shadow has not finished is projected this far ahead (its shadow forked and run on
+    # with no further arrival); 0 counts it with its wait so far only.
+    project_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    # The stress test of a move down the axis (and of a running choice below the defaults): the
+    # candidate's and the reference's shadows forked with ``stress_s`` more of arrivals after the
+    # clock (persistence: the traffic goes on as it came lately), their
+    # window projected under it. A small γ that holds the long requests back while the load rises
+    # breaks the promise here minutes before its shadow shows it. 0: no stress test.
+    stress_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    # … made of the last this-many seconds of arrivals, repeated (the recent rate and mix).
+    stress_recent_s: float = Field(120.0, ge=10.0, le=86_400.0)
+    # Overload: the reference would need longer than this to empty its queue with no further
+    # arrival (None: never judged overloaded).
+    overload_drain_s: float | None = Field(300.0, ge=1.0, le=86_400.0)
+    # … or longer than this and growing since the last decision (arrivals above capacity now):
+    # then no move goes down the axis, but nothing is flushed either.
+    overload_growth_s: float = Field(60.0, ge=1.0, le=86_400.0)
+    # Sustained overload is judged again every this-many decisions (held in between).
+    overload_recheck: int = Field(5, ge=1, le=1_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
 
     @model_validator(mode="after")
@@ -112,81 +160,16 @@ class AutopilotConfig(BaseModel):
         return self
 
 
-# --- what the controller sees ---------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """A request as the replica knows it on arrival: no output length."""
-
-    id: str
-    arrival: float
-    prompt_tokens: int
-    max_tokens: int
-    tenant: str = "default"
-    type: str = "chat"
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """What happened since the previous observation, up to ``now``."""
-
-    now: float
-    arrivals: Sequence[Arrival] = ()
-    completions: Sequence[Completion] = ()
-    generated: Mapping[str, int] = field(
-        default_factory=dict
-    )  # tokens so far, per request in flight
-
-
-def _arrival_order(a: Arrival) -> tuple[float, str]:
-    return a.arrival, a.id
-
-
-@dataclass(frozen=True, slots=True)
-class CandidateFigures:
-    ttft_p95: float
-    ttft_p99: float
-    ttlt_p99: float
-    throughput_tok_s: float
-    feasible: bool
-
-
-@dataclass(slots=True)
-class Decision:
-    """One decision: what was chosen, why, and what it was predicted to do."""
-
-    at: float
-    choice: str
-    settings: dict[str, Any]
-    changed: bool
-    reason: str
-    figures: dict[str, CandidateFigures]
-    requests: int  # in the comparison window
-    cpu_s: float  # the controller's CPU time for this interval (shadows included)
-    previous: str = ""  # what ran before this decision ("" when the same as ``choice``)
-
-    def predicted(self) -> dict[str, float | None]:
-        """The predicted change of a switch: the chosen candidate's figures over the previous
-        one's, minus one, on the window's requests (empty when nothing changed)."""
-        new, old = self.figures.get(self.choice), self.figures.get(self.previous)
-        if not self.changed or new is None or old is None:
-            return {}
-        pairs = {
-            "ttft_p95": (new.ttft_p95, old.ttft_p95),
-            "ttft_p99": (new.ttft_p99, old.ttft_p99),
-            "ttlt_p99": (new.ttlt_p99, old.ttlt_p99),
-            "throughput_tok_s": (new.throughput_tok_s, old.throughput_tok_s),
-        }
-        return {k: (a / b - 1.0 if b > 0 else None) for k, (a, b) in pairs.items()}
-
-
-GUARD_SLACK = 0.02  # of the guard's ratios, for the running choice only
+GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
+SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and JFI are held to
 
 
 # --- candidates and their shadows ---------------------------------------------------------------
 def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
     """The settings the autopilot chooses among, by name: ``gamma=<g>`` for each grid point
     (uniboost with γ-Ada off; the base document's other uniboost parameters kept), ``defaults``
-    (uniboost with γ-Ada), ``sarathi``. Engine limits are the base document's."""
+    (uniboost with γ-Ada), ``sarathi``, and ``slofq`` with the promise's tenants when it declares
+    SLOs. Engine limits are the base document's."""
     engine = base.engine.model_dump()
     params = base.params.model_dump() if base.policy == "uniboost" else {}
     out: dict[str, Settings] = {}
@@ -194,6 +177,11 @@ def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
         out["sarathi"] = Settings.model_validate({"policy": "sarathi", "engine": engine})
     if config.with_defaults:
         out["defaults"] = Settings.model_validate({"policy": "uniboost", "engine": engine})
+    slo = config.promise.slo
+    if slo is not None:  # token-level fair queueing with the declared tenants (seed 003)
+        out["slofq"] = Settings.model_validate(
+            {"policy": "slofq", "params": slo.model_dump(), "engine": engine}
+        )
     for g in config.gammas:
         p = {**params, "gamma": g, "gamma_ada": False}
         p["gamma_min"], p["gamma_max"] = (
@@ -204,38 +192,6 @@ def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
             {"policy": "uniboost", "params": p, "engine": engine}
         )
     return out
-
-
-class _Shadow:
-    """One candidate's continuous replay of the observed traffic, with the per-request latencies
-    the comparison reads (completed ones by id; unfinished ones are censored at the clock)."""
-
-    def __init__(self, settings: Settings, engine: EngineConfig) -> None:
-        self.sim = Simulator([], settings, engine)
-        self.done: dict[
-            str, tuple[float, float, float, int]
-        ] = {}  # id -> (ttft, ttlt, finished_at, tokens)
-
-    def advance(self, requests: Sequence[TraceRequest], t: float) -> None:
-        if requests:
-            self.sim.extend_arrivals(requests)
-        self.sim.advance_to(t)
-        done, _ = self.sim.drain()
-        for c in done:
-            self.done[c.id] = (
-                c.first_token_at - c.arrival,
-                c.finished_at - c.arrival,
-                c.finished_at,
-                c.output_tokens,
-            )
-
-    def first_tokens(self) -> dict[str, float]:
-        """First-token times of requests in flight that have one."""
-        return {r.id: r.first_token_at for r in self.sim.running if r.first_token_at is not None}
-
-    def forget(self, ids: Iterable[str]) -> None:
-        for rid in ids:
-            self.done.pop(rid, None)
 
 
 class Autopilot:
@@ -252,7 +208,7 @@ class Autopilot:
         self.engine = engine or EngineConfig()
         self.base = base
         self.options = candidates(base, self.config)
-        self.shadows = {name: _Shadow(s, self.engine) for name, s in self.options.items()}
+        self.shadows = {name: Shadow(s, self.engine) for name, s in self.options.items()}
         self.reference = "sarathi" if "sarathi" in self.shadows else next(iter(self.shadows))
         self.current = "defaults" if "defaults" in self.options else next(iter(self.options))
         self.decisions: list[Decision] = []
@@ -265,12 +221,21 @@ class Autopilot:
         self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
         self._recent: deque[int] = deque(maxlen=self.config.history)  # completed lengths
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
+        # per request of the window: tenant, type, tokens (prompt + output, imputed if unknown)
+        self._meta: dict[str, tuple[str, str, int]] = {}
+        self._recent_requests: deque[TraceRequest] = deque()  # replayed in the last stress_s
+        self._stress: dict[str, Figures] = {}  # this decision's stress figures, by candidate
+        self._context: tuple[float, list[str], np.ndarray] | None = None  # clock, ids, arrivals
         self._shadow_clock: float | None = None
         self._next_decision: float | None = None
         self._last_switch = -math.inf
         self._breaks = 0  # consecutive decisions on which the running choice broke the guard
         self._hold_until = -math.inf  # step_back: no switch before this but to keep the guard
         self._cpu = 0.0
+        self._requests = 0  # in the last decision's window
+        self._reference_drain: float | None = None  # at the last decision, s to empty its queue
+        self._load_rising = False  # the reference's drain time grew since the last decision
+        self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
 
     # --- feeding ---------------------------------------------------------------------------
     def observe(self, obs: Observation) -> Decision | None:
@@ -279,7 +244,7 @@ class Autopilot:
             if self._shadow_clock is not None and a.arrival <= self._shadow_clock:
                 self.late += 1  # the shadows are past it: replaying it would rewrite their past
                 continue
-            bisect.insort(self._pending, a, key=_arrival_order)
+            bisect.insort(self._pending, a, key=arrival_order)
         for c in obs.completions:
             self._lengths[c.id] = c.output_tokens
             self._recent.append(c.output_tokens)
@@ -327,6 +292,12 @@ class Autopilot:
                 )
             )
             self._window.append((a.arrival, a.id))
+            self._meta[a.id] = (a.tenant, a.type, a.prompt_tokens + out)
+        self._recent_requests.extend(batch)
+        while self._recent_requests and (
+            self._recent_requests[0].arrival < t - self.config.stress_recent_s
+        ):
+            self._recent_requests.popleft()
         for shadow in self.shadows.values():
             shadow.advance(batch, t)
         self._shadow_clock = t
@@ -337,33 +308,24 @@ class Autopilot:
         if gone:
             for shadow in self.shadows.values():
                 shadow.forget(gone)
+            for rid in gone:
+                self._meta.pop(rid, None)
 
     # --- deciding ----------------------------------------------------------------------------
     def _figures(
-        self, shadow: _Shadow, clock: float, ids: list[str], arrivals: np.ndarray
-    ) -> tuple[float, ...]:
-        """P95/P99 TTFT, P99 TTLT and throughput of one shadow over the window's requests; a
-        request not served yet counts with its wait so far (a lower bound of its latency)."""
-        censored = clock - arrivals
-        ttft, ttlt = censored.copy(), censored.copy()
-        first = shadow.first_tokens()
-        tokens = 0
-        lo = clock - self.config.window_s
-        for i, rid in enumerate(ids):
-            done = shadow.done.get(rid)
-            if done is not None:
-                ttft[i], ttlt[i] = done[0], done[1]
-                if done[2] >= lo:
-                    tokens += done[3]
-            elif rid in first:
-                ttft[i] = first[rid] - arrivals[i]
-        p95, p99 = np.percentile(ttft, [95.0, 99.0])
-        return (
-            float(p95),
-            float(p99),
-            float(np.percentile(ttlt, 99.0)),
-            tokens / self.config.window_s,
-        )
+        self,
+        shadow: Shadow,
+        clock: float,
+        ids: list[str],
+        arrivals: np.ndarray,
+        forecast: Sequence[TraceRequest] = (),
+        horizon: float | None = None,
+    ) -> tuple[Figures, Projection]:
+        """``Shadow.figures`` over this decision's window (projected ``project_s`` ahead unless
+        ``horizon`` says otherwise)."""
+        cfg = self.config
+        window = Window(clock, ids, arrivals, cfg.window_s, self._meta, cfg.promise.slo)
+        return shadow.figures(window, cfg.project_s if horizon is None else horizon, forecast)
 
     def _decide(self, now: float) -> Decision:
         cfg = self.config
@@ -382,16 +344,42 @@ class Autopilot:
                 0.0,
             )
         arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
-        raw = {name: self._figures(s, clock, ids, arrivals) for name, s in self.shadows.items()}
-        ref = raw[self.reference]
-        figures = {
-            name: CandidateFigures(
-                p95, p99, ttlt, tput, feasible=self._keeps_guard(p99, ttlt, tput, ref, slack=0.0)
-            )
-            for name, (p95, p99, ttlt, tput) in raw.items()
-        }
+        self._requests = len(ids)
+        self._context, self._stress = (clock, ids, arrivals), {}
+        reference = self.shadows[self.reference]
+        if self._sustained_for and self._sustained_for < cfg.overload_recheck:
+            # Sustained overload does not end within a few minutes: judged again every
+            # ``overload_recheck`` decisions (a deep queue is the costliest to project).
+            self._sustained_for += 1
+            return self._hold_in_overload(now, None, len(ids))
+        # The reference first, projected no further than the overload test needs: if its queue
+        # is not empty by then the replica is overloaded and no comparison is needed.
+        horizon = cfg.project_s
+        if cfg.overload_drain_s is not None:
+            horizon = min(horizon, cfg.overload_drain_s)
+        ref, projection = self._figures(reference, clock, ids, arrivals, horizon=horizon)
+        overload = self._overloaded(reference, projection, clock)
+        self._sustained_for = 1 if overload == "sustained" else 0
+        if overload == "sustained":
+            return self._hold_in_overload(now, ref, len(ids))
+        raw: dict[str, Figures] = {self.reference: ref}
+        here = self._rank(self.current)
+        for name, shadow in self.shadows.items():
+            # In overload no move goes down the axis: the candidates below are not even projected
+            # (their deep queues are the costliest to drain).
+            if name in raw or (overload and self._rank(name) < here):
+                continue
+            if name != self.current and cfg.promise.slo is None:
+                # Projection only lengthens latencies: a candidate whose wait so far already
+                # breaks the promise cannot keep it, and its projection is saved.
+                bound, _ = self._figures(shadow, clock, ids, arrivals, horizon=0.0)
+                if breaks(cfg.promise, bound, ref):
+                    raw[name] = bound
+                    continue
+            raw[name], _ = self._figures(shadow, clock, ids, arrivals)
+        figures = judge(cfg.promise, raw, self.reference, SLO_REFERENCES)
         previous = self.current
-        best, changed, reason = self._choose(figures, now, ref)
+        best, changed, reason = self._choose(figures, now, overload)
         if changed:
             self.current = best
             self._last_switch = now
@@ -405,107 +393,215 @@ class Autopilot:
             len(ids),
             0.0,
             previous if changed else "",
+            overload,
         )
 
-    def _keeps_guard(
-        self,
-        ttft_p99: float,
-        ttlt_p99: float,
-        throughput: float,
-        ref: tuple[float, ...],
-        slack: float,
-    ) -> bool:
-        """Whether figures keep the guard against sarathi's (``ref``: P95/P99 TTFT, P99 TTLT,
-        throughput), each ratio loosened by ``slack``."""
+    def _hold_in_overload(self, now: float, ref: Figures | None, requests: int) -> Decision:
+        """Sustained overload: no gamble — a choice below the defaults on the axis moves up to
+        them (holding back more only grows a backlog someone is served after); any other is
+        kept. Nothing else is compared (the deep queues are the costliest to project)."""
         cfg = self.config
-        keeps = (
-            ttlt_p99 <= (cfg.ttlt_guard + slack) * ref[2]
-            and throughput >= (cfg.throughput_guard - slack) * ref[3]
+        previous = self.current
+        drain = f"the reference needs over {cfg.overload_drain_s:.0f} s to empty its queue"
+        changed = "defaults" in self.options and self._rank(previous) < self._rank("defaults")
+        if changed:
+            self.current, self._last_switch = "defaults", now
+            reason = (
+                f"overload: {drain}; {previous} would hold back more — moved up to the defaults"
+            )
+        else:
+            reason = f"overload: {drain}; {previous} kept (no move down the axis meanwhile)"
+        return Decision(
+            now,
+            self.current,
+            self.options[self.current].to_dict(),
+            changed,
+            reason,
+            {} if ref is None else {self.reference: ref},
+            requests,
+            0.0,
+            previous if changed else "",
+            "sustained",
         )
-        if cfg.ttft_p99_guard is not None:
-            keeps = keeps and ttft_p99 <= (cfg.ttft_p99_guard + slack) * ref[1]
-        return keeps
+
+    def _overloaded(self, reference: Shadow, projection: Projection, clock: float) -> str:
+        """Whether arrivals outrun what the replica serves, judged on the reference (age order:
+        its queue is the backlog in arrival order): "sustained" when it would need longer than
+        ``overload_drain_s`` to empty its queue with no further arrival; "rising" when longer
+        than ``overload_growth_s`` and more than at the last decision (arrivals above capacity
+        right now); else ""."""
+        cfg = self.config
+        if cfg.overload_drain_s is None:
+            return ""
+        drain = 0.0
+        if reference.busy():
+            drain = math.inf if projection.drained_at is None else projection.drained_at - clock
+        previous, self._reference_drain = self._reference_drain, drain
+        self._load_rising = previous is not None and drain > previous
+        if drain > cfg.overload_drain_s:
+            return "sustained"
+        if drain > cfg.overload_growth_s and previous is not None and drain > previous:
+            return "rising"
+        return ""
+
+    def _stress_breaks(self, name: str) -> tuple[str, ...]:
+        """What ``name`` breaks of the promise against the reference when the last ``stress_s``
+        of traffic comes again (``stress_s``); empty when it holds or no test is configured."""
+        if self.config.stress_s <= 0 or self._context is None or name == self.reference:
+            return ()
+        clock, ids, arrivals = self._context
+        forecast = repeat_recent(
+            self._recent_requests, clock, self.config.stress_recent_s, self.config.stress_s
+        )
+        for n in (self.reference, name):
+            if n not in self._stress:
+                self._stress[n], _ = self._figures(self.shadows[n], clock, ids, arrivals, forecast)
+        stressed = judge(
+            self.config.promise,
+            {n: self._stress[n] for n in (self.reference, name)},
+            self.reference,
+            (self.reference,),
+        )
+        return tuple(f"stress:{b}" for b in stressed[name].broken)
+
+    def _current_breaks(self, figures: dict[str, Figures]) -> tuple[str, ...]:
+        """What the running choice breaks, with ``GUARD_SLACK`` more slack than a newcomer gets
+        (a window's tail moves by a percent or two from one minute to the next, and a switch has
+        a cost); with SLOs, the promise's own verdict."""
+        promise, current = self.config.promise, figures[self.current]
+        if self._requests < self.config.judge_requests:
+            return ()
+        if promise.slo is not None:
+            return current.broken
+        return breaks(
+            promise,
+            current,
+            figures[self.reference],
+            loosen=GUARD_SLACK,
+            per_quantile=sampling_slack(self._requests, self.config.noise),
+        )
 
     def step_back(self, now: float, to: str = "defaults", hold_s: float = 3_600.0) -> None:
         """The live driver stepped the replica back to ``to`` (its realized changes were worse than
-        predicted): run on it, and switch away only to keep the guard until ``now + hold_s``."""
+        predicted): run on it, and switch away only to keep the promise until ``now + hold_s``."""
         if to not in self.options:
             raise KeyError(f"no candidate named {to!r}")
         self.current, self._last_switch, self._hold_until = to, now, now + hold_s
 
     def _rank(self, name: str) -> float:
         """A candidate's place on the size-to-age axis: its γ for a fixed γ; the defaults (γ-Ada)
-        above the grid; sarathi (vLLM's order, by age) last. Moving down the axis promotes short
-        requests — cheap; moving up flushes what a small γ held back onto everyone — costly."""
+        above the grid; sarathi (vLLM's order, by age) and slofq (by tenant) last. Moving down the
+        axis promotes short requests — cheap; moving up flushes what a small γ held back onto
+        everyone — costly."""
         s = self.options[name]
         if s.policy != "uniboost":
             return math.inf
         return s.params.gamma if not s.params.gamma_ada else 1e9
 
+    def _better(self, new: Figures, old: Figures, margin: float) -> bool:
+        """``new`` beats ``old`` by ``margin`` on the promise's order: with SLOs a higher SCR or
+        JFI tier wins outright; else (and on a tie of both) the objective by the margin."""
+        promise = self.config.promise
+        head_new, head_old = rank_key(promise, new)[:-1], rank_key(promise, old)[:-1]
+        if head_new != head_old:
+            return head_new < head_old
+        return new.value(promise.objective) < (1.0 - margin) * old.value(promise.objective)
+
+    def _pick(self, feasible: list[str], figures: dict[str, Figures]) -> str:
+        """The target among candidates that keep the promise: within ``tie`` of the best by the
+        promise's order, the running choice if it is among them, else the one that holds back
+        least (the most age-first) — or, with ``prefer_small``, the one that promotes short
+        requests most."""
+        cfg, promise = self.config, self.config.promise
+        best = min(rank_key(promise, figures[n]) for n in feasible)
+        tied = [
+            n
+            for n in feasible
+            if rank_key(promise, figures[n])[:-1] == best[:-1]
+            and figures[n].value(promise.objective) <= (1 + cfg.tie) * best[-1]
+        ]
+        if self.current in tied:
+            return self.current
+        if cfg.prefer_small:
+            return min(tied, key=lambda n: (self._rank(n), n))
+        return max(tied, key=lambda n: (self._rank(n), n))
+
     def _choose(
-        self, figures: dict[str, CandidateFigures], now: float, ref: tuple[float, ...]
+        self, figures: dict[str, Figures], now: float, overload: str
     ) -> tuple[str, bool, str]:
         """The candidate to run next, whether that is a switch, and why.
 
-        Among the feasible candidates within ``tie`` of the lowest P95 TTFT, the one lowest on the
-        size-to-age axis (``_rank``) is the target: while the load is light every order serves the
-        same, and the one that promotes short requests is already in place when a burst comes
-        (the shadows see a burst only ``delay_s`` late, and diluted in their window). A move down
-        the axis is cheap and is taken whenever the target is tied or better; a move up — or a
-        move off a tied current choice — takes the ``hysteresis`` margin and ``min_dwell_s``."""
-        cfg = self.config
-        feasible = [n for n, f in figures.items() if f.feasible]
-        if not feasible:
-            return self.current, False, "no candidate keeps the guard on this window: kept"
-        low = min(figures[n].ttft_p95 for n in feasible)
-        tied = [n for n in feasible if figures[n].ttft_p95 <= (1.0 + cfg.tie) * low]
-        target = (
-            min(tied, key=lambda n: (self._rank(n), n))
-            if cfg.prefer_small
-            else min(feasible, key=lambda n: (figures[n].ttft_p95, n != self.current, n))
-        )
+        Among the candidates that keep the promise, the best by its order (``rank_key``) is the
+        target. A move down the size-to-age axis is cheap and is taken whenever the target is tied
+        or better; a move up — or a move off a tied current choice — takes the ``hysteresis``
+        margin and ``min_dwell_s``; the running choice is left for breaking the promise only
+        after ``guard_patience`` decisions in a row. In overload (``_overloaded``) no move goes
+        down the axis; sustained, a choice below the defaults moves up to them at once: holding
+        back more would only grow a backlog that someone must be served after."""
+        cfg, promise = self.config, self.config.promise
+        objective = promise.objective
+        here = self._rank(self.current)
+        broken = self._current_breaks(figures)
+        below_defaults = "defaults" in self.options and here < self._rank("defaults")
+        if not broken and below_defaults and self._load_rising:
+            # The load rises (the reference's queue takes longer to empty than at the last
+            # decision): what the running choice holds back is tested ahead of time.
+            broken = self._stress_breaks(self.current)
+        self._breaks = 0 if not broken else self._breaks + 1
+        allowed = list(figures)  # in overload, only those at or above the running choice
+        feasible = [n for n in allowed if figures[n].feasible]
+        if feasible:
+            target = self._pick(feasible, figures)
+        elif broken and self._breaks >= cfg.guard_patience:
+            # Nobody keeps the promise on this window: the one that breaks it least.
+            target = min(
+                allowed, key=lambda n: (len(figures[n].broken), rank_key(promise, figures[n]), n)
+            )
+        else:
+            return self.current, False, "no candidate keeps the promise on this window: kept"
         current, best = figures[self.current], figures[target]
         if target == self.current:
             return (
                 target,
                 False,
-                f"{target} is still the choice ({current.ttft_p95:.3g} s P95 TTFT)",
+                f"{target} is still the choice ({current.value(objective):.3g} s {objective})",
             )
-        # The running choice keeps a little slack on the guard: a window's P99 TTLT moves by a
-        # percent or two from one minute to the next, and a switch has a cost.
-        current_ok = self._keeps_guard(
-            current.ttft_p99, current.ttlt_p99, current.throughput_tok_s, ref, slack=GUARD_SLACK
-        )
-        against = f"P99 TTLT {current.ttlt_p99:.3g} s vs sarathi's {ref[2]:.3g} s" + (
-            f", P99 TTFT {current.ttft_p99:.3g} s vs {ref[1]:.3g} s" if cfg.ttft_p99_guard else ""
-        )
-        self._breaks = 0 if current_ok else self._breaks + 1
-        if not current_ok and self._breaks >= cfg.guard_patience:
-            return target, True, f"{self.current} breaks the guard ({against}); {target} keeps it"
+        against = ", ".join(broken)
+        if broken and self._breaks >= cfg.guard_patience:
+            return target, True, f"{self.current} breaks the promise ({against}); {target} keeps it"
         if now < self._hold_until:
             return (
                 self.current,
                 False,
                 f"{self.current} held after a step back until t={self._hold_until:.0f}",
             )
-        if not current_ok:
+        if broken:
             return (
                 self.current,
                 False,
                 (
-                    f"{self.current} breaks the guard ({against}): kept until it does so "
+                    f"{self.current} breaks the promise ({against}): kept until it does so "
                     f"{cfg.guard_patience} decisions in a row"
                 ),
             )
-        down = self._rank(target) < self._rank(self.current)
+        down = self._rank(target) < here
         margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
-        if down and best.ttft_p95 <= (1.0 + cfg.tie) * current.ttft_p95:
+        stressed = self._stress_breaks(target) if down else ()
+        if stressed:
+            return (
+                self.current,
+                False,
+                f"{target} would hold back too much if the last {cfg.stress_s:.0f} s of traffic "
+                f"came again ({', '.join(stressed)}): {self.current} kept",
+            )
+        if down and self._better(best, current, cfg.down_margin) and not overload:
             return (
                 target,
                 True,
                 (
-                    f"{target} ({best.ttft_p95:.3g} s P95 TTFT) is at least as good as "
-                    f"{self.current} ({current.ttft_p95:.3g} s) and promotes short requests more"
+                    f"{target} ({best.value(objective):.3g} s {objective}) beats "
+                    f"{self.current} ({current.value(objective):.3g} s) by {cfg.down_margin:.0%} "
+                    "and promotes short requests more"
                 ),
             )
         if now - self._last_switch < cfg.min_dwell_s:
@@ -514,13 +610,13 @@ class Autopilot:
                 False,
                 f"{self.current} kept: switched {now - self._last_switch:.0f} s ago",
             )
-        if best.ttft_p95 < (1.0 - margin) * current.ttft_p95:
+        if self._better(best, current, margin):
             return (
                 target,
                 True,
                 (
-                    f"{target} beats {self.current} on P95 TTFT: {best.ttft_p95:.3g} s vs "
-                    f"{current.ttft_p95:.3g} s over the window's requests"
+                    f"{target} beats {self.current}: {best.value(objective):.3g} s vs "
+                    f"{current.value(objective):.3g} s {objective} over the window's requests"
                 ),
             )
         return (
@@ -528,70 +624,7 @@ class Autopilot:
             False,
             (
                 f"no candidate beats {self.current} by the {margin:.0%} margin "
-                f"(target {target}: {best.ttft_p95:.3g} s vs {current.ttft_p95:.3g} s)"
+                f"(target {target}: {best.value(objective):.3g} s vs "
+                f"{current.value(objective):.3g} s)"
             ),
         )
-
-
-# --- the simulator's driver -------------------------------------------------------------------
-def replay_with_autopilot(
-    trace: Trace | Sequence[TraceRequest],
-    base: Settings | None = None,
-    config: AutopilotConfig | None = None,
-    engine: EngineConfig | None = None,
-) -> tuple[SimResult, list[Decision]]:
-    """Replay ``trace`` with the autopilot choosing the settings every ``interval_s``: the
-    replica starts on ``base`` (default: uniboost's defaults); at each decision the controller
-    is shown only what a live replica would know by then. Returns the replay's result (its
-    settings: the last applied) and the decisions."""
-    base = base or Settings.model_validate({"policy": "uniboost"})
-    config = config or AutopilotConfig()
-    engine = engine or EngineConfig()
-    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
-    sim = Simulator(requests, base, engine)
-    pilot = Autopilot(base, config, engine)
-    pilot.current = _name_of(pilot, base)
-    t_start = time.perf_counter()
-    completions: list[Completion] = []
-    rejected_ids: list[str] = []
-    next_arrival = 0
-    t = requests[0].arrival if requests else 0.0
-    end = requests[-1].arrival if requests else 0.0
-    while True:
-        t += config.interval_s
-        sim.advance_to(t)
-        new: list[Arrival] = []
-        while next_arrival < len(requests) and requests[next_arrival].arrival <= t:
-            r = requests[next_arrival]
-            new.append(Arrival(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type))
-            next_arrival += 1
-        done, rejected = sim.drain()
-        completions += done
-        rejected_ids += rejected
-        generated = {s.id: s.generated for s in [*sim.running, *sim.waiting] if s.generated}
-        decision = pilot.observe(Observation(t, new, done, generated))
-        if decision is not None and decision.changed:
-            sim.apply_settings(pilot.options[decision.choice])
-        if t > end and not sim.running and not len(sim.waiting):
-            break
-    result = SimResult(
-        settings=sim.settings,
-        completions=completions,
-        rejected=rejected_ids,
-        steps=sim.steps,
-        iterations=sim.iterations,
-        sim_time_s=sim.now,
-        wall_s=time.perf_counter() - t_start,
-        preemptions=sim.preemptions,
-        policy_preemptions=sim.policy_preemptions,
-        recomputed_tokens=sim.recomputed_tokens,
-        gamma_timeline=sim.gamma_timeline,
-    )
-    return result, pilot.decisions
-
-
-def _name_of(pilot: Autopilot, settings: Settings) -> str:
-    for name, s in pilot.options.items():
-        if s == settings:
-            return name
-    return pilot.current

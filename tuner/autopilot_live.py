@@ -62,13 +62,14 @@ from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
-from tuner.autopilot import Arrival, Autopilot, AutopilotConfig, Decision, Observation
+from tuner.autopilot import Autopilot, AutopilotConfig
 from tuner.autopilot_records import WHO, decision_note, decision_row, decision_summary
+from tuner.autopilot_types import Arrival, Decision, Observation
 from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
 from tuner.whatif import verify
 
 if TYPE_CHECKING:  # the caller's collector and store (the collector runs this in its loop)
-    from controlplane.cluster import ReplicaSpec
+    from controlplane.cluster import ClusterSpec, ReplicaSpec
     from controlplane.collector import Collector
     from controlplane.poller import PollResult
     from scheduler.contract import Inflight
@@ -104,6 +105,8 @@ class LiveConfig(BaseModel):
     # On the defaults after a step back (replica seconds).
     hold_s: float = Field(3_600.0, ge=0.0, le=7 * 86_400.0)
     decisions_kept: int = Field(10, ge=1, le=1_000)  # per replica, in the status
+    # Armed on these replicas only, the others in dry-run (None: every replica the row arms).
+    armed_replicas: tuple[str, ...] | None = Field(None, max_length=10_000)
 
 
 Verifier = Callable[["Store", dict[str, Any], int], dict[str, Any]]
@@ -169,6 +172,17 @@ def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
     )
 
 
+def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
+    """The configuration the cluster file completes: where its governance block declares tenants
+    and their SLOs and the configuration's promise declares none, the promise is theirs (SCR,
+    then JFI, then the objective)."""
+    governance = cluster.governance
+    if governance is None or config.promise.slo is not None:
+        return config
+    promise = config.promise.model_copy(update={"slo": governance.params()})
+    return config.model_copy(update={"promise": promise})
+
+
 class LiveAutopilot:
     """The live driver: ``on_poll`` is the collector's hook (completions), ``step`` one tick."""
 
@@ -186,7 +200,7 @@ class LiveAutopilot:
         self.collector = collector
         self.cluster = collector.cluster
         self.store = store
-        self.config = config or AutopilotConfig()
+        self.config = promise_of_cluster(config or AutopilotConfig(), self.cluster)
         self.live = live or LiveConfig()
         self.clock = clock
         self.verifier = verifier or _whatif_verify
@@ -264,9 +278,10 @@ class LiveAutopilot:
             self.pilots.pop(name, None)  # its request ids and completions log restart with it
             rp = None
         if rp is None:
-            if running.policy not in STEERED_POLICIES:
+            steered = STEERED_POLICIES + (("slofq",) if self.config.promise.slo else ())
+            if running.policy not in steered:
                 self.notes[name] = (
-                    f"runs {running.policy}: the autopilot steers uniboost and sarathi replicas "
+                    f"runs {running.policy}: the autopilot steers {', '.join(steered)} replicas "
                     "only"
                 )
                 return
@@ -393,7 +408,7 @@ class LiveAutopilot:
         if self.held is not None:
             rp.note = f"held: {self.held}"
             return
-        if self.state != "armed":
+        if not self.armed_on(rp.name):
             if decision.changed:  # logged once per decision, not once a minute while it stays
                 await asyncio.to_thread(
                     self.store.settings_log.record_settings_change,
@@ -505,7 +520,7 @@ class LiveAutopilot:
         log.warning("replica %s: %s", rp.name, note)
         rp.note = note
         rp.pending.clear()
-        if self.state == "armed" and self.held is None:
+        if self.armed_on(rp.name) and self.held is None:
             await apply_settings(
                 self.cluster,
                 [rp.name],
@@ -515,12 +530,23 @@ class LiveAutopilot:
                 note=note,
             )
 
+    def armed_on(self, replica: str) -> bool:
+        """Whether decisions are carried out on ``replica``: the row is armed and the replica is
+        among ``LiveConfig.armed_replicas`` (every replica when that is None)."""
+        only = self.live.armed_replicas
+        return self.state == "armed" and (only is None or replica in only)
+
     # --- what the CLI and the TUI show -------------------------------------------------------
     def status(self) -> dict[str, Any]:
         replicas: dict[str, Any] = {name: {"note": note} for name, note in self.notes.items()}
         for name, rp in self.pilots.items():
+            judged = next((d for d in reversed(rp.pilot.decisions) if d.figures), None)
             replicas[name] = {
                 "choice": rp.pilot.current,
+                # whether the running choice kept the promise on the last window judged (None:
+                # nothing judged yet), and whether the replica was overloaded then
+                "keeps": None if judged is None else not judged.figures[judged.choice].broken,
+                "overload": None if judged is None else judged.overload,
                 "note": rp.note,
                 "late": rp.pilot.late,
                 "worse_in_row": rp.worse_in_row,
@@ -528,7 +554,20 @@ class LiveAutopilot:
                 "last": list(rp.last),
                 "verifications": list(rp.verifications),
             }
-        return {"t_ms": int(self.clock() * 1000), "held": self.held, "replicas": replicas}
+        return {
+            "t_ms": int(self.clock() * 1000),
+            "held": self.held,
+            "promise": self.config.promise.describe(),
+            "cadence": (
+                f"a decision every {self.config.interval_s:g} s (replica clock), "
+                f"{self.config.delay_s:g} s behind it, once {self.config.min_requests} requests "
+                "are in the window"
+            ),
+            "armed_replicas": (
+                None if self.live.armed_replicas is None else list(self.live.armed_replicas)
+            ),
+            "replicas": replicas,
+        }
 
 
 def status_lines(row: dict[str, Any]) -> list[str]:
@@ -541,11 +580,24 @@ def status_lines(row: dict[str, Any]) -> list[str]:
     if status.get("held") and status["held"] != "disarmed":
         head += f"; held: {status['held']}"
     lines = [head]
+    if status.get("promise"):
+        lines.append(f"  promise: {status['promise']}")
+    # Armed on a replica, the choice is what it runs; otherwise only what the autopilot would run.
+    armed = row.get("state") == "armed" and not row.get("paused")
+    only = status.get("armed_replicas")
+    if armed and only is not None:
+        lines.append(f"  armed on {', '.join(only) or 'no replica'} only; the others dry-run")
     for name, r in sorted((status.get("replicas") or {}).items()):
+        runs = "running" if armed and (only is None or name in only) else "would run"
         if "choice" not in r:
             lines.append(f"  {name}: {r.get('note', '')}")
             continue
-        lines.append(f"  {name}: running {r['choice']} · {r.get('note') or 'no decision yet'}")
+        kept = {True: " · keeps the promise", False: " · breaks the promise"}.get(
+            r.get("keeps"), ""
+        )
+        if r.get("overload"):
+            kept += f" · overload ({r['overload']})"
+        lines.append(f"  {name}: {runs} {r['choice']}{kept} · {r.get('note') or 'no decision yet'}")
         for d in (r.get("last") or [])[-3:]:
             lines.append(
                 f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: "

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from scheduler.settings import Settings
-from tuner.autopilot import Decision
+from tuner.autopilot_types import Decision
 from tuner.whatif import METRICS as WHATIF_METRICS
 
 #: The autopilot's name in the audit log and on its stored predictions.
@@ -25,8 +25,9 @@ def decision_note(decision: Decision) -> str:
     p = decision.predicted()
     return (
         f"autopilot: {decision.previous} -> {decision.choice}: {decision.reason}; predicted P95 "
-        f"TTFT {_pct(p.get('ttft_p95'))}, P99 TTLT {_pct(p.get('ttlt_p99'))}, throughput "
-        f"{_pct(p.get('throughput_tok_s'))} over {decision.requests} requests"
+        f"TTFT {_pct(p.get('ttft_p95'))}, P99 TTFT {_pct(p.get('ttft_p99'))}, P99 TTLT "
+        f"{_pct(p.get('ttlt_p99'))}, throughput {_pct(p.get('throughput_tok_s'))} over "
+        f"{decision.requests} requests"
     )
 
 
@@ -44,7 +45,7 @@ def decision_summary(
     step back judge it like any previewed change."""
     old, new = decision.figures[decision.previous], decision.figures[decision.choice]
     predicted = decision.predicted()
-    # Every figure the what-if keeps; those the shadows do not compare (the medians) left unknown.
+    # Every figure the what-if keeps: the promise's quantiles and throughput, as shadows saw them.
     metrics = {
         k: {
             "current": getattr(old, k, None),

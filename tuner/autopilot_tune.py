@@ -29,7 +29,8 @@ from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.traces import Trace
-from tuner.autopilot import AutopilotConfig, replay_with_autopilot
+from tuner.autopilot import AutopilotConfig
+from tuner.autopilot_replay import replay_with_autopilot
 from tuner.windows import completion_metrics
 
 SARATHI = Settings.model_validate({"policy": "sarathi"})

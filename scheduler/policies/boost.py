@@ -139,6 +139,9 @@ class UniBoost(Policy):
         self.owed: dict[str, int] = {}
         self.admitted_log: deque[tuple[float, int]] = deque()
         self.admitted_sum = 0
+        # When the admissions log began, if less than ADMIT_SPAN_S ago (a switch took over a live
+        # queue): the rate is over the time logged, not the whole span (else it reads low).
+        self.books_since: float | None = None
         self._next_tick = p.ada_interval_s if self.ada_enabled else INF
         self.gamma_updates = 0
 
@@ -202,7 +205,14 @@ class UniBoost(Policy):
         log = self.admitted_log
         while log and log[0][0] < now - ADMIT_SPAN_S:
             self.admitted_sum -= log.popleft()[1]
-        return self.admitted_sum / ADMIT_SPAN_S if log else 0.0
+        span = ADMIT_SPAN_S
+        if self.books_since is not None:
+            logged = now - self.books_since
+            if logged >= ADMIT_SPAN_S:
+                self.books_since = None
+            else:
+                span = max(logged, 1.0)
+        return self.admitted_sum / span if log else 0.0
 
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
         if self.fcfs_wait:
@@ -413,7 +423,24 @@ class UniBoost(Policy):
     def live_state(self) -> dict[str, Any]:
         return {"gamma": self.gamma, "gamma_pinned": self.settings.is_pinned("gamma")}
 
+    def attach(
+        self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
+    ) -> None:
+        # fcfs_wait's books start from the queue taken over: every waiting request still owes its
+        # prompt (a preempted one its prompt and what it had generated, recomputed on admission).
+        # Without them, after a switch from a setting that kept no books, the backlog ahead of
+        # each arrival reads near 0 while the queue is deep, and γ-Ada falls to gamma_min.
+        if self.fcfs_wait:
+            self.owed = {r.id: r.prompt_tokens + r.generated for r in waiting}
+            self.backlog = sum(self.owed.values())
+            if not self.admitted_log:  # no drain rate carried over: measured from now on
+                self.books_since = now
+
     def adopt_live_state(self, previous: Policy) -> None:
+        if isinstance(previous, UniBoost) and previous.fcfs_wait and self.fcfs_wait:
+            # The drain rate is the replica's, whatever the document: it carries over.
+            self.admitted_log = deque(previous.admitted_log)
+            self.admitted_sum = previous.admitted_sum
         # Keep the adapted γ across a switch unless the new document pins or sets it explicitly.
         if (
             isinstance(previous, UniBoost)
