@@ -367,3 +367,91 @@ def test_blocked_names_the_pin(pins, target, why):
     assert (doc is None) == (why is not None)
     if doc is not None:
         assert doc.engine == current.engine  # the replica's engine limits are kept
+
+
+def test_a_switch_changes_only_the_autopilots_own_knobs():
+    """An operator turned MemGuard off and decode-first off on a uniboost replica: the autopilot's
+    switch to another γ keeps both (it changes γ and γ-Ada only), the replica is still recognised
+    as running that candidate, and a switch to sarathi is a whole document."""
+    from tuner.autopilot import Autopilot, AutopilotConfig
+    from tuner.autopilot_live import candidate_running, target_document
+
+    current = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"memguard": False, "decode_first": False},
+            "engine": {"max_num_seqs": 64},
+        }
+    )
+    pilot = Autopilot(
+        Settings.model_validate({"policy": "uniboost"}), AutopilotConfig(gammas=(0.01, 1.0))
+    )
+    doc = target_document(current, pilot.options["gamma=0.01"])
+    assert doc is not None
+    assert doc.params.gamma == 0.01 and not doc.params.gamma_ada
+    assert not doc.params.memguard and not doc.params.decode_first  # the operator's, kept
+    assert doc.engine == current.engine
+    assert candidate_running(pilot, doc) == "gamma=0.01"
+    assert candidate_running(pilot, current) == "defaults"
+    assert target_document(doc, pilot.options["gamma=0.01"]) is None  # already runs it
+    sarathi = target_document(doc, pilot.options["sarathi"])
+    assert sarathi is not None and sarathi.policy == "sarathi"
+
+
+def test_made_up_requests_from_the_future_are_refused_and_take_no_memory(tmp_path, monkeypatch):
+    """A replica answering /inflight with thousands of requests that arrive after its own clock:
+    none is replayed or remembered (the map of seen ids stays as it was); they are counted."""
+    from scheduler.contract import Inflight
+
+    with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
+        driver = rig.run(60.0, state="dry-run")
+        rp = driver.pilots["twin-0"]
+        seen = len(rp.seen)
+        now = 60.0 - rp.origin
+        forged = Inflight.model_validate(
+            {
+                "time": 60.0,
+                "total": 5000,
+                "requests": [
+                    {"id": f"forged-{k}", "arrival": 1e9 + k, "prompt_tokens": 100}
+                    for k in range(5000)
+                ],
+            }
+        )
+        obs = driver._observation(rp, forged, now)
+        assert not obs.arrivals and len(rp.seen) == seen and rp.future == 5000
+        assert driver.status()["replicas"]["twin-0"]["future"] == 5000
+
+
+def test_a_replica_clock_stepping_back_restarts_its_controller(tmp_path, monkeypatch):
+    """The replica's clock goes back ten minutes (a fault a twin cannot produce: its /inflight is
+    wrapped to report its time 600 s early): the controller is restarted on the new clock, the
+    status says why, and it decides again instead of waiting silently for the old time."""
+    import tuner.autopilot_live as live
+
+    real = live.fetch_inflight
+    shift = {"s": 0.0}
+
+    async def stepped(*args, **kw):
+        got = await real(*args, **kw)
+        if shift["s"] and got.time is not None:
+            return got.model_copy(
+                update={
+                    "time": got.time - shift["s"],
+                    "requests": [
+                        r.model_copy(update={"arrival": r.arrival - shift["s"]})
+                        for r in got.requests
+                    ],
+                }
+            )
+        return got
+
+    monkeypatch.setattr(live, "fetch_inflight", stepped)
+    with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
+        driver = rig.run(700.0, state="dry-run")
+        before = driver.pilots["twin-0"]
+        assert before.last, "no decision before the step"
+        shift["s"] = 600.0
+        driver = rig.run(800.0, state="dry-run", until=lambda d: d.pilots["twin-0"] is not before)
+        after = driver.pilots["twin-0"]
+        assert after is not before and "clock stepped back 59" in after.note  # 594-600 s

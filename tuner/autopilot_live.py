@@ -78,6 +78,9 @@ if TYPE_CHECKING:  # the caller's collector and store (the collector runs this i
 log = logging.getLogger("tailpilot.autopilot")
 
 STEERED_POLICIES = ("uniboost", "sarathi")
+# Slack on the replica's clock: an arrival this far after it is refused; a clock this far behind
+# the last one seen has stepped back.
+FUTURE_SLACK_S = 5.0
 # What the operator's commands change in the control row (``tailpilot autopilot``, the TUI's O).
 CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
     "pause": {"paused": True},
@@ -132,6 +135,8 @@ class ReplicaPilot:
     pending: list[dict[str, Any]] = field(default_factory=list)
     worse_in_row: int = 0
     note: str = ""  # why the last decision was or was not carried out
+    future: int = 0  # requests reported as arriving after the replica's own clock: refused
+    clock: float | None = None  # the latest replica time seen (controller seconds)
 
 
 def blocked(current: Settings, target: Settings) -> str | None:
@@ -147,12 +152,28 @@ def blocked(current: Settings, target: Settings) -> str | None:
     return None
 
 
+# The parameters the autopilot chooses, per policy: a switch within the policy changes these and
+# nothing else, so an operator's change to any other parameter (memguard, decode_first, ...) is
+# the base it works on, never reverted.
+OWN_KNOBS: dict[str, tuple[str, ...]] = {
+    "uniboost": ("gamma", "gamma_ada", "gamma_min", "gamma_max")
+}
+
+
 def target_document(current: Settings, target: Settings) -> Settings | None:
-    """The document that makes ``current`` run ``target``'s policy and parameters (its engine
-    limits and pins kept); None when it already does or a pin forbids it."""
+    """The document that makes ``current`` run ``target``'s choice: within the same policy only
+    the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept; a
+    policy change takes ``target``'s parameters. Engine limits and pins kept; None when it
+    already runs it or a pin forbids it."""
     if blocked(current, target) is not None:
         return None
     doc = target.to_dict()
+    own = OWN_KNOBS.get(target.policy)
+    if own is not None and current.policy == target.policy:
+        doc["params"] = {
+            **current.params.model_dump(),
+            **{k: getattr(target.params, k) for k in own},
+        }
     doc["engine"] = current.engine.model_dump()
     doc["pinned"] = list(current.pinned)
     new = Settings.model_validate(doc)
@@ -160,16 +181,17 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
 
 
 def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
-    """The candidate whose policy and parameters the replica runs (its engine limits and pins
-    aside), None when it runs none of them."""
-    return next(
-        (
-            name
-            for name, s in pilot.options.items()
-            if (s.policy, s.params) == (running.policy, running.params)
-        ),
-        None,
-    )
+    """The candidate the replica runs — its policy and, for a policy with ``OWN_KNOBS``, those
+    (the operator's other parameters, engine limits and pins aside) — None when none."""
+
+    def chosen(s: Settings) -> tuple[object, ...]:
+        own = OWN_KNOBS.get(s.policy)
+        if own is None:
+            return (s.policy, s.params)
+        return (s.policy, *(getattr(s.params, k) for k in own))
+
+    runs = chosen(running)
+    return next((name for name, s in pilot.options.items() if chosen(s) == runs), None)
 
 
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
@@ -292,6 +314,20 @@ class LiveAutopilot:
             rp.note = f"no in-flight listing ({err}): observation deferred"
             return
         now = (inflight.time if inflight.time is not None else doc.get("time") or 0.0) - rp.origin
+        if rp.clock is not None and now < rp.clock - FUTURE_SLACK_S:
+            # The replica's clock stepped back: every later arrival would look older than what the
+            # shadows have passed, and no decision would come. A fresh controller starts on it.
+            stepped = rp.clock - now
+            log.warning(
+                "autopilot: replica %s's clock stepped back %.0f s: restarted", name, stepped
+            )
+            self.pilots.pop(name, None)
+            rp = await self._start(name, doc, running)
+            rp.note = f"the replica's clock stepped back {stepped:.0f} s: its controller restarted"
+            now = (
+                inflight.time if inflight.time is not None else doc.get("time") or 0.0
+            ) - rp.origin
+        rp.clock = now if rp.clock is None else max(rp.clock, now)
         decision = await asyncio.to_thread(rp.pilot.observe, self._observation(rp, inflight, now))
         await self._verify(rp, running, now)
         if decision is not None:
@@ -334,6 +370,11 @@ class LiveAutopilot:
             rid: str, arrival: float, prompt: int, cap: int | None, tenant: str, rtype: str
         ) -> None:
             if rid in rp.seen:
+                return
+            if arrival - rp.origin > now + FUTURE_SLACK_S:
+                # A request cannot have arrived after the replica's own clock: made up, or a
+                # clock gone wrong. Refused (and counted), so it never takes memory.
+                rp.future += 1
                 return
             rp.seen[rid] = arrival
             arrivals.append(
@@ -549,6 +590,7 @@ class LiveAutopilot:
                 "overload": None if judged is None else judged.overload,
                 "note": rp.note,
                 "late": rp.pilot.late,
+                "future": rp.future,
                 "worse_in_row": rp.worse_in_row,
                 "pending_verifications": len(rp.pending),
                 "last": list(rp.last),
