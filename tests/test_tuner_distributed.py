@@ -474,3 +474,85 @@ def test_a_joining_worker_with_another_seed_is_told_why(tmp_path, cli):
     )
     assert res.exit_code == 2
     assert "--seed" in res.output and "own sampler stream" in res.output
+
+
+# ------------------------------------------------------------------ journal: a torn tail
+def _journal_with_trials(path, n: int):
+    import optuna
+
+    from tuner.optuna_storage import open_storage, storage_url
+
+    storage = open_storage(storage_url(str(path)))
+    study = optuna.create_study(study_name="torn", storage=storage)
+    for k in range(n):
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"x": float(k)},
+                distributions={"x": optuna.distributions.FloatDistribution(0, 10)},
+                value=float(k),
+            )
+        )
+    return study
+
+
+@pytest.mark.parametrize("resumed_before_the_mend", [False, True])
+def test_a_journal_torn_by_a_full_disk_survives_a_resume(tmp_path, capsys, resumed_before_the_mend):
+    """A writer stopped mid-record (a full disk) leaves a last line without its newline; a
+    resume appended after it and the journal became unreadable. Opened now, the torn record is
+    cut off (kept beside the journal, named on stderr), every committed trial survives, and a
+    resume adds trials a fresh reader sees; where a resume already wrote after the tear (plain
+    Optuna, before this mend), its whole record is kept too."""
+    import json
+
+    import optuna
+
+    from tuner.optuna_storage import open_storage, storage_url
+
+    def add(study, x: float) -> None:
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"x": x},
+                distributions={"x": optuna.distributions.FloatDistribution(0, 10)},
+                value=x,
+            )
+        )
+
+    path = tmp_path / "study.journal"
+    study = _journal_with_trials(path, 3)
+    whole = path.read_bytes()
+    torn = b'{"op_code": 5, "worker_id": "dead", "trial_id": 3, "va'
+    expected = [0.0, 1.0, 2.0]
+    if resumed_before_the_mend:
+        # What a resume wrote after the tear: the records of one more trial, glued to the torn
+        # bytes (the trial's records as Optuna writes them, cut from a journal that has it).
+        add(study, 7.0)
+        resumed = path.read_bytes()[len(whole) :]
+        path.write_bytes(whole + torn + resumed)
+        expected.append(7.0)
+        with pytest.raises(ValueError):  # unreadable as it stands: a record glued to the tear
+            for line in path.read_bytes().splitlines():
+                json.loads(line)
+    else:
+        path.write_bytes(whole + torn)
+    storage = open_storage(storage_url(str(path)))
+    assert "the journal was torn" in capsys.readouterr().err
+    study = optuna.load_study(study_name="torn", storage=storage)
+    assert [t.value for t in study.trials] == expected
+    assert path.read_bytes().startswith(whole)
+    assert (tmp_path / "study.journal.torn-1").read_bytes().startswith(b'{"op_code": 5')
+    add(study, 4.0)
+    again = optuna.load_study(study_name="torn", storage=open_storage(storage_url(str(path))))
+    assert [t.value for t in again.trials] == [*expected, 4.0]
+    assert "torn" not in capsys.readouterr().err  # whole now: nothing to mend
+
+
+def test_a_journal_line_that_cannot_be_mended_is_named(tmp_path):
+    from tuner.optuna_storage import open_storage, storage_url
+    from tuner.spec import TuneError
+
+    path = tmp_path / "study.journal"
+    _journal_with_trials(path, 1)
+    with path.open("ab") as fh:
+        fh.write(b"garbage without a record\n")
+    with pytest.raises(TuneError, match="line 3 of the journal"):
+        open_storage(storage_url(str(path)))

@@ -14,7 +14,10 @@ Anything else (``redis://``, a typo) is a :class:`TuneError` naming the scheme a
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -183,6 +186,76 @@ def _check_journal_file(url: str) -> None:
             )
 
 
+def repair_journal(path: Path, url: str) -> None:
+    """Mend a journal a writer left torn (a full disk, a kill mid-write) before it is read or
+    appended to, under Optuna's own lock: a last line without its newline is cut off, and a line
+    that is a torn record with a whole one appended after it (a resume that wrote after the tear)
+    keeps the whole record. What is cut is kept beside the journal (``PATH.torn-N``) and named on
+    stderr; every committed trial survives. A line that cannot be mended is a TuneError naming it.
+    """
+    from optuna.storages.journal import JournalFileSymlinkLock  # start-up cost: see the imports
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: b"" when the file ends whole
+        kept: list[bytes] = []
+        cut: list[bytes] = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+                kept.append(line)
+                continue
+            except ValueError:
+                pass
+            whole = _whole_suffix(line)
+            if whole is None:
+                raise TuneError(
+                    f"--storage {url}: line {number} of the journal is not a record and "
+                    "cannot be mended"
+                )
+            kept.append(line[len(line) - len(whole) :])
+            cut.append(line[: len(line) - len(whole)])
+        if tail.strip():
+            cut.append(tail)
+        if not cut:
+            return
+        k = 1
+        while path.with_name(f"{path.name}.torn-{k}").exists():
+            k += 1
+        aside = path.with_name(f"{path.name}.torn-{k}")
+        aside.write_bytes(b"\n".join(cut) + b"\n")
+        tmp = path.with_name(path.name + ".mending")
+        tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+        os.replace(tmp, path)
+        print(
+            f"--storage {url}: the journal was torn ({sum(len(c) for c in cut)} bytes of "
+            f"unfinished records, a writer stopped mid-write: a full disk?); cut off and kept in "
+            f"{aside}; the {len(kept)} whole records are intact",
+            file=sys.stderr,
+        )
+    finally:
+        lock.release()
+
+
+def _whole_suffix(line: bytes) -> bytes | None:
+    """The longest tail of ``line`` that is one whole JSON record, or None."""
+    start = line.find(b"{", 1)
+    while start != -1:
+        try:
+            json.loads(line[start:])
+            return line[start:]
+        except ValueError:
+            start = line.find(b"{", start + 1)
+    return None
+
+
 def _one_line(err: BaseException) -> str:
     """An exception's message on one line (drivers add SQL and background links below it)."""
     text = str(err).strip().splitlines()
@@ -261,6 +334,7 @@ def _open_journal(url: str) -> JournalStorage:
     from optuna.storages.journal import JournalFileBackend  # start-up cost, likewise
 
     _check_journal_file(url)
+    repair_journal(Path(storage_file(url) or ""), url)
     try:
         storage = JournalStorage(JournalFileBackend(storage_file(url) or ""))
     except Exception as err:
