@@ -170,14 +170,18 @@ def test_resample_draws_every_row_before_repeating_one():
 # --- the benchmark's scoring --------------------------------------------------------------------
 
 
-def _m(p95: float, ttlt: float, thr: float) -> dict[str, float]:
-    return {"ttft_p95": p95, "ttft_p99": p95, "ttlt_p99": ttlt, "throughput_tok_s": thr}
+def _m(p95: float, ttlt: float, thr: float, **other: float) -> dict[str, float]:
+    base = {"ttft_p50": 1.0, "ttft_p95": p95, "ttft_p99": p95, "ttlt_p50": 10.0}
+    return {**base, "ttlt_p99": ttlt, "throughput_tok_s": thr, **other}
 
 
-def test_hindsight_gamma_is_the_lowest_p95_that_keeps_ttlt_and_throughput():
+def test_hindsight_gamma_is_the_lowest_p95_that_keeps_every_quantile_and_throughput():
     sarathi = _m(10.0, 100.0, 1000.0)
     grid = {
         0.001: _m(1.0, 103.0, 1000.0),  # best P95, but P99 TTLT 1.03x: out
+        0.0015: _m(1.0, 100.0, 1000.0, ttft_p50=1.03),  # P50 TTFT 1.03x: out
+        0.0018: _m(1.0, 100.0, 1000.0, ttft_p99=10.3),  # P99 TTFT 1.03x: out
+        0.0019: _m(1.0, 100.0, 1000.0, ttlt_p50=10.3),  # P50 TTLT 1.03x: out
         0.002: _m(2.0, 101.0, 985.0),  # throughput 0.985x: out
         0.005: _m(3.0, 102.0, 990.0),  # exactly at both bounds: in
         0.01: _m(3.0, 90.0, 1000.0),  # ties on P95: the smaller γ wins
