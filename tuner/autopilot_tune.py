@@ -4,9 +4,10 @@ judged beside a recommendation (README, "The autopilot").
 * :func:`tune_autopilot` searches ``AutopilotConfig``'s decision knobs with Optuna (TPE, seeded) on
   continuous replays of the given traces: each trial replays every trace whole with the autopilot
   (``replay_with_autopilot``) and is scored on its P95 TTFT as a ratio to sarathi's on the same
-  requests, feasible only when P99 TTLT ≤ ``ttlt_guard``× and throughput ≥ ``throughput_guard``×
-  sarathi's on every trace. Trial 0 is the default configuration, so the result is never worse
-  than the defaults on the traces it was tuned on. ``tailpilot autopilot tune`` writes the
+  requests, feasible only when it keeps the configuration's promise (``AutopilotConfig.promise``:
+  every quantile within its slack of sarathi's, throughput above its floor) on every trace.
+  Trial 0 is the default configuration, so the result is never worse than the defaults on the
+  traces it was tuned on. ``tailpilot autopilot tune`` writes the
   configuration for ``record --autopilot-config``.
 * :func:`autopilot_metrics` replays the traces with the autopilot, continuously: ``recommend
   --autopilot`` compares it with the settings it recommends on every request and reports "keep the
@@ -31,6 +32,7 @@ from sim.engine import EngineConfig, simulate
 from sim.traces import Trace
 from tuner.autopilot import AutopilotConfig
 from tuner.autopilot_replay import replay_with_autopilot
+from tuner.promise import QUANTILE_NAMES
 from tuner.windows import completion_metrics
 
 SARATHI = Settings.model_validate({"policy": "sarathi"})
@@ -46,10 +48,14 @@ KNOBS: dict[str, tuple[float, float, bool]] = {
 }
 
 
+GUARDED = (*QUANTILE_NAMES, "throughput_tok_s")  # what the promise holds to sarathi's
+
+
 def _figures(completions: Sequence[Any]) -> dict[str, float]:
-    """P95 TTFT, P99 TTLT and output tokens per second (first arrival to last finish)."""
+    """Every quantile the promise holds and output tokens per second (first arrival to last
+    finish)."""
     s = summarize(completions)
-    return {k: float(s.get(k, math.nan)) for k in ("ttft_p95", "ttlt_p99", "throughput_tok_s")}
+    return {k: float(s.get(k, math.nan)) for k in GUARDED}
 
 
 def score(
@@ -58,25 +64,26 @@ def score(
     base: Settings,
     engine: EngineConfig,
     references: Sequence[dict[str, float]],
-    *,
-    ttlt_guard: float = 1.02,
-    throughput_guard: float = 0.99,
 ) -> dict[str, Any]:
     """The autopilot's figures on ``traces`` as ratios to sarathi's (``references``): the mean P95
-    TTFT ratio (lower is better), and the worst P99 TTLT and throughput ratios with feasibility."""
-    ttft, ttlt, tput = [], [], []
+    TTFT ratio (lower is better), the worst ratio of every quantile and of throughput, and
+    whether the configuration's promise holds on every trace."""
+    ratios: dict[str, list[float]] = {k: [] for k in GUARDED}
     for trace, ref in zip(traces, references):
         result, _ = replay_with_autopilot(trace, base, config, engine)
         got = _figures(result.completions)
-        ttft.append(got["ttft_p95"] / ref["ttft_p95"])
-        ttlt.append(got["ttlt_p99"] / ref["ttlt_p99"])
-        tput.append(got["throughput_tok_s"] / ref["throughput_tok_s"])
-    worst_ttlt, worst_tput = max(ttlt), min(tput)
+        for k in GUARDED:
+            ratios[k].append(got[k] / ref[k])
+    promise = config.promise
+    worst = {k: max(v) for k, v in ratios.items() if k != "throughput_tok_s"}
+    worst_tput = min(ratios["throughput_tok_s"])
     return {
-        "ttft_p95_ratio": sum(ttft) / len(ttft),
-        "ttlt_p99_ratio": worst_ttlt,
+        "ttft_p95_ratio": sum(ratios["ttft_p95"]) / len(ratios["ttft_p95"]),
+        **{f"worst_{k}_ratio": v for k, v in worst.items()},
+        "ttlt_p99_ratio": worst["ttlt_p99"],
         "throughput_ratio": worst_tput,
-        "feasible": worst_ttlt <= ttlt_guard and worst_tput >= throughput_guard,
+        "feasible": all(v <= 1.0 + promise.slack for v in worst.values())
+        and worst_tput >= promise.throughput_floor,
     }
 
 
@@ -96,8 +103,6 @@ def tune_autopilot(
     base: Settings | None = None,
     engine: EngineConfig | None = None,
     start: AutopilotConfig | None = None,
-    ttlt_guard: float = 1.02,
-    throughput_guard: float = 0.99,
 ) -> dict[str, Any]:
     """Search the autopilot's decision knobs (``KNOBS``) on ``traces``; returns the best feasible
     configuration (``config``, a dict of AutopilotConfig fields), its figures, the starting
@@ -117,19 +122,13 @@ def tune_autopilot(
             name: trial.suggest_float(name, lo, hi, log=log)
             for name, (lo, hi, log) in KNOBS.items()
         }
-        got = score(
-            traces,
-            config_of(params),
-            base,
-            engine,
-            refs,
-            ttlt_guard=ttlt_guard,
-            throughput_guard=throughput_guard,
-        )
+        got = score(traces, config_of(params), base, engine, refs)
         trial.set_user_attr("figures", got)
-        # Optuna's constraints: ≤ 0 is feasible.
-        trial.set_constraint("ttlt_p99_ratio", got["ttlt_p99_ratio"] - ttlt_guard)
-        trial.set_constraint("throughput_ratio", throughput_guard - got["throughput_ratio"])
+        # Optuna's constraints: ≤ 0 is feasible; one per quantile the promise holds.
+        promise = start.promise
+        for k in QUANTILE_NAMES:
+            trial.set_constraint(f"{k}_ratio", got[f"worst_{k}_ratio"] - (1.0 + promise.slack))
+        trial.set_constraint("throughput_ratio", promise.throughput_floor - got["throughput_ratio"])
         ratio: float = got["ttft_p95_ratio"]
         return ratio
 
