@@ -39,9 +39,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from controlplane import strict_yaml
 from controlplane.governance import GovernanceSpec
 from scheduler.metrics import METRICS
+from scheduler.plugin.wire import read_capped
 from scheduler.validation import describe_validation
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_CLUSTER_FILE_BYTES = 16 * 1024 * 1024  # 10,000 tenants' SLOs are ~2 MiB of YAML
 
 
 class ClusterFileError(ValueError):
@@ -181,9 +183,13 @@ def parse_cluster_file(text: str | bytes, source: str = "<cluster file>") -> Clu
 def load_cluster_file(path: str | Path) -> ClusterFile:
     path = Path(path)
     try:
-        data = path.read_bytes()  # decoded as UTF-8 whatever the locale, like every YAML file
+        # Decoded as UTF-8 whatever the locale, like every YAML file; capped, a regular file only
+        # (a FIFO would hang the reader, /dev/zero never ends).
+        data = read_capped(path, MAX_CLUSTER_FILE_BYTES, "cluster file")
     except OSError as err:
         raise ClusterFileError(f"{path}: cannot read: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ClusterFileError(f"{path}: {err}") from None
     return parse_cluster_file(data, str(path))
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import click
 from pydantic import ValidationError
 
+from scheduler.plugin.wire import parse_json_body, read_capped
 from scheduler.settings import describe_error
 from tailpilot import options
 from tailpilot.cli_cluster import known_cluster, load_cluster, open_store
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # the operator's modules load only when a command runs (start
     from storage.store import Store
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+MAX_CONFIG_BYTES = 1024 * 1024  # an autopilot configuration: a few hundred bytes
 
 
 def configure_logging(quiet: bool, verbose: bool) -> None:
@@ -200,14 +202,24 @@ def autopilot_task(config_file: str | None, state: str) -> Task:
     config file is a usage error naming the field before anything starts."""
     from tuner.autopilot import AutopilotConfig  # start-up cost
 
-    try:
-        config = (
-            AutopilotConfig.model_validate_json(Path(config_file).read_bytes())
-            if config_file
-            else None
-        )
-    except ValidationError as err:
-        raise click.BadParameter(describe_error(err), param_hint="--autopilot-config") from None
+    config = None
+    if config_file:
+        try:
+            data = read_capped(config_file, MAX_CONFIG_BYTES, "autopilot configuration")
+            parse_json_body(data)  # a key given twice, NaN, bad JSON: refused, never "the last"
+            # Strict: "60" is not a number and "yes" not a boolean.
+            config = AutopilotConfig.model_validate_json(data, strict=True)
+        except ValidationError as err:
+            raise click.BadParameter(describe_error(err), param_hint="--autopilot-config") from None
+        except (OSError, ValueError) as err:
+            why = (
+                (err.strerror or err)
+                if isinstance(err, OSError)
+                else str(err).removeprefix("body: ")
+            )
+            raise click.BadParameter(
+                f"{config_file}: {why}", param_hint="--autopilot-config"
+            ) from None
 
     async def task(collector: Collector, store: Store, stop: asyncio.Event) -> None:
         from tuner.autopilot_live import run_autopilot  # start-up cost

@@ -212,3 +212,63 @@ def test_a_name_the_engine_governs_by_is_recorded_and_shown_by_that_name():
     assert name_problem(longest + "t") is not None  # the document is refused, naming it
     label = clean_name(longest + "t")  # a client's longer label is cut, never refused
     assert limits.group_name(label) == (label, None)
+
+
+# --- files read whole: capped, regular files only --------------------------------------------
+
+
+def _cluster_file(tmp_path: Path) -> Path:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        "clusters:\n- name: c\n  replicas:\n  - name: r0\n"
+        "    api_url: http://127.0.0.1:1\n    control_url: http://127.0.0.1:1\n"
+    )
+    return cluster
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        ('{"interval_s": 30, "interval_s": 90}', ["interval_s", "more than once"]),
+        ('{"interval_s": "60"}', ["interval_s"]),
+        ('{"prefer_small": "yes"}', ["prefer_small"]),
+        ('{"interval_s": NaN}', ["NaN"]),
+    ],
+)
+def test_an_autopilot_config_is_read_strictly(tmp_path, content, words):
+    """A key given twice is refused (not "the last one wins"), a number or a flag as a string is
+    refused: the operator's file means what it says or is not used."""
+    config = tmp_path / "ap.json"
+    config.write_text(content)
+    res = invoke(
+        "record", "--cluster", _cluster_file(tmp_path), "--db", tmp_path / "d.db",
+        "--autopilot", "--autopilot-config", config,
+    )  # fmt: skip
+    one_error_line(res, "--autopilot-config", *words)
+    assert not (tmp_path / "d.db").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "directory"])
+def test_files_read_whole_refuse_fifos_devices_and_endless_input(tmp_path, kind):
+    """An autopilot configuration, a cluster file and a settings document given as a FIFO (which
+    would hang the reader until a writer comes), /dev/zero (which never ends) or a directory:
+    each one line naming the file, at once, without reading it."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    elif kind == "zero":
+        path = Path("/dev/zero")
+    else:
+        path = tmp_path
+    what = "not a regular file" if kind != "directory" else "a directory"
+    res = invoke(
+        "record", "--cluster", _cluster_file(tmp_path), "--db", tmp_path / "d.db",
+        "--autopilot", "--autopilot-config", path,
+    )  # fmt: skip
+    one_error_line(res, "--autopilot-config", what)
+    res = invoke("status", "--cluster", path)
+    assert res.exit_code == 2 and what in res.output and "Traceback" not in res.output
+    with pytest.raises(ExportError, match=what):
+        load_settings_file(path)

@@ -7,6 +7,7 @@ import codecs
 import json
 import math
 import os
+import stat
 from typing import Any
 
 import pydantic_core  # pydantic's own core (Rust): strict JSON without a hand-written encoder
@@ -66,13 +67,29 @@ def parse_json_body(body: bytes) -> Any:
         raise ValueError(f"body: {err}") from None
 
 
-def parse_json_file(path: str | os.PathLike[str]) -> Any:
-    """A settings file read as strictly as a PUT body (a UTF-8 BOM allowed); ValueError naming
-    the problem (OSError when it cannot be read)."""
+def read_capped(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``: a FIFO, a device or a directory is
+    refused before it is opened (a FIFO would block the reader until a writer comes; /dev/zero
+    never ends), a larger file after reading one byte past the cap. ValueError naming the
+    problem; OSError when it cannot be read."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, a device, ...)"
+        raise ValueError(f"{kind}: give the {what} as a file")
     with open(path, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"over {MAX_FILE_BYTES // 1024 // 1024} MiB: not a settings document")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"over {max_bytes // 1024 // 1024} MiB: not a {what}")
+    return data
+
+
+def parse_json_file(
+    path: str | os.PathLike[str], max_bytes: int = MAX_FILE_BYTES, what: str = "settings document"
+) -> Any:
+    """A JSON file (a settings document by default) read as strictly as a PUT body (a UTF-8 BOM
+    allowed; a key twice, NaN, a huge number refused); ValueError naming the problem (OSError
+    when it cannot be read)."""
+    data = read_capped(path, max_bytes, what)
     return parse_json_body(data.removeprefix(codecs.BOM_UTF8))
 
 
