@@ -70,6 +70,10 @@ class ReplicaSpec(BaseModel):
     api_url: str
     control_url: str
     token_env: Annotated[str | None, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = None
+    # Replicas of one pool serve the same traffic (one load balancer in front): the autopilot
+    # replays the first one's and carries its decisions out on every member — one set of shadows
+    # per pool, not per replica.
+    pool: Annotated[str | None, Field(pattern=NAME_PATTERN)] = None
 
     _url = field_validator("api_url", "control_url")(_check_url)
 

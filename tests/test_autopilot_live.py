@@ -455,3 +455,68 @@ def test_a_replica_clock_stepping_back_restarts_its_controller(tmp_path, monkeyp
         driver = rig.run(800.0, state="dry-run", until=lambda d: d.pilots["twin-0"] is not before)
         after = driver.pilots["twin-0"]
         assert after is not before and "clock stepped back 59" in after.note  # 594-600 s
+
+
+def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path, monkeypatch):
+    """Two replicas of one pool (``pool`` in the cluster file): one set of shadows (one
+    controller, the first replica's), its decision carried out on both when armed; the member's
+    status says whom it follows."""
+    from controlplane.cluster import parse_cluster_file
+    from controlplane.collector import Collector
+    from controlplane.replica_http import PollingClient
+    from sim.traces import load_bundled
+    from tuner.autopilot import AutopilotConfig
+    from tuner.autopilot_live import LiveAutopilot, LiveConfig
+    from tuner.twin import ManualClock, start_twins
+
+    monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
+    clock = ManualClock()
+    store = Store.open(str(tmp_path / "p.db"), clock=clock.now)
+    twins = start_twins(
+        2, load_bundled(), rate_scale=3.0, clock=clock, settings=DEFAULTS, token=TOKEN
+    )
+    doc = twins.cluster_doc("twins")
+    for replica in doc["clusters"][0]["replicas"]:
+        replica["pool"] = "chat"
+    cluster = parse_cluster_file(yaml.safe_dump(doc)).cluster()
+    store.governance.set_autopilot_control("twins", state="armed", who="test")
+    config = AutopilotConfig.model_validate({**CONFIG, "with_defaults": False})
+
+    async def scenario():
+        client = PollingClient(cluster.timeout_s)
+        collector = Collector(cluster, store, client=client, clock=clock.now)
+        driver = LiveAutopilot(
+            collector, store, config, LiveConfig(verify_minutes=60.0), clock=clock.now
+        )
+        collector.on_poll(driver.on_poll)
+        try:
+            t = clock.t
+            while t < 1200.0:
+                t += 2.0
+                clock.set(t)
+                for twin in twins:
+                    twin.advance(t)
+                    await collector.poll(twin.name)
+                await collector.flush()
+                if round(t) % 6 == 0:
+                    await driver.step(client)
+                    member = driver.pilots.get(twins[1].name)
+                    if member is not None and member.followed is not None:
+                        break
+            return driver
+        finally:
+            await client.aclose()
+
+    try:
+        driver = asyncio.run(scenario())
+        lead, member = driver.pilots[twins[0].name], driver.pilots[twins[1].name]
+        assert member.pilot is lead.pilot and member.follows == twins[0].name
+        choice = lead.pilot.options[lead.pilot.current]
+        for twin in twins:  # both replicas run the pool's choice
+            running = twin.core.settings
+            assert (running.policy, running.params) == (choice.policy, choice.params)
+        status = driver.status()["replicas"]
+        assert status[twins[1].name]["follows"] == twins[0].name
+    finally:
+        twins.stop()
+        store.close()

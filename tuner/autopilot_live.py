@@ -136,6 +136,8 @@ class ReplicaPilot:
     worse_in_row: int = 0
     note: str = ""  # why the last decision was or was not carried out
     future: int = 0  # requests reported as arriving after the replica's own clock: refused
+    follows: str | None = None  # the pool's first replica, whose controller this one follows
+    followed: Decision | None = None  # the last of its decisions carried out here
     clock: float | None = None  # the latest replica time seen (controller seconds)
 
 
@@ -294,6 +296,10 @@ class LiveAutopilot:
             self.notes[name] = "no state from the replica"
             return
         running = Settings.model_validate(doc["settings"])
+        leader = self._pool_leader(spec)
+        if leader is not None:
+            await self._follow(spec, leader, doc, running)
+            return
         rp = self.pilots.get(name)
         if rp is not None and rp.instance != doc.get("instance"):
             log.info("autopilot: replica %s restarted: its controller starts afresh", name)
@@ -335,6 +341,42 @@ class LiveAutopilot:
             while len(rp.last) > self.live.decisions_kept:
                 rp.last.popleft()
             await self._carry_out(rp, decision, running)
+
+    def _pool_leader(self, spec: ReplicaSpec) -> str | None:
+        """The replica whose controller ``spec`` follows: its pool's first in the cluster file
+        (None when it leads, or is in no pool)."""
+        if spec.pool is None:
+            return None
+        first = next(r.name for r in self.cluster.replicas if r.pool == spec.pool)
+        return None if first == spec.name else first
+
+    async def _follow(
+        self, spec: ReplicaSpec, leader: str, doc: dict[str, Any], running: Settings
+    ) -> None:
+        """A pool member: no shadows of its own — the leader's controller decides for the pool,
+        and each of its decisions is carried out here too (pins, the governor and arming are
+        still this replica's)."""
+        lead = self.pilots.get(leader)
+        if lead is None or lead.follows is not None:
+            self.notes[spec.name] = f"pool {spec.pool}: waits for {leader}'s controller"
+            return
+        rp = self.pilots.get(spec.name)
+        if rp is None or rp.pilot is not lead.pilot:
+            rp = ReplicaPilot(spec.name, doc.get("instance"), lead.origin, lead.pilot)
+            rp.follows = leader
+            self.pilots[spec.name] = rp
+            self.notes.pop(spec.name, None)
+        if lead.clock is not None:  # its own switches verified on the leader's clock
+            await self._verify(rp, running, lead.clock)
+        decision = next((d for d in reversed(lead.pilot.decisions) if d.figures), None)
+        if decision is None or decision is rp.followed:
+            rp.note = rp.note or f"pool {spec.pool}: follows {leader}'s controller"
+            return
+        rp.followed = decision
+        rp.last.append(decision_row(decision, decision.at))
+        while len(rp.last) > self.live.decisions_kept:
+            rp.last.popleft()
+        await self._carry_out(rp, decision, running)
 
     async def _start(self, name: str, doc: dict[str, Any], running: Settings) -> ReplicaPilot:
         base = (
@@ -591,6 +633,7 @@ class LiveAutopilot:
                 "note": rp.note,
                 "late": rp.pilot.late,
                 "future": rp.future,
+                "follows": rp.follows,
                 "worse_in_row": rp.worse_in_row,
                 "pending_verifications": len(rp.pending),
                 "last": list(rp.last),
