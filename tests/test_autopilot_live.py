@@ -11,24 +11,13 @@ import json
 
 import pytest
 import yaml
+from autopilot_support import CONFIG, DEFAULTS, drive
 from click.testing import CliRunner
 
 from scheduler.settings import Settings
 from storage.store import Store
 
 TOKEN = "autopilot-token"
-DEFAULTS = Settings.model_validate({"policy": "uniboost"})
-# Small and quick: two fixed γ besides the defaults and sarathi, short windows, no dwell.
-CONFIG = {
-    "gammas": [0.01, 1.0],
-    "interval_s": 30.0,
-    "delay_s": 30.0,
-    "window_s": 300.0,
-    "min_requests": 100,
-    "leave_defaults": 0.05,
-    "hysteresis": 0.05,
-    "min_dwell_s": 0.0,
-}
 
 
 class Rig:
@@ -489,20 +478,13 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
             collector, store, config, LiveConfig(verify_minutes=60.0), clock=clock.now
         )
         collector.on_poll(driver.on_poll)
+
+        def followed(d) -> bool:
+            member = d.pilots.get(twins[1].name)
+            return member is not None and member.followed is not None
+
         try:
-            t = clock.t
-            while t < 1200.0:
-                t += 2.0
-                clock.set(t)
-                for twin in twins:
-                    twin.advance(t)
-                    await collector.poll(twin.name)
-                await collector.flush()
-                if round(t) % 6 == 0:
-                    await driver.step(client)
-                    member = driver.pilots.get(twins[1].name)
-                    if member is not None and member.followed is not None:
-                        break
+            await drive(clock, twins, collector, driver, client, followed)
             return driver
         finally:
             await client.aclose()

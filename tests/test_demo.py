@@ -23,24 +23,12 @@ import time
 
 import pytest
 import yaml
+from autopilot_support import CONFIG, DEFAULTS, drive
 
 from controlplane.cluster import load_cluster_file, parse_cluster_file
-from scheduler.settings import Settings
 from storage.store import Store
 
 TOKEN = "demo-token"
-DEFAULTS = Settings.model_validate({"policy": "uniboost"})
-# Small and quick (tests/test_autopilot_live.py's): two fixed γ besides the defaults and sarathi.
-CONFIG = {
-    "gammas": [0.01, 1.0],
-    "interval_s": 30.0,
-    "delay_s": 30.0,
-    "window_s": 300.0,
-    "min_requests": 100,
-    "leave_defaults": 0.05,
-    "hysteresis": 0.05,
-    "min_dwell_s": 0.0,
-}
 
 
 # ------------------------------------------------------------------------------ the split
@@ -96,18 +84,7 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
         )
         collector.on_poll(driver.on_poll)
         try:
-            t = clock.t
-            while t < 1200.0:  # replica seconds: the test moves the clock, not the machine
-                t += 2.0
-                clock.set(t)
-                for twin in twins:
-                    twin.advance(t)
-                    await collector.poll(twin.name)
-                await collector.flush()
-                if round(t) % 6 == 0:
-                    await driver.step(client)
-                    if both_decided(driver):
-                        break
+            await drive(clock, twins, collector, driver, client, both_decided)
             return driver
         finally:
             await client.aclose()

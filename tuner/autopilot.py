@@ -333,15 +333,11 @@ class Autopilot:
         settled = [(a, rid) for a, rid in self._window if a <= clock - cfg.settle_s]
         ids = [rid for _, rid in settled]
         if len(ids) < cfg.min_requests:
-            return Decision(
+            return self._decision(
                 now,
-                self.current,
-                self.options[self.current].to_dict(),
-                False,
                 f"waiting for data: {len(ids)} of {cfg.min_requests} requests in the window",
                 {},
                 len(ids),
-                0.0,
             )
         arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
         self._requests = len(ids)
@@ -378,21 +374,32 @@ class Autopilot:
                     continue
             raw[name], _ = self._figures(shadow, clock, ids, arrivals)
         figures = judge(cfg.promise, raw, self.reference, SLO_REFERENCES)
-        previous = self.current
         best, changed, reason = self._choose(figures, now, overload)
-        if changed:
-            self.current = best
-            self._last_switch = now
+        return self._decision(now, reason, figures, len(ids), best if changed else None, overload)
+
+    def _decision(
+        self,
+        now: float,
+        reason: str,
+        figures: dict[str, Figures],
+        requests: int,
+        switch_to: str | None = None,
+        overload: str = "",
+    ) -> Decision:
+        """This decision, switching to ``switch_to`` first when given."""
+        previous = self.current
+        if switch_to is not None:
+            self.current, self._last_switch = switch_to, now
         return Decision(
             now,
             self.current,
             self.options[self.current].to_dict(),
-            changed,
+            switch_to is not None,
             reason,
             figures,
-            len(ids),
+            requests,
             0.0,
-            previous if changed else "",
+            previous if switch_to is not None else "",
             overload,
         )
 
@@ -403,26 +410,16 @@ class Autopilot:
         cfg = self.config
         previous = self.current
         drain = f"the reference needs over {cfg.overload_drain_s:.0f} s to empty its queue"
-        changed = "defaults" in self.options and self._rank(previous) < self._rank("defaults")
-        if changed:
-            self.current, self._last_switch = "defaults", now
+        if "defaults" in self.options and self._rank(previous) < self._rank("defaults"):
             reason = (
                 f"overload: {drain}; {previous} would hold back more — moved up to the defaults"
             )
+            switch_to: str | None = "defaults"
         else:
             reason = f"overload: {drain}; {previous} kept (no move down the axis meanwhile)"
-        return Decision(
-            now,
-            self.current,
-            self.options[self.current].to_dict(),
-            changed,
-            reason,
-            {} if ref is None else {self.reference: ref},
-            requests,
-            0.0,
-            previous if changed else "",
-            "sustained",
-        )
+            switch_to = None
+        figures = {} if ref is None else {self.reference: ref}
+        return self._decision(now, reason, figures, requests, switch_to, "sustained")
 
     def _overloaded(self, reference: Shadow, projection: Projection, clock: float) -> str:
         """Whether arrivals outrun what the replica serves, judged on the reference (age order:

@@ -60,19 +60,7 @@ def replay_with_autopilot(
             sim.apply_settings(pilot.options[decision.choice])
         if t > end and not sim.running and not len(sim.waiting):
             break
-    result = SimResult(
-        settings=sim.settings,
-        completions=completions,
-        rejected=rejected_ids,
-        steps=sim.steps,
-        iterations=sim.iterations,
-        sim_time_s=sim.now,
-        wall_s=time.perf_counter() - t_start,
-        preemptions=sim.preemptions,
-        policy_preemptions=sim.policy_preemptions,
-        recomputed_tokens=sim.recomputed_tokens,
-        gamma_timeline=sim.gamma_timeline,
-    )
+    result = sim.result(completions, rejected_ids, time.perf_counter() - t_start)
     return result, pilot.decisions
 
 

@@ -198,14 +198,21 @@ class Simulator:
                 progress(last_reported + len(self.rejected), total)
         if progress:
             progress(total, total)
+        return self.result(self.completions, self.rejected, time.perf_counter() - t_start)
+
+    def result(
+        self, completions: list[Completion], rejected: list[str], wall_s: float
+    ) -> SimResult:
+        """The run's result with these completions and rejections (a driver that drained them as
+        it went hands back what it collected) and the engine's own counters."""
         return SimResult(
             settings=self.settings,
-            completions=self.completions,
-            rejected=self.rejected,
+            completions=completions,
+            rejected=rejected,
             steps=self.steps,
             iterations=self.iterations,
             sim_time_s=self.now,
-            wall_s=time.perf_counter() - t_start,
+            wall_s=wall_s,
             preemptions=self.preemptions,
             policy_preemptions=self.policy_preemptions,
             recomputed_tokens=self.recomputed_tokens,
