@@ -57,8 +57,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from controlplane.cluster import ClusterSpec
 from controlplane.governance import AlertEvaluator
@@ -71,6 +73,25 @@ from scheduler.metrics.fairness import report as governance_report
 from storage.rows import AlertRow, GovernanceRow, SampleRow
 
 log = logging.getLogger(__name__)
+
+# The group the tenants a governance block does not declare are folded into (no declared name can
+# be it: names start with a letter or digit).
+UNDECLARED = "(undeclared)"
+
+
+def fold_undeclared(
+    waiting: dict[str, dict[str, float]], declared: Mapping[str, object]
+) -> dict[str, dict[str, float]]:
+    """``waiting`` with every undeclared tenant's queue summed into ``UNDECLARED`` (its longest
+    wait kept): a replica reporting thousands of made-up tenants adds one group, not thousands."""
+    out = {t: w for t, w in waiting.items() if t in declared}
+    rest = [w for t, w in waiting.items() if t not in declared]
+    if rest:
+        out[UNDECLARED] = {
+            "requests": sum(w.get("requests", 0.0) for w in rest),
+            "waited_s": max(w.get("waited_s", 0.0) for w in rest),
+        }
+    return out
 
 
 class Collector:
@@ -136,6 +157,13 @@ class Collector:
         t = self.clock()
         t_ms = int(t * 1000)
         columns = governance_columns([v.window for v in self.views.values()])
+        declared = self.cluster.governance.tenants if self.cluster.governance else {}
+        waiting = self._waiting_tenants(t)
+        if declared:  # tenants nobody declared: one group, shown, never judged on
+            tenant = columns[0].copy()
+            tenant[~np.isin(tenant, list(declared))] = UNDECLARED
+            columns = (tenant, *columns[1:])
+            waiting = fold_undeclared(waiting, declared)
         asked: dict[
             str, float
         ] = {}  # requests per type: the window's completions and those waiting
@@ -149,7 +177,8 @@ class Collector:
             self._gov_params,
             duration_s=self.cluster.window_s,
             arrived=asked,
-            waiting=self._waiting_tenants(t),
+            waiting=waiting,
+            governed=set(declared) if declared else None,
         )
         events = self._alerts.evaluate(figures, None if immediate else t)
         figures["alerts"] = dict(self._alerts.active)

@@ -199,3 +199,45 @@ def test_status_prints_and_serves_the_governance(governed, monkeypatch):
     assert g["jfi_seed"] < 0.9 <= g["jfi"]
     text = CliRunner().invoke(main, ["status", "--cluster", str(path)]).stdout
     assert "ALERT SCR" in text and "(critical)" in text and "misses ttft_p" in text
+
+
+def test_made_up_tenants_are_one_group_that_drives_nothing(governed, monkeypatch):
+    """A replica reporting 5,000 waiting tenants nobody declared (a forged /state: a fault the
+    twin cannot produce, injected into the collector's view): they are one group, shown and
+    never judged on — SCR, JFI and the over-consumers are those of the declared tenants, exactly
+    as without the forgery, so the governor has nothing new to act on."""
+    from controlplane.cluster import load_cluster_file
+    from controlplane.collector import UNDECLARED, Collector
+    from controlplane.governor import Governor, over_consumers
+
+    path, twin, _ = governed
+    monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
+    cluster = load_cluster_file(path).cluster()
+
+    async def figures() -> tuple[dict, dict]:
+        c = Collector(cluster, None, clock=lambda: 1_000.0)
+        from controlplane.replica_http import make_client
+
+        c._client = make_client(cluster)
+        try:
+            for _ in range(5):
+                await c.poll(twin.name)
+        finally:
+            await c._client.aclose()
+        honest = c.govern(immediate=True)
+        view = c.views[twin.name]
+        forged = {f"made-up-{k}": 7 for k in range(5000)}
+        view.state = {**view.state, "waiting_by_tenant": forged}
+        return honest, c.govern(immediate=True)
+
+    honest, forged = asyncio.run(figures())
+    assert set(forged["tenants"]) <= {"a", "b", "noisy", UNDECLARED}
+    assert forged["tenants"][UNDECLARED]["waiting"] == 5000 * 7
+    assert forged["tenants"][UNDECLARED]["governed"] is False
+    for figure in ("scr", "jfi", "jfi_seed"):
+        assert forged[figure] == honest[figure], figure
+    assert over_consumers(forged) == over_consumers(honest)
+    gov = Governor.for_cluster(cluster.governance)
+    assert [d.mode for d in gov.decide(forged, 0.0)] == [
+        d.mode for d in Governor.for_cluster(cluster.governance).decide(honest, 0.0)
+    ]

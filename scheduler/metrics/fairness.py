@@ -40,7 +40,7 @@ Definitions and a worked example: docs/governance.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,6 +325,7 @@ def report(
     duration_s: float,
     arrived: Mapping[str, float] | None = None,
     waiting: Mapping[str, Mapping[str, float]] | None = None,
+    governed: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Per tenant and per type figures, SCR, JFI (and the seed's literal ``jfi_seed``), ω and type
     fairness of one window's requests, given as columns (tenant and type names, TTFT and TTLT in s
@@ -332,7 +333,9 @@ def report(
     asked for in the window (default: these requests' own types). ``waiting``: per tenant what is
     still queued at the window's end — ``requests`` (count), ``waited_s`` (how long the oldest has
     waited so far, a lower bound; 0 when unknown) and optionally ``tokens`` (else the tenant's, or
-    the window's, mean tokens per completed request)."""
+    the window's, mean tokens per completed request). ``governed``: the tenants SCR, JFI and the
+    over-consumers are judged over (None: every one); the others are shown (``governed`` False)
+    but drive nothing — tenants nobody declared cannot pull the figures an operator acts on."""
     terms = params if isinstance(params, Terms) else Terms.of(params)
     waiting = {t: w for t, w in (waiting or {}).items() if w.get("requests", 0) > 0}
     mean_tokens = float(tokens.mean()) if tokens.size else 1.0
@@ -370,8 +373,10 @@ def report(
             "limits": lim,
             "missed": sorted(k for k, ok in met.items() if not ok),
             "compliant": all(met.values()),
+            "governed": governed is None or name in governed,
         }
-    fair = _fairness(tenants, terms, duration_s)
+    counted = {t: f for t, f in tenants.items() if f["governed"]}
+    fair = _fairness(counted, terms, duration_s)
     kinds = sorted(set(rtype.tolist()))
     served_k = {k: float((rtype == k).sum()) for k in kinds}
     asked = dict(arrived) if arrived is not None else dict(served_k)
@@ -399,7 +404,7 @@ def report(
         "duration_s": duration_s,
         "tenants": tenants,
         "types": types,
-        "scr": (sum(t["compliant"] for t in tenants.values()) / len(tenants)) if tenants else None,
+        "scr": (sum(t["compliant"] for t in counted.values()) / len(counted)) if counted else None,
         **fair,
         "type_fairness": ratios,
         "type_fairness_min": min(finite) if finite else None,
