@@ -60,6 +60,10 @@ class GovernorSpec(BaseModel):
     type_sustain_s: float = Field(30.0, ge=0.0, le=86_400.0)
     throttle_fraction: float = Field(0.5, gt=0.0, le=1.0)
     dwell_s: float = Field(60.0, ge=0.0, le=86_400.0)
+    # Throttle tenants even where a replica's tenant labels are the clients' own
+    # (TAILPILOT_TENANT_SOURCE=client: anyone can name any tenant). Off: a throttle is applied
+    # only where every replica's labels come from a signing gateway (or tenants are off).
+    trust_client_labels: bool = False
 
 
 class GovernanceSpec(BaseModel):

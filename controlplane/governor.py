@@ -436,7 +436,14 @@ async def _carry_out(
         "state": "armed" if armed else "dry-run",
         "replicas": {},
     }
-    dry = not armed or (decision.action == "exit" and decision.mode in gov.dry)
+    forgeable = forgeable_labels(gov, collector, decision)
+    if forgeable:
+        outcome["note"] += (
+            f"; not applied: the tenant labels of {', '.join(forgeable)} are the clients' own "
+            "(TAILPILOT_TENANT_SOURCE=client), and a throttle never rests on evidence a client can "
+            "forge — sign them at a gateway or set governance.governor.trust_client_labels"
+        )
+    dry = not armed or bool(forgeable) or (decision.action == "exit" and decision.mode in gov.dry)
     for spec in cluster.replicas:
         change = gov.change(decision, spec.name)
         if not dry:
@@ -458,6 +465,19 @@ async def _carry_out(
     else:
         outcome["note"] += "; not undone everywhere yet: tried again at the next evaluation"
     return outcome
+
+
+def forgeable_labels(gov: Governor, collector: Any, decision: Decision) -> list[str]:
+    """The replicas whose tenant labels any client can set, when ``decision`` throttles tenants
+    and the operator has not said to trust such labels (empty: nothing forgeable to act on). A
+    replica that does not say where its labels come from counts as the clients'."""
+    if decision.mode != "jfi" or decision.action != "enter" or gov.spec.trust_client_labels:
+        return []
+    return sorted(
+        name
+        for name, view in collector.views.items()
+        if (view.state or {}).get("tenant_source", "client") == "client"
+    )
 
 
 def _log_dry_run(

@@ -149,6 +149,11 @@ class State(_Doc):
     running: OptInt = None
     waiting_by_tenant: OptCounts = None
     waiting_by_type: OptCounts = None
+    tenant_source: OptStr = Field(
+        None,
+        description="who names a request's tenant: client (its own label), gateway (a "
+        "signed label), none (every request 'default')",
+    )
     kv: Annotated[KvState | None, WrapValidator(_lenient)] = None
     gamma_live: OptFloat = None
     beta_live: OptFloat = None

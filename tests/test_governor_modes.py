@@ -261,3 +261,34 @@ def test_a_mode_no_replica_took_is_shown_as_such():
     status = {"active": {"scr": 1.0, "jfi": 2.0}, "dry": [], "replaced": [["scr", "r0", "multi"]]}
     assert modes_text(status) == "active modes: scr, jfi (on no replica)"
     assert modes(status) == (["scr", "jfi"], [])  # the autopilot's view is unchanged
+
+
+def test_a_throttle_never_rests_on_labels_a_client_can_set(twins):
+    """One replica's tenant labels are its clients' own (TAILPILOT_TENANT_SOURCE=client): the
+    armed governor's JFI throttle is logged as dry-run with the reason and sent nowhere, while
+    the SCR mode (which names no tenant) is applied; with governance.governor.trust_client_labels
+    the throttle is applied as before."""
+    found, collector, store, _ = twins
+    collector.test_twins = found
+    found[1].core.tenant_source = "client"
+    poll_all(collector)
+    g = gov()
+    collector.governance = {**suppressed(), "scr": 0.5}
+    store.governance.set_governor_control("gov", state="armed", who="test")
+    outs = asyncio.run(governor_step(g, collector, store, 0.0))
+    jfi = next(o for o in outs if o["mode"] == "jfi")
+    assert (
+        jfi["state"] == "armed" and "clients' own" in jfi["note"] and found[1].name in jfi["note"]
+    )
+    assert set(jfi["replicas"].values()) <= {"dry-run"}
+    for t in found:
+        p = params_of(t)
+        assert p["quantiles"] == "p99" and not p.get("throttle")  # scr applied, no throttle
+    trusting = Governor.for_cluster(
+        GovernanceSpec.model_validate(
+            {"tenants": TENANTS, "governor": {"dwell_s": 60.0, "trust_client_labels": True}}
+        )
+    )
+    outs = asyncio.run(governor_step(trusting, collector, store, 0.0))
+    assert any(o["mode"] == "jfi" and "clients' own" not in o["note"] for o in outs)
+    assert all(params_of(t)["throttle"] == {"big": 0.5} for t in found)

@@ -214,6 +214,7 @@ class TwinReplica:
         """A fresh process: new core (settings version 1, cursor 0), simulator and counters;
         the workload resumes at simulated time ``at``."""
         self.core = ReplicaCore(self.startup_settings, replica=self.name, clock=self._time)
+        self.core.tenant_source = "gateway"  # its own feeder labels its requests, from the trace
         self._feed = Feed(self._requests, self._period, self._loop)
         self._feed.skip_to(at)
         sim = Simulator([], self.startup_settings, self.config)

@@ -144,6 +144,9 @@ class ReplicaCore:
     ) -> None:
         self.replica = replica
         self.clock = clock
+        # Where its requests' tenants come from (scheduler.plugin.tenancy): the plugin sets it from
+        # TAILPILOT_TENANT_SOURCE; a twin's feeder labels its own requests, as a gateway would.
+        self.tenant_source: str = "client"
         # Names this incarnation: a collector whose cursor belongs to another instance reads from 0
         # (the counters alone cannot tell a restart that has since completed more than the cursor).
         self.instance = uuid.uuid4().hex
@@ -582,6 +585,7 @@ class ReplicaCore:
             "waiting": len(waiting),
             "running": running,
             "waiting_by_tenant": by_tenant,
+            "tenant_source": self.tenant_source,
             "waiting_by_type": by_type,
             "kv": kv,
             "gamma_live": live.get("gamma"),

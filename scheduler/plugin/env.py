@@ -11,14 +11,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from scheduler.plugin.tenancy import TenantIdentity
 
 DEFAULT_PORT = 8765
 TOKEN_ENV, TOKEN_FILE_ENV = "TAILPILOT_TOKEN", "TAILPILOT_TOKEN_FILE"
 HOST_ENV, PORT_ENV = "TAILPILOT_API_HOST", "TAILPILOT_API_PORT"
 REPLICA_ENV = "TAILPILOT_REPLICA"
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
+TENANT_SOURCE_ENV, TENANT_KEY_FILE_ENV = "TAILPILOT_TENANT_SOURCE", "TAILPILOT_TENANT_KEY_FILE"
 
 # field -> (variable, what a valid value is)
 VARIABLES = {
@@ -28,6 +32,8 @@ VARIABLES = {
     "api_port": (PORT_ENV, "an integer port (0: any free port; negative disables the API)"),
     "replica": (REPLICA_ENV, "a non-empty replica name"),
     "settings_file": (SETTINGS_FILE_ENV, "a settings JSON file"),
+    "tenant_source": (TENANT_SOURCE_ENV, "client, gateway or none (who may name a tenant)"),
+    "tenant_key_file": (TENANT_KEY_FILE_ENV, "a file holding the gateway's signing key"),
 }
 
 
@@ -46,6 +52,8 @@ class PluginEnv(BaseModel):
     api_port: int = Field(DEFAULT_PORT, le=65_535)
     replica: str = Field("replica", min_length=1, max_length=200)
     settings_file: Path | None = None
+    tenant_source: Literal["client", "gateway", "none"] = "client"
+    tenant_key_file: Path | None = None
 
     @field_validator("token", mode="before")
     @classmethod
@@ -70,3 +78,24 @@ class PluginEnv(BaseModel):
             name = str(first["loc"][0]) if first["loc"] else "?"
             var, expected = VARIABLES.get(name, (name, "a valid value"))
             raise PluginEnvError(f"{var}={raw.get(name)!r}: expected {expected}") from None
+
+    def identity(self) -> TenantIdentity:
+        """Where a request's tenant comes from (``scheduler.plugin.tenancy``); gateway mode
+        without a readable, non-empty key refuses to start, naming the variable."""
+        if self.tenant_source != "gateway":
+            return TenantIdentity(self.tenant_source)
+        path = self.tenant_key_file
+        if path is None:
+            raise PluginEnvError(
+                f"{TENANT_SOURCE_ENV}=gateway needs {TENANT_KEY_FILE_ENV}: the file holding the "
+                "key the gateway signs tenant labels with"
+            )
+        try:
+            key = path.read_bytes().strip()
+        except OSError as err:
+            raise PluginEnvError(
+                f"{TENANT_KEY_FILE_ENV}={str(path)!r}: cannot read ({err.strerror or err})"
+            ) from None
+        if not key:
+            raise PluginEnvError(f"{TENANT_KEY_FILE_ENV}={str(path)!r}: the key file is empty")
+        return TenantIdentity("gateway", key)

@@ -36,7 +36,6 @@ from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
 from scheduler.policies import Policy, RequestState
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
-from scheduler.settings import clean_name
 
 log = logging.getLogger("tailpilot.plugin")
 REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)
@@ -207,6 +206,7 @@ class TailpilotMixin(_StockScheduler):
         }
         rank = cfg.parallel_config.data_parallel_rank or 0
         env = PluginEnv.read()  # every TAILPILOT_* variable, validated once: bad ones stop start-up
+        self._tp_identity = env.identity()  # who may name a tenant
         replica = env.replica + (f"-dp{rank}" if rank else "")
         self._tp_now = time.time()
         self._tp_requests: dict[str, Request] = {}
@@ -216,6 +216,7 @@ class TailpilotMixin(_StockScheduler):
         # tenant -> [last logged (s), refused since]
         self._tp_refusal_log: dict[str, list[float]] = {}
         self.tp_core = ReplicaCore(load_startup_settings(engine, env), replica=replica)
+        self.tp_core.tenant_source = self._tp_identity.source
         self.waiting = PolicyRequestQueue(self)
         self._tp_stock_policy = self.policy  # vLLM's, restored when decode_first is off
         self.tp_server: ControlServer | None = None
@@ -244,8 +245,7 @@ class TailpilotMixin(_StockScheduler):
             self.tp_core.track(state, self._tp_now)
         return state
 
-    @staticmethod
-    def _tp_new_state(request: Request) -> RequestState:
+    def _tp_new_state(self, request: Request) -> RequestState:
         params = request.sampling_params
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         rtype = str(extra.get("type", "chat"))
@@ -254,8 +254,9 @@ class TailpilotMixin(_StockScheduler):
             arrival=request.arrival_time,
             prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens or 1,
-            # A label from the client: made storable and bounded, never a reason to refuse.
-            tenant=clean_name(extra.get("tenant")),
+            # As the operator configured (TAILPILOT_TENANT_SOURCE): made storable and bounded,
+            # never a reason to refuse.
+            tenant=self._tp_identity.tenant_of(extra),
             type=rtype if rtype in REQUEST_TYPES else "chat",
         )
 
