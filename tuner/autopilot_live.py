@@ -515,7 +515,8 @@ class LiveAutopilot:
             note=note,
         )
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
-        if res.ok and runs in decision.figures:
+        # A prediction only where both sides were compared (an overload decision compares none).
+        if res.ok and runs in decision.figures and decision.choice in decision.figures:
             band = await asyncio.to_thread(self._band, rp.name)
             summary = decision_summary(
                 switch,
