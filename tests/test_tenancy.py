@@ -25,6 +25,8 @@ def test_a_gateway_label_counts_only_with_its_signature():
     assert who.tenant_of({"tenant": "acme", "tenant_sig": sign(KEY, "other")}) == UNVERIFIED
     assert who.tenant_of({"tenant": ["acme"], "tenant_sig": 5}) == UNVERIFIED
     assert who.tenant_of({"tenant": "acme", "tenant_sig": "\udcff"}) == UNVERIFIED
+    huge = "x" * 10_000_000  # never hashed: longer than any tenant name
+    assert who.tenant_of({"tenant": huge, "tenant_sig": sign(KEY, huge)}) == UNVERIFIED
 
 
 def test_none_ignores_every_label():

@@ -22,10 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from scheduler.settings import clean_name
+from scheduler.settings import NAME_MAX_CHARS, clean_name
 
 TenantSource = Literal["client", "gateway", "none"]
 UNVERIFIED = "unverified"  # a gateway-mode label without a valid signature
+SIG_CHARS = 64  # hex SHA-256
 
 
 def sign(key: bytes, tenant: str) -> str:
@@ -51,7 +52,9 @@ class TenantIdentity:
         if (
             self.key is not None
             and isinstance(label, str)
+            and len(label) <= NAME_MAX_CHARS  # a longer one is no tenant's: not even hashed
             and isinstance(sig, str)
+            and len(sig) == SIG_CHARS
             and hmac.compare_digest(sig.encode("ascii", "replace"), sign(self.key, label).encode())
         ):
             return clean_name(label)
