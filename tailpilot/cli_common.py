@@ -24,7 +24,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -86,7 +88,31 @@ SECONDS_INTO = FiniteFloatRange(min=0)
 WINDOW_LENGTH = FiniteFloatRange(min=1)
 POLICY = click.Choice(POLICY_NAMES)
 FILE = click.Path(dir_okay=False)  # read; whether it exists is the loader's error, naming it
-OUT_FILE = click.Path(dir_okay=False, writable=True)
+
+
+class OutFile(click.Path):
+    """A file a command will write, checked before any work (a tune that ran for an hour must not
+    lose its result to a typo): its folder exists and is writable, and the path is not a device,
+    a FIFO or a directory (writing there replaced a device node with a regular file)."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False, writable=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = Path(os.fsdecode(super().convert(value, param, ctx)))
+        folder = path.parent
+        if path.exists() and not path.is_file():
+            self.fail(
+                f"{value}: not a regular file (a device, a FIFO, ...); give a file", param, ctx
+            )
+        if not folder.is_dir():
+            self.fail(f"{value}: folder {folder} does not exist", param, ctx)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            self.fail(f"{value}: folder {folder} is not writable (read-only?)", param, ctx)
+        return str(path)
+
+
+OUT_FILE = OutFile()
 
 
 class PolicyList(click.ParamType[list[str], Any]):

@@ -272,3 +272,25 @@ def test_files_read_whole_refuse_fifos_devices_and_endless_input(tmp_path, kind)
     assert res.exit_code == 2 and what in res.output and "Traceback" not in res.output
     with pytest.raises(ExportError, match=what):
         load_settings_file(path)
+
+
+def test_a_destination_is_checked_before_the_work(tmp_path):
+    """`autopilot tune --out` into a missing folder used to fail after the whole tune had run
+    (result lost); a device as `--out` was replaced by a regular file. Every --out is checked
+    first: a missing folder, a device, a read-only folder — one line each, at once."""
+    import os
+
+    res = invoke("autopilot", "tune", "--trials", "1", "--out", tmp_path / "no" / "ap.json")
+    one_error_line(res, "--out", "does not exist")
+    res = invoke("schema", "--out", "/dev/null")
+    one_error_line(res, "--out", "not a regular file")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root writes anywhere: nothing to refuse here
+            return
+        res = invoke("schema", "--out", locked / "s.json")
+        one_error_line(res, "--out", "not writable")
+    finally:
+        locked.chmod(0o700)
