@@ -97,6 +97,14 @@ class Figures:
     def value(self, name: str) -> float:
         return float(getattr(self, name))
 
+    @classmethod
+    def of(cls, metrics: Mapping[str, float]) -> Figures:
+        """A whole run's figures from a metrics table (``scheduler.metrics.summarize``'s keys)."""
+        return cls(
+            **{k: float(metrics[k]) for k in QUANTILE_NAMES},  # type: ignore[arg-type]
+            throughput_tok_s=float(metrics["throughput_tok_s"]),
+        )
+
 
 def figures_of(
     ttft: np.ndarray,
