@@ -9,9 +9,11 @@ to sarathi on the same requests:
 
 1. ``sarathi``: vLLM's default scheduler;
 2. ``defaults``: uniboost with its default parameters (γ-Ada on);
-3. ``best fixed γ (hindsight)``: uniboost, γ-Ada off, γ over ``--grid`` (default 0.001–10 /s, 1-2-5
-   per decade); the winner is the lowest P95 TTFT among the γ whose P99 TTLT ≤ 1.02× and throughput
-   ≥ 0.99× sarathi's, chosen on the very requests being scored;
+3. ``best fixed γ (hindsight)``: every fixed setting of the autopilot's candidate set — uniboost,
+   γ-Ada off, γ over ``--grid`` (default 0.001–10 /s, 1-2-5 per decade), and the other knobs'
+   candidates (TIE at a fixed β, MemGuard's other quantization bases: ``fixed:<name>`` columns);
+   the winner is the lowest P95 TTFT among those keeping every quantile within 1.02× and
+   throughput ≥ 0.99× sarathi's, chosen on the very requests being scored;
 4. ``tuned on 1st half``: ``tailpilot tune`` (library form: uniboost and the engine limits,
    ``--trials`` trials, objective ttft_p95, constraints P99 TTLT ≤ 1.02× and throughput ≥ 0.99×
    the production settings = sarathi) on the requests arriving in the first half of the trace,
@@ -90,7 +92,7 @@ TUNE_CONSTRAINTS = [f"ttlt_p99<={TTLT_SLACK}*baseline", f"throughput>={THROUGHPU
 @dataclasses.dataclass
 class Job:
     workload: str
-    column: str  # "sarathi", "defaults", "g=<γ>", "tuned", "autopilot"
+    column: str  # "sarathi", "defaults", "g=<γ>", "fixed:<candidate>", "tuned", "autopilot"
     trace: traces.Trace
     settings: dict[str, Any] | None = None  # replayed as is (None: the column's own procedure)
     trials: int = 0
@@ -229,6 +231,20 @@ def fixed(gamma: float) -> dict[str, Any]:
     return {"policy": "uniboost", "params": {"gamma": gamma, "gamma_ada": False}}
 
 
+def other_knobs() -> dict[str, dict[str, Any]]:
+    """The autopilot's candidates beyond the γ grid, sarathi and the defaults (TIE at a fixed
+    β, MemGuard's other quantization bases): fixed settings of the hindsight column too."""
+    from tuner.autopilot import AutopilotConfig, candidates
+
+    options = candidates(Settings.model_validate({"policy": "uniboost"}), AutopilotConfig())
+    return {
+        n: s.to_dict()
+        for n, s in options.items()
+        if n not in ("sarathi", "defaults", "slofq")
+        and not (n.startswith("gamma=") and "," not in n)
+    }
+
+
 def jobs_for(
     workload: str,
     trace: traces.Trace,
@@ -248,6 +264,7 @@ def jobs_for(
     jobs.append(Job(workload, "sarathi", trace, {"policy": "sarathi"}))
     jobs.append(Job(workload, "defaults", trace, {"policy": "uniboost"}))
     jobs += [Job(workload, f"g={g:g}", trace, fixed(g)) for g in grid]
+    jobs += [Job(workload, f"fixed:{n}", trace, s) for n, s in other_knobs().items()]
     slo = slos_of(workload)
     if slo is not None:  # token-level fair queueing with the declared tenants: an SLO reference
         jobs.append(Job(workload, "slofq", trace, {"policy": "slofq", "params": slo.model_dump()}))
@@ -271,7 +288,7 @@ def cell(value: float, rel: float, metric: str) -> str:
 
 
 def column_label(name: str, entry: dict[str, Any]) -> str:
-    return f"best fixed γ = {entry['best_gamma']:g} /s" if name == "best fixed γ" else name
+    return f"best fixed = {entry['best_gamma']}" if name == "best fixed γ" else name
 
 
 def figure_rows(workload: str, entry: dict[str, Any]) -> list[list[str]]:
@@ -347,7 +364,7 @@ def report(
             w,
             f"{r['defaults']['ttft_p95']:.2f}x",
             f"{r['best fixed γ']['ttft_p95']:.2f}x "
-            f"(γ {best:g}{', grid edge' if s['all']['at_grid_edge'] else ''})"
+            f"({best}{', grid edge' if s['all']['at_grid_edge'] else ''})"
             if best is not None
             else "none feasible",
         ]

@@ -105,9 +105,9 @@ def keeps_promise(m: dict[str, float], sarathi: dict[str, float]) -> bool:
     return not breaks(PROMISE, Figures.of(m), Figures.of(sarathi))
 
 
-def best_fixed(grid: dict[float, dict[str, float]], sarathi: dict[str, float]) -> float | None:
-    """The hindsight γ: lowest P95 TTFT among the γ that keep the promise on every quantile
-    (ties: the smaller γ); None when no γ keeps it."""
+def best_fixed(grid: dict[str, dict[str, float]], sarathi: dict[str, float]) -> str | None:
+    """The hindsight setting: lowest P95 TTFT among the fixed settings (``fixed_label``) that
+    keep the promise on every quantile (ties: the label first in order); None when none does."""
     feasible = [g for g, m in grid.items() if keeps_promise(m, sarathi)]
     return min(feasible, key=lambda g: (grid[g]["ttft_p95"], g)) if feasible else None
 
@@ -121,8 +121,14 @@ def closure(defaults: float, autopilot: float, best: float) -> float:
     return (defaults - autopilot) / gap if gap > 0 else math.nan
 
 
-def gamma_of(column: str) -> float:
-    return float(column.removeprefix("g="))
+def fixed_label(column: str) -> str | None:
+    """A fixed setting's label from its column: ``g=<γ>`` is "γ <γ>", ``fixed:<candidate>`` is
+    the candidate's name (TIE at a fixed β, a MemGuard variant); None for any other column."""
+    if column.startswith("g="):
+        return f"γ {column.removeprefix('g=')}"
+    if column.startswith("fixed:"):
+        return column.removeprefix("fixed:")
+    return None
 
 
 def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, Any]:
@@ -130,7 +136,13 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
     out: dict[str, Any] = {}
     for scope in SCOPES:
         sar = columns["sarathi"].scores[scope]
-        grid = {gamma_of(c): r.scores[scope] for c, r in columns.items() if c.startswith("g=")}
+        grid = {
+            label: r.scores[scope]
+            for c, r in columns.items()
+            if (label := fixed_label(c)) is not None
+        }
+        gammas = sorted((float(c[2:]), fixed_label(c)) for c in columns if c.startswith("g="))
+        edges = {gammas[0][1], gammas[-1][1]} if gammas else set()
         winner = best_fixed(grid, sar)
         shown: dict[str, dict[str, float]] = {
             "sarathi": sar,
@@ -149,9 +161,9 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
             "figures": shown,
             "ratios": ratios,
             "best_gamma": winner,
-            "at_grid_edge": winner is not None and winner in (min(grid), max(grid)),
+            "at_grid_edge": winner in edges,
             "min_p95_any_gamma": min((m["ttft_p95"] for m in grid.values()), default=math.nan),
-            "grid": {f"{g:g}": m for g, m in sorted(grid.items())},
+            "grid": dict(sorted(grid.items())),
         }
         if winner is not None and "autopilot" in ratios:
             r = ratios
@@ -204,7 +216,7 @@ def targets(workload: str, s: dict[str, Any]) -> list[tuple[str, bool | None, st
             )
         )
     if whole["best_gamma"] is None:
-        rows.append(("closure >= 0.75", None, "no fixed γ keeps the constraints"))
+        rows.append(("closure >= 0.75", None, "no fixed setting keeps the constraints"))
     else:
         best = r["best fixed γ"]["ttft_p95"]
         c = whole.get("closure", math.nan)
@@ -242,9 +254,10 @@ def targets(workload: str, s: dict[str, Any]) -> list[tuple[str, bool | None, st
         p95, every = whole["figures"]["autopilot"]["ttft_p95"], whole["min_p95_any_gamma"]
         rows.append(
             (
-                "P95 TTFT <= 0.90x every fixed γ (shape shift)",
+                "P95 TTFT <= 0.90x every fixed setting (shape shift)",
                 p95 <= SHIFT_MARGIN * every,
-                f"{p95:.3g} s vs best of any γ {every:.3g} s ({ratio(p95, every):.2f}x)",
+                f"{p95:.3g} s vs best of any fixed setting {every:.3g} s "
+                f"({ratio(p95, every):.2f}x)",
             )
         )
     share = s.get("autopilot", {}).get("core_share")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,20 @@ class ExportError(ValueError):
     """Settings that cannot be exported, or a rendering that did not parse back to its input."""
 
 
+class NoRecommendation(ExportError):
+    """No recommendation is stored for the study (``tailpilot recommend`` has not run on it)."""
+
+
+# Kubernetes' object names (RFC 1123) and image references, and its limit on a ConfigMap.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_IMAGE = re.compile(
+    r"([A-Za-z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?"
+)
+CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server refuses a larger ConfigMap
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """What the formats need besides the settings (each format reads the fields it uses)."""
@@ -103,6 +118,29 @@ class ExportOptions:
     # unconditionally, and a cluster without the Prometheus Operator's CRDs refuses the install).
     service_monitor: bool = False
     scrape_interval: str = "15s"
+
+    def __post_init__(self) -> None:
+        # What Kubernetes accepts, checked before anything is written (it refuses the apply
+        # otherwise, after the file went out): the --option named in each error.
+        for option, value, rule in (
+            ("--name", self.name, _DNS_SUBDOMAIN),
+            ("--namespace", self.namespace, _DNS_LABEL),
+            ("--engine-name", self.engine_name, _DNS_LABEL),
+            ("--token-secret", self.token_secret, _DNS_SUBDOMAIN),
+        ):
+            if value is not None and not rule.fullmatch(value):
+                limit = 253 if rule is _DNS_SUBDOMAIN else 63
+                raise ExportError(
+                    f"{option} {value[:80]!r}: not a Kubernetes name (at most {limit} lowercase "
+                    "letters, digits and '-'"
+                    + (" or '.'" if rule is _DNS_SUBDOMAIN else "")
+                    + ", starting and ending with a letter or digit)"
+                )
+        if not _IMAGE.fullmatch(self.image) or len(self.image) > 255:
+            raise ExportError(
+                f"--image {self.image[:80]!r}: not an image reference "
+                "([registry/]repository[:tag][@sha256:digest], lowercase repository)"
+            )
 
     @property
     def scheduler_cls(self) -> str:
@@ -181,7 +219,7 @@ def settings_from_study(
             hint += f" --storage {storage}"
         if db:
             hint += f" --db {db}"
-        raise ExportError(f"no recommendation stored for study {study!r}; run `{hint}` first")
+        raise NoRecommendation(f"no recommendation stored for study {study!r}; run `{hint}` first")
     doc = rec.settings
     if isinstance(doc, dict) and isinstance(doc.get("settings"), dict) and "policy" not in doc:
         doc = doc["settings"]  # tolerate a wrapped document ({"settings": {...}, ...})
@@ -535,6 +573,11 @@ def render(settings: Settings, fmt: str, options: ExportOptions = ExportOptions(
     options.scheduler_cls  # noqa: B018 (validates the choice)
     check_exportable(settings)
     text = RENDERERS[fmt](settings, options) if fmt != "settings" else settings_json(settings)
+    if fmt == "configmap" and len(text.encode()) > CONFIGMAP_MAX_BYTES:
+        raise ExportError(
+            f"the ConfigMap is {len(text.encode())} bytes, over Kubernetes' limit of "
+            f"{CONFIGMAP_MAX_BYTES}"
+        )
     verify(fmt, text, settings, options)
     return text
 

@@ -46,7 +46,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from controlplane.governance import GovernanceSpec, GovernorSpec
-from controlplane.steering import apply_settings
+from controlplane.steering import LeaseKeeper, apply_settings
 from scheduler.settings import Settings, describe_error
 
 STATES = ("armed", "dry-run", "disarmed")
@@ -138,6 +138,9 @@ class Governor:
         default_factory=dict
     )  # mode -> victims' P99 TTFT
     held: str | None = None  # why a mode whose figure is low is not entered (nobody to throttle)
+    # One owner per knob: this governor's lease on each replica (a second governor on the same
+    # replicas sees it and dry-runs there, naming the holder).
+    leases: LeaseKeeper = field(default_factory=lambda: LeaseKeeper("governor"))
 
     @classmethod
     def for_cluster(cls, governance: GovernanceSpec) -> Governor:
@@ -274,6 +277,9 @@ class Governor:
             "targets": {m: list(t) for m, t in self.targets.items()},
             "before": {m: dict(b) for m, b in self.before.items()},
             "held": self.held,
+            # the lease holder's name: a restarted governor of this control row is the same
+            # owner (it undoes what it applied), another recorder's is not
+            "holder": self.leases.holder,
         }
 
     def restore(self, status: dict[str, Any] | None) -> None:
@@ -283,6 +289,9 @@ class Governor:
         self.replaced = {(m, r): v for m, r, v in status.get("replaced") or ()}
         self.targets = {m: list(t) for m, t in (status.get("targets") or {}).items()}
         self.before = {m: dict(b) for m, b in (status.get("before") or {}).items()}
+        holder = status.get("holder")
+        if isinstance(holder, str) and holder:
+            self.leases.holder = holder
 
     def _entered_value(self, mode: Mode, current: Settings, targets: tuple[str, ...]) -> Any:
         if mode.name == "scr":
@@ -393,6 +402,9 @@ async def governor_step(
     if ctl["state"] == "armed":
         gov.armed()
     if ctl["state"] != "armed" or ctl["paused"]:
+        for name in list(gov.leases.until):
+            await gov.leases.release(cluster, name)
+    if ctl["state"] != "armed" or ctl["paused"]:
         why = "paused" if ctl["paused"] else ctl["state"]
         if not keep:
             for decision in gov.undo_all(
@@ -446,12 +458,20 @@ async def _carry_out(
     dry = not armed or bool(forgeable) or (decision.action == "exit" and decision.mode in gov.dry)
     for spec in cluster.replicas:
         change = gov.change(decision, spec.name)
+        other = None if dry else await gov.leases.hold(cluster, spec.name, now)
+        if other is not None:  # another governor steers this replica: what we would do, logged
+            current = (collector.views[spec.name].state or {}).get("settings")
+            logged = await asyncio.to_thread(
+                _log_dry_run, store, cluster.name, spec.name, current, change, decision
+            )
+            outcome["replicas"][spec.name] = f"{logged} (not ours to steer: {other})"
+            continue
         if not dry:
             if decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
                 outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
                 continue
             [res] = await apply_settings(
-                cluster, [spec.name], change, store, who=WHO, note=decision.note()
+                cluster, [spec.name], change, store, who=WHO, note=decision.note(), lease=gov.leases
             )
             outcome["replicas"][spec.name] = res.result
             gov.commit(change, res.result)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from controlplane.replica_http import (
     read_json,
 )
 from controlplane.retry import READ_BACK
+from scheduler.plugin.lease import LEASE_HEADER
 from scheduler.settings import Settings, describe_error
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
@@ -124,6 +127,7 @@ async def _apply_one(
     spec: ReplicaSpec,
     change: SettingsChange,
     wait_s: float,
+    lease: LeaseKeeper | None = None,
 ) -> ApplyResult:
     base = control_base(spec) + "/settings"
     timeout = cluster.timeout_s
@@ -139,6 +143,8 @@ async def _apply_one(
         return res
     res.new = new_doc
     headers = {"If-Match": str(res.version)}
+    if lease is not None:  # a controller's change: refused while another holds its kind's lease
+        headers[LEASE_HEADER] = lease.header
     token = spec.token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -214,6 +220,7 @@ async def apply_settings(
     client: PollingClient | None = None,
     wait_s: float = APPLY_WAIT_S,
     note: str | None = None,
+    lease: LeaseKeeper | None = None,
 ) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
@@ -225,7 +232,8 @@ async def apply_settings(
     Every attempt — applied (active), staged (accepted, not active within ``wait_s``), rejected
     (400/401/403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the
     store's audit log when a store is given (its message after ``note``, when given). A change
-    function may return None: nothing is sent ("skipped").
+    function may return None: nothing is sent ("skipped"). A controller passes its ``lease``: the
+    document goes under it, and a replica whose lease another holds refuses it (409).
     """
     names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
     specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo
@@ -233,7 +241,9 @@ async def apply_settings(
     client = client or make_client(cluster)
     try:
         results = list(
-            await asyncio.gather(*(_apply_one(client, cluster, s, change, wait_s) for s in specs))
+            await asyncio.gather(
+                *(_apply_one(client, cluster, s, change, wait_s, lease) for s in specs)
+            )
         )
     finally:
         if own:
@@ -258,3 +268,77 @@ async def apply_settings(
 
         await asyncio.to_thread(audit)
     return results
+
+
+# --- controllers' leases (scheduler.plugin.lease) ---------------------------------------------
+LEASE_TTL_S = 120.0  # a controller renews its lease once half of it has passed
+
+
+@dataclass(slots=True)
+class LeaseKeeper:
+    """A controller's leases on the replicas it steers: one holder name per controller process,
+    taken and renewed through ``PUT /lease`` before any change; a replica whose lease another
+    holder has is one this controller only dry-runs on (``others`` says who holds it)."""
+
+    kind: str  # "autopilot" | "governor"
+    holder: str = ""
+    ttl_s: float = LEASE_TTL_S
+    until: dict[str, float] = field(default_factory=dict)  # replica -> held until (our clock)
+    others: dict[str, str] = field(default_factory=dict)  # replica -> why it is not ours
+
+    def __post_init__(self) -> None:
+        self.holder = self.holder or f"{self.kind}-{uuid.uuid4().hex[:12]}"
+
+    @property
+    def header(self) -> str:
+        return f"{self.kind} {self.holder}"
+
+    async def hold(
+        self, cluster: ClusterSpec, replica: str, now: float, client: PollingClient | None = None
+    ) -> str | None:
+        """Take or renew this controller's lease on ``replica`` (when half of it has passed):
+        None when it is ours, else why not (another holder, named; an unreachable replica). A
+        replica without leases (an older plugin: 404) is steered as before."""
+        if self.until.get(replica, -math.inf) - now > self.ttl_s / 2:
+            return None
+        answer = await self._put(cluster, replica, self.ttl_s, client)
+        if answer is None:
+            self.until[replica] = now + self.ttl_s
+            self.others.pop(replica, None)
+            return None
+        self.until.pop(replica, None)
+        self.others[replica] = answer
+        return answer
+
+    async def release(self, cluster: ClusterSpec, replica: str) -> None:
+        """Give the lease back (disarmed, paused, dry-run): another controller may take over
+        at once instead of after its expiry."""
+        if self.until.pop(replica, None) is not None:
+            await self._put(cluster, replica, 0.0, None)
+
+    async def _put(
+        self, cluster: ClusterSpec, replica: str, ttl_s: float, client: PollingClient | None
+    ) -> str | None:
+        spec = cluster.replica(replica)
+        doc = {"controller": self.kind, "holder": self.holder, "ttl_s": ttl_s}
+        headers = {"Authorization": f"Bearer {spec.token()}"} if spec.token() else {}
+        own = client is None
+        client = client or make_client(cluster)
+        try:
+            async with asyncio.timeout(cluster.timeout_s):
+                put = await client.put_json(
+                    control_base(spec) + "/lease", doc, headers, cluster.timeout_s
+                )
+        except TRANSPORT_ERRORS as err:
+            return describe_http_error(err, "PUT lease", cluster.timeout_s)
+        finally:
+            if own:
+                await client.aclose()
+        if put.status_code in (200, 404):
+            return None
+        try:
+            answer = json.loads(put.content)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            answer = None
+        reason = answer.get("error") if isinstance(answer, dict) else None
+        return f"HTTP {put.status_code}: {reason or put.reason_phrase}"

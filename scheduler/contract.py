@@ -176,6 +176,20 @@ class State(_Doc):
     breaker: Annotated[Breaker | None, WrapValidator(_lenient)] = Field(
         None, description="the circuit breaker's counters (absent: never built)"
     )
+    leases: OptObject = Field(
+        None,
+        description="the controllers' live leases: kind (autopilot, governor) -> holder and "
+        "expires_in_s (scheduler.plugin.lease)",
+    )
+
+
+class LeaseAnswer(_Doc):
+    """The answer to ``PUT /lease``: who holds the kind's lease now, for how long (seconds; 0 and
+    no holder: released)."""
+
+    controller: str
+    holder: str | None = None
+    expires_in_s: float = Field(ge=0.0)
 
 
 class Step(_Doc):
@@ -247,6 +261,7 @@ DOCUMENTS: dict[str, type[BaseModel]] = {
     "steps": StepsPage,
     "step": Step,
     "settings": SettingsAnswer,
+    "lease": LeaseAnswer,
     "inflight": Inflight,
     "error": ErrorAnswer,
 }

@@ -447,6 +447,14 @@ def _prefix_errors(prefix: str, err: ValidationError) -> str:
     return join_errors(parts)
 
 
+# The largest settings document, as a client sends it (``json.dumps`` with its default
+# separators): the model refuses a larger one, a replica's PUT takes a body up to this size
+# (``scheduler.plugin.admission.Limits.max_body``) and export refuses to write one — so a document
+# the tools accept is one every replica accepts (800 tenants' weights once passed the model and
+# export, and every later PUT to that replica got 413). A typical document is ~1 KiB.
+MAX_DOCUMENT_BYTES = 64 * 1024
+
+
 class Settings(BaseModel):
     """A validated settings document. Immutable: derive changed copies with ``replace``."""
 
@@ -491,6 +499,16 @@ class Settings(BaseModel):
                 )
         data["pinned"] = tuple(dict.fromkeys(pinned))
         return data
+
+    @model_validator(mode="after")
+    def _fits_a_put(self) -> Settings:
+        size = len(json.dumps(self.to_dict()).encode())
+        if size > MAX_DOCUMENT_BYTES:
+            raise ValueError(
+                f"document: {size} bytes as JSON, over the {MAX_DOCUMENT_BYTES} a replica's PUT "
+                "accepts (fewer tenants or weights)"
+            )
+        return self
 
     def param(self, name: str) -> Any:
         return getattr(self.params, name)

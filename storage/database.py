@@ -22,10 +22,12 @@ committed before stays as it was.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -259,6 +261,13 @@ def _reason(exc: Exception, url: URL) -> str:
     """The driver's own words for why opening failed, without the password."""
     if isinstance(exc, DBAPIError) and (damage := _damage(exc)) is not None:
         return damage
+    on_file = engines.is_sqlite(url) and url.database not in (None, "", ":memory:")
+    if on_file and isinstance(exc, DBAPIError) and "unable to open" in str(exc.orig):
+        folder = Path(url.database or ".").resolve().parent
+        if not folder.is_dir():
+            return f"folder {folder} does not exist"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"folder {folder} is read-only (SQLite writes its journal beside the file)"
     text = str(exc.orig) if isinstance(exc, DBAPIError) else str(exc)
     text = " ".join(text.split())
     if url.password:

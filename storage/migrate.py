@@ -44,6 +44,14 @@ def head_revision() -> str:
     return head
 
 
+class NewerSchema(Exception):
+    """The database's schema revision is not one of ours (a newer tailpilot wrote it)."""
+
+
+def known_revisions() -> set[str]:
+    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
@@ -58,8 +66,14 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     give_up = time.monotonic() + MIGRATE_DEADLINE_S
     for delay in backoff_delays(0.05, 1.0):
         try:
-            if revision == "head" and current_revision(engine) == head_revision():
+            found = current_revision(engine)
+            if revision == "head" and found == head_revision():
                 return  # the common case: skip the lock and the script loading
+            if found is not None and found not in known_revisions():
+                raise NewerSchema(
+                    f"its schema (revision {found}) is not one this tailpilot knows — a newer "
+                    "tailpilot wrote it: upgrade tailpilot, or give another database"
+                )
             with _locked_transaction(engine) as conn:
                 command.upgrade(alembic_config(conn), revision)
             return

@@ -329,11 +329,23 @@ def _report_set(
         colour: dict[str, dict[str, Any]] = {"applied": {"fg": "green"}, "staged": {"fg": "yellow"}}
         for r in results:
             word = click.style(r.result, **colour.get(r.result, {"fg": "red", "bold": True}))
-            click.echo(f"{r.replica}: {word}: {r.message}")
+            click.echo(f"{r.replica}: {word}: {r.message}", err=_invalid_here(r))
+    if (
+        results
+        and all(_invalid_here(r) for r in results if not r.ok)
+        and not all(r.ok for r in results)
+    ):
+        sys.exit(2)  # the input: a value no replica's policy takes, refused before sending
     if not all(r.ok for r in results):
         sys.exit(1)
     if any(r.result == "staged" for r in results):
         sys.exit(3)
+
+
+def _invalid_here(r: ApplyResult) -> bool:
+    """Refused before anything was sent: the change makes a document the model refuses (an
+    input error, like a usage error: exit 2, on stderr)."""
+    return r.result == "rejected" and r.status is None
 
 
 def _preview(
@@ -472,6 +484,7 @@ def tui(
     from storage.database import StoreOpenError  # start-up cost
     from storage.engine import DatabaseMissing  # start-up cost
     from tui import run_tui  # start-up cost (textual)
+    from tui.main import NoTerminal  # start-up cost (textual)
     from tui.sources import ReplayError  # start-up cost (textual)
 
     if not cluster_file and not replay:
@@ -488,7 +501,7 @@ def tui(
             cluster_name=cluster_name,
             optuna_storage=storage,
         )
-    except (ReplayError, StoreOpenError) as err:
+    except (ReplayError, StoreOpenError, NoTerminal) as err:
         raise click.UsageError(str(err)) from None
     except DatabaseMissing as err:  # removed since the check above
         raise click.BadParameter(str(err), param_hint="--replay") from None

@@ -115,6 +115,27 @@ class OutFile(click.Path):
 OUT_FILE = OutFile()
 
 
+class AuditName(click.ParamType[str, Any]):
+    """A name stored in the audit log and printed by every reader of it (``--who``): the rules of
+    a tenant name (``scheduler.settings.name_problem``: no control characters — a terminal escape
+    sequence would be replayed on every screen that shows the log — at most 100 characters)."""
+
+    name = "NAME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from scheduler.settings import name_problem  # start-up cost (pydantic)
+        from scheduler.validation import readable  # start-up cost (pydantic)
+
+        text = str(value)
+        problem = name_problem(text)
+        if problem is not None:
+            self.fail(f'"{readable(text)}": {problem}', param, ctx)
+        return text
+
+
+AUDIT_NAME = AuditName()
+
+
 class PolicyList(click.ParamType[list[str], Any]):
     """Comma-separated policy names (``fcfs,sarathi,uniboost``), converted to a list; an unknown
     name is a usage error listing the known ones."""

@@ -19,6 +19,7 @@ errors: an invalid settings file, an unknown study or replica, conflicting optio
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -205,24 +206,28 @@ def export(
             f"--cluster goes with --format {', '.join(MONITORING_FORMATS)}; "
             f"{fmt} exports settings (--settings or --study)"
         )
-    settings, source = _settings_to_export(settings_file, study_name, db, storage)
     if fmt == "helm":
         _check_interval(interval)
-    export_options = ExportOptions(
-        model=model,
-        scheduler=scheduler,
-        settings_path=settings_path,
-        name=name,
-        namespace=namespace,
-        source=source,
-        engine_name=engine_name,
-        image=image,
-        replicas=replica_count,
-        api_port=api_port,
-        token_secret=token_secret,
-        service_monitor=service_monitor,
-        scrape_interval=interval,
-    )
+    try:  # Kubernetes names and the image, checked before anything is read or written
+        export_options = ExportOptions(
+            model=model,
+            scheduler=scheduler,
+            settings_path=settings_path,
+            name=name,
+            namespace=namespace,
+            source=None,
+            engine_name=engine_name,
+            image=image,
+            replicas=replica_count,
+            api_port=api_port,
+            token_secret=token_secret,
+            service_monitor=service_monitor,
+            scrape_interval=interval,
+        )
+    except ExportError as err:
+        raise click.UsageError(str(err)) from None
+    settings, source = _settings_to_export(settings_file, study_name, db, storage)
+    export_options = dataclasses.replace(export_options, source=source)
     try:
         text = render(settings, fmt, export_options)
     except ExportError as err:
@@ -242,6 +247,7 @@ def _settings_to_export(
     """(the settings document, where it came from) of --settings or --study."""
     from controlplane.export import (  # start-up cost
         ExportError,
+        NoRecommendation,
         load_settings_file,
         settings_from_study,
     )
@@ -252,9 +258,25 @@ def _settings_to_export(
         if settings_file:
             return load_settings_file(settings_file), f"file {Path(settings_file).name}"
         assert study_name is not None  # exactly one of the two was given
+        from tuner.optuna_storage import TuneError  # start-up cost (optuna)
+        from tuner.study import check_study_name  # start-up cost (optuna)
+
+        try:
+            check_study_name(study_name)
+        except TuneError as err:
+            shown = str(err).removeprefix("--study ")
+            raise click.BadParameter(shown, param_hint="--study") from None
         store = open_store(db, must_exist=True)
         try:
-            settings, rec = settings_from_study(store, study_name, storage=storage, db=db)
+            try:
+                settings, rec = settings_from_study(store, study_name, storage=storage, db=db)
+            except NoRecommendation:
+                # No recommendation: if the study itself does not exist, `recommend` would fail
+                # too — say that, with the studies there are, instead of pointing to it.
+                missing = _missing_study(study_name, storage)
+                if missing is not None:
+                    raise click.UsageError(missing) from None
+                raise
         finally:
             store.close()
         return settings, f"study {study_name}, recommendation #{rec.id}"
@@ -264,6 +286,22 @@ def _settings_to_export(
         raise click.UsageError(
             f"{settings_file or study_name}: not JSON: nested too deeply"
         ) from None
+
+
+def _missing_study(study: str, storage: str | None) -> str | None:
+    """Why ``study`` is not in the Optuna storage (the studies there, how to create it), None
+    when it is there or the storage cannot say. Only a storage in a local file is looked at: a
+    database server is never contacted by export (it may be unreachable from here)."""
+    from tuner.optuna_storage import JOURNAL_PREFIX, TuneError, storage_url  # start-up cost
+    from tuner.study import missing_study_message  # start-up cost (optuna)
+
+    try:
+        url = storage_url(storage)
+        if not url.startswith(("sqlite:", JOURNAL_PREFIX)):
+            return None
+        return missing_study_message(url, study)
+    except TuneError as err:
+        return str(err)
 
 
 def _checked(check: Callable[[T], object], value: T, hint: str) -> None:

@@ -175,6 +175,8 @@ def record(
         from storage.retention import RetentionSettings  # start-up cost
 
         retention = RetentionSettings(raw_sample_hours=raw_hours)
+    if metrics_port:  # a busy port is refused before the database is created or opened
+        _check_port(metrics_host, metrics_port)
     open_store(db).close()  # a bad URL is a usage error before anything starts
     try:
         stats = run_recorder(
@@ -195,6 +197,20 @@ def record(
             f"cannot serve /metrics on {metrics_host}:{metrics_port}: {err.strerror or err}"
         ) from None
     echo_json(stats.as_dict(), default=str, indent=None)
+
+
+def _check_port(host: str, port: int) -> None:
+    """ClickException naming the address when ``host:port`` cannot be listened on now (the
+    recorder binds it again when it starts: a port taken in between is still named then)."""
+    import socket  # start-up cost: only with --metrics-port
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise click.ClickException(
+            f"cannot serve /metrics on {host}:{port}: {err.strerror or err}"
+        ) from None
 
 
 def autopilot_task(config_file: str | None, state: str) -> Task:
@@ -298,9 +314,27 @@ def governor(
     if keep and action != "disarm":
         raise click.UsageError("--keep goes with disarm only")
     name, option = steered_cluster(cluster_file, cluster_name)
+    no_governance = (
+        f"cluster {name!r} has no governance block in {cluster_file}: the governor has no "
+        "tenants or SLOs to keep (add governance: — README, 'Governance' — and run tailpilot "
+        "record --govern)"
+    )
+    steers = action in ("arm", "dry-run")
+    if steers and cluster_file and load_cluster(cluster_file, cluster_name).governance is None:
+        raise click.UsageError(no_governance)
     store = open_store(db, must_exist=True)
     try:
         known_cluster(store, name, option)
+        if (
+            action in ("arm", "dry-run")
+            and cluster_file is None
+            and not store.governance.windows(name, limit=1)
+        ):
+            raise click.UsageError(
+                f"cluster {name!r} has no governance figures recorded: the governor has nothing "
+                "to govern (its cluster file needs a governance: block, and tailpilot record "
+                "--govern records them)"
+            )
         changes = dict(CONTROL_ACTIONS.get(action) or {})
         if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status it reads
             changes["status"] = {

@@ -12,6 +12,7 @@ CC BY 4.0).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -412,9 +413,15 @@ def _report_compare(
     table.add_column("policy")
     for k in COMPARE_METRICS:
         table.add_column(k, justify="right")
+
+    def change_cell(change: float) -> str:
+        # Undefined against a zero or missing baseline (no request finished, none preempted):
+        # said in words, never "+nan%".
+        return f"{change:+.1f}%" if math.isfinite(change) else "n/a (baseline 0)"
+
     for n in names:
         cells = [
-            f"{changes[n][k]:+.1f}%" if n != baseline else fmt_figure(base[k])
+            change_cell(changes[n][k]) if n != baseline else fmt_figure(base[k])
             for k in COMPARE_METRICS
         ]
         table.add_row(n + (" (abs)" if n == baseline else ""), *cells)

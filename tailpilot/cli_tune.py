@@ -84,6 +84,18 @@ def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = 
     return url
 
 
+def _check_study_name(study_name: str) -> None:
+    """A usage error naming --study for a name no storage can keep (bytes that are not UTF-8),
+    before anything is opened."""
+    from tuner.spec import TuneError  # start-up cost
+    from tuner.study import check_study_name  # start-up cost
+
+    try:
+        check_study_name(study_name)
+    except TuneError as err:
+        raise click.UsageError(str(err)) from None
+
+
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -158,24 +170,29 @@ def tune(
     run the same command to continue.
     """
     from tuner.optimize import tune as run_tune  # start-up cost
-    from tuner.optuna_storage import open_storage  # start-up cost
+    from tuner.optuna_storage import open_storage, storage_exists  # start-up cost
     from tuner.spec import SpecError, StudyConflict, TuneError  # start-up cost
     from tuner.study import study_exists  # start-up cost
 
+    _check_study_name(study_name)
     url = _storage_or_exit(storage, db)
     trim = study_span(kw.pop("start_s"), kw.pop("end_s"), kw.pop("window"))
     recorded = kw["recording"] is not None
     recorded_trace(kw, db)
     given = given_fields(ctx, kw)
+    # With --recording, errors about the study's traces name --recording, not --trace.
+    traces_flag = "--recording" if recorded else None
     if recorded:
-        given["traces"] = spec_value("trace_paths", kw["trace_paths"])
+        given["traces"] = spec_value("trace_paths", kw["trace_paths"], flag=traces_flag)
     if trim is not None:
         given["trim"] = trim
     try:
-        exists = study_exists(open_storage(url), study_name)
+        # Opening a storage file creates it: where there is none, there is no study either, and
+        # the new study's definition is checked (run_tune) before the file is made.
+        exists = storage_exists(url) and study_exists(open_storage(url), study_name)
     except TuneError as err:
         raise click.UsageError(str(err)) from None
-    spec = None if exists else new_spec(study_name, given)
+    spec = None if exists else new_spec(study_name, given, traces_flag=traces_flag)
     show = progress if progress is not None else sys.stderr.isatty()
     bar, update = _progress_bar(show and not as_json)
     log = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
@@ -192,9 +209,9 @@ def tune(
                 log=log,
             )
     except StudyConflict as err:
-        raise conflict_error(err, study_name) from None
+        raise conflict_error(err, study_name, traces_flag=traces_flag) from None
     except SpecError as err:
-        raise spec_error(err) from None
+        raise spec_error(err, traces_flag=traces_flag) from None
     except TuneError as err:
         raise click.UsageError(str(err)) from None
     except KeyboardInterrupt:
@@ -265,6 +282,7 @@ def recommend(
     from tuner.recommend import recommend as build  # start-up cost
     from tuner.spec import TuneError  # start-up cost
 
+    _check_study_name(study_name)
     url = _storage_or_exit(storage, db, must_exist=True)
     try:
         summary = jsonable(build(open_storage(url), study_name, with_autopilot=with_autopilot))

@@ -155,7 +155,15 @@ def twin(
             cluster_name=cluster_name,
         )
     except OSError as err:
-        raise click.ClickException(f"cannot listen: {err}") from None
+        ports = (
+            "ephemeral ports"
+            if not port
+            else f"port {port}" + (f"..{port + n_replicas - 1}" if n_replicas > 1 else "")
+        )
+        raise click.ClickException(
+            f"cannot listen on {host}, {ports}: {err.strerror or err} (another process holds it? "
+            "--port 0 takes free ones)"
+        ) from None
     except ValueError as err:
         raise click.UsageError(describe_error(err)) from None
     done = threading.Event()
@@ -168,8 +176,11 @@ def twin(
         for r in cluster:
             click.echo(f"  {r.name}  {r.url}")
         if cluster_out:
-            cluster.write_cluster_yaml(cluster_out, cluster_name)
-            click.echo(f"cluster file: {cluster_out}")
+            # With a governance block for the trace's busiest tenants (the demo's): governance and
+            # the governor can be tried on twins (record --govern refuses a cluster without one).
+            governance = demo_governance(trace, 1.0).model_dump(mode="json", exclude_defaults=True)
+            cluster.write_cluster_yaml(cluster_out, cluster_name, governance=governance)
+            click.echo(f"cluster file: {cluster_out} (with a governance block for its tenants)")
         if generated:
             click.echo(f"writes need the token: export TAILPILOT_TOKEN={token}")
         click.echo("Ctrl-C to stop.")
@@ -315,7 +326,7 @@ def _tui_available() -> bool:
 def _announce_table(what: str, duration: float | None) -> None:
     """Say once, at start, what the demo does and where its output goes: off a terminal the
     status table shows only when the demo stops, and nothing else would be printed before."""
-    until = f"after {duration:g} s" if duration else "at Ctrl-C"
+    until = f"after {duration:g} s" if duration else "at Ctrl-C or SIGTERM"
     where = (
         "a status table redrawn every second"
         if sys.stdout.isatty()

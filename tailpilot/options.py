@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from tailpilot.cli_common import (
+    AUDIT_NAME,
     FILE,
     GPU_BLOCKS,
     OUT_FILE,
@@ -117,7 +118,7 @@ def study(*, required: bool = True, help: str = "Study name.") -> Decorator:
 
 
 def who(*, help: str = "Name in the audit log [default: $USER].") -> Decorator:
-    return click.option("--who", default=None, metavar="NAME", help=help)
+    return click.option("--who", type=AUDIT_NAME, default=None, metavar="NAME", help=help)
 
 
 def json_output(what: str) -> Decorator:

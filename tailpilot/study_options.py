@@ -71,12 +71,16 @@ def _range_texts(value: tuple[str, ...]) -> list[str]:
 
 
 def _production_doc(value: str) -> dict[str, Any]:
+    # Read as the plugin reads its settings file: a regular file, capped (a FIFO or /dev/zero
+    # hung or exhausted memory), strict JSON.
+    from scheduler.plugin.wire import parse_json_file  # start-up cost
+
     try:
-        doc = json.loads(Path(value).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+        doc = parse_json_file(value)
+    except OSError as err:
+        raise ValueError(f"{value}: cannot read: {err.strerror or err}") from None
+    except ValueError as err:
         raise ValueError(f"{value}: {err}") from None
-    except RecursionError:  # JSON nested past Python's recursion limit
-        raise ValueError(f"{value}: not JSON: nested too deeply") from None
     try:
         return Settings.model_validate(doc).to_dict()
     except ValueError as err:
@@ -131,9 +135,10 @@ SPEC_CONVERT: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def spec_value(param: str, value: Any) -> Any:
-    """A CLI value converted to its StudySpec field value (UsageError naming the flag)."""
-    flag = SPEC_FLAGS[param][1]
+def spec_value(param: str, value: Any, *, flag: str | None = None) -> Any:
+    """A CLI value converted to its StudySpec field value (UsageError naming the flag: ``flag``
+    when another flag gave the value, as --recording gives the traces)."""
+    flag = flag or SPEC_FLAGS[param][1]
     try:
         return SPEC_CONVERT.get(param, lambda v: v)(value)
     except ValueError as err:
@@ -215,7 +220,8 @@ def study_definition_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         options.trace(several=True),
         options.recording(
             help="Tune on a recording of the cluster's own traffic in --db (the same as --trace "
-            "db:DB#recording=NAME)."
+            "db:DB#recording=NAME); one still running is tuned on as far as it is stored now "
+            "(the study pins that span: requests recorded later are not part of it)."
         ),
         options.replica(
             help="With --recording: the replica whose traffic to tune on (repeatable: merged); "
@@ -311,8 +317,11 @@ def study_definition_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-def new_spec(study_name: str, given: dict[str, Any]) -> StudySpec:
-    """The definition of a study to create from the flags given (UsageError naming a flag)."""
+def new_spec(
+    study_name: str, given: dict[str, Any], *, traces_flag: str | None = None
+) -> StudySpec:
+    """The definition of a study to create from the flags given (UsageError naming a flag;
+    ``traces_flag``: the flag that gave the traces when not --trace)."""
     from tuner.spec import SpecError, StudySpec  # start-up cost
 
     for need in ("policies", "objectives"):
@@ -323,19 +332,23 @@ def new_spec(study_name: str, given: dict[str, Any]) -> StudySpec:
     try:
         spec = StudySpec(**given)
     except SpecError as err:
-        raise spec_error(err) from None
+        raise spec_error(err, traces_flag=traces_flag) from None
     if not given["policies"]:
         raise click.BadParameter("give at least one policy", param_hint="--policy")
     return spec
 
 
-def spec_error(err: SpecError) -> click.UsageError:
-    """A refused StudySpec field, named by its flag (``window_s: ...`` -> ``--window-s: ...``)."""
-    return click.UsageError(err.naming(flag_of(err.field_name)))
+def spec_error(err: SpecError, *, traces_flag: str | None = None) -> click.UsageError:
+    """A refused StudySpec field, named by its flag (``window_s: ...`` -> ``--window-s: ...``;
+    the traces by ``traces_flag`` when given: --recording sets them too)."""
+    return click.UsageError(err.naming(flag_of(err.field_name, traces_flag=traces_flag)))
 
 
-def conflict_error(err: StudyConflict, study_name: str) -> click.UsageError:
-    """A flag whose value differs from the study's stored definition."""
+def conflict_error(
+    err: StudyConflict, study_name: str, *, traces_flag: str | None = None
+) -> click.UsageError:
+    """A flag whose value differs from the study's stored definition (``traces_flag``: the flag
+    that gave the traces when not --trace)."""
     why = ""
     if err.field_name == "seed":  # the seed fixes the windows and the split, not a worker's stream
         why = (
@@ -343,14 +356,18 @@ def conflict_error(err: StudyConflict, study_name: str) -> click.UsageError:
             "its own sampler stream, so a joining worker needs no seed of its own)"
         )
     return click.UsageError(
-        f"{flag_of(err.field_name)} {_show(err.given)} conflicts with study {study_name!r}, "
+        f"{flag_of(err.field_name, traces_flag=traces_flag)} {_show(err.given)} conflicts with "
+        f"study {study_name!r}, "
         f"which was created with {_show(err.stored)}{why}; drop the flag to resume or join, "
         "or use a new --study"
     )
 
 
-def flag_of(field_name: str) -> str:
-    """The flag that sets StudySpec field ``field_name`` (the field's name when none does)."""
+def flag_of(field_name: str, *, traces_flag: str | None = None) -> str:
+    """The flag that sets StudySpec field ``field_name`` (the field's name when none does);
+    ``traces_flag``: the flag that set the traces, when not --trace (--recording)."""
+    if field_name == "traces" and traces_flag:
+        return traces_flag
     for spec_field, flag in SPEC_FLAGS.values():
         if spec_field == field_name:
             return flag

@@ -31,17 +31,7 @@ async def drive(
     until: Callable[[Any], bool],
     t_end: float = 1200.0,
 ) -> None:
-    """Move the replicas 2 s at a time (replica seconds: the test moves the clock, not the
-    machine), poll each, and tick the driver every 6 s until ``until(driver)`` or ``t_end``."""
-    t = clock.t
-    while t < t_end:
-        t += 2.0
-        clock.set(t)
-        for twin in twins:
-            twin.advance(t)
-            await collector.poll(twin.name)
-        await collector.flush()
-        if round(t) % 6 == 0:
-            await driver.step(client)
-            if until(driver):
-                return
+    """``tuner.twin.drive_on_manual_clock`` until ``until(driver)`` or ``t_end``."""
+    from tuner.twin import drive_on_manual_clock
+
+    await drive_on_manual_clock(clock, twins, collector, driver, client, t_end=t_end, until=until)

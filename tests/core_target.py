@@ -18,10 +18,13 @@ class CoreTarget:
     def api_settings(self):
         return self.core.settings_doc()
 
-    def api_put_settings(self, doc, if_match):
-        answer = self.core.put_settings(doc, if_match)
+    def api_put_settings(self, doc, if_match, lease=None):
+        answer = self.core.put_settings(doc, if_match, lease)
         self.core.apply_if_idle(self.core.clock())
         return answer
+
+    def api_lease(self, doc):
+        return self.core.leases.take(doc)
 
     def api_steps(self, cursor):
         steps, next_cursor = self.core.steps_since(cursor)

@@ -147,7 +147,7 @@ def test_set_all_with_a_bad_value_changes_nothing_and_audits_the_refusal(twins, 
         "--db",
         str(db),
     )
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # an input error, refused before sending (issue 33)
     assert "params.gamma" in res.output
     assert [settings_of(r) for r in cluster] == before
     with Store.open(str(db)) as store:

@@ -196,6 +196,17 @@ def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
         assert (
             store.governance.governor_control("prdo")["who"] is None
         )  # no control row was written
+    # a cluster with no governance figures recorded has nothing to govern: arm says so
+    assert_one_line_error(
+        invoke("governor", "arm", "--cluster-name", "prod", "--db", db),
+        2,
+        "'prod'",
+        "no governance figures recorded",
+    )
+    from storage.rows import Batch, GovernanceRow
+
+    with Store.open(str(db)) as store:
+        store.recordings.write("prod", Batch(governance=[GovernanceRow(t_ms=1, summary={})]))
     res = invoke("governor", "arm", "--cluster-name", "prod", "--db", db, "--who", "ops")
     assert res.exit_code == 0 and "governor of prod: armed" in res.output, res.output
 

@@ -426,8 +426,12 @@ def test_export_study_errors(tmp_path, monkeypatch):
 
     db = tmp_path / "tp.db"
     Store.open(str(db)).close()
-    out = run("--study", "nightly", "--db", db)
-    assert out.exit_code == 2 and "tailpilot recommend --study nightly" in out.output
+    # the study does not exist where tune would have created it: said, with how to create it
+    # (pointing to `recommend`, which would fail too, was a dead end — issue 33)
+    out = run("--study", "nightly", "--db", db, "--storage", tmp_path / "optuna.db")
+    assert out.exit_code == 2 and "no such study" in out.output and "tailpilot tune" in out.output
+    assert not (tmp_path / "optuna.db").exists()  # looked at, not created
+    # a database server is never contacted by export: the recommendation's hint
     out = run("--study", "nightly", "--db", db, "--storage", "postgresql://h/optuna")
     assert (
         f"tailpilot recommend --study nightly --storage postgresql://h/optuna --db {db}"
@@ -443,7 +447,7 @@ def test_export_study_errors(tmp_path, monkeypatch):
     assert out.exit_code == 2 and "no tailpilot store" in out.output
     assert not missing.exists()  # not created as a side effect
     monkeypatch.setenv("TAILPILOT_DB", str(db))
-    assert "tailpilot recommend --study nightly" in run("--study", "nightly").output
+    assert "no such study" in run("--study", "nightly").output
 
 
 # --- vLLM's own parser (imports vLLM: ~15 s) -----------------------------------------------------

@@ -255,8 +255,12 @@ def test_the_governor_command_steers_the_control_row(tmp_path):
     from tailpilot.cli import main
 
     db = str(tmp_path / "g.db")
-    with Store.open(db) as store:  # the governor steers only a cluster the database knows
+    from storage.rows import Batch, GovernanceRow
+
+    with Store.open(db) as store:  # the governor steers only a cluster the database knows …
         store.recordings.ensure_replicas("c", [("r1", "http://127.0.0.1:1", "http://127.0.0.1:1")])
+        # … and, to arm it, one whose governance figures it recorded
+        store.recordings.write("c", Batch(governance=[GovernanceRow(t_ms=1, summary={})]))
     run = CliRunner()
     assert (
         "dry-run; active modes: none"

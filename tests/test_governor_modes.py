@@ -289,6 +289,30 @@ def test_a_throttle_never_rests_on_labels_a_client_can_set(twins):
             {"tenants": TENANTS, "governor": {"dwell_s": 60.0, "trust_client_labels": True}}
         )
     )
+    # a restart with the changed cluster file: it takes over the stored state, the lease's
+    # holder included (another recorder's governor would only dry-run here)
+    trusting.restore(store.governance.governor_control("gov")["status"])
     outs = asyncio.run(governor_step(trusting, collector, store, 0.0))
     assert any(o["mode"] == "jfi" and "clients' own" not in o["note"] for o in outs)
     assert all(params_of(t)["throttle"] == {"big": 0.5} for t in found)
+
+
+def test_a_second_governor_on_the_same_replicas_only_dry_runs(twins):
+    """One owner per knob (issue 33): another recorder's governor (its own lease holder) decides
+    too, but the replicas refuse it the lease: what it would send is logged, nothing is sent, and
+    the first governor's changes stay."""
+    found, collector, store, _db = twins
+    collector.test_twins = found
+    first = gov()
+    enter_both(first, collector, store)
+    second = gov()  # not restored from the first's status: another recorder
+    assert second.leases.holder != first.leases.holder
+    collector.governance = {**suppressed(), "scr": 0.5}
+    outs = asyncio.run(governor_step(second, collector, store, 1.0))
+    assert outs, "the second governor decided nothing"
+    for o in outs:
+        for result in o["replicas"].values():
+            assert "not ours to steer" in result and first.leases.holder in result
+    for t in found:
+        p = params_of(t)
+        assert p["quantiles"] == "p99" and p["throttle"] == {"big": 0.5}  # the first's, kept

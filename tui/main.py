@@ -11,6 +11,7 @@ run_tui(cluster_spec, optuna_storage="postgresql://...")
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from controlplane.cluster import ClusterSpec
@@ -80,6 +81,10 @@ def build_app(
     return app
 
 
+class NoTerminal(Exception):
+    """``run_tui`` off a terminal (stdin or stdout not a TTY)."""
+
+
 def run_tui(
     cluster: ClusterSpec | None = None,
     *,
@@ -114,6 +119,13 @@ def run_tui(
     )
     app.exit_after_s = duration_s
     try:
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # Off a terminal Textual writes its escape codes into the pipe or the file. Checked
+            # after the sources opened: a wrong database or cluster is named first.
+            raise NoTerminal(
+                "the TUI needs a terminal (stdin and stdout): off one, read the same figures "
+                "with tailpilot status --cluster FILE [--json], or run tailpilot demo --no-tui"
+            )
         app.run()
     finally:
         if own_store and app.store is not None:

@@ -57,10 +57,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.settings import Settings
+from scheduler.settings import GAMMA_MAX_SAFE, GAMMA_MIN_SAFE, Settings
 from sim.engine import EngineConfig
 from sim.traces import TraceRequest
 from tuner.autopilot_types import Arrival, Decision, Observation, arrival_order
+from tuner.candidates import (
+    Candidate,
+    SearchConfig,
+    ShadowSearch,
+    candidate_space,
+    running_candidate,
+)
 from tuner.promise import (
     Figures,
     Promise,
@@ -88,6 +95,11 @@ class AutopilotConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
+    # The operator's other knobs, chosen too (``tuner.candidates``): TIE at these fixed β (its
+    # CVaR weight), and MemGuard's quantization base at these values besides the base document's
+    # (with the defaults and at one γ a decade). Pinned knobs are never varied.
+    betas: tuple[float, ...] = Field((0.1, 0.5), max_length=16)
+    quant_bases: tuple[int, ...] = Field((64, 1024), max_length=16)
     with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
     with_sarathi: bool = (
         True  # vLLM's own order as a candidate (it is always the guard's reference)
@@ -151,13 +163,38 @@ class AutopilotConfig(BaseModel):
     # Sustained overload is judged again every this-many decisions (held in between).
     overload_recheck: int = Field(5, ge=1, le=1_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
+    # The search (``tuner.candidates.ShadowSearch``): at most this many shadows run (0: all); an
+    # explorer behind the best by ``prune_margin`` (or breaking the promise) on ``prune_patience``
+    # judged decisions in a row is retired; a forked one is judged but neither chosen nor retired
+    # for ``probation_s``; a retired one comes back no sooner than ``retry_s``.
+    max_shadows: int = Field(10, ge=0, le=1_000)
+    prune_margin: float = Field(0.25, ge=0.0, le=100.0)
+    prune_patience: int = Field(3, ge=1, le=1_000)
+    probation_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    retry_s: float = Field(900.0, ge=0.0, le=86_400.0)
 
     @model_validator(mode="after")
     def _gammas_in_range(self) -> AutopilotConfig:
         for g in self.gammas:
-            if not 1e-6 <= g <= 1e6:
-                raise ValueError(f"gammas: {g} is outside the safe range [1e-6, 1e6]")
+            if not GAMMA_MIN_SAFE <= g <= GAMMA_MAX_SAFE:
+                safe = f"[{GAMMA_MIN_SAFE:g}, {GAMMA_MAX_SAFE:g}]"
+                raise ValueError(f"gammas: {g} is outside the safe range {safe}")
+        for b in self.betas:
+            if not 0.0 <= b <= 1.0:
+                raise ValueError(f"betas: {b} is outside [0, 1]")
+        for q in self.quant_bases:
+            if not 1 <= q <= 1_000_000:
+                raise ValueError(f"quant_bases: {q} is outside [1, 1000000]")
         return self
+
+    def search(self) -> SearchConfig:
+        return SearchConfig(
+            self.max_shadows,
+            self.prune_margin,
+            self.prune_patience,
+            self.probation_s,
+            self.retry_s,
+        )
 
 
 GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
@@ -165,33 +202,22 @@ SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and J
 
 
 # --- candidates and their shadows ---------------------------------------------------------------
+def candidate_set(base: Settings, config: AutopilotConfig) -> dict[str, Candidate]:
+    """The candidates (``tuner.candidates.candidate_space``) this configuration spans."""
+    return candidate_space(
+        base,
+        gammas=config.gammas,
+        betas=config.betas,
+        quant_bases=config.quant_bases,
+        with_defaults=config.with_defaults,
+        with_sarathi=config.with_sarathi,
+        slo=config.promise.slo,
+    )
+
+
 def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
-    """The settings the autopilot chooses among, by name: ``gamma=<g>`` for each grid point
-    (uniboost with γ-Ada off; the base document's other uniboost parameters kept), ``defaults``
-    (uniboost with γ-Ada), ``sarathi``, and ``slofq`` with the promise's tenants when it declares
-    SLOs. Engine limits are the base document's."""
-    engine = base.engine.model_dump()
-    params = base.params.model_dump() if base.policy == "uniboost" else {}
-    out: dict[str, Settings] = {}
-    if config.with_sarathi:
-        out["sarathi"] = Settings.model_validate({"policy": "sarathi", "engine": engine})
-    if config.with_defaults:
-        out["defaults"] = Settings.model_validate({"policy": "uniboost", "engine": engine})
-    slo = config.promise.slo
-    if slo is not None:  # token-level fair queueing with the declared tenants (seed 003)
-        out["slofq"] = Settings.model_validate(
-            {"policy": "slofq", "params": slo.model_dump(), "engine": engine}
-        )
-    for g in config.gammas:
-        p = {**params, "gamma": g, "gamma_ada": False}
-        p["gamma_min"], p["gamma_max"] = (
-            min(p.get("gamma_min", g), g),
-            max(p.get("gamma_max", g), g),
-        )
-        out[f"gamma={g:g}"] = Settings.model_validate(
-            {"policy": "uniboost", "params": p, "engine": engine}
-        )
-    return out
+    """The settings the autopilot chooses among (and compares against), by name."""
+    return {name: c.settings for name, c in candidate_set(base, config).items()}
 
 
 class Autopilot:
@@ -207,10 +233,19 @@ class Autopilot:
         self.config = config or AutopilotConfig()
         self.engine = engine or EngineConfig()
         self.base = base
-        self.options = candidates(base, self.config)
-        self.shadows = {name: Shadow(s, self.engine) for name, s in self.options.items()}
-        self.reference = "sarathi" if "sarathi" in self.shadows else next(iter(self.shadows))
-        self.current = "defaults" if "defaults" in self.options else next(iter(self.options))
+        self.space = candidate_set(base, self.config)
+        self.options = {name: c.settings for name, c in self.space.items()}
+        self.reference = "sarathi" if "sarathi" in self.options else next(iter(self.options))
+        self.current = running_candidate(self.options, base) or (
+            "defaults" if "defaults" in self.options else next(iter(self.options))
+        )
+        always = [self.reference, "defaults"] + [n for n in SLO_REFERENCES if n in self.options]
+        self.search = ShadowSearch(self.space, always, self.config.search())
+        self.shadows = {
+            name: Shadow(self.options[name], self.engine)
+            for name in self.search.initial(self.current)
+        }
+        self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
         # Arrived, not yet handed to the shadows, in (arrival, id) order: a live replica reports a
         # request when it first sees it in flight or finished, not always in arrival order.
@@ -236,6 +271,70 @@ class Autopilot:
         self._reference_drain: float | None = None  # at the last decision, s to empty its queue
         self._load_rising = False  # the reference's drain time grew since the last decision
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
+
+    # --- which candidates run ------------------------------------------------------------------
+    def follow(self, name: str) -> None:
+        """The replica runs ``name`` (at the start, or after a change the controller did not
+        make): it is the running choice, and its shadow runs."""
+        if name not in self.options:
+            raise KeyError(f"no candidate named {name!r}")
+        self.current = name
+        self._start(name)
+
+    def _start(self, name: str) -> None:
+        if name in self.shadows:
+            return
+        if self._shadow_clock is None:  # nothing replayed yet: it starts with the others
+            self.shadows[name] = Shadow(self.options[name], self.engine)
+            return
+        parent = self.search.nearest(name, self.shadows)
+        self.shadows[name] = self.shadows[parent].spawn(self.options[name])
+        self.search.started_fork(name, self._shadow_clock)
+
+    def _search(self, figures: dict[str, Figures], clock: float) -> None:
+        """After a judged decision: retire the explorers that lag, start the nearest candidates
+        to the target in their places (``tuner.candidates.ShadowSearch``)."""
+        anchors = {name: self._place(name) for name in (self.current, self._target)}
+        keep = self.search.bracket(anchors, self.shadows)
+        for name in self.search.retire(self._lagging(figures), keep, clock):
+            del self.shadows[name]
+        for name in self.search.next_up(anchors, self.shadows, clock):
+            self._start(name)
+
+    def _place(self, name: str) -> float:
+        """Where a candidate sits on the axis now: its rank, but the defaults where γ-Ada's γ is
+        in its shadow (their neighbours are the fixed γ around it)."""
+        shadow = self.shadows.get(name)
+        if name == "defaults" and shadow is not None:
+            live = shadow.sim.policy.live_state().get("gamma")
+            if isinstance(live, float) and math.isfinite(live):
+                return live
+        return self.space[name].rank
+
+    def _lagging(self, figures: dict[str, Figures]) -> dict[str, bool]:
+        """Per candidate judged: whether it trails the best candidate that keeps the promise by
+        ``prune_margin`` on the objective (with SLOs, on SCR or JFI first). A break alone is no
+        reason: a small γ breaks P99 in a burst and is the winner again after it — it is the
+        shadow a switch needs then, warm."""
+        promise, cfg = self.config.promise, self.config
+        feasible = [rank_key(promise, f) for f in figures.values() if f.feasible]
+        best = min(feasible, default=None)
+        out = {}
+        for name, f in figures.items():
+            if best is None:
+                out[name] = False  # nobody keeps it on this window: no evidence against anyone
+            elif promise.slo is not None and rank_key(promise, f)[:-1] != best[:-1]:
+                out[name] = rank_key(promise, f)[:-1] > best[:-1]
+            else:
+                out[name] = f.value(promise.objective) > (1 + cfg.prune_margin) * best[-1]
+        return out
+
+    def _eligible(self, name: str, clock: float) -> bool:
+        """Whether a candidate may be chosen now: a pin may forbid it, and a forked one is on
+        probation until what it did itself weighs in its window."""
+        return name == self.current or (
+            self.space[name].selectable and not self.search.on_probation(name, clock)
+        )
 
     # --- feeding ---------------------------------------------------------------------------
     def observe(self, obs: Observation) -> Decision | None:
@@ -374,8 +473,12 @@ class Autopilot:
                     continue
             raw[name], _ = self._figures(shadow, clock, ids, arrivals)
         figures = judge(cfg.promise, raw, self.reference, SLO_REFERENCES)
-        best, changed, reason = self._choose(figures, now, overload)
-        return self._decision(now, reason, figures, len(ids), best if changed else None, overload)
+        best, changed, reason = self._choose(figures, now, overload, clock)
+        decision = self._decision(
+            now, reason, figures, len(ids), best if changed else None, overload
+        )
+        self._search(figures, clock)
+        return decision
 
     def _decision(
         self,
@@ -390,6 +493,7 @@ class Autopilot:
         previous = self.current
         if switch_to is not None:
             self.current, self._last_switch = switch_to, now
+            self._start(switch_to)
         return Decision(
             now,
             self.current,
@@ -419,7 +523,12 @@ class Autopilot:
             reason = f"overload: {drain}; {previous} kept (no move down the axis meanwhile)"
             switch_to = None
         figures = {} if ref is None else {self.reference: ref}
-        return self._decision(now, reason, figures, requests, switch_to, "sustained")
+        decision = self._decision(now, reason, figures, requests, switch_to, "sustained")
+        # Nothing is compared while it lasts: the explorers stop (deep queues are the costliest
+        # to replay) and come back, forked from the running shadows, once it ends.
+        for name in [n for n in self.shadows if n not in (*self.search.always, self.current)]:
+            del self.shadows[name]
+        return decision
 
     def _overloaded(self, reference: Shadow, projection: Projection, clock: float) -> str:
         """Whether arrivals outrun what the replica serves, judged on the reference (age order:
@@ -481,19 +590,15 @@ class Autopilot:
     def step_back(self, now: float, to: str = "defaults", hold_s: float = 3_600.0) -> None:
         """The live driver stepped the replica back to ``to`` (its realized changes were worse than
         predicted): run on it, and switch away only to keep the promise until ``now + hold_s``."""
-        if to not in self.options:
-            raise KeyError(f"no candidate named {to!r}")
-        self.current, self._last_switch, self._hold_until = to, now, now + hold_s
+        self.follow(to)
+        self._last_switch, self._hold_until = now, now + hold_s
 
     def _rank(self, name: str) -> float:
-        """A candidate's place on the size-to-age axis: its γ for a fixed γ; the defaults (γ-Ada)
-        above the grid; sarathi (vLLM's order, by age) and slofq (by tenant) last. Moving down the
-        axis promotes short requests — cheap; moving up flushes what a small γ held back onto
-        everyone — costly."""
-        s = self.options[name]
-        if s.policy != "uniboost":
-            return math.inf
-        return s.params.gamma if not s.params.gamma_ada else 1e9
+        """A candidate's place on the size-to-age axis (``tuner.candidates.axis_rank``: its aging
+        rate; the defaults above the grid, sarathi and slofq last). Moving down the axis promotes
+        short requests — cheap; moving up flushes what a small γ held back onto everyone —
+        costly."""
+        return self.space[name].rank
 
     def _better(self, new: Figures, old: Figures, margin: float) -> bool:
         """``new`` beats ``old`` by ``margin`` on the promise's order: with SLOs a higher SCR or
@@ -524,7 +629,7 @@ class Autopilot:
         return max(tied, key=lambda n: (self._rank(n), n))
 
     def _choose(
-        self, figures: dict[str, Figures], now: float, overload: str
+        self, figures: dict[str, Figures], now: float, overload: str, clock: float
     ) -> tuple[str, bool, str]:
         """The candidate to run next, whether that is a switch, and why.
 
@@ -545,10 +650,13 @@ class Autopilot:
             # decision): what the running choice holds back is tested ahead of time.
             broken = self._stress_breaks(self.current)
         self._breaks = 0 if not broken else self._breaks + 1
-        allowed = list(figures)  # in overload, only those at or above the running choice
+        # In overload only those at or above the running choice were judged; a pin or a
+        # probation may bar others.
+        allowed = [n for n in figures if self._eligible(n, clock)]
         feasible = [n for n in allowed if figures[n].feasible]
         if feasible:
             target = self._pick(feasible, figures)
+            self._target = target
         elif broken and self._breaks >= cfg.guard_patience:
             # Nobody keeps the promise on this window: the one that breaks it least.
             target = min(
@@ -565,6 +673,19 @@ class Autopilot:
             )
         against = ", ".join(broken)
         if broken and self._breaks >= cfg.guard_patience:
+            if self._rank(target) < here and self._stress_breaks(target):
+                # Leaving a break by a move down still takes the stress test: in a burst a smaller
+                # γ keeps the promise on the window only until what it holds back shows. Then the
+                # best that keeps it at or above the running choice on the axis, if any.
+                upward = [n for n in feasible if self._rank(n) >= here and n != self.current]
+                if not upward:
+                    return (
+                        self.current,
+                        False,
+                        f"{self.current} breaks the promise ({against}); {target} would hold "
+                        "back too much under the stress test and nothing above keeps it: kept",
+                    )
+                target = self._pick(upward, figures)
             return target, True, f"{self.current} breaks the promise ({against}); {target} keeps it"
         if now < self._hold_until:
             return (

@@ -57,7 +57,7 @@ from controlplane.replica_http import (
     fetch_inflight,
     make_client,
 )
-from controlplane.steering import apply_settings
+from controlplane.steering import LeaseKeeper, apply_settings
 from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
@@ -65,6 +65,7 @@ from storage.rows import CompletionRow
 from tuner.autopilot import Autopilot, AutopilotConfig
 from tuner.autopilot_records import WHO, decision_note, decision_row, decision_summary
 from tuner.autopilot_types import Arrival, Decision, Observation
+from tuner.candidates import OWN_KNOBS, running_candidate
 from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
 from tuner.whatif import verify
 
@@ -154,14 +155,6 @@ def blocked(current: Settings, target: Settings) -> str | None:
     return None
 
 
-# The parameters the autopilot chooses, per policy: a switch within the policy changes these and
-# nothing else, so an operator's change to any other parameter (memguard, decode_first, ...) is
-# the base it works on, never reverted.
-OWN_KNOBS: dict[str, tuple[str, ...]] = {
-    "uniboost": ("gamma", "gamma_ada", "gamma_min", "gamma_max")
-}
-
-
 def target_document(current: Settings, target: Settings) -> Settings | None:
     """The document that makes ``current`` run ``target``'s choice: within the same policy only
     the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept; a
@@ -183,17 +176,8 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
 
 
 def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
-    """The candidate the replica runs — its policy and, for a policy with ``OWN_KNOBS``, those
-    (the operator's other parameters, engine limits and pins aside) — None when none."""
-
-    def chosen(s: Settings) -> tuple[object, ...]:
-        own = OWN_KNOBS.get(s.policy)
-        if own is None:
-            return (s.policy, s.params)
-        return (s.policy, *(getattr(s.params, k) for k in own))
-
-    runs = chosen(running)
-    return next((name for name, s in pilot.options.items() if chosen(s) == runs), None)
+    """The candidate the replica runs (``tuner.candidates.running_candidate``), None when none."""
+    return running_candidate(pilot.options, running)
 
 
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
@@ -233,6 +217,9 @@ class LiveAutopilot:
         self.notes: dict[str, str] = {}  # replicas without a controller: why
         self.state = "dry-run"
         self.held: str | None = None
+        # One owner per knob: this process's lease on each replica it steers (a second autopilot
+        # on the same replica sees it and dry-runs there, saying who holds it).
+        self.leases = LeaseKeeper("autopilot")
 
     # --- inputs ----------------------------------------------------------------------------
     def on_poll(self, replica: str, result: PollResult) -> None:
@@ -254,6 +241,9 @@ class LiveAutopilot:
         """Read the control rows, observe every replica, carry decisions out; store the status."""
         ctl = await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster.name)
         self.state = ctl["state"]
+        for name in list(self.leases.until):
+            if not self.armed_on(name) or ctl.get("paused"):
+                await self.leases.release(self.cluster, name)
         if self.state == "disarmed":
             self.pilots.clear()
             self.held = "disarmed"
@@ -394,7 +384,7 @@ class LiveAutopilot:
             )
             engine = EngineConfig()
         pilot = Autopilot(base, self.config, engine)
-        pilot.current = candidate_running(pilot, running) or pilot.current
+        pilot.follow(candidate_running(pilot, running) or pilot.current)
         # Time 0 a window before now: the requests in flight at the start arrived after it.
         origin = float(doc.get("time") or 0.0) - self.config.window_s
         rp = ReplicaPilot(name, doc.get("instance"), origin, pilot)
@@ -479,6 +469,11 @@ class LiveAutopilot:
         if why_not is not None:
             rp.note = f"not applied: {why_not}"
             return
+        other = None
+        if self.armed_on(rp.name) and self.held is None:
+            # Taken (or renewed) at every decision while armed, a switch or not: the knobs stay
+            # this controller's as long as it runs.
+            other = await self.leases.hold(self.cluster, rp.name, self.clock())
         wanted = target_document(running, target)
         if wanted is None:
             rp.note = f"runs {decision.choice}: {decision.reason}"
@@ -491,7 +486,7 @@ class LiveAutopilot:
         if self.held is not None:
             rp.note = f"held: {self.held}"
             return
-        if not self.armed_on(rp.name):
+        if not self.armed_on(rp.name) or other is not None:
             if decision.changed:  # logged once per decision, not once a minute while it stays
                 await asyncio.to_thread(
                     self.store.settings_log.record_settings_change,
@@ -501,9 +496,11 @@ class LiveAutopilot:
                     old=running.to_dict(),
                     new=wanted.to_dict(),
                     result="dry-run",
-                    message=f"{note}; not sent (dry-run)",
+                    message=f"{note}; not sent ({'dry-run' if other is None else other})",
                 )
-            rp.note = f"dry-run: would run {decision.choice}"
+            rp.note = f"dry-run: would run {decision.choice}" + (
+                "" if other is None else f" — not ours to steer: {other}"
+            )
             return
         applied_ms = int(self.clock() * 1000)
         [res] = await apply_settings(
@@ -513,6 +510,7 @@ class LiveAutopilot:
             self.store,
             who=WHO,
             note=note,
+            lease=self.leases,
         )
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
         # A prediction only where both sides were compared (an overload decision compares none).
@@ -612,6 +610,7 @@ class LiveAutopilot:
                 self.store,
                 who=WHO,
                 note=note,
+                lease=self.leases,
             )
 
     def armed_on(self, replica: str) -> bool:
@@ -635,6 +634,8 @@ class LiveAutopilot:
                 "late": rp.pilot.late,
                 "future": rp.future,
                 "follows": rp.follows,
+                # another autopilot's lease on this replica: it only dry-runs here (why)
+                "lease": self.leases.others.get(name),
                 "worse_in_row": rp.worse_in_row,
                 "pending_verifications": len(rp.pending),
                 "last": list(rp.last),
@@ -674,7 +675,8 @@ def status_lines(row: dict[str, Any]) -> list[str]:
     if armed and only is not None:
         lines.append(f"  armed on {', '.join(only) or 'no replica'} only; the others dry-run")
     for name, r in sorted((status.get("replicas") or {}).items()):
-        runs = "running" if armed and (only is None or name in only) else "would run"
+        steers = armed and (only is None or name in only) and not r.get("lease")
+        runs = "running" if steers else "would run"
         if "choice" not in r:
             lines.append(f"  {name}: {r.get('note', '')}")
             continue

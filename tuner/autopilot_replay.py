@@ -13,6 +13,7 @@ from sim.engine import EngineConfig, SimResult, Simulator
 from sim.traces import Trace, TraceRequest
 from tuner.autopilot import Autopilot, AutopilotConfig
 from tuner.autopilot_types import Arrival, Decision, Observation
+from tuner.candidates import running_candidate
 
 
 def replay_with_autopilot(
@@ -31,7 +32,7 @@ def replay_with_autopilot(
     requests = sorted(trace, key=lambda r: (r.arrival, r.id))
     sim = Simulator(requests, base, engine)
     pilot = Autopilot(base, config, engine)
-    pilot.current = _name_of(pilot, base)
+    pilot.follow(running_candidate(pilot.options, base) or pilot.current)
     t_start = time.perf_counter()
     completions: list[Completion] = []
     held: list[Completion] = []  # finished after the observation's time: shown at the next
@@ -62,10 +63,3 @@ def replay_with_autopilot(
             break
     result = sim.result(completions, rejected_ids, time.perf_counter() - t_start)
     return result, pilot.decisions
-
-
-def _name_of(pilot: Autopilot, settings: Settings) -> str:
-    for name, s in pilot.options.items():
-        if s == settings:
-            return name
-    return pilot.current

@@ -13,9 +13,11 @@ processes. What a study is — windows, trial 0, the definition kept in the stud
   the same storage (RDB, or a journal file) until the study holds ``n_trials`` COMPLETE trials.
   Before a trial the worker checks the counts (and waits while the remaining slots are all taken by
   running trials), and a trial that finds ``n_trials`` earlier complete-or-running trials ends as
-  FAIL (user attr ``excess``) without running, so the number of complete trials is exactly
-  ``n_trials``. Heartbeats fail the trials of crashed workers (RDB); on a journal, which has none, a
-  worker fails the running trials of dead workers of its own host.
+  FAIL (user attr ``excess``) without running and without Optuna's warning and traceback (the
+  counts were read before the trial had its number: another worker took the slot), so the number
+  of complete trials is exactly ``n_trials``. Heartbeats fail the trials of crashed workers
+  (RDB); on a journal, which has none, a worker fails the running trials of dead workers of its
+  own host.
 * **Sampler streams.** A worker seeds its sampler with ``seed`` (+ 1,000,003 × its local worker
   index) + the number of finished trials, and keeps that stream while its trials are numbered
   one after another from where the study stood when it started (nothing running then): a worker
@@ -40,6 +42,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import sys
@@ -55,8 +58,9 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from scheduler.validation import finite_or_none
-from tuner.optuna_storage import open_storage, quiet_optuna, redact
+from tuner.optuna_storage import open_storage, quiet_optuna, redact, storage_exists
 from tuner.results import best_summary
+from tuner.search import POLICY_PARAM, SearchSpace
 from tuner.spec import StudySpec, TuneError
 from tuner.study import (
     OWNER_ATTR,
@@ -64,10 +68,13 @@ from tuner.study import (
     ROLE_ATTR,
     TRIAL_ATTR,
     TuneContext,
+    check_study_name,
+    draft,
     load_context,
     load_study,
     prepare,
     setup_lock,
+    study_exists,
 )
 
 # Where Optuna logs "Trial N failed ..." (optuna/study/_optimize.py's logger).
@@ -101,12 +108,21 @@ def stream_sampler(
     trial that is not (or from the start when ``expected`` is None), before each trial
     ``make_sampler(ctx, trial_seed(seed, number))``. Optuna's samplers keep nothing between
     trials that the storage does not hold, so a fresh one per trial samples as a long-lived one."""
-    return StreamSampler(functools.partial(make_sampler, ctx), seed, process_seed, expected)
+    return StreamSampler(
+        functools.partial(make_sampler, ctx), seed, process_seed, expected, space=ctx.space
+    )
 
 
 class StreamSampler(optuna.samplers.BaseSampler):
     """Delegates to the worker's own sampler, or to one rebuilt per trial (``stream_sampler``);
-    one trial at a time per process (``study.optimize`` with ``n_jobs=1``)."""
+    one trial at a time per process (``study.optimize`` with ``n_jobs=1``).
+
+    With ``space``, a candidate policy that has nothing to search (no parameter of its own and no
+    engine field: ``--no-engine`` with the production policy, say) gives one settings document
+    only; once a trial measured it — trial 0 measures the production policy's — drawing it again
+    would replay the same settings (an 8-trial ``--policy uniboost --no-engine`` study spent
+    trials 4–7 on the sarathi baseline). Such a draw is replaced by a candidate not yet measured
+    (seeded by the trial's number); when none is left, the draw stands."""
 
     def __init__(
         self,
@@ -114,9 +130,13 @@ class StreamSampler(optuna.samplers.BaseSampler):
         seed: int,
         process_seed: int,
         expected: int | None,
+        *,
+        space: SearchSpace | None = None,
     ) -> None:
         self.factory, self.seed, self.expected = factory, seed, expected
         self.inner = factory(process_seed)
+        self.single = _single_settings_policies(space) if space is not None else {}
+        self.candidates = space.policies if space is not None else ()
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if self.expected is not None and trial.number == self.expected:
@@ -134,7 +154,10 @@ class StreamSampler(optuna.samplers.BaseSampler):
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        return self.inner.sample_relative(study, trial, search_space)
+        params = self.inner.sample_relative(study, trial, search_space)
+        if POLICY_PARAM in params:
+            params[POLICY_PARAM] = self._unmeasured_policy(study, trial, params[POLICY_PARAM])
+        return params
 
     def sample_independent(
         self,
@@ -143,7 +166,29 @@ class StreamSampler(optuna.samplers.BaseSampler):
         param_name: str,
         param_distribution: BaseDistribution,
     ) -> Any:
-        return self.inner.sample_independent(study, trial, param_name, param_distribution)
+        value = self.inner.sample_independent(study, trial, param_name, param_distribution)
+        if param_name == POLICY_PARAM:
+            return self._unmeasured_policy(study, trial, value)
+        return value
+
+    def _unmeasured_policy(self, study: optuna.Study, trial: FrozenTrial, chosen: Any) -> Any:
+        """``chosen``, unless it is a policy whose one settings document a trial has measured
+        already (class docstring): then a candidate not yet measured, if any is left."""
+        if chosen not in self.single:
+            return chosen
+        measured = {p for p, is_production in self.single.items() if is_production}
+        for t in study.get_trials(
+            deepcopy=False,
+            states=(TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED),
+        ):
+            if t.number != trial.number and t.params.get(POLICY_PARAM) in self.single:
+                measured.add(t.params[POLICY_PARAM])
+        if chosen not in measured:
+            return chosen
+        fresh = [p for p in self.candidates if p not in measured]
+        if not fresh:
+            return chosen  # every candidate measured: nothing new is left to draw
+        return random.Random(trial_seed(self.seed, trial.number)).choice(fresh)
 
     def after_trial(
         self,
@@ -158,6 +203,23 @@ class StreamSampler(optuna.samplers.BaseSampler):
         self.inner.reseed_rng()
 
 
+def _single_settings_policies(space: SearchSpace) -> dict[str, bool]:
+    """The candidate policies of ``space`` with nothing to search (each gives one settings
+    document), and whether that document is the production settings (trial 0's)."""
+    if len(space.policies) < 2 or space.engine_dims:
+        return {}  # no policy choice to steer, or every policy has engine fields to search
+    production = space.production_settings.to_dict()
+    single = {}
+    for policy in space.policies:
+        if space.policy_dims.get(policy):
+            continue
+        try:
+            single[policy] = space.build(policy, {}, {}).to_dict() == production
+        except ValueError:  # settings the model refuses: a trial of it fails on its own
+            continue
+    return single
+
+
 def make_pruner(ctx: TuneContext) -> optuna.pruners.BasePruner:
     if ctx.spec.multi_objective or not ctx.spec.pruner:
         return optuna.pruners.NopPruner()
@@ -170,8 +232,8 @@ class Objective:
     def __init__(self, ctx: TuneContext, n_trials: int) -> None:
         self.ctx = ctx
         self.n_trials = n_trials
-        self.check_rank = False  # set by the worker loop near the end of the study
         self.interrupted: int | None = None  # the trial a KeyboardInterrupt stopped
+        self.excess: set[int] = set()  # trials this process refused (ExcessTrial)
 
     def __call__(self, trial: optuna.Trial) -> float | list[float]:
         try:
@@ -181,11 +243,13 @@ class Objective:
             raise
 
     def quiet_interrupted(self, record: logging.LogRecord) -> bool:
-        """A logging filter: drop Optuna's "Trial N failed ..." warnings of the interrupted trial
-        (``tune`` reports the interruption; each worker would print a traceback)."""
-        return self.interrupted is None or not record.getMessage().startswith(
-            f"Trial {self.interrupted} failed"
-        )
+        """A logging filter: drop Optuna's "Trial N failed ..." warnings (one with a traceback)
+        of the interrupted trial (``tune`` reports the interruption; each worker would print a
+        traceback) and of the trials refused as excess (a slot another worker took first: the
+        study goes on as it should, nothing failed)."""
+        message = record.getMessage()
+        quiet = [*self.excess, *([] if self.interrupted is None else [self.interrupted])]
+        return not any(message.startswith(f"Trial {number} failed") for number in quiet)
 
     def _evaluate(self, trial: optuna.Trial) -> float | list[float]:
         ctx = self.ctx
@@ -197,12 +261,15 @@ class Objective:
             settings = ctx.space.production_settings
         else:
             settings = ctx.space.suggest(trial)
+        # The production settings drawn again (nothing else left to draw) replay as trial 0 did:
+        # the simulator is deterministic, so its windows' metrics are the baseline's.
+        baseline = production or settings.to_dict() == ctx.space.production_settings.to_dict()
         single = not ctx.spec.multi_objective
         obj_name = ctx.objectives[0][0]
         per_window: dict[int, dict[str, float]] = {}
         pruned_after = None
         for i in ctx.search:
-            m = ctx.baseline[i] if production else ctx.run(settings, i)
+            m = ctx.baseline[i] if baseline else ctx.run(settings, i)
             per_window[i] = m
             if single:
                 v = m[obj_name]
@@ -233,29 +300,34 @@ class Objective:
         return values[0] if single else values
 
     def _refuse_excess(self, trial: optuna.Trial, production: bool) -> None:
-        """ExcessTrial when the study already holds ``n_trials`` earlier complete-or-running trials
-        (checked near the end only), or when this is a second production trial."""
-        if self.check_rank:
-            earlier = [
-                t
-                for t in trial.study.get_trials(
-                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)
-                )
-                if t.number < trial.number
-            ]
-            if len(earlier) >= self.n_trials:
-                trial.set_user_attr("excess", True)
-                raise ExcessTrial(
-                    f"trial {trial.number}: {self.n_trials} trials already complete or running"
-                )
-        if production and any(
-            t.number < trial.number and t.user_attrs.get(ROLE_ATTR) == PRODUCTION
+        """ExcessTrial when this is a second production trial, or another trial while the study
+        already holds ``n_trials`` earlier complete-or-running trials.
+
+        Checked on every trial, not only near the end: the worker loop's counts are read before
+        the trial has its number, and workers that read them at the same moment each saw the
+        same free slots (with more workers than free slots, the study ended with more than
+        ``n_trials`` complete trials). Only the trial's number orders the workers, so the check
+        is exact only here; it reads the trials the loop's count reads anyway."""
+        earlier = [
+            t
             for t in trial.study.get_trials(
                 deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)
             )
-        ):
-            trial.set_user_attr("excess", True)
-            raise ExcessTrial(f"trial {trial.number}: a production trial already ran")
+            if t.number < trial.number
+        ]
+        if production:
+            # Trial 0 is the study's reference whatever the count (a resumed study whose first
+            # production trial failed runs it again); only a second one is refused.
+            if any(t.user_attrs.get(ROLE_ATTR) == PRODUCTION for t in earlier):
+                self._refuse(trial, "a production trial already ran")
+        elif len(earlier) >= self.n_trials:
+            self._refuse(trial, f"{self.n_trials} trials already complete or running")
+
+    def _refuse(self, trial: optuna.Trial, why: str) -> None:
+        """End ``trial`` as FAIL (user attr ``excess``) without running it, quietly."""
+        self.excess.add(trial.number)
+        trial.set_user_attr("excess", True)
+        raise ExcessTrial(f"trial {trial.number}: {why}")
 
 
 def _counts(study: optuna.Study) -> tuple[int, int]:
@@ -317,7 +389,7 @@ def _run_waiting_production(
         ):
             return 0
         study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
-        return 1
+        return 0 if objective.excess else 1
 
 
 def run_worker(
@@ -355,9 +427,10 @@ def run_worker(
                 _fail_dead_trials(storage, study)
                 time.sleep(poll_s)
                 continue
-            objective.check_rank = remaining <= 2 * (running + 1) + 2
+            refused = len(objective.excess)
             study.optimize(objective, n_trials=1, catch=(ExcessTrial,))
-            done += 1
+            if len(objective.excess) == refused:  # a refused trial ran nothing
+                done += 1
     finally:
         trial_log.removeFilter(quiet)
 
@@ -463,9 +536,15 @@ def tune(
         raise TuneError(f"--trials {n_trials}: must be >= 1")
     if workers < 1:
         raise TuneError(f"--workers {workers}: must be >= 1")
+    check_study_name(name)
     log = log or (lambda _m: None)
-    storage = open_storage(url)
-    ctx = prepare(storage, name, spec, given, log)
+    # A new study's definition is checked whole (traces read, windows cut, baseline replayed)
+    # before a storage file is opened, which creates it: a refused definition leaves none behind.
+    storage = open_storage(url) if storage_exists(url) else None
+    new_study = spec is not None and (storage is None or not study_exists(storage, name))
+    prepared = draft(spec, log) if new_study and spec is not None else None
+    storage = storage or open_storage(url)
+    ctx = prepare(storage, name, spec, given, log, drafted=prepared)
     log(
         f"study {name}: {len(ctx.windows)} windows of {ctx.spec.window_s:g} s, search on "
         f"{len(ctx.search)} {ctx.search}, held out {ctx.holdout}"

@@ -110,6 +110,15 @@ def storage_file(url: str) -> str | None:
     return None
 
 
+def storage_exists(url: str) -> bool:
+    """Whether the storage at ``url`` (from :func:`storage_url`) is there to hold studies: its
+    SQLite or journal file exists (a server database, or SQLite in memory, is taken to be).
+    Opening a file storage creates the file, so ``tune`` asks this first and checks a new study's
+    definition before it opens one."""
+    path = storage_file(url)
+    return path is None or Path(path).exists()
+
+
 def _same_database(a: str, b: str) -> bool:
     from sqlalchemy.engine import make_url  # start-up cost: see the note at the imports
 

@@ -11,7 +11,11 @@ A ``db:`` trace URL is ``db:[STORE][#KEY=VALUE&...]``: STORE an SQLite path or S
   apart);
 * ``replicas``: comma-separated replica names; needed when the span has more than one replica,
   since the simulator replays one replica's traffic (``replicas=a,b`` merges theirs on purpose);
-* ``from``, ``to``: seconds from the span's first arrival (a part of the span).
+* ``from``, ``to``: seconds from the span's first arrival (a part of the span);
+* ``stored_until_ms``: only completions the store received before this time (its clock, ms since
+  the epoch). A study pins it (:func:`pin`) when it is created on a span that is still open — a
+  recording still running, or a cluster without a recording — so the recorder appending requests
+  afterwards does not change what the study replays.
 
 Which requests: those whose completion the collector stored while the recording ran (the store's
 own clock, so a twin's fast clock or a replica's skewed one does not matter); without a
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
 
 PREFIX = "db:"
 DB_ENV = "TAILPILOT_DB"
-KEYS = ("recording", "cluster", "replicas", "from", "to")
+KEYS = ("recording", "cluster", "replicas", "from", "to", "stored_until_ms")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RecordedSpan:
     replicas: tuple[str, ...] = ()
     start_s: float | None = None  # "from"
     end_s: float | None = None  # "to"
+    stored_until_ms: int | None = None  # completions stored before this (the store's clock)
 
     def url(self) -> str:
         """The ``db:`` URL naming this span (what ``recommend`` and studies report)."""
@@ -72,6 +77,7 @@ class RecordedSpan:
             ("replicas", ",".join(self.replicas) or None),
             ("from", self.start_s),
             ("to", self.end_s),
+            ("stored_until_ms", self.stored_until_ms),
         ]
         frag = "&".join(
             f"{k}={v:g}" if isinstance(v, float) else f"{k}={quote(str(v), safe=',/@:')}"
@@ -116,6 +122,14 @@ def parse_url(url: str) -> RecordedSpan:
         raise tr.TraceError(
             f"{url!r}: to ({bounds['to']:g}) must be after from ({bounds['from']:g})"
         )
+    stored_until_ms = None
+    if "stored_until_ms" in values:
+        text = values["stored_until_ms"]
+        if not text.isdigit():
+            raise tr.TraceError(
+                f"{url!r}: stored_until_ms={text!r} must be a whole number of milliseconds >= 0"
+            )
+        stored_until_ms = int(text)
     replicas = tuple(r for r in values.get("replicas", "").split(",") if r)
     return RecordedSpan(
         db=store or None,
@@ -124,6 +138,7 @@ def parse_url(url: str) -> RecordedSpan:
         replicas=replicas,
         start_s=bounds.get("from"),
         end_s=bounds.get("to"),
+        stored_until_ms=stored_until_ms,
     )
 
 
@@ -136,40 +151,9 @@ def load_recorded(
     """The span's requests as a Trace (arrivals from the first one, ids ``replica/request`` when
     several replicas are merged), from ``store`` if given (else the span's db, opened and closed
     here). TraceError when the span names nothing or holds no request."""
-    # start-up cost: see the note at the imports
-    from storage.database import StoreOpenError
-    from storage.engine import DatabaseMissing, require_existing  # start-up cost, likewise
-    from storage.store import Store  # start-up cost, likewise
-
     where = span.url()
-    context: AbstractContextManager[Any]
-    if store is None:
-        try:
-            url = span.db or os.environ.get(DB_ENV)
-            require_existing(url)  # reading a recording never creates an empty database
-            store = Store.open(url)
-        except (DatabaseMissing, StoreOpenError) as err:
-            raise tr.TraceError(f"{where}: {err}") from None
-        context = store
-    else:
-        context = nullcontext(store)
-    with context:
-        cluster, name, stored = _span(store, span, where)
-        known = [r.name for r in store.recordings.replicas(cluster)]
-        replicas = list(span.replicas) or known
-        missing = [r for r in replicas if r not in known]
-        if missing:
-            raise tr.TraceError(
-                f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
-                f"known: {', '.join(known) or 'none'}"
-            )
-        rows = [
-            row
-            for r in replicas
-            for row in store.readings.completions(
-                cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1]
-            )
-        ]
+    with _opened(span, store, where) as opened:
+        cluster, name, replicas, rows = _read_rows(opened, span, where)
     served = sorted({row.replica for row in rows})
     if not rows:
         raise tr.TraceError(
@@ -197,6 +181,78 @@ def load_recorded(
     if len(trace) == 0:
         raise tr.TraceError(f"{where}: no request arrived between from and to")
     return trace
+
+
+def _opened(span: RecordedSpan, store: Store | None, where: str) -> AbstractContextManager[Store]:
+    """``store`` as is, or the span's db opened (and closed on leaving) here."""
+    # start-up cost: see the note at the imports
+    from storage.database import StoreOpenError
+    from storage.engine import DatabaseMissing, require_existing  # start-up cost, likewise
+    from storage.store import Store  # start-up cost, likewise
+
+    if store is not None:
+        return nullcontext(store)
+    try:
+        url = span.db or os.environ.get(DB_ENV)
+        require_existing(url)  # reading a recording never creates an empty database
+        return Store.open(url)
+    except (DatabaseMissing, StoreOpenError) as err:
+        raise tr.TraceError(f"{where}: {err}") from None
+
+
+def _read_rows(
+    store: Store, span: RecordedSpan, where: str
+) -> tuple[str, str, list[str], list[CompletionRow]]:
+    """(cluster, display name, replicas read, the span's stored completions)."""
+    cluster, name, stored = _span(store, span, where)
+    known = [r.name for r in store.recordings.replicas(cluster)]
+    replicas = list(span.replicas) or known
+    missing = [r for r in replicas if r not in known]
+    if missing:
+        raise tr.TraceError(
+            f"{where}: cluster {cluster!r} has no replica {missing[0]!r}; "
+            f"known: {', '.join(known) or 'none'}"
+        )
+    rows = [
+        row
+        for r in replicas
+        for row in store.readings.completions(
+            cluster, r, stored_since_ms=stored[0], stored_until_ms=stored[1]
+        )
+    ]
+    return cluster, name, replicas, rows
+
+
+def pin(url: str) -> str:
+    """``url`` with its span closed at the last completion stored now (``stored_until_ms``) when
+    the span is still open: a recording still running (the recorder keeps appending requests) or
+    a cluster's completions without a recording. A study is created on the pinned URL, so it
+    replays the same requests later however much the recording grew; a request stored inside the
+    pinned span afterwards still changes its digest (the study refuses it). A closed span (an
+    ended recording, or one pinned already) comes back as given."""
+    span = parse_url(url)
+    if span.stored_until_ms is not None:
+        return url
+    where = span.url()
+    with _opened(span, None, where) as store:
+        if _span(store, span, where)[2][1] is not None:
+            return url  # an ended recording: what the store holds of it no longer grows
+        cluster, _, replicas, rows = _read_rows(store, span, where)
+        wanted: dict[str, list[str]] = {}
+        for row in rows:
+            wanted.setdefault(row.replica, []).append(row.request_id)
+        stored_s = [
+            t
+            for replica in replicas
+            for t in store.readings.completion_stored_s(cluster, replica, wanted.get(replica, []))
+        ]
+    if not stored_s:
+        raise tr.TraceError(
+            f"{where}: no completions stored for {', '.join(replicas) or 'any replica'} "
+            f"of cluster {cluster!r} in this span"
+        )
+    # Just after the newest completion read: what is stored from now on is left out.
+    return replace(span, stored_until_ms=round(max(stored_s) * 1000) + 1).url()
 
 
 def rows_to_trace(
@@ -291,13 +347,13 @@ def _span(
                     f"{where}: name a recording= or a cluster= (clusters in the store: "
                     f"{', '.join(clusters) or 'none'})"
                 )
-            return clusters[0], clusters[0], (None, None)
+            return clusters[0], clusters[0], (None, span.stored_until_ms)
         if span.cluster not in clusters:
             raise tr.TraceError(
                 f"{where}: no cluster {span.cluster!r} in the store; known: "
                 f"{', '.join(clusters) or 'none'}"
             )
-        return span.cluster, span.cluster, (None, None)
+        return span.cluster, span.cluster, (None, span.stored_until_ms)
     found = [r for r in store.recordings.all(span.cluster) if r.name == span.recording]
     if not found:
         names = sorted({r.name for r in store.recordings.all(span.cluster)})
@@ -312,7 +368,12 @@ def _span(
             f"{', '.join(sorted({r.cluster for r in found}))}: add cluster=NAME"
         )
     rec = found[-1]  # the newest of that name
-    return rec.cluster, rec.name, (rec.started_ms, rec.ended_ms)
+    return rec.cluster, rec.name, (rec.started_ms, _earlier(rec.ended_ms, span.stored_until_ms))
+
+
+def _earlier(a: int | None, b: int | None) -> int | None:
+    """The earlier of two optional upper bounds (None: open)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def load_any(
@@ -334,9 +395,15 @@ def canonical(url: str) -> str:
     return span.url()
 
 
+def unpinned(url: str) -> str:
+    """``url`` without the pin :func:`pin` adds: the span as the user names it (``--recording``,
+    a ``db:`` URL), for comparing with a study's pinned one."""
+    return replace(parse_url(url), stored_until_ms=None).url()
+
+
 def trace_digest(trace: tr.Trace) -> str:
-    """SHA-256 over every request (a recording still running changes it; a study checks it on
-    resume as it checks a file's)."""
+    """SHA-256 over every request (a study checks it on resume as it checks a file's; a study's
+    recording is pinned, so only a change inside the pinned span alters it)."""
     h = hashlib.sha256()
     for r in trace:
         h.update(

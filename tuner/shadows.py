@@ -121,6 +121,18 @@ class Shadow:
         fork.next_arrival = 0
         return fork
 
+    def spawn(self, settings: Settings) -> Shadow:
+        """A new shadow that takes over this one's engine (queue, batch, KV, clock) and what it
+        served so far, and runs ``settings`` from its next step — as a replica switched now would
+        (``tuner.candidates``: the search starts a candidate this way, never from an empty
+        engine)."""
+        child = Shadow.__new__(Shadow)
+        memo: dict[int, object] = {id(self.sim.gamma_timeline): []}
+        child.sim = copy.deepcopy(self.sim, memo)
+        child.sim.apply_settings(settings)
+        child.done = dict(self.done)
+        return child
+
     def project(
         self, pending: set[str], horizon_s: float, forecast: Sequence[TraceRequest] = ()
     ) -> Projection:

@@ -191,16 +191,20 @@ class StudySpec(BaseModel):
         return cls(**d)
 
     def normalize(self) -> StudySpec:
-        """Complete the definition: absolute paths (files must exist), canonical metric names,
-        constraints checked against the SLOs, file digests."""
-        self.traces = [
-            None
-            if p in (None, "bundled")
-            else recorded.canonical(p)
-            if recorded.is_recorded(p)
-            else str(Path(p).resolve())
-            for p in self.traces
-        ] or [None]
+        """Complete the definition: absolute paths (files must exist), recorded spans pinned
+        (``tuner.recorded.pin``: a recording still growing is replayed up to where it stood),
+        canonical metric names, constraints checked against the SLOs, file digests."""
+        try:
+            self.traces = [
+                None
+                if p in (None, "bundled")
+                else recorded.pin(recorded.canonical(p))
+                if recorded.is_recorded(p)
+                else str(Path(p).resolve())
+                for p in self.traces
+            ] or [None]
+        except tr.TraceError as err:
+            raise SpecError("traces", str(err)) from None
         self.mix = [(str(Path(p).resolve()), f) for p, f in self.mix]
         for name, paths in (
             ("traces", filter(None, self.traces)),

@@ -25,7 +25,11 @@ A study is *trace windows × policy × search space × objective(s) × constrain
   production settings, engine config with the step-time coefficients, seed), the derived search
   space, γ̂ and the baseline, plus a fingerprint of the windows. A resuming ``tune``, a worker on
   another machine and ``recommend`` rebuild exactly the same windows from it (and refuse when a
-  trace file changed).
+  trace file changed). A recording still running is pinned where it stood when the study was
+  created (``tuner.recorded.pin``): the recorder appending requests afterwards changes nothing
+  the study replays, while a request changed inside that span is refused like a changed file.
+* **Checked before it is stored.** A new study's context is derived whole (:func:`draft`) before
+  ``tune`` opens a storage file, so a refused definition leaves no database or journal behind.
 
 Rooms: the definition is ``tuner/spec.py``, the windows and their replay ``tuner/windows.py``,
 where a study lives ``tuner/optuna_storage.py``; this module prepares a study and rebuilds its
@@ -57,7 +61,14 @@ from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceError
 from tuner import recorded
 from tuner.objectives import Constraint, tracked_metrics
-from tuner.optuna_storage import quiet_optuna, storage_file, url_of
+from tuner.optuna_storage import (
+    open_storage,
+    quiet_optuna,
+    redact,
+    storage_exists,
+    storage_file,
+    url_of,
+)
 from tuner.search import SearchSpace, build_space, parse_range
 from tuner.spec import SpecError, StudyConflict, StudySpec, TuneError, file_digest
 from tuner.windows import (
@@ -191,6 +202,7 @@ def load_study(
     (:class:`TuneError` when there is none)."""
     import optuna  # start-up cost: see the note above TYPE_CHECKING
 
+    check_study_name(name)
     if spec is not None:
         directions = [d for _, d in spec.objective_dirs()]
         return optuna.create_study(
@@ -204,12 +216,70 @@ def load_study(
     try:
         return optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError:
-        raise TuneError(f"--study {name}: no such study in this storage") from None
+        raise TuneError(no_such_study(storage, name)) from None
+
+
+def check_study_name(name: str) -> None:
+    """Refuse a study name that is not text (bytes that are not UTF-8 reach Python as lone
+    surrogates, which no storage can encode: SQLAlchemy raised UnicodeEncodeError mid-query)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "surrogateescape")
+        raise TuneError(
+            f"--study {raw!r}: not UTF-8 text; a study name is stored as text: use letters, "
+            "digits, '-' and '_'"
+        ) from None
+
+
+def study_names(storage: BaseStorage) -> list[str]:
+    """The names of the studies ``storage`` holds, sorted."""
+    return sorted(s.study_name for s in storage.get_all_studies())
+
+
+MAX_NAMES_SHOWN = 20  # a storage shared by a team may hold hundreds of studies
+
+
+def no_such_study(storage: BaseStorage, name: str) -> str:
+    """The message for study ``name`` missing from ``storage``: which studies it does hold (a
+    typo shows) and how to create this one."""
+    return _missing(redact(url_of(storage)) or "this storage", name, study_names(storage))
+
+
+def missing_study_message(url: str, name: str) -> str | None:
+    """Why study ``name`` is not in the storage at ``url`` (``optuna_storage.storage_url``'s form)
+    — the studies it holds and how to create this one — or None when it is there. A storage file
+    that does not exist is not created. For commands that read a study's results from elsewhere
+    (``tailpilot export --study`` reads tailpilot's database) to tell "no such study" apart from
+    "not recommended yet"."""
+    check_study_name(name)
+    if not storage_exists(url):
+        return _missing(redact(url), name, [], missing_file=True)
+    storage = open_storage(url)
+    if study_exists(storage, name):
+        return None
+    return no_such_study(storage, name)
+
+
+def _missing(where: str, name: str, names: Sequence[str], *, missing_file: bool = False) -> str:
+    if missing_file:
+        held = "the storage does not exist yet"
+    elif not names:
+        held = "it holds no study"
+    else:
+        shown = ", ".join(names[:MAX_NAMES_SHOWN])
+        more = len(names) - MAX_NAMES_SHOWN
+        held = f"studies there: {shown}" + (f" and {more} more" if more > 0 else "")
+    return (
+        f"--study {name}: no such study in {where} ({held}); create it with `tailpilot tune "
+        f"--study {name} --policy POLICY --objective METRIC` (and the same --storage)"
+    )
 
 
 def study_exists(storage: BaseStorage, name: str) -> bool:
     import optuna  # start-up cost: see the note above TYPE_CHECKING
 
+    check_study_name(name)
     try:
         storage.get_study_id_from_name(name)
         return True
@@ -255,7 +325,9 @@ def _resolve_spec(study: Study, spec: StudySpec | None, given: Mapping[str, Any]
 def _canon(key: str, value: Any) -> Any:
     """Comparable form of a spec field (paths resolved, metric aliases resolved)."""
     if key == "traces":
-        return [None if p in (None, "bundled") else str(Path(p).resolve()) for p in value] or [None]
+        # A study's recording is pinned where it stood when the study was created
+        # (``recorded.pin``); the recording as the user names it again is the same trace.
+        return [_canon_trace(p) for p in value] or [None]
     if key == "mix":
         return [(str(Path(p).resolve()), float(f)) for p, f in value]
     if key == "objectives":
@@ -272,22 +344,38 @@ def _canon(key: str, value: Any) -> Any:
     return value
 
 
+def _canon_trace(path: str | None) -> str | None:
+    if path in (None, "bundled"):
+        return None
+    if recorded.is_recorded(path):
+        try:
+            return recorded.unpinned(recorded.canonical(path))
+        except TraceError:  # a URL edited by hand in the study: compared as written
+            return path
+    return str(Path(path).resolve())
+
+
 def prepare(
     storage: BaseStorage,
     name: str,
     spec: StudySpec | None = None,
     given: Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
+    drafted: Draft | None = None,
 ) -> TuneContext:
     """Create (or join/resume) study ``name`` and return this process's context.
 
     ``spec``: the definition for a new study (ignored, except for conflict checks, when the study
     exists). ``given``: the spec fields the user set explicitly; a resumed study whose stored value
-    differs raises :class:`StudyConflict` naming the field.
+    differs raises :class:`StudyConflict` naming the field. ``drafted``: :func:`draft` of ``spec``,
+    made before the storage was opened; a new study stores it instead of deriving it again.
     """
     quiet_optuna()
+    check_study_name(name)
     log = log or (lambda _m: None)
-    if spec is not None:
+    if drafted is not None:
+        spec = drafted.ctx.spec  # normalized by draft()
+    elif spec is not None:
         spec.normalize()
     # One process at a time sets a study up (definition, baseline, trial 0); the others wait and
     # then find everything stored.
@@ -301,9 +389,7 @@ def prepare(
                 given = {k: getattr(spec, k) for k in _DEFINING}
             spec = _resolve_spec(study, spec, dict(given or {}))
         elif spec is None:
-            raise TuneError(
-                f"--study {name}: no such study; give --policy and --objective to create it"
-            )
+            raise TuneError(no_such_study(storage, name))
         else:
             study = load_study(storage, name, spec)
             if stored_spec(study) is None:
@@ -312,11 +398,29 @@ def prepare(
             # definition wins, and the others must agree with it.
             spec = _resolve_spec(study, spec, {k: getattr(spec, k) for k in _DEFINING})
             try:
-                return _context(study, spec, log)
+                return _context(study, spec, log, drafted=drafted)
             except TuneError:
                 _discard_new_study(storage, study)
                 raise
         return _context(study, spec, log)
+
+
+@dataclass
+class Draft:
+    """A new study's context derived from its definition alone (:func:`draft`), and the user
+    attributes that keep it in the study."""
+
+    ctx: TuneContext
+    attrs: dict[str, Any]
+
+
+def draft(spec: StudySpec, log: Callable[[str], None] | None = None) -> Draft:
+    """Everything a new study derives from ``spec`` — the definition normalized (files found,
+    recordings pinned and digested), windows and split, γ̂, search space, the production
+    baseline — with every check that can refuse it, before any storage is opened: ``tune`` with
+    a bad definition leaves no database or journal behind. :func:`prepare` stores it."""
+    spec.normalize()
+    return Draft(*_derive(spec, {}, "(new)", log or (lambda _m: None)))
 
 
 def _discard_new_study(storage: BaseStorage, study: Study) -> None:
@@ -395,38 +499,64 @@ def setup_lock(storage: BaseStorage, name: str) -> Iterator[None]:
     yield
 
 
+_DERIVED = (ATTR_FINGERPRINT, ATTR_SPLIT, ATTR_GAMMA_HAT, ATTR_SPACE, ATTR_BASELINE)
+
+
 def _context(
-    study: Study, spec: StudySpec, log: Callable[[str], None], enqueue: bool = True
+    study: Study,
+    spec: StudySpec,
+    log: Callable[[str], None],
+    enqueue: bool = True,
+    drafted: Draft | None = None,
 ) -> TuneContext:
-    _check_digests(spec)
+    attrs = study.user_attrs
+    if (
+        drafted is not None
+        and not any(k in attrs for k in _DERIVED)
+        and drafted.ctx.spec.to_dict() == spec.to_dict()  # not another process's definition
+    ):
+        ctx, new = drafted.ctx, drafted.attrs  # derived (and its traces checked) a moment ago
+    else:
+        _check_digests(spec)
+        ctx, new = _derive(spec, attrs, study.study_name, log)
+    # Stored together once everything is derived: a definition refused half-way stores nothing.
+    for key, value in new.items():
+        study.set_user_attr(key, value)
+    if enqueue:
+        _ensure_production_trial(study, ctx)
+    return ctx
+
+
+def _derive(
+    spec: StudySpec, attrs: Mapping[str, Any], study_name: str, log: Callable[[str], None]
+) -> tuple[TuneContext, dict[str, Any]]:
+    """The context of ``spec``, taking what the study's user attributes ``attrs`` already hold
+    and deriving the rest; (context, the attributes to add)."""
+    new: dict[str, Any] = {}
     windows = build_windows(spec)
     search, held = split_windows(spec, len(windows), [window_load(w) for w in windows])
-    attrs = study.user_attrs
     fp = fingerprint(windows)
     if ATTR_FINGERPRINT in attrs and attrs[ATTR_FINGERPRINT] != fp:
         raise TuneError(
-            f"study {study.study_name}: the windows rebuilt here differ from the study's "
+            f"study {study_name}: the windows rebuilt here differ from the study's "
             "(different tailpilot version or trace loader?)"
         )
     if ATTR_FINGERPRINT not in attrs:
-        study.set_user_attr(ATTR_FINGERPRINT, fp)
-        study.set_user_attr(
-            ATTR_SPLIT,
-            {
-                "search": search,
-                "holdout": held,
-                "windows": [
-                    {
-                        "index": w.index,
-                        "source": w.source,
-                        "start_s": w.start_s,
-                        "requests": len(w.measured),
-                        "warmup_requests": len(w.trace) - len(w.measured),
-                    }
-                    for w in windows
-                ],
-            },
-        )
+        new[ATTR_FINGERPRINT] = fp
+        new[ATTR_SPLIT] = {
+            "search": search,
+            "holdout": held,
+            "windows": [
+                {
+                    "index": w.index,
+                    "source": w.source,
+                    "start_s": w.start_s,
+                    "requests": len(w.measured),
+                    "warmup_requests": len(w.trace) - len(w.measured),
+                }
+                for w in windows
+            ],
+        }
     config = spec.engine_config()
     if ATTR_GAMMA_HAT in attrs:
         gamma_hat = _num(attrs[ATTR_GAMMA_HAT])
@@ -434,7 +564,7 @@ def _context(
         gamma_hat = (
             estimate_gamma(spec, windows, search, config) if _wants_gamma(spec) else math.nan
         )
-        study.set_user_attr(ATTR_GAMMA_HAT, None if not math.isfinite(gamma_hat) else gamma_hat)
+        new[ATTR_GAMMA_HAT] = None if not math.isfinite(gamma_hat) else gamma_hat
         if math.isfinite(gamma_hat):
             log(f"gamma-hat from an FCFS replay of the search windows: {gamma_hat:.4g} /s")
     if ATTR_SPACE in attrs:
@@ -452,7 +582,7 @@ def _context(
             )
         except ValueError as err:
             raise TuneError(str(err)) from None
-        study.set_user_attr(ATTR_SPACE, space.to_dict())
+        new[ATTR_SPACE] = space.to_dict()
     ctx = TuneContext(spec, space, windows, search, held, gamma_hat, {})
     if ATTR_BASELINE in attrs:
         ctx.baseline = {
@@ -467,13 +597,10 @@ def _context(
                     f"{name}: undefined (NaN) on every search window for the "
                     "production settings; pick another metric",
                 )
-        study.set_user_attr(
-            ATTR_BASELINE,
-            {str(i): {m: finite_or_none(v) for m, v in d.items()} for i, d in ctx.baseline.items()},
-        )
-    if enqueue:
-        _ensure_production_trial(study, ctx)
-    return ctx
+        new[ATTR_BASELINE] = {
+            str(i): {m: finite_or_none(v) for m, v in d.items()} for i, d in ctx.baseline.items()
+        }
+    return ctx, new
 
 
 def _wants_gamma(spec: StudySpec) -> bool:
@@ -494,8 +621,8 @@ def _check_digests(spec: StudySpec) -> None:
                 raise TuneError(f"recorded trace of this study: {err}") from None
             if now != digest:
                 raise TuneError(
-                    f"recorded trace {path} changed since the study was created (its requests "
-                    "differ)"
+                    f"recorded trace {path} changed since the study was created (requests "
+                    "inside the span it tuned on differ: deleted, or stored late)"
                 )
             continue
         if not Path(path).is_file():

@@ -50,7 +50,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,34 @@ class ManualClock(TwinClock):
 
     def advance(self, dt: float) -> None:
         self.t += float(dt)
+
+
+async def drive_on_manual_clock(
+    clock: ManualClock,
+    twins: Sequence[TwinReplica],
+    collector: Any,
+    controller: Any,
+    client: Any,
+    *,
+    t_end: float,
+    until: Callable[[Any], bool] | None = None,
+) -> None:
+    """Move the twins 2 s at a time on a manual clock (replica seconds: the caller moves the
+    clock, not the machine — tests and CPU benchmarks), poll each with ``collector``, and step
+    ``controller`` (``step(client)``: the live autopilot) every 6 s, until ``t_end`` or
+    ``until(controller)``."""
+    t = clock.t
+    while t < t_end:
+        t += 2.0
+        clock.set(t)
+        for twin in twins:
+            twin.advance(t)
+            await collector.poll(twin.name)
+        await collector.flush()
+        if round(t) % 6 == 0:
+            await controller.step(client)
+            if until is not None and until(controller):
+                return
 
 
 # ------------------------------------------------------------------------------------- ticker
@@ -453,8 +481,13 @@ class TwinReplica:
     def api_settings(self) -> dict[str, Any]:
         return self.core.settings_doc()
 
-    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]:
-        return self.core.put_settings(doc, if_match)
+    def api_put_settings(
+        self, doc: dict[str, Any], if_match: int | None, lease: tuple[str, str] | None = None
+    ) -> dict[str, Any]:
+        return self.core.put_settings(doc, if_match, lease)
+
+    def api_lease(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.core.leases.take(doc)
 
     def api_steps(self, cursor: int) -> dict[str, Any]:
         steps, next_cursor = self.core.steps_since(cursor)
@@ -517,25 +550,34 @@ class TwinCluster:
             t.join()
 
     def cluster_doc(
-        self, name: str | None = None, token_env: str | None = TOKEN_ENV
+        self,
+        name: str | None = None,
+        token_env: str | None = TOKEN_ENV,
+        governance: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The cluster file's document (``controlplane.cluster``'s format)."""
+        """The cluster file's document (``controlplane.cluster``'s format), with a
+        ``governance`` block when given."""
         replicas = []
         for r in self.replicas:
             entry = {"name": r.name, "api_url": r.url, "control_url": r.control_url}
             if token_env:
                 entry["token_env"] = token_env
             replicas.append(entry)
-        return {"clusters": [{"name": name or self.name, "replicas": replicas}]}
+        cluster: dict[str, Any] = {"name": name or self.name, "replicas": replicas}
+        if governance is not None:
+            cluster["governance"] = dict(governance)
+        return {"clusters": [cluster]}
 
     def write_cluster_yaml(
         self,
         path: str | os.PathLike[str],
         name: str | None = None,
         token_env: str | None = TOKEN_ENV,
+        governance: Mapping[str, Any] | None = None,
     ) -> Path:
         out = Path(path)
-        out.write_text(yaml.safe_dump(self.cluster_doc(name, token_env), sort_keys=False))
+        doc = self.cluster_doc(name, token_env, governance)
+        out.write_text(yaml.safe_dump(doc, sort_keys=False))
         return out
 
 

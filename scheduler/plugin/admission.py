@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from scheduler.plugin.wire import encode_json
+from scheduler.settings import MAX_DOCUMENT_BYTES
 
 log = logging.getLogger("tailpilot.control")
 
@@ -55,7 +56,7 @@ class Limits:
 
     max_connections: int = 32  # concurrent; more get an immediate 503 from the accept thread
     backlog: int = 128  # listen queue: a burst of pollers waits in the kernel, not in a reset
-    max_body: int = 64 * 1024  # a settings document is ~1 KiB
+    max_body: int = MAX_DOCUMENT_BYTES  # the largest settings document the model accepts
     max_header_bytes: int = 16 * 1024  # request line + headers
     request_timeout_s: float = 10.0  # from a request's first line to the last byte of its answer
     first_request_s: float = 5.0  # a new connection must send its request line within this

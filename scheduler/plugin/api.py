@@ -64,6 +64,7 @@ from pydantic import ValidationError
 from scheduler.plugin.admission import CLOSED_EARLY, BoundedHTTPServer, Limits, TokenBucket
 from scheduler.plugin.core import SettingsConflict
 from scheduler.plugin.env import DEFAULT_PORT, TOKEN_ENV, TOKEN_FILE_ENV, PluginEnv
+from scheduler.plugin.lease import LEASE_HEADER, LeaseConflict, parse_lease_header
 from scheduler.plugin.request import (
     HeaderBudgetReader,
     HTTPError,
@@ -108,7 +109,9 @@ class ControlTarget(Protocol):
 
     def api_state(self, cursor: int | None) -> dict[str, Any]: ...
     def api_settings(self) -> dict[str, Any]: ...
-    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]: ...
+    def api_put_settings(
+        self, doc: dict[str, Any], if_match: int | None, lease: tuple[str, str] | None = None
+    ) -> dict[str, Any]: ...
     def api_steps(self, cursor: int) -> dict[str, Any]: ...
 
 
@@ -120,6 +123,7 @@ class OptionalEndpoints(Protocol):
     def api_metrics(self) -> tuple[bytes, str]: ...  # (body, content type)
     def api_models(self) -> dict[str, Any]: ...
     def api_health(self) -> bool: ...
+    def api_lease(self, doc: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class ControlHTTPServer(BoundedHTTPServer):
@@ -383,14 +387,31 @@ class ControlHandler(BaseHTTPRequestHandler):
         parse_query(self.path, ())
         self._authorize()
         version = parse_if_match(self.headers)
+        try:
+            lease = parse_lease_header(self.headers.get(LEASE_HEADER))
+        except ValueError as err:
+            raise HTTPError(400, f"{LEASE_HEADER}: {err}") from None
         doc = read_settings_document(self.headers, self.reader, self.server.limits)
         try:
-            result = self.server.target.api_put_settings(doc, version)
-        except SettingsConflict as err:
+            result = self.server.target.api_put_settings(doc, version, lease)
+        except (SettingsConflict, LeaseConflict) as err:
             raise HTTPError(409, str(err)) from None
         except (ValidationError, ValueError, TypeError) as err:
             raise HTTPError(400, describe_error(err)) from None
         self._send(200, result, {"ETag": str(result["version"])})
+
+    def put_lease(self) -> None:
+        """Take, renew or (``ttl_s`` 0) release a controller's lease (scheduler.plugin.lease)."""
+        parse_query(self.path, ())
+        self._authorize()
+        doc = read_settings_document(self.headers, self.reader, self.server.limits)
+        try:
+            result = self._optional().api_lease(doc)
+        except LeaseConflict as err:
+            raise HTTPError(409, str(err)) from None
+        except ValueError as err:
+            raise HTTPError(400, str(err)) from None
+        self._send(200, result)
 
     def _bearer(self) -> str | None:
         """The credentials of ``Authorization: Bearer <token>``, the scheme in any case (RFC 7235).
@@ -432,6 +453,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", f"{PREFIX}/state"): Route(ControlHandler.get_state),
     ("GET", f"{PREFIX}/settings"): Route(ControlHandler.get_settings),
     ("PUT", f"{PREFIX}/settings"): Route(ControlHandler.put_settings),
+    ("PUT", f"{PREFIX}/lease"): Route(ControlHandler.put_lease, needs="api_lease"),
     ("GET", f"{PREFIX}/steps"): Route(ControlHandler.get_steps),
     ("GET", f"{PREFIX}/health"): Route(ControlHandler.get_health),
     # A replica's in-flight listing (the plugin and the twins; not the recorder's metrics page).

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
+from scheduler.plugin.lease import Leases
 from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
@@ -178,6 +179,7 @@ class ReplicaCore:
         # the newest of them that is not the one that failed.
         self._good: tuple[Settings, int] | None = None
         self._good_before: tuple[Settings, int] | None = None
+        self.leases = Leases(clock)  # who may steer the knobs (scheduler.plugin.lease)
 
     def start_refit_thread(self, interval_s: float = REFIT_INTERVAL_S) -> threading.Thread:
         """Refit the history predictor on a timer, never inside the scheduling step
@@ -217,11 +219,17 @@ class ReplicaCore:
             settings, version = (self._pending or self.settings), self.version
         return {"settings": settings.to_dict(), "version": version, "replica": self.replica}
 
-    def put_settings(self, doc: dict[str, Any], if_match: int | None = None) -> dict[str, Any]:
+    def put_settings(
+        self,
+        doc: dict[str, Any],
+        if_match: int | None = None,
+        lease: tuple[str, str] | None = None,
+    ) -> dict[str, Any]:
         """Validate and stage a settings document; it applies at the start of the next step.
 
-        Raises pydantic's ValidationError (or ValueError) for a bad document and
-        SettingsConflict for a stale ``If-Match``; either way nothing changes.
+        Raises pydantic's ValidationError (or ValueError) for a bad document, SettingsConflict
+        for a stale ``If-Match`` and LeaseConflict when a controller sends it under ``lease``
+        (kind, holder) while another holds that kind's lease; either way nothing changes.
         """
         with self._lock:
             current = self._pending or self.settings
@@ -237,6 +245,7 @@ class ReplicaCore:
                 raise SettingsConflict(
                     f"If-Match {if_match} does not match the current version {self.version}"
                 )
+            self.leases.check(lease)
             current = self._pending or self.settings
             self._pending = new
             self.version += 1
@@ -600,4 +609,5 @@ class ReplicaCore:
             "next_cursor": next_cursor,
             "more": next_cursor < self._next_seq(self._completions),
             "breaker": self.breaker.as_dict(),
+            "leases": self.leases.as_dict(),
         }

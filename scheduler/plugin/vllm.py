@@ -549,8 +549,13 @@ class TailpilotMixin(_StockScheduler):
     def api_settings(self) -> dict[str, Any]:
         return self.tp_core.settings_doc()
 
-    def api_put_settings(self, doc: dict[str, Any], if_match: int | None) -> dict[str, Any]:
-        answer = self.tp_core.put_settings(doc, if_match)
+    def api_lease(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.tp_core.leases.take(doc)
+
+    def api_put_settings(
+        self, doc: dict[str, Any], if_match: int | None, lease: tuple[str, str] | None = None
+    ) -> dict[str, Any]:
+        answer = self.tp_core.put_settings(doc, if_match, lease)
         self.tp_core.apply_if_idle(time.time())  # an idle engine would wait for the next request
         return answer
 

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable
 from statistics import NormalDist
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -372,6 +372,18 @@ class HistoryPredictor(LengthPredictor):
                     pool = self._pools[key] = deque(maxlen=self.window)
                 pool.append(v)
                 self._new[key] = self._new.get(key, 0) + 1
+
+    # A copy (the autopilot forks a shadow's engine, predictor included) takes the pools and fits
+    # and a lock of its own.
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def n_observations(self, key: Key) -> int:
         with self._lock:
