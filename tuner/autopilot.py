@@ -1,11 +1,15 @@
-"""The autopilot: choose the scheduler's γ online, for the traffic being served, from the past only.
+"""The autopilot: choose the scheduler's settings online, for the traffic being served, from the
+past only.
 
-How it decides (README, "The autopilot"). Each candidate setting — uniboost at a fixed γ on a
-log grid, the defaults (γ-Ada), and sarathi (vLLM's own order, the guard's reference) — has a
-*shadow*: a simulator that replays the replica's own traffic under that setting, continuously,
-from the moment the autopilot started. A shadow never starts from an empty engine and never
-judges a setting over a few minutes: it answers "how would this setting have served everything
-so far", which is what a fixed setting chosen with hindsight is scored on. Every ``interval_s``
+How it decides (README, "The autopilot"). The candidate settings (``tuner.candidates``: uniboost
+at a fixed γ on a log grid, the defaults (γ-Ada), TIE at a fixed β, MemGuard's other quantization
+bases, sarathi — vLLM's own order, the guard's reference — and slofq with declared SLOs; the
+operator's pins bound them) are searched: at most ``max_shadows`` have a *shadow* at a time, a
+simulator that replays the replica's own traffic under that setting, continuously, since the
+autopilot started or since it was forked from a running neighbour. A shadow never starts from an
+empty engine and never judges a setting over a few minutes: it answers "how would this setting
+have served everything so far", which is what a fixed setting chosen with hindsight is scored
+on. Every ``interval_s``
 the autopilot compares the shadows on the same requests — those that arrived in the last
 ``window_s`` before the shadows' clock — among the candidates that keep the operator's promise
 (``tuner.promise``: by default no quantile of TTFT or TTLT, nor throughput, worse than sarathi's
@@ -28,6 +32,7 @@ one setting all along, do not see. The rules, each measured (README, "The autopi
   and the promise judged on the window and those arrivals together — a small γ that looks as
   good as any at the start of a burst holds the long requests back through it, and fails here;
   while the load rises, the running choice below the defaults is stress-tested every decision;
+* leaving a break by a move down takes the stress test too (else the best at or above);
 * a move up takes the ``hysteresis`` margin (``leave_defaults`` from the defaults) after
   ``min_dwell_s``, or the running choice breaking the promise — beyond its sampling noise — on
   ``guard_patience`` decisions in a row;
@@ -164,9 +169,10 @@ class AutopilotConfig(BaseModel):
     overload_recheck: int = Field(5, ge=1, le=1_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
     # The search (``tuner.candidates.ShadowSearch``): at most this many shadows run (0: all); an
-    # explorer behind the best by ``prune_margin`` (or breaking the promise) on ``prune_patience``
-    # judged decisions in a row is retired; a forked one is judged but neither chosen nor retired
-    # for ``probation_s``; a retired one comes back no sooner than ``retry_s``.
+    # explorer behind the best that keeps the promise by ``prune_margin`` on ``prune_patience``
+    # judged decisions in a row is retired (a break alone is not a reason); a forked one is judged
+    # but neither chosen nor retired for ``probation_s``; a retired one comes back no sooner than
+    # ``retry_s``.
     max_shadows: int = Field(10, ge=0, le=1_000)
     prune_margin: float = Field(0.25, ge=0.0, le=100.0)
     prune_patience: int = Field(3, ge=1, le=1_000)

@@ -16,14 +16,16 @@ promotes short requests; moving up flushes what was held back (``tuner.autopilot
 
 **The search** (``ShadowSearch``): a shadow costs a simulator's replay of the replica's traffic;
 running every candidate all the time is what cost 4.4% of a core under overload last round. At
-most ``max_shadows`` run: the reference, the defaults, the running choice and explorers. An
-explorer that stays infeasible or behind the best by ``prune_margin`` on ``prune_patience`` judged
-decisions in a row is retired (its shadow dropped). A free place goes to the nearest candidate not
-running — the target's neighbours on the axis, then its variants (another MemGuard base, another
-β) — *forked* from the running shadow nearest on the axis: its queue, batch and the window's past
-are that neighbour's, and from then on it runs its own setting. A forked candidate is on
-probation (``probation_s``): judged, never chosen, never retired, until what it did itself weighs
-in its window. A retired candidate comes back no sooner than ``retry_s`` later.
+most ``max_shadows`` run: the reference, the defaults, the running choice and explorers, spread
+along the γ grid at first. An explorer behind the best candidate that keeps the promise by
+``prune_margin`` on ``prune_patience`` judged decisions in a row is retired (its shadow dropped; a
+break alone is no reason — the small γ that breaks P99 in a burst is the winner after it). A free
+place goes first to the γ either side of the running choice and of the target (the defaults placed
+where γ-Ada's γ is), their variants (another MemGuard base, another β), then to the γ farthest from
+every running one. A new shadow is *forked* from the running shadow nearest on the axis: its queue,
+batch and the window's past are that neighbour's, and from then on it runs its own setting. It is
+on probation (``probation_s``): judged, never chosen, never retired, until what it did itself
+weighs in its window. A retired candidate comes back no sooner than ``retry_s`` later.
 """
 
 from __future__ import annotations
@@ -214,8 +216,8 @@ class ShadowSearch:
 
     def retire(self, lagging: Mapping[str, bool], keep: Iterable[str], clock: float) -> list[str]:
         """The explorers to retire after a judged decision: those ``lagging`` (the autopilot's
-        verdict: breaking the promise beyond its noise, or behind the best by ``prune_margin``)
-        on ``prune_patience`` decisions in a row."""
+        verdict: behind the best that keeps the promise by ``prune_margin``) on
+        ``prune_patience`` decisions in a row, ``keep`` and those on probation aside."""
         if self.limit >= len(self.space):
             return []
         kept = {*self.always, *keep}
