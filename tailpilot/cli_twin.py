@@ -319,8 +319,13 @@ def _controllers_text(armed: str | None, starts: Mapping[str, str]) -> str:
 
 
 def _tui_available() -> bool:
-    """Whether the TUI can open: its optional dependency installed and a terminal to draw on."""
-    return importlib.util.find_spec("textual") is not None and sys.stdout.isatty()
+    """Whether the TUI can open: its optional dependency installed and a terminal to draw on
+    (``tui.main.on_a_terminal``, the condition ``run_tui`` itself holds to)."""
+    if importlib.util.find_spec("textual") is None:
+        return False
+    from tui.main import on_a_terminal  # optional dependency (textual), present
+
+    return on_a_terminal()
 
 
 def _announce_table(what: str, duration: float | None) -> None:

@@ -209,3 +209,22 @@ def test_record_on_a_busy_metrics_port_creates_no_database(tmp_path):
         )  # fmt: skip
     assert res.exit_code == 1 and f"127.0.0.1:{port}" in res.output
     assert not (tmp_path / "r.db").exists()
+
+
+def test_the_demo_and_the_tui_agree_on_what_a_terminal_is(monkeypatch):
+    """``demo`` opened the TUI when stdout was a terminal, and ``run_tui`` then refused a stdin
+    that was not one (``demo < /dev/null`` ended in a traceback): one predicate for both."""
+    import io
+
+    from tailpilot.cli_twin import _tui_available
+    from tui.main import on_a_terminal
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Tty())
+    monkeypatch.setattr(sys, "stdin", io.StringIO())  # redirected: not a terminal
+    assert not on_a_terminal() and not _tui_available()
+    monkeypatch.setattr(sys, "stdin", Tty())
+    assert on_a_terminal() and _tui_available()

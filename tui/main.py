@@ -85,6 +85,13 @@ class NoTerminal(Exception):
     """``run_tui`` off a terminal (stdin or stdout not a TTY)."""
 
 
+def on_a_terminal() -> bool:
+    """Whether the TUI can draw and read keys: stdin and stdout are a terminal. Off one Textual
+    writes its escape codes into the pipe or the file (``tailpilot demo`` then prints its table
+    instead; ``tailpilot tui`` refuses)."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 def run_tui(
     cluster: ClusterSpec | None = None,
     *,
@@ -119,9 +126,8 @@ def run_tui(
     )
     app.exit_after_s = duration_s
     try:
-        if not (sys.stdin.isatty() and sys.stdout.isatty()):
-            # Off a terminal Textual writes its escape codes into the pipe or the file. Checked
-            # after the sources opened: a wrong database or cluster is named first.
+        if not on_a_terminal():
+            # Checked after the sources opened: a wrong database or cluster is named first.
             raise NoTerminal(
                 "the TUI needs a terminal (stdin and stdout): off one, read the same figures "
                 "with tailpilot status --cluster FILE [--json], or run tailpilot demo --no-tui"
