@@ -402,9 +402,6 @@ async def governor_step(
     if ctl["state"] == "armed":
         gov.armed()
     if ctl["state"] != "armed" or ctl["paused"]:
-        for name in list(gov.leases.until):
-            await gov.leases.release(cluster, name)
-    if ctl["state"] != "armed" or ctl["paused"]:
         why = "paused" if ctl["paused"] else ctl["state"]
         if not keep:
             for decision in gov.undo_all(
@@ -416,6 +413,10 @@ async def governor_step(
                 m: t for m, t in gov.active.items() if m not in gov.dry
             }  # dry decisions: forgotten
             gov.dry.clear()
+        # Given back once the undo went out (it is sent under the lease): another governor may
+        # steer these replicas at once instead of after the lease's expiry.
+        for name in list(gov.leases.until):
+            await gov.leases.release(cluster, name)
     if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
         for decision in gov.decide(figures, now):
             done.append(

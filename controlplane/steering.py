@@ -109,16 +109,29 @@ def _refused(
 ) -> None:
     """``res`` for a PUT the replica did not answer 200: rejected (a 4xx) or error, with its
     reason."""
-    reason = answer.get("error") if isinstance(answer, dict) else None
-    reason = reason or put.text.strip()[:200] or put.reason_phrase
     res.result = "rejected" if put.status_code in (400, 401, 403, 409, 422) else "error"
-    res.message = f"HTTP {put.status_code}: {reason}"
+    res.message = f"HTTP {put.status_code}: {_reason(put, answer)}"
     if put.status_code in (401, 403) and not token:
         res.message += (
             f" (no token: set ${spec.token_env})"
             if spec.token_env
             else " (no token_env in the cluster file)"
         )
+
+
+def _json_answer(put: Answer) -> Any:
+    """A PUT's answer as JSON, None when it is not JSON."""
+    try:
+        return json.loads(put.content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _reason(put: Answer, answer: Any) -> str:
+    """Why a replica refused a PUT: its ``error``, else the start of its body, else the status's
+    phrase."""
+    reason = answer.get("error") if isinstance(answer, dict) else None
+    return str(reason or put.text.strip()[:200] or put.reason_phrase)
 
 
 async def _apply_one(
@@ -155,10 +168,7 @@ async def _apply_one(
         res.message = describe_http_error(err, "PUT settings", timeout)
         return res
     res.status = put.status_code
-    try:
-        answer = json.loads(put.content)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        answer = None
+    answer = _json_answer(put)
     if put.status_code != 200:
         _refused(res, put, answer, spec, token)
         return res
@@ -336,9 +346,4 @@ class LeaseKeeper:
                 await client.aclose()
         if put.status_code in (200, 404):
             return None
-        try:
-            answer = json.loads(put.content)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            answer = None
-        reason = answer.get("error") if isinstance(answer, dict) else None
-        return f"HTTP {put.status_code}: {reason or put.reason_phrase}"
+        return f"HTTP {put.status_code}: {_reason(put, _json_answer(put))}"

@@ -330,13 +330,10 @@ def _report_set(
         for r in results:
             word = click.style(r.result, **colour.get(r.result, {"fg": "red", "bold": True}))
             click.echo(f"{r.replica}: {word}: {r.message}", err=_invalid_here(r))
-    if (
-        results
-        and all(_invalid_here(r) for r in results if not r.ok)
-        and not all(r.ok for r in results)
-    ):
+    failed = [r for r in results if not r.ok]
+    if failed and all(_invalid_here(r) for r in failed):
         sys.exit(2)  # the input: a value no replica's policy takes, refused before sending
-    if not all(r.ok for r in results):
+    if failed:
         sys.exit(1)
     if any(r.result == "staged" for r in results):
         sys.exit(3)

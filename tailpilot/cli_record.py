@@ -36,6 +36,7 @@ from tailpilot.cli_common import (
 )
 
 if TYPE_CHECKING:  # the operator's modules load only when a command runs (start-up cost)
+    from controlplane.cluster import ClusterSpec
     from controlplane.collector import Collector
     from controlplane.recorder import Task
     from storage.store import Store
@@ -266,12 +267,16 @@ def steered_cluster_options(what: str) -> options.Decorator:
     )
 
 
-def steered_cluster(cluster_file: str | None, cluster_name: str | None) -> tuple[str, str]:
-    """(the steered cluster's name, the option that named it)."""
+def steered_cluster(
+    cluster_file: str | None, cluster_name: str | None
+) -> tuple[str, str, ClusterSpec | None]:
+    """(the steered cluster's name, the option that named it, the cluster file's cluster when a
+    file named it)."""
     if cluster_file is not None:
-        return load_cluster(cluster_file, cluster_name).name, "--cluster"
+        cluster = load_cluster(cluster_file, cluster_name)
+        return cluster.name, "--cluster", cluster
     if cluster_name is not None:
-        return cluster_name, "--cluster-name"
+        return cluster_name, "--cluster-name", None
     raise click.UsageError(
         "name the cluster: --cluster FILE, or --cluster-name NAME as the database recorded it"
     )
@@ -313,23 +318,18 @@ def governor(
 
     if keep and action != "disarm":
         raise click.UsageError("--keep goes with disarm only")
-    name, option = steered_cluster(cluster_file, cluster_name)
-    no_governance = (
-        f"cluster {name!r} has no governance block in {cluster_file}: the governor has no "
-        "tenants or SLOs to keep (add governance: — README, 'Governance' — and run tailpilot "
-        "record --govern)"
-    )
-    steers = action in ("arm", "dry-run")
-    if steers and cluster_file and load_cluster(cluster_file, cluster_name).governance is None:
-        raise click.UsageError(no_governance)
+    name, option, cluster = steered_cluster(cluster_file, cluster_name)
+    steers = action in ("arm", "dry-run")  # a governor with nothing to govern is refused
+    if steers and cluster is not None and cluster.governance is None:
+        raise click.UsageError(
+            f"cluster {name!r} has no governance block in {cluster_file}: the governor has no "
+            "tenants or SLOs to keep (add governance: — README, 'Governance' — and run "
+            "tailpilot record --govern)"
+        )
     store = open_store(db, must_exist=True)
     try:
         known_cluster(store, name, option)
-        if (
-            action in ("arm", "dry-run")
-            and cluster_file is None
-            and not store.governance.windows(name, limit=1)
-        ):
+        if steers and cluster is None and not store.governance.windows(name, limit=1):
             raise click.UsageError(
                 f"cluster {name!r} has no governance figures recorded: the governor has nothing "
                 "to govern (its cluster file needs a governance: block, and tailpilot record "
@@ -399,7 +399,7 @@ def autopilot_control(action: str) -> click.Command:
     ) -> None:
         from tuner.autopilot_live import CONTROL_ACTIONS, status_lines  # start-up cost
 
-        name, option = steered_cluster(cluster_file, cluster_name)
+        name, option, _ = steered_cluster(cluster_file, cluster_name)
         store = open_store(db, must_exist=True)  # a mistyped path is an error, never a new file
         try:
             known_cluster(store, name, option)  # ... and a mistyped cluster, never a new row

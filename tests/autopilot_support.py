@@ -1,5 +1,5 @@
-"""What the live autopilot's tests share: a small, quick controller configuration and the loop
-that drives twins, a collector and the driver on a manual clock."""
+"""What the live autopilot's tests share: a small, quick controller configuration and a run of a
+collector and the driver on twins, on a manual clock."""
 
 from __future__ import annotations
 
@@ -22,16 +22,36 @@ CONFIG = {
 }
 
 
-async def drive(
+def run_live(
     clock: Any,
     twins: Sequence[Any],
-    collector: Any,
-    driver: Any,
-    client: Any,
+    cluster: Any,
+    store: Any,
+    config: Any,
+    live: Any,
     until: Callable[[Any], bool],
     t_end: float = 1200.0,
-) -> None:
-    """``tuner.twin.drive_on_manual_clock`` until ``until(driver)`` or ``t_end``."""
+) -> Any:
+    """A collector and the live autopilot (``config``, ``live``) on ``twins``, driven by
+    ``tuner.twin.drive_on_manual_clock`` until ``until(driver)`` or ``t_end``; the driver."""
+    import asyncio
+
+    from controlplane.collector import Collector
+    from controlplane.replica_http import PollingClient
+    from tuner.autopilot_live import LiveAutopilot
     from tuner.twin import drive_on_manual_clock
 
-    await drive_on_manual_clock(clock, twins, collector, driver, client, t_end=t_end, until=until)
+    async def scenario() -> Any:
+        client = PollingClient(cluster.timeout_s)
+        collector = Collector(cluster, store, client=client, clock=clock.now)
+        driver = LiveAutopilot(collector, store, config, live, clock=clock.now)
+        collector.on_poll(driver.on_poll)
+        try:
+            await drive_on_manual_clock(
+                clock, twins, collector, driver, client, t_end=t_end, until=until
+            )
+            return driver
+        finally:
+            await client.aclose()
+
+    return asyncio.run(scenario())

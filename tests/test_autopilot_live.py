@@ -11,7 +11,7 @@ import json
 
 import pytest
 import yaml
-from autopilot_support import CONFIG, DEFAULTS, drive
+from autopilot_support import CONFIG, DEFAULTS, run_live
 from click.testing import CliRunner
 
 from scheduler.settings import Settings
@@ -371,7 +371,8 @@ def test_a_switch_changes_only_the_autopilots_own_knobs():
     switch to another γ keeps both (it changes γ and γ-Ada only), the replica is still recognised
     as running that candidate, and a switch to sarathi is a whole document."""
     from tuner.autopilot import Autopilot, AutopilotConfig
-    from tuner.autopilot_live import candidate_running, target_document
+    from tuner.autopilot_live import target_document
+    from tuner.candidates import running_candidate
 
     current = Settings.model_validate(
         {
@@ -388,8 +389,8 @@ def test_a_switch_changes_only_the_autopilots_own_knobs():
     assert doc.params.gamma == 0.01 and not doc.params.gamma_ada
     assert not doc.params.memguard and not doc.params.decode_first  # the operator's, kept
     assert doc.engine == current.engine
-    assert candidate_running(pilot, doc) == "gamma=0.01"
-    assert candidate_running(pilot, current) == "defaults"
+    assert running_candidate(pilot.options, doc) == "gamma=0.01"
+    assert running_candidate(pilot.options, current) == "defaults"
     assert target_document(doc, pilot.options["gamma=0.01"]) is None  # already runs it
     sarathi = target_document(doc, pilot.options["sarathi"])
     assert sarathi is not None and sarathi.policy == "sarathi"
@@ -459,11 +460,9 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
     controller, the first replica's), its decision carried out on both when armed; the member's
     status says whom it follows."""
     from controlplane.cluster import parse_cluster_file
-    from controlplane.collector import Collector
-    from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
     from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveAutopilot, LiveConfig
+    from tuner.autopilot_live import LiveConfig
     from tuner.twin import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
@@ -479,26 +478,14 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
     store.governance.set_autopilot_control("twins", state="armed", who="test")
     config = AutopilotConfig.model_validate({**CONFIG, "with_defaults": False})
 
-    async def scenario():
-        client = PollingClient(cluster.timeout_s)
-        collector = Collector(cluster, store, client=client, clock=clock.now)
-        driver = LiveAutopilot(
-            collector, store, config, LiveConfig(verify_minutes=60.0), clock=clock.now
-        )
-        collector.on_poll(driver.on_poll)
-
-        def followed(d) -> bool:
-            member = d.pilots.get(twins[1].name)
-            return member is not None and member.followed is not None
-
-        try:
-            await drive(clock, twins, collector, driver, client, followed)
-            return driver
-        finally:
-            await client.aclose()
+    def followed(d) -> bool:
+        member = d.pilots.get(twins[1].name)
+        return member is not None and member.followed is not None
 
     try:
-        driver = asyncio.run(scenario())
+        driver = run_live(
+            clock, twins, cluster, store, config, LiveConfig(verify_minutes=60.0), followed
+        )
         lead, member = driver.pilots[twins[0].name], driver.pilots[twins[1].name]
         assert member.pilot is lead.pilot and member.follows == twins[0].name
         choice = lead.pilot.options[lead.pilot.current]

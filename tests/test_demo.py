@@ -12,7 +12,6 @@ the others) and the governor (dry-run) over the tenants' SLOs run beside its col
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -23,7 +22,7 @@ import time
 
 import pytest
 import yaml
-from autopilot_support import CONFIG, DEFAULTS, drive
+from autopilot_support import CONFIG, DEFAULTS, run_live
 
 from controlplane.cluster import load_cluster_file, parse_cluster_file
 from storage.store import Store
@@ -48,11 +47,9 @@ def autopilot_rows(store, replica: str) -> list[dict]:
 def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_others(
     tmp_path, monkeypatch
 ):
-    from controlplane.collector import Collector
-    from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
     from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveAutopilot, LiveConfig
+    from tuner.autopilot_live import LiveConfig
     from tuner.twin import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
@@ -72,25 +69,16 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
             notes.get(dry.name, "").startswith("dry-run: would run")
         )
 
-    async def scenario():
-        client = PollingClient(cluster.timeout_s)
-        collector = Collector(cluster, store, client=client, clock=clock.now)
-        driver = LiveAutopilot(
-            collector,
+    try:
+        driver = run_live(
+            clock,
+            twins,
+            cluster,
             store,
             AutopilotConfig.model_validate(SWITCHING),
             LiveConfig(verify_minutes=60.0, armed_replicas=(armed.name,)),
-            clock=clock.now,
+            both_decided,
         )
-        collector.on_poll(driver.on_poll)
-        try:
-            await drive(clock, twins, collector, driver, client, both_decided)
-            return driver
-        finally:
-            await client.aclose()
-
-    try:
-        driver = asyncio.run(scenario())
         assert both_decided(driver), driver.status()
         # The armed replica runs the choice, sent through the control API and audited...
         rp = driver.pilots[armed.name]

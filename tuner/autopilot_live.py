@@ -175,11 +175,6 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
     return None if (new.policy, new.params) == (current.policy, current.params) else new
 
 
-def candidate_running(pilot: Autopilot, running: Settings) -> str | None:
-    """The candidate the replica runs (``tuner.candidates.running_candidate``), None when none."""
-    return running_candidate(pilot.options, running)
-
-
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
     """The configuration the cluster file completes: where its governance block declares tenants
     and their SLOs and the configuration's promise declares none, the promise is theirs (SCR,
@@ -384,7 +379,7 @@ class LiveAutopilot:
             )
             engine = EngineConfig()
         pilot = Autopilot(base, self.config, engine)
-        pilot.follow(candidate_running(pilot, running) or pilot.current)
+        pilot.follow(running_candidate(pilot.options, running) or pilot.current)
         # Time 0 a window before now: the requests in flight at the start arrived after it.
         origin = float(doc.get("time") or 0.0) - self.config.window_s
         rp = ReplicaPilot(name, doc.get("instance"), origin, pilot)
@@ -480,7 +475,7 @@ class LiveAutopilot:
             return
         # The replica runs something else: a switch, or the choice again after a dry run or an
         # operator's unpinned change. Judged against what it runs, where that is a candidate.
-        runs = candidate_running(rp.pilot, running) or "its own settings"
+        runs = running_candidate(rp.pilot.options, running) or "its own settings"
         switch = dataclasses.replace(decision, changed=True, previous=runs)
         note = decision_note(switch)
         if self.held is not None:

@@ -13,7 +13,6 @@ from sim.engine import EngineConfig, SimResult, Simulator
 from sim.traces import Trace, TraceRequest
 from tuner.autopilot import Autopilot, AutopilotConfig
 from tuner.autopilot_types import Arrival, Decision, Observation
-from tuner.candidates import running_candidate
 
 
 def replay_with_autopilot(
@@ -31,8 +30,7 @@ def replay_with_autopilot(
     engine = engine or EngineConfig()
     requests = sorted(trace, key=lambda r: (r.arrival, r.id))
     sim = Simulator(requests, base, engine)
-    pilot = Autopilot(base, config, engine)
-    pilot.follow(running_candidate(pilot.options, base) or pilot.current)
+    pilot = Autopilot(base, config, engine)  # running the candidate ``base`` is, if any
     t_start = time.perf_counter()
     completions: list[Completion] = []
     held: list[Completion] = []  # finished after the observation's time: shown at the next
