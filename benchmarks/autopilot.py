@@ -192,6 +192,7 @@ def run_job(job: Job) -> JobResult:
         ]
         if decisions and len(cpu) == len(decisions):
             extra["cpu_s"] = cpu
+            extra["judged"] = [len(getattr(d, "figures", None) or {}) for d in decisions]
         choices = [c for d in decisions if isinstance(c := getattr(d, "choice", None), str)]
         if len(choices) == len(decisions):
             extra["choices"] = dict(sorted(Counter(choices).items()))
@@ -423,6 +424,8 @@ def report(
             f"{c['cpu_per_decision_mean']:.3f} / {c['cpu_per_decision_max']:.3f}",
             f"{c['cpu_per_hour']:.1f}",
             f"{100 * c['core_share']:.2f}%",
+            f"{c.get('candidates_mean', float('nan')):.1f}",
+            f"{c.get('cpu_per_candidate_hour', float('nan')):.2f}",
         ]
         for w, s in summaries.items()
         if "cpu_per_hour" in (c := s.get("autopilot", {}))
@@ -437,6 +440,8 @@ def report(
                     "CPU s per decision (mean / max)",
                     "CPU s per hour of traffic",
                     "share of one core",
+                    "candidates judged (mean)",
+                    "CPU s per candidate per hour",
                 ],
                 cost_rows,
             )

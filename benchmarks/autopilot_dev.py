@@ -68,6 +68,7 @@ def main() -> None:
         extra = {
             "decisions": len(decisions),
             "cpu_s": cpu,
+            "judged": [len(d.figures) for d in decisions],
             "choices": dict(Counter(d.choice for d in decisions)),
             "switches": sum(d.changed for d in decisions),
             "replay_cpu_s": time.process_time() - c0,
@@ -94,6 +95,8 @@ def main() -> None:
             f" | min any γ {s['all']['min_p95_any_gamma']:.3g}s "
             f"ap {s['all']['figures']['autopilot']['ttft_p95']:.3g}s"
             f" | controller {100 * s['autopilot'].get('core_share', float('nan')):.2f}% of a core"
+            f" ({s['autopilot'].get('cpu_per_candidate_hour', float('nan')):.2f} CPU s per "
+            "candidate per hour)"
         )
         for name, ok, fig in scoring.targets(w, s):
             if ok is False:

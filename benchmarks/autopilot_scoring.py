@@ -183,6 +183,12 @@ def summarise(columns: dict[str, JobResult], trace: traces.Trace) -> dict[str, A
                 cpu_per_hour=sum(cpu) / hours if hours > 0 else math.nan,
             )
             cost["core_share"] = cost["cpu_per_hour"] / 3600.0
+        if "cpu_s" in pilot.extra and pilot.extra.get("judged"):
+            # Per candidate: the cost over the candidates judged at a decision, on average (the
+            # shadows running; decisions waiting for data or holding in overload judge fewer).
+            judged = [n for n in pilot.extra["judged"] if n]
+            cost["candidates_mean"] = float(np.mean(judged)) if judged else math.nan
+            cost["cpu_per_candidate_hour"] = cost["cpu_per_hour"] / cost["candidates_mean"]
         out["autopilot"] = cost
     return out
 

@@ -4,6 +4,11 @@ policy and compare each replay's wall time with fcfs's in the same run.
     python benchmarks/deep_queue.py [--requests 10500] [--load 20] [--prompt-mean 12000]
         [--prompt-spread 4000] [--policies fcfs,uniboost,...] [--repeat 1] [--profile uniboost]
         [--hash] [--hash-bundled] [--check-invariants]
+    python benchmarks/deep_queue.py --trace traces/mooncake/conversation_trace.jsonl
+
+``--trace FILE`` replays a public trace at its recorded rate instead (Mooncake's conversation
+trace: 12,031 long prompts, a mean of ~12,000 tokens, arriving over an hour far faster than one
+replica serves them — thousands wait).
 
 The trace is synthetic and seeded: prompts ~``prompt_mean`` ± ``prompt_spread`` tokens (uniform),
 short outputs (log-normal, median 120 tokens, capped at 1,000), four tenants, Poisson arrivals at
@@ -19,7 +24,9 @@ a live replica has). Each replay runs on one core; ``ratio`` is its wall time ov
 same run (the machine is shared: only ratios taken together mean anything). ``uptime`` load is
 printed before and after. ``refit_s`` is the part of the wall time spent in the history predictor's
 refits (every 10 simulated seconds; ``scheduler.policies.predictors``), which the queue does not
-touch.
+touch. ``us/step`` is the wall time per simulated step and ``step_ratio`` its ratio to fcfs's:
+what a policy costs per step, apart from how many steps its schedule makes; ``q_ops/step`` counts
+the waiting queue's operations (pushes, removals, ordered reads) per step.
 
 ``--hash`` prints a SHA-256 over every completion's id and timestamps (arrival, scheduled,
 first token, finished), preemptions and recomputed tokens, per policy: equal hashes before and
@@ -49,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
-from sim.traces import TraceRequest, load_bundled, scale_rate  # noqa: E402
+from sim.traces import TraceRequest, load_bundled, load_trace, scale_rate  # noqa: E402
 
 PREDICTED = {"sjf", "srpt", "tie"}
 ROWS = {
@@ -123,9 +130,23 @@ def deep_trace(
 
 
 class _Sampled(Simulator):
-    """Tracks the deepest waiting queue (one len() per step: noise next to a step's cost)."""
+    """Tracks the deepest waiting queue (one len() per step: noise next to a step's cost) and
+    counts the waiting queue's operations."""
 
     peak_wait = 0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.queue_ops = 0
+        queue = self.waiting
+        for name in ("push", "remove", "ordered"):
+            method = getattr(queue, name)
+
+            def counted(*a, _method=method, **k):
+                self.queue_ops += 1
+                return _method(*a, **k)
+
+            setattr(queue, name, counted)
 
     def _step(self):
         super()._step()
@@ -174,7 +195,7 @@ def replay(trace, row: str, *, check_invariants: bool = False, profile: bool = F
     res = sim.run()
     if prof:
         prof.disable()
-    return time.perf_counter() - t0, res, sim.peak_wait, prof, refit_s[0]
+    return time.perf_counter() - t0, res, sim.peak_wait, prof, refit_s[0], sim.queue_ops
 
 
 def load_avg() -> str:
@@ -198,6 +219,9 @@ def main() -> None:
     ap.add_argument("--prompt-mean", type=int, default=12000)
     ap.add_argument("--prompt-spread", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--trace", default="", help="replay this trace file at its recorded rate instead"
+    )
     ap.add_argument(
         "--policies", default=",".join(DEFAULT_ROWS), help=f"rows among {', '.join(ROWS)}"
     )
@@ -227,32 +251,50 @@ def main() -> None:
         ap.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
-    trace = deep_trace(args.requests, args.load, args.prompt_mean, args.prompt_spread, args.seed)
-    cap = capacity_rps(args.prompt_mean)
-    print(
-        f"deep-queue trace: {len(trace)} requests, "
-        f"prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
-        f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
-        f"{trace[-1].arrival:.0f} s"
-    )
+    if args.trace:
+        loaded = load_trace(args.trace)
+        trace = list(loaded)
+        mean_prompt = float(np.mean([r.prompt_tokens for r in trace]))
+        print(
+            f"trace {loaded.name}: {len(trace)} requests at its recorded rate "
+            f"({loaded.rate:.2f} req/s over {loaded.duration:.0f} s), mean prompt "
+            f"{mean_prompt:.0f} tokens = {loaded.rate / capacity_rps(mean_prompt):.1f}x one "
+            "replica's capacity"
+        )
+    else:
+        trace = deep_trace(
+            args.requests, args.load, args.prompt_mean, args.prompt_spread, args.seed
+        )
+        cap = capacity_rps(args.prompt_mean)
+        print(
+            f"deep-queue trace: {len(trace)} requests, "
+            f"prompts {args.prompt_mean}±{args.prompt_spread} tokens, "
+            f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
+            f"{trace[-1].arrival:.0f} s"
+        )
     print(f"load average before: {load_avg()}")
     print(
-        f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} "
-        f"{'events':>7} {'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""),
+        f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'us/step':>7} {'step_ratio':>10} "
+        f"{'q_ops/step':>10} {'refit_s':>7} {'peak_wait':>9} {'steps':>8} {'events':>7} "
+        f"{'preempt':>8} {'sim_s':>8}" + ("  hash" if args.hash else ""),
         flush=True,
     )
     walls: dict[str, float] = {}
+    per_step: dict[str, float] = {}
     profiled = None
     for row in rows:
         runs = [
             replay(trace, row, check_invariants=args.check_invariants) for _ in range(args.repeat)
         ]
-        wall, res, peak, _, refit_s = min(runs, key=lambda x: x[0])
+        wall, res, peak, _, refit_s, queue_ops = min(runs, key=lambda x: x[0])
         walls[row] = wall
-        base = walls.get("fcfs")
+        per_step[row] = wall / max(1, res.steps)
+        base, base_step = walls.get("fcfs"), per_step.get("fcfs")
         ratio = f"{wall / base:6.2f}" if base else f"{'-':>6}"
+        step_ratio = f"{per_step[row] / base_step:10.2f}" if base_step else f"{'-':>10}"
         print(
-            f"{row:>14} {wall:8.2f} {ratio} {refit_s:7.2f} {peak:9d} {res.steps:8d} "
+            f"{row:>14} {wall:8.2f} {ratio} {1e6 * per_step[row]:7.1f} {step_ratio} "
+            f"{queue_ops / max(1, res.steps):10.2f} {refit_s:7.2f} {peak:9d} {res.steps:8d} "
             f"{res.iterations:7d} {res.preemptions:8d} {res.sim_time_s:8.0f}"
             + (f"  {completion_hash(res.completions)}" if args.hash else ""),
             flush=True,

@@ -1,3 +1,22 @@
-"""Shared pytest fixtures. The vLLM helpers live in tests/vllm_support.py."""
+"""Shared pytest fixtures and the suite's one scheduling rule. The vLLM helpers live in
+tests/vllm_support.py."""
 
+from __future__ import annotations
+
+import pytest
 from vllm_support import tiny_model_dir  # noqa: F401  (re-exported fixture)
+
+# Every test that runs a real vLLM engine (they all need the tiny model) goes to one xdist worker,
+# one after another: two engines on two cores starve each other and the end-to-end tests that
+# compare latencies under two settings then measure the neighbour instead (scripts/test.sh runs
+# `-n 2 --dist loadgroup`; the other worker takes the rest of the suite). They are `slow` too:
+# the fast loop (`-m "not slow"`) starts no engine.
+ENGINE_GROUP = "vllm-engine"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tiny_model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
+            item.add_marker(pytest.mark.slow)

@@ -24,8 +24,16 @@ def busy_window() -> traces.Trace:
     return traces.scale_rate(traces.load_bundled(), 2.0)
 
 
-def decisions_until(trace, t: float) -> list[tuple]:
-    _, decisions = replay_with_autopilot(trace, config=CONFIG)
+@pytest.fixture(scope="module")
+def busy_replay(busy_window):
+    """The autopilot's replay of ``busy_window`` (its result and decisions), made once."""
+    return replay_with_autopilot(busy_window, config=CONFIG)
+
+
+def decisions_until(trace, t: float, decisions=None) -> list[tuple]:
+    """The decisions made up to ``t`` on ``trace`` (replayed unless its ``decisions`` are given)."""
+    if decisions is None:
+        _, decisions = replay_with_autopilot(trace, config=CONFIG)
     return [
         (
             d.at,
@@ -38,13 +46,15 @@ def decisions_until(trace, t: float) -> list[tuple]:
     ]
 
 
-def test_decisions_never_depend_on_the_future(busy_window):
+@pytest.mark.slow
+def test_decisions_never_depend_on_the_future(busy_window, busy_replay):
     """Change everything a controller could not know at time T — every later arrival, and the
     true output length of every request still in flight at T — and the decisions up to T stay
     the same. A controller that peeked at either would see different figures."""
     reqs = sorted(busy_window, key=lambda r: (r.arrival, r.id))
+    assert [r.id for r in reqs] == [r.id for r in busy_window]
     t_cut = 330.0
-    base, _ = replay_with_autopilot(reqs, config=CONFIG)
+    base, base_decisions = busy_replay  # the replay of ``reqs``: busy_window is in that order
     finished_by_cut = {c.id for c in base.completions if c.finished_at <= t_cut}
     changed = []
     for r in reqs:
@@ -66,16 +76,18 @@ def test_decisions_never_depend_on_the_future(busy_window):
     # T - delay) while their lengths were still unknown.
     stale = [r for r in reqs if r.id not in finished_by_cut and r.arrival <= t_cut - CONFIG.delay_s]
     assert len(stale) > 20
-    before = decisions_until(reqs, t_cut)
+    before = decisions_until(reqs, t_cut, base_decisions)
     after = decisions_until(changed, t_cut)
     assert len(before) >= 5 and any(d[3] for d in before)  # decisions with figures were made
     assert before == after
 
 
-def test_decisions_are_deterministic(busy_window):
-    assert decisions_until(busy_window, 1e9) == decisions_until(busy_window, 1e9)
+@pytest.mark.slow
+def test_decisions_are_deterministic(busy_window, busy_replay):
+    assert decisions_until(busy_window, 1e9) == decisions_until(busy_window, 1e9, busy_replay[1])
 
 
+@pytest.mark.slow
 def test_it_leaves_the_defaults_for_a_better_gamma_under_load():
     """At 1.5× the bundled window a fixed γ keeps every quantile within 2% of sarathi's with a P95
     TTFT well below the defaults' (0.69× vs 0.91×): the autopilot finds it."""
@@ -231,6 +243,7 @@ def _axis(settings: Settings) -> float:
     return 1e9 if settings.params.gamma_ada else settings.params.gamma
 
 
+@pytest.mark.slow
 def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
     """With ``prefer_small`` and no margin for a move down, when every order serves the same the
     autopilot moves to the candidate that promotes short requests most; by default (a move down
@@ -248,6 +261,7 @@ def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
     assert [d.choice for d in plain] != [d.choice for d in decisions]
 
 
+@pytest.mark.slow
 def test_a_move_towards_age_order_takes_the_margin_or_a_promise_break(busy_window):
     """Moving up the axis flushes what a small γ held back: it is taken only for the hysteresis
     margin (the defaults' margin when leaving them), when the running choice broke the promise, or

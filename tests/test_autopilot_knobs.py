@@ -145,6 +145,7 @@ class Recording(Autopilot):
         return decision
 
 
+@pytest.mark.slow
 def test_the_search_runs_at_most_max_shadows_and_explores_near_the_target(monkeypatch):
     import tuner.autopilot_replay
 

@@ -112,6 +112,7 @@ def switched(driver) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
         driver = rig.run(900.0, until=switched)
@@ -140,6 +141,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         assert status["replicas"]["twin-0"]["choice"] == rp.pilot.current
 
 
+@pytest.mark.slow
 def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeypatch):
     """The verifier is the one fake here: "realized worse than predicted" cannot be produced on
     demand by a real replica. Everything else (twin, API, store, audit) is real."""
@@ -186,6 +188,7 @@ def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeyp
         assert len(rig.audit()) == before and driver.pilots["twin-0"].pilot.current == "defaults"
 
 
+@pytest.mark.slow
 def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
     pinned = Settings.model_validate(
         {"policy": "uniboost", "params": {"gamma": 5.0, "gamma_ada": False}, "pinned": ["gamma"]}
@@ -205,6 +208,7 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
         )
 
 
+@pytest.mark.slow
 def test_the_governor_goes_first(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
         rig.store.governance.set_governor_control(
@@ -421,6 +425,7 @@ def test_made_up_requests_from_the_future_are_refused_and_take_no_memory(tmp_pat
         assert driver.status()["replicas"]["twin-0"]["future"] == 5000
 
 
+@pytest.mark.slow
 def test_a_replica_clock_stepping_back_restarts_its_controller(tmp_path, monkeypatch):
     """The replica's clock goes back ten minutes (a fault a twin cannot produce: its /inflight is
     wrapped to report its time 600 s early): the controller is restarted on the new clock, the

@@ -145,6 +145,7 @@ def rising() -> traces.Trace:
     return traces.Trace("rising", tuple(first + moved))
 
 
+@pytest.mark.slow
 def test_every_quantile_is_kept_where_a_p95_only_choice_breaks_it(rising):
     """On this replay the candidate with the lowest whole-run P95 TTFT among those keeping P99
     TTLT (last round's rule) breaks P99 TTFT; the autopilot keeps every quantile within the
@@ -170,6 +171,7 @@ def test_every_quantile_is_kept_where_a_p95_only_choice_breaks_it(rising):
     assert any(d.figures for d in decisions)
 
 
+@pytest.mark.slow
 def test_overload_is_answered_without_a_gamble():
     """Arrivals at three times what the replica serves: the reference's queue cannot empty within
     overload_drain_s, the decisions say so, none moves down the size-to-age axis meanwhile, and
@@ -197,6 +199,7 @@ def test_overload_is_answered_without_a_gamble():
     assert got["ttft_p95"] <= defaults["ttft_p95"] / summarize(sarathi)["ttft_p95"] + 0.02
 
 
+@pytest.mark.slow
 def test_with_tenants_slos_declared_it_ranks_by_scr_and_offers_slofq():
     trace = traces.assign_tenants_zipf(traces.scale_rate(traces.load_bundled(), 1.5), 3, seed=1)
     slo = SloFqParams.model_validate(

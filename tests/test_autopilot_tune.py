@@ -23,6 +23,7 @@ def trace():
     return tr.transform(tr.load_bundled(), window=(0.0, 360.0), rate_scale=1.5)
 
 
+@pytest.mark.slow
 def test_tuning_is_seeded_and_never_worse_than_where_it_started(trace):
     from tuner.autopilot_tune import tune_autopilot
 
@@ -41,6 +42,7 @@ def test_tuning_is_seeded_and_never_worse_than_where_it_started(trace):
     assert first["figures"]["ttft_p95_ratio"] > 0
 
 
+@pytest.mark.slow
 def test_the_tuned_configuration_is_what_its_figures_say(trace):
     """The figures reported for the best trial are those of replaying its configuration again."""
     from scheduler.settings import Settings

@@ -46,6 +46,7 @@ def test_the_smallest_count_that_meets_the_target(overload):
     assert rows[1]["scr_mean"] < rows[n]["scr_mean"]
 
 
+@pytest.mark.slow
 def test_the_kv_bound_says_when_memory_not_the_scheduler_binds(overload):
     trace, params = overload
     slo = SloFqParams.model_validate(params)

@@ -209,6 +209,7 @@ def test_demo_with_a_bad_trace_is_a_usage_error_naming_the_file(tmp_path):
     assert "bad.csv" in res.output and "unknown trace format" in res.output
 
 
+@pytest.mark.slow
 def test_demo_records_twins_without_the_tui(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = run(

@@ -667,8 +667,11 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
                 # The others keep being polled while it is down: wait for that (an event), rather
                 # than count the polls of a stretch of wall time (a loaded machine polls fewer).
                 await wait_until(
-                    lambda: all(len(run.polls_of(o.name, since=t0)) >= 4 for o in others),
-                    what="the others polled while it is down",
+                    lambda: all(
+                        sum(ok for _, _, ok, _ in run.polls_of(o.name, since=t0)) >= 4
+                        for o in others
+                    ),
+                    what="the others answering polls while it is down",
                 )
             finally:
                 if fault == "down":

@@ -402,6 +402,7 @@ class Attack:
             return self.reader_answers
 
 
+@pytest.mark.slow
 def test_a_token_holder_keeps_polling_while_anonymous_clients_attack():
     clock = SteppedClock()
     # The limits the plugin runs with; the anonymous pause is real (1 s), the clock is not.

@@ -32,6 +32,7 @@ from net_support import free_port
 from vllm_support import (
     CompletionRequest,
     VllmServer,
+    control,
     kv_bytes_for_tokens,
     run_completions,
 )
@@ -110,35 +111,6 @@ def settled_threads(pid: int, *, timeout_s: float = 15.0) -> int:
 
 
 # --- clients --------------------------------------------------------------------------------
-
-
-def control(
-    replica: Replica,
-    method: str = "GET",
-    path: str = "/state",
-    *,
-    deadline_s: float = 30.0,
-    log: list | None = None,
-    **kw,
-) -> httpx.Response:
-    """A polite client: a 429 or 503 is waited out as its Retry-After says, within
-    ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            resp = httpx.request(method, replica.control + path, timeout=30, trust_env=False, **kw)
-        except httpx.TransportError as err:  # a busy server's 503 can race our request bytes
-            if log is not None:
-                log.append(type(err).__name__)
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-            continue
-        if log is not None:
-            log.append(resp.status_code)
-        if resp.status_code not in (429, 503) or time.monotonic() > deadline:
-            return resp
-        time.sleep(min(float(resp.headers.get("Retry-After", "1")), 2.0))
 
 
 def auth(token: str = TOKEN) -> dict[str, str]:

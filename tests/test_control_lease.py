@@ -114,6 +114,7 @@ def test_a_bad_lease_header_is_400_and_a_lease_needs_the_token(api):
     assert anonymous.status_code == 401 and core.leases.as_dict() == {}
 
 
+@pytest.mark.slow
 def test_a_second_autopilot_on_the_same_replica_stays_in_dry_run(tmp_path, monkeypatch):
     """Two recorders armed on one replica: the first takes the lease and switches; the second
     decides too but sends nothing, and its status names the holder."""

@@ -344,6 +344,7 @@ def deep_scenarios(draw):
     )
 
 
+@pytest.mark.slow
 @hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(deep_scenarios(), st.booleans())
 def test_simulator_replay_identical_to_the_plain_queue(case, event_skipping):

@@ -129,6 +129,7 @@ def decisions_on_data(db: str) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_demo_no_tui_prints_the_autopilots_decisions_and_the_tenants_figures(tmp_path):
     cmd = [
         *tailpilot_command(),

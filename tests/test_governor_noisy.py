@@ -11,6 +11,7 @@ import asyncio
 import random
 
 import numpy as np
+import pytest
 
 from scheduler.settings import Settings
 from sim import traces as tr
@@ -144,6 +145,7 @@ def run(
     return out, rows
 
 
+@pytest.mark.slow
 def test_the_governor_protects_the_quiet_tenants_and_throttles_the_heavy_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     trace = noisy_trace()

@@ -37,6 +37,7 @@ def test_the_readme_has_sim_and_compare_examples():
     assert len(SIM_EXAMPLES) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", SIM_EXAMPLES)
 def test_a_readme_example_runs_as_written_in_the_clone(line, monkeypatch):
     monkeypatch.chdir(ROOT)  # paths in the README are relative to the repository

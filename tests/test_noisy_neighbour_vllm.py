@@ -4,7 +4,10 @@ Two quiet tenants send a steady trickle while a third bursts far beyond its comm
 server runs the traffic under fcfs and then (switched live) under slofq. The SLO targets are set
 from this machine's own unloaded TTFT, so nothing depends on its speed: under slofq the quiet
 tenants' tail is far below fcfs's, the noisy tenant is throttled (its bucket shows in /state with
-a retry-after), and no request is lost, every token count exact."""
+a retry-after), and no request is lost, every token count exact. It compares latencies on a real
+engine, so it runs `alone`: after the parallel part of the suite, with the machine to itself
+(scripts/test.sh; beside a busy worker the API server feeds the burst in no faster than the engine
+serves it, and the quiet requests under fcfs then wait behind no queue)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import pytest
 from test_plugin_e2e import PLUGIN, TOKEN, _server, control, put_settings, read_all_completions  # noqa: F401
 from vllm_support import CompletionRequest, run_completions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 QUIET = ("a", "b")
 NOISY_BURST = 96

@@ -7,12 +7,12 @@ import random
 import threading
 import time
 
-import httpx
 import pytest
 from net_support import free_port
 from vllm_support import (
     CompletionRequest,
     VllmServer,
+    control,
     fetch_metrics,
     kv_bytes_for_tokens,
     run_completions,
@@ -80,8 +80,17 @@ def busy_server(tiny_model_dir, tmp_path_factory):
         yield server
 
 
-def control(server, method="GET", path="/state", **kw):
-    return httpx.request(method, server.control + path, timeout=30, trust_env=False, **kw)
+def wait_for_state(server, until, what: str, timeout_s: float = 120.0) -> dict:
+    """Poll /state until ``until(state)`` holds; returns that state. At most 10 reads a second
+    (the control API answers a faster anonymous reader with 429, skipped here) — never
+    timing-dependent: it waits for the event, however slow the machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = control(server)
+        if answer.status_code == 200 and until(state := answer.json()):
+            return state
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.1)
 
 
 def put_settings(server, doc, *, token=TOKEN, if_match=None):
@@ -139,18 +148,15 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     applied = []
     try:
         for doc in switches:
-            deadline = time.time() + 120
-            while control(busy_server).json()["running"] == 0:  # wait for work in flight
-                assert time.time() < deadline, "no requests running"
-                time.sleep(0.01)
+            wait_for_state(busy_server, lambda s: s["running"] > 0, "work in flight")
             version = control(busy_server, path="/settings").json()["version"]
             answer = put_settings(busy_server, doc, if_match=version)
             assert answer.status_code == 200, answer.text
             applied.append(answer.json())
             # Applied at the top of the next step, while requests are in flight.
-            while control(busy_server).json()["policy"] != doc["policy"]:
-                assert time.time() < deadline, f"{doc['policy']} never applied"
-                time.sleep(0.005)
+            wait_for_state(
+                busy_server, lambda s, p=doc["policy"]: s["policy"] == p, f"{doc['policy']} applied"
+            )
     finally:
         stop.set()
         thread.join(timeout=900)
@@ -251,9 +257,7 @@ def _long_then_short(server) -> dict[str, float]:
             kwargs={"model": server.served_model_name},
         )
         t.start()
-        deadline = time.time() + 30
-        while control(server).json()["running"] < 1 and time.time() < deadline:
-            time.sleep(0.005)
+        wait_for_state(server, lambda s: s["running"] >= 1, "the long request running", 30.0)
         shorts = [
             CompletionRequest(prompt=[17] * 8, max_tokens=4, tenant=f"short{i}") for i in range(3)
         ]

@@ -310,6 +310,7 @@ def test_pin_gamma_with_N_stops_gamma_ada_while_unpinned_gamma_moves(twins):
     assert [get_settings(t)["settings"]["pinned"] for t in twins] == [[], ["gamma"], []]
 
 
+@pytest.mark.slow
 def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
     async def scenario():
         app = build_app(spec_of(twins), refresh_s=0.25)

@@ -94,6 +94,7 @@ def tmux():
     t.kill()
 
 
+@pytest.mark.slow
 def test_demo_under_tmux_keys_and_screens(tmux, tmp_path):
     cmd = [
         *demo_command(),

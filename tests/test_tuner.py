@@ -261,6 +261,7 @@ def test_paired_improvement_t_interval():
 # ------------------------------------------------------------------------------ studies
 
 
+@pytest.mark.slow
 def test_same_seed_same_trials_and_best(tmp_path):
     out1, _, s1 = run_study(tmp_path, "a", 8, small_spec(), "one.db")
     out2, _, s2 = run_study(tmp_path, "a", 8, small_spec(), "two.db")
@@ -537,6 +538,7 @@ def test_default_storage_is_a_separate_sqlite_file(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ many processes
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url):
     url = postgres_server.create_database("optuna_tune")
     cmd = [

@@ -120,6 +120,7 @@ def _assert_distinct_and_shared(study, n_trials: int) -> dict[str, int]:
     return dict(by_process)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["optuna.db", "optuna.journal"])
 def test_workers_released_together_draw_distinct_parameters(tmp_path, backend):
     url = storage_url(str(tmp_path / backend))
@@ -130,6 +131,7 @@ def test_workers_released_together_draw_distinct_parameters(tmp_path, backend):
     _assert_distinct_and_shared(study, TRIALS)
 
 
+@pytest.mark.slow
 def test_two_tune_commands_started_at_the_same_instant_on_a_journal(tmp_path, cli):
     journal = tmp_path / "study.journal"
     args = [

@@ -22,6 +22,7 @@ SIZE_FIRST = Settings.model_validate(
 )
 
 
+@pytest.mark.slow
 def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     """Bundled Azure conv at 1.5× its rate, sarathi → uniboost at γ 0.01: on the last 2 minutes of
     traffic the what-if predicts P95 TTFT down by a fifth or more; applied for real (HTTP PUT), the

@@ -551,3 +551,33 @@ def fetch_metrics(base_url: str) -> dict[str, float]:
     resp = httpx.get(base_url + "/metrics", timeout=30.0, trust_env=False)
     resp.raise_for_status()
     return parse_metrics(resp.text)
+
+
+def control(
+    server: Any,
+    method: str = "GET",
+    path: str = "/state",
+    *,
+    deadline_s: float = 30.0,
+    log: list | None = None,
+    **kw: Any,
+) -> httpx.Response:
+    """A request to ``server``'s control API (``server.control``: its base URL) made as a polite
+    client: a 429 or 503 is waited out as its Retry-After says, within ``deadline_s`` (then the
+    answer is returned as it is); ``log`` collects each answer's status or transport error."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            resp = httpx.request(method, server.control + path, timeout=30, trust_env=False, **kw)
+        except httpx.TransportError as err:  # a busy server's 503 can race our request bytes
+            if log is not None:
+                log.append(type(err).__name__)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        if log is not None:
+            log.append(resp.status_code)
+        if resp.status_code not in (429, 503) or time.monotonic() > deadline:
+            return resp
+        time.sleep(min(float(resp.headers.get("Retry-After", "1")), 2.0))

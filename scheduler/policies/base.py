@@ -474,9 +474,14 @@ def prediction_group_fn(
     The history predictor predicts from the finest fitted key of (tenant, type, prompt bucket),
     falling back to coarser keys of the same request: the finest key fixes the prediction."""
     if type(predictor) is HistoryPredictor:
-        keys_for = HistoryPredictor.keys_for
-        return lambda req: keys_for(req)[0]
+        return _finest_history_key
     return None
+
+
+def _finest_history_key(req: RequestState) -> Hashable:
+    """The history predictor's finest key of ``req`` (a module function, not a closure: a policy
+    holding it is copied by pickling — the autopilot's shadow forks)."""
+    return HistoryPredictor.keys_for(req)[0]
 
 
 def boost(w: float, gamma: float) -> float:

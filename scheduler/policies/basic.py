@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -165,8 +166,34 @@ class Vtc(TenantBacklog, Policy):
         now: float,
         kv_blocked: bool,
     ) -> float:
-        # Counters move with every generated token, so the tenant picked next can change.
-        return 1 if (waiting and kv_blocked) else INF
+        if not (waiting and kv_blocked):
+            return INF
+        # Admission stopped on KV at the head of the tenant with the least counter; in a pure
+        # decode stretch the free blocks only shrink, so nothing changes until another backlogged
+        # tenant's counter passes that tenant's. Counters grow linearly meanwhile (each running
+        # request is charged one output token a step): the first crossing is closed-form.
+        by_group = getattr(waiting, "by_group", None)
+        if by_group is not None:
+            heads = {tenant: queue[0] for tenant, queue in by_group().items() if queue}
+        else:  # a plain queue (in arrival order): each tenant's first
+            heads = {}
+            for req in waiting:
+                heads.setdefault(req.tenant, req)
+        if len(heads) < 2:
+            return INF
+        counters, price = self.counters, self.params.output_price
+        rate = {t: price * self.seated.get(t, 0) / self.weight(t) for t in heads}
+        first = min(heads, key=lambda t: (counters.get(t, 0.0), heads[t].arrival, t))
+        steps = INF
+        for tenant in heads:
+            closing = rate[first] - rate[tenant]
+            if tenant == first or closing <= 0:
+                continue  # the gap never shrinks
+            gap = counters.get(tenant, 0.0) - counters.get(first, 0.0)
+            # Stop well short of the crossing: the counters are sums of per-token charges, whose
+            # rounding a product does not reproduce.
+            steps = min(steps, math.floor(gap / closing * (1.0 - 1e-9)) - 1)
+        return max(1, steps)
 
     def attach(
         self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float
