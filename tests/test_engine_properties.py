@@ -215,3 +215,37 @@ def test_vtc_skips_a_kv_blocked_stretch_and_matches_step_by_step():
     for c in slow.completions:
         for field in ("scheduled_at", "first_token_at", "finished_at"):
             assert math.isclose(getattr(got[c.id], field), getattr(c, field), abs_tol=1e-9)
+
+
+def test_sjf_skips_a_kv_blocked_stretch_past_a_starving_head_and_matches_step_by_step():
+    """sjf with a short starvation limit on a KV cache that holds a few long prompts: requests
+    soon wait past their limit at the top of the queue, and admission stays KV-blocked. Nothing
+    changes until the next one reaches its limit, so the decode steps between are one event (sjf
+    used to stop at every step while anyone was starving), with the step-by-step run's schedule."""
+    reqs = [
+        TraceRequest(
+            id=f"r{i:03d}",
+            arrival=0.01 * i,
+            prompt_tokens=300 + 37 * (i % 5),
+            output_tokens=40 + 13 * (i % 7),
+            max_tokens=200,
+            tenant=f"t{i % 3}",
+        )
+        for i in range(60)
+    ]
+    settings = Settings.model_validate(
+        {
+            "policy": "sjf",
+            "params": {"predictor": "oracle", "starve_steps": 30, "quantum_steps": 3},
+            "engine": {"max_num_seqs": 16},
+        }
+    )
+    config = EngineConfig(num_gpu_blocks=120, block_size=16, step_model=STEP_MODEL)
+    _, fast = run(reqs, settings, config, event_skipping=True)
+    _, slow = run(reqs, settings, config, event_skipping=False)
+    assert fast.steps == slow.steps and fast.preemptions == slow.preemptions
+    assert fast.iterations < 0.5 * slow.iterations, (fast.iterations, slow.iterations)
+    got = {c.id: c for c in fast.completions}
+    for c in slow.completions:
+        for field in ("scheduled_at", "first_token_at", "finished_at"):
+            assert math.isclose(getattr(got[c.id], field), getattr(c, field), abs_tol=1e-9)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from scheduler.policies.base import INF, Key, Policy, RequestState, SortKey
@@ -53,8 +52,6 @@ class Sjf(Policy):
         self._clock = 0
         # heap of (clock at which it starves, wait_seq, request)
         self._starve_at: list[tuple[int, int, RequestState]] = []
-        # (wait_seq, request): waiting at or past the limit
-        self._starving: deque[tuple[int, RequestState]] = deque()
         self._seq = itertools.count()
 
     def score(self, req: RequestState, now: float) -> float:
@@ -106,10 +103,8 @@ class Sjf(Policy):
         seq = req.wait_seq = next(self._seq)
         req.wait_mark = self._clock - req.unscheduled_steps
         at = req.wait_mark + self.params.starve_steps
-        if at > self._clock:
+        if at > self._clock:  # (one already at its limit is at the top: nothing to watch)
             heapq.heappush(self._starve_at, (at, seq, req))
-        else:
-            self._starving.append((seq, req))
 
     def on_arrival(self, req: RequestState, now: float) -> None:
         if self._lazy:
@@ -131,7 +126,6 @@ class Sjf(Policy):
             if req.status == "waiting" and req.wait_seq == seq:  # still the same wait
                 req.unscheduled_steps = clock - req.wait_mark
                 self.moved.append(req)  # a starving request jumps the waiting queue
-                self._starving.append((seq, req))
 
     def detach(self, waiting: Iterable[RequestState]) -> None:
         if self._lazy:
@@ -149,16 +143,16 @@ class Sjf(Policy):
     ) -> float:
         if not (waiting and kv_blocked):
             return INF
-        # A waiting request reaching its starvation limit can change the head of the queue.
+        # A waiting request reaching its starvation limit can change the head of the queue. Those
+        # already past it are at the top already, in arrival order, and admission is KV-blocked
+        # (blocks only grow scarcer in a decode stretch): nothing changes until the next one
+        # reaches its limit and joins them.
         if not self._lazy:
-            return max(1, min(self.params.starve_steps - r.unscheduled_steps for r in waiting))
-        starving = self._starving
-        while starving and not (
-            starving[0][1].status == "waiting" and starving[0][1].wait_seq == starving[0][0]
-        ):
-            starving.popleft()  # admitted since (a new wait has a new entry)
-        if starving:
-            return 1  # one waits at or past its limit: the eager minimum is ≤ 0
+            limit = self.params.starve_steps
+            return min(
+                (limit - r.unscheduled_steps for r in waiting if r.unscheduled_steps < limit),
+                default=INF,
+            )
         heap = self._starve_at
         while heap and not (heap[0][2].status == "waiting" and heap[0][2].wait_seq == heap[0][1]):
             heapq.heappop(heap)
