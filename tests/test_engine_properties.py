@@ -187,12 +187,10 @@ def test_advance_to_in_slices_matches_one_run(case, slice_s):
         assert math.isclose(got[c.id].finished_at, c.finished_at, rel_tol=1e-9, abs_tol=1e-9), c.id
 
 
-def test_vtc_skips_a_kv_blocked_stretch_and_matches_step_by_step():
-    """A deep queue of long prompts from three tenants on a KV cache that holds a few of them:
-    admission stops on KV at the head of the least-charged tenant, and nothing changes until
-    another backlogged tenant's counter passes it — VTC advances those decode steps as one event
-    (it used to stop every step) with the schedule of the step-by-step run."""
-    reqs = [
+def _kv_blocked_deep_queue() -> list[TraceRequest]:
+    """60 long prompts from three tenants, 10 ms apart: on 120 blocks of 16 tokens a few fit at
+    once, so admission stops on KV while most wait."""
+    return [
         TraceRequest(
             id=f"r{i:03d}",
             arrival=0.01 * i,
@@ -203,49 +201,44 @@ def test_vtc_skips_a_kv_blocked_stretch_and_matches_step_by_step():
         )
         for i in range(60)
     ]
-    settings = Settings.model_validate(
-        {"policy": "vtc", "params": POLICY_PARAMS["vtc"], "engine": {"max_num_seqs": 16}}
-    )
+
+
+def _assert_skips_with_the_step_by_step_schedule(settings: Settings) -> None:
+    """``settings`` replays the KV-blocked deep queue in under half the loop iterations of the
+    step-by-step run, with its steps, preemptions and timestamps."""
     config = EngineConfig(num_gpu_blocks=120, block_size=16, step_model=STEP_MODEL)
-    _, fast = run(reqs, settings, config, event_skipping=True)
-    _, slow = run(reqs, settings, config, event_skipping=False)
+    _, fast = run(_kv_blocked_deep_queue(), settings, config, event_skipping=True)
+    _, slow = run(_kv_blocked_deep_queue(), settings, config, event_skipping=False)
     assert fast.steps == slow.steps and fast.preemptions == slow.preemptions
     assert fast.iterations < 0.5 * slow.iterations, (fast.iterations, slow.iterations)
     got = {c.id: c for c in fast.completions}
     for c in slow.completions:
         for field in ("scheduled_at", "first_token_at", "finished_at"):
             assert math.isclose(getattr(got[c.id], field), getattr(c, field), abs_tol=1e-9)
+
+
+def test_vtc_skips_a_kv_blocked_stretch_and_matches_step_by_step():
+    """Admission stops on KV at the head of the least-charged tenant, and nothing changes until
+    another backlogged tenant's counter passes it — VTC advances those decode steps as one event
+    (it used to stop every step) with the schedule of the step-by-step run."""
+    _assert_skips_with_the_step_by_step_schedule(
+        Settings.model_validate(
+            {"policy": "vtc", "params": POLICY_PARAMS["vtc"], "engine": {"max_num_seqs": 16}}
+        )
+    )
 
 
 def test_sjf_skips_a_kv_blocked_stretch_past_a_starving_head_and_matches_step_by_step():
-    """sjf with a short starvation limit on a KV cache that holds a few long prompts: requests
-    soon wait past their limit at the top of the queue, and admission stays KV-blocked. Nothing
-    changes until the next one reaches its limit, so the decode steps between are one event (sjf
-    used to stop at every step while anyone was starving), with the step-by-step run's schedule."""
-    reqs = [
-        TraceRequest(
-            id=f"r{i:03d}",
-            arrival=0.01 * i,
-            prompt_tokens=300 + 37 * (i % 5),
-            output_tokens=40 + 13 * (i % 7),
-            max_tokens=200,
-            tenant=f"t{i % 3}",
+    """With a short starvation limit requests soon wait past it at the top of the queue while
+    admission stays KV-blocked. Nothing changes until the next one reaches its limit, so the
+    decode steps between are one event (sjf used to stop at every step while anyone was
+    starving), with the step-by-step run's schedule."""
+    _assert_skips_with_the_step_by_step_schedule(
+        Settings.model_validate(
+            {
+                "policy": "sjf",
+                "params": {"predictor": "oracle", "starve_steps": 30, "quantum_steps": 3},
+                "engine": {"max_num_seqs": 16},
+            }
         )
-        for i in range(60)
-    ]
-    settings = Settings.model_validate(
-        {
-            "policy": "sjf",
-            "params": {"predictor": "oracle", "starve_steps": 30, "quantum_steps": 3},
-            "engine": {"max_num_seqs": 16},
-        }
     )
-    config = EngineConfig(num_gpu_blocks=120, block_size=16, step_model=STEP_MODEL)
-    _, fast = run(reqs, settings, config, event_skipping=True)
-    _, slow = run(reqs, settings, config, event_skipping=False)
-    assert fast.steps == slow.steps and fast.preemptions == slow.preemptions
-    assert fast.iterations < 0.5 * slow.iterations, (fast.iterations, slow.iterations)
-    got = {c.id: c for c in fast.completions}
-    for c in slow.completions:
-        for field in ("scheduled_at", "first_token_at", "finished_at"):
-            assert math.isclose(getattr(got[c.id], field), getattr(c, field), abs_tol=1e-9)
