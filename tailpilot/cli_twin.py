@@ -270,6 +270,10 @@ def demo(
         cluster = ClusterSpec(
             name="demo",
             window_s=60.0,
+            # The twins answer from threads of this process, beside the collector and the
+            # autopilot's projections: on a loaded machine (CI: a vLLM engine on the other core)
+            # an answer took over the 2 s default and the replica read unhealthy for a poll.
+            timeout_s=DEMO_TIMEOUT_S,
             slos={"ttft_p99": 2.0, "ttlt_p99": 60.0},
             governance=demo_governance(trace, scale),
             replicas=[
@@ -435,6 +439,7 @@ DEMO_TENANTS: tuple[tuple[float, dict[str, float], dict[str, float] | None], ...
     (1.0, {"p99": 10.0}, {"p99": 120.0}),
 )
 DEMO_WHO = "tailpilot demo"
+DEMO_TIMEOUT_S = 5.0  # one poll's limit on the in-process twins (the cluster default: 2 s)
 Controller = Callable[[Any, Any, asyncio.Event], Coroutine[Any, Any, None]]
 
 
