@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="AutopilotConfig field=JSON value")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/autopilot-dev"))
     ap.add_argument("--traces", type=Path, default=bench.DEFAULT_TRACES)
-    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--verbose", "-v", action="count", default=0)
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
@@ -106,6 +106,13 @@ def main() -> None:
         if args.verbose:
             for d in decisions:
                 print(f"   {d.at / 60:6.1f} {d.choice:12s} {d.reason}")
+                if args.verbose > 1 and d.figures:
+                    for n, f in sorted(d.figures.items(), key=lambda kv: kv[1].ttft_p95):
+                        worst = "" if f.slo_worst is None else f" worst {f.slo_worst:.3f}"
+                        print(
+                            f"          {n:28s} p95 {f.ttft_p95:.3f} p99 {f.ttft_p99:.3f} "
+                            f"scr {f.scr} {'ok' if f.feasible else ','.join(f.broken)}{worst}"
+                        )
 
 
 if __name__ == "__main__":

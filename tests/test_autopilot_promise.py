@@ -15,7 +15,16 @@ from sim import traces
 from sim.engine import EngineConfig, simulate
 from tuner.autopilot import AutopilotConfig, candidates
 from tuner.autopilot_replay import replay_with_autopilot
-from tuner.promise import QUANTILE_NAMES, Figures, Promise, breaks, judge, sampling_slack
+from tuner.promise import (
+    QUANTILE_NAMES,
+    Figures,
+    Promise,
+    breaks,
+    judge,
+    margin,
+    most_margin,
+    sampling_slack,
+)
 from tuner.shadows import Shadow
 
 CONFIG = AutopilotConfig(
@@ -80,6 +89,47 @@ def test_with_slos_the_promise_is_scr_then_jfi():
     assert ranked["x"].feasible and ranked["slofq"].feasible
     assert not ranked["y"].feasible and ranked["y"].broken == ("scr",)
     assert "SLOs" in promise.describe()
+
+
+def test_a_p95_tie_goes_to_the_most_margin_on_every_quantile():
+    """Candidates tied on the objective can differ on the rest: the tie goes to the one furthest
+    inside the promise over all its quantiles (within a step they stay tied, for the axis rule)."""
+    ref = figures()
+    tied = {
+        "gamma=0.464": figures(ttft_p95=0.80, ttft_p99=0.82),
+        "gamma=0.001": figures(ttft_p95=0.80, ttft_p99=0.77),
+        "gamma=0.002": figures(ttft_p95=0.80, ttft_p99=0.771),
+    }
+    assert margin(ref, ref) == pytest.approx(1.0)
+    assert margin(tied["gamma=0.001"], ref) < margin(tied["gamma=0.464"], ref) < 1.0
+    names = list(tied)
+    assert most_margin(names, tied, ref, step=0.01) == ["gamma=0.001", "gamma=0.002"]
+    assert most_margin(names, tied, ref, step=0.5) == names  # all within one step
+
+
+def test_with_slos_a_tie_on_the_objective_is_broken_by_margin():
+    """The axis rule alone takes the most age-first of P95-tied candidates (γ 1 here); with SLOs
+    declared the tie goes to the most margin (γ 0.001, its P99 TTFT 0.77 of sarathi's); the
+    ``margin_ties`` knob says when."""
+    from tuner.autopilot import Autopilot
+
+    slo = SloFqParams.model_validate({"tenants": {"a": {"ttft": {"p99": 5.0}}}})
+    base = Settings.model_validate({"policy": "uniboost"})
+    scored = {
+        "sarathi": figures(scr=1.0, jfi=1.0),
+        "defaults": figures(ttft_p95=0.95, scr=1.0, jfi=1.0),
+        "gamma=1": figures(ttft_p95=0.80, ttft_p99=0.82, scr=1.0, jfi=1.0),
+        "gamma=0.001": figures(ttft_p95=0.80, ttft_p99=0.77, scr=1.0, jfi=1.0),
+    }
+    picks = {}
+    for ties in ("slo", "never", "always"):
+        for slos in (slo, None):
+            config = CONFIG.model_copy(update={"promise": Promise(slo=slos), "margin_ties": ties})
+            pilot = Autopilot(base, config)
+            picks[ties, slos is not None] = pilot.target_among(list(scored), scored)
+    assert picks["slo", True] == "gamma=0.001" and picks["slo", False] == "gamma=1"
+    assert picks["never", True] == picks["never", False] == "gamma=1"
+    assert picks["always", True] == picks["always", False] == "gamma=0.001"
 
 
 # --- projection -------------------------------------------------------------------------------

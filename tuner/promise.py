@@ -21,7 +21,7 @@ better). Both are pure: the autopilot, its benchmark and its tests use the same 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -91,6 +91,9 @@ class Figures:
     projected: int = 0
     scr: float | None = None
     jfi: float | None = None
+    # With SLOs: the highest value/target ratio over every tenant's declared quantiles (1.0 sits
+    # exactly on a target) — how close the window came to costing a tenant its SLO.
+    slo_worst: float | None = None
     feasible: bool = True
     broken: tuple[str, ...] = ()  # what breaks the promise against the reference
 
@@ -124,10 +127,11 @@ def figures_of(
     for name, family, q in QUANTILES:
         data = ttft if family == "ttft" else ttlt
         values[name] = float(np.percentile(data, q)) if data.size else math.nan
-    scr = jfi = None
+    scr = jfi = slo_worst = None
     if slo is not None and tenants is not None and types is not None and tokens is not None:
         rep = report(tenants, types, ttft, ttlt, tokens, Terms.of(slo), duration_s=window_s)
         scr, jfi = rep["scr"], rep["jfi"]
+        slo_worst = _worst_ratio(rep["tenants"])
     return Figures(
         ttft_p50=values["ttft_p50"],
         ttft_p95=values["ttft_p95"],
@@ -138,7 +142,21 @@ def figures_of(
         projected=projected,
         scr=scr,
         jfi=jfi,
+        slo_worst=slo_worst,
     )
+
+
+def _worst_ratio(tenants: Mapping[str, Mapping[str, object]]) -> float | None:
+    """The highest value/target ratio over the governed tenants' declared quantiles (None when
+    no quantile has a value)."""
+    ratios = [
+        float(got) / float(limit)  # type: ignore[arg-type]
+        for row in tenants.values()
+        if row.get("governed", True)
+        for key, limit in row["limits"].items()  # type: ignore[attr-defined]
+        if (got := row.get(key)) is not None and float(limit) > 0  # type: ignore[arg-type]
+    ]
+    return max(ratios) if ratios else None
 
 
 def sampling_slack(requests: int, noise: float) -> dict[str, float]:
@@ -204,3 +222,25 @@ def rank_key(promise: Promise, f: Figures) -> tuple[float, ...]:
     if promise.slo is None:
         return (objective,)
     return (-(f.scr or 0.0), -round(f.jfi or 0.0, 2), objective)
+
+
+def margin(f: Figures, ref: Figures) -> float:
+    """``f``'s quantiles against ``ref``'s as one number: the geometric mean of their ratios over
+    the promise's quantiles (below 1: ahead of the reference overall; lower is more margin)."""
+    logs = [
+        math.log(f.value(q) / ref.value(q))
+        for q in QUANTILE_NAMES
+        if ref.value(q) > 0 and f.value(q) > 0
+    ]
+    return math.exp(sum(logs) / len(logs)) if logs else 1.0
+
+
+def most_margin(
+    names: Sequence[str], figures: Mapping[str, Figures], ref: Figures, step: float
+) -> list[str]:
+    """Those of ``names`` with the most margin on the promise (``margin``, counted in ``step``s:
+    closer than a step is a tie), in their given order. Candidates tied on the objective may
+    differ on the other quantiles — a P95 tie can hide a P99 one of them pays in the next burst."""
+    steps = {n: math.floor(margin(figures[n], ref) / step) for n in names}
+    least = min(steps.values(), default=0)
+    return [n for n in names if steps[n] == least]
