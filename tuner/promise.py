@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -146,15 +146,15 @@ def figures_of(
     )
 
 
-def _worst_ratio(tenants: Mapping[str, Mapping[str, object]]) -> float | None:
+def _worst_ratio(tenants: Mapping[str, Mapping[str, Any]]) -> float | None:
     """The highest value/target ratio over the governed tenants' declared quantiles (None when
     no quantile has a value)."""
     ratios = [
-        float(got) / float(limit)  # type: ignore[arg-type]
+        float(got) / float(limit)
         for row in tenants.values()
         if row.get("governed", True)
-        for key, limit in row["limits"].items()  # type: ignore[attr-defined]
-        if (got := row.get(key)) is not None and float(limit) > 0  # type: ignore[arg-type]
+        for key, limit in row["limits"].items()
+        if (got := row.get(key)) is not None and float(limit) > 0
     ]
     return max(ratios) if ratios else None
 
