@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -240,5 +241,24 @@ def test_sjf_skips_a_kv_blocked_stretch_past_a_starving_head_and_matches_step_by
                 "params": {"predictor": "oracle", "starve_steps": 30, "quantum_steps": 3},
                 "engine": {"max_num_seqs": 16},
             }
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "policy, params",
+    [
+        ("srpt", {"predictor": "oracle"}),
+        ("uniboost", {"gamma_ada": False}),
+    ],
+)
+def test_preemptive_policies_skip_a_kv_blocked_stretch_with_a_seat_free(policy, params):
+    """Seats free, admission stopped on KV, the head of the queue short of blocks and no victim
+    that makes it fit: nothing changes until a completion, so the decode steps between are one
+    event (preemptive policies used to stop at every step while a seat was free), with the
+    step-by-step run's schedule."""
+    _assert_skips_with_the_step_by_step_schedule(
+        Settings.model_validate(
+            {"policy": policy, "params": params, "engine": {"max_num_seqs": 16}}
         )
     )

@@ -428,9 +428,13 @@ class Simulator:
             self.waiting
             and self.policy.preemptive
             and len(running) < self.settings.engine.max_num_seqs
+            and not self._head_short_of_blocks(now)
         ):
-            # With a seat free, whether a waiting request needs a victim depends on the free
-            # blocks, which shrink every decode step: decide step by step.
+            # With a seat free and the head of admission fitting the free blocks by the victim
+            # search's count (admission itself stopped short of it, on its own gate), the decode
+            # steps shrink the free blocks until the head needs a victim: decide step by step.
+            # A head short already found no victims that make it fit, and in a stretch that
+            # stays so: the free blocks plus a victim's only shrink and the keys hold.
             return 1
         # The stretch ends with a completion (float: it meets INF below). Every running request
         # decodes in this step: the decodes are the running requests.
@@ -450,6 +454,17 @@ class Simulator:
         if t_event < INF and k > 1:
             k = min(k, step.steps_until(self.config.step_model, self.now, t_event))
         return max(1, int(k))
+
+    def _head_short_of_blocks(self, now: float) -> bool:
+        """Whether the first request in the policy's admission order needed more blocks than
+        were free when this step's victims were searched for (``plan_preemptions``' count: its
+        first chunk out of a whole step's budget). The decodes of this step have taken a block
+        each at most since: they are given back."""
+        head = next(iter(self.policy.admission_order(self.waiting.ordered(now), now)), None)
+        if head is None:
+            return False
+        chunk = self.prefill_chunk(head, self.settings.engine.max_num_batched_tokens)
+        return self.admission_blocks(head, chunk) > self.free_blocks + len(self.running)
 
     # --- applying steps ---------------------------------------------------------------------
     def _advance(self, step: StepPlan[KnownLengthRequest], k: int) -> None:
