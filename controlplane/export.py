@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from controlplane import strict_yaml
 from controlplane.monitoring.prometheus import scrape_timeout
 from scheduler.plugin.wire import parse_json_file
-from scheduler.settings import Settings, describe_error
+from scheduler.settings import Settings, describe_error, split_assignment
 
 if TYPE_CHECKING:  # annotations only: the store is the caller's (sqlalchemy is not loaded here)
     from storage.store import Store
@@ -416,8 +416,8 @@ def _flag_pairs(args: list[str], where: str) -> dict[str, str]:
         arg = args[i]
         if not arg.startswith("--"):
             raise ExportError(f"{where}: expected a --flag, got {arg!r}")
-        if "=" in arg:
-            name, value = arg.split("=", 1)
+        if (parts := split_assignment(arg)) is not None:
+            name, value = parts
             i += 1
         else:
             if i + 1 >= len(args):
@@ -436,11 +436,12 @@ def parse_vllm_args(text: str) -> tuple[dict[str, str], str, dict[str, str]]:
     env: dict[str, str] = {}
     while (
         argv
-        and "=" in argv[0]
         and not argv[0].startswith("-")
-        and argv[0].split("=", 1)[0].isidentifier()
+        and (parts := split_assignment(argv[0])) is not None
+        and parts[0].isidentifier()
     ):
-        name, value = argv.pop(0).split("=", 1)
+        argv.pop(0)
+        name, value = parts
         env[name] = value
     if argv[:2] != ["vllm", "serve"] or len(argv) < 3:
         raise ExportError(f"vllm-args: expected `vllm serve MODEL ...`, got {' '.join(argv[:3])!r}")

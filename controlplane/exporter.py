@@ -71,7 +71,7 @@ from scheduler.plugin.api import ControlServer
 from scheduler.plugin.request import HTTPError
 from scheduler.settings import QUANTILES
 from scheduler.validation import finite_or_none
-from storage.limits import OTHER_GROUP, REASONS
+from storage.limits import REASONS, fold_name
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
@@ -136,12 +136,9 @@ class CompletionCounters:
 
     def _name(self, kind: str, name: str) -> str:
         names = self._names[kind]
-        if name in names or name in self._reserved[kind]:
-            return name
-        if len(names) >= self._max:
-            return OTHER_GROUP
-        names.add(name)
-        return name
+        group = fold_name(name, names, self._reserved[kind], self._max)
+        names.add(group)
+        return group
 
     def observe(self, replica: str, result: PollResult) -> None:
         """Count one poll's new completions (``collector.on_poll``'s listener)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,7 +104,11 @@ class ReplicaView:
         self.instance = instance  # the replica incarnation ``cursor`` counts in (None: not known)
         # (instance, version) last stored.
         self._settings_key: tuple[str | None, int | None] | None = None
-        self.window = ReplicaWindow(reserved=reserved)
+        # The cluster file's tenants and types: kept apart whatever the number of other names.
+        self.declared: Mapping[str, Collection[str]] = {
+            kind: frozenset(names) for kind, names in (reserved or {}).items()
+        }
+        self.window = ReplicaWindow(reserved=self.declared)
         self.sample: SampleRow | None = None
         self.groups: list[GroupSampleRow] = []
         self.polls = 0
@@ -445,7 +449,9 @@ async def poll_view(
         )
         rejected: dict[str, int] = {}
         doc = read_state(
-            read_json(resp, "state", lambda: count_into(rejected, limits.NON_FINITE)), rejected
+            read_json(resp, "state", lambda: count_into(rejected, limits.NON_FINITE)),
+            rejected,
+            view.declared,
         )
         view.count(rejected)
         return StateAnswer(doc, [], view.cursor, rejected=rejected)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlencode
@@ -38,6 +38,7 @@ from controlplane.http import (
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
 from scheduler import contract
+from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.validation import finite_or_none
 from storage import limits
 from storage.rows import CompletionRow
@@ -253,10 +254,14 @@ _KV_COUNTS = ("used_blocks", "total_blocks", "block_size")
 _BREAKER_COUNTS = ("trips_total", "failed_version", "fallback_version")
 
 
-def fit_state(doc: dict[str, Any]) -> list[str]:
+def fit_state(
+    doc: dict[str, Any], declared: Mapping[str, Collection[str]] | None = None
+) -> list[str]:
     """Null (in place) what a /state document (read through ``contract.State``) holds that the
     collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
-    completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller."""
+    completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller.
+    ``declared``: the cluster file's tenants and types, kept apart in the waiting counts
+    whatever their number (``storage.limits.fold_name``)."""
     reasons = _fit_numbers(doc)
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
@@ -275,9 +280,9 @@ def fit_state(doc: dict[str, Any]) -> list[str]:
     for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
         if doc.get(key) is not None:
             _null(doc, key, limits.json_problem(doc[key]), reasons)
-    for key in ("waiting_by_tenant", "waiting_by_type"):
+    for key, kind in (("waiting_by_tenant", "tenant"), ("waiting_by_type", "type")):
         if doc.get(key) is not None:
-            doc[key] = _fit_counts_by_name(doc[key], reasons)
+            doc[key] = _fit_counts_by_name(doc[key], reasons, (declared or {}).get(kind, ()))
     return reasons
 
 
@@ -307,9 +312,11 @@ def _null(where: dict[str, Any], key: str, problem: str | None, reasons: list[st
         reasons.append(problem)
 
 
-def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str, int]:
+def _fit_counts_by_name(
+    counts: dict[str, int], reasons: list[str], declared: Collection[str] = ()
+) -> dict[str, int]:
     """Waiting requests per tenant (or type): names bounded as the window bounds them (too long,
-    not valid text, or past MAX_GROUPS_PER_WINDOW: under OTHER_GROUP); counts past 64 bits
+    not valid text, or past the cap of undeclared names: under OTHER_GROUP); counts past 64 bits
     dropped."""
     out: dict[str, int] = {}
     for name, n in counts.items():
@@ -319,11 +326,8 @@ def _fit_counts_by_name(counts: dict[str, int], reasons: list[str]) -> dict[str,
         group, why = limits.group_name(name)
         if why is not None:
             reasons.append(why)
-        elif (
-            group not in out
-            and len(out) - (limits.OTHER_GROUP in out) >= limits.MAX_GROUPS_PER_WINDOW
-        ):
-            group = limits.OTHER_GROUP
+        else:
+            group = limits.fold_name(group, out, declared)
         out[group] = out.get(group, 0) + n
     return out
 
@@ -342,6 +346,7 @@ class StateReader(Protocol):
     name: str
     spec: ReplicaSpec
     cursor: int
+    declared: Mapping[str, Collection[str]]  # the cluster file's tenants and types
 
     def restarted(self, doc: Mapping[str, Any]) -> str | None: ...
 
@@ -360,8 +365,8 @@ def completion_row(replica: str, c: Any) -> CompletionRow:
     return CompletionRow(
         replica=replica,
         request_id=comp.id,
-        tenant=comp.tenant or "default",
-        type=comp.type or "default",
+        tenant=comp.tenant or DEFAULT_TENANT,
+        type=comp.type or DEFAULT_TYPE,
         arrival_s=comp.arrival,
         received_s=comp.received_at,
         first_token_s=comp.first_token_at,
@@ -376,10 +381,15 @@ def completion_row(replica: str, c: Any) -> CompletionRow:
     )
 
 
-def read_state(doc: Any, rejected: dict[str, int] | None = None) -> dict[str, Any]:
+def read_state(
+    doc: Any,
+    rejected: dict[str, int] | None = None,
+    declared: Mapping[str, Collection[str]] | None = None,
+) -> dict[str, Any]:
     """A /state document read through ``contract.State`` (leniently: a broken optional field is
     null) and fitted to what the store holds (storage.limits; what was nulled counted in
-    ``rejected``), as a dict; StateFormatError naming the field a reader cannot do without."""
+    ``rejected``; ``declared`` tenants and types kept apart), as a dict; StateFormatError naming
+    the field a reader cannot do without."""
     if not isinstance(doc, dict):
         raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
     try:
@@ -393,7 +403,7 @@ def read_state(doc: Any, rejected: dict[str, int] | None = None) -> dict[str, An
             "bad state document: next_cursor is beyond what the store holds "
             f"({limits.CURSOR_RANGE[1]})"
         )
-    for reason in fit_state(state):
+    for reason in fit_state(state, declared):
         count_into(rejected, reason)
     return state
 
@@ -481,7 +491,7 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
             break  # the replica rate-limits a long backlog: keep what came, read on next poll
         try:
             page_rejected: dict[str, int] = {}
-            doc = read_state(read_json(resp, "state", non_finite), page_rejected)
+            doc = read_state(read_json(resp, "state", non_finite), page_rejected, view.declared)
         except StateFormatError:
             if page == 0:
                 raise

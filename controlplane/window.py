@@ -19,7 +19,7 @@ import numpy as np
 
 from scheduler.metrics import distribution_stats
 from scheduler.validation import finite_or_none
-from storage.limits import MAX_GROUPS_PER_WINDOW, OTHER_GROUP
+from storage.limits import MAX_GROUPS_PER_WINDOW, fold_name
 from storage.rows import LATENCIES, PERCENTILES, CompletionRow, LatencyPercentiles
 
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
@@ -65,21 +65,16 @@ class ReplicaWindow:
         return out
 
     def _code(self, kind: str, name: str) -> int:
-        """``name``'s code in column ``kind``: its own while fewer than the cap are kept, else
-        OTHER_GROUP's."""
+        """``name``'s code in column ``kind``: its own group's or OTHER_GROUP's
+        (``storage.limits.fold_name``)."""
         codes = self._codes[kind]
         code = codes.get(name)
         if code is not None:
             return code
-        if (
-            len(codes) - (OTHER_GROUP in codes) >= self._max_groups
-            and name not in self._reserved[kind]
-        ):
-            name = OTHER_GROUP
-            code = codes.get(name)
-            if code is not None:
-                return code
-        code = codes[name] = len(codes)
+        name = fold_name(name, codes, self._reserved[kind], self._max_groups)
+        code = codes.get(name)
+        if code is None:
+            code = codes[name] = len(codes)
         return code
 
     def add(self, rows: Sequence[CompletionRow]) -> None:

@@ -27,6 +27,7 @@ from pydantic import (
     WrapValidator,
 )
 
+from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.validation import describe_validation
 
 API_VERSION = 1
@@ -87,8 +88,8 @@ class Completion(_Doc):
         None, ge=0, description="position in the replica's completions log (always sent)"
     )
     id: str
-    tenant: str = "default"
-    type: str = "default"
+    tenant: str = DEFAULT_TENANT
+    type: str = DEFAULT_TYPE
     arrival: Time = Field(description="when the API server got it")
     received_at: OptFloat = Field(
         None, description="when the engine core got it (null: not recorded)"
@@ -228,8 +229,8 @@ class InflightRequest(_Doc):
     length, which nobody knows before it finishes."""
 
     id: str
-    tenant: str = "default"
-    type: str = "default"
+    tenant: str = DEFAULT_TENANT
+    type: str = DEFAULT_TYPE
     arrival: Time = Field(description="when the API server got it")
     received_at: OptFloat = Field(None, description="when the engine core got it")
     prompt_tokens: int = Field(0, ge=0)

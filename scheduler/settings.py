@@ -81,6 +81,9 @@ MAX_SCORE_MARGIN = 1e12
 # holds the two equal; the scheduler package imports nothing of storage).
 NAME_MAX_CHARS = 100
 DEFAULT_TENANT = "default"
+# A request that names no type is a chat request — in the engine, the simulator's traces, the
+# control API's documents and the collector's rows alike.
+DEFAULT_TYPE = "chat"
 
 
 def _unreadable(ch: str) -> bool:
@@ -549,12 +552,28 @@ def describe_error(err: Exception) -> str:
     return str(err)
 
 
+def split_assignment(
+    text: str, *, last: bool = False, strip: bool = False
+) -> tuple[str, str] | None:
+    """``NAME=VALUE`` split into (NAME, VALUE), or None when there is no ``=`` or no name.
+    ``last``: at the last ``=`` (a file path may hold one); ``strip``: both parts stripped of
+    surrounding blanks. The one place a ``name=value`` is taken apart — ``--set``, the TUI's
+    edits, ``KEY=VALUE`` options, search ranges, a ``vllm serve`` line's environment
+    (tests/test_layers.py fails on a second)."""
+    name, sep, raw = text.rpartition("=") if last else text.partition("=")
+    if strip:
+        name, raw = name.strip(), raw.strip()
+    if not sep or not name:
+        return None
+    return name, raw
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """Parse a CLI ``name=value`` into (name, value) with JSON-ish typing (8 → 8, on → True)."""
-    if "=" not in text:
+    parts = split_assignment(text, strip=True)
+    if parts is None:
         raise ValueError(f"--set {text!r}: expected name=value")
-    name, raw = text.split("=", 1)
-    name, raw = name.strip(), raw.strip()
+    name, raw = parts
     lowered = raw.lower()
     if lowered in ("on", "true", "yes"):
         return name, True

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +45,24 @@ MAX_GROUPS_PER_WINDOW = 100
 #: The group that holds everything beyond those bounds (a legitimate tenant named "other" shares
 #: it).
 OTHER_GROUP = "other"
+
+
+def fold_name(
+    name: str,
+    kept: Collection[str],
+    declared: Collection[str] = (),
+    cap: int = MAX_GROUPS_PER_WINDOW,
+) -> str:
+    """The group a (valid) tenant or type name counts under, given the names already ``kept``
+    apart: its own when kept already or ``declared`` (the cluster file's tenants and types: always
+    kept apart, never counted against the cap), or while fewer than ``cap`` undeclared names are
+    kept; else :data:`OTHER_GROUP`. The one rule of the window, the /state counts and the page."""
+    if name in kept or name in declared:
+        return name
+    small, large = (kept, declared) if len(kept) <= len(declared) else (declared, kept)
+    undeclared = len(kept) - (OTHER_GROUP in kept) - sum(1 for d in small if d in large)
+    return name if undeclared < cap else OTHER_GROUP
+
 
 # --- why a value was not stored as sent (the label of the counts per replica) ---------------------
 
@@ -291,6 +309,7 @@ __all__ = [
     "clean_text",
     "fit_completion",
     "fit_sample",
+    "fold_name",
     "fraction_problem",
     "group_name",
     "int_problem",

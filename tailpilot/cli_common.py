@@ -31,7 +31,7 @@ from typing import Any
 
 import click
 
-from scheduler.settings import POLICY_NAMES
+from scheduler.settings import POLICY_NAMES, split_assignment
 from storage.strict_json import finite
 
 # Bounds that keep derived values inside what the simulator, numpy and the store take: seeds feed
@@ -220,9 +220,10 @@ class KeyValue(click.ParamType[tuple[str, Any], Any]):
         if isinstance(value, tuple):  # a default, or a value converted before
             return (str(value[0]), value[1])
         text = str(value)
-        key, sep, raw = text.rpartition("=") if self.last else text.partition("=")
-        if not sep or not key:
+        parts = split_assignment(text, last=self.last)
+        if parts is None:
             self.fail(f"{text!r}: expected {self.name} (e.g. {self.example})", param, ctx)
+        key, raw = parts
         return (key, self.value_type.convert(raw, param, ctx))
 
 

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any, cast
 import click
 from annotated_types import Ge, Le
 
-from scheduler.settings import EngineSettings, Settings, describe_error, settings_from_cli
+from scheduler.settings import (
+    EngineSettings,
+    Settings,
+    describe_error,
+    settings_from_cli,
+    split_assignment,
+)
 from tailpilot import options
 from tailpilot.cli_common import TIME_SPAN, TRACE_PARSE_ERRORS, unreadable_trace
 
@@ -334,7 +340,8 @@ def settings_or_exit(
     a length predictor gets ``predictor`` unless --set names one. A usage error names the field."""
     given = list(assignments)
     if policy in PREDICTED_POLICIES and not any(
-        a.split("=", 1)[0].strip() == "predictor" for a in given
+        (parts := split_assignment(a, strip=True)) is not None and parts[0] == "predictor"
+        for a in given
     ):
         given.insert(0, f"predictor={predictor}")
     try:

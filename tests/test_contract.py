@@ -179,3 +179,17 @@ def test_the_published_schema_is_the_contract():
     docs = json.loads(published)["documents"]
     assert {"state", "completion", "steps", "settings", "error"} <= set(docs)
     assert {"completions", "next_cursor"} <= set(docs["state"]["required"])
+
+
+def test_a_request_naming_no_tenant_or_type_is_the_engines_default_everywhere():
+    """The engine, the simulator and the collector agree on what a request that names neither
+    tenant nor type is (the collector used to file it under type "default", the engine "chat")."""
+    from scheduler.policies import RequestState
+    from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
+    from sim.traces import TraceRequest
+
+    row = completion_row("r", {"id": "a", "arrival": 1.0, "finished_at": 2.0, "seq": 0})
+    engine = RequestState(id="a", arrival=1.0, prompt_tokens=1, max_tokens=1)
+    trace = TraceRequest(id="a", arrival=1.0, prompt_tokens=1, output_tokens=1, max_tokens=1)
+    assert (row.tenant, row.type) == (engine.tenant, engine.type) == (trace.tenant, trace.type)
+    assert (row.tenant, row.type) == (DEFAULT_TENANT, DEFAULT_TYPE) == ("default", "chat")

@@ -315,3 +315,53 @@ def test_one_http_client_library():
         if any(module == o or module.startswith(o + ".") for o in others)
     ]
     assert bad == []
+
+
+# --- one path per action: a name=value is taken apart in one place ------------------------------
+_SPLITTERS = frozenset({"split", "rsplit", "partition", "rpartition"})
+ASSIGNMENT_SPLITTER = ("scheduler/settings.py", "split_assignment")
+
+
+def assignment_splits(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line function`` of every ``<str>.split("=")`` (rsplit, partition, rpartition) in
+    ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for func in [
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]:
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _SPLITTERS
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == "="
+            ):
+                out.append(f"{path.relative_to(root)}:{node.lineno} {func.name}")
+    return sorted(set(out))
+
+
+def test_a_name_value_assignment_is_split_in_one_place():
+    """``scheduler.settings.split_assignment`` is the one parser of ``name=value`` (--set, the
+    TUI's edits, KEY=VALUE options, search ranges, a vllm serve line's environment): a second
+    ``split("=")`` anywhere in the project fails here."""
+    found = [
+        hit
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for hit in assignment_splits(path)
+    ]
+    file, func = ASSIGNMENT_SPLITTER
+    assert [h for h in found if not h.startswith(file) or not h.endswith(" " + func)] == []
+    assert any(h.startswith(file) and h.endswith(" " + func) for h in found)
+
+
+def test_the_assignment_check_sees_a_second_splitter(tmp_path):
+    (tmp_path / "tuner").mkdir()
+    probe = tmp_path / "tuner" / "probe.py"
+    probe.write_text(
+        'def f(t):\n    return t.split("=", 1)\n\ndef g(t):\n    return t.split(",")\n'
+    )
+    assert assignment_splits(probe, tmp_path) == ["tuner/probe.py:2 f"]

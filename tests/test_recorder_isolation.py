@@ -452,6 +452,35 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
     store.close()
 
 
+def test_a_declared_tenant_is_never_folded_into_other_past_the_cap(replicas, tmp_path):
+    """The cluster file's tenants are kept apart whatever the number of other names — in the
+    window's groups, in /state's waiting counts and on the page alike (one rule:
+    storage.limits.fold_name). The waiting counts used to cap them with the rest: a declared
+    tenant arriving after 100 client names was counted under "other"."""
+    n = limits.MAX_GROUPS_PER_WINDOW + 20
+    names = [f"client-{i}" for i in range(n)] + ["gold"]  # the declared one comes last
+    rep = replicas("r", [entry(i, tenant=name) for i, name in enumerate(names)])
+    rep.state_extra["time"] = float(n + 2)
+    rep.state_extra["waiting_by_tenant"] = {name: 1 for name in names}
+    spec = cluster_of(rep, window=10_000.0).model_dump()
+    spec["governance"] = {"tenants": {"gold": {"ttft": {"p99": 2.0}}}}
+    store = Store.open(str(tmp_path / "d.db"))
+    c = Collector(ClusterSpec.model_validate(spec), store)
+    poll_rounds(c)
+    groups = {g.group: g.completed for g in c.views["r"].groups if g.kind == "tenant"}
+    assert groups["gold"] == 1 and groups["other"] == 20
+    assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 2  # the cap's, "other" and "gold"
+    waiting = c.views["r"].state["waiting_by_tenant"]
+    assert waiting["gold"] == 1 and waiting["other"] == 20, waiting
+    assert waiting.keys() == groups.keys()
+    fams = {f.name: f.samples for f in text_string_to_metric_families(render(c).decode())}
+    labelled = {
+        s.labels["group"] for s in fams["tailpilot_group_requests"] if s.labels["kind"] == "tenant"
+    }
+    assert "gold" in labelled
+    store.close()
+
+
 # --- the circuit breaker, as the operator sees it -------------------------------------------------
 
 

@@ -48,6 +48,7 @@ from scheduler.settings import (
     EngineSettings,
     Settings,
     describe_error,
+    split_assignment,
 )
 
 if TYPE_CHECKING:  # the trials come from Optuna, which this module does not need to import
@@ -421,9 +422,10 @@ def _split_name(raw: str, policies: Sequence[str], option: str) -> tuple[str, st
 
 def parse_range(text: str) -> tuple[str, tuple[float, float, bool | None]]:
     """``NAME=LO:HI[:log|:linear]`` → (NAME, (lo, hi, log or None))."""
-    if "=" not in text:
+    assignment = split_assignment(text, strip=True)
+    if assignment is None:
         raise SearchSpaceError(f"--range {text!r}: expected NAME=LOW:HIGH[:log|:linear]")
-    name, spec = (s.strip() for s in text.split("=", 1))
+    name, spec = assignment
     parts = spec.split(":")
     if len(parts) not in (2, 3):
         raise SearchSpaceError(f"--range {text!r}: expected NAME=LOW:HIGH[:log|:linear]")

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from scheduler.policies.predictors import HistoryPredictor, LengthPredictor
-from scheduler.settings import Settings
+from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE, Settings
 
 if TYPE_CHECKING:  # the queue module imports this one
     from scheduler.policies.queue import WaitingQueue
@@ -62,8 +62,8 @@ class RequestState:
     arrival: float
     prompt_tokens: int
     max_tokens: int
-    tenant: str = "default"
-    type: str = "chat"
+    tenant: str = DEFAULT_TENANT
+    type: str = DEFAULT_TYPE
     # True output length: the simulator knows it, a policy never reads it (the oracle
     # predictor, which exists for comparison only, is the one exception).
     output_tokens: int | None = None
