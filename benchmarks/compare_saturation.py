@@ -55,7 +55,7 @@ def main() -> None:
             args.trace,
             "--rate-scale",
             str(args.at),
-            "--policies",
+            "--policy",
             args.policies,
             "--baseline",
             "srpt",

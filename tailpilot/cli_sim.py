@@ -1,7 +1,7 @@
 """Simulated runs: ``sim``, ``compare`` and ``capacity``.
 
     tailpilot sim --trace FILE --policy uniboost --set gamma=0.05 --json
-    tailpilot compare --trace FILE --policies fcfs,sarathi,sjf,srpt,las,uniboost,tie \\
+    tailpilot compare --trace FILE --policy fcfs,sarathi,sjf,srpt,las,uniboost,tie \\
         --baseline sarathi
     tailpilot capacity --cluster clusters.yaml --rate-scale 4 [--target 0.99]
 
@@ -30,7 +30,7 @@ from controlplane.views import fmt_figure, wide_console
 from scheduler.settings import Settings
 from tailpilot import options
 from tailpilot.cli_cluster import load_cluster
-from tailpilot.cli_common import POLICY, POLICY_LIST, FiniteFloatRange, echo_json
+from tailpilot.cli_common import POLICY, FiniteFloatRange, echo_json
 from tailpilot.cli_trace import (
     EngineRequest,
     TraceRequest,
@@ -278,33 +278,23 @@ def print_decisions(pilot: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------------------
 @click.command()
-@click.option(
-    "--policies",
-    type=POLICY_LIST,
+@options.policies(
     default="fcfs,sarathi,sjf,srpt,las,uniboost,tie",
-    show_default=True,
-    metavar="NAME[,NAME]",
-    help="Comma-separated policy names.",
+    help="The policies to run, comma-separated.",
 )
+@options.renamed("--policies", "--policy", "policies")
 @click.option(
     "--baseline",
     type=POLICY,
     default="sarathi",
     show_default=True,
-    help="Policy the others are compared against (added to --policies if missing, with a note).",
+    help="Policy the others are compared against (added to --policy if missing, with a note).",
 )
 @options.assignments(
     metavar="POLICY.NAME=VALUE",
     help="Set a parameter of one policy, e.g. uniboost.gamma=0.05 (repeatable).",
 )
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=1),
-    metavar="N",
-    default=1,
-    show_default=True,
-    help="Policies simulated in parallel.",
-)
+@options.jobs(help="Policies simulated in parallel.")
 @options.json_output("metrics and changes")
 @options.autopilot(help="Add a column: the autopilot choosing γ (from uniboost's defaults).")
 @click.option(
@@ -335,9 +325,7 @@ def compare(
     names = list(policies)
     if baseline not in names:
         names.insert(0, baseline)
-        click.echo(
-            f"note: the baseline {baseline} is not in --policies; comparing it too", err=True
-        )
+        click.echo(f"note: the baseline {baseline} is not in --policy; comparing it too", err=True)
     per_policy = _assignments_per_policy(names, assignments)
     limits = engine.limits()
     docs = {n: settings_or_exit(n, per_policy[n], (), limits, predictor).to_dict() for n in names}

@@ -2,7 +2,7 @@
 policy's and the engine's settings on trace windows, and their validated recommendation.
 
     tailpilot tune --study conv-ub --policy uniboost --objective ttlt_p99 \\
-        --constraint "throughput>=0.99*baseline" --trials 200 [--trace FILE[,FILE]] [--workers 4]
+        --constraint "throughput>=0.99*baseline" --trials 200 [--trace FILE[,FILE]] [--jobs 4]
     tailpilot tune --study conv-ub --trials 400     # resume/extend: the study keeps its definition
     tailpilot recommend --study conv-ub [--json]    # best settings, validated on held-out windows
 
@@ -136,14 +136,8 @@ def _progress_bar(
     default=100,
     help="Complete trials the study should hold in total (a resumed study continues up to this).",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    metavar="N",
-    default=1,
-    show_default=True,
-    help="Local worker processes on the same storage.",
-)
+@options.jobs(help="Local worker processes on the same storage.")
+@options.renamed("--workers", "--jobs", "jobs")
 @study_definition_options
 @options.database(
     help=f"tailpilot's database, where --recording is [default: ${options.DB_ENV}, else "
@@ -157,7 +151,7 @@ def tune(
     study_name: str,
     storage: str | None,
     trials: int,
-    workers: int,
+    jobs: int,
     db: str | None,
     progress: bool | None,
     as_json: bool,
@@ -204,7 +198,7 @@ def tune(
                 trials,
                 spec=spec,
                 given=given,
-                workers=workers,
+                workers=jobs,
                 progress=update,
                 log=log,
             )

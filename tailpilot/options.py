@@ -191,9 +191,45 @@ def policy(*, default: str | None = None, help: str) -> Decorator:
     )
 
 
-def policies_to_tune(*, help: str) -> Decorator:
-    """``tune --policy NAME[,NAME]``: the policies a study searches (one, or several)."""
-    return click.option("--policy", "policies", type=POLICY_LIST, metavar="NAME[,NAME]", help=help)
+def policies(*, default: str | None = None, help: str) -> Decorator:
+    """``--policy NAME[,NAME]``: several policies (the ones a study searches, the ones ``compare``
+    runs). One option for one policy or several: ``--policies`` is compare's old spelling
+    (:func:`renamed`)."""
+    return click.option(
+        "--policy",
+        "policies",
+        type=POLICY_LIST,
+        default=default,
+        show_default=shows(default, help),
+        metavar="NAME[,NAME]",
+        help=help,
+    )
+
+
+def jobs(*, help: str) -> Decorator:
+    """``--jobs N``: local worker processes (compare's policies, tune's Optuna workers);
+    ``--workers`` is tune's old spelling (:func:`renamed`)."""
+    return click.option(
+        "--jobs", type=click.IntRange(min=1), metavar="N", default=1, show_default=True, help=help
+    )
+
+
+def renamed(old: str, new: str, dest: str) -> Decorator:
+    """An old spelling, still read (docs/cli.md, "Old spellings"): hidden from ``--help``; given,
+    a note names the new one on standard error and its value becomes ``new``'s (parameter
+    ``dest``) unless ``new`` is given too. Given first on the command line, it is processed before
+    ``new``, which then takes it as its default (type-checked as if given)."""
+
+    def forward(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is None:
+            return
+        click.echo(f"note: {old} is now {new} {value} (docs/cli.md)", err=True)
+        ctx.default_map = {**(ctx.default_map or {}), dest: value}
+
+    # A name of its own: sharing ``dest``, the parser would hand it ``new``'s value too.
+    return click.option(
+        old, f"old_{dest}", hidden=True, expose_value=False, callback=forward, metavar="VALUE"
+    )
 
 
 def assignments(

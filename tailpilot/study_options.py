@@ -194,7 +194,7 @@ def study_definition_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The options that define a study (``StudySpec``): given when it is created, checked against
     its definition when it is resumed or joined."""
     return options.stack(
-        options.policies_to_tune(help="Policy (or policies) to tune; needed to create a study."),
+        options.policies(help="Policy (or policies) to tune; needed to create a study."),
         click.option(
             "--objective",
             "objectives",

@@ -168,7 +168,7 @@ def test_sim_and_compare_take_autopilot_and_print_its_decisions():
     assert pilot["decisions"] and all(d["reason"] for d in pilot["decisions"])
     assert pilot["cpu_s_per_hour"] > 0 and doc["metrics"]["requests"] > 0
     res = run.invoke(
-        main, ["compare", "--policies", "sarathi", "--autopilot", "--to", "120", "--json"]
+        main, ["compare", "--policy", "sarathi", "--autopilot", "--to", "120", "--json"]
     )
     assert res.exit_code == 0, res.output
     assert set(json.loads(res.output)["metrics"]) == {"sarathi", "autopilot"}
@@ -217,7 +217,7 @@ def test_sim_and_compare_replay_exported_settings_documents(tmp_path):
     )  # the same document, the same replay
     res = run.invoke(
         main,
-        ["compare", "--policies", "sarathi", "--settings", f"{small},{sarathi}", *window, "--json"],
+        ["compare", "--policy", "sarathi", "--settings", f"{small},{sarathi}", *window, "--json"],
     )
     assert res.exit_code == 0, res.output
     metrics = json.loads(res.output)["metrics"]

@@ -110,7 +110,7 @@ def test_sim_reports_a_malformed_trace_line(tmp_path):
 def test_compare_changes_are_relative_to_the_baseline():
     res = run_cli(
         "compare",
-        "--policies",
+        "--policy",
         "fcfs,uniboost,srpt",
         "--baseline",
         "fcfs",
@@ -137,7 +137,7 @@ def test_compare_table_and_console_script():
             "-m",
             "tailpilot.cli",
             "compare",
-            "--policies",
+            "--policy",
             "fcfs,uniboost",
             "--baseline",
             "fcfs",
@@ -189,7 +189,7 @@ def test_max_tokens_default_reaches_the_loader_and_truncations_are_reported(tmp_
 
     seen.clear()  # without the flag: the module default, nothing truncated, no note
     res = run_cli(
-        "compare", "--trace", str(path), "--policies", "fcfs,sjf", "--baseline", "fcfs", "--json"
+        "compare", "--trace", str(path), "--policy", "fcfs,sjf", "--baseline", "fcfs", "--json"
     )
     assert res.exit_code == 0, res.output
     assert {r.max_tokens for r in seen[0]} == {traces.DEFAULT_MAX_TOKENS} and res.stderr == ""

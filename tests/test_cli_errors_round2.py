@@ -101,9 +101,9 @@ REFUSED = [
     (["sim", "--from", "10", "--to", "10"], "--to", "not after --from 10"),
     (["sim", "--from", "-1"], "--from", "x>=0"),
     (["sim", *SHORT, "--max-tokens-cap", "0"], "--max-tokens-cap", "1<=x"),
-    (["compare", "--policies", "fcfs", *SHORT, "--rate-scale", "-1"], "--rate-scale", "x>0"),
-    (["compare", "--policies", "fcfs", *SHORT, "--jobs", "0"], "--jobs", "x>=1"),
-    (["compare", "--policies", "fcfs", *SHORT, "--tenants", "0"], "--tenants", "1<=x"),
+    (["compare", "--policy", "fcfs", *SHORT, "--rate-scale", "-1"], "--rate-scale", "x>0"),
+    (["compare", "--policy", "fcfs", *SHORT, "--jobs", "0"], "--jobs", "x>=1"),
+    (["compare", "--policy", "fcfs", *SHORT, "--tenants", "0"], "--tenants", "1<=x"),
     (["twin", *SHORT, "--rate-scale", "0"], "--rate-scale", "x>0"),
     (["demo", "--no-tui", "--duration", "1", "--speed", "nan"], "--speed", "finite"),
     (["demo", "--no-tui", "--duration", "1", "--rate-scale", "inf"], "--rate-scale", "finite"),
@@ -122,7 +122,7 @@ REFUSED = [
         "0<=x",
     ),
     (
-        ["compare", "--policies", "fcfs", *SHORT, "--num-gpu-blocks", "0"],
+        ["compare", "--policy", "fcfs", *SHORT, "--num-gpu-blocks", "0"],
         "--num-gpu-blocks",
         "1<=x",
     ),
@@ -140,7 +140,7 @@ def test_a_number_that_makes_no_sense_is_refused_naming_the_option_and_the_range
     assert list(workdir.iterdir()) == []  # refused before anything ran or was written
 
 
-@pytest.mark.parametrize("command", [["sim"], ["compare", "--policies", "fcfs"], ["twin"]])
+@pytest.mark.parametrize("command", [["sim"], ["compare", "--policy", "fcfs"], ["twin"]])
 def test_an_unknown_step_model_is_refused_listing_the_known_ones(workdir, command):
     from sim.stepmodel import DEFAULT_MODEL_NAME
 
@@ -248,7 +248,7 @@ def test_sim_and_compare_json_write_null_for_an_undefined_figure(workdir):
     assert res.exit_code == 0, res.output
     assert strict_json(res.stdout)["metrics"]["tbt_p99"] is None
     res = invoke(
-        "compare", "--policies", "fcfs,sjf", "--baseline", "fcfs", "--trace", trace, "--json"
+        "compare", "--policy", "fcfs,sjf", "--baseline", "fcfs", "--trace", trace, "--json"
     )
     assert res.exit_code == 0, res.output
     doc = strict_json(res.stdout)

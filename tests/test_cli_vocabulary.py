@@ -32,6 +32,8 @@ FORBIDDEN = {
     "--until": "--to",
     "--cluster-file": "--cluster",
     "--database": "--db",
+    "--policies": "--policy",
+    "--workers": "--jobs",
     "--db-url": "--db",
     "--store-url": "--db",
     "--recording-name": "--recording",
@@ -305,3 +307,25 @@ def test_record_keeps_the_migrations_quiet_unless_verbose(verbose, level):
         assert alembic.level == level
     finally:
         alembic.setLevel(before)
+
+
+def test_an_old_spelling_is_read_as_the_new_one_with_a_note():
+    """compare's --policies is --policy and tune's --workers is --jobs: still read (the value goes
+    to the new option, type-checked the same), a note on standard error names the new spelling,
+    and the new one wins when both are given."""
+    res = CliRunner().invoke(
+        main, ["compare", "--policies", "fcfs,sjf", "--baseline", "fcfs", "--to", "30", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "note: --policies is now --policy fcfs,sjf" in res.stderr
+    assert sorted(json.loads(res.stdout)["metrics"]) == ["fcfs", "sjf"]
+    plain = CliRunner().invoke(
+        main, ["compare", "--policy", "fcfs", "--baseline", "fcfs", "--to", "30", "--json"]
+    )
+    assert plain.exit_code == 0 and "note:" not in plain.stderr  # only the old spelling notes
+    tune = COMMANDS["tune"]
+    assert tune.make_context("tune", ["--study", "s", "--workers", "3"]).params["jobs"] == 3
+    both = tune.make_context("tune", ["--study", "s", "--workers", "3", "--jobs", "2"])
+    assert both.params["jobs"] == 2
+    bad = CliRunner().invoke(main, ["tune", "--study", "s", "--workers", "0"])
+    assert bad.exit_code == 2 and "--jobs" in bad.output and "x>=1" in bad.output

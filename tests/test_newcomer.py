@@ -72,9 +72,9 @@ def test_a_length_distribution_says_how_to_use_it_instead_of_asking_for_a_rate_a
 
 
 def test_compare_says_when_it_adds_the_baseline():
-    res = CliRunner().invoke(main, ["compare", "--policies", "fcfs", "--to", "60", "--json"])
+    res = CliRunner().invoke(main, ["compare", "--policy", "fcfs", "--to", "60", "--json"])
     assert res.exit_code == 0, res.output
-    assert "the baseline sarathi is not in --policies" in res.stderr
+    assert "the baseline sarathi is not in --policy" in res.stderr
     import json
 
     doc = json.loads(res.stdout)

@@ -64,7 +64,7 @@ def test_who_with_a_terminal_escape_is_refused(twin_cluster):
 def test_compare_says_na_where_a_change_is_undefined(tmp_path):
     # the baseline (sarathi) never preempts here: a change in preemptions against it is
     # undefined, not "+nan%"
-    res = invoke("compare", "--policies", "las", "--rate-scale", "3")
+    res = invoke("compare", "--policy", "las", "--rate-scale", "3")
     assert res.exit_code == 0, res.output
     assert "nan" not in res.output.lower() and "n/a (baseline 0)" in res.output
 

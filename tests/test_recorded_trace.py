@@ -217,7 +217,7 @@ def test_sim_and_compare_take_a_recording(store_path, monkeypatch):
     doc = json.loads(res.stdout)
     assert doc["run"]["requests"] == 3 and doc["trace"] == "recording:peak:a"
     monkeypatch.setenv("TAILPILOT_DB", str(store_path))
-    res = runner.invoke(main, ["compare", "--recording", "peak", "--policies", "fcfs,sarathi"])
+    res = runner.invoke(main, ["compare", "--recording", "peak", "--policy", "fcfs,sarathi"])
     assert (
         res.exit_code != 0 and "replicas=NAME" in res.output
     )  # two replicas: the error says how to pick

@@ -575,7 +575,7 @@ def test_two_processes_share_one_study_on_postgres(postgres_server, postgres_url
         subprocess.Popen(
             cmd + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
-        for extra in ([], ["--workers", "2"])
+        for extra in ([], ["--jobs", "2"])
     ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):

@@ -332,7 +332,7 @@ def test_an_interrupt_landing_in_a_gc_callback_still_ends_a_worker_quietly(mode,
 
 
 def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
-    """A terminal's Ctrl-C reaches every process of ``tailpilot tune --workers 2``: each worker
+    """A terminal's Ctrl-C reaches every process of ``tailpilot tune --jobs 2``: each worker
     fails its running trial and exits quietly; the command says how to continue, once, with no
     traceback (Optuna logged one per worker for the interrupted trial)."""
     db = tmp_path / "optuna.db"
@@ -349,7 +349,7 @@ def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
         *DEFINITION,
         "--trials",
         "500",
-        "--workers",
+        "--jobs",
         "2",
         "--no-progress",
     ]
