@@ -555,7 +555,6 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
 
     async def scenario():
         async with Running(cluster, store, flush_interval_s=0.3) as run:
-            updates = run.collector.subscribe()
             await wait_until(
                 lambda: all(
                     len(run.polls_of(t.name)) >= 15 and run.collector.views[t.name].cursor >= 40
@@ -563,7 +562,11 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
                 ),
                 what="polls and completions",
             )
-            # The TUI's feed: a snapshot of every replica after each flush tick.
+            # The TUI's feed: a snapshot of every replica after each flush tick — subscribed now,
+            # so the first one comes after every replica was read (subscribed before the wait, the
+            # queue's first was the very first flush's: on a loaded machine, before some replica's
+            # first answer).
+            updates = run.collector.subscribe()
             update = await asyncio.wait_for(updates.get(), 5)
             assert set(update.replicas) == {t.name for t in twins}
             assert all(r.sample is not None and r.settings for r in update.replicas.values())
