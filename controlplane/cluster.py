@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controlplane import strict_yaml
 from controlplane.governance import GovernanceSpec
+from scheduler.errors import TailpilotError
 from scheduler.metrics import METRICS
 from scheduler.plugin.wire import read_capped
 from scheduler.validation import describe_validation
@@ -46,7 +47,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_CLUSTER_FILE_BYTES = 16 * 1024 * 1024  # 10,000 tenants' SLOs are ~2 MiB of YAML
 
 
-class ClusterFileError(ValueError):
+class ClusterFileError(TailpilotError, ValueError):
     """A cluster file that cannot be used; the message names the file and the field."""
 
 

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from controlplane import strict_yaml
 from controlplane.monitoring.prometheus import scrape_timeout
+from scheduler.errors import TailpilotError
 from scheduler.plugin.wire import parse_json_file
 from scheduler.settings import Settings, describe_error, split_assignment
 
@@ -76,7 +77,7 @@ HELM_SCHEMA_NOTE = (
 )
 
 
-class ExportError(ValueError):
+class ExportError(TailpilotError, ValueError):
     """Settings that cannot be exported, or a rendering that did not parse back to its input."""
 
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import aiohttp
 
+from scheduler.errors import FAILED, TailpilotError
+
 #: The most connections a session holds to one replica (its control API or its vLLM API server) at
 #: a time: a replica's polls never overlap, so this is room for a settings change or an autopilot
 #: read beside a poll, never a flood of connections to a slow replica.
@@ -71,8 +73,10 @@ class Answer:
         return self.content.decode("utf-8", "replace")
 
 
-class AnswerTooLarge(ValueError):
+class AnswerTooLarge(TailpilotError, ValueError):
     """An answer longer than the cap for its kind; nothing of it is used."""
+
+    exit_code = FAILED
 
 
 def _mib(n: int) -> str:

@@ -11,6 +11,8 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.errors import FAILED, TailpilotError
+
 #: logical name -> (aggregation over label sets, metric family names across vLLM versions, newest
 #: first). Family names are given without the ``_total`` suffix: prometheus_client strips it from
 #: counter families (``vllm:num_preemptions_total`` is family ``vllm:num_preemptions``), and an
@@ -35,8 +37,10 @@ _FAMILY_TO_LOGICAL: dict[str, str] = {
 }
 
 
-class MetricsFormatError(ValueError):
+class MetricsFormatError(TailpilotError, ValueError):
     """A /metrics page that is not Prometheus text; the message names the line."""
+
+    exit_code = FAILED
 
 
 def _strip_total(name: str) -> str:

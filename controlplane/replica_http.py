@@ -38,6 +38,7 @@ from controlplane.http import (
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
 from scheduler import contract
+from scheduler.errors import FAILED, TailpilotError
 from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.validation import finite_or_none
 from storage import limits
@@ -73,9 +74,11 @@ def opt_int(x: Any) -> int | None:
     return int(value)
 
 
-class StateFormatError(ValueError):
+class StateFormatError(TailpilotError, ValueError):
     """A control API answer that is not the documented state document; the message names the
     field."""
+
+    exit_code = FAILED
 
 
 class PollingClient:
@@ -161,8 +164,10 @@ def make_client(cluster: ClusterSpec) -> PollingClient:
     return PollingClient(cluster.timeout_s)
 
 
-class HttpFailure(Exception):
+class HttpFailure(TailpilotError):
     """A replica that did not answer 200 (``status``: its HTTP status, when one came back)."""
+
+    exit_code = FAILED
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

@@ -30,6 +30,8 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from scheduler.errors import TailpilotError
+
 __all__ = [
     "COEFFICIENTS",
     "COEFFICIENT_SETS",
@@ -476,7 +478,7 @@ _COLUMN_WHAT = {
 }
 
 
-class StepFitError(ValueError):
+class StepFitError(TailpilotError, ValueError):
     """The step log cannot determine the coefficients (too few rows, bad values, collinearity)."""
 
 

@@ -34,6 +34,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
+from scheduler.errors import FAILED, TailpilotError
 from storage import engine as engines
 from storage import migrate
 from storage.backoff import backoff_delays
@@ -44,8 +45,10 @@ T = TypeVar("T")
 DEFAULT_WRITE_DEADLINE_S = 30.0
 
 
-class StoreError(RuntimeError):
+class StoreError(TailpilotError, RuntimeError):
     """Base of the store's own errors."""
+
+    exit_code = FAILED
 
 
 class StoreOpenError(StoreError):

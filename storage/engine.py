@@ -28,6 +28,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
+from scheduler.errors import TailpilotError
 from storage import strict_json
 
 DEFAULT_SQLITE_FILE = "tailpilot.db"
@@ -54,7 +55,7 @@ def normalize_url(url: str | None) -> URL:
     return parsed
 
 
-class DatabaseMissing(LookupError):
+class DatabaseMissing(TailpilotError, LookupError):
     """A command that only reads named a SQLite file that does not exist; the message names the
     path."""
 

@@ -24,6 +24,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
+from scheduler.errors import FAILED, TailpilotError
 from storage.backoff import backoff_delays
 
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
@@ -44,8 +45,10 @@ def head_revision() -> str:
     return head
 
 
-class NewerSchema(Exception):
+class NewerSchema(TailpilotError):
     """The database's schema revision is not one of ours (a newer tailpilot wrote it)."""
+
+    exit_code = FAILED
 
 
 def known_revisions() -> set[str]:

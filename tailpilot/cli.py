@@ -9,30 +9,29 @@ options follow one vocabulary (``tailpilot.options``, docs/cli.md).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
+from scheduler.errors import TailpilotError
 from tailpilot import cli_cluster, cli_export, cli_loop, cli_record, cli_sim, cli_tune, cli_twin
 from tailpilot.cli_common import OUT_FILE, json_text
 
 
 class TailpilotGroup(click.Group):
-    """The ``tailpilot`` group: a store that fails mid-command (a damaged file, a lock held too
-    long) ends the command with a one-line error instead of a traceback, whichever command it
-    was."""
+    """The ``tailpilot`` group: an error tailpilot raises on purpose (``scheduler.errors``) that a
+    command lets through — a store that fails mid-command (a damaged file, a lock held too long),
+    a replica's unreadable answer — ends the command with a one-line error and the error's exit
+    code (docs/cli.md, "Exit status") instead of a traceback, whichever command it was."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except Exception as err:
-            # Not imported when the command never opened a store (it raised nothing of it).
-            store = sys.modules.get("storage.database")
-            if store is not None and isinstance(err, store.StoreError):
-                raise click.ClickException(str(err)) from None
-            raise
+        except TailpilotError as err:
+            # As click prints its own errors ("Error: ..." on standard error), with this exit code.
+            click.echo(f"Error: {err}", err=True)
+            ctx.exit(err.exit_code)
 
 
 @click.group(cls=TailpilotGroup)

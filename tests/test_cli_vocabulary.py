@@ -329,3 +329,28 @@ def test_an_old_spelling_is_read_as_the_new_one_with_a_note():
     assert both.params["jobs"] == 2
     bad = CliRunner().invoke(main, ["tune", "--study", "s", "--workers", "0"])
     assert bad.exit_code == 2 and "--jobs" in bad.output and "x>=1" in bad.output
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [("storage.database:StoreWriteError", 1), ("sim.traces:TraceError", 2)],
+)
+def test_an_error_a_command_lets_through_ends_it_with_its_exit_code(error, code):
+    """Every error class derives from scheduler.errors.TailpilotError (tests/test_layers.py); one
+    that no command turned into a usage error ends the command with one line and its exit code
+    (docs/cli.md, "Exit status"), never a traceback."""
+    import importlib
+
+    from tailpilot.cli import TailpilotGroup
+
+    module, name = error.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    group = TailpilotGroup()
+
+    @group.command()
+    def boom() -> None:
+        raise cls("the disk is full")
+
+    res = CliRunner().invoke(group, ["boom"])
+    assert res.exit_code == code and res.stderr == "Error: the disk is full\n"
+    assert isinstance(res.exception, SystemExit)

@@ -4,7 +4,8 @@
   nothing of the operator side (``controlplane``, ``storage``, ``tuner``, ``tui``), the simulator
   or the CLI; its policy library imports no vLLM and no plugin;
 - the simulator (``sim``) imports the scheduler library only — nothing of ``controlplane``;
-- ``storage`` imports nothing of the project — everything above may use it;
+- ``storage`` imports nothing of the project but the one error base (``scheduler.errors``, a module
+  of no imports) — everything above may use it;
 - nothing imports the CLI (the ``tailpilot`` package) but its entry points.
 """
 
@@ -20,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("scheduler", "controlplane", "storage", "tuner", "tui", "sim")
 PACKAGES = (*PROJECT, "tailpilot")  # everything, the CLI included
 OPERATOR = ("controlplane", "storage", "tuner", "tui", "tailpilot")
+
+# Modules of no imports of their own that every floor may use: the one error base.
+EVERYONES = frozenset({"scheduler.errors"})
 
 RULES = {
     "scheduler": (*OPERATOR, "sim"),
@@ -57,6 +61,8 @@ def violations(folder: str, forbidden: tuple[str, ...], root: Path = ROOT) -> li
     for path in sorted((root / folder).rglob("*.py")):
         for line, module in imports(path, root):
             if module == own or module.startswith(own + "."):
+                continue
+            if module in EVERYONES:
                 continue
             if any(module == f or module.startswith(f + ".") for f in forbidden):
                 bad.append(f"{path.relative_to(root)}:{line} imports {module}")
@@ -365,3 +371,39 @@ def test_the_assignment_check_sees_a_second_splitter(tmp_path):
         'def f(t):\n    return t.split("=", 1)\n\ndef g(t):\n    return t.split(",")\n'
     )
     assert assignment_splits(probe, tmp_path) == ["tuner/probe.py:2 f"]
+
+
+# --- one error base -------------------------------------------------------------------------------
+def test_the_error_base_imports_nothing():
+    assert imports(ROOT / "scheduler" / "errors.py") == [(13, "__future__")]
+
+
+def test_every_error_class_derives_from_the_one_base():
+    """Every exception class the project defines is a ``TailpilotError`` (the command line maps
+    its ``exit_code``), whatever builtin it also is."""
+    bases = set()
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    names = {
+                        b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                        for b in node.bases
+                    }
+                    if names & {
+                        "Exception",
+                        "ValueError",
+                        "RuntimeError",
+                        "KeyError",
+                        "LookupError",
+                    }:
+                        bases.add(
+                            (f"{path.relative_to(ROOT)}", node.name, "TailpilotError" in names)
+                        )
+    missing = sorted(
+        (path, name)
+        for path, name, ok in bases
+        if not ok and (path, name) != ("scheduler/errors.py", "TailpilotError")
+    )
+    assert missing == []
+    assert len(bases) >= 20

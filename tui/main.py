@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from controlplane.cluster import ClusterSpec
+from scheduler.errors import TailpilotError
 from tui.app import TailpilotApp
 from tui.replay import ReplaySource
 from tui.sources import DEFAULT_HISTORY_S, LiveSource
@@ -81,7 +82,7 @@ def build_app(
     return app
 
 
-class NoTerminal(Exception):
+class NoTerminal(TailpilotError):
     """``run_tui`` off a terminal (stdin or stdout not a TTY)."""
 
 

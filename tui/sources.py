@@ -36,6 +36,7 @@ from controlplane.governor import CONTROL_ACTIONS as GOVERNOR_ACTIONS
 from controlplane.poller import PollResult
 from controlplane.snapshot import ClusterSnapshot
 from controlplane.steering import ApplyResult, apply_settings
+from scheduler.errors import TailpilotError
 from scheduler.settings import Settings
 from storage.rows import SampleRow
 from storage.strict_json import finite
@@ -444,5 +445,5 @@ def kept_verifications(
     return {(p["replica"], p["version"]): verify(store, p, now_ms=now_ms) for p in kept}
 
 
-class ReplayError(ValueError):
+class ReplayError(TailpilotError, ValueError):
     """A recording that cannot be replayed (no cluster, several clusters, no samples)."""

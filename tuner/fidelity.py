@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from scheduler.errors import TailpilotError
 from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim import traces as tr
@@ -63,7 +64,7 @@ MIN_WINDOW_REQUESTS = 5  # a window with fewer real requests is reported but not
 FigureRow = tuple[float, float | None, float, int, int]
 
 
-class FidelityError(ValueError):
+class FidelityError(TailpilotError, ValueError):
     """The span cannot be replayed (no settings recorded, no requests, ...); the message says
     why."""
 

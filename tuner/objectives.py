@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler.errors import TailpilotError
 from scheduler.metrics import METRICS, metric_direction, validate_metric
 
 #: Metrics a replay summary does not hold (live-only, or need inputs a replay lacks).
@@ -71,7 +72,7 @@ _RHS_BASELINE = re.compile(
 _RHS_PERCENT = re.compile(rf"^(?P<pct>{_NUM})\s*%\s*(?:of\s+|\*\s*)?baseline$")
 
 
-class ConstraintError(ValueError):
+class ConstraintError(TailpilotError, ValueError):
     pass
 
 

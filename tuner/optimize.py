@@ -57,6 +57,7 @@ from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from scheduler.errors import FAILED, TailpilotError
 from scheduler.validation import finite_or_none
 from tuner.optuna_storage import open_storage, quiet_optuna, redact, storage_exists
 from tuner.results import best_summary
@@ -81,9 +82,11 @@ from tuner.study import (
 OPTUNA_TRIAL_LOG = "optuna.study._optimize"
 
 
-class ExcessTrial(Exception):
+class ExcessTrial(TailpilotError):
     """This trial would exceed the requested number of complete trials (another worker took the
     slot)."""
+
+    exit_code = FAILED
 
 
 def make_sampler(ctx: TuneContext, seed: int) -> optuna.samplers.BaseSampler:

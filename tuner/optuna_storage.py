@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.retry import RetryPolicy
+from scheduler.errors import FAILED, TailpilotError
 from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
 
 # Optuna and SQLAlchemy are imported inside the functions that use them: the TUI imports this
@@ -281,8 +282,10 @@ def redact(url: str) -> str:
         return url
 
 
-class _SchemaRace(Exception):
+class _SchemaRace(TailpilotError):
     """Opening an RDB storage failed as a loser of the race to create Optuna's schema does."""
+
+    exit_code = FAILED
 
 
 def open_storage(url: str) -> BaseStorage:

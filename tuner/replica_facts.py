@@ -8,6 +8,7 @@ import json
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from scheduler.errors import FAILED, TailpilotError
 from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model, list_models
 
 if TYPE_CHECKING:  # names for annotations; their modules load where a function needs them
@@ -20,8 +21,10 @@ STEPS_PATH = "/tailpilot/v1/steps"
 MAX_STEPS = 200_000  # a plugin keeps 20,000; a safety bound on paging a log that keeps growing
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(TailpilotError, RuntimeError):
     """Calibration cannot proceed; the message says why and what to do."""
+
+    exit_code = FAILED
 
 
 class ReplicaUnreachable(CalibrationError):

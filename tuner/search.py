@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
+from scheduler.errors import TailpilotError
 from scheduler.settings import (
     ADAPTIVE_PARAMS,
     PARAM_MODELS,
@@ -73,7 +74,7 @@ CHUNKING_SWITCH = "engine.long_prefill_chunking"  # the on/off half of the thres
 POLICY_PARAM = "policy"
 
 
-class SearchSpaceError(ValueError):
+class SearchSpaceError(TailpilotError, ValueError):
     """A bad --range/--fix/--search, naming the option and the parameter."""
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from scheduler.errors import TailpilotError
 from scheduler.metrics import LATENCY_BASES
 from scheduler.settings import Settings, describe_error
 from scheduler.validation import describe_validation, field_path
@@ -41,7 +42,7 @@ MAX_INT32 = 2**31 - 1  # seeds, token caps, KV blocks
 MAX_TENANTS = 1_000_000
 
 
-class TuneError(ValueError):
+class TuneError(TailpilotError, ValueError):
     """A study that cannot be set up or resumed; the message names the field, option or file."""
 
 

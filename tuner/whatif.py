@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from scheduler.errors import TailpilotError
 from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim import traces as tr
@@ -55,7 +56,7 @@ LABELS = {
 }
 
 
-class WhatIfError(ValueError):
+class WhatIfError(TailpilotError, ValueError):
     """Nothing to predict or verify on (no recorded traffic, no prediction); says why."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from controlplane.cluster import ClusterSpec
 from controlplane.governance import AlertThresholds
 from controlplane.series import SERIES, Series
+from scheduler.errors import TailpilotError
 
 _METRIC = re.compile(r"\b(tailpilot_[a-z0-9_]+)\b")
 # Prometheus's duration syntax: units largest first, each at most once (model.ParseDuration)
@@ -37,7 +38,7 @@ GRAFANA_SCHEMA_VERSION = 39  # Grafana 10.x/11.x dashboards
 CLUSTER_VAR, REPLICA_VAR = "cluster", "replica"
 
 
-class MonitoringExportError(ValueError):
+class MonitoringExportError(TailpilotError, ValueError):
     """A cluster that cannot be exported this way, or a rendering that did not check out."""
 
 

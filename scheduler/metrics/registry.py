@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
+from scheduler.errors import TailpilotError
+
 #: (key suffix, percentile) pairs reported for every latency family.
 PERCENTILES: tuple[tuple[str, float], ...] = (
     ("p50", 50.0),
@@ -122,7 +124,7 @@ METRIC_ALIASES: dict[str, str] = {
 }
 
 
-class UnknownMetricError(KeyError, ValueError):
+class UnknownMetricError(TailpilotError, KeyError, ValueError):
     """An unknown metric name. Is both a KeyError and a ValueError so either catch works."""
 
     def __str__(self) -> str:  # KeyError would repr() the message; show it plainly.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
+from scheduler.errors import FAILED, TailpilotError
 from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
 from scheduler.plugin.lease import Leases
 from scheduler.plugin.wire import parse_json_file
@@ -64,8 +65,10 @@ COMPLETION_KEYS = (
 )
 
 
-class SettingsConflict(Exception):
+class SettingsConflict(TailpilotError):
     """``If-Match`` named a version that is no longer current."""
+
+    exit_code = FAILED
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from scheduler.errors import TailpilotError
 from scheduler.plugin.tenancy import TenantIdentity
 
 DEFAULT_PORT = 8765
@@ -37,7 +38,7 @@ VARIABLES = {
 }
 
 
-class PluginEnvError(ValueError):
+class PluginEnvError(TailpilotError, ValueError):
     """A TAILPILOT_* variable with a value the plugin cannot use."""
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.errors import FAILED, TailpilotError
+
 CONTROLLER_KINDS = ("autopilot", "governor")
 MAX_HOLDER = 100
 MAX_TTL_S = 600.0
@@ -28,8 +30,10 @@ LEASE_HEADER = "X-Tailpilot-Lease"
 _HOLDER = re.compile(r"[A-Za-z0-9._:@+-]{1,100}")
 
 
-class LeaseConflict(Exception):
+class LeaseConflict(TailpilotError):
     """Another holder's lease of this kind is live (HTTP 409)."""
+
+    exit_code = FAILED
 
 
 @dataclass(frozen=True, slots=True)

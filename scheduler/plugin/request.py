@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from scheduler.contract import INFLIGHT_LIMIT
+from scheduler.errors import TailpilotError
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.wire import parse_json_body
 
@@ -26,7 +27,7 @@ _VERSION = re.compile(r'([0-9]{1,18})|"([0-9]{1,18})"', re.ASCII)  # If-Match, b
 SINGLE_HEADERS = ("Content-Length", "Transfer-Encoding", "Authorization", "If-Match", "Host")
 
 
-class HTTPError(Exception):
+class HTTPError(TailpilotError):
     """Answer ``status`` with ``message``; ``close`` when unread bytes make the connection
     unusable."""
 

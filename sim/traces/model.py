@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.errors import TailpilotError
+
 REQUEST_TYPES: frozenset[str] = frozenset({"chat", "completion", "reasoning", "batch", "embed"})
 
 # The client cap given to requests whose source records none: one value for every request, so it
@@ -28,7 +30,7 @@ DEFAULT_MAX_TOKENS = 4096
 MAX_ARRIVAL_S = 1e11
 
 
-class TraceError(ValueError):
+class TraceError(TailpilotError, ValueError):
     """A trace file is missing, unreadable or malformed.
 
     The message is `<file>:<line>: <what is wrong>` for row-level problems (header = line 1), or
