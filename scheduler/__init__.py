@@ -9,3 +9,14 @@
 Nothing here imports the operator side (``controlplane``, ``storage``, ``tuner``, ``tui``, the
 CLI) or the simulator; the base install (numpy, scipy, pydantic) is all it needs.
 """
+
+# The rooms other floors may use (tests/test_layers.py: an import from another floor names one).
+__all__ = [
+    "contract",
+    "errors",
+    "metrics",
+    "plugin",
+    "policies",
+    "settings",
+    "validation",
+]

@@ -16,3 +16,8 @@ collector, the TUI) are imported inside the command. Importing them all up front
 machine), and every ``tailpilot --help``, every mistyped option and every shell completion would
 pay it. Such an import carries the comment ``# start-up cost``.
 """
+
+# The command line's one public room: ``tailpilot.cli`` (``main``, the console script).
+__all__ = [
+    "cli",
+]

@@ -407,3 +407,56 @@ def test_every_error_class_derives_from_the_one_base():
     )
     assert missing == []
     assert len(bases) >= 20
+
+
+# --- public names ---------------------------------------------------------------------------------
+def package_inits(root: Path = ROOT) -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (root / package).rglob("__init__.py"))
+
+
+def declared_names(init: Path) -> list[str]:
+    """The names a package's ``__init__.py`` declares public (``__all__``, a literal list or
+    ``sorted`` of a dict's keys); [] when it declares none."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            value = node.value
+            if isinstance(value, ast.List):
+                return [e.value for e in value.elts if isinstance(e, ast.Constant)]
+            return ["<computed>"]
+    return []
+
+
+@pytest.mark.parametrize("init", package_inits(), ids=lambda p: str(p.parent.relative_to(ROOT)))
+def test_every_package_declares_its_public_names(init):
+    import importlib
+
+    names = declared_names(init)
+    assert names, f"{init.relative_to(ROOT)}: no __all__"
+    package = ".".join(init.parent.relative_to(ROOT).parts)
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert hasattr(module, name) or importlib.util.find_spec(f"{package}.{name}"), name
+
+
+def test_another_floor_imports_only_declared_rooms():
+    """An import of ``pkg.room`` (``import pkg.room``, ``from pkg.room import x``) from another
+    floor names a room ``pkg/__init__.py`` declares in ``__all__``, where a package lists its rooms
+    (``storage`` and ``tui`` export names instead)."""
+    rooms = {}
+    for package in ("scheduler", "sim", "controlplane", "tuner", "tailpilot"):
+        rooms[package] = set(declared_names(ROOT / package / "__init__.py"))
+    bad = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, module in imports(path):
+                parts = module.split(".")
+                if (
+                    parts[0] in rooms
+                    and parts[0] != package
+                    and len(parts) > 1
+                    and parts[1] not in rooms[parts[0]]
+                ):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert bad == []
