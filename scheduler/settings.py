@@ -420,6 +420,11 @@ PARAM_MODELS: dict[str, type[_Strict]] = {
     "vtc": VtcParams,
     "slofq": SloFqParams,
 }
+# The policies that read a length predictor: those whose parameters name one (the one definition:
+# the simulator, the plugin's switch and the CLI's --predictor read it).
+PREDICTED_POLICIES: frozenset[str] = frozenset(
+    name for name, model in PARAM_MODELS.items() if "predictor" in model.model_fields
+)
 
 # Which parameters adaptation may move; only these are meaningful to pin besides any other
 # parameter (pinning a static parameter is allowed: it guards against applied recommendations).

@@ -22,6 +22,7 @@ import click
 from annotated_types import Ge, Le
 
 from scheduler.settings import (
+    PREDICTED_POLICIES,
     EngineSettings,
     Settings,
     describe_error,
@@ -34,9 +35,6 @@ from tailpilot.cli_common import TIME_SPAN, TRACE_PARSE_ERRORS, unreadable_trace
 if TYPE_CHECKING:  # the simulator loads only when a command runs (start-up cost)
     from sim.engine import EngineConfig
     from sim.traces import Trace
-
-# Policies that read a length predictor; the simulator gives them the oracle unless told otherwise.
-PREDICTED_POLICIES = ("sjf", "srpt", "tie")
 
 
 @dataclass(frozen=True)

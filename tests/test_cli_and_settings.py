@@ -205,3 +205,18 @@ def test_max_tokens_default_is_a_trace_option_of_every_trace_command():
         res = run_cli(command, "--help")
         assert res.exit_code == 0 and "--max-tokens-default" in res.output, command
         assert f"[default: {DEFAULT_MAX_TOKENS}]" in " ".join(res.output.split()), command
+
+
+def test_the_policies_that_read_a_predictor_are_those_whose_parameters_name_one():
+    """One definition (scheduler.settings.PREDICTED_POLICIES) of which policies read a length
+    predictor: make_policy gives those one and no other; the simulator, the plugin's switch and
+    the CLI's --predictor read the same set."""
+    from scheduler.policies import make_policy
+    from scheduler.policies.base import PREDICTION_KEYED
+    from scheduler.settings import POLICY_NAMES, PREDICTED_POLICIES
+
+    for name in POLICY_NAMES:
+        policy = make_policy(Settings.model_validate({"policy": name}))
+        assert (policy.predictor is not None) == (name in PREDICTED_POLICIES), name
+    assert PREDICTED_POLICIES == {"sjf", "srpt", "tie"}
+    assert PREDICTION_KEYED <= PREDICTED_POLICIES  # grouping by prediction needs one

@@ -30,7 +30,7 @@ from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.base import INF, arrival_order
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
-from scheduler.settings import Settings
+from scheduler.settings import PREDICTED_POLICIES, Settings
 from sim.engine.config import EngineConfig
 from sim.engine.invariants import check_books
 from sim.engine.preemption import preempt_for_waiting, serve_in_running_order
@@ -118,9 +118,7 @@ class Simulator:
     def _kept_predictor(self, settings: Settings) -> LengthPredictor | None:
         """The predictor a new policy takes over (what it learned stays useful), if it ranks by
         one."""
-        return (
-            self.predictor if settings.policy in ("sjf", "srpt", "tie") and self.predictor else None
-        )
+        return self.predictor if settings.policy in PREDICTED_POLICIES and self.predictor else None
 
     def recover(self, settings: Settings) -> None:
         """Replace a policy that raised inside a step with ``settings`` (the twin's circuit
