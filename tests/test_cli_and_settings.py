@@ -218,5 +218,5 @@ def test_the_policies_that_read_a_predictor_are_those_whose_parameters_name_one(
     for name in POLICY_NAMES:
         policy = make_policy(Settings.model_validate({"policy": name}))
         assert (policy.predictor is not None) == (name in PREDICTED_POLICIES), name
-    assert PREDICTED_POLICIES == {"sjf", "srpt", "tie"}
+    assert {"sjf", "srpt", "tie"} == PREDICTED_POLICIES
     assert PREDICTION_KEYED <= PREDICTED_POLICIES  # grouping by prediction needs one
