@@ -108,10 +108,9 @@ def main() -> None:
                 print(f"   {d.at / 60:6.1f} {d.choice:12s} {d.reason}")
                 if args.verbose > 1 and d.figures:
                     for n, f in sorted(d.figures.items(), key=lambda kv: kv[1].ttft_p95):
-                        worst = "" if f.slo_worst is None else f" worst {f.slo_worst:.3f}"
                         print(
                             f"          {n:28s} p95 {f.ttft_p95:.3f} p99 {f.ttft_p99:.3f} "
-                            f"scr {f.scr} {'ok' if f.feasible else ','.join(f.broken)}{worst}"
+                            f"scr {f.scr} {'ok' if f.feasible else ','.join(f.broken)}"
                         )
 
 

@@ -217,8 +217,8 @@ def jobs(*, help: str) -> Decorator:
 def renamed(old: str, new: str, dest: str) -> Decorator:
     """An old spelling, still read (docs/cli.md, "Old spellings"): hidden from ``--help``; given,
     a note names the new one on standard error and its value becomes ``new``'s (parameter
-    ``dest``) unless ``new`` is given too. Given first on the command line, it is processed before
-    ``new``, which then takes it as its default (type-checked as if given)."""
+    ``dest``) unless ``new`` is given too. Click processes the options given before those not
+    given, so ``new``, not given, then takes it as its default (type-checked as if given)."""
 
     def forward(ctx: click.Context, param: click.Parameter, value: Any) -> None:
         if value is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -91,9 +91,6 @@ class Figures:
     projected: int = 0
     scr: float | None = None
     jfi: float | None = None
-    # With SLOs: the highest value/target ratio over every tenant's declared quantiles (1.0 sits
-    # exactly on a target) — how close the window came to costing a tenant its SLO.
-    slo_worst: float | None = None
     feasible: bool = True
     broken: tuple[str, ...] = ()  # what breaks the promise against the reference
 
@@ -127,11 +124,10 @@ def figures_of(
     for name, family, q in QUANTILES:
         data = ttft if family == "ttft" else ttlt
         values[name] = float(np.percentile(data, q)) if data.size else math.nan
-    scr = jfi = slo_worst = None
+    scr = jfi = None
     if slo is not None and tenants is not None and types is not None and tokens is not None:
         rep = report(tenants, types, ttft, ttlt, tokens, Terms.of(slo), duration_s=window_s)
         scr, jfi = rep["scr"], rep["jfi"]
-        slo_worst = _worst_ratio(rep["tenants"])
     return Figures(
         ttft_p50=values["ttft_p50"],
         ttft_p95=values["ttft_p95"],
@@ -142,21 +138,7 @@ def figures_of(
         projected=projected,
         scr=scr,
         jfi=jfi,
-        slo_worst=slo_worst,
     )
-
-
-def _worst_ratio(tenants: Mapping[str, Mapping[str, Any]]) -> float | None:
-    """The highest value/target ratio over the governed tenants' declared quantiles (None when
-    no quantile has a value)."""
-    ratios = [
-        float(got) / float(limit)
-        for row in tenants.values()
-        if row.get("governed", True)
-        for key, limit in row["limits"].items()
-        if (got := row.get(key)) is not None and float(limit) > 0
-    ]
-    return max(ratios) if ratios else None
 
 
 def sampling_slack(requests: int, noise: float) -> dict[str, float]:

@@ -30,7 +30,7 @@ from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
-from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
 
 log = logging.getLogger("tailpilot.plugin")
 
@@ -206,7 +206,7 @@ class ReplicaCore:
 
     # --- settings ---------------------------------------------------------------------------
     def _build(self, settings: Settings, previous: Policy | None) -> Policy:
-        predictor = self.predictor if hasattr(settings.params, "predictor") else None
+        predictor = self.predictor if settings.policy in PREDICTED_POLICIES else None
         if hasattr(settings.params, "predictor") and settings.params.predictor == "oracle":
             raise ValueError(
                 "params.predictor: 'oracle' needs true lengths, which only the simulator has; "
