@@ -65,7 +65,7 @@ def run(replicas: int, minutes: float, rate_scale: float, pooled: bool) -> dict[
             for replica in doc["clusters"][0]["replicas"]:
                 replica["pool"] = "chat"
         cluster = parse_cluster_file(yaml.safe_dump(doc)).cluster()
-        store.governance.set_autopilot_control("twins", state="armed", who="benchmark")
+        store.governance.set_control("autopilot", "twins", state="armed", who="benchmark")
         started = time.perf_counter()
 
         async def scenario() -> LiveAutopilot:

@@ -63,7 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.collector import Collector
 from controlplane.governance import GovernanceSpec
-from controlplane.governor import MODES, STATES, modes
+from controlplane.governor import MODES, modes
 from controlplane.poller import PollResult, ReplicaView
 from controlplane.series import ALERT_SEVERITIES, MAX_TENANTS, MAX_TYPES, SERIES
 from scheduler.plugin.admission import Limits
@@ -71,6 +71,7 @@ from scheduler.plugin.api import ControlServer
 from scheduler.plugin.request import HTTPError
 from scheduler.settings import QUANTILES
 from scheduler.validation import finite_or_none
+from storage.control import CONTROL_STATES
 from storage.limits import REASONS, fold_name
 from storage.rows import LATENCIES, PERCENTILES
 
@@ -361,7 +362,7 @@ class ClusterMetrics:
 
     @staticmethod
     def _governor(out: _Families, cluster: str, status: dict[str, Any]) -> None:
-        for state in STATES:
+        for state in CONTROL_STATES:
             out.add(
                 "tailpilot_governor_state",
                 (cluster, state),

@@ -27,7 +27,7 @@ victims' P99 TTFT (the tenants it protects: entering, over the window before; le
 window since); in ``dry-run`` (the default) the decision is only written to the audit log
 (result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed`` and the end of the
 recorder undo every change the governor made (``governor disarm --keep``: kept, and the status
-says so). The state is kept in the store (``GovernanceRepository.governor_control``), so the TUI and
+says so). The state is kept in the store (its control row, ``storage.control``), so the TUI and
 ``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere.
 """
 
@@ -49,16 +49,7 @@ from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import LeaseKeeper, apply_settings
 from scheduler.settings import Settings, describe_error
 
-STATES = ("armed", "dry-run", "disarmed")
 WHO = "governor"
-# What the operator's commands change in the control row (``tailpilot governor``, the TUI's G).
-CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
-    "pause": {"paused": True},
-    "resume": {"paused": False},
-    "arm": {"state": "armed"},
-    "dry-run": {"state": "dry-run"},
-    "disarm": {"state": "disarmed"},
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +386,7 @@ async def governor_step(
     with modes applied: undo them. Store the governor's status. Returns what was done: dicts with
     the decision and each replica's result."""
     cluster = collector.cluster
-    ctl = await asyncio.to_thread(store.governance.governor_control, cluster.name)
+    ctl = await asyncio.to_thread(store.governance.control, "governor", cluster.name)
     figures = collector.governance
     keep = ctl["state"] == "disarmed" and bool((ctl.get("status") or {}).get("keep"))
     done: list[dict[str, Any]] = []
@@ -430,7 +421,7 @@ async def governor_step(
         "keep": keep,
         "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
     }
-    await asyncio.to_thread(store.governance.set_governor_control, cluster.name, status=status)
+    await asyncio.to_thread(store.governance.set_control, "governor", cluster.name, status=status)
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done
 
@@ -546,7 +537,7 @@ async def run_governor(
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
     gov.restore(
-        (await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)).get(
+        (await asyncio.to_thread(store.governance.control, "governor", collector.cluster.name)).get(
             "status"
         )
     )
@@ -604,7 +595,11 @@ def governor_task(
             )
         if state:
             await asyncio.to_thread(
-                store.governance.set_governor_control, collector.cluster.name, state=state, who=who
+                store.governance.set_control,
+                "governor",
+                collector.cluster.name,
+                state=state,
+                who=who,
             )
         await run_governor(collector, store, stop, interval_s=interval_s)
 
@@ -616,7 +611,7 @@ async def stop_governor(
 ) -> list[dict[str, Any]]:
     """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``) and store
     its status: what a recorder stop does."""
-    ctl = await asyncio.to_thread(store.governance.governor_control, collector.cluster.name)
+    ctl = await asyncio.to_thread(store.governance.control, "governor", collector.cluster.name)
     if ctl["state"] == "disarmed" and (ctl.get("status") or {}).get("keep"):
         return []
     done = [
@@ -634,7 +629,7 @@ async def stop_governor(
         "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
     }
     await asyncio.to_thread(
-        store.governance.set_governor_control, collector.cluster.name, status=status
+        store.governance.set_control, "governor", collector.cluster.name, status=status
     )
     collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
     return done

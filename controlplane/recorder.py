@@ -153,7 +153,8 @@ async def record(
                 )
             if govern:
                 await asyncio.to_thread(
-                    store.governance.set_governor_control,
+                    store.governance.set_control,
+                    "governor",
                     cluster.name,
                     state=govern,
                     who="governor start",

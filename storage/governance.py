@@ -9,26 +9,19 @@ that and when, and the controller's own status — which the TUI and the CLI rea
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from sqlalchemy import Connection, select
 
+from storage.control import CONTROL_DEFAULT, CONTROL_STATES, CONTROLLERS, ControllerName
 from storage.database import Database
-from storage.models import AlertEvent, AutopilotControl, GovernanceWindow, GovernorControl, table
+from storage.models import AlertEvent, ControllerControl, GovernanceWindow, table
 from storage.sql import in_range, insert_or_update
-
-ControlModel = type[GovernorControl] | type[AutopilotControl]
 
 
 class GovernanceRepository:
     """Governance windows and alert events per cluster; the governor's and the autopilot's control
     rows."""
-
-    # A control row as read when none was written: dry-run, not paused.
-    CONTROL_DEFAULT: ClassVar[dict[str, Any]] = {
-        "state": "dry-run", "paused": False, "who": None, "updated_ms": None, "status": None,
-    }  # fmt: skip
-    CONTROL_STATES = ("armed", "dry-run", "disarmed")
 
     def __init__(self, database: Database) -> None:
         self.database = database
@@ -104,84 +97,38 @@ class GovernanceRepository:
 
     # ------------------------------------------------------------------ control rows
 
-    def governor_control(self, cluster: str) -> dict[str, Any]:
-        """The cluster's governor control row (state, paused, who, updated_ms, status); the
-        default (dry-run, not paused) when none was written."""
-        return self._control_row(GovernorControl, cluster)
-
-    def set_governor_control(
-        self,
-        cluster: str,
-        *,
-        state: str | None = None,
-        paused: bool | None = None,
-        status: dict[str, Any] | None = None,
-        who: str | None = None,
-        t_ms: int | None = None,
-    ) -> dict[str, Any]:
-        """Change the governor's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
-        status (what is not given is kept); returns the row."""
-        return self._set_control_row(
-            GovernorControl,
-            "governor",
-            cluster,
-            state=state,
-            paused=paused,
-            status=status,
-            who=who,
-            t_ms=t_ms,
-        )
-
-    def autopilot_control(self, cluster: str) -> dict[str, Any]:
-        """The cluster's autopilot control row, shaped as the governor's (state, paused, who,
-        updated_ms, status: the autopilot's own report per replica); dry-run by default."""
-        return self._control_row(AutopilotControl, cluster)
-
-    def set_autopilot_control(
-        self,
-        cluster: str,
-        *,
-        state: str | None = None,
-        paused: bool | None = None,
-        status: dict[str, Any] | None = None,
-        who: str | None = None,
-        t_ms: int | None = None,
-    ) -> dict[str, Any]:
-        """Change the autopilot's state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
-        status (what is not given is kept); returns the row."""
-        return self._set_control_row(
-            AutopilotControl,
-            "autopilot",
-            cluster,
-            state=state,
-            paused=paused,
-            status=status,
-            who=who,
-            t_ms=t_ms,
-        )
-
-    def _control_row(self, model: ControlModel, cluster: str) -> dict[str, Any]:
-        stmt = select(model.__table__).where(model.cluster == cluster)
+    def control(self, controller: ControllerName, cluster: str) -> dict[str, Any]:
+        """``controller``'s control row of ``cluster`` (cluster, state, paused, who, updated_ms,
+        status); the default (dry-run, not paused) when none was written."""
+        _check_controller(controller)
+        model = ControllerControl
+        stmt = select(
+            model.cluster, model.state, model.paused, model.who, model.updated_ms, model.status
+        ).where(model.cluster == cluster, model.controller == controller)
         with self.database.read() as conn:
             row = conn.execute(stmt).first()
         if row is None:
-            return {"cluster": cluster, **self.CONTROL_DEFAULT}
+            return {"cluster": cluster, **CONTROL_DEFAULT}
         return dict(row._mapping)
 
-    def _set_control_row(
+    def set_control(
         self,
-        model: ControlModel,
-        what: str,
+        controller: ControllerName,
         cluster: str,
         *,
-        state: str | None,
-        paused: bool | None,
-        status: dict[str, Any] | None,
-        who: str | None,
-        t_ms: int | None,
+        state: str | None = None,
+        paused: bool | None = None,
+        status: dict[str, Any] | None = None,
+        who: str | None = None,
+        t_ms: int | None = None,
     ) -> dict[str, Any]:
-        if state is not None and state not in self.CONTROL_STATES:
-            raise ValueError(f"{what} state must be armed, dry-run or disarmed, got {state!r}")
+        """Change ``controller``'s state (``armed`` | ``dry-run`` | ``disarmed``), pause flag or
+        status on ``cluster`` (what is not given is kept); returns the row."""
+        _check_controller(controller)
+        if state is not None and state not in CONTROL_STATES:
+            raise ValueError(
+                f"{controller} state must be armed, dry-run or disarmed, got {state!r}"
+            )
         now = self.database.now_ms() if t_ms is None else t_ms
 
         given: dict[str, Any] = {"updated_ms": now}
@@ -197,8 +144,18 @@ class GovernanceRepository:
         def txn(conn: Connection) -> None:
             # Only the columns given are written: a controller's status every second never puts
             # back a state an operator has just changed.
-            doc = {**self.CONTROL_DEFAULT, **given, "cluster": cluster}
-            conn.execute(insert_or_update(conn, table(model), ["cluster"], list(given)), [doc])
+            doc = {**CONTROL_DEFAULT, **given, "cluster": cluster, "controller": controller}
+            conn.execute(
+                insert_or_update(
+                    conn, table(ControllerControl), ["cluster", "controller"], list(given)
+                ),
+                [doc],
+            )
 
         self.database.write(txn)
-        return self._control_row(model, cluster)
+        return self.control(controller, cluster)
+
+
+def _check_controller(controller: str) -> None:
+    if controller not in CONTROLLERS:
+        raise ValueError(f"controller must be one of {', '.join(CONTROLLERS)}, got {controller!r}")

@@ -312,28 +312,21 @@ class AlertEvent(Base):
     summary: Mapped[Any] = mapped_column(Json)
 
 
-class ControlRow:
-    """A cluster controller's control row (the governor's, the autopilot's): armed, dry-run or
-    disarmed, paused, who set that and when, and what the controller last reported."""
+class ControllerControl(Base):
+    """A cluster controller's control row (``controller``: the governor, the autopilot): armed,
+    dry-run or disarmed, paused, who set that and when, and what the controller last reported
+    (the governor: active modes, what they replaced, the last decisions; the autopilot: per
+    replica its choice, why, the last decisions)."""
+
+    __tablename__ = "controller_control"
 
     cluster: Mapped[str] = mapped_column(String(200), primary_key=True)
+    controller: Mapped[str] = mapped_column(String(20), primary_key=True)
     state: Mapped[str] = mapped_column(String(20))  # "armed" | "dry-run" | "disarmed"
     paused: Mapped[bool] = mapped_column(Boolean)
     who: Mapped[str | None] = mapped_column(String(200))
     updated_ms: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[Any | None] = mapped_column(Json)  # the controller's own report
-
-
-class GovernorControl(ControlRow, Base):
-    """The governor's row; its status: active modes, what they replaced, the last decisions."""
-
-    __tablename__ = "governor_control"
-
-
-class AutopilotControl(ControlRow, Base):
-    """The autopilot's row; its status: per replica its choice, why, the last decisions."""
-
-    __tablename__ = "autopilot_control"
 
 
 class Recommendation(Base):

@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # the operator's modules load only when a command runs (start
     from storage.store import Store
 
 
+# ``tui --replay`` given alone (``--db`` names the recording); ``--replay DB`` is the old spelling.
+REPLAY_DB = "\0db"
+
+
 def load_cluster(cluster_file: str, cluster_name: str | None) -> ClusterSpec:
     """The cluster ``cluster_name`` of the file (its only one when None); a usage error names the
     file's problem, or the unknown name and the known ones."""
@@ -456,14 +460,17 @@ def verify(
 )
 @options.cluster_name(help="Which cluster of the file or of the recording.")
 @options.database(
-    help="Record into this database while watching (SQLite path or URL) [default: record nothing]."
+    help="tailpilot's database: live, record into it while watching [default: record nothing]; "
+    f"with --replay, the recording to open [default: ${options.DB_ENV}, else ./tailpilot.db].",
 )
 @options.readonly()
 @click.option(
     "--replay",
-    metavar="DB",
-    help="Open a recording (the recorder's database: SQLite path or URL) instead of a live "
-    "cluster.",
+    is_flag=False,
+    flag_value=REPLAY_DB,
+    default=None,
+    metavar="",
+    help="Open --db's recording instead of a live cluster (read only).",
 )
 @options.optuna_storage(
     help="Optuna storage for the tuner panel (5): URL or SQLite path [default: "
@@ -479,15 +486,23 @@ def tui(
 ) -> None:
     """The operator TUI: live cluster view, policy switching and pinning, replay."""
     from storage.database import StoreOpenError  # start-up cost
-    from storage.engine import DatabaseMissing  # start-up cost
+    from storage.engine import DEFAULT_SQLITE_FILE, DatabaseMissing  # start-up cost
     from tui import run_tui  # start-up cost (textual)
     from tui.main import NoTerminal  # start-up cost (textual)
     from tui.sources import ReplayError  # start-up cost (textual)
 
+    if replay is not None and replay != REPLAY_DB:  # the old spelling: --replay DB
+        if db is not None and db != replay:
+            raise click.UsageError(f"--replay {replay} and --db {db} name two databases")
+        click.echo(f"note: --replay {replay} is now --replay --db {replay} (docs/cli.md)", err=True)
+        db = replay
+    if replay is not None:
+        replay = db or os.environ.get(options.DB_ENV) or DEFAULT_SQLITE_FILE
+        db = None  # a replay records nothing
     if not cluster_file and not replay:
-        raise click.UsageError("give --cluster FILE (live) or --replay FILE (a recording)")
+        raise click.UsageError("give --cluster FILE (live) or --replay (a recording in --db)")
     if replay is not None:  # a replay only reads: a mistyped path must not become an empty database
-        require_database(replay, "--replay")
+        require_database(replay, "--db")
     cluster = load_cluster(cluster_file, cluster_name) if cluster_file else None
     try:
         run_tui(
@@ -501,7 +516,7 @@ def tui(
     except (ReplayError, StoreOpenError, NoTerminal) as err:
         raise click.UsageError(str(err)) from None
     except DatabaseMissing as err:  # removed since the check above
-        raise click.BadParameter(str(err), param_hint="--replay") from None
+        raise click.BadParameter(str(err), param_hint="--db") from None
 
 
 COMMANDS: tuple[click.Command, ...] = (status, set_command, verify, tui)

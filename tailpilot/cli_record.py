@@ -17,13 +17,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from pydantic import ValidationError
 
 from scheduler.plugin.wire import parse_json_body, read_capped
 from scheduler.settings import describe_error
+from storage.control import CONTROL_ACTIONS, ControllerName
 from tailpilot import options
 from tailpilot.cli_cluster import known_cluster, load_cluster, open_store
 from tailpilot.cli_common import (
@@ -242,7 +243,8 @@ def autopilot_task(config_file: str | None, state: str) -> Task:
         from tuner.autopilot_live import run_autopilot  # start-up cost
 
         await asyncio.to_thread(
-            store.governance.set_autopilot_control,
+            store.governance.set_control,
+            "autopilot",
             collector.cluster.name,
             state=state,
             who="autopilot start",
@@ -286,142 +288,149 @@ def caller(who: str | None) -> str:
     return who or f"cli:{os.environ.get('USER', 'unknown')}"
 
 
-@click.command()
-@click.argument(
-    "action", type=click.Choice(["status", "arm", "dry-run", "disarm", "pause", "resume"])
-)
-@steered_cluster_options("the governor")
-@options.database()
-@options.who(help="Name in the governor's control row [default: $USER].")
-@options.json_output("the control row")
-@click.option(
-    "--keep",
-    is_flag=True,
-    help="With disarm: keep the changes the governor applied (by default "
-    "disarm, pause and a recorder stop undo them).",
-)
-def governor(
-    action: str,
-    cluster_file: str | None,
-    cluster_name: str | None,
-    db: str | None,
-    who: str | None,
-    as_json: bool,
-    keep: bool,
-) -> None:
-    """Steer the governor of a cluster (it runs in `tailpilot record --govern`): status, arm,
-    dry-run, disarm [--keep], pause, resume. Disarm, pause and dry-run undo every change the
-    governor applied, at its next evaluation (`disarm --keep` keeps them, and `status` says so).
-    The cluster must be one the database has recorded, and the database must exist: a mistyped
-    name or path is an error (exit 2), never a new control row or a new, empty database."""
-    from controlplane.governor import CONTROL_ACTIONS, modes, modes_text  # start-up cost
+# --------------------------------------------------------------------------------------------
+# The cluster's controllers (the governor, the autopilot) share one control table and one command
+# shape: ``tailpilot governor|autopilot status|arm|dry-run|pause|resume|disarm``.
+CONTROL_HELP = {
+    "status": "Its state, what it last decided and why.",
+    "arm": "Apply its decisions through the control API (audited, verified).",
+    "dry-run": "Only write its decisions to the audit log (the default).",
+    "pause": "Hold it: it keeps watching and applies nothing.",
+    "resume": "Undo pause.",
+    "disarm": "Stop it.",
+}
 
-    if keep and action != "disarm":
-        raise click.UsageError("--keep goes with disarm only")
-    name, option, cluster = steered_cluster(cluster_file, cluster_name)
-    steers = action in ("arm", "dry-run")  # a governor with nothing to govern is refused
-    if steers and cluster is not None and cluster.governance is None:
+
+@click.group()
+def governor() -> None:
+    """The governor of a cluster (it runs in `tailpilot record --govern`): status, arm, dry-run,
+    disarm [--keep], pause, resume. Disarm, pause and dry-run undo every change the governor
+    applied, at its next evaluation (`disarm --keep` keeps them, and `status` says so). The
+    cluster must be one the database has recorded, and the database must exist: a mistyped name
+    or path is an error (exit 2), never a new control row or a new, empty database."""
+
+
+@click.group()
+def autopilot() -> None:
+    """The autopilot: steer the one running in `tailpilot record --autopilot` (status, arm,
+    dry-run, disarm, pause, resume), or tune its own knobs on traces (tune). Disarm drops its
+    simulators (arming starts them afresh)."""
+
+
+def _governor_has_governance(name: str, cluster_file: str | None, cluster: ClusterSpec) -> None:
+    """A governor with nothing to govern is not armed (nor put in dry-run): its cluster file
+    declares no governance block."""
+    if cluster.governance is None:
         raise click.UsageError(
             f"cluster {name!r} has no governance block in {cluster_file}: the governor has no "
             "tenants or SLOs to keep (add governance: — README, 'Governance' — and run "
             "tailpilot record --govern)"
         )
-    store = open_store(db, must_exist=True)
-    try:
-        known_cluster(store, name, option)
-        if steers and cluster is None and not store.governance.windows(name, limit=1):
-            raise click.UsageError(
-                f"cluster {name!r} has no governance figures recorded: the governor has nothing "
-                "to govern (its cluster file needs a governance: block, and tailpilot record "
-                "--govern records them)"
-            )
-        changes = dict(CONTROL_ACTIONS.get(action) or {})
-        if action in ("disarm", "arm", "dry-run"):  # the keep flag lives in the status it reads
-            changes["status"] = {
-                **(store.governance.governor_control(name).get("status") or {}),
-                "keep": keep,
-            }
-        row = (
-            store.governance.set_governor_control(name, who=caller(who), **changes)
-            if changes
-            else store.governance.governor_control(name)
+
+
+def _governor_has_figures(name: str, store: Store) -> None:
+    """Likewise when the cluster is named without its file: the database has recorded no
+    governance figures of it."""
+    if not store.governance.windows(name, limit=1):
+        raise click.UsageError(
+            f"cluster {name!r} has no governance figures recorded: the governor has nothing "
+            "to govern (its cluster file needs a governance: block, and tailpilot record "
+            "--govern records them)"
         )
-    finally:
-        store.close()
-    if as_json:
-        echo_json(row, default=str, indent=None)
-        return
+
+
+def _governor_lines(row: dict[str, Any], keep: bool) -> list[str]:
+    from controlplane.governor import modes, modes_text  # start-up cost
+
     status = row.get("status") or {}
-    click.echo(
-        f"governor of {name}: {row['state']}{' (paused)' if row['paused'] else ''}"
+    lines = [
+        f"governor of {row['cluster']}: {row['state']}{' (paused)' if row['paused'] else ''}"
         f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}; {modes_text(status)}"
-    )
+    ]
     applied, _ = modes(status)
     if applied and (row["paused"] or (row["state"] != "armed" and not keep)):
-        click.echo(f"  undoing {', '.join(applied)} at the governor's next evaluation")
+        lines.append(f"  undoing {', '.join(applied)} at the governor's next evaluation")
     elif applied and keep:
-        click.echo(f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)")
-    for line in status.get("last") or []:
-        click.echo(f"  last: {line}")
+        lines.append(f"  keeping {', '.join(applied)} applied (disarm without --keep undoes them)")
+    lines.extend(f"  last: {line}" for line in status.get("last") or [])
+    return lines
 
 
-# --------------------------------------------------------------------------------------------
-@click.group()
-def autopilot() -> None:
-    """The autopilot: steer the one running in `tailpilot record --autopilot` (status, arm,
-    dry-run, disarm, pause, resume), or tune its own knobs on traces (tune)."""
+def _autopilot_lines(row: dict[str, Any], keep: bool) -> list[str]:
+    from tuner.autopilot_live import status_lines  # start-up cost
+
+    return status_lines(row)
 
 
-AUTOPILOT_ACTIONS = {
-    "status": "Its state, each replica's choice and why, and its last decisions.",
-    "arm": "Apply its decisions through the control API (audited, verified).",
-    "dry-run": "Only write its decisions to the audit log (the default).",
-    "disarm": "Stop it (its simulators are dropped; arming starts them afresh).",
-    "pause": "Hold it: it keeps watching and applies nothing.",
-    "resume": "Undo pause.",
-}
+def control_command(group: click.Group, controller: ControllerName, action: str) -> click.Command:
+    """``tailpilot CONTROLLER ACTION``: set (or, for status, read) the controller's control row.
+    The governor's disarm takes ``--keep`` (keep the changes it applied); its arm and dry-run
+    need a cluster it can govern."""
+    is_governor = controller == "governor"
+    keeps = is_governor and action == "disarm"
 
-
-def autopilot_control(action: str) -> click.Command:
-    """The ``autopilot ACTION`` command: set (or, for status, read) the control row."""
-
-    @autopilot.command(name=action, help=AUTOPILOT_ACTIONS[action])
-    @steered_cluster_options("the autopilot")
-    @options.database()
-    @options.who(help="Name in the autopilot's control row [default: $USER].")
-    @options.json_output("the control row")
     def command(
         cluster_file: str | None,
         cluster_name: str | None,
         db: str | None,
         who: str | None,
         as_json: bool,
+        keep: bool = False,
     ) -> None:
-        from tuner.autopilot_live import CONTROL_ACTIONS, status_lines  # start-up cost
-
-        name, option, _ = steered_cluster(cluster_file, cluster_name)
+        name, option, cluster = steered_cluster(cluster_file, cluster_name)
+        steers = is_governor and action in ("arm", "dry-run")
+        if steers and cluster is not None:
+            _governor_has_governance(name, cluster_file, cluster)
         store = open_store(db, must_exist=True)  # a mistyped path is an error, never a new file
         try:
             known_cluster(store, name, option)  # ... and a mistyped cluster, never a new row
-            changes = CONTROL_ACTIONS.get(action)
+            if steers and cluster is None:
+                _governor_has_figures(name, store)
+            changes = dict(CONTROL_ACTIONS[action])
+            if is_governor and action in ("disarm", "arm", "dry-run"):
+                # The governor reads the keep flag in its status at its next evaluation.
+                status = store.governance.control(controller, name).get("status") or {}
+                changes["status"] = {**status, "keep": keep}
             row = (
-                store.governance.set_autopilot_control(name, who=caller(who), **changes)
+                store.governance.set_control(controller, name, who=caller(who), **changes)
                 if changes
-                else store.governance.autopilot_control(name)
+                else store.governance.control(controller, name)
             )
         finally:
             store.close()
         if as_json:
             echo_json(row, default=str, indent=None)
-        else:
-            for line in status_lines(row):
-                click.echo(line)
+            return
+        show = _governor_lines if is_governor else _autopilot_lines
+        for line in show(row, keep):
+            click.echo(line)
 
-    return command
+    decorators: list[Any] = [
+        group.command(name=action, help=CONTROL_HELP[action]),
+        steered_cluster_options(f"the {controller}"),
+        options.database(),
+        options.who(help=f"Name in the {controller}'s control row [default: $USER]."),
+        options.json_output("the control row"),
+    ]
+    if keeps:
+        decorators.append(
+            click.option(
+                "--keep",
+                is_flag=True,
+                help="Keep the changes the governor applied (by default disarm, pause and a "
+                "recorder stop undo them).",
+            )
+        )
+    decorated: Any = command
+    for decorate in reversed(decorators):
+        decorated = decorate(decorated)
+    assert isinstance(decorated, click.Command)
+    return decorated
 
 
-for _action in AUTOPILOT_ACTIONS:
-    autopilot_control(_action)
+for _action in CONTROL_ACTIONS:
+    control_command(governor, "governor", _action)
+    control_command(autopilot, "autopilot", _action)
 
 
 @autopilot.command(name="tune")

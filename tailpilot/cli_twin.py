@@ -368,8 +368,8 @@ def _demo_table(
         async def view() -> Group:
             rows, pinned = snapshot_rows(collector.snapshot().replicas.values())
             pilot, governor = await asyncio.gather(
-                asyncio.to_thread(store.governance.autopilot_control, cluster.name),
-                asyncio.to_thread(store.governance.governor_control, cluster.name),
+                asyncio.to_thread(store.governance.control, "autopilot", cluster.name),
+                asyncio.to_thread(store.governance.control, "governor", cluster.name),
             )
             return Group(
                 status_table(rows, pinned, title=f"tailpilot demo — {db}"),
@@ -507,7 +507,8 @@ def autopilot_controller(
         from tuner.autopilot_live import LiveConfig, run_autopilot  # start-up cost
 
         await asyncio.to_thread(
-            store.governance.set_autopilot_control,
+            store.governance.set_control,
+            "autopilot",
             collector.cluster.name,
             state="armed",
             paused=False,

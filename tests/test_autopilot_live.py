@@ -65,7 +65,7 @@ class Rig:
         from tuner.autopilot import AutopilotConfig
         from tuner.autopilot_live import LiveAutopilot, LiveConfig
 
-        self.store.governance.set_autopilot_control("twins", state=state, who="test")
+        self.store.governance.set_control("autopilot", "twins", state=state, who="test")
 
         async def scenario():
             client = PollingClient(self.cluster.timeout_s)
@@ -137,7 +137,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         [verdict] = driver.pilots["twin-0"].verifications
         assert verdict["verdict"] in ("as predicted", "worse than predicted")
         assert isinstance(verdict["realized"], float)
-        status = rig.store.governance.autopilot_control("twins")["status"]
+        status = rig.store.governance.control("autopilot", "twins")["status"]
         assert status["replicas"]["twin-0"]["choice"] == rp.pilot.current
 
 
@@ -211,16 +211,16 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_governor_goes_first(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
-        rig.store.governance.set_governor_control(
-            "twins", state="armed", status={"active": {"scr": 1.0}, "dry": []}
+        rig.store.governance.set_control(
+            "governor", "twins", state="armed", status={"active": {"scr": 1.0}, "dry": []}
         )
         driver = rig.run(700.0)
         assert rig.twin.core.settings == DEFAULTS and rig.audit() == []
         assert "governor" in driver.held and driver.pilots["twin-0"].note.startswith("held")
-        status = rig.store.governance.autopilot_control("twins")["status"]
+        status = rig.store.governance.control("autopilot", "twins")["status"]
         assert "scr" in status["held"]
         # the emergency over, the next decision is carried out
-        rig.store.governance.set_governor_control("twins", status={"active": {}, "dry": []})
+        rig.store.governance.set_control("governor", "twins", status={"active": {}, "dry": []})
         rig.run(1_000.0, until=lambda _d: bool(rig.audit()))
         [row] = rig.audit()
         assert row["result"] in ("applied", "staged") and rig.twin.core.settings != DEFAULTS
@@ -255,7 +255,8 @@ def test_the_cli_steers_and_shows_it(tmp_path):
     db = tmp_path / "s.db"
     store = Store.open(str(db))
     store.recordings.ensure_replicas("prod", [("r0", "http://127.0.0.1:1", "http://127.0.0.1:1")])
-    store.governance.set_autopilot_control(
+    store.governance.set_control(
+        "autopilot",
         "prod",
         status={
             "held": None,
@@ -480,7 +481,7 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
     for replica in doc["clusters"][0]["replicas"]:
         replica["pool"] = "chat"
     cluster = parse_cluster_file(yaml.safe_dump(doc)).cluster()
-    store.governance.set_autopilot_control("twins", state="armed", who="test")
+    store.governance.set_control("autopilot", "twins", state="armed", who="test")
     config = AutopilotConfig.model_validate({**CONFIG, "with_defaults": False})
 
     def followed(d) -> bool:

@@ -97,7 +97,8 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
 
     async def autopilot(collector, store, stop):
         await asyncio.to_thread(
-            store.governance.set_autopilot_control,
+            store.governance.set_control,
+            "autopilot",
             collector.cluster.name,
             state="armed",
             who="test",
@@ -186,7 +187,7 @@ def test_the_armed_autopilot_changes_gamma_on_vllm_cpu_and_every_request_is_serv
                 )
                 time.sleep(0.2)
             with Store.open("tp.db") as s:
-                status = s.governance.autopilot_control("cpu")["status"]
+                status = s.governance.control("autopilot", "cpu")["status"]
             assert status["replicas"]["cpu-0"]["last"], status
         finally:
             stop.set()

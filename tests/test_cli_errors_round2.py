@@ -158,7 +158,7 @@ def test_an_unknown_step_model_is_refused_listing_the_known_ones(workdir, comman
 READ_ONLY = {
     "governor status": ["governor", "status", "--cluster-name", "c", "--db", "{db}"],
     "governor arm": ["governor", "arm", "--cluster-name", "c", "--db", "{db}"],
-    "tui --replay": ["tui", "--replay", "{db}"],
+    "tui --replay": ["tui", "--replay", "--db", "{db}"],
     "verify": ["verify", "--cluster", "{cluster}", "--db", "{db}"],
     "sim on a recording": ["sim", "--trace", "db:{db}#recording=peak"],
 }
@@ -194,7 +194,7 @@ def test_the_governor_refuses_a_cluster_the_database_never_recorded(workdir):
         )
     with Store.open(str(db)) as store:
         assert (
-            store.governance.governor_control("prdo")["who"] is None
+            store.governance.control("governor", "prdo")["who"] is None
         )  # no control row was written
     # a cluster with no governance figures recorded has nothing to govern: arm says so
     assert_one_line_error(
@@ -432,3 +432,20 @@ def test_a_definition_the_setup_refuses_leaves_no_study_behind(workdir, flag, va
     line = assert_one_line_error(res, 2, *words, max_lines=None)
     assert "input_value" not in line  # pydantic's echo of the document: one line, no values
     assert not study_created(workdir)
+
+
+def test_tui_replay_and_db_naming_two_databases_is_refused(workdir):
+    res = invoke("tui", "--replay", str(workdir / "a.db"), "--db", str(workdir / "b.db"))
+    assert res.exit_code == 2 and "name two databases" in res.output
+    assert sorted(p.name for p in workdir.iterdir()) == []
+
+
+def test_tui_replay_db_the_old_spelling_is_read_and_named(workdir):
+    """``tui --replay DB`` (the old spelling) reads DB as ``--replay --db DB`` does: the note
+    names the new spelling and a mistyped path creates nothing."""
+    db = workdir / "typo.db"
+    res = invoke("tui", "--replay", str(db))
+    assert res.exit_code == 2
+    assert f"--replay {db} is now --replay --db {db}" in res.output
+    assert "Invalid value for --db" in res.output and "does not exist" in res.output
+    assert sorted(p.name for p in workdir.iterdir()) == []

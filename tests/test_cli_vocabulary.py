@@ -354,3 +354,24 @@ def test_an_error_a_command_lets_through_ends_it_with_its_exit_code(error, code)
     res = CliRunner().invoke(group, ["boom"])
     assert res.exit_code == code and res.stderr == "Error: the disk is full\n"
     assert isinstance(res.exception, SystemExit)
+
+
+def test_the_governor_and_the_autopilot_have_one_command_shape():
+    """``tailpilot governor|autopilot ACTION``: the same actions with the same options (the
+    governor's disarm adds --keep), built from one vocabulary (storage.control)."""
+    from storage.control import CONTROL_ACTIONS
+
+    def shape(group: str) -> dict[str, set[str]]:
+        cmds = main.commands[group].commands  # type: ignore[attr-defined]
+        return {
+            name: {o for p in cmd.params for o in p.opts}
+            for name, cmd in cmds.items()
+            if name in CONTROL_ACTIONS
+        }
+
+    governor, autopilot = shape("governor"), shape("autopilot")
+    assert set(governor) == set(autopilot) == set(CONTROL_ACTIONS)
+    assert set(main.commands["governor"].commands) == set(CONTROL_ACTIONS)  # type: ignore[attr-defined]
+    for action in CONTROL_ACTIONS:
+        extra = {"--keep"} if action == "disarm" else set()
+        assert governor[action] == autopilot[action] | extra, action

@@ -133,7 +133,7 @@ def test_a_second_autopilot_on_the_same_replica_stays_in_dry_run(tmp_path, monke
     twin = twins[0]
     cluster = parse_cluster_file(yaml.safe_dump(twins.cluster_doc("twins"))).cluster()
     for store in stores:
-        store.governance.set_autopilot_control("twins", state="armed", who="test")
+        store.governance.set_control("autopilot", "twins", state="armed", who="test")
     config = AutopilotConfig.model_validate(CONFIG)
 
     async def scenario():

@@ -61,7 +61,7 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
     cluster = parse_cluster_file(yaml.safe_dump(twins.cluster_doc("twins"))).cluster()
     armed, dry = twins[0], twins[1]
     dry_version = dry.core.settings_doc()["version"]
-    store.governance.set_autopilot_control("twins", state="armed", who="test")
+    store.governance.set_control("autopilot", "twins", state="armed", who="test")
 
     def both_decided(driver) -> bool:
         notes = {n: r.get("note", "") for n, r in driver.status()["replicas"].items()}
@@ -93,7 +93,7 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
             DEFAULTS.params,
         )
         assert {r["result"] for r in autopilot_rows(store, dry.name)} <= {"dry-run"}
-        status = store.governance.autopilot_control("twins")["status"]
+        status = store.governance.control("autopilot", "twins")["status"]
         assert status["armed_replicas"] == [armed.name] and "a decision every" in status["cadence"]
     finally:
         twins.stop()
@@ -114,8 +114,8 @@ def decisions_on_data(db: str) -> bool:
         return False
     try:
         with Store.open(db) as store:
-            pilot = store.governance.autopilot_control("demo")
-            governor = store.governance.governor_control("demo")
+            pilot = store.governance.control("autopilot", "demo")
+            governor = store.governance.control("governor", "demo")
     except Exception:  # the demo is still creating its tables
         return False
     replicas = (pilot.get("status") or {}).get("replicas") or {}

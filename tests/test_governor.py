@@ -197,7 +197,7 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     assert [quantiles(t) for t in twins] == ["multi"] * 3
 
     # Armed: the mode entered in dry-run was never applied, so it is decided again, for real.
-    store.governance.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_control("governor", "gov", state="armed", who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 100.0))
     assert out["replicas"] == {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"}
     assert [quantiles(t) for t in twins] == ["p99", "p99", "multi"]  # the pinned one never moves
@@ -205,21 +205,21 @@ def test_dry_run_logs_armed_applies_and_undoes_paused_undoes(twins_governed):
     assert len(applied) == 2 and all(
         "governor enters scr mode: scr 0.5 < 0.85" in r["message"] for r in applied
     )
-    status = store.governance.governor_control("gov")["status"]
+    status = store.governance.control("governor", "gov")["status"]
     assert status["active"] == {"scr": 100.0} and status["dry"] == []
     assert sorted(r for _, r, _ in status["replaced"]) == ["twin-0", "twin-1"]  # kept for a restart
 
     # Paused: the change is undone (nothing stays applied that nobody watches); resumed with the
     # figures still low, it is entered again.
-    store.governance.set_governor_control("gov", paused=True, who="test")
+    store.governance.set_control("governor", "gov", paused=True, who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 200.0))
     assert (out["action"], out["replicas"]) == (
         "exit",
         {"twin-0": "applied", "twin-1": "applied", "twin-2": "skipped"},
     )
     assert [quantiles(t) for t in twins] == ["multi"] * 3 and "paused" in out["note"]
-    assert store.governance.governor_control("gov")["status"]["active"] == {}
-    store.governance.set_governor_control("gov", paused=False, who="test")
+    assert store.governance.control("governor", "gov")["status"]["active"] == {}
+    store.governance.set_control("governor", "gov", paused=False, who="test")
     [out] = asyncio.run(governor_step(g, collector, store, 210.0))
     assert out["action"] == "enter" and [quantiles(t) for t in twins] == ["p99", "p99", "multi"]
 
@@ -242,7 +242,7 @@ def test_real_figures_trigger_the_scr_mode(twins_governed):
     # The noisy tenant took several times its commitment (the seed's literal JFI says so), but
     # every tenant was served all it asked for: nobody is suppressed, JFI is not low.
     assert figures["jfi_seed"] < 0.8 and figures["jfi"] > 0.9
-    store.governance.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_control("governor", "gov", state="armed", who="test")
     outs = asyncio.run(
         governor_step(Governor.for_cluster(collector.cluster.governance), collector, store, 0.0)
     )

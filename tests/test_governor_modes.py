@@ -150,7 +150,7 @@ def params_of(twin) -> dict:
 
 def enter_both(g, collector, store) -> None:
     collector.governance = {**suppressed(), "scr": 0.5}
-    store.governance.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_control("governor", "gov", state="armed", who="test")
     outs = asyncio.run(governor_step(g, collector, store, 0.0))
     assert [(o["mode"], o["action"]) for o in outs] == [("scr", "enter"), ("jfi", "enter")]
     for t in collector_twins(collector):
@@ -167,15 +167,15 @@ def test_disarm_undoes_every_change_and_status_tells_the_truth(twins):
     collector.test_twins = found
     g = gov()
     enter_both(g, collector, store)
-    assert modes(store.governance.governor_control("gov")["status"]) == (["scr", "jfi"], [])
-    store.governance.set_governor_control("gov", state="disarmed", who="test")
+    assert modes(store.governance.control("governor", "gov")["status"]) == (["scr", "jfi"], [])
+    store.governance.set_control("governor", "gov", state="disarmed", who="test")
     outs = asyncio.run(governor_step(g, collector, store, 5.0))  # figures still low: undone anyway
     assert [(o["mode"], o["action"]) for o in outs] == [("jfi", "exit"), ("scr", "exit")]
     assert all("disarmed" in o["note"] for o in outs)
     for t in found:
         p = params_of(t)
         assert p["quantiles"] == "multi" and p["throttle"] == {}
-    status = store.governance.governor_control("gov")["status"]
+    status = store.governance.control("governor", "gov")["status"]
     assert modes(status) == ([], []) and status["replaced"] == []
 
 
@@ -223,7 +223,7 @@ def test_a_recorder_stop_undoes_every_change(twins):
     for t in found:
         p = params_of(t)
         assert p["quantiles"] == "multi" and p["throttle"] == {}
-    assert modes(store.governance.governor_control("gov")["status"]) == ([], [])
+    assert modes(store.governance.control("governor", "gov")["status"]) == ([], [])
     notes = [
         r["message"]
         for r in store.settings_log.settings_changes("gov", None, 100)
@@ -274,7 +274,7 @@ def test_a_throttle_never_rests_on_labels_a_client_can_set(twins):
     poll_all(collector)
     g = gov()
     collector.governance = {**suppressed(), "scr": 0.5}
-    store.governance.set_governor_control("gov", state="armed", who="test")
+    store.governance.set_control("governor", "gov", state="armed", who="test")
     outs = asyncio.run(governor_step(g, collector, store, 0.0))
     jfi = next(o for o in outs if o["mode"] == "jfi")
     assert (
@@ -291,7 +291,7 @@ def test_a_throttle_never_rests_on_labels_a_client_can_set(twins):
     )
     # a restart with the changed cluster file: it takes over the stored state, the lease's
     # holder included (another recorder's governor would only dry-run here)
-    trusting.restore(store.governance.governor_control("gov")["status"])
+    trusting.restore(store.governance.control("governor", "gov")["status"])
     outs = asyncio.run(governor_step(trusting, collector, store, 0.0))
     assert any(o["mode"] == "jfi" and "clients' own" not in o["note"] for o in outs)
     assert all(params_of(t)["throttle"] == {"big": 0.5} for t in found)

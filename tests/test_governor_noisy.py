@@ -101,7 +101,7 @@ def run(
         store.recordings.ensure_replicas(
             "gov", [(r.name, r.api_url, r.control_url) for r in spec.replicas]
         )
-        store.governance.set_governor_control("gov", state=state, who="test")
+        store.governance.set_control("governor", "gov", state=state, who="test")
         collector = Collector(spec, store, clock=clock.now)
         gov = Governor.for_cluster(spec.governance)
 

@@ -8,6 +8,7 @@ Most tests run twice: on a SQLite file and on a real PostgreSQL server that the 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import random
@@ -1225,3 +1226,68 @@ def test_every_fitted_row_is_stored_on_every_backend(
             fitted.type,
             fitted.prompt_tokens,
         )
+
+
+def test_upgrade_to_one_control_table_keeps_both_controllers_rows_and_downgrade_splits_them(url):
+    """0011 folds governor_control and autopilot_control into controller_control: a 0010-era
+    database's rows read back through ``control`` unchanged, and a downgrade puts each back in its
+    own table."""
+    store = Store.open(url)
+    try:
+        downgrade(store.database.engine, "0010")
+        status = {"active": {"scr": {"since_ms": 5}}, "last": ["enter scr"]}
+        with store.database.engine.begin() as conn:  # rows written by a 0010-era store
+            for table, cluster, state, who in (
+                ("governor_control", "a", "armed", "ops"),
+                ("autopilot_control", "a", "disarmed", "cli:x"),
+                ("autopilot_control", "b", "dry-run", None),
+            ):
+                conn.execute(
+                    text(
+                        f"INSERT INTO {table} (cluster, state, paused, who, updated_ms, status) "
+                        "VALUES (:cluster, :state, :paused, :who, :updated_ms, :status)"
+                    ),
+                    {
+                        "cluster": cluster,
+                        "state": state,
+                        "paused": table == "autopilot_control",
+                        "who": who,
+                        "updated_ms": 7,
+                        "status": json.dumps(status),
+                    },
+                )
+        upgrade(store.database.engine)
+        names = set(inspect(store.database.engine).get_table_names())
+        assert "controller_control" in names
+        assert not names & {"governor_control", "autopilot_control"}
+        row = {"updated_ms": 7, "status": status}
+        assert store.governance.control("governor", "a") == {
+            "cluster": "a", "state": "armed", "paused": False, "who": "ops", **row
+        }  # fmt: skip
+        assert store.governance.control("autopilot", "a") == {
+            "cluster": "a", "state": "disarmed", "paused": True, "who": "cli:x", **row
+        }  # fmt: skip
+        assert store.governance.control("autopilot", "b")["state"] == "dry-run"
+        # b has no governor row: the default, never the autopilot's
+        assert store.governance.control("governor", "b")["updated_ms"] is None
+        downgrade(store.database.engine, "0010")
+        with store.database.engine.connect() as conn:
+            governor = conn.execute(text("SELECT cluster, state FROM governor_control")).all()
+            pilots = conn.execute(
+                text("SELECT cluster, state FROM autopilot_control ORDER BY cluster")
+            ).all()
+            kept = conn.execute(text("SELECT status FROM governor_control")).scalar_one()
+        assert [tuple(r) for r in governor] == [("a", "armed")]
+        assert [tuple(r) for r in pilots] == [("a", "disarmed"), ("b", "dry-run")]
+        assert (json.loads(kept) if isinstance(kept, str) else kept) == status  # encoded once
+    finally:
+        store.close()
+
+
+def test_a_control_row_names_a_known_controller_and_state(store):
+    with pytest.raises(ValueError, match="controller must be one of governor, autopilot"):
+        store.governance.set_control("tuner", "c", state="armed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="autopilot state must be armed, dry-run or disarmed"):
+        store.governance.set_control("autopilot", "c", state="on")
+    store.governance.set_control("autopilot", "c", state="armed", who="ops")
+    assert store.governance.control("governor", "c")["state"] == "dry-run"  # its own row

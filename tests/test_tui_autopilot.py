@@ -1,4 +1,4 @@
-"""The autopilot in the TUI: its control row (``GovernanceRepository.autopilot_control``, written by
+"""The autopilot in the TUI: its control row (``GovernanceRepository.control``, written by
 ``tailpilot record --autopilot``) shown in the alerts panel — state, why it holds, per replica the
 candidate it runs and why, its last decisions — and ``O`` steering it through the store; refused
 read-only; nothing shown in a replay (its control row is not history).
@@ -199,7 +199,7 @@ def test_O_is_a_cluster_change_of_the_alerts_panel():
 
 def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
     clock = Clock(T0)
-    store.governance.set_autopilot_control("pilots", status=status(T0 - 5_000), t_ms=T0 - 5_000)
+    store.governance.set_control("autopilot", "pilots", status=status(T0 - 5_000), t_ms=T0 - 5_000)
 
     async def scenario():
         app = live_app(store, clock)
@@ -219,8 +219,8 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             assert "defaults → gamma=0.01" in shown and "-12%" in shown
             # A new report of the driver is shown at the next refresh; an old one is flagged.
             clock.t += 600
-            store.governance.set_autopilot_control(
-                "pilots", status=status(T0 + 590_000, note="applied: gamma=0.1")
+            store.governance.set_control(
+                "autopilot", "pilots", status=status(T0 + 590_000, note="applied: gamma=0.1")
             )
             await wait_for(
                 pilot, lambda: "applied: gamma=0.1" in text_of(body), what="the new report"
@@ -242,10 +242,10 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             await pilot.press("enter")  # the first choice: arm
             await wait_for(
                 pilot,
-                lambda: store.governance.autopilot_control("pilots")["state"] == "armed",
+                lambda: store.governance.control("autopilot", "pilots")["state"] == "armed",
                 what="armed",
             )
-            row = store.governance.autopilot_control("pilots")
+            row = store.governance.control("autopilot", "pilots")
             assert row["who"] == app.who and row["who"].startswith("tui:") and not row["paused"]
             assert (
                 row["status"]["replicas"]["r0"]["note"] == "applied: gamma=0.1"
@@ -262,9 +262,11 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             )
             await pilot.press("down", "down", "down", "enter")
             await wait_for(
-                pilot, lambda: store.governance.autopilot_control("pilots")["paused"], what="paused"
+                pilot,
+                lambda: store.governance.control("autopilot", "pilots")["paused"],
+                what="paused",
             )
-            assert store.governance.autopilot_control("pilots")["state"] == "armed"
+            assert store.governance.control("autopilot", "pilots")["state"] == "armed"
             await wait_for(pilot, lambda: "(paused)" in text_of(body), what="shown paused")
             await pilot.press("O")
             options = await wait_for(
@@ -281,14 +283,14 @@ def test_the_alerts_panel_shows_the_autopilot_and_O_arms_it(store):
             await wait_for(
                 pilot, lambda: not app.screen.query("#autopilot-options"), what="dismissed"
             )
-            assert store.governance.autopilot_control("pilots")["paused"]  # escape sends nothing
+            assert store.governance.control("autopilot", "pilots")["paused"]  # escape sends nothing
 
     asyncio.run(scenario())
 
 
 def test_readonly_shows_the_autopilot_and_refuses_O(store):
-    store.governance.set_autopilot_control("pilots", status=status(T0), t_ms=T0)
-    before = store.governance.autopilot_control("pilots")
+    store.governance.set_control("autopilot", "pilots", status=status(T0), t_ms=T0)
+    before = store.governance.control("autopilot", "pilots")
 
     async def scenario():
         app = live_app(store, Clock(T0), readonly=True)
@@ -306,7 +308,7 @@ def test_readonly_shows_the_autopilot_and_refuses_O(store):
             assert app.check_action("autopilot", ()) is None  # greyed in the footer, not hidden
 
     asyncio.run(scenario())
-    assert store.governance.autopilot_control("pilots") == before
+    assert store.governance.control("autopilot", "pilots") == before
 
 
 def test_a_live_view_without_a_store_has_no_autopilot_to_steer():
@@ -334,13 +336,13 @@ def test_a_replay_shows_no_autopilot_and_refuses_O(tmp_path):
     db = tmp_path / "rec.db"
     shutil.copy(FIXTURE, db)
     with Store.open(str(db)) as s:  # a row in the recording: still not history, not shown
-        s.governance.set_autopilot_control("fixture", state="armed", status=status(T0), t_ms=T0)
+        s.governance.set_control("autopilot", "fixture", state="armed", status=status(T0), t_ms=T0)
 
     async def scenario():
         app = build_app(None, replay=str(db))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.snapshot is not None, what="the first snapshot")
-            assert await app.source.autopilot() is None
+            assert await app.source.control("autopilot") is None
             await pilot.press("6")
             await wait_for(
                 pilot,
@@ -428,7 +430,7 @@ def test_the_demos_first_screen_shows_the_autopilot_its_promise_and_the_tenants(
                 assert "twin-1  [armed] running " in shown and "twin-0  [dry-run] chooses " in shown
                 assert "a decision every 10 s (replica clock)" in shown
                 assert re.search(r"tenants: SCR \d\S* · JFI \d", shown), shown
-                promise = store.governance.autopilot_control("demo")["status"].get("promise")
+                promise = store.governance.control("autopilot", "demo")["status"].get("promise")
                 if promise:  # the autopilot's report says which promise holds: the strip shows it
                     assert f"keeps: {promise}" in shown
                 # The sarathi replica is never sent anything: the autopilot is dry-run there.

@@ -934,10 +934,10 @@ def test_the_operator_pauses_the_governor_from_the_alerts_panel(twins, tmp_path)
             await pilot.press("enter")  # the first choice: pause
             await wait_for(
                 pilot,
-                lambda: store.governance.governor_control("twins")["paused"],
+                lambda: store.governance.control("governor", "twins")["paused"],
                 what="paused in the store",
             )
-            assert store.governance.governor_control("twins")["who"].startswith("tui:")
+            assert store.governance.control("governor", "twins")["who"].startswith("tui:")
             await wait_for(pilot, lambda: "(paused)" in text_of(line), what="shown paused")
 
     try:

@@ -1,7 +1,7 @@
 """``python -m tui``: the same command as ``tailpilot tui`` (one definition of its options).
 
 python -m tui --cluster clusters.yaml [--cluster-name NAME] [--db URL] [--readonly]
-python -m tui --replay recording.db [--cluster-name NAME] [--cluster clusters.yaml (for its SLOs)]
+python -m tui --replay --db recording.db [--cluster-name NAME] [--cluster FILE (for its SLOs)]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tui import autopilot_render as AR
 
 @dataclass(frozen=True)
 class AutopilotData:
-    """The autopilot's control row (``GovernanceRepository.autopilot_control``'s; None: none here)
+    """The autopilot's control row (``GovernanceRepository.control("autopilot")``; None: none)
     as of ``now_ms``."""
 
     control: Mapping[str, Any] | None

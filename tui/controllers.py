@@ -17,10 +17,11 @@ from textual import work
 from textual.widgets import Static
 
 from controlplane.snapshot import ClusterSnapshot
+from storage.control import ControllerName
 from tui.alerts_panel import AlertsData, AlertsPanel
 from tui.autopilot_render import controls_brief
 from tui.dialogs import AutopilotScreen, GovernorScreen
-from tui.sources import DataSource
+from tui.sources import DataSource, LiveSource
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ else:
     _AppBase = object
 
 # The controllers steered through a control row in the store, and where one exists.
-STEERED = {
+STEERED: dict[ControllerName, str] = {
     "governor": "a cluster with a governance block, live with --db",
     "autopilot": (
         "it is steered through the store (live with --db); it runs in tailpilot record --autopilot"
@@ -58,7 +59,7 @@ class ControllerActions(_AppBase):
         controls: dict[str, dict[str, Any] | None] = {}
         for what in STEERED:
             try:
-                controls[what] = await getattr(self.source, what)()
+                controls[what] = await self.source.control(what)
             except Exception as err:
                 log.warning("%s state unavailable: %s", what, err)
                 controls[what] = None
@@ -119,11 +120,11 @@ class ControllerActions(_AppBase):
             "autopilot", lambda control: AutopilotScreen(control, self._now_ms())
         )
 
-    async def _open_steering(self, what: str, screen: Any) -> None:
+    async def _open_steering(self, what: ControllerName, screen: Any) -> None:
         """G / O: the controller's control row in a dialog; the operator's pick goes to the
         store."""
         try:
-            control = await getattr(self.source, what)()
+            control = await self.source.control(what)
         except Exception as err:
             self.notify(f"{what} state unavailable: {err}", severity="error")
             return
@@ -137,8 +138,10 @@ class ControllerActions(_AppBase):
 
         self.push_screen(screen(control), picked)
 
-    async def _steer(self, what: str, choice: str) -> None:
-        row = await getattr(self.source, f"steer_{what}")(choice, self.who)
+    async def _steer(self, what: ControllerName, choice: str) -> None:
+        # Only a live source has a control row to steer (_open_steering found one).
+        assert isinstance(self.source, LiveSource), "a replay has no control row"
+        row = await self.source.steer(what, choice, self.who)
         self.notify(f"{what}: {choice} ({row['state']}{', paused' if row['paused'] else ''})")
         self.reload_alerts()
         self.reload_controls()

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
+from storage.control import ControllerName
 from storage.rows import GroupSampleRow, SampleRow
 from tui.sources import (
     DEFAULT_HISTORY_S,
@@ -291,11 +292,10 @@ class ReplaySource:
             limit=limit,
         )
 
-    async def governor(self) -> dict[str, Any] | None:
-        return None  # its control row is not history: the audit panel shows what it did
-
-    async def autopilot(self) -> dict[str, Any] | None:
-        return None  # likewise: its decisions are in the audit log (who = autopilot)
+    async def control(self, controller: ControllerName) -> dict[str, Any] | None:
+        # A control row is not history: the audit panel shows what the controller did (who =
+        # governor, autopilot).
+        return None
 
     def governance_at(self, t_ms: int) -> dict[str, Any] | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing

@@ -32,15 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector
-from controlplane.governor import CONTROL_ACTIONS as GOVERNOR_ACTIONS
 from controlplane.poller import PollResult
 from controlplane.snapshot import ClusterSnapshot
 from controlplane.steering import ApplyResult, apply_settings
 from scheduler.errors import TailpilotError
 from scheduler.settings import Settings
+from storage.control import CONTROL_ACTIONS, ControllerName
 from storage.rows import SampleRow
 from storage.strict_json import finite
-from tuner.autopilot_live import CONTROL_ACTIONS as AUTOPILOT_ACTIONS
 from tuner.whatif import WhatIfError, predict, verify
 
 if TYPE_CHECKING:  # annotations only: the app passes the store it opened
@@ -99,12 +98,9 @@ class DataSource(Protocol):
         """Governance alert transitions, newest first (replay: up to the position)."""
         ...
 
-    async def governor(self) -> dict[str, Any] | None:
-        """The governor's control row (live with a store and a governed cluster), else None."""
-        ...
-
-    async def autopilot(self) -> dict[str, Any] | None:
-        """The autopilot's control row (live with a store), else None."""
+    async def control(self, controller: ControllerName) -> dict[str, Any] | None:
+        """``controller``'s control row (live with a store — the governor's also needs a governed
+        cluster), else None."""
         ...
 
     def status(self) -> str:
@@ -297,37 +293,24 @@ class LiveSource:
             self.store.governance.alert_events, self.cluster_name, limit=limit
         )
 
-    async def governor(self) -> dict[str, Any] | None:
-        if self.store is None or self.cluster.governance is None:
+    async def control(self, controller: ControllerName) -> dict[str, Any] | None:
+        if self.store is None or (controller == "governor" and self.cluster.governance is None):
             return None
-        return await asyncio.to_thread(self.store.governance.governor_control, self.cluster_name)
+        return await asyncio.to_thread(self.store.governance.control, controller, self.cluster_name)
 
-    async def steer_governor(self, choice: str, who: str | None = None) -> dict[str, Any]:
-        """pause | resume | arm | dry-run | disarm the cluster's governor (its control row)."""
+    async def steer(
+        self, controller: ControllerName, choice: str, who: str | None = None
+    ) -> dict[str, Any]:
+        """pause | resume | arm | dry-run | disarm ``controller`` (its control row, read by the
+        controller in ``tailpilot record`` at its next tick)."""
         store = self.store
-        assert store is not None, "the governor is steered through the store (live with --db)"
+        assert store is not None, f"the {controller} is steered through the store (live with --db)"
         return await asyncio.to_thread(
-            store.governance.set_governor_control,
+            store.governance.set_control,
+            controller,
             self.cluster_name,
             who=who or self.who,
-            **GOVERNOR_ACTIONS[choice],
-        )
-
-    async def autopilot(self) -> dict[str, Any] | None:
-        if self.store is None:
-            return None
-        return await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster_name)
-
-    async def steer_autopilot(self, choice: str, who: str | None = None) -> dict[str, Any]:
-        """pause | resume | arm | dry-run | disarm the cluster's autopilot (its control row, read by
-        ``tailpilot record --autopilot`` at its next tick)."""
-        store = self.store
-        assert store is not None, "the autopilot is steered through the store (live with --db)"
-        return await asyncio.to_thread(
-            store.governance.set_autopilot_control,
-            self.cluster_name,
-            who=who or self.who,
-            **AUTOPILOT_ACTIONS[choice],
+            **CONTROL_ACTIONS[choice],
         )
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:

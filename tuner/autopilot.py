@@ -571,8 +571,9 @@ class Autopilot:
         return ""
 
     def _stress_breaks(self, name: str) -> tuple[str, ...]:
-        """What ``name`` breaks of the promise against the reference when the last ``stress_s``
-        of traffic comes again (``stress_s``); empty when it holds or no test is configured."""
+        """What ``name`` breaks of the promise against the reference when the arrivals of the last
+        ``stress_recent_s`` go on for ``stress_s`` more; empty when it holds or no test is
+        configured."""
         if self.config.stress_s <= 0 or self._context is None or name == self.reference:
             return ()
         clock, ids, arrivals = self._context
@@ -748,8 +749,9 @@ class Autopilot:
             return (
                 self.current,
                 False,
-                f"{target} would hold back too much if the last {cfg.stress_s:.0f} s of traffic "
-                f"came again ({', '.join(stressed)}): {self.current} kept",
+                f"{target} would hold back too much if the last {cfg.stress_recent_s:.0f} s of "
+                f"arrivals went on for {cfg.stress_s:.0f} s ({', '.join(stressed)}): "
+                f"{self.current} kept",
             )
         if down and self._better(best, current, cfg.down_margin) and not overload:
             return (

@@ -7,7 +7,7 @@ length, the client's cap, tokens generated so far — never an output length) an
 ``tick_s`` each replica's controller is shown what came since the last tick; when it decides to
 switch, the live driver carries the decision out.
 
-States (the store's ``autopilot_control`` row, steered by ``tailpilot autopilot`` and the TUI's O):
+States (the store's autopilot control row, steered by ``tailpilot autopilot`` and the TUI's O):
 
 * ``dry-run`` (the default): decisions are only written to the audit log (result ``dry-run``);
 * ``armed``: a decision goes through the same path as an operator's change
@@ -82,14 +82,6 @@ STEERED_POLICIES = ("uniboost", "sarathi")
 # Slack on the replica's clock: an arrival this far after it is refused; a clock this far behind
 # the last one seen has stepped back.
 FUTURE_SLACK_S = 5.0
-# What the operator's commands change in the control row (``tailpilot autopilot``, the TUI's O).
-CONTROL_ACTIONS: dict[str, dict[str, Any]] = {
-    "pause": {"paused": True},
-    "resume": {"paused": False},
-    "arm": {"state": "armed"},
-    "dry-run": {"state": "dry-run"},
-    "disarm": {"state": "disarmed"},
-}
 # The cap of a request whose client set none (a replica that did not report it).
 DEFAULT_MAX_TOKENS = 4_096
 
@@ -234,7 +226,7 @@ class LiveAutopilot:
     # --- one tick ---------------------------------------------------------------------------
     async def step(self, client: PollingClient) -> dict[str, Any]:
         """Read the control rows, observe every replica, carry decisions out; store the status."""
-        ctl = await asyncio.to_thread(self.store.governance.autopilot_control, self.cluster.name)
+        ctl = await asyncio.to_thread(self.store.governance.control, "autopilot", self.cluster.name)
         self.state = ctl["state"]
         for name in list(self.leases.until):
             if not self.armed_on(name) or ctl.get("paused"):
@@ -252,14 +244,14 @@ class LiveAutopilot:
                     self.notes[spec.name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         status = self.status()
         await asyncio.to_thread(
-            self.store.governance.set_autopilot_control, self.cluster.name, status=status
+            self.store.governance.set_control, "autopilot", self.cluster.name, status=status
         )
         return status
 
     async def _held(self, ctl: dict[str, Any]) -> str | None:
         if ctl["paused"]:
             return f"paused by {ctl.get('who') or 'an operator'}"
-        gov = await asyncio.to_thread(self.store.governance.governor_control, self.cluster.name)
+        gov = await asyncio.to_thread(self.store.governance.control, "governor", self.cluster.name)
         applied, _ = modes(gov.get("status"))
         if applied:
             return (
