@@ -19,7 +19,7 @@ to sarathi on the same requests:
    the production settings = sarathi) on the requests arriving in the first half of the trace,
    then ``tailpilot recommend``; the recommended settings replay the whole trace (warm) and are
    scored on the requests arriving in the second half only;
-5. ``autopilot``: ``tuner.autopilot_replay.replay_with_autopilot`` — omitted, with a note, when that
+5. ``autopilot``: ``tuner.autopilot.replay.replay_with_autopilot`` — omitted, with a note, when that
    module does not import. Its decisions' ``cpu_s`` give the controller's CPU seconds per decision
    and per hour of traffic.
 
@@ -78,10 +78,10 @@ from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
 from storage.strict_json import finite  # noqa: E402
-from tuner.optimize import tune  # noqa: E402
-from tuner.optuna_storage import open_storage, storage_url  # noqa: E402
-from tuner.recommend import recommend  # noqa: E402
-from tuner.spec import StudySpec, TuneError  # noqa: E402
+from tuner.studies.optimize import tune  # noqa: E402
+from tuner.studies.optuna_storage import open_storage, storage_url  # noqa: E402
+from tuner.studies.recommend import recommend  # noqa: E402
+from tuner.studies.spec import StudySpec, TuneError  # noqa: E402
 
 WORKLOADS = (*SEED_WORKLOADS, *NEW_WORKLOADS, *FROZEN_WORKLOADS)
 DEFAULT_TRACES = REPO / "traces"
@@ -169,9 +169,9 @@ def run_job(job: Job) -> JobResult:
     trace, t_half = job.trace, half_time(job.trace)
     extra: dict[str, Any] = {}
     if job.column == "autopilot":
-        # Optional: the column is omitted when tuner.autopilot does not import
+        # Optional: the column is omitted when tuner.autopilot.controller does not import
         # (autopilot_available).
-        from tuner.autopilot_replay import replay_with_autopilot
+        from tuner.autopilot.replay import replay_with_autopilot
 
         cpu0 = time.process_time()
         try:
@@ -221,8 +221,8 @@ def run_job(job: Job) -> JobResult:
 def autopilot_config(workload: str) -> Any:
     """The autopilot's configuration for a workload: the defaults, with the workload's declared
     SLOs as the promise where it declares them."""
-    from tuner.autopilot import AutopilotConfig
-    from tuner.promise import Promise
+    from tuner.autopilot.controller import AutopilotConfig
+    from tuner.autopilot.promise import Promise
 
     slo = slos_of(workload)
     return AutopilotConfig() if slo is None else AutopilotConfig(promise=Promise(slo=slo))
@@ -235,7 +235,7 @@ def fixed(gamma: float) -> dict[str, Any]:
 def other_knobs() -> dict[str, dict[str, Any]]:
     """The autopilot's candidates beyond the γ grid, sarathi and the defaults (TIE at a fixed
     β, MemGuard's other quantization bases): fixed settings of the hindsight column too."""
-    from tuner.autopilot import AutopilotConfig, candidates
+    from tuner.autopilot.controller import AutopilotConfig, candidates
 
     options = candidates(Settings.model_validate({"policy": "uniboost"}), AutopilotConfig())
     return {
@@ -478,15 +478,15 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 
 def autopilot_available() -> str | None:
-    """None when ``tuner.autopilot_replay.replay_with_autopilot`` imports.
+    """None when ``tuner.autopilot.replay.replay_with_autopilot`` imports.
 
     Else why the column is omitted.
     """
     try:
         # The probe itself: whether the optional column's module imports (the name is unused).
-        from tuner.autopilot_replay import replay_with_autopilot  # noqa: F401
+        from tuner.autopilot.replay import replay_with_autopilot  # noqa: F401
     except ImportError as err:
-        return f"autopilot column omitted: tuner.autopilot does not import ({err})"
+        return f"autopilot column omitted: tuner.autopilot.controller does not import ({err})"
     return None
 
 

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 from benchmarks import autopilot as bench  # noqa: E402
 from benchmarks import autopilot_scoring as scoring  # noqa: E402
 from benchmarks.autopilot_workloads import slos_of  # noqa: E402
-from tuner.autopilot_replay import replay_with_autopilot  # noqa: E402
+from tuner.autopilot.replay import replay_with_autopilot  # noqa: E402
 
 
 def fixed_columns(

@@ -38,9 +38,9 @@ from controlplane.replica_http import PollingClient  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim.traces import load_bundled  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tuner.autopilot import AutopilotConfig  # noqa: E402
-from tuner.autopilot_live import LiveAutopilot, LiveConfig  # noqa: E402
-from tuner.twin import ManualClock, drive_on_manual_clock, start_twins  # noqa: E402
+from tuner.autopilot.controller import AutopilotConfig  # noqa: E402
+from tuner.autopilot.live import LiveAutopilot, LiveConfig  # noqa: E402
+from tuner.twins.replica import ManualClock, drive_on_manual_clock, start_twins  # noqa: E402
 
 TOKEN = "pools-benchmark"
 

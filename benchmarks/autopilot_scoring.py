@@ -14,18 +14,11 @@ from scheduler.metrics import summarize
 from scheduler.metrics.fairness import Terms, report
 from scheduler.settings import SloFqParams
 from sim import traces
-from tuner.promise import QUANTILE_NAMES, Figures, Promise, breaks
+from tuner.autopilot.promise import QUANTILE_NAMES, Figures, Promise, breaks
+from tuner.closed_loop.whatif import LABELS  # the quantiles' names as an operator reads them
 
-# The promise's quantiles (tuner.promise) and throughput: every one is scored and guarded.
+# The promise's quantiles (tuner.autopilot.promise) and throughput: every one is scored and guarded.
 METRICS = (*QUANTILE_NAMES, "throughput_tok_s")
-LABELS = {
-    "ttft_p50": "P50 TTFT",
-    "ttft_p95": "P95 TTFT",
-    "ttft_p99": "P99 TTFT",
-    "ttlt_p50": "P50 TTLT",
-    "ttlt_p99": "P99 TTLT",
-    "throughput_tok_s": "throughput",
-}
 SCOPES = ("all", "second")
 PROMISE = Promise()  # no SLO declared: every quantile within 2% of sarathi's
 TTLT_SLACK = 1.0 + PROMISE.slack  # each quantile at most this times sarathi's
@@ -101,7 +94,7 @@ def median_gamma(timeline: list[tuple[float, float]], end: float) -> float:
 
 def keeps_promise(m: dict[str, float], sarathi: dict[str, float]) -> bool:
     """Every quantile ≤ 1.02× sarathi's and throughput ≥ 0.99× (the promise, no SLO declared):
-    the autopilot's own judge (``tuner.promise.breaks``) on whole-run figures."""
+    the autopilot's own judge (``tuner.autopilot.promise.breaks``) on whole-run figures."""
     return not breaks(PROMISE, Figures.of(m), Figures.of(sarathi))
 
 

@@ -29,7 +29,7 @@ from benchmarks.autopilot_workloads import Sources, tenant_slos  # noqa: E402
 from scheduler.metrics.fairness import Terms, report  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
-from tuner.autopilot_replay import replay_with_autopilot  # noqa: E402
+from tuner.autopilot.replay import replay_with_autopilot  # noqa: E402
 
 
 def tenants_report(completions: list) -> dict:

@@ -59,10 +59,10 @@ from sim import traces  # noqa: E402
 from sim.stepmodel import save_user_model  # noqa: E402
 from storage.retention import RetentionSettings  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tuner.calibrate import CalibrationResult, calibrate_steps  # noqa: E402
-from tuner.fidelity import fidelity  # noqa: E402
-from tuner.replica_facts import fetch_engine_facts, fetch_step_log  # noqa: E402
-from tuner.whatif import predict  # noqa: E402
+from tuner.closed_loop.calibrate import CalibrationResult, calibrate_steps  # noqa: E402
+from tuner.closed_loop.fidelity import fidelity  # noqa: E402
+from tuner.closed_loop.replica_facts import fetch_engine_facts, fetch_step_log  # noqa: E402
+from tuner.closed_loop.whatif import predict  # noqa: E402
 
 TOKEN = "fidelity-bench-token"
 CLUSTER, REPLICA = "bench", "cpu-0"

@@ -37,13 +37,13 @@ from pathlib import Path
 
 from scheduler.metrics import percent_change
 from scheduler.settings import Settings
-from tuner.continuous import continuous_metrics
-from tuner.optimize import tune
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.recommend import jsonable, paired_improvement, recommend
-from tuner.spec import StudySpec
-from tuner.study import load_context
-from tuner.windows import build_traces, build_windows, nanmean, window_metrics
+from tuner.studies.continuous import continuous_metrics
+from tuner.studies.optimize import tune
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.recommend import jsonable, paired_improvement, recommend
+from tuner.studies.spec import StudySpec
+from tuner.studies.study import load_context
+from tuner.studies.windows import build_traces, build_windows, nanmean, window_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"

@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import tuner.study as study_mod
-from tuner.optimize import run_worker
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.spec import StudySpec
-from tuner.study import prepare
+import tuner.studies.study as study_mod
+from tuner.studies.optimize import run_worker
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.spec import StudySpec
+from tuner.studies.study import prepare
 
 
 def main() -> None:

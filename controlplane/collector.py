@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.cluster import ClusterSpec
-from controlplane.governance import AlertEvaluator
+from controlplane.governance import AlertEvaluator, GovernanceReport
 from controlplane.poller import PollResult, ReplicaView, poll_view, poll_views, reserved_groups
 from controlplane.replica_http import PollingClient, make_client
 from controlplane.snapshot import ClusterSnapshot
@@ -134,7 +134,7 @@ class Collector:
         self._gov_params = gov.params() if gov is not None else None
         self._gov_stored: float | None = None
         self._waiting_since: dict[str, tuple[float, int]] = {}  # tenant -> (since, waiting then)
-        self.governance: dict[str, Any] | None = None
+        self.governance: GovernanceReport | None = None
         # The governor's last status (state, paused, active modes), when one runs on this
         # collector (controlplane.governor.governor_step sets it; the /metrics page reads it).
         self.governor_status: dict[str, Any] | None = None
@@ -148,7 +148,7 @@ class Collector:
             governance=self.governance,
         )
 
-    def govern(self, *, immediate: bool = False) -> dict[str, Any] | None:
+    def govern(self, *, immediate: bool = False) -> GovernanceReport | None:
         """The cluster's governance figures over the replicas' windows now; alert transitions and
         (once per ``window_s``) the figures are queued for the store. ``immediate``: judge the
         alerts on these figures alone, without their for/keep-firing holds (a one-shot poll)."""
@@ -172,7 +172,7 @@ class Collector:
         for v in self.views.values():
             for kind, n in ((v.state or {}).get("waiting_by_type") or {}).items():
                 asked[kind] = asked.get(kind, 0.0) + float(n)
-        figures = governance_report(
+        report = governance_report(
             *columns,
             self._gov_params,
             duration_s=self.cluster.window_s,
@@ -180,11 +180,14 @@ class Collector:
             waiting=waiting,
             governed=set(declared) if declared else None,
         )
-        events = self._alerts.evaluate(figures, None if immediate else t)
-        figures["alerts"] = dict(self._alerts.active)
-        figures["alerts_pending"] = self._alerts.pending()
-        figures["alert_values"] = dict(self._alerts.value)
-        figures["t_ms"] = t_ms
+        events = self._alerts.evaluate(report, None if immediate else t)
+        figures: GovernanceReport = {
+            **report,
+            "alerts": dict(self._alerts.active),
+            "alerts_pending": self._alerts.pending(),
+            "alert_values": dict(self._alerts.value),
+            "t_ms": t_ms,
+        }
         self.governance = figures
         if self.store is not None:
             self._writer.pending.alerts += [AlertRow(t_ms=t_ms, **e) for e in events]

@@ -62,7 +62,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.collector import Collector
-from controlplane.governance import GovernanceSpec
+from controlplane.governance import GovernanceReport, GovernanceSpec
 from controlplane.governor import MODES, modes
 from controlplane.poller import PollResult, ReplicaView
 from controlplane.series import ALERT_SEVERITIES, MAX_TENANTS, MAX_TYPES, SERIES
@@ -288,7 +288,7 @@ class ClusterMetrics:
         cls,
         out: _Families,
         cluster: str,
-        g: dict[str, Any],
+        g: GovernanceReport,
         spec: GovernanceSpec | None,
         shown: set[str],
         types: set[str],
@@ -329,20 +329,20 @@ class ClusterMetrics:
                 out.add(series, t, f.get(k))
             if "starved" in f:
                 out.add("tailpilot_tenant_starved", t, 1.0 if f["starved"] else 0.0)
-        for kind, f in sorted(g.get("types", {}).items()):
+        for kind, kf in sorted(g.get("types", {}).items()):
             if kind not in types:
                 continue
             t = (cluster, kind)
-            out.add("tailpilot_type_share_ratio", t, f.get("share"))
-            out.add("tailpilot_type_minimum_share_ratio", t, f.get("minimum"))
-            out.add("tailpilot_type_fairness_ratio", t, f.get("ratio"))
+            out.add("tailpilot_type_share_ratio", t, kf.get("share"))
+            out.add("tailpilot_type_minimum_share_ratio", t, kf.get("minimum"))
+            out.add("tailpilot_type_fairness_ratio", t, kf.get("ratio"))
         for alert, value in sorted((g.get("alert_values") or {}).items()):
             out.add("tailpilot_alert_value", (cluster, alert), value)
         cls._alert_states(out, cluster, g, spec)
 
     @staticmethod
     def _alert_states(
-        out: _Families, cluster: str, g: dict[str, Any], spec: GovernanceSpec | None
+        out: _Families, cluster: str, g: GovernanceReport, spec: GovernanceSpec | None
     ) -> None:
         """The collector's alerts (its state, not a figure: shown whether or not a replica is
         up)."""
@@ -400,8 +400,12 @@ def labelled_groups(collector: Collector, kind: str, limit: int) -> tuple[set[st
         for g in view.groups:
             if g.kind == kind:
                 counts[g.group] = counts.get(g.group, 0.0) + g.completed
-    for group, f in ((collector.governance or {}).get(f"{kind}s") or {}).items():
-        counts.setdefault(group, float(f.get("requests") or 0))
+    report = collector.governance
+    if report is not None:  # the window's groups too (a type's figures count no requests)
+        for group, f in report["tenants"].items() if kind == "tenant" else ():
+            counts.setdefault(group, float(f.get("requests") or 0))
+        for group in report["types"] if kind == "type" else ():
+            counts.setdefault(group, 0.0)
     spec = collector.cluster.governance
     listed = (spec.tenants if kind == "tenant" else spec.type_shares) if spec is not None else {}
     named = [t for t in listed if t in counts]

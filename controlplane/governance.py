@@ -12,9 +12,28 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from scheduler.metrics.fairness import FairnessReport
 from scheduler.settings import DEFAULT_TENANT_SLO, Name, SloFqParams, TenantSlo, check_shares
 
-__all__ = ["ALERT_NAMES", "AlertEvaluator", "AlertThresholds", "GovernanceSpec", "GovernorSpec"]
+__all__ = [
+    "ALERT_NAMES",
+    "AlertEvaluator",
+    "AlertThresholds",
+    "GovernanceReport",
+    "GovernanceSpec",
+    "GovernorSpec",
+]
+
+
+class GovernanceReport(FairnessReport):
+    """The cluster's governance figures as the collector publishes them (``Collector.governance``,
+    the TUI's snapshot, the store's governance windows, the governor's input): the window's
+    :class:`~scheduler.metrics.fairness.FairnessReport` and the alerts they raise."""
+
+    alerts: dict[str, str]  # alert -> severity firing
+    alerts_pending: dict[str, str]  # alert -> severity, its condition not yet held for for_s
+    alert_values: dict[str, float]  # alert -> the figure it was last judged on
+    t_ms: int
 
 
 class AlertThresholds(BaseModel):

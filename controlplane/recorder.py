@@ -112,7 +112,7 @@ async def record(
     ("armed" | "dry-run"; "" keeps the stored state). ``metrics``: (host, port) to serve the
     ``tailpilot_*`` Prometheus page on (controlplane.exporter; port 0 picks one). ``tasks``: more
     controllers run beside the collector until ``stop`` (each called with the collector, the
-    store and ``stop``; the autopilot: ``tuner.autopilot_live.run_autopilot``)."""
+    store and ``stop``; the autopilot: ``tuner.autopilot.live.run_autopilot``)."""
     stats = RecorderStats(cluster=cluster.name, db=db_label, started_ms=int(time.time() * 1000))
     collector = collector or Collector(
         cluster, store, flush_interval_s=flush_interval_s, metrics_every=metrics_every

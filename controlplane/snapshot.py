@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane.governance import GovernanceReport
 from storage.rows import GroupSampleRow, SampleRow
 
 
@@ -55,6 +56,5 @@ class ClusterSnapshot:
     cluster: str
     t_ms: int
     replicas: dict[str, ReplicaSnapshot]
-    # The newest governance report (controlplane.governance.report, with "alerts": firing alert
-    # -> severity), or None when the cluster is not governed.
-    governance: dict[str, Any] | None = None
+    # The newest governance report (with its alerts), or None when the cluster is not governed.
+    governance: GovernanceReport | None = None

@@ -12,6 +12,7 @@ Latency percentiles are in seconds, ``None`` when the window held no request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -138,10 +139,11 @@ class SettingsChangeRow:
 
 @dataclass(slots=True)
 class GovernanceRow:
-    """A cluster's multi-tenant figures over one window (``controlplane.governance.report``)."""
+    """A cluster's multi-tenant figures over one window (``controlplane.governance``'s
+    ``GovernanceReport``, kept as JSON)."""
 
     t_ms: int
-    summary: dict[str, Any]
+    summary: Mapping[str, Any]
 
 
 @dataclass(slots=True)

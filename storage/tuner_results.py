@@ -3,7 +3,7 @@
 A study's recommended settings (with the summary that justifies them), how closely the simulator
 replayed a replica's recorded span (``tailpilot fidelity``), and the what-if prediction kept with
 each settings change it was made for, so it can later be set against what happened
-(``tuner.whatif``).
+(``tuner.closed_loop.whatif``).
 """
 
 from __future__ import annotations

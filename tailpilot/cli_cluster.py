@@ -7,9 +7,10 @@
     tailpilot tui --cluster clusters.yaml [--db tailpilot.db] [--readonly]
 
 Everything here is a thin layer over the library (``controlplane.collector``,
-``controlplane.steering``, ``tuner.whatif``, ``storage``), so what the CLI prints is reachable from
-Python too. Exit status: 0 on success, 1 when a replica refused or could not be reached or a
-command did not do what was asked (``set --preview`` not confirmed), 2 for bad input (click's usage
+``controlplane.steering``, ``tuner.closed_loop.whatif``, ``storage``), so what the CLI prints is
+reachable from Python too. Exit status: 0 on success, 1 when a replica refused or could not be
+reached or a command did not do what was asked (``set --preview`` not confirmed), 2 for bad input
+(click's usage
 errors: an unknown cluster, replica or database file, a value out of range). What every command
 that names a cluster or a database shares: :func:`load_cluster`, :func:`open_store`.
 """
@@ -362,8 +363,11 @@ def _preview(
     from controlplane.replica_http import MAX_STATE_BYTES, control_base  # start-up cost
     from scheduler.contract import SettingsAnswer, read  # start-up cost
     from storage.strict_json import finite  # start-up cost
-    from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts  # start-up cost
-    from tuner.whatif import WhatIfError, format_prediction, predict  # start-up cost
+    from tuner.closed_loop.replica_facts import (  # start-up cost
+        ReplicaUnreachable,
+        fetch_engine_facts,
+    )
+    from tuner.closed_loop.whatif import WhatIfError, format_prediction, predict  # start-up cost
 
     out = {}
     for name in names:
@@ -426,8 +430,8 @@ def verify(
     window has passed, the traffic that came after the change is replayed under the old settings
     (the counterfactual) and the replica's real figures are compared with it."""
     from storage.strict_json import finite  # start-up cost
-    from tuner.whatif import format_verification  # start-up cost
-    from tuner.whatif import verify as run_verify  # start-up cost
+    from tuner.closed_loop.whatif import format_verification  # start-up cost
+    from tuner.closed_loop.whatif import verify as run_verify  # start-up cost
 
     cluster = load_cluster(cluster_file, cluster_name)
     check_replicas(cluster, replicas)

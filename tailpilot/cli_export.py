@@ -12,8 +12,9 @@
         [--name calibrated/a100]
     tailpilot calibrate --url http://10.0.0.7:8765 --name calibrated/a100-0
 
-Thin layers over ``controlplane.export`` and ``tuner.calibrate``. Exit status: 0 on success, 1 when
-a replica cannot be reached or the step log cannot be fitted, 2 for bad input (click's usage
+Thin layers over ``controlplane.export`` and ``tuner.closed_loop.calibrate``. Exit status: 0 on
+success, 1 when a replica cannot be reached or the step log cannot be fitted, 2 for bad input
+(click's usage
 errors: an invalid settings file, an unknown study or replica, conflicting options).
 """
 
@@ -258,8 +259,8 @@ def _settings_to_export(
         if settings_file:
             return load_settings_file(settings_file), f"file {Path(settings_file).name}"
         assert study_name is not None  # exactly one of the two was given
-        from tuner.optuna_storage import TuneError  # start-up cost (optuna)
-        from tuner.study import check_study_name  # start-up cost (optuna)
+        from tuner.studies.optuna_storage import TuneError  # start-up cost (optuna)
+        from tuner.studies.study import check_study_name  # start-up cost (optuna)
 
         try:
             check_study_name(study_name)
@@ -292,8 +293,8 @@ def _missing_study(study: str, storage: str | None) -> str | None:
     """Why ``study`` is not in the Optuna storage (the studies there, how to create it), None
     when it is there or the storage cannot say. Only a storage in a local file is looked at: a
     database server is never contacted by export (it may be unreachable from here)."""
-    from tuner.optuna_storage import JOURNAL_PREFIX, TuneError, storage_url  # start-up cost
-    from tuner.study import missing_study_message  # start-up cost (optuna)
+    from tuner.studies.optuna_storage import JOURNAL_PREFIX, TuneError, storage_url  # start-up cost
+    from tuner.studies.study import missing_study_message  # start-up cost (optuna)
 
     try:
         url = storage_url(storage)
@@ -456,8 +457,8 @@ def calibrate(
     (also on held-out steps) and save them as a named coefficient set for the simulator and the
     tuner (--step-model NAME)."""
     from sim.stepmodel import save_user_model  # start-up cost
-    from tuner.calibrate import calibrate_steps, format_report  # start-up cost
-    from tuner.replica_facts import (
+    from tuner.closed_loop.calibrate import calibrate_steps, format_report  # start-up cost
+    from tuner.closed_loop.replica_facts import (
         CalibrationError,
         ReplicaUnreachable,
         fetch_engine_facts,
@@ -536,7 +537,10 @@ def _control_api(
     url: str | None, db: str | None, replica: str | None, cluster_name: str | None
 ) -> tuple[str, str]:
     """(the control API to read, how the report names it): --url, or the replica's in --db."""
-    from tuner.replica_facts import CalibrationError, replica_control_url  # start-up cost
+    from tuner.closed_loop.replica_facts import (  # start-up cost
+        CalibrationError,
+        replica_control_url,
+    )
 
     if url:
         return url, url

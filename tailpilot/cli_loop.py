@@ -2,8 +2,8 @@
 
     tailpilot fidelity --replica a100-0 --recording peak [--from S --to S] [--window-s 60] [--json]
 
-A thin layer over ``tuner.fidelity``. Exit status: 0 with a report, 2 on a usage error (no such
-replica, recording or settings record).
+A thin layer over ``tuner.closed_loop.fidelity``. Exit status: 0 with a report, 2 on a usage error
+(no such replica, recording or settings record).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def fidelity(
     compare with what it really did: per window sim vs real P50/P99 TTFT and TTLT, throughput and
     preemptions with their errors; how differently the two ordered the same requests; the windows
     where they diverge most; and the error band to expect from the simulator on this replica."""
-    from tuner.fidelity import FidelityError, format_report  # start-up cost
-    from tuner.fidelity import fidelity as run_fidelity  # start-up cost
-    from tuner.replica_facts import (
+    from tuner.closed_loop.fidelity import FidelityError, format_report  # start-up cost
+    from tuner.closed_loop.fidelity import fidelity as run_fidelity  # start-up cost
+    from tuner.closed_loop.replica_facts import (
         CalibrationError,
         ReplicaUnreachable,
         fetch_engine_facts,

@@ -218,7 +218,7 @@ def _check_port(host: str, port: int) -> None:
 def autopilot_task(config_file: str | None, state: str) -> Task:
     """The recorder task that runs the autopilot, its control row set to ``state`` first; a bad
     config file is a usage error naming the field before anything starts."""
-    from tuner.autopilot import AutopilotConfig  # start-up cost
+    from tuner.autopilot.controller import AutopilotConfig  # start-up cost
 
     config = None
     if config_file:
@@ -240,7 +240,7 @@ def autopilot_task(config_file: str | None, state: str) -> Task:
             ) from None
 
     async def task(collector: Collector, store: Store, stop: asyncio.Event) -> None:
-        from tuner.autopilot_live import run_autopilot  # start-up cost
+        from tuner.autopilot.live import run_autopilot  # start-up cost
 
         await asyncio.to_thread(
             store.governance.set_control,
@@ -357,7 +357,7 @@ def _governor_lines(row: dict[str, Any], keep: bool) -> list[str]:
 
 
 def _autopilot_lines(row: dict[str, Any], keep: bool) -> list[str]:
-    from tuner.autopilot_live import status_lines  # start-up cost
+    from tuner.autopilot.live import status_lines  # start-up cost
 
     return status_lines(row)
 
@@ -448,7 +448,7 @@ def autopilot_tune(
     """Tune the autopilot's own knobs (margins, dwell, window, interval, delay) on continuous
     replays of the traces: P95 TTFT against sarathi's, with the P99 TTLT and throughput guards."""
     from sim import traces as tr  # start-up cost
-    from tuner.autopilot_tune import tune_autopilot  # start-up cost
+    from tuner.autopilot.tune import tune_autopilot  # start-up cost
 
     loaded = []
     for path in [p.strip() for p in (trace_paths or "bundled").split(",") if p.strip()]:

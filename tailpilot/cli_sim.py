@@ -110,9 +110,9 @@ def run_info(result: SimResult, trace: Trace) -> dict[str, Any]:
 
 
 def run_autopilot(run: Run) -> Outcome:
-    """Replay with the autopilot choosing the settings (tuner.autopilot), starting from the run's
-    settings; the run facts carry its decisions."""
-    from tuner.autopilot_replay import replay_with_autopilot  # start-up cost
+    """Replay with the autopilot choosing the settings (tuner.autopilot.controller), starting from
+    the run's settings; the run facts carry its decisions."""
+    from tuner.autopilot.replay import replay_with_autopilot  # start-up cost
 
     trace = run.trace
     result, decisions = replay_with_autopilot(
@@ -464,8 +464,8 @@ def capacity(
 ) -> None:
     """How many replicas keep SCR at --target for this traffic and the cluster's SLOs (by
     simulation)."""
-    from tuner.capacity import capacity as plan_capacity  # start-up cost
-    from tuner.capacity import format_plan  # start-up cost
+    from tuner.closed_loop.capacity import capacity as plan_capacity  # start-up cost
+    from tuner.closed_loop.capacity import format_plan  # start-up cost
 
     cluster = load_cluster(cluster_file, cluster_name)
     if cluster.governance is None:

@@ -69,7 +69,7 @@ class TraceRequest:
             return self.path
         if self.path is not None:
             raise click.UsageError("give --trace or --recording, not both")
-        from tuner.recorded import RecordedSpan  # start-up cost
+        from tuner.closed_loop.recorded import RecordedSpan  # start-up cost
 
         return RecordedSpan(db=self.db, recording=self.recording, replicas=self.replicas).url()
 
@@ -187,7 +187,7 @@ def load_trace(request: TraceRequest) -> Trace:
 
 def _load_trace(request: TraceRequest, path: str | None) -> Trace:
     from sim import traces  # start-up cost
-    from tuner.recorded import load_recorded, parse_url  # start-up cost
+    from tuner.closed_loop.recorded import load_recorded, parse_url  # start-up cost
 
     default_cap = request.max_tokens_default or traces.DEFAULT_MAX_TOKENS
     if path in (None, "bundled"):

@@ -12,9 +12,9 @@ JournalStorage, no database needed); default the SQLite file ``tailpilot-optuna.
 tailpilot's own database. Several ``tailpilot tune`` processes with the same ``--storage`` and
 ``--study`` share one study, each trial with its own sampler stream. A URL the tuner cannot use is
 a usage error (exit 2) naming its scheme.
-The library behind these commands is :mod:`tuner.study` (a study's definition and context),
-:mod:`tuner.optimize` (running it) and :mod:`tuner.recommend`. Its errors name a study field
-(``window_s``); these commands name the field's flag instead (``--window-s``;
+The library behind these commands is :mod:`tuner.studies.study` (a study's definition and context),
+:mod:`tuner.studies.optimize` (running it) and :mod:`tuner.studies.recommend`. Its errors name a
+study field (``window_s``); these commands name the field's flag instead (``--window-s``;
 ``tailpilot.study_options``).
 """
 
@@ -57,18 +57,18 @@ from tailpilot.study_options import (
 )
 
 if TYPE_CHECKING:  # the tuner's modules load only when a command runs (start-up cost)
-    from tuner.optimize import TuneOutcome
+    from tuner.studies.optimize import TuneOutcome
 
 
 def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = False) -> str:
     """The storage URL of ``--storage``, or a usage error (exit 2, one line) when the tuner cannot
     use it: an unknown scheme, tailpilot's own database, a file that is not there to read."""
-    from tuner.optuna_storage import (  # start-up cost
+    from tuner.studies.optuna_storage import (  # start-up cost
         check_storage_separate,
         storage_file,
         storage_url,
     )
-    from tuner.spec import TuneError  # start-up cost
+    from tuner.studies.spec import TuneError  # start-up cost
 
     try:
         url = storage_url(storage)
@@ -87,8 +87,8 @@ def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = 
 def _check_study_name(study_name: str) -> None:
     """A usage error naming --study for a name no storage can keep (bytes that are not UTF-8),
     before anything is opened."""
-    from tuner.spec import TuneError  # start-up cost
-    from tuner.study import check_study_name  # start-up cost
+    from tuner.studies.spec import TuneError  # start-up cost
+    from tuner.studies.study import check_study_name  # start-up cost
 
     try:
         check_study_name(study_name)
@@ -163,10 +163,10 @@ def tune(
     hopeless ones); held-out windows are kept for `tailpilot recommend`. Ctrl-C keeps the study:
     run the same command to continue.
     """
-    from tuner.optimize import tune as run_tune  # start-up cost
-    from tuner.optuna_storage import open_storage, storage_exists  # start-up cost
-    from tuner.spec import SpecError, StudyConflict, TuneError  # start-up cost
-    from tuner.study import study_exists  # start-up cost
+    from tuner.studies.optimize import tune as run_tune  # start-up cost
+    from tuner.studies.optuna_storage import open_storage, storage_exists  # start-up cost
+    from tuner.studies.spec import SpecError, StudyConflict, TuneError  # start-up cost
+    from tuner.studies.study import study_exists  # start-up cost
 
     _check_study_name(study_name)
     url = _storage_or_exit(storage, db)
@@ -217,8 +217,8 @@ def tune(
 
 
 def _report_tune(outcome: TuneOutcome, storage: str | None, as_json: bool) -> None:
-    from tuner.optuna_storage import redact  # start-up cost
-    from tuner.recommend import jsonable  # start-up cost
+    from tuner.studies.optuna_storage import redact  # start-up cost
+    from tuner.studies.recommend import jsonable  # start-up cost
 
     if as_json:
         echo_json(jsonable(asdict(outcome)))
@@ -271,10 +271,10 @@ def recommend(
     """The study's best settings (or Pareto front) and their improvement over the production
     settings on search and on held-out windows, with confidence intervals over windows; stored
     so the TUI shows it."""
-    from tuner.optuna_storage import open_storage  # start-up cost
-    from tuner.recommend import jsonable  # start-up cost
-    from tuner.recommend import recommend as build  # start-up cost
-    from tuner.spec import TuneError  # start-up cost
+    from tuner.studies.optuna_storage import open_storage  # start-up cost
+    from tuner.studies.recommend import jsonable  # start-up cost
+    from tuner.studies.recommend import recommend as build  # start-up cost
+    from tuner.studies.spec import TuneError  # start-up cost
 
     _check_study_name(study_name)
     url = _storage_or_exit(storage, db, must_exist=True)

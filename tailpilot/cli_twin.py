@@ -4,7 +4,7 @@
     tailpilot demo                      # twin replicas on the bundled trace, recorded, shown live
 
 A twin is the engine simulator run in (accelerated) real time behind the same control API and
-``/metrics`` as a vLLM replica running the plugin (``tuner.twin``). The demo also runs what
+``/metrics`` as a vLLM replica running the plugin (``tuner.twins.replica``). The demo also runs what
 ``tailpilot record --autopilot --govern`` runs (below ``demo``): the autopilot, armed on one
 replica and dry-run on the others, and the governor (dry-run) over a governance block of the
 demo's tenants.
@@ -50,8 +50,8 @@ if TYPE_CHECKING:  # the operator's modules load only when a command runs (start
     from controlplane.cluster import ClusterSpec
     from controlplane.governance import GovernanceSpec
     from sim.traces import Trace
-    from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveConfig
+    from tuner.autopilot.controller import AutopilotConfig
+    from tuner.autopilot.live import LiveConfig
 
 log = logging.getLogger("tailpilot.demo")
 
@@ -130,7 +130,7 @@ def twin(
     """Start simulated replicas serving the control API and vLLM's /metrics, fed by a trace in
     (accelerated) real time, until Ctrl-C or SIGTERM. Rate options apply to the whole trace,
     before it is split round-robin across the replicas."""
-    from tuner.twin import start_twins  # start-up cost
+    from tuner.twins.replica import start_twins  # start-up cost
 
     if port and port + n_replicas - 1 > 65535:
         raise click.BadParameter(
@@ -247,7 +247,7 @@ def demo(
         dump_cluster_file,
     )  # start-up cost
     from sim import traces  # start-up cost
-    from tuner.twin import start_twins  # start-up cost
+    from tuner.twins.replica import start_twins  # start-up cost
 
     trace = load_trace(TraceRequest(path=trace_path))
     if len({r.tenant for r in trace}) == 1:  # three Zipf tenants: the fairness views show them
@@ -416,14 +416,14 @@ def _demo_table(
 # dry-run on the others, and the governor (dry-run) over the demo's tenants and their SLOs.
 #
 # One replica armed, the others dry-run: the autopilot's state is one control row per cluster
-# (tuner.autopilot_live: armed | dry-run | disarmed, steered by `tailpilot autopilot` and the TUI's
+# (tuner.autopilot.live: armed | dry-run | disarmed, steered by `tailpilot autopilot` and the TUI's
 # O). The demo runs it as `record --autopilot` does, with LiveConfig.armed_replicas naming the one
 # replica that applies its decisions while the row says armed; every other replica's are carried
 # out as in dry-run (the audit log, result dry-run; nothing sent). The row's dry-run and disarmed
 # hold for every replica. The demo arms the first uniboost replica and leaves the sarathi one
 # (vLLM's own order, the reference the others are compared with) on dry-run.
 # --------------------------------------------------------------------------------------------
-STEERED = ("uniboost", "sarathi")  # the policies the autopilot steers (tuner.autopilot_live)
+STEERED = ("uniboost", "sarathi")  # the policies the autopilot steers (tuner.autopilot.live)
 # The autopilot's pacing in the demo, so that its decisions show within the first half minute
 # (record --autopilot's defaults: interval_s 60, delay_s 60, min_requests 1,000).
 DEMO_PACING: dict[str, float] = {"interval_s": 10.0, "delay_s": 10.0, "min_requests": 50}
@@ -482,7 +482,7 @@ def demo_controllers(
     """The autopilot (armed on ``armed``; ``config`` by default the demo's pacing, ``live`` the
     driver's defaults) and the governor (dry-run)."""
     from controlplane.governor import governor_task  # start-up cost
-    from tuner.autopilot import AutopilotConfig  # start-up cost
+    from tuner.autopilot.controller import AutopilotConfig  # start-up cost
 
     return [
         autopilot_controller(
@@ -504,7 +504,7 @@ def autopilot_controller(
     decisions only."""
 
     async def controller(collector: Any, store: Any, stop: asyncio.Event) -> None:
-        from tuner.autopilot_live import LiveConfig, run_autopilot  # start-up cost
+        from tuner.autopilot.live import LiveConfig, run_autopilot  # start-up cost
 
         await asyncio.to_thread(
             store.governance.set_control,
@@ -532,7 +532,7 @@ def demo_report(
     and the governor's state as ``tailpilot governor status`` does."""
     from controlplane.governor import modes_text  # start-up cost
     from controlplane.views import governance_lines  # start-up cost
-    from tuner.autopilot_live import status_lines  # start-up cost
+    from tuner.autopilot.live import status_lines  # start-up cost
 
     out: list[Text] = []
     if autopilot is not None:

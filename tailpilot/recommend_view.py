@@ -1,5 +1,5 @@
-"""How ``tailpilot recommend`` prints a recommendation (``tuner.recommend.recommend``'s summary):
-the search and held-out windows, the continuous replay, the constraints, the settings."""
+"""How ``tailpilot recommend`` prints a recommendation (``tuner.studies.recommend.recommend``'s
+summary): the search and held-out windows, the continuous replay, the constraints, the settings."""
 
 from __future__ import annotations
 

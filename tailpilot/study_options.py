@@ -1,4 +1,5 @@
-"""The options that define a study (``tuner.spec.StudySpec``) and how their values become its
+"""The options that define a study (``tuner.studies.spec.StudySpec``) and how their values become
+its
 fields: given when ``tailpilot tune`` creates a study, checked against its stored definition when
 it resumes or joins one. The tuner's errors name a field (``window_s``); these name the field's
 flag instead (``--window-s``, :data:`SPEC_FLAGS`).
@@ -20,7 +21,7 @@ from tailpilot.cli_common import NON_NEGATIVE, FiniteFloatRange, KeyValue
 from tailpilot.cli_trace import old_window_option, span_or_exit
 
 if TYPE_CHECKING:  # the tuner's modules load only when a command runs (start-up cost)
-    from tuner.spec import SpecError, StudyConflict, StudySpec
+    from tuner.studies.spec import SpecError, StudyConflict, StudySpec
 
 # CLI parameter -> (StudySpec field, flag as the user typed it).
 SPEC_FLAGS: dict[str, tuple[str, str]] = {
@@ -63,7 +64,7 @@ def _split(text: str | None) -> list[str]:
 
 def _range_texts(value: tuple[str, ...]) -> list[str]:
     """Parsed now, so a malformed span never becomes a study's definition."""
-    from tuner.search import parse_range  # start-up cost
+    from tuner.studies.search import parse_range  # start-up cost
 
     for item in value:
         parse_range(item)
@@ -88,7 +89,7 @@ def _production_doc(value: str) -> dict[str, Any]:
 
 
 def _trace_list(value: str) -> list[str | None]:
-    from tuner.recorded import canonical, is_recorded, split_traces  # start-up cost
+    from tuner.closed_loop.recorded import canonical, is_recorded, split_traces  # start-up cost
 
     return [
         None if p == "bundled" else canonical(p) if is_recorded(p) else str(Path(p).resolve())
@@ -183,7 +184,7 @@ def recorded_trace(kw: dict[str, Any], db: str | None) -> None:
                 "--replica goes with --recording (a db: URL names its replicas=)"
             )
         return
-    from tuner.recorded import RecordedSpan  # start-up cost
+    from tuner.closed_loop.recorded import RecordedSpan  # start-up cost
 
     if kw["trace_paths"]:
         raise click.UsageError("give --trace or --recording, not both")
@@ -322,7 +323,7 @@ def new_spec(
 ) -> StudySpec:
     """The definition of a study to create from the flags given (UsageError naming a flag;
     ``traces_flag``: the flag that gave the traces when not --trace)."""
-    from tuner.spec import SpecError, StudySpec  # start-up cost
+    from tuner.studies.spec import SpecError, StudySpec  # start-up cost
 
     for need in ("policies", "objectives"):
         if need not in given:

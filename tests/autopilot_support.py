@@ -33,13 +33,14 @@ def run_live(
     t_end: float = 1200.0,
 ) -> Any:
     """A collector and the live autopilot (``config``, ``live``) on ``twins``, driven by
-    ``tuner.twin.drive_on_manual_clock`` until ``until(driver)`` or ``t_end``; the driver."""
+    ``tuner.twins.replica.drive_on_manual_clock`` until ``until(driver)`` or ``t_end``; the
+    driver."""
     import asyncio
 
     from controlplane.collector import Collector
     from controlplane.replica_http import PollingClient
-    from tuner.autopilot_live import LiveAutopilot
-    from tuner.twin import drive_on_manual_clock
+    from tuner.autopilot.live import LiveAutopilot
+    from tuner.twins.replica import drive_on_manual_clock
 
     async def scenario() -> Any:
         client = PollingClient(cluster.timeout_s)

@@ -9,9 +9,9 @@ import pytest
 
 from scheduler.settings import Settings
 from sim import traces
-from tuner.autopilot import AutopilotConfig, candidates, log_grid
-from tuner.autopilot_replay import replay_with_autopilot
-from tuner.autopilot_types import Observation
+from tuner.autopilot.controller import AutopilotConfig, candidates, log_grid
+from tuner.autopilot.replay import replay_with_autopilot
+from tuner.autopilot.types import Observation
 
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0, min_requests=50
@@ -146,7 +146,7 @@ def test_the_default_grid_spans_a_thousandth_to_ten_with_three_points_a_decade()
 
 def test_an_observation_carries_no_output_length():
     assert "output_tokens" not in Observation.__dataclass_fields__
-    from tuner.autopilot_types import Arrival
+    from tuner.autopilot.types import Arrival
 
     assert "output_tokens" not in Arrival.__dataclass_fields__
 

@@ -11,10 +11,10 @@ import pytest
 from scheduler.settings import Settings
 from sim import traces
 from sim.engine import EngineConfig
-from tuner.autopilot import Autopilot, AutopilotConfig, candidate_set
-from tuner.autopilot_replay import replay_with_autopilot
-from tuner.candidates import SearchConfig, ShadowSearch, axis_rank, candidate_space
-from tuner.shadows import Shadow
+from tuner.autopilot.candidates import SearchConfig, ShadowSearch, axis_rank, candidate_space
+from tuner.autopilot.controller import Autopilot, AutopilotConfig, candidate_set
+from tuner.autopilot.replay import replay_with_autopilot
+from tuner.autopilot.shadows import Shadow
 
 UNIBOOST = Settings.model_validate({"policy": "uniboost"})
 CONFIG = AutopilotConfig(
@@ -147,9 +147,9 @@ class Recording(Autopilot):
 
 @pytest.mark.slow
 def test_the_search_runs_at_most_max_shadows_and_explores_near_the_target(monkeypatch):
-    import tuner.autopilot_replay
+    import tuner.autopilot.replay
 
-    monkeypatch.setattr(tuner.autopilot_replay, "Autopilot", Recording)
+    monkeypatch.setattr(tuner.autopilot.replay, "Autopilot", Recording)
     busy = traces.scale_rate(traces.load_bundled(), 1.2)  # queues, no sustained overload
     result, decisions = replay_with_autopilot(busy, config=CONFIG)
     pilot = Recording.last
@@ -180,10 +180,10 @@ def test_the_first_running_set_spreads_along_the_axis():
 
 
 def test_a_pools_shared_shadows_decide_as_a_replicas_own_would(busy):
-    """A pool's members follow its first replica's controller (tuner.autopilot_live): on
+    """A pool's members follow its first replica's controller (tuner.autopilot.live): on
     identical traffic that is exactly what each replica's own controller would have decided —
     the search's forks and retirements included."""
-    from tuner.autopilot_types import Arrival, Observation
+    from tuner.autopilot.types import Arrival, Observation
 
     requests = sorted(busy, key=lambda r: (r.arrival, r.id))
     pilots = [Autopilot(UNIBOOST, CONFIG) for _ in range(2)]
@@ -207,9 +207,9 @@ def test_a_pools_shared_shadows_decide_as_a_replicas_own_would(busy):
 def test_sustained_overload_stops_the_explorers_and_they_come_back(busy, monkeypatch):
     """Nothing is compared in sustained overload: only the reference, the defaults and the
     running choice replay (deep queues are the costliest); after it, explorers are forked again."""
-    import tuner.autopilot_replay
+    import tuner.autopilot.replay
 
-    monkeypatch.setattr(tuner.autopilot_replay, "Autopilot", Recording)
+    monkeypatch.setattr(tuner.autopilot.replay, "Autopilot", Recording)
     # a short window: sustained once the reference needs over 20 s to empty its queue
     config = CONFIG.model_copy(
         update={"overload_drain_s": 20.0, "overload_growth_s": 5.0, "overload_recheck": 2}

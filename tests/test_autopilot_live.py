@@ -1,4 +1,4 @@
-"""The autopilot on a live cluster (tuner/autopilot_live.py): on a twin whose clock the test
+"""The autopilot on a live cluster (tuner/autopilot/live.py): on a twin whose clock the test
 drives, through the real control API and a real store — it applies a switch with If-Match and an
 audit row carrying its predicted change, keeps the prediction, verifies it, steps back after
 repeated misses, leaves pinned parameters alone, defers to the governor, and in dry-run only writes
@@ -29,7 +29,7 @@ class Rig:
         self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None
     ):
         from sim.traces import load_bundled
-        from tuner.twin import ManualClock, start_twins
+        from tuner.twins.replica import ManualClock, start_twins
 
         monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
         self.clock = ManualClock()
@@ -62,8 +62,8 @@ class Rig:
     def run(self, t_end: float, state: str = "armed", until=None):
         from controlplane.collector import Collector
         from controlplane.replica_http import PollingClient
-        from tuner.autopilot import AutopilotConfig
-        from tuner.autopilot_live import LiveAutopilot, LiveConfig
+        from tuner.autopilot.controller import AutopilotConfig
+        from tuner.autopilot.live import LiveAutopilot, LiveConfig
 
         self.store.governance.set_control("autopilot", "twins", state=state, who="test")
 
@@ -145,7 +145,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
 def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeypatch):
     """The verifier is the one fake here: "realized worse than predicted" cannot be produced on
     demand by a real replica. Everything else (twin, API, store, audit) is real."""
-    from tuner.autopilot_live import LiveConfig
+    from tuner.autopilot.live import LiveConfig
 
     seen = []
 
@@ -353,7 +353,7 @@ def test_record_refuses_a_bad_autopilot_config_naming_the_field(tmp_path):
     ],
 )
 def test_blocked_names_the_pin(pins, target, why):
-    from tuner.autopilot_live import blocked, target_document
+    from tuner.autopilot.live import blocked, target_document
 
     current = Settings.model_validate(
         {
@@ -375,9 +375,9 @@ def test_a_switch_changes_only_the_autopilots_own_knobs():
     """An operator turned MemGuard off and decode-first off on a uniboost replica: the autopilot's
     switch to another γ keeps both (it changes γ and γ-Ada only), the replica is still recognised
     as running that candidate, and a switch to sarathi is a whole document."""
-    from tuner.autopilot import Autopilot, AutopilotConfig
-    from tuner.autopilot_live import target_document
-    from tuner.candidates import running_candidate
+    from tuner.autopilot.candidates import running_candidate
+    from tuner.autopilot.controller import Autopilot, AutopilotConfig
+    from tuner.autopilot.live import target_document
 
     current = Settings.model_validate(
         {
@@ -431,7 +431,7 @@ def test_a_replica_clock_stepping_back_restarts_its_controller(tmp_path, monkeyp
     """The replica's clock goes back ten minutes (a fault a twin cannot produce: its /inflight is
     wrapped to report its time 600 s early): the controller is restarted on the new clock, the
     status says why, and it decides again instead of waiting silently for the old time."""
-    import tuner.autopilot_live as live
+    import tuner.autopilot.live as live
 
     real = live.fetch_inflight
     shift = {"s": 0.0}
@@ -467,9 +467,9 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
     status says whom it follows."""
     from controlplane.cluster import parse_cluster_file
     from sim.traces import load_bundled
-    from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveConfig
-    from tuner.twin import ManualClock, start_twins
+    from tuner.autopilot.controller import AutopilotConfig
+    from tuner.autopilot.live import LiveConfig
+    from tuner.twins.replica import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

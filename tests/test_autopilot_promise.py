@@ -13,9 +13,8 @@ from scheduler.metrics import summarize
 from scheduler.settings import Settings, SloFqParams
 from sim import traces
 from sim.engine import EngineConfig, simulate
-from tuner.autopilot import AutopilotConfig, candidates
-from tuner.autopilot_replay import replay_with_autopilot
-from tuner.promise import (
+from tuner.autopilot.controller import AutopilotConfig, candidates
+from tuner.autopilot.promise import (
     QUANTILE_NAMES,
     Figures,
     Promise,
@@ -25,7 +24,8 @@ from tuner.promise import (
     most_margin,
     sampling_slack,
 )
-from tuner.shadows import Shadow
+from tuner.autopilot.replay import replay_with_autopilot
+from tuner.autopilot.shadows import Shadow
 
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=600.0, min_requests=50
@@ -111,7 +111,7 @@ def test_with_slos_a_tie_on_the_objective_is_broken_by_margin():
     """The axis rule alone takes the most age-first of P95-tied candidates (γ 1 here); with SLOs
     declared the tie goes to the most margin (γ 0.001, its P99 TTFT 0.77 of sarathi's); the
     ``margin_ties`` knob says when."""
-    from tuner.autopilot import Autopilot
+    from tuner.autopilot.controller import Autopilot
 
     slo = SloFqParams.model_validate({"tenants": {"a": {"ttft": {"p99": 5.0}}}})
     base = Settings.model_validate({"policy": "uniboost"})

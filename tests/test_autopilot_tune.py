@@ -1,4 +1,4 @@
-"""The autopilot as the tuner's subject (tuner/autopilot_tune.py): its own knobs tuned on
+"""The autopilot as the tuner's subject (tuner/autopilot/tune.py): its own knobs tuned on
 continuous replays, and "keep the autopilot" judged beside a recommendation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from sim import traces as tr
-from tuner.autopilot import AutopilotConfig
+from tuner.autopilot.controller import AutopilotConfig
 
 # Quick: two fixed γ besides the defaults and sarathi, short windows.
 START = AutopilotConfig(
@@ -25,7 +25,7 @@ def trace():
 
 @pytest.mark.slow
 def test_tuning_is_seeded_and_never_worse_than_where_it_started(trace):
-    from tuner.autopilot_tune import tune_autopilot
+    from tuner.autopilot.tune import tune_autopilot
 
     first = tune_autopilot([trace], trials=3, seed=5, start=START)
     again = tune_autopilot([trace], trials=3, seed=5, start=START)
@@ -47,7 +47,7 @@ def test_the_tuned_configuration_is_what_its_figures_say(trace):
     """The figures reported for the best trial are those of replaying its configuration again."""
     from scheduler.settings import Settings
     from sim.engine import EngineConfig
-    from tuner.autopilot_tune import references, score, tune_autopilot
+    from tuner.autopilot.tune import references, score, tune_autopilot
 
     result = tune_autopilot([trace], trials=2, seed=1, start=START)
     engine = EngineConfig()
@@ -79,9 +79,9 @@ def test_the_cli_writes_a_config_that_record_reads(tmp_path, trace):
 def test_recommend_judges_keeping_the_autopilot(tmp_path):
     from test_tuner import small_spec
 
-    from tuner.optimize import tune
-    from tuner.optuna_storage import open_storage, storage_url
-    from tuner.recommend import recommend
+    from tuner.studies.optimize import tune
+    from tuner.studies.optuna_storage import open_storage, storage_url
+    from tuner.studies.recommend import recommend
 
     url = storage_url(str(tmp_path / "o.db"))
     tune(url, "r", 3, spec=small_spec())

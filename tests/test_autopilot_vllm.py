@@ -24,8 +24,8 @@ from vllm_support import (
 from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
 from storage.store import Store
-from tuner.autopilot import AutopilotConfig
-from tuner.autopilot_live import LiveConfig, run_autopilot
+from tuner.autopilot.controller import AutopilotConfig
+from tuner.autopilot.live import LiveConfig, run_autopilot
 
 TOKEN = "autopilot-vllm-token"
 # Not one of the candidates.

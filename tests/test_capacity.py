@@ -1,5 +1,5 @@
-"""``tailpilot capacity`` (tuner/capacity.py): the smallest replica count that keeps the mean
-per-window SCR at target, found by simulation; the KV bound; the command."""
+"""``tailpilot capacity`` (tuner/closed_loop/capacity.py): the smallest replica count that keeps the
+mean per-window SCR at target, found by simulation; the KV bound; the command."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig
 from sim.noisy import capacity as measured_capacity
 from sim.noisy import noisy_neighbour
-from tuner.capacity import capacity, evaluate, split
+from tuner.closed_loop.capacity import capacity, evaluate, split
 
 
 @pytest.fixture(scope="module")

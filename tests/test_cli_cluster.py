@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from sim.traces import Trace, TraceRequest
 from storage.store import Store
 from tailpilot.cli import main
-from tuner.twin import start_twins
+from tuner.twins.replica import start_twins
 
 TOKEN = "cli-token"
 

@@ -1,8 +1,8 @@
 """The live collector (controlplane/collector.py).
 
 Unit tests first (metrics parsing, the window, restart detection), then the collector against
-simulated twin replicas (tuner.twin) and loopback fakes for the faults a real replica cannot
-produce on demand (a timeout, HTTP 500, malformed JSON or metrics text).
+simulated twin replicas (tuner.twins.replica) and loopback fakes for the faults a real replica
+cannot produce on demand (a timeout, HTTP 500, malformed JSON or metrics text).
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ from controlplane.poller import poll_once  # noqa: E402
 from controlplane.steering import apply_settings  # noqa: E402
 from sim import traces  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tuner.twin import start_twins  # noqa: E402
+from tuner.twins.replica import start_twins  # noqa: E402
 
 TOKEN = "collector-test-token"
 SPEED = 20.0  # replica seconds per wall second: ~30 completions/s per twin

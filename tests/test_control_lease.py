@@ -122,9 +122,9 @@ def test_a_second_autopilot_on_the_same_replica_stays_in_dry_run(tmp_path, monke
     from controlplane.collector import Collector
     from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
-    from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveAutopilot, LiveConfig, status_lines
-    from tuner.twin import ManualClock, start_twins
+    from tuner.autopilot.controller import AutopilotConfig
+    from tuner.autopilot.live import LiveAutopilot, LiveConfig, status_lines
+    from tuner.twins.replica import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

@@ -48,9 +48,9 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
     tmp_path, monkeypatch
 ):
     from sim.traces import load_bundled
-    from tuner.autopilot import AutopilotConfig
-    from tuner.autopilot_live import LiveConfig
-    from tuner.twin import ManualClock, start_twins
+    from tuner.autopilot.controller import AutopilotConfig
+    from tuner.autopilot.live import LiveConfig
+    from tuner.twins.replica import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

@@ -230,7 +230,7 @@ def test_fairness_summary_and_the_governance_report_agree():
 
 def test_the_tuners_window_metrics_use_the_same_jfi():
     """A replayed window: requests not finished when its arrivals end were still waiting then."""
-    from tuner.windows import completion_metrics
+    from tuner.studies.windows import completion_metrics
 
     rows = [done(f"a{i}", "a", i, 0.2, 1.0) for i in range(10)]
     rows += [

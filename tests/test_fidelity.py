@@ -1,6 +1,6 @@
-"""``tailpilot fidelity`` (tuner/fidelity.py): a twin — the simulator itself behind the real
-control API — recorded by the real recorder and replayed: the report says ≈ 0 error and the same
-order; the decision diff and the windows' errors are computed right on known inputs; a settings
+"""``tailpilot fidelity`` (tuner/closed_loop/fidelity.py): a twin — the simulator itself behind the
+real control API — recorded by the real recorder and replayed: the report says ≈ 0 error and the
+same order; the decision diff and the windows' errors are computed right on known inputs; a settings
 change inside the span is replayed; errors name what is missing."""
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from twin_support import serve_all
 
 from storage.store import Store
 from tailpilot.cli import main
-from tuner.fidelity import FidelityError, compare, decision_diff, figures, settings_timeline
+from tuner.closed_loop.fidelity import (
+    FidelityError,
+    compare,
+    decision_diff,
+    figures,
+    settings_timeline,
+)
 
 TOKEN = "fid-token"
 
@@ -98,7 +104,7 @@ def recorded_twin(tmp_path):
     the twin (still answering) and the trace."""
     from scheduler.settings import Settings
     from sim.engine import EngineConfig
-    from tuner.twin import ManualClock, start_twins
+    from tuner.twins.replica import ManualClock, start_twins
 
     trace = small_trace()
     clock = ManualClock()
@@ -209,7 +215,7 @@ def test_a_settings_change_inside_the_span_is_replayed_from_when_it_was_seen():
 
 def test_the_replay_switches_settings_at_the_given_time_without_losing_a_request():
     from scheduler.settings import Settings
-    from tuner.fidelity import Replay
+    from tuner.closed_loop.fidelity import Replay
 
     trace = small_trace(200, 50.0)
     switch = Settings.model_validate({"policy": "sarathi"})

@@ -440,6 +440,15 @@ def test_every_package_declares_its_public_names(init):
         assert hasattr(module, name) or importlib.util.find_spec(f"{package}.{name}"), name
 
 
+def lists_rooms(folder: Path) -> bool:
+    """A package whose ``__all__`` names its modules (tuner's folders), not exported names."""
+    init = folder / "__init__.py"
+    names = declared_names(init) if init.exists() else []
+    return bool(names) and all(
+        (folder / f"{n}.py").exists() or (folder / n / "__init__.py").exists() for n in names
+    )
+
+
 def test_another_floor_imports_only_declared_rooms():
     """An import of ``pkg.room`` (``import pkg.room``, ``from pkg.room import x``) from another
     floor names a room ``pkg/__init__.py`` declares in ``__all__``, where a package lists its rooms
@@ -452,11 +461,25 @@ def test_another_floor_imports_only_declared_rooms():
         for path in sorted((ROOT / package).rglob("*.py")):
             for line, module in imports(path):
                 parts = module.split(".")
-                if (
-                    parts[0] in rooms
-                    and parts[0] != package
-                    and len(parts) > 1
-                    and parts[1] not in rooms[parts[0]]
+                if parts[0] not in rooms or parts[0] == package or len(parts) < 2:
+                    continue
+                folder = ROOT / parts[0] / parts[1]
+                if parts[1] not in rooms[parts[0]] or (
+                    # a room that is a folder listing its own rooms (tuner's): the module named
+                    # is one it declares
+                    len(parts) > 2
+                    and lists_rooms(folder)
+                    and parts[2] not in declared_names(folder / "__init__.py")
                 ):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert bad == []
+
+
+def test_the_tuner_folders_list_their_rooms_and_an_undeclared_one_is_refused():
+    """tuner's folders are read as lists of rooms (scheduler.metrics exports names instead), so an
+    import of ``tuner.autopilot.candidates`` from another floor is refused: the folder keeps it
+    for its own modules."""
+    assert lists_rooms(ROOT / "tuner" / "autopilot")
+    assert not lists_rooms(ROOT / "scheduler" / "metrics")
+    declared = declared_names(ROOT / "tuner" / "autopilot" / "__init__.py")
+    assert "controller" in declared and "candidates" not in declared

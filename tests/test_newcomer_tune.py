@@ -1,7 +1,7 @@
-"""What a newcomer hit with ``tailpilot tune`` / ``recommend`` (tuner/study.py, tuner/optimize.py,
-tuner/recorded.py): a study on a recording that keeps growing, parallel workers that created more
-trials than asked (and printed Optuna's traceback), messages that pointed to the wrong fix, and
-trials that replayed the production baseline again."""
+"""What a newcomer hit with ``tailpilot tune`` / ``recommend`` (tuner/studies/study.py,
+tuner/studies/optimize.py, tuner/closed_loop/recorded.py): a study on a recording that keeps
+growing, parallel workers that created more trials than asked (and printed Optuna's traceback),
+messages that pointed to the wrong fix, and trials that replayed the production baseline again."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from sim import traces
 from storage.rows import Batch, CompletionRow
 from storage.store import Store
 from tailpilot.cli import main
-from tuner import optimize
-from tuner import study as st
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.spec import StudySpec
+from tuner.studies import optimize
+from tuner.studies import study as st
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.spec import StudySpec
 
 # A 1,138-request window of the bundled trace, cut into four 60-s windows (one held out).
 SOURCE = traces.time_window(traces.load_bundled(), 0.0, 240.0)

@@ -240,6 +240,9 @@ def one_slot_server(tiny_model_dir, tmp_path_factory):
         settings={"policy": "fcfs"},
         kv_tokens=64 * 1024,
         max_num_seqs=1,
+        # Room for a long request of 3,000 tokens: the shorter one (1,000: ~2 s here) finished
+        # before a loaded machine's /state read saw it running, three times in a row in CI.
+        max_model_len=4096,
         name="slot",
         extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     ) as server:
@@ -254,7 +257,7 @@ def _long_then_short(server) -> dict[str, float]:
     for _attempt in range(3):
         _, state = read_all_completions(server)
         cursor = state["next_cursor"]
-        long_req = CompletionRequest(prompt=[11] * 20, max_tokens=1000, tenant="long")
+        long_req = CompletionRequest(prompt=[11] * 20, max_tokens=3000, tenant="long")
         t = threading.Thread(
             target=run_completions,
             args=(server.base_url, [long_req]),

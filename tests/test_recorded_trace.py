@@ -1,5 +1,6 @@
-"""A recording is a trace (tuner/recorded.py): the span, the replicas, the engine's own records,
-the client's caps; db: URLs and --recording wherever a trace is accepted; a twin round trip."""
+"""A recording is a trace (tuner/closed_loop/recorded.py): the span, the replicas, the engine's own
+records, the client's caps; db: URLs and --recording wherever a trace is accepted; a twin round
+trip."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from sim import traces
 from storage.rows import Batch, CompletionRow
 from storage.store import Store
 from tailpilot.cli import main
-from tuner.recorded import RecordedSpan, canonical, load_recorded, parse_url, split_traces
+from tuner.closed_loop.recorded import (
+    RecordedSpan,
+    canonical,
+    load_recorded,
+    parse_url,
+    split_traces,
+)
 
 
 class Clock:
@@ -141,7 +148,7 @@ def test_requests_start_where_the_engine_core_got_them_and_the_hop_is_added_back
 
     from scheduler.settings import Settings
     from sim.engine import EngineConfig, simulate
-    from tuner.recorded import rows_to_trace, with_front_end
+    from tuner.closed_loop.recorded import rows_to_trace, with_front_end
 
     rows = [
         replace(row("a", "r1", 100.0), received_s=100.3),
@@ -163,7 +170,7 @@ def test_a_request_refused_on_arrival_is_not_replayed():
     real side of fidelity and what-if then compares only requests that were served)."""
     from dataclasses import replace
 
-    from tuner.recorded import rows_to_trace
+    from tuner.closed_loop.recorded import rows_to_trace
 
     rows = [
         row("a", "r1", 100.0),
@@ -230,7 +237,7 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     is exactly those requests, with their lengths and the engine's arrival spacing."""
     from test_fidelity import record_all
 
-    from tuner.twin import start_twins
+    from tuner.twins.replica import start_twins
 
     source = traces.time_window(traces.load_bundled(), 0.0, 60.0)
     by_id = {r.id: r for r in source}

@@ -18,7 +18,7 @@ from test_collector import SPEED, TOKEN, assert_exactly_once, mixed_trace
 from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
 from storage.store import Store
-from tuner.twin import start_twins
+from tuner.twins.replica import start_twins
 
 REPO = Path(__file__).resolve().parents[1]
 

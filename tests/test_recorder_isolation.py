@@ -357,7 +357,7 @@ def test_a_declared_length_past_the_cap_is_refused_before_reading(replicas):
 def test_the_step_log_and_state_readers_of_calibrate_stop_at_the_cap(replicas):
     """``tailpilot calibrate`` reads /steps and /state with aiohttp: an answer that never ends stops
     at the cap (MAX_STEPS_BYTES, MAX_STATE_BYTES), not at the client's timeout."""
-    from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, fetch_steps
+    from tuner.closed_loop.replica_facts import ReplicaUnreachable, fetch_engine_facts, fetch_steps
 
     rep = replicas("steps")
     rep.answer = lambda h, path: rep.stream(h, 3 * replica_http.MAX_STEPS_BYTES) or True

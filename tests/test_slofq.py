@@ -363,7 +363,7 @@ def test_the_refusal_names_the_tenant_cap_and_retry():
 
 
 def test_switching_to_slofq_and_back_live_loses_nothing():
-    from tuner.fidelity import Replay
+    from tuner.closed_loop.fidelity import Replay
 
     trace, params = noisy_neighbour(
         capacity_req_s=20.0, duration_s=60.0, burst_from_s=10.0, burst_s=20.0

@@ -27,7 +27,7 @@ from tui import keys as K
 from tui import render as R
 from tui.main import build_app
 from tui.replay import ReplaySource
-from tuner.twin import start_twins
+from tuner.twins.replica import start_twins
 
 TOKEN = "tui-test-token"
 TOKEN_ENV = "TP_TUI_TEST_TOKEN"
@@ -457,8 +457,8 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot, app)
             twins[2].stop()
-            # tuner.twin's stop() keeps serving already-open keep-alive connections (a dead process
-            # would drop them): drop the collector's pooled connections as the kernel would.
+            # tuner.twins.replica's stop() keeps serving already-open keep-alive connections (a dead
+            # process would drop them): drop the collector's pooled connections as the kernel would.
             collector = app.source.collector
             old, collector._client = collector._client, make_client(collector.cluster)
             await old.aclose()

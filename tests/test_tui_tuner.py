@@ -1,7 +1,7 @@
 """The TUI's tuner panel (key 5) on small seeded studies made here (a few trials on four 60-s
 windows of the bundled trace): the study list, the trials table, the plot, the recommendation
-(stored, or computed with tuner.recommend), and ``R`` applying it to twin replicas through the
-confirmation and the audited apply path, pinned parameters kept; read-only and replay refuse."""
+(stored, or computed with tuner.studies.recommend), and ``R`` applying it to twin replicas through
+the confirmation and the audited apply path, pinned parameters kept; read-only and replay refuse."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from storage.store import Store
 from tui import tuner_render as TR
 from tui.main import build_app
 from tui.tuner_data import resolve_storage
-from tuner import study as st
-from tuner.optimize import tune
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.recommend import jsonable, recommend
-from tuner.results import best_trials
-from tuner.spec import DEFAULT_STORAGE_FILE, StudySpec
+from tuner.studies import study as st
+from tuner.studies.optimize import tune
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.recommend import jsonable, recommend
+from tuner.studies.results import best_trials
+from tuner.studies.spec import DEFAULT_STORAGE_FILE, StudySpec
 
 PARETO, SINGLE = "a-pareto", "b-single"
 

@@ -20,15 +20,15 @@ from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtu
 
 from scheduler.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Settings
 from tailpilot.cli_tune import COMMANDS
-from tuner import study as st
-from tuner.objectives import ConstraintError, parse_constraint, parse_objectives
-from tuner.optimize import make_pruner, make_sampler, tune
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.recommend import paired_improvement, recommend
-from tuner.results import best_trials, is_feasible
-from tuner.search import SearchSpaceError, build_space, field_bounds
-from tuner.spec import SpecError, StudySpec, TuneError
-from tuner.windows import build_traces, nanmean
+from tuner.studies import study as st
+from tuner.studies.objectives import ConstraintError, parse_constraint, parse_objectives
+from tuner.studies.optimize import make_pruner, make_sampler, tune
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.recommend import paired_improvement, recommend
+from tuner.studies.results import best_trials, is_feasible
+from tuner.studies.search import SearchSpaceError, build_space, field_bounds
+from tuner.studies.spec import SpecError, StudySpec, TuneError
+from tuner.studies.windows import build_traces, nanmean
 
 REPO = Path(__file__).resolve().parents[1]
 

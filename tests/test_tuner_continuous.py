@@ -8,12 +8,12 @@ from click.testing import CliRunner
 from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig
-from tuner import study as st
-from tuner.continuous import continuous_metrics, engine_losses, losses, validate
-from tuner.optimize import tune
-from tuner.optuna_storage import open_storage, storage_url
-from tuner.spec import StudySpec, TuneError
-from tuner.windows import build_windows, fingerprint, window_metrics
+from tuner.studies import study as st
+from tuner.studies.continuous import continuous_metrics, engine_losses, losses, validate
+from tuner.studies.optimize import tune
+from tuner.studies.optuna_storage import open_storage, storage_url
+from tuner.studies.spec import StudySpec, TuneError
+from tuner.studies.windows import build_windows, fingerprint, window_metrics
 
 
 def small_spec(**kw) -> StudySpec:
@@ -153,7 +153,7 @@ def test_recommend_reports_the_continuous_replay(tmp_path):
     out = CliRunner().invoke(group, ["recommend", "--study", "r", "--storage", url, "--no-store"])
     assert out.exit_code == 0, out.output
     assert "continuous replay of the whole trace" in out.output
-    from tuner.recommend import recommend
+    from tuner.studies.recommend import recommend
 
     s = recommend(open_storage(url), "r")
     cont = s["continuous"]

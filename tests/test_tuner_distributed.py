@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from optuna.trial import TrialState
 
 from tailpilot.cli_tune import COMMANDS
-from tuner import study as st
-from tuner.optimize import (
+from tuner.studies import study as st
+from tuner.studies.optimize import (
     fail_dead_local_trials,
     make_sampler,
     run_worker,
@@ -34,8 +34,8 @@ from tuner.optimize import (
     trial_seed,
     tune,
 )
-from tuner.optuna_storage import open_storage, storage_file, storage_url
-from tuner.spec import StudySpec
+from tuner.studies.optuna_storage import open_storage, storage_file, storage_url
+from tuner.studies.spec import StudySpec
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 3
@@ -293,7 +293,7 @@ def _wait_for_trials_of_two_workers(
 
 INTERRUPT_IN_A_CALLBACK = """
 import os, signal, sys, weakref
-from tuner.optimize import exit_quietly_on_interrupt
+from tuner.studies.optimize import exit_quietly_on_interrupt
 
 exit_quietly_on_interrupt() if sys.argv[1] == "worker" else None
 
@@ -482,7 +482,7 @@ def test_a_joining_worker_with_another_seed_is_told_why(tmp_path, cli):
 def _journal_with_trials(path, n: int):
     import optuna
 
-    from tuner.optuna_storage import open_storage, storage_url
+    from tuner.studies.optuna_storage import open_storage, storage_url
 
     storage = open_storage(storage_url(str(path)))
     study = optuna.create_study(study_name="torn", storage=storage)
@@ -508,7 +508,7 @@ def test_a_journal_torn_by_a_full_disk_survives_a_resume(tmp_path, capsys, resum
 
     import optuna
 
-    from tuner.optuna_storage import open_storage, storage_url
+    from tuner.studies.optuna_storage import open_storage, storage_url
 
     def add(study, x: float) -> None:
         study.add_trial(
@@ -549,8 +549,8 @@ def test_a_journal_torn_by_a_full_disk_survives_a_resume(tmp_path, capsys, resum
 
 
 def test_a_journal_line_that_cannot_be_mended_is_named(tmp_path):
-    from tuner.optuna_storage import open_storage, storage_url
-    from tuner.spec import TuneError
+    from tuner.studies.optuna_storage import open_storage, storage_url
+    from tuner.studies.spec import TuneError
 
     path = tmp_path / "study.journal"
     _journal_with_trials(path, 1)

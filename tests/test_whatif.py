@@ -1,6 +1,6 @@
-"""What-if before apply and verify after (tuner/whatif.py, ``set --preview``, ``verify``): on a
-twin whose clock the test drives, the prediction's sign and size are what the twin then shows,
-and verify closes the loop against the counterfactual of the traffic that came."""
+"""What-if before apply and verify after (tuner/closed_loop/whatif.py, ``set --preview``,
+``verify``): on a twin whose clock the test drives, the prediction's sign and size are what the twin
+then shows, and verify closes the loop against the counterfactual of the traffic that came."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     from controlplane.replica_http import PollingClient
     from controlplane.steering import apply_settings
     from sim.traces import load_bundled
-    from tuner.twin import ManualClock, start_twins
-    from tuner.whatif import predict, verify
+    from tuner.closed_loop.whatif import predict, verify
+    from tuner.twins.replica import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()
@@ -124,7 +124,7 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
     from controlplane.recorder import run_recorder
     from sim.traces import load_bundled
     from storage.retention import RetentionSettings
-    from tuner.twin import start_twins
+    from tuner.twins.replica import start_twins
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)

@@ -1,6 +1,6 @@
 """The autopilot's control row as the TUI shows it: pure functions, no widgets, no I/O.
 
-The row is the store's autopilot control row (written by ``tuner.autopilot_live`` inside
+The row is the store's autopilot control row (written by ``tuner.autopilot.live`` inside
 ``tailpilot record --autopilot`` or ``tailpilot demo``): the operator's state and pause flag, and
 the driver's last ``status`` — why nothing is applied (``held``), per replica the candidate it runs,
 why its last decision was or was not carried out (``note``) and its recent decisions with their

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tui.edits import settings_diff
-from tuner.whatif import LABELS
+from tuner.closed_loop.whatif import LABELS
 
 
 def preview_renderable(predictions: dict[str, Any] | None, minutes: float) -> Text:

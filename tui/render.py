@@ -549,8 +549,8 @@ def breaker_change(new: Mapping[str, Any] | None) -> str:
 
 
 def verification_cell(v: Mapping[str, Any] | None) -> Text:
-    """P95 TTFT predicted → realized (tuner.whatif.verify), "due HH:MM:SS" before its window ends,
-    "—" for a change made without a prediction."""
+    """P95 TTFT predicted → realized (tuner.closed_loop.whatif.verify), "due HH:MM:SS" before its
+    window ends, "—" for a change made without a prediction."""
     if v is None:
         return Text("—", style="dim")
     predicted = v["predicted"].get("ttft_p95")

@@ -14,8 +14,9 @@ import bisect
 import contextlib
 import re
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from controlplane.governance import GovernanceReport
 from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
 from storage.control import ControllerName
 from storage.rows import GroupSampleRow, SampleRow
@@ -297,9 +298,10 @@ class ReplaySource:
         # governor, autopilot).
         return None
 
-    def governance_at(self, t_ms: int) -> dict[str, Any] | None:
+    def governance_at(self, t_ms: int) -> GovernanceReport | None:
         """The newest governance window stored at or before ``t_ms``, with the alerts firing
-        then."""
+        then (only the alerts when no window was stored by then: the views read every figure
+        with ``get``)."""
         found = self.store.governance.windows(self.cluster_name, until_ms=t_ms + 1, limit=1)
         firing = {
             e["name"]: e["severity"]
@@ -307,7 +309,7 @@ class ReplaySource:
         }
         if not found and not firing:
             return None
-        return {**(found[0]["summary"] if found else {}), "alerts": firing}
+        return cast(GovernanceReport, {**(found[0]["summary"] if found else {}), "alerts": firing})
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         return await asyncio.to_thread(

@@ -40,7 +40,7 @@ from scheduler.settings import Settings
 from storage.control import CONTROL_ACTIONS, ControllerName
 from storage.rows import SampleRow
 from storage.strict_json import finite
-from tuner.whatif import WhatIfError, predict, verify
+from tuner.closed_loop.whatif import WhatIfError, predict, verify
 
 if TYPE_CHECKING:  # annotations only: the app passes the store it opened
     from storage.store import Store
@@ -91,7 +91,7 @@ class DataSource(Protocol):
 
     async def verifications(self) -> dict[tuple[str, int | None], dict[str, Any]]:
         """(replica, settings version) -> realized vs predicted of each change kept with a
-        prediction (tuner.whatif.verify), as of now (replay: the position)."""
+        prediction (tuner.closed_loop.whatif.verify), as of now (replay: the position)."""
         ...
 
     async def alert_events(self, limit: int = 200) -> list[dict[str, Any]]:
@@ -361,7 +361,8 @@ class LiveSource:
 
     async def predict(self, plans: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
         """Per sendable plan, the what-if prediction of its new settings over its old ones on the
-        replica's last ``minutes`` of recorded traffic (tuner.whatif), or why there is none."""
+        replica's last ``minutes`` of recorded traffic (tuner.closed_loop.whatif), or why there is
+        none."""
         if self.store is None:
             return {
                 p["replica"]: "no --db: no recorded traffic to predict on"

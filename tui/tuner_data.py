@@ -1,10 +1,10 @@
 """What the tuner panel shows, read from an Optuna storage (blocking: call from a worker thread).
 
 Plain dataclasses out, so the render functions (``tui.tuner_render``) stay pure and testable. The
-feasible front and the best trial come from :func:`tuner.results.best_trials` (the same rule
+feasible front and the best trial come from :func:`tuner.studies.results.best_trials` (the same rule
 ``tailpilot recommend`` uses); the recommendation from the tailpilot store
 (``TunerResults.latest_recommendation``) when one was stored, else
-:func:`tuner.recommend.recommend`.
+:func:`tuner.studies.recommend.recommend`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from scheduler.settings import Settings
 from scheduler.validation import finite_or_none
-from tuner import optuna_storage
-from tuner import study as st
-from tuner.optuna_storage import storage_url
-from tuner.results import best_trials, is_feasible
-from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
+from tuner.studies import optuna_storage
+from tuner.studies import study as st
+from tuner.studies.optuna_storage import storage_url
+from tuner.studies.results import best_trials, is_feasible
+from tuner.studies.spec import DEFAULT_STORAGE_FILE, TuneError
 
 if TYPE_CHECKING:  # annotations only: optuna itself is imported where a storage is read
     import optuna
@@ -189,7 +189,7 @@ def study_info(study: optuna.Study, trials: Sequence[FrozenTrial] | None = None)
 def list_studies(storage: BaseStorage) -> list[StudyInfo]:
     """Every study in the storage, by name."""
     # Imported when the tuner panel first reads a storage, not with the TUI (measured start-up
-    # cost: optuna and tuner.recommend add ~0.2 s to the TUI's ~1.5 s).
+    # cost: optuna and tuner.studies.recommend add ~0.2 s to the TUI's ~1.5 s).
     import optuna
 
     out = []
@@ -218,8 +218,8 @@ def study_detail(storage: BaseStorage, name: str) -> StudyDetail:
 
 def load_recommendation(storage: BaseStorage, name: str, store: Store | None = None) -> RecInfo:
     """The stored recommendation of ``name`` (newest) if the store has one, else computed with
-    :func:`tuner.recommend.recommend` (replays the held-out windows: seconds to minutes)."""
-    from tuner.recommend import jsonable, recommend  # start-up cost: see list_studies
+    :func:`tuner.studies.recommend.recommend` (replays the held-out windows: seconds to minutes)."""
+    from tuner.studies.recommend import jsonable, recommend  # start-up cost: see list_studies
 
     if store is not None:
         try:

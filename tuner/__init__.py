@@ -1,35 +1,13 @@
-"""The tuner floor: four concerns over the simulator.
+"""The tuner floor: four concerns over the simulator, a folder each.
 
-- offline studies: ``spec``, ``windows``, ``search``, ``objectives``, ``study``, ``optimize``,
-  ``optuna_storage``, ``results``, ``recommend``, ``continuous`` (``tailpilot tune``/``recommend``);
-- the online autopilot: ``autopilot`` (the decision rule), ``candidates``, ``promise``,
-  ``shadows``, ``autopilot_types``, ``autopilot_replay``, ``autopilot_live``,
-  ``autopilot_records``, ``autopilot_tune``;
-- twins, simulated replicas behind the control API: ``twin``, ``twin_feed``, ``twin_metrics``;
-- the closed loop: ``calibrate``, ``replica_facts``, ``recorded``, ``fidelity``, ``whatif``,
-  ``capacity``.
+- ``studies``: offline Optuna studies (``tailpilot tune``/``recommend``);
+- ``autopilot``: choosing the settings online (the decision rule, its candidates, promise and
+  shadows; in the simulator, on a live cluster; its own knobs tuned);
+- ``twins``: simulated replicas behind the control API (``tailpilot twin``, the demo);
+- ``closed_loop``: a live replica measured and predicted — calibrate, fidelity, what-if and
+  verify, capacity, a recording replayed.
 """
 
-# The rooms other floors may use (tests/test_layers.py: an import from another floor names one);
-# the rest serve these (the autopilot's candidates, promise, shadows and types; a study's
-# objectives and windows; the twins' feed and metrics).
-__all__ = [
-    "autopilot",
-    "autopilot_live",
-    "autopilot_replay",
-    "autopilot_tune",
-    "calibrate",
-    "capacity",
-    "fidelity",
-    "optimize",
-    "optuna_storage",
-    "recommend",
-    "recorded",
-    "replica_facts",
-    "results",
-    "search",
-    "spec",
-    "study",
-    "twin",
-    "whatif",
-]
+# The rooms other floors may use (tests/test_layers.py: an import from another floor names one,
+# and the module it names is one its folder declares).
+__all__ = ["autopilot", "closed_loop", "studies", "twins"]

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 
@@ -51,6 +51,66 @@ from scheduler.metrics.registry import METRICS, metric_value, validate_metric
 from scheduler.metrics.summary import GROUP_KEYS, distribution_stats, throughput_window_s
 from scheduler.settings import QUANTILES, SloFqParams
 from scheduler.validation import finite_or_none
+
+
+class TenantFigures(TypedDict):
+    """One tenant's figures over a window (:func:`report`'s ``tenants``): its latency quantiles
+    (s; None where it completed nothing), what it was served and still waits for, its SLO verdict
+    and, for the tenants judged (``governed``), its share of the capacity."""
+
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    ttlt_p50: float | None
+    ttlt_p90: float | None
+    ttlt_p99: float | None
+    ttft_p99_p50: float | None
+    requests: int
+    tok_s: float
+    served_tokens: float
+    waiting: int
+    waited_s: float | None
+    starved: bool
+    demand_tokens: float
+    limits: dict[str, float]
+    missed: list[str]
+    compliant: bool
+    governed: bool
+    # Filled for the governed tenants (``_fairness``).
+    entitled_tokens: NotRequired[float]
+    service_ratio: NotRequired[float | None]
+    committed_tok_s: NotRequired[float]
+    normalised: NotRequired[float | None]
+    omega: NotRequired[float]
+
+
+class TypeFigures(TypedDict):
+    """One request type's figures over a window (:func:`report`'s ``types``)."""
+
+    share: float | None
+    minimum: float | None
+    ratio: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+
+
+class FairnessReport(TypedDict):
+    """Seed 003's multi-tenant figures of one window (:func:`report`): per tenant and per type,
+    SCR, JFI (and the seed's literal ``jfi_seed``), the over-consumers and type fairness. The
+    collector adds its alerts (``controlplane.governance.GovernanceReport``); the store keeps it
+    as JSON."""
+
+    requests: int
+    duration_s: float
+    tenants: dict[str, TenantFigures]
+    types: dict[str, TypeFigures]
+    scr: float | None
+    jfi: float | None
+    jfi_seed: float | None
+    over_consumers: list[str]
+    type_fairness: dict[str, float | None]
+    type_fairness_min: float | None
+
 
 # --------------------------------------------------------------------------------------
 # Primitives
@@ -303,7 +363,7 @@ def window_report(
     duration_s: float,
     arrived: Mapping[str, float] | None = None,
     waiting: Mapping[str, Mapping[str, float]] | None = None,
-) -> dict[str, Any]:
+) -> FairnessReport:
     """``report`` of ``completions`` (the requests of one window, ``duration_s`` long)."""
     return report(
         *completion_columns(completions),
@@ -326,7 +386,7 @@ def report(
     arrived: Mapping[str, float] | None = None,
     waiting: Mapping[str, Mapping[str, float]] | None = None,
     governed: Collection[str] | None = None,
-) -> dict[str, Any]:
+) -> FairnessReport:
     """Per tenant and per type figures, SCR, JFI (and the seed's literal ``jfi_seed``), ω and type
     fairness of one window's requests, given as columns (tenant and type names, TTFT and TTLT in s
     — NaN where undefined — and tokens served, prompt + output). ``arrived``: requests per type
@@ -339,12 +399,12 @@ def report(
     terms = params if isinstance(params, Terms) else Terms.of(params)
     waiting = {t: w for t, w in (waiting or {}).items() if w.get("requests", 0) > 0}
     mean_tokens = float(tokens.mean()) if tokens.size else 1.0
-    tenants: dict[str, dict[str, Any]] = {}
+    tenants: dict[str, TenantFigures] = {}
     for name in sorted(set(tenant.tolist()) | set(waiting)):
         rows = tenant == name
         n = int(rows.sum())
         ft, lt = distribution_stats(ttft[rows]), distribution_stats(ttlt[rows])
-        figures = {
+        figures: dict[str, float | None] = {
             **{f"ttft_{q}": finite_or_none(ft[q]) for q in QUANTILES},
             **{f"ttlt_{q}": finite_or_none(lt[q]) for q in QUANTILES},
         }
@@ -361,22 +421,25 @@ def report(
         queued_tokens = float(
             queued.get("tokens", queued.get("requests", 0) * (served / n if n else mean_tokens))
         )
-        tenants[name] = {
-            **figures,
-            "requests": n,
-            "tok_s": served / duration_s,
-            "served_tokens": served,
-            "waiting": int(queued.get("requests", 0)),
-            "waited_s": waited if queued else None,
-            "starved": not n,
-            "demand_tokens": served + queued_tokens,
-            "limits": lim,
-            "missed": sorted(k for k, ok in met.items() if not ok),
-            "compliant": all(met.values()),
-            "governed": governed is None or name in governed,
-        }
+        tenants[name] = cast(
+            TenantFigures,
+            {
+                **figures,
+                "requests": n,
+                "tok_s": served / duration_s,
+                "served_tokens": served,
+                "waiting": int(queued.get("requests", 0)),
+                "waited_s": waited if queued else None,
+                "starved": not n,
+                "demand_tokens": served + queued_tokens,
+                "limits": lim,
+                "missed": sorted(k for k, ok in met.items() if not ok),
+                "compliant": all(met.values()),
+                "governed": governed is None or name in governed,
+            },
+        )
     counted = {t: f for t, f in tenants.items() if f["governed"]}
-    fair = _fairness(counted, terms, duration_s)
+    jfi, jfi_seed, over_consumers = _fairness(counted, terms, duration_s)
     kinds = sorted(set(rtype.tolist()))
     served_k = {k: float((rtype == k).sum()) for k in kinds}
     asked = dict(arrived) if arrived is not None else dict(served_k)
@@ -388,7 +451,7 @@ def report(
         for k, g in guaranteed.items()
         if g > 0
     }
-    types = {}
+    types: dict[str, TypeFigures] = {}
     for k in kinds:
         ft = distribution_stats(ttft[rtype == k])
         types[k] = {
@@ -405,7 +468,9 @@ def report(
         "tenants": tenants,
         "types": types,
         "scr": (sum(t["compliant"] for t in counted.values()) / len(counted)) if counted else None,
-        **fair,
+        "jfi": jfi,
+        "jfi_seed": jfi_seed,
+        "over_consumers": over_consumers,
         "type_fairness": ratios,
         "type_fairness_min": min(finite) if finite else None,
     }
@@ -422,12 +487,12 @@ def _tail_limits(lim: Mapping[str, float]) -> dict[str, float]:
 
 
 def _fairness(
-    tenants: dict[str, dict[str, Any]], terms: Terms, duration_s: float
-) -> dict[str, Any]:
-    """Fills each tenant's entitlement, service ratio, committed rate, Û and ω; returns the JFIs
-    and the over-consumers."""
+    tenants: dict[str, TenantFigures], terms: Terms, duration_s: float
+) -> tuple[float | None, float | None, list[str]]:
+    """Fills each tenant's entitlement, service ratio, committed rate, Û and ω; returns the JFI,
+    the seed's JFI and the over-consumers."""
     if not tenants:
-        return {"jfi": None, "jfi_seed": None, "over_consumers": []}
+        return None, None, []
     served = {t: f["served_tokens"] for t, f in tenants.items()}
     weights = {t: terms.weight(t) for t in tenants}
     capacity = sum(served.values())  # what the cluster served in the window: the capacity shared
@@ -444,11 +509,11 @@ def _fairness(
         f["omega"] = min(c / use, terms.alpha) if use > 0 else terms.alpha
     ratios = [f["service_ratio"] for f in tenants.values() if f["service_ratio"] is not None]
     seed = [f["normalised"] for f in tenants.values() if f["normalised"] is not None]
-    return {
-        "jfi": finite_or_none(jain_index(ratios)) if ratios else None,
-        "jfi_seed": finite_or_none(jain_index(seed)) if seed else None,
-        "over_consumers": sorted(t for t, f in tenants.items() if f["omega"] < 1.0),
-    }
+    return (
+        finite_or_none(jain_index(ratios)) if ratios else None,
+        finite_or_none(jain_index(seed)) if seed else None,
+        sorted(t for t, f in tenants.items() if f["omega"] < 1.0),
+    )
 
 
 def fairness_summary(

@@ -12,7 +12,7 @@ only — not *selectable*.
 **The axis** (``axis_rank``): every candidate has a place from size-first to age-first — its aging
 rate in 1/s. A fixed γ is its own; TIE's wait decay ``decay^(t/τ)`` ages at ``−ln(decay)/τ``; the
 defaults (γ-Ada) sit above the grid; sarathi and slofq (by arrival, by tenant) last. Moving down
-promotes short requests; moving up flushes what was held back (``tuner.autopilot``).
+promotes short requests; moving up flushes what was held back (``tuner.autopilot.controller``).
 
 **The search** (``ShadowSearch``): a shadow costs a simulator's replay of the replica's traffic;
 running every candidate all the time is what cost 4.4% of a core under overload last round. At

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.retry import RetryPolicy
 from scheduler.errors import FAILED, TailpilotError
-from tuner.spec import DEFAULT_STORAGE_FILE, TuneError
+from tuner.studies.spec import DEFAULT_STORAGE_FILE, TuneError
 
 # Optuna and SQLAlchemy are imported inside the functions that use them: the TUI imports this
-# module at start (through tuner.study), and they would add ~40 ms and ~0.2 s to it (python -X
-# importtime); storage.engine loads SQLAlchemy.
+# module at start (through tuner.studies.study), and they would add ~40 ms and ~0.2 s to it (python
+# -X importtime); storage.engine loads SQLAlchemy.
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage, JournalStorage, RDBStorage
     from sqlalchemy import Engine
@@ -341,7 +341,7 @@ def url_of(storage: BaseStorage) -> str:
 
 def _open_journal(url: str) -> JournalStorage:
     """JournalStorage in a file. Its writers take Optuna's symlink lock (works on NFS too); it has
-    no heartbeats: ``tuner.optimize`` fails the trials of dead local workers itself."""
+    no heartbeats: ``tuner.studies.optimize`` fails the trials of dead local workers itself."""
     from optuna.storages import JournalStorage  # start-up cost: see the note at the imports
     from optuna.storages.journal import JournalFileBackend  # start-up cost, likewise
 

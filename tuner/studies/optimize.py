@@ -1,7 +1,7 @@
 """Running a study (docs/engine.md#tuner): the objective, the samplers and their streams, the
 worker loop, and :func:`tune`, which runs one worker in this process or several local worker
 processes. What a study is — windows, trial 0, the definition kept in the study — is
-``tuner/study.py``'s docstring.
+``tuner/studies/study.py``'s docstring.
 
 * **Samplers.** One objective: TPE (multivariate, grouped for the conditional policy choice,
   constant liar for parallel workers) with the WilcoxonPruner over windows; a pruned trial
@@ -59,11 +59,11 @@ from optuna.trial import FrozenTrial, TrialState
 
 from scheduler.errors import FAILED, TailpilotError
 from scheduler.validation import finite_or_none
-from tuner.optuna_storage import open_storage, quiet_optuna, redact, storage_exists
-from tuner.results import best_summary
-from tuner.search import POLICY_PARAM, SearchSpace
-from tuner.spec import StudySpec, TuneError
-from tuner.study import (
+from tuner.studies.optuna_storage import open_storage, quiet_optuna, redact, storage_exists
+from tuner.studies.results import best_summary
+from tuner.studies.search import POLICY_PARAM, SearchSpace
+from tuner.studies.spec import StudySpec, TuneError
+from tuner.studies.study import (
     OWNER_ATTR,
     PRODUCTION,
     ROLE_ATTR,

@@ -24,7 +24,7 @@ import numpy as np
 from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig, Simulator
 from sim.traces import TraceRequest
-from tuner.promise import Figures, figures_of
+from tuner.autopilot.promise import Figures, figures_of
 
 FIRST_CHUNK_S = 30.0  # the projection advances in doubling chunks, stopping once all are done
 
@@ -117,7 +117,7 @@ class Shadow:
     def spawn(self, settings: Settings) -> Shadow:
         """A new shadow that takes over this one's engine (queue, batch, KV, clock) and what it
         served so far, and runs ``settings`` from its next step — as a replica switched now would
-        (``tuner.candidates``: the search starts a candidate this way, never from an empty
+        (``tuner.autopilot.candidates``: the search starts a candidate this way, never from an empty
         engine)."""
         child = Shadow.__new__(Shadow)
         child.sim = _copied(self.sim, ("gamma_timeline",))

@@ -26,16 +26,17 @@ A study is *trace windows × policy × search space × objective(s) × constrain
   space, γ̂ and the baseline, plus a fingerprint of the windows. A resuming ``tune``, a worker on
   another machine and ``recommend`` rebuild exactly the same windows from it (and refuse when a
   trace file changed). A recording still running is pinned where it stood when the study was
-  created (``tuner.recorded.pin``): the recorder appending requests afterwards changes nothing
-  the study replays, while a request changed inside that span is refused like a changed file.
+  created (``tuner.closed_loop.recorded.pin``): the recorder appending requests afterwards changes
+  nothing the study replays, while a request changed inside that span is refused like a changed
+  file.
 * **Checked before it is stored.** A new study's context is derived whole (:func:`draft`) before
   ``tune`` opens a storage file, so a refused definition leaves no database or journal behind.
 
-Rooms: the definition is ``tuner/spec.py``, the windows and their replay ``tuner/windows.py``,
-where a study lives ``tuner/optuna_storage.py``; this module prepares a study and rebuilds its
-context; ``tuner/optimize.py`` runs its workers (``tune``: samplers, streams, many workers,
-Ctrl-C) and ``tuner/results.py`` reads its results (``tuner/recommend.py`` and
-``tuner/continuous.py`` build on them).
+Rooms: the definition is ``tuner/studies/spec.py``, the windows and their replay
+``tuner/studies/windows.py``, where a study lives ``tuner/studies/optuna_storage.py``; this module
+prepares a study and rebuilds its context; ``tuner/studies/optimize.py`` runs its workers (``tune``:
+samplers, streams, many workers, Ctrl-C) and ``tuner/studies/results.py`` reads its results
+(``tuner/studies/recommend.py`` and ``tuner/studies/continuous.py`` build on them).
 
 Keep Optuna's tables away from tailpilot's database: the default storage is the SQLite file
 ``tailpilot-optuna.db``; ``check_storage_separate`` refuses the tailpilot database itself.
@@ -59,9 +60,9 @@ from scheduler.settings import PARAM_MODELS, Settings
 from scheduler.validation import finite_or_none
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceError
-from tuner import recorded
-from tuner.objectives import Constraint, tracked_metrics
-from tuner.optuna_storage import (
+from tuner.closed_loop import recorded
+from tuner.studies.objectives import Constraint, tracked_metrics
+from tuner.studies.optuna_storage import (
     open_storage,
     quiet_optuna,
     redact,
@@ -69,9 +70,9 @@ from tuner.optuna_storage import (
     storage_file,
     url_of,
 )
-from tuner.search import SearchSpace, build_space, parse_range
-from tuner.spec import SpecError, StudyConflict, StudySpec, TuneError, file_digest
-from tuner.windows import (
+from tuner.studies.search import SearchSpace, build_space, parse_range
+from tuner.studies.spec import SpecError, StudyConflict, StudySpec, TuneError, file_digest
+from tuner.studies.windows import (
     Window,
     build_traces,
     build_windows,

@@ -1,4 +1,4 @@
-"""How the live autopilot records a decision (``tuner.autopilot_live``): the note its audit row
+"""How the live autopilot records a decision (``tuner.autopilot.live``): the note its audit row
 carries, the stored prediction ``tailpilot verify`` and the step back judge, and the row its
 status keeps.
 """
@@ -9,8 +9,8 @@ import math
 from typing import Any
 
 from scheduler.settings import Settings
-from tuner.autopilot_types import Decision
-from tuner.whatif import METRICS as WHATIF_METRICS
+from tuner.autopilot.types import Decision
+from tuner.closed_loop.whatif import METRICS as WHATIF_METRICS
 
 #: The autopilot's name in the audit log and on its stored predictions.
 WHO = "autopilot"
@@ -41,8 +41,8 @@ def decision_summary(
     minutes: float,
     band: float | None,
 ) -> dict[str, Any]:
-    """A switch as a stored prediction (``tuner.whatif``'s shape), so ``tailpilot verify`` and the
-    step back judge it like any previewed change."""
+    """A switch as a stored prediction (``tuner.closed_loop.whatif``'s shape), so ``tailpilot
+    verify`` and the step back judge it like any previewed change."""
     old, new = decision.figures[decision.previous], decision.figures[decision.choice]
     predicted = decision.predicted()
     # Every figure the what-if keeps: the promise's quantiles and throughput, as shadows saw them.

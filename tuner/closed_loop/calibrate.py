@@ -60,7 +60,7 @@ from sim.stepmodel import (
     StepTimeModel,
     fit_step_model,
 )
-from tuner.replica_facts import CalibrationError, fetch_steps
+from tuner.closed_loop.replica_facts import CalibrationError, fetch_steps
 
 DEFAULT_MIN_STEPS = 50
 DEFAULT_HOLDOUT = 0.2

@@ -1,5 +1,5 @@
 """The tuner's search space (docs/engine.md#tuner); its objectives and constraints are
-``tuner/objectives.py``.
+``tuner/studies/objectives.py``.
 
 Search space
 ------------

@@ -17,8 +17,8 @@ from scheduler.metrics import fairness_summary, summarize
 from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
-from tuner import recorded
-from tuner.spec import DEFAULT_MAX_WINDOWS, StudySpec, TuneError
+from tuner.closed_loop import recorded
+from tuner.studies.spec import DEFAULT_MAX_WINDOWS, StudySpec, TuneError
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,22 @@
 """The autopilot: choose the scheduler's settings online, for the traffic being served, from the
 past only.
 
-How it decides (README, "The autopilot"). The candidate settings (``tuner.candidates``: uniboost
-at a fixed γ on a log grid, the defaults (γ-Ada), TIE at a fixed β, MemGuard's other quantization
-bases, sarathi — vLLM's own order, the guard's reference — and slofq with declared SLOs; the
-operator's pins bound them) are searched: at most ``max_shadows`` have a *shadow* at a time, a
-simulator that replays the replica's own traffic under that setting, continuously, since the
+How it decides (README, "The autopilot"). The candidate settings (``tuner.autopilot.candidates``:
+uniboost at a fixed γ on a log grid, the defaults (γ-Ada), TIE at a fixed β, MemGuard's other
+quantization bases, sarathi — vLLM's own order, the guard's reference — and slofq with declared
+SLOs; the operator's pins bound them) are searched: at most ``max_shadows`` have a *shadow* at a
+time, a simulator that replays the replica's own traffic under that setting, continuously, since the
 autopilot started or since it was forked from a running neighbour. A shadow never starts from an
 empty engine and never judges a setting over a few minutes: it answers "how would this setting
 have served everything so far", which is what a fixed setting chosen with hindsight is scored
 on. Every ``interval_s``
 the autopilot compares the shadows on the same requests — those that arrived in the last
 ``window_s`` before the shadows' clock — among the candidates that keep the operator's promise
-(``tuner.promise``: by default no quantile of TTFT or TTLT, nor throughput, worse than sarathi's
-by more than 2%; with tenants' SLOs declared, SCR and JFI first). A request a shadow has not
-finished counts with its *projected* latency: the shadow forked and drained with no further
-arrival (``tuner.shadows``), so a held-back request is charged its wait so far and the backlog
-ahead of it before the drain shows it.
+(``tuner.autopilot.promise``: by default no quantile of TTFT or TTLT, nor throughput, worse than
+sarathi's by more than 2%; with tenants' SLOs declared, SCR and JFI first). A request a shadow has
+not finished counts with its *projected* latency: the shadow forked and drained with no further
+arrival (``tuner.autopilot.shadows``), so a held-back request is charged its wait so far and the
+backlog ahead of it before the drain shows it.
 
 The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
 sarathi), and a move along it is not symmetric: a move down promotes short requests, a move up
@@ -47,7 +47,7 @@ many tokens each request in flight has generated so far. The shadows run ``delay
 in flight gets an imputed length — the median of recently completed lengths longer than what it
 has generated so far — never its true one.
 
-One implementation serves the simulator (``tuner.autopilot_replay``: ``tailpilot sim
+One implementation serves the simulator (``tuner.autopilot.replay``: ``tailpilot sim
 --autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations).
 """
 
@@ -66,15 +66,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from scheduler.settings import GAMMA_MAX_SAFE, GAMMA_MIN_SAFE, Settings
 from sim.engine import EngineConfig
 from sim.traces import TraceRequest
-from tuner.autopilot_types import Arrival, Decision, Observation, arrival_order
-from tuner.candidates import (
+from tuner.autopilot.candidates import (
     Candidate,
     SearchConfig,
     ShadowSearch,
     candidate_space,
     running_candidate,
 )
-from tuner.promise import (
+from tuner.autopilot.promise import (
     Figures,
     Promise,
     breaks,
@@ -83,7 +82,8 @@ from tuner.promise import (
     rank_key,
     sampling_slack,
 )
-from tuner.shadows import Projection, Shadow, Window, repeat_recent
+from tuner.autopilot.shadows import Projection, Shadow, Window, repeat_recent
+from tuner.autopilot.types import Arrival, Decision, Observation, arrival_order
 
 
 def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
@@ -102,9 +102,9 @@ class AutopilotConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
-    # The operator's other knobs, chosen too (``tuner.candidates``): TIE at these fixed β (its
-    # CVaR weight), and MemGuard's quantization base at these values besides the base document's
-    # (with the defaults and at one γ a decade). Pinned knobs are never varied.
+    # The operator's other knobs, chosen too (``tuner.autopilot.candidates``): TIE at these fixed β
+    # (its CVaR weight), and MemGuard's quantization base at these values besides the base
+    # document's (with the defaults and at one γ a decade). Pinned knobs are never varied.
     betas: tuple[float, ...] = Field((0.1, 0.5), max_length=16)
     quant_bases: tuple[int, ...] = Field((64, 1024), max_length=16)
     with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
@@ -132,9 +132,9 @@ class AutopilotConfig(BaseModel):
     tie: float = Field(0.03, ge=0.0, le=1.0)
     prefer_small: bool = False
     # Among tied candidates, those with the most margin on the promise's quantiles first
-    # (``tuner.promise.margin``: the geometric mean of their ratios to the reference's, in steps
-    # of ``margin_step``), then the axis rule above — "slo": with tenants' SLOs declared (their
-    # targets are tail quantiles). A P95 tie can hide a P99 gap: on ``tenants`` γ 0.464 and γ
+    # (``tuner.autopilot.promise.margin``: the geometric mean of their ratios to the reference's, in
+    # steps of ``margin_step``), then the axis rule above — "slo": with tenants' SLOs declared
+    # (their targets are tail quantiles). A P95 tie can hide a P99 gap: on ``tenants`` γ 0.464 and γ
     # 0.001 tied on P95 TTFT (0.538 vs 0.534 s) before a surge, P99 1.011 vs 0.945 s; the axis
     # rule took 0.464 and a tenant lost its P99 TTFT target in the surge. Not "always": without
     # SLOs on ``conv1.1`` it took a small γ whose P99 grew later (closure 0.78 -> -0.31).
@@ -156,8 +156,8 @@ class AutopilotConfig(BaseModel):
     # break on this many decisions in a row.
     guard_patience: int = Field(2, ge=1, le=100)
     min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
-    # What is kept and what is won (tuner.promise): every quantile within 2% of sarathi's by
-    # default; the tenants' SLOs when declared.
+    # What is kept and what is won (tuner.autopilot.promise): every quantile within 2% of sarathi's
+    # by default; the tenants' SLOs when declared.
     promise: Promise = Field(default_factory=Promise)
     # A request a shadow has not finished is projected this far ahead (its shadow forked and run on
     # with no further arrival); 0 counts it with its wait so far only.
@@ -179,11 +179,11 @@ class AutopilotConfig(BaseModel):
     # Sustained overload is judged again every this-many decisions (held in between).
     overload_recheck: int = Field(5, ge=1, le=1_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
-    # The search (``tuner.candidates.ShadowSearch``): at most this many shadows run (0: all); an
-    # explorer behind the best that keeps the promise by ``prune_margin`` on ``prune_patience``
-    # judged decisions in a row is retired (a break alone is not a reason); a forked one is judged
-    # but neither chosen nor retired for ``probation_s``; a retired one comes back no sooner than
-    # ``retry_s``.
+    # The search (``tuner.autopilot.candidates.ShadowSearch``): at most this many shadows run (0:
+    # all); an explorer behind the best that keeps the promise by ``prune_margin`` on
+    # ``prune_patience`` judged decisions in a row is retired (a break alone is not a reason); a
+    # forked one is judged but neither chosen nor retired for ``probation_s``; a retired one comes
+    # back no sooner than ``retry_s``.
     max_shadows: int = Field(10, ge=0, le=1_000)
     prune_margin: float = Field(0.25, ge=0.0, le=100.0)
     prune_patience: int = Field(3, ge=1, le=1_000)
@@ -220,7 +220,7 @@ SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and J
 
 # --- candidates and their shadows ---------------------------------------------------------------
 def candidate_set(base: Settings, config: AutopilotConfig) -> dict[str, Candidate]:
-    """The candidates (``tuner.candidates.candidate_space``) this configuration spans."""
+    """The candidates (``tuner.autopilot.candidates.candidate_space``) this configuration spans."""
     return candidate_space(
         base,
         gammas=config.gammas,
@@ -313,7 +313,7 @@ class Autopilot:
 
     def _search(self, figures: dict[str, Figures], clock: float) -> None:
         """After a judged decision: retire the explorers that lag, start the nearest candidates
-        to the target in their places (``tuner.candidates.ShadowSearch``)."""
+        to the target in their places (``tuner.autopilot.candidates.ShadowSearch``)."""
         anchors = {name: self._place(name) for name in (self.current, self._target)}
         keep = self.search.bracket(anchors, self.shadows)
         for name in self.search.retire(self._lagging(figures), keep, clock):
@@ -615,9 +615,9 @@ class Autopilot:
         self._last_switch, self._hold_until = now, now + hold_s
 
     def _rank(self, name: str) -> float:
-        """A candidate's place on the size-to-age axis (``tuner.candidates.axis_rank``: its aging
-        rate; the defaults above the grid, sarathi and slofq last). Moving down the axis promotes
-        short requests — cheap; moving up flushes what a small γ held back onto everyone —
+        """A candidate's place on the size-to-age axis (``tuner.autopilot.candidates.axis_rank``:
+        its aging rate; the defaults above the grid, sarathi and slofq last). Moving down the axis
+        promotes short requests — cheap; moving up flushes what a small γ held back onto everyone —
         costly."""
         return self.space[name].rank
 

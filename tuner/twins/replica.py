@@ -31,14 +31,14 @@ document but, as on vLLM, the running engine keeps its start-up values. The ``or
 refused, as on a live replica.
 
 Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order, each
-share replayed lap after lap with ``loop=True`` (``tuner/twin_feed.py``).
+share replayed lap after lap with ``loop=True`` (``tuner/twins/feed.py``).
 
 Step log. Every single step is recorded (``/tailpilot/v1/steps``); a stretch of k identical
 decode steps that event skipping advances as one is recorded by its first and last steps only
 (their context and duration differ by the KV growth across the stretch, which is what fits ``e``).
 
 Metrics. A ``prometheus_client`` registry per twin with vLLM 0.32's metrics, read at scrape time
-under the twin's lock, so ``/metrics`` and ``/state`` agree (``tuner/twin_metrics.py``).
+under the twin's lock, so ``/metrics`` and ``/state`` agree (``tuner/twins/metrics.py``).
 
 Rooms: this module holds the clock, the ticker, the replica (its engine loop and the API it
 serves) and ``start_twins``/``TwinCluster``, which start a fleet of them.
@@ -65,9 +65,9 @@ from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
 from sim import traces
 from sim.engine import EngineConfig, Simulator
 from sim.traces import Trace, TraceRequest
-from tuner.recorded import load_any
-from tuner.twin_feed import Feed, split_round_robin, trace_period
-from tuner.twin_metrics import TwinCollector, TwinStats
+from tuner.closed_loop.recorded import load_any
+from tuner.twins.feed import Feed, split_round_robin, trace_period
+from tuner.twins.metrics import TwinCollector, TwinStats
 
 log = logging.getLogger(__name__)
 

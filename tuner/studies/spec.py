@@ -27,8 +27,8 @@ from scheduler.validation import describe_validation, field_path
 from sim import traces as tr
 from sim.engine import EngineConfig
 from sim.stepmodel import DEFAULT_MODEL_NAME, StepTimeModel, get_model
-from tuner import recorded
-from tuner.objectives import Constraint, parse_constraint, parse_objectives
+from tuner.closed_loop import recorded
+from tuner.studies.objectives import Constraint, parse_constraint, parse_objectives
 
 SPEC_VERSION = 1
 DEFAULT_STORAGE_FILE = "tailpilot-optuna.db"
@@ -193,8 +193,8 @@ class StudySpec(BaseModel):
 
     def normalize(self) -> StudySpec:
         """Complete the definition: absolute paths (files must exist), recorded spans pinned
-        (``tuner.recorded.pin``: a recording still growing is replayed up to where it stood),
-        canonical metric names, constraints checked against the SLOs, file digests."""
+        (``tuner.closed_loop.recorded.pin``: a recording still growing is replayed up to where it
+        stood), canonical metric names, constraints checked against the SLOs, file digests."""
         try:
             self.traces = [
                 None

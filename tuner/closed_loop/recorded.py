@@ -47,7 +47,7 @@ from sim import traces as tr
 from storage.rows import CompletionRow
 
 # The store's modules are imported inside load_recorded: storage.store (SQLAlchemy, Alembic) adds
-# ~0.4 s to importing this module, which tuner.spec and the TUI's start import (python -X
+# ~0.4 s to importing this module, which tuner.studies.spec and the TUI's start import (python -X
 # importtime), and only a recorded trace needs it.
 if TYPE_CHECKING:
     from storage.store import Store

@@ -21,7 +21,7 @@ from prometheus_client.core import (
 from scheduler.metrics import Completion
 
 if TYPE_CHECKING:  # the twin imports this module
-    from tuner.twin import TwinReplica
+    from tuner.twins.replica import TwinReplica
 
 # vLLM 0.32's default histogram buckets (vllm/v1/metrics/buckets.py), copied so that twins do not
 # import vLLM.

@@ -1,11 +1,11 @@
 """The autopilot on a live cluster (``tailpilot record --autopilot [--arm]``; README, "The
 autopilot").
 
-One controller (``tuner.autopilot.Autopilot``) per replica, fed only what the replica reports:
-its completions (the recorder's polls), its requests in flight (``GET /inflight``: arrival, prompt
-length, the client's cap, tokens generated so far — never an output length) and its clock. Every
-``tick_s`` each replica's controller is shown what came since the last tick; when it decides to
-switch, the live driver carries the decision out.
+One controller (``tuner.autopilot.controller.Autopilot``) per replica, fed only what the replica
+reports: its completions (the recorder's polls), its requests in flight (``GET /inflight``: arrival,
+prompt length, the client's cap, tokens generated so far — never an output length) and its clock.
+Every ``tick_s`` each replica's controller is shown what came since the last tick; when it decides
+to switch, the live driver carries the decision out.
 
 States (the store's autopilot control row, steered by ``tailpilot autopilot`` and the TUI's O):
 
@@ -28,10 +28,11 @@ An armed autopilot owns γ: an operator's unpinned change is undone at its next 
 setting, pin it or disarm the autopilot.
 
 **Verify and step back.** ``verify_minutes`` after an applied switch, the traffic that came after
-it is replayed under the previous settings (``tuner.whatif.verify``: the counterfactual); the
-realized P95 TTFT change is compared with the predicted one. When it is worse than predicted by more
-than the band (the replica's fidelity band, else ``band``) ``step_back_after`` times in a row, the
-autopilot steps back to the defaults and holds them for ``hold_s``.
+it is replayed under the previous settings (``tuner.closed_loop.whatif.verify``: the
+counterfactual); the realized P95 TTFT change is compared with the predicted one. When it is worse
+than predicted by more than the band (the replica's fidelity band, else ``band``)
+``step_back_after`` times in a row, the autopilot steps back to the defaults and holds them for
+``hold_s``.
 """
 
 from __future__ import annotations
@@ -57,17 +58,17 @@ from controlplane.replica_http import (
     fetch_inflight,
     make_client,
 )
-from controlplane.steering import LeaseKeeper, apply_settings
+from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings
 from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
-from tuner.autopilot import Autopilot, AutopilotConfig
-from tuner.autopilot_records import WHO, decision_note, decision_row, decision_summary
-from tuner.autopilot_types import Arrival, Decision, Observation
-from tuner.candidates import OWN_KNOBS, running_candidate
-from tuner.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
-from tuner.whatif import verify
+from tuner.autopilot.candidates import OWN_KNOBS, running_candidate
+from tuner.autopilot.controller import Autopilot, AutopilotConfig
+from tuner.autopilot.records import WHO, decision_note, decision_row, decision_summary
+from tuner.autopilot.types import Arrival, Decision, Observation
+from tuner.closed_loop.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
+from tuner.closed_loop.whatif import verify
 
 if TYPE_CHECKING:  # the caller's collector and store (the collector runs this in its loop)
     from controlplane.cluster import ClusterSpec, ReplicaSpec
@@ -490,15 +491,7 @@ class LiveAutopilot:
             )
             return
         applied_ms = int(self.clock() * 1000)
-        [res] = await apply_settings(
-            self.cluster,
-            [rp.name],
-            lambda cur: target_document(cur, target),
-            self.store,
-            who=WHO,
-            note=note,
-            lease=self.leases,
-        )
+        res = await self._send(rp, target, note)
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
         # A prediction only where both sides were compared (an overload decision compares none).
         if res.ok and runs in decision.figures and decision.choice in decision.figures:
@@ -530,6 +523,20 @@ class LiveAutopilot:
                     "summary": summary,
                 }
             )
+
+    async def _send(self, rp: ReplicaPilot, target: Settings, note: str) -> ApplyResult:
+        """Make ``rp``'s replica run ``target``'s choice (``target_document`` of what it runs when
+        the change is sent), audited with ``note``, under this controller's lease."""
+        [res] = await apply_settings(
+            self.cluster,
+            [rp.name],
+            lambda cur: target_document(cur, target),
+            self.store,
+            who=WHO,
+            note=note,
+            lease=self.leases,
+        )
+        return res
 
     def _band(self, replica: str) -> float | None:
         reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
@@ -590,15 +597,7 @@ class LiveAutopilot:
         rp.note = note
         rp.pending.clear()
         if self.armed_on(rp.name) and self.held is None:
-            await apply_settings(
-                self.cluster,
-                [rp.name],
-                lambda cur: target_document(cur, target),
-                self.store,
-                who=WHO,
-                note=note,
-                lease=self.leases,
-            )
+            await self._send(rp, target, note)
 
     def armed_on(self, replica: str) -> bool:
         """Whether decisions are carried out on ``replica``: the row is armed and the replica is

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.metrics import Completion
-from tuner.promise import QUANTILE_NAMES, Figures
+from tuner.autopilot.promise import QUANTILE_NAMES, Figures
 
 
 @dataclass(frozen=True, slots=True)

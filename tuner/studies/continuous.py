@@ -19,8 +19,8 @@ from typing import Any
 
 from scheduler.settings import Settings
 from sim.engine import Simulator
-from tuner.study import TuneContext
-from tuner.windows import completion_metrics
+from tuner.studies.study import TuneContext
+from tuner.studies.windows import completion_metrics
 
 MAX_CANDIDATES = 5  # continuous replays are whole traces: check the best few, in preference order
 # A candidate that changes the engine limits must keep this share of production's throughput in

@@ -3,10 +3,10 @@
 The recommended settings are the best feasible, fully evaluated trial (one objective) or, with
 several objectives, a member of the feasible Pareto front: of those no worse than the production
 settings on any objective, the one with the largest mean improvement (else the max-min member;
-see ``tuner.results.choose_recommendation``). The whole front is reported too. Before it is
+see ``tuner.studies.results.choose_recommendation``). The whole front is reported too. Before it is
 recommended, a candidate is replayed continuously over the whole trace against production
-(``tuner.continuous``): one that loses there is passed over for the next, and if every candidate
-loses, production is kept.
+(``tuner.studies.continuous``): one that loses there is passed over for the next, and if every
+candidate loses, production is kept.
 
 Improvements are paired per window: for each window, the recommended settings and the production
 settings (trial 0) replay the same requests. The headline change is the geometric mean over
@@ -31,11 +31,11 @@ from scheduler.metrics import higher_is_better, percent_change
 from scheduler.settings import Settings
 from scheduler.validation import finite_or_none
 from storage.strict_json import finite
-from tuner.autopilot_tune import autopilot_metrics
-from tuner.continuous import losses, validate
-from tuner.results import best_trials, candidate_trials, ranked_candidates, trial_metrics
-from tuner.spec import TuneError
-from tuner.study import PRODUCTION, ROLE_ATTR, TRIAL_ATTR, TuneContext, load_context
+from tuner.autopilot.tune import autopilot_metrics
+from tuner.studies.continuous import losses, validate
+from tuner.studies.results import best_trials, candidate_trials, ranked_candidates, trial_metrics
+from tuner.studies.spec import TuneError
+from tuner.studies.study import PRODUCTION, ROLE_ATTR, TRIAL_ATTR, TuneContext, load_context
 
 CONFIDENCE = 0.95
 

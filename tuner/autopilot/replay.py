@@ -1,6 +1,7 @@
 """The autopilot in the simulator: ``tailpilot sim --autopilot``, ``compare --autopilot`` and the
 benchmark replay a trace with the controller choosing the settings as it goes, shown at each
-decision only what a live replica would know by then (``tuner.autopilot.Observation``)."""
+decision only what a live replica would know by then
+(``tuner.autopilot.controller.Observation``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, SimResult, Simulator
 from sim.traces import Trace, TraceRequest
-from tuner.autopilot import Autopilot, AutopilotConfig
-from tuner.autopilot_types import Arrival, Decision, Observation
+from tuner.autopilot.controller import Autopilot, AutopilotConfig
+from tuner.autopilot.types import Arrival, Decision, Observation
 
 
 def replay_with_autopilot(

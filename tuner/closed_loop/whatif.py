@@ -4,12 +4,13 @@
     print(format_prediction(p))    # "P95 TTFT −62% (±9% on this replica)" ...
 
 **Predict.** The replica's last ``minutes`` of recorded traffic (the requests the store received
-then, as ``tuner.recorded`` turns them into a trace), preceded by ``warmup_s`` of the traffic before
-it, is replayed twice with the replica's engine (``tuner.replica_facts.replica_engine``): under the
-current and under the proposed settings, the same requests. The figures are those of the requests
-that arrived after the warm-up (so neither run starts from an empty engine), and the change is
-proposed / current − 1. The band beside each is the replica's newest fidelity error band
-(``tuner.fidelity``): how far the simulator has been off on this replica.
+then, as ``tuner.closed_loop.recorded`` turns them into a trace), preceded by ``warmup_s`` of the
+traffic before it, is replayed twice with the replica's engine
+(``tuner.closed_loop.replica_facts.replica_engine``): under the current and under the proposed
+settings, the same requests. The figures are those of the requests that arrived after the warm-up
+(so neither run starts from an empty engine), and the change is proposed / current − 1. The band
+beside each is the replica's newest fidelity error band (``tuner.closed_loop.fidelity``): how far
+the simulator has been off on this replica.
 
 **Verify.** Once ``minutes`` have passed since an applied change, the traffic that actually came
 after it is known. It is replayed under the *old* settings (the counterfactual: what would have
@@ -30,15 +31,15 @@ from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig, simulate
 from storage.rows import CompletionRow
-from tuner.fidelity import Replay, relative_change, summary_of
-from tuner.recorded import (
+from tuner.closed_loop.fidelity import Replay, relative_change, summary_of
+from tuner.closed_loop.recorded import (
     as_completion,
     engine_arrival_s,
     rows_to_trace,
     store_lag_s,
     with_front_end,
 )
-from tuner.replica_facts import replica_engine
+from tuner.closed_loop.replica_facts import replica_engine
 
 if TYPE_CHECKING:  # the caller's open store (storage.store costs ~0.4 s to import)
     from storage.store import Store

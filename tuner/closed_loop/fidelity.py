@@ -3,10 +3,10 @@
     report = fidelity(store, cluster="prod", replica="a100-0", recording="peak")
     report["overall"]["errors"]["ttft_p99"]     # sim / real − 1 over the span
 
-A recorded span of one replica (``tuner.recorded``: the engine core's arrivals and lengths) is
-replayed through the simulator with the settings that were in force (the collector's record of
-every settings version the replica ran, ``settings_seen``; a change inside the span is applied at
-the time it was first seen) and the replica's engine: its calibrated step-time model
+A recorded span of one replica (``tuner.closed_loop.recorded``: the engine core's arrivals and
+lengths) is replayed through the simulator with the settings that were in force (the collector's
+record of every settings version the replica ran, ``settings_seen``; a change inside the span is
+applied at the time it was first seen) and the replica's engine: its calibrated step-time model
 (``calibrated/<replica>`` when saved, else the one named) and its block size, KV blocks and limits
 (read from the replica when it answers, else from the settings document and the stored samples).
 Then, per window of arrivals and over the span, the simulated and the real requests — the same
@@ -41,7 +41,7 @@ from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
-from tuner.recorded import (
+from tuner.closed_loop.recorded import (
     DB_ENV,
     RecordedSpan,
     engine_arrival_s,
@@ -49,7 +49,7 @@ from tuner.recorded import (
     store_lag_s,
     with_front_end,
 )
-from tuner.replica_facts import replica_engine
+from tuner.closed_loop.replica_facts import replica_engine
 
 if TYPE_CHECKING:  # the caller's open store (storage.store costs ~0.4 s to import)
     from storage.store import Store
@@ -125,7 +125,7 @@ def decision_diff(
 ) -> dict[str, Any]:
     """How differently two runs ordered the same requests (first-token times, preemptions)."""
     # start-up cost: scipy.stats adds ~0.4 s to importing this module (python -X importtime),
-    # which tuner.whatif (the autopilot, set --preview) imports for its replay helpers.
+    # which tuner.closed_loop.whatif (the autopilot, set --preview) imports for its replay helpers.
     from scipy import stats
 
     n = len(arrivals)
@@ -215,8 +215,9 @@ def fidelity(
     db: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``replica``'s recorded span and compare (see the module docstring). ``engine_facts``:
-    the replica's block size, KV blocks and limits (``tuner.replica_facts.fetch_engine_facts``);
-    None reads what the store knows. ``db`` is only used to name the span in the report."""
+    the replica's block size, KV blocks and limits
+    (``tuner.closed_loop.replica_facts.fetch_engine_facts``); None reads what the store knows.
+    ``db`` is only used to name the span in the report."""
     if not (window_s > 0 and math.isfinite(window_s)):
         raise FidelityError(f"window_s must be a positive number of seconds, got {window_s!r}")
     span = RecordedSpan(

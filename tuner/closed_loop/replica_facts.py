@@ -1,6 +1,6 @@
 """Reading a replica for calibration: its step log (paged, bounded, rate limits waited out), its
 engine facts (block size, KV blocks, limits) as the simulator's engine, and where the store says
-its control API is. The fitting itself is :mod:`tuner.calibrate`."""
+its control API is. The fitting itself is :mod:`tuner.closed_loop.calibrate`."""
 
 from __future__ import annotations
 

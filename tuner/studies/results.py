@@ -1,6 +1,6 @@
 """Reading a study's results: its feasible, fully evaluated trials, the best one (one objective)
 or the feasible Pareto front (several), and the trial an operator would take from the front.
-``tailpilot recommend`` (``tuner/recommend.py``) and the TUI build on these.
+``tailpilot recommend`` (``tuner/studies/recommend.py``) and the TUI build on these.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from scheduler.metrics import percent_change
-from tuner.study import TRIAL_ATTR, TuneContext
-from tuner.windows import nanmean
+from tuner.studies.study import TRIAL_ATTR, TuneContext
+from tuner.studies.windows import nanmean
 
 # Optuna is imported inside the functions that use it: the TUI imports this module at start, and
 # optuna would add ~40 ms to it (python -X importtime).

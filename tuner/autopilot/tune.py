@@ -30,10 +30,10 @@ from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
 from sim.traces import Trace
-from tuner.autopilot import AutopilotConfig
-from tuner.autopilot_replay import replay_with_autopilot
-from tuner.promise import QUANTILE_NAMES
-from tuner.windows import completion_metrics
+from tuner.autopilot.controller import AutopilotConfig
+from tuner.autopilot.promise import QUANTILE_NAMES
+from tuner.autopilot.replay import replay_with_autopilot
+from tuner.studies.windows import completion_metrics
 
 SARATHI = Settings.model_validate({"policy": "sarathi"})
 # The decision knobs searched: (low, high, log scale). The candidate grid, the guards and the

@@ -1,0 +1,20 @@
+"""Offline studies: Optuna searches over policy and engine settings on replayed traces.
+
+``spec`` (a study's definition), ``windows`` (the traces cut into warm-started windows),
+``search`` and ``objectives`` (the space, the objectives and constraints), ``study`` (create, join,
+resume), ``optimize`` (the worker loop: ``tailpilot tune``), ``optuna_storage`` (where a study
+lives), ``results`` (its best trials), ``recommend`` (validated on held-out windows) and
+``continuous`` (a recommendation replayed over the whole trace).
+"""
+
+# Used by other floors (tests/test_layers.py); ``windows``, ``objectives`` and ``continuous``
+# serve these.
+__all__ = [
+    "optimize",
+    "optuna_storage",
+    "recommend",
+    "results",
+    "search",
+    "spec",
+    "study",
+]
