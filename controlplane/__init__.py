@@ -8,6 +8,7 @@ It drives replicas through the control API whose contract lives in ``scheduler``
 __all__ = [
     "cluster",
     "collector",
+    "controller_host",
     "export",
     "governance",
     "governor",

@@ -34,17 +34,17 @@ says so). The state is kept in the store (its control row, ``storage.control``),
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from controlplane.controller_host import run_controller
 from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import LeaseKeeper, apply_settings
 from scheduler.settings import Settings, describe_error
@@ -521,6 +521,28 @@ def _log_dry_run(
     return result
 
 
+@dataclass(slots=True)
+class _HostedGovernor:
+    """The governor as ``run_controller`` hosts it: ``governor_step`` each tick, the undo of
+    every change it made at the stop."""
+
+    gov: Governor
+    collector: Any
+    store: Any
+    clock: Callable[[], float]
+    name: Literal["governor"] = "governor"
+
+    async def step(self) -> None:
+        log = logging.getLogger("tailpilot.governor")
+        for outcome in await governor_step(self.gov, self.collector, self.store, self.clock()):
+            log.warning("%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"])
+
+    async def close(self) -> None:
+        # The recorder stops: nothing will watch the modes any more, so none stays applied
+        # (unless disarmed with --keep); the status lists what is left if this fails.
+        await stop_governor(self.gov, self.collector, self.store, self.clock())
+
+
 async def run_governor(
     collector: Any,
     store: Any,
@@ -531,9 +553,8 @@ async def run_governor(
     undo_timeout_s: float = 30.0,
 ) -> None:
     """Evaluate every ``interval_s`` until ``stop`` (an asyncio.Event) is set (``record --govern``);
-    then (or cancelled) undo every change it made, unless disarmed with ``--keep``."""
-    log = logging.getLogger("tailpilot.governor")
-    clock = clock or time.time
+    then (or cancelled) undo every change it made, unless disarmed with ``--keep`` — in the one
+    controller loop (``controlplane.controller_host``)."""
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
     gov.restore(
@@ -541,43 +562,8 @@ async def run_governor(
             "status"
         )
     )
-    try:
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
-            if stop.is_set():
-                return
-            try:
-                for outcome in await governor_step(gov, collector, store, clock()):
-                    log.warning(
-                        "%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"]
-                    )
-            except (
-                Exception
-            ):  # a failed evaluation (busy store, a replica down) is retried next time
-                log.exception("governor step failed")
-    finally:
-        # The recorder stops: nothing will watch the modes any more, so none stays applied. The
-        # recorder cancels this task once its collector has stopped, possibly mid-undo: the undo
-        # runs shielded and is waited for (at most ``undo_timeout_s``) whatever the cancellation.
-        undo = asyncio.ensure_future(stop_governor(gov, collector, store, clock()))
-        deadline = time.monotonic() + undo_timeout_s
-        while not undo.done() and time.monotonic() < deadline:
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(undo), max(0.0, deadline - time.monotonic()))
-        if not undo.done():
-            undo.cancel()
-            log.error(
-                "governor: undoing its changes at the stop took over %.0f s; "
-                "the status lists what is left",
-                undo_timeout_s,
-            )
-        elif not undo.cancelled() and undo.exception() is not None:
-            log.error(
-                "governor: undoing its changes at the stop failed: %s; "
-                "the status lists what is left",
-                undo.exception(),
-            )
+    hosted = _HostedGovernor(gov, collector, store, clock or time.time)
+    await run_controller(hosted, stop, interval_s=interval_s, close_timeout_s=undo_timeout_s)
 
 
 def governor_task(

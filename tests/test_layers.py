@@ -483,3 +483,49 @@ def test_the_tuner_folders_list_their_rooms_and_an_undeclared_one_is_refused():
     assert not lists_rooms(ROOT / "scheduler" / "metrics")
     declared = declared_names(ROOT / "tuner" / "autopilot" / "__init__.py")
     assert "controller" in declared and "candidates" not in declared
+
+
+def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
+    """(lines of ``while not ....is_set():`` loops, whether it calls ``apply_settings``)."""
+    tree = ast.parse(path.read_text())
+    loops = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.While)
+        and isinstance(node.test, ast.UnaryOp)
+        and isinstance(node.test.op, ast.Not)
+        and isinstance(node.test.operand, ast.Call)
+        and isinstance(node.test.operand.func, ast.Attribute)
+        and node.test.operand.func.attr == "is_set"
+    ]
+    changes = any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "apply_settings"
+        for node in ast.walk(tree)
+    )
+    return loops, changes
+
+
+def test_a_controller_runs_in_the_one_controller_loop():
+    """A module that changes replicas' settings (calls ``apply_settings``) runs no loop of its
+    own: a controller is stepped by ``controlplane.controller_host.run_controller``, whose loop
+    owns the tick, the failed step and the bounded close (docs/architecture.md)."""
+    bad = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            loops, changes = own_loops_and_changes(path)
+            if changes and loops:
+                bad.append(f"{path.relative_to(ROOT)}:{loops[0]}")
+    assert bad == []
+    host = own_loops_and_changes(ROOT / "controlplane" / "controller_host.py")
+    assert host[0] and not host[1]  # the one loop, which changes nothing itself
+
+
+def test_the_controller_loop_checker_sees_a_second_loop(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "async def run(stop, cluster):\n"
+        "    while not stop.is_set():\n"
+        "        await apply_settings(cluster, None, {})\n"
+    )
+    assert own_loops_and_changes(probe) == ([2], True)

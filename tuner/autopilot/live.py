@@ -38,7 +38,6 @@ than predicted by more than the band (the replica's fidelity band, else ``band``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -46,10 +45,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.controller_host import run_controller
 from controlplane.governor import modes
 from controlplane.replica_http import (
     HttpFailure,
@@ -680,6 +680,22 @@ def status_lines(row: dict[str, Any]) -> list[str]:
     return lines
 
 
+@dataclass(slots=True)
+class _HostedAutopilot:
+    """The live autopilot as ``run_controller`` hosts it: a tick each ``tick_s`` through one HTTP
+    client, closed at the stop."""
+
+    driver: LiveAutopilot
+    client: PollingClient
+    name: Literal["autopilot"] = "autopilot"
+
+    async def step(self) -> None:
+        await self.driver.step(self.client)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
 async def run_autopilot(
     collector: Collector,
     store: Store,
@@ -689,19 +705,9 @@ async def run_autopilot(
     live: LiveConfig | None = None,
     clock: Callable[[], float] = time.time,
 ) -> None:
-    """Tick every ``live.tick_s`` until ``stop`` is set (``tailpilot record --autopilot``)."""
+    """Tick every ``live.tick_s`` until ``stop`` is set (``tailpilot record --autopilot``), in the
+    one controller loop (``controlplane.controller_host``)."""
     driver = LiveAutopilot(collector, store, config, live, clock=clock)
     collector.on_poll(driver.on_poll)
-    client = make_client(driver.cluster)
-    try:
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), driver.live.tick_s)
-            if stop.is_set():
-                return
-            try:
-                await driver.step(client)
-            except Exception:  # a busy store or the like: the next tick tries again
-                log.exception("autopilot step failed")
-    finally:
-        await client.aclose()
+    hosted = _HostedAutopilot(driver, make_client(driver.cluster))
+    await run_controller(hosted, stop, interval_s=driver.live.tick_s)
