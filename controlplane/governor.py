@@ -354,7 +354,7 @@ class Change:
     old: Any = _UNSET
     sent: bool = False  # it produced a document (set by calling it)
 
-    def __call__(self, current: Settings) -> Settings | None:
+    def apply(self, current: Settings) -> Settings | None:
         self.sent = False
         if current.policy != "slofq" or current.is_pinned(self.mode.param):
             return None  # the modes are slofq's parameters; a pinned one is never moved
@@ -497,7 +497,7 @@ def _log_dry_run(
     cluster: str,
     replica: str,
     current: dict[str, Any] | None,
-    change: Callable[[Settings], Settings | None],
+    change: Change,
     decision: Decision,
 ) -> str:
     new, why = None, "nothing to change"
@@ -505,7 +505,7 @@ def _log_dry_run(
         # What a replica reports is its own: a document this version cannot read (a newer
         # plugin's field, a broken replica) skips that replica, never the step for the cluster.
         try:
-            new = change(Settings.model_validate(current))
+            new = change.apply(Settings.model_validate(current))
         except (ValidationError, ValueError, TypeError) as err:
             why = f"its settings document is not one this version reads ({describe_error(err)})"
     result = "dry-run" if new is not None else "skipped"

@@ -12,9 +12,9 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -56,7 +56,17 @@ class ApplyResult:
         return self.result in ("applied", "staged")
 
 
-SettingsChange = Callable[[Any], Any] | Mapping[str, Any]
+class Change(Protocol):
+    """What ``apply_settings`` carries: a change of a replica's settings that makes the new
+    document of the one the replica runs when it is sent (``scheduler.settings.SettingsChange``,
+    the TUI's recommendation, the governor's mode, the autopilot's target). ``apply`` may answer
+    None: nothing to change there ("skipped", nothing sent)."""
+
+    def apply(self, current: Settings) -> Settings | None: ...
+
+
+# A change, or a whole settings document (the engine fields it leaves out keep the replica's).
+ChangeOrDocument = Change | Mapping[str, Any]
 
 
 async def _current_settings(
@@ -74,13 +84,15 @@ async def _current_settings(
     return current
 
 
-def _new_document(res: ApplyResult, change: SettingsChange) -> dict[str, Any] | None:
+def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] | None:
     """The validated document ``change`` makes of ``res.old``; None when there is nothing to send
     (``res`` then says why: "skipped", or "rejected" before sending)."""
     produced: Any = None
     old = res.old or {}
     try:
-        produced = change(Settings.model_validate(old)) if callable(change) else change
+        produced = (
+            change if isinstance(change, Mapping) else change.apply(Settings.model_validate(old))
+        )
         if produced is None:
             res.result, res.message = "skipped", "nothing to change"
             return None
@@ -138,7 +150,7 @@ async def _apply_one(
     client: PollingClient,
     cluster: ClusterSpec,
     spec: ReplicaSpec,
-    change: SettingsChange,
+    change: ChangeOrDocument,
     wait_s: float,
     lease: LeaseKeeper | None = None,
 ) -> ApplyResult:
@@ -223,7 +235,7 @@ async def _wait_active(
 async def apply_settings(
     cluster: ClusterSpec,
     replica_names: Iterable[str] | None,
-    change: SettingsChange,
+    change: ChangeOrDocument,
     store: Any | None = None,
     who: str = "cli",
     *,
@@ -234,16 +246,16 @@ async def apply_settings(
 ) -> list[ApplyResult]:
     """Change the settings of the named replicas (all when ``replica_names`` is None), concurrently.
 
-    ``change`` is a settings document, or a function from the replica's current
-    :class:`~scheduler.settings.Settings` to a document (or a Settings) — e.g.
-    ``lambda s: s.replace(params={"gamma": 8})``. Per replica: GET the current document and version,
-    build and validate the new one, PUT it with ``If-Match`` and the bearer token from the replica's
-    ``token_env``, then read ``/state`` until the replica runs the new version (at most ``wait_s``).
-    Every attempt — applied (active), staged (accepted, not active within ``wait_s``), rejected
-    (400/401/403/409, or invalid before sending) or error (down, timeout, 5xx) — is written to the
-    store's audit log when a store is given (its message after ``note``, when given). A change
-    function may return None: nothing is sent ("skipped"). A controller passes its ``lease``: the
-    document goes under it, and a replica whose lease another holds refuses it (409).
+    ``change`` is a :class:`Change` — e.g. ``SettingsChange(params={"gamma": 8})``, applied to
+    each replica's current settings as read — or a whole settings document. Per replica: GET the
+    current document and version, build and validate the new one, PUT it with ``If-Match`` and
+    the bearer token from the replica's ``token_env``, then read ``/state`` until the replica runs
+    the new version (at most ``wait_s``). Every attempt — applied (active), staged (accepted, not
+    active within ``wait_s``), rejected (400/401/403/409, or invalid before sending) or error
+    (down, timeout, 5xx) — is written to the store's audit log when a store is given (its message
+    after ``note``, when given). A change may answer None: nothing is sent ("skipped"). A
+    controller passes its ``lease``: the document goes under it, and a replica whose lease
+    another holds refuses it (409).
     """
     names = [r.name for r in cluster.replicas] if replica_names is None else list(replica_names)
     specs = [cluster.replica(n) for n in names]  # KeyError naming the replicas for a typo

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -69,6 +70,8 @@ MAX_TOKENS = 10_000_000  # longer than any model's context; token margins beyond
 MIN_SHARE = 1e-6  # weights, throttles, shares and rates: ratios of them stay within 1e±12
 MAX_WEIGHT = 1e6
 GAMMA_MIN_SAFE, GAMMA_MAX_SAFE = 1e-6, 1e6  # 1/s: b_γ(w) stays finite for w >= MIN_S_PER_TOKEN
+# The useful range of γ (1/s): γ-Ada's clamps by default, and the autopilot's grid.
+GAMMA_USEFUL_MIN, GAMMA_USEFUL_MAX = 0.001, 10.0
 # Scores are seconds (arrival − boost, boosts capped at 1e9 s): a margin of 1e12 already means
 # "never preempt", and score + margin stays exact enough to compare.
 MAX_SCORE_MARGIN = 1e12
@@ -187,8 +190,8 @@ class UniBoostParams(PreemptiveParams):
     quant_base_tokens: int = Field(256, ge=1, le=1_000_000)
     quant_ratio: float = Field(2.0, gt=1.0, le=64.0)
     gamma_ada: bool = True
-    gamma_min: float = Field(0.001, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
-    gamma_max: float = Field(10.0, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
+    gamma_min: float = Field(GAMMA_USEFUL_MIN, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
+    gamma_max: float = Field(GAMMA_USEFUL_MAX, ge=GAMMA_MIN_SAFE, le=GAMMA_MAX_SAFE)
     ada_ema: float = Field(0.3, gt=0.0, le=1.0)
     ada_interval_s: float = Field(5.0, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     ada_window: int = Field(2000, ge=10, le=1_000_000)
@@ -596,17 +599,91 @@ def settings_from_cli(
     pinned: Sequence[str] = (),
     engine: dict[str, int] | None = None,
 ) -> Settings:
-    """Build settings from CLI flags; engine.* names in assignments go to the engine block."""
-    params: dict[str, Any] = {}
-    eng: dict[str, Any] = dict(engine or {})
-    for item in assignments:
-        name, value = parse_assignment(item)
-        if name.startswith("engine."):
-            eng[name.removeprefix("engine.")] = value
-        elif name in EngineSettings.model_fields:
-            eng[name] = value
-        else:
-            params[name] = value
+    """Build settings from CLI flags; engine.* names in assignments go to the engine block (the
+    routing of :meth:`SettingsChange.parse`)."""
+    given = SettingsChange.parse(policy, assignments)
     return Settings.model_validate(
-        {"policy": policy, "params": params, "pinned": list(pinned), "engine": eng}
+        {
+            "policy": policy,
+            "params": dict(given.params),
+            "pinned": list(pinned),
+            "engine": {**(engine or {}), **given.engine},
+        }
     )
+
+
+@dataclass(frozen=True)
+class SettingsChange:
+    """One change of a replica's settings, the value every path builds — ``tailpilot set``
+    (:meth:`parse`), the TUI's staged edit — and ``controlplane.steering`` carries to the replica:
+    a policy switch, parameter values, engine limits, pins added and removed.
+
+    :meth:`apply` makes the new document of a replica's current one, validated once, there:
+    switching to another policy starts from that policy's defaults (as ``Settings.replace``
+    does), then the parameters are merged; the engine fields given replace the replica's, the
+    others are kept; ``unpin`` drops names from ``pinned`` and ``pin`` adds the new ones (sorted)
+    after the replica's own.
+    """
+
+    policy: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    pin: frozenset[str] = frozenset()
+    unpin: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(
+        cls,
+        policy: str | None = None,
+        assignments: Sequence[str] = (),
+        pins: Sequence[str] = (),
+        unpins: Sequence[str] = (),
+    ) -> SettingsChange:
+        """From the command line's words: ``NAME=VALUE`` assignments (``parse_assignment``)
+        go to the engine block for ``engine.NAME`` and the engine's own field names, to the
+        parameters otherwise; ValueError naming a malformed one."""
+        params: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        for item in assignments:
+            name, value = parse_assignment(item)
+            if name.startswith("engine.") or name in EngineSettings.model_fields:
+                engine[name.removeprefix("engine.")] = value
+            else:
+                params[name] = value
+        return cls(policy, params, engine, frozenset(pins), frozenset(unpins))
+
+    def apply(self, current: Settings) -> Settings:
+        doc = current.to_dict()
+        if self.policy is not None and self.policy != current.policy:
+            doc["policy"], doc["params"], doc["pinned"] = self.policy, {}, []
+        doc["params"] = {**doc["params"], **dict(self.params)}
+        doc["engine"] = {**doc["engine"], **dict(self.engine)}
+        pinned = [p for p in doc["pinned"] if p not in self.unpin]
+        pinned += sorted(p for p in self.pin if p not in pinned)
+        doc["pinned"] = pinned
+        return Settings.model_validate(doc)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.policy or self.params or self.engine or self.pin or self.unpin)
+
+    def describe(self) -> str:
+        """The change in the words an operator typed (``policy=uniboost, gamma=0.5, pin
+        gamma``)."""
+        parts = [f"policy={self.policy}"] if self.policy else []
+        parts += [f"{k}={fmt_value(v)}" for k, v in self.params.items()]
+        parts += [f"engine.{k}={fmt_value(v)}" for k, v in self.engine.items()]
+        parts += [f"pin {p}" for p in sorted(self.pin)]
+        parts += [f"unpin {p}" for p in sorted(self.unpin)]
+        return ", ".join(parts) or "no change"
+
+
+def fmt_value(value: Any) -> str:
+    """A parameter's value as an operator reads it: on/off, 6 significant digits, JSON."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)

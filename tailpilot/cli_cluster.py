@@ -22,13 +22,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from controlplane.views import governance_lines, sample_json, status_table, wide_console
-from scheduler.settings import Settings, describe_error, parse_assignment
+from scheduler.settings import Settings, SettingsChange, describe_error
 from tailpilot import options
 from tailpilot.cli_common import FiniteFloatRange, echo_json
 
@@ -162,29 +162,6 @@ def status(cluster_file: str, cluster_name: str | None, as_json: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-def build_change(
-    policy: str | None, assignments: tuple[str, ...], pins: tuple[str, ...], unpins: tuple[str, ...]
-) -> Callable[[Settings], Settings]:
-    """A function from a replica's current settings to the new ones (raises ValueError on bad
-    input)."""
-    parsed = [parse_assignment(a) for a in assignments]
-
-    def change(current: Settings) -> Settings:
-        new_policy = policy or current.policy
-        doc = current.to_dict()
-        if new_policy != current.policy:  # another policy: its defaults, then the flags
-            doc.update(policy=new_policy, params={}, pinned=[])
-        for name, value in parsed:
-            if name.startswith("engine.") or name in doc["engine"]:
-                doc["engine"][name.removeprefix("engine.")] = value
-            else:
-                doc["params"][name] = value
-        doc["pinned"] = sorted((set(doc["pinned"]) | set(pins)) - set(unpins))
-        return Settings.model_validate(doc)
-
-    return change
-
-
 @click.command(name="set")
 @options.cluster_file()
 @options.cluster_name()
@@ -255,7 +232,7 @@ def set_command(
     if not (policy or assignments or pins or unpins):
         raise click.UsageError("nothing to change: give --policy, --set, --pin or --unpin")
     try:
-        change = build_change(policy, assignments, pins, unpins)
+        change = SettingsChange.parse(policy, assignments, pins, unpins)
     except ValueError as err:
         raise click.UsageError(describe_error(err)) from None
     except RecursionError:  # a JSON value past Python's recursion limit
@@ -353,7 +330,7 @@ def _invalid_here(r: ApplyResult) -> bool:
 def _preview(
     cluster: ClusterSpec,
     names: list[str],
-    change: Callable[[Settings], Settings],
+    change: SettingsChange,
     store: Store,
     minutes: float,
     as_json: bool,
@@ -380,10 +357,7 @@ def _preview(
             current = Settings.model_validate(
                 read(SettingsAnswer, json.loads(answer.content)).settings
             )
-            proposed = change(current)
-            proposed = (
-                proposed if isinstance(proposed, Settings) else Settings.model_validate(proposed)
-            )
+            proposed = change.apply(current)
         except (*TRANSPORT_ERRORS, ValueError) as err:  # type: ignore[misc]  # mypy reads no starred tuple
             click.echo(f"{name}: no preview: cannot read its settings ({err})", err=True)
             continue

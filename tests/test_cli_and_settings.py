@@ -220,3 +220,43 @@ def test_the_policies_that_read_a_predictor_are_those_whose_parameters_name_one(
         assert (policy.predictor is not None) == (name in PREDICTED_POLICIES), name
     assert {"sjf", "srpt", "tie"} == PREDICTED_POLICIES
     assert PREDICTION_KEYED <= PREDICTED_POLICIES  # grouping by prediction needs one
+
+
+def test_a_settings_change_is_one_value_every_path_applies():
+    """``SettingsChange``: ``tailpilot set``'s words parsed once (engine names to the engine
+    block), applied to what a replica runs — a switch starts from the new policy's defaults and
+    drops its pins, parameters and engine fields merge, pins added after the replica's own."""
+    from scheduler.settings import SettingsChange
+
+    change = SettingsChange.parse(
+        "uniboost",
+        ["gamma=0.5", "engine.max_num_seqs=64", "max_num_batched_tokens=4096"],
+        ["gamma"],
+    )
+    assert change.params == {"gamma": 0.5}
+    assert change.engine == {"max_num_seqs": 64, "max_num_batched_tokens": 4096}
+    running = Settings.model_validate(
+        {
+            "policy": "tie",
+            "params": {"beta": 0.3},
+            "pinned": ["beta"],
+            "engine": {"max_num_seqs": 8},
+        }
+    )
+    new = change.apply(running)
+    assert new.policy == "uniboost" and new.param("gamma") == 0.5 and new.pinned == ("gamma",)
+    assert new.engine.max_num_seqs == 64 and new.engine.max_num_batched_tokens == 4096
+    assert new.param("memguard") is True  # the new policy's defaults, not tie's
+    same = SettingsChange(params={"alpha_s_per_token": 1e-4}, pin=frozenset({"alpha_s_per_token"}))
+    kept = same.apply(new)
+    assert kept.param("gamma") == 0.5 and kept.pinned == ("gamma", "alpha_s_per_token")
+    assert SettingsChange(unpin=frozenset({"gamma"})).apply(kept).pinned == ("alpha_s_per_token",)
+    assert change.describe() == (
+        "policy=uniboost, gamma=0.5, engine.max_num_seqs=64, engine.max_num_batched_tokens=4096, "
+        "pin gamma"
+    )
+    assert SettingsChange().empty and not change.empty
+    with pytest.raises(ValueError, match="expected name=value"):
+        SettingsChange.parse(None, ["gamma"])
+    with pytest.raises(ValidationError):  # validated once, where it is applied
+        SettingsChange(params={"gamma": -1.0}).apply(new)

@@ -19,6 +19,7 @@ from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.replica_http import PollingClient, StateAnswer, completion_row
 from controlplane.window import latency_percentiles
 from scheduler.metrics import Completion, summarize, summarize_by
+from scheduler.settings import SettingsChange
 from storage.rows import PERCENTILE_FIELDS
 
 # --------------------------------------------------------------------------------------------
@@ -977,7 +978,7 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
         apply_settings(
             cluster,
             [twins[0].name],
-            lambda s: s.replace(policy="uniboost", params={"gamma": 7.0}),
+            SettingsChange(policy="uniboost", params={"gamma": 7.0}),
             store,
             who="alice",
         )
@@ -1003,9 +1004,12 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
     assert bad.result == "rejected" and bad.status == 400 and "oracle" in bad.message
 
     # Rejected: someone else changed the settings between our GET and PUT (If-Match -> 409).
-    def racing(settings):
-        twins[1].core.put_settings({"policy": "fcfs"})
-        return settings.replace(policy="las")
+    class Racing:  # another writer changes the replica between our read and our PUT
+        def apply(self, settings):
+            twins[1].core.put_settings({"policy": "fcfs"})
+            return settings.replace(policy="las")
+
+    racing = Racing()
 
     [conflict] = run(apply_settings(cluster, [twins[1].name], racing, store, who="bob"))
     assert (

@@ -74,27 +74,29 @@ def test_changes_respect_pins_other_policies_and_later_edits():
     g = gov()
     [d] = g.decide(LOW, 0.0)
     ch = g.change(d, "r0")
-    entered = ch(slofq())
+    entered = ch.apply(slofq())
     assert entered is not None and entered.params.quantiles == "p99"
     g.commit(ch)  # the replica took it: what it replaced is kept, to undo
-    assert g.change(d, "r1")(slofq(pinned=["quantiles"])) is None  # pinned: never moved
-    assert g.change(d, "r2")(Settings.model_validate({"policy": "vtc"})) is None
+    assert g.change(d, "r1").apply(slofq(pinned=["quantiles"])) is None  # pinned: never moved
+    assert g.change(d, "r2").apply(Settings.model_validate({"policy": "vtc"})) is None
     g.record(d, 0.0)
     [e] = g.decide(OK, 61.0)
-    assert g.change(e, "r0")(entered).params.quantiles == "multi"  # undone
+    assert g.change(e, "r0").apply(entered).params.quantiles == "multi"  # undone
     # jfi: the over-consumers (ω < 1) are throttled to 50%, whatever their weight: here the
     # biggest (the old rule throttled the tenants weighing less than the mean: mid and small).
     [j] = g.decide({**OK, "jfi": 0.5, "over_consumers": ["big"]}, 0.0)
-    assert g.change(j, "r0")(slofq()).params.throttle == {"big": 0.5}
+    assert g.change(j, "r0").apply(slofq()).params.throttle == {"big": 0.5}
     # Someone changed the parameter meanwhile: the governor leaves it alone.
     g2 = gov()
     [d2] = g2.decide(LOW, 0.0)
     ch2 = g2.change(d2, "r0")
-    ch2(slofq())
+    ch2.apply(slofq())
     g2.commit(ch2)
     g2.record(d2, 0.0)
     [e2] = g2.decide(OK, 61.0)
-    assert g2.change(e2, "r0")(slofq()) is None  # an operator set quantiles back to multi meanwhile
+    assert (
+        g2.change(e2, "r0").apply(slofq()) is None
+    )  # an operator set quantiles back to multi meanwhile
 
 
 # --- against twins ----------------------------------------------------------------------------
@@ -352,21 +354,23 @@ def test_a_change_not_taken_is_not_undone_and_a_restart_goes_on():
     g = gov()
     [d] = g.decide(LOW, 0.0)
     ch = g.change(d, "r0")
-    ch(slofq())  # sent, but the replica refused it: not committed
+    ch.apply(slofq())  # sent, but the replica refused it: not committed
     g.record(d, 0.0)
     [e] = g.decide(OK, 61.0)
-    assert g.change(e, "r0")(slofq(params={"quantiles": "p99"})) is None  # nothing of ours to undo
+    assert (
+        g.change(e, "r0").apply(slofq(params={"quantiles": "p99"})) is None
+    )  # nothing of ours to undo
     # A restarted governor takes its state from the control row's status.
     g2 = gov()
     ch2 = g2.change(d, "r1")
-    ch2(slofq())
+    ch2.apply(slofq())
     g2.commit(ch2)
     g2.record(d, 0.0)
     restarted = gov()
     restarted.restore(g2.state())
     assert restarted.active == {"scr": 0.0}
     [e2] = restarted.decide(OK, 61.0)
-    undo = restarted.change(e2, "r1")(slofq(params={"quantiles": "p99"}))
+    undo = restarted.change(e2, "r1").apply(slofq(params={"quantiles": "p99"}))
     assert undo is not None and undo.params.quantiles == "multi"
 
 

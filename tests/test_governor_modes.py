@@ -66,7 +66,7 @@ def test_the_jfi_mode_throttles_the_over_consumer_and_notes_the_victims():
     g = gov()
     [d] = [d for d in g.decide(figures, 0.0) if d.mode == "jfi"]
     # the old rule throttled the tenants weighing less than the mean: s1 and s2, the victims
-    assert g.change(d, "r0")(slofq_doc()).params.throttle == {"big": 0.5}
+    assert g.change(d, "r0").apply(slofq_doc()).params.throttle == {"big": 0.5}
     note = d.note()
     assert "throttles big" in note and "victims' P99 TTFT before: s1 0.2 s, s2 n/a" in note
     g.record(d, 0.0)
@@ -82,9 +82,9 @@ def test_the_jfi_mode_throttles_the_over_consumer_and_notes_the_victims():
     [e] = [e for e in g.decide(recovered, 61.0) if e.mode == "jfi"]
     assert "victims' P99 TTFT before -> since: s1 0.2 s -> 0.3 s, s2 n/a -> 0.4 s" in e.note()
     ch = g.change(d, "r0")
-    entered = ch(slofq_doc())
+    entered = ch.apply(slofq_doc())
     g.commit(ch)
-    assert g.change(e, "r0")(entered).params.throttle == {}  # undone
+    assert g.change(e, "r0").apply(entered).params.throttle == {}  # undone
 
 
 def test_never_a_tenant_within_its_commitment():

@@ -17,6 +17,7 @@ from test_collector import SPEED, TOKEN, assert_exactly_once, mixed_trace
 
 from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
+from scheduler.settings import SettingsChange
 from storage.store import Store
 from tuner.twins.replica import start_twins
 
@@ -340,7 +341,7 @@ def test_real_vllm_replica_is_recorded(tiny_model_dir, tmp_path, monkeypatch):
             task = asyncio.create_task(collector.run(stop))
             await asyncio.to_thread(run_completions, server.base_url, requests)
             [applied] = await apply_settings(
-                cluster, ["cpu-0"], lambda s: s.replace(policy="uniboost"), store, who="test"
+                cluster, ["cpu-0"], SettingsChange(policy="uniboost"), store, who="test"
             )
             deadline = time.monotonic() + 60
             while collector.views["cpu-0"].cursor < len(requests) or (

@@ -20,7 +20,7 @@ import pytest
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.replica_http import make_client
 from controlplane.views import fmt_figure, fmt_number, fmt_seconds
-from scheduler.settings import GAMMA_DEFAULT, Settings
+from scheduler.settings import GAMMA_DEFAULT, Settings, SettingsChange
 from sim import traces
 from storage.store import Store
 from tui import keys as K
@@ -725,7 +725,7 @@ def test_the_live_source_stamps_with_its_injected_clock(twins):
         try:
             snap = await asyncio.wait_for(source.next_snapshot(), timeout=30)
             results = await source.apply(
-                {twins.replicas[0].name: lambda s: s.replace(policy="fcfs")}, who="t"
+                {twins.replicas[0].name: SettingsChange(policy="fcfs")}, who="t"
             )
         finally:
             await source.stop()

@@ -15,7 +15,7 @@ import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from tui.dialogs import ConfirmScreen
-from tui.edits import SettingsEdit
+from tui.edits import SettingsChange
 from tui.main import build_app
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"
@@ -95,9 +95,9 @@ def test_confirm_dialog(replay_app, snap_compare):
         await ready(pilot)
         app = pilot.app
         edits = {
-            "twin-1": SettingsEdit(params={"gamma": 25.0}, unpin=frozenset({"gamma"})),
-            "twin-2": SettingsEdit(params={"beta": 2.0}),  # tie's β ≤ 1: refused, not sent
-            "twin-0": SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0}),
+            "twin-1": SettingsChange(params={"gamma": 25.0}, unpin=frozenset({"gamma"})),
+            "twin-2": SettingsChange(params={"beta": 2.0}),  # tie's β ≤ 1: refused, not sent
+            "twin-0": SettingsChange(policy="uniboost", params={"quant_ratio": 4.0}),
         }  # settings unknown
         app.push_screen(ConfirmScreen("Apply to 3 replica(s)?", app._plans(edits)))
         await pilot.pause(0.1)

@@ -24,7 +24,7 @@ from test_tui_functional import (  # noqa: F401  (shared helpers and the twins f
 from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
 from controlplane.steering import apply_settings
-from scheduler.settings import Settings
+from scheduler.settings import Settings, SettingsChange
 from storage.store import Store
 from tui import tuner_render as TR
 from tui.main import build_app
@@ -278,7 +278,7 @@ def test_R_applies_the_recommendation_to_all_replicas_keeping_pins_with_audit_ro
         apply_settings(
             spec,
             ["twin-1"],
-            lambda s: s.replace(params={"gamma": 12.0}, pinned=["gamma"]),
+            SettingsChange(params={"gamma": 12.0}, pin=frozenset({"gamma"})),
             None,
             "test",
         )

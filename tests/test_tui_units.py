@@ -23,7 +23,7 @@ from tui.app import TailpilotApp
 from tui.cluster_panel import ClusterPanel
 from tui.dialogs import ConfirmScreen
 from tui.edits import (
-    SettingsEdit,
+    SettingsChange,
     edit_targets,
     field_errors,
     parse_field,
@@ -136,7 +136,7 @@ def test_settings_edit_semantics():
         }
     )
     # Same policy: parameters merge, pins add/remove, the engine stays.
-    s = SettingsEdit(
+    s = SettingsChange(
         params={"quant_ratio": 4.0},
         pin=frozenset({"quant_base_tokens"}),
         unpin=frozenset({"gamma"}),
@@ -148,7 +148,7 @@ def test_settings_edit_semantics():
     )
     assert s.engine.max_num_seqs == 32
     # A switch starts from the new policy's defaults (as Settings.replace does).
-    t = SettingsEdit(policy="tie", params={"beta": 0.3}).apply(uni)
+    t = SettingsChange(policy="tie", params={"beta": 0.3}).apply(uni)
     assert (
         t.policy == "tie"
         and t.param("beta") == 0.3
@@ -160,9 +160,9 @@ def test_settings_edit_semantics():
         "beta": 0.3,
     }
     # Invalid: the settings model's message, naming the field.
-    new, err = try_apply(SettingsEdit(params={"gamma": 0}), uni)
+    new, err = try_apply(SettingsChange(params={"gamma": 0}), uni)
     assert new is None and "params.gamma" in err and "greater than or equal to 0.000001" in err
-    new, err = try_apply(SettingsEdit(pin=frozenset({"nope"})), uni)
+    new, err = try_apply(SettingsChange(pin=frozenset({"nope"})), uni)
     assert new is None and "nope" in err
 
 
@@ -189,7 +189,7 @@ def test_field_parsing_and_error_placement():
     assert parse_field(gamma, "8") == 8 and parse_field(gamma, "abc") == "abc"
     assert parse_field(weights, '{"acme": 2}') == {"acme": 2}
     _, err = try_apply(
-        SettingsEdit(params={"gamma": "abc", "quant_ratio": 0.5}),
+        SettingsChange(params={"gamma": "abc", "quant_ratio": 0.5}),
         Settings.model_validate({"policy": "uniboost"}),
     )
     where = field_errors(err, ["gamma", "quant_ratio", "memguard"])
@@ -204,11 +204,12 @@ def test_pin_edit():
     uni = Settings.model_validate({"policy": "uniboost"})
     edit, what = pin_edit(uni, "uniboost", {"gamma": 12.34567, "beta": None})
     assert (
-        edit == SettingsEdit(params={"gamma": 12.35}, pin=frozenset({"gamma"})) and "12.35" in what
+        edit == SettingsChange(params={"gamma": 12.35}, pin=frozenset({"gamma"}))
+        and "12.35" in what
     )
     pinned = edit.apply(uni)
     assert pinned.is_pinned("gamma")
-    assert pin_edit(pinned, "uniboost", {"gamma": 50.0})[0] == SettingsEdit(
+    assert pin_edit(pinned, "uniboost", {"gamma": 50.0})[0] == SettingsChange(
         unpin=frozenset({"gamma"})
     )
     assert pin_edit(Settings.model_validate({"policy": "tie"}), "tie", {"beta": 0.25})[
@@ -221,7 +222,7 @@ def test_pin_edit():
 def test_settings_diff():
     old = Settings.model_validate({"policy": "sarathi", "engine": {"max_num_seqs": 32}}).to_dict()
     new = (
-        SettingsEdit(policy="uniboost", params={"quant_ratio": 4.0})
+        SettingsChange(policy="uniboost", params={"quant_ratio": 4.0})
         .apply(Settings.model_validate(old))
         .to_dict()
     )
@@ -229,7 +230,7 @@ def test_settings_diff():
         ("policy", "sarathi", "uniboost"),
         ("params.quant_ratio", "default", "4"),
     ]
-    pinned = SettingsEdit(params={"gamma": 8.0}, pin=frozenset({"gamma"})).apply(
+    pinned = SettingsChange(params={"gamma": 8.0}, pin=frozenset({"gamma"})).apply(
         Settings.model_validate(new)
     )
     assert settings_diff(new, pinned.to_dict()) == [

@@ -24,7 +24,7 @@ from tui.dialogs import ConfirmScreen, PolicyPickScreen
 from tui.edits import (
     Edit,
     RecommendationEdit,
-    SettingsEdit,
+    SettingsChange,
     current_settings,
     pin_edit,
     try_apply,
@@ -174,14 +174,14 @@ class ChangeActions(_AppBase):
             if policy:
                 self.confirm_and_apply(
                     f"Switch {len(targets)} replica(s) to {policy}?",
-                    {n: SettingsEdit(policy=policy) for n in targets},
+                    {n: SettingsChange(policy=policy) for n in targets},
                 )
 
         self.push_screen(PolicyPickScreen(targets, current), picked)
 
     def action_toggle_pin(self) -> None:
         snap = self.snapshot
-        edits: dict[str, SettingsEdit] = {}
+        edits: dict[str, SettingsChange] = {}
         skipped = []
         for name in self.targets():
             rs = snap.replicas.get(name) if snap else None

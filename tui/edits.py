@@ -13,7 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Container, Mapping, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -22,50 +22,11 @@ from scheduler.settings import (
     ADAPTIVE_PARAMS,
     PARAM_MODELS,
     Settings,
+    SettingsChange,
     describe_error,
+    fmt_value,
     parse_assignment,
 )
-
-
-@dataclass(frozen=True)
-class SettingsEdit:
-    """A change to stage on one or more replicas: a policy switch, parameter values, pins.
-
-    Applied to a replica's current settings with :meth:`apply`: switching to another policy
-    starts from that policy's defaults (as ``Settings.replace`` does); parameters are merged;
-    ``pin``/``unpin`` add and remove names from ``pinned``.
-    """
-
-    policy: str | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
-    pin: frozenset[str] = frozenset()
-    unpin: frozenset[str] = frozenset()
-
-    def apply(self, current: Settings) -> Settings:
-        doc = current.to_dict()
-        if self.policy is not None and self.policy != current.policy:
-            doc["policy"], doc["params"], doc["pinned"] = self.policy, {}, []
-        doc["params"] = {**doc["params"], **dict(self.params)}
-        pinned = [p for p in doc["pinned"] if p not in self.unpin]
-        pinned += sorted(p for p in self.pin if p not in pinned)
-        doc["pinned"] = pinned
-        return Settings.model_validate(doc)
-
-    def __call__(self, current: Settings) -> Settings:  # apply_settings takes a callable
-        return self.apply(current)
-
-    @property
-    def empty(self) -> bool:
-        return self.policy is None and not self.params and not self.pin and not self.unpin
-
-    def describe(self) -> str:
-        parts = []
-        if self.policy:
-            parts.append(f"policy={self.policy}")
-        parts += [f"{k}={fmt_value(v)}" for k, v in self.params.items()]
-        parts += [f"pin {p}" for p in sorted(self.pin)]
-        parts += [f"unpin {p}" for p in sorted(self.unpin)]
-        return ", ".join(parts) or "no change"
 
 
 def try_apply(edit: Edit, current: Settings) -> tuple[Settings | None, str | None]:
@@ -92,16 +53,6 @@ def current_settings(doc: Mapping[str, Any] | None) -> Settings | None:
         return Settings.model_validate(dict(doc))
     except (ValidationError, ValueError):
         return None
-
-
-def fmt_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, sort_keys=True)
-    return str(v)
 
 
 def _defaults(policy: Any) -> dict[str, Any] | None:
@@ -238,7 +189,7 @@ def field_errors(message: str | None, names: list[str]) -> dict[str, str]:
 
 def pin_edit(
     settings: Settings | None, policy: str | None, live: Mapping[str, float | None]
-) -> tuple[SettingsEdit | None, str]:
+) -> tuple[SettingsChange | None, str]:
     """The ``N`` key: pin the adaptive parameter at its live value, or unpin it if pinned.
 
     Returns (edit, what) or (None, why not)."""
@@ -248,14 +199,14 @@ def pin_edit(
         return None, f"{policy or 'unknown policy'} has no adaptive parameter to pin"
     name = names[0]
     if settings is not None and settings.is_pinned(name):
-        return SettingsEdit(unpin=frozenset({name})), f"unpin {name}"
+        return SettingsChange(unpin=frozenset({name})), f"unpin {name}"
     value = live.get(name)
     if value is None and settings is not None:
         value = settings.param(name)
     if value is None:
         return None, f"no live {name} known yet"
     value = float(f"{value:.4g}")
-    return SettingsEdit(params={name: value}, pin=frozenset({name})), f"pin {name} at {value:g}"
+    return SettingsChange(params={name: value}, pin=frozenset({name})), f"pin {name} at {value:g}"
 
 
 # ------------------------------------------------------------------------ applying a recommendation
@@ -268,8 +219,8 @@ class RecommendationEdit:
     (docs/policies.md#settings-document: an applied recommendation never changes a pinned parameter
     unless the operator unpins it).
 
-    Same interface as :class:`SettingsEdit` (``apply``, callable, ``describe``), so it goes
-    through the same confirmation and the same ``apply_settings`` path. When the replica pins a
+    Same interface as :class:`~scheduler.settings.SettingsChange` (``apply``, ``describe``), so it
+    goes through the same confirmation and the same ``apply_settings`` path. When the replica pins a
     parameter and the recommendation switches it to another policy, the pin could not be kept:
     that replica is refused (not sent) with the reason, and the operator unpins first.
     """
@@ -291,9 +242,6 @@ class RecommendationEdit:
                 doc["params"][name] = current.param(name)
             doc["pinned"] = pins
         return Settings.model_validate(doc)
-
-    def __call__(self, current: Settings) -> Settings:
-        return self.apply(current)
 
     @property
     def empty(self) -> bool:
@@ -317,6 +265,5 @@ class RecommendationEdit:
         return what
 
 
-Edit = SettingsEdit | RecommendationEdit
-"""What the confirm dialog and the apply worker take: either edit (``apply``, callable,
-``describe``)."""
+Edit = SettingsChange | RecommendationEdit
+"""What the confirm dialog and the apply worker take: either edit (``apply``, ``describe``)."""

@@ -34,7 +34,7 @@ from scheduler.settings import POLICY_NAMES, Settings
 from tui import render as R
 from tui.edits import (
     FieldSpec,
-    SettingsEdit,
+    SettingsChange,
     current_settings,
     edit_targets,
     field_errors,
@@ -311,7 +311,7 @@ class PolicyPanel(Vertical):
         assert isinstance(w, Input)  # the form's third kind of value widget
         return parse_field(f, w.value)
 
-    def current_edit(self) -> SettingsEdit:
+    def current_edit(self) -> SettingsChange:
         params = {}
         pins = set()
         for f in self.fields:
@@ -323,7 +323,7 @@ class PolicyPanel(Vertical):
             if self.query_one(f"#p{self._gen}-{f.name}", Checkbox).value:
                 pins.add(f.name)
         policy = self.form_policy if self.form_policy != self.ref_policy else None
-        return SettingsEdit(
+        return SettingsChange(
             policy=policy,
             params=params,
             pin=frozenset(pins - self.initial_pins),

@@ -34,7 +34,7 @@ from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector
 from controlplane.poller import PollResult
 from controlplane.snapshot import ClusterSnapshot
-from controlplane.steering import ApplyResult, apply_settings
+from controlplane.steering import ApplyResult, Change, apply_settings
 from scheduler.errors import TailpilotError
 from scheduler.settings import Settings
 from storage.control import CONTROL_ACTIONS, ControllerName
@@ -330,9 +330,9 @@ class LiveSource:
 
     # --- changing the cluster ------------------------------------------------------------------
     async def apply(
-        self, changes: Mapping[str, Callable[[Any], Any]], who: str | None = None
+        self, changes: Mapping[str, Change], who: str | None = None
     ) -> list[ApplyResult]:
-        """Apply ``{replica: change}`` (each a function of that replica's current Settings) with
+        """Apply ``{replica: change}`` (each applied to that replica's current Settings) with
         :func:`controlplane.steering.apply_settings`: GET, PUT If-Match, read back, audit row."""
         who = who or self.who
         groups = await asyncio.gather(

@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from controlplane.views import fmt_figure
-from tui.edits import fmt_value, settings_diff
+from scheduler.settings import fmt_value
+from tui.edits import settings_diff
 from tui.render import Row
 from tui.sources import fmt_time
 from tui.tuner_data import RecInfo, StudyDetail, StudyInfo, TrialInfo, finite

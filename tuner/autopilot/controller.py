@@ -63,7 +63,13 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.settings import GAMMA_MAX_SAFE, GAMMA_MIN_SAFE, Settings
+from scheduler.settings import (
+    GAMMA_MAX_SAFE,
+    GAMMA_MIN_SAFE,
+    GAMMA_USEFUL_MAX,
+    GAMMA_USEFUL_MIN,
+    Settings,
+)
 from sim.engine import EngineConfig
 from sim.traces import TraceRequest
 from tuner.autopilot.candidates import (
@@ -93,7 +99,7 @@ def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
     return tuple(float(f"{lo * 10 ** (k / per_decade):.3g}") for k in range(n + 1))
 
 
-GAMMA_GRID = log_grid(0.001, 10.0, 3)  # 0.001, 0.00215, 0.00464, 0.01, ... 10 /s
+GAMMA_GRID = log_grid(GAMMA_USEFUL_MIN, GAMMA_USEFUL_MAX, 3)  # 0.001, 0.00215, 0.00464, ... 10 /s
 
 
 class AutopilotConfig(BaseModel):

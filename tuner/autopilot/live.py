@@ -168,6 +168,17 @@ def target_document(current: Settings, target: Settings) -> Settings | None:
     return None if (new.policy, new.params) == (current.policy, current.params) else new
 
 
+@dataclass(frozen=True, slots=True)
+class TargetChange:
+    """The autopilot's switch as ``apply_settings`` carries it: ``target``'s choice made of the
+    settings the replica runs when the change is sent (``target_document``)."""
+
+    target: Settings
+
+    def apply(self, current: Settings) -> Settings | None:
+        return target_document(current, self.target)
+
+
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
     """The configuration the cluster file completes: where its governance block declares tenants
     and their SLOs and the configuration's promise declares none, the promise is theirs (SCR,
@@ -530,7 +541,7 @@ class LiveAutopilot:
         [res] = await apply_settings(
             self.cluster,
             [rp.name],
-            lambda cur: target_document(cur, target),
+            TargetChange(target),
             self.store,
             who=WHO,
             note=note,
