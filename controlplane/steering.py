@@ -32,7 +32,7 @@ from controlplane.replica_http import (
 )
 from controlplane.retry import READ_BACK
 from scheduler.plugin.lease import LEASE_HEADER
-from scheduler.settings import Settings, describe_error
+from scheduler.settings import Settings, describe_error, with_engine
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 
@@ -102,12 +102,8 @@ def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] 
             raise ValueError(
                 f"the change must give a settings document, got {type(produced).__name__}"
             )
-        # Engine fields a document leaves out keep the replica's values, as the replica's own
-        # PUT does — not the model's defaults, which would read as a restart-required change.
-        engine = produced.get("engine")
-        if not isinstance(engine, Mapping):
-            engine = {}
-        produced = {**produced, "engine": {**old.get("engine", {}), **engine}}
+        # Engine fields a document leaves out keep the replica's values, as its own PUT does.
+        produced = with_engine(produced, old.get("engine") or {})
         new_doc: dict[str, Any] = Settings.model_validate(produced).to_dict()  # validated first
     except (ValidationError, ValueError, KeyError, AttributeError) as err:
         res.result, res.message = "rejected", f"not sent: {describe_error(err)}"

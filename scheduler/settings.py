@@ -593,6 +593,17 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def with_engine(doc: Mapping[str, Any], engine: Mapping[str, Any]) -> dict[str, Any]:
+    """``doc`` with the engine fields it leaves out taken from ``engine`` — a replica's own
+    (a PUT, ``tailpilot set`` sending a whole document) or vLLM's (a settings file at start-up):
+    not the model's defaults, which would read as a restart-required change. An engine block
+    that is not an object is left for validation to name. The one place this is done."""
+    given = doc.get("engine", {})
+    if not isinstance(given, Mapping):
+        return dict(doc)
+    return {**doc, "engine": {**engine, **given}}
+
+
 def settings_from_cli(
     policy: str,
     assignments: Sequence[str] = (),

@@ -260,3 +260,17 @@ def test_a_settings_change_is_one_value_every_path_applies():
         SettingsChange.parse(None, ["gamma"])
     with pytest.raises(ValidationError):  # validated once, where it is applied
         SettingsChange(params={"gamma": -1.0}).apply(new)
+
+
+def test_engine_fields_a_document_leaves_out_keep_the_replicas_own():
+    """``with_engine``, the one place (the plugin's PUT, its start-up file, steering): the given
+    fields win, the others are the replica's, a non-object block is left for validation."""
+    from scheduler.settings import with_engine
+
+    replica = {"max_num_seqs": 8, "max_num_batched_tokens": 1024}
+    doc = with_engine({"policy": "fcfs", "engine": {"max_num_seqs": 16}}, replica)
+    assert doc["engine"] == {"max_num_seqs": 16, "max_num_batched_tokens": 1024}
+    assert with_engine({"policy": "fcfs"}, replica)["engine"] == replica
+    assert with_engine({"engine": "big"}, replica) == {"engine": "big"}
+    with pytest.raises(ValidationError, match="engine"):
+        Settings.model_validate(with_engine({"policy": "fcfs", "engine": "big"}, replica))

@@ -30,7 +30,12 @@ from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
-from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.settings import (
+    PREDICTED_POLICIES,
+    RESTART_REQUIRED_ENGINE_FIELDS,
+    Settings,
+    with_engine,
+)
 
 log = logging.getLogger("tailpilot.plugin")
 
@@ -133,9 +138,7 @@ def load_startup_settings(
         raise ValueError(f"{SETTINGS_FILE_ENV}={path}: cannot read settings: {err}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{SETTINGS_FILE_ENV}={path}: expected a settings object")
-    if engine_defaults:
-        doc = {**doc, "engine": {**engine_defaults, **doc.get("engine", {})}}
-    return Settings.model_validate(doc)
+    return Settings.model_validate(with_engine(doc, engine_defaults or {}))
 
 
 class ReplicaCore:
@@ -236,12 +239,7 @@ class ReplicaCore:
         """
         with self._lock:
             current = self._pending or self.settings
-        # Engine fields left out keep the replica's values (they are not the model defaults); an
-        # engine block that is not an object is left for validation to name.
-        engine = doc.get("engine", {})
-        if isinstance(engine, dict):
-            doc = {**doc, "engine": {**current.engine.model_dump(), **engine}}
-        new = Settings.model_validate(doc)
+        new = Settings.model_validate(with_engine(doc, current.engine.model_dump()))
         self._build(new, None)  # fail now, not inside the scheduling step
         with self._lock:
             if if_match is not None and if_match != self.version:
