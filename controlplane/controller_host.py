@@ -75,6 +75,14 @@ async def run_controller(
                 )
         if not closing.done():
             closing.cancel()
-            log.error("%s: close did not finish within %.0f s", controller.name, close_timeout_s)
+            log.error(
+                "%s: close did not finish within %.0f s; its status lists what is left",
+                controller.name,
+                close_timeout_s,
+            )
         elif not closing.cancelled() and closing.exception() is not None:
-            log.error("%s: close failed: %s", controller.name, closing.exception())
+            log.error(
+                "%s: close failed: %s; its status lists what is left",
+                controller.name,
+                closing.exception(),
+            )

@@ -52,8 +52,8 @@ log = logging.getLogger("controlplane.collector")  # the collector's log: these 
 #: several times the largest a replica sends, and bounds what one broken or hostile replica can
 #: make the recorder hold (its parsed objects are ~10x the bytes) to tens of MB.
 MAX_STATE_BYTES = 4 * 1024 * 1024
-#: The largest /steps page read (tuner.closed_loop.calibrate): a page of 1,000 step records is ~0.15
-#: MB.
+#: The largest /steps page read (tuner.closed_loop.calibrate): a page of 1,000 step records is
+#: ~0.15 MB.
 MAX_STEPS_BYTES = 4 * 1024 * 1024
 #: The largest vLLM /metrics page read. One engine's page is ~0.1 MB (~600 sample lines, mostly
 #: histogram buckets); 8 MiB holds dozens of engines or models, and is read before parsing starts.

@@ -11,9 +11,8 @@ numbers are named here, so that every retry the operator side makes reads in one
   rate-limits its readers): 4 tries, waiting 0.1, 0.2 and 0.4 s, within the poll's timeout
   (``controlplane.replica_http``: polls, settings reads, the autopilot's reads);
 * :data:`STEP_LOG_RATE_LIMITED` — a step-log page was answered 429
-(``tuner.closed_loop.calibrate``): the
-  wait its ``Retry-After`` asks (1 s without one, at most 5 s); the caller bounds the tries (60
-  waits while paging one log);
+  (``tuner.closed_loop.calibrate``): the wait its ``Retry-After`` asks (1 s without one, at most
+  5 s); the caller bounds the tries (60 waits while paging one log);
 * :data:`READ_BACK` — a settings change accepted, read back until the replica runs it
   (``controlplane.steering``): waits of 0.02 s doubling to 0.5 s, until the caller's deadline;
 * :data:`STORE_BUSY` — the collector's last flush, when the store stays busy
@@ -156,8 +155,8 @@ class RetryPolicy:
 #: poll's own timeout; the fourth 429 is the poll's answer.
 POLL_RATE_LIMITED = RetryPolicy(attempts=4, first_wait_s=0.1, max_wait_s=0.4)
 #: A step-log page answered 429: asked again after what its ``Retry-After`` says (at most 5 s);
-#: the caller gives its budget of tries (``tuner.closed_loop.replica_facts.MAX_RATE_LIMITED`` per
-#: log).
+#: the caller gives its budget of tries (``tuner.closed_loop.replica_facts.MAX_RATE_LIMITED``
+#: per log).
 STEP_LOG_RATE_LIMITED = RetryPolicy(retry_after=True, max_wait_s=5.0)
 #: A settings change read back until the replica runs it: waits of 0.02 s doubling to 0.5 s; the
 #: caller gives the deadline (``controlplane.steering.APPLY_WAIT_S`` by default).

@@ -66,7 +66,7 @@ class Change(Protocol):
 
 
 # A change, or a whole settings document (the engine fields it leaves out keep the replica's).
-ChangeOrDocument = Change | Mapping[str, Any]
+ChangeOrDocument = Change | Settings | Mapping[str, Any]
 
 
 async def _current_settings(
@@ -90,9 +90,15 @@ def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] 
     produced: Any = None
     old = res.old or {}
     try:
-        produced = (
-            change if isinstance(change, Mapping) else change.apply(Settings.model_validate(old))
-        )
+        if isinstance(change, (Mapping, Settings)):  # a whole document
+            produced = change
+        elif callable(getattr(change, "apply", None)):
+            produced = change.apply(Settings.model_validate(old))
+        else:
+            raise ValueError(
+                f"a change needs apply(current) (a SettingsChange) or is a whole settings "
+                f"document, got {type(change).__name__}"
+            )
         if produced is None:
             res.result, res.message = "skipped", "nothing to change"
             return None

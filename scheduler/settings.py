@@ -661,6 +661,9 @@ class SettingsChange:
                 engine[name.removeprefix("engine.")] = value
             else:
                 params[name] = value
+        both = sorted(set(pins) & set(unpins))
+        if both:  # which should win is the operator's to say, not an order of operations
+            raise ValueError(f"--pin and --unpin both name {', '.join(both)}")
         return cls(policy, params, engine, frozenset(pins), frozenset(unpins))
 
     def apply(self, current: Settings) -> Settings:

@@ -10,9 +10,9 @@ Everything here is a thin layer over the library (``controlplane.collector``,
 ``controlplane.steering``, ``tuner.closed_loop.whatif``, ``storage``), so what the CLI prints is
 reachable from Python too. Exit status: 0 on success, 1 when a replica refused or could not be
 reached or a command did not do what was asked (``set --preview`` not confirmed), 2 for bad input
-(click's usage
-errors: an unknown cluster, replica or database file, a value out of range). What every command
-that names a cluster or a database shares: :func:`load_cluster`, :func:`open_store`.
+(click's usage errors: an unknown cluster, replica or database file, a value out of range). What
+every command that names a cluster or a database shares: :func:`load_cluster`,
+:func:`open_store`.
 """
 
 from __future__ import annotations
@@ -469,8 +469,10 @@ def tui(
     from tui.main import NoTerminal  # start-up cost (textual)
     from tui.sources import ReplayError  # start-up cost (textual)
 
+    if replay == "":  # --replay= : the flag, as given alone
+        replay = REPLAY_DB
     if replay is not None and replay != REPLAY_DB:  # the old spelling: --replay DB
-        if db is not None and db != replay:
+        if db is not None and os.path.abspath(db) != os.path.abspath(replay):
             raise click.UsageError(f"--replay {replay} and --db {db} name two databases")
         click.echo(f"note: --replay {replay} is now --replay --db {replay} (docs/cli.md)", err=True)
         db = replay

@@ -14,8 +14,8 @@
 
 Thin layers over ``controlplane.export`` and ``tuner.closed_loop.calibrate``. Exit status: 0 on
 success, 1 when a replica cannot be reached or the step log cannot be fitted, 2 for bad input
-(click's usage
-errors: an invalid settings file, an unknown study or replica, conflicting options).
+(click's usage errors: an invalid settings file, an unknown study or replica, conflicting
+options).
 """
 
 from __future__ import annotations

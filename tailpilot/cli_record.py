@@ -405,8 +405,13 @@ def control_command(group: click.Group, controller: ControllerName, action: str)
         for line in show(row, keep):
             click.echo(line)
 
+    help_text = CONTROL_HELP[action]
+    if is_governor and action == "disarm":
+        help_text += (
+            " Every change it applied is undone at its next evaluation (--keep keeps them)."
+        )
     decorators: list[Any] = [
-        group.command(name=action, help=CONTROL_HELP[action]),
+        group.command(name=action, help=help_text),
         steered_cluster_options(f"the {controller}"),
         options.database(),
         options.who(help=f"Name in the {controller}'s control row [default: $USER]."),

@@ -274,3 +274,10 @@ def test_engine_fields_a_document_leaves_out_keep_the_replicas_own():
     assert with_engine({"engine": "big"}, replica) == {"engine": "big"}
     with pytest.raises(ValidationError, match="engine"):
         Settings.model_validate(with_engine({"policy": "fcfs", "engine": "big"}, replica))
+
+
+def test_pin_and_unpin_of_one_name_is_refused():
+    from scheduler.settings import SettingsChange
+
+    with pytest.raises(ValueError, match="--pin and --unpin both name gamma"):
+        SettingsChange.parse("uniboost", (), ["gamma", "beta"], ["gamma"])

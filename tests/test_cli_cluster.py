@@ -8,6 +8,7 @@ import random
 
 import httpx
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from sim.traces import Trace, TraceRequest
@@ -41,7 +42,11 @@ def twins(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     with start_twins(2, small_trace(), speed=20, token=TOKEN) as cluster:
         path = tmp_path / "cluster.yaml"
-        cluster.write_cluster_yaml(path)
+        doc = cluster.cluster_doc()
+        # 5 s for a healthy twin's answer: beside a vLLM engine in CI one took over the default
+        # 2 s and read as down. A stopped twin refuses at once, so "down" is still seen at once.
+        doc["clusters"][0]["timeout_s"] = 5.0
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
         yield cluster, path
 
 

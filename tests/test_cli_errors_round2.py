@@ -449,3 +449,10 @@ def test_tui_replay_db_the_old_spelling_is_read_and_named(workdir):
     assert f"--replay {db} is now --replay --db {db}" in res.output
     assert "Invalid value for --db" in res.output and "does not exist" in res.output
     assert sorted(p.name for p in workdir.iterdir()) == []
+
+
+def test_tui_replay_given_the_same_database_twice_is_one_database(workdir):
+    """``--replay ./x.db --db x.db`` names one file: read as one (no "two databases")."""
+    res = invoke("tui", "--replay", "./typo.db", "--db", "typo.db")
+    assert res.exit_code == 2 and "two databases" not in res.output
+    assert "does not exist" in res.output

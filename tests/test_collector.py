@@ -1199,3 +1199,15 @@ def test_twin_completions_are_stored_with_the_traces_caps(twins, tmp_path):
     assert len(stored) > 60
     assert {c.max_tokens for c in stored} == {traces.DEFAULT_MAX_TOKENS}
     assert len({c.output_tokens for c in stored}) > 10
+
+
+def test_apply_settings_names_a_change_it_cannot_apply():
+    """A change is a value with ``apply`` or a whole document (a mapping or a Settings); a bare
+    function — the old shape — is refused before anything is sent, naming what it needs."""
+    from controlplane.steering import ApplyResult, _new_document
+
+    res = ApplyResult("r", "", "", old=Settings().to_dict())
+    assert _new_document(res, lambda s: s) is None
+    assert res.result == "rejected" and "a change needs apply(current)" in res.message
+    doc = _new_document(ApplyResult("r", "", "", old=Settings().to_dict()), Settings(policy="las"))
+    assert doc is not None and doc["policy"] == "las"

@@ -26,13 +26,13 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _COLUMNS = ("cluster", "state", "paused", "who", "updated_ms", "status")
+_OLD_TABLES = {"governor": "governor_control", "autopilot": "autopilot_control"}
 
 
 def _columns() -> list[sa.ColumnClause[object]]:
     """The row's columns as read from either shape, ``status`` typed: read untyped, it would come
     back as its JSON text and be encoded a second time on the way in."""
     return [sa.column(c, JSON) if c == "status" else sa.column(c) for c in _COLUMNS]
-_OLD_TABLES = {"governor": "governor_control", "autopilot": "autopilot_control"}
 
 
 def _row_columns() -> list[sa.Column[object]]:
