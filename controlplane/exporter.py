@@ -400,11 +400,12 @@ def labelled_groups(collector: Collector, kind: str, limit: int) -> tuple[set[st
         for g in view.groups:
             if g.kind == kind:
                 counts[g.group] = counts.get(g.group, 0.0) + g.completed
-    report = collector.governance
-    if report is not None:  # the window's groups too (a type's figures count no requests)
-        for group, f in report["tenants"].items() if kind == "tenant" else ():
+    report = collector.governance  # the window's groups too
+    if report is not None and kind == "tenant":
+        for group, f in report["tenants"].items():
             counts.setdefault(group, float(f.get("requests") or 0))
-        for group in report["types"] if kind == "type" else ():
+    elif report is not None and kind == "type":  # a type's figures count no requests
+        for group in report["types"]:
             counts.setdefault(group, 0.0)
     spec = collector.cluster.governance
     listed = (spec.tenants if kind == "tenant" else spec.type_shares) if spec is not None else {}
