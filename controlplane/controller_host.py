@@ -1,15 +1,23 @@
-"""The one loop a cluster controller runs in.
+"""The one machine a cluster controller runs in.
 
 The governor (``controlplane.governor``) and the autopilot (``tuner.autopilot.live``) are two
 controllers of the same machine: each observes only the past (the collector's windows, the
 replicas' answers), decides with a reason, and carries a decision out through the one settings
-path (``controlplane.steering.apply_settings``: audited, under the controller's lease), steered by
-its row of the control table (``storage.control``: armed, dry-run, paused, disarmed). What they
-share beyond that is this host: a step every ``interval_s`` until ``stop``, a failed step logged
-and tried again at the next tick (a busy store, a replica down never stops a controller), and,
-when the host stops or is cancelled, the controller's ``close`` — the governor undoes what it
-applied — run shielded and waited for at most ``close_timeout_s``. ``tests/test_layers.py``
-fails on a second controller loop.
+path (``controlplane.steering.apply_settings``: audited, under the controller's lease). What they
+share is this host:
+
+* **the control row**: each tick the host reads the controller's row of the control table
+  (``storage.control``: armed, dry-run, disarmed, paused, who) and hands it to the controller as a
+  :class:`ControlRow`; the status the controller returns is what the host stores in that row (the
+  CLI's and the TUI's ``status`` read it). A controller never reads or writes its row itself.
+* **precedence** (:data:`PRECEDENCE`, :func:`read_control`): a controller is *held* while one
+  ranked above it says it overrides (the governor in an emergency mode holds the autopilot) —
+  ``ControlRow.held`` names why, together with disarmed and paused;
+* **the loop** (:func:`run_controller`): a step every ``interval_s`` until ``stop``, a failed step
+  logged and tried again at the next tick (a busy store, a replica down never stops a
+  controller), and, when the host stops or is cancelled, the controller's ``close`` — the
+  governor undoes what it applied — run shielded and waited for at most ``close_timeout_s``, its
+  status stored like a step's. ``tests/test_layers.py`` fails on a second controller loop.
 """
 
 from __future__ import annotations
@@ -18,11 +26,65 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from storage.control import ControllerName
 
-__all__ = ["HostedController", "run_controller"]
+__all__ = [
+    "PRECEDENCE",
+    "ControlRow",
+    "HostedController",
+    "read_control",
+    "run_controller",
+    "tick",
+]
+
+# Who arbitrates first: a controller is held while one before it here overrides (its status's
+# ``overrides`` names what, e.g. the governor's "emergency mode scr").
+PRECEDENCE: tuple[ControllerName, ...] = ("governor", "autopilot")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRow:
+    """A controller's row of the control table as its host read it at this tick."""
+
+    controller: ControllerName
+    cluster: str
+    state: str  # "armed" | "dry-run" | "disarmed"
+    paused: bool
+    who: str | None  # who set the state or the pause last
+    status: dict[str, Any] | None  # what the controller stored at its last tick
+    # "the governor's emergency mode scr is active (...)": a controller ranked above overrides.
+    outranked: str | None = None
+
+    @property
+    def held(self) -> str | None:
+        """Why this controller's decisions are not carried out now, beyond dry-run: disarmed,
+        paused, or outranked (None: nothing holds it)."""
+        if self.state == "disarmed":
+            return "disarmed"
+        if self.paused:
+            return f"paused by {self.who or 'an operator'}"
+        return self.outranked
+
+    @property
+    def acting(self) -> bool:
+        """Armed and not held: its decisions go to the replicas."""
+        return self.state == "armed" and self.held is None
+
+
+class _ControlStore(Protocol):
+    def control(self, controller: ControllerName, cluster: str) -> dict[str, Any]: ...
+
+    def set_control(
+        self, controller: ControllerName, cluster: str, *, status: dict[str, Any] | None = ...
+    ) -> dict[str, Any]: ...
+
+
+class _Store(Protocol):
+    @property
+    def governance(self) -> _ControlStore: ...
 
 
 class HostedController(Protocol):
@@ -33,14 +95,78 @@ class HostedController(Protocol):
         """Its row of the control table, and its logger's name."""
         ...
 
-    async def step(self) -> None:
-        """One observation and decision: read the control row, decide, carry out or log, store
-        the status."""
+    @property
+    def cluster_name(self) -> str:
+        """The cluster whose row it is."""
         ...
 
-    async def close(self) -> None:
-        """The host stops: what the controller must do before it goes (undo, close a client)."""
+    @property
+    def store(self) -> Any:
+        """The store holding the control table (``Store``)."""
         ...
+
+    async def step(self, row: ControlRow) -> dict[str, Any]:
+        """One observation and decision under ``row``: decide, carry out (``row.acting``) or log;
+        returns the status the host stores in the row."""
+        ...
+
+    async def close(self, row: ControlRow) -> dict[str, Any] | None:
+        """The host stops: what the controller must do before it goes (undo, close a client);
+        returns a status to store, or None to leave the row's as it is."""
+        ...
+
+
+def _outranked(name: ControllerName, rows: dict[ControllerName, dict[str, Any]]) -> str | None:
+    for above in PRECEDENCE[: PRECEDENCE.index(name)]:
+        overrides = (rows[above].get("status") or {}).get("overrides")
+        if overrides:
+            return f"the {above}'s {overrides} is active (the {above} arbitrates first)"
+    return None
+
+
+def read_control(store: _Store, name: ControllerName, cluster: str) -> ControlRow:
+    """``name``'s control row of ``cluster``, with what outranks it (blocking: the store's read)."""
+    ranked = PRECEDENCE[: PRECEDENCE.index(name) + 1] if name in PRECEDENCE else (name,)
+    rows = {c: store.governance.control(c, cluster) for c in ranked}
+    own = rows[name]
+    return ControlRow(
+        controller=name,
+        cluster=cluster,
+        state=own["state"],
+        paused=bool(own["paused"]),
+        who=own.get("who"),
+        status=own.get("status"),
+        outranked=_outranked(name, rows) if name in PRECEDENCE else None,
+    )
+
+
+async def tick(controller: HostedController) -> dict[str, Any]:
+    """One step of ``controller``: its row read, the step, the status it returns stored."""
+    row = await asyncio.to_thread(
+        read_control, controller.store, controller.name, controller.cluster_name
+    )
+    status = await controller.step(row)
+    await asyncio.to_thread(
+        controller.store.governance.set_control,
+        controller.name,
+        controller.cluster_name,
+        status=status,
+    )
+    return status
+
+
+async def _close(controller: HostedController) -> None:
+    row = await asyncio.to_thread(
+        read_control, controller.store, controller.name, controller.cluster_name
+    )
+    status = await controller.close(row)
+    if status is not None:
+        await asyncio.to_thread(
+            controller.store.governance.set_control,
+            controller.name,
+            controller.cluster_name,
+            status=status,
+        )
 
 
 async def run_controller(
@@ -62,11 +188,11 @@ async def run_controller(
             if stop.is_set():
                 return
             try:
-                await controller.step()
+                await tick(controller)
             except Exception:  # a failed step (busy store, a replica down) is retried next tick
                 log.exception("%s step failed", controller.name)
     finally:
-        closing = asyncio.ensure_future(controller.close())
+        closing = asyncio.ensure_future(_close(controller))
         deadline = time.monotonic() + close_timeout_s
         while not closing.done() and time.monotonic() < deadline:
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):

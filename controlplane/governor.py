@@ -28,7 +28,10 @@ window since); in ``dry-run`` (the default) the decision is only written to the 
 (result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed`` and the end of the
 recorder undo every change the governor made (``governor disarm --keep``: kept, and the status
 says so). The state is kept in the store (its control row, ``storage.control``), so the TUI and
-``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere.
+``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere; the
+controller host (``controlplane.controller_host``) reads that row each tick, stores the status
+this module returns, and holds the controllers ranked below the governor while a mode is applied
+(the status's ``overrides``).
 """
 
 from __future__ import annotations
@@ -42,12 +45,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
-from controlplane.controller_host import run_controller
+from controlplane.controller_host import ControlRow, read_control, run_controller, tick
 from controlplane.governance import GovernanceSpec, GovernorSpec
-from controlplane.steering import LeaseKeeper, apply_settings
-from scheduler.settings import Settings, describe_error
+from controlplane.steering import LeaseKeeper, apply_settings, record_dry_run
+from scheduler.settings import Settings, SettingsChange
 
 WHO = "governor"
 
@@ -261,6 +262,7 @@ class Governor:
 
     def state(self) -> dict[str, Any]:
         """What a restarted governor needs to go on (kept in the control row's status)."""
+        applied = [m for m in self.active if m not in self.dry]
         return {
             "active": dict(self.active),
             "dry": sorted(self.dry),
@@ -268,6 +270,9 @@ class Governor:
             "targets": {m: list(t) for m, t in self.targets.items()},
             "before": {m: dict(b) for m, b in self.before.items()},
             "held": self.held,
+            # What the host's arbiter reads: while a mode is applied, the controllers ranked
+            # below the governor (the autopilot) are held.
+            "overrides": f"emergency mode {', '.join(applied)}" if applied else None,
             # the lease holder's name: a restarted governor of this control row is the same
             # owner (it undoes what it applied), another recorder's is not
             "holder": self.leases.holder,
@@ -370,7 +375,7 @@ class Change:
         else:
             new = self.gov.replaced[key]
         self.old, self.sent = old, True
-        return current.replace(params={self.mode.param: new})
+        return SettingsChange(params={self.mode.param: new}).apply(current)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,25 +386,34 @@ class Change:
 async def governor_step(
     gov: Governor, collector: Any, store: Any, now: float
 ) -> list[dict[str, Any]]:
-    """One evaluation: read the control row, decide on the collector's newest figures, carry the
-    decisions out (armed) or log them (dry-run); disarmed (unless ``--keep``), paused, or dry-run
-    with modes applied: undo them. Store the governor's status. Returns what was done: dicts with
-    the decision and each replica's result."""
+    """One evaluation at ``now`` through the controller host's tick (its control row read, its
+    status stored): see :meth:`_HostedGovernor.step`. Returns what was done: dicts with the
+    decision and each replica's result."""
+    hosted = _HostedGovernor(gov, collector, store, lambda: now)
+    await tick(hosted)
+    return hosted.done
+
+
+async def _evaluate(
+    gov: Governor, collector: Any, store: Any, now: float, row: ControlRow
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Decide on the collector's newest figures and carry the decisions out (armed) or log them
+    (dry-run); disarmed (unless ``--keep``), paused, or dry-run with modes applied: undo them.
+    Returns what was done and the status to store."""
     cluster = collector.cluster
-    ctl = await asyncio.to_thread(store.governance.control, "governor", cluster.name)
     figures = collector.governance
-    keep = ctl["state"] == "disarmed" and bool((ctl.get("status") or {}).get("keep"))
+    keep = row.state == "disarmed" and bool((row.status or {}).get("keep"))
     done: list[dict[str, Any]] = []
-    if ctl["state"] == "armed":
+    if row.state == "armed":
         gov.armed()
-    if ctl["state"] != "armed" or ctl["paused"]:
-        why = "paused" if ctl["paused"] else ctl["state"]
+    if not row.acting:
+        why = "paused" if row.paused else row.state
         if not keep:
             for decision in gov.undo_all(
                 figures, f"{why}: every change the governor made is undone"
             ):
                 done.append(await _carry_out(gov, collector, store, decision, now, armed=True))
-        if ctl["state"] == "disarmed" or ctl["paused"]:
+        if row.held is not None:  # disarmed or paused
             gov.active = {
                 m: t for m, t in gov.active.items() if m not in gov.dry
             }  # dry decisions: forgotten
@@ -408,22 +422,19 @@ async def governor_step(
         # steer these replicas at once instead of after the lease's expiry.
         for name in list(gov.leases.until):
             await gov.leases.release(cluster, name)
-    if figures is not None and ctl["state"] != "disarmed" and not ctl["paused"]:
+    if figures is not None and row.held is None:
         for decision in gov.decide(figures, now):
             done.append(
-                await _carry_out(
-                    gov, collector, store, decision, now, armed=ctl["state"] == "armed"
-                )
+                await _carry_out(gov, collector, store, decision, now, armed=row.state == "armed")
             )
     status = {
         **gov.state(),
         "t_ms": int(now * 1000),
         "keep": keep,
-        "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
+        "last": [d["note"] for d in done] or (row.status or {}).get("last", []),
     }
-    await asyncio.to_thread(store.governance.set_control, "governor", cluster.name, status=status)
-    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
-    return done
+    collector.governor_status = {**status, "state": row.state, "paused": row.paused}
+    return done, status
 
 
 async def _carry_out(
@@ -454,7 +465,14 @@ async def _carry_out(
         if other is not None:  # another governor steers this replica: what we would do, logged
             current = (collector.views[spec.name].state or {}).get("settings")
             logged = await asyncio.to_thread(
-                _log_dry_run, store, cluster.name, spec.name, current, change, decision
+                record_dry_run,
+                store,
+                cluster.name,
+                spec.name,
+                change,
+                current,
+                who=WHO,
+                note=decision.note(),
             )
             outcome["replicas"][spec.name] = f"{logged} (not ours to steer: {other})"
             continue
@@ -470,7 +488,14 @@ async def _carry_out(
         else:  # dry-run: what would be sent, in the audit log only
             current = (collector.views[spec.name].state or {}).get("settings")
             outcome["replicas"][spec.name] = await asyncio.to_thread(
-                _log_dry_run, store, cluster.name, spec.name, current, change, decision
+                record_dry_run,
+                store,
+                cluster.name,
+                spec.name,
+                change,
+                current,
+                who=WHO,
+                note=decision.note(),
             )
     if decision.action == "enter" or dry or gov.undone(decision.mode):
         gov.record(decision, now, dry=dry and decision.action == "enter")
@@ -492,55 +517,33 @@ def forgeable_labels(gov: Governor, collector: Any, decision: Decision) -> list[
     )
 
 
-def _log_dry_run(
-    store: Any,
-    cluster: str,
-    replica: str,
-    current: dict[str, Any] | None,
-    change: Change,
-    decision: Decision,
-) -> str:
-    new, why = None, "nothing to change"
-    if current is not None:
-        # What a replica reports is its own: a document this version cannot read (a newer
-        # plugin's field, a broken replica) skips that replica, never the step for the cluster.
-        try:
-            new = change.apply(Settings.model_validate(current))
-        except (ValidationError, ValueError, TypeError) as err:
-            why = f"its settings document is not one this version reads ({describe_error(err)})"
-    result = "dry-run" if new is not None else "skipped"
-    store.settings_log.record_settings_change(
-        cluster,
-        replica,
-        who=WHO,
-        old=current,
-        new=None if new is None else new.to_dict(),
-        result=result,
-        message=f"{decision.note()}; " + ("not sent (dry-run)" if new is not None else why),
-    )
-    return result
-
-
 @dataclass(slots=True)
 class _HostedGovernor:
-    """The governor as ``run_controller`` hosts it: ``governor_step`` each tick, the undo of
-    every change it made at the stop."""
+    """The governor as the controller host runs it: an evaluation each tick, the undo of every
+    change it made at the stop."""
 
     gov: Governor
     collector: Any
     store: Any
     clock: Callable[[], float]
     name: Literal["governor"] = "governor"
+    done: list[dict[str, Any]] = field(default_factory=list)  # the last step's outcomes
 
-    async def step(self) -> None:
+    @property
+    def cluster_name(self) -> str:
+        return str(self.collector.cluster.name)
+
+    async def step(self, row: ControlRow) -> dict[str, Any]:
+        self.done, status = await _evaluate(self.gov, self.collector, self.store, self.clock(), row)
         log = logging.getLogger("tailpilot.governor")
-        for outcome in await governor_step(self.gov, self.collector, self.store, self.clock()):
+        for outcome in self.done:
             log.warning("%s (%s): %s", outcome["note"], outcome["state"], outcome["replicas"])
+        return status
 
-    async def close(self) -> None:
+    async def close(self, row: ControlRow) -> dict[str, Any] | None:
         # The recorder stops: nothing will watch the modes any more, so none stays applied
         # (unless disarmed with --keep); the status lists what is left if this fails.
-        await stop_governor(self.gov, self.collector, self.store, self.clock())
+        return await stop_governor(self.gov, self.collector, self.store, self.clock(), row)
 
 
 async def run_governor(
@@ -557,11 +560,8 @@ async def run_governor(
     controller loop (``controlplane.controller_host``)."""
     gov = Governor.for_cluster(collector.cluster.governance)
     # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
-    gov.restore(
-        (await asyncio.to_thread(store.governance.control, "governor", collector.cluster.name)).get(
-            "status"
-        )
-    )
+    row = await asyncio.to_thread(read_control, store, "governor", collector.cluster.name)
+    gov.restore(row.status)
     hosted = _HostedGovernor(gov, collector, store, clock or time.time)
     await run_controller(hosted, stop, interval_s=interval_s, close_timeout_s=undo_timeout_s)
 
@@ -593,13 +593,12 @@ def governor_task(
 
 
 async def stop_governor(
-    gov: Governor, collector: Any, store: Any, now: float
-) -> list[dict[str, Any]]:
-    """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``) and store
-    its status: what a recorder stop does."""
-    ctl = await asyncio.to_thread(store.governance.control, "governor", collector.cluster.name)
-    if ctl["state"] == "disarmed" and (ctl.get("status") or {}).get("keep"):
-        return []
+    gov: Governor, collector: Any, store: Any, now: float, row: ControlRow
+) -> dict[str, Any] | None:
+    """Undo every change ``gov`` made (unless the governor is disarmed with ``--keep``): what a
+    recorder stop does. Returns the status to store (None: left as it is)."""
+    if row.state == "disarmed" and (row.status or {}).get("keep"):
+        return None
     done = [
         await _carry_out(gov, collector, store, d, now, armed=True)
         for d in gov.undo_all(
@@ -612,10 +611,7 @@ async def stop_governor(
         **gov.state(),
         "t_ms": int(now * 1000),
         "keep": False,
-        "last": [d["note"] for d in done] or (ctl.get("status") or {}).get("last", []),
+        "last": [d["note"] for d in done] or (row.status or {}).get("last", []),
     }
-    await asyncio.to_thread(
-        store.governance.set_control, "governor", collector.cluster.name, status=status
-    )
-    collector.governor_status = {**status, "state": ctl["state"], "paused": bool(ctl["paused"])}
-    return done
+    collector.governor_status = {**status, "state": row.state, "paused": row.paused}
+    return status

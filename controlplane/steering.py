@@ -103,7 +103,9 @@ def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] 
             res.result, res.message = "skipped", "nothing to change"
             return None
         if isinstance(produced, Settings):
-            produced = produced.to_dict()
+            # Validated where it was made (a change's apply starts from the replica's document,
+            # so its engine fields are the replica's); the replica validates it again.
+            return produced.to_dict()
         if not isinstance(produced, Mapping):
             raise ValueError(
                 f"the change must give a settings document, got {type(produced).__name__}"
@@ -292,6 +294,42 @@ async def apply_settings(
 
         await asyncio.to_thread(audit)
     return results
+
+
+def record_dry_run(
+    store: Any,
+    cluster: str,
+    replica: str,
+    change: Change,
+    current: Mapping[str, Any] | None,
+    *,
+    who: str,
+    note: str,
+    reason: str = "dry-run",
+) -> str:
+    """What a controller in dry-run would send ``replica``: ``change`` applied to the document
+    it runs (``current``, as it last reported it), written to the audit log with result
+    ``dry-run`` — or ``skipped`` when there is nothing to change or the document is not one this
+    version reads — and nothing sent. Returns the result (blocking: the store's write)."""
+    new, why = None, "nothing to change"
+    if current is not None:
+        # What a replica reports is its own: a document this version cannot read (a newer
+        # plugin's field, a broken replica) skips that replica, never the controller's step.
+        try:
+            new = change.apply(Settings.model_validate(current))
+        except (ValidationError, ValueError, TypeError) as err:
+            why = f"its settings document is not one this version reads ({describe_error(err)})"
+    result = "dry-run" if new is not None else "skipped"
+    store.settings_log.record_settings_change(
+        cluster,
+        replica,
+        who=who,
+        old=None if current is None else dict(current),
+        new=None if new is None else new.to_dict(),
+        result=result,
+        message=f"{note}; " + (f"not sent ({reason})" if new is not None else why),
+    )
+    return result
 
 
 # --- controllers' leases (scheduler.plugin.lease) ---------------------------------------------

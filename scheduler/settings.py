@@ -527,22 +527,16 @@ class Settings(BaseModel):
     def is_pinned(self, name: str) -> bool:
         return name in self.pinned
 
-    def replace(self, **changes: Any) -> Settings:
-        """A new validated document with top-level fields and/or params changed.
-
-        ``params`` given here are merged into the current ones when the policy is unchanged.
-        """
-        doc = self.to_dict()
-        new_params = changes.pop("params", None)
-        if "policy" in changes and changes["policy"] != self.policy:
-            doc["params"] = {}
-            doc["pinned"] = []
-        if new_params:
-            doc["params"] = {**doc["params"], **new_params}
-        if "engine" in changes and isinstance(changes["engine"], dict):
-            changes["engine"] = {**doc["engine"], **changes["engine"]}
-        doc.update(changes)
-        return Settings.model_validate(doc)
+    def replace(
+        self,
+        *,
+        policy: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        engine: Mapping[str, Any] | None = None,
+    ) -> Settings:
+        """A new validated document: :class:`SettingsChange` of these fields applied (another
+        policy starts from its defaults; ``params`` and ``engine`` are merged)."""
+        return SettingsChange(policy, params or {}, engine or {}).apply(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {

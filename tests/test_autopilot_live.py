@@ -210,10 +210,15 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_governor_goes_first(tmp_path, monkeypatch):
+    from controlplane.governance import GovernanceSpec
+    from controlplane.governor import Governor
+
+    # The status an armed governor stores with its SCR mode applied.
+    governor = Governor.for_cluster(GovernanceSpec.model_validate({}))
+    governor.active = {"scr": 1.0}
+    emergency_scr = governor.state()
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
-        rig.store.governance.set_control(
-            "governor", "twins", state="armed", status={"active": {"scr": 1.0}, "dry": []}
-        )
+        rig.store.governance.set_control("governor", "twins", state="armed", status=emergency_scr)
         driver = rig.run(700.0)
         assert rig.twin.core.settings == DEFAULTS and rig.audit() == []
         assert "governor" in driver.held and driver.pilots["twin-0"].note.startswith("held")

@@ -47,7 +47,9 @@ PLUGIN = "scheduler.plugin.vllm.TailpilotScheduler"
 LIMITS = Limits()  # what the plugin's control server runs with
 MIB = 1 << 20
 RSS_SLACK = 30 * MIB
-THREAD_SLACK = 3
+# Threads the engine may start or end on its own while a test watches (vLLM's executor and
+# tokenizer threads come and go with requests); the bound asserted is max_connections + this.
+THREAD_SLACK = 6
 REFERENCE = CompletionRequest(prompt=[101, 57, 902, 33, 7, 1200, 64, 5], max_tokens=24)
 
 
@@ -338,6 +340,10 @@ def test_a_unread_bodies_cost_the_engine_no_memory(replica, headers, status, wor
 
 def test_b_idle_connections_are_shed_or_reaped(replica):
     pid = replica.engine_pid
+    # One completion first: vLLM starts some of its own threads lazily on the first request it
+    # serves, and the one served below would otherwise count as handler threads (a CI run saw
+    # 19 -> 55 with 32 handler slots: vLLM's, not the control API's).
+    check_exact([REFERENCE], run_completions(replica.server.base_url, [REFERENCE]))
     base_threads = settled_threads(pid)
     n_idle = 300
     socks = [

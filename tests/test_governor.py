@@ -382,3 +382,25 @@ def test_a_mode_decided_in_dry_run_is_not_shown_as_active():
     assert modes(status) == (["scr"], ["jfi"])
     assert modes_text(status) == "active modes: scr, dry-run only: jfi"
     assert modes_text(None) == "active modes: none"
+
+
+def test_an_applied_mode_holds_the_controllers_ranked_below(tmp_path):
+    from controlplane.controller_host import read_control
+    from storage.store import Store
+
+    store = Store.open(str(tmp_path / "s.db"))
+    g = gov()
+    g.active, g.dry = {"scr": 1.0, "jfi": 2.0}, {"jfi"}  # jfi decided in dry-run only: logged
+    store.governance.set_control("governor", "c", state="armed", status=g.state())
+    store.governance.set_control("autopilot", "c", state="armed")
+    row = read_control(store, "autopilot", "c")
+    assert row.held == row.outranked
+    assert row.outranked is not None and "emergency mode scr is active" in row.outranked
+    assert "jfi" not in row.outranked and not row.acting
+    assert read_control(store, "governor", "c").held is None  # nobody outranks the governor
+    g.active = {}
+    store.governance.set_control("governor", "c", status=g.state())
+    row = read_control(store, "autopilot", "c")
+    assert row.held is None and row.acting
+    store.governance.set_control("autopilot", "c", paused=True, who="tui:ana")
+    assert read_control(store, "autopilot", "c").held == "paused by tui:ana"

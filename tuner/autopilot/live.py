@@ -20,7 +20,9 @@ States (the store's autopilot control row, steered by ``tailpilot autopilot`` an
 1. the operator's pins: a pinned parameter is never moved, and a replica with any pin never has its
    policy changed (that would drop the pins);
 2. the governor: while any of its emergency modes is applied on the cluster, the autopilot applies
-   nothing (its shadows keep running, the status says why); the operator's ``pause`` holds it too;
+   nothing (its shadows keep running, the status says why); the operator's ``pause`` holds it too
+   — both read by the controller host (``controlplane.controller_host``: ``PRECEDENCE`` and
+   ``ControlRow.held``), which also reads and writes the control row;
 3. the autopilot, on replicas running ``uniboost`` or ``sarathi`` only (a multi-tenant policy is
    the governor's to steer).
 
@@ -49,8 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.controller_host import run_controller
-from controlplane.governor import modes
+from controlplane.controller_host import ControlRow, run_controller, tick
 from controlplane.replica_http import (
     HttpFailure,
     PollingClient,
@@ -58,9 +59,9 @@ from controlplane.replica_http import (
     fetch_inflight,
     make_client,
 )
-from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings
+from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
 from scheduler.metrics import Completion
-from scheduler.settings import Settings
+from scheduler.settings import Settings, SettingsChange
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
 from tuner.autopilot.candidates import OWN_KNOBS, running_candidate
@@ -148,23 +149,26 @@ def blocked(current: Settings, target: Settings) -> str | None:
     return None
 
 
-def target_document(current: Settings, target: Settings) -> Settings | None:
-    """The document that makes ``current`` run ``target``'s choice: within the same policy only
-    the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept; a
-    policy change takes ``target``'s parameters. Engine limits and pins kept; None when it
-    already runs it or a pin forbids it."""
+def target_change(current: Settings, target: Settings) -> SettingsChange | None:
+    """The settings change that makes ``current`` run ``target``'s choice: within the same policy
+    only the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept;
+    a policy change takes ``target``'s parameters. Engine limits and pins are kept (a change of
+    policy is blocked where there are pins). None where a pin forbids it."""
     if blocked(current, target) is not None:
         return None
-    doc = target.to_dict()
     own = OWN_KNOBS.get(target.policy)
     if own is not None and current.policy == target.policy:
-        doc["params"] = {
-            **current.params.model_dump(),
-            **{k: getattr(target.params, k) for k in own},
-        }
-    doc["engine"] = current.engine.model_dump()
-    doc["pinned"] = list(current.pinned)
-    new = Settings.model_validate(doc)
+        return SettingsChange(params={k: getattr(target.params, k) for k in own})
+    return SettingsChange(policy=target.policy, params=target.params.model_dump())
+
+
+def target_document(current: Settings, target: Settings) -> Settings | None:
+    """``target_change`` applied to ``current``; None when it already runs ``target``'s choice
+    or a pin forbids it."""
+    change = target_change(current, target)
+    if change is None:
+        return None
+    new = change.apply(current)
     return None if (new.policy, new.params) == (current.policy, current.params) else new
 
 
@@ -237,40 +241,28 @@ class LiveAutopilot:
 
     # --- one tick ---------------------------------------------------------------------------
     async def step(self, client: PollingClient) -> dict[str, Any]:
-        """Read the control rows, observe every replica, carry decisions out; store the status."""
-        ctl = await asyncio.to_thread(self.store.governance.control, "autopilot", self.cluster.name)
-        self.state = ctl["state"]
+        """One tick through the controller host (``controlplane.controller_host.tick``: the
+        control row read, the status stored): observe every replica, carry decisions out."""
+        return await tick(_HostedAutopilot(self, client))
+
+    async def observe_and_act(self, client: PollingClient, row: ControlRow) -> dict[str, Any]:
+        """Under ``row`` (armed, dry-run, disarmed; held by a pause or the governor), observe
+        every replica and carry the decisions out; returns the status to store."""
+        self.state = row.state
         for name in list(self.leases.until):
-            if not self.armed_on(name) or ctl.get("paused"):
+            if not self.armed_on(name) or row.paused:
                 await self.leases.release(self.cluster, name)
-        if self.state == "disarmed":
+        self.held = row.held
+        if row.state == "disarmed":
             self.pilots.clear()
-            self.held = "disarmed"
         else:
-            self.held = await self._held(ctl)
             for spec in self.cluster.replicas:
                 try:
                     await self._replica_tick(client, spec)
                 except Exception as err:  # one replica's trouble never stops the others
                     log.exception("autopilot: replica %s", spec.name)
                     self.notes[spec.name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-        status = self.status()
-        await asyncio.to_thread(
-            self.store.governance.set_control, "autopilot", self.cluster.name, status=status
-        )
-        return status
-
-    async def _held(self, ctl: dict[str, Any]) -> str | None:
-        if ctl["paused"]:
-            return f"paused by {ctl.get('who') or 'an operator'}"
-        gov = await asyncio.to_thread(self.store.governance.control, "governor", self.cluster.name)
-        applied, _ = modes(gov.get("status"))
-        if applied:
-            return (
-                f"the governor's emergency mode {', '.join(applied)} is active "
-                "(the governor arbitrates first)"
-            )
-        return None
+        return self.status()
 
     async def _replica_tick(self, client: PollingClient, spec: ReplicaSpec) -> None:
         name = spec.name
@@ -488,14 +480,15 @@ class LiveAutopilot:
         if not self.armed_on(rp.name) or other is not None:
             if decision.changed:  # logged once per decision, not once a minute while it stays
                 await asyncio.to_thread(
-                    self.store.settings_log.record_settings_change,
+                    record_dry_run,
+                    self.store,
                     self.cluster.name,
                     rp.name,
+                    TargetChange(target),
+                    running.to_dict(),
                     who=WHO,
-                    old=running.to_dict(),
-                    new=wanted.to_dict(),
-                    result="dry-run",
-                    message=f"{note}; not sent ({'dry-run' if other is None else other})",
+                    note=note,
+                    reason="dry-run" if other is None else other,
                 )
             rp.note = f"dry-run: would run {decision.choice}" + (
                 "" if other is None else f" — not ours to steer: {other}"
@@ -693,18 +686,27 @@ def status_lines(row: dict[str, Any]) -> list[str]:
 
 @dataclass(slots=True)
 class _HostedAutopilot:
-    """The live autopilot as ``run_controller`` hosts it: a tick each ``tick_s`` through one HTTP
-    client, closed at the stop."""
+    """The live autopilot as the controller host runs it: a tick each ``tick_s`` through one
+    HTTP client, closed at the stop."""
 
     driver: LiveAutopilot
     client: PollingClient
     name: Literal["autopilot"] = "autopilot"
 
-    async def step(self) -> None:
-        await self.driver.step(self.client)
+    @property
+    def cluster_name(self) -> str:
+        return self.driver.cluster.name
 
-    async def close(self) -> None:
+    @property
+    def store(self) -> Store:
+        return self.driver.store
+
+    async def step(self, row: ControlRow) -> dict[str, Any]:
+        return await self.driver.observe_and_act(self.client, row)
+
+    async def close(self, row: ControlRow) -> dict[str, Any] | None:
         await self.client.aclose()
+        return None
 
 
 async def run_autopilot(
