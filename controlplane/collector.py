@@ -170,7 +170,8 @@ class Collector:
         for kind in columns[1].tolist():
             asked[kind] = asked.get(kind, 0.0) + 1.0
         for v in self.views.values():
-            for kind, n in ((v.state or {}).get("waiting_by_type") or {}).items():
+            waiting_by_type = None if v.state is None else v.state.waiting_by_type
+            for kind, n in (waiting_by_type or {}).items():
                 asked[kind] = asked.get(kind, 0.0) + float(n)
         report = governance_report(
             *columns,
@@ -204,7 +205,8 @@ class Collector:
         counts: dict[str, int] = {}
         for v in self.views.values():
             if v.health.healthy:
-                for tenant, n in ((v.state or {}).get("waiting_by_tenant") or {}).items():
+                by_tenant = None if v.state is None else v.state.waiting_by_tenant
+                for tenant, n in (by_tenant or {}).items():
                     counts[tenant] = counts.get(tenant, 0) + int(n)
         out: dict[str, dict[str, float]] = {}
         for tenant in list(self._waiting_since):

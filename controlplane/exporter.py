@@ -266,20 +266,19 @@ class ClusterMetrics:
         """The replica's own counters since it started: from the /state its last poll read (the
         plugin's), else from vLLM's /metrics while it answers; none from an older answer."""
         key = (cluster, name)
-        state = view.state or {}
+        state = view.state
         if view.health.mode == "plugin":
-            if not state_read:
+            if not state_read or state is None:
                 return
-            preemptions = state.get("preemptions_total")
+            preemptions = state.preemptions_total
             out.add(
                 "tailpilot_preemptions",
                 key,
                 preemptions if preemptions is not None else view.metrics.get("preemptions_total"),
             )
-            out.add("tailpilot_refused_requests", key, state.get("refused_total"))
-            breaker = state.get("breaker")
-            if isinstance(breaker, dict):
-                out.add("tailpilot_breaker_trips", key, breaker.get("trips_total"))
+            out.add("tailpilot_refused_requests", key, state.refused_total)
+            if state.breaker is not None:
+                out.add("tailpilot_breaker_trips", key, state.breaker.trips_total)
         elif view.health.healthy:
             out.add("tailpilot_preemptions", key, view.metrics.get("preemptions_total"))
 

@@ -463,7 +463,7 @@ async def _carry_out(
         change = gov.change(decision, spec.name)
         other = None if dry else await gov.leases.hold(cluster, spec.name, now)
         if other is not None:  # another governor steers this replica: what we would do, logged
-            current = (collector.views[spec.name].state or {}).get("settings")
+            current = _settings_of(collector, spec.name)
             logged = await asyncio.to_thread(
                 record_dry_run,
                 store,
@@ -486,7 +486,7 @@ async def _carry_out(
             outcome["replicas"][spec.name] = res.result
             gov.commit(change, res.result)
         else:  # dry-run: what would be sent, in the audit log only
-            current = (collector.views[spec.name].state or {}).get("settings")
+            current = _settings_of(collector, spec.name)
             outcome["replicas"][spec.name] = await asyncio.to_thread(
                 record_dry_run,
                 store,
@@ -504,6 +504,12 @@ async def _carry_out(
     return outcome
 
 
+def _settings_of(collector: Any, replica: str) -> dict[str, Any] | None:
+    """The settings document ``replica`` reported at its last poll (None: none read)."""
+    state = collector.views[replica].state
+    return None if state is None else state.settings
+
+
 def forgeable_labels(gov: Governor, collector: Any, decision: Decision) -> list[str]:
     """The replicas whose tenant labels any client can set, when ``decision`` throttles tenants
     and the operator has not said to trust such labels (empty: nothing forgeable to act on). A
@@ -513,7 +519,7 @@ def forgeable_labels(gov: Governor, collector: Any, decision: Decision) -> list[
     return sorted(
         name
         for name, view in collector.views.items()
-        if (view.state or {}).get("tenant_source", "client") == "client"
+        if view.state is None or (view.state.tenant_source or "client") == "client"
     )
 
 

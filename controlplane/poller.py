@@ -45,6 +45,7 @@ from controlplane.replica_http import (
 )
 from controlplane.snapshot import Health, ReplicaSnapshot
 from controlplane.window import CounterRate, ReplicaWindow, latency_percentiles
+from scheduler import contract
 from scheduler.validation import finite_or_none
 from storage import limits
 from storage.rows import (
@@ -97,7 +98,7 @@ class ReplicaView:
         self.name = spec.name
         self.window_s = float(window_s)
         self.health = Health()
-        self.state: dict[str, Any] | None = None  # last /state document, without completions
+        self.state: contract.State | None = None  # last /state document, without completions
         self.metrics: dict[str, float] = {}
         self.metrics_error: str | None = None  # the last /metrics poll's error
         self.cursor = int(cursor)
@@ -134,16 +135,16 @@ class ReplicaView:
         self._requests = CounterRate()
 
     # --- the state document -----------------------------------------------------------------
-    def restarted(self, doc: Mapping[str, Any]) -> str | None:
+    def restarted(self, doc: contract.State) -> str | None:
         """Why ``doc`` shows the replica restarted since the last poll (None if it did not)."""
-        finished, steps = doc.get("finished_total"), doc.get("steps_total")
-        instance = doc.get("instance") or None
+        finished, steps = doc.finished_total, doc.steps_total
+        instance = doc.instance or None
         if instance is not None and self.instance is not None and instance != self.instance:
             return f"instance changed from {self.instance} to {instance}"
         if finished is not None and finished < self.cursor:
             return f"finished_total {finished} < cursor {self.cursor}"
-        if doc["next_cursor"] < self.cursor:
-            return f"next_cursor {doc['next_cursor']} < cursor {self.cursor}"
+        if doc.next_cursor < self.cursor:
+            return f"next_cursor {doc.next_cursor} < cursor {self.cursor}"
         if (
             finished is not None
             and self._last_finished_total is not None
@@ -168,9 +169,9 @@ class ReplicaView:
         for rate in (self._preemptions, self._gen_tokens, self._requests):
             rate.clear()
 
-    def _remember_counters(self, doc: Mapping[str, Any]) -> None:
-        self._last_finished_total = doc.get("finished_total")
-        self._last_steps_total = doc.get("steps_total")
+    def _remember_counters(self, doc: contract.State) -> None:
+        self._last_finished_total = doc.finished_total
+        self._last_steps_total = doc.steps_total
 
     # --- building rows ----------------------------------------------------------------------
     def build(
@@ -185,14 +186,14 @@ class ReplicaView:
         clock."""
         t_ms = round(t * 1000)
         self.polls += 1
-        state: dict[str, Any] | None = None
+        state: contract.State | None = None
         completions: list[CompletionRow] = []
-        if answer is not None:
+        if answer is not None and answer.doc is not None:
             if answer.restarted:
                 self.reset_for_restart()
                 self.last_restart = (t, answer.restarted)
             self.cursor = answer.cursor
-            self.instance = answer.doc.get("instance") or self.instance
+            self.instance = answer.doc.instance or self.instance
             state, completions = answer.doc, answer.completions
             self._remember_ids(answer.ids)
         if metrics is not None:
@@ -208,11 +209,12 @@ class ReplicaView:
         seen: SettingsSeenRow | None = None
         trip: SettingsChangeRow | None = None
         if state is not None:
-            self.state = {k: v for k, v in state.items() if k != "completions"}
+            # Kept without its page of completions (they are in the window and the store).
+            self.state = state.model_copy(update={"completions": []})
             self._remember_counters(state)
             seen = self._settings_seen(state, t_ms)
-            trip = self._breaker_trip(state.get("breaker"), t_ms)
-            now_r = state.get("time")
+            trip = self._breaker_trip(state.breaker, t_ms)
+            now_r = state.time
             if now_r is None:  # a document without a clock: fall back to the newest finish / ours
                 now_r = max([c.finished_s for c in completions] + [t])
             if self._coverage_start is None:
@@ -282,11 +284,11 @@ class ReplicaView:
             members.discard(ids.popleft())
 
     def _breaker_trip(
-        self, breaker: Mapping[str, Any] | None, t_ms: int
+        self, breaker: contract.Breaker | None, t_ms: int
     ) -> SettingsChangeRow | None:
         """An audit row when the replica's breaker tripped since the newest trip recorded (its
         counter starts again with each instance); None otherwise."""
-        trips = (breaker or {}).get("trips_total")
+        trips = None if breaker is None else breaker.trips_total
         if breaker is None or not isinstance(trips, int):
             return None
         recorded = self.breaker_recorded
@@ -300,11 +302,11 @@ class ReplicaView:
         if trips <= before:
             return None
         new = trips - before
-        failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
+        failed, fallback = breaker.failed_version, breaker.fallback_version
         to = f"settings v{fallback}" if fallback is not None else "vLLM's stock order"
         message = (
             "a policy raised in the engine's step "
-            f"({breaker.get('last_error') or 'no error reported'}); "
+            f"({breaker.last_error or 'no error reported'}); "
             f"settings v{failed if failed is not None else '?'} replaced by {to} "
             f"({new} new trip{'s' if new > 1 else ''}, {trips} since the replica started)"
         )
@@ -322,14 +324,14 @@ class ReplicaView:
                 "instance": self.instance,
                 "failed_version": failed,
                 "fallback_version": fallback,
-                "last_error": breaker.get("last_error"),
-                "last_at": breaker.get("last_at"),
+                "last_error": breaker.last_error,
+                "last_at": breaker.last_at,
             },
         )
 
-    def _settings_seen(self, state: Mapping[str, Any], t_ms: int) -> SettingsSeenRow | None:
+    def _settings_seen(self, state: contract.State, t_ms: int) -> SettingsSeenRow | None:
         """The settings document as a row when this (instance, version) was not stored yet."""
-        settings, version = state.get("settings"), state.get("settings_version")
+        settings, version = state.settings, state.settings_version
         if limits.int_problem(version, limits.VERSION_RANGE) is not None:
             # Counted where the sample nulls it (the same figure, the same column type).
             version = None
@@ -340,19 +342,19 @@ class ReplicaView:
         return SettingsSeenRow(self.name, t_ms, key[1], key[0], settings)
 
     def _fill_from_state(
-        self, row: SampleRow, s: dict[str, Any], now_r: float, duration: float, t_ms: int
+        self, row: SampleRow, s: contract.State, now_r: float, duration: float, t_ms: int
     ) -> list[GroupSampleRow]:
         m = self.metrics
-        kv = s.get("kv") or {}
-        row.policy = s.get("policy")
-        row.settings_version = s.get("settings_version")
-        row.waiting, row.running = s.get("waiting"), s.get("running")
-        row.kv_used_blocks, row.kv_total_blocks = kv.get("used_blocks"), kv.get("total_blocks")
-        row.kv_usage = kv.get("usage")
+        kv = s.kv or contract.KvState()
+        row.policy = s.policy
+        row.settings_version = s.settings_version
+        row.waiting, row.running = s.waiting, s.running
+        row.kv_used_blocks, row.kv_total_blocks = kv.used_blocks, kv.total_blocks
+        row.kv_usage = kv.usage
         if row.kv_usage is None:
             row.kv_usage = kv_usage_of(m)
-        row.gamma_live, row.beta_live = s.get("gamma_live"), s.get("beta_live")
-        preemptions = s.get("preemptions_total")
+        row.gamma_live, row.beta_live = s.gamma_live, s.beta_live
+        preemptions: float | None = s.preemptions_total
         if preemptions is None:
             preemptions = finite_or_none(m.get("preemptions_total"))
         row.preemptions_per_s = self._preemptions.add(now_r, preemptions, self.window_s)
@@ -361,7 +363,7 @@ class ReplicaView:
             row.throughput_tok_s = float(w.out_tokens.sum()) / duration
             row.throughput_req_s = len(w) / duration
         row.latency = latency_percentiles(w.ttft, w.ttlt, w.tbt)
-        row.breaker_trips = (s.get("breaker") or {}).get("trips_total")
+        row.breaker_trips = None if s.breaker is None else s.breaker.trips_total
         groups: list[GroupSampleRow] = []
         if len(w) == 0:
             return groups
@@ -395,20 +397,20 @@ class ReplicaView:
             h.failures += 1
 
     def snapshot(self) -> ReplicaSnapshot:
-        state = self.state or {}
+        state = self.state
         return ReplicaSnapshot(
             name=self.name,
             health=replace(self.health),
             sample=self.sample,
             groups=list(self.groups),
-            settings=state.get("settings"),
-            settings_version=state.get("settings_version"),
-            state=self.state,
+            settings=None if state is None else state.settings,
+            settings_version=None if state is None else state.settings_version,
+            state=state,
             metrics=dict(self.metrics),
             cursor=self.cursor,
             window_completions=len(self.window),
             rejected=dict(self.rejected),
-            breaker=dict(state["breaker"]) if isinstance(state.get("breaker"), dict) else None,
+            breaker=None if state is None else state.breaker,
         )
 
 

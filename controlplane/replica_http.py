@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from urllib.parse import urlencode
 
 import aiohttp
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.http import (
@@ -261,60 +261,62 @@ _BREAKER_COUNTS = ("trips_total", "failed_version", "fallback_version")
 
 
 def fit_state(
-    doc: dict[str, Any], declared: Mapping[str, Collection[str]] | None = None
+    state: contract.State, declared: Mapping[str, Collection[str]] | None = None
 ) -> list[str]:
     """Null (in place) what a /state document (read through ``contract.State``) holds that the
     collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
     completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller.
     ``declared``: the cluster file's tenants and types, kept apart in the waiting counts
     whatever their number (``storage.limits.fold_name``)."""
-    reasons = _fit_numbers(doc)
+    reasons = _fit_numbers(state)
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
         ("policy", limits.POLICY_CHARS),
         ("replica", None),
     ):
-        if isinstance(doc.get(key), str):
-            _null(doc, key, limits.text_problem(doc[key], chars), reasons)
-    breaker = doc.get("breaker")
-    if isinstance(breaker, dict) and isinstance(breaker.get("last_error"), str):
-        breaker["last_error"] = limits.clean_text(breaker["last_error"])[
-            : contract.BREAKER_ERROR_CHARS
-        ]
-    if doc.get("settings") is not None:
-        _null(doc, "settings", limits.settings_problem(doc["settings"]), reasons)
-    for key in ("live",):  # shown, never stored: only what the terminal cannot print is nulled
-        if doc.get(key) is not None:
-            _null(doc, key, limits.json_problem(doc[key]), reasons)
-    for key, kind in (("waiting_by_tenant", "tenant"), ("waiting_by_type", "type")):
-        if doc.get(key) is not None:
-            doc[key] = _fit_counts_by_name(doc[key], reasons, (declared or {}).get(kind, ()))
+        value = getattr(state, key)
+        if isinstance(value, str):
+            _null(state, key, limits.text_problem(value, chars), reasons)
+    breaker = state.breaker
+    if breaker is not None and isinstance(breaker.last_error, str):
+        breaker.last_error = limits.clean_text(breaker.last_error)[: contract.BREAKER_ERROR_CHARS]
+    if state.settings is not None:
+        _null(state, "settings", limits.settings_problem(state.settings), reasons)
+    if state.live is not None:  # shown, never stored: only what the terminal cannot print is nulled
+        _null(state, "live", limits.json_problem(state.live), reasons)
+    declared = declared or {}
+    if state.waiting_by_tenant is not None:
+        state.waiting_by_tenant = _fit_counts_by_name(
+            state.waiting_by_tenant, reasons, declared.get("tenant", ())
+        )
+    if state.waiting_by_type is not None:
+        state.waiting_by_type = _fit_counts_by_name(
+            state.waiting_by_type, reasons, declared.get("type", ())
+        )
     return reasons
 
 
-def _fit_numbers(doc: dict[str, Any]) -> list[str]:
+def _fit_numbers(state: contract.State) -> list[str]:
     """Null (in place) the counts a /state document holds out of range (negative, past 64 bits)
     and a KV usage outside 0..1; the reasons."""
     reasons: list[str] = []
-    parts: list[tuple[dict[str, Any], tuple[str, ...]]] = [(doc, _STATE_COUNTS)]
-    parts += [
-        (part, keys)
-        for sub, keys in (("kv", _KV_COUNTS), ("breaker", _BREAKER_COUNTS))
-        if isinstance(part := doc.get(sub), dict)
-    ]
+    parts: list[tuple[BaseModel, tuple[str, ...]]] = [(state, _STATE_COUNTS)]
+    if state.kv is not None:
+        parts.append((state.kv, _KV_COUNTS))
+    if state.breaker is not None:
+        parts.append((state.breaker, _BREAKER_COUNTS))
     for part, keys in parts:
         for key in keys:
-            _null(part, key, limits.int_problem(part.get(key), limits.COUNT_RANGE), reasons)
-    kv = doc.get("kv")
-    if isinstance(kv, dict):
-        _null(kv, "usage", limits.fraction_problem(kv.get("usage")), reasons)
+            _null(part, key, limits.int_problem(getattr(part, key), limits.COUNT_RANGE), reasons)
+    if state.kv is not None:
+        _null(state.kv, "usage", limits.fraction_problem(state.kv.usage), reasons)
     return reasons
 
 
-def _null(where: dict[str, Any], key: str, problem: str | None, reasons: list[str]) -> None:
-    """Null ``where[key]`` and note why, when there is a ``problem``."""
+def _null(where: BaseModel, key: str, problem: str | None, reasons: list[str]) -> None:
+    """Null ``where.key`` and note why, when there is a ``problem``."""
     if problem is not None:
-        where[key] = None
+        setattr(where, key, None)
         reasons.append(problem)
 
 
@@ -354,7 +356,7 @@ class StateReader(Protocol):
     cursor: int
     declared: Mapping[str, Collection[str]]  # the cluster file's tenants and types
 
-    def restarted(self, doc: Mapping[str, Any]) -> str | None: ...
+    def restarted(self, doc: contract.State) -> str | None: ...
 
     def seen_id(self, key: int) -> bool: ...
 
@@ -391,19 +393,18 @@ def read_state(
     doc: Any,
     rejected: dict[str, int] | None = None,
     declared: Mapping[str, Collection[str]] | None = None,
-) -> dict[str, Any]:
+) -> contract.State:
     """A /state document read through ``contract.State`` (leniently: a broken optional field is
     null) and fitted to what the store holds (storage.limits; what was nulled counted in
-    ``rejected``; ``declared`` tenants and types kept apart), as a dict; StateFormatError naming
-    the field a reader cannot do without."""
+    ``rejected``; ``declared`` tenants and types kept apart); StateFormatError naming the field a
+    reader cannot do without."""
     if not isinstance(doc, dict):
         raise StateFormatError(f"bad state document: expected an object, got {type(doc).__name__}")
     try:
-        model: contract.State = contract.read(contract.State, doc)
-        state = model.model_dump()
+        state: contract.State = contract.read(contract.State, doc)
     except ValidationError as err:
         raise StateFormatError(f"bad state document: {contract.describe(err)}") from None
-    if limits.int_problem(state["next_cursor"], limits.CURSOR_RANGE) is not None:
+    if limits.int_problem(state.next_cursor, limits.CURSOR_RANGE) is not None:
         # The cursor is stored with the rows it covers: a page that cannot be is not taken at all.
         raise StateFormatError(
             "bad state document: next_cursor is beyond what the store holds "
@@ -425,7 +426,7 @@ class StateAnswer:
     """What one poll read of a replica's /state: its newest document and the completions since the
     view's cursor, fitted (storage.limits)."""
 
-    doc: dict[str, Any]
+    doc: contract.State | None  # None: no page read yet
     completions: list[CompletionRow]
     cursor: int  # the cursor after ``completions``
     restarted: str | None = None  # why the replica is taken to have restarted (read from 0)
@@ -476,7 +477,7 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
 
     Pages through a backlog; reads from cursor 0 when the replica restarted."""
     url = control_base(view.spec) + "/state"
-    answer = StateAnswer({}, [], view.cursor)
+    answer = StateAnswer(None, [], view.cursor)
     rejected = answer.rejected
     this_poll: set[int] = set()
     why = None
@@ -508,11 +509,10 @@ async def fetch_state(client: PollingClient, view: StateReader, timeout_s: float
             if restarted:  # read the new incarnation from its beginning
                 answer.restarted, answer.cursor = restarted, 0
                 continue
-        page_why = _take_completions(view, answer, doc["completions"], this_poll)
+        page_why = _take_completions(view, answer, doc.completions, this_poll)
         why = why or page_why
-        answer.cursor = max(answer.cursor, doc["next_cursor"])
-        more = doc.get("more")
-        if more is False or (more is None and len(doc["completions"]) < STATE_PAGE_LIMIT):
+        answer.cursor = max(answer.cursor, doc.next_cursor)
+        if doc.more is False or (doc.more is None and len(doc.completions) < STATE_PAGE_LIMIT):
             break
     for reason, n in state_rejected.items():
         count_into(rejected, reason, n)

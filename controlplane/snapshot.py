@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.governance import GovernanceReport
+from scheduler import contract
 from storage.rows import GroupSampleRow, SampleRow
 
 
@@ -37,7 +38,7 @@ class ReplicaSnapshot:
     groups: list[GroupSampleRow]
     settings: dict[str, Any] | None  # the active settings document
     settings_version: int | None
-    state: dict[str, Any] | None  # the last /state document, without its completions
+    state: contract.State | None  # the last /state document, without its completions
     metrics: dict[str, float]  # the last parsed /metrics (logical names)
     cursor: int
     window_completions: int
@@ -46,7 +47,7 @@ class ReplicaSnapshot:
     rejected: dict[str, int] = field(default_factory=dict)
     # The replica's circuit breaker as its last /state reported it (contract.Breaker), None when
     # not.
-    breaker: dict[str, Any] | None = None
+    breaker: contract.Breaker | None = None
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from scheduler import contract
 from storage.rows import SampleRow
 
 
@@ -93,17 +94,17 @@ def cluster_totals(rows: Sequence[SampleRow]) -> dict[str, float | int | None]:
     }
 
 
-def breaker_note(trips: int | None, breaker: Mapping[str, Any] | None = None) -> str | None:
+def breaker_note(trips: int | None, breaker: contract.Breaker | None = None) -> str | None:
     """A note like ``breaker tripped 2× (last: ValueError: ...; v3 → vLLM's stock order)`` when the
     replica's circuit breaker has tripped (``breaker``: the /state document's, for the details),
     else None."""
     if not trips:
         return None
     note = f"breaker tripped {trips}×"
-    if breaker:
-        failed, fallback = breaker.get("failed_version"), breaker.get("fallback_version")
+    if breaker is not None:
+        failed, fallback = breaker.failed_version, breaker.fallback_version
         to = f"v{fallback}" if fallback is not None else "vLLM's stock order"
-        last = breaker.get("last_error") or "no error reported"
+        last = breaker.last_error or "no error reported"
         note += f" (last: {last}; v{failed if failed is not None else '?'} → {to})"
     return note
 

@@ -18,6 +18,7 @@ from controlplane.poller import ReplicaView
 from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.replica_http import PollingClient, StateAnswer, completion_row
 from controlplane.window import latency_percentiles
+from scheduler import contract
 from scheduler.metrics import Completion, summarize, summarize_by
 from scheduler.settings import SettingsChange
 from storage.rows import PERCENTILE_FIELDS
@@ -165,25 +166,27 @@ def _as_completion(c: dict) -> Completion:
     )
 
 
-def _state(now: float, completions: list[dict], next_cursor: int, **extra) -> dict:
-    return {
-        "replica": "r",
-        "time": now,
-        "policy": "fcfs",
-        "settings": {"policy": "fcfs"},
-        "settings_version": 1,
-        "waiting": 3,
-        "running": 2,
-        "kv": {"used_blocks": 5, "total_blocks": 10, "usage": 0.5},
-        "gamma_live": None,
-        "beta_live": None,
-        "preemptions_total": extra.pop("preemptions_total", 0),
-        "finished_total": next_cursor,
-        "steps_total": 100,
-        "completions": completions,
-        "next_cursor": next_cursor,
-        **extra,
-    }
+def _state(now: float, completions: list[dict], next_cursor: int, **extra) -> contract.State:
+    return contract.State.model_validate(
+        {
+            "replica": "r",
+            "time": now,
+            "policy": "fcfs",
+            "settings": {"policy": "fcfs"},
+            "settings_version": 1,
+            "waiting": 3,
+            "running": 2,
+            "kv": {"used_blocks": 5, "total_blocks": 10, "usage": 0.5},
+            "gamma_live": None,
+            "beta_live": None,
+            "preemptions_total": extra.pop("preemptions_total", 0),
+            "finished_total": next_cursor,
+            "steps_total": 100,
+            "completions": completions,
+            "next_cursor": next_cursor,
+            **extra,
+        }
+    )
 
 
 def _assert_latency_equals(latency, summary: dict) -> None:
@@ -588,7 +591,7 @@ def test_twins_recorded_exactly_once_with_exact_percentiles(twins, tmp_path):
         assert (
             rs.health.healthy and rs.health.mode == "plugin" and rs.settings["policy"] == "sarathi"
         )
-        now_r = rs.state["time"]
+        now_r = rs.state.time
         window = [
             _completion_from_row(c)
             for c in store.readings.completions("twins", twin.name)
@@ -860,7 +863,8 @@ def test_settings_a_replica_runs_are_stored_whoever_changed_them(tmp_path):
                     )
                     assert r.status_code == 200, r.text
                 await wait_until(
-                    lambda: (view.state or {}).get("settings_version") == 2, what="version 2 seen"
+                    lambda: view.state is not None and view.state.settings_version == 2,
+                    what="version 2 seen",
                 )
                 await wait_until(lambda: view.polls > 12, what="more polls")
                 tw[0].restart(fresh=True)

@@ -53,8 +53,8 @@ def check_state_page(doc: dict) -> None:
         "instance",
         "settings",
     ):
-        assert seen[key] == doc[key], key
-    assert seen["kv"] == doc["kv"]
+        assert getattr(seen, key) == doc[key], key
+    assert seen.kv is not None and seen.kv.model_dump() == doc["kv"]
 
 
 def test_a_twin_sends_what_the_contract_says():
@@ -138,12 +138,13 @@ def test_a_lenient_reader_nulls_a_broken_optional_field_and_names_a_missing_requ
         "kv": {"used_blocks": True, "total_blocks": 10, "usage": 0.5},
     }
     seen = read_state(doc)
-    assert (
-        seen["waiting"],
-        seen["gamma_live"],
-        seen["kv"]["used_blocks"],
-        seen["kv"]["total_blocks"],
-    ) == (None, None, None, 10)
+    assert seen.kv is not None
+    assert (seen.waiting, seen.gamma_live, seen.kv.used_blocks, seen.kv.total_blocks) == (
+        None,
+        None,
+        None,
+        10,
+    )
     with pytest.raises(ValidationError):
         strict(contract.State, doc)  # a producer must send it right
     for broken, field in (

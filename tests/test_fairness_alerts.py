@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.governance import AlertEvaluator, AlertThresholds, GovernanceSpec
+from scheduler import contract
 
 
 def test_an_alert_holds_for_s_before_firing_and_keeps_firing_before_resolving():
@@ -74,7 +75,9 @@ def test_the_collector_counts_a_starved_tenant():
             for i in range(5)
         ]
     )
-    view.state = {"waiting_by_tenant": {"c": 3}, "waiting_by_type": {"chat": 3}}
+    view.state = contract.State(
+        completions=[], next_cursor=0, waiting_by_tenant={"c": 3}, waiting_by_type={"chat": 3}
+    )
     first = col.govern()
     assert first["scr"] == 1.0 and first["tenants"]["c"]["waiting"] == 3  # counted; not late yet
     now[0] += 30.0
@@ -85,5 +88,6 @@ def test_the_collector_counts_a_starved_tenant():
     )
     assert later["scr"] == pytest.approx(2 / 3) and later["jfi"] == pytest.approx(2 / 3)
     assert later["alerts"] == {"scr": "critical", "jfi": "warning"}
-    view.state = {"waiting_by_tenant": {"c": 2}}  # one admitted: the oldest may be newer now
+    # one admitted: the oldest may be newer now
+    view.state = contract.State(completions=[], next_cursor=0, waiting_by_tenant={"c": 2})
     assert col.govern()["tenants"]["c"]["waited_s"] == 0.0

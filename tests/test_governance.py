@@ -227,7 +227,7 @@ def test_made_up_tenants_are_one_group_that_drives_nothing(governed, monkeypatch
         honest = c.govern(immediate=True)
         view = c.views[twin.name]
         forged = {f"made-up-{k}": 7 for k in range(5000)}
-        view.state = {**view.state, "waiting_by_tenant": forged}
+        view.state = view.state.model_copy(update={"waiting_by_tenant": forged})
         return honest, c.govern(immediate=True)
 
     honest, forged = asyncio.run(figures())

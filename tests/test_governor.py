@@ -173,7 +173,9 @@ def test_a_replica_reporting_a_document_this_version_cannot_read_is_skipped_not_
     g = Governor.for_cluster(collector.cluster.governance)
     collector.governance = dict(LOW)
     view = collector.views["twin-0"]
-    view.state = {**view.state, "settings": {**view.state["settings"], "unknown_key": 1}}
+    view.state = view.state.model_copy(
+        update={"settings": {**view.state.settings, "unknown_key": 1}}
+    )
     [out] = asyncio.run(governor_step(g, collector, store, 0.0))
     assert out["replicas"] == {"twin-0": "skipped", "twin-1": "dry-run", "twin-2": "skipped"}
     [row] = [r for r in governor_rows(store) if r["replica"] == "twin-0"]

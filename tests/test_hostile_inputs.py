@@ -132,7 +132,7 @@ def test_opt_int_keeps_what_is_a_count():
 def test_a_broken_optional_field_is_null_and_the_rest_is_read(field, value):
     doc = {"completions": [], "next_cursor": 3, "waiting": 2, field: value}
     state = read_state(doc)
-    assert state[field] is None and state["waiting"] == 2 and state["next_cursor"] == 3
+    assert getattr(state, field) is None and state.waiting == 2 and state.next_cursor == 3
 
 
 def test_negative_counts_and_an_oversized_settings_document_are_not_stored():
@@ -148,10 +148,10 @@ def test_negative_counts_and_an_oversized_settings_document_are_not_stored():
         "settings": big,
     }
     state = read_state(doc, rejected)
-    assert (state["waiting"], state["running"], state["settings_version"]) == (None, None, None)
-    assert state["kv"]["used_blocks"] is None and state["kv"]["total_blocks"] == 10
-    assert state["kv"]["usage"] is None  # a fraction below zero
-    assert state["settings"] is None
+    assert (state.waiting, state.running, state.settings_version) == (None, None, None)
+    assert state.kv is not None and state.kv.used_blocks is None and state.kv.total_blocks == 10
+    assert state.kv.usage is None  # a fraction below zero
+    assert state.settings is None
     assert rejected == {limits.OUT_OF_RANGE: 5, limits.TOO_LONG: 1}
 
 
@@ -160,7 +160,7 @@ def test_negative_counts_and_an_oversized_settings_document_are_not_stored():
 )
 def test_kv_usage_is_a_fraction(usage, kept):
     state = read_state({"completions": [], "next_cursor": 0, "kv": {"usage": usage}}, {})
-    assert state["kv"]["usage"] == (usage if kept else None)
+    assert state.kv is not None and state.kv.usage == (usage if kept else None)
     assert kv_usage_of({"kv_usage": usage}) == (usage if kept else None)
 
 
@@ -200,7 +200,7 @@ def test_a_first_token_outside_the_requests_life_is_unknown(first_token_s):
 def test_a_settings_document_a_replica_could_have_taken_is_stored(tmp_path: Path):
     doc = {"policy": "fcfs", "params": {}, "note": "x" * 1000}
     state = read_state({"completions": [], "next_cursor": 0, "settings": doc})
-    assert state["settings"] == doc
+    assert state.settings == doc
 
 
 def test_a_name_the_engine_governs_by_is_recorded_and_shown_by_that_name():

@@ -187,9 +187,8 @@ def test_the_page_carries_the_collectors_own_figures(governed, monkeypatch):
     ):  # the replica's own counts: counters, ..._total
         [sample] = fams[f"tailpilot_{name}"]
         state_key = {"refused_requests": "refused_total", "preemptions": "preemptions_total"}[name]
-        assert (
-            sample.name == f"tailpilot_{name}_total"
-            and sample.value == c.views[twin.name].state[state_key]
+        assert sample.name == f"tailpilot_{name}_total" and sample.value == getattr(
+            c.views[twin.name].state, state_key
         )
     assert "tailpilot_gamma" not in fams  # fcfs has no γ: left out, never NaN
     assert "tailpilot_governor_state" not in fams  # no governor on this collector

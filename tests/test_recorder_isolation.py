@@ -426,7 +426,7 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
         assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 1 and groups["other"] == 150
         stored = store.readings.group_samples("iso", "r", kind=kind)
         assert len(stored) == limits.MAX_GROUPS_PER_WINDOW + 1
-    waiting = c.views["r"].state["waiting_by_tenant"]
+    waiting = c.views["r"].state.waiting_by_tenant
     assert len(waiting) == limits.MAX_GROUPS_PER_WINDOW + 1 and waiting["other"] == 150
     assert (
         len(store.readings.completions("iso", "r")) == n
@@ -470,7 +470,7 @@ def test_a_declared_tenant_is_never_folded_into_other_past_the_cap(replicas, tmp
     groups = {g.group: g.completed for g in c.views["r"].groups if g.kind == "tenant"}
     assert groups["gold"] == 1 and groups["other"] == 20
     assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 2  # the cap's, "other" and "gold"
-    waiting = c.views["r"].state["waiting_by_tenant"]
+    waiting = c.views["r"].state.waiting_by_tenant
     assert waiting["gold"] == 1 and waiting["other"] == 20, waiting
     assert waiting.keys() == groups.keys()
     fams = {f.name: f.samples for f in text_string_to_metric_families(render(c).decode())}

@@ -331,19 +331,19 @@ def test_sort_key_puts_missing_values_last():
 
 def test_replica_header_shows_a_staged_settings_version():
     from controlplane.snapshot import Health, ReplicaSnapshot
+    from scheduler import contract
 
     row = SampleRow("r", 0, True, policy="fcfs", settings_version=3)
     settings = {"policy": "fcfs", "params": {}}
 
-    def header(state):
+    def header(pending):
+        state = contract.State(completions=[], next_cursor=0, pending_version=pending)
         return R.replica_header(
             ReplicaSnapshot("r", Health(True, None), row, [], settings, 3, state, {}, 0, 0)
         ).plain
 
-    assert "(settings v3)" in header({"pending_version": None}) and "staged" not in header(
-        {"pending_version": None}
-    )
-    assert "(settings v3) v4 staged" in header({"pending_version": 4})
+    assert "(settings v3)" in header(None) and "staged" not in header(None)
+    assert "(settings v3) v4 staged" in header(4)
 
 
 # ------------------------------------------------------------------------------------------ replay

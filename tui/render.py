@@ -281,7 +281,7 @@ def replica_header(rs: ReplicaSnapshot | None, window_s: float | None = None) ->
     out.append(f"  │ policy {pol or '—'}")
     if rs.settings_version is not None:
         out.append(f" (settings v{rs.settings_version})")
-    pending = (rs.state or {}).get("pending_version")
+    pending = None if rs.state is None else rs.state.pending_version
     if isinstance(pending, int):  # staged by a PUT; the replica applies it at its next engine step
         out.append(f" v{pending} staged", style="yellow")
     s = rs.sample
@@ -315,7 +315,7 @@ def replica_notes(rs: ReplicaSnapshot) -> list[str]:
     """The replica's circuit-breaker trips (with the last error and the versions) and what the
     collector could not store as it sent it: lines under the replica's header, none when all is
     well."""
-    trips = (rs.breaker or {}).get("trips_total")
+    trips = None if rs.breaker is None else rs.breaker.trips_total
     return [
         n
         for n in (

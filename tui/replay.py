@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from controlplane.governance import GovernanceReport
 from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
+from scheduler import contract
 from storage.control import ControllerName
 from storage.rows import GroupSampleRow, SampleRow
 from tui.sources import (
@@ -247,7 +248,7 @@ class ReplaySource:
                 window_completions=sum(g.completed for g in groups if g.kind == "tenant"),
                 rejected=dict(row.rejected or {}),
                 # The trips as recorded (the details of each are in the audit log).
-                breaker={"trips_total": row.breaker_trips}
+                breaker=contract.Breaker(trips_total=row.breaker_trips)
                 if row.breaker_trips is not None
                 else None,
             )

@@ -60,6 +60,7 @@ from controlplane.replica_http import (
     make_client,
 )
 from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
+from scheduler import contract
 from scheduler.metrics import Completion
 from scheduler.settings import Settings, SettingsChange
 from sim.engine import EngineConfig
@@ -272,17 +273,17 @@ class LiveAutopilot:
             view is None
             or doc is None
             or not view.health.healthy
-            or not isinstance(doc.get("settings"), dict)
+            or not isinstance(doc.settings, dict)
         ):
             self.notes[name] = "no state from the replica"
             return
-        running = Settings.model_validate(doc["settings"])
+        running = Settings.model_validate(doc.settings)
         leader = self._pool_leader(spec)
         if leader is not None:
             await self._follow(spec, leader, doc, running)
             return
         rp = self.pilots.get(name)
-        if rp is not None and rp.instance != doc.get("instance"):
+        if rp is not None and rp.instance != doc.instance:
             log.info("autopilot: replica %s restarted: its controller starts afresh", name)
             self.pilots.pop(name, None)  # its request ids and completions log restart with it
             rp = None
@@ -300,7 +301,7 @@ class LiveAutopilot:
         except (HttpFailure, StateFormatError) as err:
             rp.note = f"no in-flight listing ({err}): observation deferred"
             return
-        now = (inflight.time if inflight.time is not None else doc.get("time") or 0.0) - rp.origin
+        now = (inflight.time if inflight.time is not None else doc.time or 0.0) - rp.origin
         if rp.clock is not None and now < rp.clock - FUTURE_SLACK_S:
             # The replica's clock stepped back: every later arrival would look older than what the
             # shadows have passed, and no decision would come. A fresh controller starts on it.
@@ -311,9 +312,7 @@ class LiveAutopilot:
             self.pilots.pop(name, None)
             rp = await self._start(name, doc, running)
             rp.note = f"the replica's clock stepped back {stepped:.0f} s: its controller restarted"
-            now = (
-                inflight.time if inflight.time is not None else doc.get("time") or 0.0
-            ) - rp.origin
+            now = (inflight.time if inflight.time is not None else doc.time or 0.0) - rp.origin
         rp.clock = now if rp.clock is None else max(rp.clock, now)
         decision = await asyncio.to_thread(rp.pilot.observe, self._observation(rp, inflight, now))
         await self._verify(rp, running, now)
@@ -332,7 +331,7 @@ class LiveAutopilot:
         return None if first == spec.name else first
 
     async def _follow(
-        self, spec: ReplicaSpec, leader: str, doc: dict[str, Any], running: Settings
+        self, spec: ReplicaSpec, leader: str, doc: contract.State, running: Settings
     ) -> None:
         """A pool member: no shadows of its own — the leader's controller decides for the pool,
         and each of its decisions is carried out here too (pins, the governor and arming are
@@ -343,7 +342,7 @@ class LiveAutopilot:
             return
         rp = self.pilots.get(spec.name)
         if rp is None or rp.pilot is not lead.pilot:
-            rp = ReplicaPilot(spec.name, doc.get("instance"), lead.origin, lead.pilot)
+            rp = ReplicaPilot(spec.name, doc.instance, lead.origin, lead.pilot)
             rp.follows = leader
             self.pilots[spec.name] = rp
             self.notes.pop(spec.name, None)
@@ -359,7 +358,7 @@ class LiveAutopilot:
             rp.last.popleft()
         await self._carry_out(rp, decision, running)
 
-    async def _start(self, name: str, doc: dict[str, Any], running: Settings) -> ReplicaPilot:
+    async def _start(self, name: str, doc: contract.State, running: Settings) -> ReplicaPilot:
         base = (
             running
             if running.policy == "uniboost"
@@ -377,8 +376,8 @@ class LiveAutopilot:
         pilot = Autopilot(base, self.config, engine)
         pilot.follow(running_candidate(pilot.options, running) or pilot.current)
         # Time 0 a window before now: the requests in flight at the start arrived after it.
-        origin = float(doc.get("time") or 0.0) - self.config.window_s
-        rp = ReplicaPilot(name, doc.get("instance"), origin, pilot)
+        origin = float(doc.time or 0.0) - self.config.window_s
+        rp = ReplicaPilot(name, doc.instance, origin, pilot)
         self.pilots[name] = rp
         self.notes.pop(name, None)
         return rp
