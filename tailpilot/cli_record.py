@@ -357,7 +357,7 @@ def _governor_lines(row: dict[str, Any], keep: bool) -> list[str]:
 
 
 def _autopilot_lines(row: dict[str, Any], keep: bool) -> list[str]:
-    from tuner.autopilot.live import status_lines  # start-up cost
+    from tuner.autopilot.records import status_lines  # start-up cost
 
     return status_lines(row)
 

@@ -532,7 +532,7 @@ def demo_report(
     and the governor's state as ``tailpilot governor status`` does."""
     from controlplane.governor import modes_text  # start-up cost
     from controlplane.views import governance_lines  # start-up cost
-    from tuner.autopilot.live import status_lines  # start-up cost
+    from tuner.autopilot.records import status_lines  # start-up cost
 
     out: list[Text] = []
     if autopilot is not None:

@@ -8,4 +8,4 @@ cluster) with ``records`` (its audit rows and predictions), and ``tune`` (its ow
 """
 
 # Used by other floors (tests/test_layers.py); the rest serve these.
-__all__ = ["controller", "live", "replay", "tune"]
+__all__ = ["controller", "live", "records", "replay", "tune"]

@@ -646,43 +646,6 @@ class LiveAutopilot:
         }
 
 
-def status_lines(row: dict[str, Any]) -> list[str]:
-    """The control row as the CLI prints it (``tailpilot autopilot status``)."""
-    status = row.get("status") or {}
-    head = (
-        f"autopilot of {row['cluster']}: {row['state']}{' (paused)' if row.get('paused') else ''}"
-        f"{'' if not row.get('who') else ' · set by ' + str(row['who'])}"
-    )
-    if status.get("held") and status["held"] != "disarmed":
-        head += f"; held: {status['held']}"
-    lines = [head]
-    if status.get("promise"):
-        lines.append(f"  promise: {status['promise']}")
-    # Armed on a replica, the choice is what it runs; otherwise only what the autopilot would run.
-    armed = row.get("state") == "armed" and not row.get("paused")
-    only = status.get("armed_replicas")
-    if armed and only is not None:
-        lines.append(f"  armed on {', '.join(only) or 'no replica'} only; the others dry-run")
-    for name, r in sorted((status.get("replicas") or {}).items()):
-        steers = armed and (only is None or name in only) and not r.get("lease")
-        runs = "running" if steers else "would run"
-        if "choice" not in r:
-            lines.append(f"  {name}: {r.get('note', '')}")
-            continue
-        kept = {True: " · keeps the promise", False: " · breaks the promise"}.get(
-            r.get("keeps"), ""
-        )
-        if r.get("overload"):
-            kept += f" · overload ({r['overload']})"
-        lines.append(f"  {name}: {runs} {r['choice']}{kept} · {r.get('note') or 'no decision yet'}")
-        for d in (r.get("last") or [])[-3:]:
-            lines.append(
-                f"    t={d['t']:.0f} {'switch' if d['changed'] else 'keep'} {d['choice']}: "
-                f"{d['reason']}"
-            )
-    return lines
-
-
 @dataclass(slots=True)
 class _HostedAutopilot:
     """The live autopilot as the controller host runs it: a tick each ``tick_s`` through one
