@@ -33,7 +33,7 @@ from vllm.v1.request import Request
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
-from scheduler.policies import Policy, RequestState
+from scheduler.policies import Policy, PreemptivePolicy, RequestState
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
 
@@ -400,8 +400,8 @@ class TailpilotMixin(_StockScheduler):
         if policy.reorders_running and len(ordered) > 1:
             ordered = policy.order_running(ordered, now)
             self._tp_set_running(ordered, decode_first)
-        if policy.preemptive and core.waiting:
-            self._tp_policy_preemptions(now, ordered)
+        if isinstance(policy, PreemptivePolicy) and core.waiting:
+            self._tp_policy_preemptions(now, ordered, policy)
 
     def _tp_set_running(self, ordered: list[RequestState], decode_first: bool) -> None:
         """Put vLLM's running list in the policy's order: the order vLLM gives out the token
@@ -424,8 +424,10 @@ class TailpilotMixin(_StockScheduler):
                 prefills.append(request)  # a prompt, or a recompute after preemption
         self.running[:] = decodes + prefills
 
-    def _tp_policy_preemptions(self, now: float, ordered: list[RequestState]) -> None:
-        core, policy = self.tp_core, self.tp_core.policy
+    def _tp_policy_preemptions(
+        self, now: float, ordered: list[RequestState], policy: PreemptivePolicy
+    ) -> None:
+        core = self.tp_core
         bs = self.block_size
         lpt = self.scheduler_config.long_prefill_token_threshold or 0
 

@@ -3,7 +3,14 @@ and the vLLM plugin alike. No vLLM import anywhere in this package."""
 
 from __future__ import annotations
 
-from scheduler.policies.base import EngineView, Policy, RequestState, boost, quantize
+from scheduler.policies.base import (
+    EngineView,
+    Policy,
+    PreemptivePolicy,
+    RequestState,
+    boost,
+    quantize,
+)
 from scheduler.policies.basic import Fcfs, Sarathi, Vtc
 from scheduler.policies.boost import DistBoost, UniBoost
 from scheduler.policies.predictors import LengthPredictor, make_predictor
@@ -41,6 +48,7 @@ __all__ = [
     "POLICY_CLASSES",
     "EngineView",
     "Policy",
+    "PreemptivePolicy",
     "RequestState",
     "Settings",
     "boost",

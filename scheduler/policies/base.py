@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from abc import ABC, abstractmethod
 from bisect import insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -146,11 +147,21 @@ class EngineView:
     max_num_seqs: int
 
 
-class Policy:
-    """Base policy: FCFS order, no policy-driven preemption, stock victim (last running)."""
+class Policy(ABC):
+    """A scheduling policy: what the simulator's engine and the vLLM plugin ask of every policy.
+
+    One method is a policy's own: :meth:`score` (its order; ties break on arrival, then id).
+    Everything else has a default a policy overrides where it differs — the running order, the
+    admission order, the memory-pressure victim (the last running), the engine's events, event
+    skipping's bounds, the waiting queue's layout, live state. Policy-driven preemption is a
+    capability of its own, :class:`PreemptivePolicy`: an engine preempts for a better-keyed
+    waiting request only under a policy that is one (``isinstance``). The flags below let an
+    engine skip a call on every step's path where a policy does not use it."""
 
     name = "base"
-    preemptive = False  # policy-driven preemption (srpt, las, uniboost only)
+    # True on PreemptivePolicy (below) and so on every policy that is one: the engines' per-step
+    # test, cheaper than isinstance on an abstract class.
+    preemptive = False
     reorders_running = True  # sarathi keeps vLLM's running order untouched
     reorders_waiting = True
     charges_tokens = False  # wants on_tokens (VTC)
@@ -185,8 +196,9 @@ class Policy:
         )
 
     # --- ordering -------------------------------------------------------------------------
+    @abstractmethod
     def score(self, req: RequestState, now: float) -> float:
-        return req.arrival
+        """The request's place in this policy's order at ``now``: lower goes first."""
 
     def key(self, req: RequestState, now: float) -> Key:
         return (self.score(req, now), req.arrival, req.id)
@@ -320,62 +332,10 @@ class Policy:
             self._predictor_version = version
             self.epoch = new_epoch()
 
-    # --- preemption -----------------------------------------------------------------------
-    def policy_preemptible(self, req: RequestState) -> bool:
-        """Outside its guard (MemGuard, TRAIL limit): may be preempted by policy."""
-        return True
-
+    # --- memory pressure -------------------------------------------------------------------
     def memory_victim(self, running: Sequence[RequestState]) -> RequestState:
         """Victim when a running request cannot get a KV block; ``running`` is in running order."""
         return running[-1]
-
-    def policy_victim(
-        self, waiting_req: RequestState, running: Sequence[RequestState], now: float
-    ) -> RequestState | None:
-        """The running request to preempt so ``waiting_req`` can be admitted, or None.
-
-        ``running`` is in running order (best first), so the worst eligible is found from the end.
-        """
-        if not self.preemptive:
-            return None
-        cand = self.worst_preemptible(running, now)
-        if cand is None:
-            return None
-        w_key, r_key, margin = (
-            self.key(waiting_req, now),
-            self.key(cand, now),
-            self.victim_margin(cand),
-        )
-        better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
-        return cand if better else None
-
-    def worst_preemptible(self, running: Sequence[RequestState], now: float) -> RequestState | None:
-        """The request policy preemption would take first: the last one outside its guard in
-        running order (best first)."""
-        for cand in reversed(running):
-            if self.policy_preemptible(cand):
-                return cand
-        return None
-
-    def preemption_utilisation_limit(self) -> float:
-        """Policy preemption only while the batch's utilisation is below this (inf: always)."""
-        return INF
-
-    def preempt_margin(self) -> float:
-        margin: float = getattr(self.params, "preempt_margin", 0.0)  # preemptive policies' params
-        return margin
-
-    def victim_margin(self, victim: RequestState) -> float:
-        """How far (score units) a waiting request must beat ``victim`` to preempt it."""
-        return self.preempt_margin()
-
-    def preempts_for_seats(self) -> bool:
-        """Whether a missing sequence slot alone (KV has room) justifies a preemption."""
-        return True
-
-    def preemptions_per_step(self) -> int:
-        """The most policy preemptions in one step (0: no limit)."""
-        return 0
 
     # --- events from the engine -----------------------------------------------------------
     # Whether ``refuse`` can say no (engines skip asking otherwise: it is on every arrival's path).
@@ -455,6 +415,65 @@ class Policy:
 
     def adopt_live_state(self, previous: Policy) -> None:
         """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
+
+
+class PreemptivePolicy(Policy):
+    """The capability of policy-driven preemption (srpt, las, uniboost, slofq): before a step,
+    the engine preempts running requests for better-keyed waiting ones that cannot otherwise get
+    a seat or KV blocks (``scheduler.policies.preemption.plan_preemptions``), within the guards
+    below."""
+
+    preemptive = True
+
+    def policy_preemptible(self, req: RequestState) -> bool:
+        """Outside its guard (MemGuard, TRAIL limit): may be preempted by policy."""
+        return True
+
+    def policy_victim(
+        self, waiting_req: RequestState, running: Sequence[RequestState], now: float
+    ) -> RequestState | None:
+        """The running request to preempt so ``waiting_req`` can be admitted, or None.
+
+        ``running`` is in running order (best first), so the worst eligible is found from the end.
+        """
+        cand = self.worst_preemptible(running, now)
+        if cand is None:
+            return None
+        w_key, r_key, margin = (
+            self.key(waiting_req, now),
+            self.key(cand, now),
+            self.victim_margin(cand),
+        )
+        better = (w_key < r_key) if margin == 0 else (w_key[0] + margin < r_key[0])
+        return cand if better else None
+
+    def worst_preemptible(self, running: Sequence[RequestState], now: float) -> RequestState | None:
+        """The request policy preemption would take first: the last one outside its guard in
+        running order (best first)."""
+        for cand in reversed(running):
+            if self.policy_preemptible(cand):
+                return cand
+        return None
+
+    def preemption_utilisation_limit(self) -> float:
+        """Policy preemption only while the batch's utilisation is below this (inf: always)."""
+        return INF
+
+    def preempt_margin(self) -> float:
+        margin: float = getattr(self.params, "preempt_margin", 0.0)  # preemptive policies' params
+        return margin
+
+    def victim_margin(self, victim: RequestState) -> float:
+        """How far (score units) a waiting request must beat ``victim`` to preempt it."""
+        return self.preempt_margin()
+
+    def preempts_for_seats(self) -> bool:
+        """Whether a missing sequence slot alone (KV has room) justifies a preemption."""
+        return True
+
+    def preemptions_per_step(self) -> int:
+        """The most policy preemptions in one step (0: no limit)."""
+        return 0
 
 
 # Policies whose waiting keys depend on a request only through its arrival and its prediction

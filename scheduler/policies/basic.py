@@ -18,6 +18,9 @@ class Fcfs(Policy):
     name = "fcfs"
     params: NoParams
 
+    def score(self, req: RequestState, now: float) -> float:
+        return req.arrival
+
     # (arrival, id) is the same order as (score, arrival, id) here, and sorts at C speed.
     def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
         return sorted(waiting, key=arrival_order)
@@ -34,6 +37,9 @@ class Sarathi(Policy):
     params: NoParams
     reorders_running = False
     reorders_waiting = False
+
+    def score(self, req: RequestState, now: float) -> float:
+        return req.arrival
 
 
 class TenantBacklog:
@@ -106,6 +112,8 @@ class Vtc(TenantBacklog, Policy):
 
     # Keys stay FCFS (score = arrival): the waiting queue is kept in arrival order and the tenant
     # choice happens in admission_order, because counters move with every generated token.
+    def score(self, req: RequestState, now: float) -> float:
+        return req.arrival
 
     def on_arrival(self, req: RequestState, now: float) -> None:
         self.counters.setdefault(req.tenant, 0.0)

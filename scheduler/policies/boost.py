@@ -19,6 +19,7 @@ from scheduler.policies.base import (
     INF,
     Key,
     Policy,
+    PreemptivePolicy,
     RequestState,
     RunningSortKey,
     SortKey,
@@ -103,7 +104,7 @@ def reorder_decodes_then_prefills(
     return decodes + prefills if prefills else decodes
 
 
-class UniBoost(Policy):
+class UniBoost(PreemptivePolicy):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards
     admitted requests until their next threshold (stage 3); γ-Ada sets γ to the observed tail's
@@ -113,7 +114,6 @@ class UniBoost(Policy):
 
     name = "uniboost"
     params: UniBoostParams
-    preemptive = True
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)

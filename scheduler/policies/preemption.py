@@ -6,7 +6,7 @@ not enough free KV blocks), (b) W's key beats R's by the policy's margin, and (c
 guard; the victim is the worst-keyed eligible running request. Only waiting requests that this
 step's token budget can reach are considered.
 
-A policy may spare work (``Policy.victim_margin``, ``preempts_for_seats``,
+Only a ``PreemptivePolicy`` preempts. It may spare work (``victim_margin``, ``preempts_for_seats``,
 ``preemptions_per_step``, ``preemption_utilisation_limit``): UniBoost can ask W to beat R by R's
 recompute time, refuse to preempt when only a seat is short, cap the preemptions per step, and
 preempt only while the batch is below a utilisation (seed 003: a recompute costs most when the
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from scheduler.policies.base import Policy, RequestState
+from scheduler.policies.base import PreemptivePolicy, RequestState
 
 
 def plan_preemptions(
-    policy: Policy,
+    policy: PreemptivePolicy,
     waiting: Sequence[RequestState],
     running: Callable[[], Sequence[RequestState]],
     *,
@@ -39,7 +39,7 @@ def plan_preemptions(
     order (best first); it is called only if a victim is needed, since ordering costs a sort.
     Nothing is mutated — the caller preempts the victims. ``seats`` and ``free_blocks`` are what is
     free of ``max_seats`` and ``total_blocks``."""
-    if not policy.preemptive or not waiting:
+    if not waiting:
         return []
     # How full the batch is: the larger of the seats and the KV blocks in use (0..1).
     utilisation = max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
-from scheduler.policies.base import INF, Key, Policy, RequestState, SortKey
+from scheduler.policies.base import INF, Key, Policy, PreemptivePolicy, RequestState, SortKey
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import LasParams, Settings, SjfParams, SrptParams
@@ -159,13 +159,12 @@ class Sjf(Policy):
         return max(1, heap[0][0] - self._clock) if heap else INF
 
 
-class Srpt(Policy):
+class Srpt(PreemptivePolicy):
     """Predicted remaining output tokens, preemptive; TRAIL's limit: a running request is no longer
     preemptible once ``generated > c * predicted_total``."""
 
     name = "srpt"
     params: SrptParams
-    preemptive = True
 
     def score(self, req: RequestState, now: float) -> float:
         return max(predicted_total(self, req) - req.generated, 0.0)
@@ -197,14 +196,13 @@ class Srpt(Policy):
     # never creates a preemption that the step starting it did not make: the default INF holds.
 
 
-class Las(Policy):
+class Las(PreemptivePolicy):
     """Least attained service as a multi-level feedback queue: level k holds requests whose
     attained service (seconds, via ``alpha_s_per_token``) lies in [q0(2^k − 1), q0(2^{k+1} − 1));
     a request waiting longer than ``starve_s`` is promoted back to level 0."""
 
     name = "las"
     params: LasParams
-    preemptive = True
     incremental_running_order = True  # levels change only at thresholds: most keys hold
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:

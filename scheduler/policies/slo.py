@@ -37,7 +37,15 @@ from operator import attrgetter
 from typing import Any
 
 from scheduler.metrics.fairness import minimum_shares
-from scheduler.policies.base import INF, Key, Policy, RequestState, RunningSortKey, new_epoch
+from scheduler.policies.base import (
+    INF,
+    Key,
+    Policy,
+    PreemptivePolicy,
+    RequestState,
+    RunningSortKey,
+    new_epoch,
+)
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.slo_backpressure import Backpressure, Bucket, Group, SlidingWindow
@@ -68,13 +76,12 @@ def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[Request
     return queues
 
 
-class SloFq(Backpressure, Policy):
+class SloFq(Backpressure, PreemptivePolicy):
     """Deadline-aware token-level fair queue with type shares and backpressure (module
     docstring)."""
 
     name = "slofq"
     params: SloFqParams
-    preemptive = True
     charges_tokens = True
     counts_steps = True  # the window's token budget is the engine budget times the steps served
     gates_admission = True
@@ -154,8 +161,8 @@ class SloFq(Backpressure, Policy):
     def _p99_target(self, tenant: str) -> float:
         return self._p99_named.get(tenant, self._p99_default)
 
-    def key(self, req: RequestState, now: float) -> Key:
-        return (self.deadline(req), req.arrival, req.id)
+    def score(self, req: RequestState, now: float) -> float:
+        return self.deadline(req)
 
     # The running order (the budget order and the memory-pressure victim, running[-1]) and policy
     # preemption go by the P99 deadline, which does not move: with the current target's deadline a

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.policies import Policy, RequestState
+from scheduler.policies import Policy, PreemptivePolicy, RequestState
 from scheduler.policies.preemption import plan_preemptions
 from sim.engine.step import StepPlan
 
@@ -36,14 +36,16 @@ def _requeue(sim: Simulator, req: RequestState, by_policy: bool) -> None:
 
 def preempt_for_waiting(sim: Simulator, now: float) -> bool:
     """Preempt running requests for better-keyed waiting ones that cannot otherwise fit."""
-    eng = sim.settings.engine
+    eng, policy = sim.settings.engine, sim.policy
+    if not isinstance(policy, PreemptivePolicy):
+        return False
 
     def ordered_running() -> list[RequestState]:
         sim.sort_running(now)
         return sim.running
 
     victims = plan_preemptions(
-        sim.policy,
+        policy,
         sim.waiting.ordered(now),
         ordered_running,
         now=now,
