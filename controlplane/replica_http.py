@@ -39,7 +39,7 @@ from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
 from scheduler import contract
 from scheduler.errors import FAILED, TailpilotError
-from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.validation import finite_or_none
 from storage import limits
 from storage.rows import CompletionRow

@@ -2,6 +2,7 @@
 
 - ``scheduler.policies`` — the policy library (uniboost, TIE, slofq, sarathi, …) over one queue;
 - ``scheduler.settings`` — the settings model every layer reads and writes;
+- ``scheduler.names`` — the bound and defaults of tenant and type names (engine and recorder);
 - ``scheduler.contract`` / ``scheduler.validation`` — the control API's typed documents;
 - ``scheduler.metrics`` — completions, summaries and percentiles (the metric core);
 - ``scheduler.plugin`` — the vLLM scheduler subclass and its control API server.
@@ -15,6 +16,7 @@ __all__ = [
     "contract",
     "errors",
     "metrics",
+    "names",
     "plugin",
     "policies",
     "settings",

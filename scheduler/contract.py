@@ -27,7 +27,7 @@ from pydantic import (
     WrapValidator,
 )
 
-from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.validation import describe_validation
 
 API_VERSION = 1

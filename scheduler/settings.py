@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from scheduler.names import DEFAULT_TENANT, NAME_MAX_CHARS
 from scheduler.validation import (
     describe_validation,
     field_path,
@@ -77,16 +78,8 @@ GAMMA_USEFUL_MIN, GAMMA_USEFUL_MAX = 0.001, 10.0
 MAX_SCORE_MARGIN = 1e12
 
 
-# Tenant and request-type names: they come from clients and from documents, and end up in /state,
-# in the recorder's database and on the TUI, so each must be text every one of them can carry.
-# 100 is the recorder's bound too (storage.limits.MAX_GROUP_NAME_CHARS, the type column's width):
-# a name the engine governs by is shown by that name, never folded into "other" (test_hostile_inputs
-# holds the two equal; the scheduler package imports nothing of storage).
-NAME_MAX_CHARS = 100
-DEFAULT_TENANT = "default"
-# A request that names no type is a chat request — in the engine, the simulator's traces, the
-# control API's documents and the collector's rows alike.
-DEFAULT_TYPE = "chat"
+# Tenant and request-type names (bound and defaults: scheduler.names) must be text every reader
+# can carry: /state, the recorder's database, the TUI.
 
 
 def _unreadable(ch: str) -> bool:

@@ -16,7 +16,7 @@ lone surrogate anywhere, so both are refused on every backend. This module impor
 the collector (``tailpilot status``) fits rows without loading the database layer.
 
 Tenant and request-type names come from clients: they are bounded in length
-(:data:`MAX_GROUP_NAME_CHARS`) and in number per window (:data:`MAX_GROUPS_PER_WINDOW`), the rest
+(:data:`NAME_MAX_CHARS`) and in number per window (:data:`MAX_GROUPS_PER_WINDOW`), the rest
 folded into one :data:`OTHER_GROUP` — in the collector's window, the per-group rows the store keeps
 and the Prometheus page alike.
 """
@@ -29,14 +29,15 @@ from collections.abc import Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
+from scheduler.names import NAME_MAX_CHARS
 from storage.rows import CompletionRow, SampleRow
 
 # --- bounds on names (one place: the collector's window, the store's group rows, the page) --------
 
-#: A tenant or request-type name longer than this is folded into OTHER_GROUP. Real names are short
-#: identifiers (an API key's owner, "chat"); 100 is the type column's width (TYPE_CHARS; the
-#: tenant column's is 200), so a name that fits here fits every column and label it is written to.
-MAX_GROUP_NAME_CHARS = 100
+# A tenant or request-type name longer than NAME_MAX_CHARS (scheduler.names: the engine's bound
+# too) is folded into OTHER_GROUP. Real names are short identifiers (an API key's owner, "chat");
+# 100 is the type column's width (TYPE_CHARS; the tenant column's is 200), so a name that fits
+# fits every column and label it is written to.
 #: Distinct tenant (and, separately, type) names one replica's window keeps apart; completions of
 #: any further name count under OTHER_GROUP. It is the Prometheus page's tenant cap too: the figures
 #: per group are one row per group per poll in the store, so a client sending a new name on every
@@ -71,9 +72,7 @@ OUT_OF_RANGE = "out_of_range"  # an integer beyond its column's range
 INVALID_TEXT = "invalid_text"  # not valid Unicode (a lone surrogate) or holding a NUL
 TOO_LONG = "too_long"  # text longer than its column
 NON_FINITE = "non_finite"  # NaN or ±Infinity, read as null
-LONG_NAME = (
-    "long_name"  # a tenant or type name past MAX_GROUP_NAME_CHARS, counted under OTHER_GROUP
-)
+LONG_NAME = "long_name"  # a tenant or type name past NAME_MAX_CHARS, counted under OTHER_GROUP
 DUPLICATE_ID = "duplicate_id"  # a completion repeating a request id already read
 REASONS: tuple[str, ...] = (
     MALFORMED,
@@ -210,7 +209,7 @@ CURSOR_RANGE = (0, INT64_RANGE[1])
 
 def group_name(name: str) -> tuple[str, str | None]:
     """(the name a tenant or type is stored and grouped under, why it is not its own or None)."""
-    if len(name) > MAX_GROUP_NAME_CHARS:
+    if len(name) > NAME_MAX_CHARS:
         return OTHER_GROUP, LONG_NAME
     problem = text_problem(name)
     return (name, None) if problem is None else (OTHER_GROUP, problem)
@@ -293,7 +292,6 @@ __all__ = [
     "LONG_NAME",
     "MALFORMED",
     "MAX_GROUPS_PER_WINDOW",
-    "MAX_GROUP_NAME_CHARS",
     "NON_FINITE",
     "OTHER_GROUP",
     "OUT_OF_RANGE",

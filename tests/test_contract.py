@@ -185,8 +185,8 @@ def test_the_published_schema_is_the_contract():
 def test_a_request_naming_no_tenant_or_type_is_the_engines_default_everywhere():
     """The engine, the simulator and the collector agree on what a request that names neither
     tenant nor type is (the collector used to file it under type "default", the engine "chat")."""
+    from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
     from scheduler.policies import RequestState
-    from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE
     from sim.traces import TraceRequest
 
     row = completion_row("r", {"id": "a", "arrival": 1.0, "finished_at": 2.0, "seq": 0})

@@ -17,9 +17,10 @@ from click.testing import CliRunner, Result
 from controlplane.export import ExportError, load_settings_file
 from controlplane.poller import kv_usage_of
 from controlplane.replica_http import opt_int, read_state
+from scheduler.names import NAME_MAX_CHARS
 from scheduler.plugin.core import load_startup_settings
 from scheduler.plugin.env import PluginEnv
-from scheduler.settings import NAME_MAX_CHARS, clean_name, name_problem
+from scheduler.settings import clean_name, name_problem
 from storage import limits
 from storage.rows import CompletionRow
 from tailpilot.cli import main
@@ -206,7 +207,6 @@ def test_a_settings_document_a_replica_could_have_taken_is_stored(tmp_path: Path
 def test_a_name_the_engine_governs_by_is_recorded_and_shown_by_that_name():
     """One bound for tenant and type names in the engine and in the recorder: a name a settings
     document may govern by is never folded into "other" on the operator side."""
-    assert NAME_MAX_CHARS == limits.MAX_GROUP_NAME_CHARS
     longest = "t" * NAME_MAX_CHARS
     assert name_problem(longest) is None and limits.group_name(longest) == (longest, None)
     assert name_problem(longest + "t") is not None  # the document is refused, naming it

@@ -22,8 +22,9 @@ PROJECT = ("scheduler", "controlplane", "storage", "tuner", "tui", "sim")
 PACKAGES = (*PROJECT, "tailpilot")  # everything, the CLI included
 OPERATOR = ("controlplane", "storage", "tuner", "tui", "tailpilot")
 
-# Modules of no imports of their own that every floor may use: the one error base.
-EVERYONES = frozenset({"scheduler.errors"})
+# Modules of no imports of their own that every floor may use: the one error base, the bound and
+# defaults of tenant and type names.
+EVERYONES = frozenset({"scheduler.errors", "scheduler.names"})
 
 RULES = {
     "scheduler": (*OPERATOR, "sim"),

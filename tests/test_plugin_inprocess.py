@@ -22,10 +22,10 @@ from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from scheduler.names import NAME_MAX_CHARS
 from scheduler.plugin.env import PluginEnvError
 from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 from scheduler.plugin.wire import encode_json
-from scheduler.settings import NAME_MAX_CHARS
 
 FCFS = {"policy": "fcfs"}
 SLOFQ = {"policy": "slofq"}

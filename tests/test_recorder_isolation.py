@@ -34,6 +34,7 @@ from controlplane.exporter import MAX_TENANTS, MAX_TYPES, render
 from controlplane.prom import MAX_METRICS_SERIES
 from controlplane.replica_http import make_client
 from controlplane.views import sample_json, status_table
+from scheduler.names import NAME_MAX_CHARS
 from storage import limits
 from storage.store import Store
 from tui.render import audit_row, replica_header
@@ -231,7 +232,7 @@ def test_text_that_is_not_unicode_never_reaches_the_store(replicas, db_url):
         entry(1, type="chat\x00"),
         entry(2, id="q2\ud800"),
         entry(3, reason="f\ud800"),
-        entry(4, tenant="x" * (limits.MAX_GROUP_NAME_CHARS + 1)),
+        entry(4, tenant="x" * (NAME_MAX_CHARS + 1)),
         entry(5),
     ]
     bad = replicas("bad", log)

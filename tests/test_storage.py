@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from postgres_support import postgres_server, postgres_url  # noqa: F401  (fixtures)
 from sqlalchemy import inspect, text
 
+from scheduler.names import NAME_MAX_CHARS
 from storage import (
     Batch,
     CompletionRow,
@@ -1141,7 +1142,7 @@ def test_the_limits_are_the_columns_own():
         -(2**63),
         2**63 - 1,
     )
-    assert min(limits.TENANT_CHARS, limits.TYPE_CHARS) >= limits.MAX_GROUP_NAME_CHARS
+    assert min(limits.TENANT_CHARS, limits.TYPE_CHARS) >= NAME_MAX_CHARS
     assert limits.CURSOR_RANGE == (0, 2**63 - 1)
 
 

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from scheduler.settings import NAME_MAX_CHARS, clean_name
+from scheduler.names import NAME_MAX_CHARS
+from scheduler.settings import clean_name
 
 TenantSource = Literal["client", "gateway", "none"]
 UNVERIFIED = "unverified"  # a gateway-mode label without a valid signature

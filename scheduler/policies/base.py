@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel
 
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.policies.predictors import HistoryPredictor, LengthPredictor
-from scheduler.settings import DEFAULT_TENANT, DEFAULT_TYPE, Settings
+from scheduler.settings import Settings
 
 if TYPE_CHECKING:  # the queue module imports this one
     from scheduler.policies.queue import WaitingQueue
