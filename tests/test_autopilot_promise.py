@@ -3,6 +3,7 @@ charged before the drain shows them, and overload answered without a gamble."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from sim.engine import EngineConfig, simulate
 from tuner.autopilot.controller import AutopilotConfig, candidates
 from tuner.autopilot.promise import (
     QUANTILE_NAMES,
+    QUANTILES,
     Figures,
     Promise,
     breaks,
@@ -25,7 +27,7 @@ from tuner.autopilot.promise import (
     sampling_slack,
 )
 from tuner.autopilot.replay import replay_with_autopilot
-from tuner.autopilot.shadows import Shadow
+from tuner.autopilot.shadows import Shadow, Window
 
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=600.0, min_requests=50
@@ -177,6 +179,78 @@ def test_a_forecast_only_adds_arrivals_after_the_clock():
     assert busy.drained_at is None or busy.drained_at > (calm.drained_at or 0.0)
 
 
+def test_a_windows_figures_read_from_the_log_are_those_of_each_request_looked_up():
+    """A shadow's figures read its log's rows as array slices (``ServedLog``); they are what a
+    request-by-request lookup of ``done`` gives — the window forgotten at its start (the log
+    compacted), a forecast after it, and a window that is not a run of consecutive requests."""
+    trace = traces.scale_rate(traces.load_bundled(), 2.0)
+    reqs = sorted(trace, key=lambda r: (r.arrival, r.id))
+    shadow = Shadow(Settings.model_validate({"policy": "sarathi"}), EngineConfig())
+    before = -math.inf
+    for t in (120.0, 240.0, 360.0):
+        shadow.advance([r for r in reqs if before < r.arrival <= t], t)
+        before = t
+    gone = [r.id for r in reqs if r.arrival <= 150.0]
+    shadow.forget(gone)
+    assert shadow.log.base == len(gone)  # half the log or more: its leading rows were freed
+    kept = [r for r in reqs if 150.0 < r.arrival <= 360.0]
+    ids = [r.id for r in kept]
+    for chosen in (ids, ids[::-1], ids[::3]):
+        served = shadow.log.read(chosen)
+        assert served.done.tolist() == [rid in shadow.done for rid in chosen]
+        done = [shadow.done[rid] for rid in chosen if rid in shadow.done]
+        assert served.ttft[served.done].tolist() == [d.ttft for d in done]
+        assert served.tokens[served.done].tolist() == [d.output_tokens for d in done]
+        assert np.isnan(served.ttlt[~served.done]).all()
+    arrivals = np.array([r.arrival for r in kept])
+    window = Window.over(360.0, ids, arrivals, 210.0, {})
+    forecast = [dataclasses.replace(r, id=f"{r.id}~1", arrival=r.arrival + 210.0) for r in kept]
+    for w in (window, window.with_forecast(forecast)):
+        got, projection = shadow.figures(w, 600.0)
+        ttft, ttlt = [], []
+        for rid, arrival in zip(w.ids, w.arrivals, strict=True):
+            if rid in shadow.done:
+                ttft.append(shadow.done[rid].ttft)
+                ttlt.append(shadow.done[rid].ttlt)
+                continue
+            first, end = projection.first_token_at[rid], projection.finished_at[rid]
+            ttft.append((first if first is not None else 960.0) - arrival)
+            ttlt.append((end if end is not None else 960.0) - arrival)
+        tokens = sum(shadow.done[r].output_tokens for r in ids if r in shadow.done)
+        assert got.projected == sum(rid not in shadow.done for rid in w.ids) > 0
+        assert got.throughput_tok_s == tokens / 210.0
+        for name, family, q in QUANTILES:
+            assert got.value(name) == float(np.percentile(ttft if family == "ttft" else ttlt, q))
+
+
+def test_the_stress_test_runs_only_for_a_move_that_would_be_taken():
+    """A move down the axis takes the stress test; it is run only when the move would be taken
+    without it — a target that neither beats the running choice by ``down_margin`` nor by the
+    hysteresis after ``min_dwell_s`` is kept out untested, the same decision either way."""
+    from tuner.autopilot.controller import Autopilot
+
+    pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), CONFIG)
+    assert pilot.current == "defaults"
+    tested: list[str] = []
+    verdict: tuple[str, ...] = ()
+
+    def stress(name: str) -> tuple[str, ...]:
+        tested.append(name)
+        return verdict
+
+    pilot._stress_breaks = stress  # type: ignore[method-assign]
+    scored = {"sarathi": figures(), "defaults": figures(ttft_p95=0.5)}
+    close = {**scored, "gamma=0.1": figures(ttft_p95=0.48)}  # ahead, not by 5% (nor 15%)
+    assert pilot._choose(close, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    assert tested == []
+    ahead = {**scored, "gamma=0.1": figures(ttft_p95=0.4)}  # by 20%: the move would be taken
+    assert pilot._choose(ahead, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", True)
+    verdict = ("stress:ttft_p99",)
+    choice, changed, reason = pilot._choose(ahead, 1_000.0, "", 0.0)
+    assert (choice, changed) == ("defaults", False) and "stress:ttft_p99" in reason
+    assert tested == ["gamma=0.1", "gamma=0.1"]
+
+
 # --- the promise kept on replays ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rising() -> traces.Trace:
@@ -189,8 +263,6 @@ def rising() -> traces.Trace:
         traces.Trace("second", tuple(r for r in base if r.arrival >= cut)), 2.2
     )
     offset = cut - second.requests[0].arrival
-    import dataclasses
-
     moved = [dataclasses.replace(r, arrival=r.arrival + offset) for r in second]
     return traces.Trace("rising", tuple(first + moved))
 

@@ -93,6 +93,11 @@ class Groups:
 
     def _drop_group(self, gid: Hashable) -> None:
         del self.groups[gid]
+        if not self.groups:
+            # Every entry left is stale (no group holds its head): drop them rather than carry
+            # them (and the requests they hold) into every copy of the queue — a shadow's fork
+            # pickled thousands of them, 50 ms a copy of a slofq shadow.
+            self._heap.clear()
 
     def rekey(self, now: float) -> None:
         """A new epoch: key every group's head afresh."""

@@ -1,10 +1,11 @@
 """The autopilot: the scheduler's settings chosen online from the past only (README, "The
 autopilot").
 
-``controller`` (the decision rule, ``AutopilotConfig``), ``candidates`` (the settings it compares
-and the search that keeps some running), ``promise`` (what it keeps), ``shadows`` (a simulator per
-candidate), ``types`` (what it sees and says); ``replay`` (in the simulator), ``live`` (on a live
-cluster) with ``records`` (its audit rows and predictions), and ``tune`` (its own knobs).
+``controller`` (the decision rule; ``AutopilotConfig``, its knobs, from ``config``),
+``candidates`` (the settings it compares and the search that keeps some running), ``promise``
+(what it keeps), ``shadows`` (a simulator per candidate), ``types`` (what it sees and says);
+``replay`` (in the simulator), ``live`` (on a live cluster) with ``records`` (its audit rows and
+predictions), and ``tune`` (its own knobs).
 """
 
 # Used by other floors (tests/test_layers.py); the rest serve these.

@@ -48,7 +48,8 @@ in flight gets an imputed length — the median of recently completed lengths lo
 has generated so far — never its true one.
 
 One implementation serves the simulator (``tuner.autopilot.replay``: ``tailpilot sim
---autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations).
+--autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations). Its knobs,
+``AutopilotConfig``, are in ``tuner.autopilot.config`` and imported from here.
 """
 
 from __future__ import annotations
@@ -57,31 +58,23 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Mapping
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.settings import (
-    GAMMA_MAX_SAFE,
-    GAMMA_MIN_SAFE,
-    GAMMA_USEFUL_MAX,
-    GAMMA_USEFUL_MIN,
-    Settings,
-)
+from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from sim.traces import TraceRequest
 from tuner.autopilot.candidates import (
     Candidate,
-    SearchConfig,
     ShadowSearch,
     candidate_space,
     running_candidate,
 )
+from tuner.autopilot.config import AutopilotConfig as AutopilotConfig
+from tuner.autopilot.config import log_grid as log_grid
 from tuner.autopilot.promise import (
     Figures,
-    Promise,
     breaks,
     judge,
     most_margin,
@@ -90,135 +83,6 @@ from tuner.autopilot.promise import (
 )
 from tuner.autopilot.shadows import Projection, Shadow, Window, repeat_recent
 from tuner.autopilot.types import Arrival, Decision, Observation, arrival_order
-
-
-def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
-    """``per_decade`` points per decade from ``lo`` to ``hi`` inclusive, rounded to 3 significant
-    digits."""
-    n = round(math.log10(hi / lo) * per_decade)
-    return tuple(float(f"{lo * 10 ** (k / per_decade):.3g}") for k in range(n + 1))
-
-
-GAMMA_GRID = log_grid(GAMMA_USEFUL_MIN, GAMMA_USEFUL_MAX, 3)  # 0.001, 0.00215, 0.00464, ... 10 /s
-
-
-class AutopilotConfig(BaseModel):
-    """The autopilot's own knobs (tunable like any setting; errors name the field)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
-    # The operator's other knobs, chosen too (``tuner.autopilot.candidates``): TIE at these fixed β
-    # (its CVaR weight), and MemGuard's quantization base at these values besides the base
-    # document's (with the defaults and at one γ a decade). Pinned knobs are never varied.
-    betas: tuple[float, ...] = Field((0.1, 0.5), max_length=16)
-    quant_bases: tuple[int, ...] = Field((64, 1024), max_length=16)
-    with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
-    with_sarathi: bool = (
-        True  # vLLM's own order as a candidate (it is always the guard's reference)
-    )
-    interval_s: float = Field(60.0, ge=1.0, le=3_600.0)
-    delay_s: float = Field(60.0, ge=0.0, le=3_600.0)
-    window_s: float = Field(3_600.0, ge=60.0, le=86_400.0)
-    # Requests are compared only once they arrived this long before the shadows' clock: a request
-    # a small γ holds back shows its wait only later, and counted early (censored at its wait so
-    # far) it would flatter exactly the settings that starve.
-    settle_s: float = Field(0.0, ge=0.0, le=86_400.0)
-    min_requests: int = Field(3_000, ge=10, le=1_000_000)
-    # A move up the size-to-age axis (``Autopilot._rank``) takes a candidate this much better on
-    # P95 TTFT: ``leave_defaults`` from the defaults (only sarathi lies above them), ``hysteresis``
-    # from anything else. It flushes a small γ's held-back backlog onto everyone — a cost the
-    # shadows, each running one setting all along, do not see. Moves down take a tie (``tie``).
-    leave_defaults: float = Field(0.15, ge=0.0, le=1.0)
-    hysteresis: float = Field(0.15, ge=0.0, le=1.0)
-    # Candidates within this fraction of the lowest P95 TTFT are tied; with ``prefer_small`` the one
-    # that promotes short requests most is chosen among them (``Autopilot._choose``), else the
-    # lowest. Off by default: it sat a held-out trace of bursty long prompts on γ 0.001 while the
-    # candidates tied, and that trace is where a small γ loses (README, "The autopilot").
-    tie: float = Field(0.03, ge=0.0, le=1.0)
-    prefer_small: bool = False
-    # Among tied candidates, those with the most margin on the promise's quantiles first
-    # (``tuner.autopilot.promise.margin``: the geometric mean of their ratios to the reference's, in
-    # steps of ``margin_step``), then the axis rule above — "slo": with tenants' SLOs declared
-    # (their targets are tail quantiles). A P95 tie can hide a P99 gap: on ``tenants`` γ 0.464 and γ
-    # 0.001 tied on P95 TTFT (0.538 vs 0.534 s) before a surge, P99 1.011 vs 0.945 s; the axis
-    # rule took 0.464 and a tenant lost its P99 TTFT target in the surge. Not "always": without
-    # SLOs on ``conv1.1`` it took a small γ whose P99 grew later (closure 0.78 -> -0.31).
-    margin_ties: Literal["slo", "always", "never"] = "slo"
-    margin_step: float = Field(0.01, gt=0.0, le=1.0)
-    # A move down the axis takes a candidate this much better on the objective (0: a tie is
-    # enough). A tie while the load is light is no evidence, and a small γ taken on it is in place
-    # when the load rises — holding back the long requests the promise's P99 is made of.
-    down_margin: float = Field(0.05, ge=0.0, le=1.0)
-    # The running choice is judged to break the promise only beyond its estimate's sampling noise:
-    # this over the square root of the window's requests beyond each quantile …
-    noise: float = Field(0.1, ge=0.0, le=10.0)
-    # … and only once the window holds this many requests: a P99 of fewer rests on a handful, and
-    # the defaults' γ-Ada fits its slope to its last 2,000 samples — before, its shadow shows its
-    # warm-up, not its steady behaviour.
-    judge_requests: int = Field(3_000, ge=10, le=1_000_000)
-    # A window's P99 TTLT moves by a few percent from one minute to the next; leaving a choice for
-    # the guard (often a move up the size-to-age axis, which flushes a held-back backlog) takes a
-    # break on this many decisions in a row.
-    guard_patience: int = Field(2, ge=1, le=100)
-    min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
-    # What is kept and what is won (tuner.autopilot.promise): every quantile within 2% of sarathi's
-    # by default; the tenants' SLOs when declared.
-    promise: Promise = Field(default_factory=Promise)
-    # A request a shadow has not finished is projected this far ahead (its shadow forked and run on
-    # with no further arrival); 0 counts it with its wait so far only.
-    project_s: float = Field(600.0, ge=0.0, le=86_400.0)
-    # The stress test of a move down the axis (and of a running choice below the defaults): the
-    # candidate's and the reference's shadows forked with ``stress_s`` more of arrivals after the
-    # clock (persistence: the traffic goes on as it came lately), their
-    # window projected under it. A small γ that holds the long requests back while the load rises
-    # breaks the promise here minutes before its shadow shows it. 0: no stress test.
-    stress_s: float = Field(600.0, ge=0.0, le=86_400.0)
-    # … made of the last this-many seconds of arrivals, repeated (the recent rate and mix).
-    stress_recent_s: float = Field(120.0, ge=10.0, le=86_400.0)
-    # Overload: the reference would need longer than this to empty its queue with no further
-    # arrival (None: never judged overloaded).
-    overload_drain_s: float | None = Field(300.0, ge=1.0, le=86_400.0)
-    # … or longer than this and growing since the last decision (arrivals above capacity now):
-    # then no move goes down the axis, but nothing is flushed either.
-    overload_growth_s: float = Field(60.0, ge=1.0, le=86_400.0)
-    # Sustained overload is judged again every this-many decisions (held in between).
-    overload_recheck: int = Field(5, ge=1, le=1_000)
-    history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
-    # The search (``tuner.autopilot.candidates.ShadowSearch``): at most this many shadows run (0:
-    # all); an explorer behind the best that keeps the promise by ``prune_margin`` on
-    # ``prune_patience`` judged decisions in a row is retired (a break alone is not a reason); a
-    # forked one is judged but neither chosen nor retired for ``probation_s``; a retired one comes
-    # back no sooner than ``retry_s``.
-    max_shadows: int = Field(10, ge=0, le=1_000)
-    prune_margin: float = Field(0.25, ge=0.0, le=100.0)
-    prune_patience: int = Field(3, ge=1, le=1_000)
-    probation_s: float = Field(300.0, ge=0.0, le=86_400.0)
-    retry_s: float = Field(900.0, ge=0.0, le=86_400.0)
-
-    @model_validator(mode="after")
-    def _gammas_in_range(self) -> AutopilotConfig:
-        for g in self.gammas:
-            if not GAMMA_MIN_SAFE <= g <= GAMMA_MAX_SAFE:
-                safe = f"[{GAMMA_MIN_SAFE:g}, {GAMMA_MAX_SAFE:g}]"
-                raise ValueError(f"gammas: {g} is outside the safe range {safe}")
-        for b in self.betas:
-            if not 0.0 <= b <= 1.0:
-                raise ValueError(f"betas: {b} is outside [0, 1]")
-        for q in self.quant_bases:
-            if not 1 <= q <= 1_000_000:
-                raise ValueError(f"quant_bases: {q} is outside [1, 1000000]")
-        return self
-
-    def search(self) -> SearchConfig:
-        return SearchConfig(
-            self.max_shadows,
-            self.prune_margin,
-            self.prune_patience,
-            self.probation_s,
-            self.retry_s,
-        )
-
 
 GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
 SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and JFI are held to
@@ -283,7 +147,8 @@ class Autopilot:
         self._meta: dict[str, tuple[str, str, int]] = {}
         self._recent_requests: deque[TraceRequest] = deque()  # replayed in the last stress_s
         self._stress: dict[str, Figures] = {}  # this decision's stress figures, by candidate
-        self._context: tuple[float, list[str], np.ndarray] | None = None  # clock, ids, arrivals
+        self._context: Window | None = None  # this decision's window
+        self._stressed: Window | None = None  # … with the stress test's arrivals (when needed)
         self._shadow_clock: float | None = None
         self._next_decision: float | None = None
         self._last_switch = -math.inf
@@ -438,19 +303,11 @@ class Autopilot:
 
     # --- deciding ----------------------------------------------------------------------------
     def _figures(
-        self,
-        shadow: Shadow,
-        clock: float,
-        ids: list[str],
-        arrivals: np.ndarray,
-        forecast: Sequence[TraceRequest] = (),
-        horizon: float | None = None,
+        self, shadow: Shadow, window: Window, horizon: float | None = None
     ) -> tuple[Figures, Projection]:
-        """``Shadow.figures`` over this decision's window (projected ``project_s`` ahead unless
-        ``horizon`` says otherwise)."""
-        cfg = self.config
-        window = Window(clock, ids, arrivals, cfg.window_s, self._meta, cfg.promise.slo)
-        return shadow.figures(window, cfg.project_s if horizon is None else horizon, forecast)
+        """``Shadow.figures`` over ``window`` (projected ``project_s`` ahead unless ``horizon``
+        says otherwise)."""
+        return shadow.figures(window, self.config.project_s if horizon is None else horizon)
 
     def _decide(self, now: float) -> Decision:
         cfg = self.config
@@ -466,7 +323,8 @@ class Autopilot:
             )
         arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
         self._requests = len(ids)
-        self._context, self._stress = (clock, ids, arrivals), {}
+        window = Window.over(clock, ids, arrivals, cfg.window_s, self._meta, cfg.promise.slo)
+        self._context, self._stressed, self._stress = window, None, {}
         reference = self.shadows[self.reference]
         if self._sustained_for and self._sustained_for < cfg.overload_recheck:
             # Sustained overload does not end within a few minutes: judged again every
@@ -478,7 +336,7 @@ class Autopilot:
         horizon = cfg.project_s
         if cfg.overload_drain_s is not None:
             horizon = min(horizon, cfg.overload_drain_s)
-        ref, projection = self._figures(reference, clock, ids, arrivals, horizon=horizon)
+        ref, projection = self._figures(reference, window, horizon=horizon)
         overload = self._overloaded(reference, projection, clock)
         self._sustained_for = 1 if overload == "sustained" else 0
         if overload == "sustained":
@@ -493,11 +351,11 @@ class Autopilot:
             if name != self.current and cfg.promise.slo is None:
                 # Projection only lengthens latencies: a candidate whose wait so far already
                 # breaks the promise cannot keep it, and its projection is saved.
-                bound, _ = self._figures(shadow, clock, ids, arrivals, horizon=0.0)
+                bound, _ = self._figures(shadow, window, horizon=0.0)
                 if breaks(cfg.promise, bound, ref):
                     raw[name] = bound
                     continue
-            raw[name], _ = self._figures(shadow, clock, ids, arrivals)
+            raw[name], _ = self._figures(shadow, window)
         figures = judge(cfg.promise, raw, self.reference, SLO_REFERENCES)
         best, changed, reason = self._choose(figures, now, overload, clock)
         decision = self._decision(
@@ -582,13 +440,17 @@ class Autopilot:
         configured."""
         if self.config.stress_s <= 0 or self._context is None or name == self.reference:
             return ()
-        clock, ids, arrivals = self._context
-        forecast = repeat_recent(
-            self._recent_requests, clock, self.config.stress_recent_s, self.config.stress_s
-        )
+        if self._stressed is None:  # the same arrivals for every candidate tested this decision
+            forecast = repeat_recent(
+                self._recent_requests,
+                self._context.clock,
+                self.config.stress_recent_s,
+                self.config.stress_s,
+            )
+            self._stressed = self._context.with_forecast(forecast)
         for n in (self.reference, name):
             if n not in self._stress:
-                self._stress[n], _ = self._figures(self.shadows[n], clock, ids, arrivals, forecast)
+                self._stress[n], _ = self._figures(self.shadows[n], self._stressed)
         stressed = judge(
             self.config.promise,
             {n: self._stress[n] for n in (self.reference, name)},
@@ -750,6 +612,27 @@ class Autopilot:
             )
         down = self._rank(target) < here
         margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
+        by_down_margin = down and self._better(best, current, cfg.down_margin) and not overload
+        dwelt = now - self._last_switch >= cfg.min_dwell_s
+        if not by_down_margin and not dwelt:
+            return (
+                self.current,
+                False,
+                f"{self.current} kept: switched {now - self._last_switch:.0f} s ago",
+            )
+        if not by_down_margin and not self._better(best, current, margin):
+            return (
+                self.current,
+                False,
+                (
+                    f"no candidate beats {self.current} by the {margin:.0%} margin "
+                    f"(target {target}: {best.value(objective):.3g} s vs "
+                    f"{current.value(objective):.3g} s)"
+                ),
+            )
+        # A move down is taken only past the stress test, run only now that the move would be
+        # taken: run first, it cost two ten-minute projections at decisions that kept the running
+        # choice anyway (a third of the stress tests on conv1.1).
         stressed = self._stress_breaks(target) if down else ()
         if stressed:
             return (
@@ -759,7 +642,7 @@ class Autopilot:
                 f"arrivals went on for {cfg.stress_s:.0f} s ({', '.join(stressed)}): "
                 f"{self.current} kept",
             )
-        if down and self._better(best, current, cfg.down_margin) and not overload:
+        if by_down_margin:
             return (
                 target,
                 True,
@@ -769,27 +652,11 @@ class Autopilot:
                     "and promotes short requests more"
                 ),
             )
-        if now - self._last_switch < cfg.min_dwell_s:
-            return (
-                self.current,
-                False,
-                f"{self.current} kept: switched {now - self._last_switch:.0f} s ago",
-            )
-        if self._better(best, current, margin):
-            return (
-                target,
-                True,
-                (
-                    f"{target} beats {self.current}: {best.value(objective):.3g} s vs "
-                    f"{current.value(objective):.3g} s {objective} over the window's requests"
-                ),
-            )
         return (
-            self.current,
-            False,
+            target,
+            True,
             (
-                f"no candidate beats {self.current} by the {margin:.0%} margin "
-                f"(target {target}: {best.value(objective):.3g} s vs "
-                f"{current.value(objective):.3g} s)"
+                f"{target} beats {self.current}: {best.value(objective):.3g} s vs "
+                f"{current.value(objective):.3g} s {objective} over the window's requests"
             ),
         )

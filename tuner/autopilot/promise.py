@@ -121,9 +121,12 @@ def figures_of(
     """The promise's figures of one candidate from per-request TTFT/TTLT arrays (and, with SLOs,
     each request's tenant, type and tokens)."""
     values = {}
-    for name, family, q in QUANTILES:
-        data = ttft if family == "ttft" else ttlt
-        values[name] = float(np.percentile(data, q)) if data.size else math.nan
+    for family, data in (("ttft", ttft), ("ttlt", ttlt)):
+        # One partition per family for all its quantiles (the same values as one call each).
+        wanted = [(name, q) for name, fam, q in QUANTILES if fam == family]
+        found = np.percentile(data, [q for _, q in wanted]) if data.size else None
+        for k, (name, _) in enumerate(wanted):
+            values[name] = float(found[k]) if found is not None else math.nan
     scr = jfi = None
     if slo is not None and tenants is not None and types is not None and tokens is not None:
         rep = report(tenants, types, ttft, ttlt, tokens, Terms.of(slo), duration_s=window_s)

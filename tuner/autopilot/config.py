@@ -1,0 +1,147 @@
+"""The autopilot's own knobs (``AutopilotConfig``, tunable like any setting:
+``tuner.autopilot.tune``) and the γ grid its candidates span by default. The decision rule that
+reads them is ``tuner.autopilot.controller``, which the rest of the project imports them from."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scheduler.settings import (
+    GAMMA_MAX_SAFE,
+    GAMMA_MIN_SAFE,
+    GAMMA_USEFUL_MAX,
+    GAMMA_USEFUL_MIN,
+)
+from tuner.autopilot.candidates import SearchConfig
+from tuner.autopilot.promise import Promise
+
+
+def log_grid(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
+    """``per_decade`` points per decade from ``lo`` to ``hi`` inclusive, rounded to 3 significant
+    digits."""
+    n = round(math.log10(hi / lo) * per_decade)
+    return tuple(float(f"{lo * 10 ** (k / per_decade):.3g}") for k in range(n + 1))
+
+
+GAMMA_GRID = log_grid(GAMMA_USEFUL_MIN, GAMMA_USEFUL_MAX, 3)  # 0.001, 0.00215, 0.00464, ... 10 /s
+
+
+class AutopilotConfig(BaseModel):
+    """The autopilot's own knobs (tunable like any setting; errors name the field)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gammas: tuple[float, ...] = Field(GAMMA_GRID, min_length=1, max_length=64)
+    # The operator's other knobs, chosen too (``tuner.autopilot.candidates``): TIE at these fixed β
+    # (its CVaR weight), and MemGuard's quantization base at these values besides the base
+    # document's (with the defaults and at one γ a decade). Pinned knobs are never varied.
+    betas: tuple[float, ...] = Field((0.1, 0.5), max_length=16)
+    quant_bases: tuple[int, ...] = Field((64, 1024), max_length=16)
+    with_defaults: bool = True  # γ-Ada (the defaults) as a candidate
+    with_sarathi: bool = (
+        True  # vLLM's own order as a candidate (it is always the guard's reference)
+    )
+    interval_s: float = Field(60.0, ge=1.0, le=3_600.0)
+    delay_s: float = Field(60.0, ge=0.0, le=3_600.0)
+    window_s: float = Field(3_600.0, ge=60.0, le=86_400.0)
+    # Requests are compared only once they arrived this long before the shadows' clock: a request
+    # a small γ holds back shows its wait only later, and counted early (censored at its wait so
+    # far) it would flatter exactly the settings that starve.
+    settle_s: float = Field(0.0, ge=0.0, le=86_400.0)
+    min_requests: int = Field(3_000, ge=10, le=1_000_000)
+    # A move up the size-to-age axis (``Autopilot._rank``) takes a candidate this much better on
+    # P95 TTFT: ``leave_defaults`` from the defaults (only sarathi lies above them), ``hysteresis``
+    # from anything else. It flushes a small γ's held-back backlog onto everyone — a cost the
+    # shadows, each running one setting all along, do not see. Moves down take a tie (``tie``).
+    leave_defaults: float = Field(0.15, ge=0.0, le=1.0)
+    hysteresis: float = Field(0.15, ge=0.0, le=1.0)
+    # Candidates within this fraction of the lowest P95 TTFT are tied; with ``prefer_small`` the one
+    # that promotes short requests most is chosen among them (``Autopilot._choose``), else the
+    # lowest. Off by default: it sat a held-out trace of bursty long prompts on γ 0.001 while the
+    # candidates tied, and that trace is where a small γ loses (README, "The autopilot").
+    tie: float = Field(0.03, ge=0.0, le=1.0)
+    prefer_small: bool = False
+    # Among tied candidates, those with the most margin on the promise's quantiles first
+    # (``tuner.autopilot.promise.margin``: the geometric mean of their ratios to the reference's, in
+    # steps of ``margin_step``), then the axis rule above — "slo": with tenants' SLOs declared
+    # (their targets are tail quantiles). A P95 tie can hide a P99 gap: on ``tenants`` γ 0.464 and γ
+    # 0.001 tied on P95 TTFT (0.538 vs 0.534 s) before a surge, P99 1.011 vs 0.945 s; the axis
+    # rule took 0.464 and a tenant lost its P99 TTFT target in the surge. Not "always": without
+    # SLOs on ``conv1.1`` it took a small γ whose P99 grew later (closure 0.78 -> -0.31).
+    margin_ties: Literal["slo", "always", "never"] = "slo"
+    margin_step: float = Field(0.01, gt=0.0, le=1.0)
+    # A move down the axis takes a candidate this much better on the objective (0: a tie is
+    # enough). A tie while the load is light is no evidence, and a small γ taken on it is in place
+    # when the load rises — holding back the long requests the promise's P99 is made of.
+    down_margin: float = Field(0.05, ge=0.0, le=1.0)
+    # The running choice is judged to break the promise only beyond its estimate's sampling noise:
+    # this over the square root of the window's requests beyond each quantile …
+    noise: float = Field(0.1, ge=0.0, le=10.0)
+    # … and only once the window holds this many requests: a P99 of fewer rests on a handful, and
+    # the defaults' γ-Ada fits its slope to its last 2,000 samples — before, its shadow shows its
+    # warm-up, not its steady behaviour.
+    judge_requests: int = Field(3_000, ge=10, le=1_000_000)
+    # A window's P99 TTLT moves by a few percent from one minute to the next; leaving a choice for
+    # the guard (often a move up the size-to-age axis, which flushes a held-back backlog) takes a
+    # break on this many decisions in a row.
+    guard_patience: int = Field(2, ge=1, le=100)
+    min_dwell_s: float = Field(600.0, ge=0.0, le=86_400.0)  # no switch sooner after the last one
+    # What is kept and what is won (tuner.autopilot.promise): every quantile within 2% of sarathi's
+    # by default; the tenants' SLOs when declared.
+    promise: Promise = Field(default_factory=Promise)
+    # A request a shadow has not finished is projected this far ahead (its shadow forked and run on
+    # with no further arrival); 0 counts it with its wait so far only.
+    project_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    # The stress test of a move down the axis (and of a running choice below the defaults): the
+    # candidate's and the reference's shadows forked with ``stress_s`` more of arrivals after the
+    # clock (persistence: the traffic goes on as it came lately), their
+    # window projected under it. A small γ that holds the long requests back while the load rises
+    # breaks the promise here minutes before its shadow shows it. 0: no stress test.
+    stress_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    # … made of the last this-many seconds of arrivals, repeated (the recent rate and mix).
+    stress_recent_s: float = Field(120.0, ge=10.0, le=86_400.0)
+    # Overload: the reference would need longer than this to empty its queue with no further
+    # arrival (None: never judged overloaded).
+    overload_drain_s: float | None = Field(300.0, ge=1.0, le=86_400.0)
+    # … or longer than this and growing since the last decision (arrivals above capacity now):
+    # then no move goes down the axis, but nothing is flushed either.
+    overload_growth_s: float = Field(60.0, ge=1.0, le=86_400.0)
+    # Sustained overload is judged again every this-many decisions (held in between).
+    overload_recheck: int = Field(5, ge=1, le=1_000)
+    history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
+    # The search (``tuner.autopilot.candidates.ShadowSearch``): at most this many shadows run (0:
+    # all); an explorer behind the best that keeps the promise by ``prune_margin`` on
+    # ``prune_patience`` judged decisions in a row is retired (a break alone is not a reason); a
+    # forked one is judged but neither chosen nor retired for ``probation_s``; a retired one comes
+    # back no sooner than ``retry_s``.
+    max_shadows: int = Field(10, ge=0, le=1_000)
+    prune_margin: float = Field(0.25, ge=0.0, le=100.0)
+    prune_patience: int = Field(3, ge=1, le=1_000)
+    probation_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    retry_s: float = Field(900.0, ge=0.0, le=86_400.0)
+
+    @model_validator(mode="after")
+    def _gammas_in_range(self) -> AutopilotConfig:
+        for g in self.gammas:
+            if not GAMMA_MIN_SAFE <= g <= GAMMA_MAX_SAFE:
+                safe = f"[{GAMMA_MIN_SAFE:g}, {GAMMA_MAX_SAFE:g}]"
+                raise ValueError(f"gammas: {g} is outside the safe range {safe}")
+        for b in self.betas:
+            if not 0.0 <= b <= 1.0:
+                raise ValueError(f"betas: {b} is outside [0, 1]")
+        for q in self.quant_bases:
+            if not 1 <= q <= 1_000_000:
+                raise ValueError(f"quant_bases: {q} is outside [1, 1000000]")
+        return self
+
+    def search(self) -> SearchConfig:
+        return SearchConfig(
+            self.max_shadows,
+            self.prune_margin,
+            self.prune_patience,
+            self.probation_s,
+            self.retry_s,
+        )
