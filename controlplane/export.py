@@ -39,7 +39,8 @@ from controlplane import strict_yaml
 from controlplane.monitoring.prometheus import scrape_timeout
 from scheduler.errors import TailpilotError
 from scheduler.plugin.wire import parse_json_file
-from scheduler.settings import Settings, describe_error, split_assignment
+from scheduler.settings import Settings, describe_error
+from scheduler.settings_change import split_assignment
 
 if TYPE_CHECKING:  # annotations only: the store is the caller's (sqlalchemy is not loaded here)
     from storage.store import Store

@@ -48,7 +48,8 @@ from typing import Any, Literal
 from controlplane.controller_host import ControlRow, read_control, run_controller, tick
 from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import LeaseKeeper, apply_settings, record_dry_run
-from scheduler.settings import Settings, SettingsChange
+from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 
 WHO = "governor"
 

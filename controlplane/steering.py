@@ -32,7 +32,8 @@ from controlplane.replica_http import (
 )
 from controlplane.retry import READ_BACK
 from scheduler.plugin.lease import LEASE_HEADER
-from scheduler.settings import Settings, describe_error, with_engine
+from scheduler.settings import Settings, describe_error
+from scheduler.settings_change import with_engine
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 
@@ -58,9 +59,10 @@ class ApplyResult:
 
 class Change(Protocol):
     """What ``apply_settings`` carries: a change of a replica's settings that makes the new
-    document of the one the replica runs when it is sent (``scheduler.settings.SettingsChange``,
-    the TUI's recommendation, the governor's mode, the autopilot's target). ``apply`` may answer
-    None: nothing to change there ("skipped", nothing sent)."""
+    document of the one the replica runs when it is sent
+    (``scheduler.settings_change.SettingsChange``, the TUI's recommendation, the governor's mode,
+    the autopilot's target). ``apply`` may answer None: nothing to change there ("skipped",
+    nothing sent)."""
 
     def apply(self, current: Settings) -> Settings | None: ...
 

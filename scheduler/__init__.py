@@ -1,7 +1,8 @@
 """The scheduler: what runs inside vLLM's process, and the library the simulator shares with it.
 
 - ``scheduler.policies`` — the policy library (uniboost, TIE, slofq, sarathi, …) over one queue;
-- ``scheduler.settings`` — the settings model every layer reads and writes;
+- ``scheduler.settings`` — the settings model every layer reads and writes, and
+  ``scheduler.settings_change`` — a change of it, the one path every change takes;
 - ``scheduler.names`` — the bound and defaults of tenant and type names (engine and recorder);
 - ``scheduler.contract`` / ``scheduler.validation`` — the control API's typed documents;
 - ``scheduler.metrics`` — completions, summaries and percentiles (the metric core);
@@ -20,5 +21,6 @@ __all__ = [
     "plugin",
     "policies",
     "settings",
+    "settings_change",
     "validation",
 ]

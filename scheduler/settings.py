@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -520,17 +518,6 @@ class Settings(BaseModel):
     def is_pinned(self, name: str) -> bool:
         return name in self.pinned
 
-    def replace(
-        self,
-        *,
-        policy: str | None = None,
-        params: Mapping[str, Any] | None = None,
-        engine: Mapping[str, Any] | None = None,
-    ) -> Settings:
-        """A new validated document: :class:`SettingsChange` of these fields applied (another
-        policy starts from its defaults; ``params`` and ``engine`` are merged)."""
-        return SettingsChange(policy, params or {}, engine or {}).apply(self)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
@@ -545,146 +532,3 @@ def describe_error(err: Exception) -> str:
     if isinstance(err, ValidationError):
         return describe_validation(err, root="settings")
     return str(err)
-
-
-def split_assignment(
-    text: str, *, last: bool = False, strip: bool = False
-) -> tuple[str, str] | None:
-    """``NAME=VALUE`` split into (NAME, VALUE), or None when there is no ``=`` or no name.
-    ``last``: at the last ``=`` (a file path may hold one); ``strip``: both parts stripped of
-    surrounding blanks. The one place a ``name=value`` is taken apart — ``--set``, the TUI's
-    edits, ``KEY=VALUE`` options, search ranges, a ``vllm serve`` line's environment
-    (tests/test_layers.py fails on a second)."""
-    name, sep, raw = text.rpartition("=") if last else text.partition("=")
-    if strip:
-        name, raw = name.strip(), raw.strip()
-    if not sep or not name:
-        return None
-    return name, raw
-
-
-def parse_assignment(text: str) -> tuple[str, Any]:
-    """Parse a CLI ``name=value`` into (name, value) with JSON-ish typing (8 → 8, on → True)."""
-    parts = split_assignment(text, strip=True)
-    if parts is None:
-        raise ValueError(f"--set {text!r}: expected name=value")
-    name, raw = parts
-    lowered = raw.lower()
-    if lowered in ("on", "true", "yes"):
-        return name, True
-    if lowered in ("off", "false", "no"):
-        return name, False
-    try:
-        return name, json.loads(raw)
-    except json.JSONDecodeError:
-        return name, raw
-
-
-def with_engine(doc: Mapping[str, Any], engine: Mapping[str, Any]) -> dict[str, Any]:
-    """``doc`` with the engine fields it leaves out taken from ``engine`` — a replica's own
-    (a PUT, ``tailpilot set`` sending a whole document) or vLLM's (a settings file at start-up):
-    not the model's defaults, which would read as a restart-required change. An engine block
-    that is not an object is left for validation to name. The one place this is done."""
-    given = doc.get("engine", {})
-    if not isinstance(given, Mapping):
-        return dict(doc)
-    return {**doc, "engine": {**engine, **given}}
-
-
-def settings_from_cli(
-    policy: str,
-    assignments: Sequence[str] = (),
-    pinned: Sequence[str] = (),
-    engine: dict[str, int] | None = None,
-) -> Settings:
-    """Build settings from CLI flags; engine.* names in assignments go to the engine block (the
-    routing of :meth:`SettingsChange.parse`)."""
-    given = SettingsChange.parse(policy, assignments)
-    return Settings.model_validate(
-        {
-            "policy": policy,
-            "params": dict(given.params),
-            "pinned": list(pinned),
-            "engine": {**(engine or {}), **given.engine},
-        }
-    )
-
-
-@dataclass(frozen=True)
-class SettingsChange:
-    """One change of a replica's settings, the value every path builds — ``tailpilot set``
-    (:meth:`parse`), the TUI's staged edit — and ``controlplane.steering`` carries to the replica:
-    a policy switch, parameter values, engine limits, pins added and removed.
-
-    :meth:`apply` makes the new document of a replica's current one, validated once, there:
-    switching to another policy starts from that policy's defaults (as ``Settings.replace``
-    does), then the parameters are merged; the engine fields given replace the replica's, the
-    others are kept; ``unpin`` drops names from ``pinned`` and ``pin`` adds the new ones (sorted)
-    after the replica's own.
-    """
-
-    policy: str | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
-    engine: Mapping[str, Any] = field(default_factory=dict)
-    pin: frozenset[str] = frozenset()
-    unpin: frozenset[str] = frozenset()
-
-    @classmethod
-    def parse(
-        cls,
-        policy: str | None = None,
-        assignments: Sequence[str] = (),
-        pins: Sequence[str] = (),
-        unpins: Sequence[str] = (),
-    ) -> SettingsChange:
-        """From the command line's words: ``NAME=VALUE`` assignments (``parse_assignment``)
-        go to the engine block for ``engine.NAME`` and the engine's own field names, to the
-        parameters otherwise; ValueError naming a malformed one."""
-        params: dict[str, Any] = {}
-        engine: dict[str, Any] = {}
-        for item in assignments:
-            name, value = parse_assignment(item)
-            if name.startswith("engine.") or name in EngineSettings.model_fields:
-                engine[name.removeprefix("engine.")] = value
-            else:
-                params[name] = value
-        both = sorted(set(pins) & set(unpins))
-        if both:  # which should win is the operator's to say, not an order of operations
-            raise ValueError(f"--pin and --unpin both name {', '.join(both)}")
-        return cls(policy, params, engine, frozenset(pins), frozenset(unpins))
-
-    def apply(self, current: Settings) -> Settings:
-        doc = current.to_dict()
-        if self.policy is not None and self.policy != current.policy:
-            doc["policy"], doc["params"], doc["pinned"] = self.policy, {}, []
-        doc["params"] = {**doc["params"], **dict(self.params)}
-        doc["engine"] = {**doc["engine"], **dict(self.engine)}
-        pinned = [p for p in doc["pinned"] if p not in self.unpin]
-        pinned += sorted(p for p in self.pin if p not in pinned)
-        doc["pinned"] = pinned
-        return Settings.model_validate(doc)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.policy or self.params or self.engine or self.pin or self.unpin)
-
-    def describe(self) -> str:
-        """The change in the words an operator typed (``policy=uniboost, gamma=0.5, pin
-        gamma``)."""
-        parts = [f"policy={self.policy}"] if self.policy else []
-        parts += [f"{k}={fmt_value(v)}" for k, v in self.params.items()]
-        parts += [f"engine.{k}={fmt_value(v)}" for k, v in self.engine.items()]
-        parts += [f"pin {p}" for p in sorted(self.pin)]
-        parts += [f"unpin {p}" for p in sorted(self.unpin)]
-        return ", ".join(parts) or "no change"
-
-
-def fmt_value(value: Any) -> str:
-    """A parameter's value as an operator reads it: on/off, 6 significant digits, JSON."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True)
-    return str(value)

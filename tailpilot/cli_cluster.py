@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from controlplane.views import governance_lines, sample_json, status_table, wide_console
-from scheduler.settings import Settings, SettingsChange, describe_error
+from scheduler.settings import Settings, describe_error
+from scheduler.settings_change import SettingsChange
 from tailpilot import options
 from tailpilot.cli_common import FiniteFloatRange, echo_json
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import click
 
-from scheduler.settings import POLICY_NAMES, split_assignment
+from scheduler.settings import POLICY_NAMES
+from scheduler.settings_change import split_assignment
 from storage.strict_json import finite
 
 # Bounds that keep derived values inside what the simulator, numpy and the store take: seeds feed

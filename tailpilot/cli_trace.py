@@ -21,14 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 import click
 from annotated_types import Ge, Le
 
-from scheduler.settings import (
-    PREDICTED_POLICIES,
-    EngineSettings,
-    Settings,
-    describe_error,
-    settings_from_cli,
-    split_assignment,
-)
+from scheduler.settings import PREDICTED_POLICIES, EngineSettings, Settings, describe_error
+from scheduler.settings_change import settings_from_cli, split_assignment
 from tailpilot import options
 from tailpilot.cli_common import TIME_SPAN, TRACE_PARSE_ERRORS, unreadable_trace
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
-from scheduler.settings import Settings, describe_error, parse_assignment
+from scheduler.settings import Settings, describe_error
+from scheduler.settings_change import parse_assignment
 from tailpilot import options
 from tailpilot.cli_common import NON_NEGATIVE, FiniteFloatRange, KeyValue
 from tailpilot.cli_trace import old_window_option, span_or_exit

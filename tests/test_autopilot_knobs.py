@@ -9,6 +9,7 @@ import math
 import pytest
 
 from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 from sim import traces
 from sim.engine import EngineConfig
 from tuner.autopilot.candidates import SearchConfig, ShadowSearch, axis_rank, candidate_space
@@ -111,7 +112,9 @@ def test_a_spawned_shadow_takes_over_the_engine_and_leaves_its_parent_alone(busy
     parent.advance(first, 200.0)
     assert parent.busy()
     twin = parent.spawn(parent.sim.settings)  # same setting: the same future, step for step
-    other = parent.spawn(UNIBOOST.replace(params={"gamma": 0.001, "gamma_ada": False}))
+    other = parent.spawn(
+        SettingsChange(params={"gamma": 0.001, "gamma_ada": False}).apply(UNIBOOST)
+    )
     assert twin.done == parent.done and twin.done is not parent.done
     for s in (parent, twin, other):
         s.advance(later, 300.0)

@@ -358,7 +358,7 @@ def test_record_refuses_a_bad_autopilot_config_naming_the_field(tmp_path):
     ],
 )
 def test_blocked_names_the_pin(pins, target, why):
-    from tuner.autopilot.live import blocked, target_document
+    from tuner.autopilot.candidates import blocked, target_document
 
     current = Settings.model_validate(
         {
@@ -380,9 +380,8 @@ def test_a_switch_changes_only_the_autopilots_own_knobs():
     """An operator turned MemGuard off and decode-first off on a uniboost replica: the autopilot's
     switch to another γ keeps both (it changes γ and γ-Ada only), the replica is still recognised
     as running that candidate, and a switch to sarathi is a whole document."""
-    from tuner.autopilot.candidates import running_candidate
+    from tuner.autopilot.candidates import running_candidate, target_document
     from tuner.autopilot.controller import Autopilot, AutopilotConfig
-    from tuner.autopilot.live import target_document
 
     current = Settings.model_validate(
         {

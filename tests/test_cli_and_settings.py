@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from scheduler.settings import Settings, settings_from_cli
+from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange, settings_from_cli
 from tailpilot.cli import main
 
 
@@ -46,12 +47,12 @@ def test_bad_documents_are_rejected_naming_the_field(doc, field):
 
 def test_replace_merges_params_and_resets_them_on_a_policy_switch():
     s = Settings.model_validate({"policy": "uniboost", "params": {"gamma": 8}, "pinned": ["gamma"]})
-    t = s.replace(params={"memguard": False})
+    t = SettingsChange(params={"memguard": False}).apply(s)
     assert t.param("gamma") == 8.0 and t.param("memguard") is False and t.pinned == ("gamma",)
-    u = s.replace(policy="tie")
+    u = SettingsChange(policy="tie").apply(s)
     assert u.policy == "tie" and u.pinned == () and u.param("alpha") == 0.9
     with pytest.raises(ValidationError):
-        s.replace(params={"gamma": -1})
+        SettingsChange(params={"gamma": -1}).apply(s)
     assert s.param("gamma") == 8.0  # the original is untouched (immutable)
 
 
@@ -226,7 +227,6 @@ def test_a_settings_change_is_one_value_every_path_applies():
     """``SettingsChange``: ``tailpilot set``'s words parsed once (engine names to the engine
     block), applied to what a replica runs — a switch starts from the new policy's defaults and
     drops its pins, parameters and engine fields merge, pins added after the replica's own."""
-    from scheduler.settings import SettingsChange
 
     change = SettingsChange.parse(
         "uniboost",
@@ -265,7 +265,7 @@ def test_a_settings_change_is_one_value_every_path_applies():
 def test_engine_fields_a_document_leaves_out_keep_the_replicas_own():
     """``with_engine``, the one place (the plugin's PUT, its start-up file, steering): the given
     fields win, the others are the replica's, a non-object block is left for validation."""
-    from scheduler.settings import with_engine
+    from scheduler.settings_change import with_engine
 
     replica = {"max_num_seqs": 8, "max_num_batched_tokens": 1024}
     doc = with_engine({"policy": "fcfs", "engine": {"max_num_seqs": 16}}, replica)
@@ -277,7 +277,6 @@ def test_engine_fields_a_document_leaves_out_keep_the_replicas_own():
 
 
 def test_pin_and_unpin_of_one_name_is_refused():
-    from scheduler.settings import SettingsChange
 
     with pytest.raises(ValueError, match="--pin and --unpin both name gamma"):
         SettingsChange.parse("uniboost", (), ["gamma", "beta"], ["gamma"])

@@ -20,7 +20,7 @@ from controlplane.replica_http import PollingClient, StateAnswer, completion_row
 from controlplane.window import latency_percentiles
 from scheduler import contract
 from scheduler.metrics import Completion, summarize, summarize_by
-from scheduler.settings import SettingsChange
+from scheduler.settings_change import SettingsChange
 from storage.rows import PERCENTILE_FIELDS
 
 # --------------------------------------------------------------------------------------------
@@ -1011,7 +1011,7 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
     class Racing:  # another writer changes the replica between our read and our PUT
         def apply(self, settings):
             twins[1].core.put_settings({"policy": "fcfs"})
-            return settings.replace(policy="las")
+            return SettingsChange(policy="las").apply(settings)
 
     racing = Racing()
 

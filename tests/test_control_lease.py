@@ -123,7 +123,8 @@ def test_a_second_autopilot_on_the_same_replica_stays_in_dry_run(tmp_path, monke
     from controlplane.replica_http import PollingClient
     from sim.traces import load_bundled
     from tuner.autopilot.controller import AutopilotConfig
-    from tuner.autopilot.live import LiveAutopilot, LiveConfig, status_lines
+    from tuner.autopilot.live import LiveAutopilot, LiveConfig
+    from tuner.autopilot.records import status_lines
     from tuner.twins.replica import ManualClock, start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)

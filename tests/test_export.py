@@ -26,6 +26,7 @@ from controlplane.export import (
     verify,
 )
 from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 from tailpilot.cli_export import COMMANDS, calibrate, export
 
 DOCS = {
@@ -287,7 +288,7 @@ def test_verify_catches_a_rendering_that_does_not_match(fmt):
         changes.append({"params": {"gamma": 9.0}})
     for change in changes:
         with pytest.raises(ExportError, match=fmt):
-            verify(fmt, text, settings.replace(**change), OPTIONS)
+            verify(fmt, text, SettingsChange(**change).apply(settings), OPTIONS)
     if fmt != "settings":
         with pytest.raises(ExportError):
             verify(

@@ -326,7 +326,7 @@ def test_one_http_client_library():
 
 # --- one path per action: a name=value is taken apart in one place ------------------------------
 _SPLITTERS = frozenset({"split", "rsplit", "partition", "rpartition"})
-ASSIGNMENT_SPLITTER = ("scheduler/settings.py", "split_assignment")
+ASSIGNMENT_SPLITTER = ("scheduler/settings_change.py", "split_assignment")
 
 
 def assignment_splits(path: Path, root: Path = ROOT) -> list[str]:
@@ -351,8 +351,8 @@ def assignment_splits(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_a_name_value_assignment_is_split_in_one_place():
-    """``scheduler.settings.split_assignment`` is the one parser of ``name=value`` (--set, the
-    TUI's edits, KEY=VALUE options, search ranges, a vllm serve line's environment): a second
+    """``scheduler.settings_change.split_assignment`` is the one parser of ``name=value`` (--set,
+    the TUI's edits, KEY=VALUE options, search ranges, a vllm serve line's environment): a second
     ``split("=")`` anywhere in the project fails here."""
     found = [
         hit

@@ -17,7 +17,7 @@ from test_collector import SPEED, TOKEN, assert_exactly_once, mixed_trace
 
 from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
-from scheduler.settings import SettingsChange
+from scheduler.settings_change import SettingsChange
 from storage.store import Store
 from tuner.twins.replica import start_twins
 

@@ -20,7 +20,8 @@ import pytest
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.replica_http import make_client
 from controlplane.views import fmt_figure, fmt_number, fmt_seconds
-from scheduler.settings import GAMMA_DEFAULT, Settings, SettingsChange
+from scheduler.settings import GAMMA_DEFAULT, Settings
+from scheduler.settings_change import SettingsChange
 from sim import traces
 from storage.store import Store
 from tui import keys as K

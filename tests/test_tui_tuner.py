@@ -24,7 +24,8 @@ from test_tui_functional import (  # noqa: F401  (shared helpers and the twins f
 from test_tui_snapshots import FIXTURE, SIZE, SPEC, START_MS
 
 from controlplane.steering import apply_settings
-from scheduler.settings import Settings, SettingsChange
+from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 from storage.store import Store
 from tui import tuner_render as TR
 from tui.main import build_app

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 from sim import traces as tr
 from sim.engine import EngineConfig
 from tuner.studies import study as st
@@ -125,7 +126,7 @@ def test_a_candidate_that_breaks_a_constraint_on_held_out_windows_is_never_recom
 
 def test_other_engine_limits_are_judged_on_throughput_in_the_continuous_replay():
     production = Settings.model_validate({"policy": "sarathi"})
-    bigger = production.replace(engine={"max_num_batched_tokens": 1068})
+    bigger = SettingsChange(engine={"max_num_batched_tokens": 1068}).apply(production)
     assert engine_losses(
         bigger, production, {"throughput_tok_s": 98.0}, {"throughput_tok_s": 100.0}
     ) == ["engine limits: throughput 98 tok/s vs production 100 in the continuous replay"]
@@ -133,7 +134,7 @@ def test_other_engine_limits_are_judged_on_throughput_in_the_continuous_replay()
         engine_losses(bigger, production, {"throughput_tok_s": 99.5}, {"throughput_tok_s": 100.0})
         == []
     )
-    same = production.replace(params={})
+    same = SettingsChange(params={}).apply(production)
     assert (
         engine_losses(same, production, {"throughput_tok_s": 50.0}, {"throughput_tok_s": 100.0})
         == []

@@ -3,7 +3,7 @@
 Nothing here validates on its own: every candidate document goes through
 :class:`scheduler.settings.Settings` (``model_validate``) and every error message comes from
 :func:`scheduler.settings.describe_error`. Input text is read with the CLI's
-:func:`scheduler.settings.parse_assignment` (``8`` → 8, ``on`` → True, JSON otherwise).
+:func:`scheduler.settings_change.parse_assignment` (``8`` → 8, ``on`` → True, JSON otherwise).
 """
 
 from __future__ import annotations
@@ -18,15 +18,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from scheduler.settings import (
-    ADAPTIVE_PARAMS,
-    PARAM_MODELS,
-    Settings,
-    SettingsChange,
-    describe_error,
-    fmt_value,
-    parse_assignment,
-)
+from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings, describe_error
+from scheduler.settings_change import SettingsChange, fmt_value, parse_assignment
 
 
 def try_apply(edit: Edit, current: Settings) -> tuple[Settings | None, str | None]:
@@ -219,10 +212,11 @@ class RecommendationEdit:
     (docs/policies.md#settings-document: an applied recommendation never changes a pinned parameter
     unless the operator unpins it).
 
-    Same interface as :class:`~scheduler.settings.SettingsChange` (``apply``, ``describe``), so it
-    goes through the same confirmation and the same ``apply_settings`` path. When the replica pins a
-    parameter and the recommendation switches it to another policy, the pin could not be kept:
-    that replica is refused (not sent) with the reason, and the operator unpins first.
+    Same interface as :class:`~scheduler.settings_change.SettingsChange` (``apply``,
+    ``describe``), so it goes through the same confirmation and the same ``apply_settings`` path.
+    When the replica pins a parameter and the recommendation switches it to another policy, the
+    pin could not be kept: that replica is refused (not sent) with the reason, and the operator
+    unpins first.
     """
 
     settings: Mapping[str, Any]

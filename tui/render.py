@@ -28,7 +28,7 @@ from controlplane.views import (
     rejected_note,
 )
 from scheduler.metrics import slo_compliance
-from scheduler.settings import fmt_value
+from scheduler.settings_change import fmt_value
 from storage.rows import PERCENTILE_FIELDS, GroupSampleRow, SampleRow
 from tui.edits import diff_summary
 from tui.sources import fmt_time

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from controlplane.views import fmt_figure
-from scheduler.settings import fmt_value
+from scheduler.settings_change import fmt_value
 from tui.edits import settings_diff
 from tui.render import Row
 from tui.sources import fmt_time

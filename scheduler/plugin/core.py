@@ -30,12 +30,8 @@ from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
-from scheduler.settings import (
-    PREDICTED_POLICIES,
-    RESTART_REQUIRED_ENGINE_FIELDS,
-    Settings,
-    with_engine,
-)
+from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.settings_change import with_engine
 
 log = logging.getLogger("tailpilot.plugin")
 

@@ -14,6 +14,10 @@ rate in 1/s. A fixed γ is its own; TIE's wait decay ``decay^(t/τ)`` ages at ``
 defaults (γ-Ada) sit above the grid; sarathi and slofq (by arrival, by tenant) last. Moving down
 promotes short requests; moving up flushes what was held back (``tuner.autopilot.controller``).
 
+**The switch** (``target_change``): what makes a replica run a chosen candidate — within the
+policy only ``OWN_KNOBS`` change (the operator's other parameters kept), a policy switch takes the
+candidate's parameters; engine limits and pins are kept, and a pin blocks a change (``blocked``).
+
 **The search** (``ShadowSearch``): a shadow costs a simulator's replay of the replica's traffic;
 running every candidate all the time is what cost 4.4% of a core under overload last round. At
 most ``max_shadows`` run: the reference, the defaults, the running choice and explorers, spread
@@ -35,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.settings import Settings, SloFqParams
+from scheduler.settings_change import SettingsChange
 
 DEFAULTS_RANK = 1e9  # γ-Ada: above every fixed γ on the axis
 
@@ -45,6 +50,53 @@ OWN_KNOBS: dict[str, tuple[str, ...]] = {
     "uniboost": ("gamma", "gamma_ada", "gamma_min", "gamma_max", "quant_base_tokens"),
     "tie": ("beta", "beta_min", "beta_max"),
 }
+
+
+def blocked(current: Settings, target: Settings) -> str | None:
+    """Why ``target`` may not replace ``current`` (a pin), else None."""
+    if current.pinned and target.policy != current.policy:
+        return (
+            f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a "
+            "replica with pins (it would drop them)"
+        )
+    for name in current.pinned:
+        if getattr(target.params, name, None) != current.param(name):
+            return f"{name} is pinned by the operator"
+    return None
+
+
+def target_change(current: Settings, target: Settings) -> SettingsChange | None:
+    """The settings change that makes ``current`` run ``target``'s choice: within the same policy
+    only the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept;
+    a policy change takes ``target``'s parameters. Engine limits and pins are kept (a change of
+    policy is blocked where there are pins). None where a pin forbids it."""
+    if blocked(current, target) is not None:
+        return None
+    own = OWN_KNOBS.get(target.policy)
+    if own is not None and current.policy == target.policy:
+        return SettingsChange(params={k: getattr(target.params, k) for k in own})
+    return SettingsChange(policy=target.policy, params=target.params.model_dump())
+
+
+def target_document(current: Settings, target: Settings) -> Settings | None:
+    """``target_change`` applied to ``current``; None when it already runs ``target``'s choice
+    or a pin forbids it."""
+    change = target_change(current, target)
+    if change is None:
+        return None
+    new = change.apply(current)
+    return None if (new.policy, new.params) == (current.policy, current.params) else new
+
+
+@dataclass(frozen=True, slots=True)
+class TargetChange:
+    """The autopilot's switch as ``apply_settings`` carries it: ``target``'s choice made of the
+    settings the replica runs when the change is sent (``target_document``)."""
+
+    target: Settings
+
+    def apply(self, current: Settings) -> Settings | None:
+        return target_document(current, self.target)
 
 
 def running_candidate(options: Mapping[str, Settings], running: Settings) -> str | None:

@@ -62,10 +62,10 @@ from controlplane.replica_http import (
 from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
 from scheduler import contract
 from scheduler.metrics import Completion
-from scheduler.settings import Settings, SettingsChange
+from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from storage.rows import CompletionRow
-from tuner.autopilot.candidates import OWN_KNOBS, running_candidate
+from tuner.autopilot.candidates import TargetChange, blocked, running_candidate, target_document
 from tuner.autopilot.controller import Autopilot, AutopilotConfig
 from tuner.autopilot.records import WHO, decision_note, decision_row, decision_summary
 from tuner.autopilot.types import Arrival, Decision, Observation
@@ -135,53 +135,6 @@ class ReplicaPilot:
     follows: str | None = None  # the pool's first replica, whose controller this one follows
     followed: Decision | None = None  # the last of its decisions carried out here
     clock: float | None = None  # the latest replica time seen (controller seconds)
-
-
-def blocked(current: Settings, target: Settings) -> str | None:
-    """Why ``target`` may not replace ``current`` (a pin), else None."""
-    if current.pinned and target.policy != current.policy:
-        return (
-            f"{', '.join(current.pinned)} pinned: the autopilot does not change the policy of a "
-            "replica with pins (it would drop them)"
-        )
-    for name in current.pinned:
-        if getattr(target.params, name, None) != current.param(name):
-            return f"{name} is pinned by the operator"
-    return None
-
-
-def target_change(current: Settings, target: Settings) -> SettingsChange | None:
-    """The settings change that makes ``current`` run ``target``'s choice: within the same policy
-    only the autopilot's own knobs (``OWN_KNOBS``) change, the replica's other parameters kept;
-    a policy change takes ``target``'s parameters. Engine limits and pins are kept (a change of
-    policy is blocked where there are pins). None where a pin forbids it."""
-    if blocked(current, target) is not None:
-        return None
-    own = OWN_KNOBS.get(target.policy)
-    if own is not None and current.policy == target.policy:
-        return SettingsChange(params={k: getattr(target.params, k) for k in own})
-    return SettingsChange(policy=target.policy, params=target.params.model_dump())
-
-
-def target_document(current: Settings, target: Settings) -> Settings | None:
-    """``target_change`` applied to ``current``; None when it already runs ``target``'s choice
-    or a pin forbids it."""
-    change = target_change(current, target)
-    if change is None:
-        return None
-    new = change.apply(current)
-    return None if (new.policy, new.params) == (current.policy, current.params) else new
-
-
-@dataclass(frozen=True, slots=True)
-class TargetChange:
-    """The autopilot's switch as ``apply_settings`` carries it: ``target``'s choice made of the
-    settings the replica runs when the change is sent (``target_document``)."""
-
-    target: Settings
-
-    def apply(self, current: Settings) -> Settings | None:
-        return target_document(current, self.target)
 
 
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:

@@ -49,8 +49,8 @@ from scheduler.settings import (
     EngineSettings,
     Settings,
     describe_error,
-    split_assignment,
 )
+from scheduler.settings_change import split_assignment
 
 if TYPE_CHECKING:  # the trials come from Optuna, which this module does not need to import
     from optuna import Trial
