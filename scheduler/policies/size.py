@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from bisect import insort
 from collections.abc import Hashable, Iterable, Sequence
 
 from scheduler.policies.base import INF, Key, Policy, PreemptivePolicy, RequestState, SortKey
@@ -53,6 +54,10 @@ class Sjf(Policy):
         # heap of (clock at which it starves, wait_seq, request)
         self._starve_at: list[tuple[int, int, RequestState]] = []
         self._seq = itertools.count()
+        # The running order is kept across steps (reorder_running): set when a running request's
+        # key may have changed since it was last ordered; the epoch it was ordered in.
+        self._running_moved = True
+        self._ordered_epoch = -1
 
     def score(self, req: RequestState, now: float) -> float:
         if req.quantum_left > 0 or req.unscheduled_steps >= self.params.starve_steps:
@@ -86,16 +91,45 @@ class Sjf(Policy):
     def on_steps(
         self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
     ) -> None:
+        limit = self.params.starve_steps
         for r in scheduled:
+            if r.unscheduled_steps >= limit:
+                self._running_moved = True  # it leaves the top (unless its quantum holds it)
             r.unscheduled_steps = 0
             if r.quantum_left:
                 r.quantum_left = max(0, r.quantum_left - steps)
-        limit = self.params.starve_steps
+                if not r.quantum_left:
+                    self._running_moved = True  # its quantum is over: back to its prediction
         for r in unscheduled:
             before = r.unscheduled_steps
             r.unscheduled_steps += steps
-            if before < limit <= r.unscheduled_steps and r.status == "waiting":
-                self.moved.append(r)  # a starving request jumps the waiting queue
+            if before < limit <= r.unscheduled_steps:
+                if r.status == "waiting":
+                    self.moved.append(r)  # a starving request jumps the waiting queue
+                else:
+                    self._running_moved = True  # a running one left without service: the top
+
+    def reorder_running(
+        self, running: list[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
+        """``order_running``, kept across steps: a running request's key is its prediction (fixed
+        within an epoch: a refit starts a new one) or the top while its quantum lasts or it starves
+        unserved, and ``on_steps`` notes every change of those. Without one, the settled head is
+        still in key order and only the newly admitted are placed, by binary search (keys are
+        unique, so the list is the one ``order_running`` returns). In a deep queue's KV-blocked
+        decode stretches the running keys hold for thousands of steps: this was a sort a step."""
+        new = len(running) - settled
+        if self._running_moved or self.epoch != self._ordered_epoch or 8 * new > len(running):
+            self._running_moved = False
+            self._ordered_epoch = self.epoch
+            return self.order_running(running, now)
+        if not new:
+            return running
+        head = running[:settled]
+        key = self.sort_key(now)
+        for r in running[settled:]:
+            insort(head, r, key=key)
+        return head
 
     # --- lazy waiting steps (simulator) ----------------------------------------------------
     def _watch(self, req: RequestState) -> None:
