@@ -126,8 +126,9 @@ def _outranked(name: ControllerName, rows: dict[ControllerName, dict[str, Any]])
 
 def read_control(store: _Store, name: ControllerName, cluster: str) -> ControlRow:
     """``name``'s control row of ``cluster``, with what outranks it (blocking: the store's read)."""
-    ranked = PRECEDENCE[: PRECEDENCE.index(name) + 1] if name in PRECEDENCE else (name,)
-    rows = {c: store.governance.control(c, cluster) for c in ranked}
+    rows = {
+        c: store.governance.control(c, cluster) for c in PRECEDENCE[: PRECEDENCE.index(name) + 1]
+    }
     own = rows[name]
     return ControlRow(
         controller=name,
@@ -136,37 +137,36 @@ def read_control(store: _Store, name: ControllerName, cluster: str) -> ControlRo
         paused=bool(own["paused"]),
         who=own.get("who"),
         status=own.get("status"),
-        outranked=_outranked(name, rows) if name in PRECEDENCE else None,
+        outranked=_outranked(name, rows),
     )
 
 
-async def tick(controller: HostedController) -> dict[str, Any]:
-    """One step of ``controller``: its row read, the step, the status it returns stored."""
-    row = await asyncio.to_thread(
+async def _row(controller: HostedController) -> ControlRow:
+    return await asyncio.to_thread(
         read_control, controller.store, controller.name, controller.cluster_name
     )
-    status = await controller.step(row)
+
+
+async def _store_status(controller: HostedController, status: dict[str, Any]) -> None:
     await asyncio.to_thread(
         controller.store.governance.set_control,
         controller.name,
         controller.cluster_name,
         status=status,
     )
+
+
+async def tick(controller: HostedController) -> dict[str, Any]:
+    """One step of ``controller``: its row read, the step, the status it returns stored."""
+    status = await controller.step(await _row(controller))
+    await _store_status(controller, status)
     return status
 
 
 async def _close(controller: HostedController) -> None:
-    row = await asyncio.to_thread(
-        read_control, controller.store, controller.name, controller.cluster_name
-    )
-    status = await controller.close(row)
+    status = await controller.close(await _row(controller))
     if status is not None:
-        await asyncio.to_thread(
-            controller.store.governance.set_control,
-            controller.name,
-            controller.cluster_name,
-            status=status,
-        )
+        await _store_status(controller, status)
 
 
 async def run_controller(

@@ -239,8 +239,9 @@ class Governor:
         """No replica still holds a change of ``mode`` to undo."""
         return not any(m == mode for m, _ in self.replaced)
 
-    def armed(self) -> None:
-        """Armed now: modes entered in dry-run were never applied — decide them again."""
+    def forget_dry(self) -> None:
+        """Drop the modes entered in dry-run (never applied): armed, they are decided again;
+        disarmed, paused or stopped, they are gone."""
         for mode in self.dry:
             self.active.pop(mode, None)
         self.dry.clear()
@@ -406,7 +407,7 @@ async def _evaluate(
     keep = row.state == "disarmed" and bool((row.status or {}).get("keep"))
     done: list[dict[str, Any]] = []
     if row.state == "armed":
-        gov.armed()
+        gov.forget_dry()
     if not row.acting:
         why = "paused" if row.paused else row.state
         if not keep:
@@ -415,10 +416,7 @@ async def _evaluate(
             ):
                 done.append(await _carry_out(gov, collector, store, decision, now, armed=True))
         if row.held is not None:  # disarmed or paused
-            gov.active = {
-                m: t for m, t in gov.active.items() if m not in gov.dry
-            }  # dry decisions: forgotten
-            gov.dry.clear()
+            gov.forget_dry()
         # Given back once the undo went out (it is sent under the lease): another governor may
         # steer these replicas at once instead of after the lease's expiry.
         for name in list(gov.leases.until):
@@ -428,6 +426,20 @@ async def _evaluate(
             done.append(
                 await _carry_out(gov, collector, store, decision, now, armed=row.state == "armed")
             )
+    return done, _status(gov, collector, row, now, done, keep=keep)
+
+
+def _status(
+    gov: Governor,
+    collector: Any,
+    row: ControlRow,
+    now: float,
+    done: list[dict[str, Any]],
+    *,
+    keep: bool,
+) -> dict[str, Any]:
+    """The status the host stores in the governor's row (what a restart needs, the newest
+    outcomes), also published on the collector for its /metrics page."""
     status = {
         **gov.state(),
         "t_ms": int(now * 1000),
@@ -435,7 +447,7 @@ async def _evaluate(
         "last": [d["note"] for d in done] or (row.status or {}).get("last", []),
     }
     collector.governor_status = {**status, "state": row.state, "paused": row.paused}
-    return done, status
+    return status
 
 
 async def _carry_out(
@@ -463,21 +475,7 @@ async def _carry_out(
     for spec in cluster.replicas:
         change = gov.change(decision, spec.name)
         other = None if dry else await gov.leases.hold(cluster, spec.name, now)
-        if other is not None:  # another governor steers this replica: what we would do, logged
-            current = _settings_of(collector, spec.name)
-            logged = await asyncio.to_thread(
-                record_dry_run,
-                store,
-                cluster.name,
-                spec.name,
-                change,
-                current,
-                who=WHO,
-                note=decision.note(),
-            )
-            outcome["replicas"][spec.name] = f"{logged} (not ours to steer: {other})"
-            continue
-        if not dry:
+        if not dry and other is None:
             if decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
                 outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
                 continue
@@ -486,18 +484,21 @@ async def _carry_out(
             )
             outcome["replicas"][spec.name] = res.result
             gov.commit(change, res.result)
-        else:  # dry-run: what would be sent, in the audit log only
-            current = _settings_of(collector, spec.name)
-            outcome["replicas"][spec.name] = await asyncio.to_thread(
-                record_dry_run,
-                store,
-                cluster.name,
-                spec.name,
-                change,
-                current,
-                who=WHO,
-                note=decision.note(),
-            )
+            continue
+        # Dry-run, or another governor steers this replica: what would be sent, in the audit log.
+        logged = await asyncio.to_thread(
+            record_dry_run,
+            store,
+            cluster.name,
+            spec.name,
+            change,
+            _settings_of(collector, spec.name),
+            who=WHO,
+            note=decision.note(),
+        )
+        outcome["replicas"][spec.name] = (
+            logged if other is None else f"{logged} (not ours to steer: {other})"
+        )
     if decision.action == "enter" or dry or gov.undone(decision.mode):
         gov.record(decision, now, dry=dry and decision.action == "enter")
     else:
@@ -612,13 +613,5 @@ async def stop_governor(
             collector.governance, "the recorder stopped: every change the governor made is undone"
         )
     ]
-    gov.active = {m: t for m, t in gov.active.items() if m not in gov.dry}
-    gov.dry.clear()
-    status = {
-        **gov.state(),
-        "t_ms": int(now * 1000),
-        "keep": False,
-        "last": [d["note"] for d in done] or (row.status or {}).get("last", []),
-    }
-    collector.governor_status = {**status, "state": row.state, "paused": row.paused}
-    return status
+    gov.forget_dry()
+    return _status(gov, collector, row, now, done, keep=False)
