@@ -62,6 +62,7 @@ from benchmarks.autopilot_scoring import (  # noqa: E402
     HEADROOM,
     LABELS,
     METRICS,
+    PHASE_PREFIX,
     THROUGHPUT_FLOOR,
     TTLT_SLACK,
     JobResult,
@@ -212,7 +213,7 @@ def run_job(job: Job) -> JobResult:
     return JobResult(
         job.workload,
         job.column,
-        score(result.completions, t_half, slos_of(job.workload)),
+        score(result.completions, t_half, slos_of(job.workload), phases=job.workload == "shift"),
         time.perf_counter() - started,
         extra,
     )
@@ -321,10 +322,15 @@ def report(
             f"\n== {w}: {len(trace)} requests over {trace.duration / 60:.1f} min, "
             f"{trace.rate:.2f} req/s ({how})"
         )
-        for scope, title in (
-            ("all", "whole trace"),
-            ("second", f"second half (arrivals from {half_time(trace) / 60:.1f} min)"),
-        ):
+        titles = {
+            "all": "whole trace",
+            "second": f"second half (arrivals from {half_time(trace) / 60:.1f} min)",
+        }
+        for scope in s:
+            if scope not in titles and not scope.startswith(PHASE_PREFIX):
+                continue  # the controller's cost, not a scope
+            best = s[scope]["best_gamma"]
+            title = titles.get(scope) or f"{scope} (its requests; best fixed: {best})"
             print(f"-- {title}")
             print(markdown(header[1:], [r[1:] for r in figure_rows(w, s[scope])]))
         de_g = results[w]["defaults"].extra.get("median_gamma", math.nan)

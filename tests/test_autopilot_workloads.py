@@ -217,6 +217,70 @@ def test_second_half_scores_only_requests_arriving_after_the_midpoint():
     assert scores["second"]["ttft_p95"] == pytest.approx(9.0)
 
 
+def test_the_shift_is_scored_phase_by_phase_and_each_phase_judged_on_its_own_best():
+    def done(prefix: str, k: int, ttft: float) -> Completion:
+        arrival = float(k)
+        return Completion(
+            f"{prefix}-{k}",
+            "default",
+            "chat",
+            arrival,
+            arrival,
+            arrival + ttft,
+            arrival + 20.0,
+            10,
+            5,
+        )
+
+    # chat first (a small TTFT), long prompts after (a large one): each phase its own scope.
+    completions = [done("chat", k, 1.0) for k in range(10)]
+    completions += [done("longprompt", k, 8.0) for k in range(10, 20)]
+    scores = scoring.score(completions, 10.0, phases=True)
+    assert list(scores) == ["all", "second", "phase:chat", "phase:longprompt"]
+    assert scores["phase:chat"]["requests"] == 10
+    assert scores["phase:chat"]["ttft_p95"] == pytest.approx(1.0)
+    assert scores["phase:longprompt"]["ttft_p95"] == pytest.approx(8.0)
+    assert "phase:chat" not in scoring.score(completions, 10.0)
+
+    # The targets: in each phase, within 10% of the best fixed setting that keeps the promise
+    # there — here γ 0.1 in chat and γ 1 in long prompts (γ 0.1 breaks P99 there).
+    def figures(p95: float, p99: float = 10.0) -> dict[str, float]:
+        m = dict.fromkeys(scoring.METRICS, 10.0)
+        m.update(ttft_p95=p95, ttft_p99=p99, throughput_tok_s=1000.0)
+        return m
+
+    def columns(per_phase: dict[str, dict[str, dict[str, float]]]) -> dict:
+        out = {}
+        for column in ("sarathi", "defaults", "g=0.1", "g=1", "autopilot"):
+            by_scope = {s: figures(5.0) for s in ("all", "second")}
+            by_scope.update({s: per_phase[s][column] for s in per_phase})
+            out[column] = scoring.JobResult("shift", column, by_scope, 0.0)
+        return out
+
+    phases = {
+        "phase:chat": {
+            "sarathi": figures(5.0),
+            "defaults": figures(4.0),
+            "g=0.1": figures(2.0),
+            "g=1": figures(3.0),
+            "autopilot": figures(2.1),
+        },
+        "phase:longprompt": {
+            "sarathi": figures(5.0),
+            "defaults": figures(4.0),
+            "g=0.1": figures(1.0, 99.0),
+            "g=1": figures(3.0),
+            "autopilot": figures(3.5),
+        },
+    }
+    summary = scoring.summarise(columns(phases), traces.Trace("t", ()))
+    assert summary["phase:chat"]["best_gamma"] == "γ 0.1"
+    assert summary["phase:longprompt"]["best_gamma"] == "γ 1"
+    verdicts = {name: ok for name, ok, _ in scoring.targets("shift", summary)}
+    assert verdicts["chat phase: P95 TTFT <= 1.10x its best fixed"] is True  # 2.1 <= 2.2
+    assert verdicts["longprompt phase: P95 TTFT <= 1.10x its best fixed"] is False  # 3.5 > 3.3
+
+
 def test_first_half_file_replays_the_same_requests(tmp_path):
     rows = (
         traces.TraceRequest("a-1", 0.1 + 0.2, 300, 40, 512, "t1", "reasoning"),
