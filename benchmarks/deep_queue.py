@@ -54,6 +54,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scheduler.compiled import is_compiled  # noqa: E402
+from scheduler.policies.predictors import PREDICTORS, HistoryPredictor  # noqa: E402
+from scheduler.policies.queue import WaitingQueue  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
 from sim.traces import TraceRequest, load_bundled, load_trace, scale_rate  # noqa: E402
@@ -129,24 +132,49 @@ def deep_trace(
     ]
 
 
+class _CountingQueue(WaitingQueue):
+    """The waiting queue, counting its operations (pushes, removals, ordered reads)."""
+
+    operations = 0
+
+    def push(self, *args, **kw):  # type: ignore[no-untyped-def]
+        self.operations += 1
+        return super().push(*args, **kw)
+
+    def remove(self, *args, **kw):  # type: ignore[no-untyped-def]
+        self.operations += 1
+        return super().remove(*args, **kw)
+
+    def ordered(self, *args, **kw):  # type: ignore[no-untyped-def]
+        self.operations += 1
+        return super().ordered(*args, **kw)
+
+
+class _TimedHistory(HistoryPredictor):
+    """The history predictor, timing its refits (``refit_s``)."""
+
+    refit_s = 0.0
+
+    def refit(self) -> int:
+        started = time.perf_counter()
+        try:
+            return super().refit()
+        finally:
+            self.refit_s += time.perf_counter() - started
+
+
 class _Sampled(Simulator):
-    """Tracks the deepest waiting queue (one len() per step: noise next to a step's cost) and
-    counts the waiting queue's operations."""
+    """Tracks the deepest waiting queue (one len() per step: noise next to a step's cost) and,
+    with ``count_ops``, counts the waiting queue's operations (a queue of its own whose calls go
+    through Python: the counting replay is not the timed one). Subclasses, not patched methods:
+    the compiled core's methods cannot be replaced on an instance."""
 
     peak_wait = 0
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, count_ops: bool = False, **kw):
         super().__init__(*args, **kw)
-        self.queue_ops = 0
-        queue = self.waiting
-        for name in ("push", "remove", "ordered"):
-            method = getattr(queue, name)
-
-            def counted(*a, _method=method, **k):
-                self.queue_ops += 1
-                return _method(*a, **k)
-
-            setattr(queue, name, counted)
+        if count_ops:  # before any arrival: the queue is empty
+            self.waiting = _CountingQueue(self.policy)
 
     def _step(self):
         super()._step()
@@ -175,19 +203,8 @@ def completion_hash(completions) -> str:
 
 
 def replay(trace, row: str, *, check_invariants: bool = False, profile: bool = False):
+    """One timed replay of ``row``: (wall s, result, peak waiting, profile)."""
     sim = _Sampled(trace, settings_for(row), check_invariants=check_invariants)
-    refit_s = [0.0]
-    if sim.predictor is not None:  # time the history predictor's refits (predictors.py, every 10 s)
-        refit = sim.predictor.refit
-
-        def timed_refit():
-            t = time.perf_counter()
-            try:
-                return refit()
-            finally:
-                refit_s[0] += time.perf_counter() - t
-
-        sim.predictor.refit = timed_refit
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     if prof:
@@ -195,7 +212,23 @@ def replay(trace, row: str, *, check_invariants: bool = False, profile: bool = F
     res = sim.run()
     if prof:
         prof.disable()
-    return time.perf_counter() - t0, res, sim.peak_wait, prof, refit_s[0], sim.queue_ops
+    return time.perf_counter() - t0, res, sim.peak_wait, prof
+
+
+def instrumented(trace, row: str) -> tuple[int, float]:
+    """An untimed replay of ``row`` counting the waiting queue's operations and timing the
+    history predictor's refits (the same refits as the timed replay's: replays are
+    deterministic). Kept apart from the timed replay: on the compiled core, a Python subclass's
+    methods are called through Python, which would slow the timed replay."""
+    PREDICTORS["history"] = _TimedHistory
+    try:
+        sim = _Sampled(trace, settings_for(row), count_ops=True)
+    finally:
+        PREDICTORS["history"] = HistoryPredictor
+    sim.run()
+    assert isinstance(sim.waiting, _CountingQueue)
+    refit_s = sim.predictor.refit_s if isinstance(sim.predictor, _TimedHistory) else 0.0
+    return sim.waiting.operations, refit_s
 
 
 def load_avg() -> str:
@@ -272,6 +305,7 @@ def main() -> None:
             f"{args.load:g}x capacity ({cap:.3f} req/s) = {args.load * cap:.2f} req/s over "
             f"{trace[-1].arrival:.0f} s"
         )
+    print(f"core: {'compiled (mypyc)' if is_compiled() else 'pure Python'}")
     print(f"load average before: {load_avg()}")
     print(
         f"{'policy':>14} {'wall_s':>8} {'ratio':>6} {'us/step':>7} {'step_ratio':>10} "
@@ -286,7 +320,8 @@ def main() -> None:
         runs = [
             replay(trace, row, check_invariants=args.check_invariants) for _ in range(args.repeat)
         ]
-        wall, res, peak, _, refit_s, queue_ops = min(runs, key=lambda x: x[0])
+        wall, res, peak, _ = min(runs, key=lambda x: x[0])
+        queue_ops, refit_s = instrumented(trace, row)
         walls[row] = wall
         per_step[row] = wall / max(1, res.steps)
         base, base_step = walls.get("fcfs"), per_step.get("fcfs")

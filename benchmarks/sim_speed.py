@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from scheduler.compiled import is_compiled
 from scheduler.settings import POLICY_NAMES, Settings
 from sim.engine import Simulator
 from sim.traces import load_trace
@@ -98,6 +99,7 @@ def main() -> None:
         f"trace {trace.name}: {len(trace)} requests over {trace.duration:.0f} s "
         f"({trace.rate:.2f} req/s)"
     )
+    print(f"core: {'compiled (mypyc)' if is_compiled() else 'pure Python'}")
     ref_s, ref_steps = min(reference_loop(trace) for _ in range(args.repeat))
     print(f"reference loop: {ref_s:.2f} s for {ref_steps} steps (best of {args.repeat})")
     print(

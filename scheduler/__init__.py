@@ -9,11 +9,18 @@
 - ``scheduler.plugin`` — the vLLM scheduler subclass and its control API server.
 
 Nothing here imports the operator side (``controlplane``, ``storage``, ``tuner``, ``tui``, the
-CLI) or the simulator; the base install (numpy, scipy, pydantic) is all it needs.
+CLI) or the simulator; the base install (numpy, scipy, pydantic, mypy_extensions) is all it
+needs. ``scheduler.compiled`` checks, before any policy module loads, that an optional compiled
+core was built from the sources beside it.
 """
+
+from scheduler.compiled import check as _check_compiled_core
+
+_check_compiled_core()  # a compiled core built from other sources would run old code silently
 
 # The rooms other floors may use (tests/test_layers.py: an import from another floor names one).
 __all__ = [
+    "compiled",
     "contract",
     "errors",
     "metrics",

@@ -30,6 +30,10 @@ fi
 # policy library, settings, contract, plugin core and API, storage) before the suite.
 ruff check .
 mypy
+# The compiled core (mypyc, ~1 minute): the suite runs what the replicas, the tuner and the
+# autopilot run once it is built, and tests/test_compiled_core.py replays every policy on the
+# pure-Python path too and requires the two to agree bit for bit.
+python scripts/build_core.py
 # Two workers (pytest-xdist). Every test that runs a real vLLM engine is in one xdist group
 # (tests/conftest.py) and runs on one worker, one engine at a time, while the other worker takes
 # the rest; the few that compare latencies on an engine (marked `alone`) run afterwards, with the

@@ -2,7 +2,8 @@
 
 The settings model refuses every document known to make a policy raise
 (tests/test_settings_safety.py), so a real failure cannot be produced on demand: these tests
-inject one — a policy method patched to raise — which is the only fake here. Everything else is
+inject one — a policy whose methods raise, built where the engine builds its policies — which is
+the only fake here. Everything else is
 real: vLLM's scheduler in-process through the plugin, a twin behind its real HTTP control API.
 """
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from scheduler import contract
+from scheduler.policies import POLICY_CLASSES
 from scheduler.policies.basic import Vtc
 from scheduler.policies.boost import UniBoost
 from scheduler.settings import Settings
@@ -41,6 +43,14 @@ class Boom(RuntimeError):
 
 def raise_boom(*args, **kwargs):
     raise Boom("injected fault")
+
+
+def make_raising(monkeypatch, base, *methods):
+    """From now on every policy the engines build under ``base``'s name raises in ``methods``: a
+    subclass put where ``make_policy`` looks (a compiled policy's methods cannot be patched, and
+    a policy built before this call is left as it was)."""
+    faulty = type(f"Raising{base.__name__}", (base,), dict.fromkeys(methods, raise_boom))
+    monkeypatch.setitem(POLICY_CLASSES, base.name, faulty)
 
 
 def requests(prefix: str, n: int, base: float = 1_000.0, tenant: str = "t0"):
@@ -88,7 +98,7 @@ def run_all(scheduler, first, later, *, between=None) -> Driver:
 
 def test_a_raising_policy_falls_back_to_the_last_settings_that_ran(scheduler, monkeypatch):
     core = scheduler.tp_core
-    monkeypatch.setattr(UniBoost, "key", raise_boom)
+    make_raising(monkeypatch, UniBoost, "key")
 
     def switch():
         assert core.put_settings(UNIBOOST)["version"] == 2
@@ -118,9 +128,9 @@ def test_a_fallback_that_raises_too_ends_on_the_stock_order(monkeypatch):
     try:
         core = s.tp_core
 
-        def switch():  # another uniboost document; then every uniboost raises, the restored one too
+        def switch():  # every uniboost raises from now on: another document, the restored one too
+            make_raising(monkeypatch, UniBoost, "key")
             core.put_settings({**UNIBOOST, "params": {**UNIBOOST["params"], "gamma": 0.02}})
-            monkeypatch.setattr(UniBoost, "key", raise_boom)
 
         run_all(s, requests("a", 6), requests("b", 8, base=1_001.0), between=switch)
         assert core.breaker.trips_total == 2
@@ -132,6 +142,7 @@ def test_a_fallback_that_raises_too_ends_on_the_stock_order(monkeypatch):
 def test_a_raising_token_hook_inside_vllms_output_path_is_contained(monkeypatch):
     """vtc charges tokens from update_from_output and forgets a tenant in on_finish: both run
     inside vLLM's own loops."""
+    make_raising(monkeypatch, Vtc, "on_tokens", "on_finish")
     s = make_scheduler(
         TailpilotScheduler,
         num_blocks=48,
@@ -141,8 +152,6 @@ def test_a_raising_token_hook_inside_vllms_output_path_is_contained(monkeypatch)
     )
     s.pipelined = False
     try:
-        monkeypatch.setattr(Vtc, "on_tokens", raise_boom)
-        monkeypatch.setattr(Vtc, "on_finish", raise_boom)
         run_all(s, requests("a", 5, tenant="x"), requests("b", 5, tenant="y"))
         assert s.tp_core.breaker.trips_total >= 1
         assert s.tp_core.settings.policy == "sarathi"
@@ -187,7 +196,7 @@ def test_a_twin_falls_back_and_reports_it_on_state(monkeypatch):
         with httpx.Client(base_url=twin.url, timeout=10) as c:
             clock.set(2.0)
             twin.advance()
-            monkeypatch.setattr(UniBoost, "key", raise_boom)
+            make_raising(monkeypatch, UniBoost, "key")
             r = c.put(
                 "/tailpilot/v1/settings",
                 json=UNIBOOST,

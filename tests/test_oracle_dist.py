@@ -179,7 +179,9 @@ def test_tie_cvar_reorders_two_requests_with_the_same_mean():
     assert sig[wide_id] > 3 * sig[narrow_id]
 
     def state(rid, out):
-        return RequestState(
+        # What the oracle reads of a request (``PredictedRequest``), with a real-valued true
+        # length: brentq searches it continuously, and a RequestState holds whole tokens.
+        return SimpleNamespace(
             id=rid, arrival=0.0, prompt_tokens=10, max_tokens=max_tokens, output_tokens=out
         )
 
@@ -201,8 +203,13 @@ def test_tie_cvar_reorders_two_requests_with_the_same_mean():
     assert e_wide < e_narrow and e_wide == pytest.approx(e_narrow, rel=5e-3)
     assert cvar_wide > 1.5 * cvar_narrow  # same mean, much heavier tail
 
+    def request(rid, out):
+        return RequestState(
+            id=rid, arrival=0.0, prompt_tokens=10, max_tokens=max_tokens, output_tokens=out
+        )
+
     def first(policy):
-        waiting = [state(narrow_id, narrow_out), state(wide_id, wide_out)]
+        waiting = [request(narrow_id, narrow_out), request(wide_id, wide_out)]
         return policy.order_waiting(waiting, now=0.0)[0].id
 
     assert first(greedy) == wide_id  # β = 0: by the mean alone

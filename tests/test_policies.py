@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduler.policies import RequestState, make_policy
+from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.base import next_threshold, quantize
 from scheduler.policies.predictors import OraclePredictor
 from scheduler.settings import Settings
@@ -451,16 +451,19 @@ def test_waiting_queue_refiles_several_promotions_into_policy_order():
     after B here (a LAS replay hit it 47 times)."""
     from scheduler.policies.queue import WaitingQueue
 
-    class Promoting:  # the queue's view of a policy: keys, an epoch, and who moved
-        reorders_waiting = True
-        epoch = 0
+    class Promoting(Policy):  # what the queue reads of a policy: keys, an epoch, who moved
+        name = "promoting"
 
         def __init__(self):
+            super().__init__(Settings.model_validate({"policy": "fcfs"}))
             self.keys = {}
-            self.moved = []
+            self.epoch = 0
+
+        def score(self, req, now):
+            return self.keys[req.id]
 
         def key(self, req, now):
-            return (self.keys[req.id], req.id)
+            return (self.keys[req.id], 0.0, req.id)
 
         def sort_key(self, now):
             return lambda req: self.key(req, now)

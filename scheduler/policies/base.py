@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from bisect import insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 from pydantic import BaseModel
 
 from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
@@ -56,6 +57,10 @@ def new_epoch() -> int:
 arrival_order = attrgetter("arrival", "id")
 
 
+@mypyc_attr(
+    serializable=True, allow_interpreted_subclasses=True
+)  # the autopilot forks a shadow by pickling it
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False)
 class RequestState:
     """One request as the scheduler tracks it (docs/engine.md#requests)."""
@@ -90,7 +95,7 @@ class RequestState:
     quantum_left: int = 0  # sjf: steps of starvation priority left
     guard_tokens: int = 0  # uniboost MemGuard: not policy-preemptible before attained reaches this
     las_base: int = 0  # las: attained tokens at the last starvation promotion
-    cache_key: object = None  # policies cache per-request derived values (predictions) here
+    cache_key: Any = None  # policies cache per-request derived values (predictions) here
     # The value cache_key names, whose type the key's tag fixes (size.predicted_total: a float;
     # Tie.moments: a pair or None): each reader narrows it where it reads its own tag.
     cache_value: Any = None
@@ -141,6 +146,7 @@ class RequestState:
             self.attained = done
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 @dataclass(slots=True)
 class EngineView:
     """What a policy may know about the engine it runs in."""
@@ -148,7 +154,11 @@ class EngineView:
     max_num_seqs: int
 
 
-class Policy(ABC):
+# Not an ``ABC``: the abstract methods are enforced by the type checker. mypyc compiles this
+# library, and a compiled class that pickles (``serializable``: the autopilot forks shadows by
+# pickling) under ABC's metaclass never runs its ``__init__``.
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
+class Policy:
     """A scheduling policy: what the simulator's engine and the vLLM plugin ask of every policy.
 
     One method is a policy's own: :meth:`score` (its order; ties break on arrival, then id).
@@ -159,17 +169,17 @@ class Policy(ABC):
     waiting request only under a policy that is one (``isinstance``). The flags below let an
     engine skip a call on every step's path where a policy does not use it."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
     # True on PreemptivePolicy (below) and so on every policy that is one: the engines' per-step
     # test, cheaper than isinstance on an abstract class.
-    preemptive = False
-    reorders_running = True  # sarathi keeps vLLM's running order untouched
-    reorders_waiting = True
-    charges_tokens = False  # wants on_tokens (VTC)
-    counts_steps = False  # wants on_steps (sjf's starvation counters)
+    preemptive: ClassVar[bool] = False
+    reorders_running: ClassVar[bool] = True  # sarathi keeps vLLM's running order untouched
+    reorders_waiting: ClassVar[bool] = True
+    charges_tokens: ClassVar[bool] = False  # wants on_tokens (VTC)
+    counts_steps: ClassVar[bool] = False  # wants on_steps (sjf's starvation counters)
     # May hold waiting requests back (backpressure): admission_order then yields none of them,
     # and an engine with nothing else to do waits for next_tick instead of stalling.
-    gates_admission = False
+    gates_admission: ClassVar[bool] = False
     # Running decodes take the step's budget before prefill chunks, whatever their keys; the
     # running order still fixes the prefill order and the memory-pressure victim.
     decode_first = False
@@ -418,6 +428,7 @@ class Policy(ABC):
         """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class PreemptivePolicy(Policy):
     """The capability of policy-driven preemption (srpt, las, uniboost, slofq): before a step,
     the engine preempts running requests for better-keyed waiting ones that cannot otherwise get

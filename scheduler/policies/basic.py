@@ -7,11 +7,14 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from mypy_extensions import mypyc_attr, trait
+
 from scheduler.policies.base import INF, Policy, RequestState, arrival_order
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import NoParams, Settings, VtcParams
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Fcfs(Policy):
     """Score = arrival, for waiting and running alike."""
 
@@ -29,6 +32,7 @@ class Fcfs(Policy):
         return sorted(running, key=arrival_order)
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Sarathi(Policy):
     """vLLM's stock behaviour: running requests keep their order and go before admissions;
     waiting is FCFS with preempted requests put back at the front (the engine keeps that order)."""
@@ -42,6 +46,8 @@ class Sarathi(Policy):
         return req.arrival
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+@trait  # a mixin: mypyc compiles a second base only as a trait
 class TenantBacklog:
     """Per-tenant virtual counters and waiting counts with the counter lift (docs/policies.md#vtc),
     and the running requests per tenant, shared by vtc and slofq; the class sets
@@ -91,7 +97,8 @@ class TenantBacklog:
             self.seated[r.tenant] += 1
 
 
-class Vtc(TenantBacklog, Policy):
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
+class Vtc(Policy, TenantBacklog):
     """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant
     with the least counter, FCFS within a tenant; charge prompt tokens on admission, output per
     token."""

@@ -14,6 +14,7 @@ from operator import attrgetter
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from scheduler.policies.base import (
     INF,
@@ -37,6 +38,7 @@ _arrival_id = attrgetter("arrival", "id")
 ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class DistBoost(Policy):
     """Stage 1: decodes go first (in arrival order); prefills, running or waiting, are ordered by
     γ-Boost on their prompt work. Non-preemptive."""
@@ -104,6 +106,7 @@ def reorder_decodes_then_prefills(
     return decodes + prefills if prefills else decodes
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class UniBoost(PreemptivePolicy):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards

@@ -18,17 +18,17 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import threading
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Hashable
 from statistics import NormalDist
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 from scipy import special
 
@@ -87,10 +87,17 @@ def prompt_bucket(prompt_tokens: int) -> int:
     return p.bit_length() - 1 if p >= 1 else 0
 
 
-class LengthPredictor(ABC):
+@mypyc_attr(
+    serializable=True, allow_interpreted_subclasses=True
+)  # not an ABC: see scheduler.policies.base.Policy
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
+class LengthPredictor:
     """Abstract output-length predictor."""
 
     name: str = "base"
+    # The constructor's keyword parameters, named for make_predictor's check (a compiled class's
+    # signature reads as ``*args, **kwargs``; a test keeps the two equal).
+    PARAMETERS: ClassVar[tuple[str, ...]] = ()
     nu: float = 3.5
     version: int = 0
 
@@ -102,7 +109,7 @@ class LengthPredictor(ABC):
     def predict_dist(self, req: PredictedRequest) -> tuple[float, float] | None:
         """``(mu, sigma)`` of the log-t output-length distribution; None if unknown."""
 
-    def observe(self, req: PredictedRequest, output_tokens: int) -> None:  # noqa: B027 - optional hook
+    def observe(self, req: PredictedRequest, output_tokens: int) -> None:
         """Record a finished request and its true output length (cheap; never refits)."""
 
     def refit(self) -> int:
@@ -114,6 +121,7 @@ class LengthPredictor(ABC):
 # ----------------------------------------------------------------------------- oracle
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class OraclePredictor(LengthPredictor):
     """A calibrated distributional oracle (simulator only): reads the true length ``L`` and gives
     each request its own log-t distribution of which ``L`` is exactly a draw.
@@ -143,6 +151,7 @@ class OraclePredictor(LengthPredictor):
     """
 
     name = "oracle"
+    PARAMETERS = ("sigma_noise", "seed", "nu", "sigma_spread")
 
     def __init__(
         self, sigma_noise: float = 0.0, seed: int = 0, nu: float = 3.5, sigma_spread: float = 0.0
@@ -310,6 +319,7 @@ def fit_logt_mle(x: ArrayLike, nu: float = 3.5) -> tuple[float, float]:
 Key = tuple[Hashable, ...]
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class HistoryPredictor(LengthPredictor):
     """Fits a log-t (``nu`` fixed) to the observed output lengths per key
     (docs/policies.md#predictors).
@@ -329,6 +339,7 @@ class HistoryPredictor(LengthPredictor):
     """
 
     name = "history"
+    PARAMETERS = ("nu", "window", "min_samples", "refit_fraction")
 
     def __init__(
         self,
@@ -469,7 +480,7 @@ def make_predictor(name: str, **params: float) -> LengthPredictor:
         raise ValueError(
             f"unknown predictor {name!r}; valid names: {', '.join(sorted(PREDICTORS))}"
         )
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    allowed = list(cls.PARAMETERS)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(f"predictor {name!r} got unknown parameter(s) {unknown}; valid: {allowed}")

@@ -41,6 +41,8 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from operator import attrgetter
 from typing import overload
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.policies.base import Policy, RequestState
 from scheduler.policies.queue_groups import Groups, make_index
 
@@ -49,6 +51,7 @@ _arrival_id = attrgetter("arrival", "id")
 _PULL_ALL_AFTER = 64  # an iteration that reads this far materializes the whole order at once
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class WaitingQueue:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -311,10 +314,9 @@ class WaitingQueue:
             self._items = [r for r in self._items if id(r) not in gone]
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class _Ordered(Sequence[RequestState]):
     """A grouped queue's order, read lazily: what is read is materialized in the prefix."""
-
-    __slots__ = ("_q",)
 
     def __init__(self, queue: WaitingQueue) -> None:
         self._q = queue

@@ -17,6 +17,7 @@ from operator import attrgetter
 from typing import cast
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from scheduler.policies.base import NO_KEY, Key, Policy, RequestState
 
@@ -37,6 +38,7 @@ def make_index(policy: Policy) -> Groups | None:
     raise ValueError(f"policy {policy.name}: unknown waiting layout {layout!r}")
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Groups:
     """The requests of a grouped queue outside its prefix: per group, a list in (arrival, id)
     order, which is the group's key order in every epoch; across groups, a heap of the heads'
@@ -159,6 +161,7 @@ class Groups:
         pass
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class OffsetGroups(Groups):
     """uniboost's groups: one per work value w (``wait_group``), score = arrival − b_γ(w).
 

@@ -8,6 +8,8 @@ import math
 from bisect import insort
 from collections.abc import Hashable, Iterable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.policies.base import INF, Key, Policy, PreemptivePolicy, RequestState, SortKey
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -34,6 +36,7 @@ def predicted_total(policy: Policy, req: RequestState) -> float:
     return total
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Sjf(Policy):
     """Predicted total output length, non-preemptive, with LTR's starvation guard: a request left
     unscheduled for ``starve_steps`` steps gets top priority for ``quantum_steps`` steps."""
@@ -193,6 +196,7 @@ class Sjf(Policy):
         return max(1, heap[0][0] - self._clock) if heap else INF
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Srpt(PreemptivePolicy):
     """Predicted remaining output tokens, preemptive; TRAIL's limit: a running request is no longer
     preemptible once ``generated > c * predicted_total``."""
@@ -230,6 +234,7 @@ class Srpt(PreemptivePolicy):
     # never creates a preemption that the step starting it did not make: the default INF holds.
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Las(PreemptivePolicy):
     """Least attained service as a multi-level feedback queue: level k holds requests whose
     attained service (seconds, via ``alpha_s_per_token``) lies in [q0(2^k − 1), q0(2^{k+1} − 1));

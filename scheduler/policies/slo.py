@@ -36,6 +36,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import (
     INF,
@@ -76,7 +78,8 @@ def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[Request
     return queues
 
 
-class SloFq(Backpressure, PreemptivePolicy):
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
+class SloFq(PreemptivePolicy, Backpressure):
     """Deadline-aware token-level fair queue with type shares and backpressure (module
     docstring)."""
 

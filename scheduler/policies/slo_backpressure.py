@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
+from mypy_extensions import mypyc_attr, trait
+
 from scheduler.policies.base import RequestState
 from scheduler.policies.basic import TenantBacklog
 from scheduler.policies.slo_latency import TtftWindow
@@ -29,6 +31,7 @@ _PROMPT = attrgetter("prompt_tokens")
 Group = tuple[str, str]
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class SlidingWindow:
     """Amounts per key over the last ``span`` seconds, added in ticks (hot paths only add to
     ``pending``; ``flush`` stamps them)."""
@@ -59,6 +62,7 @@ class SlidingWindow:
         return sum(self.sums.values()) + sum(self.pending.values())
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Bucket:
     """A tenant's admission token bucket (rate in tokens/s; level may go into debt)."""
 
@@ -77,6 +81,8 @@ class Bucket:
             self.t = now
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+@trait
 class Backpressure(TenantBacklog):
     """The tenants' buckets and what they hold back, on top of the backlog accounting (module
     docstring); the policy (slo.SloFq) sets the attributes below."""

@@ -15,6 +15,8 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.policies.base import RequestState
 
 SAMPLES_KEPT = 4096  # TTFT samples per tenant in the sliding window (bounded memory in the engine)
@@ -36,6 +38,7 @@ def linear_percentile(ordered: Sequence[float], fraction: float) -> float:
     return b - diff * (1 - t) if t >= 0.5 else a + diff * t
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class TtftWindow:
     """A tenant's TTFTs over the sliding window: in finish order (to expire them) and sorted (to
     read quantiles without sorting at every control tick)."""
@@ -67,6 +70,7 @@ class TtftWindow:
         return self.ordered
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Latencies:
     """The multiset of a sorted TTFT list and the ages ``now - arrival`` of waiting requests
     (``runs``: lists in arrival order), read as if sorted: ``value(f)`` and ``above(f, s)``."""

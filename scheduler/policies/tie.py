@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from scheduler.policies.base import Key, Policy, RequestState, new_epoch
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -21,6 +23,7 @@ from scheduler.settings import Settings, TieParams
 _moments = lru_cache(maxsize=4096)(tie_moments)
 
 
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Tie(Policy):
     name = "tie"
     params: TieParams

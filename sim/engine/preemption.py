@@ -85,7 +85,7 @@ def _budget_order(policy: Policy, running: list[RequestState]) -> list[RequestSt
     return order + chunked
 
 
-def serve_in_running_order(sim: Simulator, step: StepPlan[RequestState]) -> int:
+def serve_in_running_order(sim: Simulator, step: StepPlan) -> int:
     """Serve the running requests in running order, preempting on KV shortage
     (docs/engine.md#budget-order).
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
 from scheduler.policies import Policy, RequestState, make_policy
@@ -38,10 +40,9 @@ from sim.engine.result import SimResult
 from sim.engine.step import StepPlan, kv_safe_steps, serve_uncontended
 from sim.traces import Trace, TraceRequest
 
-if TYPE_CHECKING:
-    from sim.engine.step import KnownLengthRequest
 
-
+# Tests subclass it (a clock, a switch mid-run); the autopilot forks it by pickling.
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class Simulator:
     """One replica replaying ``trace`` under ``settings`` on ``config``'s hardware.
 
@@ -336,10 +337,10 @@ class Simulator:
             self._settled = len(self.running)
             self._running_sorted = True
 
-    def _schedule(self, now: float) -> StepPlan[KnownLengthRequest]:
+    def _schedule(self, now: float) -> StepPlan:
         policy, eng = self.policy, self.settings.engine
         self._running_sorted = not policy.reorders_running
-        step: StepPlan[RequestState] = StepPlan()
+        step: StepPlan = StepPlan()
         step.preempted = bool(self.waiting) and policy.preemptive and preempt_for_waiting(self, now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
@@ -402,15 +403,10 @@ class Simulator:
                 f"simulator stalled at t={now:.6f}: nothing schedulable "
                 f"(waiting={len(self.waiting)}, free_blocks={self.free_blocks})"
             )
-        # Every request the simulator admitted knows its true length (_admit_arrivals). The plan
-        # is narrowed for the type checker only: a cast() call at every step costs 0.3 % of a
-        # replay (callgrind).
-        if TYPE_CHECKING:
-            return cast("StepPlan[KnownLengthRequest]", step)
         return step
 
     # --- event skipping -------------------------------------------------------------------
-    def _steady_steps(self, step: StepPlan[KnownLengthRequest], now: float) -> int:
+    def _steady_steps(self, step: StepPlan, now: float) -> int:
         """How many identical steps, starting with this one, can run as one event."""
         running = self.running
         if (
@@ -436,7 +432,9 @@ class Simulator:
             return 1
         # The stretch ends with a completion (float: it meets INF below). Every running request
         # decodes in this step: the decodes are the running requests.
-        k: float = min(r.output_tokens - r.generated for r in step.decodes)
+        # (Every request the simulator admits knows its true length, _admit_arrivals: the
+        # ``output_tokens`` reads below are ints; the ignores say so without a cast per step.)
+        k: float = float(min(r.output_tokens - r.generated for r in step.decodes))  # type: ignore[operator]
         if k <= 1:
             return 1
         k = min(k, kv_safe_steps(self.running, self.free_blocks, self.config.block_size))
@@ -465,7 +463,7 @@ class Simulator:
         return self.admission_blocks(head, chunk) > self.free_blocks + len(self.running)
 
     # --- applying steps ---------------------------------------------------------------------
-    def _advance(self, step: StepPlan[KnownLengthRequest], k: int) -> None:
+    def _advance(self, step: StepPlan, k: int) -> None:
         self.now += step.stretch_time(self.config.step_model, k)
         self.steps += k
         policy = self.policy
@@ -485,7 +483,7 @@ class Simulator:
     # prefill chunks, not in service order; that changes nothing: each update touches its own
     # request, VTC charges the same amount for every token of a tenant, and _advance sorts the
     # completions.
-    def _apply_step(self, step: StepPlan[KnownLengthRequest]) -> list[RequestState]:
+    def _apply_step(self, step: StepPlan) -> list[RequestState]:
         """Give one step's tokens (the clock already moved to its end); return the requests it
         finished."""
         now, policy = self.now, self.policy
@@ -498,7 +496,8 @@ class Simulator:
             if charges:
                 policy.on_tokens(req, 1)
             req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
-            if g >= req.output_tokens:  # the true length (the engine knows it, policies do not)
+            # The true length (the engine knows it, policies do not).
+            if g >= req.output_tokens:  # type: ignore[operator]
                 finished.append(req)
         for req, n in step.chunks.items():
             c = req.computed_tokens + n
@@ -514,11 +513,11 @@ class Simulator:
             done = (c if c < p else p) + g
             if done > req.attained:  # RequestState.note_progress, inlined
                 req.attained = done
-            if g >= req.output_tokens:
+            if g >= req.output_tokens:  # type: ignore[operator]
                 finished.append(req)
         return finished
 
-    def _apply_stretch(self, step: StepPlan[KnownLengthRequest], k: int) -> list[RequestState]:
+    def _apply_stretch(self, step: StepPlan, k: int) -> list[RequestState]:
         """Give a stretch of ``k`` pure decode steps their tokens (one each a step) and the blocks
         those fill; return the requests it finished."""
         policy, bs, blocks = self.policy, self.config.block_size, self.blocks
@@ -536,7 +535,7 @@ class Simulator:
                 self.free_blocks -= need
                 blocks[req.id] = held + need
             req.attained = c + 1
-            if g >= req.output_tokens:
+            if g >= req.output_tokens:  # type: ignore[operator]
                 finished.append(req)
         return finished
 

@@ -12,35 +12,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+
+from mypy_extensions import mypyc_attr
 
 from scheduler.policies import RequestState
 from sim.stepmodel import StepTimeModel
 
-if TYPE_CHECKING:
 
-    class KnownLengthRequest(RequestState):
-        """A request in the simulator: a ``RequestState`` whose true ``output_tokens`` is always
-        set (``Simulator._admit_arrivals``). For the type checker only: the simulator narrows
-        each step's plan once (``StepPlan[KnownLengthRequest]``) instead of testing every
-        request in its hot loops."""
-
-        output_tokens: int
-
-
-Req = TypeVar("Req", bound=RequestState)
-
-
+@mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 @dataclass(slots=True)
-class StepPlan(Generic[Req]):
+class StepPlan:
     """What one step decided. Decodes (one token each, the common case) are kept apart from
     prefill chunks so that applying the step can take a short path for them; each part is in
     service order."""
 
     # Requests that decode one token this step; requests given a prefill chunk (the prompt, or a
     # recompute) -> its tokens.
-    decodes: list[Req] = field(default_factory=list)
-    chunks: dict[Req, int] = field(default_factory=dict)
+    decodes: list[RequestState] = field(default_factory=list)
+    chunks: dict[RequestState, int] = field(default_factory=dict)
     preempted: bool = False
     memory_preempted: bool = False
     admitted: bool = False
@@ -95,7 +84,7 @@ class StepPlan(Generic[Req]):
 
 
 def serve_uncontended(
-    step: StepPlan[RequestState],
+    step: StepPlan,
     running: Sequence[RequestState],
     blocks: dict[str, int],
     free_blocks: int,
