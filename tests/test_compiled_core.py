@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from scheduler import compiled
-from scheduler.policies.predictors import PREDICTORS
+from scheduler.policies.predictors import PREDICTORS, HistoryPredictor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,3 +158,55 @@ def test_predictor_parameters_name_their_constructors():
     }
     for cls in PREDICTORS.values():
         assert list(cls.PARAMETERS) == inits[cls.__name__], cls.__name__
+
+
+def test_a_predictors_copy_carries_every_attribute_it_sets():
+    """``HistoryPredictor`` names the state it pickles (a compiled one has no ``__dict__``): the
+    list is every attribute but its lock, and a copy predicts as the original does."""
+    import pickle
+    from types import SimpleNamespace
+
+    h = HistoryPredictor(min_samples=2)
+    for i in range(30):
+        h.observe(SimpleNamespace(id=f"r{i}", prompt_tokens=100), 10 + i)
+    h.refit()
+    tree = ast.parse((REPO / "scheduler" / "policies" / "predictors.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HistoryPredictor")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {
+        target.attr
+        for node in ast.walk(init)
+        for target in (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        if isinstance(target, ast.Attribute)
+    }
+    assert assigned - {"_lock"} == set(HistoryPredictor.STATE)
+    copy = pickle.loads(pickle.dumps(h))
+    probe = SimpleNamespace(id="p", prompt_tokens=100)
+    assert copy.predict_dist(probe) == h.predict_dist(probe)
+    assert copy.version == h.version and copy._lock is not h._lock
+
+
+@pytest.mark.slow
+def test_the_reference_comparisons_run_on_the_pure_sources(tmp_path):
+    """``tests/test_deep_queue.py``'s ``pure_path`` tests compare the fast paths with a plain
+    reference by swapping the library's internals (mock.patch), which cannot reach a compiled
+    core: they run here on a copy of the pure sources, whichever the working tree has."""
+    _copy_tree(tmp_path, with_core=False)
+    (tmp_path / "tests").mkdir()
+    shutil.copy(REPO / "tests" / "test_deep_queue.py", tmp_path / "tests")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "pure_path"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]

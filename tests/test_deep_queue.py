@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from scheduler import compiled
 from scheduler.policies import POLICY_CLASSES, RequestState, make_policy
 from scheduler.policies import queue as queue_mod
 from scheduler.policies.base import Policy, new_epoch
@@ -34,6 +35,26 @@ from scheduler.settings import Settings
 from sim.engine import EngineConfig, Simulator
 from sim.stepmodel import StepTimeModel
 from sim.traces import TraceRequest
+
+# The tests that compare the fast paths with a plain reference swap the library's internals for it
+# (mock.patch). On the compiled core a swap cannot reach compiled code — the "reference" would be
+# the fast path itself — so there they run on the pure sources instead:
+# tests/test_compiled_core.py runs `-m pure_path` of this module in a copy without the core.
+PURE_PATH = [
+    pytest.mark.pure_path,
+    pytest.mark.skipif(
+        compiled.is_compiled(),
+        reason="run on the pure sources by test_compiled_core.py (the core is compiled here)",
+    ),
+]
+
+
+def on_pure_path(test):
+    """Mark a test ``PURE_PATH``."""
+    for mark in PURE_PATH:
+        test = mark(test)
+    return test
+
 
 STEP_MODEL = StepTimeModel(
     a=0.0101, b=7.3e-5, c=1.1e-9, d=3.7e-4, e=1.3e-6, name="test", source="test"
@@ -217,7 +238,7 @@ class Driver:
             self.check(-1 if arg == 0 else [0, 1, 1, 2, 5][arg % 5])
 
 
-@pytest.mark.parametrize("scan", [None, 0], ids=["", "vectorized"])
+@pytest.mark.parametrize("scan", [None, pytest.param(0, marks=PURE_PATH)], ids=["", "vectorized"])
 @pytest.mark.parametrize("name", list(QUEUE_POLICIES))
 @hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), narrow=st.booleans(), n_ops=st.integers(1, 300))
@@ -345,6 +366,7 @@ def deep_scenarios(draw):
 
 
 @pytest.mark.slow
+@on_pure_path
 @hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(deep_scenarios(), st.booleans())
 def test_simulator_replay_identical_to_the_plain_queue(case, event_skipping):
@@ -374,6 +396,7 @@ def deep_trace(n: int = 400, seed: int = 3) -> list[TraceRequest]:
     return out
 
 
+@on_pure_path
 @pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
 def test_deep_queue_replay_identical_to_the_plain_queue(policy):
     """Hundreds waiting at once, every policy (uniboost with γ-Ada moving γ every 0.5 s)."""

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
+from scheduler.settings_change import SettingsChange
 from tui.dialogs import ConfirmScreen
-from tui.edits import SettingsChange
 from tui.main import build_app
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recording_small.db"

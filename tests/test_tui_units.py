@@ -15,6 +15,7 @@ from textual.widgets import SelectionList
 
 from scheduler.metrics import jain_index, slo_compliance_ratio
 from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings
+from scheduler.settings_change import SettingsChange
 from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
 from storage.store import Store
 from tui import keys as K
@@ -23,7 +24,6 @@ from tui.app import TailpilotApp
 from tui.cluster_panel import ClusterPanel
 from tui.dialogs import ConfirmScreen
 from tui.edits import (
-    SettingsChange,
     edit_targets,
     field_errors,
     parse_field,

@@ -57,9 +57,8 @@ def new_epoch() -> int:
 arrival_order = attrgetter("arrival", "id")
 
 
-@mypyc_attr(
-    serializable=True, allow_interpreted_subclasses=True
-)  # the autopilot forks a shadow by pickling it
+# Every class of the library is so marked for the compiled core (scheduler.compiled): it pickles
+# (the autopilot forks a shadow by pickling it) and Python code may subclass it.
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False)
 class RequestState:

@@ -87,9 +87,7 @@ def prompt_bucket(prompt_tokens: int) -> int:
     return p.bit_length() - 1 if p >= 1 else 0
 
 
-@mypyc_attr(
-    serializable=True, allow_interpreted_subclasses=True
-)  # not an ABC: see scheduler.policies.base.Policy
+# Not an ABC, and marked for the compiled core: see scheduler.policies.base.Policy.
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
 class LengthPredictor:
     """Abstract output-length predictor."""
@@ -385,15 +383,27 @@ class HistoryPredictor(LengthPredictor):
                 self._new[key] = self._new.get(key, 0) + 1
 
     # A copy (the autopilot forks a shadow's engine, predictor included) takes the pools and fits
-    # and a lock of its own.
+    # and a lock of its own. Its state is named (a compiled predictor has no ``__dict__``; a test
+    # holds the list to every attribute ``__init__`` sets).
+    STATE: ClassVar[tuple[str, ...]] = (
+        "nu",
+        "window",
+        "min_samples",
+        "refit_fraction",
+        "version",
+        "last_refit_s",
+        "_pools",
+        "_fits",
+        "_new",
+    )
+
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:
-            state = dict(self.__dict__)
-        del state["_lock"]
-        return state
+            return {name: getattr(self, name) for name in self.STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        for name, value in state.items():
+            setattr(self, name, value)
         self._lock = threading.Lock()
 
     def n_observations(self, key: Key) -> int:
