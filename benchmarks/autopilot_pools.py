@@ -40,7 +40,8 @@ from sim.traces import load_bundled  # noqa: E402
 from storage.store import Store  # noqa: E402
 from tuner.autopilot.controller import AutopilotConfig  # noqa: E402
 from tuner.autopilot.live import LiveAutopilot, LiveConfig  # noqa: E402
-from tuner.twins.replica import ManualClock, drive_on_manual_clock, start_twins  # noqa: E402
+from tuner.twins.cluster import start_twins  # noqa: E402
+from tuner.twins.replica import ManualClock, drive_on_manual_clock  # noqa: E402
 
 TOKEN = "pools-benchmark"
 

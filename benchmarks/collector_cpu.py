@@ -4,7 +4,7 @@
                                        [--rate-scale 16] [--speed 1] [--loop uvloop|asyncio]
                                        [--metrics-every 1] [--db URL]
 
-The twins run in a separate process (``tuner.twins.replica.start_twins``), so the CPU measured here
+The twins run in a separate process (``tuner.twins.cluster.start_twins``), so the CPU measured here
 — ``time.process_time()`` of this process, every thread included (the store writes on a worker
 thread) — is the collector's alone: HTTP polls of ``/tailpilot/v1/state`` and ``/metrics``,
 parsing, the windowed percentiles per replica, tenant and type, and the batched store writes, as
@@ -36,7 +36,7 @@ from storage.store import Store  # noqa: E402
 TWINS_SCRIPT = textwrap.dedent("""\
     import signal, sys, threading
     from sim import traces
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
     n, speed = int(sys.argv[1]), float(sys.argv[2])
     rate_scale, out = float(sys.argv[3]), sys.argv[4]
     trace = traces.assign_tenants_zipf(traces.load_bundled(), 4, seed=1)

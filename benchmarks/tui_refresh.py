@@ -36,7 +36,7 @@ from controlplane.snapshot import ClusterSnapshot, Health, ReplicaSnapshot
 from storage.rows import GroupSampleRow, LatencyPercentiles, SampleRow
 from tui.app import TailpilotApp
 from tui.sources import LiveSource
-from tuner.twins.replica import start_twins
+from tuner.twins.cluster import start_twins
 
 
 class SyntheticSource:

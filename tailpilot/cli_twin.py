@@ -130,7 +130,7 @@ def twin(
     """Start simulated replicas serving the control API and vLLM's /metrics, fed by a trace in
     (accelerated) real time, until Ctrl-C or SIGTERM. Rate options apply to the whole trace,
     before it is split round-robin across the replicas."""
-    from tuner.twins.replica import start_twins  # start-up cost
+    from tuner.twins.cluster import start_twins  # start-up cost
 
     if port and port + n_replicas - 1 > 65535:
         raise click.BadParameter(
@@ -247,7 +247,7 @@ def demo(
         dump_cluster_file,
     )  # start-up cost
     from sim import traces  # start-up cost
-    from tuner.twins.replica import start_twins  # start-up cost
+    from tuner.twins.cluster import start_twins  # start-up cost
 
     trace = load_trace(TraceRequest(path=trace_path))
     if len({r.tenant for r in trace}) == 1:  # three Zipf tenants: the fairness views show them

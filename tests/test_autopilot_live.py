@@ -29,7 +29,8 @@ class Rig:
         self, tmp_path, monkeypatch, settings: Settings, *, verifier=None, live=None, config=None
     ):
         from sim.traces import load_bundled
-        from tuner.twins.replica import ManualClock, start_twins
+        from tuner.twins.cluster import start_twins
+        from tuner.twins.replica import ManualClock
 
         monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
         self.clock = ManualClock()
@@ -473,7 +474,8 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
     from sim.traces import load_bundled
     from tuner.autopilot.controller import AutopilotConfig
     from tuner.autopilot.live import LiveConfig
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

@@ -258,7 +258,8 @@ def twin_trace(n: int = 600, duration: float = 120.0, seed: int = 1):
 def twin():
     """One twin replica whose steps are timed by TRUTH, advanced 2 simulated minutes by hand."""
     from sim.engine import EngineConfig
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     clock = ManualClock()
     with start_twins(

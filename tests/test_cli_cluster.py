@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from sim.traces import Trace, TraceRequest
 from storage.store import Store
 from tailpilot.cli import main
-from tuner.twins.replica import start_twins
+from tuner.twins.cluster import start_twins
 
 TOKEN = "cli-token"
 

@@ -308,7 +308,7 @@ def recent_traffic(db: Path, cluster: str, replica: str, n: int = 300) -> None:
 def test_set_preview_not_confirmed_applies_nothing_and_exits_1(workdir, monkeypatch):
     """Off a terminal and without --yes the change is shown, not applied: that is not what was
     asked, so the exit status says so (it was 0)."""
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     db = workdir / "audit.db"

@@ -346,7 +346,7 @@ from controlplane.poller import poll_once  # noqa: E402
 from controlplane.steering import apply_settings  # noqa: E402
 from sim import traces  # noqa: E402
 from storage.store import Store  # noqa: E402
-from tuner.twins.replica import start_twins  # noqa: E402
+from tuner.twins.cluster import start_twins  # noqa: E402
 
 TOKEN = "collector-test-token"
 SPEED = 20.0  # replica seconds per wall second: ~30 completions/s per twin

@@ -58,7 +58,7 @@ def check_state_page(doc: dict) -> None:
 
 
 def test_a_twin_sends_what_the_contract_says():
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     with start_twins(
         1, speed=200, settings=Settings.model_validate({"policy": "uniboost"}), token="t"

@@ -125,7 +125,8 @@ def test_a_second_autopilot_on_the_same_replica_stays_in_dry_run(tmp_path, monke
     from tuner.autopilot.controller import AutopilotConfig
     from tuner.autopilot.live import LiveAutopilot, LiveConfig
     from tuner.autopilot.records import status_lines
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

@@ -50,7 +50,8 @@ def test_the_demo_driver_applies_on_the_armed_replica_and_only_logs_on_the_other
     from sim.traces import load_bundled
     from tuner.autopilot.controller import AutopilotConfig
     from tuner.autopilot.live import LiveConfig
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()

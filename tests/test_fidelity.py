@@ -104,7 +104,8 @@ def recorded_twin(tmp_path):
     the twin (still answering) and the trace."""
     from scheduler.settings import Settings
     from sim.engine import EngineConfig
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     trace = small_trace()
     clock = ManualClock()

@@ -110,7 +110,8 @@ def twins_governed(tmp_path, monkeypatch):
     from controlplane.collector import Collector
     from sim.noisy import noisy_neighbour
     from storage.store import Store
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     trace, params = noisy_neighbour(
@@ -293,7 +294,7 @@ def test_record_govern_enters_the_scr_mode_within_two_windows(tmp_path, monkeypa
     from controlplane.recorder import run_recorder
     from sim.noisy import noisy_neighbour
     from storage.store import Store
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     trace, params = noisy_neighbour(capacity_req_s=10.0, duration_s=60.0)

@@ -105,7 +105,8 @@ def twins(tmp_path, monkeypatch):
     from controlplane.collector import Collector
     from sim.noisy import noisy_neighbour
     from storage.store import Store
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", "gov-token")
     trace, _ = noisy_neighbour(capacity_req_s=10.0, duration_s=5.0)

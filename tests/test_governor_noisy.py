@@ -62,7 +62,8 @@ def run(
     from controlplane.governor import Governor, governor_step
     from controlplane.replica_http import make_client
     from storage.store import Store
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     mean = float(np.mean([r.prompt_tokens + r.output_tokens for r in trace]))
     tenants = {

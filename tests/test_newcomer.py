@@ -82,7 +82,7 @@ def test_compare_says_when_it_adds_the_baseline():
 
 
 def test_twins_can_start_side_by_side_on_different_policies():
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     docs = [
         Settings.model_validate({"policy": "sarathi"}),

@@ -32,7 +32,7 @@ def invoke(*args: object) -> Result:
 @pytest.fixture
 def twin_cluster(tmp_path, monkeypatch):
     """One twin on loopback and its cluster file (with the token in the environment)."""
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     monkeypatch.chdir(tmp_path)
@@ -137,7 +137,7 @@ def test_the_tui_refuses_to_draw_off_a_terminal(tmp_path):
 def test_the_twin_cluster_file_is_valid_yaml_with_the_replicas(tmp_path):
     from sim.traces import load_bundled
     from tailpilot.cli_twin import demo_governance
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     governance = demo_governance(load_bundled(), 1.0).model_dump(mode="json", exclude_defaults=True)
     with start_twins(2) as twins:

@@ -237,7 +237,7 @@ def test_twin_round_trip_every_request_at_its_engine_arrival(tmp_path):
     is exactly those requests, with their lengths and the engine's arrival spacing."""
     from test_fidelity import record_all
 
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     source = traces.time_window(traces.load_bundled(), 0.0, 60.0)
     by_id = {r.id: r for r in source}

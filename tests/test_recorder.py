@@ -19,7 +19,7 @@ from controlplane.cluster import load_cluster_file
 from controlplane.recorder import run_recorder
 from scheduler.settings_change import SettingsChange
 from storage.store import Store
-from tuner.twins.replica import start_twins
+from tuner.twins.cluster import start_twins
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -375,7 +375,7 @@ def test_the_demos_first_screen_shows_the_autopilot_its_promise_and_the_tenants(
     from tailpilot.cli_twin import DEMO_TOKEN_ENV, demo_controllers, demo_governance
     from tuner.autopilot.controller import AutopilotConfig
     from tuner.autopilot.live import LiveConfig
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     monkeypatch.setenv(DEMO_TOKEN_ENV, "demo-tui-token")
     trace = traces.assign_tenants_zipf(

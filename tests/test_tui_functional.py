@@ -28,7 +28,7 @@ from tui import keys as K
 from tui import render as R
 from tui.main import build_app
 from tui.replay import ReplaySource
-from tuner.twins.replica import start_twins
+from tuner.twins.cluster import start_twins
 
 TOKEN = "tui-test-token"
 TOKEN_ENV = "TP_TUI_TEST_TOKEN"

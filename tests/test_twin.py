@@ -23,8 +23,9 @@ from scheduler.plugin.core import COMPLETION_KEYS, ReplicaCore
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from sim.traces import Trace, TraceRequest
+from tuner.twins.cluster import start_twins
 from tuner.twins.feed import LAP_SEP
-from tuner.twins.replica import ManualClock, TwinReplica, start_twins
+from tuner.twins.replica import ManualClock, TwinReplica
 
 TOKEN = "tw1n-token"
 PLUGIN_STATE_KEYS = set(

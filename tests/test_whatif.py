@@ -33,7 +33,8 @@ def test_predict_apply_verify_on_a_twin(tmp_path, monkeypatch):
     from controlplane.steering import apply_settings
     from sim.traces import load_bundled
     from tuner.closed_loop.whatif import predict, verify
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)
     clock = ManualClock()
@@ -124,7 +125,7 @@ def test_set_preview_shows_the_prediction_and_keeps_it_when_applied(tmp_path, mo
     from controlplane.recorder import run_recorder
     from sim.traces import load_bundled
     from storage.retention import RetentionSettings
-    from tuner.twins.replica import start_twins
+    from tuner.twins.cluster import start_twins
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TAILPILOT_TOKEN", TOKEN)

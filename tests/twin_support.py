@@ -43,7 +43,8 @@ def governed_cluster(tmp_path, token: str = "gov-token"):
     from scheduler.settings import Settings
     from sim.engine import EngineConfig
     from sim.noisy import noisy_neighbour
-    from tuner.twins.replica import ManualClock, start_twins
+    from tuner.twins.cluster import start_twins
+    from tuner.twins.replica import ManualClock
 
     trace, params = noisy_neighbour(
         capacity_req_s=30.0,

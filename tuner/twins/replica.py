@@ -3,7 +3,7 @@ behind the same control API as a real replica, plus vLLM's ``/metrics``, ``/heal
 ``/v1/models`` on the same port, so the collector, ``tailpilot set``, the TUI and the tuner cannot
 tell a twin from a vLLM replica running the tailpilot plugin except by its name.
 
-    with start_twins(4, speed=10, rate_scale=4, token="t") as cluster:
+    with start_twins(4, speed=10, rate_scale=4, token="t") as cluster:  # tuner.twins.cluster
         cluster.write_cluster_yaml("twins.yaml")
         ...  # point the collector at cluster.replicas[i].url
 
@@ -30,8 +30,9 @@ Engine fields vLLM cannot change live (``RESTART_REQUIRED_ENGINE_FIELDS``) show 
 document but, as on vLLM, the running engine keeps its start-up values. The ``oracle`` predictor is
 refused, as on a live replica.
 
-Workload. ``start_twins`` splits the trace across the replicas round-robin by arrival order, each
-share replayed lap after lap with ``loop=True`` (``tuner/twins/feed.py``).
+Workload. ``start_twins`` (``tuner/twins/cluster.py``) splits the trace across the replicas
+round-robin by arrival order, each share replayed lap after lap with ``loop=True``
+(``tuner/twins/feed.py``).
 
 Step log. Every single step is recorded (``/tailpilot/v1/steps``); a stretch of k identical
 decode steps that event skipping advances as one is recorded by its first and last steps only
@@ -40,33 +41,27 @@ decode steps that event skipping advances as one is recorded by its first and la
 Metrics. A ``prometheus_client`` registry per twin with vLLM 0.32's metrics, read at scrape time
 under the twin's lock, so ``/metrics`` and ``/state`` agree (``tuner/twins/metrics.py``).
 
-Rooms: this module holds the clock, the ticker, the replica (its engine loop and the API it
-serves) and ``start_twins``/``TwinCluster``, which start a fleet of them.
+Rooms: this module holds the clock, the ticker and the replica (its engine loop and the API it
+serves); ``tuner/twins/cluster.py`` starts a fleet of them (``start_twins``, ``TwinCluster``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore
-from scheduler.plugin.env import TOKEN_ENV
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
-from sim import traces
 from sim.engine import EngineConfig, Simulator
-from sim.traces import Trace, TraceRequest
-from tuner.closed_loop.recorded import load_any
-from tuner.twins.feed import Feed, split_round_robin, trace_period
+from sim.traces import TraceRequest
+from tuner.twins.feed import Feed, trace_period
 from tuner.twins.metrics import TwinCollector, TwinStats
 
 log = logging.getLogger(__name__)
@@ -515,137 +510,3 @@ class TwinReplica:
 
     def api_health(self) -> bool:
         return self.error is None
-
-
-# ------------------------------------------------------------------------------------- cluster
-class TwinCluster:
-    """Twin replicas started together on one clock; a context manager that stops them."""
-
-    def __init__(self, replicas: list[TwinReplica], clock: TwinClock, name: str = "twins") -> None:
-        self.replicas = replicas
-        self.clock = clock
-        self.name = name
-
-    def __enter__(self) -> TwinCluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __iter__(self) -> Iterator[TwinReplica]:
-        return iter(self.replicas)
-
-    def __len__(self) -> int:
-        return len(self.replicas)
-
-    def __getitem__(self, i: int) -> TwinReplica:
-        return self.replicas[i]
-
-    def stop(self) -> None:
-        """Stop every replica (their HTTP servers shut down in parallel)."""
-        threads = [threading.Thread(target=r.stop, daemon=True) for r in self.replicas]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def cluster_doc(
-        self,
-        name: str | None = None,
-        token_env: str | None = TOKEN_ENV,
-        governance: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """The cluster file's document (``controlplane.cluster``'s format), with a
-        ``governance`` block when given."""
-        replicas = []
-        for r in self.replicas:
-            entry = {"name": r.name, "api_url": r.url, "control_url": r.control_url}
-            if token_env:
-                entry["token_env"] = token_env
-            replicas.append(entry)
-        cluster: dict[str, Any] = {"name": name or self.name, "replicas": replicas}
-        if governance is not None:
-            cluster["governance"] = dict(governance)
-        return {"clusters": [cluster]}
-
-    def write_cluster_yaml(
-        self,
-        path: str | os.PathLike[str],
-        name: str | None = None,
-        token_env: str | None = TOKEN_ENV,
-        governance: Mapping[str, Any] | None = None,
-    ) -> Path:
-        out = Path(path)
-        doc = self.cluster_doc(name, token_env, governance)
-        out.write_text(yaml.safe_dump(doc, sort_keys=False))
-        return out
-
-
-def start_twins(
-    n: int,
-    trace: Trace | Sequence[TraceRequest] | str | os.PathLike[str] | None = None,
-    *,
-    speed: float = 1.0,
-    settings: Settings | Sequence[Settings] | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    rate_scale: float = 1.0,
-    loop: bool = True,
-    seed: int = 0,
-    token: str | None = None,
-    config: EngineConfig | None = None,
-    tick_s: float = DEFAULT_TICK_S,
-    name_prefix: str = "twin",
-    cluster_name: str = "twins",
-    clock: TwinClock | None = None,
-) -> TwinCluster:
-    """Start ``n`` twins named ``{name_prefix}-0 ...`` on ``host`` (``port=0``: ephemeral ports;
-    otherwise ``port``, ``port+1``, ...), fed round-robin from ``trace`` (a Trace, requests, a
-    trace file, or None for the bundled Azure conv window) with its arrival rate multiplied by
-    ``rate_scale``. ``seed`` goes to trace loaders that generate arrivals. ``token`` (default
-    ``$TAILPILOT_TOKEN``) guards writes; without one, writes are refused as on a plugin.
-    ``settings``: one document for every twin, or a sequence taken round-robin (side by side)."""
-    if n < 1:
-        raise ValueError(f"need at least one replica, got {n}")
-    if trace is None:
-        trace = traces.load_bundled()
-    elif isinstance(trace, (str, os.PathLike)):
-        trace = load_any(os.fspath(trace), seed=seed)
-    if not isinstance(trace, Trace):
-        trace = Trace("twin-trace", tuple(trace))
-    if len(trace) == 0:
-        raise ValueError("the trace is empty")
-    if rate_scale != 1.0:
-        trace = traces.scale_rate(trace, rate_scale)
-    if settings is None:
-        settings = Settings.model_validate({"policy": "sarathi"})
-    per_twin = [settings] if isinstance(settings, Settings) else list(settings)
-    if not per_twin:
-        raise ValueError("settings: need at least one document")
-    for doc in per_twin:
-        ReplicaCore(doc)  # refuse what a live replica refuses (the oracle predictor) up front
-    clock = clock or TwinClock(speed)
-    period = trace_period(trace)
-    shares = split_round_robin(trace, n)
-    replicas: list[TwinReplica] = []
-    try:
-        for i, share in enumerate(shares):
-            replicas.append(
-                TwinReplica(
-                    f"{name_prefix}-{i}",
-                    share,
-                    period=period,
-                    loop=loop,
-                    settings=per_twin[i % len(per_twin)],
-                    config=config,
-                    clock=clock,
-                    host=host,
-                    port=port + i if port else 0,
-                    token=token,
-                    tick_s=tick_s,
-                ).start()
-            )
-    except BaseException:
-        TwinCluster(replicas, clock).stop()
-        raise
-    return TwinCluster(replicas, clock, cluster_name)
