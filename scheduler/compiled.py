@@ -30,8 +30,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "sim/engine/simulator.py",
     "sim/engine/preemption.py",
 )
-# The digest of the sources a build compiled, written beside them by the build.
-STAMP = ROOT / "scheduler" / "compiled_core.sha256"
+# The digest of the sources a build compiled, written beside them by the build (path from a root).
+STAMP = Path("scheduler") / "compiled_core.sha256"
 
 
 class StaleCoreError(TailpilotError, ImportError):
@@ -85,7 +85,7 @@ def check(root: Path = ROOT) -> None:
     """Refuse a compiled core whose stamp does not name the sources beside it."""
     if not is_compiled(root):
         return
-    stamp = root / STAMP.relative_to(ROOT)
+    stamp = root / STAMP
     built = stamp.read_text().strip() if stamp.exists() else ""
     if built != digest(root):
         raise StaleCoreError(

@@ -13,6 +13,7 @@ other sources (``scheduler.compiled.StaleCoreError``). ~1 minute on two cores.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 GROUP = "scheduler.compiled_core"  # the shared library: scheduler/compiled_core__mypyc*.so
 
 
+@functools.cache
 def _core() -> ModuleType:
     """``scheduler.compiled``, loaded from its file under a bare ``scheduler`` package: importing
     the real package would run the stale check this script exists to fix."""
@@ -46,8 +48,9 @@ def clean() -> list[Path]:
     """Remove the extensions, the shared library and the stamp; what was removed."""
     core = _core()
     gone = list(core.extensions(REPO))
-    gone += sorted((REPO / "scheduler").glob("compiled_core__mypyc*"))
-    stamp = core.STAMP
+    package, library = GROUP.rsplit(".", 1)
+    gone += sorted((REPO / package).glob(f"{library}__mypyc*"))
+    stamp = REPO / core.STAMP
     if stamp.exists():
         gone.append(stamp)
     for path in gone:
@@ -76,7 +79,7 @@ def build() -> None:
                 build_dir,
             ],
         )
-    core.STAMP.write_text(core.digest(REPO) + "\n")
+    (REPO / core.STAMP).write_text(core.digest(REPO) + "\n")
     print(f"compiled core: {len(core.extensions(REPO))} modules")
 
 

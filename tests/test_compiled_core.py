@@ -55,18 +55,14 @@ json.dump(out, sys.stdout)
 
 def _copy_tree(dest: Path, *, with_core: bool) -> None:
     """The packages a replay needs, into ``dest``: with or without the compiled core."""
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    if not with_core:
-        suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    core = (*importlib.machinery.EXTENSION_SUFFIXES, compiled.STAMP.name)
 
-        def skip(directory: str, names: list[str]) -> set[str]:  # type: ignore[misc]
-            return {
-                n
-                for n in names
-                if n in ("__pycache__", compiled.STAMP.name)
-                or n.endswith(suffixes)
-                or n.endswith(".pyc")
-            }
+    def skip(directory: str, names: list[str]) -> set[str]:
+        return {
+            n
+            for n in names
+            if n == "__pycache__" or n.endswith(".pyc") or (not with_core and n.endswith(core))
+        }
 
     for package in ("scheduler", "sim"):
         shutil.copytree(REPO / package, dest / package, ignore=skip)
@@ -75,19 +71,24 @@ def _copy_tree(dest: Path, *, with_core: bool) -> None:
     shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")  # the type checker's settings
 
 
-def _replay(root: Path) -> dict[str, object]:
-    """The replays' hashes, run from the packages under ``root`` (before the editable install)."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+def _python_in(root: Path, *args: str, timeout: float) -> str:
+    """Run Python with ``args`` on the packages under ``root`` (before the editable install);
+    its standard output, the run required to succeed."""
     done = subprocess.run(
-        [sys.executable, "-c", REPLAY],
+        [sys.executable, *args],
         cwd=root,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
-        timeout=600,
-        check=True,
+        timeout=timeout,
     )
-    result: dict[str, object] = json.loads(done.stdout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _replay(root: Path) -> dict[str, object]:
+    """The replays' hashes, run from the packages under ``root``."""
+    result: dict[str, object] = json.loads(_python_in(root, "-c", REPLAY, timeout=600))
     assert str(result["module"]).startswith(str(root)), "the replay ran another tree's modules"
     return result
 
@@ -101,15 +102,7 @@ def test_compiled_and_pure_python_replay_every_policy_alike(tmp_path):
     _copy_tree(pure, with_core=False)
     _copy_tree(core, with_core=True)
     if not compiled.is_compiled():
-        built = subprocess.run(
-            [sys.executable, "scripts/build_core.py"],
-            cwd=core,
-            env={**os.environ, "PYTHONPATH": str(core)},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+        _python_in(core, "scripts/build_core.py", timeout=900)
     got_pure, got_core = _replay(pure), _replay(core)
     assert got_pure.pop("compiled") is False
     assert got_core.pop("compiled") is True
@@ -127,7 +120,7 @@ def test_a_core_built_from_other_sources_is_refused(tmp_path):
     )
     extension.write_bytes(b"")  # a core is present ...
     assert compiled.is_compiled(tmp_path)
-    stamp = tmp_path / compiled.STAMP.relative_to(REPO)
+    stamp = tmp_path / compiled.STAMP
     stamp.write_text(compiled.digest(tmp_path) + "\n")
     compiled.check(tmp_path)  # ... built from these sources: taken
     source = tmp_path / "sim" / "engine" / "step.py"
@@ -200,13 +193,7 @@ def test_the_reference_comparisons_run_on_the_pure_sources(tmp_path):
     _copy_tree(tmp_path, with_core=False)
     (tmp_path / "tests").mkdir()
     shutil.copy(REPO / "tests" / "test_deep_queue.py", tmp_path / "tests")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "pure_path"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=900,
+    out = _python_in(
+        tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "pure_path", timeout=900
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    assert " passed" in out and "skipped" not in out, out[-2000:]
