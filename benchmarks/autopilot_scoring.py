@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.autopilot_workloads import phase_of
 from benchmarks.seed_claims import ratio
 from scheduler.metrics import summarize
 from scheduler.metrics.fairness import Terms, report
@@ -47,12 +48,6 @@ def half_time(trace: traces.Trace) -> float:
     The second half is the requests that arrive at or after it.
     """
     return trace.requests[0].arrival + trace.duration / 2 if len(trace) else 0.0
-
-
-def phase_of(request_id: str) -> str:
-    """A built workload's phase of a request: its id's prefix (``chat-17`` is in ``chat``;
-    ``benchmarks.autopilot_workloads.phases_of`` cuts the same way)."""
-    return request_id.rsplit("-", 1)[0]
 
 
 def score(

@@ -168,11 +168,16 @@ def concatenate(parts: list[traces.Trace], name: str) -> traces.Trace:
     return traces.Trace(name, tuple(requests))
 
 
+def phase_of(request_id: str) -> str:
+    """A built workload's phase of a request: its id's prefix (``chat-17`` is in ``chat``)."""
+    return request_id.rsplit("-", 1)[0]
+
+
 def phases_of(trace: traces.Trace, loads: dict[str, float]) -> list[Phase]:
     """The phases of a concatenated trace, by id prefix (in time order)."""
     spans: dict[str, list[float]] = {}
     for r in trace:
-        spans.setdefault(r.id.rsplit("-", 1)[0], []).append(r.arrival)
+        spans.setdefault(phase_of(r.id), []).append(r.arrival)
     return [
         Phase(p, min(a), max(a), len(a), loads.get(p, math.nan))
         for p, a in sorted(spans.items(), key=lambda kv: min(kv[1]))
