@@ -111,6 +111,14 @@ class AutopilotConfig(BaseModel):
     overload_growth_s: float = Field(60.0, ge=1.0, le=86_400.0)
     # Sustained overload is judged again every this-many decisions (held in between).
     overload_recheck: int = Field(5, ge=1, le=1_000)
+    # A change of the traffic's shape (``tuner.autopilot.shape``): the prompt lengths of the last
+    # ``shape_recent_s`` of arrivals against those before, by the Kolmogorov–Smirnov statistic;
+    # over ``shape_change`` (None: never) the candidates are judged on the requests since the
+    # change point once there are ``shape_min_requests`` of them — the old shape's tails are no
+    # evidence about the new one.
+    shape_change: float | None = Field(0.4, gt=0.0, le=1.0)
+    shape_recent_s: float = Field(300.0, ge=30.0, le=86_400.0)
+    shape_min_requests: int = Field(1_000, ge=10, le=1_000_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
     # The search (``tuner.autopilot.candidates.ShadowSearch``): at most this many shadows run (0:
     # all); an explorer behind the best that keeps the promise by ``prune_margin`` on

@@ -25,6 +25,9 @@ one setting all along, do not see. The rules, each measured (README, "The autopi
 
 * nothing is judged before the window holds ``min_requests`` (γ-Ada's shadow shows its warm-up
   before that, and a P99 of a few hundred requests rests on a handful);
+* after a change of the traffic's shape (``tuner.autopilot.shape``) the window starts at the
+  change once ``shape_min_requests`` of the new shape are in: the old shape's tails are no
+  evidence about the new one;
 * among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
   else the most age-first is the target (it holds back least for the same objective);
 * a move down takes ``down_margin`` and the *stress test*: the candidate's and the reference's
@@ -82,6 +85,7 @@ from tuner.autopilot.promise import (
     sampling_slack,
 )
 from tuner.autopilot.shadows import Projection, Shadow, Window, repeat_recent
+from tuner.autopilot.shape import ShapeWatch
 from tuner.autopilot.types import Arrival, Decision, Observation, arrival_order
 
 GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
@@ -156,6 +160,13 @@ class Autopilot:
         self._hold_until = -math.inf  # step_back: no switch before this but to keep the guard
         self._cpu = 0.0
         self._requests = 0  # in the last decision's window
+        self._judge_requests = self.config.judge_requests  # … before the running choice is judged
+        cfg = self.config
+        self._shape = (
+            ShapeWatch(cfg.shape_change, cfg.shape_recent_s, cfg.window_s + cfg.delay_s)
+            if cfg.shape_change is not None
+            else None
+        )
         self._reference_drain: float | None = None  # at the last decision, s to empty its queue
         self._load_rising = False  # the reference's drain time grew since the last decision
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
@@ -231,6 +242,8 @@ class Autopilot:
     def observe(self, obs: Observation) -> Decision | None:
         started = time.process_time()
         for a in obs.arrivals:
+            if self._shape is not None:
+                self._shape.add(a.arrival, a.prompt_tokens)
             if self._shadow_clock is not None and a.arrival <= self._shadow_clock:
                 self.late += 1  # the shadows are past it: replaying it would rewrite their past
                 continue
@@ -322,8 +335,27 @@ class Autopilot:
                 len(ids),
             )
         arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
+        shape_note, since = "", None
+        if self._shape is not None:
+            self._shape.check(now)
+            since = self._shape.start(arrivals, cfg.shape_min_requests)
+        if since is not None and since <= arrivals[0]:
+            since = None  # the change is older than the window: the window as it is
+        if since is not None:
+            # The traffic changed shape: the old shape's tails are no evidence about the new.
+            first = int(np.searchsorted(arrivals, since, side="left"))
+            settled, ids, arrivals = settled[first:], ids[first:], arrivals[first:]
+            shape_note = (
+                f" [judged on the {len(ids)} requests since the change of shape at t={since:.0f}]"
+            )
+        self._judge_requests = (
+            cfg.judge_requests if since is None else min(cfg.judge_requests, cfg.shape_min_requests)
+        )
         self._requests = len(ids)
-        window = Window.over(clock, ids, arrivals, cfg.window_s, self._meta, cfg.promise.slo)
+        span_s = cfg.window_s
+        if since is not None:
+            span_s = min(span_s, max(clock - since, cfg.interval_s))
+        window = Window.over(clock, ids, arrivals, span_s, self._meta, cfg.promise.slo)
         self._context, self._stressed, self._stress = window, None, {}
         reference = self.shadows[self.reference]
         if self._sustained_for and self._sustained_for < cfg.overload_recheck:
@@ -358,6 +390,7 @@ class Autopilot:
             raw[name], _ = self._figures(shadow, window)
         figures = judge(cfg.promise, raw, self.reference, SLO_REFERENCES)
         best, changed, reason = self._choose(figures, now, overload, clock)
+        reason += shape_note
         decision = self._decision(
             now, reason, figures, len(ids), best if changed else None, overload
         )
@@ -464,7 +497,7 @@ class Autopilot:
         (a window's tail moves by a percent or two from one minute to the next, and a switch has
         a cost); with SLOs, the promise's own verdict."""
         promise, current = self.config.promise, figures[self.current]
-        if self._requests < self.config.judge_requests:
+        if self._requests < self._judge_requests:
             return ()
         if promise.slo is not None:
             return current.broken

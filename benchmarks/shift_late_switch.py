@@ -1,0 +1,83 @@
+"""How late may a switch come on the shape shift? An oracle's bound for issue 32's phase target.
+
+    python benchmarks/shift_late_switch.py [--traces traces] [--lags 0,1,2,3,5,10]
+
+The ``shift`` workload (benchmarks/autopilot_workloads.py) serves chat, then long prompts, then
+reasoning, 20 minutes each. In the reasoning phase the best fixed setting is a small γ; the issue
+asks the autopilot to come within 10% of it on that phase's P95 TTFT. This replays the whole
+trace on the long-prompt phase's best fixed setting and switches to the reasoning phase's best
+fixed setting ``lag`` minutes after the reasoning phase's first arrival — an oracle that knows
+both winners and when the shape changes — and prints the reasoning phase's P95 TTFT against that
+fixed setting's. A controller that sees only the past needs some of the new shape's requests (and
+their latencies under each candidate) before it can know; the lag at which even the oracle misses
+the target bounds what any such controller can reach. Deterministic; ~20 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run as a script: the repository root goes on sys.path before the project's imports (E402).
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.autopilot import DEFAULT_TRACES, build, fixed  # noqa: E402
+from benchmarks.autopilot_scoring import PHASE_MARGIN, PHASE_PREFIX, half_time, score  # noqa: E402
+from benchmarks.seed_claims import KNEE  # noqa: E402
+from scheduler.metrics import Completion  # noqa: E402
+from scheduler.settings import Settings  # noqa: E402
+from sim.engine import EngineConfig, Simulator  # noqa: E402
+
+BEFORE_GAMMA = 0.5  # the long-prompt phase's best fixed setting (README, "The autopilot")
+AFTER_GAMMA = 0.01  # the reasoning phase's
+
+
+def replay(requests: list, switch_at: float | None) -> list[Completion]:
+    """The trace on γ ``BEFORE_GAMMA``, switched to γ ``AFTER_GAMMA`` at ``switch_at`` (never
+    switched: None; from the start: -inf)."""
+    first = fixed(AFTER_GAMMA if switch_at == -float("inf") else BEFORE_GAMMA)
+    sim = Simulator(requests, Settings.model_validate(first), EngineConfig())
+    completions: list[Completion] = []
+    if switch_at is not None and switch_at > -float("inf"):
+        sim.advance_to(switch_at)
+        completions += sim.drain()[0]
+        sim.apply_settings(Settings.model_validate(fixed(AFTER_GAMMA)))
+    sim.advance_to(float("inf"))
+    return completions + sim.drain()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
+    ap.add_argument("--lags", default="0,1,2,3,5,10", help="minutes after the change")
+    args = ap.parse_args()
+    _, trace, _ = build(("shift", args.traces, 0, KNEE))
+    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
+    change = min(r.arrival for r in requests if r.id.startswith("reasoning"))
+    phase = PHASE_PREFIX + "reasoning"
+
+    def p95(switch_at: float | None) -> float:
+        return score(replay(requests, switch_at), half_time(trace), phases=True)[phase]["ttft_p95"]
+
+    best = p95(-float("inf"))
+    print(
+        f"reasoning phase from t={change:.0f} s; its best fixed setting γ {AFTER_GAMMA:g}: "
+        f"P95 TTFT {best:.2f} s (target: within {PHASE_MARGIN:.2f}x)"
+    )
+    never = p95(None)
+    print(f"never switched (γ {BEFORE_GAMMA:g} throughout): {never:.2f} s = {never / best:.2f}x")
+    header = f"switch to γ {AFTER_GAMMA:g}, minutes after the change"
+    print(f"\n| {header} | reasoning P95 TTFT | vs its best fixed |")
+    print("|---|---|---|")
+    for lag in (float(x) for x in args.lags.split(",")):
+        value = p95(change + 60.0 * lag)
+        print(f"| {lag:g} | {value:.2f} s | {value / best:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""A change of the traffic's shape (``tuner.autopilot.shape``): found from the prompt lengths of the
+arrivals alone, near where it happened, never on a change of rate; after it the autopilot judges
+its candidates on the requests of the new shape."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from sim import traces
+from tuner.autopilot.controller import AutopilotConfig
+from tuner.autopilot.replay import replay_with_autopilot
+from tuner.autopilot.shape import ShapeWatch
+
+CHANGE_AT = 1_200.0
+
+
+def arrivals(rate_before: float, rate_after: float, median_after: float, seed: int = 3):
+    """Poisson arrivals for 40 minutes with log-normal prompt lengths (median 1,000 tokens),
+    the rate and the median changing at ``CHANGE_AT``: (arrival, prompt tokens) pairs."""
+    rng = np.random.default_rng(seed)
+    out, t = [], 0.0
+    while t < 2 * CHANGE_AT:
+        rate = rate_before if t < CHANGE_AT else rate_after
+        t += rng.exponential(1.0 / rate)
+        median = 1_000.0 if t < CHANGE_AT else median_after
+        out.append((t, max(1, round(median * rng.lognormal(0.0, 0.8)))))
+    return out
+
+
+def watch_over(pairs, step_s: float = 60.0) -> tuple[ShapeWatch, list[float]]:
+    """A watch fed ``pairs`` as a replica would report them, checked every ``step_s``: the watch
+    and the times at which it found a change."""
+    watch = ShapeWatch(threshold=0.4, recent_s=300.0, keep_s=3_600.0)
+    found, fed = [], 0
+    for now in np.arange(step_s, pairs[-1][0] + step_s, step_s):
+        while fed < len(pairs) and pairs[fed][0] <= now:
+            watch.add(*pairs[fed])
+            fed += 1
+        if watch.check(float(now)) is not None:
+            found.append(float(now))
+    return watch, found
+
+
+def test_a_change_of_prompt_lengths_is_found_soon_and_placed_where_it_happened():
+    watch, found = watch_over(arrivals(3.0, 3.0, median_after=200.0))
+    assert len(found) == 1, found
+    assert CHANGE_AT < found[0] <= CHANGE_AT + 240.0  # within four decisions
+    assert abs(watch.since - CHANGE_AT) <= 30.0  # the split, not the decision's time
+
+
+def test_a_change_of_rate_alone_is_not_a_change_of_shape():
+    watch, found = watch_over(arrivals(2.0, 6.0, median_after=1_000.0))
+    assert found == [] and watch.since == -np.inf
+
+
+def test_reports_out_of_arrival_order_give_the_same_change():
+    pairs = arrivals(3.0, 3.0, median_after=200.0)
+    in_order, _ = watch_over(pairs)
+    watch = ShapeWatch(threshold=0.4, recent_s=300.0, keep_s=3_600.0)
+    fed = 0
+    for now in np.arange(60.0, pairs[-1][0] + 60.0, 60.0):
+        batch = []
+        while fed < len(pairs) and pairs[fed][0] <= now:
+            batch.append(pairs[fed])
+            fed += 1
+        for pair in reversed(batch):  # a live replica reports a request when it first sees it
+            watch.add(*pair)
+        watch.check(float(now))
+    assert watch.changes == in_order.changes == [pytest.approx(CHANGE_AT, abs=30.0)]
+
+
+def test_a_window_starts_at_the_latest_change_with_enough_requests_after_it():
+    watch = ShapeWatch(threshold=0.4, recent_s=300.0, keep_s=3_600.0)
+    watch.changes = [100.0, 500.0]
+    window = np.arange(0.0, 560.0, 1.0)  # one arrival a second
+    assert watch.start(window, min_requests=50) == 500.0
+    assert watch.start(window, min_requests=100) == 100.0  # 60 since the last: the one before
+    assert watch.start(window, min_requests=1_000) is None
+
+
+@pytest.fixture(scope="module")
+def shifted() -> traces.Trace:
+    """The bundled Azure conv window at 1.5× its rate, then the same again with prompts a sixth
+    as long: a change of shape at the second part's first arrival."""
+    first = traces.scale_rate(traces.load_bundled(), 1.5)
+    span = first.requests[-1].arrival + 1.0
+    second = [
+        replace(r, id=f"b-{r.id}", arrival=r.arrival + span, prompt_tokens=r.prompt_tokens // 6 + 1)
+        for r in first.requests
+    ]
+    return traces.Trace("shifted", (*first.requests, *second))
+
+
+CONFIG = AutopilotConfig(
+    gammas=(0.001, 0.01, 0.1, 1.0),
+    interval_s=30.0,
+    delay_s=30.0,
+    window_s=1_800.0,
+    min_requests=200,
+    shape_min_requests=200,
+)
+
+
+@pytest.mark.slow
+def test_after_a_change_of_shape_the_candidates_are_judged_on_the_new_shape(shifted):
+    change = min(r.arrival for r in shifted if r.id.startswith("b-"))
+    _, decisions = replay_with_autopilot(shifted, config=CONFIG)
+    judged = [d for d in decisions if d.figures]
+    before = [d for d in judged if d.at < change]
+    after = [d for d in judged if "since the change of shape" in d.reason]
+    assert before and not any("change of shape" in d.reason for d in before)
+    assert after, "the change of shape was never found"
+    first = after[0]
+    assert first.at <= change + 300.0
+    # Judged on the new shape's requests only: those that arrived since the change point, up to
+    # the shadows' clock — fewer than the window holds.
+    clock = first.at - CONFIG.delay_s
+    since = float(first.reason.rsplit("t=", 1)[1].rstrip("]"))
+    assert abs(since - change) <= 30.0
+    assert first.requests == sum(1 for r in shifted if since <= r.arrival <= clock)
+    full = sum(1 for r in shifted if clock - CONFIG.window_s <= r.arrival <= clock)
+    assert first.requests < full
+    # Off, the same replay judges every decision on the whole window.
+    off = CONFIG.model_copy(update={"shape_change": None})
+    _, plain = replay_with_autopilot(shifted, config=off)
+    assert not any("change of shape" in d.reason for d in plain)
+    at_first = next(d for d in plain if d.at == first.at)
+    assert at_first.requests == full

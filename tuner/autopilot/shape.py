@@ -1,0 +1,103 @@
+"""A change of the traffic's shape, seen from the arrivals alone.
+
+The autopilot judges its candidates on the requests of the last hour (``window_s``). When the
+traffic changes shape — chat gives way to long prompts, long prompts to reasoning — that hour is
+mostly the old traffic: each shadow's figures over it are what its setting did to requests that
+no longer come, and the candidate that wins on the new shape can stay barred for most of an hour
+by the tails it made on the old one (README, "The autopilot": on ``shift`` every small γ's P99
+TTFT over the window was 1.6–1.8× sarathi's in the reasoning phase, from the chat and long-prompt
+phases still in it, while a switch to γ 0.01 as late as minute 50 serves that phase at 1.18× the
+best fixed setting's P95 instead of 7.6×).
+
+``ShapeWatch`` compares the distribution of the prompt lengths (known at arrival; the output
+lengths are known only after a request completes) of the last ``recent_s`` of arrivals with the
+ones before them, back to the last change, by the two-sample Kolmogorov–Smirnov statistic. Over
+``threshold`` the traffic changed shape; the change point is the split of the recent arrivals
+that separates the two distributions best. The natural drift of the traces here stays far below
+the default threshold: the largest statistic over five minutes against the hour before, on every
+workload of ``benchmarks/autopilot.py`` but ``shift``, is 0.23 (Azure conv's diurnal peak); on
+``shift`` 0.69. Only arrivals already seen are read: the watch sees the past only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+from scipy.stats import ks_2samp
+
+MIN_RECENT = 100  # arrivals in the recent span before a change is judged
+MIN_BEFORE = 300  # … and before it, since the last change
+MIN_SIDE = 50  # arrivals on the new side of a candidate change point
+SPLIT_STEP_S = 15.0  # the change point is searched on this grid within the recent span
+
+
+class ShapeWatch:
+    """Watches the prompt lengths of the arrivals for a change of shape.
+
+    ``add`` each arrival, ``check`` at each decision: it returns the change point when a new
+    change is found; ``changes`` holds them all in time order, ``since`` the last (-inf: none
+    yet)."""
+
+    def __init__(self, threshold: float, recent_s: float, keep_s: float) -> None:
+        self.threshold = threshold
+        self.recent_s = recent_s
+        self.keep_s = keep_s  # arrivals older than this before the newest are forgotten
+        self.changes: list[float] = []
+        self.statistic = 0.0  # at the last check
+        self._arrivals: deque[tuple[float, float]] = deque()  # (arrival, log prompt length)
+
+    def add(self, arrival: float, prompt_tokens: int) -> None:
+        self._arrivals.append((arrival, math.log(max(prompt_tokens, 1))))
+
+    def check(self, now: float) -> float | None:
+        """The new change point if the last ``recent_s`` before ``now`` differ in shape from the
+        arrivals before them (back to the last change point), else None."""
+        while self._arrivals and self._arrivals[0][0] < now - self.keep_s:
+            self._arrivals.popleft()
+        start = now - self.recent_s
+        # A live replica reports a request when it first sees it, not always in arrival order.
+        rows = np.array(
+            [(a, p) for a, p in self._arrivals if max(self.since, now - self.keep_s) <= a <= now],
+            dtype=float,
+        ).reshape(-1, 2)
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        arrivals, prompts = rows[:, 0], rows[:, 1]
+        first_recent = int(np.searchsorted(arrivals, start, side="right"))
+        if len(arrivals) - first_recent < MIN_RECENT or first_recent < MIN_BEFORE:
+            self.statistic = 0.0
+            return None
+        self.statistic = float(ks_2samp(prompts[:first_recent], prompts[first_recent:]).statistic)
+        if self.statistic <= self.threshold:
+            return None
+        # Where in the recent span it changed: the split that separates the two sides best, by
+        # the statistic scaled to the sides' sizes (unscaled, a split leaving a few dozen
+        # arrivals on the new side wins on noise: on ``shift`` 3.7 minutes after the change).
+        best, change = -1.0, start
+        for k in range(int(self.recent_s // SPLIT_STEP_S)):
+            split = start + k * SPLIT_STEP_S
+            at = int(np.searchsorted(arrivals, split, side="right"))
+            after = len(arrivals) - at
+            if after < MIN_SIDE:
+                break
+            scale = math.sqrt(at * after / (at + after))
+            separation = scale * float(ks_2samp(prompts[:at], prompts[at:]).statistic)
+            if separation > best:
+                best, change = separation, split
+        self.changes.append(change)
+        return change
+
+    @property
+    def since(self) -> float:
+        return self.changes[-1] if self.changes else -math.inf
+
+    def start(self, arrivals: np.ndarray, min_requests: int) -> float | None:
+        """Where a window of ``arrivals`` (in order) should start: at the latest change point with
+        at least ``min_requests`` of them after it (a change just found is judged on the shape
+        before it until the new shape has that many); None when no change qualifies."""
+        for change in reversed(self.changes):
+            after = len(arrivals) - int(np.searchsorted(arrivals, change, side="left"))
+            if after >= min_requests:
+                return change
+        return None
