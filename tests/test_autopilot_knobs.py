@@ -142,7 +142,7 @@ class Recording(Autopilot):
         if decision is not None and decision.overload == "sustained":
             self.in_overload.append(set(self.shadows))
         if decision is not None and decision.changed:
-            clock = self._shadow_clock
+            clock = self.feed.clock
             if clock is not None and self.search.on_probation(decision.choice, clock):
                 self.chosen_on_probation.append(decision.choice)
         return decision

@@ -3,7 +3,9 @@ autopilot").
 
 ``controller`` (the decision rule; ``AutopilotConfig``, its knobs, from ``config``),
 ``candidates`` (the settings it compares and the search that keeps some running), ``promise``
-(what it keeps), ``shadows`` (a simulator per candidate), ``types`` (what it sees and says);
+(what it keeps), ``shadows`` (a simulator per candidate), ``feed`` (what the shadows are fed and
+the decision's window), ``shape`` (a change of the traffic's shape), ``types`` (what it sees and
+says);
 ``replay`` (in the simulator), ``live`` (on a live cluster) with ``records`` (its audit rows and
 predictions), and ``tune`` (its own knobs).
 """

@@ -57,17 +57,12 @@ One implementation serves the simulator (``tuner.autopilot.replay``: ``tailpilot
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
-from collections import deque
 from collections.abc import Mapping
-
-import numpy as np
 
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
-from sim.traces import TraceRequest
 from tuner.autopilot.candidates import (
     Candidate,
     ShadowSearch,
@@ -76,6 +71,7 @@ from tuner.autopilot.candidates import (
 )
 from tuner.autopilot.config import AutopilotConfig as AutopilotConfig
 from tuner.autopilot.config import log_grid as log_grid
+from tuner.autopilot.feed import Feed
 from tuner.autopilot.promise import (
     Figures,
     breaks,
@@ -85,8 +81,7 @@ from tuner.autopilot.promise import (
     sampling_slack,
 )
 from tuner.autopilot.shadows import Projection, Shadow, Window, repeat_recent
-from tuner.autopilot.shape import ShapeWatch
-from tuner.autopilot.types import Arrival, Decision, Observation, arrival_order
+from tuner.autopilot.types import Decision, Observation
 
 GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
 SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and JFI are held to
@@ -138,22 +133,10 @@ class Autopilot:
         }
         self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
-        # Arrived, not yet handed to the shadows, in (arrival, id) order: a live replica reports a
-        # request when it first sees it in flight or finished, not always in arrival order.
-        self._pending: list[Arrival] = []
-        self.late = (
-            0  # requests first seen after the shadows had passed their arrival (not replayed)
-        )
-        self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
-        self._recent: deque[int] = deque(maxlen=self.config.history)  # completed lengths
-        self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
-        # per request of the window: tenant, type, tokens (prompt + output, imputed if unknown)
-        self._meta: dict[str, tuple[str, str, int]] = {}
-        self._recent_requests: deque[TraceRequest] = deque()  # replayed in the last stress_s
+        self.feed = Feed(self.config)  # observations -> the shadows' replay and the window
         self._stress: dict[str, Figures] = {}  # this decision's stress figures, by candidate
         self._context: Window | None = None  # this decision's window
         self._stressed: Window | None = None  # … with the stress test's arrivals (when needed)
-        self._shadow_clock: float | None = None
         self._next_decision: float | None = None
         self._last_switch = -math.inf
         self._breaks = 0  # consecutive decisions on which the running choice broke the guard
@@ -161,12 +144,6 @@ class Autopilot:
         self._cpu = 0.0
         self._requests = 0  # in the last decision's window
         self._judge_requests = self.config.judge_requests  # … before the running choice is judged
-        cfg = self.config
-        self._shape = (
-            ShapeWatch(cfg.shape_change, cfg.shape_recent_s, cfg.window_s + cfg.delay_s)
-            if cfg.shape_change is not None
-            else None
-        )
         self._reference_drain: float | None = None  # at the last decision, s to empty its queue
         self._load_rising = False  # the reference's drain time grew since the last decision
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
@@ -186,12 +163,12 @@ class Autopilot:
     def _start(self, name: str) -> None:
         if name in self.shadows:
             return
-        if self._shadow_clock is None:  # nothing replayed yet: it starts with the others
+        if self.feed.clock is None:  # nothing replayed yet: it starts with the others
             self.shadows[name] = Shadow(self.options[name], self.engine)
             return
         parent = self.search.nearest(name, self.shadows)
         self.shadows[name] = self.shadows[parent].spawn(self.options[name])
-        self.search.started_fork(name, self._shadow_clock)
+        self.search.started_fork(name, self.feed.clock)
 
     def _search(self, figures: dict[str, Figures], clock: float) -> None:
         """After a judged decision: retire the explorers that lag, start the nearest candidates
@@ -241,17 +218,15 @@ class Autopilot:
     # --- feeding ---------------------------------------------------------------------------
     def observe(self, obs: Observation) -> Decision | None:
         started = time.process_time()
-        for a in obs.arrivals:
-            if self._shape is not None:
-                self._shape.add(a.arrival, a.prompt_tokens)
-            if self._shadow_clock is not None and a.arrival <= self._shadow_clock:
-                self.late += 1  # the shadows are past it: replaying it would rewrite their past
-                continue
-            bisect.insort(self._pending, a, key=arrival_order)
-        for c in obs.completions:
-            self._lengths[c.id] = c.output_tokens
-            self._recent.append(c.output_tokens)
-        self._replay_until(obs.now - self.config.delay_s, obs.generated)
+        self.feed.arrive(obs.arrivals)
+        self.feed.complete(obs.completions)
+        fed = self.feed.take(obs.now - self.config.delay_s, obs.generated)
+        if fed is not None:
+            batch, gone = fed
+            for shadow in self.shadows.values():
+                shadow.advance(batch, obs.now - self.config.delay_s)
+                if gone:
+                    shadow.forget(gone)
         self._cpu += time.process_time() - started
         if self._next_decision is None:
             self._next_decision = obs.now + self.config.interval_s
@@ -265,55 +240,6 @@ class Autopilot:
         self.decisions.append(decision)
         return decision
 
-    def _imputed(self, a: Arrival, generated: int) -> int:
-        """A length for a request still in flight: the median of recently completed lengths
-        above what it has generated, within its cap (never its true length: it is unknown)."""
-        recent = sorted(self._recent)
-        i = bisect.bisect_right(recent, generated)
-        guess = recent[(i + len(recent)) // 2] if i < len(recent) else generated + 1
-        return max(1, min(a.max_tokens, max(guess, generated + 1)))
-
-    def _replay_until(self, t: float, generated: Mapping[str, int]) -> None:
-        if self._shadow_clock is not None and t <= self._shadow_clock:
-            return
-        batch: list[TraceRequest] = []
-        due = bisect.bisect_right(self._pending, t, key=lambda a: a.arrival)
-        taken, self._pending = self._pending[:due], self._pending[due:]
-        for a in taken:
-            out = self._lengths.pop(a.id, None)
-            if out is None:
-                out = self._imputed(a, generated.get(a.id, 0))
-            batch.append(
-                TraceRequest(
-                    id=a.id,
-                    arrival=a.arrival,
-                    prompt_tokens=a.prompt_tokens,
-                    output_tokens=out,
-                    max_tokens=max(a.max_tokens, 1),
-                    tenant=a.tenant,
-                    type=a.type,
-                )
-            )
-            self._window.append((a.arrival, a.id))
-            self._meta[a.id] = (a.tenant, a.type, a.prompt_tokens + out)
-        self._recent_requests.extend(batch)
-        while self._recent_requests and (
-            self._recent_requests[0].arrival < t - self.config.stress_recent_s
-        ):
-            self._recent_requests.popleft()
-        for shadow in self.shadows.values():
-            shadow.advance(batch, t)
-        self._shadow_clock = t
-        horizon = t - self.config.window_s - self.config.settle_s
-        gone = []
-        while self._window and self._window[0][0] < horizon:
-            gone.append(self._window.popleft()[1])
-        if gone:
-            for shadow in self.shadows.values():
-                shadow.forget(gone)
-            for rid in gone:
-                self._meta.pop(rid, None)
-
     # --- deciding ----------------------------------------------------------------------------
     def _figures(
         self, shadow: Shadow, window: Window, horizon: float | None = None
@@ -324,38 +250,26 @@ class Autopilot:
 
     def _decide(self, now: float) -> Decision:
         cfg = self.config
-        clock = self._shadow_clock if self._shadow_clock is not None else now
-        settled = [(a, rid) for a, rid in self._window if a <= clock - cfg.settle_s]
-        ids = [rid for _, rid in settled]
-        if len(ids) < cfg.min_requests:
+        clock = self.feed.clock if self.feed.clock is not None else now
+        settled = self.feed.settled(clock)
+        if len(settled) < cfg.min_requests:
             return self._decision(
                 now,
-                f"waiting for data: {len(ids)} of {cfg.min_requests} requests in the window",
+                f"waiting for data: {len(settled)} of {cfg.min_requests} requests in the window",
                 {},
-                len(ids),
+                len(settled),
             )
-        arrivals = np.fromiter((a for a, _ in settled), float, len(ids))
-        shape_note, since = "", None
-        if self._shape is not None:
-            self._shape.check(now)
-            since = self._shape.start(arrivals, cfg.shape_min_requests)
-        if since is not None and since <= arrivals[0]:
-            since = None  # the change is older than the window: the window as it is
-        if since is not None:
-            # The traffic changed shape: the old shape's tails are no evidence about the new.
-            first = int(np.searchsorted(arrivals, since, side="left"))
-            settled, ids, arrivals = settled[first:], ids[first:], arrivals[first:]
-            shape_note = (
-                f" [judged on the {len(ids)} requests since the change of shape at t={since:.0f}]"
-            )
+        window, since = self.feed.window(now, clock, settled, cfg.promise.slo)
+        ids = window.ids
+        shape_note = (
+            ""
+            if since is None
+            else f" [judged on the {len(ids)} requests since the change of shape at t={since:.0f}]"
+        )
         self._judge_requests = (
             cfg.judge_requests if since is None else min(cfg.judge_requests, cfg.shape_min_requests)
         )
         self._requests = len(ids)
-        span_s = cfg.window_s
-        if since is not None:
-            span_s = min(span_s, max(clock - since, cfg.interval_s))
-        window = Window.over(clock, ids, arrivals, span_s, self._meta, cfg.promise.slo)
         self._context, self._stressed, self._stress = window, None, {}
         reference = self.shadows[self.reference]
         if self._sustained_for and self._sustained_for < cfg.overload_recheck:
@@ -475,7 +389,7 @@ class Autopilot:
             return ()
         if self._stressed is None:  # the same arrivals for every candidate tested this decision
             forecast = repeat_recent(
-                self._recent_requests,
+                self.feed.recent,
                 self._context.clock,
                 self.config.stress_recent_s,
                 self.config.stress_s,

@@ -573,7 +573,7 @@ class LiveAutopilot:
                 "keeps": None if judged is None else not judged.figures[judged.choice].broken,
                 "overload": None if judged is None else judged.overload,
                 "note": rp.note,
-                "late": rp.pilot.late,
+                "late": rp.pilot.feed.late,
                 "future": rp.future,
                 "follows": rp.follows,
                 # another autopilot's lease on this replica: it only dry-runs here (why)

@@ -46,24 +46,28 @@ class ShapeWatch:
         self.keep_s = keep_s  # arrivals older than this before the newest are forgotten
         self.changes: list[float] = []
         self.statistic = 0.0  # at the last check
-        self._arrivals: deque[tuple[float, float]] = deque()  # (arrival, log prompt length)
+        # per arrival seen: its time and the log of its prompt length (two deques: an array of
+        # an hour's arrivals is built from them at each check in about a millisecond)
+        self._times: deque[float] = deque()
+        self._prompts: deque[float] = deque()
 
     def add(self, arrival: float, prompt_tokens: int) -> None:
-        self._arrivals.append((arrival, math.log(max(prompt_tokens, 1))))
+        self._times.append(arrival)
+        self._prompts.append(math.log(max(prompt_tokens, 1)))
 
     def check(self, now: float) -> float | None:
         """The new change point if the last ``recent_s`` before ``now`` differ in shape from the
         arrivals before them (back to the last change point), else None."""
-        while self._arrivals and self._arrivals[0][0] < now - self.keep_s:
-            self._arrivals.popleft()
-        start = now - self.recent_s
+        while self._times and self._times[0] < now - self.keep_s:
+            self._times.popleft()
+            self._prompts.popleft()
+        times = np.fromiter(self._times, float, len(self._times))
+        prompts = np.fromiter(self._prompts, float, len(self._prompts))
         # A live replica reports a request when it first sees it, not always in arrival order.
-        rows = np.array(
-            [(a, p) for a, p in self._arrivals if max(self.since, now - self.keep_s) <= a <= now],
-            dtype=float,
-        ).reshape(-1, 2)
-        rows = rows[np.argsort(rows[:, 0], kind="stable")]
-        arrivals, prompts = rows[:, 0], rows[:, 1]
+        kept = (times >= max(self.since, now - self.keep_s)) & (times <= now)
+        order = np.argsort(times[kept], kind="stable")
+        arrivals, prompts = times[kept][order], prompts[kept][order]
+        start = now - self.recent_s
         first_recent = int(np.searchsorted(arrivals, start, side="right"))
         if len(arrivals) - first_recent < MIN_RECENT or first_recent < MIN_BEFORE:
             self.statistic = 0.0
