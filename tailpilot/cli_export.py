@@ -259,8 +259,8 @@ def _settings_to_export(
         if settings_file:
             return load_settings_file(settings_file), f"file {Path(settings_file).name}"
         assert study_name is not None  # exactly one of the two was given
+        from tuner.studies.lookup import check_study_name  # start-up cost (optuna)
         from tuner.studies.optuna_storage import TuneError  # start-up cost (optuna)
-        from tuner.studies.study import check_study_name  # start-up cost (optuna)
 
         try:
             check_study_name(study_name)
@@ -293,8 +293,8 @@ def _missing_study(study: str, storage: str | None) -> str | None:
     """Why ``study`` is not in the Optuna storage (the studies there, how to create it), None
     when it is there or the storage cannot say. Only a storage in a local file is looked at: a
     database server is never contacted by export (it may be unreachable from here)."""
+    from tuner.studies.lookup import missing_study_message  # start-up cost (optuna)
     from tuner.studies.optuna_storage import JOURNAL_PREFIX, TuneError, storage_url  # start-up cost
-    from tuner.studies.study import missing_study_message  # start-up cost (optuna)
 
     try:
         url = storage_url(storage)

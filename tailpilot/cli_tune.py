@@ -87,8 +87,8 @@ def _storage_or_exit(storage: str | None, db: str | None, *, must_exist: bool = 
 def _check_study_name(study_name: str) -> None:
     """A usage error naming --study for a name no storage can keep (bytes that are not UTF-8),
     before anything is opened."""
+    from tuner.studies.lookup import check_study_name  # start-up cost
     from tuner.studies.spec import TuneError  # start-up cost
-    from tuner.studies.study import check_study_name  # start-up cost
 
     try:
         check_study_name(study_name)
@@ -163,10 +163,10 @@ def tune(
     hopeless ones); held-out windows are kept for `tailpilot recommend`. Ctrl-C keeps the study:
     run the same command to continue.
     """
+    from tuner.studies.lookup import study_exists  # start-up cost
     from tuner.studies.optimize import tune as run_tune  # start-up cost
     from tuner.studies.optuna_storage import open_storage, storage_exists  # start-up cost
     from tuner.studies.spec import SpecError, StudyConflict, TuneError  # start-up cost
-    from tuner.studies.study import study_exists  # start-up cost
 
     _check_study_name(study_name)
     url = _storage_or_exit(storage, db)

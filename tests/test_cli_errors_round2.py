@@ -402,8 +402,8 @@ def tune(workdir: Path, *flags: object) -> Result:
 
 
 def study_created(workdir: Path) -> bool:
+    from tuner.studies.lookup import study_exists
     from tuner.studies.optuna_storage import open_storage
-    from tuner.studies.study import study_exists
 
     return (workdir / "optuna.db").exists() and study_exists(
         open_storage(f"sqlite:///{workdir / 'optuna.db'}"), "s"

@@ -20,6 +20,7 @@ from storage.store import Store
 from tailpilot.cli import main
 from tuner.studies import optimize
 from tuner.studies import study as st
+from tuner.studies.lookup import missing_study_message
 from tuner.studies.optuna_storage import open_storage, storage_url
 from tuner.studies.spec import StudySpec
 
@@ -192,13 +193,13 @@ def test_missing_study_message_for_commands_reading_results_elsewhere(tmp_path):
     """What ``export --study`` needs to say a study does not exist (instead of "run recommend"),
     without creating a storage file that is not there."""
     url = storage_url(str(tmp_path / "o.db"))
-    assert "the storage does not exist yet" in (st.missing_study_message(url, "a") or "")
+    assert "the storage does not exist yet" in (missing_study_message(url, "a") or "")
     assert not Path(tmp_path / "o.db").exists()
     optuna.create_study(storage=open_storage(url), study_name="b")
-    message = st.missing_study_message(url, "a") or ""
+    message = missing_study_message(url, "a") or ""
     assert "no such study" in message and "studies there: b" in message
     assert "tailpilot tune --study a" in message
-    assert st.missing_study_message(url, "b") is None
+    assert missing_study_message(url, "b") is None
 
 
 @pytest.mark.parametrize("storage", ["o.db", "o.journal"])

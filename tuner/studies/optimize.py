@@ -59,6 +59,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from scheduler.errors import FAILED, TailpilotError
 from scheduler.validation import finite_or_none
+from tuner.studies.lookup import check_study_name, load_study, study_exists
 from tuner.studies.optuna_storage import open_storage, quiet_optuna, redact, storage_exists
 from tuner.studies.results import best_summary
 from tuner.studies.search import POLICY_PARAM, SearchSpace
@@ -69,13 +70,10 @@ from tuner.studies.study import (
     ROLE_ATTR,
     TRIAL_ATTR,
     TuneContext,
-    check_study_name,
     draft,
     load_context,
-    load_study,
     prepare,
     setup_lock,
-    study_exists,
 )
 
 # Where Optuna logs "Trial N failed ..." (optuna/study/_optimize.py's logger).
