@@ -20,5 +20,6 @@ __all__ = [
     "retry",
     "snapshot",
     "steering",
+    "verification",
     "views",
 ]

@@ -17,7 +17,9 @@ share is this host:
   logged and tried again at the next tick (a busy store, a replica down never stops a
   controller), and, when the host stops or is cancelled, the controller's ``close`` — the
   governor undoes what it applied — run shielded and waited for at most ``close_timeout_s``, its
-  status stored like a step's. ``tests/test_layers.py`` fails on a second controller loop.
+  status stored like a step's. ``tests/test_layers.py`` fails on a second controller loop;
+* **verify and step back** (``controlplane.verification.Ledger``): a change applied with a
+  predicted effect is verified once due, and repeated misses tell the controller to step back.
 """
 
 from __future__ import annotations

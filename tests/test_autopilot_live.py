@@ -134,8 +134,8 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         # verify_minutes later the real verify (the traffic after the switch replayed under the old
         # settings) has judged it, and the status says how
         t_switch = rig.clock.t
-        driver = rig.run(t_switch + 200.0, until=lambda d: bool(d.pilots["twin-0"].verifications))
-        [verdict] = driver.pilots["twin-0"].verifications
+        driver = rig.run(t_switch + 200.0, until=lambda d: bool(d.pilots["twin-0"].ledger.verdicts))
+        [verdict] = driver.pilots["twin-0"].ledger.verdicts
         assert verdict["verdict"] in ("as predicted", "worse than predicted")
         assert isinstance(verdict["realized"], float)
         status = rig.store.governance.control("autopilot", "twins")["status"]

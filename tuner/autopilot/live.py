@@ -34,7 +34,7 @@ it is replayed under the previous settings (``tuner.closed_loop.whatif.verify``:
 counterfactual); the realized P95 TTFT change is compared with the predicted one. When it is worse
 than predicted by more than the band (the replica's fidelity band, else ``band``)
 ``step_back_after`` times in a row, the autopilot steps back to the defaults and holds them for
-``hold_s``.
+``hold_s`` (the controller machine's ledger, ``controlplane.verification``, keeps the count).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from controlplane.replica_http import (
     make_client,
 )
 from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
+from controlplane.verification import Ledger, Miss, Verifier
 from scheduler import contract
 from scheduler.metrics import Completion
 from scheduler.settings import Settings
@@ -108,9 +109,6 @@ class LiveConfig(BaseModel):
     armed_replicas: tuple[str, ...] | None = Field(None, max_length=10_000)
 
 
-Verifier = Callable[["Store", dict[str, Any], int], dict[str, Any]]
-
-
 def _whatif_verify(store: Store, prediction: dict[str, Any], now_ms: int) -> dict[str, Any]:
     return verify(store, prediction, now_ms=now_ms)
 
@@ -126,10 +124,8 @@ class ReplicaPilot:
     seen: dict[str, float] = field(default_factory=dict)  # request id -> arrival (replica clock)
     completions: list[CompletionRow] = field(default_factory=list)  # polled since the last tick
     last: deque[dict[str, Any]] = field(default_factory=deque)  # recent decisions, for the status
-    verifications: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10))
-    # Applied switches awaiting verification.
-    pending: list[dict[str, Any]] = field(default_factory=list)
-    worse_in_row: int = 0
+    # Applied switches awaiting verification, and the verdicts (controlplane.verification).
+    ledger: Ledger = field(default_factory=Ledger)
     note: str = ""  # why the last decision was or was not carried out
     future: int = 0  # requests reported as arriving after the replica's own clock: refused
     follows: str | None = None  # the pool's first replica, whose controller this one follows
@@ -268,7 +264,7 @@ class LiveAutopilot:
             now = (inflight.time if inflight.time is not None else doc.time or 0.0) - rp.origin
         rp.clock = now if rp.clock is None else max(rp.clock, now)
         decision = await asyncio.to_thread(rp.pilot.observe, self._observation(rp, inflight, now))
-        await self._verify(rp, running, now)
+        await self._verify(rp, now)
         if decision is not None:
             rp.last.append(decision_row(decision, now))
             while len(rp.last) > self.live.decisions_kept:
@@ -300,7 +296,7 @@ class LiveAutopilot:
             self.pilots[spec.name] = rp
             self.notes.pop(spec.name, None)
         if lead.clock is not None:  # its own switches verified on the leader's clock
-            await self._verify(rp, running, lead.clock)
+            await self._verify(rp, lead.clock)
         decision = next((d for d in reversed(lead.pilot.decisions) if d.figures), None)
         if decision is None or decision is rp.followed:
             rp.note = rp.note or f"pool {spec.pool}: follows {leader}'s controller"
@@ -470,7 +466,7 @@ class LiveAutopilot:
                 t_ms=applied_ms,
                 version=res.version,
             )
-            rp.pending.append(
+            rp.ledger.expect(
                 {
                     "id": pid,
                     "cluster": self.cluster.name,
@@ -498,60 +494,32 @@ class LiveAutopilot:
         reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
         return reports[0]["summary"].get("band") if reports else None
 
-    async def _verify(self, rp: ReplicaPilot, running: Settings, now: float) -> None:
-        """Verify the applied switches whose window has passed; step back after repeated misses."""
-        now_ms = int(self.clock() * 1000)
-        for prediction in [
-            p for p in rp.pending if now_ms >= p["t_ms"] + int(self.live.verify_minutes * 60_000)
-        ]:
-            v = await asyncio.to_thread(self.verifier, self.store, prediction, now_ms)
-            if not v.get("ready"):
-                continue
-            rp.pending.remove(prediction)
-            m = (v.get("metrics") or {}).get("ttft_p95") or {}
-            realized, predicted = m.get("realized"), m.get("predicted")
-            if realized is None or predicted is None:
-                rp.verifications.append(
-                    {"id": prediction["id"], "verdict": "no traffic to verify on"}
-                )
-                continue
-            band = float(v["band"]) if v.get("band") is not None else self.live.band
-            worse = realized > predicted + band
-            rp.worse_in_row = rp.worse_in_row + 1 if worse else 0
-            rp.verifications.append(
-                {
-                    "id": prediction["id"],
-                    "predicted": round(predicted, 4),
-                    "realized": round(realized, 4),
-                    "band": band,
-                    "verdict": "worse than predicted" if worse else "as predicted",
-                }
-            )
-            if rp.worse_in_row >= self.live.step_back_after:
-                await self._step_back(rp, running, now, realized, predicted, band)
+    async def _verify(self, rp: ReplicaPilot, now: float) -> None:
+        """Verify the applied switches whose window has passed; step back after repeated misses
+        (``controlplane.verification``)."""
+        miss = await rp.ledger.check(
+            self.verifier,
+            self.store,
+            int(self.clock() * 1000),
+            verify_ms=int(self.live.verify_minutes * 60_000),
+            band=self.live.band,
+            step_back_after=self.live.step_back_after,
+        )
+        if miss is not None:
+            await self._step_back(rp, now, miss)
 
-    async def _step_back(
-        self,
-        rp: ReplicaPilot,
-        running: Settings,
-        now: float,
-        realized: float,
-        predicted: float,
-        band: float,
-    ) -> None:
-        rp.worse_in_row = 0
+    async def _step_back(self, rp: ReplicaPilot, now: float, miss: Miss) -> None:
         to = "defaults" if "defaults" in rp.pilot.options else rp.pilot.reference
         rp.pilot.step_back(now, to, self.live.hold_s)
         target = rp.pilot.options[to]
         note = (
             f"autopilot steps back to {to}: the realized P95 TTFT change was worse than predicted "
             f"by more than the band {self.live.step_back_after} times in a row (last: "
-            f"{realized:+.0%} realized, {predicted:+.0%} predicted, band ±{band:.0%}); held "
-            f"{self.live.hold_s:.0f} s"
+            f"{miss.realized:+.0%} realized, {miss.predicted:+.0%} predicted, band "
+            f"±{miss.band:.0%}); held {self.live.hold_s:.0f} s"
         )
         log.warning("replica %s: %s", rp.name, note)
         rp.note = note
-        rp.pending.clear()
         if self.armed_on(rp.name) and self.held is None:
             await self._send(rp, target, note)
 
@@ -578,10 +546,10 @@ class LiveAutopilot:
                 "follows": rp.follows,
                 # another autopilot's lease on this replica: it only dry-runs here (why)
                 "lease": self.leases.others.get(name),
-                "worse_in_row": rp.worse_in_row,
-                "pending_verifications": len(rp.pending),
+                "worse_in_row": rp.ledger.worse_in_row,
+                "pending_verifications": len(rp.ledger.pending),
                 "last": list(rp.last),
-                "verifications": list(rp.verifications),
+                "verifications": list(rp.ledger.verdicts),
             }
         return {
             "t_ms": int(self.clock() * 1000),
