@@ -72,6 +72,16 @@ def test_reports_out_of_arrival_order_give_the_same_change():
     assert watch.changes == in_order.changes == [pytest.approx(CHANGE_AT, abs=30.0)]
 
 
+def test_an_arrival_time_that_is_not_a_number_is_not_kept():
+    watch = ShapeWatch(threshold=0.4, recent_s=300.0, keep_s=600.0)
+    watch.add(float("nan"), 100)
+    watch.add(float("inf"), 100)
+    for t in range(0, 2_000, 2):
+        watch.add(float(t), 100)
+    watch.check(2_000.0)
+    assert len(watch) <= 301  # the last 600 s only: nothing stuck at the front
+
+
 def test_a_window_starts_at_the_latest_change_with_enough_requests_after_it():
     watch = ShapeWatch(threshold=0.4, recent_s=300.0, keep_s=3_600.0)
     watch.changes = [100.0, 500.0]

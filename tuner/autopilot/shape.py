@@ -51,7 +51,13 @@ class ShapeWatch:
         self._times: deque[float] = deque()
         self._prompts: deque[float] = deque()
 
+    def __len__(self) -> int:
+        """The arrivals kept (those within ``keep_s`` of the last check)."""
+        return len(self._times)
+
     def add(self, arrival: float, prompt_tokens: int) -> None:
+        if not math.isfinite(arrival):
+            return  # never trimmed by age: it would stay for good
         self._times.append(arrival)
         self._prompts.append(math.log(max(prompt_tokens, 1)))
 
