@@ -503,7 +503,9 @@ def assert_exactly_once(store: Store, cluster: str, twins) -> int:
     return total
 
 
-async def wait_until(cond, timeout=10.0, what="condition"):
+async def wait_until(cond, timeout=30.0, what="condition"):
+    # A deadline for an event, not a measure of speed: generous, so a loaded machine (a CI run
+    # beside other work timed out waiting 10 s for three in-process twins to answer) only waits.
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -714,8 +716,12 @@ def test_fault_marks_only_that_replica_unhealthy_and_it_recovers(twins, proxy, t
         assert any("state: down" in p[3] for p in bad), bad  # once stopped: connection refused
     # The outage is in the history, and nothing was lost or duplicated across it.
     stored = store.readings.samples("twins", faulty.name)
-    assert any(not s.healthy and _names_fault(s.reason, fault) for s in stored)
-    assert stored[-1].healthy
+    faults = [i for i, s in enumerate(stored) if not s.healthy and _names_fault(s.reason, fault)]
+    assert faults
+    # The recovery is in the history too: a healthy sample after the outage began. Not "the last
+    # sample is healthy": a fresh-clone CI run on a loaded machine stored a poll that timed out
+    # after the recovery — the machine's speed, which the poll-by-poll checks above allow.
+    assert any(s.healthy for s in stored[faults[0] + 1 :])
     assert assert_exactly_once(store, "twins", twins) > 0
 
 
