@@ -1,6 +1,6 @@
 """How late may a switch come on the shape shift? An oracle's bound for issue 32's phase target.
 
-    python benchmarks/shift_late_switch.py [--traces traces] [--lags 0,1,2,3,5,10]
+    python benchmarks/shift_late_switch.py [--traces traces] [--lags 0,1,2,3,5,10,13]
 
 The ``shift`` workload (benchmarks/autopilot_workloads.py) serves chat, then long prompts, then
 reasoning, 20 minutes each. In the reasoning phase the best fixed setting is a small γ; the issue
@@ -54,7 +54,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
-    ap.add_argument("--lags", default="0,1,2,3,5,10", help="minutes after the change")
+    ap.add_argument("--lags", default="0,1,2,3,5,10,13", help="minutes after the change")
     args = ap.parse_args()
     _, trace, _ = build(("shift", args.traces, 0, KNEE))
     requests = sorted(trace, key=lambda r: (r.arrival, r.id))

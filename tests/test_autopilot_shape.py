@@ -11,8 +11,10 @@ import pytest
 
 from sim import traces
 from tuner.autopilot.controller import AutopilotConfig
+from tuner.autopilot.feed import Feed
 from tuner.autopilot.replay import replay_with_autopilot
 from tuner.autopilot.shape import ShapeWatch
+from tuner.autopilot.types import Arrival
 
 CHANGE_AT = 1_200.0
 
@@ -139,3 +141,26 @@ def test_after_a_change_of_shape_the_candidates_are_judged_on_the_new_shape(shif
     assert not any("change of shape" in d.reason for d in plain)
     at_first = next(d for d in plain if d.at == first.at)
     assert at_first.requests == full
+
+
+def test_a_quiet_replica_keeps_the_watch_bounded_while_nothing_is_judged():
+    """Below ``min_requests`` in the window no decision reaches the watch's check: the feed trims
+    it at every observation all the same (a replica at 0.5 req/s never fills a 3,000-request
+    window, and kept every arrival it ever had)."""
+    config = AutopilotConfig()
+    feed = Feed(config)
+    assert feed.shape is not None
+    t = 0.0
+    for i in range(40_000):
+        t = 2.0 * i
+        feed.arrive([Arrival(f"r{i}", t, 100 + i % 50, 256)])
+        if i % 30 == 0:  # an observation a minute
+            feed.take(t - config.delay_s, {})
+    kept_s = config.window_s + config.delay_s
+    assert len(feed.shape) <= kept_s / 2.0 + 60  # an hour and a minute of arrivals, not 22 hours
+
+
+def test_a_recent_span_as_long_as_what_is_kept_is_refused():
+    with pytest.raises(ValueError, match="shape_recent_s"):
+        AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=660.0)
+    AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=660.0, shape_change=None)

@@ -94,3 +94,16 @@ def test_the_verifications_own_band_wins_over_the_default():
 
     assert check(ledger, wide, now_ms=VERIFY_MS) is None
     assert ledger.worse_in_row == 0 and ledger.verdicts[0]["band"] == 0.5
+
+
+def test_a_change_with_no_traffic_after_it_has_a_verdict_and_no_count():
+    ledger, calls = Ledger(), []
+    ledger.expect(prediction(1, t_ms=0))
+
+    def empty(store, p, now_ms):
+        calls.append(p["id"])
+        return {"ready": True, "metrics": {"ttft_p95": {"realized": None, "predicted": -0.1}}}
+
+    assert check(ledger, empty, now_ms=VERIFY_MS) is None
+    assert calls == [1] and ledger.pending == [] and ledger.worse_in_row == 0
+    assert list(ledger.verdicts) == [{"id": 1, "verdict": "no traffic to verify on"}]

@@ -143,6 +143,13 @@ class AutopilotConfig(BaseModel):
         for q in self.quant_bases:
             if not 1 <= q <= 1_000_000:
                 raise ValueError(f"quant_bases: {q} is outside [1, 1000000]")
+        if self.shape_change is not None and self.shape_recent_s >= self.window_s + self.delay_s:
+            # The watch keeps window_s + delay_s of arrivals: nothing would be left to compare with.
+            raise ValueError(
+                f"shape_recent_s: {self.shape_recent_s:g} s leaves no arrivals before it to "
+                f"compare with (the watch keeps window_s + delay_s = "
+                f"{self.window_s + self.delay_s:g} s); set it shorter, or shape_change: null"
+            )
         return self
 
     def search(self) -> SearchConfig:

@@ -26,8 +26,9 @@ one setting all along, do not see. The rules, each measured (README, "The autopi
 * nothing is judged before the window holds ``min_requests`` (γ-Ada's shadow shows its warm-up
   before that, and a P99 of a few hundred requests rests on a handful);
 * after a change of the traffic's shape (``tuner.autopilot.shape``) the window starts at the
-  change once ``shape_min_requests`` of the new shape are in: the old shape's tails are no
-  evidence about the new one;
+  change once ``shape_min_requests`` of the new shape are in (fewer than ``min_requests``: the
+  running choice is then judged on them too) — the old shape's tails are no evidence about the
+  new one;
 * among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
   else the most age-first is the target (it holds back least for the same objective);
 * a move down takes ``down_margin`` and the *stress test*: the candidate's and the reference's

@@ -78,6 +78,8 @@ class Feed:
         """The requests that arrived up to ``t`` not yet handed over (their lengths known or
         imputed from ``generated``, the tokens so far per request in flight), and the ids that
         left the window; None when the clock is already at or past ``t``."""
+        if self.shape is not None:  # bounded even while no decision is judged (few requests)
+            self.shape.trim(t + self.config.delay_s)
         if self.clock is not None and t <= self.clock:
             return None
         batch: list[TraceRequest] = []
@@ -129,8 +131,6 @@ class Feed:
         if self.shape is not None:
             self.shape.check(now)
             since = self.shape.start(arrivals, cfg.shape_min_requests)
-            if since is not None and since <= arrivals[0]:
-                since = None  # the change is older than the window: the window as it is
         span_s = cfg.window_s
         if since is not None:
             # The traffic changed shape: the old shape's tails are no evidence about the new.

@@ -6,8 +6,9 @@ mostly the old traffic: each shadow's figures over it are what its setting did t
 no longer come, and the candidate that wins on the new shape can stay barred for most of an hour
 by the tails it made on the old one (README, "The autopilot": on ``shift`` every small γ's P99
 TTFT over the window was 1.6–1.8× sarathi's in the reasoning phase, from the chat and long-prompt
-phases still in it, while a switch to γ 0.01 as late as minute 50 serves that phase at 1.18× the
-best fixed setting's P95 instead of 7.6×).
+phases still in it; an oracle's switch to γ 0.01 up to 10 minutes after the change serves that
+phase at 1.08–1.09× the best fixed setting's P95 (but 1.29× at 5 minutes, 3.34× at 13:
+``benchmarks/shift_late_switch.py``), where γ 1 throughout served it at 7.6×).
 
 ``ShapeWatch`` compares the distribution of the prompt lengths (known at arrival; the output
 lengths are known only after a request completes) of the last ``recent_s`` of arrivals with the
@@ -36,14 +37,15 @@ SPLIT_STEP_S = 15.0  # the change point is searched on this grid within the rece
 class ShapeWatch:
     """Watches the prompt lengths of the arrivals for a change of shape.
 
-    ``add`` each arrival, ``check`` at each decision: it returns the change point when a new
-    change is found; ``changes`` holds them all in time order, ``since`` the last (-inf: none
-    yet)."""
+    ``add`` each arrival, ``trim`` at each observation (what is older than ``keep_s`` goes, so
+    the watch stays bounded while no decision is judged), ``check`` at each decision: it returns
+    the change point when a new change is found; ``changes`` holds those within ``keep_s`` (and
+    always the last) in time order, ``since`` the last (-inf: none yet)."""
 
     def __init__(self, threshold: float, recent_s: float, keep_s: float) -> None:
         self.threshold = threshold
         self.recent_s = recent_s
-        self.keep_s = keep_s  # arrivals older than this before the newest are forgotten
+        self.keep_s = keep_s  # arrivals older than this before ``now`` are forgotten
         self.changes: list[float] = []
         self.statistic = 0.0  # at the last check
         # per arrival seen: its time and the log of its prompt length (two deques: an array of
@@ -52,7 +54,8 @@ class ShapeWatch:
         self._prompts: deque[float] = deque()
 
     def __len__(self) -> int:
-        """The arrivals kept (those within ``keep_s`` of the last check)."""
+        """The arrivals kept: those seen since ``keep_s`` before the last ``trim`` (an arrival
+        reported later than others after it goes when those before it have gone)."""
         return len(self._times)
 
     def add(self, arrival: float, prompt_tokens: int) -> None:
@@ -61,12 +64,20 @@ class ShapeWatch:
         self._times.append(arrival)
         self._prompts.append(math.log(max(prompt_tokens, 1)))
 
+    def trim(self, now: float) -> None:
+        """Forget the arrivals and the change points older than ``keep_s`` before ``now`` (the
+        last change point stays: it is ``since``)."""
+        cutoff = now - self.keep_s
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+            self._prompts.popleft()
+        if len(self.changes) > 1 and self.changes[0] < cutoff:
+            self.changes = [c for c in self.changes[:-1] if c >= cutoff] + self.changes[-1:]
+
     def check(self, now: float) -> float | None:
         """The new change point if the last ``recent_s`` before ``now`` differ in shape from the
         arrivals before them (back to the last change point), else None."""
-        while self._times and self._times[0] < now - self.keep_s:
-            self._times.popleft()
-            self._prompts.popleft()
+        self.trim(now)
         times = np.fromiter(self._times, float, len(self._times))
         prompts = np.fromiter(self._prompts, float, len(self._prompts))
         # A live replica reports a request when it first sees it, not always in arrival order.
@@ -107,6 +118,8 @@ class ShapeWatch:
         at least ``min_requests`` of them after it (a change just found is judged on the shape
         before it until the new shape has that many); None when no change qualifies."""
         for change in reversed(self.changes):
+            if len(arrivals) == 0 or change <= arrivals[0]:
+                return None  # this and every earlier one start at or before the window
             after = len(arrivals) - int(np.searchsorted(arrivals, change, side="left"))
             if after >= min_requests:
                 return change
