@@ -163,4 +163,6 @@ def test_a_quiet_replica_keeps_the_watch_bounded_while_nothing_is_judged():
 def test_a_recent_span_as_long_as_what_is_kept_is_refused():
     with pytest.raises(ValueError, match="shape_recent_s"):
         AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=660.0)
-    AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=660.0, shape_change=None)
+    AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=600.0)
+    # Left at its default under a short window (a test's, a demo's), the watch never fires.
+    AutopilotConfig(window_s=60.0, delay_s=2.0)

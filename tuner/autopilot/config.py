@@ -143,12 +143,14 @@ class AutopilotConfig(BaseModel):
         for q in self.quant_bases:
             if not 1 <= q <= 1_000_000:
                 raise ValueError(f"quant_bases: {q} is outside [1, 1000000]")
-        if self.shape_change is not None and self.shape_recent_s >= self.window_s + self.delay_s:
-            # The watch keeps window_s + delay_s of arrivals: nothing would be left to compare with.
+        kept_s = self.window_s + self.delay_s
+        if "shape_recent_s" in self.model_fields_set and self.shape_recent_s >= kept_s:
+            # The watch keeps window_s + delay_s of arrivals: nothing would be left to compare with
+            # (left at its default under a short window, the watch just never fires).
             raise ValueError(
                 f"shape_recent_s: {self.shape_recent_s:g} s leaves no arrivals before it to "
-                f"compare with (the watch keeps window_s + delay_s = "
-                f"{self.window_s + self.delay_s:g} s); set it shorter, or shape_change: null"
+                f"compare with (the watch keeps window_s + delay_s = {kept_s:g} s); set it "
+                "shorter"
             )
         return self
 
