@@ -1073,7 +1073,10 @@ def test_apply_settings_writes_audit_rows(twins, proxy, tmp_path, monkeypatch):
 
 
 def test_metrics_every_n_polls_still_catches_bad_metrics(twins, proxy):
-    cluster = twin_cluster(twins, proxy_url=proxy.url)
+    # A generous poll timeout: every poll before the fault must succeed, and a healthy poll through
+    # the test's Python proxy missed 0.5 s on a loaded machine (a fresh-clone CI run). The fault
+    # answers at once, so it is caught as fast.
+    cluster = twin_cluster(twins, proxy_url=proxy.url, timeout=2.0)
     name = twins[2].name
 
     async def scenario():
