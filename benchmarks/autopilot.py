@@ -63,6 +63,7 @@ from benchmarks.autopilot_scoring import (  # noqa: E402
     LABELS,
     METRICS,
     PHASE_PREFIX,
+    SHAPE_SHIFTS,
     THROUGHPUT_FLOOR,
     TTLT_SLACK,
     JobResult,
@@ -213,7 +214,12 @@ def run_job(job: Job) -> JobResult:
     return JobResult(
         job.workload,
         job.column,
-        score(result.completions, t_half, slos_of(job.workload), phases=job.workload == "shift"),
+        score(
+            result.completions,
+            t_half,
+            slos_of(job.workload),
+            phases=job.workload in SHAPE_SHIFTS,
+        ),
         time.perf_counter() - started,
         extra,
     )

@@ -1,4 +1,4 @@
-"""Two workloads the autopilot has never seen, frozen before any of issue 32's design decisions.
+"""Workloads the autopilot has never seen, frozen before they were run.
 
 Built from public traces the project had never used until this file (issue 32: "at least two
 workloads you build from public traces the project has never used, frozen (file hash in the
@@ -17,7 +17,14 @@ README) before any design decision and run once"):
   the knee of the same lengths at a steady rate — so the day's peaks run above capacity
   (transient overload) and its troughs well below.
 
-Both are deterministic (no draw for ``mooncake``; a fixed seed for ``bwb_servegen``).
+* ``shift_heldout``: a second change of shape, built after the change-of-shape watch was designed
+  and tuned on ``shift`` (``tuner.autopilot.shape``: its threshold and window chosen there), and
+  frozen before it was run: ShareGPT → the Mooncake conversation rows that fit 8,192 tokens →
+  BWB translation, 20 minutes each at its own knee (Gamma arrivals, CV ``SHIFT_CV``, seed
+  ``SHIFT_HELDOUT_SEED``) — other sources, another order and other prompt-length steps than
+  ``shift``'s (chat → arXiv long prompts → reasoning).
+
+All are deterministic (no draw for ``mooncake``; fixed seeds for the others).
 ``digest`` hashes a built trace (ids, arrivals, lengths, caps) — the figure the README records, so
 a later change to a builder shows. Source files and their SHA-256 are in traces/README.md.
 """
@@ -38,20 +45,31 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.autopilot_workloads import resample  # noqa: E402
+from benchmarks.autopilot_workloads import (  # noqa: E402
+    SHIFT_CV,
+    Phase,
+    concatenate,
+    phases_of,
+    resample,
+    saturated_for,
+)
 from benchmarks.seed_claims import KNEE, near_saturation  # noqa: E402
 from sim import traces  # noqa: E402
 
-FROZEN_WORKLOADS = ("mooncake", "bwb_servegen")
+FROZEN_WORKLOADS = ("mooncake", "bwb_servegen", "shift_heldout")
 CONTEXT_TOKENS = 8_192  # Llama-3-8B's context: a longer request is refused by the server
 DAY_S = 3_600.0  # ServeGen's 24 hours compressed into one
 BWB_CV = 2.0
 BWB_SEED = 52_021  # a draw no other workload uses
 PROFILE_MODEL = "m-large"
 PROFILE_WINDOWS = 144  # day 1 of the 14
+SHIFT_HELDOUT_SEED = 64_109  # shift_heldout's own draw
+SHIFT_HELDOUT_PHASE_S = 1_200.0
 
 
-def build_mooncake(root: Path, knee: float = KNEE) -> tuple[traces.Trace, str]:
+def mooncake_fitting(root: Path) -> tuple[traces.Trace, int]:
+    """The Mooncake conversation rows that fit 8,192 tokens, time 0 at the first, and how many
+    rows the trace has."""
     source = traces.load_mooncake(root / "mooncake" / "conversation_trace.jsonl", prefix="mc")
     kept = tuple(r for r in source if r.prompt_tokens + r.output_tokens <= CONTEXT_TOKENS)
     t0 = kept[0].arrival
@@ -59,9 +77,38 @@ def build_mooncake(root: Path, knee: float = KNEE) -> tuple[traces.Trace, str]:
         "mooncake-conv(<=8192)",
         tuple(dataclasses.replace(r, arrival=r.arrival - t0) for r in kept),
     )
+    return fitting, len(source)
+
+
+def build_shift_heldout(root: Path, knee: float = KNEE) -> tuple[traces.Trace, list[Phase]]:
+    """ShareGPT → Mooncake conversation → BWB translation, ``SHIFT_HELDOUT_PHASE_S`` each, each
+    phase at its own knee."""
+    sharegpt = traces.load_lengths(
+        root / "lengths_only" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv", rate=1.0
+    )
+    mooncake, _ = mooncake_fitting(root)
+    bwb = traces.load_lengths(
+        root / "lengths_only" / "bwb_stats_llama2_tokenizer_filtered_v2.csv", rate=1.0
+    )
+    parts, loads = [], {}
+    sources = (("sharegpt", sharegpt), ("mooncake", mooncake), ("bwb", bwb))
+    for k, (name, rows) in enumerate(sources):
+        seed = SHIFT_HELDOUT_SEED + k
+
+        def make(n: int, rows: traces.Trace = rows, name: str = name, seed: int = seed):
+            return resample(rows, n, cv=SHIFT_CV, seed=seed, prefix=name)
+
+        part, loads[name] = saturated_for(make, SHIFT_HELDOUT_PHASE_S, knee)
+        parts.append(part)
+    trace = concatenate(parts, "shift_heldout(sharegpt>mooncake>bwb)")
+    return trace, phases_of(trace, loads)
+
+
+def build_mooncake(root: Path, knee: float = KNEE) -> tuple[traces.Trace, str]:
+    fitting, rows = mooncake_fitting(root)
     scaled, load = near_saturation(fitting, knee)
     return scaled, (
-        f"Mooncake conversation trace, real arrivals, {len(kept)} of {len(source)} requests fit "
+        f"Mooncake conversation trace, real arrivals, {len(fitting)} of {rows} requests fit "
         f"8,192 tokens, time-scaled x{scaled.rate / fitting.rate:.3g} to load {load:.2f} "
         "(near saturation)"
     )
@@ -112,6 +159,13 @@ def build_frozen_workload(name: str, root: Path, knee: float = KNEE) -> tuple[tr
         return build_mooncake(root, knee)
     if name == "bwb_servegen":
         return build_bwb_servegen(root, knee)
+    if name == "shift_heldout":
+        trace, phases = build_shift_heldout(root, knee)
+        how = "; ".join(
+            f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}"
+            for p in phases
+        )
+        return trace, f"Gamma CV {SHIFT_CV:g} arrivals, each phase at its knee: {how}"
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(FROZEN_WORKLOADS)}")
 
 
