@@ -77,7 +77,12 @@ def main() -> None:
         cols["autopilot"] = scoring.JobResult(
             w,
             "autopilot",
-            scoring.score(result.completions, scoring.half_time(trace), slos_of(w)),
+            scoring.score(
+                result.completions,
+                scoring.half_time(trace),
+                slos_of(w),
+                phases=w in scoring.SHAPE_SHIFTS,
+            ),
             wall,
             extra,
         )
