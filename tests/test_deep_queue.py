@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from scheduler import compiled
 from scheduler.policies import POLICY_CLASSES, RequestState, make_policy
 from scheduler.policies import queue as queue_mod
-from scheduler.policies.base import Policy, new_epoch
+from scheduler.policies.base import CountsSteps, Policy, new_epoch
 from scheduler.policies.boost import UniBoost
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -290,7 +290,8 @@ def naive():
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(queue_mod, "make_index", lambda policy: None))
-        stack.enter_context(mock.patch.object(Sjf, "on_waiting_steps", Policy.on_waiting_steps))
+        eager = CountsSteps.on_waiting_steps  # every waiting request's steps, one by one
+        stack.enter_context(mock.patch.object(Sjf, "on_waiting_steps", eager))
         for cls in (UniBoost, Sjf, Srpt):
             stack.enter_context(mock.patch.object(cls, "sort_key", Policy.sort_key))
         stack.enter_context(mock.patch.object(UniBoost, "running_sort_key", guarded_first))

@@ -750,8 +750,8 @@ def test_memguard_memory_victim_is_outside_its_guard(build):
 
 
 def test_sjf_starvation_guard_promotes_a_starving_request(build):
-    """sjf's starvation counters (Policy.on_steps) move on a live replica: a long request does not
-    starve behind a stream of short ones."""
+    """sjf's starvation counters (CountsSteps.on_steps) move on a live replica: a long request
+    does not starve behind a stream of short ones."""
     clock = Clock()
     sjf = {"policy": "sjf", "params": {"starve_steps": 5, "quantum_steps": 5}}
     s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=sjf)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from scheduler.policies import Policy, RequestState, make_policy
-from scheduler.policies.base import next_threshold, quantize
+from scheduler.policies import POLICY_CLASSES, Policy, PreemptivePolicy, RequestState, make_policy
+from scheduler.policies.base import ChargesTokens, CountsSteps, next_threshold, quantize
 from scheduler.policies.predictors import OraclePredictor
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
@@ -547,3 +547,16 @@ def test_sjf_starvation_guard_turns_sjf_into_fcfs_near_saturation():
     # Measured: guarded 0.82 with arrival order, 0.28 with size order; unguarded 0.04 and 0.99.
     assert rank_correlation(guarded, arrival) > 0.75 and rank_correlation(guarded, size) < 0.5
     assert rank_correlation(unguarded, arrival) < 0.3 and rank_correlation(unguarded, size) > 0.95
+
+
+# --- capabilities --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
+def test_each_capability_flag_is_the_interface_the_policy_has(name):
+    """An engine tests the flag and calls through the interface: they must agree (a flag without
+    the interface would call a method the policy does not have; the interface without the flag
+    would never be called)."""
+    cls = POLICY_CLASSES[name]
+    assert cls.charges_tokens == issubclass(cls, ChargesTokens)
+    assert cls.counts_steps == issubclass(cls, CountsSteps)
+    assert cls.preemptive == issubclass(cls, PreemptivePolicy)
+    assert not hasattr(Policy, "on_tokens") and not hasattr(Policy, "on_steps")

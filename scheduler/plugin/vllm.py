@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -34,6 +34,7 @@ from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
 from scheduler.policies import Policy, PreemptivePolicy, RequestState
+from scheduler.policies.base import ChargesTokens, CountsSteps
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
 
@@ -321,7 +322,7 @@ class TailpilotMixin(_StockScheduler):
             policy = self.tp_core.policy
             if policy.charges_tokens:
                 try:
-                    policy.on_tokens(state, generated - state.generated)
+                    cast(ChargesTokens, policy).on_tokens(state, generated - state.generated)
                 except Exception as err:
                     self._tp_trip(err)
             if state.first_token_at is None:
@@ -373,9 +374,10 @@ class TailpilotMixin(_StockScheduler):
         served = output.num_scheduled_tokens
         scheduled = [states[r] for r in served if r in states]
         idle = [states[r.request_id] for r in self.running if r.request_id not in served]
-        policy.on_steps(scheduled, idle, 1)
+        counter = cast(CountsSteps, policy)
+        counter.on_steps(scheduled, idle, 1)
         # Counted lazily: no pass over a deep queue.
-        policy.on_waiting_steps(self.tp_core.waiting, 1)
+        counter.on_waiting_steps(self.tp_core.waiting, 1)
 
     def _tp_prepare_step(self, now: float) -> None:
         """The step's policy work before vLLM's own step: staged settings, the running order and

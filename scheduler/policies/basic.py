@@ -9,7 +9,7 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr, trait
 
-from scheduler.policies.base import INF, Policy, RequestState, arrival_order
+from scheduler.policies.base import INF, ChargesTokens, Policy, RequestState, arrival_order
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import NoParams, Settings, VtcParams
 
@@ -98,7 +98,7 @@ class TenantBacklog:
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class Vtc(Policy, TenantBacklog):
+class Vtc(Policy, TenantBacklog, ChargesTokens):
     """Virtual token counter fair queue (docs/policies.md#vtc): admit from the backlogged tenant
     with the least counter, FCFS within a tenant; charge prompt tokens on admission, output per
     token."""

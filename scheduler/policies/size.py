@@ -10,7 +10,15 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from scheduler.policies.base import INF, Key, Policy, PreemptivePolicy, RequestState, SortKey
+from scheduler.policies.base import (
+    INF,
+    CountsSteps,
+    Key,
+    Policy,
+    PreemptivePolicy,
+    RequestState,
+    SortKey,
+)
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import LasParams, Settings, SjfParams, SrptParams
@@ -37,7 +45,7 @@ def predicted_total(policy: Policy, req: RequestState) -> float:
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class Sjf(Policy):
+class Sjf(Policy, CountsSteps):
     """Predicted total output length, non-preemptive, with LTR's starvation guard: a request left
     unscheduled for ``starve_steps`` steps gets top priority for ``quantum_steps`` steps."""
 

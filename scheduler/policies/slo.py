@@ -41,6 +41,8 @@ from mypy_extensions import mypyc_attr
 from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import (
     INF,
+    ChargesTokens,
+    CountsSteps,
     Key,
     Policy,
     PreemptivePolicy,
@@ -79,7 +81,7 @@ def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[Request
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class SloFq(PreemptivePolicy, Backpressure):
+class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
     """Deadline-aware token-level fair queue with type shares and backpressure (module
     docstring)."""
 

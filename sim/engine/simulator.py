@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
 from scheduler.policies import Policy, RequestState, make_policy
-from scheduler.policies.base import INF, arrival_order
+from scheduler.policies.base import INF, ChargesTokens, CountsSteps, arrival_order
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, Settings
@@ -469,11 +469,12 @@ class Simulator:
         policy = self.policy
         finished = self._apply_step(step) if k == 1 else self._apply_stretch(step, k)
         if policy.counts_steps:
+            counter = cast(CountsSteps, policy)
             scheduled = step.decodes + list(step.chunks)
             served = set(scheduled)
-            policy.on_steps(scheduled, [r for r in self.running if r not in served], k)
+            counter.on_steps(scheduled, [r for r in self.running if r not in served], k)
             # sjf counts these lazily: no pass over the queue.
-            policy.on_waiting_steps(self.waiting, k)
+            counter.on_waiting_steps(self.waiting, k)
         # Same-time completions in a canonical order, whatever order the running list was in.
         finished.sort(key=arrival_order)
         for req in finished:
@@ -488,13 +489,13 @@ class Simulator:
         finished."""
         now, policy = self.now, self.policy
         finished: list[RequestState] = []
-        charges = policy.charges_tokens
+        charger = cast(ChargesTokens, policy) if policy.charges_tokens else None
         for req in step.decodes:
             c = req.computed_tokens + 1
             g = req.generated + 1
             req.computed_tokens, req.generated = c, g
-            if charges:
-                policy.on_tokens(req, 1)
+            if charger is not None:
+                charger.on_tokens(req, 1)
             req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
             # The true length (the engine knows it, policies do not).
             if g >= req.output_tokens:  # type: ignore[operator]
@@ -506,8 +507,8 @@ class Simulator:
             if c == p + g:  # prefill complete: sample a token
                 g += 1
                 req.generated = g
-                if charges:
-                    policy.on_tokens(req, 1)
+                if charger is not None:
+                    charger.on_tokens(req, 1)
                 if req.first_token_at is None:
                     req.first_token_at = now
             done = (c if c < p else p) + g
@@ -522,13 +523,13 @@ class Simulator:
         those fill; return the requests it finished."""
         policy, bs, blocks = self.policy, self.config.block_size, self.blocks
         finished: list[RequestState] = []
-        charges = policy.charges_tokens
+        charger = cast(ChargesTokens, policy) if policy.charges_tokens else None
         for req in step.decodes:
             c = req.computed_tokens + k
             g = req.generated + k
             req.computed_tokens, req.generated = c, g
-            if charges:
-                policy.on_tokens(req, k)
+            if charger is not None:
+                charger.on_tokens(req, k)
             held = blocks[req.id]
             need = -(-c // bs) - held
             if need > 0:
