@@ -559,4 +559,9 @@ def test_each_capability_flag_is_the_interface_the_policy_has(name):
     assert cls.charges_tokens == issubclass(cls, ChargesTokens)
     assert cls.counts_steps == issubclass(cls, CountsSteps)
     assert cls.preemptive == issubclass(cls, PreemptivePolicy)
-    assert not hasattr(Policy, "on_tokens") and not hasattr(Policy, "on_steps")
+
+
+def test_the_base_policy_has_none_of_the_optional_hooks():
+    """What only some policies want is theirs alone: an engine reaches it through the interface."""
+    for hook in ("on_tokens", "on_steps", "on_waiting_steps"):
+        assert not hasattr(Policy, hook), hook
