@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +49,9 @@ if str(REPO) not in sys.path:
 from benchmarks.autopilot_workloads import (  # noqa: E402
     SHIFT_CV,
     Phase,
-    concatenate,
-    phases_of,
+    back_to_back,
+    describe_phases,
     resample,
-    saturated_for,
 )
 from benchmarks.seed_claims import KNEE, near_saturation  # noqa: E402
 from sim import traces  # noqa: E402
@@ -90,18 +90,13 @@ def build_shift_heldout(root: Path, knee: float = KNEE) -> tuple[traces.Trace, l
     bwb = traces.load_lengths(
         root / "lengths_only" / "bwb_stats_llama2_tokenizer_filtered_v2.csv", rate=1.0
     )
-    parts, loads = [], {}
     sources = (("sharegpt", sharegpt), ("mooncake", mooncake), ("bwb", bwb))
-    for k, (name, rows) in enumerate(sources):
-        seed = SHIFT_HELDOUT_SEED + k
 
-        def make(n: int, rows: traces.Trace = rows, name: str = name, seed: int = seed):
-            return resample(rows, n, cv=SHIFT_CV, seed=seed, prefix=name)
+    def maker(k: int, name: str, rows: traces.Trace) -> Callable[[int], traces.Trace]:
+        return lambda n: resample(rows, n, cv=SHIFT_CV, seed=SHIFT_HELDOUT_SEED + k, prefix=name)
 
-        part, loads[name] = saturated_for(make, SHIFT_HELDOUT_PHASE_S, knee)
-        parts.append(part)
-    trace = concatenate(parts, "shift_heldout(sharegpt>mooncake>bwb)")
-    return trace, phases_of(trace, loads)
+    makers = [(name, maker(k, name, rows)) for k, (name, rows) in enumerate(sources)]
+    return back_to_back(makers, SHIFT_HELDOUT_PHASE_S, knee, "shift_heldout(sharegpt>mooncake>bwb)")
 
 
 def build_mooncake(root: Path, knee: float = KNEE) -> tuple[traces.Trace, str]:
@@ -161,11 +156,7 @@ def build_frozen_workload(name: str, root: Path, knee: float = KNEE) -> tuple[tr
         return build_bwb_servegen(root, knee)
     if name == "shift_heldout":
         trace, phases = build_shift_heldout(root, knee)
-        how = "; ".join(
-            f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}"
-            for p in phases
-        )
-        return trace, f"Gamma CV {SHIFT_CV:g} arrivals, each phase at its knee: {how}"
+        return trace, describe_phases(phases)
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(FROZEN_WORKLOADS)}")
 
 

@@ -168,6 +168,30 @@ def concatenate(parts: list[traces.Trace], name: str) -> traces.Trace:
     return traces.Trace(name, tuple(requests))
 
 
+def back_to_back(
+    makers: list[tuple[str, Callable[[int], traces.Trace]]],
+    phase_s: float,
+    knee: float,
+    name: str,
+) -> tuple[traces.Trace, list[Phase]]:
+    """A shape shift: each ``(phase, make)`` sized to ``phase_s`` at its own knee
+    (``saturated_for``), the phases one after the other (``concatenate``)."""
+    parts, loads = [], {}
+    for phase, make in makers:
+        part, loads[phase] = saturated_for(make, phase_s, knee)
+        parts.append(part)
+    trace = concatenate(parts, name)
+    return trace, phases_of(trace, loads)
+
+
+def describe_phases(phases: list[Phase]) -> str:
+    """A shape shift's one-line description: its phases, when, at what load."""
+    how = "; ".join(
+        f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}" for p in phases
+    )
+    return f"Gamma CV {SHIFT_CV:g} arrivals, each phase at its knee: {how}"
+
+
 def phase_of(request_id: str) -> str:
     """A built workload's phase of a request: its id's prefix (``chat-17`` is in ``chat``)."""
     return request_id.rsplit("-", 1)[0]
@@ -231,12 +255,7 @@ def build_shift(
         ("longprompt", lambda n: resample(arxiv, n, cv=cv, seed=seed + 2, prefix="longprompt")),
         ("reasoning", reasoning),
     ]
-    parts, loads = [], {}
-    for name, make in makers:
-        part, loads[name] = saturated_for(make, phase_s, knee)
-        parts.append(part)
-    trace = concatenate(parts, "shift(chat>longprompt>reasoning)")
-    return trace, phases_of(trace, loads)
+    return back_to_back(makers, phase_s, knee, "shift(chat>longprompt>reasoning)")
 
 
 def build_diurnal(
@@ -409,11 +428,7 @@ def build_new_workload(
     sources = Sources.under(root)
     if name == "shift":
         trace, phases = build_shift(sources, phase_s=1200.0 * scale_s, seed=seed, knee=knee)
-        how = "; ".join(
-            f"{p.name} {p.start_s / 60:.0f}-{p.end_s / 60:.0f} min load {p.load:.2f}"
-            for p in phases
-        )
-        return trace, f"Gamma CV {SHIFT_CV:g} arrivals, each phase at its knee: {how}"
+        return trace, describe_phases(phases)
     if name == "diurnal":
         trace, knee_load = build_diurnal(sources, period_s=3600.0 * scale_s, knee=knee)
         return (
