@@ -155,7 +155,7 @@ def test_a_quiet_replica_keeps_the_watch_bounded_while_nothing_is_judged():
         t = 2.0 * i
         feed.arrive([Arrival(f"r{i}", t, 100 + i % 50, 256)])
         if i % 30 == 0:  # an observation a minute
-            feed.take(t - config.delay_s, {})
+            feed.take(t, {})
     kept_s = config.window_s + config.delay_s
     assert len(feed.shape) <= kept_s / 2.0 + 60  # an hour and a minute of arrivals, not 22 hours
 

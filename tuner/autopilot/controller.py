@@ -221,11 +221,11 @@ class Autopilot:
         started = time.process_time()
         self.feed.arrive(obs.arrivals)
         self.feed.complete(obs.completions)
-        fed = self.feed.take(obs.now - self.config.delay_s, obs.generated)
+        fed = self.feed.take(obs.now, obs.generated)
         if fed is not None:
-            batch, gone = fed
+            t, batch, gone = fed
             for shadow in self.shadows.values():
-                shadow.advance(batch, obs.now - self.config.delay_s)
+                shadow.advance(batch, t)
                 if gone:
                     shadow.forget(gone)
         self._cpu += time.process_time() - started

@@ -73,13 +73,15 @@ class Feed:
         return max(1, min(a.max_tokens, max(guess, generated + 1)))
 
     def take(
-        self, t: float, generated: Mapping[str, int]
-    ) -> tuple[list[TraceRequest], list[str]] | None:
-        """The requests that arrived up to ``t`` not yet handed over (their lengths known or
-        imputed from ``generated``, the tokens so far per request in flight), and the ids that
-        left the window; None when the clock is already at or past ``t``."""
+        self, now: float, generated: Mapping[str, int]
+    ) -> tuple[float, list[TraceRequest], list[str]] | None:
+        """At ``now``, the shadows' new clock ``t`` (``delay_s`` behind it), the requests that
+        arrived up to ``t`` not yet handed over (their lengths known or imputed from
+        ``generated``, the tokens so far per request in flight) and the ids that left the window;
+        None when the clock is already at or past ``t``."""
         if self.shape is not None:  # bounded even while no decision is judged (few requests)
-            self.shape.trim(t + self.config.delay_s)
+            self.shape.trim(now)
+        t = now - self.config.delay_s
         if self.clock is not None and t <= self.clock:
             return None
         batch: list[TraceRequest] = []
@@ -112,7 +114,7 @@ class Feed:
             gone.append(self._window.popleft()[1])
         for rid in gone:
             self._meta.pop(rid, None)
-        return batch, gone
+        return t, batch, gone
 
     def settled(self, clock: float) -> list[tuple[float, str]]:
         """The window's requests (arrival, id) that arrived ``settle_s`` or more before
