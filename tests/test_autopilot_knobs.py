@@ -13,7 +13,7 @@ from scheduler.settings_change import SettingsChange
 from sim import traces
 from sim.engine import EngineConfig
 from tuner.autopilot.candidates import SearchConfig, ShadowSearch, axis_rank, candidate_space
-from tuner.autopilot.controller import Autopilot, AutopilotConfig, candidate_set
+from tuner.autopilot.controller import Autopilot, AutopilotConfig
 from tuner.autopilot.replay import replay_with_autopilot
 from tuner.autopilot.shadows import Shadow
 
@@ -38,7 +38,7 @@ def busy() -> traces.Trace:
 
 
 def test_the_space_holds_every_knob_with_fixed_values():
-    space = candidate_set(UNIBOOST, AutopilotConfig(gammas=(0.001, 0.01, 0.1, 1.0, 10.0)))
+    space = AutopilotConfig(gammas=(0.001, 0.01, 0.1, 1.0, 10.0)).candidates(UNIBOOST)
     tie = space["tie:beta=0.5"].settings
     assert tie.policy == "tie" and tie.params.beta == tie.params.beta_min == tie.params.beta_max
     # MemGuard's other bases with the defaults and one γ a decade (every third grid point)
@@ -173,7 +173,7 @@ def test_with_no_limit_every_candidate_runs():
 
 
 def test_the_first_running_set_spreads_along_the_axis():
-    space = candidate_set(UNIBOOST, AutopilotConfig())
+    space = AutopilotConfig().candidates(UNIBOOST)
     search = ShadowSearch(space, ["sarathi", "defaults"], SearchConfig(6, 0.25, 3, 900.0, 1800.0))
     first = search.initial("defaults")
     assert len(first) == 6 and first[:2] == ["sarathi", "defaults"]

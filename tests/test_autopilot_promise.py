@@ -344,3 +344,28 @@ def test_with_tenants_slos_declared_it_ranks_by_scr_and_offers_slofq():
         if feasible and d.changed:
             assert d.figures[d.choice].scr == max(f.scr for f in feasible)
     assert np.isfinite([d.figures["slofq"].scr for d in judged]).all()
+
+
+def test_overload_is_judged_on_how_long_the_reference_needs_to_empty_its_queue():
+    """``OverloadWatch``: "rising" once the reference's queue needs over ``overload_growth_s``
+    to empty and longer than at the last decision; "sustained" over ``overload_drain_s`` (a
+    projection that never empties it counts as forever), then held without a verdict for
+    ``overload_recheck`` - 1 decisions; an idle reference is never overloaded."""
+    from tuner.autopilot.overload import OverloadWatch
+
+    config = AutopilotConfig(overload_drain_s=300.0, overload_growth_s=60.0, overload_recheck=3)
+    watch = OverloadWatch(config)
+    assert watch.horizon(600.0) == 300.0  # no further than sustained overload needs
+    clock = 1_000.0
+    assert watch.judge(True, clock + 90.0, clock) == ""  # over 60 s, but nothing to compare with
+    assert watch.judge(True, clock + 120.0, clock) == "rising" and watch.rising
+    assert watch.judge(True, clock + 110.0, clock) == "" and not watch.rising  # draining
+    assert watch.judge(True, clock + 50.0, clock) == ""  # under 60 s, shorter still
+    assert watch.judge(True, clock + 55.0, clock) == "" and watch.rising  # longer, under 60 s
+    assert watch.judge(False, None, clock) == ""  # idle: nothing queued
+    assert not watch.holding()
+    assert watch.judge(True, None, clock) == "sustained"  # not empty within the horizon
+    assert [watch.holding() for _ in range(3)] == [True, True, False]  # judged every 3rd
+    assert watch.judge(True, clock + 30.0, clock) == "" and not watch.holding()
+    off = OverloadWatch(AutopilotConfig(overload_drain_s=None))
+    assert off.judge(True, None, clock) == "" and off.horizon(600.0) == 600.0

@@ -166,3 +166,58 @@ def test_a_recent_span_as_long_as_what_is_kept_is_refused():
     AutopilotConfig(window_s=600.0, delay_s=60.0, shape_recent_s=600.0)
     # Left at its default under a short window (a test's, a demo's), the watch never fires.
     AutopilotConfig(window_s=60.0, delay_s=2.0)
+
+
+def test_on_a_new_shape_a_tie_is_broken_by_the_stress_test():
+    """On a new shape's first requests every setting serves alike (they arrive on the queue the
+    old shape left); the stress test — the last arrivals going on — shows the backlog each would
+    build. A candidate tied with the running choice on the window is taken when it beats it by
+    ``down_margin`` there; off a new shape, or without that lead, or breaking the promise under
+    stress, the tie keeps the running choice (today's rule)."""
+    from scheduler.settings import Settings
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.promise import QUANTILE_NAMES, Figures
+
+    def figures(**over: float) -> Figures:
+        base = dict.fromkeys(QUANTILE_NAMES, 1.0)
+        return Figures(**{**base, "throughput_tok_s": 100.0, **over})  # type: ignore[arg-type]
+
+    pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), CONFIG)
+    assert pilot.current == "defaults"
+    under_stress = {"sarathi": figures(), "defaults": figures(ttft_p95=0.9)}
+    broken: set[str] = set()
+    tested: list[str] = []
+
+    def stress(name: str) -> tuple[str, ...]:  # what the forked shadows would report
+        tested.append(name)
+        return ("stress:ttft_p99",) if name in broken else ()
+
+    pilot._stress_breaks = stress  # type: ignore[method-assign]
+    pilot._stress_figures = under_stress.__getitem__  # type: ignore[method-assign]
+    window = {  # a tie on the window: 1% apart
+        "sarathi": figures(),
+        "defaults": figures(ttft_p95=0.5),
+        "gamma=0.1": figures(ttft_p95=0.495),
+    }
+    under_stress["gamma=0.1"] = figures(ttft_p95=0.6)  # a third less backlog than the defaults'
+
+    pilot._new_shape = False  # an old shape: the tie keeps the running choice, nothing is tested
+    assert pilot._choose(window, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    assert tested == []
+
+    pilot._new_shape = True
+    choice, changed, reason = pilot._choose(window, 1_000.0, "", 0.0)
+    assert (choice, changed) == ("gamma=0.1", True)
+    assert "ties defaults" in reason and "0.6 s ttft_p95 vs 0.9 s" in reason
+    assert sorted(tested) == ["defaults", "gamma=0.1"]  # never the reference itself
+
+    under_stress["gamma=0.1"] = figures(ttft_p95=0.88)  # ahead under stress, not by 5%
+    assert pilot._choose(window, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    under_stress["gamma=0.1"] = figures(ttft_p95=0.6)
+    broken.add("gamma=0.1")  # far ahead, but it breaks the promise under stress
+    assert pilot._choose(window, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    broken.clear()
+    # In overload no move goes down: the tie is not even re-judged.
+    tested.clear()
+    assert pilot._choose(window, 1_000.0, "rising", 0.0)[:2] == ("defaults", False)
+    assert tested == []

@@ -14,8 +14,9 @@ from scheduler.settings import (
     GAMMA_MIN_SAFE,
     GAMMA_USEFUL_MAX,
     GAMMA_USEFUL_MIN,
+    Settings,
 )
-from tuner.autopilot.candidates import SearchConfig
+from tuner.autopilot.candidates import Candidate, SearchConfig, candidate_space
 from tuner.autopilot.promise import Promise
 
 
@@ -153,6 +154,19 @@ class AutopilotConfig(BaseModel):
                 "shorter"
             )
         return self
+
+    def candidates(self, base: Settings) -> dict[str, Candidate]:
+        """The candidates (``tuner.autopilot.candidates.candidate_space``) this configuration
+        spans around the replica's settings ``base``, by name."""
+        return candidate_space(
+            base,
+            gammas=self.gammas,
+            betas=self.betas,
+            quant_bases=self.quant_bases,
+            with_defaults=self.with_defaults,
+            with_sarathi=self.with_sarathi,
+            slo=self.promise.slo,
+        )
 
     def search(self) -> SearchConfig:
         return SearchConfig(

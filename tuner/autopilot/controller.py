@@ -5,18 +5,17 @@ How it decides (README, "The autopilot"). The candidate settings (``tuner.autopi
 uniboost at a fixed γ on a log grid, the defaults (γ-Ada), TIE at a fixed β, MemGuard's other
 quantization bases, sarathi — vLLM's own order, the guard's reference — and slofq with declared
 SLOs; the operator's pins bound them) are searched: at most ``max_shadows`` have a *shadow* at a
-time, a simulator that replays the replica's own traffic under that setting, continuously, since the
-autopilot started or since it was forked from a running neighbour. A shadow never starts from an
-empty engine and never judges a setting over a few minutes: it answers "how would this setting
-have served everything so far", which is what a fixed setting chosen with hindsight is scored
-on. Every ``interval_s``
-the autopilot compares the shadows on the same requests — those that arrived in the last
-``window_s`` before the shadows' clock — among the candidates that keep the operator's promise
-(``tuner.autopilot.promise``: by default no quantile of TTFT or TTLT, nor throughput, worse than
-sarathi's by more than 2%; with tenants' SLOs declared, SCR and JFI first). A request a shadow has
-not finished counts with its *projected* latency: the shadow forked and drained with no further
-arrival (``tuner.autopilot.shadows``), so a held-back request is charged its wait so far and the
-backlog ahead of it before the drain shows it.
+time, a simulator that replays the replica's own traffic under that setting, continuously, since
+the autopilot started or since it was forked from a running neighbour. A shadow never starts from
+an empty engine and never judges a setting over a few minutes: it answers "how would this setting
+have served everything so far", which is what a fixed setting chosen with hindsight is scored on.
+Every ``interval_s`` the autopilot compares the shadows on the same requests — those that
+arrived in the last ``window_s`` before the shadows' clock — among the candidates that keep the
+operator's promise (``tuner.autopilot.promise``: by default no quantile of TTFT or TTLT, nor
+throughput, worse than sarathi's by more than 2%; with tenants' SLOs declared, SCR and JFI
+first). A request a shadow has not finished counts with its *projected* latency: the shadow
+forked and drained with no further arrival (``tuner.autopilot.shadows``), so a held-back request
+is charged its wait so far and the backlog ahead of it before the drain shows it.
 
 The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
 sarathi), and a move along it is not symmetric: a move down promotes short requests, a move up
@@ -28,21 +27,19 @@ one setting all along, do not see. The rules, each measured (README, "The autopi
 * after a change of the traffic's shape (``tuner.autopilot.shape``) the window starts at the
   change once ``shape_min_requests`` of the new shape are in (fewer than ``min_requests``: the
   running choice is then judged on them too) — the old shape's tails are no evidence about the
-  new one;
+  new one; while fewer than ``judge_requests`` of the new shape are in, a candidate tied with the
+  running choice is judged again under the stress test (below), where the backlog each builds
+  shows before the window does (``_break_tie_under_stress``);
 * among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
   else the most age-first is the target (it holds back least for the same objective);
-* a move down takes ``down_margin`` and the *stress test*: the candidate's and the reference's
-  shadows forked with the last ``stress_recent_s`` of arrivals repeated for ``stress_s`` more,
-  and the promise judged on the window and those arrivals together — a small γ that looks as
-  good as any at the start of a burst holds the long requests back through it, and fails here;
-  while the load rises, the running choice below the defaults is stress-tested every decision;
+* a move down takes ``down_margin`` and the *stress test* (``tuner.autopilot.stress``: the last
+  minutes' arrivals going on); while the load rises, so does a running choice below the defaults;
 * leaving a break by a move down takes the stress test too (else the best at or above);
 * a move up takes the ``hysteresis`` margin (``leave_defaults`` from the defaults) after
   ``min_dwell_s``, or the running choice breaking the promise — beyond its sampling noise — on
   ``guard_patience`` decisions in a row;
-* overload is judged on the reference: "rising" (its queue takes over ``overload_growth_s`` to
-  empty, and longer than at the last decision) stops every move down; "sustained" (over
-  ``overload_drain_s``) also moves a choice below the defaults up to them, and holds.
+* overload (``tuner.autopilot.overload``), "rising", stops every move down; "sustained" also
+  moves a choice below the defaults up to them, and holds.
 
 What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
 cap, tenant, type — never the output length), completions (with their output lengths), and how
@@ -64,15 +61,11 @@ from collections.abc import Mapping
 
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
-from tuner.autopilot.candidates import (
-    Candidate,
-    ShadowSearch,
-    candidate_space,
-    running_candidate,
-)
+from tuner.autopilot.candidates import ShadowSearch, running_candidate
 from tuner.autopilot.config import AutopilotConfig as AutopilotConfig
 from tuner.autopilot.config import log_grid as log_grid
 from tuner.autopilot.feed import Feed
+from tuner.autopilot.overload import OverloadWatch
 from tuner.autopilot.promise import (
     Figures,
     breaks,
@@ -81,30 +74,17 @@ from tuner.autopilot.promise import (
     rank_key,
     sampling_slack,
 )
-from tuner.autopilot.shadows import Projection, Shadow, Window, repeat_recent
+from tuner.autopilot.shadows import Projection, Shadow, Window
+from tuner.autopilot.stress import StressTest
 from tuner.autopilot.types import Decision, Observation
 
 GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
 SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and JFI are held to
 
 
-# --- candidates and their shadows ---------------------------------------------------------------
-def candidate_set(base: Settings, config: AutopilotConfig) -> dict[str, Candidate]:
-    """The candidates (``tuner.autopilot.candidates.candidate_space``) this configuration spans."""
-    return candidate_space(
-        base,
-        gammas=config.gammas,
-        betas=config.betas,
-        quant_bases=config.quant_bases,
-        with_defaults=config.with_defaults,
-        with_sarathi=config.with_sarathi,
-        slo=config.promise.slo,
-    )
-
-
 def candidates(base: Settings, config: AutopilotConfig) -> dict[str, Settings]:
     """The settings the autopilot chooses among (and compares against), by name."""
-    return {name: c.settings for name, c in candidate_set(base, config).items()}
+    return {name: c.settings for name, c in config.candidates(base).items()}
 
 
 class Autopilot:
@@ -120,7 +100,7 @@ class Autopilot:
         self.config = config or AutopilotConfig()
         self.engine = engine or EngineConfig()
         self.base = base
-        self.space = candidate_set(base, self.config)
+        self.space = self.config.candidates(base)
         self.options = {name: c.settings for name, c in self.space.items()}
         self.reference = "sarathi" if "sarathi" in self.options else next(iter(self.options))
         self.current = running_candidate(self.options, base) or (
@@ -135,9 +115,7 @@ class Autopilot:
         self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
         self.feed = Feed(self.config)  # observations -> the shadows' replay and the window
-        self._stress: dict[str, Figures] = {}  # this decision's stress figures, by candidate
-        self._context: Window | None = None  # this decision's window
-        self._stressed: Window | None = None  # … with the stress test's arrivals (when needed)
+        self._stress: StressTest | None = None  # this decision's (built when first needed)
         self._next_decision: float | None = None
         self._last_switch = -math.inf
         self._breaks = 0  # consecutive decisions on which the running choice broke the guard
@@ -145,9 +123,8 @@ class Autopilot:
         self._cpu = 0.0
         self._requests = 0  # in the last decision's window
         self._judge_requests = self.config.judge_requests  # … before the running choice is judged
-        self._reference_drain: float | None = None  # at the last decision, s to empty its queue
-        self._load_rising = False  # the reference's drain time grew since the last decision
-        self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
+        self._new_shape = False  # judged on the first requests after a change of shape
+        self.overload = OverloadWatch(self.config)
         self._rising_stress_for = 0  # decisions in a row judged in rising overload
         # the running choice's last stress verdict: (candidate, what it broke)
         self._rising_stress: tuple[str, tuple[str, ...]] = ("", ())
@@ -271,21 +248,18 @@ class Autopilot:
             cfg.judge_requests if since is None else min(cfg.judge_requests, cfg.shape_min_requests)
         )
         self._requests = len(ids)
-        self._context, self._stressed, self._stress = window, None, {}
+        # Fewer than ``judge_requests`` of a new shape: its tails are not yet shown, and a tie on
+        # them is broken by the stress test (``_break_tie_under_stress``).
+        self._new_shape = since is not None and len(ids) < cfg.judge_requests
+        self._stress = StressTest(cfg, window, self.feed.recent, self.shadows, self.reference)
         reference = self.shadows[self.reference]
-        if self._sustained_for and self._sustained_for < cfg.overload_recheck:
-            # Sustained overload does not end within a few minutes: judged again every
-            # ``overload_recheck`` decisions (a deep queue is the costliest to project).
-            self._sustained_for += 1
+        if self.overload.holding():
             return self._hold_in_overload(now, None, len(ids))
         # The reference first, projected no further than the overload test needs: if its queue
         # is not empty by then the replica is overloaded and no comparison is needed.
-        horizon = cfg.project_s
-        if cfg.overload_drain_s is not None:
-            horizon = min(horizon, cfg.overload_drain_s)
+        horizon = self.overload.horizon(cfg.project_s)
         ref, projection = self._figures(reference, window, horizon=horizon)
-        overload = self._overloaded(reference, projection, clock)
-        self._sustained_for = 1 if overload == "sustained" else 0
+        overload = self.overload.judge(reference.busy(), projection.drained_at, clock)
         if overload == "sustained":
             return self._hold_in_overload(now, ref, len(ids))
         raw: dict[str, Figures] = {self.reference: ref}
@@ -362,50 +336,15 @@ class Autopilot:
             del self.shadows[name]
         return decision
 
-    def _overloaded(self, reference: Shadow, projection: Projection, clock: float) -> str:
-        """Whether arrivals outrun what the replica serves, judged on the reference (age order:
-        its queue is the backlog in arrival order): "sustained" when it would need longer than
-        ``overload_drain_s`` to empty its queue with no further arrival; "rising" when longer
-        than ``overload_growth_s`` and more than at the last decision (arrivals above capacity
-        right now); else ""."""
-        cfg = self.config
-        if cfg.overload_drain_s is None:
-            return ""
-        drain = 0.0
-        if reference.busy():
-            drain = math.inf if projection.drained_at is None else projection.drained_at - clock
-        previous, self._reference_drain = self._reference_drain, drain
-        self._load_rising = previous is not None and drain > previous
-        if drain > cfg.overload_drain_s:
-            return "sustained"
-        if drain > cfg.overload_growth_s and previous is not None and drain > previous:
-            return "rising"
-        return ""
-
     def _stress_breaks(self, name: str) -> tuple[str, ...]:
-        """What ``name`` breaks of the promise against the reference when the arrivals of the last
-        ``stress_recent_s`` go on for ``stress_s`` more; empty when it holds or no test is
-        configured."""
-        if self.config.stress_s <= 0 or self._context is None or name == self.reference:
-            return ()
-        if self._stressed is None:  # the same arrivals for every candidate tested this decision
-            forecast = repeat_recent(
-                self.feed.recent,
-                self._context.clock,
-                self.config.stress_recent_s,
-                self.config.stress_s,
-            )
-            self._stressed = self._context.with_forecast(forecast)
-        for n in (self.reference, name):
-            if n not in self._stress:
-                self._stress[n], _ = self._figures(self.shadows[n], self._stressed)
-        stressed = judge(
-            self.config.promise,
-            {n: self._stress[n] for n in (self.reference, name)},
-            self.reference,
-            (self.reference,),
-        )
-        return tuple(f"stress:{b}" for b in stressed[name].broken)
+        """What ``name`` breaks of the promise under this decision's stress test
+        (``tuner.autopilot.stress``); empty when it holds or nothing is judged yet."""
+        return () if self._stress is None else self._stress.breaks(name)
+
+    def _stress_figures(self, name: str) -> Figures:
+        """``name``'s figures under this decision's stress test."""
+        assert self._stress is not None, "a stress figure outside a judged decision"
+        return self._stress.figures(name)
 
     def _current_breaks(self, figures: dict[str, Figures]) -> tuple[str, ...]:
         """What the running choice breaks, with ``GUARD_SLACK`` more slack than a newcomer gets
@@ -446,19 +385,68 @@ class Autopilot:
             return head_new < head_old
         return new.value(promise.objective) < (1.0 - margin) * old.value(promise.objective)
 
+    def _tied(self, feasible: list[str], figures: Mapping[str, Figures]) -> list[str]:
+        """The candidates of ``feasible`` within ``tie`` of the best by the promise's order."""
+        promise = self.config.promise
+        best = min(rank_key(promise, figures[n]) for n in feasible)
+        return [
+            n
+            for n in feasible
+            if rank_key(promise, figures[n])[:-1] == best[:-1]
+            and figures[n].value(promise.objective) <= (1 + self.config.tie) * best[-1]
+        ]
+
+    def _break_tie_under_stress(
+        self, feasible: list[str], figures: Mapping[str, Figures], now: float, blocked: bool
+    ) -> tuple[str, str] | None:
+        """On a new shape's first requests the candidates tied with the running choice, judged
+        again under the stress test; the one to switch to and why, or None.
+
+        The first requests of a new shape arrive on a queue the old shape left: every setting
+        serves them alike, and what sets them apart — the backlog each builds as the new shape's
+        load goes on — shows only later (on ``shift``'s reasoning phase γ 0.001 and γ 0.215 tie
+        within 0.2% for six minutes, then γ 0.215's P95 is 18% worse and the reasoning phase's
+        best fixed setting out of reach: a switch 10 minutes after the change keeps it within
+        1.09×, 11 minutes 1.52×). The stress test — the last ``stress_recent_s`` of arrivals
+        repeated for ``stress_s`` — is that later, seen now. A move down takes ``down_margin``
+        on it, a move up ``hysteresis`` after ``min_dwell_s``, as on the window. Not while the
+        running choice breaks the promise or in overload (``blocked``), nor after a step back."""
+        cfg, promise = self.config, self.config.promise
+        if not self._new_shape or blocked or now < self._hold_until:
+            return None
+        tied = [n for n in self._tied(feasible, figures) if n != self.reference]
+        if self.current not in tied or len(tied) < 2:
+            return None
+        stressed = {n: self._stress_figures(n) for n in tied if not self._stress_breaks(n)}
+        if not stressed:
+            return None
+        pick = min(stressed, key=lambda n: (rank_key(promise, stressed[n]), self._rank(n), n))
+        if pick == self.current:
+            return None
+        down = self._rank(pick) < self._rank(self.current)
+        if not down and now - self._last_switch < cfg.min_dwell_s:
+            return None
+        margin = cfg.down_margin if down else cfg.hysteresis
+        current = stressed.get(self.current)
+        if current is not None and not self._better(stressed[pick], current, margin):
+            return None
+        objective = promise.objective
+        against = (
+            "breaks the promise there" if current is None else f"{current.value(objective):.3g} s"
+        )
+        return pick, (
+            f"{pick} ties {self.current} on the new shape's first {self._requests} requests; if "
+            f"the last {cfg.stress_recent_s:.0f} s of arrivals went on for {cfg.stress_s:.0f} s: "
+            f"{stressed[pick].value(objective):.3g} s {objective} vs {against}"
+        )
+
     def target_among(self, feasible: list[str], figures: Mapping[str, Figures]) -> str:
         """The target among candidates that keep the promise: within ``tie`` of the best by the
         promise's order, the running choice if it is among them, else the one that holds back
         least (the most age-first) — or, with ``prefer_small``, the one that promotes short
         requests most; with ``margin_ties``, among those with the most margin on the promise."""
         cfg, promise = self.config, self.config.promise
-        best = min(rank_key(promise, figures[n]) for n in feasible)
-        tied = [
-            n
-            for n in feasible
-            if rank_key(promise, figures[n])[:-1] == best[:-1]
-            and figures[n].value(promise.objective) <= (1 + cfg.tie) * best[-1]
-        ]
+        tied = self._tied(feasible, figures)
         if self.current in tied:
             return self.current
         by_margin = cfg.margin_ties == "always" or (
@@ -470,6 +458,30 @@ class Autopilot:
             return min(tied, key=lambda n: (self._rank(n), n))
         return max(tied, key=lambda n: (self._rank(n), n))
 
+    def _breaks_as_load_rises(self, overload: str) -> tuple[str, ...]:
+        """What a running choice below the defaults breaks under the stress test while the load
+        rises (the reference's queue takes longer to empty than at the last decision): what it
+        holds back is tested ahead of time — in rising overload once every ``overload_recheck``
+        decisions (its verdict stands between), as sustained overload is judged: ten more
+        minutes of arrivals above capacity make the deepest queues to project (on ``overload``
+        the rising minutes' stress tests were a third of the controller's CPU)."""
+        below_defaults = "defaults" in self.options and self._rank(self.current) < self._rank(
+            "defaults"
+        )
+        if not below_defaults or not self.overload.rising:
+            return ()
+        of, verdict = self._rising_stress
+        if (
+            overload == "rising"
+            and of == self.current
+            and self._rising_stress_for % self.config.overload_recheck
+        ):
+            broken = verdict
+        else:
+            broken = self._stress_breaks(self.current)
+        self._rising_stress = (self.current, broken)
+        return broken
+
     def _choose(
         self, figures: dict[str, Figures], now: float, overload: str, clock: float
     ) -> tuple[str, bool, str]:
@@ -479,31 +491,15 @@ class Autopilot:
         target. A move down the size-to-age axis is cheap and is taken whenever the target is tied
         or better; a move up — or a move off a tied current choice — takes the ``hysteresis``
         margin and ``min_dwell_s``; the running choice is left for breaking the promise only
-        after ``guard_patience`` decisions in a row. In overload (``_overloaded``) no move goes
-        down the axis; sustained, a choice below the defaults moves up to them at once: holding
-        back more would only grow a backlog that someone must be served after."""
+        after ``guard_patience`` decisions in a row. In overload (``tuner.autopilot.overload``)
+        no move goes down the axis; sustained, a choice below the defaults moves up to them at
+        once: holding back more would only grow a backlog that someone must be served after."""
         cfg, promise = self.config, self.config.promise
         objective = promise.objective
         here = self._rank(self.current)
         broken = self._current_breaks(figures)
-        below_defaults = "defaults" in self.options and here < self._rank("defaults")
-        if not broken and below_defaults and self._load_rising:
-            # The load rises (the reference's queue takes longer to empty than at the last
-            # decision): what the running choice holds back is tested ahead of time — in rising
-            # overload once every ``overload_recheck`` decisions (its verdict stands between), as
-            # sustained overload is judged: ten more minutes of arrivals above capacity make the
-            # deepest queues to project (on ``overload`` the rising minutes' stress tests were a
-            # third of the controller's CPU).
-            of, verdict = self._rising_stress
-            if (
-                overload == "rising"
-                and of == self.current
-                and self._rising_stress_for % cfg.overload_recheck
-            ):
-                broken = verdict
-            else:
-                broken = self._stress_breaks(self.current)
-            self._rising_stress = (self.current, broken)
+        if not broken:
+            broken = self._breaks_as_load_rises(overload)
         self._rising_stress_for = self._rising_stress_for + 1 if overload == "rising" else 0
         self._breaks = 0 if not broken else self._breaks + 1
         # In overload only those at or above the running choice were judged; a pin or a
@@ -521,6 +517,11 @@ class Autopilot:
         else:
             return self.current, False, "no candidate keeps the promise on this window: kept"
         current, best = figures[self.current], figures[target]
+        under_stress = self._break_tie_under_stress(
+            feasible, figures, now, bool(broken or overload)
+        )
+        if under_stress is not None:
+            return under_stress[0], True, under_stress[1]
         if target == self.current:
             return (
                 target,

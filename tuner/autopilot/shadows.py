@@ -252,23 +252,6 @@ class ServedLog:
         return slice(start, start + len(ids))
 
 
-def repeat_recent(
-    recent: Iterable[TraceRequest], clock: float, recent_s: float, span_s: float
-) -> list[TraceRequest]:
-    """A stress test's arrivals: those of the last ``recent_s`` before ``clock`` repeated after it
-    until ``span_s`` is filled (the traffic goes on at its recent rate and mix)."""
-    last = [r for r in recent if r.arrival > clock - recent_s]
-    out: list[TraceRequest] = []
-    for k in range(1, math.ceil(span_s / recent_s) + 1):
-        shift = k * recent_s
-        out += [
-            dataclasses.replace(r, id=f"{r.id}~{k}", arrival=r.arrival + shift)
-            for r in last
-            if clock < r.arrival + shift <= clock + span_s
-        ]
-    return out
-
-
 class Shadow:
     """One candidate's continuous replay of the observed traffic."""
 

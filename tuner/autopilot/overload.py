@@ -1,0 +1,58 @@
+"""Overload: whether arrivals outrun what the replica serves, judged at each decision on the
+reference's queue (age order: its queue is the backlog in arrival order).
+
+"Sustained" when the reference would need longer than ``overload_drain_s`` to empty its queue
+with no further arrival: the autopilot moves a choice below the defaults up to them and holds,
+judged again every ``overload_recheck`` decisions (a deep queue is the costliest to project).
+"Rising" when longer than ``overload_growth_s`` and longer than at the last decision (arrivals
+above capacity right now): no move goes down the axis. README, "The autopilot".
+"""
+
+from __future__ import annotations
+
+import math
+
+from tuner.autopilot.config import AutopilotConfig
+
+
+class OverloadWatch:
+    """The overload verdicts of one autopilot's decisions, in order."""
+
+    def __init__(self, config: AutopilotConfig) -> None:
+        self._drain_s = config.overload_drain_s  # None: never judged overloaded
+        self._growth_s = config.overload_growth_s
+        self._recheck = config.overload_recheck
+        self._drain: float | None = None  # at the last verdict, s the reference needs to empty
+        self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
+        self.rising = False  # the reference's drain time grew since the last verdict
+
+    def horizon(self, project_s: float) -> float:
+        """How far to project the reference for a verdict: no further than sustained overload
+        needs to be seen (its queue not empty by then)."""
+        return project_s if self._drain_s is None else min(project_s, self._drain_s)
+
+    def holding(self) -> bool:
+        """Sustained overload was judged less than ``overload_recheck`` decisions ago: it does
+        not end within a few minutes, and this decision holds without a verdict."""
+        if self._sustained_for and self._sustained_for < self._recheck:
+            self._sustained_for += 1
+            return True
+        return False
+
+    def judge(self, busy: bool, drained_at: float | None, clock: float) -> str:
+        """This decision's verdict — "sustained", "rising" or "" — from the reference's queue:
+        whether it is ``busy`` at ``clock`` and when its projection emptied it (None: not
+        within the horizon)."""
+        verdict = ""
+        if self._drain_s is not None:
+            drain = 0.0
+            if busy:
+                drain = math.inf if drained_at is None else drained_at - clock
+            previous, self._drain = self._drain, drain
+            self.rising = previous is not None and drain > previous
+            if drain > self._drain_s:
+                verdict = "sustained"
+            elif drain > self._growth_s and self.rising:
+                verdict = "rising"
+        self._sustained_for = 1 if verdict == "sustained" else 0
+        return verdict

@@ -1,0 +1,82 @@
+"""The stress test: what a candidate would break of the promise if the last minutes' arrivals
+went on.
+
+A small γ that looks as good as any at the start of a burst holds the long requests back through
+it: the window shows that only once the backlog is served. The stress test shows it first — the
+arrivals of the last ``stress_recent_s`` repeated for ``stress_s`` after the shadows' clock (the
+traffic going on at its recent rate and mix), each tested candidate's shadow forked and run on
+through them beside the reference's, and the promise judged on the window and those arrivals
+together (README, "The autopilot"). The arrivals are built once a decision and shared by every
+candidate tested; a candidate's figures are computed once a decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+
+from sim.traces import TraceRequest
+from tuner.autopilot.config import AutopilotConfig
+from tuner.autopilot.promise import Figures, judge
+from tuner.autopilot.shadows import Shadow, Window
+
+
+def repeat_recent(
+    recent: Iterable[TraceRequest], clock: float, recent_s: float, span_s: float
+) -> list[TraceRequest]:
+    """A stress test's arrivals: those of the last ``recent_s`` before ``clock`` repeated after it
+    until ``span_s`` is filled (the traffic goes on at its recent rate and mix)."""
+    last = [r for r in recent if r.arrival > clock - recent_s]
+    out: list[TraceRequest] = []
+    for k in range(1, math.ceil(span_s / recent_s) + 1):
+        shift = k * recent_s
+        out += [
+            dataclasses.replace(r, id=f"{r.id}~{k}", arrival=r.arrival + shift)
+            for r in last
+            if clock < r.arrival + shift <= clock + span_s
+        ]
+    return out
+
+
+class StressTest:
+    """One decision's stress test over ``window``: ``recent`` are the arrivals the shadows were
+    handed lately, ``shadows`` the running candidates, ``reference`` the promise's reference."""
+
+    def __init__(
+        self,
+        config: AutopilotConfig,
+        window: Window,
+        recent: Iterable[TraceRequest],
+        shadows: Mapping[str, Shadow],
+        reference: str,
+    ) -> None:
+        self._config, self._window, self._recent = config, window, recent
+        self._shadows, self._reference = shadows, reference
+        self._stressed: Window | None = None  # the window with the repeated arrivals
+        self._figures: dict[str, Figures] = {}  # by candidate, once tested
+
+    def figures(self, name: str) -> Figures:
+        """``name``'s figures on the window and the repeated arrivals (its shadow forked and run
+        through them, then drained for ``project_s``)."""
+        if name not in self._figures:
+            if self._stressed is None:
+                cfg = self._config
+                forecast = repeat_recent(
+                    self._recent, self._window.clock, cfg.stress_recent_s, cfg.stress_s
+                )
+                self._stressed = self._window.with_forecast(forecast)
+            self._figures[name], _ = self._shadows[name].figures(
+                self._stressed, self._config.project_s
+            )
+        return self._figures[name]
+
+    def breaks(self, name: str) -> tuple[str, ...]:
+        """What ``name`` breaks of the promise against the reference under the test (each as
+        ``stress:<quantile>``); empty when it holds, for the reference itself, or with no test
+        configured (``stress_s`` 0)."""
+        if self._config.stress_s <= 0 or name == self._reference:
+            return ()
+        pair = {n: self.figures(n) for n in (self._reference, name)}
+        verdict = judge(self._config.promise, pair, self._reference, (self._reference,))
+        return tuple(f"stress:{b}" for b in verdict[name].broken)
