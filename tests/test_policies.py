@@ -565,3 +565,31 @@ def test_the_base_policy_has_none_of_the_optional_hooks():
     """What only some policies want is theirs alone: an engine reaches it through the interface."""
     for hook in ("on_tokens", "on_steps", "on_waiting_steps"):
         assert not hasattr(Policy, hook), hook
+
+
+def test_fcfs_keeps_its_running_order_by_placing_only_the_admitted():
+    """fcfs's keys (arrival, id) never change: ``reorder_running`` places only the requests
+    admitted after the settled head — the list ``order_running`` would sort, whatever the
+    admissions' arrivals (a preempted request comes back with its old arrival)."""
+    rng = np.random.default_rng(5)
+    policy = make_policy(Settings.model_validate({"policy": "fcfs"}))
+    running: list[RequestState] = []
+    for step in range(200):
+        admitted = [
+            RequestState(
+                id=f"r{step}-{k}",
+                arrival=float(rng.integers(0, 50)),  # ties on arrival break on the id
+                prompt_tokens=10,
+                max_tokens=10,
+            )
+            for k in range(int(rng.integers(0, 4)))
+        ]
+        settled = len(running)
+        # Completions and preemptions only remove from the settled head.
+        if running and rng.random() < 0.5:
+            del running[int(rng.integers(0, len(running)))]
+            settled -= 1
+        ordered = policy.reorder_running(running + admitted, settled, float(step))
+        assert ordered == policy.order_running(running + admitted, float(step))
+        running = ordered
+    assert len(running) > 50

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +31,17 @@ class Fcfs(Policy):
 
     def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         return sorted(running, key=arrival_order)
+
+    def reorder_running(
+        self, running: list[RequestState], settled: int, now: float
+    ) -> list[RequestState]:
+        # A key never changes here: the settled head is still in order, and only the requests
+        # admitted since are placed (by binary search). Sorting the whole batch at every
+        # contended step made fcfs 1.6x sarathi's time on a deep queue with the same schedule.
+        head = running[:settled]
+        for req in running[settled:]:
+            insort(head, req, key=arrival_order)
+        return head
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
