@@ -363,9 +363,9 @@ def test_overload_is_judged_on_how_long_the_reference_needs_to_empty_its_queue()
     assert watch.judge(True, clock + 50.0, clock) == ""  # under 60 s, shorter still
     assert watch.judge(True, clock + 55.0, clock) == "" and watch.rising  # longer, under 60 s
     assert watch.judge(False, None, clock) == ""  # idle: nothing queued
-    assert not watch.holding()
+    assert not watch.hold_this_decision()
     assert watch.judge(True, None, clock) == "sustained"  # not empty within the horizon
-    assert [watch.holding() for _ in range(3)] == [True, True, False]  # judged every 3rd
-    assert watch.judge(True, clock + 30.0, clock) == "" and not watch.holding()
+    assert [watch.hold_this_decision() for _ in range(3)] == [True, True, False]  # judged every 3rd
+    assert watch.judge(True, clock + 30.0, clock) == "" and not watch.hold_this_decision()
     off = OverloadWatch(AutopilotConfig(overload_drain_s=None))
     assert off.judge(True, None, clock) == "" and off.horizon(600.0) == 600.0

@@ -124,7 +124,7 @@ class Autopilot:
         self._requests = 0  # in the last decision's window
         self._judge_requests = self.config.judge_requests  # … before the running choice is judged
         self._new_shape = False  # judged on the first requests after a change of shape
-        self.overload = OverloadWatch(self.config)
+        self._overload = OverloadWatch(self.config)
         self._rising_stress_for = 0  # decisions in a row judged in rising overload
         # the running choice's last stress verdict: (candidate, what it broke)
         self._rising_stress: tuple[str, tuple[str, ...]] = ("", ())
@@ -248,18 +248,16 @@ class Autopilot:
             cfg.judge_requests if since is None else min(cfg.judge_requests, cfg.shape_min_requests)
         )
         self._requests = len(ids)
-        # Fewer than ``judge_requests`` of a new shape: its tails are not yet shown, and a tie on
-        # them is broken by the stress test (``_break_tie_under_stress``).
-        self._new_shape = since is not None and len(ids) < cfg.judge_requests
+        self._new_shape = self._fresh_shape(since, len(ids), clock)
         self._stress = StressTest(cfg, window, self.feed.recent, self.shadows, self.reference)
         reference = self.shadows[self.reference]
-        if self.overload.holding():
+        if self._overload.hold_this_decision():
             return self._hold_in_overload(now, None, len(ids))
         # The reference first, projected no further than the overload test needs: if its queue
         # is not empty by then the replica is overloaded and no comparison is needed.
-        horizon = self.overload.horizon(cfg.project_s)
+        horizon = self._overload.horizon(cfg.project_s)
         ref, projection = self._figures(reference, window, horizon=horizon)
-        overload = self.overload.judge(reference.busy(), projection.drained_at, clock)
+        overload = self._overload.judge(reference.busy(), projection.drained_at, clock)
         if overload == "sustained":
             return self._hold_in_overload(now, ref, len(ids))
         raw: dict[str, Figures] = {self.reference: ref}
@@ -396,6 +394,24 @@ class Autopilot:
             and figures[n].value(promise.objective) <= (1 + self.config.tie) * best[-1]
         ]
 
+    def _fresh_shape(self, since: float | None, requests: int, clock: float) -> bool:
+        """Whether the window is a new shape's first ``requests`` — fewer than
+        ``judge_requests``, and less than ``stress_s`` since the change at ``since``: its tails
+        are not yet shown, and a tie on them is broken by the stress test
+        (``_break_tie_under_stress``). After ``stress_s`` what the stress test would foresee has
+        had time to show in the window itself (a shape arriving slowly would otherwise keep the
+        rule for an hour: on every tie it was measured and not kept, README).
+        Without a stress test, or with tenants' SLOs declared (whose ties have their own rule,
+        ``margin_ties``), never."""
+        cfg = self.config
+        return (
+            since is not None
+            and cfg.stress_s > 0
+            and cfg.promise.slo is None
+            and requests < cfg.judge_requests
+            and clock - since < cfg.stress_s
+        )
+
     def _break_tie_under_stress(
         self, feasible: list[str], figures: Mapping[str, Figures], now: float, blocked: bool
     ) -> tuple[str, str] | None:
@@ -409,24 +425,33 @@ class Autopilot:
         best fixed setting out of reach: a switch 10 minutes after the change keeps it within
         1.09×, 11 minutes 1.52×). The stress test — the last ``stress_recent_s`` of arrivals
         repeated for ``stress_s`` — is that later, seen now. A move down takes ``down_margin``
-        on it, a move up ``hysteresis`` after ``min_dwell_s``, as on the window. Not while the
-        running choice breaks the promise or in overload (``blocked``), nor after a step back."""
+        on it, a move up ``hysteresis`` (``leave_defaults`` from the defaults) after
+        ``min_dwell_s``, as on the window; a running choice that breaks the promise under the
+        test is left for the best that keeps it (on equal figures the most age-first). Not
+        while the running choice breaks the promise on the window or in overload (``blocked``),
+        after a step back, or when the last ``stress_recent_s`` saw no arrival (nothing to
+        repeat: the window's own tie stands)."""
         cfg, promise = self.config, self.config.promise
         if not self._new_shape or blocked or now < self._hold_until:
             return None
         tied = [n for n in self._tied(feasible, figures) if n != self.reference]
         if self.current not in tied or len(tied) < 2:
             return None
+        if self._stress is None or not self._stress.arrivals():
+            return None
         stressed = {n: self._stress_figures(n) for n in tied if not self._stress_breaks(n)}
         if not stressed:
             return None
-        pick = min(stressed, key=lambda n: (rank_key(promise, stressed[n]), self._rank(n), n))
+        pick = min(stressed, key=lambda n: (rank_key(promise, stressed[n]), -self._rank(n), n))
         if pick == self.current:
             return None
         down = self._rank(pick) < self._rank(self.current)
         if not down and now - self._last_switch < cfg.min_dwell_s:
             return None
-        margin = cfg.down_margin if down else cfg.hysteresis
+        if down:
+            margin = cfg.down_margin
+        else:
+            margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
         current = stressed.get(self.current)
         if current is not None and not self._better(stressed[pick], current, margin):
             return None
@@ -468,7 +493,7 @@ class Autopilot:
         below_defaults = "defaults" in self.options and self._rank(self.current) < self._rank(
             "defaults"
         )
-        if not below_defaults or not self.overload.rising:
+        if not below_defaults or not self._overload.rising:
             return ()
         of, verdict = self._rising_stress
         if (

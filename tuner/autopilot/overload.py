@@ -31,9 +31,10 @@ class OverloadWatch:
         needs to be seen (its queue not empty by then)."""
         return project_s if self._drain_s is None else min(project_s, self._drain_s)
 
-    def holding(self) -> bool:
-        """Sustained overload was judged less than ``overload_recheck`` decisions ago: it does
-        not end within a few minutes, and this decision holds without a verdict."""
+    def hold_this_decision(self) -> bool:
+        """Whether this decision holds without a verdict: sustained overload was judged less
+        than ``overload_recheck`` decisions ago, and it does not end within a few minutes. Counts
+        the decision (call it once a decision)."""
         if self._sustained_for and self._sustained_for < self._recheck:
             self._sustained_for += 1
             return True

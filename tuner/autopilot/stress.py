@@ -22,7 +22,7 @@ from tuner.autopilot.promise import Figures, judge
 from tuner.autopilot.shadows import Shadow, Window
 
 
-def repeat_recent(
+def _repeat_recent(
     recent: Iterable[TraceRequest], clock: float, recent_s: float, span_s: float
 ) -> list[TraceRequest]:
     """A stress test's arrivals: those of the last ``recent_s`` before ``clock`` repeated after it
@@ -51,23 +51,32 @@ class StressTest:
         shadows: Mapping[str, Shadow],
         reference: str,
     ) -> None:
-        self._config, self._window, self._recent = config, window, recent
+        self._config, self._base, self._recent = config, window, recent
         self._shadows, self._reference = shadows, reference
         self._stressed: Window | None = None  # the window with the repeated arrivals
         self._figures: dict[str, Figures] = {}  # by candidate, once tested
+
+    def _window(self) -> Window:
+        """The decision's window and the repeated arrivals after it (built on first use)."""
+        if self._stressed is None:
+            cfg = self._config
+            forecast = _repeat_recent(
+                self._recent, self._base.clock, cfg.stress_recent_s, cfg.stress_s
+            )
+            self._stressed = self._base.with_forecast(forecast)
+        return self._stressed
+
+    def arrivals(self) -> int:
+        """How many arrivals the test adds after the clock (0: none came in the last
+        ``stress_recent_s``, nothing to repeat)."""
+        return len(self._window().forecast)
 
     def figures(self, name: str) -> Figures:
         """``name``'s figures on the window and the repeated arrivals (its shadow forked and run
         through them, then drained for ``project_s``)."""
         if name not in self._figures:
-            if self._stressed is None:
-                cfg = self._config
-                forecast = repeat_recent(
-                    self._recent, self._window.clock, cfg.stress_recent_s, cfg.stress_s
-                )
-                self._stressed = self._window.with_forecast(forecast)
             self._figures[name], _ = self._shadows[name].figures(
-                self._stressed, self._config.project_s
+                self._window(), self._config.project_s
             )
         return self._figures[name]
 
