@@ -12,6 +12,7 @@ __all__ = [
     "export",
     "governance",
     "governor",
+    "governor_live",
     "http",
     "monitoring",
     "poller",

@@ -136,7 +136,7 @@ class Collector:
         self._waiting_since: dict[str, tuple[float, int]] = {}  # tenant -> (since, waiting then)
         self.governance: GovernanceReport | None = None
         # The governor's last status (state, paused, active modes), when one runs on this
-        # collector (controlplane.governor.governor_step sets it; the /metrics page reads it).
+        # collector (controlplane.governor_live.governor_step sets it; the /metrics page reads it).
         self.governor_status: dict[str, Any] | None = None
 
     # --- public reading side (TUI, tests) ----------------------------------------------------

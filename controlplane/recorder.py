@@ -34,7 +34,7 @@ from typing import Any
 from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector
 from controlplane.exporter import MetricsServer
-from controlplane.governor import run_governor
+from controlplane.governor_live import run_governor
 from controlplane.poller import PollResult
 from storage.store import Store
 

@@ -481,7 +481,7 @@ def demo_controllers(
 ) -> list[Controller]:
     """The autopilot (armed on ``armed``; ``config`` by default the demo's pacing, ``live`` the
     driver's defaults) and the governor (dry-run)."""
-    from controlplane.governor import governor_task  # start-up cost
+    from controlplane.governor_live import governor_task  # start-up cost
     from tuner.autopilot.controller import AutopilotConfig  # start-up cost
 
     return [

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from twin_support import poll_all, serve_all
 
 from controlplane.governance import GovernanceSpec
-from controlplane.governor import MODES, Governor, governor_step
+from controlplane.governor import MODES, Governor
+from controlplane.governor_live import governor_step
 from scheduler.settings import Settings
 
 LOW = {"scr": 0.5, "jfi": 0.99, "type_fairness_min": 1.0}

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from twin_support import poll_all
 
 from controlplane.governance import GovernanceSpec
-from controlplane.governor import Governor, governor_step, modes, run_governor
+from controlplane.governor import Governor, modes
+from controlplane.governor_live import governor_step, run_governor
 from scheduler.metrics import Completion
 from scheduler.metrics.fairness import window_report
 from scheduler.settings import Settings, SloFqParams

@@ -59,7 +59,8 @@ def run(
     from controlplane.cluster import ClusterSpec, ReplicaSpec
     from controlplane.collector import Collector
     from controlplane.governance import GovernanceSpec
-    from controlplane.governor import Governor, governor_step
+    from controlplane.governor import Governor
+    from controlplane.governor_live import governor_step
     from controlplane.replica_http import make_client
     from storage.store import Store
     from tuner.twins.cluster import start_twins
