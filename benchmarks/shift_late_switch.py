@@ -10,7 +10,9 @@ fixed setting ``lag`` minutes after the reasoning phase's first arrival — an o
 both winners and when the shape changes — and prints the reasoning phase's P95 TTFT against that
 fixed setting's. A controller that sees only the past needs some of the new shape's requests (and
 their latencies under each candidate) before it can know; the lag at which even the oracle misses
-the target bounds what any such controller can reach. Deterministic; ~20 s.
+the target bounds what any such controller can reach. Then a few whole schedules (γ and the
+time each starts) beside the autopilot's own — what ran before the switch matters too.
+Deterministic; ~30 s.
 """
 
 from __future__ import annotations
@@ -35,15 +37,30 @@ BEFORE_GAMMA = 0.5  # the long-prompt phase's best fixed setting (README, "The a
 AFTER_GAMMA = 0.01  # the reasoning phase's
 
 
-def replay(requests: list, gamma: float, switch_at: float | None = None) -> list[Completion]:
-    """The trace on a fixed ``gamma``, switched to γ ``AFTER_GAMMA`` at ``switch_at`` (None:
-    never)."""
-    sim = Simulator(requests, Settings.model_validate(fixed(gamma)), EngineConfig())
+# Whole schedules, (start time s, γ) in order: the autopilot's on ``shift`` from minute 21
+# (README: γ 1 through the long-prompt phase, γ 0.215 from minute 41, γ 0.001 from minute 50;
+# before, γ-Ada and γ 10) and its parts changed one at a time.
+SCHEDULES: dict[str, list[tuple[float, float]]] = {
+    "γ 0.5, γ 0.01 at minute 50": [(0.0, 0.5), (3_000.0, 0.01)],
+    "γ 0.5, γ 0.001 at minute 50": [(0.0, 0.5), (3_000.0, 0.001)],
+    "γ 0.215, γ 0.001 at minute 50": [(0.0, 0.215), (3_000.0, 0.001)],
+    "γ 1, γ 0.215 at 41, γ 0.01 at 50": [(0.0, 1.0), (2_460.0, 0.215), (3_000.0, 0.01)],
+    "γ 1, γ 0.215 at 41, γ 0.001 at 50 (the autopilot's from minute 21)": [
+        (0.0, 1.0),
+        (2_460.0, 0.215),
+        (3_000.0, 0.001),
+    ],
+}
+
+
+def replay(requests: list, schedule: list[tuple[float, float]]) -> list[Completion]:
+    """The trace on each γ of ``schedule`` (start time s, γ) from its start."""
+    sim = Simulator(requests, Settings.model_validate(fixed(schedule[0][1])), EngineConfig())
     completions: list[Completion] = []
-    if switch_at is not None:
-        sim.advance_to(switch_at)
+    for start, gamma in schedule[1:]:
+        sim.advance_to(start)
         completions += sim.drain()[0]
-        sim.apply_settings(Settings.model_validate(fixed(AFTER_GAMMA)))
+        sim.apply_settings(Settings.model_validate(fixed(gamma)))
     sim.advance_to(float("inf"))
     return completions + sim.drain()[0]
 
@@ -61,8 +78,8 @@ def main() -> None:
     phase = PHASE_PREFIX + "reasoning"
 
     def p95(gamma: float, switch_at: float | None = None) -> float:
-        completions = replay(requests, gamma, switch_at)
-        return score(completions, half_time(trace), phases=True)[phase]["ttft_p95"]
+        schedule = [(0.0, gamma)] + ([] if switch_at is None else [(switch_at, AFTER_GAMMA)])
+        return score(replay(requests, schedule), half_time(trace), phases=True)[phase]["ttft_p95"]
 
     best = p95(AFTER_GAMMA)
     print(
@@ -77,6 +94,11 @@ def main() -> None:
     for lag in (float(x) for x in args.lags.split(",")):
         value = p95(BEFORE_GAMMA, change + 60.0 * lag)
         print(f"| {lag:g} | {value:.2f} s | {value / best:.2f}x |")
+    print("\n| schedule | reasoning P95 TTFT | vs its best fixed |")
+    print("|---|---|---|")
+    for name, schedule in SCHEDULES.items():
+        value = score(replay(requests, schedule), half_time(trace), phases=True)[phase]["ttft_p95"]
+        print(f"| {name} | {value:.2f} s | {value / best:.2f}x |")
 
 
 if __name__ == "__main__":
