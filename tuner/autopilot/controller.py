@@ -27,9 +27,10 @@ one setting all along, do not see. The rules, each measured (README, "The autopi
 * after a change of the traffic's shape (``tuner.autopilot.shape``) the window starts at the
   change once ``shape_min_requests`` of the new shape are in (fewer than ``min_requests``: the
   running choice is then judged on them too) — the old shape's tails are no evidence about the
-  new one; while fewer than ``judge_requests`` of the new shape are in, a candidate tied with the
-  running choice is judged again under the stress test (below), where the backlog each builds
-  shows before the window does (``_break_tie_under_stress``);
+  new one; while fewer than ``judge_requests`` of the new shape are in and less than
+  ``stress_s`` has passed since the change, a candidate tied with the running choice is judged
+  again under the stress test (below), where the backlog each builds shows before the window
+  does (``_break_tie_under_stress``);
 * among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
   else the most age-first is the target (it holds back least for the same objective);
 * a move down takes ``down_margin`` and the *stress test* (``tuner.autopilot.stress``: the last
@@ -115,7 +116,7 @@ class Autopilot:
         self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
         self.feed = Feed(self.config)  # observations -> the shadows' replay and the window
-        self._stress: StressTest | None = None  # this decision's (built when first needed)
+        self._stress: StressTest | None = None  # this decision's (its arrivals built on first use)
         self._next_decision: float | None = None
         self._last_switch = -math.inf
         self._breaks = 0  # consecutive decisions on which the running choice broke the guard
@@ -125,9 +126,6 @@ class Autopilot:
         self._judge_requests = self.config.judge_requests  # … before the running choice is judged
         self._new_shape = False  # judged on the first requests after a change of shape
         self._overload = OverloadWatch(self.config)
-        self._rising_stress_for = 0  # decisions in a row judged in rising overload
-        # the running choice's last stress verdict: (candidate, what it broke)
-        self._rising_stress: tuple[str, tuple[str, ...]] = ("", ())
 
     # --- which candidates run ------------------------------------------------------------------
     def follow(self, name: str) -> None:
@@ -486,26 +484,16 @@ class Autopilot:
     def _breaks_as_load_rises(self, overload: str) -> tuple[str, ...]:
         """What a running choice below the defaults breaks under the stress test while the load
         rises (the reference's queue takes longer to empty than at the last decision): what it
-        holds back is tested ahead of time — in rising overload once every ``overload_recheck``
-        decisions (its verdict stands between), as sustained overload is judged: ten more
-        minutes of arrivals above capacity make the deepest queues to project (on ``overload``
-        the rising minutes' stress tests were a third of the controller's CPU)."""
+        holds back is tested ahead of time (``OverloadWatch.running_verdict``: in rising
+        overload once every ``overload_recheck`` decisions)."""
         below_defaults = "defaults" in self.options and self._rank(self.current) < self._rank(
             "defaults"
         )
         if not below_defaults or not self._overload.rising:
             return ()
-        of, verdict = self._rising_stress
-        if (
-            overload == "rising"
-            and of == self.current
-            and self._rising_stress_for % self.config.overload_recheck
-        ):
-            broken = verdict
-        else:
-            broken = self._stress_breaks(self.current)
-        self._rising_stress = (self.current, broken)
-        return broken
+        return self._overload.running_verdict(
+            overload, self.current, lambda: self._stress_breaks(self.current)
+        )
 
     def _choose(
         self, figures: dict[str, Figures], now: float, overload: str, clock: float
@@ -525,7 +513,7 @@ class Autopilot:
         broken = self._current_breaks(figures)
         if not broken:
             broken = self._breaks_as_load_rises(overload)
-        self._rising_stress_for = self._rising_stress_for + 1 if overload == "rising" else 0
+        self._overload.count_rising(overload)
         self._breaks = 0 if not broken else self._breaks + 1
         # In overload only those at or above the running choice were judged; a pin or a
         # probation may bar others.

@@ -11,6 +11,7 @@ above capacity right now): no move goes down the axis. README, "The autopilot".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tuner.autopilot.config import AutopilotConfig
 
@@ -25,6 +26,9 @@ class OverloadWatch:
         self._drain: float | None = None  # at the last verdict, s the reference needs to empty
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
         self.rising = False  # the reference's drain time grew since the last verdict
+        self._rising_for = 0  # decisions in a row judged in rising overload
+        # the running choice's last stress verdict while the load rose: (candidate, what it broke)
+        self._running_verdict: tuple[str, tuple[str, ...]] = ("", ())
 
     def horizon(self, project_s: float) -> float:
         """How far to project the reference for a verdict: no further than sustained overload
@@ -57,3 +61,23 @@ class OverloadWatch:
                 verdict = "rising"
         self._sustained_for = 1 if verdict == "sustained" else 0
         return verdict
+
+    def running_verdict(
+        self, verdict: str, current: str, test: Callable[[], tuple[str, ...]]
+    ) -> tuple[str, ...]:
+        """What the running choice ``current`` breaks under the stress test (``test`` runs it)
+        while the load rises: in rising overload (``verdict``) run once every
+        ``overload_recheck`` decisions, its verdict standing between, as sustained overload is
+        judged — ten more minutes of arrivals above capacity make the deepest queues to project
+        (on ``overload`` the rising minutes' stress tests were a third of the controller's CPU)."""
+        of, last = self._running_verdict
+        if verdict == "rising" and of == current and self._rising_for % self._recheck:
+            broken = last
+        else:
+            broken = test()
+        self._running_verdict = (current, broken)
+        return broken
+
+    def count_rising(self, verdict: str) -> None:
+        """Count a judged decision's verdict for ``running_verdict``'s cadence."""
+        self._rising_for = self._rising_for + 1 if verdict == "rising" else 0
