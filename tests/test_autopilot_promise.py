@@ -369,3 +369,27 @@ def test_overload_is_judged_on_how_long_the_reference_needs_to_empty_its_queue()
     assert watch.judge(True, clock + 30.0, clock) == "" and not watch.hold_this_decision()
     off = OverloadWatch(AutopilotConfig(overload_drain_s=None))
     assert off.judge(True, None, clock) == "" and off.horizon(600.0) == 600.0
+
+
+def test_in_rising_overload_the_running_choice_is_stress_tested_every_recheck_decisions():
+    """``OverloadWatch.running_verdict``: in rising overload the running choice's stress test
+    runs once every ``overload_recheck`` judged decisions, its verdict standing between; a new
+    running choice, or a load that rises without overload, is tested at once."""
+    from tuner.autopilot.overload import OverloadWatch
+
+    watch = OverloadWatch(AutopilotConfig(overload_recheck=3))
+    runs: list[str] = []
+
+    def test(name: str, verdict: tuple[str, ...] = ()):
+        return lambda: runs.append(name) or verdict
+
+    got = []
+    for k in range(7):
+        got.append(watch.running_verdict("rising", "gamma=0.1", test("a", (f"v{k}",))))
+        watch.count_rising("rising")
+    assert runs == ["a", "a", "a"]  # decisions 0, 3, 6
+    assert got == [("v0",)] * 3 + [("v3",)] * 3 + [("v6",)]
+    assert watch.running_verdict("rising", "gamma=0.01", test("b")) == ()  # a new choice
+    watch.count_rising("")
+    assert watch.running_verdict("", "gamma=0.01", test("c")) == ()  # rising, not overloaded
+    assert runs == ["a", "a", "a", "b", "c"]
