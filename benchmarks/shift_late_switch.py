@@ -77,9 +77,11 @@ def main() -> None:
     change = min(r.arrival for r in requests if r.id.startswith("reasoning"))
     phase = PHASE_PREFIX + "reasoning"
 
-    def p95(gamma: float, switch_at: float | None = None) -> float:
-        schedule = [(0.0, gamma)] + ([] if switch_at is None else [(switch_at, AFTER_GAMMA)])
+    def p95_of(schedule: list[tuple[float, float]]) -> float:
         return score(replay(requests, schedule), half_time(trace), phases=True)[phase]["ttft_p95"]
+
+    def p95(gamma: float, switch_at: float | None = None) -> float:
+        return p95_of([(0.0, gamma)] + ([] if switch_at is None else [(switch_at, AFTER_GAMMA)]))
 
     best = p95(AFTER_GAMMA)
     print(
@@ -97,7 +99,7 @@ def main() -> None:
     print("\n| schedule | reasoning P95 TTFT | vs its best fixed |")
     print("|---|---|---|")
     for name, schedule in SCHEDULES.items():
-        value = score(replay(requests, schedule), half_time(trace), phases=True)[phase]["ttft_p95"]
+        value = p95_of(schedule)
         print(f"| {name} | {value:.2f} s | {value / best:.2f}x |")
 
 

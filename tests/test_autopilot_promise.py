@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from autopilot_support import figures
 from pydantic import ValidationError
 
 from scheduler.metrics import summarize
@@ -18,7 +19,6 @@ from tuner.autopilot.controller import AutopilotConfig, candidates
 from tuner.autopilot.promise import (
     QUANTILE_NAMES,
     QUANTILES,
-    Figures,
     Promise,
     breaks,
     judge,
@@ -42,11 +42,6 @@ def ratios(completions, reference) -> dict[str, float]:
 
 def fixed(trace, doc) -> dict[str, float]:
     return summarize(simulate(trace, Settings.model_validate(doc)).completions)
-
-
-def figures(**over: float) -> Figures:
-    base = dict.fromkeys(QUANTILE_NAMES, 1.0)
-    return Figures(**{**base, "throughput_tok_s": 100.0, **over})  # type: ignore[arg-type]
 
 
 # --- the promise itself -----------------------------------------------------------------------

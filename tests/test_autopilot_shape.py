@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from autopilot_support import figures
 
 from sim import traces
 from tuner.autopilot.controller import AutopilotConfig
@@ -190,13 +191,6 @@ class _FixedStress:
         return ("stress:ttft_p99",) if name in self.broken else ()
 
 
-def _figures(**over: float):
-    from tuner.autopilot.promise import QUANTILE_NAMES, Figures
-
-    base = dict.fromkeys(QUANTILE_NAMES, 1.0)
-    return Figures(**{**base, "throughput_tok_s": 100.0, **over})  # type: ignore[arg-type]
-
-
 def _pilot():
     from scheduler.settings import Settings
     from tuner.autopilot.controller import Autopilot
@@ -208,10 +202,10 @@ def _pilot():
 
 # A tie on the window, the reference in it too (1% apart).
 WINDOW = {
-    "sarathi": _figures(ttft_p95=0.5),
-    "defaults": _figures(ttft_p95=0.5),
-    "gamma=0.1": _figures(ttft_p95=0.495),
-    "gamma=1": _figures(ttft_p95=0.497),
+    "sarathi": figures(ttft_p95=0.5),
+    "defaults": figures(ttft_p95=0.5),
+    "gamma=0.1": figures(ttft_p95=0.495),
+    "gamma=1": figures(ttft_p95=0.497),
 }
 
 
@@ -225,10 +219,10 @@ def test_on_a_new_shape_a_tie_is_broken_by_the_stress_test():
     pilot = _pilot()
     assert pilot.current == "defaults"
     stress = {
-        "sarathi": _figures(),
-        "defaults": _figures(ttft_p95=0.9),
-        "gamma=0.1": _figures(ttft_p95=0.6),  # a third less backlog than the defaults'
-        "gamma=1": _figures(ttft_p95=0.95),
+        "sarathi": figures(),
+        "defaults": figures(ttft_p95=0.9),
+        "gamma=0.1": figures(ttft_p95=0.6),  # a third less backlog than the defaults'
+        "gamma=1": figures(ttft_p95=0.95),
     }
     pilot._stress = fixed = _FixedStress(stress)  # type: ignore[assignment]
     choice, changed, reason = pilot._choose(WINDOW, 1_000.0, "", 0.0)
@@ -243,7 +237,7 @@ def test_on_a_new_shape_a_tie_is_broken_by_the_stress_test():
     pilot._new_shape = False  # an old shape: the window's tie keeps the running choice
     assert kept()
     pilot._new_shape = True
-    assert kept(figures={**stress, "gamma=0.1": _figures(ttft_p95=0.88)})  # ahead, not by 5%
+    assert kept(figures={**stress, "gamma=0.1": figures(ttft_p95=0.88)})  # ahead, not by 5%
     assert kept(broken={"gamma=0.1"})  # far ahead, but it breaks the promise under stress
     assert kept(arrivals=0)  # nothing arrived lately: nothing to repeat
     pilot._stress = fixed = _FixedStress(stress)  # type: ignore[assignment]
@@ -254,7 +248,7 @@ def test_on_a_new_shape_a_tie_is_broken_by_the_stress_test():
     pilot._hold_until = -math.inf
     # The running choice breaking the promise under stress is left for one that keeps it,
     # however close their objectives.
-    close = {**stress, "gamma=0.1": _figures(ttft_p95=0.89)}
+    close = {**stress, "gamma=0.1": figures(ttft_p95=0.89)}
     pilot._stress = _FixedStress(close, broken={"defaults"})  # type: ignore[assignment]
     assert pilot._choose(WINDOW, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", True)
 
@@ -263,17 +257,17 @@ def test_a_move_up_on_a_new_shape_takes_the_dwell_and_the_hysteresis():
     pilot = _pilot()
     pilot.current, pilot._last_switch = "gamma=0.1", 900.0
     stress = {
-        "sarathi": _figures(),
-        "defaults": _figures(ttft_p95=0.95),
-        "gamma=0.1": _figures(ttft_p95=0.9),
-        "gamma=1": _figures(ttft_p95=0.72),  # 20% ahead under stress: above the running choice
+        "sarathi": figures(),
+        "defaults": figures(ttft_p95=0.95),
+        "gamma=0.1": figures(ttft_p95=0.9),
+        "gamma=1": figures(ttft_p95=0.72),  # 20% ahead under stress: above the running choice
     }
     pilot._stress = _FixedStress(stress)  # type: ignore[assignment]
     assert pilot._choose(WINDOW, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", False)  # 100 s ago
     later = 900.0 + CONFIG.min_dwell_s
     assert pilot._choose(WINDOW, later, "", 0.0)[:2] == ("gamma=1", True)
     pilot.current, pilot._last_switch = "gamma=0.1", 900.0
-    ahead = {**stress, "gamma=1": _figures(ttft_p95=0.8)}  # 11%: a move down's margin, not up's
+    ahead = {**stress, "gamma=1": figures(ttft_p95=0.8)}  # 11%: a move down's margin, not up's
     pilot._stress = _FixedStress(ahead)  # type: ignore[assignment]
     assert pilot._choose(WINDOW, later, "", 0.0)[:2] == ("gamma=0.1", False)
 

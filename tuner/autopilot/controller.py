@@ -381,6 +381,16 @@ class Autopilot:
             return head_new < head_old
         return new.value(promise.objective) < (1.0 - margin) * old.value(promise.objective)
 
+    def _up_margin(self) -> float:
+        """What a move up the axis (or off a tied running choice) must win by:
+        ``leave_defaults`` from the defaults, else ``hysteresis``."""
+        cfg = self.config
+        return cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
+
+    def _dwelt(self, now: float) -> bool:
+        """Whether ``min_dwell_s`` has passed since the last switch."""
+        return now - self._last_switch >= self.config.min_dwell_s
+
     def _tied(self, feasible: list[str], figures: Mapping[str, Figures]) -> list[str]:
         """The candidates of ``feasible`` within ``tie`` of the best by the promise's order."""
         promise = self.config.promise
@@ -444,12 +454,9 @@ class Autopilot:
         if pick == self.current:
             return None
         down = self._rank(pick) < self._rank(self.current)
-        if not down and now - self._last_switch < cfg.min_dwell_s:
+        if not down and not self._dwelt(now):
             return None
-        if down:
-            margin = cfg.down_margin
-        else:
-            margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
+        margin = cfg.down_margin if down else self._up_margin()
         current = stressed.get(self.current)
         if current is not None and not self._better(stressed[pick], current, margin):
             return None
@@ -573,10 +580,9 @@ class Autopilot:
                 ),
             )
         down = self._rank(target) < here
-        margin = cfg.leave_defaults if self.current == "defaults" else cfg.hysteresis
+        margin = self._up_margin()
         by_down_margin = down and self._better(best, current, cfg.down_margin) and not overload
-        dwelt = now - self._last_switch >= cfg.min_dwell_s
-        if not by_down_margin and not dwelt:
+        if not by_down_margin and not self._dwelt(now):
             return (
                 self.current,
                 False,
