@@ -204,6 +204,11 @@ class UniBoostParams(PreemptiveParams):
     # Running decodes take the step's token budget before any prefill chunk (seed stage 1,
     # Sarathi); the score still decides admission and preemption victims.
     decode_first: bool = True
+    # The hold-back bound: a request waiting this long since its arrival is overdue and goes
+    # ahead of every request that is not, overdue requests in arrival order (FCFS among them),
+    # and stays ahead until it finishes — however small γ, no request waits behind newer short
+    # ones for longer than this (None: no bound, γ alone decides).
+    hold_bound_s: float | None = Field(None, ge=MIN_DURATION_S, le=MAX_DURATION_S)
     # Policy preemption that does not waste work (recompute throws the victim's KV away):
     # preempt when the only shortage is a sequence slot (KV has room), or only for KV;
     preempt_for_seats: bool = True

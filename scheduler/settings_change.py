@@ -161,7 +161,10 @@ class SettingsChange:
 
 
 def fmt_value(value: Any) -> str:
-    """A parameter's value as an operator reads it: on/off, 6 significant digits, JSON."""
+    """A parameter's value as an operator reads it: on/off, 6 significant digits, JSON (an unset
+    optional parameter is ``null``, as ``name=null`` sets it)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float):

@@ -351,6 +351,7 @@ def deep_scenarios(draw):
     params = dict(SIM_PARAMS.get(policy, {}))
     if policy == "uniboost":
         params["memguard"] = draw(st.booleans())
+        params["hold_bound_s"] = draw(st.sampled_from([None, 0.1, 0.6]))
     engine = {
         "max_num_seqs": draw(st.integers(1, 6)),
         "max_num_batched_tokens": draw(st.integers(8, 200)),
@@ -398,15 +399,18 @@ def deep_trace(n: int = 400, seed: int = 3) -> list[TraceRequest]:
 
 
 @on_pure_path
-@pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
-def test_deep_queue_replay_identical_to_the_plain_queue(policy):
-    """Hundreds waiting at once, every policy (uniboost with γ-Ada moving γ every 0.5 s)."""
+@pytest.mark.parametrize("case", [*sorted(POLICY_CLASSES), "uniboost+hold"])
+def test_deep_queue_replay_identical_to_the_plain_queue(case):
+    """Hundreds waiting at once, every policy (uniboost with γ-Ada moving γ every 0.5 s; and with
+    a hold-back bound that makes hundreds overdue while γ moves)."""
+    policy = case.split("+")[0]
     params = {
         "uniboost": {"ada_interval_s": 0.5, "ada_min_samples": 20},
+        "uniboost+hold": {"ada_interval_s": 0.5, "ada_min_samples": 20, "hold_bound_s": 2.0},
         "sjf": {"predictor": "history", "starve_steps": 40},
         "srpt": {"predictor": "history"},
         "tie": {"predictor": "history"},
-    }.get(policy, {})
+    }.get(case, {})
     settings = Settings.model_validate(
         {
             "policy": policy,
@@ -438,3 +442,5 @@ def test_deep_queue_replay_identical_to_the_plain_queue(policy):
     ]
     if policy == "uniboost":
         assert len({g for _, g in res.gamma_timeline}) > 5  # γ moved while the queue was deep
+    if case == "uniboost+hold":  # the bound made many overdue while they waited
+        assert sum(c.scheduled_at - c.arrival > 2.0 for c in res.completions) > 50

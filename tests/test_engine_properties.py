@@ -63,6 +63,7 @@ def scenarios(draw):
     if policy == "uniboost":
         params["memguard"] = draw(st.booleans())
         params["gamma_ada"] = draw(st.booleans())
+        params["hold_bound_s"] = draw(st.sampled_from([None, None, 0.05, 0.5]))
     engine = {
         "max_num_seqs": draw(st.integers(1, 8)),
         "max_num_batched_tokens": draw(st.integers(8, 300)),
@@ -250,6 +251,7 @@ def test_sjf_skips_a_kv_blocked_stretch_past_a_starving_head_and_matches_step_by
     [
         ("srpt", {"predictor": "oracle"}),
         ("uniboost", {"gamma_ada": False}),
+        ("uniboost", {"gamma_ada": False, "hold_bound_s": 0.5}),
     ],
 )
 def test_preemptive_policies_skip_a_kv_blocked_stretch_with_a_seat_free(policy, params):

@@ -767,6 +767,28 @@ def test_sjf_starvation_guard_promotes_a_starving_request(build):
     assert order.index("L") < order.index("s39"), order
 
 
+@pytest.mark.parametrize("hold_bound_s", [None, 500.0], ids=["unbounded", "bounded"])
+def test_the_hold_back_bound_promotes_an_overdue_request_on_a_live_replica(build, hold_bound_s):
+    """uniboost's hold_bound_s on vLLM's own scheduler: L (a long prompt) arrived ~1,000 s ago,
+    the short ones ~10 s ago. Under γ 0.001 alone L waits behind every short one; with a 500 s
+    bound it is overdue on arrival (the arrival stamps are the API server's) and goes first."""
+    clock = Clock()
+    settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "hold_bound_s": hold_bound_s}}
+    s = build(num_blocks=200, max_num_seqs=1, max_num_batched_tokens=512, settings=settings)
+    d = Driver(s)
+    arrivals = {0: [req(clock, "first", 8, 2, -1.0), req(clock, "L", 400, 2, 0.0)]}
+    for k in range(10):
+        arrivals.setdefault(k, []).append(req(clock, f"s{k:02d}", 8, 2, 990.0 + k))
+    d.run(arrivals=arrivals)
+    assert_all_finished(d)
+    order = d.first_admitted
+    if hold_bound_s is None:
+        assert order.index("L") > order.index("s09"), order
+    else:
+        assert order[:2] == ["first", "L"], order
+        assert s.tp_core.states == {}  # nothing left behind (the overdue request finished)
+
+
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "unified"])
 def test_decode_first_gives_running_decodes_the_budget_before_prefill_chunks(build, decode_first):
     """D (128-token prompt) is decoding when P (100 tokens, so the better uniboost score) arrives.

@@ -6,6 +6,7 @@ work gets the larger boost. γ → ∞ gives FCFS; γ → 0 gives size order.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import insort
 from collections import deque
@@ -31,9 +32,13 @@ from scheduler.policies.base import (
     quantize,
 )
 from scheduler.policies.predictors import LengthPredictor
+from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
 LN5 = math.log(5.0)
+# An overdue request's work argument (hold_bound_s): b_γ(w ≤ 0) is 1e9 s under every γ, larger
+# than any request's boost, so overdue requests go first and, among them, by arrival.
+OVERDUE_WORK = -1.0
 _arrival_id = attrgetter("arrival", "id")
 ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span
 
@@ -147,9 +152,14 @@ class UniBoost(PreemptivePolicy):
         self.books_since: float | None = None
         self._next_tick = p.ada_interval_s if self.ada_enabled else INF
         self.gamma_updates = 0
+        # hold_bound_s: (time the request becomes overdue, seq, request) for waiting requests
+        self.hold_bound = p.hold_bound_s
+        self._due: list[tuple[float, int, RequestState]] = []
+        self._due_seq = 0
 
     # --- score ---------------------------------------------------------------------------
     def work_tokens(self, req: RequestState) -> float:
+        """w̃ in tokens: the quantized attained work or the prompt, whichever is larger."""
         p = self.params
         attained = (
             quantize(req.attained, p.quant_base_tokens, p.quant_ratio)
@@ -162,7 +172,7 @@ class UniBoost(PreemptivePolicy):
         key = self.cached_key(req)
         if key is None:
             p = self.params
-            value = req.arrival - boost(p.alpha_s_per_token * self.work_tokens(req), self.gamma)
+            value = req.arrival - boost(self.wait_group(req), self.gamma)
             # The score holds while w̃ does: under MemGuard until attained work crosses the next
             # threshold above both it and the prompt (below the prompt, w̃ is the prompt);
             # without, until attained work passes the prompt or itself.
@@ -187,13 +197,19 @@ class UniBoost(PreemptivePolicy):
         return "offsets" if self.ada_enabled else None
 
     def wait_group(self, req: RequestState) -> float:
-        return self.params.alpha_s_per_token * self.work_tokens(req)  # the argument of b_γ in key()
+        """The argument of b_γ in ``key``: α·w̃ in seconds, or OVERDUE_WORK past the bound."""
+        if req.overdue and self.hold_bound is not None:
+            return OVERDUE_WORK
+        return self.params.alpha_s_per_token * self.work_tokens(req)
 
     def approx_offsets(self, values: np.ndarray) -> np.ndarray:
         return boost_array(values, self.gamma)
 
     # --- γ-Ada's signal (and MemGuard's guard, set on admission) ----------------------------
     def on_arrival(self, req: RequestState, now: float) -> None:
+        if self.hold_bound is not None:
+            req.overdue = False
+            self._watch(req, now)
         # fcfs_wait: the tokens queued ahead of this arrival, drained at the recent admission
         # rate, is how long FCFS would keep it waiting, whatever order is actually served.
         if self.fcfs_wait:
@@ -218,6 +234,8 @@ class UniBoost(PreemptivePolicy):
         return self.admitted_sum / span if log else 0.0
 
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
+        if self.hold_bound is not None and not req.overdue:
+            self._watch(req, now)
         if self.fcfs_wait:
             n = req.prompt_tokens + req.generated
             self.backlog += n
@@ -236,6 +254,43 @@ class UniBoost(PreemptivePolicy):
 
     def policy_preemptible(self, req: RequestState) -> bool:
         return req.attained >= req.guard_tokens
+
+    # --- the hold-back bound (hold_bound_s) -----------------------------------------------
+    # A request becomes overdue once it has waited hold_bound_s since its arrival: its key then
+    # goes ahead of every request that is not overdue (OVERDUE_WORK), and it keeps that place
+    # until it finishes, so a preemption does not send it back behind newer short requests.
+    def _watch(self, req: RequestState, now: float) -> None:
+        assert self.hold_bound is not None
+        due = req.arrival + self.hold_bound
+        if due <= now:
+            self._make_overdue(req)
+            return
+        self._due_seq += 1
+        heapq.heappush(self._due, (due, self._due_seq, req))
+
+    def _make_overdue(self, req: RequestState) -> None:
+        req.overdue = True
+        req.score_epoch = -1  # drop the cached key
+        self.moved.append(req)  # the waiting queue refiles it (its group changes too)
+
+    def _drop_stale_due(self) -> None:
+        # Entries of requests admitted before they fell due are stale (a later preemption files
+        # a new one): dropped here so they do not stop the simulator's event skipping.
+        due = self._due
+        while due and (due[0][2].status != "waiting" or due[0][2].overdue):
+            heapq.heappop(due)
+
+    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+        super().before_step(waiting, now)
+        due = self._due
+        while due and due[0][0] <= now:
+            req = heapq.heappop(due)[2]
+            if req.status == "waiting" and not req.overdue:
+                self._make_overdue(req)
+
+    def next_time_event(self, waiting: Sequence[RequestState], now: float) -> float:
+        self._drop_stale_due()
+        return self._due[0][0] if self._due else INF
 
     # --- preemption that does not waste work (each rule a parameter) -----------------------
     def policy_victim(
@@ -333,7 +388,7 @@ class UniBoost(PreemptivePolicy):
         while valid, else computed and cached exactly as ``key`` does."""
         p = self.params
         epoch, gamma, alpha = self.epoch, self.gamma, p.alpha_s_per_token
-        if p.memguard:  # a key holds until the next MemGuard threshold: mostly cached
+        if p.memguard or self.hold_bound is not None:  # mostly cached; overdue keys are rare
             return super().sort_key(now)
         log, expm1, exp = math.log, math.expm1, math.exp
 
@@ -415,6 +470,8 @@ class UniBoost(PreemptivePolicy):
         best = self.score(waiting[0], now) + self.preempt_margin()  # waiting is in key order
         steps = INF
         for r in running:
+            if r.overdue and self.hold_bound is not None:
+                continue  # its key is fixed ahead of every request that is not overdue
             gap = r.arrival - best  # preempt once b_γ(w̃_r) < gap
             if gap <= 0:
                 continue
@@ -433,6 +490,15 @@ class UniBoost(PreemptivePolicy):
         # prompt (a preempted one its prompt and what it had generated, recomputed on admission).
         # Without them, after a switch from a setting that kept no books, the backlog ahead of
         # each arrival reads near 0 while the queue is deep, and γ-Ada falls to gamma_min.
+        # The bound is this document's: past it a waiting request is overdue now; a running one
+        # stays overdue only if it also is under this bound (it was made so by another).
+        bound = self.hold_bound
+        for r in running:
+            r.overdue = r.overdue and bound is not None and r.arrival + bound <= now
+        for r in waiting:
+            r.overdue = False
+            if self.hold_bound is not None:
+                self._watch(r, now)
         if self.fcfs_wait:
             self.owed = {r.id: r.prompt_tokens + r.generated for r in waiting}
             self.backlog = sum(self.owed.values())
