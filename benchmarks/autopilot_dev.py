@@ -10,7 +10,6 @@ and the autopilot's switches. A development aid: the benchmark of record is benc
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import sys
 import time
@@ -25,6 +24,7 @@ if str(REPO) not in sys.path:
 from benchmarks import autopilot as bench  # noqa: E402
 from benchmarks import autopilot_scoring as scoring  # noqa: E402
 from benchmarks.autopilot_workloads import slos_of  # noqa: E402
+from scheduler.settings_change import parse_assignment  # noqa: E402
 from tuner.autopilot.replay import replay_with_autopilot  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--verbose", "-v", action="count", default=0)
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = dict(parse_assignment(text) for text in args.set)
     for w in args.workloads.split(","):
         config = bench.autopilot_config(w).model_copy(update=overrides)
         (trace, _how), cols = fixed_columns(w, args.cache, args.traces)

@@ -31,10 +31,10 @@ prometheus-rules`` and ``grafana`` build their queries from it, and the tests ch
 real scrape); :data:`controlplane.series.RENAMED` maps the names of the previous version to these.
 
 Tenant names come from clients, so the page labels at most
-:data:`~controlplane.series.MAX_TENANTS` of them: the cluster file's tenants first, then the
+:data:`~scheduler.names.MAX_GROUPS_PER_WINDOW` of them: the cluster file's tenants first, then the
 busiest; ``tailpilot_tenants_omitted`` counts the rest. Request-type names likewise
-(:data:`~controlplane.series.MAX_TYPES`, ``tailpilot_types_omitted``); each replica's window
-already folds names past storage.limits' bounds into one "other" group, and the counters fold
+(:data:`~scheduler.names.MAX_GROUPS_PER_WINDOW`, ``tailpilot_types_omitted``); each replica's window
+already folds names past the bounds of scheduler.names into one "other" group, and the counters fold
 names past the same bounds (first come) into "other" for good, so that a counter never vanishes.
 
 ``tailpilot_ingest_rejected_total`` counts, per replica and reason, what the collector could not
@@ -65,14 +65,15 @@ from controlplane.collector import Collector
 from controlplane.governance import GovernanceReport, GovernanceSpec
 from controlplane.governor import MODES, modes
 from controlplane.poller import PollResult, ReplicaView
-from controlplane.series import ALERT_SEVERITIES, MAX_TENANTS, MAX_TYPES, SERIES
+from controlplane.series import ALERT_SEVERITIES, SERIES
+from scheduler.names import MAX_GROUPS_PER_WINDOW, fold_name
 from scheduler.plugin.admission import Limits
 from scheduler.plugin.api import ControlServer
 from scheduler.plugin.request import HTTPError
 from scheduler.settings import QUANTILES
 from scheduler.validation import finite_or_none
 from storage.control import CONTROL_STATES
-from storage.limits import REASONS, fold_name
+from storage.limits import REASONS
 from storage.rows import LATENCIES, PERCENTILES
 
 DEFAULT_PORT = 9464  # the port prometheus_client's own exporters use by convention
@@ -118,7 +119,7 @@ class CompletionCounters:
     (the cluster file's always kept apart) are counted under "other" from then on, so a label
     set, once shown, only grows."""
 
-    def __init__(self, collector: Collector, max_names: int = MAX_TENANTS) -> None:
+    def __init__(self, collector: Collector, max_names: int = MAX_GROUPS_PER_WINDOW) -> None:
         spec = collector.cluster.governance
         self._reserved = {
             "tenant": frozenset(spec.tenants if spec is not None else ()),
@@ -181,7 +182,7 @@ class ClusterMetrics:
         out.add("tailpilot_window_seconds", (cluster,), c.cluster.window_s)
         shown, omitted = labelled_tenants(c)
         out.add("tailpilot_tenants_omitted", (cluster,), omitted)
-        types, types_omitted = labelled_groups(c, "type", MAX_TYPES)
+        types, types_omitted = labelled_groups(c, "type", MAX_GROUPS_PER_WINDOW)
         out.add("tailpilot_types_omitted", (cluster,), types_omitted)
         for name, view in c.views.items():
             self._replica(out, cluster, name, view, shown, types)
@@ -384,7 +385,9 @@ class ClusterMetrics:
             )
 
 
-def labelled_tenants(collector: Collector, limit: int = MAX_TENANTS) -> tuple[set[str], int]:
+def labelled_tenants(
+    collector: Collector, limit: int = MAX_GROUPS_PER_WINDOW
+) -> tuple[set[str], int]:
     """(the tenants the page labels, how many it leaves off): the cluster file's tenants, then the
     most requests in the window (ties by name), ``limit`` in all."""
     return labelled_groups(collector, "tenant", limit)

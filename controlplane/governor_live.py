@@ -1,7 +1,8 @@
 """The governor, live: its evaluations hosted by the controller host
 (``controlplane.controller_host``) — the control row read each tick, the decisions of
 ``controlplane.governor.Governor`` carried out through steering (armed) or written to the audit
-(dry-run), its status stored — for ``tailpilot govern`` and ``tailpilot record --govern``.
+(dry-run), its status stored — for ``tailpilot record --govern`` (armed, in dry-run or paused
+by ``tailpilot governor``).
 
 The decision rule (the modes, when each is entered and undone, the change each makes) is
 ``controlplane.governor``; this module is how it runs beside a collector.

@@ -39,7 +39,7 @@ from controlplane.prom import MetricsFormatError, parse_vllm_metrics
 from controlplane.retry import POLL_RATE_LIMITED, rate_limited
 from scheduler import contract
 from scheduler.errors import FAILED, TailpilotError
-from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE, fold_name
 from scheduler.validation import finite_or_none
 from storage import limits
 from storage.rows import CompletionRow
@@ -267,7 +267,7 @@ def fit_state(
     collector cannot use or store; the reasons, one per value (storage.limits.REASONS). The
     completions are fitted one by one elsewhere; ``next_cursor`` is checked by the caller.
     ``declared``: the cluster file's tenants and types, kept apart in the waiting counts
-    whatever their number (``storage.limits.fold_name``)."""
+    whatever their number (``scheduler.names.fold_name``)."""
     reasons = _fit_numbers(state)
     for key, chars in (
         ("instance", limits.INSTANCE_CHARS),
@@ -335,7 +335,7 @@ def _fit_counts_by_name(
         if why is not None:
             reasons.append(why)
         else:
-            group = limits.fold_name(group, out, declared)
+            group = fold_name(group, out, declared)
         out[group] = out.get(group, 0) + n
     return out
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_TENANTS = 100  # tenants labelled on one page (cardinality: tenant names come from clients)
-MAX_TYPES = 100  # request types labelled on one page (type names come from clients too)
+from scheduler.names import MAX_GROUPS_PER_WINDOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +127,12 @@ SERIES: dict[str, Series] = _series(
     (
         "tailpilot_tenants_omitted",
         "cluster",
-        f"Tenants left off this page (at most {MAX_TENANTS} are labelled).",
+        f"Tenants left off this page (at most {MAX_GROUPS_PER_WINDOW} are labelled).",
     ),
     (
         "tailpilot_types_omitted",
         "cluster",
-        f"Request types left off this page (at most {MAX_TYPES} are labelled).",
+        f"Request types left off this page (at most {MAX_GROUPS_PER_WINDOW} are labelled).",
     ),
     # governance (over every replica's window together; docs/governance.md)
     (

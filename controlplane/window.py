@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from scheduler.metrics import distribution_stats
+from scheduler.names import MAX_GROUPS_PER_WINDOW, fold_name
 from scheduler.validation import finite_or_none
-from storage.limits import MAX_GROUPS_PER_WINDOW, fold_name
 from storage.rows import LATENCIES, PERCENTILES, CompletionRow, LatencyPercentiles
 
 _STAT_KEYS = tuple(f"p{q}" for q in PERCENTILES)
@@ -66,7 +66,7 @@ class ReplicaWindow:
 
     def _code(self, kind: str, name: str) -> int:
         """``name``'s code in column ``kind``: its own group's or OTHER_GROUP's
-        (``storage.limits.fold_name``)."""
+        (``scheduler.names.fold_name``)."""
         codes = self._codes[kind]
         code = codes.get(name)
         if code is not None:

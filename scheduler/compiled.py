@@ -28,7 +28,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "scheduler/policies",
     "sim/engine/step.py",
     "sim/engine/simulator.py",
-    "sim/engine/preemption.py",
+    "sim/engine/books.py",
 )
 # The digest of the sources a build compiled, written beside them by the build (path from a root).
 STAMP = Path("scheduler") / "compiled_core.sha256"

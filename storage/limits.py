@@ -15,55 +15,21 @@ every column against :func:`int_range` / :func:`text_length`. PostgreSQL refuses
 lone surrogate anywhere, so both are refused on every backend. This module imports no SQLAlchemy:
 the collector (``tailpilot status``) fits rows without loading the database layer.
 
-Tenant and request-type names come from clients: they are bounded in length
-(:data:`NAME_MAX_CHARS`) and in number per window (:data:`MAX_GROUPS_PER_WINDOW`), the rest
-folded into one :data:`OTHER_GROUP` — in the collector's window, the per-group rows the store keeps
-and the Prometheus page alike.
+Tenant and request-type names come from clients: a name past the bound (``NAME_MAX_CHARS``) or
+not valid text is stored under ``OTHER_GROUP`` (:func:`group_name`); their cap per window and its
+fold are the names' own (:mod:`scheduler.names`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from scheduler.names import NAME_MAX_CHARS
+from scheduler.names import NAME_MAX_CHARS, OTHER_GROUP
 from storage.rows import CompletionRow, SampleRow
-
-# --- bounds on names (one place: the collector's window, the store's group rows, the page) --------
-
-# A tenant or request-type name longer than NAME_MAX_CHARS (scheduler.names: the engine's bound
-# too) is folded into OTHER_GROUP. Real names are short identifiers (an API key's owner, "chat");
-# 100 is the type column's width (TYPE_CHARS; the tenant column's is 200), so a name that fits
-# fits every column and label it is written to.
-#: Distinct tenant (and, separately, type) names one replica's window keeps apart; completions of
-#: any further name count under OTHER_GROUP. It is the Prometheus page's tenant cap too: the figures
-#: per group are one row per group per poll in the store, so a client sending a new name on every
-#: request must not multiply the rows (or the series) with them.
-MAX_GROUPS_PER_WINDOW = 100
-#: The group that holds everything beyond those bounds (a legitimate tenant named "other" shares
-#: it).
-OTHER_GROUP = "other"
-
-
-def fold_name(
-    name: str,
-    kept: Collection[str],
-    declared: Collection[str] = (),
-    cap: int = MAX_GROUPS_PER_WINDOW,
-) -> str:
-    """The group a (valid) tenant or type name counts under, given the names already ``kept``
-    apart: its own when kept already or ``declared`` (the cluster file's tenants and types: always
-    kept apart, never counted against the cap), or while fewer than ``cap`` undeclared names are
-    kept; else :data:`OTHER_GROUP`. The one rule of the window, the /state counts and the page."""
-    if name in kept or name in declared:
-        return name
-    small, large = (kept, declared) if len(kept) <= len(declared) else (declared, kept)
-    undeclared = len(kept) - (OTHER_GROUP in kept) - sum(1 for d in small if d in large)
-    return name if undeclared < cap else OTHER_GROUP
-
 
 # --- why a value was not stored as sent (the label of the counts per replica) ---------------------
 
@@ -291,9 +257,7 @@ __all__ = [
     "INVALID_TEXT",
     "LONG_NAME",
     "MALFORMED",
-    "MAX_GROUPS_PER_WINDOW",
     "NON_FINITE",
-    "OTHER_GROUP",
     "OUT_OF_RANGE",
     "POLICY_CHARS",
     "REASONS",
@@ -307,7 +271,6 @@ __all__ = [
     "clean_text",
     "fit_completion",
     "fit_sample",
-    "fold_name",
     "fraction_problem",
     "group_name",
     "int_problem",

@@ -182,13 +182,16 @@ def _is_type_checking(node: ast.AST) -> bool:
     )
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import that runs (module level or inside functions), ``if TYPE_CHECKING:`` aside."""
+def _runtime_imports(
+    tree: ast.AST, type_checking: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs (module level or inside functions), ``if TYPE_CHECKING:`` aside
+    unless ``type_checking``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking(child):
+            if _is_type_checking(child) and not type_checking:
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 found.append(child)
@@ -198,9 +201,10 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Project module -> the project modules it imports (lazy imports included; a ``from a
-    import b`` names the submodule ``a.b`` when there is one, else ``a``)."""
+def module_graph(root: Path = ROOT, type_checking: bool = False) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (lazy imports included, and with
+    ``type_checking`` those only the type checker reads; a ``from a import b`` names the
+    submodule ``a.b`` when there is one, else ``a``)."""
     graph: dict[str, set[str]] = {}
     for folder in PACKAGES:
         for path in sorted((root / folder).rglob("*.py")):
@@ -211,7 +215,8 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
             name = ".".join(parts)
             package = ".".join(rel.parts[:-1])
             edges = graph.setdefault(name, set())
-            for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in _runtime_imports(tree, type_checking):
                 if isinstance(node, ast.Import):
                     targets = [a.name for a in node.names]
                 else:
@@ -267,6 +272,14 @@ def test_no_import_cycles_between_modules():
     assert cycles(module_graph()) == []
 
 
+def test_no_type_only_import_circles():
+    """Not even through ``if TYPE_CHECKING:`` imports: a module that needs a type from one that
+    imports it takes a narrow protocol of its own instead (``scheduler.policies.base``'s
+    ``OrderedWaiting``, ``tuner.twins.metrics``'s ``ScrapedTwin``), or the two are one class's
+    concerns (``sim.engine.books.EngineBooks``, the simulator's base)."""
+    assert cycles(module_graph(type_checking=True)) == []
+
+
 def test_the_cycle_checker_finds_a_cycle_closed_by_a_lazy_import(tmp_path):
     (tmp_path / "storage").mkdir()
     (tmp_path / "storage" / "__init__.py").write_text("")
@@ -281,6 +294,10 @@ def test_the_cycle_checker_finds_a_cycle_closed_by_a_lazy_import(tmp_path):
     graph = module_graph(tmp_path)
     assert graph["storage.b"] == {"storage.a"}  # the TYPE_CHECKING import is not an edge
     assert cycles(graph) == [["storage.a", "storage.b"]]
+    # ... unless type-only circles are asked for: then b -> c -> b closes one too.
+    typed = module_graph(tmp_path, type_checking=True)
+    assert typed["storage.b"] == {"storage.a", "storage.c"}
+    assert cycles(typed) == [["storage.a", "storage.b", "storage.c"]]
 
 
 def unexplained_lazy_imports(root: Path = ROOT) -> list[str]:
@@ -329,37 +346,54 @@ def test_one_http_client_library():
 # --- one path per action: a name=value is taken apart in one place ------------------------------
 _SPLITTERS = frozenset({"split", "rsplit", "partition", "rpartition"})
 ASSIGNMENT_SPLITTER = ("scheduler/settings_change.py", "split_assignment")
+# Where a second parser would be one: the packages, and the benchmarks and scripts beside them.
+ASSIGNMENT_SCOPE = (*PACKAGES, "benchmarks", "scripts")
+
+
+def _splits_at_equals(node: ast.AST) -> bool:
+    """A call that takes text apart at ``=``: ``<str>.split("=")`` (rsplit, partition,
+    rpartition; the separator positional or ``sep=``), or ``re.split("=", ...)``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    if node.func.attr not in _SPLITTERS:
+        return False
+    separators = [*node.args[:1], *(k.value for k in node.keywords if k.arg in ("sep", "pattern"))]
+    if isinstance(node.func.value, ast.Name) and node.func.value.id == "re":
+        separators = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "pattern")]
+    return any(isinstance(a, ast.Constant) and a.value == "=" for a in separators)
 
 
 def assignment_splits(path: Path, root: Path = ROOT) -> list[str]:
-    """``file:line function`` of every ``<str>.split("=")`` (rsplit, partition, rpartition) in
-    ``path``."""
+    """``file:line function`` of every split at ``=`` (``_splits_at_equals``) in ``path``,
+    wherever it is — in a function, a class body or at module level (``<module>``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    out = []
-    for func in [
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-    ]:
+    enclosing: dict[ast.AST, str] = {}
+    # Functions in the order they begin: an inner function comes after the one around it, so each
+    # node ends up named by its innermost function.
+    for func in sorted(
+        (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)),
+        key=lambda f: f.lineno,
+    ):
         for node in ast.walk(func):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in _SPLITTERS
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and node.args[0].value == "="
-            ):
-                out.append(f"{path.relative_to(root)}:{node.lineno} {func.name}")
-    return sorted(set(out))
+            if node is not func:
+                enclosing[node] = func.name
+    return sorted(
+        {
+            f"{path.relative_to(root)}:{node.lineno} {enclosing.get(node, '<module>')}"
+            for node in ast.walk(tree)
+            if _splits_at_equals(node)
+        }
+    )
 
 
 def test_a_name_value_assignment_is_split_in_one_place():
     """``scheduler.settings_change.split_assignment`` is the one parser of ``name=value`` (--set,
     the TUI's edits, KEY=VALUE options, search ranges, a vllm serve line's environment): a second
-    ``split("=")`` anywhere in the project fails here."""
+    split at ``=`` anywhere in the project, its benchmarks and scripts fails here."""
     found = [
         hit
-        for package in PACKAGES
-        for path in sorted((ROOT / package).rglob("*.py"))
+        for folder in ASSIGNMENT_SCOPE
+        for path in sorted((ROOT / folder).rglob("*.py"))
         for hit in assignment_splits(path)
     ]
     file, func = ASSIGNMENT_SPLITTER
@@ -371,9 +405,24 @@ def test_the_assignment_check_sees_a_second_splitter(tmp_path):
     (tmp_path / "tuner").mkdir()
     probe = tmp_path / "tuner" / "probe.py"
     probe.write_text(
-        'def f(t):\n    return t.split("=", 1)\n\ndef g(t):\n    return t.split(",")\n'
+        "import re\n"
+        'PAIRS = [t.partition("=") for t in ("a=1",)]\n'
+        "def f(t):\n"
+        '    return t.split("=", 1)\n'
+        "def g(t):\n"
+        '    return t.split(",")\n'
+        "class C:\n"
+        "    def h(self, t):\n"
+        "        def inner(u):\n"
+        '            return u.rsplit(sep="=", maxsplit=1)\n'
+        '        return re.split("=", t)\n'
     )
-    assert assignment_splits(probe, tmp_path) == ["tuner/probe.py:2 f"]
+    assert assignment_splits(probe, tmp_path) == [
+        "tuner/probe.py:10 inner",
+        "tuner/probe.py:11 h",
+        "tuner/probe.py:2 <module>",
+        "tuner/probe.py:4 f",
+    ]
 
 
 # --- one error base -------------------------------------------------------------------------------
@@ -488,22 +537,52 @@ def test_the_tuner_folders_list_their_rooms_and_an_undeclared_one_is_refused():
     assert "controller" in declared and "candidates" not in declared
 
 
+_WAITS = frozenset({"sleep", "wait", "wait_for"})
+
+
+def _ticks(loop: ast.While | ast.For | ast.AsyncFor) -> bool:
+    """A loop that runs until told to stop — ``while not <event>.is_set()`` — or that waits between
+    its turns (a ``sleep``, ``wait`` or ``wait_for`` call in its body): a periodic loop, whatever
+    its test (``while True``, ``while self.running``, ``for _ in count()``)."""
+    test = getattr(loop, "test", None)
+    if (
+        isinstance(test, ast.UnaryOp)
+        and isinstance(test.op, ast.Not)
+        and isinstance(test.operand, ast.Call)
+        and isinstance(test.operand.func, ast.Attribute)
+        and test.operand.func.attr == "is_set"
+    ):
+        return True
+    return any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in _WAITS
+        for statement in loop.body
+        for node in ast.walk(statement)
+    )
+
+
 def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
-    """(lines of ``while not ....is_set():`` loops, whether it calls ``apply_settings``)."""
+    """(lines of periodic loops (``_ticks``), whether it changes replicas' settings: calls
+    steering's ``apply_settings`` — by name, or as ``steering.apply_settings``; a simulator's own
+    ``sim.apply_settings`` is an engine taking a document, not a controller changing a
+    replica)."""
     tree = ast.parse(path.read_text())
-    loops = [
+    loops = sorted(
         node.lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.While)
-        and isinstance(node.test, ast.UnaryOp)
-        and isinstance(node.test.op, ast.Not)
-        and isinstance(node.test.operand, ast.Call)
-        and isinstance(node.test.operand.func, ast.Attribute)
-        and node.test.operand.func.attr == "is_set"
-    ]
+        if isinstance(node, ast.While | ast.For | ast.AsyncFor) and _ticks(node)
+    )
     changes = any(
         isinstance(node, ast.Call)
-        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "apply_settings"
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "apply_settings")
+            or (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "apply_settings"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "steering"
+            )
+        )
         for node in ast.walk(tree)
     )
     return loops, changes
@@ -532,3 +611,26 @@ def test_the_controller_loop_checker_sees_a_second_loop(tmp_path):
         "        await apply_settings(cluster, None, {})\n"
     )
     assert own_loops_and_changes(probe) == ([2], True)
+    # Other shapes of a periodic loop: forever with a sleep, over a counter waiting on an event.
+    probe.write_text(
+        "import asyncio, itertools\n"
+        "async def run(cluster, stop):\n"
+        "    while True:\n"
+        "        await apply_settings(cluster, None, {})\n"
+        "        await asyncio.sleep(5)\n"
+        "def spin(cluster, stop):\n"
+        "    for _ in itertools.count():\n"
+        "        stop.wait(5)\n"
+        "    for r in cluster:\n"
+        "        print(r)\n"
+    )
+    assert own_loops_and_changes(probe) == ([3, 7], True)
+    # An engine's own loop that takes a document (a twin's simulator) is not a controller's.
+    probe.write_text(
+        "import time\n"
+        "def run(sim, doc):\n"
+        "    while True:\n"
+        "        sim.apply_settings(doc)\n"
+        "        time.sleep(1)\n"
+    )
+    assert own_loops_and_changes(probe) == ([3], False)

@@ -840,7 +840,7 @@ def test_tenants_from_clients_do_not_grow_the_page_without_bound(governed, monke
     from controlplane.cluster import load_cluster_file
     from controlplane.collector import Collector
     from controlplane.exporter import render
-    from controlplane.series import MAX_TENANTS
+    from scheduler.names import MAX_GROUPS_PER_WINDOW as MAX_TENANTS
     from storage.rows import GroupSampleRow
 
     path, twin, _ = governed

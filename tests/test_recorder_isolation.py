@@ -30,12 +30,11 @@ from test_collector import Running, _cluster, wait_until
 from controlplane import replica_http
 from controlplane.cluster import ClusterSpec
 from controlplane.collector import Collector, poll_cluster_once
-from controlplane.exporter import MAX_TENANTS, MAX_TYPES, render
+from controlplane.exporter import render
 from controlplane.prom import MAX_METRICS_SERIES
 from controlplane.replica_http import make_client
 from controlplane.views import sample_json, status_table
-from scheduler.names import NAME_MAX_CHARS
-from storage import limits
+from scheduler.names import MAX_GROUPS_PER_WINDOW, NAME_MAX_CHARS
 from storage.store import Store
 from tui.render import audit_row, replica_header
 
@@ -415,7 +414,7 @@ def test_a_metrics_page_of_300k_series_is_refused_unparsed_and_parsing_is_off_th
 def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_store_and_the_page(
     replicas, tmp_path
 ):
-    n = limits.MAX_GROUPS_PER_WINDOW + 150
+    n = MAX_GROUPS_PER_WINDOW + 150
     rep = replicas("r", [entry(i, tenant=f"client-{i}", type=f"type-{i}") for i in range(n)])
     rep.state_extra["time"] = float(n + 1)
     rep.state_extra["waiting_by_tenant"] = {f"waiting-{i}": 1 for i in range(n)}
@@ -424,22 +423,25 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
     poll_rounds(c)
     for kind in ("tenant", "type"):
         groups = {g.group: g.completed for g in c.views["r"].groups if g.kind == kind}
-        assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 1 and groups["other"] == 150
+        assert len(groups) == MAX_GROUPS_PER_WINDOW + 1 and groups["other"] == 150
         stored = store.readings.group_samples("iso", "r", kind=kind)
-        assert len(stored) == limits.MAX_GROUPS_PER_WINDOW + 1
+        assert len(stored) == MAX_GROUPS_PER_WINDOW + 1
     waiting = c.views["r"].state.waiting_by_tenant
-    assert len(waiting) == limits.MAX_GROUPS_PER_WINDOW + 1 and waiting["other"] == 150
+    assert len(waiting) == MAX_GROUPS_PER_WINDOW + 1 and waiting["other"] == 150
     assert (
         len(store.readings.completions("iso", "r")) == n
     )  # each request keeps its own tenant in its row
     fams = {f.name: f.samples for f in text_string_to_metric_families(render(c).decode())}
-    for kind, cap in (("tenant", MAX_TENANTS), ("type", MAX_TYPES)):
+    for kind, cap in (
+        ("tenant", MAX_GROUPS_PER_WINDOW),
+        ("type", MAX_GROUPS_PER_WINDOW),
+    ):
         labelled = {
             s.labels["group"] for s in fams["tailpilot_group_requests"] if s.labels["kind"] == kind
         }
         assert len(labelled) == cap and "other" in labelled  # the busiest: "other" holds 150
         [omitted] = fams[f"tailpilot_{kind}s_omitted"]
-        assert omitted.value == limits.MAX_GROUPS_PER_WINDOW + 1 - cap
+        assert omitted.value == MAX_GROUPS_PER_WINDOW + 1 - cap
     # Names leave the count with their last completion: once the window has moved past the first
     # ones, new names get groups of their own again.
     rep.log += [
@@ -456,9 +458,9 @@ def test_tenant_names_are_bounded_in_number_per_window_in_the_collector_the_stor
 def test_a_declared_tenant_is_never_folded_into_other_past_the_cap(replicas, tmp_path):
     """The cluster file's tenants are kept apart whatever the number of other names — in the
     window's groups, in /state's waiting counts and on the page alike (one rule:
-    storage.limits.fold_name). The waiting counts used to cap them with the rest: a declared
+    scheduler.names.fold_name). The waiting counts used to cap them with the rest: a declared
     tenant arriving after 100 client names was counted under "other"."""
-    n = limits.MAX_GROUPS_PER_WINDOW + 20
+    n = MAX_GROUPS_PER_WINDOW + 20
     names = [f"client-{i}" for i in range(n)] + ["gold"]  # the declared one comes last
     rep = replicas("r", [entry(i, tenant=name) for i, name in enumerate(names)])
     rep.state_extra["time"] = float(n + 2)
@@ -470,7 +472,7 @@ def test_a_declared_tenant_is_never_folded_into_other_past_the_cap(replicas, tmp
     poll_rounds(c)
     groups = {g.group: g.completed for g in c.views["r"].groups if g.kind == "tenant"}
     assert groups["gold"] == 1 and groups["other"] == 20
-    assert len(groups) == limits.MAX_GROUPS_PER_WINDOW + 2  # the cap's, "other" and "gold"
+    assert len(groups) == MAX_GROUPS_PER_WINDOW + 2  # the cap's, "other" and "gold"
     waiting = c.views["r"].state.waiting_by_tenant
     assert waiting["gold"] == 1 and waiting["other"] == 20, waiting
     assert waiting.keys() == groups.keys()

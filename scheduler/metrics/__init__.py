@@ -34,15 +34,16 @@ Modules
   ``percent_change``;
 * ``summary`` — :func:`distribution_stats`, :func:`summarize`, :func:`summarize_by`;
 * ``slo`` — SLO attainment curves and the tightest SLO scale met;
-* ``fairness`` — Jain's index, SLO compliance, shares, and seed 003's figures (SCR, the
-  suppression-aware JFI beside the seed's literal one, type fairness, ω): their one
-  implementation, ``fairness.report`` (docs/governance.md), which :func:`fairness_summary` calls;
+* ``fairness_measures`` — Jain's index, normalised throughput, SLO compliance, shares;
+* ``fairness`` — seed 003's figures (SCR, the suppression-aware JFI beside the seed's literal
+  one, type fairness, ω): their one implementation, ``fairness.report`` (docs/governance.md),
+  which :func:`fairness_summary` calls;
 * ``windowed`` — :class:`WindowedPercentiles` (the live collector's and γ-Ada's).
 """
 
 from scheduler.metrics.completions import Completion, CompletionArrays, to_arrays
-from scheduler.metrics.fairness import (
-    fairness_summary,
+from scheduler.metrics.fairness import fairness_summary
+from scheduler.metrics.fairness_measures import (
     jain_index,
     normalised_throughput,
     shares,

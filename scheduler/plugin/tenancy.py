@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from scheduler.names import NAME_MAX_CHARS
+from scheduler.names import DEFAULT_TENANT, NAME_MAX_CHARS
 from scheduler.settings import clean_name
 
 TenantSource = Literal["client", "gateway", "none"]
@@ -45,7 +45,7 @@ class TenantIdentity:
     def tenant_of(self, extra: Mapping[str, Any]) -> str:
         """The tenant of a request whose ``vllm_xargs`` are ``extra``."""
         if self.source == "none":
-            return "default"
+            return DEFAULT_TENANT
         label = extra.get("tenant")
         if self.source == "client":
             return clean_name(label)

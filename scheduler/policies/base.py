@@ -20,7 +20,7 @@ from bisect import insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from mypy_extensions import mypyc_attr, trait
@@ -29,9 +29,6 @@ from pydantic import BaseModel
 from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.policies.predictors import HistoryPredictor, LengthPredictor
 from scheduler.settings import Settings
-
-if TYPE_CHECKING:  # the queue module imports this one
-    from scheduler.policies.queue import WaitingQueue
 
 INF = math.inf
 _epochs = itertools.count()
@@ -152,6 +149,18 @@ class EngineView:
     """What a policy may know about the engine it runs in."""
 
     max_num_seqs: int
+
+
+class OrderedWaiting(Protocol):
+    """The waiting queue as a policy reads it at the top of a step (``Policy.before_step``): how
+    many wait, and their order. The simulator passes its ``scheduler.policies.queue.WaitingQueue``
+    (whose groups a policy may keep), vLLM's plugin the ordered requests themselves."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[RequestState]: ...
+
+    def ordered(self, now: float) -> Sequence[RequestState]: ...
 
 
 # Not an ``ABC``: the abstract methods are enforced by the type checker. mypyc compiles this
@@ -336,7 +345,7 @@ class Policy:
         """``"offsets"`` layout: the offsets of an array of group values, in this epoch."""
         raise NotImplementedError
 
-    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         """Refresh adaptive state at the top of a step: ``waiting`` is the waiting requests in
         queue order, or (the simulator) the waiting queue itself, whose ``ordered`` gives them."""
         version = getattr(self.predictor, "version", 0)

@@ -20,6 +20,7 @@ from mypy_extensions import mypyc_attr
 from scheduler.policies.base import (
     INF,
     Key,
+    OrderedWaiting,
     Policy,
     PreemptivePolicy,
     RequestState,
@@ -32,7 +33,6 @@ from scheduler.policies.base import (
     quantize,
 )
 from scheduler.policies.predictors import LengthPredictor
-from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
 LN5 = math.log(5.0)
@@ -280,7 +280,7 @@ class UniBoost(PreemptivePolicy):
         while due and (due[0][2].status != "waiting" or due[0][2].overdue):
             heapq.heappop(due)
 
-    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         super().before_step(waiting, now)
         due = self._due
         while due and due[0][0] <= now:

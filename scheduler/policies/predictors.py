@@ -32,6 +32,8 @@ from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 from scipy import special
 
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
+
 __all__ = [
     "PREDICTORS",
     "SIGMA_FLOOR",
@@ -65,12 +67,12 @@ class PredictedRequest(Protocol):
 
 def _tenant(req: PredictedRequest) -> str:
     t = getattr(req, "tenant", None)
-    return "default" if t is None else str(t)
+    return DEFAULT_TENANT if t is None else str(t)
 
 
 def _rtype(req: PredictedRequest) -> str:
     t = getattr(req, "type", None)
-    return "chat" if t is None else str(t)
+    return DEFAULT_TYPE if t is None else str(t)
 
 
 def _cap(value: float, req: PredictedRequest) -> float:

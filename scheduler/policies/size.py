@@ -14,13 +14,13 @@ from scheduler.policies.base import (
     INF,
     CountsSteps,
     Key,
+    OrderedWaiting,
     Policy,
     PreemptivePolicy,
     RequestState,
     SortKey,
 )
 from scheduler.policies.predictors import LengthPredictor
-from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import LasParams, Settings, SjfParams, SrptParams
 
 # A starving sjf request jumps every queue; ties then fall back to (arrival, id).
@@ -275,7 +275,7 @@ class Las(PreemptivePolicy):
         for r in waiting:
             self._watch(r)
 
-    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         super().before_step(waiting, now)
         heap = self._starve_at
         while heap and heap[0][0] <= now:

@@ -44,6 +44,7 @@ from scheduler.policies.base import (
     ChargesTokens,
     CountsSteps,
     Key,
+    OrderedWaiting,
     Policy,
     PreemptivePolicy,
     RequestState,
@@ -421,7 +422,7 @@ class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
         # also end at the next control tick (next_tick).
         return 1 if (waiting and kv_blocked) else INF
 
-    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         self._settle()
         super().before_step(waiting, now)
         self._now = now
@@ -429,7 +430,7 @@ class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
             self._control(waiting, now)
             self._next_control = now + self.params.bp_interval_s
 
-    def _control(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def _control(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         p = self.params
         for w in (self.used, self.typed, self.arrived, self.steps):
             w.flush(now)

@@ -13,9 +13,8 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr
 
-from scheduler.policies.base import Key, Policy, RequestState, new_epoch
+from scheduler.policies.base import Key, OrderedWaiting, Policy, RequestState, new_epoch
 from scheduler.policies.predictors import LengthPredictor
-from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.tie_math import adaptive_beta, tie_moments
 from scheduler.settings import Settings, TieParams
 
@@ -79,7 +78,7 @@ class Tie(Policy):
             key = self.cache_key(req, value, 1 << 62)
         return key
 
-    def before_step(self, waiting: Sequence[RequestState] | WaitingQueue, now: float) -> None:
+    def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         super().before_step(waiting, now)
         if not self.beta_pinned:
             p = self.params

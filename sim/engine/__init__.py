@@ -6,8 +6,9 @@
 
 Modules: `simulator` (the `Simulator` loop and `simulate`), `step` (what one step decided and the
 event-skipping time arithmetic), `config` (`EngineConfig`, the replica's fixed facts), `result`
-(`SimResult`), `preemption` (policy and memory preemption, the contended serve), `invariants`
-(the books checked). This package's namespace is the public API: import from `sim.engine`.
+(`SimResult`), `books` (`EngineBooks`, the simulator's base: the running batch, the KV blocks,
+policy and memory preemption, the contended serve, the books checked). This package's namespace
+is the public API: import from `sim.engine`.
 """
 
 from sim.engine.config import EngineConfig

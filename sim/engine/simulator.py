@@ -28,14 +28,13 @@ from typing import Any, cast
 from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
-from scheduler.policies import Policy, RequestState, make_policy
+from scheduler.policies import RequestState, make_policy
 from scheduler.policies.base import INF, ChargesTokens, CountsSteps, arrival_order
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, Settings
+from sim.engine.books import EngineBooks
 from sim.engine.config import EngineConfig
-from sim.engine.invariants import check_books
-from sim.engine.preemption import preempt_for_waiting, serve_in_running_order
 from sim.engine.result import SimResult
 from sim.engine.step import StepPlan, kv_safe_steps, serve_uncontended
 from sim.traces import Trace, TraceRequest
@@ -43,15 +42,13 @@ from sim.traces import Trace, TraceRequest
 
 # Tests subclass it (a clock, a switch mid-run); the autopilot forks it by pickling.
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class Simulator:
+class Simulator(EngineBooks):
     """One replica replaying ``trace`` under ``settings`` on ``config``'s hardware.
 
     ``run()`` replays the whole trace; ``advance_to``, ``apply_settings``, ``recover``,
     ``extend_arrivals`` and ``drain`` drive it live (the twin replicas). ``event_skipping=False``
     runs one step per loop iteration; ``check_invariants`` checks the KV books after every one.
     """
-
-    _running_sorted: bool  # set at the top of every _schedule (annotation only)
 
     def __init__(
         self,
@@ -67,7 +64,7 @@ class Simulator:
         self.settings = settings
         self.event_skipping = event_skipping
         self.check_invariants = check_invariants
-        self.policy: Policy = make_policy(settings, predictor)
+        self.policy = make_policy(settings, predictor)
         self.predictor = self.policy.predictor
         self._pending_settings: Settings | None = None
 
@@ -76,10 +73,9 @@ class Simulator:
         self.next_arrival = 0  # index into arrivals
         self.now = reqs[0].arrival if reqs else 0.0
         self.waiting = WaitingQueue(self.policy)
-        self.running: list[RequestState] = []
-        # running[:_settled] is still in the order the policy last gave it (sort_running)
+        self.running = []
         self._settled = 0
-        self.blocks: dict[str, int] = {}  # KV blocks held per request id
+        self.blocks = {}
         self.free_blocks = self.config.num_gpu_blocks
         self.completions: list[Completion] = []
         self.rejected: list[str] = []
@@ -132,7 +128,7 @@ class Simulator:
         policy.attach(self.waiting.in_order(), self.running, self.now)
         self._settled = 0
         self.policy, self.settings = policy, settings
-        check_books(self)
+        self.check_books()
 
     def advance_to(self, t: float) -> int:
         """Run the steps that start before ``t`` (a live twin replica calls this with its clock);
@@ -301,47 +297,14 @@ class Simulator:
         self._advance(step, n_steps)
         self.iterations += 1
         if self.check_invariants:
-            check_books(self)
+            self.check_books()
 
     # --- deciding one step ------------------------------------------------------------------
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
-
-    def admission_blocks(self, req: RequestState, chunk: int) -> int:
-        """Free blocks a waiting request needs to be admitted with ``chunk`` tokens."""
-        tokens = req.prompt_tokens + req.generated if self.config.reserve_full_sequence else chunk
-        return self._blocks_for(max(tokens, chunk))
-
-    def prefill_chunk(self, req: RequestState, budget: int) -> int:
-        """The tokens ``req`` gets next out of ``budget``: the rest of its prefill, capped by the
-        long-prefill threshold."""
-        n = req.prompt_tokens + req.generated - req.computed_tokens  # remaining_prefill, inlined
-        lpt = self.settings.engine.long_prefill_token_threshold
-        if 0 < lpt < n:
-            n = lpt
-        return min(n, budget)
-
-    def leave_running(self, req: RequestState) -> None:
-        """Take a finished or preempted request out of the running list."""
-        i = self.running.index(req)
-        del self.running[i]
-        if i < self._settled:
-            self._settled -= 1
-
-    def sort_running(self, now: float) -> None:
-        """Have the policy order the running list, once a step at most."""
-        if not self._running_sorted:
-            # running[:_settled] is in the order the policy gave it last (completions and
-            # preemptions only removed from it); admissions since were appended after it.
-            self.running = self.policy.reorder_running(self.running, self._settled, now)
-            self._settled = len(self.running)
-            self._running_sorted = True
-
     def _schedule(self, now: float) -> StepPlan:
         policy, eng = self.policy, self.settings.engine
         self._running_sorted = not policy.reorders_running
         step: StepPlan = StepPlan()
-        step.preempted = bool(self.waiting) and policy.preemptive and preempt_for_waiting(self, now)
+        step.preempted = bool(self.waiting) and policy.preemptive and self.preempt_for_waiting(now)
         # The running order only matters when the running requests do not all get their tokens
         # and blocks; try the cheap unordered pass first and sort only if it finds contention.
         # (Under sustained contention skip the attempt: it would fail again.)
@@ -360,7 +323,7 @@ class Simulator:
                 budget, self.free_blocks = served
         if budget is None:
             self.sort_running(now)
-            budget = serve_in_running_order(self, step)
+            budget = self.serve_in_running_order(step)
             self._was_contended = budget <= 0 or step.memory_preempted
         else:
             self._was_contended = False

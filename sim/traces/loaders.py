@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from sim.traces.arrivals import ArrivalProcess, generate_arrivals
 from sim.traces.model import DEFAULT_MAX_TOKENS, Trace, TraceError
 from sim.traces.parsing import (
@@ -83,8 +84,8 @@ def _optional_extras(rows: CsvRows) -> Callable[[int, list[str]], tuple[int | No
         if i_max is not None and row[i_max].strip():
             max_tokens = parse_tokens(row[i_max], where, line, "max_tokens")
         tenant = row[i_tenant].strip() if i_tenant is not None else ""
-        typ = parse_type(row[i_type], where, line, "type") if i_type is not None else "chat"
-        return max_tokens, tenant or "default", typ
+        typ = parse_type(row[i_type], where, line, "type") if i_type is not None else DEFAULT_TYPE
+        return max_tokens, tenant or DEFAULT_TENANT, typ
 
     return extras
 
@@ -286,7 +287,7 @@ def load_burstgpt(
                     "Request tokens",
                     "token count must be >= 1 for a completed request, got 0",
                 )
-            tenant = "default"
+            tenant = DEFAULT_TENANT
             if i_tenant is not None:
                 tenant = row[i_tenant].strip()
                 if not tenant:

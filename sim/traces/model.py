@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.errors import TailpilotError
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 
 REQUEST_TYPES: frozenset[str] = frozenset({"chat", "completion", "reasoning", "batch", "embed"})
 
@@ -54,8 +55,8 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     max_tokens: int
-    tenant: str = "default"
-    type: str = "chat"
+    tenant: str = DEFAULT_TENANT
+    type: str = DEFAULT_TYPE
     truncated: bool = False
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import IO
 
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from sim.traces.model import REQUEST_TYPES, Trace, TraceError, TraceRequest
 
 PathLike = str | os.PathLike[str]
@@ -73,7 +74,7 @@ def parse_float(text: str, where: str, line: int, column: str) -> float:
 
 def parse_type(text: str, where: str, line: int, column: str) -> str:
     """A request type, one of `REQUEST_TYPES`; an empty cell is the default type "chat"."""
-    value = text.strip() or "chat"  # an empty cell means "not specified" -> the default type
+    value = text.strip() or DEFAULT_TYPE  # an empty cell means "not specified" -> the default type
     if value not in REQUEST_TYPES:
         raise field_error(where, line, column, f"{text!r} is not one of {sorted(REQUEST_TYPES)}")
     return value
@@ -224,8 +225,8 @@ class ParsedRows:
         prompt: int,
         output: int,
         max_tokens: int | None = None,
-        tenant: str = "default",
-        type: str = "chat",
+        tenant: str = DEFAULT_TENANT,
+        type: str = DEFAULT_TYPE,
     ) -> None:
         self.index.append(index)
         self.arrival.append(arrival)
@@ -254,8 +255,8 @@ def source_request(
     output: int,
     recorded_cap: int | None,
     default_cap: int,
-    tenant: str = "default",
-    type: str = "chat",
+    tenant: str = DEFAULT_TENANT,
+    type: str = DEFAULT_TYPE,
 ) -> TraceRequest:
     """A source row as a request. A cap the source recorded is kept as it is; a row without one
     gets `default_cap`, and an output longer than that is truncated to it (as a server would) and

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.metrics import Completion
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from tuner.autopilot.promise import QUANTILE_NAMES, Figures
 
 
@@ -19,8 +20,8 @@ class Arrival:
     arrival: float
     prompt_tokens: int
     max_tokens: int
-    tenant: str = "default"
-    type: str = "chat"
+    tenant: str = DEFAULT_TENANT
+    type: str = DEFAULT_TYPE
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -19,9 +20,7 @@ from prometheus_client.core import (
 )
 
 from scheduler.metrics import Completion
-
-if TYPE_CHECKING:  # the twin imports this module
-    from tuner.twins.replica import TwinReplica
+from sim.engine import EngineConfig, Simulator
 
 # vLLM 0.32's default histogram buckets (vllm/v1/metrics/buckets.py), copied so that twins do not
 # import vLLM.
@@ -232,10 +231,27 @@ class TwinStats:
             h["vllm:inter_token_latency_seconds"].observe(gap, n - 1)
 
 
+class ScrapedTwin(Protocol):
+    """What a scrape reads of a twin (``tuner.twins.replica.TwinReplica``), under its lock."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def sim(self) -> Simulator: ...
+    @property
+    def stats(self) -> TwinStats: ...
+    @property
+    def config(self) -> EngineConfig: ...
+
+    def kv(self) -> dict[str, Any]: ...
+
+
 class TwinCollector:
     """vLLM 0.32's metric families for one twin, computed at scrape time."""
 
-    def __init__(self, twin: TwinReplica) -> None:
+    def __init__(self, twin: ScrapedTwin) -> None:
         self.twin = twin
 
     def collect(self) -> Iterator[Metric]:
