@@ -95,9 +95,6 @@ def one_round(
     if not hold:
         queued.set()
 
-    def hold_seats():
-        hold_until(server, queued)
-
     def burst():
         results["noisy"] = run_completions(server.base_url, noisy, model=server.served_model_name)
 
@@ -107,6 +104,9 @@ def one_round(
             wait_for_state(
                 server, lambda s: (s.get("waiting_by_tenant") or {}).get("noisy", 0) >= 2 * SEATS
             )
+        except NotStaged as err:  # no quiet request is sent: the round is not what it must be
+            results["not staged"] = [str(err)]
+            return
         finally:
             queued.set()
         out = []
@@ -124,10 +124,7 @@ def one_round(
                 states.append(answer.json())
             stop.wait(0.1)
 
-    holder = threading.Thread(target=hold_seats)
-    if hold:
-        holder.start()
-        wait_for_state(server, lambda s: (s.get("running") or 0) >= SEATS)  # every seat held
+    holder = seats_held(server, queued) if hold else None
     threads = [threading.Thread(target=f) for f in (burst, trickle)]
     poller = threading.Thread(target=poll)
     poller.start()
@@ -137,8 +134,10 @@ def one_round(
         t.join(timeout=600)
     stop.set()
     poller.join()
-    if hold:
+    if holder is not None:
         holder.join(timeout=60)
+    if "not staged" in results:
+        raise NotStaged(results["not staged"][0])
     assert [r.completion_tokens for r in results["noisy"]] == [96] * NOISY_BURST, tag
     assert [r.completion_tokens for r in results["quiet"]] == [16] * len(quiet), tag
     done = [
@@ -148,9 +147,44 @@ def one_round(
     return done, states
 
 
+def seats_held(server, release: threading.Event) -> threading.Thread:
+    """``hold_until`` in a thread, once /state shows every seat held by it (NotStaged, the
+    holders' clients gone, when it does not)."""
+    holder = threading.Thread(target=hold_until, args=(server, release))
+    holder.start()
+    try:
+        wait_for_state(server, lambda s: (s.get("running") or 0) >= SEATS)
+    except NotStaged:
+        release.set()
+        holder.join(timeout=60)
+        raise
+    return holder
+
+
+class NotStaged(Exception):
+    """A round's precondition (every seat held, the burst queued) was not seen: the round measured
+    nothing it is meant to, and ``staged_round`` runs it again."""
+
+
+def staged_round(server, tag: str, gap_s: float, *, hold: bool = False, tries: int = 3):
+    """``one_round``, run again (at most ``tries`` times in all) when its precondition was not
+    seen — on this 2-core machine the engine and its API server share the cores with the test's
+    clients, and now and then a burst is served as fast as it comes or the seats' holders are
+    never seen running within the wait (4 fresh-clone runs in a row once, then none). The
+    assertions are the round's own, unchanged; a round that never stages fails naming why."""
+    for attempt in range(1, tries + 1):
+        try:
+            return one_round(server, tag, gap_s, hold=hold)
+        except NotStaged as err:
+            if attempt == tries:
+                raise AssertionError(f"{tag}: not staged in {tries} tries: {err}") from err
+            print(f"{tag}: round {attempt} not staged ({err}); again")
+    raise AssertionError("unreachable")
+
+
 def wait_for_state(server, holds, timeout_s: float = 120.0) -> None:
     """Read /state (at most 10 reads a second: the control API answers a faster reader with 429)
-    until ``holds(document)``; AssertionError naming what was last seen after ``timeout_s``."""
+    until ``holds(document)``; NotStaged naming what was last seen after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last: dict = {}
     while True:
@@ -159,10 +193,12 @@ def wait_for_state(server, holds, timeout_s: float = 120.0) -> None:
             last = answer.json()
             if holds(last):
                 return
-        assert time.monotonic() < deadline, (
-            f"not seen within {timeout_s:.0f} s; last /state: running {last.get('running')}, "
-            f"waiting {last.get('waiting_by_tenant')}, finished {last.get('finished_total')}"
-        )
+        if time.monotonic() >= deadline:
+            raise NotStaged(
+                f"not seen within {timeout_s:.0f} s; last /state: running {last.get('running')}, "
+                f"waiting {last.get('waiting_by_tenant')}, finished {last.get('finished_total')}, "
+                f"breaker {last.get('breaker')}"
+            )
         time.sleep(0.1)
 
 
@@ -199,7 +235,7 @@ def quiet_p99(done: list[dict]) -> float:
 
 def test_the_quiet_tenants_keep_their_tail_and_the_noisy_one_is_throttled(server):
     t0 = unloaded_ttft(server)
-    fcfs_done, _ = one_round(server, "fcfs", gap_s=5 * t0, hold=True)
+    fcfs_done, _ = staged_round(server, "fcfs", gap_s=5 * t0, hold=True)
     target = max(10 * t0, 0.05)
     slo = {"p50": target / 4, "p90": target / 2, "p99": target}
     doc = {
@@ -212,7 +248,7 @@ def test_the_quiet_tenants_keep_their_tail_and_the_noisy_one_is_throttled(server
     }
     answer = put_settings(server, doc)
     assert answer.status_code == 200, answer.text
-    slofq_done, states = one_round(server, "slofq", gap_s=5 * t0)
+    slofq_done, states = staged_round(server, "slofq", gap_s=5 * t0)
 
     throttled = [
         s["live"]["tenants"]["noisy"]
