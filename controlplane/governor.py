@@ -245,7 +245,14 @@ class Governor:
     def change(self, decision: Decision, replica: str) -> Change:
         """The settings change of ``decision`` for ``replica``: a function of the replica's current
         settings (None from it: nothing to do there); ``commit`` it once the replica took it."""
-        return Change(self, decision, replica, next(m for m in MODES if m.name == decision.mode))
+        mode = next(m for m in MODES if m.name == decision.mode)
+        return Change(
+            decision,
+            replica,
+            mode,
+            self.spec.throttle_fraction,
+            self.replaced.get((mode.name, replica), _UNSET),
+        )
 
     def commit(self, change: Change, result: str = "applied") -> None:
         """The replica answered ``change`` with ``result``: remember what entering replaced (to
@@ -286,19 +293,6 @@ class Governor:
         holder = status.get("holder")
         if isinstance(holder, str) and holder:
             self.leases.holder = holder
-
-    def _entered_value(self, mode: Mode, current: Settings, targets: tuple[str, ...]) -> Any:
-        if mode.name == "scr":
-            return "p99"
-        if mode.name == "type":
-            return "hard"
-        # jfi: the over-consumers the decision names, throttled (an operator's own throttle of a
-        # tenant is kept where it is tighter)
-        p = current.params
-        return {
-            **p.throttle,
-            **{t: min(self.spec.throttle_fraction, p.throttle.get(t, 1.0)) for t in targets},
-        }
 
 
 def over_consumers(figures: dict[str, Any]) -> list[str]:
@@ -346,14 +340,35 @@ def modes_text(status: dict[str, Any] | None) -> str:
 _UNSET = object()
 
 
+def entered_value(
+    mode: Mode, current: Settings, targets: tuple[str, ...], throttle_fraction: float
+) -> Any:
+    """The value ``mode`` sets its parameter to on a replica running ``current``."""
+    if mode.name == "scr":
+        return "p99"
+    if mode.name == "type":
+        return "hard"
+    # jfi: the over-consumers the decision names, throttled (an operator's own throttle of a
+    # tenant is kept where it is tighter)
+    p = current.params
+    return {
+        **p.throttle,
+        **{t: min(throttle_fraction, p.throttle.get(t, 1.0)) for t in targets},
+    }
+
+
 @dataclass(slots=True)
 class Change:
-    """One mode's settings change for one replica (``Governor.change``)."""
+    """One mode's settings change for one replica (``Governor.change``): everything it needs of
+    the governor is copied in when it is made — steering carries it and calls ``apply`` with the
+    replica's settings as they are when it is sent; the governor reads back ``old`` and ``sent``
+    (``Governor.commit``)."""
 
-    gov: Governor
     decision: Decision
     replica: str
     mode: Mode
+    throttle_fraction: float
+    undo_to: Any = _UNSET  # what entering the mode replaced on this replica (exit: restored)
     old: Any = _UNSET
     sent: bool = False  # it produced a document (set by calling it)
 
@@ -362,15 +377,14 @@ class Change:
         if current.policy != "slofq" or current.is_pinned(self.mode.param):
             return None  # the modes are slofq's parameters; a pinned one is never moved
         old = getattr(current.params, self.mode.param)
-        entered = self.gov._entered_value(self.mode, current, self.decision.targets)
-        key = (self.mode.name, self.replica)
+        entered = entered_value(self.mode, current, self.decision.targets, self.throttle_fraction)
         if self.decision.action == "enter":
             if entered == old:
                 return None
             new = entered
-        elif key not in self.gov.replaced or old != entered:
+        elif self.undo_to is _UNSET or old != entered:
             return None  # not ours to undo, or changed since by someone else
         else:
-            new = self.gov.replaced[key]
+            new = self.undo_to
         self.old, self.sent = old, True
         return SettingsChange(params={self.mode.param: new}).apply(current)

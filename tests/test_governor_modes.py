@@ -6,6 +6,7 @@ commitment, and its audit note carries the victims' P99 TTFT before and since; `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from click.testing import CliRunner
@@ -84,8 +85,12 @@ def test_the_jfi_mode_throttles_the_over_consumer_and_notes_the_victims():
     assert "victims' P99 TTFT before -> since: s1 0.2 s -> 0.3 s, s2 n/a -> 0.4 s" in e.note()
     ch = g.change(d, "r0")
     entered = ch.apply(slofq_doc())
+    undo = g.change(e, "r0")  # made before the commit: nothing of ours to undo there yet
     g.commit(ch)
     assert g.change(e, "r0").apply(entered).params.throttle == {}  # undone
+    # A change carries what it needs, not the governor: steering calls into nothing else of it.
+    assert undo.apply(entered) is None
+    assert not any(isinstance(getattr(ch, f.name), Governor) for f in dataclasses.fields(ch))
 
 
 def test_never_a_tenant_within_its_commitment():

@@ -749,21 +749,27 @@ def test_memguard_memory_victim_is_outside_its_guard(build):
     assert_all_finished(d)
 
 
+def behind_a_stream(s, long: tuple[int, int], shorts: int, first_short_at: float) -> list[str]:
+    """One seat: "first" holds it while L (``long``: prompt, max_tokens) and then a stream of
+    ``shorts`` 8-token, 2-token requests arrive, one per step (arrival stamps ``first_short_at``
+    + k seconds); run to the end, every request checked; the order they were first admitted in."""
+    clock = Clock()
+    d = Driver(s)
+    arrivals = {0: [req(clock, "first", 8, 2, -1.0), req(clock, "L", *long, 0.0)]}
+    for k in range(shorts):
+        arrivals.setdefault(k, []).append(req(clock, f"s{k:02d}", 8, 2, first_short_at + k))
+    d.run(arrivals=arrivals)
+    assert_all_finished(d)
+    return d.first_admitted
+
+
 def test_sjf_starvation_guard_promotes_a_starving_request(build):
     """sjf's starvation counters (CountsSteps.on_steps) move on a live replica: a long request
     does not starve behind a stream of short ones."""
-    clock = Clock()
     sjf = {"policy": "sjf", "params": {"starve_steps": 5, "quantum_steps": 5}}
     s = build(num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=sjf)
-    d = Driver(s)
-    # No predictions yet: sjf ranks by max_tokens. L (50) waits behind a stream of 2-token ones
-    # arriving one per step while "first" holds the only seat.
-    arrivals = {0: [req(clock, "first", 8, 2, -1.0), req(clock, "L", 8, 50, 0.0)]}
-    for k in range(40):
-        arrivals.setdefault(k, []).append(req(clock, f"s{k:02d}", 8, 2, 1.0 + k))
-    d.run(arrivals=arrivals)
-    assert_all_finished(d)
-    order = d.first_admitted
+    # No predictions yet: sjf ranks by max_tokens, and L (50) would wait behind every short one.
+    order = behind_a_stream(s, (8, 50), shorts=40, first_short_at=1.0)
     assert order.index("L") < order.index("s39"), order
 
 
@@ -772,16 +778,9 @@ def test_the_hold_back_bound_promotes_an_overdue_request_on_a_live_replica(build
     """uniboost's hold_bound_s on vLLM's own scheduler: L (a long prompt) arrived ~1,000 s ago,
     the short ones ~10 s ago. Under γ 0.001 alone L waits behind every short one; with a 500 s
     bound it is overdue on arrival (the arrival stamps are the API server's) and goes first."""
-    clock = Clock()
     settings = {**UNIBOOST, "params": {**UNIBOOST["params"], "hold_bound_s": hold_bound_s}}
     s = build(num_blocks=200, max_num_seqs=1, max_num_batched_tokens=512, settings=settings)
-    d = Driver(s)
-    arrivals = {0: [req(clock, "first", 8, 2, -1.0), req(clock, "L", 400, 2, 0.0)]}
-    for k in range(10):
-        arrivals.setdefault(k, []).append(req(clock, f"s{k:02d}", 8, 2, 990.0 + k))
-    d.run(arrivals=arrivals)
-    assert_all_finished(d)
-    order = d.first_admitted
+    order = behind_a_stream(s, (400, 2), shorts=10, first_short_at=990.0)
     if hold_bound_s is None:
         assert order.index("L") > order.index("s09"), order
     else:

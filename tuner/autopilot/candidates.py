@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 from scheduler.settings import Settings, SloFqParams
 from scheduler.settings_change import SettingsChange
+from tuner.autopilot.promise import Figures, Promise, rank_key
+from tuner.autopilot.shadows import Shadow
 
 DEFAULTS_RANK = 1e9  # γ-Ada: above every fixed γ on the axis
 
@@ -265,6 +267,41 @@ class ShadowSearch:
     def on_probation(self, name: str, clock: float) -> bool:
         born = self.born.get(name)
         return born is not None and clock - born < self.config.probation_s
+
+    def eligible(self, name: str, current: str, clock: float) -> bool:
+        """Whether a candidate may be chosen now (``current``, the running choice, always): a pin
+        may forbid it, and a forked one is on probation until what it did itself weighs in its
+        window."""
+        return name == current or (
+            self.space[name].selectable and not self.on_probation(name, clock)
+        )
+
+    def place(self, name: str, shadows: Mapping[str, Shadow]) -> float:
+        """Where a candidate sits on the axis now: its rank, but the defaults where γ-Ada's γ is
+        in its shadow (their neighbours are the fixed γ around it)."""
+        shadow = shadows.get(name)
+        if name == "defaults" and shadow is not None:
+            live = shadow.sim.policy.live_state().get("gamma")
+            if isinstance(live, float) and math.isfinite(live):
+                return live
+        return self.space[name].rank
+
+    def lagging(self, figures: Mapping[str, Figures], promise: Promise) -> dict[str, bool]:
+        """Per candidate judged: whether it trails the best candidate that keeps ``promise`` by
+        ``prune_margin`` on the objective (with SLOs, on SCR or JFI first) — ``retire``'s
+        verdict. A break alone is no reason: a small γ breaks P99 in a burst and is the winner
+        again after it — it is the shadow a switch needs then, warm."""
+        feasible = [rank_key(promise, f) for f in figures.values() if f.feasible]
+        best = min(feasible, default=None)
+        out = {}
+        for name, f in figures.items():
+            if best is None:
+                out[name] = False  # nobody keeps it on this window: no evidence against anyone
+            elif promise.slo is not None and rank_key(promise, f)[:-1] != best[:-1]:
+                out[name] = rank_key(promise, f)[:-1] > best[:-1]
+            else:
+                out[name] = f.value(promise.objective) > (1 + self.config.prune_margin) * best[-1]
+        return out
 
     def retire(self, lagging: Mapping[str, bool], keep: Iterable[str], clock: float) -> list[str]:
         """The explorers to retire after a judged decision: those ``lagging`` (the autopilot's

@@ -149,47 +149,13 @@ class Autopilot:
     def _search(self, figures: dict[str, Figures], clock: float) -> None:
         """After a judged decision: retire the explorers that lag, start the nearest candidates
         to the target in their places (``tuner.autopilot.candidates.ShadowSearch``)."""
-        anchors = {name: self._place(name) for name in (self.current, self._target)}
+        anchors = {n: self.search.place(n, self.shadows) for n in (self.current, self._target)}
         keep = self.search.bracket(anchors, self.shadows)
-        for name in self.search.retire(self._lagging(figures), keep, clock):
+        lagging = self.search.lagging(figures, self.config.promise)
+        for name in self.search.retire(lagging, keep, clock):
             del self.shadows[name]
         for name in self.search.next_up(anchors, self.shadows, clock):
             self._start(name)
-
-    def _place(self, name: str) -> float:
-        """Where a candidate sits on the axis now: its rank, but the defaults where γ-Ada's γ is
-        in its shadow (their neighbours are the fixed γ around it)."""
-        shadow = self.shadows.get(name)
-        if name == "defaults" and shadow is not None:
-            live = shadow.sim.policy.live_state().get("gamma")
-            if isinstance(live, float) and math.isfinite(live):
-                return live
-        return self.space[name].rank
-
-    def _lagging(self, figures: dict[str, Figures]) -> dict[str, bool]:
-        """Per candidate judged: whether it trails the best candidate that keeps the promise by
-        ``prune_margin`` on the objective (with SLOs, on SCR or JFI first). A break alone is no
-        reason: a small γ breaks P99 in a burst and is the winner again after it — it is the
-        shadow a switch needs then, warm."""
-        promise, cfg = self.config.promise, self.config
-        feasible = [rank_key(promise, f) for f in figures.values() if f.feasible]
-        best = min(feasible, default=None)
-        out = {}
-        for name, f in figures.items():
-            if best is None:
-                out[name] = False  # nobody keeps it on this window: no evidence against anyone
-            elif promise.slo is not None and rank_key(promise, f)[:-1] != best[:-1]:
-                out[name] = rank_key(promise, f)[:-1] > best[:-1]
-            else:
-                out[name] = f.value(promise.objective) > (1 + cfg.prune_margin) * best[-1]
-        return out
-
-    def _eligible(self, name: str, clock: float) -> bool:
-        """Whether a candidate may be chosen now: a pin may forbid it, and a forked one is on
-        probation until what it did itself weighs in its window."""
-        return name == self.current or (
-            self.space[name].selectable and not self.search.on_probation(name, clock)
-        )
 
     # --- feeding ---------------------------------------------------------------------------
     def observe(self, obs: Observation) -> Decision | None:
@@ -524,7 +490,7 @@ class Autopilot:
         self._breaks = 0 if not broken else self._breaks + 1
         # In overload only those at or above the running choice were judged; a pin or a
         # probation may bar others.
-        allowed = [n for n in figures if self._eligible(n, clock)]
+        allowed = [n for n in figures if self.search.eligible(n, self.current, clock)]
         feasible = [n for n in allowed if figures[n].feasible]
         if feasible:
             target = self.target_among(feasible, figures)
