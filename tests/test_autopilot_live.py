@@ -426,7 +426,7 @@ def test_made_up_requests_from_the_future_are_refused_and_take_no_memory(tmp_pat
                 ],
             }
         )
-        obs = driver._observation(rp, forged, now)
+        obs = rp.observation(forged, now, driver.config)
         assert not obs.arrivals and len(rp.seen) == seen and rp.future == 5000
         assert driver.status()["replicas"]["twin-0"]["future"] == 5000
 

@@ -6,8 +6,10 @@ autopilot").
 (what it keeps), ``shadows`` (a simulator per candidate), ``feed`` (what the shadows are fed and
 the decision's window), ``shape`` (a change of the traffic's shape), ``types`` (what it sees and
 says);
-``replay`` (in the simulator), ``live`` (on a live cluster) with ``records`` (its audit rows and
-predictions), and ``tune`` (its own knobs).
+``stress`` and ``overload`` (the stress test, the overload watch); ``replay`` (in the
+simulator), ``live`` (on a live cluster) with ``replica_pilot`` (a replica's controller and what
+its reports become) and ``records`` (its audit rows and predictions), and ``tune`` (its own
+knobs).
 """
 
 # Used by other floors (tests/test_layers.py); the rest serve these.

@@ -42,11 +42,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,16 +58,15 @@ from controlplane.replica_http import (
     make_client,
 )
 from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
-from controlplane.verification import Ledger, Miss, Verifier
+from controlplane.verification import Miss, Verifier
 from scheduler import contract
-from scheduler.metrics import Completion
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
-from storage.rows import CompletionRow
 from tuner.autopilot.candidates import TargetChange, blocked, running_candidate, target_document
 from tuner.autopilot.controller import Autopilot, AutopilotConfig
 from tuner.autopilot.records import WHO, decision_note, decision_row, decision_summary
-from tuner.autopilot.types import Arrival, Decision, Observation
+from tuner.autopilot.replica_pilot import FUTURE_SLACK_S, ReplicaPilot
+from tuner.autopilot.types import Decision
 from tuner.closed_loop.replica_facts import ReplicaUnreachable, fetch_engine_facts, replica_engine
 from tuner.closed_loop.whatif import verify
 
@@ -77,17 +74,11 @@ if TYPE_CHECKING:  # the caller's collector and store (the collector runs this i
     from controlplane.cluster import ClusterSpec, ReplicaSpec
     from controlplane.collector import Collector
     from controlplane.poller import PollResult
-    from scheduler.contract import Inflight
     from storage.store import Store
 
 log = logging.getLogger("tailpilot.autopilot")
 
 STEERED_POLICIES = ("uniboost", "sarathi")
-# Slack on the replica's clock: an arrival this far after it is refused; a clock this far behind
-# the last one seen has stepped back.
-FUTURE_SLACK_S = 5.0
-# The cap of a request whose client set none (a replica that did not report it).
-DEFAULT_MAX_TOKENS = 4_096
 
 
 class LiveConfig(BaseModel):
@@ -111,26 +102,6 @@ class LiveConfig(BaseModel):
 
 def _whatif_verify(store: Store, prediction: dict[str, Any], now_ms: int) -> dict[str, Any]:
     return verify(store, prediction, now_ms=now_ms)
-
-
-@dataclass(slots=True)
-class ReplicaPilot:
-    """One replica's controller and what the live driver keeps beside it."""
-
-    name: str
-    instance: str | None
-    origin: float  # the replica-clock second the controller's time 0 stands for
-    pilot: Autopilot
-    seen: dict[str, float] = field(default_factory=dict)  # request id -> arrival (replica clock)
-    completions: list[CompletionRow] = field(default_factory=list)  # polled since the last tick
-    last: deque[dict[str, Any]] = field(default_factory=deque)  # recent decisions, for the status
-    # Applied switches awaiting verification, and the verdicts (controlplane.verification).
-    ledger: Ledger = field(default_factory=Ledger)
-    note: str = ""  # why the last decision was or was not carried out
-    future: int = 0  # requests reported as arriving after the replica's own clock: refused
-    follows: str | None = None  # the pool's first replica, whose controller this one follows
-    followed: Decision | None = None  # the last of its decisions carried out here
-    clock: float | None = None  # the latest replica time seen (controller seconds)
 
 
 def promise_of_cluster(config: AutopilotConfig, cluster: ClusterSpec) -> AutopilotConfig:
@@ -263,7 +234,9 @@ class LiveAutopilot:
             rp.note = f"the replica's clock stepped back {stepped:.0f} s: its controller restarted"
             now = (inflight.time if inflight.time is not None else doc.time or 0.0) - rp.origin
         rp.clock = now if rp.clock is None else max(rp.clock, now)
-        decision = await asyncio.to_thread(rp.pilot.observe, self._observation(rp, inflight, now))
+        decision = await asyncio.to_thread(
+            rp.pilot.observe, rp.observation(inflight, now, self.config)
+        )
         await self._verify(rp, now)
         if decision is not None:
             rp.last.append(decision_row(decision, now))
@@ -330,71 +303,6 @@ class LiveAutopilot:
         self.pilots[name] = rp
         self.notes.pop(name, None)
         return rp
-
-    def _observation(self, rp: ReplicaPilot, inflight: Inflight, now: float) -> Observation:
-        """What came since the last tick, on the controller's clock: arrivals first seen now (in a
-        completion or in flight), completions with their lengths, tokens so far of those in
-        flight."""
-        arrivals: list[Arrival] = []
-
-        def arrive(
-            rid: str, arrival: float, prompt: int, cap: int | None, tenant: str, rtype: str
-        ) -> None:
-            if rid in rp.seen:
-                return
-            if arrival - rp.origin > now + FUTURE_SLACK_S:
-                # A request cannot have arrived after the replica's own clock: made up, or a
-                # clock gone wrong. Refused (and counted), so it never takes memory.
-                rp.future += 1
-                return
-            rp.seen[rid] = arrival
-            arrivals.append(
-                Arrival(
-                    rid,
-                    max(arrival - rp.origin, 0.0),
-                    max(prompt, 1),
-                    max(cap or DEFAULT_MAX_TOKENS, 1),
-                    tenant,
-                    rtype,
-                )
-            )
-
-        completions: list[Completion] = []
-        for row in rp.completions:
-            if row.reason == "rejected":
-                continue  # refused on arrival: it never took a seat
-            arrive(
-                row.request_id,
-                row.arrival_s,
-                row.prompt_tokens,
-                row.max_tokens,
-                row.tenant,
-                row.type,
-            )
-            completions.append(
-                Completion(
-                    id=row.request_id,
-                    tenant=row.tenant,
-                    type=row.type,
-                    arrival=row.arrival_s - rp.origin,
-                    scheduled_at=math.nan,
-                    first_token_at=math.nan,
-                    finished_at=row.finished_s - rp.origin,
-                    prompt_tokens=row.prompt_tokens,
-                    output_tokens=row.output_tokens,
-                )
-            )
-        rp.completions = []
-        for r in inflight.requests:
-            arrive(r.id, r.arrival, r.prompt_tokens, r.max_tokens, r.tenant, r.type)
-        # Forget ids long past every window: the map stays bounded on a replica that runs for
-        # months.
-        horizon = now + rp.origin - self.config.window_s - self.config.delay_s - 600.0
-        if len(rp.seen) > 4 * self.config.min_requests:
-            rp.seen = {rid: t for rid, t in rp.seen.items() if t >= horizon}
-        return Observation(
-            now, arrivals, completions, {r.id: r.generated for r in inflight.requests}
-        )
 
     # --- acting -----------------------------------------------------------------------------
     async def _carry_out(self, rp: ReplicaPilot, decision: Decision, running: Settings) -> None:
