@@ -22,10 +22,11 @@ from scheduler.settings import PARAM_MODELS, POLICY_NAMES, EngineSettings, Setti
 from tailpilot.cli_tune import COMMANDS
 from tuner.studies import study as st
 from tuner.studies.objectives import ConstraintError, parse_constraint, parse_objectives
-from tuner.studies.optimize import make_pruner, make_sampler, tune
+from tuner.studies.optimize import make_pruner, tune
 from tuner.studies.optuna_storage import open_storage, storage_url
 from tuner.studies.recommend import paired_improvement, recommend
 from tuner.studies.results import best_trials, is_feasible
+from tuner.studies.samplers import make_sampler
 from tuner.studies.search import SearchSpaceError, build_space, field_bounds
 from tuner.studies.spec import SpecError, StudySpec, TuneError
 from tuner.studies.windows import build_traces, nanmean

@@ -26,15 +26,9 @@ from optuna.trial import TrialState
 
 from tailpilot.cli_tune import COMMANDS
 from tuner.studies import study as st
-from tuner.studies.optimize import (
-    fail_dead_local_trials,
-    make_sampler,
-    run_worker,
-    stream_sampler,
-    trial_seed,
-    tune,
-)
+from tuner.studies.optimize import fail_dead_local_trials, run_worker, tune
 from tuner.studies.optuna_storage import open_storage, storage_file, storage_url
+from tuner.studies.samplers import make_sampler, stream_sampler, trial_seed
 from tuner.studies.spec import StudySpec
 
 REPO = Path(__file__).resolve().parents[1]
