@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import threading
 import time
+import warnings
 
 import httpx
 import pytest
@@ -178,7 +179,8 @@ def staged_round(server, tag: str, gap_s: float, *, hold: bool = False, tries: i
         except NotStaged as err:
             if attempt == tries:
                 raise AssertionError(f"{tag}: not staged in {tries} tries: {err}") from err
-            print(f"{tag}: round {attempt} not staged ({err}); again")
+            # A warning, so that the suite's summary shows every round run again even under -q.
+            warnings.warn(f"{tag}: round {attempt} not staged ({err}); run again", stacklevel=2)
     raise AssertionError("unreachable")
 
 
