@@ -72,8 +72,10 @@ def test_overdue_requests_are_served_in_arrival_order_not_by_size():
 
 def test_no_bound_is_the_unbounded_policy_exactly():
     trace = stream_behind(("A", 0.1, 20), ("B", 0.15, 10))
+    # A document that does not name the bound: the default is none.
+    params = small_gamma(None).params.model_dump(exclude={"hold_bound_s"})
     unset = Settings.model_validate(
-        {**small_gamma(None).to_dict(), "params": {**small_gamma(None).params.model_dump()}}
+        {"policy": "uniboost", "params": params, "engine": {"max_num_seqs": 1}}
     )
     assert unset.params.hold_bound_s is None
     a = simulate(trace, unset, BIG_KV)

@@ -13,6 +13,7 @@ from typing import Any
 from controlplane.verification import Ledger
 from scheduler.contract import Inflight
 from scheduler.metrics import Completion
+from sim.traces import DEFAULT_MAX_TOKENS  # a request whose client (or replica) gave no cap
 from storage.rows import CompletionRow
 from tuner.autopilot.config import AutopilotConfig
 from tuner.autopilot.controller import Autopilot
@@ -21,8 +22,6 @@ from tuner.autopilot.types import Arrival, Decision, Observation
 # Slack on the replica's clock: an arrival this far after it is refused; a clock this far behind
 # the last one seen has stepped back.
 FUTURE_SLACK_S = 5.0
-# The cap of a request whose client set none (a replica that did not report it).
-DEFAULT_MAX_TOKENS = 4_096
 
 
 @dataclass(slots=True)
