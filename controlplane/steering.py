@@ -33,7 +33,7 @@ from controlplane.replica_http import (
 from controlplane.retry import READ_BACK
 from scheduler.plugin.lease import LEASE_HEADER
 from scheduler.settings import Settings, describe_error
-from scheduler.settings_change import with_engine
+from scheduler.settings_change import SettingsChange
 
 APPLY_WAIT_S = 5.0  # how long `set` waits for a replica to run the document it accepted
 
@@ -88,38 +88,40 @@ async def _current_settings(
 
 def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] | None:
     """The validated document ``change`` makes of ``res.old``; None when there is nothing to send
-    (``res`` then says why: "skipped", or "rejected" before sending)."""
-    produced: Any = None
-    old = res.old or {}
+    (``res`` then says why: "skipped", or "rejected" before sending). A whole document is
+    carried as ``SettingsChange.whole``: its missing engine fields are the replica's, as its own
+    PUT does."""
+    if isinstance(change, (Mapping, Settings)):
+        change = SettingsChange.whole(change)
     try:
-        if isinstance(change, (Mapping, Settings)):  # a whole document
-            produced = change
-        elif callable(getattr(change, "apply", None)):
-            produced = change.apply(Settings.model_validate(old))
-        else:
+        current = Settings.model_validate(res.old or {})
+    except (ValidationError, ValueError) as err:
+        res.result = "rejected"
+        res.message = (
+            "not sent: the replica's settings document is not one this version reads "
+            f"({describe_error(err)})"
+        )
+        return None
+    try:
+        if not callable(getattr(change, "apply", None)):
             raise ValueError(
                 f"a change needs apply(current) (a SettingsChange) or is a whole settings "
                 f"document, got {type(change).__name__}"
             )
+        produced = change.apply(current)
         if produced is None:
             res.result, res.message = "skipped", "nothing to change"
             return None
-        if isinstance(produced, Settings):
-            # Validated where it was made (a change's apply starts from the replica's document,
-            # so its engine fields are the replica's); the replica validates it again.
-            return produced.to_dict()
-        if not isinstance(produced, Mapping):
-            raise ValueError(
-                f"the change must give a settings document, got {type(produced).__name__}"
-            )
-        # Engine fields a document leaves out keep the replica's values, as its own PUT does.
-        produced = with_engine(produced, old.get("engine") or {})
-        new_doc: dict[str, Any] = Settings.model_validate(produced).to_dict()  # validated first
+        if not isinstance(produced, Settings):
+            raise ValueError(f"the change must give Settings, got {type(produced).__name__}")
     except (ValidationError, ValueError, KeyError, AttributeError) as err:
         res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
-        res.new = dict(produced) if isinstance(produced, Mapping) else None
+        document = getattr(change, "document", None)  # what would have been sent, for the audit
+        res.new = dict(document) if isinstance(document, Mapping) else None
         return None
-    return new_doc
+    # Validated where it was made (a change's apply starts from the replica's document, so its
+    # engine fields are the replica's); the replica validates it again.
+    return produced.to_dict()
 
 
 def _refused(

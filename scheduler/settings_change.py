@@ -109,6 +109,27 @@ class SettingsChange:
     engine: Mapping[str, Any] = field(default_factory=dict)
     pin: frozenset[str] = frozenset()
     unpin: frozenset[str] = frozenset()
+    # A whole settings document that replaces the replica's (``whole``, ``recommendation``): the
+    # engine fields it leaves out are the replica's (``with_engine``); the fields above are then
+    # applied to it.
+    document: Mapping[str, Any] | None = None
+    # With ``document``: the replica's pinned parameters keep their values and stay pinned (an
+    # applied recommendation never moves a pin); a switch of policy over a pin is refused.
+    keep_pins: bool = False
+
+    @classmethod
+    def whole(cls, document: Mapping[str, Any] | Settings) -> SettingsChange:
+        """A whole document sent as it is — the control API's PUT, a script's
+        ``apply_settings(..., {"policy": "fcfs"})`` — its missing engine fields the replica's."""
+        if isinstance(document, Settings):
+            document = document.to_dict()
+        return cls(document=document)
+
+    @classmethod
+    def recommendation(cls, document: Mapping[str, Any]) -> SettingsChange:
+        """A study's recommended document applied with the replica's pins kept (the TUI's ``R``,
+        docs/policies.md#settings-document)."""
+        return cls(document=document, keep_pins=True)
 
     @classmethod
     def parse(
@@ -135,6 +156,10 @@ class SettingsChange:
         return cls(policy, params, engine, frozenset(pins), frozenset(unpins))
 
     def apply(self, current: Settings) -> Settings:
+        if self.document is not None:
+            current = self._replace(current)
+            if self.delta_empty:
+                return current
         doc = current.to_dict()
         if self.policy is not None and self.policy != current.policy:
             doc["policy"], doc["params"], doc["pinned"] = self.policy, {}, []
@@ -145,14 +170,38 @@ class SettingsChange:
         doc["pinned"] = pinned
         return Settings.model_validate(doc)
 
+    def _replace(self, current: Settings) -> Settings:
+        """``document`` made the replica's: validated once, with the replica's engine fields
+        where it leaves them out and, with ``keep_pins``, the replica's pinned values."""
+        assert self.document is not None
+        doc = with_engine(self.document, current.engine.model_dump())
+        if not (self.keep_pins and current.pinned):
+            return Settings.model_validate(doc)
+        new = Settings.model_validate(doc)
+        if new.policy != current.policy:
+            raise ValueError(
+                f"pinned {', '.join(current.pinned)} on {current.policy}: the recommendation "
+                f"switches to {new.policy}; unpin first to apply it"
+            )
+        kept = new.to_dict()
+        kept["params"] |= {name: current.param(name) for name in current.pinned}
+        kept["pinned"] = list(current.pinned)
+        return Settings.model_validate(kept)
+
+    @property
+    def delta_empty(self) -> bool:
+        """Whether nothing is changed beyond ``document`` (if any)."""
+        return not (self.policy or self.params or self.engine or self.pin or self.unpin)
+
     @property
     def empty(self) -> bool:
-        return not (self.policy or self.params or self.engine or self.pin or self.unpin)
+        return self.document is None and self.delta_empty
 
     def describe(self) -> str:
         """The change in the words an operator typed (``policy=uniboost, gamma=0.5, pin
         gamma``)."""
-        parts = [f"policy={self.policy}"] if self.policy else []
+        parts = ["whole settings document"] if self.document is not None else []
+        parts += [f"policy={self.policy}"] if self.policy else []
         parts += [f"{k}={fmt_value(v)}" for k, v in self.params.items()]
         parts += [f"engine.{k}={fmt_value(v)}" for k, v in self.engine.items()]
         parts += [f"pin {p}" for p in sorted(self.pin)]

@@ -276,6 +276,40 @@ def test_engine_fields_a_document_leaves_out_keep_the_replicas_own():
         Settings.model_validate(with_engine({"policy": "fcfs", "engine": "big"}, replica))
 
 
+def test_a_whole_document_and_a_recommendation_are_settings_changes_too():
+    """The plugin's PUT and a script's whole document (``SettingsChange.whole``), and the TUI's
+    recommendation (``SettingsChange.recommendation``) are the same value: the engine fields a
+    document leaves out are the replica's; a whole document's pins are its own, a
+    recommendation's are the replica's, kept at their values, and a policy switch over one is
+    refused."""
+    running = Settings.model_validate(
+        {
+            "policy": "uniboost",
+            "params": {"gamma": 12.0, "ada_ema": 0.3},
+            "pinned": ["gamma"],
+            "engine": {"max_num_seqs": 8},
+        }
+    )
+    doc = {"policy": "uniboost", "params": {"gamma": 0.5, "ada_ema": 0.9}}
+    whole = SettingsChange.whole(doc).apply(running)
+    assert whole.param("gamma") == 0.5 and whole.pinned == () and whole.engine.max_num_seqs == 8
+    assert SettingsChange.whole(whole).apply(running) == whole  # a validated document as is
+    assert not SettingsChange.whole(doc).empty
+    assert SettingsChange.whole(doc).describe() == "whole settings document"
+    rec = SettingsChange.recommendation(doc).apply(running)
+    assert (rec.param("gamma"), rec.param("ada_ema"), rec.pinned) == (12.0, 0.9, ("gamma",))
+    assert rec.engine.max_num_seqs == 8  # not the model's default: no restart asked for
+    with pytest.raises(ValueError, match="pinned gamma on uniboost: the recommendation switches"):
+        SettingsChange.recommendation({"policy": "fcfs"}).apply(running)
+    unpinned = SettingsChange(unpin=frozenset({"gamma"})).apply(running)
+    assert SettingsChange.recommendation({"policy": "fcfs"}).apply(unpinned).policy == "fcfs"
+    # A change on top of a whole document applies to it, not to the replica's.
+    both = SettingsChange(document=doc, params={"ada_ema": 0.1}).apply(running)
+    assert (both.param("gamma"), both.param("ada_ema")) == (0.5, 0.1)
+    with pytest.raises(ValidationError, match="gamma"):  # validated once, where it is applied
+        SettingsChange.whole({"policy": "uniboost", "params": {"gamma": -1}}).apply(running)
+
+
 def test_pin_and_unpin_of_one_name_is_refused():
 
     with pytest.raises(ValueError, match="--pin and --unpin both name gamma"):

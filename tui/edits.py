@@ -212,11 +212,11 @@ class RecommendationEdit:
     (docs/policies.md#settings-document: an applied recommendation never changes a pinned parameter
     unless the operator unpins it).
 
-    Same interface as :class:`~scheduler.settings_change.SettingsChange` (``apply``,
-    ``describe``), so it goes through the same confirmation and the same ``apply_settings`` path.
-    When the replica pins a parameter and the recommendation switches it to another policy, the
-    pin could not be kept: that replica is refused (not sent) with the reason, and the operator
-    unpins first.
+    What the confirmation shows of ``SettingsChange.recommendation`` (the study, the trial, the
+    pins kept), which ``apply`` builds: the same confirmation and ``apply_settings`` path as
+    every other edit. When the replica pins a parameter and the recommendation switches it to
+    another policy, the pin could not be kept: that replica is refused (not sent) with the
+    reason, and the operator unpins first.
     """
 
     settings: Mapping[str, Any]
@@ -224,18 +224,7 @@ class RecommendationEdit:
     trial: int | None = None
 
     def apply(self, current: Settings) -> Settings:
-        doc = Settings.model_validate(dict(self.settings)).to_dict()
-        pins = list(current.pinned)
-        if pins:
-            if doc["policy"] != current.policy:
-                raise ValueError(
-                    f"pinned {', '.join(pins)} on {current.policy}: the recommendation switches to "
-                    f"{doc['policy']}; unpin first to apply it"
-                )
-            for name in pins:
-                doc["params"][name] = current.param(name)
-            doc["pinned"] = pins
-        return Settings.model_validate(doc)
+        return SettingsChange.recommendation(self.settings).apply(current)
 
     @property
     def empty(self) -> bool:

@@ -31,7 +31,7 @@ from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
-from scheduler.settings_change import with_engine
+from scheduler.settings_change import SettingsChange, with_engine
 
 log = logging.getLogger("tailpilot.plugin")
 
@@ -235,7 +235,7 @@ class ReplicaCore:
         """
         with self._lock:
             current = self._pending or self.settings
-        new = Settings.model_validate(with_engine(doc, current.engine.model_dump()))
+        new = SettingsChange.whole(doc).apply(current)  # the engine fields it omits: ours
         self._build(new, None)  # fail now, not inside the scheduling step
         with self._lock:
             if if_match is not None and if_match != self.version:
