@@ -18,6 +18,12 @@ share is this host:
   controller), and, when the host stops or is cancelled, the controller's ``close`` — the
   governor undoes what it applied — run shielded and waited for at most ``close_timeout_s``, its
   status stored like a step's. ``tests/test_layers.py`` fails on a second controller loop;
+* **carrying a change out** (:func:`carry_out`): a controller decides *what* (a change with
+  ``apply(current)``) and *why*; the host decides whether it is sent — acting (armed, not held,
+  the replica this controller's to steer) and this controller's lease on the replica, through
+  ``apply_settings`` (If-Match, read back, the audit row) — or written to the audit with result
+  ``dry-run`` and nothing sent (dry-run, or another controller holds the replica's lease). No
+  controller calls steering itself (``tests/test_layers.py``);
 * **verify and step back** (``controlplane.verification.Ledger``): a change applied with a
   predicted effect is verified once due, and repeated misses tell the controller to step back.
 """
@@ -31,12 +37,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from controlplane.cluster import ClusterSpec
+from controlplane.steering import ApplyResult, Change, LeaseKeeper, apply_settings, record_dry_run
 from storage.control import ControllerName
 
 __all__ = [
     "PRECEDENCE",
     "ControlRow",
     "HostedController",
+    "Outcome",
+    "carry_out",
     "read_control",
     "run_controller",
     "tick",
@@ -141,6 +151,56 @@ def read_control(store: _Store, name: ControllerName, cluster: str) -> ControlRo
         status=own.get("status"),
         outranked=_outranked(name, rows),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one controller's change on one replica (:func:`carry_out`)."""
+
+    result: str  # the audit row's: applied, staged, rejected, error (sent); dry-run, skipped
+    sent: ApplyResult | None = None  # steering's answer, when it was sent
+    steered_by: str | None = None  # why the replica is not this controller's to steer now
+
+
+async def carry_out(
+    cluster: ClusterSpec,
+    replica: str,
+    change: Change,
+    store: Any,
+    *,
+    who: str,
+    note: str,
+    leases: LeaseKeeper,
+    now: float,
+    act: bool,
+    current: dict[str, Any] | None,
+    steered_by: str | None = None,
+) -> Outcome:
+    """The one way a controller's change reaches a replica. ``act`` (the row armed and not held,
+    the replica one the controller acts on): under the controller's lease, taken or renewed here,
+    through ``apply_settings`` with ``who`` and ``note`` in the audit row. Otherwise — or when
+    the lease is another's (``steered_by``: already known to the caller, or found here) — the
+    change applied to ``current`` (the document the replica last reported) is written to the
+    audit with result ``dry-run``, and nothing is sent."""
+    if act and steered_by is None:
+        steered_by = await leases.hold(cluster, replica, now)
+        if steered_by is None:
+            [res] = await apply_settings(
+                cluster, [replica], change, store, who=who, note=note, lease=leases
+            )
+            return Outcome(res.result, res)
+    logged = await asyncio.to_thread(
+        record_dry_run,
+        store,
+        cluster.name,
+        replica,
+        change,
+        current,
+        who=who,
+        note=note,
+        reason=steered_by or "dry-run",
+    )
+    return Outcome(logged, None, steered_by)
 
 
 async def _row(controller: HostedController) -> ControlRow:

@@ -16,22 +16,22 @@ mode           enters when                  change                              
                ``type_sustain_s``
 =============  ===========================  =======================================  ============
 
-JFI is the suppression-aware figure (controlplane/governance.py, docs/governance.md). Priority
-SCR > JFI > type (seed 003 §9): when several trigger at once they are entered in that order. A
-parameter the replica pins is never moved (the decision says so). Undoing restores the value the
-mode replaced, unless someone changed it meanwhile; a mode stays active (and is undone again at
-the next evaluation) until every replica it changed has taken the undo. Every decision goes
-through the same path as an operator's change (``controlplane.steering.apply_settings``:
-If-Match, read back, audit row) with who = ``governor``, the figures that triggered it and the
-victims' P99 TTFT (the tenants it protects: entering, over the window before; leaving, over the
-window since); in ``dry-run`` (the default) the decision is only written to the audit log
-(result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed`` and the end of the
-recorder undo every change the governor made (``governor disarm --keep``: kept, and the status
-says so). The state is kept in the store (its control row, ``storage.control``), so the TUI and
-``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running elsewhere; the
-controller host (``controlplane.controller_host``) reads that row each tick, stores the status
-``controlplane.governor_live`` returns (this module is the rule; that one runs it beside a
-collector), and holds the controllers ranked below the governor while a mode is applied (the
+JFI is the suppression-aware figure (controlplane/governance.py, docs/governance.md). Priority SCR >
+JFI > type (seed 003 §9): when several trigger at once they are entered in that order. A parameter
+the replica pins is never moved (the decision says so). Undoing restores the value the mode
+replaced, unless someone changed it meanwhile; a mode stays active (and is undone again at the next
+evaluation) until every replica it changed has taken the undo. Every decision goes through the same
+path as an operator's change (the host's ``carry_out``, then
+``controlplane.steering.apply_settings``: If-Match, read back, audit row) with who = ``governor``,
+the figures that triggered it and the victims' P99 TTFT (the tenants it protects: entering, over the
+window before; leaving, over the window since); in ``dry-run`` (the default) the decision is only
+written to the audit log (result ``dry-run``). ``disarmed``, ``paused``, ``dry-run`` after ``armed``
+and the end of the recorder undo every change the governor made (``governor disarm --keep``: kept,
+and the status says so). The state is kept in the store (its control row, ``storage.control``), so
+the TUI and ``tailpilot governor pause|resume|arm|disarm|dry-run`` steer a governor running
+elsewhere; the controller host (``controlplane.controller_host``) reads that row each tick, stores
+the status ``controlplane.governor_live`` returns (this module is the rule; that one runs it beside
+a collector), and holds the controllers ranked below the governor while a mode is applied (the
 status's ``overrides``).
 """
 

@@ -17,9 +17,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from controlplane.controller_host import ControlRow, read_control, run_controller, tick
+from controlplane.controller_host import ControlRow, carry_out, read_control, run_controller, tick
 from controlplane.governor import WHO, Decision, Governor
-from controlplane.steering import apply_settings, record_dry_run
 
 
 async def governor_step(
@@ -111,30 +110,28 @@ async def _carry_out(
     dry = not armed or bool(forgeable) or (decision.action == "exit" and decision.mode in gov.dry)
     for spec in cluster.replicas:
         change = gov.change(decision, spec.name)
-        other = None if dry else await gov.leases.hold(cluster, spec.name, now)
-        if not dry and other is None:
-            if decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
-                outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
-                continue
-            [res] = await apply_settings(
-                cluster, [spec.name], change, store, who=WHO, note=decision.note(), lease=gov.leases
-            )
-            outcome["replicas"][spec.name] = res.result
-            gov.commit(change, res.result)
+        if not dry and decision.action == "exit" and (decision.mode, spec.name) not in gov.replaced:
+            outcome["replicas"][spec.name] = "skipped"  # nothing of ours there
             continue
-        # Dry-run, or another governor steers this replica: what would be sent, in the audit log.
-        logged = await asyncio.to_thread(
-            record_dry_run,
-            store,
-            cluster.name,
+        done = await carry_out(
+            cluster,
             spec.name,
             change,
-            _settings_of(collector, spec.name),
+            store,
             who=WHO,
             note=decision.note(),
+            leases=gov.leases,
+            now=now,
+            act=not dry,
+            current=_settings_of(collector, spec.name),
         )
+        if done.sent is not None:
+            gov.commit(change, done.result)
+        # Dry-run, or another governor steers this replica: what would be sent is in the audit.
         outcome["replicas"][spec.name] = (
-            logged if other is None else f"{logged} (not ours to steer: {other})"
+            done.result
+            if done.steered_by is None
+            else f"{done.result} (not ours to steer: {done.steered_by})"
         )
     if decision.action == "enter" or dry or gov.undone(decision.mode):
         gov.record(decision, now, dry=dry and decision.action == "enter")

@@ -561,6 +561,11 @@ def _ticks(loop: ast.While | ast.For | ast.AsyncFor) -> bool:
     )
 
 
+# What changes a replica's settings: steering's send, and the host's carrying out of a
+# controller's change (which sends it).
+_CHANGERS = ("apply_settings", "carry_out")
+
+
 def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
     """(lines of periodic loops (``_ticks``), whether it changes replicas' settings: calls
     steering's ``apply_settings`` — by name, or as ``steering.apply_settings``; a simulator's own
@@ -575,12 +580,12 @@ def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
     changes = any(
         isinstance(node, ast.Call)
         and (
-            (isinstance(node.func, ast.Name) and node.func.id == "apply_settings")
+            (isinstance(node.func, ast.Name) and node.func.id in _CHANGERS)
             or (
                 isinstance(node.func, ast.Attribute)
-                and node.func.attr == "apply_settings"
+                and node.func.attr in _CHANGERS
                 and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "steering"
+                and node.func.value.id in ("steering", "controller_host")
             )
         )
         for node in ast.walk(tree)
@@ -592,15 +597,78 @@ def test_a_controller_runs_in_the_one_controller_loop():
     """A module that changes replicas' settings (calls ``apply_settings``) runs no loop of its
     own: a controller is stepped by ``controlplane.controller_host.run_controller``, whose loop
     owns the tick, the failed step and the bounded close (docs/architecture.md)."""
+    host_path = ROOT / "controlplane" / "controller_host.py"
     bad = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             loops, changes = own_loops_and_changes(path)
-            if changes and loops:
+            if changes and loops and path != host_path:
                 bad.append(f"{path.relative_to(ROOT)}:{loops[0]}")
     assert bad == []
-    host = own_loops_and_changes(ROOT / "controlplane" / "controller_host.py")
-    assert host[0] and not host[1]  # the one loop, which changes nothing itself
+    loops, changes = own_loops_and_changes(host_path)
+    [run] = [
+        f
+        for f in ast.parse(host_path.read_text()).body
+        if isinstance(f, ast.AsyncFunctionDef) and f.name == "run_controller"
+    ]
+    # The one loop (its ticks, and its bounded wait for the close) and the one carrier of the
+    # controllers' changes.
+    assert loops and all(run.lineno <= line <= (run.end_lineno or 0) for line in loops)
+    assert changes
+
+
+# The controllers' own modules: the rule and its live hosting, of each controller.
+CONTROLLER_MODULES = (
+    "controlplane/governor.py",
+    "controlplane/governor_live.py",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "autopilot").glob("*.py")),
+)
+
+
+def steering_calls(path: Path) -> list[str]:
+    """``name:line`` of each use of steering's send or dry-run audit (``apply_settings``,
+    ``record_dry_run``: imported, called or referred to) in ``path``."""
+    names = ("apply_settings", "record_dry_run")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{a.name}:{node.lineno}" for a in node.names if a.name in names]
+        elif isinstance(node, ast.Name) and node.id in names:
+            found.append(f"{node.id}:{node.lineno}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in names
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "steering"
+        ):
+            found.append(f"{node.attr}:{node.lineno}")
+    return found
+
+
+def test_controllers_carry_their_changes_out_through_the_host():
+    """Whether a controller's change is sent or only written to the audit as a dry run is the
+    host's to say (``controller_host.carry_out``: acting, the lease, ``apply_settings`` or
+    ``record_dry_run``): no controller's module calls steering itself (docs/architecture.md)."""
+    bad = {m: steering_calls(ROOT / m) for m in CONTROLLER_MODULES}
+    assert {m: c for m, c in bad.items() if c} == {}
+    assert "tuner/autopilot/live.py" in CONTROLLER_MODULES
+    assert steering_calls(ROOT / "controlplane" / "controller_host.py")  # the one that does
+
+
+def test_the_steering_check_sees_a_controller_sending_itself(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from controlplane.steering import apply_settings\n"
+        "from controlplane import steering\n"
+        "async def act(c):\n"
+        "    await steering.record_dry_run(c)\n"
+        "    f = apply_settings\n"
+    )
+    assert sorted(steering_calls(probe)) == [
+        "apply_settings:1",
+        "apply_settings:5",
+        "record_dry_run:4",
+    ]
 
 
 def test_the_controller_loop_checker_sees_a_second_loop(tmp_path):

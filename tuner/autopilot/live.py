@@ -10,8 +10,9 @@ to switch, the live driver carries the decision out.
 States (the store's autopilot control row, steered by ``tailpilot autopilot`` and the TUI's O):
 
 * ``dry-run`` (the default): decisions are only written to the audit log (result ``dry-run``);
-* ``armed``: a decision goes through the same path as an operator's change
-  (``controlplane.steering.apply_settings``: If-Match, read back, audit row, who = ``autopilot``)
+* ``armed``: a decision goes through the same path as an operator's change, carried out by the
+  host (``controlplane.controller_host.carry_out``: the lease, then
+  ``controlplane.steering.apply_settings``: If-Match, read back, audit row, who = ``autopilot``)
   with its predicted change in the note, and is kept as a prediction for ``tailpilot verify``;
 * ``disarmed``: nothing runs (the controllers are dropped; arming again starts them afresh).
 
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.controller_host import ControlRow, run_controller, tick
+from controlplane.controller_host import ControlRow, Outcome, carry_out, run_controller, tick
 from controlplane.replica_http import (
     HttpFailure,
     PollingClient,
@@ -57,7 +58,7 @@ from controlplane.replica_http import (
     fetch_inflight,
     make_client,
 )
-from controlplane.steering import ApplyResult, LeaseKeeper, apply_settings, record_dry_run
+from controlplane.steering import LeaseKeeper
 from controlplane.verification import Miss, Verifier
 from scheduler import contract
 from scheduler.settings import Settings
@@ -333,25 +334,18 @@ class LiveAutopilot:
         if self.held is not None:
             rp.note = f"held: {self.held}"
             return
-        if not self.armed_on(rp.name) or other is not None:
-            if decision.changed:  # logged once per decision, not once a minute while it stays
-                await asyncio.to_thread(
-                    record_dry_run,
-                    self.store,
-                    self.cluster.name,
-                    rp.name,
-                    TargetChange(target),
-                    running.to_dict(),
-                    who=WHO,
-                    note=note,
-                    reason="dry-run" if other is None else other,
-                )
+        acting = self.armed_on(rp.name)
+        applied_ms = int(self.clock() * 1000)
+        if (not acting or other is not None) and not decision.changed:
+            done = Outcome("dry-run", None, other)  # logged once per decision, not once a minute
+        else:
+            done = await self._send(rp, target, note, act=acting, steered_by=other, running=running)
+        res = done.sent
+        if res is None:
             rp.note = f"dry-run: would run {decision.choice}" + (
-                "" if other is None else f" — not ours to steer: {other}"
+                "" if done.steered_by is None else f" — not ours to steer: {done.steered_by}"
             )
             return
-        applied_ms = int(self.clock() * 1000)
-        res = await self._send(rp, target, note)
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
         # A prediction only where both sides were compared (an overload decision compares none).
         if res.ok and runs in decision.figures and decision.choice in decision.figures:
@@ -384,19 +378,32 @@ class LiveAutopilot:
                 }
             )
 
-    async def _send(self, rp: ReplicaPilot, target: Settings, note: str) -> ApplyResult:
+    async def _send(
+        self,
+        rp: ReplicaPilot,
+        target: Settings,
+        note: str,
+        *,
+        act: bool = True,
+        steered_by: str | None = None,
+        running: Settings | None = None,
+    ) -> Outcome:
         """Make ``rp``'s replica run ``target``'s choice (``target_document`` of what it runs when
-        the change is sent), audited with ``note``, under this controller's lease."""
-        [res] = await apply_settings(
+        the change is sent), audited with ``note``, through the host (``carry_out``: under this
+        controller's lease; with ``act`` false, or ``steered_by`` another, a dry-run row)."""
+        return await carry_out(
             self.cluster,
-            [rp.name],
+            rp.name,
             TargetChange(target),
             self.store,
             who=WHO,
             note=note,
-            lease=self.leases,
+            leases=self.leases,
+            now=self.clock(),
+            act=act,
+            current=None if running is None else running.to_dict(),
+            steered_by=steered_by,
         )
-        return res
 
     def _band(self, replica: str) -> float | None:
         reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
