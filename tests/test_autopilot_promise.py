@@ -56,6 +56,28 @@ def test_every_quantile_and_throughput_is_held_to_the_reference():
     assert "every quantile" in promise.describe()
 
 
+def test_the_stress_test_holds_a_move_to_the_running_choices_line():
+    """A stress test is a forecast: a candidate 3.5% behind the reference's P99 TTFT under it
+    (``diurnal``'s γ 1 at its peak, README) keeps the promise with the default ``stress_slack``
+    (the running choice's ``GUARD_SLACK``) and breaks it at a newcomer's line; 5% behind breaks it
+    either way, and with tenants' SLOs the verdict is theirs (SCR), not the quantiles'."""
+    from tuner.autopilot.controller import GUARD_SLACK
+    from tuner.autopilot.stress import stress_verdict
+
+    assert AutopilotConfig().stress_slack == GUARD_SLACK
+    pair = {"sarathi": figures(), "gamma=1": figures(ttft_p99=1.035)}
+    assert stress_verdict(AutopilotConfig(), pair, "sarathi", "gamma=1") == ()
+    strict = AutopilotConfig(stress_slack=0.0)
+    assert stress_verdict(strict, pair, "sarathi", "gamma=1") == ("stress:ttft_p99",)
+    worse = {**pair, "gamma=1": figures(ttft_p99=1.05)}
+    assert stress_verdict(AutopilotConfig(), worse, "sarathi", "gamma=1") == ("stress:ttft_p99",)
+    slo = AutopilotConfig(promise=Promise(slo=SloFqParams()))
+    tenants = {"sarathi": figures(scr=1.0), "gamma=1": figures(ttft_p99=2.0, scr=1.0)}
+    assert stress_verdict(slo, tenants, "sarathi", "gamma=1") == ()
+    tenants["gamma=1"] = figures(scr=0.5)
+    assert stress_verdict(slo, tenants, "sarathi", "gamma=1") == ("stress:scr",)
+
+
 def test_a_window_of_few_requests_is_given_its_sampling_noise():
     few, many = sampling_slack(500, 0.1), sampling_slack(50_000, 0.1)
     assert few["ttft_p99"] > few["ttft_p95"] > few["ttft_p50"] > 0

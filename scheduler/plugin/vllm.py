@@ -30,6 +30,7 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from scheduler.names import DEFAULT_TYPE
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
@@ -249,7 +250,7 @@ class TailpilotMixin(_StockScheduler):
     def _tp_new_state(self, request: Request) -> RequestState:
         params = request.sampling_params
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
-        rtype = str(extra.get("type", "chat"))
+        rtype = str(extra.get("type", DEFAULT_TYPE))
         return RequestState(
             id=request.request_id,
             arrival=request.arrival_time,

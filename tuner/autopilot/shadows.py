@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
 from scheduler.settings import Settings, SloFqParams
 from sim.engine import EngineConfig, Simulator
 from sim.traces import TraceRequest
@@ -81,7 +82,7 @@ class Window:
         tokens per request) when ``slo`` is declared."""
         if slo is None:
             return cls(clock, ids, arrivals, span_s)
-        rows = [meta.get(rid, ("default", "chat", 0)) for rid in ids]
+        rows = [meta.get(rid, (DEFAULT_TENANT, DEFAULT_TYPE, 0)) for rid in ids]
         return cls(clock, ids, arrivals, span_s, slo, *_slo_columns(rows))
 
     def with_forecast(self, forecast: Sequence[TraceRequest]) -> Window:
