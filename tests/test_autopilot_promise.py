@@ -61,7 +61,7 @@ def test_the_stress_test_holds_a_move_to_the_running_choices_line():
     (``diurnal``'s γ 1 at its peak, README) keeps the promise with the default ``stress_slack``
     (the running choice's ``GUARD_SLACK``) and breaks it at a newcomer's line; 5% behind breaks it
     either way, and with tenants' SLOs the verdict is theirs (SCR), not the quantiles'."""
-    from tuner.autopilot.controller import GUARD_SLACK
+    from tuner.autopilot.config import GUARD_SLACK
     from tuner.autopilot.stress import stress_verdict
 
     assert AutopilotConfig().stress_slack == GUARD_SLACK

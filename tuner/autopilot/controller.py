@@ -63,6 +63,7 @@ from collections.abc import Mapping
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from tuner.autopilot.candidates import ShadowSearch, running_candidate
+from tuner.autopilot.config import GUARD_SLACK
 from tuner.autopilot.config import AutopilotConfig as AutopilotConfig
 from tuner.autopilot.config import log_grid as log_grid
 from tuner.autopilot.feed import Feed
@@ -79,7 +80,6 @@ from tuner.autopilot.shadows import Projection, Shadow, Window
 from tuner.autopilot.stress import StressTest
 from tuner.autopilot.types import Decision, Observation
 
-GUARD_SLACK = 0.02  # of the promise's ratios, for the running choice only
 SLO_REFERENCES = ("sarathi", "defaults", "slofq")  # what the tenants' SCR and JFI are held to
 
 
