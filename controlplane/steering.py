@@ -93,9 +93,14 @@ def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] 
     PUT does."""
     if isinstance(change, (Mapping, Settings)):
         change = SettingsChange.whole(change)
+    old = res.old or {}
     try:
-        current = Settings.model_validate(res.old or {})
+        current = Settings.model_validate(old)
     except (ValidationError, ValueError) as err:
+        if isinstance(change, SettingsChange) and change.is_whole:
+            # A whole document needs only the replica's engine fields: it is how a replica
+            # running a newer plugin (a field this version does not know) is set back.
+            return _whole_on_engine(res, change, old.get("engine") or {})
         res.result = "rejected"
         res.message = (
             "not sent: the replica's settings document is not one this version reads "
@@ -122,6 +127,19 @@ def _new_document(res: ApplyResult, change: ChangeOrDocument) -> dict[str, Any] 
     # Validated where it was made (a change's apply starts from the replica's document, so its
     # engine fields are the replica's); the replica validates it again.
     return produced.to_dict()
+
+
+def _whole_on_engine(
+    res: ApplyResult, change: SettingsChange, engine: Any
+) -> dict[str, Any] | None:
+    """``change``'s whole document with ``engine``'s fields where it leaves them out (the replica's
+    engine block, its document otherwise unread); None, with ``res`` rejected, when invalid."""
+    try:
+        return change.on_engine(engine if isinstance(engine, Mapping) else {}).to_dict()
+    except (ValidationError, ValueError) as err:
+        res.result, res.message = "rejected", f"not sent: {describe_error(err)}"
+        res.new = dict(change.document or {})
+        return None
 
 
 def _refused(
@@ -315,7 +333,7 @@ def record_dry_run(
     it runs (``current``, as it last reported it), written to the audit log with result
     ``dry-run`` — or ``skipped`` when there is nothing to change or the document is not one this
     version reads — and nothing sent. Returns the result (blocking: the store's write)."""
-    new, why = None, "nothing to change"
+    new, why = None, "nothing to change" if current is not None else "no settings read from it"
     if current is not None:
         # What a replica reports is its own: a document this version cannot read (a newer
         # plugin's field, a broken replica) skips that replica, never the controller's step.
@@ -324,6 +342,12 @@ def record_dry_run(
         except (ValidationError, ValueError, TypeError) as err:
             why = f"its settings document is not one this version reads ({describe_error(err)})"
     result = "dry-run" if new is not None else "skipped"
+    if new is not None:
+        message = f"{note}; not sent ({reason})"
+    elif reason == "dry-run":
+        message = f"{note}; {why}"
+    else:  # not sent for its own reason (another's lease, an unreachable replica), and why not
+        message = f"{note}; not sent ({reason}): {why}"
     store.settings_log.record_settings_change(
         cluster,
         replica,
@@ -331,7 +355,7 @@ def record_dry_run(
         old=None if current is None else dict(current),
         new=None if new is None else new.to_dict(),
         result=result,
-        message=f"{note}; " + (f"not sent ({reason})" if new is not None else why),
+        message=message,
     )
     return result
 

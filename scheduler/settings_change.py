@@ -120,16 +120,15 @@ class SettingsChange:
     @classmethod
     def whole(cls, document: Mapping[str, Any] | Settings) -> SettingsChange:
         """A whole document sent as it is — the control API's PUT, a script's
-        ``apply_settings(..., {"policy": "fcfs"})`` — its missing engine fields the replica's."""
-        if isinstance(document, Settings):
-            document = document.to_dict()
-        return cls(document=document)
+        ``apply_settings(..., {"policy": "fcfs"})`` — its missing engine fields the replica's.
+        The document is copied: changing the caller's afterwards does not change the change."""
+        return cls(document=_document(document))
 
     @classmethod
-    def recommendation(cls, document: Mapping[str, Any]) -> SettingsChange:
+    def recommendation(cls, document: Mapping[str, Any] | Settings) -> SettingsChange:
         """A study's recommended document applied with the replica's pins kept (the TUI's ``R``,
         docs/policies.md#settings-document)."""
-        return cls(document=document, keep_pins=True)
+        return cls(document=_document(document), keep_pins=True)
 
     @classmethod
     def parse(
@@ -170,14 +169,18 @@ class SettingsChange:
         doc["pinned"] = pinned
         return Settings.model_validate(doc)
 
+    def on_engine(self, engine: Mapping[str, Any]) -> Settings:
+        """``document`` (a whole one, ``keep_pins`` aside) validated with ``engine``'s fields where
+        it leaves them out: what a replica that reports only its engine block is sent."""
+        assert self.document is not None, "on_engine of a change without a document"
+        return Settings.model_validate(with_engine(self.document, engine))
+
     def _replace(self, current: Settings) -> Settings:
         """``document`` made the replica's: validated once, with the replica's engine fields
         where it leaves them out and, with ``keep_pins``, the replica's pinned values."""
-        assert self.document is not None
-        doc = with_engine(self.document, current.engine.model_dump())
+        new = self.on_engine(current.engine.model_dump())
         if not (self.keep_pins and current.pinned):
-            return Settings.model_validate(doc)
-        new = Settings.model_validate(doc)
+            return new
         if new.policy != current.policy:
             raise ValueError(
                 f"pinned {', '.join(current.pinned)} on {current.policy}: the recommendation "
@@ -187,6 +190,12 @@ class SettingsChange:
         kept["params"] |= {name: current.param(name) for name in current.pinned}
         kept["pinned"] = list(current.pinned)
         return Settings.model_validate(kept)
+
+    @property
+    def is_whole(self) -> bool:
+        """A whole document and nothing else (``whole``): the replica's engine fields are all it
+        takes of the replica's settings."""
+        return self.document is not None and not self.keep_pins and self.delta_empty
 
     @property
     def delta_empty(self) -> bool:
@@ -207,6 +216,14 @@ class SettingsChange:
         parts += [f"pin {p}" for p in sorted(self.pin)]
         parts += [f"unpin {p}" for p in sorted(self.unpin)]
         return ", ".join(parts) or "no change"
+
+
+def _document(document: Mapping[str, Any] | Settings) -> dict[str, Any]:
+    if isinstance(document, Settings):
+        return document.to_dict()
+    if not isinstance(document, Mapping):
+        raise TypeError(f"a settings document is an object, got {type(document).__name__}")
+    return dict(document)
 
 
 def fmt_value(value: Any) -> str:

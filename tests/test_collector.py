@@ -1228,3 +1228,58 @@ def test_apply_settings_names_a_change_it_cannot_apply():
     assert res.result == "rejected" and "a change needs apply(current)" in res.message
     doc = _new_document(ApplyResult("r", "", "", old=Settings().to_dict()), Settings(policy="las"))
     assert doc is not None and doc["policy"] == "las"
+
+
+def test_a_whole_document_sets_back_a_replica_this_version_cannot_read():
+    """A replica running a newer plugin reports a document with a field this version does not
+    know: a whole document (``SettingsChange.whole``) is still made of it — it needs only the
+    replica's engine fields — while a change that needs the replica's document (a parameter, a
+    recommendation) is refused naming why, and an invalid whole document is refused with the
+    document kept for the audit row."""
+    from controlplane.steering import ApplyResult, _new_document
+
+    newer = {**Settings(engine={"max_num_seqs": 8}).to_dict(), "future_field": 1}
+    doc = _new_document(ApplyResult("r", "", "", old=newer), {"policy": "fcfs"})
+    assert doc is not None and doc["policy"] == "fcfs" and doc["engine"]["max_num_seqs"] == 8
+    for change in (
+        SettingsChange(params={"gamma": 0.5}),
+        SettingsChange.recommendation({"policy": "fcfs"}),
+    ):
+        res = ApplyResult("r", "", "", old=newer)
+        assert _new_document(res, change) is None
+        assert res.result == "rejected" and "not one this version reads" in res.message
+        assert "future_field" in res.message
+    res = ApplyResult("r", "", "", old=newer)
+    assert _new_document(res, {"policy": "nope"}) is None
+    assert res.result == "rejected" and "policy" in res.message
+    assert res.new == {"policy": "nope"}
+
+
+def test_a_change_not_sent_names_why_in_the_audit_row(tmp_path):
+    """``record_dry_run``, the audit row of a change not sent: a dry run says what would be sent;
+    one held back by another controller's lease (the autopilot's step back on a replica the
+    governor steers) names the holder, and what was not known of the replica."""
+    from controlplane.steering import record_dry_run
+
+    store = Store.open(str(tmp_path / "a.db"))
+    change = SettingsChange(params={"gamma": 0.5})
+    running = Settings(policy="uniboost").to_dict()
+    holder = "HTTP 409: held by governor-1"
+    cases = [
+        (running, "dry-run", "dry-run", "n0; not sent (dry-run)"),
+        (running, holder, "dry-run", f"n1; not sent ({holder})"),
+        (None, "dry-run", "skipped", "n2; no settings read from it"),
+        (None, holder, "skipped", f"n3; not sent ({holder}): no settings read from it"),
+    ]
+    for k, (current, reason, result, message) in enumerate(cases):
+        got = record_dry_run(
+            store, "c", "r0", change, current, who="autopilot", note=f"n{k}", reason=reason
+        )
+        assert got == result
+        [row] = [
+            r
+            for r in store.settings_log.settings_changes("c", None, 10)
+            if r["message"].startswith(f"n{k};")
+        ]
+        assert row["message"] == message and row["result"] == result
+    store.close()

@@ -568,7 +568,8 @@ _CHANGERS = ("apply_settings", "carry_out")
 
 def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
     """(lines of periodic loops (``_ticks``), whether it changes replicas' settings: calls
-    steering's ``apply_settings`` — by name, or as ``steering.apply_settings``; a simulator's own
+    steering's ``apply_settings`` or the controller host's ``carry_out`` — by name, or as
+    ``steering.apply_settings`` / ``controller_host.carry_out``; a simulator's own
     ``sim.apply_settings`` is an engine taking a document, not a controller changing a
     replica)."""
     tree = ast.parse(path.read_text())
@@ -594,9 +595,10 @@ def own_loops_and_changes(path: Path) -> tuple[list[int], bool]:
 
 
 def test_a_controller_runs_in_the_one_controller_loop():
-    """A module that changes replicas' settings (calls ``apply_settings``) runs no loop of its
-    own: a controller is stepped by ``controlplane.controller_host.run_controller``, whose loop
-    owns the tick, the failed step and the bounded close (docs/architecture.md)."""
+    """A module that changes replicas' settings (calls ``apply_settings`` or ``carry_out``) runs
+    no loop of its own: a controller is stepped by
+    ``controlplane.controller_host.run_controller``, whose loop owns the tick, the failed step and
+    the bounded close (docs/architecture.md)."""
     host_path = ROOT / "controlplane" / "controller_host.py"
     bad = []
     for package in PACKAGES:
@@ -621,27 +623,38 @@ def test_a_controller_runs_in_the_one_controller_loop():
 CONTROLLER_MODULES = (
     "controlplane/governor.py",
     "controlplane/governor_live.py",
-    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "autopilot").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "autopilot").rglob("*.py")),
 )
 
 
 def steering_calls(path: Path) -> list[str]:
     """``name:line`` of each use of steering's send or dry-run audit (``apply_settings``,
-    ``record_dry_run``: imported, called or referred to) in ``path``."""
+    ``record_dry_run``: imported, called or referred to, also through the module under another
+    name) in ``path``."""
     names = ("apply_settings", "record_dry_run")
+    tree = ast.parse(path.read_text())
+    # The names the steering module goes by here: ``steering``, or an alias of it.
+    modules = {"steering"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "controlplane.steering"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "controlplane":
+            modules |= {a.asname or a.name for a in node.names if a.name == "steering"}
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             found += [f"{a.name}:{node.lineno}" for a in node.names if a.name in names]
         elif isinstance(node, ast.Name) and node.id in names:
             found.append(f"{node.id}:{node.lineno}")
-        elif (
-            isinstance(node, ast.Attribute)
-            and node.attr in names
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "steering"
-        ):
-            found.append(f"{node.attr}:{node.lineno}")
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            value, dotted = node.value, []
+            while isinstance(value, ast.Attribute):
+                dotted.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name):
+                dotted.append(value.id)
+                if ".".join(reversed(dotted)) in modules:
+                    found.append(f"{node.attr}:{node.lineno}")
     return found
 
 
@@ -669,6 +682,15 @@ def test_the_steering_check_sees_a_controller_sending_itself(tmp_path):
         "apply_settings:5",
         "record_dry_run:4",
     ]
+    probe.write_text(
+        "import controlplane.steering as st\n"
+        "import controlplane.steering\n"
+        "async def act(c):\n"
+        "    await st.apply_settings(c)\n"
+        "    await controlplane.steering.record_dry_run(c)\n"
+        "    await other.apply_settings(c)\n"
+    )
+    assert sorted(steering_calls(probe)) == ["apply_settings:4", "record_dry_run:5"]
 
 
 def test_the_controller_loop_checker_sees_a_second_loop(tmp_path):

@@ -109,11 +109,12 @@ class AutopilotConfig(BaseModel):
     stress_s: float = Field(600.0, ge=0.0, le=86_400.0)
     # … made of the last this-many seconds of arrivals, repeated (the recent rate and mix).
     stress_recent_s: float = Field(120.0, ge=10.0, le=86_400.0)
-    # … and judged with this much more slack than the promise's own on every quantile: the test
-    # is a forecast, held to the line the running choice's guard holds it to on what did happen
-    # (``GUARD_SLACK``), not a newcomer's. On ``diurnal`` a 2% line kept every move down from the
-    # defaults out through the hour's rising peak (γ 1 broke P99 TTFT under the test by 3.5% and
-    # kept it in the replay); README, "The autopilot".
+    # … and judged with this much more slack than the promise's own on every quantile (and off its
+    # throughput floor, as the running choice's guard is): the test is a forecast, held to the line
+    # the running choice's guard holds it to on what did happen (``GUARD_SLACK``), not a newcomer's.
+    # On ``diurnal`` a 2% line kept every move down from the defaults out through the hour's rising
+    # peak (γ 1 broke P99 TTFT under the test by 3.5% and kept it in the replay); README, "The
+    # autopilot".
     stress_slack: float = Field(GUARD_SLACK, ge=0.0, le=1.0)
     # Overload: the reference would need longer than this to empty its queue with no further
     # arrival (None: never judged overloaded).

@@ -238,7 +238,7 @@ class LiveAutopilot:
         decision = await asyncio.to_thread(
             rp.pilot.observe, rp.observation(inflight, now, self.config)
         )
-        await self._verify(rp, now)
+        await self._verify(rp, now, running)
         if decision is not None:
             rp.last.append(decision_row(decision, now))
             while len(rp.last) > self.live.decisions_kept:
@@ -270,7 +270,7 @@ class LiveAutopilot:
             self.pilots[spec.name] = rp
             self.notes.pop(spec.name, None)
         if lead.clock is not None:  # its own switches verified on the leader's clock
-            await self._verify(rp, lead.clock)
+            await self._verify(rp, lead.clock, running)
         decision = next((d for d in reversed(lead.pilot.decisions) if d.figures), None)
         if decision is None or decision is rp.followed:
             rp.note = rp.note or f"pool {spec.pool}: follows {leader}'s controller"
@@ -384,13 +384,14 @@ class LiveAutopilot:
         target: Settings,
         note: str,
         *,
+        running: Settings,
         act: bool = True,
         steered_by: str | None = None,
-        running: Settings | None = None,
     ) -> Outcome:
         """Make ``rp``'s replica run ``target``'s choice (``target_document`` of what it runs when
         the change is sent), audited with ``note``, through the host (``carry_out``: under this
-        controller's lease; with ``act`` false, or ``steered_by`` another, a dry-run row)."""
+        controller's lease; with ``act`` false, or the lease another's, a dry-run row of the
+        change to ``running``, what the replica last reported)."""
         return await carry_out(
             self.cluster,
             rp.name,
@@ -401,7 +402,7 @@ class LiveAutopilot:
             leases=self.leases,
             now=self.clock(),
             act=act,
-            current=None if running is None else running.to_dict(),
+            current=running.to_dict(),
             steered_by=steered_by,
         )
 
@@ -409,7 +410,7 @@ class LiveAutopilot:
         reports = self.store.tuner.latest_fidelity(self.cluster.name, replica)
         return reports[0]["summary"].get("band") if reports else None
 
-    async def _verify(self, rp: ReplicaPilot, now: float) -> None:
+    async def _verify(self, rp: ReplicaPilot, now: float, running: Settings) -> None:
         """Verify the applied switches whose window has passed; step back after repeated misses
         (``controlplane.verification``)."""
         miss = await rp.ledger.check(
@@ -421,9 +422,9 @@ class LiveAutopilot:
             step_back_after=self.live.step_back_after,
         )
         if miss is not None:
-            await self._step_back(rp, now, miss)
+            await self._step_back(rp, now, miss, running)
 
-    async def _step_back(self, rp: ReplicaPilot, now: float, miss: Miss) -> None:
+    async def _step_back(self, rp: ReplicaPilot, now: float, miss: Miss, running: Settings) -> None:
         to = "defaults" if "defaults" in rp.pilot.options else rp.pilot.reference
         rp.pilot.step_back(now, to, self.live.hold_s)
         target = rp.pilot.options[to]
@@ -436,7 +437,7 @@ class LiveAutopilot:
         log.warning("replica %s: %s", rp.name, note)
         rp.note = note
         if self.armed_on(rp.name) and self.held is None:
-            await self._send(rp, target, note)
+            await self._send(rp, target, note, running=running)
 
     def armed_on(self, replica: str) -> bool:
         """Whether decisions are carried out on ``replica``: the row is armed and the replica is

@@ -94,11 +94,11 @@ def stress_verdict(
     config: AutopilotConfig, figures: Mapping[str, Figures], reference: str, name: str
 ) -> tuple[str, ...]:
     """What ``name`` breaks of the promise under a stress test, against ``reference``'s figures
-    under the same test (each as ``stress:<quantile>``). Without SLOs a quantile breaks beyond the
-    promise's slack plus ``stress_slack``: the test is a forecast (the last minutes going on), and
-    holding it to a newcomer's line on the window would be stricter than the running choice's own
-    guard on what did happen (``GUARD_SLACK`` more than a newcomer's). With SLOs, the promise's
-    own verdict (SCR, JFI)."""
+    under the same test (each as ``stress:<quantile>``). Without SLOs a quantile breaks beyond
+    the promise's slack plus ``stress_slack`` (the throughput floor is lowered by as much): the
+    test is a forecast (the last minutes going on), and holding it to a newcomer's line on the
+    window would be stricter than the running choice's own guard on what did happen
+    (``GUARD_SLACK`` more than a newcomer's). With SLOs, the promise's own verdict (SCR, JFI)."""
     promise = config.promise
     if promise.slo is None:
         broken = breaks(promise, figures[name], figures[reference], config.stress_slack)
