@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from scheduler.policies import POLICY_CLASSES, Policy, PreemptivePolicy, RequestState, make_policy
-from scheduler.policies.base import ChargesTokens, CountsSteps, next_threshold, quantize
+from scheduler.policies.base import (
+    ChargesTokens,
+    CountsSteps,
+    RefusesArrivals,
+    Ticks,
+    next_threshold,
+    quantize,
+)
 from scheduler.policies.predictors import OraclePredictor
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
@@ -558,12 +565,17 @@ def test_each_capability_flag_is_the_interface_the_policy_has(name):
     cls = POLICY_CLASSES[name]
     assert cls.charges_tokens == issubclass(cls, ChargesTokens)
     assert cls.counts_steps == issubclass(cls, CountsSteps)
+    assert cls.ticks == issubclass(cls, Ticks)
     assert cls.preemptive == issubclass(cls, PreemptivePolicy)
+    # ``refuses`` is the settings' word (slofq refuses only with a queue cap declared): a policy
+    # that is no RefusesArrivals never says it may.
+    if not issubclass(cls, RefusesArrivals):
+        assert make_policy(Settings.model_validate({"policy": name})).refuses is False
 
 
 def test_the_base_policy_has_none_of_the_optional_hooks():
     """What only some policies want is theirs alone: an engine reaches it through the interface."""
-    for hook in ("on_tokens", "on_steps", "on_waiting_steps"):
+    for hook in ("on_tokens", "on_steps", "on_waiting_steps", "next_tick", "tick", "refuse"):
         assert not hasattr(Policy, hook), hook
 
 

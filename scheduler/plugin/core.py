@@ -20,7 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.errors import FAILED, TailpilotError
@@ -28,6 +28,7 @@ from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
 from scheduler.plugin.lease import Leases
 from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
+from scheduler.policies.base import RefusesArrivals, Ticks, next_tick_of
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
@@ -300,8 +301,8 @@ class ReplicaCore:
             self.waiting.set_policy(policy)
             self.policy = policy
         policy = self.policy
-        if policy.next_tick() <= now:
-            policy.tick(now)
+        if policy.ticks and next_tick_of(policy) <= now:
+            cast(Ticks, policy).tick(now)
         return policy
 
     # --- the circuit breaker ------------------------------------------------------------------
@@ -398,7 +399,8 @@ class ReplicaCore:
         """The policy's reason to turn ``state`` away on arrival (a tenant's queue cap), logged as
         a completion with reason ``rejected``; None: track it as usual."""
         try:
-            why = self.policy.refuse(state, now)
+            policy = self.policy
+            why = cast(RefusesArrivals, policy).refuse(state, now) if policy.refuses else None
         except Exception as err:
             self.trip(err, now)
             return None

@@ -20,7 +20,7 @@ from bisect import insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 from mypy_extensions import mypyc_attr, trait
@@ -175,8 +175,11 @@ class Policy:
     admission order, the memory-pressure victim (the last running), the engine's events, event
     skipping's bounds, the waiting queue's layout, live state. Policy-driven preemption is a
     capability of its own, :class:`PreemptivePolicy`: an engine preempts for a better-keyed
-    waiting request only under a policy that is one (``isinstance``). The flags below let an
-    engine skip a call on every step's path where a policy does not use it."""
+    waiting request only under a policy that is one (``isinstance``); so are the hooks only some
+    policies want — every token (:class:`ChargesTokens`), every step's service
+    (:class:`CountsSteps`), a clock (:class:`Ticks`), turning an arrival away
+    (:class:`RefusesArrivals`) — each behind a flag an engine tests before it calls: a class
+    attribute, where a call on every step's path to a hook that does nothing was not free."""
 
     name: ClassVar[str] = "base"
     # True on PreemptivePolicy (below) and so on every policy that is one: the engines' per-step
@@ -184,9 +187,11 @@ class Policy:
     preemptive: ClassVar[bool] = False
     reorders_running: ClassVar[bool] = True  # sarathi keeps vLLM's running order untouched
     reorders_waiting: ClassVar[bool] = True
-    # The optional capabilities below (ChargesTokens, CountsSteps): set by a policy that is one.
+    # The optional capabilities below (ChargesTokens, CountsSteps, Ticks): set by a policy that
+    # is one.
     charges_tokens: ClassVar[bool] = False  # wants on_tokens (vtc, slofq)
     counts_steps: ClassVar[bool] = False  # wants on_steps (sjf's starvation counters, slofq)
+    ticks: ClassVar[bool] = False  # adapts on a clock: next_tick / tick (γ-Ada, slofq's control)
     # May hold waiting requests back (backpressure): admission_order then yields none of them,
     # and an engine with nothing else to do waits for next_tick instead of stalling.
     gates_admission: ClassVar[bool] = False
@@ -359,13 +364,9 @@ class Policy:
         return running[-1]
 
     # --- events from the engine -----------------------------------------------------------
-    # Whether ``refuse`` can say no (engines skip asking otherwise: it is on every arrival's path).
+    # Whether this policy (a RefusesArrivals, below) may turn an arrival away under its settings
+    # now (engines skip asking otherwise: it is on every arrival's path).
     refuses = False
-
-    def refuse(self, req: RequestState, now: float) -> str | None:
-        """Why ``req`` is turned away on arrival (slofq's per-tenant queue cap), or None to queue
-        it; asked before ``on_arrival``, which a refused request never gets."""
-        return None
 
     def on_arrival(self, req: RequestState, now: float) -> None:
         pass
@@ -381,13 +382,6 @@ class Policy:
 
     def detach(self, waiting: Iterable[RequestState]) -> None:
         """The engine is switching away from this policy: write back any state kept lazily."""
-
-    def next_tick(self) -> float:
-        """Time of the next periodic adaptation (γ-Ada, adaptive β refresh), or INF."""
-        return INF
-
-    def tick(self, now: float) -> None:
-        pass
 
     # --- event skipping -------------------------------------------------------------------
     def next_time_event(self, waiting: Sequence[RequestState], now: float) -> float:
@@ -457,6 +451,39 @@ class CountsSteps:
         queue) went without service: the engine's call, where ``on_steps`` gets the running
         requests only. A policy may count these lazily (sjf); by default they go to ``on_steps``."""
         self.on_steps((), waiting, steps)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+@trait
+class Ticks:
+    """Adapts on a clock (uniboost's γ-Ada, slofq's control step): ``ticks``. An engine calls
+    ``tick`` at the top of the first step at or after ``next_tick``, and ends an event-skipping
+    stretch there."""
+
+    def next_tick(self) -> float:
+        """Time of the next adaptation, or INF."""
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        """Adapt at ``now``: the engine's clock at the top of a step."""
+        raise NotImplementedError
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+@trait
+class RefusesArrivals:
+    """May turn an arrival away (slofq's per-tenant queue cap): asked only while the policy's
+    ``refuses`` says it may under its settings."""
+
+    def refuse(self, req: RequestState, now: float) -> str | None:
+        """Why ``req`` is turned away on arrival, or None to queue it; asked before
+        ``on_arrival``, which a refused request never gets."""
+        raise NotImplementedError
+
+
+def next_tick_of(policy: Policy) -> float:
+    """``policy``'s next adaptation (``Ticks.next_tick``), INF for one that does not tick."""
+    return cast(Ticks, policy).next_tick() if policy.ticks else INF
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)

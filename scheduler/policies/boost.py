@@ -26,6 +26,7 @@ from scheduler.policies.base import (
     RequestState,
     RunningSortKey,
     SortKey,
+    Ticks,
     boost,
     boost_array,
     new_epoch,
@@ -112,7 +113,7 @@ def reorder_decodes_then_prefills(
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class UniBoost(PreemptivePolicy):
+class UniBoost(PreemptivePolicy, Ticks):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards
     admitted requests until their next threshold (stage 3); γ-Ada sets γ to the observed tail's
@@ -122,6 +123,7 @@ class UniBoost(PreemptivePolicy):
 
     name = "uniboost"
     params: UniBoostParams
+    ticks = True  # γ-Ada (its next tick INF while γ is fixed)
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)

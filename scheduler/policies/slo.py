@@ -47,8 +47,10 @@ from scheduler.policies.base import (
     OrderedWaiting,
     Policy,
     PreemptivePolicy,
+    RefusesArrivals,
     RequestState,
     RunningSortKey,
+    Ticks,
     new_epoch,
 )
 from scheduler.policies.predictors import LengthPredictor
@@ -82,7 +84,7 @@ def _waiting_groups(waiting: Sequence[RequestState]) -> dict[Group, list[Request
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
+class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps, Ticks, RefusesArrivals):
     """Deadline-aware token-level fair queue with type shares and backpressure (module
     docstring)."""
 
@@ -90,6 +92,7 @@ class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
     params: SloFqParams
     charges_tokens = True
     counts_steps = True  # the window's token budget is the engine budget times the steps served
+    ticks = True  # the control step: buckets, weights and throttles
     gates_admission = True
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
@@ -410,6 +413,10 @@ class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps):
     # --- the controller (each bucket's step: slo_backpressure.Backpressure) ----------------
     def next_tick(self) -> float:
         return self._next_control
+
+    def tick(self, now: float) -> None:
+        """Nothing here: the control step runs in ``before_step`` (it needs the waiting queues),
+        which every engine calls right after the tick at the top of the same step."""
 
     def steady_steps(
         self,

@@ -29,7 +29,15 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
 from scheduler.policies import RequestState, make_policy
-from scheduler.policies.base import INF, ChargesTokens, CountsSteps, arrival_order
+from scheduler.policies.base import (
+    INF,
+    ChargesTokens,
+    CountsSteps,
+    RefusesArrivals,
+    Ticks,
+    arrival_order,
+    next_tick_of,
+)
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, Settings
@@ -236,7 +244,10 @@ class Simulator(EngineBooks):
                 output_tokens=target,
                 enqueued_at=self.now,
             )
-            if self.policy.refuses and self.policy.refuse(req, self.now) is not None:
+            if (
+                self.policy.refuses
+                and cast(RefusesArrivals, self.policy).refuse(req, self.now) is not None
+            ):
                 self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
                 self.refused += 1
                 continue
@@ -251,8 +262,8 @@ class Simulator(EngineBooks):
         if not self.waiting and not self.running:
             return  # every arrival so far was rejected
         policy = self.policy
-        if policy.next_tick() <= now:
-            policy.tick(now)
+        if policy.ticks and next_tick_of(policy) <= now:
+            cast(Ticks, policy).tick(now)
             if hasattr(policy, "gamma"):
                 self.gamma_timeline.append((now, policy.gamma))
         if self.predictor is not None and now >= self.next_refit:
@@ -264,7 +275,7 @@ class Simulator(EngineBooks):
         if not step.serves() and not step.preempted:
             # Every waiting request is held back (backpressure) and nothing runs: the engine idles
             # until the policy's next tick or the next arrival, whichever is first.
-            t = min(policy.next_tick(), self._horizon)
+            t = min(next_tick_of(policy), self._horizon)
             if self.next_arrival < len(self.arrivals):
                 t = min(t, self.arrivals[self.next_arrival].arrival)
             if not now < t < INF:
@@ -403,7 +414,7 @@ class Simulator(EngineBooks):
         k = min(k, kv_safe_steps(self.running, self.free_blocks, self.config.block_size))
         waiting = self.waiting.ordered(now)
         k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked))
-        t_event = min(self.policy.next_tick(), self._horizon)
+        t_event = min(next_tick_of(self.policy), self._horizon)
         if self.next_arrival < len(self.arrivals):
             t_event = min(t_event, self.arrivals[self.next_arrival].arrival)
         if self.predictor is not None:
