@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from scheduler import compiled
 from scheduler.policies import POLICY_CLASSES, RequestState, make_policy
 from scheduler.policies import queue as queue_mod
-from scheduler.policies.base import CountsSteps, Policy, new_epoch
+from scheduler.policies.base import Policy, new_epoch
 from scheduler.policies.boost import UniBoost
+from scheduler.policies.capabilities import CountsSteps
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.queue_groups import OffsetGroups

@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 
 from scheduler.policies import POLICY_CLASSES, Policy, PreemptivePolicy, RequestState, make_policy
-from scheduler.policies.base import (
-    ChargesTokens,
-    CountsSteps,
-    RefusesArrivals,
-    Ticks,
-    next_threshold,
-    quantize,
-)
+from scheduler.policies.base import next_threshold, quantize
+from scheduler.policies.capabilities import ChargesTokens, CountsSteps, RefusesArrivals, Ticks
 from scheduler.policies.predictors import OraclePredictor
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate

@@ -28,7 +28,7 @@ from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
 from scheduler.plugin.lease import Leases
 from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
-from scheduler.policies.base import RefusesArrivals, Ticks, next_tick_of
+from scheduler.policies.capabilities import RefusesArrivals, Ticks, next_tick_of
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings

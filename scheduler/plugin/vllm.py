@@ -35,7 +35,7 @@ from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
 from scheduler.policies import Policy, PreemptivePolicy, RequestState
-from scheduler.policies.base import ChargesTokens, CountsSteps
+from scheduler.policies.capabilities import ChargesTokens, CountsSteps
 from scheduler.policies.preemption import plan_preemptions
 from scheduler.policies.queue import WaitingQueue
 

@@ -20,10 +20,10 @@ from bisect import insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
-from mypy_extensions import mypyc_attr, trait
+from mypy_extensions import mypyc_attr
 from pydantic import BaseModel
 
 from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
@@ -187,8 +187,8 @@ class Policy:
     preemptive: ClassVar[bool] = False
     reorders_running: ClassVar[bool] = True  # sarathi keeps vLLM's running order untouched
     reorders_waiting: ClassVar[bool] = True
-    # The optional capabilities below (ChargesTokens, CountsSteps, Ticks): set by a policy that
-    # is one.
+    # The optional capabilities (scheduler.policies.capabilities: ChargesTokens, CountsSteps,
+    # Ticks): set by a policy that is one.
     charges_tokens: ClassVar[bool] = False  # wants on_tokens (vtc, slofq)
     counts_steps: ClassVar[bool] = False  # wants on_steps (sjf's starvation counters, slofq)
     ticks: ClassVar[bool] = False  # adapts on a clock: next_tick / tick (γ-Ada, slofq's control)
@@ -415,75 +415,6 @@ class Policy:
 
     def adopt_live_state(self, previous: Policy) -> None:
         """Carry adaptive state across a settings switch of the same policy (unless pinned)."""
-
-
-# --- optional capabilities --------------------------------------------------------------------
-# What only some policies want, each its own narrow interface: a policy class names the ones it
-# has among its bases (mypyc compiles a second base as a trait) and sets the matching flag above.
-# An engine tests the flag — a class attribute, ~40 ns — and then calls through the interface;
-# an isinstance test against a runtime-checkable Protocol measured 5.3 µs, on every step's path
-# (tests/test_policies.py holds each flag to its interface).
-@mypyc_attr(allow_interpreted_subclasses=True)
-@trait
-class ChargesTokens:
-    """Wants every generated token (vtc's and slofq's service counters): ``charges_tokens``."""
-
-    def on_tokens(self, req: RequestState, new_tokens: int) -> None:
-        """``new_tokens`` output tokens were generated for ``req``."""
-        raise NotImplementedError
-
-
-@mypyc_attr(allow_interpreted_subclasses=True)
-@trait
-class CountsSteps:
-    """Wants every step's service (sjf's starvation counters, slofq's window budget):
-    ``counts_steps``."""
-
-    def on_steps(
-        self, scheduled: Iterable[RequestState], unscheduled: Iterable[RequestState], steps: int
-    ) -> None:
-        """``steps`` identical steps ran: ``scheduled`` got service in each, ``unscheduled``
-        none."""
-        raise NotImplementedError
-
-    def on_waiting_steps(self, waiting: Iterable[RequestState], steps: int) -> None:
-        """``steps`` identical steps ran and every request in ``waiting`` (the engine's waiting
-        queue) went without service: the engine's call, where ``on_steps`` gets the running
-        requests only. A policy may count these lazily (sjf); by default they go to ``on_steps``."""
-        self.on_steps((), waiting, steps)
-
-
-@mypyc_attr(allow_interpreted_subclasses=True)
-@trait
-class Ticks:
-    """Adapts on a clock (uniboost's γ-Ada, slofq's control step): ``ticks``. An engine calls
-    ``tick`` at the top of the first step at or after ``next_tick``, and ends an event-skipping
-    stretch there."""
-
-    def next_tick(self) -> float:
-        """Time of the next adaptation, or INF."""
-        raise NotImplementedError
-
-    def tick(self, now: float) -> None:
-        """Adapt at ``now``: the engine's clock at the top of a step."""
-        raise NotImplementedError
-
-
-@mypyc_attr(allow_interpreted_subclasses=True)
-@trait
-class RefusesArrivals:
-    """May turn an arrival away (slofq's per-tenant queue cap): asked only while the policy's
-    ``refuses`` says it may under its settings."""
-
-    def refuse(self, req: RequestState, now: float) -> str | None:
-        """Why ``req`` is turned away on arrival, or None to queue it; asked before
-        ``on_arrival``, which a refused request never gets."""
-        raise NotImplementedError
-
-
-def next_tick_of(policy: Policy) -> float:
-    """``policy``'s next adaptation (``Ticks.next_tick``), INF for one that does not tick."""
-    return cast(Ticks, policy).next_tick() if policy.ticks else INF
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)

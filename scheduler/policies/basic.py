@@ -10,7 +10,8 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr, trait
 
-from scheduler.policies.base import INF, ChargesTokens, Policy, RequestState, arrival_order
+from scheduler.policies.base import INF, Policy, RequestState, arrival_order
+from scheduler.policies.capabilities import ChargesTokens
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import NoParams, Settings, VtcParams
 

@@ -26,13 +26,13 @@ from scheduler.policies.base import (
     RequestState,
     RunningSortKey,
     SortKey,
-    Ticks,
     boost,
     boost_array,
     new_epoch,
     next_threshold,
     quantize,
 )
+from scheduler.policies.capabilities import Ticks
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 

@@ -12,7 +12,6 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.policies.base import (
     INF,
-    CountsSteps,
     Key,
     OrderedWaiting,
     Policy,
@@ -20,6 +19,7 @@ from scheduler.policies.base import (
     RequestState,
     SortKey,
 )
+from scheduler.policies.capabilities import CountsSteps
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import LasParams, Settings, SjfParams, SrptParams
 

@@ -41,18 +41,15 @@ from mypy_extensions import mypyc_attr
 from scheduler.metrics.fairness import minimum_shares
 from scheduler.policies.base import (
     INF,
-    ChargesTokens,
-    CountsSteps,
     Key,
     OrderedWaiting,
     Policy,
     PreemptivePolicy,
-    RefusesArrivals,
     RequestState,
     RunningSortKey,
-    Ticks,
     new_epoch,
 )
+from scheduler.policies.capabilities import ChargesTokens, CountsSteps, RefusesArrivals, Ticks
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.policies.slo_backpressure import Backpressure, Bucket, Group, SlidingWindow

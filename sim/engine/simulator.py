@@ -29,13 +29,12 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
 from scheduler.policies import RequestState, make_policy
-from scheduler.policies.base import (
-    INF,
+from scheduler.policies.base import INF, arrival_order
+from scheduler.policies.capabilities import (
     ChargesTokens,
     CountsSteps,
     RefusesArrivals,
     Ticks,
-    arrival_order,
     next_tick_of,
 )
 from scheduler.policies.predictors import LengthPredictor
