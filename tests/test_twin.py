@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.plugin.api import ControlServer
 from scheduler.plugin.core import COMPLETION_KEYS, ReplicaCore
+from scheduler.plugin.paged_log import PagedLog
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
 from sim.traces import Trace, TraceRequest
@@ -578,7 +579,8 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
 # --- the shared pieces the twin added to the core and the server ----------------------------------
 def test_completions_since_reads_any_cursor_of_a_trimmed_log():
     core = ReplicaCore(Settings())
-    core._completions = deque(maxlen=10)  # a log that has dropped its oldest entries
+    # A log that has dropped its oldest entries.
+    core.completions_log = PagedLog(10, lambda entry: entry["seq"])
     core.log_completions({"id": f"r{i}"} for i in range(25))
     assert core.finished_total == 25
     for cursor in range(0, 28):

@@ -11,21 +11,21 @@ and the simulated twin replicas drive the same core, so the API cannot tell them
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
-import itertools
 import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.errors import FAILED, TailpilotError
 from scheduler.plugin.env import SETTINGS_FILE_ENV, PluginEnv
 from scheduler.plugin.lease import Leases
+from scheduler.plugin.paged_log import PagedLog
 from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
 from scheduler.policies.capabilities import RefusesArrivals, Ticks, next_tick_of
@@ -35,8 +35,6 @@ from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELD
 from scheduler.settings_change import SettingsChange, with_engine
 
 log = logging.getLogger("tailpilot.plugin")
-
-_Entry = TypeVar("_Entry", dict[str, Any], "StepRecord")  # a completions- or step-log entry
 
 REFIT_INTERVAL_S = 10.0  # history predictor refit period, on its own thread
 COMPLETIONS_KEPT = 100_000  # per-request completions kept for readers behind the cursor
@@ -122,6 +120,11 @@ class StepRecord:
         }
 
 
+def _numbered(record: dict[str, Any], seq: int) -> dict[str, Any]:
+    """A completions-log entry: ``record`` with its ``seq`` first (``COMPLETION_KEYS``' order)."""
+    return {"seq": seq, **record}
+
+
 def load_startup_settings(
     engine_defaults: dict[str, int] | None = None, env: PluginEnv | None = None
 ) -> Settings:
@@ -173,10 +176,10 @@ class ReplicaCore:
         self.recomputed_tokens_total = 0
         self.finished_total = 0
         self.steps_total = 0
-        self._completions: deque[dict[str, Any]] = deque(maxlen=COMPLETIONS_KEPT)
-        self._completion_seq = itertools.count()
-        self._steps: deque[StepRecord] = deque(maxlen=STEPS_KEPT)
-        self._step_seq = itertools.count()
+        self.completions_log: PagedLog[dict[str, Any]] = PagedLog(
+            COMPLETIONS_KEPT, lambda entry: int(entry["seq"])
+        )
+        self.steps_log: PagedLog[StepRecord] = PagedLog(STEPS_KEPT, lambda entry: entry.seq)
         self.breaker = Breaker()
         # The last two documents that completed a step, with their versions: the breaker restores
         # the newest of them that is not the one that failed.
@@ -453,7 +456,7 @@ class ReplicaCore:
         with self._lock:
             for record in records:
                 self.finished_total += 1
-                self._completions.append({"seq": next(self._completion_seq), **record})
+                self.completions_log.append(functools.partial(_numbered, record))
 
     def record_step(
         self,
@@ -466,9 +469,9 @@ class ReplicaCore:
     ) -> None:
         with self._lock:
             self.steps_total += 1
-            self._steps.append(
-                StepRecord(
-                    next(self._step_seq),
+            self.steps_log.append(
+                lambda seq: StepRecord(
+                    seq,
                     started,
                     duration_s,
                     prefill_tokens,
@@ -483,45 +486,12 @@ class ReplicaCore:
         self, cursor: int, limit: int = PAGE_LIMIT
     ) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
-            items = self._since(self._completions, cursor, limit)
-        next_cursor = (
-            items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._completions))
-        )
-        return items, next_cursor
+            return self.completions_log.since(cursor, limit)
 
     def steps_since(self, cursor: int, limit: int = PAGE_LIMIT) -> tuple[list[dict[str, Any]], int]:
         with self._lock:
-            items = [s.as_dict() for s in self._since(self._steps, cursor, limit)]
-        next_cursor = items[-1]["seq"] + 1 if items else max(cursor, self._next_seq(self._steps))
-        return items, next_cursor
-
-    @staticmethod
-    def _seq(entry: dict[str, Any] | StepRecord) -> int:
-        if isinstance(entry, dict):
-            seq: int = entry["seq"]
-            return seq
-        return entry.seq
-
-    @classmethod
-    def _since(cls, log: deque[_Entry], cursor: int, limit: int) -> list[_Entry]:
-        """Entries with ``seq >= cursor``, at most ``limit``, without scanning the whole log: the
-        seqs in a log are consecutive, so the cursor's position is arithmetic (a poller that keeps
-        up reads only the tail, from the right end of the deque)."""
-        if not log or limit <= 0:
-            return []
-        start = max(cursor - cls._seq(log[0]), 0)
-        after = len(log) - start
-        if after <= 0:
-            return []
-        if after <= len(log) // 2:
-            items = list(itertools.islice(reversed(log), after))
-            items.reverse()
-            return items[:limit]
-        return list(itertools.islice(log, start, start + limit))
-
-    @classmethod
-    def _next_seq(cls, log: deque[dict[str, Any]] | deque[StepRecord]) -> int:
-        return cls._seq(log[-1]) + 1 if log else 0
+            items, next_cursor = self.steps_log.since(cursor, limit)
+        return [s.as_dict() for s in items], next_cursor
 
     def inflight(
         self, limit: int = INFLIGHT_LIMIT, requests: Iterable[RequestState] | None = None
@@ -576,7 +546,7 @@ class ReplicaCore:
             by_type[s.type] = by_type.get(s.type, 0) + 1
         completions: list[dict[str, Any]]
         if cursor is None:
-            completions, next_cursor = [], self._next_seq(self._completions)
+            completions, next_cursor = [], self.completions_log.next_seq
         else:
             completions, next_cursor = self.completions_since(cursor)
         live = self.policy.live_state() if live is None else live
@@ -606,7 +576,7 @@ class ReplicaCore:
             "steps_total": self.steps_total,
             "completions": completions,
             "next_cursor": next_cursor,
-            "more": next_cursor < self._next_seq(self._completions),
+            "more": next_cursor < self.completions_log.next_seq,
             "breaker": self.breaker.as_dict(),
             "leases": self.leases.as_dict(),
         }
