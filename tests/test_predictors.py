@@ -381,3 +381,23 @@ def test_make_predictor():
         make_predictor("magic")
     with pytest.raises(ValueError, match="sigma_noise"):
         make_predictor("history", sigma_noise=0.3)
+
+
+def test_a_single_key_fit_is_the_group_iteration_bit_for_bit():
+    """``fit_logt_mle_many`` fits one sample on scalars (``_fit_one``, a refit's common case, half
+    the time): every result equals the group iteration's (``_fit_groups``) to the last bit, cold
+    and warm-started, so a replay's predictions and hashes cannot tell them apart."""
+    from scheduler.policies.predictors import _fit_groups, _fit_one
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n = int(rng.integers(2, 3000))
+        x = np.log(rng.lognormal(rng.uniform(2, 7), rng.uniform(0.05, 2), size=n).clip(1))
+        if trial % 10 == 0:
+            x[:] = x[0]  # every length equal: sigma floored
+        warm = None if trial % 2 else (float(np.mean(x)) + 0.01, float(np.std(x)) + 1e-3)
+        start = None if warm is None else (np.array([warm[0]]), np.array([warm[1]]))
+        mu, sigma = _fit_groups([x], np.array([n]), 3.5, 1e-9, 1000, start)
+        assert _fit_one(x, 3.5, 1e-9, 1000, warm) == (mu[0], sigma[0]), trial
+    many = fit_logt_mle_many([x])
+    assert (many[0][0], many[1][0]) == _fit_one(x, 3.5, 1e-9, 1000, None)
