@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from scheduler.contract import BREAKER_ERROR_CHARS, INFLIGHT_LIMIT
 from scheduler.errors import FAILED, TailpilotError
@@ -28,7 +28,7 @@ from scheduler.plugin.lease import Leases
 from scheduler.plugin.paged_log import PagedLog
 from scheduler.plugin.wire import parse_json_file
 from scheduler.policies import Policy, RequestState, make_policy
-from scheduler.policies.capabilities import RefusesArrivals, Ticks, next_tick_of
+from scheduler.policies.capabilities import refusal, tick_if_due
 from scheduler.policies.predictors import HistoryPredictor
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, RESTART_REQUIRED_ENGINE_FIELDS, Settings
@@ -304,8 +304,7 @@ class ReplicaCore:
             self.waiting.set_policy(policy)
             self.policy = policy
         policy = self.policy
-        if policy.ticks and next_tick_of(policy) <= now:
-            cast(Ticks, policy).tick(now)
+        tick_if_due(policy, now)
         return policy
 
     # --- the circuit breaker ------------------------------------------------------------------
@@ -402,8 +401,7 @@ class ReplicaCore:
         """The policy's reason to turn ``state`` away on arrival (a tenant's queue cap), logged as
         a completion with reason ``rejected``; None: track it as usual."""
         try:
-            policy = self.policy
-            why = cast(RefusesArrivals, policy).refuse(state, now) if policy.refuses else None
+            why = refusal(self.policy, state, now)
         except Exception as err:
             self.trip(err, now)
             return None

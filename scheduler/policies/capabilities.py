@@ -16,7 +16,15 @@ from mypy_extensions import mypyc_attr, trait
 
 from scheduler.policies.base import INF, Policy, RequestState
 
-__all__ = ["ChargesTokens", "CountsSteps", "RefusesArrivals", "Ticks", "next_tick_of"]
+__all__ = [
+    "ChargesTokens",
+    "CountsSteps",
+    "RefusesArrivals",
+    "Ticks",
+    "next_tick_of",
+    "refusal",
+    "tick_if_due",
+]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -80,3 +88,19 @@ class RefusesArrivals:
 def next_tick_of(policy: Policy) -> float:
     """``policy``'s next adaptation (``Ticks.next_tick``), INF for one that does not tick."""
     return cast(Ticks, policy).next_tick() if policy.ticks else INF
+
+
+def tick_if_due(policy: Policy, now: float) -> bool:
+    """Let ``policy`` adapt at the top of a step at ``now`` if its next tick is due (both
+    engines' call); whether it ticked."""
+    if next_tick_of(policy) > now:
+        return False
+    cast(Ticks, policy).tick(now)
+    return True
+
+
+def refusal(policy: Policy, req: RequestState, now: float) -> str | None:
+    """Why ``policy`` turns the arriving ``req`` away (``RefusesArrivals.refuse``), or None to
+    queue it — None at once for a policy that may not refuse under its settings (both engines'
+    call, on every arrival's path)."""
+    return cast(RefusesArrivals, policy).refuse(req, now) if policy.refuses else None

@@ -33,9 +33,9 @@ from scheduler.policies.base import INF, arrival_order
 from scheduler.policies.capabilities import (
     ChargesTokens,
     CountsSteps,
-    RefusesArrivals,
-    Ticks,
     next_tick_of,
+    refusal,
+    tick_if_due,
 )
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.policies.queue import WaitingQueue
@@ -243,10 +243,7 @@ class Simulator(EngineBooks):
                 output_tokens=target,
                 enqueued_at=self.now,
             )
-            if (
-                self.policy.refuses
-                and cast(RefusesArrivals, self.policy).refuse(req, self.now) is not None
-            ):
+            if refusal(self.policy, req, self.now) is not None:
                 self.rejected.append(t.id)  # the tenant's queue cap (slofq): turned away on arrival
                 self.refused += 1
                 continue
@@ -261,10 +258,8 @@ class Simulator(EngineBooks):
         if not self.waiting and not self.running:
             return  # every arrival so far was rejected
         policy = self.policy
-        if policy.ticks and next_tick_of(policy) <= now:
-            cast(Ticks, policy).tick(now)
-            if hasattr(policy, "gamma"):
-                self.gamma_timeline.append((now, policy.gamma))
+        if tick_if_due(policy, now) and hasattr(policy, "gamma"):
+            self.gamma_timeline.append((now, policy.gamma))
         if self.predictor is not None and now >= self.next_refit:
             self.predictor.refit()
             self.next_refit = now + self.config.refit_interval_s
