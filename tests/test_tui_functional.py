@@ -373,6 +373,7 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
                 lambda: (
                     panel._gen > gen
                     and not panel._loading
+                    and not panel.building
                     and panel.form_version == get_settings(twins[2])["version"]
                 ),
                 what="form rebuilt from the new version",
@@ -395,6 +396,41 @@ def test_policy_panel_edits_are_validated_inline_then_applied_with_pins(twins):
             assert (
                 get_settings(twins[0])["settings"]["params"]["gamma"] == GAMMA_DEFAULT
             )  # untouched
+
+    run(scenario())
+
+
+def test_form_rebuilds_that_overlap_run_one_after_another(twins):
+    """Opening the panel, E, a new settings version and the policy select each rebuild the form;
+    when they overlap, one must never remove the rows another is still mounting (a half-mounted
+    Select raised NoMatches in its own on_mount and took the app down)."""
+
+    async def scenario():
+        app = build_app(spec_of(twins), refresh_s=0.25)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot, app)
+            await pilot.press("E")
+            panel = app.query_one("#policy")
+            await wait_for(pilot, lambda: panel.form_policy == "uniboost", what="form")
+            gen = panel._gen
+            # Three rebuilds at once, the middle one of another policy (its own fields).
+            select = app.query_one("#policy-select")
+            await asyncio.gather(
+                panel.load(force=True),
+                panel._build_form("tie"),
+                panel.load(force=True),
+            )
+            await pilot.pause(0.1)
+            assert app.is_running and not panel.building
+            assert panel._gen == gen + 3
+            rows = list(app.query("#form .form-row"))
+            assert len(rows) == len(panel.fields) > 0  # one form, not two half ones
+            for f in panel.fields:  # every field of the last rebuild is there and readable
+                app.query_one(f"#f{panel._gen}-{f.name}")
+                app.query_one(f"#h{panel._gen}-{f.name}")
+            assert panel.form_policy == "uniboost" and select.value == "uniboost"
+            assert panel.current_edit().empty and panel.error is None
+            assert "no changes staged" in text_of(app.query_one("#preview"))
 
     run(scenario())
 

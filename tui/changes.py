@@ -203,6 +203,9 @@ class ChangeActions(_AppBase):
         panel = self.query_one(PolicyPanel)
         if panel.form_policy is None:
             return
+        if panel.building:
+            self.notify("the form is being rebuilt: apply again in a moment", severity="warning")
+            return
         if panel.error:
             self.notify(f"not valid: {panel.error}", severity="error")
             return

@@ -9,6 +9,7 @@ messages: :class:`PolicyPanel.SelectionChanged` (the targets list) and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -105,6 +106,11 @@ class PolicyPanel(Vertical):
         )
         self.reload_after_apply = False
         self._loading = False
+        # One rebuild at a time: the form is rebuilt from several places (opening the panel, E,
+        # the policy select, a new settings version), and a second rebuild's remove_children
+        # must never remove the rows a first one is still mounting (a half-mounted Select
+        # raises NoMatches in its own on_mount, which takes the app down).
+        self._form_lock = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         yield Static("", id="policy-banner")
@@ -168,8 +174,8 @@ class PolicyPanel(Vertical):
         or when nothing is staged; otherwise only say so (staged edits are never thrown away)."""
         self.sync_targets()
         rs = self._replica(self.reference)
-        if rs is None or self.form_policy is None or self._loading:
-            return
+        if rs is None or self.form_policy is None or self._loading or self.building:
+            return  # the next snapshot looks again once the rebuild under way is done
         if rs.settings_version != self.form_version and rs.settings is not None:
             if self.reload_after_apply or self.current_edit().empty:
                 self.reload_after_apply = False
@@ -241,7 +247,16 @@ class PolicyPanel(Vertical):
         rs = self._replica(self.reference)
         return current_settings(rs.settings) if rs else None
 
+    @property
+    def building(self) -> bool:
+        """Whether the form is being rebuilt (its fields are not all there to read)."""
+        return self._form_lock.locked()
+
     async def _build_form(self, policy: str) -> None:
+        async with self._form_lock:
+            await self._build_form_locked(policy)
+
+    async def _build_form_locked(self, policy: str) -> None:
         ref = self.reference_settings()
         rs = self._replica(self.reference)
         self.form_version = rs.settings_version if rs is not None else None
@@ -299,7 +314,7 @@ class PolicyPanel(Vertical):
         if not rows:
             rows.append(Static(Text(f"{policy} has no parameters.", style="dim")))
         await form.mount_all(rows)
-        self.revalidate()
+        self._revalidate()
 
     # --- editing ---------------------------------------------------------------------------
     def _value_of(self, f: FieldSpec) -> Any:
@@ -332,8 +347,11 @@ class PolicyPanel(Vertical):
 
     def revalidate(self) -> None:
         """Run the edit through the settings model; mark the fields it names."""
-        if not self.fields and self.form_policy is None:
-            return
+        if (not self.fields and self.form_policy is None) or self.building:
+            return  # the rebuild validates the form it mounts
+        self._revalidate()
+
+    def _revalidate(self) -> None:
         edit = self.current_edit()
         ref = self.reference_settings() or Settings()
         new, err = try_apply(edit, ref)
