@@ -116,6 +116,10 @@ class AutopilotConfig(BaseModel):
     # peak (γ 1 broke P99 TTFT under the test by 3.5% and kept it in the replay); README, "The
     # autopilot".
     stress_slack: float = Field(GUARD_SLACK, ge=0.0, le=1.0)
+    # … and the replica switched now: its mirror (the traffic under what it ran when) spawned
+    # with the target's settings, through the same test. The target's own shadow never held the
+    # queue the running choice left (``tuner.autopilot.stress.StressTest.switch_breaks``).
+    switch_test: bool = True
     # Overload: the reference would need longer than this to empty its queue with no further
     # arrival (None: never judged overloaded).
     overload_drain_s: float | None = Field(300.0, ge=1.0, le=86_400.0)

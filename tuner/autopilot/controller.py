@@ -46,8 +46,11 @@ What it sees (``Observation``) is what a live replica knows: arrivals (prompt le
 cap, tenant, type — never the output length), completions (with their output lengths), and how
 many tokens each request in flight has generated so far. The shadows run ``delay_s`` behind
 "now", so most requests they replay have completed and their lengths are known; a request still
-in flight gets an imputed length — the median of recently completed lengths longer than what it
-has generated so far — never its true one.
+in flight gets an imputed length — one of the completed lengths longer than what it has generated
+so far, drawn from a cohort of arrivals that have all completed (``tuner.autopilot.feed``) — never
+its true one. A move down is also judged on the replica itself: its *mirror* (the traffic under
+what the replica ran when) switched to the target now, against keeping the running choice
+(``switch_test``).
 
 One implementation serves the simulator (``tuner.autopilot.replay``: ``tailpilot sim
 --autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations). Its knobs,
@@ -113,6 +116,10 @@ class Autopilot:
             name: Shadow(self.options[name], self.engine)
             for name in self.search.initial(self.current)
         }
+        # The replica itself: the traffic replayed under what the replica ran when (every switch
+        # applied as it was made), where a candidate's shadow ran one setting all along. A move
+        # down is tested on it switched now (``_switch_breaks``).
+        self.mirror = Shadow(self.options[self.current], self.engine)
         self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
         self.feed = Feed(self.config)  # observations -> the shadows' replay and the window
@@ -135,6 +142,7 @@ class Autopilot:
             raise KeyError(f"no candidate named {name!r}")
         self.current = name
         self._start(name)
+        self.mirror.sim.apply_settings(self.options[name])
 
     def _start(self, name: str) -> None:
         if name in self.shadows:
@@ -165,7 +173,7 @@ class Autopilot:
         fed = self.feed.take(obs.now, obs.generated)
         if fed is not None:
             t, batch, gone = fed
-            for shadow in self.shadows.values():
+            for shadow in (*self.shadows.values(), self.mirror):
                 shadow.advance(batch, t)
                 if gone:
                     shadow.forget(gone)
@@ -262,6 +270,7 @@ class Autopilot:
         if switch_to is not None:
             self.current, self._last_switch = switch_to, now
             self._start(switch_to)
+            self.mirror.sim.apply_settings(self.options[switch_to])
         return Decision(
             now,
             self.current,
@@ -302,6 +311,19 @@ class Autopilot:
         """What ``name`` breaks of the promise under this decision's stress test
         (``tuner.autopilot.stress``); empty when it holds or nothing is judged yet."""
         return () if self._stress is None else self._stress.breaks(name)
+
+    def _switch_breaks(self, name: str) -> tuple[str, ...]:
+        """What the replica breaks of the promise under this decision's stress test if switched
+        to ``name`` now (its mirror spawned with ``name``'s settings); empty when it holds, with
+        ``switch_test`` off, or nothing judged yet."""
+        if self._stress is None or not self.config.switch_test:
+            return ()
+        return self._stress.switch_breaks(self.mirror.spawn(self.options[name]), self.mirror)
+
+    def _down_breaks(self, name: str) -> tuple[str, ...]:
+        """A move down to ``name``: what it breaks under the stress test, its own shadow's and
+        then the replica switched to it now (``_switch_breaks``)."""
+        return self._stress_breaks(name) or self._switch_breaks(name)
 
     def _stress_figures(self, name: str) -> Figures:
         """``name``'s figures under this decision's stress test."""
@@ -516,7 +538,7 @@ class Autopilot:
             )
         against = ", ".join(broken)
         if broken and self._breaks >= cfg.guard_patience:
-            if self._rank(target) < here and self._stress_breaks(target):
+            if self._rank(target) < here and self._down_breaks(target):
                 # Leaving a break by a move down still takes the stress test: in a burst a smaller
                 # γ keeps the promise on the window only until what it holds back shows. Then the
                 # best that keeps it at or above the running choice on the axis, if any.
@@ -567,7 +589,7 @@ class Autopilot:
         # A move down is taken only past the stress test, run only now that the move would be
         # taken: run first, it cost two ten-minute projections at decisions that kept the running
         # choice anyway (a third of the stress tests on conv1.1).
-        stressed = self._stress_breaks(target) if down else ()
+        stressed = self._down_breaks(target) if down else ()
         if stressed:
             return (
                 self.current,

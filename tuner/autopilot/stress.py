@@ -80,6 +80,30 @@ class StressTest:
             )
         return self._figures[name]
 
+    def switch_breaks(self, switched: Shadow, kept: Shadow) -> tuple[str, ...]:
+        """What a switch now would cost under the test: ``switched`` is the replica's mirror
+        spawned with the target's settings (``Shadow.spawn``), ``kept`` the mirror as it runs.
+        The queue the running choice left — requests that have already waited — is then served
+        in the target's order, which a candidate's own shadow, running it all along, never held.
+        The switch breaks the promise (each as ``switch:<quantile>``), or does not beat keeping
+        the running choice on the objective (``switch:<objective>``): the decision a replica
+        faces is "switch now or not", not "which setting had been better all along"."""
+        if self._config.stress_s <= 0:
+            return ()
+        window, horizon = self._window(), self._config.project_s
+        figures, _ = switched.figures(window, horizon)
+        pair = {self._reference: self.figures(self._reference), "switched": figures}
+        verdict = [
+            b.replace("stress:", "switch:", 1)
+            for b in stress_verdict(self._config, pair, self._reference, "switched")
+        ]
+        if not verdict:
+            objective = self._config.promise.objective
+            stay, _ = kept.figures(window, horizon)
+            if figures.value(objective) > stay.value(objective):
+                verdict.append(f"switch:{objective}")
+        return tuple(verdict)
+
     def breaks(self, name: str) -> tuple[str, ...]:
         """What ``name`` breaks of the promise against the reference under the test (each as
         ``stress:<quantile>``); empty when it holds, for the reference itself, or with no test
