@@ -5,19 +5,20 @@ A replica reports a request when it first sees it (in flight or finished, not al
 order) and its output length only once it completes. ``Feed`` holds the arrivals until the
 shadows' clock (``delay_s`` behind "now") passes them, hands each over with its true length if it
 completed by then and an *imputed* one if not — never its true one — and keeps what a decision
-reads: the
-window's requests in the order the shadows were handed them, per request what SLO figures need,
-the last minutes of arrivals a stress test repeats, and the change of the traffic's shape
-(``tuner.autopilot.shape``), after which a window starts at the change.
+reads: the window's requests in the order the shadows were handed them, per request what SLO
+figures need, the last minutes of arrivals a stress test repeats, and the change of the traffic's
+shape (``tuner.autopilot.shape``), after which a window starts at the change.
 
-**Imputation from a whole cohort.** A length is imputed as the median of completed lengths above
-what the request has generated so far — completed lengths of requests that *arrived* before nearly
-every request still in flight (all but ``STRAGGLERS`` of them), never the latest completions. The
-latest completions are a biased sample whenever the queue grows: the requests a size-first order
-serves first, and the short ones of any order, complete first. On a burst of long reasoning
-outputs above capacity the shadows were handed 53–64% of the true output tokens and saw no
-overload; a small γ judged safe on them broke P99 TTFT by 1.38× (``benchmarks/autopilot_sweep.py``,
-variant 86). A cohort whose requests have all completed is a fair sample of its arrivals' lengths.
+**Imputation from a whole cohort.** A length is *drawn* (by a hash of the request's id) from the
+completed lengths above what the request has generated so far — completed lengths of requests
+that *arrived* before nearly every request still in flight (all but ``STRAGGLERS`` of them), never
+the latest completions. It used to be the median of the latest completions, biased short twice
+whenever the queue grows: the requests a size-first order serves first, and the short ones of any
+order, complete first; and the median of a long-tailed length is a fraction of its mean. On a
+burst of long reasoning outputs above capacity the shadows were handed 53–64% of the true output
+tokens (90–99% now) and saw no overload; a small γ judged safe on them broke P99 TTFT by 1.38×
+(``benchmarks/autopilot_sweep.py``, variant 86). A cohort whose requests have all completed is a
+fair sample of its arrivals' lengths.
 """
 
 from __future__ import annotations
