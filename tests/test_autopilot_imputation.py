@@ -27,11 +27,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def _completion(rid: str, arrival: float, output_tokens: int) -> Completion:
+def _completion(rid: str, arrival: float, output_tokens: int, kind: str = "chat") -> Completion:
     return Completion(
         id=rid,
         tenant="t",
-        type="chat",
+        type=kind,
         arrival=arrival,
         scheduled_at=arrival,
         first_token_at=arrival + 1.0,
@@ -100,6 +100,45 @@ def test_an_imputed_length_is_above_what_was_generated_within_the_cap_and_repeat
             assert n >= 251  # above what it has generated so far
 
 
+def test_lengths_are_imputed_per_request_type():
+    """Chat (short outputs) has completed for an hour; reasoning requests (outputs 8x longer)
+    began arriving lately and only a few of them completed. A reasoning request still in flight
+    gets a reasoning length — its type's completions, not the chat cohort's (sweep variant 15:
+    arXiv, then reasoning above capacity — the shadows were handed a mean of 666 tokens for a
+    reasoning request whose true mean was 1,431; 888 per type); a chat request still gets a
+    chat length."""
+    config = AutopilotConfig(history=500, delay_s=0.0)
+    feed = Feed(config)
+    rng = np.random.default_rng(3)
+    chat = [Arrival(f"chat-{i}", float(i), 100, 100_000, type="chat") for i in range(600)]
+    feed.arrive(chat)
+    feed.take(600.0, {})
+    chat_lengths = rng.integers(50, 150, size=600)
+    feed.complete(
+        _completion(a.id, a.arrival, int(n)) for a, n in zip(chat, chat_lengths, strict=True)
+    )
+    # Reasoning from t=600: 300 arrivals; the 150 first completed (800-1,200 tokens), the rest in
+    # flight — more than STRAGGLERS, so the type's own fair cohort is too young to draw from.
+    reasoning = [Arrival(f"r-{i}", 600.0 + i, 100, 100_000, type="reasoning") for i in range(300)]
+    feed.arrive(reasoning)
+    feed.take(900.0, {})
+    feed.complete(
+        _completion(a.id, a.arrival, 800 + (i * 7) % 400, kind="reasoning")
+        for i, a in enumerate(reasoning[:150])
+    )
+    new = [
+        Arrival(f"n-{i}", 900.0 + i, 100, 100_000, type="reasoning" if i % 2 else "chat")
+        for i in range(200)
+    ]
+    fed = _fed_lengths(feed, new, 1100.0)
+    by_type = {
+        kind: np.array([n for rid, n in fed.items() if (int(rid[2:]) % 2 == 1) == (kind == "r")])
+        for kind in ("r", "c")
+    }
+    assert by_type["r"].min() >= 800, by_type["r"].min()  # reasoning lengths only
+    assert by_type["c"].max() < 150  # chat's cohort for chat
+
+
 @pytest.mark.slow
 def test_a_burst_of_long_outputs_above_capacity_keeps_every_quantile():
     """Variant 86 of the sweep (arXiv + reasoning at 1.25x capacity, then 0.93x): with the median
@@ -144,3 +183,30 @@ def test_a_move_down_mid_burst_is_judged_on_the_replica_switched_now():
     unswitched, decisions = replay_with_autopilot(trace, config=AutopilotConfig(switch_test=False))
     assert any(d.changed for d in decisions)
     assert ratio(p95(unswitched.completions), sarathi) > line
+
+
+def test_the_replica_is_the_running_shadow_until_it_runs_something_else():
+    """The replica's mirror (what it served, under what it ran when) is the running choice's
+    own shadow until the replica first runs another setting — a replay of its own would be the
+    same one run twice (issue 34: CPU per candidate-hour 1.78 → 1.47 on conv1.1, every decision
+    the same) — and is then spawned from it: its past is the replica's, its settings the new."""
+    from scheduler.settings import Settings
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.types import Observation
+
+    pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), AutopilotConfig(delay_s=0.0))
+    for minute in range(3):
+        arrivals = [Arrival(f"m{minute}-{i}", minute * 60.0 + i, 200, 64) for i in range(0, 60, 2)]
+        pilot.observe(Observation(minute * 60.0 + 59.0, arrivals))
+    running = pilot.shadows[pilot.current]
+    assert pilot._replica() is running
+    served = dict(running.done)
+    assert served  # it replayed something
+    pilot.follow("sarathi")
+    mirror = pilot._replica()
+    assert mirror is not running and mirror is not pilot.shadows["sarathi"]
+    assert mirror.done == served  # the replica's past
+    pilot.observe(Observation(240.0, [Arrival("late", 200.0, 200, 64)]))
+    assert "late" in mirror.done  # fed from now on, beside the candidates
+    assert mirror.sim.settings.policy == "sarathi"  # from its next step
+    assert running.sim.settings.policy == "uniboost"  # the defaults' shadow runs on as it was

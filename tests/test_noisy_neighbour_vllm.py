@@ -100,10 +100,14 @@ def one_round(
         results["noisy"] = run_completions(server.base_url, noisy, model=server.served_model_name)
 
     def trickle():
-        # Only once the engine holds the burst: the quiet requests then arrive behind it.
+        # Only once the engine holds the burst: the quiet requests then arrive behind it. A burst
+        # served whole before it queued cannot queue any more: the round is run again at once
+        # (it used to wait out the full 120 s).
         try:
             wait_for_state(
-                server, lambda s: (s.get("waiting_by_tenant") or {}).get("noisy", 0) >= 2 * SEATS
+                server,
+                lambda s: (s.get("waiting_by_tenant") or {}).get("noisy", 0) >= 2 * SEATS,
+                moot=lambda: "noisy" in results,
             )
         except NotStaged as err:  # no quiet request is sent: the round is not what it must be
             results["not staged"] = [str(err)]
@@ -154,7 +158,11 @@ def seats_held(server, release: threading.Event) -> threading.Thread:
     holder = threading.Thread(target=hold_until, args=(server, release))
     holder.start()
     try:
-        wait_for_state(server, lambda s: (s.get("running") or 0) >= SEATS)
+        # Holders that have already finished (served whole between two reads of /state, once in
+        # a loaded run) cannot be seen holding the seats any more: the round is run again at once.
+        wait_for_state(
+            server, lambda s: (s.get("running") or 0) >= SEATS, moot=lambda: not holder.is_alive()
+        )
     except NotStaged:
         release.set()
         holder.join(timeout=60)
@@ -184,9 +192,10 @@ def staged_round(server, tag: str, gap_s: float, *, hold: bool = False, tries: i
     raise AssertionError("unreachable")
 
 
-def wait_for_state(server, holds, timeout_s: float = 120.0) -> None:
+def wait_for_state(server, holds, timeout_s: float = 120.0, moot=lambda: False) -> None:
     """Read /state (at most 10 reads a second: the control API answers a faster reader with 429)
-    until ``holds(document)``; NotStaged naming what was last seen after ``timeout_s``."""
+    until ``holds(document)``; NotStaged naming what was last seen after ``timeout_s``, or as soon
+    as ``moot()`` says it can no longer be seen."""
     deadline = time.monotonic() + timeout_s
     last: dict = {}
     while True:
@@ -195,9 +204,11 @@ def wait_for_state(server, holds, timeout_s: float = 120.0) -> None:
             last = answer.json()
             if holds(last):
                 return
-        if time.monotonic() >= deadline:
+        gave_up = moot()
+        if gave_up or time.monotonic() >= deadline:
+            seen = "cannot be seen any more" if gave_up else f"not seen within {timeout_s:.0f} s"
             raise NotStaged(
-                f"not seen within {timeout_s:.0f} s; last /state: running {last.get('running')}, "
+                f"{seen}; last /state: running {last.get('running')}, "
                 f"waiting {last.get('waiting_by_tenant')}, finished {last.get('finished_total')}, "
                 f"breaker {last.get('breaker')}"
             )

@@ -20,27 +20,17 @@ is charged its wait so far and the backlog ahead of it before the drain shows it
 The candidates lie on one axis, from size-first (a small γ) to age-first (a large γ, γ-Ada,
 sarathi), and a move along it is not symmetric: a move down promotes short requests, a move up
 flushes the long requests a small γ held back onto everyone — a cost the shadows, each running
-one setting all along, do not see. The rules, each measured (README, "The autopilot"):
-
-* nothing is judged before the window holds ``min_requests`` (γ-Ada's shadow shows its warm-up
-  before that, and a P99 of a few hundred requests rests on a handful);
-* after a change of the traffic's shape (``tuner.autopilot.shape``) the window starts at the
-  change once ``shape_min_requests`` of the new shape are in (fewer than ``min_requests``: the
-  running choice is then judged on them too) — the old shape's tails are no evidence about the
-  new one; while fewer than ``judge_requests`` of the new shape are in and less than
-  ``stress_s`` has passed since the change, a candidate tied with the running choice is judged
-  again under the stress test (below), where the backlog each builds shows before the window
-  does (``_break_tie_under_stress``);
-* among the candidates keeping the promise and within ``tie`` of the best, the running one stays,
-  else the most age-first is the target (it holds back least for the same objective);
-* a move down takes ``down_margin`` and the *stress test* (``tuner.autopilot.stress``: the last
-  minutes' arrivals going on); while the load rises, so does a running choice below the defaults;
-* leaving a break by a move down takes the stress test too (else the best at or above);
-* a move up takes the ``hysteresis`` margin (``leave_defaults`` from the defaults) after
-  ``min_dwell_s``, or the running choice breaking the promise — beyond its sampling noise — on
-  ``guard_patience`` decisions in a row;
-* overload (``tuner.autopilot.overload``), "rising", stops every move down; "sustained" also
-  moves a choice below the defaults up to them, and holds.
+one setting all along, do not see. The rules (``_choose``; each measured in the README, "The
+autopilot"): nothing is judged before the window holds ``min_requests``; after a change of the
+traffic's shape (``tuner.autopilot.shape``) the window starts at the change, and a tie is broken
+under the stress test for a while (``_break_tie_under_stress``); among the candidates keeping
+the promise and within ``tie`` of the best the running one stays, else the most age-first is the
+target; a move down takes ``down_margin`` and the *stress test* (``tuner.autopilot.stress``: the
+last minutes' arrivals going on), also when it leaves a break; a move up takes ``hysteresis``
+(``leave_defaults`` from the defaults) after ``min_dwell_s``, or the running choice breaking the
+promise beyond its sampling noise ``guard_patience`` decisions in a row; in overload
+(``tuner.autopilot.overload``) no move goes down, and sustained overload moves a choice below the
+defaults up to them and holds.
 
 What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
 cap, tenant, type — never the output length), completions (with their output lengths), and how
@@ -79,7 +69,7 @@ from tuner.autopilot.promise import (
     rank_key,
     sampling_slack,
 )
-from tuner.autopilot.shadows import Projection, Shadow, Window
+from tuner.autopilot.shadows import Mirror, Projection, Shadow, Window
 from tuner.autopilot.stress import StressTest
 from tuner.autopilot.types import Decision, Observation
 
@@ -116,10 +106,7 @@ class Autopilot:
             name: Shadow(self.options[name], self.engine)
             for name in self.search.initial(self.current)
         }
-        # The replica itself: the traffic replayed under what the replica ran when (every switch
-        # applied as it was made), where a candidate's shadow ran one setting all along. A move
-        # down is tested on it switched now (``_switch_breaks``).
-        self.mirror = Shadow(self.options[self.current], self.engine)
+        self.mirror = Mirror()  # the replica itself: a move down is tested on it switched now
         self._target = self.current  # the best candidate at the last judged decision
         self.decisions: list[Decision] = []
         self.feed = Feed(self.config)  # observations -> the shadows' replay and the window
@@ -140,9 +127,18 @@ class Autopilot:
         make): it is the running choice, and its shadow runs."""
         if name not in self.options:
             raise KeyError(f"no candidate named {name!r}")
+        self._replica_runs(name)
         self.current = name
         self._start(name)
-        self.mirror.sim.apply_settings(self.options[name])
+
+    def _replica(self) -> Shadow:
+        """The replica's replay (``Mirror``)."""
+        return self.mirror.of(self.shadows[self.current])
+
+    def _replica_runs(self, name: str) -> None:
+        """The replica runs ``name`` from now (before any replay, a shadow's start is its own)."""
+        switched = name != self.current and self.feed.clock is not None
+        self.mirror.runs(self.options[name], self.shadows[self.current], switched)
 
     def _start(self, name: str) -> None:
         if name in self.shadows:
@@ -173,7 +169,7 @@ class Autopilot:
         fed = self.feed.take(obs.now, obs.generated)
         if fed is not None:
             t, batch, gone = fed
-            for shadow in (*self.shadows.values(), self.mirror):
+            for shadow in (*self.shadows.values(), *self.mirror.owned()):
                 shadow.advance(batch, t)
                 if gone:
                     shadow.forget(gone)
@@ -268,9 +264,9 @@ class Autopilot:
         """This decision, switching to ``switch_to`` first when given."""
         previous = self.current
         if switch_to is not None:
+            self._replica_runs(switch_to)
             self.current, self._last_switch = switch_to, now
             self._start(switch_to)
-            self.mirror.sim.apply_settings(self.options[switch_to])
         return Decision(
             now,
             self.current,
@@ -318,7 +314,8 @@ class Autopilot:
         ``switch_test`` off, or nothing judged yet."""
         if self._stress is None or not self.config.switch_test:
             return ()
-        return self._stress.switch_breaks(self.mirror.spawn(self.options[name]), self.mirror)
+        replica = self._replica()
+        return self._stress.switch_breaks(replica.spawn(self.options[name]), replica)
 
     def _down_breaks(self, name: str) -> tuple[str, ...]:
         """A move down to ``name``: what it breaks under the stress test, its own shadow's and

@@ -18,7 +18,12 @@ order, complete first; and the median of a long-tailed length is a fraction of i
 burst of long reasoning outputs above capacity the shadows were handed 53–64% of the true output
 tokens (90–99% now) and saw no overload; a small γ judged safe on them broke P99 TTFT by 1.38×
 (``benchmarks/autopilot_sweep.py``, variant 86). A cohort whose requests have all completed is a
-fair sample of its arrivals' lengths.
+fair sample of its arrivals' lengths. Once more than one request type has completed, the cohort is
+the request's type's (a reasoning output is several times a chat one's: on sweep variant 15, arXiv
+chat then reasoning above capacity, a reasoning request in flight was handed a mean of 666 tokens
+from a cohort mostly of the chat phase, its true mean 1,431; 888 per type) — its latest
+completions while its own fair cohort is under ``TYPE_COHORT_MIN``; one type of traffic is fed as
+before.
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ from tuner.autopilot.types import Arrival, arrival_order
 # Requests still in flight older than the imputation cohort's end: the few a small γ starves must
 # not pin the cohort hours back (each is at most one of ``history`` lengths missing from it).
 STRAGGLERS = 20
-COHORT_KEPT = 50_000  # completed (arrival, length) pairs kept, the newest arrivals
+COHORT_KEPT = 50_000  # completed (arrival, length) pairs kept per type, the newest arrivals
+# Lengths are imputed per request type once several are seen (a reasoning request's output is
+# several times a chat one's); a type whose completed cohort is smaller than this draws from its
+# latest completions, and a type with none from the whole traffic's cohort.
+TYPE_COHORT_MIN = 100
+TYPES_KEPT = 32  # types with a cohort of their own; the others draw from the whole traffic's
 
 
 class Feed:
@@ -56,10 +66,12 @@ class Feed:
         # Arrived, not yet handed to the shadows, in (arrival, id) order.
         self._pending: list[Arrival] = []
         self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
-        # Completed requests' (arrival, output length), in arrival order, and the requests seen
-        # but not completed (id -> arrival): the imputation's cohort (``_cohort``).
+        # Completed requests' (arrival, output length), in arrival order, of all types and per
+        # type, and the requests seen but not completed (id -> (arrival, type)): the imputation's
+        # cohorts (``_cohort``).
         self._completed: list[tuple[float, int]] = []
-        self._in_flight: dict[str, float] = {}
+        self._completed_by_type: dict[str, list[tuple[float, int]]] = {}
+        self._in_flight: dict[str, tuple[float, str]] = {}
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
         # per request of the window: tenant, type, tokens (prompt + output, imputed if unknown)
         self._meta: dict[str, tuple[str, str, int]] = {}
@@ -73,7 +85,7 @@ class Feed:
     def arrive(self, arrivals: Iterable[Arrival]) -> None:
         for a in arrivals:
             if a.id not in self._lengths:
-                self._in_flight[a.id] = a.arrival
+                self._in_flight[a.id] = (a.arrival, a.type)
             if self.shape is not None:
                 self.shape.add(a.arrival, a.prompt_tokens)
             if self.clock is not None and a.arrival <= self.clock:
@@ -85,21 +97,40 @@ class Feed:
         for c in completions:
             self._lengths[c.id] = c.output_tokens
             self._in_flight.pop(c.id, None)
-            bisect.insort(self._completed, (c.arrival, c.output_tokens))
-        if len(self._completed) > COHORT_KEPT:
-            del self._completed[: len(self._completed) - COHORT_KEPT]
+            kept = [self._completed]
+            by_type = self._completed_by_type
+            if c.type in by_type or len(by_type) < TYPES_KEPT:
+                kept.append(by_type.setdefault(c.type, []))
+            for rows in kept:
+                bisect.insort(rows, (c.arrival, c.output_tokens))
+                if len(rows) > COHORT_KEPT:
+                    del rows[: len(rows) - COHORT_KEPT]
 
-    def _cohort(self) -> list[int]:
-        """The imputation's sample, sorted: the last ``history`` completed lengths among requests
-        that arrived before all but ``STRAGGLERS`` of those still in flight (the module's
-        docstring says why; all completed lengths while none is that old)."""
-        oldest = heapq.nsmallest(STRAGGLERS + 1, self._in_flight.values())
-        end = len(self._completed)
+    def _cohort(self, kind: str) -> list[int]:
+        """The imputation's sample for a request of type ``kind``, sorted: the last ``history``
+        completed lengths among requests that arrived before all but ``STRAGGLERS`` of those
+        still in flight (the module's docstring says why; all completed lengths while none is
+        that old) — of its type once more than one type has completed, while that cohort holds
+        ``TYPE_COHORT_MIN``, else its type's latest completions; of all types otherwise."""
+        if len(self._completed_by_type) > 1 and kind in self._completed_by_type:
+            rows = self._completed_by_type[kind]
+            fair = self._fair(rows, [at for at, k in self._in_flight.values() if k == kind])
+            if len(fair) >= TYPE_COHORT_MIN:
+                return fair
+            if len(rows) >= TYPE_COHORT_MIN:
+                return sorted(n for _, n in rows[-self.config.history :])
+        return self._fair(self._completed, [at for at, _ in self._in_flight.values()])
+
+    def _fair(self, rows: list[tuple[float, int]], in_flight: list[float]) -> list[int]:
+        """The last ``history`` lengths of ``rows`` that arrived before all but ``STRAGGLERS``
+        of ``in_flight`` (arrival times), sorted."""
+        oldest = heapq.nsmallest(STRAGGLERS + 1, in_flight)
+        end = len(rows)
         if len(oldest) > STRAGGLERS:
-            cut = bisect.bisect_left(self._completed, (oldest[-1], -1))
+            cut = bisect.bisect_left(rows, (oldest[-1], -1))
             if cut > 0:
                 end = cut
-        return sorted(n for _, n in self._completed[max(0, end - self.config.history) : end])
+        return sorted(n for _, n in rows[max(0, end - self.config.history) : end])
 
     @staticmethod
     def _imputed(a: Arrival, generated: int, cohort: list[int]) -> int:
@@ -130,12 +161,13 @@ class Feed:
         batch: list[TraceRequest] = []
         due = bisect.bisect_right(self._pending, t, key=lambda a: a.arrival)
         taken, self._pending = self._pending[:due], self._pending[due:]
-        cohort: list[int] | None = None
+        cohorts: dict[str, list[int]] = {}
         for a in taken:
             out = self._lengths.pop(a.id, None)
             if out is None:
-                cohort = self._cohort() if cohort is None else cohort
-                out = self._imputed(a, generated.get(a.id, 0), cohort)
+                if a.type not in cohorts:
+                    cohorts[a.type] = self._cohort(a.type)
+                out = self._imputed(a, generated.get(a.id, 0), cohorts[a.type])
             batch.append(
                 TraceRequest(
                     id=a.id,
@@ -161,7 +193,7 @@ class Feed:
             self._meta.pop(rid, None)
         # Never completed by the time they left the window (rejected, or starving): no longer
         # in flight for the cohort.
-        for rid in [rid for rid, at in self._in_flight.items() if at < horizon]:
+        for rid in [rid for rid, (at, _) in self._in_flight.items() if at < horizon]:
             del self._in_flight[rid]
         return t, batch, gone
 
