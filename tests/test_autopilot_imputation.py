@@ -139,6 +139,57 @@ def test_lengths_are_imputed_per_request_type():
     assert by_type["c"].max() < 150  # chat's cohort for chat
 
 
+def test_after_a_change_of_shape_lengths_are_imputed_from_the_new_shape():
+    """Long prompts with short outputs for 40 minutes, then short prompts with long outputs (one
+    request type throughout): once the change of shape is seen and 100 of the new shape have
+    completed, a new-shape request in flight is imputed from the new shape's lengths, not from
+    a cohort that is still the old shape's because the new shape's backlog is in flight (sweep
+    seed 7, variant 30 — arXiv then BWB at 1.35x capacity: the shadows were handed a mean of 324
+    tokens for requests whose true mean was 843, and the autopilot's move down just before the
+    drain broke P99 TTFT by 1.24x; 503 and every quantile kept once imputed from the new
+    shape)."""
+    config = AutopilotConfig(history=500, delay_s=0.0, settle_s=0.0)
+    feed = Feed(config)
+    old = [Arrival(f"o-{i}", i * 2.0, 2_000 + i % 50, 100_000) for i in range(1_200)]
+    feed.arrive(old)
+    feed.take(2_400.0, {})
+    feed.complete(_completion(a.id, a.arrival, 100 + i % 100) for i, a in enumerate(old))
+    new = [Arrival(f"n-{i}", 2_400.0 + i, 150 + i % 50, 100_000) for i in range(400)]
+    feed.arrive(new)
+    feed.take(2_800.0, {})
+    feed.complete(_completion(a.id, a.arrival, 1_500 + i % 200) for i, a in enumerate(new[:150]))
+    # A decision (one a minute): the change is seen within the last five minutes' arrivals.
+    feed.window(2_700.0, 2_800.0, feed.settled(2_800.0), None)
+    assert feed.shape is not None and 2_390.0 <= feed.shape.since <= 2_420.0
+    later = [Arrival(f"l-{i}", 2_800.0 + i, 150 + i % 50, 100_000) for i in range(100)]
+    imputed = np.array(list(_fed_lengths(feed, later, 2_900.0).values()))
+    assert imputed.min() >= 1_500, imputed.min()  # the new shape's lengths only
+
+
+def test_the_feed_keeps_no_length_it_will_not_replay():
+    """A replica under load: every request is handed to the shadows while still in flight (its
+    length imputed) and completes later. The feed keeps the lengths of completed requests only
+    until the shadows replay them: before, each of these was kept for good (a control plane
+    running for weeks grew by every request served)."""
+    feed = Feed(AutopilotConfig(history=100, delay_s=60.0))
+    for minute in range(30):
+        now = 60.0 * (minute + 1)
+        arrivals = [Arrival(f"r{minute}-{i}", now - 60.0 + i, 100, 500) for i in range(60)]
+        feed.arrive(arrivals)
+        feed.take(now, {})
+        # The requests of two minutes ago complete now: handed over a minute ago, imputed.
+        if minute >= 2:
+            feed.complete(
+                _completion(f"r{minute - 2}-{i}", now - 180.0 + i, 50 + i) for i in range(60)
+            )
+    assert len(feed._lengths) == 0, len(feed._lengths)
+    # A completion whose arrival is still ahead of the shadows' clock is kept for its replay.
+    feed.complete([_completion("ahead", 1_800.0 - 30.0, 77)])
+    feed.arrive([Arrival("ahead", 1_800.0 - 30.0, 100, 500)])
+    fed = feed.take(1_860.0, {})
+    assert fed is not None and {r.id: r.output_tokens for r in fed[1]}["ahead"] == 77
+
+
 @pytest.mark.slow
 def test_a_burst_of_long_outputs_above_capacity_keeps_every_quantile():
     """Variant 86 of the sweep (arXiv + reasoning at 1.25x capacity, then 0.93x): with the median

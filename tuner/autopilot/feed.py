@@ -22,14 +22,18 @@ fair sample of its arrivals' lengths. Once more than one request type has comple
 the request's type's (a reasoning output is several times a chat one's: on sweep variant 15, arXiv
 chat then reasoning above capacity, a reasoning request in flight was handed a mean of 666 tokens
 from a cohort mostly of the chat phase, its true mean 1,431; 888 per type) — its latest
-completions while its own fair cohort is under ``TYPE_COHORT_MIN``; one type of traffic is fed as
-before.
+completions while its own fair cohort is under ``COHORT_MIN``; one type of traffic is fed as
+before. Likewise after a change of the traffic's shape (``tuner.autopilot.shape``), once
+``COHORT_MIN`` of the new shape's arrivals have completed: a backlog of the new shape in flight
+pins the fair cohort to the old one (sweep seed 7, variant 30, arXiv then BWB at 1.35× capacity:
+a mean of 324 tokens handed for a true 843; 503 from the new shape).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -49,9 +53,9 @@ from tuner.autopilot.types import Arrival, arrival_order
 STRAGGLERS = 20
 COHORT_KEPT = 50_000  # completed (arrival, length) pairs kept per type, the newest arrivals
 # Lengths are imputed per request type once several are seen (a reasoning request's output is
-# several times a chat one's); a type whose completed cohort is smaller than this draws from its
-# latest completions, and a type with none from the whole traffic's cohort.
-TYPE_COHORT_MIN = 100
+# several times a chat one's) and from the arrivals since a change of the traffic's shape; such a
+# cohort smaller than this draws from its latest completions (``Feed._cohort``).
+COHORT_MIN = 100
 TYPES_KEPT = 32  # types with a cohort of their own; the others draw from the whole traffic's
 
 
@@ -65,7 +69,10 @@ class Feed:
         self.late = 0  # requests first seen after the shadows had passed their arrival
         # Arrived, not yet handed to the shadows, in (arrival, id) order.
         self._pending: list[Arrival] = []
-        self._lengths: dict[str, int] = {}  # output lengths of completed requests not yet replayed
+        # Output lengths of completed requests not yet replayed: only those that arrived after the
+        # shadows' clock (the others were replayed already, or never will be), dropped once the
+        # clock passes them.
+        self._lengths: dict[str, tuple[float, int]] = {}  # id -> (arrival, output length)
         # Completed requests' (arrival, output length), in arrival order, of all types and per
         # type, and the requests seen but not completed (id -> (arrival, type)): the imputation's
         # cohorts (``_cohort``).
@@ -95,7 +102,8 @@ class Feed:
 
     def complete(self, completions: Iterable[Completion]) -> None:
         for c in completions:
-            self._lengths[c.id] = c.output_tokens
+            if self.clock is None or c.arrival > self.clock:
+                self._lengths[c.id] = (c.arrival, c.output_tokens)
             self._in_flight.pop(c.id, None)
             kept = [self._completed]
             by_type = self._completed_by_type
@@ -110,14 +118,26 @@ class Feed:
         """The imputation's sample for a request of type ``kind``, sorted: the last ``history``
         completed lengths among requests that arrived before all but ``STRAGGLERS`` of those
         still in flight (the module's docstring says why; all completed lengths while none is
-        that old) — of its type once more than one type has completed, while that cohort holds
-        ``TYPE_COHORT_MIN``, else its type's latest completions; of all types otherwise."""
+        that old). Of its type once more than one type has completed, and of the arrivals since
+        the last change of the traffic's shape once ``COHORT_MIN`` of them have completed (the
+        old shape's lengths are no evidence about the new one's); such a cohort still smaller
+        than ``COHORT_MIN`` gives way to its latest completions, and a type with too few of
+        those to the whole traffic's cohort."""
+        since = self.shape.since if self.shape is not None else -math.inf
+        strata: list[tuple[list[tuple[float, int]], str | None]] = [(self._completed, None)]
         if len(self._completed_by_type) > 1 and kind in self._completed_by_type:
-            rows = self._completed_by_type[kind]
-            fair = self._fair(rows, [at for at, k in self._in_flight.values() if k == kind])
-            if len(fair) >= TYPE_COHORT_MIN:
+            strata.insert(0, (self._completed_by_type[kind], kind))
+        for rows, of_kind in strata:
+            in_flight = [at for at, k in self._in_flight.values() if of_kind in (None, k)]
+            narrowed = of_kind is not None
+            first = bisect.bisect_left(rows, (since, -1)) if since > -math.inf else 0
+            if first > 0 and len(rows) - first >= COHORT_MIN:
+                rows, narrowed = rows[first:], True
+                in_flight = [at for at in in_flight if at >= since]
+            fair = self._fair(rows, in_flight)
+            if not narrowed or len(fair) >= COHORT_MIN:
                 return fair
-            if len(rows) >= TYPE_COHORT_MIN:
+            if len(rows) >= COHORT_MIN:
                 return sorted(n for _, n in rows[-self.config.history :])
         return self._fair(self._completed, [at for at, _ in self._in_flight.values()])
 
@@ -163,7 +183,8 @@ class Feed:
         taken, self._pending = self._pending[:due], self._pending[due:]
         cohorts: dict[str, list[int]] = {}
         for a in taken:
-            out = self._lengths.pop(a.id, None)
+            known = self._lengths.pop(a.id, None)
+            out = None if known is None else known[1]
             if out is None:
                 if a.type not in cohorts:
                     cohorts[a.type] = self._cohort(a.type)
@@ -185,6 +206,9 @@ class Feed:
         while self.recent and self.recent[0].arrival < t - self.config.stress_recent_s:
             self.recent.popleft()
         self.clock = t
+        # Completed, never reported as arrived, and now behind the clock: never to be replayed.
+        for rid in [rid for rid, (at, _) in self._lengths.items() if at <= t]:
+            del self._lengths[rid]
         horizon = t - self.config.window_s - self.config.settle_s
         gone = []
         while self._window and self._window[0][0] < horizon:
