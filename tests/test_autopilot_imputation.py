@@ -190,6 +190,24 @@ def test_the_feed_keeps_no_length_it_will_not_replay():
     assert fed is not None and {r.id: r.output_tokens for r in fed[1]}["ahead"] == 77
 
 
+def test_a_type_the_engine_does_not_know_is_fed_as_chat_and_cohorts_stay_bounded():
+    """A replica reporting request types outside the engine's five (what its clients named):
+    before, the shadows' replay refused the first such request (``TraceRequest``'s check) and
+    the feed raised at every tick after, the request never leaving its queue — the autopilot
+    stuck on that replica. Now it is fed as chat (the plugin's own rule), and the cohorts stay
+    one per known type, each at most ``TYPE_KEPT`` lengths."""
+    from tuner.autopilot.feed import TYPE_KEPT
+
+    feed = Feed(AutopilotConfig(history=100, delay_s=0.0))
+    feed.complete(_completion(f"t-{i}", float(i), 10, kind=f"made-up-{i}") for i in range(300))
+    feed.complete(_completion(f"c-{i}", 300.0 + i, 10) for i in range(TYPE_KEPT + 500))
+    assert set(feed._completed_by_type) == {"chat"}
+    assert len(feed._completed_by_type["chat"]) == TYPE_KEPT
+    feed.arrive([Arrival("x", 20_000.0, 10, 100, type="made-up")])
+    fed = feed.take(20_001.0, {})
+    assert fed is not None and [(r.id, r.type) for r in fed[1]] == [("x", "chat")]
+
+
 @pytest.mark.slow
 def test_a_burst_of_long_outputs_above_capacity_keeps_every_quantile():
     """Variant 86 of the sweep (arXiv + reasoning at 1.25x capacity, then 0.93x): with the median

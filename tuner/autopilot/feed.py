@@ -32,6 +32,7 @@ a mean of 324 tokens handed for a true 843; 503 from the new shape).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 import zlib
@@ -41,8 +42,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from scheduler.metrics import Completion
+from scheduler.names import DEFAULT_TYPE
 from scheduler.settings import SloFqParams
-from sim.traces import TraceRequest
+from sim.traces import REQUEST_TYPES, TraceRequest
 from tuner.autopilot.config import AutopilotConfig
 from tuner.autopilot.shadows import Window
 from tuner.autopilot.shape import ShapeWatch
@@ -51,12 +53,12 @@ from tuner.autopilot.types import Arrival, arrival_order
 # Requests still in flight older than the imputation cohort's end: the few a small γ starves must
 # not pin the cohort hours back (each is at most one of ``history`` lengths missing from it).
 STRAGGLERS = 20
-COHORT_KEPT = 50_000  # completed (arrival, length) pairs kept per type, the newest arrivals
+COHORT_KEPT = 50_000  # completed (arrival, length) pairs kept, the newest arrivals
+TYPE_KEPT = 10_000  # … and of each request type (``REQUEST_TYPES``: five)
 # Lengths are imputed per request type once several are seen (a reasoning request's output is
 # several times a chat one's) and from the arrivals since a change of the traffic's shape; such a
 # cohort smaller than this draws from its latest completions (``Feed._cohort``).
 COHORT_MIN = 100
-TYPES_KEPT = 32  # types with a cohort of their own; the others draw from the whole traffic's
 
 
 class Feed:
@@ -91,6 +93,11 @@ class Feed:
 
     def arrive(self, arrivals: Iterable[Arrival]) -> None:
         for a in arrivals:
+            if a.type not in REQUEST_TYPES:
+                # A type the engine does not know (a replica reports what its clients named):
+                # the plugin's own rule, so the shadows can replay it and a cohort per type
+                # stays one of five.
+                a = dataclasses.replace(a, type=DEFAULT_TYPE)
             if a.id not in self._lengths:
                 self._in_flight[a.id] = (a.arrival, a.type)
             if self.shape is not None:
@@ -105,14 +112,15 @@ class Feed:
             if self.clock is None or c.arrival > self.clock:
                 self._lengths[c.id] = (c.arrival, c.output_tokens)
             self._in_flight.pop(c.id, None)
-            kept = [self._completed]
-            by_type = self._completed_by_type
-            if c.type in by_type or len(by_type) < TYPES_KEPT:
-                kept.append(by_type.setdefault(c.type, []))
-            for rows in kept:
+            kind = c.type if c.type in REQUEST_TYPES else DEFAULT_TYPE
+            kept = [
+                (self._completed, COHORT_KEPT),
+                (self._completed_by_type.setdefault(kind, []), TYPE_KEPT),
+            ]
+            for rows, bound in kept:
                 bisect.insort(rows, (c.arrival, c.output_tokens))
-                if len(rows) > COHORT_KEPT:
-                    del rows[: len(rows) - COHORT_KEPT]
+                if len(rows) > bound:
+                    del rows[: len(rows) - bound]
 
     def _cohort(self, kind: str) -> list[int]:
         """The imputation's sample for a request of type ``kind``, sorted: the last ``history``
