@@ -447,7 +447,7 @@ class FaultProxy:
             def do_PUT(self):
                 self._handle("PUT")
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _ProxyServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -465,10 +465,23 @@ class FaultProxy:
         self.released.set()
 
     def close(self) -> None:
+        self.httpd.closing = True
         self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._client.close()
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    """The fault proxy's server: once the test closes it, a request still in a handler thread
+    (held, or sleeping out a timeout) meets a closed client — expected then, so not printed as
+    a traceback into the suite's output (it was, in two of three fresh-clone runs)."""
+
+    closing = False
+
+    def handle_error(self, request, client_address) -> None:
+        if not self.closing:
+            super().handle_error(request, client_address)
 
 
 @pytest.fixture
