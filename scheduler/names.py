@@ -20,6 +20,15 @@ DEFAULT_TENANT = "default"
 #: A request that names no type is a chat request — in the engine, the simulator's traces, the
 #: control API's documents and the collector's rows alike.
 DEFAULT_TYPE = "chat"
+#: The request types the engine knows (a client's ``type``); any other is served as chat.
+REQUEST_TYPES: frozenset[str] = frozenset({"chat", "completion", "reasoning", "batch", "embed"})
+
+
+def request_type(name: str) -> str:
+    """The type a request is served and replayed as: ``name`` if the engine knows it, else
+    :data:`DEFAULT_TYPE` — the plugin's rule for what a client sends, and the autopilot's for
+    what a replica reports."""
+    return name if name in REQUEST_TYPES else DEFAULT_TYPE
 
 
 # A tenant or request-type name longer than NAME_MAX_CHARS (the engine's bound too) is folded
@@ -59,5 +68,7 @@ __all__ = [
     "MAX_GROUPS_PER_WINDOW",
     "NAME_MAX_CHARS",
     "OTHER_GROUP",
+    "REQUEST_TYPES",
     "fold_name",
+    "request_type",
 ]

@@ -981,6 +981,24 @@ def test_a_hostile_tenant_label_is_made_storable_and_never_refuses_its_request(b
     assert {c["id"]: c["tenant"] for c in done} == cleaned
 
 
+def test_a_request_type_the_engine_does_not_know_is_served_as_chat(build):
+    """A client's ``type`` outside the engine's five is served, logged and reported as chat
+    (``scheduler.names.request_type``: the same rule the autopilot's feed applies to what a
+    replica reports); a known type keeps its name."""
+    clock = Clock()
+    s = build(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=256)
+    d = Driver(s)
+    types = {"made": "made-up", "num": 5, "reason": "reasoning"}
+    d.add(*[req(clock, rid, 20, 3, i * 0.01, type=t) for i, (rid, t) in enumerate(types.items())])
+    d.step()
+    served = {rid: s.tp_core.states[rid].type for rid in types}
+    assert served == {"made": "chat", "num": "chat", "reason": "reasoning"}
+    d.run()
+    assert_all_finished(d)
+    done = json.loads(encode_json(s.api_state(0)))["completions"]
+    assert {c["id"]: c["type"] for c in done} == served
+
+
 def test_a_taken_control_port_stops_start_up_with_the_variable_named(build):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from scheduler.names import DEFAULT_TYPE
+from scheduler.names import DEFAULT_TYPE, request_type
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore, load_startup_settings
 from scheduler.plugin.env import HOST_ENV, PORT_ENV, PluginEnv, PluginEnvError
@@ -41,8 +41,6 @@ from scheduler.policies.queue import WaitingQueue
 
 log = logging.getLogger("tailpilot.plugin")
 REFUSAL_LOG_S = 10.0  # at most one refusal message per tenant this often (with the count between)
-
-REQUEST_TYPES = ("chat", "completion", "reasoning", "batch", "embed")
 
 
 class PolicyRequestQueue(RequestQueue):
@@ -259,7 +257,7 @@ class TailpilotMixin(_StockScheduler):
             # As the operator configured (TAILPILOT_TENANT_SOURCE): made storable and bounded,
             # never a reason to refuse.
             tenant=self._tp_identity.tenant_of(extra),
-            type=rtype if rtype in REQUEST_TYPES else "chat",
+            type=request_type(rtype),
         )
 
     def _tp_refuse(self, request: Request) -> bool:

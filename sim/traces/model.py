@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.errors import TailpilotError
-from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
-
-REQUEST_TYPES: frozenset[str] = frozenset({"chat", "completion", "reasoning", "batch", "embed"})
+from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE, REQUEST_TYPES
 
 # The client cap given to requests whose source records none: one value for every request, so it
 # tells a policy nothing about any request's length. Loaders take `max_tokens_default=` to change it

@@ -42,9 +42,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from scheduler.metrics import Completion
-from scheduler.names import DEFAULT_TYPE
+from scheduler.names import request_type
 from scheduler.settings import SloFqParams
-from sim.traces import REQUEST_TYPES, TraceRequest
+from sim.traces import TraceRequest
 from tuner.autopilot.config import AutopilotConfig
 from tuner.autopilot.shadows import Window
 from tuner.autopilot.shape import ShapeWatch
@@ -93,11 +93,12 @@ class Feed:
 
     def arrive(self, arrivals: Iterable[Arrival]) -> None:
         for a in arrivals:
-            if a.type not in REQUEST_TYPES:
+            kind = request_type(a.type)
+            if kind != a.type:
                 # A type the engine does not know (a replica reports what its clients named):
                 # the plugin's own rule, so the shadows can replay it and a cohort per type
                 # stays one of five.
-                a = dataclasses.replace(a, type=DEFAULT_TYPE)
+                a = dataclasses.replace(a, type=kind)
             if a.id not in self._lengths:
                 self._in_flight[a.id] = (a.arrival, a.type)
             if self.shape is not None:
@@ -112,10 +113,9 @@ class Feed:
             if self.clock is None or c.arrival > self.clock:
                 self._lengths[c.id] = (c.arrival, c.output_tokens)
             self._in_flight.pop(c.id, None)
-            kind = c.type if c.type in REQUEST_TYPES else DEFAULT_TYPE
             kept = [
                 (self._completed, COHORT_KEPT),
-                (self._completed_by_type.setdefault(kind, []), TYPE_KEPT),
+                (self._completed_by_type.setdefault(request_type(c.type), []), TYPE_KEPT),
             ]
             for rows, bound in kept:
                 bisect.insort(rows, (c.arrival, c.output_tokens))
@@ -192,8 +192,9 @@ class Feed:
         cohorts: dict[str, list[int]] = {}
         for a in taken:
             known = self._lengths.pop(a.id, None)
-            out = None if known is None else known[1]
-            if out is None:
+            if known is not None:
+                out = known[1]
+            else:
                 if a.type not in cohorts:
                     cohorts[a.type] = self._cohort(a.type)
                 out = self._imputed(a, generated.get(a.id, 0), cohorts[a.type])
