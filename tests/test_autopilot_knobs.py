@@ -223,5 +223,6 @@ def test_sustained_overload_stops_the_explorers_and_they_come_back(busy, monkeyp
     for running in pilot.in_overload:
         assert running <= {"sarathi", "defaults", pilot.current, *running & set(pilot.options)}
         assert len(running) <= 3
-    assert decisions[-1].overload == ""  # it ended …
+    # it ended (the queue may still stand: then candidates are compared, as when it rises) …
+    assert decisions[-1].overload != "sustained"
     assert len(pilot.shadows) == CONFIG.max_shadows  # … and the explorers were forked again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from tuner.autopilot.promise import (
 from tuner.autopilot.replay import replay_with_autopilot
 from tuner.autopilot.shadows import Shadow, Window
 
+REPO = Path(__file__).resolve().parent.parent
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=600.0, min_requests=50
 )
@@ -386,6 +388,54 @@ def test_overload_is_judged_on_how_long_the_reference_needs_to_empty_its_queue()
     assert watch.judge(True, clock + 30.0, clock) == "" and not watch.hold_this_decision()
     off = OverloadWatch(AutopilotConfig(overload_drain_s=None))
     assert off.judge(True, None, clock) == "" and off.horizon(600.0) == 600.0
+
+
+def test_a_standing_queue_is_judged_on_the_references_recent_waits():
+    """``OverloadWatch.standing``: the reference's median first-token wait over the last
+    ``overload_standing_s`` of arrivals above ``overload_growth_s`` — not while that span is
+    less than half covered by arrivals, nor with the check off; ``judge`` ranks it under
+    sustained overload and over rising, and never for an idle reference."""
+    from tuner.autopilot.overload import OverloadWatch
+
+    config = AutopilotConfig(overload_standing_s=300.0, overload_growth_s=60.0)
+    watch = OverloadWatch(config)
+    clock = 1_000.0
+    arrivals = np.linspace(600.0, 1_000.0, 401)  # one a second
+    waits = np.where(arrivals >= clock - 300.0, 61.0, 0.0)  # the last 300 s waited 61 s
+    assert watch.standing(arrivals, waits, clock)
+    assert not watch.standing(arrivals, np.where(waits > 0, 59.0, 0.0), clock)
+    # Half of the last 300 s waited: the median is the other half's.
+    assert not watch.standing(arrivals, np.where(arrivals > clock - 150.0, 500.0, 0.0), clock)
+    assert not watch.standing(arrivals[arrivals > clock - 140.0], waits[-140:], clock)  # too few
+    assert not watch.standing(arrivals[:0], waits[:0], clock)
+    off = OverloadWatch(AutopilotConfig(overload_standing_s=None))
+    assert not off.standing(arrivals, waits, clock)
+    assert watch.judge(True, clock + 90.0, clock, standing=True) == "standing"
+    assert watch.judge(True, clock + 120.0, clock, standing=True) == "standing"  # not "rising"
+    assert not watch.hold_this_decision()  # judged again at the next decision
+    assert watch.judge(True, None, clock, standing=True) == "sustained"
+    assert watch.judge(False, None, clock, standing=True) == ""  # idle now: nothing held back
+    assert watch.judge(True, clock + 30.0, clock, standing=False) == ""
+
+
+@pytest.mark.slow
+def test_in_a_standing_queue_no_small_gamma_is_taken():
+    """Variant 82 of the sweep (reasoning at 1.18x capacity, then 1.11x): sarathi's queue never
+    empties, yet it drains in 3 minutes with no further arrival, so neither sustained nor rising
+    overload is judged when γ 0.001 beats the defaults on the window at minute 21. Taken, it
+    holds long prompts back 25 minutes: P99 TTFT 1.12x sarathi's over the run (the rule before
+    the standing queue's; the test fails with ``overload_standing_s`` off). Judged standing, no
+    move goes down the axis: the defaults run throughout and every quantile is kept."""
+    from benchmarks import autopilot_sweep as sweep
+    from benchmarks.seed_claims import ratio
+
+    trace, _ = sweep.build(82, 20240, sweep.pools(REPO / "traces"))
+    sarathi = sweep.fixed(trace, "sarathi")
+    result, decisions = replay_with_autopilot(trace)
+    ap = sweep.score(result.completions, sweep.half_time(trace))["all"]
+    assert sweep.broken_of(ap, sarathi) == [], {m: ratio(ap[m], sarathi[m]) for m in sweep.METRICS}
+    assert any(d.overload == "standing" for d in decisions)
+    assert all(d.choice == "defaults" for d in decisions)
 
 
 def test_in_rising_overload_the_running_choice_is_stress_tested_every_recheck_decisions():

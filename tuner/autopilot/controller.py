@@ -225,7 +225,8 @@ class Autopilot:
         # is not empty by then the replica is overloaded and no comparison is needed.
         horizon = self._overload.horizon(cfg.project_s)
         ref, projection = self._figures(reference, window, horizon=horizon)
-        overload = self._overload.judge(reference.busy(), projection.drained_at, clock)
+        standing = self._overload.standing(window.arrivals, reference.waits(window), clock)
+        overload = self._overload.judge(reference.busy(), projection.drained_at, clock, standing)
         if overload == "sustained":
             return self._hold_in_overload(now, ref, len(ids))
         raw: dict[str, Figures] = {self.reference: ref}
@@ -475,13 +476,14 @@ class Autopilot:
 
     def _breaks_as_load_rises(self, overload: str) -> tuple[str, ...]:
         """What a running choice below the defaults breaks under the stress test while the load
-        rises (the reference's queue takes longer to empty than at the last decision): what it
-        holds back is tested ahead of time (``OverloadWatch.running_verdict``: in rising
-        overload once every ``overload_recheck`` decisions)."""
+        rises (the reference's queue takes longer to empty than at the last decision) or its
+        queue stands: what it holds back is tested ahead of time
+        (``OverloadWatch.running_verdict``: in overload once every ``overload_recheck``
+        decisions)."""
         below_defaults = "defaults" in self.options and self._rank(self.current) < self._rank(
             "defaults"
         )
-        if not below_defaults or not self._overload.rising:
+        if not below_defaults or not (self._overload.rising or overload == "standing"):
             return ()
         return self._overload.running_verdict(
             overload, self.current, lambda: self._stress_breaks(self.current)

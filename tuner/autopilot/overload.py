@@ -5,13 +5,19 @@ reference's queue (age order: its queue is the backlog in arrival order).
 with no further arrival: the autopilot moves a choice below the defaults up to them and holds,
 judged again every ``overload_recheck`` decisions (a deep queue is the costliest to project).
 "Rising" when longer than ``overload_growth_s`` and longer than at the last decision (arrivals
-above capacity right now): no move goes down the axis. README, "The autopilot".
+above capacity right now): no move goes down the axis. "Standing" when, over the arrivals of the
+last ``overload_standing_s``, the reference's median first-token wait exceeds
+``overload_growth_s`` (``standing``): arrivals have kept up with capacity all that while, whether
+or not the queue grew this minute, and it is answered as rising overload is — a request held back
+in a queue that never empties waits until it does. README, "The autopilot".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+import numpy as np
 
 from tuner.autopilot.config import AutopilotConfig
 
@@ -23,6 +29,7 @@ class OverloadWatch:
         self._drain_s = config.overload_drain_s  # None: never judged overloaded
         self._growth_s = config.overload_growth_s
         self._recheck = config.overload_recheck
+        self._standing_s = config.overload_standing_s  # None: a standing queue never judged
         self._drain: float | None = None  # at the last verdict, s the reference needs to empty
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
         self.rising = False  # the reference's drain time grew since the last verdict
@@ -44,10 +51,12 @@ class OverloadWatch:
             return True
         return False
 
-    def judge(self, busy: bool, drained_at: float | None, clock: float) -> str:
-        """This decision's verdict — "sustained", "rising" or "" — from the reference's queue:
-        whether it is ``busy`` at ``clock`` and when its projection emptied it (None: not
-        within the horizon)."""
+    def judge(
+        self, busy: bool, drained_at: float | None, clock: float, standing: bool = False
+    ) -> str:
+        """This decision's verdict — "sustained", "standing", "rising" or "" — from the
+        reference's queue: whether it is ``busy`` at ``clock``, when its projection emptied it
+        (None: not within the horizon) and whether it has stood (``standing``)."""
         verdict = ""
         if self._drain_s is not None:
             drain = 0.0
@@ -57,10 +66,24 @@ class OverloadWatch:
             self.rising = previous is not None and drain > previous
             if drain > self._drain_s:
                 verdict = "sustained"
+            elif standing and busy:
+                verdict = "standing"
             elif drain > self._growth_s and self.rising:
                 verdict = "rising"
         self._sustained_for = 1 if verdict == "sustained" else 0
         return verdict
+
+    def standing(self, arrivals: np.ndarray, waits: np.ndarray, clock: float) -> bool:
+        """Whether the reference's queue has stood: the median of ``waits`` (its first-token
+        waits, a request still waiting counted with its wait so far) over the requests that
+        arrived in the last ``overload_standing_s`` before ``clock`` (``arrivals``, in order)
+        exceeds ``overload_growth_s``. Never while fewer than half of that span has arrivals."""
+        if self._standing_s is None or not len(arrivals):
+            return False
+        first = int(np.searchsorted(arrivals, clock - self._standing_s, side="left"))
+        if first == len(arrivals) or arrivals[first] > clock - self._standing_s / 2:
+            return False
+        return bool(np.median(waits[first:]) > self._growth_s)
 
     def running_verdict(
         self, verdict: str, current: str, test: Callable[[], tuple[str, ...]]
@@ -71,7 +94,7 @@ class OverloadWatch:
         judged — ten more minutes of arrivals above capacity make the deepest queues to project
         (on ``overload`` the rising minutes' stress tests were a third of the controller's CPU)."""
         of, last = self._running_verdict
-        if verdict == "rising" and of == current and self._rising_for % self._recheck:
+        if verdict in ("rising", "standing") and of == current and self._rising_for % self._recheck:
             broken = last
         else:
             broken = test()
@@ -80,4 +103,4 @@ class OverloadWatch:
 
     def count_rising(self, verdict: str) -> None:
         """Count a judged decision's verdict for ``running_verdict``'s cadence."""
-        self._rising_for = self._rising_for + 1 if verdict == "rising" else 0
+        self._rising_for = self._rising_for + 1 if verdict in ("rising", "standing") else 0

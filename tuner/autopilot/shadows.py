@@ -348,6 +348,13 @@ class Shadow:
             first.setdefault(rid, None)
         return Projection(first, finished, last if idle else None)
 
+    def waits(self, window: Window) -> np.ndarray:
+        """The first-token waits of ``window``'s observed requests here: of one finished, its
+        TTFT; of one not, its wait so far (to the window's clock) — a lower bound, no
+        projection."""
+        served = self.log.read(window.ids[: window.observed])
+        return np.where(served.done, served.ttft, window.clock - window.arrivals[: window.observed])
+
     def figures(self, window: Window, horizon_s: float) -> tuple[Figures, Projection]:
         """The promise's figures over ``window``'s requests (its forecast's too, a stress test's
         arrivals after the clock): a request finished counts with its latencies, one not with its

@@ -53,8 +53,10 @@ class Decision:
     requests: int  # in the comparison window
     cpu_s: float  # the controller's CPU time for this interval (shadows included)
     previous: str = ""  # what ran before this decision ("" when the same as ``choice``)
-    # "sustained": the reference could not empty its queue within overload_drain_s; "rising":
-    # its queue takes longer than overload_growth_s to empty and grows; "": neither.
+    # "sustained": the reference could not empty its queue within overload_drain_s;
+    # "standing": its median first-token wait over the last overload_standing_s of arrivals is
+    # over overload_growth_s; "rising": its queue takes longer than overload_growth_s to empty and
+    # grows; "": none of these.
     overload: str = ""
 
     def predicted(self) -> dict[str, float | None]:
