@@ -1,6 +1,7 @@
 """The autopilot on seeded random traffic nobody tuned it on: does its promise hold?
 
     python benchmarks/autopilot_sweep.py [--variants N] [--seed S] [--only K] [--traces DIR]
+        [--set key=JSON ...]
 
 Each variant is drawn from ``numpy.random.default_rng([S, K])`` (so ``--only K`` rebuilds variant
 K of seed S alone): a source — Azure code or conv requests, ShareGPT, arXiv or BWB lengths,
@@ -16,7 +17,9 @@ throughput, the defaults' P95 TTFT ratio, whether the promise held — every qua
 sarathi's and throughput ≥ 0.99× (``keeps_promise``), P95 TTFT ≤ the defaults' + 0.02 — and the
 autopilot's switches (minute: from > to). A summary of the broken promises ends the run.
 Scoring is benchmarks/autopilot_scoring.py's, on the whole run. One process; about 20 minutes
-for the default 100 variants on one core (about 11 s a variant; ``-v``: each switch's reason).
+for the default 100 variants on one core (about 11 s a variant; ``-v``: each switch's reason;
+``--set``: an ``AutopilotConfig`` field for the autopilot's runs, as ``autopilot_dev.py`` takes it —
+an A/B of a rule in one sitting).
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ from benchmarks.autopilot_workloads import (  # noqa: E402
 )
 from benchmarks.seed_claims import ratio  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
+from scheduler.settings_change import parse_assignment  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import simulate  # noqa: E402
+from tuner.autopilot.config import AutopilotConfig  # noqa: E402
 from tuner.autopilot.promise import Figures, breaks  # noqa: E402
 from tuner.autopilot.replay import replay_with_autopilot  # noqa: E402
 
@@ -137,11 +142,13 @@ def broken_of(m: dict[str, float], sar: dict[str, float]) -> list[str]:
     return [k for k in METRICS if k in names or (k == THROUGHPUT and "throughput" in names)]
 
 
-def run_variant(k: int, seed: int, rows: dict[str, traces.Trace]) -> dict:
+def run_variant(
+    k: int, seed: int, rows: dict[str, traces.Trace], config: AutopilotConfig | None = None
+) -> dict:
     started = time.perf_counter()
     trace, how = build(k, seed, rows)
     sar, dflt = fixed(trace, "sarathi"), fixed(trace, "uniboost")
-    result, decisions = replay_with_autopilot(trace)
+    result, decisions = replay_with_autopilot(trace, config=config)
     ap = score(result.completions, half_time(trace))["all"]
     r = {m: ratio(ap[m], sar[m]) for m in METRICS}
     d95 = ratio(dflt["ttft_p95"], sar["ttft_p95"])
@@ -194,13 +201,16 @@ def main() -> None:
     ap.add_argument("--only", type=int, default=None, help="rerun variant K alone")
     ap.add_argument("--traces", type=Path, default=REPO / "traces")
     ap.add_argument("-v", "--verbose", action="store_true", help="each switch's reason")
+    ap.add_argument("--set", action="append", default=[], help="AutopilotConfig field=JSON value")
     args = ap.parse_args()
-    print(f"master seed {args.seed}")
+    overrides = dict(parse_assignment(text) for text in args.set)
+    config = AutopilotConfig.model_validate(overrides) if overrides else None
+    print(f"master seed {args.seed}" + "".join(f" {t}" for t in args.set))
     rows = pools(args.traces)
     done = []
     started = time.perf_counter()
     for k in [args.only] if args.only is not None else range(args.variants):
-        done.append(run_variant(k, args.seed, rows))
+        done.append(run_variant(k, args.seed, rows, config))
         print(line(done[-1]), flush=True)
         if args.verbose:
             for d in done[-1]["switches"]:

@@ -131,14 +131,16 @@ class AutopilotConfig(BaseModel):
     # A standing queue: over the arrivals of the last this-many seconds the reference's median
     # first-token wait (a request still waiting: its wait so far) exceeds ``overload_growth_s``
     # — arrivals have kept up with capacity for that long, whether or not the queue grew this
-    # minute. Answered as rising overload is (None: never judged): no move down the axis, the
-    # running choice below the defaults stress-tested — a setting that holds back more builds a
-    # backlog that is served only once the queue empties, however long that takes
+    # minute (None, or ``overload_drain_s`` None: never judged). No move down from the defaults
+    # or above, the running choice below them stress-tested as in rising overload — a setting
+    # that holds back more builds a backlog served only once the queue empties, however long
     # (sweep seed 20240, variant 82: γ 0.001 taken in such a queue held long prompts back 25
     # minutes, P99 TTFT 1.12× sarathi's; no stress test of 10 minutes sees that far). Over 600 s
     # the queue was seen a minute late there, and that minute of γ 0.001 cost the run 0.03 of
     # P95 TTFT against the defaults; no README workload's sarathi queue stands over 300 s but
-    # `overload` and `bursts`, where no fixed setting beats the defaults by 0.05.
+    # `overload` and `bursts`, where no fixed setting beats the defaults by 0.05. Barring every
+    # move down, as rising overload does, held seed 31337's variant 27 at γ 0.01 (P99 TTFT 1.06×;
+    # 0.93× with γ 0.001 taken): a choice already below the defaults may still move down.
     overload_standing_s: float | None = Field(300.0, ge=60.0, le=86_400.0)
     # A change of the traffic's shape (``tuner.autopilot.shape``): the prompt lengths of the last
     # ``shape_recent_s`` of arrivals against those before, by the Kolmogorov–Smirnov statistic;

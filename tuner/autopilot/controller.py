@@ -29,8 +29,8 @@ target; a move down takes ``down_margin`` and the *stress test* (``tuner.autopil
 last minutes' arrivals going on), also when it leaves a break; a move up takes ``hysteresis``
 (``leave_defaults`` from the defaults) after ``min_dwell_s``, or the running choice breaking the
 promise beyond its sampling noise ``guard_patience`` decisions in a row; in overload
-(``tuner.autopilot.overload``) no move goes down, and sustained overload moves a choice below the
-defaults up to them and holds.
+(``tuner.autopilot.overload``) no move goes down (in a standing queue, none from the defaults or
+above), and sustained overload moves a choice below the defaults up to them and holds.
 
 What it sees (``Observation``) is what a live replica knows: arrivals (prompt length, the client's
 cap, tenant, type — never the output length), completions (with their output lengths), and how
@@ -229,12 +229,13 @@ class Autopilot:
         overload = self._overload.judge(reference.busy(), projection.drained_at, clock, standing)
         if overload == "sustained":
             return self._hold_in_overload(now, ref, len(ids))
+        bars_down = self._bars_down(overload)
         raw: dict[str, Figures] = {self.reference: ref}
         here = self._rank(self.current)
         for name, shadow in self.shadows.items():
-            # In overload no move goes down the axis: the candidates below are not even projected
-            # (their deep queues are the costliest to drain).
-            if name in raw or (overload and self._rank(name) < here):
+            # The candidates a move may not reach are not even projected (in overload their deep
+            # queues are the costliest to drain).
+            if name in raw or (bars_down and self._rank(name) < here):
                 continue
             if name != self.current and cfg.promise.slo is None:
                 # Projection only lengthens latencies: a candidate whose wait so far already
@@ -288,7 +289,7 @@ class Autopilot:
         cfg = self.config
         previous = self.current
         drain = f"the reference needs over {cfg.overload_drain_s:.0f} s to empty its queue"
-        if "defaults" in self.options and self._rank(previous) < self._rank("defaults"):
+        if self._below_defaults():
             reason = (
                 f"overload: {drain}; {previous} would hold back more — moved up to the defaults"
             )
@@ -480,14 +481,24 @@ class Autopilot:
         queue stands: what it holds back is tested ahead of time
         (``OverloadWatch.running_verdict``: in overload once every ``overload_recheck``
         decisions)."""
-        below_defaults = "defaults" in self.options and self._rank(self.current) < self._rank(
-            "defaults"
-        )
-        if not below_defaults or not (self._overload.rising or overload == "standing"):
+        if not self._below_defaults() or not (self._overload.rising or overload == "standing"):
             return ()
         return self._overload.running_verdict(
             overload, self.current, lambda: self._stress_breaks(self.current)
         )
+
+    def _below_defaults(self) -> bool:
+        """Whether the running choice is below the defaults on the size-to-age axis (holds back
+        more than they do)."""
+        return "defaults" in self.options and self._rank(self.current) < self._rank("defaults")
+
+    def _bars_down(self, overload: str) -> bool:
+        """Whether this decision's ``overload`` verdict bars a move down the axis: any does, but
+        a standing queue bars only the way into the choices below the defaults — holding back
+        there starts a backlog served once the queue empties — and a running choice already
+        below them may still move down (sweep seed 31337's variant 27: held at γ 0.01, P99 TTFT
+        1.06× sarathi's; γ 0.001 taken, 0.93×)."""
+        return bool(overload) and not (overload == "standing" and self._below_defaults())
 
     def _choose(
         self, figures: dict[str, Figures], now: float, overload: str, clock: float
@@ -499,11 +510,13 @@ class Autopilot:
         or better; a move up — or a move off a tied current choice — takes the ``hysteresis``
         margin and ``min_dwell_s``; the running choice is left for breaking the promise only
         after ``guard_patience`` decisions in a row. In overload (``tuner.autopilot.overload``)
-        no move goes down the axis; sustained, a choice below the defaults moves up to them at
-        once: holding back more would only grow a backlog that someone must be served after."""
+        no move goes down the axis (``_bars_down``: in a standing queue, none from the defaults
+        or above); sustained, a choice below the defaults moves up to them at once: holding back
+        more would only grow a backlog that someone must be served after."""
         cfg, promise = self.config, self.config.promise
         objective = promise.objective
         here = self._rank(self.current)
+        bars_down = self._bars_down(overload)
         broken = self._current_breaks(figures)
         if not broken:
             broken = self._breaks_as_load_rises(overload)
@@ -525,7 +538,7 @@ class Autopilot:
             return self.current, False, "no candidate keeps the promise on this window: kept"
         current, best = figures[self.current], figures[target]
         under_stress = self._break_tie_under_stress(
-            feasible, figures, now, bool(broken or overload)
+            feasible, figures, now, bool(broken or bars_down)
         )
         if under_stress is not None:
             return under_stress[0], True, under_stress[1]
@@ -568,7 +581,7 @@ class Autopilot:
             )
         down = self._rank(target) < here
         margin = self._up_margin()
-        by_down_margin = down and self._better(best, current, cfg.down_margin) and not overload
+        by_down_margin = down and self._better(best, current, cfg.down_margin) and not bars_down
         if not by_down_margin and not self._dwelt(now):
             return (
                 self.current,

@@ -8,8 +8,10 @@ judged again every ``overload_recheck`` decisions (a deep queue is the costliest
 above capacity right now): no move goes down the axis. "Standing" when, over the arrivals of the
 last ``overload_standing_s``, the reference's median first-token wait exceeds
 ``overload_growth_s`` (``standing``): arrivals have kept up with capacity all that while, whether
-or not the queue grew this minute, and it is answered as rising overload is — a request held back
-in a queue that never empties waits until it does. README, "The autopilot".
+or not the queue grew this minute. It bars the way into the choices below the defaults — a request
+held back in a queue that never empties waits until it does — while a running choice already
+below them is stress-tested as in rising overload and may still move down. README, "The
+autopilot".
 """
 
 from __future__ import annotations
