@@ -426,7 +426,7 @@ def test_in_a_standing_queue_no_small_gamma_is_taken():
     overload is judged when γ 0.001 beats the defaults on the window at minute 21. Taken, it
     holds long prompts back 25 minutes: P99 TTFT 1.12x sarathi's over the run (the rule before
     the standing queue's; the test fails with ``overload_standing_s`` off). Judged standing, no
-    move goes down the axis: the defaults run throughout and every quantile is kept."""
+    move goes down from the defaults: they run throughout and every quantile is kept."""
     from benchmarks import autopilot_sweep as sweep
     from benchmarks.seed_claims import ratio
 
