@@ -23,6 +23,10 @@ import numpy as np
 
 from tuner.autopilot.config import AutopilotConfig
 
+# The verdicts under which a running choice below the defaults is stress-tested every
+# ``overload_recheck`` decisions (``OverloadWatch.running_verdict``).
+RECHECKED = ("rising", "standing")
+
 
 class OverloadWatch:
     """The overload verdicts of one autopilot's decisions, in order."""
@@ -96,7 +100,7 @@ class OverloadWatch:
         judged — ten more minutes of arrivals above capacity make the deepest queues to project
         (on ``overload`` the rising minutes' stress tests were a third of the controller's CPU)."""
         of, last = self._running_verdict
-        if verdict in ("rising", "standing") and of == current and self._rising_for % self._recheck:
+        if verdict in RECHECKED and of == current and self._rising_for % self._recheck:
             broken = last
         else:
             broken = test()
@@ -105,4 +109,4 @@ class OverloadWatch:
 
     def count_rising(self, verdict: str) -> None:
         """Count a judged decision's verdict for ``running_verdict``'s cadence."""
-        self._rising_for = self._rising_for + 1 if verdict in ("rising", "standing") else 0
+        self._rising_for = self._rising_for + 1 if verdict in RECHECKED else 0
