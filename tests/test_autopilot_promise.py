@@ -148,7 +148,9 @@ def test_with_slos_a_tie_on_the_objective_is_broken_by_margin():
         for slos in (slo, None):
             config = CONFIG.model_copy(update={"promise": Promise(slo=slos), "margin_ties": ties})
             pilot = Autopilot(base, config)
-            picks[ties, slos is not None] = pilot.target_among(list(scored), scored)
+            picks[ties, slos is not None] = pilot.rule.target_among(
+                list(scored), scored, pilot.current
+            )
     assert picks["slo", True] == "gamma=0.001" and picks["slo", False] == "gamma=1"
     assert picks["never", True] == picks["never", False] == "gamma=1"
     assert picks["always", True] == picks["always", False] == "gamma=0.001"
@@ -248,25 +250,31 @@ def test_the_stress_test_runs_only_for_a_move_that_would_be_taken():
     without it — a target that neither beats the running choice by ``down_margin`` nor by the
     hysteresis after ``min_dwell_s`` is kept out untested, the same decision either way."""
     from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.switching import Situation
 
     pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), CONFIG)
     assert pilot.current == "defaults"
     tested: list[str] = []
     verdict: tuple[str, ...] = ()
 
-    def stress(name: str) -> tuple[str, ...]:
-        tested.append(name)
-        return verdict
+    class Recorded:  # the decision's stress test, its verdicts recorded
+        def breaks(self, name: str) -> tuple[str, ...]:
+            tested.append(name)
+            return verdict
 
-    pilot._stress_breaks = stress  # type: ignore[method-assign]
+    def choose(window):
+        at = Situation(now=1_000.0, clock=0.0, current=pilot.current, stress=Recorded())
+        choice = pilot.rule.choose(window, at)
+        return choice.name, choice.switch, choice.reason
+
     scored = {"sarathi": figures(), "defaults": figures(ttft_p95=0.5)}
     close = {**scored, "gamma=0.1": figures(ttft_p95=0.48)}  # ahead, not by 5% (nor 15%)
-    assert pilot._choose(close, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    assert choose(close)[:2] == ("defaults", False)
     assert tested == []
     ahead = {**scored, "gamma=0.1": figures(ttft_p95=0.4)}  # by 20%: the move would be taken
-    assert pilot._choose(ahead, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", True)
+    assert choose(ahead)[:2] == ("gamma=0.1", True)
     verdict = ("stress:ttft_p99",)
-    choice, changed, reason = pilot._choose(ahead, 1_000.0, "", 0.0)
+    choice, changed, reason = choose(ahead)
     assert (choice, changed) == ("defaults", False) and "stress:ttft_p99" in reason
     assert tested == ["gamma=0.1", "gamma=0.1"]
 

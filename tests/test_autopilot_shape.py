@@ -195,9 +195,26 @@ def _pilot():
     from scheduler.settings import Settings
     from tuner.autopilot.controller import Autopilot
 
-    pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), CONFIG)
-    pilot._new_shape = True
-    return pilot
+    return Autopilot(Settings.model_validate({"policy": "uniboost"}), CONFIG)
+
+
+def _choose(pilot, stress, now=1_000.0, overload="", new_shape=True):
+    """The switching rule's answer on ``WINDOW`` at ``now``, on a new shape's first requests
+    (fewer than the running choice is judged on) with ``stress`` as the decision's stress test."""
+    from tuner.autopilot.switching import Situation
+
+    at = Situation(
+        now=now,
+        clock=0.0,
+        current=pilot.current,
+        overload=overload,
+        requests=0,
+        judge_requests=CONFIG.judge_requests,
+        new_shape=new_shape,
+        stress=stress,
+    )
+    choice = pilot.rule.choose(WINDOW, at)
+    return choice.name, choice.switch, choice.reason
 
 
 # A tie on the window, the reference in it too (1% apart).
@@ -224,52 +241,46 @@ def test_on_a_new_shape_a_tie_is_broken_by_the_stress_test():
         "gamma=0.1": figures(ttft_p95=0.6),  # a third less backlog than the defaults'
         "gamma=1": figures(ttft_p95=0.95),
     }
-    pilot._stress = fixed = _FixedStress(stress)  # type: ignore[assignment]
-    choice, changed, reason = pilot._choose(WINDOW, 1_000.0, "", 0.0)
+    choice, changed, reason = _choose(pilot, fixed := _FixedStress(stress))
     assert (choice, changed) == ("gamma=0.1", True)
     assert "ties defaults" in reason and "0.6 s ttft_p95 vs 0.9 s" in reason
     assert "sarathi" not in fixed.tested  # tied on the window, but the reference is no choice
 
-    def kept(**change) -> bool:
-        pilot._stress = _FixedStress(**{"figures": stress, **change})  # type: ignore[assignment]
-        return pilot._choose(WINDOW, 1_000.0, "", 0.0)[:2] == ("defaults", False)
+    def kept(new_shape=True, **change) -> bool:
+        verdicts = _FixedStress(**{"figures": stress, **change})
+        return _choose(pilot, verdicts, new_shape=new_shape)[:2] == ("defaults", False)
 
-    pilot._new_shape = False  # an old shape: the window's tie keeps the running choice
-    assert kept()
-    pilot._new_shape = True
+    assert kept(new_shape=False)  # an old shape: the window's tie keeps the running choice
     assert kept(figures={**stress, "gamma=0.1": figures(ttft_p95=0.88)})  # ahead, not by 5%
     assert kept(broken={"gamma=0.1"})  # far ahead, but it breaks the promise under stress
     assert kept(arrivals=0)  # nothing arrived lately: nothing to repeat
-    pilot._stress = fixed = _FixedStress(stress)  # type: ignore[assignment]
-    assert pilot._choose(WINDOW, 1_000.0, "rising", 0.0)[:2] == ("defaults", False)
+    fixed = _FixedStress(stress)
+    assert _choose(pilot, fixed, overload="rising")[:2] == ("defaults", False)
     assert fixed.tested == []  # in overload no move goes down: the tie is not even re-judged
-    pilot._hold_until = 2_000.0  # stepped back: held
+    pilot.rule.step_back(1_000.0, hold_s=1_000.0)  # stepped back: held
     assert kept()
-    pilot._hold_until = -math.inf
+    pilot.rule.hold_until = -math.inf
     # The running choice breaking the promise under stress is left for one that keeps it,
     # however close their objectives.
     close = {**stress, "gamma=0.1": figures(ttft_p95=0.89)}
-    pilot._stress = _FixedStress(close, broken={"defaults"})  # type: ignore[assignment]
-    assert pilot._choose(WINDOW, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", True)
+    assert _choose(pilot, _FixedStress(close, broken={"defaults"}))[:2] == ("gamma=0.1", True)
 
 
 def test_a_move_up_on_a_new_shape_takes_the_dwell_and_the_hysteresis():
     pilot = _pilot()
-    pilot.current, pilot._last_switch = "gamma=0.1", 900.0
+    pilot.current = "gamma=0.1"
+    pilot.rule.switched(900.0)
     stress = {
         "sarathi": figures(),
         "defaults": figures(ttft_p95=0.95),
         "gamma=0.1": figures(ttft_p95=0.9),
         "gamma=1": figures(ttft_p95=0.72),  # 20% ahead under stress: above the running choice
     }
-    pilot._stress = _FixedStress(stress)  # type: ignore[assignment]
-    assert pilot._choose(WINDOW, 1_000.0, "", 0.0)[:2] == ("gamma=0.1", False)  # 100 s ago
+    assert _choose(pilot, _FixedStress(stress))[:2] == ("gamma=0.1", False)  # 100 s ago
     later = 900.0 + CONFIG.min_dwell_s
-    assert pilot._choose(WINDOW, later, "", 0.0)[:2] == ("gamma=1", True)
-    pilot.current, pilot._last_switch = "gamma=0.1", 900.0
+    assert _choose(pilot, _FixedStress(stress), now=later)[:2] == ("gamma=1", True)
     ahead = {**stress, "gamma=1": figures(ttft_p95=0.8)}  # 11%: a move down's margin, not up's
-    pilot._stress = _FixedStress(ahead)  # type: ignore[assignment]
-    assert pilot._choose(WINDOW, later, "", 0.0)[:2] == ("gamma=0.1", False)
+    assert _choose(pilot, _FixedStress(ahead), now=later)[:2] == ("gamma=0.1", False)
 
 
 def test_only_a_new_shape_s_first_minutes_and_requests_are_judged_so():
@@ -282,17 +293,17 @@ def test_only_a_new_shape_s_first_minutes_and_requests_are_judged_so():
     pilot = _pilot()
     cfg = pilot.config
     since = 1_000.0
-    assert pilot._fresh_shape(since, cfg.judge_requests - 1, since + cfg.stress_s - 1)
-    assert not pilot._fresh_shape(None, 10, since + 60)
-    assert not pilot._fresh_shape(since, cfg.judge_requests, since + 60)
-    assert not pilot._fresh_shape(since, 10, since + cfg.stress_s)
+    assert pilot.rule.fresh_shape(since, cfg.judge_requests - 1, since + cfg.stress_s - 1)
+    assert not pilot.rule.fresh_shape(None, 10, since + 60)
+    assert not pilot.rule.fresh_shape(since, cfg.judge_requests, since + 60)
+    assert not pilot.rule.fresh_shape(since, 10, since + cfg.stress_s)
     from scheduler.settings import Settings
 
     base = Settings.model_validate({"policy": "uniboost"})
     no_stress = Autopilot(base, CONFIG.model_copy(update={"stress_s": 0.0}))
-    assert not no_stress._fresh_shape(since, 10, since + 60)
+    assert not no_stress.rule.fresh_shape(since, 10, since + 60)
     slo = Settings.model_validate(
         {"policy": "slofq", "params": {"tenants": {"t": {"ttft": {"p99": 5.0}}}}}
     ).params
     tenants = Autopilot(base, CONFIG.model_copy(update={"promise": Promise(slo=slo)}))
-    assert not tenants._fresh_shape(since, 10, since + 60)
+    assert not tenants.rule.fresh_shape(since, 10, since + 60)
