@@ -9,7 +9,7 @@ from vllm_support import tiny_model_dir  # noqa: F401  (re-exported fixture)
 # Every test that runs a real vLLM engine (they all need the tiny model) goes to one xdist worker,
 # one after another: two engines on two cores starve each other and the end-to-end tests that
 # compare latencies under two settings then measure the neighbour instead (scripts/test.sh runs
-# `-n 2 --dist loadgroup`; the other worker takes the rest of the suite). They are `slow` too:
+# `-n 3 --dist loadgroup`; the other workers take the rest of the suite). They are `slow` too:
 # the fast loop (`-m "not slow"`) starts no engine.
 ENGINE_GROUP = "vllm-engine"
 
