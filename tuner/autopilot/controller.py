@@ -98,9 +98,8 @@ class Autopilot:
         self._cpu = 0.0
         self._overload = OverloadWatch(self.config)
         self.rule = SwitchingRule(
-            self.config, self.space, self.reference, self.search, self._overload
+            self.config, self.space, self.reference, self.search, self._overload, self.current
         )
-        self.rule.target = self.current
 
     # --- which candidates run ------------------------------------------------------------------
     def follow(self, name: str) -> None:

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler.settings import Settings
 from tuner.autopilot.candidates import Candidate, ShadowSearch
 from tuner.autopilot.config import GUARD_SLACK, AutopilotConfig
 from tuner.autopilot.overload import OverloadWatch
@@ -74,7 +73,7 @@ class Choice:
 class SwitchingRule:
     """The rule over ``space`` (the candidates by name), holding ``reference`` as the promise's
     reference; ``search`` says which candidates may be chosen now, ``overload`` keeps the
-    overload verdicts' cadence."""
+    overload verdicts' cadence, ``current`` is the running choice it starts from."""
 
     def __init__(
         self,
@@ -83,14 +82,14 @@ class SwitchingRule:
         reference: str,
         search: ShadowSearch,
         overload: OverloadWatch,
+        current: str,
     ) -> None:
         self.config = config
         self.space = space
-        self.options: dict[str, Settings] = {name: c.settings for name, c in space.items()}
         self.reference = reference
         self.search = search
         self.overload = overload
-        self.target = ""  # the best candidate at the last judged decision
+        self.target = current  # the best candidate at the last judged decision
         self.breaks = 0  # consecutive decisions on which the running choice broke the guard
         self.last_switch = -math.inf
         self.hold_until = -math.inf  # after a step back: no switch before this but to keep it
@@ -335,7 +334,7 @@ class SwitchingRule:
         if at.stress is None or at.replica is None or not self.config.switch_test:
             return ()
         replica = at.replica()
-        return at.stress.switch_breaks(replica.spawn(self.options[name]), replica)
+        return at.stress.switch_breaks(replica.spawn(self.space[name].settings), replica)
 
     def _down_breaks(self, name: str, at: Situation) -> tuple[str, ...]:
         """A move down to ``name``: what it breaks under the stress test, its own shadow's and
