@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from controlplane.controller_host import ControlRow, carry_out, read_control, run_controller, tick
+from controlplane.controller_host import ControlRow, carry_out, run_controller, tick
 from controlplane.governor import WHO, Decision, Governor
 
 
@@ -170,12 +170,24 @@ class _HostedGovernor:
     clock: Callable[[], float]
     name: Literal["governor"] = "governor"
     done: list[dict[str, Any]] = field(default_factory=list)  # the last step's outcomes
+    # A restarted governor (``run_governor``) takes the stored modes over at its first step or
+    # its close; one stepped on its own (``governor_step``) is given the governor as it stands.
+    restore: bool = False
 
     @property
     def cluster_name(self) -> str:
         return str(self.collector.cluster.name)
 
+    def _restore(self, row: ControlRow) -> None:
+        """A restarted governor goes on where it stopped: its modes, and what they replaced (to
+        undo). Done from the row the host reads for the first step or the close — a governor
+        cancelled before its first step still undoes what a previous run left applied."""
+        if self.restore:
+            self.gov.restore(row.status)
+            self.restore = False
+
     async def step(self, row: ControlRow) -> dict[str, Any]:
+        self._restore(row)
         self.done, status = await _evaluate(self.gov, self.collector, self.store, self.clock(), row)
         log = logging.getLogger("tailpilot.governor")
         for outcome in self.done:
@@ -185,6 +197,7 @@ class _HostedGovernor:
     async def close(self, row: ControlRow) -> dict[str, Any] | None:
         # The recorder stops: nothing will watch the modes any more, so none stays applied
         # (unless disarmed with --keep); the status lists what is left if this fails.
+        self._restore(row)
         return await stop_governor(self.gov, self.collector, self.store, self.clock(), row)
 
 
@@ -201,10 +214,8 @@ async def run_governor(
     then (or cancelled) undo every change it made, unless disarmed with ``--keep`` — in the one
     controller loop (``controlplane.controller_host``)."""
     gov = Governor.for_cluster(collector.cluster.governance)
-    # A restarted governor goes on where it stopped: its modes, and what they replaced (to undo).
-    row = await asyncio.to_thread(read_control, store, "governor", collector.cluster.name)
-    gov.restore(row.status)
-    hosted = _HostedGovernor(gov, collector, store, clock or time.time)
+    # Nothing awaited before the host's loop: a cancellation from here on still closes it.
+    hosted = _HostedGovernor(gov, collector, store, clock or time.time, restore=True)
     await run_controller(hosted, stop, interval_s=interval_s, close_timeout_s=undo_timeout_s)
 
 

@@ -56,6 +56,13 @@ class Rig:
     def __enter__(self) -> Rig:
         return self
 
+    def running(self) -> Settings:
+        """The settings the twin runs, a change still staged taken first — as its next step
+        would (the twin's ticker takes it within a tick; a loaded machine may delay that past
+        the apply's wait, which then reports "staged")."""
+        self.twin.advance()
+        return self.twin.core.settings
+
     def __exit__(self, *exc) -> None:
         self.twins.stop()
         self.store.close()
@@ -119,7 +126,7 @@ def test_armed_it_applies_a_switch_audits_its_prediction_and_verifies_it(tmp_pat
         driver = rig.run(900.0, until=switched)
         rp = driver.pilots["twin-0"]
         [switch] = [d for d in rp.last if d["changed"]]
-        running = rig.twin.core.settings
+        running = rig.running()
         assert (running.policy, running.params) == (
             rp.pilot.options[switch["choice"]].policy,
             rp.pilot.options[switch["choice"]].params,
@@ -178,7 +185,7 @@ def test_it_steps_back_after_two_switches_worse_than_predicted(tmp_path, monkeyp
             back["result"] in ("applied", "staged", "skipped")
             and "2 times in a row" in back["message"]
         )
-        assert (rig.twin.core.settings.policy, rig.twin.core.settings.params) == (
+        assert ((running := rig.running()).policy, running.params) == (
             DEFAULTS.policy,
             DEFAULTS.params,
         )
@@ -196,7 +203,7 @@ def test_a_pinned_gamma_is_never_moved(tmp_path, monkeypatch):
     )
     with Rig(tmp_path, monkeypatch, pinned) as rig:
         driver = rig.run(700.0)
-        assert rig.twin.core.settings == pinned and rig.audit() == []
+        assert rig.running() == pinned and rig.audit() == []
         rp = driver.pilots["twin-0"]
         # The pin bounds the candidates themselves: γ 5 is the only uniboost setting, and a
         # replica with a pin never changes policy (sarathi and TIE are compared, never chosen); only
@@ -221,7 +228,7 @@ def test_the_governor_goes_first(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, DEFAULTS) as rig:
         rig.store.governance.set_control("governor", "twins", state="armed", status=emergency_scr)
         driver = rig.run(700.0)
-        assert rig.twin.core.settings == DEFAULTS and rig.audit() == []
+        assert rig.running() == DEFAULTS and rig.audit() == []
         assert "governor" in driver.held and driver.pilots["twin-0"].note.startswith("held")
         status = rig.store.governance.control("autopilot", "twins")["status"]
         assert "scr" in status["held"]
@@ -229,7 +236,7 @@ def test_the_governor_goes_first(tmp_path, monkeypatch):
         rig.store.governance.set_control("governor", "twins", status={"active": {}, "dry": []})
         rig.run(1_000.0, until=lambda _d: bool(rig.audit()))
         [row] = rig.audit()
-        assert row["result"] in ("applied", "staged") and rig.twin.core.settings != DEFAULTS
+        assert row["result"] in ("applied", "staged") and rig.running() != DEFAULTS
 
 
 def test_dry_run_writes_the_audit_log_only(tmp_path, monkeypatch):
@@ -238,7 +245,7 @@ def test_dry_run_writes_the_audit_log_only(tmp_path, monkeypatch):
         rows = rig.audit()
         assert rows and all(r["result"] == "dry-run" for r in rows)
         assert "not sent (dry-run)" in rows[0]["message"]
-        assert rig.twin.core.settings == DEFAULTS and rig.store.tuner.predictions("twins") == []
+        assert rig.running() == DEFAULTS and rig.store.tuner.predictions("twins") == []
 
 
 def test_disarmed_runs_nothing(tmp_path, monkeypatch):
@@ -252,7 +259,7 @@ def test_a_replica_on_another_policy_is_left_alone(tmp_path, monkeypatch):
     with Rig(tmp_path, monkeypatch, fcfs) as rig:
         driver = rig.run(300.0)
         assert driver.pilots == {} and "fcfs" in driver.notes["twin-0"]
-        assert rig.twin.core.settings == fcfs
+        assert rig.running() == fcfs
 
 
 def test_the_cli_steers_and_shows_it(tmp_path):
@@ -502,6 +509,7 @@ def test_a_pool_shares_one_controller_and_every_member_runs_its_choice(tmp_path,
         assert member.pilot is lead.pilot and member.follows == twins[0].name
         choice = lead.pilot.options[lead.pilot.current]
         for twin in twins:  # both replicas run the pool's choice
+            twin.advance()  # a change still staged taken, as the twin's next step would
             running = twin.core.settings
             assert (running.policy, running.params) == (choice.policy, choice.params)
         status = driver.status()["replicas"]

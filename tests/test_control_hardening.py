@@ -504,7 +504,9 @@ def wait_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
 
 
 def test_connections_over_the_cap_get_503_and_silent_ones_are_reaped():
-    _core, server = serve(max_connections=4, first_request_s=0.3)
+    # 3 s for a first request: the four idle ones must still be open when the fifth connects
+    # (a loaded machine may stall the test that long); the reaper's wait below is an event.
+    _core, server = serve(max_connections=4, first_request_s=3.0)
     try:
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
         # Over the cap: answered at once by the accept thread, without a handler thread.

@@ -262,6 +262,27 @@ def test_a_recorder_cancelling_the_governor_mid_stop_still_undoes(twins):
     )
 
 
+def test_a_governor_cancelled_before_its_first_step_still_undoes(twins):
+    """Cancelled as soon as it started (a recorder stopped at once): the modes a previous run
+    left applied are still undone — nothing is awaited before the host's loop takes over."""
+    found, collector, store, _db = twins
+    collector.test_twins = found
+    enter_both(gov(), collector, store)
+
+    async def cancelled_at_once() -> None:
+        task = asyncio.create_task(
+            run_governor(collector, store, asyncio.Event(), interval_s=60.0, clock=lambda: 10.0)
+        )
+        await asyncio.sleep(0)  # it starts and waits for its first step ...
+        task.cancel()  # ... and is cancelled there
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(cancelled_at_once())
+    assert all(
+        params_of(t)["quantiles"] == "multi" and params_of(t)["throttle"] == {} for t in found
+    )
+
+
 def test_a_mode_no_replica_took_is_shown_as_such():
     from controlplane.governor import modes_text
 

@@ -34,7 +34,8 @@ def _cluster_file(twins, tmp_path, poll=0.1) -> Path:
     import yaml
 
     doc = twins.cluster_doc("twins")
-    doc["clusters"][0].update(poll_interval_s=poll, timeout_s=1.0, window_s=30.0)
+    # A generous poll deadline: a loaded machine must not make a healthy twin look unhealthy.
+    doc["clusters"][0].update(poll_interval_s=poll, timeout_s=5.0, window_s=30.0)
     path = tmp_path / "twins.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     assert load_cluster_file(path).cluster().poll_interval_s == poll
@@ -117,7 +118,7 @@ def test_sigterm_flushes_everything(twins, tmp_path):
             proc.kill()
     err = "".join(err_lines)
     assert proc.returncode == 0, err
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # promptly (its flush, not a poll deadline, bounds it)
     stats = json.loads(out.strip().splitlines()[-1])
     assert stats["batches"] == 1 and stats["completions_written"] > 0 and stats["polls"] > 10
     with Store.open(str(db)) as store:

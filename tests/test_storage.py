@@ -598,7 +598,7 @@ def test_store_busy_after_the_deadline_and_the_batch_can_be_retried(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(StoreBusy):
             store.recordings.write("c", batch)
-        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert 0.3 <= time.monotonic() - t0 < 2.0  # gave up before the lock was let go
         holder.join()
         assert (
             store.readings.completions("c") == [] and store.recordings.cursors("c") == {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from tui_support import wait_for  # tests/tui_support.py
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from scheduler.settings import Settings
@@ -100,16 +101,6 @@ def plain(renderable) -> str:
 
 def text_of(widget) -> str:
     return plain(widget.content)
-
-
-async def wait_for(pilot, cond, timeout: float = 15.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not (value := cond()):
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
-    return value
 
 
 class Clock:
@@ -424,15 +415,22 @@ def test_the_demos_first_screen_shows_the_autopilot_its_promise_and_the_tenants(
                     timeout=60,
                     what="the tenants' figures and the governor in the strip",
                 )
+
+                def promise():
+                    return store.governance.control("autopilot", "demo")["status"].get("promise")
+
+                # The autopilot's report says which promise holds: the strip shows it once drawn.
+                await wait_for(
+                    pilot,
+                    lambda: not (p := promise()) or f"keeps: {p}" in text_of(bar),
+                    what="the strip showing the stored promise",
+                )
                 shown = text_of(bar)
                 assert bar.display and app.panel == "cluster"
                 assert "autopilot: armed on twin-1 only, dry-run on the others" in shown
                 assert "twin-1  [armed] running " in shown and "twin-0  [dry-run] chooses " in shown
                 assert "a decision every 10 s (replica clock)" in shown
                 assert re.search(r"tenants: SCR \d\S* · JFI \d", shown), shown
-                promise = store.governance.control("autopilot", "demo")["status"].get("promise")
-                if promise:  # the autopilot's report says which promise holds: the strip shows it
-                    assert f"keeps: {promise}" in shown
                 # The sarathi replica is never sent anything: the autopilot is dry-run there.
                 assert twins[0].core.settings.policy == "sarathi"
                 assert all(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tui_support import wait_for  # tests/tui_support.py
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from controlplane.replica_http import make_client
@@ -91,18 +92,6 @@ def get_settings(twin) -> dict:
     r = httpx.get(f"{twin.url}/tailpilot/v1/settings", trust_env=False, timeout=5)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-async def wait_for(pilot, cond, timeout: float = 15.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
 
 
 async def started(pilot, app):
@@ -459,8 +448,15 @@ def test_readonly_refuses_every_cluster_change_visibly(twins, tmp_path):
             await app.invoke_key(next(k for k in K.KEYS if k.action == "switch_policy"))
             assert app.refused[-1] == "switch_policy"
             await pilot.press("3")
-            await pilot.pause(0.2)
-            assert "READ-ONLY" in text_of(app.query_one("#policy-banner"))
+            # The form is built by a worker: wait for it, not a fixed pause.
+            await wait_for(
+                pilot,
+                lambda: (
+                    bool(app.query("#form Input"))
+                    and "READ-ONLY" in text_of(app.query_one("#policy-banner"))
+                ),
+                what="the policy panel's form, read-only",
+            )
             assert all(w.disabled for w in app.query("#form Input, #form Checkbox"))
             assert app.query("#form Input")  # the form is there to read, disabled
             await pilot.press("A")
@@ -511,11 +507,13 @@ def test_a_replica_that_goes_down_shows_unhealthy_with_the_reason(twins):
                 health = cell(app, "twin-2", "health")
                 return health.startswith("DOWN") and health == f"DOWN {reason_now()}"[: len(health)]
 
+            # Wait for the reason "down" itself: a poll in flight when the twin stopped (or on
+            # the dropped connections) may first report a lost connection.
             await wait_for(
-                pilot, cell_shows_reason, what="the health cell shows the snapshot's reason"
+                pilot,
+                lambda: cell_shows_reason() and reason_now().startswith("state: down"),
+                what="the health cell shows the snapshot's reason, the replica down",
             )
-            reason = reason_now()
-            assert "down" in reason and reason.startswith("state")
             n = app.snapshots_applied
             await wait_for(pilot, lambda: app.snapshots_applied >= n + 3, what="refreshes go on")
             assert cell(app, "twin-0", "health") == "ok" and app.is_running
@@ -741,7 +739,10 @@ def test_replay_plays_and_pauses(recording):
             await pilot.press("p")
             assert not src.playing
             stopped = src.position
+            # The last position's snapshot is loaded in a thread: shown once it lands ...
+            await wait_for(pilot, lambda: app.snapshot.t_ms == stopped, what="the paused frame")
             await pilot.pause(0.5)
+            # ... and nothing moves on while paused.
             assert src.position == stopped and app.snapshot.t_ms == stopped
 
     run(scenario())

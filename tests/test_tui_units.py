@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from rich.text import Text
+from textual.command import CommandList, CommandPalette
 from textual.widgets import SelectionList
+from tui_support import wait_for  # tests/tui_support.py
 
 from scheduler.metrics import jain_index, slo_compliance_ratio
 from scheduler.settings import ADAPTIVE_PARAMS, PARAM_MODELS, Settings
@@ -109,13 +111,18 @@ def test_command_palette_runs_key_actions_and_refuses_when_read_only(tmp_path):
                 "Apply the change shown" in t for t in labels
             )  # dialog keys stay in the dialog
             await pilot.press("ctrl+p")
-            await pilot.pause(0.2)
-            await pilot.press(*"audit log", "enter")
-            for _ in range(50):
-                if app.panel == "audit":
-                    break
-                await pilot.pause(0.05)
-            assert app.panel == "audit"
+            await wait_for(
+                pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette"
+            )
+            await pilot.press(*"audit log")
+            # The hits arrive from a background search: enter once the first is highlighted.
+            await wait_for(
+                pilot,
+                lambda: app.screen.query_one(CommandList).highlighted is not None,
+                what="a highlighted hit",
+            )
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.panel == "audit", what="the audit panel")
             hits = [h async for h in provider.search("switch policy")]
             await hits[0].command()
             assert app.refused == ["switch_policy"]

@@ -150,8 +150,13 @@ def test_state_has_the_plugins_keys_and_advances():
         assert twin.name == "twin-0"
         with client(twin) as c:
             s1 = state(c)
-            time.sleep(0.6)
-            s2 = state(c)
+            time.sleep(0.6)  # at least this much replica time (the clock is the wall's x10) ...
+            deadline = time.monotonic() + 30  # ... and the twin's ticker has stepped by then
+            while not (
+                (s2 := state(c))["steps_total"] > s1["steps_total"] and s2["finished_total"]
+            ):
+                assert time.monotonic() < deadline, "the twin never stepped"
+                time.sleep(0.05)
             assert set(s1) == PLUGIN_STATE_KEYS | {"speed"} and s1["speed"] == 10.0
             assert (
                 s1["replica"] == "twin-0"
@@ -225,11 +230,18 @@ def test_speed_compresses_wall_time():
         wall = time.monotonic() - t0
         last = max(c["finished_at"] for c in poller.completions) - cluster.clock.epoch
         assert duration <= last <= duration + 2.0  # simulated latencies, on the replica clock
-        assert 0.8 * duration / speed <= wall <= 1.5 * duration / speed + 0.5, wall
-        s1, w1 = poller.poll()["time"], time.monotonic()
+        # The replica clock is the wall's x speed: the last arrival cannot come sooner (how
+        # much later depends on the machine, and is not asserted).
+        assert wall >= 0.95 * duration / speed, wall
+        # Each reading lies between the wall times around its request.
+        w1_sent = time.monotonic()
+        s1 = poller.poll()["time"]
+        w1_back = time.monotonic()
         time.sleep(0.5)
-        s2, w2 = poller.poll()["time"], time.monotonic()
-        assert (s2 - s1) / (w2 - w1) == pytest.approx(speed, rel=0.2)
+        w2_sent = time.monotonic()
+        s2 = poller.poll()["time"]
+        w2_back = time.monotonic()
+        assert 0.95 * speed * (w2_sent - w1_back) <= s2 - s1 <= 1.05 * speed * (w2_back - w1_sent)
         poller.close()
 
 
@@ -263,7 +275,7 @@ def test_put_settings_if_match_validation_and_apply():
         assert r.json()["restart_required"] == []
         got = c.get("/tailpilot/v1/settings")
         assert got.json()["version"] == 2 and got.json()["settings"]["policy"] == "uniboost"
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # taken at the twin's next tick: late on a loaded machine
         while (s := state(c))["policy"] != "uniboost":
             assert time.monotonic() < deadline, s["policy"]
             time.sleep(0.05)
@@ -559,8 +571,7 @@ def test_twin_command_serves_writes_cluster_yaml_and_stops_on_sigterm(tmp_path: 
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(0.1)
-        doc = yaml.safe_load(out.read_text())
+        doc = yaml.safe_load(out.read_text())  # written whole (renamed into place)
         (cl,) = doc["clusters"]
         assert cl["name"] == "twins" and [r["name"] for r in cl["replicas"]] == ["twin-0", "twin-1"]
         for r in cl["replicas"]:

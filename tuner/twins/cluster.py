@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from controlplane.export import write_atomically
 from scheduler.plugin.core import ReplicaCore
 from scheduler.plugin.env import TOKEN_ENV
 from scheduler.settings import Settings
@@ -81,10 +82,10 @@ class TwinCluster:
         token_env: str | None = TOKEN_ENV,
         governance: Mapping[str, Any] | None = None,
     ) -> Path:
-        out = Path(path)
+        # Atomically: a reader (an operator's recorder, a test) waiting for the file to appear
+        # never reads half of it.
         doc = self.cluster_doc(name, token_env, governance)
-        out.write_text(yaml.safe_dump(doc, sort_keys=False))
-        return out
+        return write_atomically(path, yaml.safe_dump(doc, sort_keys=False))
 
 
 def start_twins(
