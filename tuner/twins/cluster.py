@@ -85,7 +85,7 @@ class TwinCluster:
         # Atomically: a reader (an operator's recorder, a test) waiting for the file to appear
         # never reads half of it.
         doc = self.cluster_doc(name, token_env, governance)
-        return write_atomically(path, yaml.safe_dump(doc, sort_keys=False))
+        return write_atomically(Path(path), yaml.safe_dump(doc, sort_keys=False))
 
 
 def start_twins(
