@@ -103,12 +103,14 @@ def latencies(done: list[Completion]) -> np.ndarray:
     return np.array([(c.arrival, c.first_token_at, c.finished_at) for c in done])
 
 
-def window_figures(times: np.ndarray, now: float) -> dict[str, float] | None:
+def window_figures(
+    times: np.ndarray, now: float, min_requests: int = MIN_REQUESTS
+) -> dict[str, float] | None:
     """The promise's quantiles over the arrivals of the last ``WINDOW_S`` before ``now``, a
-    request not yet served counting with its wait so far; None under ``MIN_REQUESTS``."""
+    request not yet served counting with its wait so far; None under ``min_requests``."""
     arrival = times[:, 0]
     lo, hi = np.searchsorted(arrival, [now - WINDOW_S, now], side="right")
-    if hi - lo < MIN_REQUESTS:
+    if hi - lo < min_requests:
         return None
     seen = times[lo:hi]
     waits = np.minimum(seen[:, 1:], now) - seen[:, :1]
@@ -120,13 +122,21 @@ def keeps_on_window(m: dict[str, float], sarathi: dict[str, float]) -> bool:
 
 
 def schedule_of(
-    replays: dict[str, np.ndarray], end: float, margins: bool
+    replays: dict[str, np.ndarray],
+    end: float,
+    margins: bool,
+    *,
+    min_requests: int = MIN_REQUESTS,
+    delay_s: float = 0.0,
 ) -> list[tuple[float, str]]:
-    """The oracle's choices, (time, candidate) at each switch, starting on the defaults."""
+    """The oracle's choices, (time, candidate) at each switch, starting on the defaults; with
+    ``delay_s`` the figures at a decision are those of ``delay_s`` before it (the autopilot's
+    shadows run a minute behind the replica)."""
     schedule, current, last_switch = [(0.0, "defaults")], "defaults", -math.inf
     now = DECISION_S
     while now < end:
-        figures = {n: window_figures(t, now) for n, t in replays.items()}
+        seen = now - delay_s
+        figures = {n: window_figures(t, seen, min_requests) for n, t in replays.items()}
         sarathi = figures["sarathi"]
         if sarathi is not None:
             fig = {n: f for n, f in figures.items() if f is not None}
@@ -164,7 +174,9 @@ def ratio_row(m: dict[str, float], sarathi: dict[str, float]) -> str:
     return " ".join(f"{m[k] / sarathi[k]:.3f}" if sarathi[k] else "n/a" for k in METRICS)
 
 
-def run(workload: str, root: Path, pool: ProcessPoolExecutor) -> None:
+def run(
+    workload: str, root: Path, pool: ProcessPoolExecutor, min_requests: int, delay_s: float
+) -> None:
     _, trace, how = build((workload, root, 0, KNEE))
     docs = candidates()
     done = dict(pool.map(replay_fixed, [(trace, n, d) for n, d in docs.items()]))
@@ -185,7 +197,7 @@ def run(workload: str, root: Path, pool: ProcessPoolExecutor) -> None:
     end = float(replays["sarathi"][:, 2].max())
     for margins in (False, True):
         rule = "leader+margins" if margins else "leader"
-        schedule = schedule_of(replays, end, margins)
+        schedule = schedule_of(replays, end, margins, min_requests=min_requests, delay_s=delay_s)
         m = score(replay_schedule(trace, docs, schedule), t_half)["all"]
         kept = "kept" if keeps_promise(m, sarathi) else "BROKEN"
         gap = closure(p95["defaults"], m["ttft_p95"] / sarathi["ttft_p95"], p95[winner])
@@ -206,14 +218,27 @@ def main() -> None:
     ap.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=MIN_REQUESTS,
+        help="a window with fewer arrivals is not judged (the autopilot's judge_requests: 3000)",
+    )
+    ap.add_argument(
+        "--delay-s",
+        type=float,
+        default=0.0,
+        help="judge on the figures of this long before each decision (the autopilot's: 60)",
+    )
     args = ap.parse_args()
     print(
         f"decisions every {DECISION_S:g} s on the last {WINDOW_S:g} s of arrivals (at least "
-        f"{MIN_REQUESTS}); margins rule: {MARGIN:.0%}, {DWELL_S:g} s dwell"
+        f"{args.min_requests}, {args.delay_s:g} s late); margins rule: {MARGIN:.0%}, "
+        f"{DWELL_S:g} s dwell"
     )
     with ProcessPoolExecutor(args.jobs) as pool:
         for workload in args.workloads.split(","):
-            run(workload.strip(), args.traces, pool)
+            run(workload.strip(), args.traces, pool, args.min_requests, args.delay_s)
 
 
 if __name__ == "__main__":

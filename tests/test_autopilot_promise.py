@@ -484,10 +484,10 @@ def test_in_rising_overload_the_running_choice_is_stress_tested_every_recheck_de
     got = []
     for k in range(7):
         got.append(watch.running_verdict("rising", "gamma=0.1", test("a", (f"v{k}",))))
-        watch.count_rising("rising")
+        watch.count_rechecked("rising")
     assert runs == ["a", "a", "a"]  # decisions 0, 3, 6
     assert got == [("v0",)] * 3 + [("v3",)] * 3 + [("v6",)]
     assert watch.running_verdict("rising", "gamma=0.01", test("b")) == ()  # a new choice
-    watch.count_rising("")
+    watch.count_rechecked("")
     assert watch.running_verdict("", "gamma=0.01", test("c")) == ()  # rising, not overloaded
     assert runs == ["a", "a", "a", "b", "c"]

@@ -39,7 +39,7 @@ class OverloadWatch:
         self._drain: float | None = None  # at the last verdict, s the reference needs to empty
         self._sustained_for = 0  # decisions since sustained overload was last judged (0: not)
         self.rising = False  # the reference's drain time grew since the last verdict
-        self._rising_for = 0  # decisions in a row judged in rising overload
+        self._rechecked_for = 0  # decisions in a row judged in rising or standing overload
         # the running choice's last stress verdict while the load rose: (candidate, what it broke)
         self._running_verdict: tuple[str, tuple[str, ...]] = ("", ())
 
@@ -100,13 +100,14 @@ class OverloadWatch:
         judged — ten more minutes of arrivals above capacity make the deepest queues to project
         (on ``overload`` the rising minutes' stress tests were a third of the controller's CPU)."""
         of, last = self._running_verdict
-        if verdict in RECHECKED and of == current and self._rising_for % self._recheck:
+        if verdict in RECHECKED and of == current and self._rechecked_for % self._recheck:
             broken = last
         else:
             broken = test()
         self._running_verdict = (current, broken)
         return broken
 
-    def count_rising(self, verdict: str) -> None:
-        """Count a judged decision's verdict for ``running_verdict``'s cadence."""
-        self._rising_for = self._rising_for + 1 if verdict in RECHECKED else 0
+    def count_rechecked(self, verdict: str) -> None:
+        """Count a judged decision's verdict for ``running_verdict``'s cadence: decisions in a row
+        whose verdict is one the running choice is rechecked under (``RECHECKED``)."""
+        self._rechecked_for = self._rechecked_for + 1 if verdict in RECHECKED else 0

@@ -162,7 +162,7 @@ class SwitchingRule:
         broken = self._current_breaks(figures, at)
         if not broken:
             broken = self._breaks_as_load_rises(at)
-        self.overload.count_rising(at.overload)
+        self.overload.count_rechecked(at.overload)
         self.breaks = 0 if not broken else self.breaks + 1
         # In overload only those at or above the running choice were judged; a pin or a
         # probation may bar others.
