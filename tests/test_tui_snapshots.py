@@ -7,11 +7,11 @@ The recording is made by ``tests/fixtures/make_recording.py``.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
 import pytest
+from tui_support import wait_for  # tests/tui_support.py
 
 from controlplane.cluster import ClusterSpec, ReplicaSpec
 from scheduler.settings_change import SettingsChange
@@ -46,18 +46,30 @@ def replay_app(tmp_path):
     return make
 
 
+def _drawn(app) -> bool:
+    """Whether the panel on screen has what its workers fetch (the policy panel's form, the
+    audit log's rows): a screenshot taken before then would depend on the machine's speed."""
+    if app.panel == "policy":
+        panel = app.query_one("#policy")
+        return panel.form_policy is not None and not panel.building
+    if app.panel == "audit":
+        return app.query_one("#audit").data is not None
+    return True
+
+
 async def ready(pilot, *keys: str) -> None:
-    """Wait for the replay's snapshot at the start position, then press keys and settle."""
+    """Wait for the replay's snapshot at the start position, press keys, and wait for the panel
+    they open to be drawn from its data; then settle."""
     app = pilot.app
-    for _ in range(400):
-        if app.snapshot is not None and app.snapshot.t_ms == app.source.position:
-            break
-        await asyncio.sleep(0.01)
-    assert app.snapshot is not None
-    await pilot.pause()
+    await wait_for(
+        pilot,
+        lambda: app.snapshot is not None and app.snapshot.t_ms == app.source.position,
+        what="the snapshot at the start position",
+    )
     for key in keys:
         await pilot.press(key)
         await pilot.pause()
+    await wait_for(pilot, lambda: _drawn(app), what=f"the {app.panel} panel drawn")
     await pilot.pause(0.1)
 
 
