@@ -9,7 +9,13 @@ import pytest
 
 from scheduler.policies import POLICY_CLASSES, Policy, PreemptivePolicy, RequestState, make_policy
 from scheduler.policies.base import next_threshold, quantize
-from scheduler.policies.capabilities import ChargesTokens, CountsSteps, RefusesArrivals, Ticks
+from scheduler.policies.capabilities import (
+    ApproxOffsets,
+    ChargesTokens,
+    CountsSteps,
+    RefusesArrivals,
+    Ticks,
+)
 from scheduler.policies.predictors import OraclePredictor
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
@@ -315,9 +321,9 @@ def test_tie_wait_decay_lets_a_starved_request_overtake():
     short = RequestState(
         id="short", arrival=100.0, prompt_tokens=10, max_tokens=4000, output_tokens=100
     )
-    assert p.order_waiting([long, short], now=100.0)[0] is long
+    assert sorted([long, short], key=p.sort_key(100.0))[0] is long
     no_decay = _tie(decay=1.0, beta=0.2)
-    assert no_decay.order_waiting([long, short], now=100.0)[0] is short
+    assert sorted([long, short], key=no_decay.sort_key(100.0))[0] is short
 
 
 def test_tie_adaptive_beta_follows_the_queue_and_pinned_beta_stays():
@@ -561,6 +567,14 @@ def test_each_capability_flag_is_the_interface_the_policy_has(name):
     assert cls.counts_steps == issubclass(cls, CountsSteps)
     assert cls.ticks == issubclass(cls, Ticks)
     assert cls.preemptive == issubclass(cls, PreemptivePolicy)
+    # The "offsets" waiting layout is the flag of ApproxOffsets (uniboost's with γ-Ada on).
+    for params in ({}, {"gamma_ada": True}, {"gamma_ada": False}):
+        try:
+            settings = Settings.model_validate({"policy": name, "params": params})
+        except ValueError:  # a policy without γ-Ada
+            continue
+        if make_policy(settings).waiting_layout() == "offsets":
+            assert issubclass(cls, ApproxOffsets), params
     # ``refuses`` is the settings' word (slofq refuses only with a queue cap declared): a policy
     # that is no RefusesArrivals never says it may.
     if not issubclass(cls, RefusesArrivals):
@@ -569,7 +583,8 @@ def test_each_capability_flag_is_the_interface_the_policy_has(name):
 
 def test_the_base_policy_has_none_of_the_optional_hooks():
     """What only some policies want is theirs alone: an engine reaches it through the interface."""
-    for hook in ("on_tokens", "on_steps", "on_waiting_steps", "next_tick", "tick", "refuse"):
+    hooks = ("on_tokens", "on_steps", "on_waiting_steps", "next_tick", "tick", "refuse")
+    for hook in (*hooks, "approx_offsets"):
         assert not hasattr(Policy, hook), hook
 
 

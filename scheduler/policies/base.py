@@ -229,11 +229,6 @@ class Policy:
     def key(self, req: RequestState, now: float) -> Key:
         return (self.score(req, now), req.arrival, req.id)
 
-    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
-        if not self.reorders_waiting:
-            return list(waiting)
-        return sorted(waiting, key=self.sort_key(now))
-
     def cached_key(self, req: RequestState) -> Key | None:
         """The request's cached key if still valid (same epoch, attained below its bound)."""
         if req.score_epoch == self.epoch and req.attained < req.score_until:
@@ -325,8 +320,9 @@ class Policy:
           (``moved``). The queue keeps each group in arrival order and merges the groups by their
           heads' keys, so a new epoch re-keys only the heads (one per group);
         * ``"offsets"``: ``"groups"`` whose score is ``arrival − offset(wait_group(req))`` (a float
-          group value), with ``approx_offsets`` computing the offsets of an array of group values
-          to within a few ulps (numpy; the queue allows 2⁻⁴³ of |arrival| + |offset|): the queue
+          group value), the policy an ``ApproxOffsets`` (``scheduler.policies.capabilities``)
+          computing the offsets of an array of group values to within a few ulps (numpy; the
+          queue allows 2⁻⁴³ of |arrival| + |offset|): the queue
           shortlists the head by one vectorized pass over the groups and compares exact keys only
           on the shortlist (thousands of groups, one per prompt length: uniboost with γ-Ada).
 
@@ -345,10 +341,6 @@ class Policy:
         # A grouped layout only for PREDICTION_KEYED policies.
         assert self.prediction_group is not None
         return (self.prediction_group(req), req.max_tokens)
-
-    def approx_offsets(self, values: np.ndarray) -> np.ndarray:
-        """``"offsets"`` layout: the offsets of an array of group values, in this epoch."""
-        raise NotImplementedError
 
     def before_step(self, waiting: Sequence[RequestState] | OrderedWaiting, now: float) -> None:
         """Refresh adaptive state at the top of a step: ``waiting`` is the waiting requests in

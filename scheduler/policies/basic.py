@@ -27,9 +27,6 @@ class Fcfs(Policy):
         return req.arrival
 
     # (arrival, id) is the same order as (score, arrival, id) here, and sorts at C speed.
-    def order_waiting(self, waiting: Sequence[RequestState], now: float) -> list[RequestState]:
-        return sorted(waiting, key=arrival_order)
-
     def order_running(self, running: Sequence[RequestState], now: float) -> list[RequestState]:
         return sorted(running, key=arrival_order)
 

@@ -32,7 +32,7 @@ from scheduler.policies.base import (
     next_threshold,
     quantize,
 )
-from scheduler.policies.capabilities import Ticks
+from scheduler.policies.capabilities import ApproxOffsets, Ticks
 from scheduler.policies.predictors import LengthPredictor
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
@@ -113,7 +113,7 @@ def reorder_decodes_then_prefills(
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
-class UniBoost(PreemptivePolicy, Ticks):
+class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
     """One priority space for prefill and decode, score = arrival − b_γ(w̃) with
     w̃ = alpha · max(attained, prompt) (stage 2); MemGuard quantizes attained work and guards
     admitted requests until their next threshold (stage 3); γ-Ada sets γ to the observed tail's

@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
+import numpy as np
 from mypy_extensions import mypyc_attr, trait
 
 from scheduler.policies.base import INF, Policy, RequestState
 
 __all__ = [
+    "ApproxOffsets",
     "ChargesTokens",
     "CountsSteps",
     "RefusesArrivals",
@@ -82,6 +84,18 @@ class RefusesArrivals:
     def refuse(self, req: RequestState, now: float) -> str | None:
         """Why ``req`` is turned away on arrival, or None to queue it; asked before
         ``on_arrival``, which a refused request never gets."""
+        raise NotImplementedError
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+@trait
+class ApproxOffsets:
+    """Keeps its waiting queue in the ``"offsets"`` layout (``Policy.waiting_layout``: uniboost
+    with γ-Ada, a group per prompt length): its flag is that layout."""
+
+    def approx_offsets(self, values: np.ndarray) -> np.ndarray:
+        """The offsets of an array of group values in this epoch, within a few ulps of the exact
+        ones (numpy; the queue shortlists heads with them and decides on exact keys)."""
         raise NotImplementedError
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from mypy_extensions import mypyc_attr
 
 from scheduler.policies.base import NO_KEY, Key, Policy, RequestState
+from scheduler.policies.capabilities import ApproxOffsets
 
 _filed_key = attrgetter("queue_key")
 _arrival_id = attrgetter("arrival", "id")
@@ -168,9 +169,9 @@ class OffsetGroups(Groups):
     A group per distinct prompt length means thousands of groups, too many to re-key on every γ
     change. Instead each group has a slot in three arrays (head arrival, w, offset) and the head
     of the order is found by one vectorized pass: approximate keys ``arrival − approx_offsets(w)``
-    (numpy, within 2⁻⁴⁰ relative of the exact float keys), then the exact keys (``Policy.key``)
-    of the heads whose approximate key is within twice that error of the least decide. A new
-    epoch recomputes the offsets array, nothing per request."""
+    (``ApproxOffsets``; numpy, within 2⁻⁴⁰ relative of the exact float keys), then the exact keys
+    (``Policy.key``) of the heads whose approximate key is within twice that error of the least
+    decide. A new epoch recomputes the offsets array, nothing per request."""
 
     # Error bound of an approximate key relative to |arrival| + |offset|: numpy's log/expm1 and
     # the C library's differ by a few ulps (2⁻⁵⁰); this leaves 2⁶ of margin.
@@ -179,6 +180,7 @@ class OffsetGroups(Groups):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
+        self._offsets = cast(ApproxOffsets, policy)  # its layout says it is one
         self._slot: dict[Hashable, int] = {}
         self._gids: list[Hashable] = []  # slot -> group (None: free)
         self._free: list[int] = []
@@ -234,12 +236,12 @@ class OffsetGroups(Groups):
 
     def _refresh(self) -> None:
         if self._all_stale:  # a new epoch: every slot
-            self._offset = offsets = self.policy.approx_offsets(self._value)
+            self._offset = offsets = self._offsets.approx_offsets(self._value)
             self._approx = self._arrival - offsets
             self._all_stale = False
         else:
             stale = np.array(self._stale, dtype=np.intp)
-            offsets = self.policy.approx_offsets(self._value[stale])
+            offsets = self._offsets.approx_offsets(self._value[stale])
             self._offset[stale] = offsets
             self._approx[stale] = self._arrival[stale] - offsets
         self._stale.clear()
