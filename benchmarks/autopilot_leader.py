@@ -65,6 +65,7 @@ from scheduler.metrics import Completion  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
 from sim.engine import EngineConfig, Simulator, simulate  # noqa: E402
+from tuner.autopilot.candidates import axis_rank  # noqa: E402
 
 DECISION_S = 60.0  # the autopilot's interval_s
 WINDOW_S = 3_600.0  # its window_s
@@ -128,10 +129,14 @@ def schedule_of(
     *,
     min_requests: int = MIN_REQUESTS,
     delay_s: float = 0.0,
+    tie: float = 0.0,
+    ranks: dict[str, float] | None = None,
 ) -> list[tuple[float, str]]:
     """The oracle's choices, (time, candidate) at each switch, starting on the defaults; with
     ``delay_s`` the figures at a decision are those of ``delay_s`` before it (the autopilot's
-    shadows run a minute behind the replica)."""
+    shadows run a minute behind the replica); with ``tie``, the autopilot's tie rule: among the
+    candidates within ``tie`` of the best P95 the running one stays, else the most age-first
+    (``ranks``: each candidate's place on the size-to-age axis) is taken."""
     schedule, current, last_switch = [(0.0, "defaults")], "defaults", -math.inf
     now = DECISION_S
     while now < end:
@@ -142,6 +147,10 @@ def schedule_of(
             fig = {n: f for n, f in figures.items() if f is not None}
             feasible = [n for n, f in fig.items() if keeps_on_window(f, sarathi)]
             best = min(feasible, key=lambda n: (fig[n]["ttft_p95"], n))
+            if tie > 0 and ranks is not None:
+                bar = (1.0 + tie) * fig[best]["ttft_p95"]
+                tied = [n for n in feasible if fig[n]["ttft_p95"] <= bar]
+                best = current if current in tied else max(tied, key=lambda n: (ranks[n], n))
             if margins and best != current:
                 broken = current not in feasible
                 dwelt = now - last_switch >= DWELL_S
@@ -175,7 +184,12 @@ def ratio_row(m: dict[str, float], sarathi: dict[str, float]) -> str:
 
 
 def run(
-    workload: str, root: Path, pool: ProcessPoolExecutor, min_requests: int, delay_s: float
+    workload: str,
+    root: Path,
+    pool: ProcessPoolExecutor,
+    min_requests: int,
+    delay_s: float,
+    tie: float,
 ) -> None:
     _, trace, how = build((workload, root, 0, KNEE))
     docs = candidates()
@@ -197,7 +211,15 @@ def run(
     end = float(replays["sarathi"][:, 2].max())
     for margins in (False, True):
         rule = "leader+margins" if margins else "leader"
-        schedule = schedule_of(replays, end, margins, min_requests=min_requests, delay_s=delay_s)
+        schedule = schedule_of(
+            replays,
+            end,
+            margins,
+            min_requests=min_requests,
+            delay_s=delay_s,
+            tie=tie,
+            ranks={n: axis_rank(Settings.model_validate(d)) for n, d in docs.items()},
+        )
         m = score(replay_schedule(trace, docs, schedule), t_half)["all"]
         kept = "kept" if keeps_promise(m, sarathi) else "BROKEN"
         gap = closure(p95["defaults"], m["ttft_p95"] / sarathi["ttft_p95"], p95[winner])
@@ -230,15 +252,23 @@ def main() -> None:
         default=0.0,
         help="judge on the figures of this long before each decision (the autopilot's: 60)",
     )
+    ap.add_argument(
+        "--tie",
+        type=float,
+        default=0.0,
+        help="the autopilot's tie rule: within this fraction of the best, the most age-first "
+        "(its tie: 0.03)",
+    )
     args = ap.parse_args()
+    ties = f"; ties within {args.tie:.0%} go to the most age-first" if args.tie else ""
     print(
         f"decisions every {DECISION_S:g} s on the last {WINDOW_S:g} s of arrivals (at least "
         f"{args.min_requests}, {args.delay_s:g} s late); margins rule: {MARGIN:.0%}, "
-        f"{DWELL_S:g} s dwell"
+        f"{DWELL_S:g} s dwell{ties}"
     )
     with ProcessPoolExecutor(args.jobs) as pool:
         for workload in args.workloads.split(","):
-            run(workload.strip(), args.traces, pool, args.min_requests, args.delay_s)
+            run(workload.strip(), args.traces, pool, args.min_requests, args.delay_s, args.tie)
 
 
 if __name__ == "__main__":
