@@ -74,7 +74,7 @@ from benchmarks.seed_claims import KNEE, build_workload  # noqa: E402
 from benchmarks.seed_claims import WORKLOADS as SEED_WORKLOADS  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
-from sim.engine import simulate  # noqa: E402
+from sim.engine import EngineConfig, Simulator, simulate  # noqa: E402
 from storage.strict_json import finite  # noqa: E402
 from tuner.studies.optimize import tune  # noqa: E402
 from tuner.studies.optuna_storage import open_storage, storage_url  # noqa: E402
@@ -233,6 +233,21 @@ def autopilot_config(workload: str) -> Any:
 
 def fixed(gamma: float) -> dict[str, Any]:
     return {"policy": "uniboost", "params": {"gamma": gamma, "gamma_ada": False}}
+
+
+def replay_switched(trace: traces.Trace, schedule: list[tuple[float, dict[str, Any]]]) -> list:
+    """``trace`` on one simulator whose settings are switched live as ``schedule`` says ((start
+    time s, settings document) in order, the first from the start): what a replica switched
+    at those times would have served. The oracles' replay (shift_late_switch, autopilot_leader)."""
+    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
+    sim = Simulator(requests, Settings.model_validate(schedule[0][1]), EngineConfig())
+    completions: list = []
+    for start, doc in schedule[1:]:
+        sim.advance_to(start)
+        completions += sim.drain()[0]
+        sim.apply_settings(Settings.model_validate(doc))
+    sim.advance_to(math.inf)
+    return completions + sim.drain()[0]
 
 
 def other_knobs() -> dict[str, dict[str, Any]]:

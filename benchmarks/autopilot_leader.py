@@ -51,6 +51,7 @@ from benchmarks.autopilot import (  # noqa: E402
     build,
     fixed,
     other_knobs,
+    replay_switched,
 )
 from benchmarks.autopilot_scoring import (  # noqa: E402
     METRICS,
@@ -64,14 +65,18 @@ from benchmarks.autopilot_scoring import (  # noqa: E402
 from scheduler.metrics import Completion  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from sim import traces  # noqa: E402
-from sim.engine import EngineConfig, Simulator, simulate  # noqa: E402
+from sim.engine import simulate  # noqa: E402
 from tuner.autopilot.candidates import axis_rank  # noqa: E402
+from tuner.autopilot.config import AutopilotConfig  # noqa: E402
 
-DECISION_S = 60.0  # the autopilot's interval_s
-WINDOW_S = 3_600.0  # its window_s
-MIN_REQUESTS = 500  # a window with fewer arrivals is not judged
-MARGIN = 0.05  # leader+margins: the autopilot's down_margin
-DWELL_S = 600.0  # leader+margins: the autopilot's min_dwell_s
+# The autopilot's own defaults: a decision every interval_s on the last window_s; leader+margins
+# takes its down_margin and min_dwell_s; --tie names its tie.
+_AUTOPILOT = AutopilotConfig()
+DECISION_S = _AUTOPILOT.interval_s
+WINDOW_S = _AUTOPILOT.window_s
+MARGIN = _AUTOPILOT.down_margin
+DWELL_S = _AUTOPILOT.min_dwell_s
+MIN_REQUESTS = 500  # a window with fewer arrivals is not judged (the autopilot's: judge_requests)
 DEFAULT_WORKLOADS = "conv1.0,conv1.1,mix20,diurnal,shift,mooncake,bwb_servegen"
 # Window figures: (column of the latency arrays, quantile) per promise quantile.
 WINDOW_QUANTILES = {
@@ -164,21 +169,6 @@ def schedule_of(
     return schedule
 
 
-def replay_schedule(
-    trace: traces.Trace, docs: dict[str, dict[str, Any]], schedule: list[tuple[float, str]]
-) -> list[Completion]:
-    """The trace on one simulator, its settings switched live at the schedule's times."""
-    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
-    sim = Simulator(requests, Settings.model_validate(docs[schedule[0][1]]), EngineConfig())
-    completions: list[Completion] = []
-    for at, name in schedule[1:]:
-        sim.advance_to(at)
-        completions += sim.drain()[0]
-        sim.apply_settings(Settings.model_validate(docs[name]))
-    sim.advance_to(math.inf)
-    return completions + sim.drain()[0]
-
-
 def ratio_row(m: dict[str, float], sarathi: dict[str, float]) -> str:
     return " ".join(f"{m[k] / sarathi[k]:.3f}" if sarathi[k] else "n/a" for k in METRICS)
 
@@ -209,6 +199,7 @@ def run(
         return
     print(f"  best fixed ({winner}) {ratio_row(whole[winner], sarathi)}")
     end = float(replays["sarathi"][:, 2].max())
+    ranks = {n: axis_rank(Settings.model_validate(d)) for n, d in docs.items()}
     for margins in (False, True):
         rule = "leader+margins" if margins else "leader"
         schedule = schedule_of(
@@ -218,9 +209,9 @@ def run(
             min_requests=min_requests,
             delay_s=delay_s,
             tie=tie,
-            ranks={n: axis_rank(Settings.model_validate(d)) for n, d in docs.items()},
+            ranks=ranks,
         )
-        m = score(replay_schedule(trace, docs, schedule), t_half)["all"]
+        m = score(replay_switched(trace, [(t, docs[n]) for t, n in schedule]), t_half)["all"]
         kept = "kept" if keeps_promise(m, sarathi) else "BROKEN"
         gap = closure(p95["defaults"], m["ttft_p95"] / sarathi["ttft_p95"], p95[winner])
         gap_s = "n/a (no headroom)" if math.isnan(gap) else f"{gap:.2f}"
@@ -244,20 +235,22 @@ def main() -> None:
         "--min-requests",
         type=int,
         default=MIN_REQUESTS,
-        help="a window with fewer arrivals is not judged (the autopilot's judge_requests: 3000)",
+        help="a window with fewer arrivals is not judged (the autopilot's judge_requests: "
+        f"{_AUTOPILOT.judge_requests})",
     )
     ap.add_argument(
         "--delay-s",
         type=float,
         default=0.0,
-        help="judge on the figures of this long before each decision (the autopilot's: 60)",
+        help="judge on the figures of this long before each decision (the autopilot's: "
+        f"{_AUTOPILOT.delay_s:g})",
     )
     ap.add_argument(
         "--tie",
         type=float,
         default=0.0,
         help="the autopilot's tie rule: within this fraction of the best, the most age-first "
-        "(its tie: 0.03)",
+        f"(its tie: {_AUTOPILOT.tie:g})",
     )
     args = ap.parse_args()
     ties = f"; ties within {args.tie:.0%} go to the most age-first" if args.tie else ""

@@ -26,12 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.autopilot import DEFAULT_TRACES, build, fixed  # noqa: E402
+from benchmarks.autopilot import DEFAULT_TRACES, build, fixed, replay_switched  # noqa: E402
 from benchmarks.autopilot_scoring import PHASE_MARGIN, PHASE_PREFIX, half_time, score  # noqa: E402
 from benchmarks.seed_claims import KNEE  # noqa: E402
-from scheduler.metrics import Completion  # noqa: E402
-from scheduler.settings import Settings  # noqa: E402
-from sim.engine import EngineConfig, Simulator  # noqa: E402
 
 BEFORE_GAMMA = 0.5  # the long-prompt phase's best fixed setting (README, "The autopilot")
 AFTER_GAMMA = 0.01  # the reasoning phase's
@@ -53,18 +50,6 @@ SCHEDULES: dict[str, list[tuple[float, float]]] = {
 }
 
 
-def replay(requests: list, schedule: list[tuple[float, float]]) -> list[Completion]:
-    """The trace on each γ of ``schedule`` (start time s, γ) from its start."""
-    sim = Simulator(requests, Settings.model_validate(fixed(schedule[0][1])), EngineConfig())
-    completions: list[Completion] = []
-    for start, gamma in schedule[1:]:
-        sim.advance_to(start)
-        completions += sim.drain()[0]
-        sim.apply_settings(Settings.model_validate(fixed(gamma)))
-    sim.advance_to(float("inf"))
-    return completions + sim.drain()[0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,12 +58,14 @@ def main() -> None:
     ap.add_argument("--lags", default="0,1,2,3,5,10,13", help="minutes after the change")
     args = ap.parse_args()
     _, trace, _ = build(("shift", args.traces, 0, KNEE))
-    requests = sorted(trace, key=lambda r: (r.arrival, r.id))
-    change = min(r.arrival for r in requests if r.id.startswith("reasoning"))
+    change = min(r.arrival for r in trace if r.id.startswith("reasoning"))
     phase = PHASE_PREFIX + "reasoning"
 
     def p95_of(schedule: list[tuple[float, float]]) -> float:
-        return score(replay(requests, schedule), half_time(trace), phases=True)[phase]["ttft_p95"]
+        on_gamma = [(start, fixed(gamma)) for start, gamma in schedule]
+        return score(replay_switched(trace, on_gamma), half_time(trace), phases=True)[phase][
+            "ttft_p95"
+        ]
 
     def p95(gamma: float, switch_at: float | None = None) -> float:
         return p95_of([(0.0, gamma)] + ([] if switch_at is None else [(switch_at, AFTER_GAMMA)]))

@@ -583,8 +583,15 @@ def test_each_capability_flag_is_the_interface_the_policy_has(name):
 
 def test_the_base_policy_has_none_of_the_optional_hooks():
     """What only some policies want is theirs alone: an engine reaches it through the interface."""
-    hooks = ("on_tokens", "on_steps", "on_waiting_steps", "next_tick", "tick", "refuse")
-    for hook in (*hooks, "approx_offsets"):
+    for hook in (
+        "on_tokens",
+        "on_steps",
+        "on_waiting_steps",
+        "next_tick",
+        "tick",
+        "refuse",
+        "approx_offsets",
+    ):
         assert not hasattr(Policy, hook), hook
 
 
