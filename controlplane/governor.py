@@ -44,6 +44,7 @@ from typing import Any
 
 from controlplane.governance import GovernanceSpec, GovernorSpec
 from controlplane.steering import LeaseKeeper
+from scheduler.metrics.fairness import FairnessReport, TenantFigures
 from scheduler.settings import Settings
 from scheduler.settings_change import SettingsChange
 
@@ -95,8 +96,25 @@ def _s(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3g} s"
 
 
+# The figures a decision's audit row shows.
+SHOWN = ("scr", "jfi", "jfi_seed", "type_fairness_min")
+
+
+def _figure(figures: FairnessReport, name: str) -> float | None:
+    """The window's figure ``name`` (None: no data, or NaN)."""
+    value = figures.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return None
+    return value
+
+
+def _ttft_p99(tenants: dict[str, TenantFigures], tenant: str) -> float | None:
+    figures = tenants.get(tenant)
+    return None if figures is None else figures.get("ttft_p99")
+
+
 def victims(
-    mode: str, figures: dict[str, Any], targets: tuple[str, ...] = ()
+    mode: str, figures: FairnessReport, targets: tuple[str, ...] = ()
 ) -> dict[str, float | None]:
     """The tenants a mode protects, with their P99 TTFT in ``figures``: the JFI mode's are every
     tenant it does not throttle; the SCR mode's the tenants missing a target; the type mode's none
@@ -142,14 +160,14 @@ class Governor:
         s = self.spec
         return {"scr": s.scr_below, "jfi": s.jfi_below, "type": s.type_fairness_below}[mode]
 
-    def decide(self, figures: dict[str, Any], now: float) -> list[Decision]:
+    def decide(self, figures: FairnessReport, now: float) -> list[Decision]:
         """The mode changes these figures call for, in priority order."""
-        shown = {k: figures.get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")}
+        shown = {k: figures.get(k) for k in SHOWN}
         out = []
         self.held = None
         for mode in MODES:
-            value = figures.get(mode.figure)
-            if value is None or (isinstance(value, float) and math.isnan(value)):
+            value = _figure(figures, mode.figure)
+            if value is None:
                 continue
             below = value < self.enter_below(mode.name)
             if mode.name == "type":  # sustained: a short dip of a minority type is noise
@@ -196,16 +214,16 @@ class Governor:
                     )
         return out
 
-    def _exit(self, mode: str, figures: dict[str, Any] | None, reason: str) -> Decision:
-        shown = {k: (figures or {}).get(k) for k in ("scr", "jfi", "jfi_seed", "type_fairness_min")}
+    def _exit(self, mode: str, figures: FairnessReport | None, reason: str) -> Decision:
+        shown = {k: None if figures is None else figures.get(k) for k in SHOWN}
         before = dict(self.before.get(mode) or {})
-        tenants = (figures or {}).get("tenants") or {}
-        after = {t: (tenants.get(t) or {}).get("ttft_p99") for t in before}
+        tenants = (None if figures is None else figures.get("tenants")) or {}
+        after = {t: _ttft_p99(tenants, t) for t in before}
         return Decision(
             mode, "exit", shown, reason, tuple(self.targets.get(mode) or ()), before, after
         )
 
-    def undo_all(self, figures: dict[str, Any] | None, reason: str) -> list[Decision]:
+    def undo_all(self, figures: FairnessReport | None, reason: str) -> list[Decision]:
         """Exit decisions for every mode applied (not merely decided in dry-run), the last
         entered first: what ``disarm``, ``pause`` and a recorder stop carry out."""
         applied = [
@@ -295,7 +313,7 @@ class Governor:
             self.leases.holder = holder
 
 
-def over_consumers(figures: dict[str, Any]) -> list[str]:
+def over_consumers(figures: FairnessReport) -> list[str]:
     """The tenants using more than their commitment in ``figures`` (ω = min(C/U, α) < 1)."""
     if figures.get("over_consumers") is not None:
         return list(figures["over_consumers"])

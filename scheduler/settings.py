@@ -463,7 +463,8 @@ MAX_DOCUMENT_BYTES = 64 * 1024
 
 
 class Settings(BaseModel):
-    """A validated settings document. Immutable: derive changed copies with ``replace``."""
+    """A validated settings document. Immutable: a changed copy is a
+    ``scheduler.settings_change.SettingsChange`` applied to it (the one path a change takes)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -384,6 +384,41 @@ def test_blocked_names_the_pin(pins, target, why):
         assert doc.engine == current.engine  # the replica's engine limits are kept
 
 
+def test_whether_a_replica_runs_a_choice_is_compared_without_building_a_document(monkeypatch):
+    """``runs_choice`` answers what applying the switch would (the same policy and parameters),
+    for every candidate against replicas running each of them and the operator's variants — and
+    builds no document: the one the replica is sent is validated once, when it is sent."""
+    from tuner.autopilot.candidates import runs_choice, target_change
+    from tuner.autopilot.controller import Autopilot, AutopilotConfig
+
+    pilot = Autopilot(
+        Settings.model_validate({"policy": "uniboost"}),
+        AutopilotConfig(gammas=(0.01, 1.0), betas=(0.5,)),
+    )
+    operators = [
+        Settings.model_validate({"policy": "uniboost", "params": {"memguard": False}}),
+        Settings.model_validate({"policy": "tie", "params": {"alpha": 0.9}}),
+        Settings.model_validate({"policy": "sarathi", "engine": {"max_num_seqs": 64}}),
+    ]
+    pairs = []
+    for current in [*pilot.options.values(), *operators]:
+        for target in pilot.options.values():
+            change = target_change(current, target)
+            assert change is not None
+            new = change.apply(current)
+            pairs.append(
+                (current, target, (new.policy, new.params) == (current.policy, current.params))
+            )
+    assert any(same for *_, same in pairs) and not all(same for *_, same in pairs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("runs_choice validated a document")
+
+    monkeypatch.setattr(Settings, "model_validate", refuse)
+    for current, target, same in pairs:
+        assert runs_choice(current, target) == same, (current.to_dict(), target.to_dict())
+
+
 def test_a_switch_changes_only_the_autopilots_own_knobs():
     """An operator turned MemGuard off and decode-first off on a uniboost replica: the autopilot's
     switch to another γ keeps both (it changes γ and γ-Ada only), the replica is still recognised

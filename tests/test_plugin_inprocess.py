@@ -26,6 +26,7 @@ from scheduler.names import NAME_MAX_CHARS
 from scheduler.plugin.env import PluginEnvError
 from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 from scheduler.plugin.wire import encode_json
+from scheduler.policies import make_policy
 
 FCFS = {"policy": "fcfs"}
 SLOFQ = {"policy": "slofq"}
@@ -560,6 +561,32 @@ def test_pinned_gamma_survives_a_switch(build):
     assert_all_finished(d, completions_cursor=cursor)
     core.policy.tick(time.time() + 1.0)
     assert core.policy.gamma == 3.0 and core.policy.gamma_updates == 0
+
+
+def test_a_staged_document_builds_its_policy_once_and_takes_the_live_state_at_the_step(
+    build, monkeypatch
+):
+    """The policy a PUT builds (to refuse a document that cannot build) is the one the step
+    swaps in: built once, and the adaptive state it carries over is the one at the step, not at
+    the PUT."""
+    import scheduler.plugin.core as plugin_core
+
+    s, policy = _ada_run(build, ADA)
+    core = s.tp_core
+    built = []
+
+    def counting(settings, predictor):
+        built.append(settings.policy)
+        return make_policy(settings, predictor)
+
+    monkeypatch.setattr(plugin_core, "make_policy", counting)
+    core.put_settings({**ADA, "params": {**ADA["params"], "ada_window": 12}})
+    assert built == ["uniboost"] and core.policy is policy  # staged, not yet running
+    policy.recent_tail.append(1234.5)  # a first-token wait the old policy sees after the PUT
+    core.begin_step(time.time())
+    assert built == ["uniboost"]  # the step built nothing
+    assert core.policy is not policy and core.policy.params.ada_window == 12
+    assert list(core.policy.recent_tail)[-1] == 1234.5
 
 
 # --------------------------------------------------------------------------------------------

@@ -166,9 +166,12 @@ class ReplicaCore:
         self.version = 1  # of the newest document: the staged one if any, else the active one
         self.active_version = 1  # of ``self.settings``, the document the steps run with
         self._pending: Settings | None = None
+        # The staged document's policy, built when it was staged (a document that cannot build is
+        # refused then, never inside a step): the step that takes it only adopts the live state.
+        self._pending_policy: Policy | None = None
         # The history predictor survives policy switches: what it learned stays useful.
         self.predictor = HistoryPredictor()
-        self.policy: Policy = self._build(settings, None)
+        self.policy: Policy = self._build(settings)
         self.waiting = WaitingQueue(self.policy)
         self.states: dict[str, RequestState] = {}
         self.preemptions_total = 0
@@ -208,17 +211,14 @@ class ReplicaCore:
             self._refit_stop.set()
 
     # --- settings ---------------------------------------------------------------------------
-    def _build(self, settings: Settings, previous: Policy | None) -> Policy:
+    def _build(self, settings: Settings) -> Policy:
         predictor = self.predictor if settings.policy in PREDICTED_POLICIES else None
         if hasattr(settings.params, "predictor") and settings.params.predictor == "oracle":
             raise ValueError(
                 "params.predictor: 'oracle' needs true lengths, which only the simulator has; "
                 "use 'history' on a live replica"
             )
-        policy = make_policy(settings, predictor)
-        if previous is not None:
-            policy.adopt_live_state(previous)
-        return policy
+        return make_policy(settings, predictor)
 
     def settings_doc(self) -> dict[str, Any]:
         with self._lock:
@@ -240,7 +240,7 @@ class ReplicaCore:
         with self._lock:
             current = self._pending or self.settings
         new = SettingsChange.whole(doc).apply(current)  # the engine fields it omits: ours
-        self._build(new, None)  # fail now, not inside the scheduling step
+        built = self._build(new)  # fail now, not inside the scheduling step
         with self._lock:
             if if_match is not None and if_match != self.version:
                 raise SettingsConflict(
@@ -248,7 +248,7 @@ class ReplicaCore:
                 )
             self.leases.check(lease)
             current = self._pending or self.settings
-            self._pending = new
+            self._pending, self._pending_policy = new, built
             self.version += 1
             version = self.version
         restart = [
@@ -268,13 +268,20 @@ class ReplicaCore:
 
         ``begin_step`` builds the policy from them; a driver that schedules with its own policy
         (the simulated twin replica hands them to its simulator) applies them itself."""
+        staged = self._take_staged()
+        return None if staged is None else staged[0]
+
+    def _take_staged(self) -> tuple[Settings, Policy] | None:
+        """``take_pending``, with the policy built when the document was staged."""
         if self._pending is None:
             return None
         with self._lock:
-            new, self._pending = self._pending, None
-            if new is not None:
-                self.settings, self.active_version = new, self.version
-        return new
+            new, built = self._pending, self._pending_policy
+            self._pending = self._pending_policy = None
+            if new is None or built is None:
+                return None
+            self.settings, self.active_version = new, self.version
+        return new, built
 
     def apply_if_idle(self, now: float, wait_s: float = 1.0) -> bool:
         """Apply a staged document now if no request is in the engine (an idle vLLM engine runs no
@@ -292,10 +299,11 @@ class ReplicaCore:
 
     def begin_step(self, now: float) -> Policy:
         """Top of a scheduling step: swap in staged settings (one reference assignment)."""
-        new = self.take_pending()
-        if new is not None:
+        staged = self._take_staged()
+        if staged is not None:
             self.policy.detach(self.waiting)  # write back what the old policy kept lazily (sjf)
-            policy = self._build(new, self.policy)
+            policy = staged[1]
+            policy.adopt_live_state(self.policy)
             policy.attach(
                 self.waiting.in_order(),
                 [s for s in self.states.values() if s.status == "running"],
@@ -370,7 +378,7 @@ class ReplicaCore:
         running = [s for s in self.states.values() if s.status == "running"]
 
         def run_on(fallback: Settings) -> Policy:
-            policy = self._build(fallback, None)
+            policy = self._build(fallback)
             self.waiting.reset(policy)
             policy.attach(self.waiting.in_order(), running, now)
             return policy

@@ -205,6 +205,13 @@ class Policy:
     # and whose ``key`` caches every key it computes (``cache_key``): ``reorder_running`` can then
     # keep the running list in order by moving only the requests whose key changed.
     incremental_running_order = False
+    # Set by a policy whose waiting keys depend on a request only through its arrival and its
+    # prediction (the predictor's inputs and max_tokens), so that the waiting queue may group them
+    # (``wait_group``): sjf and srpt refine the default group (starvation; tokens generated) in
+    # scheduler.policies.size; tie's key (scheduler.policies.tie) is ``ln(E + β·CVaR) − (arrival −
+    # t_ref)·ln(decay)/τ`` with (E, CVaR) a function of the predicted distribution, max_tokens,
+    # alpha and nu.
+    keys_by_prediction: ClassVar[bool] = False
     # The settings document's params model; each policy narrows it to its own (UniBoostParams...).
     params: BaseModel
 
@@ -217,9 +224,7 @@ class Policy:
         self.epoch = new_epoch()
         self.moved: list[RequestState] = []  # waiting requests whose own key changed (re-insert)
         self._predictor_version = getattr(predictor, "version", 0)
-        self.prediction_group = (
-            prediction_group_fn(predictor) if self.name in PREDICTION_KEYED else None
-        )
+        self.prediction_group = prediction_group_fn(predictor) if self.keys_by_prediction else None
 
     # --- ordering -------------------------------------------------------------------------
     @abstractmethod
@@ -335,10 +340,10 @@ class Policy:
         """The request's group under ``waiting_layout`` (see there); only called for a grouped
         layout.
 
-        Default (``PREDICTION_KEYED`` policies): a key that depends on the request only through
+        Default (``keys_by_prediction`` policies): a key that depends on the request only through
         its arrival, its prediction and ``max_tokens``; the prediction is fixed by the predictor's
         inputs (``prediction_group_fn``)."""
-        # A grouped layout only for PREDICTION_KEYED policies.
+        # A grouped layout only for keys_by_prediction policies.
         assert self.prediction_group is not None
         return (self.prediction_group(req), req.max_tokens)
 
@@ -467,14 +472,6 @@ class PreemptivePolicy(Policy):
     def preemptions_per_step(self) -> int:
         """The most policy preemptions in one step (0: no limit)."""
         return 0
-
-
-# Policies whose waiting keys depend on a request only through its arrival and its prediction
-# (predictor fit and max_tokens), so that the waiting queue may group them (``wait_group``). sjf and
-# srpt refine the default group (starvation; tokens generated) in scheduler.policies.size; tie's
-# key (scheduler.policies.tie) is ``ln(E + β·CVaR) − (arrival − t_ref)·ln(decay)/τ`` with (E, CVaR)
-# a function of the predicted distribution, max_tokens, alpha and nu.
-PREDICTION_KEYED = frozenset({"sjf", "srpt", "tie"})
 
 
 def prediction_group_fn(

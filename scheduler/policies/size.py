@@ -52,6 +52,7 @@ class Sjf(Policy, CountsSteps):
     name = "sjf"
     params: SjfParams
     counts_steps = True
+    keys_by_prediction = True
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:
         super().__init__(settings, predictor)
@@ -211,6 +212,7 @@ class Srpt(PreemptivePolicy):
 
     name = "srpt"
     params: SrptParams
+    keys_by_prediction = True
 
     def score(self, req: RequestState, now: float) -> float:
         return max(predicted_total(self, req) - req.generated, 0.0)

@@ -26,6 +26,7 @@ _moments = lru_cache(maxsize=4096)(tie_moments)
 class Tie(Policy):
     name = "tie"
     params: TieParams
+    keys_by_prediction = True
     incremental_running_order = True  # keys hold for an epoch (β, the predictor's fit)
 
     def __init__(self, settings: Settings, predictor: LengthPredictor | None = None) -> None:

@@ -80,14 +80,25 @@ def target_change(current: Settings, target: Settings) -> SettingsChange | None:
     return SettingsChange(policy=target.policy, params=target.params.model_dump())
 
 
+def runs_choice(current: Settings, target: Settings) -> bool:
+    """Whether ``current`` already runs ``target``'s choice — what ``target_change`` would leave
+    as it is: the same policy and, for a policy with ``OWN_KNOBS``, the same values of those, else
+    the same parameters. Compared, not validated: the document is built once, when it is sent."""
+    if current.policy != target.policy:
+        return False
+    own = OWN_KNOBS.get(target.policy)
+    if own is None:
+        return bool(current.params == target.params)
+    return all(getattr(current.params, k) == getattr(target.params, k) for k in own)
+
+
 def target_document(current: Settings, target: Settings) -> Settings | None:
     """``target_change`` applied to ``current``; None when it already runs ``target``'s choice
-    or a pin forbids it."""
-    change = target_change(current, target)
-    if change is None:
+    (``runs_choice``) or a pin forbids it."""
+    if runs_choice(current, target):
         return None
-    new = change.apply(current)
-    return None if (new.policy, new.params) == (current.policy, current.params) else new
+    change = target_change(current, target)
+    return None if change is None else change.apply(current)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ from controlplane.verification import Miss, Verifier
 from scheduler import contract
 from scheduler.settings import Settings
 from sim.engine import EngineConfig
-from tuner.autopilot.candidates import TargetChange, blocked, running_candidate, target_document
+from tuner.autopilot.candidates import TargetChange, blocked, running_candidate, runs_choice
 from tuner.autopilot.controller import Autopilot, AutopilotConfig
 from tuner.autopilot.records import WHO, decision_note, decision_row, decision_summary
 from tuner.autopilot.replica_pilot import FUTURE_SLACK_S, ReplicaPilot
@@ -322,8 +322,7 @@ class LiveAutopilot:
             # Taken (or renewed) at every decision while armed, a switch or not: the knobs stay
             # this controller's as long as it runs.
             other = await self.leases.hold(self.cluster, rp.name, self.clock())
-        wanted = target_document(running, target)
-        if wanted is None:
+        if runs_choice(running, target):
             rp.note = f"runs {decision.choice}: {decision.reason}"
             return
         # The replica runs something else: a switch, or the choice again after a dry run or an
@@ -348,14 +347,19 @@ class LiveAutopilot:
             return
         rp.note = f"{res.result}: {decision.choice}" + ("" if res.ok else f" ({res.message})")
         # A prediction only where both sides were compared (an overload decision compares none).
-        if res.ok and runs in decision.figures and decision.choice in decision.figures:
+        if (
+            res.ok
+            and res.new is not None
+            and runs in decision.figures
+            and decision.choice in decision.figures
+        ):
             band = await asyncio.to_thread(self._band, rp.name)
             summary = decision_summary(
                 switch,
                 rp.name,
                 self.cluster.name,
                 running,
-                wanted,
+                res.new,
                 applied_ms,
                 self.live.verify_minutes,
                 band,

@@ -36,13 +36,14 @@ def decision_summary(
     replica: str,
     cluster: str,
     current: Settings,
-    proposed: Settings,
+    proposed: dict[str, Any],
     t_ms: int,
     minutes: float,
     band: float | None,
 ) -> dict[str, Any]:
     """A switch as a stored prediction (``tuner.closed_loop.whatif``'s shape), so ``tailpilot
-    verify`` and the step back judge it like any previewed change."""
+    verify`` and the step back judge it like any previewed change: ``proposed`` is the document
+    the replica was sent (``ApplyResult.new``)."""
     old, new = decision.figures[decision.previous], decision.figures[decision.choice]
     predicted = decision.predicted()
     # Every figure the what-if keeps: the promise's quantiles and throughput, as shadows saw them.
@@ -65,7 +66,7 @@ def decision_summary(
         "band": band,
         "who": WHO,
         "current": current.to_dict(),
-        "proposed": proposed.to_dict(),
+        "proposed": proposed,
         "metrics": metrics,
     }
 

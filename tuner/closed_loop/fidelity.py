@@ -39,6 +39,7 @@ import numpy as np
 from scheduler.errors import TailpilotError
 from scheduler.metrics import Completion, summarize
 from scheduler.settings import Settings
+from scheduler.settings_change import SettingsChange
 from sim import traces as tr
 from sim.engine import EngineConfig, Simulator
 from tuner.closed_loop.recorded import (
@@ -264,10 +265,12 @@ def fidelity(
 
     config, limits = replica_engine(store, cluster, replica, engine_facts, step_model)
     model = config.step_model
-    first_settings = timeline[0][1]
-    engine = {**first_settings.engine.model_dump(), **limits}
-    settings = Settings.model_validate({**first_settings.to_dict(), "engine": engine})
-    changes = [(t, Settings.model_validate({**s.to_dict(), "engine": engine})) for t, s in changes]
+    # Every document runs with the engine the replica ran: its first document's limits, overlaid
+    # by what the replica reported of its engine.
+    engine = {**timeline[0][1].engine.model_dump(), **limits}
+    on_engine = SettingsChange(engine=engine)
+    settings = on_engine.apply(timeline[0][1])
+    changes = [(t, on_engine.apply(s)) for t, s in changes]
     sim = Replay(trace, settings, config, changes).run()
     # The front-end hop (API server to engine core) put back, so latencies compare like with like.
     simulated = {c.id: c for c in with_front_end(sim.completions, rows)}

@@ -59,6 +59,7 @@ from scheduler.plugin.admission import Limits
 from scheduler.plugin.api import ControlServer, token_from_env
 from scheduler.plugin.core import ReplicaCore
 from scheduler.settings import RESTART_REQUIRED_ENGINE_FIELDS, Settings
+from scheduler.settings_change import SettingsChange
 from sim.engine import EngineConfig, Simulator
 from sim.traces import TraceRequest
 from tuner.twins.feed import Feed, trace_period
@@ -383,7 +384,7 @@ class TwinReplica:
         }
         if all(engine[f] == v for f, v in fixed.items()):
             return settings
-        return Settings.model_validate({**settings.to_dict(), "engine": {**engine, **fixed}})
+        return SettingsChange(engine=fixed).apply(settings)
 
     def _on_step(
         self, now: float, prefill: int, prefill_sq: int, decodes: int, context: int, k: int
