@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,15 +273,18 @@ class Governor:
             self.replaced.get((mode.name, replica), _UNSET),
         )
 
-    def commit(self, change: Change, result: str = "applied") -> None:
-        """The replica answered ``change`` with ``result``: remember what entering replaced (to
-        undo it), or forget it once undone — or once there is nothing of ours left to undo there
-        (``skipped``: someone changed the parameter since, or the replica left slofq)."""
+    def commit(self, change: Change, result: str, before: Mapping[str, Any] | None) -> None:
+        """The replica answered ``change`` with ``result`` (steering's ``ApplyResult``; ``before``
+        its settings document when the change was made of it, ``ApplyResult.old``): remember what
+        entering replaced (to undo it), or forget it once undone — or once there is nothing of
+        ours left to undo there (``skipped``: someone changed the parameter since, or the replica
+        left slofq). Accepted (applied or staged) means the change made a document and it was
+        sent."""
         key = (change.mode.name, change.replica)
         ok = result in ("applied", "staged")
-        if change.decision.action == "enter" and change.sent and ok:
-            self.replaced[key] = change.old
-        elif change.decision.action == "exit" and ((change.sent and ok) or result == "skipped"):
+        if change.decision.action == "enter" and ok and before is not None:
+            self.replaced[key] = (before.get("params") or {}).get(change.mode.param)
+        elif change.decision.action == "exit" and (ok or result == "skipped"):
             self.replaced.pop(key, None)
 
     def state(self) -> dict[str, Any]:
@@ -375,23 +379,20 @@ def entered_value(
     }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Change:
     """One mode's settings change for one replica (``Governor.change``): everything it needs of
     the governor is copied in when it is made — steering carries it and calls ``apply`` with the
-    replica's settings as they are when it is sent; the governor reads back ``old`` and ``sent``
-    (``Governor.commit``)."""
+    replica's settings as they are when it is sent; it keeps nothing of the call (what entering
+    replaced is read from steering's answer: ``Governor.commit``)."""
 
     decision: Decision
     replica: str
     mode: Mode
     throttle_fraction: float
     undo_to: Any = _UNSET  # what entering the mode replaced on this replica (exit: restored)
-    old: Any = _UNSET
-    sent: bool = False  # it produced a document (set by calling it)
 
     def apply(self, current: Settings) -> Settings | None:
-        self.sent = False
         if current.policy != "slofq" or current.is_pinned(self.mode.param):
             return None  # the modes are slofq's parameters; a pinned one is never moved
         old = getattr(current.params, self.mode.param)
@@ -404,5 +405,4 @@ class Change:
             return None  # not ours to undo, or changed since by someone else
         else:
             new = self.undo_to
-        self.old, self.sent = old, True
         return SettingsChange(params={self.mode.param: new}).apply(current)

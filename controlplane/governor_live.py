@@ -126,7 +126,7 @@ async def _carry_out(
             current=_settings_of(collector, spec.name),
         )
         if done.sent is not None:
-            gov.commit(change, done.result)
+            gov.commit(change, done.result, done.sent.old)
         # Dry-run, or another governor steers this replica: what would be sent is in the audit.
         outcome["replicas"][spec.name] = (
             done.result

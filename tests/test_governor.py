@@ -77,7 +77,9 @@ def test_changes_respect_pins_other_policies_and_later_edits():
     ch = g.change(d, "r0")
     entered = ch.apply(slofq())
     assert entered is not None and entered.params.quantiles == "p99"
-    g.commit(ch)  # the replica took it: what it replaced is kept, to undo
+    assert ch == g.change(d, "r0")  # applying it kept nothing: steering's answer says the rest
+    # The replica took it: what entering replaced is kept, to undo.
+    g.commit(ch, "applied", slofq().to_dict())
     assert g.change(d, "r1").apply(slofq(pinned=["quantiles"])) is None  # pinned: never moved
     assert g.change(d, "r2").apply(Settings.model_validate({"policy": "vtc"})) is None
     g.record(d, 0.0)
@@ -92,7 +94,7 @@ def test_changes_respect_pins_other_policies_and_later_edits():
     [d2] = g2.decide(LOW, 0.0)
     ch2 = g2.change(d2, "r0")
     ch2.apply(slofq())
-    g2.commit(ch2)
+    g2.commit(ch2, "applied", slofq().to_dict())
     g2.record(d2, 0.0)
     [e2] = g2.decide(OK, 61.0)
     assert (
@@ -368,7 +370,7 @@ def test_a_change_not_taken_is_not_undone_and_a_restart_goes_on():
     g2 = gov()
     ch2 = g2.change(d, "r1")
     ch2.apply(slofq())
-    g2.commit(ch2)
+    g2.commit(ch2, "applied", slofq().to_dict())
     g2.record(d, 0.0)
     restarted = gov()
     restarted.restore(g2.state())

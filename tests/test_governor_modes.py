@@ -86,7 +86,7 @@ def test_the_jfi_mode_throttles_the_over_consumer_and_notes_the_victims():
     ch = g.change(d, "r0")
     entered = ch.apply(slofq_doc())
     undo = g.change(e, "r0")  # made before the commit: nothing of ours to undo there yet
-    g.commit(ch)
+    g.commit(ch, "applied", slofq_doc().to_dict())
     assert g.change(e, "r0").apply(entered).params.throttle == {}  # undone
     # A change carries what it needs, not the governor: steering calls into nothing else of it.
     assert undo.apply(entered) is None

@@ -266,8 +266,9 @@ class ReplicaCore:
     def take_pending(self) -> Settings | None:
         """Make the staged settings the active document and return them (None if none is staged).
 
-        ``begin_step`` builds the policy from them; a driver that schedules with its own policy
-        (the simulated twin replica hands them to its simulator) applies them itself."""
+        ``begin_step`` swaps in the policy built when they were staged; a driver that schedules
+        with its own policy (the simulated twin replica hands them to its simulator) applies them
+        itself."""
         staged = self._take_staged()
         return None if staged is None else staged[0]
 
@@ -277,9 +278,9 @@ class ReplicaCore:
             return None
         with self._lock:
             new, built = self._pending, self._pending_policy
-            self._pending = self._pending_policy = None
-            if new is None or built is None:
+            if new is None or built is None:  # staged together: taken by another thread
                 return None
+            self._pending = self._pending_policy = None
             self.settings, self.active_version = new, self.version
         return new, built
 
