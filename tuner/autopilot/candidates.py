@@ -80,16 +80,20 @@ def target_change(current: Settings, target: Settings) -> SettingsChange | None:
     return SettingsChange(policy=target.policy, params=target.params.model_dump())
 
 
+def _choice(settings: Settings) -> tuple[object, ...]:
+    """What a candidate's choice is of ``settings``: its policy and, for a policy with
+    ``OWN_KNOBS``, those (the operator's other parameters, engine limits and pins aside), else
+    its parameters."""
+    own = OWN_KNOBS.get(settings.policy)
+    if own is None:
+        return (settings.policy, settings.params)
+    return (settings.policy, *(getattr(settings.params, k) for k in own))
+
+
 def runs_choice(current: Settings, target: Settings) -> bool:
     """Whether ``current`` already runs ``target``'s choice — what ``target_change`` would leave
-    as it is: the same policy and, for a policy with ``OWN_KNOBS``, the same values of those, else
-    the same parameters. Compared, not validated: the document is built once, when it is sent."""
-    if current.policy != target.policy:
-        return False
-    own = OWN_KNOBS.get(target.policy)
-    if own is None:
-        return bool(current.params == target.params)
-    return all(getattr(current.params, k) == getattr(target.params, k) for k in own)
+    as it is. Compared, not validated: the document is built once, when it is sent."""
+    return _choice(current) == _choice(target)
 
 
 def target_document(current: Settings, target: Settings) -> Settings | None:
@@ -113,17 +117,9 @@ class TargetChange:
 
 
 def running_candidate(options: Mapping[str, Settings], running: Settings) -> str | None:
-    """The candidate ``running`` runs — its policy and, for a policy with ``OWN_KNOBS``, those
-    (the operator's other parameters, engine limits and pins aside) — None when none."""
-
-    def chosen(s: Settings) -> tuple[object, ...]:
-        own = OWN_KNOBS.get(s.policy)
-        if own is None:
-            return (s.policy, s.params)
-        return (s.policy, *(getattr(s.params, k) for k in own))
-
-    runs = chosen(running)
-    return next((name for name, s in options.items() if chosen(s) == runs), None)
+    """The candidate whose choice ``running`` runs (``_choice``), None when none."""
+    runs = _choice(running)
+    return next((name for name, s in options.items() if _choice(s) == runs), None)
 
 
 @dataclass(frozen=True, slots=True)
