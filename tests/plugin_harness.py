@@ -29,6 +29,7 @@ thread: ``shutdown()`` stops it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -37,21 +38,91 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+if TYPE_CHECKING:  # imported at the first use (_import_vllm), not with this module
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+_VLLM_NAMES = frozenset({"Scheduler", "Request", "RequestStatus"})  # read from outside
+
+
+def _import_vllm() -> None:
+    """Import torch and vLLM into this module's names, once, where the first scheduler or request
+    is built. Not with the module: every pytest-xdist worker collects every test module, and
+    importing vLLM (torch and transformers with it) cost each worker ~15 s of a core at collection
+    (24 s against 8 s for the whole suite's), though one worker runs these tests."""
+    global torch, CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, SamplingParams
+    global SchedulerOutput, Scheduler, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    global ModelRunnerOutput, Request, RequestStatus, StructuredOutputManager
+    if "StructuredOutputManager" in globals():
+        return
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+
+def __getattr__(name: str) -> Any:
+    """``plugin_harness.RequestStatus`` and the like: vLLM imported at this first use."""
+    if name in _VLLM_NAMES:
+        _import_vllm()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class Deferred:
+    """A class named where a test module is collected and imported at its first use, so that
+    ``parametrize`` can list vLLM's and the plugin's scheduler classes without importing vLLM at
+    collection. Identity holds (``cls is STOCK``); ``load()`` is the class, and its attributes
+    are read through (``RequestStatus.PREEMPTED``)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def load(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.load(), attr)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+STOCK = Deferred("vllm.v1.core.sched.scheduler", "Scheduler")
+STOCK_ASYNC = Deferred("vllm.v1.core.sched.async_scheduler", "AsyncScheduler")
+PLUGIN = Deferred("scheduler.plugin.vllm", "TailpilotScheduler")
+PLUGIN_ASYNC = Deferred("scheduler.plugin.vllm", "TailpilotAsyncScheduler")
+STATUS = Deferred("vllm.v1.request", "RequestStatus")
+
+
+def loaded(cls: Any) -> Any:
+    """``cls``, or the class a :class:`Deferred` names."""
+    return cls.load() if isinstance(cls, Deferred) else cls
+
+
+def pipelined(cls: Any) -> bool:
+    """Whether ``cls`` is an async (pipelined) scheduler: two steps in flight."""
+    return issubclass(loaded(cls), STOCK_ASYNC.load())
+
 
 PORT_ENV = "TAILPILOT_API_PORT"
 SETTINGS_FILE_ENV = "TAILPILOT_SETTINGS_FILE"
@@ -128,6 +199,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = False,
     max_model_len: int = MAX_MODEL_LEN,
 ) -> VllmConfig:
+    _import_vllm()
     model = str(model_dir or minimal_model_dir())
     key = (model, max_model_len)
     model_config = _model_configs.get(key)
@@ -165,6 +237,7 @@ def make_vllm_config(
 def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
     """One full-attention group with exactly ``num_blocks`` blocks (block 0 is vLLM's null
     block)."""
+    _import_vllm()
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
@@ -176,7 +249,7 @@ def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig
 
 
 def make_scheduler(
-    cls: type[Scheduler] = Scheduler,
+    cls: type[Scheduler] | Deferred | None = None,
     *,
     num_blocks: int,
     max_num_seqs: int,
@@ -195,8 +268,10 @@ def make_scheduler(
     ``settings`` is tailpilot's start-up settings document (written to a temporary file named by
     ``$TAILPILOT_SETTINGS_FILE`` while the scheduler is built); None gives the plugin's default
     (sarathi). The plugin's control server is disabled (``$TAILPILOT_API_PORT=-1``) unless
-    ``api_port`` is given.
+    ``api_port`` is given. ``cls`` defaults to vLLM's stock ``Scheduler``.
     """
+    _import_vllm()
+    cls = loaded(cls) if cls is not None else Scheduler
     vllm_config = make_vllm_config(
         model_dir=model_dir,
         num_blocks=num_blocks,
@@ -242,6 +317,7 @@ def make_request(
     Prompts differ between requests (no accidental prefix-cache hits when caching is on).
     ``arrival`` is the request's ``arrival_time`` (seconds, any epoch; policies compare them).
     """
+    _import_vllm()
     if prompt_token_ids is None:
         base = next(_token_seed) * 7919
         prompt_token_ids = [10 + (base + i * 31) % 4000 for i in range(prompt_len)]
@@ -326,6 +402,7 @@ class Driver:
     """
 
     def __init__(self, scheduler: Scheduler, *, pipelined: bool = False) -> None:
+        _import_vllm()  # the scheduler was built: a no-op
         self.scheduler = scheduler
         self.pipelined = pipelined
         self.tokens: dict[str, int] = {}
@@ -416,15 +493,22 @@ class Driver:
 
 __all__ = [
     "MINIMAL_LLAMA_CONFIG",
+    "PLUGIN",
+    "PLUGIN_ASYNC",
+    "STATUS",
+    "STOCK",
+    "STOCK_ASYNC",
+    "Deferred",
     "Driver",
-    "RequestStatus",
     "StepRecord",
     "admitted",
     "fake_model_output",
+    "loaded",
     "make_kv_cache_config",
     "make_request",
     "make_scheduler",
     "make_vllm_config",
     "minimal_model_dir",
+    "pipelined",
     "step",
 ]

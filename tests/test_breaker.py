@@ -12,6 +12,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
+# The plugin's classes, imported where the first test builds one (plugin_harness.Deferred).
+from plugin_harness import PLUGIN as TailpilotScheduler
+from plugin_harness import PLUGIN_ASYNC as TailpilotAsyncScheduler
+from plugin_harness import Driver, make_request, make_scheduler
+from vllm_support import skip_without_vllm
+
 from scheduler import contract
 from scheduler.policies import POLICY_CLASSES
 from scheduler.policies.basic import Vtc
@@ -19,11 +25,9 @@ from scheduler.policies.boost import UniBoost
 from scheduler.settings import Settings
 from tuner.twins.replica import ManualClock, TwinReplica
 
-pytest.importorskip("vllm")
+skip_without_vllm()
 
-from plugin_harness import Driver, make_request, make_scheduler
-
-from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
+pytestmark = pytest.mark.vllm_in_process
 
 TOKEN = "breaker-token"
 UNIBOOST = {

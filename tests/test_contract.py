@@ -100,6 +100,7 @@ def check_inflight(doc: dict, limit: int) -> list[dict]:
     return doc["requests"]
 
 
+@pytest.mark.vllm_in_process
 def test_the_plugin_sends_what_the_contract_says():
     pytest.importorskip("vllm")
     from plugin_harness import Driver, make_request, make_scheduler, minimal_model_dir

@@ -16,17 +16,24 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from plugin_harness import Driver, RequestStatus, make_request, make_scheduler, minimal_model_dir
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
+# vLLM's scheduler classes and the plugin's, named here and imported where the first test builds
+# one (plugin_harness.Deferred): collecting this module imports no vLLM.
+from plugin_harness import PLUGIN as TailpilotScheduler
+from plugin_harness import PLUGIN_ASYNC as TailpilotAsyncScheduler
+from plugin_harness import STATUS as RequestStatus
+from plugin_harness import STOCK as Scheduler
+from plugin_harness import STOCK_ASYNC as AsyncScheduler
+from plugin_harness import Driver, make_request, make_scheduler, minimal_model_dir, pipelined
+from vllm_support import skip_without_vllm
 
 from scheduler.names import NAME_MAX_CHARS
 from scheduler.plugin.env import PluginEnvError
-from scheduler.plugin.vllm import TailpilotAsyncScheduler, TailpilotScheduler
 from scheduler.plugin.wire import encode_json
 from scheduler.policies import make_policy
+
+skip_without_vllm()
+
+pytestmark = pytest.mark.vllm_in_process
 
 FCFS = {"policy": "fcfs"}
 SLOFQ = {"policy": "slofq"}
@@ -148,7 +155,7 @@ def _fcfs_workload(clock: Clock) -> dict[int, list]:
 def test_fcfs_matches_stock_step_by_step(build, stock_cls, plugin_cls, lpt):
     clock = Clock()
     script = _fcfs_workload(clock)
-    pipelined = issubclass(stock_cls, AsyncScheduler)
+    two_in_flight = pipelined(stock_cls)
     runs = {}
     for name, cls, settings in [("stock", stock_cls, None), ("fcfs", plugin_cls, FCFS)]:
         s = build(
@@ -159,7 +166,7 @@ def test_fcfs_matches_stock_step_by_step(build, stock_cls, plugin_cls, lpt):
             settings=settings,
             long_prefill_token_threshold=lpt,
         )
-        d = Driver(s, pipelined=pipelined)
+        d = Driver(s, pipelined=two_in_flight)
         arrivals = {k: [req(clock, *spec) for spec in specs] for k, specs in script.items()}
         d.run(arrivals=arrivals)
         assert_all_finished(d)
@@ -260,7 +267,7 @@ VICTIM_SCRIPT = [("R0", 64, 6, 0.0), ("R1", 16, 6, 1.0), ("R2", 32, 6, 2.0), ("R
 def test_memory_pressure_victim_is_policy_worst(build, cls, settings, victim):
     clock = Clock()
     s = build(cls, num_blocks=11, max_num_seqs=8, max_num_batched_tokens=256, settings=settings)
-    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d = Driver(s, pipelined=pipelined(cls))
     d.add(*[req(clock, *spec) for spec in VICTIM_SCRIPT])
     first = d.step()
     assert sorted(first.admitted) == ["R0", "R1", "R2", "R3"] and first.preempted == []
@@ -325,7 +332,7 @@ def test_memory_pressure_victim_by_attained_work(build, settings, victim):
 def test_waiting_short_preempts_running_long_under_uniboost(build, cls):
     clock = Clock()
     s = build(cls, num_blocks=100, max_num_seqs=1, max_num_batched_tokens=256, settings=UNIBOOST)
-    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d = Driver(s, pipelined=pipelined(cls))
     d.run(arrivals={0: [req(clock, "L", 128, 12, 0.0)]}, steps=3)
     assert [r.request_id for r in s.running] == ["L"]
     progress = s.requests["L"].num_computed_tokens
@@ -637,7 +644,7 @@ def test_every_policy_finishes_everything_under_pressure(build, cls, settings):
         settings=settings,
         long_prefill_token_threshold=32,
     )
-    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d = Driver(s, pipelined=pipelined(cls))
     arrivals = {}
     for k in range(36):
         arrivals.setdefault(k // 2, []).append(
@@ -883,7 +890,7 @@ def test_slofq_holds_a_throttled_tenant_back_without_stalling_the_engine(build, 
         max_num_batched_tokens=256,
         settings={"policy": "slofq", "params": {"backpressure": False, "bp_lend": False}},
     )
-    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d = Driver(s, pipelined=pipelined(cls))
     policy = s.tp_core.policy
     d.add(req(clock, "free", 20, 30, 0.0, tenant="free"))
     d.step()
@@ -915,7 +922,7 @@ def test_slofq_queue_cap_refuses_through_vllms_error_path(build, cls):
         max_num_batched_tokens=256,
         settings={"policy": "slofq", "params": {"tenants": {"capped": {"queue_cap": 2}}}},
     )
-    d = Driver(s, pipelined=issubclass(cls, AsyncScheduler))
+    d = Driver(s, pipelined=pipelined(cls))
     d.add(req(clock, "run", 20, 6, 0.0, tenant="capped"))
     d.step()  # "run" holds the only seat
     d.add(*[req(clock, f"q{i}", 20, 3, 0.1 + i * 0.01, tenant="capped") for i in range(2)])

@@ -115,6 +115,7 @@ def plugin_classes():
     return Driver, make_request, make_scheduler, TailpilotScheduler, TailpilotAsyncScheduler
 
 
+@pytest.mark.vllm_in_process
 @PROPS
 @given(
     st.lists(st.tuples(documents(), arrivals(), st.integers(0, 12)), min_size=1, max_size=4),

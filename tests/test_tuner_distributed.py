@@ -285,7 +285,14 @@ def _wait_for_trials_of_two_workers(
     pytest.fail("the workers started no trial")
 
 
-INTERRUPT_IN_A_CALLBACK = """
+# A terminal's Ctrl-C finds SIGINT at Python's handler. A suite started as a background job of a
+# non-interactive shell (`pytest ... &`) hands its children SIGINT ignored — Python then installs
+# no handler and the interrupt is lost — so each child here sets it first, whatever it inherited.
+AS_A_TERMINALS_JOB = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+INTERRUPT_IN_A_CALLBACK = (
+    AS_A_TERMINALS_JOB
+    + """
 import os, signal, sys, weakref
 from tuner.studies.optimize import exit_quietly_on_interrupt
 
@@ -304,6 +311,7 @@ ref = weakref.ref(node, on_collected)
 del node  # the callback runs now, and the interrupt is raised inside it
 print("carried on", flush=True)
 """
+)
 
 
 @pytest.mark.parametrize(("mode", "code"), [("worker", 130), ("plain", 0)])
@@ -333,7 +341,7 @@ def test_ctrl_c_with_workers_prints_the_clean_message_only(tmp_path):
     cmd = [
         sys.executable,
         "-c",
-        "from tailpilot.cli_tune import tune; tune()",
+        AS_A_TERMINALS_JOB + "from tailpilot.cli_tune import tune; tune()",
         "--study",
         "c",
         "--storage",

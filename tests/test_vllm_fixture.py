@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
 from vllm_support import (
@@ -21,7 +20,10 @@ from vllm_support import (
     fetch_metrics,
     kv_bytes_for_tokens,
     run_completions,
+    skip_without_vllm,
 )
+
+skip_without_vllm()
 
 MAX_MODEL_LEN = 1024
 # 1,024 usable KV slots (9 blocks of 128, one the null block): about 1/13 of the ~13k tokens
