@@ -101,6 +101,8 @@ class Deferred:
         return getattr(importlib.import_module(self.module), self.name)
 
     def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pytest's collection asks for __name__ and the like: no import
+            raise AttributeError(attr)
         return getattr(self.load(), attr)
 
     def __repr__(self) -> str:
