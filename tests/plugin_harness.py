@@ -56,8 +56,6 @@ if TYPE_CHECKING:  # imported at the first use (_import_vllm), not with this mod
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-_VLLM_NAMES = frozenset({"Scheduler", "Request", "RequestStatus"})  # read from outside
-
 
 def _import_vllm() -> None:
     """Import torch and vLLM into this module's names, once, where the first scheduler or request
@@ -66,7 +64,7 @@ def _import_vllm() -> None:
     (24 s against 8 s for the whole suite's), though one worker runs these tests."""
     global torch, CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, SamplingParams
     global SchedulerOutput, Scheduler, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    global ModelRunnerOutput, Request, RequestStatus, StructuredOutputManager
+    global ModelRunnerOutput, Request, StructuredOutputManager
     if "StructuredOutputManager" in globals():
         return
     import torch
@@ -76,16 +74,8 @@ def _import_vllm() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
-
-
-def __getattr__(name: str) -> Any:
-    """``plugin_harness.RequestStatus`` and the like: vLLM imported at this first use."""
-    if name in _VLLM_NAMES:
-        _import_vllm()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Deferred:
@@ -349,6 +339,7 @@ def fake_model_output(
     ``num_computed_tokens`` is still short of its ``num_tokens`` (plus, under async scheduling, the
     placeholders of tokens in flight).
     """
+    _import_vllm()  # ``scheduler`` may have been built without this module
     req_ids = list(output.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
@@ -404,7 +395,6 @@ class Driver:
     """
 
     def __init__(self, scheduler: Scheduler, *, pipelined: bool = False) -> None:
-        _import_vllm()  # the scheduler was built: a no-op
         self.scheduler = scheduler
         self.pipelined = pipelined
         self.tokens: dict[str, int] = {}
