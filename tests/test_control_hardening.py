@@ -504,9 +504,11 @@ def wait_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
 
 
 def test_connections_over_the_cap_get_503_and_silent_ones_are_reaped():
-    # 3 s for a first request: the four idle ones must still be open when the fifth connects
-    # (a loaded machine may stall the test that long); the reaper's wait below is an event.
-    _core, server = serve(max_connections=4, first_request_s=3.0)
+    # Idle ages run on a frozen clock: on a loaded machine a second could pass between the four
+    # connecting and the fifth, and an idle one would then be evicted to admit it (evict_idle_s),
+    # which is tested elsewhere. The reaper's deadline is real time: 5 s for a first request
+    # keeps the four open through a stall that long; its wait below is an event.
+    _core, server = serve(max_connections=4, first_request_s=5.0, clock=FrozenClock())
     try:
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
         # Over the cap: answered at once by the accept thread, without a handler thread.
