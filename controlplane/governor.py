@@ -216,9 +216,11 @@ class Governor:
         return out
 
     def _exit(self, mode: str, figures: FairnessReport | None, reason: str) -> Decision:
-        shown = {k: None if figures is None else figures.get(k) for k in SHOWN}
+        if figures is None:  # no report this tick: the exit is recorded without figures
+            shown, tenants = dict.fromkeys(SHOWN), {}
+        else:
+            shown, tenants = {k: figures.get(k) for k in SHOWN}, figures.get("tenants") or {}
         before = dict(self.before.get(mode) or {})
-        tenants = (None if figures is None else figures.get("tenants")) or {}
         after = {t: _ttft_p99(tenants, t) for t in before}
         return Decision(
             mode, "exit", shown, reason, tuple(self.targets.get(mode) or ()), before, after

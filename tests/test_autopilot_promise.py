@@ -279,6 +279,37 @@ def test_the_stress_test_runs_only_for_a_move_that_would_be_taken():
     assert tested == ["gamma=0.1", "gamma=0.1"]
 
 
+def test_a_choice_the_reference_beats_on_every_quantile_is_left_without_the_margin():
+    """The defaults trailing sarathi by 1.5% on every quantile keep the promise within the
+    guard's slack and no move up beats them by its margin; on ``guard_patience`` decisions in a
+    row of that, the rule leaves them for sarathi. One quantile where they lead, or the rule off,
+    and they are kept."""
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.switching import Situation
+
+    trailing = figures(**{q: 1.015 for q in QUANTILE_NAMES})
+    window = {"sarathi": figures(), "defaults": trailing}
+
+    def decisions(config: AutopilotConfig, scored) -> list[tuple[str, bool]]:
+        pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
+        out = []
+        for k in range(3):
+            at = Situation(now=1_000.0 + 60.0 * k, clock=0.0, current=pilot.current)
+            choice = pilot.rule.choose(scored, at)
+            out.append((choice.name, choice.switch))
+            if choice.switch:
+                assert "every quantile" in choice.reason
+                break
+        return out
+
+    assert CONFIG.guard_patience == 2
+    assert decisions(CONFIG, window) == [("defaults", False), ("sarathi", True)]
+    leads_p50 = {**window, "defaults": dataclasses.replace(trailing, ttft_p50=0.99)}
+    assert decisions(CONFIG, leads_p50) == [("defaults", False)] * 3
+    off = CONFIG.model_copy(update={"leave_dominated": False})
+    assert decisions(off, window) == [("defaults", False)] * 3
+
+
 # --- the promise kept on replays ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rising() -> traces.Trace:

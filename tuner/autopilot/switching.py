@@ -12,8 +12,10 @@ down takes ``down_margin`` and the *stress test* (``tuner.autopilot.stress``: th
 arrivals going on) — its own shadow's, then the replica switched to it now — also when it leaves
 a break; a move up takes ``hysteresis`` (``leave_defaults`` from the defaults) after
 ``min_dwell_s``, or the running choice breaking the promise beyond its sampling noise
-``guard_patience`` decisions in a row; in overload (``tuner.autopilot.overload``) no move goes
-down (in a standing queue, none from the defaults or above). Sustained overload never reaches
+``guard_patience`` decisions in a row, or — to the reference, without the margin — the reference
+beating it on every quantile that many decisions in a row (``leave_dominated``); in overload
+(``tuner.autopilot.overload``) no move goes down (in a standing queue, none from the defaults or
+above). Sustained overload never reaches
 the rule: the controller holds (``Autopilot._hold_in_overload``).
 
 The rule keeps its own state (consecutive breaks, the last switch, a hold after a step back, the
@@ -30,7 +32,14 @@ from typing import Protocol
 from tuner.autopilot.candidates import Candidate, ShadowSearch
 from tuner.autopilot.config import GUARD_SLACK, AutopilotConfig
 from tuner.autopilot.overload import OverloadWatch
-from tuner.autopilot.promise import Figures, breaks, most_margin, rank_key, sampling_slack
+from tuner.autopilot.promise import (
+    QUANTILE_NAMES,
+    Figures,
+    breaks,
+    most_margin,
+    rank_key,
+    sampling_slack,
+)
 from tuner.autopilot.shadows import Shadow
 
 
@@ -91,6 +100,7 @@ class SwitchingRule:
         self.overload = overload
         self.target = current  # the best candidate at the last judged decision
         self.breaks = 0  # consecutive decisions on which the running choice broke the guard
+        self.dominated = 0  # consecutive decisions on which the reference beat it everywhere
         self.last_switch = -math.inf
         self.hold_until = -math.inf  # after a step back: no switch before this but to keep it
 
@@ -151,7 +161,9 @@ class SwitchingRule:
         target. A move down the size-to-age axis is cheap and is taken whenever the target is tied
         or better; a move up — or a move off a tied current choice — takes the ``hysteresis``
         margin and ``min_dwell_s``; the running choice is left for breaking the promise only
-        after ``guard_patience`` decisions in a row. In overload (``tuner.autopilot.overload``)
+        after ``guard_patience`` decisions in a row, and for the reference without the margin
+        when it beats the running choice on every quantile that many decisions in a row
+        (``leave_dominated``). In overload (``tuner.autopilot.overload``)
         no move goes down the axis (``bars_down``: in a standing queue, none from the defaults
         or above)."""
         cfg, promise = self.config, self.config.promise
@@ -164,6 +176,7 @@ class SwitchingRule:
             broken = self._breaks_as_load_rises(at)
         self.overload.count_rechecked(at.overload)
         self.breaks = 0 if not broken else self.breaks + 1
+        self.dominated = self.dominated + 1 if self._dominated(figures, at) else 0
         # In overload only those at or above the running choice were judged; a pin or a
         # probation may bar others.
         allowed = [n for n in figures if self.search.eligible(n, running, at.clock)]
@@ -179,11 +192,12 @@ class SwitchingRule:
         else:
             return Choice(running, False, "no candidate keeps the promise on this window: kept")
         current, best = figures[running], figures[target]
-        under_stress = self._break_tie_under_stress(
+        # Dominated by the reference, or a new shape's tie broken under the stress test.
+        early = self._leave_dominated(running, allowed, now) or self._break_tie_under_stress(
             feasible, figures, at, bool(broken or bars_down)
         )
-        if under_stress is not None:
-            return under_stress
+        if early is not None:
+            return early
         if target == running:
             return Choice(
                 target,
@@ -306,6 +320,39 @@ class SwitchingRule:
             figures[self.reference],
             loosen=GUARD_SLACK,
             per_quantile=sampling_slack(at.requests, self.config.noise),
+        )
+
+    def _dominated(self, figures: Mapping[str, Figures], at: Situation) -> bool:
+        """Whether the reference beats the running choice on every quantile of the promise over
+        a window judged like the guard's (``judge_requests``); never with tenants' SLOs (their
+        promise is not the reference's quantiles) or with ``leave_dominated`` off."""
+        if (
+            not self.config.leave_dominated
+            or self.config.promise.slo is not None
+            or at.current == self.reference
+            or self.reference not in figures
+            or at.requests < at.judge_requests
+        ):
+            return False
+        current, ref = figures[at.current], figures[self.reference]
+        return all(ref.value(name) < current.value(name) for name in QUANTILE_NAMES)
+
+    def _leave_dominated(self, running: str, allowed: list[str], now: float) -> Choice | None:
+        """The switch to the reference when it has beaten ``running`` on every quantile
+        ``guard_patience`` decisions in a row (``_dominated``), it may be chosen, and neither a
+        step back's hold nor ``min_dwell_s`` keeps ``running``; else None."""
+        if (
+            self.dominated < self.config.guard_patience
+            or self.reference not in allowed
+            or now < self.hold_until
+            or not self._dwelt(now)
+        ):
+            return None
+        return Choice(
+            self.reference,
+            True,
+            f"{self.reference} beats {running} on every quantile of the window "
+            f"({self.dominated} decisions in a row): {running} wins nothing the promise counts",
         )
 
     def _breaks_as_load_rises(self, at: Situation) -> tuple[str, ...]:
