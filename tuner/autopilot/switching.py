@@ -15,8 +15,8 @@ a break; a move up takes ``hysteresis`` (``leave_defaults`` from the defaults) a
 ``guard_patience`` decisions in a row, or — to the reference, without the margin — the reference
 beating it on every quantile that many decisions in a row (``leave_dominated``); in overload
 (``tuner.autopilot.overload``) no move goes down (in a standing queue, none from the defaults or
-above). Sustained overload never reaches
-the rule: the controller holds (``Autopilot._hold_in_overload``).
+above). Sustained overload never reaches the rule: the controller holds
+(``Autopilot._hold_in_overload``).
 
 The rule keeps its own state (consecutive breaks, the last switch, a hold after a step back, the
 last target); what a decision knows besides the figures comes in a ``Situation``.
@@ -163,9 +163,8 @@ class SwitchingRule:
         margin and ``min_dwell_s``; the running choice is left for breaking the promise only
         after ``guard_patience`` decisions in a row, and for the reference without the margin
         when it beats the running choice on every quantile that many decisions in a row
-        (``leave_dominated``). In overload (``tuner.autopilot.overload``)
-        no move goes down the axis (``bars_down``: in a standing queue, none from the defaults
-        or above)."""
+        (``leave_dominated``). In overload (``tuner.autopilot.overload``) no move goes down the
+        axis (``bars_down``: in a standing queue, none from the defaults or above)."""
         cfg, promise = self.config, self.config.promise
         objective = promise.objective
         now, running = at.now, at.current
