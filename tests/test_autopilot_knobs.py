@@ -209,9 +209,23 @@ def test_a_pools_shared_shadows_decide_as_a_replicas_own_would(busy):
 
 def test_sustained_overload_stops_the_explorers_and_they_come_back(busy, monkeypatch):
     """Nothing is compared in sustained overload: only the reference, the defaults and the
-    running choice replay (deep queues are the costliest); after it, explorers are forked again."""
+    running choice replay (deep queues are the costliest); after it, explorers are forked again.
+    The burst is followed by four minutes of light traffic, so decisions go on once its queue has
+    drained (ended with the burst, the last decision fell within seconds of the drain: a knife
+    edge)."""
+    import dataclasses
+
     import tuner.autopilot.replay
 
+    light = traces.time_window(traces.scale_rate(traces.load_bundled(), 0.3), 0.0, 240.0)
+    start = max(r.arrival for r in busy) + 60.0
+    busy = traces.Trace(
+        "busy-then-light",
+        (
+            *busy,
+            *(dataclasses.replace(r, id=f"light-{r.id}", arrival=start + r.arrival) for r in light),
+        ),
+    )
     monkeypatch.setattr(tuner.autopilot.replay, "Autopilot", Recording)
     # a short window: sustained once the reference needs over 20 s to empty its queue
     config = CONFIG.model_copy(

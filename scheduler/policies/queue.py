@@ -275,6 +275,10 @@ class WaitingQueue:
         assert count == self._n, "waiting queue lost count"
         self._groups.check()
 
+    def member(self, req_id: str) -> RequestState | None:
+        """The waiting request ``req_id``, or None when it is not waiting."""
+        return self._members.get(req_id)
+
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
         req.status = "waiting"

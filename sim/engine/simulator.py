@@ -21,8 +21,9 @@ context grows by n tokens a step), so K steps take ``K·t0 + e·n·K(K−1)/2`` 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from mypy_extensions import mypyc_attr
@@ -174,6 +175,35 @@ class Simulator(EngineBooks):
                 f"request ({self.arrivals[-1].arrival})"
             )
         self.arrivals.extend(new)
+
+    def revise_lengths(self, lengths: Mapping[str, int]) -> int:
+        """Give requests already handed over a new output length (a live replay hands a request
+        still in flight on the replica an imputed length, and learns its true one when the
+        replica completes it). One not yet admitted arrives with it; one waiting or running runs
+        to it, or stops at its next token when it has generated that many already; one finished
+        here keeps its past. A length is capped as on arrival (``max_tokens``) and to what the KV
+        cache can ever hold: a request that could not fit would wait forever. Returns how many
+        requests were revised."""
+        if not lengths:
+            return 0
+        revised = 0
+        for i in range(self.next_arrival, len(self.arrivals)):
+            queued = self.arrivals[i]
+            new_length = lengths.get(queued.id)
+            if new_length is not None:
+                self.arrivals[i] = dataclasses.replace(queued, output_tokens=new_length)
+                revised += 1
+        kv_tokens = self.config.num_gpu_blocks * self.config.block_size
+        in_engine = [req for req in self.running if req.id in lengths]
+        for rid in lengths:
+            req = self.waiting.member(rid)
+            if req is not None:
+                in_engine.append(req)
+        for req in in_engine:
+            target = min(lengths[req.id], req.max_tokens, kv_tokens - req.prompt_tokens)
+            req.output_tokens = max(target, req.generated + 1)
+            revised += 1
+        return revised
 
     def drain(self) -> tuple[list[Completion], list[str]]:
         """Hand over (and forget) the completions and rejected ids so far, and drop the arrivals

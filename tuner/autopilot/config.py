@@ -157,6 +157,11 @@ class AutopilotConfig(BaseModel):
     shape_recent_s: float = Field(300.0, ge=30.0, le=86_400.0)
     shape_min_requests: int = Field(1_000, ge=10, le=1_000_000)
     history: int = Field(2_000, ge=10, le=1_000_000)  # completed lengths kept for imputation
+    # After a change of shape, a request of the new shape handed to the shadows with a length
+    # imputed from an older cohort, shorter than its true one, is given the true one in every
+    # shadow that has not finished it (``tuner.autopilot.feed``: a new shape's first requests are
+    # imputed from the old shape's lengths).
+    revise_lengths: bool = True
     # The search (``tuner.autopilot.candidates.ShadowSearch``): at most this many shadows run (0:
     # all); an explorer behind the best that keeps the promise by ``prune_margin`` on
     # ``prune_patience`` judged decisions in a row is retired (a break alone is not a reason); a

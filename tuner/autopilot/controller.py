@@ -146,10 +146,14 @@ class Autopilot:
         started = time.process_time()
         self.feed.arrive(obs.arrivals)
         self.feed.complete(obs.completions)
+        # True lengths of requests the shadows hold with imputed ones, before any new arrival.
+        revised = self.feed.revisions()
         fed = self.feed.take(obs.now, obs.generated)
-        if fed is not None:
-            t, batch, gone = fed
-            for shadow in (*self.shadows.values(), *self.mirror.owned()):
+        for shadow in (*self.shadows.values(), *self.mirror.owned()):
+            if revised:
+                shadow.revise(revised)
+            if fed is not None:
+                t, batch, gone = fed
                 shadow.advance(batch, t)
                 if gone:
                     shadow.forget(gone)

@@ -27,6 +27,25 @@ before. Likewise after a change of the traffic's shape (``tuner.autopilot.shape`
 ``COHORT_MIN`` of the new shape's arrivals have completed: a backlog of the new shape in flight
 pins the fair cohort to the old one (sweep seed 7, variant 30, arXiv then BWB at 1.35× capacity:
 a mean of 324 tokens handed for a true 843; 503 from the new shape).
+
+**Revision after a change of shape.** No cohort knows a new shape's first requests: they are
+handed over a minute after arrival, before any of them completes and minutes before the change is
+found, imputed from the old shape's lengths (sweep seed 5150, variant 9, arXiv then BWB: the five
+minutes after the change at 31% of their true output tokens, and γ 0.001, judged on shadows that
+saw a fraction of the work, broke P99 TTFT by 1.55×). So once a change of shape is found, a request
+of the new shape handed with a length imputed from an older cohort and completed *longer* than
+that is revised to its true length in every shadow that has not finished it
+(``revisions``, ``Simulator.revise_lengths``; those completed before the change was found, when
+it is) — the work the new shape's queue holds, corrected as the truth arrives (variant 9: no
+switch, every figure kept, P99 TTFT 0.976×). No other revision: when the truth arrives a request
+imputed long is still in a shadow while one imputed short has mostly left it, so revisions bias
+the work the shadows hold by which requests they still hold. Revised both ways, they are mostly
+cuts (seed 2718's variant 4, reasoning at 1.12× capacity: sarathi's shadow finished its requests
+with 82% of their true tokens and saw a median first-token wait of 0.7 s where the truth was 75
+s); lengthened only, everywhere, the shadows gain work (``shift_heldout``: sarathi's shadow put the
+P95 TTFT of minutes 0–39 at 81 s, the truth 49 s, unrevised 57 s, and a standing queue held every
+move down through the BWB phase). Within a change of shape the imputation's own error is
+systematic, and it dominates.
 """
 
 from __future__ import annotations
@@ -81,6 +100,17 @@ class Feed:
         self._completed: list[tuple[float, int]] = []
         self._completed_by_type: dict[str, list[tuple[float, int]]] = {}
         self._in_flight: dict[str, tuple[float, str]] = {}
+        # Handed to the shadows with an imputed length (id -> that length) until the true one is
+        # known or the request leaves the window; true lengths longer than that, not yet handed
+        # on to the shadows (``revisions``).
+        self._imputed_handed: dict[str, tuple[int, float]] = {}  # id -> (length, cohort's shape)
+        # Completed longer than imputed, in the window, not revised (yet): id -> (arrival, true
+        # length, imputed length, the change of shape its cohort was of); and the change of shape
+        # they were last checked against.
+        self._short: dict[str, tuple[float, int, int, float]] = {}
+        self._short_checked = -math.inf
+        self._revised: dict[str, int] = {}
+        self._revised_latest = -math.inf  # the latest arrival among them
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
         # per request of the window: tenant, type, tokens (prompt + output, imputed if unknown)
         self._meta: dict[str, tuple[str, str, int]] = {}
@@ -113,6 +143,10 @@ class Feed:
             if self.clock is None or c.arrival > self.clock:
                 self._lengths[c.id] = (c.arrival, c.output_tokens)
             self._in_flight.pop(c.id, None)
+            handed = self._imputed_handed.pop(c.id, None)
+            if handed is not None and self.config.revise_lengths and c.output_tokens > handed[0]:
+                self._short[c.id] = (c.arrival, c.output_tokens, *handed)
+                self._revise_stale([c.id])
             kept = [
                 (self._completed, COHORT_KEPT),
                 (self._completed_by_type.setdefault(request_type(c.type), []), TYPE_KEPT),
@@ -122,8 +156,25 @@ class Feed:
                 if len(rows) > bound:
                     del rows[: len(rows) - bound]
 
-    def _cohort(self, kind: str) -> list[int]:
-        """The imputation's sample for a request of type ``kind``, sorted: the last ``history``
+    def _revise_stale(self, ids: Iterable[str]) -> None:
+        """Of ``ids`` (requests of ``_short``), those of the traffic's current shape whose length
+        was imputed from a cohort of an older one are revised to their true length (the module's
+        docstring says why no other)."""
+        since = self.shape.since if self.shape is not None else -math.inf
+        for rid in ids:
+            arrival, length, imputed, of_shape = self._short[rid]
+            if not arrival >= since > of_shape:
+                continue  # of an earlier shape, or imputed from its own: kept as handed
+            del self._short[rid]
+            self._revised[rid] = length
+            self._revised_latest = max(self._revised_latest, arrival)
+            meta = self._meta.get(rid)
+            if meta is not None:  # its tokens for the SLO figures: prompt + output
+                self._meta[rid] = (meta[0], meta[1], meta[2] - imputed + length)
+
+    def _cohort(self, kind: str) -> tuple[list[int], float]:
+        """The imputation's sample for a request of type ``kind``, sorted, and the change of shape
+        it is of (-inf: none, or not only the arrivals since the last one): the last ``history``
         completed lengths among requests that arrived before all but ``STRAGGLERS`` of those
         still in flight (the module's docstring says why; all completed lengths while none is
         that old). Of its type once more than one type has completed, and of the arrivals since
@@ -139,15 +190,17 @@ class Feed:
             in_flight = [at for at, k in self._in_flight.values() if of_kind in (None, k)]
             narrowed = of_kind is not None
             first = bisect.bisect_left(rows, (since, -1)) if since > -math.inf else 0
-            if first > 0 and len(rows) - first >= COHORT_MIN:
+            shaped = first > 0 and len(rows) - first >= COHORT_MIN
+            if shaped:
                 rows, narrowed = rows[first:], True
                 in_flight = [at for at in in_flight if at >= since]
+            of_shape = since if shaped else -math.inf
             fair = self._fair(rows, in_flight)
             if not narrowed or len(fair) >= COHORT_MIN:
-                return fair
+                return fair, of_shape
             if len(rows) >= COHORT_MIN:
-                return sorted(n for _, n in rows[-self.config.history :])
-        return self._fair(self._completed, [at for at, _ in self._in_flight.values()])
+                return sorted(n for _, n in rows[-self.config.history :]), of_shape
+        return self._fair(self._completed, [at for at, _ in self._in_flight.values()]), -math.inf
 
     def _fair(self, rows: list[tuple[float, int]], in_flight: list[float]) -> list[int]:
         """The last ``history`` lengths of ``rows`` that arrived before all but ``STRAGGLERS``
@@ -189,7 +242,7 @@ class Feed:
         batch: list[TraceRequest] = []
         due = bisect.bisect_right(self._pending, t, key=lambda a: a.arrival)
         taken, self._pending = self._pending[:due], self._pending[due:]
-        cohorts: dict[str, list[int]] = {}
+        cohorts: dict[str, tuple[list[int], float]] = {}
         for a in taken:
             known = self._lengths.pop(a.id, None)
             if known is not None:
@@ -197,7 +250,9 @@ class Feed:
             else:
                 if a.type not in cohorts:
                     cohorts[a.type] = self._cohort(a.type)
-                out = self._imputed(a, generated.get(a.id, 0), cohorts[a.type])
+                cohort, of_shape = cohorts[a.type]
+                out = self._imputed(a, generated.get(a.id, 0), cohort)
+                self._imputed_handed[a.id] = (out, of_shape)
             batch.append(
                 TraceRequest(
                     id=a.id,
@@ -224,11 +279,32 @@ class Feed:
             gone.append(self._window.popleft()[1])
         for rid in gone:
             self._meta.pop(rid, None)
+            self._imputed_handed.pop(rid, None)
+            self._short.pop(rid, None)
         # Never completed by the time they left the window (rejected, or starving): no longer
         # in flight for the cohort.
         for rid in [rid for rid, (at, _) in self._in_flight.items() if at < horizon]:
             del self._in_flight[rid]
         return t, batch, gone
+
+    def revisions(self) -> dict[str, int]:
+        """The true output lengths to revise since the last call (id -> length; the module's
+        docstring says which; ``Shadow.revise`` gives them to each shadow): the new shape's,
+        imputed from an older cohort, longer than imputed. The stress test's recent arrivals take
+        them here, the window's SLO figures as they are found (``_revise_stale``)."""
+        since = self.shape.since if self.shape is not None else -math.inf
+        if since != self._short_checked:  # a change of shape found since: its requests too
+            self._short_checked = since
+            self._revise_stale(list(self._short))
+        revised, self._revised = self._revised, {}
+        latest, self._revised_latest = self._revised_latest, -math.inf
+        if not self.recent or latest < self.recent[0].arrival:
+            return revised  # none is among the recent arrivals (under load, the usual case)
+        self.recent = deque(
+            dataclasses.replace(r, output_tokens=revised[r.id]) if r.id in revised else r
+            for r in self.recent
+        )
+        return revised
 
     def settled(self, clock: float) -> list[tuple[float, str]]:
         """The window's requests (arrival, id) that arrived ``settle_s`` or more before

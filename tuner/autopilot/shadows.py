@@ -277,6 +277,11 @@ class Shadow:
             self.done[c.id] = served
             self.log.served(c.id, served)
 
+    def revise(self, lengths: Mapping[str, int]) -> None:
+        """True output lengths of requests handed over with imputed ones: those not finished here
+        run to them (``Simulator.revise_lengths``); those finished keep what they cost."""
+        self.sim.revise_lengths(lengths)
+
     def forget(self, ids: Iterable[str]) -> None:
         ids = list(ids)
         for rid in ids:
