@@ -149,14 +149,14 @@ class Autopilot:
         # True lengths of requests the shadows hold with imputed ones, before any new arrival.
         revised = self.feed.revisions()
         fed = self.feed.take(obs.now, obs.generated)
+        t, batch, gone = fed if fed is not None else (None, [], [])
         for shadow in (*self.shadows.values(), *self.mirror.owned()):
             if revised:
                 shadow.revise(revised)
-            if fed is not None:
-                t, batch, gone = fed
+            if t is not None:
                 shadow.advance(batch, t)
-                if gone:
-                    shadow.forget(gone)
+            if gone:
+                shadow.forget(gone)
         self._cpu += time.process_time() - started
         if self._next_decision is None:
             self._next_decision = obs.now + self.config.interval_s

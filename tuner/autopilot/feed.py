@@ -100,17 +100,19 @@ class Feed:
         self._completed: list[tuple[float, int]] = []
         self._completed_by_type: dict[str, list[tuple[float, int]]] = {}
         self._in_flight: dict[str, tuple[float, str]] = {}
-        # Handed to the shadows with an imputed length (id -> that length) until the true one is
-        # known or the request leaves the window; true lengths longer than that, not yet handed
-        # on to the shadows (``revisions``).
-        self._imputed_handed: dict[str, tuple[int, float]] = {}  # id -> (length, cohort's shape)
+        # The revision after a change of shape (the module's docstring). Handed to the shadows
+        # with an imputed length, until the true one is known or the request leaves the window:
+        # id -> (that length, the change of shape its cohort was of; -inf: none).
+        self._imputed_handed: dict[str, tuple[int, float]] = {}
         # Completed longer than imputed, in the window, not revised (yet): id -> (arrival, true
-        # length, imputed length, the change of shape its cohort was of); and the change of shape
-        # they were last checked against.
+        # length, imputed length, its cohort's change of shape); and the change of shape they
+        # were last checked against.
         self._short: dict[str, tuple[float, int, int, float]] = {}
         self._short_checked = -math.inf
+        # Revised, not yet handed on to the shadows (``revisions``): id -> true length; and the
+        # latest arrival among them.
         self._revised: dict[str, int] = {}
-        self._revised_latest = -math.inf  # the latest arrival among them
+        self._revised_latest = -math.inf
         self._window: deque[tuple[float, str]] = deque()  # (arrival, id) replayed, in the window
         # per request of the window: tenant, type, tokens (prompt + output, imputed if unknown)
         self._meta: dict[str, tuple[str, str, int]] = {}
