@@ -3,31 +3,50 @@ and finds a better γ than the defaults where one exists."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
 
 from scheduler.settings import Settings
 from sim import traces
+from sim.engine import SimResult
 from tuner.autopilot.controller import AutopilotConfig, candidates, log_grid
 from tuner.autopilot.replay import replay_with_autopilot
-from tuner.autopilot.types import Observation
+from tuner.autopilot.types import Decision, Observation
 
 CONFIG = AutopilotConfig(
     gammas=(0.001, 0.01, 0.1, 1.0), interval_s=30.0, delay_s=30.0, window_s=300.0, min_requests=50
 )
 
 
+# The module's tests share their replays of the bundled window (deterministic: a test replays it
+# twice and compares); on one xdist worker, each is made once.
+pytestmark = pytest.mark.xdist_group("autopilot-bundled")
+
+
+@functools.cache
+def bundled_at(rate: float) -> traces.Trace:
+    """The bundled 10-minute Azure conv window at ``rate`` times its rate."""
+    return traces.scale_rate(traces.load_bundled(), rate)
+
+
+@functools.cache
+def replayed_at(rate: float) -> tuple[SimResult, list[Decision]]:
+    """The autopilot's replay (under CONFIG) of the bundled window at ``rate``, made once."""
+    return replay_with_autopilot(bundled_at(rate), config=CONFIG)
+
+
 @pytest.fixture(scope="module")
 def busy_window() -> traces.Trace:
     """The bundled 10-minute Azure conv window at twice its rate: queues build up."""
-    return traces.scale_rate(traces.load_bundled(), 2.0)
+    return bundled_at(2.0)
 
 
 @pytest.fixture(scope="module")
 def busy_replay(busy_window):
     """The autopilot's replay of ``busy_window`` (its result and decisions), made once."""
-    return replay_with_autopilot(busy_window, config=CONFIG)
+    return replayed_at(2.0)
 
 
 def decisions_until(trace, t: float, decisions=None) -> list[tuple]:
@@ -91,8 +110,8 @@ def test_decisions_are_deterministic(busy_window, busy_replay):
 def test_it_leaves_the_defaults_for_a_better_gamma_under_load():
     """At 1.5× the bundled window a fixed γ keeps every quantile within 2% of sarathi's with a P95
     TTFT well below the defaults' (0.69× vs 0.91×): the autopilot finds it."""
-    busy = traces.scale_rate(traces.load_bundled(), 1.5)
-    result, decisions = replay_with_autopilot(busy, config=CONFIG)
+    busy = bundled_at(1.5)
+    result, decisions = replayed_at(1.5)
     chosen = {d.choice for d in decisions}
     assert chosen - {"defaults"}, "never left the defaults"
     assert len(result.completions) + len(result.rejected) == len(busy)
@@ -268,9 +287,7 @@ def test_a_move_towards_age_order_takes_the_margin_or_a_promise_break(busy_windo
     in overload (up to the defaults)."""
     options = candidates(Settings.model_validate({"policy": "uniboost"}), CONFIG)
     for rate in (1.5, 2.0, 3.0):
-        _, decisions = replay_with_autopilot(
-            traces.scale_rate(traces.load_bundled(), rate), config=CONFIG
-        )
+        _, decisions = replayed_at(rate)
         for d in decisions:
             if d.changed and _axis(options[d.choice]) > _axis(options[d.previous]):
                 new, old = d.figures[d.choice], d.figures[d.previous]

@@ -17,6 +17,9 @@ from benchmarks import autopilot_frozen as frozen  # noqa: E402
 from benchmarks.autopilot_workloads import phase_of  # noqa: E402
 
 TRACES = REPO / "traces"
+# Both tests read one build of every workload (~30 s of a core): on one xdist worker, it is built
+# once.
+pytestmark = pytest.mark.xdist_group("frozen-workloads")
 
 
 @pytest.fixture(scope="module")

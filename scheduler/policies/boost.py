@@ -34,6 +34,7 @@ from scheduler.policies.base import (
 )
 from scheduler.policies.capabilities import ApproxOffsets, Ticks
 from scheduler.policies.predictors import LengthPredictor
+from scheduler.policies.recent import RecentValues, linear_percentiles
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
 LN5 = math.log(5.0)
@@ -140,7 +141,7 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
         self.incremental_running_order = p.memguard
         self.epoch = new_epoch()  # scores cached on requests are valid for this γ only
         self.ada_enabled = p.gamma_ada and not settings.is_pinned("gamma")
-        self.recent_tail: deque[float] = deque(maxlen=p.ada_window)
+        self.recent_tail = RecentValues(p.ada_window)
         self.signal = p.ada_signal
         self.fcfs_wait = self.ada_enabled and self.signal == "fcfs_wait"  # keep the backlog books
         # fcfs_wait: prompt (and recompute) tokens arrived or preempted and not yet admitted, each
@@ -432,7 +433,7 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
         self._next_tick = now + p.ada_interval_s
         if not self.ada_enabled or len(self.recent_tail) < p.ada_min_samples:
             return
-        t95, t99 = np.percentile(np.fromiter(self.recent_tail, float), [95.0, 99.0])
+        t95, t99 = linear_percentiles(self.recent_tail.values(), (95.0, 99.0))
         # P(T > t) ~ C e^{-γt}: between P95 and P99 the tail falls by 5×, so γ = ln 5 / (t99 − t95).
         # No spread between them is a tail that ends at once: as fast a decay as γ may take.
         # ada_scale shifts the fitted slope (an infinite one stays as fast as γ may take).
@@ -520,4 +521,4 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
         ):
             self.gamma, self.gamma_smoothed = previous.gamma, previous.gamma_smoothed
             self.epoch = new_epoch()
-            self.recent_tail = deque(previous.recent_tail, maxlen=self.params.ada_window)
+            self.recent_tail = RecentValues(self.params.ada_window, previous.recent_tail)

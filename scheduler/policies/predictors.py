@@ -22,7 +22,6 @@ import math
 import threading
 import time
 from abc import abstractmethod
-from collections import deque
 from collections.abc import Hashable
 from statistics import NormalDist
 from typing import Any, ClassVar, Protocol
@@ -33,6 +32,7 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from scheduler.names import DEFAULT_TENANT, DEFAULT_TYPE
+from scheduler.policies.recent import RecentValues
 
 __all__ = [
     "PREDICTORS",
@@ -394,7 +394,7 @@ class HistoryPredictor(LengthPredictor):
 
     Keys, finest to coarsest: ``(tenant, type, prompt_bucket)``, ``(tenant, type)``,
     ``(tenant,)``, ``()`` (global); ``prompt_bucket = floor(log2(prompt_tokens))``.  Each key
-    keeps its own last ``window`` observations (bounded deques).  ``refit()`` fits every key with
+    keeps its own last ``window`` observations (``RecentValues``).  ``refit()`` fits every key with
     at least ``min_samples`` observations; a prediction uses the finest fitted key of the request,
     falling back to coarser ones.  Nothing is predicted before the first ``refit()``.
     ``observe()`` only appends (O(1)); it never refits.  Thread-safe: ``observe``/``predict`` may
@@ -430,7 +430,7 @@ class HistoryPredictor(LengthPredictor):
         self.refit_fraction = float(refit_fraction)
         self.version = 0
         self.last_refit_s: float | None = None  # wall time the last refit took
-        self._pools: dict[Key, deque[float]] = {}
+        self._pools: dict[Key, RecentValues] = {}
         self._fits: dict[Key, tuple[float, float, int]] = {}
         self._new: dict[Key, int] = {}  # observations per key since its last fit
         self._lock = threading.Lock()
@@ -448,7 +448,7 @@ class HistoryPredictor(LengthPredictor):
             for key in self.keys_for(req):
                 pool = self._pools.get(key)
                 if pool is None:
-                    pool = self._pools[key] = deque(maxlen=self.window)
+                    pool = self._pools[key] = RecentValues(self.window)
                 pool.append(v)
                 self._new[key] = self._new.get(key, 0) + 1
 
@@ -491,7 +491,7 @@ class HistoryPredictor(LengthPredictor):
         fitted, frac = self._fits, self.refit_fraction
         with self._lock:  # snapshot only; the fit itself runs without the lock
             snap = {
-                k: np.fromiter(p, dtype=float, count=len(p))
+                k: p.ordered()
                 for k, n in self._new.items()
                 if len(p := self._pools[k]) >= self.min_samples
                 and (k not in fitted or n >= frac * len(p))

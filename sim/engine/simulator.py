@@ -469,8 +469,13 @@ class Simulator(EngineBooks):
         if policy.counts_steps:
             counter = cast(CountsSteps, policy)
             scheduled = step.decodes + list(step.chunks)
-            served = set(scheduled)
-            counter.on_steps(scheduled, [r for r in self.running if r not in served], k)
+            # The served are running requests, each once: as many as the batch is all of it (the
+            # common case; no set of the batch a step: 5.8% of a slofq replay, perf).
+            unscheduled: list[RequestState] = []
+            if len(scheduled) < len(self.running):
+                served = set(scheduled)
+                unscheduled = [r for r in self.running if r not in served]
+            counter.on_steps(scheduled, unscheduled, k)
             # sjf counts these lazily: no pass over the queue.
             counter.on_waiting_steps(self.waiting, k)
         # Same-time completions in a canonical order, whatever order the running list was in.
@@ -495,8 +500,9 @@ class Simulator(EngineBooks):
             if charger is not None:
                 charger.on_tokens(req, 1)
             req.attained = c + 1  # prompt + output, above any earlier value (note_progress)
-            # The true length (the engine knows it, policies do not).
-            if g >= req.output_tokens:  # type: ignore[operator]
+            target = req.output_tokens  # the true length (the engine knows it, policies do not)
+            assert target is not None  # narrowed: compiled, an unboxed int comparison
+            if g >= target:
                 finished.append(req)
         for req, n in step.chunks.items():
             c = req.computed_tokens + n
@@ -512,7 +518,9 @@ class Simulator(EngineBooks):
             done = (c if c < p else p) + g
             if done > req.attained:  # RequestState.note_progress, inlined
                 req.attained = done
-            if g >= req.output_tokens:  # type: ignore[operator]
+            target = req.output_tokens
+            assert target is not None
+            if g >= target:
                 finished.append(req)
         return finished
 
@@ -534,7 +542,9 @@ class Simulator(EngineBooks):
                 self.free_blocks -= need
                 blocks[req.id] = held + need
             req.attained = c + 1
-            if g >= req.output_tokens:  # type: ignore[operator]
+            target = req.output_tokens
+            assert target is not None
+            if g >= target:
                 finished.append(req)
         return finished
 
