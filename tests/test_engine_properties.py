@@ -64,6 +64,7 @@ def scenarios(draw):
         params["memguard"] = draw(st.booleans())
         params["gamma_ada"] = draw(st.booleans())
         params["hold_bound_s"] = draw(st.sampled_from([None, None, 0.05, 0.5]))
+        params["preempt_max_utilisation"] = draw(st.sampled_from([0.8, 0.8, 0.3, None]))
     engine = {
         "max_num_seqs": draw(st.integers(1, 8)),
         "max_num_batched_tokens": draw(st.integers(8, 300)),
@@ -262,5 +263,22 @@ def test_preemptive_policies_skip_a_kv_blocked_stretch_with_a_seat_free(policy, 
     _assert_skips_with_the_step_by_step_schedule(
         Settings.model_validate(
             {"policy": policy, "params": params, "engine": {"max_num_seqs": 16}}
+        )
+    )
+
+
+def test_uniboost_without_memguard_skips_a_stretch_past_its_preemption_limit():
+    """Without MemGuard a running request's score rises every step, and uniboost's own bound ends
+    a stretch where one could become a victim. Past ``preempt_max_utilisation`` no policy
+    preemption can happen while the steps stay pure decodes (they keep the seats and only take
+    blocks), so the decode steps up to a completion are one event (it stopped every step: 4.2×
+    fcfs on the Mooncake deep queue), with the step-by-step run's schedule."""
+    _assert_skips_with_the_step_by_step_schedule(
+        Settings.model_validate(
+            {
+                "policy": "uniboost",
+                "params": {"gamma_ada": False, "memguard": False, "preempt_max_utilisation": 0.5},
+                "engine": {"max_num_seqs": 16},
+            }
         )
     )

@@ -277,7 +277,8 @@ class Policy:
         crossing), yet sorting the nearly sorted list would still cost O(n log n) comparisons of
         keys. With ``incremental_running_order`` the new requests and those whose key changed are
         taken out and put back by binary search; the result is the same list ``order_running``
-        returns, since keys are unique (they end in the request id)."""
+        returns, since keys are unique (they end in the request id). An implementation may
+        reorder ``running`` in place and return it: the engine keeps what it returns."""
         if not self.incremental_running_order:
             return self.order_running(running, now)
         epoch = self.epoch
@@ -394,12 +395,16 @@ class Policy:
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         """How many more pure-decode steps keep every decision of this step the same.
 
         Called only when nothing was admitted or preempted this step and every running request
         decoded one token. Must be conservative: too small only costs speed. ``kv_blocked`` says
-        admission stopped on KV blocks (so a change in waiting order could unblock it).
+        admission stopped on KV blocks (so a change in waiting order could unblock it);
+        ``can_preempt`` False says no policy preemption can happen before the stretch ends (the
+        engine's judgement: see ``sim.engine.simulator.Simulator._steady_steps``), so a bound
+        that only waits for a preemption to become possible need not hold the stretch.
         """
         return INF
 

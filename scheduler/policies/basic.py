@@ -191,6 +191,7 @@ class Vtc(Policy, TenantBacklog, ChargesTokens):
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         if not (waiting and kv_blocked):
             return INF

@@ -12,7 +12,7 @@ from bisect import insort
 from collections import deque
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -83,7 +83,9 @@ def decodes_then_prefills(
     return sorted(running, key=key)
 
 
-_PLACED_DECODE = ("decode",)  # RequestState.running_key of a request placed among the decodes
+# RequestState.running_key of a request placed among the decodes (Final: compiled, a static, not a
+# module-dict lookup in the hot loop below).
+_PLACED_DECODE: Final = ("decode",)
 
 
 def reorder_decodes_then_prefills(
@@ -92,25 +94,31 @@ def reorder_decodes_then_prefills(
     """``decodes_then_prefills`` for a list whose first ``settled`` requests are in the order it
     gave last (``Policy.reorder_running``), without sorting the decodes again: a decode stays a
     decode until it leaves, so the placed decodes are still in arrival order and only the few
-    prefill chunks at the end and the new requests need placing."""
-    head = running[:settled]
+    prefill chunks at the end and the new requests need placing. ``running`` is reordered in
+    place and returned: the placed decodes at its front stay where they are (no copy of the batch
+    a step: a copy and a concatenation of it were 20% of a deep-queue replay, perf)."""
     j = settled
-    while j and head[j - 1].running_key is not _PLACED_DECODE:
+    while j and running[j - 1].running_key is not _PLACED_DECODE:
         j -= 1
-    decodes, prefills = head[:j], []
-    for r in head[j:] + running[settled:]:
+    if j == len(running):
+        return running  # every request a decode placed before, none new
+    rest = running[j:]
+    del running[j:]  # running is the placed decodes now; the rest is placed again
+    prefills: list[RequestState] = []
+    for r in rest:
         if r.generated and r.computed_tokens == r.prompt_tokens + r.generated - 1:  # in_decode
             r.running_key = _PLACED_DECODE
-            if decodes and (r.arrival, r.id) < (decodes[-1].arrival, decodes[-1].id):
-                insort(decodes, r, key=_arrival_id)
+            if running and (r.arrival, r.id) < (running[-1].arrival, running[-1].id):
+                insort(running, r, key=_arrival_id)
             else:
-                decodes.append(r)
+                running.append(r)
         else:
             r.running_key = ()
             prefills.append(r)
     if len(prefills) > 1:
         prefills.sort(key=lambda r: policy.key(r, now))
-    return decodes + prefills if prefills else decodes
+    running += prefills
+    return running
 
 
 @mypyc_attr(serializable=True, allow_interpreted_subclasses=True)
@@ -455,6 +463,7 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         if not waiting:
             return INF
@@ -468,6 +477,11 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
                     for r in running
                 ),
             )
+        if not can_preempt:
+            # Without MemGuard the bound below waits only for a running request to become a
+            # victim; no preemption can happen in this stretch (deep queues: the batch is past
+            # preempt_max_utilisation, and a stretch only fills it).
+            return INF
         # Without MemGuard a running score rises continuously; find when the worst one would pass
         # the best waiting score. b_γ is its own inverse, so the crossing is closed-form.
         best = self.score(waiting[0], now) + self.preempt_margin()  # waiting is in key order

@@ -20,6 +20,12 @@ from collections.abc import Callable, Sequence
 from scheduler.policies.base import PreemptivePolicy, RequestState
 
 
+def batch_utilisation(seats: int, max_seats: int, free_blocks: int, total_blocks: int) -> float:
+    """How full the batch is, 0..1: the larger of the seats and the KV blocks in use (``seats``
+    and ``free_blocks`` are what is free of ``max_seats`` and ``total_blocks``)."""
+    return max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))
+
+
 def plan_preemptions(
     policy: PreemptivePolicy,
     waiting: Sequence[RequestState],
@@ -41,9 +47,9 @@ def plan_preemptions(
     free of ``max_seats`` and ``total_blocks``."""
     if not waiting:
         return []
-    # How full the batch is: the larger of the seats and the KV blocks in use (0..1).
-    utilisation = max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))
-    if utilisation >= policy.preemption_utilisation_limit():
+    if batch_utilisation(seats, max_seats, free_blocks, total_blocks) >= (
+        policy.preemption_utilisation_limit()
+    ):
         return []
     candidates: list[RequestState] | None = None
     victims: list[RequestState] = []

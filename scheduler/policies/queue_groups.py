@@ -266,9 +266,11 @@ class OffsetGroups(Groups):
             if self._all_stale or self._stale:
                 self._refresh()
             approx = self._approx
-            least = approx.min()
+            # The ufunc and the array method themselves: ndarray.min and np.flatnonzero go
+            # through numpy's Python wrappers (a pop a step: 3% of a deep-queue replay, perf).
+            least = np.minimum.reduce(approx)
             tol = 2.0 * self._REL * (self._amax + self._omax) + 1e-290
-            shortlist = np.flatnonzero(approx <= least + tol)
+            shortlist = (approx <= least + tol).nonzero()[0]
             gids = self._gids
             for slot in shortlist.tolist():
                 gid = gids[slot]

@@ -186,6 +186,7 @@ class Sjf(Policy, CountsSteps):
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         if not (waiting and kv_blocked):
             return INF
@@ -325,6 +326,7 @@ class Las(PreemptivePolicy):
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         if not waiting:
             return INF

@@ -421,6 +421,7 @@ class SloFq(PreemptivePolicy, Backpressure, ChargesTokens, CountsSteps, Ticks, R
         waiting: Sequence[RequestState],
         now: float,
         kv_blocked: bool,
+        can_preempt: bool = True,
     ) -> float:
         # As vtc: counters move with every token, so the head admitted next can change; stretches
         # also end at the next control tick (next_tick).

@@ -30,7 +30,7 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.metrics import Completion
 from scheduler.policies import RequestState, make_policy
-from scheduler.policies.base import INF, arrival_order
+from scheduler.policies.base import INF, PreemptivePolicy, arrival_order
 from scheduler.policies.capabilities import (
     ChargesTokens,
     CountsSteps,
@@ -39,6 +39,7 @@ from scheduler.policies.capabilities import (
     tick_if_due,
 )
 from scheduler.policies.predictors import LengthPredictor
+from scheduler.policies.preemption import batch_utilisation
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, Settings
 from sim.engine.books import EngineBooks
@@ -416,9 +417,9 @@ class Simulator(EngineBooks):
             or (self.waiting and not step.admission_blocked)
         ):
             return 1
+        can_preempt = self._preemption_possible()
         if (
-            self.waiting
-            and self.policy.preemptive
+            can_preempt
             and len(running) < self.settings.engine.max_num_seqs
             and not self._head_short_of_blocks(now)
         ):
@@ -437,7 +438,7 @@ class Simulator(EngineBooks):
             return 1
         k = min(k, kv_safe_steps(self.running, self.free_blocks, self.config.block_size))
         waiting = self.waiting.ordered(now)
-        k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked))
+        k = min(k, self.policy.steady_steps(running, waiting, now, step.kv_blocked, can_preempt))
         t_event = min(next_tick_of(self.policy), self._horizon)
         if self.next_arrival < len(self.arrivals):
             t_event = min(t_event, self.arrivals[self.next_arrival].arrival)
@@ -448,6 +449,21 @@ class Simulator(EngineBooks):
         if t_event < INF and k > 1:
             k = min(k, step.steps_until(self.config.step_model, self.now, t_event))
         return max(1, int(k))
+
+    def _preemption_possible(self) -> bool:
+        """Whether a policy preemption can happen in the steps after this one while they stay
+        pure decode steps: someone waits, the policy preempts, and the batch is below its
+        utilisation limit (``plan_preemptions``' first gate). Such steps keep the seats and only
+        take blocks, so a batch at the limit now stays at it until the stretch ends (deep queues:
+        a KV-full batch)."""
+        policy = self.policy
+        if not self.waiting or not isinstance(policy, PreemptivePolicy):
+            return False
+        max_seats = self.settings.engine.max_num_seqs
+        utilisation = batch_utilisation(
+            max_seats - len(self.running), max_seats, self.free_blocks, self.config.num_gpu_blocks
+        )
+        return utilisation < policy.preemption_utilisation_limit()
 
     def _head_short_of_blocks(self, now: float) -> bool:
         """Whether the first request in the policy's admission order needed more blocks than
