@@ -20,10 +20,14 @@ from collections.abc import Callable, Sequence
 from scheduler.policies.base import PreemptivePolicy, RequestState
 
 
-def batch_utilisation(seats: int, max_seats: int, free_blocks: int, total_blocks: int) -> float:
-    """How full the batch is, 0..1: the larger of the seats and the KV blocks in use (``seats``
-    and ``free_blocks`` are what is free of ``max_seats`` and ``total_blocks``)."""
-    return max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))
+def preemption_allowed(
+    policy: PreemptivePolicy, seats: int, max_seats: int, free_blocks: int, total_blocks: int
+) -> bool:
+    """Whether the batch is below the policy's utilisation limit, the larger of the seats and the
+    KV blocks in use (``seats`` and ``free_blocks`` are what is free of ``max_seats`` and
+    ``total_blocks``): policy preemption happens only then."""
+    utilisation = max((max_seats - seats) / max_seats, 1.0 - free_blocks / max(total_blocks, 1))
+    return utilisation < policy.preemption_utilisation_limit()
 
 
 def plan_preemptions(
@@ -47,9 +51,7 @@ def plan_preemptions(
     free of ``max_seats`` and ``total_blocks``."""
     if not waiting:
         return []
-    if batch_utilisation(seats, max_seats, free_blocks, total_blocks) >= (
-        policy.preemption_utilisation_limit()
-    ):
+    if not preemption_allowed(policy, seats, max_seats, free_blocks, total_blocks):
         return []
     candidates: list[RequestState] | None = None
     victims: list[RequestState] = []

@@ -39,7 +39,7 @@ from scheduler.policies.capabilities import (
     tick_if_due,
 )
 from scheduler.policies.predictors import LengthPredictor
-from scheduler.policies.preemption import batch_utilisation
+from scheduler.policies.preemption import preemption_allowed
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import PREDICTED_POLICIES, Settings
 from sim.engine.books import EngineBooks
@@ -460,10 +460,13 @@ class Simulator(EngineBooks):
         if not self.waiting or not isinstance(policy, PreemptivePolicy):
             return False
         max_seats = self.settings.engine.max_num_seqs
-        utilisation = batch_utilisation(
-            max_seats - len(self.running), max_seats, self.free_blocks, self.config.num_gpu_blocks
+        return preemption_allowed(
+            policy,
+            max_seats - len(self.running),
+            max_seats,
+            self.free_blocks,
+            self.config.num_gpu_blocks,
         )
-        return utilisation < policy.preemption_utilisation_limit()
 
     def _head_short_of_blocks(self, now: float) -> bool:
         """Whether the first request in the policy's admission order needed more blocks than
