@@ -31,8 +31,7 @@ class RecentValues:
         self._ring = np.empty(min(capacity, 64))
         self._count = 0  # values held (<= capacity)
         self._next = 0  # where the next value goes once the ring is full
-        for value in values:
-            self.append(value)
+        self.extend(values)
 
     def append(self, value: float) -> None:
         if self.capacity <= 0:
@@ -56,9 +55,7 @@ class RecentValues:
         return self._count
 
     def __iter__(self) -> Iterator[float]:
-        ring, count, start = self._ring, self._count, self._next
-        for i in range(count):
-            yield float(ring[(start + i) % count])
+        return iter(self.ordered().tolist())
 
     def __getitem__(self, index: int) -> float:
         if not -self._count <= index < self._count:
