@@ -27,9 +27,10 @@ if ! command -v promtool >/dev/null; then
     rm -rf "$tmp"
 fi
 # Lint (pyflakes + bugbear, pyproject's [tool.ruff]) and types (pyproject's [tool.mypy]: every
-# package) before the suite. mypy (~20 s of one core) runs beside the compiled core's build (mypyc,
-# ~1.5 minutes of the other: one C file after another), which writes no mypy cache of its own;
-# `wait` returns mypy's status, so a type error still stops the run here.
+# package) before the suite. mypy (~20 s of one core) runs beside the compiled core's build (mypyc:
+# ~15 s of code generation, then a C file per module compiled on every core, ~45 s in all alone;
+# it was one C file on one core, 79 s), which writes no mypy cache of its own; `wait` returns
+# mypy's status, so a type error still stops the run here.
 ruff check .
 mypy &
 types=$!
