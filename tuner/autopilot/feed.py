@@ -53,6 +53,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 import math
 import zlib
 from collections import deque
@@ -311,7 +312,14 @@ class Feed:
     def settled(self, clock: float) -> list[tuple[float, str]]:
         """The window's requests (arrival, id) that arrived ``settle_s`` or more before
         ``clock``."""
-        return [(a, rid) for a, rid in self._window if a <= clock - self.config.settle_s]
+        # The window is in arrival order (``take`` hands requests over in it, and one reported
+        # behind the clock is never replayed): the settled ones are a prefix, found from the
+        # right end — a scan of the whole window was 3.5% of an autopilot replay (``heldout``).
+        cutoff = clock - self.config.settle_s
+        kept = len(self._window)
+        while kept and self._window[kept - 1][0] > cutoff:
+            kept -= 1
+        return list(itertools.islice(self._window, kept))
 
     def window(
         self, now: float, clock: float, settled: list[tuple[float, str]], slo: SloFqParams | None
