@@ -37,16 +37,7 @@ def replayed_at(rate: float) -> tuple[SimResult, list[Decision]]:
     return replay_with_autopilot(bundled_at(rate), config=CONFIG)
 
 
-@pytest.fixture(scope="module")
-def busy_window() -> traces.Trace:
-    """The bundled 10-minute Azure conv window at twice its rate: queues build up."""
-    return bundled_at(2.0)
-
-
-@pytest.fixture(scope="module")
-def busy_replay(busy_window):
-    """The autopilot's replay of ``busy_window`` (its result and decisions), made once."""
-    return replayed_at(2.0)
+BUSY = 2.0  # the bundled window at twice its rate: queues build up
 
 
 def decisions_until(trace, t: float, decisions=None) -> list[tuple]:
@@ -66,14 +57,15 @@ def decisions_until(trace, t: float, decisions=None) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_decisions_never_depend_on_the_future(busy_window, busy_replay):
+def test_decisions_never_depend_on_the_future():
     """Change everything a controller could not know at time T — every later arrival, and the
     true output length of every request still in flight at T — and the decisions up to T stay
     the same. A controller that peeked at either would see different figures."""
+    busy_window = bundled_at(BUSY)
     reqs = sorted(busy_window, key=lambda r: (r.arrival, r.id))
     assert [r.id for r in reqs] == [r.id for r in busy_window]
     t_cut = 330.0
-    base, base_decisions = busy_replay  # the replay of ``reqs``: busy_window is in that order
+    base, base_decisions = replayed_at(BUSY)  # the replay of ``reqs``: in that order already
     finished_by_cut = {c.id for c in base.completions if c.finished_at <= t_cut}
     changed = []
     for r in reqs:
@@ -102,8 +94,11 @@ def test_decisions_never_depend_on_the_future(busy_window, busy_replay):
 
 
 @pytest.mark.slow
-def test_decisions_are_deterministic(busy_window, busy_replay):
-    assert decisions_until(busy_window, 1e9) == decisions_until(busy_window, 1e9, busy_replay[1])
+def test_decisions_are_deterministic():
+    busy_window = bundled_at(BUSY)
+    assert decisions_until(busy_window, 1e9) == decisions_until(
+        busy_window, 1e9, replayed_at(BUSY)[1]
+    )
 
 
 @pytest.mark.slow
@@ -281,7 +276,7 @@ def test_under_light_load_it_waits_on_the_smallest_gamma_among_ties():
 
 
 @pytest.mark.slow
-def test_a_move_towards_age_order_takes_the_margin_or_a_promise_break(busy_window):
+def test_a_move_towards_age_order_takes_the_margin_or_a_promise_break():
     """Moving up the axis flushes what a small γ held back: it is taken only for the hysteresis
     margin (the defaults' margin when leaving them), when the running choice broke the promise, or
     in overload (up to the defaults)."""
