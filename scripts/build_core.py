@@ -90,9 +90,10 @@ def build() -> None:
     paths = [str(p.relative_to(REPO)) for p in core.sources(REPO)]
     with tempfile.TemporaryDirectory(prefix="tailpilot-core-") as build_dir:
         # One C file per module (multi_file), compiled side by side: 79 s -> 44 s here for the
-        # whole build, the replay hashes and the replays' speed the same (README, "Simulator
-        # speed"). The group's header is written under its package's directory, which mypyc
-        # does not put on the include path of the modules' files.
+        # whole build; both builds in one sitting gave the same replay hashes and the replays'
+        # CPU within the noise (mypyc warns multi_file may cost speed: not measurable here). The
+        # group's header is written under its package's directory, which mypyc does not put on
+        # the include path of the modules' files.
         extensions = mypycify(
             paths, group_name=GROUP, opt_level="3", target_dir=build_dir, multi_file=True
         )
