@@ -1,6 +1,7 @@
 """The simulator's KV preemption against vLLM's own scheduler, where preemption dominates.
 
     python benchmarks/preemption_fidelity.py [--requests 400] [--blocks 1200] [--seed 1]
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python benchmarks/preemption_fidelity.py --variant 1618:3
 
 A deep queue of long outputs (prompts 200-1,200 tokens, outputs 200-1,500, all waiting at once;
 128 seats, a 2,048-token budget, a KV cache far smaller than what the seats grow to) is served by
@@ -13,6 +14,8 @@ preemption without a prefix cache: a readmitted victim recomputes its whole pref
 with prefix caching keeps a freed block's hash until the block is reused, and a victim readmitted
 before its blocks are reused finds its prefix cached (README, "Where the defaults' own breaks on
 BWB come from"). Deterministic; ~35 s on one core (vLLM's scheduler in Python: two runs).
+``--variant SEED:K`` serves a sweep variant instead (``sweep_variant``; ~7 minutes for one of
+BWB; the tiny model's 4,096 positions need vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
 """
 
 from __future__ import annotations
@@ -63,19 +66,26 @@ def needed(reqs: list[tuple[int, int, list[int]]]) -> int:
 
 
 def served_by_vllm(
-    reqs: list[tuple[int, int, list[int]]], blocks: int, prefix_caching: bool
+    reqs: list[tuple[int, int, list[int]]],
+    blocks: int,
+    prefix_caching: bool,
+    *,
+    seats: int = MAX_NUM_SEQS,
+    max_model_len: int = MAX_MODEL_LEN,
+    arrival_steps: list[int] | None = None,
 ) -> Served:
-    """vLLM's stock scheduler over ``blocks`` KV blocks (block 0 is its null block), in-process."""
+    """vLLM's stock scheduler over ``blocks`` KV blocks (block 0 is its null block), in-process;
+    every request waiting at the start, or each added before step ``arrival_steps[i]``."""
     sys.path.insert(0, str(REPO / "tests"))
     import plugin_harness as harness
 
     scheduler = harness.make_scheduler(
         num_blocks=blocks,
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=seats,
         max_num_batched_tokens=BUDGET,
         block_size=BLOCK_SIZE,
         enable_prefix_caching=prefix_caching,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
     )
     made = [
         harness.make_request(f"r{i}", prompt, output, arrival=float(i), prompt_token_ids=ids)
@@ -92,8 +102,10 @@ def served_by_vllm(
             request._block_hasher = hasher
             request.update_block_hashes()
     driver = harness.Driver(scheduler)
-    driver.add(*made)
-    steps = driver.run(max_steps=1_000_000)
+    arrivals: dict[int, list] = {}
+    for i, request in enumerate(made):
+        arrivals.setdefault(0 if arrival_steps is None else arrival_steps[i], []).append(request)
+    steps = driver.run(arrivals=arrivals, max_steps=10_000_000)
     scheduled = sum(tokens for record in driver.history for _, tokens in record.scheduled)
     preemptions = sum(len(record.preempted) for record in driver.history)
     return Served(steps, preemptions, scheduled - needed(reqs))
@@ -123,6 +135,52 @@ def served_by_simulator(reqs: list[tuple[int, int, list[int]]], blocks: int) -> 
     return Served(result.steps, result.preemptions, recomputed)
 
 
+def sweep_variant(spec: str, root: Path) -> None:
+    """``--variant SEED:K``: the sweep's variant at the A100 defaults (the simulator's engine: 256
+    seats, 25,000 blocks), through vLLM's scheduler with prefix caching off and on. vLLM's
+    scheduler has no clock here: a request is added at the step the simulator's mean step time
+    under sarathi puts its arrival — an approximation of the traffic's timing, so only vLLM's two
+    runs are comparable with each other."""
+    from benchmarks.autopilot_sweep import build, pools
+
+    seed, k = (int(x) for x in spec.split(":"))
+    trace, how = build(k, seed, pools(root))
+    ordered = sorted(trace, key=lambda r: (r.arrival, r.id))
+    sarathi = Simulator(ordered, Settings.model_validate({"policy": "sarathi"})).run()
+    step_s = max(c.finished_at for c in sarathi.completions) / sarathi.steps
+    rng = random.Random(seed)
+    reqs = [
+        (
+            r.prompt_tokens,
+            r.output_tokens,
+            [10 + rng.randrange(4000) for _ in range(r.prompt_tokens)],
+        )
+        for r in ordered
+    ]
+    total = needed(reqs)
+    recomputed = sum(c.recomputed_tokens for c in sarathi.completions)
+    print(
+        f"seed {seed} variant {k}: {how} ({len(reqs)} requests, {total:,} tokens without "
+        "preemption)"
+    )
+    print(
+        f"  {'simulator (sarathi)':26s} steps {sarathi.steps:7,d}  preemptions "
+        f"{sarathi.preemptions:5,d}  recomputed {recomputed:9,d}"
+    )
+    blocks = EngineConfig().num_gpu_blocks + 1
+    longest = max(prompt + output for prompt, output, _ in reqs) + BLOCK_SIZE
+    steps = [int(r.arrival / step_s) for r in ordered]
+    for caching in (False, True):
+        served = served_by_vllm(
+            reqs, blocks, caching, seats=256, max_model_len=longest, arrival_steps=steps
+        )
+        name = f"vLLM, prefix caching {'on' if caching else 'off'}"
+        print(
+            f"  {name:26s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
+            f"recomputed {served.recomputed:9,d}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -130,7 +188,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--blocks", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--variant", help="SEED:K: a sweep variant at the A100 defaults instead")
+    ap.add_argument("--traces", type=Path, default=REPO / "traces")
     args = ap.parse_args()
+    if args.variant:
+        sweep_variant(args.variant, args.traces)
+        return
     reqs = workload(args.requests, args.seed)
     total = needed(reqs)
     rows = {
