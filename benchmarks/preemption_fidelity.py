@@ -135,6 +135,13 @@ def served_by_simulator(reqs: list[tuple[int, int, list[int]]], blocks: int) -> 
     return Served(result.steps, result.preemptions, recomputed)
 
 
+def _row(name: str, served: Served) -> str:
+    return (
+        f"  {name:26s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
+        f"recomputed {served.recomputed:9,d}"
+    )
+
+
 def sweep_variant(spec: str, root: Path) -> None:
     """``--variant SEED:K``: the sweep's variant at the A100 defaults (the simulator's engine: 256
     seats, 25,000 blocks), through vLLM's scheduler with prefix caching off and on. vLLM's
@@ -163,10 +170,7 @@ def sweep_variant(spec: str, root: Path) -> None:
         f"seed {seed} variant {k}: {how} ({len(reqs)} requests, {total:,} tokens without "
         "preemption)"
     )
-    print(
-        f"  {'simulator (sarathi)':26s} steps {sarathi.steps:7,d}  preemptions "
-        f"{sarathi.preemptions:5,d}  recomputed {recomputed:9,d}"
-    )
+    print(_row("simulator (sarathi)", Served(sarathi.steps, sarathi.preemptions, recomputed)))
     blocks = EngineConfig().num_gpu_blocks + 1
     longest = max(prompt + output for prompt, output, _ in reqs) + BLOCK_SIZE
     steps = [int(r.arrival / step_s) for r in ordered]
@@ -175,10 +179,7 @@ def sweep_variant(spec: str, root: Path) -> None:
             reqs, blocks, caching, seats=256, max_model_len=longest, arrival_steps=steps
         )
         name = f"vLLM, prefix caching {'on' if caching else 'off'}"
-        print(
-            f"  {name:26s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
-            f"recomputed {served.recomputed:9,d}"
-        )
+        print(_row(name, served))
 
 
 def main() -> None:
@@ -207,10 +208,7 @@ def main() -> None:
     )
     for name, served in rows.items():
         share = served.recomputed / (served.recomputed + total)
-        print(
-            f"  {name:26s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
-            f"recomputed {served.recomputed:9,d} ({share:.1%} of the tokens scheduled)"
-        )
+        print(f"{_row(name, served)} ({share:.1%} of the tokens scheduled)")
 
 
 if __name__ == "__main__":
