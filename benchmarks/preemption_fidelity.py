@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "tests"):  # tests/: plugin_harness, as benchmarks/fidelity.py uses
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from scheduler.settings import Settings  # noqa: E402
 from sim.engine import EngineConfig, Simulator  # noqa: E402
@@ -76,8 +77,7 @@ def served_by_vllm(
 ) -> Served:
     """vLLM's stock scheduler over ``blocks`` KV blocks (block 0 is its null block), in-process;
     every request waiting at the start, or each added before step ``arrival_steps[i]``."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import plugin_harness as harness
+    import plugin_harness as harness  # lazy: it loads vLLM
 
     scheduler = harness.make_scheduler(
         num_blocks=blocks,
@@ -87,20 +87,13 @@ def served_by_vllm(
         enable_prefix_caching=prefix_caching,
         max_model_len=max_model_len,
     )
+    hasher = harness.block_hasher(BLOCK_SIZE) if prefix_caching else None
     made = [
-        harness.make_request(f"r{i}", prompt, output, arrival=float(i), prompt_token_ids=ids)
+        harness.make_request(
+            f"r{i}", prompt, output, arrival=float(i), prompt_token_ids=ids, block_hasher=hasher
+        )
         for i, (prompt, output, ids) in enumerate(reqs)
     ]
-    if prefix_caching:  # what vLLM's engine core gives every request when caching is on
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-        hash_fn = get_hash_fn_by_name("sha256")
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        for request in made:
-            request._block_hasher = hasher
-            request.update_block_hashes()
     driver = harness.Driver(scheduler)
     arrivals: dict[int, list] = {}
     for i, request in enumerate(made):

@@ -303,11 +303,14 @@ def make_request(
     tenant: str = "default",
     type: str = "chat",
     prompt_token_ids: list[int] | None = None,
+    block_hasher: Any = None,
 ) -> Request:
     """A request of ``prompt_len`` prompt tokens that generates exactly ``max_tokens`` tokens.
 
     Prompts differ between requests (no accidental prefix-cache hits when caching is on).
     ``arrival`` is the request's ``arrival_time`` (seconds, any epoch; policies compare them).
+    ``block_hasher`` (:func:`block_hasher`) is what vLLM's engine core gives every request when
+    prefix caching is on: a scheduler built with ``enable_prefix_caching`` needs it.
     """
     _import_vllm()
     if prompt_token_ids is None:
@@ -325,7 +328,19 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         arrival_time=time.time() if arrival is None else arrival,
+        block_hasher=block_hasher,
     )
+
+
+def block_hasher(block_size: int = 16) -> Any:
+    """The block hasher vLLM's engine core builds when prefix caching is on (its default hash)."""
+    _import_vllm()
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
 
 
 def fake_model_output(
