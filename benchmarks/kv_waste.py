@@ -2,16 +2,17 @@
 
     python benchmarks/kv_waste.py [--variants 1618:3,1618:19,1618:34,8080:16,8080:8]
 
-Most promises the autopilot breaks on the sweep (``benchmarks/autopilot_sweep.py``) are the
-defaults' own, and most of those are on BWB's long outputs above capacity, where the defaults
-(uniboost, γ-Ada, MemGuard) trail sarathi by 2-7% on every quantile and ~0.5% on throughput
-(README, "Traffic nobody tuned on"). This replays sweep variants (``SEED:K``: variant K of the
+Most promises the autopilot broke on the sweep (``benchmarks/autopilot_sweep.py``) were the
+defaults' own, and most of those on BWB's long outputs above capacity, where preemptions throw
+away a third of the tokens served. This replays sweep variants (``SEED:K``: variant K of the
 sweep's master seed SEED, rebuilt exactly) under sarathi, the defaults and the settings that
-change how the KV cache is shared — the memory victim by score instead of the newest decode,
-decode-first off, MemGuard off, an FCFS-like γ — and prints for each the KV preemptions, the
-prompt tokens recomputed after them (share of all the tokens served), and every quantile and the
-throughput against sarathi's on the whole run (the sweep's scoring). Deterministic; ~1 minute a
-variant on one core.
+change how the KV cache is shared — a KV victim waiting by its score instead of going first
+(``victims_first`` off: it then finds less of its prefix in vLLM's prefix cache), the memory
+victim by score instead of the newest decode, decode-first off, MemGuard off, an FCFS-like γ —
+and prints for each the KV preemptions, the prompt tokens recomputed after them (share of all the
+tokens served), and every quantile and the throughput against sarathi's on the whole run (the
+sweep's scoring). The engine models vLLM's prefix cache (docs/engine.md#prefix-cache).
+Deterministic; ~1.5 minutes a variant on one core.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from sim.engine import simulate  # noqa: E402
 SETTINGS: dict[str, dict] = {
     "sarathi": {"policy": "sarathi"},
     "defaults": {"policy": "uniboost"},
+    "victims first off": {"policy": "uniboost", "params": {"victims_first": False}},
     "victim by score": {"policy": "uniboost", "params": {"kv_victim": "score"}},
     "decode-first off": {"policy": "uniboost", "params": {"decode_first": False}},
     "MemGuard off": {"policy": "uniboost", "params": {"memguard": False}},
@@ -61,7 +63,7 @@ def main() -> None:
             ratios = " ".join(f"{SHORT[m]} {figures[m] / reference[m]:.3f}" for m in METRICS)
             broke = ",".join(SHORT[m] for m in broken_of(figures, reference)) or "none"
             print(
-                f"  {name:17s} preemptions {result.preemptions:6d}  recomputed {recomputed:9d} "
+                f"  {name:18s} preemptions {result.preemptions:6d}  recomputed {recomputed:9d} "
                 f"({recomputed / served:6.2%} of the tokens served) | {ratios} | breaks {broke}"
             )
 

@@ -48,6 +48,7 @@ class Served:
     steps: int
     preemptions: int
     recomputed: int  # prompt tokens computed again after preemptions
+    trips: int = 0  # the plugin's circuit breaker: times its policy raised and was replaced
 
 
 def workload(requests: int, seed: int) -> list[tuple[int, int, list[int]]]:
@@ -74,12 +75,16 @@ def served_by_vllm(
     seats: int = MAX_NUM_SEQS,
     max_model_len: int = MAX_MODEL_LEN,
     arrival_steps: list[int] | None = None,
+    settings: dict | None = None,
 ) -> Served:
     """vLLM's stock scheduler over ``blocks`` KV blocks (block 0 is its null block), in-process;
-    every request waiting at the start, or each added before step ``arrival_steps[i]``."""
+    every request waiting at the start, or each added before step ``arrival_steps[i]``. With
+    ``settings``, tailpilot's plugin scheduler under that document instead."""
     import plugin_harness as harness  # lazy: it loads vLLM
 
     scheduler = harness.make_scheduler(
+        harness.PLUGIN if settings is not None else None,
+        settings=settings,
         num_blocks=blocks,
         max_num_seqs=seats,
         max_num_batched_tokens=BUDGET,
@@ -101,10 +106,13 @@ def served_by_vllm(
     steps = driver.run(arrivals=arrivals, max_steps=10_000_000)
     scheduled = sum(tokens for record in driver.history for _, tokens in record.scheduled)
     preemptions = sum(len(record.preempted) for record in driver.history)
-    return Served(steps, preemptions, scheduled - needed(reqs))
+    trips = scheduler.tp_core.breaker.trips_total if settings is not None else 0
+    return Served(steps, preemptions, scheduled - needed(reqs), trips)
 
 
-def served_by_simulator(reqs: list[tuple[int, int, list[int]]], blocks: int) -> Served:
+def served_by_simulator(
+    reqs: list[tuple[int, int, list[int]]], blocks: int, prefix_caching: bool
+) -> Served:
     """The simulator under sarathi on the same limits (``blocks`` − 1 usable blocks)."""
     trace = [
         TraceRequest(
@@ -122,7 +130,9 @@ def served_by_simulator(reqs: list[tuple[int, int, list[int]]], blocks: int) -> 
             "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET},
         }
     )
-    engine = EngineConfig(num_gpu_blocks=blocks - 1, block_size=BLOCK_SIZE)
+    engine = EngineConfig(
+        num_gpu_blocks=blocks - 1, block_size=BLOCK_SIZE, prefix_caching=prefix_caching
+    )
     result = Simulator(trace, settings, engine).run()
     recomputed = sum(c.recomputed_tokens for c in result.completions)
     return Served(result.steps, result.preemptions, recomputed)
@@ -130,7 +140,7 @@ def served_by_simulator(reqs: list[tuple[int, int, list[int]]], blocks: int) -> 
 
 def _row(name: str, served: Served) -> str:
     return (
-        f"  {name:26s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
+        f"  {name:30s} steps {served.steps:7,d}  preemptions {served.preemptions:5,d}  "
         f"recomputed {served.recomputed:9,d}"
     )
 
@@ -192,8 +202,9 @@ def main() -> None:
     total = needed(reqs)
     rows = {
         "vLLM, prefix caching off": served_by_vllm(reqs, args.blocks, prefix_caching=False),
+        "simulator, prefix caching off": served_by_simulator(reqs, args.blocks, False),
         "vLLM, prefix caching on": served_by_vllm(reqs, args.blocks, prefix_caching=True),
-        "simulator (sarathi)": served_by_simulator(reqs, args.blocks),
+        "simulator, prefix caching on": served_by_simulator(reqs, args.blocks, True),
     }
     print(
         f"{args.requests} requests, {total:,} tokens without preemption, {args.blocks} blocks of "

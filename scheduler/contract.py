@@ -110,6 +110,11 @@ class KvState(_Doc):
     total_blocks: OptInt = None
     usage: OptFloat = Field(None, description="used / total, 0..1")
     block_size: OptInt = Field(None, description="tokens per KV block")
+    prefix_caching: OptBool = Field(
+        None,
+        description="vLLM's enable_prefix_caching: a preempted request's freed blocks keep their "
+        "hashes until reused (null: not reported)",
+    )
 
 
 class Breaker(_Doc):

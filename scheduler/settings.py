@@ -226,6 +226,12 @@ class UniBoostParams(PreemptiveParams):
     # last-arrived decode, as stage 1 and vLLM do (prefills still by score, after decodes;
     # decode_first only — without it the running order is the budget order and stays by score).
     kv_victim: Literal["score", "newest"] = "newest"
+    # A request preempted for KV goes back ahead of every waiting request (among such, by
+    # arrival), as vLLM's own scheduler puts it back at the front: readmitted soon, it finds the
+    # blocks of its prefix still in vLLM's prefix cache instead of recomputing them
+    # (docs/policies.md#victims-first). False: it waits by its score like any other request (the
+    # defaults until the engine modelled the cache: README, "Victims first").
+    victims_first: bool = True
 
     @model_validator(mode="after")
     def _clamps_ordered(self) -> UniBoostParams:

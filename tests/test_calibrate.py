@@ -310,10 +310,12 @@ def test_twin_with_a_known_step_model_is_recovered_through_the_store(twin, store
     assert doc["fit"]["mape"] < 1e-6  # a twin's durations are the model's, without noise
     assert abs(doc["fit"]["bias"]["total"]) < 1e-9 and abs(doc["fit"]["bias"]["decode"]) < 1e-6
     assert f"replica {twin.name} of cluster lab" in doc["source"]
-    # Block size, KV blocks and engine limits are the replica's, read from its /state.
+    # Block size, KV blocks, prefix caching and engine limits are the replica's, read from its
+    # /state.
     assert doc["engine"] == {
         "block_size": 16,
         "num_gpu_blocks": 25_000,
+        "prefix_caching": True,
         "max_num_seqs": 256,
         "max_num_batched_tokens": 2048,
         "long_prefill_token_threshold": 0,

@@ -75,7 +75,11 @@ def scenarios(draw):
         reqs,
         settings,
         EngineConfig(
-            num_gpu_blocks=blocks, block_size=bs, step_model=STEP_MODEL, refit_interval_s=0.5
+            num_gpu_blocks=blocks,
+            block_size=bs,
+            step_model=STEP_MODEL,
+            refit_interval_s=0.5,
+            prefix_caching=draw(st.booleans()),
         ),
     )
 

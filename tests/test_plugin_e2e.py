@@ -191,6 +191,7 @@ def test_mixed_tenants_with_live_policy_switches(busy_server):
     assert state["preemptions_total"] > 0
     assert state["finished_total"] == metrics["vllm:request_success_total"]
     assert state["kv"]["total_blocks"] > 0 and 0 <= state["kv"]["usage"] <= 1
+    assert state["kv"]["prefix_caching"] is False  # the server's --no-enable-prefix-caching
     steps = control(busy_server, path="/steps").json()["steps"]
     assert steps and all(s["duration_s"] > 0 for s in steps)
     assert sum(s["prefill_tokens"] for s in steps) > 0 and sum(s["decode_seqs"] for s in steps) > 0

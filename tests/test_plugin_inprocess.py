@@ -244,7 +244,12 @@ def test_admission_order_uniboost_short_first(build):
 
 # All four fit after prefill with 2 blocks to spare (4+1+2+1 of 10); their first decode needs
 # 3 new blocks (R0 at 65, R1 at 17, R2 at 33 tokens), so exactly one of them is preempted.
-UNIBOOST_SCORE_VICTIM = {**UNIBOOST, "params": {**UNIBOOST["params"], "kv_victim": "score"}}
+# The victim waits by its score after (victims_first off): these tests are about which request
+# is the victim, and a worst-scored victim readmitted first would be the victim again.
+UNIBOOST_SCORE_VICTIM = {
+    **UNIBOOST,
+    "params": {**UNIBOOST["params"], "kv_victim": "score", "victims_first": False},
+}
 VICTIM_SCRIPT = [("R0", 64, 6, 0.0), ("R1", 16, 6, 1.0), ("R2", 32, 6, 2.0), ("R3", 8, 6, 3.0)]
 
 
@@ -743,6 +748,7 @@ def test_memguard_memory_victim_is_outside_its_guard(build):
             "alpha_s_per_token": 0.001,
             "memguard": True,
             "kv_victim": "score",
+            "victims_first": False,  # R0 waits by its score, as the scenario below has it
             "quant_base_tokens": 16,
             "quant_ratio": 2.0,
         },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -90,10 +91,17 @@ def test_recompute_cost_spares_a_victim_whose_recompute_outweighs_the_gain():
         return -math.log(-math.expm1(-0.05 * w)) / 0.05
 
     assert 0 < b(10) - b(30) - 3.0 < 30
-    plain = simulate(trace, uniboost({"max_num_seqs": 1}), BIG_KV)
-    spared = simulate(trace, uniboost({"max_num_seqs": 1}, preempt_recompute_cost=True), BIG_KV)
+    # The rule prices a whole recompute: vLLM's without its prefix cache.
+    no_cache = dataclasses.replace(BIG_KV, prefix_caching=False)
+    plain = simulate(trace, uniboost({"max_num_seqs": 1}), no_cache)
+    spared = simulate(trace, uniboost({"max_num_seqs": 1}, preempt_recompute_cost=True), no_cache)
     assert plain.policy_preemptions == 1 and plain.recomputed_tokens > 0
     assert spared.policy_preemptions == 0 and spared.recomputed_tokens == 0
+    # With it (vLLM's default), a victim preempted for a seat with KV to spare gets its prefix
+    # back on readmission but for the block its last token is in.
+    cached = simulate(trace, uniboost({"max_num_seqs": 1}), BIG_KV)
+    assert cached.policy_preemptions == 1
+    assert 0 <= cached.recomputed_tokens < BIG_KV.block_size <= plain.recomputed_tokens
 
 
 def test_preempt_per_step_caps_the_preemptions_of_one_step():

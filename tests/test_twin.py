@@ -164,8 +164,10 @@ def test_state_has_the_plugins_keys_and_advances():
                 and s1["settings_version"] == 1
             )
             assert (
-                set(s1["kv"]) == {"used_blocks", "total_blocks", "usage", "block_size"}
+                set(s1["kv"])
+                == {"used_blocks", "total_blocks", "usage", "block_size", "prefix_caching"}
                 and s1["kv"]["total_blocks"] == 25_000
+                and s1["kv"]["prefix_caching"] is True  # the engine's default, as vLLM's
             )
             assert s1["kv"]["block_size"] == 16
             assert s2["time"] - s1["time"] >= 0.5 * 10  # the replica clock runs at 10x

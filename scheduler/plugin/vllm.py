@@ -165,6 +165,7 @@ if TYPE_CHECKING:
 
         vllm_config: Any
         scheduler_config: Any
+        cache_config: Any
         policy: Any  # SchedulingPolicy
         requests: dict[str, Any]  # request id -> Request
         running: list[Any]  # Request
@@ -541,6 +542,7 @@ class TailpilotMixin(_StockScheduler):
             "total_blocks": total,
             "usage": used / total if total else 0.0,
             "block_size": self.block_size,
+            "prefix_caching": bool(self.cache_config.enable_prefix_caching),
         }
 
     def api_state(self, cursor: int | None) -> dict[str, Any]:

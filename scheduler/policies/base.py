@@ -92,6 +92,7 @@ class RequestState:
     guard_tokens: int = 0  # uniboost MemGuard: not policy-preemptible before attained reaches this
     las_base: int = 0  # las: attained tokens at the last starvation promotion
     overdue: bool = False  # uniboost: waited past the hold-back bound (hold_bound_s)
+    readmit_first: bool = False  # uniboost victims_first: preempted for KV, not readmitted yet
     cache_key: Any = None  # policies cache per-request derived values (predictions) here
     # The value cache_key names, whose type the key's tag fixes (size.predicted_total: a float;
     # Tie.moments: a pair or None): each reader narrows it where it reads its own tag.

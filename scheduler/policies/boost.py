@@ -38,8 +38,9 @@ from scheduler.policies.recent import RecentValues, linear_percentiles
 from scheduler.settings import DistBoostParams, Settings, UniBoostParams
 
 LN5 = math.log(5.0)
-# An overdue request's work argument (hold_bound_s): b_γ(w ≤ 0) is 1e9 s under every γ, larger
-# than any request's boost, so overdue requests go first and, among them, by arrival.
+# An overdue request's work argument (hold_bound_s), and a KV victim's until readmitted
+# (victims_first): b_γ(w ≤ 0) is 1e9 s under every γ, larger than any request's boost, so they go
+# first and, among them, by arrival.
 OVERDUE_WORK = -1.0
 _arrival_id = attrgetter("arrival", "id")
 ADMIT_SPAN_S = 60.0  # γ-Ada's fcfs_wait: the admission rate is measured over this span
@@ -209,7 +210,7 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
 
     def wait_group(self, req: RequestState) -> float:
         """The argument of b_γ in ``key``: α·w̃ in seconds, or OVERDUE_WORK past the bound."""
-        if req.overdue and self.hold_bound is not None:
+        if (req.overdue and self.hold_bound is not None) or req.readmit_first:
             return OVERDUE_WORK
         return self.params.alpha_s_per_token * self.work_tokens(req)
 
@@ -247,6 +248,10 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
     def on_preempt(self, req: RequestState, now: float, by_policy: bool) -> None:
         if self.hold_bound is not None and not req.overdue:
             self._watch(req, now)
+        if not by_policy and self.params.victims_first:
+            req.readmit_first = True
+            req.score_epoch = -1  # drop the cached key
+            self.moved.append(req)  # the waiting queue refiles it in the group ahead
         if self.fcfs_wait:
             n = req.prompt_tokens + req.generated
             self.backlog += n
@@ -254,6 +259,9 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
 
     def on_admit(self, req: RequestState, now: float, prefill_tokens: int) -> None:
         p = self.params
+        if req.readmit_first:
+            req.readmit_first = False
+            req.score_epoch = -1  # running, it is keyed by its work again
         if self.fcfs_wait:
             n = self.owed.pop(req.id, 0)
             self.backlog -= n
@@ -408,6 +416,8 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
                 return r.key_value
             attained = r.attained
             x = gamma * (alpha * max(attained, r.prompt_tokens))  # boost(alpha * work_tokens(r), γ)
+            if r.readmit_first:
+                x = 0.0  # wait_group's OVERDUE_WORK
             if x <= 0.0:
                 b = 1e9
             elif x > 700.0:

@@ -281,15 +281,20 @@ class WaitingQueue:
 
     def push(self, req: RequestState, now: float, *, front: bool = False) -> None:
         """Add an arrival (``front=False``) or a preempted request (``front=True``)."""
+        reorders = self.policy.reorders_waiting
+        if reorders:
+            # Bring the order up to date before bisecting into it — before ``req`` is a member:
+            # a policy told of a preemption before the push (the plugin: vLLM requeues the
+            # victim after) may have noted ``req`` as moved, and it is not filed yet.
+            self.ordered(now)
         req.status = "waiting"
         self._members[req.id] = req
-        if not self.policy.reorders_waiting:
+        if not reorders:
             if front:
                 self._items.insert(0, req)
             else:
                 self._items.append(req)
             return
-        self.ordered(now)  # bring the order up to date before bisecting into it
         if self._index is not None:
             self._n += 1
             self._file(req, now)

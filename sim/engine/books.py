@@ -9,6 +9,8 @@ preemption passes at most once a step."""
 
 from __future__ import annotations
 
+from bisect import insort
+
 from mypy_extensions import mypyc_attr
 
 from scheduler.policies import Policy, PreemptivePolicy, RequestState
@@ -61,24 +63,115 @@ class EngineBooks:
     preemptions: int
     policy_preemptions: int
     recomputed_tokens: int
+    # vLLM's prefix cache as it serves preempted requests (docs/engine.md#prefix-cache). The free
+    # blocks are vLLM's free queue: allocations take its head, freed blocks join its tail (a
+    # request's last block first), and a full block keeps its hash until it is taken. Positions
+    # count the blocks ever appended to the tail; nothing tracks single blocks. Only the books'
+    # totals move on the hot paths: the head's position is worked out when a victim asks.
+    _appended: int  # blocks ever appended to the free queue (the initial free blocks included)
+    _hit_blocks: int  # blocks ever taken out of its middle by a cache hit
+    _head: int  # the head's position when last worked out
+    _head_popped: int  # blocks taken from the head up to _head
+    _holes: list[tuple[int, int]]  # [start, end) positions taken by hits, at or past _head
+    # a waiting victim -> (position of its last full block, its full blocks): block i of its
+    # prefix sits at position + full − 1 − i, so the head takes its prefix from the end
+    _cached: dict[str, tuple[int, int]]
+
+    def init_free_queue(self) -> None:
+        """Every block free and no hash kept: an empty engine."""
+        self._appended = self.config.num_gpu_blocks
+        self._hit_blocks = self._head = self._head_popped = 0
+        self._holes = []
+        self._cached = {}
 
     # --- sizes -------------------------------------------------------------------------------
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
-    def admission_blocks(self, req: RequestState, chunk: int) -> int:
-        """Free blocks a waiting request needs to be admitted with ``chunk`` tokens."""
-        tokens = req.prompt_tokens + req.generated if self.config.reserve_full_sequence else chunk
-        return self._blocks_for(max(tokens, chunk))
+    def admission_blocks(self, req: RequestState, chunk: int, cached: int = -1) -> int:
+        """Free blocks a waiting request needs to be admitted with ``chunk`` tokens past the
+        ``cached`` tokens it finds in the prefix cache (looked up when not given): the blocks it
+        hits come out of the free queue too. With ``reserve_full_sequence`` its whole sequence
+        must fit, hits included, as vLLM's admission gate counts it."""
+        if cached < 0:
+            cached = self.cached_tokens(req)
+        tokens = cached + chunk
+        if self.config.reserve_full_sequence:
+            tokens = max(tokens, req.prompt_tokens + req.generated)
+        return self._blocks_for(tokens)
 
-    def prefill_chunk(self, req: RequestState, budget: int) -> int:
-        """The tokens ``req`` gets next out of ``budget``: the rest of its prefill, capped by the
-        long-prefill threshold."""
-        n = req.prompt_tokens + req.generated - req.computed_tokens  # remaining_prefill, inlined
+    def prefill_chunk(self, req: RequestState, budget: int, cached: int = -1) -> int:
+        """The tokens ``req`` gets next out of ``budget``: the rest of its prefill past the
+        ``cached`` tokens a waiting request finds in the prefix cache (looked up when not given),
+        capped by the long-prefill threshold."""
+        if cached < 0:
+            cached = self.cached_tokens(req)  # 0 for a running request: it has no entry
+        # remaining_prefill, inlined
+        n = req.prompt_tokens + req.generated - req.computed_tokens - cached
         lpt = self.settings.engine.long_prefill_token_threshold
         if 0 < lpt < n:
             n = lpt
         return min(n, budget)
+
+    # --- the prefix cache ---------------------------------------------------------------------
+    def _free_queue_head(self) -> int:
+        """The free queue's head position now: as many blocks past the last one worked out as
+        were taken from the head since, stepping over the holes hits left."""
+        popped = self._appended - self._hit_blocks - self.free_blocks
+        to_pop = popped - self._head_popped
+        head, holes = self._head, self._holes
+        while to_pop > 0:
+            if holes and holes[0][0] < head + to_pop:
+                start, end = holes.pop(0)
+                to_pop -= start - head
+                head = end
+            else:
+                head += to_pop
+                to_pop = 0
+        while holes and holes[0][0] <= head:  # a hole at the head: the head is past it
+            head = max(head, holes.pop(0)[1])
+        self._head, self._head_popped = head, popped
+        return head
+
+    def cached_tokens(self, req: RequestState) -> int:
+        """Tokens of a waiting victim's prefix still in the prefix cache: its full blocks the
+        free queue's head has not taken, capped, as vLLM's lookup is, one token short of its
+        sequence (the last one is recomputed for its logits) in whole blocks."""
+        if not self._cached:
+            return 0
+        entry = self._cached.get(req.id)
+        if entry is None:
+            return 0
+        first, full = entry
+        left = first + full - self._free_queue_head()
+        if left <= 0:
+            return 0
+        bs = self.config.block_size
+        hit_blocks = min(left, full, (req.prompt_tokens + req.generated - 1) // bs)
+        return hit_blocks * bs
+
+    def take_cached(self, req: RequestState, cached: int) -> None:
+        """Admit ``req`` with its ``cached`` tokens found in the prefix cache: their blocks leave
+        the free queue's middle (the caller counts them in the blocks it takes), they count as
+        computed, and they are not recomputed after all."""
+        first, full = self._cached.pop(req.id)
+        if cached:
+            hit_blocks = cached // self.config.block_size
+            end = first + full
+            insort(self._holes, (end - hit_blocks, end))
+            self._hit_blocks += hit_blocks
+            req.computed_tokens = cached
+            req.recomputed_tokens -= cached
+            self.recomputed_tokens -= cached
+
+    def _free_to_queue(self, req_id: str, held: int, full: int) -> None:
+        """Append a request's ``held`` blocks to the free queue's tail, last block first; the
+        first ``full`` of them keep their hashes for ``req_id``'s readmission (0: it finished)."""
+        full = min(full, held)
+        if full and self.config.prefix_caching:
+            # Blocks past its full ones (a partial block, or a reservation) go first, unhashed.
+            self._cached[req_id] = (self._appended + held - full, full)
+        self._appended += held
 
     # --- the running batch -------------------------------------------------------------------
     def leave_running(self, req: RequestState) -> None:
@@ -104,6 +197,8 @@ class EngineBooks:
         held = sum(self.blocks.values())
         assert held + self.free_blocks == self.config.num_gpu_blocks, "KV block accounting broken"
         assert self.free_blocks >= 0, "KV blocks over capacity"
+        popped = self._appended - self._hit_blocks - self.free_blocks
+        assert popped >= self._head_popped, "free queue's head moved back"
         bs = self.config.block_size
         for r in self.running:
             assert self.blocks.get(r.id, 0) >= -(-r.computed_tokens // bs), f"{r.id} lacks KV"
@@ -114,7 +209,10 @@ class EngineBooks:
         """Preempt ``req`` by recompute: its KV blocks freed, its computed tokens dropped, and (with
         ``requeue``) back to the front of the waiting queue."""
         self.leave_running(req)
-        self.free_blocks += self.blocks.pop(req.id, 0)
+        held = self.blocks.pop(req.id, 0)
+        self.free_blocks += held
+        full = req.computed_tokens // self.config.block_size if requeue else 0
+        self._free_to_queue(req.id, held, full)
         self.recomputed_tokens += req.note_preemption(self.now, by_policy)
         req.computed_tokens = 0
         self.preemptions += 1

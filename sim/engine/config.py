@@ -20,3 +20,7 @@ class EngineConfig:
     # vLLM 0.32's scheduler_reserve_full_isl (default on): admit a request only if its whole
     # sequence (prompt + generated) fits in the free blocks, though only its chunk is allocated.
     reserve_full_sequence: bool = True
+    # vLLM's enable_prefix_caching (on by default in V1): a preempted request's full blocks keep
+    # their hashes until reused, so readmitted in time it recomputes only what was taken
+    # (docs/engine.md#prefix-cache). Traces carry no token ids: prompts never share a prefix here.
+    prefix_caching: bool = True

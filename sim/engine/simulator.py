@@ -86,6 +86,7 @@ class Simulator(EngineBooks):
         self._settled = 0
         self.blocks = {}
         self.free_blocks = self.config.num_gpu_blocks
+        self.init_free_queue()
         self.completions: list[Completion] = []
         self.rejected: list[str] = []
         self.refused = 0  # of those, turned away by the policy (a tenant's queue cap)
@@ -372,11 +373,14 @@ class Simulator(EngineBooks):
                 if len(running) >= eng.max_num_seqs or budget == 0:
                     step.admission_blocked = True
                     break
-                n = self.prefill_chunk(w, budget)
-                if self.admission_blocks(w, n) > self.free_blocks:
+                cached = self.cached_tokens(w)  # a victim's prefix found in the prefix cache
+                n = self.prefill_chunk(w, budget, cached)
+                if self.admission_blocks(w, n, cached) > self.free_blocks:
                     step.admission_blocked = step.kv_blocked = True
                     break
-                need = self._blocks_for(n)
+                if w.id in self._cached:
+                    self.take_cached(w, cached)
+                need = self._blocks_for(cached + n)
                 self.free_blocks -= need
                 blocks[w.id] = need
                 running.append(w)
@@ -572,7 +576,9 @@ class Simulator(EngineBooks):
         req.finished_at = now
         req.status = "finished"
         self.leave_running(req)
-        self.free_blocks += self.blocks.pop(req.id)
+        held = self.blocks.pop(req.id)
+        self.free_blocks += held
+        self._free_to_queue(req.id, held, 0)
         self.policy.on_finish(req, now)
         if self.predictor is not None:
             self.predictor.observe(req, req.generated)

@@ -340,6 +340,7 @@ def fidelity(
             **engine,
             "block_size": config.block_size,
             "num_gpu_blocks": config.num_gpu_blocks,
+            "prefix_caching": config.prefix_caching,
         },
         "overall": overall,
         "band": band,

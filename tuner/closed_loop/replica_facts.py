@@ -184,13 +184,15 @@ def fetch_engine_facts(
 
 
 def _engine_facts(state: State) -> dict[str, Any]:
-    """The block size, KV blocks and engine limits a state document reports."""
+    """The block size, KV blocks, prefix caching and engine limits a state document reports."""
     facts: dict[str, Any] = {}
     if state.kv is not None:
         if state.kv.block_size:
             facts["block_size"] = state.kv.block_size
         if state.kv.total_blocks:
             facts["num_gpu_blocks"] = state.kv.total_blocks
+        if state.kv.prefix_caching is not None:
+            facts["prefix_caching"] = state.kv.prefix_caching
     engine = (state.settings or {}).get("engine") or {}
     for key in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
         if isinstance(engine.get(key), int):
@@ -202,12 +204,13 @@ def engine_config(
     facts: dict[str, Any], model: StepTimeModel
 ) -> tuple[EngineConfig, dict[str, Any]]:
     """(EngineConfig, engine settings) for replaying the replica ``facts`` describe with ``model``:
-    its block size and KV blocks, its limits (the simulator's defaults where it reported none)."""
+    its block size, KV blocks and prefix caching, its limits (the simulator's defaults where it
+    reported none)."""
     # Replays only: the engine's import costs ~0.5 s of start-up to `tailpilot calibrate`.
     from sim.engine import EngineConfig
 
     kw: dict[str, Any] = {"step_model": model}
-    for key in ("block_size", "num_gpu_blocks"):
+    for key in ("block_size", "num_gpu_blocks", "prefix_caching"):
         if key in facts:
             kw[key] = facts[key]
     limits: dict[str, Any] = {

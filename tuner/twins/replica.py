@@ -446,6 +446,7 @@ class TwinReplica:
             "total_blocks": total,
             "usage": used / total if total else 0.0,
             "block_size": self.config.block_size,
+            "prefix_caching": self.config.prefix_caching,
         }
 
     def api_state(self, cursor: int | None) -> dict[str, Any]:
