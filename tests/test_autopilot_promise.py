@@ -465,13 +465,16 @@ def test_in_a_standing_queue_no_small_gamma_is_taken():
     overload is judged when γ 0.001 beats the defaults on the window at minute 21. Taken, it
     holds long prompts back 25 minutes: P99 TTFT 1.12x sarathi's over the run (the rule before
     the standing queue's; the test fails with ``overload_standing_s`` off). Judged standing, no
-    move goes down from the defaults: they run throughout and every quantile is kept."""
+    move goes down from the defaults: they run throughout and every quantile is kept (in the
+    regime it was found in: tests/found_regime.py)."""
+    import found_regime as found
+
     from benchmarks import autopilot_sweep as sweep
     from benchmarks.seed_claims import ratio
 
-    trace, _ = sweep.build(82, 20240, sweep.pools(REPO / "traces"))
-    sarathi = sweep.fixed(trace, "sarathi")
-    result, decisions = replay_with_autopilot(trace)
+    trace = found.sweep_variant(82, 20240)
+    sarathi = found.fixed(trace, "sarathi")
+    result, decisions = found.replay(trace)
     ap = sweep.score(result.completions, sweep.half_time(trace))["all"]
     assert sweep.broken_of(ap, sarathi) == [], {m: ratio(ap[m], sarathi[m]) for m in sweep.METRICS}
     assert any(d.overload == "standing" for d in decisions)
@@ -483,16 +486,19 @@ def test_in_a_standing_queue_a_choice_below_the_defaults_may_still_move_down():
     """Variant 27 of the sweep's seed 31337 (reasoning at 0.98x capacity, Gamma CV 3.5; a seed
     no design decision saw): γ 0.01 runs from minute 23 and the queue stands by minute 30. A
     standing queue barring every move down held it there: P99 TTFT 1.06x sarathi's. It bars only
-    the way in from the defaults: γ 0.001 is taken and every quantile kept (0.93x)."""
+    the way in from the defaults: γ 0.001 is taken and every quantile kept (0.93x; in the regime
+    it was found in: tests/found_regime.py)."""
+    import found_regime as found
+
     from benchmarks import autopilot_sweep as sweep
     from benchmarks.seed_claims import ratio
 
-    trace, _ = sweep.build(27, 31337, sweep.pools(REPO / "traces"))
-    sarathi = sweep.fixed(trace, "sarathi")
-    result, decisions = replay_with_autopilot(trace)
+    trace = found.sweep_variant(27, 31337)
+    sarathi = found.fixed(trace, "sarathi")
+    result, decisions = found.replay(trace)
     ap = sweep.score(result.completions, sweep.half_time(trace))["all"]
     assert sweep.broken_of(ap, sarathi) == [], {m: ratio(ap[m], sarathi[m]) for m in sweep.METRICS}
-    options = candidates(Settings.model_validate({"policy": "uniboost"}), AutopilotConfig())
+    options = candidates(found.settings("uniboost"), AutopilotConfig())
     rank = {name: axis_rank(s) for name, s in options.items()}
     assert any(
         d.overload == "standing" and d.changed and rank[d.choice] < rank[d.previous]
