@@ -92,3 +92,26 @@ def test_without_prefix_caching_a_victim_recomputes_all_of_it():
     victim = running(sim, "victim", computed=14, held=4)
     sim.preempt(victim, by_policy=False)
     assert sim.cached_tokens(victim) == 0
+
+
+def test_a_fork_mid_run_keeps_the_cache():
+    """The autopilot forks a simulator by pickling it: a fork taken while victims wait for their
+    cached prefixes replays the rest exactly as the original does."""
+    import pickle
+
+    from benchmarks import preemption_fidelity as fidelity
+    from sim.traces import TraceRequest
+
+    trace = [
+        TraceRequest(f"r{i}", i * 1e-6, prompt, output, 4096)
+        for i, (prompt, output, _) in enumerate(fidelity.workload(60, seed=4))
+    ]
+    sim = Simulator(trace, Settings(), EngineConfig(num_gpu_blocks=199, block_size=16))
+    sim.advance_to(60.0)
+    assert sim._cached  # victims waiting with prefixes in the cache
+    fork = pickle.loads(pickle.dumps(sim))
+    original, forked = sim.run(), fork.run()
+    assert forked.recomputed_tokens == original.recomputed_tokens
+    assert [c.finished_at for c in forked.completions] == [
+        c.finished_at for c in original.completions
+    ]
