@@ -209,7 +209,8 @@ class UniBoost(PreemptivePolicy, Ticks, ApproxOffsets):
         return "offsets" if self.ada_enabled else None
 
     def wait_group(self, req: RequestState) -> float:
-        """The argument of b_γ in ``key``: α·w̃ in seconds, or OVERDUE_WORK past the bound."""
+        """The argument of b_γ in ``key``: α·w̃ in seconds, or OVERDUE_WORK past the bound and
+        for a KV victim not yet readmitted (victims_first)."""
         if (req.overdue and self.hold_bound is not None) or req.readmit_first:
             return OVERDUE_WORK
         return self.params.alpha_s_per_token * self.work_tokens(req)
