@@ -265,6 +265,7 @@ class EngineRequest:
     long_prefill_token_threshold: int | None = None
     num_gpu_blocks: int | None = None
     step_model: str | None = None
+    no_enable_prefix_caching: bool = False  # vLLM's flag: a victim recomputes all of its prefix
 
     def limits(self) -> dict[str, int]:
         """The limits given on the command line, over vLLM's defaults for the step model's GPU."""
@@ -282,12 +283,14 @@ class EngineRequest:
             kw["num_gpu_blocks"] = self.num_gpu_blocks
         if self.step_model:
             kw["step_model"] = get_model(self.step_model)
+        if self.no_enable_prefix_caching:
+            kw["prefix_caching"] = False
         return EngineConfig(**kw)
 
 
 def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The engine options, handed to ``fn`` as one :class:`EngineRequest` (``engine``)."""
-    names = (*ENGINE_LIMITS, "num_gpu_blocks", "step_model")
+    names = (*ENGINE_LIMITS, "num_gpu_blocks", "step_model", "no_enable_prefix_caching")
 
     @functools.wraps(fn)
     def command(**kwargs: Any) -> Any:
@@ -317,6 +320,13 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         options.num_gpu_blocks(),
         options.step_model(),
+        click.option(
+            "--no-enable-prefix-caching",
+            is_flag=True,
+            help="Engine: as vLLM run with this flag — a preempted request recomputes its whole "
+            "prefix [default: vLLM's prefix cache, on: a victim readmitted before its freed "
+            "blocks are reused finds them].",
+        ),
     )(command)
 
 

@@ -314,3 +314,19 @@ def test_pin_and_unpin_of_one_name_is_refused():
 
     with pytest.raises(ValueError, match="--pin and --unpin both name gamma"):
         SettingsChange.parse("uniboost", (), ["gamma", "beta"], ["gamma"])
+
+
+def test_the_engine_models_vllms_prefix_cache_unless_told_vllm_runs_without_it():
+    """``--no-enable-prefix-caching`` (vLLM's own flag) replays a replica run without the cache:
+    on a KV cache small enough to preempt, victims recompute their whole prefixes and the same
+    trace takes longer."""
+
+    def replay(*flags: str) -> dict:
+        out = run_cli("sim", "--policy", "sarathi", "--num-gpu-blocks", "800", "--json", *flags)
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)
+
+    cached, uncached = replay(), replay("--no-enable-prefix-caching")
+    assert cached["metrics"]["preemptions"] > 100  # the regime where the cache matters
+    assert uncached["run"]["sim_time_s"] > cached["run"]["sim_time_s"]
+    assert uncached["metrics"]["ttlt_p99"] > cached["metrics"]["ttlt_p99"]
