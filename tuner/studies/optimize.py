@@ -86,6 +86,12 @@ class ExcessTrial(TailpilotError):
 def make_pruner(ctx: TuneContext) -> optuna.pruners.BasePruner:
     if ctx.spec.multi_objective or not ctx.spec.pruner:
         return optuna.pruners.NopPruner()
+    # The pruner imports scipy.stats at its first prune, inside a trial: a Ctrl-C landing in that
+    # import surfaces as "ImportError: initialization failed" (a C extension's init interrupted),
+    # which the trial logs as a failure with its traceback. Imported here, before any trial, an
+    # interrupt there ends the worker quietly as any other (_worker_entry).
+    import scipy.stats  # noqa: F401
+
     return optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2)
 
 
