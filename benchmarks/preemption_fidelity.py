@@ -110,11 +110,9 @@ def served_by_vllm(
     return Served(steps, preemptions, scheduled - needed(reqs), trips)
 
 
-def served_by_simulator(
-    reqs: list[tuple[int, int, list[int]]], blocks: int, prefix_caching: bool
-) -> Served:
-    """The simulator under sarathi on the same limits (``blocks`` − 1 usable blocks)."""
-    trace = [
+def as_trace(reqs: list[tuple[int, int, list[int]]]) -> list[TraceRequest]:
+    """The workload as the simulator's requests: all waiting at the start, in order."""
+    return [
         TraceRequest(
             id=f"r{i}",
             arrival=i * 1e-6,
@@ -124,6 +122,13 @@ def served_by_simulator(
         )
         for i, (prompt, output, _) in enumerate(reqs)
     ]
+
+
+def served_by_simulator(
+    reqs: list[tuple[int, int, list[int]]], blocks: int, prefix_caching: bool
+) -> Served:
+    """The simulator under sarathi on the same limits (``blocks`` − 1 usable blocks)."""
+    trace = as_trace(reqs)
     settings = Settings.model_validate(
         {
             "policy": "sarathi",

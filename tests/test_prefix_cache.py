@@ -100,12 +100,8 @@ def test_a_fork_mid_run_keeps_the_cache():
     import pickle
 
     from benchmarks import preemption_fidelity as fidelity
-    from sim.traces import TraceRequest
 
-    trace = [
-        TraceRequest(f"r{i}", i * 1e-6, prompt, output, 4096)
-        for i, (prompt, output, _) in enumerate(fidelity.workload(60, seed=4))
-    ]
+    trace = fidelity.as_trace(fidelity.workload(60, seed=4))
     sim = Simulator(trace, Settings(), EngineConfig(num_gpu_blocks=199, block_size=16))
     sim.advance_to(60.0)
     assert sim._cached  # victims waiting with prefixes in the cache

@@ -13,7 +13,6 @@ from scheduler.policies import RequestState, make_policy
 from scheduler.policies.queue import WaitingQueue
 from scheduler.settings import Settings
 from sim.engine import EngineConfig, simulate
-from sim.traces import TraceRequest
 
 
 def uniboost(**params) -> Settings:
@@ -75,11 +74,7 @@ def test_readmitted_it_is_keyed_by_its_work_again():
 def test_victims_first_keeps_the_prefix_cache_working():
     """On a deep queue of long outputs over a small KV cache, victims readmitted first find more
     of their prefixes cached (vLLM's cache on): fewer tokens recomputed than by score."""
-    reqs = fidelity.workload(60, seed=4)
-    trace = [
-        TraceRequest(f"r{i}", i * 1e-6, prompt, output, 4096)
-        for i, (prompt, output, _) in enumerate(reqs)
-    ]
+    trace = fidelity.as_trace(fidelity.workload(60, seed=4))
     config = EngineConfig(num_gpu_blocks=199, block_size=16)
     recomputed = {}
     for first in (True, False):
