@@ -1,7 +1,7 @@
 """The autopilot on seeded random traffic nobody tuned it on: does its promise hold?
 
     python benchmarks/autopilot_sweep.py [--variants N] [--seed S] [--only K] [--traces DIR]
-        [--set key=JSON ...]
+        [--set key=JSON ...] [--defaults-only [--param name=JSON ...]]
 
 Each variant is drawn from ``numpy.random.default_rng([S, K])`` (so ``--only K`` rebuilds variant
 K of seed S alone): a source — Azure code or conv requests, ShareGPT, arXiv or BWB lengths,
@@ -19,7 +19,9 @@ autopilot's switches (minute: from > to). A summary of the broken promises ends 
 Scoring is benchmarks/autopilot_scoring.py's, on the whole run. One process; about 20 minutes
 for the default 100 variants on one core (about 11 s a variant; ``-v``: each switch's reason;
 ``--set``: an ``AutopilotConfig`` field for the autopilot's runs, as ``autopilot_dev.py`` takes it —
-an A/B of a rule in one sitting).
+an A/B of a rule in one sitting; ``--defaults-only``: no autopilot, the defaults run in its place
+with ``--param``'s uniboost parameters changed — how the defaults' own rules are checked on
+traffic nobody tuned on, README "γ-Ada's floor").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,9 +132,11 @@ def build(k: int, seed: int, rows: dict[str, traces.Trace]) -> tuple[traces.Trac
     return trace, how
 
 
-def fixed(trace: traces.Trace, policy: str) -> dict[str, float]:
-    """The whole run's figures of ``policy`` with its default parameters."""
-    result = simulate(trace, Settings.model_validate({"policy": policy}))
+def fixed(
+    trace: traces.Trace, policy: str, params: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """The whole run's figures of ``policy`` with its default parameters (``params`` changed)."""
+    result = simulate(trace, Settings.model_validate({"policy": policy, "params": params or {}}))
     return score(result.completions, half_time(trace))["all"]
 
 
@@ -143,13 +148,22 @@ def broken_of(m: dict[str, float], sar: dict[str, float]) -> list[str]:
 
 
 def run_variant(
-    k: int, seed: int, rows: dict[str, traces.Trace], config: AutopilotConfig | None = None
+    k: int,
+    seed: int,
+    rows: dict[str, traces.Trace],
+    config: AutopilotConfig | None = None,
+    defaults_only: dict[str, Any] | None = None,
 ) -> dict:
+    """Variant ``k`` under sarathi, the defaults and the autopilot — or, with ``defaults_only``
+    (the defaults' parameters to change, maybe none), the defaults in the autopilot's place."""
     started = time.perf_counter()
     trace, how = build(k, seed, rows)
     sar, dflt = fixed(trace, "sarathi"), fixed(trace, "uniboost")
-    result, decisions = replay_with_autopilot(trace, config=config)
-    ap = score(result.completions, half_time(trace))["all"]
+    if defaults_only is None:
+        result, decisions = replay_with_autopilot(trace, config=config)
+        ap = score(result.completions, half_time(trace))["all"]
+    else:
+        ap, decisions = fixed(trace, "uniboost", defaults_only), []
     r = {m: ratio(ap[m], sar[m]) for m in METRICS}
     d95 = ratio(dflt["ttft_p95"], sar["ttft_p95"])
     broken = {m: r[m] for m in broken_of(ap, sar)}
@@ -202,15 +216,28 @@ def main() -> None:
     ap.add_argument("--traces", type=Path, default=REPO / "traces")
     ap.add_argument("-v", "--verbose", action="store_true", help="each switch's reason")
     ap.add_argument("--set", action="append", default=[], help="AutopilotConfig field=JSON value")
+    ap.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="no autopilot: the defaults (with any --param) in its place, ~2 s a variant",
+    )
+    ap.add_argument(
+        "--param", action="append", default=[], help="with --defaults-only: uniboost name=JSON"
+    )
     args = ap.parse_args()
+    if args.param and not args.defaults_only:
+        ap.error("--param changes the defaults run in the autopilot's place: add --defaults-only")
     overrides = dict(parse_assignment(text) for text in args.set)
     config = AutopilotConfig.model_validate(overrides) if overrides else None
-    print(f"master seed {args.seed}" + "".join(f" {t}" for t in args.set))
+    defaults_only = dict(parse_assignment(t) for t in args.param) if args.defaults_only else None
+    print(f"master seed {args.seed}" + "".join(f" {t}" for t in (*args.set, *args.param)))
+    if defaults_only is not None:
+        print("defaults only: 'ap/sarathi' below is the defaults' run with the parameters above")
     rows = pools(args.traces)
     done = []
     started = time.perf_counter()
     for k in [args.only] if args.only is not None else range(args.variants):
-        done.append(run_variant(k, args.seed, rows, config))
+        done.append(run_variant(k, args.seed, rows, config, defaults_only))
         print(line(done[-1]), flush=True)
         if args.verbose:
             for d in done[-1]["switches"]:

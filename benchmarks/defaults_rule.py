@@ -84,6 +84,13 @@ RULES: dict[str, dict[str, Any]] = {
     "sig=ttlt": {"policy": UNIBOOST, "params": {"ada_signal": "ttlt"}},
     "sig=ttft": {"policy": UNIBOOST, "params": {"ada_signal": "ttft"}},
     "ref:g=0.001": {"policy": UNIBOOST, "params": {"gamma": 0.001, "gamma_ada": False}},
+    # A floor under γ-Ada: in sustained overload the FCFS-equivalent waits of its window grow with
+    # the queue, it reads the growth as a long tail and takes γ to its bound (README, "The
+    # defaults' floor").
+    **{
+        f"floor{g:g}": {"policy": UNIBOOST, "params": {"gamma_min": g}}
+        for g in (0.001, 0.01, 0.0215, 0.0464, 0.1)
+    },
 }
 DEFAULT_RULES = ("scale0.3", "scale0.1", "scale0.03", "sig=ttlt", "ref:g=0.001")
 

@@ -10,13 +10,15 @@ import pytest
 from pydantic import ValidationError
 
 from scheduler.policies import RequestState, make_policy
-from scheduler.settings import Settings
+from scheduler.settings import GAMMA_USEFUL_MIN, Settings
 
 
 def _uniboost(**params):
     # Fed finished requests' latencies (ada_signal "ttlt"): the same samples reach every policy.
-    # ada_ema 1 makes γ the clamped target itself, so the scale shows undiluted.
+    # ada_ema 1 makes γ the clamped target itself, and the floor at the useful minimum (below the
+    # default GAMMA_ADA_FLOOR) keeps the small scales' targets unclamped: the scale shows undiluted.
     doc = {
+        "gamma_min": GAMMA_USEFUL_MIN,
         "ada_signal": "ttlt",
         "ada_min_samples": 10,
         "ada_window": 5_000,
