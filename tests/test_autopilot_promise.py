@@ -310,6 +310,57 @@ def test_a_choice_the_reference_beats_on_every_quantile_is_left_without_the_marg
     assert decisions(off, window) == [("defaults", False)] * 3
 
 
+def test_a_move_up_to_leave_a_break_is_taken_only_if_switching_now_mends_it():
+    """The defaults break P99 TTFT on the window and sarathi keeps the promise: on
+    ``guard_patience`` decisions in a row the rule leaves for sarathi — unless the replica switched
+    to it now breaks as many quantiles under the stress test as the replica kept (the queue a
+    size-first choice left, served in age order, costs the medians; README, "Leaving a break").
+    Fewer, or the mend test off, and the move is made."""
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.switching import Situation
+
+    raw = {"sarathi": figures(), "defaults": figures(ttft_p99=1.10)}
+    scored = judge(CONFIG.promise, raw, "sarathi", ())
+    asked: list[tuple[str, str]] = []
+
+    class Mirror:  # the replica's mirror: what it would be switched to is recorded
+        def __init__(self, name: str = "kept") -> None:
+            self.name = name
+
+        def spawn(self, settings: Settings) -> Mirror:
+            return Mirror(settings.policy)
+
+    def decide(verdicts, config=CONFIG) -> tuple[str, bool, str]:
+        class Recorded:  # the decision's stress test: the mend verdicts given
+            def mend_breaks(self, switched: Mirror, kept: Mirror):
+                asked.append((switched.name, kept.name))
+                return verdicts
+
+        pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
+        for k in range(config.guard_patience):
+            at = Situation(
+                now=1_000.0 + 60.0 * k,
+                clock=0.0,
+                current=pilot.current,
+                requests=100_000,  # its sampling noise well under the break
+                stress=Recorded(),
+                replica=Mirror,
+            )
+            choice = pilot.rule.choose(scored, at)
+        return choice.name, choice.switch, choice.reason
+
+    as_much = (("stress:ttft_p50",), ("stress:ttft_p99",))
+    name, switched, reason = decide(as_much)
+    assert (name, switched) == ("defaults", False) and "would break as much" in reason, reason
+    assert asked == [("sarathi", "kept")]
+    assert decide(((), ("stress:ttft_p99",)))[:2] == ("sarathi", True)
+    fewer = (("stress:ttft_p99",), ("stress:ttft_p99", "stress:ttft_p95"))
+    assert decide(fewer)[:2] == ("sarathi", True)
+    off = CONFIG.model_copy(update={"mend_test": False})
+    asked.clear()
+    assert decide(as_much, off)[:2] == ("sarathi", True) and asked == []
+
+
 # --- the promise kept on replays ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rising() -> traces.Trace:

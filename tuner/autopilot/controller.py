@@ -34,7 +34,8 @@ in flight gets an imputed length — one of the completed lengths longer than wh
 so far, drawn from a cohort of arrivals that have all completed (``tuner.autopilot.feed``) — never
 its true one. A move down is also judged on the replica itself: its *mirror* (the traffic under
 what the replica ran when) switched to the target now, against keeping the running choice
-(``switch_test``).
+(``switch_test``), and so is a move up made to leave a broken promise: taken only if switching
+now breaks fewer quantiles than keeping (``mend_test``).
 
 One implementation serves the simulator (``tuner.autopilot.replay``: ``tailpilot sim
 --autopilot`` and ``compare``) and a live cluster (the recorder feeds it observations). Its knobs,

@@ -104,6 +104,23 @@ class StressTest:
                 verdict.append(f"switch:{objective}")
         return tuple(verdict)
 
+    def mend_breaks(
+        self, switched: Shadow, kept: Shadow
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """A move made to leave a broken promise, under the test: what the replica breaks
+        switched now (``switched``, its mirror spawned with the target's settings) and what it
+        breaks kept as it runs (``kept``), each against the reference (``stress:<quantile>``)."""
+        if self._config.stress_s <= 0:
+            return (), ()
+        window, horizon = self._window(), self._config.project_s
+        pair = {self._reference: self.figures(self._reference)}
+        pair["switched"], _ = switched.figures(window, horizon)
+        pair["kept"], _ = kept.figures(window, horizon)
+        verdict = {
+            n: stress_verdict(self._config, pair, self._reference, n) for n in ("switched", "kept")
+        }
+        return verdict["switched"], verdict["kept"]
+
     def breaks(self, name: str) -> tuple[str, ...]:
         """What ``name`` breaks of the promise against the reference under the test (each as
         ``stress:<quantile>``); empty when it holds, for the reference itself, or with no test

@@ -54,6 +54,10 @@ class StressVerdicts(Protocol):
 
     def switch_breaks(self, switched: Shadow, kept: Shadow) -> tuple[str, ...]: ...
 
+    def mend_breaks(
+        self, switched: Shadow, kept: Shadow
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
+
 
 @dataclass
 class Situation:
@@ -161,10 +165,12 @@ class SwitchingRule:
         target. A move down the size-to-age axis is cheap and is taken whenever the target is tied
         or better; a move up — or a move off a tied current choice — takes the ``hysteresis``
         margin and ``min_dwell_s``; the running choice is left for breaking the promise only
-        after ``guard_patience`` decisions in a row, and for the reference without the margin
-        when it beats the running choice on every quantile that many decisions in a row
-        (``leave_dominated``). In overload (``tuner.autopilot.overload``) no move goes down the
-        axis (``bars_down``: in a standing queue, none from the defaults or above)."""
+        after ``guard_patience`` decisions in a row (by a move up, only if the replica switched now
+        breaks fewer quantiles under the stress test than kept: ``mend_test``), and for the
+        reference without the margin when it beats the running choice on every quantile that many
+        decisions in a row (``leave_dominated``). In overload (``tuner.autopilot.overload``) no
+        move goes down the axis (``bars_down``: in a standing queue, none from the defaults or
+        above)."""
         cfg, promise = self.config, self.config.promise
         objective = promise.objective
         now, running = at.now, at.current
@@ -205,22 +211,7 @@ class SwitchingRule:
             )
         against = ", ".join(broken)
         if broken and self.breaks >= cfg.guard_patience:
-            if self.rank(target) < here and self._down_breaks(target, at):
-                # Leaving a break by a move down still takes the stress test: in a burst a smaller
-                # γ keeps the promise on the window only until what it holds back shows. Then the
-                # best that keeps it at or above the running choice on the axis, if any.
-                upward = [n for n in feasible if self.rank(n) >= here and n != running]
-                if not upward:
-                    return Choice(
-                        running,
-                        False,
-                        f"{running} breaks the promise ({against}); {target} would hold "
-                        "back too much under the stress test and nothing above keeps it: kept",
-                    )
-                target = self.target_among(upward, figures, running)
-            return Choice(
-                target, True, f"{running} breaks the promise ({against}); {target} keeps it"
-            )
+            return self._leave_break(running, target, feasible, figures, at, against)
         if now < self.hold_until:
             return Choice(
                 running, False, f"{running} held after a step back until t={self.hold_until:.0f}"
@@ -281,6 +272,44 @@ class SwitchingRule:
                 f"{current.value(objective):.3g} s {objective} over the window's requests"
             ),
         )
+
+    def _leave_break(
+        self,
+        running: str,
+        target: str,
+        feasible: list[str],
+        figures: dict[str, Figures],
+        at: Situation,
+        against: str,
+    ) -> Choice:
+        """The running choice has broken the promise ``guard_patience`` decisions in a row: to
+        ``target`` — past the stress test if that is a move down, past the mend test
+        (``_unmended``) if a move up — or kept."""
+        here = self.rank(running)
+        if self.rank(target) < here and self._down_breaks(target, at):
+            # Leaving a break by a move down still takes the stress test: in a burst a smaller
+            # γ keeps the promise on the window only until what it holds back shows. Then the
+            # best that keeps it at or above the running choice on the axis, if any.
+            upward = [n for n in feasible if self.rank(n) >= here and n != running]
+            if not upward:
+                return Choice(
+                    running,
+                    False,
+                    f"{running} breaks the promise ({against}); {target} would hold "
+                    "back too much under the stress test and nothing above keeps it: kept",
+                )
+            target = self.target_among(upward, figures, running)
+        unmended = self._unmended(target, at) if self.rank(target) > here else None
+        if unmended is not None:
+            switched, kept = unmended
+            return Choice(
+                running,
+                False,
+                f"{running} breaks the promise ({against}); switched to {target} now the "
+                f"replica would break as much under the stress test ({', '.join(switched)} "
+                f"against {', '.join(kept) or 'nothing'} kept): kept",
+            )
+        return Choice(target, True, f"{running} breaks the promise ({against}); {target} keeps it")
 
     def target_among(
         self, feasible: list[str], figures: Mapping[str, Figures], current: str
@@ -381,6 +410,24 @@ class SwitchingRule:
             return ()
         replica = at.replica()
         return at.stress.switch_breaks(replica.spawn(self.space[name].settings), replica)
+
+    def _unmended(self, name: str, at: Situation) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """A move up to ``name`` to leave a broken promise that switching now would not mend:
+        the replica switched breaks at least as many quantiles under the stress test as the
+        replica kept (both returned), or None — the move is taken. None too with ``mend_test``
+        or ``switch_test`` off, with tenants' SLOs (their judge is not the quantiles'), or
+        nothing judged yet."""
+        cfg = self.config
+        if (
+            not (cfg.mend_test and cfg.switch_test)
+            or cfg.promise.slo is not None
+            or at.stress is None
+            or at.replica is None
+        ):
+            return None
+        replica = at.replica()
+        switched, kept = at.stress.mend_breaks(replica.spawn(self.space[name].settings), replica)
+        return (switched, kept) if switched and len(switched) >= len(kept) else None
 
     def _down_breaks(self, name: str, at: Situation) -> tuple[str, ...]:
         """A move down to ``name``: what it breaks under the stress test, its own shadow's and
