@@ -162,8 +162,9 @@ def run_variant(
     if defaults_only is None:
         result, decisions = replay_with_autopilot(trace, config=config)
         ap = score(result.completions, half_time(trace))["all"]
-    else:
-        ap, decisions = fixed(trace, "uniboost", defaults_only), []
+    else:  # with no parameter changed, the defaults' run above
+        ap = fixed(trace, "uniboost", defaults_only) if defaults_only else dflt
+        decisions = []
     r = {m: ratio(ap[m], sar[m]) for m in METRICS}
     d95 = ratio(dflt["ttft_p95"], sar["ttft_p95"])
     broken = {m: r[m] for m in broken_of(ap, sar)}
