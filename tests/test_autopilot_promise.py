@@ -361,6 +361,30 @@ def test_a_move_up_to_leave_a_break_is_taken_only_if_switching_now_mends_it():
     assert decide(as_much, off)[:2] == ("sarathi", True) and asked == []
 
 
+def test_the_running_choice_is_left_only_beyond_its_guard_slack():
+    """The running choice 3% behind sarathi's P50 TTFT on the window (the promise's line is 2%):
+    within ``guard_slack``'s 2% more it is kept; with none it is left for sarathi after
+    ``guard_patience`` decisions in a row (README, "The guard's slack, tried at zero")."""
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.switching import Situation
+
+    raw = {"sarathi": figures(), "defaults": figures(ttft_p50=1.03)}
+    scored = judge(CONFIG.promise, raw, "sarathi", ())
+
+    def decide(config: AutopilotConfig) -> tuple[str, bool]:
+        pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
+        for k in range(config.guard_patience):
+            at = Situation(
+                now=1_000.0 + 60.0 * k, clock=0.0, current=pilot.current, requests=100_000
+            )
+            choice = pilot.rule.choose(scored, at)
+        return choice.name, choice.switch
+
+    assert CONFIG.guard_slack == 0.02
+    assert decide(CONFIG) == ("defaults", False)
+    assert decide(CONFIG.model_copy(update={"guard_slack": 0.0})) == ("sarathi", True)
+
+
 # --- the promise kept on replays ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rising() -> traces.Trace:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tuner.autopilot.candidates import Candidate, ShadowSearch
-from tuner.autopilot.config import GUARD_SLACK, AutopilotConfig
+from tuner.autopilot.config import AutopilotConfig
 from tuner.autopilot.overload import OverloadWatch
 from tuner.autopilot.promise import (
     QUANTILE_NAMES,
@@ -334,7 +334,7 @@ class SwitchingRule:
 
     # --- the rule's parts ---------------------------------------------------------------------
     def _current_breaks(self, figures: dict[str, Figures], at: Situation) -> tuple[str, ...]:
-        """What the running choice breaks, with ``GUARD_SLACK`` more slack than a newcomer gets
+        """What the running choice breaks, with ``guard_slack`` more slack than a newcomer gets
         (a window's tail moves by a percent or two from one minute to the next, and a switch has
         a cost); with SLOs, the promise's own verdict."""
         promise, current = self.config.promise, figures[at.current]
@@ -346,7 +346,7 @@ class SwitchingRule:
             promise,
             current,
             figures[self.reference],
-            loosen=GUARD_SLACK,
+            loosen=self.config.guard_slack,
             per_quantile=sampling_slack(at.requests, self.config.noise),
         )
 
