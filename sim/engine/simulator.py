@@ -7,7 +7,7 @@ One scheduling step, top to bottom (``Simulator._step``):
   3. running requests, in running order, get ``min(remaining prefill or 1, budget, threshold)``
      tokens and the KV blocks those need; when a block is missing the policy's memory victim is
      preempted by recompute (its KV freed, back to the front of waiting). 2's preemptions and 3
-     under contention are in ``sim.engine.preemption``;
+     under contention are the engine's books' (``sim.engine.books.EngineBooks``);
   4. only if nothing was preempted in 3, waiting requests are admitted in the policy's order while
      budget, ``max_num_seqs`` and KV allow; the first that cannot get blocks stops admission;
   5. the step takes the step-time model's time; a request whose prefill completes emits a token.
