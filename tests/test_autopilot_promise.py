@@ -310,15 +310,32 @@ def test_a_choice_the_reference_beats_on_every_quantile_is_left_without_the_marg
     assert decisions(off, window) == [("defaults", False)] * 3
 
 
+def _choice_after_patience(config: AutopilotConfig, scored, **situation):
+    """The rule's choice on ``guard_patience`` decisions in a row over the same ``scored``
+    window, a minute apart, from the defaults (``situation``: more of ``Situation``'s fields),
+    the window large enough that its sampling noise is well under any break tested here."""
+    from tuner.autopilot.controller import Autopilot
+    from tuner.autopilot.switching import Situation
+
+    pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
+    for k in range(config.guard_patience):
+        at = Situation(
+            now=1_000.0 + 60.0 * k,
+            clock=0.0,
+            current=pilot.current,
+            requests=100_000,
+            **situation,
+        )
+        choice = pilot.rule.choose(scored, at)
+    return choice
+
+
 def test_a_move_up_to_leave_a_break_is_taken_only_if_switching_now_mends_it():
     """The defaults break P99 TTFT on the window and sarathi keeps the promise: on
     ``guard_patience`` decisions in a row the rule leaves for sarathi — unless the replica switched
     to it now breaks as many quantiles under the stress test as the replica kept (the queue a
     size-first choice left, served in age order, costs the medians; README, "Leaving a break").
     Fewer, or the mend test off, and the move is made."""
-    from tuner.autopilot.controller import Autopilot
-    from tuner.autopilot.switching import Situation
-
     raw = {"sarathi": figures(), "defaults": figures(ttft_p99=1.10)}
     scored = judge(CONFIG.promise, raw, "sarathi", ())
     asked: list[tuple[str, str]] = []
@@ -336,17 +353,7 @@ def test_a_move_up_to_leave_a_break_is_taken_only_if_switching_now_mends_it():
                 asked.append((switched.name, kept.name))
                 return verdicts
 
-        pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
-        for k in range(config.guard_patience):
-            at = Situation(
-                now=1_000.0 + 60.0 * k,
-                clock=0.0,
-                current=pilot.current,
-                requests=100_000,  # its sampling noise well under the break
-                stress=Recorded(),
-                replica=Mirror,
-            )
-            choice = pilot.rule.choose(scored, at)
+        choice = _choice_after_patience(config, scored, stress=Recorded(), replica=Mirror)
         return choice.name, choice.switch, choice.reason
 
     as_much = (("stress:ttft_p50",), ("stress:ttft_p99",))
@@ -365,19 +372,11 @@ def test_the_running_choice_is_left_only_beyond_its_guard_slack():
     """The running choice 3% behind sarathi's P50 TTFT on the window (the promise's line is 2%):
     within ``guard_slack``'s 2% more it is kept; with none it is left for sarathi after
     ``guard_patience`` decisions in a row (README, "The guard's slack, tried at zero")."""
-    from tuner.autopilot.controller import Autopilot
-    from tuner.autopilot.switching import Situation
-
     raw = {"sarathi": figures(), "defaults": figures(ttft_p50=1.03)}
     scored = judge(CONFIG.promise, raw, "sarathi", ())
 
     def decide(config: AutopilotConfig) -> tuple[str, bool]:
-        pilot = Autopilot(Settings.model_validate({"policy": "uniboost"}), config)
-        for k in range(config.guard_patience):
-            at = Situation(
-                now=1_000.0 + 60.0 * k, clock=0.0, current=pilot.current, requests=100_000
-            )
-            choice = pilot.rule.choose(scored, at)
+        choice = _choice_after_patience(config, scored)
         return choice.name, choice.switch
 
     assert CONFIG.guard_slack == 0.02

@@ -90,16 +90,11 @@ class StressTest:
         faces is "switch now or not", not "which setting had been better all along"."""
         if self._config.stress_s <= 0:
             return ()
-        window, horizon = self._window(), self._config.project_s
-        figures, _ = switched.figures(window, horizon)
-        pair = {self._reference: self.figures(self._reference), "switched": figures}
-        verdict = [
-            b.replace("stress:", "switch:", 1)
-            for b in stress_verdict(self._config, pair, self._reference, "switched")
-        ]
+        breaks, figures = self._replica_verdict(switched)
+        verdict = [b.replace("stress:", "switch:", 1) for b in breaks]
         if not verdict:
             objective = self._config.promise.objective
-            stay, _ = kept.figures(window, horizon)
+            stay, _ = kept.figures(self._window(), self._config.project_s)
             if figures.value(objective) > stay.value(objective):
                 verdict.append(f"switch:{objective}")
         return tuple(verdict)
@@ -112,14 +107,14 @@ class StressTest:
         breaks kept as it runs (``kept``), each against the reference (``stress:<quantile>``)."""
         if self._config.stress_s <= 0:
             return (), ()
-        window, horizon = self._window(), self._config.project_s
-        pair = {self._reference: self.figures(self._reference)}
-        pair["switched"], _ = switched.figures(window, horizon)
-        pair["kept"], _ = kept.figures(window, horizon)
-        verdict = {
-            n: stress_verdict(self._config, pair, self._reference, n) for n in ("switched", "kept")
-        }
-        return verdict["switched"], verdict["kept"]
+        return self._replica_verdict(switched)[0], self._replica_verdict(kept)[0]
+
+    def _replica_verdict(self, replica: Shadow) -> tuple[tuple[str, ...], Figures]:
+        """What ``replica`` (a mirror of the replica, switched or kept) breaks of the promise
+        against the reference under the test (``stress:<quantile>``), and its figures there."""
+        figures, _ = replica.figures(self._window(), self._config.project_s)
+        pair = {self._reference: self.figures(self._reference), "replica": figures}
+        return stress_verdict(self._config, pair, self._reference, "replica"), figures
 
     def breaks(self, name: str) -> tuple[str, ...]:
         """What ``name`` breaks of the promise against the reference under the test (each as
